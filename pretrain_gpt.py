@@ -1,0 +1,43 @@
+"""Pretrain a GPT/LLaMA model with Megatron-LM's command line.
+
+    torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --mock-data
+"""
+
+from __future__ import annotations
+
+import sys
+
+from threefold.arguments import parse_args
+from threefold.config import ConfigError
+from threefold.parallel import state
+from threefold.training.trainer import Trainer, print_rank_0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    parallel = config.parallel
+    device = state.initialize_distributed(parallel.distributed_backend,
+                                          parallel.distributed_timeout_minutes)
+    state.initialize_model_parallel(parallel.tensor_model_parallel_size,
+                                    parallel.pipeline_model_parallel_size,
+                                    parallel.virtual_pipeline_model_parallel_size,
+                                    parallel.distributed_timeout_minutes)
+    try:
+        trainer = Trainer(config, device)
+    except ConfigError as error:
+        print_rank_0(f"pretrain_gpt.py: error: {error}")
+        return 2
+    num_params = sum(p.numel() for p in trainer.model.parameters())
+    print_rank_0(
+        f"> world size {parallel.world_size} (TP={parallel.tensor_model_parallel_size}, "
+        f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}"
+        f"{', sequence parallel' if parallel.sequence_parallel else ''}) on {device.type}; "
+        f"{num_params:,} parameters per rank; vocabulary {config.model.vocab_size} padded to "
+        f"{trainer.model.padded_vocab_size}; {trainer.num_microbatches} micro-batches per step")
+    trainer.train()
+    state.destroy_model_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

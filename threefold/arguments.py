@@ -1,0 +1,127 @@
+"""Megatron-LM's command line, parsed into threefold's dataclass configs.
+
+Flag names, defaults and meanings follow Megatron-LM so that an existing launch script runs.
+Every flag belongs to exactly one config group; its destination is `<group>.<field>`. An unknown
+flag is an argparse error that names it (exit code 2), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from threefold.config import Config, ConfigError
+
+# Flags that take no value; their config default is False.
+_STORE_TRUE = "store_true"
+
+
+def _add(group: argparse._ArgumentGroup, concern: str, name: str, **kwargs) -> None:
+    dest = name.lstrip("-").replace("-", "_")
+    group.add_argument(name, dest=f"{concern}.{kwargs.pop('field', dest)}",
+                       default=argparse.SUPPRESS, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="threefold: Megatron-style 3D-parallel GPT pretraining",
+        allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is not that flag
+    )
+
+    g = parser.add_argument_group("model")
+    _add(g, "model", "--num-layers", type=int)
+    _add(g, "model", "--hidden-size", type=int)
+    _add(g, "model", "--ffn-hidden-size", type=int,
+         help="default 4*hidden, or 2/3 of that rounded to 64 with --swiglu")
+    _add(g, "model", "--num-attention-heads", type=int)
+    _add(g, "model", "--group-query-attention", action=_STORE_TRUE)
+    _add(g, "model", "--num-query-groups", type=int)
+    _add(g, "model", "--kv-channels", type=int, help="head size; default hidden/heads")
+    _add(g, "model", "--seq-length", type=int)
+    _add(g, "model", "--max-position-embeddings", type=int)
+    _add(g, "model", "--position-embedding-type", choices=["learned_absolute", "rope"])
+    _add(g, "model", "--rotary-base", type=float)
+    _add(g, "model", "--normalization", choices=["LayerNorm", "RMSNorm"])
+    _add(g, "model", "--norm-epsilon", type=float)
+    _add(g, "model", "--swiglu", action=_STORE_TRUE)
+    _add(g, "model", "--disable-bias-linear", action="store_false", field="add_bias_linear")
+    _add(g, "model", "--untie-embeddings-and-output-weights", action=_STORE_TRUE)
+    _add(g, "model", "--attention-dropout", type=float)
+    _add(g, "model", "--hidden-dropout", type=float)
+    _add(g, "model", "--init-method-std", type=float)
+    _add(g, "model", "--vocab-size", type=int)
+    _add(g, "model", "--make-vocab-size-divisible-by", type=int)
+
+    g = parser.add_argument_group("parallelism")
+    _add(g, "parallel", "--tensor-model-parallel-size", type=int)
+    _add(g, "parallel", "--pipeline-model-parallel-size", type=int)
+    _add(g, "parallel", "--virtual-pipeline-model-parallel-size", type=int)
+    _add(g, "parallel", "--sequence-parallel", action=_STORE_TRUE)
+    _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
+         help="default: nccl when CUDA is available, else gloo")
+    _add(g, "parallel", "--distributed-timeout-minutes", type=int)
+
+    g = parser.add_argument_group("training")
+    _add(g, "training", "--micro-batch-size", type=int)
+    _add(g, "training", "--global-batch-size", type=int)
+    _add(g, "training", "--train-iters", type=int)
+    _add(g, "training", "--lr", type=float)
+    _add(g, "training", "--min-lr", type=float)
+    _add(g, "training", "--lr-decay-style", choices=["constant", "linear", "cosine"])
+    _add(g, "training", "--lr-warmup-iters", type=int)
+    _add(g, "training", "--lr-decay-iters", type=int)
+    _add(g, "training", "--weight-decay", type=float)
+    _add(g, "training", "--adam-beta1", type=float)
+    _add(g, "training", "--adam-beta2", type=float)
+    _add(g, "training", "--adam-eps", type=float)
+    _add(g, "training", "--clip-grad", type=float)
+    _add(g, "training", "--bf16", action=_STORE_TRUE)
+    _add(g, "training", "--fp16", action=_STORE_TRUE)
+    _add(g, "training", "--initial-loss-scale", type=float)
+    _add(g, "training", "--min-loss-scale", type=float)
+    _add(g, "training", "--loss-scale-window", type=int)
+    _add(g, "training", "--hysteresis", type=int)
+    _add(g, "training", "--seed", type=int)
+    _add(g, "training", "--eval-interval", type=int)
+    _add(g, "training", "--eval-iters", type=int)
+
+    g = parser.add_argument_group("data")
+    _add(g, "data", "--data-path", nargs="+", help="prefix of a Megatron .bin/.idx pair")
+    _add(g, "data", "--mock-data", action=_STORE_TRUE)
+    _add(g, "data", "--split", type=str)
+    _add(g, "data", "--tokenizer-type", choices=["SentencePieceTokenizer", "NullTokenizer"])
+    _add(g, "data", "--tokenizer-model", type=str)
+    _add(g, "data", "--num-workers", type=int)
+
+    g = parser.add_argument_group("checkpointing")
+    _add(g, "checkpoint", "--save", type=str)
+    _add(g, "checkpoint", "--load", type=str)
+    _add(g, "checkpoint", "--save-interval", type=int)
+
+    g = parser.add_argument_group("logging")
+    _add(g, "logging", "--log-interval", type=int)
+    _add(g, "logging", "--tensorboard-dir", type=str)
+    return parser
+
+
+def config_from_namespace(namespace: argparse.Namespace) -> Config:
+    config = Config()
+    for dest, value in vars(namespace).items():
+        concern, name = dest.split(".", 1)
+        setattr(getattr(config, concern), name, value)
+    return config
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
+    """Parse Megatron-LM flags and validate them; exits with code 2 and one line on a mistake."""
+    parser = build_parser()
+    config = config_from_namespace(parser.parse_args(argv))
+    config.parallel.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        for warning in config.finalize():
+            print(f"WARNING: {warning}", flush=True)
+    except ConfigError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    return config

@@ -1,0 +1,314 @@
+"""Dataclass configs, one per concern, each validating itself.
+
+`threefold.arguments` maps Megatron-LM's flag names onto these; the names of the fields are the
+flag names with dashes turned into underscores, so an error can always name the flag to fix.
+Validation here needs no model, no data and no process group: it runs before any heavy work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line naming the flag(s) and the fix."""
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field, for error messages."""
+    return "--" + name.replace("_", "-")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int = 4
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    seq_length: int = 128
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    init_method_std: float = 0.02
+    vocab_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+
+    def finalize(self) -> None:
+        """Fill the fields Megatron derives from others, then validate."""
+        _require(self.num_layers > 0, "--num-layers must be positive")
+        _require(self.hidden_size > 0, "--hidden-size must be positive")
+        _require(
+            self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0
+            or self.kv_channels is not None,
+            f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+            f"{self.num_attention_heads}; change one of them or set --kv-channels",
+        )
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            # Megatron's default: with SwiGLU, 2/3 of 4h (rounded down to a multiple of 64) keeps
+            # the parameter count of the two-matrix MLP.
+            if self.swiglu:
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+                self.ffn_hidden_size = max(self.ffn_hidden_size, 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.group_query_attention:
+            _require(self.num_query_groups is not None,
+                     "--group-query-attention needs --num-query-groups")
+        elif self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _require(
+            self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+            f"--num-query-groups {self.num_query_groups}; choose a divisor of the head count",
+        )
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        _require(self.position_embedding_type in ("learned_absolute", "rope"),
+                 "--position-embedding-type must be learned_absolute or rope")
+        if self.position_embedding_type == "learned_absolute":
+            _require(
+                self.seq_length <= self.max_position_embeddings,
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings} with learned positions; raise "
+                "--max-position-embeddings or use --position-embedding-type rope",
+            )
+        if self.position_embedding_type == "rope":
+            _require(self.kv_channels % 2 == 0,
+                     f"rope needs an even head size, got --kv-channels {self.kv_channels}")
+        _require(self.normalization in ("LayerNorm", "RMSNorm"),
+                 "--normalization must be LayerNorm or RMSNorm")
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
+        _require(self.make_vocab_size_divisible_by > 0,
+                 "--make-vocab-size-divisible-by must be positive")
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice."""
+        _require(self.vocab_size is not None and self.vocab_size > 0,
+                 "the vocabulary size is unknown: pass --vocab-size or a tokenizer")
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
+    distributed_timeout_minutes: int = 10
+    world_size: int = 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.model_parallel_size
+
+    def finalize(self, model: ModelConfig) -> list[str]:
+        """Validate the layout against the world and the model; returns warnings to print."""
+        warnings = []
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _require(tp >= 1, "--tensor-model-parallel-size must be >= 1")
+        _require(pp >= 1, "--pipeline-model-parallel-size must be >= 1")
+        _require(
+            self.world_size % (tp * pp) == 0,
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "
+            f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
+        )
+        _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported yet in threefold")
+        _require(self.virtual_pipeline_model_parallel_size is None,
+                 "--virtual-pipeline-model-parallel-size is not supported yet in threefold")
+        _require(
+            model.num_attention_heads % tp == 0,
+            f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+        _require(
+            model.num_query_groups % tp == 0,
+            f"--num-query-groups {model.num_query_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each TP rank needs whole query groups",
+        )
+        _require(
+            model.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+        if self.sequence_parallel and tp == 1:
+            # Megatron's behaviour: sequence parallelism only exists inside a TP group.
+            warnings.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                            "disabling it")
+            self.sequence_parallel = False
+        if self.sequence_parallel:
+            _require(
+                model.seq_length % tp == 0,
+                f"--seq-length {model.seq_length} is not divisible by "
+                f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs",
+            )
+        _require(self.distributed_backend in (None, "gloo", "nccl"),
+                 "--distributed-backend must be gloo or nccl")
+        return warnings
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    train_iters: int = 100
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 100
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def num_micro_batches(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+    def finalize(self, data_parallel_size: int) -> None:
+        _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * data_parallel_size
+        per_step = self.micro_batch_size * data_parallel_size
+        _require(
+            self.global_batch_size % per_step == 0,
+            f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+            f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
+            f"of {per_step}",
+        )
+        _require(self.train_iters >= 1, "--train-iters must be >= 1")
+        _require(not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one")
+        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
+        _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        _require(self.lr_decay_style in ("constant", "linear", "cosine"),
+                 "--lr-decay-style must be constant, linear or cosine")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        _require(
+            self.lr_warmup_iters <= self.lr_decay_iters,
+            f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
+            f"{self.lr_decay_iters}",
+        )
+        _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+        _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
+        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)
+    mock_data: bool = False
+    split: str = "969,30,1"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    num_workers: int = 0
+
+    def split_weights(self) -> list[float]:
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--split {self.split!r} must be numbers such as 969,30,1") from None
+        weights = (weights + [0.0, 0.0, 0.0])[:3]
+        _require(sum(weights) > 0 and all(w >= 0 for w in weights),
+                 f"--split {self.split!r} needs non-negative weights with a positive sum")
+        return [w / sum(weights) for w in weights]
+
+    def finalize(self) -> None:
+        _require(bool(self.data_path) != self.mock_data,
+                 "give exactly one of --data-path PREFIX and --mock-data")
+        _require(
+            len(self.data_path) <= 1,
+            "--data-path with several prefixes (blending) is not supported yet in threefold; "
+            "pass one prefix",
+        )
+        _require(self.tokenizer_type in (None, "SentencePieceTokenizer", "NullTokenizer"),
+                 f"--tokenizer-type {self.tokenizer_type} is not supported; use "
+                 "SentencePieceTokenizer or NullTokenizer")
+        if self.tokenizer_type == "SentencePieceTokenizer":
+            _require(self.tokenizer_model is not None,
+                     "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE")
+        self.split_weights()
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+
+    def finalize(self) -> None:
+        if self.save_interval is not None:
+            _require(self.save_interval >= 1, "--save-interval must be >= 1")
+            _require(self.save is not None, "--save-interval needs --save DIR")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+
+    def finalize(self) -> None:
+        _require(self.log_interval >= 1, "--log-interval must be >= 1")
+
+
+@dataclass
+class Config:
+    """Everything a run needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def finalize(self) -> list[str]:
+        """Derive and validate everything that needs no model, data or process group."""
+        self.model.finalize()
+        warnings = self.parallel.finalize(self.model)
+        self.training.finalize(self.parallel.data_parallel_size)
+        self.data.finalize()
+        self.checkpoint.finalize()
+        self.logging.finalize()
+        return warnings

@@ -1,0 +1,66 @@
+"""Causal self-attention with grouped query attention, split by heads across TP ranks.
+
+`linear_qkv` follows megatron-core's layout: rows are grouped by query group, each group
+holding its query heads, then one key head, then one value head: [q0 .. q(h/g-1), k, v] per
+group. Splitting the rows evenly over TP ranks therefore hands each rank whole query groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.model.rope import apply_rotary_pos_emb
+from threefold.parallel import state
+from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.random import get_rng_tracker
+from threefold.parallel.sharding import InitMethod
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, init_method: InitMethod,
+                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+        super().__init__()
+        tp = state.tensor_model_parallel_world_size()
+        self.head_dim = config.kv_channels
+        self.num_query_groups_per_partition = config.num_query_groups // tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.attention_dropout = config.attention_dropout
+        qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, bias=config.add_bias_linear, init_method=init_method,
+            sequence_parallel=sequence_parallel)
+        self.linear_proj = RowParallelLinear(
+            config.kv_channels * config.num_attention_heads, config.hidden_size,
+            bias=config.add_bias_linear, init_method=output_layer_init_method,
+            sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden_states: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.linear_qkv(hidden_states)  # [s, b, groups/tp * (heads_per_group + 2) * d]
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_query_groups_per_partition, self.heads_per_group + 2,
+                       self.head_dim)
+        query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
+        key, value = key.squeeze(3), value.squeeze(3)
+        if rotary is not None:
+            query = apply_rotary_pos_emb(query, *rotary)
+            key = apply_rotary_pos_emb(key, *rotary)
+
+        # SDPA wants [batch, heads, sequence, head_dim]; query head i reads key/value group
+        # i // heads_per_group, which is SDPA's grouped-query convention.
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.attention_dropout if self.training else 0.0
+        # Each TP rank owns different heads: their dropout masks must differ.
+        fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with fork:
+            context = F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout, is_causal=True,
+                enable_gqa=self.heads_per_group > 1)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(context)

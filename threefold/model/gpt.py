@@ -1,0 +1,137 @@
+"""The GPT model: GPT-2 style (LayerNorm, GELU, learned positions, biases) through LLaMA style
+(RMSNorm, SwiGLU, RoPE, grouped query attention, no biases, untied output) by configuration.
+
+Parameter names follow megatron-core's `GPTModel` with the local layer spec, so state dicts can
+be exchanged with Megatron-LM: `embedding.word_embeddings.weight`,
+`decoder.layers.N.self_attention.linear_qkv.weight`, `decoder.final_layernorm.weight`,
+`output_layer.weight`, ... The model asks for parallel layers and never calls a collective; at
+tensor-parallel size 1 it is an ordinary single-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.model.rope import RotaryEmbedding
+from threefold.model.transformer import TransformerBlock
+from threefold.parallel import state
+from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from threefold.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from threefold.parallel.random import get_rng_tracker
+from threefold.parallel.sharding import initialize_parameters, mark_replicated, normal_init
+
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class LanguageModelEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, padded_vocab_size: int, sequence_parallel: bool):
+        super().__init__()
+        init = normal_init(config.init_method_std)
+        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab_size, config.hidden_size, vocab_size=config.vocab_size,
+            init_method=init, sequence_parallel=sequence_parallel)
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size)
+            mark_replicated(self.position_embeddings.weight, init, sequence_parallel)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeddings = self.word_embeddings(input_ids)  # [s (/ TP under SP), b, h]
+        if self.position_embeddings is not None:
+            # This rank's positions: all of them, or its slice of the sequence under SP (whose
+            # partial gradient the SP all-reduce of replicated parameters completes).
+            local = embeddings.shape[0]
+            start = state.tensor_model_parallel_rank() * local if self.sequence_parallel else 0
+            positions = self.position_embeddings.weight[start:start + local].unsqueeze(1)
+            embeddings = embeddings + positions.to(embeddings.dtype)
+        if self.training and self.hidden_dropout > 0:
+            fork = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
+            with fork:
+                embeddings = F.dropout(embeddings, p=self.hidden_dropout, training=True)
+        return embeddings
+
+
+class GPTModel(nn.Module):
+    """`pre_process` / `post_process` say whether this pipeline stage holds the embedding /
+    the output layer and loss; `num_layers` and `layer_offset` select its transformer layers."""
+
+    def __init__(self, config: ModelConfig, padded_vocab_size: int, *,
+                 sequence_parallel: bool = False, pre_process: bool = True,
+                 post_process: bool = True, num_layers: int | None = None,
+                 layer_offset: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.padded_vocab_size = padded_vocab_size
+        self.sequence_parallel = sequence_parallel
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        init = normal_init(config.init_method_std)
+        # Megatron's scaled init for the projections that write into the residual stream.
+        scaled_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, padded_vocab_size, sequence_parallel)
+        self.rotary_pos_emb = (RotaryEmbedding(config.kv_channels, config.rotary_base)
+                               if config.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(
+            config, config.num_layers if num_layers is None else num_layers, layer_offset, init,
+            scaled_init, sequence_parallel, final_layernorm=post_process)
+        if post_process:
+            tied = self.share_embeddings_and_output_weights
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, padded_vocab_size, bias=False, init_method=init,
+                sequence_parallel=sequence_parallel, skip_weight_param=tied and pre_process,
+                valid_output_size=config.vocab_size)
+
+    def layout_independent_name(self, name: str) -> str:
+        """The parameter's name in the whole single-device model (global layer numbers)."""
+        match = _LAYER_NAME.match(name)
+        if match:
+            name = (f"decoder.layers.{int(match.group(1)) + self.decoder.layer_offset}."
+                    + name[match.end():])
+        if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            # A last pipeline stage's copy of the tied embedding starts equal to the first's.
+            name = "embedding.word_embeddings.weight"
+        return name
+
+    def initialize(self, seed: int) -> None:
+        initialize_parameters(
+            [(self.layout_independent_name(n), p) for n, p in self.named_parameters()], seed)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """From token ids [b, s] (first stage) or incoming hidden states [s, b, h] (later
+        stages). Returns the per-token loss [b, s] when `labels` are given on the last stage,
+        vocabulary-parallel logits [s, b, padded_vocab / TP] otherwise, or the hidden states
+        for the next stage when this is not the last stage."""
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids)
+        seq_length = hidden_states.shape[0] * (
+            state.tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+        rotary = (self.rotary_pos_emb(seq_length, hidden_states.device)
+                  if self.rotary_pos_emb is not None else None)
+        hidden_states = self.decoder(hidden_states, rotary)
+        if not self.post_process:
+            return hidden_states
+        logits = self.output_layer(hidden_states, weight=self.output_weight())
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size).t()

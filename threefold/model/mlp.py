@@ -1,0 +1,37 @@
+"""The feed-forward block: column-parallel up-projection, activation, row-parallel down."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.sharding import InitMethod
+
+
+class MLP(nn.Module):
+    """GELU MLP, or SwiGLU with gate and up projections stacked in `linear_fc1` as megatron-core
+    stores them ([gate; up] in the full weight; each TP rank holds its slice of both)."""
+
+    def __init__(self, config: ModelConfig, init_method: InitMethod,
+                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+        fc1_size = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, fc1_size, bias=config.add_bias_linear, init_method=init_method,
+            sequence_parallel=sequence_parallel, partition_stride=2 if self.swiglu else 1)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            init_method=output_layer_init_method, sequence_parallel=sequence_parallel)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        intermediate = self.linear_fc1(hidden_states)
+        if self.swiglu:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = F.silu(gate) * up
+        else:
+            intermediate = F.gelu(intermediate)
+        return self.linear_fc2(intermediate)

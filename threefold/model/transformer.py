@@ -1,0 +1,79 @@
+"""Pre-norm transformer layer and the block of layers one pipeline stage holds."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.model.attention import SelfAttention
+from threefold.model.mlp import MLP
+from threefold.model.norms import Norm
+from threefold.parallel.random import get_rng_tracker
+from threefold.parallel.sharding import InitMethod
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool,
+                sequence_parallel: bool) -> torch.Tensor:
+    """residual + dropout(x). Under sequence parallelism each TP rank holds a different slice of
+    the sequence, so it draws its mask from its own stream; otherwise the activation is
+    replicated over TP and the shared default stream keeps the masks equal."""
+    if not training or p == 0.0:
+        return residual + x
+    fork = get_rng_tracker().fork() if sequence_parallel else contextlib.nullcontext()
+    with fork:
+        return residual + F.dropout(x, p=p, training=True)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_number: int, init_method: InitMethod,
+                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.layer_number = layer_number  # 1-based and global across pipeline stages
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+        norm_args = (config.hidden_size, config.normalization, config.norm_epsilon,
+                     sequence_parallel)
+        self.input_layernorm = Norm(*norm_args)
+        self.self_attention = SelfAttention(config, init_method, output_layer_init_method,
+                                            sequence_parallel)
+        self.pre_mlp_layernorm = Norm(*norm_args)
+        self.mlp = MLP(config, init_method, output_layer_init_method, sequence_parallel)
+
+    def forward(self, hidden_states: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden_states), rotary)
+        hidden_states = dropout_add(attention, hidden_states, self.hidden_dropout, self.training,
+                                    self.sequence_parallel)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return dropout_add(mlp, hidden_states, self.hidden_dropout, self.training,
+                           self.sequence_parallel)
+
+
+class TransformerBlock(nn.Module):
+    """The layers `layer_offset + 1 .. layer_offset + num_layers` of the model, plus the final
+    norm when this block ends the model."""
+
+    def __init__(self, config: ModelConfig, num_layers: int, layer_offset: int,
+                 init_method: InitMethod, output_layer_init_method: InitMethod,
+                 sequence_parallel: bool, final_layernorm: bool) -> None:
+        super().__init__()
+        self.layer_offset = layer_offset
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_offset + i + 1, init_method, output_layer_init_method,
+                             sequence_parallel)
+            for i in range(num_layers))
+        self.final_layernorm = (
+            Norm(config.hidden_size, config.normalization, config.norm_epsilon, sequence_parallel)
+            if final_layernorm else None)
+
+    def forward(self, hidden_states: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, rotary)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

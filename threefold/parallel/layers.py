@@ -1,0 +1,149 @@
+"""Tensor-parallel layers with Megatron's names and semantics, device-agnostic.
+
+megatron-core's own layers hard-code CUDA in their gather paths, so threefold owns these. At
+tensor-parallel size 1 every collective is skipped and they are plain linear/embedding layers.
+
+Shapes: activations are [sequence, batch, hidden]; under sequence parallelism the activation
+between layers is this rank's slice of the sequence, [sequence / TP, batch, hidden].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.parallel import state
+from threefold.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from threefold.parallel.sharding import (
+    InitMethod,
+    constant_init,
+    mark_replicated,
+    mark_tensor_parallel,
+)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the TP size ({denominator})")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) across the TP group.
+
+    The input is replicated on every TP rank (or, with sequence parallelism, all-gathered along
+    the sequence); the output stays split unless `gather_output`. `partition_stride` > 1 means
+    the full output is `stride` stacked blocks, each split separately (SwiGLU's [gate; up], so
+    every rank holds matching gate and up columns). `forward(x, weight=...)` uses a weight owned
+    by another module: the output layer tied to the word embeddings.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_method: InitMethod,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 partition_stride: int = 1, skip_weight_param: bool = False,
+                 valid_output_size: int | None = None) -> None:
+        super().__init__()
+        world = state.tensor_model_parallel_world_size()
+        self.output_size_per_partition = _divide(output_size, world, "output size")
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        if skip_weight_param:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = mark_tensor_parallel(
+                nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
+                partition_dim=0, init_method=init_method, master_shape=(output_size, input_size),
+                partition_stride=partition_stride, valid_rows=valid_output_size)
+        if bias:
+            self.bias = mark_tensor_parallel(
+                nn.Parameter(torch.empty(self.output_size_per_partition)), partition_dim=0,
+                init_method=constant_init(0.0), master_shape=(output_size,),
+                partition_stride=partition_stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x)
+        else:
+            x = copy_to_tensor_parallel_region(x)
+        output = F.linear(x, weight, self.bias)
+        if self.gather_output:
+            output = gather_from_tensor_parallel_region(output)
+        return output
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) across the TP group.
+
+    The input arrives already split along its last dimension (the output of a column-parallel
+    layer); partial products are all-reduced, or reduce-scattered along the sequence under
+    sequence parallelism. The bias is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool, init_method: InitMethod,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        world = state.tensor_model_parallel_world_size()
+        self.input_size_per_partition = _divide(input_size, world, "input size")
+        self.sequence_parallel = sequence_parallel
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)),
+            partition_dim=1, init_method=init_method, master_shape=(output_size, input_size))
+        if bias:
+            self.bias = mark_replicated(nn.Parameter(torch.empty(output_size)), constant_init(0.0),
+                                        sequence_parallel=sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output)
+        else:
+            output = reduce_from_tensor_parallel_region(output)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embeddings split along the (padded) vocabulary across the TP group.
+
+    Each rank looks up the ids in its vocabulary range and contributes zeros for the others; the
+    partial embeddings are summed over the group (reduce-scattered along the sequence under
+    sequence parallelism). Takes ids [batch, sequence] and returns [sequence, batch, hidden].
+    """
+
+    def __init__(self, padded_vocab_size: int, embedding_dim: int, *, vocab_size: int,
+                 init_method: InitMethod, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        world, rank = state.tensor_model_parallel_world_size(), state.tensor_model_parallel_rank()
+        self.num_embeddings_per_partition = _divide(padded_vocab_size, world, "padded vocabulary")
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.sequence_parallel = sequence_parallel
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)),
+            partition_dim=0, init_method=init_method,
+            master_shape=(padded_vocab_size, embedding_dim), valid_rows=vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_ids = input_ids.t()  # [s, b]: the output comes out in Megatron's layout
+        if state.tensor_model_parallel_world_size() > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            output = F.embedding(input_ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(output)
+        return reduce_from_tensor_parallel_region(output)

@@ -1,0 +1,187 @@
+"""Tensor- and sequence-parallel communication as autograd functions.
+
+Each region boundary of Megatron's tensor parallelism is one function whose backward is the
+dual of its forward, written next to it:
+
+    copy_to_tensor_parallel_region          fwd: identity          bwd: all-reduce
+    reduce_from_tensor_parallel_region      fwd: all-reduce        bwd: identity
+    scatter_to_tensor_parallel_region       fwd: split last dim    bwd: all-gather last dim
+    gather_from_tensor_parallel_region      fwd: all-gather last   bwd: split last dim
+    scatter_to_sequence_parallel_region     fwd: split first dim   bwd: all-gather first dim
+    gather_from_sequence_parallel_region    fwd: all-gather first  bwd: reduce-scatter first
+    reduce_scatter_to_sequence_parallel_region  fwd: reduce-scatter first  bwd: all-gather first
+
+Activations are laid out [sequence, batch, hidden], so "first dim" is the sequence.
+Every collective goes through `_all_reduce`, `_all_gather` or `_reduce_scatter`, which count
+calls and bytes in `COLLECTIVE_COUNTS` so tests can check Megatron's communication accounting.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from threefold.parallel import state
+
+# (operation name) -> number of calls, and (operation name + ":bytes") -> bytes communicated
+# per rank (the size of the full, unsharded tensor).
+COLLECTIVE_COUNTS: Counter = Counter()
+
+
+def _record(op: str, full_tensor_numel: int, element_size: int) -> None:
+    COLLECTIVE_COUNTS[op] += 1
+    COLLECTIVE_COUNTS[op + ":bytes"] += full_tensor_numel * element_size
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    if state.tensor_model_parallel_world_size() == 1:
+        return tensor
+    _record("all_reduce", tensor.numel(), tensor.element_size())
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, group=state.tensor_model_parallel_group())
+    return tensor
+
+
+def _all_gather(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    world = state.tensor_model_parallel_world_size()
+    if world == 1:
+        return tensor
+    # all_gather_into_tensor concatenates along dim 0; move `dim` there and back.
+    moved = tensor.movedim(dim, 0).contiguous()
+    output = torch.empty((world * moved.shape[0], *moved.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _record("all_gather", output.numel(), output.element_size())
+    dist.all_gather_into_tensor(output, moved, group=state.tensor_model_parallel_group())
+    return output.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over TP ranks and keep this rank's slice of the first dimension."""
+    world = state.tensor_model_parallel_world_size()
+    if world == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = torch.empty((tensor.shape[0] // world, *tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _record("reduce_scatter", tensor.numel(), tensor.element_size())
+    dist.reduce_scatter_tensor(output, tensor, group=state.tensor_model_parallel_group())
+    return output
+
+
+def _split(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    world = state.tensor_model_parallel_world_size()
+    if world == 1:
+        return tensor
+    size = tensor.shape[dim]
+    if size % world:
+        raise ValueError(f"dimension {dim} of size {size} does not split over {world} TP ranks")
+    return tensor.chunk(world, dim=dim)[state.tensor_model_parallel_rank()].contiguous()
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_reduce(grad_output)
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _all_reduce(input_.clone())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split(input_, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_gather(grad_output, -1)
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _all_gather(input_, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split(grad_output, -1)
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _split(input_, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_gather(grad_output, 0)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _all_gather(input_, 0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # The gathered activation fed a tensor-parallel matmul on every rank: each rank holds a
+        # partial gradient of the full sequence, so sum them and keep this rank's slice.
+        return _reduce_scatter(grad_output)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):
+        return _reduce_scatter(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_gather(grad_output, 0)
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _CopyToTensorParallelRegion.apply(x)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _ReduceFromTensorParallelRegion.apply(x)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _ScatterToTensorParallelRegion.apply(x)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _GatherFromTensorParallelRegion.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _ScatterToSequenceParallelRegion.apply(x)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _GatherFromSequenceParallelRegion.apply(x)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    return _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+def all_reduce_tensor_parallel(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce over the TP group outside autograd (loss statistics, norms)."""
+    if state.tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=op, group=state.tensor_model_parallel_group())
+    return tensor

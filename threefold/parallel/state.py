@@ -1,0 +1,150 @@
+"""Process groups: torch.distributed plus megatron-core's `parallel_state`.
+
+megatron-core builds the tensor (TP), pipeline (PP) and data (DP) groups with Megatron's rank
+order: TP varies fastest, then DP, then PP. With world size 8, TP=2, PP=2 the grid is
+`arange(8).view(pp=2, dp=2, tp=2)`; see docs/parallelism.md for the picture.
+
+Everything below also answers sensibly when no process group exists (one process, sizes 1,
+ranks 0), so the single-process reference run of a parity test needs no distributed setup.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _parallel_state():
+    # megatron-core warns at import about missing Transformer Engine / apex: irrelevant here,
+    # threefold owns its layers and kernels.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+    return parallel_state
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10) -> torch.device:
+    """Initialize torch.distributed from torchrun's environment (or as a world of one).
+
+    Returns the device this rank computes on.
+    """
+    backend = backend or default_backend()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group(backend=backend,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return device
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              timeout_minutes: int = 10) -> None:
+    """Build TP/PP/DP groups over the initialized world with megatron-core."""
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+        # On CPU the main groups already are gloo; duplicates would only cost start-up time.
+        create_gloo_process_groups=dist.get_backend() != "gloo",
+    )
+
+
+def destroy_model_parallel() -> None:
+    ps = _parallel_state()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized() and _parallel_state().model_parallel_is_initialized()
+
+
+def _query(name: str, default):
+    if not is_initialized():
+        return default
+    return getattr(_parallel_state(), name)()
+
+
+def tensor_model_parallel_group() -> dist.ProcessGroup | None:
+    return _query("get_tensor_model_parallel_group", None)
+
+
+def tensor_model_parallel_world_size() -> int:
+    return _query("get_tensor_model_parallel_world_size", 1)
+
+
+def tensor_model_parallel_rank() -> int:
+    return _query("get_tensor_model_parallel_rank", 0)
+
+
+def pipeline_model_parallel_group() -> dist.ProcessGroup | None:
+    return _query("get_pipeline_model_parallel_group", None)
+
+
+def pipeline_model_parallel_world_size() -> int:
+    return _query("get_pipeline_model_parallel_world_size", 1)
+
+
+def pipeline_model_parallel_rank() -> int:
+    return _query("get_pipeline_model_parallel_rank", 0)
+
+
+def data_parallel_group() -> dist.ProcessGroup | None:
+    return _query("get_data_parallel_group", None)
+
+
+def data_parallel_world_size() -> int:
+    return _query("get_data_parallel_world_size", 1)
+
+
+def data_parallel_rank() -> int:
+    return _query("get_data_parallel_rank", 0)
+
+
+def model_parallel_group() -> dist.ProcessGroup | None:
+    """TP x PP: the ranks that together hold one replica of the model."""
+    return _query("get_model_parallel_group", None)
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def global_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_first_pipeline_stage() -> bool:
+    return pipeline_model_parallel_rank() == 0
+
+
+def is_last_pipeline_stage() -> bool:
+    return pipeline_model_parallel_rank() == pipeline_model_parallel_world_size() - 1

@@ -1,0 +1,40 @@
+"""Model FLOPs per training iteration, counted as Megatron-LM and torchtitan count them.
+
+Only matrix multiplications count, each as 2 FLOPs per multiply-add; backward costs twice the
+forward, so a training step is 3x the forward. Per token and layer the forward does
+- attention projections: 2 h (h + 2 g d) for QKV (g query groups of size d) plus 2 h^2 for the
+  output projection;
+- attention scores and weighted sum: 2 * 2 s h (the full s x s product, as Megatron counts it
+  even though causal masking could skip half);
+- MLP: 2 * 2 h f, or 2 * 3 h f with SwiGLU (gate, up and down projections);
+and the output layer 2 h V. See docs/performance.md for the derivation and MFU.
+"""
+
+from __future__ import annotations
+
+from threefold.config import ModelConfig
+
+
+def training_flops_per_iteration(config: ModelConfig, global_batch_size: int,
+                                 padded_vocab_size: int) -> float:
+    h, s = config.hidden_size, config.seq_length
+    d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
+    f = config.ffn_hidden_size
+    qkv = 2 * h * d * (heads + 2 * groups)
+    projection = 2 * d * heads * h
+    attention = 2 * 2 * s * d * heads
+    mlp = 2 * (3 if config.swiglu else 2) * h * f
+    per_token_forward = config.num_layers * (qkv + projection + attention + mlp)
+    per_token_forward += 2 * h * padded_vocab_size
+    return 3.0 * per_token_forward * global_batch_size * s
+
+
+# Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, no sparsity).
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
