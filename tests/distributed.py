@@ -1,0 +1,120 @@
+"""Run a function on N real gloo ranks, reusing the spawned workers across tests.
+
+Spawning a rank costs seconds on a 2-core machine (each imports torch and megatron-core), so a
+pool of N workers is started once per world size and kept for the whole session. Each job runs
+`fn(*args)` on every rank and returns the per-rank results in rank order; megatron-core's
+groups are torn down after every job so the next one can choose another layout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+JOB_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from threefold.parallel import state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    # A rank that fails leaves its peers blocked in a collective: let them time out instead of
+    # hanging the test session.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    while True:
+        job = tasks.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # report everything, including assertion errors, to the test
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int) -> None:
+        context = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        self.processes = [
+            context.Process(target=_worker, args=(rank, world_size, port, self.tasks[rank],
+                                                  self.results), daemon=True)
+            for rank in range(world_size)]
+        for process in self.processes:
+            process.start()
+        self.broken = False
+
+    def run(self, fn, *args):
+        for task_queue in self.tasks:
+            task_queue.put((fn, args))
+        outcomes = {}
+        try:
+            for _ in range(self.world_size):
+                rank, ok, value = self.results.get(timeout=JOB_TIMEOUT_S)
+                outcomes[rank] = (ok, value)
+        except queue.Empty:
+            self.broken = True
+            raise TimeoutError(f"{self.world_size}-rank job {fn.__name__} did not finish in "
+                               f"{JOB_TIMEOUT_S} s") from None
+        failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        if failures:
+            self.broken = True  # peers may have timed out mid-collective: start afresh
+            raise AssertionError("\n".join(failures))
+        return [outcomes[rank][1] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        for task_queue in self.tasks:
+            try:
+                task_queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def run_distributed(world_size: int, fn, *args) -> list:
+    """`fn(*args)` on `world_size` gloo ranks; returns the per-rank results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.broken:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    return pool.run(fn, *args)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)

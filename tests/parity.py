@@ -1,0 +1,103 @@
+"""Jobs and comparisons for parity tests: a layout must reproduce the single-process run.
+
+Every job runs the real `Trainer` in-process on whatever ranks call it. The reference is the
+same job in the test process itself, with no process group at all (TP=PP=DP=1). Parameters and
+gradients come back as full, unpadded numpy arrays keyed by layout-independent names, gathered
+from the TP shards, so any two layouts compare directly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from threefold.arguments import parse_args
+from threefold.parallel import state
+from threefold.parallel.data_parallel import finalize_model_grads
+from threefold.parallel.mappings import gather_from_tensor_parallel_region
+from threefold.parallel.sharding import gather_tensor_parallel
+from threefold.training.trainer import Trainer
+
+GPT2_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--max-position-embeddings", "16"]
+LLAMA_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8",
+               "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "64",
+               "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu",
+               "--position-embedding-type", "rope", "--disable-bias-linear",
+               "--untie-embeddings-and-output-weights"]
+TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+            "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--mock-data",
+            "--vocab-size", "1001", "--make-vocab-size-divisible-by", "8",
+            "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+            "--log-interval", "1000", "--eval-iters", "0"]
+
+
+def _setup(argv: list[str]) -> Trainer:
+    config = parse_args(argv, world_size=state.global_world_size())
+    if torch.distributed.is_initialized():
+        state.initialize_model_parallel(config.parallel.tensor_model_parallel_size,
+                                        config.parallel.pipeline_model_parallel_size)
+    return Trainer(config, torch.device("cpu"))
+
+
+def _full(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    model = trainer.model
+    params = dict(model.named_parameters())
+    return {model.layout_independent_name(name): gather_tensor_parallel(tensor, params[name])
+            .detach().float().numpy().copy() for name, tensor in tensors.items()}
+
+
+def _without_key_bias(params: dict[str, np.ndarray], trainer: Trainer) -> dict:
+    """Drop the key rows of QKV biases. Attention is invariant to a key bias (it shifts every
+    score of a query by the same amount), so that gradient is exactly zero up to rounding, and
+    Adam turns rounding noise (~1e-10) into full-size steps whose sign depends on summation
+    order. Those few entries measure noise, not the layout; the gradient tests keep them."""
+    config = trainer.config.model
+    heads_per_group = config.num_attention_heads // config.num_query_groups
+    for name in [n for n in params if n.endswith("linear_qkv.bias")]:
+        grouped = params[name].reshape(config.num_query_groups, heads_per_group + 2, -1)
+        params[name] = np.delete(grouped, heads_per_group, axis=1).reshape(-1)
+    return params
+
+
+def train_job(argv: list[str], steps: int) -> dict:
+    """Losses of `steps` training iterations and the final full parameters."""
+    trainer = _setup(argv)
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    params = _full(trainer, {n: p.data for n, p in trainer.model.named_parameters()})
+    return {"losses": losses, "params": _without_key_bias(params, trainer)}
+
+
+def gradient_job(argv: list[str]) -> dict:
+    """Logits, mean loss and full gradients of the first micro-batch (needs DP=1)."""
+    trainer = _setup(argv)
+    model = trainer.model
+    batch = next(trainer.train_iterator())
+    logits = gather_from_tensor_parallel_region(model(batch["tokens"]))
+    logits = logits[..., : model.vocab_size].detach().numpy().copy()
+    trainer.grad_buffer.zero()
+    loss = model(batch["tokens"], labels=batch["labels"]).mean()
+    loss.backward()
+    finalize_model_grads(trainer.grad_buffer)
+    grads = _full(trainer, {n: p.main_grad for n, p in model.named_parameters()})
+    return {"logits": logits, "loss": loss.item(), "grads": grads}
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
+
+
+def assert_close_dicts(actual: dict, expected: dict, tolerance: float, what: str) -> None:
+    assert actual.keys() == expected.keys(), f"{what}: names differ"
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, f"{what} {name}: shape differs"
+        error = relative_error(actual[name], expected[name])
+        assert error <= tolerance, f"{what} {name}: relative error {error:.2e} > {tolerance}"
+
+
+def assert_losses_close(actual: list[float], expected: list[float], tolerance: float) -> None:
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= tolerance * abs(e), (
+            f"step {step}: loss {a!r} vs reference {e!r} (relative {abs(a - e) / abs(e):.2e})")
