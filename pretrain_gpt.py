@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from threefold.arguments import parse_args
+from threefold.checkpointing import load_checkpoint
 from threefold.config import ConfigError
 from threefold.parallel import state
 from threefold.training.trainer import Trainer, print_rank_0
@@ -24,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
                                     parallel.distributed_timeout_minutes)
     try:
         trainer = Trainer(config, device)
+        if config.checkpoint.load:
+            iteration = load_checkpoint(config.checkpoint.load, trainer)
+            print_rank_0(f"> resumed from {config.checkpoint.load} at iteration {iteration}"
+                         if iteration is not None else
+                         f"> no checkpoint in --load {config.checkpoint.load}; starting from "
+                         "scratch")
     except ConfigError as error:
         print_rank_0(f"pretrain_gpt.py: error: {error}")
         return 2

@@ -312,3 +312,13 @@ class Config:
         self.checkpoint.finalize()
         self.logging.finalize()
         return warnings
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Config:
+        """The inverse of `dataclasses.asdict`, as stored in a checkpoint's metadata."""
+        return cls(model=ModelConfig(**values["model"]),
+                   parallel=ParallelConfig(**values["parallel"]),
+                   training=TrainingConfig(**values["training"]),
+                   data=DataConfig(**values["data"]),
+                   checkpoint=CheckpointConfig(**values["checkpoint"]),
+                   logging=LoggingConfig(**values["logging"]))

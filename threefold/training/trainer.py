@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from threefold.checkpointing import save_checkpoint
 from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -86,6 +87,7 @@ class Trainer:
         self.flops_per_iteration = training_flops_per_iteration(
             config.model, training.global_batch_size, self.model.padded_vocab_size)
         self._train_iterator = None
+        self._last_saved = None
 
     # -- one step -----------------------------------------------------------------------------
     def train_iterator(self):
@@ -164,8 +166,25 @@ class Trainer:
                     print_rank_0(format_validation(self.state.iteration, valid_loss))
                     tensorboard.log_validation(self.state.iteration, valid_loss)
                 window_start = time.perf_counter()  # evaluation time is not iteration time
+            if self._should_save():
+                self.save()
+                window_start = time.perf_counter()
+        if config.checkpoint.save and self._last_saved != self.state.iteration:
+            self.save()
         tensorboard.close()
         return losses
+
+    def _should_save(self) -> bool:
+        checkpoint = self.config.checkpoint
+        return bool(checkpoint.save and checkpoint.save_interval
+                    and self.state.iteration % checkpoint.save_interval == 0)
+
+    def save(self) -> None:
+        start = time.perf_counter()
+        path = save_checkpoint(self.config.checkpoint.save, self)
+        self._last_saved = self.state.iteration
+        print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {path} "
+                     f"in {time.perf_counter() - start:.2f} s")
 
     def _iteration_stats(self, elapsed: float, window_losses: list[float],
                          grad_norm: float | None) -> IterationStats:

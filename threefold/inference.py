@@ -1,0 +1,40 @@
+"""Greedy / sampled text generation with a (tensor-parallel) GPT model.
+
+Every TP rank runs the same loop: the forward pass needs all of them, and the vocabulary-
+parallel logits are gathered so every rank picks the same next token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from threefold.parallel.mappings import gather_from_tensor_parallel_region
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[int], max_new_tokens: int, context_length: int,
+             eod: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0) -> list[int]:
+    """Continue `prompt_ids`; greedy when temperature is 0. Recomputes the whole (cropped)
+    context each step: simple and exact, fine for the short samples it is used for."""
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([ids[-context_length:]], device=device)
+        logits = gather_from_tensor_parallel_region(model(context)[-1, 0])
+        logits = logits[: model.vocab_size].float().cpu()
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+            sorted_probs = sorted_probs * keep
+            choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+            next_id = int(order[choice])
+        ids.append(next_id)
+        if eod is not None and next_id == eod:
+            break
+    return ids[len(prompt_ids):]

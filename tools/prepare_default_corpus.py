@@ -1,0 +1,26 @@
+"""Write the embedded default corpus (Shakespeare's plays, one scene per line) as JSONL.
+
+    python tools/prepare_default_corpus.py --output data/shakespeare.jsonl
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from threefold.data.corpus import default_corpus_documents, write_jsonl  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    count = write_jsonl(default_corpus_documents(), args.output)
+    print(f"wrote {count} documents to {args.output} "
+          f"({os.path.getsize(args.output) / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Tokenize JSONL (or plain text) into Megatron's indexed `.bin/.idx` format.
+
+Megatron-LM's interface and output names: for each of --json-keys, the files
+`{output-prefix}_{key}_document.bin/.idx`, written with megatron-core's IndexedDatasetBuilder,
+so Megatron-LM reads them and threefold reads Megatron-LM's.
+
+    python tools/preprocess_data.py --input data/shakespeare.jsonl --json-keys text \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/shakespeare_sp.model \
+        --output-prefix data/shakespeare --append-eod --workers 2
+"""
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from threefold.config import DataConfig  # noqa: E402
+from threefold.data.documents import read_documents  # noqa: E402
+from threefold.data.tokenizer import build_tokenizer  # noqa: E402
+
+_tokenizer = None
+_append_eod = False
+
+
+def _init_worker(data_config: DataConfig, vocab_size, append_eod: bool) -> None:
+    global _tokenizer, _append_eod
+    _tokenizer = build_tokenizer(data_config, vocab_size)
+    _append_eod = append_eod
+
+
+def _encode(document: dict[str, str]) -> tuple[dict[str, list[int]], int]:
+    encoded = {}
+    for key, text in document.items():
+        ids = _tokenizer.tokenize(text)
+        if _append_eod:
+            ids.append(_tokenizer.eod)
+        encoded[key] = ids
+    return encoded, sum(len(text.encode("utf-8")) for text in document.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="JSONL file, or text with a document "
+                                                       "per line")
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--tokenizer-type", required=True,
+                        choices=["SentencePieceTokenizer", "NullTokenizer"])
+    parser.add_argument("--tokenizer-model")
+    parser.add_argument("--vocab-size", type=int, help="for NullTokenizer")
+    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--append-eod", action="store_true")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--log-interval", type=int, default=1000)
+    args = parser.parse_args()
+    if not os.path.isfile(args.input):
+        parser.error(f"--input {args.input}: no such file")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    data_config = DataConfig(tokenizer_type=args.tokenizer_type,
+                             tokenizer_model=args.tokenizer_model)
+    tokenizer = build_tokenizer(data_config, args.vocab_size)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+                for key, prefix in prefixes.items()}
+
+    documents = read_documents(args.input, args.json_keys)
+    initargs = (data_config, args.vocab_size, args.append_eod)
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, _init_worker, initargs)
+        encoded_stream = pool.imap(_encode, documents, chunksize=32)
+    else:
+        pool = None
+        _init_worker(*initargs)
+        encoded_stream = map(_encode, documents)
+
+    start, total_bytes, total_tokens, count = time.time(), 0, 0, 0
+    for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
+        total_bytes += num_bytes
+        for key, ids in encoded.items():
+            if ids:
+                builders[key].add_document(ids, [len(ids)])
+                total_tokens += len(ids)
+        if count % args.log_interval == 0:
+            elapsed = time.time() - start
+            print(f"processed {count} documents ({count / elapsed:.1f} docs/s, "
+                  f"{total_bytes / elapsed / 2**20:.2f} MB/s)", flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
+    for key, builder in builders.items():
+        builder.finalize(prefixes[key] + ".idx")
+    elapsed = max(time.time() - start, 1e-9)
+    print(f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "
+          f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s); wrote "
+          + ", ".join(p + ".bin/.idx" for p in prefixes.values()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
