@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="threefold",
+    version="0.1.0",
+    description="Megatron-style 3D-parallel GPT pretraining that a newcomer can read",
+    packages=find_packages(include=["threefold", "threefold.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.5",
+        # 0.16.1 is the newest release for Python 3.11; newer ones need Python 3.12.
+        "megatron-core>=0.16.1",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.5"],
+        # Fused kernels, used when importable and never required.
+        "te": ["transformer-engine[pytorch]"],
+    },
+)

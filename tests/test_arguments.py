@@ -1,0 +1,70 @@
+"""Megatron-LM flags parse into configs; mistakes fail fast with one line naming the flag."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from threefold.arguments import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "100"]
+
+
+def test_megatron_flags_fill_the_configs():
+    config = parse_args(BASE + ["--swiglu", "--disable-bias-linear", "--group-query-attention",
+                                "--num-query-groups", "2", "--global-batch-size", "16",
+                                "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                        world_size=4)
+    assert config.model.ffn_hidden_size == 128  # Megatron: int(4h * 2/3 / 64) * 64
+    assert config.model.add_bias_linear is False
+    assert config.model.num_query_groups == 2
+    assert config.parallel.data_parallel_size == 2
+    assert config.training.num_micro_batches(2) == 4
+    assert config.model.max_position_embeddings == 32
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (BASE + ["--no-such-flag", "1"], "--no-such-flag"),
+    (BASE + ["--global-batch-size", "5"], "--global-batch-size 5"),
+])
+def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
+    start = time.time()
+    result = _cli(*argv)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert len(result.stderr.strip().splitlines()[-1]) > 0
+    assert time.time() - start < 10
+
+
+@pytest.mark.parametrize("extra,world_size,expected", [
+    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by "
+                                               "--tensor-model-parallel-size 3"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
+     2, "--num-query-groups 1"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
+    (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
+    (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4, "--ffn-hidden-size 30"),
+    (["--data-path", "x"], 1, "--data-path"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
+])
+def test_layout_mistakes_are_reported(capsys, extra, world_size, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + extra, world_size=world_size)
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
+    config = parse_args(BASE + ["--sequence-parallel"], world_size=1)
+    assert config.parallel.sequence_parallel is False
+    assert "--sequence-parallel has no effect" in capsys.readouterr().out
