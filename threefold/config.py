@@ -158,8 +158,8 @@ class ParallelConfig:
         )
         if self.sequence_parallel and tp == 1:
             # Megatron's behaviour: sequence parallelism only exists inside a TP group.
-            warnings.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
-                            "disabling it")
+            warnings.append("--sequence-parallel has no effect with "
+                            "--tensor-model-parallel-size 1; disabling it")
             self.sequence_parallel = False
         if self.sequence_parallel:
             _require(
@@ -216,7 +216,8 @@ class TrainingConfig:
             f"of {per_step}",
         )
         _require(self.train_iters >= 1, "--train-iters must be >= 1")
-        _require(not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one")
+        _require(not (self.bf16 and self.fp16),
+                 "--fp16 and --bf16 are mutually exclusive; pick one")
         _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
         _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
         _require(self.lr_decay_style in ("constant", "linear", "cosine"),

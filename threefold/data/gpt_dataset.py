@@ -78,7 +78,7 @@ def indexed_datasets(prefix: str, seq_length: int, split_weights: list[float],
 
 
 class MockGPTDataset:
-    """Synthetic tokens: sample `i` of split `s` is drawn from a generator seeded by (seed, s, i)."""
+    """Synthetic tokens: sample `i` of split `s` comes from a generator seeded by (seed, s, i)."""
 
     def __init__(self, seq_length: int, vocab_size: int, seed: int, split_index: int,
                  num_samples: int) -> None:

@@ -90,16 +90,3 @@ class MixedPrecisionOptimizer:
         for master in self.master_params:
             master.grad = None
         return True, norm
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "master_params": [m.detach() for m in self.master_params] if self.half else None}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.half and state_dict.get("master_params") is not None:
-            with torch.no_grad():
-                for master, saved, model_param in zip(
-                        self.master_params, state_dict["master_params"], self.model_params):
-                    master.copy_(saved)
-                    model_param.copy_(saved)
