@@ -14,6 +14,21 @@ from threefold.parallel import state
 from threefold.training.trainer import Trainer, print_rank_0
 
 
+def _summary(config, trainer: Trainer, device_type: str) -> str:
+    parallel = config.parallel
+    layout = (f"TP={parallel.tensor_model_parallel_size}, "
+              f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}")
+    if parallel.sequence_parallel:
+        layout += ", sequence parallel"
+    if len(trainer.model_chunks) > 1:
+        layout += f", {len(trainer.model_chunks)} virtual stages"
+    num_params = sum(p.numel() for _, p in trainer.layout_independent_parameters())
+    return (f"> world size {parallel.world_size} ({layout}) on {device_type}; {num_params:,} "
+            f"parameters on rank 0; vocabulary {config.model.vocab_size} padded to "
+            f"{trainer.model_chunks[0].padded_vocab_size}; {trainer.num_microbatches} "
+            "micro-batches per step")
+
+
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     parallel = config.parallel
@@ -34,13 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print_rank_0(f"pretrain_gpt.py: error: {error}")
         return 2
-    num_params = sum(p.numel() for p in trainer.model.parameters())
-    print_rank_0(
-        f"> world size {parallel.world_size} (TP={parallel.tensor_model_parallel_size}, "
-        f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}"
-        f"{', sequence parallel' if parallel.sequence_parallel else ''}) on {device.type}; "
-        f"{num_params:,} parameters per rank; vocabulary {config.model.vocab_size} padded to "
-        f"{trainer.model.padded_vocab_size}; {trainer.num_microbatches} micro-batches per step")
+    print_rank_0(_summary(config, trainer, device.type))
     trainer.train()
     state.destroy_model_parallel()
     return 0

@@ -29,22 +29,39 @@ TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iter
             "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--mock-data",
             "--vocab-size", "1001", "--make-vocab-size-divisible-by", "8",
             "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-            "--log-interval", "1000", "--eval-iters", "0"]
+            "--log-interval", "1000", "--eval-iters", "0",
+            # A broken schedule must fail the test within a minute, not hang it.
+            "--distributed-timeout-minutes", "1"]
 
 
 def _setup(argv: list[str]) -> Trainer:
     config = parse_args(argv, world_size=state.global_world_size())
     if torch.distributed.is_initialized():
-        state.initialize_model_parallel(config.parallel.tensor_model_parallel_size,
-                                        config.parallel.pipeline_model_parallel_size)
+        parallel = config.parallel
+        state.initialize_model_parallel(parallel.tensor_model_parallel_size,
+                                        parallel.pipeline_model_parallel_size,
+                                        parallel.virtual_pipeline_model_parallel_size,
+                                        parallel.distributed_timeout_minutes)
     return Trainer(config, torch.device("cpu"))
 
 
-def _full(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    model = trainer.model
-    params = dict(model.named_parameters())
-    return {model.layout_independent_name(name): gather_tensor_parallel(tensor, params[name])
-            .detach().float().numpy().copy() for name, tensor in tensors.items()}
+def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
+    """This rank's parameters (or their `main_grad`s), gathered over TP, by global name."""
+    return {name: gather_tensor_parallel(getattr(param, attribute), param)
+            .detach().float().numpy().copy()
+            for name, param in trainer.layout_independent_parameters()}
+
+
+def merge_pipeline_stages(per_rank: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One dictionary from the stages' parameter dictionaries. A name held by several stages
+    (tied embeddings on the first and last stage) must hold the same values there."""
+    merged: dict[str, np.ndarray] = {}
+    for params in per_rank:
+        for name, value in params.items():
+            if name in merged:
+                assert np.array_equal(merged[name], value), f"{name} differs between stages"
+            merged[name] = value
+    return merged
 
 
 def _without_key_bias(params: dict[str, np.ndarray], trainer: Trainer) -> dict:
@@ -64,8 +81,7 @@ def train_job(argv: list[str], steps: int) -> dict:
     """Losses of `steps` training iterations and the final full parameters."""
     trainer = _setup(argv)
     losses = [trainer.train_step()[0] for _ in range(steps)]
-    params = _full(trainer, {n: p.data for n, p in trainer.model.named_parameters()})
-    return {"losses": losses, "params": _without_key_bias(params, trainer)}
+    return {"losses": losses, "params": _without_key_bias(_full(trainer), trainer)}
 
 
 def gradient_job(argv: list[str]) -> dict:
@@ -79,7 +95,7 @@ def gradient_job(argv: list[str]) -> dict:
     loss = model(batch["tokens"], labels=batch["labels"]).mean()
     loss.backward()
     finalize_model_grads(trainer.grad_buffer)
-    grads = _full(trainer, {n: p.main_grad for n, p in model.named_parameters()})
+    grads = _full(trainer, "main_grad")
     return {"logits": logits, "loss": loss.item(), "grads": grads}
 
 

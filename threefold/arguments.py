@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "parallel", "--tensor-model-parallel-size", type=int)
     _add(g, "parallel", "--pipeline-model-parallel-size", type=int)
     _add(g, "parallel", "--virtual-pipeline-model-parallel-size", type=int)
+    _add(g, "parallel", "--num-layers-per-virtual-pipeline-stage", type=int)
+    _add(g, "parallel", "--decoder-first-pipeline-num-layers", type=int)
+    _add(g, "parallel", "--decoder-last-pipeline-num-layers", type=int)
     _add(g, "parallel", "--sequence-parallel", action=_STORE_TRUE)
     _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
          help="default: nccl when CUDA is available, else gloo")

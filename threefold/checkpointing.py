@@ -64,23 +64,25 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _key(model, name: str) -> str:
-    return f"tp{state.tensor_model_parallel_rank()}.{model.layout_independent_name(name)}"
+def _key(layout_independent_name: str) -> str:
+    return f"tp{state.tensor_model_parallel_rank()}.{layout_independent_name}"
 
 
-def model_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's tensors on this rank, keyed so DP replicas coincide and TP shards do not."""
-    return {f"model.{_key(model, name)}": param.data for name, param in model.named_parameters()}
+def model_tensors(named_parameters) -> dict[str, torch.Tensor]:
+    """Model tensors keyed so DP replicas coincide and TP shards do not. Pipeline stages hold
+    different layers, hence different names; the last stage's copy of tied embeddings shares
+    the first stage's key and value."""
+    return {f"model.{_key(name)}": param.data for name, param in named_parameters}
 
 
 def _tensor_state(trainer, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor this rank holds: the model's and, optionally, the optimizer's."""
-    model, optimizer = trainer.model, trainer.optimizer
-    tensors = model_tensors(model)
+    named, optimizer = trainer.layout_independent_parameters(), trainer.optimizer
+    tensors = model_tensors(named)
     if not with_optimizer:
         return tensors
-    for (name, _), master in zip(model.named_parameters(), optimizer.master_params):
-        key = _key(model, name)
+    for (name, _), master in zip(named, optimizer.master_params):
+        key = _key(name)
         adam = optimizer.optimizer.state[master]
         if not adam:  # no step taken yet: give load something of the right shape to fill
             adam.update(step=torch.zeros((), dtype=torch.float32),
@@ -172,7 +174,8 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True,
     if trainer.optimizer.half:
         # fp32 masters are the truth when they were loaded; otherwise start them from the model.
         with torch.no_grad():
-            for param, master in zip(trainer.model.parameters(), trainer.optimizer.master_params):
+            for param, master in zip(trainer.optimizer.model_params,
+                                     trainer.optimizer.master_params):
                 if load_optimizer:
                     param.copy_(master)
                 else:
@@ -192,5 +195,6 @@ def load_model_weights(root: str, model, iteration: int | None = None) -> int:
     iteration = read_tracker(root) if iteration is None else iteration
     if iteration is None:
         raise ConfigError(f"--load {root}: no {TRACKER}; it holds no complete checkpoint")
-    dcp.load(model_tensors(model), checkpoint_id=checkpoint_dir(root, iteration))
+    named = [(model.layout_independent_name(n), p) for n, p in model.named_parameters()]
+    dcp.load(model_tensors(named), checkpoint_id=checkpoint_dir(root, iteration))
     return iteration

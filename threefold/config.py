@@ -114,6 +114,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: int = 10
@@ -127,6 +130,47 @@ class ParallelConfig:
     def data_parallel_size(self) -> int:
         return self.world_size // self.model_parallel_size
 
+    def _finalize_pipeline(self, model: ModelConfig) -> None:
+        pp, layers = self.pipeline_model_parallel_size, model.num_layers
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is not None:
+            _require(self.virtual_pipeline_model_parallel_size is None,
+                     "give only one of --num-layers-per-virtual-pipeline-stage and "
+                     "--virtual-pipeline-model-parallel-size")
+            _require(per_stage > 0 and layers % (pp * per_stage) == 0,
+                     f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                     f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage}")
+            self.virtual_pipeline_model_parallel_size = layers // (pp * per_stage)
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp == 1:
+            self.virtual_pipeline_model_parallel_size = vpp = None
+        uneven = (self.decoder_first_pipeline_num_layers is not None
+                  or self.decoder_last_pipeline_num_layers is not None)
+        if vpp is not None:
+            _require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+            _require(vpp > 1, "--virtual-pipeline-model-parallel-size must be a positive integer")
+            _require(layers % (pp * vpp) == 0,
+                     f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                     f"{pp} x --virtual-pipeline-model-parallel-size {vpp}")
+            _require(not uneven, "--decoder-first/last-pipeline-num-layers cannot be combined "
+                                 "with virtual pipeline stages")
+        elif uneven:
+            _require(pp > 1, "--decoder-first/last-pipeline-num-layers need "
+                             "--pipeline-model-parallel-size > 1")
+            from threefold.parallel.pipeline_layout import stage_layer_counts
+
+            try:
+                counts = stage_layer_counts(layers, pp, self.decoder_first_pipeline_num_layers,
+                                            self.decoder_last_pipeline_num_layers)
+            except ValueError as error:
+                raise ConfigError(f"--decoder-first/last-pipeline-num-layers: {error}") from None
+            _require(all(c >= 1 for c in counts),
+                     "--decoder-first/last-pipeline-num-layers leave a stage without layers")
+        else:
+            _require(layers % pp == 0,
+                     f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                     f"{pp}; change one or set --decoder-first/last-pipeline-num-layers")
+
     def finalize(self, model: ModelConfig) -> list[str]:
         """Validate the layout against the world and the model; returns warnings to print."""
         warnings = []
@@ -138,9 +182,7 @@ class ParallelConfig:
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "
             f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
-        _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported yet in threefold")
-        _require(self.virtual_pipeline_model_parallel_size is None,
-                 "--virtual-pipeline-model-parallel-size is not supported yet in threefold")
+        self._finalize_pipeline(model)
         _require(
             model.num_attention_heads % tp == 0,
             f"--num-attention-heads {model.num_attention_heads} is not divisible by "
@@ -309,6 +351,14 @@ class Config:
         self.model.finalize()
         warnings = self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size)
+        parallel = self.parallel
+        if parallel.virtual_pipeline_model_parallel_size:
+            micro_batches = self.training.num_micro_batches(parallel.data_parallel_size)
+            _require(
+                micro_batches % parallel.pipeline_model_parallel_size == 0,
+                f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
+                "--global-batch-size / (--micro-batch-size x DP)) to be a multiple of "
+                f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}")
         self.data.finalize()
         self.checkpoint.finalize()
         self.logging.finalize()

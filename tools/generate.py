@@ -45,6 +45,9 @@ def main() -> int:
         parser.exit(2, f"generate.py: error: {error}\n")
 
     tp = config.parallel.tensor_model_parallel_size
+    if config.parallel.pipeline_model_parallel_size > 1:
+        parser.exit(2, "generate.py: error: the checkpoint was saved with "
+                       "--pipeline-model-parallel-size > 1; generation supports TP only so far\n")
     device = state.initialize_distributed()
     if state.global_world_size() != tp:
         parser.exit(2, f"generate.py: error: the checkpoint has tensor-parallel size {tp}; "

@@ -29,8 +29,7 @@ def _resume_job(argv: list[str], directory: str) -> dict:
     second = _setup(argv)
     assert load_checkpoint(directory, second) == 3
     resumed_losses = [second.train_step()[0] for _ in range(3)]
-    params = _without_key_bias(
-        _full(second, {n: p.data for n, p in second.model.named_parameters()}), second)
+    params = _without_key_bias(_full(second), second)
     return {"straight": straight, "resumed_losses": resumed_losses, "resumed_params": params}
 
 

@@ -83,6 +83,8 @@ class GPTModel(nn.Module):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size, sequence_parallel)
+            if self.share_embeddings_and_output_weights:
+                self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = (RotaryEmbedding(config.kv_channels, config.rotary_base)
                                if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(
@@ -94,6 +96,11 @@ class GPTModel(nn.Module):
                 config.hidden_size, padded_vocab_size, bias=False, init_method=init,
                 sequence_parallel=sequence_parallel, skip_weight_param=tied and pre_process,
                 valid_output_size=config.vocab_size)
+        if post_process and self.share_embeddings_and_output_weights and not pre_process:
+            # Under pipeline parallelism the last stage holds a copy of the tied weight; its
+            # gradient is summed with the first stage's so the copies stay equal.
+            self.output_layer.weight.shared_embedding = True
+            self.output_layer.weight.embedding_copy = True
 
     def layout_independent_name(self, name: str) -> str:
         """The parameter's name in the whole single-device model (global layer numbers)."""

@@ -63,6 +63,18 @@ def all_reduce_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
         offset += grad.numel()
 
 
+def all_reduce_embedding_grads(params: list[nn.Parameter]) -> None:
+    """Tied embeddings under pipeline parallelism: the first stage's word embeddings and the
+    last stage's output layer are two copies of one weight. Summing their gradients over
+    megatron-core's embedding group (first and last stage) keeps the copies identical."""
+    if state.pipeline_model_parallel_world_size() == 1:
+        return
+    for param in params:
+        if getattr(param, "shared_embedding", False):
+            dist.all_reduce(param.main_grad, group=state.embedding_group())
+
+
 def finalize_model_grads(grad_buffer: GradientBuffer) -> None:
     all_reduce_sequence_parallel_grads(grad_buffer.params)
+    all_reduce_embedding_grads(grad_buffer.params)
     grad_buffer.all_reduce_data_parallel()

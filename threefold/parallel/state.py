@@ -75,6 +75,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         # On CPU the main groups already are gloo; duplicates would only cost start-up time.
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )
+    from threefold.parallel.p2p import initialize_p2p_groups
+
+    initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
 def destroy_model_parallel() -> None:
@@ -127,6 +130,11 @@ def data_parallel_world_size() -> int:
 
 def data_parallel_rank() -> int:
     return _query("get_data_parallel_rank", 0)
+
+
+def embedding_group() -> dist.ProcessGroup | None:
+    """First and last pipeline stage of each pipeline: the holders of tied embeddings."""
+    return _query("get_embedding_group", None)
 
 
 def model_parallel_group() -> dist.ProcessGroup | None:

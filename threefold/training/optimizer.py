@@ -18,7 +18,9 @@ from threefold.parallel import state
 
 def _counts_towards_norm(param: nn.Parameter) -> bool:
     """Each distinct parameter counts once across the model-parallel group: TP shards on every
-    rank, replicated parameters only on TP rank 0."""
+    rank, replicated parameters only on TP rank 0, tied embeddings only on the first stage."""
+    if getattr(param, "embedding_copy", False):  # the last stage's copy of tied embeddings
+        return False
     return getattr(param, "tensor_model_parallel", False) or state.tensor_model_parallel_rank() == 0
 
 

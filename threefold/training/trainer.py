@@ -19,6 +19,7 @@ from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.parallel import state
 from threefold.parallel.data_parallel import GradientBuffer, finalize_model_grads
+from threefold.parallel.pipeline_layout import model_chunk_layers
 from threefold.parallel.random import set_random_seed
 from threefold.parallel.schedules import get_forward_backward_func
 from threefold.training.flops import peak_tflops, training_flops_per_iteration
@@ -38,16 +39,18 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def gpt_forward_step(batch: dict, model: torch.nn.Module):
-    """Megatron's forward step: the model's per-token loss and how to reduce it."""
-    per_token_loss = model(batch["tokens"], labels=batch["labels"])
+def gpt_forward_step(batch: dict, model: torch.nn.Module,
+                     input_tensor: torch.Tensor | None = None):
+    """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
+    hidden states elsewhere) and how to reduce it to the micro-batch loss."""
+    output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
     loss_mask = batch["loss_mask"]
 
-    def loss_func(output: torch.Tensor):
-        loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
         return loss, loss.detach()
 
-    return per_token_loss, loss_func
+    return output, loss_func
 
 
 @dataclass
@@ -58,14 +61,31 @@ class TrainState:
     nan_iterations: int = 0
 
 
-def build_model(config: Config, device: torch.device) -> GPTModel:
-    tp = config.parallel.tensor_model_parallel_size
-    model = GPTModel(config.model, config.model.padded_vocab_size(tp),
-                     sequence_parallel=config.parallel.sequence_parallel)
-    model.initialize(config.training.seed)
-    dtype = (torch.bfloat16 if config.training.bf16
-             else torch.float16 if config.training.fp16 else torch.float32)
-    return model.to(device=device, dtype=dtype)
+def params_dtype(config: Config) -> torch.dtype:
+    training = config.training
+    return (torch.bfloat16 if training.bf16 else torch.float16 if training.fp16
+            else torch.float32)
+
+
+def build_model_chunks(config: Config, device: torch.device) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    parallel = config.parallel
+    pp, rank = parallel.pipeline_model_parallel_size, state.pipeline_model_parallel_rank()
+    layers = model_chunk_layers(config.model.num_layers, pp, rank,
+                                parallel.virtual_pipeline_model_parallel_size,
+                                parallel.decoder_first_pipeline_num_layers,
+                                parallel.decoder_last_pipeline_num_layers)
+    padded_vocab = config.model.padded_vocab_size(parallel.tensor_model_parallel_size)
+    chunks = []
+    for index, (offset, count) in enumerate(layers):
+        chunk = GPTModel(config.model, padded_vocab,
+                         sequence_parallel=parallel.sequence_parallel,
+                         pre_process=rank == 0 and index == 0,
+                         post_process=rank == pp - 1 and index == len(layers) - 1,
+                         num_layers=count, layer_offset=offset)
+        chunk.initialize(config.training.seed)
+        chunks.append(chunk.to(device=device, dtype=params_dtype(config)))
+    return chunks
 
 
 class Trainer:
@@ -76,18 +96,42 @@ class Trainer:
         set_random_seed(training.seed, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         config.model.vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
-        self.model = build_model(config, device)
-        self.grad_buffer = GradientBuffer(list(self.model.parameters()))
-        self.optimizer = MixedPrecisionOptimizer(list(self.model.named_parameters()), training)
+        self.model_chunks = build_model_chunks(config, device)
+        named = [(name, param) for chunk in self.model_chunks
+                 for name, param in chunk.named_parameters()]
+        self.grad_buffer = GradientBuffer([param for _, param in named])
+        self.optimizer = MixedPrecisionOptimizer(named, training)
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
         self.datasets = build_datasets(config)
         self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
         self.flops_per_iteration = training_flops_per_iteration(
-            config.model, training.global_batch_size, self.model.padded_vocab_size)
+            config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
+        parallel = config.parallel
+        sequence = config.model.seq_length // (
+            parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
+        # What travels between pipeline stages: [sequence (/ TP under SP), micro-batch, hidden].
+        self.pipeline_options = {
+            "tensor_shape": (sequence, training.micro_batch_size, config.model.hidden_size),
+            "dtype": params_dtype(config)}
         self._train_iterator = None
         self._last_saved = None
+
+    @property
+    def model(self) -> GPTModel:
+        """The model, when this rank holds a single chunk of it (no virtual pipeline stages)."""
+        (model,) = self.model_chunks
+        return model
+
+    def layout_independent_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters under their names in the whole single-device model."""
+        return [(chunk.layout_independent_name(name), param) for chunk in self.model_chunks
+                for name, param in chunk.named_parameters()]
+
+    def _set_train(self, mode: bool) -> None:
+        for chunk in self.model_chunks:
+            chunk.train(mode)
 
     # -- one step -----------------------------------------------------------------------------
     def train_iterator(self):
@@ -100,11 +144,11 @@ class Trainer:
     def train_step(self) -> tuple[float, float | None, bool]:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
-        self.model.train()
+        self._set_train(True)
         self.grad_buffer.zero()
         losses = get_forward_backward_func()(
-            gpt_forward_step, self.train_iterator(), self.model, self.num_microbatches,
-            loss_scale=self.loss_scaler.scale)
+            gpt_forward_step, self.train_iterator(), self.model_chunks, self.num_microbatches,
+            loss_scale=self.loss_scaler.scale, **self.pipeline_options)
         finalize_model_grads(self.grad_buffer)
         updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
         self.loss_scaler.update(found_inf=not updated)
@@ -112,10 +156,15 @@ class Trainer:
             self.scheduler.step(1)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.config.training.global_batch_size
-        return self._data_parallel_mean(losses), grad_norm, not updated
+        return self._mean_loss(losses), grad_norm, not updated
 
-    def _data_parallel_mean(self, losses: list[torch.Tensor]) -> float:
-        mean = torch.stack(losses).mean()
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean over micro-batches and DP replicas; only the last pipeline stage has losses, so
+        the others receive it through a sum over the pipeline group."""
+        mean = (torch.stack(losses).mean() if losses
+                else torch.zeros((), device=self.device))
+        if state.pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(mean, group=state.pipeline_model_parallel_group())
         if state.data_parallel_world_size() > 1:
             dist.all_reduce(mean, group=state.data_parallel_group())
             mean /= state.data_parallel_world_size()
@@ -127,14 +176,15 @@ class Trainer:
         dataset = self.datasets[split]
         if dataset is None or self.config.training.eval_iters == 0:
             return None
-        self.model.eval()
+        self._set_train(False)
         iterator = micro_batches(dataset, 0, self.config.training.micro_batch_size,
                                  self.config.training.seed, self.device, shuffle=False)
         losses = []
         for _ in range(self.config.training.eval_iters):
             losses += get_forward_backward_func()(
-                gpt_forward_step, iterator, self.model, self.num_microbatches, forward_only=True)
-        return self._data_parallel_mean(losses)
+                gpt_forward_step, iterator, self.model_chunks, self.num_microbatches,
+                forward_only=True, **self.pipeline_options)
+        return self._mean_loss(losses)
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> list[float]:

@@ -1,0 +1,131 @@
+"""Pipeline parallelism (1F1B and interleaved) reproduces the single-process run."""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.parity import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    TRAINING,
+    _setup,
+    assert_close_dicts,
+    assert_losses_close,
+    merge_pipeline_stages,
+    train_job,
+)
+from threefold.parallel import state
+from threefold.parallel.schedules import (
+    ScheduleTrace,
+    forward_backward_pipelining,
+    interleaved_order,
+    one_f_one_b_order,
+)
+from threefold.training.trainer import gpt_forward_step
+
+EIGHT_LAYERS = ["--num-layers", "8"]  # after the style's own --num-layers: argparse keeps the last
+STYLES = {"gpt2_tied": GPT2_STYLE, "llama_untied": LLAMA_STYLE}
+LAYOUTS = {
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
+    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "2"]),
+    "pp4_vpp2": (4, ["--pipeline-model-parallel-size", "4",
+                     "--virtual-pipeline-model-parallel-size", "2"]),
+    "tp2_pp2_dp2": (8, ["--pipeline-model-parallel-size", "2",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {style: train_job(argv + EIGHT_LAYERS + TRAINING, 10)
+            for style, argv in STYLES.items()}
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ten_steps_match_single_process(references, style, layout):
+    world_size, flags = LAYOUTS[layout]
+    argv = STYLES[style] + EIGHT_LAYERS + TRAINING + flags
+    results = run_distributed(world_size, train_job, argv, 10)
+    reference = references[style]
+    for result in results:  # every stage reports the last stage's loss
+        assert_losses_close(result["losses"], reference["losses"], 1e-5)
+    params = merge_pipeline_stages([r["params"] for r in results])
+    assert_close_dicts(params, reference["params"], 1e-5, "parameter")
+
+
+def test_uneven_stages_match_single_process(references):
+    argv = (GPT2_STYLE + EIGHT_LAYERS + TRAINING + ["--pipeline-model-parallel-size", "4",
+            "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"])
+    result = run_distributed(4, train_job, argv, 10)[0]
+    assert_losses_close(result["losses"], references["gpt2_tied"]["losses"], 1e-5)
+
+
+def _one_step_with_trace(argv: list[str]) -> dict:
+    trainer = _setup(argv)
+    trace = ScheduleTrace()
+    losses = forward_backward_pipelining(
+        gpt_forward_step, trainer.train_iterator(), trainer.model_chunks,
+        trainer.num_microbatches, tensor_shape=trainer.pipeline_options["tensor_shape"],
+        dtype=trainer.pipeline_options["dtype"], trace=trace)
+    return {"loss": trainer._mean_loss(losses), "rank": state.pipeline_model_parallel_rank(),
+            "max_in_flight": trace.max_activations_in_flight,
+            "events": len(trace.events)}
+
+
+@pytest.mark.parametrize("micro_batches,virtual", [(1, 1), (3, 1), (4, 1), (9, 1), (4, 2),
+                                                   (8, 2)])
+def test_schedules_complete_and_bound_memory(micro_batches, virtual):
+    flags = ["--micro-batch-size", "1", "--global-batch-size", str(micro_batches),
+             "--pipeline-model-parallel-size", "4"]
+    if virtual > 1:
+        flags += ["--virtual-pipeline-model-parallel-size", str(virtual)]
+    argv = GPT2_STYLE + EIGHT_LAYERS + TRAINING + flags
+    results = run_distributed(4, _one_step_with_trace, argv)
+    expected = _loss_of_first_step(GPT2_STYLE + EIGHT_LAYERS + TRAINING + flags[:4])
+    for result in results:
+        assert abs(result["loss"] - expected) <= 1e-5 * expected
+        if virtual == 1:  # 1F1B: stage r holds at most P - r micro-batches' activations
+            assert result["max_in_flight"] <= 4 - result["rank"]
+
+
+def _loss_of_first_step(argv: list[str]) -> float:
+    trainer = _setup(argv)
+    return trainer.train_step()[0]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+@pytest.mark.parametrize("micro_batches", [1, 2, 5, 8, 17])
+def test_one_f_one_b_order_is_complete_and_bounded(stages, micro_batches):
+    for rank in range(stages):
+        order = one_f_one_b_order(micro_batches, stages, rank)
+        _check_order(order, micro_batches, 1)
+        assert _max_in_flight(order) <= stages - rank
+        assert _max_in_flight(order) == min(stages - rank, micro_batches)
+
+
+@pytest.mark.parametrize("stages,virtual,micro_batches", [(2, 2, 2), (2, 2, 6), (4, 2, 4),
+                                                          (4, 2, 12), (4, 3, 8)])
+def test_interleaved_order_is_complete(stages, virtual, micro_batches):
+    for rank in range(stages):
+        _check_order(interleaved_order(micro_batches, stages, rank, virtual), micro_batches,
+                     virtual)
+
+
+def _check_order(order, micro_batches, chunks):
+    expected = {(mb, c) for mb in range(micro_batches) for c in range(chunks)}
+    forwards = [(mb, c) for kind, mb, c in order if kind == "F"]
+    backwards = [(mb, c) for kind, mb, c in order if kind == "B"]
+    assert sorted(forwards) == sorted(expected) and sorted(backwards) == sorted(expected)
+    for position, (kind, mb, c) in enumerate(order):
+        if kind == "B":
+            assert ("F", mb, c) in order[:position]
+
+
+def _max_in_flight(order) -> int:
+    held, most = 0, 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
