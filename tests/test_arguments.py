@@ -56,6 +56,15 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
     (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4, "--ffn-hidden-size 30"),
     (["--data-path", "x"], 1, "--data-path"),
     (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
+    (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
+     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+      "--num-layers", "6"], 2, "--virtual-pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-layers", "4",
+      "--global-batch-size", "6"], 2, "multiple of --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 2,
+     "--decoder-first/last-pipeline-num-layers"),
 ])
 def test_layout_mistakes_are_reported(capsys, extra, world_size, expected):
     with pytest.raises(SystemExit) as exit_info:

@@ -97,10 +97,13 @@ def test_initialization_is_layout_independent():
     assert_close_dicts(result["params"], reference, 0.0, "initial parameter")
 
 
-def test_dropout_masks_differ_across_tp_ranks_inside_tp_regions():
-    results = run_distributed(2, _dropout_masks_job)
-    assert torch.equal(results[0]["replicated"], results[1]["replicated"])
+def test_dropout_masks_differ_across_tp_ranks_inside_tp_regions_only():
+    results = run_distributed(4, _dropout_masks_job)  # TP=2 x DP=2: ranks 0,1 and 2,3 are TP
+    assert all(torch.equal(r["replicated"], results[0]["replicated"]) for r in results)
     assert not torch.equal(results[0]["split"], results[1]["split"])
+    # Data-parallel replicas draw the same masks: rank 2 mirrors rank 0, rank 3 rank 1.
+    assert torch.equal(results[0]["split"], results[2]["split"])
+    assert torch.equal(results[1]["split"], results[3]["split"])
 
 
 def _dropout_masks_job() -> dict:

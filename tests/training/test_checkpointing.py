@@ -33,7 +33,9 @@ def _resume_job(argv: list[str], directory: str) -> dict:
     return {"straight": straight, "resumed_losses": resumed_losses, "resumed_params": params}
 
 
-@pytest.mark.parametrize("world_size,layout", [(2, []), (2, ["--tensor-model-parallel-size", "2"])])
+@pytest.mark.parametrize("world_size,layout", [
+    (2, []), (2, ["--tensor-model-parallel-size", "2"]),
+    (2, ["--pipeline-model-parallel-size", "2"])])
 def test_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     argv = LLAMA_STYLE + TRAINING + DROPOUT + layout
     result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]

@@ -43,7 +43,9 @@ Action = tuple[str, int, int]  # ("F" or "B", micro-batch, model chunk)
 @dataclass
 class ScheduleTrace:
     """Per-rank record of one schedule: (what, micro-batch, chunk, start, end) per event, where
-    `what` is F, B, recv-forward or recv-backward; and the most activations held at once."""
+    `what` is F, B, recv-forward, recv-backward (time spent waiting for the data),
+    send-forward or send-backward (time to post the asynchronous send); and the most
+    micro-batches' activations held at once."""
 
     events: list[tuple[str, int, int, float, float]] = field(default_factory=list)
     max_activations_in_flight: int = 0
@@ -127,7 +129,8 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
                     reported.append(value)
                     output = loss * (loss_scale / num_microbatches)
             if not model.post_process:
-                p2p.send_forward(output)
+                with _recorded(trace, "send-forward", micro_batch, chunk):
+                    p2p.send_forward(output)
             if not forward_only:
                 held[(micro_batch, chunk)] = (input_tensor, output)
                 if trace is not None:
@@ -142,7 +145,8 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
             with _recorded(trace, "B", micro_batch, chunk):
                 torch.autograd.backward(output, grad_tensors=grad)
             if not model.pre_process:
-                p2p.send_backward(input_tensor.grad)
+                with _recorded(trace, "send-backward", micro_batch, chunk):
+                    p2p.send_backward(input_tensor.grad)
     p2p.wait_all()
     return reported
 
