@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "parallel", "--decoder-first-pipeline-num-layers", type=int)
     _add(g, "parallel", "--decoder-last-pipeline-num-layers", type=int)
     _add(g, "parallel", "--sequence-parallel", action=_STORE_TRUE)
+    _add(g, "parallel", "--use-distributed-optimizer", action=_STORE_TRUE,
+         help="shard fp32 master weights and Adam moments across data-parallel ranks")
     _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
          help="default: nccl when CUDA is available, else gloo")
     _add(g, "parallel", "--distributed-timeout-minutes", type=int)

@@ -77,21 +77,10 @@ def model_tensors(named_parameters) -> dict[str, torch.Tensor]:
 
 def _tensor_state(trainer, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor this rank holds: the model's and, optionally, the optimizer's."""
-    named, optimizer = trainer.layout_independent_parameters(), trainer.optimizer
+    named = trainer.layout_independent_parameters()
     tensors = model_tensors(named)
-    if not with_optimizer:
-        return tensors
-    for (name, _), master in zip(named, optimizer.master_params):
-        key = _key(name)
-        adam = optimizer.optimizer.state[master]
-        if not adam:  # no step taken yet: give load something of the right shape to fill
-            adam.update(step=torch.zeros((), dtype=torch.float32),
-                        exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master))
-        tensors[f"optimizer.exp_avg.{key}"] = adam["exp_avg"]
-        tensors[f"optimizer.exp_avg_sq.{key}"] = adam["exp_avg_sq"]
-        tensors[f"optimizer.step.{key}"] = adam["step"]
-        if optimizer.half:
-            tensors[f"optimizer.master.{key}"] = master.data
+    if with_optimizer:
+        tensors.update(trainer.optimizer.state_tensors({p: _key(n) for n, p in named}))
     return tensors
 
 
@@ -166,20 +155,26 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True,
             raise ConfigError(f"--load {root}: the checkpoint was saved with {flag} "
                               f"{saved[name]} but this run uses {getattr(current, name)}; "
                               "load it with the same layout")
+    if load_optimizer and (saved["use_distributed_optimizer"] or
+                           current.use_distributed_optimizer):
+        saved_dp = saved["world_size"] // (saved["tensor_model_parallel_size"]
+                                           * saved["pipeline_model_parallel_size"])
+        if (saved["use_distributed_optimizer"] != current.use_distributed_optimizer
+                or saved_dp != current.data_parallel_size):
+            raise ConfigError(
+                f"--load {root}: the optimizer state was saved with "
+                f"{'' if saved['use_distributed_optimizer'] else 'no '}--use-distributed-optimizer "
+                f"at data-parallel size {saved_dp}; load it the same way (resharding "
+                "distributed-optimizer state is not supported yet)")
     tensors = _tensor_state(trainer, with_optimizer=load_optimizer)
     dcp.load(tensors, checkpoint_id=checkpoint_dir(root, iteration))
+    # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:
         trainer.scheduler.load_state_dict(metadata["scheduler"])
         trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
-    if trainer.optimizer.half:
-        # fp32 masters are the truth when they were loaded; otherwise start them from the model.
-        with torch.no_grad():
-            for param, master in zip(trainer.optimizer.model_params,
-                                     trainer.optimizer.master_params):
-                if load_optimizer:
-                    param.copy_(master)
-                else:
-                    master.copy_(param)
+        trainer.optimizer.copy_masters_to_model()
+    else:
+        trainer.optimizer.copy_model_to_masters()
     for name, value in metadata["train_state"].items():
         setattr(trainer.state, name, value)
     if load_rng:

@@ -118,6 +118,7 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: int = 10
     world_size: int = 1

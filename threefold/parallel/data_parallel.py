@@ -6,7 +6,8 @@ As in Megatron's DistributedDataParallel, every parameter's gradient accumulates
 1. sequence-parallel replicated parameters (norms, row-parallel biases) saw only their rank's
    slice of the sequence: their gradients are summed over the TP group;
 2. the buffer is averaged over the data-parallel group (PyTorch DDP semantics: the mean of the
-   replicas' gradients), in buckets so no single message is huge.
+   replicas' gradients), in buckets so no single message is huge; under the distributed
+   optimizer it is reduce-scattered instead, each DP rank keeping the mean of its shard.
 """
 
 from __future__ import annotations
@@ -19,18 +20,32 @@ from threefold.parallel import state
 
 
 class GradientBuffer:
-    def __init__(self, params: list[nn.Parameter], bucket_size: int = 40_000_000) -> None:
+    """`flat_parameters=True` also moves the parameters into one flat buffer of the same layout
+    (the distributed optimizer all-gathers it), and `pad_to_multiple` pads both so they split
+    into equal data-parallel shards."""
+
+    def __init__(self, params: list[nn.Parameter], bucket_size: int = 40_000_000,
+                 pad_to_multiple: int = 1, flat_parameters: bool = False) -> None:
         self.params = [p for p in params if p.requires_grad]
         device = self.params[0].device
         numel = sum(p.numel() for p in self.params)
+        numel = -(-numel // pad_to_multiple) * pad_to_multiple
         self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.param_buffer = (torch.zeros(numel, dtype=self.params[0].dtype, device=device)
+                             if flat_parameters else None)
         self.bucket_size = bucket_size
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         offset = 0
         # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
         # gradients first, so their buckets complete first.
         for param in reversed(self.params):
-            param.main_grad = self.buffer[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+            end = offset + param.numel()
+            self.ranges[param] = (offset, end)
+            param.main_grad = self.buffer[offset:end].view_as(param)
+            if self.param_buffer is not None:
+                self.param_buffer[offset:end].copy_(param.data.view(-1))
+                param.data = self.param_buffer[offset:end].view_as(param)
+            offset = end
             param.register_post_accumulate_grad_hook(self._accumulate)
 
     @staticmethod
@@ -41,14 +56,43 @@ class GradientBuffer:
     def zero(self) -> None:
         self.buffer.zero_()
 
+    def _buckets(self):
+        for start in range(0, self.buffer.numel(), self.bucket_size):
+            yield self.buffer[start:start + self.bucket_size]
+
     def all_reduce_data_parallel(self) -> None:
         world = state.data_parallel_world_size()
         if world == 1:
             return
         self.buffer.div_(world)
-        group = state.data_parallel_group()
-        for start in range(0, self.buffer.numel(), self.bucket_size):
-            dist.all_reduce(self.buffer[start:start + self.bucket_size], group=group)
+        for bucket in self._buckets():
+            dist.all_reduce(bucket, group=state.data_parallel_group())
+
+    def shard_range(self) -> tuple[int, int]:
+        """This DP rank's slice of the buffers under the distributed optimizer."""
+        size = self.buffer.numel() // state.data_parallel_world_size()
+        start = state.data_parallel_rank() * size
+        return start, start + size
+
+    def reduce_scatter_data_parallel(self) -> None:
+        """Mean gradients, but only this rank's shard of them is complete afterwards."""
+        world = state.data_parallel_world_size()
+        if world == 1:
+            return
+        self.buffer.div_(world)
+        start, end = self.shard_range()
+        shard = torch.empty(end - start, dtype=self.buffer.dtype, device=self.buffer.device)
+        dist.reduce_scatter_tensor(shard, self.buffer, group=state.data_parallel_group())
+        self.buffer[start:end].copy_(shard)
+
+    @torch.no_grad()
+    def all_gather_parameters(self) -> None:
+        """Every DP rank updated its shard of the parameters: share them."""
+        if state.data_parallel_world_size() == 1:
+            return
+        start, end = self.shard_range()
+        local = self.param_buffer[start:end].clone()
+        dist.all_gather_into_tensor(self.param_buffer, local, group=state.data_parallel_group())
 
 
 def all_reduce_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
@@ -74,7 +118,10 @@ def all_reduce_embedding_grads(params: list[nn.Parameter]) -> None:
             dist.all_reduce(param.main_grad, group=state.embedding_group())
 
 
-def finalize_model_grads(grad_buffer: GradientBuffer) -> None:
+def finalize_model_grads(grad_buffer: GradientBuffer, reduce_scatter: bool = False) -> None:
     all_reduce_sequence_parallel_grads(grad_buffer.params)
     all_reduce_embedding_grads(grad_buffer.params)
-    grad_buffer.all_reduce_data_parallel()
+    if reduce_scatter:  # the distributed optimizer needs only its shard
+        grad_buffer.reduce_scatter_data_parallel()
+    else:
+        grad_buffer.all_reduce_data_parallel()

@@ -41,6 +41,10 @@ def initialize_p2p_groups(pipeline_size: int, timeout_minutes: float = 10) -> No
                 _GROUPS[kind] = group
 
 
+def destroy_p2p_groups() -> None:
+    _GROUPS.clear()  # the groups themselves are destroyed with the others by state
+
+
 def _ring_rank(offset: int) -> int:
     ranks = dist.get_process_group_ranks(state.pipeline_model_parallel_group())
     position = state.pipeline_model_parallel_rank()

@@ -59,14 +59,23 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     return device
 
 
+_GROUPS_BEFORE: set = set()
+
+
+def _process_groups() -> set:
+    # c10d keeps every group alive in its registry; there is no public way to list them.
+    return set(dist.distributed_c10d._world.pg_map)
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               timeout_minutes: int = 10) -> None:
     """Build TP/PP/DP groups over the initialized world with megatron-core."""
+    destroy_model_parallel()
+    _GROUPS_BEFORE.clear()
+    _GROUPS_BEFORE.update(_process_groups())
     ps = _parallel_state()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -81,9 +90,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
 
 def destroy_model_parallel() -> None:
+    """Tear the groups down for real. megatron-core's destroy only forgets its references; the
+    groups (each with a gloo event-loop thread) would otherwise live on, so a process that
+    re-initializes many layouts (the test workers) would accumulate hundreds of threads."""
     ps = _parallel_state()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    if not ps.model_parallel_is_initialized():
+        return
+    ps.destroy_model_parallel()
+    from threefold.parallel.p2p import destroy_p2p_groups
+
+    destroy_p2p_groups()
+    for group in _process_groups() - _GROUPS_BEFORE:
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 def is_initialized() -> bool:

@@ -31,7 +31,8 @@ from threefold.training.logging import (
 )
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
-from threefold.training.optimizer import MixedPrecisionOptimizer
+from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 
 
 def print_rank_0(message: str) -> None:
@@ -99,8 +100,14 @@ class Trainer:
         self.model_chunks = build_model_chunks(config, device)
         named = [(name, param) for chunk in self.model_chunks
                  for name, param in chunk.named_parameters()]
-        self.grad_buffer = GradientBuffer([param for _, param in named])
-        self.optimizer = MixedPrecisionOptimizer(named, training)
+        if config.parallel.use_distributed_optimizer:
+            self.grad_buffer = GradientBuffer(
+                [param for _, param in named], flat_parameters=True,
+                pad_to_multiple=state.data_parallel_world_size())
+            self.optimizer = DistributedOptimizer(named, self.grad_buffer, training)
+        else:
+            self.grad_buffer = GradientBuffer([param for _, param in named])
+            self.optimizer = MixedPrecisionOptimizer(named, training)
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
@@ -149,7 +156,8 @@ class Trainer:
         losses = get_forward_backward_func()(
             gpt_forward_step, self.train_iterator(), self.model_chunks, self.num_microbatches,
             loss_scale=self.loss_scaler.scale, **self.pipeline_options)
-        finalize_model_grads(self.grad_buffer)
+        finalize_model_grads(self.grad_buffer,
+                             reduce_scatter=self.config.parallel.use_distributed_optimizer)
         updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
@@ -196,6 +204,8 @@ class Trainer:
         while self.state.iteration < training.train_iters:
             loss, grad_norm, skipped = self.train_step()
             losses.append(loss)
+            if len(losses) == 1:  # optimizer state exists from the first step on
+                print_rank_0(f"> rank 0 {measure_bytes_per_parameter(self)}")
             self.state.skipped_iterations += int(skipped)
             if skipped:
                 self.state.nan_iterations += int(not torch.isfinite(torch.tensor(loss)))
