@@ -25,6 +25,11 @@ STYLES = {"gpt2_tied": GPT2_STYLE, "llama_untied": LLAMA_STYLE}
 LAYOUTS = [(2, False), (2, True), (4, False), (4, True)]
 
 
+def _tensor_parallel_argv(style: str, tp: int, sequence_parallel: bool) -> list[str]:
+    argv = STYLES[style] + TRAINING + ["--tensor-model-parallel-size", str(tp)]
+    return argv + (["--sequence-parallel"] if sequence_parallel else [])
+
+
 @pytest.fixture(scope="module")
 def references():
     return {style: {"grads": gradient_job(argv + TRAINING), "train": train_job(argv + TRAINING, 10)}
@@ -34,8 +39,7 @@ def references():
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("tp,sequence_parallel", LAYOUTS)
 def test_logits_loss_and_gradients_match(references, style, tp, sequence_parallel):
-    argv = STYLES[style] + TRAINING + ["--tensor-model-parallel-size", str(tp)]
-    argv += ["--sequence-parallel"] if sequence_parallel else []
+    argv = _tensor_parallel_argv(style, tp, sequence_parallel)
     reference = references[style]["grads"]
     for result in run_distributed(tp, gradient_job, argv):
         assert relative_error(result["logits"], reference["logits"]) <= 1e-5
@@ -46,8 +50,7 @@ def test_logits_loss_and_gradients_match(references, style, tp, sequence_paralle
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("tp,sequence_parallel", LAYOUTS)
 def test_ten_training_steps_match(references, style, tp, sequence_parallel):
-    argv = STYLES[style] + TRAINING + ["--tensor-model-parallel-size", str(tp)]
-    argv += ["--sequence-parallel"] if sequence_parallel else []
+    argv = _tensor_parallel_argv(style, tp, sequence_parallel)
     reference = references[style]["train"]
     result = run_distributed(tp, train_job, argv, 10)[0]
     assert_losses_close(result["losses"], reference["losses"], 1e-5)
