@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "model", "--init-method-std", type=float)
     _add(g, "model", "--vocab-size", type=int)
     _add(g, "model", "--make-vocab-size-divisible-by", type=int)
+    _add(g, "model", "--recompute-granularity", choices=["full", "selective"],
+         help="full: recompute whole layers; selective: only core attention")
+    _add(g, "model", "--recompute-method", choices=["uniform", "block"],
+         help="uniform: checkpoint groups of --recompute-num-layers layers; block: "
+              "checkpoint the first --recompute-num-layers layers of each stage")
+    _add(g, "model", "--recompute-num-layers", type=int)
 
     g = parser.add_argument_group("parallelism")
     _add(g, "parallel", "--tensor-model-parallel-size", type=int)

@@ -48,6 +48,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def finalize(self) -> None:
         """Fill the fields Megatron derives from others, then validate."""
@@ -100,6 +103,21 @@ class ModelConfig:
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
         _require(self.make_vocab_size_divisible_by > 0,
                  "--make-vocab-size-divisible-by must be positive")
+        self._finalize_recompute()
+
+    def _finalize_recompute(self) -> None:
+        granularity, method = self.recompute_granularity, self.recompute_method
+        _require(granularity in (None, "full", "selective"),
+                 "--recompute-granularity must be full or selective")
+        if granularity == "full":
+            _require(method in ("uniform", "block"),
+                     "--recompute-granularity full needs --recompute-method uniform or block")
+            _require(self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
+                     "--recompute-granularity full needs --recompute-num-layers >= 1")
+        else:
+            _require(method is None and self.recompute_num_layers is None,
+                     "--recompute-method and --recompute-num-layers need "
+                     "--recompute-granularity full")
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice."""

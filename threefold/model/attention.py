@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.model.recompute import checkpoint
 from threefold.model.rope import apply_rotary_pos_emb
 from threefold.parallel import state
 from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -30,6 +31,9 @@ class SelfAttention(nn.Module):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.attention_dropout = config.attention_dropout
+        # Megatron's selective recomputation: the attention scores are the activations that
+        # grow with the square of the sequence, and the cheapest to recompute.
+        self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, bias=config.add_bias_linear, init_method=init_method,
@@ -55,12 +59,19 @@ class SelfAttention(nn.Module):
         # SDPA wants [batch, heads, sequence, head_dim]; query head i reads key/value group
         # i // heads_per_group, which is SDPA's grouped-query convention.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.recompute_core_attention and self.training:
+            context = checkpoint(self._core_attention, query, key, value)
+        else:
+            context = self._core_attention(query, key, value)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(context)
+
+    def _core_attention(self, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
-            context = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 query, key, value, dropout_p=dropout, is_causal=True,
                 enable_gqa=self.heads_per_group > 1)
-        context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.linear_proj(context)

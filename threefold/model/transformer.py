@@ -12,6 +12,7 @@ from threefold.config import ModelConfig
 from threefold.model.attention import SelfAttention
 from threefold.model.mlp import MLP
 from threefold.model.norms import Norm
+from threefold.model.recompute import checkpoint
 from threefold.parallel.random import get_rng_tracker
 from threefold.parallel.sharding import InitMethod
 
@@ -62,6 +63,9 @@ class TransformerBlock(nn.Module):
                  sequence_parallel: bool, final_layernorm: bool) -> None:
         super().__init__()
         self.layer_offset = layer_offset
+        full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method if full else None
+        self.recompute_num_layers = config.recompute_num_layers
         self.layers = nn.ModuleList(
             TransformerLayer(config, layer_offset + i + 1, init_method, output_layer_init_method,
                              sequence_parallel)
@@ -70,10 +74,28 @@ class TransformerBlock(nn.Module):
             Norm(config.hidden_size, config.normalization, config.norm_epsilon, sequence_parallel)
             if final_layernorm else None)
 
+    def _run_layers(self, start: int, end: int):
+        def run(hidden_states, rotary):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, rotary)
+            return hidden_states
+
+        return run
+
     def forward(self, hidden_states: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, rotary)
+        count, every = len(self.layers), self.recompute_num_layers
+        if not (self.training and self.recompute_method):
+            hidden_states = self._run_layers(0, count)(hidden_states, rotary)
+        elif self.recompute_method == "uniform":  # groups of `every` layers, each recomputed
+            for start in range(0, count, every):
+                hidden_states = checkpoint(self._run_layers(start, start + every),
+                                           hidden_states, rotary)
+        else:  # "block": the first `every` layers recomputed, the others kept
+            for index in range(count):
+                run = self._run_layers(index, index + 1)
+                hidden_states = (checkpoint(run, hidden_states, rotary) if index < every
+                                 else run(hidden_states, rotary))
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
