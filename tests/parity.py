@@ -91,7 +91,7 @@ def gradient_job(argv: list[str]) -> dict:
     batch = next(trainer.train_iterator())
     logits = gather_from_tensor_parallel_region(model(batch["tokens"]))
     logits = logits[..., : model.vocab_size].detach().numpy().copy()
-    trainer.grad_buffer.zero()
+    trainer.grad_buffer.start_step(num_microbatches=1)
     loss = model(batch["tokens"], labels=batch["labels"]).mean()
     loss.backward()
     finalize_model_grads(trainer.grad_buffer)

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "parallel", "--sequence-parallel", action=_STORE_TRUE)
     _add(g, "parallel", "--use-distributed-optimizer", action=_STORE_TRUE,
          help="shard fp32 master weights and Adam moments across data-parallel ranks")
+    _add(g, "parallel", "--overlap-grad-reduce", action=_STORE_TRUE,
+         help="all-reduce each gradient bucket as soon as backward has produced it")
+    _add(g, "parallel", "--ddp-bucket-size", type=int, help="elements per gradient bucket")
     _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
          help="default: nccl when CUDA is available, else gloo")
     _add(g, "parallel", "--distributed-timeout-minutes", type=int)

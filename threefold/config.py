@@ -137,6 +137,8 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    ddp_bucket_size: int = 40_000_000
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: int = 10
     world_size: int = 1
@@ -228,6 +230,10 @@ class ParallelConfig:
                 f"--seq-length {model.seq_length} is not divisible by "
                 f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs",
             )
+        _require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
+        _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
+                 "--overlap-grad-reduce with --use-distributed-optimizer is not supported yet; "
+                 "drop one of them")
         _require(self.distributed_backend in (None, "gloo", "nccl"),
                  "--distributed-backend must be gloo or nccl")
         return warnings

@@ -1,13 +1,21 @@
 """Data parallelism reproduces the single-process run (real gloo ranks)."""
 
+import pytest
+
 from tests.distributed import run_distributed
 from tests.parity import (
     GPT2_STYLE,
+    LLAMA_STYLE,
     TRAINING,
+    _setup,
     assert_close_dicts,
     assert_losses_close,
+    merge_pipeline_stages,
     train_job,
 )
+from threefold.parallel.data_parallel import finalize_model_grads
+from threefold.parallel.schedules import get_forward_backward_func
+from threefold.training.trainer import gpt_forward_step
 
 
 def test_data_parallel_2_matches_single_process():
@@ -20,3 +28,40 @@ def test_data_parallel_2_matches_single_process():
     assert_close_dicts(results[0]["params"], reference["params"], 1e-6, "parameter")
     # Replicas stay identical.
     assert_close_dicts(results[1]["params"], results[0]["params"], 0.0, "replica parameter")
+
+
+
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
+
+
+@pytest.mark.parametrize("world_size,flags,tolerance", [
+    (2, [], 1e-6),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
+    (4, ["--pipeline-model-parallel-size", "2"], 1e-6),
+])
+def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags, tolerance):
+    argv = LLAMA_STYLE + TRAINING
+    reference = train_job(argv, 10)
+    results = run_distributed(world_size, train_job, argv + OVERLAP + flags, 10)
+    for result in results:
+        assert_losses_close(result["losses"], reference["losses"], tolerance)
+    params = merge_pipeline_stages([r["params"] for r in results])
+    assert_close_dicts(params, reference["params"], tolerance, "parameter")
+
+
+def _buckets_launched_in_backward(argv: list[str]) -> dict:
+    trainer = _setup(argv)
+    buffer = trainer.grad_buffer
+    buffer.start_step(trainer.num_microbatches)
+    get_forward_backward_func()(gpt_forward_step, trainer.train_iterator(),
+                                trainer.model_chunks, trainer.num_microbatches)
+    launched = len(buffer._handles)  # before finalize_model_grads is called
+    finalize_model_grads(buffer)
+    return {"buckets": len(buffer.buckets), "launched_during_backward": launched}
+
+
+def test_overlap_launches_every_bucket_during_backward():
+    result = run_distributed(2, _buckets_launched_in_backward,
+                             LLAMA_STYLE + TRAINING + OVERLAP)[0]
+    assert result["buckets"] > 3
+    assert result["launched_during_backward"] == result["buckets"]

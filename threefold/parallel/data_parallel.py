@@ -3,11 +3,13 @@
 As in Megatron's DistributedDataParallel, every parameter's gradient accumulates into
 `param.main_grad`, a view into one flat fp32 buffer, over all micro-batches of a global batch.
 `finalize_model_grads` then makes the gradients complete and equal everywhere, once per step:
-1. sequence-parallel replicated parameters (norms, row-parallel biases) saw only their rank's
+1. the buffer is averaged over the data-parallel group (PyTorch DDP semantics: the mean of the
+   replicas' gradients), in buckets so no single message is huge, and with
+   --overlap-grad-reduce each bucket as soon as backward has finished it; under the
+   distributed optimizer it is reduce-scattered instead, each DP rank keeping its shard;
+2. sequence-parallel replicated parameters (norms, row-parallel biases) saw only their rank's
    slice of the sequence: their gradients are summed over the TP group;
-2. the buffer is averaged over the data-parallel group (PyTorch DDP semantics: the mean of the
-   replicas' gradients), in buckets so no single message is huge; under the distributed
-   optimizer it is reduce-scattered instead, each DP rank keeping the mean of its shard.
+3. tied embeddings split over the first and last pipeline stage: summed over both.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ from threefold.parallel import state
 class GradientBuffer:
     """`flat_parameters=True` also moves the parameters into one flat buffer of the same layout
     (the distributed optimizer all-gathers it), and `pad_to_multiple` pads both so they split
-    into equal data-parallel shards."""
+    into equal data-parallel shards.
+
+    Buckets are runs of whole parameters of at least `bucket_size` elements (Megatron's
+    --ddp-bucket-size). With `overlap_grad_reduce`, a parameter's gradient is final once its
+    hook has fired for every micro-batch of the step; when all of a bucket's gradients are
+    final its all-reduce is launched asynchronously, overlapping the rest of the backward pass.
+    """
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int = 40_000_000,
-                 pad_to_multiple: int = 1, flat_parameters: bool = False) -> None:
+                 pad_to_multiple: int = 1, flat_parameters: bool = False,
+                 overlap_grad_reduce: bool = False) -> None:
         self.params = [p for p in params if p.requires_grad]
         device = self.params[0].device
         numel = sum(p.numel() for p in self.params)
@@ -33,40 +42,69 @@ class GradientBuffer:
         self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)
         self.param_buffer = (torch.zeros(numel, dtype=self.params[0].dtype, device=device)
                              if flat_parameters else None)
-        self.bucket_size = bucket_size
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
-        offset = 0
+        self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
+        self._bucket_of: dict[nn.Parameter, int] = {}
+        offset = bucket_start = 0
         # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
         # gradients first, so their buckets complete first.
         for param in reversed(self.params):
             end = offset + param.numel()
             self.ranges[param] = (offset, end)
+            self._bucket_of[param] = len(self.buckets)
             param.main_grad = self.buffer[offset:end].view_as(param)
             if self.param_buffer is not None:
                 self.param_buffer[offset:end].copy_(param.data.view(-1))
                 param.data = self.param_buffer[offset:end].view_as(param)
             offset = end
+            if end - bucket_start >= bucket_size:
+                self.buckets.append((bucket_start, end))
+                bucket_start = end
             param.register_post_accumulate_grad_hook(self._accumulate)
+        if bucket_start < numel or not self.buckets:
+            self.buckets.append((bucket_start, numel))  # the last bucket holds the padding
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.start_step(num_microbatches=1)
 
-    @staticmethod
-    def _accumulate(param: torch.Tensor) -> None:
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the gradients and arm the per-bucket countdown for a step."""
+        self.buffer.zero_()
+        self._expected_calls = num_microbatches
+        self._calls = dict.fromkeys(self.params, 0)
+        self._pending = [0] * len(self.buckets)
+        for param in self.params:
+            self._pending[self._bucket_of[param]] += 1
+        self._handles: dict[int, object] = {}
+
+    def _accumulate(self, param: torch.Tensor) -> None:
         param.main_grad.add_(param.grad)
         param.grad = None
+        if not self.overlap_grad_reduce:
+            return
+        self._calls[param] += 1
+        if self._calls[param] == self._expected_calls:
+            bucket = self._bucket_of[param]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._launch(bucket)
 
-    def zero(self) -> None:
-        self.buffer.zero_()
-
-    def _buckets(self):
-        for start in range(0, self.buffer.numel(), self.bucket_size):
-            yield self.buffer[start:start + self.bucket_size]
+    def _launch(self, bucket: int) -> None:
+        world = state.data_parallel_world_size()
+        if world == 1 or bucket in self._handles:
+            return
+        start, end = self.buckets[bucket]
+        self.buffer[start:end].div_(world)
+        self._handles[bucket] = dist.all_reduce(
+            self.buffer[start:end], group=state.data_parallel_group(), async_op=True)
 
     def all_reduce_data_parallel(self) -> None:
-        world = state.data_parallel_world_size()
-        if world == 1:
-            return
-        self.buffer.div_(world)
-        for bucket in self._buckets():
-            dist.all_reduce(bucket, group=state.data_parallel_group())
+        """Mean over DP replicas: wait for the buckets launched during backward (overlap), and
+        reduce the others now."""
+        for bucket in range(len(self.buckets)):
+            self._launch(bucket)
+        for handle in self._handles.values():
+            handle.wait()
+        self._handles = {}
 
     def shard_range(self) -> tuple[int, int]:
         """This DP rank's slice of the buffers under the distributed optimizer."""
@@ -119,9 +157,11 @@ def all_reduce_embedding_grads(params: list[nn.Parameter]) -> None:
 
 
 def finalize_model_grads(grad_buffer: GradientBuffer, reduce_scatter: bool = False) -> None:
-    all_reduce_sequence_parallel_grads(grad_buffer.params)
-    all_reduce_embedding_grads(grad_buffer.params)
+    # The DP reduction comes first: with --overlap-grad-reduce it is already in flight on the
+    # buffer, and the TP and embedding sums below commute with the DP mean.
     if reduce_scatter:  # the distributed optimizer needs only its shard
         grad_buffer.reduce_scatter_data_parallel()
     else:
         grad_buffer.all_reduce_data_parallel()
+    all_reduce_sequence_parallel_grads(grad_buffer.params)
+    all_reduce_embedding_grads(grad_buffer.params)

@@ -100,14 +100,14 @@ class Trainer:
         self.model_chunks = build_model_chunks(config, device)
         named = [(name, param) for chunk in self.model_chunks
                  for name, param in chunk.named_parameters()]
-        if config.parallel.use_distributed_optimizer:
-            self.grad_buffer = GradientBuffer(
-                [param for _, param in named], flat_parameters=True,
-                pad_to_multiple=state.data_parallel_world_size())
-            self.optimizer = DistributedOptimizer(named, self.grad_buffer, training)
-        else:
-            self.grad_buffer = GradientBuffer([param for _, param in named])
-            self.optimizer = MixedPrecisionOptimizer(named, training)
+        parallel = config.parallel
+        distributed = parallel.use_distributed_optimizer
+        self.grad_buffer = GradientBuffer(
+            [param for _, param in named], bucket_size=parallel.ddp_bucket_size,
+            pad_to_multiple=state.data_parallel_world_size() if distributed else 1,
+            flat_parameters=distributed, overlap_grad_reduce=parallel.overlap_grad_reduce)
+        self.optimizer = (DistributedOptimizer(named, self.grad_buffer, training) if distributed
+                          else MixedPrecisionOptimizer(named, training))
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
@@ -115,7 +115,6 @@ class Trainer:
         self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
         self.flops_per_iteration = training_flops_per_iteration(
             config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
-        parallel = config.parallel
         sequence = config.model.seq_length // (
             parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
         # What travels between pipeline stages: [sequence (/ TP under SP), micro-batch, hidden].
@@ -152,7 +151,7 @@ class Trainer:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
         self._set_train(True)
-        self.grad_buffer.zero()
+        self.grad_buffer.start_step(self.num_microbatches)
         losses = get_forward_backward_func()(
             gpt_forward_step, self.train_iterator(), self.model_chunks, self.num_microbatches,
             loss_scale=self.loss_scaler.scale, **self.pipeline_options)
