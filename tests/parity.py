@@ -117,3 +117,12 @@ def assert_losses_close(actual: list[float], expected: list[float], tolerance: f
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert abs(a - e) <= tolerance * abs(e), (
             f"step {step}: loss {a!r} vs reference {e!r} (relative {abs(a - e) / abs(e):.2e})")
+
+
+def assert_matches_reference(results: list[dict], reference: dict, tolerance: float) -> None:
+    """Every rank's losses, and the parameters merged over pipeline stages, match the
+    reference run's within `tolerance` (relative)."""
+    for result in results:  # every stage reports the last stage's loss
+        assert_losses_close(result["losses"], reference["losses"], tolerance)
+    params = merge_pipeline_stages([r["params"] for r in results])
+    assert_close_dicts(params, reference["params"], tolerance, "parameter")

@@ -10,7 +10,7 @@ from tests.parity import (
     _setup,
     assert_close_dicts,
     assert_losses_close,
-    merge_pipeline_stages,
+    assert_matches_reference,
     train_job,
 )
 from threefold.parallel.data_parallel import finalize_model_grads
@@ -43,10 +43,7 @@ def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags,
     argv = LLAMA_STYLE + TRAINING
     reference = train_job(argv, 10)
     results = run_distributed(world_size, train_job, argv + OVERLAP + flags, 10)
-    for result in results:
-        assert_losses_close(result["losses"], reference["losses"], tolerance)
-    params = merge_pipeline_stages([r["params"] for r in results])
-    assert_close_dicts(params, reference["params"], tolerance, "parameter")
+    assert_matches_reference(results, reference, tolerance)
 
 
 def _buckets_launched_in_backward(argv: list[str]) -> dict:

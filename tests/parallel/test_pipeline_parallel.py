@@ -8,9 +8,8 @@ from tests.parity import (
     LLAMA_STYLE,
     TRAINING,
     _setup,
-    assert_close_dicts,
     assert_losses_close,
-    merge_pipeline_stages,
+    assert_matches_reference,
     train_job,
 )
 from threefold.parallel import state
@@ -49,10 +48,7 @@ def test_ten_steps_match_single_process(references, style, layout):
     argv = STYLES[style] + EIGHT_LAYERS + TRAINING + flags
     results = run_distributed(world_size, train_job, argv, 10)
     reference = references[style]
-    for result in results:  # every stage reports the last stage's loss
-        assert_losses_close(result["losses"], reference["losses"], 1e-5)
-    params = merge_pipeline_stages([r["params"] for r in results])
-    assert_close_dicts(params, reference["params"], 1e-5, "parameter")
+    assert_matches_reference(results, reference, 1e-5)
 
 
 def test_uneven_stages_match_single_process(references):
