@@ -16,6 +16,7 @@ Megatron.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,10 @@ def _counts_towards_norm(param: nn.Parameter) -> bool:
     return getattr(param, "tensor_model_parallel", False) or state.tensor_model_parallel_rank() == 0
 
 
-def _all_reduce(tensor: torch.Tensor, groups: list, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(tensor, op=op, group=group)
+            dist.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -55,9 +56,8 @@ class _Piece:
 class _AdamWithMasters:
     """What both optimizers share: masters in `pieces`, AdamW over them, and the step."""
 
-    # Groups whose members hold disjoint parts of the gradients: norms and inf checks sum or
-    # max over them. The model-parallel group always; the DP group under the distributed
-    # optimizer.
+    # Groups whose members hold disjoint parts of the gradients, which the norm sums over: the
+    # model-parallel group always, the DP group under the distributed optimizer.
     reduction_groups: list
 
     def _build(self, pieces: list[_Piece], config: TrainingConfig) -> None:
@@ -90,19 +90,14 @@ class _AdamWithMasters:
         raise NotImplementedError
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """The global gradient norm over all ranks holding parts of the model; inf or nan when
+        any gradient holds inf or nan (uncounted replicas are copies of counted ones), so one
+        pass and one reduction also serve as the overflow check."""
         device = self.optimizer.param_groups[0]["params"][0].device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for piece, grad in zip(self.pieces, grads):
-            if _counts_towards_norm(piece.param):
-                total += grad.float().pow(2).sum()
+        counted = [g for piece, g in zip(self.pieces, grads) if _counts_towards_norm(piece.param)]
+        total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
+                 else torch.zeros((), dtype=torch.float32, device=device))
         return _all_reduce(total, self.reduction_groups).sqrt().item()
-
-    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
-        device = self.optimizer.param_groups[0]["params"][0].device
-        flag = torch.zeros((), device=device)
-        if any(not torch.isfinite(grad).all() for grad in grads):
-            flag.fill_(1.0)
-        return bool(_all_reduce(flag, self.reduction_groups, dist.ReduceOp.MAX).item())
 
     @torch.no_grad()
     def step(self, loss_scale: float) -> tuple[bool, float | None]:
@@ -111,9 +106,9 @@ class _AdamWithMasters:
         grads = self._attach_grads()
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        if self._found_inf(grads):
-            return False, None
         norm = self.grad_norm(grads)
+        if not math.isfinite(norm):
+            return False, None
         if self.clip_grad > 0 and norm > self.clip_grad and grads:
             torch._foreach_mul_(grads, self.clip_grad / (norm + 1e-6))
         if self.pieces:
