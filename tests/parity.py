@@ -16,6 +16,7 @@ from threefold.parallel import state
 from threefold.parallel.data_parallel import finalize_model_grads
 from threefold.parallel.mappings import gather_from_tensor_parallel_region
 from threefold.parallel.sharding import gather_tensor_parallel
+from threefold.parallel.torch_native import full
 from threefold.training.trainer import Trainer
 
 GPT2_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -47,7 +48,7 @@ def _setup(argv: list[str]) -> Trainer:
 
 def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
     """This rank's parameters (or their `main_grad`s), gathered over TP, by global name."""
-    return {name: gather_tensor_parallel(getattr(param, attribute), param)
+    return {name: gather_tensor_parallel(full(getattr(param, attribute)), param)
             .detach().float().numpy().copy()
             for name, param in trainer.layout_independent_parameters()}
 

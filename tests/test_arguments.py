@@ -65,7 +65,9 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
       "--global-batch-size", "6"], 2, "multiple of --pipeline-model-parallel-size 2"),
     (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 2,
      "--decoder-first/last-pipeline-num-layers"),
-    (["--overlap-grad-reduce", "--use-distributed-optimizer"], 2, "--overlap-grad-reduce"),
+    (["--overlap-param-gather"], 2, "--overlap-param-gather"),
+    (["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"], 4,
+     "--distributed-strategy ddp"),
     (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
      "--recompute-method and --recompute-num-layers"),
 ])

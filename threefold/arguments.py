@@ -72,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
          help="shard fp32 master weights and Adam moments across data-parallel ranks")
     _add(g, "parallel", "--overlap-grad-reduce", action=_STORE_TRUE,
          help="all-reduce each gradient bucket as soon as backward has produced it")
+    _add(g, "parallel", "--overlap-param-gather", action=_STORE_TRUE,
+         help="all-gather updated parameters bucket by bucket during the next forward")
+    _add(g, "parallel", "--accumulate-allreduce-grads-in-fp32", action=_STORE_TRUE,
+         help="fp32 gradient buffer for bf16/fp16 models (default: the parameters' dtype)")
     _add(g, "parallel", "--ddp-bucket-size", type=int, help="elements per gradient bucket")
+    _add(g, "parallel", "--distributed-strategy", choices=["megatron", "ddp", "fsdp", "auto"],
+         help="megatron: threefold's DP/TP/PP; ddp, fsdp: PyTorch DDP / FSDP2 (TP=PP=1); "
+              "auto: chosen from the parameter count and device memory")
     _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
          help="default: nccl when CUDA is available, else gloo")
     _add(g, "parallel", "--distributed-timeout-minutes", type=int)
@@ -93,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--clip-grad", type=float)
     _add(g, "training", "--bf16", action=_STORE_TRUE)
     _add(g, "training", "--fp16", action=_STORE_TRUE)
+    _add(g, "training", "--optimizer-cpu-offload", action=_STORE_TRUE,
+         help="keep fp32 masters and Adam moments on the CPU and step there (GPU runs)")
     _add(g, "training", "--initial-loss-scale", type=float)
     _add(g, "training", "--min-loss-scale", type=float)
     _add(g, "training", "--loss-scale-window", type=int)

@@ -127,6 +127,9 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
 
+STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
+
+
 @dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
@@ -138,7 +141,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
     ddp_bucket_size: int = 40_000_000
+    # megatron: threefold's own DP (+ --use-distributed-optimizer); ddp / fsdp: PyTorch's
+    # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
+    distributed_strategy: str = "megatron"
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
     distributed_timeout_minutes: int = 10
     world_size: int = 1
@@ -192,6 +200,27 @@ class ParallelConfig:
                      f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
                      f"{pp}; change one or set --decoder-first/last-pipeline-num-layers")
 
+    def _finalize_strategy(self) -> None:
+        strategy = self.distributed_strategy
+        _require(strategy in STRATEGIES,
+                 f"--distributed-strategy must be one of {', '.join(STRATEGIES)}")
+        if strategy in ("ddp", "fsdp"):
+            _require(self.model_parallel_size == 1,
+                     f"--distributed-strategy {strategy} needs --tensor-model-parallel-size 1 "
+                     "and --pipeline-model-parallel-size 1; use --distributed-strategy "
+                     "megatron for tensor/pipeline parallelism")
+            megatron_only = [flag for flag, value in (
+                ("--use-distributed-optimizer", self.use_distributed_optimizer),
+                ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                ("--overlap-param-gather", self.overlap_param_gather)) if value]
+            _require(not megatron_only,
+                     f"{', '.join(megatron_only)} belong to --distributed-strategy megatron; "
+                     f"PyTorch {strategy.upper()} shards/overlaps on its own, drop them")
+        if strategy == "auto":
+            _require(not self.use_distributed_optimizer,
+                     "--distributed-strategy auto decides on the distributed optimizer itself; "
+                     "drop --use-distributed-optimizer or choose megatron")
+
     def finalize(self, model: ModelConfig) -> list[str]:
         """Validate the layout against the world and the model; returns warnings to print."""
         warnings = []
@@ -231,9 +260,10 @@ class ParallelConfig:
                 f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs",
             )
         _require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
-        _require(not (self.overlap_grad_reduce and self.use_distributed_optimizer),
-                 "--overlap-grad-reduce with --use-distributed-optimizer is not supported yet; "
-                 "drop one of them")
+        _require(not self.overlap_param_gather or self.use_distributed_optimizer,
+                 "--overlap-param-gather needs --use-distributed-optimizer (only the "
+                 "distributed optimizer all-gathers parameters)")
+        self._finalize_strategy()
         _require(self.distributed_backend in (None, "gloo", "nccl"),
                  "--distributed-backend must be gloo or nccl")
         return warnings
@@ -256,6 +286,7 @@ class TrainingConfig:
     clip_grad: float = 1.0
     bf16: bool = False
     fp16: bool = False
+    optimizer_cpu_offload: bool = False
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000

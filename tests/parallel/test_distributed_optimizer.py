@@ -20,6 +20,11 @@ LAYOUTS = {
     "dp4": (4, []),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    # Small buckets so several reduce-scatters and all-gathers are in flight at once.
+    "dp2_overlapped": (2, ["--overlap-grad-reduce", "--overlap-param-gather",
+                           "--ddp-bucket-size", "3000"]),
+    "tp2_dp2_overlapped": (4, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce",
+                               "--overlap-param-gather", "--ddp-bucket-size", "3000"]),
 }
 
 
@@ -33,7 +38,9 @@ def test_ten_steps_with_clipping_match_single_process(reference, layout):
     world_size, flags = LAYOUTS[layout]
     argv = LLAMA_STYLE + TRAINING + flags
     distributed = run_distributed(world_size, train_job, argv + DISTRIBUTED, 10)
-    plain = run_distributed(world_size, train_job, argv, 10)
+    # The same layout without the distributed optimizer (which --overlap-param-gather needs).
+    plain_flags = [f for f in argv if f != "--overlap-param-gather"]
+    plain = run_distributed(world_size, train_job, plain_flags, 10)
     # Sharding the optimizer changes no arithmetic: the same layout without it, bit for bit.
     for with_sharding, without in zip(distributed, plain):
         assert with_sharding["losses"] == without["losses"]
@@ -45,19 +52,22 @@ def test_ten_steps_with_clipping_match_single_process(reference, layout):
 
 def _bytes_job(argv: list[str]) -> dict:
     trainer = _setup(argv)
-    trainer.train_step()
+    trainer.train_step()  # the state after a step, not only at start-up
     return measure_bytes_per_parameter(trainer).__dict__
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("precision,without,with_distributed", [
-    ("fp32", 16.0, lambda d: 8 + 8 / d),
-    ("bf16", 18.0, lambda d: 6 + 12 / d),
+@pytest.mark.parametrize("precision,flags,without,with_distributed", [
+    ("fp32", [], 16.0, lambda d: 8 + 8 / d),
+    ("bf16 with fp32 gradients", ["--bf16", "--accumulate-allreduce-grads-in-fp32"], 18.0,
+     lambda d: 6 + 12 / d),
+    # Megatron's default for bf16: gradients accumulated and reduced in bf16.
+    ("bf16", ["--bf16"], 16.0, lambda d: 4 + 12 / d),
 ])
-def test_bytes_per_parameter_follow_megatron_accounting(world_size, precision, without,
+def test_bytes_per_parameter_follow_megatron_accounting(world_size, precision, flags, without,
                                                         with_distributed):
-    argv = LLAMA_STYLE + TRAINING + (["--bf16"] if precision == "bf16" else [])
-    for flags, expected in (([], without), (DISTRIBUTED, with_distributed(world_size))):
-        for measured in run_distributed(world_size, _bytes_job, argv + flags):
+    argv = LLAMA_STYLE + TRAINING + flags
+    for extra, expected in (([], without), (DISTRIBUTED, with_distributed(world_size))):
+        for measured in run_distributed(world_size, _bytes_job, argv + extra):
             total = sum(measured.values())
-            assert abs(total - expected) <= 0.05 * expected, (precision, flags, measured)
+            assert abs(total - expected) <= 0.05 * expected, (precision, extra, measured)

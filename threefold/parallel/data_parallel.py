@@ -23,47 +23,58 @@ from threefold.parallel import state
 
 class GradientBuffer:
     """`flat_parameters=True` also moves the parameters into one flat buffer of the same layout
-    (the distributed optimizer all-gathers it), and `pad_to_multiple` pads both so they split
-    into equal data-parallel shards.
+    (the distributed optimizer all-gathers it), and `pad_to_multiple` pads each bucket so it
+    splits into equal data-parallel shards: as in Megatron, a distributed-optimizer rank owns
+    one contiguous shard *of every bucket*, so each bucket can be reduce-scattered and
+    all-gathered on its own.
 
     Buckets are runs of whole parameters of at least `bucket_size` elements (Megatron's
     --ddp-bucket-size). With `overlap_grad_reduce`, a parameter's gradient is final once its
     hook has fired for every micro-batch of the step; when all of a bucket's gradients are
-    final its all-reduce is launched asynchronously, overlapping the rest of the backward pass.
+    final its reduction is launched asynchronously, overlapping the rest of the backward pass.
+
+    `grad_dtype` is fp32 for fp32 models and with --accumulate-allreduce-grads-in-fp32;
+    otherwise the parameters' dtype, as Megatron does.
     """
 
     def __init__(self, params: list[nn.Parameter], bucket_size: int = 40_000_000,
                  pad_to_multiple: int = 1, flat_parameters: bool = False,
-                 overlap_grad_reduce: bool = False) -> None:
+                 overlap_grad_reduce: bool = False,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
         self.params = [p for p in params if p.requires_grad]
         device = self.params[0].device
-        numel = sum(p.numel() for p in self.params)
-        numel = -(-numel // pad_to_multiple) * pad_to_multiple
-        self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.param_buffer = (torch.zeros(numel, dtype=self.params[0].dtype, device=device)
-                             if flat_parameters else None)
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
         self._bucket_of: dict[nn.Parameter, int] = {}
+
+        def close_bucket(start: int, end: int) -> int:
+            end = -(-end // pad_to_multiple) * pad_to_multiple
+            self.buckets.append((start, end))
+            return end
+
         offset = bucket_start = 0
         # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
         # gradients first, so their buckets complete first.
         for param in reversed(self.params):
-            end = offset + param.numel()
-            self.ranges[param] = (offset, end)
+            self.ranges[param] = (offset, offset + param.numel())
             self._bucket_of[param] = len(self.buckets)
-            param.main_grad = self.buffer[offset:end].view_as(param)
+            offset += param.numel()
+            if offset - bucket_start >= bucket_size:
+                offset = bucket_start = close_bucket(bucket_start, offset)
+        if bucket_start < offset or not self.buckets:
+            offset = close_bucket(bucket_start, offset)
+        self.buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.param_buffer = (torch.zeros(offset, dtype=self.params[0].dtype, device=device)
+                             if flat_parameters else None)
+        for param, (start, end) in self.ranges.items():
+            param.main_grad = self.buffer[start:end].view_as(param)
             if self.param_buffer is not None:
-                self.param_buffer[offset:end].copy_(param.data.view(-1))
-                param.data = self.param_buffer[offset:end].view_as(param)
-            offset = end
-            if end - bucket_start >= bucket_size:
-                self.buckets.append((bucket_start, end))
-                bucket_start = end
+                self.param_buffer[start:end].copy_(param.data.view(-1))
+                param.data = self.param_buffer[start:end].view_as(param)
             param.register_post_accumulate_grad_hook(self._accumulate)
-        if bucket_start < numel or not self.buckets:
-            self.buckets.append((bucket_start, numel))  # the last bucket holds the padding
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.reduce_scatter = False  # set by the distributed optimizer
+        self._gather_handles: dict[int, object] = {}
         self.start_step(num_microbatches=1)
 
     def start_step(self, num_microbatches: int) -> None:
@@ -74,7 +85,7 @@ class GradientBuffer:
         self._pending = [0] * len(self.buckets)
         for param in self.params:
             self._pending[self._bucket_of[param]] += 1
-        self._handles: dict[int, object] = {}
+        self._handles: dict[int, tuple[object, torch.Tensor | None]] = {}
 
     def _accumulate(self, param: torch.Tensor) -> None:
         param.main_grad.add_(param.grad)
@@ -88,49 +99,79 @@ class GradientBuffer:
             if self._pending[bucket] == 0:
                 self._launch(bucket)
 
+    def bucket_of(self, param: nn.Parameter) -> int:
+        return self._bucket_of[param]
+
+    # -- gradients ----------------------------------------------------------------------------
+    def shard_range(self, bucket: int) -> tuple[int, int]:
+        """This DP rank's slice of one bucket under the distributed optimizer."""
+        start, end = self.buckets[bucket]
+        size = (end - start) // state.data_parallel_world_size()
+        start += state.data_parallel_rank() * size
+        return start, start + size
+
     def _launch(self, bucket: int) -> None:
+        """Start the bucket's mean over DP replicas: an all-reduce, or under the distributed
+        optimizer a reduce-scatter after which only this rank's shard is complete."""
         world = state.data_parallel_world_size()
         if world == 1 or bucket in self._handles:
             return
         start, end = self.buckets[bucket]
         self.buffer[start:end].div_(world)
-        self._handles[bucket] = dist.all_reduce(
-            self.buffer[start:end], group=state.data_parallel_group(), async_op=True)
+        group = state.data_parallel_group()
+        if self.reduce_scatter:
+            shard_start, shard_end = self.shard_range(bucket)
+            shard = torch.empty(shard_end - shard_start, dtype=self.buffer.dtype,
+                                device=self.buffer.device)
+            handle = dist.reduce_scatter_tensor(shard, self.buffer[start:end], group=group,
+                                                async_op=True)
+            self._handles[bucket] = (handle, shard)
+        else:
+            handle = dist.all_reduce(self.buffer[start:end], group=group, async_op=True)
+            self._handles[bucket] = (handle, None)
 
-    def all_reduce_data_parallel(self) -> None:
-        """Mean over DP replicas: wait for the buckets launched during backward (overlap), and
-        reduce the others now."""
+    def finish_grad_sync(self) -> None:
+        """Wait for the buckets launched during backward (overlap), and reduce the others."""
         for bucket in range(len(self.buckets)):
             self._launch(bucket)
-        for handle in self._handles.values():
+        for bucket, (handle, shard) in self._handles.items():
             handle.wait()
+            if shard is not None:
+                start, end = self.shard_range(bucket)
+                self.buffer[start:end].copy_(shard)
         self._handles = {}
 
-    def shard_range(self) -> tuple[int, int]:
-        """This DP rank's slice of the buffers under the distributed optimizer."""
-        size = self.buffer.numel() // state.data_parallel_world_size()
-        start = state.data_parallel_rank() * size
-        return start, start + size
-
-    def reduce_scatter_data_parallel(self) -> None:
-        """Mean gradients, but only this rank's shard of them is complete afterwards."""
-        world = state.data_parallel_world_size()
-        if world == 1:
-            return
-        self.buffer.div_(world)
-        start, end = self.shard_range()
-        shard = torch.empty(end - start, dtype=self.buffer.dtype, device=self.buffer.device)
-        dist.reduce_scatter_tensor(shard, self.buffer, group=state.data_parallel_group())
-        self.buffer[start:end].copy_(shard)
-
+    # -- parameters (distributed optimizer) ---------------------------------------------------
     @torch.no_grad()
-    def all_gather_parameters(self) -> None:
-        """Every DP rank updated its shard of the parameters: share them."""
+    def start_param_gather(self) -> None:
+        """Every DP rank updated its shard of each bucket: share them, asynchronously."""
         if state.data_parallel_world_size() == 1:
             return
-        start, end = self.shard_range()
-        local = self.param_buffer[start:end].clone()
-        dist.all_gather_into_tensor(self.param_buffer, local, group=state.data_parallel_group())
+        for bucket, (start, end) in enumerate(self.buckets):
+            shard_start, shard_end = self.shard_range(bucket)
+            local = self.param_buffer[shard_start:shard_end].clone()
+            self._gather_handles[bucket] = dist.all_gather_into_tensor(
+                self.param_buffer[start:end], local, group=state.data_parallel_group(),
+                async_op=True)
+
+    def finish_param_gather(self, params=None) -> None:
+        """Wait until the buckets holding `params` (all buckets by default) are gathered."""
+        buckets = (list(self._gather_handles) if params is None
+                   else {self._bucket_of[p] for p in params if p in self._bucket_of})
+        for bucket in buckets:
+            handle = self._gather_handles.pop(bucket, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_for_params_before_forward(self, modules: list[nn.Module]) -> None:
+        """--overlap-param-gather: a module's forward first waits for its own parameters'
+        buckets, so the all-gather of later layers overlaps the forward of earlier ones."""
+        for chunk in modules:
+            for module in chunk.modules():
+                direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                if direct:
+                    module.register_forward_pre_hook(
+                        lambda _module, _args, direct=direct: self.finish_param_gather(direct))
 
 
 def all_reduce_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
@@ -156,12 +197,9 @@ def all_reduce_embedding_grads(params: list[nn.Parameter]) -> None:
             dist.all_reduce(param.main_grad, group=state.embedding_group())
 
 
-def finalize_model_grads(grad_buffer: GradientBuffer, reduce_scatter: bool = False) -> None:
+def finalize_model_grads(grad_buffer: GradientBuffer) -> None:
     # The DP reduction comes first: with --overlap-grad-reduce it is already in flight on the
     # buffer, and the TP and embedding sums below commute with the DP mean.
-    if reduce_scatter:  # the distributed optimizer needs only its shard
-        grad_buffer.reduce_scatter_data_parallel()
-    else:
-        grad_buffer.all_reduce_data_parallel()
+    grad_buffer.finish_grad_sync()
     all_reduce_sequence_parallel_grads(grad_buffer.params)
     all_reduce_embedding_grads(grad_buffer.params)

@@ -54,14 +54,20 @@ class ScheduleTrace:
 def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Iterator[dict],
                                    model_chunks: list, num_microbatches: int,
                                    forward_only: bool = False, loss_scale: float = 1.0,
+                                   no_sync_func: Callable | None = None,
                                    **_unused) -> list[torch.Tensor]:
+    """`no_sync_func` (PyTorch DDP/FSDP): a context that holds back gradient reduction, entered
+    for every micro-batch but the last, as Megatron's `config.no_sync_func`."""
     (model,) = model_chunks
     reported = []
-    for _ in range(num_microbatches):
-        output, loss_func = forward_step(next(data_iterator), model, None)
-        loss, value = loss_func(output)
-        if not forward_only:
-            (loss * (loss_scale / num_microbatches)).backward()
+    for index in range(num_microbatches):
+        last = index == num_microbatches - 1
+        with (no_sync_func() if no_sync_func and not last and not forward_only
+              else contextlib.nullcontext()):
+            output, loss_func = forward_step(next(data_iterator), model, None)
+            loss, value = loss_func(output)
+            if not forward_only:
+                (loss * (loss_scale / num_microbatches)).backward()
         reported.append(value)
     return reported
 

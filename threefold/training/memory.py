@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from threefold.parallel.torch_native import local
+
 
 @dataclass
 class MemoryPerParameter:
@@ -27,15 +31,42 @@ class MemoryPerParameter:
 
 
 def measure_bytes_per_parameter(trainer) -> MemoryPerParameter:
-    """From the tensors this rank holds (Adam moments exist after the first step)."""
+    """From the tensors this rank holds, per parameter of the model part its model-parallel
+    rank covers (FSDP shards count at their global size, their bytes at the local one)."""
     params = [p for _, p in trainer.layout_independent_parameters()]
     count = sum(p.numel() for p in params)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = trainer.grad_buffer.buffer.numel() * trainer.grad_buffer.buffer.element_size()
-    optimizer = trainer.optimizer
-    state_bytes = sum(t.numel() * t.element_size()
-                      for s in optimizer.optimizer.state.values()
-                      for k, t in s.items() if k != "step")
-    if optimizer.half:  # separate fp32 masters; for fp32 models the masters are the parameters
-        state_bytes += sum(m.numel() * m.element_size() for m in optimizer.master_params)
+    param_bytes = sum(local(p).numel() * p.element_size() for p in params)
+    buffer = trainer.grad_buffer.buffer if trainer.grad_buffer is not None else None
+    grad_bytes = (buffer.numel() * buffer.element_size() if buffer is not None else
+                  sum(local(p.grad).numel() * p.grad.element_size()
+                      for p in params if p.grad is not None))
+    state_bytes = trainer.optimizer.state_bytes()
     return MemoryPerParameter(param_bytes / count, grad_bytes / count, state_bytes / count)
+
+
+def measure_activation_bytes(trainer) -> int:
+    """Bytes of the tensors autograd keeps for backward over one training micro-batch through
+    this rank's model chunks (parameters excluded, each storage counted once): what a micro-batch
+    in flight costs. Measured with saved-tensor hooks, so it works on the CPU."""
+    params = {p.untyped_storage().data_ptr() for _, p in trainer.layout_independent_parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    batch = next(trainer.train_iterator())
+    trainer._set_train(True)
+    outputs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for chunk in trainer.model_chunks:
+            hidden = None
+            if not chunk.pre_process:  # what the previous stage would have sent
+                shape = trainer.pipeline_options["tensor_shape"]
+                hidden = torch.zeros(shape, dtype=trainer.pipeline_options["dtype"],
+                                     device=trainer.device, requires_grad=True)
+            outputs.append(chunk(batch["tokens"], labels=batch["labels"], hidden_states=hidden))
+    del outputs  # frees the graph
+    return sum(storages.values())

@@ -2,13 +2,21 @@
 
 `MixedPrecisionOptimizer`: every data-parallel rank keeps the whole optimizer state. For fp32
 models it updates the parameters themselves; for bf16/fp16 models it keeps fp32 master copies,
-steps them with the fp32 `main_grad`s and copies the result into the half-precision parameters
+steps them with fp32 gradients and copies the result into the half-precision parameters
 (Megatron's Float16OptimizerWithFloat16Params).
 
 `DistributedOptimizer` (`--use-distributed-optimizer`, ZeRO-1/2): each data-parallel rank
-owns one contiguous shard of the flat gradient/parameter buffers and keeps fp32 masters and
-Adam moments only for the pieces of parameters inside it. Gradients are reduce-scattered
-instead of all-reduced; after the step the updated parameter shards are all-gathered.
+owns one contiguous shard of every bucket of the flat gradient/parameter buffers and keeps fp32
+masters and Adam moments only for the pieces of parameters inside it. Gradients are
+reduce-scattered instead of all-reduced; after the step the updated parameter shards are
+all-gathered (with --overlap-param-gather, during the next forward).
+
+`NativeOptimizer`: for PyTorch DDP/FSDP (`--distributed-strategy ddp|fsdp`), whose fp32
+parameters are their own masters and whose gradients are in `param.grad` (sharded DTensors
+under FSDP).
+
+`--optimizer-cpu-offload` keeps the masters and Adam moments in CPU memory and steps there;
+gradients go to the CPU and updated weights come back every step (DeepSpeed's ZeRO-Offload).
 
 Weight decay applies to matrices only: biases and norm weights (1-D) are excluded, as in
 Megatron.
@@ -26,6 +34,9 @@ from torch import nn
 from threefold.config import TrainingConfig
 from threefold.parallel import state
 from threefold.parallel.data_parallel import GradientBuffer
+from threefold.parallel.torch_native import local
+
+OFFLOAD_DEVICE = torch.device("cpu")
 
 
 def _counts_towards_norm(param: nn.Parameter) -> bool:
@@ -54,16 +65,20 @@ class _Piece:
 
 
 class _AdamWithMasters:
-    """What both optimizers share: masters in `pieces`, AdamW over them, and the step."""
+    """What all optimizers share: masters in `pieces`, AdamW over them, and the step.
+
+    `separate_masters`: the fp32 masters are copies (bf16/fp16 models, or offloaded to the CPU)
+    that are written back into the model after each step, rather than the parameters (or views
+    of them) themselves."""
 
     # Groups whose members hold disjoint parts of the gradients, which the norm sums over: the
-    # model-parallel group always, the DP group under the distributed optimizer.
+    # model-parallel group always, the DP group when gradients are sharded.
     reduction_groups: list
+    separate_masters: bool
 
     def _build(self, pieces: list[_Piece], config: TrainingConfig) -> None:
         self.pieces = pieces
         self.clip_grad = config.clip_grad
-        self.half = config.bf16 or config.fp16
         groups = [
             {"params": [p.master for p in pieces if p.param.dim() > 1],
              "weight_decay": config.weight_decay},
@@ -74,6 +89,11 @@ class _AdamWithMasters:
             groups or [{"params": [nn.Parameter(torch.zeros(1))]}], lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
 
+    def _master(self, value: torch.Tensor, offload: bool) -> nn.Parameter:
+        """A separate fp32 master initialized from `value`, on the CPU when offloading."""
+        device = OFFLOAD_DEVICE if offload else value.device
+        return nn.Parameter(value.detach().to(device=device, dtype=torch.float32, copy=True))
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
@@ -83,54 +103,85 @@ class _AdamWithMasters:
         return [p.master for p in self.pieces]
 
     def _attach_grads(self) -> list[torch.Tensor]:
+        """Point each master's `.grad` at its fp32 gradient; returns those gradients."""
         raise NotImplementedError
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
         raise NotImplementedError
 
+    @torch.no_grad()
+    def copy_model_to_masters(self) -> None:
+        raise NotImplementedError
+
+    def _fp32_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """A view of an fp32 gradient on the master's device, else an fp32 copy there."""
+        return grad.to(device=master.device, dtype=torch.float32)
+
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global gradient norm over all ranks holding parts of the model; inf or nan when
         any gradient holds inf or nan (uncounted replicas are copies of counted ones), so one
         pass and one reduction also serve as the overflow check."""
-        device = self.optimizer.param_groups[0]["params"][0].device
-        counted = [g for piece, g in zip(self.pieces, grads) if _counts_towards_norm(piece.param)]
+        counted = [local(g) for piece, g in zip(self.pieces, grads)
+                   if _counts_towards_norm(piece.param)]
+        device = counted[0].device if counted else self.reduction_device
         total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
                  else torch.zeros((), dtype=torch.float32, device=device))
-        return _all_reduce(total, self.reduction_groups).sqrt().item()
+        # The reduction runs where the process groups' backend works (NCCL: on the GPU).
+        total = _all_reduce(total.to(self.reduction_device), self.reduction_groups)
+        return total.sqrt().item()
 
     @torch.no_grad()
     def step(self, loss_scale: float) -> tuple[bool, float | None]:
         """Unscale, check, clip and update. Returns (updated, grad norm); a step whose gradients
         hold inf or nan is skipped (updated False, norm None)."""
         grads = self._attach_grads()
+        local_grads = [local(g) for g in grads]
         if loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
+            torch._foreach_mul_(local_grads, 1.0 / loss_scale)
         norm = self.grad_norm(grads)
         if not math.isfinite(norm):
             return False, None
         if self.clip_grad > 0 and norm > self.clip_grad and grads:
-            torch._foreach_mul_(grads, self.clip_grad / (norm + 1e-6))
+            torch._foreach_mul_(local_grads, self.clip_grad / (norm + 1e-6))
         if self.pieces:
             self.optimizer.step()
         self.copy_masters_to_model()
+        self._release_grads()
+        return True, norm
+
+    def _release_grads(self) -> None:
         for piece in self.pieces:
             piece.master.grad = None
-        return True, norm
+
+    def initialize_state(self) -> None:
+        """Create the Adam moments now rather than at the first step (AdamW creates the same
+        zeros lazily), so memory can be measured at start-up and checkpoints loaded into."""
+        for piece in self.pieces:
+            adam = self.optimizer.state[piece.master]
+            if not adam:
+                adam.update(step=torch.zeros((), dtype=torch.float32),
+                            exp_avg=torch.zeros_like(piece.master),
+                            exp_avg_sq=torch.zeros_like(piece.master))
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: Adam moments and separate masters."""
+        total = sum(local(t).numel() * t.element_size()
+                    for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+        if self.separate_masters:
+            total += sum(local(m).numel() * m.element_size() for m in self.master_params)
+        return total
 
     def state_tensors(self, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
         """The optimizer's tensors for a checkpoint, keyed by parameter name (and piece)."""
+        self.initialize_state()
         tensors = {}
         for piece in self.pieces:
             key = self._piece_key(names[piece.param], piece)
             adam = self.optimizer.state[piece.master]
-            if not adam:  # no step taken yet: give load something of the right shape to fill
-                adam.update(step=torch.zeros((), dtype=torch.float32),
-                            exp_avg=torch.zeros_like(piece.master),
-                            exp_avg_sq=torch.zeros_like(piece.master))
             for field in ("exp_avg", "exp_avg_sq", "step"):
                 tensors[f"optimizer.{field}.{key}"] = adam[field]
-            if self.half:
+            if self.separate_masters:
                 tensors[f"optimizer.master.{key}"] = piece.master.data
         return tensors
 
@@ -141,52 +192,59 @@ class _AdamWithMasters:
 
 class MixedPrecisionOptimizer(_AdamWithMasters):
     def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 config: TrainingConfig) -> None:
+                 config: TrainingConfig, offload: bool = False) -> None:
         self.reduction_groups = [state.model_parallel_group()]
-        half = config.bf16 or config.fp16
+        self.separate_masters = config.bf16 or config.fp16 or offload
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
+        self.reduction_device = self.model_params[0].device
         self._build([_Piece(p, 0, p.numel(),
-                            nn.Parameter(p.detach().float().clone()) if half else p)
+                            self._master(p, offload) if self.separate_masters else p)
                      for p in self.model_params], config)
 
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
-            piece.master.grad = piece.param.main_grad
+            piece.master.grad = self._fp32_grad(piece.param.main_grad, piece.master)
         return [piece.master.grad for piece in self.pieces]
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        if self.half:
+        if self.separate_masters:
             for piece in self.pieces:
                 piece.param.copy_(piece.master)
 
     @torch.no_grad()
     def copy_model_to_masters(self) -> None:
-        if self.half:
+        if self.separate_masters:
             for piece in self.pieces:
                 piece.master.copy_(piece.param)
 
 
 class DistributedOptimizer(_AdamWithMasters):
     def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 grad_buffer: GradientBuffer, config: TrainingConfig) -> None:
+                 grad_buffer: GradientBuffer, config: TrainingConfig,
+                 overlap_param_gather: bool = False, offload: bool = False) -> None:
         if grad_buffer.param_buffer is None:
             raise ValueError("the distributed optimizer needs a GradientBuffer with "
                              "flat_parameters=True")
         self.reduction_groups = [state.data_parallel_group(), state.model_parallel_group()]
+        self.reduction_device = grad_buffer.buffer.device
         self.grad_buffer = grad_buffer
+        grad_buffer.reduce_scatter = True
+        self.overlap_param_gather = overlap_param_gather
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
-        half = config.bf16 or config.fp16
-        shard_start, shard_end = grad_buffer.shard_range()
+        self.separate_masters = config.bf16 or config.fp16 or offload
         pieces = []
         for param in self.model_params:
             start, end = grad_buffer.ranges[param]
+            # Buckets hold whole parameters, so a parameter meets one shard at most.
+            shard_start, shard_end = grad_buffer.shard_range(grad_buffer.bucket_of(param))
             low, high = max(start, shard_start), min(end, shard_end)
             if low >= high:
                 continue
-            flat = grad_buffer.param_buffer[low:high].detach()
+            flat = grad_buffer.param_buffer[low:high]
             # fp32: the master *is* the parameter shard (a view), so no extra copy is kept.
-            master = nn.Parameter(flat.float().clone() if half else flat)
+            master = (self._master(flat, offload) if self.separate_masters
+                      else nn.Parameter(flat.detach()))
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config)
 
@@ -196,22 +254,56 @@ class DistributedOptimizer(_AdamWithMasters):
 
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
-            piece.master.grad = self.grad_buffer.buffer[self._buffer_slice(piece)]
+            piece.master.grad = self._fp32_grad(
+                self.grad_buffer.buffer[self._buffer_slice(piece)], piece.master)
         return [piece.master.grad for piece in self.pieces]
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        if self.half:
+        if self.separate_masters:
             for piece in self.pieces:
                 self.grad_buffer.param_buffer[self._buffer_slice(piece)].copy_(piece.master)
-        self.grad_buffer.all_gather_parameters()
+        self.grad_buffer.start_param_gather()
+        if not self.overlap_param_gather:  # else each module waits in its forward pre-hook
+            self.grad_buffer.finish_param_gather()
 
     @torch.no_grad()
     def copy_model_to_masters(self) -> None:
-        if self.half:
+        if self.separate_masters:
             for piece in self.pieces:
                 piece.master.copy_(self.grad_buffer.param_buffer[self._buffer_slice(piece)])
 
     @staticmethod
     def _piece_key(name: str, piece: _Piece) -> str:
         return f"{name}[{piece.start}:{piece.end}]"
+
+
+class NativeOptimizer(_AdamWithMasters):
+    """For PyTorch DDP/FSDP models: the fp32 parameters are the masters (FSDP: their shards),
+    and their `.grad`s are kept between steps (DDP's bucket views must stay in place); the
+    trainer zeroes them at the start of each step."""
+
+    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
+                 config: TrainingConfig, sharded: bool) -> None:
+        self.reduction_groups = [state.data_parallel_group()] if sharded else []
+        self.separate_masters = False
+        self.model_params = [p for _, p in named_parameters if p.requires_grad]
+        self.reduction_device = local(self.model_params[0]).device
+        self._build([_Piece(p, 0, p.numel(), p) for p in self.model_params], config)
+
+    def _attach_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model_params]
+
+    def zero_grad(self) -> None:
+        for param in self.model_params:
+            if param.grad is not None:
+                param.grad.zero_()
+
+    def _release_grads(self) -> None:
+        pass
+
+    def copy_masters_to_model(self) -> None:
+        pass
+
+    def copy_model_to_masters(self) -> None:
+        pass

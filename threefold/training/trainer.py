@@ -22,6 +22,8 @@ from threefold.parallel.data_parallel import GradientBuffer, finalize_model_grad
 from threefold.parallel.pipeline_layout import model_chunk_layers
 from threefold.parallel.random import set_random_seed
 from threefold.parallel.schedules import get_forward_backward_func
+from threefold.parallel.strategy import resolve_auto_strategy
+from threefold.parallel.torch_native import no_sync_context, wrap_ddp, wrap_fsdp
 from threefold.training.flops import peak_tflops, training_flops_per_iteration
 from threefold.training.logging import (
     IterationStats,
@@ -32,7 +34,11 @@ from threefold.training.logging import (
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory import measure_bytes_per_parameter
-from threefold.training.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
+from threefold.training.optimizer import (
+    DistributedOptimizer,
+    MixedPrecisionOptimizer,
+    NativeOptimizer,
+)
 
 
 def print_rank_0(message: str) -> None:
@@ -68,7 +74,8 @@ def params_dtype(config: Config) -> torch.dtype:
             else torch.float32)
 
 
-def build_model_chunks(config: Config, device: torch.device) -> list[GPTModel]:
+def build_model_chunks(config: Config, device: torch.device,
+                       dtype: torch.dtype) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
     parallel = config.parallel
     pp, rank = parallel.pipeline_model_parallel_size, state.pipeline_model_parallel_rank()
@@ -85,7 +92,7 @@ def build_model_chunks(config: Config, device: torch.device) -> list[GPTModel]:
                          post_process=rank == pp - 1 and index == len(layers) - 1,
                          num_layers=count, layer_offset=offset)
         chunk.initialize(config.training.seed)
-        chunks.append(chunk.to(device=device, dtype=params_dtype(config)))
+        chunks.append(chunk.to(device=device, dtype=dtype))
     return chunks
 
 
@@ -97,17 +104,25 @@ class Trainer:
         set_random_seed(training.seed, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         config.model.vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
-        self.model_chunks = build_model_chunks(config, device)
-        named = [(name, param) for chunk in self.model_chunks
-                 for name, param in chunk.named_parameters()]
         parallel = config.parallel
-        distributed = parallel.use_distributed_optimizer
-        self.grad_buffer = GradientBuffer(
-            [param for _, param in named], bucket_size=parallel.ddp_bucket_size,
-            pad_to_multiple=state.data_parallel_world_size() if distributed else 1,
-            flat_parameters=distributed, overlap_grad_reduce=parallel.overlap_grad_reduce)
-        self.optimizer = (DistributedOptimizer(named, self.grad_buffer, training) if distributed
-                          else MixedPrecisionOptimizer(named, training))
+        if parallel.distributed_strategy == "auto":
+            print_rank_0(f"> {resolve_auto_strategy(config, device)}")
+        self.native = parallel.distributed_strategy in ("ddp", "fsdp")
+        # DDP/FSDP keep fp32 parameters as masters and compute in half precision under
+        # autocast; threefold's own data parallelism keeps the parameters in the run's dtype.
+        self.model_chunks = build_model_chunks(
+            config, device, torch.float32 if self.native else params_dtype(config))
+        self.wrapped_chunks = self.model_chunks
+        offload = training.optimizer_cpu_offload and device.type != "cpu"
+        if training.optimizer_cpu_offload and not offload:
+            print_rank_0("> --optimizer-cpu-offload: this run is on the CPU already, "
+                         "nothing to offload")
+        if self.native:
+            self._build_torch_native(device)
+        else:
+            self._build_megatron_data_parallel(offload)
+        self.optimizer.initialize_state()
+        print(f"> rank {state.global_rank()} {measure_bytes_per_parameter(self)}", flush=True)
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
@@ -124,6 +139,49 @@ class Trainer:
         self._train_iterator = None
         self._last_saved = None
 
+    def _build_megatron_data_parallel(self, offload: bool) -> None:
+        parallel, training = self.config.parallel, self.config.training
+        named = [(name, param) for chunk in self.model_chunks
+                 for name, param in chunk.named_parameters()]
+        distributed = parallel.use_distributed_optimizer
+        half = training.bf16 or training.fp16
+        self.grad_buffer = GradientBuffer(
+            [param for _, param in named], bucket_size=parallel.ddp_bucket_size,
+            pad_to_multiple=state.data_parallel_world_size() if distributed else 1,
+            flat_parameters=distributed, overlap_grad_reduce=parallel.overlap_grad_reduce,
+            grad_dtype=(params_dtype(self.config) if half
+                        and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32))
+        if distributed:
+            self.optimizer = DistributedOptimizer(
+                named, self.grad_buffer, training, parallel.overlap_param_gather, offload)
+            if parallel.overlap_param_gather:
+                self.grad_buffer.wait_for_params_before_forward(self.model_chunks)
+        else:
+            self.optimizer = MixedPrecisionOptimizer(named, training, offload)
+
+    def _build_torch_native(self, device: torch.device) -> None:
+        (model,) = self.model_chunks
+        self.grad_buffer = None
+        fsdp = self.config.parallel.distributed_strategy == "fsdp"
+        if not fsdp:  # DDP turns existing gradients into views of its buckets
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+        wrapped = (wrap_fsdp(model, device, params_dtype(self.config)) if fsdp
+                   else wrap_ddp(model, device))
+        if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+        self.wrapped_chunks = [wrapped]
+        self.optimizer = NativeOptimizer(list(model.named_parameters()),
+                                         self.config.training, sharded=fsdp)
+
+    def _forward_step(self, batch: dict, model: torch.nn.Module,
+                      input_tensor: torch.Tensor | None = None):
+        if not (self.native and params_dtype(self.config) != torch.float32):
+            return gpt_forward_step(batch, model, input_tensor)
+        with torch.autocast(self.device.type, dtype=params_dtype(self.config)):
+            return gpt_forward_step(batch, model, input_tensor)
+
     @property
     def model(self) -> GPTModel:
         """The model, when this rank holds a single chunk of it (no virtual pipeline stages)."""
@@ -131,7 +189,10 @@ class Trainer:
         return model
 
     def layout_independent_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters under their names in the whole single-device model."""
+        """This rank's parameters under their names in the whole single-device model, complete
+        (an all-gather still in flight under --overlap-param-gather is waited for)."""
+        if self.grad_buffer is not None:
+            self.grad_buffer.finish_param_gather()
         return [(chunk.layout_independent_name(name), param) for chunk in self.model_chunks
                 for name, param in chunk.named_parameters()]
 
@@ -151,12 +212,16 @@ class Trainer:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
         self._set_train(True)
-        self.grad_buffer.start_step(self.num_microbatches)
+        if self.native:
+            self.optimizer.zero_grad()
+        else:
+            self.grad_buffer.start_step(self.num_microbatches)
         losses = get_forward_backward_func()(
-            gpt_forward_step, self.train_iterator(), self.model_chunks, self.num_microbatches,
-            loss_scale=self.loss_scaler.scale, **self.pipeline_options)
-        finalize_model_grads(self.grad_buffer,
-                             reduce_scatter=self.config.parallel.use_distributed_optimizer)
+            self._forward_step, self.train_iterator(), self.wrapped_chunks,
+            self.num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
+            **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])} if self.native else {}))
+        if not self.native:  # DDP and FSDP have reduced the gradients during backward
+            finalize_model_grads(self.grad_buffer)
         updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
@@ -189,7 +254,7 @@ class Trainer:
         losses = []
         for _ in range(self.config.training.eval_iters):
             losses += get_forward_backward_func()(
-                gpt_forward_step, iterator, self.model_chunks, self.num_microbatches,
+                self._forward_step, iterator, self.wrapped_chunks, self.num_microbatches,
                 forward_only=True, **self.pipeline_options)
         return self._mean_loss(losses)
 
@@ -203,8 +268,6 @@ class Trainer:
         while self.state.iteration < training.train_iters:
             loss, grad_norm, skipped = self.train_step()
             losses.append(loss)
-            if len(losses) == 1:  # optimizer state exists from the first step on
-                print_rank_0(f"> rank 0 {measure_bytes_per_parameter(self)}")
             self.state.skipped_iterations += int(skipped)
             if skipped:
                 self.state.nan_iterations += int(not torch.isfinite(torch.tensor(loss)))

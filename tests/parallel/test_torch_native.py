@@ -1,0 +1,97 @@
+"""PyTorch DDP and FSDP2 fallbacks (`--distributed-strategy`) reproduce the single-process run,
+hold the memory their sharding predicts, and `auto` explains its choice."""
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
+from threefold.arguments import parse_args
+from threefold.config import ConfigError
+from threefold.parallel.strategy import choose_strategy
+from threefold.training.memory import measure_bytes_per_parameter
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_job(LLAMA_STYLE + TRAINING, 10)
+
+
+
+
+def _bytes_job(argv: list[str]) -> dict:
+    trainer = _setup(argv)
+    trainer.train_step()
+    return measure_bytes_per_parameter(trainer).__dict__
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ten_steps_with_clipping_match_single_process(reference, strategy):
+    results = run_distributed(2, train_job, LLAMA_STYLE + TRAINING
+                              + ["--distributed-strategy", strategy], 10)
+    assert_matches_reference(results, reference, 1e-6)
+
+
+@pytest.mark.parametrize("strategy,expected", [("ddp", 16.0), ("fsdp", 8.0)])
+def test_bytes_per_parameter(strategy, expected):
+    # fp32 parameters, gradients and Adam moments: 4 + 4 + 8, all sharded over 2 ranks by FSDP.
+    for measured in run_distributed(2, _bytes_job, LLAMA_STYLE + TRAINING
+                                    + ["--distributed-strategy", strategy]):
+        assert abs(sum(measured.values()) - expected) <= 0.05 * expected, measured
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 1"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+])
+def test_fallbacks_refuse_megatron_only_layouts(flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(LLAMA_STYLE + TRAINING + ["--distributed-strategy", "fsdp"] + flags,
+                   world_size=4)
+    assert exit_info.value.code == 2
+
+
+def _config(hidden: int, layers: int, world_size: int = 8, flags: tuple = ()):
+    heads = hidden // 128
+    return parse_args(
+        ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
+         str(heads), "--seq-length", "4096", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--disable-bias-linear", "--vocab-size", "32000",
+         "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--bf16",
+         "--mock-data", "--distributed-strategy", "auto", "--recompute-granularity", "full",
+         "--recompute-method", "uniform", "--recompute-num-layers", "1", *flags],
+        world_size=world_size)
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("hidden,layers,expected", [
+    (1024, 24, ("ddp", False)),      # ~0.4B parameters
+    (3072, 26, ("megatron", True)),  # ~3B
+    (8192, 48, ("fsdp", False)),     # ~39B
+])
+def test_auto_follows_the_rule_of_thumb_when_memory_allows(hidden, layers, expected):
+    strategy, distributed, why = choose_strategy(_config(hidden, layers), 10_000 * GIB)
+    assert (strategy, distributed) == expected
+    assert "parameters" in why and "GiB" in why
+
+
+def test_auto_shards_more_when_the_estimate_does_not_fit():
+    # ~0.9B parameters: DDP by size, but 16 bytes/parameter do not fit in 12 GiB.
+    strategy, distributed, why = choose_strategy(_config(2048, 16), 12 * GIB)
+    assert (strategy, distributed) != ("ddp", False)
+    assert "ddp would need" in why
+
+
+def test_auto_with_tensor_parallelism_stays_with_megatron():
+    config = _config(1024, 24, flags=("--tensor-model-parallel-size", "2"))
+    assert choose_strategy(config, 10_000 * GIB)[:2] == ("megatron", False)
+
+
+def test_auto_refuses_an_explicit_distributed_optimizer():
+    with pytest.raises(ConfigError):
+        config = _config(1024, 24)
+        config.parallel.use_distributed_optimizer = True
+        config.parallel._finalize_strategy()

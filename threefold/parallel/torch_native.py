@@ -1,0 +1,83 @@
+"""PyTorch's own data parallelism as fallbacks for small models (`--distributed-strategy`).
+
+- `ddp`: `torch.nn.parallel.DistributedDataParallel`, every rank holding the whole model and
+  optimizer (fp32 parameters; `--bf16`/`--fp16` compute under autocast).
+- `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every transformer layer and on the
+  model, the ZeRO-3 equivalent: parameters, gradients and Adam moments are sharded over the
+  data-parallel ranks and each layer's parameters are all-gathered just before it runs. The
+  sharded fp32 parameters are the masters; `--bf16`/`--fp16` all-gather them in that dtype and
+  reduce-scatter gradients in fp32 (a `MixedPrecisionPolicy`).
+
+Both need TP = PP = 1 (checked by the config). Gradient synchronization is skipped on all but
+the last micro-batch of a step (`no_sync_context`), so accumulation costs one reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from threefold.parallel import state
+
+# The attributes threefold's layers put on parameters (sharding metadata, tied-embedding
+# marks); FSDP2 replaces the parameters with new DTensor ones, so they are carried over.
+_PARAMETER_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                         "master_shape", "valid_rows", "init_method", "sequence_parallel",
+                         "shared_embedding", "embedding_copy")
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=state.data_parallel_group(),
+        # The gradients live in DDP's buckets: no second copy of them.
+        gradient_as_bucket_view=True)
+
+
+def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    saved = {name: {a: getattr(p, a) for a in _PARAMETER_ATTRIBUTES if hasattr(p, a)}
+             for name, p in model.named_parameters()}
+    mesh = DeviceMesh.from_group(state.data_parallel_group(), device.type)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.float32)
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # embedding, final norm, output layer
+    for name, param in model.named_parameters():
+        for attribute, value in saved[name].items():
+            setattr(param, attribute, value)
+    return model
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from its shards, else the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def no_sync_context(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context that suspends gradient reduction, for the non-final micro-batches."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync
+
+    @contextlib.contextmanager
+    def fsdp_no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return fsdp_no_sync

@@ -1,0 +1,227 @@
+"""Per-device memory of a model and layout, predicted without running it.
+
+Static memory: the parameters each rank holds (its pipeline stage's layers, embedding and
+output layer; matrices divided by TP; the vocabulary padded as the run pads it) times the bytes
+per parameter of the precision and data-parallel strategy:
+
+    strategy, precision            params  grads             optimizer
+    megatron, fp32                 4       4                 8       (Adam moments)
+    megatron, bf16/fp16            2       2, or 4 with      12      (fp32 master + moments)
+                                           --accumulate-allreduce-grads-in-fp32
+    + --use-distributed-optimizer                            optimizer / DP
+    ddp (fp32 params, autocast)    4       4                 8
+    fsdp                           (4      4                 8) / DP
+
+Activations: the tensors threefold's layers keep for backward, per micro-batch, as they are in
+this implementation (`measure_activation_bytes` measures the same thing on a real run; the
+tests hold the two within 10%). With s sequence, b micro-batch, h hidden, f FFN, a heads, g
+query groups of head size d, t TP, sigma = t under sequence parallelism (else 1), e bytes per
+activation element, per layer:
+- each of the two norm+linear blocks: the norm's input (fp32, /sigma), its statistics, RMSNorm's
+  normalized intermediate, and the linear's input (e, the whole sequence);
+- attention: the QKV projection e s b (h + 2 g d)/t, the attention output e s b h/t, RoPE's
+  rotated queries and keys, and the softmax log-sum-exp 4 b a s/t (flash attention keeps no
+  s x s matrix; selective recomputation drops the log-sum-exp);
+- MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU);
+- dropout masks when dropout is on.
+Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
+group's activations during backward. The last stage adds the fp32 softmax of the vocab-parallel
+cross-entropy (4 s b V/t). A pipeline stage holds several micro-batches at once; their number
+comes from the schedule itself (1F1B: P - r for stage r; interleaved: more).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config import Config, ModelConfig, ParallelConfig
+from threefold.parallel.pipeline_layout import model_chunk_layers
+
+
+def _layer_parameters(model: ModelConfig, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    qkv = d * (model.num_attention_heads + 2 * model.num_query_groups)
+    fc1 = f * (2 if model.swiglu else 1)
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    count = (h * qkv + d * model.num_attention_heads * h + h * fc1 + f * h) // tp + 2 * norm
+    if model.add_bias_linear:  # column-parallel biases are split, row-parallel ones are not
+        count += (qkv + fc1) // tp + 2 * h
+    return count
+
+
+def stage_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: int,
+                     stage: int) -> int:
+    """Parameters one rank of pipeline stage `stage` holds (at TP rank granularity)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    h = model.hidden_size
+    chunks = model_chunk_layers(model.num_layers, pp, stage,
+                                parallel.virtual_pipeline_model_parallel_size,
+                                parallel.decoder_first_pipeline_num_layers,
+                                parallel.decoder_last_pipeline_num_layers)
+    count = sum(layers for _, layers in chunks) * _layer_parameters(model, tp)
+    embedding = padded_vocab * h // tp
+    if stage == 0:
+        count += embedding
+        if model.position_embedding_type == "learned_absolute":
+            count += model.max_position_embeddings * h
+    if stage == pp - 1:
+        count += h * (2 if model.normalization == "LayerNorm" else 1)  # final norm
+        if model.untie_embeddings_and_output_weights or pp > 1:
+            count += embedding  # the output layer, or the last stage's copy of the tied one
+    return count
+
+
+def parameter_count(model: ModelConfig, padded_vocab: int) -> int:
+    """The whole model's parameters (a tied output layer counted once)."""
+    return stage_parameters(model, ParallelConfig(), padded_vocab, 0)
+
+
+def _bytes_per_parameter(config: Config, strategy: str,
+                         distributed_optimizer: bool) -> tuple[float, float, float]:
+    training, parallel = config.training, config.parallel
+    dp = parallel.data_parallel_size
+    if strategy in ("ddp", "fsdp"):
+        share = dp if strategy == "fsdp" else 1
+        return 4 / share, 4 / share, 8 / share
+    half = training.bf16 or training.fp16
+    params = 2 if half else 4
+    grads = 4 if not half or parallel.accumulate_allreduce_grads_in_fp32 else 2
+    optimizer = 12 if half or training.optimizer_cpu_offload else 8
+    if training.optimizer_cpu_offload:
+        optimizer = 0  # in host memory, not the device's
+    return params, grads, optimizer / (dp if distributed_optimizer else 1)
+
+
+def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
+    """What one transformer layer keeps for backward per micro-batch (see the module doc)."""
+    model, parallel = config.model, config.parallel
+    s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
+    f, a, d, g = (model.ffn_hidden_size, model.num_attention_heads, model.kv_channels,
+                  model.num_query_groups)
+    t = parallel.tensor_model_parallel_size
+    sigma = t if parallel.sequence_parallel else 1
+    e = 2 if (config.training.bf16 or config.training.fp16) else 4
+    if recompute_kept:  # full recomputation: the layer group's input only
+        return e * s * b * h // sigma
+    rms = model.normalization == "RMSNorm"
+    stats = 1 if rms else 2
+    norm_block = 4 * s * b * h // sigma * (2 if rms else 1) + 4 * stats * s * b // sigma
+    norm_block += e * s * b * h  # the linear's input, gathered over the sequence under SP
+    attention = e * s * b * (h + 2 * g * d) // t + e * s * b * h // t
+    if model.position_embedding_type == "rope":
+        attention += e * s * b * (h + g * d) // t
+    if model.recompute_granularity != "selective":
+        attention += 4 * b * a * s // t
+    mlp = e * s * b * f // t * (4 if model.swiglu else 2)
+    # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
+    # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
+    dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
+    return 2 * norm_block + attention + mlp + dropout
+
+
+def _micro_batches_in_flight(config: Config, stage: int) -> int:
+    """The most micro-batches whose activations stage `stage` holds at once, from the
+    schedule's own action order (counted in model chunks' worth, divided by the chunks)."""
+    from threefold.parallel.schedules import interleaved_order, one_f_one_b_order
+
+    parallel = config.parallel
+    pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    m = config.training.num_micro_batches(parallel.data_parallel_size)
+    if pp == 1:
+        return 1
+    order = (interleaved_order(m, pp, stage, vpp) if vpp else one_f_one_b_order(m, pp, stage))
+    held = most = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return -(-most // (vpp or 1))
+
+
+def micro_batch_activation_bytes(config: Config, stage: int) -> int:
+    """One micro-batch's activations on pipeline stage `stage` (all its model chunks)."""
+    model, parallel = config.model, config.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
+    sigma = tp if parallel.sequence_parallel else 1
+    e = 2 if (config.training.bf16 or config.training.fp16) else 4
+    chunks = model_chunk_layers(model.num_layers, pp, stage,
+                                parallel.virtual_pipeline_model_parallel_size,
+                                parallel.decoder_first_pipeline_num_layers,
+                                parallel.decoder_last_pipeline_num_layers)
+    total = 0
+    for _, layers in chunks:
+        if model.recompute_granularity == "full":
+            every = model.recompute_num_layers
+            groups = (-(-layers // every) if model.recompute_method == "uniform"
+                      else min(every, layers))
+            recomputed = layers if model.recompute_method == "uniform" else groups
+            total += groups * layer_activation_bytes(config, recompute_kept=True)
+            total += (layers - recomputed) * layer_activation_bytes(config)
+        else:
+            total += layers * layer_activation_bytes(config)
+    if model.position_embedding_type == "rope":
+        total += 2 * 4 * s * model.kv_channels  # the cos/sin tables
+    if stage == 0:
+        total += 8 * s * b  # token ids
+        if model.hidden_dropout > 0:
+            total += e * s * b * h // sigma  # the embedding dropout's mask
+    if stage == pp - 1:
+        rms = model.normalization == "RMSNorm"
+        total += (4 * s * b * h // sigma * (2 if rms else 1) + 4 * (1 if rms else 2) * s * b
+                  // sigma + e * s * b * h)  # final norm and the output layer's input
+        padded = model.padded_vocab_size(tp)
+        total += 4 * s * b * padded // tp + 9 * s * b  # fp32 softmax, targets and mask
+    return total
+
+
+def recompute_workspace_bytes(config: Config) -> int:
+    """Full recomputation re-creates one group's activations during backward."""
+    model = config.model
+    if model.recompute_granularity != "full":
+        return 0
+    group = model.recompute_num_layers if model.recompute_method == "uniform" else 1
+    return group * layer_activation_bytes(config)
+
+
+@dataclass
+class MemoryEstimate:
+    stage: int  # the pipeline stage that needs the most
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    micro_batches_in_flight: int
+
+    @property
+    def static(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations
+
+
+def estimate_stage(config: Config, stage: int, strategy: str | None = None,
+                   use_distributed_optimizer: bool | None = None) -> MemoryEstimate:
+    parallel = config.parallel
+    strategy = strategy or parallel.distributed_strategy
+    distributed = (parallel.use_distributed_optimizer if use_distributed_optimizer is None
+                   else use_distributed_optimizer)
+    count = stage_parameters(config.model, parallel,
+                             config.model.padded_vocab_size(parallel.tensor_model_parallel_size),
+                             stage)
+    params, grads, optimizer = _bytes_per_parameter(config, strategy, distributed)
+    in_flight = _micro_batches_in_flight(config, stage)
+    activations = (in_flight * micro_batch_activation_bytes(config, stage)
+                   + recompute_workspace_bytes(config))
+    return MemoryEstimate(stage, count * params, count * grads, count * optimizer, activations,
+                          in_flight)
+
+
+def estimate_memory(config: Config, strategy: str | None = None,
+                    use_distributed_optimizer: bool | None = None) -> MemoryEstimate:
+    """The estimate for the pipeline stage that needs the most memory."""
+    stages = [estimate_stage(config, stage, strategy, use_distributed_optimizer)
+              for stage in range(config.parallel.pipeline_model_parallel_size)]
+    return max(stages, key=lambda estimate: estimate.total)
