@@ -35,7 +35,10 @@ def _resume_job(argv: list[str], directory: str) -> dict:
 
 @pytest.mark.parametrize("world_size,layout", [
     (2, []), (2, ["--tensor-model-parallel-size", "2"]),
-    (2, ["--pipeline-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"])])
+    (2, ["--pipeline-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"]),
+    (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+         "--ddp-bucket-size", "3000"]),
+    (2, ["--distributed-strategy", "fsdp"])])
 def test_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     argv = LLAMA_STYLE + TRAINING + DROPOUT + layout
     result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]

@@ -141,4 +141,5 @@ class GPTModel(nn.Module):
         logits = self.output_layer(hidden_states, weight=self.output_weight())
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size).t()
+        # Contiguous: a view returned from an FSDP2 root would be fragile under in-place ops.
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size).t().contiguous()

@@ -35,15 +35,16 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
     """(strategy, use the distributed optimizer, why) for a config whose strategy is auto."""
     parallel = config.parallel
     count = parameter_count(config.model, config.model.padded_vocab_size(1))
+    size = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
     if parallel.model_parallel_size > 1:
         ladder = _MODEL_PARALLEL_LADDER
         index = int(count >= 1e9)
-        rule = (f"{count / 1e9:.2f}B parameters with tensor/pipeline parallelism: threefold's "
+        rule = (f"{size} parameters with tensor/pipeline parallelism: threefold's "
                 "data parallelism" + (", distributed optimizer from 1B" if index else ""))
     else:
         ladder = _LADDER
         index = 0 if count < 1e9 else 1 if count <= 7e9 else 2
-        rule = (f"{count / 1e9:.2f}B parameters "
+        rule = (f"{size} parameters "
                 + ("< 1B" if index == 0 else "in 1B-7B" if index == 1 else "> 7B"))
     budget = _USABLE_FRACTION * device_memory
 

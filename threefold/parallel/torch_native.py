@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -44,7 +45,10 @@ def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype
 
     saved = {name: {a: getattr(p, a) for a in _PARAMETER_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
-    mesh = DeviceMesh.from_group(state.data_parallel_group(), device.type)
+    # With TP = PP = 1 the data-parallel group is the whole world; the default group (never
+    # torn down and re-created as megatron-core's are when a layout changes) backs the mesh.
+    assert state.data_parallel_world_size() == dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32)
@@ -55,6 +59,15 @@ def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype
         for attribute, value in saved[name].items():
             setattr(param, attribute, value)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """After a forward without backward (evaluation) FSDP2 leaves the root's parameters
+    unsharded and registered in place of the sharded ones: put the sharded ones back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
