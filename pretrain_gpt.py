@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(config, device)
         if config.checkpoint.load:
-            iteration = load_checkpoint(config.checkpoint.load, trainer)
+            checkpoint = config.checkpoint
+            iteration = load_checkpoint(checkpoint.load, trainer,
+                                        load_optimizer=not checkpoint.no_load_optim,
+                                        load_rng=not checkpoint.no_load_rng,
+                                        finetune=checkpoint.finetune)
             print_rank_0(f"> resumed from {config.checkpoint.load} at iteration {iteration}"
                          if iteration is not None else
                          f"> no checkpoint in --load {config.checkpoint.load}; starting from "

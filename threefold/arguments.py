@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "checkpoint", "--save", type=str)
     _add(g, "checkpoint", "--load", type=str)
     _add(g, "checkpoint", "--save-interval", type=int)
+    _add(g, "checkpoint", "--async-save", action=_STORE_TRUE,
+         help="write checkpoints in the background while training continues")
+    _add(g, "checkpoint", "--no-load-optim", action=_STORE_TRUE,
+         help="load weights, scheduler and iteration, but start the optimizer afresh")
+    _add(g, "checkpoint", "--no-load-rng", action=_STORE_TRUE)
+    _add(g, "checkpoint", "--finetune", action=_STORE_TRUE,
+         help="load the weights only; iteration and consumed samples start from 0")
 
     g = parser.add_argument_group("logging")
     _add(g, "logging", "--log-interval", type=int)

@@ -9,8 +9,13 @@
 
 Each rank writes only what it holds; data-parallel replicas share tensor keys so
 torch.distributed.checkpoint stores them once. Tensor keys carry the tensor-parallel rank and
-the layout-independent parameter name, so a checkpoint loads into any data-parallel size; a
-different TP/PP layout is refused with a clear message (resharding is future work).
+the layout-independent parameter name. A checkpoint loads directly into the same layout and
+through `threefold/resharding.py` into any other TP/PP/DP layout, with or without the
+distributed optimizer, optimizer state included.
+
+`--async-save` stages the tensors and writes them in a background thread while training goes
+on; the tracker follows only once every rank's write has completed (at the next save or at the
+end of training).
 
 Crash safety: the tracker file is replaced atomically (write, fsync, rename) only after every
 rank has finished writing, so `--load` never points at a partial checkpoint.
@@ -23,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import signal
 
 import numpy as np
 import torch
@@ -30,8 +36,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from threefold.config import ConfigError
+from threefold.config import flag as flag_of
 from threefold.parallel import state
 from threefold.parallel.random import get_rng_tracker
+from threefold.resharding import load_resharded
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -100,16 +108,40 @@ def _set_rng_state(saved: dict) -> None:
     get_rng_tracker().states = dict(saved["tracker"])
 
 
-def save_checkpoint(root: str, trainer) -> str:
-    """Write the trainer's full state for its current iteration; returns the directory."""
+def _crash_point(name: str, iteration: int) -> None:
+    """Fault injection for the crash-safety tests: THREEFOLD_CRASH_AT=<name>@<iteration> kills
+    this process (SIGKILL, no clean-up) at that point of that iteration's save."""
+    if os.environ.get("THREEFOLD_CRASH_AT") == f"{name}@{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PendingSave:
+    """An --async-save in flight: its shards are being written by a background thread; the
+    tracker is written by `finalize`, after every rank's write has completed."""
+
+    def __init__(self, root: str, iteration: int, future) -> None:
+        self.root, self.iteration, self.future = root, iteration, future
+
+    def finalize(self) -> None:
+        self.future.result()  # raises if this rank's write failed
+        _barrier()
+        _crash_point("before-tracker", self.iteration)
+        if state.global_rank() == 0:
+            _write_atomically(os.path.join(self.root, TRACKER), f"{self.iteration}\n")
+        _barrier()
+
+
+def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | PendingSave:
+    """Write the trainer's full state for its current iteration; returns the directory, or
+    with `asynchronous` a PendingSave to finalize once training can wait for it."""
     iteration = trainer.state.iteration
     path = checkpoint_dir(root, iteration)
     rank = state.global_rank()
     if rank == 0:
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
-    dcp.save(_tensor_state(trainer), checkpoint_id=path)
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    _crash_point("after-rng", iteration)
     if rank == 0:
         config = trainer.config
         metadata = {
@@ -123,11 +155,19 @@ def save_checkpoint(root: str, trainer) -> str:
         tokenizer = trainer.tokenizer
         if tokenizer is not None and getattr(tokenizer, "model_file", None):
             shutil.copyfile(tokenizer.model_file, os.path.join(path, "tokenizer.model"))
-    _barrier()  # every rank's shards are on disk before the tracker names them
-    if rank == 0:
-        _write_atomically(os.path.join(root, TRACKER), f"{iteration}\n")
-    _barrier()
+    _crash_point("before-shards", iteration)
+    if asynchronous:  # tensors are staged (copied) before this returns; writing continues
+        return PendingSave(root, iteration,
+                           dcp.async_save(_tensor_state(trainer), checkpoint_id=path))
+    dcp.save(_tensor_state(trainer), checkpoint_id=path)
+    PendingSave(root, iteration, _Done()).finalize()
     return path
+
+
+class _Done:
+    @staticmethod
+    def result() -> None:
+        return None
 
 
 def read_metadata(root: str, iteration: int) -> dict:
@@ -138,48 +178,71 @@ def read_metadata(root: str, iteration: int) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(root: str, trainer, load_optimizer: bool = True,
-                    load_rng: bool = True) -> int | None:
-    """Restore the latest complete checkpoint under `root` into the trainer. Returns its
-    iteration, or None (and changes nothing) when `root` holds no checkpoint yet."""
+def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
+    """Whether the checkpoint's tensors have exactly this run's keys and shapes."""
+    same = all(saved[name] == getattr(current, name) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers"))
+    if load_optimizer and (saved["use_distributed_optimizer"]
+                           or current.use_distributed_optimizer):
+        saved_dp = saved["world_size"] // (saved["tensor_model_parallel_size"]
+                                           * saved["pipeline_model_parallel_size"])
+        same = same and (saved["use_distributed_optimizer"] == current.use_distributed_optimizer
+                         and saved_dp == current.data_parallel_size
+                         and saved.get("ddp_bucket_size") == current.ddp_bucket_size)
+    return same
+
+
+# The model fields a checkpoint's tensors depend on.
+_ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "kv_channels", "normalization", "swiglu",
+                 "position_embedding_type", "add_bias_linear",
+                 "untie_embeddings_and_output_weights", "vocab_size")
+
+
+def _check_architecture(root: str, saved: dict, current) -> None:
+    for name in _ARCHITECTURE:
+        if saved.get(name) != getattr(current, name):
+            flag = {"add_bias_linear": "--disable-bias-linear"}.get(name, flag_of(name))
+            raise ConfigError(f"--load {root}: the checkpoint's model has {flag} "
+                              f"{saved.get(name)} but this run has {getattr(current, name)}; "
+                              "use the checkpoint's model flags")
+
+
+def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: bool = True,
+                    finetune: bool = False) -> int | None:
+    """Restore the latest complete checkpoint under `root` into the trainer, from any
+    TP/PP/DP layout. Returns its iteration, or None (and changes nothing) when `root` holds no
+    checkpoint yet. `finetune`: weights only, and training starts again from iteration 0."""
     if not os.path.isdir(root):
         raise ConfigError(f"--load {root}: no such directory")
     iteration = read_tracker(root)
     if iteration is None:
         return None
     metadata = read_metadata(root, iteration)
-    saved, current = metadata["config"]["parallel"], trainer.config.parallel
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if saved[name] != getattr(current, name):
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"--load {root}: the checkpoint was saved with {flag} "
-                              f"{saved[name]} but this run uses {getattr(current, name)}; "
-                              "load it with the same layout")
-    if load_optimizer and (saved["use_distributed_optimizer"] or
-                           current.use_distributed_optimizer):
-        saved_dp = saved["world_size"] // (saved["tensor_model_parallel_size"]
-                                           * saved["pipeline_model_parallel_size"])
-        if (saved["use_distributed_optimizer"] != current.use_distributed_optimizer
-                or saved_dp != current.data_parallel_size):
-            raise ConfigError(
-                f"--load {root}: the optimizer state was saved with "
-                f"{'' if saved['use_distributed_optimizer'] else 'no '}--use-distributed-optimizer "
-                f"at data-parallel size {saved_dp}; load it the same way (resharding "
-                "distributed-optimizer state is not supported yet)")
-    tensors = _tensor_state(trainer, with_optimizer=load_optimizer)
-    dcp.load(tensors, checkpoint_id=checkpoint_dir(root, iteration))
+    path = checkpoint_dir(root, iteration)
+    if finetune:
+        load_optimizer = load_rng = False
+    _check_architecture(root, metadata["config"]["model"], trainer.config.model)
+    saved = metadata["config"]["parallel"]
+    if _same_layout(saved, trainer.config.parallel, load_optimizer):
+        dcp.load(_tensor_state(trainer, with_optimizer=load_optimizer), checkpoint_id=path)
+    else:
+        load_resharded(path, trainer, saved["tensor_model_parallel_size"], load_optimizer)
+        load_rng = False  # per-rank RNG streams belong to the saved layout's ranks
     # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:
-        trainer.scheduler.load_state_dict(metadata["scheduler"])
         trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
         trainer.optimizer.copy_masters_to_model()
     else:
         trainer.optimizer.copy_model_to_masters()
-    for name, value in metadata["train_state"].items():
-        setattr(trainer.state, name, value)
+    if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
+        for name, value in metadata["train_state"].items():
+            setattr(trainer.state, name, value)
+        trainer.scheduler.load_state_dict(metadata["scheduler"])
     if load_rng:
-        rng_file = os.path.join(checkpoint_dir(root, iteration), "rng",
-                                f"rank_{state.global_rank():05d}.pt")
+        rng_file = os.path.join(path, "rng", f"rank_{state.global_rank():05d}.pt")
         if os.path.isfile(rng_file):
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return iteration

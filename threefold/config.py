@@ -375,11 +375,19 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    async_save: bool = False  # write in the background; the tracker follows when complete
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False  # weights only; iteration and consumed samples start at 0
 
     def finalize(self) -> None:
         if self.save_interval is not None:
             _require(self.save_interval >= 1, "--save-interval must be >= 1")
             _require(self.save is not None, "--save-interval needs --save DIR")
+        _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
+        for flag, value in (("--no-load-optim", self.no_load_optim),
+                            ("--no-load-rng", self.no_load_rng), ("--finetune", self.finetune)):
+            _require(not value or self.load is not None, f"{flag} needs --load DIR")
 
 
 @dataclass

@@ -5,6 +5,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import (
+    GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
     _setup,
@@ -20,6 +21,9 @@ LAYOUTS = {
     "dp4": (4, []),
     "tp2_dp2": (4, ["--tensor-model-parallel-size", "2"]),
     "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    # Sequence-parallel norms are summed over TP after the DP reduction: their buckets are
+    # all-reduced, not reduce-scattered.
+    "tp2_sp_dp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # Small buckets so several reduce-scatters and all-gathers are in flight at once.
     "dp2_overlapped": (2, ["--overlap-grad-reduce", "--overlap-param-gather",
                            "--ddp-bucket-size", "3000"]),
@@ -48,6 +52,15 @@ def test_ten_steps_with_clipping_match_single_process(reference, layout):
     # Against one process: 1e-6, or the tensor-parallel tolerance where TP reorders sums.
     tolerance = 1e-5 if "tp" in layout else 1e-6
     assert_matches_reference(distributed, reference, tolerance)
+
+
+def test_tied_embeddings_across_pipeline_stages():
+    # The first stage's embedding and the last stage's copy sit at different offsets of
+    # their stages' buffers; both must see the fully reduced gradient before being summed.
+    argv = GPT2_STYLE + TRAINING + ["--pipeline-model-parallel-size", "2"]
+    reference = train_job(GPT2_STYLE + TRAINING, 10)
+    assert_matches_reference(run_distributed(4, train_job, argv + DISTRIBUTED, 10),
+                             reference, 1e-6)
 
 
 def _bytes_job(argv: list[str]) -> dict:

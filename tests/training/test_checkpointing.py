@@ -1,6 +1,9 @@
 """Checkpoints resume exactly and the tracker only ever names complete checkpoints."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -59,13 +62,83 @@ def test_tracker_names_only_complete_checkpoints(tmp_path):
     assert fresh.state.iteration == 1
 
 
-def test_loading_into_another_tensor_parallel_size_is_refused(tmp_path):
+def test_loading_another_model_is_refused_naming_the_flag(tmp_path):
     directory = str(tmp_path)
     save_checkpoint(directory, _setup(LLAMA_STYLE + TRAINING))
-    run_distributed(2, _load_expecting_error, LLAMA_STYLE + TRAINING +
-                    ["--tensor-model-parallel-size", "2"], directory)
+    with pytest.raises(ConfigError, match="--num-layers 2 but this run has 3"):
+        load_checkpoint(directory, _setup(LLAMA_STYLE + TRAINING + ["--num-layers", "3"]))
 
 
-def _load_expecting_error(argv: list[str], directory: str) -> None:
-    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 1"):
-        load_checkpoint(directory, _setup(argv))
+def _adam_moments_are_zero(trainer) -> bool:
+    return all(not state["exp_avg"].any() for state in trainer.optimizer.optimizer.state.values())
+
+
+@pytest.mark.parametrize("how", ["finetune", "no_load_optim"])
+def test_weights_only_loads(tmp_path, how):
+    directory = str(tmp_path)
+    saved = _setup(LLAMA_STYLE + TRAINING)
+    for _ in range(3):
+        saved.train_step()
+    save_checkpoint(directory, saved)
+    fresh = _setup(LLAMA_STYLE + TRAINING)
+    if how == "finetune":  # weights only; a new run from iteration 0
+        assert load_checkpoint(directory, fresh, finetune=True) == 3
+        assert fresh.state.iteration == 0 and fresh.scheduler.num_steps == 0
+    else:  # the run continues, with a fresh optimizer
+        assert load_checkpoint(directory, fresh, load_optimizer=False) == 3
+        assert fresh.state.iteration == 3 and fresh.scheduler.num_steps == 3
+    assert _adam_moments_are_zero(fresh) and not _adam_moments_are_zero(saved)
+    assert_close_dicts(_full(fresh), _full(saved), 0.0, "parameter")
+
+
+def test_async_save_writes_the_state_of_its_iteration(tmp_path):
+    directory = str(tmp_path)
+    trainer = _setup(LLAMA_STYLE + TRAINING + ["--save", directory, "--async-save"])
+    trainer.train_step()
+    trainer.save()  # returns once the tensors are staged
+    at_save = _full(trainer)
+    trainer.train_step()  # training goes on and changes the parameters meanwhile
+    assert not os.path.exists(os.path.join(directory, TRACKER))  # not complete yet
+    trainer.finish_pending_save()
+    assert open(os.path.join(directory, TRACKER)).read().strip() == "1"
+    fresh = _setup(LLAMA_STYLE + TRAINING)
+    assert load_checkpoint(directory, fresh) == 1
+    assert_close_dicts(_full(fresh), at_save, 0.0, "parameter")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "4", "--mock-data", "--vocab-size", "128", "--eval-iters", "0",
+            "--log-interval", "1", "--save-interval", "2"]
+
+
+def _pretrain(directory: str, *extra: str, crash_at: str | None = None):
+    environment = dict(os.environ, THREEFOLD_CRASH_AT=crash_at or "")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY_RUN,
+                           "--save", directory, *extra], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=environment)
+
+
+def _last_loss(output: str) -> str:
+    return [line for line in output.splitlines() if "lm loss" in line][-1].split("|")[6]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_final_loss(tmp_path_factory):
+    return _last_loss(_pretrain(str(tmp_path_factory.mktemp("straight"))).stdout)
+
+
+@pytest.mark.parametrize("point", ["after-rng", "before-shards", "before-tracker"])
+def test_a_process_killed_mid_save_loses_nothing(tmp_path, point, uninterrupted_final_loss):
+    """SIGKILL at several points of the iteration-4 save: the tracker still names iteration 2,
+    which loads, and the resumed run finishes with the same final loss as one never killed."""
+    directory = str(tmp_path / "run")
+    killed = _pretrain(directory, crash_at=f"{point}@4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert open(os.path.join(directory, TRACKER)).read().strip() == "2"
+    resumed = _pretrain(directory, "--load", directory)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "at iteration 2" in resumed.stdout
+    assert _last_loss(resumed.stdout) == uninterrupted_final_loss
+    assert open(os.path.join(directory, TRACKER)).read().strip() == "4"

@@ -40,29 +40,37 @@ class GradientBuffer:
     def __init__(self, params: list[nn.Parameter], bucket_size: int = 40_000_000,
                  pad_to_multiple: int = 1, flat_parameters: bool = False,
                  overlap_grad_reduce: bool = False,
-                 grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_dtype: torch.dtype = torch.float32,
+                 needs_full_gradient=None) -> None:
         self.params = [p for p in params if p.requires_grad]
         device = self.params[0].device
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
         self._bucket_of: dict[nn.Parameter, int] = {}
-
-        def close_bucket(start: int, end: int) -> int:
-            end = -(-end // pad_to_multiple) * pad_to_multiple
-            self.buckets.append((start, end))
-            return end
-
-        offset = bucket_start = 0
+        # Buckets always all-reduced, even under the distributed optimizer: they hold the
+        # parameters whose gradients are then summed with a copy laid out differently in
+        # another rank's buffer (tied embeddings across pipeline stages), which needs every
+        # element of the gradient reduced, not only this rank's shard.
+        self.full_buckets: set[int] = set()
+        special = [p for p in self.params if needs_full_gradient and needs_full_gradient(p)]
+        ordinary = [p for p in self.params if not any(p is s for s in special)]
+        offset = 0
         # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
         # gradients first, so their buckets complete first.
-        for param in reversed(self.params):
-            self.ranges[param] = (offset, offset + param.numel())
-            self._bucket_of[param] = len(self.buckets)
-            offset += param.numel()
-            if offset - bucket_start >= bucket_size:
-                offset = bucket_start = close_bucket(bucket_start, offset)
-        if bucket_start < offset or not self.buckets:
-            offset = close_bucket(bucket_start, offset)
+        for group in (ordinary, special):
+            bucket_start = offset
+            for param in reversed(group):
+                self.ranges[param] = (offset, offset + param.numel())
+                self._bucket_of[param] = len(self.buckets)
+                offset += param.numel()
+                if offset - bucket_start >= bucket_size:
+                    offset = bucket_start = self._close_bucket(bucket_start, offset,
+                                                               pad_to_multiple, group is special)
+            if bucket_start < offset:
+                offset = self._close_bucket(bucket_start, offset, pad_to_multiple,
+                                            group is special)
+        if not self.buckets:
+            offset = self._close_bucket(0, 0, pad_to_multiple, False)
         self.buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         self.param_buffer = (torch.zeros(offset, dtype=self.params[0].dtype, device=device)
                              if flat_parameters else None)
@@ -76,6 +84,13 @@ class GradientBuffer:
         self.reduce_scatter = False  # set by the distributed optimizer
         self._gather_handles: dict[int, object] = {}
         self.start_step(num_microbatches=1)
+
+    def _close_bucket(self, start: int, end: int, pad_to_multiple: int, full: bool) -> int:
+        end = max(-(-end // pad_to_multiple) * pad_to_multiple, start + pad_to_multiple)
+        if full:
+            self.full_buckets.add(len(self.buckets))
+        self.buckets.append((start, end))
+        return end
 
     def start_step(self, num_microbatches: int) -> None:
         """Zero the gradients and arm the per-bucket countdown for a step."""
@@ -119,7 +134,7 @@ class GradientBuffer:
         start, end = self.buckets[bucket]
         self.buffer[start:end].div_(world)
         group = state.data_parallel_group()
-        if self.reduce_scatter:
+        if self.reduce_scatter and bucket not in self.full_buckets:
             shard_start, shard_end = self.shard_range(bucket)
             shard = torch.empty(shard_end - shard_start, dtype=self.buffer.dtype,
                                 device=self.buffer.device)

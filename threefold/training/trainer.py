@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from threefold.checkpointing import save_checkpoint
+from threefold.checkpointing import PendingSave, save_checkpoint
 from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -23,7 +23,7 @@ from threefold.parallel.pipeline_layout import model_chunk_layers
 from threefold.parallel.random import set_random_seed
 from threefold.parallel.schedules import get_forward_backward_func
 from threefold.parallel.strategy import resolve_auto_strategy
-from threefold.parallel.torch_native import no_sync_context, wrap_ddp, wrap_fsdp
+from threefold.parallel.torch_native import no_sync_context, reshard, wrap_ddp, wrap_fsdp
 from threefold.training.flops import peak_tflops, training_flops_per_iteration
 from threefold.training.logging import (
     IterationStats,
@@ -96,6 +96,15 @@ def build_model_chunks(config: Config, device: torch.device,
     return chunks
 
 
+def _summed_over_another_group(param: torch.nn.Parameter) -> bool:
+    """Tied embeddings under PP: after the DP reduction their gradients are summed between the
+    first and last stage, whose buffers lay them out at different offsets, so a distributed-
+    optimizer shard of one does not line up with the other's. (Sequence-parallel norms are
+    summed over TP ranks, whose buffers have identical layouts and shards: no such issue.)"""
+    return bool(getattr(param, "shared_embedding", False)
+                and state.pipeline_model_parallel_world_size() > 1)
+
+
 class Trainer:
     def __init__(self, config: Config, device: torch.device) -> None:
         self.config = config
@@ -138,6 +147,7 @@ class Trainer:
             "dtype": params_dtype(config)}
         self._train_iterator = None
         self._last_saved = None
+        self._pending_save = None
 
     def _build_megatron_data_parallel(self, offload: bool) -> None:
         parallel, training = self.config.parallel, self.config.training
@@ -150,7 +160,8 @@ class Trainer:
             pad_to_multiple=state.data_parallel_world_size() if distributed else 1,
             flat_parameters=distributed, overlap_grad_reduce=parallel.overlap_grad_reduce,
             grad_dtype=(params_dtype(self.config) if half
-                        and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32))
+                        and not parallel.accumulate_allreduce_grads_in_fp32 else torch.float32),
+            needs_full_gradient=_summed_over_another_group)
         if distributed:
             self.optimizer = DistributedOptimizer(
                 named, self.grad_buffer, training, parallel.overlap_param_gather, offload)
@@ -256,6 +267,8 @@ class Trainer:
             losses += get_forward_backward_func()(
                 self._forward_step, iterator, self.wrapped_chunks, self.num_microbatches,
                 forward_only=True, **self.pipeline_options)
+        for chunk in self.wrapped_chunks:
+            reshard(chunk)
         return self._mean_loss(losses)
 
     # -- the loop -----------------------------------------------------------------------------
@@ -293,6 +306,7 @@ class Trainer:
                 window_start = time.perf_counter()
         if config.checkpoint.save and self._last_saved != self.state.iteration:
             self.save()
+        self.finish_pending_save()
         tensorboard.close()
         return losses
 
@@ -302,11 +316,25 @@ class Trainer:
                     and self.state.iteration % checkpoint.save_interval == 0)
 
     def save(self) -> None:
+        self.finish_pending_save()
         start = time.perf_counter()
-        path = save_checkpoint(self.config.checkpoint.save, self)
+        checkpoint = self.config.checkpoint
+        result = save_checkpoint(checkpoint.save, self, asynchronous=checkpoint.async_save)
         self._last_saved = self.state.iteration
-        print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {path} "
-                     f"in {time.perf_counter() - start:.2f} s")
+        if isinstance(result, PendingSave):
+            self._pending_save = result
+            print_rank_0(f"  started saving checkpoint at iteration {self.state.iteration} "
+                         f"in the background ({time.perf_counter() - start:.2f} s blocked)")
+        else:
+            print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {result} "
+                         f"in {time.perf_counter() - start:.2f} s")
+
+    def finish_pending_save(self) -> None:
+        """Wait for an --async-save to complete everywhere, then let the tracker name it."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.finalize()
+            print_rank_0(f"  checkpoint at iteration {pending.iteration} complete")
 
     def _iteration_stats(self, elapsed: float, window_losses: list[float],
                          grad_norm: float | None) -> IterationStats:

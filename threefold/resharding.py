@@ -1,0 +1,135 @@
+"""Load a checkpoint saved at another TP/PP/DP layout (or with/without the distributed
+optimizer) into this run's layout.
+
+A checkpoint stores, per tensor-parallel rank r, each parameter's TP shard under
+`model.tp{r}.{global name}` and its Adam state either whole (`optimizer.{field}.tp{r}.{name}`)
+or, under the distributed optimizer, as pieces of the flattened shard
+(`optimizer.{field}.tp{r}.{name}[start:end]`, one per data-parallel owner). Names are the
+layout-independent ones, so a change of pipeline layout only changes which rank loads what.
+
+Each rank rebuilds the *full* tensor of every parameter it now holds — from all saved TP shards
+(and DP pieces), with the vocabulary padding of the saved layout removed — and keeps its new
+shard (and new pieces). Reads go through torch.distributed.checkpoint without collectives
+(`no_dist=True`), one parameter at a time, so ranks holding different stages never wait on
+each other and at most one full parameter is in memory at once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from threefold.config import ConfigError
+from threefold.parallel import state
+from threefold.parallel.sharding import shard_of, unshard
+
+_KEY = re.compile(r"^(model|optimizer\.(exp_avg|exp_avg_sq|step|master))\.tp(\d+)\.(.+?)"
+                  r"(?:\[(\d+):(\d+)\])?$")
+FIELDS = ("exp_avg", "exp_avg_sq", "master")
+
+
+class SavedTensors:
+    """What a checkpoint directory holds, indexed by (kind, parameter name)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        # (kind, name) -> {tp rank: [(start, end, key, shape)]}; start/end None for whole shards
+        self.entries: dict[tuple[str, str], dict[int, list]] = defaultdict(
+            lambda: defaultdict(list))
+        for key, meta in metadata.items():
+            match = _KEY.match(key)
+            if match is None or not hasattr(meta, "size"):
+                continue
+            kind = "model" if match.group(1) == "model" else match.group(2)
+            start, end = match.group(5), match.group(6)
+            self.entries[(kind, match.group(4))][int(match.group(3))].append(
+                (None if start is None else int(start), None if end is None else int(end),
+                 key, tuple(meta.size)))
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.entries
+
+    def _read(self, specs: list[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+        tensors = {key: torch.empty(shape, dtype=torch.float32) for key, shape in specs}
+        dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
+        return tensors
+
+    def full(self, kind: str, name: str, param: nn.Parameter,
+             saved_tp: int) -> torch.Tensor:
+        """The whole tensor of `kind` for a parameter, unpadded (valid rows only)."""
+        per_rank = self.entries[(kind, name)]
+        if sorted(per_rank) != list(range(saved_tp)):
+            raise ConfigError(f"checkpoint {self.path}: {kind} of {name} lacks some of the "
+                              f"{saved_tp} tensor-parallel shards")
+        shard_shapes = {r: spec[3] for r, specs in self.entries[("model", name)].items()
+                        for spec in specs}
+        shards = []
+        for rank in range(saved_tp):
+            specs = sorted(per_rank[rank], key=lambda spec: spec[0] or 0)
+            values = self._read([(spec[2], spec[3]) for spec in specs])
+            if specs[0][0] is None:  # a whole shard
+                shards.append(values[specs[0][2]])
+            else:  # distributed-optimizer pieces of the flattened shard, in order
+                flat = torch.cat([values[spec[2]].reshape(-1) for spec in specs])
+                shards.append(flat.view(shard_shapes[rank]))
+        full = unshard(shards, param) if saved_tp > 1 else shards[0]
+        if param.dim() and param.valid_rows is not None:
+            full = full[: param.valid_rows]
+        return full
+
+    def step(self) -> torch.Tensor | None:
+        for (kind, _), per_rank in self.entries.items():
+            if kind == "step":
+                spec = next(iter(per_rank.values()))[0]
+                return self._read([(spec[2], spec[3])])[spec[2]]
+        return None
+
+
+def _new_shard(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """This rank's shard of a full, unpadded tensor, padded as this layout pads it."""
+    if param.dim() and full.shape[0] < param.master_shape[0]:
+        padding = full.new_zeros((param.master_shape[0] - full.shape[0], *full.shape[1:]))
+        full = torch.cat([full, padding])
+    return shard_of(full, param, state.tensor_model_parallel_rank(),
+                    state.tensor_model_parallel_world_size())
+
+
+@torch.no_grad()
+def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
+                   load_optimizer: bool) -> None:
+    """Fill the trainer's parameters (and optimizer state) from a checkpoint of any layout."""
+    if trainer.native:
+        raise ConfigError("--load: a checkpoint of another layout loads into "
+                          "--distributed-strategy megatron only; load it there and save")
+    saved = SavedTensors(path)
+    optimizer = trainer.optimizer
+    pieces = defaultdict(list)
+    for piece in optimizer.pieces:
+        pieces[piece.param].append(piece)
+    step = saved.step() if load_optimizer else None
+    for name, param in trainer.layout_independent_parameters():
+        if not saved.has("model", name):
+            raise ConfigError(f"--load {path}: the checkpoint has no {name}; it is another "
+                              "model")
+        # fp32 masters are the most precise copy of the weights when the checkpoint has them.
+        source = "master" if saved.has("master", name) else "model"
+        weights = _new_shard(saved.full(source, name, param, saved_tensor_parallel_size), param)
+        param.copy_(weights)
+        if not load_optimizer:
+            continue
+        for piece in pieces.get(param, []):
+            adam = optimizer.optimizer.state[piece.master]
+            for field in ("exp_avg", "exp_avg_sq"):
+                full = saved.full(field, name, param, saved_tensor_parallel_size)
+                adam[field].copy_(_new_shard(full, param).reshape(-1)[piece.start:piece.end]
+                                  .view_as(adam[field]))
+            if step is not None:
+                adam["step"].copy_(step)
+            if optimizer.separate_masters:
+                piece.master.copy_(weights.reshape(-1)[piece.start:piece.end]
+                                   .view_as(piece.master))
