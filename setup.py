@@ -13,9 +13,12 @@ setup(
         "sentencepiece>=0.2",
         "numpy>=1.24",
         "tensorboard>=2.14",
+        "safetensors>=0.4",  # Hugging Face checkpoints in and out
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.5"],
+        # transformers: the conversion tests compare against it (random-init models, offline).
+        "test": ["pytest>=8", "ruff>=0.5", "transformers>=4.45", "tokenizers>=0.19"],
+        "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # Fused kernels, used when importable and never required.
         "te": ["transformer-engine[pytorch]"],
     },

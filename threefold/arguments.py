@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "model", "--norm-epsilon", type=float)
     _add(g, "model", "--swiglu", action=_STORE_TRUE)
     _add(g, "model", "--disable-bias-linear", action="store_false", field="add_bias_linear")
+    _add(g, "model", "--add-qkv-bias", action=_STORE_TRUE)
+    _add(g, "model", "--openai-gelu", action=_STORE_TRUE, help="tanh approximation of GELU")
     _add(g, "model", "--untie-embeddings-and-output-weights", action=_STORE_TRUE)
     _add(g, "model", "--attention-dropout", type=float)
     _add(g, "model", "--hidden-dropout", type=float)
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "data", "--data-path", nargs="+", help="prefix of a Megatron .bin/.idx pair")
     _add(g, "data", "--mock-data", action=_STORE_TRUE)
     _add(g, "data", "--split", type=str)
-    _add(g, "data", "--tokenizer-type", choices=["SentencePieceTokenizer", "NullTokenizer"])
+    _add(g, "data", "--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                                    "NullTokenizer"])
     _add(g, "data", "--tokenizer-model", type=str)
     _add(g, "data", "--num-workers", type=int)
 

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from threefold.config import ConfigError
+from threefold.config import Config, ConfigError, DataConfig, ModelConfig
 from threefold.config import flag as flag_of
 from threefold.parallel import state
 from threefold.parallel.random import get_rng_tracker
-from threefold.resharding import load_resharded
+from threefold.resharding import load_resharded, load_weights
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -152,9 +152,7 @@ def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | Pen
             "config": dataclasses.asdict(config),
         }
         _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
-        tokenizer = trainer.tokenizer
-        if tokenizer is not None and getattr(tokenizer, "model_file", None):
-            shutil.copyfile(tokenizer.model_file, os.path.join(path, "tokenizer.model"))
+        save_tokenizer(trainer.tokenizer, path)
     _crash_point("before-shards", iteration)
     if asynchronous:  # tensors are staged (copied) before this returns; writing continues
         return PendingSave(root, iteration,
@@ -168,6 +166,44 @@ class _Done:
     @staticmethod
     def result() -> None:
         return None
+
+
+def save_tokenizer(tokenizer, path: str) -> None:
+    """Copy the run's tokenizer into a checkpoint: a sentencepiece model file, or a Hugging
+    Face tokenizer directory."""
+    source = getattr(tokenizer, "model_file", None) if tokenizer is not None else None
+    if source and os.path.isdir(source):
+        shutil.copytree(source, os.path.join(path, "tokenizer"), dirs_exist_ok=True)
+    elif source:
+        shutil.copyfile(source, os.path.join(path, "tokenizer.model"))
+
+
+def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataConfig:
+    """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer."""
+    path = checkpoint_dir(root, iteration)
+    if data.tokenizer_type == "SentencePieceTokenizer":
+        data.tokenizer_model = os.path.join(path, "tokenizer.model")
+    elif data.tokenizer_type == "HuggingFaceTokenizer":
+        data.tokenizer_model = os.path.join(path, "tokenizer")
+    return data
+
+
+def save_weights_checkpoint(root: str, config: Config, tensors: dict[str, torch.Tensor],
+                            tokenizer=None) -> str:
+    """A weights-only checkpoint at TP = PP = 1, iteration 0, from full tensors keyed by
+    parameter name (what tools/convert_checkpoint.py writes). Single process."""
+    path = checkpoint_dir(root, 0)
+    os.makedirs(path, exist_ok=True)
+    dcp.save({f"model.tp0.{name}": t.contiguous() for name, t in tensors.items()},
+             checkpoint_id=path, no_dist=True)
+    save_tokenizer(tokenizer, path)
+    metadata = {"iteration": 0, "weights_only": True,
+                "train_state": {"iteration": 0, "consumed_train_samples": 0},
+                "scheduler": {"num_steps": 0}, "loss_scaler": {},
+                "config": dataclasses.asdict(config)}
+    _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
+    _write_atomically(os.path.join(root, TRACKER), "0\n")
+    return path
 
 
 def read_metadata(root: str, iteration: int) -> dict:
@@ -197,13 +233,14 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
 # The model fields a checkpoint's tensors depend on.
 _ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "num_query_groups", "kv_channels", "normalization", "swiglu",
-                 "position_embedding_type", "add_bias_linear",
+                 "position_embedding_type", "add_bias_linear", "add_qkv_bias", "openai_gelu",
                  "untie_embeddings_and_output_weights", "vocab_size")
 
 
 def _check_architecture(root: str, saved: dict, current) -> None:
+    defaults = ModelConfig()
     for name in _ARCHITECTURE:
-        if saved.get(name) != getattr(current, name):
+        if saved.get(name, getattr(defaults, name)) != getattr(current, name):
             flag = {"add_bias_linear": "--disable-bias-linear"}.get(name, flag_of(name))
             raise ConfigError(f"--load {root}: the checkpoint's model has {flag} "
                               f"{saved.get(name)} but this run has {getattr(current, name)}; "
@@ -224,6 +261,9 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
     path = checkpoint_dir(root, iteration)
     if finetune:
         load_optimizer = load_rng = False
+    if metadata.get("weights_only") and load_optimizer:
+        raise ConfigError(f"--load {root}: the checkpoint holds weights only (a converted "
+                          "model); pass --finetune (or --no-load-optim)")
     _check_architecture(root, metadata["config"]["model"], trainer.config.model)
     saved = metadata["config"]["parallel"]
     if _same_layout(saved, trainer.config.parallel, load_optimizer):
@@ -248,11 +288,27 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
     return iteration
 
 
-def load_model_weights(root: str, model, iteration: int | None = None) -> int:
-    """Only the model's weights (for generation and scoring); returns the iteration loaded."""
-    iteration = read_tracker(root) if iteration is None else iteration
+def load_model(root: str, device: torch.device | None = None):
+    """(config, model, tokenizer) of the latest checkpoint under `root`, for generation and
+    scoring: the whole model on every pipeline rank, split over this process group's TP ranks
+    (the tools run at TP = number of processes), from a checkpoint of any layout."""
+    from threefold.data.tokenizer import build_tokenizer
+    from threefold.model import GPTModel
+
+    if not os.path.isdir(root):
+        raise ConfigError(f"--load {root}: no such directory")
+    iteration = read_tracker(root)
     if iteration is None:
         raise ConfigError(f"--load {root}: no {TRACKER}; it holds no complete checkpoint")
+    metadata = read_metadata(root, iteration)
+    config = Config.from_dict(metadata["config"])
+    checkpoint_tokenizer(root, iteration, config.data)
+    tokenizer = (build_tokenizer(config.data, config.model.vocab_size)
+                 if config.data.tokenizer_type not in (None, "NullTokenizer") else None)
+    tp = state.tensor_model_parallel_world_size()
+    model = GPTModel(config.model, config.model.padded_vocab_size(tp))
     named = [(model.layout_independent_name(n), p) for n, p in model.named_parameters()]
-    dcp.load(model_tensors(named), checkpoint_id=checkpoint_dir(root, iteration))
-    return iteration
+    load_weights(checkpoint_dir(root, iteration), named,
+                 metadata["config"]["parallel"]["tensor_model_parallel_size"])
+    model.eval()
+    return config, model.to(device or torch.device("cpu")), tokenizer

@@ -42,6 +42,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     swiglu: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # QKV bias even with --disable-bias-linear (Qwen2)
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2)
     untie_embeddings_and_output_weights: bool = False
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
@@ -128,6 +130,7 @@ class ModelConfig:
 
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
+TOKENIZERS = (None, "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 @dataclass
@@ -361,12 +364,13 @@ class DataConfig:
             "--data-path with several prefixes (blending) is not supported yet in threefold; "
             "pass one prefix",
         )
-        _require(self.tokenizer_type in (None, "SentencePieceTokenizer", "NullTokenizer"),
-                 f"--tokenizer-type {self.tokenizer_type} is not supported; use "
-                 "SentencePieceTokenizer or NullTokenizer")
-        if self.tokenizer_type == "SentencePieceTokenizer":
+        _require(self.tokenizer_type in TOKENIZERS,
+                 f"--tokenizer-type {self.tokenizer_type} is not supported; use one of "
+                 f"{', '.join(t for t in TOKENIZERS if t)}")
+        if self.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
             _require(self.tokenizer_model is not None,
-                     "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE")
+                     f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
+                     f"{'FILE' if self.tokenizer_type == 'SentencePieceTokenizer' else 'DIR'}")
         self.split_weights()
 
 

@@ -38,3 +38,24 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, context_length: 
         if eod is not None and next_id == eod:
             break
     return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
+    """Mean next-token loss of a token sequence and the number of tokens predicted, over
+    consecutive windows of up to `context_length` predictions (each window starts afresh)."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, context_length):
+        window = ids[start:start + context_length + 1]
+        if len(window) < 2:
+            break
+        tokens = torch.tensor([window[:-1]], device=device)
+        labels = torch.tensor([window[1:]], device=device)
+        per_token = model(tokens, labels=labels)
+        total += float(per_token.double().sum())
+        count += labels.numel()
+    if count == 0:
+        raise ValueError("the text has fewer than 2 tokens; nothing to score")
+    return total / count, count

@@ -100,6 +100,25 @@ def _new_shard(full: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
+def load_weights(path: str, named_parameters, saved_tensor_parallel_size: int,
+                 saved: SavedTensors | None = None) -> dict[nn.Parameter, torch.Tensor]:
+    """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
+    the fp32 shard each was filled from (the masters' values when the checkpoint has them)."""
+    saved = saved or SavedTensors(path)
+    loaded = {}
+    for name, param in named_parameters:
+        if not saved.has("model", name):
+            raise ConfigError(f"--load {path}: the checkpoint has no {name}; it is another "
+                              "model")
+        # fp32 masters are the most precise copy of the weights when the checkpoint has them.
+        source = "master" if saved.has("master", name) else "model"
+        loaded[param] = _new_shard(saved.full(source, name, param, saved_tensor_parallel_size),
+                                   param)
+        param.copy_(loaded[param])
+    return loaded
+
+
+@torch.no_grad()
 def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
                    load_optimizer: bool) -> None:
     """Fill the trainer's parameters (and optimizer state) from a checkpoint of any layout."""
@@ -112,16 +131,11 @@ def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
     for piece in optimizer.pieces:
         pieces[piece.param].append(piece)
     step = saved.step() if load_optimizer else None
-    for name, param in trainer.layout_independent_parameters():
-        if not saved.has("model", name):
-            raise ConfigError(f"--load {path}: the checkpoint has no {name}; it is another "
-                              "model")
-        # fp32 masters are the most precise copy of the weights when the checkpoint has them.
-        source = "master" if saved.has("master", name) else "model"
-        weights = _new_shard(saved.full(source, name, param, saved_tensor_parallel_size), param)
-        param.copy_(weights)
-        if not load_optimizer:
-            continue
+    named = trainer.layout_independent_parameters()
+    loaded = load_weights(path, named, saved_tensor_parallel_size, saved)
+    if not load_optimizer:
+        return
+    for name, param in named:
         for piece in pieces.get(param, []):
             adam = optimizer.optimizer.state[piece.master]
             for field in ("exp_avg", "exp_avg_sq"):
@@ -131,5 +145,5 @@ def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
             if step is not None:
                 adam["step"].copy_(step)
             if optimizer.separate_masters:
-                piece.master.copy_(weights.reshape(-1)[piece.start:piece.end]
+                piece.master.copy_(loaded[param].reshape(-1)[piece.start:piece.end]
                                    .view_as(piece.master))

@@ -1,9 +1,10 @@
 """Generate text from a threefold checkpoint, with the checkpoint's own tokenizer.
 
     python tools/generate.py --load checkpoints/demo --prompt "ROMEO:" --max-new-tokens 64
-    torchrun --nproc_per_node 2 tools/generate.py --load ckpt_tp2 --prompt "..."   # TP=2
+    torchrun --nproc_per_node 2 tools/generate.py --load ckpt --prompt "..."   # at TP=2
 
-Run it with as many processes as the checkpoint's tensor-parallel size.
+The model runs tensor-parallel over the launched processes; the checkpoint may have been saved
+at any TP/PP/DP layout (it is resharded on load). Greedy unless --temperature > 0.
 """
 
 import argparse
@@ -12,11 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.checkpointing import load_model_weights, read_metadata, read_tracker  # noqa: E402
-from threefold.config import Config, ConfigError  # noqa: E402
-from threefold.data.tokenizer import build_tokenizer  # noqa: E402
+from threefold.checkpointing import load_model  # noqa: E402
+from threefold.config import ConfigError  # noqa: E402
 from threefold.inference import generate  # noqa: E402
-from threefold.model import GPTModel  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
@@ -30,31 +29,14 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    device = state.initialize_distributed()
+    state.initialize_model_parallel(state.global_world_size(), 1)
     try:
-        iteration = read_tracker(args.load) if os.path.isdir(args.load) else None
-        if iteration is None:
-            raise ConfigError(f"--load {args.load}: holds no complete checkpoint")
-        config = Config.from_dict(read_metadata(args.load, iteration)["config"])
-        tokenizer_file = os.path.join(args.load, f"iter_{iteration:07d}", "tokenizer.model")
-        if config.data.tokenizer_type == "SentencePieceTokenizer":
-            config.data.tokenizer_model = tokenizer_file
-        tokenizer = build_tokenizer(config.data, config.model.vocab_size)
+        config, model, tokenizer = load_model(args.load, device)
         if tokenizer is None:
             raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
     except ConfigError as error:
         parser.exit(2, f"generate.py: error: {error}\n")
-
-    tp = config.parallel.tensor_model_parallel_size
-    if config.parallel.pipeline_model_parallel_size > 1:
-        parser.exit(2, "generate.py: error: the checkpoint was saved with "
-                       "--pipeline-model-parallel-size > 1; generation supports TP only so far\n")
-    device = state.initialize_distributed()
-    if state.global_world_size() != tp:
-        parser.exit(2, f"generate.py: error: the checkpoint has tensor-parallel size {tp}; "
-                       f"launch {tp} processes (torchrun --nproc_per_node {tp})\n")
-    state.initialize_model_parallel(tp, 1)
-    model = GPTModel(config.model, config.model.padded_vocab_size(tp)).to(device)
-    load_model_weights(args.load, model, iteration)
     new_ids = generate(model, tokenizer.tokenize(args.prompt), args.max_new_tokens,
                        config.model.seq_length, tokenizer.eod, args.temperature, args.top_p,
                        args.seed)

@@ -50,7 +50,7 @@ def main() -> None:
                                                        "per line")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--tokenizer-type", required=True,
-                        choices=["SentencePieceTokenizer", "NullTokenizer"])
+                        choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     parser.add_argument("--tokenizer-model")
     parser.add_argument("--vocab-size", type=int, help="for NullTokenizer")
     parser.add_argument("--output-prefix", required=True)

@@ -27,6 +27,43 @@ class SentencePieceTokenizer:
         return self.processor.decode([int(i) for i in ids])
 
 
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer from a local directory (`--tokenizer-model DIR`): through
+    `transformers.AutoTokenizer` when installed (chat templates included), else the
+    `tokenizers` library's tokenizer.json."""
+
+    def __init__(self, directory: str) -> None:
+        if not os.path.isdir(directory):
+            raise ConfigError(f"--tokenizer-model {directory}: no such directory; give the "
+                              "local directory holding tokenizer.json / tokenizer_config.json")
+        self.model_file = directory
+        try:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self._encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+            self._decode = self.tokenizer.decode
+            self.vocab_size = len(self.tokenizer)
+            eod, bos = self.tokenizer.eos_token_id, self.tokenizer.bos_token_id
+        except ImportError:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+            self._encode = lambda text: self.tokenizer.encode(
+                text, add_special_tokens=False).ids
+            self._decode = self.tokenizer.decode
+            self.vocab_size = self.tokenizer.get_vocab_size()
+            eod = bos = None
+        self.eod = eod if eod is not None else self.vocab_size - 1
+        self.bos = bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._encode(text))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._decode([int(i) for i in ids])
+
+
 class NullTokenizer:
     """Megatron's NullTokenizer: ids are given, `--vocab-size` of them plus one end-of-document."""
 
@@ -46,6 +83,8 @@ def build_tokenizer(config: DataConfig, vocab_size: int | None):
     """The tokenizer `--tokenizer-type` names, or None for `--mock-data` without a tokenizer."""
     if config.tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(config.tokenizer_model)
+    if config.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(config.tokenizer_model)
     if config.tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")

@@ -36,7 +36,8 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, bias=config.add_bias_linear, init_method=init_method,
+            config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias,
+            init_method=init_method,
             sequence_parallel=sequence_parallel)
         self.linear_proj = RowParallelLinear(
             config.kv_channels * config.num_attention_heads, config.hidden_size,

@@ -19,6 +19,7 @@ class MLP(nn.Module):
                  output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         fc1_size = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_size, bias=config.add_bias_linear, init_method=init_method,
@@ -33,5 +34,5 @@ class MLP(nn.Module):
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = F.silu(gate) * up
         else:
-            intermediate = F.gelu(intermediate)
+            intermediate = F.gelu(intermediate, approximate=self.gelu_approximation)
         return self.linear_fc2(intermediate)

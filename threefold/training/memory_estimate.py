@@ -47,6 +47,8 @@ def _layer_parameters(model: ModelConfig, tp: int) -> int:
     count = (h * qkv + d * model.num_attention_heads * h + h * fc1 + f * h) // tp + 2 * norm
     if model.add_bias_linear:  # column-parallel biases are split, row-parallel ones are not
         count += (qkv + fc1) // tp + 2 * h
+    elif model.add_qkv_bias:
+        count += qkv // tp
     return count
 
 

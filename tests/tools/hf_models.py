@@ -1,0 +1,75 @@
+"""Tiny random-init Hugging Face models and a tokenizer, built offline for conversion tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 300
+
+
+def build_tokenizer(directory: str) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, saved as HF tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = ["To be, or not to be, that is the question:",
+            "Whether 'tis nobler in the mind to suffer",
+            "The slings and arrows of outrageous fortune"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(directory)
+
+
+def build_hf_model(kind: str, directory: str, num_layers: int = 4):
+    """Save a random-init HF model of `kind` (llama, llama-tied, qwen2, gpt2) with a tokenizer."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, num_hidden_layers=num_layers, hidden_size=64,
+                  intermediate_size=128, num_attention_heads=4, max_position_embeddings=64)
+    if kind == "llama":
+        config = transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
+                                          rope_theta=50000.0, rms_norm_eps=1e-5, **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama-tied":  # SmolLM-style
+        config = transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True,
+                                          **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False,
+                                          **common)
+        model = transformers.Qwen2ForCausalLM(config)
+        with torch.no_grad():  # random biases, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0, 0.5)
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_layer=num_layers, n_embd=64,
+                                         n_head=4, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.1)
+    else:
+        raise ValueError(kind)
+    model.generation_config.eos_token_id = None  # compare full-length greedy generations
+    model.save_pretrained(directory)
+    build_tokenizer(directory)
+    return model.eval()
+
+
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("THREEFOLD_SKIP_HF") is None

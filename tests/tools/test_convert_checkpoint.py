@@ -1,0 +1,155 @@
+"""tools/convert_checkpoint.py: HF models convert to threefold and back; the converted model
+computes what `transformers` computes, at TP=1 and TP=2 x PP=2."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.tools.hf_models import VOCAB, build_hf_model
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from threefold.checkpointing import load_model  # noqa: E402
+from threefold.inference import generate  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KINDS = ["llama", "llama-tied", "qwen2", "gpt2"]
+
+
+def convert(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                           *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """kind -> (HF model, HF directory, threefold checkpoint directory)."""
+    out = {}
+    for kind in KINDS:
+        root = tmp_path_factory.mktemp(kind)
+        hf_dir, ours = str(root / "hf"), str(root / "threefold")
+        model = build_hf_model(kind, hf_dir)
+        result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir,
+                         "--save-dir", ours)
+        assert result.returncode == 0, result.stderr[-2000:]
+        out[kind] = (model, hf_dir, ours)
+    return out
+
+
+TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers_at_tp1(converted, kind):
+    hf_model, _, ours = converted[kind]
+    _, model, _ = load_model(ours)
+    with torch.no_grad():
+        logits = model(TOKENS)[..., :VOCAB].transpose(0, 1)
+        expected = hf_model(TOKENS).logits
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error < 1e-4, error
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind, tmp_path):
+    _, hf_dir, ours = converted[kind]
+    exported = str(tmp_path / "exported")
+    result = convert("--loader", "threefold", "--saver", "hf", "--load-dir", ours,
+                     "--save-dir", exported)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
+    before.pop("lm_head.weight", None) if kind in ("llama-tied", "gpt2") else None
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name],
+                                                                      after[name]), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert transformers.AutoTokenizer.from_pretrained(exported).encode("To be") != []
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits,
+                           converted[kind][0](TOKENS).logits)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_generation_matches_transformers(converted, kind):
+    hf_model, _, ours = converted[kind]
+    _, model, tokenizer = load_model(ours)
+    prompt = tokenizer.tokenize("To be, or not")
+    ours_ids = generate(model, prompt, 12, 64)
+    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours_ids == theirs
+
+
+def _per_token_losses(argv: list[str], directory: str) -> list | None:
+    """Per-token losses of TOKENS through a pipeline/tensor-parallel run of the checkpoint."""
+    from tests.parity import _setup
+    from threefold.checkpointing import load_checkpoint
+    from threefold.parallel import state
+    from threefold.parallel.schedules import get_forward_backward_func
+
+    trainer = _setup(argv)
+    load_checkpoint(directory, trainer, finetune=True)
+    for chunk in trainer.model_chunks:
+        chunk.eval()  # no dropout
+    batch = {"tokens": TOKENS[:, :-1], "labels": TOKENS[:, 1:]}
+
+    def step(batch, model, input_tensor=None):
+        output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
+        return output, lambda per_token: (per_token.mean(), per_token.detach())
+
+    trainer.pipeline_options["tensor_shape"] = (23, 2, 64)
+    losses = get_forward_backward_func()(step, iter([batch]), trainer.model_chunks, 1,
+                                         forward_only=True, **trainer.pipeline_options)
+    return losses[0].numpy().tolist() if state.is_last_pipeline_stage() else None
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
+    hf_model, _, ours = converted[kind]
+    config, _, _ = load_model(ours)
+    model = config.model
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--ffn-hidden-size", str(model.ffn_hidden_size), "--seq-length", "23",
+            "--max-position-embeddings",
+            str(model.max_position_embeddings), "--vocab-size", str(VOCAB), "--mock-data",
+            "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--normalization", model.normalization, "--norm-epsilon", str(model.norm_epsilon),
+            "--position-embedding-type", model.position_embedding_type,
+            "--rotary-base", str(model.rotary_base),
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    if kind == "llama":
+        argv += ["--swiglu", "--disable-bias-linear", "--group-query-attention",
+                 "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+    else:
+        argv += ["--openai-gelu"]
+    results = [r for r in run_distributed(4, _per_token_losses, argv, ours) if r is not None]
+    with torch.no_grad():
+        logits = hf_model(TOKENS[:, :-1]).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none")
+    for result in results:
+        np.testing.assert_allclose(np.asarray(result).reshape(-1), expected.numpy(),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_config_is_refused_by_name(tmp_path):
+    model_dir = str(tmp_path / "hf")
+    build_hf_model("llama", model_dir)
+    import json
+
+    config_file = os.path.join(model_dir, "config.json")
+    config = json.load(open(config_file))
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config.pop("rope_parameters", None)
+    json.dump(config, open(config_file, "w"))
+    result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", model_dir,
+                     "--save-dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and "rope_scaling" in result.stderr

@@ -1,0 +1,172 @@
+"""Convert checkpoints between Hugging Face (safetensors) and threefold.
+
+    python tools/convert_checkpoint.py --loader hf --saver threefold \\
+        --load-dir path/to/hf_model --save-dir checkpoints/converted
+    python tools/convert_checkpoint.py --loader threefold --saver hf \\
+        --load-dir checkpoints/finetuned --save-dir exported_hf_model
+
+HF side: config.json plus model.safetensors or a sharded model.safetensors.index.json, and the
+tokenizer files, which travel along (into the threefold checkpoint's tokenizer/ directory and
+back). threefold side: a weights-only checkpoint at TP = PP = 1 (train or fine-tune from it with
+--finetune; it loads into any layout); exports read threefold checkpoints of any layout.
+Supported: Llama 2/3 (and SmolLM-style tied embeddings), Mistral, Qwen2, GPT-2; see
+threefold/hf_conversion.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from threefold.checkpointing import (  # noqa: E402
+    checkpoint_dir,
+    load_model,
+    read_metadata,
+    read_tracker,
+    save_weights_checkpoint,
+)
+from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
+from threefold.hf_conversion import (  # noqa: E402
+    hf_config_from_model_config,
+    hf_to_threefold,
+    model_config_from_hf,
+    threefold_to_hf,
+)
+from threefold.parallel.sharding import gather_tensor_parallel  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"--load-dir {directory}: no model.safetensors or "
+                          "model.safetensors.index.json (safetensors checkpoints only)")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(os.path.join(directory, name)))
+    return weights
+
+
+def copy_tokenizer_files(source: str, destination: str) -> bool:
+    """Copy the tokenizer's files; returns whether there is a tokenizer at all."""
+    found = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found):
+        return False
+    os.makedirs(destination, exist_ok=True)
+    for name in found:
+        shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
+    return True
+
+
+def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
+    config_file = os.path.join(load_dir, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
+    with open(config_file) as f:
+        hf_config = json.load(f)
+    architecture, model_config = model_config_from_hf(hf_config)
+    weights = read_hf_weights(load_dir)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+    tensors = hf_to_threefold(weights, model_config, architecture)
+    config = Config(model=model_config)
+    path = checkpoint_dir(save_dir, 0)
+    if copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")):
+        config.data.tokenizer_type = "HuggingFaceTokenizer"
+        config.data.tokenizer_model = os.path.join(path, "tokenizer")
+    path = save_weights_checkpoint(save_dir, config, tensors)
+    metadata_file = os.path.join(path, "metadata.json")
+    with open(metadata_file) as f:
+        metadata = json.load(f)
+    metadata["hf"] = {"architecture": architecture, "dtype": dtypes.pop() if len(dtypes) == 1
+                      else "float32", "config": hf_config}
+    with open(metadata_file, "w") as f:
+        json.dump(metadata, f, indent=2)
+    return path
+
+
+def _guess_architecture(model: ModelConfig) -> str:
+    if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
+        return "GPT2LMHeadModel"
+    if model.normalization == "RMSNorm" and model.swiglu and (
+            model.position_embedding_type == "rope"):
+        return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
+    raise ConfigError("this threefold model matches no Hugging Face architecture threefold "
+                      "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2: RMSNorm + "
+                      "SwiGLU + RoPE)")
+
+
+def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) -> str:
+    from safetensors.torch import save_file
+
+    iteration = read_tracker(load_dir) if os.path.isdir(load_dir) else None
+    if iteration is None:
+        raise ConfigError(f"--load-dir {load_dir}: holds no complete threefold checkpoint")
+    metadata = read_metadata(load_dir, iteration)
+    config, model, _ = load_model(load_dir)
+    hf = metadata.get("hf", {})
+    architecture = hf.get("architecture") or _guess_architecture(config.model)
+    state = {}
+    for name, param in model.named_parameters():
+        name = model.layout_independent_name(name)
+        state[name] = gather_tensor_parallel(param.detach(), param)
+    tensors = threefold_to_hf(state, config.model, architecture)
+    target = getattr(torch, dtype or hf.get("dtype", "float32"))
+    tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
+    os.makedirs(save_dir, exist_ok=True)
+    save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf_config = hf_config_from_model_config(config.model, architecture)
+    hf_config["torch_dtype"] = str(target).removeprefix("torch.")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in hf.get("config", {}):
+            hf_config[key] = hf["config"][key]
+    with open(os.path.join(save_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"),
+                         save_dir)
+    return save_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loader", required=True, choices=["hf", "threefold"])
+    parser.add_argument("--saver", required=True, choices=["hf", "threefold"])
+    parser.add_argument("--load-dir", required=True)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of exported HF weights (default: what was imported, or "
+                             "float32)")
+    args = parser.parse_args(argv)
+    try:
+        if (args.loader, args.saver) == ("hf", "threefold"):
+            path = hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
+        elif (args.loader, args.saver) == ("threefold", "hf"):
+            path = threefold_to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype)
+        else:
+            raise ConfigError(f"--loader {args.loader} --saver {args.saver}: convert between "
+                              "hf and threefold")
+    except ConfigError as error:
+        parser.exit(2, f"convert_checkpoint.py: error: {error}\n")
+    print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Mean loss and perplexity of a text file under a threefold checkpoint.
+
+    python tools/score.py --load checkpoints/demo --input some.txt
+    torchrun --nproc_per_node 2 tools/score.py --load ckpt --input some.txt    # at TP=2
+
+The text is tokenized with the checkpoint's own tokenizer and scored in consecutive windows of
+the model's --seq-length. The model runs tensor-parallel over the launched processes; the
+checkpoint may have been saved at any layout.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from threefold.checkpointing import load_model  # noqa: E402
+from threefold.config import ConfigError  # noqa: E402
+from threefold.inference import score  # noqa: E402
+from threefold.parallel import state  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
+    parser.add_argument("--input", required=True, help="a UTF-8 text file")
+    args = parser.parse_args()
+    if not os.path.isfile(args.input):
+        parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
+    device = state.initialize_distributed()
+    state.initialize_model_parallel(state.global_world_size(), 1)
+    try:
+        config, model, tokenizer = load_model(args.load, device)
+        if tokenizer is None:
+            raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
+        with open(args.input, encoding="utf-8") as f:
+            ids = tokenizer.tokenize(f.read())
+        loss, count = score(model, ids, config.model.seq_length)
+    except (ConfigError, ValueError) as error:
+        parser.exit(2, f"score.py: error: {error}\n")
+    if state.global_rank() == 0:
+        print(f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: "
+              f"{math.exp(loss):.4f}", flush=True)
+    state.destroy_model_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
