@@ -1,16 +1,130 @@
-"""Supervised fine-tuning from a converted checkpoint: not implemented yet.
+"""Supervised fine-tuning of a threefold checkpoint (for example one converted from Hugging
+Face with tools/convert_checkpoint.py), with Megatron-LM's command line.
 
-The checkpoint issue adds it (prompt/response and chat JSONL, loss on responses only, LoRA).
-Until then this entry point says so and exits non-zero instead of pretending to train.
+    torchrun --nproc_per_node 2 finetune.py --load checkpoints/converted \\
+        --save checkpoints/sft --train-data-path sft_train.jsonl \\
+        --valid-data-path sft_valid.jsonl --seq-length 512 --micro-batch-size 4 \\
+        --global-batch-size 32 --train-iters 200 --lr 1e-4 --lora-rank 16 [--sft-packing]
+
+The model's architecture and tokenizer come from the checkpoint (Megatron's
+--use-checkpoint-args); training, layout and LoRA flags come from the command line. JSONL
+records are {"prompt", "response"} or {"messages": [...]}; only responses carry loss (see
+threefold/data/sft.py). The checkpoint's weights are loaded (iteration 0, fresh optimizer)
+unless --load is the --save directory of this fine-tuning run, which then resumes exactly.
 """
 
+from __future__ import annotations
+
+import argparse
+import os
 import sys
 
+from threefold.arguments import parse_args
+from threefold.checkpointing import (
+    checkpoint_tokenizer,
+    load_checkpoint,
+    read_metadata,
+    read_tracker,
+)
+from threefold.config import ConfigError, DataConfig
+from threefold.data.sft import SFTDataset, read_jsonl
+from threefold.parallel import state
+from threefold.training.trainer import Trainer, print_rank_0
 
-def main() -> int:
-    print("finetune.py: not yet implemented in threefold; use pretrain_gpt.py with --load for "
-          "continued pretraining", file=sys.stderr)
-    return 1
+# Model fields taken from the checkpoint, as flags (--use-checkpoint-args).
+_VALUE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "kv_channels", "max_position_embeddings",
+                 "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
+                 "vocab_size", "make_vocab_size_divisible_by")
+_TRUE_FLAGS = {"group_query_attention": "--group-query-attention", "swiglu": "--swiglu",
+               "add_qkv_bias": "--add-qkv-bias", "openai_gelu": "--openai-gelu",
+               "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+
+
+def checkpoint_model_flags(model: dict) -> list[str]:
+    flags = []
+    for name in _VALUE_FIELDS:
+        if model.get(name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(model[name])]
+    flags += [flag for name, flag in _TRUE_FLAGS.items() if model.get(name)]
+    if not model.get("add_bias_linear", True):
+        flags.append("--disable-bias-linear")
+    return flags
+
+
+def sft_datasets(packing: bool):
+    def build(config, tokenizer) -> list:
+        if tokenizer is None:
+            raise ConfigError("finetune.py needs a tokenizer: the checkpoint has none, pass "
+                              "--tokenizer-type and --tokenizer-model")
+        data, seq_length = config.data, config.model.seq_length
+        train = SFTDataset([r for p in data.train_data_path for r in read_jsonl(p)],
+                           tokenizer, seq_length, packing)
+        valid = (SFTDataset([r for p in data.valid_data_path for r in read_jsonl(p)],
+                            tokenizer, seq_length, packing) if data.valid_data_path else None)
+        return [train, valid, None]
+
+    return build
+
+
+def main(argv: list[str] | None = None) -> int:
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--sft-packing", action="store_true",
+                     help="pack several conversations per sample (per-document attention)")
+    args, rest = own.parse_known_args(argv if argv is not None else sys.argv[1:])
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--load")
+    probe.add_argument("--save")
+    probe.add_argument("--tokenizer-type")
+    known, _ = probe.parse_known_args(rest)
+    if not known.load:
+        print("finetune.py: error: --load CHECKPOINT_DIR is required (the model to fine-tune)",
+              file=sys.stderr)
+        return 2
+    try:
+        iteration = read_tracker(known.load) if os.path.isdir(known.load) else None
+        if iteration is None:
+            raise ConfigError(f"--load {known.load}: holds no complete checkpoint")
+        saved = read_metadata(known.load, iteration)["config"]
+    except ConfigError as error:
+        print(f"finetune.py: error: {error}", file=sys.stderr)
+        return 2
+    prefix = checkpoint_model_flags(saved["model"])
+    if known.tokenizer_type is None:  # the checkpoint's own tokenizer
+        data = checkpoint_tokenizer(known.load, iteration, DataConfig(**saved["data"]))
+        if data.tokenizer_type:
+            prefix += ["--tokenizer-type", data.tokenizer_type]
+            if data.tokenizer_model:
+                prefix += ["--tokenizer-model", data.tokenizer_model]
+    config = parse_args(prefix + rest)
+    resuming = known.save is not None and (
+        os.path.abspath(known.save) == os.path.abspath(known.load))
+    parallel = config.parallel
+    device = state.initialize_distributed(parallel.distributed_backend,
+                                          parallel.distributed_timeout_minutes)
+    state.initialize_model_parallel(parallel.tensor_model_parallel_size,
+                                    parallel.pipeline_model_parallel_size,
+                                    parallel.virtual_pipeline_model_parallel_size,
+                                    parallel.distributed_timeout_minutes)
+    try:
+        trainer = Trainer(config, device, build_data=sft_datasets(args.sft_packing))
+        load_checkpoint(known.load, trainer, finetune=not resuming)
+    except ConfigError as error:
+        print_rank_0(f"finetune.py: error: {error}")
+        return 2
+    trainable = sum(p.numel() for _, p in trainer.layout_independent_parameters()
+                    if p.requires_grad)
+    total = sum(p.numel() for _, p in trainer.layout_independent_parameters())
+    print_rank_0(f"> fine-tuning from {known.load} (iteration {iteration}): "
+                 f"{len(trainer.datasets[0])} training samples, {trainable:,} of {total:,} "
+                 "parameters trainable on rank 0"
+                 + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else ""))
+    initial = trainer.evaluate()
+    if initial is not None:
+        print_rank_0(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
+    trainer.train()
+    state.destroy_model_parallel()
+    return 0
 
 
 if __name__ == "__main__":

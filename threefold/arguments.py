@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
               "checkpoint the first --recompute-num-layers layers of each stage")
     _add(g, "model", "--recompute-num-layers", type=int)
 
+    g = parser.add_argument_group("LoRA fine-tuning")
+    _add(g, "model", "--lora-rank", type=int, help="add LoRA adapters of this rank; freeze "
+         "everything else")
+    _add(g, "model", "--lora-alpha", type=float, help="adapter scale alpha/rank (default 32)")
+    _add(g, "model", "--lora-dropout", type=float)
+    _add(g, "model", "--lora-target-modules", nargs="+",
+         help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all)")
+
     g = parser.add_argument_group("parallelism")
     _add(g, "parallel", "--tensor-model-parallel-size", type=int)
     _add(g, "parallel", "--pipeline-model-parallel-size", type=int)
@@ -114,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("data")
     _add(g, "data", "--data-path", nargs="+", help="prefix of a Megatron .bin/.idx pair")
+    _add(g, "data", "--train-data-path", nargs="+",
+         help="finetune.py: JSONL of prompt/response or messages records")
+    _add(g, "data", "--valid-data-path", nargs="+")
     _add(g, "data", "--mock-data", action=_STORE_TRUE)
     _add(g, "data", "--split", type=str)
     _add(g, "data", "--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer",

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig
 from threefold.config import flag as flag_of
+from threefold.model.lora import is_adapter
 from threefold.parallel import state
 from threefold.parallel.random import get_rng_tracker
 from threefold.resharding import load_resharded, load_weights
@@ -83,9 +84,12 @@ def model_tensors(named_parameters) -> dict[str, torch.Tensor]:
     return {f"model.{_key(name)}": param.data for name, param in named_parameters}
 
 
-def _tensor_state(trainer, with_optimizer: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor this rank holds: the model's and, optionally, the optimizer's."""
-    named = trainer.layout_independent_parameters()
+def _tensor_state(trainer, with_optimizer: bool = True,
+                  without_adapters: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor this rank holds: the model's and, optionally, the optimizer's (without
+    LoRA adapters when loading a checkpoint saved before they were added)."""
+    named = [(n, p) for n, p in trainer.layout_independent_parameters()
+             if not (without_adapters and is_adapter(n))]
     tensors = model_tensors(named)
     if with_optimizer:
         tensors.update(trainer.optimizer.state_tensors({p: _key(n) for n, p in named}))
@@ -265,11 +269,21 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
         raise ConfigError(f"--load {root}: the checkpoint holds weights only (a converted "
                           "model); pass --finetune (or --no-load-optim)")
     _check_architecture(root, metadata["config"]["model"], trainer.config.model)
+    # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
+    # initialization (B = 0, so the model is the checkpoint's).
+    without_adapters = bool(trainer.config.model.lora_rank
+                            and not metadata["config"]["model"].get("lora_rank"))
+    if without_adapters and load_optimizer:
+        raise ConfigError(f"--load {root}: the checkpoint has no LoRA adapters; start the "
+                          "fine-tuning with --finetune")
     saved = metadata["config"]["parallel"]
-    if _same_layout(saved, trainer.config.parallel, load_optimizer):
-        dcp.load(_tensor_state(trainer, with_optimizer=load_optimizer), checkpoint_id=path)
+    # Converted (weights-only) checkpoints hold the unpadded vocabulary: always resharded.
+    if _same_layout(saved, trainer.config.parallel, load_optimizer) and not metadata.get(
+            "weights_only"):
+        dcp.load(_tensor_state(trainer, load_optimizer, without_adapters), checkpoint_id=path)
     else:
-        load_resharded(path, trainer, saved["tensor_model_parallel_size"], load_optimizer)
+        load_resharded(path, trainer, saved["tensor_model_parallel_size"], load_optimizer,
+                       without_adapters)
         load_rng = False  # per-rank RNG streams belong to the saved layout's ranks
     # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:

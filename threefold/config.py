@@ -50,6 +50,12 @@ class ModelConfig:
     init_method_std: float = 0.02
     vocab_size: int | None = None
     make_vocab_size_divisible_by: int = 128
+    # LoRA adapters (fine-tuning): rank None means none.
+    lora_rank: int | None = None
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -106,6 +112,17 @@ class ModelConfig:
         _require(self.make_vocab_size_divisible_by > 0,
                  "--make-vocab-size-divisible-by must be positive")
         self._finalize_recompute()
+        self._finalize_lora()
+
+    def _finalize_lora(self) -> None:
+        if self.lora_rank is None:
+            return
+        _require(self.lora_rank >= 1, "--lora-rank must be >= 1")
+        _require(0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)")
+        targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+        unknown = [t for t in self.lora_target_modules if t not in targets]
+        _require(not unknown, f"--lora-target-modules: {', '.join(unknown)} unknown; choose "
+                              f"from {', '.join(targets)}")
 
     def _finalize_recompute(self) -> None:
         granularity, method = self.recompute_granularity, self.recompute_method
@@ -339,6 +356,9 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)
+    # Megatron's per-split paths; finetune.py reads JSONL conversations from them.
+    train_data_path: list[str] = field(default_factory=list)
+    valid_data_path: list[str] = field(default_factory=list)
     mock_data: bool = False
     split: str = "969,30,1"
     tokenizer_type: str | None = None
@@ -357,8 +377,10 @@ class DataConfig:
         return [w / sum(weights) for w in weights]
 
     def finalize(self) -> None:
-        _require(bool(self.data_path) != self.mock_data,
-                 "give exactly one of --data-path PREFIX and --mock-data")
+        _require(bool(self.data_path) + self.mock_data + bool(self.train_data_path) == 1,
+                 "give exactly one of --data-path PREFIX, --train-data-path and --mock-data")
+        _require(not self.valid_data_path or self.train_data_path,
+                 "--valid-data-path needs --train-data-path")
         _require(
             len(self.data_path) <= 1,
             "--data-path with several prefixes (blending) is not supported yet in threefold; "

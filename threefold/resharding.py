@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from threefold.config import ConfigError
+from threefold.model.lora import is_adapter
 from threefold.parallel import state
 from threefold.parallel.sharding import shard_of, unshard
 
@@ -120,7 +121,7 @@ def load_weights(path: str, named_parameters, saved_tensor_parallel_size: int,
 
 @torch.no_grad()
 def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
-                   load_optimizer: bool) -> None:
+                   load_optimizer: bool, without_adapters: bool = False) -> None:
     """Fill the trainer's parameters (and optimizer state) from a checkpoint of any layout."""
     if trainer.native:
         raise ConfigError("--load: a checkpoint of another layout loads into "
@@ -131,7 +132,8 @@ def load_resharded(path: str, trainer, saved_tensor_parallel_size: int,
     for piece in optimizer.pieces:
         pieces[piece.param].append(piece)
     step = saved.step() if load_optimizer else None
-    named = trainer.layout_independent_parameters()
+    named = [(n, p) for n, p in trainer.layout_independent_parameters()
+             if not (without_adapters and is_adapter(n))]
     loaded = load_weights(path, named, saved_tensor_parallel_size, saved)
     if not load_optimizer:
         return

@@ -39,6 +39,7 @@ from threefold.hf_conversion import (  # noqa: E402
     model_config_from_hf,
     threefold_to_hf,
 )
+from threefold.model.lora import merged_weights  # noqa: E402
 from threefold.parallel.sharding import gather_tensor_parallel  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -126,6 +127,8 @@ def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) 
     for name, param in model.named_parameters():
         name = model.layout_independent_name(name)
         state[name] = gather_tensor_parallel(param.detach(), param)
+    if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
+        state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
     tensors = threefold_to_hf(state, config.model, architecture)
     target = getattr(torch, dtype or hf.get("dtype", "float32"))
     tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}

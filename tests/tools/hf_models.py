@@ -39,6 +39,14 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4):
         config = transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
                                           rope_theta=50000.0, rms_norm_eps=1e-5, **common)
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "mistral":  # saved in shards with an index file
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=None,
+                                            **common)
+        model = transformers.MistralForCausalLM(config)
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(directory, max_shard_size="100KB")
+        build_tokenizer(directory)
+        return model.eval()
     elif kind == "llama-tied":  # SmolLM-style
         config = transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True,
                                           **common)

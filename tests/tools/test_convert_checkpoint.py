@@ -19,7 +19,7 @@ from threefold.checkpointing import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ["llama", "llama-tied", "qwen2", "gpt2"]
+KINDS = ["llama", "llama-tied", "qwen2", "gpt2", "mistral"]
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
@@ -63,7 +63,10 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind
     result = convert("--loader", "threefold", "--saver", "hf", "--load-dir", ours,
                      "--save-dir", exported)
     assert result.returncode == 0, result.stderr[-2000:]
-    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    before = {}
+    for name in os.listdir(hf_dir):  # one file, or shards listed by an index
+        if name.endswith(".safetensors"):
+            before.update(safetensors_torch.load_file(os.path.join(hf_dir, name)))
     after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
     before.pop("lm_head.weight", None) if kind in ("llama-tied", "gpt2") else None
     assert before.keys() == after.keys()
@@ -153,3 +156,19 @@ def test_unsupported_config_is_refused_by_name(tmp_path):
     result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", model_dir,
                      "--save-dir", str(tmp_path / "out"))
     assert result.returncode == 2 and "rope_scaling" in result.stderr
+
+
+def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_path):
+    hf_model, _, ours = converted["llama"]
+    _, _, tokenizer = load_model(ours)
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind"
+    (tmp_path / "text.txt").write_text(text)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "score.py"), "--load",
+                             ours, "--input", str(tmp_path / "text.txt")],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ids = torch.tensor([tokenizer.tokenize(text)])
+    with torch.no_grad():
+        expected = hf_model(ids, labels=ids).loss.item()
+    reported = float(result.stdout.split("mean loss: ")[1].split(" ")[0])
+    assert abs(reported - expected) < 1e-4 * expected

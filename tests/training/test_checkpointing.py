@@ -41,7 +41,8 @@ def _resume_job(argv: list[str], directory: str) -> dict:
     (2, ["--pipeline-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"]),
     (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
          "--ddp-bucket-size", "3000"]),
-    (2, ["--distributed-strategy", "fsdp"])])
+    (2, ["--distributed-strategy", "fsdp"]),
+    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])])
 def test_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     argv = LLAMA_STYLE + TRAINING + DROPOUT + layout
     result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]

@@ -7,15 +7,19 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from threefold.config import Config
+from threefold.config import Config, ConfigError
 from threefold.data.gpt_dataset import MockGPTDataset, indexed_datasets
 from threefold.data.sampler import PretrainingSampler
 from threefold.parallel import state
 
 
-def build_datasets(config: Config) -> list:
+def build_datasets(config: Config, tokenizer=None) -> list:
     """Train, validation and test datasets (None where a split is empty)."""
     model, data = config.model, config.data
+    if data.train_data_path:
+        raise ConfigError("--train-data-path: pretraining from per-split paths is not "
+                          "supported yet (finetune.py reads them); use --data-path PREFIX "
+                          "with --split")
     if data.mock_data:
         # Sized to what the run reads, as Megatron sizes its mock splits.
         training = config.training
@@ -34,9 +38,26 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, seed: i
                                  state.data_parallel_rank(), state.data_parallel_world_size(),
                                  seed, shuffle)
     for indices in sampler:
-        samples = torch.from_numpy(np.stack([dataset[i] for i in indices]))
-        yield {
-            "tokens": samples[:, :-1].to(device, non_blocking=True),
-            "labels": samples[:, 1:].to(device, non_blocking=True),
-            "loss_mask": torch.ones(samples.shape[0], samples.shape[1] - 1, device=device),
-        }
+        items = [dataset[i] for i in indices]
+        if not isinstance(items[0], dict):  # pretraining: token windows, loss everywhere
+            items = [{"tokens": item} for item in items]
+        yield collate(items, device)
+
+
+def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
+    """A micro-batch from samples of `seq_length + 1` tokens (and, for fine-tuning, a loss
+    mask, and document ids and positions of packed documents)."""
+    tokens = torch.from_numpy(np.stack([item["tokens"] for item in items]))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    if "loss_mask" in items[0]:
+        batch["loss_mask"] = torch.from_numpy(np.stack([item["loss_mask"] for item in items]))
+    else:
+        batch["loss_mask"] = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    if "document_ids" in items[0]:
+        documents = torch.from_numpy(np.stack([item["document_ids"] for item in items]))
+        causal = torch.ones(documents.shape[1], documents.shape[1], dtype=torch.bool).tril()
+        same = documents[:, :, None] == documents[:, None, :]
+        batch["attention_mask"] = (same & causal).unsqueeze(1)  # [b, 1, s, s]
+        batch["position_ids"] = torch.from_numpy(
+            np.stack([item["position_ids"] for item in items]))
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}

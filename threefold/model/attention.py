@@ -45,7 +45,8 @@ class SelfAttention(nn.Module):
             sequence_parallel=sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.linear_qkv(hidden_states)  # [s, b, groups/tp * (heads_per_group + 2) * d]
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.num_query_groups_per_partition, self.heads_per_group + 2,
@@ -61,18 +62,18 @@ class SelfAttention(nn.Module):
         # i // heads_per_group, which is SDPA's grouped-query convention.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.recompute_core_attention and self.training:
-            context = checkpoint(self._core_attention, query, key, value)
+            context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
-            context = self._core_attention(query, key, value)
+            context = self._core_attention(query, key, value, attention_mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(context)
 
-    def _core_attention(self, query: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor) -> torch.Tensor:
+    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
             return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout, is_causal=True,
-                enable_gqa=self.heads_per_group > 1)
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                is_causal=attention_mask is None, enable_gqa=self.heads_per_group > 1)

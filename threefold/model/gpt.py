@@ -46,14 +46,18 @@ class LanguageModelEmbedding(nn.Module):
         else:
             self.position_embeddings = None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids)  # [s (/ TP under SP), b, h]
         if self.position_embeddings is not None:
             # This rank's positions: all of them, or its slice of the sequence under SP (whose
             # partial gradient the SP all-reduce of replicated parameters completes).
             local = embeddings.shape[0]
             start = state.tensor_model_parallel_rank() * local if self.sequence_parallel else 0
-            positions = self.position_embeddings.weight[start:start + local].unsqueeze(1)
+            if position_ids is None:
+                positions = self.position_embeddings.weight[start:start + local].unsqueeze(1)
+            else:  # packed documents: each restarts at position 0
+                positions = self.position_embeddings(position_ids.t()[start:start + local])
             embeddings = embeddings + positions.to(embeddings.dtype)
         if self.training and self.hidden_dropout > 0:
             fork = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
@@ -96,6 +100,11 @@ class GPTModel(nn.Module):
                 config.hidden_size, padded_vocab_size, bias=False, init_method=init,
                 sequence_parallel=sequence_parallel, skip_weight_param=tied and pre_process,
                 valid_output_size=config.vocab_size)
+        if config.lora_rank:
+            from threefold.model.lora import apply_lora
+
+            apply_lora(self, config.lora_rank, config.lora_alpha, config.lora_dropout,
+                       config.lora_target_modules)
         if post_process and self.share_embeddings_and_output_weights and not pre_process:
             # Under pipeline parallelism the last stage holds a copy of the tied weight; its
             # gradient is summed with the first stage's so the copies stay equal.
@@ -124,18 +133,30 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                hidden_states: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """From token ids [b, s] (first stage) or incoming hidden states [s, b, h] (later
         stages). Returns the per-token loss [b, s] when `labels` are given on the last stage,
         vocabulary-parallel logits [s, b, padded_vocab / TP] otherwise, or the hidden states
-        for the next stage when this is not the last stage."""
+        for the next stage when this is not the last stage.
+
+        Packed sequences (fine-tuning) pass `attention_mask` [b, 1, s, s] (True: may attend;
+        block-diagonal causal, one block per document) and `position_ids` [b, s]; without
+        them attention is causal over the whole sequence and positions are 0..s-1."""
         if self.pre_process:
-            hidden_states = self.embedding(input_ids)
+            hidden_states = self.embedding(input_ids, position_ids)
         seq_length = hidden_states.shape[0] * (
             state.tensor_model_parallel_world_size() if self.sequence_parallel else 1)
-        rotary = (self.rotary_pos_emb(seq_length, hidden_states.device)
-                  if self.rotary_pos_emb is not None else None)
-        hidden_states = self.decoder(hidden_states, rotary)
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            if position_ids is None:
+                rotary = self.rotary_pos_emb(seq_length, hidden_states.device)
+            else:  # tables of every position used, gathered to [s, b, 1, head_dim]
+                cos, sin = self.rotary_pos_emb(int(position_ids.max()) + 1, hidden_states.device)
+                index = position_ids.t()
+                rotary = (cos[index].squeeze(2), sin[index].squeeze(2))
+        hidden_states = self.decoder(hidden_states, rotary, attention_mask)
         if not self.post_process:
             return hidden_states
         logits = self.output_layer(hidden_states, weight=self.output_weight())

@@ -45,8 +45,10 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, init_method, output_layer_init_method, sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden_states), rotary)
+                rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden_states), rotary,
+                                        attention_mask)
         hidden_states = dropout_add(attention, hidden_states, self.hidden_dropout, self.training,
                                     self.sequence_parallel)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
@@ -75,27 +77,29 @@ class TransformerBlock(nn.Module):
             if final_layernorm else None)
 
     def _run_layers(self, start: int, end: int):
-        def run(hidden_states, rotary):
+        def run(hidden_states, rotary, attention_mask):
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, rotary)
+                hidden_states = layer(hidden_states, rotary, attention_mask)
             return hidden_states
 
         return run
 
     def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         count, every = len(self.layers), self.recompute_num_layers
+        extra = (rotary, attention_mask)
         if not (self.training and self.recompute_method):
-            hidden_states = self._run_layers(0, count)(hidden_states, rotary)
+            hidden_states = self._run_layers(0, count)(hidden_states, *extra)
         elif self.recompute_method == "uniform":  # groups of `every` layers, each recomputed
             for start in range(0, count, every):
                 hidden_states = checkpoint(self._run_layers(start, start + every),
-                                           hidden_states, rotary)
+                                           hidden_states, *extra)
         else:  # "block": the first `every` layers recomputed, the others kept
             for index in range(count):
                 run = self._run_layers(index, index + 1)
-                hidden_states = (checkpoint(run, hidden_states, rotary) if index < every
-                                 else run(hidden_states, rotary))
+                hidden_states = (checkpoint(run, hidden_states, *extra) if index < every
+                                 else run(hidden_states, *extra))
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -51,6 +51,9 @@ class ColumnParallelLinear(nn.Module):
                  valid_output_size: int | None = None) -> None:
         super().__init__()
         world = state.tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.partition_stride = partition_stride
+        self.adapter = None  # a LoRA adapter (threefold/model/lora.py), when fine-tuning
         self.output_size_per_partition = _divide(output_size, world, "output size")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
@@ -76,6 +79,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_parallel_region(x)
         output = F.linear(x, weight, self.bias)
+        if self.adapter is not None:
+            output = output + self.adapter(x)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output)
         return output
@@ -93,6 +98,8 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         world = state.tensor_model_parallel_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.adapter = None  # a LoRA adapter, whose partial output the reduction completes
         self.input_size_per_partition = _divide(input_size, world, "input size")
         self.sequence_parallel = sequence_parallel
         self.weight = mark_tensor_parallel(
@@ -106,6 +113,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output = F.linear(x, self.weight)
+        if self.adapter is not None:
+            output = output + self.adapter(x)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output)
         else:

@@ -50,11 +50,14 @@ def gpt_forward_step(batch: dict, model: torch.nn.Module,
                      input_tensor: torch.Tensor | None = None):
     """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
     hidden states elsewhere) and how to reduce it to the micro-batch loss."""
-    output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
+    output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor,
+                   attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids"))
     loss_mask = batch["loss_mask"]
 
     def loss_func(per_token_loss: torch.Tensor):
-        loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+        # clamp: a fine-tuning micro-batch may hold no response token at all
+        loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
         return loss, loss.detach()
 
     return output, loss_func
@@ -106,7 +109,10 @@ def _summed_over_another_group(param: torch.nn.Parameter) -> bool:
 
 
 class Trainer:
-    def __init__(self, config: Config, device: torch.device) -> None:
+    def __init__(self, config: Config, device: torch.device,
+                 build_data=build_datasets) -> None:
+        """`build_data(config, tokenizer)` gives the train, validation and test datasets
+        (fine-tuning passes its own)."""
         self.config = config
         self.device = device
         training = config.training
@@ -135,7 +141,7 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
-        self.datasets = build_datasets(config)
+        self.datasets = build_data(config, self.tokenizer)
         self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
         self.flops_per_iteration = training_flops_per_iteration(
             config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)

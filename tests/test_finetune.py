@@ -1,0 +1,118 @@
+"""finetune.py: loss on responses only, packing equivalent to separate samples, LoRA trains only
+adapters, and a converted HF model fine-tuned and exported loads back into transformers."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup
+from threefold.data.loader import collate
+from threefold.data.sft import SFTDataset
+from threefold.data.tokenizer import NullTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDS = [{"prompt": "1 2 3", "response": "4 5"},
+           {"prompt": "7 8", "response": "9 10 11"},
+           {"prompt": "5 6", "response": "12 13"}]
+
+
+def test_prompt_tokens_carry_no_loss():
+    sample = SFTDataset(RECORDS[:1], NullTokenizer(100), seq_length=8)[0]
+    # tokens 1 2 3 4 5 <eod> then padding; labels are the tokens shifted by one
+    assert sample["tokens"][:6].tolist() == [1, 2, 3, 4, 5, 100]
+    assert sample["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_chat_messages_carry_loss_on_assistant_turns_only(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.tools.hf_models import build_tokenizer
+    from threefold.data.tokenizer import HuggingFaceTokenizer
+
+    build_tokenizer(str(tmp_path))
+    tokenizer = HuggingFaceTokenizer(str(tmp_path))
+    record = {"messages": [{"role": "user", "content": "To be"},
+                           {"role": "assistant", "content": "or not to be"}]}
+    sample = SFTDataset([record], tokenizer, seq_length=40)[0]
+    labels, mask = sample["tokens"][1:], sample["loss_mask"] > 0
+    answer = tokenizer.tokenize("or not to be\n") + [tokenizer.eod]
+    assert labels[mask].tolist() == answer
+
+
+@pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["rope", "learned"])
+def test_packed_documents_see_only_themselves(style):
+    """Per-token losses of conversations packed into one sample equal those of each
+    conversation in its own sample: positions restart and attention stays inside each."""
+    model = _setup(style + TRAINING).model.eval()
+    tokenizer = NullTokenizer(100)
+    packed = collate([SFTDataset(RECORDS, tokenizer, 16, packing=True)[0]], torch.device("cpu"))
+    with torch.no_grad():
+        packed_loss = model(packed["tokens"], labels=packed["labels"],
+                            attention_mask=packed["attention_mask"],
+                            position_ids=packed["position_ids"])[0]
+        alone = []
+        for index in range(len(RECORDS)):
+            batch = collate([SFTDataset(RECORDS, tokenizer, 16)[index]], torch.device("cpu"))
+            loss = model(batch["tokens"], labels=batch["labels"])[0]
+            alone.append(loss[batch["loss_mask"][0] > 0])
+    mask = packed["loss_mask"][0] > 0
+    assert mask.sum() == sum(len(a) for a in alone)
+    torch.testing.assert_close(packed_loss[mask], torch.cat(alone), rtol=1e-5, atol=1e-6)
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.tools.hf_models import VOCAB, build_hf_model
+    from threefold.checkpointing import load_model
+
+    build_hf_model("llama", str(tmp_path / "hf"))
+    names = ["Romeo", "Juliet", "Hamlet", "Ophelia"]
+    for split, count in (("train", 40), ("valid", 8)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                f.write(json.dumps({"prompt": f"Who is {names[i % 4]}? ",
+                                    "response": f"{names[i % 4]} is a character."}) + "\n")
+    converted, tuned, exported = (str(tmp_path / d) for d in ("tf", "sft", "export"))
+    tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    assert _run(tool, "--loader", "hf", "--saver", "threefold", "--load-dir",
+                str(tmp_path / "hf"), "--save-dir", converted).returncode == 0
+    result = _run(os.path.join(ROOT, "finetune.py"), "--load", converted, "--save", tuned,
+                  "--train-data-path", str(tmp_path / "train.jsonl"), "--valid-data-path",
+                  str(tmp_path / "valid.jsonl"), "--seq-length", "32", "--micro-batch-size",
+                  "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
+                  "--lora-rank", "8", "--log-interval", "10", "--eval-interval", "30",
+                  "--eval-iters", "1", "--sft-packing")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"validation loss.*?lm loss value: ([\d.E+-]+)",
+                                           result.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0] - 0.2, result.stdout
+
+    # LoRA: the base weights are the converted ones, bit for bit; the adapters moved.
+    _, base, _ = load_model(converted)
+    config, model, tokenizer = load_model(tuned)
+    base_weights = dict(base.named_parameters())
+    for name, param in model.named_parameters():
+        if ".adapter." in name:
+            if name.endswith("linear_out.weight"):
+                assert param.abs().sum() > 0, name  # B starts at zero
+        else:
+            assert torch.equal(param, base_weights[name]), name
+
+    assert _run(tool, "--loader", "threefold", "--saver", "hf", "--load-dir", tuned,
+                "--save-dir", exported).returncode == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)[..., :VOCAB].transpose(0, 1)
+        np.testing.assert_allclose(merged(tokens).logits.numpy(), ours.numpy(), rtol=1e-4,
+                                   atol=1e-5)

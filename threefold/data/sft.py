@@ -1,0 +1,130 @@
+"""Supervised fine-tuning data: JSONL conversations -> samples with loss on responses only.
+
+Records are `{"prompt": ..., "response": ...}` or `{"messages": [{"role", "content"}, ...]}`.
+Messages are rendered with the tokenizer's chat template when it has one (Hugging Face), else
+with a plain "Role: content" template; only assistant turns (and the response, plus the end
+of document) carry loss. Samples are `seq_length + 1` tokens:
+- padding: one conversation per sample, truncated, padded with the end-of-document token;
+- packing: conversations concatenated into samples, each keeping its own positions (restarting
+  at 0) and attending only within itself (the loader turns `document_ids` into a
+  block-diagonal causal mask).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from threefold.config import ConfigError
+
+
+def read_jsonl(path: str) -> list[dict]:
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ConfigError(f"{path}:{number}: not JSON ({error.msg})") from None
+                if not ("messages" in record or {"prompt", "response"} <= record.keys()):
+                    raise ConfigError(f"{path}:{number}: needs \"prompt\" and \"response\", "
+                                      "or \"messages\"")
+                records.append(record)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    if not records:
+        raise ConfigError(f"{path}: no records")
+    return records
+
+
+def _chat_template(tokenizer):
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and getattr(inner, "chat_template", None):
+        return inner
+    return None
+
+
+def render(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of a record and, per token, whether it is a response token (carries loss)."""
+    ids: list[int] = [] if tokenizer.bos is None else [tokenizer.bos]
+    response: list[bool] = [False] * len(ids)
+
+    def add(text: str, is_response: bool) -> None:
+        tokens = tokenizer.tokenize(text)
+        ids.extend(tokens)
+        response.extend([is_response] * len(tokens))
+
+    if "messages" not in record:
+        add(record["prompt"], False)
+        add(record["response"], True)
+    else:
+        template = _chat_template(tokenizer)
+        messages = record["messages"]
+        for index, message in enumerate(messages):
+            if template is None:
+                add(f"{message['role'].capitalize()}: ", False)
+                add(message["content"] + "\n", message["role"] == "assistant")
+                continue
+            # The template's text for this turn: what it adds to the conversation so far.
+            before = template.apply_chat_template(
+                messages[:index], tokenize=False,
+                add_generation_prompt=message["role"] == "assistant") if index else ""
+            after = template.apply_chat_template(messages[:index + 1], tokenize=False)
+            if not after.startswith(before):
+                raise ConfigError("the tokenizer's chat template does not render turns "
+                                  "incrementally; use prompt/response records")
+            add(after[len(before):], message["role"] == "assistant")
+    ids.append(tokenizer.eod)
+    response.append(True)  # learning to stop
+    return ids, response
+
+
+class SFTDataset:
+    def __init__(self, records: list[dict], tokenizer, seq_length: int,
+                 packing: bool = False) -> None:
+        self.seq_length, self.packing, self.eod = seq_length, packing, tokenizer.eod
+        conversations = [render(record, tokenizer) for record in records]
+        size = seq_length + 1
+        if not packing:
+            self.samples = [[c] for c in conversations]
+        else:  # greedy packing in order; a conversation never straddles two samples
+            self.samples, current, used = [], [], 0
+            for ids, response in conversations:
+                length = min(len(ids), size)
+                if current and used + length > size:
+                    self.samples.append(current)
+                    current, used = [], 0
+                current.append((ids[:size], response[:size]))
+                used += length
+            if current:
+                self.samples.append(current)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        size = self.seq_length + 1
+        tokens = np.full(size, self.eod, dtype=np.int64)
+        response = np.zeros(size, dtype=bool)
+        documents = np.full(size, -1, dtype=np.int64)  # -1: padding
+        positions = np.zeros(size, dtype=np.int64)
+        offset = 0
+        for number, (ids, is_response) in enumerate(self.samples[index]):
+            length = min(len(ids), size - offset)
+            tokens[offset:offset + length] = ids[:length]
+            response[offset:offset + length] = is_response[:length]
+            documents[offset:offset + length] = number
+            positions[offset:offset + length] = np.arange(length)
+            offset += length
+        # The label of position i is token i + 1: it carries loss when that token is part of a
+        # response of the same document.
+        loss_mask = response[1:] & (documents[1:] == documents[:-1])
+        sample = {"tokens": tokens, "loss_mask": loss_mask.astype(np.float32)}
+        if self.packing:
+            sample["document_ids"] = documents[:-1]
+            sample["position_ids"] = positions[:-1]
+        return sample

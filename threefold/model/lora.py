@@ -1,0 +1,103 @@
+"""LoRA adapters on the tensor-parallel linear layers (`--lora-rank` and friends).
+
+An adapter adds (alpha / rank) * B A x to a frozen layer's output, with A: rank x in and
+B: out x rank, B starting at zero so the model starts unchanged. On a tensor-parallel layer the
+adapter is split the way the layer is, so its output adds to the layer's before any collective:
+- column-parallel (QKV, fc1): A is replicated and B split by rows like the weight (fc1's
+  [gate; up] stride included); each rank's A gradient covers only its B rows, so it is summed
+  over the TP group (marked like a sequence-parallel parameter);
+- row-parallel (proj, fc2): A is split by columns like the weight and B replicated; the adapter's
+  output is a partial sum that the layer's all-reduce (or reduce-scatter) completes, and B's
+  gradient is likewise summed over TP.
+Names follow Megatron-Bridge: `<layer>.adapter.linear_in.weight` (A) and
+`<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights for export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.parallel import state
+from threefold.parallel.random import get_rng_tracker
+from threefold.parallel.sharding import (
+    constant_init,
+    mark_replicated,
+    mark_tensor_parallel,
+    normal_init,
+)
+
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class LoRAAdapter(nn.Module):
+    def __init__(self, input_size: int, output_size: int, rank: int, alpha: float,
+                 dropout: float, row_parallel: bool, partition_stride: int = 1) -> None:
+        super().__init__()
+        tp = state.tensor_model_parallel_world_size()
+        self.scale = alpha / rank
+        self.dropout = dropout
+        self.row_parallel = row_parallel
+        init_a = normal_init(1.0 / math.sqrt(input_size))
+        if row_parallel:
+            self.linear_in = nn.Linear(input_size // tp, rank, bias=False)
+            mark_tensor_parallel(self.linear_in.weight, partition_dim=1, init_method=init_a,
+                                 master_shape=(rank, input_size))
+            self.linear_out = nn.Linear(rank, output_size, bias=False)
+            mark_replicated(self.linear_out.weight, constant_init(0.0), sequence_parallel=True)
+        else:
+            self.linear_in = nn.Linear(input_size, rank, bias=False)
+            mark_replicated(self.linear_in.weight, init_a, sequence_parallel=True)
+            self.linear_out = nn.Linear(rank, output_size // tp, bias=False)
+            mark_tensor_parallel(self.linear_out.weight, partition_dim=0,
+                                 init_method=constant_init(0.0),
+                                 master_shape=(output_size, rank),
+                                 partition_stride=partition_stride)
+        # The TP gradient sum these marks request is only needed when TP > 1.
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            # A row-parallel layer's input differs per TP rank: so do its masks.
+            fork = get_rng_tracker().fork() if self.row_parallel else contextlib.nullcontext()
+            with fork:
+                x = F.dropout(x, p=self.dropout, training=True)
+        return self.linear_out(self.linear_in(x)) * self.scale
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
+               targets: list[str]) -> None:
+    """Add adapters to the target layers and freeze every other parameter."""
+    from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in targets:
+            continue
+        if isinstance(module, RowParallelLinear):
+            module.adapter = LoRAAdapter(module.input_size, module.output_size, rank, alpha,
+                                         dropout, row_parallel=True)
+        elif isinstance(module, ColumnParallelLinear):
+            module.adapter = LoRAAdapter(module.input_size, module.output_size, rank, alpha,
+                                         dropout, row_parallel=False,
+                                         partition_stride=module.partition_stride)
+
+
+def is_adapter(name: str) -> bool:
+    return ".adapter." in name
+
+
+@torch.no_grad()
+def merged_weights(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Full tensors by name with every adapter folded into its layer: W + scale * B A."""
+    merged = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
+    for name in state:
+        if name.endswith(".adapter.linear_in.weight"):
+            layer = name.removesuffix(".adapter.linear_in.weight")
+            delta = state[f"{layer}.adapter.linear_out.weight"] @ state[name]
+            merged[f"{layer}.weight"] = merged[f"{layer}.weight"] + scale * delta
+    return merged
