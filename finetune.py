@@ -99,13 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(prefix + rest)
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load))
-    parallel = config.parallel
-    device = state.initialize_distributed(parallel.distributed_backend,
-                                          parallel.distributed_timeout_minutes)
-    state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                    parallel.pipeline_model_parallel_size,
-                                    parallel.virtual_pipeline_model_parallel_size,
-                                    parallel.distributed_timeout_minutes)
+    device = state.initialize_from_config(config.parallel)
     try:
         trainer = Trainer(config, device, build_data=sft_datasets(args.sft_packing))
         load_checkpoint(known.load, trainer, finetune=not resuming)

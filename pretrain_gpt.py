@@ -31,13 +31,7 @@ def _summary(config, trainer: Trainer, device_type: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    parallel = config.parallel
-    device = state.initialize_distributed(parallel.distributed_backend,
-                                          parallel.distributed_timeout_minutes)
-    state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                    parallel.pipeline_model_parallel_size,
-                                    parallel.virtual_pipeline_model_parallel_size,
-                                    parallel.distributed_timeout_minutes)
+    device = state.initialize_from_config(config.parallel)
     try:
         trainer = Trainer(config, device)
         if config.checkpoint.load:

@@ -29,8 +29,7 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    device = state.initialize_distributed()
-    state.initialize_model_parallel(state.global_world_size(), 1)
+    device = state.initialize_for_inference()
     try:
         config, model, tokenizer = load_model(args.load, device)
         if tokenizer is None:

@@ -29,8 +29,7 @@ def main() -> int:
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
-    device = state.initialize_distributed()
-    state.initialize_model_parallel(state.global_world_size(), 1)
+    device = state.initialize_for_inference()
     try:
         config, model, tokenizer = load_model(args.load, device)
         if tokenizer is None:

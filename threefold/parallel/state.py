@@ -89,6 +89,25 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
+def initialize_from_config(parallel) -> torch.device:
+    """torch.distributed from torchrun's environment and megatron-core's groups for the
+    layout of a ParallelConfig; returns this rank's device."""
+    device = initialize_distributed(parallel.distributed_backend,
+                                    parallel.distributed_timeout_minutes)
+    initialize_model_parallel(parallel.tensor_model_parallel_size,
+                              parallel.pipeline_model_parallel_size,
+                              parallel.virtual_pipeline_model_parallel_size,
+                              parallel.distributed_timeout_minutes)
+    return device
+
+
+def initialize_for_inference() -> torch.device:
+    """Every launched process a tensor-parallel rank (generation and scoring tools)."""
+    device = initialize_distributed()
+    initialize_model_parallel(global_world_size(), 1)
+    return device
+
+
 def destroy_model_parallel() -> None:
     """Tear the groups down for real. megatron-core's destroy only forgets its references; the
     groups (each with a gloo event-loop thread) would otherwise live on, so a process that
