@@ -230,7 +230,7 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
                                            * saved["pipeline_model_parallel_size"])
         same = same and (saved["use_distributed_optimizer"] == current.use_distributed_optimizer
                          and saved_dp == current.data_parallel_size
-                         and saved.get("ddp_bucket_size") == current.ddp_bucket_size)
+                         and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size)
     return same
 
 

@@ -163,7 +163,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     accumulate_allreduce_grads_in_fp32: bool = False
-    ddp_bucket_size: int = 40_000_000
+    ddp_bucket_size: int | None = None  # elements; None: 40M (Megatron's default)
     # megatron: threefold's own DP (+ --use-distributed-optimizer); ddp / fsdp: PyTorch's
     # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
     distributed_strategy: str = "megatron"
@@ -174,6 +174,10 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def bucket_size(self) -> int:
+        return self.ddp_bucket_size or 40_000_000
 
     @property
     def data_parallel_size(self) -> int:
@@ -230,6 +234,7 @@ class ParallelConfig:
                      "and --pipeline-model-parallel-size 1; use --distributed-strategy "
                      "megatron for tensor/pipeline parallelism")
             megatron_only = [flag for flag, value in (
+                ("--ddp-bucket-size", strategy == "fsdp" and self.ddp_bucket_size is not None),
                 ("--use-distributed-optimizer", self.use_distributed_optimizer),
                 ("--overlap-grad-reduce", self.overlap_grad_reduce),
                 ("--overlap-param-gather", self.overlap_param_gather)) if value]
@@ -279,7 +284,8 @@ class ParallelConfig:
                 f"--seq-length {model.seq_length} is not divisible by "
                 f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs",
             )
-        _require(self.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1")
+        _require(self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
+                 "--ddp-bucket-size must be >= 1")
         _require(not self.overlap_param_gather or self.use_distributed_optimizer,
                  "--overlap-param-gather needs --use-distributed-optimizer (only the "
                  "distributed optimizer all-gathers parameters)")

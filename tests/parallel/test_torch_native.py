@@ -24,10 +24,13 @@ def _bytes_job(argv: list[str]) -> dict:
     return measure_bytes_per_parameter(trainer).__dict__
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_ten_steps_with_clipping_match_single_process(reference, strategy):
+@pytest.mark.parametrize("strategy,flags", [
+    ("ddp", ["--ddp-bucket-size", "2000"]),  # several of PyTorch DDP's buckets
+    ("fsdp", []),
+])
+def test_ten_steps_with_clipping_match_single_process(reference, strategy, flags):
     results = run_distributed(2, train_job, LLAMA_STYLE + TRAINING
-                              + ["--distributed-strategy", strategy], 10)
+                              + ["--distributed-strategy", strategy] + flags, 10)
     assert_matches_reference(results, reference, 1e-6)
 
 
@@ -44,12 +47,14 @@ def test_bytes_per_parameter(strategy, expected):
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size"),
 ])
-def test_fallbacks_refuse_megatron_only_layouts(flags, named):
+def test_fallbacks_refuse_megatron_only_layouts(capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(LLAMA_STYLE + TRAINING + ["--distributed-strategy", "fsdp"] + flags,
                    world_size=4)
     assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
 
 
 def _config(hidden: int, layers: int, world_size: int = 8, flags: tuple = ()):

@@ -32,10 +32,12 @@ _PARAMETER_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_st
                          "shared_embedding", "embedding_copy")
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_elements: int) -> nn.Module:
+    # --ddp-bucket-size counts elements; PyTorch DDP's buckets are in MiB (of fp32 gradients).
     return nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=state.data_parallel_group(),
+        bucket_cap_mb=bucket_elements * 4 / 2**20,
         # The gradients live in DDP's buckets: no second copy of them.
         gradient_as_bucket_view=True)
 

@@ -162,7 +162,7 @@ class Trainer:
         distributed = parallel.use_distributed_optimizer
         half = training.bf16 or training.fp16
         self.grad_buffer = GradientBuffer(
-            [param for _, param in named], bucket_size=parallel.ddp_bucket_size,
+            [param for _, param in named], bucket_size=parallel.bucket_size,
             pad_to_multiple=state.data_parallel_world_size() if distributed else 1,
             flat_parameters=distributed, overlap_grad_reduce=parallel.overlap_grad_reduce,
             grad_dtype=(params_dtype(self.config) if half
@@ -184,7 +184,7 @@ class Trainer:
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
         wrapped = (wrap_fsdp(model, device, params_dtype(self.config)) if fsdp
-                   else wrap_ddp(model, device))
+                   else wrap_ddp(model, device, self.config.parallel.bucket_size))
         if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
