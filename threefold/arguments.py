@@ -121,15 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--eval-iters", type=int)
 
     g = parser.add_argument_group("data")
-    _add(g, "data", "--data-path", nargs="+", help="prefix of a Megatron .bin/.idx pair")
+    _add(g, "data", "--data-path", nargs="+",
+         help="PREFIX of a Megatron .bin/.idx pair, or WEIGHT PREFIX WEIGHT PREFIX ... to blend")
     _add(g, "data", "--train-data-path", nargs="+",
-         help="finetune.py: JSONL of prompt/response or messages records")
+         help="per-split [WEIGHT] PREFIX ... (finetune.py: JSONL conversations)")
     _add(g, "data", "--valid-data-path", nargs="+")
+    _add(g, "data", "--test-data-path", nargs="+")
+    _add(g, "data", "--data-cache-path", type=str,
+         help="where megatron-core caches the document/sample/shuffle indices")
     _add(g, "data", "--mock-data", action=_STORE_TRUE)
     _add(g, "data", "--split", type=str)
     _add(g, "data", "--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer",
-                                                    "NullTokenizer"])
+                                                    "GPT2BPETokenizer", "NullTokenizer"])
     _add(g, "data", "--tokenizer-model", type=str)
+    _add(g, "data", "--vocab-file", type=str, help="GPT2BPETokenizer: vocab.json")
+    _add(g, "data", "--merge-file", type=str, help="GPT2BPETokenizer: merges.txt")
     _add(g, "data", "--num-workers", type=int)
 
     g = parser.add_argument_group("checkpointing")

@@ -147,7 +147,8 @@ class ModelConfig:
 
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
-TOKENIZERS = (None, "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZERS = (None, "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+              "NullTokenizer")
 
 
 @dataclass
@@ -365,10 +366,14 @@ class DataConfig:
     # Megatron's per-split paths; finetune.py reads JSONL conversations from them.
     train_data_path: list[str] = field(default_factory=list)
     valid_data_path: list[str] = field(default_factory=list)
+    test_data_path: list[str] = field(default_factory=list)
+    data_cache_path: str | None = None
     mock_data: bool = False
     split: str = "969,30,1"
     tokenizer_type: str | None = None
     tokenizer_model: str | None = None
+    vocab_file: str | None = None  # GPT2BPETokenizer
+    merge_file: str | None = None
     num_workers: int = 0
 
     def split_weights(self) -> list[float]:
@@ -385,13 +390,8 @@ class DataConfig:
     def finalize(self) -> None:
         _require(bool(self.data_path) + self.mock_data + bool(self.train_data_path) == 1,
                  "give exactly one of --data-path PREFIX, --train-data-path and --mock-data")
-        _require(not self.valid_data_path or self.train_data_path,
-                 "--valid-data-path needs --train-data-path")
-        _require(
-            len(self.data_path) <= 1,
-            "--data-path with several prefixes (blending) is not supported yet in threefold; "
-            "pass one prefix",
-        )
+        _require(not (self.valid_data_path or self.test_data_path) or self.train_data_path,
+                 "--valid-data-path/--test-data-path need --train-data-path")
         _require(self.tokenizer_type in TOKENIZERS,
                  f"--tokenizer-type {self.tokenizer_type} is not supported; use one of "
                  f"{', '.join(t for t in TOKENIZERS if t)}")

@@ -19,7 +19,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.config import DataConfig  # noqa: E402
+from threefold.config import ConfigError, DataConfig  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -43,6 +43,17 @@ def _encode(document: dict[str, str]) -> tuple[dict[str, list[int]], int]:
     return encoded, sum(len(text.encode("utf-8")) for text in document.values())
 
 
+def _bounded_imap(pool, documents, workers: int, chunk: int = 64):
+    """pool.imap over the documents, in order, with at most a few chunks per worker read ahead
+    (Pool.imap alone reads its whole input eagerly: unbounded memory on a large file)."""
+    window = 4 * workers * chunk
+    while True:
+        batch = list(itertools.islice(documents, window))
+        if not batch:
+            return
+        yield from pool.imap(_encode, batch, chunksize=chunk)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,8 +61,11 @@ def main() -> None:
                                                        "per line")
     parser.add_argument("--json-keys", nargs="+", default=["text"])
     parser.add_argument("--tokenizer-type", required=True,
-                        choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
-    parser.add_argument("--tokenizer-model")
+                        choices=["SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                 "GPT2BPETokenizer", "NullTokenizer"])
+    parser.add_argument("--tokenizer-model", help="sentencepiece file or HF tokenizer dir")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--vocab-size", type=int, help="for NullTokenizer")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--append-eod", action="store_true")
@@ -66,8 +80,12 @@ def main() -> None:
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     data_config = DataConfig(tokenizer_type=args.tokenizer_type,
-                             tokenizer_model=args.tokenizer_model)
-    tokenizer = build_tokenizer(data_config, args.vocab_size)
+                             tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                             merge_file=args.merge_file)
+    try:
+        tokenizer = build_tokenizer(data_config, args.vocab_size)
+    except ConfigError as error:
+        parser.exit(2, f"preprocess_data.py: error: {error}\n")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
@@ -78,13 +96,14 @@ def main() -> None:
     initargs = (data_config, args.vocab_size, args.append_eod)
     if args.workers > 1:
         pool = multiprocessing.Pool(args.workers, _init_worker, initargs)
-        encoded_stream = pool.imap(_encode, documents, chunksize=32)
+        encoded_stream = _bounded_imap(pool, documents, args.workers)
     else:
         pool = None
         _init_worker(*initargs)
         encoded_stream = map(_encode, documents)
 
     start, total_bytes, total_tokens, count = time.time(), 0, 0, 0
+    input_size = max(os.path.getsize(args.input), 1)
     for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
         total_bytes += num_bytes
         for key, ids in encoded.items():
@@ -93,8 +112,10 @@ def main() -> None:
                 total_tokens += len(ids)
         if count % args.log_interval == 0:
             elapsed = time.time() - start
-            print(f"processed {count} documents ({count / elapsed:.1f} docs/s, "
-                  f"{total_bytes / elapsed / 2**20:.2f} MB/s)", flush=True)
+            done = min(total_bytes / input_size, 1.0)  # text bytes: close to the file's
+            print(f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
+                  f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s)",
+                  flush=True)
     if pool is not None:
         pool.close()
         pool.join()

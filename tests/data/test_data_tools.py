@@ -8,7 +8,8 @@ import warnings
 
 import numpy as np
 
-from threefold.data.gpt_dataset import indexed_datasets
+from threefold.arguments import parse_args
+from threefold.data.loader import build_datasets
 from threefold.data.tokenizer import SentencePieceTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +41,27 @@ def test_preprocess_round_trip_through_megatron_core(tmp_path):
     assert len(megatron) == len(TEXTS)
     assert [megatron[i].tolist() for i in range(len(TEXTS))] == expected
 
-    # threefold's samples are windows of the same concatenated stream.
-    train, _, _ = indexed_datasets(prefix, 16, [1.0, 0.0, 0.0], tokenizer.vocab_size)
-    stream = np.concatenate([np.array(e) for e in expected])
-    assert np.array_equal(train[3], stream[48:65])
+    # threefold's samples are megatron-core GPTDataset samples of that data, unchanged.
+    config = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads",
+                         "1", "--seq-length", "16", "--micro-batch-size", "1",
+                         "--train-iters", "5", "--data-path", prefix, "--split", "1,0,0",
+                         "--vocab-size", str(tokenizer.vocab_size)])
+    train = build_datasets(config, tokenizer)[0]
+    # Each sample runs through documents in megatron-core's shuffled document order: every
+    # piece between end-of-document tokens is a piece of one document.
+    documents = [" " + " ".join(map(str, e)) + " " for e in expected]
+    for index in range(len(train)):
+        sample = train[index].tolist()
+        assert len(sample) == 17
+        pieces, current = [], []
+        for token in sample:
+            current.append(token)
+            if token == tokenizer.eod:
+                pieces.append(current)
+                current = []
+        pieces.append(current)
+        for piece in filter(None, pieces):
+            text = " " + " ".join(map(str, piece)) + " "
+            assert any(text in d for d in documents), piece
+    reference = train.dataset[2]
+    assert np.array_equal(train[2][:-1], reference["tokens"].numpy())

@@ -1,79 +1,155 @@
-"""GPT training samples: `seq_length + 1` consecutive tokens of the document stream.
+"""GPT training samples of `seq_length + 1` tokens, built by megatron-core.
 
-Input and label of a sample are the same window shifted by one token, so consecutive samples
-share one token, as in Megatron's GPTDataset. Documents are concatenated with their
-end-of-document tokens (written by preprocessing) and samples run across document boundaries.
+Indexed data (`--data-path`, `--train/valid/test-data-path`, with blending weights) goes through
+megatron-core's `BlendedMegatronDatasetBuilder` and `GPTDataset`, which run on the CPU: the
+same document, sample and shuffle indices as Megatron-LM, hence the same samples in the same
+order for the same seed, split and sizes, cached under `--data-cache-path`. threefold reads the
+samples sequentially (the shuffling is in the indices), so `consumed samples` alone says where
+to resume, and every TP/PP/DP layout sees the same global batches.
 
-Sources: a Megatron `.bin/.idx` pair, read through megatron-core's `IndexedDataset` (a
-memory-mapped numpy reader), or mock data whose every sample is a pure function of the seed and
-the sample index, hence identical for every parallel layout.
+Before megatron-core touches a file, `check_prefix` validates it and names the file in one line:
+missing `.bin`/`.idx`, a bad header (magic, version, dtype), a truncated `.bin`, token ids
+outside the model's vocabulary.
+
+Mock data (`--mock-data`): every sample is a pure function of the seed and the sample index.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
+import warnings
 
 import numpy as np
 
 from threefold.config import ConfigError
 
-
-def _split_bounds(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Document ranges of the train/valid/test splits, Megatron-style rounding."""
-    bounds = [0]
-    for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight * num_documents)))
-    diff = bounds[-1] - num_documents
-    bounds = [b - diff if i else b for i, b in enumerate(bounds)]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+_MAGIC = b"MMIDIDX\x00\x00"
+# megatron.core.datasets.indexed_dataset.DType codes
+_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+           7: np.float32, 8: np.uint16}
 
 
-class TokenWindowDataset:
-    """Samples of `seq_length + 1` tokens from a contiguous slice of a token stream."""
+def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> None:
+    """Fail with one line naming the file unless `prefix.bin/.idx` is a readable Megatron
+    indexed dataset whose token ids fit the vocabulary."""
+    bin_file, idx_file = prefix + ".bin", prefix + ".idx"
+    for path in (bin_file, idx_file):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {prefix}: {path} does not exist; create it with "
+                              "tools/preprocess_data.py")
+    with open(idx_file, "rb") as f:
+        header = f.read(len(_MAGIC) + 8 + 1 + 16)
+    if len(header) < len(_MAGIC) + 25 or header[:len(_MAGIC)] != _MAGIC:
+        raise ConfigError(f"{flag} {prefix}: {idx_file} is not a Megatron indexed-dataset "
+                          "index (bad magic); regenerate it with tools/preprocess_data.py")
+    (version,) = struct.unpack("<Q", header[9:17])
+    if version != 1:
+        raise ConfigError(f"{flag} {prefix}: {idx_file} has index version {version}; "
+                          "threefold and megatron-core read version 1")
+    code = header[17]
+    if code not in _DTYPES:
+        raise ConfigError(f"{flag} {prefix}: {idx_file} names token dtype code {code}, "
+                          "which is not one of megatron-core's")
+    sequences, documents = struct.unpack("<QQ", header[18:34])
+    dtype = np.dtype(_DTYPES[code])
+    lengths = np.memmap(idx_file, dtype=np.int32, mode="r", offset=34, shape=(sequences,))
+    expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
+    actual = os.path.getsize(bin_file)
+    if actual < expected:
+        raise ConfigError(f"{flag} {prefix}: {bin_file} is truncated ({actual} bytes, the "
+                          f"index expects {expected}); regenerate it")
+    if sequences == 0:
+        raise ConfigError(f"{flag} {prefix}: {idx_file} holds no documents")
+    tokens = np.memmap(bin_file, dtype=dtype, mode="r")
+    largest = max(int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26))
+    if largest >= vocab_size:
+        raise ConfigError(f"{flag} {prefix}: token id {largest} in {bin_file} is outside the "
+                          f"model's vocabulary of {vocab_size}; use the tokenizer that made it "
+                          "(or a larger --vocab-size)")
 
-    def __init__(self, tokens: np.ndarray, seq_length: int, name: str) -> None:
-        self.tokens = tokens
-        self.seq_length = seq_length
-        self.num_samples = max((len(tokens) - 1) // seq_length, 0)
-        self.name = name
+
+class _Tokenizer:
+    """What GPTDataset asks of a tokenizer (only used for masks threefold does not request)."""
+
+    def __init__(self, eod: int | None, vocab_size: int) -> None:
+        self.eod = -1 if eod is None else eod
+        self.pad = -1
+        self.vocab_size = vocab_size
+        self.unique_identifiers = {"class": "threefold", "eod": self.eod}
+
+
+class MegatronSamples:
+    """A megatron-core GPTDataset or BlendedDataset as arrays of `seq_length + 1` tokens."""
+
+    shuffled = True  # the indices are shuffled already: read sequentially
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
 
     def __len__(self) -> int:
-        return self.num_samples
+        return len(self.dataset)
 
     def __getitem__(self, index: int) -> np.ndarray:
-        start = index * self.seq_length
-        return np.asarray(self.tokens[start:start + self.seq_length + 1], dtype=np.int64)
+        sample = self.dataset[index]
+        return np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+
+    def source_of(self, index: int) -> int:
+        """Which blended dataset sample `index` comes from (0 when not blended)."""
+        dataset_index = getattr(self.dataset, "dataset_index", None)
+        return 0 if dataset_index is None else int(dataset_index[index])
 
 
-def indexed_datasets(prefix: str, seq_length: int, split_weights: list[float],
-                     vocab_size: int) -> list[TokenWindowDataset | None]:
-    """Train, validation and test datasets from the `.bin/.idx` pair at `prefix`."""
-    for suffix in (".bin", ".idx"):
-        if not os.path.isfile(prefix + suffix):
-            raise ConfigError(f"--data-path {prefix}: {prefix + suffix} does not exist; "
-                              "create it with tools/preprocess_data.py")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+def _blend(paths: list[str], flag: str, vocab_size: int):
+    from megatron.core.datasets.utils import get_blend_from_list
 
     try:
-        indexed = IndexedDataset(prefix, mmap=True)
-    except Exception as error:  # megatron-core raises AssertionError on a bad header
-        raise ConfigError(f"--data-path {prefix}: unreadable .idx ({error})") from None
-    offsets = np.concatenate([[0], np.cumsum(indexed.sequence_lengths, dtype=np.int64)])
-    stream = np.memmap(prefix + ".bin", dtype=indexed.index.dtype, mode="r")
-    if len(stream) < offsets[-1]:
-        raise ConfigError(f"--data-path {prefix}: {prefix}.bin is truncated "
-                          f"({len(stream)} tokens, the index expects {offsets[-1]})")
-    if len(stream) and int(stream.max()) >= vocab_size:
-        raise ConfigError(f"--data-path {prefix}: token id {int(stream.max())} is outside the "
-                          f"model's vocabulary of {vocab_size}; use the tokenizer that made it")
-    datasets = []
-    for name, (first, last) in zip(("train", "valid", "test"),
-                                   _split_bounds(len(indexed.sequence_lengths), split_weights)):
-        dataset = TokenWindowDataset(stream[offsets[first]:offsets[last]], seq_length, name)
-        datasets.append(dataset if len(dataset) else None)
+        prefixes, weights = get_blend_from_list(paths)
+    except (ValueError, AssertionError):
+        raise ConfigError(f"{flag}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ...") from None
+    for prefix in prefixes:
+        check_prefix(prefix, vocab_size, flag)
+    return prefixes, weights
+
+
+def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
+    """Train, validation and test samples (None for an empty split) from indexed data."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    data, model = config.data, config.model
+    vocab = model.vocab_size
+    options = {}
+    if data.data_path:
+        options.update(blend=_blend(data.data_path, "--data-path", vocab), split=data.split)
+    else:
+        options["blend_per_split"] = [
+            _blend(paths, flag, vocab) if paths else None
+            for paths, flag in ((data.train_data_path, "--train-data-path"),
+                                (data.valid_data_path, "--valid-data-path"),
+                                (data.test_data_path, "--test-data-path"))]
+    if data.data_cache_path:
+        os.makedirs(data.data_cache_path, exist_ok=True)
+    gpt_config = GPTDatasetConfig(
+        random_seed=config.training.seed, sequence_length=model.seq_length,
+        path_to_cache=data.data_cache_path,
+        tokenizer=_Tokenizer(getattr(tokenizer, "eod", None), vocab),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, **options)
+    logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+    try:
+        built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,
+                                              gpt_config).build()
+    except (AssertionError, ValueError, IndexError) as error:
+        raise ConfigError(f"--data-path/--split: megatron-core could not build the datasets "
+                          f"({error}); check --split and that every split has documents") from None
+    datasets = [MegatronSamples(d) if d is not None and len(d) else None for d in built]
     if datasets[0] is None:
-        raise ConfigError(f"--data-path {prefix}: the train split holds fewer than "
-                          f"--seq-length + 1 tokens; add data or change --split")
+        raise ConfigError("--split: the train split is empty; give it documents")
     return datasets
 
 

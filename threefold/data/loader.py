@@ -7,33 +7,29 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from threefold.config import Config, ConfigError
-from threefold.data.gpt_dataset import MockGPTDataset, indexed_datasets
+from threefold.config import Config
+from threefold.data.gpt_dataset import MockGPTDataset, megatron_datasets
 from threefold.data.sampler import PretrainingSampler
 from threefold.parallel import state
 
 
 def build_datasets(config: Config, tokenizer=None) -> list:
     """Train, validation and test datasets (None where a split is empty)."""
-    model, data = config.model, config.data
-    if data.train_data_path:
-        raise ConfigError("--train-data-path: pretraining from per-split paths is not "
-                          "supported yet (finetune.py reads them); use --data-path PREFIX "
-                          "with --split")
+    model, data, training = config.model, config.data, config.training
+    # What the run reads: every training step's samples, and --eval-iters global batches of
+    # validation and test (threefold evaluates on the same batches each time).
+    evaluation = max(training.eval_iters, 1) * training.global_batch_size
+    sizes = [training.train_iters * training.global_batch_size, evaluation, evaluation]
     if data.mock_data:
-        # Sized to what the run reads, as Megatron sizes its mock splits.
-        training = config.training
-        sizes = [training.train_iters * training.global_batch_size,
-                 max(training.eval_iters, 1) * training.global_batch_size,
-                 max(training.eval_iters, 1) * training.global_batch_size]
         return [MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
                 for split, size in enumerate(sizes)]
-    return indexed_datasets(data.data_path[0], model.seq_length, data.split_weights(),
-                            model.vocab_size)
+    return megatron_datasets(config, tokenizer, sizes)
 
 
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, seed: int,
                   device: torch.device, shuffle: bool = True) -> Iterator[dict]:
+    # megatron-core's datasets are shuffled by their own indices: read them in order.
+    shuffle = shuffle and not getattr(dataset, "shuffled", False)
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  state.data_parallel_rank(), state.data_parallel_world_size(),
                                  seed, shuffle)

@@ -64,6 +64,33 @@ class HuggingFaceTokenizer:
         return self._decode([int(i) for i in ids])
 
 
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from `--vocab-file vocab.json --merge-file merges.txt`;
+    end of document is `<|endoftext|>`."""
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE "
+                                  f"({path!r} is not a file)")
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        self.model_file = None
+        self.tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.tokenizer.decoder = decoders.ByteLevel()
+        self.vocab_size = self.tokenizer.get_vocab_size()
+        eod = self.tokenizer.token_to_id("<|endoftext|>")
+        self.eod = eod if eod is not None else self.vocab_size - 1
+        self.bos = None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
 class NullTokenizer:
     """Megatron's NullTokenizer: ids are given, `--vocab-size` of them plus one end-of-document."""
 
@@ -83,6 +110,8 @@ def build_tokenizer(config: DataConfig, vocab_size: int | None):
     """The tokenizer `--tokenizer-type` names, or None for `--mock-data` without a tokenizer."""
     if config.tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(config.tokenizer_model)
+    if config.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(config.vocab_file, config.merge_file)
     if config.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(config.tokenizer_model)
     if config.tokenizer_type == "NullTokenizer":

@@ -1,0 +1,138 @@
+"""Indexed datasets through megatron-core: the same global batches in every layout and after a
+resume, blending weights respected, and bad data refused naming the file."""
+
+import hashlib
+import os
+import shutil
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.distributed import run_distributed
+from threefold.arguments import parse_args
+from threefold.config import ConfigError
+from threefold.data.loader import build_datasets
+
+VOCAB = 500
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--vocab-size", str(VOCAB), "--eval-iters", "0", "--log-interval", "100"]
+
+
+def write_corpus(prefix: str, documents: int, seed: int, low: int = 0) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(documents):
+        ids = rng.integers(low, VOCAB - 1, size=int(rng.integers(5, 60)))
+        builder.add_document(np.append(ids, VOCAB - 1), [len(ids) + 1])
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(str(root / "a"), 300, seed=1)
+    write_corpus(str(root / "b"), 300, seed=2)
+    return str(root)
+
+
+def _batch_hashes(argv: list[str], iterations: int, resume_at: int = 0) -> list | None:
+    """Per iteration, the hash of the global batch's token ids as this layout reads it."""
+    from tests.parity import _setup
+    from threefold.parallel import state
+
+    trainer = _setup(argv)
+    trainer.state.consumed_train_samples = resume_at * trainer.config.training.global_batch_size
+    iterator = trainer.train_iterator()
+    hashes = []
+    for _ in range(iterations):
+        local = np.stack([next(iterator)["tokens"].numpy()
+                          for _ in range(trainer.num_microbatches)])
+        if state.data_parallel_world_size() > 1:  # put the replicas' micro-batches in order
+            import torch
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(torch.from_numpy(local))
+                     for _ in range(state.data_parallel_world_size())]
+            dist.all_gather(parts, torch.from_numpy(local), group=state.data_parallel_group())
+            local = np.stack([p.numpy() for p in parts], axis=1)  # [micro-batch, dp, ...]
+        hashes.append(hashlib.sha256(np.ascontiguousarray(local).tobytes()).hexdigest())
+    return hashes if state.global_rank() == 0 else None
+
+
+def test_same_global_batches_in_every_layout_and_after_resume(corpus):
+    argv = MODEL + ["--data-path", f"{corpus}/a", "--split", "90,10,0", "--train-iters", "6",
+                    "--data-cache-path", f"{corpus}/cache"]
+    reference = _batch_hashes(argv, 6)
+    assert len(set(reference)) == 6
+    for world_size, layout in ((2, []), (2, ["--tensor-model-parallel-size", "2"]),
+                               (2, ["--pipeline-model-parallel-size", "2"])):
+        assert run_distributed(world_size, _batch_hashes, argv + layout, 6)[0] == reference
+    assert _batch_hashes(argv, 3, resume_at=3) == reference[3:]
+
+
+def test_blending_weights_are_respected_over_10000_samples(corpus):
+    config = parse_args(MODEL + ["--data-path", "0.3", f"{corpus}/a", "0.7", f"{corpus}/b",
+                                 "--split", "100,0,0", "--train-iters", "1250"])
+    train = build_datasets(config)[0]
+    sources = np.array([train.source_of(i) for i in range(10_000)])
+    assert abs((sources == 0).mean() - 0.3) < 0.01
+    assert abs((sources == 1).mean() - 0.7) < 0.01
+
+
+def test_per_split_paths(corpus):
+    config = parse_args(MODEL + ["--train-data-path", f"{corpus}/a", "--valid-data-path",
+                                 f"{corpus}/b", "--train-iters", "2", "--eval-iters", "1"])
+    train, valid, test = build_datasets(config)
+    assert len(train) >= 16 and len(valid) >= 8 and test is None
+
+
+def _damaged(corpus: str, tmp_path, kind: str) -> str:
+    prefix = str(tmp_path / kind)
+    if kind == "missing":
+        return prefix
+    shutil.copyfile(f"{corpus}/a.bin", prefix + ".bin")
+    shutil.copyfile(f"{corpus}/a.idx", prefix + ".idx")
+    with open(prefix + ".idx", "r+b") as f:
+        if kind == "bad-magic":
+            f.write(b"NOTANIDX!")
+        elif kind == "bad-version":
+            f.seek(9)
+            f.write((7).to_bytes(8, "little"))
+        elif kind == "bad-dtype":
+            f.seek(17)
+            f.write(bytes([42]))
+    if kind == "truncated":
+        with open(prefix + ".bin", "r+b") as f:
+            f.truncate(os.path.getsize(prefix + ".bin") // 2)
+    if kind == "vocabulary":
+        write_corpus(prefix, 50, seed=3, low=VOCAB - 2)
+    return prefix
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("missing", "does not exist"), ("bad-magic", "bad magic"),
+    ("bad-version", "index version 7"), ("bad-dtype", "dtype code 42"),
+    ("truncated", "is truncated"), ("vocabulary", "outside the model's vocabulary"),
+])
+def test_bad_data_is_refused_naming_the_file(corpus, tmp_path, kind, expected):
+    prefix = _damaged(corpus, tmp_path, kind)
+    vocab = VOCAB - 1 if kind == "vocabulary" else VOCAB
+    config = parse_args(MODEL + ["--data-path", prefix, "--train-iters", "2",
+                                 "--vocab-size", str(vocab)])
+    start = time.time()
+    with pytest.raises(ConfigError, match=expected) as error:
+        build_datasets(config)
+    assert prefix in str(error.value) and time.time() - start < 5
+
+
+def test_an_empty_train_split_is_refused(corpus):
+    config = parse_args(MODEL + ["--data-path", f"{corpus}/a", "--split", "0,100,0",
+                                 "--train-iters", "2"])
+    with pytest.raises(ConfigError, match="--split"):
+        build_datasets(config)
