@@ -7,6 +7,7 @@ import sys
 import warnings
 
 import numpy as np
+import pytest
 
 from threefold.arguments import parse_args
 from threefold.data.loader import build_datasets
@@ -65,3 +66,26 @@ def test_preprocess_round_trip_through_megatron_core(tmp_path):
             assert any(text in d for d in documents), piece
     reference = train.dataset[2]
     assert np.array_equal(train[2][:-1], reference["tokens"].numpy())
+
+
+def test_gpt2_bpe_tokenizer_from_vocab_and_merges(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    trainer = tokenizers.ByteLevelBPETokenizer()
+    trainer.train_from_iterator(TEXTS, vocab_size=400, special_tokens=["<|endoftext|>"])
+    trainer.save_model(str(tmp_path))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:5]))
+    _tool("preprocess_data.py", "--input", str(corpus), "--tokenizer-type", "GPT2BPETokenizer",
+          "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file",
+          str(tmp_path / "merges.txt"), "--output-prefix", str(tmp_path / "bpe"), "--append-eod")
+    from threefold.data.tokenizer import GPT2BPETokenizer
+
+    tokenizer = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    assert tokenizer.eod == trainer.token_to_id("<|endoftext|>")
+    assert tokenizer.detokenize(tokenizer.tokenize(TEXTS[0])) == TEXTS[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    written = IndexedDataset(str(tmp_path / "bpe_text_document"))
+    assert [written[i].tolist() for i in range(5)] == [
+        tokenizer.tokenize(t) + [tokenizer.eod] for t in TEXTS[:5]]
