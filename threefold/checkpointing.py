@@ -123,11 +123,12 @@ class PendingSave:
     """An --async-save in flight: its shards are being written by a background thread; the
     tracker is written by `finalize`, after every rank's write has completed."""
 
-    def __init__(self, root: str, iteration: int, future) -> None:
+    def __init__(self, root: str, iteration: int, future=None) -> None:
         self.root, self.iteration, self.future = root, iteration, future
 
     def finalize(self) -> None:
-        self.future.result()  # raises if this rank's write failed
+        if self.future is not None:
+            self.future.result()  # raises if this rank's write failed
         _barrier()
         _crash_point("before-tracker", self.iteration)
         if state.global_rank() == 0:
@@ -162,14 +163,8 @@ def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | Pen
         return PendingSave(root, iteration,
                            dcp.async_save(_tensor_state(trainer), checkpoint_id=path))
     dcp.save(_tensor_state(trainer), checkpoint_id=path)
-    PendingSave(root, iteration, _Done()).finalize()
+    PendingSave(root, iteration).finalize()
     return path
-
-
-class _Done:
-    @staticmethod
-    def result() -> None:
-        return None
 
 
 def save_tokenizer(tokenizer, path: str) -> None:
