@@ -17,6 +17,7 @@ each other and at most one full parameter is in memory at once.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import defaultdict
 
 import torch
@@ -57,7 +58,9 @@ class SavedTensors:
 
     def _read(self, specs: list[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
         tensors = {key: torch.empty(shape, dtype=torch.float32) for key, shape in specs}
-        dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
         return tensors
 
     def full(self, kind: str, name: str, param: nn.Parameter,
