@@ -52,8 +52,10 @@ class GradientBuffer:
         # another rank's buffer (tied embeddings across pipeline stages), which needs every
         # element of the gradient reduced, not only this rank's shard.
         self.full_buckets: set[int] = set()
-        special = [p for p in self.params if needs_full_gradient and needs_full_gradient(p)]
-        ordinary = [p for p in self.params if not any(p is s for s in special)]
+        special, ordinary = [], []
+        for param in self.params:
+            (special if needs_full_gradient and needs_full_gradient(param)
+             else ordinary).append(param)
         offset = 0
         # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
         # gradients first, so their buckets complete first.
@@ -171,6 +173,8 @@ class GradientBuffer:
 
     def finish_param_gather(self, params=None) -> None:
         """Wait until the buckets holding `params` (all buckets by default) are gathered."""
+        if not self._gather_handles:  # the common case in a forward pre-hook: nothing pending
+            return
         buckets = (list(self._gather_handles) if params is None
                    else {self._bucket_of[p] for p in params if p in self._bucket_of})
         for bucket in buckets:
