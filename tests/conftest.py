@@ -1,9 +1,45 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.distributed import close_pools
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _distributed_worker_pools():
     yield
     close_pools()
+
+
+@pytest.fixture(scope="session")
+def shakespeare_data(tmp_path_factory) -> dict[str, str]:
+    """The default corpus, tokenized with a small sentencepiece model (about 6 s): the launcher
+    tests train on it. Returns the variables launch/gpt_args.sh reads."""
+    out = tmp_path_factory.mktemp("shakespeare")
+
+    def tool(name: str, *argv: str) -> None:
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *argv], check=True,
+                       capture_output=True, timeout=300)
+
+    tool("prepare_default_corpus.py", "--output", str(out / "corpus.jsonl"))
+    tool("train_tokenizer.py", "--input", str(out / "corpus.jsonl"), "--vocab-size", "1024",
+         "--model-prefix", str(out / "sp"))
+    tool("preprocess_data.py", "--input", str(out / "corpus.jsonl"), "--json-keys", "text",
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "sp.model"),
+         "--output-prefix", str(out / "corpus"), "--append-eod", "--workers", "2")
+    return {"DATA_PATH": str(out / "corpus_text_document"),
+            "TOKENIZER_MODEL": str(out / "sp.model")}
+
+
+def tiny_gpt_environment(data: dict[str, str], **overrides) -> dict[str, str]:
+    """Environment for the launch/ scripts: a 2-layer model on CPU, fp32, gloo."""
+    environment = dict(os.environ, PYTHON=sys.executable, NUM_LAYERS="2", HIDDEN_SIZE="64",
+                       NUM_ATTENTION_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH_SIZE="4",
+                       GLOBAL_BATCH_SIZE="8", LR="3e-3", LR_WARMUP_ITERS="2", LOG_INTERVAL="5",
+                       EVAL_ITERS="1", PRECISION="fp32", NPROC_PER_NODE="2", **data)
+    environment.update({key: str(value) for key, value in overrides.items()})
+    return environment

@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--seed", type=int)
     _add(g, "training", "--eval-interval", type=int)
     _add(g, "training", "--eval-iters", type=int)
+    _add(g, "training", "--exit-interval", type=int,
+         help="save (with --save) and exit after an iteration that is a multiple of this")
+    _add(g, "training", "--exit-duration-in-mins", type=float,
+         help="save (with --save) and exit once training has run this long")
+    _add(g, "training", "--exit-signal-handler", action=_STORE_TRUE,
+         help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0")
 
     g = parser.add_argument_group("data")
     _add(g, "data", "--data-path", nargs="+",

@@ -250,8 +250,11 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
                     finetune: bool = False) -> int | None:
     """Restore the latest complete checkpoint under `root` into the trainer, from any
     TP/PP/DP layout. Returns its iteration, or None (and changes nothing) when `root` holds no
-    checkpoint yet. `finetune`: weights only, and training starts again from iteration 0."""
+    checkpoint yet (or, as the run's own --save, does not exist yet). `finetune`: weights only,
+    and training starts again from iteration 0."""
     if not os.path.isdir(root):
+        if root == trainer.config.checkpoint.save:
+            return None
         raise ConfigError(f"--load {root}: no such directory")
     iteration = read_tracker(root)
     if iteration is None:

@@ -8,6 +8,7 @@ Validation here needs no model, no data and no process group: it runs before any
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -321,6 +322,11 @@ class TrainingConfig:
     seed: int = 1234
     eval_interval: int = 1000
     eval_iters: int = 100
+    # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
+    # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
 
     @property
     def params_dtype_name(self) -> str:
@@ -358,6 +364,10 @@ class TrainingConfig:
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
         _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
+        _require(self.exit_interval is None or self.exit_interval >= 1,
+                 "--exit-interval must be >= 1")
+        _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+                 "--exit-duration-in-mins must be positive")
 
 
 @dataclass
@@ -417,6 +427,11 @@ class CheckpointConfig:
             _require(self.save_interval >= 1, "--save-interval must be >= 1")
             _require(self.save is not None, "--save-interval needs --save DIR")
         _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
+        # --load equal to --save is how a run resumes itself (requeues, elastic restarts): a
+        # first run finds nothing there yet and starts from scratch.
+        _require(self.load is None or self.load == self.save or os.path.isdir(self.load),
+                 f"--load {self.load}: no such directory; to resume a run from its own "
+                 "checkpoints, give --load the --save directory")
         for flag, value in (("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng), ("--finetune", self.finetune)):
             _require(not value or self.load is not None, f"{flag} needs --load DIR")

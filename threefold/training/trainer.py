@@ -24,6 +24,7 @@ from threefold.parallel.random import set_random_seed
 from threefold.parallel.schedules import get_forward_backward_func
 from threefold.parallel.strategy import resolve_auto_strategy
 from threefold.parallel.torch_native import no_sync_context, reshard, wrap_ddp, wrap_fsdp
+from threefold.training.exit_conditions import ExitConditions
 from threefold.training.flops import peak_tflops, training_flops_per_iteration
 from threefold.training.logging import (
     IterationStats,
@@ -115,6 +116,7 @@ class Trainer:
         (fine-tuning passes its own)."""
         self.config = config
         self.device = device
+        self.start_time = time.time()  # --exit-duration-in-mins counts from here
         training = config.training
         set_random_seed(training.seed, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
@@ -284,6 +286,7 @@ class Trainer:
                                         if state.global_rank() == 0 else None)
         losses, window_losses, window_start = [], [], time.perf_counter()
         window_iterations = 0
+        exits = ExitConditions(training, self.device, self.start_time)
         while self.state.iteration < training.train_iters:
             loss, grad_norm, skipped = self.train_step()
             losses.append(loss)
@@ -310,6 +313,11 @@ class Trainer:
             if self._should_save():
                 self.save()
                 window_start = time.perf_counter()
+            reason = exits.reason(self.state.iteration)
+            if reason is not None:
+                print_rank_0(f"> exiting at iteration {self.state.iteration}: {reason}")
+                break
+        exits.close()
         if config.checkpoint.save and self._last_saved != self.state.iteration:
             self.save()
         self.finish_pending_save()

@@ -1,0 +1,83 @@
+"""The launchers in launch/: shellcheck-clean, a Kubernetes manifest that says what it should,
+and two torchrun launchers on loopback (`--nnodes 2`) training exactly as one launcher does."""
+
+import glob
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import yaml
+
+from tests.conftest import ROOT, tiny_gpt_environment
+
+SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "launch", "*.sh"))
+                 + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh")))
+
+
+def test_shellcheck_passes_on_every_launcher():
+    shellcheck = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    assert len(SCRIPTS) >= 4
+    result = subprocess.run([shellcheck, "-x", *SCRIPTS], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_pytorchjob_manifest():
+    with open(os.path.join(ROOT, "launch", "k8s", "pytorchjob.yaml")) as file:
+        job = yaml.safe_load(file)
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert {role: spec["replicas"] for role, spec in replicas.items()} == {"Master": 1,
+                                                                          "Worker": 1}
+    with open(os.path.join(ROOT, "launch", "k8s", "Dockerfile")) as file:
+        dockerfile = file.read()
+    (image,) = re.findall(r"docker build .* -t (\S+) \.", dockerfile)
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.MULTILINE)
+    for spec in replicas.values():
+        (container,) = spec["template"]["spec"]["containers"]
+        assert container["name"] == "pytorch"  # the training operator requires this name
+        assert container["image"] == image
+        command = " ".join(container["command"])
+        assert "bash launch/torchrun_gpt.sh" in command
+        assert "NNODES=$WORLD_SIZE NODE_RANK=$RANK NPROC_PER_NODE=8" in command
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert container["workingDir"] == workdir  # where the image has the repository
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _losses(output: str) -> list[str]:
+    train = re.findall(r" iteration +\d+/ +\d+ .*?lm loss: (\S+) \|", output)
+    valid = re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+)", output)
+    return train + valid
+
+
+def test_two_torchrun_nodes_on_loopback_match_one(shakespeare_data, tmp_path):
+    def environment(name: str, **overrides) -> dict[str, str]:
+        return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=8, LOG_INTERVAL=1,
+                                    EVAL_INTERVAL=8, TP=2, SAVE_DIR=tmp_path / name,
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(),
+                                    **overrides)
+    script = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
+    single = subprocess.run(["bash", script], env=environment("one", NPROC_PER_NODE=4),
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "TP=2, PP=1, DP=2" in single.stdout
+
+    shared = environment("two", NNODES=2, NPROC_PER_NODE=2)
+    nodes = [subprocess.Popen(["bash", script], env=dict(shared, NODE_RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-3000:]
+    two_nodes = outputs[0][0]  # global rank 0 is on node 0 and prints the log
+    assert "TP=2, PP=1, DP=2" in two_nodes
+    assert len(_losses(single.stdout)) == 9
+    assert _losses(two_nodes) == _losses(single.stdout)
