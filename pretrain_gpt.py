@@ -5,16 +5,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from threefold.arguments import parse_args
-from threefold.checkpointing import load_checkpoint
 from threefold.config import ConfigError
-from threefold.parallel import state
-from threefold.training.trainer import Trainer, print_rank_0
+from threefold.validation import check_inputs
 
 
-def _summary(config, trainer: Trainer, device_type: str) -> str:
+def _summary(config, trainer, device_type: str) -> str:
     parallel = config.parallel
     layout = (f"TP={parallel.tensor_model_parallel_size}, "
               f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}")
@@ -30,7 +29,19 @@ def _summary(config, trainer: Trainer, device_type: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Flags and input files first, before torch is even imported: a mistake costs a second.
     config = parse_args(argv)
+    try:
+        check_inputs(config)
+    except ConfigError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+
+    from threefold.checkpointing import load_checkpoint, read_tracker
+    from threefold.parallel import state
+    from threefold.training.numerics import NonFiniteError
+    from threefold.training.trainer import Trainer, print_rank_0
+
     device = state.initialize_from_config(config.parallel)
     try:
         trainer = Trainer(config, device)
@@ -45,10 +56,21 @@ def main(argv: list[str] | None = None) -> int:
                          f"> no checkpoint in --load {config.checkpoint.load}; starting from "
                          "scratch")
     except ConfigError as error:
-        print_rank_0(f"pretrain_gpt.py: error: {error}")
+        if state.global_rank() == 0:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     print_rank_0(_summary(config, trainer, device.type))
-    trainer.train()
+    try:
+        trainer.train()
+    except NonFiniteError as error:
+        if state.global_rank() == 0:
+            save = config.checkpoint.save
+            last = read_tracker(save) if save and os.path.isdir(save) else None
+            kept = (f"the last checkpoint, iteration {last} in {save}, is untouched"
+                    if last is not None else "no checkpoint was saved")
+            print(f"pretrain_gpt.py: {error}; stopping without saving: {kept}", file=sys.stderr,
+                  flush=True)
+        return 1
     state.destroy_model_parallel()
     return 0
 

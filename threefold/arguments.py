@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
               "auto: chosen from the parameter count and device memory")
     _add(g, "parallel", "--distributed-backend", choices=["gloo", "nccl"],
          help="default: nccl when CUDA is available, else gloo")
-    _add(g, "parallel", "--distributed-timeout-minutes", type=int)
+    _add(g, "parallel", "--distributed-timeout-minutes", type=float)
 
     g = parser.add_argument_group("training")
     _add(g, "training", "--micro-batch-size", type=int)
@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
          help="save (with --save) and exit once training has run this long")
     _add(g, "training", "--exit-signal-handler", action=_STORE_TRUE,
          help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0")
+    _add(g, "training", "--check-for-nan-in-loss-and-grad", action=_STORE_TRUE,
+         help="stop at the first non-finite loss or gradient, naming iteration and rank")
+    _add(g, "training", "--check-for-spiky-loss", action=_STORE_TRUE,
+         help="log the batch of any loss above --spiky-loss-factor x the recent mean")
+    _add(g, "training", "--spiky-loss-factor", type=float)
 
     g = parser.add_argument_group("data")
     _add(g, "data", "--data-path", nargs="+",
@@ -159,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("logging")
     _add(g, "logging", "--log-interval", type=int)
     _add(g, "logging", "--tensorboard-dir", type=str)
+    _add(g, "logging", "--log-straggler", action=_STORE_TRUE,
+         help="report ranks whose compute time per iteration is above --straggler-factor x "
+              "the median")
+    _add(g, "logging", "--straggler-factor", type=float)
+    _add(g, "logging", "--wandb-project", type=str,
+         help="log to Weights & Biases (offline without credentials or with WANDB_MODE=offline)")
+    _add(g, "logging", "--wandb-exp-name", type=str)
+    _add(g, "logging", "--wandb-save-dir", type=str, help="default: SAVE/wandb")
+    _add(g, "logging", "--wandb-entity", type=str)
     return parser
 
 

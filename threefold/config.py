@@ -170,7 +170,7 @@ class ParallelConfig:
     # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
     distributed_strategy: str = "megatron"
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10  # collectives; the stall watchdog fires at 90%
     world_size: int = 1
 
     @property
@@ -327,6 +327,9 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
+    check_for_nan_in_loss_and_grad: bool = False  # stop at the first inf/nan, naming the rank
+    check_for_spiky_loss: bool = False  # log batches whose loss jumps (see training/numerics)
+    spiky_loss_factor: float = 10.0
 
     @property
     def params_dtype_name(self) -> str:
@@ -368,6 +371,7 @@ class TrainingConfig:
                  "--exit-interval must be >= 1")
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  "--exit-duration-in-mins must be positive")
+        _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
 
 
 @dataclass
@@ -441,9 +445,16 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     tensorboard_dir: str | None = None
+    log_straggler: bool = False  # report ranks computing slower than straggler_factor x median
+    straggler_factor: float = 1.3
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
 
     def finalize(self) -> None:
         _require(self.log_interval >= 1, "--log-interval must be >= 1")
+        _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
 
 
 @dataclass

@@ -2,9 +2,6 @@
 resume, blending weights respected, and bad data refused naming the file."""
 
 import hashlib
-import os
-import shutil
-import time
 import warnings
 
 import numpy as np
@@ -90,45 +87,6 @@ def test_per_split_paths(corpus):
                                  f"{corpus}/b", "--train-iters", "2", "--eval-iters", "1"])
     train, valid, test = build_datasets(config)
     assert len(train) >= 16 and len(valid) >= 8 and test is None
-
-
-def _damaged(corpus: str, tmp_path, kind: str) -> str:
-    prefix = str(tmp_path / kind)
-    if kind == "missing":
-        return prefix
-    shutil.copyfile(f"{corpus}/a.bin", prefix + ".bin")
-    shutil.copyfile(f"{corpus}/a.idx", prefix + ".idx")
-    with open(prefix + ".idx", "r+b") as f:
-        if kind == "bad-magic":
-            f.write(b"NOTANIDX!")
-        elif kind == "bad-version":
-            f.seek(9)
-            f.write((7).to_bytes(8, "little"))
-        elif kind == "bad-dtype":
-            f.seek(17)
-            f.write(bytes([42]))
-    if kind == "truncated":
-        with open(prefix + ".bin", "r+b") as f:
-            f.truncate(os.path.getsize(prefix + ".bin") // 2)
-    if kind == "vocabulary":
-        write_corpus(prefix, 50, seed=3, low=VOCAB - 2)
-    return prefix
-
-
-@pytest.mark.parametrize("kind,expected", [
-    ("missing", "does not exist"), ("bad-magic", "bad magic"),
-    ("bad-version", "index version 7"), ("bad-dtype", "dtype code 42"),
-    ("truncated", "is truncated"), ("vocabulary", "outside the model's vocabulary"),
-])
-def test_bad_data_is_refused_naming_the_file(corpus, tmp_path, kind, expected):
-    prefix = _damaged(corpus, tmp_path, kind)
-    vocab = VOCAB - 1 if kind == "vocabulary" else VOCAB
-    config = parse_args(MODEL + ["--data-path", prefix, "--train-iters", "2",
-                                 "--vocab-size", str(vocab)])
-    start = time.time()
-    with pytest.raises(ConfigError, match=expected) as error:
-        build_datasets(config)
-    assert prefix in str(error.value) and time.time() - start < 5
 
 
 def test_an_empty_train_split_is_refused(corpus):

@@ -26,6 +26,7 @@ import numpy as np
 from threefold.config import ConfigError
 
 _MAGIC = b"MMIDIDX\x00\x00"
+_CHECKED: set[tuple[str, int]] = set()  # (prefix, vocabulary size) found good in this process
 # megatron.core.datasets.indexed_dataset.DType codes
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
            7: np.float32, 8: np.uint16}
@@ -34,6 +35,22 @@ _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np
 def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> None:
     """Fail with one line naming the file unless `prefix.bin/.idx` is a readable Megatron
     indexed dataset whose token ids fit the vocabulary."""
+    if (prefix, vocab_size) in _CHECKED:  # the scan reads the whole corpus: once is enough
+        return
+    dtype = check_index(prefix, flag)
+    bin_file = prefix + ".bin"
+    tokens = np.memmap(bin_file, dtype=dtype, mode="r")
+    largest = max(int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26))
+    if largest >= vocab_size:
+        raise ConfigError(f"{flag} {prefix}: token id {largest} in {bin_file} is outside the "
+                          f"model's vocabulary of {vocab_size}; use the tokenizer that made it "
+                          "(or a larger --vocab-size)")
+    _CHECKED.add((prefix, vocab_size))
+
+
+def check_index(prefix: str, flag: str = "--data-path") -> np.dtype:
+    """The checks that read only the index and file sizes (milliseconds, whatever the corpus
+    size); returns the token dtype."""
     bin_file, idx_file = prefix + ".bin", prefix + ".idx"
     for path in (bin_file, idx_file):
         if not os.path.isfile(path):
@@ -54,6 +71,11 @@ def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> Non
                           "which is not one of megatron-core's")
     sequences, documents = struct.unpack("<QQ", header[18:34])
     dtype = np.dtype(_DTYPES[code])
+    # header, then int32 lengths, int64 pointers and int64 document boundaries
+    index_bytes = 34 + sequences * (4 + 8) + documents * 8
+    if os.path.getsize(idx_file) < index_bytes:
+        raise ConfigError(f"{flag} {prefix}: {idx_file} is truncated ({os.path.getsize(idx_file)}"
+                          f" bytes, its header promises {index_bytes}); regenerate it")
     lengths = np.memmap(idx_file, dtype=np.int32, mode="r", offset=34, shape=(sequences,))
     expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
     actual = os.path.getsize(bin_file)
@@ -62,12 +84,7 @@ def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> Non
                           f"index expects {expected}); regenerate it")
     if sequences == 0:
         raise ConfigError(f"{flag} {prefix}: {idx_file} holds no documents")
-    tokens = np.memmap(bin_file, dtype=dtype, mode="r")
-    largest = max(int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26))
-    if largest >= vocab_size:
-        raise ConfigError(f"{flag} {prefix}: token id {largest} in {bin_file} is outside the "
-                          f"model's vocabulary of {vocab_size}; use the tokenizer that made it "
-                          "(or a larger --vocab-size)")
+    return dtype
 
 
 class _Tokenizer:

@@ -1,10 +1,12 @@
-"""The training log line in Megatron-LM's format (existing log parsers read it) and
-TensorBoard scalars."""
+"""The training log line in Megatron-LM's format (existing log parsers read it), and the same
+numbers as TensorBoard scalars (`--tensorboard-dir`) and Weights & Biases metrics
+(`--wandb-project`; offline with WANDB_MODE=offline or without credentials)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -53,6 +55,19 @@ def format_validation(iteration: int, loss: float, split: str = "validation") ->
             f" lm loss PPL: {ppl:.6E} |")
 
 
+def _scalars(stats: IterationStats) -> dict[str, float]:
+    """The iteration's numbers under TensorBoard names (Megatron's, where it has them)."""
+    values = {"lm loss": stats.lm_loss, "learning-rate": stats.learning_rate,
+              "loss-scale": stats.loss_scale, "grad-norm": stats.grad_norm,
+              "tokens-per-second": stats.tokens_per_second,
+              "tflops-per-device": stats.tflops_per_device, "mfu": stats.mfu,
+              "max-memory-gib": stats.memory_gib,
+              "skipped-iterations": stats.skipped_iterations,
+              "nan-iterations": stats.nan_iterations,
+              "iteration-time-ms": stats.elapsed_ms}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 class TensorBoardLogger:
     def __init__(self, log_dir: str | None) -> None:
         self.writer = None
@@ -64,14 +79,8 @@ class TensorBoardLogger:
     def log_iteration(self, stats: IterationStats) -> None:
         if self.writer is None:
             return
-        step = stats.iteration
-        for name, value in (("lm loss", stats.lm_loss), ("learning-rate", stats.learning_rate),
-                            ("loss-scale", stats.loss_scale), ("grad-norm", stats.grad_norm),
-                            ("tokens-per-second", stats.tokens_per_second),
-                            ("tflops-per-device", stats.tflops_per_device),
-                            ("mfu", stats.mfu), ("max-memory-gib", stats.memory_gib)):
-            if value is not None:
-                self.writer.add_scalar(name, value, step)
+        for name, value in _scalars(stats).items():
+            self.writer.add_scalar(name, value, stats.iteration)
 
     def log_validation(self, iteration: int, loss: float) -> None:
         if self.writer is not None:
@@ -81,3 +90,70 @@ class TensorBoardLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _has_wandb_credentials() -> bool:
+    return bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
+        os.path.expanduser("~/.netrc")) and "api.wandb.ai" in open(
+        os.path.expanduser("~/.netrc")).read()
+
+
+class WandbLogger:
+    """Weights & Biases run named by --wandb-exp-name in --wandb-project, files under
+    --wandb-save-dir. Without credentials (and WANDB_MODE unset) it logs offline: `wandb sync
+    DIR` uploads the run later."""
+
+    def __init__(self, logging_config, config) -> None:
+        self.run = None
+        if logging_config is None or not logging_config.wandb_project:
+            return
+        try:
+            import wandb
+        except ImportError:
+            from threefold.config import ConfigError
+
+            raise ConfigError("--wandb-project needs the wandb package: pip install wandb "
+                              "(or pip install threefold[wandb])") from None
+        mode = os.environ.get("WANDB_MODE") or (None if _has_wandb_credentials() else "offline")
+        if mode == "offline" and not os.environ.get("WANDB_MODE"):
+            print("> --wandb-project: no W&B credentials; logging offline", flush=True)
+        save_dir = logging_config.wandb_save_dir or os.path.join(
+            config.checkpoint.save or ".", "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=logging_config.wandb_project,
+                              name=logging_config.wandb_exp_name, dir=save_dir, mode=mode,
+                              entity=logging_config.wandb_entity, config=asdict(config))
+
+    def log_iteration(self, stats: IterationStats) -> None:
+        if self.run is not None:
+            self.run.log(_scalars(stats), step=stats.iteration)
+
+    def log_validation(self, iteration: int, loss: float) -> None:
+        if self.run is not None:
+            self.run.log({"lm loss validation": loss,
+                          "lm loss validation ppl": math.exp(min(20.0, loss))}, step=iteration)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class MetricWriters:
+    """TensorBoard and W&B together; `logging_config` None on ranks that do not log."""
+
+    def __init__(self, logging_config, config) -> None:
+        self.writers = [
+            TensorBoardLogger(logging_config.tensorboard_dir if logging_config else None),
+            WandbLogger(logging_config, config)]
+
+    def log_iteration(self, stats: IterationStats) -> None:
+        for writer in self.writers:
+            writer.log_iteration(stats)
+
+    def log_validation(self, iteration: int, loss: float) -> None:
+        for writer in self.writers:
+            writer.log_validation(iteration, loss)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()

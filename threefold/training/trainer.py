@@ -23,23 +23,32 @@ from threefold.parallel.pipeline_layout import model_chunk_layers
 from threefold.parallel.random import set_random_seed
 from threefold.parallel.schedules import get_forward_backward_func
 from threefold.parallel.strategy import resolve_auto_strategy
-from threefold.parallel.torch_native import no_sync_context, reshard, wrap_ddp, wrap_fsdp
+from threefold.parallel.torch_native import (
+    local,
+    no_sync_context,
+    reshard,
+    wrap_ddp,
+    wrap_fsdp,
+)
+from threefold.training import faults
 from threefold.training.exit_conditions import ExitConditions
 from threefold.training.flops import peak_tflops, training_flops_per_iteration
 from threefold.training.logging import (
     IterationStats,
-    TensorBoardLogger,
+    MetricWriters,
     format_iteration,
     format_validation,
 )
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.numerics import NonFiniteError, SpikyLossDetector, check_loss_and_grads
 from threefold.training.optimizer import (
     DistributedOptimizer,
     MixedPrecisionOptimizer,
     NativeOptimizer,
 )
+from threefold.training.watchdog import Watchdog
 
 
 def print_rank_0(message: str) -> None:
@@ -121,6 +130,8 @@ class Trainer:
         set_random_seed(training.seed, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         config.model.vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
+        # Data before the model: a bad file is reported before the heavy work starts.
+        self.datasets = build_data(config, self.tokenizer)
         parallel = config.parallel
         if parallel.distributed_strategy == "auto":
             print_rank_0(f"> {resolve_auto_strategy(config, device)}")
@@ -143,7 +154,6 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
-        self.datasets = build_data(config, self.tokenizer)
         self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
         self.flops_per_iteration = training_flops_per_iteration(
             config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
@@ -156,6 +166,7 @@ class Trainer:
         self._train_iterator = None
         self._last_saved = None
         self._pending_save = None
+        self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
 
     def _build_megatron_data_parallel(self, offload: bool) -> None:
         parallel, training = self.config.parallel, self.config.training
@@ -197,9 +208,20 @@ class Trainer:
     def _forward_step(self, batch: dict, model: torch.nn.Module,
                       input_tensor: torch.Tensor | None = None):
         if not (self.native and params_dtype(self.config) != torch.float32):
-            return gpt_forward_step(batch, model, input_tensor)
-        with torch.autocast(self.device.type, dtype=params_dtype(self.config)):
-            return gpt_forward_step(batch, model, input_tensor)
+            output, loss_func = gpt_forward_step(batch, model, input_tensor)
+        else:
+            with torch.autocast(self.device.type, dtype=params_dtype(self.config)):
+                output, loss_func = gpt_forward_step(batch, model, input_tensor)
+        if faults.nan_now(state.global_rank(), self.state.iteration + 1):
+            loss_func = faults.poison(loss_func)
+        return output, loss_func
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients as they are before the data-parallel reduction."""
+        if not self.native:
+            return [self.grad_buffer.buffer]
+        return [local(param.grad) for chunk in self.model_chunks
+                for param in chunk.parameters() if param.grad is not None]
 
     @property
     def model(self) -> GPTModel:
@@ -230,17 +252,26 @@ class Trainer:
     def train_step(self) -> tuple[float, float | None, bool]:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
+        iteration = self.state.iteration + 1
+        faults.delay(state.global_rank(), iteration)
+        self.watchdog.enter("forward-backward", iteration)
         self._set_train(True)
         if self.native:
             self.optimizer.zero_grad()
         else:
             self.grad_buffer.start_step(self.num_microbatches)
+        start = time.perf_counter()
         losses = get_forward_backward_func()(
             self._forward_step, self.train_iterator(), self.wrapped_chunks,
             self.num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
             **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])} if self.native else {}))
+        self.watchdog.add_busy_time(time.perf_counter() - start)
+        if self.config.training.check_for_nan_in_loss_and_grad:
+            check_loss_and_grads(losses, self._local_grads(), iteration)
+        self.watchdog.enter("gradient reduction", iteration)
         if not self.native:  # DDP and FSDP have reduced the gradients during backward
             finalize_model_grads(self.grad_buffer)
+        self.watchdog.enter("optimizer step", iteration)
         updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
@@ -281,47 +312,70 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> list[float]:
+        """Train to --train-iters (or an exit condition); the per-iteration mean losses."""
         config, training = self.config, self.config.training
-        tensorboard = TensorBoardLogger(config.logging.tensorboard_dir
-                                        if state.global_rank() == 0 else None)
+        writers = MetricWriters(config.logging if state.global_rank() == 0 else None, config)
+        logging = config.logging
+        self.watchdog = Watchdog(config.parallel.distributed_timeout_minutes,
+                                 logging.straggler_factor if logging.log_straggler else None)
+        exits = ExitConditions(training, self.device, self.start_time)
+        spikes = (SpikyLossDetector(training.spiky_loss_factor)
+                  if training.check_for_spiky_loss else None)
         losses, window_losses, window_start = [], [], time.perf_counter()
         window_iterations = 0
-        exits = ExitConditions(training, self.device, self.start_time)
-        while self.state.iteration < training.train_iters:
-            loss, grad_norm, skipped = self.train_step()
-            losses.append(loss)
-            self.state.skipped_iterations += int(skipped)
-            if skipped:
-                self.state.nan_iterations += int(not torch.isfinite(torch.tensor(loss)))
-            else:
-                window_losses.append(loss)
-            window_iterations += 1
-            if self.state.iteration % config.logging.log_interval == 0:
-                elapsed = (time.perf_counter() - window_start) / window_iterations
-                stats = self._iteration_stats(elapsed, window_losses, grad_norm)
-                print_rank_0(format_iteration(stats))
-                tensorboard.log_iteration(stats)
-                window_losses, window_iterations = [], 0
-                window_start = time.perf_counter()
-            if self.state.iteration % training.eval_interval == 0 or (
-                    self.state.iteration == training.train_iters):
-                valid_loss = self.evaluate()
-                if valid_loss is not None:
-                    print_rank_0(format_validation(self.state.iteration, valid_loss))
-                    tensorboard.log_validation(self.state.iteration, valid_loss)
-                window_start = time.perf_counter()  # evaluation time is not iteration time
-            if self._should_save():
+        try:
+            while self.state.iteration < training.train_iters:
+                first_sample = self.state.consumed_train_samples
+                loss, grad_norm, skipped = self.train_step()
+                iteration = self.state.iteration
+                losses.append(loss)
+                self.state.skipped_iterations += int(skipped)
+                if skipped:
+                    self.state.nan_iterations += int(not torch.isfinite(torch.tensor(loss)))
+                else:
+                    window_losses.append(loss)
+                if spikes is not None:
+                    report = spikes.observe(loss, iteration, first_sample,
+                                            training.global_batch_size)
+                    if report:
+                        print_rank_0(report)
+                window_iterations += 1
+                if iteration % logging.log_interval == 0:
+                    elapsed = (time.perf_counter() - window_start) / window_iterations
+                    stats = self._iteration_stats(elapsed, window_losses, grad_norm)
+                    print_rank_0(format_iteration(stats))
+                    writers.log_iteration(stats)
+                    report = self.watchdog.straggler_report(
+                        iteration // logging.log_interval, iteration - window_iterations + 1,
+                        iteration)
+                    if report:
+                        print_rank_0(report)
+                    window_losses, window_iterations = [], 0
+                    window_start = time.perf_counter()
+                if iteration % training.eval_interval == 0 or iteration == training.train_iters:
+                    self.watchdog.enter("evaluation", iteration)
+                    valid_loss = self.evaluate()
+                    if valid_loss is not None:
+                        print_rank_0(format_validation(iteration, valid_loss))
+                        writers.log_validation(iteration, valid_loss)
+                    window_start = time.perf_counter()  # evaluation time is not iteration time
+                if self._should_save():
+                    self.save()
+                    window_start = time.perf_counter()
+                reason = exits.reason(iteration)
+                if reason is not None:
+                    print_rank_0(f"> exiting at iteration {iteration}: {reason}")
+                    break
+            if config.checkpoint.save and self._last_saved != self.state.iteration:
                 self.save()
-                window_start = time.perf_counter()
-            reason = exits.reason(self.state.iteration)
-            if reason is not None:
-                print_rank_0(f"> exiting at iteration {self.state.iteration}: {reason}")
-                break
-        exits.close()
-        if config.checkpoint.save and self._last_saved != self.state.iteration:
-            self.save()
-        self.finish_pending_save()
-        tensorboard.close()
+            self.finish_pending_save()
+        except NonFiniteError:
+            self.finish_pending_save()  # an earlier checkpoint in flight is a good one
+            raise
+        finally:
+            exits.close()
+            self.watchdog.close()
+            writers.close()
         return losses
 
     def _should_save(self) -> bool:
@@ -330,6 +384,7 @@ class Trainer:
                     and self.state.iteration % checkpoint.save_interval == 0)
 
     def save(self) -> None:
+        self.watchdog.enter("checkpoint save", self.state.iteration)
         self.finish_pending_save()
         start = time.perf_counter()
         checkpoint = self.config.checkpoint

@@ -1,0 +1,73 @@
+"""Guards on the numbers a step produces.
+
+`--check-for-nan-in-loss-and-grad` (Megatron's flag): after backward and before the gradients
+are reduced, every rank looks at its own losses and gradients; the ranks share what they found
+in one all-reduce, so all of them stop at the same iteration, and the message names the ranks
+where the first non-finite value appeared. Nothing is saved after that: the last checkpoint is
+the last good state. (fp16 runs do not need it: the loss scaler skips such steps and backs off.)
+
+`--check-for-spiky-loss` (also Megatron's flag, here reporting only): a loss above
+`--spiky-loss-factor` times the mean of the recent finite losses is logged with the global batch
+and the sample indices it was computed on, so the batch can be inspected.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient with --check-for-nan-in-loss-and-grad."""
+
+
+def _ranks(flags: torch.Tensor) -> str:
+    ranks = flags.nonzero().flatten().tolist()
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def check_loss_and_grads(losses: list[torch.Tensor], grads: list[torch.Tensor],
+                         iteration: int) -> None:
+    """Raise NonFiniteError on every rank if any rank's local losses or gradients hold inf or
+    nan. `grads`: this rank's gradient storage before the data-parallel reduction."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = grads[0].device if grads else torch.device("cpu")
+    flags = torch.zeros(2, world, device=device)
+    flags[0, rank] = float(any(not torch.isfinite(loss).all() for loss in losses))
+    flags[1, rank] = float(any(not torch.isfinite(grad).all() for grad in grads))
+    if world > 1:
+        dist.all_reduce(flags)
+    bad_loss, bad_grad = flags[0] > 0, flags[1] > 0
+    if bad_loss.any():
+        found = f"non-finite loss on {_ranks(bad_loss)}"
+    elif bad_grad.any():
+        found = f"non-finite gradient on {_ranks(bad_grad)}"
+    else:
+        return
+    raise NonFiniteError(f"--check-for-nan-in-loss-and-grad: {found} at iteration {iteration}")
+
+
+class SpikyLossDetector:
+    """Flags a loss above `factor` times the mean of the last `window` finite losses."""
+
+    def __init__(self, factor: float, window: int = 20) -> None:
+        self.factor = factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe(self, loss: float, iteration: int, first_sample: int,
+                global_batch_size: int) -> str | None:
+        """A report when `loss` (of global batch `iteration - 1`, samples `first_sample` ...)
+        is a spike; the spike is kept out of the running mean."""
+        if not torch.isfinite(torch.tensor(loss)):
+            return None
+        mean = sum(self.recent) / len(self.recent) if self.recent else None
+        if mean is not None and len(self.recent) >= 5 and loss > self.factor * mean:
+            return (f"  spiky loss at iteration {iteration}: lm loss {loss:.6E} is "
+                    f"{loss / mean:.1f}x the mean of the last {len(self.recent)} iterations "
+                    f"(--spiky-loss-factor {self.factor:g}); global batch {iteration - 1}, "
+                    f"samples {first_sample} to {first_sample + global_batch_size - 1}")
+        self.recent.append(loss)
+        return None

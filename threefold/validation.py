@@ -1,0 +1,100 @@
+"""Everything a run reads from disk, checked before any process group, model or dataset exists:
+tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load. Together with the
+configs' own checks (threefold/config.py) a mistake ends the run within a second or two, as one
+line naming the flag and the file, with exit code 2 — not minutes later on hundreds of ranks.
+
+A `--vocab-size` below the tokenizer's and token ids outside the vocabulary are checked here too,
+except with a Hugging Face tokenizer (seconds to import): then when the trainer builds it, still
+before the model. Each data file is scanned once per run (`check_prefix` remembers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from threefold.config import Config, ConfigError
+
+
+def _readable(path: str, flag: str, kind: str = "file") -> None:
+    exists = os.path.isfile(path) if kind == "file" else os.path.isdir(path)
+    if not exists:
+        raise ConfigError(f"{flag} {path}: no such {kind}; fix the path")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{flag} {path}: not readable by this user; fix its permissions")
+
+
+def data_prefixes(paths: list[str], flag: str) -> list[str]:
+    """The prefixes of `PREFIX` or `WEIGHT PREFIX WEIGHT PREFIX ...` (Megatron's blend)."""
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+        except ValueError:
+            return False
+        return True
+
+    if len(paths) == 1:
+        return paths
+    weights, prefixes = paths[0::2], paths[1::2]
+    if len(paths) % 2 or not all(map(is_number, weights)) or any(map(is_number, prefixes)):
+        raise ConfigError(f"{flag} {' '.join(paths)}: give PREFIX, or WEIGHT PREFIX WEIGHT "
+                          "PREFIX ...")
+    if any(float(weight) < 0 for weight in weights) or sum(map(float, weights)) <= 0:
+        raise ConfigError(f"{flag}: blending weights must be non-negative with a positive sum")
+    return prefixes
+
+
+def check_inputs(config: Config, indexed_data: bool = True) -> None:
+    """Raise ConfigError naming the flag and file for the first input the run cannot read.
+    `indexed_data`: the data paths are `.bin/.idx` prefixes (not fine-tuning's JSONL)."""
+    from threefold.data.gpt_dataset import check_index, check_prefix
+
+    data = config.data
+    if data.tokenizer_type == "SentencePieceTokenizer":
+        _readable(data.tokenizer_model, "--tokenizer-model")
+    elif data.tokenizer_type == "HuggingFaceTokenizer":
+        _readable(data.tokenizer_model, "--tokenizer-model", "directory")
+        if not any(os.path.isfile(os.path.join(data.tokenizer_model, name))
+                   for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            raise ConfigError(f"--tokenizer-model {data.tokenizer_model}: holds no "
+                              "tokenizer.json or tokenizer_config.json; give a Hugging Face "
+                              "tokenizer directory")
+    elif data.tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
+            if path is None:
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE")
+            _readable(path, flag)
+    vocab_size = None
+    if data.tokenizer_type != "HuggingFaceTokenizer":  # (that one takes seconds to import)
+        from threefold.data.tokenizer import build_tokenizer, model_vocab_size
+
+        if data.tokenizer_type or config.model.vocab_size is not None:
+            vocab_size = model_vocab_size(build_tokenizer(data, config.model.vocab_size),
+                                          config.model.vocab_size)
+    if indexed_data:
+        for flag, paths in (("--data-path", data.data_path),
+                            ("--train-data-path", data.train_data_path),
+                            ("--valid-data-path", data.valid_data_path),
+                            ("--test-data-path", data.test_data_path)):
+            for prefix in data_prefixes(paths, flag) if paths else []:
+                if vocab_size is None:
+                    check_index(prefix, flag)
+                else:
+                    check_prefix(prefix, vocab_size, flag)
+    if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
+    load = config.checkpoint.load
+    if load is not None and os.path.isdir(load):
+        from threefold.checkpointing import TRACKER, checkpoint_dir
+
+        tracker = os.path.join(load, TRACKER)
+        if os.path.exists(tracker):
+            _readable(tracker, "--load")
+            text = open(tracker).read().strip()
+            if not text.isdigit():
+                raise ConfigError(f"--load {load}: {TRACKER} holds {text!r}, not an iteration "
+                                  "number; point it at a complete checkpoint")
+            step = checkpoint_dir(load, int(text))
+            if not os.path.isdir(step):
+                raise ConfigError(f"--load {load}: {TRACKER} names iteration {text} but "
+                                  f"{step} does not exist")

@@ -1,0 +1,95 @@
+"""Plot training logs (Megatron-LM's log line, as threefold prints it) side by side: loss,
+learning rate and throughput against iteration, one line per log.
+
+    python tools/plot_logs.py logs/run1.out logs/run2.out --output compare.png
+    python tools/plot_logs.py a.log b.log --labels "TP=2" "TP=4" --output tp.png
+
+Any prefix a launcher puts before the log line is ignored. A log holding a resumed run (a
+requeued Slurm job appends to its log) is plotted once per iteration, the later value winning.
+What was plotted is also written into the PNG's metadata (the `threefold-series` text chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ITERATION = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: (\S+) \|.*?lm loss: (\S+) \|"
+    r".*?tokens per second: (\S+) \|")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+PANELS = [("lm loss", "training loss"), ("validation loss", "validation loss"),
+          ("learning rate", "learning rate"), ("tokens per second", "tokens per second")]
+
+
+def parse_log(path: str) -> dict[str, dict[int, float]]:
+    """{series: {iteration: value}} from one log file."""
+    series: dict[str, dict[int, float]] = {name: {} for name, _ in PANELS}
+    with open(path, errors="replace") as file:
+        for line in file:
+            if match := ITERATION.search(line):
+                iteration = int(match.group(1))
+                for name, text in zip(("learning rate", "lm loss", "tokens per second"),
+                                      match.groups()[1:]):
+                    series[name][iteration] = float(text)
+            elif match := VALIDATION.search(line):
+                series["validation loss"][int(match.group(1))] = float(match.group(2))
+    return series
+
+
+def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    panels = [(name, title) for name, title in PANELS
+              if any(run[name] for run in runs.values())]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.8 * len(panels)), sharex=True,
+                                squeeze=False)
+    summary = {}
+    for axis, (name, title) in zip(axes[:, 0], panels):
+        for label, run in runs.items():
+            points = sorted(run[name].items())
+            if points:
+                axis.plot(*zip(*points), label=label, marker="." if len(points) < 30 else None)
+                summary.setdefault(name, {})[label] = len(points)
+        axis.set_ylabel(title)
+        axis.grid(alpha=0.3)
+        if name in ("lm loss", "validation loss") and len(runs) > 1:
+            axis.legend()
+    axes[-1, 0].set_xlabel("iteration")
+    figure.tight_layout()
+    figure.savefig(output, dpi=100, metadata={"threefold-series": json.dumps(summary)})
+    plt.close(figure)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+", help="training logs (stdout of pretrain_gpt.py)")
+    parser.add_argument("--labels", nargs="+", help="one per log; default: the file names")
+    parser.add_argument("--output", default="training.png", help="PNG file to write")
+    args = parser.parse_args(argv)
+    labels = args.labels or [os.path.basename(path) for path in args.logs]
+    if len(labels) != len(args.logs):
+        parser.error(f"--labels: {len(labels)} labels for {len(args.logs)} logs")
+    runs = {}
+    for label, path in zip(labels, args.logs):
+        if not os.path.isfile(path):
+            parser.error(f"{path}: no such file")
+        runs[label] = parse_log(path)
+        if not runs[label]["lm loss"]:
+            parser.error(f"{path}: no training log lines (' iteration N/M | ... lm loss: ...')")
+    summary = plot(runs, args.output)
+    for name, counts in summary.items():
+        print(f"{name}: " + ", ".join(f"{label} {n} points" for label, n in counts.items()))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
