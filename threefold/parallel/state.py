@@ -54,8 +54,15 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
         if "WORLD_SIZE" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        # torchrun's static rendezvous keeps one store across --max-restarts: a restarted
+        # worker would find the previous attempt's keys (dead peers' addresses) and hang in
+        # the group's set-up. Each attempt gets its own namespace in the store.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend=backend, timeout=timeout, rank=rank,
+                                world_size=world_size,
+                                store=dist.PrefixStore(f"threefold/attempt_{attempt}", store))
     return device
 
 

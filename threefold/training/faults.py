@@ -2,8 +2,8 @@
 real run never sets (see also THREEFOLD_CRASH_AT in threefold/checkpointing.py):
 
     THREEFOLD_NAN_AT=RANK@ITERATION     that rank's loss is nan in that iteration
-    THREEFOLD_STALL_AT=RANK@ITERATION   that rank stops making progress before that iteration
-    THREEFOLD_SLOW_RANK=RANK:SECONDS    that rank sleeps this long in every iteration
+    THREEFOLD_STALL_AT=RANK@ITERATION   that rank hangs in that iteration's forward-backward
+    THREEFOLD_SLOW_RANK=RANK:SECONDS    that rank computes this much longer in every iteration
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def poison(loss_func):
 
 
 def delay(rank: int, iteration: int) -> None:
-    """Sleep as THREEFOLD_STALL_AT / THREEFOLD_SLOW_RANK ask, before `iteration` on `rank`."""
+    """Sleep as THREEFOLD_STALL_AT / THREEFOLD_SLOW_RANK ask, in `iteration` on `rank`."""
     if _rank_at("THREEFOLD_STALL_AT") == (rank, iteration):
         while True:
             time.sleep(60)

@@ -253,7 +253,6 @@ class Trainer:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
         iteration = self.state.iteration + 1
-        faults.delay(state.global_rank(), iteration)
         self.watchdog.enter("forward-backward", iteration)
         self._set_train(True)
         if self.native:
@@ -261,6 +260,7 @@ class Trainer:
         else:
             self.grad_buffer.start_step(self.num_microbatches)
         start = time.perf_counter()
+        faults.delay(state.global_rank(), iteration)
         losses = get_forward_backward_func()(
             self._forward_step, self.train_iterator(), self.wrapped_chunks,
             self.num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,

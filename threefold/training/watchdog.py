@@ -4,7 +4,7 @@ Every rank records where it is (a progress counter, the iteration and the phase:
 gradient reduction, optimizer step, evaluation, checkpoint save) as it moves on. Ranks move
 through the same phases in lockstep, so when a rank stops moving the others soon wait for it
 inside a collective: their counters are ahead of its. A thread on every rank notices when its own
-rank has made no progress for 90% of `--distributed-timeout-minutes` (before the collective
+rank has made no progress for 80% of `--distributed-timeout-minutes` (before the collective
 itself times out with a message that names nobody), reads everyone's position, names the ranks
 that are behind and the phase they are stuck in, and ends the process; torchrun then stops the
 rest.
@@ -60,9 +60,9 @@ class Watchdog:
 
     # -- stall detection -----------------------------------------------------------------------
     def _watch(self) -> None:
-        limit = 0.9 * self.timeout_minutes * 60
+        limit = 0.8 * self.timeout_minutes * 60
         seen, since = self.progress, time.monotonic()
-        while not self._stop.wait(min(1.0, limit / 10)):
+        while not self._stop.wait(min(1.0, limit / 20)):
             if self.progress != seen:
                 seen, since = self.progress, time.monotonic()
             elif time.monotonic() - since > limit:

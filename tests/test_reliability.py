@@ -1,0 +1,212 @@
+"""Faults survived and reported, with real processes under torchrun: a rank killed with
+SIGKILL under --max-restarts, a stalled rank, stragglers, nan losses (fp16 skips; bf16 with
+--check-for-nan-in-loss-and-grad stops and keeps the last checkpoint), W&B offline logs and
+tools/plot_logs.py on a real log."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+from PIL import Image
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import ROOT, tiny_gpt_environment
+from threefold.training.numerics import SpikyLossDetector
+
+LAUNCHER = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "128",
+        "--eval-iters", "0", "--log-interval", "1", "--distributed-backend", "gloo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (),
+              **environment):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+               *argv]
+    start = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                            env={**{k: v for k, v in os.environ.items() if k not in drop},
+                                 **environment})
+    return result, time.monotonic() - start
+
+
+def _iteration_losses(output: str) -> dict[int, str]:
+    """The last printed loss of each iteration (a restarted run prints some twice)."""
+    return {int(i): loss for i, loss in
+            re.findall(r" iteration +(\d+)/ +\d+ .*?lm loss: (\S+) \|", output)}
+
+
+def _final_parameters(save_dir, tmp_path) -> dict[str, torch.Tensor]:
+    iteration = int(open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")).read())
+    target = str(tmp_path / f"{os.path.basename(save_dir)}.pt")
+    dcp_to_torch_save(os.path.join(save_dir, f"iter_{iteration:07d}"), target)
+    state = torch.load(target, weights_only=False)
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _workers(tag: str, rank: int) -> list[int]:
+    """Pids of the first-attempt training worker `rank` of the launch tagged `tag`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if (f"THREEFOLD_TEST_TAG={tag}".encode() in environ and f"RANK={rank}".encode() in environ
+                and b"TORCHELASTIC_RESTART_COUNT=0" in environ
+                and b"LOCAL_RANK=" + str(rank).encode() in environ):
+            pids.append(int(pid))
+    return pids
+
+
+def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_path):
+    """SIGKILL one rank of a TP=2 x DP=2 run under torchrun --max-restarts 1: the restarted
+    workers resume from the newest checkpoint; every iteration's loss and the final parameters
+    equal an uninterrupted run's, bitwise."""
+    def environment(name: str, **extra) -> dict[str, str]:
+        return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=30, LOG_INTERVAL=1,
+                                    SAVE_INTERVAL=10, EVAL_INTERVAL=30, TP=2, NPROC_PER_NODE=4,
+                                    SAVE_DIR=tmp_path / name, MASTER_PORT=_free_port(), **extra)
+    straight = subprocess.run(["bash", LAUNCHER], env=environment("straight"),
+                              capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    tag = uuid.uuid4().hex
+    log = open(tmp_path / "killed.log", "w+")
+    launch = subprocess.Popen(["bash", LAUNCHER], stdout=log, stderr=subprocess.STDOUT,
+                              env=environment("killed", MAX_RESTARTS=1, THREEFOLD_TEST_TAG=tag))
+    deadline = time.monotonic() + 240
+    while not re.search(r" iteration +15/", open(log.name).read()):
+        assert launch.poll() is None and time.monotonic() < deadline, open(log.name).read()
+        time.sleep(0.1)
+    (victim,) = _workers(tag, rank=1)
+    os.kill(victim, signal.SIGKILL)
+    assert launch.wait(timeout=300) == 0, open(log.name).read()[-3000:]
+    killed = open(log.name).read()
+    assert "resumed from" in killed and "at iteration 10" in killed  # restart 1 loaded iter 10
+    assert _iteration_losses(killed) == _iteration_losses(straight.stdout)
+    assert len(_iteration_losses(killed)) == 30
+    expected = _final_parameters(tmp_path / "straight", tmp_path)
+    actual = _final_parameters(tmp_path / "killed", tmp_path)
+    assert expected.keys() == actual.keys() and len(expected) > 10
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+
+
+def test_a_stalled_rank_is_named_within_the_timeout():
+    result, seconds = _torchrun(2, TINY + ["--train-iters", "50", "--global-batch-size", "4",
+                                           "--distributed-timeout-minutes", "0.1"],
+                                THREEFOLD_STALL_AT="1@5")
+    assert result.returncode != 0
+    assert seconds < 60
+    output = result.stdout + result.stderr
+    assert re.search(r"threefold watchdog on rank 0: no progress for \d+ s "
+                     r"\(--distributed-timeout-minutes 0\.1\): rank 1 stalled in forward-backward "
+                     r"of iteration 5; the others wait for it\. This rank is in gradient "
+                     r"reduction of iteration 5", output), output[-3000:]
+
+
+def test_stragglers_are_reported():
+    result, _ = _torchrun(2, TINY + ["--train-iters", "4", "--global-batch-size", "4",
+                                     "--log-interval", "2", "--log-straggler"],
+                          THREEFOLD_SLOW_RANK="1:0.3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = re.findall(r"stragglers over iterations (\d+)-(\d+): rank (\d+) (\d+) ms",
+                         result.stdout)
+    assert [(first, last, rank) for first, last, rank, _ in reports] == [
+        ("1", "2", "1"), ("3", "4", "1")], result.stdout
+    assert all(int(ms) >= 300 for *_, ms in reports)
+
+
+def test_fp16_skips_a_nan_step_and_backs_off():
+    result, _ = _torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2", "--fp16",
+                                     "--initial-loss-scale", "1024", "--hysteresis", "1"],
+                          THREEFOLD_NAN_AT="0@3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r" iteration +(\d+)/.*?loss scale: (\S+) \|.*?number of skipped "
+                       r"iterations: +(\d+) \| number of nan iterations: +(\d+)", result.stdout)
+    assert lines[1] == ("2", "1024.0", "0", "0")
+    assert lines[2] == ("3", "512.0", "1", "1")  # skipped, scale halved
+    assert lines[-1] == ("6", "512.0", "1", "1")
+
+
+def test_check_for_nan_stops_naming_iteration_and_rank_and_keeps_the_checkpoint(tmp_path):
+    save = str(tmp_path / "checkpoints")
+    result, _ = _torchrun(2, TINY + ["--train-iters", "8", "--global-batch-size", "4", "--bf16",
+                                     "--check-for-nan-in-loss-and-grad", "--save", save,
+                                     "--save-interval", "2"],
+                          THREEFOLD_NAN_AT="1@5")
+    assert result.returncode != 0
+    assert ("--check-for-nan-in-loss-and-grad: non-finite loss on rank 1 at iteration 5; "
+            f"stopping without saving: the last checkpoint, iteration 4 in {save}, is "
+            "untouched") in result.stderr, result.stderr[-3000:]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+def test_spiky_loss_detector_names_the_batch():
+    detector = SpikyLossDetector(factor=3.0)
+    for iteration in range(1, 8):
+        assert detector.observe(2.0, iteration, (iteration - 1) * 8, 8) is None
+    report = detector.observe(9.0, 8, 56, 8)
+    assert report == ("  spiky loss at iteration 8: lm loss 9.000000E+00 is 4.5x the mean of "
+                      "the last 7 iterations (--spiky-loss-factor 3); global batch 7, samples "
+                      "56 to 63")
+    assert detector.observe(2.1, 9, 64, 8) is None  # the spike stayed out of the mean
+
+
+def test_wandb_offline_and_plot_logs_from_a_real_log(tmp_path):
+    # No credentials and no WANDB_MODE: threefold chooses offline itself.
+    environment = {"HOME": str(tmp_path), "WANDB_SILENT": "true"}
+    result, _ = _torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2",
+                                     "--eval-interval", "3", "--eval-iters", "1",
+                                     "--wandb-project", "threefold-test", "--wandb-exp-name",
+                                     "tiny", "--wandb-save-dir", str(tmp_path / "wb")],
+                          drop=("WANDB_MODE", "WANDB_API_KEY"), **environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no W&B credentials; logging offline" in result.stdout
+    (run_dir,) = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.startswith("offline-run")]
+    (records,) = [f for f in os.listdir(tmp_path / "wb" / "wandb" / run_dir)
+                  if f.endswith(".wandb")]
+    data = open(tmp_path / "wb" / "wandb" / run_dir / records, "rb").read()
+    # History items are protobuf key/value_json pairs: the key, field 16, a length, the value.
+    logged = {float(m.group(2)) for m in re.finditer(rb"lm loss\x82\x01(.)([-0-9.e]+)", data)
+              if len(m.group(2)) == m.group(1)[0]}
+    printed = [float(v) for v in _iteration_losses(result.stdout).values()]
+    assert len(printed) == 6
+    for value in printed:  # the log prints 7 significant digits
+        assert any(abs(value - w) <= 1e-6 * abs(value) for w in logged), (value, logged)
+    for name in (b"learning-rate", b"grad-norm", b"tokens-per-second", b"lm loss validation"):
+        assert name in data
+
+    log = tmp_path / "train.log"
+    log.write_text(result.stdout)
+    other = tmp_path / "other.log"  # a second run to compare: every other line of the first
+    other.write_text("\n".join(result.stdout.splitlines()[::2]))
+    png = tmp_path / "plot.png"
+    plotted = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"),
+                              str(log), str(other), "--labels", "run", "half", "--output",
+                              str(png)], capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    image = Image.open(png)
+    image.verify()
+    assert image.format == "PNG" and image.size[0] >= 600
+    series = json.loads(Image.open(png).info["threefold-series"])
+    assert series["lm loss"]["run"] == 6 and series["learning rate"]["run"] == 6
+    assert series["tokens per second"]["run"] == 6 and series["validation loss"]["run"] == 2
+    assert 0 < series["lm loss"]["half"] < 6
