@@ -4,6 +4,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import (
+    DP_TOLERANCE,
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
@@ -35,9 +36,9 @@ OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
 
 
 @pytest.mark.parametrize("world_size,flags,tolerance", [
-    (2, [], 1e-6),
+    (2, [], DP_TOLERANCE),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
-    (4, ["--pipeline-model-parallel-size", "2"], 1e-6),
+    (4, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
 ])
 def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags, tolerance):
     argv = LLAMA_STYLE + TRAINING

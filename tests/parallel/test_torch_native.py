@@ -4,7 +4,14 @@ hold the memory their sharding predicts, and `auto` explains its choice."""
 import pytest
 
 from tests.distributed import run_distributed
-from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
+from tests.parity import (
+    DP_TOLERANCE,
+    LLAMA_STYLE,
+    TRAINING,
+    _setup,
+    assert_matches_reference,
+    train_job,
+)
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
 from threefold.parallel.strategy import choose_strategy
@@ -31,7 +38,7 @@ def _bytes_job(argv: list[str]) -> dict:
 def test_ten_steps_with_clipping_match_single_process(reference, strategy, flags):
     results = run_distributed(2, train_job, LLAMA_STYLE + TRAINING
                               + ["--distributed-strategy", strategy] + flags, 10)
-    assert_matches_reference(results, reference, 1e-6)
+    assert_matches_reference(results, reference, DP_TOLERANCE)
 
 
 @pytest.mark.parametrize("strategy,expected", [("ddp", 16.0), ("fsdp", 8.0)])
