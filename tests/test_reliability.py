@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 
+import pytest
 import torch
 from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -107,17 +108,57 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
         assert torch.equal(expected[name], actual[name]), name
 
 
-def test_a_stalled_rank_is_named_within_the_timeout():
-    result, seconds = _torchrun(2, TINY + ["--train-iters", "50", "--global-batch-size", "4",
-                                           "--distributed-timeout-minutes", "0.1"],
+@pytest.mark.parametrize("layout,waits_in", [
+    ([], r"a collective at threefold/parallel/data_parallel\.py:\d+ in finish_grad_sync"),
+    (["--tensor-model-parallel-size", "2"],
+     r"all_reduce at threefold/parallel/mappings\.py:\d+ in _all_reduce"),
+])
+def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, waits_in):
+    """Rank 1 hangs in forward-backward; DP: rank 0 waits in the gradient all-reduce, TP: in
+    the forward's tensor-parallel all-reduce, the same phase as rank 1."""
+    result, seconds = _torchrun(2, TINY + layout + ["--train-iters", "50",
+                                                    "--global-batch-size", "4",
+                                                    "--distributed-timeout-minutes", "0.1"],
                                 THREEFOLD_STALL_AT="1@5")
     assert result.returncode != 0
     assert seconds < 60
     output = result.stdout + result.stderr
-    assert re.search(r"threefold watchdog on rank 0: no progress for \d+ s "
-                     r"\(--distributed-timeout-minutes 0\.1\): rank 1 stalled in forward-backward "
-                     r"of iteration 5; the others wait for it\. This rank is in gradient "
-                     r"reduction of iteration 5", output), output[-3000:]
+    # Whichever rank's watchdog fires first reports it; torchrun then stops the other.
+    assert re.search(r"threefold watchdog on rank \d: no progress for \d+ s "
+                     r"\(--distributed-timeout-minutes 0\.1\): rank 1 stalled outside any "
+                     r"collective at threefold/training/faults\.py:\d+ in delay "
+                     r"\(forward-backward of iteration 5\); the others wait in " + waits_in,
+                     output), output[-3000:]
+
+
+def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
+    tag = uuid.uuid4().hex
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+               *TINY, "--train-iters", "100000", "--global-batch-size", "4",
+               "--distributed-timeout-minutes", "0.1"]
+    log = open(tmp_path / "stopped.log", "w+")
+    launch = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, THREEFOLD_TEST_TAG=tag,
+                                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2"))
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r" iteration +5/", open(log.name).read()):
+            assert launch.poll() is None and time.monotonic() < deadline, open(log.name).read()
+            time.sleep(0.1)
+        (victim,) = _workers(tag, rank=1)
+        os.kill(victim, signal.SIGSTOP)  # frozen: its watchdog thread cannot answer either
+        assert launch.wait(timeout=60) != 0
+    finally:
+        for pid in _workers(tag, rank=1):
+            os.kill(pid, signal.SIGKILL)
+        launch.kill()
+    output = open(log.name).read()
+    assert re.search(r"threefold watchdog on rank 0: no progress for \d+ s \(--distributed-"
+                     r"timeout-minutes 0\.1\): rank 1 did not answer \(process stopped, dead "
+                     r"or unreachable\); the others wait in (\w+|a collective) at threefold/",
+                     output), (
+        output[-3000:])
 
 
 def test_stragglers_are_reported():
