@@ -118,14 +118,14 @@ def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, w
     the forward's tensor-parallel all-reduce, the same phase as rank 1."""
     result, seconds = _torchrun(2, TINY + layout + ["--train-iters", "50",
                                                     "--global-batch-size", "4",
-                                                    "--distributed-timeout-minutes", "0.1"],
+                                                    "--distributed-timeout-minutes", "0.2"],
                                 THREEFOLD_STALL_AT="1@5")
     assert result.returncode != 0
     assert seconds < 60
     output = result.stdout + result.stderr
     # Whichever rank's watchdog fires first reports it; torchrun then stops the other.
     assert re.search(r"threefold watchdog on rank \d: no progress for \d+ s "
-                     r"\(--distributed-timeout-minutes 0\.1\): rank 1 stalled outside any "
+                     r"\(--distributed-timeout-minutes 0\.2\): rank 1 stalled outside any "
                      r"collective at threefold/training/faults\.py:\d+ in delay "
                      r"\(forward-backward of iteration 5\); the others wait in " + waits_in,
                      output), output[-3000:]
@@ -136,7 +136,7 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
                *TINY, "--train-iters", "100000", "--global-batch-size", "4",
-               "--distributed-timeout-minutes", "0.1"]
+               "--distributed-timeout-minutes", "0.2"]
     log = open(tmp_path / "stopped.log", "w+")
     launch = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               env=dict(os.environ, THREEFOLD_TEST_TAG=tag,
@@ -155,7 +155,7 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
         launch.kill()
     output = open(log.name).read()
     assert re.search(r"threefold watchdog on rank 0: no progress for \d+ s \(--distributed-"
-                     r"timeout-minutes 0\.1\): rank 1 did not answer \(process stopped, dead "
+                     r"timeout-minutes 0\.2\): rank 1 did not answer \(process stopped, dead "
                      r"or unreachable\); the others wait in (\w+|a collective) at threefold/",
                      output), (
         output[-3000:])

@@ -170,7 +170,7 @@ class ParallelConfig:
     # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
     distributed_strategy: str = "megatron"
     distributed_backend: str | None = None  # None: nccl when CUDA is present, else gloo
-    distributed_timeout_minutes: float = 10  # collectives; the stall watchdog fires at 80%
+    distributed_timeout_minutes: float = 10  # collectives; the stall watchdog fires at 70%
     world_size: int = 1
 
     @property

@@ -3,7 +3,7 @@
 Every rank notes where it is (a progress counter, the iteration and the phase: forward-backward,
 gradient reduction, optimizer step, evaluation, checkpoint save) as it moves on. When a rank
 stops moving, the others soon wait for it inside a collective. A thread on every rank notices
-when its own rank has made no progress for 80% of `--distributed-timeout-minutes` (before the
+when its own rank has made no progress for 70% of `--distributed-timeout-minutes` (before the
 collective itself times out with a message that names nobody) and publishes where its training
 thread is, read from that thread's Python stack: inside which collective, or outside any, and at
 which line. A rank outside any collective is the one the others wait for; a rank whose watchdog
@@ -69,7 +69,7 @@ class Watchdog:
 
     # -- stall detection -----------------------------------------------------------------------
     def _watch(self) -> None:
-        limit = 0.8 * self.timeout_minutes * 60
+        limit = 0.7 * self.timeout_minutes * 60
         seen, since = self.progress, time.monotonic()
         while not self._stop.wait(min(1.0, limit / 20)):
             if self.progress != seen:
@@ -102,7 +102,8 @@ class Watchdog:
         watchdog cannot answer (a stopped or dead process) is missing."""
         self.store.set(f"{_PREFIX}/stall/{self.rank}", json.dumps(self.where()))
         keys = {rank: f"{_PREFIX}/stall/{rank}" for rank in range(self.world)}
-        deadline = time.monotonic() + max(3.0, 0.15 * self.timeout_minutes * 60)
+        # Short: the report must be out before the collectives' own timeout ends the ranks.
+        deadline = time.monotonic() + max(1.0, 0.05 * self.timeout_minutes * 60)
         while time.monotonic() < deadline and not self.store.check(list(keys.values())):
             time.sleep(0.2)
         return {rank: json.loads(self.store.get(key)) for rank, key in keys.items()
