@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,14 @@ def shakespeare_data(tmp_path_factory) -> dict[str, str]:
          "--output-prefix", str(out / "corpus"), "--append-eod", "--workers", "2")
     return {"DATA_PATH": str(out / "corpus_text_document"),
             "TOKENIZER_MODEL": str(out / "sp.model")}
+
+
+def logged_losses(output: str) -> dict[str, dict[int, str]]:
+    """{"train": {iteration: lm loss}, "validation": {...}} as printed (strings: equal strings
+    are bitwise-equal floats); a resumed run prints some iterations twice, the last one wins."""
+    train = re.findall(r" iteration +(\d+)/ +\d+ .*?lm loss: (\S+) \|", output)
+    valid = re.findall(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|", output)
+    return {"train": {int(i): v for i, v in train}, "validation": {int(i): v for i, v in valid}}
 
 
 def tiny_gpt_environment(data: dict[str, str], **overrides) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 JOB_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,7 +56,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 class WorkerPool:
     def __init__(self, world_size: int) -> None:
         context = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.world_size = world_size
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()

@@ -4,13 +4,13 @@ and two torchrun launchers on loopback (`--nnodes 2`) training exactly as one la
 import glob
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import yaml
 
-from tests.conftest import ROOT, tiny_gpt_environment
+from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
+from tests.distributed import free_port
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "launch", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh")))
@@ -46,23 +46,13 @@ def test_pytorchjob_manifest():
         assert container["workingDir"] == workdir  # where the image has the repository
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _losses(output: str) -> list[str]:
-    train = re.findall(r" iteration +\d+/ +\d+ .*?lm loss: (\S+) \|", output)
-    valid = re.findall(r"validation loss at iteration \d+ \| lm loss value: (\S+)", output)
-    return train + valid
 
 
 def test_two_torchrun_nodes_on_loopback_match_one(shakespeare_data, tmp_path):
     def environment(name: str, **overrides) -> dict[str, str]:
         return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=8, LOG_INTERVAL=1,
                                     EVAL_INTERVAL=8, TP=2, SAVE_DIR=tmp_path / name,
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(),
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
                                     **overrides)
     script = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
     single = subprocess.run(["bash", script], env=environment("one", NPROC_PER_NODE=4),
@@ -79,5 +69,6 @@ def test_two_torchrun_nodes_on_loopback_match_one(shakespeare_data, tmp_path):
         assert node.returncode == 0, stderr[-3000:]
     two_nodes = outputs[0][0]  # global rank 0 is on node 0 and prints the log
     assert "TP=2, PP=1, DP=2" in two_nodes
-    assert len(_losses(single.stdout)) == 9
-    assert _losses(two_nodes) == _losses(single.stdout)
+    one_node = logged_losses(single.stdout)
+    assert len(one_node["train"]) == 8 and len(one_node["validation"]) == 1
+    assert logged_losses(two_nodes) == one_node

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ import torch
 from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import ROOT, tiny_gpt_environment
+from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
+from tests.distributed import free_port
 from threefold.training.numerics import SpikyLossDetector
 
 LAUNCHER = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
@@ -27,16 +27,11 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--eval-iters", "0", "--log-interval", "1", "--distributed-backend", "gloo"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (),
               **environment):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+               "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
                *argv]
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -44,11 +39,6 @@ def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (
                                  **environment})
     return result, time.monotonic() - start
 
-
-def _iteration_losses(output: str) -> dict[int, str]:
-    """The last printed loss of each iteration (a restarted run prints some twice)."""
-    return {int(i): loss for i, loss in
-            re.findall(r" iteration +(\d+)/ +\d+ .*?lm loss: (\S+) \|", output)}
 
 
 def _final_parameters(save_dir, tmp_path) -> dict[str, torch.Tensor]:
@@ -81,7 +71,7 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
     def environment(name: str, **extra) -> dict[str, str]:
         return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=30, LOG_INTERVAL=1,
                                     SAVE_INTERVAL=10, EVAL_INTERVAL=30, TP=2, NPROC_PER_NODE=4,
-                                    SAVE_DIR=tmp_path / name, MASTER_PORT=_free_port(), **extra)
+                                    SAVE_DIR=tmp_path / name, MASTER_PORT=free_port(), **extra)
     straight = subprocess.run(["bash", LAUNCHER], env=environment("straight"),
                               capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -99,8 +89,8 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
     assert launch.wait(timeout=300) == 0, open(log.name).read()[-3000:]
     killed = open(log.name).read()
     assert "resumed from" in killed and "at iteration 10" in killed  # restart 1 loaded iter 10
-    assert _iteration_losses(killed) == _iteration_losses(straight.stdout)
-    assert len(_iteration_losses(killed)) == 30
+    assert logged_losses(killed)["train"] == logged_losses(straight.stdout)["train"]
+    assert len(logged_losses(killed)["train"]) == 30
     expected = _final_parameters(tmp_path / "straight", tmp_path)
     actual = _final_parameters(tmp_path / "killed", tmp_path)
     assert expected.keys() == actual.keys() and len(expected) > 10
@@ -134,7 +124,7 @@ def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, w
 def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
     tag = uuid.uuid4().hex
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
+               "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
                *TINY, "--train-iters", "100000", "--global-batch-size", "4",
                "--distributed-timeout-minutes", "0.2"]
     log = open(tmp_path / "stopped.log", "w+")
@@ -228,7 +218,7 @@ def test_wandb_offline_and_plot_logs_from_a_real_log(tmp_path):
     # History items are protobuf key/value_json pairs: the key, field 16, a length, the value.
     logged = {float(m.group(2)) for m in re.finditer(rb"lm loss\x82\x01(.)([-0-9.e]+)", data)
               if len(m.group(2)) == m.group(1)[0]}
-    printed = [float(v) for v in _iteration_losses(result.stdout).values()]
+    printed = [float(v) for v in logged_losses(result.stdout)["train"].values()]
     assert len(printed) == 6
     for value in printed:  # the log prints 7 significant digits
         assert any(abs(value - w) <= 1e-6 * abs(value) for w in logged), (value, logged)

@@ -85,16 +85,9 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     load = config.checkpoint.load
     if load is not None and os.path.isdir(load):
-        from threefold.checkpointing import TRACKER, checkpoint_dir
+        from threefold.checkpointing import checkpoint_dir, read_tracker
 
-        tracker = os.path.join(load, TRACKER)
-        if os.path.exists(tracker):
-            _readable(tracker, "--load")
-            text = open(tracker).read().strip()
-            if not text.isdigit():
-                raise ConfigError(f"--load {load}: {TRACKER} holds {text!r}, not an iteration "
-                                  "number; point it at a complete checkpoint")
-            step = checkpoint_dir(load, int(text))
-            if not os.path.isdir(step):
-                raise ConfigError(f"--load {load}: {TRACKER} names iteration {text} but "
-                                  f"{step} does not exist")
+        iteration = read_tracker(load)  # names the tracker when it holds no iteration number
+        if iteration is not None and not os.path.isdir(checkpoint_dir(load, iteration)):
+            raise ConfigError(f"--load {load}: its tracker names iteration {iteration} but "
+                              f"{checkpoint_dir(load, iteration)} does not exist")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, tiny_gpt_environment
+from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
 
 pytestmark = pytest.mark.skipif(os.environ.get("THREEFOLD_SKIP_SLURM") == "1",
                                 reason="THREEFOLD_SKIP_SLURM=1")
@@ -64,12 +64,6 @@ def _wait_for_job(job: str, timeout: float = 300) -> None:
     _wait_until(finished, timeout, f"job {job} to finish")
 
 
-def _final_losses(text: str) -> tuple[str, str]:
-    (train,) = re.findall(rf" iteration +{TRAIN_ITERS}/ +{TRAIN_ITERS} .*?lm loss: (\S+) \|", text)
-    (valid,) = re.findall(rf"validation loss at iteration {TRAIN_ITERS} \| lm loss value: (\S+)",
-                          text)
-    return train, valid
-
 
 def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespeare_data,
                                                          tmp_path):
@@ -77,7 +71,7 @@ def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespe
     _wait_for_job(job)
     text = _read(log)
     assert f"training complete at iteration {TRAIN_ITERS}" in text, text[-3000:]
-    losses = [float(v) for v in re.findall(r" iteration +\d+/.*?lm loss: (\S+) \|", text)]
+    losses = [float(v) for v in logged_losses(text)["train"].values()]
     assert len(losses) == TRAIN_ITERS // 5
     assert losses[-1] < losses[0] - 1.0, losses
 
@@ -96,4 +90,6 @@ def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespe
     assert "(restart 1) on" in preempted
     assert f"resumed from {tmp_path}/preempted/checkpoints at iteration {stopped_at}" in preempted
     assert f"training complete at iteration {TRAIN_ITERS}" in preempted
-    assert _final_losses(preempted) == _final_losses(text)
+    final = [(losses["train"][TRAIN_ITERS], losses["validation"][TRAIN_ITERS])
+             for losses in (logged_losses(preempted), logged_losses(text))]
+    assert final[0] == final[1]

@@ -93,9 +93,11 @@ class TensorBoardLogger:
 
 
 def _has_wandb_credentials() -> bool:
-    return bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
-        os.path.expanduser("~/.netrc")) and "api.wandb.ai" in open(
-        os.path.expanduser("~/.netrc")).read()
+    """An API key in the environment, or a `wandb login` entry in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser("~/.netrc")
+    return os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read()
 
 
 class WandbLogger:
