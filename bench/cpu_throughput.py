@@ -5,14 +5,18 @@ same weights, measured side by side in one run.
 
 A LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, untied) is created in `transformers`, converted
 to threefold with tools/convert_checkpoint.py's mapping, and both train on the same random
-tokens (fp32, AdamW): forward, backward and optimizer step per iteration. threefold is timed
-twice: its model with a plain torch AdamW (what the comparison isolates), and its full
-`Trainer.train_step` (gradient buffer, global-norm clipping, LR schedule, its own optimizer).
+tokens (fp32, gradient clipping at 1.0 and PyTorch's fused AdamW everywhere): forward,
+backward, clipping and optimizer step per iteration. `transformers` runs eager and under
+torch.compile; threefold runs its model with the same plain loop (what the comparison
+isolates) and its full `Trainer.train_step` (gradient buffer, clipping, LR schedule, its own
+optimizer), with eager kernels (the CPU default) and with `--fusion-impl compile`
+(torch.compile'd norms, SwiGLU, RoPE, cross-entropy chunks).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -24,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import parse_args  # noqa: E402
 from threefold.hf_conversion import hf_to_threefold, model_config_from_hf  # noqa: E402
+from threefold.kernels.dispatch import configure_for_model  # noqa: E402
 from threefold.model import GPTModel  # noqa: E402
 from threefold.parallel.sharding import shard_of  # noqa: E402
 from threefold.training.trainer import Trainer  # noqa: E402
@@ -50,6 +55,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(tie_word_embeddings=False, attn_implementation="sdpa",
@@ -73,18 +79,23 @@ def main() -> None:
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def optimizer_step(model, optimizer, loss_fn):
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+
         def step():
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model).backward()
+            # Gradient clipping at 1.0: the default of transformers' Trainer and of Megatron-LM
+            # (--clip-grad), which Trainer.train_step applies too.
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
             optimizer.step()
         return step
 
     with torch.no_grad():  # same weights, same function: the losses agree before timing
         hf_loss = hf(tokens, labels=tokens).loss  # HF shifts labels itself: same s targets
         our_loss = ours(inputs, labels=labels).mean()
-    hf_step = optimizer_step(hf, torch.optim.AdamW(hf.parameters(), lr=1e-4),
+    hf_step = optimizer_step(hf, torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True),
                              lambda m: m(inputs, labels=inputs).loss)
-    our_step = optimizer_step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4),
+    our_step = optimizer_step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True),
                               lambda m: m(inputs, labels=labels).mean())
     config = parse_args([
         "--num-layers", str(SHAPE["num_hidden_layers"]), "--hidden-size",
@@ -97,25 +108,44 @@ def main() -> None:
         str(args.batch), "--mock-data", "--train-iters", "1000", "--eval-iters", "0",
         "--attention-dropout", "0", "--hidden-dropout", "0"])
     trainer = Trainer(config, torch.device("cpu"))
+    # Kernels are chosen per process; each contender re-selects its own before it is timed.
+    kernels = {impl: dataclasses.replace(config.kernels, fusion_impl=impl)
+               for impl in ("eager", "compile")}
 
-    rows = []
+    def select(impl: str):
+        return lambda: configure_for_model(kernels[impl], config.model, 1,
+                                           torch.device("cpu"), torch.float32)
+
+    hf_compiled = torch.compile(hf)
+    hf_compiled_step = optimizer_step(
+        hf_compiled, torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True),
+        lambda m: m(inputs, labels=inputs).loss)
+    contenders = {  # name: (kernel selection, step)
+        "transformers (eager)": (None, hf_step),
+        "transformers + torch.compile": (None, hf_compiled_step),
+        "threefold model, same loop (eager kernels)": (select("eager"), our_step),
+        "threefold Trainer.train_step (eager kernels)": (select("eager"), trainer.train_step),
+        "threefold Trainer.train_step (--fusion-impl compile)": (select("compile"),
+                                                                 trainer.train_step),
+    }
+    results = {name: [] for name in contenders}
     # Interleaved rounds, so drift in the machine's speed hits every contender alike.
-    results = {"transformers": [], "threefold model": [], "threefold Trainer.train_step": []}
-    for _ in range(3):
-        results["transformers"].append(timed(hf_step, args.warmup, args.iterations))
-        results["threefold model"].append(timed(our_step, args.warmup, args.iterations))
-        results["threefold Trainer.train_step"].append(
-            timed(trainer.train_step, args.warmup, args.iterations))
+    for _ in range(args.rounds):
+        for name, (prepare, step) in contenders.items():
+            if prepare is not None:
+                prepare()
+            results[name].append(timed(step, args.warmup, args.iterations))
     per_token = {name: min(times) / (args.batch * args.seq) for name, times in results.items()}
-    baseline = per_token["transformers"]
-    for name, seconds in per_token.items():
-        rows.append(f"| {name} | {1 / seconds:,.0f} | {baseline / seconds:.2f} |")
+    baseline = per_token["transformers (eager)"]
+    rows = [f"| {name} | {1 / seconds:,.0f} | {baseline / seconds:.2f} |"
+            for name, seconds in per_token.items()]
     print(f"# CPU training throughput: threefold vs transformers {transformers.__version__}\n")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads. Model: LLaMA-style "
           f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters ({SHAPE}), fp32, "
-          f"batch {args.batch} x {args.seq} tokens, AdamW. Best of 3 rounds of "
-          f"{args.iterations} steps after {args.warmup} warm-up steps.\n")
+          f"batch {args.batch} x {args.seq} tokens, clipping at 1.0 and fused AdamW for all. "
+          f"Best of {args.rounds} rounds of {args.iterations} steps after {args.warmup} "
+          "warm-up steps.\n")
     print(f"Same function: initial loss transformers {hf_loss.item():.6f}, threefold "
           f"{our_loss.item():.6f}.\n")
     print("| implementation | tokens/s | ratio to transformers |\n|---|---|---|")

@@ -16,6 +16,15 @@ def _distributed_worker_pools():
     close_pools()
 
 
+@pytest.fixture(autouse=True)
+def _reference_kernels():
+    """A Trainer selects kernels for its process; the next test starts from the references."""
+    yield
+    from threefold.kernels.dispatch import KERNELS
+
+    KERNELS.use_reference()
+
+
 @pytest.fixture(scope="session")
 def shakespeare_data(tmp_path_factory) -> dict[str, str]:
     """The default corpus, tokenized with a small sentencepiece model (about 6 s): the launcher

@@ -14,6 +14,7 @@ import os
 import queue
 import socket
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
 
@@ -30,6 +31,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from threefold.kernels.dispatch import KERNELS
     from threefold.parallel import state
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -45,11 +47,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         fn, args = job
         try:
-            results.put((rank, True, fn(*args)))
+            value = fn(*args)
+            # The queue pickles in a background thread, where a failure would only be printed
+            # and the test would wait for the job's timeout: fail here instead.
+            ForkingPickler.dumps(value)
+            results.put((rank, True, value))
         except BaseException:  # report everything, including assertion errors, to the test
             results.put((rank, False, traceback.format_exc()))
         finally:
             state.destroy_model_parallel()
+            KERNELS.use_reference()
     dist.destroy_process_group()
 
 

@@ -94,6 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
          help="default: nccl when CUDA is available, else gloo")
     _add(g, "parallel", "--distributed-timeout-minutes", type=float)
 
+    g = parser.add_argument_group("kernels (threefold/kernels; chosen at start-up and logged)")
+    _add(g, "kernels", "--transformer-impl", choices=["local", "transformer_engine"],
+         help="default: Transformer Engine's fused attention when it imports on CUDA, else local")
+    _add(g, "kernels", "--attention-backend", choices=["auto", "flash", "fused", "unfused",
+                                                        "local"],
+         help="auto: the fastest SDPA kernel that runs the model's shapes; flash: "
+              "FlashAttention; fused: cuDNN; unfused/local: plain softmax(QK^T)V")
+    _add(g, "kernels", "--use-flash-attn", action="store_const", const="flash",
+         field="attention_backend", help="same as --attention-backend flash")
+    _add(g, "kernels", "--fusion-impl", choices=["auto", "compile", "eager"],
+         help="how norms, SwiGLU/GELU, RoPE and cross-entropy chunks are fused when apex/TE do "
+              "not: torch.compile or eager PyTorch (auto: compile on CUDA, eager on CPU)")
+    _add(g, "kernels", "--no-norm-fusion", action="store_false", field="norm_fusion")
+    _add(g, "kernels", "--no-bias-swiglu-fusion", action="store_false",
+         field="bias_swiglu_fusion")
+    _add(g, "kernels", "--no-bias-gelu-fusion", action="store_false", field="bias_gelu_fusion")
+    _add(g, "kernels", "--no-rope-fusion", action="store_false", field="apply_rope_fusion")
+    _add(g, "kernels", "--cross-entropy-loss-fusion", action=_STORE_TRUE,
+         help="the chunked cross-entropy (threefold's default)")
+    _add(g, "kernels", "--no-cross-entropy-loss-fusion", action="store_false",
+         field="cross_entropy_loss_fusion",
+         help="the one-shot reference cross-entropy (whole logits in fp32)")
+    _add(g, "kernels", "--cross-entropy-chunk-tokens", type=int,
+         help="tokens per chunk of the fused cross-entropy (default 4096)")
+
     g = parser.add_argument_group("training")
     _add(g, "training", "--micro-batch-size", type=int)
     _add(g, "training", "--global-batch-size", type=int)

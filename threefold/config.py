@@ -11,19 +11,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from threefold.errors import ConfigError, flag
+from threefold.errors import require as _require
+from threefold.kernels.config import KernelConfig
 
-class ConfigError(ValueError):
-    """A configuration mistake; the message is one line naming the flag(s) and the fix."""
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of a config field, for error messages."""
-    return "--" + name.replace("_", "-")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+__all__ = ["Config", "ConfigError", "KernelConfig", "flag"]
 
 
 @dataclass
@@ -436,9 +428,9 @@ class CheckpointConfig:
         _require(self.load is None or self.load == self.save or os.path.isdir(self.load),
                  f"--load {self.load}: no such directory; to resume a run from its own "
                  "checkpoints, give --load the --save directory")
-        for flag, value in (("--no-load-optim", self.no_load_optim),
+        for name, value in (("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng), ("--finetune", self.finetune)):
-            _require(not value or self.load is not None, f"{flag} needs --load DIR")
+            _require(not value or self.load is not None, f"{name} needs --load DIR")
 
 
 @dataclass
@@ -467,6 +459,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
@@ -484,6 +477,7 @@ class Config:
         self.data.finalize()
         self.checkpoint.finalize()
         self.logging.finalize()
+        self.kernels.finalize()
         return warnings
 
     @classmethod
@@ -494,4 +488,5 @@ class Config:
                    training=TrainingConfig(**values["training"]),
                    data=DataConfig(**values["data"]),
                    checkpoint=CheckpointConfig(**values["checkpoint"]),
-                   logging=LoggingConfig(**values["logging"]))
+                   logging=LoggingConfig(**values["logging"]),
+                   kernels=KernelConfig(**values.get("kernels", {})))  # older checkpoints: none

@@ -49,6 +49,11 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
     `indexed_data`: the data paths are `.bin/.idx` prefixes (not fine-tuning's JSONL)."""
     from threefold.data.gpt_dataset import check_index, check_prefix
 
+    if (config.kernels.transformer_impl == "transformer_engine"
+            and importlib.util.find_spec("transformer_engine") is None):
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not "
+                          "installed; install it on a GPU machine or pass --transformer-impl "
+                          "local")
     data = config.data
     if data.tokenizer_type == "SentencePieceTokenizer":
         _readable(data.tokenizer_model, "--tokenizer-model")

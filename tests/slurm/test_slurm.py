@@ -49,18 +49,29 @@ def _wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _job_state(job: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
-                          text=True).stdout.strip()
+def _job_state(job: str) -> str | None:
+    """"STATE REASON" while the job is queued or running, "" once it has left the queue, None
+    when squeue did not answer (slurmctld busy: not a sign that the job is gone)."""
+    result = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
+                            text=True)
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def _wait_for_job(job: str, timeout: float = 300) -> None:
+    moved = []
+
     def finished() -> bool:
         state = _job_state(job)
-        if state == "PENDING BeginTime":  # Slurm delays a requeued job; no need to here
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+        if state == "PENDING BeginTime" and not moved:  # Slurm delays a requeue by 2 minutes
+            # Not to zero: slurmd rejects a relaunch whose credential is from the second in
+            # which the previous run's was revoked ("Job credential revoked").
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"],
                            capture_output=True)
-        return state == ""
+            moved.append(True)
+        if state != "":
+            return False
+        time.sleep(1)  # a requeued job passes through states squeue may not list: ask again
+        return _job_state(job) == ""
     _wait_until(finished, timeout, f"job {job} to finish")
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels.dispatch import KERNELS
 from threefold.model.recompute import checkpoint
-from threefold.model.rope import apply_rotary_pos_emb
 from threefold.parallel import state
 from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.random import get_rng_tracker
@@ -55,25 +54,21 @@ class SelfAttention(nn.Module):
         query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
         key, value = key.squeeze(3), value.squeeze(3)
         if rotary is not None:
-            query = apply_rotary_pos_emb(query, *rotary)
-            key = apply_rotary_pos_emb(key, *rotary)
+            query = KERNELS.rotary(query, *rotary)
+            key = KERNELS.rotary(key, *rotary)
 
-        # SDPA wants [batch, heads, sequence, head_dim]; query head i reads key/value group
-        # i // heads_per_group, which is SDPA's grouped-query convention.
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
-        context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(context)
 
     def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
+        query head i reads key/value group i // heads_per_group."""
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                is_causal=attention_mask is None, enable_gqa=self.heads_per_group > 1)
+            return KERNELS.attention(query, key, value, attention_mask, dropout)

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels.dispatch import KERNELS
 from threefold.model.rope import RotaryEmbedding
 from threefold.model.transformer import TransformerBlock
 from threefold.parallel import state
-from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from threefold.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from threefold.parallel.random import get_rng_tracker
 from threefold.parallel.sharding import initialize_parameters, mark_replicated, normal_init
@@ -163,4 +163,4 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         # Contiguous: a view returned from an FSDP2 root would be fragile under in-place ops.
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size).t().contiguous()
+        return KERNELS.cross_entropy(logits, labels.t(), self.vocab_size).t().contiguous()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels.dispatch import KERNELS
 from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.sharding import InitMethod
 
@@ -31,8 +31,7 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden_states)
         if self.swiglu:
-            gate, up = intermediate.chunk(2, dim=-1)
-            intermediate = F.silu(gate) * up
+            intermediate = KERNELS.swiglu(intermediate)
         else:
-            intermediate = F.gelu(intermediate, approximate=self.gelu_approximation)
+            intermediate = KERNELS.gelu(intermediate, self.gelu_approximation)
         return self.linear_fc2(intermediate)

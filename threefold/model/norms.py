@@ -1,11 +1,12 @@
-"""LayerNorm and RMSNorm, computed in fp32 whatever the activation dtype (as fused kernels do)."""
+"""LayerNorm and RMSNorm, computed in fp32 whatever the activation dtype (as fused kernels do),
+by the kernels chosen at start-up (`threefold.kernels.dispatch`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from threefold.kernels.dispatch import KERNELS
 from threefold.parallel.sharding import constant_init, mark_replicated
 
 
@@ -30,10 +31,6 @@ class Norm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (x.shape[-1],)
-        weight = self.weight.float()
         if self.normalization == "LayerNorm":
-            out = F.layer_norm(x.float(), shape, weight, self.bias.float(), self.eps)
-        else:
-            out = F.rms_norm(x.float(), shape, weight, self.eps)
-        return out.to(x.dtype)
+            return KERNELS.layer_norm(x, self.weight, self.bias, self.eps)
+        return KERNELS.rms_norm(x, self.weight, self.eps)

@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE) in the rotate-half layout used by megatron-core and
-Hugging Face LLaMA: the head dimension's first and second halves form the rotated pairs."""
+Hugging Face LLaMA: the head dimension's first and second halves form the rotated pairs.
+The rotation itself is `threefold.kernels.reference.rotary` (or its fused version)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         return emb.cos(), emb.sin()
 
-
-def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [sequence, batch, heads, head_dim] by the position tables, in fp32.
-
-    The rotate-half form `x * cos + rotate_half(x) * sin`, written on the two halves (whose
-    tables are equal): the same floating-point operations on half as many elements, without
-    materializing rotate_half(x) (10% faster forward and backward on CPU)."""
-    half = x.shape[-1] // 2
-    first, second = x.float().chunk(2, dim=-1)
-    cos, sin = cos[..., :half], sin[..., :half]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin),
-                     dim=-1).to(x.dtype)

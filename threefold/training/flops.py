@@ -29,8 +29,10 @@ def training_flops_per_iteration(config: ModelConfig, global_batch_size: int,
     return 3.0 * per_token_forward * global_batch_size * s
 
 
-# Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, no sparsity).
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
+# Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, no sparsity); the first key found
+# in the device name wins, so the PCIe and NVL variants come before the SXM default.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+                    "A100": 312.0, "L40S": 362.0}
 
 
 def peak_tflops(device_name: str) -> float | None:

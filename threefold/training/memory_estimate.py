@@ -25,9 +25,10 @@ activation element, per layer:
 - MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU);
 - dropout masks when dropout is on.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
-group's activations during backward. The last stage adds the fp32 softmax of the vocab-parallel
-cross-entropy (4 s b V/t). A pipeline stage holds several micro-batches at once; their number
-comes from the schedule itself (1F1B: P - r for stage r; interleaved: more).
+group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
+gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
+holds several micro-batches at once; their number comes from the schedule itself (1F1B: P - r
+for stage r; interleaved: more).
 """
 
 from __future__ import annotations
@@ -173,7 +174,10 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         total += (4 * s * b * h // sigma * (2 if rms else 1) + 4 * (1 if rms else 2) * s * b
                   // sigma + e * s * b * h)  # final norm and the output layer's input
         padded = model.padded_vocab_size(tp)
-        total += 4 * s * b * padded // tp + 9 * s * b  # fp32 softmax, targets and mask
+        # The cross-entropy's gradient: in the logits' dtype (chunked, the default) or the
+        # reference's fp32 softmax; plus targets and mask.
+        logits_bytes = e if config.kernels.cross_entropy_loss_fusion else 4
+        total += logits_bytes * s * b * padded // tp + 9 * s * b
     return total
 
 

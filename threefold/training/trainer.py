@@ -16,6 +16,7 @@ from threefold.checkpointing import PendingSave, save_checkpoint
 from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
+from threefold.kernels.dispatch import configure_for_model
 from threefold.model import GPTModel
 from threefold.parallel import state
 from threefold.parallel.data_parallel import GradientBuffer, finalize_model_grads
@@ -136,6 +137,9 @@ class Trainer:
         if parallel.distributed_strategy == "auto":
             print_rank_0(f"> {resolve_auto_strategy(config, device)}")
         self.native = parallel.distributed_strategy in ("ddp", "fsdp")
+        print_rank_0(configure_for_model(config.kernels, config.model,
+                                         parallel.tensor_model_parallel_size, device,
+                                         params_dtype(config)))
         # DDP/FSDP keep fp32 parameters as masters and compute in half precision under
         # autocast; threefold's own data parallelism keeps the parameters in the run's dtype.
         self.model_chunks = build_model_chunks(

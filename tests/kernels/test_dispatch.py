@@ -1,0 +1,117 @@
+"""Kernel selection: what is chosen where, the start-up line, refusals, and the wiring of the
+Transformer Engine / apex adapters (checked against stand-in modules that compute the
+reference function: neither library installs on a CPU machine)."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.parity import LLAMA_STYLE, TRAINING, gradient_job
+from threefold.config import KernelConfig
+from threefold.errors import ConfigError
+from threefold.kernels import dispatch, reference
+from threefold.kernels.dispatch import KERNELS, AttentionShape, configure
+
+SHAPE = AttentionShape(heads=4, groups=2, head_dim=16, dropout=0.0)
+CPU = torch.device("cpu")
+
+
+def test_cpu_defaults_are_eager_with_the_chunked_cross_entropy():
+    line = configure(KernelConfig(), CPU, torch.float32, "RMSNorm", SHAPE)
+    assert line.startswith("> kernels: transformer-impl local; attention SDPA (PyTorch's choice")
+    assert "norm eager RMSNorm" in line and "cross-entropy chunked, 4096 tokens" in line
+    assert KERNELS.rms_norm is reference.rms_norm and KERNELS.attention is reference.attention
+
+
+def test_explicit_choices_are_honoured():
+    line = configure(KernelConfig(fusion_impl="compile", apply_rope_fusion=False,
+                                  cross_entropy_loss_fusion=False, attention_backend="unfused"),
+                     CPU, torch.float32, "LayerNorm", SHAPE)
+    assert "attention SDPA MATH" in line and "norm torch.compile LayerNorm" in line
+    assert "RoPE eager" in line and "SwiGLU torch.compile" in line
+    assert "cross-entropy reference" in line
+    assert KERNELS.rotary is reference.rotary and KERNELS.layer_norm is not reference.layer_norm
+
+
+@pytest.mark.parametrize("config,message", [
+    (KernelConfig(transformer_impl="transformer_engine"), "--transformer-impl transformer_engine"),
+    (KernelConfig(attention_backend="fused"), "--attention-backend fused needs CUDA"),
+])
+def test_unavailable_kernels_are_refused(config, message):
+    with pytest.raises(ConfigError, match=message):
+        configure(config, CPU, torch.float32, "RMSNorm", SHAPE)
+
+
+def test_flash_with_dropout_on_cpu_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError, match="--attention-backend flash: SDPA cannot run .*"
+                                          "attention dropout 0.1"):
+        configure(KernelConfig(attention_backend="flash"), CPU, torch.float32, "RMSNorm",
+                  AttentionShape(4, 2, 16, 0.1))
+
+
+def test_transformer_engine_request_fails_before_torch_loads(tmp_path):
+    argv = LLAMA_STYLE + TRAINING + ["--transformer-impl", "transformer_engine"]
+    result = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--transformer-impl transformer_engine" in result.stderr.strip().splitlines()[-1]
+
+
+class _StandInDotProductAttention(torch.nn.Module):
+    """TE's constructor and sbhd calling convention, computing the reference."""
+    built: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+        self.built.append(kwargs)
+
+    def forward(self, query, key, value, attention_mask=None):
+        keep = None if attention_mask is None else ~attention_mask  # TE masks what to drop
+        return reference.attention(query, key, value, keep, self.kwargs["attention_dropout"])
+
+
+def _stand_ins(monkeypatch) -> dict:
+    calls = {"layer_norm": 0, "rms_norm": 0}
+
+    def fused_layer_norm_affine(x, weight, bias, shape, eps):
+        calls["layer_norm"] += 1
+        return reference.layer_norm(x, weight, bias, eps)
+
+    def fused_rms_norm_affine(x, weight, shape, eps):
+        calls["rms_norm"] += 1
+        return reference.rms_norm(x, weight, eps)
+
+    modules = {
+        "transformer_engine.pytorch": types.SimpleNamespace(
+            DotProductAttention=_StandInDotProductAttention),
+        "apex.normalization.fused_layer_norm": types.SimpleNamespace(
+            fused_layer_norm_affine=fused_layer_norm_affine,
+            fused_rms_norm_affine=fused_rms_norm_affine)}
+    monkeypatch.setattr(dispatch, "try_import", modules.get)
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda device: True)
+    return calls
+
+
+def test_transformer_engine_and_apex_adapters_compute_the_model(monkeypatch):
+    argv = LLAMA_STYLE + TRAINING
+    expected = gradient_job(argv)
+    calls = _stand_ins(monkeypatch)
+    _StandInDotProductAttention.built.clear()
+    actual = gradient_job(argv + ["--fusion-impl", "eager"])
+    assert KERNELS.description.startswith("transformer-impl transformer_engine; attention "
+                                          "Transformer Engine DotProductAttention (auto)")
+    assert "norm apex fused RMSNorm" in KERNELS.description
+    # LLAMA_STYLE: 8 heads in 4 query groups of head size 4; causal, sbhd.
+    assert {tuple(sorted(k.items())) for k in _StandInDotProductAttention.built} == {tuple(
+        sorted(dict(num_attention_heads=8, kv_channels=4, num_gqa_groups=4,
+                    attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal").items()))}
+    assert calls["rms_norm"] > 0
+    torch.testing.assert_close(actual["logits"], expected["logits"], rtol=0, atol=0)
+    assert actual["loss"] == expected["loss"]
+    for name in expected["grads"]:
+        assert (actual["grads"][name] == expected["grads"][name]).all(), name

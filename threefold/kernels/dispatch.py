@@ -1,0 +1,199 @@
+"""The kernels a run uses, chosen once at start-up (`configure`) and logged in one line.
+
+Model code calls `KERNELS.rms_norm(...)`, `KERNELS.attention(...)`, ... and never asks which
+implementation answers. Until `configure` runs (tests, tools, conversion) every entry is the
+eager reference of `threefold.kernels.reference`.
+
+Order of preference, each optional: Transformer Engine (core attention) > apex (norms) >
+PyTorch-native fast paths: SDPA restricted to the best backend that runs the model's shapes,
+torch.compile'd norms / SwiGLU / GELU / RoPE / cross-entropy chunks (Triton on GPU, C++ on
+CPU), the chunked cross-entropy, and PyTorch's fused AdamW (`threefold.training.optimizer`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from threefold.config import ModelConfig
+from threefold.errors import ConfigError
+from threefold.kernels import reference
+from threefold.kernels.config import KernelConfig
+from threefold.kernels.cross_entropy import (
+    fused_vocab_parallel_cross_entropy,
+    softmax_gradient,
+    sum_of_exponentials,
+)
+from threefold.kernels.external import ApexNorms, TEAttention, try_import
+from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+# Megatron's --attention-backend names onto SDPA's backends.
+_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.CUDNN_ATTENTION,
+                  "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}
+# What `auto` tries on CUDA, fastest first; the first that runs the model's shapes is used.
+_CUDA_PREFERENCE = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int  # query heads per tensor-parallel rank
+    groups: int  # key/value heads per tensor-parallel rank
+    head_dim: int
+    dropout: float
+
+
+class Kernels:
+    """The implementations in use. Attributes are plain callables with the signatures of the
+    functions in `threefold.kernels.reference` (and `cross_entropy(logits, target, vocab)`)."""
+
+    def __init__(self) -> None:
+        self.use_reference()
+
+    def use_reference(self) -> None:
+        self.layer_norm = reference.layer_norm
+        self.rms_norm = reference.rms_norm
+        self.swiglu = reference.swiglu
+        self.gelu = reference.gelu
+        self.rotary = reference.rotary
+        self.attention = reference.attention
+        self.cross_entropy = vocab_parallel_cross_entropy
+        self.description = "reference (eager PyTorch)"
+
+
+KERNELS = Kernels()
+
+
+def _sdpa_with(backend: SDPBackend, expand_groups: bool):
+    """Core attention restricted to one SDPA backend. Masked calls (packed fine-tuning) are
+    left to SDPA's own choice: the flash kernels take no arbitrary masks."""
+
+    def attention(query, key, value, attention_mask, dropout):
+        if attention_mask is not None:
+            return reference.attention(query, key, value, attention_mask, dropout)
+        if expand_groups and key.shape[2] != query.shape[2]:
+            repeat = query.shape[2] // key.shape[2]
+            key, value = (t.repeat_interleave(repeat, dim=2) for t in (key, value))
+        with sdpa_kernel([backend]):
+            return reference.attention(query, key, value, None, dropout)
+
+    return attention
+
+
+def _runs(backend: SDPBackend, shape: AttentionShape, device: torch.device, dtype: torch.dtype,
+          expand_groups: bool) -> bool:
+    """Whether `backend` runs forward and backward for the model's attention shapes."""
+    query = torch.randn(16, 2, shape.heads, shape.head_dim, device=device, dtype=dtype,
+                        requires_grad=True)
+    key, value = (torch.randn(16, 2, shape.groups, shape.head_dim, device=device, dtype=dtype)
+                  for _ in range(2))
+    try:
+        with warnings.catch_warnings():  # SDPA explains each refusal in a warning
+            warnings.simplefilter("ignore")
+            _sdpa_with(backend, expand_groups)(query, key, value, None,
+                                               shape.dropout).sum().backward()
+    except RuntimeError:  # "No available kernel" and its relatives
+        return False
+    return True
+
+
+def _choose_attention(config: KernelConfig, te, shape: AttentionShape, device: torch.device,
+                      dtype: torch.dtype) -> tuple[object, str]:
+    backend = config.attention_backend
+    if te is not None and backend in ("auto", "flash", "fused"):
+        if backend != "auto":  # TE picks among its backends from these variables
+            os.environ["NVTE_FLASH_ATTN"] = "1" if backend == "flash" else "0"
+            os.environ["NVTE_FUSED_ATTN"] = "1" if backend == "fused" else "0"
+        return TEAttention(te), f"Transformer Engine DotProductAttention ({backend})"
+    if backend == "auto" and not _on_gpu(device):
+        return reference.attention, "SDPA (PyTorch's choice on CPU)"
+    candidates = _CUDA_PREFERENCE if backend == "auto" else (_SDPA_BACKENDS[backend],)
+    for candidate in candidates:
+        for expand in (False, True):  # some backends lack grouped-query support: expand K/V
+            if _runs(candidate, shape, device, dtype, expand):
+                label = f"SDPA {candidate.name}" + (" (K/V expanded per head)" if expand else "")
+                return _sdpa_with(candidate, expand), label
+    raise ConfigError(f"--attention-backend {backend}: SDPA cannot run head size "
+                      f"{shape.head_dim}, attention dropout {shape.dropout}, "
+                      f"{str(dtype).removeprefix('torch.')} on {device.type} with it; "
+                      "choose another backend")
+
+
+def _compiled(function):
+    # dynamic=None: static shapes first, a dynamic kernel if the shapes change (evaluation).
+    return torch.compile(function)
+
+
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
+              normalization: str, attention: AttentionShape) -> str:
+    """Select every kernel for this run; returns the start-up log line."""
+    KERNELS.use_reference()
+    cuda = _on_gpu(device)
+    compile_fusions = config.fusion_impl == "compile" or (config.fusion_impl == "auto" and cuda)
+    fuse = _compiled if compile_fusions else (lambda function: function)
+    how = "torch.compile" if compile_fusions else "eager"
+
+    te = None
+    if config.transformer_impl != "local":
+        te = try_import("transformer_engine.pytorch") if cuda else None
+        if te is None and config.transformer_impl == "transformer_engine":
+            raise ConfigError("--transformer-impl transformer_engine: Transformer Engine "
+                              + ("does not import" if cuda else "needs CUDA GPUs")
+                              + "; install it on a GPU machine or pass --transformer-impl local")
+    impl = "transformer_engine" if te is not None else "local"
+    if config.attention_backend == "fused" and not cuda:
+        raise ConfigError("--attention-backend fused needs CUDA (cuDNN fused attention); use "
+                          "auto, flash or unfused on the CPU")
+
+    parts = {}
+    KERNELS.attention, parts["attention"] = _choose_attention(config, te, attention, device,
+                                                              dtype)
+    apex = try_import("apex.normalization.fused_layer_norm") if cuda else None
+    if not config.norm_fusion:
+        parts["norm"] = f"eager {normalization}"
+    elif apex is not None:
+        norms = ApexNorms(apex)
+        KERNELS.layer_norm, KERNELS.rms_norm = norms.layer_norm, norms.rms_norm
+        parts["norm"] = f"apex fused {normalization}"
+    else:
+        KERNELS.layer_norm = fuse(reference.layer_norm)
+        KERNELS.rms_norm = fuse(reference.rms_norm)
+        parts["norm"] = f"{how} {normalization}"
+    for name, enabled, label in (("swiglu", config.bias_swiglu_fusion, "SwiGLU"),
+                                 ("gelu", config.bias_gelu_fusion, "GELU"),
+                                 ("rotary", config.apply_rope_fusion, "RoPE")):
+        setattr(KERNELS, name, fuse(getattr(reference, name)) if enabled
+                else getattr(reference, name))
+        parts[label] = how if enabled else "eager"
+    if config.cross_entropy_loss_fusion:
+        KERNELS.cross_entropy = functools.partial(
+            fused_vocab_parallel_cross_entropy, chunk_tokens=config.cross_entropy_chunk_tokens,
+            gradient=fuse(softmax_gradient), sums=fuse(sum_of_exponentials))
+        parts["cross-entropy"] = (f"chunked, {config.cross_entropy_chunk_tokens} tokens per "
+                                  f"chunk ({how})")
+    else:
+        parts["cross-entropy"] = "reference (whole logits in fp32)"
+    # apex's FusedAdam is not used even when present: PyTorch's fused AdamW is the same
+    # multi-tensor kernel and keeps one optimizer-state format in checkpoints.
+    parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
+    KERNELS.description = (f"transformer-impl {impl}; "
+                           + ", ".join(f"{key} {value}" for key, value in parts.items()))
+    return f"> kernels: {KERNELS.description}"
+
+
+def configure_for_model(config: KernelConfig, model: ModelConfig, tensor_parallel_size: int,
+                        device: torch.device, dtype: torch.dtype) -> str:
+    """`configure` for a model's attention shapes on one tensor-parallel rank."""
+    shape = AttentionShape(heads=model.num_attention_heads // tensor_parallel_size,
+                           groups=model.num_query_groups // tensor_parallel_size,
+                           head_dim=model.kv_channels, dropout=model.attention_dropout)
+    return configure(config, device, dtype, model.normalization, shape)
