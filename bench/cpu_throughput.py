@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gpu_mfu import Shape, hf_llama_config, threefold_args  # noqa: E402
+
 from threefold.arguments import parse_args  # noqa: E402
 from threefold.hf_conversion import hf_to_threefold, model_config_from_hf  # noqa: E402
 from threefold.kernels.dispatch import configure_for_model  # noqa: E402
@@ -33,9 +35,8 @@ from threefold.model import GPTModel  # noqa: E402
 from threefold.parallel.sharding import shard_of  # noqa: E402
 from threefold.training.trainer import Trainer  # noqa: E402
 
-SHAPE = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8,
-             num_key_value_heads=4, num_hidden_layers=4, vocab_size=2048,
-             max_position_embeddings=256)
+SHAPE = Shape(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4,
+              ffn_hidden_size=704, vocab_size=2048, seq_length=256, micro_batch_size=8)
 
 
 def timed(step, warmup: int, iterations: int) -> float:
@@ -58,8 +59,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(tie_word_embeddings=False, attn_implementation="sdpa",
-                                         **SHAPE)
+    shape = dataclasses.replace(SHAPE, seq_length=args.seq, micro_batch_size=args.batch)
+    hf_config = hf_llama_config(shape)
     hf = transformers.LlamaForCausalLM(hf_config).train()
     architecture, model_config = model_config_from_hf({**hf_config.to_dict(),
                                                        "architectures": ["LlamaForCausalLM"]})
@@ -74,7 +75,7 @@ def main() -> None:
                                                              *tensor.shape[1:])])
             param.copy_(shard_of(tensor, param, 0, 1))
     ours.train()
-    tokens = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.seq + 1),
+    tokens = torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1),
                            generator=torch.Generator().manual_seed(1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
@@ -97,16 +98,7 @@ def main() -> None:
                              lambda m: m(inputs, labels=inputs).loss)
     our_step = optimizer_step(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4, fused=True),
                               lambda m: m(inputs, labels=labels).mean())
-    config = parse_args([
-        "--num-layers", str(SHAPE["num_hidden_layers"]), "--hidden-size",
-        str(SHAPE["hidden_size"]), "--num-attention-heads", str(SHAPE["num_attention_heads"]),
-        "--group-query-attention", "--num-query-groups", str(SHAPE["num_key_value_heads"]),
-        "--ffn-hidden-size", str(SHAPE["intermediate_size"]), "--seq-length", str(args.seq),
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size",
-        str(SHAPE["vocab_size"]), "--micro-batch-size", str(args.batch), "--global-batch-size",
-        str(args.batch), "--mock-data", "--train-iters", "1000", "--eval-iters", "0",
-        "--attention-dropout", "0", "--hidden-dropout", "0"])
+    config = parse_args(threefold_args(shape, bf16=False))
     trainer = Trainer(config, torch.device("cpu"))
     # Kernels are chosen per process; each contender re-selects its own before it is timed.
     kernels = {impl: dataclasses.replace(config.kernels, fusion_impl=impl)
@@ -142,7 +134,8 @@ def main() -> None:
     print(f"# CPU training throughput: threefold vs transformers {transformers.__version__}\n")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads. Model: LLaMA-style "
-          f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters ({SHAPE}), fp32, "
+          f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters "
+          f"({dataclasses.asdict(shape)}), fp32, "
           f"batch {args.batch} x {args.seq} tokens, clipping at 1.0 and fused AdamW for all. "
           f"Best of {args.rounds} rounds of {args.iterations} steps after {args.warmup} "
           "warm-up steps.\n")

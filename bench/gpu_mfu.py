@@ -52,7 +52,8 @@ CONTENDERS = ("threefold", "transformers", "transformers+compile", "megatron-cor
               "torchtitan")
 
 
-def _threefold_args(shape: Shape, bf16: bool) -> list[str]:
+def threefold_args(shape: Shape, bf16: bool) -> list[str]:
+    """pretrain_gpt.py's flags for the shape (mock data, no dropout, no evaluation)."""
     return ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
             "--num-attention-heads", str(shape.num_attention_heads), "--group-query-attention",
             "--num-query-groups", str(shape.num_query_groups), "--ffn-hidden-size",
@@ -66,13 +67,25 @@ def _threefold_args(shape: Shape, bf16: bool) -> list[str]:
             "--lr", "1e-4", *(["--bf16"] if bf16 else [])]
 
 
+def hf_llama_config(shape: Shape):
+    """The same model as a `transformers` LlamaConfig (SDPA attention, untied)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups, num_hidden_layers=shape.num_layers,
+        vocab_size=shape.vocab_size, max_position_embeddings=shape.seq_length,
+        tie_word_embeddings=False, attn_implementation="sdpa")
+
+
 # --- contenders: each returns a `step()` that trains one iteration and returns its loss ----
 
 def _threefold(shape: Shape, device, bf16: bool):
     from threefold.arguments import parse_args
     from threefold.training.trainer import Trainer
 
-    trainer = Trainer(parse_args(_threefold_args(shape, bf16)), device)
+    trainer = Trainer(parse_args(threefold_args(shape, bf16)), device)
     return lambda: trainer.train_step()[0]
 
 
@@ -88,12 +101,7 @@ def _transformers(shape: Shape, device, bf16: bool, compiled: bool = False):
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, num_hidden_layers=shape.num_layers,
-        vocab_size=shape.vocab_size, max_position_embeddings=shape.seq_length,
-        tie_word_embeddings=False, attn_implementation="sdpa")
+    config = hf_llama_config(shape)
     model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     forward = torch.compile(model) if compiled else model
@@ -202,7 +210,7 @@ def _flops_per_step(shape: Shape) -> float:
     from threefold.arguments import parse_args
     from threefold.training.flops import training_flops_per_iteration
 
-    model = parse_args(_threefold_args(shape, False), world_size=1).model
+    model = parse_args(threefold_args(shape, False), world_size=1).model
     return training_flops_per_iteration(model, shape.micro_batch_size,
                                         model.padded_vocab_size(1))
 
