@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from threefold.errors import ConfigError
+from threefold.errors import require
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 FUSION_IMPLS = ("auto", "compile", "eager")
@@ -38,11 +38,11 @@ class KernelConfig:
     cross_entropy_chunk_tokens: int = 4096  # tokens per chunk of the fused cross-entropy
 
     def finalize(self) -> None:
-        if self.transformer_impl not in (None, "local", "transformer_engine"):
-            raise ConfigError("--transformer-impl must be local or transformer_engine")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.fusion_impl not in FUSION_IMPLS:
-            raise ConfigError(f"--fusion-impl must be one of {', '.join(FUSION_IMPLS)}")
-        if self.cross_entropy_chunk_tokens < 1:
-            raise ConfigError("--cross-entropy-chunk-tokens must be >= 1")
+        require(self.transformer_impl in (None, "local", "transformer_engine"),
+                "--transformer-impl must be local or transformer_engine")
+        require(self.attention_backend in ATTENTION_BACKENDS,
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        require(self.fusion_impl in FUSION_IMPLS,
+                f"--fusion-impl must be one of {', '.join(FUSION_IMPLS)}")
+        require(self.cross_entropy_chunk_tokens >= 1,
+                "--cross-entropy-chunk-tokens must be >= 1")
