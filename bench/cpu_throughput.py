@@ -9,8 +9,10 @@ tokens (fp32, gradient clipping at 1.0 and PyTorch's fused AdamW everywhere): fo
 backward, clipping and optimizer step per iteration. `transformers` runs eager and under
 torch.compile; threefold runs its model with the same plain loop (what the comparison
 isolates) and its full `Trainer.train_step` (gradient buffer, clipping, LR schedule, its own
-optimizer), with eager kernels (the CPU default) and with `--fusion-impl compile`
-(torch.compile'd norms, SwiGLU, RoPE, cross-entropy chunks).
+optimizer), with eager kernels (the CPU default), with `--fusion-impl compile`
+(torch.compile'd norms, SwiGLU, RoPE, cross-entropy chunks) and with `--compile-layers`
+(each transformer layer one compiled graph, as torchtitan's --compile; set against
+`transformers` + torch.compile, which compiles the whole model).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -100,6 +103,8 @@ def main() -> None:
                               lambda m: m(inputs, labels=labels).mean())
     config = parse_args(threefold_args(shape, bf16=False))
     trainer = Trainer(config, torch.device("cpu"))
+    layers_config = parse_args(threefold_args(shape, bf16=False) + ["--compile-layers"])
+    compiled_layers_trainer = Trainer(layers_config, torch.device("cpu"))
     # Kernels are chosen per process; each contender re-selects its own before it is timed.
     kernels = {impl: dataclasses.replace(config.kernels, fusion_impl=impl)
                for impl in ("eager", "compile")}
@@ -119,6 +124,8 @@ def main() -> None:
         "threefold Trainer.train_step (eager kernels)": (select("eager"), trainer.train_step),
         "threefold Trainer.train_step (--fusion-impl compile)": (select("compile"),
                                                                  trainer.train_step),
+        "threefold Trainer.train_step (--compile-layers)": (select("eager"),
+                                                            compiled_layers_trainer.train_step),
     }
     results = {name: [] for name in contenders}
     # Interleaved rounds, so drift in the machine's speed hits every contender alike.
@@ -127,21 +134,25 @@ def main() -> None:
             if prepare is not None:
                 prepare()
             results[name].append(timed(step, args.warmup, args.iterations))
-    per_token = {name: min(times) / (args.batch * args.seq) for name, times in results.items()}
-    baseline = per_token["transformers (eager)"]
-    rows = [f"| {name} | {1 / seconds:,.0f} | {baseline / seconds:.2f} |"
-            for name, seconds in per_token.items()]
+    tokens = args.batch * args.seq
+    best = {name: min(times) / tokens for name, times in results.items()}
+    median = {name: statistics.median(times) / tokens for name, times in results.items()}
+    baseline = "transformers (eager)"
+    rows = [f"| {name} | {1 / best[name]:,.0f} | {best[baseline] / best[name]:.2f} | "
+            f"{median[baseline] / median[name]:.2f} |" for name in results]
     print(f"# CPU training throughput: threefold vs transformers {transformers.__version__}\n")
     print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads. Model: LLaMA-style "
           f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters "
           f"({dataclasses.asdict(shape)}), fp32, "
           f"batch {args.batch} x {args.seq} tokens, clipping at 1.0 and fused AdamW for all. "
-          f"Best of {args.rounds} rounds of {args.iterations} steps after {args.warmup} "
-          "warm-up steps.\n")
+          f"{args.rounds} interleaved rounds of {args.iterations} steps, each after "
+          f"{args.warmup} warm-up steps; tokens/s of the best round, ratios of the best and of "
+          "the median rounds (their difference is this machine's noise).\n")
     print(f"Same function: initial loss transformers {hf_loss.item():.6f}, threefold "
           f"{our_loss.item():.6f}.\n")
-    print("| implementation | tokens/s | ratio to transformers |\n|---|---|---|")
+    print("| implementation | tokens/s | ratio to transformers (best) | ratio (median) |\n"
+          "|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
          help="the one-shot reference cross-entropy (whole logits in fp32)")
     _add(g, "kernels", "--cross-entropy-chunk-tokens", type=int,
          help="tokens per chunk of the fused cross-entropy (default 4096)")
+    _add(g, "kernels", "--compile-layers", action=_STORE_TRUE,
+         help="torch.compile each transformer layer as one graph (torchtitan's --compile): "
+              "fuses across kernels (residual adds, norms, RoPE, SwiGLU); compile time is "
+              "paid once per process")
 
     g = parser.add_argument_group("training")
     _add(g, "training", "--micro-batch-size", type=int)

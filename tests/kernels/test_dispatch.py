@@ -35,6 +35,9 @@ def test_explicit_choices_are_honoured():
     assert "RoPE eager" in line and "SwiGLU torch.compile" in line
     assert "cross-entropy reference" in line
     assert KERNELS.rotary is reference.rotary and KERNELS.layer_norm is not reference.layer_norm
+    assert "transformer layers" not in line
+    line = configure(KernelConfig(compile_layers=True), CPU, torch.float32, "RMSNorm", SHAPE)
+    assert line.endswith("transformer layers each torch.compile'd as one graph")
 
 
 @pytest.mark.parametrize("config,message", [

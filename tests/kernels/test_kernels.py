@@ -114,7 +114,7 @@ def _ops():
     cos, sin = tensor(16, 1, 1, 32).cos(), tensor(16, 1, 1, 32).sin()
     return {"layer_norm": (reference.layer_norm, (x, weight, bias, 1e-5)),
             "rms_norm": (reference.rms_norm, (x, weight, 1e-5)),
-            "swiglu": (reference.swiglu, (tensor(16, 2, 128),)),
+            "swiglu": (lambda fc1: reference.swiglu(*fc1.chunk(2, dim=-1)), (tensor(16, 2, 128),)),
             "gelu": (reference.gelu, (tensor(16, 2, 128), "tanh")),
             "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin))}
 

@@ -119,3 +119,14 @@ def _dropout_masks_job() -> dict:
     with get_rng_tracker().fork():
         split = torch.nn.functional.dropout(torch.ones(64), 0.5)
     return {"replicated": replicated, "split": split}
+
+
+def test_region_boundaries_are_skipped_without_tensor_parallelism():
+    # At TP=1 (no process group) no autograd node and no copy: the input itself comes back.
+    from threefold.parallel import mappings
+
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+                 "gather_from_sequence_parallel_region",
+                 "reduce_scatter_to_sequence_parallel_region"):
+        assert getattr(mappings, name)(x) is x, name

@@ -36,6 +36,9 @@ class KernelConfig:
     # selects the one-shot reference.
     cross_entropy_loss_fusion: bool = True
     cross_entropy_chunk_tokens: int = 4096  # tokens per chunk of the fused cross-entropy
+    # torch.compile each transformer layer whole, as torchtitan compiles its blocks: the
+    # kernels inside are traced into one graph, so --fusion-impl only affects the loss.
+    compile_layers: bool = False
 
     def finalize(self) -> None:
         require(self.transformer_impl in (None, "local", "transformer_engine"),

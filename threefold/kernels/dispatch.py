@@ -185,9 +185,21 @@ def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
     # apex's FusedAdam is not used even when present: PyTorch's fused AdamW is the same
     # multi-tensor kernel and keeps one optimizer-state format in checkpoints.
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
+    if config.compile_layers:
+        parts["transformer layers"] = "each torch.compile'd as one graph"
     KERNELS.description = (f"transformer-impl {impl}; "
                            + ", ".join(f"{key} {value}" for key, value in parts.items()))
     return f"> kernels: {KERNELS.description}"
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each transformer layer of a model chunk in place, as torchtitan compiles
+    its blocks: one graph per layer, so the compiler fuses across kernels (a residual add into
+    the next norm, RoPE into the QKV split). Per layer rather than the whole model: every layer
+    reuses one compiled graph, and pipeline stages, recomputation and FSDP keep their layer
+    boundaries. Parameter names and state dicts are unchanged."""
+    for layer in model.decoder.layers:
+        layer.compile()
 
 
 def configure_for_model(config: KernelConfig, model: ModelConfig, tensor_parallel_size: int,

@@ -20,9 +20,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
-def swiglu(intermediate: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, from megatron-core's stacked [gate; up] fc1 output."""
-    gate, up = intermediate.chunk(2, dim=-1)
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the two blocks of megatron-core's stacked [gate; up] fc1 output."""
     return F.silu(gate) * up
 
 

@@ -29,9 +29,8 @@ class MLP(nn.Module):
             init_method=output_layer_init_method, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        intermediate = self.linear_fc1(hidden_states)
         if self.swiglu:
-            intermediate = KERNELS.swiglu(intermediate)
+            intermediate = KERNELS.swiglu(*self.linear_fc1.forward_blocks(hidden_states))
         else:
-            intermediate = KERNELS.gelu(intermediate, self.gelu_approximation)
+            intermediate = KERNELS.gelu(self.linear_fc1(hidden_states), self.gelu_approximation)
         return self.linear_fc2(intermediate)

@@ -36,6 +36,9 @@ class _TrackerSnapshot:
             tracker.states = current
 
 
+# Inside a layer compiled whole (--compile-layers) the recomputed region runs eager between two
+# compiled graphs: the compiler's own checkpoint cannot take this `context_fn`.
+@torch.compiler.disable
 def checkpoint(function, *args):
     """`function(*args)`, recomputed in backward instead of keeping its activations."""
     snapshot = _TrackerSnapshot()

@@ -152,32 +152,47 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather(grad_output, 0)
 
 
+def _apply(region: type[torch.autograd.Function], x: torch.Tensor) -> torch.Tensor:
+    """Without tensor parallelism every region boundary is the identity: skip the autograd node,
+    which would cost a Python call in forward and in backward (and the reduction its copy)."""
+    if state.tensor_model_parallel_world_size() == 1:
+        return x
+    return _communicate(region, x)
+
+
+# Inside a layer compiled whole (--compile-layers) each collective runs eager between compiled
+# graphs: traced into a graph, the gloo/NCCL calls of these autograd functions would hang.
+@torch.compiler.disable
+def _communicate(region: type[torch.autograd.Function], x: torch.Tensor) -> torch.Tensor:
+    return region.apply(x)
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _CopyToTensorParallelRegion.apply(x)
+    return _apply(_CopyToTensorParallelRegion, x)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceFromTensorParallelRegion.apply(x)
+    return _apply(_ReduceFromTensorParallelRegion, x)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterToTensorParallelRegion.apply(x)
+    return _apply(_ScatterToTensorParallelRegion, x)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _GatherFromTensorParallelRegion.apply(x)
+    return _apply(_GatherFromTensorParallelRegion, x)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _ScatterToSequenceParallelRegion.apply(x)
+    return _apply(_ScatterToSequenceParallelRegion, x)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _GatherFromSequenceParallelRegion.apply(x)
+    return _apply(_GatherFromSequenceParallelRegion, x)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceScatterToSequenceParallelRegion.apply(x)
+    return _apply(_ReduceScatterToSequenceParallelRegion, x)
 
 
 def all_reduce_tensor_parallel(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -16,7 +16,7 @@ from threefold.checkpointing import PendingSave, save_checkpoint
 from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
-from threefold.kernels.dispatch import configure_for_model
+from threefold.kernels.dispatch import compile_layers, configure_for_model
 from threefold.model import GPTModel
 from threefold.parallel import state
 from threefold.parallel.data_parallel import GradientBuffer, finalize_model_grads
@@ -107,6 +107,8 @@ def build_model_chunks(config: Config, device: torch.device,
                          num_layers=count, layer_offset=offset)
         chunk.initialize(config.training.seed)
         chunks.append(chunk.to(device=device, dtype=dtype))
+        if config.kernels.compile_layers:
+            compile_layers(chunk)
     return chunks
 
 
