@@ -37,7 +37,8 @@ class KernelConfig:
     cross_entropy_loss_fusion: bool = True
     cross_entropy_chunk_tokens: int = 4096  # tokens per chunk of the fused cross-entropy
     # torch.compile each transformer layer whole, as torchtitan compiles its blocks: the
-    # kernels inside are traced into one graph, so --fusion-impl only affects the loss.
+    # kernels inside are traced into one graph, so --fusion-impl only affects the final norm
+    # and the loss, which stay outside the layers.
     compile_layers: bool = False
 
     def finalize(self) -> None:
