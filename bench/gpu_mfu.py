@@ -13,8 +13,9 @@ logging to OUT/<name>.log:
   transformers' Trainer with bf16=True), PyTorch's fused AdamW; eager and torch.compile'd;
 - megatron-core: GPTModel with the local layer spec, bf16 with fp32 masters through
   megatron-core's DDP and optimizer (needs CUDA: its RoPE asks torch.cuda for the device);
-- torchtitan: reported as unavailable unless `torchtitan` imports (0.3 needs a PyTorch
-  nightly; there is no wheel for the GPU machine's PyTorch).
+- torchtitan 0.3: its Llama 3 model, `parallelize_llama` (FSDP2 bf16 parameters, fp32
+  reduction) and loss on a one-rank mesh, eager and with its per-block torch.compile; reported
+  as not run where it does not import (carry its wheels: bench/README.md).
 
 Model FLOPs per step are threefold's count (threefold/training/flops.py, docs/performance.md),
 the same for every contender; MFU divides by the GPU's dense bf16 peak.
@@ -27,6 +28,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -50,7 +52,7 @@ class Shape:
 TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
              ffn_hidden_size=176, vocab_size=512, seq_length=64, micro_batch_size=2)
 CONTENDERS = ("threefold", "threefold+compile-layers", "transformers", "transformers+compile",
-              "megatron-core", "torchtitan")
+              "megatron-core", "torchtitan", "torchtitan+compile")
 
 
 def threefold_args(shape: Shape, bf16: bool) -> list[str]:
@@ -171,13 +173,76 @@ def _megatron_core(shape: Shape, device, bf16: bool):
     return step
 
 
-def _torchtitan(shape: Shape, device, bf16: bool):
+def _torchtitan(shape: Shape, device, bf16: bool, compiled: bool = False):
+    """torchtitan 0.3's Llama 3 recipe without its data pipeline: its model (fused QKV,
+    FlexAttention with the document-causal mask its trainer builds from positions),
+    `parallelize_llama` on a one-rank mesh (FSDP2 with bf16 parameters and fp32 reduction,
+    per-block torch.compile when `compiled`), its sum-reduced cross-entropy (compiled too, as
+    its --compile.components default), fused AdamW and clipping at 1.0, as its Trainer does.
+    Its Trainer itself wants a tokenizer and a dataset on disk, which this benchmark has not."""
     import importlib.util
 
+    import torch
+    import torch.distributed as dist
+
     if importlib.util.find_spec("torchtitan") is None:
-        raise RuntimeError("torchtitan is not installed (0.3 needs a PyTorch nightly)")
-    raise RuntimeError("torchtitan is installed, but its trainer is driven by its own TOML "
-                       "configs; run it with the shapes above and add its log by hand")
+        raise RuntimeError("torchtitan is not installed (carry torchtitan 0.3 and its "
+                           "dependencies as wheels)")
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models import llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29556")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    # torchtitan builds its meshes on the accelerator it finds; the CPU check runs on gloo.
+    parallel_dims_module.device_type = device.type
+    dim, heads = shape.hidden_size, shape.num_attention_heads
+    config = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=shape.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=shape.vocab_size, embedding_dim=dim,
+                                        param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=shape.vocab_size,
+                              param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=shape.num_layers, dim=dim, n_heads=heads,
+            n_kv_heads=shape.num_query_groups, hidden_dim=shape.ffn_hidden_size,
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=shape.seq_length,
+                                    theta=10000.0),
+            attn_backend="flex"))
+    with torch.device("meta"):
+        model = config.build()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=1)
+    precision = "bfloat16" if bf16 else "float32"
+    model = llama3.parallelize_llama(
+        model, parallel_dims=parallel_dims_module.ParallelDims.from_config(parallelism, 1),
+        training=TrainingConfig(local_batch_size=shape.micro_batch_size,
+                                seq_len=shape.seq_length, mixed_precision_param=precision),
+        parallelism=parallelism, compile_config=CompileConfig(enable=compiled),
+        ac_config=None, dump_folder=os.path.join("/tmp", "torchtitan_dump"))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=True)
+    loss_function = torch.compile(cross_entropy_loss) if compiled else cross_entropy_loss
+    tokens = _batch(shape, device)
+    positions = torch.arange(shape.seq_length, device=device).expand_as(tokens)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        masks = model.get_attention_masks(positions=positions)  # per batch, as its Trainer
+        logits = model(tokens, positions=positions, attention_masks=masks)
+        loss = loss_function(logits, tokens) / tokens.numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.item()
+
+    return step
 
 
 def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
@@ -192,7 +257,8 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
              "threefold+compile-layers": lambda *a: _threefold(*a, extra=("--compile-layers",)),
              "transformers": _transformers,
              "transformers+compile": lambda *a: _transformers(*a, compiled=True),
-             "megatron-core": _megatron_core, "torchtitan": _torchtitan}[name]
+             "megatron-core": _megatron_core, "torchtitan": _torchtitan,
+             "torchtitan+compile": lambda *a: _torchtitan(*a, compiled=True)}[name]
     step = build(shape, device, cuda)
     losses = [step() for _ in range(warmup)]  # compilation and allocator warm-up
     if cuda:
@@ -216,6 +282,15 @@ def _flops_per_step(shape: Shape) -> float:
     model = parse_args(threefold_args(shape, False), world_size=1).model
     return training_flops_per_iteration(model, shape.micro_batch_size,
                                         model.padded_vocab_size(1))
+
+
+def _failure(log: str) -> str:
+    """The line of a failed contender's log that names its exception: the last unindented
+    `module.Name: message` line (dynamo's closing hints are indented or have no such name),
+    rank prefixes removed; else the last line."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in log.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^(\w+\.)*[A-Z]\w*: ", line)]
+    return (named or lines)[-1][:200]
 
 
 def _environment() -> str:
@@ -274,8 +349,7 @@ def main() -> None:
         if run.returncode == 0 and lines:
             results[name] = json.loads(lines[-1][len("RESULT "):])
         else:
-            last = [line for line in text.splitlines() if line.strip()][-1]
-            results[name] = {"error": last[:200]}
+            results[name] = {"error": _failure(text)}
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
 
     ours = max((result["tokens_per_s"] for name, result in results.items()

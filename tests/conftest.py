@@ -9,6 +9,12 @@ from tests.distributed import close_pools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Kernel tests that run on every device present: the CPU always, CUDA where a GPU is
+# (bench/gpu_session.sh runs the `cuda` legs there).
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+               not __import__("torch").cuda.is_available(), reason="no CUDA device"))]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _distributed_worker_pools():

@@ -32,3 +32,16 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan"]
     log = (tmp_path / "threefold.log").read_text()
     assert "> kernels: transformer-impl local;" in log and "RESULT {" in log
+
+
+def test_a_failed_contender_is_reported_by_its_exception_line():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_mfu import _failure
+
+    log = ("$ python gpu_mfu.py --contender torchtitan+compile\n"
+           "[rank0]: torch._dynamo.exc.Unsupported: raised NotImplementedError('no backward')\n"
+           "[rank0]:   Hint: Your code may result in an error when running in eager.\n"
+           "[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n\n")
+    assert _failure(log) == "torch._dynamo.exc.Unsupported: raised NotImplementedError('no "\
+                            "backward')"
+    assert _failure("starting\nkilled by signal 9\n") == "killed by signal 9"

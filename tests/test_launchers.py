@@ -13,7 +13,8 @@ from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
 from tests.distributed import free_port
 
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "launch", "*.sh"))
-                 + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh")))
+                 + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh"))
+                 + glob.glob(os.path.join(ROOT, "bench", "*.sh")))
 
 
 def test_shellcheck_passes_on_every_launcher():

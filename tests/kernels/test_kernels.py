@@ -11,6 +11,7 @@
 import pytest
 import torch
 
+from tests.conftest import DEVICES
 from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, assert_close_dicts, gradient_job
 from threefold.kernels import reference
@@ -56,8 +57,9 @@ def test_chunked_cross_entropy_with_padding_and_uneven_chunks():
         assert torch.all(actual_grad[..., 250:] == 0), "padding columns get no gradient"
 
 
-def test_chunked_cross_entropy_in_bf16_keeps_no_fp32_copy():
-    logits, target, grad_loss = _logits(64, 512, 500, torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_cross_entropy_in_bf16_keeps_no_fp32_copy(device):
+    logits, target, grad_loss = (t.to(device) for t in _logits(64, 512, 500, torch.bfloat16))
     expected_loss, expected_grad = _loss_and_grad(vocab_parallel_cross_entropy, logits.float(),
                                                   target, grad_loss, 500)
     leaf = logits.clone().requires_grad_()
@@ -104,11 +106,11 @@ def test_compiled_kernels_in_the_model_match_the_reference(style):
     assert_close_dicts(actual["grads"], expected["grads"], 1e-5, "gradient")
 
 
-def _ops():
+def _ops(device: str = "cpu"):
     generator = torch.Generator().manual_seed(3)
 
     def tensor(*shape):
-        return torch.randn(*shape, generator=generator)
+        return torch.randn(*shape, generator=generator).to(device)
 
     x, weight, bias = tensor(16, 2, 64), 1 + tensor(64) / 10, tensor(64) / 10
     cos, sin = tensor(16, 1, 1, 32).cos(), tensor(16, 1, 1, 32).sin()
@@ -119,8 +121,10 @@ def _ops():
             "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin))}
 
 
-def test_compiled_ops_in_bf16_are_within_bf16_tolerance_of_fp32():
-    for name, (function, args) in _ops().items():
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_ops_in_bf16_are_within_bf16_tolerance_of_fp32(device):
+    """The compiled ops alone (C++ on the CPU, Triton on a GPU), forward and backward."""
+    for name, (function, args) in _ops(device).items():
         first = args[0].clone().requires_grad_()
         expected = function(first, *args[1:])
         expected.sum().backward()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a GPU machine without registry access, from the repository root, with the wheels of
+# bench/gpu_wheels.sh carried in .whl/:
+#   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels
+#   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
+# Logs and results go to $OUT (the device tool's folder that comes back), else
+# bench/results/gpu_mfu. The wheels install under /tmp/site, beside the machine's own torch.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+out="${OUT:-bench/results/gpu_mfu}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+phase="${1:-bench}"
+shift || true
+case "$phase" in
+  tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
+           2>&1 | tee "$out/device_tests.log" ;;
+  bench) python3 bench/gpu_mfu.py --out "$out" "$@" 2>&1 | tee "$out/gpu_mfu_stderr.log" ;;
+  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests or bench" >&2; exit 2 ;;
+esac
