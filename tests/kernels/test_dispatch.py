@@ -56,6 +56,19 @@ def test_flash_with_dropout_on_cpu_is_refused_naming_the_flag():
                   AttentionShape(4, 2, 16, 0.1))
 
 
+@pytest.mark.parametrize("config,flag", [(KernelConfig(compile_layers=True), "--compile-layers"),
+                                         (KernelConfig(fusion_impl="compile"),
+                                          "--fusion-impl compile")])
+def test_compiling_on_a_cpu_without_a_compiler_is_refused_up_front(config, flag):
+    from torch._inductor import config as inductor
+
+    with inductor.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        with pytest.raises(ConfigError, match=f"^{flag} on the CPU needs a C\\+\\+ compiler "
+                                              ".*install g\\+\\+ or set CXX"):
+            configure(config, CPU, torch.float32, "RMSNorm", SHAPE)
+        configure(KernelConfig(), CPU, torch.float32, "RMSNorm", SHAPE)  # eager needs none
+
+
 def test_transformer_engine_request_fails_before_torch_loads(tmp_path):
     argv = LLAMA_STYLE + TRAINING + ["--transformer-impl", "transformer_engine"]
     result = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,

@@ -129,6 +129,19 @@ def _compiled(function):
     return torch.compile(function)
 
 
+def _require_cpu_compiler(flag: str) -> None:
+    """On the CPU, inductor writes compiled graphs as C++: without a compiler the first step
+    would fail deep inside torch.compile, after the model and data are built."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as error:  # noqa: BLE001 - InvalidCxxCompiler and its causes alike
+        raise ConfigError(f"{flag} on the CPU needs a C++ compiler for torch.compile "
+                          f"({str(error).splitlines()[0]}); install g++ or set CXX, or use "
+                          "--fusion-impl eager without --compile-layers") from error
+
+
 def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
@@ -150,6 +163,9 @@ def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
                               + ("does not import" if cuda else "needs CUDA GPUs")
                               + "; install it on a GPU machine or pass --transformer-impl local")
     impl = "transformer_engine" if te is not None else "local"
+    if not cuda and (compile_fusions or config.compile_layers):
+        _require_cpu_compiler("--compile-layers" if config.compile_layers
+                              else "--fusion-impl compile")
     if config.attention_backend == "fused" and not cuda:
         raise ConfigError("--attention-backend fused needs CUDA (cuDNN fused attention); use "
                           "auto, flash or unfused on the CPU")
