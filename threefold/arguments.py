@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from threefold import megatron_compat
 from threefold.config import Config, ConfigError
 
 # Flags that take no value; their config default is False.
@@ -131,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--min-lr", type=float)
     _add(g, "training", "--lr-decay-style", choices=["constant", "linear", "cosine"])
     _add(g, "training", "--lr-warmup-iters", type=int)
+    _add(g, "training", "--lr-warmup-fraction", type=float,
+         help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
     _add(g, "training", "--lr-decay-iters", type=int)
     _add(g, "training", "--weight-decay", type=float)
     _add(g, "training", "--adam-beta1", type=float)
@@ -159,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--check-for-spiky-loss", action=_STORE_TRUE,
          help="log the batch of any loss above --spiky-loss-factor x the recent mean")
     _add(g, "training", "--spiky-loss-factor", type=float)
+    _add(g, "training", "--manual-gc", action=_STORE_TRUE,
+         help="disable Python's automatic garbage collection during training (collections "
+              "stall ranks at different times); collect every --manual-gc-interval iterations")
+    _add(g, "training", "--manual-gc-interval", type=int,
+         help="with --manual-gc: collect every this many iterations (0: only around evaluation)")
+    _add(g, "training", "--no-manual-gc-eval", action="store_false", field="manual_gc_eval",
+         help="with --manual-gc: no collection before and after evaluation")
+    _add(g, "training", "--empty-unused-memory-level", type=int, choices=[0, 1, 2],
+         help="CUDA: release cached allocator blocks; 1: after each iteration and evaluation, "
+              "2: also between backward and the optimizer step")
 
     g = parser.add_argument_group("data")
     _add(g, "data", "--data-path", nargs="+",
@@ -202,23 +215,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "logging", "--wandb-exp-name", type=str)
     _add(g, "logging", "--wandb-save-dir", type=str, help="default: SAVE/wandb")
     _add(g, "logging", "--wandb-entity", type=str)
+    megatron_compat.add_flags(parser)
     return parser
 
 
 def config_from_namespace(namespace: argparse.Namespace) -> Config:
+    """The config the flags set; the compatibility flags are left to `megatron_compat.check`."""
     config = Config()
     for dest, value in vars(namespace).items():
         concern, name = dest.split(".", 1)
-        setattr(getattr(config, concern), name, value)
+        if concern != "compat":
+            setattr(getattr(config, concern), name, value)
     return config
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
     """Parse Megatron-LM flags and validate them; exits with code 2 and one line on a mistake."""
     parser = build_parser()
-    config = config_from_namespace(parser.parse_args(argv))
+    namespace = parser.parse_args(argv)
+    config = config_from_namespace(namespace)
     config.parallel.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        for note in megatron_compat.check({dest: value for dest, value in vars(namespace).items()
+                                           if dest.startswith("compat.")}):
+            print(f"> {note}", flush=True)
         for warning in config.finalize():
             print(f"WARNING: {warning}", flush=True)
     except ConfigError as error:

@@ -297,7 +297,8 @@ class TrainingConfig:
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: float = 0  # iterations; fractional when set from lr_warmup_fraction
+    lr_warmup_fraction: float | None = None  # of lr_decay_iters, as Megatron-LM
     lr_decay_iters: int | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -322,6 +323,13 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = False  # stop at the first inf/nan, naming the rank
     check_for_spiky_loss: bool = False  # log batches whose loss jumps (see training/numerics)
     spiky_loss_factor: float = 10.0
+    # Megatron's memory hygiene (training/memory_hygiene.py): Python's collector driven by hand,
+    # and the CUDA caching allocator emptied at level 1 after each step and evaluation, at 2
+    # also between backward and the optimizer step.
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
+    empty_unused_memory_level: int = 0
 
     @property
     def params_dtype_name(self) -> str:
@@ -350,6 +358,11 @@ class TrainingConfig:
                  "--lr-decay-style must be constant, linear or cosine")
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
+        if self.lr_warmup_fraction is not None:
+            _require(self.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters "
+                     "are mutually exclusive; pick one")
+            _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
+            self.lr_warmup_iters = self.lr_warmup_fraction * self.lr_decay_iters
         _require(
             self.lr_warmup_iters <= self.lr_decay_iters,
             f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
@@ -364,6 +377,7 @@ class TrainingConfig:
         _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
                  "--exit-duration-in-mins must be positive")
         _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
+        _require(self.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
 
 
 @dataclass

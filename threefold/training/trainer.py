@@ -43,6 +43,7 @@ from threefold.training.logging import (
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.memory_hygiene import MemoryHygiene
 from threefold.training.numerics import NonFiniteError, SpikyLossDetector, check_loss_and_grads
 from threefold.training.optimizer import (
     DistributedOptimizer,
@@ -173,6 +174,7 @@ class Trainer:
         self._last_saved = None
         self._pending_save = None
         self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
+        self.hygiene = MemoryHygiene(training, device)
 
     def _build_megatron_data_parallel(self, offload: bool) -> None:
         parallel, training = self.config.parallel, self.config.training
@@ -277,6 +279,7 @@ class Trainer:
         self.watchdog.enter("gradient reduction", iteration)
         if not self.native:  # DDP and FSDP have reduced the gradients during backward
             finalize_model_grads(self.grad_buffer)
+        self.hygiene.before_optimizer_step()
         self.watchdog.enter("optimizer step", iteration)
         updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
         self.loss_scaler.update(found_inf=not updated)
@@ -327,6 +330,7 @@ class Trainer:
         exits = ExitConditions(training, self.device, self.start_time)
         spikes = (SpikyLossDetector(training.spiky_loss_factor)
                   if training.check_for_spiky_loss else None)
+        self.hygiene.__enter__()  # its first collection is not iteration time
         losses, window_losses, window_start = [], [], time.perf_counter()
         window_iterations = 0
         try:
@@ -334,6 +338,7 @@ class Trainer:
                 first_sample = self.state.consumed_train_samples
                 loss, grad_norm, skipped = self.train_step()
                 iteration = self.state.iteration
+                self.hygiene.after_iteration(iteration)
                 losses.append(loss)
                 self.state.skipped_iterations += int(skipped)
                 if skipped:
@@ -360,7 +365,8 @@ class Trainer:
                     window_start = time.perf_counter()
                 if iteration % training.eval_interval == 0 or iteration == training.train_iters:
                     self.watchdog.enter("evaluation", iteration)
-                    valid_loss = self.evaluate()
+                    with self.hygiene.evaluation():
+                        valid_loss = self.evaluate()
                     if valid_loss is not None:
                         print_rank_0(format_validation(iteration, valid_loss))
                         writers.log_validation(iteration, valid_loss)
@@ -379,6 +385,7 @@ class Trainer:
             self.finish_pending_save()  # an earlier checkpoint in flight is a good one
             raise
         finally:
+            self.hygiene.__exit__()
             exits.close()
             self.watchdog.close()
             writers.close()

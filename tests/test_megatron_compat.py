@@ -1,0 +1,117 @@
+"""Flags from Megatron-LM's own launch scripts: aliases become the flag they stand for, options
+with one supported value refuse the others in one line, switches with no counterpart are
+accepted and named at start-up; --lr-warmup-fraction, --manual-gc and
+--empty-unused-memory-level do what they do in Megatron-LM."""
+
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from tests.parity import GPT2_STYLE, TRAINING
+from threefold import megatron_compat
+from threefold.arguments import parse_args
+from threefold.config import TrainingConfig
+from threefold.training.lr_scheduler import OptimizerParamScheduler
+from threefold.training.memory_hygiene import MemoryHygiene
+from threefold.training.trainer import Trainer
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "100",
+        "--train-iters", "100"]
+
+
+def test_a_megatron_llama_script_line_parses():
+    """The model, parallel and kernel flags of Megatron-LM's examples/llama bf16 script."""
+    config = parse_args(BASE + [
+        "--use-mcore-models", "--group-query-attention", "--num-query-groups", "2",
+        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent",
+        "1.0", "--swiglu", "--attention-backend", "auto", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--bf16", "--cross-entropy-loss-fusion",
+        "--context-parallel-size", "1", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--manual-gc", "--empty-unused-memory-level", "1",
+        "--lr-warmup-fraction", ".01", "--log-throughput", "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+        "--no-create-attention-mask-in-dataloader", "--attention-softmax-in-fp32"])
+    assert config.training.manual_gc and config.training.empty_unused_memory_level == 1
+    assert config.training.lr_warmup_iters == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("flag", sorted(megatron_compat.ALIASES))
+def test_aliases_are_the_flag_they_stand_for(flag):
+    dest, value = megatron_compat.ALIASES[flag]
+    concern, field = dest.split(".")
+    config = parse_args(BASE + [flag])
+    assert getattr(getattr(config, concern), field) == value
+
+
+@pytest.mark.parametrize("flag", sorted(megatron_compat.ONLY_DEFAULT))
+def test_options_refuse_all_but_their_one_supported_value(flag, capsys):
+    kind, supported, why = megatron_compat.ONLY_DEFAULT[flag]
+    parse_args(BASE + [flag, str(supported)])
+    other = {int: "2", float: "0.5", str: "cyclic"}[kind]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + [flag, other])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"pretrain_gpt.py: error: {flag} {kind(other)}: {why} in threefold; use {supported} "
+        "(Megatron-LM's default) or drop the flag")
+
+
+@pytest.mark.parametrize("flag", sorted(megatron_compat.NO_COUNTERPART))
+def test_switches_without_a_counterpart_are_named_at_start_up(flag, capsys):
+    plain = parse_args(BASE)
+    capsys.readouterr()
+    config = parse_args(BASE + [flag])
+    assert f"> {flag} has no effect: " in capsys.readouterr().out
+    assert dataclasses.asdict(config) == dataclasses.asdict(plain)
+
+
+def test_lr_warmup_fraction_is_a_fraction_of_the_decay_iterations(capsys):
+    config = parse_args(BASE + ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10",
+                                "--lr", "1.0"])
+    assert config.training.lr_warmup_iters == 2.5
+    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0),
+                                        config.training)
+    assert [scheduler.step() for _ in range(3)] == pytest.approx([0.4, 0.8, 1.0 - 0.5 / 7.5])
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"])
+    assert "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive" in \
+        capsys.readouterr().err
+
+
+def test_manual_gc_disables_the_collector_and_collects_on_schedule(monkeypatch):
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(gc.isenabled()))
+    assert gc.isenabled()
+    hygiene = MemoryHygiene(TrainingConfig(manual_gc=True, manual_gc_interval=3),
+                            torch.device("cpu"))
+    with hygiene:
+        assert not gc.isenabled() and len(collections) == 1
+        for iteration in range(1, 8):
+            hygiene.after_iteration(iteration)
+        assert len(collections) == 3  # after iterations 3 and 6
+        with hygiene.evaluation():
+            assert len(collections) == 4
+        assert len(collections) == 5
+    assert gc.isenabled()
+    off = MemoryHygiene(TrainingConfig(manual_gc=True, manual_gc_eval=False),
+                        torch.device("cpu"))
+    with off:
+        off.after_iteration(100)  # interval 0: no scheduled collections
+        with off.evaluation():
+            pass
+    assert len(collections) == 6 and gc.isenabled()  # only the one on entry
+
+
+def test_the_trainer_runs_under_manual_gc_and_restores_the_collector(monkeypatch):
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(gc.isenabled()))
+    argv = GPT2_STYLE + TRAINING + ["--train-iters", "4", "--manual-gc", "--manual-gc-interval",
+                                    "2", "--empty-unused-memory-level", "2"]
+    trainer = Trainer(parse_args(argv), torch.device("cpu"))
+    trainer.train()
+    # entry, iterations 2 and 4, before and after the evaluation at the last iteration
+    assert collections == [False] * 5
+    assert gc.isenabled()

@@ -1,0 +1,83 @@
+"""Megatron-LM flags that threefold takes so that Megatron's own launch scripts run unchanged.
+
+Three kinds, none of them silently dropped:
+- deprecated aliases, stored as the flag they stand for (`--recompute-activations` is
+  `--recompute-granularity selective`, as in Megatron-LM);
+- options whose one supported value is Megatron's default: that value is accepted, any other is
+  refused in one line naming the flag;
+- switches that turn off an implementation path threefold does not have (Megatron's fused
+  masked-softmax kernel, its async all-reduce, ...): the function computed is the same either
+  way, so the run goes ahead and the start-up log names each such flag and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from threefold.config import ConfigError
+
+# flag -> (destination, the value it stands for)
+ALIASES = {
+    "--recompute-activations": ("model.recompute_granularity", "selective"),
+    "--use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
+    "--use-torch-fsdp2": ("parallel.distributed_strategy", "fsdp"),
+}
+
+# flag -> (type, the one supported value, why no other)
+ONLY_DEFAULT = {
+    "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
+    "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
+    "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
+}
+
+# flag -> why it changes nothing here
+NO_COUNTERPART = {
+    "--use-mcore-models": "threefold's model is built on megatron-core's process groups already",
+    "--no-masked-softmax-fusion": "attention runs in SDPA or Transformer Engine kernels; there "
+                                  "is no separate masked-softmax kernel",
+    "--no-bias-dropout-fusion": "bias, dropout and residual add are separate ops here",
+    "--no-gradient-accumulation-fusion": "weight gradients are added to the gradient buffer by "
+                                         "a separate add, not inside the GEMM",
+    "--no-persist-layer-norm": "apex's persistent layer-norm kernel is not used",
+    "--no-async-tensor-model-parallel-allreduce": "tensor-parallel all-reduces are synchronous",
+    "--attention-softmax-in-fp32": "SDPA and the reference attention accumulate the softmax in "
+                                   "fp32 already",
+    "--no-create-attention-mask-in-dataloader": "batches carry no attention mask; attention is "
+                                                "causal by construction",
+    "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
+}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Megatron-LM compatibility (threefold/megatron_compat.py)")
+    for flag, (dest, value) in ALIASES.items():
+        group.add_argument(flag, dest=dest, action="store_const", const=value,
+                           default=argparse.SUPPRESS, help=f"alias of {dest}={value}")
+    for flag, (kind, value, why) in ONLY_DEFAULT.items():
+        group.add_argument(flag, dest=_dest(flag), type=kind, default=argparse.SUPPRESS,
+                           help=f"only {value}: {why}")
+    for flag, why in NO_COUNTERPART.items():
+        group.add_argument(flag, dest=_dest(flag), action="store_true",
+                           default=argparse.SUPPRESS, help=f"no effect: {why}")
+
+
+def _dest(flag: str) -> str:
+    return "compat." + flag.lstrip("-").replace("-", "_")
+
+
+def check(given: dict[str, object]) -> list[str]:
+    """Check the compatibility flags given ({dest: value}; argparse stored the aliases
+    already); returns a start-up note per switch with no counterpart. Raises ConfigError for an
+    unsupported value."""
+    by_dest = {_dest(flag): flag for flag in (*ONLY_DEFAULT, *NO_COUNTERPART)}
+    notes = []
+    for dest, value in given.items():
+        flag = by_dest[dest]
+        if flag in ONLY_DEFAULT:
+            _, supported, why = ONLY_DEFAULT[flag]
+            if value != supported:
+                raise ConfigError(f"{flag} {value}: {why} in threefold; use {supported} "
+                                  "(Megatron-LM's default) or drop the flag")
+        else:
+            notes.append(f"{flag} has no effect: {NO_COUNTERPART[flag]}")
+    return notes
