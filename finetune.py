@@ -27,6 +27,7 @@ from threefold.checkpointing import (
     read_tracker,
 )
 from threefold.config import ConfigError, DataConfig
+from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
 from threefold.parallel import state
 from threefold.training.trainer import Trainer, print_rank_0
@@ -58,6 +59,11 @@ def sft_datasets(packing: bool):
             raise ConfigError("finetune.py needs a tokenizer: the checkpoint has none, pass "
                               "--tokenizer-type and --tokenizer-model")
         data, seq_length = config.data, config.model.seq_length
+        flags = document_flags(data)
+        if flags:
+            raise ConfigError(f"finetune.py: {flags[0]} is for pretraining token windows; SFT "
+                              "samples mask their prompts themselves, and --sft-packing keeps "
+                              "documents apart")
         train = SFTDataset([r for p in data.train_data_path for r in read_jsonl(p)],
                            tokenizer, seq_length, packing)
         valid = (SFTDataset([r for p in data.valid_data_path for r in read_jsonl(p)],

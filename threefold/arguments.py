@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--adam-beta2", type=float)
     _add(g, "training", "--adam-eps", type=float)
     _add(g, "training", "--clip-grad", type=float)
+    _add(g, "training", "--calculate-per-token-loss", action=_STORE_TRUE,
+         help="average the loss over the global batch's loss tokens, not over micro-batches "
+              "(each the mean over its own tokens): matters when loss masks differ")
     _add(g, "training", "--bf16", action=_STORE_TRUE)
     _add(g, "training", "--fp16", action=_STORE_TRUE)
     _add(g, "training", "--optimizer-cpu-offload", action=_STORE_TRUE,
@@ -190,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "data", "--vocab-file", type=str, help="GPT2BPETokenizer: vocab.json")
     _add(g, "data", "--merge-file", type=str, help="GPT2BPETokenizer: merges.txt")
     _add(g, "data", "--num-workers", type=int)
+    _add(g, "data", "--reset-position-ids", action=_STORE_TRUE,
+         help="positions restart at 0 after each end-of-document token")
+    _add(g, "data", "--reset-attention-mask", action=_STORE_TRUE,
+         help="tokens attend only within their own document of the sample")
+    _add(g, "data", "--eod-mask-loss", action=_STORE_TRUE,
+         help="no loss on predicting the token after an end-of-document token")
 
     g = parser.add_argument_group("checkpointing")
     _add(g, "checkpoint", "--save", type=str)

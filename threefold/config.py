@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from threefold.errors import ConfigError, flag
 from threefold.errors import require as _require
 from threefold.kernels.config import KernelConfig
+from threefold.training.config import TrainingConfig
 
-__all__ = ["Config", "ConfigError", "KernelConfig", "flag"]
+__all__ = ["Config", "ConfigError", "KernelConfig", "TrainingConfig", "flag"]
 
 
 @dataclass
@@ -290,97 +291,6 @@ class ParallelConfig:
 
 
 @dataclass
-class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None
-    train_iters: int = 100
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "linear"
-    lr_warmup_iters: float = 0  # iterations; fractional when set from lr_warmup_fraction
-    lr_warmup_fraction: float | None = None  # of lr_decay_iters, as Megatron-LM
-    lr_decay_iters: int | None = None
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    optimizer_cpu_offload: bool = False
-    initial_loss_scale: float = 2.0**32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    seed: int = 1234
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
-    # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False
-    check_for_nan_in_loss_and_grad: bool = False  # stop at the first inf/nan, naming the rank
-    check_for_spiky_loss: bool = False  # log batches whose loss jumps (see training/numerics)
-    spiky_loss_factor: float = 10.0
-    # Megatron's memory hygiene (training/memory_hygiene.py): Python's collector driven by hand,
-    # and the CUDA caching allocator emptied at level 1 after each step and evaluation, at 2
-    # also between backward and the optimizer step.
-    manual_gc: bool = False
-    manual_gc_interval: int = 0
-    manual_gc_eval: bool = True
-    empty_unused_memory_level: int = 0
-
-    @property
-    def params_dtype_name(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-
-    def num_micro_batches(self, data_parallel_size: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
-
-    def finalize(self, data_parallel_size: int) -> None:
-        _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
-        if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size * data_parallel_size
-        per_step = self.micro_batch_size * data_parallel_size
-        _require(
-            self.global_batch_size % per_step == 0,
-            f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
-            f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
-            f"of {per_step}",
-        )
-        _require(self.train_iters >= 1, "--train-iters must be >= 1")
-        _require(not (self.bf16 and self.fp16),
-                 "--fp16 and --bf16 are mutually exclusive; pick one")
-        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
-        _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
-        _require(self.lr_decay_style in ("constant", "linear", "cosine"),
-                 "--lr-decay-style must be constant, linear or cosine")
-        if self.lr_decay_iters is None:
-            self.lr_decay_iters = self.train_iters
-        if self.lr_warmup_fraction is not None:
-            _require(self.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters "
-                     "are mutually exclusive; pick one")
-            _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
-            self.lr_warmup_iters = self.lr_warmup_fraction * self.lr_decay_iters
-        _require(
-            self.lr_warmup_iters <= self.lr_decay_iters,
-            f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
-            f"{self.lr_decay_iters}",
-        )
-        _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
-        _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
-        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
-        _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
-        _require(self.exit_interval is None or self.exit_interval >= 1,
-                 "--exit-interval must be >= 1")
-        _require(self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
-                 "--exit-duration-in-mins must be positive")
-        _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
-        _require(self.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
-
-
-@dataclass
 class DataConfig:
     data_path: list[str] = field(default_factory=list)
     # Megatron's per-split paths; finetune.py reads JSONL conversations from them.
@@ -395,6 +305,10 @@ class DataConfig:
     vocab_file: str | None = None  # GPT2BPETokenizer
     merge_file: str | None = None
     num_workers: int = 0
+    # Pretraining windows split at end-of-document tokens (data/loader.DocumentMasks).
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
     def split_weights(self) -> list[float]:
         parts = self.split.replace("/", ",").split(",")

@@ -94,3 +94,57 @@ def test_an_empty_train_split_is_refused(corpus):
                                  "--train-iters", "2"])
     with pytest.raises(ConfigError, match="--split"):
         build_datasets(config)
+
+
+DOCUMENT_FLAGS = ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+
+
+def test_windows_split_into_documents_at_eod(corpus):
+    """Megatron's GPTDataset masks: an EOD closes its document; the loss of predicting the
+    token after it is masked, positions restart and attention stays inside each document."""
+    import torch
+
+    from tests.parity import LLAMA_STYLE, _setup
+    from threefold.data.loader import collate
+
+    argv = (LLAMA_STYLE + MODEL + DOCUMENT_FLAGS
+            + ["--data-path", f"{corpus}/a", "--split", "100,0,0", "--train-iters", "2",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+               "--seq-length", "64", "--max-position-embeddings", "64"])
+    trainer = _setup(argv)
+    eod = trainer.tokenizer.eod
+    model = trainer.model.eval()
+    for index in range(4):
+        sample = trainer.datasets[0][index]
+        inputs = sample["tokens"][:-1]
+        ends = np.flatnonzero(inputs == eod)
+        assert len(ends) >= 1  # documents are 6 to 60 tokens long: a window of 64 holds one
+        np.testing.assert_array_equal(sample["loss_mask"], inputs != eod)
+        starts = np.concatenate([[0], ends + 1])
+        batch = collate([sample], torch.device("cpu"))
+        with torch.no_grad():
+            packed = model(batch["tokens"], labels=batch["labels"],
+                           attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"])[0]
+            for start, end in zip(starts, np.concatenate([ends + 1, [len(inputs)]])):
+                if start == end:
+                    continue
+                assert sample["position_ids"][start] == 0
+                alone = model(batch["tokens"][:, start:end],
+                              labels=batch["labels"][:, start:end])[0]
+                torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_document_flags_need_an_end_of_document_token():
+    config = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--eod-mask-loss"])
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs a tokenizer"):
+        build_datasets(config)
+
+
+def test_finetuning_refuses_the_pretraining_document_flags():
+    from finetune import sft_datasets
+    from threefold.data.tokenizer import NullTokenizer
+
+    config = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--reset-attention-mask"])
+    with pytest.raises(ConfigError, match="--reset-attention-mask is for pretraining"):
+        sft_datasets(packing=False)(config, NullTokenizer(VOCAB))

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from threefold.config import Config
+from threefold.config import Config, ConfigError, DataConfig
 from threefold.data.gpt_dataset import MockGPTDataset, megatron_datasets
 from threefold.data.sampler import PretrainingSampler
 from threefold.parallel import state
@@ -21,9 +21,56 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     evaluation = max(training.eval_iters, 1) * training.global_batch_size
     sizes = [training.train_iters * training.global_batch_size, evaluation, evaluation]
     if data.mock_data:
-        return [MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
-                for split, size in enumerate(sizes)]
-    return megatron_datasets(config, tokenizer, sizes)
+        datasets = [MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
+                    for split, size in enumerate(sizes)]
+    else:
+        datasets = megatron_datasets(config, tokenizer, sizes)
+    flags = document_flags(data)
+    if not flags:
+        return datasets
+    if getattr(tokenizer, "eod", None) is None:
+        raise ConfigError(f"{flags[0]} needs a tokenizer with an end-of-document token; give "
+                          "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)")
+    return [None if d is None else DocumentMasks(d, tokenizer.eod, data) for d in datasets]
+
+
+def document_flags(data: DataConfig) -> list[str]:
+    """Megatron's flags that split pretraining token windows into their documents."""
+    return [flag for flag, value in (("--reset-position-ids", data.reset_position_ids),
+                                     ("--reset-attention-mask", data.reset_attention_mask),
+                                     ("--eod-mask-loss", data.eod_mask_loss)) if value]
+
+
+class DocumentMasks:
+    """Token windows of a pretraining dataset, with what Megatron's GPTDataset derives from the
+    end-of-document (EOD) tokens in them. A document ends with its EOD token, so position i
+    belongs to the document numbered by the EODs among inputs 0..i-1:
+    --reset-position-ids  positions restart at 0 after every EOD;
+    --reset-attention-mask  a token attends only to earlier tokens of its own document;
+    --eod-mask-loss  no loss where the input token is an EOD (predicting across documents)."""
+
+    def __init__(self, dataset, eod: int, data: DataConfig) -> None:
+        self.dataset, self.eod, self.data = dataset, eod, data
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str):  # shuffled, source_of, ...: the dataset's own
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        tokens = self.dataset[index]
+        is_eod = tokens[:-1] == self.eod
+        documents = np.concatenate([[0], np.cumsum(is_eod[:-1])])
+        sample = {"tokens": tokens}
+        if self.data.eod_mask_loss:
+            sample["loss_mask"] = (~is_eod).astype(np.float32)
+        if self.data.reset_position_ids:
+            starts = np.flatnonzero(np.concatenate([[True], is_eod[:-1]]))
+            sample["position_ids"] = np.arange(len(documents)) - starts[documents]
+        if self.data.reset_attention_mask:
+            sample["document_ids"] = documents
+        return sample
 
 
 def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, seed: int,
@@ -41,8 +88,8 @@ def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, seed: i
 
 
 def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
-    """A micro-batch from samples of `seq_length + 1` tokens (and, for fine-tuning, a loss
-    mask, and document ids and positions of packed documents)."""
+    """A micro-batch from samples of `seq_length + 1` tokens (and optionally a loss mask,
+    the document ids of packed documents and positions)."""
     tokens = torch.from_numpy(np.stack([item["tokens"] for item in items]))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     if "loss_mask" in items[0]:
@@ -54,6 +101,7 @@ def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
         causal = torch.ones(documents.shape[1], documents.shape[1], dtype=torch.bool).tril()
         same = documents[:, :, None] == documents[:, None, :]
         batch["attention_mask"] = (same & causal).unsqueeze(1)  # [b, 1, s, s]
+    if "position_ids" in items[0]:
         batch["position_ids"] = torch.from_numpy(
             np.stack([item["position_ids"] for item in items]))
     return {name: value.to(device, non_blocking=True) for name, value in batch.items()}

@@ -1,10 +1,12 @@
 """Forward/backward schedules over the micro-batches of one global batch.
 
 A forward step is `forward_step(batch, model, input_tensor) -> (output, loss_func)`, and
-`loss_func(output) -> (loss, reported)` gives the micro-batch's mean loss and the detached value
+`loss_func(output) -> (loss, reported)` gives the micro-batch's loss and the detached value
 to report, as in Megatron-LM. Every schedule returns the reported losses (on the last pipeline
-stage; other stages return an empty list) and divides each loss by the number of micro-batches
-so the accumulated gradient is the mean over the global batch.
+stage; other stages return an empty list). It divides each loss by the number of micro-batches,
+so the accumulated gradient is the mean over the global batch, unless `per_token_loss`: then
+the loss is a sum over tokens, and the caller divides the gradients by the global batch's token
+count once it is known (Megatron's --calculate-per-token-loss).
 
 Pipeline schedules are written as an *order of actions* per rank, F(micro-batch, chunk) and
 B(micro-batch, chunk), run by one executor (`run_actions`):
@@ -55,10 +57,12 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Ite
                                    model_chunks: list, num_microbatches: int,
                                    forward_only: bool = False, loss_scale: float = 1.0,
                                    no_sync_func: Callable | None = None,
+                                   per_token_loss: bool = False,
                                    **_unused) -> list[torch.Tensor]:
     """`no_sync_func` (PyTorch DDP/FSDP): a context that holds back gradient reduction, entered
     for every micro-batch but the last, as Megatron's `config.no_sync_func`."""
     (model,) = model_chunks
+    divisor = 1 if per_token_loss else num_microbatches
     reported = []
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
@@ -67,7 +71,7 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Ite
             output, loss_func = forward_step(next(data_iterator), model, None)
             loss, value = loss_func(output)
             if not forward_only:
-                (loss * (loss_scale / num_microbatches)).backward()
+                (loss * (loss_scale / divisor)).backward()
         reported.append(value)
     return reported
 
@@ -113,10 +117,11 @@ def _recorded(trace: ScheduleTrace | None, what: str, micro_batch: int, chunk: i
 def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[dict],
                 model_chunks: list, tensor_shape: tuple[int, ...], dtype: torch.dtype,
                 forward_only: bool, loss_scale: float,
-                trace: ScheduleTrace | None = None) -> list[torch.Tensor]:
+                trace: ScheduleTrace | None = None,
+                per_token_loss: bool = False) -> list[torch.Tensor]:
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(tensor_shape, dtype, device)
-    num_microbatches = len(batches)
+    divisor = 1 if per_token_loss else len(batches)
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     reported = []
 
@@ -133,7 +138,7 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
                 if model.post_process:
                     loss, value = loss_func(output)
                     reported.append(value)
-                    output = loss * (loss_scale / num_microbatches)
+                    output = loss * (loss_scale / divisor)
             if not model.post_process:
                 with _recorded(trace, "send-forward", micro_batch, chunk):
                     p2p.send_forward(output)
@@ -161,7 +166,8 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
                                 model_chunks: list, num_microbatches: int,
                                 forward_only: bool = False, loss_scale: float = 1.0, *,
                                 tensor_shape: tuple[int, ...], dtype: torch.dtype,
-                                trace: ScheduleTrace | None = None) -> list[torch.Tensor]:
+                                trace: ScheduleTrace | None = None,
+                                per_token_loss: bool = False) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several."""
     pipeline_size = state.pipeline_model_parallel_world_size()
     rank = state.pipeline_model_parallel_rank()
@@ -174,7 +180,7 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
     else:
         actions = interleaved_order(num_microbatches, pipeline_size, rank, virtual_size)
     return run_actions(actions, forward_step, batches, model_chunks, tensor_shape, dtype,
-                       forward_only, loss_scale, trace)
+                       forward_only, loss_scale, trace, per_token_loss)
 
 
 def get_forward_backward_func() -> Callable:

@@ -139,13 +139,14 @@ class _AdamWithMasters:
         return total.sqrt().item()
 
     @torch.no_grad()
-    def step(self, loss_scale: float) -> tuple[bool, float | None]:
-        """Unscale, check, clip and update. Returns (updated, grad norm); a step whose gradients
-        hold inf or nan is skipped (updated False, norm None)."""
+    def step(self, divisor: float) -> tuple[bool, float | None]:
+        """Unscale (divide the gradients by `divisor`: the loss scale, times the token count
+        under --calculate-per-token-loss), check, clip and update. Returns (updated, grad norm);
+        a step whose gradients hold inf or nan is skipped (updated False, norm None)."""
         grads = self._attach_grads()
         local_grads = [local(g) for g in grads]
-        if loss_scale != 1.0 and grads:
-            torch._foreach_mul_(local_grads, 1.0 / loss_scale)
+        if divisor != 1.0 and grads:
+            torch._foreach_mul_(local_grads, 1.0 / divisor)
         norm = self.grad_norm(grads)
         if not math.isfinite(norm):
             return False, None

@@ -59,18 +59,28 @@ def print_rank_0(message: str) -> None:
 
 
 def gpt_forward_step(batch: dict, model: torch.nn.Module,
-                     input_tensor: torch.Tensor | None = None):
+                     input_tensor: torch.Tensor | None = None, per_token_loss: bool = False):
     """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
-    hidden states elsewhere) and how to reduce it to the micro-batch loss."""
+    hidden states elsewhere) and how to reduce it to the micro-batch loss.
+
+    The reported value is [loss total, weight]: the global batch's loss is the sum of the
+    totals over the sum of the weights. By default the loss is the micro-batch's mean over its
+    loss-mask tokens, weighted 1 (every micro-batch counts the same, whatever its token count);
+    with `per_token_loss` it is the sum over those tokens, weighted by their number, so every
+    token of the global batch counts the same (Megatron's --calculate-per-token-loss)."""
     output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor,
                    attention_mask=batch.get("attention_mask"),
                    position_ids=batch.get("position_ids"))
     loss_mask = batch["loss_mask"]
 
-    def loss_func(per_token_loss: torch.Tensor):
+    def loss_func(per_token_loss_values: torch.Tensor):
+        total = (per_token_loss_values.float() * loss_mask).sum()
+        tokens = loss_mask.sum().float()
+        if per_token_loss:
+            return total, torch.stack((total.detach(), tokens))
         # clamp: a fine-tuning micro-batch may hold no response token at all
-        loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        return loss, loss.detach()
+        loss = total / tokens.clamp(min=1)
+        return loss, torch.stack((loss.detach(), torch.ones_like(loss)))
 
     return output, loss_func
 
@@ -215,11 +225,12 @@ class Trainer:
 
     def _forward_step(self, batch: dict, model: torch.nn.Module,
                       input_tensor: torch.Tensor | None = None):
+        per_token = self.config.training.calculate_per_token_loss
         if not (self.native and params_dtype(self.config) != torch.float32):
-            output, loss_func = gpt_forward_step(batch, model, input_tensor)
+            output, loss_func = gpt_forward_step(batch, model, input_tensor, per_token)
         else:
             with torch.autocast(self.device.type, dtype=params_dtype(self.config)):
-                output, loss_func = gpt_forward_step(batch, model, input_tensor)
+                output, loss_func = gpt_forward_step(batch, model, input_tensor, per_token)
         if faults.nan_now(state.global_rank(), self.state.iteration + 1):
             loss_func = faults.poison(loss_func)
         return output, loss_func
@@ -269,9 +280,11 @@ class Trainer:
             self.grad_buffer.start_step(self.num_microbatches)
         start = time.perf_counter()
         faults.delay(state.global_rank(), iteration)
+        per_token = self.config.training.calculate_per_token_loss
         losses = get_forward_backward_func()(
             self._forward_step, self.train_iterator(), self.wrapped_chunks,
             self.num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
+            per_token_loss=per_token,
             **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])} if self.native else {}))
         self.watchdog.add_busy_time(time.perf_counter() - start)
         if self.config.training.check_for_nan_in_loss_and_grad:
@@ -279,27 +292,39 @@ class Trainer:
         self.watchdog.enter("gradient reduction", iteration)
         if not self.native:  # DDP and FSDP have reduced the gradients during backward
             finalize_model_grads(self.grad_buffer)
+        total, weight = self._global_loss_totals(losses)
+        # The gradients are a sum over micro-batches of (loss x scale / divisor), averaged over
+        # DP replicas: the optimizer divides them by `divisor` to get the global batch's mean.
+        divisor = self.loss_scaler.scale
+        if per_token:  # the token count was not known during backward: divide now
+            divisor *= max(weight, 1.0) / state.data_parallel_world_size()
         self.hygiene.before_optimizer_step()
         self.watchdog.enter("optimizer step", iteration)
-        updated, grad_norm = self.optimizer.step(self.loss_scaler.scale)
+        updated, grad_norm = self.optimizer.step(divisor)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
             self.scheduler.step(1)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.config.training.global_batch_size
-        return self._mean_loss(losses), grad_norm, not updated
+        return total / max(weight, 1.0), grad_norm, not updated
+
+    def _global_loss_totals(self, losses: list[torch.Tensor]) -> tuple[float, float]:
+        """The reported [total, weight] pairs (see `gpt_forward_step`) summed over the global
+        batch; only the last pipeline stage has losses, so the others receive the sums through
+        a sum over the pipeline group."""
+        totals = (torch.stack(losses).sum(dim=0) if losses
+                  else torch.zeros(2, device=self.device))
+        if state.pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(totals, group=state.pipeline_model_parallel_group())
+        if state.data_parallel_world_size() > 1:
+            dist.all_reduce(totals, group=state.data_parallel_group())
+        total, weight = totals.tolist()
+        return total, weight
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean over micro-batches and DP replicas; only the last pipeline stage has losses, so
-        the others receive it through a sum over the pipeline group."""
-        mean = (torch.stack(losses).mean() if losses
-                else torch.zeros((), device=self.device))
-        if state.pipeline_model_parallel_world_size() > 1:
-            dist.all_reduce(mean, group=state.pipeline_model_parallel_group())
-        if state.data_parallel_world_size() > 1:
-            dist.all_reduce(mean, group=state.data_parallel_group())
-            mean /= state.data_parallel_world_size()
-        return mean.item()
+        """The global batch's loss from the reported [total, weight] pairs of this rank."""
+        total, weight = self._global_loss_totals(losses)
+        return total / max(weight, 1.0)
 
     @torch.no_grad()
     def evaluate(self, split: int = 1) -> float | None:
