@@ -5,6 +5,7 @@ accepted and named at start-up; --lr-warmup-fraction, --manual-gc and
 
 import dataclasses
 import gc
+import re
 
 import pytest
 import torch
@@ -115,3 +116,61 @@ def test_the_trainer_runs_under_manual_gc_and_restores_the_collector(monkeypatch
     # entry, iterations 2 and 4, before and after the evaluation at the last iteration
     assert collections == [False] * 5
     assert gc.isenabled()
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """`argv` less the given flags and their values."""
+    drop = {i + k for i, a in enumerate(argv) if a in flags for k in (0, 1)}
+    return [a for i, a in enumerate(argv) if i not in drop]
+
+
+SAMPLES = _without(BASE, "--train-iters") + ["--global-batch-size", "8", "--lr", "1.0"]
+
+
+def _lrs(argv: list[str], iterations: int) -> list[float]:
+    config = parse_args(argv)
+    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0),
+                                        config.training)
+    return [scheduler.step(scheduler.steps_per_iteration) for _ in range(iterations)]
+
+
+def test_sample_based_training_counts_the_run_and_schedule_in_samples():
+    config = parse_args(SAMPLES + ["--train-samples", "100"])
+    assert config.training.train_iters == 12 and config.training.lr_decay_samples == 100
+    # Whole global batches: the same schedule as in iterations.
+    assert _lrs(SAMPLES + ["--train-samples", "80", "--lr-warmup-samples", "16",
+                           "--lr-decay-samples", "80", "--lr-decay-style", "cosine"], 12) == \
+        pytest.approx(_lrs(SAMPLES + ["--train-iters", "10", "--lr-warmup-iters", "2",
+                                      "--lr-decay-iters", "10", "--lr-decay-style",
+                                      "cosine"], 12))
+    # A warm-up of 12 samples ends half-way through the second global batch.
+    assert _lrs(SAMPLES + ["--train-samples", "80", "--lr-warmup-samples", "12"], 2) == \
+        pytest.approx([8 / 12, 1.0 - 4 / 68])
+    assert parse_args(SAMPLES + ["--train-samples", "80", "--lr-warmup-fraction", "0.25"]
+                      ).training.lr_warmup_samples == 20
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--train-samples", "80", "--train-iters", "10"],
+     "--train-iters and --train-samples are mutually exclusive"),
+    (["--train-samples", "80", "--lr-decay-iters", "10"],
+     "with --train-samples the LR schedule is in samples"),
+    (["--train-iters", "10", "--lr-warmup-samples", "8"],
+     "--lr-warmup-samples and --lr-decay-samples need --train-samples"),
+    (["--train-samples", "4"], "--train-samples 4 is less than one global batch of 8"),
+])
+def test_sample_based_mistakes_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(SAMPLES + extra)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_sample_based_run_trains_its_iterations(capsys):
+    config = parse_args(GPT2_STYLE + _without(TRAINING, "--train-iters", "--lr-warmup-iters") + [
+        "--train-samples", "20", "--lr-warmup-samples", "4", "--log-interval", "1"])
+    Trainer(config, torch.device("cpu")).train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert [re.search(r"iteration +(\d+)/ +(\d+)", line).groups() for line in lines] == [
+        ("1", "2"), ("2", "2")]
+    assert " consumed samples:           16 |" in lines[-1]

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--micro-batch-size", type=int)
     _add(g, "training", "--global-batch-size", type=int)
     _add(g, "training", "--train-iters", type=int)
+    _add(g, "training", "--train-samples", type=int,
+         help="train on this many samples (instead of --train-iters); the LR schedule is then "
+              "in samples too")
     _add(g, "training", "--lr", type=float)
     _add(g, "training", "--min-lr", type=float)
     _add(g, "training", "--lr-decay-style", choices=["constant", "linear", "cosine"])
@@ -135,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--lr-warmup-fraction", type=float,
          help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
     _add(g, "training", "--lr-decay-iters", type=int)
+    _add(g, "training", "--lr-warmup-samples", type=int, help="with --train-samples")
+    _add(g, "training", "--lr-decay-samples", type=int,
+         help="with --train-samples (default: --train-samples)")
+    _add(g, "training", "--decoupled-lr", type=float,
+         help="peak learning rate of the word embeddings and output layer (default: --lr)")
+    _add(g, "training", "--decoupled-min-lr", type=float,
+         help="their final learning rate (default: --min-lr)")
     _add(g, "training", "--weight-decay", type=float)
     _add(g, "training", "--adam-beta1", type=float)
     _add(g, "training", "--adam-beta2", type=float)
@@ -215,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("logging")
     _add(g, "logging", "--log-interval", type=int)
     _add(g, "logging", "--tensorboard-dir", type=str)
+    _add(g, "logging", "--log-params-norm", action=_STORE_TRUE,
+         help="add the L2 norm of all parameters to the log line")
+    _add(g, "logging", "--log-num-zeros-in-grad", action=_STORE_TRUE,
+         help="add the number of gradient elements that are exactly zero to the log line")
     _add(g, "logging", "--log-straggler", action=_STORE_TRUE,
          help="report ranks whose compute time per iteration is above --straggler-factor x "
               "the median")

@@ -364,6 +364,8 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = 100
+    log_params_norm: bool = False  # L2 norm of all parameters, each counted once
+    log_num_zeros_in_grad: bool = False  # gradient elements that are exactly zero
     tensorboard_dir: str | None = None
     log_straggler: bool = False  # report ranks computing slower than straggler_factor x median
     straggler_factor: float = 1.3

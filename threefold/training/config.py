@@ -12,13 +12,22 @@ from threefold.errors import require as _require
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: int | None = None
-    train_iters: int = 100
+    train_iters: int | None = None  # 100 unless --train-samples says otherwise
+    # Sample-based training (Megatron): the run and the LR schedule counted in samples;
+    # train_iters becomes train_samples // global_batch_size.
+    train_samples: int | None = None
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
     lr_warmup_iters: float = 0  # iterations; fractional when set from lr_warmup_fraction
     lr_warmup_fraction: float | None = None  # of lr_decay_iters, as Megatron-LM
     lr_decay_iters: int | None = None
+    # The word embeddings' and output layer's own peak and final learning rate (Megatron's
+    # --decoupled-lr/--decoupled-min-lr); None: --lr and --min-lr like everything else.
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -71,25 +80,71 @@ class TrainingConfig:
             f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
             f"of {per_step}",
         )
-        _require(self.train_iters >= 1, "--train-iters must be >= 1")
         _require(not (self.bf16 and self.fp16),
                  "--fp16 and --bf16 are mutually exclusive; pick one")
         _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
         _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        _require(self.decoupled_min_lr is None or self.decoupled_lr is not None,
+                 "--decoupled-min-lr needs --decoupled-lr")
+        if self.decoupled_lr is not None:
+            decoupled_min = (self.min_lr if self.decoupled_min_lr is None
+                             else self.decoupled_min_lr)
+            _require(0 <= decoupled_min <= self.decoupled_lr,
+                     f"--decoupled-min-lr {decoupled_min} must be in [0, --decoupled-lr "
+                     f"{self.decoupled_lr}]")
         _require(self.lr_decay_style in ("constant", "linear", "cosine"),
                  "--lr-decay-style must be constant, linear or cosine")
+        if self.train_samples is None:
+            self._finalize_iteration_schedule()
+        else:
+            self._finalize_sample_schedule()
+        self._check_limits()
+
+    def _warmup_from_fraction(self, warmup: float, decay: int, unit: str) -> float:
+        if self.lr_warmup_fraction is None:
+            return warmup
+        _require(warmup == 0, f"--lr-warmup-fraction and --lr-warmup-{unit} are mutually "
+                 "exclusive; pick one")
+        _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
+        return self.lr_warmup_fraction * decay
+
+    def _finalize_iteration_schedule(self) -> None:
+        _require(self.lr_warmup_samples == 0 and self.lr_decay_samples is None,
+                 "--lr-warmup-samples and --lr-decay-samples need --train-samples; with "
+                 "--train-iters use --lr-warmup-iters and --lr-decay-iters")
+        if self.train_iters is None:
+            self.train_iters = 100
+        _require(self.train_iters >= 1, "--train-iters must be >= 1")
         if self.lr_decay_iters is None:
             self.lr_decay_iters = self.train_iters
-        if self.lr_warmup_fraction is not None:
-            _require(self.lr_warmup_iters == 0, "--lr-warmup-fraction and --lr-warmup-iters "
-                     "are mutually exclusive; pick one")
-            _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
-            self.lr_warmup_iters = self.lr_warmup_fraction * self.lr_decay_iters
+        self.lr_warmup_iters = self._warmup_from_fraction(self.lr_warmup_iters,
+                                                          self.lr_decay_iters, "iters")
         _require(
             self.lr_warmup_iters <= self.lr_decay_iters,
             f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
             f"{self.lr_decay_iters}",
         )
+
+    def _finalize_sample_schedule(self) -> None:
+        _require(self.train_iters is None, "--train-iters and --train-samples are mutually "
+                 "exclusive; pick one")
+        _require(self.lr_warmup_iters == 0 and self.lr_decay_iters is None,
+                 "with --train-samples the LR schedule is in samples: use --lr-warmup-samples "
+                 "(or --lr-warmup-fraction) and --lr-decay-samples")
+        self.train_iters = self.train_samples // self.global_batch_size
+        _require(self.train_iters >= 1, f"--train-samples {self.train_samples} is less than "
+                 f"one global batch of {self.global_batch_size}")
+        if self.lr_decay_samples is None:
+            self.lr_decay_samples = self.train_samples
+        self.lr_warmup_samples = self._warmup_from_fraction(self.lr_warmup_samples,
+                                                            self.lr_decay_samples, "samples")
+        _require(
+            self.lr_warmup_samples <= self.lr_decay_samples,
+            f"--lr-warmup-samples {self.lr_warmup_samples} exceeds --lr-decay-samples "
+            f"{self.lr_decay_samples}",
+        )
+
+    def _check_limits(self) -> None:
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")

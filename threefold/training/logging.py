@@ -26,18 +26,27 @@ class IterationStats:
     tflops_per_device: float
     mfu: float | None = None
     memory_gib: float | None = None
+    decoupled_learning_rate: float | None = None
+    num_zeros_in_grad: int | None = None
+    params_norm: float | None = None
 
 
 def format_iteration(stats: IterationStats) -> str:
     line = (f" iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
             f" consumed samples: {stats.consumed_samples:12d} |"
             f" elapsed time per iteration (ms): {stats.elapsed_ms:.1f} |"
-            f" learning rate: {stats.learning_rate:.6E} |"
-            f" global batch size: {stats.global_batch_size:5d} |"
-            f" lm loss: {stats.lm_loss:.6E} |"
-            f" loss scale: {stats.loss_scale:.1f} |")
+            f" learning rate: {stats.learning_rate:.6E} |")
+    if stats.decoupled_learning_rate is not None:
+        line += f" decoupled learning rate: {stats.decoupled_learning_rate:.6E} |"
+    line += (f" global batch size: {stats.global_batch_size:5d} |"
+             f" lm loss: {stats.lm_loss:.6E} |"
+             f" loss scale: {stats.loss_scale:.1f} |")
     if stats.grad_norm is not None:
         line += f" grad norm: {stats.grad_norm:.3f} |"
+    if stats.num_zeros_in_grad is not None:
+        line += f" num zeros: {stats.num_zeros_in_grad} |"
+    if stats.params_norm is not None:
+        line += f" params norm: {stats.params_norm:.3f} |"
     line += (f" number of skipped iterations: {stats.skipped_iterations:3d} |"
              f" number of nan iterations: {stats.nan_iterations:3d} |"
              f" tokens per second: {stats.tokens_per_second:.1f} |"
@@ -58,6 +67,8 @@ def format_validation(iteration: int, loss: float, split: str = "validation") ->
 def _scalars(stats: IterationStats) -> dict[str, float]:
     """The iteration's numbers under TensorBoard names (Megatron's, where it has them)."""
     values = {"lm loss": stats.lm_loss, "learning-rate": stats.learning_rate,
+              "decoupled-learning-rate": stats.decoupled_learning_rate,
+              "num-zeros": stats.num_zeros_in_grad, "params-norm": stats.params_norm,
               "loss-scale": stats.loss_scale, "grad-norm": stats.grad_norm,
               "tokens-per-second": stats.tokens_per_second,
               "tflops-per-device": stats.tflops_per_device, "mfu": stats.mfu,

@@ -19,7 +19,8 @@ under FSDP).
 gradients go to the CPU and updated weights come back every step (DeepSpeed's ZeRO-Offload).
 
 Weight decay applies to matrices only: biases and norm weights (1-D) are excluded, as in
-Megatron.
+Megatron. With --decoupled-lr the word embeddings and the output layer form groups of their own,
+which the scheduler gives --decoupled-lr / --decoupled-min-lr.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _counts_towards_norm(param: nn.Parameter) -> bool:
     if getattr(param, "embedding_copy", False):  # the last stage's copy of tied embeddings
         return False
     return getattr(param, "tensor_model_parallel", False) or state.tensor_model_parallel_rank() == 0
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's `is_embedding_or_output_parameter`: the word embeddings and the output layer
+    (tied or not), by their names in a model chunk."""
+    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
 def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
@@ -76,14 +83,23 @@ class _AdamWithMasters:
     reduction_groups: list
     separate_masters: bool
 
-    def _build(self, pieces: list[_Piece], config: TrainingConfig) -> None:
+    def _build(self, pieces: list[_Piece], config: TrainingConfig,
+               named_parameters: list[tuple[str, nn.Parameter]]) -> None:
         self.pieces = pieces
         self.clip_grad = config.clip_grad
-        groups = [
-            {"params": [p.master for p in pieces if p.param.dim() > 1],
-             "weight_decay": config.weight_decay},
-            {"params": [p.master for p in pieces if p.param.dim() <= 1], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+        self.count_zeros = False  # --log-num-zeros-in-grad: the trainer turns it on
+        self.num_zeros_in_grad: int | None = None
+        decoupled = ({param for name, param in named_parameters if is_embedding_or_output(name)}
+                     if config.decoupled_lr is not None else set())
+        groups = []
+        for is_decoupled in (False, True):
+            for decay in (True, False):
+                params = [p.master for p in pieces
+                          if (p.param in decoupled) == is_decoupled
+                          and (p.param.dim() > 1) == decay]
+                if params:
+                    groups.append({"params": params, "decoupled_lr": is_decoupled,
+                                   "weight_decay": config.weight_decay if decay else 0.0})
         masters = [p.master for p in pieces]
         # PyTorch's fused AdamW: one vectorized pass per tensor instead of a chain of
         # elementwise ops (4.8x faster on a 4M-parameter model on CPU). Plain tensors only:
@@ -125,18 +141,39 @@ class _AdamWithMasters:
         """A view of an fp32 gradient on the master's device, else an fp32 copy there."""
         return grad.to(device=master.device, dtype=torch.float32)
 
+    def _counted(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's local parts of `tensors` (one per piece) that count towards model-wide
+        sums: each distinct parameter element once over all ranks."""
+        return [local(t) for piece, t in zip(self.pieces, tensors)
+                if _counts_towards_norm(piece.param)]
+
+    def _global_sum(self, value: torch.Tensor) -> float | int:
+        # The reduction runs where the process groups' backend works (NCCL: on the GPU).
+        return _all_reduce(value.to(self.reduction_device), self.reduction_groups).item()
+
+    def _global_norm(self, tensors: list[torch.Tensor]) -> float:
+        counted = self._counted(tensors)
+        squares = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
+                   else torch.zeros(()))
+        return math.sqrt(self._global_sum(squares))
+
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global gradient norm over all ranks holding parts of the model; inf or nan when
         any gradient holds inf or nan (uncounted replicas are copies of counted ones), so one
         pass and one reduction also serve as the overflow check."""
-        counted = [local(g) for piece, g in zip(self.pieces, grads)
-                   if _counts_towards_norm(piece.param)]
-        device = counted[0].device if counted else self.reduction_device
-        total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
-                 else torch.zeros((), dtype=torch.float32, device=device))
-        # The reduction runs where the process groups' backend works (NCCL: on the GPU).
-        total = _all_reduce(total.to(self.reduction_device), self.reduction_groups)
-        return total.sqrt().item()
+        return self._global_norm(grads)
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """The L2 norm of all parameters (their fp32 masters), each counted once
+        (--log-params-norm)."""
+        return self._global_norm(self.master_params)
+
+    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
+        counted = self._counted(grads)
+        zeros = (sum((g == 0).sum() for g in counted) if counted
+                 else torch.zeros((), dtype=torch.int64))
+        return int(self._global_sum(zeros))
 
     @torch.no_grad()
     def step(self, divisor: float) -> tuple[bool, float | None]:
@@ -148,6 +185,8 @@ class _AdamWithMasters:
         if divisor != 1.0 and grads:
             torch._foreach_mul_(local_grads, 1.0 / divisor)
         norm = self.grad_norm(grads)
+        if self.count_zeros:  # before clipping, as Megatron (clipping keeps zeros anyway)
+            self.num_zeros_in_grad = self._count_zeros(grads)
         if not math.isfinite(norm):
             return False, None
         if self.clip_grad > 0 and norm > self.clip_grad and grads:
@@ -207,7 +246,7 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         self.reduction_device = self.model_params[0].device
         self._build([_Piece(p, 0, p.numel(),
                             self._master(p, offload) if self.separate_masters else p)
-                     for p in self.model_params], config)
+                     for p in self.model_params], config, named_parameters)
 
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
@@ -254,7 +293,7 @@ class DistributedOptimizer(_AdamWithMasters):
             master = (self._master(flat, offload) if self.separate_masters
                       else nn.Parameter(flat.detach()))
             pieces.append(_Piece(param, low - start, high - start, master))
-        self._build(pieces, config)
+        self._build(pieces, config, named_parameters)
 
     def _buffer_slice(self, piece: _Piece) -> slice:
         start = self.grad_buffer.ranges[piece.param][0]
@@ -297,7 +336,8 @@ class NativeOptimizer(_AdamWithMasters):
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = local(self.model_params[0]).device
-        self._build([_Piece(p, 0, p.numel(), p) for p in self.model_params], config)
+        self._build([_Piece(p, 0, p.numel(), p) for p in self.model_params], config,
+                    named_parameters)
 
     def _attach_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model_params]

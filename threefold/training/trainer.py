@@ -167,6 +167,7 @@ class Trainer:
         else:
             self._build_megatron_data_parallel(offload)
         self.optimizer.initialize_state()
+        self.optimizer.count_zeros = config.logging.log_num_zeros_in_grad
         print(f"> rank {state.global_rank()} {measure_bytes_per_parameter(self)}", flush=True)
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
@@ -303,7 +304,7 @@ class Trainer:
         updated, grad_norm = self.optimizer.step(divisor)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
-            self.scheduler.step(1)
+            self.scheduler.step(self.scheduler.steps_per_iteration)
         self.state.iteration += 1
         self.state.consumed_train_samples += self.config.training.global_batch_size
         return total / max(weight, 1.0), grad_norm, not updated
@@ -453,10 +454,17 @@ class Trainer:
             mfu = tflops / peak if peak else None
             memory = torch.cuda.max_memory_allocated(self.device) / 2**30
         mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
+        logging = self.config.logging
         return IterationStats(
             iteration=self.state.iteration, train_iters=training.train_iters,
             consumed_samples=self.state.consumed_train_samples, elapsed_ms=elapsed * 1e3,
-            learning_rate=self.optimizer.param_groups[0]["lr"],
+            learning_rate=self.scheduler.get_lr(),
+            decoupled_learning_rate=(self.scheduler.get_lr(decoupled=True)
+                                     if training.decoupled_lr is not None else None),
+            # the last iteration's, as Megatron (every rank takes part in the reductions)
+            num_zeros_in_grad=(self.optimizer.num_zeros_in_grad
+                               if logging.log_num_zeros_in_grad else None),
+            params_norm=self.optimizer.params_norm() if logging.log_params_norm else None,
             global_batch_size=training.global_batch_size, lm_loss=mean_loss,
             loss_scale=self.loss_scaler.scale, grad_norm=grad_norm,
             skipped_iterations=self.state.skipped_iterations,
