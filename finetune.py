@@ -39,7 +39,8 @@ _VALUE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
                  "vocab_size", "make_vocab_size_divisible_by")
 _TRUE_FLAGS = {"group_query_attention": "--group-query-attention", "swiglu": "--swiglu",
                "add_qkv_bias": "--add-qkv-bias", "openai_gelu": "--openai-gelu",
-               "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+               "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+               "qk_layernorm": "--qk-layernorm", "apply_layernorm_1p": "--apply-layernorm-1p"}
 
 
 def checkpoint_model_flags(model: dict) -> list[str]:

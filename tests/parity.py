@@ -72,6 +72,8 @@ def _without_key_bias(params: dict[str, np.ndarray], trainer: Trainer) -> dict:
     order. Those few entries measure noise, not the layout; the gradient tests keep them."""
     config = trainer.config.model
     heads_per_group = config.num_attention_heads // config.num_query_groups
+    for name in [n for n in params if n.endswith("k_layernorm.bias")]:
+        del params[name]
     for name in [n for n in params if n.endswith("linear_qkv.bias")]:
         grouped = params[name].reshape(config.num_query_groups, heads_per_group + 2, -1)
         params[name] = np.delete(grouped, heads_per_group, axis=1).reshape(-1)

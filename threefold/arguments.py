@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "model", "--rotary-base", type=float)
     _add(g, "model", "--normalization", choices=["LayerNorm", "RMSNorm"])
     _add(g, "model", "--norm-epsilon", type=float)
+    _add(g, "model", "--apply-layernorm-1p", action=_STORE_TRUE,
+         help="norm weights centred on zero, applied as 1 + weight")
+    _add(g, "model", "--qk-layernorm", action=_STORE_TRUE,
+         help="normalize each query and key head (--normalization, over the head size)")
     _add(g, "model", "--swiglu", action=_STORE_TRUE)
     _add(g, "model", "--disable-bias-linear", action="store_false", field="add_bias_linear")
     _add(g, "model", "--add-qkv-bias", action=_STORE_TRUE)

@@ -34,6 +34,10 @@ class ModelConfig:
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
+    # Norm weights stored centred on zero and applied as (1 + weight) (Megatron's
+    # --apply-layernorm-1p): weight decay then pulls the scale towards 1, not 0.
+    apply_layernorm_1p: bool = False
+    qk_layernorm: bool = False  # a norm over each query and key head before RoPE (Qwen3)
     swiglu: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # QKV bias even with --disable-bias-linear (Qwen2)

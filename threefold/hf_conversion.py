@@ -1,10 +1,11 @@
 """Hugging Face <-> threefold: configs and weights of LLaMA-family models and GPT-2.
 
 Supported architectures: LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings),
-MistralForCausalLM (without sliding-window attention), Qwen2ForCausalLM (QKV bias) and
-GPT2LMHeadModel. A config field threefold cannot reproduce (RoPE scaling, sliding windows,
-biases on only some projections, other activations) is refused by name: a conversion never
-produces a silently different model.
+MistralForCausalLM (without sliding-window attention), Qwen2ForCausalLM (QKV bias),
+Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm) and GPT2LMHeadModel. A
+config field threefold cannot reproduce (RoPE scaling, sliding windows, biases on only some
+projections, other activations) is refused by name: a conversion never produces a silently
+different model.
 
 Weight layouts:
 - QKV: HF keeps q, k and v projections apart; threefold stacks them per query group as
@@ -12,7 +13,8 @@ Weight layouts:
   all v] and its Conv1D weights are stored transposed);
 - SwiGLU: fc1 = [gate; up], fc2 = down;
 - RoPE: both use the rotate-half convention, so query/key weights need no permutation;
-- the vocabulary is stored unpadded here; threefold pads it when it builds the model.
+- the vocabulary is stored unpadded here; threefold pads it when it builds the model;
+- --apply-layernorm-1p norm weights w are exported as the 1 + w Hugging Face multiplies by.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import torch
 from threefold.config import ConfigError, ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "qwen2", "GPT2LMHeadModel": "gpt2"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "GPT2LMHeadModel": "gpt2"}
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "gpt2": "GPT2LMHeadModel"}
 
 
 def _refuse(condition: bool, field: str, value, why: str) -> None:
@@ -97,11 +101,26 @@ def model_config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
             position_embedding_type="rope", rotary_base=_rope_theta(hf),
             normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
             add_bias_linear=attention_bias, add_qkv_bias=family == "qwen2",
+            qk_layernorm=family == "qwen3",
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             vocab_size=hf["vocab_size"], init_method_std=hf.get("initializer_range", 0.02),
             attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0)
     config.finalize()
     return architecture, config
+
+
+def check_exportable(config: ModelConfig, architecture: str) -> None:
+    """Refuse, by flag, a model the architecture would compute differently."""
+    family = ARCHITECTURES[architecture]
+    if config.qk_layernorm and family != "qwen3":
+        raise ConfigError(f"{architecture} has no query/key norms and this model was trained "
+                          "with --qk-layernorm; export it as Qwen3ForCausalLM")
+    if family == "qwen3" and not config.qk_layernorm:
+        raise ConfigError("Qwen3ForCausalLM normalizes queries and keys and this model was "
+                          "trained without --qk-layernorm; export it as LlamaForCausalLM")
+    if config.qk_layernorm and config.normalization != "RMSNorm":
+        raise ConfigError("Qwen3ForCausalLM normalizes queries and keys with RMSNorm; this "
+                          f"model's --qk-layernorm uses {config.normalization}")
 
 
 def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
@@ -117,7 +136,7 @@ def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
                 "attn_pdrop": config.attention_dropout, "resid_pdrop": config.hidden_dropout,
                 "embd_pdrop": config.hidden_dropout, "tie_word_embeddings": True}
     model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen2ForCausalLM": "qwen2"}[architecture]
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[architecture]
     hf = {**common, "model_type": model_type, "hidden_size": config.hidden_size,
           "intermediate_size": config.ffn_hidden_size,
           "num_attention_heads": config.num_attention_heads,
@@ -130,6 +149,8 @@ def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
           "attention_dropout": config.attention_dropout}
     if family == "llama":
         hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+    if family == "qwen3":
+        hf.update(attention_bias=False, use_sliding_window=False)
     return hf
 
 
@@ -156,7 +177,7 @@ def _split_qkv(qkv: torch.Tensor, config: ModelConfig):
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
-def _layer_names(family: str, i: int) -> dict[str, str]:
+def _layer_names(family: str, i: int, config: ModelConfig) -> dict[str, str]:
     """threefold name suffix -> HF name for one layer (the non-QKV tensors)."""
     if family == "gpt2":
         p = f"transformer.h.{i}."
@@ -172,7 +193,14 @@ def _layer_names(family: str, i: int) -> dict[str, str]:
              "pre_mlp_layernorm.weight": p + "post_attention_layernorm.weight",
              "self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
              "mlp.linear_fc2.weight": p + "mlp.down_proj.weight"}
+    if config.qk_layernorm:
+        names.update({"self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
+                      "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight"})
     return names
+
+
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith("layernorm.weight")
 
 
 def hf_to_threefold(hf_state: dict[str, torch.Tensor], config: ModelConfig,
@@ -203,7 +231,7 @@ def hf_to_threefold(hf_state: dict[str, torch.Tensor], config: ModelConfig,
             used.add("lm_head.weight")  # tied: a copy of the embeddings, if present at all
     for i in range(config.num_layers):
         ours = f"decoder.layers.{i}."
-        for suffix, theirs in _layer_names(family, i).items():
+        for suffix, theirs in _layer_names(family, i, config).items():
             out[ours + suffix] = take(theirs)
         if family == "gpt2":
             p = f"transformer.h.{i}."
@@ -240,6 +268,10 @@ def hf_to_threefold(hf_state: dict[str, torch.Tensor], config: ModelConfig,
 def threefold_to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
                     architecture: str) -> dict[str, torch.Tensor]:
     """The inverse of `hf_to_threefold` (tied embeddings: no lm_head tensor, as HF saves)."""
+    check_exportable(config, architecture)
+    if config.apply_layernorm_1p:  # Hugging Face multiplies by the weight itself
+        state = {name: tensor + 1 if _is_norm_weight(name) else tensor
+                 for name, tensor in state.items()}
     family = ARCHITECTURES[architecture]
     prefix = _hf_prefix(family)
     out: dict[str, torch.Tensor] = {}
@@ -255,7 +287,7 @@ def threefold_to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
             out["lm_head.weight"] = state["output_layer.weight"]
     for i in range(config.num_layers):
         ours = f"decoder.layers.{i}."
-        for suffix, theirs in _layer_names(family, i).items():
+        for suffix, theirs in _layer_names(family, i, config).items():
             out[theirs] = state[ours + suffix]
         if family == "gpt2":
             p = f"transformer.h.{i}."

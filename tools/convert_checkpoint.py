@@ -107,10 +107,12 @@ def _guess_architecture(model: ModelConfig) -> str:
         return "GPT2LMHeadModel"
     if model.normalization == "RMSNorm" and model.swiglu and (
             model.position_embedding_type == "rope"):
+        if model.qk_layernorm:
+            return "Qwen3ForCausalLM"
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
     raise ConfigError("this threefold model matches no Hugging Face architecture threefold "
-                      "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2: RMSNorm + "
-                      "SwiGLU + RoPE)")
+                      "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3: "
+                      "RMSNorm + SwiGLU + RoPE)")
 
 
 def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) -> str:

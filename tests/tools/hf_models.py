@@ -29,7 +29,8 @@ def build_tokenizer(directory: str) -> None:
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4):
-    """Save a random-init HF model of `kind` (llama, llama-tied, qwen2, gpt2) with a tokenizer."""
+    """Save a random-init HF model of `kind` (llama, llama-tied, qwen2, qwen3, gpt2, mistral)
+    with a tokenizer."""
     import transformers
 
     torch.manual_seed(0)
@@ -59,6 +60,14 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4):
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(num_key_value_heads=2, tie_word_embeddings=False,
+                                          head_dim=24, **common)
+        model = transformers.Qwen3ForCausalLM(config)
+        with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     elif kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_layer=num_layers, n_embd=64,
                                          n_head=4, n_positions=64)

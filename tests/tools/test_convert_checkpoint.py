@@ -19,7 +19,7 @@ from threefold.checkpointing import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ["llama", "llama-tied", "qwen2", "gpt2", "mistral"]
+KINDS = ["llama", "llama-tied", "qwen2", "qwen3", "gpt2", "mistral"]
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:

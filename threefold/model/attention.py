@@ -14,6 +14,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel import state
 from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -38,6 +39,12 @@ class SelfAttention(nn.Module):
             config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init_method,
             sequence_parallel=sequence_parallel)
+        # One weight over the head size, shared by all heads: a TP rank sees only its heads'
+        # share of the gradient, summed over the TP group after backward (as Megatron does).
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
+            self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
         self.linear_proj = RowParallelLinear(
             config.kv_channels * config.num_attention_heads, config.hidden_size,
             bias=config.add_bias_linear, init_method=output_layer_init_method,
@@ -53,6 +60,8 @@ class SelfAttention(nn.Module):
         query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
         query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
         key, value = key.squeeze(3), value.squeeze(3)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary is not None:
             query = KERNELS.rotary(query, *rotary)
             key = KERNELS.rotary(key, *rotary)

@@ -48,10 +48,10 @@ class LoRAAdapter(nn.Module):
             mark_tensor_parallel(self.linear_in.weight, partition_dim=1, init_method=init_a,
                                  master_shape=(rank, input_size))
             self.linear_out = nn.Linear(rank, output_size, bias=False)
-            mark_replicated(self.linear_out.weight, constant_init(0.0), sequence_parallel=True)
+            mark_replicated(self.linear_out.weight, constant_init(0.0), partial_grads=True)
         else:
             self.linear_in = nn.Linear(input_size, rank, bias=False)
-            mark_replicated(self.linear_in.weight, init_a, sequence_parallel=True)
+            mark_replicated(self.linear_in.weight, init_a, partial_grads=True)
             self.linear_out = nn.Linear(rank, output_size // tp, bias=False)
             mark_tensor_parallel(self.linear_out.weight, partition_dim=0,
                                  init_method=constant_init(0.0),

@@ -14,23 +14,37 @@ class Norm(nn.Module):
     """`normalization` is Megatron's flag value: LayerNorm (weight and bias) or RMSNorm (weight).
 
     Under sequence parallelism each TP rank normalizes its own slice of the sequence, so the
-    weights' gradients are partial sums: they are marked for an all-reduce over the TP group.
+    weights' gradients are partial sums: they are marked for an all-reduce over the TP group
+    (`partial_grads`; also for query/key norms, whose heads are split over the TP ranks).
+
+    `zero_centered_gamma` (--apply-layernorm-1p): the weight starts at 0 and scales by
+    (1 + weight).
     """
 
     def __init__(self, hidden_size: int, normalization: str, eps: float,
-                 sequence_parallel: bool = False) -> None:
+                 partial_grads: bool = False, zero_centered_gamma: bool = False) -> None:
         super().__init__()
         self.normalization = normalization
         self.eps = eps
-        self.weight = mark_replicated(nn.Parameter(torch.empty(hidden_size)), constant_init(1.0),
-                                      sequence_parallel)
+        self.zero_centered_gamma = zero_centered_gamma
+        self.weight = mark_replicated(nn.Parameter(torch.empty(hidden_size)),
+                                      constant_init(0.0 if zero_centered_gamma else 1.0),
+                                      partial_grads)
         if normalization == "LayerNorm":
             self.bias = mark_replicated(nn.Parameter(torch.empty(hidden_size)),
-                                        constant_init(0.0), sequence_parallel)
+                                        constant_init(0.0), partial_grads)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if self.normalization == "LayerNorm":
-            return KERNELS.layer_norm(x, self.weight, self.bias, self.eps)
-        return KERNELS.rms_norm(x, self.weight, self.eps)
+            return KERNELS.layer_norm(x, weight, self.bias, self.eps)
+        return KERNELS.rms_norm(x, weight, self.eps)
+
+
+def build_norm(config, size: int, partial_grads: bool = False) -> Norm:
+    """The model's kind of norm (`--normalization`, `--norm-epsilon`, `--apply-layernorm-1p`)
+    over `size` features."""
+    return Norm(size, config.normalization, config.norm_epsilon, partial_grads,
+                config.apply_layernorm_1p)

@@ -11,7 +11,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.model.attention import SelfAttention
 from threefold.model.mlp import MLP
-from threefold.model.norms import Norm
+from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.random import get_rng_tracker
 from threefold.parallel.sharding import InitMethod
@@ -36,12 +36,10 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number  # 1-based and global across pipeline stages
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sequence_parallel
-        norm_args = (config.hidden_size, config.normalization, config.norm_epsilon,
-                     sequence_parallel)
-        self.input_layernorm = Norm(*norm_args)
+        self.input_layernorm = build_norm(config, config.hidden_size, sequence_parallel)
         self.self_attention = SelfAttention(config, init_method, output_layer_init_method,
                                             sequence_parallel)
-        self.pre_mlp_layernorm = Norm(*norm_args)
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size, sequence_parallel)
         self.mlp = MLP(config, init_method, output_layer_init_method, sequence_parallel)
 
     def forward(self, hidden_states: torch.Tensor,
@@ -73,7 +71,7 @@ class TransformerBlock(nn.Module):
                              sequence_parallel)
             for i in range(num_layers))
         self.final_layernorm = (
-            Norm(config.hidden_size, config.normalization, config.norm_epsilon, sequence_parallel)
+            build_norm(config, config.hidden_size, sequence_parallel)
             if final_layernorm else None)
 
     def _run_layers(self, start: int, end: int):

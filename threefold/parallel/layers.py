@@ -179,7 +179,7 @@ class RowParallelLinear(nn.Module):
             partition_dim=1, init_method=init_method, master_shape=(output_size, input_size))
         if bias:
             self.bias = mark_replicated(nn.Parameter(torch.empty(output_size)), constant_init(0.0),
-                                        sequence_parallel=sequence_parallel)
+                                        partial_grads=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

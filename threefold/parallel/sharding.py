@@ -42,14 +42,15 @@ def constant_init(value: float) -> InitMethod:
 
 
 def mark_replicated(param: torch.nn.Parameter, init_method: InitMethod,
-                    sequence_parallel: bool = False) -> torch.nn.Parameter:
-    """A parameter every TP rank holds whole. Under sequence parallelism each rank sees only its
-    slice of the sequence, so its gradient is partial and must be summed over the TP group."""
+                    partial_grads: bool = False) -> torch.nn.Parameter:
+    """A parameter every TP rank holds whole. `partial_grads`: each rank computes only part of
+    its gradient (its slice of the sequence under sequence parallelism, its heads for query/key
+    norms), which must be summed over the TP group; Megatron's `sequence_parallel` attribute."""
     param.tensor_model_parallel = False
     param.master_shape = tuple(param.shape)
     param.valid_rows = param.shape[0] if param.dim() else None
     param.init_method = init_method
-    param.sequence_parallel = sequence_parallel
+    param.sequence_parallel = partial_grads
     return param
 
 

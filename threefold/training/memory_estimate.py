@@ -46,6 +46,8 @@ def _layer_parameters(model: ModelConfig, tp: int) -> int:
     fc1 = f * (2 if model.swiglu else 1)
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     count = (h * qkv + d * model.num_attention_heads * h + h * fc1 + f * h) // tp + 2 * norm
+    if model.qk_layernorm:
+        count += 2 * d * (2 if model.normalization == "LayerNorm" else 1)
     if model.add_bias_linear:  # column-parallel biases are split, row-parallel ones are not
         count += (qkv + fc1) // tp + 2 * h
     elif model.add_qkv_bias:
