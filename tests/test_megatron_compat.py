@@ -174,3 +174,13 @@ def test_a_sample_based_run_trains_its_iterations(capsys):
     assert [re.search(r"iteration +(\d+)/ +(\d+)", line).groups() for line in lines] == [
         ("1", "2"), ("2", "2")]
     assert " consumed samples:           16 |" in lines[-1]
+
+
+def test_no_position_embedding_goes_with_rope_only(capsys):
+    rope = parse_args(BASE + ["--position-embedding-type", "rope", "--no-position-embedding"])
+    assert rope.model.position_embedding_type == "rope"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + ["--no-position-embedding"])
+    assert exit_info.value.code == 2
+    assert "--no-position-embedding: a model without position information is not " \
+           "implemented" in capsys.readouterr().err

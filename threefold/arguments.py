@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "model", "--max-position-embeddings", type=int)
     _add(g, "model", "--position-embedding-type", choices=["learned_absolute", "rope"])
     _add(g, "model", "--rotary-base", type=float)
+    _add(g, "model", "--no-position-embedding", action="store_false",
+         field="add_position_embedding",
+         help="no learned position embedding (Megatron's deprecated form of "
+              "--position-embedding-type rope, which it must come with)")
     _add(g, "model", "--normalization", choices=["LayerNorm", "RMSNorm"])
     _add(g, "model", "--norm-epsilon", type=float)
     _add(g, "model", "--apply-layernorm-1p", action=_STORE_TRUE,
@@ -207,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "data", "--vocab-file", type=str, help="GPT2BPETokenizer: vocab.json")
     _add(g, "data", "--merge-file", type=str, help="GPT2BPETokenizer: merges.txt")
     _add(g, "data", "--num-workers", type=int)
+    _add(g, "data", "--no-mmap-bin-files", action="store_false", field="mmap_bin_files",
+         help="read the .bin files through file handles instead of memory-mapping them")
     _add(g, "data", "--reset-position-ids", action=_STORE_TRUE,
          help="positions restart at 0 after each end-of-document token")
     _add(g, "data", "--reset-attention-mask", action=_STORE_TRUE,
@@ -242,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "logging", "--wandb-exp-name", type=str)
     _add(g, "logging", "--wandb-save-dir", type=str, help="default: SAVE/wandb")
     _add(g, "logging", "--wandb-entity", type=str)
+    _add(g, "logging", "--profile", action=_STORE_TRUE,
+         help="profile iterations --profile-step-start+1 .. --profile-step-end (CUDA: for nsys "
+              "--capture-range=cudaProfilerApi)")
+    _add(g, "logging", "--use-pytorch-profiler", action=_STORE_TRUE,
+         help="with --profile: torch.profiler, trace written to --tensorboard-dir")
+    _add(g, "logging", "--profile-step-start", type=int)
+    _add(g, "logging", "--profile-step-end", type=int)
+    _add(g, "logging", "--profile-ranks", type=int, nargs="+",
+         help="global ranks to profile (default 0)")
     megatron_compat.add_flags(parser)
     return parser
 

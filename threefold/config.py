@@ -31,6 +31,7 @@ class ModelConfig:
     seq_length: int = 128
     max_position_embeddings: int | None = None
     position_embedding_type: str = "learned_absolute"
+    add_position_embedding: bool = True  # False: Megatron's --no-position-embedding
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
@@ -92,6 +93,10 @@ class ModelConfig:
             self.max_position_embeddings = self.seq_length
         _require(self.position_embedding_type in ("learned_absolute", "rope"),
                  "--position-embedding-type must be learned_absolute or rope")
+        _require(self.add_position_embedding or self.position_embedding_type == "rope",
+                 "--no-position-embedding: a model without position information is not "
+                 "implemented; use --position-embedding-type rope (with which the flag changes "
+                 "nothing)")
         if self.position_embedding_type == "learned_absolute":
             _require(
                 self.seq_length <= self.max_position_embeddings,
@@ -309,6 +314,7 @@ class DataConfig:
     vocab_file: str | None = None  # GPT2BPETokenizer
     merge_file: str | None = None
     num_workers: int = 0
+    mmap_bin_files: bool = True  # False: read .bin files through file handles
     # Pretraining windows split at end-of-document tokens (data/loader.DocumentMasks).
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -369,6 +375,12 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 100
     log_params_norm: bool = False  # L2 norm of all parameters, each counted once
+    # A window of iterations for a profiler (training/profiling.py).
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
     log_num_zeros_in_grad: bool = False  # gradient elements that are exactly zero
     tensorboard_dir: str | None = None
     log_straggler: bool = False  # report ranks computing slower than straggler_factor x median
@@ -378,9 +390,18 @@ class LoggingConfig:
     wandb_save_dir: str | None = None
     wandb_entity: str | None = None
 
-    def finalize(self) -> None:
+    def finalize(self) -> list[str]:
         _require(self.log_interval >= 1, "--log-interval must be >= 1")
         _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
+        if not self.profile:
+            return (["--use-pytorch-profiler has no effect without --profile"]
+                    if self.use_pytorch_profiler else [])
+        _require(0 <= self.profile_step_start < self.profile_step_end,
+                 f"--profile-step-start {self.profile_step_start} must be >= 0 and below "
+                 f"--profile-step-end {self.profile_step_end}")
+        _require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
+                 "--use-pytorch-profiler writes its trace to --tensorboard-dir; give one")
+        return []
 
 
 @dataclass
@@ -410,7 +431,7 @@ class Config:
                 f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}")
         self.data.finalize()
         self.checkpoint.finalize()
-        self.logging.finalize()
+        warnings += self.logging.finalize()
         self.kernels.finalize()
         return warnings
 

@@ -42,9 +42,13 @@ NO_COUNTERPART = {
     "--no-async-tensor-model-parallel-allreduce": "tensor-parallel all-reduces are synchronous",
     "--attention-softmax-in-fp32": "SDPA and the reference attention accumulate the softmax in "
                                    "fp32 already",
-    "--no-create-attention-mask-in-dataloader": "batches carry no attention mask; attention is "
-                                                "causal by construction",
+    "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
+                                                "carry a mask only for --reset-attention-mask",
     "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
+                                           "--tensorboard-dir",
+    "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
+                                   "on CUDA",
 }
 
 

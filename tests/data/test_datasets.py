@@ -148,3 +148,12 @@ def test_finetuning_refuses_the_pretraining_document_flags():
     config = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--reset-attention-mask"])
     with pytest.raises(ConfigError, match="--reset-attention-mask is for pretraining"):
         sft_datasets(packing=False)(config, NullTokenizer(VOCAB))
+
+
+def test_no_mmap_bin_files_reads_the_same_samples(corpus):
+    argv = MODEL + ["--data-path", f"{corpus}/a", "--split", "90,10,0", "--train-iters", "3"]
+    mapped = build_datasets(parse_args(argv))[0]
+    read = build_datasets(parse_args(argv + ["--no-mmap-bin-files"]))[0]
+    assert mapped.dataset.dataset.mmap and not read.dataset.dataset.mmap
+    for index in range(24):
+        np.testing.assert_array_equal(read[index], mapped[index])

@@ -156,7 +156,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         path_to_cache=data.data_cache_path,
         tokenizer=_Tokenizer(getattr(tokenizer, "eod", None), vocab),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, **options)
+        create_attention_mask=False, mmap_bin_files=data.mmap_bin_files, **options)
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     try:
         built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,

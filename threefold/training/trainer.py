@@ -50,6 +50,7 @@ from threefold.training.optimizer import (
     MixedPrecisionOptimizer,
     NativeOptimizer,
 )
+from threefold.training.profiling import IterationProfiler
 from threefold.training.watchdog import Watchdog
 
 
@@ -186,6 +187,7 @@ class Trainer:
         self._pending_save = None
         self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
         self.hygiene = MemoryHygiene(training, device)
+        self.profiler = IterationProfiler(config.logging, device, state.global_rank())
 
     def _build_megatron_data_parallel(self, offload: bool) -> None:
         parallel, training = self.config.parallel, self.config.training
@@ -356,14 +358,19 @@ class Trainer:
         exits = ExitConditions(training, self.device, self.start_time)
         spikes = (SpikyLossDetector(training.spiky_loss_factor)
                   if training.check_for_spiky_loss else None)
+        profiler = self.profiler
         self.hygiene.__enter__()  # its first collection is not iteration time
         losses, window_losses, window_start = [], [], time.perf_counter()
         window_iterations = 0
         try:
             while self.state.iteration < training.train_iters:
                 first_sample = self.state.consumed_train_samples
+                profiler.before_iteration(self.state.iteration)
                 loss, grad_norm, skipped = self.train_step()
                 iteration = self.state.iteration
+                written = profiler.after_iteration(iteration)
+                if written:
+                    print(written, flush=True)
                 self.hygiene.after_iteration(iteration)
                 losses.append(loss)
                 self.state.skipped_iterations += int(skipped)
@@ -411,6 +418,9 @@ class Trainer:
             self.finish_pending_save()  # an earlier checkpoint in flight is a good one
             raise
         finally:
+            written = profiler.close()
+            if written:
+                print(written, flush=True)
             self.hygiene.__exit__()
             exits.close()
             self.watchdog.close()
