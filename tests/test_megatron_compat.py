@@ -119,9 +119,14 @@ def test_the_trainer_runs_under_manual_gc_and_restores_the_collector(monkeypatch
 
 
 def _without(argv: list[str], *flags: str) -> list[str]:
-    """`argv` less the given flags and their values."""
-    drop = {i + k for i, a in enumerate(argv) if a in flags for k in (0, 1)}
-    return [a for i, a in enumerate(argv) if i not in drop]
+    """`argv` less the given flags and their values (up to the next flag)."""
+    kept, dropping = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            dropping = arg in flags
+        if not dropping:
+            kept.append(arg)
+    return kept
 
 
 SAMPLES = _without(BASE, "--train-iters") + ["--global-batch-size", "8", "--lr", "1.0"]
@@ -131,7 +136,8 @@ def _lrs(argv: list[str], iterations: int) -> list[float]:
     config = parse_args(argv)
     scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0),
                                         config.training)
-    return [scheduler.step(scheduler.steps_per_iteration) for _ in range(iterations)]
+    return [scheduler.iteration_done(config.training.global_batch_size)
+            for _ in range(iterations)]
 
 
 def test_sample_based_training_counts_the_run_and_schedule_in_samples():

@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("training")
     _add(g, "training", "--micro-batch-size", type=int)
     _add(g, "training", "--global-batch-size", type=int)
+    _add(g, "training", "--rampup-batch-size", type=int, nargs=3,
+         metavar=("START", "INCREMENT", "SAMPLES"),
+         help="grow the global batch from START by INCREMENT over SAMPLES samples (needs "
+              "--train-samples)")
     _add(g, "training", "--train-iters", type=int)
     _add(g, "training", "--train-samples", type=int,
          help="train on this many samples (instead of --train-iters); the LR schedule is then "

@@ -423,12 +423,15 @@ class Config:
         self.training.finalize(self.parallel.data_parallel_size)
         parallel = self.parallel
         if parallel.virtual_pipeline_model_parallel_size:
-            micro_batches = self.training.num_micro_batches(parallel.data_parallel_size)
-            _require(
-                micro_batches % parallel.pipeline_model_parallel_size == 0,
-                f"the interleaved schedule needs the number of micro-batches ({micro_batches} = "
-                "--global-batch-size / (--micro-batch-size x DP)) to be a multiple of "
-                f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}")
+            for size in self.training.rampup_batch_sizes():
+                micro_batches = self.training.num_micro_batches(parallel.data_parallel_size,
+                                                                size)
+                _require(
+                    micro_batches % parallel.pipeline_model_parallel_size == 0,
+                    f"the interleaved schedule needs the number of micro-batches "
+                    f"({micro_batches} = global batch size {size} / (--micro-batch-size x DP)) "
+                    "to be a multiple of --pipeline-model-parallel-size "
+                    f"{parallel.pipeline_model_parallel_size}")
         self.data.finalize()
         self.checkpoint.finalize()
         warnings += self.logging.finalize()

@@ -19,7 +19,9 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     # What the run reads: every training step's samples, and --eval-iters global batches of
     # validation and test (threefold evaluates on the same batches each time).
     evaluation = max(training.eval_iters, 1) * training.global_batch_size
-    sizes = [training.train_iters * training.global_batch_size, evaluation, evaluation]
+    train = (training.train_samples if training.train_samples is not None
+             else training.train_iters * training.global_batch_size)
+    sizes = [train, evaluation, evaluation]
     if data.mock_data:
         datasets = [MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
                     for split, size in enumerate(sizes)]

@@ -18,6 +18,10 @@ class TrainingConfig:
     train_samples: int | None = None
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START
+    # by INCREMENT in equal steps over the first SAMPLES samples, then stays at
+    # global_batch_size.
+    rampup_batch_size: list[int] | None = None
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "linear"
@@ -66,8 +70,29 @@ class TrainingConfig:
     def params_dtype_name(self) -> str:
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
-    def num_micro_batches(self, data_parallel_size: int) -> int:
-        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+    def num_micro_batches(self, data_parallel_size: int,
+                          global_batch_size: int | None = None) -> int:
+        return ((global_batch_size or self.global_batch_size)
+                // (self.micro_batch_size * data_parallel_size))
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples`
+        (Megatron's RampupBatchsizeNumMicroBatchesCalculator)."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        if consumed_samples > samples:
+            return self.global_batch_size
+        increments = (self.global_batch_size - start) // increment
+        per_increment = samples / increments if increments else float("inf")
+        return start + int(consumed_samples / per_increment) * increment
+
+    def rampup_batch_sizes(self) -> list[int]:
+        """Every global batch size the run uses."""
+        if self.rampup_batch_size is None:
+            return [self.global_batch_size]
+        start, increment, _ = self.rampup_batch_size
+        return list(range(start, self.global_batch_size + 1, increment))
 
     def finalize(self, data_parallel_size: int) -> None:
         _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
@@ -94,6 +119,8 @@ class TrainingConfig:
                      f"{self.decoupled_lr}]")
         _require(self.lr_decay_style in ("constant", "linear", "cosine"),
                  "--lr-decay-style must be constant, linear or cosine")
+        if self.rampup_batch_size is not None:
+            self._finalize_rampup(data_parallel_size)
         if self.train_samples is None:
             self._finalize_iteration_schedule()
         else:
@@ -131,7 +158,7 @@ class TrainingConfig:
         _require(self.lr_warmup_iters == 0 and self.lr_decay_iters is None,
                  "with --train-samples the LR schedule is in samples: use --lr-warmup-samples "
                  "(or --lr-warmup-fraction) and --lr-decay-samples")
-        self.train_iters = self.train_samples // self.global_batch_size
+        self.train_iters = self._iterations_for(self.train_samples)
         _require(self.train_iters >= 1, f"--train-samples {self.train_samples} is less than "
                  f"one global batch of {self.global_batch_size}")
         if self.lr_decay_samples is None:
@@ -143,6 +170,34 @@ class TrainingConfig:
             f"--lr-warmup-samples {self.lr_warmup_samples} exceeds --lr-decay-samples "
             f"{self.lr_decay_samples}",
         )
+
+    def _finalize_rampup(self, data_parallel_size: int) -> None:
+        ramp = self.rampup_batch_size
+        _require(len(ramp) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
+        _require(self.train_samples is not None,
+                 "--rampup-batch-size needs --train-samples (as in Megatron-LM)")
+        start, increment, samples = ramp
+        _require(start >= 1 and increment >= 1 and samples >= 0,
+                 "--rampup-batch-size: START and INCREMENT must be >= 1, SAMPLES >= 0")
+        _require(start <= self.global_batch_size
+                 and (self.global_batch_size - start) % increment == 0,
+                 f"--rampup-batch-size: --global-batch-size {self.global_batch_size} must be "
+                 f"START {start} plus a multiple of INCREMENT {increment}")
+        per_step = self.micro_batch_size * data_parallel_size
+        for size in self.rampup_batch_sizes():
+            _require(size % per_step == 0, f"--rampup-batch-size: the global batch size {size} "
+                     f"is not divisible by --micro-batch-size {self.micro_batch_size} x "
+                     f"data-parallel size {data_parallel_size}")
+
+    def _iterations_for(self, train_samples: int) -> int:
+        """Megatron's count of iterations for --train-samples: those of the ramp, then whole
+        global batches."""
+        iterations = consumed = 0
+        if self.rampup_batch_size is not None:
+            while consumed <= self.rampup_batch_size[2] and consumed <= train_samples:
+                consumed += self.global_batch_size_at(consumed)
+                iterations += 1
+        return iterations + max(train_samples - consumed, 0) // self.global_batch_size
 
     def _check_limits(self) -> None:
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")

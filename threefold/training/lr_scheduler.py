@@ -19,13 +19,12 @@ class OptimizerParamScheduler:
         self.max_lr, self.min_lr = config.lr, config.min_lr
         self.decoupled = (config.decoupled_lr, config.decoupled_min_lr
                           if config.decoupled_min_lr is not None else config.min_lr)
-        if config.train_samples is None:
-            self.warmup_steps, self.decay_steps = config.lr_warmup_iters, config.lr_decay_iters
-            self.steps_per_iteration = 1
-        else:
+        self.in_samples = config.train_samples is not None
+        if self.in_samples:
             self.warmup_steps = config.lr_warmup_samples
             self.decay_steps = config.lr_decay_samples
-            self.steps_per_iteration = config.global_batch_size
+        else:
+            self.warmup_steps, self.decay_steps = config.lr_warmup_iters, config.lr_decay_iters
         self.style = config.lr_decay_style
         self.num_steps = 0
         self.step(0)
@@ -51,6 +50,10 @@ class OptimizerParamScheduler:
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group.get("decoupled_lr", False))
         return self.get_lr()
+
+    def iteration_done(self, global_batch_size: int) -> float:
+        """Advance past one updated iteration of `global_batch_size` samples."""
+        return self.step(global_batch_size if self.in_samples else 1)
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps}

@@ -173,7 +173,9 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
         self.state = TrainState()
+        # Evaluation always runs full global batches; training's follow --rampup-batch-size.
         self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
+        self.last_global_batch_size = training.global_batch_size
         self.flops_per_iteration = training_flops_per_iteration(
             config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
         sequence = config.model.seq_length // (
@@ -275,18 +277,23 @@ class Trainer:
         """One global batch: forward/backward over micro-batches, gradient reduction, update.
         Returns (mean loss over the global batch, grad norm or None, whether it was skipped)."""
         iteration = self.state.iteration + 1
+        training = self.config.training
+        # --rampup-batch-size: this iteration's global batch follows from the samples so far.
+        global_batch_size = training.global_batch_size_at(self.state.consumed_train_samples)
+        num_microbatches = training.num_micro_batches(state.data_parallel_world_size(),
+                                                      global_batch_size)
         self.watchdog.enter("forward-backward", iteration)
         self._set_train(True)
         if self.native:
             self.optimizer.zero_grad()
         else:
-            self.grad_buffer.start_step(self.num_microbatches)
+            self.grad_buffer.start_step(num_microbatches)
         start = time.perf_counter()
         faults.delay(state.global_rank(), iteration)
         per_token = self.config.training.calculate_per_token_loss
         losses = get_forward_backward_func()(
             self._forward_step, self.train_iterator(), self.wrapped_chunks,
-            self.num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
+            num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
             per_token_loss=per_token,
             **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])} if self.native else {}))
         self.watchdog.add_busy_time(time.perf_counter() - start)
@@ -306,9 +313,10 @@ class Trainer:
         updated, grad_norm = self.optimizer.step(divisor)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
-            self.scheduler.step(self.scheduler.steps_per_iteration)
+            self.scheduler.iteration_done(global_batch_size)
         self.state.iteration += 1
-        self.state.consumed_train_samples += self.config.training.global_batch_size
+        self.state.consumed_train_samples += global_batch_size
+        self.last_global_batch_size = global_batch_size
         return total / max(weight, 1.0), grad_norm, not updated
 
     def _global_loss_totals(self, losses: list[torch.Tensor]) -> tuple[float, float]:
@@ -361,7 +369,7 @@ class Trainer:
         profiler = self.profiler
         self.hygiene.__enter__()  # its first collection is not iteration time
         losses, window_losses, window_start = [], [], time.perf_counter()
-        window_iterations = 0
+        window_iterations = window_samples = 0
         try:
             while self.state.iteration < training.train_iters:
                 first_sample = self.state.consumed_train_samples
@@ -380,13 +388,15 @@ class Trainer:
                     window_losses.append(loss)
                 if spikes is not None:
                     report = spikes.observe(loss, iteration, first_sample,
-                                            training.global_batch_size)
+                                            self.last_global_batch_size)
                     if report:
                         print_rank_0(report)
                 window_iterations += 1
+                window_samples += self.last_global_batch_size
                 if iteration % logging.log_interval == 0:
-                    elapsed = (time.perf_counter() - window_start) / window_iterations
-                    stats = self._iteration_stats(elapsed, window_losses, grad_norm)
+                    stats = self._iteration_stats(time.perf_counter() - window_start,
+                                                  window_iterations, window_samples,
+                                                  window_losses, grad_norm)
                     print_rank_0(format_iteration(stats))
                     writers.log_iteration(stats)
                     report = self.watchdog.straggler_report(
@@ -394,7 +404,7 @@ class Trainer:
                         iteration)
                     if report:
                         print_rank_0(report)
-                    window_losses, window_iterations = [], 0
+                    window_losses, window_iterations, window_samples = [], 0, 0
                     window_start = time.perf_counter()
                 if iteration % training.eval_interval == 0 or iteration == training.train_iters:
                     self.watchdog.enter("evaluation", iteration)
@@ -454,10 +464,15 @@ class Trainer:
             pending.finalize()
             print_rank_0(f"  checkpoint at iteration {pending.iteration} complete")
 
-    def _iteration_stats(self, elapsed: float, window_losses: list[float],
-                         grad_norm: float | None) -> IterationStats:
+    def _iteration_stats(self, seconds: float, iterations: int, samples: int,
+                         window_losses: list[float], grad_norm: float | None) -> IterationStats:
+        """The log line's numbers over the window since the last one (`iterations` iterations
+        of `samples` samples in all, which differ in size under --rampup-batch-size)."""
         training = self.config.training
-        tflops = self.flops_per_iteration / elapsed / state.global_world_size() / 1e12
+        elapsed = seconds / iterations
+        samples_per_second = samples / seconds
+        flops_per_sample = self.flops_per_iteration / training.global_batch_size
+        tflops = flops_per_sample * samples_per_second / state.global_world_size() / 1e12
         mfu = memory = None
         if self.device.type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(self.device))
@@ -475,9 +490,9 @@ class Trainer:
             num_zeros_in_grad=(self.optimizer.num_zeros_in_grad
                                if logging.log_num_zeros_in_grad else None),
             params_norm=self.optimizer.params_norm() if logging.log_params_norm else None,
-            global_batch_size=training.global_batch_size, lm_loss=mean_loss,
+            global_batch_size=self.last_global_batch_size, lm_loss=mean_loss,
             loss_scale=self.loss_scaler.scale, grad_norm=grad_norm,
             skipped_iterations=self.state.skipped_iterations,
             nan_iterations=self.state.nan_iterations,
-            tokens_per_second=training.global_batch_size * self.config.model.seq_length / elapsed,
+            tokens_per_second=samples_per_second * self.config.model.seq_length,
             tflops_per_device=tflops, mfu=mfu, memory_gib=memory)
