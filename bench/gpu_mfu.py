@@ -6,8 +6,8 @@ user would pick instead, same shapes, same GPU, one run.
 
 Contenders, each in its own process (its own memory peak, no shared compile caches), each
 logging to OUT/<name>.log:
-- threefold: `Trainer.train_step` with --bf16 (bf16 weights, fp32 masters and Adam state) and
-  the kernels chosen at start-up (its log line is in the raw log); and the same with
+- threefold: `Trainer.train_step` with --bf16 (bf16 weights; fp32 gradients, masters and Adam
+  state) and the kernels chosen at start-up (its log line is in the raw log); and the same with
   --compile-layers (each transformer layer one torch.compile'd graph);
 - transformers: LlamaForCausalLM with SDPA, fp32 weights under bf16 autocast (the recipe of
   transformers' Trainer with bf16=True), PyTorch's fused AdamW; eager and torch.compile'd;

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "parallel", "--overlap-param-gather", action=_STORE_TRUE,
          help="all-gather updated parameters bucket by bucket during the next forward")
     _add(g, "parallel", "--accumulate-allreduce-grads-in-fp32", action=_STORE_TRUE,
-         help="fp32 gradient buffer for bf16/fp16 models (default: the parameters' dtype)")
+         help="fp32 gradient buffer for fp16 models (bf16 models have one by default)")
+    _add(g, "parallel", "--grad-reduce-in-bf16", action=_STORE_TRUE,
+         help="with --bf16: accumulate and reduce gradients in bf16 instead of fp32")
     _add(g, "parallel", "--ddp-bucket-size", type=int, help="elements per gradient bucket")
     _add(g, "parallel", "--distributed-strategy", choices=["megatron", "ddp", "fsdp", "auto"],
          help="megatron: threefold's DP/TP/PP; ddp, fsdp: PyTorch DDP / FSDP2 (TP=PP=1); "

@@ -166,7 +166,10 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # With --bf16 Megatron accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+    # (Config.finalize applies that default); fp16 keeps fp16 gradients unless asked.
     accumulate_allreduce_grads_in_fp32: bool = False
+    grad_reduce_in_bf16: bool = False
     ddp_bucket_size: int | None = None  # elements; None: 40M (Megatron's default)
     # megatron: threefold's own DP (+ --use-distributed-optimizer); ddp / fsdp: PyTorch's
     # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
@@ -422,6 +425,7 @@ class Config:
         warnings = self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size)
         parallel = self.parallel
+        self._finalize_gradient_precision()
         if parallel.virtual_pipeline_model_parallel_size:
             for size in self.training.rampup_batch_sizes():
                 micro_batches = self.training.num_micro_batches(parallel.data_parallel_size,
@@ -437,6 +441,18 @@ class Config:
         warnings += self.logging.finalize()
         self.kernels.finalize()
         return warnings
+
+    def _finalize_gradient_precision(self) -> None:
+        parallel = self.parallel
+        if not parallel.grad_reduce_in_bf16:
+            # Megatron-LM: bf16 needs gradient accumulation and all-reduce in fp32.
+            parallel.accumulate_allreduce_grads_in_fp32 |= self.training.bf16
+            return
+        _require(self.training.bf16, "--grad-reduce-in-bf16 needs --bf16; drop it")
+        _require(not parallel.accumulate_allreduce_grads_in_fp32,
+                 "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict "
+                 "each other; give one")
+        parallel.accumulate_allreduce_grads_in_fp32 = False
 
     @classmethod
     def from_dict(cls, values: dict) -> Config:

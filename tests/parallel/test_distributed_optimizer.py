@@ -73,10 +73,10 @@ def _bytes_job(argv: list[str]) -> dict:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("precision,flags,without,with_distributed", [
     ("fp32", [], 16.0, lambda d: 8 + 8 / d),
-    ("bf16 with fp32 gradients", ["--bf16", "--accumulate-allreduce-grads-in-fp32"], 18.0,
-     lambda d: 6 + 12 / d),
-    # Megatron's default for bf16: gradients accumulated and reduced in bf16.
-    ("bf16", ["--bf16"], 16.0, lambda d: 4 + 12 / d),
+    # Megatron's default for bf16: gradients accumulated and reduced in fp32.
+    ("bf16", ["--bf16"], 18.0, lambda d: 6 + 12 / d),
+    ("bf16 with bf16 gradients", ["--bf16", "--grad-reduce-in-bf16"], 16.0,
+     lambda d: 4 + 12 / d),
 ])
 def test_bytes_per_parameter_follow_megatron_accounting(world_size, precision, flags, without,
                                                         with_distributed):

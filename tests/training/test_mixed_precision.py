@@ -1,8 +1,15 @@
 """bf16 and fp16 training: fp32 master weights track the fp32 run; the fp16 loss scaler skips
-overflowing steps and backs off, as Megatron's DynamicGradScaler does."""
+overflowing steps and backs off, as Megatron's DynamicGradScaler does; gradients of bf16 models
+are accumulated and reduced in fp32 unless --grad-reduce-in-bf16, as in Megatron-LM."""
 
-from tests.parity import GPT2_STYLE, TRAINING, _setup, train_job
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup, train_job
+from threefold.arguments import parse_args
 from threefold.config import TrainingConfig
+from threefold.parallel.torch_native import local
 from threefold.training.loss_scaler import DynamicLossScaler
 
 
@@ -59,3 +66,52 @@ def test_optimizer_cpu_offload_keeps_separate_masters_with_identical_arithmetic(
     piece = trainer.optimizer.pieces[0]
     assert piece.master is not piece.param and piece.master.device == OFFLOAD_DEVICE
     assert [trainer.train_step()[0] for _ in range(3)] == reference
+
+
+@pytest.mark.parametrize("flags,fp32_gradients", [
+    (["--bf16"], True),  # Megatron-LM's default for bf16
+    (["--bf16", "--grad-reduce-in-bf16"], False),
+    (["--fp16"], False),
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
+    (["--bf16", "--accumulate-allreduce-grads-in-fp32"], True),
+])
+def test_gradient_precision_follows_megatron_defaults(flags, fp32_gradients):
+    config = parse_args(GPT2_STYLE + TRAINING + flags)
+    assert config.parallel.accumulate_allreduce_grads_in_fp32 == fp32_gradients
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
+    (["--fp16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
+    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; "
+     "give one"),
+])
+def test_contradicting_gradient_precision_flags_are_refused(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(GPT2_STYLE + TRAINING + flags)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
+
+
+def _reduced_gradients_job(argv: list[str]) -> tuple[str, bool]:
+    """The dtype of the data-parallel reduced gradients after a step, and whether every value
+    is a bf16 number (a reduction in bf16 leaves nothing finer)."""
+    trainer = _setup(argv)
+    trainer.train_step()
+    grads = [local(p.main_grad if trainer.grad_buffer is not None else p.grad)
+             for _, p in trainer.model.named_parameters()]
+    on_bf16_grid = all(torch.equal(g, g.bfloat16().to(g.dtype)) for g in grads)
+    return str(grads[0].dtype), on_bf16_grid
+
+
+@pytest.mark.parametrize("strategy", ["megatron", "ddp", "fsdp"])
+def test_grad_reduce_in_bf16_reduces_in_bf16_in_every_strategy(strategy):
+    # Without clipping the gradients are left as the reduction wrote them.
+    argv = (LLAMA_STYLE + TRAINING + ["--bf16", "--clip-grad", "0", "--global-batch-size", "4",
+                                      "--distributed-strategy", strategy])
+    fp32 = "torch.float32"
+    default = run_distributed(2, _reduced_gradients_job, argv)
+    assert default == [(fp32, False)] * 2
+    in_bf16 = run_distributed(2, _reduced_gradients_job, argv + ["--grad-reduce-in-bf16"])
+    assert in_bf16 == [("torch.bfloat16" if strategy == "megatron" else fp32, True)] * 2

@@ -8,6 +8,9 @@
   sharded fp32 parameters are the masters; `--bf16`/`--fp16` all-gather them in that dtype and
   reduce-scatter gradients in fp32 (a `MixedPrecisionPolicy`).
 
+`--grad-reduce-in-bf16` reduces gradients in bf16 instead: DDP through its bf16 compression
+hook, FSDP2 through the policy's `reduce_dtype`.
+
 Both need TP = PP = 1 (checked by the config). Gradient synchronization is skipped on all but
 the last micro-batch of a step (`no_sync_context`), so accumulation costs one reduction.
 """
@@ -32,17 +35,37 @@ _PARAMETER_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_st
                          "shared_embedding", "embedding_copy")
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, bucket_elements: int) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_elements: int,
+             reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     # --ddp-bucket-size counts elements; PyTorch DDP's buckets are in MiB (of fp32 gradients).
-    return nn.parallel.DistributedDataParallel(
+    wrapped = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=state.data_parallel_group(),
         bucket_cap_mb=bucket_elements * 4 / 2**20,
         # The gradients live in DDP's buckets: no second copy of them.
         gradient_as_bucket_view=True)
+    if reduce_dtype == torch.bfloat16:
+        wrapped.register_comm_hook(state.data_parallel_group(), _all_reduce_in_bf16)
+    return wrapped
 
 
-def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+def _all_reduce_in_bf16(group, bucket):
+    """DDP communication hook: average a bucket in bf16 and write it back to the fp32 bucket.
+    (PyTorch's own bf16 hook refuses anything but NCCL/XCCL; this one runs on gloo too.)
+    Unannotated: DDP checks the annotations against the real classes, and this module's
+    `from __future__ import annotations` would turn them into strings."""
+    gradients = bucket.buffer()
+    compressed = gradients.to(torch.bfloat16).div_(dist.get_world_size(group))
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+
+    def write_back(future):
+        return gradients.copy_(future.value()[0])
+
+    return work.get_future().then(write_back)
+
+
+def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype,
+              reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     saved = {name: {a: getattr(p, a) for a in _PARAMETER_ATTRIBUTES if hasattr(p, a)}
@@ -53,7 +76,7 @@ def wrap_fsdp(model: nn.Module, device: torch.device, compute_dtype: torch.dtype
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-        reduce_dtype=torch.float32)
+        reduce_dtype=reduce_dtype)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # embedding, final norm, output layer

@@ -6,7 +6,9 @@ per parameter of the precision and data-parallel strategy:
 
     strategy, precision            params  grads             optimizer
     megatron, fp32                 4       4                 8       (Adam moments)
-    megatron, bf16/fp16            2       2, or 4 with      12      (fp32 master + moments)
+    megatron, bf16                 2       4, or 2 with      12      (fp32 master + moments)
+                                           --grad-reduce-in-bf16
+    megatron, fp16                 2       2, or 4 with      12
                                            --accumulate-allreduce-grads-in-fp32
     + --use-distributed-optimizer                            optimizer / DP
     ddp (fp32 params, autocast)    4       4                 8

@@ -219,8 +219,10 @@ class Trainer:
         if not fsdp:  # DDP turns existing gradients into views of its buckets
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
-        wrapped = (wrap_fsdp(model, device, params_dtype(self.config)) if fsdp
-                   else wrap_ddp(model, device, self.config.parallel.bucket_size))
+        parallel = self.config.parallel
+        reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32
+        wrapped = (wrap_fsdp(model, device, params_dtype(self.config), reduce_dtype) if fsdp
+                   else wrap_ddp(model, device, parallel.bucket_size, reduce_dtype))
         if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
