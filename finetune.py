@@ -20,38 +20,13 @@ import os
 import sys
 
 from threefold.arguments import parse_args
-from threefold.checkpointing import (
-    checkpoint_tokenizer,
-    load_checkpoint,
-    read_metadata,
-    read_tracker,
-)
-from threefold.config import ConfigError, DataConfig
+from threefold.checkpoint_args import checkpoint_flags, latest_config
+from threefold.checkpointing import load_checkpoint
+from threefold.config import ConfigError
 from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
 from threefold.parallel import state
 from threefold.training.trainer import Trainer, print_rank_0
-
-# Model fields taken from the checkpoint, as flags (--use-checkpoint-args).
-_VALUE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "num_query_groups", "kv_channels", "max_position_embeddings",
-                 "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
-                 "vocab_size", "make_vocab_size_divisible_by")
-_TRUE_FLAGS = {"group_query_attention": "--group-query-attention", "swiglu": "--swiglu",
-               "add_qkv_bias": "--add-qkv-bias", "openai_gelu": "--openai-gelu",
-               "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-               "qk_layernorm": "--qk-layernorm", "apply_layernorm_1p": "--apply-layernorm-1p"}
-
-
-def checkpoint_model_flags(model: dict) -> list[str]:
-    flags = []
-    for name in _VALUE_FIELDS:
-        if model.get(name) is not None:
-            flags += ["--" + name.replace("_", "-"), str(model[name])]
-    flags += [flag for name, flag in _TRUE_FLAGS.items() if model.get(name)]
-    if not model.get("add_bias_linear", True):
-        flags.append("--disable-bias-linear")
-    return flags
 
 
 def sft_datasets(packing: bool):
@@ -89,20 +64,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        iteration = read_tracker(known.load) if os.path.isdir(known.load) else None
-        if iteration is None:
-            raise ConfigError(f"--load {known.load}: holds no complete checkpoint")
-        saved = read_metadata(known.load, iteration)["config"]
+        iteration, _ = latest_config(known.load)
+        prefix = checkpoint_flags(known.load, with_tokenizer=known.tokenizer_type is None)
     except ConfigError as error:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
-    prefix = checkpoint_model_flags(saved["model"])
-    if known.tokenizer_type is None:  # the checkpoint's own tokenizer
-        data = checkpoint_tokenizer(known.load, iteration, DataConfig(**saved["data"]))
-        if data.tokenizer_type:
-            prefix += ["--tokenizer-type", data.tokenizer_type]
-            if data.tokenizer_model:
-                prefix += ["--tokenizer-model", data.tokenizer_model]
     config = parse_args(prefix + rest)
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load))

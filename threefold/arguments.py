@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
 from threefold import megatron_compat
+from threefold.checkpoint_args import flags_for_use_checkpoint_args
 from threefold.config import Config, ConfigError
 
 # Flags that take no value; their config default is False.
@@ -237,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "checkpoint", "--no-load-rng", action=_STORE_TRUE)
     _add(g, "checkpoint", "--finetune", action=_STORE_TRUE,
          help="load the weights only; iteration and consumed samples start from 0")
+    _add(g, "checkpoint", "--use-checkpoint-args", action=_STORE_TRUE,
+         help="take the model's architecture (and tokenizer, unless --tokenizer-type is "
+              "given) from the --load checkpoint; the command line may add to it")
 
     g = parser.add_argument_group("logging")
     _add(g, "logging", "--log-interval", type=int)
@@ -281,6 +286,17 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     """Parse Megatron-LM flags and validate them; exits with code 2 and one line on a mistake."""
     parser = build_parser()
     namespace = parser.parse_args(argv)
+    if getattr(namespace, "checkpoint.use_checkpoint_args", False):
+        # The checkpoint's flags go first so that the command line's own values win.
+        try:
+            prefix, note = flags_for_use_checkpoint_args(
+                getattr(namespace, "checkpoint.load", None),
+                getattr(namespace, "checkpoint.save", None),
+                with_tokenizer=not hasattr(namespace, "data.tokenizer_type"))
+        except ConfigError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        print(f"> {note}", flush=True)
+        namespace = parser.parse_args(prefix + list(sys.argv[1:] if argv is None else argv))
     config = config_from_namespace(namespace)
     config.parallel.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:

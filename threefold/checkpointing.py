@@ -35,28 +35,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from threefold.config import Config, ConfigError, DataConfig, ModelConfig
+from threefold.checkpoint_args import (
+    TRACKER,
+    checkpoint_dir,
+    checkpoint_tokenizer,
+    read_metadata,
+    read_tracker,
+)
+from threefold.config import Config, ConfigError, ModelConfig
 from threefold.config import flag as flag_of
 from threefold.model.lora import is_adapter
 from threefold.parallel import state
 from threefold.parallel.random import get_rng_tracker
 from threefold.resharding import load_resharded, load_weights
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise ConfigError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
-    return int(text)
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -177,16 +168,6 @@ def save_tokenizer(tokenizer, path: str) -> None:
         shutil.copyfile(source, os.path.join(path, "tokenizer.model"))
 
 
-def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataConfig:
-    """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer."""
-    path = checkpoint_dir(root, iteration)
-    if data.tokenizer_type == "SentencePieceTokenizer":
-        data.tokenizer_model = os.path.join(path, "tokenizer.model")
-    elif data.tokenizer_type == "HuggingFaceTokenizer":
-        data.tokenizer_model = os.path.join(path, "tokenizer")
-    return data
-
-
 def save_weights_checkpoint(root: str, config: Config, tensors: dict[str, torch.Tensor],
                             tokenizer=None) -> str:
     """A weights-only checkpoint at TP = PP = 1, iteration 0, from full tensors keyed by
@@ -203,14 +184,6 @@ def save_weights_checkpoint(root: str, config: Config, tensors: dict[str, torch.
     _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
     _write_atomically(os.path.join(root, TRACKER), "0\n")
     return path
-
-
-def read_metadata(root: str, iteration: int) -> dict:
-    path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:

@@ -358,6 +358,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False  # weights only; iteration and consumed samples start at 0
+    use_checkpoint_args: bool = False  # model flags from --load (threefold/checkpoint_args.py)
 
     def finalize(self) -> None:
         if self.save_interval is not None:

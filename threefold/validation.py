@@ -90,7 +90,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     load = config.checkpoint.load
     if load is not None and os.path.isdir(load):
-        from threefold.checkpointing import checkpoint_dir, read_tracker
+        from threefold.checkpoint_args import checkpoint_dir, read_tracker
 
         iteration = read_tracker(load)  # names the tracker when it holds no iteration number
         if iteration is not None and not os.path.isdir(checkpoint_dir(load, iteration)):

@@ -111,12 +111,12 @@ def test_exporting_query_key_norms_as_llama_is_refused():
 
 
 def test_checkpoints_remember_the_variant(tmp_path):
-    from finetune import checkpoint_model_flags
+    from threefold.checkpoint_args import model_flags
     from threefold.checkpointing import load_checkpoint, save_checkpoint
     from threefold.config import ConfigError
 
     assert {"--qk-layernorm", "--apply-layernorm-1p"} <= set(
-        checkpoint_model_flags({"qk_layernorm": True, "apply_layernorm_1p": True}))
+        model_flags({"qk_layernorm": True, "apply_layernorm_1p": True}))
     plain = _setup(LLAMA_STYLE + TRAINING + ["--save", str(tmp_path)])
     save_checkpoint(str(tmp_path), plain)
     centred = _setup(LLAMA_STYLE + TRAINING + ["--apply-layernorm-1p"])
