@@ -39,6 +39,32 @@ def test_a_megatron_llama_script_line_parses():
     assert config.training.lr_warmup_iters == pytest.approx(1.0)
 
 
+def test_megatron_llama3_recipe_flags_parse(tmp_path):
+    """The non-FP8 flags of Megatron-LM's examples/llama Llama-3 8B H100 recipe, model shrunk."""
+    config = parse_args("""
+        --use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 128
+        --num-attention-heads 8 --group-query-attention --num-query-groups 4 --kv-channels 8
+        --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope
+        --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+        --swiglu --init-method-std 0.0134 --attention-backend fused --apply-layernorm-1p
+        --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1
+        --global-batch-size 128 --train-samples 1953125000 --lr-decay-samples 1949218748
+        --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4
+        --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1
+        --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16
+        --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc
+        --empty-unused-memory-level 1 --exit-duration-in-mins 235
+        --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
+        --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --mock-data
+        --vocab-size 1000 --split 99,1,0 --no-create-attention-mask-in-dataloader
+        --num-workers 1 --log-interval 1 --eval-iters 32 --eval-interval 100
+        --save-interval 1000 --log-throughput --ckpt-format torch_dist
+        --distributed-timeout-minutes 60""".split() + ["--save", str(tmp_path)])
+    assert not config.parallel.accumulate_allreduce_grads_in_fp32
+    assert config.training.calculate_per_token_loss and config.training.decoupled_lr == 5e-4
+    assert config.model.apply_layernorm_1p and config.checkpoint.save == str(tmp_path)
+
+
 @pytest.mark.parametrize("flag", sorted(megatron_compat.ALIASES))
 def test_aliases_are_the_flag_they_stand_for(flag):
     dest, value = megatron_compat.ALIASES[flag]

@@ -28,6 +28,8 @@ ONLY_DEFAULT = {
     "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
     "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
+    "--ckpt-format": (str, "torch_dist", "checkpoints are always torch.distributed.checkpoint "
+                                         "shards (with threefold's own keys, docs/checkpoints.md)"),
 }
 
 # flag -> why it changes nothing here
@@ -44,6 +46,7 @@ NO_COUNTERPART = {
                                    "fp32 already",
     "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
                                                 "carry a mask only for --reset-attention-mask",
+    "--auto-detect-ckpt-format": "threefold reads and writes one checkpoint format",
     "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
                                            "--tensorboard-dir",
