@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from threefold.checkpointing import load_checkpoint, read_tracker
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
+    from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer, print_rank_0
 
     device = state.initialize_from_config(config.parallel)
@@ -47,10 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config, device)
         if config.checkpoint.load:
             checkpoint = config.checkpoint
-            iteration = load_checkpoint(checkpoint.load, trainer,
-                                        load_optimizer=not checkpoint.no_load_optim,
-                                        load_rng=not checkpoint.no_load_rng,
-                                        finetune=checkpoint.finetune)
+            with trainer.timers("load-checkpoint", 0):
+                iteration = load_checkpoint(checkpoint.load, trainer,
+                                            load_optimizer=not checkpoint.no_load_optim,
+                                            load_rng=not checkpoint.no_load_rng,
+                                            finetune=checkpoint.finetune)
             print_rank_0(f"> resumed from {config.checkpoint.load} at iteration {iteration}"
                          if iteration is not None else
                          f"> no checkpoint in --load {config.checkpoint.load}; starting from "
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     print_rank_0(_summary(config, trainer, device.type))
+    trainer.print_timers(SETUP)
     try:
         trainer.train()
     except NonFiniteError as error:

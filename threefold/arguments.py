@@ -254,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
          help="report ranks whose compute time per iteration is above --straggler-factor x "
               "the median")
     _add(g, "logging", "--straggler-factor", type=float)
+    _add(g, "logging", "--timing-log-level", type=int, choices=[0, 1, 2],
+         help="0: start-up and checkpoint timers; 1: + forward-backward, gradient reduction, "
+              "optimizer per iteration; 2: + per micro-batch compute and pipeline communication")
+    _add(g, "logging", "--timing-log-option", choices=["max", "minmax", "all"],
+         help="report each timer's max over ranks, (min, max), or every rank's time")
+    _add(g, "logging", "--no-barrier-with-level-1-timing", action="store_false",
+         field="barrier_with_l1_time",
+         help="start level-1 timers without a barrier (time includes waiting for other ranks)")
+    _add(g, "logging", "--log-timers-to-tensorboard", action=_STORE_TRUE,
+         help="write each per-iteration timer's max over ranks to --tensorboard-dir")
     _add(g, "logging", "--wandb-project", type=str,
          help="log to Weights & Biases (offline without credentials or with WANDB_MODE=offline)")
     _add(g, "logging", "--wandb-exp-name", type=str)

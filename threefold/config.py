@@ -386,6 +386,11 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     log_num_zeros_in_grad: bool = False  # gradient elements that are exactly zero
+    # Megatron's timers (training/timers.py): which exist, how they are reported.
+    timing_log_level: int = 0
+    timing_log_option: str = "minmax"
+    barrier_with_l1_time: bool = True
+    log_timers_to_tensorboard: bool = False
     tensorboard_dir: str | None = None
     log_straggler: bool = False  # report ranks computing slower than straggler_factor x median
     straggler_factor: float = 1.3
@@ -397,15 +402,21 @@ class LoggingConfig:
     def finalize(self) -> list[str]:
         _require(self.log_interval >= 1, "--log-interval must be >= 1")
         _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
+        _require(not self.log_timers_to_tensorboard or self.tensorboard_dir is not None,
+                 "--log-timers-to-tensorboard writes to --tensorboard-dir; give one")
+        warnings = []
+        if self.log_timers_to_tensorboard and self.timing_log_level == 0:
+            warnings.append("--log-timers-to-tensorboard writes the per-iteration timers of "
+                            "--timing-log-level 1 or 2; at level 0 there are none")
         if not self.profile:
-            return (["--use-pytorch-profiler has no effect without --profile"]
-                    if self.use_pytorch_profiler else [])
+            return warnings + (["--use-pytorch-profiler has no effect without --profile"]
+                               if self.use_pytorch_profiler else [])
         _require(0 <= self.profile_step_start < self.profile_step_end,
                  f"--profile-step-start {self.profile_step_start} must be >= 0 and below "
                  f"--profile-step-end {self.profile_step_end}")
         _require(not self.use_pytorch_profiler or self.tensorboard_dir is not None,
                  "--use-pytorch-profiler writes its trace to --tensorboard-dir; give one")
-        return []
+        return warnings
 
 
 @dataclass

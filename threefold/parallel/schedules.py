@@ -24,6 +24,9 @@ B(micro-batch, chunk), run by one executor (`run_actions`):
 
 The executor receives an input only when the action needs it and sends without waiting, so
 it cannot deadlock on an order in which every action's inputs are produced earlier.
+
+`timers` (threefold/training/timers.py) times the level-2 phases under Megatron's names:
+batch-generator, forward-compute, backward-compute, forward/backward-recv/send.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ from threefold.parallel.p2p import P2P
 
 ForwardStep = Callable[..., tuple[torch.Tensor, Callable]]
 Action = tuple[str, int, int]  # ("F" or "B", micro-batch, model chunk)
+# training/timers.Timers: timers(name, level) is a context manager timing its block.
+TimerFactory = Callable[[str, int], contextlib.AbstractContextManager]
+_TIMER_NAMES = {"F": "forward-compute", "B": "backward-compute",
+                "recv-forward": "forward-recv", "send-forward": "forward-send",
+                "recv-backward": "backward-recv", "send-backward": "backward-send"}
 
 
 @dataclass
@@ -57,7 +65,7 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Ite
                                    model_chunks: list, num_microbatches: int,
                                    forward_only: bool = False, loss_scale: float = 1.0,
                                    no_sync_func: Callable | None = None,
-                                   per_token_loss: bool = False,
+                                   per_token_loss: bool = False, timers: TimerFactory | None = None,
                                    **_unused) -> list[torch.Tensor]:
     """`no_sync_func` (PyTorch DDP/FSDP): a context that holds back gradient reduction, entered
     for every micro-batch but the last, as Megatron's `config.no_sync_func`."""
@@ -68,12 +76,20 @@ def forward_backward_no_pipelining(forward_step: ForwardStep, data_iterator: Ite
         last = index == num_microbatches - 1
         with (no_sync_func() if no_sync_func and not last and not forward_only
               else contextlib.nullcontext()):
-            output, loss_func = forward_step(next(data_iterator), model, None)
-            loss, value = loss_func(output)
+            with _timed(timers, "batch-generator"):
+                batch = next(data_iterator)
+            with _timed(timers, "forward-compute"):
+                output, loss_func = forward_step(batch, model, None)
+                loss, value = loss_func(output)
             if not forward_only:
-                (loss * (loss_scale / divisor)).backward()
+                with _timed(timers, "backward-compute"):
+                    (loss * (loss_scale / divisor)).backward()
         reported.append(value)
     return reported
+
+
+def _timed(timers: TimerFactory | None, name: str) -> contextlib.AbstractContextManager:
+    return timers(name, 2) if timers is not None else contextlib.nullcontext()
 
 
 def one_f_one_b_order(num_microbatches: int, pipeline_size: int, rank: int) -> list[Action]:
@@ -107,9 +123,11 @@ def forward_only_order(num_microbatches: int, virtual_size: int) -> list[Action]
 
 
 @contextlib.contextmanager
-def _recorded(trace: ScheduleTrace | None, what: str, micro_batch: int, chunk: int):
+def _recorded(trace: ScheduleTrace | None, timers: TimerFactory | None, what: str,
+              micro_batch: int, chunk: int):
     start = time.perf_counter()
-    yield
+    with _timed(timers, _TIMER_NAMES[what]):
+        yield
     if trace is not None:
         trace.events.append((what, micro_batch, chunk, start, time.perf_counter()))
 
@@ -118,7 +136,8 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
                 model_chunks: list, tensor_shape: tuple[int, ...], dtype: torch.dtype,
                 forward_only: bool, loss_scale: float,
                 trace: ScheduleTrace | None = None,
-                per_token_loss: bool = False) -> list[torch.Tensor]:
+                per_token_loss: bool = False,
+                timers: TimerFactory | None = None) -> list[torch.Tensor]:
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(tensor_shape, dtype, device)
     divisor = 1 if per_token_loss else len(batches)
@@ -130,17 +149,17 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
         if kind == "F":
             input_tensor = None
             if not model.pre_process:
-                with _recorded(trace, "recv-forward", micro_batch, chunk):
+                with _recorded(trace, timers, "recv-forward", micro_batch, chunk):
                     input_tensor = p2p.recv_forward()
                 input_tensor.requires_grad_(not forward_only)
-            with _recorded(trace, "F", micro_batch, chunk):
+            with _recorded(trace, timers, "F", micro_batch, chunk):
                 output, loss_func = forward_step(batches[micro_batch], model, input_tensor)
                 if model.post_process:
                     loss, value = loss_func(output)
                     reported.append(value)
                     output = loss * (loss_scale / divisor)
             if not model.post_process:
-                with _recorded(trace, "send-forward", micro_batch, chunk):
+                with _recorded(trace, timers, "send-forward", micro_batch, chunk):
                     p2p.send_forward(output)
             if not forward_only:
                 held[(micro_batch, chunk)] = (input_tensor, output)
@@ -151,12 +170,12 @@ def run_actions(actions: list[Action], forward_step: ForwardStep, batches: list[
             input_tensor, output = held.pop((micro_batch, chunk))
             grad = None
             if not model.post_process:
-                with _recorded(trace, "recv-backward", micro_batch, chunk):
+                with _recorded(trace, timers, "recv-backward", micro_batch, chunk):
                     grad = p2p.recv_backward()
-            with _recorded(trace, "B", micro_batch, chunk):
+            with _recorded(trace, timers, "B", micro_batch, chunk):
                 torch.autograd.backward(output, grad_tensors=grad)
             if not model.pre_process:
-                with _recorded(trace, "send-backward", micro_batch, chunk):
+                with _recorded(trace, timers, "send-backward", micro_batch, chunk):
                     p2p.send_backward(input_tensor.grad)
     p2p.wait_all()
     return reported
@@ -167,12 +186,14 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
                                 forward_only: bool = False, loss_scale: float = 1.0, *,
                                 tensor_shape: tuple[int, ...], dtype: torch.dtype,
                                 trace: ScheduleTrace | None = None,
-                                per_token_loss: bool = False) -> list[torch.Tensor]:
+                                per_token_loss: bool = False,
+                                timers: TimerFactory | None = None) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several."""
     pipeline_size = state.pipeline_model_parallel_world_size()
     rank = state.pipeline_model_parallel_rank()
     virtual_size = len(model_chunks)
-    batches = [next(data_iterator) for _ in range(num_microbatches)]
+    with _timed(timers, "batch-generator"):
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
     if forward_only:
         actions = forward_only_order(num_microbatches, virtual_size)
     elif virtual_size == 1:
@@ -180,7 +201,7 @@ def forward_backward_pipelining(forward_step: ForwardStep, data_iterator: Iterat
     else:
         actions = interleaved_order(num_microbatches, pipeline_size, rank, virtual_size)
     return run_actions(actions, forward_step, batches, model_chunks, tensor_shape, dtype,
-                       forward_only, loss_scale, trace, per_token_loss)
+                       forward_only, loss_scale, trace, per_token_loss, timers)
 
 
 def get_forward_backward_func() -> Callable:

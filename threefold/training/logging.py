@@ -8,6 +8,11 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+import torch
+
+from threefold.parallel import state
+from threefold.training.flops import peak_tflops
+
 
 @dataclass
 class IterationStats:
@@ -29,6 +34,41 @@ class IterationStats:
     decoupled_learning_rate: float | None = None
     num_zeros_in_grad: int | None = None
     params_norm: float | None = None
+    timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
+
+
+def iteration_stats(trainer, seconds: float, iterations: int, samples: int,
+                    window_losses: list[float], grad_norm: float | None) -> IterationStats:
+    """A trainer's log-line numbers over the window since the last one (`iterations` iterations
+    of `samples` samples in all, which differ in size under --rampup-batch-size)."""
+    training = trainer.config.training
+    elapsed = seconds / iterations
+    samples_per_second = samples / seconds
+    flops_per_sample = trainer.flops_per_iteration / training.global_batch_size
+    tflops = flops_per_sample * samples_per_second / state.global_world_size() / 1e12
+    mfu = memory = None
+    if trainer.device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(trainer.device))
+        mfu = tflops / peak if peak else None
+        memory = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+    mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
+    logging = trainer.config.logging
+    return IterationStats(
+        iteration=trainer.state.iteration, train_iters=training.train_iters,
+        consumed_samples=trainer.state.consumed_train_samples, elapsed_ms=elapsed * 1e3,
+        learning_rate=trainer.scheduler.get_lr(),
+        decoupled_learning_rate=(trainer.scheduler.get_lr(decoupled=True)
+                                 if training.decoupled_lr is not None else None),
+        # the last iteration's, as Megatron (every rank takes part in the reductions)
+        num_zeros_in_grad=(trainer.optimizer.num_zeros_in_grad
+                           if logging.log_num_zeros_in_grad else None),
+        params_norm=trainer.optimizer.params_norm() if logging.log_params_norm else None,
+        global_batch_size=trainer.last_global_batch_size, lm_loss=mean_loss,
+        loss_scale=trainer.loss_scaler.scale, grad_norm=grad_norm,
+        skipped_iterations=trainer.state.skipped_iterations,
+        nan_iterations=trainer.state.nan_iterations,
+        tokens_per_second=samples_per_second * trainer.config.model.seq_length,
+        tflops_per_device=tflops, mfu=mfu, memory_gib=memory)
 
 
 def format_iteration(stats: IterationStats) -> str:
@@ -76,6 +116,7 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
               "skipped-iterations": stats.skipped_iterations,
               "nan-iterations": stats.nan_iterations,
               "iteration-time-ms": stats.elapsed_ms}
+    values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})
     return {name: value for name, value in values.items() if value is not None}
 
 

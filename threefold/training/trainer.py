@@ -33,12 +33,12 @@ from threefold.parallel.torch_native import (
 )
 from threefold.training import faults
 from threefold.training.exit_conditions import ExitConditions
-from threefold.training.flops import peak_tflops, training_flops_per_iteration
+from threefold.training.flops import training_flops_per_iteration
 from threefold.training.logging import (
-    IterationStats,
     MetricWriters,
     format_iteration,
     format_validation,
+    iteration_stats,
 )
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
@@ -51,6 +51,7 @@ from threefold.training.optimizer import (
     NativeOptimizer,
 )
 from threefold.training.profiling import IterationProfiler
+from threefold.training.timers import ITERATION, Timers
 from threefold.training.watchdog import Watchdog
 
 
@@ -141,13 +142,39 @@ class Trainer:
         self.config = config
         self.device = device
         self.start_time = time.time()  # --exit-duration-in-mins counts from here
-        training = config.training
+        training, logging = config.training, config.logging
+        self.timers = Timers(logging.timing_log_level, logging.timing_log_option,
+                             logging.barrier_with_l1_time, device)
         set_random_seed(training.seed, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
         config.model.vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
         # Data before the model: a bad file is reported before the heavy work starts.
-        self.datasets = build_data(config, self.tokenizer)
+        with self.timers("train/valid/test-data-iterators-setup", 0):
+            self.datasets = build_data(config, self.tokenizer)
+        with self.timers("model-and-optimizer-setup", 0):
+            self._build_model_and_optimizer(device)
         parallel = config.parallel
+        self.state = TrainState()
+        # Evaluation always runs full global batches; training's follow --rampup-batch-size.
+        self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
+        self.last_global_batch_size = training.global_batch_size
+        self.flops_per_iteration = training_flops_per_iteration(
+            config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
+        sequence = config.model.seq_length // (
+            parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
+        # What travels between pipeline stages: [sequence (/ TP under SP), micro-batch, hidden].
+        self.pipeline_options = {
+            "tensor_shape": (sequence, training.micro_batch_size, config.model.hidden_size),
+            "dtype": params_dtype(config)}
+        self._train_iterator = None
+        self._last_saved = None
+        self._pending_save = None
+        self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
+        self.hygiene = MemoryHygiene(training, device)
+        self.profiler = IterationProfiler(config.logging, device, state.global_rank())
+
+    def _build_model_and_optimizer(self, device: torch.device) -> None:
+        config, training, parallel = self.config, self.config.training, self.config.parallel
         if parallel.distributed_strategy == "auto":
             print_rank_0(f"> {resolve_auto_strategy(config, device)}")
         self.native = parallel.distributed_strategy in ("ddp", "fsdp")
@@ -172,24 +199,6 @@ class Trainer:
         print(f"> rank {state.global_rank()} {measure_bytes_per_parameter(self)}", flush=True)
         self.scheduler = OptimizerParamScheduler(self.optimizer, training)
         self.loss_scaler = build_loss_scaler(training)
-        self.state = TrainState()
-        # Evaluation always runs full global batches; training's follow --rampup-batch-size.
-        self.num_microbatches = training.num_micro_batches(state.data_parallel_world_size())
-        self.last_global_batch_size = training.global_batch_size
-        self.flops_per_iteration = training_flops_per_iteration(
-            config.model, training.global_batch_size, self.model_chunks[0].padded_vocab_size)
-        sequence = config.model.seq_length // (
-            parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
-        # What travels between pipeline stages: [sequence (/ TP under SP), micro-batch, hidden].
-        self.pipeline_options = {
-            "tensor_shape": (sequence, training.micro_batch_size, config.model.hidden_size),
-            "dtype": params_dtype(config)}
-        self._train_iterator = None
-        self._last_saved = None
-        self._pending_save = None
-        self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
-        self.hygiene = MemoryHygiene(training, device)
-        self.profiler = IterationProfiler(config.logging, device, state.global_rank())
 
     def _build_megatron_data_parallel(self, offload: bool) -> None:
         parallel, training = self.config.parallel, self.config.training
@@ -293,17 +302,20 @@ class Trainer:
         start = time.perf_counter()
         faults.delay(state.global_rank(), iteration)
         per_token = self.config.training.calculate_per_token_loss
-        losses = get_forward_backward_func()(
-            self._forward_step, self.train_iterator(), self.wrapped_chunks,
-            num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
-            per_token_loss=per_token,
-            **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])} if self.native else {}))
+        with self.timers("forward-backward", 1):
+            losses = get_forward_backward_func()(
+                self._forward_step, self.train_iterator(), self.wrapped_chunks,
+                num_microbatches, loss_scale=self.loss_scaler.scale, **self.pipeline_options,
+                per_token_loss=per_token, timers=self.timers,
+                **({"no_sync_func": no_sync_context(self.wrapped_chunks[0])}
+                   if self.native else {}))
         self.watchdog.add_busy_time(time.perf_counter() - start)
         if self.config.training.check_for_nan_in_loss_and_grad:
             check_loss_and_grads(losses, self._local_grads(), iteration)
         self.watchdog.enter("gradient reduction", iteration)
         if not self.native:  # DDP and FSDP have reduced the gradients during backward
-            finalize_model_grads(self.grad_buffer)
+            with self.timers("all-grads-sync", 1):
+                finalize_model_grads(self.grad_buffer)
         total, weight = self._global_loss_totals(losses)
         # The gradients are a sum over micro-batches of (loss x scale / divisor), averaged over
         # DP replicas: the optimizer divides them by `divisor` to get the global batch's mean.
@@ -312,7 +324,8 @@ class Trainer:
             divisor *= max(weight, 1.0) / state.data_parallel_world_size()
         self.hygiene.before_optimizer_step()
         self.watchdog.enter("optimizer step", iteration)
-        updated, grad_norm = self.optimizer.step(divisor)
+        with self.timers("optimizer", 1):
+            updated, grad_norm = self.optimizer.step(divisor)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
             self.scheduler.iteration_done(global_batch_size)
@@ -396,10 +409,13 @@ class Trainer:
                 window_iterations += 1
                 window_samples += self.last_global_batch_size
                 if iteration % logging.log_interval == 0:
-                    stats = self._iteration_stats(time.perf_counter() - window_start,
-                                                  window_iterations, window_samples,
-                                                  window_losses, grad_norm)
+                    stats = iteration_stats(self, time.perf_counter() - window_start,
+                                            window_iterations, window_samples, window_losses,
+                                            grad_norm)
                     print_rank_0(format_iteration(stats))
+                    maxima = self.print_timers(list(ITERATION), window_iterations)
+                    if logging.log_timers_to_tensorboard:
+                        stats.timers = maxima
                     writers.log_iteration(stats)
                     report = self.watchdog.straggler_report(
                         iteration // logging.log_interval, iteration - window_iterations + 1,
@@ -449,7 +465,8 @@ class Trainer:
         self.finish_pending_save()
         start = time.perf_counter()
         checkpoint = self.config.checkpoint
-        result = save_checkpoint(checkpoint.save, self, asynchronous=checkpoint.async_save)
+        with self.timers("save-checkpoint", 0):
+            result = save_checkpoint(checkpoint.save, self, asynchronous=checkpoint.async_save)
         self._last_saved = self.state.iteration
         if isinstance(result, PendingSave):
             self._pending_save = result
@@ -458,6 +475,16 @@ class Trainer:
         else:
             print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {result} "
                          f"in {time.perf_counter() - start:.2f} s")
+        self.print_timers(["save-checkpoint"])
+
+    def print_timers(self, names: list[str] | tuple[str, ...],
+                     normalizer: int = 1) -> dict[str, float]:
+        """Report timers (collective: every rank calls it) and print them on rank 0; returns
+        the max over ranks in ms per timer."""
+        text, maxima = self.timers.report(names, normalizer)
+        if text:
+            print_rank_0(text)
+        return maxima
 
     def finish_pending_save(self) -> None:
         """Wait for an --async-save to complete everywhere, then let the tracker name it."""
@@ -465,36 +492,3 @@ class Trainer:
             pending, self._pending_save = self._pending_save, None
             pending.finalize()
             print_rank_0(f"  checkpoint at iteration {pending.iteration} complete")
-
-    def _iteration_stats(self, seconds: float, iterations: int, samples: int,
-                         window_losses: list[float], grad_norm: float | None) -> IterationStats:
-        """The log line's numbers over the window since the last one (`iterations` iterations
-        of `samples` samples in all, which differ in size under --rampup-batch-size)."""
-        training = self.config.training
-        elapsed = seconds / iterations
-        samples_per_second = samples / seconds
-        flops_per_sample = self.flops_per_iteration / training.global_batch_size
-        tflops = flops_per_sample * samples_per_second / state.global_world_size() / 1e12
-        mfu = memory = None
-        if self.device.type == "cuda":
-            peak = peak_tflops(torch.cuda.get_device_name(self.device))
-            mfu = tflops / peak if peak else None
-            memory = torch.cuda.max_memory_allocated(self.device) / 2**30
-        mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
-        logging = self.config.logging
-        return IterationStats(
-            iteration=self.state.iteration, train_iters=training.train_iters,
-            consumed_samples=self.state.consumed_train_samples, elapsed_ms=elapsed * 1e3,
-            learning_rate=self.scheduler.get_lr(),
-            decoupled_learning_rate=(self.scheduler.get_lr(decoupled=True)
-                                     if training.decoupled_lr is not None else None),
-            # the last iteration's, as Megatron (every rank takes part in the reductions)
-            num_zeros_in_grad=(self.optimizer.num_zeros_in_grad
-                               if logging.log_num_zeros_in_grad else None),
-            params_norm=self.optimizer.params_norm() if logging.log_params_norm else None,
-            global_batch_size=self.last_global_batch_size, lm_loss=mean_loss,
-            loss_scale=self.loss_scaler.scale, grad_norm=grad_norm,
-            skipped_iterations=self.state.skipped_iterations,
-            nan_iterations=self.state.nan_iterations,
-            tokens_per_second=samples_per_second * self.config.model.seq_length,
-            tflops_per_device=tflops, mfu=mfu, memory_gib=memory)
