@@ -15,14 +15,16 @@ from collections.abc import Sequence
 from threefold import megatron_compat
 from threefold.checkpoint_args import flags_for_use_checkpoint_args
 from threefold.config import Config, ConfigError
+from threefold.training.config import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 
 # Flags that take no value; their config default is False.
 _STORE_TRUE = "store_true"
 
 
-def _add(group: argparse._ArgumentGroup, concern: str, name: str, **kwargs) -> None:
+def _add(group: argparse._ArgumentGroup, concern: str, name: str, *aliases: str,
+         **kwargs) -> None:
     dest = name.lstrip("-").replace("-", "_")
-    group.add_argument(name, dest=f"{concern}.{kwargs.pop('field', dest)}",
+    group.add_argument(name, *aliases, dest=f"{concern}.{kwargs.pop('field', dest)}",
                        default=argparse.SUPPRESS, **kwargs)
 
 
@@ -149,7 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
               "in samples too")
     _add(g, "training", "--lr", type=float)
     _add(g, "training", "--min-lr", type=float)
-    _add(g, "training", "--lr-decay-style", choices=["constant", "linear", "cosine"])
+    _add(g, "training", "--lr-decay-style", choices=LR_DECAY_STYLES)
+    _add(g, "training", "--lr-wsd-decay-style", choices=WSD_DECAY_STYLES,
+         help="shape of WSD's final anneal (default exponential)")
+    _add(g, "training", "--lr-wsd-decay-iters", type=int,
+         help="length of WSD's final anneal, ending at --lr-decay-iters")
+    _add(g, "training", "--lr-wsd-decay-samples", type=int, help="with --train-samples")
+    _add(g, "training", "--override-opt_param-scheduler", "--override-opt-param-scheduler",
+         action=_STORE_TRUE, help="on resume, use these flags' LR/WD schedule, not the "
+                                  "checkpoint's")
+    _add(g, "training", "--use-checkpoint-opt_param-scheduler",
+         "--use-checkpoint-opt-param-scheduler", action=_STORE_TRUE,
+         help="on resume, use the checkpoint's LR/WD schedule")
     _add(g, "training", "--lr-warmup-iters", type=int)
     _add(g, "training", "--lr-warmup-fraction", type=float,
          help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
@@ -162,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--decoupled-min-lr", type=float,
          help="their final learning rate (default: --min-lr)")
     _add(g, "training", "--weight-decay", type=float)
+    _add(g, "training", "--start-weight-decay", type=float)
+    _add(g, "training", "--end-weight-decay", type=float)
+    _add(g, "training", "--weight-decay-incr-style", choices=WD_INCR_STYLES,
+         help="linear or cosine: from --start- to --end-weight-decay over the run")
     _add(g, "training", "--adam-beta1", type=float)
     _add(g, "training", "--adam-beta2", type=float)
     _add(g, "training", "--adam-eps", type=float)

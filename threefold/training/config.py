@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from threefold.errors import require as _require
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
 
 @dataclass
 class TrainingConfig:
@@ -28,11 +32,22 @@ class TrainingConfig:
     lr_warmup_iters: float = 0  # iterations; fractional when set from lr_warmup_fraction
     lr_warmup_fraction: float | None = None  # of lr_decay_iters, as Megatron-LM
     lr_decay_iters: int | None = None
+    # WSD: the final anneal from --lr to --min-lr, its length and shape.
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    lr_wsd_decay_style: str = "exponential"
+    # On resume, the flags' schedule replaces the checkpoint's / the checkpoint's is used.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
     # The word embeddings' and output layer's own peak and final learning rate (Megatron's
     # --decoupled-lr/--decoupled-min-lr); None: --lr and --min-lr like everything else.
     decoupled_lr: float | None = None
     decoupled_min_lr: float | None = None
     weight_decay: float = 0.01
+    # A weight decay that moves from start to end over the run (Megatron's increment styles).
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -117,15 +132,49 @@ class TrainingConfig:
             _require(0 <= decoupled_min <= self.decoupled_lr,
                      f"--decoupled-min-lr {decoupled_min} must be in [0, --decoupled-lr "
                      f"{self.decoupled_lr}]")
-        _require(self.lr_decay_style in ("constant", "linear", "cosine"),
-                 "--lr-decay-style must be constant, linear or cosine")
         if self.rampup_batch_size is not None:
             self._finalize_rampup(data_parallel_size)
         if self.train_samples is None:
             self._finalize_iteration_schedule()
         else:
             self._finalize_sample_schedule()
+        self._finalize_schedule_styles()
         self._check_limits()
+
+    def _finalize_schedule_styles(self) -> None:
+        _require(self.lr_decay_style in LR_DECAY_STYLES,
+                 f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}")
+        _require(self.lr_wsd_decay_style in WSD_DECAY_STYLES,
+                 f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}")
+        samples = self.train_samples is not None
+        wsd, unit = ((self.lr_wsd_decay_samples, "samples") if samples
+                     else (self.lr_wsd_decay_iters, "iters"))
+        other = self.lr_wsd_decay_iters if samples else self.lr_wsd_decay_samples
+        _require(other is None, "--lr-wsd-decay-iters goes with --train-iters, "
+                 "--lr-wsd-decay-samples with --train-samples")
+        if self.lr_decay_style == "WSD":
+            decay = self.lr_decay_samples if samples else self.lr_decay_iters
+            _require(wsd is not None, f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} "
+                     "(the length of the final anneal)")
+            _require(0 < wsd <= decay, f"--lr-wsd-decay-{unit} {wsd} must be in [1, "
+                     f"--lr-decay-{unit} {decay}]")
+        _require(not (self.override_opt_param_scheduler
+                      and self.use_checkpoint_opt_param_scheduler),
+                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                 "contradict each other; give one")
+        style = self.weight_decay_incr_style
+        _require(style in WD_INCR_STYLES,
+                 f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}")
+        given = (self.start_weight_decay, self.end_weight_decay)
+        if style == "constant":
+            _require(given == (None, None), "--start/end-weight-decay need "
+                     "--weight-decay-incr-style linear or cosine; with a constant weight "
+                     "decay use --weight-decay")
+            self.start_weight_decay = self.end_weight_decay = self.weight_decay
+        else:
+            _require(None not in given and min(given) >= 0,
+                     f"--weight-decay-incr-style {style} needs --start-weight-decay and "
+                     "--end-weight-decay (>= 0)")
 
     def _warmup_from_fraction(self, warmup: float, decay: int, unit: str) -> float:
         if self.lr_warmup_fraction is None:

@@ -98,7 +98,9 @@ class _AdamWithMasters:
                           if (p.param in decoupled) == is_decoupled
                           and (p.param.dim() > 1) == decay]
                 if params:
+                    # wd_mult: the scheduler sets weight_decay = its value x wd_mult.
                     groups.append({"params": params, "decoupled_lr": is_decoupled,
+                                   "wd_mult": 1.0 if decay else 0.0,
                                    "weight_decay": config.weight_decay if decay else 0.0})
         masters = [p.master for p in pieces]
         # PyTorch's fused AdamW: one vectorized pass per tensor instead of a chain of
