@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "model", "--seq-length", type=int)
     _add(g, "model", "--max-position-embeddings", type=int)
     _add(g, "model", "--position-embedding-type", choices=["learned_absolute", "rope"])
+    _add(g, "model", "--use-rope-scaling", action=_STORE_TRUE,
+         help="Llama 3.1's RoPE frequency scaling (original context 8192)")
+    _add(g, "model", "--rope-scaling-factor", type=float, help="with --use-rope-scaling; "
+         "default 8 (Llama 3.1), 32 for Llama 3.2")
     _add(g, "model", "--rotary-base", type=float)
     _add(g, "model", "--no-position-embedding", action="store_false",
          field="add_position_embedding",

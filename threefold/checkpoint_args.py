@@ -21,12 +21,14 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # into any layout, so the layout stays the command line's.
 _VALUE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
-                 "position_embedding_type", "rotary_base", "normalization", "norm_epsilon",
+                 "position_embedding_type", "rotary_base", "rope_scaling_factor",
+                 "normalization", "norm_epsilon",
                  "vocab_size", "make_vocab_size_divisible_by")
 _TRUE_FLAGS = {"group_query_attention": "--group-query-attention", "swiglu": "--swiglu",
                "add_qkv_bias": "--add-qkv-bias", "openai_gelu": "--openai-gelu",
                "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-               "qk_layernorm": "--qk-layernorm", "apply_layernorm_1p": "--apply-layernorm-1p"}
+               "qk_layernorm": "--qk-layernorm", "apply_layernorm_1p": "--apply-layernorm-1p",
+               "use_rope_scaling": "--use-rope-scaling"}
 _FALSE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
                 "add_position_embedding": "--no-position-embedding"}
 

@@ -33,6 +33,8 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     add_position_embedding: bool = True  # False: Megatron's --no-position-embedding
     rotary_base: float = 10000.0
+    use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling (model/rope.py)
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     # Norm weights stored centred on zero and applied as (1 + weight) (Megatron's
@@ -107,6 +109,9 @@ class ModelConfig:
         if self.position_embedding_type == "rope":
             _require(self.kv_channels % 2 == 0,
                      f"rope needs an even head size, got --kv-channels {self.kv_channels}")
+        _require(not self.use_rope_scaling or self.position_embedding_type == "rope",
+                 "--use-rope-scaling needs --position-embedding-type rope")
+        _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
         _require(self.normalization in ("LayerNorm", "RMSNorm"),
                  "--normalization must be LayerNorm or RMSNorm")
         for name in ("attention_dropout", "hidden_dropout"):

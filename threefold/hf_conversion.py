@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from threefold.config import ConfigError, ModelConfig
+from threefold.model import rope
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -36,13 +37,28 @@ def _refuse(condition: bool, field: str, value, why: str) -> None:
         raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict) -> float:
+def _rope(hf: dict) -> tuple[float, float | None]:
+    """(RoPE base, Llama 3.1 scaling factor or None) of a Hugging Face config."""
     parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = parameters.get("rope_type", scaling.get("rope_type", scaling.get("type")))
-    _refuse(rope_type not in (None, "default"), "rope_scaling", rope_type,
-            "threefold implements plain RoPE only")
-    return float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = {**(hf.get("rope_scaling") or {}), **parameters}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    _refuse(rope_type not in (None, "default", "llama3"), "rope_scaling", rope_type,
+            "threefold implements plain RoPE and Llama 3.1's llama3 scaling")
+    theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type != "llama3":
+        return theta, None
+    fixed = {"low_freq_factor": rope.LOW_FREQ_FACTOR, "high_freq_factor": rope.HIGH_FREQ_FACTOR,
+             "original_max_position_embeddings": rope.ORIGINAL_CONTEXT}
+    for field, value in fixed.items():
+        _refuse(scaling.get(field, value) != value, f"rope_scaling.{field}", scaling.get(field),
+                f"llama3 scaling is implemented with {field}={value} (as Megatron-LM)")
+    return theta, float(scaling["factor"])
+
+
+def _llama3_rope_scaling(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": rope.LOW_FREQ_FACTOR,
+            "high_freq_factor": rope.HIGH_FREQ_FACTOR,
+            "original_max_position_embeddings": rope.ORIGINAL_CONTEXT}
 
 
 def architecture_of(hf: dict) -> str:
@@ -92,13 +108,16 @@ def model_config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
         groups = hf.get("num_key_value_heads") or heads
         hidden = hf["hidden_size"]
         positions = hf.get("max_position_embeddings", 4096)
+        theta, scaling_factor = _rope(hf)
         config = ModelConfig(
             num_layers=hf["num_hidden_layers"], hidden_size=hidden,
             ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
             group_query_attention=groups != heads, num_query_groups=groups,
             kv_channels=hf.get("head_dim") or hidden // heads,
             seq_length=min(positions, 4096), max_position_embeddings=positions,
-            position_embedding_type="rope", rotary_base=_rope_theta(hf),
+            position_embedding_type="rope", rotary_base=theta,
+            use_rope_scaling=scaling_factor is not None,
+            rope_scaling_factor=scaling_factor or 8.0,
             normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
             add_bias_linear=attention_bias, add_qkv_bias=family == "qwen2",
             qk_layernorm=family == "qwen3",
@@ -149,6 +168,8 @@ def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
           "attention_dropout": config.attention_dropout}
     if family == "llama":
         hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+    if config.use_rope_scaling:
+        hf["rope_scaling"] = _llama3_rope_scaling(config.rope_scaling_factor)
     if family == "qwen3":
         hf.update(attention_bias=False, use_sliding_window=False)
     return hf

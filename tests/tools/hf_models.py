@@ -29,8 +29,8 @@ def build_tokenizer(directory: str) -> None:
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4):
-    """Save a random-init HF model of `kind` (llama, llama-tied, qwen2, qwen3, gpt2, mistral)
-    with a tokenizer."""
+    """Save a random-init HF model of `kind` (llama, llama-tied, llama3, qwen2, qwen3, gpt2,
+    mistral) with a tokenizer."""
     import transformers
 
     torch.manual_seed(0)
@@ -39,6 +39,14 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4):
     if kind == "llama":
         config = transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
                                           rope_theta=50000.0, rms_norm_eps=1e-5, **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama3":  # Llama 3.2-style RoPE scaling; the head size puts one frequency
+        # in each of the kept, interpolated and slowed bands
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            **common)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "mistral":  # saved in shards with an index file
         config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=None,

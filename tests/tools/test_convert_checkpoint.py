@@ -19,7 +19,7 @@ from threefold.checkpointing import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ["llama", "llama-tied", "qwen2", "qwen3", "gpt2", "mistral"]
+KINDS = ["llama", "llama-tied", "llama3", "qwen2", "qwen3", "gpt2", "mistral"]
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
@@ -68,7 +68,7 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind
         if name.endswith(".safetensors"):
             before.update(safetensors_torch.load_file(os.path.join(hf_dir, name)))
     after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
-    before.pop("lm_head.weight", None) if kind in ("llama-tied", "gpt2") else None
+    before.pop("lm_head.weight", None) if kind in ("llama-tied", "llama3", "gpt2") else None
     assert before.keys() == after.keys()
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name],
@@ -143,19 +143,44 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_unsupported_config_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize("scaling,named", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling='yarn'"),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
+     "rope_scaling.original_max_position_embeddings=4096"),
+])
+def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
     model_dir = str(tmp_path / "hf")
-    build_hf_model("llama", model_dir)
+    build_hf_model("llama", model_dir, num_layers=1)
     import json
 
     config_file = os.path.join(model_dir, "config.json")
     config = json.load(open(config_file))
-    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    config["rope_scaling"] = scaling
     config.pop("rope_parameters", None)
     json.dump(config, open(config_file, "w"))
     result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", model_dir,
                      "--save-dir", str(tmp_path / "out"))
-    assert result.returncode == 2 and "rope_scaling" in result.stderr
+    assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+def test_llama3_rope_scaling_converts_to_the_flags(converted):
+    """Over 24 positions the scaled frequencies barely move the logits, so the frequencies
+    themselves are compared: transformers' llama3 ones, and not the unscaled ones."""
+    hf_model, _, ours = converted["llama3"]
+    config, model, _ = load_model(ours)
+    assert config.model.use_rope_scaling and config.model.rope_scaling_factor == 32.0
+    theirs = hf_model.model.rotary_emb.inv_freq.float()
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq, theirs, rtol=1e-6, atol=0)
+    from threefold.model.rope import RotaryEmbedding
+
+    plain = RotaryEmbedding(config.model.kv_channels, config.model.rotary_base).inv_freq
+    ratio = plain / theirs  # one frequency kept, one interpolated, the slowest ones / 32
+    assert ratio[0] == 1 and 1 < ratio[4] < 32 and torch.allclose(ratio[5:], torch.tensor(32.0))
+    from threefold.checkpoint_args import model_flags
+
+    flags = model_flags(vars(config.model))
+    assert "--use-rope-scaling" in flags
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "32.0"
 
 
 def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_path):

@@ -89,8 +89,10 @@ class GPTModel(nn.Module):
             self.embedding = LanguageModelEmbedding(config, padded_vocab_size, sequence_parallel)
             if self.share_embeddings_and_output_weights:
                 self.embedding.word_embeddings.weight.shared_embedding = True
-        self.rotary_pos_emb = (RotaryEmbedding(config.kv_channels, config.rotary_base)
-                               if config.position_embedding_type == "rope" else None)
+        self.rotary_pos_emb = (
+            RotaryEmbedding(config.kv_channels, config.rotary_base,
+                            config.rope_scaling_factor if config.use_rope_scaling else None)
+            if config.position_embedding_type == "rope" else None)
         self.decoder = TransformerBlock(
             config, config.num_layers if num_layers is None else num_layers, layer_offset, init,
             scaled_init, sequence_parallel, final_layernorm=post_process)
