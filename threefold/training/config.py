@@ -191,15 +191,7 @@ class TrainingConfig:
         if self.train_iters is None:
             self.train_iters = 100
         _require(self.train_iters >= 1, "--train-iters must be >= 1")
-        if self.lr_decay_iters is None:
-            self.lr_decay_iters = self.train_iters
-        self.lr_warmup_iters = self._warmup_from_fraction(self.lr_warmup_iters,
-                                                          self.lr_decay_iters, "iters")
-        _require(
-            self.lr_warmup_iters <= self.lr_decay_iters,
-            f"--lr-warmup-iters {self.lr_warmup_iters} exceeds --lr-decay-iters "
-            f"{self.lr_decay_iters}",
-        )
+        self._finalize_warmup_and_decay("iters", self.train_iters)
 
     def _finalize_sample_schedule(self) -> None:
         _require(self.train_iters is None, "--train-iters and --train-samples are mutually "
@@ -210,15 +202,17 @@ class TrainingConfig:
         self.train_iters = self._iterations_for(self.train_samples)
         _require(self.train_iters >= 1, f"--train-samples {self.train_samples} is less than "
                  f"one global batch of {self.global_batch_size}")
-        if self.lr_decay_samples is None:
-            self.lr_decay_samples = self.train_samples
-        self.lr_warmup_samples = self._warmup_from_fraction(self.lr_warmup_samples,
-                                                            self.lr_decay_samples, "samples")
-        _require(
-            self.lr_warmup_samples <= self.lr_decay_samples,
-            f"--lr-warmup-samples {self.lr_warmup_samples} exceeds --lr-decay-samples "
-            f"{self.lr_decay_samples}",
-        )
+        self._finalize_warmup_and_decay("samples", self.train_samples)
+
+    def _finalize_warmup_and_decay(self, unit: str, run_length: int) -> None:
+        """--lr-decay-{unit} defaults to the run's length and the warmup must fit in it."""
+        if getattr(self, f"lr_decay_{unit}") is None:
+            setattr(self, f"lr_decay_{unit}", run_length)
+        decay = getattr(self, f"lr_decay_{unit}")
+        warmup = self._warmup_from_fraction(getattr(self, f"lr_warmup_{unit}"), decay, unit)
+        setattr(self, f"lr_warmup_{unit}", warmup)
+        _require(warmup <= decay, f"--lr-warmup-{unit} {warmup} exceeds --lr-decay-{unit} "
+                 f"{decay}")
 
     def _finalize_rampup(self, data_parallel_size: int) -> None:
         ramp = self.rampup_batch_size
