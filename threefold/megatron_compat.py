@@ -47,6 +47,12 @@ NO_COUNTERPART = {
     "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
                                                 "carry a mask only for --reset-attention-mask",
     "--auto-detect-ckpt-format": "threefold reads and writes one checkpoint format",
+    "--use-cpu-initialization": "parameters are always initialized on the CPU (from --seed, "
+                                "the same in every layout) and then moved to the device",
+    "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
+                               "chunks of tokens, never holding the whole fp32 logits)",
+    "--log-loss-scale-to-tensorboard": "the loss scale is always written with "
+                                       "--tensorboard-dir",
     "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
                                            "--tensorboard-dir",
