@@ -202,12 +202,12 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
     return same
 
 
-# The model fields a checkpoint's tensors depend on.
+# The model fields a checkpoint's tensors depend on, or that change what they compute.
 _ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "num_query_groups", "kv_channels", "normalization", "swiglu",
                  "position_embedding_type", "add_bias_linear", "add_qkv_bias", "openai_gelu",
                  "untie_embeddings_and_output_weights", "vocab_size", "qk_layernorm",
-                 "apply_layernorm_1p")
+                 "apply_layernorm_1p", "use_rope_scaling", "rope_scaling_factor")
 
 
 def _check_architecture(root: str, saved: dict, current) -> None:

@@ -181,6 +181,13 @@ def test_llama3_rope_scaling_converts_to_the_flags(converted):
     flags = model_flags(vars(config.model))
     assert "--use-rope-scaling" in flags
     assert flags[flags.index("--rope-scaling-factor") + 1] == "32.0"
+    from tests.parity import TRAINING, _setup
+    from threefold.checkpointing import load_checkpoint
+    from threefold.config import ConfigError
+
+    unscaled = [f for f in flags if f != "--use-rope-scaling"]
+    with pytest.raises(ConfigError, match="--use-rope-scaling True but this run has False"):
+        load_checkpoint(ours, _setup(TRAINING + unscaled), finetune=True)
 
 
 def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_path):
