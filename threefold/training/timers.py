@@ -35,6 +35,7 @@ ITERATION = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2,
              "batch-generator": 2, "forward-recv": 2, "forward-send": 2, "backward-recv": 2,
              "backward-send": 2, "all-grads-sync": 1, "optimizer": 1}
 _NAME_WIDTH = 48
+_INACTIVE = contextlib.nullcontext()
 
 
 class Timers:
@@ -44,12 +45,13 @@ class Timers:
         self.device = device or torch.device("cpu")
         self.elapsed: dict[str, float] = {}  # seconds accumulated since the last report
 
+    def __call__(self, name: str, level: int) -> contextlib.AbstractContextManager:
+        """Time the block under `name` when `level` is within --timing-log-level (above it,
+        a shared no-op: the schedules call this per micro-batch)."""
+        return _INACTIVE if level > self.level else self._timed(name, level)
+
     @contextlib.contextmanager
-    def __call__(self, name: str, level: int) -> Iterator[None]:
-        """Time the block under `name` when `level` is within --timing-log-level."""
-        if level > self.level:
-            yield
-            return
+    def _timed(self, name: str, level: int) -> Iterator[None]:
         if level == 1 and self.barrier_level_1 and dist.is_initialized():
             dist.barrier()
         self._synchronize()
