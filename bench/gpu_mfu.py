@@ -13,9 +13,10 @@ logging to OUT/<name>.log:
   transformers' Trainer with bf16=True), PyTorch's fused AdamW; eager and torch.compile'd;
 - megatron-core: GPTModel with the local layer spec, bf16 with fp32 masters through
   megatron-core's DDP and optimizer (needs CUDA: its RoPE asks torch.cuda for the device);
-- torchtitan 0.3: its Llama 3 model, `parallelize_llama` (FSDP2 bf16 parameters, fp32
-  reduction) and loss on a one-rank mesh, eager and with its per-block torch.compile; reported
-  as not run where it does not import (carry its wheels: bench/README.md).
+  micro-batch 1 (its unfused attention's s x s scores do not fit at 2), same global batch;
+- torchtitan 0.2.2: its Llama 3 model, `parallelize_llama` and loss as its Trainer runs them
+  on one GPU (bf16 autocast over fp32 weights), eager and with its per-block torch.compile;
+  reported as not run where it does not import (carry its wheels: bench/README.md).
 
 Model FLOPs per step are threefold's count (threefold/training/flops.py, docs/performance.md),
 the same for every contender; MFU divides by the GPU's dense bf16 peak.
@@ -46,11 +47,16 @@ class Shape:
     ffn_hidden_size: int = 5632
     vocab_size: int = 32000
     seq_length: int = 4096
-    micro_batch_size: int = 1
+    micro_batch_size: int = 2
+    # Micro-batches accumulated per optimizer step, in every contender (as their trainers do):
+    # 32k tokens per step keeps the optimizer, which touches every fp32 master and moment
+    # once per step, from dominating as it would at one 4k-token sequence per step.
+    global_batch_size: int = 8
 
 
 TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-             ffn_hidden_size=176, vocab_size=512, seq_length=64, micro_batch_size=2)
+             ffn_hidden_size=176, vocab_size=512, seq_length=64, micro_batch_size=2,
+             global_batch_size=4)
 CONTENDERS = ("threefold", "threefold+compile-layers", "transformers", "transformers+compile",
               "megatron-core", "torchtitan", "torchtitan+compile")
 
@@ -65,7 +71,7 @@ def threefold_args(shape: Shape, bf16: bool) -> list[str]:
             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size",
             str(shape.vocab_size), "--make-vocab-size-divisible-by", "64",
             "--micro-batch-size", str(shape.micro_batch_size), "--global-batch-size",
-            str(shape.micro_batch_size), "--mock-data", "--train-iters", "100000",
+            str(shape.global_batch_size), "--mock-data", "--train-iters", "100000",
             "--eval-iters", "0", "--attention-dropout", "0", "--hidden-dropout", "0",
             "--lr", "1e-4", *(["--bf16"] if bf16 else [])]
 
@@ -92,12 +98,14 @@ def _threefold(shape: Shape, device, bf16: bool, extra: tuple[str, ...] = ()):
     return lambda: trainer.train_step()[0]
 
 
-def _batch(shape: Shape, device):
+def _micro_batches(shape: Shape, device):
+    """One step's micro-batches of random tokens, the same every step."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, shape.vocab_size, (shape.micro_batch_size, shape.seq_length),
-                         generator=generator).to(device)
+    tokens = torch.randint(0, shape.vocab_size, (shape.global_batch_size, shape.seq_length),
+                           generator=generator).to(device)
+    return tokens.split(shape.micro_batch_size)
 
 
 def _transformers(shape: Shape, device, bf16: bool, compiled: bool = False):
@@ -108,16 +116,19 @@ def _transformers(shape: Shape, device, bf16: bool, compiled: bool = False):
     model = transformers.LlamaForCausalLM(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     forward = torch.compile(model) if compiled else model
-    tokens = _batch(shape, device)
+    batches = _micro_batches(shape, device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = forward(tokens, labels=tokens).loss
-        loss.backward()
+        total = 0.0
+        for tokens in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = forward(tokens, labels=tokens).loss / len(batches)
+            loss.backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        return loss.item()
+        return float(total)
 
     return step
 
@@ -158,91 +169,105 @@ def _megatron_core(shape: Shape, device, bf16: bool):
                                         grad_reduce_in_fp32=True))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=bf16, clip_grad=1.0), [model])
-    tokens = _batch(shape, device)
-    positions = torch.arange(shape.seq_length, device=device).expand_as(tokens)
+    # Micro-batch 1, same global batch: the local spec's attention is unfused and keeps the
+    # s x s scores of every layer for backward, which at micro-batch 2 and s = 4096 does not
+    # fit in 80 GB.
+    batches = _micro_batches(dataclasses.replace(shape, micro_batch_size=1), device)
+    positions = torch.arange(shape.seq_length, device=device).expand_as(batches[0])
 
     def step():
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
+        total = 0.0
+        for tokens in batches:  # grads accumulate in the buffer; one sync at the end
+            loss = model(tokens, positions, None, labels=tokens).float().mean() / len(batches)
+            loss.backward()
+            total += loss.detach()
         model.finish_grad_sync()
         optimizer.step()
-        return loss.item()
+        return float(total)
 
     return step
 
 
 def _torchtitan(shape: Shape, device, bf16: bool, compiled: bool = False):
-    """torchtitan 0.3's Llama 3 recipe without its data pipeline: its model (fused QKV,
-    FlexAttention with the document-causal mask its trainer builds from positions),
-    `parallelize_llama` on a one-rank mesh (FSDP2 with bf16 parameters and fp32 reduction,
-    per-block torch.compile when `compiled`), its sum-reduced cross-entropy (compiled too, as
-    its --compile.components default), fused AdamW and clipping at 1.0, as its Trainer does.
-    Its Trainer itself wants a tokenizer and a dataset on disk, which this benchmark has not."""
+    """torchtitan 0.2.2's Llama 3 recipe on one GPU without its data pipeline, as its Trainer
+    runs it there: its model (SDPA causal attention, the default `llama3` flavour),
+    `parallelize_llama` on a one-rank `ParallelDims` (no FSDP on one GPU: fp32 weights under
+    bf16 autocast, its `maybe_enable_amp`; per-block torch.compile when `compiled`), its
+    sum-reduced cross-entropy (compiled too, as its `--compile.components` default), gradient
+    accumulation over micro-batches, fused AdamW and clipping at 1.0. (0.2.2 is the newest
+    release that imports under torch 2.11; 0.3 needs newer FSDP2 names.) Its Trainer itself
+    wants a tokenizer and a dataset on disk, which this benchmark has not."""
     import importlib.util
 
     import torch
     import torch.distributed as dist
 
     if importlib.util.find_spec("torchtitan") is None:
-        raise RuntimeError("torchtitan is not installed (carry torchtitan 0.3 and its "
-                           "dependencies as wheels)")
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+        raise RuntimeError("torchtitan is not installed (carry torchtitan 0.2.2 and its "
+                           "dependencies as wheels: bench/gpu_wheels.sh)")
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import maybe_enable_amp
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29556")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    # torchtitan builds its meshes on the accelerator it finds; the CPU check runs on gloo.
-    parallel_dims_module.device_type = device.type
-    dim, heads = shape.hidden_size, shape.num_attention_heads
-    config = llama3.Llama3Model.Config(
-        dim=dim, vocab_size=shape.vocab_size,
-        tok_embeddings=Embedding.Config(num_embeddings=shape.vocab_size, embedding_dim=dim,
-                                        param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=shape.vocab_size,
-                              param_init=llama3._output_linear_init(dim)),
-        layers=llama3._build_llama3_layers(
-            fuse_qkv=True, n_layers=shape.num_layers, dim=dim, n_heads=heads,
-            n_kv_heads=shape.num_query_groups, hidden_dim=shape.ffn_hidden_size,
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=shape.seq_length,
-                                    theta=10000.0),
-            attn_backend="flex"))
+    job = JobConfig()
+    job.training.seq_len = shape.seq_length
+    job.training.local_batch_size = shape.micro_batch_size
+    job.training.mixed_precision_param = "bfloat16" if bf16 else "float32"
+    job.compile.enable = compiled
+    job.job.dump_folder = os.path.join("/tmp", "torchtitan_dump")
+    # Its SwiGLU width: 2/3 of 4h rounded up to `multiple_of` (5461 -> 5632 for h = 2048).
+    args = TransformerModelArgs(
+        dim=shape.hidden_size, n_layers=shape.num_layers, n_heads=shape.num_attention_heads,
+        n_kv_heads=shape.num_query_groups, vocab_size=shape.vocab_size,
+        multiple_of=_multiple_of(shape), max_seq_len=shape.seq_length)
     with torch.device("meta"):
-        model = config.build()
-    parallelism = ParallelismConfig(data_parallel_shard_degree=1)
-    precision = "bfloat16" if bf16 else "float32"
-    model = llama3.parallelize_llama(
-        model, parallel_dims=parallel_dims_module.ParallelDims.from_config(parallelism, 1),
-        training=TrainingConfig(local_batch_size=shape.micro_batch_size,
-                                seq_len=shape.seq_length, mixed_precision_param=precision),
-        parallelism=parallelism, compile_config=CompileConfig(enable=compiled),
-        ac_config=None, dump_folder=os.path.join("/tmp", "torchtitan_dump"))
+        model = Transformer(args)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                        world_size=1)
+    model = parallelize_llama(model, dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=True)
-    loss_function = torch.compile(cross_entropy_loss) if compiled else cross_entropy_loss
-    tokens = _batch(shape, device)
-    positions = torch.arange(shape.seq_length, device=device).expand_as(tokens)
+                                  weight_decay=0.1, fused=device.type == "cuda")
+    loss_function = build_cross_entropy_loss(job)
+    amp = maybe_enable_amp(dims, job.training.mixed_precision_param, device.type)
+    batches = _micro_batches(shape, device)
+    step_tokens = shape.global_batch_size * shape.seq_length
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        masks = model.get_attention_masks(positions=positions)  # per batch, as its Trainer
-        logits = model(tokens, positions=positions, attention_masks=masks)
-        loss = loss_function(logits, tokens) / tokens.numel()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        total = 0.0
+        for tokens in batches:  # its Trainer's gradient accumulation: sum / step's tokens
+            with amp:
+                logits = model(tokens)
+                loss = loss_function(logits, tokens) / step_tokens
+            del logits
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
-        return loss.item()
+        return float(total)
 
     return step
+
+
+def _multiple_of(shape: Shape) -> int:
+    """The `multiple_of` that makes torchtitan's FFN width the shape's."""
+    width = int(2 * 4 * shape.hidden_size / 3)
+    for multiple in (1024, 512, 256, 128, 64, 32, 16, 8):
+        if -(-width // multiple) * multiple == shape.ffn_hidden_size:
+            return multiple
+    raise ValueError(f"torchtitan cannot make FFN width {shape.ffn_hidden_size} from hidden "
+                     f"size {shape.hidden_size}")
 
 
 def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
@@ -268,7 +293,7 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
     losses += [step() for _ in range(steps)]  # .item() synchronizes every step
     seconds = (time.perf_counter() - start) / steps
     return {"step_s": seconds,
-            "tokens_per_s": shape.micro_batch_size * shape.seq_length / seconds,
+            "tokens_per_s": shape.global_batch_size * shape.seq_length / seconds,
             "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "first_loss": losses[0], "last_loss": losses[-1]}
 
@@ -280,7 +305,7 @@ def _flops_per_step(shape: Shape) -> float:
     from threefold.training.flops import training_flops_per_iteration
 
     model = parse_args(threefold_args(shape, False), world_size=1).model
-    return training_flops_per_iteration(model, shape.micro_batch_size,
+    return training_flops_per_iteration(model, shape.global_batch_size,
                                         model.padded_vocab_size(1))
 
 
@@ -315,9 +340,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--micro-batch-size", type=int, help="default: the shape's (2)")
+    parser.add_argument("--global-batch-size", type=int, help="default: the shape's (8)")
     parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = TINY if args.tiny else Shape()
+    for field in ("micro_batch_size", "global_batch_size"):
+        if getattr(args, field):
+            setattr(shape, field, getattr(args, field))
+    if shape.global_batch_size % shape.micro_batch_size:
+        parser.error("--global-batch-size must be a multiple of --micro-batch-size")
     if args.contender:  # a child: one contender, one RESULT line
         print("RESULT " + json.dumps(run_contender(args.contender, shape, args.steps,
                                                    args.warmup)), flush=True)
@@ -339,6 +371,8 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), "--contender", name,
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
         command += ["--tiny"] if args.tiny else []
+        command += ["--micro-batch-size", str(shape.micro_batch_size),
+                    "--global-batch-size", str(shape.global_batch_size)]
         with open(log, "w") as stream:
             stream.write(f"$ {' '.join(command)}\n")
             stream.flush()

@@ -3,11 +3,17 @@
 # bench/gpu_wheels.sh carried in .whl/:
 #   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
-# Logs and results go to $OUT (the device tool's folder that comes back), else
-# bench/results/gpu_mfu. The wheels install under /tmp/site, beside the machine's own torch.
+#   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...)
+# Logs and results go to bench/results/gpu_mfu, or, under the device tool (which brings back
+# at most 8 files from $OUT), to /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each
+# phase. The wheels install under /tmp/site, beside the machine's own torch.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-out="${OUT:-bench/results/gpu_mfu}"
+out=bench/results/gpu_mfu
+if [ -n "${OUT:-}" ]; then
+  out=/tmp/gpu_results
+  trap 'tar -C "$out" -czf "$OUT/gpu_results.tgz" .' EXIT
+fi
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -22,5 +28,7 @@ case "$phase" in
   tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
            2>&1 | tee "$out/device_tests.log" ;;
   bench) python3 bench/gpu_mfu.py --out "$out" "$@" 2>&1 | tee "$out/gpu_mfu_stderr.log" ;;
-  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests or bench" >&2; exit 2 ;;
+  profile) python3 bench/gpu_profile.py "$@" 2>&1 | tee -a "$out/profile.txt" ;;
+  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench or profile" >&2
+     exit 2 ;;
 esac

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with package-registry access, the wheels a GPU machine without it needs
 # for bench/gpu_mfu.py's contenders: megatron-core (compiled, for the GPU machine's Python) and
-# torchtitan 0.3 with the dependencies its model, parallelize and loss code import.
+# torchtitan 0.2.2 (the newest for the GPU image's torch 2.11) with the dependencies its
+# model, parallelize and loss code import (the rest is in that image).
 #   bash bench/gpu_wheels.sh [PYTHON_VERSION]    # -> .whl/ (git-ignored), 3.12 by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,6 @@ done
 # Pinned: one version each (two of one package stop an offline --no-deps install).
 python3 -m pip download --quiet --no-deps --only-binary=:all: \
   --python-version "$python_version" --implementation cp "${platforms[@]}" -d .whl \
-  megatron-core==0.19.2 torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
-  docstring_parser==0.18.0 typeguard==4.6.0
+  megatron-core==0.19.2 torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 \
+  typeguard==4.6.0 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 ls -1 .whl

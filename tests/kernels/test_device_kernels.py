@@ -3,6 +3,8 @@ bf16: every SDPA backend that runs the shapes, the attention `configure` picks, 
 bf16 training run of a LLaMA-style model against the fp32 CPU run. The `cpu` legs run in CI;
 the `cuda` legs where a GPU is (bench/gpu_session.sh tests)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -81,8 +83,22 @@ def test_every_sdpa_backend_that_runs_matches_fp32_math(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_attention_configure_picks_matches_fp32_math(device):
     line = configure(KernelConfig(), torch.device(device), torch.bfloat16, "RMSNorm", SHAPE)
-    if device == "cuda":  # auto prefers the fused kernels there
+    if device == "cuda":  # auto prefers the fused kernels there, flash first when untimed
         assert "attention SDPA FLASH_ATTENTION" in line or "Transformer Engine" in line, line
+    inputs, grad_output = _attention_inputs(device)
+    expected = _output_and_grads(_causal_attention, inputs, grad_output, torch.float32)
+    actual = _output_and_grads(KERNELS.attention, inputs, grad_output, torch.bfloat16)
+    _assert_bf16_close(actual, expected, line)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])  # the `cuda` leg alone: it times CUDA events
+def test_the_fastest_backend_at_the_model_shape_matches_fp32_math(device):
+    """With the model's sequence known, `auto` times the fused backends that run and keeps
+    the fastest; whichever it is computes the same attention."""
+    shape = dataclasses.replace(SHAPE, sequence=512, batch=2)
+    line = configure(KernelConfig(), torch.device(device), torch.bfloat16, "RMSNorm", shape)
+    if "Transformer Engine" not in line:
+        assert "the fastest forward+backward at sequence 512 x micro-batch 2" in line, line
     inputs, grad_output = _attention_inputs(device)
     expected = _output_and_grads(_causal_attention, inputs, grad_output, torch.float32)
     actual = _output_and_grads(KERNELS.attention, inputs, grad_output, torch.bfloat16)

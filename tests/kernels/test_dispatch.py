@@ -131,3 +131,21 @@ def test_transformer_engine_and_apex_adapters_compute_the_model(monkeypatch):
     assert actual["loss"] == expected["loss"]
     for name in expected["grads"]:
         assert (actual["grads"][name] == expected["grads"][name]).all(), name
+
+
+def test_auto_keeps_the_fastest_fused_backend_and_logs_every_timing(monkeypatch):
+    """The selection among runnable backends (the timing itself needs CUDA events: its leg is
+    in test_device_kernels.py): the fastest wins whatever its place in the preference order,
+    every timing is in the line, and without a sequence nothing is timed."""
+    times = {"FLASH_ATTENTION": 2.5, "CUDNN_ATTENTION": 1.5, "EFFICIENT_ATTENTION": 4.0}
+    candidates = [(name, f"SDPA {name}") for name in times]
+    monkeypatch.setattr(dispatch, "_milliseconds",
+                        lambda kernel, shape, device, dtype: times[kernel])
+    timed = AttentionShape(heads=4, groups=2, head_dim=16, dropout=0.0, sequence=4096, batch=2)
+    kernel, label = dispatch._fastest(candidates, timed, CPU, torch.bfloat16)
+    assert kernel == "CUDNN_ATTENTION"
+    assert label == ("SDPA CUDNN_ATTENTION, the fastest forward+backward at sequence 4096 x "
+                     "micro-batch 2: CUDNN_ATTENTION 1.50 ms, FLASH_ATTENTION 2.50 ms, "
+                     "EFFICIENT_ATTENTION 4.00 ms")
+    assert dispatch._fastest(candidates, SHAPE, CPU, torch.bfloat16) == candidates[0]
+    assert dispatch._fastest(candidates[1:2], timed, CPU, torch.bfloat16) == candidates[1]

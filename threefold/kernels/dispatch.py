@@ -35,7 +35,9 @@ from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 # Megatron's --attention-backend names onto SDPA's backends.
 _SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.CUDNN_ATTENTION,
                   "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}
-# What `auto` tries on CUDA, fastest first; the first that runs the model's shapes is used.
+# What `auto` tries on CUDA. Of those that run the model's shapes, MATH aside, the fastest at
+# the model's sequence and micro-batch is used (timed at start-up); without a sequence, the
+# first in this order.
 _CUDA_PREFERENCE = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                     SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
@@ -46,6 +48,10 @@ class AttentionShape:
     groups: int  # key/value heads per tensor-parallel rank
     head_dim: int
     dropout: float
+    # The model's sequence and micro-batch (0: unknown): `auto` on CUDA times the backends
+    # that run at this shape and keeps the fastest.
+    sequence: int = 0
+    batch: int = 1
 
 
 class Kernels:
@@ -85,21 +91,64 @@ def _sdpa_with(backend: SDPBackend, expand_groups: bool):
     return attention
 
 
+def _inputs(shape: AttentionShape, sequence: int, batch: int, device: torch.device,
+            dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    query = torch.randn(sequence, batch, shape.heads, shape.head_dim, device=device,
+                        dtype=dtype, requires_grad=True)
+    key, value = (torch.randn(sequence, batch, shape.groups, shape.head_dim, device=device,
+                              dtype=dtype, requires_grad=True) for _ in range(2))
+    return query, key, value
+
+
 def _runs(backend: SDPBackend, shape: AttentionShape, device: torch.device, dtype: torch.dtype,
           expand_groups: bool) -> bool:
     """Whether `backend` runs forward and backward for the model's attention shapes."""
-    query = torch.randn(16, 2, shape.heads, shape.head_dim, device=device, dtype=dtype,
-                        requires_grad=True)
-    key, value = (torch.randn(16, 2, shape.groups, shape.head_dim, device=device, dtype=dtype)
-                  for _ in range(2))
     try:
         with warnings.catch_warnings():  # SDPA explains each refusal in a warning
             warnings.simplefilter("ignore")
-            _sdpa_with(backend, expand_groups)(query, key, value, None,
+            _sdpa_with(backend, expand_groups)(*_inputs(shape, 16, 2, device, dtype), None,
                                                shape.dropout).sum().backward()
     except RuntimeError:  # "No available kernel" and its relatives
         return False
     return True
+
+
+def _milliseconds(attention, shape: AttentionShape, device: torch.device,
+                  dtype: torch.dtype) -> float:
+    """Forward and backward time of one layer's core attention at the model's shape (the
+    median of 5 timed runs after 2 warm-ups), agreed over ranks (their maximum) so that every
+    rank picks the same backend."""
+    import torch.distributed as dist
+
+    query, key, value = _inputs(shape, shape.sequence, shape.batch, device, dtype)
+    grad = torch.randn(shape.sequence, shape.batch, shape.heads * shape.head_dim,
+                       device=device, dtype=dtype)
+    times = []
+    for _ in range(7):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        attention(query, key, value, None, shape.dropout).backward(grad)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor(sorted(times[2:])[2], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return float(median)
+
+
+def _fastest(candidates: list[tuple[object, str]], shape: AttentionShape, device: torch.device,
+             dtype: torch.dtype) -> tuple[object, str]:
+    """The fastest of the backends that run (FlashAttention-2 is not always first: on Hopper
+    cuDNN's fused attention can be faster), with every timing in the log line."""
+    if len(candidates) == 1 or shape.sequence <= 0:
+        return candidates[0]
+    timed = sorted(((_milliseconds(kernel, shape, device, dtype), kernel, label)
+                    for kernel, label in candidates), key=lambda entry: entry[0])
+    report = ", ".join(f"{label.removeprefix('SDPA ')} {ms:.2f} ms" for ms, _, label in timed)
+    _, kernel, label = timed[0]
+    return kernel, (f"{label}, the fastest forward+backward at sequence {shape.sequence} "
+                    f"x micro-batch {shape.batch}: {report}")
 
 
 def _choose_attention(config: KernelConfig, te, shape: AttentionShape, device: torch.device,
@@ -112,12 +161,20 @@ def _choose_attention(config: KernelConfig, te, shape: AttentionShape, device: t
         return TEAttention(te), f"Transformer Engine DotProductAttention ({backend})"
     if backend == "auto" and not _on_gpu(device):
         return reference.attention, "SDPA (PyTorch's choice on CPU)"
-    candidates = _CUDA_PREFERENCE if backend == "auto" else (_SDPA_BACKENDS[backend],)
-    for candidate in candidates:
+    wanted = _CUDA_PREFERENCE if backend == "auto" else (_SDPA_BACKENDS[backend],)
+    runnable = []
+    for candidate in wanted:
         for expand in (False, True):  # some backends lack grouped-query support: expand K/V
             if _runs(candidate, shape, device, dtype, expand):
                 label = f"SDPA {candidate.name}" + (" (K/V expanded per head)" if expand else "")
-                return _sdpa_with(candidate, expand), label
+                runnable.append((_sdpa_with(candidate, expand), label))
+                break
+    # MATH materializes the s x s scores: only a last resort, never timed against the others.
+    fused = [entry for entry in runnable if "MATH" not in entry[1]]
+    if fused:
+        return _fastest(fused, shape, device, dtype)
+    if runnable:
+        return runnable[0]
     raise ConfigError(f"--attention-backend {backend}: SDPA cannot run head size "
                       f"{shape.head_dim}, attention dropout {shape.dropout}, "
                       f"{str(dtype).removeprefix('torch.')} on {device.type} with it; "
@@ -219,9 +276,10 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 def configure_for_model(config: KernelConfig, model: ModelConfig, tensor_parallel_size: int,
-                        device: torch.device, dtype: torch.dtype) -> str:
+                        device: torch.device, dtype: torch.dtype, micro_batch_size: int = 1) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
     shape = AttentionShape(heads=model.num_attention_heads // tensor_parallel_size,
                            groups=model.num_query_groups // tensor_parallel_size,
-                           head_dim=model.kv_channels, dropout=model.attention_dropout)
+                           head_dim=model.kv_channels, dropout=model.attention_dropout,
+                           sequence=model.seq_length, batch=micro_batch_size)
     return configure(config, device, dtype, model.normalization, shape)

@@ -206,10 +206,14 @@ class _AdamWithMasters:
     def initialize_state(self) -> None:
         """Create the Adam moments now rather than at the first step (AdamW creates the same
         zeros lazily), so memory can be measured at start-up and checkpoints loaded into."""
+        fused = self.optimizer.defaults["fused"]
         for piece in self.pieces:
             adam = self.optimizer.state[piece.master]
             if not adam:
-                adam.update(step=torch.zeros((), dtype=torch.float32),
+                # Where AdamW itself would put it: the fused kernel reads the step count on
+                # the parameters' device, the for-loop one on the CPU.
+                step_device = piece.master.device if fused else "cpu"
+                adam.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
                             exp_avg=torch.zeros_like(piece.master),
                             exp_avg_sq=torch.zeros_like(piece.master))
 

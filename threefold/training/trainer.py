@@ -180,7 +180,7 @@ class Trainer:
         self.native = parallel.distributed_strategy in ("ddp", "fsdp")
         print_rank_0(configure_for_model(config.kernels, config.model,
                                          parallel.tensor_model_parallel_size, device,
-                                         params_dtype(config)))
+                                         params_dtype(config), training.micro_batch_size))
         # DDP/FSDP keep fp32 parameters as masters and compute in half precision under
         # autocast; threefold's own data parallelism keeps the parameters in the run's dtype.
         self.model_chunks = build_model_chunks(

@@ -1,0 +1,55 @@
+"""Where a threefold training step spends its GPU time: the PyTorch profiler over a few steps
+of bench/gpu_mfu.py's model, kernels grouped by name, most expensive first.
+
+    python bench/gpu_profile.py [--steps 2] [-- EXTRA_PRETRAIN_FLAGS...]
+    python bench/gpu_profile.py --tiny -- --compile-layers          # the script, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("extra", nargs="*", help="pretrain_gpt.py flags added to the bench's")
+    args = parser.parse_args()
+
+    import torch
+    from gpu_mfu import TINY, Shape, threefold_args
+    from torch.profiler import ProfilerActivity, profile
+
+    from threefold.arguments import parse_args
+    from threefold.training.trainer import Trainer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    shape = TINY if args.tiny else Shape()
+    trainer = Trainer(parse_args(threefold_args(shape, cuda) + args.extra), device)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        for _ in range(args.steps):
+            trainer.train_step()
+    seconds = (time.perf_counter() - start) / args.steps
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(f"step {seconds * 1e3:.1f} ms (profiled), flags: {' '.join(args.extra) or '-'}")
+    print(profiler.key_averages().table(sort_by=sort, row_limit=args.rows,
+                                        max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()
