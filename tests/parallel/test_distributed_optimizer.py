@@ -85,3 +85,33 @@ def test_bytes_per_parameter_follow_megatron_accounting(world_size, precision, f
         for measured in run_distributed(world_size, _bytes_job, argv + extra):
             total = sum(measured.values())
             assert abs(total - expected) <= 0.05 * expected, (precision, extra, measured)
+
+
+class _LateGather:
+    """An all-gather still in flight: the bucket holds garbage until `wait` lands the values."""
+
+    def __init__(self, destination, values) -> None:
+        self.destination, self.values = destination, values
+
+    def wait(self) -> None:
+        self.destination.copy_(self.values)
+
+
+@pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["llama", "gpt2"])
+def test_overlapped_forward_waits_for_every_bucket_it_reads(style):
+    """--overlap-param-gather: each module waits only for its buckets' all-gather. Here every
+    bucket is NaN until waited for, so a weight read before its wait (SwiGLU's fc1 through
+    `forward_blocks`, GPT-2's position table sliced by the embedding) makes the loss NaN
+    instead of the loss of the same step without pending gathers. Deterministic, where the
+    real race only showed as a rare flaky resume at DP=2."""
+    argv = style + TRAINING + DISTRIBUTED + ["--overlap-param-gather", "--ddp-bucket-size",
+                                             "300"]
+    expected = _setup(argv).train_step()[0]
+    trainer = _setup(argv)
+    buffer = trainer.grad_buffer
+    assert len(buffer.buckets) > 3
+    for bucket, (start, end) in enumerate(buffer.buckets):
+        destination = buffer.param_buffer[start:end]
+        buffer._gather_handles[bucket] = _LateGather(destination, destination.clone())
+        destination.fill_(float("nan"))
+    assert trainer.train_step()[0] == expected

@@ -183,14 +183,19 @@ class GradientBuffer:
                 handle.wait()
 
     def wait_for_params_before_forward(self, modules: list[nn.Module]) -> None:
-        """--overlap-param-gather: a module's forward first waits for its own parameters'
-        buckets, so the all-gather of later layers overlaps the forward of earlier ones."""
+        """--overlap-param-gather: a module's forward first waits for the buckets of its own
+        parameters and its children's, so the all-gather of later layers overlaps the forward
+        of earlier ones. Its children's too: a module may read a child's weight without
+        calling the child (SwiGLU's fc1 through `forward_blocks`, the learned position table
+        sliced by the embedding), and the child's own hook then never fires."""
         for chunk in modules:
             for module in chunk.modules():
-                direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
-                if direct:
+                owners = [module, *module.children()]
+                read = [p for owner in owners for p in owner.parameters(recurse=False)
+                        if p.requires_grad]
+                if read:
                     module.register_forward_pre_hook(
-                        lambda _module, _args, direct=direct: self.finish_param_gather(direct))
+                        lambda _module, _args, read=read: self.finish_param_gather(read))
 
 
 def all_reduce_sequence_parallel_grads(params: list[nn.Parameter]) -> None:
