@@ -71,6 +71,8 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
      "--distributed-strategy ddp"),
     (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
      "--recompute-method and --recompute-num-layers"),
+    (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
+    (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
 ])
 def test_layout_mistakes_are_reported(capsys, extra, world_size, expected):
     with pytest.raises(SystemExit) as exit_info:

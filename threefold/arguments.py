@@ -258,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "checkpoint", "--no-load-optim", action=_STORE_TRUE,
          help="load weights, scheduler and iteration, but start the optimizer afresh")
     _add(g, "checkpoint", "--no-load-rng", action=_STORE_TRUE)
+    _add(g, "checkpoint", "--no-save-optim", action=_STORE_TRUE,
+         help="checkpoints without optimizer state (masters, Adam moments, loss scale); "
+              "loading one needs --no-load-optim or --finetune")
+    _add(g, "checkpoint", "--no-save-rng", action=_STORE_TRUE,
+         help="checkpoints without the ranks' RNG states; loading one needs --no-load-rng")
     _add(g, "checkpoint", "--finetune", action=_STORE_TRUE,
          help="load the weights only; iteration and consumed samples start from 0")
     _add(g, "checkpoint", "--use-checkpoint-args", action=_STORE_TRUE,

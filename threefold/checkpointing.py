@@ -133,10 +133,12 @@ def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | Pen
     iteration = trainer.state.iteration
     path = checkpoint_dir(root, iteration)
     rank = state.global_rank()
+    flags = trainer.config.checkpoint
     if rank == 0:
-        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+        os.makedirs(os.path.join(path, "rng") if not flags.no_save_rng else path, exist_ok=True)
     _barrier()
-    torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    if not flags.no_save_rng:
+        torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
     _crash_point("after-rng", iteration)
     if rank == 0:
         config = trainer.config
@@ -146,14 +148,16 @@ def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | Pen
             "scheduler": trainer.scheduler.state_dict(),
             "loss_scaler": trainer.loss_scaler.state_dict(),
             "config": dataclasses.asdict(config),
+            "optimizer_saved": not flags.no_save_optim,
+            "rng_saved": not flags.no_save_rng,
         }
         _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
         save_tokenizer(trainer.tokenizer, path)
     _crash_point("before-shards", iteration)
+    tensors = _tensor_state(trainer, with_optimizer=not flags.no_save_optim)
     if asynchronous:  # tensors are staged (copied) before this returns; writing continues
-        return PendingSave(root, iteration,
-                           dcp.async_save(_tensor_state(trainer), checkpoint_id=path))
-    dcp.save(_tensor_state(trainer), checkpoint_id=path)
+        return PendingSave(root, iteration, dcp.async_save(tensors, checkpoint_id=path))
+    dcp.save(tensors, checkpoint_id=path)
     PendingSave(root, iteration).finalize()
     return path
 
@@ -240,6 +244,10 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
     if metadata.get("weights_only") and load_optimizer:
         raise ConfigError(f"--load {root}: the checkpoint holds weights only (a converted "
                           "model); pass --finetune (or --no-load-optim)")
+    if not metadata.get("optimizer_saved", True) and load_optimizer:
+        raise ConfigError(f"--load {root}: iteration {iteration} was saved with "
+                          "--no-save-optim and holds no optimizer state; pass --no-load-optim "
+                          "(or --finetune)")
     _check_architecture(root, metadata["config"]["model"], trainer.config.model)
     # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
     # initialization (B = 0, so the model is the checkpoint's).
@@ -250,8 +258,12 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
                           "fine-tuning with --finetune")
     saved = metadata["config"]["parallel"]
     # Converted (weights-only) checkpoints hold the unpadded vocabulary: always resharded.
-    if _same_layout(saved, trainer.config.parallel, load_optimizer) and not metadata.get(
-            "weights_only"):
+    same_layout = (_same_layout(saved, trainer.config.parallel, load_optimizer)
+                   and not metadata.get("weights_only"))
+    if same_layout and load_rng and not metadata.get("rng_saved", True):
+        raise ConfigError(f"--load {root}: iteration {iteration} was saved with --no-save-rng "
+                          "and holds no RNG state; pass --no-load-rng (or --finetune)")
+    if same_layout:
         dcp.load(_tensor_state(trainer, load_optimizer, without_adapters), checkpoint_id=path)
     else:
         load_resharded(path, trainer, saved["tensor_model_parallel_size"], load_optimizer,

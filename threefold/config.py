@@ -362,6 +362,8 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background; the tracker follows when complete
     no_load_optim: bool = False
     no_load_rng: bool = False
+    no_save_optim: bool = False  # checkpoints without optimizer state (Megatron's flag)
+    no_save_rng: bool = False  # checkpoints without the ranks' RNG states
     finetune: bool = False  # weights only; iteration and consumed samples start at 0
     use_checkpoint_args: bool = False  # model flags from --load (threefold/checkpoint_args.py)
 
@@ -378,6 +380,9 @@ class CheckpointConfig:
         for name, value in (("--no-load-optim", self.no_load_optim),
                             ("--no-load-rng", self.no_load_rng), ("--finetune", self.finetune)):
             _require(not value or self.load is not None, f"{name} needs --load DIR")
+        for name, value in (("--no-save-optim", self.no_save_optim),
+                            ("--no-save-rng", self.no_save_rng)):
+            _require(not value or self.save is not None, f"{name} needs --save DIR")
 
 
 @dataclass

@@ -92,6 +92,39 @@ def test_weights_only_loads(tmp_path, how):
     assert_close_dicts(_full(fresh), _full(saved), 0.0, "parameter")
 
 
+def test_no_save_optim_and_rng_write_weights_and_progress_only(tmp_path):
+    """Megatron's --no-save-optim / --no-save-rng: the checkpoint holds no optimizer tensors
+    and no RNG files; loading it without --no-load-optim / --no-load-rng is refused naming the
+    flag, and with them the run goes on from the saved iteration with the saved weights."""
+    directory = str(tmp_path)
+    argv = LLAMA_STYLE + TRAINING + ["--save", directory]
+    saved = _setup(argv + ["--no-save-optim", "--no-save-rng"])
+    for _ in range(2):
+        saved.train_step()
+    path = save_checkpoint(directory, saved)
+    keys = dcp_keys(path)
+    assert keys and all(key.startswith("model.") for key in keys)
+    assert not os.path.exists(os.path.join(path, "rng"))
+    with pytest.raises(ConfigError, match="saved with --no-save-optim .* pass --no-load-optim"):
+        load_checkpoint(directory, _setup(argv))
+    with pytest.raises(ConfigError, match="saved with --no-save-rng .* pass --no-load-rng"):
+        load_checkpoint(directory, _setup(argv), load_optimizer=False)
+    fresh = _setup(argv)
+    assert load_checkpoint(directory, fresh, load_optimizer=False, load_rng=False) == 2
+    assert fresh.state.iteration == 2 and _adam_moments_are_zero(fresh)
+    assert_close_dicts(_full(fresh), _full(saved), 0.0, "parameter")
+    # A full checkpoint of the same run does hold the optimizer and the RNG states.
+    full = save_checkpoint(str(tmp_path / "full"), _setup(argv))
+    assert any(key.startswith("optimizer.") for key in dcp_keys(full))
+    assert os.path.isdir(os.path.join(full, "rng"))
+
+
+def dcp_keys(path: str) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
 def test_async_save_writes_the_state_of_its_iteration(tmp_path):
     directory = str(tmp_path)
     trainer = _setup(LLAMA_STYLE + TRAINING + ["--save", directory, "--async-save"])
