@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "training", "--fp16", action=_STORE_TRUE)
     _add(g, "training", "--optimizer-cpu-offload", action=_STORE_TRUE,
          help="keep fp32 masters and Adam moments on the CPU and step there (GPU runs)")
+    _add(g, "training", "--loss-scale", type=float,
+         help="a static loss scale instead of fp16's dynamic one (skipped on overflow, never "
+              "changed)")
     _add(g, "training", "--initial-loss-scale", type=float)
     _add(g, "training", "--min-loss-scale", type=float)
     _add(g, "training", "--loss-scale-window", type=int)

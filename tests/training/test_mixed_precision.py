@@ -38,6 +38,20 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     assert not skipped
 
 
+def test_static_loss_scale_stays_and_still_skips_overflows():
+    """Megatron's --loss-scale: a constant scale (fp16 or bf16) whose overflowing steps are
+    skipped without the scale moving; a power of two scales and unscales bf16 gradients
+    exactly, so the losses are those of the unscaled run bitwise."""
+    unscaled = train_job(LLAMA_STYLE + TRAINING + ["--bf16"], 3)["losses"]
+    scaled = _setup(LLAMA_STYLE + TRAINING + ["--bf16", "--loss-scale", "1024"])
+    assert [scaled.train_step()[0] for _ in range(3)] == unscaled
+    assert scaled.loss_scaler.scale == 1024.0
+    trainer = _setup(GPT2_STYLE + TRAINING + ["--fp16", "--loss-scale", "1e30"])
+    for _ in range(3):
+        _, grad_norm, skipped = trainer.train_step()
+        assert skipped and grad_norm is None and trainer.loss_scaler.scale == 1e30
+
+
 def test_dynamic_scaler_grows_after_a_clean_window():
     scaler = DynamicLossScaler(TrainingConfig(initial_loss_scale=8.0, loss_scale_window=3,
                                               hysteresis=2))
@@ -83,6 +97,8 @@ def test_gradient_precision_follows_megatron_defaults(flags, fp32_gradients):
 @pytest.mark.parametrize("flags,message", [
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
     (["--fp16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
+    (["--loss-scale", "128"],
+     "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it"),
     (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
      "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; "
      "give one"),

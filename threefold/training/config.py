@@ -58,6 +58,8 @@ class TrainingConfig:
     bf16: bool = False
     fp16: bool = False
     optimizer_cpu_offload: bool = False
+    # A static loss scale (fp16/bf16) instead of the dynamic one: Megatron's --loss-scale.
+    loss_scale: float | None = None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -245,6 +247,10 @@ class TrainingConfig:
     def _check_limits(self) -> None:
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
+        _require(self.loss_scale is None or self.loss_scale > 0,
+                 "--loss-scale must be positive")
+        _require(self.loss_scale is None or self.fp16 or self.bf16,
+                 "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it")
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
         _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
         _require(self.exit_interval is None or self.exit_interval >= 1,

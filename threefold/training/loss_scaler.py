@@ -1,4 +1,5 @@
-"""Loss scaling for fp16: a constant scale of 1 for bf16/fp32, a dynamic one for fp16.
+"""Loss scaling: a dynamic scale for fp16, a constant one otherwise (1, or Megatron's static
+`--loss-scale` for fp16 or bf16). Every scaler's steps with inf/nan gradients are skipped.
 
 The dynamic scaler (Megatron's DynamicGradScaler): on inf/nan gradients the step is skipped
 and, once `hysteresis` such steps have accumulated, the scale halves (not below
@@ -11,7 +12,8 @@ from threefold.config import TrainingConfig
 
 
 class ConstantLossScaler:
-    scale = 1.0
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = float(scale)
 
     def update(self, found_inf: bool) -> None:
         pass
@@ -56,4 +58,6 @@ class DynamicLossScaler:
 
 
 def build_loss_scaler(config: TrainingConfig):
+    if config.loss_scale is not None:
+        return ConstantLossScaler(config.loss_scale)
     return DynamicLossScaler(config) if config.fp16 else ConstantLossScaler()
