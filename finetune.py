@@ -26,6 +26,7 @@ from threefold.config import ConfigError
 from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
 from threefold.parallel import state
+from threefold.save_directory import claim_on_rank_zero
 from threefold.training.trainer import Trainer, print_rank_0
 
 
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
     config = parse_args(prefix + rest)
+    try:
+        lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
+    except ConfigError as error:
+        print(f"finetune.py: error: {error}", file=sys.stderr)
+        return 2
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load))
     device = state.initialize_from_config(config.parallel)
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config, device, build_data=sft_datasets(args.sft_packing))
         load_checkpoint(known.load, trainer, finetune=not resuming)
     except ConfigError as error:
-        print_rank_0(f"finetune.py: error: {error}")
+        if state.global_rank() == 0:
+            print(f"finetune.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     trainable = sum(p.numel() for _, p in trainer.layout_independent_parameters()
                     if p.requires_grad)

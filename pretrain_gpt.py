@@ -10,6 +10,8 @@ import sys
 
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
+from threefold.save_directory import claim_on_rank_zero
+from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
 
 
@@ -31,12 +33,16 @@ def _summary(config, trainer, device_type: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     # Flags and input files first, before torch is even imported: a mistake costs a second.
     config = parse_args(argv)
+    if config.training.exit_signal_handler:  # from the first second: start-up takes a while
+        exit_signal_handler()
     try:
         check_inputs(config)
+        lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
 
+    from threefold.checkpoint_writer import CheckpointSaveError
     from threefold.checkpointing import load_checkpoint, read_tracker
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                                             load_optimizer=not checkpoint.no_load_optim,
                                             load_rng=not checkpoint.no_load_rng,
                                             finetune=checkpoint.finetune)
+            if iteration is not None and checkpoint.load == checkpoint.save \
+                    and not checkpoint.finetune:
+                trainer.last_saved = iteration  # on disk already: never written over
             print_rank_0(f"> resumed from {config.checkpoint.load} at iteration {iteration}"
                          if iteration is not None else
                          f"> no checkpoint in --load {config.checkpoint.load}; starting from "
@@ -65,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer.print_timers(SETUP)
     try:
         trainer.train()
+    except CheckpointSaveError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return 1
     except NonFiniteError as error:
         if state.global_rank() == 0:
             save = config.checkpoint.save

@@ -33,6 +33,26 @@ _FALSE_FLAGS = {"add_bias_linear": "--disable-bias-linear",
                 "add_position_embedding": "--no-position-embedding"}
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Replace `path` with `text` so that a crash leaves the old file or the new one, never a
+    mix: write aside, fsync, rename, fsync the directory (which makes the rename durable)."""
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    fsync_directory(os.path.dirname(path) or ".")
+
+
+def fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
@@ -41,8 +61,9 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
+    with open(path, "rb") as f:
+        text = f.read(64).decode("utf-8", "replace").strip()
+    if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
     return int(text)
 
@@ -51,8 +72,17 @@ def read_metadata(root: str, iteration: int) -> dict:
     path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--load {root}: {path} is not readable JSON ({error}); the "
+                          "checkpoint is damaged") from None
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("config"), dict):
+        raise ConfigError(f"--load {root}: {path} is not a threefold checkpoint's metadata "
+                          "(no 'config'); convert other checkpoints with "
+                          "tools/convert_checkpoint.py")
+    return metadata
 
 
 def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataConfig:

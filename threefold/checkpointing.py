@@ -24,11 +24,11 @@ rank has finished writing, so `--load` never points at a partial checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
 import shutil
-import signal
 
 import numpy as np
 import torch
@@ -41,27 +41,24 @@ from threefold.checkpoint_args import (
     checkpoint_tokenizer,
     read_metadata,
     read_tracker,
+    write_atomically,
 )
+from threefold.checkpoint_manifest import (
+    MANIFEST,
+    complete_iterations,
+    digest,
+    has_iteration_directories,
+    read_manifest,
+    verify_slice,
+)
+from threefold.checkpoint_writer import CheckpointWriter, crash_point
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.config import flag as flag_of
 from threefold.model.lora import is_adapter
 from threefold.parallel import state
 from threefold.parallel.random import get_rng_tracker
 from threefold.resharding import load_resharded, load_weights
-
-
-def _write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+from threefold.safe_loading import SafeFileSystemReader, load_tensors_file
 
 
 def _key(layout_independent_name: str) -> str:
@@ -88,7 +85,11 @@ def _tensor_state(trainer, with_optimizer: bool = True,
 
 
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every RNG stream, as tensors, numbers and strings only (loadable with weights_only)."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss,
+                      cached),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "tracker": dict(get_rng_tracker().states)}
@@ -96,70 +97,65 @@ def _rng_state() -> dict:
 
 def _set_rng_state(saved: dict) -> None:
     random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
+    kind, keys, *rest = saved["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # (older files: ndarray)
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["cuda"])
     get_rng_tracker().states = dict(saved["tracker"])
 
 
-def _crash_point(name: str, iteration: int) -> None:
-    """Fault injection for the crash-safety tests: THREEFOLD_CRASH_AT=<name>@<iteration> kills
-    this process (SIGKILL, no clean-up) at that point of that iteration's save."""
-    if os.environ.get("THREEFOLD_CRASH_AT") == f"{name}@{iteration}":
-        os.kill(os.getpid(), signal.SIGKILL)
+def tokenizer_digest(data) -> str | None:
+    """SHA-256 over the files that define the run's tokenizer (None without one): a
+    checkpoint refuses to resume with another tokenizer of the same vocabulary size."""
+    if data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
+        files = [os.path.join(data.tokenizer_model, name)
+                 for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")]
+    elif data.tokenizer_type == "GPT2BPETokenizer":
+        files = [data.vocab_file, data.merge_file]
+    else:
+        files = [data.tokenizer_model] if data.tokenizer_model else []
+    files = [f for f in files if f and os.path.isfile(f)]
+    if not files:
+        return None
+    sha = hashlib.sha256()
+    for name in files:
+        sha.update(bytes.fromhex(digest(name)[1]))
+    return sha.hexdigest()
 
 
-class PendingSave:
-    """An --async-save in flight: its shards are being written by a background thread; the
-    tracker is written by `finalize`, after every rank's write has completed."""
-
-    def __init__(self, root: str, iteration: int, future=None) -> None:
-        self.root, self.iteration, self.future = root, iteration, future
-
-    def finalize(self) -> None:
-        if self.future is not None:
-            self.future.result()  # raises if this rank's write failed
-        _barrier()
-        _crash_point("before-tracker", self.iteration)
-        if state.global_rank() == 0:
-            _write_atomically(os.path.join(self.root, TRACKER), f"{self.iteration}\n")
-        _barrier()
-
-
-def save_checkpoint(root: str, trainer, asynchronous: bool = False) -> str | PendingSave:
-    """Write the trainer's full state for its current iteration; returns the directory, or
-    with `asynchronous` a PendingSave to finalize once training can wait for it."""
+def save_checkpoint(root: str, trainer, writer: CheckpointWriter | None = None) -> str:
+    """Write the trainer's full state for its current iteration; returns the directory (with
+    an asynchronous `writer`, complete once `writer.wait()` returns)."""
     iteration = trainer.state.iteration
-    path = checkpoint_dir(root, iteration)
-    rank = state.global_rank()
+    writer = writer or CheckpointWriter(root)
+    rank = writer.rank
     flags = trainer.config.checkpoint
-    if rank == 0:
-        os.makedirs(os.path.join(path, "rng") if not flags.no_save_rng else path, exist_ok=True)
-    _barrier()
-    if not flags.no_save_rng:
-        torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
-    _crash_point("after-rng", iteration)
-    if rank == 0:
-        config = trainer.config
-        metadata = {
-            "iteration": iteration,
-            "train_state": dataclasses.asdict(trainer.state),
-            "scheduler": trainer.scheduler.state_dict(),
-            "loss_scaler": trainer.loss_scaler.state_dict(),
-            "config": dataclasses.asdict(config),
-            "optimizer_saved": not flags.no_save_optim,
-            "rng_saved": not flags.no_save_rng,
-        }
-        _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
-        save_tokenizer(trainer.tokenizer, path)
-    _crash_point("before-shards", iteration)
+
+    def write_rank_files(path: str) -> None:
+        if not flags.no_save_rng:
+            os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+            torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+        crash_point("after-rng", iteration)
+        if rank == 0:
+            config = trainer.config
+            metadata = {
+                "iteration": iteration,
+                "train_state": dataclasses.asdict(trainer.state),
+                "scheduler": trainer.scheduler.state_dict(),
+                "loss_scaler": trainer.loss_scaler.state_dict(),
+                "config": dataclasses.asdict(config),
+                "optimizer_saved": not flags.no_save_optim,
+                "rng_saved": not flags.no_save_rng,
+                "tokenizer_sha256": tokenizer_digest(config.data),
+            }
+            write_atomically(os.path.join(path, "metadata.json"),
+                             json.dumps(metadata, indent=2))
+            save_tokenizer(trainer.tokenizer, path)
+
     tensors = _tensor_state(trainer, with_optimizer=not flags.no_save_optim)
-    if asynchronous:  # tensors are staged (copied) before this returns; writing continues
-        return PendingSave(root, iteration, dcp.async_save(tensors, checkpoint_id=path))
-    dcp.save(tensors, checkpoint_id=path)
-    PendingSave(root, iteration).finalize()
-    return path
+    return writer.save(iteration, write_rank_files, tensors)
 
 
 def save_tokenizer(tokenizer, path: str) -> None:
@@ -176,18 +172,18 @@ def save_weights_checkpoint(root: str, config: Config, tensors: dict[str, torch.
                             tokenizer=None) -> str:
     """A weights-only checkpoint at TP = PP = 1, iteration 0, from full tensors keyed by
     parameter name (what tools/convert_checkpoint.py writes). Single process."""
-    path = checkpoint_dir(root, 0)
-    os.makedirs(path, exist_ok=True)
-    dcp.save({f"model.tp0.{name}": t.contiguous() for name, t in tensors.items()},
-             checkpoint_id=path, no_dist=True)
-    save_tokenizer(tokenizer, path)
-    metadata = {"iteration": 0, "weights_only": True,
-                "train_state": {"iteration": 0, "consumed_train_samples": 0},
-                "scheduler": {"num_steps": 0}, "loss_scaler": {},
-                "config": dataclasses.asdict(config)}
-    _write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
-    _write_atomically(os.path.join(root, TRACKER), "0\n")
-    return path
+    def write_files(path: str) -> None:
+        save_tokenizer(tokenizer, path)
+        metadata = {"iteration": 0, "weights_only": True,
+                    "train_state": {"iteration": 0, "consumed_train_samples": 0},
+                    "scheduler": {"num_steps": 0}, "loss_scaler": {},
+                    "config": dataclasses.asdict(config),
+                    "tokenizer_sha256": tokenizer_digest(config.data)}
+        write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
+
+    os.makedirs(root, exist_ok=True)
+    return CheckpointWriter(root, single_process=True).save(
+        0, write_files, {f"model.tp0.{name}": t.contiguous() for name, t in tensors.items()})
 
 
 def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
@@ -216,12 +212,80 @@ _ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_
 
 def _check_architecture(root: str, saved: dict, current) -> None:
     defaults = ModelConfig()
-    for name in _ARCHITECTURE:
+    names = _ARCHITECTURE
+    if current.position_embedding_type == "learned_absolute":  # the position table's rows
+        names += ("max_position_embeddings",)
+    for name in names:
         if saved.get(name, getattr(defaults, name)) != getattr(current, name):
             flag = {"add_bias_linear": "--disable-bias-linear"}.get(name, flag_of(name))
             raise ConfigError(f"--load {root}: the checkpoint's model has {flag} "
                               f"{saved.get(name)} but this run has {getattr(current, name)}; "
                               "use the checkpoint's model flags")
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a load chooses the same checkpoint everywhere)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _damage(root: str, iteration: int) -> str | None:
+    """What is wrong with a checkpoint's files (None when they are as written). This rank
+    verifies its slice of the files against the manifest; checkpoints from before manifests
+    are only checked for their metadata."""
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        return f"{path} does not exist"
+    manifest = read_manifest(path)
+    if manifest is None:
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            return f"{os.path.join(path, MANIFEST)} is unreadable"
+        return None if os.path.isfile(os.path.join(path, "metadata.json")) else \
+            f"{path} has no metadata.json"
+    distributed = dist.is_initialized()
+    return verify_slice(path, manifest, dist.get_rank() if distributed else 0,
+                        dist.get_world_size() if distributed else 1)
+
+
+def find_checkpoint(root: str) -> int | None:
+    """The iteration to load from `root`: the tracker's, verified; if it is damaged, the
+    newest complete one before it, with a one-line warning. None when `root` holds no
+    checkpoint at all; a one-line ConfigError when it holds some but none is usable (never
+    'start from scratch' over existing iterations)."""
+    tracked = read_tracker(root)
+    complete = complete_iterations(root)
+    candidates = ([tracked] if tracked is not None else []) + [
+        i for i in complete if i != tracked and (tracked is None or i < tracked)]
+    if tracked is None and not candidates:
+        if has_iteration_directories(root):
+            raise ConfigError(f"--load {root}: holds iter_* directories but no {TRACKER} and "
+                              "none of them is complete; refusing to start from scratch over "
+                              f"them: write the iteration to resume into {root}/{TRACKER}, or "
+                              "use another directory")
+        return None
+    if tracked is None:
+        _warn(f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "
+              f"iteration {candidates[0]}")
+    problems = []
+    for iteration in candidates:
+        damage = _damage(root, iteration)
+        if _all_ranks_agree(damage is None):
+            if problems:
+                _warn(f"> --load {root}: {problems[0]}; falling back to iteration {iteration}, "
+                      "the newest complete checkpoint before it")
+            return iteration
+        problems.append(f"iteration {iteration} is damaged ({damage or 'on another rank'})")
+    raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint "
+                      "verifies")
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: bool = True,
@@ -234,7 +298,7 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
         if root == trainer.config.checkpoint.save:
             return None
         raise ConfigError(f"--load {root}: no such directory")
-    iteration = read_tracker(root)
+    iteration = find_checkpoint(root)
     if iteration is None:
         return None
     metadata = read_metadata(root, iteration)
@@ -249,6 +313,7 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
                           "--no-save-optim and holds no optimizer state; pass --no-load-optim "
                           "(or --finetune)")
     _check_architecture(root, metadata["config"]["model"], trainer.config.model)
+    _check_tokenizer(root, path, metadata, trainer.config.data)
     # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
     # initialization (B = 0, so the model is the checkpoint's).
     without_adapters = bool(trainer.config.model.lora_rank
@@ -257,18 +322,29 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
         raise ConfigError(f"--load {root}: the checkpoint has no LoRA adapters; start the "
                           "fine-tuning with --finetune")
     saved = metadata["config"]["parallel"]
-    # Converted (weights-only) checkpoints hold the unpadded vocabulary: always resharded.
+    # Converted (weights-only) checkpoints hold the unpadded vocabulary, and another
+    # --make-vocab-size-divisible-by pads it differently: both are resharded.
     same_layout = (_same_layout(saved, trainer.config.parallel, load_optimizer)
-                   and not metadata.get("weights_only"))
+                   and not metadata.get("weights_only")
+                   and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
+                   == trainer.config.model.make_vocab_size_divisible_by)
     if same_layout and load_rng and not metadata.get("rng_saved", True):
         raise ConfigError(f"--load {root}: iteration {iteration} was saved with --no-save-rng "
                           "and holds no RNG state; pass --no-load-rng (or --finetune)")
+    rng_file = os.path.join(path, "rng", f"rank_{state.global_rank():05d}.pt")
+    if same_layout and load_rng and not os.path.isfile(rng_file):
+        raise ConfigError(f"--load {root}: {rng_file} is missing, so this rank's random "
+                          "streams cannot resume; pass --no-load-rng to continue with fresh "
+                          "ones (the losses will differ from an uninterrupted run)")
+    rng = load_tensors_file(rng_file) if same_layout and load_rng else None
     if same_layout:
-        dcp.load(_tensor_state(trainer, load_optimizer, without_adapters), checkpoint_id=path)
+        reader = SafeFileSystemReader(path)
+        reader.read_metadata()  # a refusal in one line here, not wrapped by DCP's collectives
+        dcp.load(_tensor_state(trainer, load_optimizer, without_adapters),
+                 storage_reader=reader)
     else:
         load_resharded(path, trainer, saved["tensor_model_parallel_size"], load_optimizer,
                        without_adapters)
-        load_rng = False  # per-rank RNG streams belong to the saved layout's ranks
     # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:
         trainer.loss_scaler.load_state_dict(metadata["loss_scaler"])
@@ -279,11 +355,21 @@ def load_checkpoint(root: str, trainer, load_optimizer: bool = True, load_rng: b
         for name, value in metadata["train_state"].items():
             setattr(trainer.state, name, value)
         trainer.scheduler.load_state_dict(metadata["scheduler"])
-    if load_rng:
-        rng_file = os.path.join(path, "rng", f"rank_{state.global_rank():05d}.pt")
-        if os.path.isfile(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+    if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
+        _set_rng_state(rng)
     return iteration
+
+
+def _check_tokenizer(root: str, path: str, metadata: dict, data) -> None:
+    saved = metadata.get("tokenizer_sha256")
+    current = tokenizer_digest(data)
+    if saved and current and saved != current:
+        copy = next((os.path.join(path, name) for name in ("tokenizer.model", "tokenizer")
+                     if os.path.exists(os.path.join(path, name))), None)
+        use = f"--tokenizer-model {copy}" if copy else "the run's tokenizer files"
+        mine = data.tokenizer_model or data.vocab_file
+        raise ConfigError(f"--load {root}: this run's tokenizer ({mine}) is not the one the "
+                          f"checkpoint was trained with; use {use} (or --use-checkpoint-args)")
 
 
 def load_model(root: str, device: torch.device | None = None):
@@ -295,9 +381,9 @@ def load_model(root: str, device: torch.device | None = None):
 
     if not os.path.isdir(root):
         raise ConfigError(f"--load {root}: no such directory")
-    iteration = read_tracker(root)
+    iteration = find_checkpoint(root)
     if iteration is None:
-        raise ConfigError(f"--load {root}: no {TRACKER}; it holds no complete checkpoint")
+        raise ConfigError(f"--load {root}: holds no checkpoint")
     metadata = read_metadata(root, iteration)
     config = Config.from_dict(metadata["config"])
     checkpoint_tokenizer(root, iteration, config.data)

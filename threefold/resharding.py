@@ -28,6 +28,7 @@ from threefold.config import ConfigError
 from threefold.model.lora import is_adapter
 from threefold.parallel import state
 from threefold.parallel.sharding import shard_of, unshard
+from threefold.safe_loading import SafeFileSystemReader
 
 _KEY = re.compile(r"^(model|optimizer\.(exp_avg|exp_avg_sq|step|master))\.tp(\d+)\.(.+?)"
                   r"(?:\[(\d+):(\d+)\])?$")
@@ -39,7 +40,7 @@ class SavedTensors:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         # (kind, name) -> {tp rank: [(start, end, key, shape)]}; start/end None for whole shards
         self.entries: dict[tuple[str, str], dict[int, list]] = defaultdict(
             lambda: defaultdict(list))
@@ -60,7 +61,7 @@ class SavedTensors:
         tensors = {key: torch.empty(shape, dtype=torch.float32) for key, shape in specs}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, checkpoint_id=self.path, no_dist=True)
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
         return tensors
 
     def full(self, kind: str, name: str, param: nn.Parameter,

@@ -47,7 +47,13 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
 def check_inputs(config: Config, indexed_data: bool = True) -> None:
     """Raise ConfigError naming the flag and file for the first input the run cannot read.
     `indexed_data`: the data paths are `.bin/.idx` prefixes (not fine-tuning's JSONL)."""
-    from threefold.data.gpt_dataset import check_index, check_prefix
+    from threefold.data.gpt_dataset import (
+        check_index,
+        check_index_cache,
+        check_prefix,
+        check_split,
+        index_cache_directories,
+    )
 
     if (config.kernels.transformer_impl == "transformer_engine"
             and importlib.util.find_spec("transformer_engine") is None):
@@ -77,6 +83,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
             vocab_size = model_vocab_size(build_tokenizer(data, config.model.vocab_size),
                                           config.model.vocab_size)
     if indexed_data:
+        prefixes = []
         for flag, paths in (("--data-path", data.data_path),
                             ("--train-data-path", data.train_data_path),
                             ("--valid-data-path", data.valid_data_path),
@@ -86,6 +93,13 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
                     check_index(prefix, flag)
                 else:
                     check_prefix(prefix, vocab_size, flag)
+                # Before megatron-core can loop forever on an empty split.
+                whole = flag != "--data-path"
+                check_split(prefix, [1.0] if whole else data.split_weights(),
+                            config.model.seq_length, flag, None if whole else "--split")
+                prefixes.append(prefix)
+        for directory in index_cache_directories(data.data_cache_path, prefixes):
+            check_index_cache(directory)
     if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     load = config.checkpoint.load

@@ -70,7 +70,11 @@ def main() -> None:
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--log-interval", type=int, default=1000)
+    parser.add_argument("--log-interval", type=int, default=1000,
+                        help="print progress every this many documents")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="report each malformed record (file:line) and go on, instead of "
+                             "stopping at the first; the count is printed at the end")
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
@@ -89,10 +93,43 @@ def main() -> None:
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
-    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
-                for key, prefix in prefixes.items()}
+    # Written aside and renamed over the outputs only once complete: a failure (bad input,
+    # full disk, Ctrl-C) leaves an earlier good .bin/.idx pair as it was.
+    temporary = {key: f"{prefix}.tmp.{os.getpid()}" for key, prefix in prefixes.items()}
+    builders = {key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype)
+                for key in prefixes}
+    try:
+        count, total_tokens, bad, elapsed, total_bytes = _tokenize(args, data_config, builders)
+        for key, builder in builders.items():
+            builder.finalize(temporary[key] + ".idx")
+        for key, prefix in prefixes.items():
+            for suffix in (".idx", ".bin"):
+                os.replace(temporary[key] + suffix, prefix + suffix)
+    except ValueError as error:  # a bad record, without --skip-bad-records
+        parser.exit(2, f"preprocess_data.py: error: {error}; fix it or pass "
+                       "--skip-bad-records (nothing was written)\n")
+    finally:
+        for path in temporary.values():
+            for suffix in (".bin", ".idx"):
+                if os.path.exists(path + suffix):
+                    os.remove(path + suffix)
+    skipped = f", skipped {bad} bad records" if bad else ""
+    print(f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "
+          f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s){skipped}; "
+          "wrote " + ", ".join(p + ".bin/.idx" for p in prefixes.values()), flush=True)
 
-    documents = read_documents(args.input, args.json_keys)
+
+def _tokenize(args, data_config: DataConfig, builders: dict) -> tuple:
+    """Tokenize every document into the builders; (documents, tokens, bad records, seconds,
+    text bytes)."""
+    bad = []
+
+    def report(message: str) -> None:
+        bad.append(message)
+        print(f"preprocess_data.py: skipped {message}", file=sys.stderr, flush=True)
+
+    documents = read_documents(args.input, args.json_keys,
+                               report if args.skip_bad_records else None)
     initargs = (data_config, args.vocab_size, args.append_eod)
     if args.workers > 1:
         pool = multiprocessing.Pool(args.workers, _init_worker, initargs)
@@ -104,27 +141,24 @@ def main() -> None:
 
     start, total_bytes, total_tokens, count = time.time(), 0, 0, 0
     input_size = max(os.path.getsize(args.input), 1)
-    for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
-        total_bytes += num_bytes
-        for key, ids in encoded.items():
-            if ids:
-                builders[key].add_document(ids, [len(ids)])
-                total_tokens += len(ids)
-        if count % args.log_interval == 0:
-            elapsed = time.time() - start
-            done = min(total_bytes / input_size, 1.0)  # text bytes: close to the file's
-            print(f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
-                  f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s)",
-                  flush=True)
-    if pool is not None:
-        pool.close()
-        pool.join()
-    for key, builder in builders.items():
-        builder.finalize(prefixes[key] + ".idx")
-    elapsed = max(time.time() - start, 1e-9)
-    print(f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "
-          f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s); wrote "
-          + ", ".join(p + ".bin/.idx" for p in prefixes.values()), flush=True)
+    try:
+        for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
+            total_bytes += num_bytes
+            for key, ids in encoded.items():
+                if ids:
+                    builders[key].add_document(ids, [len(ids)])
+                    total_tokens += len(ids)
+            if count % args.log_interval == 0:
+                elapsed = time.time() - start
+                done = min(total_bytes / input_size, 1.0)  # text bytes: close to the file's
+                print(f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
+                      f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} "
+                      "MB/s)", flush=True)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return count, total_tokens, len(bad), max(time.time() - start, 1e-9), total_bytes
 
 
 if __name__ == "__main__":

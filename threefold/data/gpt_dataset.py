@@ -76,15 +76,72 @@ def check_index(prefix: str, flag: str = "--data-path") -> np.dtype:
     if os.path.getsize(idx_file) < index_bytes:
         raise ConfigError(f"{flag} {prefix}: {idx_file} is truncated ({os.path.getsize(idx_file)}"
                           f" bytes, its header promises {index_bytes}); regenerate it")
-    lengths = np.memmap(idx_file, dtype=np.int32, mode="r", offset=34, shape=(sequences,))
-    expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
-    actual = os.path.getsize(bin_file)
-    if actual < expected:
-        raise ConfigError(f"{flag} {prefix}: {bin_file} is truncated ({actual} bytes, the "
-                          f"index expects {expected}); regenerate it")
     if sequences == 0:
         raise ConfigError(f"{flag} {prefix}: {idx_file} holds no documents")
+    lengths = document_lengths(prefix)
+    expected = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
+    actual = os.path.getsize(bin_file)
+    if actual != expected:  # a .bin of another corpus (or of another preprocessing run)
+        problem = "is truncated" if actual < expected else "is larger than its index says"
+        raise ConfigError(f"{flag} {prefix}: {bin_file} {problem} ({actual} bytes, "
+                          f"{idx_file} describes {expected}); the two files are not a pair: "
+                          "regenerate both with tools/preprocess_data.py")
+    if expected == 0:
+        raise ConfigError(f"{flag} {prefix}: its {sequences} documents hold no tokens")
     return dtype
+
+
+def document_lengths(prefix: str) -> np.ndarray:
+    """Every document's token count, read from the `.idx` (after `check_index`'s checks)."""
+    with open(prefix + ".idx", "rb") as f:
+        (sequences,) = struct.unpack("<Q", f.read(34)[18:26])
+    return np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=34, shape=(sequences,))
+
+
+def check_split(prefix: str, weights: list[float], seq_length: int,
+                flag: str = "--data-path", split_flag: str | None = "--split") -> None:
+    """Every split that gets a share (megatron-core's document ranges: round(bound x count))
+    must get tokens, and the corpus must hold one sample: megatron-core otherwise loops
+    forever counting epochs of an empty split. `weights` normalized; [1] for a whole file."""
+    lengths = document_lengths(prefix)
+    total = int(lengths.sum(dtype=np.int64))
+    if total < seq_length + 1:
+        raise ConfigError(f"{flag} {prefix}: holds {total} tokens, fewer than one sample of "
+                          f"--seq-length {seq_length} + 1; give it more text or a shorter "
+                          "--seq-length")
+    bounds = np.concatenate([[0.0], np.cumsum(weights)])
+    for name, weight, begin, end in zip(("train", "validation", "test"), weights, bounds,
+                                        bounds[1:]):
+        first, last = round(begin * len(lengths)), round(end * len(lengths))
+        if weight > 0 and int(lengths[first:last].sum(dtype=np.int64)) == 0:
+            share = f"{last - first} of its {len(lengths)} documents"
+            fix = ("give it more documents (e.g. --split 90,5,5) or weight 0"
+                   if split_flag else "give it documents")
+            raise ConfigError(f"{split_flag or flag} {prefix}: the {name} split gets {share} "
+                              f"and no tokens; {fix}")
+
+
+def index_cache_directories(data_cache_path: str | None, prefixes: list[str]) -> list[str]:
+    """Where megatron-core reads and writes its dataset index cache for this run."""
+    if data_cache_path:
+        return [data_cache_path]
+    return [os.path.join(prefix, "cache", "GPTDataset_indices") for prefix in prefixes]
+
+
+def check_index_cache(directory: str) -> None:
+    """The cache directory can be written (or already holds the indices), and every index in
+    it is a plain numeric array (see threefold/safe_loading.py)."""
+    flag = "--data-cache-path"
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot create the dataset index cache {directory} "
+                          f"({error.strerror}); pass --data-cache-path DIR somewhere "
+                          "writable") from None
+    cached = any(name.endswith(".npy") for name in os.listdir(directory))
+    if not os.access(directory, os.W_OK) and not cached:
+        raise ConfigError(f"{flag}: the dataset index cache {directory} is not writable; "
+                          "pass --data-cache-path DIR somewhere writable")
 
 
 class _Tokenizer:
@@ -132,6 +189,8 @@ def _blend(paths: list[str], flag: str, vocab_size: int):
 
 def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     """Train, validation and test samples (None for an empty split) from indexed data."""
+    from threefold.safe_loading import check_npy_cache
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -149,8 +208,11 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
             for paths, flag in ((data.train_data_path, "--train-data-path"),
                                 (data.valid_data_path, "--valid-data-path"),
                                 (data.test_data_path, "--test-data-path"))]
-    if data.data_cache_path:
-        os.makedirs(data.data_cache_path, exist_ok=True)
+    prefixes = [prefix for blend in [options.get("blend"), *options.get("blend_per_split", [])]
+                if blend for prefix in blend[0]]
+    for directory in index_cache_directories(data.data_cache_path, prefixes):
+        check_index_cache(directory)
+        check_npy_cache(directory)  # megatron-core loads these with allow_pickle=True
     gpt_config = GPTDatasetConfig(
         random_seed=config.training.seed, sequence_length=model.seq_length,
         path_to_cache=data.data_cache_path,

@@ -40,7 +40,7 @@ class HuggingFaceTokenizer:
         try:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
             self._encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
             self._decode = self.tokenizer.decode
             self.vocab_size = len(self.tokenizer)

@@ -11,31 +11,13 @@ collectives while the others save.
 
 from __future__ import annotations
 
-import signal
 import time
-from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from threefold.config import TrainingConfig
-
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class ExitSignalHandler:
-    """Records SIGTERM/SIGUSR1 instead of dying; restores the previous handlers on close."""
-
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous = {sig: signal.signal(sig, self._record) for sig in EXIT_SIGNALS}
-
-    def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(signum)
-
-    def close(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+from threefold.training.exit_signals import exit_signal_handler
 
 
 class ExitConditions:
@@ -48,7 +30,7 @@ class ExitConditions:
                            if training.exit_duration_in_mins is not None else None)
         self.device = device
         self.start_time = time.time() if start_time is None else start_time
-        self.signals = ExitSignalHandler() if training.exit_signal_handler else None
+        self.signals = exit_signal_handler() if training.exit_signal_handler else None
 
     def reason(self, iteration: int) -> str | None:
         if self.interval is not None and iteration % self.interval == 0:

@@ -2,6 +2,8 @@
 real run never sets (see also THREEFOLD_CRASH_AT in threefold/checkpointing.py):
 
     THREEFOLD_NAN_AT=RANK@ITERATION     that rank's loss is nan in that iteration
+    THREEFOLD_SPIKE_AT=RANK@ITERATION[xFACTOR]  that rank's loss (and gradients) times FACTOR
+                                        (default 20) in that iteration: a loss spike
     THREEFOLD_STALL_AT=RANK@ITERATION   that rank hangs in that iteration's forward-backward
     THREEFOLD_SLOW_RANK=RANK:SECONDS    that rank computes this much longer in every iteration
 """
@@ -22,14 +24,26 @@ def _rank_at(variable: str) -> tuple[int, int] | None:
     return int(rank), int(iteration)
 
 
-def nan_now(rank: int, iteration: int) -> bool:
-    return _rank_at("THREEFOLD_NAN_AT") == (rank, iteration)
+def _spike_factor(rank: int, iteration: int) -> float | None:
+    value = os.environ.get("THREEFOLD_SPIKE_AT")
+    if not value:
+        return None
+    where, _, factor = value.partition("x")
+    spike_rank, spike_iteration = where.split("@")
+    if (int(spike_rank), int(spike_iteration)) != (rank, iteration):
+        return None
+    return float(factor or 20)
 
 
-def poison(loss_func):
-    """`loss_func` with the per-token losses it reduces multiplied by nan: the loss and every
-    gradient become nan, as after an overflow."""
-    return lambda per_token_loss: loss_func(per_token_loss * torch.nan)
+def inject(loss_func, rank: int, iteration: int):
+    """`loss_func` with the per-token losses it reduces multiplied by nan (THREEFOLD_NAN_AT:
+    the loss and every gradient become nan, as after an overflow) or by a spike factor
+    (THREEFOLD_SPIKE_AT), when asked for this rank and iteration."""
+    factor = torch.nan if _rank_at("THREEFOLD_NAN_AT") == (rank, iteration) else \
+        _spike_factor(rank, iteration)
+    if factor is None:
+        return loss_func
+    return lambda per_token_loss: loss_func(per_token_loss * factor)
 
 
 def delay(rank: int, iteration: int) -> None:

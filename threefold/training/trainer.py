@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from threefold.checkpointing import PendingSave, save_checkpoint
+from threefold.checkpoint_writer import CheckpointWriter
+from threefold.checkpointing import save_checkpoint
 from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -167,8 +168,10 @@ class Trainer:
             "tensor_shape": (sequence, training.micro_batch_size, config.model.hidden_size),
             "dtype": params_dtype(config)}
         self._train_iterator = None
-        self._last_saved = None
-        self._pending_save = None
+        self.last_saved = None  # the iteration whose checkpoint is (being) written, or loaded
+        checkpoint = config.checkpoint
+        self.checkpoint_writer = (CheckpointWriter(checkpoint.save, checkpoint.async_save)
+                                  if checkpoint.save else None)
         self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
         self.hygiene = MemoryHygiene(training, device)
         self.profiler = IterationProfiler(config.logging, device, state.global_rank())
@@ -247,9 +250,7 @@ class Trainer:
         else:
             with torch.autocast(self.device.type, dtype=params_dtype(self.config)):
                 output, loss_func = gpt_forward_step(batch, model, input_tensor, per_token)
-        if faults.nan_now(state.global_rank(), self.state.iteration + 1):
-            loss_func = faults.poison(loss_func)
-        return output, loss_func
+        return output, faults.inject(loss_func, state.global_rank(), self.state.iteration + 1)
 
     def _local_grads(self) -> list[torch.Tensor]:
         """This rank's gradients as they are before the data-parallel reduction."""
@@ -391,6 +392,7 @@ class Trainer:
                 profiler.before_iteration(self.state.iteration)
                 loss, grad_norm, skipped = self.train_step()
                 iteration = self.state.iteration
+                self._report_background_save()
                 written = profiler.after_iteration(iteration)
                 if written:
                     print(written, flush=True)
@@ -439,7 +441,7 @@ class Trainer:
                 if reason is not None:
                     print_rank_0(f"> exiting at iteration {iteration}: {reason}")
                     break
-            if config.checkpoint.save and self._last_saved != self.state.iteration:
+            if config.checkpoint.save and self.last_saved != self.state.iteration:
                 self.save()
             self.finish_pending_save()
         except NonFiniteError:
@@ -464,17 +466,16 @@ class Trainer:
         self.watchdog.enter("checkpoint save", self.state.iteration)
         self.finish_pending_save()
         start = time.perf_counter()
-        checkpoint = self.config.checkpoint
         with self.timers("save-checkpoint", 0):
-            result = save_checkpoint(checkpoint.save, self, asynchronous=checkpoint.async_save)
-        self._last_saved = self.state.iteration
-        if isinstance(result, PendingSave):
-            self._pending_save = result
+            path = save_checkpoint(self.config.checkpoint.save, self, self.checkpoint_writer)
+        self.last_saved = self.state.iteration
+        blocked = time.perf_counter() - start
+        if self.checkpoint_writer.asynchronous:
             print_rank_0(f"  started saving checkpoint at iteration {self.state.iteration} "
-                         f"in the background ({time.perf_counter() - start:.2f} s blocked)")
+                         f"in the background ({blocked:.2f} s blocked)")
         else:
-            print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {result} "
-                         f"in {time.perf_counter() - start:.2f} s")
+            print_rank_0(f"  saved checkpoint at iteration {self.state.iteration} to {path} "
+                         f"in {blocked:.2f} s")
         self.print_timers(["save-checkpoint"])
 
     def print_timers(self, names: list[str] | tuple[str, ...],
@@ -487,8 +488,16 @@ class Trainer:
         return maxima
 
     def finish_pending_save(self) -> None:
-        """Wait for an --async-save to complete everywhere, then let the tracker name it."""
-        if self._pending_save is not None:
-            pending, self._pending_save = self._pending_save, None
-            pending.finalize()
-            print_rank_0(f"  checkpoint at iteration {pending.iteration} complete")
+        """Wait for an --async-save to complete everywhere (the tracker then names it)."""
+        if self.checkpoint_writer is not None:
+            self._saved(self.checkpoint_writer.wait())
+
+    def _report_background_save(self) -> None:
+        """After each iteration: note a background save that completed; raise
+        CheckpointSaveError for one that failed (not one interval later, at the next save)."""
+        if self.checkpoint_writer is not None:
+            self._saved(self.checkpoint_writer.poll())
+
+    def _saved(self, iteration: int | None) -> None:
+        if iteration is not None:
+            print_rank_0(f"  checkpoint at iteration {iteration} complete")

@@ -1,0 +1,168 @@
+"""Loading a checkpoint or a dataset cache never runs code planted in it.
+
+Each test plants a pickle payload that would create a marker file (and, as a real attacker
+would, rewrites the manifest's checksum so the file verifies), then runs every entry point that
+reads that kind of file: each refuses in one line with exit code 2, and the marker never
+appears. The restricted readers themselves are checked directly too.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from threefold.checkpoint_manifest import MANIFEST, digest
+from threefold.config import ConfigError
+from threefold.safe_loading import (
+    UnsafeFileError,
+    check_npy_file,
+    load_dcp_metadata,
+    load_tensors_file,
+)
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--eval-iters", "0", "--log-interval", "1", "--lr", "1e-3"]
+
+
+class Payload:
+    """Unpickling this creates `marker` (what any code an attacker chose could do)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def _refused_in_one_line(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(shakespeare_data, tmp_path_factory) -> str:
+    """A 2-iteration run on the tokenized default corpus, saved with its tokenizer."""
+    directory = str(tmp_path_factory.mktemp("good") / "run")
+    result = _run(os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+                  "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
+                  "SentencePieceTokenizer", "--tokenizer-model",
+                  shakespeare_data["TOKENIZER_MODEL"], "--split", "98,1,1", "--save", directory)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory
+
+
+def _planted(good: str, tmp_path, relative: str, content: bytes) -> str:
+    """A copy of the checkpoint with `relative` (in iteration 2) replaced, the manifest
+    updated to match."""
+    root = str(tmp_path / "planted")
+    shutil.copytree(good, root)
+    path = os.path.join(root, "iter_0000002")
+    with open(os.path.join(path, relative), "wb") as f:
+        f.write(content)
+    manifest_path = os.path.join(path, MANIFEST)
+    manifest = json.load(open(manifest_path))
+    manifest["files"][relative] = digest(os.path.join(path, relative))
+    json.dump(manifest, open(manifest_path, "w"))
+    return root
+
+
+def _entry_points(root: str, tmp_path, shakespeare_data) -> dict[str, list[str]]:
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"prompt": "To be", "response": " or not"}) + "\n")
+    return {
+        "pretrain_gpt.py": [os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "3",
+                            "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
+                            "SentencePieceTokenizer", "--tokenizer-model",
+                            shakespeare_data["TOKENIZER_MODEL"], "--split", "98,1,1",
+                            "--load", root],
+        "finetune.py": [os.path.join(ROOT, "finetune.py"), "--load", root,
+                        "--train-data-path", str(sft), "--micro-batch-size", "1",
+                        "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
+                        "--no-load-optim"],
+        "generate.py": [os.path.join(ROOT, "tools", "generate.py"), "--load", root, "--prompt",
+                        "To be", "--max-new-tokens", "2"],
+        "convert_checkpoint.py": [os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+                                  "--loader", "threefold", "--saver", "hf", "--load-dir", root,
+                                  "--save-dir", str(tmp_path / "hf")],
+    }
+
+
+@pytest.mark.parametrize("kind", ["dcp-metadata", "rng"])
+def test_a_planted_pickle_in_a_checkpoint_never_runs(kind, good_checkpoint, tmp_path,
+                                                     shakespeare_data):
+    marker = str(tmp_path / "marker")
+    if kind == "dcp-metadata":
+        relative, content = ".metadata", pickle.dumps(Payload(marker))
+        readers = ["pretrain_gpt.py", "finetune.py", "generate.py", "convert_checkpoint.py"]
+    else:  # only a resumed run reads the RNG streams (finetune.py starts fresh ones)
+        buffer = __import__("io").BytesIO()
+        torch.save({"python": Payload(marker)}, buffer)
+        relative, content = "rng/rank_00000.pt", buffer.getvalue()
+        readers = ["pretrain_gpt.py"]
+    root = _planted(good_checkpoint, tmp_path, relative, content)
+    commands = _entry_points(root, tmp_path, shakespeare_data)
+    for name in readers:
+        result = _run(*commands[name])
+        _refused_in_one_line(result, relative.split("/")[-1], "refused")
+        assert not os.path.exists(marker), f"{name} ran the payload"
+
+
+def test_a_hostile_metadata_json_is_refused_in_one_line(good_checkpoint, tmp_path,
+                                                        shakespeare_data):
+    """metadata.json is JSON (it cannot carry code); one that is not a threefold checkpoint's
+    is refused by every reader without a traceback."""
+    root = _planted(good_checkpoint, tmp_path, "metadata.json",
+                    json.dumps({"config": "__import__('os').system('touch x')"}).encode())
+    for name, command in _entry_points(root, tmp_path, shakespeare_data).items():
+        _refused_in_one_line(_run(*command), "metadata.json")
+
+
+def test_a_planted_dataset_index_cache_never_runs(shakespeare_data, tmp_path):
+    """megatron-core loads its cached indices with numpy.load(allow_pickle=True): a pickle
+    planted under a cached index's name is refused before megatron-core sees it."""
+    cache, marker = tmp_path / "cache", str(tmp_path / "marker")
+    argv = [os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "1",
+            "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"],
+            "--split", "98,1,1", "--data-cache-path", str(cache)]
+    assert _run(*argv).returncode == 0  # builds the cache
+    (victim,) = [p for p in os.listdir(cache) if p.endswith("train-document_index.npy")]
+    (cache / victim).write_bytes(pickle.dumps(Payload(marker)))
+    _refused_in_one_line(_run(*argv), victim, "not a numpy .npy file")
+    assert not os.path.exists(marker)
+
+
+def test_the_restricted_readers(tmp_path):
+    marker = str(tmp_path / "marker")
+    evil = tmp_path / "evil"
+    evil.write_bytes(pickle.dumps(Payload(marker)))
+    for load in (load_dcp_metadata, load_tensors_file, check_npy_file):
+        with pytest.raises(UnsafeFileError, match="refused|not a readable"):
+            load(str(evil))
+    assert not os.path.exists(marker)
+    assert issubclass(UnsafeFileError, ConfigError)  # entry points print it in one line
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(UnsafeFileError, match="Python objects"):
+        check_npy_file(str(tmp_path / "objects.npy"))
+    np.save(tmp_path / "plain.npy", np.arange(5))
+    check_npy_file(str(tmp_path / "plain.npy"))
+    # A legacy RNG file (numpy's state as an ndarray) still loads.
+    torch.save({"numpy": np.random.get_state()}, tmp_path / "legacy.pt")
+    assert load_tensors_file(str(tmp_path / "legacy.pt"))["numpy"][0] == "MT19937"
