@@ -130,7 +130,7 @@ def test_a_hostile_metadata_json_is_refused_in_one_line(good_checkpoint, tmp_pat
     is refused by every reader without a traceback."""
     root = _planted(good_checkpoint, tmp_path, "metadata.json",
                     json.dumps({"config": "__import__('os').system('touch x')"}).encode())
-    for name, command in _entry_points(root, tmp_path, shakespeare_data).items():
+    for command in _entry_points(root, tmp_path, shakespeare_data).values():
         _refused_in_one_line(_run(*command), "metadata.json")
 
 

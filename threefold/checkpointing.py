@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -169,16 +170,19 @@ def save_tokenizer(tokenizer, path: str) -> None:
 
 
 def save_weights_checkpoint(root: str, config: Config, tensors: dict[str, torch.Tensor],
-                            tokenizer=None) -> str:
+                            tokenizer=None, add_files: Callable[[str], object] | None = None,
+                            extra_metadata: dict | None = None) -> str:
     """A weights-only checkpoint at TP = PP = 1, iteration 0, from full tensors keyed by
-    parameter name (what tools/convert_checkpoint.py writes). Single process."""
+    parameter name (what tools/convert_checkpoint.py writes). Single process. `add_files`
+    writes more files into the directory being written (before the manifest)."""
     def write_files(path: str) -> None:
         save_tokenizer(tokenizer, path)
+        if add_files is not None:
+            add_files(path)
         metadata = {"iteration": 0, "weights_only": True,
                     "train_state": {"iteration": 0, "consumed_train_samples": 0},
                     "scheduler": {"num_steps": 0}, "loss_scaler": {},
-                    "config": dataclasses.asdict(config),
-                    "tokenizer_sha256": tokenizer_digest(config.data)}
+                    "config": dataclasses.asdict(config), **(extra_metadata or {})}
         write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
 
     os.makedirs(root, exist_ok=True)

@@ -65,15 +65,20 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     return weights
 
 
+def tokenizer_files(source: str) -> list[str]:
+    """The tokenizer's files in a Hugging Face directory (none when it has no tokenizer)."""
+    found = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    return found if {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found) else []
+
+
 def copy_tokenizer_files(source: str, destination: str) -> bool:
     """Copy the tokenizer's files; returns whether there is a tokenizer at all."""
-    found = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
-    if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found):
-        return False
-    os.makedirs(destination, exist_ok=True)
+    found = tokenizer_files(source)
+    if found:
+        os.makedirs(destination, exist_ok=True)
     for name in found:
         shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
-    return True
+    return bool(found)
 
 
 def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
@@ -87,19 +92,14 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
     dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
     tensors = hf_to_threefold(weights, model_config, architecture)
     config = Config(model=model_config)
-    path = checkpoint_dir(save_dir, 0)
-    if copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")):
+    if tokenizer_files(load_dir):  # copied into the checkpoint as it is written
         config.data.tokenizer_type = "HuggingFaceTokenizer"
-        config.data.tokenizer_model = os.path.join(path, "tokenizer")
-    path = save_weights_checkpoint(save_dir, config, tensors)
-    metadata_file = os.path.join(path, "metadata.json")
-    with open(metadata_file) as f:
-        metadata = json.load(f)
-    metadata["hf"] = {"architecture": architecture, "dtype": dtypes.pop() if len(dtypes) == 1
-                      else "float32", "config": hf_config}
-    with open(metadata_file, "w") as f:
-        json.dump(metadata, f, indent=2)
-    return path
+        config.data.tokenizer_model = os.path.join(checkpoint_dir(save_dir, 0), "tokenizer")
+    hf = {"architecture": architecture, "dtype": dtypes.pop() if len(dtypes) == 1
+          else "float32", "config": hf_config}
+    return save_weights_checkpoint(
+        save_dir, config, tensors, extra_metadata={"hf": hf},
+        add_files=lambda path: copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")))
 
 
 def _guess_architecture(model: ModelConfig) -> str:
