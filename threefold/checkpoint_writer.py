@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from threefold.checkpoint_args import TRACKER, checkpoint_dir, fsync_directory, write_atomically
 from threefold.checkpoint_manifest import (
@@ -161,7 +162,7 @@ class CheckpointWriter:
                 dist.all_gather_object(everyone, mine, group=self.group)
             if self.rank == 0:
                 write_manifest(partial, {k: v for part in everyone for k, v in part.items()})
-        except Exception as error:
+        except (Exception, CheckpointException) as error:  # (DCP's is a BaseException)
             raise CheckpointSaveError(f"--save {self.root}: saving iteration {iteration} "
                                       f"failed ({_error_line(error)}); the previous checkpoint "
                                       "is untouched") from None

@@ -104,9 +104,6 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     load = config.checkpoint.load
     if load is not None and os.path.isdir(load):
-        from threefold.checkpoint_args import checkpoint_dir, read_tracker
+        from threefold.checkpoint_args import read_tracker
 
-        iteration = read_tracker(load)  # names the tracker when it holds no iteration number
-        if iteration is not None and not os.path.isdir(checkpoint_dir(load, iteration)):
-            raise ConfigError(f"--load {load}: its tracker names iteration {iteration} but "
-                              f"{checkpoint_dir(load, iteration)} does not exist")
+        read_tracker(load)  # names the tracker when it holds no iteration number
