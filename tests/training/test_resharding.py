@@ -74,11 +74,15 @@ def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_pat
 
 
 def test_bf16_masters_carry_over_when_resharded(tmp_path):
-    # The resumed weights come from the fp32 masters: the first loss is exactly the saved
-    # run's (same micro-batches, same weights), although the layouts shard differently.
+    # The resumed weights come from the fp32 masters: the first loss is the saved run's (same
+    # micro-batches, same weights), although the layouts shard differently. DP=4 averages the
+    # micro-batch losses in another order than DP=2, so the two agree to fp32 rounding (~1e-7
+    # relative), not bitwise; weights rounded through bf16 would move it by ~1e-3.
     argv = GPT2_STYLE + TRAINING + ["--bf16", "--use-distributed-optimizer"]
     directory = str(tmp_path)
     saved = run_distributed(2, _save_then_continue, argv, directory)
     resumed = run_distributed(4, _load_then_step, argv + ["--ddp-bucket-size", "3000"],
                               directory)
-    assert [r["loss"] for r in resumed] == [saved[0]["loss"]] * 4
+    losses = {r["loss"] for r in resumed}
+    assert len(losses) == 1  # every rank reports the same all-reduced loss
+    assert abs(losses.pop() - saved[0]["loss"]) <= 1e-6 * abs(saved[0]["loss"])
