@@ -38,6 +38,10 @@ from threefold.checkpoint_manifest import (
     write_manifest,
 )
 
+# Files (and threads) per rank for DCP's writer, and threads that checksum them: one stream
+# leaves a disk (or page cache) idle while a thread serializes; hashlib releases the GIL.
+_WRITER_THREADS = 4
+
 
 class CheckpointSaveError(RuntimeError):
     """A save that could not be completed (the previous checkpoint is untouched)."""
@@ -150,12 +154,14 @@ class CheckpointWriter:
     def _write_and_commit(self, iteration: int, tensors: dict[str, torch.Tensor],
                           partial: str, final: str) -> None:
         try:
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial),
-                     process_group=self.group, no_dist=not self.distributed)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(
+                partial, thread_count=_WRITER_THREADS), process_group=self.group,
+                no_dist=not self.distributed)
             self._barrier(self.group)  # every rank's files are on disk
-            files = checkpoint_files(partial)
-            mine = {name: digest(os.path.join(partial, name))
-                    for name in my_slice(files, self.rank, self.world_size)}
+            names = my_slice(checkpoint_files(partial), self.rank, self.world_size)
+            with ThreadPoolExecutor(_WRITER_THREADS) as pool:
+                mine = dict(zip(names, pool.map(digest, [os.path.join(partial, name)
+                                                         for name in names])))
             everyone = [mine]
             if self.world_size > 1:
                 everyone = [None] * self.world_size

@@ -1,0 +1,117 @@
+"""How long a checkpoint save stops training, and how fast it writes.
+
+One process trains a GPT of --num-layers x --hidden-size (fp32, Adam) and saves it --saves
+times, synchronously and with --async-save, into --directory. Per save:
+
+    blocked   seconds the training loop waited (synchronous: the whole save; async: setting up
+              the directory and staging the tensors into CPU memory)
+    complete  seconds from the start of the save until its tracker was written
+    GB/s      checkpoint bytes / complete
+and, for scale, one training step's time and the disk's own speed (the same number of bytes
+written with write + fsync, no checkpoint logic).
+
+    python bench/checkpoint_save.py --out bench/results/checkpoint_save.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from threefold.arguments import parse_args  # noqa: E402
+from threefold.checkpoint_writer import CheckpointWriter  # noqa: E402
+from threefold.checkpointing import save_checkpoint  # noqa: E402
+from threefold.training.trainer import Trainer  # noqa: E402
+
+
+def _bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
+               for n in names)
+
+
+def _disk_speed(directory: str, size: int) -> float:
+    """GB/s of plain sequential writes with fsync, in 64 MiB blocks."""
+    block = os.urandom(64 << 20)
+    path = os.path.join(directory, "disk-speed.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(size // len(block), 1)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    written = os.path.getsize(path)
+    os.remove(path)
+    return written / seconds / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-layers", type=int, default=12)
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--directory", default="/tmp/threefold-checkpoint-bench")
+    parser.add_argument("--out", help="write the table to this markdown file")
+    args = parser.parse_args()
+    shutil.rmtree(args.directory, ignore_errors=True)
+    os.makedirs(args.directory)
+    argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.hidden_size // 64), "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--mock-data", "--vocab-size", "32000",
+            "--train-iters", "1000", "--eval-iters", "0", "--position-embedding-type", "rope",
+            "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+    rows, sizes = [], []
+    steps = []
+    for mode in ("synchronous", "async"):
+        root = os.path.join(args.directory, mode)
+        config = parse_args(argv + ["--save", root] + (["--async-save"] if mode == "async"
+                                                       else []))
+        trainer = Trainer(config, torch.device("cpu"))
+        writer = CheckpointWriter(root, asynchronous=mode == "async")
+        blocked, complete = [], []
+        for _ in range(args.saves):
+            start = time.perf_counter()
+            trainer.train_step()
+            steps.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            path = save_checkpoint(root, trainer, writer)
+            blocked.append(time.perf_counter() - start)
+            writer.wait()
+            complete.append(time.perf_counter() - start)
+            sizes.append(_bytes(path))
+        writer.close()
+        size = statistics.median(sizes)
+        rows.append(f"| {mode} | {size / 1e9:.2f} | {statistics.median(blocked):.2f} | "
+                    f"{statistics.median(complete):.2f} | "
+                    f"{size / statistics.median(complete) / 1e9:.2f} |")
+        shutil.rmtree(root)
+    disk = _disk_speed(args.directory, int(statistics.median(sizes)))
+    shutil.rmtree(args.directory, ignore_errors=True)
+    table = "\n".join([
+        f"Checkpoint saves of a {args.num_layers}-layer, hidden-{args.hidden_size} GPT (fp32 "
+        f"weights and Adam state), median of {args.saves} saves each, on "
+        f"{os.cpu_count()} CPU cores; one training step takes {statistics.median(steps):.2f} "
+        f"s; the disk writes {disk:.2f} GB/s (plain write + fsync).",
+        "",
+        "| save | GB | blocked s | complete s | GB/s |",
+        "|---|---|---|---|---|", *rows])
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# {' '.join(['python', 'bench/checkpoint_save.py', *sys.argv[1:]])}\n\n"
+                    f"{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
