@@ -330,3 +330,14 @@ def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(kind, tmp_path
                              timeout=60)
     assert skipped.returncode == 0 and "skipped 1 bad records" in skipped.stdout
     assert "corpus.jsonl:3:" in skipped.stderr
+
+
+def test_ckpt_keep_latest_deletes_only_older_complete_checkpoints(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "iter_0000009.partial").mkdir()  # an abandoned save is tidied, not "kept"
+    result, _ = _pretrain(*TINY, *MOCK, "--train-iters", "5", "--save-interval", "1",
+                          "--save", str(root), "--ckpt-keep-latest", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
+        "iter_0000004", "iter_0000005", TRACKER]

@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
               "loading one needs --no-load-optim or --finetune")
     _add(g, "checkpoint", "--no-save-rng", action=_STORE_TRUE,
          help="checkpoints without the ranks' RNG states; loading one needs --no-load-rng")
+    _add(g, "checkpoint", "--ckpt-keep-latest", type=int, metavar="N",
+         help="after each complete save, delete all but the newest N complete checkpoints "
+              "(default: keep every one)")
     _add(g, "checkpoint", "--finetune", action=_STORE_TRUE,
          help="load the weights only; iteration and consumed samples start from 0")
     _add(g, "checkpoint", "--use-checkpoint-args", action=_STORE_TRUE,

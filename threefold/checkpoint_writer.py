@@ -33,6 +33,7 @@ from threefold.checkpoint_manifest import (
     PARTIAL,
     REPLACED,
     checkpoint_files,
+    complete_iterations,
     digest,
     my_slice,
     write_manifest,
@@ -70,9 +71,10 @@ class CheckpointWriter:
     (tools/convert_checkpoint.py), whatever process group exists."""
 
     def __init__(self, root: str, asynchronous: bool = False,
-                 single_process: bool = False) -> None:
+                 single_process: bool = False, keep_latest: int | None = None) -> None:
         self.root = root
         self.asynchronous = asynchronous
+        self.keep_latest = keep_latest
         self.distributed = distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
@@ -189,3 +191,7 @@ class CheckpointWriter:
         write_atomically(os.path.join(self.root, TRACKER), f"{iteration}\n")
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
+        if self.keep_latest is not None:  # only complete ones older than the tracker's
+            older = [i for i in complete_iterations(self.root) if i < iteration]
+            for old in older[max(self.keep_latest - 1, 0):]:
+                shutil.rmtree(checkpoint_dir(self.root, old))

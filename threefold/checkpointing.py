@@ -3,9 +3,11 @@
     DIR/latest_checkpointed_iteration.txt      the last *complete* checkpoint's iteration
     DIR/iter_0000100/                          torch.distributed.checkpoint shards (.distcp)
     DIR/iter_0000100/metadata.json             iteration, consumed samples, scheduler, loss
-                                               scaler, the run's config
-    DIR/iter_0000100/rng/rank_00000.pt         every rank's RNG states
+                                               scaler, the run's config, the tokenizer's hash
+    DIR/iter_0000100/rng/rank_00000.pt         every rank's RNG states (tensors and numbers)
     DIR/iter_0000100/tokenizer.model           the tokenizer the run used, if any
+    DIR/iter_0000100/manifest.json             size and SHA-256 of every file above
+    DIR/.threefold.lock                        held by the run saving here
 
 Each rank writes only what it holds; data-parallel replicas share tensor keys so
 torch.distributed.checkpoint stores them once. Tensor keys carry the tensor-parallel rank and
@@ -13,12 +15,12 @@ the layout-independent parameter name. A checkpoint loads directly into the same
 through `threefold/resharding.py` into any other TP/PP/DP layout, with or without the
 distributed optimizer, optimizer state included.
 
-`--async-save` stages the tensors and writes them in a background thread while training goes
-on; the tracker follows only once every rank's write has completed (at the next save or at the
-end of training).
-
-Crash safety: the tracker file is replaced atomically (write, fsync, rename) only after every
-rank has finished writing, so `--load` never points at a partial checkpoint.
+Writing (threefold/checkpoint_writer.py): into `iter_N.partial/`, renamed into place after
+the manifest, the tracker last; `--async-save` does it in a background thread on a process
+group of its own. Loading: the tracker's iteration is verified against its manifest; a damaged
+one falls back to the newest complete checkpoint before it, with a one-line warning. Nothing
+read from a checkpoint is unpickled freely (threefold/safe_loading.py). See
+docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -364,6 +364,8 @@ class CheckpointConfig:
     no_load_rng: bool = False
     no_save_optim: bool = False  # checkpoints without optimizer state (Megatron's flag)
     no_save_rng: bool = False  # checkpoints without the ranks' RNG states
+    # Retention (torchtitan's keep_latest_k; Megatron-LM keeps every checkpoint): None keeps all.
+    ckpt_keep_latest: int | None = None
     finetune: bool = False  # weights only; iteration and consumed samples start at 0
     use_checkpoint_args: bool = False  # model flags from --load (threefold/checkpoint_args.py)
 
@@ -372,6 +374,10 @@ class CheckpointConfig:
             _require(self.save_interval >= 1, "--save-interval must be >= 1")
             _require(self.save is not None, "--save-interval needs --save DIR")
         _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
+        if self.ckpt_keep_latest is not None:
+            _require(self.ckpt_keep_latest >= 1, "--ckpt-keep-latest must be >= 1 (leave it "
+                     "out to keep every checkpoint)")
+            _require(self.save is not None, "--ckpt-keep-latest needs --save DIR")
         # --load equal to --save is how a run resumes itself (requeues, elastic restarts): a
         # first run finds nothing there yet and starts from scratch.
         _require(self.load is None or self.load == self.save or os.path.isdir(self.load),

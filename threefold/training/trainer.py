@@ -170,7 +170,8 @@ class Trainer:
         self._train_iterator = None
         self.last_saved = None  # the iteration whose checkpoint is (being) written, or loaded
         checkpoint = config.checkpoint
-        self.checkpoint_writer = (CheckpointWriter(checkpoint.save, checkpoint.async_save)
+        self.checkpoint_writer = (CheckpointWriter(checkpoint.save, checkpoint.async_save,
+                                                   keep_latest=checkpoint.ckpt_keep_latest)
                                   if checkpoint.save else None)
         self.watchdog = Watchdog(parallel.distributed_timeout_minutes, live=False)  # see train()
         self.hygiene = MemoryHygiene(training, device)
