@@ -17,6 +17,8 @@ import sys
 import time
 import warnings
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError, DataConfig  # noqa: E402
@@ -25,21 +27,27 @@ from threefold.data.tokenizer import build_tokenizer  # noqa: E402
 
 _tokenizer = None
 _append_eod = False
+_dtype = np.int32
+_PROGRESS_BYTES = 64 << 20  # progress at least this often: one document may be huge
 
 
-def _init_worker(data_config: DataConfig, vocab_size, append_eod: bool) -> None:
-    global _tokenizer, _append_eod
+def _init_worker(data_config: DataConfig, vocab_size, append_eod: bool, dtype) -> None:
+    global _tokenizer, _append_eod, _dtype
     _tokenizer = build_tokenizer(data_config, vocab_size)
     _append_eod = append_eod
+    _dtype = dtype
 
 
-def _encode(document: dict[str, str]) -> tuple[dict[str, list[int]], int]:
+def _encode(document: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
+    """Token ids as the output's dtype: a few bytes per token, not a Python int's 36, while
+    they travel back from a worker and wait in the pool's queue for the writer."""
     encoded = {}
     for key, text in document.items():
         ids = _tokenizer.tokenize(text)
         if _append_eod:
             ids.append(_tokenizer.eod)
-        encoded[key] = ids
+        encoded[key] = np.asarray(ids, dtype=_dtype)
+        del ids
     return encoded, sum(len(text.encode("utf-8")) for text in document.values())
 
 
@@ -99,7 +107,8 @@ def main() -> None:
     builders = {key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype)
                 for key in prefixes}
     try:
-        count, total_tokens, bad, elapsed, total_bytes = _tokenize(args, data_config, builders)
+        count, total_tokens, bad, elapsed, total_bytes = _tokenize(
+            args, data_config, builders, DType.optimal_dtype(tokenizer.vocab_size))
         for key, builder in builders.items():
             builder.finalize(temporary[key] + ".idx")
         for key, prefix in prefixes.items():
@@ -119,7 +128,7 @@ def main() -> None:
           "wrote " + ", ".join(p + ".bin/.idx" for p in prefixes.values()), flush=True)
 
 
-def _tokenize(args, data_config: DataConfig, builders: dict) -> tuple:
+def _tokenize(args, data_config: DataConfig, builders: dict, dtype) -> tuple:
     """Tokenize every document into the builders; (documents, tokens, bad records, seconds,
     text bytes)."""
     bad = []
@@ -130,7 +139,7 @@ def _tokenize(args, data_config: DataConfig, builders: dict) -> tuple:
 
     documents = read_documents(args.input, args.json_keys,
                                report if args.skip_bad_records else None)
-    initargs = (data_config, args.vocab_size, args.append_eod)
+    initargs = (data_config, args.vocab_size, args.append_eod, dtype)
     if args.workers > 1:
         pool = multiprocessing.Pool(args.workers, _init_worker, initargs)
         encoded_stream = _bounded_imap(pool, documents, args.workers)
@@ -141,14 +150,16 @@ def _tokenize(args, data_config: DataConfig, builders: dict) -> tuple:
 
     start, total_bytes, total_tokens, count = time.time(), 0, 0, 0
     input_size = max(os.path.getsize(args.input), 1)
+    reported_bytes = 0
     try:
         for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
             total_bytes += num_bytes
             for key, ids in encoded.items():
-                if ids:
+                if len(ids):
                     builders[key].add_document(ids, [len(ids)])
                     total_tokens += len(ids)
-            if count % args.log_interval == 0:
+            if count % args.log_interval == 0 or total_bytes - reported_bytes > _PROGRESS_BYTES:
+                reported_bytes = total_bytes
                 elapsed = time.time() - start
                 done = min(total_bytes / input_size, 1.0)  # text bytes: close to the file's
                 print(f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
