@@ -341,3 +341,14 @@ def test_ckpt_keep_latest_deletes_only_older_complete_checkpoints(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
         "iter_0000004", "iter_0000005", TRACKER]
+
+
+def test_shape_changing_flags_that_differ_from_the_checkpoint(reference, tmp_path):
+    """A learned position table of another size is refused in one line; another vocabulary
+    padding loads through resharding."""
+    good, _ = reference
+    flags = [*TINY, *MOCK, "--train-iters", "6", "--load", good]
+    _refused(*_pretrain(*flags, "--max-position-embeddings", "32"),
+             "--max-position-embeddings 16 but this run has 32")
+    result, _ = _pretrain(*flags, "--make-vocab-size-divisible-by", "256")
+    assert result.returncode == 0 and "at iteration 4" in result.stdout, result.stderr[-3000:]

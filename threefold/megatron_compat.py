@@ -47,6 +47,9 @@ NO_COUNTERPART = {
     "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
                                                 "carry a mask only for --reset-attention-mask",
     "--auto-detect-ckpt-format": "threefold reads and writes one checkpoint format",
+    "--ckpt-fully-parallel-save": "torch.distributed.checkpoint already writes each tensor that "
+                                  "data-parallel replicas share once, from the replica with the "
+                                  "least to write, so the replicas share the writing",
     "--use-cpu-initialization": "parameters are always initialized on the CPU (from --seed, "
                                 "the same in every layout) and then moved to the device",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
