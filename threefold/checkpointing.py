@@ -378,16 +378,17 @@ def _check_tokenizer(root: str, path: str, metadata: dict, data) -> None:
                           f"checkpoint was trained with; use {use} (or --use-checkpoint-args)")
 
 
-def load_model(root: str, device: torch.device | None = None):
-    """(config, model, tokenizer) of the latest checkpoint under `root`, for generation and
-    scoring: the whole model on every pipeline rank, split over this process group's TP ranks
-    (the tools run at TP = number of processes), from a checkpoint of any layout."""
+def load_model(root: str, device: torch.device | None = None, iteration: int | None = None):
+    """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
+    found by `find_checkpoint` already), for generation and scoring: the whole model on every
+    pipeline rank, split over this process group's TP ranks (the tools run at TP = number of
+    processes), from a checkpoint of any layout."""
     from threefold.data.tokenizer import build_tokenizer
     from threefold.model import GPTModel
 
     if not os.path.isdir(root):
         raise ConfigError(f"--load {root}: no such directory")
-    iteration = find_checkpoint(root)
+    iteration = find_checkpoint(root) if iteration is None else iteration
     if iteration is None:
         raise ConfigError(f"--load {root}: holds no checkpoint")
     metadata = read_metadata(root, iteration)

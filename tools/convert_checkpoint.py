@@ -27,9 +27,9 @@ import torch  # noqa: E402
 
 from threefold.checkpointing import (  # noqa: E402
     checkpoint_dir,
+    find_checkpoint,
     load_model,
     read_metadata,
-    read_tracker,
     save_weights_checkpoint,
 )
 from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
@@ -118,11 +118,11 @@ def _guess_architecture(model: ModelConfig) -> str:
 def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) -> str:
     from safetensors.torch import save_file
 
-    iteration = read_tracker(load_dir) if os.path.isdir(load_dir) else None
+    iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise ConfigError(f"--load-dir {load_dir}: holds no complete threefold checkpoint")
     metadata = read_metadata(load_dir, iteration)
-    config, model, _ = load_model(load_dir)
+    config, model, _ = load_model(load_dir, iteration=iteration)
     hf = metadata.get("hf", {})
     architecture = hf.get("architecture") or _guess_architecture(config.model)
     state = {}
