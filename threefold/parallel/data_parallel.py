@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.parallel import state
+from threefold.parallel.collectives import all_gather_single, reduce_scatter_single
 
 
 class GradientBuffer:
@@ -140,7 +141,7 @@ class GradientBuffer:
             shard_start, shard_end = self.shard_range(bucket)
             shard = torch.empty(shard_end - shard_start, dtype=self.buffer.dtype,
                                 device=self.buffer.device)
-            handle = dist.reduce_scatter_tensor(shard, self.buffer[start:end], group=group,
+            handle = reduce_scatter_single(shard, self.buffer[start:end], group=group,
                                                 async_op=True)
             self._handles[bucket] = (handle, shard)
         else:
@@ -167,7 +168,7 @@ class GradientBuffer:
         for bucket, (start, end) in enumerate(self.buckets):
             shard_start, shard_end = self.shard_range(bucket)
             local = self.param_buffer[shard_start:shard_end].clone()
-            self._gather_handles[bucket] = dist.all_gather_into_tensor(
+            self._gather_handles[bucket] = all_gather_single(
                 self.param_buffer[start:end], local, group=state.data_parallel_group(),
                 async_op=True)
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from threefold.parallel import state
+from threefold.parallel.collectives import all_gather_single, reduce_scatter_single
 
 # (operation name) -> number of calls, and (operation name + ":bytes") -> bytes communicated
 # per rank (the size of the full, unsharded tensor).
@@ -53,7 +54,7 @@ def _all_gather(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     output = torch.empty((world * moved.shape[0], *moved.shape[1:]),
                          dtype=tensor.dtype, device=tensor.device)
     _record("all_gather", output.numel(), output.element_size())
-    dist.all_gather_into_tensor(output, moved, group=state.tensor_model_parallel_group())
+    all_gather_single(output, moved, group=state.tensor_model_parallel_group())
     return output.movedim(0, dim).contiguous()
 
 
@@ -66,7 +67,7 @@ def _reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:
     output = torch.empty((tensor.shape[0] // world, *tensor.shape[1:]),
                          dtype=tensor.dtype, device=tensor.device)
     _record("reduce_scatter", tensor.numel(), tensor.element_size())
-    dist.reduce_scatter_tensor(output, tensor, group=state.tensor_model_parallel_group())
+    reduce_scatter_single(output, tensor, group=state.tensor_model_parallel_group())
     return output
 
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 _PREFIX = "threefold/watchdog"
 # torch.distributed's blocking entry points: a thread inside one waits for the other ranks.
-_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "all_gather_object", "reduce_scatter_single",
                 "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
                 "barrier", "monitored_barrier", "send", "recv", "batch_isend_irecv", "gather",
                 "scatter", "all_to_all", "all_to_all_single", "reduce"}
