@@ -24,7 +24,8 @@ GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-64}
 TRAIN_ITERS=${TRAIN_ITERS:-2000}
 LR=${LR:-3e-4}
 MIN_LR=${MIN_LR:-3e-5}
-LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-100}
+# 100 warm-up iterations, or a tenth of a short run (warm-up must end before the decay does).
+LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$(( TRAIN_ITERS < 1000 ? TRAIN_ITERS / 10 : 100 ))}
 # bf16 on GPUs, fp32 on CPU-only machines (gloo).
 PRECISION=${PRECISION:-auto}
 LOG_INTERVAL=${LOG_INTERVAL:-10}

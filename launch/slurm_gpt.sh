@@ -22,7 +22,8 @@
 set -uo pipefail
 
 cd "${THREEFOLD_DIR:-${SLURM_SUBMIT_DIR:-.}}" || exit 1  # the repository root
-PYTHON=${PYTHON:-python3}
+# The README's virtual environment when there is one (make setup), else the system's python3.
+if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; else PYTHON=${PYTHON:-python3}; fi
 # GPUs per node as Slurm granted them; 2 gloo processes per node on CPU-only clusters.
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$GPUS_PER_NODE}

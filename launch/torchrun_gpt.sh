@@ -12,7 +12,8 @@
 # resumes from the newest complete checkpoint in SAVE_DIR (--load is --save).
 set -euo pipefail
 cd "${THREEFOLD_DIR:-$(dirname "$0")/..}"
-PYTHON=${PYTHON:-python3}
+# The README's virtual environment when there is one (make setup), else the system's python3.
+if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; else PYTHON=${PYTHON:-python3}; fi
 
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
