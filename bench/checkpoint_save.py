@@ -10,12 +10,13 @@ times, synchronously and with --async-save, into --directory. Per save:
 and, for scale, one training step's time and the disk's own speed (the same number of bytes
 written with write + fsync, no checkpoint logic).
 
-    python bench/checkpoint_save.py --out bench/results/checkpoint_save.md
+    python bench/checkpoint_save.py > bench/results/checkpoint_save.md
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -60,7 +61,6 @@ def main() -> int:
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--directory", default="/tmp/threefold-checkpoint-bench")
-    parser.add_argument("--out", help="write the table to this markdown file")
     args = parser.parse_args()
     shutil.rmtree(args.directory, ignore_errors=True)
     os.makedirs(args.directory)
@@ -76,7 +76,8 @@ def main() -> int:
         root = os.path.join(args.directory, mode)
         config = parse_args(argv + ["--save", root] + (["--async-save"] if mode == "async"
                                                        else []))
-        trainer = Trainer(config, torch.device("cpu"))
+        with contextlib.redirect_stdout(sys.stderr):  # start-up lines: not part of the table
+            trainer = Trainer(config, torch.device("cpu"))
         writer = CheckpointWriter(root, asynchronous=mode == "async")
         blocked, complete = [], []
         for _ in range(args.saves):
@@ -97,19 +98,15 @@ def main() -> int:
         shutil.rmtree(root)
     disk = _disk_speed(args.directory, int(statistics.median(sizes)))
     shutil.rmtree(args.directory, ignore_errors=True)
-    table = "\n".join([
+    print("\n".join([
+        f"# python bench/checkpoint_save.py {' '.join(sys.argv[1:])}".rstrip(), "",
         f"Checkpoint saves of a {args.num_layers}-layer, hidden-{args.hidden_size} GPT (fp32 "
         f"weights and Adam state), median of {args.saves} saves each, on "
         f"{os.cpu_count()} CPU cores; one training step takes {statistics.median(steps):.2f} "
         f"s; the disk writes {disk:.2f} GB/s (plain write + fsync).",
         "",
         "| save | GB | blocked s | complete s | GB/s |",
-        "|---|---|---|---|---|", *rows])
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# {' '.join(['python', 'bench/checkpoint_save.py', *sys.argv[1:]])}\n\n"
-                    f"{table}\n")
+        "|---|---|---|---|---|", *rows]))
     return 0
 
 
