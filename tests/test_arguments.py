@@ -85,3 +85,12 @@ def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
     config = parse_args(BASE + ["--sequence-parallel"], world_size=1)
     assert config.parallel.sequence_parallel is False
     assert "--sequence-parallel has no effect" in capsys.readouterr().out
+
+
+def test_a_mistyped_flag_gets_one_line_naming_the_nearest_flag():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
+                             "--num-layer", "2"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: unrecognized arguments: --num-layer 2; did you mean "
+        "--num-layers? (--help lists every flag)"]

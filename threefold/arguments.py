@@ -8,7 +8,9 @@ flag is an argparse error that names it (exit code 2), never silently ignored.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -28,8 +30,22 @@ def _add(group: argparse._ArgumentGroup, concern: str, name: str, *aliases: str,
                        default=argparse.SUPPRESS, **kwargs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Mistakes in one line, not after 150 lines of usage; a mistyped flag gets the nearest
+    real one."""
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            flag = unknown.group(1).split("=")[0]
+            near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+            if near:
+                message += f"; did you mean {near[0]}?"
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt.py",
         description="threefold: Megatron-style 3D-parallel GPT pretraining",
         allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is not that flag
