@@ -10,6 +10,7 @@ arrived (put back).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -49,7 +50,14 @@ def claim_save_directory(save: str, wait_s: float = 5.0) -> SaveDirectoryLock:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
-        except BlockingIOError:
+        except OSError as error:
+            if error.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                print(f"> --save {save}: this file system cannot lock files ({error.strerror}); "
+                      "make sure no other run saves there", flush=True)
+                break
+            if not isinstance(error, BlockingIOError):
+                raise ConfigError(f"--save {save}: cannot lock {LOCK} ({error.strerror})") \
+                    from None
             if time.monotonic() > deadline:
                 holder = os.pread(descriptor, 200, 0).decode("utf-8", "replace").strip()
                 os.close(descriptor)
