@@ -39,9 +39,10 @@ from threefold.checkpoint_manifest import (
     write_manifest,
 )
 
-# Files (and threads) per rank for DCP's writer, and threads that checksum them: one stream
-# leaves a disk (or page cache) idle while a thread serializes; hashlib releases the GIL.
-_WRITER_THREADS = 4
+# Threads that checksum a rank's files (hashlib releases the GIL). DCP's writer itself stays at
+# one thread per rank: with thread_count > 1, torch (2.13) drops an exception raised in its
+# extra threads (a full disk) and commits metadata that lacks their tensors.
+_DIGEST_THREADS = 4
 
 
 class CheckpointSaveError(RuntimeError):
@@ -156,12 +157,11 @@ class CheckpointWriter:
     def _write_and_commit(self, iteration: int, tensors: dict[str, torch.Tensor],
                           partial: str, final: str) -> None:
         try:
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(
-                partial, thread_count=_WRITER_THREADS), process_group=self.group,
-                no_dist=not self.distributed)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial),
+                     process_group=self.group, no_dist=not self.distributed)
             self._barrier(self.group)  # every rank's files are on disk
             names = my_slice(checkpoint_files(partial), self.rank, self.world_size)
-            with ThreadPoolExecutor(_WRITER_THREADS) as pool:
+            with ThreadPoolExecutor(_DIGEST_THREADS) as pool:
                 mine = dict(zip(names, pool.map(digest, [os.path.join(partial, name)
                                                          for name in names])))
             everyone = [mine]
@@ -171,9 +171,10 @@ class CheckpointWriter:
             if self.rank == 0:
                 write_manifest(partial, {k: v for part in everyone for k, v in part.items()})
         except (Exception, CheckpointException) as error:  # (DCP's is a BaseException)
+            free = shutil.disk_usage(self.root).free / 2**30  # the usual cause, said plainly
             raise CheckpointSaveError(f"--save {self.root}: saving iteration {iteration} "
-                                      f"failed ({_error_line(error)}); the previous checkpoint "
-                                      "is untouched") from None
+                                      f"failed ({_error_line(error)}; {free:.1f} GiB free "
+                                      "there); the previous checkpoint is untouched") from None
         self._barrier(self.group)
         crash_point("before-tracker", iteration)
         if self.rank == 0:
