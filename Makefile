@@ -36,10 +36,13 @@ demo: data
 	PYTHON=$(PY) bash launch/demo.sh
 
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
-lint: setup
-	$(VENV)/bin/ruff check .
+lint: setup  # what `make test` checks first
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) data checkpoints runs

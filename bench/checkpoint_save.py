@@ -28,14 +28,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import parse_args  # noqa: E402
-from threefold.checkpoint_writer import CheckpointWriter  # noqa: E402
-from threefold.checkpointing import save_checkpoint  # noqa: E402
+from threefold.checkpoint.save import save_checkpoint  # noqa: E402
+from threefold.checkpoint.writer import CheckpointWriter  # noqa: E402
+from threefold.parallel.parallel_context import ParallelContext  # noqa: E402
 from threefold.training.trainer import Trainer  # noqa: E402
 
 
 def _bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path)
-               for n in names)
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
 
 
 def _disk_speed(directory: str, size: int) -> float:
@@ -55,8 +55,9 @@ def _disk_speed(directory: str, size: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--saves", type=int, default=3)
@@ -64,20 +65,42 @@ def main() -> int:
     args = parser.parse_args()
     shutil.rmtree(args.directory, ignore_errors=True)
     os.makedirs(args.directory)
-    argv = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", str(args.hidden_size // 64), "--seq-length", "256",
-            "--max-position-embeddings", "256", "--micro-batch-size", "2",
-            "--global-batch-size", "2", "--mock-data", "--vocab-size", "32000",
-            "--train-iters", "1000", "--eval-iters", "0", "--position-embedding-type", "rope",
-            "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+    argv = [
+        "--num-layers",
+        str(args.num_layers),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-attention-heads",
+        str(args.hidden_size // 64),
+        "--seq-length",
+        "256",
+        "--max-position-embeddings",
+        "256",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--mock-data",
+        "--vocab-size",
+        "32000",
+        "--train-iters",
+        "1000",
+        "--eval-iters",
+        "0",
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+    ]
     rows, sizes = [], []
     steps = []
     for mode in ("synchronous", "async"):
         root = os.path.join(args.directory, mode)
-        config = parse_args(argv + ["--save", root] + (["--async-save"] if mode == "async"
-                                                       else []))
+        config = parse_args(argv + ["--save", root] + (["--async-save"] if mode == "async" else []))
         with contextlib.redirect_stdout(sys.stderr):  # start-up lines: not part of the table
-            trainer = Trainer(config, torch.device("cpu"))
+            trainer = Trainer(config, torch.device("cpu"), ParallelContext())
         writer = CheckpointWriter(root, asynchronous=mode == "async")
         blocked, complete = [], []
         for _ in range(args.saves):
@@ -85,28 +108,38 @@ def main() -> int:
             trainer.train_step()
             steps.append(time.perf_counter() - start)
             start = time.perf_counter()
-            path = save_checkpoint(root, trainer, writer)
+            path = save_checkpoint(root, trainer.checkpoint_components(), writer)
             blocked.append(time.perf_counter() - start)
             writer.wait()
             complete.append(time.perf_counter() - start)
             sizes.append(_bytes(path))
         writer.close()
         size = statistics.median(sizes)
-        rows.append(f"| {mode} | {size / 1e9:.2f} | {statistics.median(blocked):.2f} | "
-                    f"{statistics.median(complete):.2f} | "
-                    f"{size / statistics.median(complete) / 1e9:.2f} |")
+        rows.append(
+            f"| {mode} | {size / 1e9:.2f} | {statistics.median(blocked):.2f} | "
+            f"{statistics.median(complete):.2f} | "
+            f"{size / statistics.median(complete) / 1e9:.2f} |"
+        )
         shutil.rmtree(root)
     disk = _disk_speed(args.directory, int(statistics.median(sizes)))
     shutil.rmtree(args.directory, ignore_errors=True)
-    print("\n".join([
-        f"# python bench/checkpoint_save.py {' '.join(sys.argv[1:])}".rstrip(), "",
-        f"Checkpoint saves of a {args.num_layers}-layer, hidden-{args.hidden_size} GPT (fp32 "
-        f"weights and Adam state), median of {args.saves} saves each, on "
-        f"{os.cpu_count()} CPU cores; one training step takes {statistics.median(steps):.2f} "
-        f"s; the disk writes {disk:.2f} GB/s (plain write + fsync).",
-        "",
-        "| save | GB | blocked s | complete s | GB/s |",
-        "|---|---|---|---|---|", *rows]))
+    print(
+        "\n".join(
+            [
+                f"# python bench/checkpoint_save.py {' '.join(sys.argv[1:])}".rstrip(),
+                "",
+                f"Checkpoint saves of a {args.num_layers}-layer, hidden-{args.hidden_size} GPT "
+                f"(fp32 weights and Adam state), median of {args.saves} saves each, on "
+                f"{os.cpu_count()} CPU cores; one training step takes "
+                f"{statistics.median(steps):.2f} s; the disk writes {disk:.2f} GB/s (plain "
+                "write + fsync).",
+                "",
+                "| save | GB | blocked s | complete s | GB/s |",
+                "|---|---|---|---|---|",
+                *rows,
+            ]
+        )
+    )
     return 0
 
 

@@ -54,26 +54,72 @@ class Shape:
     global_batch_size: int = 8
 
 
-TINY = Shape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-             ffn_hidden_size=176, vocab_size=512, seq_length=64, micro_batch_size=2,
-             global_batch_size=4)
-CONTENDERS = ("threefold", "threefold+compile-layers", "transformers", "transformers+compile",
-              "megatron-core", "torchtitan", "torchtitan+compile")
+TINY = Shape(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=176,
+    vocab_size=512,
+    seq_length=64,
+    micro_batch_size=2,
+    global_batch_size=4,
+)
+CONTENDERS = (
+    "threefold",
+    "threefold+compile-layers",
+    "transformers",
+    "transformers+compile",
+    "megatron-core",
+    "torchtitan",
+    "torchtitan+compile",
+)
 
 
 def threefold_args(shape: Shape, bf16: bool) -> list[str]:
     """pretrain_gpt.py's flags for the shape (mock data, no dropout, no evaluation)."""
-    return ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
-            "--num-attention-heads", str(shape.num_attention_heads), "--group-query-attention",
-            "--num-query-groups", str(shape.num_query_groups), "--ffn-hidden-size",
-            str(shape.ffn_hidden_size), "--seq-length", str(shape.seq_length),
-            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size",
-            str(shape.vocab_size), "--make-vocab-size-divisible-by", "64",
-            "--micro-batch-size", str(shape.micro_batch_size), "--global-batch-size",
-            str(shape.global_batch_size), "--mock-data", "--train-iters", "100000",
-            "--eval-iters", "0", "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--lr", "1e-4", *(["--bf16"] if bf16 else [])]
+    return [
+        "--num-layers",
+        str(shape.num_layers),
+        "--hidden-size",
+        str(shape.hidden_size),
+        "--num-attention-heads",
+        str(shape.num_attention_heads),
+        "--group-query-attention",
+        "--num-query-groups",
+        str(shape.num_query_groups),
+        "--ffn-hidden-size",
+        str(shape.ffn_hidden_size),
+        "--seq-length",
+        str(shape.seq_length),
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--vocab-size",
+        str(shape.vocab_size),
+        "--make-vocab-size-divisible-by",
+        "64",
+        "--micro-batch-size",
+        str(shape.micro_batch_size),
+        "--global-batch-size",
+        str(shape.global_batch_size),
+        "--mock-data",
+        "--train-iters",
+        "100000",
+        "--eval-iters",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--lr",
+        "1e-4",
+        *(["--bf16"] if bf16 else []),
+    ]
 
 
 def hf_llama_config(shape: Shape):
@@ -81,20 +127,29 @@ def hf_llama_config(shape: Shape):
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_query_groups, num_hidden_layers=shape.num_layers,
-        vocab_size=shape.vocab_size, max_position_embeddings=shape.seq_length,
-        tie_word_embeddings=False, attn_implementation="sdpa")
+        num_key_value_heads=shape.num_query_groups,
+        num_hidden_layers=shape.num_layers,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.seq_length,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
 
 
 # --- contenders: each returns a `step()` that trains one iteration and returns its loss ----
 
+
 def _threefold(shape: Shape, device, bf16: bool, extra: tuple[str, ...] = ()):
     from threefold.arguments import parse_args
+    from threefold.parallel.parallel_context import ParallelContext
     from threefold.training.trainer import Trainer
 
-    trainer = Trainer(parse_args(threefold_args(shape, bf16) + list(extra)), device)
+    trainer = Trainer(
+        parse_args(threefold_args(shape, bf16) + list(extra)), device, ParallelContext()
+    )
     return lambda: trainer.train_step()[0]
 
 
@@ -103,8 +158,9 @@ def _micro_batches(shape: Shape, device):
     import torch
 
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.vocab_size, (shape.global_batch_size, shape.seq_length),
-                           generator=generator).to(device)
+    tokens = torch.randint(
+        0, shape.vocab_size, (shape.global_batch_size, shape.seq_length), generator=generator
+    ).to(device)
     return tokens.split(shape.micro_batch_size)
 
 
@@ -145,30 +201,46 @@ def _megatron_core(shape: Shape, device, bf16: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if device.type != "cuda":
-        raise RuntimeError("megatron-core's GPTModel needs CUDA (its RoPE calls "
-                           "torch.cuda.current_device())")
+        raise RuntimeError(
+            "megatron-core's GPTModel needs CUDA (its RoPE calls torch.cuda.current_device())"
+        )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
-        ffn_hidden_size=shape.ffn_hidden_size, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, attention_dropout=0.0,
-        hidden_dropout=0.0, gradient_accumulation_fusion=False)
-    model = GPTModel(config=config,
-                     transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
-                     position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False).to(device)
-    model = DistributedDataParallel(config=config, module=model,
-                                    ddp_config=DistributedDataParallelConfig(
-                                        grad_reduce_in_fp32=True))
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        gradient_accumulation_fusion=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).to(device)
+    model = DistributedDataParallel(
+        config=config,
+        module=model,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+    )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, bf16=bf16, clip_grad=1.0), [model])
+        OptimizerConfig(optimizer="adam", lr=1e-4, bf16=bf16, clip_grad=1.0), [model]
+    )
     # Micro-batch 1, same global batch: the local spec's attention is unfused and keeps the
     # s x s scores of every layer for backward, which at micro-batch 2 and s = 4096 does not
     # fit in 80 GB.
@@ -205,8 +277,10 @@ def _torchtitan(shape: Shape, device, bf16: bool, compiled: bool = False):
     import torch.distributed as dist
 
     if importlib.util.find_spec("torchtitan") is None:
-        raise RuntimeError("torchtitan is not installed (carry torchtitan 0.2.2 and its "
-                           "dependencies as wheels: bench/gpu_wheels.sh)")
+        raise RuntimeError(
+            "torchtitan is not installed (carry torchtitan 0.2.2 and its "
+            "dependencies as wheels: bench/gpu_wheels.sh)"
+        )
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
@@ -224,20 +298,29 @@ def _torchtitan(shape: Shape, device, bf16: bool, compiled: bool = False):
     job.job.dump_folder = os.path.join("/tmp", "torchtitan_dump")
     # Its SwiGLU width: 2/3 of 4h rounded up to `multiple_of` (5461 -> 5632 for h = 2048).
     args = TransformerModelArgs(
-        dim=shape.hidden_size, n_layers=shape.num_layers, n_heads=shape.num_attention_heads,
-        n_kv_heads=shape.num_query_groups, vocab_size=shape.vocab_size,
-        multiple_of=_multiple_of(shape), max_seq_len=shape.seq_length)
+        dim=shape.hidden_size,
+        n_layers=shape.num_layers,
+        n_heads=shape.num_attention_heads,
+        n_kv_heads=shape.num_query_groups,
+        vocab_size=shape.vocab_size,
+        multiple_of=_multiple_of(shape),
+        max_seq_len=shape.seq_length,
+    )
     with torch.device("meta"):
         model = Transformer(args)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
-                        world_size=1)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     model = parallelize_llama(model, dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                  weight_decay=0.1, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        fused=device.type == "cuda",
+    )
     loss_function = build_cross_entropy_loss(job)
     amp = maybe_enable_amp(dims, job.training.mixed_precision_param, device.type)
     batches = _micro_batches(shape, device)
@@ -266,8 +349,10 @@ def _multiple_of(shape: Shape) -> int:
     for multiple in (1024, 512, 256, 128, 64, 32, 16, 8):
         if -(-width // multiple) * multiple == shape.ffn_hidden_size:
             return multiple
-    raise ValueError(f"torchtitan cannot make FFN width {shape.ffn_hidden_size} from hidden "
-                     f"size {shape.hidden_size}")
+    raise ValueError(
+        f"torchtitan cannot make FFN width {shape.ffn_hidden_size} from hidden "
+        f"size {shape.hidden_size}"
+    )
 
 
 def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
@@ -278,12 +363,15 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    build = {"threefold": _threefold,
-             "threefold+compile-layers": lambda *a: _threefold(*a, extra=("--compile-layers",)),
-             "transformers": _transformers,
-             "transformers+compile": lambda *a: _transformers(*a, compiled=True),
-             "megatron-core": _megatron_core, "torchtitan": _torchtitan,
-             "torchtitan+compile": lambda *a: _torchtitan(*a, compiled=True)}[name]
+    build = {
+        "threefold": _threefold,
+        "threefold+compile-layers": lambda *a: _threefold(*a, extra=("--compile-layers",)),
+        "transformers": _transformers,
+        "transformers+compile": lambda *a: _transformers(*a, compiled=True),
+        "megatron-core": _megatron_core,
+        "torchtitan": _torchtitan,
+        "torchtitan+compile": lambda *a: _torchtitan(*a, compiled=True),
+    }[name]
     step = build(shape, device, cuda)
     losses = [step() for _ in range(warmup)]  # compilation and allocator warm-up
     if cuda:
@@ -292,21 +380,24 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
     start = time.perf_counter()
     losses += [step() for _ in range(steps)]  # .item() synchronizes every step
     seconds = (time.perf_counter() - start) / steps
-    return {"step_s": seconds,
-            "tokens_per_s": shape.global_batch_size * shape.seq_length / seconds,
-            "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "step_s": seconds,
+        "tokens_per_s": shape.global_batch_size * shape.seq_length / seconds,
+        "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 # --- the parent: one process per contender, one table ---------------------------------------
+
 
 def _flops_per_step(shape: Shape) -> float:
     from threefold.arguments import parse_args
     from threefold.training.flops import training_flops_per_iteration
 
     model = parse_args(threefold_args(shape, False), world_size=1).model
-    return training_flops_per_iteration(model, shape.global_batch_size,
-                                        model.padded_vocab_size(1))
+    return training_flops_per_iteration(model, shape.global_batch_size, model.padded_vocab_size(1))
 
 
 def _failure(log: str) -> str:
@@ -329,8 +420,9 @@ def _environment() -> str:
             versions.append(f"{package} {getattr(module, '__version__', '?')}")
         except Exception:  # noqa: BLE001 - absent or broken: reported as such
             versions.append(f"{package} absent")
-    return (f"{gpu}; torch {torch.__version__}, Python {platform.python_version()}; "
-            + ", ".join(versions))
+    return f"{gpu}; torch {torch.__version__}, Python {platform.python_version()}; " + ", ".join(
+        versions
+    )
 
 
 def main() -> None:
@@ -351,8 +443,10 @@ def main() -> None:
     if shape.global_batch_size % shape.micro_batch_size:
         parser.error("--global-batch-size must be a multiple of --micro-batch-size")
     if args.contender:  # a child: one contender, one RESULT line
-        print("RESULT " + json.dumps(run_contender(args.contender, shape, args.steps,
-                                                   args.warmup)), flush=True)
+        print(
+            "RESULT " + json.dumps(run_contender(args.contender, shape, args.steps, args.warmup)),
+            flush=True,
+        )
         return
 
     from threefold.training.flops import peak_tflops
@@ -368,26 +462,49 @@ def main() -> None:
     results = {}
     for name in args.only:
         log = os.path.join(args.out, f"{name.replace('+', '_')}.log")
-        command = [sys.executable, os.path.abspath(__file__), "--contender", name,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--contender",
+            name,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
         command += ["--tiny"] if args.tiny else []
-        command += ["--micro-batch-size", str(shape.micro_batch_size),
-                    "--global-batch-size", str(shape.global_batch_size)]
+        command += [
+            "--micro-batch-size",
+            str(shape.micro_batch_size),
+            "--global-batch-size",
+            str(shape.global_batch_size),
+        ]
         with open(log, "w") as stream:
             stream.write(f"$ {' '.join(command)}\n")
             stream.flush()
-            run = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+            run = subprocess.run(
+                command,
+                stdout=stream,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+            )
         text = open(log).read()
         lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
         if run.returncode == 0 and lines:
-            results[name] = json.loads(lines[-1][len("RESULT "):])
+            results[name] = json.loads(lines[-1][len("RESULT ") :])
         else:
             results[name] = {"error": _failure(text)}
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
 
-    ours = max((result["tokens_per_s"] for name, result in results.items()
-                if name.startswith("threefold") and "error" not in result), default=None)
+    ours = max(
+        (
+            result["tokens_per_s"]
+            for name, result in results.items()
+            if name.startswith("threefold") and "error" not in result
+        ),
+        default=None,
+    )
     rows = []
     for name, result in results.items():
         if "error" in result:
@@ -397,17 +514,28 @@ def main() -> None:
         mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (not a known GPU)"
         memory = f"{result['memory_gib']:.1f}" if result["memory_gib"] is not None else "n/a"
         ratio = f"{ours / result['tokens_per_s']:.2f}" if ours else "n/a"
-        rows.append(f"| {name} | {result['tokens_per_s']:,.0f} | {tflops:.1f} | {mfu} | "
-                    f"{memory} | {result['first_loss']:.3f} -> {result['last_loss']:.3f} | "
-                    f"{ratio} |")
-    report = "\n".join([
-        f"# Training throughput, {'tiny check model' if args.tiny else '1B LLaMA-style model'}",
-        "", f"Environment: {environment}.", "",
-        f"Shape: {dataclasses.asdict(shape)}; model FLOPs per step {flops:.4g} "
-        f"(threefold/training/flops.py); {args.steps} timed steps after {args.warmup} warm-up "
-        "steps; one process per contender, raw logs beside this file.", "",
-        "| contender | tokens/s | model TFLOP/s | MFU | peak memory GiB | loss first -> last "
-        "| best threefold's speed-up |", "|---|---|---|---|---|---|---|", *rows, ""])
+        rows.append(
+            f"| {name} | {result['tokens_per_s']:,.0f} | {tflops:.1f} | {mfu} | "
+            f"{memory} | {result['first_loss']:.3f} -> {result['last_loss']:.3f} | "
+            f"{ratio} |"
+        )
+    report = "\n".join(
+        [
+            f"# Training throughput, {'tiny check model' if args.tiny else '1B LLaMA-style model'}",
+            "",
+            f"Environment: {environment}.",
+            "",
+            f"Shape: {dataclasses.asdict(shape)}; model FLOPs per step {flops:.4g} "
+            f"(threefold/training/flops.py); {args.steps} timed steps after {args.warmup} warm-up "
+            "steps; one process per contender, raw logs beside this file.",
+            "",
+            "| contender | tokens/s | model TFLOP/s | MFU | peak memory GiB | loss first -> last "
+            "| best threefold's speed-up |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
     with open(os.path.join(args.out, "gpu_mfu.md"), "w") as stream:
         stream.write(report)
     print(report)

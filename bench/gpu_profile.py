@@ -31,12 +31,15 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from threefold.arguments import parse_args
+    from threefold.parallel.parallel_context import ParallelContext
     from threefold.training.trainer import Trainer
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     shape = TINY if args.tiny else Shape()
-    trainer = Trainer(parse_args(threefold_args(shape, cuda) + args.extra), device)
+    trainer = Trainer(
+        parse_args(threefold_args(shape, cuda) + args.extra), device, ParallelContext()
+    )
     for _ in range(args.warmup):
         trainer.train_step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -47,8 +50,9 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.steps
     sort = "cuda_time_total" if cuda else "cpu_time_total"
     print(f"step {seconds * 1e3:.1f} ms (profiled), flags: {' '.join(args.extra) or '-'}")
-    print(profiler.key_averages().table(sort_by=sort, row_limit=args.rows,
-                                        max_name_column_width=90))
+    print(
+        profiler.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90)
+    )
 
 
 if __name__ == "__main__":

@@ -18,49 +18,123 @@ from threefold.arguments import parse_args  # noqa: E402
 from threefold.training.memory_estimate import estimate_memory  # noqa: E402
 
 GIB = 2**30
-LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--vocab-size",
-         "32000", "--seq-length", "4096", "--bf16", "--micro-batch-size", "1",
-         "--global-batch-size", "1024", "--mock-data", "--attention-dropout", "0",
-         "--hidden-dropout", "0"]
+LLAMA = [
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size",
+    "32000",
+    "--seq-length",
+    "4096",
+    "--bf16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1024",
+    "--mock-data",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 MODELS = {
-    "LLaMA-2 7B": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads",
-                   "32", "--ffn-hidden-size", "11008"],
-    "LLaMA-2 13B": ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads",
-                    "40", "--ffn-hidden-size", "13824"],
-    "LLaMA-2 70B": ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads",
-                    "64", "--group-query-attention", "--num-query-groups", "8",
-                    "--ffn-hidden-size", "28672"],
+    "LLaMA-2 7B": [
+        "--num-layers",
+        "32",
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--ffn-hidden-size",
+        "11008",
+    ],
+    "LLaMA-2 13B": [
+        "--num-layers",
+        "40",
+        "--hidden-size",
+        "5120",
+        "--num-attention-heads",
+        "40",
+        "--ffn-hidden-size",
+        "13824",
+    ],
+    "LLaMA-2 70B": [
+        "--num-layers",
+        "80",
+        "--hidden-size",
+        "8192",
+        "--num-attention-heads",
+        "64",
+        "--group-query-attention",
+        "--num-query-groups",
+        "8",
+        "--ffn-hidden-size",
+        "28672",
+    ],
 }
 # (GPUs, TP, PP): the layouts Megatron-Core's training guides give for these sizes.
 RECOMMENDED = {"LLaMA-2 7B": (8, 1, 1), "LLaMA-2 13B": (8, 2, 1), "LLaMA-2 70B": (64, 4, 4)}
 VARIANTS = {
     "replicated optimizer, selective recompute": ["--recompute-granularity", "selective"],
-    "distributed optimizer, selective recompute": ["--use-distributed-optimizer",
-                                                   "--recompute-granularity", "selective"],
+    "distributed optimizer, selective recompute": [
+        "--use-distributed-optimizer",
+        "--recompute-granularity",
+        "selective",
+    ],
     "distributed optimizer, SP, full recompute": [
-        "--use-distributed-optimizer", "--sequence-parallel", "--recompute-granularity",
-        "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        "--use-distributed-optimizer",
+        "--sequence-parallel",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ],
 }
 
 
 def main() -> None:
-    print("| model | GPUs | TP | PP | DP | options | params | grads | optimizer | "
-          "activations | total GiB | fits 90% of 80 GB |")
+    print(
+        "| model | GPUs | TP | PP | DP | options | params | grads | optimizer | "
+        "activations | total GiB | fits 90% of 80 GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, flags in MODELS.items():
         gpus, tp, pp = RECOMMENDED[model]
         for name, variant in VARIANTS.items():
             if "SP" in name and tp == 1:
                 continue
-            config = parse_args(LLAMA + flags + variant + [
-                "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-                str(pp)], world_size=gpus)
+            config = parse_args(
+                LLAMA
+                + flags
+                + variant
+                + [
+                    "--tensor-model-parallel-size",
+                    str(tp),
+                    "--pipeline-model-parallel-size",
+                    str(pp),
+                ],
+                world_size=gpus,
+            )
             e = estimate_memory(config)
-            row = [model, gpus, tp, pp, config.parallel.data_parallel_size, name,
-                   *(f"{x / GIB:.1f}" for x in (e.parameters, e.gradients, e.optimizer,
-                                                e.activations, e.total)),
-                   "yes" if e.total <= 80e9 * 0.9 else "no"]
+            row = [
+                model,
+                gpus,
+                tp,
+                pp,
+                config.parallel.data_parallel_size,
+                name,
+                *(
+                    f"{x / GIB:.1f}"
+                    for x in (e.parameters, e.gradients, e.optimizer, e.activations, e.total)
+                ),
+                "yes" if e.total <= 80e9 * 0.9 else "no",
+            ]
             print("| " + " | ".join(str(x) for x in row) + " |")
 
 

@@ -25,7 +25,10 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.parallel import state  # noqa: E402
-from threefold.parallel.schedules import ScheduleTrace, forward_backward_pipelining  # noqa: E402
+from threefold.parallel.pipeline_parallel.schedules import (  # noqa: E402
+    ScheduleTrace,
+    forward_backward_pipelining,
+)
 
 HIDDEN = 8
 
@@ -62,19 +65,33 @@ def _forward_step(batch, model, input_tensor):
 
 def _worker(rank, world, port, configs, forward_ms, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=2))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=2)
+    )
     state.initialize_model_parallel(1, world)
     for micro_batches, virtual in configs:
-        chunks = [SleepChunk(rank == 0 and v == 0, rank == world - 1 and v == virtual - 1,
-                             forward_ms / 1e3 / virtual) for v in range(virtual)]
+        chunks = [
+            SleepChunk(
+                rank == 0 and v == 0,
+                rank == world - 1 and v == virtual - 1,
+                forward_ms / 1e3 / virtual,
+            )
+            for v in range(virtual)
+        ]
         batches = iter([torch.ones(1, 1, HIDDEN) for _ in range(micro_batches)])
         trace = ScheduleTrace()
         dist.barrier()
         start = time.perf_counter()
-        forward_backward_pipelining(_forward_step, batches, chunks, micro_batches,
-                                    tensor_shape=(1, 1, HIDDEN), dtype=torch.float32,
-                                    trace=trace)
+        forward_backward_pipelining(
+            _forward_step,
+            batches,
+            chunks,
+            micro_batches,
+            pp=state.parallel_context().pp,
+            tensor_shape=(1, 1, HIDDEN),
+            dtype=torch.float32,
+            trace=trace,
+        )
         end = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
         busy = sum(e - b for what, _, _, b, e in trace.events if what in ("F", "B"))
         results.put((micro_batches, virtual, rank, start, end, busy))
@@ -83,27 +100,36 @@ def _worker(rank, world, port, configs, forward_ms, results):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--virtual-stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--forward-ms", type=float, default=20.0)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
-                                                         "pipeline_bubble.md"))
+    parser.add_argument(
+        "--output", default=os.path.join(os.path.dirname(__file__), "results", "pipeline_bubble.md")
+    )
     args = parser.parse_args()
     rows = []
     for pipeline_size in args.pipeline_sizes:
-        configs = [(m, v) for v in args.virtual_stages for m in args.micro_batches
-                   if v == 1 or m % pipeline_size == 0]
+        configs = [
+            (m, v)
+            for v in args.virtual_stages
+            for m in args.micro_batches
+            if v == 1 or m % pipeline_size == 0
+        ]
         context = mp.get_context("spawn")
         results = context.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        processes = [context.Process(target=_worker, args=(r, pipeline_size, port, configs,
-                                                           args.forward_ms, results))
-                     for r in range(pipeline_size)]
+        processes = [
+            context.Process(
+                target=_worker, args=(r, pipeline_size, port, configs, args.forward_ms, results)
+            )
+            for r in range(pipeline_size)
+        ]
         for process in processes:
             process.start()
         measured: dict = {}
@@ -120,16 +146,20 @@ def main() -> None:
             bubble = sum((span - busy) / busy for _, _, busy in ranks) / pipeline_size
             theory = (pipeline_size - 1) / (v * m)
             rows.append((pipeline_size, v, m, theory, bubble))
-    lines = ["| P | V | micro-batches | theory (P-1)/(V m) | measured |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| P | V | micro-batches | theory (P-1)/(V m) | measured |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
     lines += [f"| {p} | {v} | {m} | {t:.3f} | {b:.3f} |" for p, v, m, t, b in rows]
     table = "\n".join(lines)
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        f.write(f"# Pipeline bubble, threefold schedules on gloo (CPU)\n\nforward {args.forward_ms}"
-                f" ms, backward 2x, per micro-batch and stage; command: `python "
-                f"bench/pipeline_bubble.py`\n\n{table}\n")
+        f.write(
+            f"# Pipeline bubble, threefold schedules on gloo (CPU)\n\nforward {args.forward_ms}"
+            f" ms, backward 2x, per micro-batch and stage; command: `python "
+            f"bench/pipeline_bubble.py`\n\n{table}\n"
+        )
 
 
 if __name__ == "__main__":

@@ -11,9 +11,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Kernel tests that run on every device present: the CPU always, CUDA where a GPU is
 # (bench/gpu_session.sh runs the `cuda` legs there).
-DEVICES = [pytest.param("cpu", id="cpu"),
-           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-               not __import__("torch").cuda.is_available(), reason="no CUDA device"))]
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(
+            not __import__("torch").cuda.is_available(), reason="no CUDA device"
+        ),
+    ),
+]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,17 +45,43 @@ def shakespeare_data(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("shakespeare")
 
     def tool(name: str, *argv: str) -> None:
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *argv], check=True,
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", name), *argv],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
 
     tool("prepare_default_corpus.py", "--output", str(out / "corpus.jsonl"))
-    tool("train_tokenizer.py", "--input", str(out / "corpus.jsonl"), "--vocab-size", "1024",
-         "--model-prefix", str(out / "sp"))
-    tool("preprocess_data.py", "--input", str(out / "corpus.jsonl"), "--json-keys", "text",
-         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(out / "sp.model"),
-         "--output-prefix", str(out / "corpus"), "--append-eod", "--workers", "2")
-    return {"DATA_PATH": str(out / "corpus_text_document"),
-            "TOKENIZER_MODEL": str(out / "sp.model")}
+    tool(
+        "train_tokenizer.py",
+        "--input",
+        str(out / "corpus.jsonl"),
+        "--vocab-size",
+        "1024",
+        "--model-prefix",
+        str(out / "sp"),
+    )
+    tool(
+        "preprocess_data.py",
+        "--input",
+        str(out / "corpus.jsonl"),
+        "--json-keys",
+        "text",
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(out / "sp.model"),
+        "--output-prefix",
+        str(out / "corpus"),
+        "--append-eod",
+        "--workers",
+        "2",
+    )
+    return {
+        "DATA_PATH": str(out / "corpus_text_document"),
+        "TOKENIZER_MODEL": str(out / "sp.model"),
+    }
 
 
 def logged_losses(output: str) -> dict[str, dict[int, str]]:
@@ -61,9 +94,22 @@ def logged_losses(output: str) -> dict[str, dict[int, str]]:
 
 def tiny_gpt_environment(data: dict[str, str], **overrides) -> dict[str, str]:
     """Environment for the launch/ scripts: a 2-layer model on CPU, fp32, gloo."""
-    environment = dict(os.environ, PYTHON=sys.executable, NUM_LAYERS="2", HIDDEN_SIZE="64",
-                       NUM_ATTENTION_HEADS="4", SEQ_LENGTH="64", MICRO_BATCH_SIZE="4",
-                       GLOBAL_BATCH_SIZE="8", LR="3e-3", LR_WARMUP_ITERS="2", LOG_INTERVAL="5",
-                       EVAL_ITERS="1", PRECISION="fp32", NPROC_PER_NODE="2", **data)
+    environment = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        NUM_LAYERS="2",
+        HIDDEN_SIZE="64",
+        NUM_ATTENTION_HEADS="4",
+        SEQ_LENGTH="64",
+        MICRO_BATCH_SIZE="4",
+        GLOBAL_BATCH_SIZE="8",
+        LR="3e-3",
+        LR_WARMUP_ITERS="2",
+        LOG_INTERVAL="5",
+        EVAL_ITERS="1",
+        PRECISION="fp32",
+        NPROC_PER_NODE="2",
+        **data,
+    )
     environment.update({key: str(value) for key, value in overrides.items()})
     return environment

@@ -34,13 +34,19 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from threefold.kernels.dispatch import KERNELS
     from threefold.parallel import state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     # A rank that fails leaves its peers blocked in a collective: let them time out instead of
     # hanging the test session.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
     while True:
         job = tasks.get()
         if job is None:
@@ -68,9 +74,13 @@ class WorkerPool:
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
         self.processes = [
-            context.Process(target=_worker, args=(rank, world_size, port, self.tasks[rank],
-                                                  self.results), daemon=True)
-            for rank in range(world_size)]
+            context.Process(
+                target=_worker,
+                args=(rank, world_size, port, self.tasks[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
         for process in self.processes:
             process.start()
         self.broken = False
@@ -85,8 +95,9 @@ class WorkerPool:
                 outcomes[rank] = (ok, value)
         except queue.Empty:
             self.broken = True
-            raise TimeoutError(f"{self.world_size}-rank job {fn.__name__} did not finish in "
-                               f"{JOB_TIMEOUT_S} s") from None
+            raise TimeoutError(
+                f"{self.world_size}-rank job {fn.__name__} did not finish in {JOB_TIMEOUT_S} s"
+            ) from None
         failures = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
         if failures:
             self.broken = True  # peers may have timed out mid-collective: start afresh

@@ -13,44 +13,105 @@ import torch
 
 from threefold.arguments import parse_args
 from threefold.parallel import state
-from threefold.parallel.data_parallel import finalize_model_grads
-from threefold.parallel.mappings import gather_from_tensor_parallel_region
-from threefold.parallel.sharding import gather_tensor_parallel
-from threefold.parallel.torch_native import full
+from threefold.parallel.data_parallel.gradient_buffer import finalize_model_grads
+from threefold.parallel.data_parallel.torch_native import full
+from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel
 from threefold.training.trainer import Trainer
 
-GPT2_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-              "--seq-length", "16", "--max-position-embeddings", "16"]
-LLAMA_STYLE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8",
-               "--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "64",
-               "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu",
-               "--position-embedding-type", "rope", "--disable-bias-linear",
-               "--untie-embeddings-and-output-weights"]
-TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-            "--lr", "3e-3", "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--mock-data",
-            "--vocab-size", "1001", "--make-vocab-size-divisible-by", "8",
-            "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
-            "--log-interval", "1000", "--eval-iters", "0",
-            # A broken schedule must fail the test within a minute, not hang it.
-            "--distributed-timeout-minutes", "1"]
+GPT2_STYLE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+]
+LLAMA_STYLE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "8",
+    "--group-query-attention",
+    "--num-query-groups",
+    "4",
+    "--ffn-hidden-size",
+    "64",
+    "--seq-length",
+    "16",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
+TRAINING = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "10",
+    "--lr",
+    "3e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--clip-grad",
+    "1.0",
+    "--mock-data",
+    "--vocab-size",
+    "1001",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1000",
+    "--eval-iters",
+    "0",
+    # A broken schedule must fail the test within a minute, not hang it.
+    "--distributed-timeout-minutes",
+    "1",
+]
 
 
 def _setup(argv: list[str]) -> Trainer:
     config = parse_args(argv, world_size=state.global_world_size())
     if torch.distributed.is_initialized():
         parallel = config.parallel
-        state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                        parallel.pipeline_model_parallel_size,
-                                        parallel.virtual_pipeline_model_parallel_size,
-                                        parallel.distributed_timeout_minutes)
-    return Trainer(config, torch.device("cpu"))
+        state.initialize_model_parallel(
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size,
+            parallel.distributed_timeout_minutes,
+        )
+    return Trainer(
+        config, torch.device("cpu"), state.parallel_context(config.parallel.sequence_parallel)
+    )
 
 
 def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
     """This rank's parameters (or their `main_grad`s), gathered over TP, by global name."""
-    return {name: gather_tensor_parallel(full(getattr(param, attribute)), param)
-            .detach().float().numpy().copy()
-            for name, param in trainer.layout_independent_parameters()}
+    return {
+        name: gather_tensor_parallel(full(getattr(param, attribute)), param, trainer.parallel.tp)
+        .detach()
+        .float()
+        .numpy()
+        .copy()
+        for name, param in trainer.layout_independent_parameters()
+    }
 
 
 def merge_pipeline_stages(per_rank: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -92,12 +153,12 @@ def gradient_job(argv: list[str]) -> dict:
     trainer = _setup(argv)
     model = trainer.model
     batch = next(trainer.train_iterator())
-    logits = gather_from_tensor_parallel_region(model(batch["tokens"]))
+    logits = gather_from_tensor_parallel_region(model(batch["tokens"]), trainer.parallel.tp)
     logits = logits[..., : model.vocab_size].detach().numpy().copy()
-    trainer.grad_buffer.start_step(num_microbatches=1)
+    trainer.data_parallel.grad_buffer.start_step(num_microbatches=1)
     loss = model(batch["tokens"], labels=batch["labels"]).mean()
     loss.backward()
-    finalize_model_grads(trainer.grad_buffer)
+    finalize_model_grads(trainer.data_parallel.grad_buffer, trainer.parallel)
     grads = _full(trainer, "main_grad")
     return {"logits": logits, "loss": loss.item(), "grads": grads}
 
@@ -119,7 +180,8 @@ def assert_losses_close(actual: list[float], expected: list[float], tolerance: f
     assert len(actual) == len(expected)
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert abs(a - e) <= tolerance * abs(e), (
-            f"step {step}: loss {a!r} vs reference {e!r} (relative {abs(a - e) / abs(e):.2e})")
+            f"step {step}: loss {a!r} vs reference {e!r} (relative {abs(a - e) / abs(e):.2e})"
+        )
 
 
 # Data parallelism changes only the order of gradient sums. Over 10 AdamW steps that rounding

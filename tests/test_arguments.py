@@ -10,15 +10,40 @@ import pytest
 from threefold.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "100"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+]
 
 
 def test_megatron_flags_fill_the_configs():
-    config = parse_args(BASE + ["--swiglu", "--disable-bias-linear", "--group-query-attention",
-                                "--num-query-groups", "2", "--global-batch-size", "16",
-                                "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                        world_size=4)
+    config = parse_args(
+        BASE
+        + [
+            "--swiglu",
+            "--disable-bias-linear",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        world_size=4,
+    )
     assert config.model.ffn_hidden_size == 128  # Megatron: int(4h * 2/3 / 64) * 64
     assert config.model.add_bias_linear is False
     assert config.model.num_query_groups == 2
@@ -28,14 +53,22 @@ def test_megatron_flags_fill_the_configs():
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (BASE + ["--no-such-flag", "1"], "--no-such-flag"),
-    (BASE + ["--global-batch-size", "5"], "--global-batch-size 5"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (BASE + ["--no-such-flag", "1"], "--no-such-flag"),
+        (BASE + ["--global-batch-size", "5"], "--global-batch-size 5"),
+    ],
+)
 def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
     start = time.time()
     result = _cli(*argv)
@@ -45,35 +78,87 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
     assert time.time() - start < 10
 
 
-@pytest.mark.parametrize("extra,world_size,expected", [
-    (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by "
-                                               "--tensor-model-parallel-size 3"),
-    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
-     2, "--num-query-groups 1"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
-    (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
-    (["--use-rope-scaling"], 1, "--use-rope-scaling needs --position-embedding-type rope"),
-    (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
-    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4, "--ffn-hidden-size 30"),
-    (["--data-path", "x"], 1, "--data-path"),
-    (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
-    (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
-     "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
-    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
-      "--num-layers", "6"], 2, "--virtual-pipeline-model-parallel-size 2"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-      "--num-layers", "4",
-      "--global-batch-size", "6"], 2, "multiple of --pipeline-model-parallel-size 2"),
-    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 2,
-     "--decoder-first/last-pipeline-num-layers"),
-    (["--overlap-param-gather"], 2, "--overlap-param-gather"),
-    (["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"], 4,
-     "--distributed-strategy ddp"),
-    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
-     "--recompute-method and --recompute-num-layers"),
-    (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
-    (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
-])
+@pytest.mark.parametrize(
+    "extra,world_size,expected",
+    [
+        (
+            ["--tensor-model-parallel-size", "3"],
+            3,
+            "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3",
+        ),
+        (
+            [
+                "--group-query-attention",
+                "--num-query-groups",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            2,
+            "--num-query-groups 1",
+        ),
+        (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
+        (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
+        (["--use-rope-scaling"], 1, "--use-rope-scaling needs --position-embedding-type rope"),
+        (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
+        (
+            ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
+            4,
+            "--ffn-hidden-size 30",
+        ),
+        (["--data-path", "x"], 1, "--data-path"),
+        (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
+        (
+            ["--pipeline-model-parallel-size", "4", "--num-layers", "6"],
+            4,
+            "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+                "--num-layers",
+                "6",
+            ],
+            2,
+            "--virtual-pipeline-model-parallel-size 2",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--num-layers",
+                "4",
+                "--global-batch-size",
+                "6",
+            ],
+            2,
+            "multiple of --pipeline-model-parallel-size 2",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"],
+            2,
+            "--decoder-first/last-pipeline-num-layers",
+        ),
+        (["--overlap-param-gather"], 2, "--overlap-param-gather"),
+        (
+            ["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"],
+            4,
+            "--distributed-strategy ddp",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+            1,
+            "--recompute-method and --recompute-num-layers",
+        ),
+        (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
+        (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
+    ],
+)
 def test_layout_mistakes_are_reported(capsys, extra, world_size, expected):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(BASE + extra, world_size=world_size)
@@ -88,9 +173,14 @@ def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
 
 
 def test_a_mistyped_flag_gets_one_line_naming_the_nearest_flag():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
-                             "--num-layer", "2"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--num-layer", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "pretrain_gpt.py: error: unrecognized arguments: --num-layer 2; did you mean "
-        "--num-layers? (--help lists every flag)"]
+        "--num-layers? (--help lists every flag)"
+    ]

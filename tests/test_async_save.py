@@ -12,10 +12,28 @@ from tests.conftest import ROOT
 
 
 def test_async_saves_under_collectives_equal_synchronous_ones():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "async_save_stress.py"),
-                             "--loops", "1", "--iterations", "40", "--layouts", "dp2", "tp2pp2",
-                             "--timeout", "240"], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "async_save_stress.py"),
+            "--loops",
+            "1",
+            "--iterations",
+            "40",
+            "--layouts",
+            "dp2",
+            "tp2pp2",
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| dp2 |")
-            or line.startswith("| tp2pp2 |")]
+    rows = [
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith("| dp2 |") or line.startswith("| tp2pp2 |")
+    ]
     assert len(rows) == 2 and all("| 1 | 1 | 0 | 0 | 0 |" in row for row in rows), rows

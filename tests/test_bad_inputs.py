@@ -12,42 +12,100 @@ import pytest
 from tests.conftest import ROOT
 from tests.data.test_datasets import VOCAB, write_corpus
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters",
-        "0"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--eval-iters",
+    "0",
+]
 MOCK = ["--mock-data", "--vocab-size", "128"]
 
 # (flags after BASE, world size, what the error must name)
 CONFIGS = [
-    (MOCK + ["--tensor-model-parallel-size", "3"], 3,
-     "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
-    (MOCK + ["--group-query-attention", "--num-query-groups", "1",
-             "--tensor-model-parallel-size", "2"], 2, "--num-query-groups 1"),
+    (
+        MOCK + ["--tensor-model-parallel-size", "3"],
+        3,
+        "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3",
+    ),
+    (
+        MOCK
+        + [
+            "--group-query-attention",
+            "--num-query-groups",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+        ],
+        2,
+        "--num-query-groups 1",
+    ),
     (MOCK + ["--group-query-attention", "--num-query-groups", "3"], 1, "--num-query-groups 3"),
     (MOCK + ["--hidden-size", "66"], 1, "--hidden-size 66"),
-    (MOCK + ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4,
-     "--ffn-hidden-size 30"),
-    (MOCK + ["--pipeline-model-parallel-size", "3"], 3,
-     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
-    (MOCK + ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-             "4"], 2, "--virtual-pipeline-model-parallel-size 4"),
-    (MOCK + ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-             "2", "--global-batch-size", "6"], 2,
-     "multiple of --pipeline-model-parallel-size 2"),
-    (MOCK + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
-             "5"], 2, "--decoder-first/last-pipeline-num-layers"),
+    (
+        MOCK + ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
+        4,
+        "--ffn-hidden-size 30",
+    ),
+    (
+        MOCK + ["--pipeline-model-parallel-size", "3"],
+        3,
+        "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3",
+    ),
+    (
+        MOCK
+        + ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "4"],
+        2,
+        "--virtual-pipeline-model-parallel-size 4",
+    ),
+    (
+        MOCK
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--virtual-pipeline-model-parallel-size",
+            "2",
+            "--global-batch-size",
+            "6",
+        ],
+        2,
+        "multiple of --pipeline-model-parallel-size 2",
+    ),
+    (
+        MOCK + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "5"],
+        2,
+        "--decoder-first/last-pipeline-num-layers",
+    ),
     (MOCK + ["--tensor-model-parallel-size", "2"], 3, "world size 3"),
     (MOCK + ["--global-batch-size", "5"], 1, "--global-batch-size 5"),
     (MOCK + ["--micro-batch-size", "0"], 1, "--micro-batch-size"),
     (MOCK + ["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
     (MOCK + ["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
     (MOCK + ["--overlap-param-gather"], 2, "--overlap-param-gather"),
-    (MOCK + ["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"], 4,
-     "--distributed-strategy ddp"),
-    (MOCK + ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"], 2,
-     "--distributed-strategy fsdp"),
-    (MOCK + ["--recompute-granularity", "selective", "--recompute-num-layers", "2"], 1,
-     "--recompute-method and --recompute-num-layers"),
+    (
+        MOCK + ["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"],
+        4,
+        "--distributed-strategy ddp",
+    ),
+    (
+        MOCK + ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"],
+        2,
+        "--distributed-strategy fsdp",
+    ),
+    (
+        MOCK + ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+        1,
+        "--recompute-method and --recompute-num-layers",
+    ),
     (MOCK + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
     (MOCK + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"], 1, "--lr-warmup-iters 5"),
     (MOCK + ["--split", "a,b"], 1, "--split"),
@@ -59,10 +117,22 @@ CONFIGS = [
     (MOCK + ["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
     (["--vocab-size", "128"], 1, "--data-path"),
     (MOCK + ["--tokenizer-type", "SentencePieceTokenizer"], 1, "needs --tokenizer-model"),
-    (MOCK + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-             "/no/such/tokenizer.model"], 1, "--tokenizer-model /no/such/tokenizer.model"),
-    (MOCK + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"],
-     1, "--tokenizer-model /no/such/dir"),
+    (
+        MOCK
+        + [
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "/no/such/tokenizer.model",
+        ],
+        1,
+        "--tokenizer-model /no/such/tokenizer.model",
+    ),
+    (
+        MOCK + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"],
+        1,
+        "--tokenizer-model /no/such/dir",
+    ),
     (MOCK + ["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file"),
     (MOCK + ["--load", "/no/such/checkpoints"], 1, "--load /no/such/checkpoints"),
     (["--data-path", "0.5", "/some/corpus", "0.5"], 1, "--data-path"),
@@ -74,9 +144,14 @@ def _run(argv: list[str], world_size: int = 1) -> tuple[subprocess.CompletedProc
     if world_size > 1:  # parse_args reads it; no process group is started before the error
         environment["WORLD_SIZE"] = str(world_size)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT,
-                            env=environment)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=environment,
+    )
     return result, time.monotonic() - start
 
 
@@ -95,16 +170,29 @@ def test_at_least_25_distinct_config_mistakes_are_refused_fast():
 
 def test_a_broken_checkpoint_tracker_is_refused(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("oops\n")
-    _assert_refused(*_run(BASE + MOCK + ["--load", str(tmp_path)]),
-                    "latest_checkpointed_iteration.txt holds 'oops'")
+    _assert_refused(
+        *_run(BASE + MOCK + ["--load", str(tmp_path)]),
+        "latest_checkpointed_iteration.txt holds 'oops'",
+    )
 
 
 def test_a_vocabulary_below_the_tokenizer_is_refused(shakespeare_data):
-    _assert_refused(*_run(BASE + ["--data-path", shakespeare_data["DATA_PATH"],
-                                  "--tokenizer-type", "SentencePieceTokenizer",
-                                  "--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"],
-                                  "--vocab-size", "500"]),
-                    "--vocab-size 500 is smaller than the tokenizer's vocabulary (1024)")
+    _assert_refused(
+        *_run(
+            BASE
+            + [
+                "--data-path",
+                shakespeare_data["DATA_PATH"],
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                shakespeare_data["TOKENIZER_MODEL"],
+                "--vocab-size",
+                "500",
+            ]
+        ),
+        "--vocab-size 500 is smaller than the tokenizer's vocabulary (1024)",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +234,17 @@ def _damaged(corpus: str, tmp_path, kind: str) -> str:
     return prefix
 
 
-DATA_FILES = [("missing", ".bin does not exist"), ("missing-idx", ".idx does not exist"),
-              ("bad-magic", "bad magic"), ("bad-version", "index version 7"),
-              ("bad-dtype", "dtype code 42"), ("truncated", ".bin is truncated"),
-              ("truncated-idx", ".idx is truncated"), ("empty", "holds no documents"),
-              ("vocabulary", "outside the model's vocabulary")]
+DATA_FILES = [
+    ("missing", ".bin does not exist"),
+    ("missing-idx", ".idx does not exist"),
+    ("bad-magic", "bad magic"),
+    ("bad-version", "index version 7"),
+    ("bad-dtype", "dtype code 42"),
+    ("truncated", ".bin is truncated"),
+    ("truncated-idx", ".idx is truncated"),
+    ("empty", "holds no documents"),
+    ("vocabulary", "outside the model's vocabulary"),
+]
 
 
 def test_bad_data_files_are_refused_naming_the_file(good_corpus, tmp_path):

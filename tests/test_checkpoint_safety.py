@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from threefold.checkpoint_manifest import MANIFEST, digest
+from threefold.checkpoint.manifest import MANIFEST, digest
 from threefold.config import ConfigError
 from threefold.safe_loading import (
     UnsafeFileError,
@@ -27,9 +27,26 @@ from threefold.safe_loading import (
     load_tensors_file,
 )
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--eval-iters", "0", "--log-interval", "1", "--lr", "1e-3"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+]
 
 
 class Payload:
@@ -43,8 +60,9 @@ class Payload:
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def _refused_in_one_line(result: subprocess.CompletedProcess, *words: str) -> None:
@@ -60,10 +78,22 @@ def _refused_in_one_line(result: subprocess.CompletedProcess, *words: str) -> No
 def good_checkpoint(shakespeare_data, tmp_path_factory) -> str:
     """A 2-iteration run on the tokenized default corpus, saved with its tokenizer."""
     directory = str(tmp_path_factory.mktemp("good") / "run")
-    result = _run(os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "2",
-                  "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
-                  "SentencePieceTokenizer", "--tokenizer-model",
-                  shakespeare_data["TOKENIZER_MODEL"], "--split", "98,1,1", "--save", directory)
+    result = _run(
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY,
+        "--train-iters",
+        "2",
+        "--data-path",
+        shakespeare_data["DATA_PATH"],
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        shakespeare_data["TOKENIZER_MODEL"],
+        "--split",
+        "98,1,1",
+        "--save",
+        directory,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return directory
 
@@ -87,26 +117,65 @@ def _entry_points(root: str, tmp_path, shakespeare_data) -> dict[str, list[str]]
     sft = tmp_path / "sft.jsonl"
     sft.write_text(json.dumps({"prompt": "To be", "response": " or not"}) + "\n")
     return {
-        "pretrain_gpt.py": [os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "3",
-                            "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
-                            "SentencePieceTokenizer", "--tokenizer-model",
-                            shakespeare_data["TOKENIZER_MODEL"], "--split", "98,1,1",
-                            "--load", root],
-        "finetune.py": [os.path.join(ROOT, "finetune.py"), "--load", root,
-                        "--train-data-path", str(sft), "--micro-batch-size", "1",
-                        "--global-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
-                        "--no-load-optim"],
-        "generate.py": [os.path.join(ROOT, "tools", "generate.py"), "--load", root, "--prompt",
-                        "To be", "--max-new-tokens", "2"],
-        "convert_checkpoint.py": [os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                                  "--loader", "threefold", "--saver", "hf", "--load-dir", root,
-                                  "--save-dir", str(tmp_path / "hf")],
+        "pretrain_gpt.py": [
+            os.path.join(ROOT, "pretrain_gpt.py"),
+            *TINY,
+            "--train-iters",
+            "3",
+            "--data-path",
+            shakespeare_data["DATA_PATH"],
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            shakespeare_data["TOKENIZER_MODEL"],
+            "--split",
+            "98,1,1",
+            "--load",
+            root,
+        ],
+        "finetune.py": [
+            os.path.join(ROOT, "finetune.py"),
+            "--load",
+            root,
+            "--train-data-path",
+            str(sft),
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--train-iters",
+            "1",
+            "--eval-iters",
+            "0",
+            "--no-load-optim",
+        ],
+        "generate.py": [
+            os.path.join(ROOT, "tools", "generate.py"),
+            "--load",
+            root,
+            "--prompt",
+            "To be",
+            "--max-new-tokens",
+            "2",
+        ],
+        "convert_checkpoint.py": [
+            os.path.join(ROOT, "tools", "convert_checkpoint.py"),
+            "--loader",
+            "threefold",
+            "--saver",
+            "hf",
+            "--load-dir",
+            root,
+            "--save-dir",
+            str(tmp_path / "hf"),
+        ],
     }
 
 
 @pytest.mark.parametrize("kind", ["dcp-metadata", "rng"])
-def test_a_planted_pickle_in_a_checkpoint_never_runs(kind, good_checkpoint, tmp_path,
-                                                     shakespeare_data):
+def test_a_planted_pickle_in_a_checkpoint_never_runs(
+    kind, good_checkpoint, tmp_path, shakespeare_data
+):
     marker = str(tmp_path / "marker")
     if kind == "dcp-metadata":
         relative, content = ".metadata", pickle.dumps(Payload(marker))
@@ -124,12 +193,17 @@ def test_a_planted_pickle_in_a_checkpoint_never_runs(kind, good_checkpoint, tmp_
         assert not os.path.exists(marker), f"{name} ran the payload"
 
 
-def test_a_hostile_metadata_json_is_refused_in_one_line(good_checkpoint, tmp_path,
-                                                        shakespeare_data):
+def test_a_hostile_metadata_json_is_refused_in_one_line(
+    good_checkpoint, tmp_path, shakespeare_data
+):
     """metadata.json is JSON (it cannot carry code); one that is not a threefold checkpoint's
     is refused by every reader without a traceback."""
-    root = _planted(good_checkpoint, tmp_path, "metadata.json",
-                    json.dumps({"config": "__import__('os').system('touch x')"}).encode())
+    root = _planted(
+        good_checkpoint,
+        tmp_path,
+        "metadata.json",
+        json.dumps({"config": "__import__('os').system('touch x')"}).encode(),
+    )
     for command in _entry_points(root, tmp_path, shakespeare_data).values():
         _refused_in_one_line(_run(*command), "metadata.json")
 
@@ -138,10 +212,22 @@ def test_a_planted_dataset_index_cache_never_runs(shakespeare_data, tmp_path):
     """megatron-core loads its cached indices with numpy.load(allow_pickle=True): a pickle
     planted under a cached index's name is refused before megatron-core sees it."""
     cache, marker = tmp_path / "cache", str(tmp_path / "marker")
-    argv = [os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "1",
-            "--data-path", shakespeare_data["DATA_PATH"], "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"],
-            "--split", "98,1,1", "--data-cache-path", str(cache)]
+    argv = [
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY,
+        "--train-iters",
+        "1",
+        "--data-path",
+        shakespeare_data["DATA_PATH"],
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        shakespeare_data["TOKENIZER_MODEL"],
+        "--split",
+        "98,1,1",
+        "--data-cache-path",
+        str(cache),
+    ]
     assert _run(*argv).returncode == 0  # builds the cache
     (victim,) = [p for p in os.listdir(cache) if p.endswith("train-document_index.npy")]
     (cache / victim).write_bytes(pickle.dumps(Payload(marker)))

@@ -21,24 +21,50 @@ from tests.conftest import ROOT, logged_losses
 from tests.data.test_datasets import VOCAB, write_corpus
 
 TRACKER = "latest_checkpointed_iteration.txt"
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--eval-iters", "0", "--log-interval", "1", "--lr", "1e-3", "--lr-decay-iters", "10",
-        "--lr-warmup-iters", "0"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--lr",
+    "1e-3",
+    "--lr-decay-iters",
+    "10",
+    "--lr-warmup-iters",
+    "0",
+]
 MOCK = ["--mock-data", "--vocab-size", "128"]
 
 
-def _pretrain(*argv: str, timeout: float = 120, limit_file_bytes: int | None = None,
-              **environment) -> tuple[subprocess.CompletedProcess, float]:
+def _pretrain(
+    *argv: str, timeout: float = 120, limit_file_bytes: int | None = None, **environment
+) -> tuple[subprocess.CompletedProcess, float]:
     def limit() -> None:  # a full disk, for this process only: writes fail with EFBIG
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
 
     start = time.monotonic()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
-                            capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                            env={**os.environ, **environment},
-                            preexec_fn=limit if limit_file_bytes else None)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **environment},
+        preexec_fn=limit if limit_file_bytes else None,
+    )
     return result, time.monotonic() - start
 
 
@@ -87,14 +113,20 @@ def _data_case(kind: str, corpora: str, tmp_path) -> tuple[list[str], str]:
         return data, ".bin is truncated"
     if kind == "smaller-than-one-sample":
         write_corpus(prefix, 1, seed=1)
-        return data + ["--seq-length", "512", "--max-position-embeddings", "512"], \
-            "fewer than one sample"
+        return data + [
+            "--seq-length",
+            "512",
+            "--max-position-embeddings",
+            "512",
+        ], "fewer than one sample"
     if kind == "cache-under-a-file":
         shutil.copyfile(f"{corpora}/small.bin", prefix + ".bin")
         shutil.copyfile(f"{corpora}/small.idx", prefix + ".idx")
         (tmp_path / "file").write_text("")
-        return data + ["--data-cache-path", str(tmp_path / "file" / "cache")], \
-            "--data-cache-path: cannot create the dataset index cache"
+        return data + [
+            "--data-cache-path",
+            str(tmp_path / "file" / "cache"),
+        ], "--data-cache-path: cannot create the dataset index cache"
     if kind == "save-is-a-file":
         (tmp_path / "file").write_text("")
         return MOCK + ["--save", str(tmp_path / "file")], "cannot write checkpoints there"
@@ -108,9 +140,17 @@ def _data_case(kind: str, corpora: str, tmp_path) -> tuple[list[str], str]:
     raise AssertionError(kind)
 
 
-DATA_CASES = ["empty-split", "empty-documents", "idx-of-another-corpus",
-              "bin-of-another-corpus", "smaller-than-one-sample", "cache-under-a-file",
-              "save-is-a-file", "save-under-a-file", "garbage-tracker"]
+DATA_CASES = [
+    "empty-split",
+    "empty-documents",
+    "idx-of-another-corpus",
+    "bin-of-another-corpus",
+    "smaller-than-one-sample",
+    "cache-under-a-file",
+    "save-is-a-file",
+    "save-under-a-file",
+    "garbage-tracker",
+]
 
 
 @pytest.mark.parametrize("kind", DATA_CASES)
@@ -125,8 +165,18 @@ def reference(tmp_path_factory) -> tuple[str, dict[int, str]]:
     """A 6-iteration run stopped after saving iterations 2 and 4, and the losses of the same
     run uninterrupted."""
     directory = str(tmp_path_factory.mktemp("reference") / "run")
-    saved, _ = _pretrain(*TINY, *MOCK, "--train-iters", "6", "--save-interval", "2",
-                         "--exit-interval", "4", "--save", directory)
+    saved, _ = _pretrain(
+        *TINY,
+        *MOCK,
+        "--train-iters",
+        "6",
+        "--save-interval",
+        "2",
+        "--exit-interval",
+        "4",
+        "--save",
+        directory,
+    )
     assert saved.returncode == 0, saved.stderr[-3000:]
     straight, _ = _pretrain(*TINY, *MOCK, "--train-iters", "6")
     return directory, logged_losses(straight.stdout)["train"]
@@ -184,11 +234,20 @@ def _damage(root: str, kind: str) -> tuple[int | None, str]:
     raise AssertionError(kind)
 
 
-CHECKPOINT_CASES = ["truncated-shard", "garbage-in-shard", "missing-shard",
-                    "missing-dcp-metadata", "truncated-metadata-json", "truncated-rng",
-                    "tracker-names-a-missing-iteration", "tracker-deleted",
-                    "abandoned-partial-save", "no-tracker-and-nothing-complete",
-                    "missing-rng-without-manifest", "everything-damaged"]
+CHECKPOINT_CASES = [
+    "truncated-shard",
+    "garbage-in-shard",
+    "missing-shard",
+    "missing-dcp-metadata",
+    "truncated-metadata-json",
+    "truncated-rng",
+    "tracker-names-a-missing-iteration",
+    "tracker-deleted",
+    "abandoned-partial-save",
+    "no-tracker-and-nothing-complete",
+    "missing-rng-without-manifest",
+    "everything-damaged",
+]
 
 
 @pytest.mark.parametrize("kind", CHECKPOINT_CASES)
@@ -197,10 +256,14 @@ def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, tmp_
     root = str(tmp_path / "run")
     shutil.copytree(good, root)
     resume_from, expected = _damage(root, kind)
-    untouched = {name: os.path.getmtime(os.path.join(root, name, "metadata.json"))
-                 for name in ("iter_0000002",) if resume_from is not None}
-    result, seconds = _pretrain(*TINY, *MOCK, "--train-iters", "6", "--save-interval", "2",
-                                "--save", root, "--load", root)
+    untouched = {
+        name: os.path.getmtime(os.path.join(root, name, "metadata.json"))
+        for name in ("iter_0000002",)
+        if resume_from is not None
+    }
+    result, seconds = _pretrain(
+        *TINY, *MOCK, "--train-iters", "6", "--save-interval", "2", "--save", root, "--load", root
+    )
     if resume_from is None:
         _refused(result, seconds, expected)
         return
@@ -221,19 +284,25 @@ def test_rerunning_a_finished_run_rewrites_nothing(reference, tmp_path):
     good, _ = reference
     root = str(tmp_path / "run")
     shutil.copytree(good, root)
-    before = {n: os.path.getmtime(os.path.join(root, "iter_0000004", n))
-              for n in os.listdir(os.path.join(root, "iter_0000004"))}
-    result, _ = _pretrain(*TINY, *MOCK, "--train-iters", "4", "--save-interval", "2",
-                          "--save", root, "--load", root)
+    before = {
+        n: os.path.getmtime(os.path.join(root, "iter_0000004", n))
+        for n in os.listdir(os.path.join(root, "iter_0000004"))
+    }
+    result, _ = _pretrain(
+        *TINY, *MOCK, "--train-iters", "4", "--save-interval", "2", "--save", root, "--load", root
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    after = {n: os.path.getmtime(os.path.join(root, "iter_0000004", n))
-             for n in os.listdir(os.path.join(root, "iter_0000004"))}
+    after = {
+        n: os.path.getmtime(os.path.join(root, "iter_0000004", n))
+        for n in os.listdir(os.path.join(root, "iter_0000004"))
+    }
     assert before == after
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_full_disk_during_a_save_ends_in_one_line_and_keeps_the_last_checkpoint(
-        asynchronous, reference, tmp_path):
+    asynchronous, reference, tmp_path
+):
     """Files above 100 kB cannot be written (as on a full disk): the save of iteration 6
     fails, the run stops with one line, and the tracker still names iteration 4, which
     loads."""
@@ -241,9 +310,13 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_keeps_the_last_checkpoin
     root = str(tmp_path / "run")
     shutil.copytree(good, root)
     flags = [*TINY, *MOCK, "--save-interval", "2", "--save", root, "--load", root]
-    result, _ = _pretrain(*flags, "--train-iters", "8",
-                          *(["--async-save"] if asynchronous else []),
-                          limit_file_bytes=100_000)
+    result, _ = _pretrain(
+        *flags,
+        "--train-iters",
+        "8",
+        *(["--async-save"] if asynchronous else []),
+        limit_file_bytes=100_000,
+    )
     _refused(result, 0, "saving iteration 6 failed", code=1)
     assert "GiB free there); the previous checkpoint is untouched" in result.stderr
     assert open(os.path.join(root, TRACKER)).read().strip() == "4"
@@ -255,17 +328,29 @@ def test_a_full_disk_during_a_save_ends_in_one_line_and_keeps_the_last_checkpoin
 
 def test_a_second_run_on_the_same_save_directory_is_refused(tmp_path):
     root = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY,
-                              *MOCK, "--train-iters", "100000", "--save", root], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "pretrain_gpt.py"),
+            *TINY,
+            *MOCK,
+            "--train-iters",
+            "100000",
+            "--save",
+            root,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(root, ".threefold.lock")):
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         time.sleep(0.5)
-        _refused(*_pretrain(*TINY, *MOCK, "--train-iters", "2", "--save", root),
-                 "another run (pid")
+        _refused(*_pretrain(*TINY, *MOCK, "--train-iters", "2", "--save", root), "another run (pid")
     finally:
         first.kill()
         first.wait()
@@ -278,10 +363,23 @@ def test_a_signal_during_start_up_is_kept_until_the_first_iteration(tmp_path):
     """SIGUSR1 while torch is still importing: with --exit-signal-handler the run trains one
     iteration, saves and exits 0 (it used to die without a save)."""
     root = str(tmp_path / "run")
-    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY,
-                            *MOCK, "--train-iters", "1000", "--save", root,
-                            "--exit-signal-handler"], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "pretrain_gpt.py"),
+            *TINY,
+            *MOCK,
+            "--train-iters",
+            "1000",
+            "--save",
+            root,
+            "--exit-signal-handler",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(root, ".threefold.lock")):  # flags parsed
         assert run.poll() is None and time.monotonic() < deadline
@@ -294,8 +392,9 @@ def test_a_signal_during_start_up_is_kept_until_the_first_iteration(tmp_path):
 
 
 def test_an_injected_loss_spike_is_reported_with_its_batch(tmp_path):
-    result, _ = _pretrain(*TINY, *MOCK, "--train-iters", "8", "--check-for-spiky-loss",
-                          THREEFOLD_SPIKE_AT="0@7x50")
+    result, _ = _pretrain(
+        *TINY, *MOCK, "--train-iters", "8", "--check-for-spiky-loss", THREEFOLD_SPIKE_AT="0@7x50"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "spiky loss at iteration 7" in result.stdout
     assert "global batch 6, samples 24 to 27" in result.stdout
@@ -303,17 +402,30 @@ def test_an_injected_loss_spike_is_reported_with_its_batch(tmp_path):
 
 
 # -- tools/preprocess_data.py -----------------------------------------------------------------
-BAD_RECORDS = {"malformed-json": b'{"text": "a b c"\n', "not-utf8": b'{"text": "\xff\xfe"}\n',
-               "missing-key": b'{"body": "a b"}\n', "null-text": b'{"text": null}\n'}
+BAD_RECORDS = {
+    "malformed-json": b'{"text": "a b c"\n',
+    "not-utf8": b'{"text": "\xff\xfe"}\n',
+    "missing-key": b'{"body": "a b"}\n',
+    "null-text": b'{"text": null}\n',
+}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_RECORDS))
 def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(kind, tmp_path):
     lines = [json.dumps({"text": f"{i} {i + 1} {i + 2}"}).encode() + b"\n" for i in range(20)]
     good = b"".join(lines)
-    tool = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--output-prefix",
-            str(tmp_path / "out"), "--input", str(tmp_path / "corpus.jsonl")]
+    tool = [
+        sys.executable,
+        os.path.join(ROOT, "tools", "preprocess_data.py"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--input",
+        str(tmp_path / "corpus.jsonl"),
+    ]
     (tmp_path / "corpus.jsonl").write_bytes(good)
     assert subprocess.run(tool, capture_output=True, timeout=60).returncode == 0
     pair = [str(tmp_path / f"out_text_document{s}") for s in (".bin", ".idx")]
@@ -323,10 +435,10 @@ def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(kind, tmp_path
     result = subprocess.run(tool, capture_output=True, text=True, timeout=60)
     _refused(result, time.monotonic() - start, "corpus.jsonl:3:")
     assert [open(p, "rb").read() for p in pair] == before
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", *sorted(map(os.path.basename,
-                                                                        pair))]
-    skipped = subprocess.run(tool + ["--skip-bad-records"], capture_output=True, text=True,
-                             timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", *sorted(map(os.path.basename, pair))]
+    skipped = subprocess.run(
+        tool + ["--skip-bad-records"], capture_output=True, text=True, timeout=60
+    )
     assert skipped.returncode == 0 and "skipped 1 bad records" in skipped.stdout
     assert "corpus.jsonl:3:" in skipped.stderr
 
@@ -335,11 +447,24 @@ def test_ckpt_keep_latest_deletes_only_older_complete_checkpoints(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
     (root / "iter_0000009.partial").mkdir()  # an abandoned save is tidied, not "kept"
-    result, _ = _pretrain(*TINY, *MOCK, "--train-iters", "5", "--save-interval", "1",
-                          "--save", str(root), "--ckpt-keep-latest", "2")
+    result, _ = _pretrain(
+        *TINY,
+        *MOCK,
+        "--train-iters",
+        "5",
+        "--save-interval",
+        "1",
+        "--save",
+        str(root),
+        "--ckpt-keep-latest",
+        "2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
-        "iter_0000004", "iter_0000005", TRACKER]
+        "iter_0000004",
+        "iter_0000005",
+        TRACKER,
+    ]
 
 
 def test_shape_changing_flags_that_differ_from_the_checkpoint(reference, tmp_path):
@@ -347,7 +472,9 @@ def test_shape_changing_flags_that_differ_from_the_checkpoint(reference, tmp_pat
     padding loads through resharding."""
     good, _ = reference
     flags = [*TINY, *MOCK, "--train-iters", "6", "--load", good]
-    _refused(*_pretrain(*flags, "--max-position-embeddings", "32"),
-             "--max-position-embeddings 16 but this run has 32")
+    _refused(
+        *_pretrain(*flags, "--max-position-embeddings", "32"),
+        "--max-position-embeddings 16 but this run has 32",
+    )
     result, _ = _pretrain(*flags, "--make-vocab-size-divisible-by", "256")
     assert result.returncode == 0 and "at iteration 4" in result.stdout, result.stderr[-3000:]

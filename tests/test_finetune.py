@@ -17,9 +17,11 @@ from threefold.data.sft import SFTDataset
 from threefold.data.tokenizer import NullTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDS = [{"prompt": "1 2 3", "response": "4 5"},
-           {"prompt": "7 8", "response": "9 10 11"},
-           {"prompt": "5 6", "response": "12 13"}]
+RECORDS = [
+    {"prompt": "1 2 3", "response": "4 5"},
+    {"prompt": "7 8", "response": "9 10 11"},
+    {"prompt": "5 6", "response": "12 13"},
+]
 
 
 def test_prompt_tokens_carry_no_loss():
@@ -36,8 +38,12 @@ def test_chat_messages_carry_loss_on_assistant_turns_only(tmp_path):
 
     build_tokenizer(str(tmp_path))
     tokenizer = HuggingFaceTokenizer(str(tmp_path))
-    record = {"messages": [{"role": "user", "content": "To be"},
-                           {"role": "assistant", "content": "or not to be"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "To be"},
+            {"role": "assistant", "content": "or not to be"},
+        ]
+    }
     sample = SFTDataset([record], tokenizer, seq_length=40)[0]
     labels, mask = sample["tokens"][1:], sample["loss_mask"] > 0
     answer = tokenizer.tokenize("or not to be\n") + [tokenizer.eod]
@@ -52,9 +58,12 @@ def test_packed_documents_see_only_themselves(style):
     tokenizer = NullTokenizer(100)
     packed = collate([SFTDataset(RECORDS, tokenizer, 16, packing=True)[0]], torch.device("cpu"))
     with torch.no_grad():
-        packed_loss = model(packed["tokens"], labels=packed["labels"],
-                            attention_mask=packed["attention_mask"],
-                            position_ids=packed["position_ids"])[0]
+        packed_loss = model(
+            packed["tokens"],
+            labels=packed["labels"],
+            attention_mask=packed["attention_mask"],
+            position_ids=packed["position_ids"],
+        )[0]
         alone = []
         for index in range(len(RECORDS)):
             batch = collate([SFTDataset(RECORDS, tokenizer, 16)[index]], torch.device("cpu"))
@@ -66,35 +75,80 @@ def test_packed_documents_see_only_themselves(style):
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tests.tools.hf_models import VOCAB, build_hf_model
-    from threefold.checkpointing import load_model
+    from threefold.checkpoint.load import load_model
 
     build_hf_model("llama", str(tmp_path / "hf"))
     names = ["Romeo", "Juliet", "Hamlet", "Ophelia"]
     for split, count in (("train", 40), ("valid", 8)):
         with open(tmp_path / f"{split}.jsonl", "w") as f:
             for i in range(count):
-                f.write(json.dumps({"prompt": f"Who is {names[i % 4]}? ",
-                                    "response": f"{names[i % 4]} is a character."}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": f"Who is {names[i % 4]}? ",
+                            "response": f"{names[i % 4]} is a character.",
+                        }
+                    )
+                    + "\n"
+                )
     converted, tuned, exported = (str(tmp_path / d) for d in ("tf", "sft", "export"))
     tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    assert _run(tool, "--loader", "hf", "--saver", "threefold", "--load-dir",
-                str(tmp_path / "hf"), "--save-dir", converted).returncode == 0
-    result = _run(os.path.join(ROOT, "finetune.py"), "--load", converted, "--save", tuned,
-                  "--train-data-path", str(tmp_path / "train.jsonl"), "--valid-data-path",
-                  str(tmp_path / "valid.jsonl"), "--seq-length", "32", "--micro-batch-size",
-                  "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
-                  "--lora-rank", "8", "--log-interval", "10", "--eval-interval", "30",
-                  "--eval-iters", "1", "--sft-packing")
+    assert (
+        _run(
+            tool,
+            "--loader",
+            "hf",
+            "--saver",
+            "threefold",
+            "--load-dir",
+            str(tmp_path / "hf"),
+            "--save-dir",
+            converted,
+        ).returncode
+        == 0
+    )
+    result = _run(
+        os.path.join(ROOT, "finetune.py"),
+        "--load",
+        converted,
+        "--save",
+        tuned,
+        "--train-data-path",
+        str(tmp_path / "train.jsonl"),
+        "--valid-data-path",
+        str(tmp_path / "valid.jsonl"),
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "30",
+        "--lr",
+        "3e-3",
+        "--lora-rank",
+        "8",
+        "--log-interval",
+        "10",
+        "--eval-interval",
+        "30",
+        "--eval-iters",
+        "1",
+        "--sft-packing",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"validation loss.*?lm loss value: ([\d.E+-]+)",
-                                           result.stdout)]
+    losses = [
+        float(x) for x in re.findall(r"validation loss.*?lm loss value: ([\d.E+-]+)", result.stdout)
+    ]
     assert len(losses) == 2 and losses[1] < losses[0] - 0.2, result.stdout
 
     # LoRA: the base weights are the converted ones, bit for bit; the adapters moved.
@@ -108,11 +162,24 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
         else:
             assert torch.equal(param, base_weights[name]), name
 
-    assert _run(tool, "--loader", "threefold", "--saver", "hf", "--load-dir", tuned,
-                "--save-dir", exported).returncode == 0
+    assert (
+        _run(
+            tool,
+            "--loader",
+            "threefold",
+            "--saver",
+            "hf",
+            "--load-dir",
+            tuned,
+            "--save-dir",
+            exported,
+        ).returncode
+        == 0
+    )
     merged = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens)[..., :VOCAB].transpose(0, 1)
-        np.testing.assert_allclose(merged(tokens).logits.numpy(), ours.numpy(), rtol=1e-4,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            merged(tokens).logits.numpy(), ours.numpy(), rtol=1e-4, atol=1e-5
+        )

@@ -12,20 +12,42 @@ from tests.conftest import ROOT
 
 def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "gpu_mfu.py"), "--tiny", "--steps", "2",
-         "--warmup", "1", "--out", str(tmp_path), "--only", "threefold",
-         "threefold+compile-layers", "transformers", "megatron-core", "torchtitan"],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "gpu_mfu.py"),
+            "--tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--only",
+            "threefold",
+            "threefold+compile-layers",
+            "transformers",
+            "megatron-core",
+            "torchtitan",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "gpu_mfu.md").read_text()
-    rows = {line.split("|")[1].strip(): line for line in table.splitlines()
-            if line.startswith("| ") and not line.startswith("| contender")}
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| contender")
+    }
     for name in ("threefold", "threefold+compile-layers"):
-        assert re.match(rf"\| {re.escape(name)} \| [\d,]+ \| [\d.]+ \| n/a .* \| [\d.]+ \|$",
-                        rows[name])
+        assert re.match(
+            rf"\| {re.escape(name)} \| [\d,]+ \| [\d.]+ \| n/a .* \| [\d.]+ \|$", rows[name]
+        )
     # Speed-ups are the faster threefold run's: its own row reads 1.00, the other's at least.
-    speedups = sorted(float(rows[n].split("|")[-2]) for n in ("threefold",
-                                                               "threefold+compile-layers"))
+    speedups = sorted(
+        float(rows[n].split("|")[-2]) for n in ("threefold", "threefold+compile-layers")
+    )
     assert speedups[0] == 1.0 and speedups[1] >= 1.0
     assert re.search(r"\| [\d.]+ \|$", rows["transformers"])
     assert "not run: RuntimeError: megatron-core's GPTModel needs CUDA" in rows["megatron-core"]
@@ -38,10 +60,13 @@ def test_a_failed_contender_is_reported_by_its_exception_line():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from gpu_mfu import _failure
 
-    log = ("$ python gpu_mfu.py --contender torchtitan+compile\n"
-           "[rank0]: torch._dynamo.exc.Unsupported: raised NotImplementedError('no backward')\n"
-           "[rank0]:   Hint: Your code may result in an error when running in eager.\n"
-           "[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n\n")
-    assert _failure(log) == "torch._dynamo.exc.Unsupported: raised NotImplementedError('no "\
-                            "backward')"
+    log = (
+        "$ python gpu_mfu.py --contender torchtitan+compile\n"
+        "[rank0]: torch._dynamo.exc.Unsupported: raised NotImplementedError('no backward')\n"
+        "[rank0]:   Hint: Your code may result in an error when running in eager.\n"
+        "[rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n\n"
+    )
+    assert (
+        _failure(log) == "torch._dynamo.exc.Unsupported: raised NotImplementedError('no backward')"
+    )
     assert _failure("starting\nkilled by signal 9\n") == "killed by signal 9"

@@ -12,16 +12,17 @@ import yaml
 from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
 from tests.distributed import free_port
 
-SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "launch", "*.sh"))
-                 + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh"))
-                 + glob.glob(os.path.join(ROOT, "bench", "*.sh")))
+SCRIPTS = sorted(
+    glob.glob(os.path.join(ROOT, "launch", "*.sh"))
+    + glob.glob(os.path.join(ROOT, "tests", "slurm", "*.sh"))
+    + glob.glob(os.path.join(ROOT, "bench", "*.sh"))
+)
 
 
 def test_shellcheck_passes_on_every_launcher():
     shellcheck = os.path.join(os.path.dirname(sys.executable), "shellcheck")
     assert len(SCRIPTS) >= 4
-    result = subprocess.run([shellcheck, "-x", *SCRIPTS], cwd=ROOT, capture_output=True,
-                            text=True)
+    result = subprocess.run([shellcheck, "-x", *SCRIPTS], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
@@ -30,8 +31,7 @@ def test_pytorchjob_manifest():
         job = yaml.safe_load(file)
     assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert {role: spec["replicas"] for role, spec in replicas.items()} == {"Master": 1,
-                                                                          "Worker": 1}
+    assert {role: spec["replicas"] for role, spec in replicas.items()} == {"Master": 1, "Worker": 1}
     with open(os.path.join(ROOT, "launch", "k8s", "Dockerfile")) as file:
         dockerfile = file.read()
     (image,) = re.findall(r"docker build .* -t (\S+) \.", dockerfile)
@@ -47,24 +47,42 @@ def test_pytorchjob_manifest():
         assert container["workingDir"] == workdir  # where the image has the repository
 
 
-
-
 def test_two_torchrun_nodes_on_loopback_match_one(shakespeare_data, tmp_path):
     def environment(name: str, **overrides) -> dict[str, str]:
-        return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=8, LOG_INTERVAL=1,
-                                    EVAL_INTERVAL=8, TP=2, SAVE_DIR=tmp_path / name,
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-                                    **overrides)
+        return tiny_gpt_environment(
+            shakespeare_data,
+            TRAIN_ITERS=8,
+            LOG_INTERVAL=1,
+            EVAL_INTERVAL=8,
+            TP=2,
+            SAVE_DIR=tmp_path / name,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=free_port(),
+            **overrides,
+        )
+
     script = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
-    single = subprocess.run(["bash", script], env=environment("one", NPROC_PER_NODE=4),
-                            capture_output=True, text=True, timeout=300)
+    single = subprocess.run(
+        ["bash", script],
+        env=environment("one", NPROC_PER_NODE=4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     assert "TP=2, PP=1, DP=2" in single.stdout
 
     shared = environment("two", NNODES=2, NPROC_PER_NODE=2)
-    nodes = [subprocess.Popen(["bash", script], env=dict(shared, NODE_RANK=str(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            ["bash", script],
+            env=dict(shared, NODE_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     for node, (_, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stderr[-3000:]

@@ -14,34 +14,78 @@ from tests.parity import GPT2_STYLE, TRAINING
 from threefold import megatron_compat
 from threefold.arguments import parse_args
 from threefold.config import TrainingConfig
+from threefold.parallel.parallel_context import ParallelContext
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory_hygiene import MemoryHygiene
 from threefold.training.trainer import Trainer
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "100",
-        "--train-iters", "100"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--train-iters",
+    "100",
+]
 
 
 def test_a_megatron_llama_script_line_parses():
     """The model, parallel and kernel flags of Megatron-LM's examples/llama bf16 script."""
-    config = parse_args(BASE + [
-        "--use-mcore-models", "--group-query-attention", "--num-query-groups", "2",
-        "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent",
-        "1.0", "--swiglu", "--attention-backend", "auto", "--untie-embeddings-and-output-weights",
-        "--disable-bias-linear", "--bf16", "--cross-entropy-loss-fusion",
-        "--context-parallel-size", "1", "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--overlap-param-gather", "--manual-gc", "--empty-unused-memory-level", "1",
-        "--lr-warmup-fraction", ".01", "--log-throughput", "--no-masked-softmax-fusion",
-        "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
-        "--no-create-attention-mask-in-dataloader", "--attention-softmax-in-fp32"])
+    config = parse_args(
+        BASE
+        + [
+            "--use-mcore-models",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "1000000",
+            "--rotary-percent",
+            "1.0",
+            "--swiglu",
+            "--attention-backend",
+            "auto",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--bf16",
+            "--cross-entropy-loss-fusion",
+            "--context-parallel-size",
+            "1",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--manual-gc",
+            "--empty-unused-memory-level",
+            "1",
+            "--lr-warmup-fraction",
+            ".01",
+            "--log-throughput",
+            "--no-masked-softmax-fusion",
+            "--no-bias-dropout-fusion",
+            "--no-gradient-accumulation-fusion",
+            "--no-create-attention-mask-in-dataloader",
+            "--attention-softmax-in-fp32",
+        ]
+    )
     assert config.training.manual_gc and config.training.empty_unused_memory_level == 1
     assert config.training.lr_warmup_iters == pytest.approx(1.0)
 
 
 def test_megatron_llama3_recipe_flags_parse(tmp_path):
     """The non-FP8 flags of Megatron-LM's examples/llama Llama-3 8B H100 recipe, model shrunk."""
-    config = parse_args("""
+    config = parse_args(
+        """
         --use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 128
         --num-attention-heads 8 --group-query-attention --num-query-groups 4 --kv-channels 8
         --seq-length 64 --max-position-embeddings 64 --position-embedding-type rope
@@ -59,7 +103,9 @@ def test_megatron_llama3_recipe_flags_parse(tmp_path):
         --vocab-size 1000 --split 99,1,0 --no-create-attention-mask-in-dataloader
         --num-workers 1 --log-interval 1 --eval-iters 32 --eval-interval 100
         --save-interval 1000 --log-throughput --ckpt-format torch_dist
-        --distributed-timeout-minutes 60""".split() + ["--save", str(tmp_path)])
+        --distributed-timeout-minutes 60""".split()
+        + ["--save", str(tmp_path)]
+    )
     assert not config.parallel.accumulate_allreduce_grads_in_fp32
     assert config.training.calculate_per_token_loss and config.training.decoupled_lr == 5e-4
     assert config.model.apply_layernorm_1p and config.checkpoint.save == str(tmp_path)
@@ -83,7 +129,8 @@ def test_options_refuse_all_but_their_one_supported_value(flag, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
         f"pretrain_gpt.py: error: {flag} {kind(other)}: {why} in threefold; use {supported} "
-        "(Megatron-LM's default) or drop the flag")
+        "(Megatron-LM's default) or drop the flag"
+    )
 
 
 @pytest.mark.parametrize("flag", sorted(megatron_compat.NO_COUNTERPART))
@@ -96,24 +143,27 @@ def test_switches_without_a_counterpart_are_named_at_start_up(flag, capsys):
 
 
 def test_lr_warmup_fraction_is_a_fraction_of_the_decay_iterations(capsys):
-    config = parse_args(BASE + ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10",
-                                "--lr", "1.0"])
+    config = parse_args(
+        BASE + ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10", "--lr", "1.0"]
+    )
     assert config.training.lr_warmup_iters == 2.5
-    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0),
-                                        config.training)
+    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0), config.training)
     assert [scheduler.step() for _ in range(3)] == pytest.approx([0.4, 0.8, 1.0 - 0.5 / 7.5])
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"])
-    assert "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive" in \
-        capsys.readouterr().err
+    assert (
+        "--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive"
+        in capsys.readouterr().err
+    )
 
 
 def test_manual_gc_disables_the_collector_and_collects_on_schedule(monkeypatch):
     collections = []
     monkeypatch.setattr(gc, "collect", lambda *args: collections.append(gc.isenabled()))
     assert gc.isenabled()
-    hygiene = MemoryHygiene(TrainingConfig(manual_gc=True, manual_gc_interval=3),
-                            torch.device("cpu"))
+    hygiene = MemoryHygiene(
+        TrainingConfig(manual_gc=True, manual_gc_interval=3), torch.device("cpu")
+    )
     with hygiene:
         assert not gc.isenabled() and len(collections) == 1
         for iteration in range(1, 8):
@@ -123,8 +173,7 @@ def test_manual_gc_disables_the_collector_and_collects_on_schedule(monkeypatch):
             assert len(collections) == 4
         assert len(collections) == 5
     assert gc.isenabled()
-    off = MemoryHygiene(TrainingConfig(manual_gc=True, manual_gc_eval=False),
-                        torch.device("cpu"))
+    off = MemoryHygiene(TrainingConfig(manual_gc=True, manual_gc_eval=False), torch.device("cpu"))
     with off:
         off.after_iteration(100)  # interval 0: no scheduled collections
         with off.evaluation():
@@ -135,9 +184,20 @@ def test_manual_gc_disables_the_collector_and_collects_on_schedule(monkeypatch):
 def test_the_trainer_runs_under_manual_gc_and_restores_the_collector(monkeypatch):
     collections = []
     monkeypatch.setattr(gc, "collect", lambda *args: collections.append(gc.isenabled()))
-    argv = GPT2_STYLE + TRAINING + ["--train-iters", "4", "--manual-gc", "--manual-gc-interval",
-                                    "2", "--empty-unused-memory-level", "2"]
-    trainer = Trainer(parse_args(argv), torch.device("cpu"))
+    argv = (
+        GPT2_STYLE
+        + TRAINING
+        + [
+            "--train-iters",
+            "4",
+            "--manual-gc",
+            "--manual-gc-interval",
+            "2",
+            "--empty-unused-memory-level",
+            "2",
+        ]
+    )
+    trainer = Trainer(parse_args(argv), torch.device("cpu"), ParallelContext())
     trainer.train()
     # entry, iterations 2 and 4, before and after the evaluation at the last iteration
     assert collections == [False] * 5
@@ -160,37 +220,73 @@ SAMPLES = _without(BASE, "--train-iters") + ["--global-batch-size", "8", "--lr",
 
 def _lrs(argv: list[str], iterations: int) -> list[float]:
     config = parse_args(argv)
-    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0),
-                                        config.training)
-    return [scheduler.iteration_done(config.training.global_batch_size)
-            for _ in range(iterations)]
+    scheduler = OptimizerParamScheduler(torch.optim.SGD([torch.zeros(1)], lr=0), config.training)
+    return [scheduler.iteration_done(config.training.global_batch_size) for _ in range(iterations)]
 
 
 def test_sample_based_training_counts_the_run_and_schedule_in_samples():
     config = parse_args(SAMPLES + ["--train-samples", "100"])
     assert config.training.train_iters == 12 and config.training.lr_decay_samples == 100
     # Whole global batches: the same schedule as in iterations.
-    assert _lrs(SAMPLES + ["--train-samples", "80", "--lr-warmup-samples", "16",
-                           "--lr-decay-samples", "80", "--lr-decay-style", "cosine"], 12) == \
-        pytest.approx(_lrs(SAMPLES + ["--train-iters", "10", "--lr-warmup-iters", "2",
-                                      "--lr-decay-iters", "10", "--lr-decay-style",
-                                      "cosine"], 12))
+    assert _lrs(
+        SAMPLES
+        + [
+            "--train-samples",
+            "80",
+            "--lr-warmup-samples",
+            "16",
+            "--lr-decay-samples",
+            "80",
+            "--lr-decay-style",
+            "cosine",
+        ],
+        12,
+    ) == pytest.approx(
+        _lrs(
+            SAMPLES
+            + [
+                "--train-iters",
+                "10",
+                "--lr-warmup-iters",
+                "2",
+                "--lr-decay-iters",
+                "10",
+                "--lr-decay-style",
+                "cosine",
+            ],
+            12,
+        )
+    )
     # A warm-up of 12 samples ends half-way through the second global batch.
-    assert _lrs(SAMPLES + ["--train-samples", "80", "--lr-warmup-samples", "12"], 2) == \
-        pytest.approx([8 / 12, 1.0 - 4 / 68])
-    assert parse_args(SAMPLES + ["--train-samples", "80", "--lr-warmup-fraction", "0.25"]
-                      ).training.lr_warmup_samples == 20
+    assert _lrs(
+        SAMPLES + ["--train-samples", "80", "--lr-warmup-samples", "12"], 2
+    ) == pytest.approx([8 / 12, 1.0 - 4 / 68])
+    assert (
+        parse_args(
+            SAMPLES + ["--train-samples", "80", "--lr-warmup-fraction", "0.25"]
+        ).training.lr_warmup_samples
+        == 20
+    )
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--train-samples", "80", "--train-iters", "10"],
-     "--train-iters and --train-samples are mutually exclusive"),
-    (["--train-samples", "80", "--lr-decay-iters", "10"],
-     "with --train-samples the LR schedule is in samples"),
-    (["--train-iters", "10", "--lr-warmup-samples", "8"],
-     "--lr-warmup-samples and --lr-decay-samples need --train-samples"),
-    (["--train-samples", "4"], "--train-samples 4 is less than one global batch of 8"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--train-samples", "80", "--train-iters", "10"],
+            "--train-iters and --train-samples are mutually exclusive",
+        ),
+        (
+            ["--train-samples", "80", "--lr-decay-iters", "10"],
+            "with --train-samples the LR schedule is in samples",
+        ),
+        (
+            ["--train-iters", "10", "--lr-warmup-samples", "8"],
+            "--lr-warmup-samples and --lr-decay-samples need --train-samples",
+        ),
+        (["--train-samples", "4"], "--train-samples 4 is less than one global batch of 8"),
+    ],
+)
 def test_sample_based_mistakes_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(SAMPLES + extra)
@@ -199,12 +295,17 @@ def test_sample_based_mistakes_are_refused(extra, message, capsys):
 
 
 def test_a_sample_based_run_trains_its_iterations(capsys):
-    config = parse_args(GPT2_STYLE + _without(TRAINING, "--train-iters", "--lr-warmup-iters") + [
-        "--train-samples", "20", "--lr-warmup-samples", "4", "--log-interval", "1"])
-    Trainer(config, torch.device("cpu")).train()
+    config = parse_args(
+        GPT2_STYLE
+        + _without(TRAINING, "--train-iters", "--lr-warmup-iters")
+        + ["--train-samples", "20", "--lr-warmup-samples", "4", "--log-interval", "1"]
+    )
+    Trainer(config, torch.device("cpu"), ParallelContext()).train()
     lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
     assert [re.search(r"iteration +(\d+)/ +(\d+)", line).groups() for line in lines] == [
-        ("1", "2"), ("2", "2")]
+        ("1", "2"),
+        ("2", "2"),
+    ]
     assert " consumed samples:           16 |" in lines[-1]
 
 
@@ -214,5 +315,7 @@ def test_no_position_embedding_goes_with_rope_only(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(BASE + ["--no-position-embedding"])
     assert exit_info.value.code == 2
-    assert "--no-position-embedding: a model without position information is not " \
-           "implemented" in capsys.readouterr().err
+    assert (
+        "--no-position-embedding: a model without position information is not "
+        "implemented" in capsys.readouterr().err
+    )

@@ -10,29 +10,78 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("nproc,layout,expected", [
-    (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
-     "TP=4, PP=1, DP=1, sequence parallel"),
-    (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-         "--virtual-pipeline-model-parallel-size", "2"], "TP=2, PP=2, DP=2, 2 virtual stages"),
-])
+@pytest.mark.parametrize(
+    "nproc,layout,expected",
+    [
+        (
+            4,
+            ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
+            "TP=4, PP=1, DP=1, sequence parallel",
+        ),
+        (
+            8,
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--virtual-pipeline-model-parallel-size",
+                "2",
+            ],
+            "TP=2, PP=2, DP=2, 2 virtual stages",
+        ),
+    ],
+)
 def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               os.path.join(ROOT, "pretrain_gpt.py"), *layout, "--num-layers", "4",
-               "--hidden-size", "64",
-               "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-               "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3", "--mock-data",
-               "--vocab-size", "500", "--log-interval", "3", "--eval-interval", "6",
-               "--eval-iters", "1", "--distributed-backend", "gloo",
-               "--tensorboard-dir", str(tmp_path / "tb")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *layout,
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "6",
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--vocab-size",
+        "500",
+        "--log-interval",
+        "3",
+        "--eval-interval",
+        "6",
+        "--eval-iters",
+        "1",
+        "--distributed-backend",
+        "gloo",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
     assert len(lines) == 2
-    assert re.match(r" iteration +6/ +6 \| consumed samples: +48 \| elapsed time per iteration "
-                    r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +8 \| "
-                    r"lm loss: [\d.E+-]+ \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of "
-                    r"skipped iterations: +0 \| number of nan iterations: +0 \|", lines[1])
+    assert re.match(
+        r" iteration +6/ +6 \| consumed samples: +48 \| elapsed time per iteration "
+        r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +8 \| "
+        r"lm loss: [\d.E+-]+ \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of "
+        r"skipped iterations: +0 \| number of nan iterations: +0 \|",
+        lines[1],
+    )
     assert expected in result.stdout
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
     assert "validation loss at iteration 6" in result.stdout

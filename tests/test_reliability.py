@@ -22,23 +22,51 @@ from tests.distributed import free_port
 from threefold.training.numerics import SpikyLossDetector
 
 LAUNCHER = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--micro-batch-size", "2", "--mock-data", "--vocab-size", "128",
-        "--eval-iters", "0", "--log-interval", "1", "--distributed-backend", "gloo"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--distributed-backend",
+    "gloo",
+]
 
 
-
-def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (),
-              **environment):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
-               *argv]
+def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (), **environment):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *argv,
+    ]
     start = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                            env={**{k: v for k, v in os.environ.items() if k not in drop},
-                                 **environment})
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if k not in drop}, **environment},
+    )
     return result, time.monotonic() - start
-
 
 
 def _final_parameters(save_dir, tmp_path) -> dict[str, torch.Tensor]:
@@ -57,9 +85,12 @@ def _workers(tag: str, rank: int) -> list[int]:
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if (f"THREEFOLD_TEST_TAG={tag}".encode() in environ and f"RANK={rank}".encode() in environ
-                and b"TORCHELASTIC_RESTART_COUNT=0" in environ
-                and b"LOCAL_RANK=" + str(rank).encode() in environ):
+        if (
+            f"THREEFOLD_TEST_TAG={tag}".encode() in environ
+            and f"RANK={rank}".encode() in environ
+            and b"TORCHELASTIC_RESTART_COUNT=0" in environ
+            and b"LOCAL_RANK=" + str(rank).encode() in environ
+        ):
             pids.append(int(pid))
     return pids
 
@@ -68,18 +99,34 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
     """SIGKILL one rank of a TP=2 x DP=2 run under torchrun --max-restarts 1: the restarted
     workers resume from the newest checkpoint; every iteration's loss and the final parameters
     equal an uninterrupted run's, bitwise."""
+
     def environment(name: str, **extra) -> dict[str, str]:
-        return tiny_gpt_environment(shakespeare_data, TRAIN_ITERS=30, LOG_INTERVAL=1,
-                                    SAVE_INTERVAL=10, EVAL_INTERVAL=30, TP=2, NPROC_PER_NODE=4,
-                                    SAVE_DIR=tmp_path / name, MASTER_PORT=free_port(), **extra)
-    straight = subprocess.run(["bash", LAUNCHER], env=environment("straight"),
-                              capture_output=True, text=True, timeout=300)
+        return tiny_gpt_environment(
+            shakespeare_data,
+            TRAIN_ITERS=30,
+            LOG_INTERVAL=1,
+            SAVE_INTERVAL=10,
+            EVAL_INTERVAL=30,
+            TP=2,
+            NPROC_PER_NODE=4,
+            SAVE_DIR=tmp_path / name,
+            MASTER_PORT=free_port(),
+            **extra,
+        )
+
+    straight = subprocess.run(
+        ["bash", LAUNCHER], env=environment("straight"), capture_output=True, text=True, timeout=300
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     tag = uuid.uuid4().hex
     log = open(tmp_path / "killed.log", "w+")
-    launch = subprocess.Popen(["bash", LAUNCHER], stdout=log, stderr=subprocess.STDOUT,
-                              env=environment("killed", MAX_RESTARTS=1, THREEFOLD_TEST_TAG=tag))
+    launch = subprocess.Popen(
+        ["bash", LAUNCHER],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=environment("killed", MAX_RESTARTS=1, THREEFOLD_TEST_TAG=tag),
+    )
     deadline = time.monotonic() + 240
     while not re.search(r" iteration +15/", open(log.name).read()):
         assert launch.poll() is None and time.monotonic() < deadline, open(log.name).read()
@@ -98,39 +145,73 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
         assert torch.equal(expected[name], actual[name]), name
 
 
-@pytest.mark.parametrize("layout,waits_in", [
-    ([], r"a collective at threefold/parallel/data_parallel\.py:\d+ in finish_grad_sync"),
-    (["--tensor-model-parallel-size", "2"],
-     r"all_reduce at threefold/parallel/mappings\.py:\d+ in _all_reduce"),
-])
+@pytest.mark.parametrize(
+    "layout,waits_in",
+    [
+        ([], r"a collective at threefold/parallel/data_parallel\.py:\d+ in finish_grad_sync"),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            r"all_reduce at threefold/parallel/mappings\.py:\d+ in _all_reduce",
+        ),
+    ],
+)
 def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, waits_in):
     """Rank 1 hangs in forward-backward; DP: rank 0 waits in the gradient all-reduce, TP: in
     the forward's tensor-parallel all-reduce, the same phase as rank 1."""
-    result, seconds = _torchrun(2, TINY + layout + ["--train-iters", "50",
-                                                    "--global-batch-size", "4",
-                                                    "--distributed-timeout-minutes", "0.2"],
-                                THREEFOLD_STALL_AT="1@5")
+    result, seconds = _torchrun(
+        2,
+        TINY
+        + layout
+        + [
+            "--train-iters",
+            "50",
+            "--global-batch-size",
+            "4",
+            "--distributed-timeout-minutes",
+            "0.2",
+        ],
+        THREEFOLD_STALL_AT="1@5",
+    )
     assert result.returncode != 0
     assert seconds < 60
     output = result.stdout + result.stderr
     # Whichever rank's watchdog fires first reports it; torchrun then stops the other.
-    assert re.search(r"threefold watchdog on rank \d: no progress for \d+ s "
-                     r"\(--distributed-timeout-minutes 0\.2\): rank 1 stalled outside any "
-                     r"collective at threefold/training/faults\.py:\d+ in delay "
-                     r"\(forward-backward of iteration 5\); the others wait in " + waits_in,
-                     output), output[-3000:]
+    assert re.search(
+        r"threefold watchdog on rank \d: no progress for \d+ s "
+        r"\(--distributed-timeout-minutes 0\.2\): rank 1 stalled outside any "
+        r"collective at threefold/training/faults\.py:\d+ in delay "
+        r"\(forward-backward of iteration 5\); the others wait in " + waits_in,
+        output,
+    ), output[-3000:]
 
 
 def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
     tag = uuid.uuid4().hex
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
-               *TINY, "--train-iters", "100000", "--global-batch-size", "4",
-               "--distributed-timeout-minutes", "0.2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY,
+        "--train-iters",
+        "100000",
+        "--global-batch-size",
+        "4",
+        "--distributed-timeout-minutes",
+        "0.2",
+    ]
     log = open(tmp_path / "stopped.log", "w+")
-    launch = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, THREEFOLD_TEST_TAG=tag,
-                                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2"))
+    launch = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, THREEFOLD_TEST_TAG=tag, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2"),
+    )
     try:
         deadline = time.monotonic() + 120
         while not re.search(r" iteration +5/", open(log.name).read()):
@@ -144,32 +225,63 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
             os.kill(pid, signal.SIGKILL)
         launch.kill()
     output = open(log.name).read()
-    assert re.search(r"threefold watchdog on rank 0: no progress for \d+ s \(--distributed-"
-                     r"timeout-minutes 0\.2\): rank 1 did not answer \(process stopped, dead "
-                     r"or unreachable\); the others wait in (\w+|a collective) at threefold/",
-                     output), (
-        output[-3000:])
+    assert re.search(
+        r"threefold watchdog on rank 0: no progress for \d+ s \(--distributed-"
+        r"timeout-minutes 0\.2\): rank 1 did not answer \(process stopped, dead "
+        r"or unreachable\); the others wait in (\w+|a collective) at threefold/",
+        output,
+    ), output[-3000:]
 
 
 def test_stragglers_are_reported():
-    result, _ = _torchrun(2, TINY + ["--train-iters", "4", "--global-batch-size", "4",
-                                     "--log-interval", "2", "--log-straggler"],
-                          THREEFOLD_SLOW_RANK="1:0.3")
+    result, _ = _torchrun(
+        2,
+        TINY
+        + [
+            "--train-iters",
+            "4",
+            "--global-batch-size",
+            "4",
+            "--log-interval",
+            "2",
+            "--log-straggler",
+        ],
+        THREEFOLD_SLOW_RANK="1:0.3",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = re.findall(r"stragglers over iterations (\d+)-(\d+): rank (\d+) (\d+) ms",
-                         result.stdout)
+    reports = re.findall(
+        r"stragglers over iterations (\d+)-(\d+): rank (\d+) (\d+) ms", result.stdout
+    )
     assert [(first, last, rank) for first, last, rank, _ in reports] == [
-        ("1", "2", "1"), ("3", "4", "1")], result.stdout
+        ("1", "2", "1"),
+        ("3", "4", "1"),
+    ], result.stdout
     assert all(int(ms) >= 300 for *_, ms in reports)
 
 
 def test_fp16_skips_a_nan_step_and_backs_off():
-    result, _ = _torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2", "--fp16",
-                                     "--initial-loss-scale", "1024", "--hysteresis", "1"],
-                          THREEFOLD_NAN_AT="0@3")
+    result, _ = _torchrun(
+        1,
+        TINY
+        + [
+            "--train-iters",
+            "6",
+            "--global-batch-size",
+            "2",
+            "--fp16",
+            "--initial-loss-scale",
+            "1024",
+            "--hysteresis",
+            "1",
+        ],
+        THREEFOLD_NAN_AT="0@3",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = re.findall(r" iteration +(\d+)/.*?loss scale: (\S+) \|.*?number of skipped "
-                       r"iterations: +(\d+) \| number of nan iterations: +(\d+)", result.stdout)
+    lines = re.findall(
+        r" iteration +(\d+)/.*?loss scale: (\S+) \|.*?number of skipped "
+        r"iterations: +(\d+) \| number of nan iterations: +(\d+)",
+        result.stdout,
+    )
     assert lines[1] == ("2", "1024.0", "0", "0")
     assert lines[2] == ("3", "512.0", "1", "1")  # skipped, scale halved
     assert lines[-1] == ("6", "512.0", "1", "1")
@@ -177,17 +289,35 @@ def test_fp16_skips_a_nan_step_and_backs_off():
 
 def test_check_for_nan_stops_naming_iteration_and_rank_and_keeps_the_checkpoint(tmp_path):
     save = str(tmp_path / "checkpoints")
-    result, _ = _torchrun(2, TINY + ["--train-iters", "8", "--global-batch-size", "4", "--bf16",
-                                     "--check-for-nan-in-loss-and-grad", "--save", save,
-                                     "--save-interval", "2"],
-                          THREEFOLD_NAN_AT="1@5")
+    result, _ = _torchrun(
+        2,
+        TINY
+        + [
+            "--train-iters",
+            "8",
+            "--global-batch-size",
+            "4",
+            "--bf16",
+            "--check-for-nan-in-loss-and-grad",
+            "--save",
+            save,
+            "--save-interval",
+            "2",
+        ],
+        THREEFOLD_NAN_AT="1@5",
+    )
     assert result.returncode != 0
-    assert ("--check-for-nan-in-loss-and-grad: non-finite loss on rank 1 at iteration 5; "
-            f"stopping without saving: the last checkpoint, iteration 4 in {save}, is "
-            "untouched") in result.stderr, result.stderr[-3000:]
+    assert (
+        "--check-for-nan-in-loss-and-grad: non-finite loss on rank 1 at iteration 5; "
+        f"stopping without saving: the last checkpoint, iteration 4 in {save}, is "
+        "untouched"
+    ) in result.stderr, result.stderr[-3000:]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     assert sorted(n for n in os.listdir(save) if n != ".threefold.lock") == [
-        "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+        "iter_0000002",
+        "iter_0000004",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_spiky_loss_detector_names_the_batch():
@@ -195,29 +325,52 @@ def test_spiky_loss_detector_names_the_batch():
     for iteration in range(1, 8):
         assert detector.observe(2.0, iteration, (iteration - 1) * 8, 8) is None
     report = detector.observe(9.0, 8, 56, 8)
-    assert report == ("  spiky loss at iteration 8: lm loss 9.000000E+00 is 4.5x the mean of "
-                      "the last 7 iterations (--spiky-loss-factor 3); global batch 7, samples "
-                      "56 to 63")
+    assert report == (
+        "  spiky loss at iteration 8: lm loss 9.000000E+00 is 4.5x the mean of "
+        "the last 7 iterations (--spiky-loss-factor 3); global batch 7, samples "
+        "56 to 63"
+    )
     assert detector.observe(2.1, 9, 64, 8) is None  # the spike stayed out of the mean
 
 
 def test_wandb_offline_and_plot_logs_from_a_real_log(tmp_path):
     # No credentials and no WANDB_MODE: threefold chooses offline itself.
     environment = {"HOME": str(tmp_path), "WANDB_SILENT": "true"}
-    result, _ = _torchrun(1, TINY + ["--train-iters", "6", "--global-batch-size", "2",
-                                     "--eval-interval", "3", "--eval-iters", "1",
-                                     "--wandb-project", "threefold-test", "--wandb-exp-name",
-                                     "tiny", "--wandb-save-dir", str(tmp_path / "wb")],
-                          drop=("WANDB_MODE", "WANDB_API_KEY"), **environment)
+    result, _ = _torchrun(
+        1,
+        TINY
+        + [
+            "--train-iters",
+            "6",
+            "--global-batch-size",
+            "2",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+            "--wandb-project",
+            "threefold-test",
+            "--wandb-exp-name",
+            "tiny",
+            "--wandb-save-dir",
+            str(tmp_path / "wb"),
+        ],
+        drop=("WANDB_MODE", "WANDB_API_KEY"),
+        **environment,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no W&B credentials; logging offline" in result.stdout
     (run_dir,) = [d for d in os.listdir(tmp_path / "wb" / "wandb") if d.startswith("offline-run")]
-    (records,) = [f for f in os.listdir(tmp_path / "wb" / "wandb" / run_dir)
-                  if f.endswith(".wandb")]
+    (records,) = [
+        f for f in os.listdir(tmp_path / "wb" / "wandb" / run_dir) if f.endswith(".wandb")
+    ]
     data = open(tmp_path / "wb" / "wandb" / run_dir / records, "rb").read()
     # History items are protobuf key/value_json pairs: the key, field 16, a length, the value.
-    logged = {float(m.group(2)) for m in re.finditer(rb"lm loss\x82\x01(.)([-0-9.e]+)", data)
-              if len(m.group(2)) == m.group(1)[0]}
+    logged = {
+        float(m.group(2))
+        for m in re.finditer(rb"lm loss\x82\x01(.)([-0-9.e]+)", data)
+        if len(m.group(2)) == m.group(1)[0]
+    }
     printed = [float(v) for v in logged_losses(result.stdout)["train"].values()]
     assert len(printed) == 6
     for value in printed:  # the log prints 7 significant digits
@@ -230,9 +383,22 @@ def test_wandb_offline_and_plot_logs_from_a_real_log(tmp_path):
     other = tmp_path / "other.log"  # a second run to compare: every other line of the first
     other.write_text("\n".join(result.stdout.splitlines()[::2]))
     png = tmp_path / "plot.png"
-    plotted = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"),
-                              str(log), str(other), "--labels", "run", "half", "--output",
-                              str(png)], capture_output=True, text=True, timeout=120)
+    plotted = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "plot_logs.py"),
+            str(log),
+            str(other),
+            "--labels",
+            "run",
+            "half",
+            "--output",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plotted.returncode == 0, plotted.stderr
     image = Image.open(png)
     image.verify()

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from threefold.parallel.mappings import gather_from_tensor_parallel_region
+from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], max_new_tokens: int, context_length: int,
-             eod: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0) -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    context_length: int,
+    eod: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[int]:
     """Continue `prompt_ids`; greedy when temperature is 0. Recomputes the whole (cropped)
     context each step: simple and exact, fine for the short samples it is used for."""
     model.eval()
@@ -23,7 +30,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, context_length: 
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-context_length:]], device=device)
-        logits = gather_from_tensor_parallel_region(model(context)[-1, 0])
+        logits = gather_from_tensor_parallel_region(model(context)[-1, 0], model.tp)
         logits = logits[: model.vocab_size].float().cpu()
         if temperature <= 0:
             next_id = int(logits.argmax())
@@ -37,7 +44,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, context_length: 
         ids.append(next_id)
         if eod is not None and next_id == eod:
             break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @torch.no_grad()
@@ -48,7 +55,7 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, context_length):
-        window = ids[start:start + context_length + 1]
+        window = ids[start : start + context_length + 1]
         if len(window) < 2:
             break
         tokens = torch.tensor([window[:-1]], device=device)

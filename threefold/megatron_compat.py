@@ -21,6 +21,10 @@ ALIASES = {
     "--recompute-activations": ("model.recompute_granularity", "selective"),
     "--use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
     "--use-torch-fsdp2": ("parallel.distributed_strategy", "fsdp"),
+    "--use-flash-attn": ("kernels.attention_backend", "flash"),
+    # threefold's default already (the chunked cross-entropy); --no-cross-entropy-loss-fusion
+    # selects the one-shot reference.
+    "--cross-entropy-loss-fusion": ("kernels.cross_entropy_loss_fusion", True),
 }
 
 # flag -> (type, the one supported value, why no other)
@@ -28,53 +32,72 @@ ONLY_DEFAULT = {
     "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
     "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
-    "--ckpt-format": (str, "torch_dist", "checkpoints are always torch.distributed.checkpoint "
-                                         "shards (with threefold's own keys, docs/checkpoints.md)"),
+    "--ckpt-format": (
+        str,
+        "torch_dist",
+        "checkpoints are always torch.distributed.checkpoint "
+        "shards (with threefold's own keys, docs/checkpoints.md)",
+    ),
 }
 
 # flag -> why it changes nothing here
 NO_COUNTERPART = {
     "--use-mcore-models": "threefold's model is built on megatron-core's process groups already",
     "--no-masked-softmax-fusion": "attention runs in SDPA or Transformer Engine kernels; there "
-                                  "is no separate masked-softmax kernel",
+    "is no separate masked-softmax kernel",
     "--no-bias-dropout-fusion": "bias, dropout and residual add are separate ops here",
     "--no-gradient-accumulation-fusion": "weight gradients are added to the gradient buffer by "
-                                         "a separate add, not inside the GEMM",
+    "a separate add, not inside the GEMM",
     "--no-persist-layer-norm": "apex's persistent layer-norm kernel is not used",
     "--no-async-tensor-model-parallel-allreduce": "tensor-parallel all-reduces are synchronous",
     "--attention-softmax-in-fp32": "SDPA and the reference attention accumulate the softmax in "
-                                   "fp32 already",
+    "fp32 already",
     "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
-                                                "carry a mask only for --reset-attention-mask",
+    "carry a mask only for --reset-attention-mask",
     "--auto-detect-ckpt-format": "threefold reads and writes one checkpoint format",
     "--ckpt-fully-parallel-save": "torch.distributed.checkpoint already writes each tensor that "
-                                  "data-parallel replicas share once, from the replica with the "
-                                  "least to write, so the replicas share the writing",
+    "data-parallel replicas share once, from the replica with the "
+    "least to write, so the replicas share the writing",
     "--use-cpu-initialization": "parameters are always initialized on the CPU (from --seed, "
-                                "the same in every layout) and then moved to the device",
+    "the same in every layout) and then moved to the device",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
-                               "chunks of tokens, never holding the whole fp32 logits)",
-    "--log-loss-scale-to-tensorboard": "the loss scale is always written with "
-                                       "--tensorboard-dir",
+    "chunks of tokens, never holding the whole fp32 logits)",
+    "--log-loss-scale-to-tensorboard": "the loss scale is always written with --tensorboard-dir",
     "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
-                                           "--tensorboard-dir",
+    "--tensorboard-dir",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
-                                   "on CUDA",
+    "on CUDA",
 }
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron-LM compatibility (threefold/megatron_compat.py)")
     for flag, (dest, value) in ALIASES.items():
-        group.add_argument(flag, dest=dest, action="store_const", const=value,
-                           default=argparse.SUPPRESS, help=f"alias of {dest}={value}")
+        group.add_argument(
+            flag,
+            dest=dest,
+            action="store_const",
+            const=value,
+            default=argparse.SUPPRESS,
+            help=f"alias of {dest}={value}",
+        )
     for flag, (kind, value, why) in ONLY_DEFAULT.items():
-        group.add_argument(flag, dest=_dest(flag), type=kind, default=argparse.SUPPRESS,
-                           help=f"only {value}: {why}")
+        group.add_argument(
+            flag,
+            dest=_dest(flag),
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"only {value}: {why}",
+        )
     for flag, why in NO_COUNTERPART.items():
-        group.add_argument(flag, dest=_dest(flag), action="store_true",
-                           default=argparse.SUPPRESS, help=f"no effect: {why}")
+        group.add_argument(
+            flag,
+            dest=_dest(flag),
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help=f"no effect: {why}",
+        )
 
 
 def _dest(flag: str) -> str:
@@ -92,8 +115,10 @@ def check(given: dict[str, object]) -> list[str]:
         if flag in ONLY_DEFAULT:
             _, supported, why = ONLY_DEFAULT[flag]
             if value != supported:
-                raise ConfigError(f"{flag} {value}: {why} in threefold; use {supported} "
-                                  "(Megatron-LM's default) or drop the flag")
+                raise ConfigError(
+                    f"{flag} {value}: {why} in threefold; use {supported} "
+                    "(Megatron-LM's default) or drop the flag"
+                )
         else:
             notes.append(f"{flag} has no effect: {NO_COUNTERPART[flag]}")
     return notes

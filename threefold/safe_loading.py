@@ -29,8 +29,15 @@ from threefold.config import ConfigError
 # What DCP's metadata pickle may name, module by module (torch 2.5 to 2.13 write these).
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
     "torch.serialization": {"_get_layout"},
@@ -55,8 +62,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeFileError(f"{self.path}: refused to load: it asks to run {module}.{name}, "
-                              "which a checkpoint's metadata never needs (a tampered file?)")
+        raise UnsafeFileError(
+            f"{self.path}: refused to load: it asks to run {module}.{name}, "
+            "which a checkpoint's metadata never needs (a tampered file?)"
+        )
 
 
 def load_dcp_metadata(path: str):
@@ -68,8 +77,9 @@ def load_dcp_metadata(path: str):
         except UnsafeFileError:
             raise
         except Exception as error:  # truncated or not a pickle at all
-            raise UnsafeFileError(f"{path}: not a readable checkpoint index "
-                                  f"({type(error).__name__}: {error})") from None
+            raise UnsafeFileError(
+                f"{path}: not a readable checkpoint index ({type(error).__name__}: {error})"
+            ) from None
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -99,8 +109,9 @@ def load_tensors_file(path: str) -> dict:
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else "unpickling"
-        raise UnsafeFileError(f"{path}: refused to load: it holds more than tensors and "
-                              f"numbers ({first[:160]})") from None
+        raise UnsafeFileError(
+            f"{path}: refused to load: it holds more than tensors and numbers ({first[:160]})"
+        ) from None
     except (RuntimeError, EOFError, OSError) as error:
         raise UnsafeFileError(f"{path}: not a readable state file ({error})") from None
 
@@ -111,14 +122,21 @@ def check_npy_file(path: str) -> None:
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
-            header = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                      else np.lib.format.read_array_header_2_0(f))
+            header = (
+                np.lib.format.read_array_header_1_0(f)
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0(f)
+            )
         except ValueError:
-            raise UnsafeFileError(f"{path}: refused: not a numpy .npy file (megatron-core would "
-                                  "unpickle it); delete it so the cache is rebuilt") from None
+            raise UnsafeFileError(
+                f"{path}: refused: not a numpy .npy file (megatron-core would "
+                "unpickle it); delete it so the cache is rebuilt"
+            ) from None
     if header[2].hasobject:
-        raise UnsafeFileError(f"{path}: refused: holds Python objects (megatron-core would "
-                              "unpickle them); delete it so the cache is rebuilt")
+        raise UnsafeFileError(
+            f"{path}: refused: holds Python objects (megatron-core would "
+            "unpickle them); delete it so the cache is rebuilt"
+        )
 
 
 def check_npy_cache(directory: str) -> None:

@@ -1,6 +1,6 @@
 """Everything a run reads from disk, checked before any process group, model or dataset exists:
 tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load. Together with the
-configs' own checks (threefold/config.py) a mistake ends the run within a second or two, as one
+configs' own checks (threefold/config/) a mistake ends the run within a second or two, as one
 line naming the flag and the file, with exit code 2 — not minutes later on hundreds of ranks.
 
 A `--vocab-size` below the tokenizer's and token ids outside the vocabulary are checked here too,
@@ -26,6 +26,7 @@ def _readable(path: str, flag: str, kind: str = "file") -> None:
 
 def data_prefixes(paths: list[str], flag: str) -> list[str]:
     """The prefixes of `PREFIX` or `WEIGHT PREFIX WEIGHT PREFIX ...` (Megatron's blend)."""
+
     def is_number(text: str) -> bool:
         try:
             float(text)
@@ -37,8 +38,9 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
         return paths
     weights, prefixes = paths[0::2], paths[1::2]
     if len(paths) % 2 or not all(map(is_number, weights)) or any(map(is_number, prefixes)):
-        raise ConfigError(f"{flag} {' '.join(paths)}: give PREFIX, or WEIGHT PREFIX WEIGHT "
-                          "PREFIX ...")
+        raise ConfigError(
+            f"{flag} {' '.join(paths)}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ..."
+        )
     if any(float(weight) < 0 for weight in weights) or sum(map(float, weights)) <= 0:
         raise ConfigError(f"{flag}: blending weights must be non-negative with a positive sum")
     return prefixes
@@ -55,21 +57,29 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         index_cache_directories,
     )
 
-    if (config.kernels.transformer_impl == "transformer_engine"
-            and importlib.util.find_spec("transformer_engine") is None):
-        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not "
-                          "installed; install it on a GPU machine or pass --transformer-impl "
-                          "local")
+    if (
+        config.kernels.transformer_impl == "transformer_engine"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        raise ConfigError(
+            "--transformer-impl transformer_engine: Transformer Engine is not "
+            "installed; install it on a GPU machine or pass --transformer-impl "
+            "local"
+        )
     data = config.data
     if data.tokenizer_type == "SentencePieceTokenizer":
         _readable(data.tokenizer_model, "--tokenizer-model")
     elif data.tokenizer_type == "HuggingFaceTokenizer":
         _readable(data.tokenizer_model, "--tokenizer-model", "directory")
-        if not any(os.path.isfile(os.path.join(data.tokenizer_model, name))
-                   for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            raise ConfigError(f"--tokenizer-model {data.tokenizer_model}: holds no "
-                              "tokenizer.json or tokenizer_config.json; give a Hugging Face "
-                              "tokenizer directory")
+        if not any(
+            os.path.isfile(os.path.join(data.tokenizer_model, name))
+            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+        ):
+            raise ConfigError(
+                f"--tokenizer-model {data.tokenizer_model}: holds no "
+                "tokenizer.json or tokenizer_config.json; give a Hugging Face "
+                "tokenizer directory"
+            )
     elif data.tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
             if path is None:
@@ -80,14 +90,17 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 
         if data.tokenizer_type or config.model.vocab_size is not None:
-            vocab_size = model_vocab_size(build_tokenizer(data, config.model.vocab_size),
-                                          config.model.vocab_size)
+            vocab_size = model_vocab_size(
+                build_tokenizer(data, config.model.vocab_size), config.model.vocab_size
+            )
     if indexed_data:
         prefixes = []
-        for flag, paths in (("--data-path", data.data_path),
-                            ("--train-data-path", data.train_data_path),
-                            ("--valid-data-path", data.valid_data_path),
-                            ("--test-data-path", data.test_data_path)):
+        for flag, paths in (
+            ("--data-path", data.data_path),
+            ("--train-data-path", data.train_data_path),
+            ("--valid-data-path", data.valid_data_path),
+            ("--test-data-path", data.test_data_path),
+        ):
             for prefix in data_prefixes(paths, flag) if paths else []:
                 if vocab_size is None:
                     check_index(prefix, flag)
@@ -95,8 +108,13 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
                     check_prefix(prefix, vocab_size, flag)
                 # Before megatron-core can loop forever on an empty split.
                 whole = flag != "--data-path"
-                check_split(prefix, [1.0] if whole else data.split_weights(),
-                            config.model.seq_length, flag, None if whole else "--split")
+                check_split(
+                    prefix,
+                    [1.0] if whole else data.split_weights(),
+                    config.model.seq_length,
+                    flag,
+                    None if whole else "--split",
+                )
                 prefixes.append(prefix)
         for directory in index_cache_directories(data.data_cache_path, prefixes):
             check_index_cache(directory)
@@ -104,6 +122,6 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     load = config.checkpoint.load
     if load is not None and os.path.isdir(load):
-        from threefold.checkpoint_args import read_tracker
+        from threefold.checkpoint.files import read_tracker
 
         read_tracker(load)  # names the tracker when it holds no iteration number

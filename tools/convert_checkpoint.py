@@ -10,7 +10,7 @@ tokenizer files, which travel along (into the threefold checkpoint's tokenizer/ 
 back). threefold side: a weights-only checkpoint at TP = PP = 1 (train or fine-tune from it with
 --finetune; it loads into any layout); exports read threefold checkpoints of any layout.
 Supported: Llama 2/3 (and SmolLM-style tied embeddings), Mistral, Qwen2, GPT-2; see
-threefold/hf_conversion.py.
+threefold/checkpoint/hf/.
 """
 
 from __future__ import annotations
@@ -25,26 +25,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from threefold.checkpointing import (  # noqa: E402
-    checkpoint_dir,
-    find_checkpoint,
-    load_model,
-    read_metadata,
-    save_weights_checkpoint,
-)
-from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
-from threefold.hf_conversion import (  # noqa: E402
+from threefold.checkpoint.files import checkpoint_dir, read_metadata  # noqa: E402
+from threefold.checkpoint.hf import (  # noqa: E402
     hf_config_from_model_config,
     hf_to_threefold,
     model_config_from_hf,
     threefold_to_hf,
 )
+from threefold.checkpoint.load import find_checkpoint, load_model  # noqa: E402
+from threefold.checkpoint.save import save_weights_checkpoint  # noqa: E402
+from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
 from threefold.model.lora import merged_weights  # noqa: E402
-from threefold.parallel.sharding import gather_tensor_parallel  # noqa: E402
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
@@ -57,8 +61,10 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise ConfigError(f"--load-dir {directory}: no model.safetensors or "
-                          "model.safetensors.index.json (safetensors checkpoints only)")
+        raise ConfigError(
+            f"--load-dir {directory}: no model.safetensors or "
+            "model.safetensors.index.json (safetensors checkpoints only)"
+        )
     weights: dict[str, torch.Tensor] = {}
     for name in files:
         weights.update(load_file(os.path.join(directory, name)))
@@ -95,24 +101,36 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
     if tokenizer_files(load_dir):  # copied into the checkpoint as it is written
         config.data.tokenizer_type = "HuggingFaceTokenizer"
         config.data.tokenizer_model = os.path.join(checkpoint_dir(save_dir, 0), "tokenizer")
-    hf = {"architecture": architecture, "dtype": dtypes.pop() if len(dtypes) == 1
-          else "float32", "config": hf_config}
+    hf = {
+        "architecture": architecture,
+        "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
+        "config": hf_config,
+    }
     return save_weights_checkpoint(
-        save_dir, config, tensors, extra_metadata={"hf": hf},
-        add_files=lambda path: copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")))
+        save_dir,
+        config,
+        tensors,
+        extra_metadata={"hf": hf},
+        add_files=lambda path: copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")),
+    )
 
 
 def _guess_architecture(model: ModelConfig) -> str:
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"
-    if model.normalization == "RMSNorm" and model.swiglu and (
-            model.position_embedding_type == "rope"):
+    if (
+        model.normalization == "RMSNorm"
+        and model.swiglu
+        and (model.position_embedding_type == "rope")
+    ):
         if model.qk_layernorm:
             return "Qwen3ForCausalLM"
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
-    raise ConfigError("this threefold model matches no Hugging Face architecture threefold "
-                      "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3: "
-                      "RMSNorm + SwiGLU + RoPE)")
+    raise ConfigError(
+        "this threefold model matches no Hugging Face architecture threefold "
+        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3: "
+        "RMSNorm + SwiGLU + RoPE)"
+    )
 
 
 def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) -> str:
@@ -128,7 +146,7 @@ def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) 
     state = {}
     for name, param in model.named_parameters():
         name = model.layout_independent_name(name)
-        state[name] = gather_tensor_parallel(param.detach(), param)
+        state[name] = gather_tensor_parallel(param.detach(), param, model.tp)
     if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
         state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
     tensors = threefold_to_hf(state, config.model, architecture)
@@ -143,21 +161,25 @@ def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) 
             hf_config[key] = hf["config"][key]
     with open(os.path.join(save_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"),
-                         save_dir)
+    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), save_dir)
     return save_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--loader", required=True, choices=["hf", "threefold"])
     parser.add_argument("--saver", required=True, choices=["hf", "threefold"])
     parser.add_argument("--load-dir", required=True)
     parser.add_argument("--save-dir", required=True)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        help="dtype of exported HF weights (default: what was imported, or "
-                             "float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of exported HF weights (default: what was imported, or float32)",
+    )
     args = parser.parse_args(argv)
     try:
         if (args.loader, args.saver) == ("hf", "threefold"):
@@ -165,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         elif (args.loader, args.saver) == ("threefold", "hf"):
             path = threefold_to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype)
         else:
-            raise ConfigError(f"--loader {args.loader} --saver {args.saver}: convert between "
-                              "hf and threefold")
+            raise ConfigError(
+                f"--loader {args.loader} --saver {args.saver}: convert between hf and threefold"
+            )
     except ConfigError as error:
         parser.exit(2, f"convert_checkpoint.py: error: {error}\n")
     print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")

@@ -24,10 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import build_parser, config_from_namespace, parse_args  # noqa: E402
 from threefold.config import Config  # noqa: E402
-from threefold.training.memory_estimate import (  # noqa: E402
-    estimate_stage,
-    parameter_count,
-)
+from threefold.training.memory_estimate import estimate_stage, parameter_count  # noqa: E402
 
 GIB = 2**30
 
@@ -35,38 +32,55 @@ GIB = 2**30
 def format_estimate(config: Config, device_memory_gib: float | None = None) -> str:
     parallel = config.parallel
     count = parameter_count(config.model, config.model.padded_vocab_size(1))
-    optimizer = ("distributed optimizer" if parallel.use_distributed_optimizer
-                 else "replicated optimizer")
-    lines = [f"model: {count / 1e9:.2f}B parameters; layout: "
-             f"TP={parallel.tensor_model_parallel_size} "
-             f"PP={parallel.pipeline_model_parallel_size} DP={parallel.data_parallel_size}, "
-             f"{parallel.distributed_strategy}, {optimizer}, {config.training.params_dtype_name}",
-             "stage  params GiB  grads GiB  optimizer GiB  activations GiB (micro-batches)  "
-             "total GiB"]
+    optimizer = (
+        "distributed optimizer" if parallel.use_distributed_optimizer else "replicated optimizer"
+    )
+    lines = [
+        f"model: {count / 1e9:.2f}B parameters; layout: "
+        f"TP={parallel.tensor_model_parallel_size} "
+        f"PP={parallel.pipeline_model_parallel_size} DP={parallel.data_parallel_size}, "
+        f"{parallel.distributed_strategy}, {optimizer}, {config.training.params_dtype_name}",
+        "stage  params GiB  grads GiB  optimizer GiB  activations GiB (micro-batches)  total GiB",
+    ]
     for stage in range(parallel.pipeline_model_parallel_size):
         e = estimate_stage(config, stage)
         fits = ""
         if device_memory_gib is not None:
             fits = "  fits" if e.total / GIB <= device_memory_gib else "  DOES NOT FIT"
-        lines.append(f"{stage:>5}  {e.parameters / GIB:>10.2f}  {e.gradients / GIB:>9.2f}  "
-                     f"{e.optimizer / GIB:>13.2f}  {e.activations / GIB:>15.2f} "
-                     f"({e.micro_batches_in_flight:>2})            {e.total / GIB:>9.2f}{fits}")
+        lines.append(
+            f"{stage:>5}  {e.parameters / GIB:>10.2f}  {e.gradients / GIB:>9.2f}  "
+            f"{e.optimizer / GIB:>13.2f}  {e.activations / GIB:>15.2f} "
+            f"({e.micro_batches_in_flight:>2})            {e.total / GIB:>9.2f}{fits}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, add_help=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of devices (default: TP x PP, i.e. DP=1)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
-                        help="say whether each stage fits in this much device memory")
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        allow_abbrev=False,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of devices (default: TP x PP, i.e. DP=1)",
+    )
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="say whether each stage fits in this much device memory",
+    )
     own, rest = parser.parse_known_args(argv)
     if "--mock-data" not in rest and "--data-path" not in rest:
         rest.append("--mock-data")  # the estimate needs no data
     if own.world_size is None:  # DP=1: the flags' TP x PP, before validation
-        own.world_size = config_from_namespace(build_parser().parse_args(rest)) \
-            .parallel.model_parallel_size
+        own.world_size = config_from_namespace(
+            build_parser().parse_args(rest)
+        ).parallel.model_parallel_size
     config = parse_args(rest, world_size=own.world_size)
     print(format_estimate(config, own.gpu_memory_gib))
     return 0

@@ -13,15 +13,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.checkpointing import load_model  # noqa: E402
+from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -29,17 +32,24 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    device = state.initialize_for_inference()
+    device, parallel = state.initialize_for_inference()
     try:
-        config, model, tokenizer = load_model(args.load, device)
+        config, model, tokenizer = load_model(args.load, device, parallel=parallel)
         if tokenizer is None:
             raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
     except ConfigError as error:
         parser.exit(2, f"generate.py: error: {error}\n")
-    new_ids = generate(model, tokenizer.tokenize(args.prompt), args.max_new_tokens,
-                       config.model.seq_length, tokenizer.eod, args.temperature, args.top_p,
-                       args.seed)
-    if state.global_rank() == 0:
+    new_ids = generate(
+        model,
+        tokenizer.tokenize(args.prompt),
+        args.max_new_tokens,
+        config.model.seq_length,
+        tokenizer.eod,
+        args.temperature,
+        args.top_p,
+        args.seed,
+    )
+    if parallel.world.rank == 0:
         print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
     state.destroy_model_parallel()
     return 0

@@ -19,10 +19,15 @@ import sys
 
 ITERATION = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: (\S+) \|.*?lm loss: (\S+) \|"
-    r".*?tokens per second: (\S+) \|")
+    r".*?tokens per second: (\S+) \|"
+)
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
-PANELS = [("lm loss", "training loss"), ("validation loss", "validation loss"),
-          ("learning rate", "learning rate"), ("tokens per second", "tokens per second")]
+PANELS = [
+    ("lm loss", "training loss"),
+    ("validation loss", "validation loss"),
+    ("learning rate", "learning rate"),
+    ("tokens per second", "tokens per second"),
+]
 
 
 def parse_log(path: str) -> dict[str, dict[int, float]]:
@@ -32,8 +37,9 @@ def parse_log(path: str) -> dict[str, dict[int, float]]:
         for line in file:
             if match := ITERATION.search(line):
                 iteration = int(match.group(1))
-                for name, text in zip(("learning rate", "lm loss", "tokens per second"),
-                                      match.groups()[1:]):
+                for name, text in zip(
+                    ("learning rate", "lm loss", "tokens per second"), match.groups()[1:]
+                ):
                     series[name][iteration] = float(text)
             elif match := VALIDATION.search(line):
                 series["validation loss"][int(match.group(1))] = float(match.group(2))
@@ -46,10 +52,10 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    panels = [(name, title) for name, title in PANELS
-              if any(run[name] for run in runs.values())]
-    figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.8 * len(panels)), sharex=True,
-                                squeeze=False)
+    panels = [(name, title) for name, title in PANELS if any(run[name] for run in runs.values())]
+    figure, axes = plt.subplots(
+        len(panels), 1, figsize=(8, 2.8 * len(panels)), sharex=True, squeeze=False
+    )
     summary = {}
     for axis, (name, title) in zip(axes[:, 0], panels):
         for label, run in runs.items():

@@ -1,6 +1,6 @@
 """Write the embedded default corpus (Shakespeare's plays, one scene per line) as JSONL.
 
-    python tools/prepare_default_corpus.py --output data/shakespeare.jsonl
+python tools/prepare_default_corpus.py --output data/shakespeare.jsonl
 """
 
 import argparse
@@ -18,8 +18,9 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     count = write_jsonl(default_corpus_documents(), args.output)
-    print(f"wrote {count} documents to {args.output} "
-          f"({os.path.getsize(args.output) / 2**20:.1f} MiB)")
+    print(
+        f"wrote {count} documents to {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -63,14 +63,25 @@ def _bounded_imap(pool, documents, workers: int, chunk: int = 64):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", required=True, help="JSONL file, or text with a document "
-                                                       "per line")
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--input", required=True, help="JSONL file, or text with a document per line"
+    )
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--tokenizer-type", required=True,
-                        choices=["SentencePieceTokenizer", "HuggingFaceTokenizer",
-                                 "GPT2BPETokenizer", "NullTokenizer"])
+    parser.add_argument(
+        "--tokenizer-type",
+        required=True,
+        choices=[
+            "SentencePieceTokenizer",
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "NullTokenizer",
+        ],
+    )
     parser.add_argument("--tokenizer-model", help="sentencepiece file or HF tokenizer dir")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
@@ -78,11 +89,15 @@ def main() -> None:
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--log-interval", type=int, default=1000,
-                        help="print progress every this many documents")
-    parser.add_argument("--skip-bad-records", action="store_true",
-                        help="report each malformed record (file:line) and go on, instead of "
-                             "stopping at the first; the count is printed at the end")
+    parser.add_argument(
+        "--log-interval", type=int, default=1000, help="print progress every this many documents"
+    )
+    parser.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="report each malformed record (file:line) and go on, instead of "
+        "stopping at the first; the count is printed at the end",
+    )
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
@@ -91,9 +106,12 @@ def main() -> None:
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    data_config = DataConfig(tokenizer_type=args.tokenizer_type,
-                             tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                             merge_file=args.merge_file)
+    data_config = DataConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+    )
     try:
         tokenizer = build_tokenizer(data_config, args.vocab_size)
     except ConfigError as error:
@@ -104,28 +122,36 @@ def main() -> None:
     # Written aside and renamed over the outputs only once complete: a failure (bad input,
     # full disk, Ctrl-C) leaves an earlier good .bin/.idx pair as it was.
     temporary = {key: f"{prefix}.tmp.{os.getpid()}" for key, prefix in prefixes.items()}
-    builders = {key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype)
-                for key in prefixes}
+    builders = {
+        key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype) for key in prefixes
+    }
     try:
         count, total_tokens, bad, elapsed, total_bytes = _tokenize(
-            args, data_config, builders, DType.optimal_dtype(tokenizer.vocab_size))
+            args, data_config, builders, DType.optimal_dtype(tokenizer.vocab_size)
+        )
         for key, builder in builders.items():
             builder.finalize(temporary[key] + ".idx")
         for key, prefix in prefixes.items():
             for suffix in (".idx", ".bin"):
                 os.replace(temporary[key] + suffix, prefix + suffix)
     except ValueError as error:  # a bad record, without --skip-bad-records
-        parser.exit(2, f"preprocess_data.py: error: {error}; fix it or pass "
-                       "--skip-bad-records (nothing was written)\n")
+        parser.exit(
+            2,
+            f"preprocess_data.py: error: {error}; fix it or pass "
+            "--skip-bad-records (nothing was written)\n",
+        )
     finally:
         for path in temporary.values():
             for suffix in (".bin", ".idx"):
                 if os.path.exists(path + suffix):
                     os.remove(path + suffix)
     skipped = f", skipped {bad} bad records" if bad else ""
-    print(f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "
-          f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s){skipped}; "
-          "wrote " + ", ".join(p + ".bin/.idx" for p in prefixes.values()), flush=True)
+    print(
+        f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "
+        f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} MB/s){skipped}; "
+        "wrote " + ", ".join(p + ".bin/.idx" for p in prefixes.values()),
+        flush=True,
+    )
 
 
 def _tokenize(args, data_config: DataConfig, builders: dict, dtype) -> tuple:
@@ -137,8 +163,9 @@ def _tokenize(args, data_config: DataConfig, builders: dict, dtype) -> tuple:
         bad.append(message)
         print(f"preprocess_data.py: skipped {message}", file=sys.stderr, flush=True)
 
-    documents = read_documents(args.input, args.json_keys,
-                               report if args.skip_bad_records else None)
+    documents = read_documents(
+        args.input, args.json_keys, report if args.skip_bad_records else None
+    )
     initargs = (data_config, args.vocab_size, args.append_eod, dtype)
     if args.workers > 1:
         pool = multiprocessing.Pool(args.workers, _init_worker, initargs)
@@ -162,9 +189,12 @@ def _tokenize(args, data_config: DataConfig, builders: dict, dtype) -> tuple:
                 reported_bytes = total_bytes
                 elapsed = time.time() - start
                 done = min(total_bytes / input_size, 1.0)  # text bytes: close to the file's
-                print(f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
-                      f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} "
-                      "MB/s)", flush=True)
+                print(
+                    f"[{'#' * int(done * 20):<20}] ~{done:.0%} processed {count} documents "
+                    f"({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 2**20:.2f} "
+                    "MB/s)",
+                    flush=True,
+                )
     finally:
         if pool is not None:
             pool.terminate()

@@ -15,23 +15,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.checkpointing import load_model  # noqa: E402
+from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference import score  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--input", required=True, help="a UTF-8 text file")
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
-    device = state.initialize_for_inference()
+    device, parallel = state.initialize_for_inference()
     try:
-        config, model, tokenizer = load_model(args.load, device)
+        config, model, tokenizer = load_model(args.load, device, parallel=parallel)
         if tokenizer is None:
             raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
         with open(args.input, encoding="utf-8") as f:
@@ -39,9 +42,11 @@ def main() -> int:
         loss, count = score(model, ids, config.model.seq_length)
     except (ConfigError, ValueError) as error:
         parser.exit(2, f"score.py: error: {error}\n")
-    if state.global_rank() == 0:
-        print(f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: "
-              f"{math.exp(loss):.4f}", flush=True)
+    if parallel.world.rank == 0:
+        print(
+            f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
+            flush=True,
+        )
     state.destroy_model_parallel()
     return 0
 

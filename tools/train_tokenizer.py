@@ -20,8 +20,12 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--model-prefix", required=True)
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
-    parser.add_argument("--max-sentences", type=int, default=2_000_000,
-                        help="lines sampled for training, bounding memory and time")
+    parser.add_argument(
+        "--max-sentences",
+        type=int,
+        default=2_000_000,
+        help="lines sampled for training, bounding memory and time",
+    )
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
@@ -34,11 +38,21 @@ def main() -> None:
 
     os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=sentences(), model_prefix=args.model_prefix,
-        vocab_size=args.vocab_size, model_type=args.model_type, character_coverage=1.0,
-        input_sentence_size=args.max_sentences, shuffle_input_sentence=True,
-        byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, num_threads=2,
-        minloglevel=2)
+        sentence_iterator=sentences(),
+        model_prefix=args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=1.0,
+        input_sentence_size=args.max_sentences,
+        shuffle_input_sentence=True,
+        byte_fallback=True,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        num_threads=2,
+        minloglevel=2,
+    )
     print(f"wrote {args.model_prefix}.model (vocabulary {args.vocab_size})")
 
 

@@ -14,23 +14,46 @@ from threefold.data.loader import build_datasets
 from threefold.data.tokenizer import SentencePieceTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TEXTS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." * 3
-         for i in range(40)]
+TEXTS = [
+    f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." * 3 for i in range(40)
+]
 
 
 def _tool(name: str, *argv: str) -> None:
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *argv], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", name), *argv],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 def test_preprocess_round_trip_through_megatron_core(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    _tool("train_tokenizer.py", "--input", str(corpus), "--vocab-size", "300",
-          "--model-prefix", str(tmp_path / "sp"))
-    _tool("preprocess_data.py", "--input", str(corpus), "--tokenizer-type",
-          "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "sp.model"),
-          "--output-prefix", str(tmp_path / "out"), "--append-eod", "--workers", "2")
+    _tool(
+        "train_tokenizer.py",
+        "--input",
+        str(corpus),
+        "--vocab-size",
+        "300",
+        "--model-prefix",
+        str(tmp_path / "sp"),
+    )
+    _tool(
+        "preprocess_data.py",
+        "--input",
+        str(corpus),
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(tmp_path / "sp.model"),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--append-eod",
+        "--workers",
+        "2",
+    )
     tokenizer = SentencePieceTokenizer(str(tmp_path / "sp.model"))
     expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in TEXTS]
 
@@ -43,10 +66,28 @@ def test_preprocess_round_trip_through_megatron_core(tmp_path):
     assert [megatron[i].tolist() for i in range(len(TEXTS))] == expected
 
     # threefold's samples are megatron-core GPTDataset samples of that data, unchanged.
-    config = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads",
-                         "1", "--seq-length", "16", "--micro-batch-size", "1",
-                         "--train-iters", "5", "--data-path", prefix, "--split", "1,0,0",
-                         "--vocab-size", str(tokenizer.vocab_size)])
+    config = parse_args(
+        [
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "8",
+            "--num-attention-heads",
+            "1",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "1",
+            "--train-iters",
+            "5",
+            "--data-path",
+            prefix,
+            "--split",
+            "1,0,0",
+            "--vocab-size",
+            str(tokenizer.vocab_size),
+        ]
+    )
     train = build_datasets(config, tokenizer)[0]
     # Each sample runs through documents in megatron-core's shuffled document order: every
     # piece between end-of-document tokens is a piece of one document.
@@ -75,9 +116,20 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merges(tmp_path):
     trainer.save_model(str(tmp_path))
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:5]))
-    _tool("preprocess_data.py", "--input", str(corpus), "--tokenizer-type", "GPT2BPETokenizer",
-          "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file",
-          str(tmp_path / "merges.txt"), "--output-prefix", str(tmp_path / "bpe"), "--append-eod")
+    _tool(
+        "preprocess_data.py",
+        "--input",
+        str(corpus),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(tmp_path / "vocab.json"),
+        "--merge-file",
+        str(tmp_path / "merges.txt"),
+        "--output-prefix",
+        str(tmp_path / "bpe"),
+        "--append-eod",
+    )
     from threefold.data.tokenizer import GPT2BPETokenizer
 
     tokenizer = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
@@ -88,4 +140,5 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merges(tmp_path):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
     written = IndexedDataset(str(tmp_path / "bpe_text_document"))
     assert [written[i].tolist() for i in range(5)] == [
-        tokenizer.tokenize(t) + [tokenizer.eod] for t in TEXTS[:5]]
+        tokenizer.tokenize(t) + [tokenizer.eod] for t in TEXTS[:5]
+    ]

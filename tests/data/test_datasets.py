@@ -13,9 +13,26 @@ from threefold.config import ConfigError
 from threefold.data.loader import build_datasets
 
 VOCAB = 500
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--vocab-size", str(VOCAB), "--eval-iters", "0", "--log-interval", "100"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--vocab-size",
+    str(VOCAB),
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "100",
+]
 
 
 def write_corpus(prefix: str, documents: int, seed: int, low: int = 0) -> None:
@@ -48,14 +65,17 @@ def _batch_hashes(argv: list[str], iterations: int, resume_at: int = 0) -> list 
     iterator = trainer.train_iterator()
     hashes = []
     for _ in range(iterations):
-        local = np.stack([next(iterator)["tokens"].numpy()
-                          for _ in range(trainer.num_microbatches)])
+        local = np.stack(
+            [next(iterator)["tokens"].numpy() for _ in range(trainer.num_microbatches)]
+        )
         if state.data_parallel_world_size() > 1:  # put the replicas' micro-batches in order
             import torch
             import torch.distributed as dist
 
-            parts = [torch.empty_like(torch.from_numpy(local))
-                     for _ in range(state.data_parallel_world_size())]
+            parts = [
+                torch.empty_like(torch.from_numpy(local))
+                for _ in range(state.data_parallel_world_size())
+            ]
             dist.all_gather(parts, torch.from_numpy(local), group=state.data_parallel_group())
             local = np.stack([p.numpy() for p in parts], axis=1)  # [micro-batch, dp, ...]
         hashes.append(hashlib.sha256(np.ascontiguousarray(local).tobytes()).hexdigest())
@@ -63,19 +83,42 @@ def _batch_hashes(argv: list[str], iterations: int, resume_at: int = 0) -> list 
 
 
 def test_same_global_batches_in_every_layout_and_after_resume(corpus):
-    argv = MODEL + ["--data-path", f"{corpus}/a", "--split", "90,10,0", "--train-iters", "6",
-                    "--data-cache-path", f"{corpus}/cache"]
+    argv = MODEL + [
+        "--data-path",
+        f"{corpus}/a",
+        "--split",
+        "90,10,0",
+        "--train-iters",
+        "6",
+        "--data-cache-path",
+        f"{corpus}/cache",
+    ]
     reference = _batch_hashes(argv, 6)
     assert len(set(reference)) == 6
-    for world_size, layout in ((2, []), (2, ["--tensor-model-parallel-size", "2"]),
-                               (2, ["--pipeline-model-parallel-size", "2"])):
+    for world_size, layout in (
+        (2, []),
+        (2, ["--tensor-model-parallel-size", "2"]),
+        (2, ["--pipeline-model-parallel-size", "2"]),
+    ):
         assert run_distributed(world_size, _batch_hashes, argv + layout, 6)[0] == reference
     assert _batch_hashes(argv, 3, resume_at=3) == reference[3:]
 
 
 def test_blending_weights_are_respected_over_10000_samples(corpus):
-    config = parse_args(MODEL + ["--data-path", "0.3", f"{corpus}/a", "0.7", f"{corpus}/b",
-                                 "--split", "100,0,0", "--train-iters", "1250"])
+    config = parse_args(
+        MODEL
+        + [
+            "--data-path",
+            "0.3",
+            f"{corpus}/a",
+            "0.7",
+            f"{corpus}/b",
+            "--split",
+            "100,0,0",
+            "--train-iters",
+            "1250",
+        ]
+    )
     train = build_datasets(config)[0]
     sources = np.array([train.source_of(i) for i in range(10_000)])
     assert abs((sources == 0).mean() - 0.3) < 0.01
@@ -83,15 +126,27 @@ def test_blending_weights_are_respected_over_10000_samples(corpus):
 
 
 def test_per_split_paths(corpus):
-    config = parse_args(MODEL + ["--train-data-path", f"{corpus}/a", "--valid-data-path",
-                                 f"{corpus}/b", "--train-iters", "2", "--eval-iters", "1"])
+    config = parse_args(
+        MODEL
+        + [
+            "--train-data-path",
+            f"{corpus}/a",
+            "--valid-data-path",
+            f"{corpus}/b",
+            "--train-iters",
+            "2",
+            "--eval-iters",
+            "1",
+        ]
+    )
     train, valid, test = build_datasets(config)
     assert len(train) >= 16 and len(valid) >= 8 and test is None
 
 
 def test_an_empty_train_split_is_refused(corpus):
-    config = parse_args(MODEL + ["--data-path", f"{corpus}/a", "--split", "0,100,0",
-                                 "--train-iters", "2"])
+    config = parse_args(
+        MODEL + ["--data-path", f"{corpus}/a", "--split", "0,100,0", "--train-iters", "2"]
+    )
     with pytest.raises(ConfigError, match="--split"):
         build_datasets(config)
 
@@ -107,10 +162,27 @@ def test_windows_split_into_documents_at_eod(corpus):
     from tests.parity import LLAMA_STYLE, _setup
     from threefold.data.loader import collate
 
-    argv = (LLAMA_STYLE + MODEL + DOCUMENT_FLAGS
-            + ["--data-path", f"{corpus}/a", "--split", "100,0,0", "--train-iters", "2",
-               "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
-               "--seq-length", "64", "--max-position-embeddings", "64"])
+    argv = (
+        LLAMA_STYLE
+        + MODEL
+        + DOCUMENT_FLAGS
+        + [
+            "--data-path",
+            f"{corpus}/a",
+            "--split",
+            "100,0,0",
+            "--train-iters",
+            "2",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            str(VOCAB - 1),
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+        ]
+    )
     trainer = _setup(argv)
     eod = trainer.tokenizer.eod
     model = trainer.model.eval()
@@ -123,15 +195,19 @@ def test_windows_split_into_documents_at_eod(corpus):
         starts = np.concatenate([[0], ends + 1])
         batch = collate([sample], torch.device("cpu"))
         with torch.no_grad():
-            packed = model(batch["tokens"], labels=batch["labels"],
-                           attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"])[0]
+            packed = model(
+                batch["tokens"],
+                labels=batch["labels"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            )[0]
             for start, end in zip(starts, np.concatenate([ends + 1, [len(inputs)]])):
                 if start == end:
                     continue
                 assert sample["position_ids"][start] == 0
-                alone = model(batch["tokens"][:, start:end],
-                              labels=batch["labels"][:, start:end])[0]
+                alone = model(batch["tokens"][:, start:end], labels=batch["labels"][:, start:end])[
+                    0
+                ]
                 torch.testing.assert_close(packed[start:end], alone, rtol=1e-5, atol=1e-6)
 
 

@@ -61,8 +61,7 @@ def test_selective_recompute_inside_compiled_layers():
 
 def test_tensor_parallel_with_sequence_parallel_and_compiled_layers():
     reference = gradient_job(LLAMA)
-    argv = LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                    "--compile-layers"]
+    argv = LLAMA + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--compile-layers"]
     for result in run_distributed(2, gradient_job, argv):
         assert relative_error(result["logits"], reference["logits"]) <= 1e-5
         assert_close_dicts(result["grads"], reference["grads"], 1e-5, "gradient")
@@ -70,7 +69,15 @@ def test_tensor_parallel_with_sequence_parallel_and_compiled_layers():
 
 def test_pipeline_parallel_with_full_recompute_and_compiled_layers():
     reference = train_job(LLAMA, 10)
-    argv = LLAMA + ["--pipeline-model-parallel-size", "2", "--compile-layers",
-                    "--recompute-granularity", "full", "--recompute-method", "uniform",
-                    "--recompute-num-layers", "1"]
+    argv = LLAMA + [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--compile-layers",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
     assert_matches_reference(run_distributed(2, train_job, argv, 10), reference, 1e-5)

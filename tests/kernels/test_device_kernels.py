@@ -15,6 +15,7 @@ from threefold.arguments import parse_args
 from threefold.config import KernelConfig
 from threefold.kernels import dispatch
 from threefold.kernels.dispatch import KERNELS, AttentionShape, configure
+from threefold.parallel.parallel_context import ParallelContext
 from threefold.training.trainer import Trainer
 
 BF16_TOLERANCE = 2e-2  # see test_kernels.py
@@ -56,8 +57,9 @@ def _assert_bf16_close(actual, expected, what):
     """Norm-wise: gradients sum 100s of bf16 products, so single small entries stray further
     than one rounding while the whole tensor stays within it (a wrong mask or head-to-group
     mapping is off by order 1)."""
-    for name, got, want in zip(("output", "query grad", "key grad", "value grad"), actual,
-                               expected):
+    for name, got, want in zip(
+        ("output", "query grad", "key grad", "value grad"), actual, expected
+    ):
         error = relative_error(got.cpu(), want.cpu())
         assert error <= BF16_TOLERANCE, f"{what}: {name} relative error {error:.2e}"
 
@@ -67,12 +69,17 @@ def test_every_sdpa_backend_that_runs_matches_fp32_math(device):
     inputs, grad_output = _attention_inputs(device)
     expected = _output_and_grads(_causal_attention, inputs, grad_output, torch.float32)
     ran = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ):
         for expand in (False, True):
             if dispatch._runs(backend, SHAPE, torch.device(device), torch.bfloat16, expand):
-                actual = _output_and_grads(dispatch._sdpa_with(backend, expand), inputs,
-                                           grad_output, torch.bfloat16)
+                actual = _output_and_grads(
+                    dispatch._sdpa_with(backend, expand), inputs, grad_output, torch.bfloat16
+                )
                 _assert_bf16_close(actual, expected, f"{backend.name}, expanded {expand}")
                 ran.append(backend)
                 break
@@ -111,7 +118,7 @@ def test_bf16_training_on_the_device_follows_fp32(device):
     state) track the fp32 CPU run of the same data and initial weights."""
     argv = LLAMA_STYLE + TRAINING
     expected = train_job(argv, 5)["losses"]
-    trainer = Trainer(parse_args(argv + ["--bf16"]), torch.device(device))
+    trainer = Trainer(parse_args(argv + ["--bf16"]), torch.device(device), ParallelContext())
     assert next(trainer.model.parameters()).device.type == device
     losses = [trainer.train_step()[0] for _ in range(5)]
     assert_losses_close(losses, expected, BF16_TOLERANCE)

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import ROOT
 from tests.parity import LLAMA_STYLE, TRAINING, gradient_job
 from threefold.config import KernelConfig
-from threefold.errors import ConfigError
+from threefold.config.errors import ConfigError
 from threefold.kernels import dispatch, reference
 from threefold.kernels.dispatch import KERNELS, AttentionShape, configure
 
@@ -28,9 +28,18 @@ def test_cpu_defaults_are_eager_with_the_chunked_cross_entropy():
 
 
 def test_explicit_choices_are_honoured():
-    line = configure(KernelConfig(fusion_impl="compile", apply_rope_fusion=False,
-                                  cross_entropy_loss_fusion=False, attention_backend="unfused"),
-                     CPU, torch.float32, "LayerNorm", SHAPE)
+    line = configure(
+        KernelConfig(
+            fusion_impl="compile",
+            apply_rope_fusion=False,
+            cross_entropy_loss_fusion=False,
+            attention_backend="unfused",
+        ),
+        CPU,
+        torch.float32,
+        "LayerNorm",
+        SHAPE,
+    )
     assert "attention SDPA MATH" in line and "norm torch.compile LayerNorm" in line
     assert "RoPE eager" in line and "SwiGLU torch.compile" in line
     assert "cross-entropy reference" in line
@@ -40,45 +49,69 @@ def test_explicit_choices_are_honoured():
     assert line.endswith("transformer layers each torch.compile'd as one graph")
 
 
-@pytest.mark.parametrize("config,message", [
-    (KernelConfig(transformer_impl="transformer_engine"), "--transformer-impl transformer_engine"),
-    (KernelConfig(attention_backend="fused"), "--attention-backend fused needs CUDA"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            KernelConfig(transformer_impl="transformer_engine"),
+            "--transformer-impl transformer_engine",
+        ),
+        (KernelConfig(attention_backend="fused"), "--attention-backend fused needs CUDA"),
+    ],
+)
 def test_unavailable_kernels_are_refused(config, message):
     with pytest.raises(ConfigError, match=message):
         configure(config, CPU, torch.float32, "RMSNorm", SHAPE)
 
 
 def test_flash_with_dropout_on_cpu_is_refused_naming_the_flag():
-    with pytest.raises(ConfigError, match="--attention-backend flash: SDPA cannot run .*"
-                                          "attention dropout 0.1"):
-        configure(KernelConfig(attention_backend="flash"), CPU, torch.float32, "RMSNorm",
-                  AttentionShape(4, 2, 16, 0.1))
+    with pytest.raises(
+        ConfigError, match="--attention-backend flash: SDPA cannot run .*attention dropout 0.1"
+    ):
+        configure(
+            KernelConfig(attention_backend="flash"),
+            CPU,
+            torch.float32,
+            "RMSNorm",
+            AttentionShape(4, 2, 16, 0.1),
+        )
 
 
-@pytest.mark.parametrize("config,flag", [(KernelConfig(compile_layers=True), "--compile-layers"),
-                                         (KernelConfig(fusion_impl="compile"),
-                                          "--fusion-impl compile")])
+@pytest.mark.parametrize(
+    "config,flag",
+    [
+        (KernelConfig(compile_layers=True), "--compile-layers"),
+        (KernelConfig(fusion_impl="compile"), "--fusion-impl compile"),
+    ],
+)
 def test_compiling_on_a_cpu_without_a_compiler_is_refused_up_front(config, flag):
     from torch._inductor import config as inductor
 
     with inductor.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
-        with pytest.raises(ConfigError, match=f"^{flag} on the CPU needs a C\\+\\+ compiler "
-                                              ".*install g\\+\\+ or set CXX"):
+        with pytest.raises(
+            ConfigError,
+            match=f"^{flag} on the CPU needs a C\\+\\+ compiler .*install g\\+\\+ or set CXX",
+        ):
             configure(config, CPU, torch.float32, "RMSNorm", SHAPE)
         configure(KernelConfig(), CPU, torch.float32, "RMSNorm", SHAPE)  # eager needs none
 
 
 def test_transformer_engine_request_fails_before_torch_loads(tmp_path):
     argv = LLAMA_STYLE + TRAINING + ["--transformer-impl", "transformer_engine"]
-    result = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "--transformer-impl transformer_engine" in result.stderr.strip().splitlines()[-1]
 
 
 class _StandInDotProductAttention(torch.nn.Module):
     """TE's constructor and sbhd calling convention, computing the reference."""
+
     built: list[dict] = []
 
     def __init__(self, **kwargs) -> None:
@@ -104,10 +137,13 @@ def _stand_ins(monkeypatch) -> dict:
 
     modules = {
         "transformer_engine.pytorch": types.SimpleNamespace(
-            DotProductAttention=_StandInDotProductAttention),
+            DotProductAttention=_StandInDotProductAttention
+        ),
         "apex.normalization.fused_layer_norm": types.SimpleNamespace(
             fused_layer_norm_affine=fused_layer_norm_affine,
-            fused_rms_norm_affine=fused_rms_norm_affine)}
+            fused_rms_norm_affine=fused_rms_norm_affine,
+        ),
+    }
     monkeypatch.setattr(dispatch, "try_import", modules.get)
     monkeypatch.setattr(dispatch, "_on_gpu", lambda device: True)
     return calls
@@ -119,13 +155,26 @@ def test_transformer_engine_and_apex_adapters_compute_the_model(monkeypatch):
     calls = _stand_ins(monkeypatch)
     _StandInDotProductAttention.built.clear()
     actual = gradient_job(argv + ["--fusion-impl", "eager"])
-    assert KERNELS.description.startswith("transformer-impl transformer_engine; attention "
-                                          "Transformer Engine DotProductAttention (auto)")
+    assert KERNELS.description.startswith(
+        "transformer-impl transformer_engine; attention "
+        "Transformer Engine DotProductAttention (auto)"
+    )
     assert "norm apex fused RMSNorm" in KERNELS.description
     # LLAMA_STYLE: 8 heads in 4 query groups of head size 4; causal, sbhd.
-    assert {tuple(sorted(k.items())) for k in _StandInDotProductAttention.built} == {tuple(
-        sorted(dict(num_attention_heads=8, kv_channels=4, num_gqa_groups=4,
-                    attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal").items()))}
+    assert {tuple(sorted(k.items())) for k in _StandInDotProductAttention.built} == {
+        tuple(
+            sorted(
+                dict(
+                    num_attention_heads=8,
+                    kv_channels=4,
+                    num_gqa_groups=4,
+                    attention_dropout=0.0,
+                    qkv_format="sbhd",
+                    attn_mask_type="causal",
+                ).items()
+            )
+        )
+    }
     assert calls["rms_norm"] > 0
     torch.testing.assert_close(actual["logits"], expected["logits"], rtol=0, atol=0)
     assert actual["loss"] == expected["loss"]
@@ -140,14 +189,17 @@ def test_auto_keeps_the_fastest_fused_backend_and_logs_every_timing(monkeypatch)
     sequence nothing is timed."""
     times = {"FLASH_ATTENTION": 2.5, "CUDNN_ATTENTION": 1.5, "EFFICIENT_ATTENTION": 4.0}
     candidates = [(name, f"SDPA {name}") for name in times]
-    monkeypatch.setattr(dispatch, "_milliseconds",
-                        lambda kernel, shape, device, dtype: times[kernel])
+    monkeypatch.setattr(
+        dispatch, "_milliseconds", lambda kernel, shape, device, dtype: times[kernel]
+    )
     timed = AttentionShape(heads=4, groups=2, head_dim=16, dropout=0.0, sequence=4096, batch=2)
     kernel, label = dispatch._fastest(candidates, timed, CPU, torch.bfloat16)
     assert kernel == "CUDNN_ATTENTION"
-    assert label == ("SDPA CUDNN_ATTENTION, the fastest forward+backward at sequence 4096 x "
-                     "micro-batch 2 (by 10% to pass an earlier choice): CUDNN_ATTENTION "
-                     "1.50 ms, FLASH_ATTENTION 2.50 ms, EFFICIENT_ATTENTION 4.00 ms")
+    assert label == (
+        "SDPA CUDNN_ATTENTION, the fastest forward+backward at sequence 4096 x "
+        "micro-batch 2 (by 10% to pass an earlier choice): CUDNN_ATTENTION "
+        "1.50 ms, FLASH_ATTENTION 2.50 ms, EFFICIENT_ATTENTION 4.00 ms"
+    )
     # Within the margin the earlier backend stays: restarts do not swap on timing noise.
     times["CUDNN_ATTENTION"] = 2.3
     assert dispatch._fastest(candidates, timed, CPU, torch.bfloat16)[0] == "FLASH_ATTENTION"

@@ -16,7 +16,7 @@ from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, assert_close_dicts, gradient_job
 from threefold.kernels import reference
 from threefold.kernels.cross_entropy import fused_vocab_parallel_cross_entropy
-from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from threefold.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 # bf16 keeps 8 bits of mantissa: one rounding is a relative error of at most 2^-9.
 BF16_TOLERANCE = 2e-2
@@ -41,8 +41,9 @@ def test_chunked_cross_entropy_is_bitwise_the_reference_without_padding():
     logits, target, grad_loss = _logits(64, 256, 256)
     expected = _loss_and_grad(vocab_parallel_cross_entropy, logits, target, grad_loss, 256)
     for chunk in (64, 4096):  # one chunk
-        actual = _loss_and_grad(fused_vocab_parallel_cross_entropy, logits, target, grad_loss,
-                                256, chunk_tokens=chunk)
+        actual = _loss_and_grad(
+            fused_vocab_parallel_cross_entropy, logits, target, grad_loss, 256, chunk_tokens=chunk
+        )
         assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
 
 
@@ -50,8 +51,9 @@ def test_chunked_cross_entropy_with_padding_and_uneven_chunks():
     logits, target, grad_loss = _logits(64, 264, 250)
     loss, grad = _loss_and_grad(vocab_parallel_cross_entropy, logits, target, grad_loss, 250)
     for chunk in (7, 64):
-        actual, actual_grad = _loss_and_grad(fused_vocab_parallel_cross_entropy, logits, target,
-                                             grad_loss, 250, chunk_tokens=chunk)
+        actual, actual_grad = _loss_and_grad(
+            fused_vocab_parallel_cross_entropy, logits, target, grad_loss, 250, chunk_tokens=chunk
+        )
         torch.testing.assert_close(actual, loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(actual_grad, grad, rtol=0, atol=1e-7)
         assert torch.all(actual_grad[..., 250:] == 0), "padding columns get no gradient"
@@ -60,8 +62,9 @@ def test_chunked_cross_entropy_with_padding_and_uneven_chunks():
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunked_cross_entropy_in_bf16_keeps_no_fp32_copy(device):
     logits, target, grad_loss = (t.to(device) for t in _logits(64, 512, 500, torch.bfloat16))
-    expected_loss, expected_grad = _loss_and_grad(vocab_parallel_cross_entropy, logits.float(),
-                                                  target, grad_loss, 500)
+    expected_loss, expected_grad = _loss_and_grad(
+        vocab_parallel_cross_entropy, logits.float(), target, grad_loss, 500
+    )
     leaf = logits.clone().requires_grad_()
     loss = fused_vocab_parallel_cross_entropy(leaf, target, 500, chunk_tokens=16)
     saved = loss.grad_fn.saved_tensors
@@ -69,33 +72,42 @@ def test_chunked_cross_entropy_in_bf16_keeps_no_fp32_copy(device):
     loss.backward(grad_loss)
     assert loss.dtype == torch.float32 and leaf.grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)  # fp32 arithmetic
-    torch.testing.assert_close(leaf.grad.float(), expected_grad, rtol=BF16_TOLERANCE,
-                               atol=1e-4)
+    torch.testing.assert_close(leaf.grad.float(), expected_grad, rtol=BF16_TOLERANCE, atol=1e-4)
 
 
 def _tensor_parallel_cross_entropy(logits, target, grad_loss, vocab, chunk):
     from threefold.parallel import state
-    from threefold.parallel.mappings import gather_from_tensor_parallel_region
+    from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
     state.initialize_model_parallel(2, 1)
-    shard = logits.chunk(2, dim=-1)[state.tensor_model_parallel_rank()]
-    loss, grad = _loss_and_grad(fused_vocab_parallel_cross_entropy, shard, target, grad_loss,
-                                vocab, chunk_tokens=chunk)
-    return loss.detach(), gather_from_tensor_parallel_region(grad)
+    tp = state.parallel_context().tp
+    shard = logits.chunk(2, dim=-1)[tp.rank]
+    loss, grad = _loss_and_grad(
+        fused_vocab_parallel_cross_entropy,
+        shard,
+        target,
+        grad_loss,
+        vocab,
+        tp=tp,
+        chunk_tokens=chunk,
+    )
+    return loss.detach(), gather_from_tensor_parallel_region(grad, tp)
 
 
 @pytest.mark.parametrize("vocab", [264, 250, 100])  # no padding; padding; rank 1 all padding
 def test_chunked_cross_entropy_under_tensor_parallelism(vocab):
     logits, target, grad_loss = _logits(32, 264, vocab)
     loss, grad = _loss_and_grad(vocab_parallel_cross_entropy, logits, target, grad_loss, vocab)
-    for rank_loss, rank_grad in run_distributed(2, _tensor_parallel_cross_entropy, logits,
-                                                target, grad_loss, vocab, 5):
+    for rank_loss, rank_grad in run_distributed(
+        2, _tensor_parallel_cross_entropy, logits, target, grad_loss, vocab, 5
+    ):
         torch.testing.assert_close(rank_loss, loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(rank_grad, grad, rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("style", {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}.items(),
-                         ids=["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "style", {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE}.items(), ids=["gpt2", "llama"]
+)
 def test_compiled_kernels_in_the_model_match_the_reference(style):
     _, argv = style
     argv = argv + TRAINING + ["--cross-entropy-chunk-tokens", "10"]
@@ -114,11 +126,13 @@ def _ops(device: str = "cpu"):
 
     x, weight, bias = tensor(16, 2, 64), 1 + tensor(64) / 10, tensor(64) / 10
     cos, sin = tensor(16, 1, 1, 32).cos(), tensor(16, 1, 1, 32).sin()
-    return {"layer_norm": (reference.layer_norm, (x, weight, bias, 1e-5)),
-            "rms_norm": (reference.rms_norm, (x, weight, 1e-5)),
-            "swiglu": (lambda fc1: reference.swiglu(*fc1.chunk(2, dim=-1)), (tensor(16, 2, 128),)),
-            "gelu": (reference.gelu, (tensor(16, 2, 128), "tanh")),
-            "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin))}
+    return {
+        "layer_norm": (reference.layer_norm, (x, weight, bias, 1e-5)),
+        "rms_norm": (reference.rms_norm, (x, weight, 1e-5)),
+        "swiglu": (lambda fc1: reference.swiglu(*fc1.chunk(2, dim=-1)), (tensor(16, 2, 128),)),
+        "gelu": (reference.gelu, (tensor(16, 2, 128), "tanh")),
+        "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin)),
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,5 +147,4 @@ def test_compiled_ops_in_bf16_are_within_bf16_tolerance_of_fp32(device):
         actual.float().sum().backward()  # the compiled backward, in bf16 too
         assert actual.dtype == half.grad.dtype == torch.bfloat16, name
         for got, want in ((actual, expected), (half.grad, first.grad)):
-            torch.testing.assert_close(got.float(), want, rtol=BF16_TOLERANCE, atol=1e-2,
-                                       msg=name)
+            torch.testing.assert_close(got.float(), want, rtol=BF16_TOLERANCE, atol=1e-2, msg=name)

@@ -48,17 +48,25 @@ def test_query_and_key_norms_are_per_head_and_counted():
 
     trainer = _setup(LLAMA_STYLE + TRAINING + VARIANT)
     attention = trainer.model.decoder.layers[0].self_attention
-    assert attention.q_layernorm.weight.shape == attention.k_layernorm.weight.shape == (
-        trainer.config.model.kv_channels,)
+    assert (
+        attention.q_layernorm.weight.shape
+        == attention.k_layernorm.weight.shape
+        == (trainer.config.model.kv_channels,)
+    )
     assert parameter_count(trainer.config.model, trainer.model.padded_vocab_size) == sum(
-        p.numel() for p in trainer.model.parameters())
+        p.numel() for p in trainer.model.parameters()
+    )
 
 
-@pytest.mark.parametrize("style,flags,tolerance", [
-    (LLAMA_STYLE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
-    (GPT2_STYLE, ["--tensor-model-parallel-size", "2"], 1e-5),
-    (LLAMA_STYLE, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
-], ids=["llama-tp2-sp", "gpt2-tp2", "llama-pp2"])
+@pytest.mark.parametrize(
+    "style,flags,tolerance",
+    [
+        (LLAMA_STYLE, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
+        (GPT2_STYLE, ["--tensor-model-parallel-size", "2"], 1e-5),
+        (LLAMA_STYLE, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
+    ],
+    ids=["llama-tp2-sp", "gpt2-tp2", "llama-pp2"],
+)
 def test_variant_layouts_match_single_process(style, flags, tolerance):
     argv = style + TRAINING + VARIANT
     reference = train_job(argv, 5)
@@ -67,29 +75,41 @@ def test_variant_layouts_match_single_process(style, flags, tolerance):
 
 
 def _convert(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                           *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
-@pytest.mark.parametrize("flags,architecture", [
-    (["--apply-layernorm-1p"], "LlamaForCausalLM"),
-    (VARIANT, "Qwen3ForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "flags,architecture",
+    [(["--apply-layernorm-1p"], "LlamaForCausalLM"), (VARIANT, "Qwen3ForCausalLM")],
+)
 def test_trained_variants_export_to_transformers(flags, architecture, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from threefold.checkpointing import save_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
 
     argv = LLAMA_STYLE + TRAINING + flags + ["--vocab-size", "1008", "--save", str(tmp_path)]
     trainer = _setup(argv)
     for _ in range(3):  # moves the norm weights away from their initial values
         trainer.train_step()
-    save_checkpoint(str(tmp_path), trainer)
+    save_checkpoint(str(tmp_path), trainer.checkpoint_components())
     exported = str(tmp_path / "hf")
-    result = _convert("--loader", "threefold", "--saver", "hf", "--load-dir", str(tmp_path),
-                      "--save-dir", exported)
+    result = _convert(
+        "--loader",
+        "threefold",
+        "--saver",
+        "hf",
+        "--load-dir",
+        str(tmp_path),
+        "--save-dir",
+        exported,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == [
-        architecture]
+    assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == [architecture]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     tokens = torch.randint(0, 1008, (2, 16), generator=torch.Generator().manual_seed(0))
     model = trainer.model.eval()
@@ -101,8 +121,8 @@ def test_trained_variants_export_to_transformers(flags, architecture, tmp_path):
 
 
 def test_exporting_query_key_norms_as_llama_is_refused():
+    from threefold.checkpoint.hf import threefold_to_hf
     from threefold.config import ConfigError
-    from threefold.hf_conversion import threefold_to_hf
 
     trainer = _setup(LLAMA_STYLE + TRAINING + ["--qk-layernorm"])
     state = dict(trainer.model.state_dict())
@@ -111,14 +131,16 @@ def test_exporting_query_key_norms_as_llama_is_refused():
 
 
 def test_checkpoints_remember_the_variant(tmp_path):
-    from threefold.checkpoint_args import model_flags
-    from threefold.checkpointing import load_checkpoint, save_checkpoint
+    from threefold.checkpoint.args import model_flags
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
     from threefold.config import ConfigError
 
     assert {"--qk-layernorm", "--apply-layernorm-1p"} <= set(
-        model_flags({"qk_layernorm": True, "apply_layernorm_1p": True}))
+        model_flags({"qk_layernorm": True, "apply_layernorm_1p": True})
+    )
     plain = _setup(LLAMA_STYLE + TRAINING + ["--save", str(tmp_path)])
-    save_checkpoint(str(tmp_path), plain)
+    save_checkpoint(str(tmp_path), plain.checkpoint_components())
     centred = _setup(LLAMA_STYLE + TRAINING + ["--apply-layernorm-1p"])
     with pytest.raises(ConfigError, match="--apply-layernorm-1p"):
-        load_checkpoint(str(tmp_path), centred, finetune=True)
+        load_checkpoint(str(tmp_path), centred.checkpoint_components(), finetune=True)

@@ -11,10 +11,22 @@ from threefold.arguments import parse_args
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--num-layers", "4"]
 RECOMPUTE = {
     "selective": ["--recompute-granularity", "selective"],
-    "full_uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                     "--recompute-num-layers", "2"],
-    "full_block": ["--recompute-granularity", "full", "--recompute-method", "block",
-                   "--recompute-num-layers", "1"],
+    "full_uniform": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "2",
+    ],
+    "full_block": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "1",
+    ],
 }
 LAYOUTS = {
     "single": (1, []),

@@ -8,8 +8,10 @@ import pytest
 
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, _setup
 
-TEXT = ("to be or not to be that is the question whether tis nobler in the mind to suffer "
-        "the slings and arrows of outrageous fortune ") * 40
+TEXT = (
+    "to be or not to be that is the question whether tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune "
+) * 40
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +24,33 @@ def data_prefix(tmp_path_factory):
     ids = [vocabulary.index(w) for w in TEXT.split()]
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     for start in range(0, len(ids), 50):
-        builder.add_document(ids[start:start + 50], [len(ids[start:start + 50])])
+        builder.add_document(ids[start : start + 50], [len(ids[start : start + 50])])
     builder.finalize(prefix + ".idx")
     return prefix
 
 
 @pytest.mark.parametrize("style", [GPT2_STYLE, LLAMA_STYLE], ids=["gpt2", "llama"])
 def test_loss_falls_well_below_chance(data_prefix, style):
-    argv = style + ["--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters",
-                    "40", "--lr", "1e-2", "--data-path", data_prefix, "--vocab-size", "32",
-                    "--split", "90,10,0", "--eval-iters", "2", "--log-interval", "1000"]
+    argv = style + [
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "40",
+        "--lr",
+        "1e-2",
+        "--data-path",
+        data_prefix,
+        "--vocab-size",
+        "32",
+        "--split",
+        "90,10,0",
+        "--eval-iters",
+        "2",
+        "--log-interval",
+        "1000",
+    ]
     trainer = _setup(argv)
     before = trainer.evaluate()
     losses = [trainer.train_step()[0] for _ in range(40)]

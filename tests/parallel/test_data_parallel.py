@@ -14,9 +14,9 @@ from tests.parity import (
     assert_matches_reference,
     train_job,
 )
-from threefold.parallel.data_parallel import finalize_model_grads
-from threefold.parallel.schedules import get_forward_backward_func
-from threefold.training.trainer import gpt_forward_step
+from threefold.model.loss import gpt_forward_step
+from threefold.parallel.data_parallel.gradient_buffer import finalize_model_grads
+from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
 
 
 def test_data_parallel_2_matches_single_process():
@@ -31,15 +31,17 @@ def test_data_parallel_2_matches_single_process():
     assert_close_dicts(results[1]["params"], results[0]["params"], 0.0, "replica parameter")
 
 
-
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
 
 
-@pytest.mark.parametrize("world_size,flags,tolerance", [
-    (2, [], DP_TOLERANCE),
-    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
-    (4, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
-])
+@pytest.mark.parametrize(
+    "world_size,flags,tolerance",
+    [
+        (2, [], DP_TOLERANCE),
+        (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
+        (4, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
+    ],
+)
 def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags, tolerance):
     argv = LLAMA_STYLE + TRAINING
     reference = train_job(argv, 10)
@@ -49,17 +51,17 @@ def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags,
 
 def _buckets_launched_in_backward(argv: list[str]) -> dict:
     trainer = _setup(argv)
-    buffer = trainer.grad_buffer
+    buffer = trainer.data_parallel.grad_buffer
     buffer.start_step(trainer.num_microbatches)
-    get_forward_backward_func()(gpt_forward_step, trainer.train_iterator(),
-                                trainer.model_chunks, trainer.num_microbatches)
+    get_forward_backward_func(trainer.parallel.pp)(
+        gpt_forward_step, trainer.train_iterator(), trainer.model_chunks, trainer.num_microbatches
+    )
     launched = len(buffer._handles)  # before finalize_model_grads is called
-    finalize_model_grads(buffer)
+    finalize_model_grads(buffer, trainer.parallel)
     return {"buckets": len(buffer.buckets), "launched_during_backward": launched}
 
 
 def test_overlap_launches_every_bucket_during_backward():
-    result = run_distributed(2, _buckets_launched_in_backward,
-                             LLAMA_STYLE + TRAINING + OVERLAP)[0]
+    result = run_distributed(2, _buckets_launched_in_backward, LLAMA_STYLE + TRAINING + OVERLAP)[0]
     assert result["buckets"] > 3
     assert result["launched_during_backward"] == result["buckets"]

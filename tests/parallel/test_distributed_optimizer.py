@@ -26,10 +26,21 @@ LAYOUTS = {
     # all-reduced, not reduce-scattered.
     "tp2_sp_dp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # Small buckets so several reduce-scatters and all-gathers are in flight at once.
-    "dp2_overlapped": (2, ["--overlap-grad-reduce", "--overlap-param-gather",
-                           "--ddp-bucket-size", "3000"]),
-    "tp2_dp2_overlapped": (4, ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce",
-                               "--overlap-param-gather", "--ddp-bucket-size", "3000"]),
+    "dp2_overlapped": (
+        2,
+        ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "3000"],
+    ),
+    "tp2_dp2_overlapped": (
+        4,
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--ddp-bucket-size",
+            "3000",
+        ],
+    ),
 }
 
 
@@ -60,26 +71,35 @@ def test_tied_embeddings_across_pipeline_stages():
     # their stages' buffers; both must see the fully reduced gradient before being summed.
     argv = GPT2_STYLE + TRAINING + ["--pipeline-model-parallel-size", "2"]
     reference = train_job(GPT2_STYLE + TRAINING, 10)
-    assert_matches_reference(run_distributed(4, train_job, argv + DISTRIBUTED, 10),
-                             reference, 1e-6)
+    assert_matches_reference(run_distributed(4, train_job, argv + DISTRIBUTED, 10), reference, 1e-6)
 
 
 def _bytes_job(argv: list[str]) -> dict:
     trainer = _setup(argv)
     trainer.train_step()  # the state after a step, not only at start-up
-    return measure_bytes_per_parameter(trainer).__dict__
+    return measure_bytes_per_parameter(
+        trainer.layout_independent_parameters(), trainer.data_parallel
+    ).__dict__
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("precision,flags,without,with_distributed", [
-    ("fp32", [], 16.0, lambda d: 8 + 8 / d),
-    # Megatron's default for bf16: gradients accumulated and reduced in fp32.
-    ("bf16", ["--bf16"], 18.0, lambda d: 6 + 12 / d),
-    ("bf16 with bf16 gradients", ["--bf16", "--grad-reduce-in-bf16"], 16.0,
-     lambda d: 4 + 12 / d),
-])
-def test_bytes_per_parameter_follow_megatron_accounting(world_size, precision, flags, without,
-                                                        with_distributed):
+@pytest.mark.parametrize(
+    "precision,flags,without,with_distributed",
+    [
+        ("fp32", [], 16.0, lambda d: 8 + 8 / d),
+        # Megatron's default for bf16: gradients accumulated and reduced in fp32.
+        ("bf16", ["--bf16"], 18.0, lambda d: 6 + 12 / d),
+        (
+            "bf16 with bf16 gradients",
+            ["--bf16", "--grad-reduce-in-bf16"],
+            16.0,
+            lambda d: 4 + 12 / d,
+        ),
+    ],
+)
+def test_bytes_per_parameter_follow_megatron_accounting(
+    world_size, precision, flags, without, with_distributed
+):
     argv = LLAMA_STYLE + TRAINING + flags
     for extra, expected in (([], without), (DISTRIBUTED, with_distributed(world_size))):
         for measured in run_distributed(world_size, _bytes_job, argv + extra):
@@ -104,11 +124,10 @@ def test_overlapped_forward_waits_for_every_bucket_it_reads(style):
     `forward_blocks`, GPT-2's position table sliced by the embedding) makes the loss NaN
     instead of the loss of the same step without pending gathers. Deterministic, where the
     real race only showed as a rare flaky resume at DP=2."""
-    argv = style + TRAINING + DISTRIBUTED + ["--overlap-param-gather", "--ddp-bucket-size",
-                                             "300"]
+    argv = style + TRAINING + DISTRIBUTED + ["--overlap-param-gather", "--ddp-bucket-size", "300"]
     expected = _setup(argv).train_step()[0]
     trainer = _setup(argv)
-    buffer = trainer.grad_buffer
+    buffer = trainer.data_parallel.grad_buffer
     assert len(buffer.buckets) > 3
     for bucket, (start, end) in enumerate(buffer.buckets):
         destination = buffer.param_buffer[start:end]

@@ -12,33 +12,43 @@ from tests.parity import (
     assert_matches_reference,
     train_job,
 )
-from threefold.parallel import state
-from threefold.parallel.schedules import (
+from threefold.model.loss import gpt_forward_step
+from threefold.parallel.pipeline_parallel.schedules import (
     ScheduleTrace,
     forward_backward_pipelining,
     interleaved_order,
     one_f_one_b_order,
 )
-from threefold.training.trainer import gpt_forward_step
 
 EIGHT_LAYERS = ["--num-layers", "8"]  # after the style's own --num-layers: argparse keeps the last
 STYLES = {"gpt2_tied": GPT2_STYLE, "llama_untied": LLAMA_STYLE}
 LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "pp4": (4, ["--pipeline-model-parallel-size", "4"]),
-    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2",
-                     "--num-layers-per-virtual-pipeline-stage", "2"]),
-    "pp4_vpp2": (4, ["--pipeline-model-parallel-size", "4",
-                     "--virtual-pipeline-model-parallel-size", "2"]),
-    "tp2_pp2_dp2": (8, ["--pipeline-model-parallel-size", "2",
-                        "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_vpp2": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+    ),
+    "pp4_vpp2": (
+        4,
+        ["--pipeline-model-parallel-size", "4", "--virtual-pipeline-model-parallel-size", "2"],
+    ),
+    "tp2_pp2_dp2": (
+        8,
+        [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {style: train_job(argv + EIGHT_LAYERS + TRAINING, 10)
-            for style, argv in STYLES.items()}
+    return {style: train_job(argv + EIGHT_LAYERS + TRAINING, 10) for style, argv in STYLES.items()}
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -52,8 +62,19 @@ def test_ten_steps_match_single_process(references, style, layout):
 
 
 def test_uneven_stages_match_single_process(references):
-    argv = (GPT2_STYLE + EIGHT_LAYERS + TRAINING + ["--pipeline-model-parallel-size", "4",
-            "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"])
+    argv = (
+        GPT2_STYLE
+        + EIGHT_LAYERS
+        + TRAINING
+        + [
+            "--pipeline-model-parallel-size",
+            "4",
+            "--decoder-first-pipeline-num-layers",
+            "1",
+            "--decoder-last-pipeline-num-layers",
+            "3",
+        ]
+    )
     result = run_distributed(4, train_job, argv, 10)[0]
     assert_losses_close(result["losses"], references["gpt2_tied"]["losses"], 1e-5)
 
@@ -62,19 +83,31 @@ def _one_step_with_trace(argv: list[str]) -> dict:
     trainer = _setup(argv)
     trace = ScheduleTrace()
     losses = forward_backward_pipelining(
-        gpt_forward_step, trainer.train_iterator(), trainer.model_chunks,
-        trainer.num_microbatches, tensor_shape=trainer.pipeline_options["tensor_shape"],
-        dtype=trainer.pipeline_options["dtype"], trace=trace)
-    return {"loss": trainer._mean_loss(losses), "rank": state.pipeline_model_parallel_rank(),
-            "max_in_flight": trace.max_activations_in_flight,
-            "events": len(trace.events)}
+        gpt_forward_step,
+        trainer.train_iterator(),
+        trainer.model_chunks,
+        trainer.num_microbatches,
+        **trainer.pipeline_options,
+        trace=trace,
+    )
+    return {
+        "loss": trainer._mean_loss(losses),
+        "rank": trainer.parallel.pp.rank,
+        "max_in_flight": trace.max_activations_in_flight,
+        "events": len(trace.events),
+    }
 
 
-@pytest.mark.parametrize("micro_batches,virtual", [(1, 1), (3, 1), (4, 1), (9, 1), (4, 2),
-                                                   (8, 2)])
+@pytest.mark.parametrize("micro_batches,virtual", [(1, 1), (3, 1), (4, 1), (9, 1), (4, 2), (8, 2)])
 def test_schedules_complete_and_bound_memory(micro_batches, virtual):
-    flags = ["--micro-batch-size", "1", "--global-batch-size", str(micro_batches),
-             "--pipeline-model-parallel-size", "4"]
+    flags = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(micro_batches),
+        "--pipeline-model-parallel-size",
+        "4",
+    ]
     if virtual > 1:
         flags += ["--virtual-pipeline-model-parallel-size", str(virtual)]
     argv = GPT2_STYLE + EIGHT_LAYERS + TRAINING + flags
@@ -101,12 +134,14 @@ def test_one_f_one_b_order_is_complete_and_bounded(stages, micro_batches):
         assert _max_in_flight(order) == min(stages - rank, micro_batches)
 
 
-@pytest.mark.parametrize("stages,virtual,micro_batches", [(2, 2, 2), (2, 2, 6), (4, 2, 4),
-                                                          (4, 2, 12), (4, 3, 8)])
+@pytest.mark.parametrize(
+    "stages,virtual,micro_batches", [(2, 2, 2), (2, 2, 6), (4, 2, 4), (4, 2, 12), (4, 3, 8)]
+)
 def test_interleaved_order_is_complete(stages, virtual, micro_batches):
     for rank in range(stages):
-        _check_order(interleaved_order(micro_batches, stages, rank, virtual), micro_batches,
-                     virtual)
+        _check_order(
+            interleaved_order(micro_batches, stages, rank, virtual), micro_batches, virtual
+        )
 
 
 def _check_order(order, micro_batches, chunks):

@@ -19,7 +19,7 @@ from tests.parity import (
     relative_error,
     train_job,
 )
-from threefold.parallel.mappings import COLLECTIVE_COUNTS
+from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
 
 STYLES = {"gpt2_tied": GPT2_STYLE, "llama_untied": LLAMA_STYLE}
 LAYOUTS = [(2, False), (2, True), (4, False), (4, True)]
@@ -32,8 +32,10 @@ def _tensor_parallel_argv(style: str, tp: int, sequence_parallel: bool) -> list[
 
 @pytest.fixture(scope="module")
 def references():
-    return {style: {"grads": gradient_job(argv + TRAINING), "train": train_job(argv + TRAINING, 10)}
-            for style, argv in STYLES.items()}
+    return {
+        style: {"grads": gradient_job(argv + TRAINING), "train": train_job(argv + TRAINING, 10)}
+        for style, argv in STYLES.items()
+    }
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -88,8 +90,12 @@ def test_collectives_per_layer_follow_megatron_accounting(sequence_parallel):
         assert per_layer == {"all_reduce": 4, "all_reduce:bytes": 4 * activation_bytes}
     else:
         # Each all-reduce becomes a reduce-scatter + all-gather pair of the same total volume.
-        assert per_layer == {"all_gather": 4, "all_gather:bytes": 4 * activation_bytes,
-                             "reduce_scatter": 4, "reduce_scatter:bytes": 4 * activation_bytes}
+        assert per_layer == {
+            "all_gather": 4,
+            "all_gather:bytes": 4 * activation_bytes,
+            "reduce_scatter": 4,
+            "reduce_scatter:bytes": 4 * activation_bytes,
+        }
 
 
 def test_initialization_is_layout_independent():
@@ -111,10 +117,10 @@ def test_dropout_masks_differ_across_tp_ranks_inside_tp_regions_only():
 
 def _dropout_masks_job() -> dict:
     from threefold.parallel import state
-    from threefold.parallel.random import get_rng_tracker, set_random_seed
+    from threefold.parallel.tensor_parallel.random import get_rng_tracker, set_random_seed
 
     state.initialize_model_parallel(2, 1)
-    set_random_seed(1234)
+    set_random_seed(1234, state.parallel_context())
     replicated = torch.nn.functional.dropout(torch.ones(64), 0.5)
     with get_rng_tracker().fork():
         split = torch.nn.functional.dropout(torch.ones(64), 0.5)
@@ -123,10 +129,14 @@ def _dropout_masks_job() -> dict:
 
 def test_region_boundaries_are_skipped_without_tensor_parallelism():
     # At TP=1 (no process group) no autograd node and no copy: the input itself comes back.
-    from threefold.parallel import mappings
+    from threefold.parallel.parallel_context import Group
+    from threefold.parallel.tensor_parallel import mappings
 
     x = torch.randn(4, 2, 8, requires_grad=True)
-    for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-                 "gather_from_sequence_parallel_region",
-                 "reduce_scatter_to_sequence_parallel_region"):
-        assert getattr(mappings, name)(x) is x, name
+    for name in (
+        "copy_to_tensor_parallel_region",
+        "reduce_from_tensor_parallel_region",
+        "gather_from_sequence_parallel_region",
+        "reduce_scatter_to_sequence_parallel_region",
+    ):
+        assert getattr(mappings, name)(x, Group()) is x, name

@@ -14,8 +14,8 @@ from tests.parity import (
 )
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
-from threefold.parallel.strategy import choose_strategy
 from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.strategy import choose_strategy
 
 
 @pytest.fixture(scope="module")
@@ -23,43 +23,52 @@ def reference():
     return train_job(LLAMA_STYLE + TRAINING, 10)
 
 
-
-
 def _bytes_job(argv: list[str]) -> dict:
     trainer = _setup(argv)
     trainer.train_step()
-    return measure_bytes_per_parameter(trainer).__dict__
+    return measure_bytes_per_parameter(
+        trainer.layout_independent_parameters(), trainer.data_parallel
+    ).__dict__
 
 
-@pytest.mark.parametrize("strategy,flags", [
-    ("ddp", ["--ddp-bucket-size", "2000"]),  # several of PyTorch DDP's buckets
-    ("fsdp", []),
-])
+@pytest.mark.parametrize(
+    "strategy,flags",
+    [
+        ("ddp", ["--ddp-bucket-size", "2000"]),  # several of PyTorch DDP's buckets
+        ("fsdp", []),
+    ],
+)
 def test_ten_steps_with_clipping_match_single_process(reference, strategy, flags):
-    results = run_distributed(2, train_job, LLAMA_STYLE + TRAINING
-                              + ["--distributed-strategy", strategy] + flags, 10)
+    results = run_distributed(
+        2, train_job, LLAMA_STYLE + TRAINING + ["--distributed-strategy", strategy] + flags, 10
+    )
     assert_matches_reference(results, reference, DP_TOLERANCE)
 
 
 @pytest.mark.parametrize("strategy,expected", [("ddp", 16.0), ("fsdp", 8.0)])
 def test_bytes_per_parameter(strategy, expected):
     # fp32 parameters, gradients and Adam moments: 4 + 4 + 8, all sharded over 2 ranks by FSDP.
-    for measured in run_distributed(2, _bytes_job, LLAMA_STYLE + TRAINING
-                                    + ["--distributed-strategy", strategy]):
+    for measured in run_distributed(
+        2, _bytes_job, LLAMA_STYLE + TRAINING + ["--distributed-strategy", strategy]
+    ):
         assert abs(sum(measured.values()) - expected) <= 0.05 * expected, measured
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 1"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
-    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--ddp-bucket-size", "1000"], "--ddp-bucket-size"),
-])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 1"),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
+        (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+        (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+        (["--ddp-bucket-size", "1000"], "--ddp-bucket-size"),
+    ],
+)
 def test_fallbacks_refuse_megatron_only_layouts(capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(LLAMA_STYLE + TRAINING + ["--distributed-strategy", "fsdp"] + flags,
-                   world_size=4)
+        parse_args(
+            LLAMA_STYLE + TRAINING + ["--distributed-strategy", "fsdp"] + flags, world_size=4
+        )
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
 
@@ -67,23 +76,53 @@ def test_fallbacks_refuse_megatron_only_layouts(capsys, flags, named):
 def _config(hidden: int, layers: int, world_size: int = 8, flags: tuple = ()):
     heads = hidden // 128
     return parse_args(
-        ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
-         str(heads), "--seq-length", "4096", "--swiglu", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--disable-bias-linear", "--vocab-size", "32000",
-         "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--bf16",
-         "--mock-data", "--distributed-strategy", "auto", "--recompute-granularity", "full",
-         "--recompute-method", "uniform", "--recompute-num-layers", "1", *flags],
-        world_size=world_size)
+        [
+            "--num-layers",
+            str(layers),
+            "--hidden-size",
+            str(hidden),
+            "--num-attention-heads",
+            str(heads),
+            "--seq-length",
+            "4096",
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--position-embedding-type",
+            "rope",
+            "--disable-bias-linear",
+            "--vocab-size",
+            "32000",
+            "--untie-embeddings-and-output-weights",
+            "--micro-batch-size",
+            "1",
+            "--bf16",
+            "--mock-data",
+            "--distributed-strategy",
+            "auto",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+            *flags,
+        ],
+        world_size=world_size,
+    )
 
 
 GIB = 2**30
 
 
-@pytest.mark.parametrize("hidden,layers,expected", [
-    (1024, 24, ("ddp", False)),      # ~0.4B parameters
-    (3072, 26, ("megatron", True)),  # ~3B
-    (8192, 48, ("fsdp", False)),     # ~39B
-])
+@pytest.mark.parametrize(
+    "hidden,layers,expected",
+    [
+        (1024, 24, ("ddp", False)),  # ~0.4B parameters
+        (3072, 26, ("megatron", True)),  # ~3B
+        (8192, 48, ("fsdp", False)),  # ~39B
+    ],
+)
 def test_auto_follows_the_rule_of_thumb_when_memory_allows(hidden, layers, expected):
     strategy, distributed, why = choose_strategy(_config(hidden, layers), 10_000 * GIB)
     assert (strategy, distributed) == expected

@@ -14,27 +14,56 @@ import pytest
 
 from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
 
-pytestmark = pytest.mark.skipif(os.environ.get("THREEFOLD_SKIP_SLURM") == "1",
-                                reason="THREEFOLD_SKIP_SLURM=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("THREEFOLD_SKIP_SLURM") == "1", reason="THREEFOLD_SKIP_SLURM=1"
+)
 TRAIN_ITERS = 150
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    result = subprocess.run(["bash", os.path.join(ROOT, "tests", "slurm", "start_cluster.sh")],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", os.path.join(ROOT, "tests", "slurm", "start_cluster.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _submit(tmp_path, data, name: str) -> tuple[str, str]:
     log = str(tmp_path / f"{name}.log")
-    environment = tiny_gpt_environment(data, TRAIN_ITERS=TRAIN_ITERS, SAVE_INTERVAL=100,
-                                       EVAL_INTERVAL=TRAIN_ITERS, RUN_DIR=tmp_path / name)
+    environment = tiny_gpt_environment(
+        data,
+        TRAIN_ITERS=TRAIN_ITERS,
+        SAVE_INTERVAL=100,
+        EVAL_INTERVAL=TRAIN_ITERS,
+        RUN_DIR=tmp_path / name,
+    )
     job = subprocess.run(
-        ["sbatch", "--parsable", "--job-name", name, "--nodes", "1", "--gpus-per-node", "0",
-         "--cpus-per-task", "2", "--time", "10", "--output", log,
-         os.path.join(ROOT, "launch", "slurm_gpt.sh")],
-        env=environment, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        [
+            "sbatch",
+            "--parsable",
+            "--job-name",
+            name,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            "--cpus-per-task",
+            "2",
+            "--time",
+            "10",
+            "--output",
+            log,
+            os.path.join(ROOT, "launch", "slurm_gpt.sh"),
+        ],
+        env=environment,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return job, log
 
 
@@ -50,10 +79,11 @@ def _wait_until(condition, timeout: float, what: str) -> None:
 
 
 def _job_state(job: str) -> str | None:
-    """"STATE REASON" while the job is queued or running, "" once it has left the queue, None
+    """ "STATE REASON" while the job is queued or running, "" once it has left the queue, None
     when squeue did not answer (slurmctld busy: not a sign that the job is gone)."""
-    result = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True, text=True
+    )
     return result.stdout.strip() if result.returncode == 0 else None
 
 
@@ -65,19 +95,19 @@ def _wait_for_job(job: str, timeout: float = 300) -> None:
         if state == "PENDING BeginTime" and not moved:  # Slurm delays a requeue by 2 minutes
             # Not to zero: slurmd rejects a relaunch whose credential is from the second in
             # which the previous run's was revoked ("Job credential revoked").
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"],
-                           capture_output=True)
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job}", "StartTime=now+3"], capture_output=True
+            )
             moved.append(True)
         if state != "":
             return False
         time.sleep(1)  # a requeued job passes through states squeue may not list: ask again
         return _job_state(job) == ""
+
     _wait_until(finished, timeout, f"job {job} to finish")
 
 
-
-def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespeare_data,
-                                                         tmp_path):
+def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespeare_data, tmp_path):
     job, log = _submit(tmp_path, shakespeare_data, "uninterrupted")
     _wait_for_job(job)
     text = _read(log)
@@ -91,8 +121,9 @@ def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespe
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     _wait_for_job(job)
     preempted = _read(log)
-    stop = re.search(r"exiting at iteration (\d+): --exit-signal-handler: received SIGUSR1",
-                     preempted)
+    stop = re.search(
+        r"exiting at iteration (\d+): --exit-signal-handler: received SIGUSR1", preempted
+    )
     assert stop, preempted[-3000:]
     stopped_at = int(stop.group(1))
     assert 40 <= stopped_at < TRAIN_ITERS
@@ -101,6 +132,8 @@ def test_sbatch_runs_and_a_preempted_job_resumes_exactly(slurm_cluster, shakespe
     assert "(restart 1) on" in preempted
     assert f"resumed from {tmp_path}/preempted/checkpoints at iteration {stopped_at}" in preempted
     assert f"training complete at iteration {TRAIN_ITERS}" in preempted
-    final = [(losses["train"][TRAIN_ITERS], losses["validation"][TRAIN_ITERS])
-             for losses in (logged_losses(preempted), logged_losses(text))]
+    final = [
+        (losses["train"][TRAIN_ITERS], losses["validation"][TRAIN_ITERS])
+        for losses in (logged_losses(preempted), logged_losses(text))
+    ]
     assert final[0] == final[1]

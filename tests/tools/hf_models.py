@@ -17,14 +17,18 @@ def build_tokenizer(directory: str) -> None:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    text = ["To be, or not to be, that is the question:",
-            "Whether 'tis nobler in the mind to suffer",
-            "The slings and arrows of outrageous fortune"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = [
+        "To be, or not to be, that is the question:",
+        "Whether 'tis nobler in the mind to suffer",
+        "The slings and arrows of outrageous fortune",
+    ] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(text, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                                   eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
 
 
@@ -34,51 +38,71 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, num_hidden_layers=num_layers, hidden_size=64,
-                  intermediate_size=128, num_attention_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        num_hidden_layers=num_layers,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     if kind == "llama":
-        config = transformers.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False,
-                                          rope_theta=50000.0, rms_norm_eps=1e-5, **common)
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_theta=50000.0,
+            rms_norm_eps=1e-5,
+            **common,
+        )
         model = transformers.LlamaForCausalLM(config)
     elif kind == "llama3":  # Llama 3.2-style RoPE scaling; the head size puts one frequency
         # in each of the kept, interpolated and slowed bands
         config = transformers.LlamaConfig(
-            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            **common)
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            **common,
+        )
         model = transformers.LlamaForCausalLM(config)
     elif kind == "mistral":  # saved in shards with an index file
-        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=None,
-                                            **common)
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
         model = transformers.MistralForCausalLM(config)
         model.generation_config.eos_token_id = None
         model.save_pretrained(directory, max_shard_size="100KB")
         build_tokenizer(directory)
         return model.eval()
     elif kind == "llama-tied":  # SmolLM-style
-        config = transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True,
-                                          **common)
+        config = transformers.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True, **common)
         model = transformers.LlamaForCausalLM(config)
     elif kind == "qwen2":
-        config = transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False,
-                                          **common)
+        config = transformers.Qwen2Config(
+            num_key_value_heads=2, tie_word_embeddings=False, **common
+        )
         model = transformers.Qwen2ForCausalLM(config)
         with torch.no_grad():  # random biases, so a wrong mapping shows
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
     elif kind == "qwen3":
-        config = transformers.Qwen3Config(num_key_value_heads=2, tie_word_embeddings=False,
-                                          head_dim=24, **common)
+        config = transformers.Qwen3Config(
+            num_key_value_heads=2, tie_word_embeddings=False, head_dim=24, **common
+        )
         model = transformers.Qwen3ForCausalLM(config)
         with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
     elif kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_layer=num_layers, n_embd=64,
-                                         n_head=4, n_positions=64)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_layer=num_layers, n_embd=64, n_head=4, n_positions=64
+        )
         model = transformers.GPT2LMHeadModel(config)
         with torch.no_grad():
             for name, param in model.named_parameters():

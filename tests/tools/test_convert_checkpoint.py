@@ -15,7 +15,7 @@ from tests.tools.hf_models import VOCAB, build_hf_model
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from threefold.checkpointing import load_model  # noqa: E402
+from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,8 +23,13 @@ KINDS = ["llama", "llama-tied", "llama3", "qwen2", "qwen3", "gpt2", "mistral"]
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"),
-                           *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +40,9 @@ def converted(tmp_path_factory):
         root = tmp_path_factory.mktemp(kind)
         hf_dir, ours = str(root / "hf"), str(root / "threefold")
         model = build_hf_model(kind, hf_dir)
-        result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir,
-                         "--save-dir", ours)
+        result = convert(
+            "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         out[kind] = (model, hf_dir, ours)
     return out
@@ -60,8 +66,9 @@ def test_logits_match_transformers_at_tp1(converted, kind):
 def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind, tmp_path):
     _, hf_dir, ours = converted[kind]
     exported = str(tmp_path / "exported")
-    result = convert("--loader", "threefold", "--saver", "hf", "--load-dir", ours,
-                     "--save-dir", exported)
+    result = convert(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     before = {}
     for name in os.listdir(hf_dir):  # one file, or shards listed by an index
@@ -71,13 +78,13 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind
     before.pop("lm_head.weight", None) if kind in ("llama-tied", "llama3", "gpt2") else None
     assert before.keys() == after.keys()
     for name in before:
-        assert before[name].dtype == after[name].dtype and torch.equal(before[name],
-                                                                      after[name]), name
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), (
+            name
+        )
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     assert transformers.AutoTokenizer.from_pretrained(exported).encode("To be") != []
     with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits,
-                           converted[kind][0](TOKENS).logits)
+        assert torch.equal(reloaded(TOKENS).logits, converted[kind][0](TOKENS).logits)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -86,20 +93,20 @@ def test_greedy_generation_matches_transformers(converted, kind):
     _, model, tokenizer = load_model(ours)
     prompt = tokenizer.tokenize("To be, or not")
     ours_ids = generate(model, prompt, 12, 64)
-    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+    theirs = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert ours_ids == theirs
 
 
 def _per_token_losses(argv: list[str], directory: str) -> list | None:
     """Per-token losses of TOKENS through a pipeline/tensor-parallel run of the checkpoint."""
     from tests.parity import _setup
-    from threefold.checkpointing import load_checkpoint
-    from threefold.parallel import state
-    from threefold.parallel.schedules import get_forward_backward_func
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
 
     trainer = _setup(argv)
-    load_checkpoint(directory, trainer, finetune=True)
+    load_checkpoint(directory, trainer.checkpoint_components(), finetune=True)
     for chunk in trainer.model_chunks:
         chunk.eval()  # no dropout
     batch = {"tokens": TOKENS[:, :-1], "labels": TOKENS[:, 1:]}
@@ -109,9 +116,10 @@ def _per_token_losses(argv: list[str], directory: str) -> list | None:
         return output, lambda per_token: (per_token.mean(), per_token.detach())
 
     trainer.pipeline_options["tensor_shape"] = (23, 2, 64)
-    losses = get_forward_backward_func()(step, iter([batch]), trainer.model_chunks, 1,
-                                         forward_only=True, **trainer.pipeline_options)
-    return losses[0].numpy().tolist() if state.is_last_pipeline_stage() else None
+    losses = get_forward_backward_func(trainer.parallel.pp)(
+        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
+    )
+    return losses[0].numpy().tolist() if trainer.parallel.is_last_pipeline_stage else None
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -119,35 +127,72 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
     hf_model, _, ours = converted[kind]
     config, _, _ = load_model(ours)
     model = config.model
-    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--ffn-hidden-size", str(model.ffn_hidden_size), "--seq-length", "23",
-            "--max-position-embeddings",
-            str(model.max_position_embeddings), "--vocab-size", str(VOCAB), "--mock-data",
-            "--micro-batch-size", "2", "--global-batch-size", "2",
-            "--normalization", model.normalization, "--norm-epsilon", str(model.norm_epsilon),
-            "--position-embedding-type", model.position_embedding_type,
-            "--rotary-base", str(model.rotary_base),
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    argv = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        str(model.ffn_hidden_size),
+        "--seq-length",
+        "23",
+        "--max-position-embeddings",
+        str(model.max_position_embeddings),
+        "--vocab-size",
+        str(VOCAB),
+        "--mock-data",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--normalization",
+        model.normalization,
+        "--norm-epsilon",
+        str(model.norm_epsilon),
+        "--position-embedding-type",
+        model.position_embedding_type,
+        "--rotary-base",
+        str(model.rotary_base),
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
     if kind == "llama":
-        argv += ["--swiglu", "--disable-bias-linear", "--group-query-attention",
-                 "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+        argv += [
+            "--swiglu",
+            "--disable-bias-linear",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--untie-embeddings-and-output-weights",
+        ]
     else:
         argv += ["--openai-gelu"]
     results = [r for r in run_distributed(4, _per_token_losses, argv, ours) if r is not None]
     with torch.no_grad():
         logits = hf_model(TOKENS[:, :-1]).logits
         expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none")
+            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none"
+        )
     for result in results:
-        np.testing.assert_allclose(np.asarray(result).reshape(-1), expected.numpy(),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(result).reshape(-1), expected.numpy(), rtol=1e-4, atol=1e-5
+        )
 
 
-@pytest.mark.parametrize("scaling,named", [
-    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling='yarn'"),
-    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
-     "rope_scaling.original_max_position_embeddings=4096"),
-])
+@pytest.mark.parametrize(
+    "scaling,named",
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling='yarn'"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
+            "rope_scaling.original_max_position_embeddings=4096",
+        ),
+    ],
+)
 def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
     model_dir = str(tmp_path / "hf")
     build_hf_model("llama", model_dir, num_layers=1)
@@ -158,8 +203,16 @@ def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
     config["rope_scaling"] = scaling
     config.pop("rope_parameters", None)
     json.dump(config, open(config_file, "w"))
-    result = convert("--loader", "hf", "--saver", "threefold", "--load-dir", model_dir,
-                     "--save-dir", str(tmp_path / "out"))
+    result = convert(
+        "--loader",
+        "hf",
+        "--saver",
+        "threefold",
+        "--load-dir",
+        model_dir,
+        "--save-dir",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 2 and named in result.stderr, result.stderr
 
 
@@ -176,18 +229,18 @@ def test_llama3_rope_scaling_converts_to_the_flags(converted):
     plain = RotaryEmbedding(config.model.kv_channels, config.model.rotary_base).inv_freq
     ratio = plain / theirs  # one frequency kept, one interpolated, the slowest ones / 32
     assert ratio[0] == 1 and 1 < ratio[4] < 32 and torch.allclose(ratio[5:], torch.tensor(32.0))
-    from threefold.checkpoint_args import model_flags
+    from threefold.checkpoint.args import model_flags
 
     flags = model_flags(vars(config.model))
     assert "--use-rope-scaling" in flags
     assert flags[flags.index("--rope-scaling-factor") + 1] == "32.0"
     from tests.parity import TRAINING, _setup
-    from threefold.checkpointing import load_checkpoint
+    from threefold.checkpoint.load import load_checkpoint
     from threefold.config import ConfigError
 
     unscaled = [f for f in flags if f != "--use-rope-scaling"]
     with pytest.raises(ConfigError, match="--use-rope-scaling True but this run has False"):
-        load_checkpoint(ours, _setup(TRAINING + unscaled), finetune=True)
+        load_checkpoint(ours, _setup(TRAINING + unscaled).checkpoint_components(), finetune=True)
 
 
 def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_path):
@@ -195,9 +248,20 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
     _, _, tokenizer = load_model(ours)
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind"
     (tmp_path / "text.txt").write_text(text)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "score.py"), "--load",
-                             ours, "--input", str(tmp_path / "text.txt")],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "score.py"),
+            "--load",
+            ours,
+            "--input",
+            str(tmp_path / "text.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     ids = torch.tensor([tokenizer.tokenize(text)])
     with torch.no_grad():

@@ -17,7 +17,9 @@ from tests.parity import (
     assert_close_dicts,
     train_job,
 )
-from threefold.checkpointing import TRACKER, load_checkpoint, save_checkpoint
+from threefold.checkpoint.files import TRACKER
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # RNG state must resume too
@@ -28,21 +30,35 @@ def _resume_job(argv: list[str], directory: str) -> dict:
     first = _setup(argv + ["--save", directory])
     for _ in range(3):
         first.train_step()
-    save_checkpoint(directory, first)
+    save_checkpoint(directory, first.checkpoint_components())
     second = _setup(argv)
-    assert load_checkpoint(directory, second) == 3
+    assert load_checkpoint(directory, second.checkpoint_components()) == 3
     resumed_losses = [second.train_step()[0] for _ in range(3)]
     params = _without_key_bias(_full(second), second)
     return {"straight": straight, "resumed_losses": resumed_losses, "resumed_params": params}
 
 
-@pytest.mark.parametrize("world_size,layout", [
-    (2, []), (2, ["--tensor-model-parallel-size", "2"]),
-    (2, ["--pipeline-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"]),
-    (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-         "--ddp-bucket-size", "3000"]),
-    (2, ["--distributed-strategy", "fsdp"]),
-    (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])])
+@pytest.mark.parametrize(
+    "world_size,layout",
+    [
+        (2, []),
+        (2, ["--tensor-model-parallel-size", "2"]),
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        (2, ["--use-distributed-optimizer", "--bf16"]),
+        (
+            2,
+            [
+                "--use-distributed-optimizer",
+                "--overlap-grad-reduce",
+                "--overlap-param-gather",
+                "--ddp-bucket-size",
+                "3000",
+            ],
+        ),
+        (2, ["--distributed-strategy", "fsdp"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+)
 def test_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     argv = LLAMA_STYLE + TRAINING + DROPOUT + layout
     result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]
@@ -54,20 +70,21 @@ def test_tracker_names_only_complete_checkpoints(tmp_path):
     directory = str(tmp_path)
     trainer = _setup(LLAMA_STYLE + TRAINING)
     trainer.train_step()
-    save_checkpoint(directory, trainer)
+    save_checkpoint(directory, trainer.checkpoint_components())
     assert open(os.path.join(directory, TRACKER)).read().strip() == "1"
     # A later save that dies before finishing leaves a partial directory and the old tracker.
     os.makedirs(os.path.join(directory, "iter_0000002"))
     fresh = _setup(LLAMA_STYLE + TRAINING)
-    assert load_checkpoint(directory, fresh) == 1
+    assert load_checkpoint(directory, fresh.checkpoint_components()) == 1
     assert fresh.state.iteration == 1
 
 
 def test_loading_another_model_is_refused_naming_the_flag(tmp_path):
     directory = str(tmp_path)
-    save_checkpoint(directory, _setup(LLAMA_STYLE + TRAINING))
+    save_checkpoint(directory, _setup(LLAMA_STYLE + TRAINING).checkpoint_components())
     with pytest.raises(ConfigError, match="--num-layers 2 but this run has 3"):
-        load_checkpoint(directory, _setup(LLAMA_STYLE + TRAINING + ["--num-layers", "3"]))
+        changed = _setup(LLAMA_STYLE + TRAINING + ["--num-layers", "3"])
+        load_checkpoint(directory, changed.checkpoint_components())
 
 
 def _adam_moments_are_zero(trainer) -> bool:
@@ -80,13 +97,13 @@ def test_weights_only_loads(tmp_path, how):
     saved = _setup(LLAMA_STYLE + TRAINING)
     for _ in range(3):
         saved.train_step()
-    save_checkpoint(directory, saved)
+    save_checkpoint(directory, saved.checkpoint_components())
     fresh = _setup(LLAMA_STYLE + TRAINING)
     if how == "finetune":  # weights only; a new run from iteration 0
-        assert load_checkpoint(directory, fresh, finetune=True) == 3
+        assert load_checkpoint(directory, fresh.checkpoint_components(), finetune=True) == 3
         assert fresh.state.iteration == 0 and fresh.scheduler.num_steps == 0
     else:  # the run continues, with a fresh optimizer
-        assert load_checkpoint(directory, fresh, load_optimizer=False) == 3
+        assert load_checkpoint(directory, fresh.checkpoint_components(), load_optimizer=False) == 3
         assert fresh.state.iteration == 3 and fresh.scheduler.num_steps == 3
     assert _adam_moments_are_zero(fresh) and not _adam_moments_are_zero(saved)
     assert_close_dicts(_full(fresh), _full(saved), 0.0, "parameter")
@@ -101,20 +118,25 @@ def test_no_save_optim_and_rng_write_weights_and_progress_only(tmp_path):
     saved = _setup(argv + ["--no-save-optim", "--no-save-rng"])
     for _ in range(2):
         saved.train_step()
-    path = save_checkpoint(directory, saved)
+    path = save_checkpoint(directory, saved.checkpoint_components())
     keys = dcp_keys(path)
     assert keys and all(key.startswith("model.") for key in keys)
     assert not os.path.exists(os.path.join(path, "rng"))
     with pytest.raises(ConfigError, match="saved with --no-save-optim .* pass --no-load-optim"):
-        load_checkpoint(directory, _setup(argv))
+        load_checkpoint(directory, _setup(argv).checkpoint_components())
     with pytest.raises(ConfigError, match="saved with --no-save-rng .* pass --no-load-rng"):
-        load_checkpoint(directory, _setup(argv), load_optimizer=False)
+        load_checkpoint(directory, _setup(argv).checkpoint_components(), load_optimizer=False)
     fresh = _setup(argv)
-    assert load_checkpoint(directory, fresh, load_optimizer=False, load_rng=False) == 2
+    assert (
+        load_checkpoint(
+            directory, fresh.checkpoint_components(), load_optimizer=False, load_rng=False
+        )
+        == 2
+    )
     assert fresh.state.iteration == 2 and _adam_moments_are_zero(fresh)
     assert_close_dicts(_full(fresh), _full(saved), 0.0, "parameter")
     # A full checkpoint of the same run does hold the optimizer and the RNG states.
-    full = save_checkpoint(str(tmp_path / "full"), _setup(argv))
+    full = save_checkpoint(str(tmp_path / "full"), _setup(argv).checkpoint_components())
     assert any(key.startswith("optimizer.") for key in dcp_keys(full))
     assert os.path.isdir(os.path.join(full, "rng"))
 
@@ -129,31 +151,64 @@ def test_async_save_writes_the_state_of_its_iteration(tmp_path):
     directory = str(tmp_path)
     trainer = _setup(LLAMA_STYLE + TRAINING + ["--save", directory, "--async-save"])
     trainer.train_step()
-    trainer.save()  # returns once the tensors are staged
+    trainer.checkpointer.save(trainer.state.iteration)  # returns once the tensors are staged
     at_save = _full(trainer)
     trainer.train_step()  # training goes on and changes the parameters meanwhile
     # The tracker appears only once the checkpoint is complete (manifest written, renamed).
     if os.path.exists(os.path.join(directory, TRACKER)):
         assert os.path.isfile(os.path.join(directory, "iter_0000001", "manifest.json"))
-    trainer.finish_pending_save()
+    trainer.checkpointer.wait()
     assert open(os.path.join(directory, TRACKER)).read().strip() == "1"
     fresh = _setup(LLAMA_STYLE + TRAINING)
-    assert load_checkpoint(directory, fresh) == 1
+    assert load_checkpoint(directory, fresh.checkpoint_components()) == 1
     assert_close_dicts(_full(fresh), at_save, 0.0, "parameter")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--train-iters", "4", "--mock-data", "--vocab-size", "128", "--eval-iters", "0",
-            "--log-interval", "1", "--save-interval", "2"]
+TINY_RUN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--save-interval",
+    "2",
+]
 
 
 def _pretrain(directory: str, *extra: str, crash_at: str | None = None):
     environment = dict(os.environ, THREEFOLD_CRASH_AT=crash_at or "")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY_RUN,
-                           "--save", directory, *extra], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=environment)
+    return subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "pretrain_gpt.py"),
+            *TINY_RUN,
+            "--save",
+            directory,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=environment,
+    )
 
 
 def _last_loss(output: str) -> str:

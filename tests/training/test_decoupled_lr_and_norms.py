@@ -18,18 +18,30 @@ from tests.parity import (
 )
 from threefold.training.logging import IterationStats, format_iteration
 
-DECOUPLED = ["--decoupled-lr", "0.02", "--decoupled-min-lr", "0.001", "--min-lr", "0.0001",
-             "--lr-decay-style", "cosine"]
+DECOUPLED = [
+    "--decoupled-lr",
+    "0.02",
+    "--decoupled-min-lr",
+    "0.001",
+    "--min-lr",
+    "0.0001",
+    "--lr-decay-style",
+    "cosine",
+]
 
 
 def test_decoupled_groups_follow_their_own_schedule():
     trainer = _setup(LLAMA_STYLE + TRAINING + DECOUPLED)
     names = {param: name for name, param in trainer.model.named_parameters()}
     for group in trainer.optimizer.param_groups:
-        members = {names[piece.param] for piece in trainer.optimizer.pieces
-                   if any(piece.master is p for p in group["params"])}
-        outer = {n for n in members if n.endswith(("word_embeddings.weight",
-                                                   "output_layer.weight"))}
+        members = {
+            names[piece.param]
+            for piece in trainer.optimizer.pieces
+            if any(piece.master is p for p in group["params"])
+        }
+        outer = {
+            n for n in members if n.endswith(("word_embeddings.weight", "output_layer.weight"))
+        }
         assert outer == (members if group["decoupled_lr"] else set()), members
     scheduler = trainer.scheduler
     for steps, lr, decoupled in ((1, 3e-3 / 2, 0.02 / 2), (2, 3e-3, 0.02), (10, 1e-4, 1e-3)):
@@ -64,8 +76,10 @@ def _norms_job(argv: list[str], steps: int) -> dict:
     trainer = _setup(argv)
     for _ in range(steps):
         trainer.train_step()
-    result = {"params_norm": trainer.optimizer.params_norm(),
-              "num_zeros": trainer.optimizer.num_zeros_in_grad}
+    result = {
+        "params_norm": trainer.optimizer.params_norm(),
+        "num_zeros": trainer.optimizer.num_zeros_in_grad,
+    }
     if torch.distributed.is_initialized():
         return result
     # Single process: the same sums written out over the whole model.
@@ -73,7 +87,8 @@ def _norms_job(argv: list[str], steps: int) -> dict:
     result["expected_params_norm"] = torch.cat(params).norm().item()
     # The buffer still holds the last step's reduced gradients.
     result["expected_num_zeros"] = sum(
-        int((p.main_grad == 0).sum()) for p in trainer.grad_buffer.params)
+        int((p.main_grad == 0).sum()) for p in trainer.data_parallel.grad_buffer.params
+    )
     return result
 
 
@@ -88,11 +103,18 @@ def test_params_norm_and_zero_count_are_the_model_wide_sums():
     assert 0 < result["num_zeros"] == result["expected_num_zeros"]
 
 
-@pytest.mark.parametrize("world_size,style,flags", [
-    (2, LLAMA_STYLE, ["--use-distributed-optimizer"]),
-    (4, GPT2_STYLE, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                     "2"]),
-], ids=["dp2-distopt", "tp2-pp2-tied"])
+@pytest.mark.parametrize(
+    "world_size,style,flags",
+    [
+        (2, LLAMA_STYLE, ["--use-distributed-optimizer"]),
+        (
+            4,
+            GPT2_STYLE,
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        ),
+    ],
+    ids=["dp2-distopt", "tp2-pp2-tied"],
+)
 def test_decoupled_lr_and_norms_match_single_process(world_size, style, flags):
     argv = style + TRAINING + DECOUPLED + NORMS
     reference = train_job(argv, 4)
@@ -106,13 +128,28 @@ def test_decoupled_lr_and_norms_match_single_process(world_size, style, flags):
 
 def test_log_line_carries_the_megatron_fields():
     stats = IterationStats(
-        iteration=10, train_iters=100, consumed_samples=80, elapsed_ms=12.5, learning_rate=1e-3,
-        global_batch_size=8, lm_loss=2.5, loss_scale=1.0, grad_norm=0.5, skipped_iterations=0,
-        nan_iterations=0, tokens_per_second=100.0, tflops_per_device=0.1,
-        decoupled_learning_rate=2e-2, num_zeros_in_grad=1234, params_norm=56.789)
+        iteration=10,
+        train_iters=100,
+        consumed_samples=80,
+        elapsed_ms=12.5,
+        learning_rate=1e-3,
+        global_batch_size=8,
+        lm_loss=2.5,
+        loss_scale=1.0,
+        grad_norm=0.5,
+        skipped_iterations=0,
+        nan_iterations=0,
+        tokens_per_second=100.0,
+        tflops_per_device=0.1,
+        decoupled_learning_rate=2e-2,
+        num_zeros_in_grad=1234,
+        params_norm=56.789,
+    )
     line = format_iteration(stats)
-    assert (" learning rate: 1.000000E-03 | decoupled learning rate: 2.000000E-02 |"
-            " global batch size:     8 |") in line
+    assert (
+        " learning rate: 1.000000E-03 | decoupled learning rate: 2.000000E-02 |"
+        " global batch size:     8 |"
+    ) in line
     assert " grad norm: 0.500 | num zeros: 1234 | params norm: 56.789 |" in line
     assert np.isfinite(stats.params_norm)
 
@@ -120,8 +157,9 @@ def test_log_line_carries_the_megatron_fields():
 def test_training_log_prints_them(capsys):
     from tests.training.test_accumulation_and_determinism import _with
 
-    trainer = _setup(_with(GPT2_STYLE + TRAINING, train_iters=2, log_interval=1)
-                     + DECOUPLED + NORMS)
+    trainer = _setup(
+        _with(GPT2_STYLE + TRAINING, train_iters=2, log_interval=1) + DECOUPLED + NORMS
+    )
     trainer.train()
     lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
     assert len(lines) == 2

@@ -9,7 +9,8 @@ import torch
 
 from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
-from threefold.checkpointing import TRACKER, load_checkpoint
+from threefold.checkpoint.files import TRACKER
+from threefold.checkpoint.load import load_checkpoint
 from threefold.training.exit_conditions import ExitConditions
 
 
@@ -17,7 +18,7 @@ def _run(*extra: str) -> tuple[list[float], object]:
     trainer = _setup(LLAMA_STYLE + TRAINING + list(extra))
     checkpoint = trainer.config.checkpoint
     if checkpoint.load:
-        load_checkpoint(checkpoint.load, trainer)
+        load_checkpoint(checkpoint.load, trainer.checkpoint_components())
     return trainer.train(), trainer
 
 
@@ -45,8 +46,9 @@ def test_exit_signal_handler_records_the_signal_and_restores_the_handler(sig):
     exits = ExitConditions(config.training, torch.device("cpu"))
     assert exits.reason(1) is None
     os.kill(os.getpid(), sig)  # recorded, not fatal
-    assert exits.reason(2) == (f"--exit-signal-handler: received {sig.name} (on this or "
-                               "another rank)")
+    assert exits.reason(2) == (
+        f"--exit-signal-handler: received {sig.name} (on this or another rank)"
+    )
     exits.close()
     assert signal.getsignal(sig) is before
 

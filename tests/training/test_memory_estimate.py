@@ -8,7 +8,6 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup
-from threefold.parallel import state
 from threefold.training.memory import measure_activation_bytes, measure_bytes_per_parameter
 from threefold.training.memory_estimate import estimate_stage, micro_batch_activation_bytes
 
@@ -19,12 +18,22 @@ WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
 
 def _measure_and_estimate(argv: list[str]) -> dict:
     trainer = _setup(argv)
-    stage = state.pipeline_model_parallel_rank()
-    count = sum(p.numel() for _, p in trainer.layout_independent_parameters())
+    stage = trainer.parallel.pp.rank
+    named = trainer.layout_independent_parameters()
+    count = sum(p.numel() for _, p in named)
     estimate = estimate_stage(trainer.config, stage)
-    return {"static": (measure_bytes_per_parameter(trainer).total * count, estimate.static),
-            "activations": (measure_activation_bytes(trainer),
-                            micro_batch_activation_bytes(trainer.config, stage))}
+    measured = measure_bytes_per_parameter(named, trainer.data_parallel)
+    batch = next(trainer.train_iterator())
+    activations = measure_activation_bytes(
+        trainer.model_chunks,
+        batch,
+        trainer.pipeline_options["tensor_shape"],
+        trainer.pipeline_options["dtype"],
+    )
+    return {
+        "static": (measured.total * count, estimate.static),
+        "activations": (activations, micro_batch_activation_bytes(trainer.config, stage)),
+    }
 
 
 def _assert_within_10_percent(results: list[dict]) -> None:
@@ -33,35 +42,71 @@ def _assert_within_10_percent(results: list[dict]) -> None:
             assert abs(estimated - measured) <= 0.1 * measured, (what, measured, estimated)
 
 
-@pytest.mark.parametrize("flags", [
-    LLAMA_STYLE + WIDE,
-    LLAMA_STYLE + WIDE + ["--bf16", "--recompute-granularity", "selective"],
-    GPT2_STYLE + WIDE + ["--max-position-embeddings", "32", "--hidden-dropout", "0.1",
-                         "--recompute-granularity", "full", "--recompute-method", "block",
-                         "--recompute-num-layers", "1"],
-], ids=["llama", "llama-bf16-selective", "gpt2-dropout-full-block"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        LLAMA_STYLE + WIDE,
+        LLAMA_STYLE + WIDE + ["--bf16", "--recompute-granularity", "selective"],
+        GPT2_STYLE
+        + WIDE
+        + [
+            "--max-position-embeddings",
+            "32",
+            "--hidden-dropout",
+            "0.1",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ],
+    ids=["llama", "llama-bf16-selective", "gpt2-dropout-full-block"],
+)
 def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
 
 
-@pytest.mark.parametrize("world_size,flags", [
-    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    (2, ["--pipeline-model-parallel-size", "2"]),
-    (4, ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]),
-], ids=["tp2-sp", "pp2", "tp2-dp2-distributed-optimizer-bf16"])
+@pytest.mark.parametrize(
+    "world_size,flags",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        (4, ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]),
+    ],
+    ids=["tp2-sp", "pp2", "tp2-dp2-distributed-optimizer-bf16"],
+)
 def test_parallel_layouts(world_size, flags):
     # Each rank checks its own stage and shard.
-    _assert_within_10_percent(run_distributed(world_size, _measure_and_estimate,
-                                              LLAMA_STYLE + WIDE + TRAINING + flags))
+    _assert_within_10_percent(
+        run_distributed(world_size, _measure_and_estimate, LLAMA_STYLE + WIDE + TRAINING + flags)
+    )
 
 
 def test_cli_prints_every_stage():
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "estimate_memory.py"), "--world-size",
-         "8", "--gpu-memory-gib", "80", *LLAMA_STYLE, "--vocab-size", "32000",
-         "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-         "--use-distributed-optimizer"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "estimate_memory.py"),
+            "--world-size",
+            "8",
+            "--gpu-memory-gib",
+            "80",
+            *LLAMA_STYLE,
+            "--vocab-size",
+            "32000",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     assert "TP=2 PP=2 DP=2" in result.stdout
     assert result.stdout.count(" fits") == 2  # one line per pipeline stage

@@ -9,7 +9,7 @@ from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup, train_job
 from threefold.arguments import parse_args
 from threefold.config import TrainingConfig
-from threefold.parallel.torch_native import local
+from threefold.parallel.data_parallel.torch_native import local
 from threefold.training.loss_scaler import DynamicLossScaler
 
 
@@ -24,8 +24,9 @@ def test_bf16_and_fp16_follow_fp32_within_half_precision_tolerance():
 
 
 def test_fp16_overflow_skips_the_step_and_backs_off():
-    trainer = _setup(GPT2_STYLE + TRAINING + ["--fp16", "--initial-loss-scale", "1e30",
-                                              "--hysteresis", "1"])
+    trainer = _setup(
+        GPT2_STYLE + TRAINING + ["--fp16", "--initial-loss-scale", "1e30", "--hysteresis", "1"]
+    )
     before = [p.detach().clone() for p in trainer.optimizer.master_params]
     _, grad_norm, skipped = trainer.train_step()
     assert skipped and grad_norm is None
@@ -53,8 +54,9 @@ def test_static_loss_scale_stays_and_still_skips_overflows():
 
 
 def test_dynamic_scaler_grows_after_a_clean_window():
-    scaler = DynamicLossScaler(TrainingConfig(initial_loss_scale=8.0, loss_scale_window=3,
-                                              hysteresis=2))
+    scaler = DynamicLossScaler(
+        TrainingConfig(initial_loss_scale=8.0, loss_scale_window=3, hysteresis=2)
+    )
     scaler.update(found_inf=True)
     assert scaler.scale == 8.0  # hysteresis: the first overflow only counts
     scaler.update(found_inf=True)
@@ -75,34 +77,46 @@ def test_optimizer_cpu_offload_keeps_separate_masters_with_identical_arithmetic(
     trainer = _setup(GPT2_STYLE + TRAINING + ["--optimizer-cpu-offload"])
     assert not trainer.optimizer.separate_masters  # CPU run: nothing to offload
     named = [(n, p) for n, p in trainer.model.named_parameters()]
-    trainer.optimizer = MixedPrecisionOptimizer(named, trainer.config.training, offload=True)
+    trainer.optimizer = MixedPrecisionOptimizer(
+        named, trainer.config.training, trainer.parallel, offload=True
+    )
     trainer.scheduler = OptimizerParamScheduler(trainer.optimizer, trainer.config.training)
     piece = trainer.optimizer.pieces[0]
     assert piece.master is not piece.param and piece.master.device == OFFLOAD_DEVICE
     assert [trainer.train_step()[0] for _ in range(3)] == reference
 
 
-@pytest.mark.parametrize("flags,fp32_gradients", [
-    (["--bf16"], True),  # Megatron-LM's default for bf16
-    (["--bf16", "--grad-reduce-in-bf16"], False),
-    (["--fp16"], False),
-    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
-    (["--bf16", "--accumulate-allreduce-grads-in-fp32"], True),
-])
+@pytest.mark.parametrize(
+    "flags,fp32_gradients",
+    [
+        (["--bf16"], True),  # Megatron-LM's default for bf16
+        (["--bf16", "--grad-reduce-in-bf16"], False),
+        (["--fp16"], False),
+        (["--fp16", "--accumulate-allreduce-grads-in-fp32"], True),
+        (["--bf16", "--accumulate-allreduce-grads-in-fp32"], True),
+    ],
+)
 def test_gradient_precision_follows_megatron_defaults(flags, fp32_gradients):
     config = parse_args(GPT2_STYLE + TRAINING + flags)
     assert config.parallel.accumulate_allreduce_grads_in_fp32 == fp32_gradients
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
-    (["--fp16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
-    (["--loss-scale", "128"],
-     "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it"),
-    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
-     "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; "
-     "give one"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
+        (["--fp16", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16; drop it"),
+        (
+            ["--loss-scale", "128"],
+            "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it",
+        ),
+        (
+            ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict each other; "
+            "give one",
+        ),
+    ],
+)
 def test_contradicting_gradient_precision_flags_are_refused(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(GPT2_STYLE + TRAINING + flags)
@@ -115,8 +129,10 @@ def _reduced_gradients_job(argv: list[str]) -> tuple[str, bool]:
     is a bf16 number (a reduction in bf16 leaves nothing finer)."""
     trainer = _setup(argv)
     trainer.train_step()
-    grads = [local(p.main_grad if trainer.grad_buffer is not None else p.grad)
-             for _, p in trainer.model.named_parameters()]
+    grads = [
+        local(p.main_grad if trainer.data_parallel.grad_buffer is not None else p.grad)
+        for _, p in trainer.model.named_parameters()
+    ]
     on_bf16_grid = all(torch.equal(g, g.bfloat16().to(g.dtype)) for g in grads)
     return str(grads[0].dtype), on_bf16_grid
 
@@ -124,8 +140,19 @@ def _reduced_gradients_job(argv: list[str]) -> tuple[str, bool]:
 @pytest.mark.parametrize("strategy", ["megatron", "ddp", "fsdp"])
 def test_grad_reduce_in_bf16_reduces_in_bf16_in_every_strategy(strategy):
     # Without clipping the gradients are left as the reduction wrote them.
-    argv = (LLAMA_STYLE + TRAINING + ["--bf16", "--clip-grad", "0", "--global-batch-size", "4",
-                                      "--distributed-strategy", strategy])
+    argv = (
+        LLAMA_STYLE
+        + TRAINING
+        + [
+            "--bf16",
+            "--clip-grad",
+            "0",
+            "--global-batch-size",
+            "4",
+            "--distributed-strategy",
+            strategy,
+        ]
+    )
     fp32 = "torch.float32"
     default = run_distributed(2, _reduced_gradients_job, argv)
     assert default == [(fp32, False)] * 2

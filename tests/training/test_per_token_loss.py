@@ -22,8 +22,15 @@ from threefold.arguments import parse_args
 from threefold.data.loader import build_datasets
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 
-DOCUMENTS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--eod-mask-loss",
-             "--reset-position-ids", "--reset-attention-mask"]
+DOCUMENTS = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "15",
+    "--eod-mask-loss",
+    "--reset-position-ids",
+    "--reset-attention-mask",
+]
 PER_TOKEN = ["--calculate-per-token-loss"]
 STEPS = 3
 
@@ -50,8 +57,9 @@ def test_per_token_loss_does_not_depend_on_the_micro_batch_size():
     assert_close_dicts(four["params"], one["params"], 1e-6, "parameter")
     averaged = train_job(_argv(), STEPS)
     assert abs(averaged["losses"][0] - one["losses"][0]) > 1e-4 * abs(one["losses"][0])
-    errors = [relative_error(averaged["params"][name], one["params"][name])
-              for name in one["params"]]
+    errors = [
+        relative_error(averaged["params"][name], one["params"][name]) for name in one["params"]
+    ]
     assert max(errors) > 1e-3
 
 
@@ -65,24 +73,39 @@ def test_per_token_loss_is_the_token_mean_of_the_global_batch():
     batches = [next(trainer.train_iterator()) for _ in range(trainer.num_microbatches)]
     trainer._train_iterator = None  # train_step re-reads the same first global batch
     with torch.no_grad():
-        total = sum((trainer.model(b["tokens"], labels=b["labels"],
-                                   attention_mask=b["attention_mask"],
-                                   position_ids=b["position_ids"]) * b["loss_mask"]).sum()
-                    for b in batches)
+        total = sum(
+            (
+                trainer.model(
+                    b["tokens"],
+                    labels=b["labels"],
+                    attention_mask=b["attention_mask"],
+                    position_ids=b["position_ids"],
+                )
+                * b["loss_mask"]
+            ).sum()
+            for b in batches
+        )
     tokens = sum(b["loss_mask"].sum() for b in batches)
     loss, _, _ = trainer.train_step()
     assert np.isclose(loss, (total / tokens).item(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("world_size,flags,tolerance", [
-    (2, [], DP_TOLERANCE),
-    (2, ["--use-distributed-optimizer"], DP_TOLERANCE),
-    (2, ["--distributed-strategy", "ddp"], DP_TOLERANCE),
-    (2, ["--distributed-strategy", "fsdp"], DP_TOLERANCE),
-    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
-    (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-         "1"], DP_TOLERANCE),
-], ids=["dp2", "dp2-distopt", "ddp2", "fsdp2", "tp2-sp-dp2", "pp2-interleaved-dp2"])
+@pytest.mark.parametrize(
+    "world_size,flags,tolerance",
+    [
+        (2, [], DP_TOLERANCE),
+        (2, ["--use-distributed-optimizer"], DP_TOLERANCE),
+        (2, ["--distributed-strategy", "ddp"], DP_TOLERANCE),
+        (2, ["--distributed-strategy", "fsdp"], DP_TOLERANCE),
+        (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
+        (
+            4,
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+            DP_TOLERANCE,
+        ),
+    ],
+    ids=["dp2", "dp2-distopt", "ddp2", "fsdp2", "tp2-sp-dp2", "pp2-interleaved-dp2"],
+)
 def test_per_token_loss_layouts_match_single_process(world_size, flags, tolerance):
     reference = train_job(_argv(*PER_TOKEN), STEPS)
     results = run_distributed(world_size, train_job, _argv(*PER_TOKEN, *flags), STEPS)

@@ -11,15 +11,23 @@ from tests.parity import GPT2_STYLE, TRAINING, _setup
 from tests.training.test_accumulation_and_determinism import _with
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
+from threefold.parallel.parallel_context import ParallelContext
 from threefold.training.trainer import Trainer
 
-PROFILE = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
-           "--profile-step-end", "4"]
+PROFILE = [
+    "--profile",
+    "--use-pytorch-profiler",
+    "--profile-step-start",
+    "2",
+    "--profile-step-end",
+    "4",
+]
 
 
 def test_pytorch_profiler_traces_the_requested_iterations(tmp_path, capsys, monkeypatch):
-    trainer = _setup(_with(GPT2_STYLE + TRAINING, train_iters=6) + PROFILE
-                     + ["--tensorboard-dir", str(tmp_path)])
+    trainer = _setup(
+        _with(GPT2_STYLE + TRAINING, train_iters=6) + PROFILE + ["--tensorboard-dir", str(tmp_path)]
+    )
     steps = []
     original = trainer.train_step
 
@@ -41,14 +49,22 @@ def test_pytorch_profiler_traces_the_requested_iterations(tmp_path, capsys, monk
 def test_profiler_flag_mistakes(capsys):
     with pytest.raises(SystemExit):
         parse_args(GPT2_STYLE + TRAINING + PROFILE)
-    assert "--use-pytorch-profiler writes its trace to --tensorboard-dir" in \
-        capsys.readouterr().err
+    assert "--use-pytorch-profiler writes its trace to --tensorboard-dir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args(GPT2_STYLE + TRAINING + ["--profile", "--profile-step-start", "3",
-                                            "--profile-step-end", "3"])
-    assert "--profile-step-start 3 must be >= 0 and below --profile-step-end 3" in \
-        capsys.readouterr().err
+        parse_args(
+            GPT2_STYLE
+            + TRAINING
+            + ["--profile", "--profile-step-start", "3", "--profile-step-end", "3"]
+        )
+    assert (
+        "--profile-step-start 3 must be >= 0 and below --profile-step-end 3"
+        in capsys.readouterr().err
+    )
     parse_args(GPT2_STYLE + TRAINING + ["--use-pytorch-profiler"])
     assert "--use-pytorch-profiler has no effect without --profile" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="needs a GPU; add --use-pytorch-profiler"):
-        Trainer(parse_args(GPT2_STYLE + TRAINING + ["--profile"]), torch.device("cpu"))
+        Trainer(
+            parse_args(GPT2_STYLE + TRAINING + ["--profile"]),
+            torch.device("cpu"),
+            ParallelContext(),
+        )

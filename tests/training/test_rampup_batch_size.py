@@ -19,7 +19,15 @@ from threefold.arguments import parse_args
 
 # Batches of 4, 4, then 8 from 8 consumed samples on: 6 iterations for 40 samples.
 RAMP = _without(TRAINING, "--train-iters", "--lr-warmup-iters") + [
-    "--train-samples", "40", "--rampup-batch-size", "4", "4", "8", "--lr-warmup-samples", "8"]
+    "--train-samples",
+    "40",
+    "--rampup-batch-size",
+    "4",
+    "4",
+    "8",
+    "--lr-warmup-samples",
+    "8",
+]
 SIZES = [4, 4, 8, 8, 8, 8]
 
 
@@ -32,11 +40,28 @@ def test_megatron_ramp_and_iteration_count():
         consumed += sizes[-1]
     assert sizes == SIZES and consumed == 40
     # Megatron's formula over a longer ramp: 16 -> 64 in 4 steps over 1200 samples.
-    long = parse_args(LLAMA_STYLE + _without(RAMP, "--rampup-batch-size", "--global-batch-size")
-                      + ["--rampup-batch-size", "16", "16", "1200", "--global-batch-size", "64",
-                         "--train-samples", "100000"]).training
+    long = parse_args(
+        LLAMA_STYLE
+        + _without(RAMP, "--rampup-batch-size", "--global-batch-size")
+        + [
+            "--rampup-batch-size",
+            "16",
+            "16",
+            "1200",
+            "--global-batch-size",
+            "64",
+            "--train-samples",
+            "100000",
+        ]
+    ).training
     assert [long.global_batch_size_at(c) for c in (0, 399, 400, 801, 1200, 1201)] == [
-        16, 16, 32, 48, 64, 64]
+        16,
+        16,
+        32,
+        48,
+        64,
+        64,
+    ]
 
 
 def test_a_ramped_run_logs_its_batch_sizes(capsys):
@@ -45,42 +70,62 @@ def test_a_ramped_run_logs_its_batch_sizes(capsys):
     trainer = _setup(LLAMA_STYLE + RAMP + ["--log-interval", "1"])
     trainer.train()
     lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
-    assert [int(re.search(r"global batch size: +(\d+)", line).group(1))
-            for line in lines] == SIZES
+    assert [int(re.search(r"global batch size: +(\d+)", line).group(1)) for line in lines] == SIZES
     assert [int(re.search(r"consumed samples: +(\d+)", line).group(1)) for line in lines] == [
-        4, 8, 16, 24, 32, 40]
+        4,
+        8,
+        16,
+        24,
+        32,
+        40,
+    ]
 
 
 def test_the_first_ramped_iteration_is_a_batch_of_start_samples():
     ramped = train_job(LLAMA_STYLE + RAMP, 1)
-    small = train_job(LLAMA_STYLE + _without(TRAINING, "--global-batch-size")
-                      + ["--global-batch-size", "4"], 1)
+    small = train_job(
+        LLAMA_STYLE + _without(TRAINING, "--global-batch-size") + ["--global-batch-size", "4"], 1
+    )
     assert_losses_close(ramped["losses"], small["losses"], 1e-6)
 
 
-@pytest.mark.parametrize("flags", [
-    [],
-    ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"],
-    ["--pipeline-model-parallel-size", "2"],
-], ids=["dp2", "dp2-distopt-overlap", "pp2"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "2000"],
+        ["--pipeline-model-parallel-size", "2"],
+    ],
+    ids=["dp2", "dp2-distopt-overlap", "pp2"],
+)
 def test_ramped_layouts_match_single_process(flags):
     reference = train_job(LLAMA_STYLE + RAMP, 6)
     results = run_distributed(2, train_job, LLAMA_STYLE + RAMP + flags, 6)
     assert_matches_reference(results, reference, DP_TOLERANCE)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--train-iters", "10", "--rampup-batch-size", "4", "4", "8"],
-     "--rampup-batch-size needs --train-samples"),
-    (RAMP[:-6] + ["--rampup-batch-size", "3", "4", "8"],
-     "--global-batch-size 8 must be START 3 plus a multiple of INCREMENT 4"),
-    (_without(RAMP, "--micro-batch-size") + ["--micro-batch-size", "4", "--rampup-batch-size",
-                                            "2", "2", "8"],
-     "the global batch size 2 is not divisible by --micro-batch-size 4"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--train-iters", "10", "--rampup-batch-size", "4", "4", "8"],
+            "--rampup-batch-size needs --train-samples",
+        ),
+        (
+            RAMP[:-6] + ["--rampup-batch-size", "3", "4", "8"],
+            "--global-batch-size 8 must be START 3 plus a multiple of INCREMENT 4",
+        ),
+        (
+            _without(RAMP, "--micro-batch-size")
+            + ["--micro-batch-size", "4", "--rampup-batch-size", "2", "2", "8"],
+            "the global batch size 2 is not divisible by --micro-batch-size 4",
+        ),
+    ],
+)
 def test_ramp_mistakes_are_refused(extra, message, capsys):
-    base = LLAMA_STYLE + _without(TRAINING, "--train-iters", "--lr-warmup-iters",
-                                  "--rampup-batch-size")
+    base = LLAMA_STYLE + _without(
+        TRAINING, "--train-iters", "--lr-warmup-iters", "--rampup-batch-size"
+    )
     with pytest.raises(SystemExit) as exit_info:
         parse_args(base + extra)
     assert exit_info.value.code == 2

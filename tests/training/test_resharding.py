@@ -15,7 +15,8 @@ from tests.parity import (
     assert_losses_close,
     merge_pipeline_stages,
 )
-from threefold.checkpointing import load_checkpoint, save_checkpoint
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.save import save_checkpoint
 
 FOUR_LAYERS = ["--num-layers", "4"]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -25,14 +26,14 @@ def _save_then_continue(argv: list[str], directory: str) -> dict:
     trainer = _setup(argv)
     for _ in range(3):
         trainer.train_step()
-    save_checkpoint(directory, trainer)
+    save_checkpoint(directory, trainer.checkpoint_components())
     loss = trainer.train_step()[0]
     return {"loss": loss, "params": _without_key_bias(_full(trainer), trainer)}
 
 
 def _load_then_step(argv: list[str], directory: str) -> dict:
     trainer = _setup(argv)
-    assert load_checkpoint(directory, trainer) == 3
+    assert load_checkpoint(directory, trainer.checkpoint_components()) == 3
     assert trainer.state.consumed_train_samples == 3 * 8
     loss = trainer.train_step()[0]
     return {"loss": loss, "params": _without_key_bias(_full(trainer), trainer)}
@@ -41,8 +42,12 @@ def _load_then_step(argv: list[str], directory: str) -> dict:
 def _check(saved: list[dict], resumed: list[dict]) -> None:
     assert_losses_close([r["loss"] for r in resumed], [saved[0]["loss"]] * len(resumed), 1e-6)
     # The Adam step after the resumed state: tensor-parallel sums reorder, hence 1e-5.
-    assert_close_dicts(merge_pipeline_stages([r["params"] for r in resumed]),
-                       merge_pipeline_stages([s["params"] for s in saved]), 1e-5, "parameter")
+    assert_close_dicts(
+        merge_pipeline_stages([r["params"] for r in resumed]),
+        merge_pipeline_stages([s["params"] for s in saved]),
+        1e-5,
+        "parameter",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +57,16 @@ def tp2_pp2_checkpoint(tmp_path_factory):
     return argv, directory, run_distributed(4, _save_then_continue, argv + TP2_PP2, directory)
 
 
-@pytest.mark.parametrize("layout", [
-    [],  # TP=1, PP=1, DP=4
-    ["--tensor-model-parallel-size", "4"],
-    ["--pipeline-model-parallel-size", "4"],
-    ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
-], ids=["dp4", "tp4", "pp4", "pp2-dp2-distributed-optimizer"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],  # TP=1, PP=1, DP=4
+        ["--tensor-model-parallel-size", "4"],
+        ["--pipeline-model-parallel-size", "4"],
+        ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
+    ],
+    ids=["dp4", "tp4", "pp4", "pp2-dp2-distributed-optimizer"],
+)
 def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout):
     argv, directory, saved = tp2_pp2_checkpoint
     _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
@@ -66,8 +75,9 @@ def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout
 def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_path):
     argv = GPT2_STYLE + TRAINING + FOUR_LAYERS + ["--use-distributed-optimizer"]
     directory = str(tmp_path)
-    saved = run_distributed(4, _save_then_continue,
-                            argv + ["--tensor-model-parallel-size", "2"], directory)
+    saved = run_distributed(
+        4, _save_then_continue, argv + ["--tensor-model-parallel-size", "2"], directory
+    )
     # DP=4, and PP=2 x DP=2 with other buckets (so other shard boundaries).
     for layout in ([], ["--pipeline-model-parallel-size", "2", "--ddp-bucket-size", "5000"]):
         _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
@@ -81,8 +91,7 @@ def test_bf16_masters_carry_over_when_resharded(tmp_path):
     argv = GPT2_STYLE + TRAINING + ["--bf16", "--use-distributed-optimizer"]
     directory = str(tmp_path)
     saved = run_distributed(2, _save_then_continue, argv, directory)
-    resumed = run_distributed(4, _load_then_step, argv + ["--ddp-bucket-size", "3000"],
-                              directory)
+    resumed = run_distributed(4, _load_then_step, argv + ["--ddp-bucket-size", "3000"], directory)
     losses = {r["loss"] for r in resumed}
     assert len(losses) == 1  # every rank reports the same all-reduced loss
     assert abs(losses.pop() - saved[0]["loss"]) <= 1e-6 * abs(saved[0]["loss"])

@@ -24,8 +24,7 @@ def _timed_job(argv: list[str]) -> tuple[dict[str, float], str | None]:
 
 
 def test_level_2_times_each_phase_on_the_ranks_that_run_it():
-    argv = GPT2_STYLE + TRAINING + PP2 + ["--timing-log-level", "2",
-                                          "--timing-log-option", "all"]
+    argv = GPT2_STYLE + TRAINING + PP2 + ["--timing-log-level", "2", "--timing-log-option", "all"]
     (first, text), (last, same_text) = run_distributed(2, _timed_job, argv)
     assert text == same_text
     # Pipeline communication: the first stage sends activations and receives gradients.
@@ -42,8 +41,9 @@ def test_level_2_times_each_phase_on_the_ranks_that_run_it():
     assert re.search(r"\n  forward-backward:\n     rank  0: [\d.]+\n     rank  1: [\d.]+", text)
 
 
-@pytest.mark.parametrize("level,expected", [
-    (0, set()), (1, {"forward-backward", "all-grads-sync", "optimizer"})])
+@pytest.mark.parametrize(
+    "level,expected", [(0, set()), (1, {"forward-backward", "all-grads-sync", "optimizer"})]
+)
 def test_lower_levels_time_only_their_phases(level, expected):
     trainer = _setup(GPT2_STYLE + TRAINING + ["--timing-log-level", str(level)])
     trainer.train_step()
@@ -53,16 +53,28 @@ def test_lower_levels_time_only_their_phases(level, expected):
     assert not any(name in trainer.timers.elapsed for name in ITERATION)  # reported: reset
 
 
-@pytest.mark.parametrize("option,expected", [
-    ("minmax", "(min, max) time across ranks (ms):\n"
-               "    forward-backward ...............................: (12.50, 12.50)\n"
-               "    optimizer ......................................: (0.50, 0.50)"),
-    ("max", "max time across ranks (ms):\n"
+@pytest.mark.parametrize(
+    "option,expected",
+    [
+        (
+            "minmax",
+            "(min, max) time across ranks (ms):\n"
+            "    forward-backward ...............................: (12.50, 12.50)\n"
+            "    optimizer ......................................: (0.50, 0.50)",
+        ),
+        (
+            "max",
+            "max time across ranks (ms):\n"
             "    forward-backward ...............................: 12.50\n"
-            "    optimizer ......................................: 0.50"),
-    ("all", "times across ranks (ms):\n  forward-backward:\n     rank  0: 12.50\n"
-            "  optimizer:\n     rank  0: 0.50"),
-])
+            "    optimizer ......................................: 0.50",
+        ),
+        (
+            "all",
+            "times across ranks (ms):\n  forward-backward:\n     rank  0: 12.50\n"
+            "  optimizer:\n     rank  0: 0.50",
+        ),
+    ],
+)
 def test_report_formats_follow_megatron(option, expected):
     timers = Timers(level=1, option=option)
     timers.elapsed.update({"forward-backward": 0.025, "optimizer": 0.001})
@@ -74,24 +86,38 @@ def test_report_formats_follow_megatron(option, expected):
 def test_timers_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trainer = _setup(GPT2_STYLE + TRAINING + [
-        "--timing-log-level", "1", "--log-timers-to-tensorboard", "--tensorboard-dir",
-        str(tmp_path), "--log-interval", "1", "--train-iters", "2"])
+    trainer = _setup(
+        GPT2_STYLE
+        + TRAINING
+        + [
+            "--timing-log-level",
+            "1",
+            "--log-timers-to-tensorboard",
+            "--tensorboard-dir",
+            str(tmp_path),
+            "--log-interval",
+            "1",
+            "--train-iters",
+            "2",
+        ]
+    )
     trainer.train()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert {"forward-backward-time", "all-grads-sync-time", "optimizer-time"} <= set(
-        events.Tags()["scalars"])
+        events.Tags()["scalars"]
+    )
     assert len(events.Scalars("optimizer-time")) == 2
 
 
 def test_timers_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         parse_args(GPT2_STYLE + TRAINING + ["--log-timers-to-tensorboard"])
-    assert ("--log-timers-to-tensorboard writes to --tensorboard-dir; give one"
-            in capsys.readouterr().err)
-    parse_args(GPT2_STYLE + TRAINING + ["--log-timers-to-tensorboard", "--tensorboard-dir",
-                                        "tb"])
+    assert (
+        "--log-timers-to-tensorboard writes to --tensorboard-dir; give one"
+        in capsys.readouterr().err
+    )
+    parse_args(GPT2_STYLE + TRAINING + ["--log-timers-to-tensorboard", "--tensorboard-dir", "tb"])
     assert "at level 0 there are none" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parse_args(GPT2_STYLE + TRAINING + ["--timing-log-level", "3"])

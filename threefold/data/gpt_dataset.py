@@ -28,8 +28,16 @@ from threefold.config import ConfigError
 _MAGIC = b"MMIDIDX\x00\x00"
 _CHECKED: set[tuple[str, int]] = set()  # (prefix, vocabulary size) found good in this process
 # megatron.core.datasets.indexed_dataset.DType codes
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-           7: np.float32, 8: np.uint16}
+_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> None:
@@ -40,11 +48,13 @@ def check_prefix(prefix: str, vocab_size: int, flag: str = "--data-path") -> Non
     dtype = check_index(prefix, flag)
     bin_file = prefix + ".bin"
     tokens = np.memmap(bin_file, dtype=dtype, mode="r")
-    largest = max(int(tokens[i:i + 2**26].max()) for i in range(0, len(tokens), 2**26))
+    largest = max(int(tokens[i : i + 2**26].max()) for i in range(0, len(tokens), 2**26))
     if largest >= vocab_size:
-        raise ConfigError(f"{flag} {prefix}: token id {largest} in {bin_file} is outside the "
-                          f"model's vocabulary of {vocab_size}; use the tokenizer that made it "
-                          "(or a larger --vocab-size)")
+        raise ConfigError(
+            f"{flag} {prefix}: token id {largest} in {bin_file} is outside the "
+            f"model's vocabulary of {vocab_size}; use the tokenizer that made it "
+            "(or a larger --vocab-size)"
+        )
     _CHECKED.add((prefix, vocab_size))
 
 
@@ -54,28 +64,37 @@ def check_index(prefix: str, flag: str = "--data-path") -> np.dtype:
     bin_file, idx_file = prefix + ".bin", prefix + ".idx"
     for path in (bin_file, idx_file):
         if not os.path.isfile(path):
-            raise ConfigError(f"{flag} {prefix}: {path} does not exist; create it with "
-                              "tools/preprocess_data.py")
+            raise ConfigError(
+                f"{flag} {prefix}: {path} does not exist; create it with tools/preprocess_data.py"
+            )
     with open(idx_file, "rb") as f:
         header = f.read(len(_MAGIC) + 8 + 1 + 16)
-    if len(header) < len(_MAGIC) + 25 or header[:len(_MAGIC)] != _MAGIC:
-        raise ConfigError(f"{flag} {prefix}: {idx_file} is not a Megatron indexed-dataset "
-                          "index (bad magic); regenerate it with tools/preprocess_data.py")
+    if len(header) < len(_MAGIC) + 25 or header[: len(_MAGIC)] != _MAGIC:
+        raise ConfigError(
+            f"{flag} {prefix}: {idx_file} is not a Megatron indexed-dataset "
+            "index (bad magic); regenerate it with tools/preprocess_data.py"
+        )
     (version,) = struct.unpack("<Q", header[9:17])
     if version != 1:
-        raise ConfigError(f"{flag} {prefix}: {idx_file} has index version {version}; "
-                          "threefold and megatron-core read version 1")
+        raise ConfigError(
+            f"{flag} {prefix}: {idx_file} has index version {version}; "
+            "threefold and megatron-core read version 1"
+        )
     code = header[17]
     if code not in _DTYPES:
-        raise ConfigError(f"{flag} {prefix}: {idx_file} names token dtype code {code}, "
-                          "which is not one of megatron-core's")
+        raise ConfigError(
+            f"{flag} {prefix}: {idx_file} names token dtype code {code}, "
+            "which is not one of megatron-core's"
+        )
     sequences, documents = struct.unpack("<QQ", header[18:34])
     dtype = np.dtype(_DTYPES[code])
     # header, then int32 lengths, int64 pointers and int64 document boundaries
     index_bytes = 34 + sequences * (4 + 8) + documents * 8
     if os.path.getsize(idx_file) < index_bytes:
-        raise ConfigError(f"{flag} {prefix}: {idx_file} is truncated ({os.path.getsize(idx_file)}"
-                          f" bytes, its header promises {index_bytes}); regenerate it")
+        raise ConfigError(
+            f"{flag} {prefix}: {idx_file} is truncated ({os.path.getsize(idx_file)}"
+            f" bytes, its header promises {index_bytes}); regenerate it"
+        )
     if sequences == 0:
         raise ConfigError(f"{flag} {prefix}: {idx_file} holds no documents")
     lengths = document_lengths(prefix)
@@ -83,9 +102,11 @@ def check_index(prefix: str, flag: str = "--data-path") -> np.dtype:
     actual = os.path.getsize(bin_file)
     if actual != expected:  # a .bin of another corpus (or of another preprocessing run)
         problem = "is truncated" if actual < expected else "is larger than its index says"
-        raise ConfigError(f"{flag} {prefix}: {bin_file} {problem} ({actual} bytes, "
-                          f"{idx_file} describes {expected}); the two files are not a pair: "
-                          "regenerate both with tools/preprocess_data.py")
+        raise ConfigError(
+            f"{flag} {prefix}: {bin_file} {problem} ({actual} bytes, "
+            f"{idx_file} describes {expected}); the two files are not a pair: "
+            "regenerate both with tools/preprocess_data.py"
+        )
     if expected == 0:
         raise ConfigError(f"{flag} {prefix}: its {sequences} documents hold no tokens")
     return dtype
@@ -98,27 +119,39 @@ def document_lengths(prefix: str) -> np.ndarray:
     return np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=34, shape=(sequences,))
 
 
-def check_split(prefix: str, weights: list[float], seq_length: int,
-                flag: str = "--data-path", split_flag: str | None = "--split") -> None:
+def check_split(
+    prefix: str,
+    weights: list[float],
+    seq_length: int,
+    flag: str = "--data-path",
+    split_flag: str | None = "--split",
+) -> None:
     """Every split that gets a share (megatron-core's document ranges: round(bound x count))
     must get tokens, and the corpus must hold one sample: megatron-core otherwise loops
     forever counting epochs of an empty split. `weights` normalized; [1] for a whole file."""
     lengths = document_lengths(prefix)
     total = int(lengths.sum(dtype=np.int64))
     if total < seq_length + 1:
-        raise ConfigError(f"{flag} {prefix}: holds {total} tokens, fewer than one sample of "
-                          f"--seq-length {seq_length} + 1; give it more text or a shorter "
-                          "--seq-length")
+        raise ConfigError(
+            f"{flag} {prefix}: holds {total} tokens, fewer than one sample of "
+            f"--seq-length {seq_length} + 1; give it more text or a shorter "
+            "--seq-length"
+        )
     bounds = np.concatenate([[0.0], np.cumsum(weights)])
-    for name, weight, begin, end in zip(("train", "validation", "test"), weights, bounds,
-                                        bounds[1:]):
+    for name, weight, begin, end in zip(
+        ("train", "validation", "test"), weights, bounds, bounds[1:]
+    ):
         first, last = round(begin * len(lengths)), round(end * len(lengths))
         if weight > 0 and int(lengths[first:last].sum(dtype=np.int64)) == 0:
             share = f"{last - first} of its {len(lengths)} documents"
-            fix = ("give it more documents (e.g. --split 90,5,5) or weight 0"
-                   if split_flag else "give it documents")
-            raise ConfigError(f"{split_flag or flag} {prefix}: the {name} split gets {share} "
-                              f"and no tokens; {fix}")
+            fix = (
+                "give it more documents (e.g. --split 90,5,5) or weight 0"
+                if split_flag
+                else "give it documents"
+            )
+            raise ConfigError(
+                f"{split_flag or flag} {prefix}: the {name} split gets {share} and no tokens; {fix}"
+            )
 
 
 def index_cache_directories(data_cache_path: str | None, prefixes: list[str]) -> list[str]:
@@ -135,13 +168,17 @@ def check_index_cache(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"{flag}: cannot create the dataset index cache {directory} "
-                          f"({error.strerror}); pass --data-cache-path DIR somewhere "
-                          "writable") from None
+        raise ConfigError(
+            f"{flag}: cannot create the dataset index cache {directory} "
+            f"({error.strerror}); pass --data-cache-path DIR somewhere "
+            "writable"
+        ) from None
     cached = any(name.endswith(".npy") for name in os.listdir(directory))
     if not os.access(directory, os.W_OK) and not cached:
-        raise ConfigError(f"{flag}: the dataset index cache {directory} is not writable; "
-                          "pass --data-cache-path DIR somewhere writable")
+        raise ConfigError(
+            f"{flag}: the dataset index cache {directory} is not writable; "
+            "pass --data-cache-path DIR somewhere writable"
+        )
 
 
 class _Tokenizer:
@@ -205,27 +242,41 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     else:
         options["blend_per_split"] = [
             _blend(paths, flag, vocab) if paths else None
-            for paths, flag in ((data.train_data_path, "--train-data-path"),
-                                (data.valid_data_path, "--valid-data-path"),
-                                (data.test_data_path, "--test-data-path"))]
-    prefixes = [prefix for blend in [options.get("blend"), *options.get("blend_per_split", [])]
-                if blend for prefix in blend[0]]
+            for paths, flag in (
+                (data.train_data_path, "--train-data-path"),
+                (data.valid_data_path, "--valid-data-path"),
+                (data.test_data_path, "--test-data-path"),
+            )
+        ]
+    prefixes = [
+        prefix
+        for blend in [options.get("blend"), *options.get("blend_per_split", [])]
+        if blend
+        for prefix in blend[0]
+    ]
     for directory in index_cache_directories(data.data_cache_path, prefixes):
         check_index_cache(directory)
         check_npy_cache(directory)  # megatron-core loads these with allow_pickle=True
     gpt_config = GPTDatasetConfig(
-        random_seed=config.training.seed, sequence_length=model.seq_length,
+        random_seed=config.training.seed,
+        sequence_length=model.seq_length,
         path_to_cache=data.data_cache_path,
         tokenizer=_Tokenizer(getattr(tokenizer, "eod", None), vocab),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, mmap_bin_files=data.mmap_bin_files, **options)
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mmap_bin_files=data.mmap_bin_files,
+        **options,
+    )
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     try:
-        built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,
-                                              gpt_config).build()
+        built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
     except (AssertionError, ValueError, IndexError) as error:
-        raise ConfigError(f"--data-path/--split: megatron-core could not build the datasets "
-                          f"({error}); check --split and that every split has documents") from None
+        raise ConfigError(
+            f"--data-path/--split: megatron-core could not build the datasets "
+            f"({error}); check --split and that every split has documents"
+        ) from None
     datasets = [MegatronSamples(d) if d is not None and len(d) else None for d in built]
     if datasets[0] is None:
         raise ConfigError("--split: the train split is empty; give it documents")
@@ -235,8 +286,9 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
 class MockGPTDataset:
     """Synthetic tokens: sample `i` of split `s` comes from a generator seeded by (seed, s, i)."""
 
-    def __init__(self, seq_length: int, vocab_size: int, seed: int, split_index: int,
-                 num_samples: int) -> None:
+    def __init__(
+        self, seq_length: int, vocab_size: int, seed: int, split_index: int, num_samples: int
+    ) -> None:
         self.seq_length, self.vocab_size = seq_length, vocab_size
         self.seed, self.split_index, self.num_samples = seed, split_index, num_samples
 

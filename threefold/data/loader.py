@@ -10,7 +10,7 @@ import torch
 from threefold.config import Config, ConfigError, DataConfig
 from threefold.data.gpt_dataset import MockGPTDataset, megatron_datasets
 from threefold.data.sampler import PretrainingSampler
-from threefold.parallel import state
+from threefold.parallel.parallel_context import Group
 
 
 def build_datasets(config: Config, tokenizer=None) -> list:
@@ -19,28 +19,41 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     # What the run reads: every training step's samples, and --eval-iters global batches of
     # validation and test (threefold evaluates on the same batches each time).
     evaluation = max(training.eval_iters, 1) * training.global_batch_size
-    train = (training.train_samples if training.train_samples is not None
-             else training.train_iters * training.global_batch_size)
+    train = (
+        training.train_samples
+        if training.train_samples is not None
+        else training.train_iters * training.global_batch_size
+    )
     sizes = [train, evaluation, evaluation]
     if data.mock_data:
-        datasets = [MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
-                    for split, size in enumerate(sizes)]
+        datasets = [
+            MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
+            for split, size in enumerate(sizes)
+        ]
     else:
         datasets = megatron_datasets(config, tokenizer, sizes)
     flags = document_flags(data)
     if not flags:
         return datasets
     if getattr(tokenizer, "eod", None) is None:
-        raise ConfigError(f"{flags[0]} needs a tokenizer with an end-of-document token; give "
-                          "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)")
+        raise ConfigError(
+            f"{flags[0]} needs a tokenizer with an end-of-document token; give "
+            "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)"
+        )
     return [None if d is None else DocumentMasks(d, tokenizer.eod, data) for d in datasets]
 
 
 def document_flags(data: DataConfig) -> list[str]:
     """Megatron's flags that split pretraining token windows into their documents."""
-    return [flag for flag, value in (("--reset-position-ids", data.reset_position_ids),
-                                     ("--reset-attention-mask", data.reset_attention_mask),
-                                     ("--eod-mask-loss", data.eod_mask_loss)) if value]
+    return [
+        flag
+        for flag, value in (
+            ("--reset-position-ids", data.reset_position_ids),
+            ("--reset-attention-mask", data.reset_attention_mask),
+            ("--eod-mask-loss", data.eod_mask_loss),
+        )
+        if value
+    ]
 
 
 class DocumentMasks:
@@ -75,13 +88,22 @@ class DocumentMasks:
         return sample
 
 
-def micro_batches(dataset, consumed_samples: int, micro_batch_size: int, seed: int,
-                  device: torch.device, shuffle: bool = True) -> Iterator[dict]:
+def micro_batches(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+    dp: Group,
+    shuffle: bool = True,
+) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches (`dp`: the group of replicas that share a
+    global batch), from `consumed_samples` on."""
     # megatron-core's datasets are shuffled by their own indices: read them in order.
     shuffle = shuffle and not getattr(dataset, "shuffled", False)
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                 state.data_parallel_rank(), state.data_parallel_world_size(),
-                                 seed, shuffle)
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, micro_batch_size, dp.rank, dp.size, seed, shuffle
+    )
     for indices in sampler:
         items = [dataset[i] for i in indices]
         if not isinstance(items[0], dict):  # pretraining: token windows, loss everywhere
@@ -104,6 +126,5 @@ def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
         same = documents[:, :, None] == documents[:, None, :]
         batch["attention_mask"] = (same & causal).unsqueeze(1)  # [b, 1, s, s]
     if "position_ids" in items[0]:
-        batch["position_ids"] = torch.from_numpy(
-            np.stack([item["position_ids"] for item in items]))
+        batch["position_ids"] = torch.from_numpy(np.stack([item["position_ids"] for item in items]))
     return {name: value.to(device, non_blocking=True) for name, value in batch.items()}

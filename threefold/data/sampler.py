@@ -14,9 +14,16 @@ import numpy as np
 
 
 class PretrainingSampler:
-    def __init__(self, dataset_size: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, seed: int,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
         self.dataset_size = dataset_size
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size

@@ -31,8 +31,9 @@ def read_jsonl(path: str) -> list[dict]:
                 except json.JSONDecodeError as error:
                     raise ConfigError(f"{path}:{number}: not JSON ({error.msg})") from None
                 if not ("messages" in record or {"prompt", "response"} <= record.keys()):
-                    raise ConfigError(f"{path}:{number}: needs \"prompt\" and \"response\", "
-                                      "or \"messages\"")
+                    raise ConfigError(
+                        f'{path}:{number}: needs "prompt" and "response", or "messages"'
+                    )
                 records.append(record)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
@@ -70,22 +71,31 @@ def render(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
                 add(message["content"] + "\n", message["role"] == "assistant")
                 continue
             # The template's text for this turn: what it adds to the conversation so far.
-            before = template.apply_chat_template(
-                messages[:index], tokenize=False,
-                add_generation_prompt=message["role"] == "assistant") if index else ""
-            after = template.apply_chat_template(messages[:index + 1], tokenize=False)
+            before = (
+                template.apply_chat_template(
+                    messages[:index],
+                    tokenize=False,
+                    add_generation_prompt=message["role"] == "assistant",
+                )
+                if index
+                else ""
+            )
+            after = template.apply_chat_template(messages[: index + 1], tokenize=False)
             if not after.startswith(before):
-                raise ConfigError("the tokenizer's chat template does not render turns "
-                                  "incrementally; use prompt/response records")
-            add(after[len(before):], message["role"] == "assistant")
+                raise ConfigError(
+                    "the tokenizer's chat template does not render turns "
+                    "incrementally; use prompt/response records"
+                )
+            add(after[len(before) :], message["role"] == "assistant")
     ids.append(tokenizer.eod)
     response.append(True)  # learning to stop
     return ids, response
 
 
 class SFTDataset:
-    def __init__(self, records: list[dict], tokenizer, seq_length: int,
-                 packing: bool = False) -> None:
+    def __init__(
+        self, records: list[dict], tokenizer, seq_length: int, packing: bool = False
+    ) -> None:
         self.seq_length, self.packing, self.eod = seq_length, packing, tokenizer.eod
         conversations = [render(record, tokenizer) for record in records]
         size = seq_length + 1
@@ -115,10 +125,10 @@ class SFTDataset:
         offset = 0
         for number, (ids, is_response) in enumerate(self.samples[index]):
             length = min(len(ids), size - offset)
-            tokens[offset:offset + length] = ids[:length]
-            response[offset:offset + length] = is_response[:length]
-            documents[offset:offset + length] = number
-            positions[offset:offset + length] = np.arange(length)
+            tokens[offset : offset + length] = ids[:length]
+            response[offset : offset + length] = is_response[:length]
+            documents[offset : offset + length] = number
+            positions[offset : offset + length] = np.arange(length)
             offset += length
         # The label of position i is token i + 1: it carries loss when that token is part of a
         # response of the same document.

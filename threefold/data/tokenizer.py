@@ -12,8 +12,10 @@ class SentencePieceTokenizer:
         import sentencepiece
 
         if not os.path.isfile(model_file):
-            raise ConfigError(f"--tokenizer-model {model_file}: no such file; train one with "
-                              "tools/train_tokenizer.py or fix the path")
+            raise ConfigError(
+                f"--tokenizer-model {model_file}: no such file; train one with "
+                "tools/train_tokenizer.py or fix the path"
+            )
         self.model_file = model_file
         self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
         self.vocab_size = self.processor.vocab_size()
@@ -34,8 +36,10 @@ class HuggingFaceTokenizer:
 
     def __init__(self, directory: str) -> None:
         if not os.path.isdir(directory):
-            raise ConfigError(f"--tokenizer-model {directory}: no such directory; give the "
-                              "local directory holding tokenizer.json / tokenizer_config.json")
+            raise ConfigError(
+                f"--tokenizer-model {directory}: no such directory; give the "
+                "local directory holding tokenizer.json / tokenizer_config.json"
+            )
         self.model_file = directory
         try:
             from transformers import AutoTokenizer
@@ -49,8 +53,7 @@ class HuggingFaceTokenizer:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
-            self._encode = lambda text: self.tokenizer.encode(
-                text, add_special_tokens=False).ids
+            self._encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids
             self._decode = self.tokenizer.decode
             self.vocab_size = self.tokenizer.get_vocab_size()
             eod = bos = None
@@ -71,8 +74,9 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
-                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE "
-                                  f"({path!r} is not a file)")
+                raise ConfigError(
+                    f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE ({path!r} is not a file)"
+                )
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         self.model_file = None
@@ -130,6 +134,8 @@ def model_vocab_size(tokenizer, vocab_size_flag: int | None) -> int:
     if isinstance(tokenizer, NullTokenizer) or vocab_size_flag is None:
         return tokenizer.vocab_size
     if vocab_size_flag < tokenizer.vocab_size:
-        raise ConfigError(f"--vocab-size {vocab_size_flag} is smaller than the tokenizer's "
-                          f"vocabulary ({tokenizer.vocab_size}); drop the flag or raise it")
+        raise ConfigError(
+            f"--vocab-size {vocab_size_flag} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}); drop the flag or raise it"
+        )
     return vocab_size_flag

@@ -1,10 +1,11 @@
 """Fused vocabulary-parallel cross-entropy: the loss and its gradient in chunks of tokens.
 
-The reference (`threefold.parallel.cross_entropy`) casts the whole [tokens, vocab / TP] logits
-to fp32 and keeps the fp32 softmax for backward: with bf16 logits that is three times the
-logits' memory at the peak. Here each chunk of tokens is cast, reduced and turned into its
-gradient (softmax - one_hot) on its own, and the gradient is kept in the logits' dtype: no
-fp32 tensor larger than a chunk exists. Backward only scales it by the incoming gradient.
+The reference (`threefold.parallel.tensor_parallel.cross_entropy`) casts the whole [tokens,
+vocab / TP] logits to fp32 and keeps the fp32 softmax for backward: with bf16 logits that is
+three times the logits' memory at the peak. Here each chunk of tokens is cast, reduced and
+turned into its gradient (softmax - one_hot) on its own, and the gradient is kept in the logits'
+dtype: no fp32 tensor larger than a chunk exists. Backward only scales it by the incoming
+gradient.
 
 At TP=1 one pass per chunk does everything, with the reference's operations in the
 reference's order (the results are bitwise equal in fp32). Under tensor parallelism the ranks
@@ -19,13 +20,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from threefold.parallel import state
-from threefold.parallel.mappings import all_reduce_tensor_parallel
+from threefold.parallel.parallel_context import ONE_DEVICE, Group
 
 
-def softmax_gradient(part: torch.Tensor, row_max: torch.Tensor, local_target: torch.Tensor,
-                     owned: torch.Tensor, out: torch.Tensor,
-                     sum_exp: torch.Tensor | None = None) -> torch.Tensor:
+def softmax_gradient(
+    part: torch.Tensor,
+    row_max: torch.Tensor,
+    local_target: torch.Tensor,
+    owned: torch.Tensor,
+    out: torch.Tensor,
+    sum_exp: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Write softmax(part) - one_hot(target) into `out` (the logits' dtype), computing in fp32;
     returns the sums of exp(part - row_max) it divided by (computed here when not given)."""
     work = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
@@ -46,10 +51,18 @@ def sum_of_exponentials(part: torch.Tensor, row_max: torch.Tensor) -> torch.Tens
 
 class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                chunk: int, gradient: Callable, sums: Callable):
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_size: int,
+        chunk: int,
+        gradient: Callable,
+        sums: Callable,
+        tp: Group,
+    ):
         partition = logits.shape[-1]
-        vocab_start = state.tensor_model_parallel_rank() * partition
+        vocab_start = tp.rank * partition
         valid = min(max(vocab_size - vocab_start, 0), partition)  # columns before the padding
         flat = logits.reshape(-1, partition)
         tokens = flat.shape[0]
@@ -64,25 +77,32 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
         row_max = torch.full((tokens,), float("-inf"), device=flat.device)
         sum_exp = torch.zeros(tokens, device=flat.device)
-        tensor_parallel = state.tensor_model_parallel_world_size() > 1
+        tensor_parallel = tp.size > 1
         for rows in chunks if valid else ():
             row_max[rows] = real[rows].max(dim=-1).values
             if not tensor_parallel:
-                sum_exp[rows] = gradient(real[rows], row_max[rows], local_target[rows],
-                                         owned[rows], grad[rows, :valid])
+                sum_exp[rows] = gradient(
+                    real[rows], row_max[rows], local_target[rows], owned[rows], grad[rows, :valid]
+                )
         target_logit = flat.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
         if tensor_parallel:
-            all_reduce_tensor_parallel(row_max, op=dist.ReduceOp.MAX)
+            tp.all_reduce(row_max, op=dist.ReduceOp.MAX)
             for rows in chunks if valid else ():
                 sum_exp[rows] = sums(real[rows], row_max[rows])
         target_logit = (target_logit - row_max).masked_fill(outside, 0.0)
         if tensor_parallel:
             reduced = torch.stack((sum_exp, target_logit))
-            all_reduce_tensor_parallel(reduced)  # one all-reduce for both sums
+            tp.all_reduce(reduced)  # one all-reduce for both sums
             sum_exp, target_logit = reduced
             for rows in chunks if valid else ():
-                gradient(real[rows], row_max[rows], local_target[rows], owned[rows],
-                         grad[rows, :valid], sum_exp[rows])
+                gradient(
+                    real[rows],
+                    row_max[rows],
+                    local_target[rows],
+                    owned[rows],
+                    grad[rows, :valid],
+                    sum_exp[rows],
+                )
         loss = sum_exp.log() - target_logit
         ctx.save_for_backward(grad)
         ctx.logits_shape = logits.shape
@@ -92,15 +112,21 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
         grad.mul_(grad_loss.reshape(-1, 1).to(grad.dtype))  # in place: backward runs once
-        return grad.view(ctx.logits_shape), None, None, None, None, None
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 def fused_vocab_parallel_cross_entropy(
-        logits: torch.Tensor, target: torch.Tensor, vocab_size: int, chunk_tokens: int = 4096,
-        gradient: Callable = softmax_gradient,
-        sums: Callable = sum_of_exponentials) -> torch.Tensor:
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    tp: Group = ONE_DEVICE,
+    chunk_tokens: int = 4096,
+    gradient: Callable = softmax_gradient,
+    sums: Callable = sum_of_exponentials,
+) -> torch.Tensor:
     """Per-token loss [sequence, batch] (fp32) from vocabulary-parallel logits [sequence, batch,
     padded_vocab / TP] of any dtype. `gradient` and `sums` are the per-chunk kernels above, or
     their torch.compile'd versions."""
-    return _FusedVocabParallelCrossEntropy.apply(logits, target, vocab_size, chunk_tokens,
-                                                 gradient, sums)
+    return _FusedVocabParallelCrossEntropy.apply(
+        logits, target, vocab_size, chunk_tokens, gradient, sums, tp
+    )

@@ -21,25 +21,33 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from threefold.config import ModelConfig
-from threefold.errors import ConfigError
+from threefold.config.errors import ConfigError
+from threefold.config.kernels import KernelConfig
 from threefold.kernels import reference
-from threefold.kernels.config import KernelConfig
 from threefold.kernels.cross_entropy import (
     fused_vocab_parallel_cross_entropy,
     softmax_gradient,
     sum_of_exponentials,
 )
 from threefold.kernels.external import ApexNorms, TEAttention, try_import
-from threefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from threefold.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 # Megatron's --attention-backend names onto SDPA's backends.
-_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "fused": SDPBackend.CUDNN_ATTENTION,
-                  "unfused": SDPBackend.MATH, "local": SDPBackend.MATH}
+_SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "fused": SDPBackend.CUDNN_ATTENTION,
+    "unfused": SDPBackend.MATH,
+    "local": SDPBackend.MATH,
+}
 # What `auto` tries on CUDA. Of those that run the model's shapes, MATH aside, the fastest at
 # the model's sequence and micro-batch is used (timed at start-up); without a sequence, the
 # first in this order.
-_CUDA_PREFERENCE = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+_CUDA_PREFERENCE = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class AttentionShape:
 
 class Kernels:
     """The implementations in use. Attributes are plain callables with the signatures of the
-    functions in `threefold.kernels.reference` (and `cross_entropy(logits, target, vocab)`)."""
+    functions in `threefold.kernels.reference` (and `cross_entropy(logits, target, vocab, tp)`)."""
 
     def __init__(self) -> None:
         self.use_reference()
@@ -91,38 +99,58 @@ def _sdpa_with(backend: SDPBackend, expand_groups: bool):
     return attention
 
 
-def _inputs(shape: AttentionShape, sequence: int, batch: int, device: torch.device,
-            dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    query = torch.randn(sequence, batch, shape.heads, shape.head_dim, device=device,
-                        dtype=dtype, requires_grad=True)
-    key, value = (torch.randn(sequence, batch, shape.groups, shape.head_dim, device=device,
-                              dtype=dtype, requires_grad=True) for _ in range(2))
+def _inputs(
+    shape: AttentionShape, sequence: int, batch: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    query = torch.randn(
+        sequence, batch, shape.heads, shape.head_dim, device=device, dtype=dtype, requires_grad=True
+    )
+    key, value = (
+        torch.randn(
+            sequence,
+            batch,
+            shape.groups,
+            shape.head_dim,
+            device=device,
+            dtype=dtype,
+            requires_grad=True,
+        )
+        for _ in range(2)
+    )
     return query, key, value
 
 
-def _runs(backend: SDPBackend, shape: AttentionShape, device: torch.device, dtype: torch.dtype,
-          expand_groups: bool) -> bool:
+def _runs(
+    backend: SDPBackend,
+    shape: AttentionShape,
+    device: torch.device,
+    dtype: torch.dtype,
+    expand_groups: bool,
+) -> bool:
     """Whether `backend` runs forward and backward for the model's attention shapes."""
     try:
         with warnings.catch_warnings():  # SDPA explains each refusal in a warning
             warnings.simplefilter("ignore")
-            _sdpa_with(backend, expand_groups)(*_inputs(shape, 16, 2, device, dtype), None,
-                                               shape.dropout).sum().backward()
+            _sdpa_with(backend, expand_groups)(
+                *_inputs(shape, 16, 2, device, dtype), None, shape.dropout
+            ).sum().backward()
     except RuntimeError:  # "No available kernel" and its relatives
         return False
     return True
 
 
-def _milliseconds(attention, shape: AttentionShape, device: torch.device,
-                  dtype: torch.dtype) -> float:
+def _milliseconds(
+    attention, shape: AttentionShape, device: torch.device, dtype: torch.dtype
+) -> float:
     """Forward and backward time of one layer's core attention at the model's shape (the
     median of 5 timed runs after 2 warm-ups), agreed over ranks (their maximum) so that every
     rank picks the same backend."""
     import torch.distributed as dist
 
     query, key, value = _inputs(shape, shape.sequence, shape.batch, device, dtype)
-    grad = torch.randn(shape.sequence, shape.batch, shape.heads * shape.head_dim,
-                       device=device, dtype=dtype)
+    grad = torch.randn(
+        shape.sequence, shape.batch, shape.heads * shape.head_dim, device=device, dtype=dtype
+    )
     times = []
     for _ in range(7):
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -143,28 +171,38 @@ def _milliseconds(attention, shape: AttentionShape, device: torch.device,
 _SPEED_MARGIN = 0.9
 
 
-def _fastest(candidates: list[tuple[object, str]], shape: AttentionShape, device: torch.device,
-             dtype: torch.dtype) -> tuple[object, str]:
+def _fastest(
+    candidates: list[tuple[object, str]],
+    shape: AttentionShape,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[object, str]:
     """The fastest of the backends that run (FlashAttention-2 is not always first: on Hopper
     cuDNN's fused attention can be faster), with every timing in the log line. The earliest
     in preference order wins unless another is at least 10% faster."""
     if len(candidates) == 1 or shape.sequence <= 0:
         return candidates[0]
-    timed = [(_milliseconds(kernel, shape, device, dtype), kernel, label)
-             for kernel, label in candidates]
+    timed = [
+        (_milliseconds(kernel, shape, device, dtype), kernel, label) for kernel, label in candidates
+    ]
     chosen = timed[0]
     for entry in timed[1:]:
         if entry[0] < _SPEED_MARGIN * chosen[0]:
             chosen = entry
-    report = ", ".join(f"{label.removeprefix('SDPA ')} {ms:.2f} ms"
-                       for ms, _, label in sorted(timed, key=lambda entry: entry[0]))
+    report = ", ".join(
+        f"{label.removeprefix('SDPA ')} {ms:.2f} ms"
+        for ms, _, label in sorted(timed, key=lambda entry: entry[0])
+    )
     _, kernel, label = chosen
-    return kernel, (f"{label}, the fastest forward+backward at sequence {shape.sequence} "
-                    f"x micro-batch {shape.batch} (by 10% to pass an earlier choice): {report}")
+    return kernel, (
+        f"{label}, the fastest forward+backward at sequence {shape.sequence} "
+        f"x micro-batch {shape.batch} (by 10% to pass an earlier choice): {report}"
+    )
 
 
-def _choose_attention(config: KernelConfig, te, shape: AttentionShape, device: torch.device,
-                      dtype: torch.dtype) -> tuple[object, str]:
+def _choose_attention(
+    config: KernelConfig, te, shape: AttentionShape, device: torch.device, dtype: torch.dtype
+) -> tuple[object, str]:
     backend = config.attention_backend
     if te is not None and backend in ("auto", "flash", "fused"):
         if backend != "auto":  # TE picks among its backends from these variables
@@ -187,10 +225,12 @@ def _choose_attention(config: KernelConfig, te, shape: AttentionShape, device: t
         return _fastest(fused, shape, device, dtype)
     if runnable:
         return runnable[0]
-    raise ConfigError(f"--attention-backend {backend}: SDPA cannot run head size "
-                      f"{shape.head_dim}, attention dropout {shape.dropout}, "
-                      f"{str(dtype).removeprefix('torch.')} on {device.type} with it; "
-                      "choose another backend")
+    raise ConfigError(
+        f"--attention-backend {backend}: SDPA cannot run head size "
+        f"{shape.head_dim}, attention dropout {shape.dropout}, "
+        f"{str(dtype).removeprefix('torch.')} on {device.type} with it; "
+        "choose another backend"
+    )
 
 
 def _compiled(function):
@@ -206,17 +246,24 @@ def _require_cpu_compiler(flag: str) -> None:
     try:
         cpp_builder.get_cpp_compiler()
     except Exception as error:  # noqa: BLE001 - InvalidCxxCompiler and its causes alike
-        raise ConfigError(f"{flag} on the CPU needs a C++ compiler for torch.compile "
-                          f"({str(error).splitlines()[0]}); install g++ or set CXX, or use "
-                          "--fusion-impl eager without --compile-layers") from error
+        raise ConfigError(
+            f"{flag} on the CPU needs a C++ compiler for torch.compile "
+            f"({str(error).splitlines()[0]}); install g++ or set CXX, or use "
+            "--fusion-impl eager without --compile-layers"
+        ) from error
 
 
 def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
-              normalization: str, attention: AttentionShape) -> str:
+def configure(
+    config: KernelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    normalization: str,
+    attention: AttentionShape,
+) -> str:
     """Select every kernel for this run; returns the start-up log line."""
     KERNELS.use_reference()
     cuda = _on_gpu(device)
@@ -228,20 +275,24 @@ def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
     if config.transformer_impl != "local":
         te = try_import("transformer_engine.pytorch") if cuda else None
         if te is None and config.transformer_impl == "transformer_engine":
-            raise ConfigError("--transformer-impl transformer_engine: Transformer Engine "
-                              + ("does not import" if cuda else "needs CUDA GPUs")
-                              + "; install it on a GPU machine or pass --transformer-impl local")
+            raise ConfigError(
+                "--transformer-impl transformer_engine: Transformer Engine "
+                + ("does not import" if cuda else "needs CUDA GPUs")
+                + "; install it on a GPU machine or pass --transformer-impl local"
+            )
     impl = "transformer_engine" if te is not None else "local"
     if not cuda and (compile_fusions or config.compile_layers):
-        _require_cpu_compiler("--compile-layers" if config.compile_layers
-                              else "--fusion-impl compile")
+        _require_cpu_compiler(
+            "--compile-layers" if config.compile_layers else "--fusion-impl compile"
+        )
     if config.attention_backend == "fused" and not cuda:
-        raise ConfigError("--attention-backend fused needs CUDA (cuDNN fused attention); use "
-                          "auto, flash or unfused on the CPU")
+        raise ConfigError(
+            "--attention-backend fused needs CUDA (cuDNN fused attention); use "
+            "auto, flash or unfused on the CPU"
+        )
 
     parts = {}
-    KERNELS.attention, parts["attention"] = _choose_attention(config, te, attention, device,
-                                                              dtype)
+    KERNELS.attention, parts["attention"] = _choose_attention(config, te, attention, device, dtype)
     apex = try_import("apex.normalization.fused_layer_norm") if cuda else None
     if not config.norm_fusion:
         parts["norm"] = f"eager {normalization}"
@@ -253,18 +304,25 @@ def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
         KERNELS.layer_norm = fuse(reference.layer_norm)
         KERNELS.rms_norm = fuse(reference.rms_norm)
         parts["norm"] = f"{how} {normalization}"
-    for name, enabled, label in (("swiglu", config.bias_swiglu_fusion, "SwiGLU"),
-                                 ("gelu", config.bias_gelu_fusion, "GELU"),
-                                 ("rotary", config.apply_rope_fusion, "RoPE")):
-        setattr(KERNELS, name, fuse(getattr(reference, name)) if enabled
-                else getattr(reference, name))
+    for name, enabled, label in (
+        ("swiglu", config.bias_swiglu_fusion, "SwiGLU"),
+        ("gelu", config.bias_gelu_fusion, "GELU"),
+        ("rotary", config.apply_rope_fusion, "RoPE"),
+    ):
+        setattr(
+            KERNELS, name, fuse(getattr(reference, name)) if enabled else getattr(reference, name)
+        )
         parts[label] = how if enabled else "eager"
     if config.cross_entropy_loss_fusion:
         KERNELS.cross_entropy = functools.partial(
-            fused_vocab_parallel_cross_entropy, chunk_tokens=config.cross_entropy_chunk_tokens,
-            gradient=fuse(softmax_gradient), sums=fuse(sum_of_exponentials))
-        parts["cross-entropy"] = (f"chunked, {config.cross_entropy_chunk_tokens} tokens per "
-                                  f"chunk ({how})")
+            fused_vocab_parallel_cross_entropy,
+            chunk_tokens=config.cross_entropy_chunk_tokens,
+            gradient=fuse(softmax_gradient),
+            sums=fuse(sum_of_exponentials),
+        )
+        parts["cross-entropy"] = (
+            f"chunked, {config.cross_entropy_chunk_tokens} tokens per chunk ({how})"
+        )
     else:
         parts["cross-entropy"] = "reference (whole logits in fp32)"
     # apex's FusedAdam is not used even when present: PyTorch's fused AdamW is the same
@@ -272,8 +330,9 @@ def configure(config: KernelConfig, device: torch.device, dtype: torch.dtype,
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
     if config.compile_layers:
         parts["transformer layers"] = "each torch.compile'd as one graph"
-    KERNELS.description = (f"transformer-impl {impl}; "
-                           + ", ".join(f"{key} {value}" for key, value in parts.items()))
+    KERNELS.description = f"transformer-impl {impl}; " + ", ".join(
+        f"{key} {value}" for key, value in parts.items()
+    )
     return f"> kernels: {KERNELS.description}"
 
 
@@ -287,11 +346,21 @@ def compile_layers(model: torch.nn.Module) -> None:
         layer.compile()
 
 
-def configure_for_model(config: KernelConfig, model: ModelConfig, tensor_parallel_size: int,
-                        device: torch.device, dtype: torch.dtype, micro_batch_size: int = 1) -> str:
+def configure_for_model(
+    config: KernelConfig,
+    model: ModelConfig,
+    tensor_parallel_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    micro_batch_size: int = 1,
+) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
-    shape = AttentionShape(heads=model.num_attention_heads // tensor_parallel_size,
-                           groups=model.num_query_groups // tensor_parallel_size,
-                           head_dim=model.kv_channels, dropout=model.attention_dropout,
-                           sequence=model.seq_length, batch=micro_batch_size)
+    shape = AttentionShape(
+        heads=model.num_attention_heads // tensor_parallel_size,
+        groups=model.num_query_groups // tensor_parallel_size,
+        head_dim=model.kv_channels,
+        dropout=model.attention_dropout,
+        sequence=model.seq_length,
+        batch=micro_batch_size,
+    )
     return configure(config, device, dtype, model.normalization, shape)

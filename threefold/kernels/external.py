@@ -35,15 +35,25 @@ class TEAttention:
         self.te = te_pytorch
         self.modules: dict[tuple, torch.nn.Module] = {}
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float,
+    ) -> torch.Tensor:
         heads, groups, head_dim = query.shape[2], key.shape[2], query.shape[3]
         signature = (heads, groups, head_dim, dropout, attention_mask is None)
         if signature not in self.modules:
             self.modules[signature] = self.te.DotProductAttention(
-                num_attention_heads=heads, kv_channels=head_dim, num_gqa_groups=groups,
-                attention_dropout=dropout, qkv_format="sbhd",
-                attn_mask_type="causal" if attention_mask is None else "arbitrary")
+                num_attention_heads=heads,
+                kv_channels=head_dim,
+                num_gqa_groups=groups,
+                attention_dropout=dropout,
+                qkv_format="sbhd",
+                attn_mask_type="causal" if attention_mask is None else "arbitrary",
+            )
         if attention_mask is None:
             return self.modules[signature](query, key, value)
         # TE's arbitrary masks mark the positions to *exclude*; ours mark those to keep.
@@ -54,8 +64,9 @@ class ApexNorms:
     def __init__(self, apex_norm: ModuleType) -> None:
         self.apex = apex_norm
 
-    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> torch.Tensor:
+    def layer_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         return self.apex.fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

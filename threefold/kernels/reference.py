@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               eps: float) -> torch.Tensor:
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(),
-                        eps).to(x.dtype)
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,18 +38,28 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     first, second = x.float().chunk(2, dim=-1)
     cos, sin = cos[..., :half], sin[..., :half]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin),
-                     dim=-1).to(x.dtype)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+) -> torch.Tensor:
     """Causal (or masked) attention of query [s, b, heads, d] over key/value [s, b, groups, d];
     query head i reads group i // (heads / groups). Returns the context [s, b, heads * d]."""
     s, b, heads, _ = query.shape
     # SDPA wants [batch, heads, sequence, head_dim]; its grouped-query convention is ours.
     query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     context = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-        is_causal=attention_mask is None, enable_gqa=heads != key.shape[1])
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        is_causal=attention_mask is None,
+        enable_gqa=heads != key.shape[1],
+    )
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -16,17 +16,22 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
-from threefold.parallel import state
-from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from threefold.parallel.random import get_rng_tracker
-from threefold.parallel.sharding import InitMethod
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.sharding import InitMethod
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, init_method: InitMethod,
-                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
         super().__init__()
-        tp = state.tensor_model_parallel_world_size()
+        tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
@@ -36,9 +41,12 @@ class SelfAttention(nn.Module):
         self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias,
+            config.hidden_size,
+            qkv_size,
+            parallel=parallel,
+            bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init_method,
-            sequence_parallel=sequence_parallel)
+        )
         # One weight over the head size, shared by all heads: a TP rank sees only its heads'
         # share of the gradient, summed over the TP group after backward (as Megatron does).
         self.q_layernorm = self.k_layernorm = None
@@ -46,17 +54,24 @@ class SelfAttention(nn.Module):
             self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
             self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
         self.linear_proj = RowParallelLinear(
-            config.kv_channels * config.num_attention_heads, config.hidden_size,
-            bias=config.add_bias_linear, init_method=output_layer_init_method,
-            sequence_parallel=sequence_parallel)
+            config.kv_channels * config.num_attention_heads,
+            config.hidden_size,
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=output_layer_init_method,
+        )
 
-    def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         qkv = self.linear_qkv(hidden_states)  # [s, b, groups/tp * (heads_per_group + 2) * d]
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.num_query_groups_per_partition, self.heads_per_group + 2,
-                       self.head_dim)
+        qkv = qkv.view(
+            s, b, self.num_query_groups_per_partition, self.heads_per_group + 2, self.head_dim
+        )
         query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
         query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
         key, value = key.squeeze(3), value.squeeze(3)
@@ -72,8 +87,13 @@ class SelfAttention(nn.Module):
             context = self._core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
 
-    def _core_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _core_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
         query head i reads key/value group i // heads_per_group."""
         dropout = self.attention_dropout if self.training else 0.0

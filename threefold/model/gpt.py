@@ -21,43 +21,55 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.rope import RotaryEmbedding
+from threefold.model.spec import LayerSpec, layer_spec
 from threefold.model.transformer import TransformerBlock
-from threefold.parallel import state
-from threefold.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from threefold.parallel.random import get_rng_tracker
-from threefold.parallel.sharding import initialize_parameters, mark_replicated, normal_init
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.sharding import (
+    initialize_parameters,
+    mark_replicated,
+    normal_init,
+)
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, padded_vocab_size: int, sequence_parallel: bool):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, padded_vocab_size: int):
         super().__init__()
         init = normal_init(config.init_method_std)
-        self.sequence_parallel = sequence_parallel
+        self.tp = parallel.tp
+        sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, config.hidden_size, vocab_size=config.vocab_size,
-            init_method=init, sequence_parallel=sequence_parallel)
+            padded_vocab_size,
+            config.hidden_size,
+            parallel=parallel,
+            vocab_size=config.vocab_size,
+            init_method=init,
+        )
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size)
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size
+            )
             mark_replicated(self.position_embeddings.weight, init, sequence_parallel)
         else:
             self.position_embeddings = None
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         embeddings = self.word_embeddings(input_ids)  # [s (/ TP under SP), b, h]
         if self.position_embeddings is not None:
             # This rank's positions: all of them, or its slice of the sequence under SP (whose
             # partial gradient the SP all-reduce of replicated parameters completes).
             local = embeddings.shape[0]
-            start = state.tensor_model_parallel_rank() * local if self.sequence_parallel else 0
+            start = self.tp.rank * local if self.sequence_parallel else 0
             if position_ids is None:
-                positions = self.position_embeddings.weight[start:start + local].unsqueeze(1)
+                positions = self.position_embeddings.weight[start : start + local].unsqueeze(1)
             else:  # packed documents: each restarts at position 0
-                positions = self.position_embeddings(position_ids.t()[start:start + local])
+                positions = self.position_embeddings(position_ids.t()[start : start + local])
             embeddings = embeddings + positions.to(embeddings.dtype)
         if self.training and self.hidden_dropout > 0:
             fork = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
@@ -67,18 +79,30 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """`pre_process` / `post_process` say whether this pipeline stage holds the embedding /
-    the output layer and loss; `num_layers` and `layer_offset` select its transformer layers."""
+    """`parallel`: the layout the model is built for (one device when not given).
+    `pre_process` / `post_process` say whether this pipeline stage holds the embedding /
+    the output layer and loss; `num_layers` and `layer_offset` select its transformer layers;
+    `spec` what each layer is made of (model/spec.py; by default what the config asks for)."""
 
-    def __init__(self, config: ModelConfig, padded_vocab_size: int, *,
-                 sequence_parallel: bool = False, pre_process: bool = True,
-                 post_process: bool = True, num_layers: int | None = None,
-                 layer_offset: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        padded_vocab_size: int,
+        *,
+        parallel: ParallelContext | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        num_layers: int | None = None,
+        layer_offset: int = 0,
+        spec: LayerSpec | None = None,
+    ) -> None:
         super().__init__()
+        parallel = parallel or ParallelContext()
         self.config = config
+        self.tp = parallel.tp
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = padded_vocab_size
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = parallel.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         init = normal_init(config.init_method_std)
@@ -86,27 +110,49 @@ class GPTModel(nn.Module):
         scaled_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, padded_vocab_size, sequence_parallel)
+            self.embedding = LanguageModelEmbedding(config, parallel, padded_vocab_size)
             if self.share_embeddings_and_output_weights:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = (
-            RotaryEmbedding(config.kv_channels, config.rotary_base,
-                            config.rope_scaling_factor if config.use_rope_scaling else None)
-            if config.position_embedding_type == "rope" else None)
+            RotaryEmbedding(
+                config.kv_channels,
+                config.rotary_base,
+                config.rope_scaling_factor if config.use_rope_scaling else None,
+            )
+            if config.position_embedding_type == "rope"
+            else None
+        )
         self.decoder = TransformerBlock(
-            config, config.num_layers if num_layers is None else num_layers, layer_offset, init,
-            scaled_init, sequence_parallel, final_layernorm=post_process)
+            config,
+            parallel,
+            spec or layer_spec(config),
+            config.num_layers if num_layers is None else num_layers,
+            layer_offset,
+            init,
+            scaled_init,
+            final_layernorm=post_process,
+        )
         if post_process:
             tied = self.share_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
-                config.hidden_size, padded_vocab_size, bias=False, init_method=init,
-                sequence_parallel=sequence_parallel, skip_weight_param=tied and pre_process,
-                valid_output_size=config.vocab_size)
+                config.hidden_size,
+                padded_vocab_size,
+                parallel=parallel,
+                bias=False,
+                init_method=init,
+                skip_weight_param=tied and pre_process,
+                valid_output_size=config.vocab_size,
+            )
         if config.lora_rank:
             from threefold.model.lora import apply_lora
 
-            apply_lora(self, config.lora_rank, config.lora_alpha, config.lora_dropout,
-                       config.lora_target_modules)
+            apply_lora(
+                self,
+                config.lora_rank,
+                config.lora_alpha,
+                config.lora_dropout,
+                config.lora_target_modules,
+            )
         if post_process and self.share_embeddings_and_output_weights and not pre_process:
             # Under pipeline parallelism the last stage holds a copy of the tied weight; its
             # gradient is summed with the first stage's so the copies stay equal.
@@ -117,8 +163,10 @@ class GPTModel(nn.Module):
         """The parameter's name in the whole single-device model (global layer numbers)."""
         match = _LAYER_NAME.match(name)
         if match:
-            name = (f"decoder.layers.{int(match.group(1)) + self.decoder.layer_offset}."
-                    + name[match.end():])
+            name = (
+                f"decoder.layers.{int(match.group(1)) + self.decoder.layer_offset}."
+                + name[match.end() :]
+            )
         if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
             # A last pipeline stage's copy of the tied embedding starts equal to the first's.
             name = "embedding.word_embeddings.weight"
@@ -126,18 +174,24 @@ class GPTModel(nn.Module):
 
     def initialize(self, seed: int) -> None:
         initialize_parameters(
-            [(self.layout_independent_name(n), p) for n, p in self.named_parameters()], seed)
+            [(self.layout_independent_name(n), p) for n, p in self.named_parameters()],
+            seed,
+            self.tp,
+        )
 
     def output_weight(self) -> torch.Tensor:
         if self.share_embeddings_and_output_weights and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, input_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """From token ids [b, s] (first stage) or incoming hidden states [s, b, h] (later
         stages). Returns the per-token loss [b, s] when `labels` are given on the last stage,
         vocabulary-parallel logits [s, b, padded_vocab / TP] otherwise, or the hidden states
@@ -148,8 +202,7 @@ class GPTModel(nn.Module):
         them attention is causal over the whole sequence and positions are 0..s-1."""
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
-        seq_length = hidden_states.shape[0] * (
-            state.tensor_model_parallel_world_size() if self.sequence_parallel else 1)
+        seq_length = hidden_states.shape[0] * (self.tp.size if self.sequence_parallel else 1)
         rotary = None
         if self.rotary_pos_emb is not None:
             if position_ids is None:
@@ -165,4 +218,4 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         # Contiguous: a view returned from an FSDP2 root would be fragile under in-place ops.
-        return KERNELS.cross_entropy(logits, labels.t(), self.vocab_size).t().contiguous()
+        return KERNELS.cross_entropy(logits, labels.t(), self.vocab_size, self.tp).t().contiguous()

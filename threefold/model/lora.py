@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.parallel import state
-from threefold.parallel.random import get_rng_tracker
-from threefold.parallel.sharding import (
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.sharding import (
     constant_init,
     mark_replicated,
     mark_tensor_parallel,
@@ -35,28 +34,43 @@ TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 class LoRAAdapter(nn.Module):
-    def __init__(self, input_size: int, output_size: int, rank: int, alpha: float,
-                 dropout: float, row_parallel: bool, partition_stride: int = 1) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        row_parallel: bool,
+        tp: int,
+        partition_stride: int = 1,
+    ) -> None:
         super().__init__()
-        tp = state.tensor_model_parallel_world_size()
         self.scale = alpha / rank
         self.dropout = dropout
         self.row_parallel = row_parallel
         init_a = normal_init(1.0 / math.sqrt(input_size))
         if row_parallel:
             self.linear_in = nn.Linear(input_size // tp, rank, bias=False)
-            mark_tensor_parallel(self.linear_in.weight, partition_dim=1, init_method=init_a,
-                                 master_shape=(rank, input_size))
+            mark_tensor_parallel(
+                self.linear_in.weight,
+                partition_dim=1,
+                init_method=init_a,
+                master_shape=(rank, input_size),
+            )
             self.linear_out = nn.Linear(rank, output_size, bias=False)
             mark_replicated(self.linear_out.weight, constant_init(0.0), partial_grads=True)
         else:
             self.linear_in = nn.Linear(input_size, rank, bias=False)
             mark_replicated(self.linear_in.weight, init_a, partial_grads=True)
             self.linear_out = nn.Linear(rank, output_size // tp, bias=False)
-            mark_tensor_parallel(self.linear_out.weight, partition_dim=0,
-                                 init_method=constant_init(0.0),
-                                 master_shape=(output_size, rank),
-                                 partition_stride=partition_stride)
+            mark_tensor_parallel(
+                self.linear_out.weight,
+                partition_dim=0,
+                init_method=constant_init(0.0),
+                master_shape=(output_size, rank),
+                partition_stride=partition_stride,
+            )
         # The TP gradient sum these marks request is only needed when TP > 1.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,10 +82,11 @@ class LoRAAdapter(nn.Module):
         return self.linear_out(self.linear_in(x)) * self.scale
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
-               targets: list[str]) -> None:
+def apply_lora(
+    model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]
+) -> None:
     """Add adapters to the target layers and freeze every other parameter."""
-    from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for param in model.parameters():
         param.requires_grad_(False)
@@ -79,12 +94,26 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
         if name.rsplit(".", 1)[-1] not in targets:
             continue
         if isinstance(module, RowParallelLinear):
-            module.adapter = LoRAAdapter(module.input_size, module.output_size, rank, alpha,
-                                         dropout, row_parallel=True)
+            module.adapter = LoRAAdapter(
+                module.input_size,
+                module.output_size,
+                rank,
+                alpha,
+                dropout,
+                row_parallel=True,
+                tp=module.tp.size,
+            )
         elif isinstance(module, ColumnParallelLinear):
-            module.adapter = LoRAAdapter(module.input_size, module.output_size, rank, alpha,
-                                         dropout, row_parallel=False,
-                                         partition_stride=module.partition_stride)
+            module.adapter = LoRAAdapter(
+                module.input_size,
+                module.output_size,
+                rank,
+                alpha,
+                dropout,
+                row_parallel=False,
+                tp=module.tp.size,
+                partition_stride=module.partition_stride,
+            )
 
 
 def is_adapter(name: str) -> bool:

@@ -7,26 +7,41 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
-from threefold.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from threefold.parallel.sharding import InitMethod
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.tensor_parallel.sharding import InitMethod
 
 
 class MLP(nn.Module):
     """GELU MLP, or SwiGLU with gate and up projections stacked in `linear_fc1` as megatron-core
     stores them ([gate; up] in the full weight; each TP rank holds its slice of both)."""
 
-    def __init__(self, config: ModelConfig, init_method: InitMethod,
-                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         fc1_size = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size, fc1_size, bias=config.add_bias_linear, init_method=init_method,
-            sequence_parallel=sequence_parallel, partition_stride=2 if self.swiglu else 1)
+            config.hidden_size,
+            fc1_size,
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=init_method,
+            partition_stride=2 if self.swiglu else 1,
+        )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
-            init_method=output_layer_init_method, sequence_parallel=sequence_parallel)
+            config.ffn_hidden_size,
+            config.hidden_size,
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=output_layer_init_method,
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.swiglu:

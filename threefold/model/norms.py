@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from threefold.kernels.dispatch import KERNELS
-from threefold.parallel.sharding import constant_init, mark_replicated
+from threefold.parallel.tensor_parallel.sharding import constant_init, mark_replicated
 
 
 class Norm(nn.Module):
@@ -21,18 +21,27 @@ class Norm(nn.Module):
     (1 + weight).
     """
 
-    def __init__(self, hidden_size: int, normalization: str, eps: float,
-                 partial_grads: bool = False, zero_centered_gamma: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        normalization: str,
+        eps: float,
+        partial_grads: bool = False,
+        zero_centered_gamma: bool = False,
+    ) -> None:
         super().__init__()
         self.normalization = normalization
         self.eps = eps
         self.zero_centered_gamma = zero_centered_gamma
-        self.weight = mark_replicated(nn.Parameter(torch.empty(hidden_size)),
-                                      constant_init(0.0 if zero_centered_gamma else 1.0),
-                                      partial_grads)
+        self.weight = mark_replicated(
+            nn.Parameter(torch.empty(hidden_size)),
+            constant_init(0.0 if zero_centered_gamma else 1.0),
+            partial_grads,
+        )
         if normalization == "LayerNorm":
-            self.bias = mark_replicated(nn.Parameter(torch.empty(hidden_size)),
-                                        constant_init(0.0), partial_grads)
+            self.bias = mark_replicated(
+                nn.Parameter(torch.empty(hidden_size)), constant_init(0.0), partial_grads
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -46,5 +55,6 @@ class Norm(nn.Module):
 def build_norm(config, size: int, partial_grads: bool = False) -> Norm:
     """The model's kind of norm (`--normalization`, `--norm-epsilon`, `--apply-layernorm-1p`)
     over `size` features."""
-    return Norm(size, config.normalization, config.norm_epsilon, partial_grads,
-                config.apply_layernorm_1p)
+    return Norm(
+        size, config.normalization, config.norm_epsilon, partial_grads, config.apply_layernorm_1p
+    )

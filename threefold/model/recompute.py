@@ -13,7 +13,7 @@ import contextlib
 
 import torch.utils.checkpoint
 
-from threefold.parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
 
 
 class _TrackerSnapshot:
@@ -43,5 +43,8 @@ def checkpoint(function, *args):
     """`function(*args)`, recomputed in backward instead of keeping its activations."""
     snapshot = _TrackerSnapshot()
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False,
-        context_fn=lambda: (snapshot.during_forward(), snapshot.during_recompute()))
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (snapshot.during_forward(), snapshot.during_recompute()),
+    )

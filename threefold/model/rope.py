@@ -21,13 +21,16 @@ HIGH_FREQ_FACTOR = 4.0
 
 def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     wavelength = 2 * math.pi / inv_freq
-    slowed = torch.where(wavelength > ORIGINAL_CONTEXT / LOW_FREQ_FACTOR, inv_freq / factor,
-                         inv_freq)
-    smooth = ((ORIGINAL_CONTEXT / wavelength - LOW_FREQ_FACTOR)
-              / (HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR))
+    slowed = torch.where(
+        wavelength > ORIGINAL_CONTEXT / LOW_FREQ_FACTOR, inv_freq / factor, inv_freq
+    )
+    smooth = (ORIGINAL_CONTEXT / wavelength - LOW_FREQ_FACTOR) / (
+        HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR
+    )
     interpolated = (1 - smooth) * slowed / factor + smooth * slowed
-    medium = ((wavelength >= ORIGINAL_CONTEXT / HIGH_FREQ_FACTOR)
-              & (wavelength <= ORIGINAL_CONTEXT / LOW_FREQ_FACTOR))
+    medium = (wavelength >= ORIGINAL_CONTEXT / HIGH_FREQ_FACTOR) & (
+        wavelength <= ORIGINAL_CONTEXT / LOW_FREQ_FACTOR
+    )
     return torch.where(medium, interpolated, slowed)
 
 
@@ -45,4 +48,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         return emb.cos(), emb.sin()
-

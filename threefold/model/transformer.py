@@ -9,16 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.model.attention import SelfAttention
-from threefold.model.mlp import MLP
-from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
-from threefold.parallel.random import get_rng_tracker
-from threefold.parallel.sharding import InitMethod
+from threefold.model.spec import LayerSpec
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.sharding import InitMethod
 
 
-def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool,
-                sequence_parallel: bool) -> torch.Tensor:
+def dropout_add(
+    x: torch.Tensor, residual: torch.Tensor, p: float, training: bool, sequence_parallel: bool
+) -> torch.Tensor:
     """residual + dropout(x). Under sequence parallelism each TP rank holds a different slice of
     the sequence, so it draws its mask from its own stream; otherwise the activation is
     replicated over TP and the shared default stream keeps the masks equal."""
@@ -30,49 +30,75 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: boo
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_number: int, init_method: InitMethod,
-                 output_layer_init_method: InitMethod, sequence_parallel: bool) -> None:
+    """norm -> self-attention -> residual, norm -> MLP -> residual; the parts from `spec`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        spec: LayerSpec,
+        layer_number: int,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number  # 1-based and global across pipeline stages
         self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = sequence_parallel
-        self.input_layernorm = build_norm(config, config.hidden_size, sequence_parallel)
-        self.self_attention = SelfAttention(config, init_method, output_layer_init_method,
-                                            sequence_parallel)
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size, sequence_parallel)
-        self.mlp = MLP(config, init_method, output_layer_init_method, sequence_parallel)
+        sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
+        self.input_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
+        self.self_attention = spec.self_attention(
+            config, parallel, init_method, output_layer_init_method
+        )
+        self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
+        self.mlp = spec.mlp(config, parallel, init_method, output_layer_init_method)
 
-    def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden_states), rotary,
-                                        attention_mask)
-        hidden_states = dropout_add(attention, hidden_states, self.hidden_dropout, self.training,
-                                    self.sequence_parallel)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask)
+        hidden_states = dropout_add(
+            attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
+        )
         mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return dropout_add(mlp, hidden_states, self.hidden_dropout, self.training,
-                           self.sequence_parallel)
+        return dropout_add(
+            mlp, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
+        )
 
 
 class TransformerBlock(nn.Module):
     """The layers `layer_offset + 1 .. layer_offset + num_layers` of the model, plus the final
     norm when this block ends the model."""
 
-    def __init__(self, config: ModelConfig, num_layers: int, layer_offset: int,
-                 init_method: InitMethod, output_layer_init_method: InitMethod,
-                 sequence_parallel: bool, final_layernorm: bool) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        spec: LayerSpec,
+        num_layers: int,
+        layer_offset: int,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+        final_layernorm: bool,
+    ) -> None:
         super().__init__()
         self.layer_offset = layer_offset
         full = config.recompute_granularity == "full"
         self.recompute_method = config.recompute_method if full else None
         self.recompute_num_layers = config.recompute_num_layers
         self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, init_method, output_layer_init_method,
-                             sequence_parallel)
-            for i in range(num_layers))
+            TransformerLayer(
+                config, parallel, spec, layer_offset + i + 1, init_method, output_layer_init_method
+            )
+            for i in range(num_layers)
+        )
         self.final_layernorm = (
-            build_norm(config, config.hidden_size, sequence_parallel)
-            if final_layernorm else None)
+            spec.norm(config, config.hidden_size, parallel.sequence_parallel)
+            if final_layernorm
+            else None
+        )
 
     def _run_layers(self, start: int, end: int):
         def run(hidden_states, rotary, attention_mask):
@@ -82,22 +108,29 @@ class TransformerBlock(nn.Module):
 
         return run
 
-    def forward(self, hidden_states: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         count, every = len(self.layers), self.recompute_num_layers
         extra = (rotary, attention_mask)
         if not (self.training and self.recompute_method):
             hidden_states = self._run_layers(0, count)(hidden_states, *extra)
         elif self.recompute_method == "uniform":  # groups of `every` layers, each recomputed
             for start in range(0, count, every):
-                hidden_states = checkpoint(self._run_layers(start, start + every),
-                                           hidden_states, *extra)
+                hidden_states = checkpoint(
+                    self._run_layers(start, start + every), hidden_states, *extra
+                )
         else:  # "block": the first `every` layers recomputed, the others kept
             for index in range(count):
                 run = self._run_layers(index, index + 1)
-                hidden_states = (checkpoint(run, hidden_states, *extra) if index < every
-                                 else run(hidden_states, *extra))
+                hidden_states = (
+                    checkpoint(run, hidden_states, *extra)
+                    if index < every
+                    else run(hidden_states, *extra)
+                )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

@@ -8,5 +8,4 @@ lines in a sequence-parallel log. Older torch (the GPU image's 2.11) has only th
 import torch.distributed as dist
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                         or dist.reduce_scatter_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -18,6 +18,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.pipeline_parallel.p2p import destroy_p2p_groups, initialize_p2p_groups
+
 
 def _parallel_state():
     # megatron-core warns at import about missing Transformer Engine / apex: irrelevant here,
@@ -52,17 +55,26 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
         timeout = datetime.timedelta(minutes=timeout_minutes)
         # torchrun's static rendezvous keeps one store across --max-restarts: a restarted
         # worker would find the previous attempt's keys (dead peers' addresses) and hang in
         # the group's set-up. Each attempt gets its own namespace in the store.
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend=backend, timeout=timeout, rank=rank,
-                                world_size=world_size,
-                                store=dist.PrefixStore(f"threefold/attempt_{attempt}", store))
+        dist.init_process_group(
+            backend=backend,
+            timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            store=dist.PrefixStore(f"threefold/attempt_{attempt}", store),
+        )
     return device
 
 
@@ -74,10 +86,12 @@ def _process_groups() -> set:
     return set(dist.distributed_c10d._world.pg_map)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None,
-                              timeout_minutes: int = 10) -> None:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    timeout_minutes: int = 10,
+) -> None:
     """Build TP/PP/DP groups over the initialized world with megatron-core."""
     destroy_model_parallel()
     _GROUPS_BEFORE.clear()
@@ -91,28 +105,55 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         # On CPU the main groups already are gloo; duplicates would only cost start-up time.
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )
-    from threefold.parallel.p2p import initialize_p2p_groups
-
     initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
-def initialize_from_config(parallel) -> torch.device:
+def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
     """torch.distributed from torchrun's environment and megatron-core's groups for the
-    layout of a ParallelConfig; returns this rank's device."""
-    device = initialize_distributed(parallel.distributed_backend,
-                                    parallel.distributed_timeout_minutes)
-    initialize_model_parallel(parallel.tensor_model_parallel_size,
-                              parallel.pipeline_model_parallel_size,
-                              parallel.virtual_pipeline_model_parallel_size,
-                              parallel.distributed_timeout_minutes)
-    return device
+    layout of a ParallelConfig; returns this rank's device and its parallel context."""
+    device = initialize_distributed(
+        parallel.distributed_backend, parallel.distributed_timeout_minutes
+    )
+    initialize_model_parallel(
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.distributed_timeout_minutes,
+    )
+    return device, parallel_context(parallel.sequence_parallel)
 
 
-def initialize_for_inference() -> torch.device:
+def initialize_for_inference() -> tuple[torch.device, ParallelContext]:
     """Every launched process a tensor-parallel rank (generation and scoring tools)."""
     device = initialize_distributed()
     initialize_model_parallel(global_world_size(), 1)
-    return device
+    return device, parallel_context()
+
+
+def parallel_context(sequence_parallel: bool = False) -> ParallelContext:
+    """The groups megatron-core built (or a world of one when it built none), read once."""
+    if not is_initialized():
+        return ParallelContext(world=Group(None, global_world_size(), global_rank()))
+    tp = Group(
+        tensor_model_parallel_group(),
+        tensor_model_parallel_world_size(),
+        tensor_model_parallel_rank(),
+    )
+    pp = Group(
+        pipeline_model_parallel_group(),
+        pipeline_model_parallel_world_size(),
+        pipeline_model_parallel_rank(),
+    )
+    return ParallelContext(
+        tp=tp,
+        pp=pp,
+        dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),
+        world=Group(dist.group.WORLD, global_world_size(), global_rank()),
+        # Only the first and last stage belong to one (megatron-core asserts elsewhere).
+        embedding_group=embedding_group() if pp.rank in (0, pp.size - 1) else None,
+        model_parallel_group=model_parallel_group(),
+        sequence_parallel=sequence_parallel and tp.size > 1,
+    )
 
 
 def destroy_model_parallel() -> None:
@@ -123,8 +164,6 @@ def destroy_model_parallel() -> None:
     if not ps.model_parallel_is_initialized():
         return
     ps.destroy_model_parallel()
-    from threefold.parallel.p2p import destroy_p2p_groups
-
     destroy_p2p_groups()
     for group in _process_groups() - _GROUPS_BEFORE:
         if group is not dist.group.WORLD:

@@ -23,11 +23,15 @@ from threefold.training.exit_signals import exit_signal_handler
 class ExitConditions:
     """Checked after every iteration; `reason(iteration)` is the same on every rank."""
 
-    def __init__(self, training: TrainingConfig, device: torch.device,
-                 start_time: float | None = None) -> None:
+    def __init__(
+        self, training: TrainingConfig, device: torch.device, start_time: float | None = None
+    ) -> None:
         self.interval = training.exit_interval
-        self.duration_s = (training.exit_duration_in_mins * 60
-                           if training.exit_duration_in_mins is not None else None)
+        self.duration_s = (
+            training.exit_duration_in_mins * 60
+            if training.exit_duration_in_mins is not None
+            else None
+        )
         self.device = device
         self.start_time = time.time() if start_time is None else start_time
         self.signals = exit_signal_handler() if training.exit_signal_handler else None
@@ -38,9 +42,13 @@ class ExitConditions:
         if self.signals is None and self.duration_s is None:
             return None
         local = torch.tensor(
-            [self.signals is not None and self.signals.received is not None,
-             self.duration_s is not None and time.time() - self.start_time > self.duration_s],
-            dtype=torch.int32, device=self.device)
+            [
+                self.signals is not None and self.signals.received is not None,
+                self.duration_s is not None and time.time() - self.start_time > self.duration_s,
+            ],
+            dtype=torch.int32,
+            device=self.device,
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
         received, overtime = local.tolist()

@@ -1,5 +1,5 @@
 """Faults on purpose, for the reliability tests, switched on by environment variables that a
-real run never sets (see also THREEFOLD_CRASH_AT in threefold/checkpointing.py):
+real run never sets (see also THREEFOLD_CRASH_AT in threefold/checkpoint/writer.py):
 
     THREEFOLD_NAN_AT=RANK@ITERATION     that rank's loss is nan in that iteration
     THREEFOLD_SPIKE_AT=RANK@ITERATION[xFACTOR]  that rank's loss (and gradients) times FACTOR
@@ -39,8 +39,11 @@ def inject(loss_func, rank: int, iteration: int):
     """`loss_func` with the per-token losses it reduces multiplied by nan (THREEFOLD_NAN_AT:
     the loss and every gradient become nan, as after an overflow) or by a spike factor
     (THREEFOLD_SPIKE_AT), when asked for this rank and iteration."""
-    factor = torch.nan if _rank_at("THREEFOLD_NAN_AT") == (rank, iteration) else \
-        _spike_factor(rank, iteration)
+    factor = (
+        torch.nan
+        if _rank_at("THREEFOLD_NAN_AT") == (rank, iteration)
+        else _spike_factor(rank, iteration)
+    )
     if factor is None:
         return loss_func
     return lambda per_token_loss: loss_func(per_token_loss * factor)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from threefold.config import ModelConfig
 
 
-def training_flops_per_iteration(config: ModelConfig, global_batch_size: int,
-                                 padded_vocab_size: int) -> float:
+def training_flops_per_iteration(
+    config: ModelConfig, global_batch_size: int, padded_vocab_size: int
+) -> float:
     h, s = config.hidden_size, config.seq_length
     d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
     f = config.ffn_hidden_size
@@ -31,8 +32,14 @@ def training_flops_per_iteration(config: ModelConfig, global_batch_size: int,
 
 # Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, no sparsity); the first key found
 # in the device name wins, so the PCIe and NVL variants come before the SXM default.
-PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0,
-                    "A100": 312.0, "L40S": 362.0}
+PEAK_BF16_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+}
 
 
 def peak_tflops(device_name: str) -> float | None:

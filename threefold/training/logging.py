@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from threefold.parallel import state
+from threefold.config import Config
 from threefold.training.flops import peak_tflops
 
 
@@ -37,60 +38,111 @@ class IterationStats:
     timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
 
 
-def iteration_stats(trainer, seconds: float, iterations: int, samples: int,
-                    window_losses: list[float], grad_norm: float | None) -> IterationStats:
-    """A trainer's log-line numbers over the window since the last one (`iterations` iterations
-    of `samples` samples in all, which differ in size under --rampup-batch-size)."""
-    training = trainer.config.training
-    elapsed = seconds / iterations
-    samples_per_second = samples / seconds
-    flops_per_sample = trainer.flops_per_iteration / training.global_batch_size
-    tflops = flops_per_sample * samples_per_second / state.global_world_size() / 1e12
+@dataclass
+class LogWindow:
+    """The iterations since the last log line: their count, samples and unskipped losses."""
+
+    start: float = field(default_factory=time.perf_counter)
+    iterations: int = 0
+    samples: int = 0
+    losses: list[float] = field(default_factory=list)
+
+    def add(self, loss: float, skipped: bool, global_batch_size: int) -> None:
+        self.iterations += 1
+        self.samples += global_batch_size
+        if not skipped:
+            self.losses.append(loss)
+
+
+def iteration_stats(
+    config: Config,
+    device: torch.device,
+    world_size: int,
+    flops_per_iteration: float,
+    window: LogWindow,
+    **progress,
+) -> IterationStats:
+    """The log-line numbers over `window` (whose iterations differ in size under
+    --rampup-batch-size); `progress` holds the run's own: iteration, consumed_samples,
+    learning rates, loss scale, grad norm, ..."""
+    training = config.training
+    seconds = time.perf_counter() - window.start
+    samples_per_second = window.samples / seconds
+    flops_per_sample = flops_per_iteration / training.global_batch_size
+    tflops = flops_per_sample * samples_per_second / world_size / 1e12
     mfu = memory = None
-    if trainer.device.type == "cuda":
-        peak = peak_tflops(torch.cuda.get_device_name(trainer.device))
+    if device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(device))
         mfu = tflops / peak if peak else None
-        memory = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-    mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
-    logging = trainer.config.logging
+        memory = torch.cuda.max_memory_allocated(device) / 2**30
+    mean_loss = sum(window.losses) / len(window.losses) if window.losses else float("nan")
     return IterationStats(
-        iteration=trainer.state.iteration, train_iters=training.train_iters,
-        consumed_samples=trainer.state.consumed_train_samples, elapsed_ms=elapsed * 1e3,
-        learning_rate=trainer.scheduler.get_lr(),
-        decoupled_learning_rate=(trainer.scheduler.get_lr(decoupled=True)
-                                 if training.decoupled_lr is not None else None),
+        train_iters=training.train_iters,
+        elapsed_ms=seconds / window.iterations * 1e3,
+        lm_loss=mean_loss,
+        tokens_per_second=samples_per_second * config.model.seq_length,
+        tflops_per_device=tflops,
+        mfu=mfu,
+        memory_gib=memory,
+        **progress,
+    )
+
+
+def progress(
+    config: Config,
+    train_state,
+    scheduler,
+    optimizer,
+    loss_scaler,
+    global_batch_size: int,
+    grad_norm: float | None,
+) -> dict:
+    """The run's own numbers for the log line (see `iteration_stats`), from its components."""
+    training, logging = config.training, config.logging
+    return dict(
+        iteration=train_state.iteration,
+        consumed_samples=train_state.consumed_train_samples,
+        learning_rate=scheduler.get_lr(),
+        decoupled_learning_rate=(
+            scheduler.get_lr(decoupled=True) if training.decoupled_lr is not None else None
+        ),
         # the last iteration's, as Megatron (every rank takes part in the reductions)
-        num_zeros_in_grad=(trainer.optimizer.num_zeros_in_grad
-                           if logging.log_num_zeros_in_grad else None),
-        params_norm=trainer.optimizer.params_norm() if logging.log_params_norm else None,
-        global_batch_size=trainer.last_global_batch_size, lm_loss=mean_loss,
-        loss_scale=trainer.loss_scaler.scale, grad_norm=grad_norm,
-        skipped_iterations=trainer.state.skipped_iterations,
-        nan_iterations=trainer.state.nan_iterations,
-        tokens_per_second=samples_per_second * trainer.config.model.seq_length,
-        tflops_per_device=tflops, mfu=mfu, memory_gib=memory)
+        num_zeros_in_grad=(optimizer.num_zeros_in_grad if logging.log_num_zeros_in_grad else None),
+        params_norm=optimizer.params_norm() if logging.log_params_norm else None,
+        global_batch_size=global_batch_size,
+        loss_scale=loss_scaler.scale,
+        grad_norm=grad_norm,
+        skipped_iterations=train_state.skipped_iterations,
+        nan_iterations=train_state.nan_iterations,
+    )
 
 
 def format_iteration(stats: IterationStats) -> str:
-    line = (f" iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
-            f" consumed samples: {stats.consumed_samples:12d} |"
-            f" elapsed time per iteration (ms): {stats.elapsed_ms:.1f} |"
-            f" learning rate: {stats.learning_rate:.6E} |")
+    line = (
+        f" iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
+        f" consumed samples: {stats.consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {stats.elapsed_ms:.1f} |"
+        f" learning rate: {stats.learning_rate:.6E} |"
+    )
     if stats.decoupled_learning_rate is not None:
         line += f" decoupled learning rate: {stats.decoupled_learning_rate:.6E} |"
-    line += (f" global batch size: {stats.global_batch_size:5d} |"
-             f" lm loss: {stats.lm_loss:.6E} |"
-             f" loss scale: {stats.loss_scale:.1f} |")
+    line += (
+        f" global batch size: {stats.global_batch_size:5d} |"
+        f" lm loss: {stats.lm_loss:.6E} |"
+        f" loss scale: {stats.loss_scale:.1f} |"
+    )
     if stats.grad_norm is not None:
         line += f" grad norm: {stats.grad_norm:.3f} |"
     if stats.num_zeros_in_grad is not None:
         line += f" num zeros: {stats.num_zeros_in_grad} |"
     if stats.params_norm is not None:
         line += f" params norm: {stats.params_norm:.3f} |"
-    line += (f" number of skipped iterations: {stats.skipped_iterations:3d} |"
-             f" number of nan iterations: {stats.nan_iterations:3d} |"
-             f" tokens per second: {stats.tokens_per_second:.1f} |"
-             f" TFLOP/s per device: {stats.tflops_per_device:.3f} |")
+    line += (
+        f" number of skipped iterations: {stats.skipped_iterations:3d} |"
+        f" number of nan iterations: {stats.nan_iterations:3d} |"
+        f" tokens per second: {stats.tokens_per_second:.1f} |"
+        f" TFLOP/s per device: {stats.tflops_per_device:.3f} |"
+    )
     if stats.mfu is not None:
         line += f" MFU: {100 * stats.mfu:.1f}% |"
     if stats.memory_gib is not None:
@@ -100,22 +152,30 @@ def format_iteration(stats: IterationStats) -> str:
 
 def format_validation(iteration: int, loss: float, split: str = "validation") -> str:
     ppl = math.exp(min(20.0, loss))
-    return (f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-            f" lm loss PPL: {ppl:.6E} |")
+    return (
+        f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+        f" lm loss PPL: {ppl:.6E} |"
+    )
 
 
 def _scalars(stats: IterationStats) -> dict[str, float]:
     """The iteration's numbers under TensorBoard names (Megatron's, where it has them)."""
-    values = {"lm loss": stats.lm_loss, "learning-rate": stats.learning_rate,
-              "decoupled-learning-rate": stats.decoupled_learning_rate,
-              "num-zeros": stats.num_zeros_in_grad, "params-norm": stats.params_norm,
-              "loss-scale": stats.loss_scale, "grad-norm": stats.grad_norm,
-              "tokens-per-second": stats.tokens_per_second,
-              "tflops-per-device": stats.tflops_per_device, "mfu": stats.mfu,
-              "max-memory-gib": stats.memory_gib,
-              "skipped-iterations": stats.skipped_iterations,
-              "nan-iterations": stats.nan_iterations,
-              "iteration-time-ms": stats.elapsed_ms}
+    values = {
+        "lm loss": stats.lm_loss,
+        "learning-rate": stats.learning_rate,
+        "decoupled-learning-rate": stats.decoupled_learning_rate,
+        "num-zeros": stats.num_zeros_in_grad,
+        "params-norm": stats.params_norm,
+        "loss-scale": stats.loss_scale,
+        "grad-norm": stats.grad_norm,
+        "tokens-per-second": stats.tokens_per_second,
+        "tflops-per-device": stats.tflops_per_device,
+        "mfu": stats.mfu,
+        "max-memory-gib": stats.memory_gib,
+        "skipped-iterations": stats.skipped_iterations,
+        "nan-iterations": stats.nan_iterations,
+        "iteration-time-ms": stats.elapsed_ms,
+    }
     values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})
     return {name: value for name, value in values.items() if value is not None}
 
@@ -166,17 +226,25 @@ class WandbLogger:
         except ImportError:
             from threefold.config import ConfigError
 
-            raise ConfigError("--wandb-project needs the wandb package: pip install wandb "
-                              "(or pip install threefold[wandb])") from None
+            raise ConfigError(
+                "--wandb-project needs the wandb package: pip install wandb "
+                "(or pip install threefold[wandb])"
+            ) from None
         mode = os.environ.get("WANDB_MODE") or (None if _has_wandb_credentials() else "offline")
         if mode == "offline" and not os.environ.get("WANDB_MODE"):
             print("> --wandb-project: no W&B credentials; logging offline", flush=True)
         save_dir = logging_config.wandb_save_dir or os.path.join(
-            config.checkpoint.save or ".", "wandb")
+            config.checkpoint.save or ".", "wandb"
+        )
         os.makedirs(save_dir, exist_ok=True)
-        self.run = wandb.init(project=logging_config.wandb_project,
-                              name=logging_config.wandb_exp_name, dir=save_dir, mode=mode,
-                              entity=logging_config.wandb_entity, config=asdict(config))
+        self.run = wandb.init(
+            project=logging_config.wandb_project,
+            name=logging_config.wandb_exp_name,
+            dir=save_dir,
+            mode=mode,
+            entity=logging_config.wandb_entity,
+            config=asdict(config),
+        )
 
     def log_iteration(self, stats: IterationStats) -> None:
         if self.run is not None:
@@ -184,8 +252,10 @@ class WandbLogger:
 
     def log_validation(self, iteration: int, loss: float) -> None:
         if self.run is not None:
-            self.run.log({"lm loss validation": loss,
-                          "lm loss validation ppl": math.exp(min(20.0, loss))}, step=iteration)
+            self.run.log(
+                {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))},
+                step=iteration,
+            )
 
     def close(self) -> None:
         if self.run is not None:
@@ -198,7 +268,8 @@ class MetricWriters:
     def __init__(self, logging_config, config) -> None:
         self.writers = [
             TensorBoardLogger(logging_config.tensorboard_dir if logging_config else None),
-            WandbLogger(logging_config, config)]
+            WandbLogger(logging_config, config),
+        ]
 
     def log_iteration(self, stats: IterationStats) -> None:
         for writer in self.writers:

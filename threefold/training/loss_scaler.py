@@ -48,8 +48,11 @@ class DynamicLossScaler:
                 self.scale *= 2.0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.scale = state_dict["scale"]

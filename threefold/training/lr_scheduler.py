@@ -29,14 +29,21 @@ import math
 from threefold.config import ConfigError, TrainingConfig
 
 # Schedule values a checkpoint stores and a resume compares, with the flags that set them.
-_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "decay_style": "--lr-decay-style",
-          "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples",
-          "decay_steps": "--lr-decay-iters/--lr-decay-samples",
-          "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
-          "wsd_decay_style": "--lr-wsd-decay-style", "decoupled_lr": "--decoupled-lr",
-          "decoupled_min_lr": "--decoupled-min-lr", "start_wd": "--start-weight-decay",
-          "end_wd": "--end-weight-decay", "wd_incr_style": "--weight-decay-incr-style",
-          "wd_incr_steps": "--train-iters/--train-samples (the weight-decay ramp)"}
+_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "decay_style": "--lr-decay-style",
+    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples",
+    "decay_steps": "--lr-decay-iters/--lr-decay-samples",
+    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
+    "wsd_decay_style": "--lr-wsd-decay-style",
+    "decoupled_lr": "--decoupled-lr",
+    "decoupled_min_lr": "--decoupled-min-lr",
+    "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay",
+    "wd_incr_style": "--weight-decay-incr-style",
+    "wd_incr_steps": "--train-iters/--train-samples (the weight-decay ramp)",
+}
 
 
 def _decayed(style: str, ratio: float) -> float:
@@ -56,18 +63,24 @@ class OptimizerParamScheduler:
         self.in_samples = config.train_samples is not None
         samples = self.in_samples
         self.schedule = {
-            "max_lr": config.lr, "min_lr": config.min_lr, "decay_style": config.lr_decay_style,
+            "max_lr": config.lr,
+            "min_lr": config.min_lr,
+            "decay_style": config.lr_decay_style,
             "warmup_steps": config.lr_warmup_samples if samples else config.lr_warmup_iters,
             "decay_steps": config.lr_decay_samples if samples else config.lr_decay_iters,
-            "wsd_decay_steps": (config.lr_wsd_decay_samples if samples
-                                else config.lr_wsd_decay_iters),
+            "wsd_decay_steps": (
+                config.lr_wsd_decay_samples if samples else config.lr_wsd_decay_iters
+            ),
             "wsd_decay_style": config.lr_wsd_decay_style,
             "decoupled_lr": config.decoupled_lr,
-            "decoupled_min_lr": (config.decoupled_min_lr if config.decoupled_min_lr is not None
-                                 else config.min_lr),
-            "start_wd": config.start_weight_decay, "end_wd": config.end_weight_decay,
+            "decoupled_min_lr": (
+                config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+            ),
+            "start_wd": config.start_weight_decay,
+            "end_wd": config.end_weight_decay,
             "wd_incr_style": config.weight_decay_incr_style,
-            "wd_incr_steps": config.train_samples if samples else config.train_iters}
+            "wd_incr_steps": config.train_samples if samples else config.train_iters,
+        }
         self.override = config.override_opt_param_scheduler
         self.use_checkpoint = config.use_checkpoint_opt_param_scheduler
         self.num_steps = 0
@@ -75,8 +88,9 @@ class OptimizerParamScheduler:
 
     def get_lr(self, decoupled: bool = False) -> float:
         s = self.schedule
-        max_lr, min_lr = ((s["decoupled_lr"], s["decoupled_min_lr"]) if decoupled
-                          else (s["max_lr"], s["min_lr"]))
+        max_lr, min_lr = (
+            (s["decoupled_lr"], s["decoupled_min_lr"]) if decoupled else (s["max_lr"], s["min_lr"])
+        )
         warmup, decay, style = s["warmup_steps"], s["decay_steps"], s["decay_style"]
         if warmup > 0 and self.num_steps <= warmup:
             return max_lr * self.num_steps / warmup
@@ -88,8 +102,13 @@ class OptimizerParamScheduler:
             return max(min_lr, max_lr * math.sqrt(max(warmup, 1) / max(self.num_steps, 1)))
         if style == "WSD":
             anneal_start = decay - s["wsd_decay_steps"]
-            coefficient = (1.0 if self.num_steps <= anneal_start else _decayed(
-                s["wsd_decay_style"], (self.num_steps - anneal_start) / s["wsd_decay_steps"]))
+            coefficient = (
+                1.0
+                if self.num_steps <= anneal_start
+                else _decayed(
+                    s["wsd_decay_style"], (self.num_steps - anneal_start) / s["wsd_decay_steps"]
+                )
+            )
         else:
             coefficient = _decayed(style, (self.num_steps - warmup) / max(decay - warmup, 1))
         return min_lr + coefficient * (max_lr - min_lr)
@@ -127,11 +146,13 @@ class OptimizerParamScheduler:
             if self.use_checkpoint:
                 self.schedule[name] = saved
             elif saved != self.schedule[name] and not (
-                    name == "wd_incr_steps" and self.schedule["wd_incr_style"] == "constant"):
+                name == "wd_incr_steps" and self.schedule["wd_incr_style"] == "constant"
+            ):
                 raise ConfigError(
                     f"the checkpoint's schedule has {_FLAGS[name]} {saved} but this run has "
                     f"{self.schedule[name]}; use the checkpoint's value, or pass "
                     "--override-opt_param-scheduler (this run's schedule) or "
-                    "--use-checkpoint-opt_param-scheduler (the checkpoint's)")
+                    "--use-checkpoint-opt_param-scheduler (the checkpoint's)"
+                )
         self.num_steps = 0
         self.step(state_dict["num_steps"])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.parallel.torch_native import local
+from threefold.parallel.data_parallel.torch_native import local
 
 
 @dataclass
@@ -26,29 +26,39 @@ class MemoryPerParameter:
         return self.parameters + self.gradients + self.optimizer
 
     def __str__(self) -> str:
-        return (f"bytes per parameter: {self.parameters:.2f} parameters + {self.gradients:.2f} "
-                f"gradients + {self.optimizer:.2f} optimizer = {self.total:.2f}")
+        return (
+            f"bytes per parameter: {self.parameters:.2f} parameters + {self.gradients:.2f} "
+            f"gradients + {self.optimizer:.2f} optimizer = {self.total:.2f}"
+        )
 
 
-def measure_bytes_per_parameter(trainer) -> MemoryPerParameter:
+def measure_bytes_per_parameter(
+    named_parameters: list[tuple[str, torch.nn.Parameter]], data_parallel
+) -> MemoryPerParameter:
     """From the tensors this rank holds, per parameter of the model part its model-parallel
-    rank covers (FSDP shards count at their global size, their bytes at the local one)."""
-    params = [p for _, p in trainer.layout_independent_parameters()]
+    rank covers (FSDP shards count at their global size, their bytes at the local one):
+    `named_parameters` under layout-independent names, `data_parallel` holding the gradients
+    and the optimizer (training/data_parallel.py)."""
+    params = [p for _, p in named_parameters]
     count = sum(p.numel() for p in params)
     param_bytes = sum(local(p).numel() * p.element_size() for p in params)
-    buffer = trainer.grad_buffer.buffer if trainer.grad_buffer is not None else None
-    grad_bytes = (buffer.numel() * buffer.element_size() if buffer is not None else
-                  sum(local(p.grad).numel() * p.grad.element_size()
-                      for p in params if p.grad is not None))
-    state_bytes = trainer.optimizer.state_bytes()
+    grad_bytes = data_parallel.gradient_bytes()
+    state_bytes = data_parallel.optimizer.state_bytes()
     return MemoryPerParameter(param_bytes / count, grad_bytes / count, state_bytes / count)
 
 
-def measure_activation_bytes(trainer) -> int:
+def measure_activation_bytes(
+    model_chunks: list[torch.nn.Module],
+    batch: dict,
+    tensor_shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> int:
     """Bytes of the tensors autograd keeps for backward over one training micro-batch through
     this rank's model chunks (parameters excluded, each storage counted once): what a micro-batch
-    in flight costs. Measured with saved-tensor hooks, so it works on the CPU."""
-    params = {p.untyped_storage().data_ptr() for _, p in trainer.layout_independent_parameters()}
+    in flight costs. A chunk that does not start the model gets zeros of `tensor_shape` as what
+    the previous stage would have sent. Measured with saved-tensor hooks, so it works on the
+    CPU."""
+    params = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -57,16 +67,15 @@ def measure_activation_bytes(trainer) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    batch = next(trainer.train_iterator())
-    trainer._set_train(True)
     outputs = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        for chunk in trainer.model_chunks:
+        for chunk in model_chunks:
+            chunk.train(True)
             hidden = None
             if not chunk.pre_process:  # what the previous stage would have sent
-                shape = trainer.pipeline_options["tensor_shape"]
-                hidden = torch.zeros(shape, dtype=trainer.pipeline_options["dtype"],
-                                     device=trainer.device, requires_grad=True)
+                hidden = torch.zeros(
+                    tensor_shape, dtype=dtype, device=batch["tokens"].device, requires_grad=True
+                )
             outputs.append(chunk(batch["tokens"], labels=batch["labels"], hidden_states=hidden))
     del outputs  # frees the graph
     return sum(storages.values())

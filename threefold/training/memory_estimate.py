@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
-from threefold.parallel.pipeline_layout import model_chunk_layers
+from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 
 
 def _layer_parameters(model: ModelConfig, tp: int) -> int:
@@ -57,15 +57,20 @@ def _layer_parameters(model: ModelConfig, tp: int) -> int:
     return count
 
 
-def stage_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: int,
-                     stage: int) -> int:
+def stage_parameters(
+    model: ModelConfig, parallel: ParallelConfig, padded_vocab: int, stage: int
+) -> int:
     """Parameters one rank of pipeline stage `stage` holds (at TP rank granularity)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     h = model.hidden_size
-    chunks = model_chunk_layers(model.num_layers, pp, stage,
-                                parallel.virtual_pipeline_model_parallel_size,
-                                parallel.decoder_first_pipeline_num_layers,
-                                parallel.decoder_last_pipeline_num_layers)
+    chunks = model_chunk_layers(
+        model.num_layers,
+        pp,
+        stage,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
+    )
     count = sum(layers for _, layers in chunks) * _layer_parameters(model, tp)
     embedding = padded_vocab * h // tp
     if stage == 0:
@@ -84,8 +89,9 @@ def parameter_count(model: ModelConfig, padded_vocab: int) -> int:
     return stage_parameters(model, ParallelConfig(), padded_vocab, 0)
 
 
-def _bytes_per_parameter(config: Config, strategy: str,
-                         distributed_optimizer: bool) -> tuple[float, float, float]:
+def _bytes_per_parameter(
+    config: Config, strategy: str, distributed_optimizer: bool
+) -> tuple[float, float, float]:
     training, parallel = config.training, config.parallel
     dp = parallel.data_parallel_size
     if strategy in ("ddp", "fsdp"):
@@ -104,8 +110,12 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
     """What one transformer layer keeps for backward per micro-batch (see the module doc)."""
     model, parallel = config.model, config.parallel
     s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
-    f, a, d, g = (model.ffn_hidden_size, model.num_attention_heads, model.kv_channels,
-                  model.num_query_groups)
+    f, a, d, g = (
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+        model.kv_channels,
+        model.num_query_groups,
+    )
     t = parallel.tensor_model_parallel_size
     sigma = t if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
@@ -130,14 +140,14 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
 def _micro_batches_in_flight(config: Config, stage: int) -> int:
     """The most micro-batches whose activations stage `stage` holds at once, from the
     schedule's own action order (counted in model chunks' worth, divided by the chunks)."""
-    from threefold.parallel.schedules import interleaved_order, one_f_one_b_order
+    from threefold.parallel.pipeline_parallel.schedules import interleaved_order, one_f_one_b_order
 
     parallel = config.parallel
     pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
     m = config.training.num_micro_batches(parallel.data_parallel_size)
     if pp == 1:
         return 1
-    order = (interleaved_order(m, pp, stage, vpp) if vpp else one_f_one_b_order(m, pp, stage))
+    order = interleaved_order(m, pp, stage, vpp) if vpp else one_f_one_b_order(m, pp, stage)
     held = most = 0
     for kind, _, _ in order:
         held += 1 if kind == "F" else -1
@@ -152,16 +162,21 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
-    chunks = model_chunk_layers(model.num_layers, pp, stage,
-                                parallel.virtual_pipeline_model_parallel_size,
-                                parallel.decoder_first_pipeline_num_layers,
-                                parallel.decoder_last_pipeline_num_layers)
+    chunks = model_chunk_layers(
+        model.num_layers,
+        pp,
+        stage,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
+    )
     total = 0
     for _, layers in chunks:
         if model.recompute_granularity == "full":
             every = model.recompute_num_layers
-            groups = (-(-layers // every) if model.recompute_method == "uniform"
-                      else min(every, layers))
+            groups = (
+                -(-layers // every) if model.recompute_method == "uniform" else min(every, layers)
+            )
             recomputed = layers if model.recompute_method == "uniform" else groups
             total += groups * layer_activation_bytes(config, recompute_kept=True)
             total += (layers - recomputed) * layer_activation_bytes(config)
@@ -175,8 +190,11 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
             total += e * s * b * h // sigma  # the embedding dropout's mask
     if stage == pp - 1:
         rms = model.normalization == "RMSNorm"
-        total += (4 * s * b * h // sigma * (2 if rms else 1) + 4 * (1 if rms else 2) * s * b
-                  // sigma + e * s * b * h)  # final norm and the output layer's input
+        total += (
+            4 * s * b * h // sigma * (2 if rms else 1)
+            + 4 * (1 if rms else 2) * s * b // sigma
+            + e * s * b * h
+        )  # final norm and the output layer's input
         padded = model.padded_vocab_size(tp)
         # The cross-entropy's gradient: in the logits' dtype (chunked, the default) or the
         # reference's fp32 softmax; plus targets and mask.
@@ -212,26 +230,41 @@ class MemoryEstimate:
         return self.static + self.activations
 
 
-def estimate_stage(config: Config, stage: int, strategy: str | None = None,
-                   use_distributed_optimizer: bool | None = None) -> MemoryEstimate:
+def estimate_stage(
+    config: Config,
+    stage: int,
+    strategy: str | None = None,
+    use_distributed_optimizer: bool | None = None,
+) -> MemoryEstimate:
     parallel = config.parallel
     strategy = strategy or parallel.distributed_strategy
-    distributed = (parallel.use_distributed_optimizer if use_distributed_optimizer is None
-                   else use_distributed_optimizer)
-    count = stage_parameters(config.model, parallel,
-                             config.model.padded_vocab_size(parallel.tensor_model_parallel_size),
-                             stage)
+    distributed = (
+        parallel.use_distributed_optimizer
+        if use_distributed_optimizer is None
+        else use_distributed_optimizer
+    )
+    count = stage_parameters(
+        config.model,
+        parallel,
+        config.model.padded_vocab_size(parallel.tensor_model_parallel_size),
+        stage,
+    )
     params, grads, optimizer = _bytes_per_parameter(config, strategy, distributed)
     in_flight = _micro_batches_in_flight(config, stage)
-    activations = (in_flight * micro_batch_activation_bytes(config, stage)
-                   + recompute_workspace_bytes(config))
-    return MemoryEstimate(stage, count * params, count * grads, count * optimizer, activations,
-                          in_flight)
+    activations = in_flight * micro_batch_activation_bytes(
+        config, stage
+    ) + recompute_workspace_bytes(config)
+    return MemoryEstimate(
+        stage, count * params, count * grads, count * optimizer, activations, in_flight
+    )
 
 
-def estimate_memory(config: Config, strategy: str | None = None,
-                    use_distributed_optimizer: bool | None = None) -> MemoryEstimate:
+def estimate_memory(
+    config: Config, strategy: str | None = None, use_distributed_optimizer: bool | None = None
+) -> MemoryEstimate:
     """The estimate for the pipeline stage that needs the most memory."""
-    stages = [estimate_stage(config, stage, strategy, use_distributed_optimizer)
-              for stage in range(config.parallel.pipeline_model_parallel_size)]
+    stages = [
+        estimate_stage(config, stage, strategy, use_distributed_optimizer)
+        for stage in range(config.parallel.pipeline_model_parallel_size)
+    ]
     return max(stages, key=lambda estimate: estimate.total)

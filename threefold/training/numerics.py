@@ -28,8 +28,9 @@ def _ranks(flags: torch.Tensor) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def check_loss_and_grads(losses: list[torch.Tensor], grads: list[torch.Tensor],
-                         iteration: int) -> None:
+def check_loss_and_grads(
+    losses: list[torch.Tensor], grads: list[torch.Tensor], iteration: int
+) -> None:
     """Raise NonFiniteError on every rank if any rank's local losses or gradients hold inf or
     nan. `grads`: this rank's gradient storage before the data-parallel reduction."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -57,17 +58,20 @@ class SpikyLossDetector:
         self.factor = factor
         self.recent: deque[float] = deque(maxlen=window)
 
-    def observe(self, loss: float, iteration: int, first_sample: int,
-                global_batch_size: int) -> str | None:
+    def observe(
+        self, loss: float, iteration: int, first_sample: int, global_batch_size: int
+    ) -> str | None:
         """A report when `loss` (of global batch `iteration - 1`, samples `first_sample` ...)
         is a spike; the spike is kept out of the running mean."""
         if not torch.isfinite(torch.tensor(loss)):
             return None
         mean = sum(self.recent) / len(self.recent) if self.recent else None
         if mean is not None and len(self.recent) >= 5 and loss > self.factor * mean:
-            return (f"  spiky loss at iteration {iteration}: lm loss {loss:.6E} is "
-                    f"{loss / mean:.1f}x the mean of the last {len(self.recent)} iterations "
-                    f"(--spiky-loss-factor {self.factor:g}); global batch {iteration - 1}, "
-                    f"samples {first_sample} to {first_sample + global_batch_size - 1}")
+            return (
+                f"  spiky loss at iteration {iteration}: lm loss {loss:.6E} is "
+                f"{loss / mean:.1f}x the mean of the last {len(self.recent)} iterations "
+                f"(--spiky-loss-factor {self.factor:g}); global batch {iteration - 1}, "
+                f"samples {first_sample} to {first_sample + global_batch_size - 1}"
+            )
         self.recent.append(loss)
         return None

@@ -26,6 +26,7 @@ which the scheduler gives --decoupled-lr / --decoupled-min-lr.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,19 +34,19 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
-from threefold.parallel import state
-from threefold.parallel.data_parallel import GradientBuffer
-from threefold.parallel.torch_native import local
+from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+from threefold.parallel.data_parallel.torch_native import local
+from threefold.parallel.parallel_context import ParallelContext
 
 OFFLOAD_DEVICE = torch.device("cpu")
 
 
-def _counts_towards_norm(param: nn.Parameter) -> bool:
+def _counts_towards_norm(param: nn.Parameter, tensor_model_parallel_rank: int) -> bool:
     """Each distinct parameter counts once across the model-parallel group: TP shards on every
     rank, replicated parameters only on TP rank 0, tied embeddings only on the first stage."""
     if getattr(param, "embedding_copy", False):  # the last stage's copy of tied embeddings
         return False
-    return getattr(param, "tensor_model_parallel", False) or state.tensor_model_parallel_rank() == 0
+    return getattr(param, "tensor_model_parallel", False) or tensor_model_parallel_rank == 0
 
 
 def is_embedding_or_output(name: str) -> bool:
@@ -83,36 +84,54 @@ class _AdamWithMasters:
     reduction_groups: list
     separate_masters: bool
 
-    def _build(self, pieces: list[_Piece], config: TrainingConfig,
-               named_parameters: list[tuple[str, nn.Parameter]]) -> None:
+    def _build(
+        self,
+        pieces: list[_Piece],
+        config: TrainingConfig,
+        named_parameters: list[tuple[str, nn.Parameter]],
+    ) -> None:
         self.pieces = pieces
         self.clip_grad = config.clip_grad
         self.count_zeros = False  # --log-num-zeros-in-grad: the trainer turns it on
         self.num_zeros_in_grad: int | None = None
-        decoupled = ({param for name, param in named_parameters if is_embedding_or_output(name)}
-                     if config.decoupled_lr is not None else set())
+        decoupled = (
+            {param for name, param in named_parameters if is_embedding_or_output(name)}
+            if config.decoupled_lr is not None
+            else set()
+        )
         groups = []
         for is_decoupled in (False, True):
             for decay in (True, False):
-                params = [p.master for p in pieces
-                          if (p.param in decoupled) == is_decoupled
-                          and (p.param.dim() > 1) == decay]
+                params = [
+                    p.master
+                    for p in pieces
+                    if (p.param in decoupled) == is_decoupled and (p.param.dim() > 1) == decay
+                ]
                 if params:
                     # wd_mult: the scheduler sets weight_decay = its value x wd_mult.
-                    groups.append({"params": params, "decoupled_lr": is_decoupled,
-                                   "wd_mult": 1.0 if decay else 0.0,
-                                   "weight_decay": config.weight_decay if decay else 0.0})
+                    groups.append(
+                        {
+                            "params": params,
+                            "decoupled_lr": is_decoupled,
+                            "wd_mult": 1.0 if decay else 0.0,
+                            "weight_decay": config.weight_decay if decay else 0.0,
+                        }
+                    )
         masters = [p.master for p in pieces]
         # PyTorch's fused AdamW: one vectorized pass per tensor instead of a chain of
         # elementwise ops (4.8x faster on a 4M-parameter model on CPU). Plain tensors only:
         # FSDP's DTensor shards take the default implementation.
         fused = bool(masters) and all(
-            type(m.data) is torch.Tensor and m.device.type in ("cpu", "cuda") for m in masters)
+            type(m.data) is torch.Tensor and m.device.type in ("cpu", "cuda") for m in masters
+        )
         # A rank can own no piece at all (a tiny model over many DP ranks).
         self.optimizer = torch.optim.AdamW(
-            groups or [{"params": [nn.Parameter(torch.zeros(1))]}], lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            fused=fused or None)
+            groups or [{"params": [nn.Parameter(torch.zeros(1))]}],
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            fused=fused or None,
+        )
 
     def _master(self, value: torch.Tensor, offload: bool) -> nn.Parameter:
         """A separate fp32 master initialized from `value`, on the CPU when offloading."""
@@ -146,8 +165,11 @@ class _AdamWithMasters:
     def _counted(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's local parts of `tensors` (one per piece) that count towards model-wide
         sums: each distinct parameter element once over all ranks."""
-        return [local(t) for piece, t in zip(self.pieces, tensors)
-                if _counts_towards_norm(piece.param)]
+        return [
+            local(t)
+            for piece, t in zip(self.pieces, tensors)
+            if _counts_towards_norm(piece.param, self.tp_rank)
+        ]
 
     def _global_sum(self, value: torch.Tensor) -> float | int:
         # The reduction runs where the process groups' backend works (NCCL: on the GPU).
@@ -155,8 +177,11 @@ class _AdamWithMasters:
 
     def _global_norm(self, tensors: list[torch.Tensor]) -> float:
         counted = self._counted(tensors)
-        squares = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
-                   else torch.zeros(()))
+        squares = (
+            torch.stack(torch._foreach_norm(counted)).float().pow(2).sum()
+            if counted
+            else torch.zeros(())
+        )
         return math.sqrt(self._global_sum(squares))
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
@@ -173,8 +198,9 @@ class _AdamWithMasters:
 
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         counted = self._counted(grads)
-        zeros = (sum((g == 0).sum() for g in counted) if counted
-                 else torch.zeros((), dtype=torch.int64))
+        zeros = (
+            sum((g == 0).sum() for g in counted) if counted else torch.zeros((), dtype=torch.int64)
+        )
         return int(self._global_sum(zeros))
 
     @torch.no_grad()
@@ -213,14 +239,20 @@ class _AdamWithMasters:
                 # Where AdamW itself would put it: the fused kernel reads the step count on
                 # the parameters' device, the for-loop one on the CPU.
                 step_device = piece.master.device if fused else "cpu"
-                adam.update(step=torch.zeros((), dtype=torch.float32, device=step_device),
-                            exp_avg=torch.zeros_like(piece.master),
-                            exp_avg_sq=torch.zeros_like(piece.master))
+                adam.update(
+                    step=torch.zeros((), dtype=torch.float32, device=step_device),
+                    exp_avg=torch.zeros_like(piece.master),
+                    exp_avg_sq=torch.zeros_like(piece.master),
+                )
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: Adam moments and separate masters."""
-        total = sum(local(t).numel() * t.element_size()
-                    for s in self.optimizer.state.values() for k, t in s.items() if k != "step")
+        total = sum(
+            local(t).numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for k, t in s.items()
+            if k != "step"
+        )
         if self.separate_masters:
             total += sum(local(m).numel() * m.element_size() for m in self.master_params)
         return total
@@ -242,17 +274,55 @@ class _AdamWithMasters:
     def _piece_key(name: str, piece: _Piece) -> str:
         return name
 
+    @torch.no_grad()
+    def load_resharded(
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        full_shard: Callable[[str, str, nn.Parameter], torch.Tensor],
+        loaded: dict[nn.Parameter, torch.Tensor],
+        step: torch.Tensor | None,
+    ) -> None:
+        """Adam state from a checkpoint of another layout: `full_shard(field, name, param)` is
+        this layout's TP shard of a parameter's saved `exp_avg`/`exp_avg_sq`, `loaded` the fp32
+        weights the parameters were filled from; each piece of this rank takes its slice."""
+        pieces: dict[nn.Parameter, list[_Piece]] = {}
+        for piece in self.pieces:
+            pieces.setdefault(piece.param, []).append(piece)
+        for name, param in named_parameters:
+            for piece in pieces.get(param, []):
+                adam = self.optimizer.state[piece.master]
+                for field in ("exp_avg", "exp_avg_sq"):
+                    values = full_shard(field, name, param).reshape(-1)[piece.start : piece.end]
+                    adam[field].copy_(values.view_as(adam[field]))
+                if step is not None:
+                    adam["step"].copy_(step)
+                if self.separate_masters:
+                    piece.master.copy_(
+                        loaded[param].reshape(-1)[piece.start : piece.end].view_as(piece.master)
+                    )
+
 
 class MixedPrecisionOptimizer(_AdamWithMasters):
-    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 config: TrainingConfig, offload: bool = False) -> None:
-        self.reduction_groups = [state.model_parallel_group()]
+    def __init__(
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        config: TrainingConfig,
+        parallel: ParallelContext,
+        offload: bool = False,
+    ) -> None:
+        self.reduction_groups = [parallel.model_parallel_group]
+        self.tp_rank = parallel.tp.rank
         self.separate_masters = config.bf16 or config.fp16 or offload
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = self.model_params[0].device
-        self._build([_Piece(p, 0, p.numel(),
-                            self._master(p, offload) if self.separate_masters else p)
-                     for p in self.model_params], config, named_parameters)
+        self._build(
+            [
+                _Piece(p, 0, p.numel(), self._master(p, offload) if self.separate_masters else p)
+                for p in self.model_params
+            ],
+            config,
+            named_parameters,
+        )
 
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
@@ -273,13 +343,22 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
 
 
 class DistributedOptimizer(_AdamWithMasters):
-    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 grad_buffer: GradientBuffer, config: TrainingConfig,
-                 overlap_param_gather: bool = False, offload: bool = False) -> None:
+    def __init__(
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        grad_buffer: GradientBuffer,
+        config: TrainingConfig,
+        parallel: ParallelContext,
+        overlap_param_gather: bool = False,
+        offload: bool = False,
+    ) -> None:
         if grad_buffer.param_buffer is None:
-            raise ValueError("the distributed optimizer needs a GradientBuffer with "
-                             "flat_parameters=True")
-        self.reduction_groups = [state.data_parallel_group(), state.model_parallel_group()]
+            raise ValueError(
+                "the distributed optimizer needs a GradientBuffer with flat_parameters=True"
+            )
+        # The group the buffer reduces over holds the other shards of the optimizer state.
+        self.reduction_groups = [grad_buffer.dp.group, parallel.model_parallel_group]
+        self.tp_rank = parallel.tp.rank
         self.reduction_device = grad_buffer.buffer.device
         self.grad_buffer = grad_buffer
         grad_buffer.reduce_scatter = True
@@ -296,8 +375,11 @@ class DistributedOptimizer(_AdamWithMasters):
                 continue
             flat = grad_buffer.param_buffer[low:high]
             # fp32: the master *is* the parameter shard (a view), so no extra copy is kept.
-            master = (self._master(flat, offload) if self.separate_masters
-                      else nn.Parameter(flat.detach()))
+            master = (
+                self._master(flat, offload)
+                if self.separate_masters
+                else nn.Parameter(flat.detach())
+            )
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config, named_parameters)
 
@@ -308,7 +390,8 @@ class DistributedOptimizer(_AdamWithMasters):
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
             piece.master.grad = self._fp32_grad(
-                self.grad_buffer.buffer[self._buffer_slice(piece)], piece.master)
+                self.grad_buffer.buffer[self._buffer_slice(piece)], piece.master
+            )
         return [piece.master.grad for piece in self.pieces]
 
     @torch.no_grad()
@@ -336,14 +419,21 @@ class NativeOptimizer(_AdamWithMasters):
     and their `.grad`s are kept between steps (DDP's bucket views must stay in place); the
     trainer zeroes them at the start of each step."""
 
-    def __init__(self, named_parameters: list[tuple[str, nn.Parameter]],
-                 config: TrainingConfig, sharded: bool) -> None:
-        self.reduction_groups = [state.data_parallel_group()] if sharded else []
+    def __init__(
+        self,
+        named_parameters: list[tuple[str, nn.Parameter]],
+        config: TrainingConfig,
+        parallel: ParallelContext,
+        sharded: bool,
+    ) -> None:
+        self.reduction_groups = [parallel.dp.group] if sharded else []
+        self.tp_rank = parallel.tp.rank
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = local(self.model_params[0]).device
-        self._build([_Piece(p, 0, p.numel(), p) for p in self.model_params], config,
-                    named_parameters)
+        self._build(
+            [_Piece(p, 0, p.numel(), p) for p in self.model_params], config, named_parameters
+        )
 
     def _attach_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model_params]

@@ -30,8 +30,10 @@ class IterationProfiler:
         self._profiler = None
         self._nvtx = contextlib.ExitStack()
         if config.profile and not config.use_pytorch_profiler and device.type != "cuda":
-            raise ConfigError("--profile without --use-pytorch-profiler drives nsys through the "
-                              "CUDA profiler API, which needs a GPU; add --use-pytorch-profiler")
+            raise ConfigError(
+                "--profile without --use-pytorch-profiler drives nsys through the "
+                "CUDA profiler API, which needs a GPU; add --use-pytorch-profiler"
+            )
 
     def before_iteration(self, completed: int) -> None:
         if not self.active or completed != self.config.profile_step_start:
@@ -40,8 +42,9 @@ class IterationProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True,
-                                                    with_stack=True)
+            self._profiler = torch.profiler.profile(
+                activities=activities, record_shapes=True, with_stack=True
+            )
             self._profiler.start()
         else:
             torch.cuda.cudart().cudaProfilerStart()
@@ -59,12 +62,15 @@ class IterationProfiler:
             profiler, self._profiler = self._profiler, None
             profiler.stop()
             os.makedirs(self.config.tensorboard_dir, exist_ok=True)
-            handler = torch.profiler.tensorboard_trace_handler(self.config.tensorboard_dir,
-                                                               worker_name=f"rank{self.rank}")
+            handler = torch.profiler.tensorboard_trace_handler(
+                self.config.tensorboard_dir, worker_name=f"rank{self.rank}"
+            )
             handler(profiler)
-            return (f"> rank {self.rank}: profiler trace of iterations "
-                    f"{self.config.profile_step_start + 1}-{self.config.profile_step_end} "
-                    f"written to {self.config.tensorboard_dir}")
+            return (
+                f"> rank {self.rank}: profiler trace of iterations "
+                f"{self.config.profile_step_start + 1}-{self.config.profile_step_end} "
+                f"written to {self.config.tensorboard_dir}"
+            )
         if self._nvtx._exit_callbacks:
             self._nvtx.close()
             torch.cuda.cudart().cudaProfilerStop()

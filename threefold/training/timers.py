@@ -28,19 +28,32 @@ import torch.distributed as dist
 
 LEVELS = (0, 1, 2)
 OPTIONS = ("max", "minmax", "all")
-SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup",
-         "load-checkpoint")
+SETUP = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup", "load-checkpoint")
 # The per-iteration timers in the order they are reported, with their levels.
-ITERATION = {"forward-backward": 1, "forward-compute": 2, "backward-compute": 2,
-             "batch-generator": 2, "forward-recv": 2, "forward-send": 2, "backward-recv": 2,
-             "backward-send": 2, "all-grads-sync": 1, "optimizer": 1}
+ITERATION = {
+    "forward-backward": 1,
+    "forward-compute": 2,
+    "backward-compute": 2,
+    "batch-generator": 2,
+    "forward-recv": 2,
+    "forward-send": 2,
+    "backward-recv": 2,
+    "backward-send": 2,
+    "all-grads-sync": 1,
+    "optimizer": 1,
+}
 _NAME_WIDTH = 48
 _INACTIVE = contextlib.nullcontext()
 
 
 class Timers:
-    def __init__(self, level: int = 0, option: str = "minmax", barrier_level_1: bool = True,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        level: int = 0,
+        option: str = "minmax",
+        barrier_level_1: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         self.level, self.option, self.barrier_level_1 = level, option, barrier_level_1
         self.device = device or torch.device("cpu")
         self.elapsed: dict[str, float] = {}  # seconds accumulated since the last report
@@ -64,16 +77,18 @@ class Timers:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def report(self, names: tuple[str, ...] | list[str],
-               normalizer: int = 1) -> tuple[str | None, dict[str, float]]:
+    def report(
+        self, names: tuple[str, ...] | list[str], normalizer: int = 1
+    ) -> tuple[str | None, dict[str, float]]:
         """Collective over all ranks (every rank calls it with the same names): the block to
         print (None when no rank ran any of them) and the max over ranks in ms per name ran.
         The reported timers restart from zero."""
         names = [name for name in names if ITERATION.get(name, 0) <= self.level]
         if not names:
             return None, {}
-        local = torch.tensor([self.elapsed.pop(name, 0.0) * 1e3 / normalizer
-                              for name in names], dtype=torch.float64)
+        local = torch.tensor(
+            [self.elapsed.pop(name, 0.0) * 1e3 / normalizer for name in names], dtype=torch.float64
+        )
         per_rank = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             # NCCL gathers only device tensors; gloo takes the CPU ones as they are.
@@ -81,8 +96,11 @@ class Timers:
             per_rank = [torch.empty_like(moved) for _ in range(dist.get_world_size())]
             dist.all_gather(per_rank, moved)
         times = torch.stack(per_rank).cpu()  # [rank, name]
-        maxima = {name: times[:, i].max().item() for i, name in enumerate(names)
-                  if (times[:, i] > 0).any()}
+        maxima = {
+            name: times[:, i].max().item()
+            for i, name in enumerate(names)
+            if (times[:, i] > 0).any()
+        }
         if not maxima:
             return None, {}
         return self._format(names, times), maxima
@@ -96,13 +114,19 @@ class Timers:
                     lines.append(f"  {name}:")
                     lines += [f"     rank {rank:2d}: {t:.2f}" for rank, t in ran]
             return "\n".join(lines)
-        lines = ["max time across ranks (ms):" if self.option == "max"
-                 else "(min, max) time across ranks (ms):"]
+        lines = [
+            "max time across ranks (ms):"
+            if self.option == "max"
+            else "(min, max) time across ranks (ms):"
+        ]
         for i, name in enumerate(names):
             ran = times[:, i][times[:, i] > 0]
             if ran.numel():
                 label = (name + " ").ljust(_NAME_WIDTH, ".")
-                value = (f"{ran.max().item():.2f}" if self.option == "max"
-                         else f"({ran.min().item():.2f}, {ran.max().item():.2f})")
+                value = (
+                    f"{ran.max().item():.2f}"
+                    if self.option == "max"
+                    else f"({ran.min().item():.2f}, {ran.max().item():.2f})"
+                )
                 lines.append(f"    {label}: {value}")
         return "\n".join(lines)

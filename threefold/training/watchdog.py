@@ -29,11 +29,28 @@ import torch.distributed as dist
 
 _PREFIX = "threefold/watchdog"
 # torch.distributed's blocking entry points: a thread inside one waits for the other ranks.
-_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "all_gather_object", "reduce_scatter_single",
-                "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
-                "barrier", "monitored_barrier", "send", "recv", "batch_isend_irecv", "gather",
-                "scatter", "all_to_all", "all_to_all_single", "reduce"}
+_COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "reduce_scatter_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+}
 
 
 def _names(ranks: list[int]) -> str:
@@ -41,8 +58,9 @@ def _names(ranks: list[int]) -> str:
 
 
 class Watchdog:
-    def __init__(self, timeout_minutes: float, straggler_factor: float | None = None,
-                 live: bool = True) -> None:
+    def __init__(
+        self, timeout_minutes: float, straggler_factor: float | None = None, live: bool = True
+    ) -> None:
         """`live=False`: a stand-in that records nothing (outside the training loop)."""
         self.enabled = live and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.enabled else 0
@@ -57,8 +75,9 @@ class Watchdog:
         if self.enabled:
             self.store = dist.distributed_c10d._get_default_store()
             self.enter("start-up", 0)
-            self._thread = threading.Thread(target=self._watch, name="threefold-watchdog",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, name="threefold-watchdog", daemon=True
+            )
             self._thread.start()
 
     def enter(self, phase: str, iteration: int) -> None:
@@ -84,19 +103,35 @@ class Watchdog:
         collective (or waiting on an asynchronous one) or not, and the code location."""
         frame = sys._current_frames().get(self._main_thread)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        waiting = next((f for f in reversed(stack) if f.name in _COLLECTIVES
-                        and "torch/distributed" in f.filename.replace(os.sep, "/")), None)
+        waiting = next(
+            (
+                f
+                for f in reversed(stack)
+                if f.name in _COLLECTIVES and "torch/distributed" in f.filename.replace(os.sep, "/")
+            ),
+            None,
+        )
         if waiting is None:  # Work.wait() on an asynchronous collective is C++: see the call
-            waiting = next((f for f in reversed(stack[-2:]) if ".wait()" in (f.line or "")),
-                           None)
+            waiting = next((f for f in reversed(stack[-2:]) if ".wait()" in (f.line or "")), None)
         ours = [f for f in stack if "torch/" not in f.filename.replace(os.sep, "/")]
         frame = ours[-1] if ours else (stack[-1] if stack else None)
-        location = (f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
-                    if frame is not None else "unknown")
-        operation = waiting.name if waiting is not None and waiting.name in _COLLECTIVES else (
-            "a collective" if waiting is not None else None)
-        return {"progress": self.progress, "iteration": self.iteration, "phase": self.phase,
-                "collective": operation, "location": location}
+        location = (
+            f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
+            if frame is not None
+            else "unknown"
+        )
+        operation = (
+            waiting.name
+            if waiting is not None and waiting.name in _COLLECTIVES
+            else ("a collective" if waiting is not None else None)
+        )
+        return {
+            "progress": self.progress,
+            "iteration": self.iteration,
+            "phase": self.phase,
+            "collective": operation,
+            "location": location,
+        }
 
     def _gather_positions(self) -> dict[int, dict]:
         """Every rank's `where()`, as their own watchdogs publish them on a stall; a rank whose
@@ -107,8 +142,11 @@ class Watchdog:
         deadline = time.monotonic() + max(1.0, 0.05 * self.timeout_minutes * 60)
         while time.monotonic() < deadline and not self.store.check(list(keys.values())):
             time.sleep(0.2)
-        return {rank: json.loads(self.store.get(key)) for rank, key in keys.items()
-                if self.store.check([key])}
+        return {
+            rank: json.loads(self.store.get(key))
+            for rank, key in keys.items()
+            if self.store.check([key])
+        }
 
     def stall_report(self, waited_s: float) -> str:
         positions = self._gather_positions()
@@ -116,20 +154,26 @@ class Watchdog:
         busy = [rank for rank, p in positions.items() if p["collective"] is None]
         parts = []
         if silent:
-            parts.append(f"rank{'s' if len(silent) > 1 else ''} {_names(silent)} did not answer "
-                         "(process stopped, dead or unreachable)")
+            parts.append(
+                f"rank{'s' if len(silent) > 1 else ''} {_names(silent)} did not answer "
+                "(process stopped, dead or unreachable)"
+            )
         for rank in busy:
             p = positions[rank]
-            parts.append(f"rank {rank} stalled outside any collective at {p['location']} "
-                         f"({p['phase']} of iteration {p['iteration']})")
+            parts.append(
+                f"rank {rank} stalled outside any collective at {p['location']} "
+                f"({p['phase']} of iteration {p['iteration']})"
+            )
         if not parts:
             lowest = min(p["progress"] for p in positions.values())
             behind = [rank for rank, p in positions.items() if p["progress"] == lowest]
             if len(behind) < len(positions):
                 p = positions[behind[0]]
-                parts.append(f"rank{'s' if len(behind) > 1 else ''} {_names(behind)} behind, "
-                             f"in {p['collective']} at {p['location']} ({p['phase']} of "
-                             f"iteration {p['iteration']})")
+                parts.append(
+                    f"rank{'s' if len(behind) > 1 else ''} {_names(behind)} behind, "
+                    f"in {p['collective']} at {p['location']} ({p['phase']} of "
+                    f"iteration {p['iteration']})"
+                )
             else:
                 parts.append("every rank waits in a collective that cannot complete")
         waiting = [rank for rank in positions if rank not in busy]
@@ -137,10 +181,12 @@ class Watchdog:
             p = positions[waiting[0]]
             parts.append(f"the others wait in {p['collective']} at {p['location']}")
         mine = positions.get(self.rank, self.where())
-        return (f"threefold watchdog on rank {self.rank}: no progress for {waited_s:.0f} s "
-                f"(--distributed-timeout-minutes {self.timeout_minutes:g}): "
-                f"{'; '.join(parts)}. This rank is in {mine['phase']} of iteration "
-                f"{mine['iteration']}. Ending the run.")
+        return (
+            f"threefold watchdog on rank {self.rank}: no progress for {waited_s:.0f} s "
+            f"(--distributed-timeout-minutes {self.timeout_minutes:g}): "
+            f"{'; '.join(parts)}. This rank is in {mine['phase']} of iteration "
+            f"{mine['iteration']}. Ending the run."
+        )
 
     # -- stragglers ----------------------------------------------------------------------------
     def add_busy_time(self, seconds: float) -> None:
@@ -164,11 +210,14 @@ class Watchdog:
         if not slow:
             return None
         iterations = last - first + 1
-        listed = ", ".join(f"rank {rank} {t / iterations * 1e3:.0f} ms ({t / median:.1f}x)"
-                           for rank, t in slow)
-        return (f"  stragglers over iterations {first}-{last}: {listed}; median compute time "
-                f"per iteration {median / iterations * 1e3:.0f} ms (--straggler-factor "
-                f"{self.straggler_factor:g})")
+        listed = ", ".join(
+            f"rank {rank} {t / iterations * 1e3:.0f} ms ({t / median:.1f}x)" for rank, t in slow
+        )
+        return (
+            f"  stragglers over iterations {first}-{last}: {listed}; median compute time "
+            f"per iteration {median / iterations * 1e3:.0f} ms (--straggler-factor "
+            f"{self.straggler_factor:g})"
+        )
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,57 @@
+"""Every field a checkpoint carries round-trips: config -> checkpoint metadata ->
+--use-checkpoint-args flags -> parser -> config, for a value that is not the default. The
+fields come from their declarations (config/fields.py), so a new one is covered without being
+listed anywhere."""
+
+import dataclasses
+import json
+
+import pytest
+
+from threefold.arguments import build_parser, config_from_namespace
+from threefold.checkpoint.args import model_flags
+from threefold.config import ModelConfig
+from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields, flag_of
+
+CARRIED = checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)
+
+
+def _other_value(field: dataclasses.Field):
+    """A value of the field that is not its default, valid for its flag."""
+    default = getattr(ModelConfig(), field.name)
+    action = build_parser()._option_string_actions[flag_of(field)]
+    if action.choices:
+        return next(choice for choice in action.choices if choice != default)
+    if isinstance(default, bool):
+        return not default
+    if action.type is float:
+        return (default or 1.0) * 2 + 0.5
+    return (default or 0) + 3
+
+
+def test_the_checkpoint_carries_the_fields_megatron_takes():
+    names = {field.name for field in CARRIED}
+    assert {
+        "num_layers",
+        "hidden_size",
+        "num_query_groups",
+        "swiglu",
+        "add_bias_linear",
+        "qk_layernorm",
+        "seq_length",
+        "rotary_base",
+        "norm_epsilon",
+    } <= names
+    assert not names & {"attention_dropout", "hidden_dropout", "lora_rank"}
+
+
+@pytest.mark.parametrize("field", CARRIED, ids=lambda field: field.name)
+def test_every_carried_field_round_trips(field):
+    value = _other_value(field)
+    config = dataclasses.replace(ModelConfig(), **{field.name: value})
+    stored = json.loads(json.dumps(dataclasses.asdict(config)))  # as metadata.json holds it
+    parsed = config_from_namespace(build_parser().parse_args(model_flags(stored)))
+    assert getattr(parsed.model, field.name) == value
+    assert {f.name: getattr(parsed.model, f.name) for f in CARRIED} == {
+        f.name: getattr(config, f.name) for f in CARRIED
+    }

@@ -1,0 +1,60 @@
+"""Megatron-LM's `--use-checkpoint-args`: the command line completed from a checkpoint.
+
+The tracker file and each checkpoint's metadata.json (checkpoint/save.py writes them) are
+plain text (checkpoint/files.py), so the command line can be completed before torch is
+imported: Megatron-LM's `--use-checkpoint-args` takes the model's architecture and tokenizer
+from the checkpoint named by `--load`; finetune.py always does.
+"""
+
+from __future__ import annotations
+
+import os
+
+from threefold.checkpoint.files import checkpoint_tokenizer, latest_config, read_tracker
+from threefold.config import ConfigError, DataConfig, ModelConfig
+from threefold.config.fields import ARCHITECTURE, MODEL, as_flags
+
+
+def model_flags(model: dict) -> list[str]:
+    """A stored model config as the flags that rebuild that architecture: every field the
+    config declares a checkpoint carries (config/fields.py). Those its tensors depend on,
+    those that change the function they compute (RoPE base, norm epsilon), and the sequence
+    length, as Megatron-LM takes them. Not the TP/PP layout, which Megatron-LM also takes:
+    threefold loads a checkpoint into any layout, so the layout stays the command line's."""
+    return as_flags(ModelConfig, model, ARCHITECTURE, MODEL)
+
+
+def flags_for_use_checkpoint_args(
+    load: str | None, save: str | None, with_tokenizer: bool
+) -> tuple[list[str], str]:
+    """(flags, a start-up note) for --use-checkpoint-args. A run whose --load is its own --save
+    directory and finds no checkpoint there yet (its first start) keeps its command line."""
+    if load is None:
+        raise ConfigError(
+            "--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)"
+        )
+    if load == save and (not os.path.isdir(load) or read_tracker(load) is None):
+        return (
+            [],
+            f"--use-checkpoint-args: no checkpoint in --load {load} yet; using the "
+            "command line's model flags",
+        )
+    flags = checkpoint_flags(load, with_tokenizer)
+    return flags, (
+        f"--use-checkpoint-args: model flags from {load} (iteration "
+        f"{read_tracker(load)}): {' '.join(flags)}"
+    )
+
+
+def checkpoint_flags(root: str, with_tokenizer: bool) -> list[str]:
+    """The flags --use-checkpoint-args puts before the command line: the model's architecture
+    and, when `with_tokenizer`, the checkpoint's tokenizer (its own copy of the model file)."""
+    iteration, saved = latest_config(root)
+    flags = model_flags(saved["model"])
+    if with_tokenizer:
+        data = checkpoint_tokenizer(root, iteration, DataConfig(**saved["data"]))
+        if data.tokenizer_type:
+            flags += ["--tokenizer-type", data.tokenizer_type]
+            if data.tokenizer_model:
+                flags += ["--tokenizer-model", data.tokenizer_model]
+    return flags

@@ -1,0 +1,90 @@
+"""A checkpoint directory's plain-text files, read and written without torch.
+
+    DIR/latest_checkpointed_iteration.txt    the tracker: the last complete iteration
+    DIR/iter_0000100/metadata.json           the run's config, train state, scheduler, ...
+
+Everything here is torch-free, so the command line can be completed from a checkpoint before
+torch is imported (checkpoint/args.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from threefold.config import ConfigError, DataConfig
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace `path` with `text` so that a crash leaves the old file or the new one, never a
+    mix: write aside, fsync, rename, fsync the directory (which makes the rename durable)."""
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    fsync_directory(os.path.dirname(path) or ".")
+
+
+def fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        text = f.read(64).decode("utf-8", "replace").strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ConfigError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def read_metadata(root: str, iteration: int) -> dict:
+    path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(
+            f"--load {root}: {path} is not readable JSON ({error}); the checkpoint is damaged"
+        ) from None
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("config"), dict):
+        raise ConfigError(
+            f"--load {root}: {path} is not a threefold checkpoint's metadata "
+            "(no 'config'); convert other checkpoints with "
+            "tools/convert_checkpoint.py"
+        )
+    return metadata
+
+
+def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataConfig:
+    """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer."""
+    path = checkpoint_dir(root, iteration)
+    if data.tokenizer_type == "SentencePieceTokenizer":
+        data.tokenizer_model = os.path.join(path, "tokenizer.model")
+    elif data.tokenizer_type == "HuggingFaceTokenizer":
+        data.tokenizer_model = os.path.join(path, "tokenizer")
+    return data
+
+
+def latest_config(root: str) -> tuple[int, dict]:
+    """(iteration, the run's config as stored) of the latest complete checkpoint in `root`."""
+    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None:
+        raise ConfigError(f"--load {root}: holds no complete checkpoint")
+    return iteration, read_metadata(root, iteration)["config"]

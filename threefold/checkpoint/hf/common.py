@@ -1,0 +1,167 @@
+"""What the Hugging Face adapters share: refusals, RoPE settings, the QKV layouts and the
+conversion driver that checks every tensor is used.
+
+Weight layouts:
+- QKV: HF keeps q, k and v projections apart; threefold stacks them per query group as
+  megatron-core does, [q heads of the group, k, v] (GPT-2's fused c_attn is [all q; all k;
+  all v] and its Conv1D weights are stored transposed);
+- SwiGLU: fc1 = [gate; up], fc2 = down;
+- RoPE: both use the rotate-half convention, so query/key weights need no permutation;
+- the vocabulary is stored unpadded here; threefold pads it when it builds the model;
+- --apply-layernorm-1p norm weights w are exported as the 1 + w Hugging Face multiplies by.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.model import rope
+
+Take = Callable[[str], torch.Tensor]  # a Hugging Face tensor by name, marked as used
+
+
+def refuse(condition: bool, field: str, value, why: str) -> None:
+    if condition:
+        raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
+
+
+def rope_settings(hf: dict) -> tuple[float, float | None]:
+    """(RoPE base, Llama 3.1 scaling factor or None) of a Hugging Face config."""
+    parameters = hf.get("rope_parameters") or {}
+    scaling = {**(hf.get("rope_scaling") or {}), **parameters}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    refuse(
+        rope_type not in (None, "default", "llama3"),
+        "rope_scaling",
+        rope_type,
+        "threefold implements plain RoPE and Llama 3.1's llama3 scaling",
+    )
+    theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type != "llama3":
+        return theta, None
+    fixed = {
+        "low_freq_factor": rope.LOW_FREQ_FACTOR,
+        "high_freq_factor": rope.HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
+    }
+    for field, value in fixed.items():
+        refuse(
+            scaling.get(field, value) != value,
+            f"rope_scaling.{field}",
+            scaling.get(field),
+            f"llama3 scaling is implemented with {field}={value} (as Megatron-LM)",
+        )
+    return theta, float(scaling["factor"])
+
+
+def llama3_rope_scaling(factor: float) -> dict:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": rope.LOW_FREQ_FACTOR,
+        "high_freq_factor": rope.HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
+    }
+
+
+def stack_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
+) -> torch.Tensor:
+    """[all q; all k; all v] rows -> megatron-core's per-group [q..., k, v] rows."""
+    groups, d = config.num_query_groups, config.kv_channels
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, d, *rest)
+    k, v = k.reshape(groups, 1, d, *rest), v.reshape(groups, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig):
+    groups, d = config.num_query_groups, config.kv_channels
+    per_group = config.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2, d, *rest)
+    q, k, v = grouped.split([per_group, 1, 1], dim=1)
+    return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
+
+
+class Adapter:
+    """One Hugging Face model family. Subclasses say how its config and tensors map to
+    threefold's (`model_config`, `hf_config`, `take_weights`, `give_weights`); the driver
+    below checks that a conversion uses every tensor and exports what threefold computes."""
+
+    architecture: str
+    model_type: str
+    # Hugging Face tensors that carry nothing (buffers some versions save).
+    ignored_suffixes = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        raise NotImplementedError
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        raise NotImplementedError
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        if config.qk_layernorm:
+            raise ConfigError(
+                f"{self.architecture} has no query/key norms and this model was "
+                "trained with --qk-layernorm; export it as Qwen3ForCausalLM"
+            )
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        raise NotImplementedError
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        raise NotImplementedError
+
+    def common_hf_config(self, config: ModelConfig) -> dict:
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": config.vocab_size,
+            "initializer_range": config.init_method_std,
+            "torch_dtype": "float32",
+        }
+
+    def to_threefold(
+        self, hf_state: dict[str, torch.Tensor], config: ModelConfig
+    ) -> dict[str, torch.Tensor]:
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in hf_state:
+                raise ConfigError(f"the Hugging Face checkpoint has no {name}")
+            used.add(name)
+            return hf_state[name]
+
+        out = self.take_weights(take, config, used)
+        left = {n for n in hf_state if not n.endswith(self.ignored_suffixes)} - used
+        if left:
+            raise ConfigError(
+                f"the Hugging Face checkpoint has tensors threefold would not "
+                f"use: {sorted(left)[:5]}"
+            )
+        return {name: tensor.contiguous() for name, tensor in out.items()}
+
+    def to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        self.check_exportable(config)
+        if config.apply_layernorm_1p:  # Hugging Face multiplies by the weight itself
+            state = {
+                name: tensor + 1 if name.endswith("layernorm.weight") else tensor
+                for name, tensor in state.items()
+            }
+        return {
+            name: tensor.contiguous() for name, tensor in self.give_weights(state, config).items()
+        }
+
+
+def renamed(
+    names: dict[str, str], i: int, source: Callable[[str], torch.Tensor], to_hf: bool
+) -> dict[str, torch.Tensor]:
+    """Layer i's tensors that only change name: threefold suffix -> HF name (`names`)."""
+    ours = f"decoder.layers.{i}."
+    if to_hf:
+        return {theirs: source(ours + suffix) for suffix, theirs in names.items()}
+    return {ours + suffix: source(theirs) for suffix, theirs in names.items()}

@@ -1,0 +1,230 @@
+"""The LLaMA family: RMSNorm, SwiGLU, RoPE, grouped query attention. Its members differ in
+data, not code: which biases they carry, whether queries and keys are normalized, and how
+their configs spell sliding windows and biases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from threefold.checkpoint.hf.common import (
+    Adapter,
+    Take,
+    llama3_rope_scaling,
+    refuse,
+    renamed,
+    rope_settings,
+    split_qkv,
+    stack_qkv,
+)
+from threefold.config import ConfigError, ModelConfig
+
+
+def _layer_names(i: int, config: ModelConfig) -> dict[str, str]:
+    """threefold name suffix -> HF name for one layer (the tensors that are only renamed)."""
+    p = f"model.layers.{i}."
+    names = {
+        "input_layernorm.weight": p + "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": p + "post_attention_layernorm.weight",
+        "self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
+        "mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
+    }
+    if config.qk_layernorm:
+        names.update(
+            {
+                "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
+                "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
+            }
+        )
+    if config.add_bias_linear:
+        names.update(
+            {
+                "self_attention.linear_proj.bias": p + "self_attn.o_proj.bias",
+                "mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
+            }
+        )
+    return names
+
+
+@dataclass(frozen=True)
+class LlamaAdapter(Adapter):
+    architecture: str
+    model_type: str
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v only (--add-qkv-bias)
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query and key head (--qk-layernorm)
+    # Qwen's configs name a window they do not use unless use_sliding_window is set.
+    window_needs_flag: bool = False
+    writes_biases: bool = True  # its config carries attention_bias / mlp_bias
+    extra_hf_config: dict = field(default_factory=dict)
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        refuse(
+            hf.get("hidden_act", "silu") != "silu",
+            "hidden_act",
+            hf.get("hidden_act"),
+            "SwiGLU with SiLU only",
+        )
+        refuse(
+            hf.get("pretraining_tp", 1) != 1,
+            "pretraining_tp",
+            hf.get("pretraining_tp"),
+            "must be 1",
+        )
+        refuse(
+            hf.get("sliding_window") is not None
+            and (not self.window_needs_flag or hf.get("use_sliding_window")),
+            "sliding_window",
+            hf.get("sliding_window"),
+            "sliding-window attention is not implemented",
+        )
+        attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+        refuse(
+            attention_bias != mlp_bias,
+            "attention_bias/mlp_bias",
+            (attention_bias, mlp_bias),
+            "threefold has biases on all projections or none (or on QKV only, as Qwen2)",
+        )
+        heads = hf["num_attention_heads"]
+        groups = hf.get("num_key_value_heads") or heads
+        hidden = hf["hidden_size"]
+        positions = hf.get("max_position_embeddings", 4096)
+        theta, scaling_factor = rope_settings(hf)
+        return ModelConfig(
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hidden,
+            ffn_hidden_size=hf["intermediate_size"],
+            num_attention_heads=heads,
+            group_query_attention=groups != heads,
+            num_query_groups=groups,
+            kv_channels=hf.get("head_dim") or hidden // heads,
+            seq_length=min(positions, 4096),
+            max_position_embeddings=positions,
+            position_embedding_type="rope",
+            rotary_base=theta,
+            use_rope_scaling=scaling_factor is not None,
+            rope_scaling_factor=scaling_factor or 8.0,
+            normalization="RMSNorm",
+            norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+            swiglu=True,
+            add_bias_linear=attention_bias,
+            add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            vocab_size=hf["vocab_size"],
+            init_method_std=hf.get("initializer_range", 0.02),
+            attention_dropout=hf.get("attention_dropout", 0.0),
+            hidden_dropout=0.0,
+        )
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        if not self.qk_norm:
+            return super().check_exportable(config)
+        if not config.qk_layernorm:
+            raise ConfigError(
+                f"{self.architecture} normalizes queries and keys and this model "
+                "was trained without --qk-layernorm; export it as "
+                "LlamaForCausalLM"
+            )
+        if config.normalization != "RMSNorm":
+            raise ConfigError(
+                f"{self.architecture} normalizes queries and keys with RMSNorm; "
+                f"this model's --qk-layernorm uses {config.normalization}"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = {
+            **self.common_hf_config(config),
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups,
+            "num_hidden_layers": config.num_layers,
+            "head_dim": config.kv_channels,
+            "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.norm_epsilon,
+            "rope_theta": config.rotary_base,
+            "hidden_act": "silu",
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            "attention_dropout": config.attention_dropout,
+        }
+        if self.writes_biases:
+            hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+        if config.use_rope_scaling:
+            hf["rope_scaling"] = llama3_rope_scaling(config.rope_scaling_factor)
+        return {**hf, **self.extra_hf_config}
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = {
+            "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
+            "decoder.final_layernorm.weight": take("model.norm.weight"),
+        }
+        if config.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = take("lm_head.weight")
+        else:
+            used.add("lm_head.weight")  # tied: a copy of the embeddings, if present at all
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
+            attention = [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(*attention, config)
+            if config.add_bias_linear or config.add_qkv_bias:
+                biases = [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+                out[ours + "self_attention.linear_qkv.bias"] = stack_qkv(*biases, config)
+            out[ours + "mlp.linear_fc1.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
+            if config.add_bias_linear:
+                out[ours + "mlp.linear_fc1.bias"] = torch.cat(
+                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
+                )
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = {
+            "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+            "model.norm.weight": state["decoder.final_layernorm.weight"],
+        }
+        if config.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = state["output_layer.weight"]
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
+            q, k, v = split_qkv(state[ours + "self_attention.linear_qkv.weight"], config)
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": q,
+                    p + "self_attn.k_proj.weight": k,
+                    p + "self_attn.v_proj.weight": v,
+                }
+            )
+            if config.add_bias_linear or config.add_qkv_bias:
+                q, k, v = split_qkv(state[ours + "self_attention.linear_qkv.bias"], config)
+                out.update(
+                    {
+                        p + "self_attn.q_proj.bias": q,
+                        p + "self_attn.k_proj.bias": k,
+                        p + "self_attn.v_proj.bias": v,
+                    }
+                )
+            gate, up = state[ours + "mlp.linear_fc1.weight"].chunk(2)
+            out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
+            if config.add_bias_linear:
+                gate, up = state[ours + "mlp.linear_fc1.bias"].chunk(2)
+                out.update({p + "mlp.gate_proj.bias": gate, p + "mlp.up_proj.bias": up})
+        return out
+
+
+LLAMA = LlamaAdapter("LlamaForCausalLM", "llama")
+MISTRAL = LlamaAdapter("MistralForCausalLM", "mistral")
+QWEN2 = LlamaAdapter(
+    "Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_needs_flag=True, writes_biases=False
+)
+QWEN3 = LlamaAdapter(
+    "Qwen3ForCausalLM",
+    "qwen3",
+    qk_norm=True,
+    window_needs_flag=True,
+    writes_biases=False,
+    extra_hf_config={"attention_bias": False, "use_sliding_window": False},
+)

@@ -1,0 +1,311 @@
+"""Loading a checkpoint: the tracker's iteration, verified, into any layout.
+
+The tracker's iteration is verified against its manifest; a damaged one falls back to the
+newest complete checkpoint before it, with a one-line warning. A checkpoint of the same layout
+loads directly (torch.distributed.checkpoint); any other TP/PP/DP layout, with or without the
+distributed optimizer, goes through checkpoint/resharding.py, optimizer state included. Nothing
+read from a checkpoint is unpickled freely (threefold/safe_loading.py). The architecture and
+the tokenizer are checked against the run's before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.files import (
+    TRACKER,
+    checkpoint_dir,
+    checkpoint_tokenizer,
+    read_metadata,
+    read_tracker,
+)
+from threefold.checkpoint.manifest import (
+    MANIFEST,
+    complete_iterations,
+    has_iteration_directories,
+    read_manifest,
+    verify_slice,
+)
+from threefold.checkpoint.resharding import load_resharded, load_weights
+from threefold.checkpoint.save import set_rng_state, tensor_state, tokenizer_digest
+from threefold.config import Config, ConfigError, ModelConfig
+from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.safe_loading import SafeFileSystemReader, load_tensors_file
+
+
+def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
+    """Whether the checkpoint's tensors have exactly this run's keys and shapes."""
+    same = all(
+        saved[name] == getattr(current, name)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+        )
+    )
+    if load_optimizer and (saved["use_distributed_optimizer"] or current.use_distributed_optimizer):
+        saved_dp = saved["world_size"] // (
+            saved["tensor_model_parallel_size"] * saved["pipeline_model_parallel_size"]
+        )
+        same = same and (
+            saved["use_distributed_optimizer"] == current.use_distributed_optimizer
+            and saved_dp == current.data_parallel_size
+            and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size
+        )
+    return same
+
+
+def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
+    """The run's model must be the checkpoint's in every field declared ARCHITECTURE
+    (config/fields.py), and in the position table's rows with learned positions."""
+    defaults = ModelConfig()
+    fields = checkpoint_fields(ModelConfig, ARCHITECTURE)
+    if current.position_embedding_type == "learned_absolute":
+        fields += [
+            f for f in dataclasses.fields(ModelConfig) if f.name == "max_position_embeddings"
+        ]
+    for field in fields:
+        name = field.name
+        if saved.get(name, getattr(defaults, name)) != getattr(current, name):
+            raise ConfigError(
+                f"--load {root}: the checkpoint's model has {flag_of(field)} "
+                f"{saved.get(name)} but this run has {getattr(current, name)}; "
+                "use the checkpoint's model flags"
+            )
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a load chooses the same checkpoint everywhere)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _damage(root: str, iteration: int) -> str | None:
+    """What is wrong with a checkpoint's files (None when they are as written). This rank
+    verifies its slice of the files against the manifest; checkpoints from before manifests
+    are only checked for their metadata."""
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        return f"{path} does not exist"
+    manifest = read_manifest(path)
+    if manifest is None:
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            return f"{os.path.join(path, MANIFEST)} is unreadable"
+        return (
+            None
+            if os.path.isfile(os.path.join(path, "metadata.json"))
+            else f"{path} has no metadata.json"
+        )
+    distributed = dist.is_initialized()
+    return verify_slice(
+        path,
+        manifest,
+        dist.get_rank() if distributed else 0,
+        dist.get_world_size() if distributed else 1,
+    )
+
+
+def find_checkpoint(root: str) -> int | None:
+    """The iteration to load from `root`: the tracker's, verified; if it is damaged, the
+    newest complete one before it, with a one-line warning. None when `root` holds no
+    checkpoint at all; a one-line ConfigError when it holds some but none is usable (never
+    'start from scratch' over existing iterations)."""
+    tracked = read_tracker(root)
+    complete = complete_iterations(root)
+    candidates = ([tracked] if tracked is not None else []) + [
+        i for i in complete if i != tracked and (tracked is None or i < tracked)
+    ]
+    if tracked is None and not candidates:
+        if has_iteration_directories(root):
+            raise ConfigError(
+                f"--load {root}: holds iter_* directories but no {TRACKER} and "
+                "none of them is complete; refusing to start from scratch over "
+                f"them: write the iteration to resume into {root}/{TRACKER}, or "
+                "use another directory"
+            )
+        return None
+    if tracked is None:
+        _warn(
+            f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "
+            f"iteration {candidates[0]}"
+        )
+    problems = []
+    for iteration in candidates:
+        damage = _damage(root, iteration)
+        if _all_ranks_agree(damage is None):
+            if problems:
+                _warn(
+                    f"> --load {root}: {problems[0]}; falling back to iteration {iteration}, "
+                    "the newest complete checkpoint before it"
+                )
+            return iteration
+        problems.append(f"iteration {iteration} is damaged ({damage or 'on another rank'})")
+    raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint verifies")
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def load_checkpoint(
+    root: str,
+    components: CheckpointComponents,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+) -> int | None:
+    """Restore the latest complete checkpoint under `root` into the components, from any
+    TP/PP/DP layout. Returns its iteration, or None (and changes nothing) when `root` holds no
+    checkpoint yet (or, as the run's own --save, does not exist yet). `finetune`: weights only,
+    and training starts again from iteration 0."""
+    if not os.path.isdir(root):
+        if root == components.config.checkpoint.save:
+            return None
+        raise ConfigError(f"--load {root}: no such directory")
+    iteration = find_checkpoint(root)
+    if iteration is None:
+        return None
+    metadata = read_metadata(root, iteration)
+    path = checkpoint_dir(root, iteration)
+    if finetune:
+        load_optimizer = load_rng = False
+    if metadata.get("weights_only") and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint holds weights only (a converted "
+            "model); pass --finetune (or --no-load-optim)"
+        )
+    if not metadata.get("optimizer_saved", True) and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: iteration {iteration} was saved with "
+            "--no-save-optim and holds no optimizer state; pass --no-load-optim "
+            "(or --finetune)"
+        )
+    _check_architecture(root, metadata["config"]["model"], components.config.model)
+    _check_tokenizer(root, path, metadata, components.config.data)
+    # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
+    # initialization (B = 0, so the model is the checkpoint's).
+    without_adapters = bool(
+        components.config.model.lora_rank and not metadata["config"]["model"].get("lora_rank")
+    )
+    if without_adapters and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint has no LoRA adapters; start the "
+            "fine-tuning with --finetune"
+        )
+    saved = metadata["config"]["parallel"]
+    # Converted (weights-only) checkpoints hold the unpadded vocabulary, and another
+    # --make-vocab-size-divisible-by pads it differently: both are resharded.
+    same_layout = (
+        _same_layout(saved, components.config.parallel, load_optimizer)
+        and not metadata.get("weights_only")
+        and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
+        == components.config.model.make_vocab_size_divisible_by
+    )
+    if same_layout and load_rng and not metadata.get("rng_saved", True):
+        raise ConfigError(
+            f"--load {root}: iteration {iteration} was saved with --no-save-rng "
+            "and holds no RNG state; pass --no-load-rng (or --finetune)"
+        )
+    rng_file = os.path.join(path, "rng", f"rank_{components.parallel.world.rank:05d}.pt")
+    if same_layout and load_rng and not os.path.isfile(rng_file):
+        raise ConfigError(
+            f"--load {root}: {rng_file} is missing, so this rank's random "
+            "streams cannot resume; pass --no-load-rng to continue with fresh "
+            "ones (the losses will differ from an uninterrupted run)"
+        )
+    rng = load_tensors_file(rng_file) if same_layout and load_rng else None
+    if same_layout:
+        reader = SafeFileSystemReader(path)
+        reader.read_metadata()  # a refusal in one line here, not wrapped by DCP's collectives
+        dcp.load(tensor_state(components, load_optimizer, without_adapters), storage_reader=reader)
+    else:
+        load_resharded(
+            path, components, saved["tensor_model_parallel_size"], load_optimizer, without_adapters
+        )
+    # fp32 masters are the truth when they were loaded; otherwise start them from the model.
+    if load_optimizer:
+        components.loss_scaler.load_state_dict(metadata["loss_scaler"])
+        components.optimizer.copy_masters_to_model()
+    else:
+        components.optimizer.copy_model_to_masters()
+    if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
+        components.train_state.load_state_dict(metadata["train_state"])
+        components.scheduler.load_state_dict(metadata["scheduler"])
+    if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
+        set_rng_state(rng)
+    return iteration
+
+
+def _check_tokenizer(root: str, path: str, metadata: dict, data) -> None:
+    saved = metadata.get("tokenizer_sha256")
+    current = tokenizer_digest(data)
+    if saved and current and saved != current:
+        copy = next(
+            (
+                os.path.join(path, name)
+                for name in ("tokenizer.model", "tokenizer")
+                if os.path.exists(os.path.join(path, name))
+            ),
+            None,
+        )
+        use = f"--tokenizer-model {copy}" if copy else "the run's tokenizer files"
+        mine = data.tokenizer_model or data.vocab_file
+        raise ConfigError(
+            f"--load {root}: this run's tokenizer ({mine}) is not the one the "
+            f"checkpoint was trained with; use {use} (or --use-checkpoint-args)"
+        )
+
+
+def load_model(
+    root: str,
+    device: torch.device | None = None,
+    iteration: int | None = None,
+    parallel: ParallelContext | None = None,
+):
+    """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
+    found by `find_checkpoint` already), for generation and scoring: the whole model, split
+    over the TP ranks of `parallel` (the tools run at TP = number of processes; one device when
+    not given), from a checkpoint of any layout."""
+    from threefold.data.tokenizer import build_tokenizer
+    from threefold.model import GPTModel
+
+    if not os.path.isdir(root):
+        raise ConfigError(f"--load {root}: no such directory")
+    iteration = find_checkpoint(root) if iteration is None else iteration
+    if iteration is None:
+        raise ConfigError(f"--load {root}: holds no checkpoint")
+    metadata = read_metadata(root, iteration)
+    config = Config.from_dict(metadata["config"])
+    checkpoint_tokenizer(root, iteration, config.data)
+    tokenizer = (
+        build_tokenizer(config.data, config.model.vocab_size)
+        if config.data.tokenizer_type not in (None, "NullTokenizer")
+        else None
+    )
+    parallel = parallel or ParallelContext()
+    model = GPTModel(
+        config.model, config.model.padded_vocab_size(parallel.tp.size), parallel=parallel
+    )
+    named = [(model.layout_independent_name(n), p) for n, p in model.named_parameters()]
+    load_weights(
+        checkpoint_dir(root, iteration),
+        named,
+        metadata["config"]["parallel"]["tensor_model_parallel_size"],
+        parallel.tp,
+    )
+    model.eval()
+    return config, model.to(device or torch.device("cpu")), tokenizer

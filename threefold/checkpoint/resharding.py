@@ -1,0 +1,166 @@
+"""Load a checkpoint saved at another TP/PP/DP layout (or with/without the distributed
+optimizer) into this run's layout.
+
+A checkpoint stores, per tensor-parallel rank r, each parameter's TP shard under
+`model.tp{r}.{global name}` and its Adam state either whole (`optimizer.{field}.tp{r}.{name}`)
+or, under the distributed optimizer, as pieces of the flattened shard
+(`optimizer.{field}.tp{r}.{name}[start:end]`, one per data-parallel owner). Names are the
+layout-independent ones, so a change of pipeline layout only changes which rank loads what.
+
+Each rank rebuilds the *full* tensor of every parameter it now holds — from all saved TP shards
+(and DP pieces), with the vocabulary padding of the saved layout removed — and keeps its new
+shard (and new pieces). Reads go through torch.distributed.checkpoint without collectives
+(`no_dist=True`), one parameter at a time, so ranks holding different stages never wait on
+each other and at most one full parameter is in memory at once.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import defaultdict
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from threefold.checkpoint.components import CheckpointComponents
+from threefold.config import ConfigError
+from threefold.model.lora import is_adapter
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.sharding import shard_of, unshard
+from threefold.safe_loading import SafeFileSystemReader
+
+_KEY = re.compile(
+    r"^(model|optimizer\.(exp_avg|exp_avg_sq|step|master))\.tp(\d+)\.(.+?)"
+    r"(?:\[(\d+):(\d+)\])?$"
+)
+FIELDS = ("exp_avg", "exp_avg_sq", "master")
+
+
+class SavedTensors:
+    """What a checkpoint directory holds, indexed by (kind, parameter name)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        # (kind, name) -> {tp rank: [(start, end, key, shape)]}; start/end None for whole shards
+        self.entries: dict[tuple[str, str], dict[int, list]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        for key, meta in metadata.items():
+            match = _KEY.match(key)
+            if match is None or not hasattr(meta, "size"):
+                continue
+            kind = "model" if match.group(1) == "model" else match.group(2)
+            start, end = match.group(5), match.group(6)
+            self.entries[(kind, match.group(4))][int(match.group(3))].append(
+                (
+                    None if start is None else int(start),
+                    None if end is None else int(end),
+                    key,
+                    tuple(meta.size),
+                )
+            )
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self.entries
+
+    def _read(self, specs: list[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+        tensors = {key: torch.empty(shape, dtype=torch.float32) for key, shape in specs}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
+        return tensors
+
+    def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
+        """The whole tensor of `kind` for a parameter, unpadded (valid rows only)."""
+        per_rank = self.entries[(kind, name)]
+        if sorted(per_rank) != list(range(saved_tp)):
+            raise ConfigError(
+                f"checkpoint {self.path}: {kind} of {name} lacks some of the "
+                f"{saved_tp} tensor-parallel shards"
+            )
+        shard_shapes = {
+            r: spec[3] for r, specs in self.entries[("model", name)].items() for spec in specs
+        }
+        shards = []
+        for rank in range(saved_tp):
+            specs = sorted(per_rank[rank], key=lambda spec: spec[0] or 0)
+            values = self._read([(spec[2], spec[3]) for spec in specs])
+            if specs[0][0] is None:  # a whole shard
+                shards.append(values[specs[0][2]])
+            else:  # distributed-optimizer pieces of the flattened shard, in order
+                flat = torch.cat([values[spec[2]].reshape(-1) for spec in specs])
+                shards.append(flat.view(shard_shapes[rank]))
+        full = unshard(shards, param) if saved_tp > 1 else shards[0]
+        if param.dim() and param.valid_rows is not None:
+            full = full[: param.valid_rows]
+        return full
+
+    def step(self) -> torch.Tensor | None:
+        for (kind, _), per_rank in self.entries.items():
+            if kind == "step":
+                spec = next(iter(per_rank.values()))[0]
+                return self._read([(spec[2], spec[3])])[spec[2]]
+        return None
+
+
+def _new_shard(full: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
+    """This rank's shard of a full, unpadded tensor, padded as this layout pads it."""
+    if param.dim() and full.shape[0] < param.master_shape[0]:
+        padding = full.new_zeros((param.master_shape[0] - full.shape[0], *full.shape[1:]))
+        full = torch.cat([full, padding])
+    return shard_of(full, param, tp.rank, tp.size)
+
+
+@torch.no_grad()
+def load_weights(
+    path: str,
+    named_parameters,
+    saved_tensor_parallel_size: int,
+    tp: Group,
+    saved: SavedTensors | None = None,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
+    the fp32 shard each was filled from (the masters' values when the checkpoint has them)."""
+    saved = saved or SavedTensors(path)
+    loaded = {}
+    for name, param in named_parameters:
+        if not saved.has("model", name):
+            raise ConfigError(f"--load {path}: the checkpoint has no {name}; it is another model")
+        # fp32 masters are the most precise copy of the weights when the checkpoint has them.
+        source = "master" if saved.has("master", name) else "model"
+        loaded[param] = _new_shard(
+            saved.full(source, name, param, saved_tensor_parallel_size), param, tp
+        )
+        param.copy_(loaded[param])
+    return loaded
+
+
+@torch.no_grad()
+def load_resharded(
+    path: str,
+    components: CheckpointComponents,
+    saved_tensor_parallel_size: int,
+    load_optimizer: bool,
+    without_adapters: bool = False,
+) -> None:
+    """Fill the parameters (and optimizer state) from a checkpoint of any layout."""
+    if not components.resharding_supported:
+        raise ConfigError(
+            "--load: a checkpoint of another layout loads into "
+            "--distributed-strategy megatron only; load it there and save"
+        )
+    saved = SavedTensors(path)
+    tp = components.parallel.tp
+    step = saved.step() if load_optimizer else None
+    named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]
+    loaded = load_weights(path, named, saved_tensor_parallel_size, tp, saved)
+    if not load_optimizer:
+        return
+
+    def full_shard(field: str, name: str, param: nn.Parameter) -> torch.Tensor:
+        return _new_shard(saved.full(field, name, param, saved_tensor_parallel_size), param, tp)
+
+    components.optimizer.load_resharded(named, full_shard, loaded, step)

@@ -1,0 +1,83 @@
+"""Checkpoints: where they are saved and loaded, and what they hold."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = arg(None)
+    load: str | None = arg(None)
+    save_interval: int | None = arg(None)
+    async_save: bool = arg(
+        False, help="write checkpoints in the background while training continues"
+    )  # write in the background; the tracker follows when complete
+    no_load_optim: bool = arg(
+        False, help=("load weights, scheduler and iteration, but start the optimizer afresh")
+    )
+    no_load_rng: bool = arg(False)
+    no_save_optim: bool = arg(
+        False,
+        help=(
+            "checkpoints without optimizer state (masters, Adam moments, loss "
+            "scale); loading one needs --no-load-optim or --finetune"
+        ),
+    )  # checkpoints without optimizer state (Megatron's flag)
+    no_save_rng: bool = arg(
+        False, help=("checkpoints without the ranks' RNG states; loading one needs --no-load-rng")
+    )  # checkpoints without the ranks' RNG states
+    # Retention (torchtitan's keep_latest_k; Megatron-LM keeps every checkpoint): None keeps all.
+    ckpt_keep_latest: int | None = arg(
+        None,
+        help=(
+            "after each complete save, delete all but the newest N complete "
+            "checkpoints (default: keep every one)"
+        ),
+        metavar="N",
+    )
+    finetune: bool = arg(
+        False, help=("load the weights only; iteration and consumed samples start from 0")
+    )  # weights only; iteration and consumed samples start at 0
+    use_checkpoint_args: bool = arg(
+        False,
+        help=(
+            "take the model's architecture (and tokenizer, unless "
+            "--tokenizer-type is given) from the --load checkpoint; the "
+            "command line may add to it"
+        ),
+    )  # model flags from --load (threefold/checkpoint/args.py)
+
+    def finalize(self) -> None:
+        if self.save_interval is not None:
+            _require(self.save_interval >= 1, "--save-interval must be >= 1")
+            _require(self.save is not None, "--save-interval needs --save DIR")
+        _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
+        if self.ckpt_keep_latest is not None:
+            _require(
+                self.ckpt_keep_latest >= 1,
+                "--ckpt-keep-latest must be >= 1 (leave it out to keep every checkpoint)",
+            )
+            _require(self.save is not None, "--ckpt-keep-latest needs --save DIR")
+        # --load equal to --save is how a run resumes itself (requeues, elastic restarts): a
+        # first run finds nothing there yet and starts from scratch.
+        _require(
+            self.load is None or self.load == self.save or os.path.isdir(self.load),
+            f"--load {self.load}: no such directory; to resume a run from its own "
+            "checkpoints, give --load the --save directory",
+        )
+        for name, value in (
+            ("--no-load-optim", self.no_load_optim),
+            ("--no-load-rng", self.no_load_rng),
+            ("--finetune", self.finetune),
+        ):
+            _require(not value or self.load is not None, f"{name} needs --load DIR")
+        for name, value in (
+            ("--no-save-optim", self.no_save_optim),
+            ("--no-save-rng", self.no_save_rng),
+        ):
+            _require(not value or self.save is not None, f"{name} needs --save DIR")

@@ -1,0 +1,100 @@
+"""Data: datasets, splits, the tokenizer and document handling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import ConfigError
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+TOKENIZERS = (
+    None,
+    "SentencePieceTokenizer",
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+)
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = arg(
+        default_factory=list,
+        help=("PREFIX of a Megatron .bin/.idx pair, or WEIGHT PREFIX WEIGHT PREFIX ... to blend"),
+    )
+    # Megatron's per-split paths; finetune.py reads JSONL conversations from them.
+    train_data_path: list[str] = arg(
+        default_factory=list,
+        help="per-split [WEIGHT] PREFIX ... (finetune.py: JSONL conversations)",
+    )
+    valid_data_path: list[str] = arg(default_factory=list)
+    test_data_path: list[str] = arg(default_factory=list)
+    data_cache_path: str | None = arg(
+        None, help="where megatron-core caches the document/sample/shuffle indices"
+    )
+    mock_data: bool = arg(False)
+    split: str = arg("969,30,1")
+    tokenizer_type: str | None = arg(
+        None,
+        choices=(
+            "SentencePieceTokenizer",
+            "HuggingFaceTokenizer",
+            "GPT2BPETokenizer",
+            "NullTokenizer",
+        ),
+    )
+    tokenizer_model: str | None = arg(None)
+    vocab_file: str | None = arg(None, help="GPT2BPETokenizer: vocab.json")  # GPT2BPETokenizer
+    merge_file: str | None = arg(None, help="GPT2BPETokenizer: merges.txt")
+    num_workers: int = arg(0)
+    mmap_bin_files: bool = arg(
+        True,
+        help=("read the .bin files through file handles instead of memory-mapping them"),
+        flag="--no-mmap-bin-files",
+    )  # False: read .bin files through file handles
+    # Pretraining windows split at end-of-document tokens (data/loader.DocumentMasks).
+    reset_position_ids: bool = arg(
+        False, help="positions restart at 0 after each end-of-document token"
+    )
+    reset_attention_mask: bool = arg(
+        False, help="tokens attend only within their own document of the sample"
+    )
+    eod_mask_loss: bool = arg(
+        False, help="no loss on predicting the token after an end-of-document token"
+    )
+
+    def split_weights(self) -> list[float]:
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--split {self.split!r} must be numbers such as 969,30,1") from None
+        weights = (weights + [0.0, 0.0, 0.0])[:3]
+        _require(
+            sum(weights) > 0 and all(w >= 0 for w in weights),
+            f"--split {self.split!r} needs non-negative weights with a positive sum",
+        )
+        return [w / sum(weights) for w in weights]
+
+    def finalize(self) -> None:
+        _require(
+            bool(self.data_path) + self.mock_data + bool(self.train_data_path) == 1,
+            "give exactly one of --data-path PREFIX, --train-data-path and --mock-data",
+        )
+        _require(
+            not (self.valid_data_path or self.test_data_path) or self.train_data_path,
+            "--valid-data-path/--test-data-path need --train-data-path",
+        )
+        _require(
+            self.tokenizer_type in TOKENIZERS,
+            f"--tokenizer-type {self.tokenizer_type} is not supported; use one of "
+            f"{', '.join(t for t in TOKENIZERS if t)}",
+        )
+        if self.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+            _require(
+                self.tokenizer_model is not None,
+                f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
+                f"{'FILE' if self.tokenizer_type == 'SentencePieceTokenizer' else 'DIR'}",
+            )
+        self.split_weights()

@@ -1,0 +1,93 @@
+"""Which kernels a run asks for (Megatron-LM's fusion flags, plus threefold's --fusion-impl).
+
+The flags say *what* may be fused; `threefold.kernels.dispatch` decides at start-up *how*,
+from what imports and the device, and logs it. Every choice computes the same function as the
+eager reference in `threefold.kernels.reference` (tests/kernels prove it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require
+from threefold.config.fields import arg
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+FUSION_IMPLS = ("auto", "compile", "eager")
+
+
+@dataclass
+class KernelConfig:
+    # None: Transformer Engine when it imports and the run is on CUDA, else threefold's local
+    # layers (Megatron-LM defaults to transformer_engine and fails without it).
+    transformer_impl: str | None = arg(
+        None,
+        help=("default: Transformer Engine's fused attention when it imports on CUDA, else local"),
+        choices=("local", "transformer_engine"),
+    )
+    # auto: SDPA picks (flash, cuDNN, memory-efficient, math); flash: FlashAttention; fused:
+    # cuDNN fused attention (TE's when TE is used); unfused/local: the plain softmax(QK^T)V.
+    attention_backend: str = arg(
+        "auto",
+        help=(
+            "auto: the fastest SDPA kernel that runs the model's shapes; "
+            "flash: FlashAttention; fused: cuDNN; unfused/local: plain "
+            "softmax(QK^T)V"
+        ),
+        choices=ATTENTION_BACKENDS,
+    )
+    # How norms, SwiGLU/GELU, RoPE and the cross-entropy's elementwise work are fused when apex
+    # or TE do not provide a kernel. auto: torch.compile on CUDA; eager on CPU, where the
+    # compile time (seconds per process) is not repaid by a short run.
+    fusion_impl: str = arg(
+        "auto",
+        help=(
+            "how norms, SwiGLU/GELU, RoPE and cross-entropy chunks are fused "
+            "when apex/TE do not: torch.compile or eager PyTorch (auto: "
+            "compile on CUDA, eager on CPU)"
+        ),
+        choices=FUSION_IMPLS,
+    )
+    norm_fusion: bool = arg(
+        True, flag="--no-norm-fusion"
+    )  # threefold's --no-norm-fusion (apex / compiled RMSNorm, LayerNorm)
+    bias_swiglu_fusion: bool = arg(True, flag="--no-bias-swiglu-fusion")
+    bias_gelu_fusion: bool = arg(True, flag="--no-bias-gelu-fusion")
+    apply_rope_fusion: bool = arg(True, flag="--no-rope-fusion")
+    # The chunked cross-entropy (never the whole logits tensor in fp32). Megatron-LM's flag
+    # turns it on; here it is the default (same function) and --no-cross-entropy-loss-fusion
+    # selects the one-shot reference.
+    cross_entropy_loss_fusion: bool = arg(
+        True,
+        help="the one-shot reference cross-entropy (whole logits in fp32)",
+        flag="--no-cross-entropy-loss-fusion",
+    )
+    cross_entropy_chunk_tokens: int = arg(
+        4096, help="tokens per chunk of the fused cross-entropy (default 4096)"
+    )  # tokens per chunk of the fused cross-entropy
+    # torch.compile each transformer layer whole, as torchtitan compiles its blocks: the
+    # kernels inside are traced into one graph, so --fusion-impl only affects the final norm
+    # and the loss, which stay outside the layers.
+    compile_layers: bool = arg(
+        False,
+        help=(
+            "torch.compile each transformer layer as one graph (torchtitan's "
+            "--compile): fuses across kernels (residual adds, norms, RoPE, "
+            "SwiGLU); compile time is paid once per process"
+        ),
+    )
+
+    def finalize(self) -> None:
+        require(
+            self.transformer_impl in (None, "local", "transformer_engine"),
+            "--transformer-impl must be local or transformer_engine",
+        )
+        require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}",
+        )
+        require(
+            self.fusion_impl in FUSION_IMPLS,
+            f"--fusion-impl must be one of {', '.join(FUSION_IMPLS)}",
+        )
+        require(self.cross_entropy_chunk_tokens >= 1, "--cross-entropy-chunk-tokens must be >= 1")

@@ -1,0 +1,103 @@
+"""Logging, metrics, timers and profiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = arg(100)
+    log_params_norm: bool = arg(
+        False, help="add the L2 norm of all parameters to the log line"
+    )  # L2 norm of all parameters, each counted once
+    # A window of iterations for a profiler (training/profiling.py).
+    profile: bool = arg(
+        False,
+        help=(
+            "profile iterations --profile-step-start+1 .. --profile-step-end "
+            "(CUDA: for nsys --capture-range=cudaProfilerApi)"
+        ),
+    )
+    use_pytorch_profiler: bool = arg(
+        False, help=("with --profile: torch.profiler, trace written to --tensorboard-dir")
+    )
+    profile_step_start: int = arg(10)
+    profile_step_end: int = arg(12)
+    profile_ranks: list[int] = arg(
+        default_factory=lambda: [0], help="global ranks to profile (default 0)"
+    )
+    log_num_zeros_in_grad: bool = arg(
+        False, help=("add the number of gradient elements that are exactly zero to the log line")
+    )  # gradient elements that are exactly zero
+    # Megatron's timers (training/timers.py): which exist, how they are reported.
+    timing_log_level: int = arg(
+        0,
+        help=(
+            "0: start-up and checkpoint timers; 1: + forward-backward, "
+            "gradient reduction, optimizer per iteration; 2: + per "
+            "micro-batch compute and pipeline communication"
+        ),
+        choices=(0, 1, 2),
+    )
+    timing_log_option: str = arg(
+        "minmax",
+        help=("report each timer's max over ranks, (min, max), or every rank's time"),
+        choices=("max", "minmax", "all"),
+    )
+    barrier_with_l1_time: bool = arg(
+        True,
+        help=("start level-1 timers without a barrier (time includes waiting for other ranks)"),
+        flag="--no-barrier-with-level-1-timing",
+    )
+    log_timers_to_tensorboard: bool = arg(
+        False, help=("write each per-iteration timer's max over ranks to --tensorboard-dir")
+    )
+    tensorboard_dir: str | None = arg(None)
+    log_straggler: bool = arg(
+        False,
+        help=(
+            "report ranks whose compute time per iteration is above --straggler-factor x the median"
+        ),
+    )  # report ranks computing slower than straggler_factor x median
+    straggler_factor: float = arg(1.3)
+    wandb_project: str | None = arg(
+        None,
+        help=("log to Weights & Biases (offline without credentials or with WANDB_MODE=offline)"),
+    )
+    wandb_exp_name: str | None = arg(None)
+    wandb_save_dir: str | None = arg(None, help="default: SAVE/wandb")
+    wandb_entity: str | None = arg(None)
+
+    def finalize(self) -> list[str]:
+        _require(self.log_interval >= 1, "--log-interval must be >= 1")
+        _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
+        _require(
+            not self.log_timers_to_tensorboard or self.tensorboard_dir is not None,
+            "--log-timers-to-tensorboard writes to --tensorboard-dir; give one",
+        )
+        warnings = []
+        if self.log_timers_to_tensorboard and self.timing_log_level == 0:
+            warnings.append(
+                "--log-timers-to-tensorboard writes the per-iteration timers of "
+                "--timing-log-level 1 or 2; at level 0 there are none"
+            )
+        if not self.profile:
+            return warnings + (
+                ["--use-pytorch-profiler has no effect without --profile"]
+                if self.use_pytorch_profiler
+                else []
+            )
+        _require(
+            0 <= self.profile_step_start < self.profile_step_end,
+            f"--profile-step-start {self.profile_step_start} must be >= 0 and below "
+            f"--profile-step-end {self.profile_step_end}",
+        )
+        _require(
+            not self.use_pytorch_profiler or self.tensorboard_dir is not None,
+            "--use-pytorch-profiler writes its trace to --tensorboard-dir; give one",
+        )
+        return warnings

@@ -1,0 +1,231 @@
+"""The model's architecture and its regularization (Megatron's model flags)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from threefold.config.errors import flag
+from threefold.config.errors import require as _require
+from threefold.config.fields import ARCHITECTURE, MODEL, arg
+
+
+@dataclass
+class ModelConfig:
+    """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py)."""
+
+    num_layers: int = arg(2, checkpoint=ARCHITECTURE)
+    hidden_size: int = arg(64, checkpoint=ARCHITECTURE)
+    ffn_hidden_size: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help="default 4*hidden, or 2/3 of that rounded to 64 with --swiglu",
+    )
+    num_attention_heads: int = arg(4, checkpoint=ARCHITECTURE)
+    group_query_attention: bool = arg(False, checkpoint=MODEL)
+    num_query_groups: int | None = arg(None, checkpoint=ARCHITECTURE)
+    kv_channels: int | None = arg(
+        None, checkpoint=ARCHITECTURE, help="head size; default hidden/heads"
+    )
+    seq_length: int = arg(128, checkpoint=MODEL)
+    # Checked on load with learned positions only (the position table's rows).
+    max_position_embeddings: int | None = arg(None, checkpoint=MODEL)
+    position_embedding_type: str = arg(
+        "learned_absolute", checkpoint=ARCHITECTURE, choices=("learned_absolute", "rope")
+    )
+    # False: Megatron's --no-position-embedding
+    add_position_embedding: bool = arg(
+        True,
+        checkpoint=MODEL,
+        flag="--no-position-embedding",
+        help=(
+            "no learned position embedding (Megatron's deprecated form of "
+            "--position-embedding-type rope, which it must come with)"
+        ),
+    )
+    rotary_base: float = arg(10000.0, checkpoint=MODEL)
+    # Llama 3.1's RoPE frequency scaling (model/rope.py)
+    use_rope_scaling: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="Llama 3.1's RoPE frequency scaling (original context 8192)",
+    )
+    rope_scaling_factor: float = arg(
+        8.0,
+        checkpoint=ARCHITECTURE,
+        help="with --use-rope-scaling; default 8 (Llama 3.1), 32 for Llama 3.2",
+    )
+    normalization: str = arg("LayerNorm", checkpoint=ARCHITECTURE, choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = arg(1e-5, checkpoint=MODEL)
+    # Norm weights stored centred on zero and applied as (1 + weight) (Megatron's
+    # --apply-layernorm-1p): weight decay then pulls the scale towards 1, not 0.
+    apply_layernorm_1p: bool = arg(
+        False, checkpoint=ARCHITECTURE, help="norm weights centred on zero, applied as 1 + weight"
+    )
+    # a norm over each query and key head before RoPE (Qwen3)
+    qk_layernorm: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help=("normalize each query and key head (--normalization, over the head size)"),
+    )
+    swiglu: bool = arg(False, checkpoint=ARCHITECTURE)
+    add_bias_linear: bool = arg(True, checkpoint=ARCHITECTURE, flag="--disable-bias-linear")
+    # QKV bias even with --disable-bias-linear (Qwen2)
+    add_qkv_bias: bool = arg(False, checkpoint=ARCHITECTURE)
+    openai_gelu: bool = arg(
+        False, checkpoint=ARCHITECTURE, help="tanh approximation of GELU"
+    )  # GELU's tanh approximation (GPT-2)
+    untie_embeddings_and_output_weights: bool = arg(False, checkpoint=ARCHITECTURE)
+    attention_dropout: float = arg(0.1)
+    hidden_dropout: float = arg(0.1)
+    init_method_std: float = arg(0.02)
+    vocab_size: int | None = arg(None, checkpoint=ARCHITECTURE)
+    make_vocab_size_divisible_by: int = arg(128, checkpoint=MODEL)
+    # LoRA adapters (fine-tuning): rank None means none.
+    lora_rank: int | None = arg(
+        None,
+        help="add LoRA adapters of this rank; freeze everything else",
+        group="LoRA fine-tuning",
+    )
+    lora_alpha: float = arg(
+        32.0, help="adapter scale alpha/rank (default 32)", group="LoRA fine-tuning"
+    )
+    lora_dropout: float = arg(0.0, group="LoRA fine-tuning")
+    lora_target_modules: list[str] = arg(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all)",
+        group="LoRA fine-tuning",
+    )
+    recompute_granularity: str | None = arg(
+        None,
+        help="full: recompute whole layers; selective: only core attention",
+        choices=("full", "selective"),
+    )
+    recompute_method: str | None = arg(
+        None,
+        help=(
+            "uniform: checkpoint groups of --recompute-num-layers layers; "
+            "block: checkpoint the first --recompute-num-layers layers of "
+            "each stage"
+        ),
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int | None = arg(None)
+
+    def finalize(self) -> None:
+        """Fill the fields Megatron derives from others, then validate."""
+        _require(self.num_layers > 0, "--num-layers must be positive")
+        _require(self.hidden_size > 0, "--hidden-size must be positive")
+        _require(
+            self.num_attention_heads > 0
+            and self.hidden_size % self.num_attention_heads == 0
+            or self.kv_channels is not None,
+            f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+            f"{self.num_attention_heads}; change one of them or set --kv-channels",
+        )
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            # Megatron's default: with SwiGLU, 2/3 of 4h (rounded down to a multiple of 64) keeps
+            # the parameter count of the two-matrix MLP.
+            if self.swiglu:
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+                self.ffn_hidden_size = max(self.ffn_hidden_size, 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.group_query_attention:
+            _require(
+                self.num_query_groups is not None,
+                "--group-query-attention needs --num-query-groups",
+            )
+        elif self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _require(
+            self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
+            f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+            f"--num-query-groups {self.num_query_groups}; choose a divisor of the head count",
+        )
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        _require(
+            self.position_embedding_type in ("learned_absolute", "rope"),
+            "--position-embedding-type must be learned_absolute or rope",
+        )
+        _require(
+            self.add_position_embedding or self.position_embedding_type == "rope",
+            "--no-position-embedding: a model without position information is not "
+            "implemented; use --position-embedding-type rope (with which the flag changes "
+            "nothing)",
+        )
+        if self.position_embedding_type == "learned_absolute":
+            _require(
+                self.seq_length <= self.max_position_embeddings,
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings} with learned positions; raise "
+                "--max-position-embeddings or use --position-embedding-type rope",
+            )
+        if self.position_embedding_type == "rope":
+            _require(
+                self.kv_channels % 2 == 0,
+                f"rope needs an even head size, got --kv-channels {self.kv_channels}",
+            )
+        _require(
+            not self.use_rope_scaling or self.position_embedding_type == "rope",
+            "--use-rope-scaling needs --position-embedding-type rope",
+        )
+        _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
+        _require(
+            self.normalization in ("LayerNorm", "RMSNorm"),
+            "--normalization must be LayerNorm or RMSNorm",
+        )
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
+        _require(
+            self.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive"
+        )
+        self._finalize_recompute()
+        self._finalize_lora()
+
+    def _finalize_lora(self) -> None:
+        if self.lora_rank is None:
+            return
+        _require(self.lora_rank >= 1, "--lora-rank must be >= 1")
+        _require(0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)")
+        targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+        unknown = [t for t in self.lora_target_modules if t not in targets]
+        _require(
+            not unknown,
+            f"--lora-target-modules: {', '.join(unknown)} unknown; choose "
+            f"from {', '.join(targets)}",
+        )
+
+    def _finalize_recompute(self) -> None:
+        granularity, method = self.recompute_granularity, self.recompute_method
+        _require(
+            granularity in (None, "full", "selective"),
+            "--recompute-granularity must be full or selective",
+        )
+        if granularity == "full":
+            _require(
+                method in ("uniform", "block"),
+                "--recompute-granularity full needs --recompute-method uniform or block",
+            )
+            _require(
+                self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
+                "--recompute-granularity full needs --recompute-num-layers >= 1",
+            )
+        else:
+            _require(
+                method is None and self.recompute_num_layers is None,
+                "--recompute-method and --recompute-num-layers need --recompute-granularity full",
+            )
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice."""
+        _require(
+            self.vocab_size is not None and self.vocab_size > 0,
+            "the vocabulary size is unknown: pass --vocab-size or a tokenizer",
+        )
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)

@@ -1,0 +1,245 @@
+"""The parallel layout: TP, PP (with virtual and uneven stages), DP and its strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import ConfigError
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+from threefold.config.model import ModelConfig
+
+STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
+
+
+def stage_layer_counts(
+    num_layers: int, pipeline_size: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layers per pipeline stage (no virtual stages)."""
+    if pipeline_size == 1:
+        return [num_layers]
+    counts: list[int | None] = [None] * pipeline_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    remaining = num_layers - fixed
+    if free:
+        if remaining < 0 or remaining % len(free):
+            raise ValueError(f"{remaining} layers do not split evenly over {len(free)} stages")
+        for i in free:
+            counts[i] = remaining // len(free)
+    elif remaining:
+        raise ValueError(f"the first and last stage counts do not add up to {num_layers}")
+    return counts  # type: ignore[return-value]
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = arg(1)
+    pipeline_model_parallel_size: int = arg(1)
+    virtual_pipeline_model_parallel_size: int | None = arg(None)
+    num_layers_per_virtual_pipeline_stage: int | None = arg(None)
+    decoder_first_pipeline_num_layers: int | None = arg(None)
+    decoder_last_pipeline_num_layers: int | None = arg(None)
+    sequence_parallel: bool = arg(False)
+    use_distributed_optimizer: bool = arg(
+        False, help=("shard fp32 master weights and Adam moments across data-parallel ranks")
+    )
+    overlap_grad_reduce: bool = arg(
+        False, help=("all-reduce each gradient bucket as soon as backward has produced it")
+    )
+    overlap_param_gather: bool = arg(
+        False, help=("all-gather updated parameters bucket by bucket during the next forward")
+    )
+    # With --bf16 Megatron accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
+    # (Config.finalize applies that default); fp16 keeps fp16 gradients unless asked.
+    accumulate_allreduce_grads_in_fp32: bool = arg(
+        False, help=("fp32 gradient buffer for fp16 models (bf16 models have one by default)")
+    )
+    grad_reduce_in_bf16: bool = arg(
+        False, help=("with --bf16: accumulate and reduce gradients in bf16 instead of fp32")
+    )
+    ddp_bucket_size: int | None = arg(
+        None, help="elements per gradient bucket"
+    )  # elements; None: 40M (Megatron's default)
+    # megatron: threefold's own DP (+ --use-distributed-optimizer); ddp / fsdp: PyTorch's
+    # DistributedDataParallel / FSDP2 for TP=PP=1; auto: chosen from size and memory.
+    distributed_strategy: str = arg(
+        "megatron",
+        help=(
+            "megatron: threefold's DP/TP/PP; ddp, fsdp: PyTorch DDP / FSDP2 "
+            "(TP=PP=1); auto: chosen from the parameter count and device "
+            "memory"
+        ),
+        choices=STRATEGIES,
+    )
+    distributed_backend: str | None = arg(
+        None, help="default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl")
+    )  # None: nccl when CUDA is present, else gloo
+    distributed_timeout_minutes: float = arg(10)  # collectives; the stall watchdog fires at 70%
+    world_size: int = arg(1, cli=False)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def bucket_size(self) -> int:
+        return self.ddp_bucket_size or 40_000_000
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.model_parallel_size
+
+    def _finalize_pipeline(self, model: ModelConfig) -> None:
+        pp, layers = self.pipeline_model_parallel_size, model.num_layers
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is not None:
+            _require(
+                self.virtual_pipeline_model_parallel_size is None,
+                "give only one of --num-layers-per-virtual-pipeline-stage and "
+                "--virtual-pipeline-model-parallel-size",
+            )
+            _require(
+                per_stage > 0 and layers % (pp * per_stage) == 0,
+                f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_stage}",
+            )
+            self.virtual_pipeline_model_parallel_size = layers // (pp * per_stage)
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp == 1:
+            self.virtual_pipeline_model_parallel_size = vpp = None
+        uneven = (
+            self.decoder_first_pipeline_num_layers is not None
+            or self.decoder_last_pipeline_num_layers is not None
+        )
+        if vpp is not None:
+            _require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+            _require(vpp > 1, "--virtual-pipeline-model-parallel-size must be a positive integer")
+            _require(
+                layers % (pp * vpp) == 0,
+                f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --virtual-pipeline-model-parallel-size {vpp}",
+            )
+            _require(
+                not uneven,
+                "--decoder-first/last-pipeline-num-layers cannot be combined "
+                "with virtual pipeline stages",
+            )
+        elif uneven:
+            _require(
+                pp > 1,
+                "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1",
+            )
+            try:
+                counts = stage_layer_counts(
+                    layers,
+                    pp,
+                    self.decoder_first_pipeline_num_layers,
+                    self.decoder_last_pipeline_num_layers,
+                )
+            except ValueError as error:
+                raise ConfigError(f"--decoder-first/last-pipeline-num-layers: {error}") from None
+            _require(
+                all(c >= 1 for c in counts),
+                "--decoder-first/last-pipeline-num-layers leave a stage without layers",
+            )
+        else:
+            _require(
+                layers % pp == 0,
+                f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp}; change one or set --decoder-first/last-pipeline-num-layers",
+            )
+
+    def _finalize_strategy(self) -> None:
+        strategy = self.distributed_strategy
+        _require(
+            strategy in STRATEGIES, f"--distributed-strategy must be one of {', '.join(STRATEGIES)}"
+        )
+        if strategy in ("ddp", "fsdp"):
+            _require(
+                self.model_parallel_size == 1,
+                f"--distributed-strategy {strategy} needs --tensor-model-parallel-size 1 "
+                "and --pipeline-model-parallel-size 1; use --distributed-strategy "
+                "megatron for tensor/pipeline parallelism",
+            )
+            megatron_only = [
+                flag
+                for flag, value in (
+                    ("--ddp-bucket-size", strategy == "fsdp" and self.ddp_bucket_size is not None),
+                    ("--use-distributed-optimizer", self.use_distributed_optimizer),
+                    ("--overlap-grad-reduce", self.overlap_grad_reduce),
+                    ("--overlap-param-gather", self.overlap_param_gather),
+                )
+                if value
+            ]
+            _require(
+                not megatron_only,
+                f"{', '.join(megatron_only)} belong to --distributed-strategy megatron; "
+                f"PyTorch {strategy.upper()} shards/overlaps on its own, drop them",
+            )
+        if strategy == "auto":
+            _require(
+                not self.use_distributed_optimizer,
+                "--distributed-strategy auto decides on the distributed optimizer itself; "
+                "drop --use-distributed-optimizer or choose megatron",
+            )
+
+    def finalize(self, model: ModelConfig) -> list[str]:
+        """Validate the layout against the world and the model; returns warnings to print."""
+        warnings = []
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        _require(tp >= 1, "--tensor-model-parallel-size must be >= 1")
+        _require(pp >= 1, "--pipeline-model-parallel-size must be >= 1")
+        _require(
+            self.world_size % (tp * pp) == 0,
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "
+            f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
+        )
+        self._finalize_pipeline(model)
+        _require(
+            model.num_attention_heads % tp == 0,
+            f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+        _require(
+            model.num_query_groups % tp == 0,
+            f"--num-query-groups {model.num_query_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each TP rank needs whole query groups",
+        )
+        _require(
+            model.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+        if self.sequence_parallel and tp == 1:
+            # Megatron's behaviour: sequence parallelism only exists inside a TP group.
+            warnings.append(
+                "--sequence-parallel has no effect with "
+                "--tensor-model-parallel-size 1; disabling it"
+            )
+            self.sequence_parallel = False
+        if self.sequence_parallel:
+            _require(
+                model.seq_length % tp == 0,
+                f"--seq-length {model.seq_length} is not divisible by "
+                f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs",
+            )
+        _require(
+            self.ddp_bucket_size is None or self.ddp_bucket_size >= 1,
+            "--ddp-bucket-size must be >= 1",
+        )
+        _require(
+            not self.overlap_param_gather or self.use_distributed_optimizer,
+            "--overlap-param-gather needs --use-distributed-optimizer (only the "
+            "distributed optimizer all-gathers parameters)",
+        )
+        self._finalize_strategy()
+        _require(
+            self.distributed_backend in (None, "gloo", "nccl"),
+            "--distributed-backend must be gloo or nccl",
+        )
+        return warnings

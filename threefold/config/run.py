@@ -1,0 +1,77 @@
+"""Everything a run needs, grouped by concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from threefold.config.checkpoint import CheckpointConfig
+from threefold.config.data import DataConfig
+from threefold.config.errors import require as _require
+from threefold.config.kernels import KernelConfig
+from threefold.config.logging import LoggingConfig
+from threefold.config.model import ModelConfig
+from threefold.config.parallel import ParallelConfig
+from threefold.config.training import TrainingConfig
+
+
+@dataclass
+class Config:
+    """Everything a run needs, grouped by concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+
+    def finalize(self) -> list[str]:
+        """Derive and validate everything that needs no model, data or process group."""
+        self.model.finalize()
+        warnings = self.parallel.finalize(self.model)
+        self.training.finalize(self.parallel.data_parallel_size)
+        parallel = self.parallel
+        self._finalize_gradient_precision()
+        if parallel.virtual_pipeline_model_parallel_size:
+            for size in self.training.rampup_batch_sizes():
+                micro_batches = self.training.num_micro_batches(parallel.data_parallel_size, size)
+                _require(
+                    micro_batches % parallel.pipeline_model_parallel_size == 0,
+                    f"the interleaved schedule needs the number of micro-batches "
+                    f"({micro_batches} = global batch size {size} / (--micro-batch-size x DP)) "
+                    "to be a multiple of --pipeline-model-parallel-size "
+                    f"{parallel.pipeline_model_parallel_size}",
+                )
+        self.data.finalize()
+        self.checkpoint.finalize()
+        warnings += self.logging.finalize()
+        self.kernels.finalize()
+        return warnings
+
+    def _finalize_gradient_precision(self) -> None:
+        parallel = self.parallel
+        if not parallel.grad_reduce_in_bf16:
+            # Megatron-LM: bf16 needs gradient accumulation and all-reduce in fp32.
+            parallel.accumulate_allreduce_grads_in_fp32 |= self.training.bf16
+            return
+        _require(self.training.bf16, "--grad-reduce-in-bf16 needs --bf16; drop it")
+        _require(
+            not parallel.accumulate_allreduce_grads_in_fp32,
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict "
+            "each other; give one",
+        )
+        parallel.accumulate_allreduce_grads_in_fp32 = False
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Config:
+        """The inverse of `dataclasses.asdict`, as stored in a checkpoint's metadata."""
+        return cls(
+            model=ModelConfig(**values["model"]),
+            parallel=ParallelConfig(**values["parallel"]),
+            training=TrainingConfig(**values["training"]),
+            data=DataConfig(**values["data"]),
+            checkpoint=CheckpointConfig(**values["checkpoint"]),
+            logging=LoggingConfig(**values["logging"]),
+            kernels=KernelConfig(**values.get("kernels", {})),
+        )  # older checkpoints: none

@@ -1,0 +1,397 @@
+"""The training-loop config: batch sizes, schedule, optimizer, precision, exit conditions and
+memory hygiene (torch-free: flags are parsed before torch loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = arg(1)
+    global_batch_size: int | None = arg(None)
+    train_iters: int | None = arg(None)  # 100 unless --train-samples says otherwise
+    # Sample-based training (Megatron): the run and the LR schedule counted in samples;
+    # train_iters becomes train_samples // global_batch_size.
+    train_samples: int | None = arg(
+        None,
+        help=(
+            "train on this many samples (instead of --train-iters); the LR "
+            "schedule is then in samples too"
+        ),
+    )
+    lr_warmup_samples: int = arg(0, help="with --train-samples")
+    lr_decay_samples: int | None = arg(None, help="with --train-samples (default: --train-samples)")
+    # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START
+    # by INCREMENT in equal steps over the first SAMPLES samples, then stays at
+    # global_batch_size.
+    rampup_batch_size: list[int] | None = arg(
+        None,
+        help=(
+            "grow the global batch from START by INCREMENT over SAMPLES "
+            "samples (needs --train-samples)"
+        ),
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    lr: float = arg(3e-4)
+    min_lr: float = arg(0.0)
+    lr_decay_style: str = arg("linear", choices=LR_DECAY_STYLES)
+    lr_warmup_iters: float = arg(
+        0, type=int
+    )  # iterations; fractional when set from lr_warmup_fraction
+    lr_warmup_fraction: float | None = arg(
+        None, help=("warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    )  # of lr_decay_iters, as Megatron-LM
+    lr_decay_iters: int | None = arg(None)
+    # WSD: the final anneal from --lr to --min-lr, its length and shape.
+    lr_wsd_decay_iters: int | None = arg(
+        None, help="length of WSD's final anneal, ending at --lr-decay-iters"
+    )
+    lr_wsd_decay_samples: int | None = arg(None, help="with --train-samples")
+    lr_wsd_decay_style: str = arg(
+        "exponential",
+        help="shape of WSD's final anneal (default exponential)",
+        choices=WSD_DECAY_STYLES,
+    )
+    # On resume, the flags' schedule replaces the checkpoint's / the checkpoint's is used.
+    override_opt_param_scheduler: bool = arg(
+        False,
+        help="on resume, use these flags' LR/WD schedule, not the checkpoint's",
+        flag="--override-opt_param-scheduler",
+        aliases=("--override-opt-param-scheduler",),
+    )
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False,
+        help="on resume, use the checkpoint's LR/WD schedule",
+        flag="--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",),
+    )
+    # The word embeddings' and output layer's own peak and final learning rate (Megatron's
+    # --decoupled-lr/--decoupled-min-lr); None: --lr and --min-lr like everything else.
+    decoupled_lr: float | None = arg(
+        None, help=("peak learning rate of the word embeddings and output layer (default: --lr)")
+    )
+    decoupled_min_lr: float | None = arg(None, help="their final learning rate (default: --min-lr)")
+    weight_decay: float = arg(0.01)
+    # A weight decay that moves from start to end over the run (Megatron's increment styles).
+    start_weight_decay: float | None = arg(None)
+    end_weight_decay: float | None = arg(None)
+    weight_decay_incr_style: str = arg(
+        "constant",
+        help=("linear or cosine: from --start- to --end-weight-decay over the run"),
+        choices=WD_INCR_STYLES,
+    )
+    adam_beta1: float = arg(0.9)
+    adam_beta2: float = arg(0.999)
+    adam_eps: float = arg(1e-8)
+    clip_grad: float = arg(1.0)
+    # Every token of the global batch weighs the same in the loss and gradient, rather than
+    # every micro-batch (whose mean is over its own loss-mask tokens).
+    calculate_per_token_loss: bool = arg(
+        False,
+        help=(
+            "average the loss over the global batch's loss tokens, not over "
+            "micro-batches (each the mean over its own tokens): matters when "
+            "loss masks differ"
+        ),
+    )
+    bf16: bool = arg(False)
+    fp16: bool = arg(False)
+    optimizer_cpu_offload: bool = arg(
+        False, help=("keep fp32 masters and Adam moments on the CPU and step there (GPU runs)")
+    )
+    # A static loss scale (fp16/bf16) instead of the dynamic one: Megatron's --loss-scale.
+    loss_scale: float | None = arg(
+        None,
+        help=(
+            "a static loss scale instead of fp16's dynamic one (skipped on overflow, never changed)"
+        ),
+    )
+    initial_loss_scale: float = arg(2.0**32)
+    min_loss_scale: float = arg(1.0)
+    loss_scale_window: int = arg(1000)
+    hysteresis: int = arg(2)
+    seed: int = arg(1234)
+    eval_interval: int = arg(1000)
+    eval_iters: int = arg(100)
+    # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
+    # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
+    exit_interval: int | None = arg(
+        None, help=("save (with --save) and exit after an iteration that is a multiple of this")
+    )
+    exit_duration_in_mins: float | None = arg(
+        None, help="save (with --save) and exit once training has run this long"
+    )
+    exit_signal_handler: bool = arg(
+        False, help=("on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0")
+    )
+    check_for_nan_in_loss_and_grad: bool = arg(
+        False, help=("stop at the first non-finite loss or gradient, naming iteration and rank")
+    )  # stop at the first inf/nan, naming the rank
+    check_for_spiky_loss: bool = arg(
+        False, help=("log the batch of any loss above --spiky-loss-factor x the recent mean")
+    )  # log batches whose loss jumps (see training/numerics)
+    spiky_loss_factor: float = arg(10.0)
+    # Megatron's memory hygiene (training/memory_hygiene.py): Python's collector driven by hand,
+    # and the CUDA caching allocator emptied at level 1 after each step and evaluation, at 2
+    # also between backward and the optimizer step.
+    manual_gc: bool = arg(
+        False,
+        help=(
+            "disable Python's automatic garbage collection during training "
+            "(collections stall ranks at different times); collect every "
+            "--manual-gc-interval iterations"
+        ),
+    )
+    manual_gc_interval: int = arg(
+        0, help=("with --manual-gc: collect every this many iterations (0: only around evaluation)")
+    )
+    manual_gc_eval: bool = arg(
+        True,
+        help="with --manual-gc: no collection before and after evaluation",
+        flag="--no-manual-gc-eval",
+    )
+    empty_unused_memory_level: int = arg(
+        0,
+        help=(
+            "CUDA: release cached allocator blocks; 1: after each iteration "
+            "and evaluation, 2: also between backward and the optimizer step"
+        ),
+        choices=(0, 1, 2),
+    )
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def num_micro_batches(
+        self, data_parallel_size: int, global_batch_size: int | None = None
+    ) -> int:
+        return (global_batch_size or self.global_batch_size) // (
+            self.micro_batch_size * data_parallel_size
+        )
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples`
+        (Megatron's RampupBatchsizeNumMicroBatchesCalculator)."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        if consumed_samples > samples:
+            return self.global_batch_size
+        increments = (self.global_batch_size - start) // increment
+        per_increment = samples / increments if increments else float("inf")
+        return start + int(consumed_samples / per_increment) * increment
+
+    def rampup_batch_sizes(self) -> list[int]:
+        """Every global batch size the run uses."""
+        if self.rampup_batch_size is None:
+            return [self.global_batch_size]
+        start, increment, _ = self.rampup_batch_size
+        return list(range(start, self.global_batch_size + 1, increment))
+
+    def finalize(self, data_parallel_size: int) -> None:
+        _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * data_parallel_size
+        per_step = self.micro_batch_size * data_parallel_size
+        _require(
+            self.global_batch_size % per_step == 0,
+            f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
+            f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
+            f"of {per_step}",
+        )
+        _require(
+            not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one"
+        )
+        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
+        _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        _require(
+            self.decoupled_min_lr is None or self.decoupled_lr is not None,
+            "--decoupled-min-lr needs --decoupled-lr",
+        )
+        if self.decoupled_lr is not None:
+            decoupled_min = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            _require(
+                0 <= decoupled_min <= self.decoupled_lr,
+                f"--decoupled-min-lr {decoupled_min} must be in [0, --decoupled-lr "
+                f"{self.decoupled_lr}]",
+            )
+        if self.rampup_batch_size is not None:
+            self._finalize_rampup(data_parallel_size)
+        if self.train_samples is None:
+            self._finalize_iteration_schedule()
+        else:
+            self._finalize_sample_schedule()
+        self._finalize_schedule_styles()
+        self._check_limits()
+
+    def _finalize_schedule_styles(self) -> None:
+        _require(
+            self.lr_decay_style in LR_DECAY_STYLES,
+            f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}",
+        )
+        _require(
+            self.lr_wsd_decay_style in WSD_DECAY_STYLES,
+            f"--lr-wsd-decay-style must be one of {', '.join(WSD_DECAY_STYLES)}",
+        )
+        samples = self.train_samples is not None
+        wsd, unit = (
+            (self.lr_wsd_decay_samples, "samples")
+            if samples
+            else (self.lr_wsd_decay_iters, "iters")
+        )
+        other = self.lr_wsd_decay_iters if samples else self.lr_wsd_decay_samples
+        _require(
+            other is None,
+            "--lr-wsd-decay-iters goes with --train-iters, "
+            "--lr-wsd-decay-samples with --train-samples",
+        )
+        if self.lr_decay_style == "WSD":
+            decay = self.lr_decay_samples if samples else self.lr_decay_iters
+            _require(
+                wsd is not None,
+                f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} "
+                "(the length of the final anneal)",
+            )
+            _require(
+                0 < wsd <= decay,
+                f"--lr-wsd-decay-{unit} {wsd} must be in [1, --lr-decay-{unit} {decay}]",
+            )
+        _require(
+            not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+            "contradict each other; give one",
+        )
+        style = self.weight_decay_incr_style
+        _require(
+            style in WD_INCR_STYLES,
+            f"--weight-decay-incr-style must be one of {', '.join(WD_INCR_STYLES)}",
+        )
+        given = (self.start_weight_decay, self.end_weight_decay)
+        if style == "constant":
+            _require(
+                given == (None, None),
+                "--start/end-weight-decay need "
+                "--weight-decay-incr-style linear or cosine; with a constant weight "
+                "decay use --weight-decay",
+            )
+            self.start_weight_decay = self.end_weight_decay = self.weight_decay
+        else:
+            _require(
+                None not in given and min(given) >= 0,
+                f"--weight-decay-incr-style {style} needs --start-weight-decay and "
+                "--end-weight-decay (>= 0)",
+            )
+
+    def _warmup_from_fraction(self, warmup: float, decay: int, unit: str) -> float:
+        if self.lr_warmup_fraction is None:
+            return warmup
+        _require(
+            warmup == 0,
+            f"--lr-warmup-fraction and --lr-warmup-{unit} are mutually exclusive; pick one",
+        )
+        _require(0 <= self.lr_warmup_fraction <= 1, "--lr-warmup-fraction must be in [0, 1]")
+        return self.lr_warmup_fraction * decay
+
+    def _finalize_iteration_schedule(self) -> None:
+        _require(
+            self.lr_warmup_samples == 0 and self.lr_decay_samples is None,
+            "--lr-warmup-samples and --lr-decay-samples need --train-samples; with "
+            "--train-iters use --lr-warmup-iters and --lr-decay-iters",
+        )
+        if self.train_iters is None:
+            self.train_iters = 100
+        _require(self.train_iters >= 1, "--train-iters must be >= 1")
+        self._finalize_warmup_and_decay("iters", self.train_iters)
+
+    def _finalize_sample_schedule(self) -> None:
+        _require(
+            self.train_iters is None,
+            "--train-iters and --train-samples are mutually exclusive; pick one",
+        )
+        _require(
+            self.lr_warmup_iters == 0 and self.lr_decay_iters is None,
+            "with --train-samples the LR schedule is in samples: use --lr-warmup-samples "
+            "(or --lr-warmup-fraction) and --lr-decay-samples",
+        )
+        self.train_iters = self._iterations_for(self.train_samples)
+        _require(
+            self.train_iters >= 1,
+            f"--train-samples {self.train_samples} is less than "
+            f"one global batch of {self.global_batch_size}",
+        )
+        self._finalize_warmup_and_decay("samples", self.train_samples)
+
+    def _finalize_warmup_and_decay(self, unit: str, run_length: int) -> None:
+        """--lr-decay-{unit} defaults to the run's length and the warmup must fit in it."""
+        if getattr(self, f"lr_decay_{unit}") is None:
+            setattr(self, f"lr_decay_{unit}", run_length)
+        decay = getattr(self, f"lr_decay_{unit}")
+        warmup = self._warmup_from_fraction(getattr(self, f"lr_warmup_{unit}"), decay, unit)
+        setattr(self, f"lr_warmup_{unit}", warmup)
+        _require(warmup <= decay, f"--lr-warmup-{unit} {warmup} exceeds --lr-decay-{unit} {decay}")
+
+    def _finalize_rampup(self, data_parallel_size: int) -> None:
+        ramp = self.rampup_batch_size
+        _require(len(ramp) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
+        _require(
+            self.train_samples is not None,
+            "--rampup-batch-size needs --train-samples (as in Megatron-LM)",
+        )
+        start, increment, samples = ramp
+        _require(
+            start >= 1 and increment >= 1 and samples >= 0,
+            "--rampup-batch-size: START and INCREMENT must be >= 1, SAMPLES >= 0",
+        )
+        _require(
+            start <= self.global_batch_size and (self.global_batch_size - start) % increment == 0,
+            f"--rampup-batch-size: --global-batch-size {self.global_batch_size} must be "
+            f"START {start} plus a multiple of INCREMENT {increment}",
+        )
+        per_step = self.micro_batch_size * data_parallel_size
+        for size in self.rampup_batch_sizes():
+            _require(
+                size % per_step == 0,
+                f"--rampup-batch-size: the global batch size {size} "
+                f"is not divisible by --micro-batch-size {self.micro_batch_size} x "
+                f"data-parallel size {data_parallel_size}",
+            )
+
+    def _iterations_for(self, train_samples: int) -> int:
+        """Megatron's count of iterations for --train-samples: those of the ramp, then whole
+        global batches."""
+        iterations = consumed = 0
+        if self.rampup_batch_size is not None:
+            while consumed <= self.rampup_batch_size[2] and consumed <= train_samples:
+                consumed += self.global_batch_size_at(consumed)
+                iterations += 1
+        return iterations + max(train_samples - consumed, 0) // self.global_batch_size
+
+    def _check_limits(self) -> None:
+        _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+        _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
+        _require(self.loss_scale is None or self.loss_scale > 0, "--loss-scale must be positive")
+        _require(
+            self.loss_scale is None or self.fp16 or self.bf16,
+            "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it",
+        )
+        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
+        _require(
+            self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1"
+        )
+        _require(
+            self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
+            "--exit-duration-in-mins must be positive",
+        )
+        _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
+        _require(self.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")

@@ -1,0 +1,41 @@
+"""The language-model loss of one micro-batch, as the schedules consume it (Megatron's
+`forward_step`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gpt_forward_step(
+    batch: dict,
+    model: torch.nn.Module,
+    input_tensor: torch.Tensor | None = None,
+    per_token_loss: bool = False,
+):
+    """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
+    hidden states elsewhere) and how to reduce it to the micro-batch loss.
+
+    The reported value is [loss total, weight]: the global batch's loss is the sum of the
+    totals over the sum of the weights. By default the loss is the micro-batch's mean over its
+    loss-mask tokens, weighted 1 (every micro-batch counts the same, whatever its token count);
+    with `per_token_loss` it is the sum over those tokens, weighted by their number, so every
+    token of the global batch counts the same (Megatron's --calculate-per-token-loss)."""
+    output = model(
+        batch["tokens"],
+        labels=batch["labels"],
+        hidden_states=input_tensor,
+        attention_mask=batch.get("attention_mask"),
+        position_ids=batch.get("position_ids"),
+    )
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(per_token_loss_values: torch.Tensor):
+        total = (per_token_loss_values.float() * loss_mask).sum()
+        tokens = loss_mask.sum().float()
+        if per_token_loss:
+            return total, torch.stack((total.detach(), tokens))
+        # clamp: a fine-tuning micro-batch may hold no response token at all
+        loss = total / tokens.clamp(min=1)
+        return loss, torch.stack((loss.detach(), torch.ones_like(loss)))
+
+    return output, loss_func

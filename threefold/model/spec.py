@@ -1,0 +1,33 @@
+"""What a transformer layer is built from: a spec of module factories, megatron-core's
+`ModuleSpec` idea in a dozen lines.
+
+`TransformerLayer` never names its parts: it asks its `LayerSpec` for the self-attention, the
+MLP and the norms. A new variant is a new module and one line in `layer_spec`: a
+mixture-of-experts MLP replaces `mlp`, a context-parallel attention replaces `self_attention`,
+and the layer itself does not change. Every factory takes the model config, the parallel
+context and the two init methods (the norm: the config, its size and whether its gradient is
+partial over TP), so a part reads its options from the config, not from threaded keywords.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from threefold.config import ModelConfig
+from threefold.model.attention import SelfAttention
+from threefold.model.mlp import MLP
+from threefold.model.norms import build_norm
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    self_attention: Callable = SelfAttention  # (config, parallel, init, output_init) -> module
+    mlp: Callable = MLP  # (config, parallel, init, output_init) -> module
+    norm: Callable = build_norm  # (config, size, partial_grads) -> module
+
+
+def layer_spec(config: ModelConfig) -> LayerSpec:
+    """The parts a model config asks for: the dense GPT layer for every config today."""
+    del config  # the choice point: an MoE config will pick its MLP here
+    return LayerSpec()

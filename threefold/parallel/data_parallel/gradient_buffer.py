@@ -1,0 +1,253 @@
+"""Data-parallel gradients: a contiguous fp32 gradient buffer and its reduction.
+
+As in Megatron's DistributedDataParallel, every parameter's gradient accumulates into
+`param.main_grad`, a view into one flat fp32 buffer, over all micro-batches of a global batch.
+`finalize_model_grads` then makes the gradients complete and equal everywhere, once per step:
+1. the buffer is averaged over the data-parallel group (PyTorch DDP semantics: the mean of the
+   replicas' gradients), in buckets so no single message is huge, and with
+   --overlap-grad-reduce each bucket as soon as backward has finished it; under the
+   distributed optimizer it is reduce-scattered instead, each DP rank keeping its shard;
+2. sequence-parallel replicated parameters (norms, row-parallel biases) saw only their rank's
+   slice of the sequence: their gradients are summed over the TP group;
+3. tied embeddings split over the first and last pipeline stage: summed over both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.parallel.collectives import all_gather_single, reduce_scatter_single
+from threefold.parallel.parallel_context import Group, ParallelContext
+
+
+class GradientBuffer:
+    """`flat_parameters=True` also moves the parameters into one flat buffer of the same layout
+    (the distributed optimizer all-gathers it), and `pad_to_multiple` pads each bucket so it
+    splits into equal data-parallel shards: as in Megatron, a distributed-optimizer rank owns
+    one contiguous shard *of every bucket*, so each bucket can be reduce-scattered and
+    all-gathered on its own.
+
+    Buckets are runs of whole parameters of at least `bucket_size` elements (Megatron's
+    --ddp-bucket-size). With `overlap_grad_reduce`, a parameter's gradient is final once its
+    hook has fired for every micro-batch of the step; when all of a bucket's gradients are
+    final its reduction is launched asynchronously, overlapping the rest of the backward pass.
+
+    `grad_dtype` is fp32 for fp32 models and with --accumulate-allreduce-grads-in-fp32;
+    otherwise the parameters' dtype, as Megatron does.
+
+    Gradients are averaged over the replicas of `dp`, the group it is given: the data-parallel
+    group, or any other group of replicas (DP x CP, expert-DP).
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        dp: Group,
+        bucket_size: int = 40_000_000,
+        pad_to_multiple: int = 1,
+        flat_parameters: bool = False,
+        overlap_grad_reduce: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        needs_full_gradient=None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.dp = dp
+        device = self.params[0].device
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
+        self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
+        self._bucket_of: dict[nn.Parameter, int] = {}
+        # Buckets always all-reduced, even under the distributed optimizer: they hold the
+        # parameters whose gradients are then summed with a copy laid out differently in
+        # another rank's buffer (tied embeddings across pipeline stages), which needs every
+        # element of the gradient reduced, not only this rank's shard.
+        self.full_buckets: set[int] = set()
+        special, ordinary = [], []
+        for param in self.params:
+            (special if needs_full_gradient and needs_full_gradient(param) else ordinary).append(
+                param
+            )
+        offset = 0
+        # Reverse order, as Megatron lays the buffer out: backward produces the last layers'
+        # gradients first, so their buckets complete first.
+        for group in (ordinary, special):
+            bucket_start = offset
+            for param in reversed(group):
+                self.ranges[param] = (offset, offset + param.numel())
+                self._bucket_of[param] = len(self.buckets)
+                offset += param.numel()
+                if offset - bucket_start >= bucket_size:
+                    offset = bucket_start = self._close_bucket(
+                        bucket_start, offset, pad_to_multiple, group is special
+                    )
+            if bucket_start < offset:
+                offset = self._close_bucket(bucket_start, offset, pad_to_multiple, group is special)
+        if not self.buckets:
+            offset = self._close_bucket(0, 0, pad_to_multiple, False)
+        self.buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
+        self.param_buffer = (
+            torch.zeros(offset, dtype=self.params[0].dtype, device=device)
+            if flat_parameters
+            else None
+        )
+        for param, (start, end) in self.ranges.items():
+            param.main_grad = self.buffer[start:end].view_as(param)
+            if self.param_buffer is not None:
+                self.param_buffer[start:end].copy_(param.data.view(-1))
+                param.data = self.param_buffer[start:end].view_as(param)
+            param.register_post_accumulate_grad_hook(self._accumulate)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.reduce_scatter = False  # set by the distributed optimizer
+        self._gather_handles: dict[int, object] = {}
+        self.start_step(num_microbatches=1)
+
+    def _close_bucket(self, start: int, end: int, pad_to_multiple: int, full: bool) -> int:
+        end = max(-(-end // pad_to_multiple) * pad_to_multiple, start + pad_to_multiple)
+        if full:
+            self.full_buckets.add(len(self.buckets))
+        self.buckets.append((start, end))
+        return end
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the gradients and arm the per-bucket countdown for a step."""
+        self.buffer.zero_()
+        self._expected_calls = num_microbatches
+        self._calls = dict.fromkeys(self.params, 0)
+        self._pending = [0] * len(self.buckets)
+        for param in self.params:
+            self._pending[self._bucket_of[param]] += 1
+        self._handles: dict[int, tuple[object, torch.Tensor | None]] = {}
+
+    def _accumulate(self, param: torch.Tensor) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not self.overlap_grad_reduce:
+            return
+        self._calls[param] += 1
+        if self._calls[param] == self._expected_calls:
+            bucket = self._bucket_of[param]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._launch(bucket)
+
+    def bucket_of(self, param: nn.Parameter) -> int:
+        return self._bucket_of[param]
+
+    # -- gradients ----------------------------------------------------------------------------
+    def shard_range(self, bucket: int) -> tuple[int, int]:
+        """This DP rank's slice of one bucket under the distributed optimizer."""
+        start, end = self.buckets[bucket]
+        size = (end - start) // self.dp.size
+        start += self.dp.rank * size
+        return start, start + size
+
+    def _launch(self, bucket: int) -> None:
+        """Start the bucket's mean over DP replicas: an all-reduce, or under the distributed
+        optimizer a reduce-scatter after which only this rank's shard is complete."""
+        world = self.dp.size
+        if world == 1 or bucket in self._handles:
+            return
+        start, end = self.buckets[bucket]
+        self.buffer[start:end].div_(world)
+        group = self.dp.group
+        if self.reduce_scatter and bucket not in self.full_buckets:
+            shard_start, shard_end = self.shard_range(bucket)
+            shard = torch.empty(
+                shard_end - shard_start, dtype=self.buffer.dtype, device=self.buffer.device
+            )
+            handle = reduce_scatter_single(
+                shard, self.buffer[start:end], group=group, async_op=True
+            )
+            self._handles[bucket] = (handle, shard)
+        else:
+            handle = dist.all_reduce(self.buffer[start:end], group=group, async_op=True)
+            self._handles[bucket] = (handle, None)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the buckets launched during backward (overlap), and reduce the others."""
+        for bucket in range(len(self.buckets)):
+            self._launch(bucket)
+        for bucket, (handle, shard) in self._handles.items():
+            handle.wait()
+            if shard is not None:
+                start, end = self.shard_range(bucket)
+                self.buffer[start:end].copy_(shard)
+        self._handles = {}
+
+    # -- parameters (distributed optimizer) ---------------------------------------------------
+    @torch.no_grad()
+    def start_param_gather(self) -> None:
+        """Every DP rank updated its shard of each bucket: share them, asynchronously."""
+        if self.dp.size == 1:
+            return
+        for bucket, (start, end) in enumerate(self.buckets):
+            shard_start, shard_end = self.shard_range(bucket)
+            local = self.param_buffer[shard_start:shard_end].clone()
+            self._gather_handles[bucket] = all_gather_single(
+                self.param_buffer[start:end], local, group=self.dp.group, async_op=True
+            )
+
+    def finish_param_gather(self, params=None) -> None:
+        """Wait until the buckets holding `params` (all buckets by default) are gathered."""
+        if not self._gather_handles:  # the common case in a forward pre-hook: nothing pending
+            return
+        buckets = (
+            list(self._gather_handles)
+            if params is None
+            else {self._bucket_of[p] for p in params if p in self._bucket_of}
+        )
+        for bucket in buckets:
+            handle = self._gather_handles.pop(bucket, None)
+            if handle is not None:
+                handle.wait()
+
+    def wait_for_params_before_forward(self, modules: list[nn.Module]) -> None:
+        """--overlap-param-gather: a module's forward first waits for the buckets of its own
+        parameters and its children's, so the all-gather of later layers overlaps the forward
+        of earlier ones. Its children's too: a module may read a child's weight without
+        calling the child (SwiGLU's fc1 through `forward_blocks`, the learned position table
+        sliced by the embedding), and the child's own hook then never fires."""
+        for chunk in modules:
+            for module in chunk.modules():
+                owners = [module, *module.children()]
+                read = [
+                    p
+                    for owner in owners
+                    for p in owner.parameters(recurse=False)
+                    if p.requires_grad
+                ]
+                if read:
+                    module.register_forward_pre_hook(
+                        lambda _module, _args, read=read: self.finish_param_gather(read)
+                    )
+
+
+def all_reduce_sequence_parallel_grads(params: list[nn.Parameter], tp: Group) -> None:
+    grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+    if not grads or tp.size == 1:
+        return
+    flat = tp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def all_reduce_embedding_grads(params: list[nn.Parameter], parallel: ParallelContext) -> None:
+    """Tied embeddings under pipeline parallelism: the first stage's word embeddings and the
+    last stage's output layer are two copies of one weight. Summing their gradients over
+    megatron-core's embedding group (first and last stage) keeps the copies identical."""
+    if parallel.pp.size == 1:
+        return
+    for param in params:
+        if getattr(param, "shared_embedding", False):
+            dist.all_reduce(param.main_grad, group=parallel.embedding_group)
+
+
+def finalize_model_grads(grad_buffer: GradientBuffer, parallel: ParallelContext) -> None:
+    # The DP reduction comes first: with --overlap-grad-reduce it is already in flight on the
+    # buffer, and the TP and embedding sums below commute with the DP mean.
+    grad_buffer.finish_grad_sync()
+    all_reduce_sequence_parallel_grads(grad_buffer.params, parallel.tp)
+    all_reduce_embedding_grads(grad_buffer.params, parallel)

@@ -1,0 +1,132 @@
+"""PyTorch's own data parallelism as fallbacks for small models (`--distributed-strategy`).
+
+- `ddp`: `torch.nn.parallel.DistributedDataParallel`, every rank holding the whole model and
+  optimizer (fp32 parameters; `--bf16`/`--fp16` compute under autocast).
+- `fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) on every transformer layer and on the
+  model, the ZeRO-3 equivalent: parameters, gradients and Adam moments are sharded over the
+  data-parallel ranks and each layer's parameters are all-gathered just before it runs. The
+  sharded fp32 parameters are the masters; `--bf16`/`--fp16` all-gather them in that dtype and
+  reduce-scatter gradients in fp32 (a `MixedPrecisionPolicy`).
+
+`--grad-reduce-in-bf16` reduces gradients in bf16 instead: DDP through its bf16 compression
+hook, FSDP2 through the policy's `reduce_dtype`.
+
+Both need TP = PP = 1 (checked by the config). Gradient synchronization is skipped on all but
+the last micro-batch of a step (`no_sync_context`), so accumulation costs one reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.sharding import PARAMETER_ATTRIBUTES
+
+
+def wrap_ddp(
+    model: nn.Module,
+    device: torch.device,
+    dp: Group,
+    bucket_elements: int,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    # --ddp-bucket-size counts elements; PyTorch DDP's buckets are in MiB (of fp32 gradients).
+    wrapped = nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=dp.group,
+        bucket_cap_mb=bucket_elements * 4 / 2**20,
+        # The gradients live in DDP's buckets: no second copy of them.
+        gradient_as_bucket_view=True,
+    )
+    if reduce_dtype == torch.bfloat16:
+        wrapped.register_comm_hook(dp.group, _all_reduce_in_bf16)
+    return wrapped
+
+
+def _all_reduce_in_bf16(group, bucket):
+    """DDP communication hook: average a bucket in bf16 and write it back to the fp32 bucket.
+    (PyTorch's own bf16 hook refuses anything but NCCL/XCCL; this one runs on gloo too.)
+    Unannotated: DDP checks the annotations against the real classes, and this module's
+    `from __future__ import annotations` would turn them into strings."""
+    gradients = bucket.buffer()
+    compressed = gradients.to(torch.bfloat16).div_(dist.get_world_size(group))
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+
+    def write_back(future):
+        return gradients.copy_(future.value()[0])
+
+    return work.get_future().then(write_back)
+
+
+def wrap_fsdp(
+    model: nn.Module,
+    device: torch.device,
+    dp: Group,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FSDP2 replaces the parameters with new DTensor ones: their attributes are carried over.
+    saved = {
+        name: {a: getattr(p, a) for a in PARAMETER_ATTRIBUTES if hasattr(p, a)}
+        for name, p in model.named_parameters()
+    }
+    # With TP = PP = 1 the data-parallel group is the whole world; the default group (never
+    # torn down and re-created as megatron-core's are when a layout changes) backs the mesh.
+    assert dp.size == dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=reduce_dtype,
+    )
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # embedding, final norm, output layer
+    for name, param in model.named_parameters():
+        for attribute, value in saved[name].items():
+            setattr(param, attribute, value)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """After a forward without backward (evaluation) FSDP2 leaves the root's parameters
+    unsharded and registered in place of the sharded ones: put the sharded ones back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from its shards, else the tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def no_sync_context(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context that suspends gradient reduction, for the non-final micro-batches."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync
+
+    @contextlib.contextmanager
+    def fsdp_no_sync():
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    return fsdp_no_sync

@@ -1,0 +1,79 @@
+"""The parallel context: every process group and rank this process uses, built once and passed.
+
+Layers, schedules, the gradient buffer, optimizers, checkpointing and the training loop receive
+a `ParallelContext` (or the one `Group` they need) instead of asking a global registry, so a
+component written for one group works unchanged over another: the gradient buffer reduces over
+whatever `dp` it is given (DP today; DP x CP or expert-DP when those exist).
+
+    ParallelContext
+      tp          tensor-parallel group (Megatron's rank order: TP varies fastest)
+      pp          pipeline-parallel group (varies slowest)
+      dp          data-parallel group
+      cp          context-parallel group (size 1 until context parallelism lands)
+      ep          expert-parallel group (size 1 until mixture-of-experts lands)
+      expert_dp   the data-parallel group of the expert weights (size 1 until then)
+      world       every rank
+      embedding_group       first and last pipeline stage: holders of tied embeddings
+      model_parallel_group  TP x PP: the ranks that together hold one model replica
+      sequence_parallel     activations between layers split along the sequence over TP
+
+`ParallelContext()` is one process: every size 1, every rank 0, no group. The context is built
+from megatron-core's `parallel_state` by `threefold.parallel.state.parallel_context`, the one
+place that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    """One parallel dimension as this rank sees it: its process group, size and rank."""
+
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+    rank: int = 0
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place over the group (nothing to do at size 1); returns `tensor`."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    tp: Group = field(default_factory=Group)
+    pp: Group = field(default_factory=Group)
+    dp: Group = field(default_factory=Group)
+    cp: Group = field(default_factory=Group)
+    ep: Group = field(default_factory=Group)
+    expert_dp: Group = field(default_factory=Group)
+    world: Group = field(default_factory=Group)
+    embedding_group: dist.ProcessGroup | None = None
+    model_parallel_group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def is_first_pipeline_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_pipeline_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    def pipeline_tensor_shape(
+        self, seq_length: int, micro_batch_size: int, hidden_size: int
+    ) -> tuple[int, int, int]:
+        """What travels between pipeline stages: [sequence, micro-batch, hidden], the sequence
+        divided over TP under sequence parallelism."""
+        sequence = seq_length // (self.tp.size if self.sequence_parallel else 1)
+        return (sequence, micro_batch_size, hidden_size)
+
+
+# One process, no group: the default where a function may run without a layout.
+ONE_DEVICE = Group()

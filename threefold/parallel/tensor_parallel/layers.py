@@ -1,0 +1,281 @@
+"""Tensor-parallel layers with Megatron's names and semantics, device-agnostic.
+
+megatron-core's own layers hard-code CUDA in their gather paths, so threefold owns these. At
+tensor-parallel size 1 every collective is skipped and they are plain linear/embedding layers.
+
+Shapes: activations are [sequence, batch, hidden]; under sequence parallelism the activation
+between layers is this rank's slice of the sequence, [sequence / TP, batch, hidden]. Each layer
+takes the `ParallelContext` it lives in: its TP group and whether sequence parallelism is on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from threefold.parallel.tensor_parallel.sharding import (
+    InitMethod,
+    constant_init,
+    mark_replicated,
+    mark_tensor_parallel,
+)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the TP size ({denominator})")
+    return numerator // denominator
+
+
+class _LinearBlocks(torch.autograd.Function):
+    """`F.linear(x, weight, bias).chunk(blocks, -1)` for a weight stacked from `blocks` row blocks
+    (SwiGLU's [gate; up]), computed one block at a time: each block's output is contiguous (the
+    activation that follows runs faster on it than on a strided half), and backward never
+    concatenates the blocks' gradients, as autograd's backward of `chunk` would (a copy of the
+    whole activation gradient); each goes straight into its rows of the weight gradient and,
+    accumulated, into the input gradient. The same GEMMs as separate gate and up layers, with
+    megatron-core's stacked weight. Under autocast the backward GEMMs run in the dtype the
+    forward ran in, as autocast's own backward does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, blocks):
+        biases = (None,) * blocks if bias is None else bias.chunk(blocks)
+        outputs = tuple(
+            F.linear(x, block, block_bias)
+            for block, block_bias in zip(weight.chunk(blocks), biases)
+        )
+        ctx.save_for_backward(x, weight)
+        ctx.blocks, ctx.has_bias, ctx.compute_dtype = blocks, bias is not None, outputs[0].dtype
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        inputs = x.reshape(-1, x.shape[-1]).to(dtype)
+        weights = weight.to(dtype).chunk(ctx.blocks, dim=0)
+        grad_weight = (
+            torch.empty(weight.shape, dtype=dtype, device=weight.device) if needs_weight else None
+        )
+        grad_bias = (
+            torch.empty(weight.shape[0], dtype=dtype, device=weight.device)
+            if needs_bias and ctx.has_bias
+            else None
+        )
+        grad_x = None
+        rows = weight.shape[0] // ctx.blocks
+        for index, (grad, block_weight) in enumerate(zip(grads, weights)):
+            grad = grad.reshape(-1, rows).to(dtype)
+            block = slice(index * rows, (index + 1) * rows)
+            if needs_x and grad_x is None:
+                grad_x = grad @ block_weight
+            elif needs_x:
+                grad_x.addmm_(grad, block_weight)
+            if grad_weight is not None:
+                torch.mm(grad.t(), inputs, out=grad_weight[block])
+            if grad_bias is not None:
+                torch.sum(grad, dim=0, out=grad_bias[block])
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape).to(x.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def linear_blocks(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int
+) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, weight, bias).chunk(blocks, -1)`, with a cheaper backward (`_LinearBlocks`)."""
+    return _LinearBlocks.apply(x, weight, bias, blocks)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) across the TP group.
+
+    The input is replicated on every TP rank (or, with sequence parallelism, all-gathered along
+    the sequence); the output stays split unless `gather_output`. `partition_stride` > 1 means
+    the full output is `stride` stacked blocks, each split separately (SwiGLU's [gate; up], so
+    every rank holds matching gate and up columns). `forward(x, weight=...)` uses a weight owned
+    by another module: the output layer tied to the word embeddings.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel: ParallelContext,
+        bias: bool,
+        init_method: InitMethod,
+        gather_output: bool = False,
+        partition_stride: int = 1,
+        skip_weight_param: bool = False,
+        valid_output_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = parallel.tp
+        world = self.tp.size
+        self.input_size, self.output_size = input_size, output_size
+        self.partition_stride = partition_stride
+        self.adapter = None  # a LoRA adapter (threefold/model/lora.py), when fine-tuning
+        self.output_size_per_partition = _divide(output_size, world, "output size")
+        self.gather_output = gather_output
+        self.sequence_parallel = parallel.sequence_parallel
+        if skip_weight_param:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = mark_tensor_parallel(
+                nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
+                partition_dim=0,
+                init_method=init_method,
+                master_shape=(output_size, input_size),
+                partition_stride=partition_stride,
+                valid_rows=valid_output_size,
+            )
+        if bias:
+            self.bias = mark_tensor_parallel(
+                nn.Parameter(torch.empty(self.output_size_per_partition)),
+                partition_dim=0,
+                init_method=constant_init(0.0),
+                master_shape=(output_size,),
+                partition_stride=partition_stride,
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def _parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp)
+        return copy_to_tensor_parallel_region(x, self.tp)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        x = self._parallel_input(x)
+        output = F.linear(x, weight, self.bias)
+        if self.adapter is not None:
+            output = output + self.adapter(x)
+        if self.gather_output:
+            output = gather_from_tensor_parallel_region(output, self.tp)
+        return output
+
+    def forward_blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`forward(x).chunk(partition_stride, -1)`: the stacked blocks of the output (SwiGLU's
+        gate and up), each block's gradient used as it comes in backward (`linear_blocks`)."""
+        if self.gather_output:
+            raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
+        x = self._parallel_input(x)
+        blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride)
+        if self.adapter is not None:
+            adapter = self.adapter(x).chunk(self.partition_stride, dim=-1)
+            blocks = tuple(block + extra for block, extra in zip(blocks, adapter))
+        return blocks
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) across the TP group.
+
+    The input arrives already split along its last dimension (the output of a column-parallel
+    layer); partial products are all-reduced, or reduce-scattered along the sequence under
+    sequence parallelism. The bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel: ParallelContext,
+        bias: bool,
+        init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        self.tp = parallel.tp
+        sequence_parallel = parallel.sequence_parallel
+        world = self.tp.size
+        self.input_size, self.output_size = input_size, output_size
+        self.adapter = None  # a LoRA adapter, whose partial output the reduction completes
+        self.input_size_per_partition = _divide(input_size, world, "input size")
+        self.sequence_parallel = sequence_parallel
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)),
+            partition_dim=1,
+            init_method=init_method,
+            master_shape=(output_size, input_size),
+        )
+        if bias:
+            self.bias = mark_replicated(
+                nn.Parameter(torch.empty(output_size)),
+                constant_init(0.0),
+                partial_grads=sequence_parallel,
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = F.linear(x, self.weight)
+        if self.adapter is not None:
+            output = output + self.adapter(x)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output, self.tp)
+        else:
+            output = reduce_from_tensor_parallel_region(output, self.tp)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Word embeddings split along the (padded) vocabulary across the TP group.
+
+    Each rank looks up the ids in its vocabulary range and contributes zeros for the others; the
+    partial embeddings are summed over the group (reduce-scattered along the sequence under
+    sequence parallelism). Takes ids [batch, sequence] and returns [sequence, batch, hidden].
+    """
+
+    def __init__(
+        self,
+        padded_vocab_size: int,
+        embedding_dim: int,
+        *,
+        parallel: ParallelContext,
+        vocab_size: int,
+        init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        self.tp = parallel.tp
+        world, rank = self.tp.size, self.tp.rank
+        self.num_embeddings_per_partition = _divide(padded_vocab_size, world, "padded vocabulary")
+        self.vocab_start_index = rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.sequence_parallel = parallel.sequence_parallel
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)),
+            partition_dim=0,
+            init_method=init_method,
+            master_shape=(padded_vocab_size, embedding_dim),
+            valid_rows=vocab_size,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_ids = input_ids.t()  # [s, b]: the output comes out in Megatron's layout
+        if self.tp.size > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            output = F.embedding(input_ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(output, self.tp)
+        return reduce_from_tensor_parallel_region(output, self.tp)

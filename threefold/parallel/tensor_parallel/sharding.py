@@ -1,0 +1,148 @@
+"""How a parameter is split across tensor-parallel ranks, and layout-independent initialization.
+
+The attributes a parameter carries, as Megatron names them (`PARAMETER_ATTRIBUTES`; this is the
+one place they are written down; the only code that sets them is below, the TP layers
+(`shared_embedding`, `embedding_copy`: model/gpt.py) and the gradient buffer (`main_grad`)):
+
+    tensor_model_parallel  bool       split over TP ranks (False: every TP rank holds it whole)
+    partition_dim          int        the split dimension (TP parameters only)
+    partition_stride       int        > 1: the full tensor is `stride` stacked blocks, each split
+                                      separately (SwiGLU's [gate; up])
+    master_shape           tuple      the full tensor's shape on one device (vocabulary padded)
+    valid_rows             int|None   rows of the full tensor that are real (the rest: padding)
+    init_method            callable   init_method(full tensor, generator)
+    sequence_parallel      bool       each TP rank computes part of its gradient, summed over TP
+                                      (sequence-parallel norms and biases, query/key norms)
+    shared_embedding       bool       one of the two copies of tied word embeddings under PP
+    embedding_copy         bool       the last stage's copy (counted once in norms)
+    main_grad              Tensor     its view into the gradient buffer (parallel/data_parallel)
+
+`initialize_parameters` draws each *full* tensor from a generator seeded by the run seed and the
+parameter's layout-independent name, then keeps this rank's shard. A model built at TP=N thus
+holds exactly the shards of the TP=1 model with the same seed (Megatron's
+`--use-cpu-initialization` has the same property), which is what parity tests and users
+comparing layouts need. Drawing on the CPU also makes the model the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from threefold.parallel.parallel_context import Group
+
+InitMethod = Callable[[torch.Tensor, torch.Generator], None]
+PARAMETER_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "master_shape",
+    "valid_rows",
+    "init_method",
+    "sequence_parallel",
+    "shared_embedding",
+    "embedding_copy",
+)
+
+
+def normal_init(std: float) -> InitMethod:
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def constant_init(value: float) -> InitMethod:
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.fill_(value)
+
+    return init
+
+
+def mark_replicated(
+    param: torch.nn.Parameter, init_method: InitMethod, partial_grads: bool = False
+) -> torch.nn.Parameter:
+    """A parameter every TP rank holds whole. `partial_grads`: each rank computes only part of
+    its gradient (its slice of the sequence under sequence parallelism, its heads for query/key
+    norms), which must be summed over the TP group; Megatron's `sequence_parallel` attribute."""
+    param.tensor_model_parallel = False
+    param.master_shape = tuple(param.shape)
+    param.valid_rows = param.shape[0] if param.dim() else None
+    param.init_method = init_method
+    param.sequence_parallel = partial_grads
+    return param
+
+
+def mark_tensor_parallel(
+    param: torch.nn.Parameter,
+    partition_dim: int,
+    init_method: InitMethod,
+    master_shape: tuple[int, ...],
+    partition_stride: int = 1,
+    valid_rows: int | None = None,
+) -> torch.nn.Parameter:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = partition_stride
+    param.master_shape = tuple(master_shape)
+    param.valid_rows = master_shape[0] if valid_rows is None else valid_rows
+    param.init_method = init_method
+    param.sequence_parallel = False
+    return param
+
+
+def shard_of(full: torch.Tensor, param: torch.nn.Parameter, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of a full tensor, following the parameter's partitioning."""
+    if not getattr(param, "tensor_model_parallel", False) or world == 1:
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([block.chunk(world, dim=dim)[rank] for block in blocks], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], param: torch.nn.Parameter) -> torch.Tensor:
+    """Inverse of `shard_of`: the full tensor from every rank's shard, in rank order."""
+    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
+        return shards[0]
+    dim, stride = param.partition_dim, param.partition_stride
+    per_rank_blocks = [shard.chunk(stride, dim=dim) for shard in shards]
+    blocks = [torch.cat([blocks[i] for blocks in per_rank_blocks], dim=dim) for i in range(stride)]
+    return torch.cat(blocks, dim=dim)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def initialize_parameters(
+    named_parameters: list[tuple[str, torch.nn.Parameter]], seed: int, tp: Group
+) -> None:
+    """Initialize each parameter as the shard of a full tensor drawn from a per-name generator.
+
+    `named_parameters` must use layout-independent names (global layer numbers).
+    """
+    for name, param in named_parameters:
+        full = torch.zeros(param.master_shape, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+        rows = param.valid_rows if param.dim() else None
+        param.init_method(full[:rows] if rows is not None else full, generator)
+        param.copy_(shard_of(full, param, tp.rank, tp.size))
+
+
+@torch.no_grad()
+def gather_tensor_parallel(
+    tensor: torch.Tensor, param: torch.nn.Parameter, tp: Group
+) -> torch.Tensor:
+    """The full, unpadded tensor of `param` (or of a same-shaped companion such as its gradient),
+    gathered from every rank of `tp`."""
+    if getattr(param, "tensor_model_parallel", False) and tp.size > 1:
+        shards = [torch.empty_like(tensor) for _ in range(tp.size)]
+        dist.all_gather(shards, tensor.contiguous(), group=tp.group)
+        tensor = unshard(shards, param)
+    if param.dim() and param.valid_rows is not None:
+        tensor = tensor[: param.valid_rows]
+    return tensor

@@ -1,0 +1,103 @@
+"""Building what the trainer composes: this rank's model chunks, its data parallelism with the
+optimizer, the LR scheduler and the loss scaler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from threefold.config import Config
+from threefold.kernels.dispatch import compile_layers, configure_for_model
+from threefold.model import GPTModel
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
+from threefold.training.data_parallel import (
+    DataParallel,
+    build_data_parallel,
+    params_dtype,
+    uses_torch_data_parallel,
+)
+from threefold.training.loss_scaler import build_loss_scaler
+from threefold.training.lr_scheduler import OptimizerParamScheduler
+from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.strategy import resolve_auto_strategy
+
+
+def build_model_chunks(
+    config: Config, parallel: ParallelContext, device: torch.device, dtype: torch.dtype
+) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    layout = config.parallel
+    pp, rank = parallel.pp.size, parallel.pp.rank
+    layers = model_chunk_layers(
+        config.model.num_layers,
+        pp,
+        rank,
+        layout.virtual_pipeline_model_parallel_size,
+        layout.decoder_first_pipeline_num_layers,
+        layout.decoder_last_pipeline_num_layers,
+    )
+    padded_vocab = config.model.padded_vocab_size(parallel.tp.size)
+    chunks = []
+    for index, (offset, count) in enumerate(layers):
+        chunk = GPTModel(
+            config.model,
+            padded_vocab,
+            parallel=parallel,
+            pre_process=rank == 0 and index == 0,
+            post_process=rank == pp - 1 and index == len(layers) - 1,
+            num_layers=count,
+            layer_offset=offset,
+        )
+        chunk.initialize(config.training.seed)
+        chunks.append(chunk.to(device=device, dtype=dtype))
+        if config.kernels.compile_layers:
+            compile_layers(chunk)
+    return chunks
+
+
+def build_model_and_optimizer(
+    config: Config, parallel: ParallelContext, device: torch.device, report: Callable[[str], None]
+):
+    """(model chunks, data parallelism with its optimizer, scheduler, loss scaler); `report`
+    prints the start-up choices on rank 0."""
+    training, layout = config.training, config.parallel
+    if layout.distributed_strategy == "auto":
+        report(f"> {resolve_auto_strategy(config, device)}")
+    report(
+        configure_for_model(
+            config.kernels,
+            config.model,
+            parallel.tp.size,
+            device,
+            params_dtype(config),
+            training.micro_batch_size,
+        )
+    )
+    torch_native = uses_torch_data_parallel(config)
+    chunks = build_model_chunks(
+        config, parallel, device, torch.float32 if torch_native else params_dtype(config)
+    )
+    offload = training.optimizer_cpu_offload and device.type != "cpu"
+    if training.optimizer_cpu_offload and not offload:
+        report("> --optimizer-cpu-offload: this run is on the CPU already, nothing to offload")
+    data_parallel: DataParallel = build_data_parallel(chunks, config, parallel, device, offload)
+    optimizer = data_parallel.optimizer
+    optimizer.initialize_state()
+    optimizer.count_zeros = config.logging.log_num_zeros_in_grad
+    named = [
+        (chunk.layout_independent_name(name), param)
+        for chunk in chunks
+        for name, param in chunk.named_parameters()
+    ]
+    print(
+        f"> rank {parallel.world.rank} {measure_bytes_per_parameter(named, data_parallel)}",
+        flush=True,
+    )
+    return (
+        chunks,
+        data_parallel,
+        OptimizerParamScheduler(optimizer, training),
+        build_loss_scaler(training),
+    )

@@ -1,0 +1,77 @@
+"""The run's checkpoints: when to save, saving (blocking or in the background) and reporting.
+
+The trainer hands over a way to get its `CheckpointComponents`; what is saved, and how, is
+threefold/checkpoint/'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.save import save_checkpoint
+from threefold.checkpoint.writer import CheckpointWriter
+from threefold.config import CheckpointConfig
+from threefold.training.observability import Observability
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        components: Callable[[], CheckpointComponents],
+        observability: Observability,
+    ) -> None:
+        self.config, self.components, self.observability = config, components, observability
+        self.writer = (
+            CheckpointWriter(config.save, config.async_save, keep_latest=config.ckpt_keep_latest)
+            if config.save
+            else None
+        )
+        self.last_saved = None  # the iteration whose checkpoint is (being) written, or loaded
+
+    def due(self, iteration: int) -> bool:
+        """--save-interval says so (the loop saves the last iteration itself)."""
+        return bool(self.config.save_interval and iteration % self.config.save_interval == 0)
+
+    def save(self, iteration: int) -> None:
+        watch = self.observability
+        watch.watchdog.enter("checkpoint save", iteration)
+        self.wait()
+        start = time.perf_counter()
+        with watch.timers("save-checkpoint", 0):
+            path = save_checkpoint(self.config.save, self.components(), self.writer)
+        self.last_saved = iteration
+        blocked = time.perf_counter() - start
+        if self.writer.asynchronous:
+            watch.print(
+                f"  started saving checkpoint at iteration {iteration} in the "
+                f"background ({blocked:.2f} s blocked)"
+            )
+        else:
+            watch.print(f"  saved checkpoint at iteration {iteration} to {path} in {blocked:.2f} s")
+        watch.print_timers(["save-checkpoint"])
+        watch.restart_window()
+
+    def save_final(self, iteration: int) -> None:
+        """At the end of training (with --save): save unless this iteration is on disk or being
+        written already, and wait until every save is complete."""
+        if self.config.save and self.last_saved != iteration:
+            self.save(iteration)
+        self.wait()
+
+    def poll(self) -> None:
+        """After each iteration: note a background save that completed; raise
+        CheckpointSaveError for one that failed (not one interval later, at the next save)."""
+        if self.writer is not None:
+            self._saved(self.writer.poll())
+
+    def wait(self) -> None:
+        """Wait for an --async-save to complete everywhere (the tracker then names it)."""
+        if self.writer is not None:
+            self._saved(self.writer.wait())
+
+    def _saved(self, iteration: int | None) -> None:
+        if iteration is not None:
+            self.observability.print(f"  checkpoint at iteration {iteration} complete")

@@ -1,0 +1,210 @@
+"""Data parallelism as one interface with two implementations, so the loop never branches on it.
+
+    MegatronDataParallel   threefold's gradient buffer (parallel/data_parallel.py) with the
+                           mixed-precision or distributed optimizer; any TP/PP layout
+    TorchDataParallel      PyTorch DDP or FSDP2 around the one model chunk (TP = PP = 1), with
+                           the fp32 parameters as their own masters (--distributed-strategy
+                           ddp|fsdp)
+
+Both answer the same calls in the order the loop makes them: `start_step` (zero gradients,
+arm the reduction), `schedule_options` (what the forward/backward schedule needs: DDP's
+no-sync for all micro-batches but the last), `forward_context` (autocast where the parameters
+stay fp32), `finish_grad_sync`, then `optimizer.step` (clip and update); `after_evaluation`
+puts FSDP's sharded parameters back. Each owns its optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from threefold.config import Config
+from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer, finalize_model_grads
+from threefold.parallel.data_parallel.torch_native import (
+    local,
+    no_sync_context,
+    reshard,
+    wrap_ddp,
+    wrap_fsdp,
+)
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.training.optimizer import (
+    DistributedOptimizer,
+    MixedPrecisionOptimizer,
+    NativeOptimizer,
+)
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    training = config.training
+    return torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else torch.float32
+
+
+def uses_torch_data_parallel(config: Config) -> bool:
+    """DDP/FSDP keep fp32 parameters as masters and compute in half precision under autocast;
+    threefold's own data parallelism keeps the parameters in the run's dtype."""
+    return config.parallel.distributed_strategy in ("ddp", "fsdp")
+
+
+class MegatronDataParallel:
+    """Gradients accumulated in threefold's bucketed buffer and averaged over `parallel.dp`."""
+
+    grad_buffer: GradientBuffer
+
+    def __init__(
+        self,
+        model_chunks: list[nn.Module],
+        config: Config,
+        parallel: ParallelContext,
+        offload: bool,
+    ) -> None:
+        dp, training = config.parallel, config.training
+        self.parallel = parallel
+        self.model_chunks = self.wrapped_chunks = model_chunks
+        named = [
+            (name, param) for chunk in model_chunks for name, param in chunk.named_parameters()
+        ]
+        distributed = dp.use_distributed_optimizer
+        half = training.bf16 or training.fp16
+
+        def summed_over_another_group(param: nn.Parameter) -> bool:
+            """Tied embeddings under PP: after the DP reduction their gradients are summed
+            between the first and last stage, whose buffers lay them out at different
+            offsets, so a distributed-optimizer shard of one does not line up with the
+            other's. (Sequence-parallel norms are summed over TP ranks, whose buffers have
+            identical layouts and shards: no such issue.)"""
+            return bool(getattr(param, "shared_embedding", False) and parallel.pp.size > 1)
+
+        self.grad_buffer = GradientBuffer(
+            [param for _, param in named],
+            parallel.dp,
+            bucket_size=dp.bucket_size,
+            pad_to_multiple=parallel.dp.size if distributed else 1,
+            flat_parameters=distributed,
+            overlap_grad_reduce=dp.overlap_grad_reduce,
+            grad_dtype=(
+                params_dtype(config)
+                if half and not dp.accumulate_allreduce_grads_in_fp32
+                else torch.float32
+            ),
+            needs_full_gradient=summed_over_another_group,
+        )
+        if distributed:
+            self.optimizer = DistributedOptimizer(
+                named, self.grad_buffer, training, parallel, dp.overlap_param_gather, offload
+            )
+            if dp.overlap_param_gather:
+                self.grad_buffer.wait_for_params_before_forward(model_chunks)
+        else:
+            self.optimizer = MixedPrecisionOptimizer(named, training, parallel, offload)
+
+    def start_step(self, num_microbatches: int) -> None:
+        self.grad_buffer.start_step(num_microbatches)
+
+    def schedule_options(self) -> dict:
+        return {}
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        finalize_model_grads(self.grad_buffer, self.parallel)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradients as they are before the data-parallel reduction."""
+        return [self.grad_buffer.buffer]
+
+    def gradient_bytes(self) -> int:
+        return self.grad_buffer.buffer.numel() * self.grad_buffer.buffer.element_size()
+
+    def finish_param_gather(self) -> None:
+        """Wait for an --overlap-param-gather all-gather still in flight."""
+        self.grad_buffer.finish_param_gather()
+
+    def after_evaluation(self) -> None:
+        pass
+
+
+class TorchDataParallel:
+    """PyTorch DDP or FSDP2 (`fsdp`) around the one model chunk; gradients in `param.grad`."""
+
+    grad_buffer = None
+
+    def __init__(
+        self,
+        model_chunks: list[nn.Module],
+        config: Config,
+        parallel: ParallelContext,
+        device: torch.device,
+        fsdp: bool,
+    ) -> None:
+        (model,) = self.model_chunks = model_chunks
+        dp = config.parallel
+        if not fsdp:  # DDP turns existing gradients into views of its buckets
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+        reduce_dtype = torch.bfloat16 if dp.grad_reduce_in_bf16 else torch.float32
+        self.compute_dtype = params_dtype(config)
+        self.device_type = device.type
+        wrapped = (
+            wrap_fsdp(model, device, parallel.dp, self.compute_dtype, reduce_dtype)
+            if fsdp
+            else wrap_ddp(model, device, parallel.dp, dp.bucket_size, reduce_dtype)
+        )
+        if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+        self.wrapped_chunks = [wrapped]
+        self.optimizer = NativeOptimizer(
+            list(model.named_parameters()), config.training, parallel, sharded=fsdp
+        )
+
+    def start_step(self, num_microbatches: int) -> None:
+        self.optimizer.zero_grad()
+
+    def schedule_options(self) -> dict:
+        return {"no_sync_func": no_sync_context(self.wrapped_chunks[0])}
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+
+    def finish_grad_sync(self) -> None:
+        pass  # DDP and FSDP reduce the gradients during backward
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [
+            local(param.grad)
+            for chunk in self.model_chunks
+            for param in chunk.parameters()
+            if param.grad is not None
+        ]
+
+    def gradient_bytes(self) -> int:
+        return sum(grad.numel() * grad.element_size() for grad in self.local_grads())
+
+    def finish_param_gather(self) -> None:
+        pass
+
+    def after_evaluation(self) -> None:
+        for chunk in self.wrapped_chunks:
+            reshard(chunk)
+
+
+DataParallel = MegatronDataParallel | TorchDataParallel
+
+
+def build_data_parallel(
+    model_chunks: list[nn.Module],
+    config: Config,
+    parallel: ParallelContext,
+    device: torch.device,
+    offload: bool,
+) -> DataParallel:
+    strategy = config.parallel.distributed_strategy
+    if strategy in ("ddp", "fsdp"):
+        return TorchDataParallel(model_chunks, config, parallel, device, strategy == "fsdp")
+    return MegatronDataParallel(model_chunks, config, parallel, offload)

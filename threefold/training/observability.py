@@ -1,0 +1,163 @@
+"""Everything that watches the training loop without changing what it computes, entered once.
+
+    metric writers      the Megatron log line, TensorBoard, Weights & Biases (training/logging)
+    log window          iterations, samples and losses since the last log line
+    timers              Megatron's timers, reported with the log line (training/timers)
+    profiler            --profile's window of iterations (training/profiling)
+    watchdog            stall and straggler reports (training/watchdog)
+    memory hygiene      --manual-gc, --empty-unused-memory-level (training/memory_hygiene)
+    spiky-loss check    --check-for-spiky-loss (training/numerics)
+    exit conditions     --exit-interval, --exit-duration-in-mins, signals (training/exit_conditions)
+
+`with observability:` starts the live parts for the loop and closes all of them, in reverse
+order, however the loop ends. Outside it (start-up, the parity tests' single steps) the
+watchdog is a stand-in that records nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+from threefold.config import Config
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.training.exit_conditions import ExitConditions
+from threefold.training.logging import (
+    LogWindow,
+    MetricWriters,
+    format_iteration,
+    format_validation,
+    iteration_stats,
+)
+from threefold.training.memory_hygiene import MemoryHygiene
+from threefold.training.numerics import SpikyLossDetector
+from threefold.training.profiling import IterationProfiler
+from threefold.training.timers import ITERATION, Timers
+from threefold.training.watchdog import Watchdog
+
+
+class Observability:
+    def __init__(
+        self, config: Config, parallel: ParallelContext, device: torch.device, start_time: float
+    ) -> None:
+        self.config, self.device, self.world_size = config, device, parallel.world.size
+        logging = config.logging
+        self.timers = Timers(
+            logging.timing_log_level,
+            logging.timing_log_option,
+            logging.barrier_with_l1_time,
+            device,
+        )
+        self.flops_per_iteration = 0.0  # the trainer sets it once the model is built
+        self.rank = parallel.world.rank
+        self.start_time = start_time  # --exit-duration-in-mins counts from here
+        self.watchdog = Watchdog(config.parallel.distributed_timeout_minutes, live=False)
+        self.hygiene = MemoryHygiene(config.training, device)
+        self.profiler = IterationProfiler(config.logging, device, self.rank)
+        self.window = LogWindow()
+        self._stack = contextlib.ExitStack()
+
+    def print(self, message: str) -> None:
+        if self.rank == 0:
+            print(message, flush=True)
+
+    def print_timers(
+        self, names: list[str] | tuple[str, ...], normalizer: int = 1
+    ) -> dict[str, float]:
+        """Report timers (collective: every rank calls it) and print them on rank 0; returns
+        the max over ranks in ms per timer."""
+        text, maxima = self.timers.report(names, normalizer)
+        if text:
+            self.print(text)
+        return maxima
+
+    # -- the loop's lifetime -------------------------------------------------------------------
+    def __enter__(self) -> Observability:
+        config, logging, training = self.config, self.config.logging, self.config.training
+        stack = self._stack
+        self.writers = MetricWriters(logging if self.rank == 0 else None, config)
+        stack.callback(self.writers.close)
+        self.watchdog = Watchdog(
+            config.parallel.distributed_timeout_minutes,
+            logging.straggler_factor if logging.log_straggler else None,
+        )
+        stack.callback(self.watchdog.close)
+        self.exits = ExitConditions(training, self.device, self.start_time)
+        stack.callback(self.exits.close)
+        stack.enter_context(self.hygiene)  # its first collection is not iteration time
+        stack.callback(self._close_profiler)
+        self.spikes = (
+            SpikyLossDetector(training.spiky_loss_factor) if training.check_for_spiky_loss else None
+        )
+        self.window = LogWindow()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.__exit__(*exc_info)
+
+    def _close_profiler(self) -> None:
+        written = self.profiler.close()
+        if written:
+            print(written, flush=True)
+
+    # -- around each iteration -----------------------------------------------------------------
+    def before_iteration(self, completed: int) -> None:
+        self.profiler.before_iteration(completed)
+
+    def after_iteration(
+        self, iteration: int, loss: float, skipped: bool, first_sample: int, global_batch_size: int
+    ) -> None:
+        written = self.profiler.after_iteration(iteration)
+        if written:
+            print(written, flush=True)
+        self.hygiene.after_iteration(iteration)
+        if self.spikes is not None:
+            report = self.spikes.observe(loss, iteration, first_sample, global_batch_size)
+            if report:
+                self.print(report)
+        self.window.add(loss, skipped, global_batch_size)
+
+    def log_due(self, iteration: int) -> bool:
+        return iteration % self.config.logging.log_interval == 0
+
+    def log(self, progress: dict) -> None:
+        """The log line of the window (`progress`: the run's own numbers, training/logging's
+        `progress`), its timers and the straggler report; a new window starts."""
+        logging, window = self.config.logging, self.window
+        stats = iteration_stats(
+            self.config, self.device, self.world_size, self.flops_per_iteration, window, **progress
+        )
+        self.print(format_iteration(stats))
+        maxima = self.print_timers(list(ITERATION), window.iterations)
+        if logging.log_timers_to_tensorboard:
+            stats.timers = maxima
+        self.writers.log_iteration(stats)
+        iteration = stats.iteration
+        report = self.watchdog.straggler_report(
+            iteration // logging.log_interval, iteration - window.iterations + 1, iteration
+        )
+        if report:
+            self.print(report)
+        self.window = LogWindow()
+
+    @contextlib.contextmanager
+    def evaluation(self, iteration: int) -> Iterator[None]:
+        self.watchdog.enter("evaluation", iteration)
+        with self.hygiene.evaluation():
+            yield
+        self.restart_window()
+
+    def validation(self, iteration: int, loss: float | None) -> None:
+        if loss is not None:
+            self.print(format_validation(iteration, loss))
+            self.writers.log_validation(iteration, loss)
+
+    def restart_window(self) -> None:
+        """Evaluation and checkpoint time is not iteration time."""
+        self.window.start = time.perf_counter()
+
+    def exit_reason(self, iteration: int) -> str | None:
+        return self.exits.reason(iteration)
