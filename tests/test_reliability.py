@@ -148,10 +148,14 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
 @pytest.mark.parametrize(
     "layout,waits_in",
     [
-        ([], r"a collective at threefold/parallel/data_parallel\.py:\d+ in finish_grad_sync"),
+        (
+            [],
+            r"a collective at threefold/parallel/data_parallel/gradient_buffer\.py:\d+ in "
+            "finish_grad_sync",
+        ),
         (
             ["--tensor-model-parallel-size", "2"],
-            r"all_reduce at threefold/parallel/mappings\.py:\d+ in _all_reduce",
+            r"all_reduce at threefold/parallel/tensor_parallel/mappings\.py:\d+ in _all_reduce",
         ),
     ],
 )

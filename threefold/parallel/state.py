@@ -120,7 +120,14 @@ def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
         parallel.virtual_pipeline_model_parallel_size,
         parallel.distributed_timeout_minutes,
     )
-    return device, parallel_context(parallel.sequence_parallel)
+    context = parallel_context(parallel.sequence_parallel)
+    # The config's DP size (validated before launch) and the groups' must be one number.
+    if context.dp.size != parallel.data_parallel_size:
+        raise RuntimeError(
+            f"{context.dp.size} data-parallel ranks, but the config was validated for "
+            f"{parallel.data_parallel_size} (WORLD_SIZE {parallel.world_size})"
+        )
+    return device, context
 
 
 def initialize_for_inference() -> tuple[torch.device, ParallelContext]:
