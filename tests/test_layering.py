@@ -13,7 +13,8 @@ Each layer imports only from the layers below it (lowest first):
     entry       threefold.arguments/validation/inference/megatron_compat, the scripts, tools/
 
 and only threefold/parallel/ reads megatron-core's groups through `threefold.parallel.state`'s
-getters: everything else receives a ParallelContext.
+getters: everything else receives a ParallelContext. No two modules import each other (directly
+or around a cycle) at import time.
 """
 
 from __future__ import annotations
@@ -170,3 +171,39 @@ def test_a_planted_upward_import_and_a_global_getter_are_caught():
         == []
     )
     assert violations("threefold/config/leaf.py", "from threefold.parallel import state\n")
+
+
+def _module_level_imports(path: str) -> set[str]:
+    """The threefold modules a module imports when it is imported (not inside functions)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("threefold.")}
+
+
+def test_no_import_cycles():
+    modules = {_module_name(p): p for p in _sources() if _module_name(p).startswith("threefold")}
+    graph = {
+        name: {m for m in _module_level_imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycle = trail[trail.index(target) :] + [target] if target in trail else [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, trail + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
