@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from threefold.arguments import parse_args
+from threefold.arguments import build_parser, parse_args
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
@@ -63,14 +63,23 @@ def sft_datasets(packing: bool):
     return build
 
 
-def main(argv: list[str] | None = None) -> int:
+def _own_flags() -> argparse.ArgumentParser:
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    own.add_argument(
+    group = own.add_argument_group("fine-tuning (finetune.py)")
+    group.add_argument(
         "--sft-packing",
         action="store_true",
         help="pack several conversations per sample (per-document attention)",
     )
-    args, rest = own.parse_known_args(argv if argv is not None else sys.argv[1:])
+    return own
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if {"-h", "--help"} & set(argv):
+        build_parser("finetune.py", __doc__, _own_flags()).print_help()
+        return 0
+    args, rest = _own_flags().parse_known_args(argv)
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     probe.add_argument("--load")
     probe.add_argument("--save")
@@ -88,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2
-    config = parse_args(prefix + rest)
+    config = parse_args(prefix + rest, prog="finetune.py")
     try:
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:

@@ -184,3 +184,25 @@ def test_a_mistyped_flag_gets_one_line_naming_the_nearest_flag():
         "pretrain_gpt.py: error: unrecognized arguments: --num-layer 2; did you mean "
         "--num-layers? (--help lists every flag)"
     ]
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    from threefold.arguments import build_parser
+
+    actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(actions) > 150
+    assert [a.option_strings[0] for a in actions if not (a.help or "").strip()] == []
+    text = build_parser().format_help()
+    assert "--lr LR" in text and "peak learning rate (default: 0.0003)" in " ".join(text.split())
+
+
+def test_a_rope_sequence_longer_than_the_recorded_context_is_said(capsys):
+    parse_args(
+        ["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope"]
+        + ["--seq-length", "512", "--max-position-embeddings", "256"]
+    )
+    assert "WARNING: --seq-length 512 exceeds --max-position-embeddings 256" in (
+        capsys.readouterr().out
+    )
+    parse_args(["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope"])
+    assert "WARNING" not in capsys.readouterr().out

@@ -90,12 +90,19 @@ def _argument(concern: str, field: dataclasses.Field) -> tuple[list[str], dict]:
     return names, options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every config field's flag, as the field declares it, then Megatron-LM's aliases."""
+def build_parser(
+    prog: str = "pretrain_gpt.py",
+    description: str = "threefold: Megatron-style 3D-parallel GPT pretraining",
+    own_flags: argparse.ArgumentParser | None = None,
+) -> argparse.ArgumentParser:
+    """Every config field's flag, as the field declares it, then Megatron-LM's aliases; an
+    entry point's `own_flags` (a parser without help) come first in --help."""
     parser = _Parser(
-        prog="pretrain_gpt.py",
-        description="threefold: Megatron-style 3D-parallel GPT pretraining",
+        prog=prog,
+        description=description,
         allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is not that flag
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[own_flags] if own_flags is not None else [],
     )
     sections: dict[str, argparse._ArgumentGroup] = {}
     config = Config()
@@ -122,9 +129,12 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
     return config
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
-    """Parse Megatron-LM flags and validate them; exits with code 2 and one line on a mistake."""
-    parser = build_parser()
+def parse_args(
+    argv: Sequence[str] | None = None, world_size: int | None = None, prog: str = "pretrain_gpt.py"
+) -> Config:
+    """Parse Megatron-LM flags and validate them; exits with code 2 and one line on a mistake,
+    which names the entry point `prog`."""
+    parser = build_parser(prog)
     namespace = parser.parse_args(argv)
     if getattr(namespace, "checkpoint.use_checkpoint_args", False):
         # The checkpoint's flags go first so that the command line's own values win.

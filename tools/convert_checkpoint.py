@@ -171,10 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--loader", required=True, choices=["hf", "threefold"])
-    parser.add_argument("--saver", required=True, choices=["hf", "threefold"])
-    parser.add_argument("--load-dir", required=True)
-    parser.add_argument("--save-dir", required=True)
+    parser.add_argument(
+        "--loader", required=True, choices=["hf", "threefold"], help="the format read"
+    )
+    parser.add_argument(
+        "--saver", required=True, choices=["hf", "threefold"], help="the format written"
+    )
+    parser.add_argument(
+        "--load-dir", required=True, help="a Hugging Face model directory or a threefold --save"
+    )
+    parser.add_argument("--save-dir", required=True, help="where the converted model goes")
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],

@@ -74,14 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="say whether each stage fits in this much device memory",
     )
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        build_parser("estimate_memory.py", __doc__, parser).print_help()
+        return 0
     own, rest = parser.parse_known_args(argv)
     if "--mock-data" not in rest and "--data-path" not in rest:
         rest.append("--mock-data")  # the estimate needs no data
     if own.world_size is None:  # DP=1: the flags' TP x PP, before validation
         own.world_size = config_from_namespace(
-            build_parser().parse_args(rest)
+            build_parser("estimate_memory.py").parse_args(rest)
         ).parallel.model_parallel_size
-    config = parse_args(rest, world_size=own.world_size)
+    config = parse_args(rest, world_size=own.world_size, prog="estimate_memory.py")
     print(format_estimate(config, own.gpu_memory_gib))
     return 0
 

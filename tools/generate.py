@@ -26,11 +26,15 @@ def main() -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0, off)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     args = parser.parse_args()
     device, parallel = state.initialize_for_inference()
     try:

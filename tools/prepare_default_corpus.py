@@ -14,7 +14,7 @@ from threefold.data.corpus import default_corpus_documents, write_jsonl  # noqa:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--output", required=True, help="the JSONL file to write")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     count = write_jsonl(default_corpus_documents(), args.output)

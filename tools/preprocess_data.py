@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument(
         "--input", required=True, help="JSONL file, or text with a document per line"
     )
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default: text)"
+    )
     parser.add_argument(
         "--tokenizer-type",
         required=True,
@@ -81,14 +83,19 @@ def main() -> None:
             "GPT2BPETokenizer",
             "NullTokenizer",
         ],
+        help="the tokenizer the training run will use",
     )
     parser.add_argument("--tokenizer-model", help="sentencepiece file or HF tokenizer dir")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--vocab-size", type=int, help="for NullTokenizer")
-    parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--append-eod", action="store_true")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx per key"
+    )
+    parser.add_argument(
+        "--append-eod", action="store_true", help="end each document with the end-of-document token"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
     parser.add_argument(
         "--log-interval", type=int, default=1000, help="print progress every this many documents"
     )

@@ -15,11 +15,21 @@ from threefold.data.documents import read_documents  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--model-prefix", required=True)
-    parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    parser.add_argument(
+        "--input", required=True, help="JSONL file, or text with a document per line"
+    )
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON fields to read (default: text)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=8000, help="tokens in the vocabulary (default: 8000)"
+    )
+    parser.add_argument(
+        "--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab"
+    )
+    parser.add_argument(
+        "--model-type", default="bpe", choices=["bpe", "unigram"], help="sentencepiece's algorithm"
+    )
     parser.add_argument(
         "--max-sentences",
         type=int,

@@ -85,6 +85,12 @@ def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataCon
 def latest_config(root: str) -> tuple[int, dict]:
     """(iteration, the run's config as stored) of the latest complete checkpoint in `root`."""
     iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None and os.path.isfile(os.path.join(root, "config.json")):
+        raise ConfigError(
+            f"--load {root}: a Hugging Face model directory, not a threefold checkpoint; convert "
+            "it first: python tools/convert_checkpoint.py --loader hf --saver threefold "
+            f"--load-dir {root} --save-dir CHECKPOINT_DIR"
+        )
     if iteration is None:
         raise ConfigError(f"--load {root}: holds no complete checkpoint")
     return iteration, read_metadata(root, iteration)["config"]

@@ -11,16 +11,23 @@ from threefold.config.fields import arg
 
 @dataclass
 class CheckpointConfig:
-    save: str | None = arg(None)
-    load: str | None = arg(None)
-    save_interval: int | None = arg(None)
+    save: str | None = arg(
+        None,
+        help="directory to save checkpoints to (Megatron's layout; a lock keeps other runs out)",
+    )
+    load: str | None = arg(
+        None, help="directory to resume or start from (the --save directory resumes a run)"
+    )
+    save_interval: int | None = arg(None, help="save every this many iterations (and at the end)")
     async_save: bool = arg(
         False, help="write checkpoints in the background while training continues"
     )  # write in the background; the tracker follows when complete
     no_load_optim: bool = arg(
-        False, help=("load weights, scheduler and iteration, but start the optimizer afresh")
+        False, help="load weights, scheduler and iteration, but start the optimizer afresh"
     )
-    no_load_rng: bool = arg(False)
+    no_load_rng: bool = arg(
+        False, help="resume with fresh random streams instead of the checkpoint's"
+    )
     no_save_optim: bool = arg(
         False,
         help=(
@@ -29,7 +36,7 @@ class CheckpointConfig:
         ),
     )  # checkpoints without optimizer state (Megatron's flag)
     no_save_rng: bool = arg(
-        False, help=("checkpoints without the ranks' RNG states; loading one needs --no-load-rng")
+        False, help="checkpoints without the ranks' RNG states; loading one needs --no-load-rng"
     )  # checkpoints without the ranks' RNG states
     # Retention (torchtitan's keep_latest_k; Megatron-LM keeps every checkpoint): None keeps all.
     ckpt_keep_latest: int | None = arg(
@@ -41,7 +48,7 @@ class CheckpointConfig:
         metavar="N",
     )
     finetune: bool = arg(
-        False, help=("load the weights only; iteration and consumed samples start from 0")
+        False, help="load the weights only; iteration and consumed samples start from 0"
     )  # weights only; iteration and consumed samples start at 0
     use_checkpoint_args: bool = arg(
         False,

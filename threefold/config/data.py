@@ -21,20 +21,26 @@ TOKENIZERS = (
 class DataConfig:
     data_path: list[str] = arg(
         default_factory=list,
-        help=("PREFIX of a Megatron .bin/.idx pair, or WEIGHT PREFIX WEIGHT PREFIX ... to blend"),
+        help="PREFIX of a Megatron .bin/.idx pair, or WEIGHT PREFIX WEIGHT PREFIX ... to blend",
     )
     # Megatron's per-split paths; finetune.py reads JSONL conversations from them.
     train_data_path: list[str] = arg(
         default_factory=list,
         help="per-split [WEIGHT] PREFIX ... (finetune.py: JSONL conversations)",
     )
-    valid_data_path: list[str] = arg(default_factory=list)
-    test_data_path: list[str] = arg(default_factory=list)
+    valid_data_path: list[str] = arg(
+        default_factory=list, help="per-split [WEIGHT] PREFIX ... of the validation data"
+    )
+    test_data_path: list[str] = arg(
+        default_factory=list, help="per-split [WEIGHT] PREFIX ... of the test data"
+    )
     data_cache_path: str | None = arg(
         None, help="where megatron-core caches the document/sample/shuffle indices"
     )
-    mock_data: bool = arg(False)
-    split: str = arg("969,30,1")
+    mock_data: bool = arg(False, help="random tokens instead of a dataset (needs --vocab-size)")
+    split: str = arg(
+        "969,30,1", help="train,validation,test weights of --data-path's documents, e.g. 98,2,0"
+    )
     tokenizer_type: str | None = arg(
         None,
         choices=(
@@ -43,14 +49,22 @@ class DataConfig:
             "GPT2BPETokenizer",
             "NullTokenizer",
         ),
+        help="how text becomes tokens (needed to read text; .bin files hold token ids)",
     )
-    tokenizer_model: str | None = arg(None)
+    tokenizer_model: str | None = arg(
+        None, help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: the directory"
+    )
     vocab_file: str | None = arg(None, help="GPT2BPETokenizer: vocab.json")  # GPT2BPETokenizer
     merge_file: str | None = arg(None, help="GPT2BPETokenizer: merges.txt")
-    num_workers: int = arg(0)
+    num_workers: int = arg(
+        0,
+        help=(
+            "accepted for Megatron-LM's scripts; threefold reads batches in the training process"
+        ),
+    )
     mmap_bin_files: bool = arg(
         True,
-        help=("read the .bin files through file handles instead of memory-mapping them"),
+        help="read the .bin files through file handles instead of memory-mapping them",
         flag="--no-mmap-bin-files",
     )  # False: read .bin files through file handles
     # Pretraining windows split at end-of-document tokens (data/loader.DocumentMasks).

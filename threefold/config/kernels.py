@@ -22,7 +22,7 @@ class KernelConfig:
     # layers (Megatron-LM defaults to transformer_engine and fails without it).
     transformer_impl: str | None = arg(
         None,
-        help=("default: Transformer Engine's fused attention when it imports on CUDA, else local"),
+        help="default: Transformer Engine's fused attention when it imports on CUDA, else local",
         choices=("local", "transformer_engine"),
     )
     # auto: SDPA picks (flash, cuDNN, memory-efficient, math); flash: FlashAttention; fused:
@@ -49,11 +49,17 @@ class KernelConfig:
         choices=FUSION_IMPLS,
     )
     norm_fusion: bool = arg(
-        True, flag="--no-norm-fusion"
+        True, flag="--no-norm-fusion", help="eager norms instead of apex / compiled kernels"
     )  # threefold's --no-norm-fusion (apex / compiled RMSNorm, LayerNorm)
-    bias_swiglu_fusion: bool = arg(True, flag="--no-bias-swiglu-fusion")
-    bias_gelu_fusion: bool = arg(True, flag="--no-bias-gelu-fusion")
-    apply_rope_fusion: bool = arg(True, flag="--no-rope-fusion")
+    bias_swiglu_fusion: bool = arg(
+        True, flag="--no-bias-swiglu-fusion", help="eager SwiGLU instead of a compiled kernel"
+    )
+    bias_gelu_fusion: bool = arg(
+        True, flag="--no-bias-gelu-fusion", help="eager GELU instead of a compiled kernel"
+    )
+    apply_rope_fusion: bool = arg(
+        True, flag="--no-rope-fusion", help="eager RoPE instead of a compiled kernel"
+    )
     # The chunked cross-entropy (never the whole logits tensor in fp32). Megatron-LM's flag
     # turns it on; here it is the default (same function) and --no-cross-entropy-loss-fusion
     # selects the one-shot reference.

@@ -10,7 +10,7 @@ from threefold.config.fields import arg
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = arg(100)
+    log_interval: int = arg(100, help="print the log line every this many iterations")
     log_params_norm: bool = arg(
         False, help="add the L2 norm of all parameters to the log line"
     )  # L2 norm of all parameters, each counted once
@@ -23,15 +23,17 @@ class LoggingConfig:
         ),
     )
     use_pytorch_profiler: bool = arg(
-        False, help=("with --profile: torch.profiler, trace written to --tensorboard-dir")
+        False, help="with --profile: torch.profiler, trace written to --tensorboard-dir"
     )
-    profile_step_start: int = arg(10)
-    profile_step_end: int = arg(12)
+    profile_step_start: int = arg(
+        10, help="with --profile: the iteration after which profiling starts"
+    )
+    profile_step_end: int = arg(12, help="with --profile: the iteration after which it stops")
     profile_ranks: list[int] = arg(
         default_factory=lambda: [0], help="global ranks to profile (default 0)"
     )
     log_num_zeros_in_grad: bool = arg(
-        False, help=("add the number of gradient elements that are exactly zero to the log line")
+        False, help="add the number of gradient elements that are exactly zero to the log line"
     )  # gradient elements that are exactly zero
     # Megatron's timers (training/timers.py): which exist, how they are reported.
     timing_log_level: int = arg(
@@ -45,32 +47,36 @@ class LoggingConfig:
     )
     timing_log_option: str = arg(
         "minmax",
-        help=("report each timer's max over ranks, (min, max), or every rank's time"),
+        help="report each timer's max over ranks, (min, max), or every rank's time",
         choices=("max", "minmax", "all"),
     )
     barrier_with_l1_time: bool = arg(
         True,
-        help=("start level-1 timers without a barrier (time includes waiting for other ranks)"),
+        help="start level-1 timers without a barrier (time includes waiting for other ranks)",
         flag="--no-barrier-with-level-1-timing",
     )
     log_timers_to_tensorboard: bool = arg(
-        False, help=("write each per-iteration timer's max over ranks to --tensorboard-dir")
+        False, help="write each per-iteration timer's max over ranks to --tensorboard-dir"
     )
-    tensorboard_dir: str | None = arg(None)
+    tensorboard_dir: str | None = arg(
+        None, help="write the log line's numbers as TensorBoard scalars here"
+    )
     log_straggler: bool = arg(
         False,
         help=(
             "report ranks whose compute time per iteration is above --straggler-factor x the median"
         ),
     )  # report ranks computing slower than straggler_factor x median
-    straggler_factor: float = arg(1.3)
+    straggler_factor: float = arg(
+        1.3, help="with --log-straggler: how many times the median is slow"
+    )
     wandb_project: str | None = arg(
         None,
-        help=("log to Weights & Biases (offline without credentials or with WANDB_MODE=offline)"),
+        help="log to Weights & Biases (offline without credentials or with WANDB_MODE=offline)",
     )
-    wandb_exp_name: str | None = arg(None)
+    wandb_exp_name: str | None = arg(None, help="the Weights & Biases run name")
     wandb_save_dir: str | None = arg(None, help="default: SAVE/wandb")
-    wandb_entity: str | None = arg(None)
+    wandb_entity: str | None = arg(None, help="the Weights & Biases team or user")
 
     def finalize(self) -> list[str]:
         _require(self.log_interval >= 1, "--log-interval must be >= 1")

@@ -14,24 +14,35 @@ from threefold.config.fields import ARCHITECTURE, MODEL, arg
 class ModelConfig:
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py)."""
 
-    num_layers: int = arg(2, checkpoint=ARCHITECTURE)
-    hidden_size: int = arg(64, checkpoint=ARCHITECTURE)
+    num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
+    hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
     ffn_hidden_size: int | None = arg(
         None,
         checkpoint=ARCHITECTURE,
         help="default 4*hidden, or 2/3 of that rounded to 64 with --swiglu",
     )
-    num_attention_heads: int = arg(4, checkpoint=ARCHITECTURE)
-    group_query_attention: bool = arg(False, checkpoint=MODEL)
-    num_query_groups: int | None = arg(None, checkpoint=ARCHITECTURE)
+    num_attention_heads: int = arg(4, checkpoint=ARCHITECTURE, help="query heads per layer")
+    group_query_attention: bool = arg(
+        False, checkpoint=MODEL, help="grouped query attention: --num-query-groups key/value heads"
+    )
+    num_query_groups: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help="key/value heads with --group-query-attention (default: one per query head)",
+    )
     kv_channels: int | None = arg(
         None, checkpoint=ARCHITECTURE, help="head size; default hidden/heads"
     )
-    seq_length: int = arg(128, checkpoint=MODEL)
+    seq_length: int = arg(128, checkpoint=MODEL, help="tokens per training sample")
     # Checked on load with learned positions only (the position table's rows).
-    max_position_embeddings: int | None = arg(None, checkpoint=MODEL)
+    max_position_embeddings: int | None = arg(
+        None, checkpoint=MODEL, help="rows of the learned position table; default --seq-length"
+    )
     position_embedding_type: str = arg(
-        "learned_absolute", checkpoint=ARCHITECTURE, choices=("learned_absolute", "rope")
+        "learned_absolute",
+        checkpoint=ARCHITECTURE,
+        choices=("learned_absolute", "rope"),
+        help="learned_absolute (GPT-2) or rope (LLaMA)",
     )
     # False: Megatron's --no-position-embedding
     add_position_embedding: bool = arg(
@@ -43,7 +54,7 @@ class ModelConfig:
             "--position-embedding-type rope, which it must come with)"
         ),
     )
-    rotary_base: float = arg(10000.0, checkpoint=MODEL)
+    rotary_base: float = arg(10000.0, checkpoint=MODEL, help="RoPE theta")
     # Llama 3.1's RoPE frequency scaling (model/rope.py)
     use_rope_scaling: bool = arg(
         False,
@@ -55,8 +66,13 @@ class ModelConfig:
         checkpoint=ARCHITECTURE,
         help="with --use-rope-scaling; default 8 (Llama 3.1), 32 for Llama 3.2",
     )
-    normalization: str = arg("LayerNorm", checkpoint=ARCHITECTURE, choices=("LayerNorm", "RMSNorm"))
-    norm_epsilon: float = arg(1e-5, checkpoint=MODEL)
+    normalization: str = arg(
+        "LayerNorm",
+        checkpoint=ARCHITECTURE,
+        choices=("LayerNorm", "RMSNorm"),
+        help="LayerNorm (GPT-2) or RMSNorm (LLaMA)",
+    )
+    norm_epsilon: float = arg(1e-5, checkpoint=MODEL, help="epsilon of every norm")
     # Norm weights stored centred on zero and applied as (1 + weight) (Megatron's
     # --apply-layernorm-1p): weight decay then pulls the scale towards 1, not 0.
     apply_layernorm_1p: bool = arg(
@@ -66,21 +82,46 @@ class ModelConfig:
     qk_layernorm: bool = arg(
         False,
         checkpoint=ARCHITECTURE,
-        help=("normalize each query and key head (--normalization, over the head size)"),
+        help="normalize each query and key head (--normalization, over the head size)",
     )
-    swiglu: bool = arg(False, checkpoint=ARCHITECTURE)
-    add_bias_linear: bool = arg(True, checkpoint=ARCHITECTURE, flag="--disable-bias-linear")
+    swiglu: bool = arg(
+        False, checkpoint=ARCHITECTURE, help="SwiGLU MLP (gate and up projections) instead of GELU"
+    )
+    add_bias_linear: bool = arg(
+        True,
+        checkpoint=ARCHITECTURE,
+        flag="--disable-bias-linear",
+        help="no biases in the linear layers (LLaMA)",
+    )
     # QKV bias even with --disable-bias-linear (Qwen2)
-    add_qkv_bias: bool = arg(False, checkpoint=ARCHITECTURE)
+    add_qkv_bias: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help=(
+            "biases on the query, key and value projections even with --disable-bias-linear (Qwen2)"
+        ),
+    )
     openai_gelu: bool = arg(
         False, checkpoint=ARCHITECTURE, help="tanh approximation of GELU"
     )  # GELU's tanh approximation (GPT-2)
-    untie_embeddings_and_output_weights: bool = arg(False, checkpoint=ARCHITECTURE)
-    attention_dropout: float = arg(0.1)
-    hidden_dropout: float = arg(0.1)
-    init_method_std: float = arg(0.02)
-    vocab_size: int | None = arg(None, checkpoint=ARCHITECTURE)
-    make_vocab_size_divisible_by: int = arg(128, checkpoint=MODEL)
+    untie_embeddings_and_output_weights: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="an output layer of its own instead of the word embeddings",
+    )
+    attention_dropout: float = arg(0.1, help="dropout on the attention probabilities")
+    hidden_dropout: float = arg(0.1, help="dropout on the embeddings and before each residual add")
+    init_method_std: float = arg(0.02, help="standard deviation of the normal initialization")
+    vocab_size: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help=(
+            "vocabulary size without a tokenizer (--mock-data, NullTokenizer); else the tokenizer's"
+        ),
+    )
+    make_vocab_size_divisible_by: int = arg(
+        128, checkpoint=MODEL, help="pad the vocabulary to a multiple of this x TP size"
+    )
     # LoRA adapters (fine-tuning): rank None means none.
     lora_rank: int | None = arg(
         None,
@@ -90,7 +131,7 @@ class ModelConfig:
     lora_alpha: float = arg(
         32.0, help="adapter scale alpha/rank (default 32)", group="LoRA fine-tuning"
     )
-    lora_dropout: float = arg(0.0, group="LoRA fine-tuning")
+    lora_dropout: float = arg(0.0, group="LoRA fine-tuning", help="dropout on the adapters' input")
     lora_target_modules: list[str] = arg(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all)",
@@ -110,10 +151,12 @@ class ModelConfig:
         ),
         choices=("uniform", "block"),
     )
-    recompute_num_layers: int | None = arg(None)
+    recompute_num_layers: int | None = arg(
+        None, help="layers per recomputed group (uniform) or recomputed layers per stage (block)"
+    )
 
-    def finalize(self) -> None:
-        """Fill the fields Megatron derives from others, then validate."""
+    def finalize(self) -> list[str]:
+        """Fill the fields Megatron derives from others, then validate; returns warnings."""
         _require(self.num_layers > 0, "--num-layers must be positive")
         _require(self.hidden_size > 0, "--hidden-size must be positive")
         _require(
@@ -186,6 +229,14 @@ class ModelConfig:
         )
         self._finalize_recompute()
         self._finalize_lora()
+        if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
+            return [
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}: RoPE runs at any length, but the model records "
+                f"a context of {self.max_position_embeddings} (a Hugging Face export's "
+                "max_position_embeddings); raise --max-position-embeddings to the length trained"
+            ]
+        return []
 
     def _finalize_lora(self) -> None:
         if self.lora_rank is None:

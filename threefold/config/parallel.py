@@ -38,29 +38,43 @@ def stage_layer_counts(
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = arg(1)
-    pipeline_model_parallel_size: int = arg(1)
-    virtual_pipeline_model_parallel_size: int | None = arg(None)
-    num_layers_per_virtual_pipeline_stage: int | None = arg(None)
-    decoder_first_pipeline_num_layers: int | None = arg(None)
-    decoder_last_pipeline_num_layers: int | None = arg(None)
-    sequence_parallel: bool = arg(False)
+    tensor_model_parallel_size: int = arg(1, help="TP: ranks that split every layer's matrices")
+    pipeline_model_parallel_size: int = arg(1, help="PP: stages the layers are split into")
+    virtual_pipeline_model_parallel_size: int | None = arg(
+        None, help="model chunks per pipeline rank (interleaved 1F1B)"
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = arg(
+        None, help="layers per model chunk (instead of --virtual-pipeline-model-parallel-size)"
+    )
+    decoder_first_pipeline_num_layers: int | None = arg(
+        None, help="layers of the first pipeline stage (the rest split evenly)"
+    )
+    decoder_last_pipeline_num_layers: int | None = arg(
+        None, help="layers of the last pipeline stage (the rest split evenly)"
+    )
+    sequence_parallel: bool = arg(
+        False,
+        help=(
+            "split norms, dropout and activations between layers along "
+            "the sequence over the TP ranks"
+        ),
+    )
     use_distributed_optimizer: bool = arg(
-        False, help=("shard fp32 master weights and Adam moments across data-parallel ranks")
+        False, help="shard fp32 master weights and Adam moments across data-parallel ranks"
     )
     overlap_grad_reduce: bool = arg(
-        False, help=("all-reduce each gradient bucket as soon as backward has produced it")
+        False, help="all-reduce each gradient bucket as soon as backward has produced it"
     )
     overlap_param_gather: bool = arg(
-        False, help=("all-gather updated parameters bucket by bucket during the next forward")
+        False, help="all-gather updated parameters bucket by bucket during the next forward"
     )
     # With --bf16 Megatron accumulates and reduces gradients in fp32 unless --grad-reduce-in-bf16
     # (Config.finalize applies that default); fp16 keeps fp16 gradients unless asked.
     accumulate_allreduce_grads_in_fp32: bool = arg(
-        False, help=("fp32 gradient buffer for fp16 models (bf16 models have one by default)")
+        False, help="fp32 gradient buffer for fp16 models (bf16 models have one by default)"
     )
     grad_reduce_in_bf16: bool = arg(
-        False, help=("with --bf16: accumulate and reduce gradients in bf16 instead of fp32")
+        False, help="with --bf16: accumulate and reduce gradients in bf16 instead of fp32"
     )
     ddp_bucket_size: int | None = arg(
         None, help="elements per gradient bucket"
@@ -79,7 +93,9 @@ class ParallelConfig:
     distributed_backend: str | None = arg(
         None, help="default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl")
     )  # None: nccl when CUDA is present, else gloo
-    distributed_timeout_minutes: float = arg(10)  # collectives; the stall watchdog fires at 70%
+    distributed_timeout_minutes: float = arg(
+        10, help="timeout of collectives; the stall watchdog reports at 70% of it"
+    )  # collectives; the stall watchdog fires at 70%
     world_size: int = arg(1, cli=False)
 
     @property

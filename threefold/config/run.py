@@ -28,8 +28,8 @@ class Config:
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
-        self.model.finalize()
-        warnings = self.parallel.finalize(self.model)
+        warnings = self.model.finalize()
+        warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size)
         parallel = self.parallel
         self._finalize_gradient_precision()

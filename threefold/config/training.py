@@ -15,9 +15,13 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = arg(1)
-    global_batch_size: int | None = arg(None)
-    train_iters: int | None = arg(None)  # 100 unless --train-samples says otherwise
+    micro_batch_size: int = arg(1, help="samples per forward/backward on each data-parallel rank")
+    global_batch_size: int | None = arg(
+        None, help="samples per optimizer step; default --micro-batch-size x DP"
+    )
+    train_iters: int | None = arg(
+        None, help="optimizer steps to train (default 100 unless --train-samples)"
+    )  # 100 unless --train-samples says otherwise
     # Sample-based training (Megatron): the run and the LR schedule counted in samples;
     # train_iters becomes train_samples // global_batch_size.
     train_samples: int | None = arg(
@@ -41,16 +45,20 @@ class TrainingConfig:
         nargs=3,
         metavar=("START", "INCREMENT", "SAMPLES"),
     )
-    lr: float = arg(3e-4)
-    min_lr: float = arg(0.0)
-    lr_decay_style: str = arg("linear", choices=LR_DECAY_STYLES)
+    lr: float = arg(3e-4, help="peak learning rate")
+    min_lr: float = arg(0.0, help="final learning rate of the decay")
+    lr_decay_style: str = arg(
+        "linear", choices=LR_DECAY_STYLES, help="shape of the learning-rate decay after warmup"
+    )
     lr_warmup_iters: float = arg(
-        0, type=int
+        0, type=int, help="iterations of linear warmup from 0 to --lr"
     )  # iterations; fractional when set from lr_warmup_fraction
     lr_warmup_fraction: float | None = arg(
-        None, help=("warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+        None, help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)"
     )  # of lr_decay_iters, as Megatron-LM
-    lr_decay_iters: int | None = arg(None)
+    lr_decay_iters: int | None = arg(
+        None, help="iterations over which the learning rate decays (default: --train-iters)"
+    )
     # WSD: the final anneal from --lr to --min-lr, its length and shape.
     lr_wsd_decay_iters: int | None = arg(
         None, help="length of WSD's final anneal, ending at --lr-decay-iters"
@@ -77,22 +85,26 @@ class TrainingConfig:
     # The word embeddings' and output layer's own peak and final learning rate (Megatron's
     # --decoupled-lr/--decoupled-min-lr); None: --lr and --min-lr like everything else.
     decoupled_lr: float | None = arg(
-        None, help=("peak learning rate of the word embeddings and output layer (default: --lr)")
+        None, help="peak learning rate of the word embeddings and output layer (default: --lr)"
     )
     decoupled_min_lr: float | None = arg(None, help="their final learning rate (default: --min-lr)")
-    weight_decay: float = arg(0.01)
+    weight_decay: float = arg(0.01, help="AdamW weight decay (matrices only; not biases or norms)")
     # A weight decay that moves from start to end over the run (Megatron's increment styles).
-    start_weight_decay: float | None = arg(None)
-    end_weight_decay: float | None = arg(None)
+    start_weight_decay: float | None = arg(
+        None, help="weight decay at the start, with --weight-decay-incr-style"
+    )
+    end_weight_decay: float | None = arg(
+        None, help="weight decay at the end, with --weight-decay-incr-style"
+    )
     weight_decay_incr_style: str = arg(
         "constant",
-        help=("linear or cosine: from --start- to --end-weight-decay over the run"),
+        help="linear or cosine: from --start- to --end-weight-decay over the run",
         choices=WD_INCR_STYLES,
     )
-    adam_beta1: float = arg(0.9)
-    adam_beta2: float = arg(0.999)
-    adam_eps: float = arg(1e-8)
-    clip_grad: float = arg(1.0)
+    adam_beta1: float = arg(0.9, help="AdamW beta1")
+    adam_beta2: float = arg(0.999, help="AdamW beta2")
+    adam_eps: float = arg(1e-8, help="AdamW epsilon")
+    clip_grad: float = arg(1.0, help="clip the global gradient norm to this (0: no clipping)")
     # Every token of the global batch weighs the same in the loss and gradient, rather than
     # every micro-batch (whose mean is over its own loss-mask tokens).
     calculate_per_token_loss: bool = arg(
@@ -103,10 +115,12 @@ class TrainingConfig:
             "loss masks differ"
         ),
     )
-    bf16: bool = arg(False)
-    fp16: bool = arg(False)
+    bf16: bool = arg(
+        False, help="bf16 parameters and activations, fp32 master weights and gradient reduction"
+    )
+    fp16: bool = arg(False, help="fp16 parameters and activations with a dynamic loss scale")
     optimizer_cpu_offload: bool = arg(
-        False, help=("keep fp32 masters and Adam moments on the CPU and step there (GPU runs)")
+        False, help="keep fp32 masters and Adam moments on the CPU and step there (GPU runs)"
     )
     # A static loss scale (fp16/bf16) instead of the dynamic one: Megatron's --loss-scale.
     loss_scale: float | None = arg(
@@ -115,31 +129,35 @@ class TrainingConfig:
             "a static loss scale instead of fp16's dynamic one (skipped on overflow, never changed)"
         ),
     )
-    initial_loss_scale: float = arg(2.0**32)
-    min_loss_scale: float = arg(1.0)
-    loss_scale_window: int = arg(1000)
-    hysteresis: int = arg(2)
-    seed: int = arg(1234)
-    eval_interval: int = arg(1000)
-    eval_iters: int = arg(100)
+    initial_loss_scale: float = arg(2.0**32, help="fp16's first dynamic loss scale")
+    min_loss_scale: float = arg(1.0, help="the dynamic loss scale never goes below this")
+    loss_scale_window: int = arg(1000, help="steps without overflow before the loss scale doubles")
+    hysteresis: int = arg(2, help="overflows tolerated before the loss scale halves")
+    seed: int = arg(1234, help="seed of initialization, dropout and data order")
+    eval_interval: int = arg(
+        1000, help="evaluate on the validation split every this many iterations (and at the end)"
+    )
+    eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
     # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
     # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
     exit_interval: int | None = arg(
-        None, help=("save (with --save) and exit after an iteration that is a multiple of this")
+        None, help="save (with --save) and exit after an iteration that is a multiple of this"
     )
     exit_duration_in_mins: float | None = arg(
         None, help="save (with --save) and exit once training has run this long"
     )
     exit_signal_handler: bool = arg(
-        False, help=("on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0")
+        False, help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0"
     )
     check_for_nan_in_loss_and_grad: bool = arg(
-        False, help=("stop at the first non-finite loss or gradient, naming iteration and rank")
+        False, help="stop at the first non-finite loss or gradient, naming iteration and rank"
     )  # stop at the first inf/nan, naming the rank
     check_for_spiky_loss: bool = arg(
-        False, help=("log the batch of any loss above --spiky-loss-factor x the recent mean")
+        False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
     )  # log batches whose loss jumps (see training/numerics)
-    spiky_loss_factor: float = arg(10.0)
+    spiky_loss_factor: float = arg(
+        10.0, help="with --check-for-spiky-loss: how many times the recent mean is a spike"
+    )
     # Megatron's memory hygiene (training/memory_hygiene.py): Python's collector driven by hand,
     # and the CUDA caching allocator emptied at level 1 after each step and evaluation, at 2
     # also between backward and the optimizer step.
@@ -152,7 +170,7 @@ class TrainingConfig:
         ),
     )
     manual_gc_interval: int = arg(
-        0, help=("with --manual-gc: collect every this many iterations (0: only around evaluation)")
+        0, help="with --manual-gc: collect every this many iterations (0: only around evaluation)"
     )
     manual_gc_eval: bool = arg(
         True,

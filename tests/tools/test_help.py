@@ -1,0 +1,46 @@
+"""Every entry point's --help describes every flag it takes (with its default where it has
+one), under the entry point's own name."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRY_POINTS = ["pretrain_gpt.py", "finetune.py"] + [
+    os.path.join("tools", name)
+    for name in sorted(os.listdir(os.path.join(ROOT, "tools")))
+    if name.endswith(".py")
+]
+
+
+def flags_without_help(text: str) -> list[str]:
+    """The options of an argparse --help text that are listed with no description."""
+    lines = text.splitlines()
+    missing = []
+    for index, line in enumerate(lines):
+        option = re.match(r"^  (-{1,2}\S+)(.*)$", line)
+        if option is None:
+            continue
+        described = re.search(r"\S\s{2,}\S", line.strip())  # help on the option's own line
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        if not described and not re.match(r"^ {4,}\S", following):
+            missing.append(option.group(1))
+    return missing
+
+
+def test_the_walker_finds_a_flag_without_help():
+    text = "options:\n  -h, --help  show this\n  --bare BARE\n  --told TOLD  it says\n"
+    assert flags_without_help(text) == ["--bare"]
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_help_describes_every_flag(script):
+    result = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: {os.path.basename(script)}")
+    assert flags_without_help(result.stdout) == []
