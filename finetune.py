@@ -6,8 +6,9 @@ Face with tools/convert_checkpoint.py), with Megatron-LM's command line.
         --valid-data-path sft_valid.jsonl --seq-length 512 --micro-batch-size 4 \\
         --global-batch-size 32 --train-iters 200 --lr 1e-4 --lora-rank 16 [--sft-packing]
 
-The model's architecture and tokenizer come from the checkpoint (Megatron's
---use-checkpoint-args); training, layout and LoRA flags come from the command line. JSONL
+The model's architecture, tokenizer and dropout come from the checkpoint (Megatron's
+--use-checkpoint-args; a converted model's dropout is 0); training, layout and LoRA flags, and
+a --hidden-dropout/--attention-dropout given, come from the command line. JSONL
 records are {"prompt", "response"} or {"messages": [...]}; only responses carry loss (see
 threefold/data/sft.py). The checkpoint's weights are loaded (iteration 0, fresh optimizer)
 unless --load is the --save directory of this fine-tuning run, which then resumes exactly.
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         iteration, _ = latest_config(known.load)
-        prefix = checkpoint_flags(known.load, with_tokenizer=known.tokenizer_type is None)
+        prefix = checkpoint_flags(
+            known.load, with_tokenizer=known.tokenizer_type is None, finetuning=True
+        )
     except ConfigError as error:
         print(f"finetune.py: error: {error}", file=sys.stderr)
         return 2

@@ -152,8 +152,11 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0] - 0.2, result.stdout
 
     # LoRA: the base weights are the converted ones, bit for bit; the adapters moved.
-    _, base, _ = load_model(converted)
+    base_config, base, _ = load_model(converted)
     config, model, tokenizer = load_model(tuned)
+    # The converted model records no dropout, and fine-tuning keeps that, not Megatron's 0.1.
+    assert base_config.model.hidden_dropout == config.model.hidden_dropout == 0.0
+    assert config.model.attention_dropout == base_config.model.attention_dropout
     base_weights = dict(base.named_parameters())
     for name, param in model.named_parameters():
         if ".adapter." in name:

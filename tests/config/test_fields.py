@@ -11,9 +11,16 @@ import pytest
 from threefold.arguments import build_parser, config_from_namespace
 from threefold.checkpoint.args import model_flags
 from threefold.config import ModelConfig
-from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields, flag_of
+from threefold.config.fields import (
+    ARCHITECTURE,
+    FINETUNING,
+    MODEL,
+    as_flags,
+    checkpoint_fields,
+    flag_of,
+)
 
-CARRIED = checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)
+CARRIED = checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL, FINETUNING)
 
 
 def _other_value(field: dataclasses.Field):
@@ -42,7 +49,11 @@ def test_the_checkpoint_carries_the_fields_megatron_takes():
         "rotary_base",
         "norm_epsilon",
     } <= names
-    assert not names & {"attention_dropout", "hidden_dropout", "lora_rank"}
+    assert not names & {"init_method_std", "lora_rank"}
+    assert {f.name for f in checkpoint_fields(ModelConfig, FINETUNING)} == {
+        "attention_dropout",
+        "hidden_dropout",
+    }
 
 
 @pytest.mark.parametrize("field", CARRIED, ids=lambda field: field.name)
@@ -50,7 +61,9 @@ def test_every_carried_field_round_trips(field):
     value = _other_value(field)
     config = dataclasses.replace(ModelConfig(), **{field.name: value})
     stored = json.loads(json.dumps(dataclasses.asdict(config)))  # as metadata.json holds it
-    parsed = config_from_namespace(build_parser().parse_args(model_flags(stored)))
+    # What --use-checkpoint-args takes, and what finetune.py takes besides.
+    flags = model_flags(stored) + as_flags(ModelConfig, stored, FINETUNING)
+    parsed = config_from_namespace(build_parser().parse_args(flags))
     assert getattr(parsed.model, field.name) == value
     assert {f.name: getattr(parsed.model, f.name) for f in CARRIED} == {
         f.name: getattr(config, f.name) for f in CARRIED

@@ -12,7 +12,7 @@ import os
 
 from threefold.checkpoint.files import checkpoint_tokenizer, latest_config, read_tracker
 from threefold.config import ConfigError, DataConfig, ModelConfig
-from threefold.config.fields import ARCHITECTURE, MODEL, as_flags
+from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, as_flags
 
 
 def model_flags(model: dict) -> list[str]:
@@ -46,11 +46,14 @@ def flags_for_use_checkpoint_args(
     )
 
 
-def checkpoint_flags(root: str, with_tokenizer: bool) -> list[str]:
-    """The flags --use-checkpoint-args puts before the command line: the model's architecture
-    and, when `with_tokenizer`, the checkpoint's tokenizer (its own copy of the model file)."""
+def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) -> list[str]:
+    """The flags --use-checkpoint-args puts before the command line: the model's architecture,
+    when `finetuning` also the fields fine-tuning starts from (dropout), and when
+    `with_tokenizer` the checkpoint's tokenizer (its own copy of the model file)."""
     iteration, saved = latest_config(root)
     flags = model_flags(saved["model"])
+    if finetuning:
+        flags += as_flags(ModelConfig, saved["model"], FINETUNING)
     if with_tokenizer:
         data = checkpoint_tokenizer(root, iteration, DataConfig(**saved["data"]))
         if data.tokenizer_type:

@@ -16,6 +16,8 @@ parser from these declarations; nothing else lists the flags.
                               --use-checkpoint-args takes it from the checkpoint
     checkpoint=MODEL          --use-checkpoint-args takes it from the checkpoint (sequence
                               length, RoPE base, norm epsilon, ...); a load does not check it
+    checkpoint=FINETUNING     finetune.py starts from the checkpoint's value (dropout: a
+                              converted model records 0, not Megatron's pretraining 0.1)
     flag="--disable-bias-linear"  a boolean whose flag sets it to False (Megatron's spelling)
 
 Every list of such fields is derived from here (`checkpoint_fields`, `as_flags`), so a new
@@ -29,6 +31,7 @@ from typing import Any
 
 ARCHITECTURE = "architecture"
 MODEL = "model"
+FINETUNING = "finetuning"
 
 
 def arg(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
-from threefold.config.fields import ARCHITECTURE, MODEL, arg
+from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg
 
 
 @dataclass
@@ -109,8 +109,12 @@ class ModelConfig:
         checkpoint=ARCHITECTURE,
         help="an output layer of its own instead of the word embeddings",
     )
-    attention_dropout: float = arg(0.1, help="dropout on the attention probabilities")
-    hidden_dropout: float = arg(0.1, help="dropout on the embeddings and before each residual add")
+    attention_dropout: float = arg(
+        0.1, checkpoint=FINETUNING, help="dropout on the attention probabilities"
+    )
+    hidden_dropout: float = arg(
+        0.1, checkpoint=FINETUNING, help="dropout on the embeddings and before each residual add"
+    )
     init_method_std: float = arg(0.02, help="standard deviation of the normal initialization")
     vocab_size: int | None = arg(
         None,
