@@ -2,6 +2,10 @@
 
     python tools/train_tokenizer.py --input data/shakespeare.jsonl --json-keys text \
         --vocab-size 2048 --model-prefix data/shakespeare_sp
+
+The tokenizer keeps text as it is: no Unicode normalization, no collapsing of spaces, newlines
+as a token of their own and byte fallback for characters it never saw, so code and verse
+round-trip exactly (`detokenize(tokenize(text)) == text`).
 """
 
 import argparse
@@ -11,6 +15,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.data.documents import read_documents  # noqa: E402
+
+_PIECE = 16384  # characters per training "sentence"
+
+
+def _pieces(text: str) -> list[str]:
+    pieces, start = [], 0
+    while len(text) - start > _PIECE:
+        cut = text.rfind("\n", start, start + _PIECE)
+        end = cut + 1 if cut > start else start + _PIECE
+        pieces.append(text[start:end])
+        start = end
+    return pieces + [text[start:]]
 
 
 def main() -> None:
@@ -42,9 +58,11 @@ def main() -> None:
     import sentencepiece
 
     def sentences():
+        """Whole documents (in pieces of at most _PIECE characters, cut after a newline), so
+        newlines and indentation are part of what the tokenizer learns."""
         for document in read_documents(args.input, args.json_keys):
             for text in document.values():
-                yield from (line for line in text.split("\n") if line.strip())
+                yield from (piece for piece in _pieces(text) if piece.strip())
 
     os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
@@ -56,6 +74,13 @@ def main() -> None:
         input_sentence_size=args.max_sentences,
         shuffle_input_sentence=True,
         byte_fallback=True,
+        # Keep the text as it is (sentencepiece's defaults normalize it with NFKC, drop
+        # repeated spaces and know no newline).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n"],
+        max_sentence_length=_PIECE,
         bos_id=1,
         eos_id=2,
         unk_id=0,

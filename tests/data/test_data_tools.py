@@ -142,3 +142,25 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merges(tmp_path):
     assert [written[i].tolist() for i in range(5)] == [
         tokenizer.tokenize(t) + [tokenizer.eod] for t in TEXTS[:5]
     ]
+
+
+def test_a_trained_tokenizer_keeps_newlines_indentation_and_spaces(tmp_path):
+    code = "class Net{i}(nn.Module):\n    def forward(self, x):\n\treturn x  *  {i}\n\n"
+    verse = "ROMEO:\n  But soft! what light through yonder window breaks?\n"
+    documents = [code.format(i=i) + verse + f"  ({i})  \n" for i in range(100)]
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+    prefix = str(tmp_path / "sp")
+    _tool(
+        "train_tokenizer.py",
+        "--input",
+        str(tmp_path / "corpus.jsonl"),
+        "--vocab-size",
+        "400",
+        "--model-prefix",
+        prefix,
+    )
+    tokenizer = SentencePieceTokenizer(prefix + ".model")
+    unseen = "def  f():\n\n        pass\t# ünïcode ✓\n"  # byte fallback for the new characters
+    for text in documents + [unseen]:
+        assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
