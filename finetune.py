@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from threefold.arguments import build_parser, parse_args
+from threefold.arguments import build_parser, parse_args, print_refusal
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--tokenizer-type")
     known, _ = probe.parse_known_args(rest)
     if not known.load:
-        print(
-            "finetune.py: error: --load CHECKPOINT_DIR is required (the model to fine-tune)",
-            file=sys.stderr,
-        )
+        print_refusal("finetune.py", "--load CHECKPOINT_DIR is required (the model to fine-tune)")
         return 2
     try:
         iteration, _ = latest_config(known.load)
@@ -98,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
             known.load, with_tokenizer=known.tokenizer_type is None, finetuning=True
         )
     except ConfigError as error:
-        print(f"finetune.py: error: {error}", file=sys.stderr)
+        print_refusal("finetune.py", error)
         return 2
     config = parse_args(prefix + rest, prog="finetune.py")
     try:
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
-        print(f"finetune.py: error: {error}", file=sys.stderr)
+        print_refusal("finetune.py", error)
         return 2
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from threefold.arguments import parse_args
+from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
 from threefold.training.exit_signals import exit_signal_handler
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        print_refusal("pretrain_gpt.py", error)
         return 2
 
     from threefold.checkpoint.files import read_tracker

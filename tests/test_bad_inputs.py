@@ -255,3 +255,15 @@ def test_bad_data_files_are_refused_naming_the_file(good_corpus, tmp_path):
         result, seconds = _run(BASE + ["--data-path", prefix, "--vocab-size", str(vocab)])
         _assert_refused(result, seconds, expected)
         assert f"--data-path {prefix}" in result.stderr
+
+
+def test_under_torchrun_a_refusal_is_printed_once():
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", "0", "pretrain_gpt.py", *BASE, *MOCK, "--num-layer", "2"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = (result.stdout + result.stderr).splitlines()
+    assert [line for line in lines if "did you mean --num-layers?" in line] == [
+        "pretrain_gpt.py: error: unrecognized arguments: --num-layer 2; did you mean "
+        "--num-layers? (--help lists every flag)"
+    ]

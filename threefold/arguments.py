@@ -35,6 +35,22 @@ class _Parser(argparse.ArgumentParser):
                 message += f"; did you mean {near[0]}?"
         self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
 
+    def exit(self, status: int = 0, message: str | None = None):
+        if status and not speaks_for_its_machine():
+            message = None  # the same refusal, printed by local rank 0
+        super().exit(status, message)
+
+
+def speaks_for_its_machine() -> bool:
+    """Under torchrun every rank reaches a command-line or input refusal before any process
+    group exists, each with the same line: local rank 0 prints it, once per machine."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def print_refusal(prog: str, error: Exception | str) -> None:
+    if speaks_for_its_machine():
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+
 
 # The --help sections, one per config, in this order.
 _SECTIONS = {
