@@ -258,6 +258,12 @@ def test_bad_data_files_are_refused_naming_the_file(good_corpus, tmp_path):
 
 
 def test_under_torchrun_a_refusal_is_printed_once():
+    # Local rank 1 says nothing (and waits for local rank 0 to say it) ...
+    env = {**os.environ, "LOCAL_RANK": "1"}
+    argv = [sys.executable, "pretrain_gpt.py", *BASE, *MOCK, "--num-layer", "2"]
+    silent = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert silent.returncode == 2 and silent.stderr == ""
+    # ... so torchrun's output holds the line once.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_port", "0", "pretrain_gpt.py", *BASE, *MOCK, "--num-layer", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)

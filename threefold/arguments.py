@@ -14,6 +14,7 @@ import difflib
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 
 from threefold import megatron_compat
@@ -36,8 +37,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
 
     def exit(self, status: int = 0, message: str | None = None):
-        if status and not speaks_for_its_machine():
+        if status and message and not speaks_for_its_machine():
             message = None  # the same refusal, printed by local rank 0
+            _let_local_rank_zero_speak()
         super().exit(status, message)
 
 
@@ -47,9 +49,17 @@ def speaks_for_its_machine() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _let_local_rank_zero_speak() -> None:
+    # torchrun stops every worker as soon as one fails: a silent rank that failed first would
+    # take local rank 0 down before it printed the line.
+    time.sleep(3)
+
+
 def print_refusal(prog: str, error: Exception | str) -> None:
     if speaks_for_its_machine():
         print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    else:
+        _let_local_rank_zero_speak()
 
 
 # The --help sections, one per config, in this order.
