@@ -8,6 +8,9 @@ import pytest
 from tests.distributed import close_pools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The smallest model the command-line tests train (each adds its own run flags).
+TINY_MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+TINY_MODEL = (TINY_MODEL + "--micro-batch-size 2").split()
 
 # Kernel tests that run on every device present: the CPU always, CUDA where a GPU is
 # (bench/gpu_session.sh runs the `cuda` legs there).

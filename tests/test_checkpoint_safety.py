@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_MODEL
 from threefold.checkpoint.manifest import MANIFEST, digest
 from threefold.config import ConfigError
 from threefold.safe_loading import (
@@ -27,26 +27,7 @@ from threefold.safe_loading import (
     load_tensors_file,
 )
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--lr",
-    "1e-3",
-]
+TINY = TINY_MODEL + "--global-batch-size 4 --eval-iters 0 --log-interval 1 --lr 1e-3".split()
 
 
 class Payload:

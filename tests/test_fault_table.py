@@ -17,34 +17,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, logged_losses
+from tests.conftest import ROOT, TINY_MODEL, logged_losses
 from tests.data.test_datasets import VOCAB, write_corpus
 
 TRACKER = "latest_checkpointed_iteration.txt"
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--lr",
-    "1e-3",
-    "--lr-decay-iters",
-    "10",
-    "--lr-warmup-iters",
-    "0",
-]
+TINY = TINY_MODEL + "--global-batch-size 4 --eval-iters 0 --log-interval 1 --lr 1e-3".split()
+TINY += "--lr-decay-iters 10 --lr-warmup-iters 0".split()
 MOCK = ["--mock-data", "--vocab-size", "128"]
 
 

@@ -17,32 +17,13 @@ import torch
 from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import ROOT, logged_losses, tiny_gpt_environment
+from tests.conftest import ROOT, TINY_MODEL, logged_losses, tiny_gpt_environment
 from tests.distributed import free_port
 from threefold.training.numerics import SpikyLossDetector
 
 LAUNCHER = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--mock-data",
-    "--vocab-size",
-    "128",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--distributed-backend",
-    "gloo",
-]
+TINY = TINY_MODEL + "--mock-data --vocab-size 128 --eval-iters 0 --log-interval 1".split()
+TINY += "--distributed-backend gloo".split()
 
 
 def _torchrun(nproc: int, argv: list[str], timeout: float = 180, drop: tuple = (), **environment):

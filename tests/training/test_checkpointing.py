@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 from tests.parity import (
     LLAMA_STYLE,
@@ -165,31 +166,8 @@ def test_async_save_writes_the_state_of_its_iteration(tmp_path):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_RUN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--train-iters",
-    "4",
-    "--mock-data",
-    "--vocab-size",
-    "128",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--save-interval",
-    "2",
-]
+TINY_RUN = TINY_MODEL + "--global-batch-size 4 --train-iters 4 --mock-data --vocab-size 128".split()
+TINY_RUN += "--eval-iters 0 --log-interval 1 --save-interval 2".split()
 
 
 def _pretrain(directory: str, *extra: str, crash_at: str | None = None):
