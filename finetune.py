@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from threefold.arguments import build_parser, parse_args, print_refusal
+from threefold.arguments import build_parser, parse_args, print_refusal, speaks_for_its_machine
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
@@ -46,22 +46,39 @@ def sft_datasets(packing: bool):
                 "samples mask their prompts themselves, and --sft-packing keeps "
                 "documents apart"
             )
-        train = SFTDataset(
-            [r for p in data.train_data_path for r in read_jsonl(p)], tokenizer, seq_length, packing
-        )
-        valid = (
-            SFTDataset(
-                [r for p in data.valid_data_path for r in read_jsonl(p)],
-                tokenizer,
-                seq_length,
-                packing,
-            )
-            if data.valid_data_path
-            else None
-        )
+
+        def dataset(paths: list[str]) -> SFTDataset | None:
+            records = [record for path in paths for record in read_jsonl(path)]
+            return SFTDataset(records, tokenizer, seq_length, packing) if paths else None
+
+        train, valid = dataset(data.train_data_path), dataset(data.valid_data_path)
+        for warning in dataset_size_warnings(config, len(train), valid and len(valid)):
+            if speaks_for_its_machine():
+                print(f"WARNING: {warning}", flush=True)
         return [train, valid, None]
 
     return build
+
+
+def dataset_size_warnings(config, train_samples: int, valid_samples: int | None) -> list[str]:
+    """What a small fine-tuning set does to the run, said before it starts: epochs per step,
+    and an evaluation that reads the validation set many times over."""
+    training, warnings = config.training, []
+    batch = training.global_batch_size
+    if train_samples < batch:
+        warnings.append(
+            f"{train_samples} training samples (after --seq-length {config.model.seq_length}"
+            f" and packing) against --global-batch-size {batch}: every step repeats the set; "
+            "lower --global-batch-size or add data"
+        )
+    evaluated = training.eval_iters * batch
+    if valid_samples and evaluated > 2 * valid_samples:
+        warnings.append(
+            f"each evaluation reads {evaluated} samples (--eval-iters {training.eval_iters} x "
+            f"--global-batch-size {batch}) of a validation set of {valid_samples}: use "
+            f"--eval-iters {max(1, -(-valid_samples // batch))}"
+        )
+    return warnings
 
 
 def _own_flags() -> argparse.ArgumentParser:

@@ -186,3 +186,16 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
         np.testing.assert_allclose(
             merged(tokens).logits.numpy(), ours.numpy(), rtol=1e-4, atol=1e-5
         )
+
+
+def test_a_small_fine_tuning_set_is_said_before_training():
+    from finetune import dataset_size_warnings
+    from threefold.arguments import parse_args
+
+    config = parse_args(
+        GPT2_STYLE + TRAINING + ["--global-batch-size", "32", "--eval-iters", "100"]
+    )
+    train, evaluation = dataset_size_warnings(config, train_samples=3, valid_samples=10)
+    assert "3 training samples" in train and "--global-batch-size 32" in train
+    assert "reads 3200 samples" in evaluation and "use --eval-iters 1" in evaluation
+    assert dataset_size_warnings(config, train_samples=64, valid_samples=1600) == []
