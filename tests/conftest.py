@@ -11,6 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The smallest model the command-line tests train (each adds its own run flags).
 TINY_MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
 TINY_MODEL = (TINY_MODEL + "--micro-batch-size 2").split()
+# The model and mock data the command-line parsing tests parse (no training needed).
+CLI_MODEL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+CLI_MODEL = (CLI_MODEL + "--micro-batch-size 2 --mock-data --vocab-size 100").split()
 
 # Kernel tests that run on every device present: the CPU always, CUDA where a GPU is
 # (bench/gpu_session.sh runs the `cuda` legs there).

@@ -7,24 +7,11 @@ import time
 
 import pytest
 
+from tests.conftest import CLI_MODEL
 from threefold.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--mock-data",
-    "--vocab-size",
-    "100",
-]
+BASE = CLI_MODEL[:]
 
 
 def test_megatron_flags_fill_the_configs():

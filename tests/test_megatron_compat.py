@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from tests.conftest import CLI_MODEL
 from tests.parity import GPT2_STYLE, TRAINING
 from threefold import megatron_compat
 from threefold.arguments import parse_args
@@ -19,23 +20,7 @@ from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory_hygiene import MemoryHygiene
 from threefold.training.trainer import Trainer
 
-BASE = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--mock-data",
-    "--vocab-size",
-    "100",
-    "--train-iters",
-    "100",
-]
+BASE = CLI_MODEL + "--train-iters 100".split()
 
 
 def test_a_megatron_llama_script_line_parses():
