@@ -90,16 +90,10 @@ TRAINING = [
 def _setup(argv: list[str]) -> Trainer:
     config = parse_args(argv, world_size=state.global_world_size())
     if torch.distributed.is_initialized():
-        parallel = config.parallel
-        state.initialize_model_parallel(
-            parallel.tensor_model_parallel_size,
-            parallel.pipeline_model_parallel_size,
-            parallel.virtual_pipeline_model_parallel_size,
-            parallel.distributed_timeout_minutes,
-        )
-    return Trainer(
-        config, torch.device("cpu"), state.parallel_context(config.parallel.sequence_parallel)
-    )
+        parallel = state.initialize_layout(config.parallel)
+    else:
+        parallel = state.parallel_context()
+    return Trainer(config, torch.device("cpu"), parallel)
 
 
 def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
@@ -161,6 +155,17 @@ def gradient_job(argv: list[str]) -> dict:
     finalize_model_grads(trainer.data_parallel.grad_buffer, trainer.parallel)
     grads = _full(trainer, "main_grad")
     return {"logits": logits, "loss": loss.item(), "grads": grads}
+
+
+def first_step_gradients_job(argv: list[str]) -> dict:
+    """The reduced gradients of the first global batch, through the trainer's own schedule,
+    batches and gradient reduction (any layout without the distributed optimizer)."""
+    trainer = _setup(argv)
+    data_parallel, micro_batches = trainer.data_parallel, trainer.num_microbatches
+    data_parallel.start_step(micro_batches)
+    losses = trainer._schedule(trainer.train_iterator(), micro_batches)
+    data_parallel.finish_grad_sync()
+    return {"loss": trainer._mean_loss(losses), "grads": _full(trainer, "main_grad")}
 
 
 def relative_error(actual, expected) -> float:

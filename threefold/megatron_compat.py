@@ -29,7 +29,6 @@ ALIASES = {
 
 # flag -> (type, the one supported value, why no other)
 ONLY_DEFAULT = {
-    "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
     "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
     "--ckpt-format": (

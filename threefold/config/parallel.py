@@ -1,4 +1,4 @@
-"""The parallel layout: TP, PP (with virtual and uneven stages), DP and its strategy."""
+"""The parallel layout: TP, PP (with virtual and uneven stages), CP, DP and its strategy."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from threefold.config.fields import arg
 from threefold.config.model import ModelConfig
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
+# Megatron's --cp-comm-type names (a2a+p2p, its hierarchical variant, is not implemented).
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def stage_layer_counts(
@@ -51,6 +53,26 @@ class ParallelConfig:
     )
     decoder_last_pipeline_num_layers: int | None = arg(
         None, help="layers of the last pipeline stage (the rest split evenly)"
+    )
+    context_parallel_size: int = arg(
+        1,
+        help=(
+            "CP: ranks that split every sequence (2 x CP load-balanced chunks, rank r holding "
+            "chunks r and 2CP-1-r); attention exchanges keys/values by --cp-comm-type"
+        ),
+    )
+    cp_comm_type: list[str] = arg(
+        default_factory=lambda: ["p2p"],
+        help=(
+            "how CP ranks exchange attention inputs: p2p (ring attention, sends overlapped "
+            "with each block's attention), allgather (all keys/values gathered), a2a (Ulysses: "
+            "all-to-all from sequence- to head-sharded)"
+        ),
+        nargs="+",
+        choices=CP_COMM_TYPES,
+    )
+    hierarchical_context_parallel_sizes: list[int] | None = arg(
+        None, help="not implemented (a2a+p2p); refused when given", nargs="+"
     )
     sequence_parallel: bool = arg(
         False,
@@ -103,12 +125,17 @@ class ParallelConfig:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
     @property
+    def ranks_per_replica(self) -> int:
+        """TP x PP x CP: the ranks that together consume one data-parallel share of a batch."""
+        return self.model_parallel_size * self.context_parallel_size
+
+    @property
     def bucket_size(self) -> int:
         return self.ddp_bucket_size or 40_000_000
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.model_parallel_size
+        return self.world_size // self.ranks_per_replica
 
     def _finalize_pipeline(self, model: ModelConfig) -> None:
         pp, layers = self.pipeline_model_parallel_size, model.num_layers
@@ -170,6 +197,60 @@ class ParallelConfig:
                 f"{pp}; change one or set --decoder-first/last-pipeline-num-layers",
             )
 
+    def _finalize_context_parallel(self, model: ModelConfig) -> None:
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        _require(cp >= 1, "--context-parallel-size must be >= 1")
+        _require(
+            self.world_size % (tp * self.pipeline_model_parallel_size * cp) == 0,
+            f"world size {self.world_size} is not divisible by TP x PP x "
+            f"--context-parallel-size {cp}; launch a multiple of "
+            f"{tp * self.pipeline_model_parallel_size * cp} processes",
+        )
+        _require(
+            self.hierarchical_context_parallel_sizes is None,
+            "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not "
+            "implemented; use one of --cp-comm-type p2p, allgather or a2a",
+        )
+        _require(
+            len(set(self.cp_comm_type)) == 1,
+            "--cp-comm-type takes one type for every layer here (per-layer types are not "
+            "implemented); give one of p2p, allgather, a2a",
+        )
+        if cp == 1:
+            return
+        comm = self.comm_type
+        _require(
+            model.seq_length % (2 * cp) == 0,
+            f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size "
+            f"{cp} (each CP rank holds two of 2 x CP equal chunks)",
+        )
+        if self.sequence_parallel:
+            _require(
+                (model.seq_length // cp) % tp == 0,
+                f"--seq-length {model.seq_length} / --context-parallel-size {cp} is not "
+                f"divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel "
+                "needs",
+            )
+        if comm == "a2a":
+            heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
+            _require(
+                heads % cp == 0 and groups % cp == 0,
+                f"--cp-comm-type a2a splits each TP rank's {heads} heads and {groups} query "
+                f"groups over --context-parallel-size {cp}, which must divide both; use "
+                "--cp-comm-type p2p or allgather",
+            )
+        else:
+            _require(
+                model.attention_dropout == 0,
+                f"--cp-comm-type {comm} computes attention block by block without dropout; "
+                "set --attention-dropout 0 or use --cp-comm-type a2a",
+            )
+
+    @property
+    def comm_type(self) -> str:
+        """The one --cp-comm-type of every layer."""
+        return self.cp_comm_type[0]
+
     def _finalize_strategy(self) -> None:
         strategy = self.distributed_strategy
         _require(
@@ -215,6 +296,7 @@ class ParallelConfig:
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "
             f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
+        self._finalize_context_parallel(model)
         self._finalize_pipeline(model)
         _require(
             model.num_attention_heads % tp == 0,

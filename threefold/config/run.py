@@ -44,6 +44,11 @@ class Config:
                     f"{parallel.pipeline_model_parallel_size}",
                 )
         self.data.finalize()
+        _require(
+            parallel.context_parallel_size == 1 or not self.data.reset_attention_mask,
+            "--reset-attention-mask (per-document attention) is not implemented with "
+            "--context-parallel-size > 1; drop one (--reset-position-ids works with CP)",
+        )
         self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()

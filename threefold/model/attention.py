@@ -8,6 +8,7 @@ group. Splitting the rows evenly over TP ranks therefore hands each rank whole q
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,21 +17,46 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
+from threefold.parallel.context_parallel.attention import context_parallel_attention
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
 from threefold.parallel.tensor_parallel.sharding import InitMethod
 
+CoreAttention = Callable  # (query, key, value, attention_mask, dropout) -> context
+
+
+def _kernel_attention(query, key, value, attention_mask, dropout) -> torch.Tensor:
+    # Looked up at each call: the kernels are configured after the model is built.
+    return KERNELS.attention(query, key, value, attention_mask, dropout)
+
+
+def local_attention(config: ModelConfig, parallel: ParallelContext) -> CoreAttention:
+    """Core attention when this rank holds whole sequences: the kernel dispatch's."""
+    del config, parallel
+    return _kernel_attention
+
+
+def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAttention:
+    """Core attention over a sequence split across the CP ranks, by --cp-comm-type."""
+    del config
+    return context_parallel_attention(parallel.cp, parallel.cp_comm_type, _kernel_attention)
+
 
 class SelfAttention(nn.Module):
+    """`core_attention(config, parallel)` builds what turns query, key and value into the
+    context (the layer spec's choice: `local_attention` or `context_parallel`)."""
+
     def __init__(
         self,
         config: ModelConfig,
         parallel: ParallelContext,
         init_method: InitMethod,
         output_layer_init_method: InitMethod,
+        core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
     ) -> None:
         super().__init__()
+        self.core_attention = core_attention(config, parallel)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp
@@ -100,4 +126,4 @@ class SelfAttention(nn.Module):
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
-            return KERNELS.attention(query, key, value, attention_mask, dropout)
+            return self.core_attention(query, key, value, attention_mask, dropout)

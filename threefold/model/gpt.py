@@ -125,7 +125,7 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(
             config,
             parallel,
-            spec or layer_spec(config),
+            spec or layer_spec(config, parallel),
             config.num_layers if num_layers is None else num_layers,
             layer_offset,
             init,

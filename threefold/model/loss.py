@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from threefold.parallel.parallel_context import ONE_DEVICE, Group
+
 
 def gpt_forward_step(
     batch: dict,
     model: torch.nn.Module,
     input_tensor: torch.Tensor | None = None,
     per_token_loss: bool = False,
+    cp: Group = ONE_DEVICE,
 ):
     """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
     hidden states elsewhere) and how to reduce it to the micro-batch loss.
@@ -19,7 +22,12 @@ def gpt_forward_step(
     totals over the sum of the weights. By default the loss is the micro-batch's mean over its
     loss-mask tokens, weighted 1 (every micro-batch counts the same, whatever its token count);
     with `per_token_loss` it is the sum over those tokens, weighted by their number, so every
-    token of the global batch counts the same (Megatron's --calculate-per-token-loss)."""
+    token of the global batch counts the same (Megatron's --calculate-per-token-loss).
+
+    Under context parallelism (`cp`) the batch is this rank's share of the sequence: the
+    reported sums are taken over the CP group, so they are the whole micro-batch's, and the
+    loss backpropagated is this rank's part of it times CP, because gradients are averaged
+    over DP x CP where they must be summed over CP."""
     output = model(
         batch["tokens"],
         labels=batch["labels"],
@@ -31,11 +39,12 @@ def gpt_forward_step(
 
     def loss_func(per_token_loss_values: torch.Tensor):
         total = (per_token_loss_values.float() * loss_mask).sum()
-        tokens = loss_mask.sum().float()
+        whole = cp.all_reduce(torch.stack((total.detach(), loss_mask.sum().float())))
         if per_token_loss:
-            return total, torch.stack((total.detach(), tokens))
+            return total * cp.size, whole
         # clamp: a fine-tuning micro-batch may hold no response token at all
-        loss = total / tokens.clamp(min=1)
-        return loss, torch.stack((loss.detach(), torch.ones_like(loss)))
+        tokens = whole[1].clamp(min=1)
+        loss = whole[0] / tokens
+        return total * cp.size / tokens, torch.stack((loss, torch.ones_like(loss)))
 
     return output, loss_func

@@ -11,13 +11,15 @@ partial over TP), so a part reads its options from the config, not from threaded
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from threefold.config import ModelConfig
-from threefold.model.attention import SelfAttention
+from threefold.model.attention import SelfAttention, context_parallel
 from threefold.model.mlp import MLP
 from threefold.model.norms import build_norm
+from threefold.parallel.parallel_context import ParallelContext
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,12 @@ class LayerSpec:
     norm: Callable = build_norm  # (config, size, partial_grads) -> module
 
 
-def layer_spec(config: ModelConfig) -> LayerSpec:
-    """The parts a model config asks for: the dense GPT layer for every config today."""
+def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
+    """The parts a model config and layout ask for: the dense GPT layer, its core attention
+    spanning the context-parallel ranks when the sequence is split over them."""
     del config  # the choice point: an MoE config will pick its MLP here
+    if parallel.cp.size > 1:
+        return LayerSpec(
+            self_attention=functools.partial(SelfAttention, core_attention=context_parallel)
+        )
     return LayerSpec()

@@ -3,19 +3,22 @@
 Layers, schedules, the gradient buffer, optimizers, checkpointing and the training loop receive
 a `ParallelContext` (or the one `Group` they need) instead of asking a global registry, so a
 component written for one group works unchanged over another: the gradient buffer reduces over
-whatever `dp` it is given (DP today; DP x CP or expert-DP when those exist).
+whatever group it is given (`dp_cp` for dense weights, expert-DP when that exists).
 
     ParallelContext
       tp          tensor-parallel group (Megatron's rank order: TP varies fastest)
       pp          pipeline-parallel group (varies slowest)
-      dp          data-parallel group
-      cp          context-parallel group (size 1 until context parallelism lands)
+      dp          data-parallel group: the replicas that read different samples
+      cp          context-parallel group: the ranks that split each sample's sequence
+      dp_cp       DP x CP: the ranks holding the same weights, over which gradients are
+                  averaged and the distributed optimizer shards (dp when CP is 1)
       ep          expert-parallel group (size 1 until mixture-of-experts lands)
       expert_dp   the data-parallel group of the expert weights (size 1 until then)
       world       every rank
       embedding_group       first and last pipeline stage: holders of tied embeddings
       model_parallel_group  TP x PP: the ranks that together hold one model replica
       sequence_parallel     activations between layers split along the sequence over TP
+      cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a)
 
 `ParallelContext()` is one process: every size 1, every rank 0, no group. The context is built
 from megatron-core's `parallel_state` by `threefold.parallel.state.parallel_context`, the one
@@ -51,12 +54,14 @@ class ParallelContext:
     pp: Group = field(default_factory=Group)
     dp: Group = field(default_factory=Group)
     cp: Group = field(default_factory=Group)
+    dp_cp: Group = field(default_factory=Group)
     ep: Group = field(default_factory=Group)
     expert_dp: Group = field(default_factory=Group)
     world: Group = field(default_factory=Group)
     embedding_group: dist.ProcessGroup | None = None
     model_parallel_group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"
 
     @property
     def is_first_pipeline_stage(self) -> bool:
@@ -70,8 +75,8 @@ class ParallelContext:
         self, seq_length: int, micro_batch_size: int, hidden_size: int
     ) -> tuple[int, int, int]:
         """What travels between pipeline stages: [sequence, micro-batch, hidden], the sequence
-        divided over TP under sequence parallelism."""
-        sequence = seq_length // (self.tp.size if self.sequence_parallel else 1)
+        divided over CP, and over TP under sequence parallelism."""
+        sequence = seq_length // self.cp.size // (self.tp.size if self.sequence_parallel else 1)
         return (sequence, micro_batch_size, hidden_size)
 
 

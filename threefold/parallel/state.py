@@ -1,8 +1,9 @@
 """Process groups: torch.distributed plus megatron-core's `parallel_state`.
 
-megatron-core builds the tensor (TP), pipeline (PP) and data (DP) groups with Megatron's rank
-order: TP varies fastest, then DP, then PP. With world size 8, TP=2, PP=2 the grid is
-`arange(8).view(pp=2, dp=2, tp=2)`; see docs/parallelism.md for the picture.
+megatron-core builds the tensor (TP), context (CP), pipeline (PP) and data (DP) groups with
+Megatron's rank order: TP varies fastest, then CP, then DP, then PP. With world size 8, TP=2,
+PP=2 the grid is `arange(8).view(pp=2, dp=2, tp=2)`; with TP=2, CP=2, DP=2 it is
+`arange(8).view(dp=2, cp=2, tp=2)`; see docs/parallelism.md for the picture.
 
 Everything below also answers sensibly when no process group exists (one process, sizes 1,
 ranks 0), so the single-process reference run of a parity test needs no distributed setup.
@@ -91,8 +92,9 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout_minutes: int = 10,
+    context_parallel_size: int = 1,
 ) -> None:
-    """Build TP/PP/DP groups over the initialized world with megatron-core."""
+    """Build TP/CP/PP/DP groups over the initialized world with megatron-core."""
     destroy_model_parallel()
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
@@ -101,6 +103,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
         # On CPU the main groups already are gloo; duplicates would only cost start-up time.
         create_gloo_process_groups=dist.get_backend() != "gloo",
@@ -114,20 +117,26 @@ def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
     device = initialize_distributed(
         parallel.distributed_backend, parallel.distributed_timeout_minutes
     )
+    return device, initialize_layout(parallel)
+
+
+def initialize_layout(parallel) -> ParallelContext:
+    """megatron-core's groups for a ParallelConfig over the initialized world; the context."""
     initialize_model_parallel(
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
         parallel.virtual_pipeline_model_parallel_size,
         parallel.distributed_timeout_minutes,
+        parallel.context_parallel_size,
     )
-    context = parallel_context(parallel.sequence_parallel)
+    context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.
     if context.dp.size != parallel.data_parallel_size:
         raise RuntimeError(
             f"{context.dp.size} data-parallel ranks, but the config was validated for "
             f"{parallel.data_parallel_size} (WORLD_SIZE {parallel.world_size})"
         )
-    return device, context
+    return context
 
 
 def initialize_for_inference() -> tuple[torch.device, ParallelContext]:
@@ -137,7 +146,7 @@ def initialize_for_inference() -> tuple[torch.device, ParallelContext]:
     return device, parallel_context()
 
 
-def parallel_context(sequence_parallel: bool = False) -> ParallelContext:
+def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p") -> ParallelContext:
     """The groups megatron-core built (or a world of one when it built none), read once."""
     if not is_initialized():
         return ParallelContext(world=Group(None, global_world_size(), global_rank()))
@@ -151,10 +160,24 @@ def parallel_context(sequence_parallel: bool = False) -> ParallelContext:
         pipeline_model_parallel_world_size(),
         pipeline_model_parallel_rank(),
     )
+    ps = _parallel_state()
+    dp_cp = Group(
+        ps.get_data_parallel_group(with_context_parallel=True),
+        ps.get_data_parallel_world_size(with_context_parallel=True),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+    )
+    cp = Group(
+        ps.get_context_parallel_group(),
+        ps.get_context_parallel_world_size(),
+        ps.get_context_parallel_rank(),
+    )
     return ParallelContext(
         tp=tp,
         pp=pp,
         dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),
+        cp=cp,
+        dp_cp=dp_cp,
+        cp_comm_type=cp_comm_type,
         world=Group(dist.group.WORLD, global_world_size(), global_rank()),
         # Only the first and last stage belong to one (megatron-core asserts elsewhere).
         embedding_group=embedding_group() if pp.rank in (0, pp.size - 1) else None,

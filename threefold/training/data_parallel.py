@@ -49,7 +49,8 @@ def uses_torch_data_parallel(config: Config) -> bool:
 
 
 class MegatronDataParallel:
-    """Gradients accumulated in threefold's bucketed buffer and averaged over `parallel.dp`."""
+    """Gradients accumulated in threefold's bucketed buffer and averaged over `parallel.dp_cp`
+    (the ranks holding the same weights: data-parallel replicas and context-parallel peers)."""
 
     grad_buffer: GradientBuffer
 
@@ -79,9 +80,9 @@ class MegatronDataParallel:
 
         self.grad_buffer = GradientBuffer(
             [param for _, param in named],
-            parallel.dp,
+            parallel.dp_cp,
             bucket_size=dp.bucket_size,
-            pad_to_multiple=parallel.dp.size if distributed else 1,
+            pad_to_multiple=parallel.dp_cp.size if distributed else 1,
             flat_parameters=distributed,
             overlap_grad_reduce=dp.overlap_grad_reduce,
             grad_dtype=(
@@ -149,9 +150,9 @@ class TorchDataParallel:
         self.compute_dtype = params_dtype(config)
         self.device_type = device.type
         wrapped = (
-            wrap_fsdp(model, device, parallel.dp, self.compute_dtype, reduce_dtype)
+            wrap_fsdp(model, device, parallel.dp_cp, self.compute_dtype, reduce_dtype)
             if fsdp
-            else wrap_ddp(model, device, parallel.dp, dp.bucket_size, reduce_dtype)
+            else wrap_ddp(model, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)
         )
         if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
             for param in model.parameters():

@@ -426,7 +426,7 @@ class NativeOptimizer(_AdamWithMasters):
         parallel: ParallelContext,
         sharded: bool,
     ) -> None:
-        self.reduction_groups = [parallel.dp.group] if sharded else []
+        self.reduction_groups = [parallel.dp_cp.group] if sharded else []
         self.tp_rank = parallel.tp.rank
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]

@@ -24,6 +24,7 @@ from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.model.loss import gpt_forward_step
+from threefold.parallel.context_parallel.sequence import split_batch
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
 from threefold.parallel.tensor_parallel.random import set_random_seed
@@ -101,13 +102,17 @@ class Trainer:
     def _forward_step(self, batch: dict, model: torch.nn.Module, input_tensor=None):
         per_token = self.config.training.calculate_per_token_loss
         with self.data_parallel.forward_context():
-            output, loss_func = gpt_forward_step(batch, model, input_tensor, per_token)
+            output, loss_func = gpt_forward_step(
+                batch, model, input_tensor, per_token, self.parallel.cp
+            )
         return output, faults.inject(loss_func, self.parallel.world.rank, self.state.iteration + 1)
 
     def _batches(self, split: int, consumed_samples: int, shuffle: bool = True):
         training = self.config.training
         where = (training.micro_batch_size, training.seed, self.device, self.parallel.dp)
-        return micro_batches(self.datasets[split], consumed_samples, *where, shuffle=shuffle)
+        batches = micro_batches(self.datasets[split], consumed_samples, *where, shuffle=shuffle)
+        # The ranks of a CP group read the same samples and keep their share of each sequence.
+        return (split_batch(batch, self.parallel.cp) for batch in batches)
 
     def _schedule(self, iterator, num_microbatches: int, **options) -> list[torch.Tensor]:
         """Forward (and backward) over the micro-batches by the pipeline's schedule."""

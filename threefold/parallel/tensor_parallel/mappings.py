@@ -32,7 +32,7 @@ from threefold.parallel.parallel_context import Group
 COLLECTIVE_COUNTS: Counter = Counter()
 
 
-def _record(op: str, full_tensor_numel: int, element_size: int) -> None:
+def record_collective(op: str, full_tensor_numel: int, element_size: int) -> None:
     COLLECTIVE_COUNTS[op] += 1
     COLLECTIVE_COUNTS[op + ":bytes"] += full_tensor_numel * element_size
 
@@ -40,7 +40,7 @@ def _record(op: str, full_tensor_numel: int, element_size: int) -> None:
 def _all_reduce(tensor: torch.Tensor, tp: Group) -> torch.Tensor:
     if tp.size == 1:
         return tensor
-    _record("all_reduce", tensor.numel(), tensor.element_size())
+    record_collective("all_reduce", tensor.numel(), tensor.element_size())
     tensor = tensor.contiguous()
     dist.all_reduce(tensor, group=tp.group)
     return tensor
@@ -54,7 +54,7 @@ def _all_gather(tensor: torch.Tensor, dim: int, tp: Group) -> torch.Tensor:
     output = torch.empty(
         (tp.size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
-    _record("all_gather", output.numel(), output.element_size())
+    record_collective("all_gather", output.numel(), output.element_size())
     all_gather_single(output, moved, group=tp.group)
     return output.movedim(0, dim).contiguous()
 
@@ -67,7 +67,7 @@ def _reduce_scatter(tensor: torch.Tensor, tp: Group) -> torch.Tensor:
     output = torch.empty(
         (tensor.shape[0] // tp.size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
-    _record("reduce_scatter", tensor.numel(), tensor.element_size())
+    record_collective("reduce_scatter", tensor.numel(), tensor.element_size())
     reduce_scatter_single(output, tensor, group=tp.group)
     return output
 

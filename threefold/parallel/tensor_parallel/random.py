@@ -7,6 +7,9 @@ Two streams exist on every rank:
   on activations that are split across the TP group (attention probabilities of a rank's heads,
   or a rank's sequence slice under sequence parallelism), so the masks differ.
 Data-parallel replicas use the same seeds: they must agree on everything but their data.
+Context-parallel ranks hold different tokens of one sequence, so both of their streams are
+offset by the CP rank (Megatron leaves them equal, which repeats one rank's dropout pattern on
+every other rank's tokens).
 
 Megatron's tracker swaps CUDA generator states; this one swaps whichever generator the model's
 device draws from, so it works on CPU too.
@@ -23,6 +26,7 @@ import torch
 from threefold.parallel.parallel_context import ParallelContext
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+_CP_SEED_OFFSET = 104729  # a prime far above the pipeline offsets (100 per stage)
 
 
 def _get_state(device_type: str) -> torch.Tensor:
@@ -80,7 +84,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 def set_random_seed(seed: int, parallel: ParallelContext, device_type: str = "cpu") -> None:
     """Seed every generator of this rank the way Megatron's `_set_random_seed` does."""
-    seed = seed + 100 * parallel.pp.rank
+    seed = seed + 100 * parallel.pp.rank + _CP_SEED_OFFSET * parallel.cp.rank
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -1,0 +1,229 @@
+"""Context parallelism reproduces the single-process model (real gloo ranks).
+
+Each rank holds chunks r and 2CP-1-r of the sequence; the three --cp-comm-type attentions must
+give every token the same output and gradients as attention over the whole sequence.
+"""
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+COMM_TYPES = ["p2p", "allgather", "a2a"]
+
+
+def _core_attention_job(comm_type: str, heads: int, groups: int) -> list[float]:
+    import torch.distributed as dist
+
+    from threefold.kernels import reference
+    from threefold.parallel import state
+    from threefold.parallel.context_parallel.attention import context_parallel_attention
+    from threefold.parallel.context_parallel.sequence import local_positions
+
+    state.initialize_model_parallel(1, 1, context_parallel_size=dist.get_world_size())
+    cp = state.parallel_context(cp_comm_type=comm_type).cp
+    torch.manual_seed(0)  # the same whole-sequence inputs on every rank
+    sequence, batch, head_dim = 32, 2, 8
+    q = torch.randn(sequence, batch, heads, head_dim, requires_grad=True)
+    k = torch.randn(sequence, batch, groups, head_dim, requires_grad=True)
+    v = torch.randn(sequence, batch, groups, head_dim, requires_grad=True)
+    upstream = torch.randn(sequence, batch, heads * head_dim)
+    expected = reference.attention(q, k, v, None, 0.0)
+    expected.backward(upstream)
+
+    mine = local_positions(sequence, cp)
+    local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
+    attention = context_parallel_attention(cp, comm_type, reference.attention)
+    out = attention(*local, None, 0.0)
+    out.backward(upstream[mine])
+    pairs = [(out, expected[mine])] + [(t.grad, w.grad[mine]) for t, w in zip(local, (q, k, v))]
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_core_attention_equals_whole_sequence_attention(cp, comm_type):
+    for errors in run_distributed(cp, _core_attention_job, comm_type, 8, 4):  # GQA: 2 per group
+        assert max(errors) < 1e-5, errors
+
+
+from tests.parity import (  # noqa: E402
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    TRAINING,
+    assert_close_dicts,
+    assert_matches_reference,
+    first_step_gradients_job,
+    train_job,
+)
+
+STYLES = {"llama": LLAMA_STYLE, "gpt2": GPT2_STYLE}
+# Sequence 16 splits into 2 x CP chunks of 4 (CP=2) or 2 (CP=4) tokens.
+LAYOUTS = {
+    "cp2": (2, []),
+    "cp4": (4, []),
+    "tp2_cp2_sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_cp2": (4, ["--pipeline-model-parallel-size", "2"]),
+    "cp2_dp2_distopt": (4, ["--use-distributed-optimizer"]),
+    "cp2_recompute_full": (
+        2,
+        ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "1"],
+    ),
+    "cp2_recompute_selective": (2, ["--recompute-granularity", "selective"]),
+    "pp2_vpp2_cp2": (
+        4,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+        + ["--num-layers", "4"],
+    ),
+}
+
+
+def _argv(style: str, world: int, extra: list[str], comm_type: str, cp: int) -> list[str]:
+    argv = STYLES[style] + TRAINING + extra
+    return argv + ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {
+        style: {
+            "train": train_job(argv + TRAINING, 10),
+            "grads": first_step_gradients_job(argv + TRAINING),
+        }
+        for style, argv in STYLES.items()
+    }
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_first_step_gradients_match(references, style, cp, comm_type):
+    expected = references[style]["grads"]
+    for result in run_distributed(
+        cp, first_step_gradients_job, _argv(style, cp, [], comm_type, cp)
+    ):
+        assert abs(result["loss"] - expected["loss"]) <= 1e-6 * expected["loss"]
+        assert_close_dicts(result["grads"], expected["grads"], 1e-5, "gradient")
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ten_training_steps_match(references, style, comm_type, layout):
+    world, extra = LAYOUTS[layout]
+    cp = 4 if layout == "cp4" else 2
+    argv = _argv(style, world, extra, comm_type, cp)
+    if "--num-layers" in extra:  # a deeper model (virtual stages): its own reference
+        reference = train_job(STYLES[style] + TRAINING + ["--num-layers", "4"], 10)
+    else:
+        reference = references[style]["train"]
+    assert_matches_reference(run_distributed(world, train_job, argv, 10), reference, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def cp2_checkpoint(tmp_path_factory):
+    from tests.training.test_resharding import _save_then_continue
+
+    directory = str(tmp_path_factory.mktemp("cp2"))
+    argv = LLAMA_STYLE + TRAINING + ["--use-distributed-optimizer"]
+    layout = ["--context-parallel-size", "2"]  # x DP=2
+    return argv, directory, run_distributed(4, _save_then_continue, argv + layout, directory)
+
+
+@pytest.mark.parametrize("cp,comm_type", [(1, "p2p"), (4, "p2p"), (4, "a2a")])
+def test_cp2_checkpoint_resumes_at_another_context_parallel_size(cp2_checkpoint, cp, comm_type):
+    from tests.training.test_resharding import _check, _load_then_step
+
+    argv, directory, saved = cp2_checkpoint
+    layout = ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+    _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
+
+
+def _collectives_of_one_step(argv: list[str]) -> dict:
+    from tests.parity import _setup
+    from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
+
+    trainer = _setup(argv)
+    batch = next(trainer.train_iterator())
+    COLLECTIVE_COUNTS.clear()
+    loss = trainer.model(
+        batch["tokens"], labels=batch["labels"], position_ids=batch["position_ids"]
+    )
+    loss.mean().backward()
+    return dict(COLLECTIVE_COUNTS)
+
+
+def _per_layer_collectives_job(argv: list[str]) -> dict:
+    one = _collectives_of_one_step(argv + ["--num-layers", "1"])
+    two = _collectives_of_one_step(argv + ["--num-layers", "2"])
+    return {key: two.get(key, 0) - one.get(key, 0) for key in set(one) | set(two)}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+def test_communication_per_layer_equals_the_theory(cp, comm_type):
+    argv = _argv("llama", cp, [], comm_type, cp)
+    per_layer = run_distributed(cp, _per_layer_collectives_job, argv)[0]
+    per_layer = {key: count for key, count in per_layer.items() if count}
+    # LLaMA style: 8 query heads and 4 key/value groups of 4 channels; micro-batch 2, fp32.
+    sequence, batch, heads, groups, head_dim = 16, 2, 8, 4, 4
+    local = sequence // cp
+    kv_bytes = 2 * local * batch * groups * head_dim * 4  # this rank's keys and values
+    if comm_type == "p2p":
+        # Forward: the blocks of the CP-1 other ranks arrive; backward: they go round again,
+        # and CP gradient accumulators travel (the last one home), in fp32.
+        expected = {
+            "cp_send_kv": 2 * (cp - 1),
+            "cp_send_kv:bytes": 2 * (cp - 1) * kv_bytes,
+            "cp_send_grad_kv": cp,
+            "cp_send_grad_kv:bytes": cp * kv_bytes,
+        }
+    elif comm_type == "allgather":
+        # One all-gather of every rank's keys and values; backward reduce-scatters them.
+        expected = {
+            "all_gather": 1,
+            "all_gather:bytes": cp * kv_bytes,
+            "reduce_scatter": 1,
+            "reduce_scatter:bytes": cp * kv_bytes,
+        }
+    else:
+        # q, k, v to head-sharded, the context back; backward the same two in reverse.
+        qkv_bytes = local * batch * (heads + 2 * groups) * head_dim * 4
+        context_bytes = local * batch * heads * head_dim * 4
+        expected = {"all_to_all": 4, "all_to_all:bytes": 2 * (qkv_bytes + context_bytes)}
+    assert per_layer == expected
+
+
+def _ring_trace_job(argv: list[str]) -> list:
+    from threefold.parallel.context_parallel import attention
+
+    attention.TRACE = []
+    try:
+        _collectives_of_one_step(argv)
+        return attention.TRACE
+    finally:
+        attention.TRACE = None
+
+
+def test_ring_sends_are_in_flight_while_each_block_computes():
+    """Each step posts the next block's send/receive, computes its own block, then waits: the
+    block's attention runs between the post and the arrival. In backward the gradient
+    accumulator of the previous step is in flight too."""
+    argv = _argv("llama", 4, ["--num-layers", "1"], "p2p", 4)
+    for trace in run_distributed(4, _ring_trace_job, argv):
+        times = {}
+        for event, step, when in trace:
+            times.setdefault((event, step), []).append(when)
+        for step in range(3):  # steps 0..CP-2 pass their block on; the last does not
+            for phase, send in (("forward", 0), ("backward", 1)):
+                posted = times[("cp_send_kv posted", step)][send]
+                arrived = times[("cp_send_kv arrived", step)][send]
+                start = times[(f"{phase} block start", step)][0]
+                end = times[(f"{phase} block end", step)][0]
+                assert posted <= start < end <= arrived, (phase, step)
+            returning = times[("cp_send_grad_kv posted", step)][0]
+            next_block = times[("backward block end", step + 1)][0]
+            assert returning < next_block <= times[("cp_send_grad_kv arrived", step)][0]
+        assert len(times[("cp_send_kv posted", 0)]) == 2  # forward and backward only
+        assert ("cp_send_kv posted", 3) not in times

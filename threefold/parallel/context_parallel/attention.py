@@ -1,0 +1,281 @@
+"""Core attention over a sequence split across context-parallel ranks, by Megatron's
+--cp-comm-type:
+
+  p2p        ring attention: each rank's keys/values travel around the CP ring; while one
+             block's attention is computed the next block is already in flight (asynchronous
+             send/receive). Backward sends the blocks around again, with their gradient
+             accumulators following them home.
+  allgather  all keys/values gathered once (Llama 3's choice: simple, cheap with GQA's few
+             key/value heads); the same blocks as the ring, computed from memory.
+  a2a        Ulysses: all-to-all from sequence-sharded to head-sharded, ordinary attention
+             over the whole sequence for 1/CP of the heads, all-to-all back.
+
+Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
+queries need: j == r, causal attention over its own two chunks (in order, so an ordinary causal
+mask is exact); j < r, both of its chunks over j's first chunk only (j's second chunk lies in
+the future of both); j > r, its second chunk over both of j's chunks (its first chunk precedes
+both). Every step costs every rank the same: the load balance of the chunk layout.
+
+All three take and return the layouts of `threefold.kernels.reference.attention`: query
+[s, b, heads, d], key/value [s, b, groups, d] -> context [s, b, heads * d], s the local
+sequence. Communication is counted in `COLLECTIVE_COUNTS` (as the TP collectives are); when
+`TRACE` is a list, the ring appends (event, step, time) to it so a test can see its sends in
+flight while a block computes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from threefold.parallel.context_parallel.block_attention import (
+    Accumulator,
+    block_backward,
+    block_forward,
+    expand_groups,
+    sum_groups,
+)
+from threefold.parallel.context_parallel.sequence import to_global_order, to_rank_order
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    record_collective,
+)
+
+TRACE: list | None = None
+
+
+def _trace(event: str, step: int) -> None:
+    if TRACE is not None:
+        TRACE.append((event, step, time.perf_counter()))
+
+
+def _step_plan(source: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """(this rank's query rows, the rows of `source`'s keys they attend to, causal?)."""
+    everything = slice(None)
+    if source == rank:
+        return everything, everything, True
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+class _Exchange:
+    """`tensor` sent to the next CP rank while the previous rank's arrives, asynchronously."""
+
+    def __init__(self, tensor: torch.Tensor, cp: Group, what: str, step: int) -> None:
+        self.what, self.step = what, step
+        self.received = torch.empty_like(tensor)
+        after = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+        before = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+        operations = [
+            dist.P2POp(dist.isend, tensor, after, cp.group),
+            dist.P2POp(dist.irecv, self.received, before, cp.group),
+        ]
+        record_collective(what, tensor.numel(), tensor.element_size())
+        self.requests = dist.batch_isend_irecv(operations)
+        _trace(f"{what} posted", step)
+
+    def wait(self) -> torch.Tensor:
+        for request in self.requests:
+            request.wait()
+        _trace(f"{self.what} arrived", self.step)
+        return self.received
+
+
+def _attend(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    plan: tuple[slice, slice, bool],
+    heads_per_group: int,
+    scale: float,
+    into: Accumulator,
+) -> None:
+    rows, keys, causal = plan
+    k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
+    out, lse = block_forward(q[:, :, rows], k, v, causal, scale)
+    into.add(rows, out, lse)
+
+
+def _attend_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: tuple[slice, slice, bool],
+    heads_per_group: int,
+    scale: float,
+    grad_q: torch.Tensor,
+) -> torch.Tensor:
+    """Adds the block's query gradient to `grad_q`; returns the gradient of `kv` (fp32)."""
+    rows, keys, causal = plan
+    k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
+    block = (grad_out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
+    dq, dk, dv = block_backward(*block, causal, scale)
+    grad_q[:, :, rows] += dq.float()
+    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    grad_kv[0][:, :, keys] = sum_groups(dk.float(), heads_per_group)
+    grad_kv[1][:, :, keys] = sum_groups(dv.float(), heads_per_group)
+    return grad_kv
+
+
+class _RingAttention(torch.autograd.Function):
+    """q [b, heads, 2c, d], k and v [b, groups, 2c, d] -> out [b, heads, 2c, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: Group, scale: float):
+        heads_per_group = q.shape[1] // k.shape[1]
+        kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
+        for step in range(cp.size):
+            incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
+            _trace("forward block start", step)
+            plan = _step_plan((cp.rank - step) % cp.size, cp.rank, half)
+            _attend(q, kv, plan, heads_per_group, scale, result)
+            _trace("forward block end", step)
+            if incoming is not None:
+                kv = incoming.wait()
+        out = result.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, result.lse)
+        ctx.cp, ctx.scale = cp, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, scale = ctx.cp, ctx.scale
+        heads_per_group, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, returning = torch.stack((k, v)), None
+        for step in range(cp.size):
+            incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
+            plan = _step_plan((cp.rank - step) % cp.size, cp.rank, half)
+            _trace("backward block start", step)
+            grad_kv = _attend_backward(
+                grad_out, q, kv, out, lse, plan, heads_per_group, scale, grad_q
+            )
+            _trace("backward block end", step)
+            # The gradient of the block held now travels with it: add what the ranks before
+            # this one computed, pass it on; after the last step it reaches its owner.
+            if returning is not None:
+                grad_kv += returning.wait()
+            returning = _Exchange(grad_kv, cp, "cp_send_grad_kv", step)
+            if incoming is not None:
+                kv = incoming.wait()
+        grad_k, grad_v = returning.wait()
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """The ring's blocks from the gathered keys/values [CP, 2, b, groups, 2c, d]."""
+
+    @staticmethod
+    def forward(ctx, q, gathered, rank: int, scale: float):
+        heads_per_group = q.shape[1] // gathered.shape[3]
+        result, half = Accumulator(), q.shape[2] // 2
+        for step in range(gathered.shape[0]):
+            source = (rank - step) % gathered.shape[0]
+            plan = _step_plan(source, rank, half)
+            _attend(q, gathered[source], plan, heads_per_group, scale, result)
+        out = result.out.to(q.dtype)
+        ctx.save_for_backward(q, gathered, out, result.lse)
+        ctx.rank, ctx.scale = rank, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, gathered, out, lse = ctx.saved_tensors
+        heads_per_group, half = q.shape[1] // gathered.shape[3], q.shape[2] // 2
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_gathered = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        for source in range(gathered.shape[0]):
+            plan = _step_plan(source, ctx.rank, half)
+            grad_gathered[source] = _attend_backward(
+                grad_out, q, gathered[source], out, lse, plan, heads_per_group, ctx.scale, grad_q
+            )
+        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), None, None
+
+
+def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.permute(1, 2, 0, 3).contiguous() for t in tensors]
+
+
+def _sequence_first(out: torch.Tensor) -> torch.Tensor:
+    b, heads, s, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def ring_attention(query, key, value, cp: Group) -> torch.Tensor:
+    q, k, v = _heads_first(query, key, value)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale))
+
+
+def allgather_attention(query, key, value, cp: Group) -> torch.Tensor:
+    # One all-gather for keys and values (backward: one reduce-scatter of their gradients).
+    s, b, groups, d = key.shape
+    kv = torch.stack((key, value), dim=1)  # [s, 2, b, groups, d]
+    gathered = gather_from_sequence_parallel_region(kv, cp).unflatten(0, (cp.size, s))
+    q = query.permute(1, 2, 0, 3).contiguous()
+    gathered = gathered.permute(0, 2, 3, 4, 1, 5)  # [CP, 2, b, groups, s, d]
+    scale = 1.0 / math.sqrt(d)
+    return _sequence_first(_GatheredAttention.apply(q, gathered.contiguous(), cp.rank, scale))
+
+
+class _AllToAll(torch.autograd.Function):
+    """[CP, ...]: part i to rank i, part j received from rank j. Applied twice it is the
+    identity, so it is its own backward."""
+
+    @staticmethod
+    def forward(ctx, x, cp: Group):
+        ctx.cp = cp
+        return _all_to_all(x, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad.contiguous(), ctx.cp), None
+
+
+def _all_to_all(x: torch.Tensor, cp: Group) -> torch.Tensor:
+    x = x.contiguous()
+    output = torch.empty_like(x)
+    record_collective("all_to_all", x.numel(), x.element_size())
+    dist.all_to_all_single(output, x, group=cp.group)
+    return output
+
+
+def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, local: Callable):
+    """a2a: every rank gets the whole sequence of 1/CP of the heads (query heads and their
+    key/value groups together, so GQA's pairing is kept), attends with `local`, sends back."""
+    s, b, heads, d = query.shape
+    groups = key.shape[2]
+    split = [heads // cp.size, groups // cp.size, groups // cp.size]
+    # [s, b, CP, heads/CP + 2 groups/CP, d]: each rank's share of q, k and v side by side.
+    parts = torch.cat([t.unflatten(2, (cp.size, -1)) for t in (query, key, value)], dim=3)
+    received = _AllToAll.apply(parts.permute(2, 0, 1, 3, 4), cp)  # [CP source, s, b, ., d]
+    whole = to_global_order(received, cp.size)  # [CP x s, b, ., d]
+    q, k, v = whole.split(split, dim=2)
+    context = local(q, k, v, attention_mask, dropout).unflatten(2, (split[0], d))
+    back = _AllToAll.apply(to_rank_order(context, cp.size), cp)  # [CP head part, s, b, ., d]
+    return back.permute(1, 2, 0, 3, 4).reshape(s, b, heads * d)
+
+
+def context_parallel_attention(cp: Group, comm_type: str, local: Callable) -> Callable:
+    """The core attention for `--cp-comm-type comm_type` over `cp`; `local` is the
+    single-rank attention (the kernel dispatch's) that a2a runs on whole sequences."""
+    if comm_type == "a2a":
+        return lambda q, k, v, mask, dropout: ulysses_attention(q, k, v, mask, dropout, cp, local)
+    blockwise = {"p2p": ring_attention, "allgather": allgather_attention}[comm_type]
+
+    def attention(query, key, value, attention_mask, dropout):
+        # The config refuses both with these comm types; this guards direct use.
+        assert attention_mask is None and dropout == 0.0, f"{comm_type}: no mask or dropout"
+        return blockwise(query, key, value, cp)
+
+    return attention

@@ -1,0 +1,123 @@
+"""Attention of a block of queries over a block of keys, returning the log-sum-exp of its
+scores, and the backward of such a block given the *whole* row's output and log-sum-exp.
+
+Context-parallel attention sees a query's keys in pieces (blocks that arrive around the ring,
+or slices of the gathered sequence). Each piece gives a partial output o_i and the log-sum-exp
+l_i of its scores; `merge` combines them exactly: l = log(sum exp l_i), o = sum exp(l_i - l) o_i.
+In backward the softmax of a piece is exp(s - l) with the final l, and the output-gradient
+term uses the final o, so each piece's gradients come from the block kernel's own backward
+given (o, l) instead of its partial ones: FlashAttention's recomputation, one block at a time.
+
+Tensors are [batch, heads, sequence, head_dim]; `causal` blocks are square (a chunk over
+itself). On CPU the block kernel is PyTorch's flash-attention kernel (the op behind SDPA,
+which also returns the log-sum-exp); elsewhere the eager `math` functions below, which are
+also the tests' reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+
+
+def math_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def math_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(_future(scores), float("-inf"))
+    probs = torch.exp(scores - lse[..., None])
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad)
+    grad_probs = torch.matmul(grad, vf.transpose(-2, -1))
+    row_dot = (grad * out.float()).sum(-1, keepdim=True)
+    grad_scores = probs * (grad_probs - row_dot) * scale
+    grad_q = torch.matmul(grad_scores, kf)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), qf)
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def _future(scores: torch.Tensor) -> torch.Tensor:
+    rows, columns = scores.shape[-2:]
+    return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp in fp32) of q's attention over k and v."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.float()
+    return math_forward(q, k, v, causal, scale)
+
+
+def block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k, v for this block, given the rows' final output and log-sum-exp."""
+    if q.device.type == "cpu" and _CPU_FLASH_BACKWARD is not None:
+        return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return math_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+class Accumulator:
+    """The output and log-sum-exp of every query row so far, merged block by block in fp32."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None:  # the first block covers every row (a chunk over itself)
+            self.out, self.lse = out.float(), lse
+            return
+        old = self.lse[:, :, rows]
+        merged = torch.logaddexp(old, lse)
+        self.out[:, :, rows] = (
+            self.out[:, :, rows] * torch.exp(old - merged)[..., None]
+            + out.float() * torch.exp(lse - merged)[..., None]
+        )
+        self.lse[:, :, rows] = merged
+
+
+def expand_groups(kv: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d]: query head i reads group i // heads_per_group."""
+    return kv if heads_per_group == 1 else kv.repeat_interleave(heads_per_group, dim=1)
+
+
+def sum_groups(grad: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """The gradient of `expand_groups`: the heads of each group summed."""
+    if heads_per_group == 1:
+        return grad
+    b, heads, s, d = grad.shape
+    return grad.view(b, heads // heads_per_group, heads_per_group, s, d).sum(2)
