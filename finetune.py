@@ -39,6 +39,11 @@ def sft_datasets(packing: bool):
                 "--tokenizer-type and --tokenizer-model"
             )
         data, seq_length = config.data, config.model.seq_length
+        if packing and config.parallel.context_parallel_size > 1:
+            raise ConfigError(
+                "--sft-packing keeps packed samples apart with per-document attention masks, "
+                "which --context-parallel-size > 1 does not implement; drop one"
+            )
         flags = document_flags(data)
         if flags:
             raise ConfigError(

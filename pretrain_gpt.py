@@ -17,10 +17,7 @@ from threefold.validation import check_inputs
 
 def _summary(config, trainer, device_type: str) -> str:
     parallel = config.parallel
-    layout = (
-        f"TP={parallel.tensor_model_parallel_size}, "
-        f"PP={parallel.pipeline_model_parallel_size}, DP={parallel.data_parallel_size}"
-    )
+    layout = parallel.layout()
     if parallel.sequence_parallel:
         layout += ", sequence parallel"
     if len(trainer.model_chunks) > 1:

@@ -86,6 +86,11 @@ CONFIGS = [
         "--decoder-first/last-pipeline-num-layers",
     ),
     (MOCK + ["--tensor-model-parallel-size", "2"], 3, "world size 3"),
+    (
+        MOCK + ["--context-parallel-size", "4", "--seq-length", "36"],
+        4,
+        "--seq-length 36 is not divisible by 2 x --context-parallel-size 4",
+    ),
     (MOCK + ["--global-batch-size", "5"], 1, "--global-batch-size 5"),
     (MOCK + ["--micro-batch-size", "0"], 1, "--micro-batch-size"),
     (MOCK + ["--fp16", "--bf16"], 1, "--fp16 and --bf16"),

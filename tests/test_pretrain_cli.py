@@ -30,6 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             ],
             "TP=2, PP=2, DP=2, 2 virtual stages",
         ),
+        (
+            4,
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+            "TP=2, PP=1, CP=2 (allgather), DP=1, sequence parallel",
+        ),
     ],
 )
 def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):

@@ -36,9 +36,7 @@ def format_estimate(config: Config, device_memory_gib: float | None = None) -> s
         "distributed optimizer" if parallel.use_distributed_optimizer else "replicated optimizer"
     )
     lines = [
-        f"model: {count / 1e9:.2f}B parameters; layout: "
-        f"TP={parallel.tensor_model_parallel_size} "
-        f"PP={parallel.pipeline_model_parallel_size} DP={parallel.data_parallel_size}, "
+        f"model: {count / 1e9:.2f}B parameters; layout: {parallel.layout(' ')}, "
         f"{parallel.distributed_strategy}, {optimizer}, {config.training.params_dtype_name}",
         "stage  params GiB  grads GiB  optimizer GiB  activations GiB (micro-batches)  total GiB",
     ]
@@ -66,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "--world-size",
         type=int,
         default=None,
-        help="number of devices (default: TP x PP, i.e. DP=1)",
+        help="number of devices (default: TP x PP x CP, i.e. DP=1)",
     )
     parser.add_argument(
         "--gpu-memory-gib",
@@ -80,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     own, rest = parser.parse_known_args(argv)
     if "--mock-data" not in rest and "--data-path" not in rest:
         rest.append("--mock-data")  # the estimate needs no data
-    if own.world_size is None:  # DP=1: the flags' TP x PP, before validation
+    if own.world_size is None:  # DP=1: the flags' TP x PP x CP, before validation
         own.world_size = config_from_namespace(
             build_parser("estimate_memory.py").parse_args(rest)
-        ).parallel.model_parallel_size
+        ).parallel.ranks_per_replica
     config = parse_args(rest, world_size=own.world_size, prog="estimate_memory.py")
     print(format_estimate(config, own.gpu_memory_gib))
     return 0

@@ -71,6 +71,8 @@ LAYOUTS = {
         + ["--recompute-num-layers", "1"],
     ),
     "cp2_recompute_selective": (2, ["--recompute-granularity", "selective"]),
+    "cp2_dp2_torch_ddp": (4, ["--distributed-strategy", "ddp"]),
+    "cp2_dp2_torch_fsdp": (4, ["--distributed-strategy", "fsdp"]),
     "pp2_vpp2_cp2": (
         4,
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
@@ -227,3 +229,140 @@ def test_ring_sends_are_in_flight_while_each_block_computes():
             assert returning < next_block <= times[("cp_send_grad_kv arrived", step)][0]
         assert len(times[("cp_send_kv posted", 0)]) == 2  # forward and backward only
         assert ("cp_send_kv posted", 3) not in times
+
+
+LONG_SEQUENCE = ["--seq-length", "16384", "--micro-batch-size", "1", "--global-batch-size", "4"]
+
+
+def test_activation_memory_falls_as_one_over_cp_at_16k_tokens():
+    """Measured with saved-tensor hooks (what autograd keeps per micro-batch) and predicted by
+    the memory estimator, for the tiny LLaMA at 16k tokens."""
+    from tests.training.test_memory_estimate import _measure_and_estimate
+
+    argv = LLAMA_STYLE + TRAINING + LONG_SEQUENCE
+    whole, estimate = _measure_and_estimate(argv)["activations"]
+    assert abs(estimate - whole) <= 0.1 * whole
+    for cp, comm_type in [(2, "p2p"), (4, "p2p"), (4, "a2a"), (4, "allgather")]:
+        layout = ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+        for result in run_distributed(cp, _measure_and_estimate, argv + layout):
+            measured, estimate = result["activations"]
+            assert abs(estimate - measured) <= 0.1 * measured, (cp, comm_type, measured, estimate)
+            if comm_type != "allgather":  # which keeps every rank's keys and values
+                assert abs(measured * cp / whole - 1) <= 0.1, (cp, comm_type, measured, whole)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropout):
+    """In float64, with a fixed seed (so every call draws the same masks), the hand-written
+    backward of the blocks merged by log-sum-exp passes autograd's numerical gradient check."""
+    from threefold.parallel.context_parallel.attention import _GatheredAttention
+
+    torch.manual_seed(0)
+    batch, heads, groups, chunk, head_dim, cp = 1, 4, 2, 3, 4, 2
+    q = torch.randn(batch, heads, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True)
+    gathered = torch.randn(
+        cp, 2, batch, groups, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True
+    )
+
+    def attention(q, gathered):
+        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234)
+
+    assert torch.autograd.gradcheck(attention, (q, gathered))
+
+
+def _ring_and_gathered_with_dropout_job() -> dict:
+    import torch.distributed as dist
+
+    from threefold.parallel import state
+    from threefold.parallel.context_parallel.attention import allgather_attention, ring_attention
+
+    state.initialize_model_parallel(1, 1, context_parallel_size=dist.get_world_size())
+    cp = state.parallel_context().cp
+    results = {}
+    for name, attention in (("p2p", ring_attention), ("allgather", allgather_attention)):
+        torch.manual_seed(7 + cp.rank)  # this rank's inputs; then the same seed draw for both
+        q = torch.randn(8, 2, 4, 8, requires_grad=True)
+        k, v = (torch.randn(8, 2, 2, 8, requires_grad=True) for _ in range(2))
+        out = attention(q, k, v, cp, dropout=0.5)
+        out.backward(torch.ones_like(out))
+        results[name] = [out.detach(), q.grad, k.grad, v.grad]
+    return results
+
+
+def test_ring_and_allgather_draw_the_same_dropout_masks():
+    """Both comm types drop the probabilities of the block of CP rank j with the mask of
+    seed + j: the same attention with dropout, whether the blocks travel or are gathered."""
+    for result in run_distributed(2, _ring_and_gathered_with_dropout_job):
+        for ring, gathered in zip(result["p2p"], result["allgather"]):
+            torch.testing.assert_close(ring, gathered, rtol=1e-5, atol=1e-6)
+
+
+def _dropout_seed_job() -> int:
+    import torch.distributed as dist
+
+    from threefold.parallel import state
+    from threefold.parallel.context_parallel.attention import _seed
+    from threefold.parallel.tensor_parallel.random import get_rng_tracker, set_random_seed
+
+    state.initialize_model_parallel(1, 1, context_parallel_size=2)  # x DP=2
+    assert dist.get_world_size() == 4
+    set_random_seed(1234, state.parallel_context())
+    with get_rng_tracker().fork():
+        return _seed(0.1, torch.device("cpu"))
+
+
+def test_dropout_masks_differ_across_cp_ranks_and_agree_across_replicas():
+    seeds = run_distributed(4, _dropout_seed_job)  # ranks 0,1 and 2,3 are CP groups
+    assert seeds[0] != seeds[1]
+    assert seeds[0] == seeds[2] and seeds[1] == seeds[3]
+
+
+@pytest.mark.parametrize(
+    "flags,world_size,expected",
+    [
+        (
+            ["--context-parallel-size", "2", "--seq-length", "18"],
+            2,
+            "2 x --context-parallel-size 2",
+        ),
+        (
+            ["--context-parallel-size", "4", "--cp-comm-type", "a2a"]
+            + ["--tensor-model-parallel-size", "2"],
+            8,
+            "--cp-comm-type a2a splits each TP rank's 4 heads and 2 query groups over "
+            "--context-parallel-size 4",
+        ),
+        (["--context-parallel-size", "3"], 4, "--context-parallel-size 3"),
+        (
+            ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
+            2,
+            "--hierarchical-context-parallel-sizes",
+        ),
+        (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2, "--cp-comm-type"),
+        (
+            ["--context-parallel-size", "2", "--reset-attention-mask", "--tokenizer-type"]
+            + ["NullTokenizer"],
+            2,
+            "--reset-attention-mask",
+        ),
+        (
+            ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4"]
+            + ["--sequence-parallel", "--seq-length", "20"],
+            8,
+            "--seq-length 20 / --context-parallel-size 2 is not divisible by "
+            "--tensor-model-parallel-size 4",
+        ),
+    ],
+    ids=["sequence", "a2a-heads", "world", "hierarchical", "per-layer", "documents", "sp"],
+)
+def test_bad_context_parallel_layouts_are_refused_naming_the_flag(
+    capsys, flags, world_size, expected
+):
+    from threefold.arguments import parse_args
+
+    argv = LLAMA_STYLE + TRAINING + flags
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv, world_size=world_size)
+    assert exit.value.code == 2
+    assert expected in capsys.readouterr().err

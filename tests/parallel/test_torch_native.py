@@ -1,6 +1,8 @@
 """PyTorch DDP and FSDP2 fallbacks (`--distributed-strategy`) reproduce the single-process run,
 hold the memory their sharding predicts, and `auto` explains its choice."""
 
+import dataclasses
+
 import pytest
 
 from tests.distributed import run_distributed
@@ -15,6 +17,7 @@ from tests.parity import (
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
 from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.memory_estimate import estimate_memory
 from threefold.training.strategy import choose_strategy
 
 
@@ -146,3 +149,19 @@ def test_auto_refuses_an_explicit_distributed_optimizer():
         config = _config(1024, 24)
         config.parallel.use_distributed_optimizer = True
         config.parallel._finalize_strategy()
+
+
+def test_auto_names_the_context_parallel_size_that_fits_a_long_sequence():
+    # ~0.4B parameters at 64k tokens on 6 GiB devices: even FSDP does not fit, because the
+    # activations, which no data-parallel strategy shards, dominate; CP=4 divides them.
+    flags = ("--seq-length", "65536", "--max-position-embeddings", "65536")
+    config = _config(1024, 24, world_size=8, flags=flags)
+    strategy, distributed, why = choose_strategy(config, 6 * GIB)
+    assert strategy == "fsdp" and "may still not fit; --context-parallel-size 4 would" in why
+
+    def need(cp: int) -> float:
+        layout = dataclasses.replace(config.parallel, context_parallel_size=cp)
+        candidate = dataclasses.replace(config, parallel=layout)
+        return estimate_memory(candidate, strategy, distributed).total
+
+    assert need(4) <= 0.9 * 6 * GIB < need(2)

@@ -74,8 +74,24 @@ def test_single_process(flags):
         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         (2, ["--pipeline-model-parallel-size", "2"]),
         (4, ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--bf16"]),
+        (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+        (4, ["--context-parallel-size", "4", "--cp-comm-type", "allgather"]),
+        (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--bf16"]),
+        (
+            4,
+            ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+            + ["--sequence-parallel", "--recompute-granularity", "selective"],
+        ),
     ],
-    ids=["tp2-sp", "pp2", "tp2-dp2-distributed-optimizer-bf16"],
+    ids=[
+        "tp2-sp",
+        "pp2",
+        "tp2-dp2-distributed-optimizer-bf16",
+        "cp2-p2p",
+        "cp4-allgather",
+        "cp2-a2a-bf16",
+        "tp2-sp-cp2-selective",
+    ],
 )
 def test_parallel_layouts(world_size, flags):
     # Each rank checks its own stage and shard.

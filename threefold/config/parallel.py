@@ -129,6 +129,13 @@ class ParallelConfig:
         """TP x PP x CP: the ranks that together consume one data-parallel share of a batch."""
         return self.model_parallel_size * self.context_parallel_size
 
+    def layout(self, separator: str = ", ") -> str:
+        """`TP=2, PP=1, CP=2 (p2p), DP=2`: the sizes of the layout (CP only when used)."""
+        sizes = [f"TP={self.tensor_model_parallel_size}", f"PP={self.pipeline_model_parallel_size}"]
+        if self.context_parallel_size > 1:
+            sizes.append(f"CP={self.context_parallel_size} ({self.comm_type})")
+        return separator.join(sizes + [f"DP={self.data_parallel_size}"])
+
     @property
     def bucket_size(self) -> int:
         return self.ddp_bucket_size or 40_000_000
@@ -238,12 +245,6 @@ class ParallelConfig:
                 f"--cp-comm-type a2a splits each TP rank's {heads} heads and {groups} query "
                 f"groups over --context-parallel-size {cp}, which must divide both; use "
                 "--cp-comm-type p2p or allgather",
-            )
-        else:
-            _require(
-                model.attention_dropout == 0,
-                f"--cp-comm-type {comm} computes attention block by block without dropout; "
-                "set --attention-dropout 0 or use --cp-comm-type a2a",
             )
 
     @property

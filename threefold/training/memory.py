@@ -76,6 +76,13 @@ def measure_activation_bytes(
                 hidden = torch.zeros(
                     tensor_shape, dtype=dtype, device=batch["tokens"].device, requires_grad=True
                 )
-            outputs.append(chunk(batch["tokens"], labels=batch["labels"], hidden_states=hidden))
+            outputs.append(
+                chunk(
+                    batch["tokens"],
+                    labels=batch["labels"],
+                    hidden_states=hidden,
+                    position_ids=batch.get("position_ids"),  # a CP rank's true positions
+                )
+            )
     del outputs  # frees the graph
     return sum(storages.values())

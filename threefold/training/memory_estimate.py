@@ -10,20 +10,22 @@ per parameter of the precision and data-parallel strategy:
                                            --grad-reduce-in-bf16
     megatron, fp16                 2       2, or 4 with      12
                                            --accumulate-allreduce-grads-in-fp32
-    + --use-distributed-optimizer                            optimizer / DP
+    + --use-distributed-optimizer                            optimizer / (DP x CP)
     ddp (fp32 params, autocast)    4       4                 8
-    fsdp                           (4      4                 8) / DP
+    fsdp                           (4      4                 8) / (DP x CP)
 
 Activations: the tensors threefold's layers keep for backward, per micro-batch, as they are in
 this implementation (`measure_activation_bytes` measures the same thing on a real run; the
 tests hold the two within 10%). With s sequence, b micro-batch, h hidden, f FFN, a heads, g
 query groups of head size d, t TP, sigma = t under sequence parallelism (else 1), e bytes per
-activation element, per layer:
+activation element, per layer (s is this rank's share of the sequence: divided over CP):
 - each of the two norm+linear blocks: the norm's input (fp32, /sigma), its statistics, RMSNorm's
   normalized intermediate, and the linear's input (e, the whole sequence);
 - attention: the QKV projection e s b (h + 2 g d)/t, the attention output e s b h/t, RoPE's
   rotated queries and keys, and the softmax log-sum-exp 4 b a s/t (flash attention keeps no
-  s x s matrix; selective recomputation drops the log-sum-exp);
+  s x s matrix; selective recomputation drops the log-sum-exp); with --cp-comm-type
+  allgather also the other CP ranks' keys and values (ring attention and Ulysses keep only
+  this rank's share, so activations fall as 1/CP);
 - MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU);
 - dropout masks when dropout is on.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
@@ -93,7 +95,9 @@ def _bytes_per_parameter(
     config: Config, strategy: str, distributed_optimizer: bool
 ) -> tuple[float, float, float]:
     training, parallel = config.training, config.parallel
-    dp = parallel.data_parallel_size
+    # The ranks holding the same weights, over which optimizer state (and FSDP's parameters)
+    # are sharded: data-parallel replicas and their context-parallel peers.
+    dp = parallel.data_parallel_size * parallel.context_parallel_size
     if strategy in ("ddp", "fsdp"):
         share = dp if strategy == "fsdp" else 1
         return 4 / share, 4 / share, 8 / share
@@ -106,10 +110,15 @@ def _bytes_per_parameter(
     return params, grads, optimizer / (dp if distributed_optimizer else 1)
 
 
+def _local_sequence(config: Config) -> int:
+    """The tokens of each sample this rank holds: the sequence divided over CP."""
+    return config.model.seq_length // config.parallel.context_parallel_size
+
+
 def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
     """What one transformer layer keeps for backward per micro-batch (see the module doc)."""
     model, parallel = config.model, config.parallel
-    s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
+    s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     f, a, d, g = (
         model.ffn_hidden_size,
         model.num_attention_heads,
@@ -130,6 +139,10 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
         attention += e * s * b * (h + g * d) // t
     if model.recompute_granularity != "selective":
         attention += 4 * b * a * s // t
+        if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
+            # The other CP ranks' keys and values, gathered and kept for backward.
+            others = model.seq_length - s
+            attention += 2 * e * others * b * g * d // t
     mlp = e * s * b * f // t * (4 if model.swiglu else 2)
     # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
@@ -159,7 +172,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     """One micro-batch's activations on pipeline stage `stage` (all its model chunks)."""
     model, parallel = config.model, config.parallel
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    s, b, h = model.seq_length, config.training.micro_batch_size, model.hidden_size
+    s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     chunks = model_chunk_layers(

@@ -6,10 +6,15 @@ least communication); 1B ≤ N ≤ 7B → threefold's data parallelism with the 
 or pipeline parallelism only threefold's own data parallelism applies, with the distributed
 optimizer from 1B up. The choice is then refined by the memory estimate: while the estimated
 per-device memory exceeds 90% of the device's, the next more-sharded strategy is taken.
+
+When even the most sharded choice does not fit, the explanation says which
+--context-parallel-size would make it fit, if one would: at long sequences the activations,
+which no data-parallel strategy shards, dominate, and context parallelism divides them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -68,6 +73,8 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
         else (f"{rule}, but {ladder[start][0]} would need {need(ladder[start]) / 2**30:.1f} GiB")
     )
     fits = "" if need(ladder[index]) <= budget else ", which may still not fit"
+    if fits:
+        fits += _context_parallel_hint(config, ladder[index], budget)
     return (
         strategy,
         distributed,
@@ -76,6 +83,25 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
             f"{device_memory / 2**30:.1f} GiB per device{fits}"
         ).replace("; ", f" -> {name}; ", 1),
     )
+
+
+def _context_parallel_hint(config: Config, choice: tuple[str, bool], budget: float) -> str:
+    """The smallest context-parallel size (of the ranks now data-parallel) that would fit."""
+    parallel, strategy, distributed = config.parallel, *choice
+    cp = parallel.context_parallel_size * 2
+    while parallel.world_size % (parallel.model_parallel_size * cp) == 0:
+        if config.model.seq_length % (2 * cp):
+            break
+        layout = dataclasses.replace(parallel, context_parallel_size=cp)
+        candidate = dataclasses.replace(config, parallel=layout)
+        need = estimate_memory(candidate, strategy, distributed).total
+        if need <= budget:
+            return (
+                f"; --context-parallel-size {cp} would need {need / 2**30:.1f} GiB "
+                f"(the {config.model.seq_length}-token sequence split over {cp} ranks)"
+            )
+        cp *= 2
+    return ""
 
 
 def resolve_auto_strategy(config: Config, device: torch.device) -> str:

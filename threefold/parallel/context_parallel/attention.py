@@ -34,8 +34,10 @@ import torch.distributed as dist
 
 from threefold.parallel.context_parallel.block_attention import (
     Accumulator,
+    Dropout,
     block_backward,
     block_forward,
+    compute_dtype,
     expand_groups,
     sum_groups,
 )
@@ -93,11 +95,12 @@ def _attend(
     plan: tuple[slice, slice, bool],
     heads_per_group: int,
     scale: float,
+    dropout: Dropout | None,
     into: Accumulator,
 ) -> None:
     rows, keys, causal = plan
     k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
-    out, lse = block_forward(q[:, :, rows], k, v, causal, scale)
+    out, lse = block_forward(q[:, :, rows], k, v, causal, scale, dropout)
     into.add(rows, out, lse)
 
 
@@ -110,38 +113,47 @@ def _attend_backward(
     plan: tuple[slice, slice, bool],
     heads_per_group: int,
     scale: float,
+    dropout: Dropout | None,
     grad_q: torch.Tensor,
 ) -> torch.Tensor:
-    """Adds the block's query gradient to `grad_q`; returns the gradient of `kv` (fp32)."""
+    """Adds the block's query gradient to `grad_q`; returns the gradient of `kv` (in
+    `grad_q`'s dtype: fp32 or wider)."""
     rows, keys, causal = plan
     k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
     block = (grad_out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
-    dq, dk, dv = block_backward(*block, causal, scale)
-    grad_q[:, :, rows] += dq.float()
-    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    grad_kv[0][:, :, keys] = sum_groups(dk.float(), heads_per_group)
-    grad_kv[1][:, :, keys] = sum_groups(dv.float(), heads_per_group)
+    dq, dk, dv = block_backward(*block, causal, scale, dropout)
+    grad_q[:, :, rows] += dq.to(grad_q.dtype)
+    grad_kv = torch.zeros(kv.shape, dtype=grad_q.dtype, device=kv.device)
+    grad_kv[0][:, :, keys] = sum_groups(dk.to(grad_q.dtype), heads_per_group)
+    grad_kv[1][:, :, keys] = sum_groups(dv.to(grad_q.dtype), heads_per_group)
     return grad_kv
+
+
+def _dropout(p: float, seed: int, source: int) -> Dropout | None:
+    """The block of CP rank `source`'s keys draws its mask from seed + source."""
+    return Dropout(p, seed + source) if p > 0 else None
 
 
 class _RingAttention(torch.autograd.Function):
     """q [b, heads, 2c, d], k and v [b, groups, 2c, d] -> out [b, heads, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, scale: float):
+    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int):
         heads_per_group = q.shape[1] // k.shape[1]
         kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
         for step in range(cp.size):
             incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
             _trace("forward block start", step)
-            plan = _step_plan((cp.rank - step) % cp.size, cp.rank, half)
-            _attend(q, kv, plan, heads_per_group, scale, result)
+            source = (cp.rank - step) % cp.size
+            plan = _step_plan(source, cp.rank, half)
+            mask = _dropout(dropout, seed, source)
+            _attend(q, kv, plan, heads_per_group, scale, mask, result)
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.cp, ctx.scale, ctx.dropout, ctx.seed = cp, scale, dropout, seed
         return out
 
     @staticmethod
@@ -150,14 +162,16 @@ class _RingAttention(torch.autograd.Function):
         cp, scale = ctx.cp, ctx.scale
         heads_per_group, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         grad_out = grad_out.contiguous()
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         kv, returning = torch.stack((k, v)), None
         for step in range(cp.size):
             incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
-            plan = _step_plan((cp.rank - step) % cp.size, cp.rank, half)
+            source = (cp.rank - step) % cp.size
+            plan = _step_plan(source, cp.rank, half)
+            mask = _dropout(ctx.dropout, ctx.seed, source)
             _trace("backward block start", step)
             grad_kv = _attend_backward(
-                grad_out, q, kv, out, lse, plan, heads_per_group, scale, grad_q
+                grad_out, q, kv, out, lse, plan, heads_per_group, scale, mask, grad_q
             )
             _trace("backward block end", step)
             # The gradient of the block held now travels with it: add what the ranks before
@@ -168,23 +182,23 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_k, grad_v = returning.wait()
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 4
 
 
 class _GatheredAttention(torch.autograd.Function):
     """The ring's blocks from the gathered keys/values [CP, 2, b, groups, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, gathered, rank: int, scale: float):
+    def forward(ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int):
         heads_per_group = q.shape[1] // gathered.shape[3]
         result, half = Accumulator(), q.shape[2] // 2
         for step in range(gathered.shape[0]):
             source = (rank - step) % gathered.shape[0]
-            plan = _step_plan(source, rank, half)
-            _attend(q, gathered[source], plan, heads_per_group, scale, result)
+            plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
+            _attend(q, gathered[source], plan, heads_per_group, scale, mask, result)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, result.lse)
-        ctx.rank, ctx.scale = rank, scale
+        ctx.rank, ctx.scale, ctx.dropout, ctx.seed = rank, scale, dropout, seed
         return out
 
     @staticmethod
@@ -192,18 +206,28 @@ class _GatheredAttention(torch.autograd.Function):
         q, gathered, out, lse = ctx.saved_tensors
         heads_per_group, half = q.shape[1] // gathered.shape[3], q.shape[2] // 2
         grad_out = grad_out.contiguous()
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grad_gathered = torch.zeros(gathered.shape, dtype=torch.float32, device=q.device)
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        grad_gathered = torch.zeros(gathered.shape, dtype=grad_q.dtype, device=q.device)
         for source in range(gathered.shape[0]):
-            plan = _step_plan(source, ctx.rank, half)
+            plan, mask = _step_plan(source, ctx.rank, half), _dropout(ctx.dropout, ctx.seed, source)
             grad_gathered[source] = _attend_backward(
-                grad_out, q, gathered[source], out, lse, plan, heads_per_group, ctx.scale, grad_q
+                grad_out,
+                q,
+                gathered[source],
+                out,
+                lse,
+                plan,
+                heads_per_group,
+                ctx.scale,
+                mask,
+                grad_q,
             )
-        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), None, None
+        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 4
 
 
 def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.permute(1, 2, 0, 3).contiguous() for t in tensors]
+    # Views, not copies: the rotated queries and keys are what autograd keeps anyway.
+    return [t.permute(1, 2, 0, 3) for t in tensors]
 
 
 def _sequence_first(out: torch.Tensor) -> torch.Tensor:
@@ -211,21 +235,29 @@ def _sequence_first(out: torch.Tensor) -> torch.Tensor:
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
 
-def ring_attention(query, key, value, cp: Group) -> torch.Tensor:
+def _seed(p: float, device: torch.device) -> int:
+    """A fresh seed for this call's dropout masks, from the device's current generator: the
+    TP- and CP-rank-specific stream inside the RNG tracker's fork."""
+    return int(torch.randint(0, 2**62, (1,), device=device)) if p > 0 else 0
+
+
+def ring_attention(query, key, value, cp: Group, dropout: float = 0.0) -> torch.Tensor:
     q, k, v = _heads_first(query, key, value)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale))
+    seed = _seed(dropout, q.device)
+    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale, dropout, seed))
 
 
-def allgather_attention(query, key, value, cp: Group) -> torch.Tensor:
+def allgather_attention(query, key, value, cp: Group, dropout: float = 0.0) -> torch.Tensor:
     # One all-gather for keys and values (backward: one reduce-scatter of their gradients).
     s, b, groups, d = key.shape
     kv = torch.stack((key, value), dim=1)  # [s, 2, b, groups, d]
     gathered = gather_from_sequence_parallel_region(kv, cp).unflatten(0, (cp.size, s))
-    q = query.permute(1, 2, 0, 3).contiguous()
-    gathered = gathered.permute(0, 2, 3, 4, 1, 5)  # [CP, 2, b, groups, s, d]
-    scale = 1.0 / math.sqrt(d)
-    return _sequence_first(_GatheredAttention.apply(q, gathered.contiguous(), cp.rank, scale))
+    gathered = gathered.permute(0, 2, 3, 4, 1, 5).contiguous()  # [CP, 2, b, groups, s, d]
+    (q,) = _heads_first(query)
+    scale, seed = 1.0 / math.sqrt(d), _seed(dropout, q.device)
+    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed)
+    return _sequence_first(out)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -274,8 +306,8 @@ def context_parallel_attention(cp: Group, comm_type: str, local: Callable) -> Ca
     blockwise = {"p2p": ring_attention, "allgather": allgather_attention}[comm_type]
 
     def attention(query, key, value, attention_mask, dropout):
-        # The config refuses both with these comm types; this guards direct use.
-        assert attention_mask is None and dropout == 0.0, f"{comm_type}: no mask or dropout"
-        return blockwise(query, key, value, cp)
+        # The config refuses per-document masks with CP; this guards direct use.
+        assert attention_mask is None, f"--cp-comm-type {comm_type} takes no attention mask"
+        return blockwise(query, key, value, cp, dropout)
 
     return attention

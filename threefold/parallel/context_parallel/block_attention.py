@@ -8,13 +8,21 @@ In backward the softmax of a piece is exp(s - l) with the final l, and the outpu
 term uses the final o, so each piece's gradients come from the block kernel's own backward
 given (o, l) instead of its partial ones: FlashAttention's recomputation, one block at a time.
 
+Attention dropout: the mask multiplies the *globally* normalized probabilities, and
+exp(l_i - l) p_i = p for a block's rows, so dropping a block's own probabilities and merging
+as above is exact. Each block draws its mask from a generator seeded with its own seed, so
+backward regenerates the same mask; the output-gradient term is then rowsum(dO * O) with the
+final, dropped O, as in FlashAttention's backward.
+
 Tensors are [batch, heads, sequence, head_dim]; `causal` blocks are square (a chunk over
-itself). On CPU the block kernel is PyTorch's flash-attention kernel (the op behind SDPA,
-which also returns the log-sum-exp); elsewhere the eager `math` functions below, which are
-also the tests' reference.
+itself). On CPU without dropout the block kernel is PyTorch's flash-attention kernel (the op
+behind SDPA, which also returns the log-sum-exp); otherwise the eager `math` functions below
+(which materialize one block's scores at a time), also the tests' reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,14 +32,47 @@ _CPU_FLASH_BACKWARD = getattr(
 )
 
 
-def math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout of a block: probability `p`, mask drawn from `seed`."""
+
+    p: float
+    seed: int
+
+    def kept(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs with the block's mask applied, scaled by 1 / (1 - p)."""
+        generator = torch.Generator(probs.device).manual_seed(self.seed)
+        keep = torch.rand(probs.shape, generator=generator, device=probs.device) >= self.p
+        return probs * keep / (1.0 - self.p)
+
+
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or wider for wider inputs (the tests' float64)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    dtype = compute_dtype(q)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(_future(scores), float("-inf"))
+    return scores
+
+
+def math_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout: Dropout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    probs = torch.exp(scores - lse[..., None])
+    if dropout is not None:
+        probs = dropout.kept(probs)
+    out = torch.matmul(probs, v.to(probs.dtype))
     return out.to(q.dtype), lse
 
 
@@ -44,15 +85,17 @@ def math_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    dropout: Dropout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qf, kf, vf, grad = q.float(), k.float(), v.float(), grad_out.float()
-    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
-    grad_v = torch.matmul(probs.transpose(-2, -1), grad)
+    dtype = compute_dtype(q)
+    qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
+    probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    kept = probs if dropout is None else dropout.kept(probs)
+    grad_v = torch.matmul(kept.transpose(-2, -1), grad)
     grad_probs = torch.matmul(grad, vf.transpose(-2, -1))
-    row_dot = (grad * out.float()).sum(-1, keepdim=True)
+    if dropout is not None:  # through the mask: the same keep / (1 - p) factor
+        grad_probs = dropout.kept(grad_probs)
+    row_dot = (grad * out.to(dtype)).sum(-1, keepdim=True)
     grad_scores = probs * (grad_probs - row_dot) * scale
     grad_q = torch.matmul(grad_scores, kf)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), qf)
@@ -64,14 +107,24 @@ def _future(scores: torch.Tensor) -> torch.Tensor:
     return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
 
 
+def _flash(q: torch.Tensor, dropout: Dropout | None) -> bool:
+    cpu = q.device.type == "cpu" and q.dtype != torch.float64
+    return cpu and _CPU_FLASH is not None and dropout is None
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    dropout: Dropout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, log-sum-exp in fp32) of q's attention over k and v."""
-    if q.device.type == "cpu" and _CPU_FLASH is not None:
+    """(output, log-sum-exp in fp32 or wider) of q's attention over k and v."""
+    if _flash(q, dropout):
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    return math_forward(q, k, v, causal, scale)
+    return math_forward(q, k, v, causal, scale, dropout)
 
 
 def block_backward(
@@ -83,15 +136,17 @@ def block_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    dropout: Dropout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for this block, given the rows' final output and log-sum-exp."""
-    if q.device.type == "cpu" and _CPU_FLASH_BACKWARD is not None:
+    if _flash(q, dropout):
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return math_backward(grad_out, q, k, v, out, lse, causal, scale)
+    return math_backward(grad_out, q, k, v, out, lse, causal, scale, dropout)
 
 
 class Accumulator:
-    """The output and log-sum-exp of every query row so far, merged block by block in fp32."""
+    """The output and log-sum-exp of every query row so far, merged block by block in fp32
+    (or wider)."""
 
     def __init__(self) -> None:
         self.out: torch.Tensor | None = None
@@ -99,13 +154,13 @@ class Accumulator:
 
     def add(self, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
         if self.out is None:  # the first block covers every row (a chunk over itself)
-            self.out, self.lse = out.float(), lse
+            self.out, self.lse = out.to(compute_dtype(out)), lse
             return
         old = self.lse[:, :, rows]
         merged = torch.logaddexp(old, lse)
         self.out[:, :, rows] = (
             self.out[:, :, rows] * torch.exp(old - merged)[..., None]
-            + out.float() * torch.exp(lse - merged)[..., None]
+            + out.to(self.out.dtype) * torch.exp(lse - merged)[..., None]
         )
         self.lse[:, :, rows] = merged
 
