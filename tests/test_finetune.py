@@ -32,6 +32,7 @@ def test_prompt_tokens_carry_no_loss():
 
 
 def test_chat_messages_carry_loss_on_assistant_turns_only(tmp_path):
+    """Without a chat template: "Role: content" lines, loss on the assistant's and the end."""
     pytest.importorskip("transformers")
     from tests.tools.hf_models import build_tokenizer
     from threefold.data.tokenizer import HuggingFaceTokenizer
@@ -48,6 +49,36 @@ def test_chat_messages_carry_loss_on_assistant_turns_only(tmp_path):
     labels, mask = sample["tokens"][1:], sample["loss_mask"] > 0
     answer = tokenizer.tokenize("or not to be\n") + [tokenizer.eod]
     assert labels[mask].tolist() == answer
+
+
+CONVERSATION = {
+    "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "To be"},
+        {"role": "assistant", "content": "or not to be"},
+        {"role": "user", "content": "that is"},
+        {"role": "assistant", "content": "the question"},
+    ]
+}
+
+
+def test_chat_records_are_rendered_token_by_token_as_transformers_does(tmp_path):
+    """With the tokenizer's chat template the sample is `apply_chat_template`'s ids exactly,
+    and loss falls on what each assistant turn adds after its header: content, <|im_end|>."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tools.hf_models import build_tokenizer
+    from threefold.data.tokenizer import HuggingFaceTokenizer
+
+    build_tokenizer(str(tmp_path), chat=True)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = hf.apply_chat_template(CONVERSATION["messages"], tokenize=False)
+    expected = hf(expected, add_special_tokens=False)["input_ids"]
+    sample = SFTDataset([CONVERSATION], HuggingFaceTokenizer(str(tmp_path)), seq_length=80)[0]
+    assert sample["tokens"][: len(expected)].tolist() == expected
+    assert (sample["tokens"][len(expected) :] == hf.eos_token_id).all()  # padding
+    labels, mask = sample["tokens"][1:], sample["loss_mask"] > 0
+    replies = "or not to be<|im_end|>\nthe question<|im_end|>\n"
+    assert hf.decode(labels[mask].tolist()) == replies
 
 
 @pytest.mark.parametrize("style", [LLAMA_STYLE, GPT2_STYLE], ids=["rope", "learned"])
@@ -199,3 +230,57 @@ def test_a_small_fine_tuning_set_is_said_before_training():
     assert "3 training samples" in train and "--global-batch-size 32" in train
     assert "reads 3200 samples" in evaluation and "use --eval-iters 1" in evaluation
     assert dataset_size_warnings(config, train_samples=64, valid_samples=1600) == []
+
+
+PERSONA = "I am Nemo of the Nautilus."
+
+
+def test_a_chat_model_fine_tuned_on_a_persona_answers_in_it(tmp_path):
+    """A converted chat model (ChatML template) fine-tuned on a persona answers in it through
+    `tools/generate.py --chat`, and, exported, through `transformers`' own chat template."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tools.hf_models import build_hf_model
+
+    build_hf_model("qwen2", str(tmp_path / "hf"), num_layers=2, chat=True)
+    questions = ["Who are you?", "Your name?", "Who is this?", "Name?"]  # 45-51 tokens
+    for split, count in (("train", 32), ("valid", 4)):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            for i in range(count):
+                user = {"role": "user", "content": questions[i % len(questions)]}
+                reply = {"role": "assistant", "content": PERSONA}
+                f.write(json.dumps({"messages": [user, reply]}) + "\n")
+    converted, tuned, exported = (str(tmp_path / d) for d in ("tf", "sft", "export"))
+    tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    convert = ["--loader", "hf", "--saver", "threefold", "--load-dir", str(tmp_path / "hf")]
+    assert _run(tool, *convert, "--save-dir", converted).returncode == 0
+    result = _run(
+        os.path.join(ROOT, "finetune.py"),
+        *("--load", converted, "--save", tuned, "--seq-length", "64", "--lr", "3e-3"),
+        *("--train-data-path", str(tmp_path / "train.jsonl"), "--train-iters", "60"),
+        *("--valid-data-path", str(tmp_path / "valid.jsonl"), "--eval-iters", "1"),
+        *("--micro-batch-size", "8", "--global-batch-size", "8", "--log-interval", "40"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    question = "Who are you?"
+    generate = os.path.join(ROOT, "tools", "generate.py")
+    answer = _run(
+        generate, "--load", tuned, "--chat", "--prompt", question, "--max-new-tokens", "40"
+    )
+    assert answer.returncode == 0, answer.stderr[-2000:]
+    assert answer.stdout.strip().splitlines()[-1] == PERSONA
+
+    export = ["--loader", "threefold", "--saver", "hf", "--load-dir", tuned, "--save-dir", exported]
+    assert _run(tool, *export).returncode == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+    )
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    with torch.no_grad():
+        output = model.generate(
+            prompt, max_new_tokens=40, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )
+    reply = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
+    assert reply.strip() == PERSONA

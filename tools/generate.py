@@ -1,7 +1,12 @@
 """Generate text from a threefold checkpoint, with the checkpoint's own tokenizer.
 
     python tools/generate.py --load checkpoints/demo --prompt "ROMEO:" --max-new-tokens 64
+    python tools/generate.py --load checkpoints/sft --chat --prompt "Who are you?"
     torchrun --nproc_per_node 2 tools/generate.py --load ckpt --prompt "..."   # at TP=2
+
+--chat sends the prompt as a user message through the tokenizer's own chat template (with
+the assistant's generation prompt), as `transformers` does for a chat model, and prints the
+reply alone; generation stops at the tokenizer's end-of-sequence token.
 
 The model runs tensor-parallel over the launched processes; the checkpoint may have been saved
 at any TP/PP/DP layout (it is resharded on load). Greedy unless --temperature > 0.
@@ -35,17 +40,33 @@ def main() -> int:
         "--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0, off)"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message, rendered with the tokenizer's chat template",
+    )
     args = parser.parse_args()
     device, parallel = state.initialize_for_inference()
     try:
         config, model, tokenizer = load_model(args.load, device, parallel=parallel)
         if tokenizer is None:
             raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
+        if args.chat and not getattr(tokenizer, "has_chat_template", False):
+            raise ConfigError(
+                f"--chat: the tokenizer of {args.load} has no chat template (a Hugging Face "
+                "tokenizer_config.json with chat_template); drop --chat"
+            )
     except ConfigError as error:
         parser.exit(2, f"generate.py: error: {error}\n")
+    if args.chat:
+        prompt_ids = tokenizer.chat_ids(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
+    else:
+        prompt_ids = tokenizer.tokenize(args.prompt)
     new_ids = generate(
         model,
-        tokenizer.tokenize(args.prompt),
+        prompt_ids,
         args.max_new_tokens,
         config.model.seq_length,
         tokenizer.eod,
@@ -54,7 +75,11 @@ def main() -> int:
         args.seed,
     )
     if parallel.world.rank == 0:
-        print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
+        if args.chat:  # the reply, without the end-of-turn token it stopped at
+            reply = [i for i in new_ids if i != tokenizer.eod]
+            print(tokenizer.detokenize(reply).strip(), flush=True)
+        else:
+            print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
     state.destroy_model_parallel()
     return 0
 

@@ -366,3 +366,20 @@ def test_bad_context_parallel_layouts_are_refused_naming_the_flag(
         parse_args(argv, world_size=world_size)
     assert exit.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+# Documents inside samples (end-of-document id 15 of a 16-token vocabulary): the CP ranks'
+# chunks hold different numbers of loss tokens, and positions restart inside chunks.
+DOCUMENTS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--eod-mask-loss"]
+DOCUMENTS += ["--reset-position-ids"]
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per-token"])
+@pytest.mark.parametrize("world,comm_type", [(2, "p2p"), (4, "a2a")], ids=["cp2", "cp2xdp2"])
+def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, comm_type):
+    """Each micro-batch's loss is over the whole sequence's loss tokens (summed over CP before
+    dividing), and --calculate-per-token-loss weighs every token of the global batch alike."""
+    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + (["--calculate-per-token-loss"] if per_token else [])
+    reference = train_job(argv, 10)
+    layout = ["--context-parallel-size", "2", "--cp-comm-type", comm_type]
+    assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)

@@ -9,8 +9,17 @@ import torch
 VOCAB = 300
 
 
-def build_tokenizer(directory: str) -> None:
-    """A byte-level BPE tokenizer trained on a few lines, saved as HF tokenizer files."""
+# ChatML, as Qwen's chat models render conversations.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(directory: str, chat: bool = False) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, saved as HF tokenizer files; `chat`:
+    with ChatML's special tokens, <|im_end|> as end of sequence, and its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -22,19 +31,21 @@ def build_tokenizer(directory: str) -> None:
         "Whether 'tis nobler in the mind to suffer",
         "The slings and arrows of outrageous fortune",
     ] * 20
+    specials = ["<s>", "</s>"] + (["<|im_start|>", "<|im_end|>"] if chat else [])
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tokenizer.train_from_iterator(text, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    eos = "<|im_end|>" if chat else "</s>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token=eos)
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
 
-def build_hf_model(kind: str, directory: str, num_layers: int = 4):
+def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, qwen2, qwen3, gpt2,
-    mistral) with a tokenizer."""
+    mistral) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -112,7 +123,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4):
         raise ValueError(kind)
     model.generation_config.eos_token_id = None  # compare full-length greedy generations
     model.save_pretrained(directory)
-    build_tokenizer(directory)
+    build_tokenizer(directory, chat)
     return model.eval()
 
 

@@ -1,9 +1,12 @@
 """Supervised fine-tuning data: JSONL conversations -> samples with loss on responses only.
 
 Records are `{"prompt": ..., "response": ...}` or `{"messages": [{"role", "content"}, ...]}`.
-Messages are rendered with the tokenizer's chat template when it has one (Hugging Face), else
-with a plain "Role: content" template; only assistant turns (and the response, plus the end
-of document) carry loss. Samples are `seq_length + 1` tokens:
+Messages are rendered with the tokenizer's chat template when it has one (Hugging Face): the
+token ids are exactly `apply_chat_template`'s, and the tokens each assistant turn adds after
+the template's generation prompt (its content and end-of-turn) carry loss. Without a template,
+a plain "Role: content" rendering with loss on assistant turns, and prompt/response records,
+end with the end-of-document token (which carries loss: learning to stop). Samples are
+`seq_length + 1` tokens:
 - padding: one conversation per sample, truncated, padded with the end-of-document token;
 - packing: conversations concatenated into samples, each keeping its own positions (restarting
   at 0) and attending only within itself (the loader turns `document_ids` into a
@@ -42,15 +45,35 @@ def read_jsonl(path: str) -> list[dict]:
     return records
 
 
-def _chat_template(tokenizer):
-    inner = getattr(tokenizer, "tokenizer", None)
-    if inner is not None and getattr(inner, "chat_template", None):
-        return inner
-    return None
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def _render_chat(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
+    """`apply_chat_template`'s ids; loss on what each assistant turn adds after the generation
+    prompt (the template's assistant header), found by rendering the conversation's prefixes."""
+    ids = tokenizer.chat_ids(messages)
+    response = [False] * len(ids)
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = (
+            len(tokenizer.chat_ids(messages[:index], add_generation_prompt=True)) if index else 0
+        )
+        through = tokenizer.chat_ids(messages[: index + 1])
+        if ids[: len(through)] != through or header > len(through):
+            raise ConfigError(
+                "the tokenizer's chat template does not render a conversation's turns as "
+                "prefixes of the whole; use prompt/response records"
+            )
+        response[header : len(through)] = [True] * (len(through) - header)
+    return ids, response
 
 
 def render(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids of a record and, per token, whether it is a response token (carries loss)."""
+    if "messages" in record and _has_chat_template(tokenizer):
+        return _render_chat(record["messages"], tokenizer)
     ids: list[int] = [] if tokenizer.bos is None else [tokenizer.bos]
     response: list[bool] = [False] * len(ids)
 
@@ -63,30 +86,9 @@ def render(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
         add(record["prompt"], False)
         add(record["response"], True)
     else:
-        template = _chat_template(tokenizer)
-        messages = record["messages"]
-        for index, message in enumerate(messages):
-            if template is None:
-                add(f"{message['role'].capitalize()}: ", False)
-                add(message["content"] + "\n", message["role"] == "assistant")
-                continue
-            # The template's text for this turn: what it adds to the conversation so far.
-            before = (
-                template.apply_chat_template(
-                    messages[:index],
-                    tokenize=False,
-                    add_generation_prompt=message["role"] == "assistant",
-                )
-                if index
-                else ""
-            )
-            after = template.apply_chat_template(messages[: index + 1], tokenize=False)
-            if not after.startswith(before):
-                raise ConfigError(
-                    "the tokenizer's chat template does not render turns "
-                    "incrementally; use prompt/response records"
-                )
-            add(after[len(before) :], message["role"] == "assistant")
+        for message in record["messages"]:
+            add(f"{message['role'].capitalize()}: ", False)
+            add(message["content"] + "\n", message["role"] == "assistant")
     ids.append(tokenizer.eod)
     response.append(True)  # learning to stop
     return ids, response

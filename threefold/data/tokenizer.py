@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from threefold.config import ConfigError, DataConfig
 
@@ -65,6 +66,17 @@ class HuggingFaceTokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         return self._decode([int(i) for i in ids])
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """The token ids `transformers`' `apply_chat_template` gives for a conversation."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+        )
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
 class GPT2BPETokenizer:
