@@ -8,7 +8,7 @@ hooks, `threefold.training.memory.measure_activation_bytes`), next to the memory
 prediction. The machine's cores are shared by the ranks (threads per rank = cores / CP), so
 tokens/s compares the same total compute split differently; memory per rank is the point.
 
-    python bench/context_parallel.py                       # writes bench/results/context_parallel.md
+    python bench/context_parallel.py            # writes bench/results/context_parallel.md
     python bench/context_parallel.py --sequences 4096 8192 --cp 1 2 --comm-type a2a
 """
 

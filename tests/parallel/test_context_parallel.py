@@ -379,7 +379,8 @@ DOCUMENTS += ["--reset-position-ids"]
 def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, comm_type):
     """Each micro-batch's loss is over the whole sequence's loss tokens (summed over CP before
     dividing), and --calculate-per-token-loss weighs every token of the global batch alike."""
-    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + (["--calculate-per-token-loss"] if per_token else [])
+    argv = LLAMA_STYLE + TRAINING + DOCUMENTS
+    argv += ["--calculate-per-token-loss"] if per_token else []
     reference = train_job(argv, 10)
     layout = ["--context-parallel-size", "2", "--cp-comm-type", comm_type]
     assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)

@@ -32,8 +32,9 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
         "The slings and arrows of outrageous fortune",
     ] * 20
     specials = ["<s>", "</s>"] + (["<|im_start|>", "<|im_end|>"] if chat else [])
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=alphabet
     )
     tokenizer.train_from_iterator(text, trainer)
     eos = "<|im_end|>" if chat else "</s>"

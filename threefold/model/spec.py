@@ -3,10 +3,11 @@
 
 `TransformerLayer` never names its parts: it asks its `LayerSpec` for the self-attention, the
 MLP and the norms. A new variant is a new module and one line in `layer_spec`: a
-mixture-of-experts MLP replaces `mlp`; under context parallelism `self_attention` is built with
-the core attention that spans the CP ranks; the layer itself does not change. Every factory takes the model config, the parallel
-context and the two init methods (the norm: the config, its size and whether its gradient is
-partial over TP), so a part reads its options from the config, not from threaded keywords.
+mixture-of-experts MLP replaces `mlp`; under context parallelism `self_attention` is built
+with the core attention that spans the CP ranks; the layer itself does not change. Every
+factory takes the model config, the parallel context and the two init methods (the norm: the
+config, its size and whether its gradient is partial over TP), so a part reads its options
+from the config, not from threaded keywords.
 """
 
 from __future__ import annotations
