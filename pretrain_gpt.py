@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         exit_signal_handler()
     try:
         check_inputs(config)
+        if os.environ.get("THREEFOLD_VALIDATE_ONLY"):
+            # The launchers' check before they spawn workers: a mistake is then one line and
+            # exit code 2, not a line per worker and torchrun's ChildFailedError report.
+            return 0
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
         print_refusal("pretrain_gpt.py", error)

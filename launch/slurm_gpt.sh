@@ -61,6 +61,10 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
   "$SLURM_NNODES nodes x $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT," \
   "resuming from iteration $saved_before"
 
+# Flags and input files checked once on the batch host, before any worker starts.
+WORLD_SIZE=$((SLURM_NNODES * NPROC_PER_NODE)) THREEFOLD_VALIDATE_ONLY=1 \
+  "$PYTHON" pretrain_gpt.py "${GPT_ARGS[@]}" || exit $?
+
 srun --kill-on-bad-exit=1 "$PYTHON" -m torch.distributed.run \
   --nnodes "$SLURM_NNODES" --nproc_per_node "$NPROC_PER_NODE" \
   --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \

@@ -32,6 +32,10 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # Workers are told of SIGUSR1 too (a scheduler's "time is nearly up") and get this long to save.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-80}
 
+# Flags and input files checked once, before any worker starts: a mistake is one line, exit 2.
+WORLD_SIZE=$((NNODES * NPROC_PER_NODE)) THREEFOLD_VALIDATE_ONLY=1 \
+  "$PYTHON" pretrain_gpt.py "${GPT_ARGS[@]}"
+
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \

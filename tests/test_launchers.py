@@ -91,3 +91,21 @@ def test_two_torchrun_nodes_on_loopback_match_one(shakespeare_data, tmp_path):
     one_node = logged_losses(single.stdout)
     assert len(one_node["train"]) == 8 and len(one_node["validation"]) == 1
     assert logged_losses(two_nodes) == one_node
+
+
+def test_the_launcher_refuses_a_bad_layout_once_before_spawning(shakespeare_data, tmp_path):
+    """launch/torchrun_gpt.sh checks the flags before torchrun starts workers: one line, exit
+    code 2, no worker failure report."""
+    script = os.path.join(ROOT, "launch", "torchrun_gpt.sh")
+    environment = tiny_gpt_environment(
+        shakespeare_data, TP=3, NPROC_PER_NODE=3, SAVE_DIR=tmp_path / "ckpt"
+    )
+    result = subprocess.run(
+        ["bash", script], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --num-attention-heads 4 is not divisible by "
+        "--tensor-model-parallel-size 3"
+    ]
+    assert "ChildFailedError" not in result.stdout + result.stderr

@@ -91,3 +91,13 @@ def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
     assert expected in result.stdout
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
     assert "validation loss at iteration 6" in result.stdout
+    # For people, beside Megatron's lines: progress with time left, and a summary at the end.
+    assert re.search(
+        r"> progress: iteration 3/6 \(50\.0%\), [\d:]+ elapsed, about [\d:]+ left", result.stdout
+    )
+    summary = re.search(
+        r"> done: 6 iterations \(to 6\) in [\d:]+; last training loss ([\d.]+); "
+        r"best validation loss ([\d.]+) at iteration 6; no checkpoint \(no --save\)",
+        result.stdout,
+    )
+    assert summary, result.stdout[-2000:]

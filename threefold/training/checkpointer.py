@@ -30,6 +30,7 @@ class Checkpointer:
             else None
         )
         self.last_saved = None  # the iteration whose checkpoint is (being) written, or loaded
+        self.last_path: str | None = None  # its directory, once written by this run
 
     def due(self, iteration: int) -> bool:
         """--save-interval says so (the loop saves the last iteration itself)."""
@@ -42,7 +43,7 @@ class Checkpointer:
         start = time.perf_counter()
         with watch.timers("save-checkpoint", 0):
             path = save_checkpoint(self.config.save, self.components(), self.writer)
-        self.last_saved = iteration
+        self.last_saved, self.last_path = iteration, path
         blocked = time.perf_counter() - start
         if self.writer.asynchronous:
             watch.print(

@@ -8,6 +8,7 @@
     memory hygiene      --manual-gc, --empty-unused-memory-level (training/memory_hygiene)
     spiky-loss check    --check-for-spiky-loss (training/numerics)
     exit conditions     --exit-interval, --exit-duration-in-mins, signals (training/exit_conditions)
+    run progress        progress / time-left lines and the end-of-run summary (run_progress)
 
 `with observability:` starts the live parts for the loop and closes all of them, in reverse
 order, however the loop ends. Outside it (start-up, the parity tests' single steps) the
@@ -35,6 +36,7 @@ from threefold.training.logging import (
 from threefold.training.memory_hygiene import MemoryHygiene
 from threefold.training.numerics import SpikyLossDetector
 from threefold.training.profiling import IterationProfiler
+from threefold.training.run_progress import RunProgress
 from threefold.training.timers import ITERATION, Timers
 from threefold.training.watchdog import Watchdog
 
@@ -58,6 +60,7 @@ class Observability:
         self.hygiene = MemoryHygiene(config.training, device)
         self.profiler = IterationProfiler(config.logging, device, self.rank)
         self.window = LogWindow()
+        self.run_progress = RunProgress(config.training.train_iters)
         self._stack = contextlib.ExitStack()
 
     def print(self, message: str) -> None:
@@ -105,6 +108,7 @@ class Observability:
 
     # -- around each iteration -----------------------------------------------------------------
     def before_iteration(self, completed: int) -> None:
+        self.run_progress.before_iteration(completed)
         self.profiler.before_iteration(completed)
 
     def after_iteration(
@@ -119,6 +123,8 @@ class Observability:
             if report:
                 self.print(report)
         self.window.add(loss, skipped, global_batch_size)
+        if not skipped:
+            self.run_progress.trained(loss)
 
     def log_due(self, iteration: int) -> bool:
         return iteration % self.config.logging.log_interval == 0
@@ -131,6 +137,7 @@ class Observability:
             self.config, self.device, self.world_size, self.flops_per_iteration, window, **progress
         )
         self.print(format_iteration(stats))
+        self.print(self.run_progress.line(stats.iteration))
         maxima = self.print_timers(list(ITERATION), window.iterations)
         if logging.log_timers_to_tensorboard:
             stats.timers = maxima
@@ -154,6 +161,7 @@ class Observability:
         if loss is not None:
             self.print(format_validation(iteration, loss))
             self.writers.log_validation(iteration, loss)
+            self.run_progress.validated(iteration, loss)
 
     def restart_window(self) -> None:
         """Evaluation and checkpoint time is not iteration time."""

@@ -214,6 +214,10 @@ class Trainer:
                         self.print(f"> exiting at iteration {self.state.iteration}: {reason}")
                         break
                 self.checkpointer.save_final(self.state.iteration)
+                summary = self.observability.run_progress.summary(
+                    self.state.iteration, self.checkpointer.last_path
+                )
+                self.print(summary)
             except NonFiniteError:
                 self.checkpointer.wait()  # an earlier checkpoint in flight is a good one
                 raise
