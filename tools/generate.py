@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
+from threefold.data.tokenizer import prompt_ids as encode_prompt  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
@@ -62,8 +63,8 @@ def main() -> int:
         prompt_ids = tokenizer.chat_ids(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True
         )
-    else:
-        prompt_ids = tokenizer.tokenize(args.prompt)
+    else:  # as fine-tuning samples begin (BOS where the tokenizer adds one)
+        prompt_ids = encode_prompt(tokenizer, args.prompt)
     new_ids = generate(
         model,
         prompt_ids,

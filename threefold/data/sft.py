@@ -20,6 +20,7 @@ import json
 import numpy as np
 
 from threefold.config import ConfigError
+from threefold.data.tokenizer import prompt_ids
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -74,7 +75,7 @@ def render(record: dict, tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids of a record and, per token, whether it is a response token (carries loss)."""
     if "messages" in record and _has_chat_template(tokenizer):
         return _render_chat(record["messages"], tokenizer)
-    ids: list[int] = [] if tokenizer.bos is None else [tokenizer.bos]
+    ids: list[int] = prompt_ids(tokenizer, "")
     response: list[bool] = [False] * len(ids)
 
     def add(text: str, is_response: bool) -> None:

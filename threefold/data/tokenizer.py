@@ -50,6 +50,9 @@ class HuggingFaceTokenizer:
             self._decode = self.tokenizer.decode
             self.vocab_size = len(self.tokenizer)
             eod, bos = self.tokenizer.eos_token_id, self.tokenizer.bos_token_id
+            # Whether the tokenizer starts every text with BOS (Llama's do): the models it
+            # was made for were pretrained so.
+            self.adds_bos = bos is not None and self.tokenizer("a")["input_ids"][:1] == [bos]
         except ImportError:
             from tokenizers import Tokenizer
 
@@ -58,6 +61,7 @@ class HuggingFaceTokenizer:
             self._decode = self.tokenizer.decode
             self.vocab_size = self.tokenizer.get_vocab_size()
             eod = bos = None
+            self.adds_bos = False
         self.eod = eod if eod is not None else self.vocab_size - 1
         self.bos = bos
 
@@ -77,6 +81,15 @@ class HuggingFaceTokenizer:
             messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
         )
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A prompt's ids as fine-tuning samples and generation start them: with the
+    beginning-of-sequence token where the tokenizer itself starts texts with one (a Hugging
+    Face tokenizer of a model pretrained so), else the text alone, as threefold's pretraining
+    data has it (tools/preprocess_data.py writes no BOS)."""
+    bos = tokenizer.bos if getattr(tokenizer, "adds_bos", False) else None
+    return ([] if bos is None else [bos]) + tokenizer.tokenize(text)
 
 
 class GPT2BPETokenizer:
