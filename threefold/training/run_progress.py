@@ -40,13 +40,14 @@ class RunProgress:
         return 0.0 if self.start_time is None else time.perf_counter() - self.start_time
 
     def line(self, iteration: int) -> str:
-        """`> progress: iteration 40/100 (40.0%), 0:00:12 elapsed, about 0:00:18 left`: the time
-        left at the mean pace so far (evaluation and checkpoints included)."""
+        """`> progress: 40 of 100 iterations (40.0%), 0:00:12 elapsed, about 0:00:18 left`: the
+        time left at the mean pace so far (evaluation and checkpoints included). Never the
+        words " iteration N": log parsers take such lines for Megatron's iteration line."""
         done = iteration - self.first_iteration
         left = self.train_iters - iteration
         pace = self._elapsed() / done if done else 0.0
         return (
-            f"> progress: iteration {iteration}/{self.train_iters} "
+            f"> progress: {iteration} of {self.train_iters} iterations "
             f"({100 * iteration / self.train_iters:.1f}%), {_clock(self._elapsed())} elapsed, "
             f"about {_clock(pace * left)} left"
         )
@@ -60,6 +61,6 @@ class RunProgress:
             parts.append(f"last training loss {self.last_loss:.4f}")
         if self.best_validation is not None:
             loss, at = self.best_validation
-            parts.append(f"best validation loss {loss:.4f} at iteration {at}")
+            parts.append(f"best validation loss {loss:.4f} after {at} iterations")
         parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no --save)")
         return "; ".join(parts)
