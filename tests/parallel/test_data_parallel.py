@@ -65,3 +65,42 @@ def test_overlap_launches_every_bucket_during_backward():
     result = run_distributed(2, _buckets_launched_in_backward, LLAMA_STYLE + TRAINING + OVERLAP)[0]
     assert result["buckets"] > 3
     assert result["launched_during_backward"] == result["buckets"]
+
+
+def test_gradient_buffer_dies_with_its_last_reference():
+    # Its hooks live in the parameters' C++ side, out of the collector's sight: a strong
+    # reference there would keep the buffer, the model and the process groups alive forever.
+    import weakref
+
+    import torch
+
+    from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+    from threefold.parallel.parallel_context import Group
+
+    model = torch.nn.Linear(4, 4)
+    buffer = GradientBuffer(list(model.parameters()), Group(None, 1, 0))
+    model(torch.ones(2, 4)).sum().backward()
+    assert model.weight.main_grad.abs().sum() > 0  # the hook ran
+    alive = weakref.ref(buffer)
+    del buffer
+    assert alive() is None
+    model(torch.ones(2, 4)).sum().backward()  # a hook outliving its buffer does nothing
+    assert model.weight.grad is not None
+
+
+def _polling_threads() -> int:
+    import os
+
+    names = [open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs /proc")
+def test_training_jobs_leave_no_process_groups_behind():
+    """Each group keeps gloo threads polling; a worker that leaked one per job (the gradient
+    buffer's hooks, megatron-core's context-parallel globals) slowed every later test."""
+    before = run_distributed(2, _polling_threads)
+    flags = ["--tensor-model-parallel-size", "2"]
+    for argv in (flags, ["--context-parallel-size", "2"]):
+        run_distributed(2, train_job, LLAMA_STYLE + TRAINING + argv, 1)
+    assert run_distributed(2, _polling_threads) == before

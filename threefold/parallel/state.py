@@ -194,6 +194,11 @@ def destroy_model_parallel() -> None:
     if not ps.model_parallel_is_initialized():
         return
     ps.destroy_model_parallel()
+    # Its destroy misses some of its own globals (the intra-partial data-parallel group with
+    # context parallelism, in 0.16): a group still referenced keeps its threads.
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
     destroy_p2p_groups()
     for group in _process_groups() - _GROUPS_BEFORE:
         if group is not dist.group.WORLD:

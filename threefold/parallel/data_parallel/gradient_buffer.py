@@ -14,6 +14,9 @@ As in Megatron's DistributedDataParallel, every parameter's gradient accumulates
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -91,12 +94,16 @@ class GradientBuffer:
             if flat_parameters
             else None
         )
+        # The hook lives in the parameter's C++ side, out of the garbage collector's sight: a
+        # strong reference to this buffer there would make buffer -> parameter -> hook ->
+        # buffer a cycle nothing can free, keeping the model and its process groups alive.
+        accumulate = _weak_hook(self._accumulate)
         for param, (start, end) in self.ranges.items():
             param.main_grad = self.buffer[start:end].view_as(param)
             if self.param_buffer is not None:
                 self.param_buffer[start:end].copy_(param.data.view(-1))
                 param.data = self.param_buffer[start:end].view_as(param)
-            param.register_post_accumulate_grad_hook(self._accumulate)
+            param.register_post_accumulate_grad_hook(accumulate)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.reduce_scatter = False  # set by the distributed optimizer
         self._gather_handles: dict[int, object] = {}
@@ -221,6 +228,17 @@ class GradientBuffer:
                     module.register_forward_pre_hook(
                         lambda _module, _args, read=read: self.finish_param_gather(read)
                     )
+
+
+def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    target = weakref.WeakMethod(method)
+
+    def hook(param: torch.Tensor) -> None:
+        bound = target()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 def all_reduce_sequence_parallel_grads(params: list[nn.Parameter], tp: Group) -> None:
