@@ -57,6 +57,7 @@ def _resume_job(argv: list[str], directory: str) -> dict:
             ],
         ),
         (2, ["--distributed-strategy", "fsdp"]),
+        (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
         (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     ],
 )

@@ -12,6 +12,8 @@ from threefold.training.memory import measure_activation_bytes, measure_bytes_pe
 from threefold.training.memory_estimate import estimate_stage, micro_batch_activation_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]
+MOE += ["--moe-shared-expert-intermediate-size", "64"]
 # Wider than the parity models so the layers, not the logits, dominate the activations.
 WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
 
@@ -61,8 +63,9 @@ def _assert_within_10_percent(results: list[dict]) -> None:
             "--recompute-num-layers",
             "1",
         ],
+        LLAMA_STYLE + WIDE + MOE,
     ],
-    ids=["llama", "llama-bf16-selective", "gpt2-dropout-full-block"],
+    ids=["llama", "llama-bf16-selective", "gpt2-dropout-full-block", "llama-moe"],
 )
 def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
@@ -82,6 +85,7 @@ def test_single_process(flags):
             ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
             + ["--sequence-parallel", "--recompute-granularity", "selective"],
         ),
+        (2, MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]),
     ],
     ids=[
         "tp2-sp",
@@ -91,6 +95,7 @@ def test_single_process(flags):
         "cp4-allgather",
         "cp2-a2a-bf16",
         "tp2-sp-cp2-selective",
+        "moe-ep2-every-other-layer",
     ],
 )
 def test_parallel_layouts(world_size, flags):

@@ -95,3 +95,18 @@ def test_bf16_masters_carry_over_when_resharded(tmp_path):
     losses = {r["loss"] for r in resumed}
     assert len(losses) == 1  # every rank reports the same all-reduced loss
     assert abs(losses.pop() - saved[0]["loss"]) <= 1e-6 * abs(saved[0]["loss"])
+
+
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
+EP2_TP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+EP2_TP2 += ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+
+
+def test_moe_checkpoint_resumes_at_other_expert_parallel_sizes(tmp_path):
+    """Experts are saved under their global index: EP=2 x TP=2 resumes at EP=1 (one process,
+    and DP=4) and EP=4."""
+    argv, directory = LLAMA_STYLE + TRAINING + MOE, str(tmp_path / "ep2")
+    saved = run_distributed(4, _save_then_continue, argv + EP2_TP2, directory)
+    for layout in ([], ["--expert-model-parallel-size", "4"]):
+        _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
+    _check(saved, [_load_then_step(argv, directory)])

@@ -28,7 +28,7 @@ from threefold.checkpoint.components import CheckpointComponents
 from threefold.config import ConfigError
 from threefold.model.lora import is_adapter
 from threefold.parallel.parallel_context import Group
-from threefold.parallel.tensor_parallel.sharding import shard_of, unshard
+from threefold.parallel.tensor_parallel.sharding import is_expert, shard_of, unshard
 from threefold.safe_loading import SafeFileSystemReader
 
 _KEY = re.compile(
@@ -76,6 +76,7 @@ class SavedTensors:
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of `kind` for a parameter, unpadded (valid rows only)."""
         per_rank = self.entries[(kind, name)]
+        saved_tp = 1 if is_expert(param) else saved_tp  # experts: whole, under rank 0
         if sorted(per_rank) != list(range(saved_tp)):
             raise ConfigError(
                 f"checkpoint {self.path}: {kind} of {name} lacks some of the "

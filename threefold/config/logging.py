@@ -32,6 +32,9 @@ class LoggingConfig:
     profile_ranks: list[int] = arg(
         default_factory=lambda: [0], help="global ranks to profile (default 0)"
     )
+    moe_per_layer_logging: bool = arg(
+        False, help="mixture of experts: also print each MoE layer's tokens per expert"
+    )
     log_num_zeros_in_grad: bool = arg(
         False, help="add the number of gradient elements that are exactly zero to the log line"
     )  # gradient elements that are exactly zero

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg
+from threefold.config.moe import MoEConfig
 
 
 @dataclass
-class ModelConfig:
-    """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py)."""
+class ModelConfig(MoEConfig):
+    """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
+    The mixture-of-experts fields are inherited (config/moe.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -233,6 +235,12 @@ class ModelConfig:
         )
         self._finalize_recompute()
         self._finalize_lora()
+        self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        _require(
+            not (self.is_moe and self.lora_rank is not None),
+            "LoRA on a mixture-of-experts model is not implemented; drop --lora-rank "
+            "(full fine-tuning works)",
+        )
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "

@@ -74,6 +74,14 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: list[int] | None = arg(
         None, help="not implemented (a2a+p2p); refused when given", nargs="+"
     )
+    expert_model_parallel_size: int = arg(
+        1, help="EP: ranks that split each MoE layer's experts (carved out of DP x CP)"
+    )
+    expert_tensor_parallel_size: int | None = arg(
+        None,
+        help="TP inside each expert (default: --tensor-model-parallel-size, as Megatron); "
+        "only 1 is implemented",
+    )
     sequence_parallel: bool = arg(
         False,
         help=(
@@ -134,6 +142,8 @@ class ParallelConfig:
         sizes = [f"TP={self.tensor_model_parallel_size}", f"PP={self.pipeline_model_parallel_size}"]
         if self.context_parallel_size > 1:
             sizes.append(f"CP={self.context_parallel_size} ({self.comm_type})")
+        if self.expert_model_parallel_size > 1:
+            sizes.append(f"EP={self.expert_model_parallel_size}")
         return separator.join(sizes + [f"DP={self.data_parallel_size}"])
 
     @property
@@ -247,6 +257,60 @@ class ParallelConfig:
                 "--cp-comm-type p2p or allgather",
             )
 
+    def _finalize_expert_parallel(self, model: ModelConfig) -> None:
+        ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
+        _require(ep >= 1, "--expert-model-parallel-size must be >= 1")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = tp if model.is_moe else 1
+        etp = self.expert_tensor_parallel_size
+        if not model.is_moe:
+            _require(
+                ep == 1,
+                "--expert-model-parallel-size needs a mixture-of-experts model (--num-experts)",
+            )
+            return
+        _require(
+            etp == 1,
+            f"expert tensor parallelism (--expert-tensor-parallel-size {etp}) is not "
+            "implemented: pass --expert-tensor-parallel-size 1 (each expert whole on its rank)",
+        )
+        _require(
+            model.num_experts % ep == 0,
+            f"--num-experts {model.num_experts} is not divisible by "
+            f"--expert-model-parallel-size {ep}",
+        )
+        replica_ranks = tp * self.context_parallel_size * self.data_parallel_size
+        _require(
+            replica_ranks % (ep * etp) == 0,
+            f"--expert-model-parallel-size {ep} must divide TP x CP x DP = {replica_ranks} "
+            "(the experts are split over the ranks of one pipeline stage)",
+        )
+        _require(
+            tp == 1 or self.sequence_parallel,
+            "mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+            "(as in Megatron: each TP rank routes its own slice of the sequence)",
+        )
+        _require(
+            self.context_parallel_size == 1,
+            "mixture-of-experts with --context-parallel-size > 1 is not implemented yet",
+        )
+        _require(
+            not self.use_distributed_optimizer,
+            "mixture-of-experts with --use-distributed-optimizer is not implemented yet; "
+            "drop the flag",
+        )
+        _require(
+            self.distributed_strategy == "megatron",
+            "mixture-of-experts needs --distributed-strategy megatron (expert gradients are "
+            "reduced over their own group)",
+        )
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert: the ranks of one pipeline stage over EP x ETP."""
+        stage_ranks = self.world_size // self.pipeline_model_parallel_size
+        return stage_ranks // (self.expert_model_parallel_size * self.expert_tensor_parallel_size)
+
     @property
     def comm_type(self) -> str:
         """The one --cp-comm-type of every layer."""
@@ -336,6 +400,7 @@ class ParallelConfig:
             "--overlap-param-gather needs --use-distributed-optimizer (only the "
             "distributed optimizer all-gathers parameters)",
         )
+        self._finalize_expert_parallel(model)
         self._finalize_strategy()
         _require(
             self.distributed_backend in (None, "gloo", "nccl"),

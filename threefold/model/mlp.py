@@ -22,11 +22,14 @@ class MLP(nn.Module):
         parallel: ParallelContext,
         init_method: InitMethod,
         output_layer_init_method: InitMethod,
+        ffn_hidden_size: int | None = None,
     ) -> None:
+        """`ffn_hidden_size`: other than the config's (an MoE layer's shared expert)."""
         super().__init__()
         self.swiglu = config.swiglu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
-        fc1_size = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
+        fc1_size = ffn_hidden_size * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             fc1_size,
@@ -36,7 +39,7 @@ class MLP(nn.Module):
             partition_stride=2 if self.swiglu else 1,
         )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
+            ffn_hidden_size,
             config.hidden_size,
             parallel=parallel,
             bias=config.add_bias_linear,

@@ -27,13 +27,25 @@ class _TrackerSnapshot:
 
     @contextlib.contextmanager
     def during_recompute(self):
+        global _recomputing
         tracker = get_rng_tracker()
         current = tracker.states
         tracker.states = {name: s.clone() for name, s in self.states.items()}
+        _recomputing += 1
         try:
             yield
         finally:
+            _recomputing -= 1
             tracker.states = current
+
+
+_recomputing = 0
+
+
+def is_recomputing() -> bool:
+    """Inside the backward pass's second forward of a recomputed region: what the forward
+    records (MoE routing statistics) was recorded the first time."""
+    return _recomputing > 0
 
 
 # Inside a layer compiled whole (--compile-layers) the recomputed region runs eager between two

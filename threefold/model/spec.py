@@ -2,9 +2,10 @@
 `ModuleSpec` idea in a dozen lines.
 
 `TransformerLayer` never names its parts: it asks its `LayerSpec` for the self-attention, the
-MLP and the norms. A new variant is a new module and one line in `layer_spec`: a
-mixture-of-experts MLP replaces `mlp`; under context parallelism `self_attention` is built
-with the core attention that spans the CP ranks; the layer itself does not change. Every
+MLP and the norms. A new variant is a new module and one line in `layer_spec`: the layers
+--moe-layer-freq picks take the mixture-of-experts MLP (`moe_mlp`) instead of `mlp`; under
+context parallelism `self_attention` is built with the core attention that spans the CP ranks;
+the layer itself does not change. Every
 factory takes the model config, the parallel context and the two init methods (the norm: the
 config, its size and whether its gradient is partial over TP), so a part reads its options
 from the config, not from threaded keywords.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from threefold.config import ModelConfig
 from threefold.model.attention import SelfAttention, context_parallel
 from threefold.model.mlp import MLP
+from threefold.model.moe import MoELayer
 from threefold.model.norms import build_norm
 from threefold.parallel.parallel_context import ParallelContext
 
@@ -28,14 +30,19 @@ class LayerSpec:
     self_attention: Callable = SelfAttention  # (config, parallel, init, output_init) -> module
     mlp: Callable = MLP  # (config, parallel, init, output_init) -> module
     norm: Callable = build_norm  # (config, size, partial_grads) -> module
+    moe_mlp: Callable = MoELayer  # as `mlp`, for the layers in `moe_layers`
+    moe_layers: frozenset[int] = frozenset()  # 1-based global layer numbers
+
+    def mlp_of(self, layer_number: int) -> Callable:
+        return self.moe_mlp if layer_number in self.moe_layers else self.mlp
 
 
 def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
-    """The parts a model config and layout ask for: the dense GPT layer, its core attention
-    spanning the context-parallel ranks when the sequence is split over them."""
-    del config  # the choice point: an MoE config will pick its MLP here
+    """The parts a model config and layout ask for: the GPT layer, its core attention
+    spanning the context-parallel ranks when the sequence is split over them, its MLP a
+    mixture of experts in the layers --moe-layer-freq picks."""
+    pattern = config.moe_layer_pattern(config.num_layers)
+    parts = {"moe_layers": frozenset(i + 1 for i, moe in enumerate(pattern) if moe)}
     if parallel.cp.size > 1:
-        return LayerSpec(
-            self_attention=functools.partial(SelfAttention, core_attention=context_parallel)
-        )
-    return LayerSpec()
+        parts["self_attention"] = functools.partial(SelfAttention, core_attention=context_parallel)
+    return LayerSpec(**parts)

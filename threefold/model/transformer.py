@@ -50,7 +50,9 @@ class TransformerLayer(nn.Module):
             config, parallel, init_method, output_layer_init_method
         )
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
-        self.mlp = spec.mlp(config, parallel, init_method, output_layer_init_method)
+        self.mlp = spec.mlp_of(layer_number)(
+            config, parallel, init_method, output_layer_init_method
+        )
 
     def forward(
         self,

@@ -12,11 +12,14 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       cp          context-parallel group: the ranks that split each sample's sequence
       dp_cp       DP x CP: the ranks holding the same weights, over which gradients are
                   averaged and the distributed optimizer shards (dp when CP is 1)
-      ep          expert-parallel group (size 1 until mixture-of-experts lands)
-      expert_dp   the data-parallel group of the expert weights (size 1 until then)
+      ep          expert-parallel group: the ranks that split each MoE layer's experts, carved
+                  out of TP x CP x DP of one pipeline stage (EP varies fastest)
+      expert_dp   the other ranks of the stage holding the same experts, over which expert
+                  gradients are summed (scaled by 1 / DP x CP, as Megatron)
       world       every rank
       embedding_group       first and last pipeline stage: holders of tied embeddings
       model_parallel_group  TP x PP: the ranks that together hold one model replica
+      expert_model_parallel_group  EP x PP: the ranks that together hold every expert once
       sequence_parallel     activations between layers split along the sequence over TP
       cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a)
 
@@ -60,6 +63,7 @@ class ParallelContext:
     world: Group = field(default_factory=Group)
     embedding_group: dist.ProcessGroup | None = None
     model_parallel_group: dist.ProcessGroup | None = None
+    expert_model_parallel_group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
 

@@ -93,8 +93,10 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     timeout_minutes: int = 10,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> None:
-    """Build TP/CP/PP/DP groups over the initialized world with megatron-core."""
+    """Build TP/CP/PP/DP groups (and the experts' EP and expert-DP) over the initialized world
+    with megatron-core. Experts are whole on their rank (expert tensor parallelism 1)."""
     destroy_model_parallel()
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
@@ -104,6 +106,8 @@ def initialize_model_parallel(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=timeout_minutes,
         # On CPU the main groups already are gloo; duplicates would only cost start-up time.
         create_gloo_process_groups=dist.get_backend() != "gloo",
@@ -128,6 +132,7 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.virtual_pipeline_model_parallel_size,
         parallel.distributed_timeout_minutes,
         parallel.context_parallel_size,
+        parallel.expert_model_parallel_size,
     )
     context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.
@@ -171,9 +176,22 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         ps.get_context_parallel_world_size(),
         ps.get_context_parallel_rank(),
     )
+    ep = Group(
+        ps.get_expert_model_parallel_group(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_model_parallel_rank(),
+    )
+    expert_dp = Group(
+        ps.get_expert_data_parallel_group(),
+        ps.get_expert_data_parallel_world_size(),
+        ps.get_expert_data_parallel_rank(),
+    )
     return ParallelContext(
         tp=tp,
         pp=pp,
+        ep=ep,
+        expert_dp=expert_dp,
+        expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
         dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),
         cp=cp,
         dp_cp=dp_cp,

@@ -30,6 +30,7 @@ from threefold.parallel.data_parallel.torch_native import (
     wrap_fsdp,
 )
 from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import is_expert
 from threefold.training.optimizer import (
     DistributedOptimizer,
     MixedPrecisionOptimizer,
@@ -50,9 +51,12 @@ def uses_torch_data_parallel(config: Config) -> bool:
 
 class MegatronDataParallel:
     """Gradients accumulated in threefold's bucketed buffer and averaged over `parallel.dp_cp`
-    (the ranks holding the same weights: data-parallel replicas and context-parallel peers)."""
+    (the ranks holding the same weights: data-parallel replicas and context-parallel peers).
+    Expert weights (mixture of experts) have a buffer of their own, summed over expert-DP and
+    scaled by 1 / (DP x CP), as Megatron's DDP does."""
 
     grad_buffer: GradientBuffer
+    expert_grad_buffer: GradientBuffer | None = None
 
     def __init__(
         self,
@@ -78,9 +82,7 @@ class MegatronDataParallel:
             identical layouts and shards: no such issue.)"""
             return bool(getattr(param, "shared_embedding", False) and parallel.pp.size > 1)
 
-        self.grad_buffer = GradientBuffer(
-            [param for _, param in named],
-            parallel.dp_cp,
+        options = dict(
             bucket_size=dp.bucket_size,
             pad_to_multiple=parallel.dp_cp.size if distributed else 1,
             flat_parameters=distributed,
@@ -90,8 +92,20 @@ class MegatronDataParallel:
                 if half and not dp.accumulate_allreduce_grads_in_fp32
                 else torch.float32
             ),
-            needs_full_gradient=summed_over_another_group,
         )
+        experts = [p for _, p in named if is_expert(p)]
+        dense = [p for _, p in named if not is_expert(p)]
+        self.grad_buffer = GradientBuffer(
+            dense, parallel.dp_cp, needs_full_gradient=summed_over_another_group, **options
+        )
+        if experts:
+            self.expert_grad_buffer = GradientBuffer(
+                experts,
+                parallel.expert_dp,
+                gradient_scaling_factor=1.0 / parallel.dp_cp.size,
+                **options,
+            )
+        self.buffers = [b for b in (self.grad_buffer, self.expert_grad_buffer) if b is not None]
         if distributed:
             self.optimizer = DistributedOptimizer(
                 named, self.grad_buffer, training, parallel, dp.overlap_param_gather, offload
@@ -99,10 +113,13 @@ class MegatronDataParallel:
             if dp.overlap_param_gather:
                 self.grad_buffer.wait_for_params_before_forward(model_chunks)
         else:
-            self.optimizer = MixedPrecisionOptimizer(named, training, parallel, offload)
+            self.optimizer = MixedPrecisionOptimizer(
+                named, training, parallel, offload, experts=config.model.is_moe
+            )
 
     def start_step(self, num_microbatches: int) -> None:
-        self.grad_buffer.start_step(num_microbatches)
+        for buffer in self.buffers:
+            buffer.start_step(num_microbatches)
 
     def schedule_options(self) -> dict:
         return {}
@@ -111,14 +128,16 @@ class MegatronDataParallel:
         return contextlib.nullcontext()
 
     def finish_grad_sync(self) -> None:
+        if self.expert_grad_buffer is not None:
+            self.expert_grad_buffer.finish_grad_sync()
         finalize_model_grads(self.grad_buffer, self.parallel)
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's gradients as they are before the data-parallel reduction."""
-        return [self.grad_buffer.buffer]
+        return [buffer.buffer for buffer in self.buffers]
 
     def gradient_bytes(self) -> int:
-        return self.grad_buffer.buffer.numel() * self.grad_buffer.buffer.element_size()
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buffers)
 
     def finish_param_gather(self) -> None:
         """Wait for an --overlap-param-gather all-gather still in flight."""

@@ -6,7 +6,9 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
   output projection;
 - attention scores and weighted sum: 2 * 2 s h (the full s x s product, as Megatron counts it
   even though causal masking could skip half);
-- MLP: 2 * 2 h f, or 2 * 3 h f with SwiGLU (gate, up and down projections);
+- MLP: 2 * 2 h f, or 2 * 3 h f with SwiGLU (gate, up and down projections); in an MoE layer
+  the k experts a token is routed to (expert size f_e), the shared expert (size f_s) and the
+  router 2 h E: active parameters only, as Megatron counts them;
 and the output layer 2 h V. See docs/performance.md for the derivation and MFU.
 """
 
@@ -24,8 +26,16 @@ def training_flops_per_iteration(
     qkv = 2 * h * d * (heads + 2 * groups)
     projection = 2 * d * heads * h
     attention = 2 * 2 * s * d * heads
-    mlp = 2 * (3 if config.swiglu else 2) * h * f
-    per_token_forward = config.num_layers * (qkv + projection + attention + mlp)
+    per_size = 2 * (3 if config.swiglu else 2) * h  # FLOPs per unit of MLP hidden size
+    dense = per_size * f
+    moe = 0
+    if config.is_moe:
+        shared = config.moe_shared_expert_intermediate_size or 0
+        routed = config.moe_router_topk * config.moe_ffn_hidden_size
+        moe = per_size * (routed + shared) + 2 * h * config.num_experts
+    per_token_forward = 0
+    for is_moe in config.moe_layer_pattern(config.num_layers):
+        per_token_forward += qkv + projection + attention + (moe if is_moe else dense)
     per_token_forward += 2 * h * padded_vocab_size
     return 3.0 * per_token_forward * global_batch_size * s
 

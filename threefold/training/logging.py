@@ -36,6 +36,7 @@ class IterationStats:
     num_zeros_in_grad: int | None = None
     params_norm: float | None = None
     timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
+    moe_losses: dict[str, float] | None = None  # MoE auxiliary losses (load_balancing_loss ...)
 
 
 @dataclass
@@ -126,11 +127,10 @@ def format_iteration(stats: IterationStats) -> str:
     )
     if stats.decoupled_learning_rate is not None:
         line += f" decoupled learning rate: {stats.decoupled_learning_rate:.6E} |"
-    line += (
-        f" global batch size: {stats.global_batch_size:5d} |"
-        f" lm loss: {stats.lm_loss:.6E} |"
-        f" loss scale: {stats.loss_scale:.1f} |"
-    )
+    line += f" global batch size: {stats.global_batch_size:5d} | lm loss: {stats.lm_loss:.6E} |"
+    for name, value in (stats.moe_losses or {}).items():  # after lm loss, as Megatron
+        line += f" {name}: {value:.6E} |"
+    line += f" loss scale: {stats.loss_scale:.1f} |"
     if stats.grad_norm is not None:
         line += f" grad norm: {stats.grad_norm:.3f} |"
     if stats.num_zeros_in_grad is not None:
@@ -176,6 +176,7 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
         "nan-iterations": stats.nan_iterations,
         "iteration-time-ms": stats.elapsed_ms,
     }
+    values.update(stats.moe_losses or {})
     values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})
     return {name: value for name, value in values.items() if value is not None}
 

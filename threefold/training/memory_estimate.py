@@ -1,7 +1,8 @@
 """Per-device memory of a model and layout, predicted without running it.
 
 Static memory: the parameters each rank holds (its pipeline stage's layers, embedding and
-output layer; matrices divided by TP; the vocabulary padded as the run pads it) times the bytes
+output layer; matrices divided by TP, experts by EP; the vocabulary padded as the run pads
+it) times the bytes
 per parameter of the precision and data-parallel strategy:
 
     strategy, precision            params  grads             optimizer
@@ -26,7 +27,9 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   s x s matrix; selective recomputation drops the log-sum-exp); with --cp-comm-type
   allgather also the other CP ranks' keys and values (ring attention and Ulysses keep only
   this rank's share, so activations fall as 1/CP);
-- MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU);
+- MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU); an MoE
+  layer keeps, per (token, expert) pair, the expert's input and output and those
+  intermediates at the expert's size (experts whole on their EP rank);
 - dropout masks when dropout is on.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
@@ -43,17 +46,30 @@ from threefold.config import Config, ModelConfig, ParallelConfig
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 
 
-def _layer_parameters(model: ModelConfig, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
+    """An MLP of hidden size `f` split over `tp` ranks (column-parallel biases split too)."""
+    h, fc1 = model.hidden_size, f * (2 if model.swiglu else 1)
+    return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.add_bias_linear else 0)
+
+
+def _layer_parameters(model: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> int:
+    """One transformer layer's parameters on one TP rank; an MoE layer's MLP is its router,
+    its experts divided over EP (whole inside, expert TP 1) and its shared expert over TP."""
+    h, d = model.hidden_size, model.kv_channels
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups)
-    fc1 = f * (2 if model.swiglu else 1)
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    count = (h * qkv + d * model.num_attention_heads * h + h * fc1 + f * h) // tp + 2 * norm
+    count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
+    if moe:
+        count += h * model.num_experts
+        count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, 1)
+        if model.moe_shared_expert_intermediate_size:
+            count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
+    else:
+        count += _mlp_parameters(model, model.ffn_hidden_size, tp)
     if model.qk_layernorm:
         count += 2 * d * (2 if model.normalization == "LayerNorm" else 1)
-    if model.add_bias_linear:  # column-parallel biases are split, row-parallel ones are not
-        count += (qkv + fc1) // tp + 2 * h
+    if model.add_bias_linear:
+        count += qkv // tp + h
     elif model.add_qkv_bias:
         count += qkv // tp
     return count
@@ -73,7 +89,13 @@ def stage_parameters(
         parallel.decoder_first_pipeline_num_layers,
         parallel.decoder_last_pipeline_num_layers,
     )
-    count = sum(layers for _, layers in chunks) * _layer_parameters(model, tp)
+    pattern = model.moe_layer_pattern(model.num_layers)
+    ep = parallel.expert_model_parallel_size
+    count = sum(
+        _layer_parameters(model, tp, bool(pattern[layer]), ep)
+        for offset, layers in chunks
+        for layer in range(offset, offset + layers)
+    )
     embedding = padded_vocab * h // tp
     if stage == 0:
         count += embedding
@@ -144,10 +166,29 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
             others = model.seq_length - s
             attention += 2 * e * others * b * g * d // t
     mlp = e * s * b * f // t * (4 if model.swiglu else 2)
+    if model.is_moe:  # averaged over the layers: exact when every layer is an MoE layer
+        pattern = model.moe_layer_pattern(model.num_layers)
+        share = sum(pattern) / len(pattern)
+        mlp = round((1 - share) * mlp + share * _moe_activation_bytes(config, s, b, e))
     # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
     dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
     return 2 * norm_block + attention + mlp + dropout
+
+
+def _moe_activation_bytes(config: Config, s: int, b: int, e: int) -> int:
+    """An MoE MLP: this rank's s b / sigma tokens, each routed to k experts, come back as as
+    many expert inputs (taken by the dispatch) and outputs; an expert keeps the dense MLP's
+    intermediates for each; the shared expert as the dense MLP of its size."""
+    model, parallel = config.model, config.parallel
+    t = parallel.tensor_model_parallel_size
+    sigma = t if parallel.sequence_parallel else 1
+    pairs = s * b // sigma * model.moe_router_topk
+    intermediates = 4 if model.swiglu else 2
+    total = e * pairs * (2 * model.hidden_size + intermediates * model.moe_ffn_hidden_size)
+    if model.moe_shared_expert_intermediate_size:
+        total += e * s * b * model.moe_shared_expert_intermediate_size // t * intermediates
+    return total
 
 
 def _micro_batches_in_flight(config: Config, stage: int) -> int:

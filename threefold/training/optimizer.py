@@ -37,6 +37,7 @@ from threefold.config import TrainingConfig
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local
 from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import is_expert
 
 OFFLOAD_DEVICE = torch.device("cpu")
 
@@ -47,6 +48,16 @@ def _counts_towards_norm(param: nn.Parameter, tensor_model_parallel_rank: int) -
     if getattr(param, "embedding_copy", False):  # the last stage's copy of tied embeddings
         return False
     return getattr(param, "tensor_model_parallel", False) or tensor_model_parallel_rank == 0
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(tensors)).float().pow(2).sum()
+
+
+def _zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return sum((t == 0).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
 
 
 def is_embedding_or_output(name: str) -> bool:
@@ -82,6 +93,8 @@ class _AdamWithMasters:
     # Groups whose members hold disjoint parts of the gradients, which the norm sums over: the
     # model-parallel group always, the DP group when gradients are sharded.
     reduction_groups: list
+    # The groups over which expert weights are summed; None in a model without experts.
+    expert_reduction_groups: list | None = None
     separate_masters: bool
 
     def _build(
@@ -162,27 +175,32 @@ class _AdamWithMasters:
         """A view of an fp32 gradient on the master's device, else an fp32 copy there."""
         return grad.to(device=master.device, dtype=torch.float32)
 
-    def _counted(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _counted(self, tensors: list[torch.Tensor], experts: bool = False) -> list[torch.Tensor]:
         """This rank's local parts of `tensors` (one per piece) that count towards model-wide
-        sums: each distinct parameter element once over all ranks."""
+        sums: each distinct parameter element once over all ranks. Expert weights (`experts`)
+        are summed over their own group, where every rank holds different experts."""
         return [
             local(t)
             for piece, t in zip(self.pieces, tensors)
-            if _counts_towards_norm(piece.param, self.tp_rank)
+            if is_expert(piece.param) == experts
+            and (experts or _counts_towards_norm(piece.param, self.tp_rank))
         ]
 
-    def _global_sum(self, value: torch.Tensor) -> float | int:
+    def _global_sum(self, value: torch.Tensor, groups: list) -> float | int:
         # The reduction runs where the process groups' backend works (NCCL: on the GPU).
-        return _all_reduce(value.to(self.reduction_device), self.reduction_groups).item()
+        return _all_reduce(value.to(self.reduction_device), groups).item()
+
+    def _model_sum(self, tensors: list[torch.Tensor], per_rank: Callable) -> float:
+        """The sum over all ranks of `per_rank(counted tensors)`, dense and expert parts each
+        over the ranks that hold them."""
+        total = self._global_sum(per_rank(self._counted(tensors)), self.reduction_groups)
+        if self.expert_reduction_groups is not None:
+            experts = per_rank(self._counted(tensors, experts=True))
+            total += self._global_sum(experts, self.expert_reduction_groups)
+        return total
 
     def _global_norm(self, tensors: list[torch.Tensor]) -> float:
-        counted = self._counted(tensors)
-        squares = (
-            torch.stack(torch._foreach_norm(counted)).float().pow(2).sum()
-            if counted
-            else torch.zeros(())
-        )
-        return math.sqrt(self._global_sum(squares))
+        return math.sqrt(self._model_sum(tensors, _sum_of_squares))
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """The global gradient norm over all ranks holding parts of the model; inf or nan when
@@ -197,11 +215,7 @@ class _AdamWithMasters:
         return self._global_norm(self.master_params)
 
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
-        counted = self._counted(grads)
-        zeros = (
-            sum((g == 0).sum() for g in counted) if counted else torch.zeros((), dtype=torch.int64)
-        )
-        return int(self._global_sum(zeros))
+        return int(self._model_sum(grads, _zeros))
 
     @torch.no_grad()
     def step(self, divisor: float) -> tuple[bool, float | None]:
@@ -309,8 +323,13 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         config: TrainingConfig,
         parallel: ParallelContext,
         offload: bool = False,
+        experts: bool = False,
     ) -> None:
+        """`experts`: the model has expert weights (on any pipeline stage: every rank joins
+        the reduction of their norms)."""
         self.reduction_groups = [parallel.model_parallel_group]
+        if experts:
+            self.expert_reduction_groups = [parallel.expert_model_parallel_group]
         self.tp_rank = parallel.tp.rank
         self.separate_masters = config.bf16 or config.fp16 or offload
         self.model_params = [p for _, p in named_parameters if p.requires_grad]

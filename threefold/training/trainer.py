@@ -24,6 +24,7 @@ from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.model.loss import gpt_forward_step
+from threefold.model.moe import set_aux_loss_scale
 from threefold.parallel.context_parallel.sequence import split_batch
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
@@ -34,6 +35,7 @@ from threefold.training.checkpointer import Checkpointer
 from threefold.training.data_parallel import params_dtype
 from threefold.training.flops import training_flops_per_iteration
 from threefold.training.logging import progress
+from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.numerics import NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
 from threefold.training.train_state import TrainState
@@ -59,6 +61,11 @@ class Trainer:
             built = build_model_and_optimizer(config, parallel, device, self.print)
         self.model_chunks, self.data_parallel, self.scheduler, self.loss_scaler = built
         self.optimizer = self.data_parallel.optimizer
+        self.moe_statistics = (
+            MoEStatistics(self.model_chunks, config.model, parallel)
+            if config.model.is_moe
+            else None
+        )
         self.state = TrainState()
         # Evaluation always runs full global batches; training's follow --rampup-batch-size.
         self.num_microbatches = training.num_micro_batches(parallel.dp.size)
@@ -118,6 +125,9 @@ class Trainer:
         """Forward (and backward) over the micro-batches by the pipeline's schedule."""
         schedule = get_forward_backward_func(self.parallel.pp)
         chunks, options = self.data_parallel.wrapped_chunks, {**self.pipeline_options, **options}
+        if self.moe_statistics is not None:  # the factor the schedule puts on the main loss
+            divisor = 1 if options.get("per_token_loss") else num_microbatches
+            set_aux_loss_scale(self.model_chunks, options.get("loss_scale", 1.0) / divisor)
         return schedule(self._forward_step, iterator, chunks, num_microbatches, **options)
 
     def train_iterator(self):
@@ -150,6 +160,8 @@ class Trainer:
                 **data_parallel.schedule_options(),
             )
         watchdog.add_busy_time(time.perf_counter() - start)
+        if self.moe_statistics is not None:
+            self.moe_statistics.after_iteration(num_microbatches)
         if training.check_for_nan_in_loss_and_grad:
             check_loss_and_grads(losses, data_parallel.local_grads(), iteration)
         watchdog.enter("gradient reduction", iteration)
@@ -182,6 +194,11 @@ class Trainer:
         self.parallel.dp.all_reduce(totals)
         total, weight = totals.tolist()
         return total, weight
+
+    def _print_moe_layers(self, tokens: torch.Tensor) -> None:
+        for number, counts in zip(self.moe_statistics.moe_layer_numbers, tokens):
+            shares = " ".join(f"{c:.0f}" for c in counts.tolist())
+            self.print(f"> MoE layer {number}: tokens per expert per iteration: {shares}")
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         """The global batch's loss from the reported [total, weight] pairs of this rank."""
@@ -237,7 +254,12 @@ class Trainer:
         watch.after_iteration(iteration, loss, skipped, first_sample, batch)
         if watch.log_due(iteration):
             components = (self.state, self.scheduler, self.optimizer, self.loss_scaler)
-            watch.log(progress(self.config, *components, batch, grad_norm))
+            numbers, tokens = progress(self.config, *components, batch, grad_norm), None
+            if self.moe_statistics is not None:
+                numbers["moe_losses"], tokens = self.moe_statistics.report(self.device)
+            watch.log(numbers)
+            if tokens is not None and self.config.logging.moe_per_layer_logging:
+                self._print_moe_layers(tokens)
         if iteration % training.eval_interval == 0 or iteration == training.train_iters:
             with watch.evaluation(iteration):
                 valid_loss = self.evaluate()

@@ -41,7 +41,10 @@ class GradientBuffer:
     otherwise the parameters' dtype, as Megatron does.
 
     Gradients are averaged over the replicas of `dp`, the group it is given: the data-parallel
-    group, or any other group of replicas (DP x CP, expert-DP).
+    group, or any other group of replicas (DP x CP). `gradient_scaling_factor` replaces the
+    1 / replicas for a group that is not all the replicas (Megatron's name): expert gradients
+    are summed over expert-DP and scaled by 1 / (DP x CP), since the experts of one rank also
+    receive tokens from the other ranks of their EP group.
     """
 
     def __init__(
@@ -54,9 +57,13 @@ class GradientBuffer:
         overlap_grad_reduce: bool = False,
         grad_dtype: torch.dtype = torch.float32,
         needs_full_gradient=None,
+        gradient_scaling_factor: float | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
+        self.scaling_factor = (
+            1.0 / dp.size if gradient_scaling_factor is None else gradient_scaling_factor
+        )
         device = self.params[0].device
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
@@ -153,10 +160,16 @@ class GradientBuffer:
         """Start the bucket's mean over DP replicas: an all-reduce, or under the distributed
         optimizer a reduce-scatter after which only this rank's shard is complete."""
         world = self.dp.size
-        if world == 1 or bucket in self._handles:
+        if bucket in self._handles or (world == 1 and self.scaling_factor == 1.0):
             return
         start, end = self.buckets[bucket]
-        self.buffer[start:end].div_(world)
+        if self.scaling_factor == 1.0 / world:
+            self.buffer[start:end].div_(world)  # the mean, rounded as a division
+        else:
+            self.buffer[start:end].mul_(self.scaling_factor)
+        if world == 1:
+            self._handles[bucket] = (None, None)  # scaled: not again in finish_grad_sync
+            return
         group = self.dp.group
         if self.reduce_scatter and bucket not in self.full_buckets:
             shard_start, shard_end = self.shard_range(bucket)
@@ -176,6 +189,8 @@ class GradientBuffer:
         for bucket in range(len(self.buckets)):
             self._launch(bucket)
         for bucket, (handle, shard) in self._handles.items():
+            if handle is None:
+                continue
             handle.wait()
             if shard is not None:
                 start, end = self.shard_range(bucket)

@@ -15,6 +15,8 @@ one place they are written down; the only code that sets them is below, the TP l
                                       (sequence-parallel norms and biases, query/key norms)
     shared_embedding       bool       one of the two copies of tied word embeddings under PP
     embedding_copy         bool       the last stage's copy (counted once in norms)
+    expert_parallel        bool       an expert's weight (model/moe): whole on the one EP rank
+                                      holding the expert, its gradient summed over expert-DP
     main_grad              Tensor     its view into the gradient buffer (parallel/data_parallel)
 
 `initialize_parameters` draws each *full* tensor from a generator seeded by the run seed and the
@@ -45,6 +47,7 @@ PARAMETER_ATTRIBUTES = (
     "sequence_parallel",
     "shared_embedding",
     "embedding_copy",
+    "expert_parallel",
 )
 
 
@@ -74,6 +77,18 @@ def mark_replicated(
     param.init_method = init_method
     param.sequence_parallel = partial_grads
     return param
+
+
+def mark_expert(param: torch.nn.Parameter, init_method: InitMethod) -> torch.nn.Parameter:
+    """A weight of one expert: whole (expert tensor parallelism 1) on the rank that holds the
+    expert, named by the expert's global index so it is initialized and saved alike at any EP."""
+    mark_replicated(param, init_method)
+    param.expert_parallel = True
+    return param
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "expert_parallel", False)
 
 
 def mark_tensor_parallel(

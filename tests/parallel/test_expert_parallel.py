@@ -1,0 +1,299 @@
+"""Mixture of experts: the router against a plain reference, and expert parallelism (real gloo
+ranks) reproducing the single-process run's losses, gradients and parameters."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import (
+    LLAMA_STYLE,
+    TRAINING,
+    _full,
+    _setup,
+    _without_key_bias,
+    assert_close_dicts,
+    assert_matches_reference,
+    first_step_gradients_job,
+    merge_pipeline_stages,
+)
+from threefold.arguments import parse_args
+from threefold.model.moe.experts import Experts
+from threefold.model.moe.router import TopKRouter
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import normal_init
+
+MOE = [
+    "--num-experts",
+    "4",
+    "--moe-ffn-hidden-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--moe-z-loss-coeff",
+    "0.001",
+]
+TOLERANCE = 1e-5
+
+
+def _model_config(*flags: str):
+    return parse_args(LLAMA_STYLE + TRAINING + MOE + list(flags)).model
+
+
+# -- the router against a reference written out token by token ---------------------------------
+def _reference_routing(logits, k, score_function, pre_softmax):
+    probs = torch.zeros(logits.shape, dtype=torch.float64)
+    for t, row in enumerate(logits.double()):
+        if score_function == "softmax" and pre_softmax:
+            scores = torch.softmax(row, 0)
+            chosen = sorted(range(len(row)), key=lambda e: -scores[e])[:k]
+            weights = [scores[e] for e in chosen]
+        elif score_function == "softmax":
+            chosen = sorted(range(len(row)), key=lambda e: -row[e])[:k]
+            top = torch.stack([row[e] for e in chosen])
+            weights = list(torch.softmax(top, 0))
+        else:
+            scores = torch.sigmoid(row)
+            chosen = sorted(range(len(row)), key=lambda e: -scores[e])[:k]
+            weights = [scores[e] for e in chosen]
+            if k > 1:
+                weights = [w / sum(weights) for w in weights]
+        for e, w in zip(chosen, weights):
+            probs[t, e] = w
+    return probs
+
+
+def _reference_aux_loss(logits, k, coeff, score_function):
+    """Switch Transformer: E * sum_e f_e P_e, f_e the fraction of the k T assignments."""
+    tokens, experts = logits.shape
+    scores = torch.softmax(logits.double(), -1)
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits.double())
+        scores = scores / scores.sum(-1, keepdim=True)
+    fraction = torch.zeros(experts, dtype=torch.float64)
+    for row in scores:
+        for e in row.topk(k).indices:
+            fraction[e] += 1.0 / (tokens * k)
+    mean_prob = scores.mean(0)
+    return coeff * experts * float((fraction * mean_prob).sum())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--moe-router-topk", "1"],
+        ["--moe-router-pre-softmax"],
+        ["--moe-router-score-function", "sigmoid"],
+        ["--moe-router-score-function", "sigmoid", "--moe-router-topk", "1"],
+    ],
+)
+def test_router_matches_the_reference(flags):
+    config = _model_config(*flags)
+    router = TopKRouter(config, ParallelContext(), normal_init(0.5))
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    probs, routing_map, losses = router(tokens, batch_size=2)
+    logits = tokens @ router.weight.detach().T
+    k, function = config.moe_router_topk, config.moe_router_score_function
+    expected = _reference_routing(logits, k, function, config.moe_router_pre_softmax)
+    torch.testing.assert_close(probs.detach().double(), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(routing_map, expected > 0)
+    aux = _reference_aux_loss(logits, k, config.moe_aux_loss_coeff, function)
+    assert losses["load_balancing_loss"].item() == pytest.approx(aux, rel=1e-5)
+    z = config.moe_z_loss_coeff * float((torch.logsumexp(logits.double(), -1) ** 2).mean())
+    assert losses["z_loss"].item() == pytest.approx(z, rel=1e-5)
+
+
+def test_sequence_aux_loss_is_the_mean_over_sequences():
+    config = _model_config("--moe-router-load-balancing-type", "seq_aux_loss")
+    router = TopKRouter(config, ParallelContext(), normal_init(0.5))
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    sequence, batch = 12, 3
+    tokens = torch.randn(sequence * batch, config.hidden_size)
+    _, _, losses = router(tokens, batch_size=batch)
+    logits = (tokens @ router.weight.detach().T).view(sequence, batch, -1)
+    k, coeff = config.moe_router_topk, config.moe_aux_loss_coeff
+    per_sequence = [_reference_aux_loss(logits[:, b], k, coeff, "softmax") for b in range(batch)]
+    expected = sum(per_sequence) / batch
+    assert losses["seq_load_balancing_loss"].item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_keeps_the_chosen_tokens(policy, pad):
+    flags = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", policy]
+    config = _model_config(*flags, *(["--moe-pad-expert-input-to-capacity"] if pad else []))
+    router = TopKRouter(config, ParallelContext(), normal_init(0.5))
+    torch.nn.init.normal_(router.weight, std=2.0, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    probs, routing_map, _ = router(tokens, batch_size=2)
+    logits = tokens @ router.weight.detach().T
+    routed = _reference_routing(logits, 2, "softmax", False)
+    capacity = math.ceil(16 * 2 / 4 * 0.5)
+    for e in range(4):
+        candidates = [t for t in range(16) if routed[t, e] > 0]
+        if policy == "probs":
+            candidates.sort(key=lambda t: -routed[t, e])
+        kept = set(candidates[:capacity])
+        got = set(routing_map[:, e].nonzero().flatten().tolist())
+        if pad:  # exactly `capacity` tokens; the routed ones kept are among them
+            assert len(got) == capacity and kept <= got
+            if policy == "probs":
+                others = got - kept
+                assert all(probs[t, e] == 0 for t in others)
+        else:
+            assert got == kept
+            assert all(abs(probs[t, e].item() - routed[t, e].item()) < 1e-6 for t in kept)
+
+
+def test_grouped_gemm_equals_the_loop():
+    config = _model_config("--moe-grouped-gemm")
+    experts = Experts(config, ParallelContext(), normal_init(0.1), normal_init(0.1))
+    generator = torch.Generator().manual_seed(0)
+    for param in experts.parameters():
+        param.data.normal_(0, 0.1, generator=generator)
+    counts = [3, 0, 5, 2]
+    tokens = torch.randn(sum(counts), config.hidden_size, requires_grad=True)
+    grouped = experts(tokens, counts)
+    experts.grouped_gemm = False
+    loop = experts(tokens, counts)
+    torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(grouped.square().sum(), [tokens, *experts.parameters()])
+    expected = torch.autograd.grad(loop.square().sum(), [tokens, *experts.parameters()])
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- expert parallelism reproduces one process -------------------------------------------------
+def _train_with_statistics(argv: list[str], steps: int) -> dict:
+    """Losses, final parameters, and the log's MoE numbers of the run."""
+    trainer = _setup(argv)
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    means, tokens = trainer.moe_statistics.report(trainer.device)
+    params = _without_key_bias(_full(trainer), trainer)
+    return {"losses": losses, "params": params, "moe": means, "tokens": tokens.numpy()}
+
+
+EP2 = ["--expert-model-parallel-size", "2"]
+LAYOUTS = {
+    "ep2-alltoall": (2, EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
+    "ep2-allgather": (2, EP2 + ["--moe-token-dispatcher-type", "allgather"]),
+    "ep4-alltoall": (
+        4,
+        ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2xtp2-alltoall": (
+        4,
+        EP2
+        + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        + ["--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2xpp2-allgather": (4, EP2 + ["--pipeline-model-parallel-size", "2"]),
+}
+VARIANTS = {
+    "top2": [],
+    "top1+shared": ["--moe-router-topk", "1", "--moe-shared-expert-intermediate-size", "48"],
+    "capacity": ["--moe-expert-capacity-factor", "0.75", "--moe-token-dispatcher-type", "alltoall"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_expert_parallel_layouts_match_single_process(name):
+    world_size, layout = LAYOUTS[name]
+    argv = LLAMA_STYLE + TRAINING + MOE
+    reference = _train_with_statistics(argv, 10)
+    results = run_distributed(world_size, _train_with_statistics, argv + layout, 10)
+    assert_matches_reference(results, reference, TOLERANCE)
+    for result in results:
+        for name, value in reference["moe"].items():
+            assert result["moe"][name] == pytest.approx(value, rel=1e-5), name
+        np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_router_variants_match_single_process_at_ep2(variant):
+    argv = LLAMA_STYLE + TRAINING + MOE + VARIANTS[variant]
+    reference = _train_with_statistics(argv, 10)
+    results = run_distributed(
+        2, _train_with_statistics, argv + ["--expert-model-parallel-size", "2"], 10
+    )
+    assert_matches_reference(results, reference, TOLERANCE)
+    # The same tokens routed, and under a capacity the same ones dropped.
+    for result in results:
+        np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
+def test_first_step_gradients_match_at_ep2_and_ep4():
+    argv = LLAMA_STYLE + TRAINING + MOE
+    reference = first_step_gradients_job(argv)
+    for world_size in (2, 4):
+        flags = ["--expert-model-parallel-size", str(world_size)]
+        results = run_distributed(world_size, first_step_gradients_job, argv + flags)
+        for result in results:
+            assert result["loss"] == pytest.approx(reference["loss"], rel=TOLERANCE)
+        grads = merge_pipeline_stages([r["grads"] for r in results])
+        assert_close_dicts(grads, reference["grads"], TOLERANCE, "gradient")
+
+
+def test_token_counts_add_up_and_the_log_line_names_the_loss(capsys):
+    argv = LLAMA_STYLE + TRAINING + MOE + ["--log-interval", "2", "--moe-per-layer-logging"]
+    trainer = _setup(argv + ["--train-iters", "2"])
+    trainer.train()
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith(" iteration        2/"))
+    assert " lm loss: " in line and " load_balancing_loss: " in line and " z_loss: " in line
+    assert (
+        line.index(" lm loss: ") < line.index(" load_balancing_loss: ") < line.index(" loss scale")
+    )
+    # Every token of the global batch goes to two experts in each MoE layer.
+    tokens_per_iteration = 8 * 16 * 2
+    counts = [x for x in out.splitlines() if x.startswith("> MoE layer")]
+    assert len(counts) == 2
+    for x in counts:
+        assert sum(float(c) for c in x.split(":")[-1].split()) == tokens_per_iteration
+
+
+def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
+    trainer = _setup(LLAMA_STYLE + TRAINING + MOE + ["--moe-layer-freq", "([0]*1+[1]*1)"])
+    names = [n for n, _ in trainer.layout_independent_parameters()]
+    assert any(n.startswith("decoder.layers.1.mlp.router") for n in names)
+    assert not any(n.startswith("decoder.layers.0.mlp.router") for n in names)
+    assert any(n.startswith("decoder.layers.0.mlp.linear_fc1") for n in names)
+    losses = [trainer.train_step()[0] for _ in range(2)]
+    assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.parametrize(
+    "flags,world_size,expected",
+    [
+        (["--expert-model-parallel-size", "2"], 2, "--num-experts"),
+        (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2, "--num-experts 3"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2, "must divide"),
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            2,
+            "--expert-tensor-parallel-size 1",
+        ),
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
+            + ["--expert-tensor-parallel-size", "1"],
+            2,
+            "needs --sequence-parallel",
+        ),
+        (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
+        (["--num-experts", "4", "--use-distributed-optimizer"], 2, "--use-distributed-optimizer"),
+        (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),
+        (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "gives 3 layers"),
+        (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "capacity-factor"),
+        (["--num-experts", "4", "--lora-rank", "4"], 1, "LoRA"),
+    ],
+)
+def test_moe_mistakes_are_refused_in_one_line(flags, world_size, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(LLAMA_STYLE + TRAINING + flags, world_size=world_size)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert expected in last, last

@@ -1,0 +1,177 @@
+"""Mixture-of-experts fields of the model (Megatron's --num-experts and --moe-* flags).
+
+`ModelConfig` inherits them, so a checkpoint carries them like any other model field and a flag
+is still declared once, here. `finalize_moe` is called from the model's own finalize.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import ARCHITECTURE, MODEL, arg
+
+GROUP = "mixture of experts"
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+# Megatron's --moe-layer-freq pattern, "([0]*1+[1]*3)": read by this, never evaluated.
+_PATTERN_TERM = re.compile(r"^\[\s*([01])\s*\](?:\s*\*\s*(\d+))?$")
+
+
+def parse_layer_pattern(text: str, num_layers: int) -> list[int]:
+    """--moe-layer-freq as one 0/1 per layer: N (every N-th layer, from the first, is MoE),
+    a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists."""
+    text = text.strip()
+    if text.isdigit():
+        every = int(text)
+        _require(every >= 1, "--moe-layer-freq must be >= 1")
+        return [int(i % every == 0) for i in range(num_layers)]
+    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    if body.startswith("[") and "*" not in body and body.count("[") == 1:
+        items = [item.strip() for item in body.strip("[]").split(",") if item.strip()]
+        pattern = [int(item) for item in items if item in ("0", "1")]
+        _require(
+            len(pattern) == len(items), f"--moe-layer-freq {text}: the list may hold 0 and 1 only"
+        )
+    else:
+        pattern = []
+        for term in body.split("+"):
+            match = _PATTERN_TERM.match(term.strip())
+            _require(
+                match is not None,
+                f"--moe-layer-freq {text}: expected N, [1,0,...] or ([0]*a+[1]*b)",
+            )
+            pattern += [int(match.group(1))] * int(match.group(2) or 1)
+    _require(
+        len(pattern) == num_layers,
+        f"--moe-layer-freq {text} gives {len(pattern)} layers, --num-layers is {num_layers}",
+    )
+    return pattern
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int | None = arg(
+        None, checkpoint=ARCHITECTURE, group=GROUP, help="experts per MoE layer (none: dense)"
+    )
+    moe_ffn_hidden_size: int | None = arg(
+        None, checkpoint=ARCHITECTURE, group=GROUP, help="each expert's hidden size"
+    )
+    moe_router_topk: int = arg(2, checkpoint=ARCHITECTURE, group=GROUP, help="experts per token")
+    moe_router_score_function: str = arg(
+        "softmax",
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        choices=("softmax", "sigmoid"),
+        help="softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3) router scores",
+    )
+    moe_router_pre_softmax: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="softmax over all experts before the top-k (default: over the top-k logits)",
+    )
+    moe_router_load_balancing_type: str = arg(
+        "aux_loss",
+        checkpoint=MODEL,
+        group=GROUP,
+        choices=LOAD_BALANCING_TYPES,
+        help="aux_loss (over the micro-batch), seq_aux_loss (per sequence) or none",
+    )
+    moe_aux_loss_coeff: float = arg(
+        0.0, checkpoint=MODEL, group=GROUP, help="weight of the load-balancing loss"
+    )
+    moe_z_loss_coeff: float | None = arg(
+        None, checkpoint=MODEL, group=GROUP, help="weight of the router z-loss (ST-MoE)"
+    )
+    moe_shared_expert_intermediate_size: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="hidden size of the shared expert every token also passes through (none: none)",
+    )
+    moe_layer_freq: str = arg(
+        "1",
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="which layers are MoE: every N-th, or a pattern like ([0]*1+[1]*3)",
+    )
+    moe_expert_capacity_factor: float | None = arg(
+        None,
+        checkpoint=MODEL,
+        group=GROUP,
+        help="tokens an expert takes, as a multiple of an even share; excess dropped "
+        "(none: dropless)",
+    )
+    moe_token_drop_policy: str = arg(
+        "probs",
+        checkpoint=MODEL,
+        group=GROUP,
+        choices=("probs", "position"),
+        help="with a capacity: drop the lowest-probability tokens, or the latest ones",
+    )
+    moe_pad_expert_input_to_capacity: bool = arg(
+        False, checkpoint=MODEL, group=GROUP, help="pad every expert's input to its capacity"
+    )
+    moe_token_dispatcher_type: str = arg(
+        "allgather",
+        group=GROUP,
+        choices=("alltoall", "allgather"),
+        help="how tokens reach their experts' ranks: all-to-all, or all-gather over EP",
+    )
+    moe_grouped_gemm: bool = arg(
+        False,
+        group=GROUP,
+        help="all local experts in one grouped GEMM (torch._grouped_mm on CUDA; a loop on CPU)",
+    )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_layer_pattern(self, num_layers: int) -> list[int]:
+        """1 for each layer whose MLP is a mixture of experts."""
+        if not self.is_moe:
+            return [0] * num_layers
+        return parse_layer_pattern(self.moe_layer_freq, num_layers)
+
+    def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> None:
+        if not self.is_moe:
+            return
+        experts, topk = self.num_experts, self.moe_router_topk
+        _require(experts >= 1, "--num-experts must be >= 1")
+        _require(
+            1 <= topk <= experts,
+            f"--moe-router-topk {topk} must be between 1 and --num-experts {experts}",
+        )
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = ffn_hidden_size
+        _require(self.moe_ffn_hidden_size >= 1, "--moe-ffn-hidden-size must be >= 1")
+        _require(
+            self.moe_shared_expert_intermediate_size is None
+            or self.moe_shared_expert_intermediate_size >= 1,
+            "--moe-shared-expert-intermediate-size must be >= 1",
+        )
+        _require(
+            self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
+            f"--moe-router-load-balancing-type must be one of {', '.join(LOAD_BALANCING_TYPES)}",
+        )
+        _require(self.moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be >= 0")
+        _require(
+            self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
+            "--moe-z-loss-coeff must be >= 0",
+        )
+        _require(
+            not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
+            "--moe-router-pre-softmax needs --moe-router-score-function softmax",
+        )
+        capacity = self.moe_expert_capacity_factor
+        _require(capacity is None or capacity > 0, "--moe-expert-capacity-factor must be positive")
+        _require(
+            not self.moe_pad_expert_input_to_capacity or capacity is not None,
+            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+        )
+        _require(
+            any(self.moe_layer_pattern(num_layers)),
+            f"--moe-layer-freq {self.moe_layer_freq} makes no layer an MoE layer",
+        )

@@ -1,0 +1,113 @@
+"""The mixture-of-experts MLP: router -> dispatch -> experts -> combine, plus a shared expert.
+
+It replaces the dense `MLP` in the layer spec (model/spec.py) of the layers --moe-layer-freq
+picks, with the same call: hidden states [sequence, batch, hidden] in (this TP rank's slice of
+the sequence under sequence parallelism), the same shape out.
+
+The auxiliary losses are not returned: like megatron-core's MoEAuxLossAutoScaler they are
+attached to the routing probabilities, whose backward adds each loss's gradient scaled by
+`aux_loss_scale`, the factor the schedule applies to the language-model loss (1 / micro-batches,
+times the fp16 loss scale); the trainer sets it each step (`set_aux_loss_scale`). That works on
+every pipeline stage, which the loss of the last stage cannot reach. Each layer also keeps
+what it routed for the log: the losses without their coefficients (Megatron's
+`load_balancing_loss`, `z_loss`) and the tokens routed to each expert, summed over the
+micro-batches until `take_statistics`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.model.mlp import MLP
+from threefold.model.moe.experts import Experts
+from threefold.model.moe.router import TopKRouter
+from threefold.model.recompute import is_recomputing
+from threefold.parallel.expert_parallel import build_dispatcher
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import InitMethod
+
+
+class _AttachLosses(torch.autograd.Function):
+    """Identity on `probs`; in backward, each loss receives the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, probs, scale: float, *losses):
+        ctx.scale, ctx.count = scale, len(losses)
+        ctx.like = [(loss.dtype, loss.device) for loss in losses]
+        return probs.view_as(probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scales = [torch.full((), ctx.scale, dtype=d, device=v) for d, v in ctx.like]
+        return grad, None, *scales
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        self.router = TopKRouter(config, parallel, init_method)
+        self.experts = Experts(config, parallel, init_method, output_layer_init_method)
+        self.dispatcher = build_dispatcher(
+            config.moe_token_dispatcher_type, config.num_experts, parallel.ep
+        )
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = MLP(
+                config,
+                parallel,
+                init_method,
+                output_layer_init_method,
+                ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+            )
+        self.coefficients = {
+            "load_balancing_loss": config.moe_aux_loss_coeff,
+            "seq_load_balancing_loss": config.moe_aux_loss_coeff,
+            "z_loss": config.moe_z_loss_coeff,
+        }
+        self.aux_loss_scale = 1.0
+        self._statistics: dict[str, torch.Tensor] = {}
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        sequence, batch, hidden = hidden_states.shape
+        tokens = hidden_states.reshape(-1, hidden)
+        probs, routing_map, losses = self.router(tokens, batch)
+        if losses:
+            probs = _AttachLosses.apply(probs, self.aux_loss_scale, *losses.values())
+        if self.training and not is_recomputing():
+            self._record(losses, routing_map)
+        expert_input, plan = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(expert_input, plan.counts)
+        output = self.dispatcher.combine(expert_output, plan).view(sequence, batch, hidden)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output
+
+    @torch.no_grad()
+    def _record(self, losses: dict[str, torch.Tensor], routing_map: torch.Tensor) -> None:
+        values = {name: loss.detach() / self.coefficients[name] for name, loss in losses.items()}
+        values["tokens_per_expert"] = routing_map.sum(dim=0).float()
+        for name, value in values.items():
+            previous = self._statistics.get(name)
+            self._statistics[name] = value if previous is None else previous + value
+
+    def take_statistics(self) -> dict[str, torch.Tensor]:
+        """What this layer routed since the last call, summed over micro-batches on this rank:
+        the auxiliary losses (without coefficients) and `tokens_per_expert` [experts]."""
+        statistics, self._statistics = self._statistics, {}
+        return statistics
+
+
+def set_aux_loss_scale(model_chunks: list[nn.Module], scale: float) -> None:
+    """The gradient the auxiliary losses get: the schedule's factor on the main loss."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                module.aux_loss_scale = scale

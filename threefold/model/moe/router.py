@@ -1,0 +1,159 @@
+"""The top-k router of an MoE layer and its auxiliary losses, as megatron-core computes them.
+
+    logits   = tokens @ weight.T                               [tokens, experts]
+    softmax  : softmax over the top-k logits (or, --moe-router-pre-softmax, top-k of the
+               softmax over all experts); sigmoid: top-k sigmoid scores, renormalized if k > 1
+    capacity : --moe-expert-capacity-factor keeps at most ceil(tokens x k / experts x factor)
+               tokens per expert, by probability or by position (--moe-token-drop-policy)
+
+The load-balancing loss (Switch Transformer) over the tokens of a micro-batch is
+
+    aux = coeff x E / (k T^2) x sum_e (sum_t p_te) (sum_t routed_te)
+
+with p the scores over all experts and `routed` a fresh top-k of them; T and the routed counts
+are the whole sequence's, summed over the tensor-parallel ranks that each route a slice of it
+(sequence parallelism), while the probabilities are this rank's: the losses of the TP ranks
+add up to the loss of the whole micro-batch. `seq_aux_loss` is the same per sequence, averaged
+over the micro-batch. The z-loss is coeff x mean_t logsumexp(logits_t)^2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.mappings import record_collective
+from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
+
+
+def top_k(
+    logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [T, k], expert indices [T, k]) of each token's k experts."""
+    if score_function == "softmax":
+        if pre_softmax:
+            return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        top, indices = logits.topk(k, dim=-1)
+        return torch.softmax(top.float(), dim=-1), indices
+    scores, indices = torch.sigmoid(logits.float()).topk(k, dim=-1)
+    if k > 1:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, indices
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Every expert's score of every token, summing to 1 per token."""
+    if score_function == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    scores = torch.sigmoid(logits.float())
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
+    return math.ceil(num_tokens * topk / num_experts * factor)
+
+
+def drop_over_capacity(
+    probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, policy: str, pad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep at most `capacity` tokens per expert: the most probable ones ("probs") or the
+    first routed ones in token order ("position"). `pad`: every expert takes exactly
+    `capacity` tokens, the ones not routed to it with probability 0."""
+    if capacity >= probs.shape[0]:
+        keep = torch.ones_like(routing_map)
+    else:
+        # "position": routed tokens before the others, earlier before later (a top-k of the
+        # 0/1 map alone, as megatron-core takes it, leaves the choice among ties to the kernel).
+        order = probs if policy == "probs" else routing_map.float() * (2.0 - _ramp(probs))
+        indices = order.topk(capacity, dim=0).indices
+        keep = torch.zeros_like(routing_map).scatter(0, indices, True)
+    final = keep if pad else routing_map & keep
+    return probs * final, final
+
+
+def _ramp(probs: torch.Tensor) -> torch.Tensor:
+    """0 for the first token rising to below 1 for the last: an order by position."""
+    tokens = probs.shape[0]
+    return (torch.arange(tokens, device=probs.device, dtype=torch.float32) / tokens)[:, None]
+
+
+class TopKRouter(nn.Module):
+    """Routes each token to `--moe-router-topk` experts; the weight is Megatron's
+    `router.weight` [experts, hidden], the same on every TP rank."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, init: InitMethod) -> None:
+        super().__init__()
+        self.num_experts, self.topk = config.num_experts, config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.load_balancing = config.moe_router_load_balancing_type
+        self.aux_loss_coeff = config.moe_aux_loss_coeff
+        self.z_loss_coeff = config.moe_z_loss_coeff
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.drop_policy = config.moe_token_drop_policy
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        # The ranks that route slices of one sequence (TP under sequence parallelism).
+        self.sequence_group = parallel.tp if parallel.sequence_parallel else None
+        weight = torch.empty(config.num_experts, config.hidden_size)
+        # Under sequence parallelism each TP rank's gradient covers its slice of the tokens.
+        self.weight = mark_replicated(nn.Parameter(weight), init, parallel.sequence_parallel)
+
+    def forward(
+        self, tokens: torch.Tensor, batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """tokens [T, hidden], sequence-major (T = local sequence x `batch_size`). Returns the
+        routing probabilities [T, E] (0 where not routed), the routing map [T, E] and the
+        auxiliary losses {name: loss with its coefficient}, when training with gradients."""
+        logits = F.linear(tokens, self.weight)
+        probs, indices = top_k(logits, self.topk, self.score_function, self.pre_softmax)
+        probs = probs.to(logits.dtype)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+        routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(
+                tokens.shape[0], self.num_experts, self.topk, self.capacity_factor
+            )
+            routing_probs, routing_map = drop_over_capacity(
+                routing_probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity
+            )
+        losses = {}
+        if self.training and torch.is_grad_enabled():
+            losses = self._auxiliary_losses(logits, batch_size)
+        return routing_probs, routing_map, losses
+
+    def _auxiliary_losses(self, logits: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
+        losses = {}
+        ranks = self.sequence_group.size if self.sequence_group is not None else 1
+        if self.z_loss_coeff:
+            # The mean over the whole sequence: this rank's part of it.
+            z = torch.logsumexp(logits.float(), dim=-1).square().mean() / ranks
+            losses["z_loss"] = z * self.z_loss_coeff
+        if self.load_balancing == "none" or not self.aux_loss_coeff:
+            return losses
+        scores = scores_for_aux_loss(logits, self.score_function)
+        routed = torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
+        coeff = self.aux_loss_coeff * self.num_experts / self.topk
+        if self.load_balancing == "aux_loss":
+            counts = self._over_sequence(routed.sum(dim=0))
+            tokens = logits.shape[0] * ranks
+            losses["load_balancing_loss"] = (scores.sum(dim=0) * counts).sum() * (coeff / tokens**2)
+        else:  # seq_aux_loss: [local sequence, batch, experts]
+            counts = self._over_sequence(routed.unflatten(0, (-1, batch_size)).sum(dim=0))
+            sequence = logits.shape[0] // batch_size * ranks
+            per_sequence = scores.unflatten(0, (-1, batch_size)).sum(dim=0) * counts
+            losses["seq_load_balancing_loss"] = per_sequence.sum(dim=1).mean() * (
+                coeff / sequence**2
+            )
+        return losses
+
+    def _over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
+        """Routed-token counts of the whole sequence from each TP rank's slice."""
+        if self.sequence_group is not None and self.sequence_group.size > 1:
+            record_collective("all_reduce", counts.numel(), counts.element_size())
+            counts = self.sequence_group.all_reduce(counts.contiguous())
+        return counts
