@@ -123,13 +123,15 @@ def _guess_architecture(model: ModelConfig) -> str:
         and model.swiglu
         and (model.position_embedding_type == "rope")
     ):
+        if model.is_moe:
+            return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
         if model.qk_layernorm:
             return "Qwen3ForCausalLM"
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
-        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3: "
-        "RMSNorm + SwiGLU + RoPE)"
+        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3 and the "
+        "Mixtral/Qwen3-MoE mixtures of experts: RMSNorm + SwiGLU + RoPE)"
     )
 
 

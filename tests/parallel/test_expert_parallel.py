@@ -297,3 +297,14 @@ def test_moe_mistakes_are_refused_in_one_line(flags, world_size, expected, capsy
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert expected in last, last
+
+
+def test_full_recomputation_changes_nothing():
+    """The recomputed forward routes again but records nothing twice."""
+    argv = LLAMA_STYLE + TRAINING + MOE
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    plain = _train_with_statistics(argv, 3)
+    recomputed = _train_with_statistics(argv + recompute + ["--recompute-num-layers", "1"], 3)
+    assert plain["losses"] == recomputed["losses"]
+    assert plain["moe"] == recomputed["moe"]
+    np.testing.assert_array_equal(plain["tokens"], recomputed["tokens"])

@@ -46,7 +46,7 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, qwen2, qwen3, gpt2,
-    mistral) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    mistral, mixtral, qwen3-moe) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -108,6 +108,33 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         )
         model = transformers.Qwen3ForCausalLM(config)
         with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            **{**common, "intermediate_size": 48},
+        )
+        model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen3-moe":  # a dense layer among MoE ones, unnormalized top-k probabilities
+        config = transformers.Qwen3MoeConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = transformers.Qwen3MoeForCausalLM(config)
+        with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)

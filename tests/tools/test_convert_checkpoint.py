@@ -19,7 +19,17 @@ from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KINDS = ["llama", "llama-tied", "llama3", "qwen2", "qwen3", "gpt2", "mistral"]
+KINDS = [
+    "llama",
+    "llama-tied",
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "mistral",
+    "mixtral",
+    "qwen3-moe",
+]
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
@@ -87,7 +97,7 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind
         assert torch.equal(reloaded(TOKENS).logits, converted[kind][0](TOKENS).logits)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
 def test_greedy_generation_matches_transformers(converted, kind):
     hf_model, _, ours = converted[kind]
     _, model, tokenizer = load_model(ours)
@@ -120,6 +130,19 @@ def _per_token_losses(argv: list[str], directory: str) -> list | None:
         step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
     )
     return losses[0].numpy().tolist() if trainer.parallel.is_last_pipeline_stage else None
+
+
+def _assert_transformers_losses(hf_model, results: list) -> None:
+    """Each rank's per-token losses of TOKENS are the ones `transformers` computes."""
+    with torch.no_grad():
+        logits = hf_model(TOKENS[:, :-1]).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none"
+        )
+    for result in results:
+        np.testing.assert_allclose(
+            np.asarray(result).reshape(-1), expected.numpy(), rtol=1e-4, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -172,15 +195,17 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
     else:
         argv += ["--openai-gelu"]
     results = [r for r in run_distributed(4, _per_token_losses, argv, ours) if r is not None]
-    with torch.no_grad():
-        logits = hf_model(TOKENS[:, :-1]).logits
-        expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none"
-        )
-    for result in results:
-        np.testing.assert_allclose(
-            np.asarray(result).reshape(-1), expected.numpy(), rtol=1e-4, atol=1e-5
-        )
+    _assert_transformers_losses(hf_model, results)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+def test_expert_parallel_per_token_losses_match_transformers(converted, kind):
+    hf_model, _, ours = converted[kind]
+    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "23"]
+    argv += ["--micro-batch-size", "2", "--global-batch-size", "4"]
+    argv += ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    results = run_distributed(2, _per_token_losses, argv, ours)
+    _assert_transformers_losses(hf_model, results)
 
 
 @pytest.mark.parametrize(
@@ -268,3 +293,22 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
         expected = hf_model(ids, labels=ids).loss.item()
     reported = float(result.stdout.split("mean loss: ")[1].split(" ")[0])
     assert abs(reported - expected) < 1e-4 * expected
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, kind):
+    """transformers 5 stacks the experts in memory and saves them one by one."""
+    import json
+
+    from threefold.checkpoint.hf import hf_to_threefold, model_config_from_hf
+
+    hf_model, hf_dir, _ = converted[kind]
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        architecture, config = model_config_from_hf(json.load(f))
+    saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in live)
+    from_saved = hf_to_threefold(saved, config, architecture)
+    from_live = hf_to_threefold(live, config, architecture)
+    assert from_saved.keys() == from_live.keys()
+    assert all(torch.equal(from_saved[name], from_live[name]) for name in from_saved)

@@ -3,6 +3,7 @@
     llama.py   LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings), MistralForCausalLM
                (without sliding-window attention), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
+    moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -18,10 +19,12 @@ import torch
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
 from threefold.config import ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
-    adapter.architecture: adapter for adapter in (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2)
+    adapter.architecture: adapter
+    for adapter in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GPT2)
 }
 
 

@@ -20,7 +20,26 @@ import torch
 from threefold.config import ConfigError, ModelConfig
 from threefold.model import rope
 
-Take = Callable[[str], torch.Tensor]  # a Hugging Face tensor by name, marked as used
+
+class TensorSource:
+    """A Hugging Face state dict a conversion takes tensors from: `take(name)` returns one and
+    marks it used (the driver refuses a checkpoint with tensors left over); `name in take`
+    asks whether the checkpoint has it (for layouts that differ between versions)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state, self.used = state, set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise ConfigError(f"the Hugging Face checkpoint has no {name}")
+        self.used.add(name)
+        return self.state[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+
+Take = TensorSource | Callable[[str], torch.Tensor]
 
 
 def refuse(condition: bool, field: str, value, why: str) -> None:
@@ -94,6 +113,7 @@ class Adapter:
 
     architecture: str
     model_type: str
+    exports_moe = False  # a mixture-of-experts architecture
     # Hugging Face tensors that carry nothing (buffers some versions save).
     ignored_suffixes = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -128,14 +148,8 @@ class Adapter:
     def to_threefold(
         self, hf_state: dict[str, torch.Tensor], config: ModelConfig
     ) -> dict[str, torch.Tensor]:
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in hf_state:
-                raise ConfigError(f"the Hugging Face checkpoint has no {name}")
-            used.add(name)
-            return hf_state[name]
-
+        take = TensorSource(hf_state)
+        used = take.used
         out = self.take_weights(take, config, used)
         left = {n for n in hf_state if not n.endswith(self.ignored_suffixes)} - used
         if left:
@@ -146,6 +160,16 @@ class Adapter:
         return {name: tensor.contiguous() for name, tensor in out.items()}
 
     def to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        if config.is_moe and not self.exports_moe:
+            raise ConfigError(
+                f"this model is a mixture of experts, which {self.architecture} is not; export "
+                "it as MixtralForCausalLM or Qwen3MoeForCausalLM"
+            )
+        if self.exports_moe and not config.is_moe:
+            raise ConfigError(
+                f"{self.architecture} is a mixture of experts and this model is dense; export "
+                "it as LlamaForCausalLM or Qwen3ForCausalLM"
+            )
         self.check_exportable(config)
         if config.apply_layernorm_1p:  # Hugging Face multiplies by the weight itself
             state = {

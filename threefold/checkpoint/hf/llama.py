@@ -28,7 +28,6 @@ def _layer_names(i: int, config: ModelConfig) -> dict[str, str]:
         "input_layernorm.weight": p + "input_layernorm.weight",
         "pre_mlp_layernorm.weight": p + "post_attention_layernorm.weight",
         "self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
-        "mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
     }
     if config.qk_layernorm:
         names.update(
@@ -38,12 +37,15 @@ def _layer_names(i: int, config: ModelConfig) -> dict[str, str]:
             }
         )
     if config.add_bias_linear:
-        names.update(
-            {
-                "self_attention.linear_proj.bias": p + "self_attn.o_proj.bias",
-                "mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
-            }
-        )
+        names["self_attention.linear_proj.bias"] = p + "self_attn.o_proj.bias"
+    return names
+
+
+def _dense_mlp_names(i: int, config: ModelConfig) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    names = {"mlp.linear_fc2.weight": p + "mlp.down_proj.weight"}
+    if config.add_bias_linear:
+        names["mlp.linear_fc2.bias"] = p + "mlp.down_proj.bias"
     return names
 
 
@@ -171,13 +173,20 @@ class LlamaAdapter(Adapter):
             if config.add_bias_linear or config.add_qkv_bias:
                 biases = [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
                 out[ours + "self_attention.linear_qkv.bias"] = stack_qkv(*biases, config)
-            out[ours + "mlp.linear_fc1.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            out.update(self.take_mlp(take, config, i))
+        return out
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        """Layer i's MLP tensors (a mixture of experts in the MoE adapters)."""
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out = renamed(_dense_mlp_names(i, config), i, take, to_hf=False)
+        out[ours + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        )
+        if config.add_bias_linear:
+            out[ours + "mlp.linear_fc1.bias"] = torch.cat(
+                [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
             )
-            if config.add_bias_linear:
-                out[ours + "mlp.linear_fc1.bias"] = torch.cat(
-                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
-                )
         return out
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
@@ -207,11 +216,17 @@ class LlamaAdapter(Adapter):
                         p + "self_attn.v_proj.bias": v,
                     }
                 )
-            gate, up = state[ours + "mlp.linear_fc1.weight"].chunk(2)
-            out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
-            if config.add_bias_linear:
-                gate, up = state[ours + "mlp.linear_fc1.bias"].chunk(2)
-                out.update({p + "mlp.gate_proj.bias": gate, p + "mlp.up_proj.bias": up})
+            out.update(self.give_mlp(state, config, i))
+        return out
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out = renamed(_dense_mlp_names(i, config), i, state.__getitem__, to_hf=True)
+        gate, up = state[ours + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
+        if config.add_bias_linear:
+            gate, up = state[ours + "mlp.linear_fc1.bias"].chunk(2)
+            out.update({p + "mlp.gate_proj.bias": gate, p + "mlp.up_proj.bias": up})
         return out
 
 
