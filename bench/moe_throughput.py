@@ -5,10 +5,11 @@ Mixtral, same model, same batch, same weights, measured side by side in one run.
 
 A Mixtral-style model is created in `transformers`, converted with tools/convert_checkpoint.py's
 mapping, and both train on the same random tokens (fp32, clipping at 1.0, fused AdamW): forward,
-backward, clipping and optimizer step. threefold runs its model with the same plain loop, with
-the loop over experts and with --moe-grouped-gemm (on the CPU a padded batched matmul), and its
-full `Trainer.train_step` (gradient buffers, clipping, schedule, its own optimizer, the
-load-balancing loss transformers leaves out unless asked: coefficient 0 for both here).
+backward, clipping and optimizer step. threefold runs its model with the same plain loop and
+its full `Trainer.train_step` (gradient buffers, clipping, schedule, its own optimizer), each
+with the loop over experts and with --moe-grouped-gemm (on the CPU a padded batched matmul).
+The load-balancing loss is off for both (coefficient 0), as transformers leaves it out of the
+loss unless asked.
 """
 
 from __future__ import annotations
@@ -123,11 +124,14 @@ def main() -> None:
         hf_loss = hf(tokens, labels=tokens).loss
         our_loss = loop.eval()(inputs, labels=labels).mean()
         loop.train()
-    trainer = Trainer(
-        parse_args(trainer_flags(args.batch, args.seq, True)),
-        torch.device("cpu"),
-        ParallelContext(),
-    )
+    trainers = {
+        grouped: Trainer(
+            parse_args(trainer_flags(args.batch, args.seq, grouped)),
+            torch.device("cpu"),
+            ParallelContext(),
+        )
+        for grouped in (False, True)
+    }
     contenders = {
         "transformers Mixtral (eager)": optimizer_step(hf, lambda m: m(inputs, labels=inputs).loss),
         "threefold model, same loop, loop over experts": optimizer_step(
@@ -136,7 +140,8 @@ def main() -> None:
         "threefold model, same loop, --moe-grouped-gemm": optimizer_step(
             grouped, lambda m: m(inputs, labels=labels).mean()
         ),
-        "threefold Trainer.train_step (--moe-grouped-gemm)": trainer.train_step,
+        "threefold Trainer.train_step (loop over experts)": trainers[False].train_step,
+        "threefold Trainer.train_step (--moe-grouped-gemm)": trainers[True].train_step,
     }
     results = {name: [] for name in contenders}
     for _ in range(args.rounds):  # interleaved, so drift hits every contender alike

@@ -111,12 +111,14 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, kind):
+    """Mixtral: adapters on every expert too, merged into each expert's weights on export."""
     transformers = pytest.importorskip("transformers")
     from tests.tools.hf_models import VOCAB, build_hf_model
     from threefold.checkpoint.load import load_model
 
-    build_hf_model("llama", str(tmp_path / "hf"))
+    build_hf_model(kind, str(tmp_path / "hf"))
     names = ["Romeo", "Juliet", "Hamlet", "Ophelia"]
     for split, count in (("train", 40), ("valid", 8)):
         with open(tmp_path / f"{split}.jsonl", "w") as f:
@@ -189,6 +191,8 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path):
     assert base_config.model.hidden_dropout == config.model.hidden_dropout == 0.0
     assert config.model.attention_dropout == base_config.model.attention_dropout
     base_weights = dict(base.named_parameters())
+    names = [name for name, _ in model.named_parameters()]
+    assert any("local_experts" in n and ".adapter." in n for n in names) == (kind == "mixtral")
     for name, param in model.named_parameters():
         if ".adapter." in name:
             if name.endswith("linear_out.weight"):

@@ -192,6 +192,30 @@ LAYOUTS = {
         + ["--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
     ),
     "ep2xpp2-allgather": (4, EP2 + ["--pipeline-model-parallel-size", "2"]),
+    "ep2xcp2-alltoall": (
+        4,
+        EP2 + ["--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "cp2-tp2-ep2-allgather": (
+        4,
+        ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+        + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+        + EP2,
+    ),
+    "ep2xdp2-allgather": (4, EP2),
+    "ep2xdp2-distributed-optimizer": (4, EP2 + ["--use-distributed-optimizer"]),
+    "ep2xdp2-distributed-optimizer-overlap-alltoall": (
+        4,
+        EP2
+        + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+        + ["--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2xdp2-alltoall-overlap": (
+        4,
+        EP2
+        + ["--moe-token-dispatcher-type", "alltoall", "--overlap-grad-reduce"]
+        + ["--ddp-bucket-size", "500"],
+    ),
 }
 VARIANTS = {
     "top2": [],
@@ -284,11 +308,9 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
             "needs --sequence-parallel",
         ),
         (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
-        (["--num-experts", "4", "--use-distributed-optimizer"], 2, "--use-distributed-optimizer"),
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),
         (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "gives 3 layers"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "capacity-factor"),
-        (["--num-experts", "4", "--lora-rank", "4"], 1, "LoRA"),
     ],
 )
 def test_moe_mistakes_are_refused_in_one_line(flags, world_size, expected, capsys):
@@ -308,3 +330,26 @@ def test_full_recomputation_changes_nothing():
     assert plain["losses"] == recomputed["losses"]
     assert plain["moe"] == recomputed["moe"]
     np.testing.assert_array_equal(plain["tokens"], recomputed["tokens"])
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["experts-adapted", "experts-frozen"])
+def test_lora_on_experts_matches_single_process_at_ep2(freeze):
+    flags = ["--lora-rank", "4", "--lr", "3e-2"] + (["--lora-freeze-experts"] if freeze else [])
+    argv = LLAMA_STYLE + TRAINING + MOE + flags
+    reference = _train_with_statistics(argv, 5)
+    adapters = [n for n in reference["params"] if "local_experts" in n and ".adapter." in n]
+    assert bool(adapters) != freeze
+    results = run_distributed(2, _train_with_statistics, argv + EP2, 5)
+    assert_matches_reference(results, reference, TOLERANCE)
+
+
+def test_a_pipeline_stage_without_moe_layers_joins_the_expert_reductions():
+    """Stage 0 holds only the dense layer: it must still take part in the expert norms and
+    statistics (a rank skipping them would hang the others)."""
+    argv = LLAMA_STYLE + TRAINING + MOE + ["--moe-layer-freq", "([0]*1+[1]*1)"]
+    reference = _train_with_statistics(argv, 10)
+    layout = EP2 + ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    results = run_distributed(4, _train_with_statistics, argv + layout, 10)
+    assert_matches_reference(results, reference, TOLERANCE)
+    for result in results:
+        assert result["moe"] == pytest.approx(reference["moe"], rel=1e-5)

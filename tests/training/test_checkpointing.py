@@ -58,6 +58,11 @@ def _resume_job(argv: list[str], directory: str) -> dict:
         ),
         (2, ["--distributed-strategy", "fsdp"]),
         (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
+        (
+            4,
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+            + ["--use-distributed-optimizer", "--bf16"],
+        ),
         (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     ],
 )

@@ -86,6 +86,7 @@ def test_single_process(flags):
             + ["--sequence-parallel", "--recompute-granularity", "selective"],
         ),
         (2, MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]),
+        (4, MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     ],
     ids=[
         "tp2-sp",
@@ -96,6 +97,7 @@ def test_single_process(flags):
         "cp2-a2a-bf16",
         "tp2-sp-cp2-selective",
         "moe-ep2-every-other-layer",
+        "moe-ep2-dp2-distributed-optimizer",
     ],
 )
 def test_parallel_layouts(world_size, flags):

@@ -102,11 +102,22 @@ EP2_TP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", 
 EP2_TP2 += ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 
 
-def test_moe_checkpoint_resumes_at_other_expert_parallel_sizes(tmp_path):
-    """Experts are saved under their global index: EP=2 x TP=2 resumes at EP=1 (one process,
-    and DP=4) and EP=4."""
-    argv, directory = LLAMA_STYLE + TRAINING + MOE, str(tmp_path / "ep2")
-    saved = run_distributed(4, _save_then_continue, argv + EP2_TP2, directory)
-    for layout in ([], ["--expert-model-parallel-size", "4"]):
+@pytest.mark.parametrize(
+    "saved_layout,layouts",
+    [
+        (EP2_TP2, [[], ["--expert-model-parallel-size", "4"]]),
+        (
+            ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+            [["--expert-model-parallel-size", "4", "--use-distributed-optimizer"]],
+        ),
+    ],
+    ids=["ep2-tp2", "ep2-dp2-distributed-optimizer"],
+)
+def test_moe_checkpoint_resumes_at_other_expert_parallel_sizes(tmp_path, saved_layout, layouts):
+    """Experts are saved under their global index: a checkpoint resumes at other EP sizes (DP=4
+    at EP=1, EP=4) and in one process, the Adam state of sharded experts included."""
+    argv, directory = LLAMA_STYLE + TRAINING + MOE, str(tmp_path / "moe")
+    saved = run_distributed(4, _save_then_continue, argv + saved_layout, directory)
+    for layout in layouts:
         _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
     _check(saved, [_load_then_step(argv, directory)])

@@ -59,6 +59,8 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
         same = same and (
             saved["use_distributed_optimizer"] == current.use_distributed_optimizer
             and saved_dp == current.data_parallel_size
+            # expert weights are sharded over expert-DP, which EP changes
+            and saved.get("expert_model_parallel_size", 1) == current.expert_model_parallel_size
             and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size
         )
     return same

@@ -138,6 +138,11 @@ class ModelConfig(MoEConfig):
         32.0, help="adapter scale alpha/rank (default 32)", group="LoRA fine-tuning"
     )
     lora_dropout: float = arg(0.0, group="LoRA fine-tuning", help="dropout on the adapters' input")
+    lora_freeze_experts: bool = arg(
+        False,
+        help="mixture of experts: no adapters on the experts (they stay frozen, as the router)",
+        group="LoRA fine-tuning",
+    )
     lora_target_modules: list[str] = arg(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all)",
@@ -236,11 +241,6 @@ class ModelConfig(MoEConfig):
         self._finalize_recompute()
         self._finalize_lora()
         self.finalize_moe(self.num_layers, self.ffn_hidden_size)
-        _require(
-            not (self.is_moe and self.lora_rank is not None),
-            "LoRA on a mixture-of-experts model is not implemented; drop --lora-rank "
-            "(full fine-tuning works)",
-        )
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "

@@ -122,7 +122,8 @@ class MoEConfig:
     moe_grouped_gemm: bool = arg(
         False,
         group=GROUP,
-        help="all local experts in one grouped GEMM (torch._grouped_mm on CUDA; a loop on CPU)",
+        help="all local experts in one grouped GEMM (torch._grouped_mm on CUDA bf16; elsewhere "
+        "a padded batched matmul, slower than the default loop on the CPU)",
     )
 
     @property

@@ -291,15 +291,6 @@ class ParallelConfig:
             "(as in Megatron: each TP rank routes its own slice of the sequence)",
         )
         _require(
-            self.context_parallel_size == 1,
-            "mixture-of-experts with --context-parallel-size > 1 is not implemented yet",
-        )
-        _require(
-            not self.use_distributed_optimizer,
-            "mixture-of-experts with --use-distributed-optimizer is not implemented yet; "
-            "drop the flag",
-        )
-        _require(
             self.distributed_strategy == "megatron",
             "mixture-of-experts needs --distributed-strategy megatron (expert gradients are "
             "reduced over their own group)",

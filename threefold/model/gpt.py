@@ -152,6 +152,7 @@ class GPTModel(nn.Module):
                 config.lora_alpha,
                 config.lora_dropout,
                 config.lora_target_modules,
+                config.lora_freeze_experts,
             )
         if post_process and self.share_embeddings_and_output_weights and not pre_process:
             # Under pipeline parallelism the last stage holds a copy of the tied weight; its

@@ -9,8 +9,10 @@ adapter is split the way the layer is, so its output adds to the layer's before 
 - row-parallel (proj, fc2): A is split by columns like the weight and B replicated; the adapter's
   output is a partial sum that the layer's all-reduce (or reduce-scatter) completes, and B's
   gradient is likewise summed over TP.
-Names follow Megatron-Bridge: `<layer>.adapter.linear_in.weight` (A) and
-`<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights for export.
+An MoE expert's fc1/fc2 (whole on its EP rank) get whole adapters, handled as expert weights
+(--lora-freeze-experts: none). Names follow Megatron-Bridge: `<layer>.adapter.linear_in.weight`
+(A) and `<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights
+for export.
 """
 
 from __future__ import annotations
@@ -83,9 +85,16 @@ class LoRAAdapter(nn.Module):
 
 
 def apply_lora(
-    model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str]
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    freeze_experts: bool = False,
 ) -> None:
-    """Add adapters to the target layers and freeze every other parameter."""
+    """Add adapters to the target layers and freeze every other parameter (routers always;
+    MoE experts keep no adapters with `freeze_experts`)."""
+    from threefold.model.moe.experts import ExpertLinear
     from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for param in model.parameters():
@@ -93,7 +102,16 @@ def apply_lora(
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in targets:
             continue
-        if isinstance(module, RowParallelLinear):
+        if isinstance(module, ExpertLinear):
+            if freeze_experts:
+                continue
+            # Whole, like the expert: on the one EP rank that holds it, reduced as expert weights.
+            module.adapter = LoRAAdapter(
+                module.input_size, module.output_size, rank, alpha, dropout, False, tp=1
+            )
+            for param in module.adapter.parameters():
+                param.expert_parallel = True
+        elif isinstance(module, RowParallelLinear):
             module.adapter = LoRAAdapter(
                 module.input_size,
                 module.output_size,

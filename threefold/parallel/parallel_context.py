@@ -12,6 +12,8 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       cp          context-parallel group: the ranks that split each sample's sequence
       dp_cp       DP x CP: the ranks holding the same weights, over which gradients are
                   averaged and the distributed optimizer shards (dp when CP is 1)
+      tp_cp       TP x CP: the ranks that together hold one micro-batch's sequence under
+                  sequence and context parallelism (an MoE router's token counts)
       ep          expert-parallel group: the ranks that split each MoE layer's experts, carved
                   out of TP x CP x DP of one pipeline stage (EP varies fastest)
       expert_dp   the other ranks of the stage holding the same experts, over which expert
@@ -58,6 +60,7 @@ class ParallelContext:
     dp: Group = field(default_factory=Group)
     cp: Group = field(default_factory=Group)
     dp_cp: Group = field(default_factory=Group)
+    tp_cp: Group = field(default_factory=Group)
     ep: Group = field(default_factory=Group)
     expert_dp: Group = field(default_factory=Group)
     world: Group = field(default_factory=Group)

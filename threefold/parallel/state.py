@@ -176,6 +176,11 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         ps.get_context_parallel_world_size(),
         ps.get_context_parallel_rank(),
     )
+    tp_cp = Group(
+        ps.get_tensor_and_context_parallel_group(),
+        ps.get_tensor_and_context_parallel_world_size(),
+        ps.get_tensor_and_context_parallel_rank(),
+    )
     ep = Group(
         ps.get_expert_model_parallel_group(),
         ps.get_expert_model_parallel_world_size(),
@@ -195,6 +200,7 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),
         cp=cp,
         dp_cp=dp_cp,
+        tp_cp=tp_cp,
         cp_comm_type=cp_comm_type,
         world=Group(dist.group.WORLD, global_world_size(), global_rank()),
         # Only the first and last stage belong to one (megatron-core asserts elsewhere).

@@ -84,7 +84,6 @@ class MegatronDataParallel:
 
         options = dict(
             bucket_size=dp.bucket_size,
-            pad_to_multiple=parallel.dp_cp.size if distributed else 1,
             flat_parameters=distributed,
             overlap_grad_reduce=dp.overlap_grad_reduce,
             grad_dtype=(
@@ -93,25 +92,39 @@ class MegatronDataParallel:
                 else torch.float32
             ),
         )
-        experts = [p for _, p in named if is_expert(p)]
+        experts = [p for _, p in named if is_expert(p) and p.requires_grad]
         dense = [p for _, p in named if not is_expert(p)]
+        # Under the distributed optimizer each bucket splits into one shard per rank of the
+        # buffer's group.
         self.grad_buffer = GradientBuffer(
-            dense, parallel.dp_cp, needs_full_gradient=summed_over_another_group, **options
+            dense,
+            parallel.dp_cp,
+            pad_to_multiple=parallel.dp_cp.size if distributed else 1,
+            needs_full_gradient=summed_over_another_group,
+            **options,
         )
         if experts:
             self.expert_grad_buffer = GradientBuffer(
                 experts,
                 parallel.expert_dp,
+                pad_to_multiple=parallel.expert_dp.size if distributed else 1,
                 gradient_scaling_factor=1.0 / parallel.dp_cp.size,
                 **options,
             )
         self.buffers = [b for b in (self.grad_buffer, self.expert_grad_buffer) if b is not None]
         if distributed:
             self.optimizer = DistributedOptimizer(
-                named, self.grad_buffer, training, parallel, dp.overlap_param_gather, offload
+                named,
+                self.buffers,
+                training,
+                parallel,
+                dp.overlap_param_gather,
+                offload,
+                experts=config.model.is_moe,
             )
             if dp.overlap_param_gather:
-                self.grad_buffer.wait_for_params_before_forward(model_chunks)
+                for buffer in self.buffers:
+                    buffer.wait_for_params_before_forward(model_chunks)
         else:
             self.optimizer = MixedPrecisionOptimizer(
                 named, training, parallel, offload, experts=config.model.is_moe
@@ -141,7 +154,8 @@ class MegatronDataParallel:
 
     def finish_param_gather(self) -> None:
         """Wait for an --overlap-param-gather all-gather still in flight."""
-        self.grad_buffer.finish_param_gather()
+        for buffer in self.buffers:
+            buffer.finish_param_gather()
 
     def after_evaluation(self) -> None:
         pass

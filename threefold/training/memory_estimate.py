@@ -12,6 +12,7 @@ per parameter of the precision and data-parallel strategy:
     megatron, fp16                 2       2, or 4 with      12
                                            --accumulate-allreduce-grads-in-fp32
     + --use-distributed-optimizer                            optimizer / (DP x CP)
+                                                             (expert weights: / expert-DP)
     ddp (fp32 params, autocast)    4       4                 8
     fsdp                           (4      4                 8) / (DP x CP)
 
@@ -75,26 +76,41 @@ def _layer_parameters(model: ModelConfig, tp: int, moe: bool = False, ep: int = 
     return count
 
 
+def _stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> list[int]:
+    """The 0-based numbers of the layers pipeline stage `stage` holds."""
+    chunks = model_chunk_layers(
+        model.num_layers,
+        parallel.pipeline_model_parallel_size,
+        stage,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
+    )
+    return [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
+
+
+def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
+    """The expert weights among `stage_parameters` (sharded over expert-DP, not DP x CP)."""
+    if not model.is_moe:
+        return 0
+    pattern = model.moe_layer_pattern(model.num_layers)
+    per_layer = (model.num_experts // parallel.expert_model_parallel_size) * _mlp_parameters(
+        model, model.moe_ffn_hidden_size, 1
+    )
+    return per_layer * sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
+
+
 def stage_parameters(
     model: ModelConfig, parallel: ParallelConfig, padded_vocab: int, stage: int
 ) -> int:
     """Parameters one rank of pipeline stage `stage` holds (at TP rank granularity)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     h = model.hidden_size
-    chunks = model_chunk_layers(
-        model.num_layers,
-        pp,
-        stage,
-        parallel.virtual_pipeline_model_parallel_size,
-        parallel.decoder_first_pipeline_num_layers,
-        parallel.decoder_last_pipeline_num_layers,
-    )
     pattern = model.moe_layer_pattern(model.num_layers)
     ep = parallel.expert_model_parallel_size
     count = sum(
         _layer_parameters(model, tp, bool(pattern[layer]), ep)
-        for offset, layers in chunks
-        for layer in range(offset, offset + layers)
+        for layer in _stage_layers(model, parallel, stage)
     )
     embedding = padded_vocab * h // tp
     if stage == 0:
@@ -304,12 +320,17 @@ def estimate_stage(
         stage,
     )
     params, grads, optimizer = _bytes_per_parameter(config, strategy, distributed)
+    optimizer_bytes = count * optimizer
+    if distributed and strategy == "megatron":  # expert state is sharded over expert-DP
+        experts = stage_expert_parameters(config.model, parallel, stage)
+        dp_cp = parallel.data_parallel_size * parallel.context_parallel_size
+        optimizer_bytes += experts * optimizer * (dp_cp / parallel.expert_data_parallel_size - 1)
     in_flight = _micro_batches_in_flight(config, stage)
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
     ) + recompute_workspace_bytes(config)
     return MemoryEstimate(
-        stage, count * params, count * grads, count * optimizer, activations, in_flight
+        stage, count * params, count * grads, optimizer_bytes, activations, in_flight
     )
 
 

@@ -4,10 +4,11 @@
 Each MoE layer sums its statistics over the micro-batches of an iteration
 (model/moe/layer.py); after every iteration they are moved here, the losses divided by the
 number of micro-batches, all without communication. A report reduces the window once, as
-megatron-core's tracker does each iteration: summed over the tensor-parallel ranks (each routes
-a slice of the sequence) and the pipeline stages (each holds its own layers), averaged over
-data-parallel replicas; the log line shows the mean over the MoE layers per iteration. Token
-counts are summed over data-parallel replicas too: the global batch's tokens per expert.
+megatron-core's tracker does each iteration: summed over the tensor- and context-parallel
+ranks (each routes a slice of the sequence) and the pipeline stages (each holds its own
+layers), averaged over data-parallel replicas; the log line shows the mean over the MoE layers
+per iteration. Token counts are summed over data-parallel replicas too: the global batch's
+tokens per expert.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class MoEStatistics:
         parallel = self.parallel
         losses = self.losses.to(device)
         tokens = self.tokens.to(device)
-        if parallel.sequence_parallel:
-            parallel.tp.all_reduce(losses)
-            parallel.tp.all_reduce(tokens)
+        # The ranks that route slices of one sequence (TP under sequence parallelism, CP).
+        parallel.tp_cp.all_reduce(losses)
+        parallel.tp_cp.all_reduce(tokens)
         parallel.pp.all_reduce(losses)
         parallel.pp.all_reduce(tokens)
         parallel.dp.all_reduce(losses)

@@ -365,34 +365,45 @@ class DistributedOptimizer(_AdamWithMasters):
     def __init__(
         self,
         named_parameters: list[tuple[str, nn.Parameter]],
-        grad_buffer: GradientBuffer,
+        grad_buffers: list[GradientBuffer],
         config: TrainingConfig,
         parallel: ParallelContext,
         overlap_param_gather: bool = False,
         offload: bool = False,
+        experts: bool = False,
     ) -> None:
-        if grad_buffer.param_buffer is None:
+        """Each rank of a buffer's group owns one shard of every bucket of it: the dense
+        buffer's over DP x CP and, in a mixture of experts (`experts`: on any stage, so that
+        every rank joins the reduction of their norms), the expert buffer's over expert-DP."""
+        if any(buffer.param_buffer is None for buffer in grad_buffers):
             raise ValueError(
-                "the distributed optimizer needs a GradientBuffer with flat_parameters=True"
+                "the distributed optimizer needs GradientBuffers with flat_parameters=True"
             )
-        # The group the buffer reduces over holds the other shards of the optimizer state.
-        self.reduction_groups = [grad_buffer.dp.group, parallel.model_parallel_group]
+        dense = grad_buffers[0]
+        # The group a buffer reduces over holds the other shards of its optimizer state.
+        self.reduction_groups = [dense.dp.group, parallel.model_parallel_group]
+        if experts:
+            groups = [parallel.expert_dp.group, parallel.expert_model_parallel_group]
+            self.expert_reduction_groups = groups
         self.tp_rank = parallel.tp.rank
-        self.reduction_device = grad_buffer.buffer.device
-        self.grad_buffer = grad_buffer
-        grad_buffer.reduce_scatter = True
+        self.reduction_device = dense.buffer.device
+        self.grad_buffers = grad_buffers
+        self._buffer_of = {p: buffer for buffer in grad_buffers for p in buffer.ranges}
+        for buffer in grad_buffers:
+            buffer.reduce_scatter = True
         self.overlap_param_gather = overlap_param_gather
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.separate_masters = config.bf16 or config.fp16 or offload
         pieces = []
         for param in self.model_params:
-            start, end = grad_buffer.ranges[param]
+            buffer = self._buffer_of[param]
+            start, end = buffer.ranges[param]
             # Buckets hold whole parameters, so a parameter meets one shard at most.
-            shard_start, shard_end = grad_buffer.shard_range(grad_buffer.bucket_of(param))
+            shard_start, shard_end = buffer.shard_range(buffer.bucket_of(param))
             low, high = max(start, shard_start), min(end, shard_end)
             if low >= high:
                 continue
-            flat = grad_buffer.param_buffer[low:high]
+            flat = buffer.param_buffer[low:high]
             # fp32: the master *is* the parameter shard (a view), so no extra copy is kept.
             master = (
                 self._master(flat, offload)
@@ -402,31 +413,33 @@ class DistributedOptimizer(_AdamWithMasters):
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config, named_parameters)
 
-    def _buffer_slice(self, piece: _Piece) -> slice:
-        start = self.grad_buffer.ranges[piece.param][0]
-        return slice(start + piece.start, start + piece.end)
+    def _slice(self, piece: _Piece, of: str) -> torch.Tensor:
+        """The piece's part of its buffer's gradients (`of="buffer"`) or parameters."""
+        buffer = self._buffer_of[piece.param]
+        start = buffer.ranges[piece.param][0]
+        return getattr(buffer, of)[start + piece.start : start + piece.end]
 
     def _attach_grads(self) -> list[torch.Tensor]:
         for piece in self.pieces:
-            piece.master.grad = self._fp32_grad(
-                self.grad_buffer.buffer[self._buffer_slice(piece)], piece.master
-            )
+            piece.master.grad = self._fp32_grad(self._slice(piece, "buffer"), piece.master)
         return [piece.master.grad for piece in self.pieces]
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
         if self.separate_masters:
             for piece in self.pieces:
-                self.grad_buffer.param_buffer[self._buffer_slice(piece)].copy_(piece.master)
-        self.grad_buffer.start_param_gather()
+                self._slice(piece, "param_buffer").copy_(piece.master)
+        for buffer in self.grad_buffers:
+            buffer.start_param_gather()
         if not self.overlap_param_gather:  # else each module waits in its forward pre-hook
-            self.grad_buffer.finish_param_gather()
+            for buffer in self.grad_buffers:
+                buffer.finish_param_gather()
 
     @torch.no_grad()
     def copy_model_to_masters(self) -> None:
         if self.separate_masters:
             for piece in self.pieces:
-                piece.master.copy_(self.grad_buffer.param_buffer[self._buffer_slice(piece)])
+                piece.master.copy_(self._slice(piece, "param_buffer"))
 
     @staticmethod
     def _piece_key(name: str, piece: _Piece) -> str:

@@ -125,9 +125,12 @@ class Trainer:
         """Forward (and backward) over the micro-batches by the pipeline's schedule."""
         schedule = get_forward_backward_func(self.parallel.pp)
         chunks, options = self.data_parallel.wrapped_chunks, {**self.pipeline_options, **options}
-        if self.moe_statistics is not None:  # the factor the schedule puts on the main loss
+        if self.moe_statistics is not None:
+            # The factor the schedule puts on the main loss, and the CP one gpt_forward_step
+            # does (a CP rank's share of a loss is summed over CP, gradients are averaged).
             divisor = 1 if options.get("per_token_loss") else num_microbatches
-            set_aux_loss_scale(self.model_chunks, options.get("loss_scale", 1.0) / divisor)
+            scale = options.get("loss_scale", 1.0) / divisor * self.parallel.cp.size
+            set_aux_loss_scale(self.model_chunks, scale)
         return schedule(self._forward_step, iterator, chunks, num_microbatches, **options)
 
     def train_iterator(self):

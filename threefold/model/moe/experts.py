@@ -8,7 +8,7 @@ per name), checkpoints and conversion see one model whatever the layout.
 Tokens arrive grouped by expert with a count per local expert. The reference computes each
 expert in turn; `--moe-grouped-gemm` runs all of them in one grouped GEMM: torch._grouped_mm
 on CUDA (bf16, Hopper and later), else one batched matmul over the groups padded to the
-largest.
+largest (experts with LoRA adapters take the loop).
 """
 
 from __future__ import annotations
@@ -29,20 +29,29 @@ class ExpertMLP(nn.Module):
     ) -> None:
         super().__init__()
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
-        self.linear_fc1 = _Linear(hidden, ffn * (2 if config.swiglu else 1), config, init_method)
-        self.linear_fc2 = _Linear(ffn, hidden, config, output_init)
+        self.linear_fc1 = ExpertLinear(
+            hidden, ffn * (2 if config.swiglu else 1), config, init_method
+        )
+        self.linear_fc2 = ExpertLinear(ffn, hidden, config, output_init)
 
 
-class _Linear(nn.Module):
-    """weight [out, in] (and bias) of one expert; no parallelism inside it."""
+class ExpertLinear(nn.Module):
+    """weight [out, in] (and bias) of one expert; no parallelism inside it. `adapter`: a LoRA
+    adapter (model/lora.py) whose output adds to the layer's."""
 
     def __init__(self, fan_in: int, fan_out: int, config: ModelConfig, init: InitMethod) -> None:
         super().__init__()
+        self.input_size, self.output_size = fan_in, fan_out
         self.weight = mark_expert(nn.Parameter(torch.empty(fan_out, fan_in)), init)
         self.bias = None
         if config.add_bias_linear:
             zero = lambda tensor, generator: tensor.zero_()  # noqa: E731
             self.bias = mark_expert(nn.Parameter(torch.empty(fan_out)), zero)
+        self.adapter: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.adapter is None else out + self.adapter(x)
 
 
 class Experts(nn.Module):
@@ -76,13 +85,12 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens [sum(counts), hidden], grouped by local expert; the experts' outputs."""
         experts = list(self.local_experts.values())
-        if self.grouped_gemm and len(experts) > 1:
+        adapted = experts and experts[0].linear_fc1.adapter is not None
+        if self.grouped_gemm and len(experts) > 1 and not adapted:
             return self._grouped(tokens, counts, experts)
         outputs = []
         for expert, part in zip(experts, tokens.split(counts)):
-            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
-            hidden = self._activation(F.linear(part, fc1.weight, fc1.bias))
-            outputs.append(F.linear(hidden, fc2.weight, fc2.bias))
+            outputs.append(expert.linear_fc2(self._activation(expert.linear_fc1(part))))
         return torch.cat(outputs) if outputs else tokens[:0]
 
     def _grouped(self, tokens: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:

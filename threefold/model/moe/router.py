@@ -11,10 +11,11 @@ The load-balancing loss (Switch Transformer) over the tokens of a micro-batch is
     aux = coeff x E / (k T^2) x sum_e (sum_t p_te) (sum_t routed_te)
 
 with p the scores over all experts and `routed` a fresh top-k of them; T and the routed counts
-are the whole sequence's, summed over the tensor-parallel ranks that each route a slice of it
-(sequence parallelism), while the probabilities are this rank's: the losses of the TP ranks
-add up to the loss of the whole micro-batch. `seq_aux_loss` is the same per sequence, averaged
-over the micro-batch. The z-loss is coeff x mean_t logsumexp(logits_t)^2.
+are the whole sequence's, summed over the ranks that each route a slice of it (TP under
+sequence parallelism, and CP), while the probabilities are this rank's: the losses of those
+ranks add up to the loss of the whole micro-batch. `seq_aux_loss` is the same per sequence,
+averaged over the micro-batch. The z-loss is coeff x mean_t logsumexp(logits_t)^2 (each rank
+its share of the mean).
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class TopKRouter(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy = config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
-        # The ranks that route slices of one sequence (TP under sequence parallelism).
-        self.sequence_group = parallel.tp if parallel.sequence_parallel else None
+        # The ranks that route slices of one sequence: TP under sequence parallelism (required
+        # with MoE when TP > 1) and CP.
+        self.sequence_group = parallel.tp_cp
         weight = torch.empty(config.num_experts, config.hidden_size)
         # Under sequence parallelism each TP rank's gradient covers its slice of the tokens.
         self.weight = mark_replicated(nn.Parameter(weight), init, parallel.sequence_parallel)
@@ -128,7 +130,7 @@ class TopKRouter(nn.Module):
 
     def _auxiliary_losses(self, logits: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
         losses = {}
-        ranks = self.sequence_group.size if self.sequence_group is not None else 1
+        ranks = self.sequence_group.size
         if self.z_loss_coeff:
             # The mean over the whole sequence: this rank's part of it.
             z = torch.logsumexp(logits.float(), dim=-1).square().mean() / ranks
@@ -153,7 +155,7 @@ class TopKRouter(nn.Module):
 
     def _over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
         """Routed-token counts of the whole sequence from each TP rank's slice."""
-        if self.sequence_group is not None and self.sequence_group.size > 1:
+        if self.sequence_group.size > 1:
             record_collective("all_reduce", counts.numel(), counts.element_size())
             counts = self.sequence_group.all_reduce(counts.contiguous())
         return counts
