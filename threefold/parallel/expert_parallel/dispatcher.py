@@ -101,16 +101,13 @@ class AllToAllDispatcher:
         recv = mine.sum(dim=1).tolist()
         received = _VariableAllToAll.apply(permuted, send, recv, self.ep)
         # Received in (source, local expert) blocks; the experts need (local expert, source).
-        sizes = mine.flatten()
-        starts = sizes.cumsum(0) - sizes
-        blocks = [
-            (starts[s * self.num_local + e].item(), sizes[s * self.num_local + e].item())
-            for e in range(self.num_local)
-            for s in range(self.ep.size)
-        ]
-        order = torch.cat(
-            [torch.arange(start, start + size, device=tokens.device) for start, size in blocks]
+        # Each received row's block (source x local + local expert); a stable sort by (local
+        # expert, source) groups them by expert with no per-block work on the host.
+        blocks = torch.repeat_interleave(
+            torch.arange(mine.numel(), device=mine.device), mine.flatten()
         )
+        key = (blocks % self.num_local) * self.ep.size + blocks // self.num_local
+        order = torch.sort(key, stable=True).indices.to(tokens.device)
         plan = Dispatch(
             token_ids, pair_probs, tokens.shape[0], mine.sum(dim=0).tolist(), send, recv, order
         )
