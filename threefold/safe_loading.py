@@ -39,7 +39,14 @@ _METADATA_GLOBALS = {
         "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    # megatron-core's torch_dist checkpoints also keep every rank's save plan (all_local_plans)
+    "torch.distributed.checkpoint.planner": {
+        "LoadItemType",
+        "WriteItemType",
+        "SavePlan",
+        "WriteItem",
+        "TensorWriteData",
+    },
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},

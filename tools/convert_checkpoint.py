@@ -1,9 +1,13 @@
-"""Convert checkpoints between Hugging Face (safetensors) and threefold.
+"""Convert checkpoints between Hugging Face (safetensors), threefold and Megatron-LM (torch_dist).
 
     python tools/convert_checkpoint.py --loader hf --saver threefold \\
         --load-dir path/to/hf_model --save-dir checkpoints/converted
     python tools/convert_checkpoint.py --loader threefold --saver hf \\
         --load-dir checkpoints/finetuned --save-dir exported_hf_model
+    python tools/convert_checkpoint.py --loader megatron --saver threefold \\
+        --load-dir megatron_run/checkpoints --save-dir checkpoints/from_megatron
+    python tools/convert_checkpoint.py --loader threefold --saver megatron \\
+        --load-dir checkpoints/run --save-dir megatron_checkpoints
 
 HF side: config.json plus model.safetensors or a sharded model.safetensors.index.json, and the
 tokenizer files, which travel along (into the threefold checkpoint's tokenizer/ directory and
@@ -11,6 +15,12 @@ back). threefold side: a weights-only checkpoint at TP = PP = 1 (train or fine-t
 --finetune; it loads into any layout); exports read threefold checkpoints of any layout.
 Supported: Llama 2/3 (and SmolLM-style tied embeddings), Mistral, Qwen2, GPT-2; see
 threefold/checkpoint/hf/.
+
+Megatron side: megatron-core's torch_dist directory (tracker, iter_N/ with common.pt,
+metadata.json and the .distcp shards) of a dense GPT/LLaMA model saved at any TP/PP layout, local
+or Transformer Engine layer names; written at TP = PP = 1 (Megatron-LM loads it into any layout)
+with the model only: load it there with --finetune, or --no-load-optim --no-load-rng
+(threefold/checkpoint/megatron/). A threefold run can also --load a Megatron checkpoint directly.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from threefold.checkpoint.hf import (  # noqa: E402
     threefold_to_hf,
 )
 from threefold.checkpoint.load import find_checkpoint, load_model  # noqa: E402
+from threefold.checkpoint.megatron.format import is_megatron_checkpoint  # noqa: E402
+from threefold.checkpoint.megatron.save import save_megatron_checkpoint  # noqa: E402
 from threefold.checkpoint.save import save_weights_checkpoint  # noqa: E402
 from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
 from threefold.model.lora import merged_weights  # noqa: E402
@@ -135,22 +147,36 @@ def _guess_architecture(model: ModelConfig) -> str:
     )
 
 
-def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) -> str:
-    from safetensors.torch import save_file
-
+def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Tensor], dict, int]:
+    """(config, whole tensors by name, metadata, iteration) of the latest checkpoint in a
+    threefold or Megatron-LM (torch_dist) --load-dir, LoRA adapters folded in."""
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
-        raise ConfigError(f"--load-dir {load_dir}: holds no complete threefold checkpoint")
+        raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
+    if is_megatron_checkpoint(checkpoint_dir(load_dir, iteration)) != (loader == "megatron"):
+        other = "threefold" if loader == "megatron" else "megatron"
+        raise ConfigError(
+            f"--load-dir {load_dir}: not a {loader} checkpoint; it is a {other} one: "
+            f"use --loader {other}"
+        )
     metadata = read_metadata(load_dir, iteration)
-    config, model, _ = load_model(load_dir, iteration=iteration)
-    hf = metadata.get("hf", {})
-    architecture = hf.get("architecture") or _guess_architecture(config.model)
+    config, model, _ = load_model(load_dir, iteration=iteration, with_tokenizer=False)
     state = {}
     for name, param in model.named_parameters():
         name = model.layout_independent_name(name)
         state[name] = gather_tensor_parallel(param.detach(), param, model.tp)
     if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
         state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
+        config.model.lora_rank = None
+    return config, state, metadata, iteration
+
+
+def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
+    from safetensors.torch import save_file
+
+    config, state, metadata, iteration = whole_model(load_dir, loader)
+    hf = metadata.get("hf", {})
+    architecture = hf.get("architecture") or _guess_architecture(config.model)
     tensors = threefold_to_hf(state, config.model, architecture)
     target = getattr(torch, dtype or hf.get("dtype", "float32"))
     tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
@@ -167,37 +193,69 @@ def threefold_to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None) 
     return save_dir
 
 
+def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
+    """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
+    iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
+    if loader == "hf":
+        config_file = os.path.join(load_dir, "config.json")
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
+        with open(config_file) as f:
+            hf_config = json.load(f)
+        architecture, model_config = model_config_from_hf(hf_config)
+        weights = read_hf_weights(load_dir)
+        dtypes = {t.dtype for t in weights.values()}
+        state = hf_to_threefold(weights, model_config, architecture)
+        config, iteration = Config(model=model_config), 0
+        default = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    else:
+        config, state, _, iteration = whole_model(load_dir, loader)
+        default = torch.bfloat16 if config.training.bf16 else torch.float32
+    if config.model.is_moe:
+        raise ConfigError(
+            f"--load-dir {load_dir}: a mixture of experts; Megatron-LM's MoE checkpoint layout "
+            "is not written yet (dense GPT/LLaMA models only)"
+        )
+    target = getattr(torch, dtype) if dtype else default
+    return save_megatron_checkpoint(save_dir, config, state, target, iteration)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    formats = ["hf", "threefold", "megatron"]
+    parser.add_argument("--loader", required=True, choices=formats, help="the format read")
+    parser.add_argument("--saver", required=True, choices=formats, help="the format written")
     parser.add_argument(
-        "--loader", required=True, choices=["hf", "threefold"], help="the format read"
-    )
-    parser.add_argument(
-        "--saver", required=True, choices=["hf", "threefold"], help="the format written"
-    )
-    parser.add_argument(
-        "--load-dir", required=True, help="a Hugging Face model directory or a threefold --save"
+        "--load-dir",
+        required=True,
+        help="a Hugging Face model directory, a threefold --save, or a Megatron-LM torch_dist "
+        "--save",
     )
     parser.add_argument("--save-dir", required=True, help="where the converted model goes")
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
-        help="dtype of exported HF weights (default: what was imported, or float32)",
+        help="dtype of exported HF or Megatron weights (default: what was imported, or what "
+        "the run trained in; float32 otherwise)",
     )
     args = parser.parse_args(argv)
     try:
+        if args.loader == args.saver:
+            raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
         if (args.loader, args.saver) == ("hf", "threefold"):
             path = hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
-        elif (args.loader, args.saver) == ("threefold", "hf"):
-            path = threefold_to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype)
-        else:
-            raise ConfigError(
-                f"--loader {args.loader} --saver {args.saver}: convert between hf and threefold"
-            )
+        elif args.saver == "hf":
+            path = to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
+        elif args.saver == "megatron":
+            path = to_megatron_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
+        else:  # megatron -> threefold: a weights-only checkpoint, like a Hugging Face import
+            config, state, _, _ = whole_model(args.load_dir, args.loader)
+            config = Config(model=config.model, data=config.data)  # whole tensors: TP = PP = 1
+            path = save_weights_checkpoint(args.save_dir, config, state)
     except ConfigError as error:
         parser.exit(2, f"convert_checkpoint.py: error: {error}\n")
     print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")

@@ -56,8 +56,16 @@ def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) 
         flags += as_flags(ModelConfig, saved["model"], FINETUNING)
     if with_tokenizer:
         data = checkpoint_tokenizer(root, iteration, DataConfig(**saved["data"]))
-        if data.tokenizer_type:
+        files = [f for f in (data.tokenizer_model, data.vocab_file, data.merge_file) if f]
+        # A Megatron-LM checkpoint names its tokenizer's files on the machine that trained it:
+        # where they are not here, the tokenizer stays the command line's (the note shows it).
+        if data.tokenizer_type and all(os.path.exists(f) for f in files):
             flags += ["--tokenizer-type", data.tokenizer_type]
-            if data.tokenizer_model:
-                flags += ["--tokenizer-model", data.tokenizer_model]
+            for flag, value in (
+                ("--tokenizer-model", data.tokenizer_model),
+                ("--vocab-file", data.vocab_file),  # GPT2BPETokenizer (Megatron-LM's runs)
+                ("--merge-file", data.merge_file),
+            ):
+                if value:
+                    flags += [flag, value]
     return flags

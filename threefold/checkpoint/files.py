@@ -53,6 +53,12 @@ def read_tracker(root: str) -> int | None:
 
 
 def read_metadata(root: str, iteration: int) -> dict:
+    """A checkpoint's metadata.json; for a Megatron-LM torch_dist checkpoint, its common.pt
+    described the same way (checkpoint/megatron/format.py)."""
+    from threefold.checkpoint.megatron.format import is_megatron_checkpoint, megatron_metadata
+
+    if is_megatron_checkpoint(checkpoint_dir(root, iteration)):
+        return megatron_metadata(checkpoint_dir(root, iteration))
     path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
@@ -73,8 +79,13 @@ def read_metadata(root: str, iteration: int) -> dict:
 
 
 def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataConfig:
-    """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer."""
+    """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer
+    (Megatron-LM's checkpoints have none: their args name the files)."""
+    from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+
     path = checkpoint_dir(root, iteration)
+    if is_megatron_checkpoint(path):
+        return data
     if data.tokenizer_type == "SentencePieceTokenizer":
         data.tokenizer_model = os.path.join(path, "tokenizer.model")
     elif data.tokenizer_type == "HuggingFaceTokenizer":

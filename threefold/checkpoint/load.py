@@ -185,6 +185,13 @@ def load_checkpoint(
     path = checkpoint_dir(root, iteration)
     if finetune:
         load_optimizer = load_rng = False
+    megatron = "megatron" in metadata
+    if megatron and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: a Megatron-LM torch_dist checkpoint; threefold reads its model "
+            "weights, not Megatron's optimizer state: pass --finetune, or --no-load-optim to "
+            "go on from its iteration and LR schedule with a fresh optimizer"
+        )
     if metadata.get("weights_only") and load_optimizer:
         raise ConfigError(
             f"--load {root}: the checkpoint holds weights only (a converted "
@@ -212,7 +219,8 @@ def load_checkpoint(
     # Converted (weights-only) checkpoints hold the unpadded vocabulary, and another
     # --make-vocab-size-divisible-by pads it differently: both are resharded.
     same_layout = (
-        _same_layout(saved, components.config.parallel, load_optimizer)
+        not megatron
+        and _same_layout(saved, components.config.parallel, load_optimizer)
         and not metadata.get("weights_only")
         and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
         == components.config.model.make_vocab_size_divisible_by
@@ -246,7 +254,12 @@ def load_checkpoint(
         components.optimizer.copy_model_to_masters()
     if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
         components.train_state.load_state_dict(metadata["train_state"])
-        components.scheduler.load_state_dict(metadata["scheduler"])
+        scheduler = metadata["scheduler"]
+        if megatron and not components.scheduler.in_samples:
+            # Megatron-LM counts its LR schedule in samples; an iteration-based run here counts
+            # iterations (and checks the schedule itself against its own flags).
+            scheduler = {"num_steps": metadata["train_state"]["iteration"]}
+        components.scheduler.load_state_dict(scheduler)
     if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
         set_rng_state(rng)
     return iteration
@@ -277,11 +290,13 @@ def load_model(
     device: torch.device | None = None,
     iteration: int | None = None,
     parallel: ParallelContext | None = None,
+    with_tokenizer: bool = True,
 ):
     """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
     found by `find_checkpoint` already), for generation and scoring: the whole model, split
     over the TP ranks of `parallel` (the tools run at TP = number of processes; one device when
-    not given), from a checkpoint of any layout."""
+    not given), from a checkpoint of any layout (Megatron-LM's torch_dist too). The tokenizer
+    is None for mock-data runs and when not `with_tokenizer` (conversions)."""
     from threefold.data.tokenizer import build_tokenizer
     from threefold.model import GPTModel
 
@@ -295,7 +310,7 @@ def load_model(
     checkpoint_tokenizer(root, iteration, config.data)
     tokenizer = (
         build_tokenizer(config.data, config.model.vocab_size)
-        if config.data.tokenizer_type not in (None, "NullTokenizer")
+        if with_tokenizer and config.data.tokenizer_type not in (None, "NullTokenizer")
         else None
     )
     parallel = parallel or ParallelContext()

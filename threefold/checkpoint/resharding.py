@@ -107,6 +107,15 @@ class SavedTensors:
         return None
 
 
+def saved_tensors(path: str):
+    """What a checkpoint directory holds: threefold's own shards, or a Megatron-LM torch_dist
+    checkpoint's stacked tensors (checkpoint/megatron/tensors.py), behind one interface."""
+    from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+    from threefold.checkpoint.megatron.tensors import MegatronTensors
+
+    return MegatronTensors(path) if is_megatron_checkpoint(path) else SavedTensors(path)
+
+
 def _new_shard(full: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
     """This rank's shard of a full, unpadded tensor, padded as this layout pads it."""
     if param.dim() and full.shape[0] < param.master_shape[0]:
@@ -117,15 +126,11 @@ def _new_shard(full: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tens
 
 @torch.no_grad()
 def load_weights(
-    path: str,
-    named_parameters,
-    saved_tensor_parallel_size: int,
-    tp: Group,
-    saved: SavedTensors | None = None,
+    path: str, named_parameters, saved_tensor_parallel_size: int, tp: Group, saved=None
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
     the fp32 shard each was filled from (the masters' values when the checkpoint has them)."""
-    saved = saved or SavedTensors(path)
+    saved = saved or saved_tensors(path)
     loaded = {}
     for name, param in named_parameters:
         if not saved.has("model", name):
@@ -153,7 +158,7 @@ def load_resharded(
             "--load: a checkpoint of another layout loads into "
             "--distributed-strategy megatron only; load it there and save"
         )
-    saved = SavedTensors(path)
+    saved = saved_tensors(path)
     tp = components.parallel.tp
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]

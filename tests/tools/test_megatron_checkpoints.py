@@ -1,0 +1,272 @@
+"""Megatron-LM torch_dist checkpoints in and out, against megatron-core itself.
+
+megatron-core's GPTModel (local layer spec) saves a LLaMA-style and a GPT-2-style model at
+TP=2 x PP=2 on four gloo ranks with `dist_checkpointing.save`, as Megatron-LM's
+`save_checkpoint` does (tests/megatron_core_models.py). threefold loads it at TP1, TP2, PP2 and
+TP2 x PP2 and computes megatron-core's logits (megatron-core's own one-rank load is the
+reference); training goes on from it; and threefold's export loads back into megatron-core.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests import megatron_core_models as mc
+from tests.distributed import run_distributed
+from threefold.checkpoint.load import load_checkpoint, load_model
+from threefold.checkpoint.save import save_checkpoint
+from threefold.config import ConfigError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import convert_checkpoint  # noqa: E402
+
+KINDS = ["llama", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS)."""
+    checkpoints = {}
+    for kind in KINDS:
+        root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
+        run_distributed(4, mc.save, kind, root, 10, 2, 2)
+        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
+        checkpoints[kind] = (root, reference)
+    return checkpoints
+
+
+def _reference_losses(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token losses of TOKENS[1:] given megatron-core's logits of TOKENS[:-1]."""
+    return torch.nn.functional.cross_entropy(
+        logits[0, :-1].double(), mc.TOKENS[0, 1:], reduction="none"
+    ).float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp1_logits_equal_megatron_cores(megatron, kind):
+    root, reference = megatron[kind]
+    config, model, _ = load_model(root, with_tokenizer=False)
+    assert (config.model.num_layers, config.model.vocab_size) == (4, mc.PADDED_VOCAB)
+    with torch.no_grad():
+        logits = model(mc.TOKENS).transpose(0, 1)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+def _per_token_losses(argv: list[str], root: str) -> list | None:
+    """Per-token losses of TOKENS through a TP/PP run that --loads the Megatron checkpoint."""
+    from tests.parity import _setup
+    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
+
+    trainer = _setup(argv)
+    load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
+    for chunk in trainer.model_chunks:
+        chunk.eval()
+    tokens = mc.TOKENS.repeat(2, 1)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def step(batch, model, input_tensor=None):
+        output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
+        return output, lambda per_token: (per_token.mean(), per_token.detach())
+
+    trainer.pipeline_options["tensor_shape"] = (mc.SEQ - 1, 2, 64)
+    losses = get_forward_backward_func(trainer.parallel.pp)(
+        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
+    )
+    return losses[0][0].tolist() if trainer.parallel.is_last_pipeline_stage else None
+
+
+def _argv(root: str, tp: int, pp: int) -> list[str]:
+    """A run whose model comes from the Megatron checkpoint's args (--use-checkpoint-args)."""
+    return [
+        "--load",
+        root,
+        "--use-checkpoint-args",  # (its tokenizer's files are not on this machine)
+        "--mock-data",
+        "--seq-length",
+        str(mc.SEQ - 1),
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+    ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
+def test_any_layout_computes_megatron_cores_losses(megatron, kind, tp, pp):
+    root, reference = megatron[kind]
+    results = run_distributed(tp * pp, _per_token_losses, _argv(root, tp, pp), root)
+    expected = _reference_losses(reference)
+    for losses in (r for r in results if r is not None):
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
+
+
+def _train(argv: list[str], root: str, finetune: bool, steps: int = 2) -> tuple[list, object]:
+    from tests.parity import _setup
+
+    trainer = _setup(argv)
+    load_checkpoint(root, trainer.checkpoint_components(), load_optimizer=False, finetune=finetune)
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    return losses, trainer
+
+
+def test_training_goes_on_from_a_megatron_checkpoint_as_from_its_conversion(megatron, tmp_path):
+    """--load of the Megatron directory trains exactly as the converted threefold checkpoint."""
+    root, _ = megatron["llama"]
+    converted = str(tmp_path / "converted")
+    assert (
+        convert_checkpoint.main(
+            [
+                "--loader",
+                "megatron",
+                "--saver",
+                "threefold",
+                "--load-dir",
+                root,
+                "--save-dir",
+                converted,
+            ]
+        )
+        == 0
+    )
+    direct, _ = _train(_argv(root, 1, 1) + ["--finetune"], root, finetune=True)
+    from_conversion, _ = _train(_argv(root, 1, 1) + ["--finetune"], converted, finetune=True)
+    assert direct == from_conversion
+    assert all(torch.isfinite(torch.tensor(direct)))
+
+
+def test_no_load_optim_resumes_megatrons_iteration_and_schedule(megatron):
+    root, _ = megatron["gpt2"]
+    _, trainer = _train(_argv(root, 1, 1) + ["--no-load-optim"], root, finetune=False, steps=1)
+    state = trainer.checkpoint_components().train_state
+    assert (state.iteration, state.consumed_train_samples) == (11, 642)
+    # Megatron-LM's schedule counts samples (640 saved); an iteration-based run, iterations.
+    assert trainer.checkpoint_components().scheduler.num_steps == 11
+
+
+def test_megatrons_optimizer_is_not_silently_dropped(megatron):
+    from tests.parity import _setup
+
+    root, _ = megatron["llama"]
+    trainer = _setup(_argv(root, 1, 1))
+    with pytest.raises(ConfigError, match="Megatron-LM torch_dist checkpoint.*--finetune"):
+        load_checkpoint(root, trainer.checkpoint_components())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
+    """threefold -> Megatron: megatron-core's GPTModel reads the export (logits within 1e-5 of
+    threefold's); Megatron -> threefold -> Megatron is bitwise."""
+    root, reference = megatron[kind]
+    trained = str(tmp_path / "trained")
+    _, trainer = _train(_argv(root, 1, 1) + ["--finetune", "--save", trained], root, True)
+    save_checkpoint(trained, trainer.checkpoint_components())
+    _, model, _ = load_model(trained, with_tokenizer=False)
+    with torch.no_grad():
+        ours = model(mc.TOKENS).transpose(0, 1)
+    converted = str(tmp_path / "converted")
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
+    assert convert_checkpoint.main(argv + [converted]) == 0
+    for source, expected, tolerance in ((trained, ours, 1e-5), (converted, reference, 0)):
+        out = source + "_megatron"
+        argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
+        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
+        iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
+        theirs = run_distributed(1, mc.logits, kind, os.path.join(out, f"iter_{iteration:07d}"))
+        torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
+
+
+def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_path):
+    from threefold.checkpoint.args import checkpoint_flags
+
+    vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
+    vocab.write_text("{}")
+    merges.write_text("")
+    root = _copy_with_args(
+        megatron["llama"][0], str(tmp_path / "run"), vocab_file=str(vocab), merge_file=str(merges)
+    )
+    assert "--vocab-file" not in checkpoint_flags(megatron["llama"][0], with_tokenizer=True)
+    text = " ".join(checkpoint_flags(root, with_tokenizer=True))
+    for expected in (
+        "--num-layers 4",
+        "--hidden-size 64",
+        "--num-query-groups 2",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--rotary-base 500000.0",
+        "--normalization RMSNorm",
+        "--tokenizer-type GPT2BPETokenizer",
+        f"--vocab-file {vocab}",
+        f"--merge-file {merges}",
+    ):
+        assert expected in text, (expected, text)
+
+
+def _copy_with_args(root: str, destination: str, **changes) -> str:
+    """A copy of a Megatron checkpoint whose common.pt args have `changes`."""
+    shutil.copytree(root, destination)
+    path = os.path.join(destination, "iter_0000010", "common.pt")
+    common = torch.load(path, weights_only=False)  # the test's own file
+    for name, value in changes.items():
+        setattr(common["args"], name, value)
+    torch.save(common, path)
+    return destination
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"num_experts": 8}, "--num-experts"),
+        ({"rotary_percent": 0.5}, "--rotary-percent"),
+        ({"multi_latent_attention": True}, "--multi-latent-attention"),
+    ],
+)
+def test_architectures_threefold_does_not_build_are_refused_by_name(
+    megatron, tmp_path, change, named
+):
+    root = _copy_with_args(megatron["llama"][0], str(tmp_path / "changed"), **change)
+    with pytest.raises(ConfigError, match=named):
+        load_model(root, with_tokenizer=False)
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_tampered_common_file_runs_nothing(megatron, tmp_path):
+    """Megatron-LM unpickles common.pt freely; threefold builds plain data only."""
+    marker = str(tmp_path / "ran")
+    root = _copy_with_args(
+        megatron["llama"][0], str(tmp_path / "tampered"), hidden_size=_Payload(marker)
+    )
+    with pytest.raises(ConfigError):
+        load_model(root, with_tokenizer=False)
+    common = os.path.join(root, "iter_0000010", "common.pt")
+    torch.save({"args": _Payload(marker), "iteration": 1}, common)
+    with pytest.raises(ConfigError, match="no Megatron-LM args"):
+        load_model(root, with_tokenizer=False)
+    assert not os.path.exists(marker)
+
+
+def test_convert_refuses_a_format_mismatch_in_one_line(megatron, tmp_path, capsys):
+    root, _ = megatron["gpt2"]
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", root, "--save-dir", "x"]
+    with pytest.raises(SystemExit) as exit_info:
+        convert_checkpoint.main(argv)
+    assert exit_info.value.code == 2
+    assert "it is a megatron one: use --loader megatron" in capsys.readouterr().err
+    assert not os.path.exists("x")

@@ -1,0 +1,204 @@
+"""Megatron-LM's torch_dist checkpoint directory, described without torch.
+
+    DIR/latest_checkpointed_iteration.txt   the tracker (the same file threefold writes)
+    DIR/iter_0000100/metadata.json          {"sharded_backend": "torch_dist", ...}: megatron-core's
+    DIR/iter_0000100/common.pt              args, iteration, checkpoint_version, LR scheduler
+    DIR/iter_0000100/.metadata, *.distcp    torch.distributed.checkpoint: the sharded tensors
+
+This module tells such a directory from threefold's own, and translates between Megatron-LM's
+`args` and threefold's config: what a Megatron checkpoint's model is (for `--load`,
+`--use-checkpoint-args`, the tools), and the args an exported checkpoint carries so that
+Megatron-LM's `--use-checkpoint-args` and its load checks find what they look for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from threefold.checkpoint.megatron.common_file import read_common
+from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
+from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
+
+BACKEND = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+CHECKPOINT_VERSION = 3.0
+# Megatron-LM tokenizers threefold builds the same way from the same files.
+_TOKENIZERS = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": (),
+}
+# args that select an architecture threefold does not build: (arg, the value it must have, what)
+_UNSUPPORTED = (
+    ("rotary_percent", 1.0, "partial rotary embeddings (--rotary-percent)"),
+    ("rotary_interleaved", False, "interleaved rotary embeddings (--rotary-interleaved)"),
+    ("squared_relu", False, "squared-ReLU MLPs (--squared-relu)"),
+    ("multi_latent_attention", False, "multi-latent attention (--multi-latent-attention)"),
+    ("num_experts", None, "mixture-of-experts layers (--num-experts)"),
+    ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
+    ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
+    ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
+    ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
+)
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """Whether `path` (an iter_N directory) was written by megatron-core's dist_checkpointing."""
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            return "sharded_backend" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _model_config(args: dict, source: str) -> dict:
+    for name, allowed, what in _UNSUPPORTED:
+        value = args.get(name)
+        if value is None or value == allowed or (allowed is None and not value):
+            continue
+        raise ConfigError(
+            f"{source}: a Megatron-LM checkpoint of a model with {what} "
+            f"({name} = {args[name]!r}); threefold does not build that architecture"
+        )
+    if args.get("position_embedding_type") not in (None, "learned_absolute", "rope", "none"):
+        raise ConfigError(
+            f"{source}: a Megatron-LM checkpoint with --position-embedding-type "
+            f"{args['position_embedding_type']}; threefold builds learned_absolute, rope and none"
+        )
+    fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
+    model = {name: args[name] for name in fields if args.get(name) is not None}
+    if "max_position_embeddings" in args:
+        model["max_position_embeddings"] = args["max_position_embeddings"]
+    for name, value in model.items():
+        if not isinstance(value, (int, float, str, list)):
+            raise ConfigError(
+                f"{source}: common.pt's args.{name} is {value!r}, not a plain value; "
+                "the checkpoint is damaged or was not written by Megatron-LM"
+            )
+    # The embedding's rows as saved: Megatron-LM pads the tokenizer's vocabulary (and keeps
+    # only the padded size in args); every row is kept, so the logits are Megatron's.
+    model["vocab_size"] = args.get("padded_vocab_size") or args.get("vocab_size")
+    model["make_vocab_size_divisible_by"] = args.get("make_vocab_size_divisible_by", 128)
+    for name in ("attention_dropout", "hidden_dropout", "init_method_std"):
+        if args.get(name) is not None:
+            model[name] = args[name]
+    return model
+
+
+def _data_config(args: dict) -> dict:
+    kind = args.get("tokenizer_type")
+    if kind not in _TOKENIZERS:
+        return {}
+    data = {"tokenizer_type": kind}
+    data.update({name: args[name] for name in _TOKENIZERS[kind] if args.get(name)})
+    return data
+
+
+def megatron_metadata(path: str) -> dict:
+    """A Megatron-LM checkpoint's `iter_N` directory described as threefold's metadata.json
+    describes its own: the config (model from args; tokenizer where threefold has Megatron's;
+    the saved layout), the iteration, consumed samples and LR schedule position. Megatron's
+    optimizer and RNG states are not read (`optimizer_saved`/`rng_saved` false)."""
+    common_file = os.path.join(path, "common.pt")
+    if not os.path.isfile(common_file):
+        raise ConfigError(f"--load {path}: common.pt is missing; the checkpoint is incomplete")
+    common = read_common(common_file)
+    args = common.get("args")
+    if not isinstance(args, dict):
+        raise ConfigError(
+            f"--load {path}: common.pt has no Megatron-LM args; only checkpoints written by "
+            "Megatron-LM's training loop (or tools/convert_checkpoint.py --saver megatron) "
+            "describe their model"
+        )
+    parallel = {
+        name: args[name]
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "world_size",
+            "use_distributed_optimizer",
+        )
+        if isinstance(args.get(name), (int, bool))
+    }
+    model = _model_config(args, f"--load {path}")
+    own = common.get("threefold")
+    if isinstance(own, dict) and isinstance(own.get("vocab_size"), int):
+        model["vocab_size"] = own["vocab_size"]  # exported by threefold: its unpadded size
+    config = Config(
+        model=ModelConfig(**model),
+        data=DataConfig(**_data_config(args)),
+        parallel=ParallelConfig(**parallel),
+    )
+    iteration = int(common.get("iteration", 0) or 0)
+    scheduler = common.get("opt_param_scheduler")
+    return {
+        "iteration": iteration,
+        "megatron": {"checkpoint_version": common.get("checkpoint_version")},
+        "optimizer_saved": False,
+        "rng_saved": False,
+        "train_state": {
+            "iteration": iteration,
+            "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+        },
+        "scheduler": {"num_steps": int(scheduler["num_steps"])}
+        if isinstance(scheduler, dict) and "num_steps" in scheduler
+        else {"num_steps": 0},
+        "loss_scaler": {},
+        "config": dataclasses.asdict(config),
+    }
+
+
+def megatron_args(config: Config, iteration: int) -> dict:
+    """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
+    field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read."""
+    model = config.model
+    heads = model.num_attention_heads
+    args = {
+        f.name: getattr(model, f.name) for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)
+    }
+    args.update(
+        group_query_attention=(model.num_query_groups or heads) != heads,
+        num_query_groups=model.num_query_groups or heads,
+        kv_channels=model.kv_channels or model.hidden_size // heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=model.position_embedding_type == "rope",
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        squared_relu=False,
+        apply_query_key_layer_scaling=False,
+        num_experts=None,
+        vocab_size=model.vocab_size,
+        padded_vocab_size=model.padded_vocab_size(1),
+        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        init_method_std=model.init_method_std,
+        tokenizer_type=config.data.tokenizer_type,
+        tokenizer_model=config.data.tokenizer_model,
+        vocab_file=config.data.vocab_file,
+        merge_file=config.data.merge_file,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        world_size=1,
+        data_parallel_size=1,
+        ckpt_format="torch_dist",
+        use_distributed_optimizer=False,
+        transformer_impl="local",
+        spec=None,
+        iteration=iteration,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        bf16=config.training.bf16,
+        fp16=config.training.fp16,
+    )
+    return args

@@ -1,0 +1,90 @@
+"""Write a whole model as a Megatron-LM torch_dist checkpoint (tools/convert_checkpoint.py
+--saver megatron): what megatron-core's `dist_checkpointing.load` reads into its GPTModel and
+Megatron-LM's `--load` resumes from (with `--finetune`, or `--no-load-optim --no-load-rng`: it
+holds the model only).
+
+Crash safety as for threefold's own checkpoints: the directory is written as `iter_N.partial/`,
+renamed to `iter_N/` when complete, and only then does the tracker name it; an existing
+`iter_N/` is never replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
+from threefold.checkpoint.megatron.format import BACKEND, CHECKPOINT_VERSION, megatron_args
+from threefold.checkpoint.megatron.tensors import stacked_state_dict
+from threefold.config import Config, ConfigError
+
+
+class _PreSerializedPlanner(DefaultSavePlanner):
+    """Writes the `_extra_state` objects' bytes as they are: megatron-core serializes them
+    itself and reads them back with one torch.load, not DCP's default two."""
+
+    def transform_object(self, write_item, object):
+        return object
+
+
+def save_megatron_checkpoint(
+    root: str,
+    config: Config,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    iteration: int = 0,
+) -> str:
+    """Write `tensors` (whole, by threefold parameter name, the vocabulary unpadded or padded)
+    under `root` as Megatron-LM's iteration `iteration`; returns the iter_N directory."""
+    path = checkpoint_dir(root, iteration)
+    if os.path.exists(path):
+        raise ConfigError(f"--save-dir {root}: {path} exists already; choose another directory")
+    model = config.model
+    padded = model.padded_vocab_size(1)
+    state = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to(dtype)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            # Megatron-LM's embedding holds the padded vocabulary (zero rows past the end).
+            tensor = torch.cat(
+                [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
+            )
+        state[name] = tensor.contiguous()
+    state = stacked_state_dict(state, model.num_layers)
+    args = megatron_args(config, iteration)
+    args["params_dtype"] = dtype
+    args["padded_vocab_size"] = padded
+    common = {
+        "args": argparse.Namespace(**args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        # Megatron-LM keeps only the padded vocabulary size; threefold reads its own back.
+        "threefold": {"vocab_size": model.vocab_size},
+    }
+    partial = f"{path}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(partial),
+            planner=_PreSerializedPlanner(),
+            no_dist=True,
+        )
+    torch.save(common, os.path.join(partial, "common.pt"))
+    with open(os.path.join(partial, "metadata.json"), "w") as f:
+        json.dump(BACKEND, f)
+    fsync_directory(partial)
+    os.replace(partial, path)
+    fsync_directory(root)
+    write_atomically(os.path.join(root, TRACKER), str(iteration))
+    return path
