@@ -72,7 +72,6 @@ NO_COUNTERPART = {
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
     "chunks of tokens, never holding the whole fp32 logits)",
     "--log-loss-scale-to-tensorboard": "the loss scale is always written with --tensorboard-dir",
-    "--log-throughput": "tokens/s and TFLOP/s per device are always in the iteration line",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
     "--tensorboard-dir",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "

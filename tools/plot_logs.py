@@ -1,5 +1,5 @@
-"""Plot training logs (Megatron-LM's log line, as threefold prints it) side by side: loss,
-learning rate and throughput against iteration, one line per log.
+"""Plot training logs (Megatron-LM's log line, printed by Megatron-LM or by threefold) side by
+side: loss, learning rate and throughput against iteration, one line per log.
 
     python tools/plot_logs.py logs/run1.out logs/run2.out --output compare.png
     python tools/plot_logs.py a.log b.log --labels "TP=2" "TP=4" --output tp.png
@@ -17,30 +17,36 @@ import os
 import re
 import sys
 
-ITERATION = re.compile(
-    r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: (\S+) \|.*?lm loss: (\S+) \|"
-    r".*?tokens per second: (\S+) \|"
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+# every `name: value |` field of a log line (Megatron-LM's and threefold's own)
+FIELD = re.compile(r" ([A-Za-z][^|:]*?): (\S+) \|")
+# during training, and Megatron-LM's report after it ("... on validation set")
+VALIDATION = re.compile(
+    r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: (\S+) \|"
 )
-VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 PANELS = [
     ("lm loss", "training loss"),
     ("validation loss", "validation loss"),
     ("learning rate", "learning rate"),
     ("tokens per second", "tokens per second"),
+    ("throughput per GPU (TFLOP/s/GPU)", "TFLOP/s per GPU"),  # Megatron's --log-throughput
 ]
 
 
 def parse_log(path: str) -> dict[str, dict[int, float]]:
-    """{series: {iteration: value}} from one log file."""
+    """{series: {iteration: value}} from one log file, threefold's or Megatron-LM's (whose
+    lines lack threefold's tokens/s; an iteration whose window was all skipped has no loss)."""
     series: dict[str, dict[int, float]] = {name: {} for name, _ in PANELS}
     with open(path, errors="replace") as file:
         for line in file:
             if match := ITERATION.search(line):
                 iteration = int(match.group(1))
-                for name, text in zip(
-                    ("learning rate", "lm loss", "tokens per second"), match.groups()[1:]
-                ):
-                    series[name][iteration] = float(text)
+                for name, text in FIELD.findall(line[match.end() - 1 :]):
+                    if name in series and name != "validation loss":
+                        try:
+                            series[name][iteration] = float(text)
+                        except ValueError:
+                            pass
             elif match := VALIDATION.search(line):
                 series["validation loss"][int(match.group(1))] = float(match.group(2))
     return series

@@ -14,6 +14,9 @@ class LoggingConfig:
     log_params_norm: bool = arg(
         False, help="add the L2 norm of all parameters to the log line"
     )  # L2 norm of all parameters, each counted once
+    log_throughput: bool = arg(
+        False, help="add Megatron's 'throughput per GPU (TFLOP/s/GPU)' to the log line"
+    )  # (threefold's own TFLOP/s per device, tokens/s and MFU are always at its end)
     # A window of iterations for a profiler (training/profiling.py).
     profile: bool = arg(
         False,

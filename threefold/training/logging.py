@@ -1,6 +1,12 @@
 """The training log line in Megatron-LM's format (existing log parsers read it), and the same
 numbers as TensorBoard scalars (`--tensorboard-dir`) and Weights & Biases metrics
-(`--wandb-project`; offline with WANDB_MODE=offline or without credentials)."""
+(`--wandb-project`; offline with WANDB_MODE=offline or without credentials).
+
+Megatron-LM's fields come first, field for field as its `training_log` writes them: the
+timestamp, `throughput per GPU (TFLOP/s/GPU)` with --log-throughput, the loss only when some
+iteration of the window was not skipped, grad norm and zero count only after an update.
+threefold's own (tokens/s, TFLOP/s per device, MFU, memory, decoupled learning rate) follow,
+so regular expressions written for Megatron's line match threefold's."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 
 import torch
 
@@ -23,7 +30,7 @@ class IterationStats:
     elapsed_ms: float
     learning_rate: float
     global_batch_size: int
-    lm_loss: float
+    lm_loss: float | None  # None: every iteration of the window was skipped
     loss_scale: float
     grad_norm: float | None
     skipped_iterations: int
@@ -37,6 +44,7 @@ class IterationStats:
     params_norm: float | None = None
     timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
     moe_losses: dict[str, float] | None = None  # MoE auxiliary losses (load_balancing_loss ...)
+    log_throughput: bool = False  # Megatron's --log-throughput field
 
 
 @dataclass
@@ -76,7 +84,7 @@ def iteration_stats(
         peak = peak_tflops(torch.cuda.get_device_name(device))
         mfu = tflops / peak if peak else None
         memory = torch.cuda.max_memory_allocated(device) / 2**30
-    mean_loss = sum(window.losses) / len(window.losses) if window.losses else float("nan")
+    mean_loss = sum(window.losses) / len(window.losses) if window.losses else None
     return IterationStats(
         train_iters=training.train_iters,
         elapsed_ms=seconds / window.iterations * 1e3,
@@ -85,6 +93,7 @@ def iteration_stats(
         tflops_per_device=tflops,
         mfu=mfu,
         memory_gib=memory,
+        log_throughput=config.logging.log_throughput,
         **progress,
     )
 
@@ -97,8 +106,10 @@ def progress(
     loss_scaler,
     global_batch_size: int,
     grad_norm: float | None,
+    skipped: bool = False,
 ) -> dict:
-    """The run's own numbers for the log line (see `iteration_stats`), from its components."""
+    """The run's own numbers for the log line (see `iteration_stats`), from its components.
+    After a skipped iteration there is no grad norm or zero count (as in Megatron-LM)."""
     training, logging = config.training, config.logging
     return dict(
         iteration=train_state.iteration,
@@ -108,26 +119,37 @@ def progress(
             scheduler.get_lr(decoupled=True) if training.decoupled_lr is not None else None
         ),
         # the last iteration's, as Megatron (every rank takes part in the reductions)
-        num_zeros_in_grad=(optimizer.num_zeros_in_grad if logging.log_num_zeros_in_grad else None),
+        num_zeros_in_grad=(
+            optimizer.num_zeros_in_grad if logging.log_num_zeros_in_grad and not skipped else None
+        ),
         params_norm=optimizer.params_norm() if logging.log_params_norm else None,
         global_batch_size=global_batch_size,
         loss_scale=loss_scaler.scale,
-        grad_norm=grad_norm,
+        grad_norm=None if skipped else grad_norm,
         skipped_iterations=train_state.skipped_iterations,
         nan_iterations=train_state.nan_iterations,
     )
 
 
+def timestamp() -> str:
+    """Megatron-LM's log-line prefix: ` [2026-11-24 03:50:37.123456]`."""
+    return f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+
+
 def format_iteration(stats: IterationStats) -> str:
     line = (
-        f" iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
+        f"{timestamp()} iteration {stats.iteration:8d}/{stats.train_iters:8d} |"
         f" consumed samples: {stats.consumed_samples:12d} |"
         f" elapsed time per iteration (ms): {stats.elapsed_ms:.1f} |"
-        f" learning rate: {stats.learning_rate:.6E} |"
     )
-    if stats.decoupled_learning_rate is not None:
-        line += f" decoupled learning rate: {stats.decoupled_learning_rate:.6E} |"
-    line += f" global batch size: {stats.global_batch_size:5d} | lm loss: {stats.lm_loss:.6E} |"
+    if stats.log_throughput:
+        line += f" throughput per GPU (TFLOP/s/GPU): {stats.tflops_per_device:.1f} |"
+    line += (
+        f" learning rate: {stats.learning_rate:.6E} |"
+        f" global batch size: {stats.global_batch_size:5d} |"
+    )
+    if stats.lm_loss is not None:
+        line += f" lm loss: {stats.lm_loss:.6E} |"
     for name, value in (stats.moe_losses or {}).items():  # after lm loss, as Megatron
         line += f" {name}: {value:.6E} |"
     line += f" loss scale: {stats.loss_scale:.1f} |"
@@ -140,6 +162,11 @@ def format_iteration(stats: IterationStats) -> str:
     line += (
         f" number of skipped iterations: {stats.skipped_iterations:3d} |"
         f" number of nan iterations: {stats.nan_iterations:3d} |"
+    )
+    # threefold's own fields, after all of Megatron-LM's
+    if stats.decoupled_learning_rate is not None:
+        line += f" decoupled learning rate: {stats.decoupled_learning_rate:.6E} |"
+    line += (
         f" tokens per second: {stats.tokens_per_second:.1f} |"
         f" TFLOP/s per device: {stats.tflops_per_device:.3f} |"
     )
@@ -150,18 +177,19 @@ def format_iteration(stats: IterationStats) -> str:
     return line
 
 
-def format_validation(iteration: int, loss: float, split: str = "validation") -> str:
+def format_validation(prefix: str, loss: float, split: str = "validation") -> str:
+    """Megatron-LM's evaluation report: the line between two rules of dashes. `prefix`:
+    `iteration N` during training, `iteration N on validation set` / `on test set` after."""
     ppl = math.exp(min(20.0, loss))
-    return (
-        f" {split} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-        f" lm loss PPL: {ppl:.6E} |"
-    )
+    line = f" {split} loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
 
 
 def _scalars(stats: IterationStats) -> dict[str, float]:
     """The iteration's numbers under TensorBoard names (Megatron's, where it has them)."""
     values = {
-        "lm loss": stats.lm_loss,
+        "lm loss": stats.lm_loss,  # (absent when the whole window was skipped)
         "learning-rate": stats.learning_rate,
         "decoupled-learning-rate": stats.decoupled_learning_rate,
         "num-zeros": stats.num_zeros_in_grad,

@@ -67,6 +67,12 @@ class Observability:
         if self.rank == 0:
             print(message, flush=True)
 
+    def print_last(self, message: str) -> None:
+        """Megatron-LM prints its iteration and evaluation lines on the last rank (a rank of
+        the last pipeline stage, where the loss is computed)."""
+        if self.rank == self.world_size - 1:
+            print(message, flush=True)
+
     def print_timers(
         self, names: list[str] | tuple[str, ...], normalizer: int = 1
     ) -> dict[str, float]:
@@ -136,7 +142,7 @@ class Observability:
         stats = iteration_stats(
             self.config, self.device, self.world_size, self.flops_per_iteration, window, **progress
         )
-        self.print(format_iteration(stats))
+        self.print_last(format_iteration(stats))
         self.print(self.run_progress.line(stats.iteration))
         maxima = self.print_timers(list(ITERATION), window.iterations)
         if logging.log_timers_to_tensorboard:
@@ -159,7 +165,7 @@ class Observability:
 
     def validation(self, iteration: int, loss: float | None) -> None:
         if loss is not None:
-            self.print(format_validation(iteration, loss))
+            self.print_last(format_validation(f"iteration {iteration}", loss))
             self.writers.log_validation(iteration, loss)
             self.run_progress.validated(iteration, loss)
 

@@ -257,7 +257,7 @@ class Trainer:
         watch.after_iteration(iteration, loss, skipped, first_sample, batch)
         if watch.log_due(iteration):
             components = (self.state, self.scheduler, self.optimizer, self.loss_scaler)
-            numbers, tokens = progress(self.config, *components, batch, grad_norm), None
+            numbers, tokens = progress(self.config, *components, batch, grad_norm, skipped), None
             if self.moe_statistics is not None:
                 numbers["moe_losses"], tokens = self.moe_statistics.report(self.device)
             watch.log(numbers)

@@ -1,0 +1,177 @@
+"""threefold's log line is Megatron-LM's, field for field, with threefold's own fields after.
+
+The reference is built with the format strings of Megatron-LM's `training_log` and
+`evaluate_and_print_results` (megatron/training/training.py), for the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import pytest
+
+from tests.distributed import run_distributed
+from threefold.training.logging import IterationStats, format_iteration, format_validation
+
+TIMESTAMP = re.compile(r"^ \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6})\]")
+# What log parsers written for Megatron-LM's line look for.
+MEGATRON_REGEXES = {
+    "iteration": r" iteration\s+(\d+)/\s*(\d+) \|",
+    "consumed": r" consumed samples:\s+(\d+) \|",
+    "elapsed": r" elapsed time per iteration \(ms\): ([\d.]+) \|",
+    "throughput": r" throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|",
+    "lr": r" learning rate: ([\d.E+-]+) \|",
+    "batch": r" global batch size:\s+(\d+) \|",
+    "loss": r" lm loss: ([\d.E+-]+) \|",
+    "loss scale": r" loss scale: ([\d.]+) \|",
+    "grad norm": r" grad norm: ([\d.]+) \|",
+    "skipped": r" number of skipped iterations:\s+(\d+) \|",
+    "nan": r" number of nan iterations:\s+(\d+) \|",
+}
+
+
+def _stats(**changes) -> IterationStats:
+    values = dict(
+        iteration=40,
+        train_iters=100,
+        consumed_samples=1280,
+        elapsed_ms=812.345,
+        learning_rate=2.5e-4,
+        global_batch_size=32,
+        lm_loss=3.14159,
+        loss_scale=1.0,
+        grad_norm=0.8765,
+        skipped_iterations=1,
+        nan_iterations=0,
+        tokens_per_second=12345.6,
+        tflops_per_device=187.654,
+        mfu=0.52,
+        memory_gib=40.5,
+        log_throughput=True,
+        num_zeros_in_grad=17,
+        params_norm=245.5,
+    )
+    values.update(changes)
+    return IterationStats(**values)
+
+
+def _megatron(stamp: str, s: IterationStats) -> str:
+    """Megatron-LM's training_log line for the same numbers (its format strings)."""
+    log_string = f" [{stamp}]"
+    log_string += f" iteration {s.iteration:8d}/{s.train_iters:8d} |"
+    log_string += f" consumed samples: {s.consumed_samples:12d} |"
+    log_string += f" elapsed time per iteration (ms): {s.elapsed_ms:.1f} |"
+    if s.log_throughput:
+        log_string += f" throughput per GPU (TFLOP/s/GPU): {s.tflops_per_device:.1f} |"
+    log_string += f" learning rate: {s.learning_rate:.6E} |"
+    log_string += f" global batch size: {s.global_batch_size:5d} |"
+    if s.lm_loss is not None:
+        log_string += " {}: {:.6E} |".format("lm loss", s.lm_loss)
+    log_string += f" loss scale: {s.loss_scale:.1f} |"
+    if s.grad_norm is not None:
+        log_string += f" grad norm: {s.grad_norm:.3f} |"
+    if s.num_zeros_in_grad is not None:
+        log_string += f" num zeros: {s.num_zeros_in_grad} |"
+    if s.params_norm is not None:
+        log_string += f" params norm: {s.params_norm:.3f} |"
+    log_string += f" number of skipped iterations: {s.skipped_iterations:3d} |"
+    log_string += f" number of nan iterations: {s.nan_iterations:3d} |"
+    return log_string
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"log_throughput": False, "num_zeros_in_grad": None, "params_norm": None},
+        # every iteration of the window skipped: no loss, no grad norm, no zero count
+        {"lm_loss": None, "grad_norm": None, "num_zeros_in_grad": None, "skipped_iterations": 5},
+    ],
+    ids=["all-fields", "plain", "all-skipped"],
+)
+def test_the_line_is_megatrons_with_threefolds_fields_after(changes):
+    stats = _stats(**changes)
+    line = format_iteration(stats)
+    stamp = TIMESTAMP.match(line)
+    assert stamp, line
+    reference = _megatron(stamp.group(1), stats)
+    assert line.startswith(reference), f"\n{line}\n{reference}"
+    extras = line[len(reference) :]
+    assert extras.startswith(" tokens per second: 12345.6 | TFLOP/s per device: 187.654 |")
+    assert ("lm loss" in line) == (stats.lm_loss is not None)
+
+
+def test_megatron_log_regexes_read_threefolds_line():
+    line = format_iteration(_stats())
+    found = {name: re.search(pattern, line) for name, pattern in MEGATRON_REGEXES.items()}
+    assert all(found.values()), [name for name, match in found.items() if not match]
+    assert found["iteration"].groups() == ("40", "100")
+    assert float(found["loss"].group(1)) == pytest.approx(3.14159, rel=1e-6)
+    assert float(found["throughput"].group(1)) == pytest.approx(187.7)
+    assert float(found["elapsed"].group(1)) == pytest.approx(812.3)
+
+
+def test_validation_is_megatrons_report_between_rules():
+    loss = 2.5
+    text = format_validation("iteration 40", loss)
+    string = " validation loss at iteration 40 | "
+    string += "{} value: {:.6E} | ".format("lm loss", loss)
+    string += "{} PPL: {:.6E} | ".format("lm loss", math.exp(min(20, loss)))
+    rule = "-" * (len(string) + 1)
+    assert text.split("\n") == [rule, string, rule]
+
+
+def _log_lines(argv: list[str]) -> list[str]:
+    """The lines this rank prints while training (log line and validation)."""
+    from tests.parity import _setup
+
+    trainer = _setup(argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.train()
+    return [line for line in out.getvalue().splitlines() if "iteration" in line]
+
+
+def test_the_last_rank_prints_the_iteration_and_validation_lines():
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
+        "--global-batch-size 4 --train-iters 2 --log-interval 1 --eval-interval 2 "
+        "--eval-iters 1 --pipeline-model-parallel-size 2 --lr 1e-3"
+    ).split()
+    first, last = run_distributed(2, _log_lines, argv)
+    assert not [line for line in first if " lm loss: " in line or " validation loss at" in line]
+    assert len([line for line in last if TIMESTAMP.match(line) and " lm loss: " in line]) == 2
+    assert any(line.startswith(" validation loss at iteration 2 | ") for line in last)
+
+
+def test_plot_logs_reads_megatrons_log(tmp_path):
+    import sys
+
+    sys.path.insert(0, "tools")
+    from plot_logs import parse_log
+
+    stamp = "2026-11-24 03:50:37.123456"
+    lines = [
+        _megatron(stamp, _stats(iteration=10, log_throughput=True)),
+        _megatron(stamp, _stats(iteration=20, lm_loss=None, grad_norm=None)),  # all skipped
+        _megatron(stamp, _stats(iteration=30, lm_loss=2.0)),
+        "-" * 20,
+        " validation loss at iteration 30 | lm loss value: 2.100000E+00 | "
+        "lm loss PPL: 8.166170E+00 | ",
+        " validation loss at iteration 30 on validation set | lm loss value: 2.050000E+00 | "
+        "lm loss PPL: 7.767901E+00 | ",
+        " validation loss at iteration 30 on test set | lm loss value: 9.000000E+00 | "
+        "lm loss PPL: 8.103084E+03 | ",
+    ]
+    path = tmp_path / "megatron.log"
+    path.write_text("\n".join(lines) + "\n")
+    series = parse_log(str(path))
+    assert series["lm loss"] == {10: pytest.approx(3.14159), 30: 2.0}
+    assert series["throughput per GPU (TFLOP/s/GPU)"][10] == pytest.approx(187.7)
+    assert series["learning rate"][20] == pytest.approx(2.5e-4)
+    assert series["validation loss"] == {30: 2.05}  # the test-set report is not validation
+    assert series["tokens per second"] == {}
