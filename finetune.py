@@ -128,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load)
     )
-    device, parallel = state.initialize_from_config(config.parallel)
+    try:
+        device, parallel = state.initialize_from_config(
+            config.parallel, config.kernels.deterministic_mode
+        )
+    except ConfigError as error:
+        print_refusal("finetune.py", error)
+        return 2
     try:
         trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
         load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)

@@ -55,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
-    device, parallel = state.initialize_from_config(config.parallel)
+    try:
+        device, parallel = state.initialize_from_config(
+            config.parallel, config.kernels.deterministic_mode
+        )
+    except ConfigError as error:
+        print_refusal("pretrain_gpt.py", error)
+        return 2
     rank_zero = parallel.world.rank == 0
     try:
         trainer = Trainer(config, device, parallel)

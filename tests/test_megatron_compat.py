@@ -85,7 +85,7 @@ def test_megatron_llama3_recipe_flags_parse(tmp_path):
         --empty-unused-memory-level 1 --exit-duration-in-mins 235
         --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
         --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --mock-data
-        --vocab-size 1000 --split 99,1,0 --no-create-attention-mask-in-dataloader
+        --vocab-size 1000 --split '99,1,0' --no-create-attention-mask-in-dataloader
         --num-workers 1 --log-interval 1 --eval-iters 32 --eval-interval 100
         --save-interval 1000 --log-throughput --ckpt-format torch_dist
         --distributed-timeout-minutes 60""".split()
@@ -318,3 +318,129 @@ def test_no_position_embedding_goes_with_rope_only(capsys):
         "--no-position-embedding: a model without position information is not "
         "implemented" in capsys.readouterr().err
     )
+
+
+def test_functional_test_flags_parse_with_their_megatron_meaning(capsys):
+    """Flags most of Megatron-LM's functional-test configs pass that change nothing about the
+    model: accepted, each named at start-up with why."""
+    config = parse_args(
+        BASE
+        + """--deterministic-mode --use-persistent-ckpt-worker --dist-ckpt-strictness log_all
+        --dist-ckpt-optim-fully-reshardable --ckpt-fully-parallel-load
+        --apply-query-key-layer-scaling --logging-level 40 --ckpt-format torch_dist""".split()
+    )
+    out = capsys.readouterr().out
+    for flag in (
+        "--use-persistent-ckpt-worker has no effect",
+        "--dist-ckpt-strictness log_all has no effect",
+        "--dist-ckpt-optim-fully-reshardable has no effect",
+        "--ckpt-fully-parallel-load has no effect",
+        "--apply-query-key-layer-scaling has no effect",
+        "--logging-level 40 has no effect",
+    ):
+        assert f"> {flag}: " in out, flag
+    assert config.kernels.deterministic_mode
+
+
+def test_nan_checking_is_on_by_default_as_in_megatron():
+    assert parse_args(BASE).training.check_for_nan_in_loss_and_grad
+    assert parse_args(
+        BASE + ["--check-for-nan-in-loss-and-grad"]
+    ).training.check_for_nan_in_loss_and_grad
+    off = parse_args(BASE + ["--no-check-for-nan-in-loss-and-grad"])
+    assert not off.training.check_for_nan_in_loss_and_grad
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2"],
+            "--tokenizer-type TikTokenizer: tiktoken vocabularies are not read by threefold; "
+            "save the tokenizer as a Hugging Face tokenizer.json and use --tokenizer-type "
+            "HuggingFaceTokenizer",
+        ),
+        (
+            ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"],
+            "--vocab-file/--merge-file are GPT2BPETokenizer's files: add --tokenizer-type "
+            "GPT2BPETokenizer",
+        ),
+        (
+            ["--tokenizer-type", "Llama2Tokenizer"],
+            "--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE",
+        ),
+    ],
+    ids=["tiktoken", "bpe-files-without-type", "llama2-without-model"],
+)
+def test_megatron_tokenizer_mistakes_are_one_line(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + extra)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"pretrain_gpt.py: error: {message}"
+
+
+def test_megatrons_sentencepiece_tokenizers(tmp_path):
+    """GPTSentencePieceTokenizer is the plain sentencepiece model; Llama2Tokenizer puts a BOS
+    before every text, as Megatron-LM's."""
+    import sentencepiece
+
+    from threefold.config import DataConfig
+    from threefold.data.tokenizer import build_tokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(["to be or not to be that is the question"] * 50))
+    prefix = str(tmp_path / "sp")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(text), model_prefix=prefix, vocab_size=19, minloglevel=2
+    )
+    tokenizers = {
+        kind: build_tokenizer(
+            DataConfig(tokenizer_type=kind, tokenizer_model=prefix + ".model"), None
+        )
+        for kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer")
+    }
+    plain = tokenizers["GPTSentencePieceTokenizer"].tokenize("to be")
+    llama2 = tokenizers["Llama2Tokenizer"]
+    assert llama2.tokenize("to be") == [llama2.bos, *plain]
+    assert llama2.eod == tokenizers["GPTSentencePieceTokenizer"].eod == llama2.processor.eos_id()
+
+
+def test_nccl_on_a_machine_without_gpus_is_one_line(capsys):
+    import pretrain_gpt
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA GPUs")
+    code = pretrain_gpt.main(BASE + ["--mock-data", "--distributed-backend", "nccl"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "pretrain_gpt.py: error: --distributed-backend nccl needs CUDA GPUs and this machine "
+        "has none; pass --distributed-backend gloo (or leave it out: gloo on CPU, nccl on GPUs)"
+    ]
+
+
+def test_deterministic_mode_sets_megatrons_environment_and_torch(monkeypatch):
+    from threefold.config import ConfigError, KernelConfig
+    from threefold.kernels import dispatch
+    from threefold.kernels.determinism import DEFAULTS, deterministic_environment
+
+    for name in DEFAULTS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's deterministic choice
+    try:
+        shape = dispatch.AttentionShape(heads=4, groups=4, head_dim=16, dropout=0.0)
+        line = dispatch.configure(
+            KernelConfig(deterministic_mode=True),
+            torch.device("cpu"),
+            torch.float32,
+            "RMSNorm",
+            shape,
+        )
+        assert torch.are_deterministic_algorithms_enabled()
+        assert "deterministic" in line and "NCCL_ALGO=Ring" in line
+        assert "CUBLAS_WORKSPACE_CONFIG=:16:8" in line
+    finally:
+        torch.use_deterministic_algorithms(False)
+        dispatch.KERNELS.use_reference()
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    with pytest.raises(ConfigError, match="NCCL_ALGO=Tree may reorder sums"):
+        deterministic_environment()

@@ -25,6 +25,8 @@ ALIASES = {
     # threefold's default already (the chunked cross-entropy); --no-cross-entropy-loss-fusion
     # selects the one-shot reference.
     "--cross-entropy-loss-fusion": ("kernels.cross_entropy_loss_fusion", True),
+    # threefold's default already, as Megatron-LM's (--no-check-for-nan-in-loss-and-grad: off)
+    "--check-for-nan-in-loss-and-grad": ("training.check_for_nan_in_loss_and_grad", True),
 }
 
 # flag -> (type, the one supported value, why no other)
@@ -37,6 +39,23 @@ ONLY_DEFAULT = {
         ("threefold", "torch_dist"),
         "runs save threefold's own format (docs/checkpoints.md); Megatron-LM's torch_dist "
         "is written by tools/convert_checkpoint.py --saver megatron",
+    ),
+}
+
+# flag -> (type, why any value changes nothing here): accepted and named at start-up
+ANY_VALUE = {
+    "--dist-ckpt-strictness": (
+        str,
+        "threefold's loads always refuse a missing tensor and pass over tensors the model "
+        "does not have (Megatron-LM's default, assume_ok_unexpected)",
+    ),
+    "--logging-level": (
+        int,
+        "threefold prints its own lines; it does not route them through Python's logging",
+    ),
+    "--tiktoken-pattern": (
+        str,
+        "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",
     ),
 }
 
@@ -72,6 +91,14 @@ NO_COUNTERPART = {
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
     "chunks of tokens, never holding the whole fp32 logits)",
     "--log-loss-scale-to-tensorboard": "the loss scale is always written with --tensorboard-dir",
+    "--use-persistent-ckpt-worker": "--async-save finishes each save on a thread of its own, "
+    "with its own process group; there is no worker process to keep",
+    "--dist-ckpt-optim-fully-reshardable": "threefold's checkpoints always load into any "
+    "TP/PP/DP layout, optimizer state included",
+    "--ckpt-fully-parallel-load": "each rank reads only the tensors it holds, from the "
+    "checkpoint directly",
+    "--apply-query-key-layer-scaling": "it only guards fp16 attention scores against "
+    "overflow; threefold's attention keeps its softmax in fp32 (the function is the same)",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
     "--tensorboard-dir",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
@@ -99,6 +126,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             help=f"only {' or '.join(map(str, value if isinstance(value, tuple) else (value,)))}: "
             f"{why}",
         )
+    for flag, (kind, why) in ANY_VALUE.items():
+        group.add_argument(
+            flag, dest=_dest(flag), type=kind, default=argparse.SUPPRESS, help=f"no effect: {why}"
+        )
     for flag, why in NO_COUNTERPART.items():
         group.add_argument(
             flag,
@@ -117,7 +148,7 @@ def check(given: dict[str, object]) -> list[str]:
     """Check the compatibility flags given ({dest: value}; argparse stored the aliases
     already); returns a start-up note per switch with no counterpart. Raises ConfigError for an
     unsupported value."""
-    by_dest = {_dest(flag): flag for flag in (*ONLY_DEFAULT, *NO_COUNTERPART)}
+    by_dest = {_dest(flag): flag for flag in (*ONLY_DEFAULT, *ANY_VALUE, *NO_COUNTERPART)}
     notes = []
     for dest, value in given.items():
         flag = by_dest[dest]
@@ -131,6 +162,8 @@ def check(given: dict[str, object]) -> list[str]:
                 )
             if (flag, value) in VALUE_NOTES:
                 notes.append(VALUE_NOTES[(flag, value)])
+        elif flag in ANY_VALUE:
+            notes.append(f"{flag} {value} has no effect: {ANY_VALUE[flag][1]}")
         else:
             notes.append(f"{flag} has no effect: {NO_COUNTERPART[flag]}")
     return notes

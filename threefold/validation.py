@@ -14,6 +14,7 @@ import importlib.util
 import os
 
 from threefold.config import Config, ConfigError
+from threefold.config.data import SENTENCEPIECE
 
 
 def _readable(path: str, flag: str, kind: str = "file") -> None:
@@ -67,7 +68,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
             "local"
         )
     data = config.data
-    if data.tokenizer_type == "SentencePieceTokenizer":
+    if data.tokenizer_type in SENTENCEPIECE:
         _readable(data.tokenizer_model, "--tokenizer-model")
     elif data.tokenizer_type == "HuggingFaceTokenizer":
         _readable(data.tokenizer_model, "--tokenizer-model", "directory")

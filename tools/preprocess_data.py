@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError, DataConfig  # noqa: E402
+from threefold.config.data import TOKENIZERS  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -77,12 +78,7 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer-type",
         required=True,
-        choices=[
-            "SentencePieceTokenizer",
-            "HuggingFaceTokenizer",
-            "GPT2BPETokenizer",
-            "NullTokenizer",
-        ],
+        choices=[t for t in TOKENIZERS if t],
         help="the tokenizer the training run will use",
     )
     parser.add_argument("--tokenizer-model", help="sentencepiece file or HF tokenizer dir")

@@ -13,6 +13,7 @@ import json
 import os
 
 from threefold.config import ConfigError, DataConfig
+from threefold.config.data import SENTENCEPIECE
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -86,7 +87,7 @@ def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataCon
     path = checkpoint_dir(root, iteration)
     if is_megatron_checkpoint(path):
         return data
-    if data.tokenizer_type == "SentencePieceTokenizer":
+    if data.tokenizer_type in SENTENCEPIECE:
         data.tokenizer_model = os.path.join(path, "tokenizer.model")
     elif data.tokenizer_type == "HuggingFaceTokenizer":
         data.tokenizer_model = os.path.join(path, "tokenizer")

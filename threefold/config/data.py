@@ -11,10 +11,23 @@ from threefold.config.fields import arg
 TOKENIZERS = (
     None,
     "SentencePieceTokenizer",
+    # Megatron-LM's sentencepiece tokenizers of LLaMA-2-style models: the same model file, no
+    # special tokens added (GPTSentencePiece) or a BOS before every document (Llama2)
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
     "NullTokenizer",
 )
+SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# Megatron-LM tokenizers threefold does not have, and what to use instead
+_MISSING_TOKENIZERS = {
+    "TikTokenizer": "tiktoken vocabularies are not read by threefold; save the tokenizer "
+    "as a Hugging Face tokenizer.json and use --tokenizer-type HuggingFaceTokenizer",
+    "MultimodalTokenizer": "multimodal models are not built by threefold",
+    "BertWordPieceLowerCase": "BERT models are not built by threefold",
+    "BertWordPieceCase": "BERT models are not built by threefold",
+}
 
 
 @dataclass
@@ -41,14 +54,10 @@ class DataConfig:
     split: str = arg(
         "969,30,1", help="train,validation,test weights of --data-path's documents, e.g. 98,2,0"
     )
+    # (checked in `finalize`, so a Megatron-LM tokenizer threefold lacks is named in one line)
     tokenizer_type: str | None = arg(
         None,
-        choices=(
-            "SentencePieceTokenizer",
-            "HuggingFaceTokenizer",
-            "GPT2BPETokenizer",
-            "NullTokenizer",
-        ),
+        metavar="{" + ",".join(t for t in TOKENIZERS if t) + "}",
         help="how text becomes tokens (needed to read text; .bin files hold token ids)",
     )
     tokenizer_model: str | None = arg(
@@ -79,7 +88,8 @@ class DataConfig:
     )
 
     def split_weights(self) -> list[float]:
-        parts = self.split.replace("/", ",").split(",")
+        # Megatron-LM's Llama-3 example passes --split "'99,1,0'": the quotes reach argv.
+        parts = self.split.strip("'\"").replace("/", ",").split(",")
         try:
             weights = [float(p) for p in parts]
         except ValueError:
@@ -101,14 +111,24 @@ class DataConfig:
             "--valid-data-path/--test-data-path need --train-data-path",
         )
         _require(
+            self.tokenizer_type not in _MISSING_TOKENIZERS,
+            f"--tokenizer-type {self.tokenizer_type}: "
+            f"{_MISSING_TOKENIZERS.get(self.tokenizer_type)}",
+        )
+        _require(
             self.tokenizer_type in TOKENIZERS,
             f"--tokenizer-type {self.tokenizer_type} is not supported; use one of "
             f"{', '.join(t for t in TOKENIZERS if t)}",
         )
-        if self.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        if self.tokenizer_type in (*SENTENCEPIECE, "HuggingFaceTokenizer"):
             _require(
                 self.tokenizer_model is not None,
                 f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
-                f"{'FILE' if self.tokenizer_type == 'SentencePieceTokenizer' else 'DIR'}",
+                f"{'DIR' if self.tokenizer_type == 'HuggingFaceTokenizer' else 'FILE'}",
             )
+        _require(
+            self.tokenizer_type is not None or not (self.vocab_file or self.merge_file),
+            "--vocab-file/--merge-file are GPT2BPETokenizer's files: add --tokenizer-type "
+            "GPT2BPETokenizer",
+        )
         self.split_weights()

@@ -25,6 +25,12 @@ class KernelConfig:
         help="default: Transformer Engine's fused attention when it imports on CUDA, else local",
         choices=("local", "transformer_engine"),
     )
+    # Megatron-LM's --deterministic-mode (kernels/determinism.py): bitwise-repeatable runs.
+    deterministic_mode: bool = arg(
+        False,
+        help="bitwise-repeatable runs: deterministic kernels and attention backward, NCCL ring "
+        "all-reduces (as Megatron-LM)",
+    )
     # auto: SDPA picks (flash, cuDNN, memory-efficient, math); flash: FlashAttention; fused:
     # cuDNN fused attention (TE's when TE is used); unfused/local: the plain softmax(QK^T)V.
     attention_backend: str = arg(

@@ -149,9 +149,13 @@ class TrainingConfig:
     exit_signal_handler: bool = arg(
         False, help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0"
     )
+    # On by default, as in Megatron-LM: stop at the first inf/nan loss or nan gradient, naming
+    # the rank (inf gradients are the fp16 loss scaler's to skip).
     check_for_nan_in_loss_and_grad: bool = arg(
-        False, help="stop at the first non-finite loss or gradient, naming iteration and rank"
-    )  # stop at the first inf/nan, naming the rank
+        True,
+        flag="--no-check-for-nan-in-loss-and-grad",
+        help="do not stop at the first non-finite loss or NaN gradient",
+    )
     check_for_spiky_loss: bool = arg(
         False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
     )  # log batches whose loss jumps (see training/numerics)

@@ -30,6 +30,14 @@ class SentencePieceTokenizer:
         return self.processor.decode([int(i) for i in ids])
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer: sentencepiece with a BOS before every text (so a
+    prompt gets its BOS from `tokenize` itself)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self.processor.encode(text)]
+
+
 class HuggingFaceTokenizer:
     """A Hugging Face tokenizer from a local directory (`--tokenizer-model DIR`): through
     `transformers.AutoTokenizer` when installed (chat templates included), else the
@@ -137,8 +145,10 @@ class NullTokenizer:
 
 def build_tokenizer(config: DataConfig, vocab_size: int | None):
     """The tokenizer `--tokenizer-type` names, or None for `--mock-data` without a tokenizer."""
-    if config.tokenizer_type == "SentencePieceTokenizer":
+    if config.tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         return SentencePieceTokenizer(config.tokenizer_model)
+    if config.tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(config.tokenizer_model)
     if config.tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(config.vocab_file, config.merge_file)
     if config.tokenizer_type == "HuggingFaceTokenizer":

@@ -29,6 +29,7 @@ from threefold.kernels.cross_entropy import (
     softmax_gradient,
     sum_of_exponentials,
 )
+from threefold.kernels.determinism import deterministic_environment, use_deterministic_algorithms
 from threefold.kernels.external import ApexNorms, TEAttention, try_import
 from threefold.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -48,6 +49,9 @@ _CUDA_PREFERENCE = (
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
 )
+
+# SDPA backends whose backward is deterministic under torch.use_deterministic_algorithms.
+_DETERMINISTIC = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,14 @@ def _choose_attention(
     if backend == "auto" and not _on_gpu(device):
         return reference.attention, "SDPA (PyTorch's choice on CPU)"
     wanted = _CUDA_PREFERENCE if backend == "auto" else (_SDPA_BACKENDS[backend],)
+    if config.deterministic_mode and _on_gpu(device):
+        # FlashAttention's and cuDNN's backward add into dQ with atomics (kernels/determinism.py)
+        if backend in ("flash", "fused"):
+            raise ConfigError(
+                f"--attention-backend {backend} with --deterministic-mode: its backward is not "
+                "deterministic in SDPA; use auto (memory-efficient attention) or unfused"
+            )
+        wanted = tuple(b for b in wanted if b in _DETERMINISTIC)
     runnable = []
     for candidate in wanted:
         for expand in (False, True):  # some backends lack grouped-query support: expand K/V
@@ -292,6 +304,9 @@ def configure(
         )
 
     parts = {}
+    if config.deterministic_mode:
+        deterministic_environment()
+        parts["mode"] = use_deterministic_algorithms()
     KERNELS.attention, parts["attention"] = _choose_attention(config, te, attention, device, dtype)
     apex = try_import("apex.normalization.fused_layer_norm") if cuda else None
     if not config.norm_fusion:

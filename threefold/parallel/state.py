@@ -19,6 +19,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.pipeline_parallel.p2p import destroy_p2p_groups, initialize_p2p_groups
 
@@ -49,7 +50,10 @@ def initialize_distributed(backend: str | None = None, timeout_minutes: int = 10
     """
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        raise ConfigError(
+            "--distributed-backend nccl needs CUDA GPUs and this machine has none; pass "
+            "--distributed-backend gloo (or leave it out: gloo on CPU, nccl on GPUs)"
+        )
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -115,9 +119,17 @@ def initialize_model_parallel(
     initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
-def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
+def initialize_from_config(
+    parallel, deterministic: bool = False
+) -> tuple[torch.device, ParallelContext]:
     """torch.distributed from torchrun's environment and megatron-core's groups for the
-    layout of a ParallelConfig; returns this rank's device and its parallel context."""
+    layout of a ParallelConfig; returns this rank's device and its parallel context.
+    `deterministic` (--deterministic-mode): NCCL's and cuBLAS's settings go into the
+    environment first, before any communicator or handle reads them."""
+    if deterministic:
+        from threefold.kernels.determinism import deterministic_environment
+
+        deterministic_environment()
     device = initialize_distributed(
         parallel.distributed_backend, parallel.distributed_timeout_minutes
     )

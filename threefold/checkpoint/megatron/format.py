@@ -33,6 +33,8 @@ _TOKENIZERS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "HuggingFaceTokenizer": ("tokenizer_model",),
     "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
     "NullTokenizer": (),
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
