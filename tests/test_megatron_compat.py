@@ -361,22 +361,28 @@ def test_nan_checking_is_on_by_default_as_in_megatron():
             "HuggingFaceTokenizer",
         ),
         (
-            ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"],
-            "--vocab-file/--merge-file are GPT2BPETokenizer's files: add --tokenizer-type "
-            "GPT2BPETokenizer",
+            ["--vocab-file", "vocab.json"],
+            "--vocab-file and --merge-file (GPT2BPETokenizer's files) go together; give both, "
+            "or --tokenizer-type for another tokenizer",
         ),
         (
             ["--tokenizer-type", "Llama2Tokenizer"],
             "--tokenizer-type Llama2Tokenizer needs --tokenizer-model FILE",
         ),
     ],
-    ids=["tiktoken", "bpe-files-without-type", "llama2-without-model"],
+    ids=["tiktoken", "vocab-without-merges", "llama2-without-model"],
 )
 def test_megatron_tokenizer_mistakes_are_one_line(extra, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(BASE + extra)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == f"pretrain_gpt.py: error: {message}"
+
+
+def test_gpt2_files_without_a_type_are_gpt2s_tokenizer():
+    """Megatron-LM's GPT-3 example passes --vocab-file/--merge-file and no --tokenizer-type."""
+    config = parse_args(BASE + ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"])
+    assert config.data.tokenizer_type == "GPT2BPETokenizer"
 
 
 def test_megatrons_sentencepiece_tokenizers(tmp_path):

@@ -28,6 +28,9 @@ class _Parser(argparse.ArgumentParser):
     real one."""
 
     def error(self, message: str):
+        missing = _megatron_feature(message)
+        if missing:
+            self.exit(2, f"{self.prog}: error: {missing}\n")
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
             flag = unknown.group(1).split("=")[0]
@@ -41,6 +44,34 @@ class _Parser(argparse.ArgumentParser):
             message = None  # the same refusal, printed by local rank 0
             _let_local_rank_zero_speak()
         super().exit(status, message)
+
+
+def _megatron_feature(message: str) -> str | None:
+    """argparse's refusal of a Megatron-LM flag (or choice) threefold knows it lacks, as one
+    line naming the features instead."""
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flags = [word.split("=")[0] for word in unknown.group(1).split() if word.startswith("--")]
+        named = {flag: megatron_compat.missing_feature(flag) for flag in flags}
+        if not any(named.values()):
+            return None
+        features = dict.fromkeys(feature for feature in named.values() if feature)
+        others = [flag for flag, feature in named.items() if feature is None]
+        flags_of = {f: [flag for flag, g in named.items() if g == f] for f in features}
+        listed = "; ".join(f"{' '.join(flags_of[f])}: {f}" for f in features)
+        tail = f" (also unknown: {' '.join(others)})" if others else ""
+        return (
+            f"Megatron-LM features threefold does not have - {listed}; drop those flags"
+            f"{tail} (docs/megatron_compat.md)"
+        )
+    choice = re.match(r"argument (--[\w-]+)(?:/\S+)?: invalid choice: '([^']*)'", message)
+    if choice and (choice.group(1), choice.group(2)) in megatron_compat.MISSING_CHOICES:
+        feature = megatron_compat.MISSING_CHOICES[(choice.group(1), choice.group(2))]
+        return (
+            f"{choice.group(1)} {choice.group(2)}: {feature}, a Megatron-LM feature threefold "
+            "does not have (docs/megatron_compat.md)"
+        )
+    return None
 
 
 def speaks_for_its_machine() -> bool:

@@ -33,6 +33,11 @@ ALIASES = {
 ONLY_DEFAULT = {
     "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
+    "--optimizer": (
+        str,
+        "adam",
+        "the optimizer is Adam with decoupled weight decay (Megatron-LM's adam)",
+    ),
     # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
@@ -86,6 +91,8 @@ NO_COUNTERPART = {
     "--ckpt-fully-parallel-save": "torch.distributed.checkpoint already writes each tensor that "
     "data-parallel replicas share once, from the replica with the "
     "least to write, so the replicas share the writing",
+    "--no-ckpt-fully-parallel-save": "torch.distributed.checkpoint spreads the writing of "
+    "shared tensors over their replicas either way",
     "--use-cpu-initialization": "parameters are always initialized on the CPU (from --seed, "
     "the same in every layout) and then moved to the device",
     "--fp16-lm-cross-entropy": "the cross-entropy is always computed in fp32 (by default in "
@@ -167,3 +174,103 @@ def check(given: dict[str, object]) -> list[str]:
         else:
             notes.append(f"{flag} has no effect: {NO_COUNTERPART[flag]}")
     return notes
+
+
+# Megatron-LM flags of features threefold does not have: refused in one line naming the
+# feature, not with argparse's "unrecognized arguments". A key ending in "-" is a prefix.
+MISSING = {
+    "--fp8-": "FP8 training",
+    "--fp4-": "FP4 training",
+    "--first-last-layers-bf16": "FP8 training",
+    "--num-layers-at-start-in-bf16": "FP8 training",
+    "--num-layers-at-end-in-bf16": "FP8 training",
+    "--multi-latent-attention": "multi-latent attention (MLA)",
+    "--q-lora-rank": "multi-latent attention (MLA)",
+    "--kv-lora-rank": "multi-latent attention (MLA)",
+    "--qk-head-dim": "multi-latent attention (MLA)",
+    "--qk-pos-emb-head-dim": "multi-latent attention (MLA)",
+    "--v-head-dim": "multi-latent attention (MLA)",
+    "--rotary-scaling-factor": "multi-latent attention's YaRN RoPE",
+    "--mscale": "multi-latent attention's YaRN RoPE",
+    "--mscale-all-dim": "multi-latent attention's YaRN RoPE",
+    "--rotary-interleaved": "interleaved rotary embeddings",
+    "--squared-relu": "squared-ReLU MLPs",
+    "--experimental-attention-variant": "gated/linear attention variants",
+    "--linear-": "gated/linear attention variants",
+    "--attention-output-gate": "gated/linear attention variants",
+    "--apply-wd-to-qk-layernorm": "weight decay on QK-norm weights",
+    "--tp-comm-overlap": "tensor-parallel communication overlap (TE userbuffers)",
+    "--use-megatron-fsdp": "Megatron-FSDP (threefold shards with torch FSDP2: --use-torch-fsdp2)",
+    "--data-parallel-sharding-strategy": "Megatron-FSDP",
+    "--outer-dp-sharding-strategy": "Megatron-FSDP",
+    "--megatron-fsdp-": "Megatron-FSDP",
+    "--num-distributed-optimizer-instances": "several distributed-optimizer instances",
+    "--muon-": "the Muon optimizer",
+    "--rerun-mode": "Megatron-LM's rerun state machine",
+    "--error-injection-": "Megatron-LM's rerun state machine",
+    "--result-rejected-tracker-filename": "Megatron-LM's rerun state machine",
+    "--check-weight-hash-across-dp-replicas-interval": "weight-hash checks across replicas",
+    "--use-tp-pp-dp-mapping": "the TP-PP-DP rank order (threefold keeps megatron-core's "
+    "default TP-CP-EP-DP-PP)",
+    "--overlap-p2p-communication-warmup-flush": "Megatron-LM's pipeline warm-up tuning",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
+    "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",
+    "--account-for-embedding-in-pipeline-split": "pipeline splits counting embedding and loss",
+    "--account-for-loss-in-pipeline-split": "pipeline splits counting embedding and loss",
+    "--defer-embedding-wgrad-compute": "deferred embedding weight gradients",
+    "--wgrad-deferral-limit": "deferred embedding weight gradients",
+    "--ddp-average-in-collective": "averaging gradients inside the reduce-scatter",
+    "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
+    "optimizer step",
+    "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
+    "--moe-router-dtype": "DeepSeek-V3-style routing options",
+    "--moe-router-group-topk": "DeepSeek-V3-style routing options",
+    "--moe-router-num-groups": "DeepSeek-V3-style routing options",
+    "--moe-router-topk-scaling-factor": "DeepSeek-V3-style routing options",
+    "--moe-router-enable-expert-bias": "DeepSeek-V3-style routing options",
+    "--moe-router-bias-update-rate": "DeepSeek-V3-style routing options",
+    "--moe-shared-expert-gate": "gated shared experts",
+    "--moe-permute-fusion": "Transformer Engine's fused MoE permutation",
+    "--step-batch-size-schedule": "batch-size schedules by step",
+    "--eval-global-batch-size": "a separate evaluation batch size",
+    "--save-retain-interval": "retaining every Nth checkpoint",
+    "--cross-entropy-fusion-impl": "Transformer Engine's fused cross-entropy",
+    "--ckpt-assume-constant-structure": "Megatron-LM's cached checkpoint structure",
+    "--async-strategy": "Megatron-LM's asynchronous checkpoint strategies",
+    "--fim-": "fill-in-the-middle data",
+    "--export-": "ModelOpt export and distillation",
+    "--use-mup": "muP parametrization",
+    "--mup-": "muP parametrization",
+    "--cuda-graph-": "CUDA graphs",
+    "--enable-cuda-graph": "CUDA graphs",
+    "--test-mode": "Megatron-LM's test mode",
+    "--verify-integrity": "Megatron-LM's dataset integrity verification",
+    "--inference-": "Megatron-LM's inference engine (threefold samples with tools/generate.py)",
+    "--max-tokens-to-oom": "Megatron-LM's inference engine",
+    "--num-tokens-to-generate": "Megatron-LM's inference engine",
+    "--prompts": "Megatron-LM's inference engine",
+    "--incoming-requests-per-sec": "Megatron-LM's inference engine",
+    "--enable-chunked-prefill": "Megatron-LM's inference engine",
+    "--return-log-probs": "Megatron-LM's inference engine",
+    "--rl-": "reinforcement learning (GRPO)",
+    "--grpo-": "reinforcement learning (GRPO)",
+    "--perform-rl-step": "reinforcement learning (GRPO)",
+    "--langrl-env-config": "reinforcement learning (GRPO)",
+}
+# (flag, value) -> the feature a Megatron-LM choice selects that threefold does not have
+MISSING_CHOICES = {
+    ("--moe-router-load-balancing-type", "sinkhorn"): "Sinkhorn routing",
+    ("--moe-router-load-balancing-type", "global_aux_loss"): "the global auxiliary loss",
+    ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
+    ("--cp-comm-type", "a2a+p2p"): "hierarchical a2a+p2p context parallelism",
+    ("--position-embedding-type", "yarn"): "YaRN rotary embeddings",
+    ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",
+}
+
+
+def missing_feature(flag: str) -> str | None:
+    """The Megatron-LM feature an unknown flag belongs to, when threefold knows it lacks it."""
+    if flag in MISSING:
+        return MISSING[flag]
+    prefixes = [key for key in MISSING if key.endswith("-") and flag.startswith(key)]
+    return MISSING[max(prefixes, key=len)] if prefixes else None

@@ -126,9 +126,12 @@ class DataConfig:
                 f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
                 f"{'DIR' if self.tokenizer_type == 'HuggingFaceTokenizer' else 'FILE'}",
             )
-        _require(
-            self.tokenizer_type is not None or not (self.vocab_file or self.merge_file),
-            "--vocab-file/--merge-file are GPT2BPETokenizer's files: add --tokenizer-type "
-            "GPT2BPETokenizer",
-        )
+        if self.tokenizer_type is None and (self.vocab_file or self.merge_file):
+            # GPT-2's files name their tokenizer (Megatron-LM's GPT-3 example passes no type)
+            _require(
+                bool(self.vocab_file and self.merge_file),
+                "--vocab-file and --merge-file (GPT2BPETokenizer's files) go together; give "
+                "both, or --tokenizer-type for another tokenizer",
+            )
+            self.tokenizer_type = "GPT2BPETokenizer"
         self.split_weights()

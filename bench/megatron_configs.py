@@ -1,0 +1,130 @@
+"""Megatron-LM's own functional-test configs against threefold's command line.
+
+Reads every `tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml` of a Megatron-LM
+checkout, turns its MODEL_ARGS into a pretrain_gpt.py command line the way the test harness
+does, makes it runnable on a CPU, and parses it with threefold: each config either parses (the
+run would start) or stops in one line naming what is missing. A generic argparse message
+(`unrecognized arguments`, `invalid choice`) is a gap in threefold's Megatron compatibility.
+
+    git clone https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM
+    python bench/megatron_configs.py /tmp/Megatron-LM > bench/results/megatron_configs.md
+
+What is changed to run on a CPU, and nothing else: the data and tokenizer files become
+`--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters), paths of
+checkpoints and TensorBoard become a scratch directory, `--distributed-backend nccl` becomes
+gloo, `--transformer-impl transformer_engine` becomes local, and the model shrinks (hidden 64,
+4 heads or the config's if it divides 64, FFN 128, sequence 64, 2 iterations); layers, parallel
+layout, precision, and every other flag stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import os
+import sys
+import tempfile
+
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DROPPED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path"}
+PATHS = {"--save", "--load", "--tensorboard-dir", "--wandb-save-dir", "--profile-dir"}
+SHRUNK = {
+    "--hidden-size": "64",
+    "--ffn-hidden-size": "128",
+    "--seq-length": "64",
+    "--max-position-embeddings": "64",
+    "--train-iters": "2",
+    "--kv-channels": "16",
+    "--moe-ffn-hidden-size": "32",
+    "--moe-shared-expert-intermediate-size": "32",
+}
+
+
+def command_line(model_args: dict, scratch: str) -> list[str]:
+    """A config's MODEL_ARGS as the argv its harness passes, made runnable on a CPU."""
+    argv: list[str] = []
+    for flag, value in model_args.items():
+        if flag in DROPPED or value is False or value is None:
+            continue
+        if flag in ("--save", "--load"):  # the harness's fresh run: --load is its --save
+            value = os.path.join(scratch, "checkpoints")
+        elif flag in PATHS:
+            value = os.path.join(scratch, flag.strip("-"))
+        elif flag in SHRUNK:
+            value = SHRUNK[flag]
+        elif flag == "--num-attention-heads":
+            value = str(value) if 64 % int(value) == 0 and int(value) <= 16 else "4"
+        elif flag == "--distributed-backend":
+            value = "gloo"
+        elif flag == "--transformer-impl" and value == "transformer_engine":
+            value = "local"  # Transformer Engine does not install without CUDA
+        elif flag == "--tokenizer-type" and value != "NullTokenizer":
+            continue  # its files are dropped: mock data with --vocab-size
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    if "--num-query-groups" in model_args:
+        groups = int(model_args["--num-query-groups"])
+        heads = int(argv[argv.index("--num-attention-heads") + 1])
+        argv[argv.index("--num-query-groups") + 1] = str(groups if heads % groups == 0 else 1)
+    return argv + ["--mock-data", "--vocab-size", "1024"]
+
+
+def world_size(argv: list[str]) -> int:
+    def size(flag: str) -> int:
+        return int(argv[argv.index(flag) + 1]) if flag in argv else 1
+
+    return (
+        size("--tensor-model-parallel-size")
+        * size("--pipeline-model-parallel-size")
+        * size("--context-parallel-size")
+    )
+
+
+def outcome(argv: list[str]) -> tuple[str, str]:
+    """('parses' | 'refused' | 'argparse', the one line) for a command line."""
+    from threefold.arguments import parse_args
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parse_args(argv, world_size=world_size(argv))
+        except SystemExit:
+            lines = [line for line in err.getvalue().splitlines() if "error:" in line]
+            message = lines[-1].split("error: ", 1)[1] if lines else err.getvalue().strip()
+            generic = "unrecognized arguments" in message or "invalid choice" in message
+            return ("argparse" if generic else "refused"), message
+    return "parses", ""
+
+
+def main(root: str) -> None:
+    pattern = os.path.join(root, "tests/functional_tests/test_cases/{}/*/model_config.yaml")
+    files = sorted(glob.glob(pattern.format("gpt")) + glob.glob(pattern.format("moe")))
+    counts: dict[str, int] = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in files:
+            with open(path) as f:
+                model_args = (yaml.safe_load(f) or {}).get("MODEL_ARGS") or {}
+            if not model_args:
+                continue
+            kind, message = outcome(command_line(model_args, scratch))
+            counts[kind] = counts.get(kind, 0) + 1
+            name = "/".join(path.split(os.sep)[-3:-1])
+            rows.append(f"| {name} | {kind} | {message.replace('|', '/')} |")
+    print(f"{len(rows)} configs: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    print()
+    print("| config | outcome | the line |")
+    print("| --- | --- | --- |")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
