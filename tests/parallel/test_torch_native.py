@@ -48,6 +48,16 @@ def test_ten_steps_with_clipping_match_single_process(reference, strategy, flags
     assert_matches_reference(results, reference, DP_TOLERANCE)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_inside_match_single_process(reference, strategy, sequence_parallel):
+    """2D: FSDP2 (or DDP) over DP = 2, threefold's TP = 2 inside; ten steps with clipping."""
+    flags = ["--distributed-strategy", strategy, "--tensor-model-parallel-size", "2"]
+    flags += ["--sequence-parallel"] if sequence_parallel else []
+    results = run_distributed(4, train_job, LLAMA_STYLE + TRAINING + flags, 10)
+    assert_matches_reference(results, reference, DP_TOLERANCE)
+
+
 @pytest.mark.parametrize("strategy,expected", [("ddp", 16.0), ("fsdp", 8.0)])
 def test_bytes_per_parameter(strategy, expected):
     # fp32 parameters, gradients and Adam moments: 4 + 4 + 8, all sharded over 2 ranks by FSDP.
@@ -60,7 +70,6 @@ def test_bytes_per_parameter(strategy, expected):
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 1"),
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
         (["--overlap-grad-reduce"], "--overlap-grad-reduce"),

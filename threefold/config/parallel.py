@@ -313,11 +313,12 @@ class ParallelConfig:
             strategy in STRATEGIES, f"--distributed-strategy must be one of {', '.join(STRATEGIES)}"
         )
         if strategy in ("ddp", "fsdp"):
+            # TP composes (2D: FSDP2/DDP over DP, threefold's TP layers inside, as torchtitan
+            # and Megatron-LM's --use-torch-fsdp2 do); pipeline stages do not yet.
             _require(
-                self.model_parallel_size == 1,
-                f"--distributed-strategy {strategy} needs --tensor-model-parallel-size 1 "
-                "and --pipeline-model-parallel-size 1; use --distributed-strategy "
-                "megatron for tensor/pipeline parallelism",
+                self.pipeline_model_parallel_size == 1,
+                f"--distributed-strategy {strategy} needs --pipeline-model-parallel-size 1; "
+                "use --distributed-strategy megatron for pipeline parallelism",
             )
             megatron_only = [
                 flag

@@ -21,7 +21,11 @@ import torch
 from torch import nn
 
 from threefold.config import Config
-from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer, finalize_model_grads
+from threefold.parallel.data_parallel.gradient_buffer import (
+    GradientBuffer,
+    all_reduce_sequence_parallel_grads,
+    finalize_model_grads,
+)
 from threefold.parallel.data_parallel.torch_native import (
     local,
     no_sync_context,
@@ -191,6 +195,7 @@ class TorchDataParallel:
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
         self.wrapped_chunks = [wrapped]
+        self.parallel = parallel
         self.optimizer = NativeOptimizer(
             list(model.named_parameters()), config.training, parallel, sharded=fsdp
         )
@@ -207,7 +212,9 @@ class TorchDataParallel:
         return torch.autocast(self.device_type, dtype=self.compute_dtype)
 
     def finish_grad_sync(self) -> None:
-        pass  # DDP and FSDP reduce the gradients during backward
+        # DDP and FSDP reduce over DP during backward; what remains is TP's part.
+        params = list(self.model_chunks[0].parameters())
+        all_reduce_sequence_parallel_grads(params, self.parallel.tp, lambda p: local(p.grad))
 
     def local_grads(self) -> list[torch.Tensor]:
         return [

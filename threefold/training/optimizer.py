@@ -458,7 +458,10 @@ class NativeOptimizer(_AdamWithMasters):
         parallel: ParallelContext,
         sharded: bool,
     ) -> None:
-        self.reduction_groups = [parallel.dp_cp.group] if sharded else []
+        # FSDP shards over DP; TP shards (and counts TP-replicated weights once) either way.
+        self.reduction_groups = ([parallel.dp_cp.group] if sharded else []) + (
+            [parallel.tp.group] if parallel.tp.size > 1 else []
+        )
         self.tp_rank = parallel.tp.rank
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]

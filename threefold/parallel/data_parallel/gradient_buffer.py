@@ -256,8 +256,13 @@ def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor
     return hook
 
 
-def all_reduce_sequence_parallel_grads(params: list[nn.Parameter], tp: Group) -> None:
-    grads = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+def all_reduce_sequence_parallel_grads(
+    params: list[nn.Parameter], tp: Group, grad_of: Callable = lambda p: p.main_grad
+) -> None:
+    """Sum over TP the gradients of weights every TP rank applies to its own part of the
+    sequence (norms under sequence parallelism). `grad_of`: where a parameter's gradient is
+    (its main_grad; this rank's shard of `.grad` under PyTorch DDP/FSDP2)."""
+    grads = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
     if not grads or tp.size == 1:
         return
     flat = tp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))

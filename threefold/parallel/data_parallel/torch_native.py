@@ -11,8 +11,13 @@
 `--grad-reduce-in-bf16` reduces gradients in bf16 instead: DDP through its bf16 compression
 hook, FSDP2 through the policy's `reduce_dtype`.
 
-Both need TP = PP = 1 (checked by the config). Gradient synchronization is skipped on all but
-the last micro-batch of a step (`no_sync_context`), so accumulation costs one reduction.
+Both compose with tensor parallelism (2D, as torchtitan and Megatron-LM's --use-torch-fsdp2):
+threefold's TP layers hold their shards and run their own collectives, and DDP/FSDP2 work over
+the data-parallel group only, each TP rank's shard replicated (DDP) or sharded (FSDP2) across
+its DP peers. Sequence-parallel norm weights are then summed over TP after the DP reduction,
+as in the megatron strategy. PP needs --distributed-strategy megatron (checked by the config).
+Gradient synchronization is skipped on all but the last micro-batch of a step
+(`no_sync_context`), so accumulation costs one reduction.
 """
 
 from __future__ import annotations
@@ -80,10 +85,13 @@ def wrap_fsdp(
         name: {a: getattr(p, a) for a in PARAMETER_ATTRIBUTES if hasattr(p, a)}
         for name, p in model.named_parameters()
     }
-    # With TP = PP = 1 the data-parallel group is the whole world; the default group (never
-    # torn down and re-created as megatron-core's are when a layout changes) backs the mesh.
-    assert dp.size == dist.get_world_size()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    # Without TP the data-parallel group is the whole world: the default group (never torn
+    # down and re-created as megatron-core's are when a layout changes) backs the mesh.
+    group = dist.group.WORLD if dp.size == dist.get_world_size() else dp.group
+    # DTensor caches sharding plans by mesh, and meshes over the same ranks compare equal
+    # unless their dimensions are named apart: named after the group, a mesh over groups
+    # re-created for another layout (the test workers do that) never reuses a stale plan.
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"dp{group.group_name}",))
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=reduce_dtype,
