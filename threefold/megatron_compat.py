@@ -231,6 +231,7 @@ MISSING = {
     "--moe-router-bias-update-rate": "DeepSeek-V3-style routing options",
     "--moe-shared-expert-gate": "gated shared experts",
     "--moe-permute-fusion": "Transformer Engine's fused MoE permutation",
+    "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--step-batch-size-schedule": "batch-size schedules by step",
     "--eval-global-batch-size": "a separate evaluation batch size",
     "--save-retain-interval": "retaining every Nth checkpoint",
@@ -259,7 +260,6 @@ MISSING = {
 }
 # (flag, value) -> the feature a Megatron-LM choice selects that threefold does not have
 MISSING_CHOICES = {
-    ("--moe-router-load-balancing-type", "sinkhorn"): "Sinkhorn routing",
     ("--moe-router-load-balancing-type", "global_aux_loss"): "the global auxiliary loss",
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
     ("--cp-comm-type", "a2a+p2p"): "hierarchical a2a+p2p context parallelism",

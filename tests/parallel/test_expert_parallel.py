@@ -121,13 +121,88 @@ def test_sequence_aux_loss_is_the_mean_over_sequences():
     assert losses["seq_load_balancing_loss"].item() == pytest.approx(expected, rel=1e-5)
 
 
+SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+
+
+def _reference_sinkhorn(logits: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
+    """exp(logits) scaled row- and column-wise, written out entry by entry (float64)."""
+    cost = logits.double().exp()
+    tokens, experts = cost.shape
+    rows, columns = [1.0] * tokens, [1.0] * experts
+    error = 1e9
+    while error > tolerance:
+        rows = [
+            1 / tokens / (sum(columns[e] * cost[t, e] for e in range(experts)) + 1e-8)
+            for t in range(tokens)
+        ]
+        new = [
+            1 / experts / (sum(rows[t] * cost[t, e] for t in range(tokens)) + 1e-8)
+            for e in range(experts)
+        ]
+        error = sum(abs(a - b) for a, b in zip(columns, new)) / experts
+        columns = new
+    return torch.tensor(
+        [[rows[t] * cost[t, e] * columns[e] for e in range(experts)] for t in range(tokens)]
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sinkhorn_routing_matches_the_reference(k):
+    """Training routes to the top-k of the Sinkhorn-balanced scores with sigmoid (k = 1) or
+    softmax weights; evaluation to the plain top-k; no auxiliary loss."""
+    config = _model_config(*SINKHORN, "--moe-router-topk", str(k))
+    router = TopKRouter(config, ParallelContext(), normal_init(0.5))
+    torch.nn.init.normal_(router.weight, std=0.3, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = (tokens @ router.weight.detach().T).double()
+    balanced = _reference_sinkhorn(logits)
+    # balanced: every expert receives the same share of the tokens
+    torch.testing.assert_close(
+        balanced.sum(0), torch.full((4,), 1 / 4, dtype=torch.float64), atol=1e-3, rtol=0
+    )
+    scores = torch.sigmoid(logits) if k == 1 else torch.softmax(logits, dim=-1)
+    for training, chooser in ((True, balanced), (False, scores)):
+        router.train(training)
+        probs, routing_map, losses = router(tokens, batch_size=2)
+        chosen = chooser.topk(k, dim=-1).indices
+        expected = torch.zeros_like(scores).scatter(1, chosen, scores.gather(1, chosen))
+        torch.testing.assert_close(probs.detach().double(), expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(routing_map, expected > 0)
+        assert "load_balancing_loss" not in losses
+    assert not torch.equal(balanced.topk(k).indices, scores.topk(k).indices)  # it mattered
+
+
+@pytest.mark.parametrize(
+    "world_size,layout",
+    [
+        (2, ["--expert-model-parallel-size", "2"]),
+        (
+            4,
+            ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+            + ["--sequence-parallel"]
+            + ["--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
+        ),
+    ],
+    ids=["ep2", "ep2xtp2-sp"],
+)
+def test_sinkhorn_routing_matches_single_process(world_size, layout):
+    """The normalization runs over the micro-batch's tokens gathered from the TP ranks that
+    each route a slice of them, so TP x SP routes as one device does."""
+    argv = LLAMA_STYLE + TRAINING + MOE + SINKHORN + ["--moe-router-topk", "1"]
+    reference = _train_with_statistics(argv, 10)
+    results = run_distributed(world_size, _train_with_statistics, argv + layout, 10)
+    assert_matches_reference(results, reference, TOLERANCE)
+    for result in results:
+        np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("pad", [False, True])
 def test_capacity_keeps_the_chosen_tokens(policy, pad):
     flags = ["--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", policy]
     config = _model_config(*flags, *(["--moe-pad-expert-input-to-capacity"] if pad else []))
     router = TopKRouter(config, ParallelContext(), normal_init(0.5))
-    torch.nn.init.normal_(router.weight, std=2.0, generator=torch.Generator().manual_seed(0))
+    torch.nn.init.normal_(router.weight, std=0.3, generator=torch.Generator().manual_seed(0))
     tokens = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(3))
     probs, routing_map, _ = router(tokens, batch_size=2)
     logits = tokens @ router.weight.detach().T

@@ -13,7 +13,7 @@ from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, MODEL, arg
 
 GROUP = "mixture of experts"
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 # Megatron's --moe-layer-freq pattern, "([0]*1+[1]*3)": read by this, never evaluated.
 _PATTERN_TERM = re.compile(r"^\[\s*([01])\s*\](?:\s*\*\s*(\d+))?$")
 
@@ -76,7 +76,8 @@ class MoEConfig:
         checkpoint=MODEL,
         group=GROUP,
         choices=LOAD_BALANCING_TYPES,
-        help="aux_loss (over the micro-batch), seq_aux_loss (per sequence) or none",
+        help="aux_loss (over the micro-batch), seq_aux_loss (per sequence), sinkhorn "
+        "(balanced routing, no loss) or none",
     )
     moe_aux_loss_coeff: float = arg(
         0.0, checkpoint=MODEL, group=GROUP, help="weight of the load-balancing loss"
@@ -158,6 +159,11 @@ class MoEConfig:
             f"--moe-router-load-balancing-type must be one of {', '.join(LOAD_BALANCING_TYPES)}",
         )
         _require(self.moe_aux_loss_coeff >= 0, "--moe-aux-loss-coeff must be >= 0")
+        _require(
+            self.moe_router_load_balancing_type != "sinkhorn" or not self.moe_aux_loss_coeff,
+            "--moe-router-load-balancing-type sinkhorn balances by routing and takes no "
+            "auxiliary loss: drop --moe-aux-loss-coeff (or set it to 0)",
+        )
         _require(
             self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
             "--moe-z-loss-coeff must be >= 0",

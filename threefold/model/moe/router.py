@@ -6,6 +6,13 @@
     capacity : --moe-expert-capacity-factor keeps at most ceil(tokens x k / experts x factor)
                tokens per expert, by probability or by position (--moe-token-drop-policy)
 
+`--moe-router-load-balancing-type sinkhorn` (Megatron's, as in BASE layers) balances by the
+choice itself: in training the top-k experts of each token are those of the Sinkhorn-normalized
+exp(logits) (rows and columns scaled until each expert receives an equal share of the
+micro-batch), weighted by the sigmoid (k = 1) or softmax of the plain logits; in evaluation the
+plain top-k. The normalization runs over the whole micro-batch's tokens (gathered from the
+ranks that each route a slice of its sequences), so every layout routes as one device does.
+
 The load-balancing loss (Switch Transformer) over the tokens of a micro-batch is
 
     aux = coeff x E / (k T^2) x sum_e (sum_t p_te) (sum_t routed_te)
@@ -28,7 +35,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.tensor_parallel.mappings import record_collective
+from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
 
 
@@ -45,6 +52,21 @@ def top_k(
     if k > 1:
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return scores, indices
+
+
+def sinkhorn(cost: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
+    """exp(cost) [tokens, experts] scaled by row and column factors until the column factors
+    settle, as megatron-core's `sinkhorn` (same iteration, same stopping rule)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.shape[0], dtype=cost.dtype, device=cost.device)
+    d1 = torch.ones(cost.shape[1], dtype=cost.dtype, device=cost.device)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tolerance:
+        d0 = (1 / d0.shape[0]) / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.shape[0]) / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
 
 
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -112,7 +134,10 @@ class TopKRouter(nn.Module):
         routing probabilities [T, E] (0 where not routed), the routing map [T, E] and the
         auxiliary losses {name: loss with its coefficient}, when training with gradients."""
         logits = F.linear(tokens, self.weight)
-        probs, indices = top_k(logits, self.topk, self.score_function, self.pre_softmax)
+        if self.load_balancing == "sinkhorn":
+            probs, indices = self._sinkhorn_top_k(logits)
+        else:
+            probs, indices = top_k(logits, self.topk, self.score_function, self.pre_softmax)
         probs = probs.to(logits.dtype)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
         routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
@@ -128,6 +153,22 @@ class TopKRouter(nn.Module):
             losses = self._auxiliary_losses(logits, batch_size)
         return routing_probs, routing_map, losses
 
+    def _sinkhorn_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.topk == 1:
+            scores = torch.sigmoid(logits.float())
+        else:
+            scores = torch.softmax(logits.float(), dim=-1)
+        if not self.training:
+            return scores.topk(self.topk, dim=-1)
+        with torch.no_grad():
+            group = self.sequence_group
+            whole = _all_gather(logits.float(), 0, group) if group.size > 1 else logits.float()
+            balanced = sinkhorn(whole)
+            if group.size > 1:  # this rank's tokens: its block of the gathered rows
+                balanced = balanced.narrow(0, group.rank * logits.shape[0], logits.shape[0])
+            indices = balanced.topk(self.topk, dim=-1).indices
+        return scores.gather(1, indices), indices
+
     def _auxiliary_losses(self, logits: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
         losses = {}
         ranks = self.sequence_group.size
@@ -135,7 +176,7 @@ class TopKRouter(nn.Module):
             # The mean over the whole sequence: this rank's part of it.
             z = torch.logsumexp(logits.float(), dim=-1).square().mean() / ranks
             losses["z_loss"] = z * self.z_loss_coeff
-        if self.load_balancing == "none" or not self.aux_loss_coeff:
+        if self.load_balancing in ("none", "sinkhorn") or not self.aux_loss_coeff:
             return losses
         scores = scores_for_aux_loss(logits, self.score_function)
         routed = torch.zeros_like(scores).scatter(1, scores.topk(self.topk, dim=-1).indices, 1.0)
