@@ -10,6 +10,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Megatron-LM's iteration line: its timestamp, then " iteration"
+MEGATRON_LINE = re.compile(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration")
+
+
 @pytest.mark.parametrize(
     "nproc,layout,expected",
     [
@@ -79,10 +83,10 @@ def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration")]
+    lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
     assert len(lines) == 2
     assert re.match(
-        r" iteration +6/ +6 \| consumed samples: +48 \| elapsed time per iteration "
+        MEGATRON_LINE.pattern + r" +6/ +6 \| consumed samples: +48 \| elapsed time per iteration "
         r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +8 \| "
         r"lm loss: [\d.E+-]+ \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of "
         r"skipped iterations: +0 \| number of nan iterations: +0 \|",
@@ -98,7 +102,7 @@ def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
     )
     # Megatron-style parsers look for " iteration N": only Megatron's own lines have it.
     assert all(
-        line.startswith(" iteration ")
+        MEGATRON_LINE.match(line)
         for line in result.stdout.splitlines()
         if re.search(r" iteration \d", line) and "validation loss" not in line
     )

@@ -342,7 +342,7 @@ def test_token_counts_add_up_and_the_log_line_names_the_loss(capsys):
     trainer = _setup(argv + ["--train-iters", "2"])
     trainer.train()
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if x.startswith(" iteration        2/"))
+    line = next(x for x in out.splitlines() if "] iteration        2/" in x)
     assert " lm loss: " in line and " load_balancing_loss: " in line and " z_loss: " in line
     assert (
         line.index(" lm loss: ") < line.index(" load_balancing_loss: ") < line.index(" loss scale")
