@@ -76,9 +76,18 @@ def _norms_job(argv: list[str], steps: int) -> dict:
     trainer = _setup(argv)
     for _ in range(steps):
         trainer.train_step()
+    model = trainer.config.model
+    heads = model.num_attention_heads
     result = {
         "params_norm": trainer.optimizer.params_norm(),
         "num_zeros": trainer.optimizer.num_zeros_in_grad,
+        # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared
+        # by all keys): in floating point each entry may round to 0 or not, by layout.
+        "key_bias_entries": model.num_layers
+        * (model.num_query_groups or heads)
+        * (model.kv_channels or model.hidden_size // heads)
+        if model.add_bias_linear or model.add_qkv_bias
+        else 0,
     }
     if torch.distributed.is_initialized():
         return result
@@ -123,7 +132,7 @@ def test_decoupled_lr_and_norms_match_single_process(world_size, style, flags):
     expected = _norms_job(argv, 2)
     for result in run_distributed(world_size, _norms_job, argv + flags, 2):
         assert result["params_norm"] == pytest.approx(expected["params_norm"], rel=1e-6)
-        assert result["num_zeros"] == expected["num_zeros"]
+        assert abs(result["num_zeros"] - expected["num_zeros"]) <= result["key_bias_entries"]
 
 
 def test_log_line_carries_the_megatron_fields():
@@ -146,9 +155,10 @@ def test_log_line_carries_the_megatron_fields():
         params_norm=56.789,
     )
     line = format_iteration(stats)
+    # Megatron's fields first; threefold's decoupled learning rate among its own, after them
+    assert " learning rate: 1.000000E-03 | global batch size:     8 |" in line
     assert (
-        " learning rate: 1.000000E-03 | decoupled learning rate: 2.000000E-02 |"
-        " global batch size:     8 |"
+        " number of nan iterations:   0 | decoupled learning rate: 2.000000E-02 | tokens per"
     ) in line
     assert " grad norm: 0.500 | num zeros: 1234 | params norm: 56.789 |" in line
     assert np.isfinite(stats.params_norm)
