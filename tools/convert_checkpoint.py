@@ -99,7 +99,9 @@ def copy_tokenizer_files(source: str, destination: str) -> bool:
     return bool(found)
 
 
-def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
+def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
+    """(config.json, architecture, model config, threefold tensors, the weights' dtypes) of
+    a Hugging Face model directory."""
     config_file = os.path.join(load_dir, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
@@ -107,8 +109,14 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
         hf_config = json.load(f)
     architecture, model_config = model_config_from_hf(hf_config)
     weights = read_hf_weights(load_dir)
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+    dtypes = {t.dtype for t in weights.values()}
     tensors = hf_to_threefold(weights, model_config, architecture)
+    return hf_config, architecture, model_config, tensors, dtypes
+
+
+def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
+    hf_config, architecture, model_config, tensors, dtypes = read_hf_model(load_dir)
+    dtypes = {str(dtype).removeprefix("torch.") for dtype in dtypes}
     config = Config(model=model_config)
     if tokenizer_files(load_dir):  # copied into the checkpoint as it is written
         config.data.tokenizer_type = "HuggingFaceTokenizer"
@@ -197,15 +205,7 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
     """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
     iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
     if loader == "hf":
-        config_file = os.path.join(load_dir, "config.json")
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
-        with open(config_file) as f:
-            hf_config = json.load(f)
-        architecture, model_config = model_config_from_hf(hf_config)
-        weights = read_hf_weights(load_dir)
-        dtypes = {t.dtype for t in weights.values()}
-        state = hf_to_threefold(weights, model_config, architecture)
+        _, _, model_config, state, dtypes = read_hf_model(load_dir)
         config, iteration = Config(model=model_config), 0
         default = dtypes.pop() if len(dtypes) == 1 else torch.float32
     else:

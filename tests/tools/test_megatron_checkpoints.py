@@ -270,3 +270,23 @@ def test_convert_refuses_a_format_mismatch_in_one_line(megatron, tmp_path, capsy
     assert exit_info.value.code == 2
     assert "it is a megatron one: use --loader megatron" in capsys.readouterr().err
     assert not os.path.exists("x")
+
+
+def test_a_hugging_face_model_goes_to_megatron_and_back_with_its_logits(tmp_path):
+    """--loader hf --saver megatron, read back (as megatron-core reads it, tests above): the
+    logits are transformers'."""
+    from tests.tools.hf_models import VOCAB, build_hf_model, has_transformers
+
+    if not has_transformers():
+        pytest.skip("transformers is not installed")
+    hf_dir, out = str(tmp_path / "hf"), str(tmp_path / "megatron")
+    hf_model = build_hf_model("llama", hf_dir)
+    argv = ["--loader", "hf", "--saver", "megatron", "--load-dir", hf_dir, "--save-dir", out]
+    assert convert_checkpoint.main(argv) == 0
+    config, model, _ = load_model(out, with_tokenizer=False)
+    assert config.model.vocab_size == VOCAB  # threefold's own record of the unpadded size
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)[..., :VOCAB].transpose(0, 1)
+        expected = hf_model(tokens).logits
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
