@@ -94,7 +94,10 @@ def logged_losses(output: str) -> dict[str, dict[int, str]]:
     """{"train": {iteration: lm loss}, "validation": {...}} as printed (strings: equal strings
     are bitwise-equal floats); a resumed run prints some iterations twice, the last one wins."""
     train = re.findall(r" iteration +(\d+)/ +\d+ .*?lm loss: (\S+) \|", output)
-    valid = re.findall(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|", output)
+    valid = re.findall(
+        r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: (\S+) \|",
+        output,
+    )
     return {"train": {int(i): v for i, v in train}, "validation": {int(i): v for i, v in valid}}
 
 

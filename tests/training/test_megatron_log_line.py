@@ -146,6 +146,11 @@ def test_the_last_rank_prints_the_iteration_and_validation_lines():
     assert not [line for line in first if " lm loss: " in line or " validation loss at" in line]
     assert len([line for line in last if TIMESTAMP.match(line) and " lm loss: " in line]) == 2
     assert any(line.startswith(" validation loss at iteration 2 | ") for line in last)
+    # Megatron-LM's reports after training, on the validation and on the test split
+    for split in ("validation set", "test set"):
+        assert any(
+            line.startswith(f" validation loss at iteration 2 on {split} | ") for line in last
+        )
 
 
 def test_plot_logs_reads_megatrons_log(tmp_path):

@@ -163,9 +163,14 @@ class Observability:
             yield
         self.restart_window()
 
-    def validation(self, iteration: int, loss: float | None) -> None:
-        if loss is not None:
-            self.print_last(format_validation(f"iteration {iteration}", loss))
+    def validation(self, iteration: int, loss: float | None, on: str | None = None) -> None:
+        """Report an evaluation; `on`: Megatron's after-training reports ("validation set",
+        "test set"); a test-set loss is not a validation point."""
+        if loss is None:
+            return
+        prefix = f"iteration {iteration}" + (f" on {on}" if on else "")
+        self.print_last(format_validation(prefix, loss))
+        if on != "test set":
             self.writers.log_validation(iteration, loss)
             self.run_progress.validated(iteration, loss)
 

@@ -227,13 +227,17 @@ class Trainer:
         losses = []
         with self.observability:
             try:
+                completed = True
                 while self.state.iteration < self.config.training.train_iters:
                     losses.append(self._iteration())
                     reason = self.observability.exit_reason(self.state.iteration)
                     if reason is not None:
                         self.print(f"> exiting at iteration {self.state.iteration}: {reason}")
+                        completed = False
                         break
                 self.checkpointer.save_final(self.state.iteration)
+                if completed:
+                    self._final_evaluations()
                 summary = self.observability.run_progress.summary(
                     self.state.iteration, self.checkpointer.last_path
                 )
@@ -242,6 +246,15 @@ class Trainer:
                 self.checkpointer.wait()  # an earlier checkpoint in flight is a good one
                 raise
         return losses
+
+    def _final_evaluations(self) -> None:
+        """Megatron-LM's reports after training: the validation and the test split, each as
+        `validation loss at iteration N on validation set / on test set`."""
+        watch, iteration = self.observability, self.state.iteration
+        for split, name in ((1, "validation set"), (2, "test set")):
+            with watch.evaluation(iteration):
+                loss = self.evaluate(split)
+            watch.validation(iteration, loss, on=name)
 
     def _iteration(self) -> float:
         """One training iteration and what follows it: the log line, evaluation, a save."""
@@ -263,7 +276,7 @@ class Trainer:
             watch.log(numbers)
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)
-        if iteration % training.eval_interval == 0 or iteration == training.train_iters:
+        if iteration % training.eval_interval == 0:  # (the last: after training, as Megatron)
             with watch.evaluation(iteration):
                 valid_loss = self.evaluate()
             watch.validation(iteration, valid_loss)
