@@ -133,9 +133,9 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
         ),
         (["--overlap-param-gather"], 2, "--overlap-param-gather"),
         (
-            ["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"],
+            ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"],
             4,
-            "--distributed-strategy ddp",
+            "--distributed-strategy ddp needs --pipeline-model-parallel-size 1",
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],

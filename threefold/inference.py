@@ -66,3 +66,20 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
     if count == 0:
         raise ValueError("the text has fewer than 2 tokens; nothing to score")
     return total / count, count
+
+
+TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
+
+
+def add_tokenizer_flags(parser) -> None:
+    """The tools' own tokenizer flags: by default the checkpoint's tokenizer is used; a
+    Megatron-LM checkpoint names files on the machine that trained it, these name local ones."""
+    group = parser.add_argument_group("tokenizer (default: the checkpoint's)")
+    for flag in TOKENIZER_FLAGS:
+        group.add_argument(flag, help=f"instead of the checkpoint's {flag.removeprefix('--')}")
+
+
+def tokenizer_files(args) -> dict:
+    """{DataConfig field: value} of the tokenizer flags given."""
+    names = [flag.removeprefix("--").replace("-", "_") for flag in TOKENIZER_FLAGS]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.data.tokenizer import prompt_ids as encode_prompt  # noqa: E402
-from threefold.inference import generate  # noqa: E402
+from threefold.inference import add_tokenizer_flags, generate, tokenizer_files  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
@@ -46,12 +46,18 @@ def main() -> int:
         action="store_true",
         help="the prompt is a user message, rendered with the tokenizer's chat template",
     )
+    add_tokenizer_flags(parser)
     args = parser.parse_args()
     device, parallel = state.initialize_for_inference()
     try:
-        config, model, tokenizer = load_model(args.load, device, parallel=parallel)
+        config, model, tokenizer = load_model(
+            args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
+        )
         if tokenizer is None:
-            raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
+            raise ConfigError(
+                f"--load {args.load}: the run had no tokenizer (mock data, or a converted model); "
+                "give one with --tokenizer-type and its files"
+            )
         if args.chat and not getattr(tokenizer, "has_chat_template", False):
             raise ConfigError(
                 f"--chat: the tokenizer of {args.load} has no chat template (a Hugging Face "

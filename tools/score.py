@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference import score  # noqa: E402
+from threefold.inference import add_tokenizer_flags, score, tokenizer_files  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
@@ -29,14 +29,20 @@ def main() -> int:
     )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--input", required=True, help="a UTF-8 text file")
+    add_tokenizer_flags(parser)
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
     device, parallel = state.initialize_for_inference()
     try:
-        config, model, tokenizer = load_model(args.load, device, parallel=parallel)
+        config, model, tokenizer = load_model(
+            args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
+        )
         if tokenizer is None:
-            raise ConfigError(f"--load {args.load}: the run had no tokenizer (mock data)")
+            raise ConfigError(
+                f"--load {args.load}: the run had no tokenizer (mock data, or a converted model); "
+                "give one with --tokenizer-type and its files"
+            )
         with open(args.input, encoding="utf-8") as f:
             ids = tokenizer.tokenize(f.read())
         loss, count = score(model, ids, config.model.seq_length)

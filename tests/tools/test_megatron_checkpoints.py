@@ -290,3 +290,33 @@ def test_a_hugging_face_model_goes_to_megatron_and_back_with_its_logits(tmp_path
         ours = model(tokens)[..., :VOCAB].transpose(0, 1)
         expected = hf_model(tokens).logits
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_generate_samples_a_megatron_checkpoint_with_local_tokenizer_files(tmp_path):
+    """A Megatron checkpoint's args name tokenizer files on the machine that trained it:
+    generate.py takes local ones, and samples what the Hugging Face model's import does."""
+    import subprocess
+
+    from tests.tools.hf_models import build_hf_model, has_transformers
+
+    if not has_transformers():
+        pytest.skip("transformers is not installed")
+    hf_dir, megatron_dir, ours = (str(tmp_path / name) for name in ("hf", "megatron", "ours"))
+    build_hf_model("llama", hf_dir)
+    for saver, out in (("megatron", megatron_dir), ("threefold", ours)):
+        argv = ["--loader", "hf", "--saver", saver, "--load-dir", hf_dir, "--save-dir", out]
+        assert convert_checkpoint.main(argv) == 0
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "generate.py")
+    prompt = ["--prompt", "To be, or not", "--max-new-tokens", "8"]
+
+    def sample(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, tool, *prompt, *flags]
+        return subprocess.run(command, capture_output=True, text=True, timeout=240)
+
+    without = sample("--load", megatron_dir)
+    assert without.returncode == 2 and "no tokenizer" in without.stderr
+    local = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir]
+    from_megatron = sample("--load", megatron_dir, *local)
+    assert from_megatron.returncode == 0, from_megatron.stderr[-2000:]
+    from_import = sample("--load", ours)
+    assert from_megatron.stdout.strip() == from_import.stdout.strip() != ""

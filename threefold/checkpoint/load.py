@@ -291,12 +291,15 @@ def load_model(
     iteration: int | None = None,
     parallel: ParallelContext | None = None,
     with_tokenizer: bool = True,
+    tokenizer_files: dict | None = None,
 ):
     """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
     found by `find_checkpoint` already), for generation and scoring: the whole model, split
     over the TP ranks of `parallel` (the tools run at TP = number of processes; one device when
     not given), from a checkpoint of any layout (Megatron-LM's torch_dist too). The tokenizer
-    is None for mock-data runs and when not `with_tokenizer` (conversions)."""
+    is None for mock-data runs and when not `with_tokenizer` (conversions); `tokenizer_files`
+    ({field: value} of DataConfig's tokenizer fields) replaces the checkpoint's (a Megatron-LM
+    checkpoint names files on the machine that trained it)."""
     from threefold.data.tokenizer import build_tokenizer
     from threefold.model import GPTModel
 
@@ -308,6 +311,10 @@ def load_model(
     metadata = read_metadata(root, iteration)
     config = Config.from_dict(metadata["config"])
     checkpoint_tokenizer(root, iteration, config.data)
+    if tokenizer_files:
+        files = {"tokenizer_model": None, "vocab_file": None, "merge_file": None}
+        config.data = dataclasses.replace(config.data, **(files | tokenizer_files))
+        config.data.finalize_tokenizer()
     tokenizer = (
         build_tokenizer(config.data, config.model.vocab_size)
         if with_tokenizer and config.data.tokenizer_type not in (None, "NullTokenizer")

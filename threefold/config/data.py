@@ -110,6 +110,11 @@ class DataConfig:
             not (self.valid_data_path or self.test_data_path) or self.train_data_path,
             "--valid-data-path/--test-data-path need --train-data-path",
         )
+        self.finalize_tokenizer()
+        self.split_weights()
+
+    def finalize_tokenizer(self) -> None:
+        """The tokenizer flags alone (the tools that sample a checkpoint take only these)."""
         _require(
             self.tokenizer_type not in _MISSING_TOKENIZERS,
             f"--tokenizer-type {self.tokenizer_type}: "
@@ -134,4 +139,3 @@ class DataConfig:
                 "both, or --tokenizer-type for another tokenizer",
             )
             self.tokenizer_type = "GPT2BPETokenizer"
-        self.split_weights()
