@@ -96,11 +96,7 @@ CONFIGS = [
     (MOCK + ["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
     (MOCK + ["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
     (MOCK + ["--overlap-param-gather"], 2, "--overlap-param-gather"),
-    (
-        MOCK + ["--distributed-strategy", "ddp", "--tensor-model-parallel-size", "2"],
-        4,
-        "--distributed-strategy ddp",
-    ),
+    (MOCK + ["--tokenizer-type", "TikTokenizer"], 1, "--tokenizer-type TikTokenizer"),
     (
         MOCK + ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"],
         2,
