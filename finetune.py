@@ -27,6 +27,7 @@ from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
 from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
+from threefold.kernels.determinism import deterministic_environment
 from threefold.parallel import state
 from threefold.training.trainer import Trainer
 
@@ -129,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         os.path.abspath(known.save) == os.path.abspath(known.load)
     )
     try:
-        device, parallel = state.initialize_from_config(
-            config.parallel, config.kernels.deterministic_mode
-        )
+        if config.kernels.deterministic_mode:  # before any NCCL communicator or cuBLAS handle
+            deterministic_environment()
+        device, parallel = state.initialize_from_config(config.parallel)
     except ConfigError as error:
         print_refusal("finetune.py", error)
         return 2

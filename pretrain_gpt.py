@@ -50,15 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     from threefold.checkpoint.files import read_tracker
     from threefold.checkpoint.load import load_checkpoint
     from threefold.checkpoint.writer import CheckpointSaveError
+    from threefold.kernels.determinism import deterministic_environment
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
     try:
-        device, parallel = state.initialize_from_config(
-            config.parallel, config.kernels.deterministic_mode
-        )
+        if config.kernels.deterministic_mode:  # before any NCCL communicator or cuBLAS handle
+            deterministic_environment()
+        device, parallel = state.initialize_from_config(config.parallel)
     except ConfigError as error:
         print_refusal("pretrain_gpt.py", error)
         return 2

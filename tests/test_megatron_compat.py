@@ -198,8 +198,9 @@ def test_the_trainer_runs_under_manual_gc_and_restores_the_collector(monkeypatch
     )
     trainer = Trainer(parse_args(argv), torch.device("cpu"), ParallelContext())
     trainer.train()
-    # entry, iterations 2 and 4, before and after the evaluation at the last iteration
-    assert collections == [False] * 5
+    # entry, iterations 2 and 4, before and after each of the reports after training
+    # (validation set, test set)
+    assert collections == [False] * 7
     assert gc.isenabled()
 
 

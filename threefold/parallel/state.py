@@ -119,17 +119,9 @@ def initialize_model_parallel(
     initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
-def initialize_from_config(
-    parallel, deterministic: bool = False
-) -> tuple[torch.device, ParallelContext]:
+def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
     """torch.distributed from torchrun's environment and megatron-core's groups for the
-    layout of a ParallelConfig; returns this rank's device and its parallel context.
-    `deterministic` (--deterministic-mode): NCCL's and cuBLAS's settings go into the
-    environment first, before any communicator or handle reads them."""
-    if deterministic:
-        from threefold.kernels.determinism import deterministic_environment
-
-        deterministic_environment()
+    layout of a ParallelConfig; returns this rank's device and its parallel context."""
     device = initialize_distributed(
         parallel.distributed_backend, parallel.distributed_timeout_minutes
     )
