@@ -130,7 +130,11 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
     "layout,waits_in",
     [
         (
-            [],
+            [],  # NaN checking (on by default) is the first collective after backward
+            r"all_reduce at threefold/training/numerics\.py:\d+ in check_loss_and_grads",
+        ),
+        (
+            ["--no-check-for-nan-in-loss-and-grad"],
             r"a collective at threefold/parallel/data_parallel/gradient_buffer\.py:\d+ in "
             "finish_grad_sync",
         ),
@@ -141,8 +145,9 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
     ],
 )
 def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, waits_in):
-    """Rank 1 hangs in forward-backward; DP: rank 0 waits in the gradient all-reduce, TP: in
-    the forward's tensor-parallel all-reduce, the same phase as rank 1."""
+    """Rank 1 hangs in forward-backward; DP: rank 0 waits in the NaN check's all-reduce (or,
+    without it, the gradient all-reduce), TP: in the forward's tensor-parallel all-reduce, the
+    same phase as rank 1."""
     result, seconds = _torchrun(
         2,
         TINY
@@ -258,8 +263,6 @@ def test_fp16_skips_a_nan_step_and_backs_off():
             "1024",
             "--hysteresis",
             "1",
-            # a NaN loss stops the run by default (Megatron-LM's check): here it is skipped
-            "--no-check-for-nan-in-loss-and-grad",
         ],
         THREEFOLD_NAN_AT="0@3",
     )

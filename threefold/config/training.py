@@ -149,8 +149,8 @@ class TrainingConfig:
     exit_signal_handler: bool = arg(
         False, help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0"
     )
-    # On by default, as in Megatron-LM: stop at the first inf/nan loss or nan gradient, naming
-    # the rank (inf gradients are the fp16 loss scaler's to skip).
+    # On by default, as in Megatron-LM: stop at the first inf/nan loss or gradient, naming the
+    # rank (off under fp16's dynamic loss scaling, whose overflows are skipped steps).
     check_for_nan_in_loss_and_grad: bool = arg(
         True,
         flag="--no-check-for-nan-in-loss-and-grad",
@@ -221,6 +221,10 @@ class TrainingConfig:
         return list(range(start, self.global_batch_size + 1, increment))
 
     def finalize(self, data_parallel_size: int) -> None:
+        if self.fp16 and self.loss_scale is None:
+            # As Megatron-LM: under dynamic loss scaling a non-finite gradient is the loss
+            # scaler's signal to skip the step and back off, not an error.
+            self.check_for_nan_in_loss_and_grad = False
         _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size * data_parallel_size

@@ -31,23 +31,21 @@ def _ranks(flags: torch.Tensor) -> str:
 def check_loss_and_grads(
     losses: list[torch.Tensor], grads: list[torch.Tensor], iteration: int
 ) -> None:
-    """Raise NonFiniteError on every rank if any rank's local losses hold inf or nan or its
-    gradients nan (as Megatron-LM checks them: an inf gradient is an fp16 overflow, which the
-    loss scaler skips). `grads`: this rank's gradient storage before the data-parallel
-    reduction."""
+    """Raise NonFiniteError on every rank if any rank's local losses or gradients hold inf or
+    nan. `grads`: this rank's gradient storage before the data-parallel reduction."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = grads[0].device if grads else torch.device("cpu")
     flags = torch.zeros(2, world, device=device)
     flags[0, rank] = float(any(not torch.isfinite(loss).all() for loss in losses))
-    flags[1, rank] = float(any(torch.isnan(grad).any() for grad in grads))
+    flags[1, rank] = float(any(not torch.isfinite(grad).all() for grad in grads))
     if world > 1:
         dist.all_reduce(flags)
     bad_loss, bad_grad = flags[0] > 0, flags[1] > 0
     if bad_loss.any():
         found = f"non-finite loss on {_ranks(bad_loss)}"
     elif bad_grad.any():
-        found = f"NaN gradient on {_ranks(bad_grad)}"
+        found = f"non-finite gradient on {_ranks(bad_grad)}"
     else:
         return
     raise NonFiniteError(f"--check-for-nan-in-loss-and-grad: {found} at iteration {iteration}")
