@@ -18,6 +18,7 @@ watchdog is a stand-in that records nothing.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 
@@ -65,13 +66,13 @@ class Observability:
 
     def print(self, message: str) -> None:
         if self.rank == 0:
-            print(message, flush=True)
+            _write_line(message)
 
     def print_last(self, message: str) -> None:
         """Megatron-LM prints its iteration and evaluation lines on the last rank (a rank of
         the last pipeline stage, where the loss is computed)."""
         if self.rank == self.world_size - 1:
-            print(message, flush=True)
+            _write_line(message)
 
     def print_timers(
         self, names: list[str] | tuple[str, ...], normalizer: int = 1
@@ -180,3 +181,10 @@ class Observability:
 
     def exit_reason(self, iteration: int) -> str | None:
         return self.exits.reason(iteration)
+
+
+def _write_line(message: str) -> None:
+    """One write per line: rank 0 and the last rank share the terminal (or torchrun's pipe),
+    and print()'s separate write of the newline, unbuffered, lets another rank's line in."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
