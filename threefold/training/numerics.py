@@ -37,8 +37,12 @@ def check_loss_and_grads(
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = grads[0].device if grads else torch.device("cpu")
     flags = torch.zeros(2, world, device=device)
-    flags[0, rank] = float(any(not torch.isfinite(loss).all() for loss in losses))
-    flags[1, rank] = float(any(not torch.isfinite(grad).all() for grad in grads))
+    # On by default, so every iteration runs it: the tests stay on the device, and the one
+    # host sync is the reduced flags' below (not one per tensor).
+    for row, tensors in ((0, losses), (1, grads)):
+        if tensors:
+            finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
+            flags[row, rank] = (~finite).float()
     if world > 1:
         dist.all_reduce(flags)
     bad_loss, bad_grad = flags[0] > 0, flags[1] > 0
