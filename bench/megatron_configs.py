@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import io
+import math
 import os
 import sys
 import tempfile
@@ -78,14 +79,16 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
 
 
 def world_size(argv: list[str]) -> int:
-    def size(flag: str) -> int:
-        return int(argv[argv.index(flag) + 1]) if flag in argv else 1
+    """The fewest ranks the config's layout runs on: each pipeline stage holds TP x CP x DP
+    ranks, which EP x expert TP (default: TP, as in Megatron) must divide as well."""
 
-    return (
-        size("--tensor-model-parallel-size")
-        * size("--pipeline-model-parallel-size")
-        * size("--context-parallel-size")
-    )
+    def size(flag: str, default: int = 1) -> int:
+        return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+    tp = size("--tensor-model-parallel-size")
+    experts = size("--expert-model-parallel-size") * size("--expert-tensor-parallel-size", tp)
+    stage = math.lcm(tp * size("--context-parallel-size"), experts)
+    return stage * size("--pipeline-model-parallel-size")
 
 
 def outcome(argv: list[str]) -> tuple[str, str]:

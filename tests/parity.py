@@ -16,7 +16,7 @@ from threefold.parallel import state
 from threefold.parallel.data_parallel.gradient_buffer import finalize_model_grads
 from threefold.parallel.data_parallel.torch_native import full
 from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
-from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
 from threefold.training.trainer import Trainer
 
 GPT2_STYLE = [
@@ -97,9 +97,12 @@ def _setup(argv: list[str]) -> Trainer:
 
 
 def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
-    """This rank's parameters (or their `main_grad`s), gathered over TP, by global name."""
+    """This rank's parameters (or their `main_grad`s), gathered over TP (an expert's: over
+    expert TP), by global name."""
     return {
-        name: gather_tensor_parallel(full(getattr(param, attribute)), param, trainer.parallel.tp)
+        name: gather_tensor_parallel(
+            full(getattr(param, attribute)), param, sharding_group(param, trainer.parallel)
+        )
         .detach()
         .float()
         .numpy()

@@ -48,7 +48,7 @@ from threefold.checkpoint.megatron.save import save_megatron_checkpoint  # noqa:
 from threefold.checkpoint.save import save_weights_checkpoint  # noqa: E402
 from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
 from threefold.model.lora import merged_weights  # noqa: E402
-from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel  # noqa: E402
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group  # noqa: E402
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -172,7 +172,9 @@ def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Ten
     state = {}
     for name, param in model.named_parameters():
         name = model.layout_independent_name(name)
-        state[name] = gather_tensor_parallel(param.detach(), param, model.tp)
+        state[name] = gather_tensor_parallel(
+            param.detach(), param, sharding_group(param, model.parallel)
+        )
     if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
         state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
         config.model.lora_rank = None

@@ -253,6 +253,7 @@ def _train_with_statistics(argv: list[str], steps: int) -> dict:
 
 
 EP2 = ["--expert-model-parallel-size", "2"]
+ETP2 = ["--expert-tensor-parallel-size", "2"]
 LAYOUTS = {
     "ep2-alltoall": (2, EP2 + ["--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (2, EP2 + ["--moe-token-dispatcher-type", "allgather"]),
@@ -265,6 +266,18 @@ LAYOUTS = {
         EP2
         + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
         + ["--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    # Expert TP: each expert split over two ranks (the TP group, Megatron's default; or, at
+    # TP 1, two data-parallel ranks).
+    "ep2xetp2-tp2-alltoall": (
+        4,
+        EP2
+        + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        + ["--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2xetp2-dp4-allgather": (
+        4,
+        EP2 + ["--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
     ),
     "ep2xpp2-allgather": (4, EP2 + ["--pipeline-model-parallel-size", "2"]),
     "ep2xcp2-alltoall": (
@@ -310,6 +323,20 @@ def test_expert_parallel_layouts_match_single_process(name):
         for name, value in reference["moe"].items():
             assert result["moe"][name] == pytest.approx(value, rel=1e-5), name
         np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
+def test_expert_tensor_parallel_biases_match_single_process():
+    """GELU experts with biases, split over expert TP 2 inside TP 4 (ETP ranks hold different
+    slices of the sequence): fc1's bias splits with its rows; fc2's, whole on both ETP ranks,
+    is added once and keeps one value. Grouped GEMM on, alltoall."""
+    argv = [a for a in LLAMA_STYLE if a not in ("--swiglu", "--disable-bias-linear")]
+    argv += TRAINING + MOE + ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
+    reference = _train_with_statistics(argv, 10)
+    layout = ["--tensor-model-parallel-size", "4", "--sequence-parallel"]
+    results = run_distributed(4, _train_with_statistics, argv + layout + ETP2, 10)
+    assert_matches_reference(results, reference, TOLERANCE)
+    bias = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.bias"
+    assert np.abs(reference["params"][bias]).max() > 1e-4  # trained away from its zero init
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -372,9 +399,21 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
         (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2, "--num-experts 3"),
         (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2, "must divide"),
         (
-            ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            ["--num-experts", "4", "--moe-ffn-hidden-size", "30"]
+            + ["--expert-tensor-parallel-size", "4"],
+            4,
+            "--moe-ffn-hidden-size 30 is not divisible by --expert-tensor-parallel-size 4",
+        ),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+            + ["--expert-tensor-parallel-size", "2"],
             2,
-            "--expert-tensor-parallel-size 1",
+            "must divide TP x CP x DP = 2",
+        ),
+        (
+            ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--lora-rank", "4"],
+            2,
+            "--lora-freeze-experts",
         ),
         (
             ["--num-experts", "4", "--tensor-model-parallel-size", "2"]

@@ -98,24 +98,30 @@ def test_bf16_masters_carry_over_when_resharded(tmp_path):
 
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "0.01"]
+# Expert TP defaults to TP (2), as in Megatron: each expert split over two ranks.
 EP2_TP2 = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
-EP2_TP2 += ["--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+EP2_TP2 += ["--sequence-parallel"]
+ETP2_DP4 = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
 
 
 @pytest.mark.parametrize(
     "saved_layout,layouts",
     [
-        (EP2_TP2, [[], ["--expert-model-parallel-size", "4"]]),
+        (EP2_TP2, [[], ["--expert-model-parallel-size", "4"], ETP2_DP4]),
         (
             ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-            [["--expert-model-parallel-size", "4", "--use-distributed-optimizer"]],
+            [
+                ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
+                ETP2_DP4 + ["--use-distributed-optimizer"],
+            ],
         ),
     ],
-    ids=["ep2-tp2", "ep2-dp2-distributed-optimizer"],
+    ids=["ep2-etp2-tp2", "ep2-dp2-distributed-optimizer"],
 )
 def test_moe_checkpoint_resumes_at_other_expert_parallel_sizes(tmp_path, saved_layout, layouts):
-    """Experts are saved under their global index: a checkpoint resumes at other EP sizes (DP=4
-    at EP=1, EP=4) and in one process, the Adam state of sharded experts included."""
+    """Experts are saved under their global index (split by expert-TP rank): a checkpoint
+    resumes at other EP and expert-TP sizes (DP=4 at EP=1, EP=4, EP2 x ETP2) and in one
+    process, the Adam state of sharded experts included."""
     argv, directory = LLAMA_STYLE + TRAINING + MOE, str(tmp_path / "moe")
     saved = run_distributed(4, _save_then_continue, argv + saved_layout, directory)
     for layout in layouts:

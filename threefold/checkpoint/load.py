@@ -52,6 +52,10 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
             "decoder_last_pipeline_num_layers",
         )
     )
+    # an expert's shapes (and keys) follow expert TP
+    same = same and (saved.get("expert_tensor_parallel_size") or 1) == (
+        current.expert_tensor_parallel_size or 1
+    )
     if load_optimizer and (saved["use_distributed_optimizer"] or current.use_distributed_optimizer):
         saved_dp = saved["world_size"] // (
             saved["tensor_model_parallel_size"] * saved["pipeline_model_parallel_size"]
@@ -329,7 +333,7 @@ def load_model(
         checkpoint_dir(root, iteration),
         named,
         metadata["config"]["parallel"]["tensor_model_parallel_size"],
-        parallel.tp,
+        parallel,
     )
     model.eval()
     return config, model.to(device or torch.device("cpu")), tokenizer

@@ -1,11 +1,12 @@
 """Load a checkpoint saved at another TP/PP/DP layout (or with/without the distributed
 optimizer) into this run's layout.
 
-A checkpoint stores, per tensor-parallel rank r, each parameter's TP shard under
-`model.tp{r}.{global name}` and its Adam state either whole (`optimizer.{field}.tp{r}.{name}`)
-or, under the distributed optimizer, as pieces of the flattened shard
-(`optimizer.{field}.tp{r}.{name}[start:end]`, one per data-parallel owner). Names are the
-layout-independent ones, so a change of pipeline layout only changes which rank loads what.
+A checkpoint stores, per tensor-parallel rank r (an expert's: per expert-TP rank), each
+parameter's TP shard under `model.tp{r}.{global name}` and its Adam state either whole
+(`optimizer.{field}.tp{r}.{name}`) or, under the distributed optimizer, as pieces of the
+flattened shard (`optimizer.{field}.tp{r}.{name}[start:end]`, one per data-parallel owner).
+Names are the layout-independent ones, so a change of pipeline layout only changes which rank
+loads what.
 
 Each rank rebuilds the *full* tensor of every parameter it now holds — from all saved TP shards
 (and DP pieces), with the vocabulary padding of the saved layout removed — and keeps its new
@@ -27,8 +28,8 @@ from torch import nn
 from threefold.checkpoint.components import CheckpointComponents
 from threefold.config import ConfigError
 from threefold.model.lora import is_adapter
-from threefold.parallel.parallel_context import Group
-from threefold.parallel.tensor_parallel.sharding import is_expert, shard_of, unshard
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import is_expert, shard_of, sharding_group, unshard
 from threefold.safe_loading import SafeFileSystemReader
 
 _KEY = re.compile(
@@ -76,7 +77,8 @@ class SavedTensors:
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of `kind` for a parameter, unpadded (valid rows only)."""
         per_rank = self.entries[(kind, name)]
-        saved_tp = 1 if is_expert(param) else saved_tp  # experts: whole, under rank 0
+        if is_expert(param):  # split over the saved expert-TP size, keyed by its ranks
+            saved_tp = len(per_rank)
         if sorted(per_rank) != list(range(saved_tp)):
             raise ConfigError(
                 f"checkpoint {self.path}: {kind} of {name} lacks some of the "
@@ -116,17 +118,22 @@ def saved_tensors(path: str):
     return MegatronTensors(path) if is_megatron_checkpoint(path) else SavedTensors(path)
 
 
-def _new_shard(full: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
+def _new_shard(full: torch.Tensor, param: nn.Parameter, parallel: ParallelContext) -> torch.Tensor:
     """This rank's shard of a full, unpadded tensor, padded as this layout pads it."""
     if param.dim() and full.shape[0] < param.master_shape[0]:
         padding = full.new_zeros((param.master_shape[0] - full.shape[0], *full.shape[1:]))
         full = torch.cat([full, padding])
-    return shard_of(full, param, tp.rank, tp.size)
+    group = sharding_group(param, parallel)
+    return shard_of(full, param, group.rank, group.size)
 
 
 @torch.no_grad()
 def load_weights(
-    path: str, named_parameters, saved_tensor_parallel_size: int, tp: Group, saved=None
+    path: str,
+    named_parameters,
+    saved_tensor_parallel_size: int,
+    parallel: ParallelContext,
+    saved=None,
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
     the fp32 shard each was filled from (the masters' values when the checkpoint has them)."""
@@ -138,7 +145,7 @@ def load_weights(
         # fp32 masters are the most precise copy of the weights when the checkpoint has them.
         source = "master" if saved.has("master", name) else "model"
         loaded[param] = _new_shard(
-            saved.full(source, name, param, saved_tensor_parallel_size), param, tp
+            saved.full(source, name, param, saved_tensor_parallel_size), param, parallel
         )
         param.copy_(loaded[param])
     return loaded
@@ -159,14 +166,15 @@ def load_resharded(
             "--distributed-strategy megatron only; load it there and save"
         )
     saved = saved_tensors(path)
-    tp = components.parallel.tp
+    parallel = components.parallel
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]
-    loaded = load_weights(path, named, saved_tensor_parallel_size, tp, saved)
+    loaded = load_weights(path, named, saved_tensor_parallel_size, parallel, saved)
     if not load_optimizer:
         return
 
     def full_shard(field: str, name: str, param: nn.Parameter) -> torch.Tensor:
-        return _new_shard(saved.full(field, name, param, saved_tensor_parallel_size), param, tp)
+        full = saved.full(field, name, param, saved_tensor_parallel_size)
+        return _new_shard(full, param, parallel)
 
     components.optimizer.load_resharded(named, full_shard, loaded, step)

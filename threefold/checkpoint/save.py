@@ -37,7 +37,7 @@ from threefold.checkpoint.writer import CheckpointWriter, crash_point
 from threefold.config import Config
 from threefold.model.lora import is_adapter
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
-from threefold.parallel.tensor_parallel.sharding import is_expert
+from threefold.parallel.tensor_parallel.sharding import sharding_group
 
 
 def tensor_state(
@@ -49,10 +49,10 @@ def tensor_state(
     Keys carry the TP rank and the layout-independent name, so DP replicas coincide and TP
     shards do not. Pipeline stages hold different layers, hence different names; the last
     stage's copy of tied embeddings shares the first stage's key and value. An expert's
-    weights are whole on one rank of its EP group (expert TP 1): their key carries rank 0."""
-    tp_rank = components.parallel.tp.rank
+    weights are on one rank of its EP group: their key carries the expert-TP rank."""
+    parallel = components.parallel
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]
-    keys = {p: f"tp{0 if is_expert(p) else tp_rank}.{n}" for n, p in named}
+    keys = {p: f"tp{sharding_group(p, parallel).rank}.{n}" for n, p in named}
     tensors = {f"model.{keys[param]}": param.data for _, param in named}
     if with_optimizer:
         tensors.update(components.optimizer.state_tensors(keys))

@@ -79,8 +79,8 @@ class ParallelConfig:
     )
     expert_tensor_parallel_size: int | None = arg(
         None,
-        help="TP inside each expert (default: --tensor-model-parallel-size, as Megatron); "
-        "only 1 is implemented",
+        help="ETP: ranks that split each expert's matrices, as TP splits the dense MLP's "
+        "(default: --tensor-model-parallel-size, as Megatron)",
     )
     sequence_parallel: bool = arg(
         False,
@@ -270,20 +270,27 @@ class ParallelConfig:
             )
             return
         _require(
-            etp == 1,
-            f"expert tensor parallelism (--expert-tensor-parallel-size {etp}) is not "
-            "implemented: pass --expert-tensor-parallel-size 1 (each expert whole on its rank)",
-        )
-        _require(
             model.num_experts % ep == 0,
             f"--num-experts {model.num_experts} is not divisible by "
             f"--expert-model-parallel-size {ep}",
         )
+        _require(etp >= 1, "--expert-tensor-parallel-size must be >= 1")
         replica_ranks = tp * self.context_parallel_size * self.data_parallel_size
         _require(
             replica_ranks % (ep * etp) == 0,
-            f"--expert-model-parallel-size {ep} must divide TP x CP x DP = {replica_ranks} "
-            "(the experts are split over the ranks of one pipeline stage)",
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "
+            f"divide TP x CP x DP = {replica_ranks} (the experts are split over the ranks of "
+            "one pipeline stage)",
+        )
+        _require(
+            model.moe_ffn_hidden_size % etp == 0,
+            f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by "
+            f"--expert-tensor-parallel-size {etp}",
+        )
+        _require(
+            etp == 1 or model.lora_rank is None or model.lora_freeze_experts,
+            f"LoRA adapters on experts split over --expert-tensor-parallel-size {etp} are not "
+            "implemented: pass --lora-freeze-experts or --expert-tensor-parallel-size 1",
         )
         _require(
             tp == 1 or self.sequence_parallel,

@@ -99,6 +99,7 @@ class GPTModel(nn.Module):
         super().__init__()
         parallel = parallel or ParallelContext()
         self.config = config
+        self.parallel = parallel
         self.tp = parallel.tp
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = padded_vocab_size
@@ -177,7 +178,7 @@ class GPTModel(nn.Module):
         initialize_parameters(
             [(self.layout_independent_name(n), p) for n, p in self.named_parameters()],
             seed,
-            self.tp,
+            self.parallel,
         )
 
     def output_weight(self) -> torch.Tensor:

@@ -15,13 +15,17 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       tp_cp       TP x CP: the ranks that together hold one micro-batch's sequence under
                   sequence and context parallelism (an MoE router's token counts)
       ep          expert-parallel group: the ranks that split each MoE layer's experts, carved
-                  out of TP x CP x DP of one pipeline stage (EP varies fastest)
+                  out of TP x CP x DP of one pipeline stage (after expert TP)
+      expert_tp   expert tensor-parallel group: the ranks that split each of those experts'
+                  matrices (Megatron's ETP; varies fastest; the TP group when ETP = TP)
+      expert_tp_ep  expert TP x EP: the ranks a token's expert computation is spread over,
+                  over which the dispatcher exchanges tokens (rank = EP rank x ETP + ETP rank)
       expert_dp   the other ranks of the stage holding the same experts, over which expert
                   gradients are summed (scaled by 1 / DP x CP, as Megatron)
       world       every rank
       embedding_group       first and last pipeline stage: holders of tied embeddings
       model_parallel_group  TP x PP: the ranks that together hold one model replica
-      expert_model_parallel_group  EP x PP: the ranks that together hold every expert once
+      expert_model_parallel_group  ETP x EP x PP: the ranks that together hold every expert once
       sequence_parallel     activations between layers split along the sequence over TP
       cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a)
 
@@ -62,6 +66,8 @@ class ParallelContext:
     dp_cp: Group = field(default_factory=Group)
     tp_cp: Group = field(default_factory=Group)
     ep: Group = field(default_factory=Group)
+    expert_tp: Group = field(default_factory=Group)
+    expert_tp_ep: Group = field(default_factory=Group)
     expert_dp: Group = field(default_factory=Group)
     world: Group = field(default_factory=Group)
     embedding_group: dist.ProcessGroup | None = None

@@ -98,9 +98,10 @@ def initialize_model_parallel(
     timeout_minutes: int = 10,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> None:
-    """Build TP/CP/PP/DP groups (and the experts' EP and expert-DP) over the initialized world
-    with megatron-core. Experts are whole on their rank (expert tensor parallelism 1)."""
+    """Build TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the initialized
+    world with megatron-core."""
     destroy_model_parallel()
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
@@ -111,7 +112,7 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
         # On CPU the main groups already are gloo; duplicates would only cost start-up time.
         create_gloo_process_groups=dist.get_backend() != "gloo",
@@ -137,6 +138,7 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.distributed_timeout_minutes,
         parallel.context_parallel_size,
         parallel.expert_model_parallel_size,
+        parallel.expert_tensor_parallel_size,
     )
     context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.
@@ -190,6 +192,19 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         ps.get_expert_model_parallel_world_size(),
         ps.get_expert_model_parallel_rank(),
     )
+    expert_tp = Group(
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+    )
+    expert_tp_ep = Group(
+        ps.get_expert_tensor_and_model_parallel_group(),
+        ps.get_expert_tensor_and_model_parallel_world_size(),
+        ps.get_expert_tensor_and_model_parallel_rank(),
+    )
+    # The dispatcher addresses an expert's ETP ranks as EP rank x ETP + ETP rank.
+    if expert_tp_ep.rank != ep.rank * expert_tp.size + expert_tp.rank:
+        raise RuntimeError("megatron-core's expert groups are not ordered ETP-fastest")
     expert_dp = Group(
         ps.get_expert_data_parallel_group(),
         ps.get_expert_data_parallel_world_size(),
@@ -199,6 +214,8 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         tp=tp,
         pp=pp,
         ep=ep,
+        expert_tp=expert_tp,
+        expert_tp_ep=expert_tp_ep,
         expert_dp=expert_dp,
         expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
         dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),

@@ -1,9 +1,8 @@
 """Per-device memory of a model and layout, predicted without running it.
 
 Static memory: the parameters each rank holds (its pipeline stage's layers, embedding and
-output layer; matrices divided by TP, experts by EP; the vocabulary padded as the run pads
-it) times the bytes
-per parameter of the precision and data-parallel strategy:
+output layer; matrices divided by TP, experts by EP and expert TP; the vocabulary padded as
+the run pads it) times the bytes per parameter of the precision and data-parallel strategy:
 
     strategy, precision            params  grads             optimizer
     megatron, fp32                 4       4                 8       (Adam moments)
@@ -30,7 +29,8 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   this rank's share, so activations fall as 1/CP);
 - MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU); an MoE
   layer keeps, per (token, expert) pair, the expert's input and output and those
-  intermediates at the expert's size (experts whole on their EP rank);
+  intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
+  all its ETP peers;
 - dropout masks when dropout is on.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
@@ -53,16 +53,18 @@ def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
     return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.add_bias_linear else 0)
 
 
-def _layer_parameters(model: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> int:
+def _layer_parameters(
+    model: ModelConfig, tp: int, moe: bool = False, ep: int = 1, etp: int = 1
+) -> int:
     """One transformer layer's parameters on one TP rank; an MoE layer's MLP is its router,
-    its experts divided over EP (whole inside, expert TP 1) and its shared expert over TP."""
+    its experts divided over EP (split inside over expert TP) and its shared expert over TP."""
     h, d = model.hidden_size, model.kv_channels
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups)
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
     count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
     if moe:
         count += h * model.num_experts
-        count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, 1)
+        count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
         if model.moe_shared_expert_intermediate_size:
             count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
     else:
@@ -95,7 +97,7 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
         return 0
     pattern = model.moe_layer_pattern(model.num_layers)
     per_layer = (model.num_experts // parallel.expert_model_parallel_size) * _mlp_parameters(
-        model, model.moe_ffn_hidden_size, 1
+        model, model.moe_ffn_hidden_size, parallel.expert_tensor_parallel_size
     )
     return per_layer * sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
 
@@ -107,9 +109,9 @@ def stage_parameters(
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     h = model.hidden_size
     pattern = model.moe_layer_pattern(model.num_layers)
-    ep = parallel.expert_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     count = sum(
-        _layer_parameters(model, tp, bool(pattern[layer]), ep)
+        _layer_parameters(model, tp, bool(pattern[layer]), ep, etp)
         for layer in _stage_layers(model, parallel, stage)
     )
     embedding = padded_vocab * h // tp
@@ -195,13 +197,14 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
 def _moe_activation_bytes(config: Config, s: int, b: int, e: int) -> int:
     """An MoE MLP: this rank's s b / sigma tokens, each routed to k experts, come back as as
     many expert inputs (taken by the dispatch) and outputs; an expert keeps the dense MLP's
-    intermediates for each; the shared expert as the dense MLP of its size."""
+    intermediates for each (at its expert-TP share, for the pairs of all its ETP peers); the
+    shared expert as the dense MLP of its size."""
     model, parallel = config.model, config.parallel
-    t = parallel.tensor_model_parallel_size
+    t, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     sigma = t if parallel.sequence_parallel else 1
-    pairs = s * b // sigma * model.moe_router_topk
+    pairs = s * b // sigma * model.moe_router_topk * etp
     intermediates = 4 if model.swiglu else 2
-    total = e * pairs * (2 * model.hidden_size + intermediates * model.moe_ffn_hidden_size)
+    total = e * pairs * (2 * model.hidden_size + intermediates * model.moe_ffn_hidden_size // etp)
     if model.moe_shared_expert_intermediate_size:
         total += e * s * b * model.moe_shared_expert_intermediate_size // t * intermediates
     return total

@@ -178,12 +178,13 @@ class _AdamWithMasters:
     def _counted(self, tensors: list[torch.Tensor], experts: bool = False) -> list[torch.Tensor]:
         """This rank's local parts of `tensors` (one per piece) that count towards model-wide
         sums: each distinct parameter element once over all ranks. Expert weights (`experts`)
-        are summed over their own group, where every rank holds different experts."""
+        are summed over their own group, where every rank holds different experts (or different
+        expert-TP shards of them; a whole one counts on expert-TP rank 0)."""
+        rank = self.expert_tp_rank if experts else self.tp_rank
         return [
             local(t)
             for piece, t in zip(self.pieces, tensors)
-            if is_expert(piece.param) == experts
-            and (experts or _counts_towards_norm(piece.param, self.tp_rank))
+            if is_expert(piece.param) == experts and _counts_towards_norm(piece.param, rank)
         ]
 
     def _global_sum(self, value: torch.Tensor, groups: list) -> float | int:
@@ -330,7 +331,7 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         self.reduction_groups = [parallel.model_parallel_group]
         if experts:
             self.expert_reduction_groups = [parallel.expert_model_parallel_group]
-        self.tp_rank = parallel.tp.rank
+        self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.separate_masters = config.bf16 or config.fp16 or offload
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = self.model_params[0].device
@@ -385,7 +386,7 @@ class DistributedOptimizer(_AdamWithMasters):
         if experts:
             groups = [parallel.expert_dp.group, parallel.expert_model_parallel_group]
             self.expert_reduction_groups = groups
-        self.tp_rank = parallel.tp.rank
+        self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.reduction_device = dense.buffer.device
         self.grad_buffers = grad_buffers
         self._buffer_of = {p: buffer for buffer in grad_buffers for p in buffer.ranges}
@@ -462,7 +463,7 @@ class NativeOptimizer(_AdamWithMasters):
         self.reduction_groups = ([parallel.dp_cp.group] if sharded else []) + (
             [parallel.tp.group] if parallel.tp.size > 1 else []
         )
-        self.tp_rank = parallel.tp.rank
+        self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = local(self.model_params[0]).device

@@ -1,7 +1,11 @@
 """The experts one expert-parallel rank holds, and how their tokens are multiplied.
 
 Each expert is an MLP like the dense one (GELU, or SwiGLU with [gate; up] stacked in
-`linear_fc1`), whole on its rank. Experts are kept under their *global* index,
+`linear_fc1`) on its EP rank, split over the expert-TP group (--expert-tensor-parallel-size) as
+the dense MLP is over TP: `linear_fc1` by output rows (each [gate; up] block separately),
+`linear_fc2` by input columns. Each expert-TP rank thus returns a partial sum of the expert's
+output, which the dispatcher's combine adds up with the token's other experts (it sends each
+token to every expert-TP rank of its experts). Experts are kept under their *global* index,
 `local_experts.{e}`, so a parameter's name is the same at every EP size: initialization (drawn
 per name), checkpoints and conversion see one model whatever the layout.
 
@@ -19,38 +23,93 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
-from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_expert
 
 
 class ExpertMLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, init_method: InitMethod, output_init: InitMethod
+        self,
+        config: ModelConfig,
+        expert_tp: Group,
+        init_method: InitMethod,
+        output_init: InitMethod,
     ) -> None:
         super().__init__()
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        fc1_out = ffn * (2 if config.swiglu else 1)
+        stride = 2 if config.swiglu else 1
         self.linear_fc1 = ExpertLinear(
-            hidden, ffn * (2 if config.swiglu else 1), config, init_method
+            hidden, fc1_out, config, init_method, expert_tp, row_parallel=False, stride=stride
         )
-        self.linear_fc2 = ExpertLinear(ffn, hidden, config, output_init)
+        self.linear_fc2 = ExpertLinear(
+            ffn, hidden, config, output_init, expert_tp, row_parallel=True
+        )
+
+
+class _FirstRankBias(torch.autograd.Function):
+    """A row-parallel expert bias: added on expert-TP rank 0 only (the combine adds the other
+    ranks' partial sums to it), yet its whole gradient on every rank. The output gradient
+    reaching each expert-TP rank is the same (the combine's backward hands every partial sum
+    the token's gradient), so each rank computes the gradient of the one bias and the
+    replicas stay equal without a reduction."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, first: bool) -> torch.Tensor:
+        return bias.clone() if first else torch.zeros_like(bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class ExpertLinear(nn.Module):
-    """weight [out, in] (and bias) of one expert; no parallelism inside it. `adapter`: a LoRA
-    adapter (model/lora.py) whose output adds to the layer's."""
+    """weight [out, in] (and bias) of one expert, split over the expert-TP group by output rows
+    (column-parallel, fc1: `stride` blocks split separately) or by input columns
+    (`row_parallel`, fc2: a partial sum out, the bias whole). `adapter`: a LoRA adapter
+    (model/lora.py) whose output adds to the layer's."""
 
-    def __init__(self, fan_in: int, fan_out: int, config: ModelConfig, init: InitMethod) -> None:
+    def __init__(
+        self,
+        fan_in: int,
+        fan_out: int,
+        config: ModelConfig,
+        init: InitMethod,
+        expert_tp: Group,
+        row_parallel: bool,
+        stride: int = 1,
+    ) -> None:
         super().__init__()
         self.input_size, self.output_size = fan_in, fan_out
-        self.weight = mark_expert(nn.Parameter(torch.empty(fan_out, fan_in)), init)
+        self.row_parallel = row_parallel
+        self.first_rank = expert_tp.rank == 0
+        local_in = fan_in // expert_tp.size if row_parallel else fan_in
+        local_out = fan_out if row_parallel else fan_out // expert_tp.size
+        self.weight = mark_expert(
+            nn.Parameter(torch.empty(local_out, local_in)),
+            init,
+            partition_dim=1 if row_parallel else 0,
+            master_shape=(fan_out, fan_in),
+            partition_stride=stride,
+        )
         self.bias = None
         if config.add_bias_linear:
             zero = lambda tensor, generator: tensor.zero_()  # noqa: E731
-            self.bias = mark_expert(nn.Parameter(torch.empty(fan_out)), zero)
+            bias = nn.Parameter(torch.empty(local_out))
+            if row_parallel:
+                self.bias = mark_expert(bias, zero)
+            else:
+                self.bias = mark_expert(bias, zero, 0, (fan_out,), stride)
         self.adapter: nn.Module | None = None
 
+    def local_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (a row-parallel one on the first expert-TP rank only)."""
+        if self.bias is None or not self.row_parallel:
+            return self.bias
+        return _FirstRankBias.apply(self.bias, self.first_rank)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.local_bias())
         return out if self.adapter is None else out + self.adapter(x)
 
 
@@ -72,7 +131,9 @@ class Experts(nn.Module):
         self.grouped_gemm = config.moe_grouped_gemm
         self.local_experts = nn.ModuleDict(
             {
-                str(self.expert_offset + i): ExpertMLP(config, init_method, output_init)
+                str(self.expert_offset + i): ExpertMLP(
+                    config, parallel.expert_tp, init_method, output_init
+                )
                 for i in range(self.num_local)
             }
         )
@@ -98,10 +159,12 @@ class Experts(nn.Module):
         fc2 = torch.stack([e.linear_fc2.weight for e in experts])
         hidden = _grouped_matmul(tokens, fc1, counts)
         if experts[0].linear_fc1.bias is not None:
-            hidden = hidden + _per_token(torch.stack([e.linear_fc1.bias for e in experts]), counts)
+            biases = [e.linear_fc1.local_bias() for e in experts]
+            hidden = hidden + _per_token(torch.stack(biases), counts)
         out = _grouped_matmul(self._activation(hidden), fc2, counts)
         if experts[0].linear_fc2.bias is not None:
-            out = out + _per_token(torch.stack([e.linear_fc2.bias for e in experts]), counts)
+            biases = [e.linear_fc2.local_bias() for e in experts]
+            out = out + _per_token(torch.stack(biases), counts)
         return out
 
 

@@ -56,7 +56,10 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, parallel, init_method)
         self.experts = Experts(config, parallel, init_method, output_layer_init_method)
         self.dispatcher = build_dispatcher(
-            config.moe_token_dispatcher_type, config.num_experts, parallel.ep
+            config.moe_token_dispatcher_type,
+            config.num_experts,
+            parallel.expert_tp_ep,
+            parallel.expert_tp.size,
         )
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:

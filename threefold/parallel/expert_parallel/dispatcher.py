@@ -11,6 +11,12 @@ over each token's experts.
     allgather  every rank gathers all EP ranks' tokens, keeps the pairs of its own experts,
                and the partial outputs are summed back by a reduce-scatter
 
+Both run over expert-TP x EP (`expert_tp_ep`). Under expert tensor parallelism each expert is
+split over ETP ranks, each returning a partial sum of its output: alltoall sends a pair to each
+of the ETP ranks of its expert's EP rank and the combine adds the partial sums it gets back
+like any other expert's; allgather gathers over all ETP x EP ranks and its reduce-scatter adds
+them. With ETP 1 the group is the EP group.
+
 A `Dispatch` records what a combine needs to undo its dispatch; it lives for one forward.
 """
 
@@ -33,7 +39,7 @@ from threefold.parallel.tensor_parallel.mappings import (
 @dataclass
 class Dispatch:
     token_ids: torch.Tensor  # [pairs]: the token of each (token, expert) pair, expert-major
-    probs: torch.Tensor  # [pairs]: its routing probability
+    probs: torch.Tensor  # [pairs]: its routing probability (alltoall: a pair once per ETP rank)
     num_tokens: int  # tokens combined into (the gathered ones under allgather)
     counts: list[int]  # tokens per local expert
     send_splits: list[int] | None = None  # alltoall: pairs sent to each EP rank ...
@@ -48,8 +54,8 @@ def _pairs(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _all_gather(tensor: torch.Tensor, ep: Group) -> torch.Tensor:
-    """[EP x rows, ...] from every EP rank's [rows, ...] (no gradient; bools as bytes, which
-    every backend takes)."""
+    """[size x rows, ...] from every rank's [rows, ...] in `ep` (no gradient; bools as bytes,
+    which every backend takes)."""
     source = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
     out = source.new_empty((ep.size * source.shape[0], *source.shape[1:]))
     record_collective("all_gather", out.numel(), out.element_size())
@@ -78,35 +84,43 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: Group) ->
 
 
 class AllToAllDispatcher:
-    def __init__(self, num_experts: int, ep: Group) -> None:
-        self.num_experts, self.ep = num_experts, ep
-        self.num_local = num_experts // ep.size
+    def __init__(self, num_experts: int, group: Group, expert_tp_size: int) -> None:
+        self.num_experts, self.group, self.etp = num_experts, group, expert_tp_size
+        self.ep_size, self.ep_rank = group.size // expert_tp_size, group.rank // expert_tp_size
+        self.num_local = num_experts // self.ep_size
 
     def dispatch(
         self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, Dispatch]:
         experts, token_ids = _pairs(routing_map)
         pair_probs = probs[token_ids, experts]
-        permuted = tokens.index_select(0, token_ids)
         per_expert = routing_map.sum(dim=0)  # [E]
-        if self.ep.size == 1:
+        if self.group.size == 1:
             counts = per_expert.tolist()
+            permuted = tokens.index_select(0, token_ids)
             return permuted, Dispatch(token_ids, pair_probs, tokens.shape[0], counts)
-        # Every rank's count per expert: [EP source, E].
-        everyone = _all_gather(per_expert.unsqueeze(0), self.ep).view(
-            self.ep.size, self.ep.size, self.num_local
-        )  # [src, dst, local]
-        send = everyone[self.ep.rank].sum(dim=1).tolist()
-        mine = everyone[:, self.ep.rank]  # [src, local]: what each source sends here
+        # The pairs of each EP rank's experts are contiguous (expert-major); each block goes to
+        # every ETP rank of that EP rank, in the group's order (EP rank x ETP + ETP rank).
+        per_ep = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
+        if self.etp > 1:
+            token_ids = _repeat_blocks(token_ids, per_ep, self.etp)
+            pair_probs = _repeat_blocks(pair_probs, per_ep, self.etp)
+        send = [count for count in per_ep for _ in range(self.etp)]
+        # Every rank's count per expert: [source, EP rank, local expert].
+        everyone = _all_gather(per_expert.unsqueeze(0), self.group).view(
+            self.group.size, self.ep_size, self.num_local
+        )
+        mine = everyone[:, self.ep_rank]  # [src, local]: what each source sends here
         recv = mine.sum(dim=1).tolist()
-        received = _VariableAllToAll.apply(permuted, send, recv, self.ep)
+        permuted = tokens.index_select(0, token_ids)
+        received = _VariableAllToAll.apply(permuted, send, recv, self.group)
         # Received in (source, local expert) blocks; the experts need (local expert, source).
         # Each received row's block (source x local + local expert); a stable sort by (local
         # expert, source) groups them by expert with no per-block work on the host.
         blocks = torch.repeat_interleave(
             torch.arange(mine.numel(), device=mine.device), mine.flatten()
         )
-        key = (blocks % self.num_local) * self.ep.size + blocks // self.num_local
+        key = (blocks % self.num_local) * self.group.size + blocks // self.num_local
         order = torch.sort(key, stable=True).indices.to(tokens.device)
         plan = Dispatch(
             token_ids, pair_probs, tokens.shape[0], mine.sum(dim=0).tolist(), send, recv, order
@@ -117,25 +131,26 @@ class AllToAllDispatcher:
         if plan.order is not None:
             unsorted = torch.empty_like(expert_output).index_copy(0, plan.order, expert_output)
             expert_output = _VariableAllToAll.apply(
-                unsorted, plan.recv_splits, plan.send_splits, self.ep
+                unsorted, plan.recv_splits, plan.send_splits, self.group
             )
+        # Under ETP a pair comes back once per ETP rank: the weighted sum adds the partials.
         return _weighted_sum(expert_output, plan)
 
 
 class AllGatherDispatcher:
-    def __init__(self, num_experts: int, ep: Group) -> None:
-        self.num_experts, self.ep = num_experts, ep
-        self.num_local = num_experts // ep.size
-        self.first = ep.rank * self.num_local
+    def __init__(self, num_experts: int, group: Group, expert_tp_size: int) -> None:
+        self.num_experts, self.group = num_experts, group
+        self.num_local = num_experts // (group.size // expert_tp_size)
+        self.first = group.rank // expert_tp_size * self.num_local
 
     def dispatch(
         self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
     ) -> tuple[torch.Tensor, Dispatch]:
-        # Gathered in EP-rank order along the token dimension; backward reduce-scatters.
-        tokens = gather_from_sequence_parallel_region(tokens, self.ep)
-        probs = gather_from_sequence_parallel_region(probs, self.ep)
-        if self.ep.size > 1:
-            routing_map = _all_gather(routing_map, self.ep)
+        # Gathered in group-rank order along the token dimension; backward reduce-scatters.
+        tokens = gather_from_sequence_parallel_region(tokens, self.group)
+        probs = gather_from_sequence_parallel_region(probs, self.group)
+        if self.group.size > 1:
+            routing_map = _all_gather(routing_map, self.group)
         local_map = routing_map[:, self.first : self.first + self.num_local]
         experts, token_ids = _pairs(local_map)
         pair_probs = probs[token_ids, experts + self.first]
@@ -144,9 +159,9 @@ class AllGatherDispatcher:
         return tokens.index_select(0, token_ids), plan
 
     def combine(self, expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-        # Each rank's partial sums of all gathered tokens; summed and split back over EP.
+        # Each rank's partial sums of all gathered tokens; summed and split back.
         return reduce_scatter_to_sequence_parallel_region(
-            _weighted_sum(expert_output, plan), self.ep
+            _weighted_sum(expert_output, plan), self.group
         )
 
 
@@ -156,5 +171,12 @@ def _weighted_sum(expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     return out.index_add(0, plan.token_ids, weighted)
 
 
-def build_dispatcher(kind: str, num_experts: int, ep: Group):
-    return (AllToAllDispatcher if kind == "alltoall" else AllGatherDispatcher)(num_experts, ep)
+def _repeat_blocks(values: torch.Tensor, sizes: list[int], times: int) -> torch.Tensor:
+    """Each consecutive block of `values` (of `sizes`) repeated `times` in place."""
+    return torch.cat([block for block in values.split(sizes) for _ in range(times)])
+
+
+def build_dispatcher(kind: str, num_experts: int, expert_tp_ep: Group, expert_tp_size: int):
+    """The --moe-token-dispatcher-type over expert-TP x EP (`expert_tp_ep`)."""
+    dispatcher = AllToAllDispatcher if kind == "alltoall" else AllGatherDispatcher
+    return dispatcher(num_experts, expert_tp_ep, expert_tp_size)

@@ -4,7 +4,8 @@ The attributes a parameter carries, as Megatron names them (`PARAMETER_ATTRIBUTE
 one place they are written down; the only code that sets them is below, the TP layers
 (`shared_embedding`, `embedding_copy`: model/gpt.py) and the gradient buffer (`main_grad`)):
 
-    tensor_model_parallel  bool       split over TP ranks (False: every TP rank holds it whole)
+    tensor_model_parallel  bool       split over TP ranks (False: every TP rank holds it whole);
+                                      an expert's weight: split over expert-TP ranks instead
     partition_dim          int        the split dimension (TP parameters only)
     partition_stride       int        > 1: the full tensor is `stride` stacked blocks, each split
                                       separately (SwiGLU's [gate; up])
@@ -15,8 +16,9 @@ one place they are written down; the only code that sets them is below, the TP l
                                       (sequence-parallel norms and biases, query/key norms)
     shared_embedding       bool       one of the two copies of tied word embeddings under PP
     embedding_copy         bool       the last stage's copy (counted once in norms)
-    expert_parallel        bool       an expert's weight (model/moe): whole on the one EP rank
-                                      holding the expert, its gradient summed over expert-DP
+    expert_parallel        bool       an expert's weight (model/moe): on the one EP rank holding
+                                      the expert (split over its expert-TP group when
+                                      tensor_model_parallel), its gradient summed over expert-DP
     main_grad              Tensor     its view into the gradient buffer (parallel/data_parallel)
 
 `initialize_parameters` draws each *full* tensor from a generator seeded by the run seed and the
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from threefold.parallel.parallel_context import Group
+from threefold.parallel.parallel_context import Group, ParallelContext
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 PARAMETER_ATTRIBUTES = (
@@ -79,16 +81,32 @@ def mark_replicated(
     return param
 
 
-def mark_expert(param: torch.nn.Parameter, init_method: InitMethod) -> torch.nn.Parameter:
-    """A weight of one expert: whole (expert tensor parallelism 1) on the rank that holds the
-    expert, named by the expert's global index so it is initialized and saved alike at any EP."""
-    mark_replicated(param, init_method)
+def mark_expert(
+    param: torch.nn.Parameter,
+    init_method: InitMethod,
+    partition_dim: int | None = None,
+    master_shape: tuple[int, ...] | None = None,
+    partition_stride: int = 1,
+) -> torch.nn.Parameter:
+    """A weight of one expert, on the rank that holds the expert, named by the expert's global
+    index so it is initialized and saved alike at any EP. With a `partition_dim` it is split
+    over the expert-TP group like a TP weight (`master_shape`: the whole expert's); without,
+    every expert-TP rank holds it whole."""
+    if partition_dim is None:
+        mark_replicated(param, init_method)
+    else:
+        mark_tensor_parallel(param, partition_dim, init_method, master_shape, partition_stride)
     param.expert_parallel = True
     return param
 
 
 def is_expert(param: torch.nn.Parameter) -> bool:
     return getattr(param, "expert_parallel", False)
+
+
+def sharding_group(param: torch.nn.Parameter, parallel: ParallelContext) -> Group:
+    """The group a parameter's TP split runs over: expert-TP for an expert's, else TP."""
+    return parallel.expert_tp if is_expert(param) else parallel.tp
 
 
 def mark_tensor_parallel(
@@ -134,7 +152,7 @@ def parameter_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def initialize_parameters(
-    named_parameters: list[tuple[str, torch.nn.Parameter]], seed: int, tp: Group
+    named_parameters: list[tuple[str, torch.nn.Parameter]], seed: int, parallel: ParallelContext
 ) -> None:
     """Initialize each parameter as the shard of a full tensor drawn from a per-name generator.
 
@@ -145,7 +163,8 @@ def initialize_parameters(
         generator = torch.Generator().manual_seed(parameter_seed(seed, name))
         rows = param.valid_rows if param.dim() else None
         param.init_method(full[:rows] if rows is not None else full, generator)
-        param.copy_(shard_of(full, param, tp.rank, tp.size))
+        group = sharding_group(param, parallel)
+        param.copy_(shard_of(full, param, group.rank, group.size))
 
 
 @torch.no_grad()
