@@ -13,12 +13,19 @@ megatron-core assumes CUDA in three places that have nothing to do with the func
 The torch_dist writer also imports psutil (a test dependency) and writes from forked
 processes, which Python refuses to a daemonic process such as a test's pooled rank: `save`
 lifts that flag for the length of the save (the writers are joined before it returns).
+
+`train_and_save` also trains with megatron-core's DistributedDataParallel and optimizer (its
+DistributedOptimizer included), which assume CUDA in two more places, covered by
+`optimizer_patches()`: buffers made with `device="cuda"` (made on the CPU instead) and
+parameter type checks that expect `torch.cuda.FloatTensor` names (a CPU tensor's type name
+is reported with `.cuda.`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 
 import torch
@@ -82,6 +89,38 @@ def cpu_patches():
             CudaRNGStatesTracker.fork,
             torch.Tensor.cuda,
         ) = saved
+
+
+@contextlib.contextmanager
+def optimizer_patches():
+    factories = ("tensor", "zeros", "empty", "ones", "full")
+    saved = {name: getattr(torch, name) for name in factories}
+    saved_type = torch.Tensor.type
+
+    def on_cpu(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    def cuda_type_name(self, *args, **kwargs):
+        name = saved_type(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or ".cuda." in name:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    for name in factories:
+        setattr(torch, name, on_cpu(saved[name]))
+    torch.Tensor.type = cuda_type_name
+    try:
+        yield
+    finally:
+        for name, factory in saved.items():
+            setattr(torch, name, factory)
+        torch.Tensor.type = saved_type
 
 
 def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0):
@@ -156,6 +195,8 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         squared_relu=False,
         openai_gelu=False,
         qk_layernorm=False,
+        attention_dropout=0.0,  # as `build` makes the model
+        hidden_dropout=0.0,
         num_experts=None,
         vocab_size=None,
         padded_vocab_size=PADDED_VOCAB,
@@ -176,8 +217,8 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     )
 
 
-def save(kind: str, root: str, iteration: int, tensor_parallel: int, pipeline_parallel: int):
-    """One rank's part of a Megatron-LM torch_dist save (run on TP x PP gloo ranks)."""
+def _write(state: dict, root: str, iteration: int, content_metadata: dict | None = None):
+    """dist_checkpointing.save into root/iter_N and the tracker, as Megatron-LM does."""
     import multiprocessing
 
     import torch.distributed as dist
@@ -186,6 +227,20 @@ def save(kind: str, root: str, iteration: int, tensor_parallel: int, pipeline_pa
     process = multiprocessing.current_process()
     daemon = process._config.get("daemon")
     process._config["daemon"] = False
+    path = os.path.join(root, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, path, content_metadata=content_metadata)
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+    process._config["daemon"] = daemon
+    dist.barrier()
+
+
+def save(kind: str, root: str, iteration: int, tensor_parallel: int, pipeline_parallel: int):
+    """One rank's part of a Megatron-LM torch_dist save (run on TP x PP gloo ranks)."""
     with cpu_patches():
         model = build(kind, tensor_parallel, pipeline_parallel)
         state = {
@@ -196,16 +251,106 @@ def save(kind: str, root: str, iteration: int, tensor_parallel: int, pipeline_pa
             "opt_param_scheduler": {"num_steps": 640, "max_lr": 3e-4},
             "num_floating_point_operations_so_far": 1.0e12,
         }
-        path = os.path.join(root, f"iter_{iteration:07d}")
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(state, path)
-        if dist.get_rank() == 0:
-            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(iteration))
-    process._config["daemon"] = daemon
-    dist.barrier()
+        _write(state, root, iteration)
+
+
+LR, WEIGHT_DECAY = 3e-3, 0.01
+
+
+def batch(step: int, data_parallel: int) -> torch.Tensor:
+    """The global batch [DP, SEQ] of training step `step` (DP rank r trains row r)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (data_parallel, SEQ), generator=generator)
+
+
+def train_and_save(
+    kind: str, root: str, after: str, tensor_parallel: int, layout: str | None, steps: int
+) -> float:
+    """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer:
+    `steps` iterations, a checkpoint with the optimizer state under `root` (`layout`: the
+    distributed optimizer's --dist-ckpt-optim-fully-reshardable ("fully_reshardable") or
+    default ("dp_reshardable") layout, None: the non-distributed optimizer), then one more
+    iteration whose weights go (model only) under `after`. Returns that iteration's loss.
+
+    As Megatron-LM's loop: constant LR through its OptimizerParamScheduler (which also keeps
+    biases and norms free of weight decay), clipping at 1.0, AdamW; each DP rank's loss the
+    mean over its tokens, gradients averaged over DP by the DDP wrapper."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    distributed = layout is not None
+    with cpu_patches(), optimizer_patches():
+        model = build(kind, tensor_parallel, 1)
+        dp = parallel_state.get_data_parallel_world_size()
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=LR,
+                min_lr=LR,
+                weight_decay=WEIGHT_DECAY,
+                clip_grad=1.0,
+                use_distributed_optimizer=distributed,
+                params_dtype=torch.float32,
+            ),
+            [ddp],
+        )
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=LR,
+            max_lr=LR,
+            min_lr=LR,
+            lr_warmup_steps=0,
+            lr_decay_steps=1000,
+            lr_decay_style="constant",
+            start_wd=WEIGHT_DECAY,
+            end_wd=WEIGHT_DECAY,
+            wd_incr_steps=1000,
+            wd_incr_style="constant",
+        )
+        positions = torch.arange(SEQ - 1)[None]
+        mask = torch.triu(torch.ones(SEQ - 1, SEQ - 1), 1).bool()[None, None]
+
+        def iteration(step: int) -> float:
+            tokens = batch(step, dp)[parallel_state.get_data_parallel_rank()][None]
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = ddp(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            updated, _, _ = optimizer.step()
+            assert updated
+            scheduler.step(increment=dp)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+            return mean.item() / dp
+
+        for step in range(steps):
+            iteration(step)
+        args = megatron_args(kind, tensor_parallel, 1)
+        args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
+        args.consumed_train_samples = steps * dp
+        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if distributed:
+            metadata["distrib_optim_sharding_type"] = layout
+        model_state = model.sharded_state_dict(metadata=metadata)
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": steps,
+            "model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
+            "opt_param_scheduler": scheduler.state_dict(),
+        }
+        _write(state, root, steps, metadata)
+        loss = iteration(steps)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
+        _write(state | {"model": model.sharded_state_dict()}, after, steps + 1)
+    return loss
 
 
 def logits(kind: str, path: str) -> torch.Tensor:

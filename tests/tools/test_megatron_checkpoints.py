@@ -5,6 +5,8 @@ TP=2 x PP=2 on four gloo ranks with `dist_checkpointing.save`, as Megatron-LM's
 `save_checkpoint` does (tests/megatron_core_models.py). threefold loads it at TP1, TP2, PP2 and
 TP2 x PP2 and computes megatron-core's logits (megatron-core's own one-rank load is the
 reference); training goes on from it; and threefold's export loads back into megatron-core.
+megatron-core also trains with its own DDP and optimizer (DistributedOptimizer included) and
+saves Adam's state: threefold goes on from it at other layouts exactly as megatron-core does.
 """
 
 from __future__ import annotations
@@ -153,13 +155,115 @@ def test_no_load_optim_resumes_megatrons_iteration_and_schedule(megatron):
     assert trainer.checkpoint_components().scheduler.num_steps == 11
 
 
-def test_megatrons_optimizer_is_not_silently_dropped(megatron):
+def test_a_megatron_checkpoint_without_optimizer_state_needs_no_load_optim(megatron):
     from tests.parity import _setup
 
     root, _ = megatron["llama"]
     trainer = _setup(_argv(root, 1, 1))
-    with pytest.raises(ConfigError, match="Megatron-LM torch_dist checkpoint.*--finetune"):
+    with pytest.raises(ConfigError, match="without its optimizer state; pass --no-load-optim"):
         load_checkpoint(root, trainer.checkpoint_components())
+
+
+# -- Megatron-LM's optimizer state: training goes on as megatron-core's own -------------------
+@pytest.fixture(scope="module")
+def megatron_trained(tmp_path_factory):
+    """layout -> (checkpoint root, megatron-core's weights one iteration later, its loss):
+    megatron-core trained 2 iterations at TP2 x DP2 with its optimizer in that layout."""
+    runs = {}
+    for layout in ("fully_reshardable", "non-distributed", "dp_reshardable"):
+        directory = tmp_path_factory.mktemp(f"megatron_{layout}")
+        root, after = str(directory / "run"), str(directory / "after")
+        optimizer = None if layout == "non-distributed" else layout
+        losses = run_distributed(4, mc.train_and_save, "llama", root, after, 2, optimizer, 2)
+        runs[layout] = (root, after, losses[0])
+    return runs
+
+
+def _continue(argv: list[str], root: str, after: str, load_optimizer: bool) -> tuple:
+    """One iteration after --load of Megatron's checkpoint, on megatron-core's next global
+    batch: (the loss, the largest difference to megatron-core's weights after that step)."""
+    from tests.parity import _full, _setup
+    from threefold.data.loader import collate
+
+    trainer = _setup(argv)
+    assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer) == 2
+    dp = trainer.parallel.dp
+    rows = mc.batch(2, 2).chunk(dp.size)[dp.rank]
+    items = [{"tokens": row.numpy()} for row in rows]
+    trainer._train_iterator = iter([collate(items, trainer.device)])
+    loss, _, _ = trainer.train_step()
+    _, megatron_model, _ = load_model(after, with_tokenizer=False)
+    expected = {
+        megatron_model.layout_independent_name(n): p.detach()
+        for n, p in megatron_model.named_parameters()
+    }
+    difference = max(
+        float((torch.from_numpy(value) - expected[name][: value.shape[0]]).abs().max())
+        for name, value in _full(trainer).items()
+    )
+    return loss, difference
+
+
+def _continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
+    """megatron-core's hyperparameters (tests/megatron_core_models.py) as threefold flags."""
+    return _argv(root, tp, pp) + [
+        "--micro-batch-size",
+        str(2 // dp),
+        "--lr",
+        str(mc.LR),
+        "--min-lr",
+        str(mc.LR),
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        str(mc.WEIGHT_DECAY),
+        "--clip-grad",
+        "1.0",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]
+
+
+@pytest.mark.parametrize(
+    "layout,tp,pp,dp,flags",
+    [
+        ("fully_reshardable", 1, 1, 1, []),
+        ("fully_reshardable", 2, 2, 1, []),
+        ("fully_reshardable", 1, 1, 2, ["--use-distributed-optimizer"]),
+        ("non-distributed", 1, 1, 1, []),
+    ],
+    ids=["fully-reshardable-tp1", "fully-reshardable-tp2pp2", "fully-reshardable-dp2", "plain"],
+)
+def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
+    megatron_trained, layout, tp, pp, dp, flags
+):
+    """megatron-core's Adam state (moments, fp32 masters, step) read into threefold at
+    another layout: the next iteration's loss and updated weights are megatron-core's."""
+    root, after, megatron_loss = megatron_trained[layout]
+    argv = _continue_argv(root, tp, pp, dp) + flags
+    for loss, difference in run_distributed(tp * pp * dp, _continue, argv, root, after, True):
+        assert loss == pytest.approx(megatron_loss, rel=1e-6)
+        assert difference < 1e-6
+    # The state is what makes it so: a fresh optimizer takes another step.
+    if (tp, pp, dp) == (1, 1, 1) and layout == "fully_reshardable":
+        _, difference = _continue(argv + ["--no-load-optim"], root, after, False)
+        assert difference > 1e-4
+
+
+def test_megatrons_default_optimizer_layout_is_refused_naming_the_fix(megatron_trained):
+    from tests.parity import _setup
+
+    root, _, _ = megatron_trained["dp_reshardable"]
+    trainer = _setup(_continue_argv(root, 1, 1, 1))
+    with pytest.raises(ConfigError) as error:
+        load_checkpoint(root, trainer.checkpoint_components())
+    message = str(error.value)
+    assert "dp_reshardable" in message and "--dist-ckpt-optim-fully-reshardable" in message
+    assert "\n" not in message
+    # Its weights load all the same.
+    assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer=False) == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)

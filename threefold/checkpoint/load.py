@@ -32,6 +32,7 @@ from threefold.checkpoint.manifest import (
     read_manifest,
     verify_slice,
 )
+from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
 from threefold.checkpoint.resharding import load_resharded, load_weights
 from threefold.checkpoint.save import set_rng_state, tensor_state, tokenizer_digest
 from threefold.config import Config, ConfigError, ModelConfig
@@ -190,12 +191,8 @@ def load_checkpoint(
     if finetune:
         load_optimizer = load_rng = False
     megatron = "megatron" in metadata
-    if megatron and load_optimizer:
-        raise ConfigError(
-            f"--load {root}: a Megatron-LM torch_dist checkpoint; threefold reads its model "
-            "weights, not Megatron's optimizer state: pass --finetune, or --no-load-optim to "
-            "go on from its iteration and LR schedule with a fresh optimizer"
-        )
+    if megatron and load_optimizer and not metadata["optimizer_saved"]:
+        raise ConfigError(megatron_refusal(metadata["megatron"]["optimizer"], f"--load {root}"))
     if metadata.get("weights_only") and load_optimizer:
         raise ConfigError(
             f"--load {root}: the checkpoint holds weights only (a converted "
@@ -248,11 +245,17 @@ def load_checkpoint(
         dcp.load(tensor_state(components, load_optimizer, without_adapters), storage_reader=reader)
     else:
         load_resharded(
-            path, components, saved["tensor_model_parallel_size"], load_optimizer, without_adapters
+            path,
+            components,
+            saved["tensor_model_parallel_size"],
+            load_optimizer,
+            without_adapters,
+            metadata["megatron"]["optimizer_step"] if megatron else None,
         )
     # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:
-        components.loss_scaler.load_state_dict(metadata["loss_scaler"])
+        if metadata["loss_scaler"] or not megatron:  # (Megatron's, for fp16 runs only)
+            components.loss_scaler.load_state_dict(metadata["loss_scaler"])
         components.optimizer.copy_masters_to_model()
     else:
         components.optimizer.copy_model_to_masters()

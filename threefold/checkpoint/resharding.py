@@ -109,13 +109,16 @@ class SavedTensors:
         return None
 
 
-def saved_tensors(path: str):
+def saved_tensors(path: str, megatron_step: float | None = None):
     """What a checkpoint directory holds: threefold's own shards, or a Megatron-LM torch_dist
-    checkpoint's stacked tensors (checkpoint/megatron/tensors.py), behind one interface."""
+    checkpoint's stacked tensors (checkpoint/megatron/tensors.py; `megatron_step`: its Adam
+    step from common.pt), behind one interface."""
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint
     from threefold.checkpoint.megatron.tensors import MegatronTensors
 
-    return MegatronTensors(path) if is_megatron_checkpoint(path) else SavedTensors(path)
+    if is_megatron_checkpoint(path):
+        return MegatronTensors(path, megatron_step)
+    return SavedTensors(path)
 
 
 def _new_shard(full: torch.Tensor, param: nn.Parameter, parallel: ParallelContext) -> torch.Tensor:
@@ -158,6 +161,7 @@ def load_resharded(
     saved_tensor_parallel_size: int,
     load_optimizer: bool,
     without_adapters: bool = False,
+    megatron_step: float | None = None,
 ) -> None:
     """Fill the parameters (and optimizer state) from a checkpoint of any layout."""
     if not components.resharding_supported:
@@ -165,7 +169,7 @@ def load_resharded(
             "--load: a checkpoint of another layout loads into "
             "--distributed-strategy megatron only; load it there and save"
         )
-    saved = saved_tensors(path)
+    saved = saved_tensors(path, megatron_step)
     parallel = components.parallel
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]

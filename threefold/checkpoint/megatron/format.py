@@ -1,8 +1,9 @@
-"""Megatron-LM's torch_dist checkpoint directory, described without torch.
+"""Megatron-LM's torch_dist checkpoint directory, described (common.pt read without torch).
 
     DIR/latest_checkpointed_iteration.txt   the tracker (the same file threefold writes)
     DIR/iter_0000100/metadata.json          {"sharded_backend": "torch_dist", ...}: megatron-core's
-    DIR/iter_0000100/common.pt              args, iteration, checkpoint_version, LR scheduler
+    DIR/iter_0000100/common.pt              args, iteration, checkpoint_version, LR scheduler,
+                                            the optimizer's step and layout
     DIR/iter_0000100/.metadata, *.distcp    torch.distributed.checkpoint: the sharded tensors
 
 This module tells such a directory from threefold's own, and translates between Megatron-LM's
@@ -18,8 +19,10 @@ import json
 import os
 
 from threefold.checkpoint.megatron.common_file import read_common
+from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
+from threefold.safe_loading import SafeFileSystemReader
 
 BACKEND = {
     "sharded_backend": "torch_dist",
@@ -106,8 +109,9 @@ def _data_config(args: dict) -> dict:
 def megatron_metadata(path: str) -> dict:
     """A Megatron-LM checkpoint's `iter_N` directory described as threefold's metadata.json
     describes its own: the config (model from args; tokenizer where threefold has Megatron's;
-    the saved layout), the iteration, consumed samples and LR schedule position. Megatron's
-    optimizer and RNG states are not read (`optimizer_saved`/`rng_saved` false)."""
+    the saved layout), the iteration, consumed samples and LR schedule position, and whether
+    its optimizer state is one threefold reads (checkpoint/megatron/optimizer.py; the layout
+    under `megatron.optimizer`). Megatron's RNG states are not read (`rng_saved` false)."""
     common_file = os.path.join(path, "common.pt")
     if not os.path.isfile(common_file):
         raise ConfigError(f"--load {path}: common.pt is missing; the checkpoint is incomplete")
@@ -140,10 +144,18 @@ def megatron_metadata(path: str) -> dict:
     )
     iteration = int(common.get("iteration", 0) or 0)
     scheduler = common.get("opt_param_scheduler")
+    sizes = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    optimizer = megatron_optimizer(
+        common, {k: tuple(v.size) for k, v in sizes.items() if hasattr(v, "size")}
+    )
     return {
         "iteration": iteration,
-        "megatron": {"checkpoint_version": common.get("checkpoint_version")},
-        "optimizer_saved": False,
+        "megatron": {
+            "checkpoint_version": common.get("checkpoint_version"),
+            "optimizer": optimizer.layout,
+            "optimizer_step": optimizer.step,
+        },
+        "optimizer_saved": optimizer.readable,
         "rng_saved": False,
         "train_state": {
             "iteration": iteration,
@@ -152,7 +164,7 @@ def megatron_metadata(path: str) -> dict:
         "scheduler": {"num_steps": int(scheduler["num_steps"])}
         if isinstance(scheduler, dict) and "num_steps" in scheduler
         else {"num_steps": 0},
-        "loss_scaler": {},
+        "loss_scaler": optimizer.loss_scaler or {},
         "config": dataclasses.asdict(config),
     }
 

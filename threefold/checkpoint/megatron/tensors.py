@@ -10,7 +10,9 @@ QKV is per query group `[q..., k, v]` and SwiGLU's fc1 `[gate; up]`, both as in 
 whole model, and the embedding keeps the saving run's vocabulary padding.
 
 Reading takes one layer's slice at a time out of the stacked tensors (a load plan for just that
-chunk), so a rank never holds more than one parameter of the whole model beyond its own.
+chunk), so a rank never holds more than one parameter of the whole model beyond its own. Adam's
+state, where megatron-core stored it in model space (checkpoint/megatron/optimizer.py), is the
+same tensors under a prefix and is read the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.config import ConfigError
 from threefold.safe_loading import SafeFileSystemReader
 
@@ -93,27 +96,32 @@ class _SlicePlanner(DefaultLoadPlanner):
 
 
 class MegatronTensors:
-    """A Megatron-LM torch_dist checkpoint's model tensors, by threefold parameter name (what
-    checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints)."""
+    """A Megatron-LM torch_dist checkpoint's model tensors (`kind` "model") and model-space
+    Adam state ("exp_avg", "exp_avg_sq", "master"), by threefold parameter name: what
+    checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, step: float | None = None) -> None:
+        self.path, self._step = path, step
         metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
 
-    def _key(self, name: str) -> tuple[str, int | None] | None:
+    def _key(self, kind: str, name: str) -> tuple[str, int | None] | None:
         key, layer = megatron_key(name)
-        for candidate in (key, _local_key(name)):
-            if candidate in self.sizes:
-                return candidate, layer
+        for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
+            for candidate in (key, _local_key(name)):
+                if prefix + candidate in self.sizes:
+                    return prefix + candidate, layer
         return None
 
     def has(self, kind: str, name: str) -> bool:
-        return kind == "model" and self._key(name) is not None
+        return self._key(kind, name) is not None
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of a parameter, unpadded (valid rows only), in fp32."""
-        key, layer = self._key(name)
+        found = self._key(kind, name)
+        if found is None:
+            raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
+        key, layer = found
         size = self.sizes[key] if layer is None else self.sizes[key][1:]
         if layer is not None and layer >= self.sizes[key][0]:
             raise ConfigError(f"--load {self.path}: {key} holds no layer {layer}")
@@ -130,8 +138,9 @@ class MegatronTensors:
             target = target[: param.valid_rows]
         return target
 
-    def step(self) -> None:
-        return None
+    def step(self) -> torch.Tensor | None:
+        """Adam's step (from common.pt), when the checkpoint holds Megatron's optimizer."""
+        return None if self._step is None else torch.tensor(float(self._step))
 
 
 def _extra_state() -> io.BytesIO:
