@@ -424,3 +424,38 @@ def test_generate_samples_a_megatron_checkpoint_with_local_tokenizer_files(tmp_p
     assert from_megatron.returncode == 0, from_megatron.stderr[-2000:]
     from_import = sample("--load", ours)
     assert from_megatron.stdout.strip() == from_import.stdout.strip() != ""
+
+
+def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_path):
+    """common.pt as each megatron-core optimizer leaves it (its one-element tensors decoded
+    from their bytes, nothing unpickled): the step of the non-distributed fp32 and fp16
+    optimizers and of the distributed one, and the fp16 DynamicGradScaler's state."""
+    from threefold.checkpoint.megatron.common_file import read_common
+    from threefold.checkpoint.megatron.optimizer import megatron_optimizer
+
+    groups = [{"lr": 3e-3, "params": [0, 1]}]
+    scaler = {"scale": torch.tensor(4096.0), "growth_tracker": 7, "hysteresis_tracker": 2}
+    layouts = {
+        "fp32": {"state": {"common_step": torch.tensor(12.0)}, "param_groups": groups},
+        "fp16": {
+            "optimizer": {"state": {"common_step": torch.tensor(12.0)}, "param_groups": groups},
+            "grad_scaler": scaler,
+        },
+        "distributed": {
+            "optimizer": {"param_groups": [{"lr": 3e-3, "step": 12}]},
+            "param_state_sharding_type": "fully_reshardable",
+        },
+    }
+    sizes = {"decoder.layers.mlp.linear_fc1.weight": (2, 8, 4)}
+    sizes |= {f"optimizer.state.exp_avg.{key}": size for key, size in sizes.items()}
+    for name, state in layouts.items():
+        path = str(tmp_path / f"{name}.pt")
+        torch.save({"optimizer": state, "iteration": 12}, path)
+        optimizer = megatron_optimizer(read_common(path), sizes)
+        assert optimizer.readable and optimizer.step == 12.0, name
+        expected = {"scale": 4096.0, "growth_tracker": 7, "hysteresis_tracker": 2}
+        assert optimizer.loss_scaler == (expected if name == "fp16" else None), name
+    # Flattened per-rank moments (not the parameter's shape) are not model space.
+    flattened = {**sizes, "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight": (2, 32)}
+    optimizer = megatron_optimizer({"optimizer": {}}, flattened)
+    assert (optimizer.layout, optimizer.readable) == ("fully_sharded_model_space", False)
