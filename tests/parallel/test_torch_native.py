@@ -58,6 +58,18 @@ def test_tensor_parallel_inside_match_single_process(reference, strategy, sequen
     assert_matches_reference(results, reference, DP_TOLERANCE)
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_pipeline_stages_inside_match_single_process(strategy):
+    """FSDP2 (or DDP) over DP = 2 around each of PP = 2 stages, tied embeddings (their copies
+    on the first and last stage summed); ten steps with clipping, two micro-batches per rank
+    in 1F1B."""
+    argv = [a for a in LLAMA_STYLE if a != "--untie-embeddings-and-output-weights"] + TRAINING
+    reference = train_job(argv, 10)
+    flags = ["--distributed-strategy", strategy, "--pipeline-model-parallel-size", "2"]
+    results = run_distributed(4, train_job, argv + flags, 10)
+    assert_matches_reference(results, reference, DP_TOLERANCE)
+
+
 @pytest.mark.parametrize("strategy,expected", [("ddp", 16.0), ("fsdp", 8.0)])
 def test_bytes_per_parameter(strategy, expected):
     # fp32 parameters, gradients and Adam moments: 4 + 4 + 8, all sharded over 2 ranks by FSDP.
@@ -70,7 +82,11 @@ def test_bytes_per_parameter(strategy, expected):
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1"),
+        (
+            ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1"],
+            "drop the virtual pipeline stages",
+        ),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
         (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
         (["--ddp-bucket-size", "1000"], "--ddp-bucket-size"),

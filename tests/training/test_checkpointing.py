@@ -58,6 +58,7 @@ def _resume_job(argv: list[str], directory: str) -> dict:
         ),
         (2, ["--distributed-strategy", "fsdp"]),
         (4, ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]),
+        (4, ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"]),
         (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
         (
             4,

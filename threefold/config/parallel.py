@@ -320,12 +320,13 @@ class ParallelConfig:
             strategy in STRATEGIES, f"--distributed-strategy must be one of {', '.join(STRATEGIES)}"
         )
         if strategy in ("ddp", "fsdp"):
-            # TP composes (2D: FSDP2/DDP over DP, threefold's TP layers inside, as torchtitan
-            # and Megatron-LM's --use-torch-fsdp2 do); pipeline stages do not yet.
+            # TP and PP compose (FSDP2/DDP over DP around each stage, threefold's TP layers
+            # inside, as torchtitan and Megatron-LM's --use-torch-fsdp2 do).
             _require(
-                self.pipeline_model_parallel_size == 1,
-                f"--distributed-strategy {strategy} needs --pipeline-model-parallel-size 1; "
-                "use --distributed-strategy megatron for pipeline parallelism",
+                self.virtual_pipeline_model_parallel_size is None,
+                f"--distributed-strategy {strategy} wraps one model chunk per pipeline stage: "
+                "drop the virtual pipeline stages (--num-layers-per-virtual-pipeline-stage, "
+                "--virtual-pipeline-model-parallel-size) or use --distributed-strategy megatron",
             )
             megatron_only = [
                 flag

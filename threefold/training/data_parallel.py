@@ -2,15 +2,16 @@
 
     MegatronDataParallel   threefold's gradient buffer (parallel/data_parallel.py) with the
                            mixed-precision or distributed optimizer; any TP/PP layout
-    TorchDataParallel      PyTorch DDP or FSDP2 around the one model chunk (TP = PP = 1), with
-                           the fp32 parameters as their own masters (--distributed-strategy
-                           ddp|fsdp)
+    TorchDataParallel      PyTorch DDP or FSDP2 around each pipeline stage's one model chunk
+                           (threefold's TP layers inside), with the fp32 parameters as their
+                           own masters (--distributed-strategy ddp|fsdp)
 
 Both answer the same calls in the order the loop makes them: `start_step` (zero gradients,
 arm the reduction), `schedule_options` (what the forward/backward schedule needs: DDP's
 no-sync for all micro-batches but the last), `forward_context` (autocast where the parameters
 stay fp32), `finish_grad_sync`, then `optimizer.step` (clip and update); `after_evaluation`
-puts FSDP's sharded parameters back. Each owns its optimizer.
+puts FSDP's sharded parameters back; `activation_dtype` is what travels between pipeline
+stages. Each owns its optimizer.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from torch import nn
 from threefold.config import Config
 from threefold.parallel.data_parallel.gradient_buffer import (
     GradientBuffer,
+    all_reduce_embedding_grads,
     all_reduce_sequence_parallel_grads,
     finalize_model_grads,
 )
 from threefold.parallel.data_parallel.torch_native import (
+    average_grads,
     local,
     no_sync_context,
     reshard,
@@ -71,6 +74,7 @@ class MegatronDataParallel:
     ) -> None:
         dp, training = config.parallel, config.training
         self.parallel = parallel
+        self.activation_dtype = params_dtype(config)
         self.model_chunks = self.wrapped_chunks = model_chunks
         named = [
             (name, param) for chunk in model_chunks for name, param in chunk.named_parameters()
@@ -166,7 +170,12 @@ class MegatronDataParallel:
 
 
 class TorchDataParallel:
-    """PyTorch DDP or FSDP2 (`fsdp`) around the one model chunk; gradients in `param.grad`."""
+    """PyTorch DDP or FSDP2 (`fsdp`) around the stage's one model chunk; gradients in
+    `param.grad`. Under pipeline parallelism FSDP2 reduce-scatters in the stage's last
+    backward, after every micro-batch accumulated; DDP cannot have several forwards in
+    flight, so the schedule holds its reduction back throughout and `finish_grad_sync`
+    averages the gradients over DP itself. What the stages exchange is the residual stream:
+    in the compute dtype under FSDP2 (its parameters are cast), fp32 under DDP's autocast."""
 
     grad_buffer = None
 
@@ -185,6 +194,7 @@ class TorchDataParallel:
                 param.grad = torch.zeros_like(param)
         reduce_dtype = torch.bfloat16 if dp.grad_reduce_in_bf16 else torch.float32
         self.compute_dtype = params_dtype(config)
+        self.activation_dtype = self.compute_dtype if fsdp else torch.float32
         self.device_type = device.type
         wrapped = (
             wrap_fsdp(model, device, parallel.dp_cp, self.compute_dtype, reduce_dtype)
@@ -196,6 +206,8 @@ class TorchDataParallel:
                 param.grad = torch.zeros_like(param)
         self.wrapped_chunks = [wrapped]
         self.parallel = parallel
+        self.reduce_after_schedule = not fsdp and parallel.pp.size > 1
+        self.reduce_dtype = reduce_dtype
         self.optimizer = NativeOptimizer(
             list(model.named_parameters()), config.training, parallel, sharded=fsdp
         )
@@ -212,9 +224,13 @@ class TorchDataParallel:
         return torch.autocast(self.device_type, dtype=self.compute_dtype)
 
     def finish_grad_sync(self) -> None:
-        # DDP and FSDP reduce over DP during backward; what remains is TP's part.
+        # DDP and FSDP reduce over DP during backward (DDP under PP: here); what remains is
+        # TP's part and, under PP, the tied embeddings' two copies.
         params = list(self.model_chunks[0].parameters())
+        if self.reduce_after_schedule:
+            average_grads(params, self.parallel.dp_cp, self.reduce_dtype)
         all_reduce_sequence_parallel_grads(params, self.parallel.tp, lambda p: local(p.grad))
+        all_reduce_embedding_grads(params, self.parallel, lambda p: local(p.grad))
 
     def local_grads(self) -> list[torch.Tensor]:
         return [

@@ -459,9 +459,10 @@ class NativeOptimizer(_AdamWithMasters):
         parallel: ParallelContext,
         sharded: bool,
     ) -> None:
-        # FSDP shards over DP; TP shards (and counts TP-replicated weights once) either way.
+        # FSDP shards over DP; TP shards (and counts TP-replicated weights once) and pipeline
+        # stages hold different layers either way.
         self.reduction_groups = ([parallel.dp_cp.group] if sharded else []) + (
-            [parallel.tp.group] if parallel.tp.size > 1 else []
+            [parallel.model_parallel_group] if parallel.tp.size * parallel.pp.size > 1 else []
         )
         self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.separate_masters = False

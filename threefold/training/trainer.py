@@ -32,7 +32,6 @@ from threefold.parallel.tensor_parallel.random import set_random_seed
 from threefold.training import faults
 from threefold.training.build import build_model_and_optimizer
 from threefold.training.checkpointer import Checkpointer
-from threefold.training.data_parallel import params_dtype
 from threefold.training.flops import training_flops_per_iteration
 from threefold.training.logging import progress
 from threefold.training.moe_statistics import MoEStatistics
@@ -76,7 +75,8 @@ class Trainer:
         # What travels between pipeline stages, and in which dtype.
         shape = (model.seq_length, training.micro_batch_size, model.hidden_size)
         shape = parallel.pipeline_tensor_shape(*shape)
-        self.pipeline_options = dict(pp=parallel.pp, dtype=params_dtype(config), tensor_shape=shape)
+        dtype = self.data_parallel.activation_dtype
+        self.pipeline_options = dict(pp=parallel.pp, dtype=dtype, tensor_shape=shape)
         self._train_iterator = None
         self.checkpointer = Checkpointer(
             config.checkpoint, self.checkpoint_components, self.observability

@@ -272,15 +272,19 @@ def all_reduce_sequence_parallel_grads(
         offset += grad.numel()
 
 
-def all_reduce_embedding_grads(params: list[nn.Parameter], parallel: ParallelContext) -> None:
+def all_reduce_embedding_grads(
+    params: list[nn.Parameter], parallel: ParallelContext, grad_of: Callable = lambda p: p.main_grad
+) -> None:
     """Tied embeddings under pipeline parallelism: the first stage's word embeddings and the
     last stage's output layer are two copies of one weight. Summing their gradients over
-    megatron-core's embedding group (first and last stage) keeps the copies identical."""
+    megatron-core's embedding group (first and last stage) keeps the copies identical.
+    `grad_of` as in all_reduce_sequence_parallel_grads (FSDP2: both stages shard the copy
+    alike over equal DP groups, so the local shards line up)."""
     if parallel.pp.size == 1:
         return
     for param in params:
         if getattr(param, "shared_embedding", False):
-            dist.all_reduce(param.main_grad, group=parallel.embedding_group)
+            dist.all_reduce(grad_of(param), group=parallel.embedding_group)
 
 
 def finalize_model_grads(grad_buffer: GradientBuffer, parallel: ParallelContext) -> None:

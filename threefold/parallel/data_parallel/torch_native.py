@@ -71,6 +71,22 @@ def _all_reduce_in_bf16(group, bucket):
     return work.get_future().then(write_back)
 
 
+@torch.no_grad()
+def average_grads(params: list[nn.Parameter], dp: Group, reduce_dtype: torch.dtype) -> None:
+    """The mean over `dp` of the parameters' gradients, in one flat all-reduce (in
+    `reduce_dtype`): what DDP's buckets do during backward, for a schedule that kept DDP from
+    reducing (pipeline stages, whose micro-batches' forwards overlap)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if dp.size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(reduce_dtype).div_(dp.size)
+    dp.all_reduce(flat)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
 def wrap_fsdp(
     model: nn.Module,
     device: torch.device,

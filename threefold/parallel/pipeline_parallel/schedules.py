@@ -165,47 +165,56 @@ def run_actions(
     trace: ScheduleTrace | None = None,
     per_token_loss: bool = False,
     timers: TimerFactory | None = None,
+    no_sync_func: Callable | None = None,
 ) -> list[torch.Tensor]:
+    """`no_sync_func` (PyTorch DDP/FSDP2 around the stage): gradient reduction held back for
+    every action but this stage's last backward, which reduces what all micro-batches
+    accumulated (FSDP2; DDP, which cannot have several forwards in flight, reduces nothing
+    here and the data-parallel wrapper reduces after the schedule)."""
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(pp, tensor_shape, dtype, device)
     divisor = 1 if per_token_loss else len(batches)
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     reported = []
+    last = len(actions) - 1 if not forward_only else -1
 
-    for kind, micro_batch, chunk in actions:
+    for index, (kind, micro_batch, chunk) in enumerate(actions):
         model = model_chunks[chunk]
-        if kind == "F":
-            input_tensor = None
-            if not model.pre_process:
-                with _recorded(trace, timers, "recv-forward", micro_batch, chunk):
-                    input_tensor = p2p.recv_forward()
-                input_tensor.requires_grad_(not forward_only)
-            with _recorded(trace, timers, "F", micro_batch, chunk):
-                output, loss_func = forward_step(batches[micro_batch], model, input_tensor)
-                if model.post_process:
-                    loss, value = loss_func(output)
-                    reported.append(value)
-                    output = loss * (loss_scale / divisor)
-            if not model.post_process:
-                with _recorded(trace, timers, "send-forward", micro_batch, chunk):
-                    p2p.send_forward(output)
-            if not forward_only:
-                held[(micro_batch, chunk)] = (input_tensor, output)
-                if trace is not None:
-                    trace.max_activations_in_flight = max(
-                        trace.max_activations_in_flight, len(held)
-                    )
-        else:
-            input_tensor, output = held.pop((micro_batch, chunk))
-            grad = None
-            if not model.post_process:
-                with _recorded(trace, timers, "recv-backward", micro_batch, chunk):
-                    grad = p2p.recv_backward()
-            with _recorded(trace, timers, "B", micro_batch, chunk):
-                torch.autograd.backward(output, grad_tensors=grad)
-            if not model.pre_process:
-                with _recorded(trace, timers, "send-backward", micro_batch, chunk):
-                    p2p.send_backward(input_tensor.grad)
+        # (PyTorch DDP keeps the stage as `.module`; FSDP2 wraps it in place)
+        stage = getattr(model, "module", model)
+        with no_sync_func() if no_sync_func and index != last else contextlib.nullcontext():
+            if kind == "F":
+                input_tensor = None
+                if not stage.pre_process:
+                    with _recorded(trace, timers, "recv-forward", micro_batch, chunk):
+                        input_tensor = p2p.recv_forward()
+                    input_tensor.requires_grad_(not forward_only)
+                with _recorded(trace, timers, "F", micro_batch, chunk):
+                    output, loss_func = forward_step(batches[micro_batch], model, input_tensor)
+                    if stage.post_process:
+                        loss, value = loss_func(output)
+                        reported.append(value)
+                        output = loss * (loss_scale / divisor)
+                if not stage.post_process:
+                    with _recorded(trace, timers, "send-forward", micro_batch, chunk):
+                        p2p.send_forward(output)
+                if not forward_only:
+                    held[(micro_batch, chunk)] = (input_tensor, output)
+                    if trace is not None:
+                        trace.max_activations_in_flight = max(
+                            trace.max_activations_in_flight, len(held)
+                        )
+            else:
+                input_tensor, output = held.pop((micro_batch, chunk))
+                grad = None
+                if not stage.post_process:
+                    with _recorded(trace, timers, "recv-backward", micro_batch, chunk):
+                        grad = p2p.recv_backward()
+                with _recorded(trace, timers, "B", micro_batch, chunk):
+                    torch.autograd.backward(output, grad_tensors=grad)
+                if not stage.pre_process:
+                    with _recorded(trace, timers, "send-backward", micro_batch, chunk):
+                        p2p.send_backward(input_tensor.grad)
     p2p.wait_all()
     return reported
 
@@ -224,9 +233,10 @@ def forward_backward_pipelining(
     trace: ScheduleTrace | None = None,
     per_token_loss: bool = False,
     timers: TimerFactory | None = None,
+    no_sync_func: Callable | None = None,
 ) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several, over the stages of
-    the pipeline group `pp`."""
+    the pipeline group `pp` (`no_sync_func`: see run_actions)."""
     pipeline_size, rank = pp.size, pp.rank
     virtual_size = len(model_chunks)
     with _timed(timers, "batch-generator"):
@@ -250,6 +260,7 @@ def forward_backward_pipelining(
         trace,
         per_token_loss,
         timers,
+        no_sync_func,
     )
 
 
