@@ -27,8 +27,8 @@ from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
 from threefold.data.loader import document_flags
 from threefold.data.sft import SFTDataset, read_jsonl
-from threefold.kernels.determinism import deterministic_environment
 from threefold.parallel import state
+from threefold.startup import start_processes
 from threefold.training.trainer import Trainer
 
 
@@ -129,13 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load)
     )
-    try:
-        if config.kernels.deterministic_mode:  # before any NCCL communicator or cuBLAS handle
-            deterministic_environment()
-        device, parallel = state.initialize_from_config(config.parallel)
-    except ConfigError as error:
-        print_refusal("finetune.py", error)
+    started = start_processes(config, "finetune.py")
+    if started is None:
         return 2
+    device, parallel = started
     try:
         trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
         load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)

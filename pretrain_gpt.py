@@ -11,6 +11,7 @@ import sys
 from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
+from threefold.startup import start_processes
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
 
@@ -50,19 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     from threefold.checkpoint.files import read_tracker
     from threefold.checkpoint.load import load_checkpoint
     from threefold.checkpoint.writer import CheckpointSaveError
-    from threefold.kernels.determinism import deterministic_environment
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
-    try:
-        if config.kernels.deterministic_mode:  # before any NCCL communicator or cuBLAS handle
-            deterministic_environment()
-        device, parallel = state.initialize_from_config(config.parallel)
-    except ConfigError as error:
-        print_refusal("pretrain_gpt.py", error)
+    started = start_processes(config, "pretrain_gpt.py")
+    if started is None:
         return 2
+    device, parallel = started
     rank_zero = parallel.world.rank == 0
     try:
         trainer = Trainer(config, device, parallel)
