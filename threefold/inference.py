@@ -1,14 +1,47 @@
-"""Greedy / sampled text generation with a (tensor-parallel) GPT model.
+"""Greedy / sampled text generation and scoring with a GPT model over TP x PP.
 
-Every TP rank runs the same loop: the forward pass needs all of them, and the vocabulary-
-parallel logits are gathered so every rank picks the same next token.
+Every rank runs the same loop. Within a stage the TP ranks run the forward together and the
+vocabulary-parallel logits are gathered, so each picks the same next token; across stages each
+forward passes the hidden states on from the first stage to the last (a model that needs
+pipeline parallelism to fit is sampled and scored too), and the last stage's token or loss is
+broadcast back over the pipeline, so every rank goes on with the same sequence.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from threefold.parallel.pipeline_parallel.p2p import P2P
 from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
+
+
+def _stage_forward(model, tokens: torch.Tensor, labels: torch.Tensor | None = None):
+    """The model's output (logits, or per-token losses with `labels`) on the last pipeline
+    stage, None on the others: each stage takes the previous one's hidden states and sends its
+    own on."""
+    pp = model.parallel.pp
+    if pp.size == 1:
+        return model(tokens, labels=labels)
+    dtype = next(model.parameters()).dtype
+    shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+    p2p = P2P(pp, shape, dtype, tokens.device)
+    hidden = None if model.pre_process else p2p.recv_forward()
+    output = model(tokens, labels=labels, hidden_states=hidden)
+    if model.post_process:
+        return output
+    p2p.send_forward(output)
+    p2p.wait_all()
+    return None
+
+
+def _from_last_stage(value: torch.Tensor, model) -> torch.Tensor:
+    """`value` as the last pipeline stage computed it, on every stage (`value` on the others
+    only gives the shape and dtype)."""
+    pp = model.parallel.pp
+    if pp.size > 1:
+        dist.broadcast(value, src=dist.get_global_rank(pp.group, pp.size - 1), group=pp.group)
+    return value
 
 
 @torch.no_grad()
@@ -30,21 +63,28 @@ def generate(
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-context_length:]], device=device)
-        logits = gather_from_tensor_parallel_region(model(context)[-1, 0], model.tp)
-        logits = logits[: model.vocab_size].float().cpu()
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < top_p
-            sorted_probs = sorted_probs * keep
-            choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-            next_id = int(order[choice])
+        output = _stage_forward(model, context)
+        chosen = torch.zeros(1, dtype=torch.long, device=device)
+        if output is not None:
+            logits = gather_from_tensor_parallel_region(output[-1, 0], model.tp)
+            logits = logits[: model.vocab_size].float().cpu()
+            chosen.fill_(_pick(logits, temperature, top_p, generator))
+        next_id = int(_from_last_stage(chosen, model))
         ids.append(next_id)
         if eod is not None and next_id == eod:
             break
     return ids[len(prompt_ids) :]
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+    sorted_probs = sorted_probs * keep
+    choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+    return int(order[choice])
 
 
 @torch.no_grad()
@@ -60,8 +100,11 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
             break
         tokens = torch.tensor([window[:-1]], device=device)
         labels = torch.tensor([window[1:]], device=device)
-        per_token = model(tokens, labels=labels)
-        total += float(per_token.double().sum())
+        per_token = _stage_forward(model, tokens, labels)
+        window_total = torch.zeros(1, dtype=torch.float64, device=device)
+        if per_token is not None:
+            window_total.fill_(float(per_token.double().sum()))
+        total += float(_from_last_stage(window_total, model))
         count += labels.numel()
     if count == 0:
         raise ValueError("the text has fewer than 2 tokens; nothing to score")
@@ -69,6 +112,22 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
 
 
 TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
+
+
+def add_layout_flags(parser) -> None:
+    """The tools' layout: pipeline stages (Megatron's flag), the other ranks tensor-parallel."""
+    group = parser.add_argument_group("layout (of the launched processes)")
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (default 1); the launched processes / stages are TP ranks",
+    )
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        help="TP ranks per stage (default: launched processes / pipeline stages)",
+    )
 
 
 def add_tokenizer_flags(parser) -> None:

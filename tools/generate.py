@@ -3,13 +3,17 @@
     python tools/generate.py --load checkpoints/demo --prompt "ROMEO:" --max-new-tokens 64
     python tools/generate.py --load checkpoints/sft --chat --prompt "Who are you?"
     torchrun --nproc_per_node 2 tools/generate.py --load ckpt --prompt "..."   # at TP=2
+    torchrun --nproc_per_node 4 tools/generate.py --load ckpt --prompt "..." \
+        --pipeline-model-parallel-size 2                                    # TP=2 x PP=2
 
 --chat sends the prompt as a user message through the tokenizer's own chat template (with
 the assistant's generation prompt), as `transformers` does for a chat model, and prints the
 reply alone; generation stops at the tokenizer's end-of-sequence token.
 
-The model runs tensor-parallel over the launched processes; the checkpoint may have been saved
-at any TP/PP/DP layout (it is resharded on load). Greedy unless --temperature > 0.
+The model runs over the launched processes, tensor-parallel within each of
+--pipeline-model-parallel-size stages (for a model that needs PP to fit); the checkpoint may
+have been saved at any TP/PP/DP layout (it is resharded on load). Greedy unless
+--temperature > 0.
 """
 
 import argparse
@@ -21,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.data.tokenizer import prompt_ids as encode_prompt  # noqa: E402
-from threefold.inference import add_tokenizer_flags, generate, tokenizer_files  # noqa: E402
+from threefold.inference import add_layout_flags, add_tokenizer_flags, generate, tokenizer_files  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
@@ -47,8 +51,16 @@ def main() -> int:
         help="the prompt is a user message, rendered with the tokenizer's chat template",
     )
     add_tokenizer_flags(parser)
+    add_layout_flags(parser)
     args = parser.parse_args()
-    device, parallel = state.initialize_for_inference()
+    try:
+        device, parallel = state.initialize_for_inference(
+            args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+        )
+    except ConfigError as error:  # (every process finds it; the first says it)
+        parser.exit(
+            2, f"generate.py: error: {error}\n" if os.environ.get("RANK", "0") == "0" else None
+        )
     try:
         config, model, tokenizer = load_model(
             args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)

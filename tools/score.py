@@ -2,10 +2,13 @@
 
     python tools/score.py --load checkpoints/demo --input some.txt
     torchrun --nproc_per_node 2 tools/score.py --load ckpt --input some.txt    # at TP=2
+    torchrun --nproc_per_node 2 tools/score.py --load ckpt --input some.txt \
+        --pipeline-model-parallel-size 2                                     # at PP=2
 
 The text is tokenized with the checkpoint's own tokenizer and scored in consecutive windows of
-the model's --seq-length. The model runs tensor-parallel over the launched processes; the
-checkpoint may have been saved at any layout.
+the model's --seq-length. The model runs over the launched processes, tensor-parallel within
+each of --pipeline-model-parallel-size stages; the checkpoint may have been saved at any
+layout.
 """
 
 import argparse
@@ -17,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference import add_tokenizer_flags, score, tokenizer_files  # noqa: E402
+from threefold.inference import add_layout_flags, add_tokenizer_flags, score, tokenizer_files  # noqa: E402
 from threefold.parallel import state  # noqa: E402
 
 
@@ -30,10 +33,18 @@ def main() -> int:
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--input", required=True, help="a UTF-8 text file")
     add_tokenizer_flags(parser)
+    add_layout_flags(parser)
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
-    device, parallel = state.initialize_for_inference()
+    try:
+        device, parallel = state.initialize_for_inference(
+            args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+        )
+    except ConfigError as error:  # (every process finds it; the first says it)
+        parser.exit(
+            2, f"score.py: error: {error}\n" if os.environ.get("RANK", "0") == "0" else None
+        )
     try:
         config, model, tokenizer = load_model(
             args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)

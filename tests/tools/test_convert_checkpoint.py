@@ -109,6 +109,39 @@ def test_greedy_generation_matches_transformers(converted, kind):
     assert ours_ids == theirs
 
 
+def _generate_and_score(directory: str, pipeline: int, tensor: int) -> tuple[list, float]:
+    """Greedy continuation and mean loss of the checkpoint on TP x PP ranks (the tools' path:
+    their layout, `load_model` of this rank's stage, the inference loops)."""
+    from threefold.inference import score
+    from threefold.parallel import state
+
+    _, parallel = state.initialize_for_inference(pipeline, tensor)
+    _, model, tokenizer = load_model(directory, parallel=parallel)
+    prompt = tokenizer.tokenize("To be, or not")
+    result = generate(model, prompt, 12, 64), score(model, TOKENS[0].tolist(), 16)[0]
+    state.destroy_model_parallel()
+    return result
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3"])  # untied, tied embeddings
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2pp2"])
+def test_pipeline_parallel_generation_and_scoring_equal_one_device(converted, kind, tp, pp):
+    """tools/generate.py and tools/score.py over pipeline stages (a model that needs PP to
+    fit): the same greedy tokens and the same loss as on one device."""
+    _, _, ours = converted[kind]
+    expected_ids, expected_loss = _generate_and_score(ours, 1, 1)
+    for ids, loss in run_distributed(tp * pp, _generate_and_score, ours, pp, tp):
+        assert ids == expected_ids
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+
+
+def test_generation_tools_refuse_a_layout_the_model_cannot_take(converted):
+    """llama-tied has one query group: no TP split, said in one line."""
+    _, _, ours = converted["llama-tied"]
+    with pytest.raises(AssertionError, match="--num-query-groups 1 is not divisible"):
+        run_distributed(2, _generate_and_score, ours, 1, 2)
+
+
 def _per_token_losses(argv: list[str], directory: str) -> list | None:
     """Per-token losses of TOKENS through a pipeline/tensor-parallel run of the checkpoint."""
     from tests.parity import _setup

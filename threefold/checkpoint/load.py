@@ -37,7 +37,9 @@ from threefold.checkpoint.resharding import load_resharded, load_weights
 from threefold.checkpoint.save import set_rng_state, tensor_state, tokenizer_digest
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+from threefold.config.parallel import check_tensor_parallel_split
 from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.safe_loading import SafeFileSystemReader, load_tensors_file
 
 
@@ -301,9 +303,9 @@ def load_model(
     tokenizer_files: dict | None = None,
 ):
     """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
-    found by `find_checkpoint` already), for generation and scoring: the whole model, split
-    over the TP ranks of `parallel` (the tools run at TP = number of processes; one device when
-    not given), from a checkpoint of any layout (Megatron-LM's torch_dist too). The tokenizer
+    found by `find_checkpoint` already), for generation and scoring: this rank's pipeline stage
+    of the model, split over the TP ranks of `parallel` (the whole model on one device when not
+    given), from a checkpoint of any layout (Megatron-LM's torch_dist too). The tokenizer
     is None for mock-data runs and when not `with_tokenizer` (conversions); `tokenizer_files`
     ({field: value} of DataConfig's tokenizer fields) replaces the checkpoint's (a Megatron-LM
     checkpoint names files on the machine that trained it)."""
@@ -328,8 +330,24 @@ def load_model(
         else None
     )
     parallel = parallel or ParallelContext()
+    check_tensor_parallel_split(config.model, parallel.tp.size)
+    if config.model.num_layers % parallel.pp.size:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {parallel.pp.size} does not divide the model's "
+            f"{config.model.num_layers} layers"
+        )
+    # This rank's pipeline stage of the model (all of it without pipeline parallelism).
+    ((offset, count),) = model_chunk_layers(
+        config.model.num_layers, parallel.pp.size, parallel.pp.rank, None, None, None
+    )
     model = GPTModel(
-        config.model, config.model.padded_vocab_size(parallel.tp.size), parallel=parallel
+        config.model,
+        config.model.padded_vocab_size(parallel.tp.size),
+        parallel=parallel,
+        pre_process=parallel.is_first_pipeline_stage,
+        post_process=parallel.is_last_pipeline_stage,
+        num_layers=count,
+        layer_offset=offset,
     )
     named = [(model.layout_independent_name(n), p) for n, p in model.named_parameters()]
     load_weights(

@@ -44,7 +44,8 @@ class SavedTensors:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        self.reader = SafeFileSystemReader(path)  # one index read for every parameter
+        metadata = self.reader.read_metadata().state_dict_metadata
         # (kind, name) -> {tp rank: [(start, end, key, shape)]}; start/end None for whole shards
         self.entries: dict[tuple[str, str], dict[int, list]] = defaultdict(
             lambda: defaultdict(list)
@@ -71,7 +72,7 @@ class SavedTensors:
         tensors = {key: torch.empty(shape, dtype=torch.float32) for key, shape in specs}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(self.path), no_dist=True)
+            dcp.load(tensors, storage_reader=self.reader, no_dist=True)
         return tensors
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:

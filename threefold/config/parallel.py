@@ -363,21 +363,7 @@ class ParallelConfig:
         )
         self._finalize_context_parallel(model)
         self._finalize_pipeline(model)
-        _require(
-            model.num_attention_heads % tp == 0,
-            f"--num-attention-heads {model.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}",
-        )
-        _require(
-            model.num_query_groups % tp == 0,
-            f"--num-query-groups {model.num_query_groups} is not divisible by "
-            f"--tensor-model-parallel-size {tp}; each TP rank needs whole query groups",
-        )
-        _require(
-            model.ffn_hidden_size % tp == 0,
-            f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size {tp}",
-        )
+        check_tensor_parallel_split(model, tp)
         if self.sequence_parallel and tp == 1:
             # Megatron's behaviour: sequence parallelism only exists inside a TP group.
             warnings.append(
@@ -407,3 +393,23 @@ class ParallelConfig:
             "--distributed-backend must be gloo or nccl",
         )
         return warnings
+
+
+def check_tensor_parallel_split(model: ModelConfig, tp: int) -> None:
+    """The model's heads, query groups and FFN split evenly over `tp` ranks (training, and the
+    generation tools at the layout they are launched with)."""
+    _require(
+        model.num_attention_heads % tp == 0,
+        f"--num-attention-heads {model.num_attention_heads} is not divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )
+    _require(
+        model.num_query_groups % tp == 0,
+        f"--num-query-groups {model.num_query_groups} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; each TP rank needs whole query groups",
+    )
+    _require(
+        model.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )

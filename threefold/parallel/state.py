@@ -150,10 +150,24 @@ def initialize_layout(parallel) -> ParallelContext:
     return context
 
 
-def initialize_for_inference() -> tuple[torch.device, ParallelContext]:
-    """Every launched process a tensor-parallel rank (generation and scoring tools)."""
+def initialize_for_inference(
+    pipeline_model_parallel_size: int = 1, tensor_model_parallel_size: int | None = None
+) -> tuple[torch.device, ParallelContext]:
+    """The generation and scoring tools' layout: the launched processes split into pipeline
+    stages, the ranks of a stage tensor-parallel."""
     device = initialize_distributed()
-    initialize_model_parallel(global_world_size(), 1)
+    world, pp = global_world_size(), pipeline_model_parallel_size
+    if pp < 1 or world % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide the {world} launched processes"
+        )
+    tp = tensor_model_parallel_size or world // pp
+    if tp * pp != world:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} is not "
+            f"the {world} launched processes"
+        )
+    initialize_model_parallel(tp, pp)
     return device, parallel_context()
 
 

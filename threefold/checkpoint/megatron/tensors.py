@@ -102,7 +102,8 @@ class MegatronTensors:
 
     def __init__(self, path: str, step: float | None = None) -> None:
         self.path, self._step = path, step
-        metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        self.reader = SafeFileSystemReader(path)  # one index read for every parameter
+        metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
 
     def _key(self, kind: str, name: str) -> tuple[str, int | None] | None:
@@ -130,7 +131,7 @@ class MegatronTensors:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 {key: target},
-                storage_reader=SafeFileSystemReader(self.path),
+                storage_reader=self.reader,
                 planner=_SlicePlanner({key: (layer, target)}),
                 no_dist=True,
             )
