@@ -3,6 +3,13 @@ user would pick instead, same shapes, same GPU, one run.
 
     python bench/gpu_mfu.py --out bench/results/gpu_mfu          # on a GPU machine
     python bench/gpu_mfu.py --tiny --out /tmp/gpu_mfu_smoke      # the script itself, on a CPU
+    python bench/gpu_mfu.py --moe --out bench/results/gpu_moe    # a Mixtral-style MoE instead
+
+With --moe the model is a mixture of experts (8 experts, top-2, ~0.9B parameters active of
+2.5B) and the contenders are threefold (its grouped GEMM: torch._grouped_mm in bf16) with and
+without --compile-layers, and transformers' MixtralForCausalLM, eager and compiled (same
+recipe as its LLaMA leg); no auxiliary loss in either (transformers leaves it out unless asked,
+threefold's coefficient is 0). Model FLOPs count the active parameters.
 
 Contenders, each in its own process (its own memory peak, no shared compile caches), each
 logging to OUT/<name>.log:
@@ -52,6 +59,10 @@ class Shape:
     # 32k tokens per step keeps the optimizer, which touches every fp32 master and moment
     # once per step, from dominating as it would at one 4k-token sequence per step.
     global_batch_size: int = 8
+    # Mixture of experts (--moe): experts per layer, experts per token, each expert's FFN.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
 
 
 TINY = Shape(
@@ -65,6 +76,9 @@ TINY = Shape(
     micro_batch_size=2,
     global_batch_size=4,
 )
+MOE = Shape(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2816)
+TINY_MOE = dataclasses.replace(TINY, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
+MOE_CONTENDERS = ("threefold", "threefold+compile-layers", "transformers", "transformers+compile")
 CONTENDERS = (
     "threefold",
     "threefold+compile-layers",
@@ -122,13 +136,44 @@ def threefold_args(shape: Shape, bf16: bool) -> list[str]:
         # is a Megatron-LM default, not measured here yet on a GPU); the other legs have none.
         "--no-check-for-nan-in-loss-and-grad",
         *(["--bf16"] if bf16 else []),
+        *(
+            [
+                "--num-experts",
+                str(shape.num_experts),
+                "--moe-router-topk",
+                str(shape.moe_router_topk),
+                "--moe-ffn-hidden-size",
+                str(shape.moe_ffn_hidden_size),
+                "--moe-grouped-gemm",
+                "--moe-token-dispatcher-type",
+                "alltoall",
+            ]
+            if shape.num_experts
+            else []
+        ),
     ]
 
 
 def hf_llama_config(shape: Shape):
-    """The same model as a `transformers` LlamaConfig (SDPA attention, untied)."""
+    """The same model as a `transformers` LlamaConfig (SDPA attention, untied), or under --moe
+    a MixtralConfig."""
     import transformers
 
+    if shape.num_experts:
+        return transformers.MixtralConfig(
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.moe_ffn_hidden_size,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_query_groups,
+            num_hidden_layers=shape.num_layers,
+            num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.moe_router_topk,
+            vocab_size=shape.vocab_size,
+            max_position_embeddings=shape.seq_length,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
     return transformers.LlamaConfig(
         hidden_size=shape.hidden_size,
         intermediate_size=shape.ffn_hidden_size,
@@ -172,7 +217,7 @@ def _transformers(shape: Shape, device, bf16: bool, compiled: bool = False):
     import transformers
 
     config = hf_llama_config(shape)
-    model = transformers.LlamaForCausalLM(config).to(device).train()
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     forward = torch.compile(model) if compiled else model
     batches = _micro_batches(shape, device)
@@ -428,18 +473,29 @@ def _environment() -> str:
     )
 
 
+def _title(tiny: bool, moe: bool) -> str:
+    size = "tiny check model" if tiny else "Mixtral-style model" if moe else "1B LLaMA-style model"
+    return f"{size}{', mixture of experts' if moe and tiny else ''}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_mfu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny model: check the script")
+    parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="default: all (--moe: four)")
     parser.add_argument("--micro-batch-size", type=int, help="default: the shape's (2)")
     parser.add_argument("--global-batch-size", type=int, help="default: the shape's (8)")
     parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shape = TINY if args.tiny else Shape()
+    shape = {(False, False): Shape(), (True, False): TINY, (False, True): MOE}.get(
+        (args.tiny, args.moe), TINY_MOE
+    )
+    args.only = args.only or list(MOE_CONTENDERS if args.moe else CONTENDERS)
+    if args.moe and set(args.only) - set(MOE_CONTENDERS):
+        parser.error(f"--moe runs {', '.join(MOE_CONTENDERS)}")
     for field in ("micro_batch_size", "global_batch_size"):
         if getattr(args, field):
             setattr(shape, field, getattr(args, field))
@@ -476,6 +532,7 @@ def main() -> None:
             str(args.warmup),
         ]
         command += ["--tiny"] if args.tiny else []
+        command += ["--moe"] if args.moe else []
         command += [
             "--micro-batch-size",
             str(shape.micro_batch_size),
@@ -524,7 +581,7 @@ def main() -> None:
         )
     report = "\n".join(
         [
-            f"# Training throughput, {'tiny check model' if args.tiny else '1B LLaMA-style model'}",
+            f"# Training throughput, {_title(args.tiny, args.moe)}",
             "",
             f"Environment: {environment}.",
             "",
@@ -539,7 +596,7 @@ def main() -> None:
             "",
         ]
     )
-    with open(os.path.join(args.out, "gpu_mfu.md"), "w") as stream:
+    with open(os.path.join(args.out, "gpu_moe.md" if args.moe else "gpu_mfu.md"), "w") as stream:
         stream.write(report)
     print(report)
 

@@ -56,6 +56,25 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     assert "> kernels: transformer-impl local;" in log and "RESULT {" in log
 
 
+def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(tmp_path):
+    """--moe: threefold's MoE model and transformers' Mixtral on the same shape, each a row."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu_mfu.py"), "--tiny", "--moe"]
+        + ["--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+        + ["--only", "threefold", "transformers"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    table = (tmp_path / "gpu_moe.md").read_text()
+    assert "'num_experts': 4" in table and "mixture of experts" in table
+    for name in ("threefold", "transformers"):
+        assert re.search(rf"^\| {name} \| [\d,]+ \| ", table, re.MULTILINE), table
+    log = (tmp_path / "threefold.log").read_text()
+    assert " --moe " in log.splitlines()[0] and "RESULT {" in log
+
+
 def test_a_failed_contender_is_reported_by_its_exception_line():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from gpu_mfu import _failure
