@@ -9,9 +9,13 @@ broadcast back over the pipeline, so every rank goes on with the same sequence.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from threefold.config import ConfigError
+from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.p2p import P2P
 from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
 
@@ -128,6 +132,20 @@ def add_layout_flags(parser) -> None:
         type=int,
         help="TP ranks per stage (default: launched processes / pipeline stages)",
     )
+
+
+def start_tool(parser, args) -> tuple[torch.device, ParallelContext]:
+    """This tool process's device and parallel context at the layout of `add_layout_flags`;
+    a layout the launch cannot take exits in one line (said by the first process)."""
+    from threefold.parallel import state
+
+    try:
+        return state.initialize_for_inference(
+            args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+        )
+    except ConfigError as error:
+        first = os.environ.get("RANK", "0") == "0"
+        parser.exit(2, f"{parser.prog}: error: {error}\n" if first else None)
 
 
 def add_tokenizer_flags(parser) -> None:

@@ -25,7 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.data.tokenizer import prompt_ids as encode_prompt  # noqa: E402
-from threefold.inference import add_layout_flags, add_tokenizer_flags, generate, tokenizer_files  # noqa: E402
+from threefold.inference import (  # noqa: E402
+    add_layout_flags,
+    add_tokenizer_flags,
+    generate,
+    start_tool,
+    tokenizer_files,
+)
 from threefold.parallel import state  # noqa: E402
 
 
@@ -53,14 +59,7 @@ def main() -> int:
     add_tokenizer_flags(parser)
     add_layout_flags(parser)
     args = parser.parse_args()
-    try:
-        device, parallel = state.initialize_for_inference(
-            args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-        )
-    except ConfigError as error:  # (every process finds it; the first says it)
-        parser.exit(
-            2, f"generate.py: error: {error}\n" if os.environ.get("RANK", "0") == "0" else None
-        )
+    device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_model(
             args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)

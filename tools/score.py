@@ -20,7 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference import add_layout_flags, add_tokenizer_flags, score, tokenizer_files  # noqa: E402
+from threefold.inference import (  # noqa: E402
+    add_layout_flags,
+    add_tokenizer_flags,
+    score,
+    start_tool,
+    tokenizer_files,
+)
 from threefold.parallel import state  # noqa: E402
 
 
@@ -37,14 +43,7 @@ def main() -> int:
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
-    try:
-        device, parallel = state.initialize_for_inference(
-            args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-        )
-    except ConfigError as error:  # (every process finds it; the first says it)
-        parser.exit(
-            2, f"score.py: error: {error}\n" if os.environ.get("RANK", "0") == "0" else None
-        )
+    device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_model(
             args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
