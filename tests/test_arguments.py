@@ -133,9 +133,10 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
         ),
         (["--overlap-param-gather"], 2, "--overlap-param-gather"),
         (
-            ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"],
+            ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"]
+            + ["--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"],
             4,
-            "--distributed-strategy ddp needs --pipeline-model-parallel-size 1",
+            "--distributed-strategy ddp wraps one model chunk per pipeline stage",
         ),
         (
             ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
