@@ -159,24 +159,8 @@ def hf_llama_config(shape: Shape):
     a MixtralConfig."""
     import transformers
 
-    if shape.num_experts:
-        return transformers.MixtralConfig(
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.moe_ffn_hidden_size,
-            num_attention_heads=shape.num_attention_heads,
-            num_key_value_heads=shape.num_query_groups,
-            num_hidden_layers=shape.num_layers,
-            num_local_experts=shape.num_experts,
-            num_experts_per_tok=shape.moe_router_topk,
-            vocab_size=shape.vocab_size,
-            max_position_embeddings=shape.seq_length,
-            sliding_window=None,
-            tie_word_embeddings=False,
-            attn_implementation="sdpa",
-        )
-    return transformers.LlamaConfig(
+    common = dict(
         hidden_size=shape.hidden_size,
-        intermediate_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_query_groups,
         num_hidden_layers=shape.num_layers,
@@ -185,6 +169,15 @@ def hf_llama_config(shape: Shape):
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    if shape.num_experts:
+        return transformers.MixtralConfig(
+            intermediate_size=shape.moe_ffn_hidden_size,
+            num_local_experts=shape.num_experts,
+            num_experts_per_tok=shape.moe_router_topk,
+            sliding_window=None,
+            **common,
+        )
+    return transformers.LlamaConfig(intermediate_size=shape.ffn_hidden_size, **common)
 
 
 # --- contenders: each returns a `step()` that trains one iteration and returns its loss ----
