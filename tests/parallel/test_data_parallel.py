@@ -104,3 +104,36 @@ def test_training_jobs_leave_no_process_groups_behind():
     for argv in (flags, ["--context-parallel-size", "2"]):
         run_distributed(2, train_job, LLAMA_STYLE + TRAINING + argv, 1)
     assert run_distributed(2, _polling_threads) == before
+
+
+def _finite_before_and_after_the_reduction() -> tuple[bool, bool]:
+    """One bucket, --overlap-grad-reduce: rank 1's gradient holds a nan; the bucket's
+    all-reduce starts from the gradient hook and completes before the NaN check looks."""
+    import torch
+    import torch.distributed as dist
+
+    from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+    from threefold.parallel.parallel_context import Group
+
+    param = torch.nn.Parameter(torch.ones(4))
+    dp = Group(dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    buffer = GradientBuffer([param], dp, overlap_grad_reduce=True)
+    buffer.check_finite = True
+    buffer.start_step(num_microbatches=1)
+    param.grad = torch.full((4,), float("nan") if dp.rank == 1 else 1.0)
+    buffer._accumulate(param)  # the gradient hook: the bucket is complete, its reduction starts
+    for handle, _ in buffer._handles.values():
+        handle.wait()  # the collective has written the mean (nan) into every rank's storage
+    mine = bool(buffer.local_grads_finite())
+    buffer.finish_grad_sync()
+    return mine, bool(torch.isfinite(param.main_grad).all())
+
+
+def test_nan_check_looks_at_each_bucket_before_its_overlapped_reduction():
+    """Under --overlap-grad-reduce the NaN check reads what each rank computed, not storage
+    the reduction is writing: rank 0 stays finite although its buffer now holds rank 1's nan."""
+    (rank0, reduced0), (rank1, reduced1) = run_distributed(
+        2, _finite_before_and_after_the_reduction
+    )
+    assert (rank0, rank1) == (True, False)
+    assert not reduced0 and not reduced1

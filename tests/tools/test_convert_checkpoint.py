@@ -109,17 +109,20 @@ def test_greedy_generation_matches_transformers(converted, kind):
     assert ours_ids == theirs
 
 
-def _generate_and_score(directory: str, pipeline: int, tensor: int) -> tuple[list, float]:
-    """Greedy continuation and mean loss of the checkpoint on TP x PP ranks (the tools' path:
-    their layout, `load_model` of this rank's stage, the inference loops)."""
+def _generate_and_score(directory: str, pipeline: int = 1, tensor: int = 1) -> tuple[list, float]:
+    """Greedy continuation and mean loss of the checkpoint on TP x PP gloo ranks (the tools'
+    path: their layout, `load_model` of this rank's stage, the inference loops); on one device
+    without torch.distributed when both are 1 (the test process itself)."""
     from threefold.inference import score
     from threefold.parallel import state
 
-    _, parallel = state.initialize_for_inference(pipeline, tensor)
+    distributed = pipeline * tensor > 1
+    parallel = state.initialize_for_inference(pipeline, tensor)[1] if distributed else None
     _, model, tokenizer = load_model(directory, parallel=parallel)
     prompt = tokenizer.tokenize("To be, or not")
     result = generate(model, prompt, 12, 64), score(model, TOKENS[0].tolist(), 16)[0]
-    state.destroy_model_parallel()
+    if distributed:
+        state.destroy_model_parallel()
     return result
 
 
@@ -129,7 +132,7 @@ def test_pipeline_parallel_generation_and_scoring_equal_one_device(converted, ki
     """tools/generate.py and tools/score.py over pipeline stages (a model that needs PP to
     fit): the same greedy tokens and the same loss as on one device."""
     _, _, ours = converted[kind]
-    expected_ids, expected_loss = _generate_and_score(ours, 1, 1)
+    expected_ids, expected_loss = _generate_and_score(ours)
     for ids, loss in run_distributed(tp * pp, _generate_and_score, ours, pp, tp):
         assert ids == expected_ids
         assert loss == pytest.approx(expected_loss, rel=1e-5)

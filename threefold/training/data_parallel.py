@@ -120,6 +120,8 @@ class MegatronDataParallel:
                 **options,
             )
         self.buffers = [b for b in (self.grad_buffer, self.expert_grad_buffer) if b is not None]
+        for buffer in self.buffers:
+            buffer.check_finite = training.check_for_nan_in_loss_and_grad
         if distributed:
             self.optimizer = DistributedOptimizer(
                 named,
@@ -153,9 +155,11 @@ class MegatronDataParallel:
             self.expert_grad_buffer.finish_grad_sync()
         finalize_model_grads(self.grad_buffer, self.parallel)
 
-    def local_grads(self) -> list[torch.Tensor]:
-        """This rank's gradients as they are before the data-parallel reduction."""
-        return [buffer.buffer for buffer in self.buffers]
+    def local_grads_finite(self) -> torch.Tensor:
+        """Whether this rank's gradients, before the data-parallel reduction, are all finite
+        (a device bool; under --overlap-grad-reduce each bucket was looked at as its
+        reduction started)."""
+        return torch.stack([buffer.local_grads_finite() for buffer in self.buffers]).all()
 
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buffers)
@@ -232,7 +236,7 @@ class TorchDataParallel:
         all_reduce_sequence_parallel_grads(params, self.parallel.tp, lambda p: local(p.grad))
         all_reduce_embedding_grads(params, self.parallel, lambda p: local(p.grad))
 
-    def local_grads(self) -> list[torch.Tensor]:
+    def _local_grads(self) -> list[torch.Tensor]:
         return [
             local(param.grad)
             for chunk in self.model_chunks
@@ -240,8 +244,16 @@ class TorchDataParallel:
             if param.grad is not None
         ]
 
+    def local_grads_finite(self) -> torch.Tensor:
+        """Whether this rank's gradients are all finite (DDP and FSDP2 have reduced them by the
+        end of backward, so a non-finite value shows on every rank)."""
+        grads = self._local_grads()
+        if not grads:
+            return torch.ones((), dtype=torch.bool)
+        return torch.stack([torch.isfinite(grad).all() for grad in grads]).all()
+
     def gradient_bytes(self) -> int:
-        return sum(grad.numel() * grad.element_size() for grad in self.local_grads())
+        return sum(grad.numel() * grad.element_size() for grad in self._local_grads())
 
     def finish_param_gather(self) -> None:
         pass

@@ -1,7 +1,9 @@
 """Guards on the numbers a step produces.
 
 `--check-for-nan-in-loss-and-grad` (Megatron's flag): after backward and before the gradients
-are reduced, every rank looks at its own losses and gradients; the ranks share what they found
+are reduced, every rank looks at its own losses and gradients (under --overlap-grad-reduce,
+each bucket as its reduction starts, as Megatron-LM's DDP does: once it started, the bucket's
+storage is the collective's to write); the ranks share what they found
 in one all-reduce, so all of them stop at the same iteration, and the message names the ranks
 where the first non-finite value appeared. Nothing is saved after that: the last checkpoint is
 the last good state. (fp16 runs do not need it: the loss scaler skips such steps and backs off.)
@@ -29,20 +31,21 @@ def _ranks(flags: torch.Tensor) -> str:
 
 
 def check_loss_and_grads(
-    losses: list[torch.Tensor], grads: list[torch.Tensor], iteration: int
+    losses: list[torch.Tensor], grads_finite: torch.Tensor, iteration: int
 ) -> None:
     """Raise NonFiniteError on every rank if any rank's local losses or gradients hold inf or
-    nan. `grads`: this rank's gradient storage before the data-parallel reduction."""
+    nan. `grads_finite`: whether this rank's gradients before the data-parallel reduction are
+    (the data parallelism's `local_grads_finite`, a device bool)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads_finite.device
     flags = torch.zeros(2, world, device=device)
     # On by default, so every iteration runs it: the tests stay on the device, and the one
     # host sync is the reduced flags' below (not one per tensor).
-    for row, tensors in ((0, losses), (1, grads)):
-        if tensors:
-            finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
-            flags[row, rank] = (~finite).float()
+    if losses:
+        finite = torch.stack([torch.isfinite(t).all().to(device) for t in losses]).all()
+        flags[0, rank] = (~finite).float()
+    flags[1, rank] = (~grads_finite).float()
     if world > 1:
         dist.all_reduce(flags)
     bad_loss, bad_grad = flags[0] > 0, flags[1] > 0

@@ -166,7 +166,7 @@ class Trainer:
         if self.moe_statistics is not None:
             self.moe_statistics.after_iteration(num_microbatches)
         if training.check_for_nan_in_loss_and_grad:
-            check_loss_and_grads(losses, data_parallel.local_grads(), iteration)
+            check_loss_and_grads(losses, data_parallel.local_grads_finite(), iteration)
         watchdog.enter("gradient reduction", iteration)
         with self.timers("all-grads-sync", 1):
             data_parallel.finish_grad_sync()

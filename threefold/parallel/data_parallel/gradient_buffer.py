@@ -113,6 +113,8 @@ class GradientBuffer:
             param.register_post_accumulate_grad_hook(accumulate)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.reduce_scatter = False  # set by the distributed optimizer
+        # --check-for-nan-in-loss-and-grad: look at each bucket before its reduction starts
+        self.check_finite = False
         self._gather_handles: dict[int, object] = {}
         self.start_step(num_microbatches=1)
 
@@ -132,6 +134,7 @@ class GradientBuffer:
         for param in self.params:
             self._pending[self._bucket_of[param]] += 1
         self._handles: dict[int, tuple[object, torch.Tensor | None]] = {}
+        self._nonfinite: list[torch.Tensor] = []
 
     def _accumulate(self, param: torch.Tensor) -> None:
         param.main_grad.add_(param.grad)
@@ -143,6 +146,9 @@ class GradientBuffer:
             bucket = self._bucket_of[param]
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
+                if self.check_finite:  # this rank's own values, before the reduction
+                    start, end = self.buckets[bucket]
+                    self._nonfinite.append(~torch.isfinite(self.buffer[start:end]).all())
                 self._launch(bucket)
 
     def bucket_of(self, param: nn.Parameter) -> int:
@@ -183,6 +189,18 @@ class GradientBuffer:
         else:
             handle = dist.all_reduce(self.buffer[start:end], group=group, async_op=True)
             self._handles[bucket] = (handle, None)
+
+    def local_grads_finite(self) -> torch.Tensor:
+        """Whether this rank's own gradients are all finite (a device bool): the buckets whose
+        reduction --overlap-grad-reduce already started were looked at when it started (their
+        storage is being written by it now), the others are looked at here."""
+        launched = [self.buckets[b] for b in self._handles]
+        flags = list(self._nonfinite) + [
+            ~torch.isfinite(self.buffer[start:end]).all()
+            for start, end in self.buckets
+            if (start, end) not in launched
+        ]
+        return ~torch.stack(flags).any() if flags else torch.ones((), dtype=torch.bool)
 
     def finish_grad_sync(self) -> None:
         """Wait for the buckets launched during backward (overlap), and reduce the others."""
