@@ -28,11 +28,15 @@ setup(
             "matplotlib",
             # megatron-core's torch_dist writer imports it (the Megatron checkpoint tests)
             "psutil",
+            # the ecosystem launchers' tests: launch/ray_gpt.py, `accelerate launch`
+            "ray[train]",
+            "accelerate",
         ],
         "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # Fused kernels, used when importable and never required.
         "te": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
+        "ray": ["ray[train]"],  # launch/ray_gpt.py
         "plot": ["matplotlib"],  # tools/plot_logs.py
     },
 )

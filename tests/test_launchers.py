@@ -110,3 +110,44 @@ def test_the_launcher_refuses_a_bad_layout_once_before_spawning(shakespeare_data
         "--tensor-model-parallel-size 3"
     ]
     assert "ChildFailedError" not in result.stdout + result.stderr
+
+
+def test_rayjob_manifest():
+    """launch/k8s/rayjob.yaml runs launch/ray_gpt.sh on the image the Dockerfile builds, with
+    a Ray Train worker per GPU and the checkpoints on a volume every pod mounts."""
+    with open(os.path.join(ROOT, "launch", "k8s", "rayjob.yaml")) as file:
+        job = yaml.safe_load(file)
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    with open(os.path.join(ROOT, "launch", "k8s", "Dockerfile")) as file:
+        dockerfile = file.read()
+    (image,) = re.findall(r"docker build .* -t (\S+) \.", dockerfile)
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.MULTILINE)
+    assert '".[ray]"' in dockerfile  # Ray Train in the image
+    assert job["spec"]["entrypoint"] == f"bash {workdir}/launch/ray_gpt.sh"
+    cluster = job["spec"]["rayClusterSpec"]
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in head["env"]}
+    (group,) = cluster["workerGroupSpecs"]
+    (worker,) = group["template"]["spec"]["containers"]
+    gpus = group["replicas"] * worker["resources"]["limits"]["nvidia.com/gpu"]
+    assert (env["NUM_WORKERS"], env["USE_GPU"]) == (str(gpus), "1")
+    for container in (head, worker):
+        assert container["image"] == image and container["workingDir"] == workdir
+        mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+        assert any(env["SAVE_DIR"].startswith(path + "/") for path in mounts), env["SAVE_DIR"]
+
+
+def test_the_ray_launcher_refuses_a_bad_layout_before_ray_starts(shakespeare_data, tmp_path):
+    script = os.path.join(ROOT, "launch", "ray_gpt.sh")
+    environment = tiny_gpt_environment(
+        shakespeare_data, TP=3, NUM_WORKERS=3, USE_GPU=0, SAVE_DIR=tmp_path / "ckpt"
+    )
+    result = subprocess.run(
+        ["bash", script], env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --num-attention-heads 4 is not divisible by "
+        "--tensor-model-parallel-size 3"
+    ]
+    assert not os.path.exists(tmp_path / "ckpt")  # nothing started, nothing created

@@ -57,7 +57,9 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         check_split,
         index_cache_directories,
     )
+    from threefold.launch_environment import check_accelerate_settings
 
+    check_accelerate_settings(config)
     if (
         config.kernels.transformer_impl == "transformer_engine"
         and importlib.util.find_spec("transformer_engine") is None
