@@ -1,0 +1,163 @@
+"""tools/plan_layout.py and the step-time model it ranks layouts with
+(threefold/training/step_time.py): its memory is bench/memory_table.py's, its launch command
+rebuilds the layout it names, its H100 constants are the calibrated ones and its 1B
+prediction is within 15% of the measured benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import memory_table  # noqa: E402
+from plan_calibration import calibrate  # noqa: E402
+from plan_layout import RECOMPUTE, Planner, layout_flags  # noqa: E402
+
+from threefold.arguments import parse_args  # noqa: E402
+from threefold.training.memory_estimate import estimate_memory  # noqa: E402
+from threefold.training.step_time import H100, predict_step_time  # noqa: E402
+
+GIB = 2**30
+ARGS = SimpleNamespace(
+    gpu="H100",
+    gpu_memory_gib=80.0,
+    memory_fraction=0.9,
+    peak_tflops=None,
+    intra_node_gbps=None,
+    inter_node_gbps=None,
+)
+
+
+def _planner(model: str, gpus: int) -> Planner:
+    base = [*memory_table.LLAMA, *memory_table.MODELS[model]]
+    return Planner(base, base, gpus, 8, ARGS)
+
+
+def _published_memory() -> dict[tuple[str, str], float]:
+    with open(os.path.join(ROOT, "bench", "results", "memory_table.md")) as file:
+        rows = [line.split("|")[1:-1] for line in file if line.startswith("| LLaMA")]
+    return {(row[0].strip(), row[5].strip()): float(row[10]) for row in rows}
+
+
+def test_the_planners_memory_is_the_memory_tables():
+    published = _published_memory()
+    assert len(published) == 8
+    for (model, variant), total in published.items():
+        gpus, tp, pp = memory_table.RECOMMENDED[model]
+        flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+        config = _planner(model, gpus).config(flags + memory_table.VARIANTS[variant])
+        assert round(estimate_memory(config).total / GIB, 1) == total, (model, variant)
+
+
+@pytest.mark.parametrize(
+    "model, gpus", [("LLaMA-2 7B", 8), ("LLaMA-2 13B", 16), ("LLaMA-2 70B", 64)]
+)
+def test_plans_fit_and_their_flags_rebuild_them(model, gpus):
+    planner = _planner(model, gpus)
+    plans = planner.plans()
+    assert plans, "no layout fits"
+    steps = [plan.step.total for plan in plans]
+    assert steps == sorted(steps) or all(
+        float(f"{a:.3g}") <= float(f"{b:.3g}") for a, b in zip(steps, steps[1:])
+    )
+    for plan in plans[:5]:
+        assert plan.memory_gib <= 72.0
+        with contextlib.redirect_stdout(io.StringIO()):
+            rebuilt = parse_args(planner.base + plan.flags, world_size=gpus)
+        assert estimate_memory(rebuilt).total / GIB == pytest.approx(plan.memory_gib, rel=1e-9)
+        assert rebuilt.parallel.layout() == plan.config.parallel.layout()
+    # A replicated-optimizer-sized 70B never fits a GPU: the plans shard its state.
+    if model == "LLaMA-2 70B":
+        assert all(
+            plan.config.parallel.use_distributed_optimizer
+            or plan.config.parallel.distributed_strategy == "fsdp"
+            for plan in plans
+        )
+
+
+def test_h100_constants_are_the_calibrated_ones_and_the_1b_step_is_within_15_percent():
+    constants, check = calibrate()
+    for name, value in constants.items():
+        assert getattr(H100, name) == pytest.approx(value, abs=0.002 if value < 1 else 10), name
+    assert abs(check["predicted"] / check["measured"] - 1) < 0.15, check
+
+
+def test_the_step_time_model_prices_each_kind_of_parallelism():
+    planner = _planner("LLaMA-2 13B", 16)
+
+    def step(*flags: str, **hardware):
+        config = planner.config(list(flags))
+        assert config is not None, flags
+        machine = dataclasses.replace(planner.hardware, **hardware)
+        return predict_step_time(config, machine, planner.gpus_per_node)
+
+    tp1 = step(*layout_flags(1, 1, 2, None, 1, 40), "--use-distributed-optimizer")
+    assert tp1.tensor_parallel == 0 and tp1.bubble > 0 and tp1.pipeline_sends > 0
+    tp2 = step(*layout_flags(2, 1, 2, None, 1, 40), "--use-distributed-optimizer")
+    assert tp2.tensor_parallel > 0
+    # Virtual stages shrink the bubble and multiply the sends.
+    vpp = step(*layout_flags(1, 1, 2, 4, 1, 40), "--use-distributed-optimizer")
+    assert vpp.bubble == pytest.approx(tp1.bubble / 4) and vpp.pipeline_sends > tp1.pipeline_sends
+    # Overlapping the distributed optimizer's collectives hides them; a slower network shows.
+    flags = [*layout_flags(1, 1, 1, None, 1, 40), "--use-distributed-optimizer"]
+    exposed = step(*flags, inter_node_gbps=5.0)
+    hidden = step(*flags, "--overlap-grad-reduce", "--overlap-param-gather", inter_node_gbps=5.0)
+    assert exposed.data_parallel > hidden.data_parallel
+    assert step(*flags, inter_node_gbps=45.0).data_parallel < exposed.data_parallel
+    # Full recomputation costs compute.
+    full = step(*flags, *RECOMPUTE["full"])
+    assert full.compute > step(*flags).compute
+
+
+def test_the_tool_plans_a_hugging_face_config_and_refuses_moe(tmp_path):
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    tool = [sys.executable, os.path.join(ROOT, "tools", "plan_layout.py")]
+    result = subprocess.run(
+        [*tool, "--gpus", "8", "--hf-config", str(tmp_path / "config.json")]
+        + ["--seq-length", "4096", "--global-batch-size", "64", "--top", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    (command,) = re.findall(r"^torchrun .*$", result.stdout, re.MULTILINE)
+    assert "--num-layers 16 --hidden-size 2048" in command and "--num-query-groups 8" in command
+    moe = subprocess.run(
+        [*tool, "--gpus", "8", "--num-layers", "2", "--hidden-size", "64"]
+        + ["--num-attention-heads", "4", "--num-experts", "4", "--vocab-size", "128"]
+        + ["--seq-length", "128", "--global-batch-size", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert moe.returncode == 2
+    (line,) = moe.stderr.strip().splitlines()
+    assert "--num-experts" in line and "MoE" in line
