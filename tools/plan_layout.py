@@ -12,14 +12,14 @@ micro-batch size, recomputation and optimizer sharding fit in memory, and which 
 
 Every layout megatron-core can build on the GPUs is considered: TP within a node (dividing
 the heads and query groups, sequence parallel on), PP dividing the layers with and without
-virtual stages, CP, DP for the rest, micro-batch sizes that divide the batch, the distributed
-optimizer (with gradient-reduce and parameter-gather overlap) or FSDP2, and the least
-recomputation (none, selective, full) that fits. Memory is threefold's estimator's
-(tools/estimate_memory.py, within 2.6% on an H100); a layout fits when its fullest stage is
-within `--memory-fraction` of the GPU's memory. The fitting layouts are ranked by the
-step-time model of threefold/training/step_time.py (constants calibrated on an H100; see
-docs/plan_layout.md for its error against measurements and Megatron-LM's published table),
-and the best are printed with the flags that launch them.
+virtual stages, CP, DP for the rest, EP (MoE models) over DP x CP, micro-batch sizes that
+divide the batch, the distributed optimizer (with gradient-reduce and parameter-gather
+overlap) or FSDP2, and the least recomputation (none, selective, full) that fits. Memory is
+threefold's estimator's (tools/estimate_memory.py, within 2.6% on an H100); a layout fits
+when its fullest stage is within `--memory-fraction` of the GPU's memory. The fitting
+layouts are ranked by the step-time model of threefold/training/step_time.py (constants
+calibrated on an H100; see docs/plan_layout.md for its error against measurements and
+Megatron-LM's published table), and the best are printed with the flags that launch them.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(config: Config, gpus: int, gpus_per_node: int):
-    """(TP, CP, PP, VPP) tuples megatron-core can build on `gpus` GPUs for this model."""
+    """(TP, CP, PP, VPP, EP) tuples megatron-core can build on `gpus` GPUs for this model."""
     model = config.model
     for tp in _divisors(gpus_per_node):
         if model.num_attention_heads % tp or model.num_query_groups % tp:
@@ -91,12 +91,18 @@ def layouts(config: Config, gpus: int, gpus_per_node: int):
                 vpps = [None]
                 if pp > 1:
                     vpps += [v for v in (2, 3, 4) if model.num_layers % (pp * v) == 0]
+                # experts spread over the data- and context-parallel ranks (expert TP = TP)
+                replicas = gpus // (tp * cp * pp) * cp
+                eps = [1]
+                if model.is_moe:
+                    eps = [e for e in _divisors(model.num_experts) if replicas % e == 0]
                 for vpp in vpps:
-                    yield tp, cp, pp, vpp
+                    for ep in eps:
+                        yield tp, cp, pp, vpp, ep
 
 
 def layout_flags(
-    tp: int, cp: int, pp: int, vpp: int | None, micro_batch: int, num_layers: int
+    tp: int, cp: int, pp: int, vpp: int | None, micro_batch: int, num_layers: int, ep: int = 1
 ) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if tp > 1:
@@ -105,6 +111,8 @@ def layout_flags(
         flags += ["--context-parallel-size", str(cp)]
     if vpp:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (pp * vpp))]
+    if ep > 1:
+        flags += ["--expert-model-parallel-size", str(ep)]
     return [*flags, "--micro-batch-size", str(micro_batch)]
 
 
@@ -147,7 +155,7 @@ class Planner:
         found = []
         base = self.config([])
         batch = base.training.global_batch_size
-        for tp, cp, pp, vpp in layouts(base, self.gpus, self.gpus_per_node):
+        for tp, cp, pp, vpp, ep in layouts(base, self.gpus, self.gpus_per_node):
             dp = self.gpus // (tp * cp * pp)
             for micro_batch in (1, 2, 4, 8):
                 if batch % (micro_batch * dp):
@@ -157,7 +165,7 @@ class Planner:
                         continue  # threefold refuses FSDP with virtual stages
                     for recompute_flags in RECOMPUTE.values():
                         flags = [
-                            *layout_flags(tp, cp, pp, vpp, micro_batch, base.model.num_layers),
+                            *layout_flags(tp, cp, pp, vpp, micro_batch, base.model.num_layers, ep),
                             *sharding_flags,
                             *recompute_flags,
                         ]
@@ -201,8 +209,8 @@ def print_plans(plans: list[Plan], planner: Planner, top: int) -> None:
         f"the fastest {min(top, len(plans))}, by predicted step time:"
     )
     header = (
-        f"{'rank':>4}  {'layout':<34} {'micro':>5} {'recompute':<9} {'sharding':<21} "
-        f"{'GiB':>6} {'step s':>7} {'tokens/s':>10} {'MFU':>5}  bubble/TP/PP/DP/CP s"
+        f"{'rank':>4}  {'layout':<44} {'micro':>5} {'recompute':<9} {'sharding':<21} "
+        f"{'GiB':>6} {'step s':>7} {'tokens/s':>10} {'MFU':>5}  bubble/TP/PP/DP/CP/EP s"
     )
     print(header)
     for index, plan in enumerate(plans[:top], 1):
@@ -216,17 +224,18 @@ def print_plans(plans: list[Plan], planner: Planner, top: int) -> None:
         )
         mfu = flops / step.total / (planner.gpus * hardware.peak_tflops * 1e12)
         parts = "/".join(
-            f"{x:.2f}"
+            f"{x:.3g}"
             for x in (
                 step.bubble,
                 step.tensor_parallel,
                 step.pipeline_sends,
                 step.data_parallel,
                 step.context_parallel,
+                step.expert_parallel,
             )
         )
         print(
-            f"{index:>4}  {describe(plan):<34} {config.training.micro_batch_size:>5} "
+            f"{index:>4}  {describe(plan):<44} {config.training.micro_batch_size:>5} "
             f"{recompute:<9} {sharding:<21} {plan.memory_gib:>6.1f} {step.total:>7.2f} "
             f"{plan.tokens_per_second:>10,.0f} {mfu:>5.1%}  {parts}"
         )
@@ -308,12 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         base += ["--tokenizer-type", "NullTokenizer"]
     # The model flags checked once, as pretrain_gpt.py would: a mistake is one line, exit 2.
     with contextlib.redirect_stdout(io.StringIO()):
-        config = parse_args(base, world_size=1, prog="plan_layout.py")
-    if config.model.is_moe:
-        return _refuse(
-            "--num-experts: the step-time model does not price MoE token dispatch yet; "
-            "tools/estimate_memory.py gives an MoE layout's memory"
-        )
+        parse_args(base, world_size=1, prog="plan_layout.py")
     planner = Planner(rest, base, args.gpus, args.gpus_per_node, args)
     plans = planner.plans()
     print_plans(plans, planner, args.top)

@@ -122,7 +122,7 @@ def test_the_step_time_model_prices_each_kind_of_parallelism():
     assert full.compute > step(*flags).compute
 
 
-def test_the_tool_plans_a_hugging_face_config_and_refuses_moe(tmp_path):
+def test_the_tool_plans_a_hugging_face_config_and_an_moe_model(tmp_path):
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -150,14 +150,18 @@ def test_the_tool_plans_a_hugging_face_config_and_refuses_moe(tmp_path):
     assert result.returncode == 0, result.stderr
     (command,) = re.findall(r"^torchrun .*$", result.stdout, re.MULTILINE)
     assert "--num-layers 16 --hidden-size 2048" in command and "--num-query-groups 8" in command
-    moe = subprocess.run(
-        [*tool, "--gpus", "8", "--num-layers", "2", "--hidden-size", "64"]
-        + ["--num-attention-heads", "4", "--num-experts", "4", "--vocab-size", "128"]
-        + ["--seq-length", "128", "--global-batch-size", "8"],
+    mixtral = subprocess.run(
+        [*tool, "--gpus", "16", "--num-layers", "8", "--hidden-size", "1024"]
+        + ["--num-attention-heads", "16", "--num-experts", "8", "--moe-router-topk", "2"]
+        + ["--moe-grouped-gemm", "--swiglu", "--disable-bias-linear", "--vocab-size", "32000"]
+        + ["--seq-length", "2048", "--global-batch-size", "64", "--top", "50"],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert moe.returncode == 2
-    (line,) = moe.stderr.strip().splitlines()
-    assert "--num-experts" in line and "MoE" in line
+    assert mixtral.returncode == 0, mixtral.stderr
+    rows = [line for line in mixtral.stdout.splitlines() if re.match(r"^ +\d+  TP=", line)]
+    assert len(rows) == 50 and any("EP=8" in row for row in rows)
+    # an expert-parallel layout pays for its all-to-alls (the last breakdown column)
+    expert_parallel = [float(row.split("/")[-1].split()[0]) for row in rows if "EP=" in row]
+    assert expert_parallel and all(seconds > 0 for seconds in expert_parallel)

@@ -14,7 +14,11 @@ Per micro-batch and transformer layer, on one GPU:
   activation forward and 4 backward (4 more when recomputing), ring cost (t-1)/t x bytes /
   bus bandwidth, not overlapped (threefold has no TP communication overlap);
 - context parallelism: the ring's K/V (forward) and dK/dV (backward) exchange, hidden behind
-  the attention it overlaps with when shorter.
+  the attention it overlaps with when shorter;
+- expert parallelism (MoE layers): the token dispatcher's all-to-alls, dispatch and combine,
+  forward and backward, each moving the rank's (token, expert) pairs of h elements, the share
+  (EP-1)/EP leaving the rank, not overlapped; routing is taken as balanced, so the experts'
+  FLOPs are the active parameters' (flops.py) spread evenly.
 A pipeline step takes (m + (P-1)/V) x the slowest stage's micro-batch time (m micro-batches,
 V virtual stages), plus the stage-to-stage sends. Data parallelism: the distributed
 optimizer's gradient reduce-scatter and parameter all-gather, hidden behind the last
@@ -96,6 +100,7 @@ class StepTime:
     bubble: float = 0.0  # of which the pipeline's fill and drain
     tensor_parallel: float = 0.0
     context_parallel: float = 0.0
+    expert_parallel: float = 0.0
     pipeline_sends: float = 0.0
     data_parallel: float = 0.0
     optimizer: float = 0.0
@@ -106,6 +111,7 @@ class StepTime:
             self.compute
             + self.tensor_parallel
             + self.context_parallel
+            + self.expert_parallel
             + self.pipeline_sends
             + self.data_parallel
             + self.optimizer
@@ -178,6 +184,19 @@ def predict_step_time(config: Config, hardware: Hardware, gpus_per_node: int) ->
         attention_time = attention * 3 * tokens / t / (peak * hardware.attention_efficiency)
         cp_layer = max(0.0, exchange - attention_time)
 
+    ep = parallel.expert_model_parallel_size
+    ep_layer = 0.0
+    if ep > 1:
+        # every (token, expert) pair reaches each expert-TP rank of its expert: with expert
+        # TP = TP and sequence parallelism, a rank sends tokens x top-k x h elements per pass
+        pairs = tokens * model.moe_router_topk * h * element
+        etp = parallel.expert_tensor_parallel_size
+        gbps = _bandwidth(etp * ep, gpus_per_node, hardware)
+        moe_share = sum(model.moe_layer_pattern(model.num_layers)) / model.num_layers
+        ep_layer = (
+            moe_share * 4 * ((ep - 1) / ep * pairs / (gbps * 1e9) + hardware.latency_us * 1e-6)
+        )
+
     layers_per_stage = model.num_layers / p
     output = output_layer * 3 * tokens / t / (peak * _gemm_efficiency(hardware, min(h, b * s)))
     stage = layers_per_stage * layer + output  # the last stage: the slowest
@@ -187,6 +206,7 @@ def predict_step_time(config: Config, hardware: Hardware, gpus_per_node: int) ->
     result.bubble = (p - 1) / v * stage
     result.tensor_parallel = slots * layers_per_stage * tp_layer
     result.context_parallel = slots * layers_per_stage * cp_layer
+    result.expert_parallel = slots * layers_per_stage * ep_layer
     if p > 1:
         send = activation / (t if parallel.sequence_parallel else 1)
         pp_gbps = _bandwidth(t * c * d * 2, gpus_per_node, hardware)
