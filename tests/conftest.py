@@ -35,6 +35,36 @@ def _distributed_worker_pools():
     close_pools()
 
 
+# torch.distributed's environment: a test that sets it in the pytest process changes what every
+# later test and tool subprocess sees (a stale MASTER_PORT, a world size that is not theirs).
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """Parity tests run their ranks in worker processes; the pytest process itself stays a
+    plain single process, or the single-process references of later tests silently change."""
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    leaks = [name for name in _LAUNCH_VARIABLES if os.environ.get(name) != before[name]]
+    for name in leaks:
+        if before[name] is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before[name]
+    dist = sys.modules.get("torch.distributed")
+    initialized = dist is not None and dist.is_available() and dist.is_initialized()
+    if initialized:
+        dist.destroy_process_group()
+    if initialized or leaks:
+        pytest.fail(
+            "the test left torch.distributed "
+            + ("initialized " if initialized else "")
+            + (f"(environment {', '.join(leaks)}) " if leaks else "")
+            + "in the pytest process; run ranks with tests.distributed.run_distributed"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _reference_kernels():
     """A Trainer selects kernels for its process; the next test starts from the references."""
