@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         scaling_config=ScalingConfig(
             num_workers=args.num_workers, use_gpu=args.use_gpu, resources_per_worker=resources
         ),
-        torch_config=TorchConfig(backend="nccl" if args.use_gpu else "gloo"),
+        # Ray builds the default group: it gets the trainer's own timeout, as under torchrun.
+        torch_config=TorchConfig(
+            backend="nccl" if args.use_gpu else "gloo",
+            timeout_s=int(60 * float(_flag_value(trainer, "--distributed-timeout-minutes") or 10)),
+        ),
         run_config=RunConfig(
             name=args.name,
             storage_path=args.storage_path,

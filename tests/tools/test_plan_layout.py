@@ -165,3 +165,18 @@ def test_the_tool_plans_a_hugging_face_config_and_an_moe_model(tmp_path):
     # an expert-parallel layout pays for its all-to-alls (the last breakdown column)
     expert_parallel = [float(row.split("/")[-1].split()[0]) for row in rows if "EP=" in row]
     assert expert_parallel and all(seconds > 0 for seconds in expert_parallel)
+
+
+def test_the_collective_fit_recovers_latency_and_bandwidth():
+    import collectives
+
+    from threefold.training.step_time import _ring
+
+    points = [(size, 50e-6 + size / 20e9) for size in (1e6, 4e6, 16e6)]
+    latency, bandwidth = collectives.fit(points)
+    assert latency == pytest.approx(50e-6) and bandwidth == pytest.approx(20e9)
+    # the benchmark's ring factor is the one the step-time model charges
+    machine = dataclasses.replace(H100, latency_us=0.0)
+    for ranks in (2, 4, 8):
+        expected = collectives.ring_factor("all_gather", ranks) * 1e9 / 100e9
+        assert _ring(1e9, ranks, 100.0, machine) == pytest.approx(expected)
