@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from plan_calibration import calibrate  # noqa: E402
-from plan_layout import RECOMPUTE, SHARDING, Planner, layout_flags  # noqa: E402
+from plan_layout import RECOMPUTE, SHARDING, Planner, cluster_args, layout_flags  # noqa: E402
 
 from threefold.training.flops import training_flops_per_iteration  # noqa: E402
 from threefold.training.memory_estimate import estimate_memory  # noqa: E402
@@ -58,14 +57,7 @@ def model_flags(heads: int, hidden: int, layers: int, batch: int) -> list[str]:
 def predict(row) -> tuple[float, str, float]:
     """(predicted TFLOP/s per GPU, the chosen VPP/recompute, memory GiB) for a published row."""
     _, heads, hidden, layers, tp, pp, dp, gpus, batch, _ = row
-    args = SimpleNamespace(
-        gpu="H100",
-        gpu_memory_gib=80.0,
-        memory_fraction=0.9,
-        peak_tflops=None,
-        intra_node_gbps=None,
-        inter_node_gbps=None,
-    )
+    args = cluster_args()
     base = model_flags(heads, hidden, layers, batch)
     planner = Planner(base, base, gpus, 8, args)
     best = None

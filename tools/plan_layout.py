@@ -32,6 +32,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,6 +115,17 @@ def layout_flags(
     if ep > 1:
         flags += ["--expert-model-parallel-size", str(ep)]
     return [*flags, "--micro-batch-size", str(micro_batch)]
+
+
+def cluster_args(
+    gpu: str = "H100", gpu_memory_gib: float = 80.0, memory_fraction: float = 0.9, **links
+) -> SimpleNamespace:
+    """The cluster settings a Planner reads, as the command line gives them (for callers that
+    plan without one: bench/plan_validation.py, the tests)."""
+    speeds = {key: links.get(key) for key in ("peak_tflops", "intra_node_gbps", "inter_node_gbps")}
+    return SimpleNamespace(
+        gpu=gpu, gpu_memory_gib=gpu_memory_gib, memory_fraction=memory_fraction, **speeds
+    )
 
 
 class Planner:

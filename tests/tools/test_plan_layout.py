@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,21 +23,14 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import memory_table  # noqa: E402
 from plan_calibration import calibrate  # noqa: E402
-from plan_layout import RECOMPUTE, Planner, layout_flags  # noqa: E402
+from plan_layout import RECOMPUTE, Planner, cluster_args, layout_flags  # noqa: E402
 
 from threefold.arguments import parse_args  # noqa: E402
 from threefold.training.memory_estimate import estimate_memory  # noqa: E402
 from threefold.training.step_time import H100, predict_step_time  # noqa: E402
 
 GIB = 2**30
-ARGS = SimpleNamespace(
-    gpu="H100",
-    gpu_memory_gib=80.0,
-    memory_fraction=0.9,
-    peak_tflops=None,
-    intra_node_gbps=None,
-    inter_node_gbps=None,
-)
+ARGS = cluster_args()
 
 
 def _planner(model: str, gpus: int) -> Planner:
