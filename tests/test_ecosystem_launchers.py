@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import ROOT, logged_losses
 from tests.distributed import free_port
 
-ITERS = 60
+ITERS = 40
 TRAIN_FLAGS = [
     *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64").split(),
     *("--max-position-embeddings 64 --micro-batch-size 4 --global-batch-size 8").split(),

@@ -388,37 +388,57 @@ BAD_RECORDS = {
 }
 
 
+GOOD_LINES = [json.dumps({"text": f"{i} {i + 1} {i + 2}"}).encode() + b"\n" for i in range(20)]
+
+
+def _preprocess(corpus, output_prefix, *extra: str) -> subprocess.CompletedProcess:
+    tool = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py")]
+    tool += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    tool += ["--output-prefix", str(output_prefix), "--input", str(corpus), *extra]
+    return subprocess.run(tool, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def preprocessed_good_corpus(tmp_path_factory) -> dict[str, bytes]:
+    """The .bin/.idx of the corpus without its bad records: what a refused run must keep."""
+    directory = tmp_path_factory.mktemp("good")
+    (directory / "corpus.jsonl").write_bytes(b"".join(GOOD_LINES))
+    assert _preprocess(directory / "corpus.jsonl", directory / "out").returncode == 0
+    return {
+        suffix: (directory / f"out_text_document{suffix}").read_bytes()
+        for suffix in (".bin", ".idx")
+    }
+
+
 @pytest.mark.parametrize("kind", sorted(BAD_RECORDS))
-def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(kind, tmp_path):
-    lines = [json.dumps({"text": f"{i} {i + 1} {i + 2}"}).encode() + b"\n" for i in range(20)]
-    good = b"".join(lines)
-    tool = [
-        sys.executable,
-        os.path.join(ROOT, "tools", "preprocess_data.py"),
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "100",
-        "--output-prefix",
-        str(tmp_path / "out"),
-        "--input",
-        str(tmp_path / "corpus.jsonl"),
-    ]
-    (tmp_path / "corpus.jsonl").write_bytes(good)
-    assert subprocess.run(tool, capture_output=True, timeout=60).returncode == 0
-    pair = [str(tmp_path / f"out_text_document{s}") for s in (".bin", ".idx")]
-    before = [open(p, "rb").read() for p in pair]
-    (tmp_path / "corpus.jsonl").write_bytes(lines[0] + lines[1] + BAD_RECORDS[kind] + good)
+def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(
+    kind, tmp_path, preprocessed_good_corpus
+):
+    pair = {suffix: tmp_path / f"out_text_document{suffix}" for suffix in (".bin", ".idx")}
+    for suffix, path in pair.items():
+        path.write_bytes(preprocessed_good_corpus[suffix])  # a previous good run's output
+    bad = GOOD_LINES[0] + GOOD_LINES[1] + BAD_RECORDS[kind] + b"".join(GOOD_LINES)
+    (tmp_path / "corpus.jsonl").write_bytes(bad)
     start = time.monotonic()
-    result = subprocess.run(tool, capture_output=True, text=True, timeout=60)
+    result = _preprocess(tmp_path / "corpus.jsonl", tmp_path / "out")
     _refused(result, time.monotonic() - start, "corpus.jsonl:3:")
-    assert [open(p, "rb").read() for p in pair] == before
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", *sorted(map(os.path.basename, pair))]
-    skipped = subprocess.run(
-        tool + ["--skip-bad-records"], capture_output=True, text=True, timeout=60
+    assert {suffix: path.read_bytes() for suffix, path in pair.items()} == preprocessed_good_corpus
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", *sorted(p.name for p in pair.values())]
+
+
+def test_preprocess_skips_every_kind_of_bad_record_when_asked(tmp_path, preprocessed_good_corpus):
+    """--skip-bad-records: each bad record named on stderr, the rest preprocessed as if the
+    bad ones were not there."""
+    corpus = b"".join(GOOD_LINES[:2])
+    corpus += b"".join(BAD_RECORDS[kind] for kind in sorted(BAD_RECORDS)) + b"".join(GOOD_LINES)
+    (tmp_path / "corpus.jsonl").write_bytes(corpus)
+    skipped = _preprocess(tmp_path / "corpus.jsonl", tmp_path / "out", "--skip-bad-records")
+    assert skipped.returncode == 0 and f"skipped {len(BAD_RECORDS)} bad records" in skipped.stdout
+    for line in range(3, 3 + len(BAD_RECORDS)):
+        assert f"corpus.jsonl:{line}:" in skipped.stderr
+    assert (tmp_path / "out_text_document.bin").stat().st_size > len(
+        preprocessed_good_corpus[".bin"]
     )
-    assert skipped.returncode == 0 and "skipped 1 bad records" in skipped.stdout
-    assert "corpus.jsonl:3:" in skipped.stderr
 
 
 def test_ckpt_keep_latest_deletes_only_older_complete_checkpoints(tmp_path):
