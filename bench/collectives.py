@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
     sizes = [mb * MB for mb in args.sizes_mb]
     measured = {}
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.get_device_name() if args.backend == "nccl" else f"{os.cpu_count()} CPU cores"
     )
     print("# Collectives: the ring cost model against measurements\n")
-    print(f"`python bench/collectives.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
+    command = ["bench/collectives.py", *(sys.argv[1:] if argv is None else argv)]
+    print(f"`python {' '.join(command)}`\n")
     print(f"Backend {args.backend} on {device}; torch {torch.__version__}; fit at {base} ranks.\n")
     errors = []
     for name in ("all_reduce", "all_gather"):
