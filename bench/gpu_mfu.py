@@ -88,6 +88,11 @@ CONTENDERS = (
     "torchtitan",
     "torchtitan+compile",
 )
+# FP8 GEMMs in the attention and MLP linears (--fp8-format hybrid, docs/fp8.md): with --fp8,
+# or named in --only. MFU stays against the bf16 peak; the table states the FP8 peak too.
+FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8+compile-layers")
+FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
+FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
 
 
 def threefold_args(shape: Shape, bf16: bool) -> list[str]:
@@ -407,6 +412,10 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
     build = {
         "threefold": _threefold,
         "threefold+compile-layers": lambda *a: _threefold(*a, extra=("--compile-layers",)),
+        "threefold+fp8": lambda *a: _threefold(*a, extra=FP8_FLAGS),
+        "threefold+fp8+compile-layers": lambda *a: _threefold(
+            *a, extra=(*FP8_FLAGS, "--compile-layers")
+        ),
         "transformers": _transformers,
         "transformers+compile": lambda *a: _transformers(*a, compiled=True),
         "megatron-core": _megatron_core,
@@ -478,15 +487,20 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="default: all (--moe: four)")
+    parser.add_argument(
+        "--only", nargs="+", choices=CONTENDERS + FP8_CONTENDERS, help="default: all (--moe: four)"
+    )
+    parser.add_argument("--fp8", action="store_true", help="also threefold with FP8 GEMMs")
     parser.add_argument("--micro-batch-size", type=int, help="default: the shape's (2)")
     parser.add_argument("--global-batch-size", type=int, help="default: the shape's (8)")
-    parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--contender", choices=CONTENDERS + FP8_CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = {(False, False): Shape(), (True, False): TINY, (False, True): MOE}.get(
         (args.tiny, args.moe), TINY_MOE
     )
     args.only = args.only or list(MOE_CONTENDERS if args.moe else CONTENDERS)
+    if args.fp8:
+        args.only += [name for name in FP8_CONTENDERS if name not in args.only]
     if args.moe and set(args.only) - set(MOE_CONTENDERS):
         parser.error(f"--moe runs {', '.join(MOE_CONTENDERS)}")
     for field in ("micro_batch_size", "global_batch_size"):
@@ -589,6 +603,12 @@ def main() -> None:
             "",
         ]
     )
+    if set(args.only) & set(FP8_CONTENDERS):
+        peaks = f"{peak:.0f} and {2 * peak:.0f} TFLOP/s" if peak else "unknown here"
+        report += (
+            "\nMFU is against the dense bf16 peak for every row, FP8 ones included; the dense "
+            f"FP8 peak of Hopper is twice it (bf16 and FP8: {peaks}).\n"
+        )
     with open(os.path.join(args.out, "gpu_moe.md" if args.moe else "gpu_mfu.md"), "w") as stream:
         stream.write(report)
     print(report)

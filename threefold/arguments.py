@@ -98,6 +98,7 @@ _SECTIONS = {
     "model": "model",
     "parallel": "parallelism",
     "kernels": "kernels (threefold/kernels; chosen at start-up and logged)",
+    "fp8": "FP8 training",
     "training": "training",
     "data": "data",
     "checkpoint": "checkpointing",

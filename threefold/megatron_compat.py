@@ -78,8 +78,6 @@ NO_COUNTERPART = {
     "--no-masked-softmax-fusion": "attention runs in SDPA or Transformer Engine kernels; there "
     "is no separate masked-softmax kernel",
     "--no-bias-dropout-fusion": "bias, dropout and residual add are separate ops here",
-    "--no-gradient-accumulation-fusion": "weight gradients are added to the gradient buffer by "
-    "a separate add, not inside the GEMM",
     "--no-persist-layer-norm": "apex's persistent layer-norm kernel is not used",
     "--no-async-tensor-model-parallel-allreduce": "tensor-parallel all-reduces are synchronous",
     "--attention-softmax-in-fp32": "SDPA and the reference attention accumulate the softmax in "
@@ -179,11 +177,11 @@ def check(given: dict[str, object]) -> list[str]:
 # Megatron-LM flags of features threefold does not have: refused in one line naming the
 # feature, not with argparse's "unrecognized arguments". A key ending in "-" is a prefix.
 MISSING = {
-    "--fp8-": "FP8 training",
+    "--fp8-dot-product-attention": "FP8 attention (Transformer Engine's)",
+    "--fp8-multi-head-attention": "FP8 attention (Transformer Engine's)",
+    "--fp8-quantizer-factory": "custom FP8 recipes",
+    "--fp8-output-proj": "an FP8 output layer (MXFP8)",
     "--fp4-": "FP4 training",
-    "--first-last-layers-bf16": "FP8 training",
-    "--num-layers-at-start-in-bf16": "FP8 training",
-    "--num-layers-at-end-in-bf16": "FP8 training",
     "--multi-latent-attention": "multi-latent attention (MLA)",
     "--q-lora-rank": "multi-latent attention (MLA)",
     "--kv-lora-rank": "multi-latent attention (MLA)",

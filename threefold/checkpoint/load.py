@@ -254,6 +254,9 @@ def load_checkpoint(
             without_adapters,
             metadata["megatron"]["optimizer_step"] if megatron else None,
         )
+    if components.fp8 is not None and not finetune:
+        load_fp8_state(path, components.fp8.state_tensors())
+        components.fp8.after_load()
     # fp32 masters are the truth when they were loaded; otherwise start them from the model.
     if load_optimizer:
         if metadata["loss_scaler"] or not megatron:  # (Megatron's, for fp16 runs only)
@@ -272,6 +275,30 @@ def load_checkpoint(
     if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
         set_rng_state(rng)
     return iteration
+
+
+def load_fp8_state(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """FP8 scaling state (amax histories, scales) by layout-independent key, in any layout:
+    every rank reads the keys of its own layers, without collectives. A checkpoint without
+    them (saved without FP8, or with tensorwise scaling) leaves the fresh state, and says so."""
+    if not tensors:
+        return
+    reader = SafeFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    present = {key: tensor for key, tensor in tensors.items() if key in saved}
+    if len(present) < len(tensors):
+        _warn(
+            f"> --load {path}: no FP8 scaling state for {len(tensors) - len(present)} of "
+            f"{len(tensors)} tensors (saved without --fp8-recipe delayed); those start afresh"
+        )
+    for key, tensor in present.items():
+        if tuple(saved[key].size) != tuple(tensor.shape):
+            raise ConfigError(
+                f"--load {path}: {key} has shape {tuple(saved[key].size)}, this run's "
+                f"{tuple(tensor.shape)}; use the checkpoint's --fp8-amax-history-len"
+            )
+    if present:
+        dcp.load(present, storage_reader=reader, no_dist=True)
 
 
 def _check_tokenizer(root: str, path: str, metadata: dict, data) -> None:

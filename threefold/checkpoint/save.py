@@ -41,10 +41,14 @@ from threefold.parallel.tensor_parallel.sharding import sharding_group
 
 
 def tensor_state(
-    components: CheckpointComponents, with_optimizer: bool = True, without_adapters: bool = False
+    components: CheckpointComponents,
+    with_optimizer: bool = True,
+    without_adapters: bool = False,
+    with_fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Every tensor this rank holds: the model's and, optionally, the optimizer's (without
-    LoRA adapters when loading a checkpoint saved before they were added).
+    LoRA adapters when loading a checkpoint saved before they were added) and the FP8 scaling
+    state (loaded on its own: checkpoint/load.py's `load_fp8_state`).
 
     Keys carry the TP rank and the layout-independent name, so DP replicas coincide and TP
     shards do not. Pipeline stages hold different layers, hence different names; the last
@@ -56,6 +60,8 @@ def tensor_state(
     tensors = {f"model.{keys[param]}": param.data for _, param in named}
     if with_optimizer:
         tensors.update(components.optimizer.state_tensors(keys))
+    if with_fp8 and components.fp8 is not None:
+        tensors.update(components.fp8.state_tensors())
     return tensors
 
 
@@ -134,7 +140,7 @@ def save_checkpoint(
             write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
             save_tokenizer(components.tokenizer, path)
 
-    tensors = tensor_state(components, with_optimizer=not flags.no_save_optim)
+    tensors = tensor_state(components, with_optimizer=not flags.no_save_optim, with_fp8=True)
     return writer.save(iteration, write_rank_files, tensors)
 
 

@@ -77,6 +77,15 @@ class KernelConfig:
     cross_entropy_chunk_tokens: int = arg(
         4096, help="tokens per chunk of the fused cross-entropy (default 4096)"
     )  # tokens per chunk of the fused cross-entropy
+    # Megatron-LM's gradient-accumulation fusion (on by default there too): the weight-gradient
+    # GEMM of the tensor-parallel linear layers adds into the fp32 gradient buffer itself
+    # (its beta = 1) instead of writing a gradient that a separate kernel then adds.
+    gradient_accumulation_fusion: bool = arg(
+        True,
+        flag="--no-gradient-accumulation-fusion",
+        help="compute the linear layers' weight gradients and add them to the gradient buffer "
+        "in separate kernels",
+    )
     # torch.compile each transformer layer whole, as torchtitan compiles its blocks: the
     # kernels inside are traced into one graph, so --fusion-impl only affects the final norm
     # and the loss, which stay outside the layers.

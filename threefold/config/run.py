@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from threefold.config.checkpoint import CheckpointConfig
 from threefold.config.data import DataConfig
 from threefold.config.errors import require as _require
+from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
 from threefold.config.logging import LoggingConfig
 from threefold.config.model import ModelConfig
@@ -25,6 +26,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
@@ -52,6 +54,12 @@ class Config:
         self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()
+        self.fp8.finalize(self.model.num_layers, self.training.fp16)
+        _require(
+            not self.fp8.enabled or parallel.distributed_strategy == "megatron",
+            "--fp8-format runs on threefold's own data parallelism; drop "
+            f"--distributed-strategy {parallel.distributed_strategy}",
+        )
         return warnings
 
     def _finalize_gradient_precision(self) -> None:
@@ -79,4 +87,5 @@ class Config:
             checkpoint=CheckpointConfig(**values["checkpoint"]),
             logging=LoggingConfig(**values["logging"]),
             kernels=KernelConfig(**values.get("kernels", {})),
-        )  # older checkpoints: none
+            fp8=Fp8Config(**values.get("fp8", {})),
+        )  # older checkpoints: no kernels, no fp8

@@ -82,6 +82,7 @@ class Kernels:
         self.attention = reference.attention
         self.cross_entropy = vocab_parallel_cross_entropy
         self.description = "reference (eager PyTorch)"
+        self.gradient_accumulation_fusion = False
 
 
 KERNELS = Kernels()
@@ -269,14 +270,47 @@ def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _fp8_gemms(device: torch.device) -> str:
+    """Whether torch._scaled_mm runs on this device (cuBLASLt's FP8 GEMMs need compute
+    capability 8.9: Ada, Hopper and later); the log entry."""
+    if not _on_gpu(device):
+        return "torch._scaled_mm (CPU: exact emulation, fp32 accumulation)"
+    one = torch.ones((), device=device)
+    a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"--fp8-format: this GPU cannot run FP8 GEMMs ({str(error).splitlines()[0]}); "
+            "FP8 needs compute capability 8.9 or later (Ada, Hopper); drop --fp8-format"
+        ) from error
+    return "torch._scaled_mm (cuBLASLt FP8 tensor cores)"
+
+
+def _gradient_accumulation_fusion(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the weight-gradient GEMM can add into an fp32 gradient buffer here: same-dtype
+    addmm_ always; a bf16/fp16 GEMM into fp32 needs addmm's out_dtype (CUDA, torch >= 2.8)."""
+    if dtype == torch.float32:
+        return True
+    a = torch.ones(16, 16, device=device, dtype=dtype)
+    out = torch.ones(16, 16, device=device)
+    try:
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((out == 17).all())
+
+
 def configure(
     config: KernelConfig,
     device: torch.device,
     dtype: torch.dtype,
     normalization: str,
     attention: AttentionShape,
+    fp8: bool = False,
 ) -> str:
-    """Select every kernel for this run; returns the start-up log line."""
+    """Select every kernel for this run; returns the start-up log line. `fp8`: the linear
+    layers' GEMMs run in FP8 (--fp8-format)."""
     KERNELS.use_reference()
     cuda = _on_gpu(device)
     compile_fusions = config.fusion_impl == "compile" or (config.fusion_impl == "auto" and cuda)
@@ -345,6 +379,17 @@ def configure(
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
     if config.compile_layers:
         parts["transformer layers"] = "each torch.compile'd as one graph"
+    if fp8:
+        parts["fp8 GEMMs"] = _fp8_gemms(device)
+    KERNELS.gradient_accumulation_fusion = config.gradient_accumulation_fusion and (
+        _gradient_accumulation_fusion(device, dtype)
+    )
+    if KERNELS.gradient_accumulation_fusion:
+        parts["weight gradients"] = "accumulated into the gradient buffer by their GEMM"
+    elif config.gradient_accumulation_fusion:
+        parts["weight gradients"] = (
+            "added to the gradient buffer separately (this torch has no addmm with out_dtype)"
+        )
     KERNELS.description = f"transformer-impl {impl}; " + ", ".join(
         f"{key} {value}" for key, value in parts.items()
     )
@@ -368,6 +413,7 @@ def configure_for_model(
     device: torch.device,
     dtype: torch.dtype,
     micro_batch_size: int = 1,
+    fp8: bool = False,
 ) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
     shape = AttentionShape(
@@ -378,4 +424,26 @@ def configure_for_model(
         sequence=model.seq_length,
         batch=micro_batch_size,
     )
-    return configure(config, device, dtype, model.normalization, shape)
+    if fp8 and _on_gpu(device):
+        _check_fp8_shapes(model, tensor_parallel_size)
+    return configure(config, device, dtype, model.normalization, shape, fp8)
+
+
+def _check_fp8_shapes(model: ModelConfig, tensor_parallel_size: int) -> None:
+    """cuBLASLt's FP8 GEMMs take dimensions that are multiples of 16: every linear layer's
+    input and output features on one TP rank (the token count is checked by the GEMM)."""
+    tp = tensor_parallel_size
+    query_groups = model.num_query_groups
+    features = {
+        "--hidden-size / TP": model.hidden_size // tp,
+        "--hidden-size": model.hidden_size,
+        "--ffn-hidden-size / TP": model.ffn_hidden_size // tp,
+        "attention heads x --kv-channels / TP": model.num_attention_heads * model.kv_channels // tp,
+        "query groups x --kv-channels / TP": query_groups * model.kv_channels // tp,
+    }
+    for what, size in features.items():
+        if size % 16:
+            raise ConfigError(
+                f"--fp8-format on CUDA: {what} is {size}, but FP8 GEMMs need multiples of 16; "
+                "choose model sizes (or a TP size) that give multiples of 16"
+            )

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import torch
 
 from threefold.config import Config
-from threefold.kernels.dispatch import compile_layers, configure_for_model
+from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_model
 from threefold.model import GPTModel
+from threefold.model.fp8 import Fp8Scaling, convert_to_fp8
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.training.data_parallel import (
@@ -52,6 +53,14 @@ def build_model_chunks(
         )
         chunk.initialize(config.training.seed)
         chunks.append(chunk.to(device=device, dtype=dtype))
+        if config.fp8.enabled:
+            convert_to_fp8(
+                chunk,
+                config.fp8,
+                parallel,
+                config.model.num_layers,
+                config.training.calculate_per_token_loss,
+            )
         if config.kernels.compile_layers:
             compile_layers(chunk)
     return chunks
@@ -60,8 +69,8 @@ def build_model_chunks(
 def build_model_and_optimizer(
     config: Config, parallel: ParallelContext, device: torch.device, report: Callable[[str], None]
 ):
-    """(model chunks, data parallelism with its optimizer, scheduler, loss scaler); `report`
-    prints the start-up choices on rank 0."""
+    """(model chunks, data parallelism with its optimizer, scheduler, loss scaler, FP8 scaling
+    or None); `report` prints the start-up choices on rank 0."""
     training, layout = config.training, config.parallel
     if layout.distributed_strategy == "auto":
         report(f"> {resolve_auto_strategy(config, device)}")
@@ -73,6 +82,7 @@ def build_model_and_optimizer(
             device,
             params_dtype(config),
             training.micro_batch_size,
+            config.fp8.enabled,
         )
     )
     torch_native = uses_torch_data_parallel(config)
@@ -83,6 +93,15 @@ def build_model_and_optimizer(
     if training.optimizer_cpu_offload and not offload:
         report("> --optimizer-cpu-offload: this run is on the CPU already, nothing to offload")
     data_parallel: DataParallel = build_data_parallel(chunks, config, parallel, device, offload)
+    if KERNELS.gradient_accumulation_fusion and data_parallel.grad_buffer is not None:
+        for chunk in chunks:
+            for module in chunk.modules():
+                if hasattr(module, "gradient_accumulation_fusion"):
+                    module.gradient_accumulation_fusion = True
+    fp8 = None
+    if config.fp8.enabled:
+        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers)
+        report(fp8.describe())
     optimizer = data_parallel.optimizer
     optimizer.initialize_state()
     optimizer.count_zeros = config.logging.log_num_zeros_in_grad
@@ -100,4 +119,5 @@ def build_model_and_optimizer(
         data_parallel,
         OptimizerParamScheduler(optimizer, training),
         build_loss_scaler(training),
+        fp8,
     )

@@ -58,7 +58,7 @@ class Trainer:
             self.datasets = (build_data or build_datasets)(config, self.tokenizer)
         with self.timers("model-and-optimizer-setup", 0):
             built = build_model_and_optimizer(config, parallel, device, self.print)
-        self.model_chunks, self.data_parallel, self.scheduler, self.loss_scaler = built
+        self.model_chunks, self.data_parallel, self.scheduler, self.loss_scaler, self.fp8 = built
         self.optimizer = self.data_parallel.optimizer
         self.moe_statistics = (
             MoEStatistics(self.model_chunks, config.model, parallel)
@@ -103,7 +103,9 @@ class Trainer:
         parts = (self.optimizer, self.scheduler, self.loss_scaler, self.state, self.tokenizer)
         reshardable = self.data_parallel.grad_buffer is not None  # threefold's own DP
         parameters = self.layout_independent_parameters
-        return CheckpointComponents(self.config, self.parallel, parameters, *parts, reshardable)
+        return CheckpointComponents(
+            self.config, self.parallel, parameters, *parts, reshardable, fp8=self.fp8
+        )
 
     # -- one step -----------------------------------------------------------------------------
     def _forward_step(self, batch: dict, model: torch.nn.Module, input_tensor=None):
@@ -170,6 +172,8 @@ class Trainer:
         watchdog.enter("gradient reduction", iteration)
         with self.timers("all-grads-sync", 1):
             data_parallel.finish_grad_sync()
+        if self.fp8 is not None:  # delayed scaling: the next step's scales
+            self.fp8.after_step()
         total, weight = self._global_loss_totals(losses)
         # The gradients are a sum over micro-batches of (loss x scale / divisor), averaged over
         # DP replicas: the optimizer divides them by `divisor` to get the global batch's mean.

@@ -137,7 +137,10 @@ class GradientBuffer:
         self._nonfinite: list[torch.Tensor] = []
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        if getattr(param, "grad_added_to_main_grad", False):  # --gradient-accumulation-fusion
+            param.grad_added_to_main_grad = False
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if not self.overlap_grad_reduce:
             return

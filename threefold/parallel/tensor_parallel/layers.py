@@ -36,6 +36,84 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+    """What autograd receives for a weight whose gradient went into `main_grad` already: an
+    uninitialized tensor (no memory traffic) the gradient buffer's hook discards on seeing
+    `grad_added_to_main_grad`, as Megatron's."""
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
+
+
+def add_weight_grad_product(
+    weight: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor
+) -> torch.Tensor:
+    """--gradient-accumulation-fusion: `weight.main_grad += grad_output^T @ inputs` inside the
+    weight-gradient GEMM (its beta = 1), with no separate gradient tensor and add; bf16 GEMMs
+    accumulate into the fp32 buffer directly on CUDA. Returns the placeholder gradient."""
+    _add_product(weight.main_grad, grad_output, inputs)
+    return _placeholder_grad(weight)
+
+
+def _add_product(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    if main_grad.dtype == grad_output.dtype:
+        main_grad.addmm_(grad_output.t(), inputs)
+    else:
+        torch.addmm(main_grad, grad_output.t(), inputs, out_dtype=main_grad.dtype, out=main_grad)
+
+
+def accumulate_weight_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> torch.Tensor:
+    """A weight gradient computed in fp32 already (the FP8 GEMM's output) added to
+    `weight.main_grad`, skipping its rounding to the parameters' dtype; the placeholder."""
+    weight.main_grad.add_(grad_weight)
+    return _placeholder_grad(weight)
+
+
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """`F.linear` whose weight gradient is accumulated into `weight.main_grad` by the GEMM
+    (megatron-core's LinearWithGradAccumulationAndAsyncCommunication, without the overlap)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x)
+        # The parameter itself, for its main_grad: under activation recomputation a saved
+        # tensor comes back as another tensor object.
+        ctx.weight, ctx.has_bias = weight, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,), weight = ctx.saved_tensors, ctx.weight
+        grads = grad_output.reshape(-1, grad_output.shape[-1])
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad
+        grad_x = (grads @ weight).view(x.shape) if needs_x else None
+        grad_weight = (
+            add_weight_grad_product(weight, grads, x.reshape(-1, x.shape[-1]))
+            if needs_weight
+            else None
+        )
+        grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias
+
+
+def _linear(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A parallel linear layer's GEMM: FP8 when the layer has an FP8 state (model/fp8.py),
+    the weight gradient accumulated into `main_grad` with --gradient-accumulation-fusion
+    (only for the layer's own weight: a tied one also gets the embedding's gradient)."""
+    fuse = (
+        module.gradient_accumulation_fusion
+        and weight is module.weight
+        and getattr(weight, "main_grad", None) is not None
+        and torch.is_grad_enabled()
+    )
+    if module.fp8 is not None:
+        return module.fp8.linear(x, weight, bias, fuse)
+    if fuse:
+        return _LinearWithGradAccumulation.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class _LinearBlocks(torch.autograd.Function):
     """`F.linear(x, weight, bias).chunk(blocks, -1)` for a weight stacked from `blocks` row blocks
     (SwiGLU's [gate; up]), computed one block at a time: each block's output is contiguous (the
@@ -47,7 +125,7 @@ class _LinearBlocks(torch.autograd.Function):
     forward ran in, as autocast's own backward does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks):
+    def forward(ctx, x, weight, bias, blocks, accumulate=False):
         biases = (None,) * blocks if bias is None else bias.chunk(blocks)
         outputs = tuple(
             F.linear(x, block, block_bias)
@@ -55,17 +133,23 @@ class _LinearBlocks(torch.autograd.Function):
         )
         ctx.save_for_backward(x, weight)
         ctx.blocks, ctx.has_bias, ctx.compute_dtype = blocks, bias is not None, outputs[0].dtype
+        # --gradient-accumulation-fusion: into the parameter's main_grad (the parameter
+        # itself: under recomputation a saved tensor comes back as another object)
+        ctx.accumulate, ctx.weight = accumulate, weight
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         x, weight = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        needs_x, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         inputs = x.reshape(-1, x.shape[-1]).to(dtype)
         weights = weight.to(dtype).chunk(ctx.blocks, dim=0)
+        accumulate = needs_weight and ctx.accumulate
         grad_weight = (
-            torch.empty(weight.shape, dtype=dtype, device=weight.device) if needs_weight else None
+            torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            if needs_weight and not accumulate
+            else None
         )
         grad_bias = (
             torch.empty(weight.shape[0], dtype=dtype, device=weight.device)
@@ -81,24 +165,33 @@ class _LinearBlocks(torch.autograd.Function):
                 grad_x = grad @ block_weight
             elif needs_x:
                 grad_x.addmm_(grad, block_weight)
-            if grad_weight is not None:
+            if accumulate:
+                _add_product(ctx.weight.main_grad[block], grad, inputs)
+            elif grad_weight is not None:
                 torch.mm(grad.t(), inputs, out=grad_weight[block])
             if grad_bias is not None:
                 torch.sum(grad, dim=0, out=grad_bias[block])
         if grad_x is not None:
             grad_x = grad_x.view(x.shape).to(x.dtype)
-        if grad_weight is not None:
+        if accumulate:
+            grad_weight = _placeholder_grad(ctx.weight)
+        elif grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(weight.dtype)
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def linear_blocks(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: int,
+    accumulate_in_main_grad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """`F.linear(x, weight, bias).chunk(blocks, -1)`, with a cheaper backward (`_LinearBlocks`)."""
-    return _LinearBlocks.apply(x, weight, bias, blocks)
+    """`F.linear(x, weight, bias).chunk(blocks, -1)`, with a cheaper backward (`_LinearBlocks`);
+    `accumulate_in_main_grad`: the weight gradient goes into `weight.main_grad`."""
+    return _LinearBlocks.apply(x, weight, bias, blocks, accumulate_in_main_grad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -130,6 +223,8 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.partition_stride = partition_stride
         self.adapter = None  # a LoRA adapter (threefold/model/lora.py), when fine-tuning
+        self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
+        self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
         self.output_size_per_partition = _divide(output_size, world, "output size")
         self.gather_output = gather_output
         self.sequence_parallel = parallel.sequence_parallel
@@ -163,7 +258,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         x = self._parallel_input(x)
-        output = F.linear(x, weight, self.bias)
+        output = _linear(self, x, weight, self.bias)
         if self.adapter is not None:
             output = output + self.adapter(x)
         if self.gather_output:
@@ -176,7 +271,12 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output:
             raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
         x = self._parallel_input(x)
-        blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride)
+        if self.fp8 is not None:  # FP8's own backward: the blocks as chunks of one output
+            blocks = _linear(self, x, self.weight, self.bias).chunk(self.partition_stride, -1)
+        else:
+            fuse = self.gradient_accumulation_fusion and torch.is_grad_enabled()
+            fuse = fuse and getattr(self.weight, "main_grad", None) is not None
+            blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride, fuse)
         if self.adapter is not None:
             adapter = self.adapter(x).chunk(self.partition_stride, dim=-1)
             blocks = tuple(block + extra for block, extra in zip(blocks, adapter))
@@ -206,6 +306,8 @@ class RowParallelLinear(nn.Module):
         world = self.tp.size
         self.input_size, self.output_size = input_size, output_size
         self.adapter = None  # a LoRA adapter, whose partial output the reduction completes
+        self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
+        self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
         self.input_size_per_partition = _divide(input_size, world, "input size")
         self.sequence_parallel = sequence_parallel
         self.weight = mark_tensor_parallel(
@@ -224,7 +326,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = F.linear(x, self.weight)
+        output = _linear(self, x, self.weight, None)
         if self.adapter is not None:
             output = output + self.adapter(x)
         if self.sequence_parallel:

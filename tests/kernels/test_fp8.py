@@ -1,0 +1,218 @@
+"""FP8's arithmetic on the CPU: scales, saturating casts, the scaled GEMMs against a float64
+reference, the delayed recipe's history, the choice of layers, the flags, and the weight
+gradient accumulated into the gradient buffer by its GEMM (--gradient-accumulation-fusion)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.parity import LLAMA_STYLE, TRAINING, _setup
+from threefold.arguments import parse_args
+from threefold.config import ConfigError
+from threefold.kernels.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Linear,
+    Fp8Recipe,
+    quantize,
+    scale_from_amax,
+    scaled_mm,
+    update_delayed_scales,
+)
+from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.tensor_parallel.sharding import constant_init
+
+
+def test_scale_maps_the_amax_onto_the_format_maximum_and_keeps_the_last_one_otherwise():
+    previous = torch.tensor(3.0)
+    assert scale_from_amax(torch.tensor(2.0), 448.0, 0, previous) == 224.0
+    assert scale_from_amax(torch.tensor(2.0), 448.0, 2, previous) == 56.0  # 2^-margin
+    for amax in (0.0, float("inf"), float("nan"), 1e-45):  # last: the scale would overflow
+        assert scale_from_amax(torch.tensor(amax), 448.0, 0, previous) == 3.0
+
+
+@pytest.mark.parametrize("dtype,maximum,mantissa_bits", [(E4M3, 448.0, 3), (E5M2, 57344.0, 2)])
+def test_casts_saturate_and_round_to_the_nearest_fp8_value(dtype, maximum, mantissa_bits):
+    values = torch.tensor([1e9, -1e9, maximum * 1.01])
+    assert quantize(values, torch.tensor(1.0), dtype).float().tolist() == [
+        maximum,
+        -maximum,
+        maximum,
+    ]
+    x = torch.randn(10_000, dtype=torch.float64) * 3
+    scale = torch.tensor(maximum / 12.0)  # no value saturates, few are subnormal
+    back = quantize(x, scale, dtype).double() / scale.double()
+    normal = x.abs() * scale > torch.finfo(dtype).tiny
+    relative = ((back - x).abs() / x.abs())[normal]
+    assert relative.max() <= 2.0 ** -(mantissa_bits + 1)  # half a unit in the last place
+
+
+def test_scaled_mm_is_the_exact_product_of_the_dequantized_operands():
+    a, b = torch.randn(24, 40), torch.randn(40, 8)
+    sa, sb = torch.tensor(37.0), torch.tensor(0.25)
+    a8, b8 = quantize(a, sa, E4M3), quantize(b, sb, E5M2)
+    expected = (a8.double() / sa.double()) @ (b8.double() / sb.double())
+    got = scaled_mm(a8, b8, sa, sb, torch.float32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def _reference_fp8_linear(x, weight, grad, fmt):
+    """The three GEMMs of an FP8 linear layer with current scaling, in float64."""
+    dtypes = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}[fmt]
+
+    def q(t, dtype):
+        scale = scale_from_amax(t.abs().max().float(), torch.finfo(dtype).max, 0, torch.tensor(1.0))
+        return quantize(t, scale, dtype).double() / scale.double()
+
+    xq, wq, gq = q(x, dtypes[0]), q(weight, dtypes[0]), q(grad, dtypes[1])
+    return xq @ wq.t(), gq @ wq, gq.t() @ xq
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_linear_computes_the_three_scaled_gemms(fmt):
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 32, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(48, 32) * 0.02)
+    grad = torch.randn(6, 2, 48) * 1e-3
+    layer = Fp8Linear(Fp8Recipe(fp8_format=fmt, delayed=False))
+    out = layer.linear(x, weight, None)
+    out.backward(grad)
+    y, dx, dw = _reference_fp8_linear(
+        x.detach().reshape(12, 32), weight.detach(), grad.reshape(12, 48), fmt
+    )
+    torch.testing.assert_close(out.detach().reshape(12, 48).double(), y, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x.grad.reshape(12, 32).double(), dx, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(weight.grad.double(), dw, rtol=1e-6, atol=1e-9)
+    # and it is the linear layer, up to FP8's precision
+    exact = F.linear(x.detach(), weight.detach())
+    assert (out.detach() - exact).norm() / exact.norm() < 0.1
+
+
+def test_delayed_scaling_uses_earlier_steps_amaxes():
+    recipe = Fp8Recipe(
+        fp8_format="hybrid", delayed=True, amax_history_len=3, amax_compute_algo="max"
+    )
+    layer = Fp8Linear(recipe)
+    weight = torch.nn.Parameter(torch.full((16, 16), 0.5))
+    # step 1 has no history: current scaling (the tensor's own amax)
+    layer.linear(torch.full((4, 16), 2.0), weight, None).sum().backward()
+    assert layer.step_amax.tolist() == [2.0, 0.5, 1.0]
+    update_delayed_scales([layer], [])
+    assert layer.amax_history[0].tolist() == [2.0, 0.5, 1.0]
+    assert layer.scale.tolist() == [224.0, 896.0, 57344.0]
+    # step 2: scales from the history, whatever this step's tensors hold
+    scales = []
+    original = layer.scale_for
+    layer.scale_for = lambda index, tensor: scales.append(original(index, tensor)) or scales[-1]
+    layer.linear(torch.full((4, 16), 4.0), weight, None).sum().backward()
+    assert [float(s) for s in scales] == [224.0, 896.0, 57344.0]
+    update_delayed_scales([layer], [])
+    assert layer.amax_history[:2].tolist() == [[4.0, 0.5, 1.0], [2.0, 0.5, 1.0]]
+    assert layer.scale.tolist() == [112.0, 896.0, 57344.0]  # max over the history
+    # evaluation scales with the history but records nothing
+    layer.eval()
+    layer.linear(torch.full((4, 16), 100.0), weight, None)
+    assert not layer.step_amax.any()
+
+
+def test_most_recent_amax_and_a_layout_gradient_factor():
+    recipe = Fp8Recipe(fp8_format="e4m3", delayed=True, amax_history_len=2)
+    layer = Fp8Linear(recipe, gradient_factor=4.0)
+    layer.step_amax.copy_(torch.tensor([1.0, 1.0, 8.0]))
+    layer.push_amax(layer.step_amax.clone())
+    layer.step_amax.copy_(torch.tensor([2.0, 1.0, 8.0]))
+    layer.push_amax(layer.step_amax.clone())
+    # the history is in one device's units: this rank's gradients are 4x one device's
+    assert layer.amax_history.tolist() == [[2.0, 1.0, 2.0], [1.0, 1.0, 2.0]]
+    assert layer.scale.tolist() == [224.0, 448.0, 224.0]
+    assert layer.scale_in_use.tolist() == [224.0, 448.0, 56.0]
+
+
+def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
+    argv = LLAMA_STYLE + TRAINING + ["--num-layers", "4", "--fp8-format", "hybrid"]
+    trainer = _setup(argv + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
+    in_fp8 = {
+        layer.layer_number: layer.mlp.linear_fc1.fp8 is not None
+        for layer in trainer.model.decoder.layers
+    }
+    assert in_fp8 == {1: False, 2: True, 3: False, 4: False}
+    assert trainer.model.output_layer.fp8 is None
+    assert sorted(trainer.fp8.states) == [
+        f"decoder.layers.1.{name}"
+        for name in (
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+            "self_attention.linear_proj",
+            "self_attention.linear_qkv",
+        )
+    ]
+    output = capsys.readouterr().out
+    assert "fp8 GEMMs torch._scaled_mm" in output
+    assert "> fp8: delayed scaling (amax history 1, most_recent, margin 0)" in output
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
+        (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16"),
+        (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather"),
+        (["--fp8-param-gather"], "add --fp8-format"),
+        (
+            [
+                "--fp8-format",
+                "e4m3",
+                "--first-last-layers-bf16",
+                "--num-layers-at-end-in-bf16",
+                "3",
+            ],
+            "--num-layers-at-end-in-bf16 3 must be between 0 and --num-layers 2",
+        ),
+        (["--fp8-format", "e4m3", "--distributed-strategy", "fsdp"], "--distributed-strategy fsdp"),
+        (["--fp8-dot-product-attention"], "FP8 attention"),
+    ],
+)
+def test_fp8_flags_refused_in_one_line(flags, message):
+    with pytest.raises((ConfigError, SystemExit)) as caught:
+        parse_args(LLAMA_STYLE + TRAINING + flags, world_size=1)
+    if isinstance(caught.value, ConfigError):
+        assert message in str(caught.value)
+
+
+def _gradients_with_a_buffer(layer_class, fuse: bool, blocks: bool = False) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    options = {"partition_stride": 2} if blocks else {}
+    layer = layer_class(
+        16, 32, parallel=ParallelContext(), bias=False, init_method=constant_init(0.1), **options
+    )
+    torch.nn.init.normal_(layer.weight)
+    buffer = GradientBuffer(list(layer.parameters()), ParallelContext().dp)
+    layer.gradient_accumulation_fusion = fuse
+    buffer.start_step(num_microbatches=2)
+    for _ in range(2):  # two micro-batches accumulate
+        x = torch.randn(5, 3, 16, requires_grad=True)
+        out = torch.cat(layer.forward_blocks(x), -1) if blocks else layer(x)
+        out.pow(2).sum().backward()
+    assert layer.weight.grad is None
+    return [layer.weight.main_grad.clone(), x.grad]
+
+
+@pytest.mark.parametrize(
+    "layer_class,blocks",
+    [(ColumnParallelLinear, False), (ColumnParallelLinear, True), (RowParallelLinear, False)],
+)
+def test_gradient_accumulation_fusion_adds_the_same_gradients(layer_class, blocks):
+    fused = _gradients_with_a_buffer(layer_class, True, blocks)
+    separate = _gradients_with_a_buffer(layer_class, False, blocks)
+    for a, b in zip(fused, separate):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_accumulation_fusion_is_on_with_threefold_data_parallelism(capsys):
+    trainer = _setup(LLAMA_STYLE + TRAINING)
+    assert trainer.model.decoder.layers[0].mlp.linear_fc2.gradient_accumulation_fusion
+    assert "weight gradients accumulated into the gradient buffer" in capsys.readouterr().out
+    off = _setup(LLAMA_STYLE + TRAINING + ["--no-gradient-accumulation-fusion"])
+    assert not off.model.decoder.layers[0].mlp.linear_fc2.gradient_accumulation_fusion

@@ -1,0 +1,163 @@
+"""FP8 training reproduces the single-process FP8 run in every layout, and its scaling state
+checkpoints, reshards and resumes exactly (real gloo ranks; the FP8 GEMMs are torch._scaled_mm,
+which the CPU runs exactly).
+
+Why these tolerances: a layout changes the order of fp32 sums (TP's all-reduce, DP's gradient
+average), so an activation can land a hair on the other side of an FP8 rounding boundary, and
+that one element then moves by an FP8 step (1/16 relative, E4M3). Across 10 steps losses stay
+within ~1e-7 of one device, the median parameter tensor within ~1e-7, and the worst tensor, the
+one holding such an element, within ~2.4e-4. A layout that scales any shard by its own amax
+instead of the whole tensor's (the sabotaged runs) is off by ~1e-4 in the loss and by ~2e-2
+in the median tensor: the bounds sit between the two.
+"""
+
+import numpy as np
+import pytest
+
+from tests.distributed import run_distributed
+from tests.parity import (
+    LLAMA_STYLE,
+    TRAINING,
+    _full,
+    _setup,
+    _without_key_bias,
+    assert_close_dicts,
+    assert_losses_close,
+    merge_pipeline_stages,
+    relative_error,
+)
+from tests.training.test_checkpointing import _resume_job
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.save import save_checkpoint
+from threefold.kernels.fp8 import Fp8Linear
+from threefold.model.fp8 import fp8_states
+from threefold.parallel.parallel_context import ONE_DEVICE
+
+LOSS_TOLERANCE = 1e-6
+PARAMETER_TOLERANCE = 1e-3  # the worst tensor
+MEDIAN_PARAMETER_TOLERANCE = 1e-6
+RECIPES = {
+    "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    # a history longer than one step, and its maximum: the history itself must match
+    "delayed": ["--fp8-format", "e4m3", "--fp8-amax-history-len", "3"]
+    + ["--fp8-amax-compute-algo", "max"],
+}
+LAYOUTS = {
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2": (2, []),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "tp2_dp2_distributed_optimizer": (
+        4,
+        ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
+}
+
+
+def _scaling_state(trainer) -> dict[str, np.ndarray]:
+    return {
+        f"{name}.{field}": getattr(state, field).numpy().copy()
+        for name, state in fp8_states(trainer.model_chunks).items()
+        for field in ("scale", "amax_history")
+    }
+
+
+def fp8_train_job(argv: list[str], steps: int, sabotage: str | None = None) -> dict:
+    """`train_job` plus the delayed-scaling state. `sabotage`: skip the amax reduction over
+    TP x CP ("current": per GEMM; "delayed": at step end), as a layout-unaware FP8 would."""
+    trainer = _setup(argv)
+    if sabotage == "current":
+        for module in trainer.model.modules():
+            if isinstance(module, Fp8Linear):
+                module.amax_group = ONE_DEVICE
+    if sabotage == "delayed":
+        trainer.fp8.parallel = type(trainer.parallel)(dp=trainer.parallel.dp)
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    params = _without_key_bias(_full(trainer), trainer)
+    return {"losses": losses, "params": params, "fp8": _scaling_state(trainer)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {
+        recipe: fp8_train_job(LLAMA_STYLE + TRAINING + flags, 10)
+        for recipe, flags in RECIPES.items()
+    }
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_layouts_match_one_device(references, recipe, layout):
+    world_size, flags = LAYOUTS[layout]
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + flags
+    results = run_distributed(world_size, fp8_train_job, argv, 10)
+    reference = references[recipe]
+    for result in results:
+        assert_losses_close(result["losses"], reference["losses"], LOSS_TOLERANCE)
+    params = merge_pipeline_stages([r["params"] for r in results])
+    assert_close_dicts(params, reference["params"], PARAMETER_TOLERANCE, "parameter")
+    errors = [relative_error(params[name], reference["params"][name]) for name in params]
+    assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
+    # Delayed scaling: every rank holds the single device's amax history and scales.
+    state = {}
+    for result in results:
+        state |= result["fp8"]
+    assert_close_dicts(state, reference["fp8"], 1e-5 if recipe == "delayed" else 0, "fp8 state")
+
+
+@pytest.mark.parametrize("recipe,sabotage", [("tensorwise", "current"), ("delayed", "delayed")])
+def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, recipe, sabotage):
+    """The negative control: the same TP=2 run whose ranks scale their shards by their own
+    amaxes misses the tolerance the real one meets."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
+    result = run_distributed(2, fp8_train_job, argv, 10, sabotage)[0]
+    expected = references[recipe]["losses"]
+    worst = max(abs(a - e) / abs(e) for a, e in zip(result["losses"], expected))
+    assert worst > 10 * LOSS_TOLERANCE
+    params, reference = result["params"], references[recipe]["params"]
+    errors = [relative_error(params[name], reference[name]) for name in params]
+    assert np.median(errors) > 100 * MEDIAN_PARAMETER_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "world_size,layout",
+    [(2, ["--tensor-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"])],
+)
+def test_fp8_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
+    argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"] + layout
+    result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]
+    assert result["resumed_losses"] == result["straight"]["losses"][3:]
+    assert_close_dicts(result["resumed_params"], result["straight"]["params"], 0.0, "parameter")
+
+
+def _save_after_three_steps(argv: list[str], directory: str) -> dict:
+    trainer = _setup(argv + ["--save", directory])
+    for _ in range(3):
+        trainer.train_step()
+    save_checkpoint(directory, trainer.checkpoint_components())
+    losses = [trainer.train_step()[0] for _ in range(3)]
+    return {"fp8": _scaling_state(trainer), "next_losses": losses}
+
+
+def test_fp8_state_reshards_from_tp2_pp2_to_one_device(tmp_path):
+    """Saved at TP=2 x PP=2, loaded on one device: every layer's history and scales are the
+    saved ones, and the next steps' losses are the uninterrupted run's."""
+    directory = str(tmp_path / "ckpt")
+    argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"]
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    saved = run_distributed(4, _save_after_three_steps, argv + layout, directory)
+    resumed = _setup(argv)
+    fresh_state = _scaling_state(resumed)
+    assert load_checkpoint(directory, resumed.checkpoint_components()) == 3
+    loaded = _scaling_state(resumed)
+    assert all(
+        resumed_state.has_history for resumed_state in fp8_states(resumed.model_chunks).values()
+    )
+    assert any(not np.array_equal(loaded[k], fresh_state[k]) for k in loaded)
+    losses = [resumed.train_step()[0] for _ in range(3)]
+    assert_losses_close(losses, saved[-1]["next_losses"], LOSS_TOLERANCE)
+    # the history after three more steps, on one device, is the 4-rank run's
+    merged = {}
+    for result in saved:
+        merged |= result["fp8"]
+    assert_close_dicts(_scaling_state(resumed), merged, 1e-5, "fp8 state")

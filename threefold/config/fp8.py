@@ -1,0 +1,105 @@
+"""FP8 training: Megatron-LM's --fp8-* flags (its TransformerConfig fields, same defaults).
+
+The attention and MLP linear layers of the transformer layers run their three GEMMs (forward,
+input gradient, weight gradient) in FP8 with one scale per tensor; embeddings, the output layer,
+norms, the attention core, MoE experts and every tensor-parallel collective stay in the run's
+precision. threefold.kernels.fp8 holds the arithmetic, threefold.model.fp8 picks the layers.
+
+    --fp8-format e4m3     every FP8 tensor in E4M3 (max 448)
+    --fp8-format hybrid   activations and weights in E4M3, gradients in E5M2 (max 57344)
+    --fp8-recipe delayed      each tensor's scale from the amax history of earlier steps
+                              (Transformer Engine's DelayedScaling); the default, as Megatron-LM
+    --fp8-recipe tensorwise   each tensor's scale from its own amax, computed just before the
+                              cast (TE's Float8CurrentScaling, torchao's tensorwise)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require
+from threefold.config.fields import arg
+
+FP8_FORMATS = ("e4m3", "hybrid")
+# What Megatron-LM accepts; the block-scaled recipes need Transformer Engine's kernels.
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+
+
+@dataclass
+class Fp8Config:
+    fp8: str | None = arg(
+        None,
+        flag="--fp8-format",
+        help="train the transformer layers' linear GEMMs in FP8: e4m3 everywhere, or hybrid "
+        "(E5M2 gradients)",
+        choices=FP8_FORMATS,
+    )
+    fp8_recipe: str = arg(
+        "delayed",
+        help="delayed: scales from the amax history of earlier steps; tensorwise: from each "
+        "tensor's own amax",
+        choices=FP8_RECIPES,
+    )
+    fp8_margin: int = arg(0, help="scale = FP8 max / amax / 2^margin")
+    fp8_amax_history_len: int = arg(1, help="steps of amax history (delayed scaling)")
+    fp8_amax_compute_algo: str = arg(
+        "most_recent",
+        help="the amax a delayed scale uses: the newest in the history, or the history's max",
+        choices=AMAX_COMPUTE_ALGOS,
+    )
+    fp8_param_gather: bool = arg(
+        False, help="all-gather parameters in FP8 (not implemented in threefold: refused)"
+    )
+    first_last_layers_bf16: bool = arg(
+        False, help="keep the first and last transformer layers in the run's precision"
+    )
+    num_layers_at_start_in_bf16: int = arg(
+        1, help="layers at the start kept out of FP8 with --first-last-layers-bf16"
+    )
+    num_layers_at_end_in_bf16: int = arg(
+        1, help="layers at the end kept out of FP8 with --first-last-layers-bf16"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.fp8 is not None
+
+    def bf16_layers(self, num_layers: int) -> frozenset[int]:
+        """The 1-based layer numbers that stay out of FP8."""
+        if not self.first_last_layers_bf16:
+            return frozenset()
+        start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+        return frozenset(range(1, start + 1)) | frozenset(
+            range(num_layers - end + 1, num_layers + 1)
+        )
+
+    def finalize(self, num_layers: int, fp16: bool) -> None:
+        if not self.enabled:
+            require(
+                not (self.fp8_param_gather or self.first_last_layers_bf16),
+                "--fp8-param-gather and --first-last-layers-bf16 belong to FP8 training; add "
+                "--fp8-format e4m3 or hybrid, or drop them",
+            )
+            return
+        require(
+            self.fp8_recipe in ("delayed", "tensorwise"),
+            f"--fp8-recipe {self.fp8_recipe}: its block-scaled GEMMs need Transformer Engine "
+            "kernels threefold does not call; use delayed or tensorwise",
+        )
+        require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
+        require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")
+        require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+        require(
+            not self.fp8_param_gather,
+            "--fp8-param-gather: parameters are all-gathered in the run's precision in "
+            "threefold (the FP8 cast happens after the gather); drop the flag",
+        )
+        for flag, count in (
+            ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+            ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16),
+        ):
+            require(
+                0 <= count <= num_layers,
+                f"{flag} {count} must be between 0 and --num-layers {num_layers}",
+            )

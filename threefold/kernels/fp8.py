@@ -1,0 +1,251 @@
+"""FP8 linear layers: the scaling arithmetic, the three FP8 GEMMs, and each layer's scaling state.
+
+A linear layer in FP8 computes, with one scale per tensor (s = FP8 max / amax / 2^margin),
+
+    forward          y  = (q(x, sx) @ q(w, sw)^T) / (sx sw)            q: cast to E4M3, saturating
+    input gradient   dx = (q(g, sg) @ q(w, sw)) / (sg sw)              g: E4M3, or E5M2 (hybrid)
+    weight gradient  dw = (q(g, sg)^T @ q(x, sx)) / (sg sx)
+
+through `torch._scaled_mm`: cuBLASLt's FP8 tensor-core GEMM on Hopper and later, and an exact
+emulation on the CPU (products of FP8 values accumulated in fp32), so CI runs the very code a
+GPU runs. The FP8 copies of x and w saved for backward are all the layer keeps (half the bytes
+of bf16 ones). Biases, collectives and everything outside the GEMMs stay in the run's dtype.
+
+Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
+
+    tensorwise  each tensor's own amax, just before its cast (current scaling). Under tensor
+                and context parallelism the amax is the maximum over the TP x CP group, so a
+                sharded weight or activation is scaled as the whole tensor is on one device.
+    delayed     the scale a step uses comes from the amax history of the steps before it; each
+                step's amaxes (over its micro-batches) are reduced over TP x CP and DP once,
+                at the step's end (`update_delayed_scales`), then pushed into the history. TE
+                reduces and updates after every micro-batch's forward instead; once per step
+                makes a data-parallel run scale exactly as one device does over the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from threefold.parallel.parallel_context import ONE_DEVICE, Group
+from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}  # 448, 57344
+# Index of each of a linear layer's tensors in its scaling state.
+INPUT, WEIGHT, GRAD = 0, 1, 2
+
+
+def fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
+    """(activations and weights, gradients): Megatron-LM's --fp8-format."""
+    return (E4M3, E5M2) if fp8_format == "hybrid" else (E4M3, E4M3)
+
+
+def amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |tensor| as an fp32 scalar (exact in any dtype: a maximum does not round)."""
+    return tensor.detach().abs().amax().float()
+
+
+def scale_from_amax(
+    amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, previous: torch.Tensor
+) -> torch.Tensor:
+    """TE's scale: FP8 max / amax / 2^margin, which maps the amax onto the format's largest
+    value. A zero or non-finite amax (nothing seen yet, an overflow) keeps the previous scale,
+    as does a scale that would not be finite."""
+    scale = torch.as_tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax / 2**margin
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
+    return torch.where(usable, scale, previous)
+
+
+def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor x scale in FP8, saturating: a value beyond the format's range becomes its max
+    (E5M2 would otherwise overflow to inf), as TE's casts do."""
+    limit = FP8_MAX[dtype]
+    return (tensor.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k] and `b` [k, n]. cuBLASLt wants `a`
+    row-major and `b` column-major; the copies that arranges are no-ops where the layout is
+    right already (the weight in the forward GEMM)."""
+    a = a.contiguous()
+    b = b.t().contiguous().t()
+    return torch._scaled_mm(
+        a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype
+    )
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """One run's FP8 settings (config/fp8.py's flags, resolved)."""
+
+    fp8_format: str = "hybrid"
+    delayed: bool = True
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """The FP8 dtype of the input, the weight and the gradient."""
+        forward, backward = fp8_dtypes(self.fp8_format)
+        return forward, forward, backward
+
+    def describe(self) -> str:
+        formats = "E4M3 activations and weights, E5M2 gradients"
+        if self.fp8_format == "e4m3":
+            formats = "E4M3 everywhere"
+        if not self.delayed:
+            return f"tensorwise current scaling, {formats}"
+        return (
+            f"delayed scaling (amax history {self.amax_history_len}, "
+            f"{self.amax_compute_algo}, margin {self.margin}), {formats}"
+        )
+
+
+class Fp8Linear(nn.Module):
+    """The FP8 side of one linear layer: its recipe, the group its amaxes are reduced over,
+    and, for delayed scaling, the scales in use, the amax history and this step's amaxes.
+
+    Attached to a ColumnParallelLinear / RowParallelLinear as `.fp8` (threefold.model.fp8),
+    whose forward then calls `linear` in place of `F.linear`. The buffers are not part of the
+    module's state dict: checkpoints save them under layout-independent names (model/fp8.py)."""
+
+    def __init__(
+        self, recipe: Fp8Recipe, amax_group: Group = ONE_DEVICE, gradient_factor: float = 1.0
+    ) -> None:
+        """`gradient_factor`: how much larger this layout's gradients are than one device's
+        (DP x CP: a rank divides the loss by its own micro-batch count and CP multiplies it).
+        The amax history and scales are kept in one device's units, so they are the same in
+        every layout and a checkpoint reshards into any other; the scale in use for
+        gradients is divided by the factor, which for powers of two changes no FP8 value."""
+        super().__init__()
+        self.recipe, self.amax_group = recipe, amax_group
+        self.register_buffer(
+            "units", torch.tensor([1.0, 1.0, 1.0 / gradient_factor]), persistent=False
+        )
+        self.register_buffer("scale", torch.ones(3), persistent=False)
+        self.register_buffer("scale_in_use", torch.ones(3), persistent=False)
+        self.register_buffer(
+            "amax_history", torch.zeros(recipe.amax_history_len, 3), persistent=False
+        )
+        self.register_buffer("step_amax", torch.zeros(3), persistent=False)
+        # Whether `amax_history` holds a step (a Python flag: no device sync per GEMM); set by
+        # `push_amax`, and by `Fp8Scaling` after a checkpoint's state is loaded.
+        self.has_history = False
+        self.register_buffer(
+            "fp8_max", torch.tensor([FP8_MAX[dtype] for dtype in recipe.dtypes]), persistent=False
+        )
+
+    def scale_for(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The scale of input, weight or gradient `tensor` (INPUT, WEIGHT, GRAD)."""
+        if self.recipe.delayed:
+            if self.training:  # evaluation uses the scales and leaves the state as it was
+                torch.maximum(self.step_amax[index], amax(tensor), out=self.step_amax[index])
+            if self.has_history:
+                return self.scale_in_use[index]
+        # Current scaling: tensorwise, and delayed scaling's first step, which has no history
+        # yet. (TE starts from scale 1 there, which flushes most gradients to zero, and would
+        # do so differently in every layout: a rank's gradients are DP x CP times one
+        # device's, which a scale from the tensor's own amax cancels exactly.)
+        current = self.amax_group.all_reduce(amax(tensor), op=dist.ReduceOp.MAX)
+        return scale_from_amax(
+            current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
+        )
+
+    def push_amax(self, step_amax: torch.Tensor) -> None:
+        """Delayed scaling at a step's end: the step's reduced amaxes enter the history (newest
+        first) and the next step's scales follow from it."""
+        history = torch.roll(self.amax_history, 1, dims=0)
+        history[0] = step_amax * self.units
+        self.amax_history.copy_(history)
+        chosen = history[0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(0)
+        self.scale.copy_(scale_from_amax(chosen, self.fp8_max, self.recipe.margin, self.scale))
+        self.step_amax.zero_()
+        self.use_history()
+
+    def use_history(self) -> None:
+        """Scale from the history from now on (after a step, or a checkpoint's state)."""
+        self.scale_in_use.copy_(self.scale * self.units)
+        self.has_history = True
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        accumulate_in_main_grad: bool = False,
+    ) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` with FP8 GEMMs. `accumulate_in_main_grad`: the weight
+        gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion)."""
+        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate_in_main_grad)
+
+    def extra_repr(self) -> str:
+        return self.recipe.describe()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
+        input_dtype, weight_dtype, _ = fp8.recipe.dtypes
+        inputs = x.reshape(-1, x.shape[-1])
+        input_scale = fp8.scale_for(INPUT, inputs)
+        weight_scale = fp8.scale_for(WEIGHT, weight)
+        x8 = quantize(inputs, input_scale, input_dtype)
+        w8 = quantize(weight, weight_scale, weight_dtype)
+        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, x.dtype)
+        if bias is not None:
+            output = output + bias
+        # The scales are saved as they were: a delayed scale is updated in place at step end.
+        ctx.save_for_backward(x8, w8, input_scale.clone(), weight_scale.clone())
+        # The parameter itself, for its main_grad (a saved tensor can come back as another
+        # object under activation recomputation), and its dtype.
+        ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
+        ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        return output.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x8, w8, input_scale, weight_scale = ctx.saved_tensors
+        weight = ctx.weight
+        fp8 = ctx.fp8
+        grads = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_scale = fp8.scale_for(GRAD, grads)
+        g8 = quantize(grads, grad_scale, fp8.recipe.dtypes[GRAD])
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if needs_x:
+            grad_x = scaled_mm(g8, w8, grad_scale, weight_scale, ctx.dtype).view(ctx.input_shape)
+        if needs_weight:
+            if ctx.accumulate:
+                grad_weight = scaled_mm(g8.t(), x8, grad_scale, input_scale, torch.float32)
+                grad_weight = accumulate_weight_grad(weight, grad_weight)
+            else:
+                grad_weight = scaled_mm(g8.t(), x8, grad_scale, input_scale, weight.dtype)
+        if needs_bias and ctx.has_bias:
+            grad_bias = grads.sum(dim=0)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def update_delayed_scales(states: list[Fp8Linear], groups: list[Group]) -> None:
+    """At a step's end: every layer's step amaxes reduced (max) over `groups` (TP x CP, then
+    DP: all the ranks of a pipeline stage) in one message each, then pushed into the
+    histories."""
+    if not states:
+        return
+    step_amax = torch.stack([state.step_amax for state in states])
+    for group in groups:
+        group.all_reduce(step_amax, op=dist.ReduceOp.MAX)
+    for state, amaxes in zip(states, step_amax):
+        state.push_amax(amaxes)

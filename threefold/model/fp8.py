@@ -1,0 +1,116 @@
+"""Which layers train in FP8, and their scaling state as one component.
+
+`convert_to_fp8` is applied to a built model chunk, as torchtitan converts its linears with
+torchao: the linear layers of each transformer layer's attention (QKV, output projection) and
+dense MLP (fc1, fc2) get an FP8 state (`threefold.kernels.fp8.Fp8Linear`) and run their GEMMs
+in FP8. Everything else keeps the run's precision: embeddings, the output layer, norms, the
+attention core, MoE experts and routers, and the layers --first-last-layers-bf16 keeps.
+
+`Fp8Scaling` owns every FP8 state of this rank's chunks: the step-end update of delayed scales
+and the tensors a checkpoint saves, named after the layer in the whole model
+(`fp8.decoder.layers.3.mlp.linear_fc1.scale`), so they reshard with any layout. Under delayed
+scaling every rank of a pipeline stage holds the same values (the amaxes are reduced over TP x
+CP x DP), so data- and tensor-parallel ranks save the same tensor under one key.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from threefold.config.fp8 import Fp8Config
+from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
+from threefold.model.mlp import MLP
+from threefold.parallel.parallel_context import ParallelContext
+
+_FP8_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+_FP8_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
+    return Fp8Recipe(
+        fp8_format=config.fp8,
+        delayed=config.fp8_recipe == "delayed",
+        margin=config.fp8_margin,
+        amax_history_len=config.fp8_amax_history_len,
+        amax_compute_algo=config.fp8_amax_compute_algo,
+    )
+
+
+def convert_to_fp8(
+    chunk: nn.Module,
+    config: Fp8Config,
+    parallel: ParallelContext,
+    num_layers: int,
+    per_token_loss: bool = False,
+) -> None:
+    """Give the FP8 linear layers of one model chunk their FP8 state, on the chunk's device.
+    `per_token_loss`: --calculate-per-token-loss (no loss divisor per micro-batch)."""
+    recipe, keep = fp8_recipe(config), config.bf16_layers(num_layers)
+    # A rank's gradients are DP x CP times one device's (model/loss.py, the schedules).
+    gradient_factor = parallel.cp.size * (1 if per_token_loss else parallel.dp.size)
+    device = next(chunk.parameters()).device
+    for layer in chunk.decoder.layers:
+        if layer.layer_number in keep:
+            continue
+        names = _FP8_LINEARS + (_FP8_MLP_LINEARS if isinstance(layer.mlp, MLP) else ())
+        for name in names:
+            # Amaxes of sharded tensors are reduced over the ranks holding the shards.
+            state = Fp8Linear(recipe, parallel.tp_cp, gradient_factor)
+            layer.get_submodule(name).fp8 = state.to(device)
+
+
+def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:
+    """The chunks' FP8 states under the layout-independent names of their linear layers."""
+    return {
+        chunk.layout_independent_name(f"{name}.weight").removesuffix(".weight"): module.fp8
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if isinstance(getattr(module, "fp8", None), Fp8Linear)
+    }
+
+
+_STATE = ("scale", "amax_history")
+
+
+class Fp8Scaling:
+    """This rank's FP8 states: the delayed recipe's step-end update and its checkpoint tensors."""
+
+    def __init__(
+        self, chunks: list[nn.Module], config: Fp8Config, parallel: ParallelContext, num_layers: int
+    ) -> None:
+        """Over chunks `convert_to_fp8` has converted."""
+        self.recipe, self.parallel = fp8_recipe(config), parallel
+        self.states = fp8_states(chunks)
+        self.bf16_layers = sorted(config.bf16_layers(num_layers))
+
+    def after_step(self) -> None:
+        """Delayed scaling: this step's amaxes into the histories, the next step's scales."""
+        if self.recipe.delayed:
+            parallel = self.parallel
+            update_delayed_scales(list(self.states.values()), [parallel.tp_cp, parallel.dp])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds (delayed scaling only: tensorwise keeps no state)."""
+        if not self.recipe.delayed:
+            return {}
+        return {
+            f"fp8.{name}.{field}": getattr(state, field)
+            for name, state in self.states.items()
+            for field in _STATE
+        }
+
+    def after_load(self) -> None:
+        """After a checkpoint's state was loaded into `state_tensors()`: a layer with a history
+        uses its scales from the first step on."""
+        for state in self.states.values():
+            if state.amax_history.any():
+                state.use_history()
+
+    def describe(self) -> str:
+        kept = f"; layers {self.bf16_layers} kept out" if self.bf16_layers else ""
+        return (
+            f"> fp8: {self.recipe.describe()}; GEMMs of the attention and dense MLP linear "
+            f"layers via torch._scaled_mm ({len(self.states)} layers on this rank{kept}); "
+            "embeddings, output layer, norms, attention core and experts in the run's precision"
+        )
