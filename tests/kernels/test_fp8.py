@@ -104,10 +104,10 @@ def test_delayed_scaling_uses_earlier_steps_amaxes():
     assert layer.scale.tolist() == [224.0, 896.0, 57344.0]
     # step 2: scales from the history, whatever this step's tensors hold
     scales = []
-    original = layer.scale_for
-    layer.scale_for = lambda index, tensor: scales.append(original(index, tensor)) or scales[-1]
+    original = layer.cast
+    layer.cast = lambda index, tensor: scales.append(original(index, tensor)) or scales[-1]
     layer.linear(torch.full((4, 16), 4.0), weight, None).sum().backward()
-    assert [float(s) for s in scales] == [224.0, 896.0, 57344.0]
+    assert [float(cast[2]) for cast in scales] == [224.0, 896.0, 57344.0]
     update_delayed_scales([layer], [])
     assert layer.amax_history[:2].tolist() == [[4.0, 0.5, 1.0], [2.0, 0.5, 1.0]]
     assert layer.scale.tolist() == [112.0, 896.0, 57344.0]  # max over the history
@@ -216,3 +216,18 @@ def test_gradient_accumulation_fusion_is_on_with_threefold_data_parallelism(caps
     assert "weight gradients accumulated into the gradient buffer" in capsys.readouterr().out
     off = _setup(LLAMA_STYLE + TRAINING + ["--no-gradient-accumulation-fusion"])
     assert not off.model.decoder.layers[0].mlp.linear_fc2.gradient_accumulation_fusion
+
+
+def test_the_compiled_cast_transpose_is_the_eager_one_bitwise():
+    """What --fusion-impl compile (the default on CUDA) runs: one fused kernel per cast."""
+    from threefold.kernels import reference
+
+    compiled = torch.compile(reference.fp8_cast_transpose)
+    tensor = torch.randn(64, 48) * 30
+    for dtype, limit in ((E4M3, 448.0), (E5M2, 57344.0)):
+        scale = torch.tensor(448.0 / 120.0)
+        for got, expected in zip(
+            compiled(tensor, scale, dtype, limit),
+            reference.fp8_cast_transpose(tensor, scale, dtype, limit),
+        ):
+            assert torch.equal(got.float(), expected.float())

@@ -81,6 +81,8 @@ class Kernels:
         self.rotary = reference.rotary
         self.attention = reference.attention
         self.cross_entropy = vocab_parallel_cross_entropy
+        self.amax = reference.amax
+        self.fp8_cast_transpose = reference.fp8_cast_transpose
         self.description = "reference (eager PyTorch)"
         self.gradient_accumulation_fusion = False
 
@@ -380,7 +382,9 @@ def configure(
     if config.compile_layers:
         parts["transformer layers"] = "each torch.compile'd as one graph"
     if fp8:
-        parts["fp8 GEMMs"] = _fp8_gemms(device)
+        KERNELS.amax = fuse(reference.amax)
+        KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)
+        parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, casts with transposes {how}"
     KERNELS.gradient_accumulation_fusion = config.gradient_accumulation_fusion and (
         _gradient_accumulation_fusion(device, dtype)
     )

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from threefold.kernels import reference
+from threefold.kernels.dispatch import KERNELS
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
 from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
 
@@ -46,11 +48,6 @@ def fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
     return (E4M3, E5M2) if fp8_format == "hybrid" else (E4M3, E4M3)
 
 
-def amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max |tensor| as an fp32 scalar (exact in any dtype: a maximum does not round)."""
-    return tensor.detach().abs().amax().float()
-
-
 def scale_from_amax(
     amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, previous: torch.Tensor
 ) -> torch.Tensor:
@@ -63,10 +60,10 @@ def scale_from_amax(
 
 
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tensor x scale in FP8, saturating: a value beyond the format's range becomes its max
-    (E5M2 would otherwise overflow to inf), as TE's casts do."""
-    limit = FP8_MAX[dtype]
-    return (tensor.float() * scale).clamp_(-limit, limit).to(dtype)
+    """tensor x scale in FP8, saturating at the format's max."""
+    return reference.fp8_cast_transpose(
+        tensor.reshape(-1, tensor.shape[-1]), scale, dtype, FP8_MAX[dtype]
+    )[0].view(tensor.shape)
 
 
 def scaled_mm(
@@ -76,11 +73,8 @@ def scaled_mm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k] and `b` [k, n]. cuBLASLt wants `a`
-    row-major and `b` column-major; the copies that arranges are no-ops where the layout is
-    right already (the weight in the forward GEMM)."""
-    a = a.contiguous()
-    b = b.t().contiguous().t()
+    """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k], row-major, and `b` [k, n],
+    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts)."""
     return torch._scaled_mm(
         a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype
     )
@@ -148,21 +142,29 @@ class Fp8Linear(nn.Module):
             "fp8_max", torch.tensor([FP8_MAX[dtype] for dtype in recipe.dtypes]), persistent=False
         )
 
-    def scale_for(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """The scale of input, weight or gradient `tensor` (INPUT, WEIGHT, GRAD)."""
-        if self.recipe.delayed:
-            if self.training:  # evaluation uses the scales and leaves the state as it was
-                torch.maximum(self.step_amax[index], amax(tensor), out=self.step_amax[index])
-            if self.has_history:
-                return self.scale_in_use[index]
-        # Current scaling: tensorwise, and delayed scaling's first step, which has no history
-        # yet. (TE starts from scale 1 there, which flushes most gradients to zero, and would
-        # do so differently in every layout: a rank's gradients are DP x CP times one
-        # device's, which a scale from the tensor's own amax cancels exactly.)
-        current = self.amax_group.all_reduce(amax(tensor), op=dist.ReduceOp.MAX)
-        return scale_from_amax(
-            current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
+    def cast(
+        self, index: int, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input, weight or gradient (INPUT, WEIGHT, GRAD; 2-D) in FP8, row-major and
+        transposed, and the scale it was cast with."""
+        dtype = self.recipe.dtypes[index]
+        if self.recipe.delayed and self.has_history:
+            scale = self.scale_in_use[index]
+        else:
+            # Current scaling: tensorwise, and delayed scaling's first step, which has no
+            # history yet. (TE starts from scale 1 there, which flushes most gradients to
+            # zero, and would do so differently in every layout: a rank's gradients are DP x
+            # CP times one device's, which a scale from the tensor's own amax cancels.)
+            current = self.amax_group.all_reduce(KERNELS.amax(tensor), op=dist.ReduceOp.MAX)
+            scale = scale_from_amax(
+                current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
+            )
+        quantized, transposed, tensor_amax = KERNELS.fp8_cast_transpose(
+            tensor, scale, dtype, FP8_MAX[dtype]
         )
+        if self.recipe.delayed and self.training:  # evaluation leaves the state as it was
+            torch.maximum(self.step_amax[index], tensor_amax, out=self.step_amax[index])
+        return quantized, transposed, scale
 
     def push_amax(self, step_amax: torch.Tensor) -> None:
         """Delayed scaling at a step's end: the step's reduced amaxes enter the history (newest
@@ -196,19 +198,20 @@ class Fp8Linear(nn.Module):
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
+    """The three GEMMs of an FP8 linear layer. Each operand is cast once, in both layouts:
+    the forward uses x8 and w8 (w8^T is column-major as it is), backward the transposes
+    x8^T, w8^T (saved instead of x8, w8: the same bytes) and g8, g8^T."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
-        input_dtype, weight_dtype, _ = fp8.recipe.dtypes
         inputs = x.reshape(-1, x.shape[-1])
-        input_scale = fp8.scale_for(INPUT, inputs)
-        weight_scale = fp8.scale_for(WEIGHT, weight)
-        x8 = quantize(inputs, input_scale, input_dtype)
-        w8 = quantize(weight, weight_scale, weight_dtype)
+        x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
+        w8, w8_t, weight_scale = fp8.cast(WEIGHT, weight)
         output = scaled_mm(x8, w8.t(), input_scale, weight_scale, x.dtype)
         if bias is not None:
             output = output + bias
-        # The scales are saved as they were: a delayed scale is updated in place at step end.
-        ctx.save_for_backward(x8, w8, input_scale.clone(), weight_scale.clone())
+        # The scales as they were: a delayed scale is updated in place at the step's end.
+        ctx.save_for_backward(x8_t, w8_t, input_scale.clone(), weight_scale.clone())
         # The parameter itself, for its main_grad (a saved tensor can come back as another
         # object under activation recomputation), and its dtype.
         ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
@@ -217,22 +220,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8, w8, input_scale, weight_scale = ctx.saved_tensors
-        weight = ctx.weight
-        fp8 = ctx.fp8
+        x8_t, w8_t, input_scale, weight_scale = ctx.saved_tensors
+        fp8, weight = ctx.fp8, ctx.weight
         grads = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_scale = fp8.scale_for(GRAD, grads)
-        g8 = quantize(grads, grad_scale, fp8.recipe.dtypes[GRAD])
+        g8, g8_t, grad_scale = fp8.cast(GRAD, grads)
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:
-            grad_x = scaled_mm(g8, w8, grad_scale, weight_scale, ctx.dtype).view(ctx.input_shape)
+            grad_x = scaled_mm(g8, w8_t.t(), grad_scale, weight_scale, ctx.dtype)
+            grad_x = grad_x.view(ctx.input_shape)
         if needs_weight:
-            if ctx.accumulate:
-                grad_weight = scaled_mm(g8.t(), x8, grad_scale, input_scale, torch.float32)
+            if ctx.accumulate:  # fp32 straight into main_grad, never rounded to bf16
+                grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, torch.float32)
                 grad_weight = accumulate_weight_grad(weight, grad_weight)
             else:
-                grad_weight = scaled_mm(g8.t(), x8, grad_scale, input_scale, weight.dtype)
+                grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, weight.dtype)
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0)
         return grad_x, grad_weight, grad_bias, None, None

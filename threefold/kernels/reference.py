@@ -63,3 +63,19 @@ def attention(
         enable_gqa=heads != key.shape[1],
     )
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |tensor| as an fp32 scalar (exact in any dtype: a maximum does not round)."""
+    return tensor.detach().abs().amax().float()
+
+
+def fp8_cast_transpose(
+    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-D `tensor` x `scale` cast to FP8, saturating at +-`limit` (the format's max: E5M2
+    would otherwise overflow to inf, as TE's casts saturate), in both layouts the FP8 GEMMs
+    take it (row-major and transposed), and its amax: Transformer Engine's fused
+    cast-transpose, one read of the input when compiled."""
+    quantized = (tensor.float() * scale).clamp(-limit, limit).to(dtype)
+    return quantized, quantized.t().contiguous(), amax(tensor)
