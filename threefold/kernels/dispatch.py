@@ -385,15 +385,18 @@ def configure(
         KERNELS.amax = fuse(reference.amax)
         KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)
         parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, casts with transposes {how}"
-    KERNELS.gradient_accumulation_fusion = config.gradient_accumulation_fusion and (
-        _gradient_accumulation_fusion(device, dtype)
-    )
+    # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
+    # which dynamo cannot trace (each linear layer would become a graph break).
+    fusable = config.gradient_accumulation_fusion and not config.compile_layers
+    KERNELS.gradient_accumulation_fusion = fusable and _gradient_accumulation_fusion(device, dtype)
     if KERNELS.gradient_accumulation_fusion:
         parts["weight gradients"] = "accumulated into the gradient buffer by their GEMM"
-    elif config.gradient_accumulation_fusion:
+    elif fusable:
         parts["weight gradients"] = (
             "added to the gradient buffer separately (this torch has no addmm with out_dtype)"
         )
+    elif config.gradient_accumulation_fusion:
+        parts["weight gradients"] = "added to the gradient buffer separately (compiled layers)"
     KERNELS.description = f"transformer-impl {impl}; " + ", ".join(
         f"{key} {value}" for key, value in parts.items()
     )
