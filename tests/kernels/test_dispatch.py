@@ -45,8 +45,20 @@ def test_explicit_choices_are_honoured():
     assert "cross-entropy reference" in line
     assert KERNELS.rotary is reference.rotary and KERNELS.layer_norm is not reference.layer_norm
     assert "transformer layers" not in line
+    assert line.endswith("weight gradients accumulated into the gradient buffer by their GEMM")
     line = configure(KernelConfig(compile_layers=True), CPU, torch.float32, "RMSNorm", SHAPE)
-    assert line.endswith("transformer layers each torch.compile'd as one graph")
+    assert "transformer layers each torch.compile'd as one graph" in line
+    assert line.endswith(
+        "weight gradients added to the gradient buffer separately (compiled layers)"
+    )
+    # bf16 into the fp32 buffer needs addmm's out_dtype, which the CPU lacks
+    line = configure(KernelConfig(), CPU, torch.bfloat16, "RMSNorm", SHAPE)
+    assert line.endswith("(this torch has no addmm with out_dtype)")
+    assert not KERNELS.gradient_accumulation_fusion
+    line = configure(
+        KernelConfig(gradient_accumulation_fusion=False), CPU, torch.float32, "RMSNorm", SHAPE
+    )
+    assert "weight gradients" not in line and not KERNELS.gradient_accumulation_fusion
 
 
 @pytest.mark.parametrize(
