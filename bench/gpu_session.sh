@@ -4,6 +4,7 @@
 #   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
 #   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...)
+#   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 # Logs and results go to bench/results/gpu_mfu, or, under the device tool (which brings back
 # at most 8 files from $OUT), to /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each
 # phase. The wheels install under /tmp/site, beside the machine's own torch.
@@ -29,6 +30,7 @@ case "$phase" in
            2>&1 | tee "$out/device_tests.log" ;;
   bench) python3 bench/gpu_mfu.py --out "$out" "$@" 2>&1 | tee "$out/gpu_mfu_stderr.log" ;;
   profile) python3 bench/gpu_profile.py "$@" 2>&1 | tee -a "$out/profile.txt" ;;
-  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench or profile" >&2
+  fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$out/fp8_loss.txt" ;;
+  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, profile or fp8loss" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,111 @@
+"""FP8 against bf16 (fp32 on a CPU) over a few hundred steps on the default corpus: the
+validation losses side by side and the curves plotted (tools/plot_logs.py).
+
+    python bench/fp8_loss.py --out bench/results/fp8_loss                # 300 steps
+    python bench/fp8_loss.py --iters 20 --out /tmp/fp8_loss_smoke        # the script itself
+
+Three runs of the same model, data and seed, one process each: the base precision (--bf16 on
+a GPU, fp32 on a CPU); the same with FP8 GEMMs under delayed scaling (Megatron-LM's Llama-3
+recipe: hybrid, amax history 1024, max); and with FP8 tensorwise scaling. On a CPU the FP8
+GEMMs are torch._scaled_mm's exact emulation, so the numerics are the GPU's (the accumulation
+order aside) and only the speed is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "data", "shakespeare_text_document")
+TOKENIZER = os.path.join(ROOT, "data", "shakespeare_sp.model")
+RUNS = {
+    "base": [],
+    "fp8_delayed": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"]
+    + ["--fp8-amax-compute-algo", "max"],
+    "fp8_tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+}
+VALIDATION = re.compile(
+    r"validation loss at iteration (\d+) on validation set \| lm loss value: (\S+)"
+)
+
+
+def model_flags(iters: int) -> list[str]:
+    """launch/demo.sh's model and data, in one process."""
+    return (
+        (
+            "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention "
+            "--num-query-groups 4 --seq-length 256 --max-position-embeddings 256 "
+            "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+            "--untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 "
+            "--micro-batch-size 8 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 "
+            "--lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 "
+            f"--split 969,30,1 --log-interval 10 --eval-interval 50 --eval-iters 8 "
+            f"--tokenizer-type SentencePieceTokenizer --train-iters {iters} --seed 1234"
+        ).split()
+        + ["--data-path", DATA, "--tokenizer-model", TOKENIZER]
+        + precision()
+    )
+
+
+def precision() -> list[str]:
+    """bf16 on a GPU; fp32 on a CPU, whose bf16 GEMMs are many times slower than its fp32
+    ones (the FP8 runs then compute everything but their GEMMs in fp32)."""
+    import torch
+
+    return ["--bf16"] if torch.cuda.is_available() else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fp8_loss"))
+    parser.add_argument("--iters", type=int, default=300)
+    args = parser.parse_args()
+    if not os.path.exists(DATA + ".bin"):
+        sys.exit(f"{DATA}.bin is missing: run `make data` first")
+    os.makedirs(args.out, exist_ok=True)
+    final = {}
+    for name, flags in RUNS.items():
+        log = os.path.join(args.out, f"{name}.log")
+        command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *model_flags(args.iters)]
+        with open(log, "w") as stream:
+            subprocess.run(command + flags, stdout=stream, stderr=subprocess.STDOUT, check=True)
+        with open(log) as stream:
+            final[name] = float(VALIDATION.findall(stream.read())[-1][1])
+    logs = [os.path.join(args.out, f"{name}.log") for name in RUNS]
+    plot = os.path.join(args.out, "fp8_loss.png")
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"), *logs, "--labels", *RUNS]
+        + ["--output", plot],
+        check=True,
+    )
+    rows = [
+        f"| {name} | {loss:.4f} | {100 * (loss - final['base']) / final['base']:+.2f}% |"
+        for name, loss in final.items()
+    ]
+    report = "\n".join(
+        [
+            f"# FP8 against the base precision, {args.iters} steps on the default corpus",
+            "",
+            f"`python bench/fp8_loss.py --iters {args.iters}`; a LLaMA-style model (4 layers, "
+            "hidden 128, seq 128, 16 sequences per step) in one process; raw logs and "
+            "fp8_loss.png beside this file.",
+            "",
+            f"Base precision: {' '.join(precision()) or 'fp32'} (the runs' logs name the device).",
+            "",
+            "| run | final validation loss | against the base |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+    with open(os.path.join(args.out, "fp8_loss.md"), "w") as stream:
+        stream.write(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
