@@ -190,7 +190,6 @@ def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
             ],
             "--num-layers-at-end-in-bf16 3 must be between 0 and --num-layers 2",
         ),
-        (["--fp8-format", "e4m3", "--distributed-strategy", "fsdp"], "--distributed-strategy fsdp"),
         (["--fp8-dot-product-attention"], "FP8 attention"),
     ],
 )

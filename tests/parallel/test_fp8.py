@@ -51,6 +51,8 @@ LAYOUTS = {
         4,
         ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"],
     ),
+    "torch_ddp2": (2, ["--distributed-strategy", "ddp"]),
+    "torch_fsdp2": (2, ["--distributed-strategy", "fsdp"]),
 }
 
 

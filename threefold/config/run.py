@@ -55,11 +55,6 @@ class Config:
         warnings += self.logging.finalize()
         self.kernels.finalize()
         self.fp8.finalize(self.model.num_layers, self.training.fp16)
-        _require(
-            not self.fp8.enabled or parallel.distributed_strategy == "megatron",
-            "--fp8-format runs on threefold's own data parallelism; drop "
-            f"--distributed-strategy {parallel.distributed_strategy}",
-        )
         return warnings
 
     def _finalize_gradient_precision(self) -> None:

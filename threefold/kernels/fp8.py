@@ -207,15 +207,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
         w8, w8_t, weight_scale = fp8.cast(WEIGHT, weight)
-        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, x.dtype)
+        # Under autocast (PyTorch DDP/FSDP2 keep fp32 parameters) the output is in the
+        # autocast dtype, as F.linear's would be.
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        out_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype)
         if bias is not None:
-            output = output + bias
+            output = output + bias.to(out_dtype)
         # The scales as they were: a delayed scale is updated in place at the step's end.
         ctx.save_for_backward(x8_t, w8_t, input_scale.clone(), weight_scale.clone())
         # The parameter itself, for its main_grad (a saved tensor can come back as another
         # object under activation recomputation), and its dtype.
         ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
         ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -236,7 +242,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, weight.dtype)
         if needs_bias and ctx.has_bias:
-            grad_bias = grads.sum(dim=0)
+            grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None
 
 
