@@ -8,8 +8,10 @@ A linear layer in FP8 computes, with one scale per tensor (s = FP8 max / amax / 
 
 through `torch._scaled_mm`: cuBLASLt's FP8 tensor-core GEMM on Hopper and later, and an exact
 emulation on the CPU (products of FP8 values accumulated in fp32), so CI runs the very code a
-GPU runs. The FP8 copies of x and w saved for backward are all the layer keeps (half the bytes
-of bf16 ones). Biases, collectives and everything outside the GEMMs stay in the run's dtype.
+GPU runs. Each operand is cast once, into both layouts the GEMMs take (a fused cast-transpose
+when compiled); the transposed FP8 copies of x and w are all the layer keeps for backward (half
+the bytes of bf16 ones). Biases, collectives and everything outside the GEMMs stay in the run's
+dtype.
 
 Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
 
