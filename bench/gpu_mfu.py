@@ -90,9 +90,12 @@ CONTENDERS = (
 )
 # FP8 GEMMs in the attention and MLP linears (--fp8-format hybrid, docs/fp8.md): with --fp8,
 # or named in --only. MFU stays against the bf16 peak; the table states the FP8 peak too.
-FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8+compile-layers")
+# +param-gather: the weights cast once per step by the (one-rank) distributed optimizer instead
+# of once per micro-batch (--fp8-param-gather; its FP8 all-gather needs DP > 1 to show).
+FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8+compile-layers", "threefold+fp8+param-gather")
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
+PARAM_GATHER_FLAGS = ("--use-distributed-optimizer", "--fp8-param-gather")
 
 
 def threefold_args(shape: Shape, bf16: bool) -> list[str]:
@@ -415,6 +418,9 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
         "threefold+fp8": lambda *a: _threefold(*a, extra=FP8_FLAGS),
         "threefold+fp8+compile-layers": lambda *a: _threefold(
             *a, extra=(*FP8_FLAGS, "--compile-layers")
+        ),
+        "threefold+fp8+param-gather": lambda *a: _threefold(
+            *a, extra=(*FP8_FLAGS, *PARAM_GATHER_FLAGS)
         ),
         "transformers": _transformers,
         "transformers+compile": lambda *a: _transformers(*a, compiled=True),

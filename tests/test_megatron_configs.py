@@ -56,10 +56,10 @@ def test_config_of_a_missing_feature_stops_in_one_line_naming_it(name, tmp_path)
     assert CONFIGS[name]["outcome"] in message
 
 
-def test_megatrons_gpt3_and_llama3_examples_stop_at_the_features_they_need(tmp_path):
-    """examples/gpt3/train_gpt3_175b_distributed.sh (its batch-size schedule) and
-    examples/llama/train_llama3_8b_h100_fp8.sh (FP8 parameter all-gathers), as their flags are
-    today."""
+def test_megatrons_gpt3_and_llama3_examples_as_their_flags_are_today(tmp_path):
+    """examples/gpt3/train_gpt3_175b_distributed.sh (its batch-size schedule) stops, and
+    examples/llama/train_llama3_8b_h100_fp8.sh's FP8 recipe parses, FP8 parameter all-gathers
+    with its distributed optimizer included, as their flags are today."""
     gpt3 = (
         "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
         "--max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 "
@@ -82,9 +82,11 @@ def test_megatrons_gpt3_and_llama3_examples_stop_at_the_features_they_need(tmp_p
     }
     kind, message = megatron_configs.outcome(megatron_configs.command_line(llama3, str(tmp_path)))
     assert kind == "parses", message
-    # the recipe also asks for FP8 parameter all-gathers, which threefold does not do
+    # the recipe also asks for FP8 parameter all-gathers, which need the distributed optimizer
     with_param_gather = megatron_configs.command_line(llama3, str(tmp_path)) + [
         "--fp8-param-gather"
     ]
     kind, message = megatron_configs.outcome(with_param_gather)
-    assert kind == "refused" and message.startswith("--fp8-param-gather: parameters")
+    assert kind == "refused" and message.startswith("--fp8-param-gather casts"), message
+    kind, message = megatron_configs.outcome(with_param_gather + ["--use-distributed-optimizer"])
+    assert kind == "parses", message

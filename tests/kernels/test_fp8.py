@@ -179,7 +179,11 @@ def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
     [
         (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
         (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16"),
-        (["--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather"),
+        (["--fp8-format", "hybrid", "--fp8-param-gather"], "add --use-distributed-optimizer"),
+        (
+            ["--fp8-format", "hybrid", "--fp8-param-gather", "--distributed-strategy", "fsdp"],
+            "--fp8-param-gather casts the distributed optimizer's shards",
+        ),
         (["--fp8-param-gather"], "add --fp8-format"),
         (
             [

@@ -13,6 +13,7 @@ in the median tensor: the bounds sit between the two.
 
 import numpy as np
 import pytest
+import torch
 
 from tests.distributed import run_distributed
 from tests.parity import (
@@ -32,6 +33,7 @@ from threefold.checkpoint.save import save_checkpoint
 from threefold.kernels.fp8 import Fp8Linear
 from threefold.model.fp8 import fp8_states
 from threefold.parallel.parallel_context import ONE_DEVICE
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
 
 LOSS_TOLERANCE = 1e-6
 PARAMETER_TOLERANCE = 1e-3  # the worst tensor
@@ -121,9 +123,116 @@ def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, reci
     assert np.median(errors) > 100 * MEDIAN_PARAMETER_TOLERANCE
 
 
+PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]
+PARAM_GATHER_LAYOUTS = {
+    "one_device": (1, PARAM_GATHER),
+    "dp2": (2, PARAM_GATHER),
+    "tp2_dp2_overlap": (
+        4,
+        PARAM_GATHER
+        + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "2000"],
+    ),
+}
+
+
+def _full_masters(trainer) -> dict[str, np.ndarray]:
+    """The distributed optimizer's fp32 masters, whole: each rank's pieces summed over the
+    ranks sharing the buffer (each element is on one of them), then gathered over TP."""
+    optimizer, parallel = trainer.data_parallel.optimizer, trainer.parallel
+    flat = {param: torch.zeros(param.numel()) for param in optimizer.model_params}
+    for piece in optimizer.pieces:
+        flat[piece.param][piece.start : piece.end] = piece.master.detach().float()
+    masters = {}
+    for name, param in trainer.layout_independent_parameters():
+        whole = parallel.dp_cp.all_reduce(flat[param]).view(param.shape)
+        masters[name] = (
+            gather_tensor_parallel(whole, param, sharding_group(param, parallel)).numpy().copy()
+        )
+    return _without_key_bias(masters, trainer)
+
+
+def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dict:
+    """`fp8_train_job` for --fp8-param-gather, with the fp32 masters as the parameters, and
+    what the forward read: how often it cast a weight to FP8 itself, and whether each
+    parameter holds its gathered FP8 copy. `sabotage`: each rank scales its pieces of a weight
+    by their own amax, as a shard-unaware cast would."""
+    trainer = _setup(argv)
+    fp8_parameters = trainer.data_parallel.fp8_parameters
+    if sabotage:
+        fp8_parameters.shard_group = ONE_DEVICE
+    weight_casts = []
+    for state in fp8_parameters.states.values():
+        cast = state.cast
+        state.cast = lambda index, tensor, cast=cast: (
+            weight_casts.append(index == 1),
+            cast(index, tensor),
+        )[1]
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    trainer.data_parallel.finish_param_gather()  # (--overlap-param-gather: the next forward's)
+    dequantized = all(
+        torch.equal(param, (state.gathered[1].float() / state.gathered_scale).to(param.dtype))
+        for param, state in fp8_parameters.states.items()
+    )
+    return {
+        "losses": losses,
+        "params": _full_masters(trainer),
+        "fp8": _scaling_state(trainer),
+        "weights_cast_in_forward": sum(weight_casts),
+        "casts_in_forward": len(weight_casts),
+        "flat_dtype": str(fp8_parameters.buffer.param_buffer.dtype),
+        "dequantized": dequantized,
+    }
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("layout", PARAM_GATHER_LAYOUTS)
+def test_fp8_param_gather_matches_one_device(references, recipe, layout):
+    """--fp8-param-gather in fp32 casts each weight from its fp32 master with the scale of the
+    whole weight: the same FP8 values a forward casting the fp32 weight gets, so every layout
+    reproduces the one-device run without the flag, as the other layouts do. The forward
+    reads the gathered FP8 weights (and casts only inputs and gradients), which travel as
+    E4M3 bytes, and the parameters hold their dequantized values."""
+    world_size, flags = PARAM_GATHER_LAYOUTS[layout]
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + flags
+    if world_size == 1:
+        results = [param_gather_job(argv, 10)]
+    else:
+        results = run_distributed(world_size, param_gather_job, argv, 10)
+    reference = references[recipe]
+    for result in results:
+        if world_size == 1:  # the same arithmetic in the same order: bitwise
+            assert result["losses"] == reference["losses"]
+        assert_losses_close(result["losses"], reference["losses"], LOSS_TOLERANCE)
+        assert result["weights_cast_in_forward"] == 0 < result["casts_in_forward"]
+        assert result["flat_dtype"] == "torch.float8_e4m3fn" and result["dequantized"]
+    params = merge_pipeline_stages([r["params"] for r in results])
+    assert_close_dicts(params, reference["params"], PARAMETER_TOLERANCE, "parameter")
+    errors = [relative_error(params[name], reference["params"][name]) for name in params]
+    assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
+    state = {}
+    for result in results:
+        state |= result["fp8"]
+    assert_close_dicts(state, reference["fp8"], 1e-5 if recipe == "delayed" else 0, "fp8 state")
+
+
+def test_fp8_param_gather_without_the_shard_amax_reduction_differs(references):
+    """The negative control: DP=2 ranks that scale their optimizer shards of a weight by
+    their own amax cast the two halves of one weight differently."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES["tensorwise"] + PARAM_GATHER
+    result = run_distributed(2, param_gather_job, argv, 10, True)[0]
+    expected = references["tensorwise"]["losses"]
+    worst = max(abs(a - e) / abs(e) for a, e in zip(result["losses"], expected))
+    assert worst > 10 * LOSS_TOLERANCE
+
+
 @pytest.mark.parametrize(
     "world_size,layout",
-    [(2, ["--tensor-model-parallel-size", "2"]), (2, ["--use-distributed-optimizer", "--bf16"])],
+    [
+        (2, ["--tensor-model-parallel-size", "2"]),
+        (2, ["--use-distributed-optimizer", "--bf16"]),
+        (2, PARAM_GATHER + ["--bf16", "--overlap-param-gather"]),
+    ],
 )
 def test_fp8_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"] + layout

@@ -11,6 +11,9 @@ precision. threefold.kernels.fp8 holds the arithmetic, threefold.model.fp8 picks
                               (Transformer Engine's DelayedScaling); the default, as Megatron-LM
     --fp8-recipe tensorwise   each tensor's scale from its own amax, computed just before the
                               cast (TE's Float8CurrentScaling, torchao's tensorwise)
+    --fp8-param-gather        the FP8 layers' weights are cast once per step, from the
+                              distributed optimizer's fp32 shards, and all-gathered as FP8 bytes
+                              (threefold.model.fp8_params)
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ class Fp8Config:
         choices=AMAX_COMPUTE_ALGOS,
     )
     fp8_param_gather: bool = arg(
-        False, help="all-gather parameters in FP8 (not implemented in threefold: refused)"
+        False,
+        help="keep the FP8 layers' compute weights in FP8, cast from the distributed "
+        "optimizer's fp32 shards, and all-gather them in FP8",
     )
     first_last_layers_bf16: bool = arg(
         False, help="keep the first and last transformer layers in the run's precision"
@@ -74,7 +79,8 @@ class Fp8Config:
             range(num_layers - end + 1, num_layers + 1)
         )
 
-    def finalize(self, num_layers: int, fp16: bool) -> None:
+    def finalize(self, num_layers: int, fp16: bool, distributed_optimizer: bool) -> None:
+        """`distributed_optimizer`: threefold's own (--distributed-strategy megatron)."""
         if not self.enabled:
             require(
                 not (self.fp8_param_gather or self.first_last_layers_bf16),
@@ -90,10 +96,11 @@ class Fp8Config:
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")
         require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
+        # Megatron-LM also takes it with FSDP2 (and, with TE >= 2.0, turns it off there).
         require(
-            not self.fp8_param_gather,
-            "--fp8-param-gather: parameters are all-gathered in the run's precision in "
-            "threefold (the FP8 cast happens after the gather); drop the flag",
+            not self.fp8_param_gather or distributed_optimizer,
+            "--fp8-param-gather casts the distributed optimizer's shards to FP8: add "
+            "--use-distributed-optimizer with --distributed-strategy megatron, or drop it",
         )
         for flag, count in (
             ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),

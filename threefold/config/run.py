@@ -54,7 +54,10 @@ class Config:
         self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()
-        self.fp8.finalize(self.model.num_layers, self.training.fp16)
+        distributed_optimizer = (
+            parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
+        )
+        self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer)
         return warnings
 
     def _finalize_gradient_precision(self) -> None:

@@ -143,6 +143,11 @@ class Fp8Linear(nn.Module):
         self.register_buffer(
             "fp8_max", torch.tensor([FP8_MAX[dtype] for dtype in recipe.dtypes]), persistent=False
         )
+        # --fp8-param-gather: (the weight, its FP8 copy) and the scale that copy was cast with,
+        # set by threefold.model.fp8_params; the forward then uses the copy.
+        # (A tuple: a parameter assigned to a module attribute would become the module's.)
+        self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
+        self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
 
     def cast(
         self, index: int, tensor: torch.Tensor
@@ -176,8 +181,36 @@ class Fp8Linear(nn.Module):
         self.amax_history.copy_(history)
         chosen = history[0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(0)
         self.scale.copy_(scale_from_amax(chosen, self.fp8_max, self.recipe.margin, self.scale))
-        self.step_amax.zero_()
+        if self.gathered is None:
+            self.step_amax.zero_()
+        else:  # the weight's stays: it is recorded when the weight is cast, not per forward
+            self.step_amax[[INPUT, GRAD]] = 0.0
         self.use_history()
+
+    def set_gathered_weight_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """--fp8-param-gather: the amax of the whole updated weight (reduced over the ranks
+        holding its shards); sets and returns the scale to cast it with. Delayed scaling
+        records the amax as this step's weight amax, as a forward casting the weight would."""
+        if self.recipe.delayed:
+            self.step_amax[WEIGHT] = amax
+        if self.recipe.delayed and self.has_history:
+            scale = self.scale_in_use[WEIGHT]
+        else:
+            scale = scale_from_amax(
+                amax, self.fp8_max[WEIGHT], self.recipe.margin, amax.new_ones(())
+            )
+        self.gathered_scale.copy_(scale)
+        return self.gathered_scale
+
+    def weight_in_fp8(
+        self, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
+        --fp8-param-gather, else cast now."""
+        if self.gathered is not None and self.gathered[0] is weight:
+            weight8 = self.gathered[1]
+            return weight8, weight8.t().contiguous(), self.gathered_scale
+        return self.cast(WEIGHT, weight)
 
     def use_history(self) -> None:
         """Scale from the history from now on (after a step, or a checkpoint's state)."""
@@ -208,7 +241,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
-        w8, w8_t, weight_scale = fp8.cast(WEIGHT, weight)
+        w8, w8_t, weight_scale = fp8.weight_in_fp8(weight)
         # Under autocast (PyTorch DDP/FSDP2 keep fp32 parameters) the output is in the
         # autocast dtype, as F.linear's would be.
         device = x.device.type

@@ -70,12 +70,19 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().abs().amax().float()
 
 
+def fp8_cast(
+    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
+) -> torch.Tensor:
+    """`tensor` x `scale` cast to FP8, saturating at +-`limit` (the format's max: E5M2 would
+    otherwise overflow to inf, as TE's casts saturate)."""
+    return (tensor.float() * scale).clamp(-limit, limit).to(dtype)
+
+
 def fp8_cast_transpose(
     tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A 2-D `tensor` x `scale` cast to FP8, saturating at +-`limit` (the format's max: E5M2
-    would otherwise overflow to inf, as TE's casts saturate), in both layouts the FP8 GEMMs
-    take it (row-major and transposed), and its amax: Transformer Engine's fused
-    cast-transpose, one read of the input when compiled."""
-    quantized = (tensor.float() * scale).clamp(-limit, limit).to(dtype)
+    """A 2-D `tensor` cast as `fp8_cast` does, in both layouts the FP8 GEMMs take it (row-major
+    and transposed), and its amax: Transformer Engine's fused cast-transpose, one read of the
+    input when compiled."""
+    quantized = fp8_cast(tensor, scale, dtype, limit)
     return quantized, quantized.t().contiguous(), amax(tensor)

@@ -70,6 +70,16 @@ def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:
     }
 
 
+def fp8_weights(chunks: list[nn.Module]) -> dict[nn.Parameter, Fp8Linear]:
+    """The trained weights of the chunks' FP8 layers, each with its layer's FP8 state."""
+    return {
+        module.weight: module.fp8
+        for chunk in chunks
+        for module in chunk.modules()
+        if isinstance(getattr(module, "fp8", None), Fp8Linear) and module.weight.requires_grad
+    }
+
+
 _STATE = ("scale", "amax_history")
 
 
@@ -81,6 +91,7 @@ class Fp8Scaling:
     ) -> None:
         """Over chunks `convert_to_fp8` has converted."""
         self.recipe, self.parallel = fp8_recipe(config), parallel
+        self.param_gather = config.fp8_param_gather
         self.states = fp8_states(chunks)
         self.bf16_layers = sorted(config.bf16_layers(num_layers))
 
@@ -109,8 +120,13 @@ class Fp8Scaling:
 
     def describe(self) -> str:
         kept = f"; layers {self.bf16_layers} kept out" if self.bf16_layers else ""
+        gather = (
+            "; their weights cast from the fp32 masters once per step and all-gathered in FP8"
+            if self.param_gather
+            else ""
+        )
         return (
             f"> fp8: {self.recipe.describe()}; GEMMs of the attention and dense MLP linear "
-            f"layers via torch._scaled_mm ({len(self.states)} layers on this rank{kept}); "
+            f"layers via torch._scaled_mm ({len(self.states)} layers on this rank{kept}){gather}; "
             "embeddings, output layer, norms, attention core and experts in the run's precision"
         )

@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from threefold.config import Config
+from threefold.kernels.fp8 import WEIGHT
+from threefold.model.fp8 import fp8_weights
+from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import (
     GradientBuffer,
     all_reduce_embedding_grads,
@@ -100,8 +103,11 @@ class MegatronDataParallel:
                 else torch.float32
             ),
         )
+        # --fp8-param-gather: the FP8 layers' weights get a buffer of their own, whose flat
+        # parameters are their FP8 compute copies.
+        fp8 = fp8_weights(model_chunks) if config.fp8.fp8_param_gather else {}
         experts = [p for _, p in named if is_expert(p) and p.requires_grad]
-        dense = [p for _, p in named if not is_expert(p)]
+        dense = [p for _, p in named if not is_expert(p) and p not in fp8]
         # Under the distributed optimizer each bucket splits into one shard per rank of the
         # buffer's group.
         self.grad_buffer = GradientBuffer(
@@ -119,7 +125,25 @@ class MegatronDataParallel:
                 gradient_scaling_factor=1.0 / parallel.dp_cp.size,
                 **options,
             )
-        self.buffers = [b for b in (self.grad_buffer, self.expert_grad_buffer) if b is not None]
+        self.fp8_parameters = None
+        if fp8:
+            fp8_buffer = GradientBuffer(
+                list(fp8),
+                parallel.dp_cp,
+                pad_to_multiple=parallel.dp_cp.size,
+                param_dtype=next(iter(fp8.values())).recipe.dtypes[WEIGHT],
+                **options,
+            )
+            self.fp8_parameters = Fp8Parameters(fp8, fp8_buffer)
+        self.buffers = [
+            b
+            for b in (
+                self.grad_buffer,
+                self.fp8_parameters and self.fp8_parameters.buffer,
+                self.expert_grad_buffer,
+            )
+            if b is not None
+        ]
         for buffer in self.buffers:
             buffer.check_finite = training.check_for_nan_in_loss_and_grad
         if distributed:
@@ -131,6 +155,7 @@ class MegatronDataParallel:
                 dp.overlap_param_gather,
                 offload,
                 experts=config.model.is_moe,
+                fp8_parameters=self.fp8_parameters,
             )
             if dp.overlap_param_gather:
                 for buffer in self.buffers:
@@ -151,8 +176,9 @@ class MegatronDataParallel:
         return contextlib.nullcontext()
 
     def finish_grad_sync(self) -> None:
-        if self.expert_grad_buffer is not None:
-            self.expert_grad_buffer.finish_grad_sync()
+        # (FP8 weights are TP-sharded and never tied: a DP reduction is all they need.)
+        for buffer in self.buffers[1:]:
+            buffer.finish_grad_sync()
         finalize_model_grads(self.grad_buffer, self.parallel)
 
     def local_grads_finite(self) -> torch.Tensor:
@@ -163,6 +189,10 @@ class MegatronDataParallel:
 
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buffers)
+
+    def extra_parameter_bytes(self) -> int:
+        """Parameter bytes beside the parameters: the FP8 copies of --fp8-param-gather."""
+        return self.fp8_parameters.bytes() if self.fp8_parameters is not None else 0
 
     def finish_param_gather(self) -> None:
         """Wait for an --overlap-param-gather all-gather still in flight."""
@@ -254,6 +284,9 @@ class TorchDataParallel:
 
     def gradient_bytes(self) -> int:
         return sum(grad.numel() * grad.element_size() for grad in self._local_grads())
+
+    def extra_parameter_bytes(self) -> int:
+        return 0
 
     def finish_param_gather(self) -> None:
         pass

@@ -42,6 +42,7 @@ def measure_bytes_per_parameter(
     params = [p for _, p in named_parameters]
     count = sum(p.numel() for p in params)
     param_bytes = sum(local(p).numel() * p.element_size() for p in params)
+    param_bytes += data_parallel.extra_parameter_bytes()
     grad_bytes = data_parallel.gradient_bytes()
     state_bytes = data_parallel.optimizer.state_bytes()
     return MemoryPerParameter(param_bytes / count, grad_bytes / count, state_bytes / count)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
+from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local
 from threefold.parallel.parallel_context import ParallelContext
@@ -372,10 +373,13 @@ class DistributedOptimizer(_AdamWithMasters):
         overlap_param_gather: bool = False,
         offload: bool = False,
         experts: bool = False,
+        fp8_parameters: Fp8Parameters | None = None,
     ) -> None:
         """Each rank of a buffer's group owns one shard of every bucket of it: the dense
         buffer's over DP x CP and, in a mixture of experts (`experts`: on any stage, so that
-        every rank joins the reduction of their norms), the expert buffer's over expert-DP."""
+        every rank joins the reduction of their norms), the expert buffer's over expert-DP.
+        `fp8_parameters` (--fp8-param-gather): weights whose flat copies are FP8, cast from
+        their masters after each step, so their masters are always separate fp32 copies."""
         if any(buffer.param_buffer is None for buffer in grad_buffers):
             raise ValueError(
                 "the distributed optimizer needs GradientBuffers with flat_parameters=True"
@@ -394,7 +398,9 @@ class DistributedOptimizer(_AdamWithMasters):
             buffer.reduce_scatter = True
         self.overlap_param_gather = overlap_param_gather
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
-        self.separate_masters = config.bf16 or config.fp16 or offload
+        self.fp8_parameters = fp8_parameters
+        fp8 = self._fp8_weights = fp8_parameters.states if fp8_parameters is not None else {}
+        self.separate_masters = config.bf16 or config.fp16 or offload or bool(fp8)
         pieces = []
         for param in self.model_params:
             buffer = self._buffer_of[param]
@@ -404,7 +410,8 @@ class DistributedOptimizer(_AdamWithMasters):
             low, high = max(start, shard_start), min(end, shard_end)
             if low >= high:
                 continue
-            flat = buffer.param_buffer[low:high]
+            # (a view of the flat parameters, except for FP8 weights')
+            flat = param.detach().view(-1)[low - start : high - start]
             # fp32: the master *is* the parameter shard (a view), so no extra copy is kept.
             master = (
                 self._master(flat, offload)
@@ -413,6 +420,9 @@ class DistributedOptimizer(_AdamWithMasters):
             )
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config, named_parameters)
+        self._fp8_pieces = [piece for piece in self.pieces if piece.param in fp8]
+        if fp8:  # the first FP8 copies, from the initial weights
+            self.copy_masters_to_model()
 
     def _slice(self, piece: _Piece, of: str) -> torch.Tensor:
         """The piece's part of its buffer's gradients (`of="buffer"`) or parameters."""
@@ -429,7 +439,12 @@ class DistributedOptimizer(_AdamWithMasters):
     def copy_masters_to_model(self) -> None:
         if self.separate_masters:
             for piece in self.pieces:
-                self._slice(piece, "param_buffer").copy_(piece.master)
+                if piece.param not in self._fp8_weights:
+                    self._slice(piece, "param_buffer").copy_(piece.master)
+        if self.fp8_parameters is not None:
+            self.fp8_parameters.cast(
+                [(p.param, p.start, p.end, p.master) for p in self._fp8_pieces]
+            )
         for buffer in self.grad_buffers:
             buffer.start_param_gather()
         if not self.overlap_param_gather:  # else each module waits in its forward pre-hook
@@ -440,7 +455,9 @@ class DistributedOptimizer(_AdamWithMasters):
     def copy_model_to_masters(self) -> None:
         if self.separate_masters:
             for piece in self.pieces:
-                piece.master.copy_(self._slice(piece, "param_buffer"))
+                piece.master.copy_(piece.param.detach().view(-1)[piece.start : piece.end])
+        if self.fp8_parameters is not None:  # and the FP8 copies from those masters
+            self.copy_masters_to_model()
 
     @staticmethod
     def _piece_key(name: str, piece: _Piece) -> str:

@@ -45,6 +45,11 @@ class GradientBuffer:
     1 / replicas for a group that is not all the replicas (Megatron's name): expert gradients
     are summed over expert-DP and scaled by 1 / (DP x CP), since the experts of one rank also
     receive tokens from the other ranks of their EP group.
+
+    `param_dtype`, when the flat parameters are in another dtype than the parameters (FP8
+    weights, --fp8-param-gather): the parameters stay where they are and the flat buffer holds
+    their compute copies, which the optimizer writes; `on_gathered(params)` is called once
+    those parameters' copies are complete after an all-gather.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class GradientBuffer:
         grad_dtype: torch.dtype = torch.float32,
         needs_full_gradient=None,
         gradient_scaling_factor: float | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
@@ -96,18 +102,20 @@ class GradientBuffer:
         if not self.buckets:
             offset = self._close_bucket(0, 0, pad_to_multiple, False)
         self.buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
+        moves_params = param_dtype is None
         self.param_buffer = (
-            torch.zeros(offset, dtype=self.params[0].dtype, device=device)
+            torch.zeros(offset, dtype=param_dtype or self.params[0].dtype, device=device)
             if flat_parameters
             else None
         )
+        self.on_gathered: Callable[[list[nn.Parameter]], None] | None = None
         # The hook lives in the parameter's C++ side, out of the garbage collector's sight: a
         # strong reference to this buffer there would make buffer -> parameter -> hook ->
         # buffer a cycle nothing can free, keeping the model and its process groups alive.
         accumulate = _weak_hook(self._accumulate)
         for param, (start, end) in self.ranges.items():
             param.main_grad = self.buffer[start:end].view_as(param)
-            if self.param_buffer is not None:
+            if self.param_buffer is not None and moves_params:
                 self.param_buffer[start:end].copy_(param.data.view(-1))
                 param.data = self.param_buffer[start:end].view_as(param)
             param.register_post_accumulate_grad_hook(accumulate)
@@ -223,12 +231,19 @@ class GradientBuffer:
     def start_param_gather(self) -> None:
         """Every DP rank updated its shard of each bucket: share them, asynchronously."""
         if self.dp.size == 1:
+            if self.on_gathered is not None:
+                self.on_gathered(self.params)
             return
+        # As bytes: FP8 copies (--fp8-param-gather) travel as one byte per element, and not
+        # every backend has FP8 types.
+        flat = self.param_buffer
+        if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            flat = flat.view(torch.uint8)
         for bucket, (start, end) in enumerate(self.buckets):
             shard_start, shard_end = self.shard_range(bucket)
-            local = self.param_buffer[shard_start:shard_end].clone()
+            local = flat[shard_start:shard_end].clone()
             self._gather_handles[bucket] = all_gather_single(
-                self.param_buffer[start:end], local, group=self.dp.group, async_op=True
+                flat[start:end], local, group=self.dp.group, async_op=True
             )
 
     def finish_param_gather(self, params=None) -> None:
@@ -244,6 +259,8 @@ class GradientBuffer:
             handle = self._gather_handles.pop(bucket, None)
             if handle is not None:
                 handle.wait()
+                if self.on_gathered is not None:
+                    self.on_gathered([p for p in self.params if self._bucket_of[p] == bucket])
 
     def wait_for_params_before_forward(self, modules: list[nn.Module]) -> None:
         """--overlap-param-gather: a module's forward first waits for the buckets of its own
