@@ -95,14 +95,18 @@ def test_fp8_layouts_match_one_device(references, recipe, layout):
     world_size, flags = LAYOUTS[layout]
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + flags
     results = run_distributed(world_size, fp8_train_job, argv, 10)
-    reference = references[recipe]
+    assert_match_one_device(results, references[recipe], recipe)
+
+
+def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -> None:
+    """Every rank's losses, the merged parameters and every rank's delayed-scaling state
+    (the single device's amax history and scales) within the tolerances above."""
     for result in results:
         assert_losses_close(result["losses"], reference["losses"], LOSS_TOLERANCE)
     params = merge_pipeline_stages([r["params"] for r in results])
     assert_close_dicts(params, reference["params"], PARAMETER_TOLERANCE, "parameter")
     errors = [relative_error(params[name], reference["params"][name]) for name in params]
     assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
-    # Delayed scaling: every rank holds the single device's amax history and scales.
     state = {}
     for result in results:
         state |= result["fp8"]
@@ -127,6 +131,9 @@ PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]
 PARAM_GATHER_LAYOUTS = {
     "one_device": (1, PARAM_GATHER),
     "dp2": (2, PARAM_GATHER),
+    # the optimizer's shards split over the CP ranks; the stages' buffers on their own
+    "cp2": (2, PARAM_GATHER + ["--context-parallel-size", "2"]),
+    "pp2": (2, PARAM_GATHER + ["--pipeline-model-parallel-size", "2"]),
     "tp2_dp2_overlap": (
         4,
         PARAM_GATHER
@@ -190,9 +197,10 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
 def test_fp8_param_gather_matches_one_device(references, recipe, layout):
     """--fp8-param-gather in fp32 casts each weight from its fp32 master with the scale of the
     whole weight: the same FP8 values a forward casting the fp32 weight gets, so every layout
-    reproduces the one-device run without the flag, as the other layouts do. The forward
-    reads the gathered FP8 weights (and casts only inputs and gradients), which travel as
-    E4M3 bytes, and the parameters hold their dequantized values."""
+    (DP, CP, PP, TP x DP with both overlaps) reproduces the one-device run without the flag, as
+    the other layouts do. The forward reads the gathered FP8 weights (and casts only inputs
+    and gradients), which travel as E4M3 bytes, and the parameters hold their dequantized
+    values."""
     world_size, flags = PARAM_GATHER_LAYOUTS[layout]
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + flags
     if world_size == 1:
@@ -203,17 +211,9 @@ def test_fp8_param_gather_matches_one_device(references, recipe, layout):
     for result in results:
         if world_size == 1:  # the same arithmetic in the same order: bitwise
             assert result["losses"] == reference["losses"]
-        assert_losses_close(result["losses"], reference["losses"], LOSS_TOLERANCE)
         assert result["weights_cast_in_forward"] == 0 < result["casts_in_forward"]
         assert result["flat_dtype"] == "torch.float8_e4m3fn" and result["dequantized"]
-    params = merge_pipeline_stages([r["params"] for r in results])
-    assert_close_dicts(params, reference["params"], PARAMETER_TOLERANCE, "parameter")
-    errors = [relative_error(params[name], reference["params"][name]) for name in params]
-    assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
-    state = {}
-    for result in results:
-        state |= result["fp8"]
-    assert_close_dicts(state, reference["fp8"], 1e-5 if recipe == "delayed" else 0, "fp8 state")
+    assert_match_one_device(results, reference, recipe)
 
 
 def test_fp8_param_gather_without_the_shard_amax_reduction_differs(references):
