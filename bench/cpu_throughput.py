@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_mfu import Shape, hf_llama_config, threefold_args  # noqa: E402
+from gpu_contenders import hf_llama_config  # noqa: E402
+from gpu_mfu import Shape, threefold_args  # noqa: E402
 
 from threefold.arguments import parse_args  # noqa: E402
 from threefold.checkpoint.hf import hf_to_threefold, model_config_from_hf  # noqa: E402
