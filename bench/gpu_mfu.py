@@ -94,8 +94,9 @@ CONTENDERS = (
 )
 # FP8 GEMMs in the attention and MLP linears (--fp8-format hybrid, docs/fp8.md): with --fp8,
 # or named in --only. MFU stays against the bf16 peak; the table states the FP8 peak too.
-# +param-gather: the weights cast once per step by the (one-rank) distributed optimizer instead
-# of once per micro-batch (--fp8-param-gather; its FP8 all-gather needs DP > 1 to show).
+# +param-gather: the weights cast from the fp32 masters by the (one-rank) distributed optimizer
+# instead of from the bf16 weights in the step's first forward (--fp8-param-gather; its FP8
+# all-gather needs DP > 1 to show).
 FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8+compile-layers", "threefold+fp8+param-gather")
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")

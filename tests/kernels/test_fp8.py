@@ -2,6 +2,8 @@
 reference, the delayed recipe's history, the choice of layers, the flags, and the weight
 gradient accumulated into the gradient buffer by its GEMM (--gradient-accumulation-fusion)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from threefold.config import ConfigError
 from threefold.kernels.fp8 import (
     E4M3,
     E5M2,
+    WEIGHT,
     Fp8Linear,
     Fp8Recipe,
     quantize,
@@ -275,3 +278,54 @@ def test_fp8_bf16_training_on_the_device_follows_fp32(device, param_gather):
     # Measured on the CPU: 4e-5. A model stuck at uniform predictions (ln 1001) would be
     # 8e-4 to 1.7e-3 off these losses, so the bound also fails on a broken FP8 path.
     assert_losses_close(losses, expected, 5e-4)
+
+
+def _cached_weight_run(argv: list[str], monkeypatch, cache: str) -> dict:
+    """Three steps of four micro-batches; `cache`: "step" (the trainer's), "off" (every
+    micro-batch casts), or "stale" (the copies kept across steps: the bug the test must see)."""
+    trainer = _setup(argv)
+    if cache != "step":
+        keep = cache == "stale"
+
+        @contextlib.contextmanager
+        def weights_cached():
+            for state in trainer.fp8.states.values():
+                state.cache_weight = keep
+            yield
+
+        monkeypatch.setattr(trainer.fp8, "weights_cached", weights_cached)
+    casts = []
+    cast = Fp8Linear.cast
+    monkeypatch.setattr(
+        Fp8Linear,
+        "cast",
+        lambda self, index, tensor: casts.append(index) or cast(self, index, tensor),
+    )
+    losses = [trainer.train_step()[0] for _ in range(3)]
+    params = [param.detach().clone() for param in trainer.model.parameters()]
+    return {"losses": losses, "params": params, "weight_casts": casts.count(WEIGHT)}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fp8-format", "hybrid"],
+        ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+        ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
+        + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    ],
+    ids=["delayed", "tensorwise", "delayed-full-recompute"],
+)
+def test_a_step_casts_each_weight_once_and_trains_bitwise_as_before(monkeypatch, flags):
+    argv = LLAMA_STYLE + TRAINING + flags
+    cached = _cached_weight_run(argv, monkeypatch, "step")
+    uncached = _cached_weight_run(argv, monkeypatch, "off")
+    assert cached["losses"] == uncached["losses"]
+    assert all(map(torch.equal, cached["params"], uncached["params"]))
+    layers, micro_batches, passes = 8, 4, 2 if "--recompute-granularity" in flags else 1
+    assert uncached["weight_casts"] == 3 * layers * micro_batches * passes
+    assert cached["weight_casts"] == 3 * layers
+    # The control: copies that outlive their step are the old weights' and change training.
+    stale = _cached_weight_run(argv, monkeypatch, "stale")
+    assert stale["losses"][0] == cached["losses"][0]
+    assert stale["losses"][1:] != cached["losses"][1:]

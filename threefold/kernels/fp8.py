@@ -148,6 +148,11 @@ class Fp8Linear(nn.Module):
         # (A tuple: a parameter assigned to a module attribute would become the module's.)
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
+        # One training step's FP8 weight: (the weight, its two layouts, its scale), cast by the
+        # first micro-batch and read by the others (`Fp8Scaling.weights_cached`).
+        self.cache_weight = False
+        self.weight_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+        self.weight_cache = None
 
     def cast(
         self, index: int, tensor: torch.Tensor
@@ -206,11 +211,19 @@ class Fp8Linear(nn.Module):
         self, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
-        --fp8-param-gather, else cast now."""
+        --fp8-param-gather, else cast now; inside `Fp8Scaling.weights_cached`, the first
+        micro-batch's for every later one."""
+        cache = self.weight_cache
+        if self.cache_weight and cache is not None and cache[0] is weight:
+            return cache[1], cache[2], cache[3]
         if self.gathered is not None and self.gathered[0] is weight:
             weight8 = self.gathered[1]
-            return weight8, weight8.t().contiguous(), self.gathered_scale
-        return self.cast(WEIGHT, weight)
+            result = weight8, weight8.t().contiguous(), self.gathered_scale
+        else:
+            result = self.cast(WEIGHT, weight)
+        if self.cache_weight:
+            self.weight_cache = (weight, *result)
+        return result
 
     def use_history(self) -> None:
         """Scale from the history from now on (after a step, or a checkpoint's state)."""

@@ -15,6 +15,9 @@ CP x DP), so data- and tensor-parallel ranks save the same tensor under one key.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -100,6 +103,25 @@ class Fp8Scaling:
         if self.recipe.delayed:
             parallel = self.parallel
             update_delayed_scales(list(self.states.values()), [parallel.tp_cp, parallel.dp])
+
+    @contextmanager
+    def weights_cached(self) -> Iterator[None]:
+        """One training step's forward and backward passes: each FP8 weight is cast (or, with
+        --fp8-param-gather, transposed) by its first micro-batch and the copy is read by every
+        later one and their backward passes, as Transformer Engine does for
+        `is_first_microbatch`. Exact: no weight or scale changes inside a step (the optimizer
+        and the delayed scales' update come after), so every micro-batch would cast the same
+        bytes; the copies are dropped at the end, before the weights change. Saves the casts of
+        the later micro-batches and, as they share the copy, a pipeline stage holds one
+        transposed FP8 weight for its micro-batches in flight instead of one each."""
+        states = list(self.states.values())
+        for state in states:
+            state.cache_weight = True
+        try:
+            yield
+        finally:
+            for state in states:
+                state.cache_weight, state.weight_cache = False, None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint holds (delayed scaling only: tensorwise keeps no state)."""

@@ -1,10 +1,11 @@
 """--fp8-param-gather: the FP8 layers' weights kept for compute in FP8, all-gathered as FP8 bytes.
 
 Without it, the distributed optimizer all-gathers each updated weight in the run's precision
-(2 bytes an element in bf16) and every forward casts the weight to FP8 again, once per
-micro-batch. With it, as Megatron-LM does with Transformer Engine's FP8 parameters, the
-optimizer casts its fp32 shard of each weight to FP8 once per step and the all-gather moves one
-byte an element; the GEMMs read the gathered FP8 copy (`Fp8Linear.weight_in_fp8`).
+(2 bytes an element in bf16) and each step's first forward casts the weight to FP8 again
+(`Fp8Scaling.weights_cached`). With it, as Megatron-LM does with Transformer Engine's FP8
+parameters, the optimizer casts its fp32 shard of each weight to FP8 once per step and the
+all-gather moves one byte an element; the GEMMs read the gathered FP8 copy
+(`Fp8Linear.weight_in_fp8`).
 
 The weights live in a GradientBuffer of their own whose flat parameters are FP8: their
 gradients are reduced like every other's, their copies gathered per bucket (and, with

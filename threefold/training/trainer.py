@@ -15,6 +15,7 @@ which compare its per-iteration losses and final parameters across parallel layo
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -155,7 +156,8 @@ class Trainer:
         start = time.perf_counter()
         faults.delay(self.parallel.world.rank, iteration)
         per_token = training.calculate_per_token_loss
-        with self.timers("forward-backward", 1):
+        cached = self.fp8.weights_cached() if self.fp8 is not None else nullcontext()
+        with self.timers("forward-backward", 1), cached:
             losses = self._schedule(
                 self.train_iterator(),
                 num_microbatches,
