@@ -40,6 +40,9 @@ def format_estimate(config: Config, device_memory_gib: float | None = None) -> s
         f"{parallel.distributed_strategy}, {optimizer}, {config.training.params_dtype_name}",
         "stage  params GiB  grads GiB  optimizer GiB  activations GiB (micro-batches)  total GiB",
     ]
+    fp8 = config.fp8.enabled
+    if fp8:  # the step's FP8 weight copies, between activations and the total
+        lines[1] = lines[1].replace("  total GiB", "  fp8 weights GiB  total GiB")
     for stage in range(parallel.pipeline_model_parallel_size):
         e = estimate_stage(config, stage)
         fits = ""
@@ -48,7 +51,9 @@ def format_estimate(config: Config, device_memory_gib: float | None = None) -> s
         lines.append(
             f"{stage:>5}  {e.parameters / GIB:>10.2f}  {e.gradients / GIB:>9.2f}  "
             f"{e.optimizer / GIB:>13.2f}  {e.activations / GIB:>15.2f} "
-            f"({e.micro_batches_in_flight:>2})            {e.total / GIB:>9.2f}{fits}"
+            f"({e.micro_batches_in_flight:>2})            "
+            + (f"{e.fp8_weights / GIB:>15.2f}  " if fp8 else "")
+            + f"{e.total / GIB:>9.2f}{fits}"
         )
     return "\n".join(lines)
 

@@ -1,5 +1,7 @@
 """tools/estimate_memory.py's predictions match what real (CPU) runs hold."""
 
+import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from threefold.training.memory_estimate import estimate_stage, micro_batch_activ
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]
 MOE += ["--moe-shared-expert-intermediate-size", "64"]
+FP8 = ["--bf16", "--fp8-format", "hybrid"]
 # Wider than the parity models so the layers, not the logits, dominate the activations.
 WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
 
@@ -26,16 +29,26 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     estimate = estimate_stage(trainer.config, stage)
     measured = measure_bytes_per_parameter(named, trainer.data_parallel)
     batch = next(trainer.train_iterator())
-    activations = measure_activation_bytes(
-        trainer.model_chunks,
-        batch,
-        trainer.pipeline_options["tensor_shape"],
-        trainer.pipeline_options["dtype"],
+    fp8 = trainer.fp8
+    options = trainer.pipeline_options
+    measure = functools.partial(
+        measure_activation_bytes, trainer.model_chunks, batch, options["tensor_shape"]
     )
-    return {
+    # As in a training step, the FP8 weights are cast by the first micro-batch and their
+    # copies shared by the others: a later micro-batch's bytes are its own.
+    with fp8.weights_cached() if fp8 is not None else contextlib.nullcontext():
+        measure(options["dtype"])
+        copies = [state.weight_cache for state in (fp8.states.values() if fp8 else [])]
+        shared = [tensor for cache in copies for tensor in cache[1:3]]
+        activations = measure(options["dtype"], shared)
+    results = {
         "static": (measured.total * count, estimate.static),
         "activations": (activations, micro_batch_activation_bytes(trainer.config, stage)),
     }
+    if copies:  # both layouts; only the transpose where the gathered copy is the weight
+        held = sum(c[2].nbytes + (0 if fp8.param_gather else c[1].nbytes) for c in copies)
+        results["fp8 weight copies"] = (held, estimate.fp8_weights)
+    return results
 
 
 def _assert_within_10_percent(results: list[dict]) -> None:
@@ -64,11 +77,57 @@ def _assert_within_10_percent(results: list[dict]) -> None:
             "1",
         ],
         LLAMA_STYLE + WIDE + MOE,
+        LLAMA_STYLE + WIDE + FP8,
+        LLAMA_STYLE + WIDE + FP8 + ["--recompute-granularity", "selective"],
+        LLAMA_STYLE
+        + WIDE
+        + FP8
+        + ["--recompute-granularity", "full"]
+        + ["--recompute-method", "block", "--recompute-num-layers", "1"],
+        # the first layer kept out of FP8; the second's MoE experts stay bf16 too
+        LLAMA_STYLE
+        + WIDE
+        + FP8
+        + MOE
+        + ["--moe-layer-freq", "[0,1]"]
+        + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"],
     ],
-    ids=["llama", "llama-bf16-selective", "gpt2-dropout-full-block", "llama-moe"],
+    ids=[
+        "llama",
+        "llama-bf16-selective",
+        "gpt2-dropout-full-block",
+        "llama-moe",
+        "llama-fp8",
+        "llama-fp8-selective",
+        "llama-fp8-full-block",
+        "llama-fp8-first-layer-bf16-moe",
+    ],
 )
 def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--recompute-granularity", "selective"], ["--use-distributed-optimizer"]],
+    ids=["plain", "selective", "distributed-optimizer"],
+)
+def test_what_fp8_changes_is_what_the_estimate_says(flags):
+    """The bytes FP8 adds or saves, beside the same bf16 run, at a tighter bound than the
+    totals' 10% (which a model ignoring FP8 would meet at this size): activations within 2%
+    of the measured change, the FP8 weight copies (and with --fp8-param-gather the gathered
+    copies under the static bytes) exactly."""
+    argv = LLAMA_STYLE + WIDE + TRAINING + ["--bf16"] + flags
+    fp8 = ["--fp8-format", "hybrid"]
+    if "--use-distributed-optimizer" in flags:
+        fp8 += ["--fp8-param-gather"]
+    bf16, in_fp8 = _measure_and_estimate(argv), _measure_and_estimate(argv + fp8)
+    measured, estimated = (in_fp8["activations"][i] - bf16["activations"][i] for i in (0, 1))
+    assert measured < 0 and abs(estimated - measured) <= 0.02 * abs(measured)
+    for what in ("static", "fp8 weight copies"):
+        assert in_fp8[what][0] == in_fp8[what][1], what
+    gathered = in_fp8["static"][0] - bf16["static"][0]
+    assert gathered == (in_fp8["fp8 weight copies"][0] if "--fp8-param-gather" in fp8 else 0)
 
 
 @pytest.mark.parametrize(
@@ -87,6 +146,13 @@ def test_single_process(flags):
         ),
         (2, MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]),
         (4, MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        (
+            4,
+            FP8
+            + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--use-distributed-optimizer", "--fp8-param-gather"],
+        ),
+        (2, FP8 + ["--pipeline-model-parallel-size", "2"]),
     ],
     ids=[
         "tp2-sp",
@@ -98,6 +164,8 @@ def test_single_process(flags):
         "tp2-sp-cp2-selective",
         "moe-ep2-every-other-layer",
         "moe-ep2-dp2-distributed-optimizer",
+        "fp8-tp2-sp-dp2-param-gather",
+        "fp8-pp2",
     ],
 )
 def test_parallel_layouts(world_size, flags):

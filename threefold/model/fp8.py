@@ -90,10 +90,16 @@ class Fp8Scaling:
     """This rank's FP8 states: the delayed recipe's step-end update and its checkpoint tensors."""
 
     def __init__(
-        self, chunks: list[nn.Module], config: Fp8Config, parallel: ParallelContext, num_layers: int
+        self,
+        chunks: list[nn.Module],
+        config: Fp8Config,
+        parallel: ParallelContext,
+        num_layers: int,
+        cache_weights: bool = True,
     ) -> None:
-        """Over chunks `convert_to_fp8` has converted."""
+        """Over chunks `convert_to_fp8` has converted. `cache_weights`: see `weights_cached`."""
         self.recipe, self.parallel = fp8_recipe(config), parallel
+        self.cache_weights = cache_weights
         self.param_gather = config.fp8_param_gather
         self.states = fp8_states(chunks)
         self.bf16_layers = sorted(config.bf16_layers(num_layers))
@@ -113,8 +119,9 @@ class Fp8Scaling:
         and the delayed scales' update come after), so every micro-batch would cast the same
         bytes; the copies are dropped at the end, before the weights change. Saves the casts of
         the later micro-batches and, as they share the copy, a pipeline stage holds one
-        transposed FP8 weight for its micro-batches in flight instead of one each."""
-        states = list(self.states.values())
+        transposed FP8 weight for its micro-batches in flight instead of one each. (Not under
+        FSDP, whose point is not to hold every layer's whole weight at once.)"""
+        states = list(self.states.values()) if self.cache_weights else []
         for state in states:
             state.cache_weight = True
         try:

@@ -100,7 +100,10 @@ def build_model_and_optimizer(
                     module.gradient_accumulation_fusion = True
     fp8 = None
     if config.fp8.enabled:
-        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers)
+        # FSDP gathers a layer's weights for its forward and frees them after: a copy of
+        # every layer's FP8 weight held through the step would undo that.
+        cache = config.parallel.distributed_strategy != "fsdp"
+        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers, cache)
         report(fp8.describe())
     optimizer = data_parallel.optimizer
     optimizer.initialize_state()

@@ -8,6 +8,7 @@ optimizer over d data-parallel ranks 2 + 4 + 12/d. fp32 parameters need no separ
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -53,13 +54,15 @@ def measure_activation_bytes(
     batch: dict,
     tensor_shape: tuple[int, ...],
     dtype: torch.dtype,
+    shared: Iterable[torch.Tensor] = (),
 ) -> int:
     """Bytes of the tensors autograd keeps for backward over one training micro-batch through
-    this rank's model chunks (parameters excluded, each storage counted once): what a micro-batch
-    in flight costs. A chunk that does not start the model gets zeros of `tensor_shape` as what
-    the previous stage would have sent. Measured with saved-tensor hooks, so it works on the
-    CPU."""
+    this rank's model chunks (parameters and `shared`, tensors held once for all micro-batches,
+    excluded; each storage counted once): what a micro-batch in flight costs. A chunk that does
+    not start the model gets zeros of `tensor_shape` as what the previous stage would have
+    sent. Measured with saved-tensor hooks, so it works on the CPU."""
     params = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
+    params |= {tensor.untyped_storage().data_ptr() for tensor in shared}
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

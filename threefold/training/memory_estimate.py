@@ -32,6 +32,13 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
 - dropout masks when dropout is on.
+FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention and dense MLPs keep
+1-byte copies of their inputs instead of the run's dtype: QKV and fc1 (the norm block's linear
+input) and fc2 (SwiGLU's product) drop to 1 byte an element; the projection's input is the
+attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
+recomputation drops the core's. The step's FP8 weights and their transposes (2 bytes per FP8
+weight; 1 with --fp8-param-gather, whose gathered copy counts under parameters with 1 byte
+each) are held once for all micro-batches (`Fp8Scaling.weights_cached`).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -102,6 +109,28 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
     return per_layer * sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
 
 
+def _fp8_layer(config: Config, layer: int) -> bool:
+    """Whether 0-based layer `layer` runs its linear layers in FP8."""
+    fp8 = config.fp8
+    return fp8.enabled and layer + 1 not in fp8.bf16_layers(config.model.num_layers)
+
+
+def stage_fp8_weights(config: Config, stage: int) -> int:
+    """The weight elements of the FP8 linear layers one rank of stage `stage` holds: attention's
+    QKV and projection, and dense MLPs' fc1 and fc2 (experts stay in the run's precision)."""
+    model, parallel = config.model, config.parallel
+    tp, h, d = parallel.tensor_model_parallel_size, model.hidden_size, model.kv_channels
+    attention = h * d * (2 * model.num_attention_heads + 2 * model.num_query_groups) // tp
+    f = model.ffn_hidden_size
+    mlp = h * f * (3 if model.swiglu else 2) // tp
+    pattern = model.moe_layer_pattern(model.num_layers)
+    return sum(
+        attention + (0 if pattern[layer] else mlp)
+        for layer in _stage_layers(model, parallel, stage)
+        if _fp8_layer(config, layer)
+    )
+
+
 def stage_parameters(
     model: ModelConfig, parallel: ParallelConfig, padded_vocab: int, stage: int
 ) -> int:
@@ -155,8 +184,12 @@ def _local_sequence(config: Config) -> int:
     return config.model.seq_length // config.parallel.context_parallel_size
 
 
-def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
-    """What one transformer layer keeps for backward per micro-batch (see the module doc)."""
+def layer_activation_bytes(
+    config: Config, recompute_kept: bool = False, fp8: bool = False, moe: bool | None = None
+) -> int:
+    """What one transformer layer keeps for backward per micro-batch (see the module doc).
+    `fp8`: the layer's linears run in FP8; `moe`: whether its MLP is an MoE layer (default:
+    the average over the model's layers)."""
     model, parallel = config.model, config.parallel
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     f, a, d, g = (
@@ -170,28 +203,40 @@ def layer_activation_bytes(config: Config, recompute_kept: bool = False) -> int:
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     if recompute_kept:  # full recomputation: the layer group's input only
         return e * s * b * h // sigma
+    if moe is None and model.is_moe:  # averaged over the layers: exact if all are MoE
+        pattern = model.moe_layer_pattern(model.num_layers)
+        share = sum(pattern) / len(pattern)
+        dense, sparse = (layer_activation_bytes(config, False, fp8, kind) for kind in (False, True))
+        return round((1 - share) * dense + share * sparse)
     rms = model.normalization == "RMSNorm"
     stats = 1 if rms else 2
     norm_block = 4 * s * b * h // sigma * (2 if rms else 1) + 4 * stats * s * b // sigma
-    norm_block += e * s * b * h  # the linear's input, gathered over the sequence under SP
-    attention = e * s * b * (h + 2 * g * d) // t + e * s * b * h // t
+    selective = model.recompute_granularity == "selective"
+    mlp_in_fp8 = fp8 and not moe
+    # The linear's input, gathered over the sequence under SP: an FP8 copy in an FP8 layer
+    # (an MoE layer's second norm feeds the router and experts, which stay in the run's dtype).
+    qkv_input, fc1_input = (1 if fp8 else e), (1 if mlp_in_fp8 else e)
+    norm_blocks = 2 * norm_block + (qkv_input + fc1_input) * s * b * h
+    # The projection's input, the attention core's output: kept by the core unless selective
+    # recomputation drops it; the FP8 layer keeps its own copy.
+    core_output = (0 if selective else e) + 1 if fp8 else e
+    attention = e * s * b * (h + 2 * g * d) // t + core_output * s * b * h // t
     if model.position_embedding_type == "rope":
         attention += e * s * b * (h + g * d) // t
-    if model.recompute_granularity != "selective":
+    if not selective:
         attention += 4 * b * a * s // t
         if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
             # The other CP ranks' keys and values, gathered and kept for backward.
             others = model.seq_length - s
             attention += 2 * e * others * b * g * d // t
-    mlp = e * s * b * f // t * (4 if model.swiglu else 2)
-    if model.is_moe:  # averaged over the layers: exact when every layer is an MoE layer
-        pattern = model.moe_layer_pattern(model.num_layers)
-        share = sum(pattern) / len(pattern)
-        mlp = round((1 - share) * mlp + share * _moe_activation_bytes(config, s, b, e))
+    # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: two.
+    mlp = (e * (3 if model.swiglu else 1) + (1 if mlp_in_fp8 else e)) * s * b * f // t
+    if moe:
+        mlp = _moe_activation_bytes(config, s, b, e)
     # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
     dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
-    return 2 * norm_block + attention + mlp + dropout
+    return norm_blocks + attention + mlp + dropout
 
 
 def _moe_activation_bytes(config: Config, s: int, b: int, e: int) -> int:
@@ -244,7 +289,8 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         parallel.decoder_last_pipeline_num_layers,
     )
     total = 0
-    for _, layers in chunks:
+    for offset, layers in chunks:
+        recomputed = 0
         if model.recompute_granularity == "full":
             every = model.recompute_num_layers
             groups = (
@@ -252,9 +298,9 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
             )
             recomputed = layers if model.recompute_method == "uniform" else groups
             total += groups * layer_activation_bytes(config, recompute_kept=True)
-            total += (layers - recomputed) * layer_activation_bytes(config)
-        else:
-            total += layers * layer_activation_bytes(config)
+        # --recompute-method block recomputes a chunk's first layers; the rest keep theirs.
+        for layer in range(offset + recomputed, offset + layers):
+            total += layer_activation_bytes(config, fp8=_fp8_layer(config, layer))
     if model.position_embedding_type == "rope":
         total += 2 * 4 * s * model.kv_channels  # the cos/sin tables
     if stage == 0:
@@ -282,7 +328,7 @@ def recompute_workspace_bytes(config: Config) -> int:
     if model.recompute_granularity != "full":
         return 0
     group = model.recompute_num_layers if model.recompute_method == "uniform" else 1
-    return group * layer_activation_bytes(config)
+    return group * layer_activation_bytes(config, fp8=config.fp8.enabled)
 
 
 @dataclass
@@ -293,6 +339,7 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     micro_batches_in_flight: int
+    fp8_weights: float = 0.0  # the step's FP8 weight copies, shared by its micro-batches
 
     @property
     def static(self) -> float:
@@ -300,7 +347,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations
+        return self.static + self.activations + self.fp8_weights
 
 
 def estimate_stage(
@@ -328,12 +375,27 @@ def estimate_stage(
         experts = stage_expert_parameters(config.model, parallel, stage)
         dp_cp = parallel.data_parallel_size * parallel.context_parallel_size
         optimizer_bytes += experts * optimizer * (dp_cp / parallel.expert_data_parallel_size - 1)
+    fp8_weights = stage_fp8_weights(config, stage)
+    gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
+    # --fp8-param-gather: the gathered FP8 copies beside the parameters, and only their
+    # transposes per step; otherwise the step casts each weight into both layouts. FSDP
+    # keeps no step copy: each micro-batch in flight keeps its layers' FP8 transposes.
+    parameter_bytes = count * params + fp8_weights * gathered
+    fp8_copies = 1 if gathered else 2
+    if strategy == "fsdp":
+        fp8_copies = in_flight
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
     ) + recompute_workspace_bytes(config)
     return MemoryEstimate(
-        stage, count * params, count * grads, optimizer_bytes, activations, in_flight
+        stage,
+        parameter_bytes,
+        count * grads,
+        optimizer_bytes,
+        activations,
+        in_flight,
+        fp8_weights * fp8_copies,
     )
 
 
