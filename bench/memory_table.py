@@ -1,5 +1,6 @@
 """Per-GPU memory of LLaMA-2 7B/13B/70B in the layouts Megatron-Core's guides use, from
-threefold's estimator (tools/estimate_memory.py), against 80 GB GPUs.
+threefold's estimator (tools/estimate_memory.py), against 80 GB GPUs; then the same models
+in bf16 beside FP8 GEMMs with and without --fp8-param-gather.
 
     python bench/memory_table.py > bench/results/memory_table.md
 
@@ -98,29 +99,51 @@ VARIANTS = {
 }
 
 
+# FP8 (docs/fp8.md) on the distributed-optimizer, selective-recompute rows: the linears' 1-byte
+# input copies, the step's FP8 weight copies, and --fp8-param-gather's gathered weights.
+FP8_BASE = "distributed optimizer, selective recompute"
+FP8_VARIANTS = {
+    "bf16": [],
+    "FP8 hybrid": ["--fp8-format", "hybrid"],
+    "FP8 hybrid, --fp8-param-gather": ["--fp8-format", "hybrid", "--fp8-param-gather"],
+}
+
+
+def _config(model: str, variant: list[str]):
+    gpus, tp, pp = RECOMMENDED[model]
+    layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    return parse_args(LLAMA + MODELS[model] + variant + layout, world_size=gpus)
+
+
+def fp8_table() -> None:
+    print(
+        "| model | GPUs | TP | PP | DP | precision | params | grads | optimizer | "
+        "activations | fp8 weights | total GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        gpus, tp, pp = RECOMMENDED[model]
+        for name, variant in FP8_VARIANTS.items():
+            config = _config(model, VARIANTS[FP8_BASE] + variant)
+            e = estimate_memory(config)
+            sizes = (e.parameters, e.gradients, e.optimizer, e.activations, e.fp8_weights, e.total)
+            dp = config.parallel.data_parallel_size
+            row = [model, gpus, tp, pp, dp, name, *(f"{x / GIB:.1f}" for x in sizes)]
+            print("| " + " | ".join(str(x) for x in row) + " |")
+
+
 def main() -> None:
     print(
         "| model | GPUs | TP | PP | DP | options | params | grads | optimizer | "
         "activations | total GiB | fits 90% of 80 GB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model, flags in MODELS.items():
+    for model in MODELS:
         gpus, tp, pp = RECOMMENDED[model]
         for name, variant in VARIANTS.items():
             if "SP" in name and tp == 1:
                 continue
-            config = parse_args(
-                LLAMA
-                + flags
-                + variant
-                + [
-                    "--tensor-model-parallel-size",
-                    str(tp),
-                    "--pipeline-model-parallel-size",
-                    str(pp),
-                ],
-                world_size=gpus,
-            )
+            config = _config(model, variant)
             e = estimate_memory(config)
             row = [
                 model,
@@ -136,6 +159,8 @@ def main() -> None:
                 "yes" if e.total <= 80e9 * 0.9 else "no",
             ]
             print("| " + " | ".join(str(x) for x in row) + " |")
+    print(f"\nWith FP8 GEMMs ({FP8_BASE}):\n")
+    fp8_table()
 
 
 if __name__ == "__main__":

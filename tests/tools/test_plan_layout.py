@@ -40,7 +40,9 @@ def _planner(model: str, gpus: int) -> Planner:
 
 def _published_memory() -> dict[tuple[str, str], float]:
     with open(os.path.join(ROOT, "bench", "results", "memory_table.md")) as file:
-        rows = [line.split("|")[1:-1] for line in file if line.startswith("| LLaMA")]
+        first_table = file.read().split("\n\n")[0]  # the FP8 table follows
+        rows = [line.split("|")[1:-1] for line in first_table.splitlines()]
+        rows = [row for row in rows if row[0].startswith(" LLaMA")]
     return {(row[0].strip(), row[5].strip()): float(row[10]) for row in rows}
 
 

@@ -39,14 +39,14 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     with fp8.weights_cached() if fp8 is not None else contextlib.nullcontext():
         measure(options["dtype"])
         copies = [state.weight_cache for state in (fp8.states.values() if fp8 else [])]
-        shared = [tensor for cache in copies for tensor in cache[1:3]]
+        shared = [cache[1] for cache in copies]
         activations = measure(options["dtype"], shared)
     results = {
         "static": (measured.total * count, estimate.static),
         "activations": (activations, micro_batch_activation_bytes(trainer.config, stage)),
     }
-    if copies:  # both layouts; only the transpose where the gathered copy is the weight
-        held = sum(c[2].nbytes + (0 if fp8.param_gather else c[1].nbytes) for c in copies)
+    if copies:
+        held = sum(cache[1].nbytes for cache in copies)
         results["fp8 weight copies"] = (held, estimate.fp8_weights)
     return results
 

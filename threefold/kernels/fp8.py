@@ -148,11 +148,10 @@ class Fp8Linear(nn.Module):
         # (A tuple: a parameter assigned to a module attribute would become the module's.)
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
-        # One training step's FP8 weight: (the weight, its two layouts, its scale), cast by the
-        # first micro-batch and read by the others (`Fp8Scaling.weights_cached`).
+        # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale), cast
+        # by the first micro-batch and read by the others (`Fp8Scaling.weights_cached`).
         self.cache_weight = False
-        self.weight_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-        self.weight_cache = None
+        self.weight_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cast(
         self, index: int, tensor: torch.Tensor
@@ -211,18 +210,24 @@ class Fp8Linear(nn.Module):
         self, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
-        --fp8-param-gather, else cast now; inside `Fp8Scaling.weights_cached`, the first
-        micro-batch's for every later one."""
+        --fp8-param-gather, else cast now. Inside `Fp8Scaling.weights_cached` the first
+        micro-batch's transposed copy serves every later one (which saves it for backward
+        too), and the row-major one, with --fp8-param-gather the gathered copy, is otherwise
+        transposed back from it for the forward GEMM and freed after it: holding both
+        layouts through the step would cost a byte more per weight."""
+        gathered = self.gathered is not None and self.gathered[0] is weight
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
-            return cache[1], cache[2], cache[3]
-        if self.gathered is not None and self.gathered[0] is weight:
+            _, transposed, scale = cache
+            weight8 = self.gathered[1] if gathered else transposed.t().contiguous()
+            return weight8, transposed, scale
+        if gathered:
             weight8 = self.gathered[1]
             result = weight8, weight8.t().contiguous(), self.gathered_scale
         else:
             result = self.cast(WEIGHT, weight)
         if self.cache_weight:
-            self.weight_cache = (weight, *result)
+            self.weight_cache = (weight, result[1], result[2])
         return result
 
     def use_history(self) -> None:

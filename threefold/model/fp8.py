@@ -113,14 +113,15 @@ class Fp8Scaling:
     @contextmanager
     def weights_cached(self) -> Iterator[None]:
         """One training step's forward and backward passes: each FP8 weight is cast (or, with
-        --fp8-param-gather, transposed) by its first micro-batch and the copy is read by every
-        later one and their backward passes, as Transformer Engine does for
-        `is_first_microbatch`. Exact: no weight or scale changes inside a step (the optimizer
-        and the delayed scales' update come after), so every micro-batch would cast the same
-        bytes; the copies are dropped at the end, before the weights change. Saves the casts of
-        the later micro-batches and, as they share the copy, a pipeline stage holds one
-        transposed FP8 weight for its micro-batches in flight instead of one each. (Not under
-        FSDP, whose point is not to hold every layer's whole weight at once.)"""
+        --fp8-param-gather, transposed) by its first micro-batch, and its transposed copy is
+        read by every later one and their backward passes (`Fp8Linear.weight_in_fp8`), as
+        Transformer Engine caches weights for `is_first_microbatch`. Exact: no weight or scale
+        changes inside a step (the optimizer and the delayed scales' update come after), so
+        every micro-batch would cast the same bytes; the copies are dropped at the end, before
+        the weights change. Later micro-batches transpose instead of casting (no amax, no
+        reduction), and, as they share the copy, a pipeline stage holds one transposed FP8
+        weight for its micro-batches in flight instead of one each. (Not under FSDP, whose
+        point is not to hold every layer's whole weight at once.)"""
         states = list(self.states.values()) if self.cache_weights else []
         for state in states:
             state.cache_weight = True

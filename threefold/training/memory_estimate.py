@@ -36,9 +36,9 @@ FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention and dens
 1-byte copies of their inputs instead of the run's dtype: QKV and fc1 (the norm block's linear
 input) and fc2 (SwiGLU's product) drop to 1 byte an element; the projection's input is the
 attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
-recomputation drops the core's. The step's FP8 weights and their transposes (2 bytes per FP8
-weight; 1 with --fp8-param-gather, whose gathered copy counts under parameters with 1 byte
-each) are held once for all micro-batches (`Fp8Scaling.weights_cached`).
+recomputation drops the core's. The step's transposed FP8 weights (1 byte per FP8 weight) are
+held once for all micro-batches (`Fp8Scaling.weights_cached`; under FSDP one per micro-batch in
+flight); --fp8-param-gather's gathered FP8 weights count under parameters, 1 byte each.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -378,13 +378,11 @@ def estimate_stage(
     fp8_weights = stage_fp8_weights(config, stage)
     gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
-    # --fp8-param-gather: the gathered FP8 copies beside the parameters, and only their
-    # transposes per step; otherwise the step casts each weight into both layouts. FSDP
-    # keeps no step copy: each micro-batch in flight keeps its layers' FP8 transposes.
+    # The step's transposed FP8 weights, shared by its micro-batches (FSDP shares none: each
+    # micro-batch in flight keeps its own); --fp8-param-gather's gathered FP8 weights beside
+    # the parameters.
     parameter_bytes = count * params + fp8_weights * gathered
-    fp8_copies = 1 if gathered else 2
-    if strategy == "fsdp":
-        fp8_copies = in_flight
+    fp8_copies = in_flight if strategy == "fsdp" else 1
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
     ) + recompute_workspace_bytes(config)
