@@ -173,12 +173,19 @@ def threefold_args(shape: Shape, bf16: bool) -> list[str]:
 def _threefold(shape: Shape, device, bf16: bool, extra: tuple[str, ...] = ()):
     from threefold.arguments import parse_args
     from threefold.parallel.parallel_context import ParallelContext
+    from threefold.training.memory_estimate import estimate_memory
     from threefold.training.trainer import Trainer
 
     trainer = Trainer(
         parse_args(threefold_args(shape, bf16) + list(extra)), device, ParallelContext()
     )
-    return lambda: trainer.train_step()[0]
+
+    def step() -> float:
+        return trainer.train_step()[0]
+
+    # What tools/estimate_memory.py predicts, beside the measured peak (FP8's terms included).
+    step.estimate_gib = estimate_memory(trainer.config).total / 2**30
+    return step
 
 
 def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
@@ -217,6 +224,7 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
         "step_s": seconds,
         "tokens_per_s": shape.global_batch_size * shape.seq_length / seconds,
         "memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "estimate_gib": getattr(step, "estimate_gib", None),
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
@@ -358,15 +366,17 @@ def main() -> None:
     rows = []
     for name, result in results.items():
         if "error" in result:
-            rows.append(f"| {name} | not run: {result['error']} | | | | | |")
+            rows.append(f"| {name} | not run: {result['error']} | | | | | | |")
             continue
         tflops = flops / result["step_s"] / 1e12
         mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (not a known GPU)"
         memory = f"{result['memory_gib']:.1f}" if result["memory_gib"] is not None else "n/a"
+        estimate = result.get("estimate_gib")
+        estimate = f"{estimate:.1f}" if estimate is not None else "-"
         ratio = f"{ours / result['tokens_per_s']:.2f}" if ours else "n/a"
         rows.append(
             f"| {name} | {result['tokens_per_s']:,.0f} | {tflops:.1f} | {mfu} | "
-            f"{memory} | {result['first_loss']:.3f} -> {result['last_loss']:.3f} | "
+            f"{memory} | {estimate} | {result['first_loss']:.3f} -> {result['last_loss']:.3f} | "
             f"{ratio} |"
         )
     report = "\n".join(
@@ -379,9 +389,9 @@ def main() -> None:
             f"(threefold/training/flops.py); {args.steps} timed steps after {args.warmup} warm-up "
             "steps; one process per contender, raw logs beside this file.",
             "",
-            "| contender | tokens/s | model TFLOP/s | MFU | peak memory GiB | loss first -> last "
-            "| best threefold's speed-up |",
-            "|---|---|---|---|---|---|---|",
+            "| contender | tokens/s | model TFLOP/s | MFU | peak memory GiB | threefold's "
+            "estimate GiB | loss first -> last | best threefold's speed-up |",
+            "|---|---|---|---|---|---|---|---|",
             *rows,
             "",
         ]

@@ -50,6 +50,9 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     )
     assert speedups[0] == 1.0 and speedups[1] >= 1.0
     assert re.search(r"\| [\d.]+ \|$", rows["transformers"])
+    # threefold's rows carry the estimator's prediction beside the (CPU: unmeasured) peak.
+    assert re.search(r"\| n/a \| [\d.]+ \| [\d.]+ -> ", rows["threefold"])
+    assert "| n/a | - |" in rows["transformers"]
     assert "not run: RuntimeError: megatron-core's GPTModel needs CUDA" in rows["megatron-core"]
     assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan"]
     log = (tmp_path / "threefold.log").read_text()
