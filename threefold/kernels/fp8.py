@@ -227,7 +227,9 @@ class Fp8Linear(nn.Module):
         else:
             result = self.cast(WEIGHT, weight)
         if self.cache_weight:
-            self.weight_cache = (weight, result[1], result[2])
+            # (A copy of the scale: under --compile-layers a view of a buffer made inside the
+            # graph cannot outlive it.)
+            self.weight_cache = (weight, result[1], result[2].clone())
         return result
 
     def use_history(self) -> None:

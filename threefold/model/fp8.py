@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from threefold.config import Config
 from threefold.config.fp8 import Fp8Config
 from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
 from threefold.model.mlp import MLP
@@ -61,6 +62,19 @@ def convert_to_fp8(
             # Amaxes of sharded tensors are reduced over the ranks holding the shards.
             state = Fp8Linear(recipe, parallel.tp_cp, gradient_factor)
             layer.get_submodule(name).fp8 = state.to(device)
+
+
+def caches_fp8_weights(config: Config) -> bool:
+    """Whether a training step keeps its FP8 weights for all its micro-batches
+    (`Fp8Scaling.weights_cached`). Not under FSDP, which gathers a layer's weights for its
+    forward and frees them after: a copy of every layer's held through the step would undo
+    that. Not for compiled layers recomputed whole: the recomputation would run another graph
+    than the forward did (the one reading the copy), saving other tensors, which activation
+    checkpointing refuses."""
+    full_recompute = config.model.recompute_granularity == "full"
+    return config.parallel.distributed_strategy != "fsdp" and not (
+        config.kernels.compile_layers and full_recompute
+    )
 
 
 def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:
@@ -120,8 +134,8 @@ class Fp8Scaling:
         every micro-batch would cast the same bytes; the copies are dropped at the end, before
         the weights change. Later micro-batches transpose instead of casting (no amax, no
         reduction), and, as they share the copy, a pipeline stage holds one transposed FP8
-        weight for its micro-batches in flight instead of one each. (Not under FSDP, whose
-        point is not to hold every layer's whole weight at once.)"""
+        weight for its micro-batches in flight instead of one each. (Off where
+        `caches_fp8_weights` says so: then every micro-batch casts.)"""
         states = list(self.states.values()) if self.cache_weights else []
         for state in states:
             state.cache_weight = True

@@ -10,7 +10,7 @@ import torch
 from threefold.config import Config
 from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_model
 from threefold.model import GPTModel
-from threefold.model.fp8 import Fp8Scaling, convert_to_fp8
+from threefold.model.fp8 import Fp8Scaling, caches_fp8_weights, convert_to_fp8
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.training.data_parallel import (
@@ -100,10 +100,9 @@ def build_model_and_optimizer(
                     module.gradient_accumulation_fusion = True
     fp8 = None
     if config.fp8.enabled:
-        # FSDP gathers a layer's weights for its forward and frees them after: a copy of
-        # every layer's FP8 weight held through the step would undo that.
-        cache = config.parallel.distributed_strategy != "fsdp"
-        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers, cache)
+        fp8 = Fp8Scaling(
+            chunks, config.fp8, parallel, config.model.num_layers, caches_fp8_weights(config)
+        )
         report(fp8.describe())
     optimizer = data_parallel.optimizer
     optimizer.initialize_state()

@@ -51,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
+from threefold.model.fp8 import caches_fp8_weights
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 
 
@@ -378,11 +379,13 @@ def estimate_stage(
     fp8_weights = stage_fp8_weights(config, stage)
     gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
-    # The step's transposed FP8 weights, shared by its micro-batches (FSDP shares none: each
-    # micro-batch in flight keeps its own); --fp8-param-gather's gathered FP8 weights beside
-    # the parameters.
+    # The step's transposed FP8 weights, shared by its micro-batches; uncached, each
+    # micro-batch in flight keeps its own (a recomputed one only while recomputing, left out).
+    # --fp8-param-gather's gathered FP8 weights beside the parameters.
     parameter_bytes = count * params + fp8_weights * gathered
-    fp8_copies = in_flight if strategy == "fsdp" else 1
+    fp8_copies = 1
+    if not caches_fp8_weights(config):
+        fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
     ) + recompute_workspace_bytes(config)
