@@ -227,9 +227,7 @@ class Fp8Linear(nn.Module):
         else:
             result = self.cast(WEIGHT, weight)
         if self.cache_weight:
-            # (A copy of the scale: under --compile-layers a view of a buffer made inside the
-            # graph cannot outlive it.)
-            self.weight_cache = (weight, result[1], result[2].clone())
+            self.weight_cache = (weight, result[1], result[2])
         return result
 
     def use_history(self) -> None:
@@ -237,6 +235,11 @@ class Fp8Linear(nn.Module):
         self.scale_in_use.copy_(self.scale * self.units)
         self.has_history = True
 
+    # Eager inside layers compiled whole (--compile-layers): traced into a layer's graph, the
+    # backward would read this state as tensors saved by the forward, and under pipeline
+    # parallelism the next micro-batch's forward updates them in place first, which autograd
+    # refuses. Its casts stay compiled kernels (KERNELS.fp8_cast_transpose).
+    @torch.compiler.disable
     def linear(
         self,
         x: torch.Tensor,

@@ -68,13 +68,8 @@ def caches_fp8_weights(config: Config) -> bool:
     """Whether a training step keeps its FP8 weights for all its micro-batches
     (`Fp8Scaling.weights_cached`). Not under FSDP, which gathers a layer's weights for its
     forward and frees them after: a copy of every layer's held through the step would undo
-    that. Not for compiled layers recomputed whole: the recomputation would run another graph
-    than the forward did (the one reading the copy), saving other tensors, which activation
-    checkpointing refuses."""
-    full_recompute = config.model.recompute_granularity == "full"
-    return config.parallel.distributed_strategy != "fsdp" and not (
-        config.kernels.compile_layers and full_recompute
-    )
+    that."""
+    return config.parallel.distributed_strategy != "fsdp"
 
 
 def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:

@@ -379,7 +379,7 @@ def estimate_stage(
     fp8_weights = stage_fp8_weights(config, stage)
     gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
-    # The step's transposed FP8 weights, shared by its micro-batches; uncached, each
+    # The step's transposed FP8 weights, shared by its micro-batches; uncached (FSDP), each
     # micro-batch in flight keeps its own (a recomputed one only while recomputing, left out).
     # --fp8-param-gather's gathered FP8 weights beside the parameters.
     parameter_bytes = count * params + fp8_weights * gathered
