@@ -19,6 +19,7 @@ from tests.parity import (
     relative_error,
     train_job,
 )
+from threefold.kernels.dispatch import KERNELS
 
 LLAMA = LLAMA_STYLE + TRAINING
 
@@ -109,6 +110,7 @@ def test_fp8_layers_compiled_train_as_eager_ones(recipe):
     eager = train_job(argv, 3)
     counters.clear()
     compiled = train_job(argv + ["--compile-layers"], 3)
+    assert "each torch.compile'd, its FP8 linears eager between" in KERNELS.description
     assert_losses_close(compiled["losses"], eager["losses"], 1e-6)
     assert_close_dicts(compiled["params"], eager["params"], 1e-3, "parameter")
     errors = [relative_error(compiled["params"][n], eager["params"][n]) for n in eager["params"]]
