@@ -109,6 +109,15 @@ FP8_VARIANTS = {
 }
 
 
+SIZES = ("params", "grads", "optimizer", "activations")
+
+
+def _header(*columns: str) -> None:
+    columns = ("model", "GPUs", "TP", "PP", "DP", *columns)
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def _config(model: str, variant: list[str]):
     gpus, tp, pp = RECOMMENDED[model]
     layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
@@ -116,11 +125,7 @@ def _config(model: str, variant: list[str]):
 
 
 def fp8_table() -> None:
-    print(
-        "| model | GPUs | TP | PP | DP | precision | params | grads | optimizer | "
-        "activations | fp8 weights | total GiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    _header("precision", *SIZES[:4], "fp8 weights", "total GiB")
     for model in MODELS:
         gpus, tp, pp = RECOMMENDED[model]
         for name, variant in FP8_VARIANTS.items():
@@ -133,11 +138,7 @@ def fp8_table() -> None:
 
 
 def main() -> None:
-    print(
-        "| model | GPUs | TP | PP | DP | options | params | grads | optimizer | "
-        "activations | total GiB | fits 90% of 80 GB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    _header("options", *SIZES[:4], "total GiB", "fits 90% of 80 GB")
     for model in MODELS:
         gpus, tp, pp = RECOMMENDED[model]
         for name, variant in VARIANTS.items():

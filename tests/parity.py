@@ -53,6 +53,13 @@ LLAMA_STYLE = [
     "--disable-bias-linear",
     "--untie-embeddings-and-output-weights",
 ]
+# FP8 runs of a few steps: both recipes, and full recomputation (a second forward per step).
+FP8_STEP_VARIANTS = {
+    "delayed": ["--fp8-format", "hybrid"],
+    "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "delayed-full-recompute": ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
+    + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+}
 TRAINING = [
     "--micro-batch-size",
     "2",

@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parity import (
+    FP8_STEP_VARIANTS,
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
@@ -86,16 +87,7 @@ def test_pipeline_parallel_with_full_recompute_and_compiled_layers():
     assert_matches_reference(run_distributed(2, train_job, argv, 10), reference, 1e-5)
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        ["--fp8-format", "hybrid"],
-        ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
-        ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
-        + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    ],
-    ids=["delayed", "tensorwise", "delayed-full-recompute"],
-)
+@pytest.mark.parametrize("recipe", FP8_STEP_VARIANTS.values(), ids=FP8_STEP_VARIANTS)
 def test_fp8_layers_compiled_train_as_eager_ones(recipe):
     """FP8 GEMMs inside compiled layers, over three steps of four micro-batches: the step's
     cached FP8 weights (first micro-batch casts, the rest read) and the delayed scales' first

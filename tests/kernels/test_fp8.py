@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_losses_close, train_job
+from tests.parity import (
+    FP8_STEP_VARIANTS,
+    LLAMA_STYLE,
+    TRAINING,
+    _setup,
+    assert_losses_close,
+    train_job,
+)
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
 from threefold.kernels.fp8 import (
@@ -306,16 +313,7 @@ def _cached_weight_run(argv: list[str], monkeypatch, cache: str) -> dict:
     return {"losses": losses, "params": params, "weight_casts": casts.count(WEIGHT)}
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ["--fp8-format", "hybrid"],
-        ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
-        ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
-        + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
-    ],
-    ids=["delayed", "tensorwise", "delayed-full-recompute"],
-)
+@pytest.mark.parametrize("flags", FP8_STEP_VARIANTS.values(), ids=FP8_STEP_VARIANTS)
 def test_a_step_casts_each_weight_once_and_trains_bitwise_as_before(monkeypatch, flags):
     argv = LLAMA_STYLE + TRAINING + flags
     cached = _cached_weight_run(argv, monkeypatch, "step")
