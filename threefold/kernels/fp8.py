@@ -211,10 +211,10 @@ class Fp8Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
         --fp8-param-gather, else cast now. Inside `Fp8Scaling.weights_cached` the first
-        micro-batch's transposed copy serves every later one (which saves it for backward
-        too), and the row-major one, with --fp8-param-gather the gathered copy, is otherwise
-        transposed back from it for the forward GEMM and freed after it: holding both
-        layouts through the step would cost a byte more per weight."""
+        micro-batch's transposed copy and scale are kept and serve every later micro-batch,
+        which saves that same copy for backward; its row-major copy is the gathered one, or
+        the kept one transposed back and freed after the forward GEMM (keeping both layouts
+        through the step would cost another byte per weight)."""
         gathered = self.gathered is not None and self.gathered[0] is weight
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
@@ -238,7 +238,7 @@ class Fp8Linear(nn.Module):
     # Eager inside layers compiled whole (--compile-layers): traced into a layer's graph, the
     # backward would read this state as tensors saved by the forward, and under pipeline
     # parallelism the next micro-batch's forward updates them in place first, which autograd
-    # refuses. Its casts stay compiled kernels (KERNELS.fp8_cast_transpose).
+    # refuses. On a GPU its casts stay compiled kernels (KERNELS.fp8_cast_transpose).
     @torch.compiler.disable
     def linear(
         self,
