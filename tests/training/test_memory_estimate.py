@@ -175,7 +175,8 @@ def test_parallel_layouts(world_size, flags):
     )
 
 
-def test_cli_prints_every_stage():
+@pytest.mark.parametrize("fp8", [[], ["--bf16", "--fp8-format", "hybrid"]], ids=["", "fp8"])
+def test_cli_prints_every_stage(fp8):
     result = subprocess.run(
         [
             sys.executable,
@@ -192,6 +193,10 @@ def test_cli_prints_every_stage():
             "--tensor-model-parallel-size",
             "2",
             "--use-distributed-optimizer",
+            # GiB-sized columns, so the sum below is not all zeros
+            *["--hidden-size", "4096", "--ffn-hidden-size", "11008", "--seq-length", "4096"],
+            *["--micro-batch-size", "1", "--global-batch-size", "8"],
+            *fp8,
         ],
         capture_output=True,
         text=True,
@@ -201,3 +206,10 @@ def test_cli_prints_every_stage():
     assert result.returncode == 0, result.stderr
     assert "TP=2 PP=2 DP=2" in result.stdout
     assert result.stdout.count(" fits") == 2  # one line per pipeline stage
+    # With FP8, a column for the step's FP8 weights, each stage's total its columns' sum.
+    header, *stages = result.stdout.splitlines()[1:]
+    assert ("fp8 weights GiB" in header) == bool(fp8)
+    for line in stages:
+        numbers = [float(x) for x in line.replace("(", " ").replace(")", " ").split()[1:-1]]
+        sizes, total = numbers[:4] + numbers[5:-1], numbers[-1]
+        assert abs(sum(sizes) - total) <= 0.01 * len(sizes), line
