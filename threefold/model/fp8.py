@@ -21,7 +21,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from threefold.config import Config
 from threefold.config.fp8 import Fp8Config
 from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
 from threefold.model.mlp import MLP
@@ -64,12 +63,12 @@ def convert_to_fp8(
             layer.get_submodule(name).fp8 = state.to(device)
 
 
-def caches_fp8_weights(config: Config) -> bool:
+def caches_fp8_weights(distributed_strategy: str) -> bool:
     """Whether a training step keeps its FP8 weights for all its micro-batches
     (`Fp8Scaling.weights_cached`). Not under FSDP, which gathers a layer's weights for its
     forward and frees them after: a copy of every layer's held through the step would undo
     that."""
-    return config.parallel.distributed_strategy != "fsdp"
+    return distributed_strategy != "fsdp"
 
 
 def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:

@@ -100,9 +100,8 @@ def build_model_and_optimizer(
                     module.gradient_accumulation_fusion = True
     fp8 = None
     if config.fp8.enabled:
-        fp8 = Fp8Scaling(
-            chunks, config.fp8, parallel, config.model.num_layers, caches_fp8_weights(config)
-        )
+        cache = caches_fp8_weights(config.parallel.distributed_strategy)
+        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers, cache)
         report(fp8.describe())
     optimizer = data_parallel.optimizer
     optimizer.initialize_state()

@@ -384,7 +384,7 @@ def estimate_stage(
     # --fp8-param-gather's gathered FP8 weights beside the parameters.
     parameter_bytes = count * params + fp8_weights * gathered
     fp8_copies = 1
-    if not caches_fp8_weights(config):
+    if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
