@@ -220,7 +220,7 @@ def layer_activation_bytes(
     norm_blocks = 2 * norm_block + (qkv_input + fc1_input) * s * b * h
     # The projection's input, the attention core's output: kept by the core unless selective
     # recomputation drops it; the FP8 layer keeps its own copy.
-    core_output = (0 if selective else e) + 1 if fp8 else e
+    core_output = ((0 if selective else e) + 1) if fp8 else e
     attention = e * s * b * (h + 2 * g * d) // t + core_output * s * b * h // t
     if model.position_embedding_type == "rope":
         attention += e * s * b * (h + g * d) // t
