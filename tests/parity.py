@@ -105,17 +105,19 @@ def _setup(argv: list[str]) -> Trainer:
 
 def _full(trainer: Trainer, attribute: str = "data") -> dict[str, np.ndarray]:
     """This rank's parameters (or their `main_grad`s), gathered over TP (an expert's: over
-    expert TP), by global name."""
-    return {
-        name: gather_tensor_parallel(
-            full(getattr(param, attribute)), param, sharding_group(param, trainer.parallel)
-        )
-        .detach()
-        .float()
-        .numpy()
-        .copy()
-        for name, param in trainer.layout_independent_parameters()
-    }
+    expert TP), by global name; in the run's dtype (--fp8-param-gather stores FP8 weights in
+    FP8)."""
+    with trainer.data_parallel.parameters_in_model_dtype():
+        return {
+            name: gather_tensor_parallel(
+                full(getattr(param, attribute)), param, sharding_group(param, trainer.parallel)
+            )
+            .detach()
+            .float()
+            .numpy()
+            .copy()
+            for name, param in trainer.layout_independent_parameters()
+        }
 
 
 def merge_pipeline_stages(per_rank: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

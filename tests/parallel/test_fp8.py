@@ -130,6 +130,8 @@ def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, reci
 PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]
 PARAM_GATHER_LAYOUTS = {
     "one_device": (1, PARAM_GATHER),
+    # a weight stored in FP8 has no gradient of its own: it goes into main_grad regardless
+    "one_device_unfused": (1, PARAM_GATHER + ["--no-gradient-accumulation-fusion"]),
     "dp2": (2, PARAM_GATHER),
     # the optimizer's shards split over the CP ranks; the stages' buffers on their own
     "cp2": (2, PARAM_GATHER + ["--context-parallel-size", "2"]),
@@ -177,9 +179,18 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
         )[1]
     losses = [trainer.train_step()[0] for _ in range(steps)]
     trainer.data_parallel.finish_param_gather()  # (--overlap-param-gather: the next forward's)
-    dequantized = all(
-        torch.equal(param, (state.gathered[1].float() / state.gathered_scale).to(param.dtype))
+    stored_in_fp8 = all(
+        param.dtype == torch.float8_e4m3fn and param.data_ptr() == state.gathered[1].data_ptr()
         for param, state in fp8_parameters.states.items()
+    )
+    with trainer.data_parallel.parameters_in_model_dtype():
+        dequantized = all(
+            param.dtype == fp8_parameters.model_dtype
+            and torch.equal(param.float(), state.gathered[1].float() / state.gathered_scale)
+            for param, state in fp8_parameters.states.items()
+        )
+    stored_in_fp8 = stored_in_fp8 and all(
+        param.dtype == torch.float8_e4m3fn for param in fp8_parameters.states
     )
     return {
         "losses": losses,
@@ -188,6 +199,7 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
         "weights_cast_in_forward": sum(weight_casts),
         "casts_in_forward": len(weight_casts),
         "flat_dtype": str(fp8_parameters.buffer.param_buffer.dtype),
+        "stored_in_fp8": stored_in_fp8,
         "dequantized": dequantized,
     }
 
@@ -199,8 +211,8 @@ def test_fp8_param_gather_matches_one_device(references, recipe, layout):
     whole weight: the same FP8 values a forward casting the fp32 weight gets, so every layout
     (DP, CP, PP, TP x DP with both overlaps) reproduces the one-device run without the flag, as
     the other layouts do. The forward reads the gathered FP8 weights (and casts only inputs
-    and gradients), which travel as E4M3 bytes, and the parameters hold their dequantized
-    values."""
+    and gradients), which travel as E4M3 bytes and are the FP8 weights' only storage,
+    dequantized on request (`parameters_in_model_dtype`)."""
     world_size, flags = PARAM_GATHER_LAYOUTS[layout]
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + flags
     if world_size == 1:
@@ -212,7 +224,8 @@ def test_fp8_param_gather_matches_one_device(references, recipe, layout):
         if world_size == 1:  # the same arithmetic in the same order: bitwise
             assert result["losses"] == reference["losses"]
         assert result["weights_cast_in_forward"] == 0 < result["casts_in_forward"]
-        assert result["flat_dtype"] == "torch.float8_e4m3fn" and result["dequantized"]
+        assert result["flat_dtype"] == "torch.float8_e4m3fn"
+        assert result["stored_in_fp8"] and result["dequantized"]
     assert_match_one_device(results, reference, recipe)
 
 
@@ -239,6 +252,35 @@ def test_fp8_save_and_resume_is_bitwise_identical(tmp_path, world_size, layout):
     result = run_distributed(world_size, _resume_job, argv, str(tmp_path / "ckpt"))[0]
     assert result["resumed_losses"] == result["straight"]["losses"][3:]
     assert_close_dicts(result["resumed_params"], result["straight"]["params"], 0.0, "parameter")
+
+
+def _save_param_gather_run(argv: list[str], directory: str) -> dict:
+    trainer = _setup(argv + ["--save", directory])
+    for _ in range(3):
+        trainer.train_step()
+    save_checkpoint(directory, trainer.checkpoint_components())
+    return {"params": _full(trainer)}
+
+
+def test_fp8_param_gather_checkpoints_hold_the_weights_in_the_runs_dtype(tmp_path):
+    """--fp8-param-gather keeps its FP8 weights in FP8 only, yet its checkpoint holds them in
+    bf16 — the dequantized values its GEMMs used — as any other run's: a DP2 checkpoint loads
+    as weights into one device with and without the flag (with it, the optimizer takes its
+    masters from the loaded weights, which it can only read in bf16), and both hold exactly
+    the saved run's weights."""
+    directory = str(tmp_path / "ckpt")
+    argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"] + ["--bf16", "--use-distributed-optimizer"]
+    saved = run_distributed(2, _save_param_gather_run, argv + ["--fp8-param-gather"], directory)
+    expected = saved[0]["params"]
+    for flags in ([], ["--fp8-param-gather"]):
+        loaded = _setup(argv + flags)
+        assert load_checkpoint(directory, loaded.checkpoint_components(), load_optimizer=False)
+        assert_close_dicts(_full(loaded), expected, 0.0, "weight")
+        if flags:
+            masters = _without_key_bias(dict(expected), loaded)
+            assert_close_dicts(_full_masters(loaded), masters, 0.0, "master")
+            stored = loaded.data_parallel.fp8_parameters.states
+            assert all(param.dtype == torch.float8_e4m3fn for param in stored)
 
 
 def _save_after_three_steps(argv: list[str], directory: str) -> dict:

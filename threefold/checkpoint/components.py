@@ -9,6 +9,7 @@ or, for the tensors, its own keyed view (`state_tensors`, `load_resharded`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,3 +42,6 @@ class CheckpointComponents:
     # FP8 scaling state (model/fp8.py's Fp8Scaling): state_tensors() under layout-independent
     # keys, the same on every rank that holds them; None without --fp8-format.
     fp8: Any = None
+    # A context in which `parameters` are in the run's dtype (--fp8-param-gather stores its
+    # FP8 weights in FP8 only): saves read, and loads write, inside it.
+    parameters_in_model_dtype: Callable[[], AbstractContextManager] = nullcontext

@@ -241,29 +241,34 @@ def load_checkpoint(
             "ones (the losses will differ from an uninterrupted run)"
         )
     rng = load_tensors_file(rng_file) if same_layout and load_rng else None
-    if same_layout:
-        reader = SafeFileSystemReader(path)
-        reader.read_metadata()  # a refusal in one line here, not wrapped by DCP's collectives
-        dcp.load(tensor_state(components, load_optimizer, without_adapters), storage_reader=reader)
-    else:
-        load_resharded(
-            path,
-            components,
-            saved["tensor_model_parallel_size"],
-            load_optimizer,
-            without_adapters,
-            metadata["megatron"]["optimizer_step"] if megatron else None,
-        )
-    if components.fp8 is not None and not finetune:
-        load_fp8_state(path, components.fp8.state_tensors())
-        components.fp8.after_load()
-    # fp32 masters are the truth when they were loaded; otherwise start them from the model.
-    if load_optimizer:
-        if metadata["loss_scaler"] or not megatron:  # (Megatron's, for fp16 runs only)
-            components.loss_scaler.load_state_dict(metadata["loss_scaler"])
-        components.optimizer.copy_masters_to_model()
-    else:
-        components.optimizer.copy_model_to_masters()
+    # (--fp8-param-gather's FP8-stored weights: loaded in the run's dtype, cast again by the
+    # optimizer's copy to the model)
+    with components.parameters_in_model_dtype():
+        if same_layout:
+            reader = SafeFileSystemReader(path)
+            reader.read_metadata()  # a refusal in one line here, not wrapped by DCP's collectives
+            dcp.load(
+                tensor_state(components, load_optimizer, without_adapters), storage_reader=reader
+            )
+        else:
+            load_resharded(
+                path,
+                components,
+                saved["tensor_model_parallel_size"],
+                load_optimizer,
+                without_adapters,
+                metadata["megatron"]["optimizer_step"] if megatron else None,
+            )
+        if components.fp8 is not None and not finetune:
+            load_fp8_state(path, components.fp8.state_tensors())
+            components.fp8.after_load()
+        # fp32 masters are the truth when they were loaded; otherwise start them from the model.
+        if load_optimizer:
+            if metadata["loss_scaler"] or not megatron:  # (Megatron's, for fp16 runs only)
+                components.loss_scaler.load_state_dict(metadata["loss_scaler"])
+            components.optimizer.copy_masters_to_model()
+        else:
+            components.optimizer.copy_model_to_masters()
     if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
         components.train_state.load_state_dict(metadata["train_state"])
         scheduler = metadata["scheduler"]

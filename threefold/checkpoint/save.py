@@ -140,8 +140,10 @@ def save_checkpoint(
             write_atomically(os.path.join(path, "metadata.json"), json.dumps(metadata, indent=2))
             save_tokenizer(components.tokenizer, path)
 
-    tensors = tensor_state(components, with_optimizer=not flags.no_save_optim, with_fp8=True)
-    return writer.save(iteration, write_rank_files, tensors)
+    # (the writer has its copies of the tensors when `save` returns)
+    with components.parameters_in_model_dtype():
+        tensors = tensor_state(components, with_optimizer=not flags.no_save_optim, with_fp8=True)
+        return writer.save(iteration, write_rank_files, tensors)
 
 
 def save_tokenizer(tokenizer, path: str) -> None:

@@ -248,8 +248,11 @@ class Fp8Linear(nn.Module):
         accumulate_in_main_grad: bool = False,
     ) -> torch.Tensor:
         """`F.linear(x, weight, bias)` with FP8 GEMMs. `accumulate_in_main_grad`: the weight
-        gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion)."""
-        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate_in_main_grad)
+        gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion), as
+        it always is for a weight stored in FP8 (--fp8-param-gather), which could not hold a
+        gradient of its own."""
+        accumulate = accumulate_in_main_grad or weight.dtype in FP8_MAX
+        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate)
 
     def extra_repr(self) -> str:
         return self.recipe.describe()

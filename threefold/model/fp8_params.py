@@ -19,13 +19,19 @@ delayed scaling with its history's scale, recording the amax as the step's weigh
 casts start from the fp32 masters, not from a bf16 rounding of them (Megatron's "no
 intermediate dtype").
 
-The parameter itself (bf16, or fp32) is kept and refilled with the dequantized FP8 copy after
-each gather, so checkpoints, evaluation and conversion read the very weights the GEMMs use.
-Megatron drops it and saves 2 bytes per weight; here every reader of `param.data` would have to
-learn the FP8 layout first, and that is left for later.
+The parameter keeps no copy in the run's dtype: once the optimizer has its fp32 masters, the
+parameter's storage *is* its FP8 copy in the buffer (`param.dtype` is E4M3), 1 byte per weight
+where a bf16 run holds 2, as Megatron-LM's FP8 parameters. Its gradient goes straight into
+`main_grad` (there is no bf16 tensor to hold one: the FP8 GEMM's fp32 weight gradient is added
+there, whatever --gradient-accumulation-fusion says). Readers of the values in the run's dtype
+(checkpoint saves and loads, the tests) ask for them with `in_model_dtype()`, which dequantizes
+the weights for as long as it is open: the very values the GEMMs use.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -49,11 +55,33 @@ class Fp8Parameters:
         for param, state in states.items():
             start, end = buffer.ranges[param]
             state.gathered = (param, buffer.param_buffer[start:end].view(param.shape))
-        buffer.on_gathered = self.dequantize
+        # The run's dtype, which `in_model_dtype` dequantizes into.
+        self.model_dtype = next(iter(states)).dtype
         # The ranks holding the other pieces of a weight: the optimizer's shards over the
         # buffer's group, and the TP x CP group every layer reduces its amaxes over.
         self.shard_group = buffer.dp
         self.amax_group = next(iter(states.values())).amax_group
+
+    def store_in_fp8(self) -> None:
+        """Each parameter's storage becomes its FP8 copy, dropping the one in the run's dtype
+        (after the optimizer has taken its masters from it)."""
+        for param, state in self.states.items():
+            param.data = state.gathered[1]
+
+    @contextmanager
+    def in_model_dtype(self) -> Iterator[None]:
+        """The parameters in the run's dtype while open, the dequantized FP8 copies (what a
+        checkpoint saves; what it loads, into the masters, with the optimizer's
+        `copy_model_to_masters`); FP8 again after. Holds 2 bytes per weight while open."""
+        self.buffer.finish_param_gather()
+        with torch.no_grad():
+            for param, state in self.states.items():
+                weight8 = state.gathered[1]
+                param.data = (weight8.float() / state.gathered_scale).to(self.model_dtype)
+        try:
+            yield
+        finally:
+            self.store_in_fp8()
 
     @torch.no_grad()
     def cast(self, shards: list[Shard]) -> None:
@@ -78,15 +106,8 @@ class Fp8Parameters:
             )
             self.buffer.param_buffer[offset + start : offset + end].copy_(cast)
 
-    @torch.no_grad()
-    def dequantize(self, params: list[nn.Parameter]) -> None:
-        """The gathered FP8 copies of `params`, back into the parameters themselves."""
-        for param in params:
-            state = self.states[param]
-            weight8 = state.gathered[1]
-            param.copy_((weight8.float() / state.gathered_scale).to(param.dtype))
-
-    def bytes(self) -> int:
-        """The FP8 copies' bytes on this rank."""
+    def padding_bytes(self) -> int:
+        """The buffer's bytes beyond its weights' (the padding to equal shards): the FP8 copies
+        themselves are the parameters' storage."""
         flat = self.buffer.param_buffer
-        return flat.numel() * flat.element_size()
+        return (flat.numel() - sum(param.numel() for param in self.states)) * flat.element_size()

@@ -11,7 +11,8 @@ arm the reduction), `schedule_options` (what the forward/backward schedule needs
 no-sync for all micro-batches but the last), `forward_context` (autocast where the parameters
 stay fp32), `finish_grad_sync`, then `optimizer.step` (clip and update); `after_evaluation`
 puts FSDP's sharded parameters back; `activation_dtype` is what travels between pipeline
-stages. Each owns its optimizer.
+stages; `parameters_in_model_dtype` is what checkpoints read and write. Each owns its
+optimizer.
 """
 
 from __future__ import annotations
@@ -191,8 +192,16 @@ class MegatronDataParallel:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buffers)
 
     def extra_parameter_bytes(self) -> int:
-        """Parameter bytes beside the parameters: the FP8 copies of --fp8-param-gather."""
-        return self.fp8_parameters.bytes() if self.fp8_parameters is not None else 0
+        """Parameter bytes beside the parameters: the padding of --fp8-param-gather's FP8
+        buffer (its copies are the FP8 weights' storage, counted with the parameters)."""
+        return self.fp8_parameters.padding_bytes() if self.fp8_parameters is not None else 0
+
+    def parameters_in_model_dtype(self) -> contextlib.AbstractContextManager:
+        """While open, every parameter in the run's dtype, readable and writable (checkpoints):
+        --fp8-param-gather stores its FP8 weights in FP8 only."""
+        if self.fp8_parameters is None:
+            return contextlib.nullcontext()
+        return self.fp8_parameters.in_model_dtype()
 
     def finish_param_gather(self) -> None:
         """Wait for an --overlap-param-gather all-gather still in flight."""
@@ -287,6 +296,9 @@ class TorchDataParallel:
 
     def extra_parameter_bytes(self) -> int:
         return 0
+
+    def parameters_in_model_dtype(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def finish_param_gather(self) -> None:
         pass

@@ -38,7 +38,7 @@ input) and fc2 (SwiGLU's product) drop to 1 byte an element; the projection's in
 attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
 recomputation drops the core's. The step's transposed FP8 weights (1 byte per FP8 weight) are
 held once for all micro-batches (`Fp8Scaling.weights_cached`; under FSDP one per micro-batch in
-flight); --fp8-param-gather's gathered FP8 weights count under parameters, 1 byte each.
+flight); --fp8-param-gather stores the FP8 weights in FP8 only (parameters: 1 byte each).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -381,8 +381,8 @@ def estimate_stage(
     in_flight = _micro_batches_in_flight(config, stage)
     # The step's transposed FP8 weights, shared by its micro-batches; uncached (FSDP), each
     # micro-batch in flight keeps its own (a recomputed one only while recomputing, left out).
-    # --fp8-param-gather's gathered FP8 weights beside the parameters.
-    parameter_bytes = count * params + fp8_weights * gathered
+    # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype.
+    parameter_bytes = count * params + fp8_weights * (1 - params) * gathered
     fp8_copies = 1
     if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight

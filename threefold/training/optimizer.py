@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
+from threefold.kernels.fp8 import FP8_MAX
 from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local
@@ -421,8 +422,9 @@ class DistributedOptimizer(_AdamWithMasters):
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config, named_parameters)
         self._fp8_pieces = [piece for piece in self.pieces if piece.param in fp8]
-        if fp8:  # the first FP8 copies, from the initial weights
+        if fp8:  # the first FP8 copies, from the initial weights, which they replace
             self.copy_masters_to_model()
+            fp8_parameters.store_in_fp8()
 
     def _slice(self, piece: _Piece, of: str) -> torch.Tensor:
         """The piece's part of its buffer's gradients (`of="buffer"`) or parameters."""
@@ -455,6 +457,10 @@ class DistributedOptimizer(_AdamWithMasters):
     def copy_model_to_masters(self) -> None:
         if self.separate_masters:
             for piece in self.pieces:
+                if piece.param.dtype in FP8_MAX:  # (only in the run's dtype: `in_model_dtype`)
+                    raise RuntimeError(
+                        "FP8-stored weights read outside Fp8Parameters.in_model_dtype"
+                    )
                 piece.master.copy_(piece.param.detach().view(-1)[piece.start : piece.end])
         if self.fp8_parameters is not None:  # and the FP8 copies from those masters
             self.copy_masters_to_model()

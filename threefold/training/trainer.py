@@ -105,7 +105,13 @@ class Trainer:
         reshardable = self.data_parallel.grad_buffer is not None  # threefold's own DP
         parameters = self.layout_independent_parameters
         return CheckpointComponents(
-            self.config, self.parallel, parameters, *parts, reshardable, fp8=self.fp8
+            self.config,
+            self.parallel,
+            parameters,
+            *parts,
+            reshardable,
+            fp8=self.fp8,
+            parameters_in_model_dtype=self.data_parallel.parameters_in_model_dtype,
         )
 
     # -- one step -----------------------------------------------------------------------------

@@ -47,9 +47,8 @@ class GradientBuffer:
     receive tokens from the other ranks of their EP group.
 
     `param_dtype`, when the flat parameters are in another dtype than the parameters (FP8
-    weights, --fp8-param-gather): the parameters stay where they are and the flat buffer holds
-    their compute copies, which the optimizer writes; `on_gathered(params)` is called once
-    those parameters' copies are complete after an all-gather.
+    weights, --fp8-param-gather): the flat buffer holds their compute copies, which the
+    optimizer writes (and which model/fp8_params.py makes the parameters' storage).
     """
 
     def __init__(
@@ -108,7 +107,6 @@ class GradientBuffer:
             if flat_parameters
             else None
         )
-        self.on_gathered: Callable[[list[nn.Parameter]], None] | None = None
         # The hook lives in the parameter's C++ side, out of the garbage collector's sight: a
         # strong reference to this buffer there would make buffer -> parameter -> hook ->
         # buffer a cycle nothing can free, keeping the model and its process groups alive.
@@ -231,8 +229,6 @@ class GradientBuffer:
     def start_param_gather(self) -> None:
         """Every DP rank updated its shard of each bucket: share them, asynchronously."""
         if self.dp.size == 1:
-            if self.on_gathered is not None:
-                self.on_gathered(self.params)
             return
         # As bytes: FP8 copies (--fp8-param-gather) travel as one byte per element, and not
         # every backend has FP8 types.
@@ -259,8 +255,6 @@ class GradientBuffer:
             handle = self._gather_handles.pop(bucket, None)
             if handle is not None:
                 handle.wait()
-                if self.on_gathered is not None:
-                    self.on_gathered([p for p in self.params if self._bucket_of[p] == bucket])
 
     def wait_for_params_before_forward(self, modules: list[nn.Module]) -> None:
         """--overlap-param-gather: a module's forward first waits for the buckets of its own
