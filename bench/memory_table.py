@@ -100,7 +100,7 @@ VARIANTS = {
 
 
 # FP8 (docs/fp8.md) on the distributed-optimizer, selective-recompute rows: the linears' 1-byte
-# input copies, the step's FP8 weight copies, and --fp8-param-gather's gathered weights.
+# input copies, the step's FP8 weight copies, and --fp8-param-gather's FP8-only weights.
 FP8_BASE = "distributed optimizer, selective recompute"
 FP8_VARIANTS = {
     "bf16": [],

@@ -253,6 +253,19 @@ def test_gradient_accumulation_fusion_is_on_with_threefold_data_parallelism(caps
     assert not off.model.decoder.layers[0].mlp.linear_fc2.gradient_accumulation_fusion
 
 
+@pytest.mark.parametrize("flags", [["--bf16"], ["--compile-layers"]], ids=["bf16", "compiled"])
+def test_fp8_layers_accumulate_into_the_gradient_buffer_where_the_others_cannot(capsys, flags):
+    """Where the other layers add their weight gradients separately — bf16 without addmm's
+    out_dtype (the CPU), and compiled layers — the FP8 layers still accumulate theirs by
+    their GEMM: its output is fp32 already, and they run eager between the compiled parts."""
+    trainer = _setup(LLAMA_STYLE + TRAINING + ["--fp8-format", "hybrid"] + flags)
+    assert "the FP8 layers' accumulated by their GEMM" in capsys.readouterr().out
+    layer = trainer.model.decoder.layers[0]
+    assert layer.mlp.linear_fc2.gradient_accumulation_fusion
+    assert layer.self_attention.linear_qkv.gradient_accumulation_fusion
+    assert not trainer.model.output_layer.gradient_accumulation_fusion
+
+
 def test_the_compiled_cast_transpose_is_the_eager_one_bitwise():
     """What --fusion-impl compile (the default on CUDA) runs: one fused kernel per cast."""
     from threefold.kernels import reference

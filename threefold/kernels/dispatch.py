@@ -393,12 +393,12 @@ def configure(
     KERNELS.gradient_accumulation_fusion = fusable and _gradient_accumulation_fusion(device, dtype)
     if KERNELS.gradient_accumulation_fusion:
         parts["weight gradients"] = "accumulated into the gradient buffer by their GEMM"
-    elif fusable:
-        parts["weight gradients"] = (
-            "added to the gradient buffer separately (this torch has no addmm with out_dtype)"
-        )
     elif config.gradient_accumulation_fusion:
-        parts["weight gradients"] = "added to the gradient buffer separately (compiled layers)"
+        why = "this torch has no addmm with out_dtype" if fusable else "compiled layers"
+        # (the FP8 layers add their fp32 weight gradients themselves: training/build.py)
+        parts["weight gradients"] = f"added to the gradient buffer separately ({why})" + (
+            "; the FP8 layers' accumulated by their GEMM" if fp8 else ""
+        )
     KERNELS.description = f"transformer-impl {impl}; " + ", ".join(
         f"{key} {value}" for key, value in parts.items()
     )

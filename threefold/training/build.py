@@ -93,11 +93,15 @@ def build_model_and_optimizer(
     if training.optimizer_cpu_offload and not offload:
         report("> --optimizer-cpu-offload: this run is on the CPU already, nothing to offload")
     data_parallel: DataParallel = build_data_parallel(chunks, config, parallel, device, offload)
-    if KERNELS.gradient_accumulation_fusion and data_parallel.grad_buffer is not None:
+    if config.kernels.gradient_accumulation_fusion and data_parallel.grad_buffer is not None:
         for chunk in chunks:
             for module in chunk.modules():
                 if hasattr(module, "gradient_accumulation_fusion"):
-                    module.gradient_accumulation_fusion = True
+                    # An FP8 layer adds its GEMM's fp32 weight gradient itself: it needs no
+                    # addmm with out_dtype, and runs eager inside compiled layers.
+                    in_fp8 = getattr(module, "fp8", None) is not None
+                    fuse = KERNELS.gradient_accumulation_fusion or in_fp8
+                    module.gradient_accumulation_fusion = fuse
     fp8 = None
     if config.fp8.enabled:
         cache = caches_fp8_weights(config.parallel.distributed_strategy)
