@@ -149,7 +149,7 @@ def megatron_core_step(shape: Shape, device, bf16: bool):
     return step
 
 
-def torchtitan_step(shape: Shape, device, bf16: bool, compiled: bool = False):
+def torchtitan_step(shape: Shape, device, bf16: bool, compiled: bool = False, float8=None):
     """torchtitan 0.2.2's Llama 3 recipe on one GPU without its data pipeline, as its Trainer
     runs it there: its model (SDPA causal attention, the default `llama3` flavour),
     `parallelize_llama` on a one-rank `ParallelDims` (no FSDP on one GPU: fp32 weights under
@@ -157,7 +157,10 @@ def torchtitan_step(shape: Shape, device, bf16: bool, compiled: bool = False):
     sum-reduced cross-entropy (compiled too, as its `--compile.components` default), gradient
     accumulation over micro-batches, fused AdamW and clipping at 1.0. (0.2.2 is the newest
     release that imports under torch 2.11; 0.3 needs newer FSDP2 names.) Its Trainer itself
-    wants a tokenizer and a dataset on disk, which this benchmark has not."""
+    wants a tokenizer and a dataset on disk, which this benchmark has not. `float8`: its
+    float8 converter (torchao's Float8Linear) with that recipe ("tensorwise", "rowwise"), as
+    `--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name ...`,
+    its output layer left in bf16 (`filter_fqns output`) as threefold leaves its own."""
     import importlib.util
 
     import torch
@@ -196,6 +199,14 @@ def torchtitan_step(shape: Shape, device, bf16: bool, compiled: bool = False):
     with torch.device("meta"):
         model = Transformer(args)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    if float8 is not None:  # as its Trainer: converted before parallelize_llama
+        import torchtitan.components.quantization.float8  # noqa: F401  (registers it)
+        from torchtitan.protocols.model_converter import build_model_converters
+
+        job.model.converters = ["quantize.linear.float8"]
+        job.quantize.linear.float8.recipe_name = float8
+        job.quantize.linear.float8.filter_fqns = ["output"]
+        build_model_converters(job, dims).convert(model)
     model = parallelize_llama(model, dims, job)
     model.to_empty(device=device)
     with torch.no_grad():

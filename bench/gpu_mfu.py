@@ -24,6 +24,11 @@ logging to OUT/<name>.log:
 - torchtitan 0.2.2: its Llama 3 model, `parallelize_llama` and loss as its Trainer runs them
   on one GPU (bf16 autocast over fp32 weights), eager and with its per-block torch.compile;
   reported as not run where it does not import (carry its wheels: bench/README.md).
+With --fp8 (or named in --only) also threefold's FP8 GEMMs (delayed hybrid, Megatron-LM's
+Llama recipe; compiled; with --fp8-param-gather; tensorwise; rowwise) and torchtitan with
+torchao's float8 (tensorwise and rowwise, compiled as its float8 is meant to run).
+--shape 8b-8l: a wider model for FP8's larger GEMMs, LLaMA-3-8B's width (hidden 4096, 32
+heads, 8 KV groups; FFN 11264, what torchtitan's multiple_of makes of it) at 8 layers.
 
 Model FLOPs per step are threefold's count (threefold/training/flops.py, docs/performance.md),
 the same for every contender; MFU divides by the GPU's dense bf16 peak.
@@ -81,6 +86,14 @@ TINY = Shape(
     global_batch_size=4,
 )
 MOE = Shape(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2816)
+# --shape 8b-8l (~1.7B parameters): FP8's gain grows with the GEMMs' size.
+WIDE_8B = Shape(
+    num_layers=8,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_query_groups=8,
+    ffn_hidden_size=11264,
+)
 TINY_MOE = dataclasses.replace(TINY, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96)
 MOE_CONTENDERS = ("threefold", "threefold+compile-layers", "transformers", "transformers+compile")
 CONTENDERS = (
@@ -97,9 +110,21 @@ CONTENDERS = (
 # +param-gather: the weights cast from the fp32 masters by the (one-rank) distributed optimizer
 # instead of from the bf16 weights in the step's first forward (--fp8-param-gather; its FP8
 # all-gather needs DP > 1 to show).
-FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8+compile-layers", "threefold+fp8+param-gather")
+# tensorwise and rowwise beside torchtitan's float8 recipes of those names (torchao's rowwise
+# is E4M3 throughout).
+FP8_CONTENDERS = (
+    "threefold+fp8",
+    "threefold+fp8+compile-layers",
+    "threefold+fp8+param-gather",
+    "threefold+fp8-tensorwise",
+    "threefold+fp8-rowwise",
+    "torchtitan+float8+compile",
+    "torchtitan+float8-rowwise+compile",
+)
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
+TENSORWISE_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+ROWWISE_FLAGS = ("--fp8-format", "e4m3", "--fp8-recipe", "rowwise")
 PARAM_GATHER_FLAGS = ("--use-distributed-optimizer", "--fp8-param-gather")
 
 
@@ -206,6 +231,14 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
         "threefold+fp8+param-gather": lambda *a: _threefold(
             *a, extra=(*FP8_FLAGS, *PARAM_GATHER_FLAGS)
         ),
+        "threefold+fp8-tensorwise": lambda *a: _threefold(*a, extra=TENSORWISE_FLAGS),
+        "threefold+fp8-rowwise": lambda *a: _threefold(*a, extra=ROWWISE_FLAGS),
+        "torchtitan+float8+compile": lambda *a: torchtitan_step(
+            *a, compiled=True, float8="tensorwise"
+        ),
+        "torchtitan+float8-rowwise+compile": lambda *a: torchtitan_step(
+            *a, compiled=True, float8="rowwise"
+        ),
         "transformers": transformers_step,
         "transformers+compile": lambda *a: transformers_step(*a, compiled=True),
         "megatron-core": megatron_core_step,
@@ -266,8 +299,10 @@ def _environment() -> str:
     )
 
 
-def _title(tiny: bool, moe: bool) -> str:
+def _title(tiny: bool, moe: bool, shape: str = "1b") -> str:
     size = "tiny check model" if tiny else "Mixtral-style model" if moe else "1B LLaMA-style model"
+    if shape == "8b-8l":
+        size = "LLaMA-3-8B-wide model at 8 layers"
     return f"{size}{', mixture of experts' if moe and tiny else ''}"
 
 
@@ -276,6 +311,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_mfu"))
     parser.add_argument("--tiny", action="store_true", help="a tiny model: check the script")
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts")
+    parser.add_argument(
+        "--shape", choices=("1b", "8b-8l"), default="1b", help="8b-8l: 8B's width, 8 layers"
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument(
@@ -289,6 +327,10 @@ def main() -> None:
     shape = {(False, False): Shape(), (True, False): TINY, (False, True): MOE}.get(
         (args.tiny, args.moe), TINY_MOE
     )
+    if args.shape != "1b":
+        if args.tiny or args.moe:
+            parser.error(f"--shape {args.shape} is a dense model of its own: drop --tiny/--moe")
+        shape = WIDE_8B
     args.only = args.only or list(MOE_CONTENDERS if args.moe else CONTENDERS)
     if args.fp8:
         args.only += [name for name in FP8_CONTENDERS if name not in args.only]
@@ -331,6 +373,7 @@ def main() -> None:
         ]
         command += ["--tiny"] if args.tiny else []
         command += ["--moe"] if args.moe else []
+        command += ["--shape", args.shape]
         command += [
             "--micro-batch-size",
             str(shape.micro_batch_size),
@@ -381,7 +424,7 @@ def main() -> None:
         )
     report = "\n".join(
         [
-            f"# Training throughput, {_title(args.tiny, args.moe)}",
+            f"# Training throughput, {_title(args.tiny, args.moe, args.shape)}",
             "",
             f"Environment: {environment}.",
             "",

@@ -2,7 +2,8 @@
 # Fetch, on a machine with package-registry access, the wheels a GPU machine without it needs
 # for bench/gpu_mfu.py's contenders: megatron-core (compiled, for the GPU machine's Python) and
 # torchtitan 0.2.2 (the newest for the GPU image's torch 2.11) with the dependencies its
-# model, parallelize and loss code import (the rest is in that image).
+# model, parallelize and loss code import (the rest is in that image), and torchao 0.18.0 (the
+# release for torch 2.11) for its float8 converter.
 #   bash bench/gpu_wheels.sh [PYTHON_VERSION]    # -> .whl/ (git-ignored), 3.12 by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,6 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: \
   --python-version "$python_version" --implementation cp "${platforms[@]}" -d .whl \
   megatron-core==0.19.2 torchtitan==0.2.2 tyro==1.0.17 docstring_parser==0.18.0 \
-  typeguard==4.6.0 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  typeguard==4.6.0 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+  torchao==0.18.0
 ls -1 .whl

@@ -57,6 +57,7 @@ LLAMA_STYLE = [
 FP8_STEP_VARIANTS = {
     "delayed": ["--fp8-format", "hybrid"],
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
     "delayed-full-recompute": ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
     + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }

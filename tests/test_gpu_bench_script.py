@@ -28,6 +28,8 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
             "transformers",
             "megatron-core",
             "torchtitan",
+            "threefold+fp8-rowwise",
+            "torchtitan+float8+compile",
         ],
         capture_output=True,
         text=True,
@@ -55,6 +57,8 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     assert "| n/a | - |" in rows["transformers"]
     assert "not run: RuntimeError: megatron-core's GPTModel needs CUDA" in rows["megatron-core"]
     assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan"]
+    assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan+float8+compile"]
+    assert re.match(r"\| threefold\+fp8-rowwise \| [\d,]+ \| ", rows["threefold+fp8-rowwise"])
     log = (tmp_path / "threefold.log").read_text()
     assert "> kernels: transformer-impl local;" in log and "RESULT {" in log
 
@@ -76,6 +80,16 @@ def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(tmp_path):
         assert re.search(rf"^\| {name} \| [\d,]+ \| ", table, re.MULTILINE), table
     log = (tmp_path / "threefold.log").read_text()
     assert " --moe " in log.splitlines()[0] and "RESULT {" in log
+
+
+def test_the_wide_shape_is_one_torchtitan_builds():
+    """--shape 8b-8l's FFN width is what torchtitan's `multiple_of` makes of 8B's hidden size,
+    so its rows train the same model as threefold's."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from gpu_contenders import _multiple_of
+    from gpu_mfu import WIDE_8B
+
+    assert _multiple_of(WIDE_8B) == 1024 and WIDE_8B.hidden_size == 4096
 
 
 def test_a_failed_contender_is_reported_by_its_exception_line():

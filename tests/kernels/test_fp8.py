@@ -18,6 +18,7 @@ from tests.parity import (
 )
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
+from threefold.kernels.dispatch import KERNELS
 from threefold.kernels.fp8 import (
     E4M3,
     E5M2,
@@ -25,6 +26,7 @@ from threefold.kernels.fp8 import (
     Fp8Linear,
     Fp8Recipe,
     quantize,
+    rowwise_scale,
     scale_from_amax,
     scaled_mm,
     update_delayed_scales,
@@ -72,14 +74,63 @@ def test_scaled_mm_is_the_exact_product_of_the_dequantized_operands():
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def _reference_fp8_linear(x, weight, grad, fmt):
-    """The three GEMMs of an FP8 linear layer with current scaling, in float64."""
+def test_rowwise_scales_are_powers_of_two_per_row():
+    amax = torch.tensor([[2.0], [3.0], [0.0], [float("inf")], [1e-45]])
+    # 448 / 2 = 224 -> 128; 448 / 3 = 149.3 -> 128; nothing usable -> 1
+    assert rowwise_scale(amax, 448.0, 0).flatten().tolist() == [128.0, 128.0, 1.0, 1.0, 1.0]
+    assert rowwise_scale(amax[:2], 448.0, 1).flatten().tolist() == [64.0, 64.0]
+
+
+def test_rowwise_pieces_scaled_by_their_own_amax_keep_the_rows_fp8_values():
+    """Why rowwise scaling needs no amax reduction over the ranks holding pieces of a row (TP's
+    features, CP's tokens): a piece's power-of-two scale is the row's times 2^k, k >= 0, so
+    every value the whole row's cast represents as a normal E4M3 number comes out the same,
+    and the values it flushes into subnormals come out at least as close. The control: exact
+    (not power-of-two) scales, as tensorwise uses, move values everywhere."""
+    torch.manual_seed(0)
+    row = torch.randn(64, 256) * torch.logspace(-3, 3, 256)  # pieces of very different size
+
+    def dequantized(t, scale):
+        return quantize(t, scale, E4M3).double() / scale.double()
+
+    def pow2(t):
+        return rowwise_scale(t.abs().amax(1, keepdim=True), 448.0, 0)
+
+    whole = dequantized(row, pow2(row))
+    pieces = torch.cat([dequantized(p, pow2(p)) for p in row.chunk(4, dim=1)], dim=1)
+    normal = row.abs() * pow2(row) >= torch.finfo(E4M3).tiny
+    assert 0 < normal.float().mean() < 1
+    assert torch.equal(pieces[normal], whole[normal])
+    error = (whole - row.double()).abs(), (pieces - row.double()).abs()
+    assert (error[1] <= error[0]).all() and (error[1] < error[0]).any()
+
+    def exact(t):
+        return 448.0 / t.abs().amax(1, keepdim=True)
+
+    pieces = torch.cat([dequantized(p, exact(p)) for p in row.chunk(4, dim=1)], dim=1)
+    moved = pieces[normal] != dequantized(row, exact(row))[normal]
+    assert moved.float().mean() > 0.3
+
+
+def _reference_fp8_linear(x, weight, grad, fmt, rowwise=False):
+    """The three GEMMs of an FP8 linear layer with current scaling, in float64. `rowwise`:
+    each GEMM operand scaled per row of the layout the GEMM reads."""
     dtypes = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}[fmt]
 
     def q(t, dtype):
         scale = scale_from_amax(t.abs().max().float(), torch.finfo(dtype).max, 0, torch.tensor(1.0))
         return quantize(t, scale, dtype).double() / scale.double()
 
+    def rows(t, dtype):  # per row of t
+        scale = rowwise_scale(t.abs().amax(1, keepdim=True).float(), torch.finfo(dtype).max, 0)
+        return quantize(t, scale, dtype).double() / scale.double()
+
+    if rowwise:
+        w8, g8 = dtypes
+        forward = rows(x, w8) @ rows(weight, w8).t()
+        input_grad = rows(grad, g8) @ rows(weight.t(), w8).t()
+        weight_grad = rows(grad.t(), g8) @ rows(x.t(), w8).t()
+        return forward, input_grad, weight_grad
     xq, wq, gq = q(x, dtypes[0]), q(weight, dtypes[0]), q(grad, dtypes[1])
     return xq @ wq.t(), gq @ wq, gq.t() @ xq
 
@@ -98,25 +149,38 @@ DEVICES = [
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_fp8_linear_computes_the_three_scaled_gemms(fmt, device):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_computes_the_three_scaled_gemms(recipe, fmt, device):
     """The float64 reference up to fp32 summation (the products of FP8 values are exact), on
-    the CPU and, with cuBLASLt's own summation order, on a GPU."""
+    the CPU and, with cuBLASLt's own summation order, on a GPU. Rows of very different sizes,
+    so that rowwise scaling differs from one scale per tensor."""
     torch.manual_seed(0)
-    x = torch.randn(8, 2, 32, device=device, requires_grad=True)  # 16 tokens: cuBLASLt's
+    rows = torch.logspace(-2, 2, 16).view(8, 2, 1)
+    x = (torch.randn(8, 2, 32) * rows).to(device).requires_grad_()  # 16 tokens: cuBLASLt's
     weight = torch.nn.Parameter(torch.randn(48, 32, device=device) * 0.02)  # multiples of 16
-    grad = torch.randn(8, 2, 48, device=device) * 1e-3
-    layer = Fp8Linear(Fp8Recipe(fp8_format=fmt, delayed=False)).to(device)
+    grad = (torch.randn(8, 2, 48) * 1e-3 * rows.flip(0)).to(device)
+    rowwise = recipe == "rowwise"
+    layer = Fp8Linear(Fp8Recipe(fp8_format=fmt, delayed=False, rowwise=rowwise)).to(device)
     out = layer.linear(x, weight, None)
     out.backward(grad)
     y, dx, dw = _reference_fp8_linear(
-        x.detach().reshape(16, 32).cpu(), weight.detach().cpu(), grad.reshape(16, 48).cpu(), fmt
+        x.detach().reshape(16, 32).cpu(),
+        weight.detach().cpu(),
+        grad.reshape(16, 48).cpu(),
+        fmt,
+        rowwise,
     )
-    # fp32 sums of exact products; gradients are ~1e-4, outputs ~0.1
-    close = dict(rtol=1e-5, atol=1e-8)
-    output = out.detach().reshape(16, 48).double().cpu()
-    torch.testing.assert_close(output, y, rtol=close["rtol"], atol=1e-7)  # fp32 outputs ~0.1
-    torch.testing.assert_close(x.grad.reshape(16, 32).double().cpu(), dx, **close)
-    torch.testing.assert_close(weight.grad.double().cpu(), dw, **close)
+    # fp32 sums of exact products (cuBLASLt's rowwise GEMMs may write bf16 only)
+    rtol = 1e-5 if KERNELS.fp8_rowwise_fp32_output or not rowwise else 1e-2
+    got = (out.detach().reshape(16, 48), x.grad.reshape(16, 32), weight.grad)
+    for tensor, expected in zip(got, (y, dx, dw)):
+        atol = rtol * 0.1 * expected.abs().max().item()
+        torch.testing.assert_close(tensor.double().cpu(), expected, rtol=rtol, atol=atol)
+    if rowwise:  # which these rows tell apart from one scale per tensor
+        tensorwise = _reference_fp8_linear(
+            x.detach().reshape(16, 32).cpu(), weight.detach().cpu(), grad.reshape(16, 48).cpu(), fmt
+        )
+        assert all(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(tensorwise, (y, dx, dw)))
     # and it is the linear layer, up to FP8's precision
     exact = F.linear(x.detach(), weight.detach())
     assert (out.detach() - exact).norm() / exact.norm() < 0.1
@@ -190,6 +254,11 @@ def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
     [
         (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
         (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16"),
+        (
+            ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--fp8-param-gather"]
+            + ["--use-distributed-optimizer"],
+            "--fp8-param-gather all-gathers weights cast with one scale each",
+        ),
         (["--fp8-format", "hybrid", "--fp8-param-gather"], "add --use-distributed-optimizer"),
         (
             ["--fp8-format", "hybrid", "--fp8-param-gather", "--distributed-strategy", "fsdp"],
@@ -315,11 +384,20 @@ def _cached_weight_run(argv: list[str], monkeypatch, cache: str) -> dict:
 
         monkeypatch.setattr(trainer.fp8, "weights_cached", weights_cached)
     casts = []
-    cast = Fp8Linear.cast
+    cast, cast_rows = Fp8Linear.cast, Fp8Linear.cast_rows
     monkeypatch.setattr(
         Fp8Linear,
         "cast",
         lambda self, index, tensor: casts.append(index) or cast(self, index, tensor),
+    )
+    # rowwise: a weight is cast per row and, transposed, per column at once; counted once
+    monkeypatch.setattr(
+        Fp8Linear,
+        "cast_rows",
+        lambda self, index, tensor: (
+            casts.append(index if tensor.is_contiguous() else None)
+            or cast_rows(self, index, tensor)
+        ),
     )
     losses = [trainer.train_step()[0] for _ in range(3)]
     params = [param.detach().clone() for param in trainer.model.parameters()]

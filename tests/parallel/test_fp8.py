@@ -43,7 +43,11 @@ RECIPES = {
     # a history longer than one step, and its maximum: the history itself must match
     "delayed": ["--fp8-format", "e4m3", "--fp8-amax-history-len", "3"]
     + ["--fp8-amax-compute-algo", "max"],
+    # torchao's rowwise recipe: E4M3 everywhere
+    "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
 }
+# --fp8-param-gather casts with one scale per weight
+PARAM_GATHER_RECIPES = ["tensorwise", "delayed"]
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2": (2, []),
@@ -116,7 +120,8 @@ def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -
 @pytest.mark.parametrize("recipe,sabotage", [("tensorwise", "current"), ("delayed", "delayed")])
 def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, recipe, sabotage):
     """The negative control: the same TP=2 run whose ranks scale their shards by their own
-    amaxes misses the tolerance the real one meets."""
+    amaxes misses the tolerance the real one meets. (Rowwise scaling needs no reduction:
+    tests/kernels/test_fp8.py's power-of-two pieces.)"""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
     result = run_distributed(2, fp8_train_job, argv, 10, sabotage)[0]
     expected = references[recipe]["losses"]
@@ -204,7 +209,7 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
     }
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", PARAM_GATHER_RECIPES)
 @pytest.mark.parametrize("layout", PARAM_GATHER_LAYOUTS)
 def test_fp8_param_gather_matches_one_device(references, recipe, layout):
     """--fp8-param-gather in fp32 casts each weight from its fp32 master with the scale of the

@@ -39,16 +39,25 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     with fp8.weights_cached() if fp8 is not None else contextlib.nullcontext():
         measure(options["dtype"])
         copies = [state.weight_cache for state in (fp8.states.values() if fp8 else [])]
-        shared = [cache[1] for cache in copies]
-        activations = measure(options["dtype"], shared)
+        # (rowwise: both casts of the weight, each with its scales)
+        held = [cast for cache in copies for cast in _cached_casts(cache)]
+        activations = measure(options["dtype"], [t for cast in held for t in cast])
     results = {
         "static": (measured.total * count, estimate.static),
         "activations": (activations, micro_batch_activation_bytes(trainer.config, stage)),
     }
     if copies:
-        held = sum(cache[1].nbytes for cache in copies)
-        results["fp8 weight copies"] = (held, estimate.fp8_weights)
+        fp8_bytes = sum(weight8.nbytes for weight8, _ in held)
+        results["fp8 weight copies"] = (fp8_bytes, estimate.fp8_weights)
     return results
+
+
+def _cached_casts(cache: tuple) -> list[tuple]:
+    """A step's cached FP8 weight as (FP8 copy, scale) pairs: the transposed copy, or under
+    rowwise scaling both casts."""
+    if len(cache) == 2:
+        return list(cache[1])
+    return [(cache[1], cache[2])]
 
 
 def _assert_within_10_percent(results: list[dict]) -> None:
@@ -107,20 +116,25 @@ def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
 
 
+HYBRID = ["--fp8-format", "hybrid"]
+
+
 @pytest.mark.parametrize(
-    "flags",
-    [[], ["--recompute-granularity", "selective"], ["--use-distributed-optimizer"]],
-    ids=["plain", "selective", "distributed-optimizer"],
+    "flags,fp8",
+    [
+        ([], HYBRID),
+        (["--recompute-granularity", "selective"], HYBRID),
+        (["--use-distributed-optimizer"], HYBRID + ["--fp8-param-gather"]),
+        ([], HYBRID + ["--fp8-recipe", "rowwise"]),
+    ],
+    ids=["plain", "selective", "distributed-optimizer", "rowwise"],
 )
-def test_what_fp8_changes_is_what_the_estimate_says(flags):
+def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     """The bytes FP8 adds or saves, beside the same bf16 run, at a tighter bound than the
     totals' 10% (which a model ignoring FP8 would meet at this size): activations within 2%
-    of the measured change, the FP8 weight copies (and with --fp8-param-gather the byte per
-    FP8 weight it saves in the static bytes) exactly."""
+    of the measured change, the FP8 weight copies (both casts under rowwise scaling; with
+    --fp8-param-gather the byte per FP8 weight it saves in the static bytes) exactly."""
     argv = LLAMA_STYLE + WIDE + TRAINING + ["--bf16"] + flags
-    fp8 = ["--fp8-format", "hybrid"]
-    if "--use-distributed-optimizer" in flags:
-        fp8 += ["--fp8-param-gather"]
     bf16, in_fp8 = _measure_and_estimate(argv), _measure_and_estimate(argv + fp8)
     measured, estimated = (in_fp8["activations"][i] - bf16["activations"][i] for i in (0, 1))
     assert measured < 0 and abs(estimated - measured) <= 0.02 * abs(measured)

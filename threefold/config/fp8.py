@@ -11,6 +11,9 @@ precision. threefold.kernels.fp8 holds the arithmetic, threefold.model.fp8 picks
                               (Transformer Engine's DelayedScaling); the default, as Megatron-LM
     --fp8-recipe tensorwise   each tensor's scale from its own amax, computed just before the
                               cast (TE's Float8CurrentScaling, torchao's tensorwise)
+    --fp8-recipe rowwise      a power-of-two scale per row of each GEMM operand, from the row's
+                              own amax (torchao's rowwise, torchtitan's
+                              --float8.recipe_name rowwise; not a Megatron-LM recipe)
     --fp8-param-gather        the FP8 layers' weights are cast once per step, from the
                               distributed optimizer's fp32 shards, and all-gathered as FP8 bytes
                               (threefold.model.fp8_params)
@@ -24,8 +27,9 @@ from threefold.config.errors import require
 from threefold.config.fields import arg
 
 FP8_FORMATS = ("e4m3", "hybrid")
-# What Megatron-LM accepts; the block-scaled recipes need Transformer Engine's kernels.
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# What Megatron-LM accepts (the block-scaled recipes need Transformer Engine's kernels), and
+# torchao's rowwise.
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 
@@ -41,7 +45,7 @@ class Fp8Config:
     fp8_recipe: str = arg(
         "delayed",
         help="delayed: scales from the amax history of earlier steps; tensorwise: from each "
-        "tensor's own amax",
+        "tensor's own amax; rowwise: a power-of-two scale per row of each GEMM operand (torchao's)",
         choices=FP8_RECIPES,
     )
     fp8_margin: int = arg(0, help="scale = FP8 max / amax / 2^margin")
@@ -89,9 +93,14 @@ class Fp8Config:
             )
             return
         require(
-            self.fp8_recipe in ("delayed", "tensorwise"),
+            self.fp8_recipe in ("delayed", "tensorwise", "rowwise"),
             f"--fp8-recipe {self.fp8_recipe}: its block-scaled GEMMs need Transformer Engine "
-            "kernels threefold does not call; use delayed or tensorwise",
+            "kernels threefold does not call; use delayed, tensorwise or rowwise",
+        )
+        require(
+            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            "--fp8-param-gather all-gathers weights cast with one scale each; with "
+            "--fp8-recipe rowwise use neither, or pick tensorwise or delayed",
         )
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")

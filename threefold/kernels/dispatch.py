@@ -83,6 +83,11 @@ class Kernels:
         self.cross_entropy = vocab_parallel_cross_entropy
         self.amax = reference.amax
         self.fp8_cast_transpose = reference.fp8_cast_transpose
+        self.row_amax = reference.row_amax
+        self.fp8_cast_rows = reference.fp8_cast_rows
+        # Whether a rowwise-scaled torch._scaled_mm writes fp32 (the CPU's does; cuBLASLt's
+        # rowwise kernels have written bf16 only): turned off by kernels/fp8.py's first try.
+        self.fp8_rowwise_fp32_output = True
         self.description = "reference (eager PyTorch)"
         self.gradient_accumulation_fusion = False
 
@@ -386,6 +391,8 @@ def configure(
     if fp8:
         KERNELS.amax = fuse(reference.amax)
         KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)
+        KERNELS.row_amax = fuse(reference.row_amax)
+        KERNELS.fp8_cast_rows = fuse(reference.fp8_cast_rows)
         parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, casts with transposes {how}"
     # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
     # which dynamo cannot trace (each linear layer would become a graph break).

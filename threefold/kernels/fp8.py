@@ -23,6 +23,20 @@ Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
                 at the step's end (`update_delayed_scales`), then pushed into the history. TE
                 reduces and updates after every micro-batch's forward instead; once per step
                 makes a data-parallel run scale exactly as one device does over the same batch.
+    rowwise     (torchao's rowwise, not a Megatron-LM recipe) each GEMM operand scaled per row
+                of the layout the GEMM reads, from that row's own amax, rounded down to a
+                power of two: the forward's x and w per row of x and of w (over the input
+                features), the input gradient's g per row and w per column (over the output
+                features), the weight gradient's g and x per column (over the tokens). So
+                x, w and g are each cast twice; one outlier costs its own row's precision
+                only. A row split by TP (a row-parallel layer's input features, a column-
+                parallel layer's output features) or by CP (the tokens) is scaled piece by
+                piece, each by its own amax, with no collective: a piece's amax is at most
+                the row's, so its power-of-two scale is the row's times 2^k, k >= 0, which
+                moves no FP8 value off the row's grid (the FP8 formats are binary
+                floating point); only values the whole row's cast would have flushed into
+                E4M3's subnormals keep more bits. Every layout matches one device to the
+                same tolerances as the other recipes.
 """
 
 from __future__ import annotations
@@ -61,6 +75,16 @@ def scale_from_amax(
     return torch.where(usable, scale, previous)
 
 
+def rowwise_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int) -> torch.Tensor:
+    """Per-row scales: FP8 max / amax / 2^margin rounded down to a power of two (as torchao's
+    rowwise recipe: exact to undo, and a power-of-two change of a row, as a layout's gradient
+    units, changes no FP8 value). A row of zeros, or one whose scale would not be finite,
+    gets 1."""
+    scale = torch.exp2(torch.floor(torch.log2(fp8_max / amax / 2**margin)))
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor x scale in FP8, saturating at the format's max."""
     return reference.fp8_cast_transpose(
@@ -82,6 +106,25 @@ def scaled_mm(
     )
 
 
+def rowwise_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scales: torch.Tensor,
+    b_scales: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`scaled_mm` with a scale per row of `a` [m, 1] and per column of `b` (given as [n, 1]:
+    per row of the transposed copy `b` is a view of)."""
+    scales = dict(scale_a=a_scales.reciprocal(), scale_b=b_scales.reciprocal().view(1, -1))
+    if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output:
+        try:
+            return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
+        except RuntimeError:  # an argument check, before any kernel ran: bf16 from now on
+            KERNELS.fp8_rowwise_fp32_output = False
+    out = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+    return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """One run's FP8 settings (config/fp8.py's flags, resolved)."""
@@ -91,6 +134,7 @@ class Fp8Recipe:
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
+    rowwise: bool = False
 
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -102,6 +146,8 @@ class Fp8Recipe:
         formats = "E4M3 activations and weights, E5M2 gradients"
         if self.fp8_format == "e4m3":
             formats = "E4M3 everywhere"
+        if self.rowwise:
+            return f"rowwise current scaling (power-of-two scales per row), {formats}"
         if not self.delayed:
             return f"tensorwise current scaling, {formats}"
         return (
@@ -149,9 +195,10 @@ class Fp8Linear(nn.Module):
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
         # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale), cast
-        # by the first micro-batch and read by the others (`Fp8Scaling.weights_cached`).
+        # by the first micro-batch and read by the others (`Fp8Scaling.weights_cached`);
+        # rowwise: (the weight, both of its casts).
         self.cache_weight = False
-        self.weight_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.weight_cache: tuple | None = None
 
     def cast(
         self, index: int, tensor: torch.Tensor
@@ -176,6 +223,27 @@ class Fp8Linear(nn.Module):
         if self.recipe.delayed and self.training:  # evaluation leaves the state as it was
             torch.maximum(self.step_amax[index], tensor_amax, out=self.step_amax[index])
         return quantized, transposed, scale
+
+    def cast_rows(self, index: int, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rowwise scaling: a 2-D tensor (or a transposed view: its copy comes out row-major)
+        cast with a scale per row ([rows, 1]) from this rank's piece of the row (see the
+        module doc: no reduction over the ranks holding the rest)."""
+        dtype = self.recipe.dtypes[index]
+        amax = KERNELS.row_amax(tensor)
+        scales = rowwise_scale(amax, self.fp8_max[index], self.recipe.margin)
+        return KERNELS.fp8_cast_rows(tensor, scales, dtype, FP8_MAX[dtype]), scales
+
+    def rowwise_weight(self, weight: torch.Tensor) -> tuple[tuple, tuple]:
+        """Rowwise scaling: the weight [out, in] cast per row (the forward's) and its transpose
+        per row (per input feature: the input gradient's), each with its scales; kept for the
+        step like `weight_in_fp8`'s copy (both: they have different scales)."""
+        cache = self.weight_cache
+        if self.cache_weight and cache is not None and cache[0] is weight:
+            return cache[1]
+        casts = (self.cast_rows(WEIGHT, weight), self.cast_rows(WEIGHT, weight.t()))
+        if self.cache_weight:
+            self.weight_cache = (weight, casts)
+        return casts
 
     def push_amax(self, step_amax: torch.Tensor) -> None:
         """Delayed scaling at a step's end: the step's reduced amaxes enter the history (newest
@@ -252,6 +320,8 @@ class Fp8Linear(nn.Module):
         it always is for a weight stored in FP8 (--fp8-param-gather), which could not hold a
         gradient of its own."""
         accumulate = accumulate_in_main_grad or weight.dtype in FP8_MAX
+        if self.recipe.rowwise:
+            return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate)
         return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate)
 
     def extra_repr(self) -> str:
@@ -268,11 +338,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
         w8, w8_t, weight_scale = fp8.weight_in_fp8(weight)
-        # Under autocast (PyTorch DDP/FSDP2 keep fp32 parameters) the output is in the
-        # autocast dtype, as F.linear's would be.
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        out_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        out_dtype = _output_dtype(x)
         output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype)
         if bias is not None:
             output = output + bias.to(out_dtype)
@@ -302,6 +368,56 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_weight = accumulate_weight_grad(weight, grad_weight)
             else:
                 grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, weight.dtype)
+        if needs_bias and ctx.has_bias:
+            grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would return: the autocast dtype under autocast (PyTorch DDP/FSDP2
+    keep fp32 parameters), else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _Fp8RowwiseLinearFunction(torch.autograd.Function):
+    """The three GEMMs of an FP8 linear layer under rowwise scaling. Each operand is cast in
+    the layout its GEMM reads and scaled per row of it: x and w per row for the forward; g
+    per row with w^T per row for the input gradient; g^T and x^T per row for the weight
+    gradient. Saved for backward: x^T and w^T, each with its scales."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
+        inputs = x.reshape(-1, x.shape[-1])
+        x8, x_scales = fp8.cast_rows(INPUT, inputs)
+        x8_t, x_t_scales = fp8.cast_rows(INPUT, inputs.t())
+        (w8, w_scales), (w8_t, w_t_scales) = fp8.rowwise_weight(weight)
+        output = rowwise_mm(x8, w8.t(), x_scales, w_scales, _output_dtype(x))
+        if bias is not None:
+            output = output + bias.to(output.dtype)
+        ctx.save_for_backward(x8_t, x_t_scales, w8_t, w_t_scales)
+        ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
+        ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return output.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x8_t, x_t_scales, w8_t, w_t_scales = ctx.saved_tensors
+        fp8, weight = ctx.fp8, ctx.weight
+        grads = grad_output.reshape(-1, grad_output.shape[-1])
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if needs_x:
+            g8, g_scales = fp8.cast_rows(GRAD, grads)
+            grad_x = rowwise_mm(g8, w8_t.t(), g_scales, w_t_scales, ctx.dtype)
+            grad_x = grad_x.view(ctx.input_shape)
+        if needs_weight:
+            g8_t, g_t_scales = fp8.cast_rows(GRAD, grads.t())
+            dtype = torch.float32 if ctx.accumulate else weight.dtype
+            grad_weight = rowwise_mm(g8_t, x8_t.t(), g_t_scales, x_t_scales, dtype)
+            if ctx.accumulate:  # fp32 straight into main_grad, never rounded to bf16
+                grad_weight = accumulate_weight_grad(weight, grad_weight)
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None

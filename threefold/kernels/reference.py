@@ -86,3 +86,16 @@ def fp8_cast_transpose(
     input when compiled."""
     quantized = fp8_cast(tensor, scale, dtype, limit)
     return quantized, quantized.t().contiguous(), amax(tensor)
+
+
+def row_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """max |row| of a 2-D tensor, as an fp32 column [rows, 1] (rowwise FP8 scaling)."""
+    return tensor.detach().abs().amax(dim=1, keepdim=True).float()
+
+
+def fp8_cast_rows(
+    tensor: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, limit: float
+) -> torch.Tensor:
+    """A 2-D `tensor`, each row times its scale ([rows, 1]), cast to FP8 as `fp8_cast` does,
+    row-major whatever the input's layout (a transposed view gives the transposed copy)."""
+    return fp8_cast(tensor, scales, dtype, limit).contiguous()

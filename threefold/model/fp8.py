@@ -34,6 +34,7 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
     return Fp8Recipe(
         fp8_format=config.fp8,
         delayed=config.fp8_recipe == "delayed",
+        rowwise=config.fp8_recipe == "rowwise",
         margin=config.fp8_margin,
         amax_history_len=config.fp8_amax_history_len,
         amax_compute_algo=config.fp8_amax_compute_algo,
@@ -140,7 +141,7 @@ class Fp8Scaling:
                 state.cache_weight, state.weight_cache = False, None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint holds (delayed scaling only: tensorwise keeps no state)."""
+        """The tensors a checkpoint holds (delayed scaling only: current scaling keeps none)."""
         if not self.recipe.delayed:
             return {}
         return {
