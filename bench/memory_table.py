@@ -1,6 +1,6 @@
 """Per-GPU memory of LLaMA-2 7B/13B/70B in the layouts Megatron-Core's guides use, from
 threefold's estimator (tools/estimate_memory.py), against 80 GB GPUs; then the same models
-in bf16 beside FP8 GEMMs with and without --fp8-param-gather.
+in bf16 beside FP8 GEMMs with and without --fp8-param-gather, and with rowwise scaling.
 
     python bench/memory_table.py > bench/results/memory_table.md
 
@@ -106,6 +106,7 @@ FP8_VARIANTS = {
     "bf16": [],
     "FP8 hybrid": ["--fp8-format", "hybrid"],
     "FP8 hybrid, --fp8-param-gather": ["--fp8-format", "hybrid", "--fp8-param-gather"],
+    "FP8 rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
 }
 
 

@@ -39,7 +39,6 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     with fp8.weights_cached() if fp8 is not None else contextlib.nullcontext():
         measure(options["dtype"])
         copies = [state.weight_cache for state in (fp8.states.values() if fp8 else [])]
-        # (rowwise: both casts of the weight, each with its scales)
         held = [cast for cache in copies for cast in _cached_casts(cache)]
         activations = measure(options["dtype"], [t for cast in held for t in cast])
     results = {
@@ -53,11 +52,9 @@ def _measure_and_estimate(argv: list[str]) -> dict:
 
 
 def _cached_casts(cache: tuple) -> list[tuple]:
-    """A step's cached FP8 weight as (FP8 copy, scale) pairs: the transposed copy, or under
-    rowwise scaling both casts."""
-    if len(cache) == 2:
-        return list(cache[1])
-    return [(cache[1], cache[2])]
+    """A step's cached FP8 weight as (FP8 copy, scales) pairs: its transposed copy (and under
+    rowwise scaling its scales per input feature)."""
+    return [cache[1] if len(cache) == 2 else (cache[1], cache[2])]
 
 
 def _assert_within_10_percent(results: list[dict]) -> None:
@@ -132,8 +129,8 @@ HYBRID = ["--fp8-format", "hybrid"]
 def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     """The bytes FP8 adds or saves, beside the same bf16 run, at a tighter bound than the
     totals' 10% (which a model ignoring FP8 would meet at this size): activations within 2%
-    of the measured change, the FP8 weight copies (both casts under rowwise scaling; with
-    --fp8-param-gather the byte per FP8 weight it saves in the static bytes) exactly."""
+    of the measured change, the FP8 weight copies (with --fp8-param-gather the byte per FP8
+    weight it saves in the static bytes) exactly."""
     argv = LLAMA_STYLE + WIDE + TRAINING + ["--bf16"] + flags
     bf16, in_fp8 = _measure_and_estimate(argv), _measure_and_estimate(argv + fp8)
     measured, estimated = (in_fp8["activations"][i] - bf16["activations"][i] for i in (0, 1))

@@ -196,7 +196,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
         # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale), cast
         # by the first micro-batch and read by the others (`Fp8Scaling.weights_cached`);
-        # rowwise: (the weight, both of its casts).
+        # rowwise: (the weight, (its transposed cast, its scales)).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
 
@@ -235,15 +235,18 @@ class Fp8Linear(nn.Module):
 
     def rowwise_weight(self, weight: torch.Tensor) -> tuple[tuple, tuple]:
         """Rowwise scaling: the weight [out, in] cast per row (the forward's) and its transpose
-        per row (per input feature: the input gradient's), each with its scales; kept for the
-        step like `weight_in_fp8`'s copy (both: they have different scales)."""
+        per row (per input feature: the input gradient's), each with its scales. The
+        transposed cast is kept for the step like `weight_in_fp8`'s copy (the one backward
+        saves); the forward's, which nothing saves, is cast per call: keeping it too would
+        hold another byte per weight through the step for one cast per micro-batch."""
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
-            return cache[1]
-        casts = (self.cast_rows(WEIGHT, weight), self.cast_rows(WEIGHT, weight.t()))
-        if self.cache_weight:
-            self.weight_cache = (weight, casts)
-        return casts
+            transposed = cache[1]
+        else:
+            transposed = self.cast_rows(WEIGHT, weight.t())
+            if self.cache_weight:
+                self.weight_cache = (weight, transposed)
+        return self.cast_rows(WEIGHT, weight), transposed
 
     def push_amax(self, step_amax: torch.Tensor) -> None:
         """Delayed scaling at a step's end: the step's reduced amaxes enter the history (newest

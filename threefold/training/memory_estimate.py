@@ -38,9 +38,8 @@ input) and fc2 (SwiGLU's product) drop to 1 byte an element; the projection's in
 attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
 recomputation drops the core's. The step's transposed FP8 weights (1 byte per FP8 weight) are
 held once for all micro-batches (`Fp8Scaling.weights_cached`; under FSDP one per micro-batch in
-flight), 2 bytes under rowwise scaling (cast per row and per column; there each FP8 linear
-also keeps its input's fp32 scales, one per input feature); --fp8-param-gather stores the FP8
-weights in FP8 only (parameters: 1 byte each).
+flight; under rowwise scaling each FP8 linear also keeps its input's fp32 scales, one per input
+feature); --fp8-param-gather stores the FP8 weights in FP8 only (parameters: 1 byte each).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -388,8 +387,7 @@ def estimate_stage(
     # micro-batch in flight keeps its own (a recomputed one only while recomputing, left out).
     # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype.
     parameter_bytes = count * params + fp8_weights * (1 - params) * gathered
-    # (the step's cache under rowwise scaling keeps both casts, per row and per column)
-    fp8_copies = 2 if config.fp8.fp8_recipe == "rowwise" else 1
+    fp8_copies = 1
     if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
