@@ -347,17 +347,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             output = output + bias.to(out_dtype)
         # The scales as they were: a delayed scale is updated in place at the step's end.
         ctx.save_for_backward(x8_t, w8_t, input_scale.clone(), weight_scale.clone())
-        # The parameter itself, for its main_grad (a saved tensor can come back as another
-        # object under activation recomputation), and its dtype.
-        ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
-        ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
         x8_t, w8_t, input_scale, weight_scale = ctx.saved_tensors
-        fp8, weight = ctx.fp8, ctx.weight
+        fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g8_t, grad_scale = fp8.cast(GRAD, grads)
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -366,14 +362,29 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = scaled_mm(g8, w8_t.t(), grad_scale, weight_scale, ctx.dtype)
             grad_x = grad_x.view(ctx.input_shape)
         if needs_weight:
-            if ctx.accumulate:  # fp32 straight into main_grad, never rounded to bf16
-                grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, torch.float32)
-                grad_weight = accumulate_weight_grad(weight, grad_weight)
-            else:
-                grad_weight = scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, weight.dtype)
+            grad_weight = _weight_grad(
+                ctx, lambda dtype: scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, dtype)
+            )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None
+
+
+def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool) -> None:
+    """What an FP8 linear's backward needs beside its saved tensors: the parameter itself, for
+    its main_grad (a saved tensor can come back as another object under activation
+    recomputation), and the input's shape and dtypes."""
+    ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate, weight
+    ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _weight_grad(ctx, gemm) -> torch.Tensor:
+    """The weight gradient from `gemm(out_dtype)`: in fp32 straight into main_grad, never
+    rounded to bf16 (accumulating), else in the weight's dtype."""
+    if ctx.accumulate:
+        return accumulate_weight_grad(ctx.weight, gemm(torch.float32))
+    return gemm(ctx.weight.dtype)
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -399,15 +410,13 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
         if bias is not None:
             output = output + bias.to(output.dtype)
         ctx.save_for_backward(x8_t, x_t_scales, w8_t, w_t_scales)
-        ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate_in_main_grad, weight
-        ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
         x8_t, x_t_scales, w8_t, w_t_scales = ctx.saved_tensors
-        fp8, weight = ctx.fp8, ctx.weight
+        fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
@@ -417,10 +426,9 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
             grad_x = grad_x.view(ctx.input_shape)
         if needs_weight:
             g8_t, g_t_scales = fp8.cast_rows(GRAD, grads.t())
-            dtype = torch.float32 if ctx.accumulate else weight.dtype
-            grad_weight = rowwise_mm(g8_t, x8_t.t(), g_t_scales, x_t_scales, dtype)
-            if ctx.accumulate:  # fp32 straight into main_grad, never rounded to bf16
-                grad_weight = accumulate_weight_grad(weight, grad_weight)
+            grad_weight = _weight_grad(
+                ctx, lambda dtype: rowwise_mm(g8_t, x8_t.t(), g_t_scales, x_t_scales, dtype)
+            )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None, None
