@@ -112,6 +112,32 @@ def test_rowwise_pieces_scaled_by_their_own_amax_keep_the_rows_fp8_values():
     assert moved.float().mean() > 0.3
 
 
+def test_rowwise_gemms_fall_back_to_bf16_output_where_fp32_is_refused(monkeypatch):
+    """cuBLASLt's rowwise-scaled GEMMs have written bf16 only: a refused fp32 output turns the
+    fp32 GEMMs (the weight gradient, fp32 runs) into bf16 ones converted, from then on."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(48, 32) * 0.02)
+    layer = Fp8Linear(Fp8Recipe(fp8_format="e4m3", delayed=False, rowwise=True))
+    layer.linear(x, weight, None).pow(2).sum().backward()
+    expected = weight.grad.clone()
+    scaled_mm = torch._scaled_mm
+
+    def cublaslt(*args, out_dtype, **kwargs):
+        if out_dtype == torch.float32:
+            raise RuntimeError("Only bf16 high precision output types are supported")
+        return scaled_mm(*args, out_dtype=out_dtype, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", cublaslt)
+    monkeypatch.setattr(KERNELS, "fp8_rowwise_fp32_output", True)
+    weight.grad = None
+    layer.linear(x, weight, None).pow(2).sum().backward()
+    assert not KERNELS.fp8_rowwise_fp32_output
+    assert weight.grad.dtype == torch.float32 and not torch.equal(weight.grad, expected)
+    # (the forward's output rounded to bf16 too, which tips a few gradient casts)
+    assert (weight.grad - expected).norm() / expected.norm() < 2e-2
+
+
 def _reference_fp8_linear(x, weight, grad, fmt, rowwise=False):
     """The three GEMMs of an FP8 linear layer with current scaling, in float64. `rowwise`:
     each GEMM operand scaled per row of the layout the GEMM reads."""
