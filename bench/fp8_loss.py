@@ -5,12 +5,12 @@ validation losses side by side and the curves plotted (tools/plot_logs.py).
     python bench/fp8_loss.py --iters 20 --out /tmp/fp8_loss_smoke        # the script itself
     python bench/fp8_loss.py --only fp8_tensorwise    # rerun one; the report reads the others
 
-Five runs of the same model, data and seed, one process each: the base precision (--bf16 on
+Six runs of the same model, data and seed, one process each: the base precision (--bf16 on
 a GPU, fp32 on a CPU); the same with FP8 GEMMs under delayed scaling (Megatron-LM's Llama-3
 recipe: hybrid, amax history 1024, max), and with --fp8-margin 1 on top; with FP8
-tensorwise scaling; and with rowwise scaling (torchao's recipe). On a CPU the FP8
-GEMMs are torch._scaled_mm's exact emulation, so the numerics are the GPU's (the accumulation
-order aside) and only the speed is not.
+tensorwise scaling; and with rowwise scaling (torchao's recipe, and with E5M2 gradients). On a
+CPU the FP8 GEMMs are torch._scaled_mm's exact emulation, so the numerics are the GPU's (the
+accumulation order aside) and only the speed is not.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ RUNS = {
     # early in training); a margin of one halves every scale, leaving a factor of 2 of headroom
     "fp8_delayed_margin1": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"]
     + ["--fp8-amax-compute-algo", "max", "--fp8-margin", "1"],
-    # torchao's rowwise recipe (E4M3 throughout): a scale per row of each GEMM operand
+    # torchao's rowwise recipe (E4M3 throughout): a scale per row of each GEMM operand; and
+    # with E5M2 gradients, as the other FP8 runs here
     "fp8_rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    "fp8_rowwise_hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
 }
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) on validation set \| lm loss value: (\S+)"
