@@ -142,6 +142,15 @@ def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     assert stored == (-in_fp8["fp8 weight copies"][0] if "--fp8-param-gather" in fp8 else 0)
 
 
+def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
+    """In fp32 the distributed optimizer's masters are the parameters' own shards, except
+    beside --fp8-param-gather's FP8 weights: then every parameter has a separate fp32 master,
+    and the estimate's static bytes are the measured ones (to float rounding)."""
+    flags = ["--fp8-format", "hybrid", "--use-distributed-optimizer", "--fp8-param-gather"]
+    measured, estimated = _measure_and_estimate(LLAMA_STYLE + WIDE + TRAINING + flags)["static"]
+    assert estimated == pytest.approx(measured, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     "world_size,flags",
     [

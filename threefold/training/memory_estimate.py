@@ -175,7 +175,10 @@ def _bytes_per_parameter(
     half = training.bf16 or training.fp16
     params = 2 if half else 4
     grads = 4 if not half or parallel.accumulate_allreduce_grads_in_fp32 else 2
-    optimizer = 12 if half or training.optimizer_cpu_offload else 8
+    # fp32 masters of their own: in half precision, offloaded, or beside --fp8-param-gather's
+    # FP8 weights (the distributed optimizer then keeps them separate for every parameter)
+    separate_masters = half or training.optimizer_cpu_offload or config.fp8.fp8_param_gather
+    optimizer = 12 if separate_masters else 8
     if training.optimizer_cpu_offload:
         optimizer = 0  # in host memory, not the device's
     return params, grads, optimizer / (dp if distributed_optimizer else 1)
