@@ -53,7 +53,7 @@ LLAMA_STYLE = [
     "--disable-bias-linear",
     "--untie-embeddings-and-output-weights",
 ]
-# FP8 runs of a few steps: both recipes, and full recomputation (a second forward per step).
+# FP8 runs of a few steps: each recipe, and full recomputation (a second forward per step).
 FP8_STEP_VARIANTS = {
     "delayed": ["--fp8-format", "hybrid"],
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],

@@ -184,18 +184,16 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
         )[1]
     losses = [trainer.train_step()[0] for _ in range(steps)]
     trainer.data_parallel.finish_param_gather()  # (--overlap-param-gather: the next forward's)
-    stored_in_fp8 = all(
-        param.dtype == torch.float8_e4m3fn and param.data_ptr() == state.gathered[1].data_ptr()
-        for param, state in fp8_parameters.states.items()
-    )
     with trainer.data_parallel.parameters_in_model_dtype():
         dequantized = all(
             param.dtype == fp8_parameters.model_dtype
             and torch.equal(param.float(), state.gathered[1].float() / state.gathered_scale)
             for param, state in fp8_parameters.states.items()
         )
-    stored_in_fp8 = stored_in_fp8 and all(
-        param.dtype == torch.float8_e4m3fn for param in fp8_parameters.states
+    # (after the context too: it stores them in FP8 again)
+    stored_in_fp8 = all(
+        param.dtype == torch.float8_e4m3fn and param.data_ptr() == state.gathered[1].data_ptr()
+        for param, state in fp8_parameters.states.items()
     )
     return {
         "losses": losses,
