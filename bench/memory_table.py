@@ -1,6 +1,7 @@
 """Per-GPU memory of LLaMA-2 7B/13B/70B in the layouts Megatron-Core's guides use, from
 threefold's estimator (tools/estimate_memory.py), against 80 GB GPUs; then the same models
-in bf16 beside FP8 GEMMs with and without --fp8-param-gather, and with rowwise scaling.
+in bf16 beside FP8 GEMMs with and without --fp8-param-gather, and with rowwise scaling (with
+Mixtral 8x7B, whose experts rowwise scaling alone puts in FP8).
 
     python bench/memory_table.py > bench/results/memory_table.md
 
@@ -79,6 +80,15 @@ MODELS = {
 }
 # (GPUs, TP, PP): the layouts Megatron-Core's training guides give for these sizes.
 RECOMMENDED = {"LLaMA-2 7B": (8, 1, 1), "LLaMA-2 13B": (8, 2, 1), "LLaMA-2 70B": (64, 4, 4)}
+# Mixtral 8x7B in Megatron-LM's example layout (examples/mixtral: TP2 PP4 EP8, 64 GPUs), for the
+# FP8 table: rowwise scaling puts its experts in FP8 too.
+MIXTRAL = MODELS["LLaMA-2 7B"][:-1] + ["14336", "--group-query-attention"]
+MIXTRAL += ["--num-query-groups", "8", "--num-experts", "8", "--moe-router-topk", "2"]
+MIXTRAL += ["--moe-ffn-hidden-size", "14336", "--expert-model-parallel-size", "8"]
+MIXTRAL += ["--sequence-parallel"]
+MODELS["Mixtral 8x7B"] = MIXTRAL
+FP8_ONLY = {"Mixtral 8x7B"}  # in the FP8 table only
+RECOMMENDED["Mixtral 8x7B"] = (64, 2, 4)
 VARIANTS = {
     "replicated optimizer, selective recompute": ["--recompute-granularity", "selective"],
     "distributed optimizer, selective recompute": [
@@ -140,7 +150,7 @@ def fp8_table() -> None:
 
 def main() -> None:
     _header("options", *SIZES[:4], "total GiB", "fits 90% of 80 GB")
-    for model in MODELS:
+    for model in [model for model in MODELS if model not in FP8_ONLY]:
         gpus, tp, pp = RECOMMENDED[model]
         for name, variant in VARIANTS.items():
             if "SP" in name and tp == 1:

@@ -1,9 +1,10 @@
 """FP8 training: Megatron-LM's --fp8-* flags (its TransformerConfig fields, same defaults).
 
-The attention and MLP linear layers of the transformer layers run their three GEMMs (forward,
-input gradient, weight gradient) in FP8 with one scale per tensor; embeddings, the output layer,
-norms, the attention core, MoE experts and every tensor-parallel collective stay in the run's
-precision. threefold.kernels.fp8 holds the arithmetic, threefold.model.fp8 picks the layers.
+The attention and MLP linear layers of the transformer layers (an MoE layer's shared expert;
+its experts under rowwise scaling only) run their three GEMMs (forward, input gradient, weight
+gradient) in FP8; embeddings, the output layer, norms, the attention core, MoE routers and
+every tensor-parallel collective stay in the run's precision. threefold.kernels.fp8 holds the
+arithmetic, threefold.model.fp8 picks the layers.
 
     --fp8-format e4m3     every FP8 tensor in E4M3 (max 448)
     --fp8-format hybrid   activations and weights in E4M3, gradients in E5M2 (max 57344)
@@ -13,7 +14,8 @@ precision. threefold.kernels.fp8 holds the arithmetic, threefold.model.fp8 picks
                               cast (TE's Float8CurrentScaling, torchao's tensorwise)
     --fp8-recipe rowwise      a power-of-two scale per row of each GEMM operand, from the row's
                               own amax (torchao's rowwise, torchtitan's
-                              --float8.recipe_name rowwise; not a Megatron-LM recipe)
+                              --float8.recipe_name rowwise; not a Megatron-LM recipe); the
+                              one recipe that also puts MoE experts in FP8
     --fp8-param-gather        the FP8 layers' weights are cast once per step, from the
                               distributed optimizer's fp32 shards, and all-gathered as FP8 bytes
                               (threefold.model.fp8_params)

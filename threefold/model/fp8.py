@@ -1,10 +1,21 @@
 """Which layers train in FP8, and their scaling state as one component.
 
 `convert_to_fp8` is applied to a built model chunk, as torchtitan converts its linears with
-torchao: the linear layers of each transformer layer's attention (QKV, output projection) and
-dense MLP (fc1, fc2) get an FP8 state (`threefold.kernels.fp8.Fp8Linear`) and run their GEMMs
-in FP8. Everything else keeps the run's precision: embeddings, the output layer, norms, the
-attention core, MoE experts and routers, and the layers --first-last-layers-bf16 keeps.
+torchao: the linear layers of each transformer layer's attention (QKV, output projection), of
+its dense MLP or an MoE layer's shared expert (fc1, fc2), and, under rowwise scaling, of its
+experts get an FP8 state (`threefold.kernels.fp8.Fp8Linear`) and run their GEMMs in FP8.
+Everything else keeps the run's precision: embeddings, the output layer, norms, the attention
+core, routers, the layers --first-last-layers-bf16 keeps, and experts under the per-tensor
+recipes.
+
+Why experts only rowwise: an expert's GEMM takes the tokens routed to it from every rank of
+its expert-parallel group at once, where one device meets them one micro-batch at a time, so a
+per-tensor amax (tensorwise, and delayed scaling's first step) would scale them differently in
+every layout. Rowwise scales do not depend on which tokens share a GEMM: the forward's and the
+input gradient's are per token and per weight row, and the weight gradient's, per feature over
+the tokens, are powers of two, so a micro-batch's column cast with the scale of a union of
+micro-batches (its own times 2^-k) has the same FP8 values (`threefold.kernels.fp8`'s
+argument for rows split over ranks): every expert-parallel layout matches one device.
 
 `Fp8Scaling` owns every FP8 state of this rank's chunks: the step-end update of delayed scales
 and the tensors a checkpoint saves, named after the layer in the whole model
@@ -24,10 +35,11 @@ from torch import nn
 from threefold.config.fp8 import Fp8Config
 from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
 from threefold.model.mlp import MLP
-from threefold.parallel.parallel_context import ParallelContext
+from threefold.model.moe.layer import MoELayer
+from threefold.parallel.parallel_context import ONE_DEVICE, ParallelContext
 
-_FP8_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
-_FP8_MLP_LINEARS = ("mlp.linear_fc1", "mlp.linear_fc2")
+_ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
+_MLP_LINEARS = ("linear_fc1", "linear_fc2")
 
 
 def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
@@ -39,6 +51,26 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
         amax_history_len=config.fp8_amax_history_len,
         amax_compute_algo=config.fp8_amax_compute_algo,
     )
+
+
+def experts_in_fp8(config: Fp8Config) -> bool:
+    """Whether the MoE experts' linear layers run in FP8 (rowwise scaling only: module doc)."""
+    return config.enabled and config.fp8_recipe == "rowwise"
+
+
+def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """A transformer layer's FP8 candidates: (attention's and the dense MLP's or the shared
+    expert's linear layers, the experts' linear layers)."""
+    dense = [layer.get_submodule(name) for name in _ATTENTION_LINEARS]
+    experts: list[nn.Module] = []
+    mlp = layer.mlp
+    if isinstance(mlp, MoELayer):
+        for expert in mlp.experts.local_experts.values():
+            experts += [getattr(expert, name) for name in _MLP_LINEARS]
+        mlp = mlp.shared_experts
+    if isinstance(mlp, MLP):
+        dense += [getattr(mlp, name) for name in _MLP_LINEARS]
+    return dense, experts
 
 
 def convert_to_fp8(
@@ -57,11 +89,13 @@ def convert_to_fp8(
     for layer in chunk.decoder.layers:
         if layer.layer_number in keep:
             continue
-        names = _FP8_LINEARS + (_FP8_MLP_LINEARS if isinstance(layer.mlp, MLP) else ())
-        for name in names:
+        dense, experts = _layer_linears(layer)
+        for module in dense:
             # Amaxes of sharded tensors are reduced over the ranks holding the shards.
-            state = Fp8Linear(recipe, parallel.tp_cp, gradient_factor)
-            layer.get_submodule(name).fp8 = state.to(device)
+            module.fp8 = Fp8Linear(recipe, parallel.tp_cp, gradient_factor).to(device)
+        for module in experts if experts_in_fp8(config) else []:
+            # Rowwise scaling reduces no amax (and keeps no units: its scales are per row).
+            module.fp8 = Fp8Linear(recipe, ONE_DEVICE).to(device)
 
 
 def caches_fp8_weights(distributed_strategy: str) -> bool:
@@ -112,6 +146,9 @@ class Fp8Scaling:
         self.param_gather = config.fp8_param_gather
         self.states = fp8_states(chunks)
         self.bf16_layers = sorted(config.bf16_layers(num_layers))
+        has_moe = any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules())
+        # None: no MoE layer here; else whether its experts run in FP8
+        self.experts = experts_in_fp8(config) if has_moe else None
 
     def after_step(self) -> None:
         """Delayed scaling: this step's amaxes into the histories, the next step's scales."""
@@ -164,8 +201,14 @@ class Fp8Scaling:
             if self.param_gather
             else ""
         )
+        linears, kept_out = "attention and dense MLP", "attention core and experts"
+        if self.experts:
+            linears, kept_out = "attention, MLP and expert", "attention core and routers"
+        elif self.experts is not None:
+            linears = "attention, dense MLP and shared-expert"
+            kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         return (
-            f"> fp8: {self.recipe.describe()}; GEMMs of the attention and dense MLP linear "
-            f"layers via torch._scaled_mm ({len(self.states)} layers on this rank{kept}){gather}; "
-            "embeddings, output layer, norms, attention core and experts in the run's precision"
+            f"> fp8: {self.recipe.describe()}; GEMMs of the {linears} linear layers via "
+            f"torch._scaled_mm ({len(self.states)} layers on this rank{kept}){gather}; "
+            f"embeddings, output layer, norms, {kept_out} in the run's precision"
         )

@@ -32,9 +32,11 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
 - dropout masks when dropout is on.
-FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention and dense MLPs keep
-1-byte copies of their inputs instead of the run's dtype: QKV and fc1 (the norm block's linear
-input) and fc2 (SwiGLU's product) drop to 1 byte an element; the projection's input is the
+FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention, dense MLPs and shared
+experts (and experts under rowwise scaling) keep 1-byte copies of their inputs instead of the
+run's dtype: QKV and fc1 (the norm block's linear input; an MoE layer's router keeps it in the
+run's dtype beside the shared expert's copy) and fc2 (SwiGLU's product) drop to 1 byte an
+element, as does an FP8 expert's input per routed token; the projection's input is the
 attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
 recomputation drops the core's. The step's transposed FP8 weights (1 byte per FP8 weight) are
 held once for all micro-batches (`Fp8Scaling.weights_cached`; under FSDP one per micro-batch in
@@ -52,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
-from threefold.model.fp8 import caches_fp8_weights
+from threefold.model.fp8 import caches_fp8_weights, experts_in_fp8
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 
 
@@ -117,17 +119,27 @@ def _fp8_layer(config: Config, layer: int) -> bool:
     return fp8.enabled and layer + 1 not in fp8.bf16_layers(config.model.num_layers)
 
 
+def _mlp_weights(model: ModelConfig, f: int, tp: int) -> int:
+    """fc1's and fc2's weight elements of an MLP of hidden size `f` split over `tp` ranks."""
+    return model.hidden_size * f * (3 if model.swiglu else 2) // tp
+
+
 def stage_fp8_weights(config: Config, stage: int) -> int:
     """The weight elements of the FP8 linear layers one rank of stage `stage` holds: attention's
-    QKV and projection, and dense MLPs' fc1 and fc2 (experts stay in the run's precision)."""
+    QKV and projection, dense MLPs' and shared experts' fc1 and fc2, and under rowwise scaling
+    the experts' (model/fp8.py)."""
     model, parallel = config.model, config.parallel
     tp, h, d = parallel.tensor_model_parallel_size, model.hidden_size, model.kv_channels
     attention = h * d * (2 * model.num_attention_heads + 2 * model.num_query_groups) // tp
-    f = model.ffn_hidden_size
-    mlp = h * f * (3 if model.swiglu else 2) // tp
+    mlp = _mlp_weights(model, model.ffn_hidden_size, tp)
+    moe = _mlp_weights(model, model.moe_shared_expert_intermediate_size or 0, tp)
+    if model.is_moe and experts_in_fp8(config.fp8):
+        local = model.num_experts // parallel.expert_model_parallel_size
+        etp = parallel.expert_tensor_parallel_size
+        moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp)
     pattern = model.moe_layer_pattern(model.num_layers)
     return sum(
-        attention + (0 if pattern[layer] else mlp)
+        attention + (moe if pattern[layer] else mlp)
         for layer in _stage_layers(model, parallel, stage)
         if _fp8_layer(config, layer)
     )
@@ -219,8 +231,11 @@ def layer_activation_bytes(
     selective = model.recompute_granularity == "selective"
     mlp_in_fp8 = fp8 and not moe
     # The linear's input, gathered over the sequence under SP: an FP8 copy in an FP8 layer
-    # (an MoE layer's second norm feeds the router and experts, which stay in the run's dtype).
+    # (an MoE layer's second norm feeds the router, which keeps it in the run's dtype, and
+    # the shared expert, whose FP8 copy adds 1 byte).
     qkv_input, fc1_input = (1 if fp8 else e), (1 if mlp_in_fp8 else e)
+    if moe and fp8 and model.moe_shared_expert_intermediate_size:
+        fc1_input += 1
     norm_blocks = 2 * norm_block + (qkv_input + fc1_input) * s * b * h
     # The projection's input, the attention core's output: kept by the core unless selective
     # recomputation drops it; the FP8 layer keeps its own copy.
@@ -235,9 +250,9 @@ def layer_activation_bytes(
             others = model.seq_length - s
             attention += 2 * e * others * b * g * d // t
     # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: two.
-    mlp = (e * (3 if model.swiglu else 1) + (1 if mlp_in_fp8 else e)) * s * b * f // t
+    mlp = _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
     if moe:
-        mlp = _moe_activation_bytes(config, s, b, e)
+        mlp = _moe_activation_bytes(config, s, b, e, fp8)
     if fp8 and config.fp8.fp8_recipe == "rowwise":  # and each FP8 input's per-feature scales
         attention += 4 * (h + h // t)
         mlp += 4 * (h + f // t) if mlp_in_fp8 else 0
@@ -247,19 +262,36 @@ def layer_activation_bytes(
     return norm_blocks + attention + mlp + dropout
 
 
-def _moe_activation_bytes(config: Config, s: int, b: int, e: int) -> int:
+def _intermediate_bytes(model: ModelConfig, e: int, fp8: bool) -> int:
+    """Bytes an MLP keeps per intermediate feature of a token: fc1's output, SiLU's and their
+    product (GELU: fc1's output and GELU's), the last one fc2's input: 1 byte in FP8."""
+    return e * (3 if model.swiglu else 1) + (1 if fp8 else e)
+
+
+def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> int:
     """An MoE MLP: this rank's s b / sigma tokens, each routed to k experts, come back as as
-    many expert inputs (taken by the dispatch) and outputs; an expert keeps the dense MLP's
-    intermediates for each (at its expert-TP share, for the pairs of all its ETP peers); the
-    shared expert as the dense MLP of its size."""
+    many expert inputs (taken by the dispatch; fc1's FP8 copy when the experts run in FP8) and
+    outputs; an expert keeps the dense MLP's intermediates for each (at its expert-TP share,
+    for the pairs of all its ETP peers); the shared expert as the dense MLP of its size.
+    Rowwise scaling adds the fp32 scales per input feature of each FP8 GEMM's input."""
     model, parallel = config.model, config.parallel
     t, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
+    h, f, shared = (
+        model.hidden_size,
+        model.moe_ffn_hidden_size,
+        model.moe_shared_expert_intermediate_size,
+    )
     sigma = t if parallel.sequence_parallel else 1
     pairs = s * b // sigma * model.moe_router_topk * etp
-    intermediates = 4 if model.swiglu else 2
-    total = e * pairs * (2 * model.hidden_size + intermediates * model.moe_ffn_hidden_size // etp)
-    if model.moe_shared_expert_intermediate_size:
-        total += e * s * b * model.moe_shared_expert_intermediate_size // t * intermediates
+    experts = fp8 and experts_in_fp8(config.fp8)
+    expert_input = 1 if experts else e
+    total = pairs * ((expert_input + e) * h + _intermediate_bytes(model, e, experts) * f // etp)
+    rowwise = fp8 and config.fp8.fp8_recipe == "rowwise"
+    if experts:
+        total += 4 * model.num_experts // parallel.expert_model_parallel_size * (h + f // etp)
+    if shared:
+        total += s * b * shared // t * _intermediate_bytes(model, e, fp8)
+        total += 4 * (h + shared // t) if rowwise else 0
     return total
 
 

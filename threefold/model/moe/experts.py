@@ -13,6 +13,12 @@ Tokens arrive grouped by expert with a count per local expert. The reference com
 expert in turn; `--moe-grouped-gemm` runs all of them in one grouped GEMM: torch._grouped_mm
 on CUDA (bf16, Hopper and later), else one batched matmul over the groups padded to the
 largest (experts with LoRA adapters take the loop).
+
+Under `--fp8-recipe rowwise` each expert's linear layers run their GEMMs in FP8 (model/fp8.py),
+one expert at a time: PyTorch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) has no CPU
+kernel to prove it against, so --moe-grouped-gemm takes the loop too. The loop's weight
+gradients go straight into the fp32 `main_grad` under --gradient-accumulation-fusion, as the
+dense layers' do; the grouped GEMM's reach it through autograd (its weights are stacked).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.layers import linear_gemm
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_expert
 
 
@@ -101,6 +108,8 @@ class ExpertLinear(nn.Module):
             else:
                 self.bias = mark_expert(bias, zero, 0, (fan_out,), stride)
         self.adapter: nn.Module | None = None
+        self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-recipe rowwise
+        self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
 
     def local_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (a row-parallel one on the first expert-TP rank only)."""
@@ -109,7 +118,10 @@ class ExpertLinear(nn.Module):
         return _FirstRankBias.apply(self.bias, self.first_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.local_bias())
+        if x.shape[0]:
+            out = linear_gemm(self, x, self.weight, self.local_bias())
+        else:  # no token reached this expert: no amax to scale an FP8 cast by, nothing to add
+            out = F.linear(x, self.weight, self.local_bias())
         return out if self.adapter is None else out + self.adapter(x)
 
 
@@ -146,8 +158,10 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens [sum(counts), hidden], grouped by local expert; the experts' outputs."""
         experts = list(self.local_experts.values())
-        adapted = experts and experts[0].linear_fc1.adapter is not None
-        if self.grouped_gemm and len(experts) > 1 and not adapted:
+        looped = experts and (
+            experts[0].linear_fc1.adapter is not None or experts[0].linear_fc1.fp8 is not None
+        )
+        if self.grouped_gemm and len(experts) > 1 and not looped:
             return self._grouped(tokens, counts, experts)
         outputs = []
         for expert, part in zip(experts, tokens.split(counts)):

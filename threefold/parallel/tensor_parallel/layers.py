@@ -95,7 +95,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-def _linear(
+def linear_gemm(
     module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """A parallel linear layer's GEMM: FP8 when the layer has an FP8 state (model/fp8.py),
@@ -258,7 +258,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         x = self._parallel_input(x)
-        output = _linear(self, x, weight, self.bias)
+        output = linear_gemm(self, x, weight, self.bias)
         if self.adapter is not None:
             output = output + self.adapter(x)
         if self.gather_output:
@@ -272,7 +272,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
         x = self._parallel_input(x)
         if self.fp8 is not None:  # FP8's own backward: the blocks as chunks of one output
-            blocks = _linear(self, x, self.weight, self.bias).chunk(self.partition_stride, -1)
+            blocks = linear_gemm(self, x, self.weight, self.bias).chunk(self.partition_stride, -1)
         else:
             fuse = self.gradient_accumulation_fusion and torch.is_grad_enabled()
             fuse = fuse and getattr(self.weight, "main_grad", None) is not None
@@ -326,7 +326,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = _linear(self, x, self.weight, None)
+        output = linear_gemm(self, x, self.weight, None)
         if self.adapter is not None:
             output = output + self.adapter(x)
         if self.sequence_parallel:
