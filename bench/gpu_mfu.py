@@ -26,7 +26,8 @@ logging to OUT/<name>.log:
   reported as not run where it does not import (carry its wheels: bench/README.md).
 With --fp8 (or named in --only) also threefold's FP8 GEMMs (delayed hybrid, Megatron-LM's
 Llama recipe; compiled; with --fp8-param-gather; tensorwise; rowwise) and torchtitan with
-torchao's float8 (tensorwise and rowwise, compiled as its float8 is meant to run).
+torchao's float8 (tensorwise and rowwise, compiled as its float8 is meant to run); with --moe,
+threefold's delayed hybrid and rowwise FP8 (the one that puts the experts in FP8).
 --shape 8b-8l: a wider model for FP8's larger GEMMs, LLaMA-3-8B's width (hidden 4096, 32
 heads, 8 KV groups; FFN 11264, what torchtitan's multiple_of makes of it) at 8 layers.
 
@@ -121,6 +122,9 @@ FP8_CONTENDERS = (
     "torchtitan+float8+compile",
     "torchtitan+float8-rowwise+compile",
 )
+# --moe --fp8: FP8 outside the experts (delayed hybrid; the experts' grouped GEMM in bf16), and
+# rowwise, whose experts run in FP8 one at a time (docs/fp8.md).
+MOE_FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8-rowwise")
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
 TENSORWISE_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
@@ -333,9 +337,10 @@ def main() -> None:
         shape = WIDE_8B
     args.only = args.only or list(MOE_CONTENDERS if args.moe else CONTENDERS)
     if args.fp8:
-        args.only += [name for name in FP8_CONTENDERS if name not in args.only]
-    if args.moe and set(args.only) - set(MOE_CONTENDERS):
-        parser.error(f"--moe runs {', '.join(MOE_CONTENDERS)}")
+        fp8 = MOE_FP8_CONTENDERS if args.moe else FP8_CONTENDERS
+        args.only += [name for name in fp8 if name not in args.only]
+    if args.moe and set(args.only) - set(MOE_CONTENDERS + MOE_FP8_CONTENDERS):
+        parser.error(f"--moe runs {', '.join(MOE_CONTENDERS + MOE_FP8_CONTENDERS)}")
     for field in ("micro_batch_size", "global_batch_size"):
         if getattr(args, field):
             setattr(shape, field, getattr(args, field))

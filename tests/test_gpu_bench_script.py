@@ -64,11 +64,12 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
 
 
 def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(tmp_path):
-    """--moe: threefold's MoE model and transformers' Mixtral on the same shape, each a row."""
+    """--moe: threefold's MoE model and transformers' Mixtral on the same shape, each a row,
+    and threefold's rowwise FP8, its experts in FP8."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "gpu_mfu.py"), "--tiny", "--moe"]
         + ["--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
-        + ["--only", "threefold", "transformers"],
+        + ["--only", "threefold", "transformers", "threefold+fp8-rowwise"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,10 +77,12 @@ def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(tmp_path):
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "gpu_moe.md").read_text()
     assert "'num_experts': 4" in table and "mixture of experts" in table
-    for name in ("threefold", "transformers"):
+    for name in ("threefold", "transformers", "threefold\\+fp8-rowwise"):
         assert re.search(rf"^\| {name} \| [\d,]+ \| ", table, re.MULTILINE), table
     log = (tmp_path / "threefold.log").read_text()
     assert " --moe " in log.splitlines()[0] and "RESULT {" in log
+    fp8_log = (tmp_path / "threefold_fp8-rowwise.log").read_text()
+    assert "GEMMs of the attention, MLP and expert linear layers" in fp8_log
 
 
 def test_the_wide_shape_is_one_torchtitan_builds():
