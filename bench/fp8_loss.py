@@ -4,6 +4,7 @@ validation losses side by side and the curves plotted (tools/plot_logs.py).
     python bench/fp8_loss.py --out bench/results/fp8_loss                # 300 steps
     python bench/fp8_loss.py --iters 20 --out /tmp/fp8_loss_smoke        # the script itself
     python bench/fp8_loss.py --only fp8_tensorwise    # rerun one; the report reads the others
+    python bench/fp8_loss.py --moe --out bench/results/fp8_loss_moe    # the MoE model
 
 Six runs of the same model, data and seed, one process each: the base precision (--bf16 on
 a GPU, fp32 on a CPU); the same with FP8 GEMMs under delayed scaling (Megatron-LM's Llama-3
@@ -11,6 +12,10 @@ recipe: hybrid, amax history 1024, max), and with --fp8-margin 1 on top; with FP
 tensorwise scaling; and with rowwise scaling (torchao's recipe, and with E5M2 gradients). On a
 CPU the FP8 GEMMs are torch._scaled_mm's exact emulation, so the numerics are the GPU's (the
 accumulation order aside) and only the speed is not.
+
+--moe: the same model with a mixture of experts in every layer (4 experts of FFN 512, top-2,
+load-balancing loss), in three runs: the base precision; tensorwise FP8, which leaves the
+experts in the base precision; and rowwise FP8, whose experts run in FP8 too (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -38,13 +43,15 @@ RUNS = {
     "fp8_rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
     "fp8_rowwise_hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
 }
+MOE = "--num-experts 4 --moe-ffn-hidden-size 512 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
+MOE_RUNS = {name: RUNS[name] for name in ("base", "fp8_tensorwise", "fp8_rowwise")}
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) on validation set \| lm loss value: (\S+)"
 )
 
 
-def model_flags(iters: int) -> list[str]:
-    """launch/demo.sh's model and data, in one process."""
+def model_flags(iters: int, moe: bool = False) -> list[str]:
+    """launch/demo.sh's model and data, in one process (`moe`: its MLPs mixtures of experts)."""
     return (
         (
             "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention "
@@ -58,6 +65,7 @@ def model_flags(iters: int) -> list[str]:
         ).split()
         + ["--data-path", DATA, "--tokenizer-model", TOKENIZER]
         + precision()
+        + (MOE.split() if moe else [])
     )
 
 
@@ -76,23 +84,26 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="*", choices=RUNS, help="run these; the others' logs are read from --out"
     )
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts model")
     args = parser.parse_args()
+    runs = MOE_RUNS if args.moe else RUNS
     if not os.path.exists(DATA + ".bin"):
         sys.exit(f"{DATA}.bin is missing: run `make data` first")
     os.makedirs(args.out, exist_ok=True)
     final = {}
-    for name, flags in RUNS.items():
+    for name, flags in runs.items():
         log = os.path.join(args.out, f"{name}.log")
-        command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *model_flags(args.iters)]
+        flags_of_model = model_flags(args.iters, args.moe)
+        command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags_of_model]
         if args.only is None or name in args.only:
             with open(log, "w") as stream:
                 subprocess.run(command + flags, stdout=stream, stderr=subprocess.STDOUT, check=True)
         with open(log) as stream:
             final[name] = float(VALIDATION.findall(stream.read())[-1][1])
-    logs = [os.path.join(args.out, f"{name}.log") for name in RUNS]
+    logs = [os.path.join(args.out, f"{name}.log") for name in runs]
     plot = os.path.join(args.out, "fp8_loss.png")
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"), *logs, "--labels", *RUNS]
+        [sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"), *logs, "--labels", *runs]
         + ["--output", plot],
         check=True,
     )
@@ -104,11 +115,13 @@ def main() -> None:
         [
             f"# FP8 against the base precision, {args.iters} steps on the default corpus",
             "",
-            f"`python bench/fp8_loss.py --iters {args.iters}`; launch/demo.sh's LLaMA-style "
-            "model (4 layers, hidden 256, GQA 8/4 heads, SwiGLU, sequence 256, 16 sequences "
-            "per step) in one process; the FP8 runs' flags:",
+            f"`python bench/fp8_loss.py --iters {args.iters}{' --moe' if args.moe else ''}`; "
+            "launch/demo.sh's LLaMA-style model (4 layers, hidden 256, GQA 8/4 heads, SwiGLU, "
+            "sequence 256, 16 sequences per step) in one process"
+            + (f", every MLP a mixture of experts (`{MOE}`)" if args.moe else "")
+            + "; the FP8 runs' flags:",
             "",
-            *[f"- {name}: `{' '.join(flags)}`" for name, flags in RUNS.items() if flags],
+            *[f"- {name}: `{' '.join(flags)}`" for name, flags in runs.items() if flags],
             "",
             "Raw logs and fp8_loss.png beside this file. On a CPU the FP8 GEMMs are an "
             "emulation and the runs may share the cores: the tokens-per-second panel is no "

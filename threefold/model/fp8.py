@@ -201,11 +201,17 @@ class Fp8Scaling:
             if self.param_gather
             else ""
         )
-        linears, kept_out = "attention and dense MLP", "attention core and experts"
+        kinds = [
+            kind
+            for kind, part in (("dense MLP", ".mlp.linear_"), ("shared-expert", ".shared_experts."))
+            if any(part in name for name in self.states)
+        ]
+        kinds = ["attention", *kinds, *(["expert"] if self.experts else [])]
+        linears = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+        kept_out = "attention core and experts"
         if self.experts:
-            linears, kept_out = "attention, MLP and expert", "attention core and routers"
+            kept_out = "attention core and routers"
         elif self.experts is not None:
-            linears = "attention, dense MLP and shared-expert"
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         return (
             f"> fp8: {self.recipe.describe()}; GEMMs of the {linears} linear layers via "
