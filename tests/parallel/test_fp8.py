@@ -28,11 +28,13 @@ from tests.parity import (
     relative_error,
 )
 from tests.training.test_checkpointing import _resume_job
+from threefold.arguments import parse_args
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save import save_checkpoint
 from threefold.kernels.fp8 import Fp8Linear
 from threefold.model.fp8 import fp8_states
 from threefold.parallel.parallel_context import ONE_DEVICE
+from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
 from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
 
 LOSS_TOLERANCE = 1e-6
@@ -130,6 +132,40 @@ def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, reci
     params, reference = result["params"], references[recipe]["params"]
     errors = [relative_error(params[name], reference[name]) for name in params]
     assert np.median(errors) > 100 * MEDIAN_PARAMETER_TOLERANCE
+
+
+def sequence_gather_job(argv: list[str], steps: int, in_fp8: bool) -> dict:
+    """`fp8_train_job` and the bytes this rank all-gathered over TP; `in_fp8` off: the FP8
+    layers gather their sequence-parallel inputs in the run's dtype and cast after."""
+    COLLECTIVE_COUNTS.clear()
+    trainer = _setup(argv)
+    for module in trainer.model.modules():
+        if isinstance(module, Fp8Linear):
+            module.gathers_in_fp8 = module.gathers_in_fp8 and in_fp8
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    gathered = COLLECTIVE_COUNTS["all_gather:bytes"]
+    line = trainer.fp8.describe()
+    return {"losses": losses, "params": _full(trainer), "gathered": gathered, "line": line}
+
+
+@pytest.mark.parametrize("recipe", PARAM_GATHER_RECIPES)
+def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
+    """Under SP, QKV's and fc1's inputs are cast on each rank and all-gathered as FP8 bytes:
+    bitwise the training of gathering them in the run's dtype (fp32 here) and casting after,
+    for 1 byte an element instead of 4 — the all-gathered bytes fall by exactly 3 per element
+    of those inputs (two per layer, per micro-batch)."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
+    steps = 2
+    fp8, control = (run_distributed(2, sequence_gather_job, argv, steps, on)[0] for on in (1, 0))
+    assert fp8["losses"] == control["losses"]
+    assert_close_dicts(fp8["params"], control["params"], 0.0, "parameter")
+    config = parse_args(argv, world_size=2)
+    model, training = config.model, config.training
+    micro_batches = training.global_batch_size // training.micro_batch_size
+    elements = model.seq_length * training.micro_batch_size * model.hidden_size
+    inputs = 2 * model.num_layers * micro_batches * steps * elements
+    assert control["gathered"] - fp8["gathered"] == 3 * inputs
+    assert "; sequence-parallel inputs all-gathered in FP8;" in fp8["line"]
 
 
 PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]

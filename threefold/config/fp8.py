@@ -3,7 +3,8 @@
 The attention and MLP linear layers of the transformer layers (an MoE layer's shared expert;
 its experts under rowwise scaling only) run their three GEMMs (forward, input gradient, weight
 gradient) in FP8; embeddings, the output layer, norms, the attention core, MoE routers and
-every tensor-parallel collective stay in the run's precision. threefold.kernels.fp8 holds the
+the tensor-parallel collectives stay in the run's precision (but sequence parallelism's input
+all-gathers, in FP8 under tensorwise and delayed scaling). threefold.kernels.fp8 holds the
 arithmetic, threefold.model.fp8 picks the layers.
 
     --fp8-format e4m3     every FP8 tensor in E4M3 (max 448)

@@ -11,7 +11,8 @@ emulation on the CPU (products of FP8 values accumulated in fp32), so CI runs th
 GPU runs. Each operand is cast once, into both layouts the GEMMs take (a fused cast-transpose
 when compiled); the transposed FP8 copies of x and w are all the layer keeps for backward (half
 the bytes of bf16 ones). Biases, collectives and everything outside the GEMMs stay in the run's
-dtype.
+dtype, except sequence parallelism's all-gather of a column-parallel layer's input, which
+tensorwise and delayed scaling cast first and gather in FP8 (`Fp8Linear.gathers_in_fp8`).
 
 Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
 
@@ -51,6 +52,11 @@ from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
 from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
+from threefold.parallel.tensor_parallel.mappings import (
+    all_gather_along_first_dim,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_along_first_dim,
+)
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -199,6 +205,13 @@ class Fp8Linear(nn.Module):
         # rowwise: (the weight, (its transposed cast, its scales)).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
+        # Whether a sequence-parallel input is all-gathered in FP8: cast on each rank with the
+        # scale of the whole gathered tensor (tensorwise: the amax reduced over TP x CP, as the
+        # gathered tensor's is; delayed: the history's, the same on every rank), so the
+        # gathered bytes are exactly the cast of the gathered input, 1 byte an element on the
+        # wire instead of bf16's 2. Not rowwise: its transposed copy needs a scale per feature
+        # over the whole sequence, which no rank has before the gather.
+        self.gathers_in_fp8 = not recipe.rowwise
 
     def cast(
         self, index: int, tensor: torch.Tensor
@@ -317,15 +330,20 @@ class Fp8Linear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         accumulate_in_main_grad: bool = False,
+        sequence_parallel: Group | None = None,
     ) -> torch.Tensor:
         """`F.linear(x, weight, bias)` with FP8 GEMMs. `accumulate_in_main_grad`: the weight
         gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion), as
         it always is for a weight stored in FP8 (--fp8-param-gather), which could not hold a
-        gradient of its own."""
+        gradient of its own. `sequence_parallel`: `x` is this rank's slice of the sequence, to
+        be all-gathered over that TP group first (a column-parallel layer's input under
+        sequence parallelism; `gathers_in_fp8`)."""
         accumulate = accumulate_in_main_grad or weight.dtype in FP8_MAX
         if self.recipe.rowwise:
+            if sequence_parallel is not None:
+                x = gather_from_sequence_parallel_region(x, sequence_parallel)
             return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate)
-        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate)
+        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate, sequence_parallel)
 
     def extra_repr(self) -> str:
         return self.recipe.describe()
@@ -334,12 +352,19 @@ class Fp8Linear(nn.Module):
 class _Fp8LinearFunction(torch.autograd.Function):
     """The three GEMMs of an FP8 linear layer. Each operand is cast once, in both layouts:
     the forward uses x8 and w8 (w8^T is column-major as it is), backward the transposes
-    x8^T, w8^T (saved instead of x8, w8: the same bytes) and g8, g8^T."""
+    x8^T, w8^T (saved instead of x8, w8: the same bytes) and g8, g8^T. With `tp` (sequence
+    parallelism) x is this rank's slice of the sequence: cast, all-gathered over `tp` as FP8
+    bytes and transposed after the gather; the input gradient is reduce-scattered back."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool, tp=None):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
+        shape = x.shape  # of the input the GEMMs take: the whole sequence under `tp`
+        if tp is not None:
+            x8 = _gather_rows(x8, tp)
+            x8_t = x8.t().contiguous()
+            shape = (tp.size * x.shape[0], *x.shape[1:])
         w8, w8_t, weight_scale = fp8.weight_in_fp8(weight)
         out_dtype = _output_dtype(x)
         output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype)
@@ -348,7 +373,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # The scales as they were: a delayed scale is updated in place at the step's end.
         ctx.save_for_backward(x8_t, w8_t, input_scale.clone(), weight_scale.clone())
         _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
-        return output.view(*x.shape[:-1], weight.shape[0])
+        ctx.tp, ctx.input_shape = tp, shape
+        return output.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -361,13 +387,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_x:
             grad_x = scaled_mm(g8, w8_t.t(), grad_scale, weight_scale, ctx.dtype)
             grad_x = grad_x.view(ctx.input_shape)
+            if ctx.tp is not None:
+                grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
         if needs_weight:
             grad_weight = _weight_grad(
                 ctx, lambda dtype: scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, dtype)
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Every TP rank's FP8 rows, concatenated in rank order, gathered as bytes (which every
+    backend takes)."""
+    return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
 
 
 def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool) -> None:

@@ -213,6 +213,9 @@ class Fp8Scaling:
             kept_out = "attention core and routers"
         elif self.experts is not None:
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
+        parallel = self.parallel
+        if parallel.sequence_parallel and parallel.tp.size > 1 and not self.recipe.rowwise:
+            gather += "; sequence-parallel inputs all-gathered in FP8"
         return (
             f"> fp8: {self.recipe.describe()}; GEMMs of the {linears} linear layers via "
             f"torch._scaled_mm ({len(self.states)} layers on this rank{kept}){gather}; "

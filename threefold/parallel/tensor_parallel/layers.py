@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -96,11 +96,17 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
 
 
 def linear_gemm(
-    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    module: nn.Module,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sequence_parallel: Group | None = None,
 ) -> torch.Tensor:
     """A parallel linear layer's GEMM: FP8 when the layer has an FP8 state (model/fp8.py),
     the weight gradient accumulated into `main_grad` with --gradient-accumulation-fusion
-    (only for the layer's own weight: a tied one also gets the embedding's gradient)."""
+    (only for the layer's own weight: a tied one also gets the embedding's gradient).
+    `sequence_parallel` (FP8 layers): `x` is this rank's slice of the sequence, all-gathered
+    over that group by the FP8 GEMM itself (`Fp8Linear.gathers_in_fp8`)."""
     fuse = (
         module.gradient_accumulation_fusion
         and weight is module.weight
@@ -108,7 +114,7 @@ def linear_gemm(
         and torch.is_grad_enabled()
     )
     if module.fp8 is not None:
-        return module.fp8.linear(x, weight, bias, fuse)
+        return module.fp8.linear(x, weight, bias, fuse, sequence_parallel)
     if fuse:
         return _LinearWithGradAccumulation.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -255,12 +261,22 @@ class ColumnParallelLinear(nn.Module):
             return gather_from_sequence_parallel_region(x, self.tp)
         return copy_to_tensor_parallel_region(x, self.tp)
 
+    def _gathers_in_fp8(self) -> bool:
+        """Under sequence parallelism an FP8 layer all-gathers its input as FP8 bytes, cast
+        before the gather (`Fp8Linear.gathers_in_fp8`): half bf16's traffic. Not with a LoRA
+        adapter, which reads the gathered input in the run's dtype."""
+        fp8 = self.fp8 is not None and self.fp8.gathers_in_fp8
+        return fp8 and self.sequence_parallel and self.tp.size > 1 and self.adapter is None
+
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        x = self._parallel_input(x)
-        output = linear_gemm(self, x, weight, self.bias)
-        if self.adapter is not None:
-            output = output + self.adapter(x)
+        if self._gathers_in_fp8():
+            output = linear_gemm(self, x, weight, self.bias, self.tp)
+        else:
+            x = self._parallel_input(x)
+            output = linear_gemm(self, x, weight, self.bias)
+            if self.adapter is not None:
+                output = output + self.adapter(x)
         if self.gather_output:
             output = gather_from_tensor_parallel_region(output, self.tp)
         return output
@@ -270,6 +286,9 @@ class ColumnParallelLinear(nn.Module):
         gate and up), each block's gradient used as it comes in backward (`linear_blocks`)."""
         if self.gather_output:
             raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
+        if self._gathers_in_fp8():  # FP8's own backward: the blocks as chunks of one output
+            output = linear_gemm(self, x, self.weight, self.bias, self.tp)
+            return output.chunk(self.partition_stride, -1)
         x = self._parallel_input(x)
         if self.fp8 is not None:  # FP8's own backward: the blocks as chunks of one output
             blocks = linear_gemm(self, x, self.weight, self.bias).chunk(self.partition_stride, -1)

@@ -72,6 +72,18 @@ def _reduce_scatter(tensor: torch.Tensor, tp: Group) -> torch.Tensor:
     return output
 
 
+def all_gather_along_first_dim(tensor: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Every TP rank's `tensor` concatenated along the first dimension (no autograd: for
+    functions that write their own backward, as FP8's sequence-parallel gather)."""
+    return _all_gather(tensor, 0, tp)
+
+
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, tp: Group) -> torch.Tensor:
+    """`tensor` summed over the TP ranks, this rank's slice of the first dimension kept (no
+    autograd)."""
+    return _reduce_scatter(tensor, tp)
+
+
 def _split(tensor: torch.Tensor, dim: int, tp: Group) -> torch.Tensor:
     if tp.size == 1:
         return tensor
