@@ -54,7 +54,6 @@ from threefold.parallel.parallel_context import ONE_DEVICE, Group
 from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
 from threefold.parallel.tensor_parallel.mappings import (
     all_gather_along_first_dim,
-    gather_from_sequence_parallel_region,
     reduce_scatter_along_first_dim,
 )
 
@@ -335,13 +334,10 @@ class Fp8Linear(nn.Module):
         """`F.linear(x, weight, bias)` with FP8 GEMMs. `accumulate_in_main_grad`: the weight
         gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion), as
         it always is for a weight stored in FP8 (--fp8-param-gather), which could not hold a
-        gradient of its own. `sequence_parallel`: `x` is this rank's slice of the sequence, to
-        be all-gathered over that TP group first (a column-parallel layer's input under
-        sequence parallelism; `gathers_in_fp8`)."""
+        gradient of its own. `sequence_parallel` (where `gathers_in_fp8`): `x` is this rank's
+        slice of the sequence, all-gathered over that TP group in FP8."""
         accumulate = accumulate_in_main_grad or weight.dtype in FP8_MAX
         if self.recipe.rowwise:
-            if sequence_parallel is not None:
-                x = gather_from_sequence_parallel_region(x, sequence_parallel)
             return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate)
         return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate, sequence_parallel)
 
