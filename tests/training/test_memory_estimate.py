@@ -38,8 +38,9 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     # copies shared by the others: a later micro-batch's bytes are its own.
     with fp8.weights_cached() if fp8 is not None else contextlib.nullcontext():
         measure(options["dtype"])
-        copies = [state.weight_cache for state in (fp8.states.values() if fp8 else [])]
-        held = [cast for cache in copies for cast in _cached_casts(cache)]
+        states = list(fp8.states.values()) if fp8 else []
+        copies = [state.weight_cache for state in states]
+        held = [cast for state in states for cast in _cached_casts(state)]
         activations = measure(options["dtype"], [t for cast in held for t in cast])
     results = {
         "static": (measured.total * count, estimate.static),
@@ -51,10 +52,15 @@ def _measure_and_estimate(argv: list[str]) -> dict:
     return results
 
 
-def _cached_casts(cache: tuple) -> list[tuple]:
+def _cached_casts(state) -> list[tuple]:
     """A step's cached FP8 weight as (FP8 copy, scales) pairs: its transposed copy (and under
-    rowwise scaling its scales per input feature)."""
-    return [cache[1] if len(cache) == 2 else (cache[1], cache[2])]
+    rowwise scaling its scales per input feature), and its row-major copy unless that is the
+    parameter (--fp8-param-gather)."""
+    cache = state.weight_cache
+    if len(cache) == 2:
+        return [cache[1]]
+    gathered = state.gathered is not None and state.gathered[1] is cache[3]
+    return [(cache[1], cache[2])] + ([] if gathered else [(cache[3], cache[2])])
 
 
 def _assert_within_10_percent(results: list[dict]) -> None:

@@ -393,7 +393,15 @@ def configure(
         KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)
         KERNELS.row_amax = fuse(reference.row_amax)
         KERNELS.fp8_cast_rows = fuse(reference.fp8_cast_rows)
-        parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, casts with transposes {how}"
+        casts = f"casts with transposes {how}"
+        # One hand-written kernel per cast (and per amax) where Triton is: the compiled ones
+        # took three to four launches each, and the launches bound an FP8 step on an H100.
+        triton_fp8 = try_import("threefold.kernels.triton_fp8") if cuda else None
+        if triton_fp8 is not None and config.fusion_impl == "auto":
+            KERNELS.amax = triton_fp8.amax
+            KERNELS.fp8_cast_transpose = triton_fp8.fp8_cast_transpose
+            casts = "casts with transposes and amaxes Triton (one kernel each; rowwise compiled)"
+        parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, {casts}"
     # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
     # which dynamo cannot trace (each linear layer would become a graph break).
     fusable = config.gradient_accumulation_fusion and not config.compile_layers

@@ -103,11 +103,23 @@ def scaled_mm(
     a_scale: torch.Tensor,
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k], row-major, and `b` [k, n],
-    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts)."""
+    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts).
+
+    `fast_accum`: Hopper's FP8 tensor cores accumulate in fewer bits than fp32; without it
+    cuBLASLt moves the partial sums into fp32 registers every few steps of k (TE's "split
+    accumulator"), which costs time. As Transformer Engine and torchao, the forward GEMM
+    accumulates fast and the two gradient GEMMs, whose sums are longer and noisier, do not.
+    (The CPU's emulation sums in fp32 either way.)"""
     return torch._scaled_mm(
-        a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype
+        a,
+        b,
+        scale_a=a_scale.reciprocal(),
+        scale_b=b_scale.reciprocal(),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
     )
 
 
@@ -117,10 +129,12 @@ def rowwise_mm(
     a_scales: torch.Tensor,
     b_scales: torch.Tensor,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """`scaled_mm` with a scale per row of `a` [m, 1] and per column of `b` (given as [n, 1]:
     per row of the transposed copy `b` is a view of)."""
     scales = dict(scale_a=a_scales.reciprocal(), scale_b=b_scales.reciprocal().view(1, -1))
+    scales["use_fast_accum"] = fast_accum
     if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output:
         try:
             return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
@@ -199,9 +213,10 @@ class Fp8Linear(nn.Module):
         # (A tuple: a parameter assigned to a module attribute would become the module's.)
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
-        # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale), cast
-        # by the first micro-batch and read by the others (`Fp8Scaling.weights_cached`);
-        # rowwise: (the weight, (its transposed cast, its scales)).
+        # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale, its
+        # row-major FP8 copy), cast by the first micro-batch and read by the others
+        # (`Fp8Scaling.weights_cached`); rowwise: (the weight, (its transposed cast, its
+        # scales)).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
         # Whether a sequence-parallel input is all-gathered in FP8: cast on each rank with the
@@ -294,15 +309,15 @@ class Fp8Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
         --fp8-param-gather, else cast now. Inside `Fp8Scaling.weights_cached` the first
-        micro-batch's transposed copy and scale are kept and serve every later micro-batch,
-        which saves that same copy for backward; its row-major copy is the gathered one, or
-        the kept one transposed back and freed after the forward GEMM (keeping both layouts
-        through the step would cost another byte per weight)."""
+        micro-batch's copies and scale are kept and serve every later micro-batch, which saves
+        that same transposed copy for backward. Both layouts are kept (with the gathered copy
+        as the row-major one): transposing the kept one back per micro-batch, to save that
+        byte per weight, took 15 ms of a 1B model's 390 ms step on an H100 (1-byte elements
+        transpose slowly)."""
         gathered = self.gathered is not None and self.gathered[0] is weight
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
-            _, transposed, scale = cache
-            weight8 = self.gathered[1] if gathered else transposed.t().contiguous()
+            _, transposed, scale, weight8 = cache
             return weight8, transposed, scale
         if gathered:
             weight8 = self.gathered[1]
@@ -310,7 +325,7 @@ class Fp8Linear(nn.Module):
         else:
             result = self.cast(WEIGHT, weight)
         if self.cache_weight:
-            self.weight_cache = (weight, result[1], result[2])
+            self.weight_cache = (weight, result[1], result[2], result[0])
         return result
 
     def use_history(self) -> None:
@@ -363,7 +378,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             shape = (tp.size * x.shape[0], *x.shape[1:])
         w8, w8_t, weight_scale = fp8.weight_in_fp8(weight)
         out_dtype = _output_dtype(x)
-        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype)
+        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype, fast_accum=True)
         if bias is not None:
             output = output + bias.to(out_dtype)
         # The scales as they were: a delayed scale is updated in place at the step's end.
@@ -436,7 +451,7 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
         x8, x_scales = fp8.cast_rows(INPUT, inputs)
         x8_t, x_t_scales = fp8.cast_rows(INPUT, inputs.t())
         (w8, w_scales), (w8_t, w_t_scales) = fp8.rowwise_weight(weight)
-        output = rowwise_mm(x8, w8.t(), x_scales, w_scales, _output_dtype(x))
+        output = rowwise_mm(x8, w8.t(), x_scales, w_scales, _output_dtype(x), fast_accum=True)
         if bias is not None:
             output = output + bias.to(output.dtype)
         ctx.save_for_backward(x8_t, x_t_scales, w8_t, w_t_scales)

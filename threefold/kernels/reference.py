@@ -66,8 +66,15 @@ def attention(
 
 
 def amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max |tensor| as an fp32 scalar (exact in any dtype: a maximum does not round)."""
-    return tensor.detach().abs().amax().float()
+    """max |tensor| as an fp32 scalar (exact in any dtype: a maximum does not round). Per row
+    first, then over the rows: compiled for shapes that vary (an FP8 layer's inputs and
+    gradients), one reduction of a whole tensor to a scalar ran in few thread blocks (98 us
+    for 16M elements on an H100, nine times a read of them); a reduction per row spreads over
+    the rows, and fuses with a cast reading the same rows."""
+    if tensor.dim() < 2:
+        return tensor.detach().abs().amax().float()
+    rows = tensor.detach().reshape(-1, tensor.shape[-1])
+    return rows.abs().amax(dim=1).amax().float()
 
 
 def fp8_cast(

@@ -165,8 +165,8 @@ class Fp8Scaling:
         changes inside a step (the optimizer and the delayed scales' update come after), so
         every micro-batch would cast the same bytes; the copies are dropped at the end, before
         the weights change. Later micro-batches transpose instead of casting (no amax, no
-        reduction), and, as they share the copy, a pipeline stage holds one transposed FP8
-        weight for its micro-batches in flight instead of one each. (Off where
+        reduction), and, as they share the copies, a pipeline stage holds one FP8 weight (in
+        both layouts) for its micro-batches in flight instead of one each. (Off where
         `caches_fp8_weights` says so: then every micro-batch casts.)"""
         states = list(self.states.values()) if self.cache_weights else []
         for state in states:

@@ -38,10 +38,12 @@ run's dtype: QKV and fc1 (the norm block's linear input; an MoE layer's router k
 run's dtype beside the shared expert's copy) and fc2 (SwiGLU's product) drop to 1 byte an
 element, as does an FP8 expert's input per routed token; the projection's input is the
 attention core's output, which the core keeps anyway (its copy adds 1 byte), unless selective
-recomputation drops the core's. The step's transposed FP8 weights (1 byte per FP8 weight) are
-held once for all micro-batches (`Fp8Scaling.weights_cached`; under FSDP one per micro-batch in
-flight; under rowwise scaling each FP8 linear also keeps its input's fp32 scales, one per input
-feature); --fp8-param-gather stores the FP8 weights in FP8 only (parameters: 1 byte each).
+recomputation drops the core's. The step's FP8 weights are held once for all micro-batches
+(`Fp8Scaling.weights_cached`), in both layouts (2 bytes per FP8 weight; 1 with
+--fp8-param-gather, whose row-major copy is the parameter, and under rowwise scaling, which
+keeps the transposed cast only, with its input's fp32 scales, one per input feature); under
+FSDP each micro-batch in flight keeps its own transposed copy; --fp8-param-gather stores the
+FP8 weights in FP8 only (parameters: 1 byte each).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -418,11 +420,13 @@ def estimate_stage(
     fp8_weights = stage_fp8_weights(config, stage)
     gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
-    # The step's transposed FP8 weights, shared by its micro-batches; uncached (FSDP), each
-    # micro-batch in flight keeps its own (a recomputed one only while recomputing, left out).
-    # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype.
+    # The step's FP8 weights in both layouts, shared by its micro-batches (the row-major one
+    # is the parameter under --fp8-param-gather; rowwise keeps the transposed one only);
+    # uncached (FSDP), each micro-batch in flight keeps its transposed one (a recomputed one
+    # only while recomputing, left out). --fp8-param-gather stores the FP8 weights in FP8
+    # only: 1 byte each, not the run's dtype.
     parameter_bytes = count * params + fp8_weights * (1 - params) * gathered
-    fp8_copies = 1
+    fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
     if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
