@@ -69,7 +69,7 @@ def test_scaled_mm_is_the_exact_product_of_the_dequantized_operands():
     sa, sb = torch.tensor(37.0), torch.tensor(0.25)
     a8, b8 = quantize(a, sa, E4M3), quantize(b, sb, E5M2)
     expected = (a8.double() / sa.double()) @ (b8.double() / sb.double())
-    got = scaled_mm(a8, b8, sa, sb, torch.float32)
+    got = scaled_mm(a8, b8, sa.reciprocal(), sb.reciprocal(), torch.float32)
     # exact products, summed in fp32: rounding of a 40-term sum
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 

@@ -100,13 +100,15 @@ def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
     out_dtype: torch.dtype,
     fast_accum: bool = False,
 ) -> torch.Tensor:
-    """(a / a_scale) @ (b / b_scale) for FP8 `a` [m, k], row-major, and `b` [k, n],
-    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts).
+    """(a x a_inverse) @ (b x b_inverse) for FP8 `a` [m, k], row-major, and `b` [k, n],
+    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts); the
+    inverses are of the scales the operands were cast with (`dequantization`), each computed
+    once per cast rather than once per GEMM: on a GPU an FP8 step is bound by its launches.
 
     `fast_accum`: Hopper's FP8 tensor cores accumulate in fewer bits than fp32; without it
     cuBLASLt moves the partial sums into fp32 registers every few steps of k (TE's "split
@@ -114,13 +116,15 @@ def scaled_mm(
     accumulates fast and the two gradient GEMMs, whose sums are longer and noisier, do not.
     (The CPU's emulation sums in fp32 either way.)"""
     return torch._scaled_mm(
-        a,
-        b,
-        scale_a=a_scale.reciprocal(),
-        scale_b=b_scale.reciprocal(),
-        out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
+        a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype, use_fast_accum=fast_accum
     )
+
+
+def dequantization(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale: what a GEMM multiplies an operand cast with `scale` by. A new tensor, so it
+    can be saved for backward as it is (a delayed scale is updated in place at the step's
+    end)."""
+    return scale.reciprocal()
 
 
 def rowwise_mm(
@@ -213,10 +217,10 @@ class Fp8Linear(nn.Module):
         # (A tuple: a parameter assigned to a module attribute would become the module's.)
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
-        # One training step's FP8 weight: (the weight, its transposed FP8 copy, its scale, its
-        # row-major FP8 copy), cast by the first micro-batch and read by the others
-        # (`Fp8Scaling.weights_cached`); rowwise: (the weight, (its transposed cast, its
-        # scales)).
+        # One training step's FP8 weight: (the weight, its transposed FP8 copy, its
+        # `dequantization`, its row-major FP8 copy), cast by the first micro-batch and read by
+        # the others (`Fp8Scaling.weights_cached`); rowwise: (the weight, (its transposed
+        # cast, its scales)).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
         # Whether a sequence-parallel input is all-gathered in FP8: cast on each rank with the
@@ -307,7 +311,8 @@ class Fp8Linear(nn.Module):
     def weight_in_fp8(
         self, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weight in FP8, row-major and transposed, and its scale: the gathered copy with
+        """The weight in FP8, row-major and transposed, and the inverse of its scale
+        (`dequantization`): the gathered copy with
         --fp8-param-gather, else cast now. Inside `Fp8Scaling.weights_cached` the first
         micro-batch's copies and scale are kept and serve every later micro-batch, which saves
         that same transposed copy for backward. Both layouts are kept (with the gathered copy
@@ -317,13 +322,14 @@ class Fp8Linear(nn.Module):
         gathered = self.gathered is not None and self.gathered[0] is weight
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
-            _, transposed, scale, weight8 = cache
-            return weight8, transposed, scale
+            _, transposed, inverse, weight8 = cache
+            return weight8, transposed, inverse
         if gathered:
             weight8 = self.gathered[1]
-            result = weight8, weight8.t().contiguous(), self.gathered_scale
+            result = weight8, weight8.t().contiguous(), dequantization(self.gathered_scale)
         else:
-            result = self.cast(WEIGHT, weight)
+            weight8, transposed, scale = self.cast(WEIGHT, weight)
+            result = weight8, transposed, dequantization(scale)
         if self.cache_weight:
             self.weight_cache = (weight, result[1], result[2], result[0])
         return result
@@ -371,38 +377,39 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool, tp=None):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
+        input_inverse = dequantization(input_scale)
         shape = x.shape  # of the input the GEMMs take: the whole sequence under `tp`
         if tp is not None:
             x8 = _gather_rows(x8, tp)
             x8_t = x8.t().contiguous()
             shape = (tp.size * x.shape[0], *x.shape[1:])
-        w8, w8_t, weight_scale = fp8.weight_in_fp8(weight)
+        w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
         out_dtype = _output_dtype(x)
-        output = scaled_mm(x8, w8.t(), input_scale, weight_scale, out_dtype, fast_accum=True)
+        output = scaled_mm(x8, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True)
         if bias is not None:
             output = output + bias.to(out_dtype)
-        # The scales as they were: a delayed scale is updated in place at the step's end.
-        ctx.save_for_backward(x8_t, w8_t, input_scale.clone(), weight_scale.clone())
+        ctx.save_for_backward(x8_t, w8_t, input_inverse, weight_inverse)
         _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
         ctx.tp, ctx.input_shape = tp, shape
         return output.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, w8_t, input_scale, weight_scale = ctx.saved_tensors
+        x8_t, w8_t, input_inverse, weight_inverse = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g8_t, grad_scale = fp8.cast(GRAD, grads)
+        grad_inverse = dequantization(grad_scale)
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:
-            grad_x = scaled_mm(g8, w8_t.t(), grad_scale, weight_scale, ctx.dtype)
+            grad_x = scaled_mm(g8, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype)
             grad_x = grad_x.view(ctx.input_shape)
             if ctx.tp is not None:
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
         if needs_weight:
             grad_weight = _weight_grad(
-                ctx, lambda dtype: scaled_mm(g8_t, x8_t.t(), grad_scale, input_scale, dtype)
+                ctx, lambda dtype: scaled_mm(g8_t, x8_t.t(), grad_inverse, input_inverse, dtype)
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
