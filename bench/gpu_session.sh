@@ -7,13 +7,22 @@
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 # Logs and results go to bench/results/gpu_mfu, or, under the device tool (which brings back
 # at most 8 files from $OUT), to /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each
-# phase. The wheels install under /tmp/site, beside the machine's own torch.
+# phase and every 30 s during it: a phase cut off by a time limit skips the EXIT trap, and
+# what it wrote still comes back. fp8loss reads the corpus (`make data` here, then carry
+# data/shakespeare_text_document.bin, .idx and data/shakespeare_sp.model). The wheels install
+# under /tmp/site, beside the machine's own torch.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=bench/results/gpu_mfu
 if [ -n "${OUT:-}" ]; then
   out=/tmp/gpu_results
-  trap 'tar -C "$out" -czf "$OUT/gpu_results.tgz" .' EXIT
+  mkdir -p "$out"
+  pack() {
+    tar -C "$out" -czf "$OUT/gpu_results.part" . && mv "$OUT/gpu_results.part" "$OUT/gpu_results.tgz"
+  }
+  (while sleep 30; do pack; done) &
+  packer=$!
+  trap 'kill "$packer" 2>/dev/null; pack' EXIT
 fi
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then
