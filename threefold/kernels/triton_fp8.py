@@ -33,8 +33,9 @@ def _cast_transpose(
     BLOCK: tl.constexpr,
     CAST: tl.constexpr,
 ):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # 64-bit offsets: a gradient of 16 x 8192 tokens by 28672 features has 2^31.8 elements
+    r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     x = tl.load(x_ptr + r[:, None] * stride_row + c[None, :] * stride_col, mask=mask, other=0.0)
     x = x.to(tl.float32)
