@@ -137,8 +137,11 @@ def rowwise_mm(
 ) -> torch.Tensor:
     """`scaled_mm` with a scale per row of `a` [m, 1] and per column of `b` (given as [n, 1]:
     per row of the transposed copy `b` is a view of)."""
-    scales = dict(scale_a=a_scales.reciprocal(), scale_b=b_scales.reciprocal().view(1, -1))
-    scales["use_fast_accum"] = fast_accum
+    scales = dict(
+        scale_a=a_scales.reciprocal(),
+        scale_b=b_scales.reciprocal().view(1, -1),
+        use_fast_accum=fast_accum,
+    )
     if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output:
         try:
             return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
@@ -312,13 +315,12 @@ class Fp8Linear(nn.Module):
         self, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and the inverse of its scale
-        (`dequantization`): the gathered copy with
-        --fp8-param-gather, else cast now. Inside `Fp8Scaling.weights_cached` the first
-        micro-batch's copies and scale are kept and serve every later micro-batch, which saves
-        that same transposed copy for backward. Both layouts are kept (with the gathered copy
-        as the row-major one): transposing the kept one back per micro-batch, to save that
-        byte per weight, took 15 ms of a 1B model's 390 ms step on an H100 (1-byte elements
-        transpose slowly)."""
+        (`dequantization`): the gathered copy with --fp8-param-gather, else cast now. Inside
+        `Fp8Scaling.weights_cached` the first micro-batch's copies and inverse are kept and
+        serve every later micro-batch, which saves that same transposed copy for backward.
+        Both layouts are kept (the gathered copy as the row-major one): transposing the kept
+        one back per micro-batch, to save that byte per weight, took 15 ms of GPU time per
+        step of the 1B bench on an H100 (1-byte elements transpose slowly)."""
         gathered = self.gathered is not None and self.gathered[0] is weight
         cache = self.weight_cache
         if self.cache_weight and cache is not None and cache[0] is weight:
