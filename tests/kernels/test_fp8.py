@@ -3,6 +3,10 @@ reference, the delayed recipe's history, the choice of layers, the flags, and th
 gradient accumulated into the gradient buffer by its GEMM (--gradient-accumulation-fusion)."""
 
 import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -404,6 +408,39 @@ def test_the_triton_cast_transpose_and_amax_on_cuda_are_the_eager_ones_bitwise(s
     assert not torch.isfinite(triton_fp8.amax(tensor)) and not torch.isfinite(
         reference.amax(tensor)
     )
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+INTERPRETED_CAST = """
+import torch
+from threefold.kernels import reference, triton_fp8
+torch.manual_seed(0)
+for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    for rows, cols in ((100, 70), (64, 128), (3, 200)):
+        # FP8 values: the interpreter's casts round otherwise than a GPU's, exact values not
+        tensor = (torch.randn(rows, cols) * 10).to(dtype).float()
+        for layout in (tensor, tensor.t().contiguous().t(), tensor.bfloat16()):
+            args = (layout, torch.tensor(1.0), dtype, float(torch.finfo(dtype).max))
+            got = triton_fp8.fp8_cast_transpose(*args)
+            expected = reference.fp8_cast_transpose(*args)
+            assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, expected))
+            assert torch.equal(triton_fp8.amax(layout), reference.amax(layout))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA machines)"
+)
+def test_the_triton_cast_transpose_writes_every_layout_in_the_interpreter():
+    """Where Triton is installed, its CPU interpreter runs the kernel's tiles, edge masks and
+    transposed stores on CPU tensors (the rounding is the GPU's to show: the `cuda` test)."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_CAST], env=env, capture_output=True, text=True
+    )
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("device", DEVICES)
