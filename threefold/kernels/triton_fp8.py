@@ -23,8 +23,8 @@ def _cast_transpose(
     x_ptr,
     out_ptr,
     out_t_ptr,
-    amax_ptr,
     scale_ptr,
+    amax_ptr,
     rows,
     cols,
     stride_row,
@@ -58,35 +58,35 @@ def fp8_cast_transpose(
     rows, cols = tensor.shape
     quantized = torch.empty(rows, cols, dtype=dtype, device=tensor.device)
     transposed = torch.empty(cols, rows, dtype=dtype, device=tensor.device)
-    return quantized, transposed, _launch(tensor, quantized, transposed, scale.float(), limit)
+    return quantized, transposed, _launch(tensor, (quantized, transposed, scale.float()), limit)
 
 
 def amax(tensor: torch.Tensor) -> torch.Tensor:
     """`reference.amax` of a tensor of at least one dimension (as 2-D: its last and the rest),
     in one kernel."""
-    rows = tensor.reshape(-1, tensor.shape[-1])
-    return _launch(rows, rows, rows, rows, 0.0)
+    return _launch(tensor.reshape(-1, tensor.shape[-1]), None, 0.0)
 
 
-def _launch(tensor, quantized, transposed, scale, limit: float) -> torch.Tensor:
-    """One launch over `tensor`'s 64 x 64 tiles; the amax (and, if `quantized` is another
-    tensor than `tensor`, the casts)."""
+def _launch(
+    tensor: torch.Tensor, cast: tuple[torch.Tensor, ...] | None, limit: float
+) -> torch.Tensor:
+    """One launch over `tensor`'s 64 x 64 tiles: its amax, and with `cast` (the FP8 output,
+    its transpose, the scale) the casts too (without, the input stands in for those pointers,
+    which the kernel then never reads)."""
     amax = torch.zeros(1, dtype=torch.float32, device=tensor.device)
     if tensor.numel():
         rows, cols = tensor.shape
         grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK))
         _cast_transpose[grid](
             tensor,
-            quantized,
-            transposed,
+            *(cast or (tensor, tensor, tensor)),
             amax,
-            scale,
             rows,
             cols,
             tensor.stride(0),
             tensor.stride(1),
             limit,
             BLOCK=BLOCK,
-            CAST=quantized is not tensor,
+            CAST=cast is not None,
         )
     return amax.view(())
