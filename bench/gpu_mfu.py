@@ -112,12 +112,14 @@ CONTENDERS = (
 # instead of from the bf16 weights in the step's first forward (--fp8-param-gather; its FP8
 # all-gather needs DP > 1 to show).
 # tensorwise and rowwise beside torchtitan's float8 recipes of those names (torchao's rowwise
-# is E4M3 throughout).
+# is E4M3 throughout). +compile-layers: the FP8 linears traced into each layer's graph, as
+# torchtitan compiles torchao's (docs/fp8.md).
 FP8_CONTENDERS = (
     "threefold+fp8",
     "threefold+fp8+compile-layers",
     "threefold+fp8+param-gather",
     "threefold+fp8-tensorwise",
+    "threefold+fp8-tensorwise+compile-layers",
     "threefold+fp8-rowwise",
     "torchtitan+float8+compile",
     "torchtitan+float8-rowwise+compile",
@@ -236,6 +238,9 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
             *a, extra=(*FP8_FLAGS, *PARAM_GATHER_FLAGS)
         ),
         "threefold+fp8-tensorwise": lambda *a: _threefold(*a, extra=TENSORWISE_FLAGS),
+        "threefold+fp8-tensorwise+compile-layers": lambda *a: _threefold(
+            *a, extra=(*TENSORWISE_FLAGS, "--compile-layers")
+        ),
         "threefold+fp8-rowwise": lambda *a: _threefold(*a, extra=ROWWISE_FLAGS),
         "torchtitan+float8+compile": lambda *a: torchtitan_step(
             *a, compiled=True, float8="tensorwise"

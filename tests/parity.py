@@ -149,10 +149,16 @@ def _without_key_bias(params: dict[str, np.ndarray], trainer: Trainer) -> dict:
 
 
 def train_job(argv: list[str], steps: int) -> dict:
-    """Losses of `steps` training iterations and the final full parameters."""
+    """Losses of `steps` training iterations, the final full parameters and, with FP8, the
+    scaling state a checkpoint would hold."""
     trainer = _setup(argv)
     losses = [trainer.train_step()[0] for _ in range(steps)]
-    return {"losses": losses, "params": _without_key_bias(_full(trainer), trainer)}
+    fp8 = trainer.fp8.state_tensors() if trainer.fp8 is not None else {}
+    return {
+        "losses": losses,
+        "params": _without_key_bias(_full(trainer), trainer),
+        "fp8": {name: tensor.numpy().copy() for name, tensor in fp8.items()},
+    }
 
 
 def gradient_job(argv: list[str]) -> dict:

@@ -47,15 +47,61 @@ def test_compiled_layers_match_the_eager_model(style):
     _compiled_matches_eager(style + TRAINING)
 
 
-def test_compiled_layers_are_one_graph_each():
+def _explained_layer(argv: list[str]):
     from tests.parity import _setup
 
-    trainer = _setup(LLAMA + ["--compile-layers"])
+    trainer = _setup(argv)
     layer = trainer.model.decoder.layers[0]
     hidden = torch.randn(16, 2, 32, requires_grad=True)
     rotary = trainer.model.rotary_pos_emb(16, hidden.device)
-    explained = torch._dynamo.explain(layer._call_impl)(hidden, rotary)
+    return torch._dynamo.explain(layer._call_impl)(hidden, rotary)
+
+
+def _fp8_gemms_traced(explained) -> int:
+    """The custom autograd functions traced into the graphs whose forward is an FP8 GEMM."""
+    forwards = (
+        module
+        for graph in explained.graphs
+        for name, module in graph.named_children()
+        if name.startswith("fwd_body")
+    )
+    return sum(
+        any("_scaled_mm" in str(node.target) for node in module.graph.nodes) for module in forwards
+    )
+
+
+def test_compiled_layers_are_one_graph_each():
+    explained = _explained_layer(LLAMA + ["--compile-layers"])
     assert explained.graph_count == 1 and explained.graph_break_count == 0
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+def test_fp8_linears_are_traced_into_the_compiled_layer(capsys, recipe):
+    """QKV, output projection, fc1 and fc2 inside the layer's one graph: no break around them
+    (the first step of delayed scaling, current scaling without TP, is traced too)."""
+    argv = LLAMA + ["--compile-layers", "--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    explained = _explained_layer(argv)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert _fp8_gemms_traced(explained) == 4
+    assert "traced into the compiled layers' graphs" in capsys.readouterr().out
+
+
+def _fp8_linears_traced(argv: list[str]) -> bool:
+    from tests.parity import _setup
+    from threefold.model.fp8 import fp8_states
+
+    trainer = _setup(argv)
+    return any(state.traced for state in fp8_states(trainer.model_chunks).values())
+
+
+def test_fp8_linears_stay_eager_with_fp8_param_gather(capsys):
+    """Its FP8 weight copies are found by the parameter's identity: a graph would be one per
+    layer."""
+    argv = LLAMA + ["--compile-layers", "--fp8-format", "hybrid", "--use-distributed-optimizer"]
+    assert not _fp8_linears_traced(argv + ["--fp8-param-gather"])
+    assert "eager between the compiled layers' graphs (--fp8-param-gather)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_selective_recompute_inside_compiled_layers():
@@ -89,25 +135,28 @@ def test_pipeline_parallel_with_full_recompute_and_compiled_layers():
 
 @pytest.mark.parametrize("recipe", FP8_STEP_VARIANTS.values(), ids=FP8_STEP_VARIANTS)
 def test_fp8_layers_compiled_train_as_eager_ones(recipe):
-    """FP8 GEMMs inside compiled layers, over three steps of four micro-batches: the step's
-    cached FP8 weights (first micro-batch casts, the rest read) and the delayed scales' first
-    step and history, train as eager ones, to the FP8 layouts' tolerances
-    (tests/parallel/test_fp8.py): the compiled fp32 ops around the FP8 linears (which run eager)
-    round differently, and that can tip an FP8 cast over a rounding boundary (E4M3 gradients,
-    --fp8-format e4m3, tip most: a median tensor 2e-4 off after three steps). Compiled, and
-    within dynamo's recompile limit (a fallback to eager would also pass, so it is counted)."""
+    """FP8 linears traced into compiled layers, over three steps of four micro-batches (eager:
+    the step's cached FP8 weights; traced: a cast per micro-batch) and the delayed scales'
+    first step and history, train as eager ones, to the FP8 layouts' tolerances
+    (tests/parallel/test_fp8.py): the compiled fp32 ops round differently, and that can tip
+    an FP8 cast over a rounding boundary (E4M3 gradients, --fp8-format e4m3, tip most: a
+    median tensor 2e-4 off after three steps). The amax histories and scales are each layer's
+    own (one graph serves every layer). Compiled, and within dynamo's recompile limit (a
+    fallback to eager would also pass, so it is counted)."""
     from torch._dynamo.utils import counters
 
     argv = LLAMA + recipe
     eager = train_job(argv, 3)
     counters.clear()
     compiled = train_job(argv + ["--compile-layers"], 3)
-    assert "each torch.compile'd, its FP8 linears eager between" in KERNELS.description
+    assert "each torch.compile'd as one graph" in KERNELS.description
     assert_losses_close(compiled["losses"], eager["losses"], 1e-6)
     assert_close_dicts(compiled["params"], eager["params"], 1e-3, "parameter")
     errors = [relative_error(compiled["params"][n], eager["params"][n]) for n in eager["params"]]
     assert np.median(errors) <= 1e-6
     assert sum(counters["frames"].values()) > 0 and not counters["recompile_limit"]
+    assert compiled["fp8"].keys() == eager["fp8"].keys()
+    assert_close_dicts(compiled["fp8"], eager["fp8"], 1e-5, "FP8 state")
 
 
 def test_fp8_layers_compiled_under_pipeline_parallelism():
@@ -118,3 +167,17 @@ def test_fp8_layers_compiled_under_pipeline_parallelism():
     compiled = run_distributed(2, train_job, argv + ["--compile-layers"], 3)
     for got, expected in zip(compiled, eager):
         assert_losses_close(got["losses"], expected["losses"], 1e-6)
+    # eager between the compiled parts: a traced backward would find its saved state changed
+    assert not any(run_distributed(2, _fp8_linears_traced, argv + ["--compile-layers"]))
+
+
+def test_fp8_layers_compiled_under_tensor_parallelism():
+    """TP=2 without sequence parallelism: delayed scaling's first step reduces each amax over
+    TP, so those calls run eager; from the second step on they are traced. The losses and
+    every layer's scaling state train as eager ones."""
+    argv = LLAMA + ["--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"]
+    eager = run_distributed(2, train_job, argv, 3)
+    compiled = run_distributed(2, train_job, argv + ["--compile-layers"], 3)
+    for got, expected in zip(compiled, eager):
+        assert_losses_close(got["losses"], expected["losses"], 1e-6)
+        assert_close_dicts(got["fp8"], expected["fp8"], 1e-5, "FP8 state")

@@ -385,9 +385,8 @@ def configure(
     # multi-tensor kernel and keeps one optimizer-state format in checkpoints.
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
     if config.compile_layers:
+        # (the FP8 linears inside or between them: the "> fp8:" line, model/fp8.py)
         parts["transformer layers"] = "each torch.compile'd as one graph"
-        if fp8:  # threefold/kernels/fp8.py: Fp8Linear.linear
-            parts["transformer layers"] = "each torch.compile'd, its FP8 linears eager between"
     if fp8:
         KERNELS.amax = fuse(reference.amax)
         KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)

@@ -90,6 +90,13 @@ def rowwise_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int
     return torch.where(usable, scale, torch.ones_like(scale))
 
 
+def _kernels():
+    """Where the casts come from: inside a compiled graph (a traced `Fp8Linear.linear`) the
+    reference, which the compiler fuses with the ops around it; else the run's (`KERNELS`:
+    one Triton kernel per cast on CUDA, a compiled one elsewhere). The same bytes either way."""
+    return reference if torch.compiler.is_compiling() else KERNELS
+
+
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor x scale in FP8, saturating at the format's max."""
     return reference.fp8_cast_transpose(
@@ -142,7 +149,10 @@ def rowwise_mm(
         scale_b=b_scales.reciprocal().view(1, -1),
         use_fast_accum=fast_accum,
     )
-    if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output:
+    # Compiled, a refusal would come from inside the graph, where it cannot be caught: on
+    # CUDA the graph asks for bf16 from the start.
+    compiled_on_gpu = torch.compiler.is_compiling() and a.device.type == "cuda"
+    if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output and not compiled_on_gpu:
         try:
             return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
         except RuntimeError:  # an argument check, before any kernel ran: bf16 from now on
@@ -233,13 +243,16 @@ class Fp8Linear(nn.Module):
         # wire instead of bf16's 2. Not rowwise: its transposed copy needs a scale per feature
         # over the whole sequence, which no rank has before the gather.
         self.gathers_in_fp8 = not recipe.rowwise
+        # Whether `linear` may be traced into a compiled layer's graph (--compile-layers
+        # without pipeline parallelism: threefold.model.fp8.convert_to_fp8); see `linear`.
+        self.traced = False
 
     def cast(
         self, index: int, tensor: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input, weight or gradient (INPUT, WEIGHT, GRAD; 2-D) in FP8, row-major and
         transposed, and the scale it was cast with."""
-        dtype = self.recipe.dtypes[index]
+        dtype, kernels = self.recipe.dtypes[index], _kernels()
         if self.recipe.delayed and self.has_history:
             scale = self.scale_in_use[index]
         else:
@@ -247,11 +260,11 @@ class Fp8Linear(nn.Module):
             # history yet. (TE starts from scale 1 there, which flushes most gradients to
             # zero, and would do so differently in every layout: a rank's gradients are DP x
             # CP times one device's, which a scale from the tensor's own amax cancels.)
-            current = self.amax_group.all_reduce(KERNELS.amax(tensor), op=dist.ReduceOp.MAX)
+            current = self.amax_group.all_reduce(kernels.amax(tensor), op=dist.ReduceOp.MAX)
             scale = scale_from_amax(
                 current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
             )
-        quantized, transposed, tensor_amax = KERNELS.fp8_cast_transpose(
+        quantized, transposed, tensor_amax = kernels.fp8_cast_transpose(
             tensor, scale, dtype, FP8_MAX[dtype]
         )
         if self.recipe.delayed and self.training:  # evaluation leaves the state as it was
@@ -262,23 +275,24 @@ class Fp8Linear(nn.Module):
         """Rowwise scaling: a 2-D tensor (or a transposed view: its copy comes out row-major)
         cast with a scale per row ([rows, 1]) from this rank's piece of the row (see the
         module doc: no reduction over the ranks holding the rest)."""
-        dtype = self.recipe.dtypes[index]
-        amax = KERNELS.row_amax(tensor)
+        dtype, kernels = self.recipe.dtypes[index], _kernels()
+        amax = kernels.row_amax(tensor)
         scales = rowwise_scale(amax, self.fp8_max[index], self.recipe.margin)
-        return KERNELS.fp8_cast_rows(tensor, scales, dtype, FP8_MAX[dtype]), scales
+        return kernels.fp8_cast_rows(tensor, scales, dtype, FP8_MAX[dtype]), scales
 
-    def rowwise_weight(self, weight: torch.Tensor) -> tuple[tuple, tuple]:
+    def rowwise_weight(self, weight: torch.Tensor, cached: bool = True) -> tuple[tuple, tuple]:
         """Rowwise scaling: the weight [out, in] cast per row (the forward's) and its transpose
         per row (per input feature: the input gradient's), each with its scales. The
         transposed cast is kept for the step like `weight_in_fp8`'s copy (the one backward
         saves); the forward's, which nothing saves, is cast per call: keeping it too would
-        hold another byte per weight through the step for one cast per micro-batch."""
-        cache = self.weight_cache
-        if self.cache_weight and cache is not None and cache[0] is weight:
+        hold another byte per weight through the step for one cast per micro-batch.
+        `cached=False`: cast both now, whatever the step keeps (a traced `linear`)."""
+        cache, caching = self.weight_cache, cached and self.cache_weight
+        if caching and cache is not None and cache[0] is weight:
             transposed = cache[1]
         else:
             transposed = self.cast_rows(WEIGHT, weight.t())
-            if self.cache_weight:
+            if caching:
                 self.weight_cache = (weight, transposed)
         return self.cast_rows(WEIGHT, weight), transposed
 
@@ -312,7 +326,7 @@ class Fp8Linear(nn.Module):
         return self.gathered_scale
 
     def weight_in_fp8(
-        self, weight: torch.Tensor
+        self, weight: torch.Tensor, cached: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weight in FP8, row-major and transposed, and the inverse of its scale
         (`dequantization`): the gathered copy with --fp8-param-gather, else cast now. Inside
@@ -320,10 +334,11 @@ class Fp8Linear(nn.Module):
         serve every later micro-batch, which saves that same transposed copy for backward.
         Both layouts are kept (the gathered copy as the row-major one): transposing the kept
         one back per micro-batch, to save that byte per weight, took 15 ms of GPU time per
-        step of the 1B bench on an H100 (1-byte elements transpose slowly)."""
+        step of the 1B bench on an H100 (1-byte elements transpose slowly). `cached=False`: cast
+        now, whatever the step keeps (a traced `linear`: module doc)."""
         gathered = self.gathered is not None and self.gathered[0] is weight
-        cache = self.weight_cache
-        if self.cache_weight and cache is not None and cache[0] is weight:
+        cache, caching = self.weight_cache, cached and self.cache_weight
+        if caching and cache is not None and cache[0] is weight:
             _, transposed, inverse, weight8 = cache
             return weight8, transposed, inverse
         if gathered:
@@ -332,7 +347,7 @@ class Fp8Linear(nn.Module):
         else:
             weight8, transposed, scale = self.cast(WEIGHT, weight)
             result = weight8, transposed, dequantization(scale)
-        if self.cache_weight:
+        if caching:
             self.weight_cache = (weight, result[1], result[2], result[0])
         return result
 
@@ -341,11 +356,6 @@ class Fp8Linear(nn.Module):
         self.scale_in_use.copy_(self.scale * self.units)
         self.has_history = True
 
-    # Eager inside layers compiled whole (--compile-layers): traced into a layer's graph, the
-    # backward would read this state as tensors saved by the forward, and under pipeline
-    # parallelism the next micro-batch's forward updates them in place first, which autograd
-    # refuses. On a GPU its casts stay compiled kernels (KERNELS.fp8_cast_transpose).
-    @torch.compiler.disable
     def linear(
         self,
         x: torch.Tensor,
@@ -358,11 +368,43 @@ class Fp8Linear(nn.Module):
         gradient is added to `weight.main_grad` in fp32 (--gradient-accumulation-fusion), as
         it always is for a weight stored in FP8 (--fp8-param-gather), which could not hold a
         gradient of its own. `sequence_parallel` (where `gathers_in_fp8`): `x` is this rank's
-        slice of the sequence, all-gathered over that TP group in FP8."""
+        slice of the sequence, all-gathered over that TP group in FP8.
+
+        Inside a layer compiled whole (--compile-layers), a `traced` layer's call is part of
+        the layer's graph unless it communicates (`_traceable`): its casts fuse with the ops
+        around them (a norm's output is written in FP8 as it is computed) and the step makes
+        no Python call per GEMM; on an H100 the 1B model's FP8 step was bound by those. Each
+        micro-batch then casts the weight itself (cached copies are Python state a graph
+        cannot branch on), and the gradient buffer's `grad_added_to_main_grad` is set here,
+        not by the backward (a compiled backward cannot set an attribute): exact while every
+        backward follows its own forward, so not under pipeline parallelism, whose 1F1B runs
+        the next forward first (and whose backward would find the FP8 state and main_grad,
+        saved by the forward, changed in place). Everywhere else the call runs eager."""
         accumulate = accumulate_in_main_grad or weight.dtype in FP8_MAX
+        if not (self.traced and self._traceable(sequence_parallel)):
+            return self._eager(x, weight, bias, accumulate, sequence_parallel)
+        if accumulate and weight.requires_grad and torch.is_grad_enabled():
+            weight.grad_added_to_main_grad = True
+        return self._function(x, weight, bias, accumulate, sequence_parallel, traced=True)
+
+    def _traceable(self, sequence_parallel: Group | None) -> bool:
+        """Whether this call runs no collective: no FP8 gather of a sequence-parallel input,
+        and no amax reduced over ranks (rowwise scaling reduces none, delayed scaling none once
+        it has a history). Traced into a graph, the gloo/NCCL calls would hang."""
+        if sequence_parallel is not None:
+            return False
+        recipe = self.recipe
+        return recipe.rowwise or self.amax_group.size == 1 or (recipe.delayed and self.has_history)
+
+    @torch.compiler.disable
+    def _eager(self, x, weight, bias, accumulate: bool, sequence_parallel: Group | None):
+        return self._function(x, weight, bias, accumulate, sequence_parallel, traced=False)
+
+    def _function(self, x, weight, bias, accumulate: bool, sequence_parallel, traced: bool):
         if self.recipe.rowwise:
-            return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate)
-        return _Fp8LinearFunction.apply(x, weight, bias, self, accumulate, sequence_parallel)
+            return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate, traced)
+        function = _Fp8LinearFunction
+        return function.apply(x, weight, bias, self, accumulate, traced, sequence_parallel)
 
     def extra_repr(self) -> str:
         return self.recipe.describe()
@@ -376,7 +418,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     bytes and transposed after the gather; the input gradient is reduce-scattered back."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool, tp=None):
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool, tp=None):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
         input_inverse = dequantization(input_scale)
@@ -385,13 +427,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x8 = _gather_rows(x8, tp)
             x8_t = x8.t().contiguous()
             shape = (tp.size * x.shape[0], *x.shape[1:])
-        w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
+        w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight, cached=not traced)
         out_dtype = _output_dtype(x)
         output = scaled_mm(x8, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True)
         if bias is not None:
             output = output + bias.to(out_dtype)
         ctx.save_for_backward(x8_t, w8_t, input_inverse, weight_inverse)
-        _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
+        _remember(ctx, x, weight, bias, fp8, accumulate, traced)
         ctx.tp, ctx.input_shape = tp, shape
         return output.view(*shape[:-1], weight.shape[0])
 
@@ -415,7 +457,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
@@ -424,11 +466,11 @@ def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
     return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
 
 
-def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool) -> None:
+def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool) -> None:
     """What an FP8 linear's backward needs beside its saved tensors: the parameter itself, for
     its main_grad (a saved tensor can come back as another object under activation
     recomputation), and the input's shape and dtypes."""
-    ctx.fp8, ctx.accumulate, ctx.weight = fp8, accumulate, weight
+    ctx.fp8, ctx.accumulate, ctx.weight, ctx.traced = fp8, accumulate, weight, traced
     ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
@@ -437,7 +479,8 @@ def _weight_grad(ctx, gemm) -> torch.Tensor:
     """The weight gradient from `gemm(out_dtype)`: in fp32 straight into main_grad, never
     rounded to bf16 (accumulating), else in the weight's dtype."""
     if ctx.accumulate:
-        return accumulate_weight_grad(ctx.weight, gemm(torch.float32))
+        # traced: `Fp8Linear.linear` flagged the placeholder in the forward
+        return accumulate_weight_grad(ctx.weight, gemm(torch.float32), flag=not ctx.traced)
     return gemm(ctx.weight.dtype)
 
 
@@ -455,16 +498,16 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
     gradient. Saved for backward: x^T and w^T, each with its scales."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate_in_main_grad: bool):
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x_scales = fp8.cast_rows(INPUT, inputs)
         x8_t, x_t_scales = fp8.cast_rows(INPUT, inputs.t())
-        (w8, w_scales), (w8_t, w_t_scales) = fp8.rowwise_weight(weight)
+        (w8, w_scales), (w8_t, w_t_scales) = fp8.rowwise_weight(weight, cached=not traced)
         output = rowwise_mm(x8, w8.t(), x_scales, w_scales, _output_dtype(x), fast_accum=True)
         if bias is not None:
             output = output + bias.to(output.dtype)
         ctx.save_for_backward(x8_t, x_t_scales, w8_t, w_t_scales)
-        _remember(ctx, x, weight, bias, fp8, accumulate_in_main_grad)
+        _remember(ctx, x, weight, bias, fp8, accumulate, traced)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -485,7 +528,7 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def update_delayed_scales(states: list[Fp8Linear], groups: list[Group]) -> None:

@@ -79,9 +79,12 @@ def convert_to_fp8(
     parallel: ParallelContext,
     num_layers: int,
     per_token_loss: bool = False,
+    traced: bool = False,
 ) -> None:
     """Give the FP8 linear layers of one model chunk their FP8 state, on the chunk's device.
-    `per_token_loss`: --calculate-per-token-loss (no loss divisor per micro-batch)."""
+    `per_token_loss`: --calculate-per-token-loss (no loss divisor per micro-batch). `traced`:
+    the dense ones may be traced into their compiled layer's graph (`Fp8Linear.linear`); the
+    experts', between the MoE layer's all-to-alls, stay eager."""
     recipe, keep = fp8_recipe(config), config.bf16_layers(num_layers)
     # A rank's gradients are DP x CP times one device's (model/loss.py, the schedules).
     gradient_factor = parallel.cp.size * (1 if per_token_loss else parallel.dp.size)
@@ -93,6 +96,7 @@ def convert_to_fp8(
         for module in dense:
             # Amaxes of sharded tensors are reduced over the ranks holding the shards.
             module.fp8 = Fp8Linear(recipe, parallel.tp_cp, gradient_factor).to(device)
+            module.fp8.traced = traced
         for module in experts if experts_in_fp8(config) else []:
             # Rowwise scaling reduces no amax (and keeps no units: its scales are per row).
             module.fp8 = Fp8Linear(recipe, ONE_DEVICE).to(device)
@@ -104,6 +108,17 @@ def caches_fp8_weights(distributed_strategy: str) -> bool:
     forward and frees them after: a copy of every layer's held through the step would undo
     that."""
     return distributed_strategy != "fsdp"
+
+
+def traces_fp8_linears(
+    compile_layers: bool, pipeline_parallel_size: int, param_gather: bool
+) -> bool:
+    """Whether FP8 linear layers are traced into their compiled layers' graphs
+    (`Fp8Linear.linear`): under --compile-layers, except with pipeline parallelism (1F1B runs
+    a micro-batch's forward before the previous one's backward) and --fp8-param-gather (whose
+    weight copies a layer finds by the parameter's identity, which a graph would be
+    specialized on: one graph per layer)."""
+    return compile_layers and pipeline_parallel_size == 1 and not param_gather
 
 
 def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:
@@ -139,9 +154,12 @@ class Fp8Scaling:
         parallel: ParallelContext,
         num_layers: int,
         cache_weights: bool = True,
+        compile_layers: bool = False,
     ) -> None:
-        """Over chunks `convert_to_fp8` has converted. `cache_weights`: see `weights_cached`."""
+        """Over chunks `convert_to_fp8` has converted. `cache_weights`: see `weights_cached`;
+        `compile_layers`: the layers are compiled (for the log line)."""
         self.recipe, self.parallel = fp8_recipe(config), parallel
+        self.compile_layers = compile_layers
         self.cache_weights = cache_weights
         self.param_gather = config.fp8_param_gather
         self.states = fp8_states(chunks)
@@ -216,6 +234,11 @@ class Fp8Scaling:
         parallel = self.parallel
         if parallel.sequence_parallel and parallel.tp.size > 1 and not self.recipe.rowwise:
             gather += "; sequence-parallel inputs all-gathered in FP8"
+        if any(state.traced for state in self.states.values()):
+            gather += "; traced into the compiled layers' graphs where they run no collective"
+        elif self.compile_layers:
+            why = "pipeline parallelism" if parallel.pp.size > 1 else "--fp8-param-gather"
+            gather += f"; eager between the compiled layers' graphs ({why})"
         return (
             f"> fp8: {self.recipe.describe()}; GEMMs of the {linears} linear layers via "
             f"torch._scaled_mm ({len(self.states)} layers on this rank{kept}){gather}; "

@@ -10,7 +10,7 @@ import torch
 from threefold.config import Config
 from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_model
 from threefold.model import GPTModel
-from threefold.model.fp8 import Fp8Scaling, caches_fp8_weights, convert_to_fp8
+from threefold.model.fp8 import Fp8Scaling, caches_fp8_weights, convert_to_fp8, traces_fp8_linears
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.training.data_parallel import (
@@ -60,6 +60,9 @@ def build_model_chunks(
                 parallel,
                 config.model.num_layers,
                 config.training.calculate_per_token_loss,
+                traced=traces_fp8_linears(
+                    config.kernels.compile_layers, pp, config.fp8.fp8_param_gather
+                ),
             )
         if config.kernels.compile_layers:
             compile_layers(chunk)
@@ -98,14 +101,22 @@ def build_model_and_optimizer(
             for module in chunk.modules():
                 if hasattr(module, "gradient_accumulation_fusion"):
                     # An FP8 layer adds its GEMM's fp32 weight gradient itself: it needs no
-                    # addmm with out_dtype, and runs eager inside compiled layers.
+                    # addmm with out_dtype, and it can inside compiled layers too (its forward
+                    # flags the placeholder: Fp8Linear.linear).
                     in_fp8 = getattr(module, "fp8", None) is not None
                     fuse = KERNELS.gradient_accumulation_fusion or in_fp8
                     module.gradient_accumulation_fusion = fuse
     fp8 = None
     if config.fp8.enabled:
         cache = caches_fp8_weights(config.parallel.distributed_strategy)
-        fp8 = Fp8Scaling(chunks, config.fp8, parallel, config.model.num_layers, cache)
+        fp8 = Fp8Scaling(
+            chunks,
+            config.fp8,
+            parallel,
+            config.model.num_layers,
+            cache,
+            config.kernels.compile_layers,
+        )
         report(fp8.describe())
     optimizer = data_parallel.optimizer
     optimizer.initialize_state()

@@ -36,11 +36,12 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+def _placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
     """What autograd receives for a weight whose gradient went into `main_grad` already: an
     uninitialized tensor (no memory traffic) the gradient buffer's hook discards on seeing
-    `grad_added_to_main_grad`, as Megatron's."""
-    weight.grad_added_to_main_grad = True
+    `grad_added_to_main_grad`, as Megatron's. `flag=False`: the caller's forward set it."""
+    if flag:
+        weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)
 
 
@@ -61,11 +62,14 @@ def _add_product(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: tor
         torch.addmm(main_grad, grad_output.t(), inputs, out_dtype=main_grad.dtype, out=main_grad)
 
 
-def accumulate_weight_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> torch.Tensor:
+def accumulate_weight_grad(
+    weight: torch.Tensor, grad_weight: torch.Tensor, flag: bool = True
+) -> torch.Tensor:
     """A weight gradient computed in fp32 already (the FP8 GEMM's output) added to
-    `weight.main_grad`, skipping its rounding to the parameters' dtype; the placeholder."""
+    `weight.main_grad`, skipping its rounding to the parameters' dtype; the placeholder
+    (`_placeholder_grad`'s `flag`)."""
     weight.main_grad.add_(grad_weight)
-    return _placeholder_grad(weight)
+    return _placeholder_grad(weight, flag)
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):
