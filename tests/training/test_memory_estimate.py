@@ -10,6 +10,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup
+from threefold.arguments import parse_args
 from threefold.training.memory import measure_activation_bytes, measure_bytes_per_parameter
 from threefold.training.memory_estimate import estimate_stage, micro_batch_activation_bytes
 
@@ -150,6 +151,15 @@ def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     # --fp8-param-gather stores the FP8 weights in 1 byte instead of bf16's 2
     stored = in_fp8["static"][0] - bf16["static"][0]
     assert stored == (-in_fp8["fp8 weight copies"][0] if "--fp8-param-gather" in fp8 else 0)
+
+
+def test_fp8_linears_traced_into_compiled_layers_keep_no_step_copies():
+    """Traced into a compiled layer, an FP8 linear casts its weight per micro-batch: the one
+    micro-batch in flight (no PP) keeps its transposed copy, not the step's two layouts."""
+    argv = LLAMA_STYLE + WIDE + TRAINING + ["--bf16"] + HYBRID
+    eager = estimate_stage(parse_args(argv), 0)
+    compiled = estimate_stage(parse_args(argv + ["--compile-layers"]), 0)
+    assert eager.fp8_weights > 0 and compiled.fp8_weights * 2 == eager.fp8_weights
 
 
 def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():

@@ -99,9 +99,7 @@ def _kernels():
 
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor x scale in FP8, saturating at the format's max."""
-    return reference.fp8_cast_transpose(
-        tensor.reshape(-1, tensor.shape[-1]), scale, dtype, FP8_MAX[dtype]
-    )[0].view(tensor.shape)
+    return reference.fp8_cast(tensor, scale, dtype, FP8_MAX[dtype])
 
 
 def scaled_mm(
@@ -215,6 +213,8 @@ class Fp8Linear(nn.Module):
         )
         self.register_buffer("scale", torch.ones(3), persistent=False)
         self.register_buffer("scale_in_use", torch.ones(3), persistent=False)
+        # `dequantization(scale_in_use)`, once per step rather than per cast (launches)
+        self.register_buffer("inverse_in_use", torch.ones(3), persistent=False)
         self.register_buffer(
             "amax_history", torch.zeros(recipe.amax_history_len, 3), persistent=False
         )
@@ -251,10 +251,12 @@ class Fp8Linear(nn.Module):
         self, index: int, tensor: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input, weight or gradient (INPUT, WEIGHT, GRAD; 2-D) in FP8, row-major and
-        transposed, and the scale it was cast with."""
+        transposed, and the `dequantization` of the scale it was cast with. Delayed scaling
+        from its history takes one launch: the scale and its inverse are the step's, and the
+        cast max-accumulates the amax into `step_amax` itself."""
         dtype, kernels = self.recipe.dtypes[index], _kernels()
         if self.recipe.delayed and self.has_history:
-            scale = self.scale_in_use[index]
+            scale, inverse = self.scale_in_use[index], self.inverse_in_use[index]
         else:
             # Current scaling: tensorwise, and delayed scaling's first step, which has no
             # history yet. (TE starts from scale 1 there, which flushes most gradients to
@@ -264,12 +266,13 @@ class Fp8Linear(nn.Module):
             scale = scale_from_amax(
                 current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
             )
-        quantized, transposed, tensor_amax = kernels.fp8_cast_transpose(
-            tensor, scale, dtype, FP8_MAX[dtype]
+            inverse = dequantization(scale)
+        # evaluation leaves the state as it was; tensorwise records nothing
+        record = self.step_amax[index] if self.recipe.delayed and self.training else None
+        quantized, transposed = kernels.fp8_cast_transpose(
+            tensor, scale, dtype, FP8_MAX[dtype], record
         )
-        if self.recipe.delayed and self.training:  # evaluation leaves the state as it was
-            torch.maximum(self.step_amax[index], tensor_amax, out=self.step_amax[index])
-        return quantized, transposed, scale
+        return quantized, transposed, inverse
 
     def cast_rows(self, index: int, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rowwise scaling: a 2-D tensor (or a transposed view: its copy comes out row-major)
@@ -345,8 +348,7 @@ class Fp8Linear(nn.Module):
             weight8 = self.gathered[1]
             result = weight8, weight8.t().contiguous(), dequantization(self.gathered_scale)
         else:
-            weight8, transposed, scale = self.cast(WEIGHT, weight)
-            result = weight8, transposed, dequantization(scale)
+            result = self.cast(WEIGHT, weight)
         if caching:
             self.weight_cache = (weight, result[1], result[2], result[0])
         return result
@@ -354,6 +356,7 @@ class Fp8Linear(nn.Module):
     def use_history(self) -> None:
         """Scale from the history from now on (after a step, or a checkpoint's state)."""
         self.scale_in_use.copy_(self.scale * self.units)
+        self.inverse_in_use.copy_(dequantization(self.scale_in_use))
         self.has_history = True
 
     def linear(
@@ -420,8 +423,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool, tp=None):
         inputs = x.reshape(-1, x.shape[-1])
-        x8, x8_t, input_scale = fp8.cast(INPUT, inputs)
-        input_inverse = dequantization(input_scale)
+        x8, x8_t, input_inverse = fp8.cast(INPUT, inputs)
         shape = x.shape  # of the input the GEMMs take: the whole sequence under `tp`
         if tp is not None:
             x8 = _gather_rows(x8, tp)
@@ -442,8 +444,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x8_t, w8_t, input_inverse, weight_inverse = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
-        g8, g8_t, grad_scale = fp8.cast(GRAD, grads)
-        grad_inverse = dequantization(grad_scale)
+        g8, g8_t, grad_inverse = fp8.cast(GRAD, grads)
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:

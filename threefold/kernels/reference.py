@@ -86,13 +86,20 @@ def fp8_cast(
 
 
 def fp8_cast_transpose(
-    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    limit: float,
+    amax_into: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D `tensor` cast as `fp8_cast` does, in both layouts the FP8 GEMMs take it (row-major
-    and transposed), and its amax: Transformer Engine's fused cast-transpose, one read of the
-    input when compiled."""
+    and transposed): Transformer Engine's fused cast-transpose, one read of the input when
+    compiled. `amax_into` (an fp32 scalar: delayed scaling's amax of the step so far): the
+    tensor's amax is max-accumulated into it in place, in the same read."""
     quantized = fp8_cast(tensor, scale, dtype, limit)
-    return quantized, quantized.t().contiguous(), amax(tensor)
+    if amax_into is not None:
+        torch.maximum(amax_into, amax(tensor), out=amax_into)
+    return quantized, quantized.t().contiguous()
 
 
 def row_amax(tensor: torch.Tensor) -> torch.Tensor:

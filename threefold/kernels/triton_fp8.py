@@ -1,6 +1,6 @@
 """Transformer Engine's fused cast-transpose as one Triton kernel: a 2-D tensor times a scale,
-saturated and cast to FP8, written row-major and transposed, and the tensor's amax, in one
-read of the input and one launch.
+saturated and cast to FP8, written row-major and transposed, and (delayed scaling) the tensor's
+amax max-accumulated into the step's, in one read of the input and one launch.
 
 `reference.fp8_cast_transpose` under torch.compile gave three to four kernels per cast (an amax
 reduction, the cast, the transpose), each a launch from Python, and an FP8 layer casts twice
@@ -32,6 +32,7 @@ def _cast_transpose(
     limit,
     BLOCK: tl.constexpr,
     CAST: tl.constexpr,
+    AMAX: tl.constexpr,
 ):
     # 64-bit offsets: a gradient of 16 x 8192 tokens by 28672 features has 2^31.8 elements
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -44,49 +45,61 @@ def _cast_transpose(
         y = y.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + r[:, None] * cols + c[None, :], y, mask=mask)
         tl.store(out_t_ptr + c[:, None] * rows + r[None, :], tl.trans(y), mask=tl.trans(mask))
-    magnitude = tl.abs(x)
-    # a NaN counts as inf: either makes the amax non-finite, which keeps the previous scale
-    magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
+    if AMAX:
+        magnitude = tl.abs(x)
+        # a NaN counts as inf: either makes the amax non-finite, which keeps the previous scale
+        magnitude = tl.where(magnitude == magnitude, magnitude, float("inf"))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
 
 
 def fp8_cast_transpose(
-    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    limit: float,
+    amax_into: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.fp8_cast_transpose` in one kernel: (tensor x scale in FP8 [rows, cols], its
-    transpose [cols, rows], max |tensor| as an fp32 scalar)."""
+    transpose [cols, rows]); each tile's amax max-accumulated straight into `amax_into` (no
+    buffer to zero, no maximum after: two launches fewer per cast), or not computed."""
     rows, cols = tensor.shape
     quantized = torch.empty(rows, cols, dtype=dtype, device=tensor.device)
     transposed = torch.empty(cols, rows, dtype=dtype, device=tensor.device)
-    return quantized, transposed, _launch(tensor, (quantized, transposed, scale.float()), limit)
+    _launch(tensor, (quantized, transposed, scale.float()), limit, amax_into)
+    return quantized, transposed
 
 
 def amax(tensor: torch.Tensor) -> torch.Tensor:
     """`reference.amax` of a tensor of at least one dimension (as 2-D: its last and the rest),
     in one kernel."""
-    return _launch(tensor.reshape(-1, tensor.shape[-1]), None, 0.0)
+    result = torch.zeros(1, dtype=torch.float32, device=tensor.device)
+    _launch(tensor.reshape(-1, tensor.shape[-1]), None, 0.0, result)
+    return result.view(())
 
 
 def _launch(
-    tensor: torch.Tensor, cast: tuple[torch.Tensor, ...] | None, limit: float
-) -> torch.Tensor:
-    """One launch over `tensor`'s 64 x 64 tiles: its amax, and with `cast` (the FP8 output,
-    its transpose, the scale) the casts too (without, the input stands in for those pointers,
-    which the kernel then never reads)."""
-    amax = torch.zeros(1, dtype=torch.float32, device=tensor.device)
-    if tensor.numel():
-        rows, cols = tensor.shape
-        grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK))
-        _cast_transpose[grid](
-            tensor,
-            *(cast or (tensor, tensor, tensor)),
-            amax,
-            rows,
-            cols,
-            tensor.stride(0),
-            tensor.stride(1),
-            limit,
-            BLOCK=BLOCK,
-            CAST=cast is not None,
-        )
-    return amax.view(())
+    tensor: torch.Tensor,
+    cast: tuple[torch.Tensor, ...] | None,
+    limit: float,
+    amax_into: torch.Tensor | None,
+) -> None:
+    """One launch over `tensor`'s 64 x 64 tiles: with `cast` (the FP8 output, its transpose,
+    the scale) the casts, with `amax_into` the amax (where either is missing, the input
+    stands in for its pointers, which the kernel then never reads)."""
+    if not tensor.numel():
+        return
+    rows, cols = tensor.shape
+    grid = (triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK))
+    _cast_transpose[grid](
+        tensor,
+        *(cast or (tensor, tensor, tensor)),
+        tensor if amax_into is None else amax_into,
+        rows,
+        cols,
+        tensor.stride(0),
+        tensor.stride(1),
+        limit,
+        BLOCK=BLOCK,
+        CAST=cast is not None,
+        AMAX=amax_into is not None,
+    )

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
-from threefold.model.fp8 import caches_fp8_weights, experts_in_fp8
+from threefold.model.fp8 import caches_fp8_weights, experts_in_fp8, traces_fp8_linears
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 
 
@@ -422,12 +422,14 @@ def estimate_stage(
     in_flight = _micro_batches_in_flight(config, stage)
     # The step's FP8 weights in both layouts, shared by its micro-batches (the row-major one
     # is the parameter under --fp8-param-gather; rowwise keeps the transposed one only);
-    # uncached (FSDP), each micro-batch in flight keeps its transposed one (a recomputed one
-    # only while recomputing, left out). --fp8-param-gather stores the FP8 weights in FP8
-    # only: 1 byte each, not the run's dtype.
+    # uncached (FSDP, and FP8 linears traced into compiled layers), each micro-batch in flight
+    # keeps its transposed one (a recomputed one only while recomputing, left out).
+    # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype.
     parameter_bytes = count * params + fp8_weights * (1 - params) * gathered
     fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
-    if not caches_fp8_weights(strategy):
+    pp = parallel.pipeline_model_parallel_size
+    traced = traces_fp8_linears(config.kernels.compile_layers, pp, gathered)
+    if not caches_fp8_weights(strategy) or traced:
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
