@@ -406,8 +406,8 @@ class Fp8Linear(nn.Module):
     def _function(self, x, weight, bias, accumulate: bool, sequence_parallel, traced: bool):
         if self.recipe.rowwise:
             return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate, traced)
-        function = _Fp8LinearFunction
-        return function.apply(x, weight, bias, self, accumulate, traced, sequence_parallel)
+        arguments = (x, weight, bias, self, accumulate, traced, sequence_parallel)
+        return _Fp8LinearFunction.apply(*arguments)
 
     def extra_repr(self) -> str:
         return self.recipe.describe()

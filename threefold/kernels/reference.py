@@ -70,7 +70,8 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
     first, then over the rows: compiled for shapes that vary (an FP8 layer's inputs and
     gradients), one reduction of a whole tensor to a scalar ran in few thread blocks (98 us
     for 16M elements on an H100, nine times a read of them); a reduction per row spreads over
-    the rows (not yet timed there: on CUDA the FP8 casts use kernels/triton_fp8.py)."""
+    the rows (not yet timed there: on CUDA an eager FP8 cast uses kernels/triton_fp8.py, one
+    traced into a compiled layer this function)."""
     if tensor.dim() < 2:
         return tensor.detach().abs().amax().float()
     rows = tensor.detach().reshape(-1, tensor.shape[-1])

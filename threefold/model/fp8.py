@@ -236,7 +236,7 @@ class Fp8Scaling:
             gather += "; sequence-parallel inputs all-gathered in FP8"
         if any(state.traced for state in self.states.values()):
             gather += "; traced into the compiled layers' graphs where they run no collective"
-        elif self.compile_layers:
+        elif self.compile_layers and self.states:
             why = "pipeline parallelism" if parallel.pp.size > 1 else "--fp8-param-gather"
             gather += f"; eager between the compiled layers' graphs ({why})"
         return (
