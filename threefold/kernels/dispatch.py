@@ -83,7 +83,7 @@ class Kernels:
         self.cross_entropy = vocab_parallel_cross_entropy
         self.amax = reference.amax
         self.fp8_cast_transpose = reference.fp8_cast_transpose
-        self.row_amax = reference.row_amax
+        self.fp8_cast_transpose_current = reference.fp8_cast_transpose_current
         self.fp8_cast_rows = reference.fp8_cast_rows
         # Whether a rowwise-scaled torch._scaled_mm writes fp32 (the CPU's does; cuBLASLt's
         # rowwise kernels have written bf16 only): turned off by kernels/fp8.py's first try.
@@ -389,17 +389,21 @@ def configure(
         parts["transformer layers"] = "each torch.compile'd as one graph"
     if fp8:
         KERNELS.amax = fuse(reference.amax)
-        KERNELS.fp8_cast_transpose = fuse(reference.fp8_cast_transpose)
-        KERNELS.row_amax = fuse(reference.row_amax)
-        KERNELS.fp8_cast_rows = fuse(reference.fp8_cast_rows)
-        casts = f"casts with transposes {how}"
+        for name in ("fp8_cast_transpose", "fp8_cast_transpose_current", "fp8_cast_rows"):
+            setattr(KERNELS, name, fuse(getattr(reference, name)))
+        casts = f"casts with transposes and scales {how}"
         # One hand-written kernel per cast (and per amax) where Triton is: the compiled ones
         # took three to four launches each, and the launches bound an FP8 step on an H100.
         triton_fp8 = try_import("threefold.kernels.triton_fp8") if cuda else None
         if triton_fp8 is not None and config.fusion_impl == "auto":
-            KERNELS.amax = triton_fp8.amax
-            KERNELS.fp8_cast_transpose = triton_fp8.fp8_cast_transpose
-            casts = "casts with transposes and amaxes Triton (one kernel each; rowwise compiled)"
+            for name in (
+                "amax",
+                "fp8_cast_transpose",
+                "fp8_cast_transpose_current",
+                "fp8_cast_rows",
+            ):
+                setattr(KERNELS, name, getattr(triton_fp8, name))
+            casts = "casts with transposes, scales and amaxes Triton (one kernel each)"
         parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, {casts}"
     # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
     # which dynamo cannot trace (each linear layer would become a graph break).

@@ -1,4 +1,4 @@
-"""FP8 linear layers: the scaling arithmetic, the three FP8 GEMMs, and each layer's scaling state.
+"""FP8 linear layers: the scales, the three FP8 GEMMs, and each layer's scaling state.
 
 A linear layer in FP8 computes, with one scale per tensor (s = FP8 max / amax / 2^margin),
 
@@ -50,6 +50,7 @@ from torch import nn
 
 from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
+from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
 from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
 from threefold.parallel.tensor_parallel.mappings import (
@@ -67,27 +68,6 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 def fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
     """(activations and weights, gradients): Megatron-LM's --fp8-format."""
     return (E4M3, E5M2) if fp8_format == "hybrid" else (E4M3, E4M3)
-
-
-def scale_from_amax(
-    amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, previous: torch.Tensor
-) -> torch.Tensor:
-    """TE's scale: FP8 max / amax / 2^margin, which maps the amax onto the format's largest
-    value. A zero or non-finite amax (nothing seen yet, an overflow) keeps the previous scale,
-    as does a scale that would not be finite."""
-    scale = torch.as_tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax / 2**margin
-    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
-    return torch.where(usable, scale, previous)
-
-
-def rowwise_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int) -> torch.Tensor:
-    """Per-row scales: FP8 max / amax / 2^margin rounded down to a power of two (as torchao's
-    rowwise recipe: exact to undo, and a power-of-two change of a row, as a layout's gradient
-    units, changes no FP8 value). A row of zeros, or one whose scale would not be finite,
-    gets 1."""
-    scale = torch.exp2(torch.floor(torch.log2(fp8_max / amax / 2**margin)))
-    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
-    return torch.where(usable, scale, torch.ones_like(scale))
 
 
 def _kernels():
@@ -135,18 +115,15 @@ def dequantization(scale: torch.Tensor) -> torch.Tensor:
 def rowwise_mm(
     a: torch.Tensor,
     b: torch.Tensor,
-    a_scales: torch.Tensor,
-    b_scales: torch.Tensor,
+    a_inverses: torch.Tensor,
+    b_inverses: torch.Tensor,
     out_dtype: torch.dtype,
     fast_accum: bool = False,
 ) -> torch.Tensor:
-    """`scaled_mm` with a scale per row of `a` [m, 1] and per column of `b` (given as [n, 1]:
-    per row of the transposed copy `b` is a view of)."""
-    scales = dict(
-        scale_a=a_scales.reciprocal(),
-        scale_b=b_scales.reciprocal().view(1, -1),
-        use_fast_accum=fast_accum,
-    )
+    """`scaled_mm` with a scale per row of `a` and per column of `b`, given by their inverses
+    as `Fp8Linear.cast_rows` returns them: [m, 1], and [n, 1] per row of the transposed copy
+    `b` is a view of."""
+    scales = dict(scale_a=a_inverses, scale_b=b_inverses.view(1, -1), use_fast_accum=fast_accum)
     # Compiled, a refusal would come from inside the graph, where it cannot be caught: on
     # CUDA the graph asks for bf16 from the start.
     compiled_on_gpu = torch.compiler.is_compiling() and a.device.type == "cuda"
@@ -220,7 +197,7 @@ class Fp8Linear(nn.Module):
         )
         self.register_buffer("step_amax", torch.zeros(3), persistent=False)
         # Whether `amax_history` holds a step (a Python flag: no device sync per GEMM); set by
-        # `push_amax`, and by `Fp8Scaling` after a checkpoint's state is loaded.
+        # `push_amaxes`, and by `Fp8Scaling` after a checkpoint's state is loaded.
         self.has_history = False
         self.register_buffer(
             "fp8_max", torch.tensor([FP8_MAX[dtype] for dtype in recipe.dtypes]), persistent=False
@@ -233,7 +210,7 @@ class Fp8Linear(nn.Module):
         # One training step's FP8 weight: (the weight, its transposed FP8 copy, its
         # `dequantization`, its row-major FP8 copy), cast by the first micro-batch and read by
         # the others (`Fp8Scaling.weights_cached`); rowwise: (the weight, (its transposed
-        # cast, its scales)).
+        # cast, its inverses)).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
         # Whether a sequence-parallel input is all-gathered in FP8: cast on each rank with the
@@ -255,37 +232,35 @@ class Fp8Linear(nn.Module):
         from its history takes one launch: the scale and its inverse are the step's, and the
         cast max-accumulates the amax into `step_amax` itself."""
         dtype, kernels = self.recipe.dtypes[index], _kernels()
-        if self.recipe.delayed and self.has_history:
-            scale, inverse = self.scale_in_use[index], self.inverse_in_use[index]
-        else:
-            # Current scaling: tensorwise, and delayed scaling's first step, which has no
-            # history yet. (TE starts from scale 1 there, which flushes most gradients to
-            # zero, and would do so differently in every layout: a rank's gradients are DP x
-            # CP times one device's, which a scale from the tensor's own amax cancels.)
-            current = self.amax_group.all_reduce(kernels.amax(tensor), op=dist.ReduceOp.MAX)
-            scale = scale_from_amax(
-                current, self.fp8_max[index], self.recipe.margin, current.new_ones(())
-            )
-            inverse = dequantization(scale)
         # evaluation leaves the state as it was; tensorwise records nothing
         record = self.step_amax[index] if self.recipe.delayed and self.training else None
-        quantized, transposed = kernels.fp8_cast_transpose(
-            tensor, scale, dtype, FP8_MAX[dtype], record
+        if self.recipe.delayed and self.has_history:
+            scale, inverse = self.scale_in_use[index], self.inverse_in_use[index]
+            quantized, transposed = kernels.fp8_cast_transpose(
+                tensor, scale, dtype, FP8_MAX[dtype], record
+            )
+            return quantized, transposed, inverse
+        # Current scaling: tensorwise, and delayed scaling's first step, which has no history
+        # yet. (TE starts from scale 1 there, which flushes most gradients to zero, and would
+        # do so differently in every layout: a rank's gradients are DP x CP times one
+        # device's, which a scale from the tensor's own amax cancels.) The cast derives the
+        # scale and its inverse from the amax itself.
+        current = self.amax_group.all_reduce(kernels.amax(tensor), op=dist.ReduceOp.MAX)
+        return kernels.fp8_cast_transpose_current(
+            tensor, current, dtype, FP8_MAX[dtype], self.recipe.margin, record
         )
-        return quantized, transposed, inverse
 
     def cast_rows(self, index: int, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rowwise scaling: a 2-D tensor (or a transposed view: its copy comes out row-major)
-        cast with a scale per row ([rows, 1]) from this rank's piece of the row (see the
-        module doc: no reduction over the ranks holding the rest)."""
-        dtype, kernels = self.recipe.dtypes[index], _kernels()
-        amax = kernels.row_amax(tensor)
-        scales = rowwise_scale(amax, self.fp8_max[index], self.recipe.margin)
-        return kernels.fp8_cast_rows(tensor, scales, dtype, FP8_MAX[dtype]), scales
+        cast with a power-of-two scale per row from this rank's piece of the row (see the
+        module doc: no reduction over the ranks holding the rest), and the scales' inverses
+        ([rows, 1]), which the GEMM takes: one launch with Triton."""
+        dtype = self.recipe.dtypes[index]
+        return _kernels().fp8_cast_rows(tensor, dtype, FP8_MAX[dtype], self.recipe.margin)
 
     def rowwise_weight(self, weight: torch.Tensor, cached: bool = True) -> tuple[tuple, tuple]:
         """Rowwise scaling: the weight [out, in] cast per row (the forward's) and its transpose
-        per row (per input feature: the input gradient's), each with its scales. The
+        per row (per input feature: the input gradient's), each with its scales' inverses. The
         transposed cast is kept for the step like `weight_in_fp8`'s copy (the one backward
         saves); the forward's, which nothing saves, is cast per call: keeping it too would
         hold another byte per weight through the step for one cast per micro-batch.
@@ -298,20 +273,6 @@ class Fp8Linear(nn.Module):
             if caching:
                 self.weight_cache = (weight, transposed)
         return self.cast_rows(WEIGHT, weight), transposed
-
-    def push_amax(self, step_amax: torch.Tensor) -> None:
-        """Delayed scaling at a step's end: the step's reduced amaxes enter the history (newest
-        first) and the next step's scales follow from it."""
-        history = torch.roll(self.amax_history, 1, dims=0)
-        history[0] = step_amax * self.units
-        self.amax_history.copy_(history)
-        chosen = history[0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(0)
-        self.scale.copy_(scale_from_amax(chosen, self.fp8_max, self.recipe.margin, self.scale))
-        if self.gathered is None:
-            self.step_amax.zero_()
-        else:  # the weight's stays: it is recorded when the weight is cast, not per forward
-            self.step_amax[[INPUT, GRAD]] = 0.0
-        self.use_history()
 
     def set_gathered_weight_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """--fp8-param-gather: the amax of the whole updated weight (reduced over the ranks
@@ -354,7 +315,8 @@ class Fp8Linear(nn.Module):
         return result
 
     def use_history(self) -> None:
-        """Scale from the history from now on (after a step, or a checkpoint's state)."""
+        """Scale from the history from now on (after a checkpoint's state is loaded; at a
+        step's end `push_amaxes` does this for every layer at once)."""
         self.scale_in_use.copy_(self.scale * self.units)
         self.inverse_in_use.copy_(dequantization(self.scale_in_use))
         self.has_history = True
@@ -496,36 +458,36 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
     """The three GEMMs of an FP8 linear layer under rowwise scaling. Each operand is cast in
     the layout its GEMM reads and scaled per row of it: x and w per row for the forward; g
     per row with w^T per row for the input gradient; g^T and x^T per row for the weight
-    gradient. Saved for backward: x^T and w^T, each with its scales."""
+    gradient. Saved for backward: x^T and w^T, each with its scales' inverses."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool):
         inputs = x.reshape(-1, x.shape[-1])
-        x8, x_scales = fp8.cast_rows(INPUT, inputs)
-        x8_t, x_t_scales = fp8.cast_rows(INPUT, inputs.t())
-        (w8, w_scales), (w8_t, w_t_scales) = fp8.rowwise_weight(weight, cached=not traced)
-        output = rowwise_mm(x8, w8.t(), x_scales, w_scales, _output_dtype(x), fast_accum=True)
+        x8, x_inverses = fp8.cast_rows(INPUT, inputs)
+        x8_t, x_t_inverses = fp8.cast_rows(INPUT, inputs.t())
+        (w8, w_inverses), (w8_t, w_t_inverses) = fp8.rowwise_weight(weight, cached=not traced)
+        output = rowwise_mm(x8, w8.t(), x_inverses, w_inverses, _output_dtype(x), fast_accum=True)
         if bias is not None:
             output = output + bias.to(output.dtype)
-        ctx.save_for_backward(x8_t, x_t_scales, w8_t, w_t_scales)
+        ctx.save_for_backward(x8_t, x_t_inverses, w8_t, w_t_inverses)
         _remember(ctx, x, weight, bias, fp8, accumulate, traced)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, x_t_scales, w8_t, w_t_scales = ctx.saved_tensors
+        x8_t, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:
-            g8, g_scales = fp8.cast_rows(GRAD, grads)
-            grad_x = rowwise_mm(g8, w8_t.t(), g_scales, w_t_scales, ctx.dtype)
+            g8, g_inverses = fp8.cast_rows(GRAD, grads)
+            grad_x = rowwise_mm(g8, w8_t.t(), g_inverses, w_t_inverses, ctx.dtype)
             grad_x = grad_x.view(ctx.input_shape)
         if needs_weight:
-            g8_t, g_t_scales = fp8.cast_rows(GRAD, grads.t())
+            g8_t, g_t_inverses = fp8.cast_rows(GRAD, grads.t())
             grad_weight = _weight_grad(
-                ctx, lambda dtype: rowwise_mm(g8_t, x8_t.t(), g_t_scales, x_t_scales, dtype)
+                ctx, lambda dtype: rowwise_mm(g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype)
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
@@ -535,11 +497,44 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
 def update_delayed_scales(states: list[Fp8Linear], groups: list[Group]) -> None:
     """At a step's end: every layer's step amaxes reduced (max) over `groups` (TP x CP, then
     DP: all the ranks of a pipeline stage) in one message each, then pushed into the
-    histories."""
+    histories (`push_amaxes`)."""
     if not states:
         return
     step_amax = torch.stack([state.step_amax for state in states])
     for group in groups:
         group.all_reduce(step_amax, op=dist.ReduceOp.MAX)
-    for state, amaxes in zip(states, step_amax):
-        state.push_amax(amaxes)
+    push_amaxes(states, step_amax)
+
+
+def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
+    """Delayed scaling at a step's end, for the layers of `states` (of one recipe) at once: the
+    step's reduced amaxes ([layers, 3]) enter the histories (newest first), the next step's
+    scales and their inverses follow, and the step amaxes start again from 0 (a weight gathered
+    in FP8 keeps its own: it is recorded when the weight is cast, not per forward). Stacked, and
+    written back by one multi-tensor copy per buffer: a few dozen launches per step however
+    many layers, where each layer's update took some twenty (a step's launches bound the 1B
+    model's FP8 step on an H100)."""
+    recipe, fp8_max = states[0].recipe, states[0].fp8_max
+    units = torch.stack([state.units for state in states])
+    history = torch.roll(torch.stack([state.amax_history for state in states]), 1, dims=1)
+    history[:, 0] = step_amax * units
+    chosen = history[:, 0] if recipe.amax_compute_algo == "most_recent" else history.amax(1)
+    previous = torch.stack([state.scale for state in states])
+    scale = scale_from_amax(chosen, fp8_max, recipe.margin, previous)
+    in_use = scale * units
+    for field, value in (
+        ("amax_history", history),
+        ("scale", scale),
+        ("scale_in_use", in_use),
+        ("inverse_in_use", dequantization(in_use)),
+    ):
+        torch._foreach_copy_([getattr(state, field) for state in states], list(value.unbind(0)))
+    cleared = [state.step_amax for state in states if state.gathered is None] + [
+        state.step_amax[index]
+        for state in states
+        if state.gathered is not None
+        for index in (INPUT, GRAD)
+    ]
+    torch._foreach_zero_(cleared)
+    for state in states:
+        state.has_history = True

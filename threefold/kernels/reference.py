@@ -103,14 +103,60 @@ def fp8_cast_transpose(
     return quantized, quantized.t().contiguous()
 
 
-def row_amax(tensor: torch.Tensor) -> torch.Tensor:
-    """max |row| of a 2-D tensor, as an fp32 column [rows, 1] (rowwise FP8 scaling)."""
-    return tensor.detach().abs().amax(dim=1, keepdim=True).float()
+def scale_from_amax(
+    amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int, previous: torch.Tensor
+) -> torch.Tensor:
+    """TE's scale: FP8 max / amax / 2^margin, which maps the amax onto the format's largest
+    value. A zero or non-finite amax (nothing seen yet, an overflow) keeps the previous scale,
+    as does a scale that would not be finite. (`torch.div`: `448.0 / amax` would be
+    `amax.reciprocal() * 448`, rounded twice.)"""
+    scale = torch.div(fp8_max, amax) / 2**margin
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale)
+    return torch.where(usable, scale, previous)
+
+
+def power_of_two_floor(value: torch.Tensor) -> torch.Tensor:
+    """The largest power of two at most each positive normal fp32 value: its exponent's bits.
+    Exact, where `exp2(floor(log2(v)))` gives 2^k for a `v` just below 2^k (log2 rounds up to
+    k there), which saturates the row's largest value; 0 for subnormals."""
+    return (value.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def rowwise_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int) -> torch.Tensor:
+    """Per-row scales: FP8 max / amax / 2^margin rounded down to a power of two (as torchao's
+    rowwise recipe: exact to undo, and a power-of-two change of a row, as a layout's gradient
+    units, changes no FP8 value). A row of zeros, or one whose scale would not be finite,
+    gets 1."""
+    scale = power_of_two_floor(torch.div(fp8_max, amax) / 2**margin)
+    usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(scale) & (scale > 0)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def fp8_cast_transpose_current(
+    tensor: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    limit: float,
+    margin: int,
+    amax_into: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling's cast (tensorwise, and delayed scaling's first step): the scale from
+    `amax` (the tensor's, or the maximum over the ranks holding pieces of it), `limit` / amax
+    / 2^margin or 1 (`scale_from_amax`), then `fp8_cast_transpose`; returns the two layouts
+    and the scale's inverse, which the GEMMs take. With Triton one launch: the scale's
+    arithmetic alone was fifteen."""
+    scale = scale_from_amax(amax, limit, margin, torch.ones_like(amax))
+    quantized, transposed = fp8_cast_transpose(tensor, scale, dtype, limit, amax_into)
+    return quantized, transposed, scale.reciprocal()
 
 
 def fp8_cast_rows(
-    tensor: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, limit: float
-) -> torch.Tensor:
-    """A 2-D `tensor`, each row times its scale ([rows, 1]), cast to FP8 as `fp8_cast` does,
-    row-major whatever the input's layout (a transposed view gives the transposed copy)."""
-    return fp8_cast(tensor, scales, dtype, limit).contiguous()
+    tensor: torch.Tensor, dtype: torch.dtype, limit: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise scaling's cast of a 2-D `tensor`: each row times `rowwise_scale` of its own
+    amax, cast as `fp8_cast` does, row-major whatever the input's layout (a transposed view
+    gives the transposed copy); returns the FP8 rows and the scales' inverses ([rows, 1],
+    what the GEMM takes: exact, the scales being powers of two)."""
+    amax = tensor.detach().abs().amax(dim=1, keepdim=True).float()
+    scales = rowwise_scale(amax, limit, margin)
+    return fp8_cast(tensor, scales, dtype, limit).contiguous(), scales.reciprocal()
