@@ -112,8 +112,9 @@ CONTENDERS = (
 # instead of from the bf16 weights in the step's first forward (--fp8-param-gather; its FP8
 # all-gather needs DP > 1 to show).
 # tensorwise and rowwise beside torchtitan's float8 recipes of those names (torchao's rowwise
-# is E4M3 throughout). +compile-layers: the FP8 linears traced into each layer's graph, as
-# torchtitan compiles torchao's (docs/fp8.md).
+# is E4M3 throughout); blockwise, Megatron-LM's (TE's Float8BlockScaling), in E4M3 as usual.
+# +compile-layers: the FP8 linears traced into each layer's graph, as torchtitan compiles
+# torchao's (docs/fp8.md).
 FP8_CONTENDERS = (
     "threefold+fp8",
     "threefold+fp8+compile-layers",
@@ -121,6 +122,7 @@ FP8_CONTENDERS = (
     "threefold+fp8-tensorwise",
     "threefold+fp8-tensorwise+compile-layers",
     "threefold+fp8-rowwise",
+    "threefold+fp8-blockwise",
     "torchtitan+float8+compile",
     "torchtitan+float8-rowwise+compile",
 )
@@ -131,6 +133,7 @@ FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-hi
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
 TENSORWISE_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 ROWWISE_FLAGS = ("--fp8-format", "e4m3", "--fp8-recipe", "rowwise")
+BLOCKWISE_FLAGS = ("--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
 PARAM_GATHER_FLAGS = ("--use-distributed-optimizer", "--fp8-param-gather")
 
 
@@ -242,6 +245,7 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
             *a, extra=(*TENSORWISE_FLAGS, "--compile-layers")
         ),
         "threefold+fp8-rowwise": lambda *a: _threefold(*a, extra=ROWWISE_FLAGS),
+        "threefold+fp8-blockwise": lambda *a: _threefold(*a, extra=BLOCKWISE_FLAGS),
         "torchtitan+float8+compile": lambda *a: torchtitan_step(
             *a, compiled=True, float8="tensorwise"
         ),

@@ -58,6 +58,7 @@ FP8_STEP_VARIANTS = {
     "delayed": ["--fp8-format", "hybrid"],
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
     "rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+    "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
     "delayed-full-recompute": ["--fp8-format", "hybrid", "--recompute-granularity", "full"]
     + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
 }

@@ -29,6 +29,7 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
             "megatron-core",
             "torchtitan",
             "threefold+fp8-rowwise",
+            "threefold+fp8-blockwise",
             "torchtitan+float8+compile",
         ],
         capture_output=True,
@@ -58,7 +59,9 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     assert "not run: RuntimeError: megatron-core's GPTModel needs CUDA" in rows["megatron-core"]
     assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan"]
     assert "not run: RuntimeError: torchtitan is not installed" in rows["torchtitan+float8+compile"]
-    assert re.match(r"\| threefold\+fp8-rowwise \| [\d,]+ \| ", rows["threefold+fp8-rowwise"])
+    for recipe in ("rowwise", "blockwise"):
+        name = f"threefold+fp8-{recipe}"
+        assert re.match(rf"\| {re.escape(name)} \| [\d,]+ \| ", rows[name])
     log = (tmp_path / "threefold.log").read_text()
     assert "> kernels: transformer-impl local;" in log and "RESULT {" in log
 

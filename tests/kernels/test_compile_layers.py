@@ -58,7 +58,8 @@ def _explained_layer(argv: list[str]):
 
 
 def _fp8_gemms_traced(explained) -> int:
-    """The custom autograd functions traced into the graphs whose forward is an FP8 GEMM."""
+    """The custom autograd functions traced into the graphs whose forward is an FP8 GEMM (a
+    torch._scaled_mm; blockwise on the CPU, casts to FP8 whose blocks are multiplied in fp32)."""
     forwards = (
         module
         for graph in explained.graphs
@@ -66,7 +67,11 @@ def _fp8_gemms_traced(explained) -> int:
         if name.startswith("fwd_body")
     )
     return sum(
-        any("_scaled_mm" in str(node.target) for node in module.graph.nodes) for module in forwards
+        any(
+            "_scaled_mm" in str(node.target) or "float8" in str(node.args)
+            for node in module.graph.nodes
+        )
+        for module in forwards
     )
 
 
@@ -75,7 +80,7 @@ def test_compiled_layers_are_one_graph_each():
     assert explained.graph_count == 1 and explained.graph_break_count == 0
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise", "blockwise"])
 def test_fp8_linears_are_traced_into_the_compiled_layer(capsys, recipe):
     """QKV, output projection, fc1 and fc2 inside the layer's one graph: no break around them
     (the first step of delayed scaling, current scaling without TP, is traced too)."""

@@ -29,6 +29,7 @@ from threefold.kernels.fp8 import (
     WEIGHT,
     Fp8Linear,
     Fp8Recipe,
+    fp8_dtypes,
     quantize,
     scaled_mm,
     update_delayed_scales,
@@ -117,6 +118,45 @@ def test_rowwise_pieces_scaled_by_their_own_amax_keep_the_rows_fp8_values():
     pieces = torch.cat([dequantized(p, exact(p)) for p in row.chunk(4, dim=1)], dim=1)
     moved = pieces[normal] != dequantized(row, exact(row))[normal]
     assert moved.float().mean() > 0.3
+
+
+def test_blockwise_pieces_inside_one_devices_blocks_keep_its_fp8_values():
+    """Why blockwise scaling matches one device in every layout that cuts its tensors at
+    multiples of 128 or of a divisor of 128 (TP's features, CP's and SP's tokens, a sharded
+    weight's rows): each piece of a block is scaled by a power of two at least the block's, so
+    every value one device casts as a normal E4M3 number comes out the same (rowwise's
+    argument, per block). The control: pieces cut at 96 straddle one device's blocks, take
+    their scale from the larger one's amax, and flush the other one's small values into
+    subnormals (a power-of-two scale moves no normal value: only those)."""
+    from threefold.kernels import reference
+
+    torch.manual_seed(0)
+    # blocks of very different size: the first 128 features a million times smaller
+    spread = torch.logspace(-1, 1, 512) * torch.where(torch.arange(512) < 128, 1e-4, 1e2)
+    tensor = torch.randn(256, 512) * spread
+
+    def dequantized(piece, block_rows):
+        values, inverses = reference.fp8_cast_blocks(piece, E4M3, 448.0, 0, block_rows)
+        return reference.dequantize_blocks(values, inverses, block_rows).double()
+
+    def cut(columns, rows, block_rows):
+        return torch.cat(
+            [
+                torch.cat([dequantized(piece, block_rows) for piece in band.split(columns, 1)], 1)
+                for band in tensor.split(rows, 0)
+            ]
+        )
+
+    for block_rows in (1, 128):
+        whole = dequantized(tensor, block_rows)
+        _, inverses = reference.fp8_cast_blocks(tensor, E4M3, 448.0, 0, block_rows)
+        scales = reference.dequantize_blocks(torch.ones_like(tensor), inverses, block_rows)
+        normal = tensor.abs() / scales >= torch.finfo(E4M3).tiny
+        assert 0 < normal.float().mean() < 1
+        for columns, rows in ((256, 128), (64, 256), (128, 32)):
+            assert torch.equal(cut(columns, rows, block_rows)[normal], whole[normal])
+        moved = cut(96, 256, block_rows)[normal] != whole[normal]
+        assert moved.float().mean() > 0.02
 
 
 def test_rowwise_gemms_fall_back_to_bf16_output_where_fp32_is_refused(monkeypatch):
@@ -220,6 +260,52 @@ def test_fp8_linear_computes_the_three_scaled_gemms(recipe, fmt, device):
     # and it is the linear layer, up to FP8's precision
     exact = F.linear(x.detach(), weight.detach())
     assert (out.detach() - exact).norm() / exact.norm() < 0.1
+
+
+def _block_quantized(t, dtype, block_rows):
+    """`t` cast and undone block by block (`block_rows` x 128), in float64: a loop over the
+    blocks, written apart from the kernels."""
+    out = torch.empty(t.shape, dtype=torch.float64)
+    for i in range(0, t.shape[0], block_rows):
+        for j in range(0, t.shape[1], 128):
+            block = t[i : i + block_rows, j : j + 128]
+            scale = rowwise_scale(block.abs().max().float(), torch.finfo(dtype).max, 0)
+            out[i : i + block_rows, j : j + 128] = quantize(block, scale, dtype).double() / scale
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_blockwise_fp8_linear_computes_the_three_block_scaled_gemms(fmt, device):
+    """Blockwise scaling against a float64 reference of its blocks: x and g per 1 x 128 block
+    of the layout each GEMM reads (x^T and g^T per 128 tokens), the weight per 128 x 128
+    block. Values spread over rows and columns, so blocks differ from rows; the last column
+    blocks cut short (on the CPU: cuBLASLt's blockwise GEMM is given multiples of 128)."""
+    torch.manual_seed(0)
+    tokens, features, outputs = (256, 384, 256) if device == "cuda" else (256, 320, 272)
+    spread = torch.logspace(-2, 2, tokens).view(-1, 1) * torch.logspace(1, -1, features)
+    x = (torch.randn(tokens, features) * spread).to(device).requires_grad_()
+    weight = torch.randn(outputs, features) * torch.logspace(-1, 1, outputs).view(-1, 1) * 0.02
+    weight = torch.nn.Parameter(weight.to(device))
+    grad = (torch.randn(tokens, outputs) * 1e-3 * spread[:, :outputs].flip(0)).to(device)
+    layer = Fp8Linear(Fp8Recipe(fp8_format=fmt, delayed=False, blockwise=True)).to(device)
+    out = layer.linear(x, weight, None)
+    out.backward(grad)
+    forward, backward = fp8_dtypes(fmt)
+    xc, wc, gc = x.detach().cpu(), weight.detach().cpu(), grad.cpu()
+    w8 = _block_quantized(wc, forward, 128)
+    expected = (
+        _block_quantized(xc, forward, 1) @ w8.t(),
+        _block_quantized(gc, backward, 1) @ w8,
+        _block_quantized(gc.t(), backward, 1) @ _block_quantized(xc.t(), forward, 1).t(),
+    )
+    # the CPU: exact products summed in fp32; cuBLASLt's blockwise GEMMs write bf16
+    rtol = 1e-5 if device == "cpu" else 1e-2
+    for got, reference in zip((out.detach(), x.grad, weight.grad), expected):
+        atol = rtol * 0.1 * reference.abs().max().item()
+        torch.testing.assert_close(got.double().cpu(), reference, rtol=rtol, atol=atol)
+    rowwise = _reference_fp8_linear(xc, wc, gc, fmt, rowwise=True)
+    assert all(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(rowwise, expected))
 
 
 def test_delayed_scaling_uses_earlier_steps_amaxes():
@@ -411,7 +497,12 @@ def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8: its microscaling"),
+        (
+            ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"]
+            + ["--use-distributed-optimizer"],
+            "with --fp8-recipe blockwise use neither",
+        ),
         (["--fp8-format", "hybrid", "--fp16"], "--fp8-format with --fp16"),
         (
             ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise", "--fp8-param-gather"]
@@ -566,9 +657,10 @@ def test_the_triton_cast_transpose_and_amax_on_cuda_are_the_eager_ones_bitwise(s
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels run on CUDA")
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
-def test_the_triton_current_and_rowwise_casts_on_cuda_are_the_eager_ones_bitwise(source):
+def test_the_triton_current_rowwise_and_blockwise_casts_on_cuda_are_the_eager_ones_bitwise(source):
     """Current scaling's cast, its scale and inverse derived in the kernel from an amax, and
-    rowwise scaling's, each row's amax, power-of-two scale and inverse in one kernel: the same
+    rowwise and blockwise scaling's, each row's (1 x 128 or 128 x 128 block's) amax, power-of-two
+    scale and inverse in one kernel: the same
     FP8 bytes and inverses as the eager reference, over twelve decades of values, edge tiles,
     a transposed view, a row of zeros, a margin, and an amax of nothing or not finite."""
     from threefold.kernels import reference, triton_fp8
@@ -593,6 +685,13 @@ def test_the_triton_current_and_rowwise_casts_on_cuda_are_the_eager_ones_bitwise
                     got, expected = triton_fp8.fp8_cast_rows(*args), reference.fp8_cast_rows(*args)
                     for one, other in zip(got, expected):
                         assert one.shape == other.shape and torch.equal(one.float(), other.float())
+                    for block_rows in (1, 128):
+                        args = (layout, dtype, limit, margin, block_rows)
+                        got = triton_fp8.fp8_cast_blocks(*args)
+                        expected = reference.fp8_cast_blocks(*args)
+                        for one, other in zip(got, expected):
+                            assert one.shape == other.shape
+                            assert torch.equal(one.float(), other.float())
     for amax in (3.0, 1e-45, float("inf"), float("nan")):
         args = (tensor[:2, :2], torch.tensor(amax, device="cuda"), E4M3, 448.0, 0)
         got = triton_fp8.fp8_cast_transpose_current(*args)[2]
@@ -634,6 +733,11 @@ for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             got = triton_fp8.fp8_cast_rows(layout, dtype, limit, margin)
             expected = reference.fp8_cast_rows(layout, dtype, limit, margin)
             assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, expected))
+            for block_rows in (1, 128):  # blockwise: blocks cut short at the edges
+                args = (layout, dtype, limit, margin, block_rows)
+                got = triton_fp8.fp8_cast_blocks(*args)
+                expected = reference.fp8_cast_blocks(*args)
+                assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, expected))
     tensor[4, 2] = float("nan")  # that row's amax is not finite: scale 1
     assert torch.equal(
         triton_fp8.fp8_cast_rows(tensor, dtype, limit, 0)[1],
@@ -705,21 +809,18 @@ def _cached_weight_run(argv: list[str], monkeypatch, cache: str) -> dict:
 
         monkeypatch.setattr(trainer.fp8, "weights_cached", weights_cached)
     casts = []
-    cast, cast_rows = Fp8Linear.cast, Fp8Linear.cast_rows
+    cast, cast_weight_fine = Fp8Linear.cast, Fp8Linear._cast_weight_fine
     monkeypatch.setattr(
         Fp8Linear,
         "cast",
         lambda self, index, tensor: casts.append(index) or cast(self, index, tensor),
     )
-    # rowwise: the weight's transposed cast is the one kept (its forward cast, per row, is per
-    # micro-batch: nothing saves it)
+    # rowwise and blockwise: the weight's cast a step keeps (rowwise's forward cast, per row,
+    # is per micro-batch: nothing saves it)
     monkeypatch.setattr(
         Fp8Linear,
-        "cast_rows",
-        lambda self, index, tensor: (
-            casts.append(None if tensor.is_contiguous() else index)
-            or cast_rows(self, index, tensor)
-        ),
+        "_cast_weight_fine",
+        lambda self, weight: casts.append(WEIGHT) or cast_weight_fine(self, weight),
     )
     losses = [trainer.train_step()[0] for _ in range(3)]
     params = [param.detach().clone() for param in trainer.model.parameters()]

@@ -47,6 +47,10 @@ RECIPES = {
     + ["--fp8-amax-compute-algo", "max"],
     # torchao's rowwise recipe: E4M3 everywhere
     "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    # TE's and DeepSeek-V3's; at these widths one block spans a row (weights: the whole
+    # weight), and a layout's pieces lie inside it (tests/kernels/test_fp8.py: blocks a
+    # layout cuts)
+    "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
 # --fp8-param-gather casts with one scale per weight
 PARAM_GATHER_RECIPES = ["tensorwise", "delayed"]

@@ -55,11 +55,12 @@ def _measure_and_estimate(argv: list[str]) -> dict:
 
 def _cached_casts(state) -> list[tuple]:
     """A step's cached FP8 weight as (FP8 copy, scales) pairs: its transposed copy (and under
-    rowwise scaling its scales per input feature), and its row-major copy unless that is the
-    parameter (--fp8-param-gather)."""
+    rowwise scaling its scales per input feature; blockwise both layouts, with their block
+    scales), and its row-major copy unless that is the parameter (--fp8-param-gather)."""
     cache = state.weight_cache
     if len(cache) == 2:
-        return [cache[1]]
+        kept = cache[1]
+        return list(kept) if isinstance(kept[0], tuple) else [kept]
     gathered = state.gathered is not None and state.gathered[1] is cache[3]
     return [(cache[1], cache[2])] + ([] if gathered else [(cache[3], cache[2])])
 
@@ -130,12 +131,21 @@ HYBRID = ["--fp8-format", "hybrid"]
         (["--recompute-granularity", "selective"], HYBRID),
         (["--use-distributed-optimizer"], HYBRID + ["--fp8-param-gather"]),
         ([], HYBRID + ["--fp8-recipe", "rowwise"]),
+        ([], ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]),
         # the shared expert in FP8, the experts not (a shared expert wider than the model, whose
         # fc2 input's saving outweighs the FP8 copies it adds); under rowwise scaling both
         (MOE + ["--moe-shared-expert-intermediate-size", "256"], HYBRID),
         (MOE, HYBRID + ["--fp8-recipe", "rowwise"]),
     ],
-    ids=["plain", "selective", "distributed-optimizer", "rowwise", "moe", "moe-rowwise"],
+    ids=[
+        "plain",
+        "selective",
+        "distributed-optimizer",
+        "rowwise",
+        "blockwise",
+        "moe",
+        "moe-rowwise",
+    ],
 )
 def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     """The bytes FP8 adds or saves, beside the same bf16 run, at a tighter bound than the

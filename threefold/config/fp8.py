@@ -13,6 +13,9 @@ arithmetic, threefold.model.fp8 picks the layers.
                               (Transformer Engine's DelayedScaling); the default, as Megatron-LM
     --fp8-recipe tensorwise   each tensor's scale from its own amax, computed just before the
                               cast (TE's Float8CurrentScaling, torchao's tensorwise)
+    --fp8-recipe blockwise    a power-of-two scale per 1 x 128 block of each activation and
+                              gradient in the layout its GEMM reads, per 128 x 128 block of
+                              each weight (TE's Float8BlockScaling, DeepSeek-V3's recipe)
     --fp8-recipe rowwise      a power-of-two scale per row of each GEMM operand, from the row's
                               own amax (torchao's rowwise, torchtitan's
                               --float8.recipe_name rowwise; not a Megatron-LM recipe); the
@@ -30,8 +33,8 @@ from threefold.config.errors import require
 from threefold.config.fields import arg
 
 FP8_FORMATS = ("e4m3", "hybrid")
-# What Megatron-LM accepts (the block-scaled recipes need Transformer Engine's kernels), and
-# torchao's rowwise.
+# What Megatron-LM accepts (mxfp8 needs Blackwell's microscaling GEMMs), and torchao's
+# rowwise.
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
@@ -48,7 +51,9 @@ class Fp8Config:
     fp8_recipe: str = arg(
         "delayed",
         help="delayed: scales from the amax history of earlier steps; tensorwise: from each "
-        "tensor's own amax; rowwise: a power-of-two scale per row of each GEMM operand (torchao's)",
+        "tensor's own amax; blockwise: power-of-two scales per 1 x 128 block of activations and "
+        "gradients, per 128 x 128 block of weights; rowwise: a power-of-two scale per row of each "
+        "GEMM operand (torchao's)",
         choices=FP8_RECIPES,
     )
     fp8_margin: int = arg(0, help="scale = FP8 max / amax / 2^margin")
@@ -96,14 +101,15 @@ class Fp8Config:
             )
             return
         require(
-            self.fp8_recipe in ("delayed", "tensorwise", "rowwise"),
-            f"--fp8-recipe {self.fp8_recipe}: its block-scaled GEMMs need Transformer Engine "
-            "kernels threefold does not call; use delayed, tensorwise or rowwise",
+            self.fp8_recipe != "mxfp8",
+            "--fp8-recipe mxfp8: its microscaling GEMMs need Blackwell GPUs and Transformer "
+            "Engine's kernels, which threefold does not call; use blockwise, delayed, "
+            "tensorwise or rowwise",
         )
         require(
-            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            not (self.fp8_param_gather and self.fp8_recipe in ("rowwise", "blockwise")),
             "--fp8-param-gather all-gathers weights cast with one scale each; with "
-            "--fp8-recipe rowwise use neither, or pick tensorwise or delayed",
+            f"--fp8-recipe {self.fp8_recipe} use neither, or pick tensorwise or delayed",
         )
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from threefold.config import ModelConfig
 from threefold.config.errors import ConfigError
+from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
 from threefold.kernels import reference
 from threefold.kernels.cross_entropy import (
@@ -85,6 +86,7 @@ class Kernels:
         self.fp8_cast_transpose = reference.fp8_cast_transpose
         self.fp8_cast_transpose_current = reference.fp8_cast_transpose_current
         self.fp8_cast_rows = reference.fp8_cast_rows
+        self.fp8_cast_blocks = reference.fp8_cast_blocks
         # Whether a rowwise-scaled torch._scaled_mm writes fp32 (the CPU's does; cuBLASLt's
         # rowwise kernels have written bf16 only): turned off by kernels/fp8.py's first try.
         self.fp8_rowwise_fp32_output = True
@@ -277,10 +279,24 @@ def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _fp8_gemms(device: torch.device) -> str:
+# The FP8 layers' kernels: the amax, and the casts of each recipe (kernels/reference.py).
+_FP8_CASTS = (
+    "amax",
+    "fp8_cast_transpose",
+    "fp8_cast_transpose_current",
+    "fp8_cast_rows",
+    "fp8_cast_blocks",
+)
+
+
+def _fp8_gemms(device: torch.device, recipe: str, fp8_format: str) -> str:
     """Whether torch._scaled_mm runs on this device (cuBLASLt's FP8 GEMMs need compute
-    capability 8.9: Ada, Hopper and later); the log entry."""
+    capability 8.9: Ada, Hopper and later; its block-scaled ones Hopper and CUDA 12.9); the
+    log entry."""
+    blockwise = recipe == "blockwise"
     if not _on_gpu(device):
+        if blockwise:
+            return "block-scaled GEMMs emulated (CPU: the blocks dequantized exactly, fp32 GEMM)"
         return "torch._scaled_mm (CPU: exact emulation, fp32 accumulation)"
     one = torch.ones((), device=device)
     a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
@@ -291,7 +307,25 @@ def _fp8_gemms(device: torch.device) -> str:
             f"--fp8-format: this GPU cannot run FP8 GEMMs ({str(error).splitlines()[0]}); "
             "FP8 needs compute capability 8.9 or later (Ada, Hopper); drop --fp8-format"
         ) from error
-    return "torch._scaled_mm (cuBLASLt FP8 tensor cores)"
+    if not blockwise:
+        return "torch._scaled_mm (cuBLASLt FP8 tensor cores)"
+    from threefold.kernels.fp8 import blockwise_mm, fp8_dtypes  # (which imports this module)
+
+    x = torch.ones(128, 256, device=device)
+    rows, square = torch.ones(128, 2, device=device), torch.ones(1, 2, device=device)
+    forward, backward = fp8_dtypes(fp8_format)
+    try:  # x or g by the weight (forward, input gradient), g^T by x (weight gradient)
+        for dtype in {forward, backward}:
+            a, b = x.to(dtype), x.to(forward).t()
+            blockwise_mm(a, b, rows, square, torch.bfloat16, 128)
+            blockwise_mm(a, b, rows, rows, torch.bfloat16, 1)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"--fp8-recipe blockwise: this GPU or torch cannot run block-scaled FP8 GEMMs "
+            f"({str(error).splitlines()[0]}); they need Hopper and CUDA 12.9 or later; use "
+            "tensorwise or delayed"
+        ) from error
+    return "torch._scaled_mm (cuBLASLt FP8 tensor cores, 1 x 128 and 128 x 128 block scales)"
 
 
 def _gradient_accumulation_fusion(device: torch.device, dtype: torch.dtype) -> bool:
@@ -314,10 +348,11 @@ def configure(
     dtype: torch.dtype,
     normalization: str,
     attention: AttentionShape,
-    fp8: bool = False,
+    fp8: Fp8Config | None = None,
 ) -> str:
-    """Select every kernel for this run; returns the start-up log line. `fp8`: the linear
-    layers' GEMMs run in FP8 (--fp8-format)."""
+    """Select every kernel for this run; returns the start-up log line. `fp8` (enabled): the
+    linear layers' GEMMs run in FP8 (--fp8-format, --fp8-recipe)."""
+    in_fp8 = fp8 is not None and fp8.enabled
     KERNELS.use_reference()
     cuda = _on_gpu(device)
     compile_fusions = config.fusion_impl == "compile" or (config.fusion_impl == "auto" and cuda)
@@ -387,24 +422,18 @@ def configure(
     if config.compile_layers:
         # (the FP8 linears inside or between them: the "> fp8:" line, model/fp8.py)
         parts["transformer layers"] = "each torch.compile'd as one graph"
-    if fp8:
-        KERNELS.amax = fuse(reference.amax)
-        for name in ("fp8_cast_transpose", "fp8_cast_transpose_current", "fp8_cast_rows"):
+    if in_fp8:
+        for name in _FP8_CASTS:
             setattr(KERNELS, name, fuse(getattr(reference, name)))
         casts = f"casts with transposes and scales {how}"
         # One hand-written kernel per cast (and per amax) where Triton is: the compiled ones
         # took three to four launches each, and the launches bound an FP8 step on an H100.
         triton_fp8 = try_import("threefold.kernels.triton_fp8") if cuda else None
         if triton_fp8 is not None and config.fusion_impl == "auto":
-            for name in (
-                "amax",
-                "fp8_cast_transpose",
-                "fp8_cast_transpose_current",
-                "fp8_cast_rows",
-            ):
+            for name in _FP8_CASTS:
                 setattr(KERNELS, name, getattr(triton_fp8, name))
             casts = "casts with transposes, scales and amaxes Triton (one kernel each)"
-        parts["fp8 GEMMs"] = f"{_fp8_gemms(device)}, {casts}"
+        parts["fp8 GEMMs"] = f"{_fp8_gemms(device, fp8.fp8_recipe, fp8.fp8)}, {casts}"
     # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
     # which dynamo cannot trace (each linear layer would become a graph break).
     fusable = config.gradient_accumulation_fusion and not config.compile_layers
@@ -415,7 +444,7 @@ def configure(
         why = "this torch has no addmm with out_dtype" if fusable else "compiled layers"
         # (the FP8 layers add their fp32 weight gradients themselves: training/build.py)
         parts["weight gradients"] = f"added to the gradient buffer separately ({why})" + (
-            "; the FP8 layers' accumulated by their GEMM" if fp8 else ""
+            "; the FP8 layers' accumulated by their GEMM" if in_fp8 else ""
         )
     KERNELS.description = f"transformer-impl {impl}; " + ", ".join(
         f"{key} {value}" for key, value in parts.items()
@@ -440,7 +469,7 @@ def configure_for_model(
     device: torch.device,
     dtype: torch.dtype,
     micro_batch_size: int = 1,
-    fp8: bool = False,
+    fp8: Fp8Config | None = None,
 ) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
     shape = AttentionShape(
@@ -451,7 +480,7 @@ def configure_for_model(
         sequence=model.seq_length,
         batch=micro_batch_size,
     )
-    if fp8 and _on_gpu(device):
+    if fp8 is not None and fp8.enabled and _on_gpu(device):
         _check_fp8_shapes(model, tensor_parallel_size)
     return configure(config, device, dtype, model.normalization, shape, fp8)
 

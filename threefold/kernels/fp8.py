@@ -38,6 +38,12 @@ Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
                 floating point); only values the whole row's cast would have flushed into
                 E4M3's subnormals keep more bits. Every layout matches one device to the
                 same tolerances as the other recipes.
+    blockwise   (Megatron-LM's, Transformer Engine's Float8BlockScaling, DeepSeek-V3's) the
+                same power-of-two scales per block instead of per row: 1 x 128 elements of
+                each row of an activation or gradient in the layout its GEMM reads, and
+                128 x 128 of a weight, whose transposed copy is the same bytes. The same
+                argument holds per block wherever a rank's blocks lie inside one device's
+                (the pieces a layout cuts are multiples of 128, or divide it).
 """
 
 from __future__ import annotations
@@ -136,6 +142,30 @@ def rowwise_mm(
     return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
 
 
+def blockwise_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inverses: torch.Tensor,
+    b_inverses: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_block_rows: int,
+) -> torch.Tensor:
+    """`scaled_mm` with a scale per block: `a` [m, k] row-major, its inverses per 1 x 128
+    block ([m, k / 128]); `b` [k, n] column-major, a view of its transposed copy [n, k], whose
+    inverses are per block of that copy (`b_block_rows` 1: [n, k / 128]; 128, a weight's:
+    [n / 128, k / 128]). On CUDA cuBLASLt's blockwise GEMM (Hopper; CUDA 12.9 or later): bf16
+    output only, no fast accumulation, the 1 x 128 scales outer-dimension-major. Elsewhere an
+    emulation: the operands dequantized exactly (powers of two) and multiplied in fp32."""
+    if a.device.type == "cuda":
+        scale_a = a_inverses.t().contiguous().t()
+        scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    a32 = reference.dequantize_blocks(a, a_inverses, 1)
+    b32 = reference.dequantize_blocks(b.t(), b_inverses, b_block_rows)
+    return (a32 @ b32.t()).to(out_dtype)
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """One run's FP8 settings (config/fp8.py's flags, resolved)."""
@@ -146,6 +176,13 @@ class Fp8Recipe:
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     rowwise: bool = False
+    blockwise: bool = False
+
+    @property
+    def fine_grained(self) -> bool:
+        """Rowwise and blockwise scaling: scales per row or block of each GEMM operand, from
+        this rank's own piece of it (no amax reduced over ranks, no state kept)."""
+        return self.rowwise or self.blockwise
 
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -159,6 +196,11 @@ class Fp8Recipe:
             formats = "E4M3 everywhere"
         if self.rowwise:
             return f"rowwise current scaling (power-of-two scales per row), {formats}"
+        if self.blockwise:
+            return (
+                "blockwise current scaling (power-of-two scales per 1 x 128 block of "
+                f"activations and gradients, per 128 x 128 block of weights), {formats}"
+            )
         if not self.delayed:
             return f"tensorwise current scaling, {formats}"
         return (
@@ -209,17 +251,17 @@ class Fp8Linear(nn.Module):
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
         # One training step's FP8 weight: (the weight, its transposed FP8 copy, its
         # `dequantization`, its row-major FP8 copy), cast by the first micro-batch and read by
-        # the others (`Fp8Scaling.weights_cached`); rowwise: (the weight, (its transposed
-        # cast, its inverses)).
+        # the others (`Fp8Scaling.weights_cached`); rowwise and blockwise: (the weight,
+        # `fine_grained_weight`'s copies it keeps).
         self.cache_weight = False
         self.weight_cache: tuple | None = None
         # Whether a sequence-parallel input is all-gathered in FP8: cast on each rank with the
         # scale of the whole gathered tensor (tensorwise: the amax reduced over TP x CP, as the
         # gathered tensor's is; delayed: the history's, the same on every rank), so the
         # gathered bytes are exactly the cast of the gathered input, 1 byte an element on the
-        # wire instead of bf16's 2. Not rowwise: its transposed copy needs a scale per feature
-        # over the whole sequence, which no rank has before the gather.
-        self.gathers_in_fp8 = not recipe.rowwise
+        # wire instead of bf16's 2. Not rowwise or blockwise: the transposed copy needs scales
+        # per feature over the sequence (or its blocks), which no rank has before the gather.
+        self.gathers_in_fp8 = not recipe.fine_grained
         # Whether `linear` may be traced into a compiled layer's graph (--compile-layers
         # without pipeline parallelism: threefold.model.fp8.convert_to_fp8); see `linear`.
         self.traced = False
@@ -250,29 +292,66 @@ class Fp8Linear(nn.Module):
             tensor, current, dtype, FP8_MAX[dtype], self.recipe.margin, record
         )
 
-    def cast_rows(self, index: int, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rowwise scaling: a 2-D tensor (or a transposed view: its copy comes out row-major)
-        cast with a power-of-two scale per row from this rank's piece of the row (see the
-        module doc: no reduction over the ranks holding the rest), and the scales' inverses
-        ([rows, 1]), which the GEMM takes: one launch with Triton."""
-        dtype = self.recipe.dtypes[index]
-        return _kernels().fp8_cast_rows(tensor, dtype, FP8_MAX[dtype], self.recipe.margin)
+    def cast_fine(self, index: int, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rowwise or blockwise scaling: an input or gradient (2-D, or a transposed view: its
+        copy comes out row-major) cast with a power-of-two scale per row, or per 1 x 128 block
+        of a row, from this rank's piece of it (module doc: no reduction over the ranks
+        holding the rest), and the scales' inverses, which the GEMM takes ([rows, 1]; [rows,
+        cols / 128]): one launch with Triton."""
+        dtype, kernels = self.recipe.dtypes[index], _kernels()
+        limit, margin = FP8_MAX[dtype], self.recipe.margin
+        if self.recipe.blockwise:
+            return kernels.fp8_cast_blocks(tensor, dtype, limit, margin, 1)
+        return kernels.fp8_cast_rows(tensor, dtype, limit, margin)
 
-    def rowwise_weight(self, weight: torch.Tensor, cached: bool = True) -> tuple[tuple, tuple]:
-        """Rowwise scaling: the weight [out, in] cast per row (the forward's) and its transpose
-        per row (per input feature: the input gradient's), each with its scales' inverses. The
-        transposed cast is kept for the step like `weight_in_fp8`'s copy (the one backward
-        saves); the forward's, which nothing saves, is cast per call: keeping it too would
-        hold another byte per weight through the step for one cast per micro-batch.
-        `cached=False`: cast both now, whatever the step keeps (a traced `linear`)."""
+    def fine_grained_mm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        a_inverses: torch.Tensor,
+        b_inverses: torch.Tensor,
+        out_dtype: torch.dtype,
+        weight: bool = False,
+        fast_accum: bool = False,
+    ) -> torch.Tensor:
+        """`rowwise_mm` or `blockwise_mm` of operands `cast_fine` (or `fine_grained_weight`,
+        for `b` with `weight`) cast. Blockwise GEMMs accumulate in full (cuBLASLt's take no
+        fast accumulation)."""
+        if self.recipe.blockwise:
+            block_rows = reference.FP8_BLOCK if weight else 1
+            return blockwise_mm(a, b, a_inverses, b_inverses, out_dtype, block_rows)
+        return rowwise_mm(a, b, a_inverses, b_inverses, out_dtype, fast_accum)
+
+    def fine_grained_weight(self, weight: torch.Tensor, cached: bool = True) -> tuple[tuple, tuple]:
+        """Rowwise or blockwise scaling: the weight [out, in] in FP8 for the forward and
+        transposed for the input gradient, each with its scales' inverses. Rowwise: cast per
+        row and per column (per input feature), the transposed cast kept for the step like
+        `weight_in_fp8`'s copy (the one backward saves) and the forward's, which nothing saves,
+        cast per call (keeping it too would hold another byte per weight through the step for
+        one cast per micro-batch). Blockwise: one cast per 128 x 128 block, whose transpose
+        is the transposed copy (the same blocks), both kept. `cached=False`: cast now, whatever
+        the step keeps (a traced `linear`)."""
         cache, caching = self.weight_cache, cached and self.cache_weight
         if caching and cache is not None and cache[0] is weight:
-            transposed = cache[1]
+            kept = cache[1]
         else:
-            transposed = self.cast_rows(WEIGHT, weight.t())
+            kept = self._cast_weight_fine(weight)
             if caching:
-                self.weight_cache = (weight, transposed)
-        return self.cast_rows(WEIGHT, weight), transposed
+                self.weight_cache = (weight, kept)
+        if self.recipe.blockwise:
+            return kept
+        return self.cast_fine(WEIGHT, weight), kept
+
+    def _cast_weight_fine(self, weight: torch.Tensor):
+        """What `fine_grained_weight` keeps: rowwise the transposed cast; blockwise both
+        layouts."""
+        if not self.recipe.blockwise:
+            return self.cast_fine(WEIGHT, weight.t())
+        dtype = self.recipe.dtypes[WEIGHT]
+        weight8, inverses = _kernels().fp8_cast_blocks(
+            weight, dtype, FP8_MAX[dtype], self.recipe.margin, reference.FP8_BLOCK
+        )
+        return (weight8, inverses), (weight8.t().contiguous(), inverses.t().contiguous())
 
     def set_gathered_weight_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """--fp8-param-gather: the amax of the whole updated weight (reduced over the ranks
@@ -354,20 +433,25 @@ class Fp8Linear(nn.Module):
 
     def _traceable(self, sequence_parallel: Group | None) -> bool:
         """Whether this call runs no collective: no FP8 gather of a sequence-parallel input,
-        and no amax reduced over ranks (rowwise scaling reduces none, delayed scaling none once
-        it has a history). Traced into a graph, the gloo/NCCL calls would hang."""
+        and no amax reduced over ranks (rowwise and blockwise scaling reduce none, delayed
+        scaling none once it has a history). Traced into a graph, the gloo/NCCL calls would
+        hang."""
         if sequence_parallel is not None:
             return False
         recipe = self.recipe
-        return recipe.rowwise or self.amax_group.size == 1 or (recipe.delayed and self.has_history)
+        return (
+            recipe.fine_grained
+            or self.amax_group.size == 1
+            or (recipe.delayed and self.has_history)
+        )
 
     @torch.compiler.disable
     def _eager(self, x, weight, bias, accumulate: bool, sequence_parallel: Group | None):
         return self._function(x, weight, bias, accumulate, sequence_parallel, traced=False)
 
     def _function(self, x, weight, bias, accumulate: bool, sequence_parallel, traced: bool):
-        if self.recipe.rowwise:
-            return _Fp8RowwiseLinearFunction.apply(x, weight, bias, self, accumulate, traced)
+        if self.recipe.fine_grained:
+            return _Fp8FineGrainedLinearFunction.apply(x, weight, bias, self, accumulate, traced)
         arguments = (x, weight, bias, self, accumulate, traced, sequence_parallel)
         return _Fp8LinearFunction.apply(*arguments)
 
@@ -454,19 +538,23 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-class _Fp8RowwiseLinearFunction(torch.autograd.Function):
-    """The three GEMMs of an FP8 linear layer under rowwise scaling. Each operand is cast in
-    the layout its GEMM reads and scaled per row of it: x and w per row for the forward; g
-    per row with w^T per row for the input gradient; g^T and x^T per row for the weight
-    gradient. Saved for backward: x^T and w^T, each with its scales' inverses."""
+class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
+    """The three GEMMs of an FP8 linear layer under rowwise or blockwise scaling. Each operand
+    is cast in the layout its GEMM reads and scaled per row (or 1 x 128 block of a row) of it:
+    x and w for the forward; g with w^T for the input gradient; g^T and x^T for the weight
+    gradient (a blockwise weight per 128 x 128 block, w^T the same blocks). Saved for
+    backward: x^T and w^T, each with its scales' inverses."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool):
         inputs = x.reshape(-1, x.shape[-1])
-        x8, x_inverses = fp8.cast_rows(INPUT, inputs)
-        x8_t, x_t_inverses = fp8.cast_rows(INPUT, inputs.t())
-        (w8, w_inverses), (w8_t, w_t_inverses) = fp8.rowwise_weight(weight, cached=not traced)
-        output = rowwise_mm(x8, w8.t(), x_inverses, w_inverses, _output_dtype(x), fast_accum=True)
+        x8, x_inverses = fp8.cast_fine(INPUT, inputs)
+        x8_t, x_t_inverses = fp8.cast_fine(INPUT, inputs.t())
+        (w8, w_inverses), (w8_t, w_t_inverses) = fp8.fine_grained_weight(weight, not traced)
+        out_dtype = _output_dtype(x)
+        output = fp8.fine_grained_mm(
+            x8, w8.t(), x_inverses, w_inverses, out_dtype, weight=True, fast_accum=True
+        )
         if bias is not None:
             output = output + bias.to(output.dtype)
         ctx.save_for_backward(x8_t, x_t_inverses, w8_t, w_t_inverses)
@@ -481,13 +569,18 @@ class _Fp8RowwiseLinearFunction(torch.autograd.Function):
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:
-            g8, g_inverses = fp8.cast_rows(GRAD, grads)
-            grad_x = rowwise_mm(g8, w8_t.t(), g_inverses, w_t_inverses, ctx.dtype)
+            g8, g_inverses = fp8.cast_fine(GRAD, grads)
+            grad_x = fp8.fine_grained_mm(
+                g8, w8_t.t(), g_inverses, w_t_inverses, ctx.dtype, weight=True
+            )
             grad_x = grad_x.view(ctx.input_shape)
         if needs_weight:
-            g8_t, g_t_inverses = fp8.cast_rows(GRAD, grads.t())
+            g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
             grad_weight = _weight_grad(
-                ctx, lambda dtype: rowwise_mm(g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype)
+                ctx,
+                lambda dtype: fp8.fine_grained_mm(
+                    g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype
+                ),
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)

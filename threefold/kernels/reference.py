@@ -160,3 +160,38 @@ def fp8_cast_rows(
     amax = tensor.detach().abs().amax(dim=1, keepdim=True).float()
     scales = rowwise_scale(amax, limit, margin)
     return fp8_cast(tensor, scales, dtype, limit).contiguous(), scales.reciprocal()
+
+
+# Blockwise scaling's block (Transformer Engine's Float8BlockScaling, DeepSeek-V3's): 1 x 128
+# elements of an activation or gradient, 128 x 128 of a weight.
+FP8_BLOCK = 128
+
+
+def fp8_cast_blocks(
+    tensor: torch.Tensor, dtype: torch.dtype, limit: float, margin: int, block_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise scaling's cast of a 2-D `tensor`: each block of `block_rows` rows (1 or
+    `FP8_BLOCK`) by `FP8_BLOCK` columns times `rowwise_scale` of the block's own amax (the
+    blocks at the right and bottom edges cut short), cast as `fp8_cast` does, row-major
+    whatever the input's layout (a transposed view gives the transposed copy); returns the FP8
+    values and the scales' inverses, one per block ([ceil(rows / block_rows), ceil(cols /
+    FP8_BLOCK)]: what the GEMM takes)."""
+    rows, cols = tensor.shape
+    row_blocks, col_blocks = -(-rows // block_rows), -(-cols // FP8_BLOCK)
+    padding = (0, col_blocks * FP8_BLOCK - cols, 0, row_blocks * block_rows - rows)
+    magnitudes = F.pad(tensor.detach().float().abs(), padding)
+    amax = magnitudes.view(row_blocks, block_rows, col_blocks, FP8_BLOCK).amax(dim=(1, 3))
+    scales = rowwise_scale(amax, limit, margin)
+    expanded = scales[:, None, :, None].expand(-1, block_rows, -1, FP8_BLOCK)
+    expanded = expanded.reshape(row_blocks * block_rows, col_blocks * FP8_BLOCK)[:rows, :cols]
+    return fp8_cast(tensor, expanded, dtype, limit).contiguous(), scales.reciprocal()
+
+
+def dequantize_blocks(
+    values: torch.Tensor, inverses: torch.Tensor, block_rows: int
+) -> torch.Tensor:
+    """`fp8_cast_blocks` undone in fp32: each block of FP8 `values` times its inverse (exact:
+    the scales are powers of two)."""
+    rows, cols = values.shape
+    expanded = inverses.repeat_interleave(block_rows, 0)[:rows]
+    return values.float() * expanded.repeat_interleave(FP8_BLOCK, 1)[:, :cols]

@@ -2,7 +2,8 @@
 2-D tensor times a scale, saturated and cast to FP8, written row-major and transposed, and for
 delayed scaling the tensor's amax max-accumulated into the step's, in one read of the input),
 the same with the scale derived from an amax in the kernel (current scaling), and rowwise
-scaling's cast (each row's amax, power-of-two scale and cast).
+scaling's cast (each row's amax, power-of-two scale and cast), and blockwise scaling's (the same
+per 1 x 128 or 128 x 128 block).
 
 The reference functions (kernels/reference.py) under torch.compile gave three to four kernels
 per cast (an amax reduction, the cast, the transpose) and eager scale arithmetic some fifteen
@@ -19,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from threefold.kernels.reference import FP8_BLOCK
+
 BLOCK = 64  # a 64 x 64 tile: the transposed store goes through shared memory, coalesced
 # Rowwise: a program owns 16 rows and walks their columns twice (amax, then cast), 128 at a
 # time; a transposed view's 16 rows are then 32 contiguous bytes of bf16 per column.
@@ -31,6 +34,16 @@ def _current_scale(amax, limit, unmargin):
     the amax is finite and positive and the scale finite (`unmargin`: 2^-margin)."""
     scale = tl.math.div_rn(limit, amax) * unmargin
     usable = (amax > 0) & (amax < float("inf")) & (scale < float("inf"))
+    return tl.where(usable, scale, 1.0)
+
+
+@triton.jit
+def _power_of_two_scale(amax, limit, unmargin):
+    """`reference.rowwise_scale`: limit / amax / 2^margin rounded down to a power of two by
+    the exponent's bits, or 1 where the amax is not finite and positive."""
+    exact = tl.math.div_rn(limit, amax) * unmargin
+    scale = (exact.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    usable = (amax > 0) & (amax < float("inf")) & (scale > 0) & (scale < float("inf"))
     return tl.where(usable, scale, 1.0)
 
 
@@ -104,11 +117,7 @@ def _cast_rows(
         pointers = x_ptr + r[:, None] * stride_row + c[None, :] * stride_col
         x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(_magnitude(x), axis=1))
-    # `reference.rowwise_scale`: rounded down to a power of two by the exponent's bits
-    exact = tl.math.div_rn(limit, amax) * unmargin
-    scale = (exact.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    usable = (amax > 0) & (amax < float("inf")) & (scale > 0) & (scale < float("inf"))
-    scale = tl.where(usable, scale, 1.0)
+    scale = _power_of_two_scale(amax, limit, unmargin)
     tl.store(inverse_ptr + r, tl.math.div_rn(1.0, scale), mask=in_rows)
     for start in tl.range(0, cols, BLOCK_COLS):
         c = start + tl.arange(0, BLOCK_COLS).to(tl.int64)
@@ -119,6 +128,43 @@ def _cast_rows(
         tl.store(
             out_ptr + r[:, None] * cols + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
         )
+
+
+@triton.jit
+def _cast_blocks(
+    x_ptr,
+    out_ptr,
+    inverse_ptr,
+    rows,
+    cols,
+    stride_row,
+    stride_col,
+    col_blocks,
+    limit,
+    unmargin,
+    TILE_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SQUARE: tl.constexpr,
+):
+    # A tile of TILE_ROWS rows by one block of BLOCK columns: 1 x BLOCK blocks, a scale per
+    # row of the tile; or (SQUARE) one BLOCK x BLOCK block, one scale.
+    r = (tl.program_id(0) * TILE_ROWS + tl.arange(0, TILE_ROWS)).to(tl.int64)
+    c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * stride_row + c[None, :] * stride_col, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if SQUARE:
+        scale = _power_of_two_scale(tl.max(tl.max(_magnitude(x), axis=1), axis=0), limit, unmargin)
+        inverse = tl.math.div_rn(1.0, scale)
+        tl.store(inverse_ptr + tl.program_id(0) * col_blocks + tl.program_id(1), inverse)
+        y = x * scale
+    else:
+        scale = _power_of_two_scale(tl.max(_magnitude(x), axis=1), limit, unmargin)
+        inverses = inverse_ptr + r * col_blocks + tl.program_id(1)
+        tl.store(inverses, tl.math.div_rn(1.0, scale), mask=r < rows)
+        y = x * scale[:, None]
+    y = tl.minimum(tl.maximum(y, -limit), limit)
+    tl.store(out_ptr + r[:, None] * cols + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_cast_transpose(
@@ -179,6 +225,38 @@ def fp8_cast_rows(
             BLOCK_ROWS=BLOCK_ROWS,
             BLOCK_COLS=BLOCK_COLS,
         )
+    return quantized, inverses
+
+
+def fp8_cast_blocks(
+    tensor: torch.Tensor, dtype: torch.dtype, limit: float, margin: int, block_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.fp8_cast_blocks` in one kernel: the FP8 values (row-major, whatever the
+    input's layout) and the inverses per block (`block_rows`: 1 or `FP8_BLOCK`)."""
+    rows, cols = tensor.shape
+    row_blocks, col_blocks = triton.cdiv(rows, block_rows), triton.cdiv(cols, FP8_BLOCK)
+    quantized = torch.empty(rows, cols, dtype=dtype, device=tensor.device)
+    inverses = torch.empty(row_blocks, col_blocks, device=tensor.device)
+    if not tensor.numel():
+        return quantized, inverses.fill_(1.0)
+    square = block_rows == FP8_BLOCK
+    tile_rows = FP8_BLOCK if square else BLOCK_ROWS
+    _cast_blocks[(triton.cdiv(rows, tile_rows), col_blocks)](
+        tensor,
+        quantized,
+        inverses,
+        rows,
+        cols,
+        tensor.stride(0),
+        tensor.stride(1),
+        col_blocks,
+        limit,
+        2.0**-margin,
+        TILE_ROWS=tile_rows,
+        BLOCK=FP8_BLOCK,
+        SQUARE=square,
+        num_warps=8 if square else 4,
+    )
     return quantized, inverses
 
 

@@ -5,8 +5,8 @@ torchao: the linear layers of each transformer layer's attention (QKV, output pr
 its dense MLP or an MoE layer's shared expert (fc1, fc2), and, under rowwise scaling, of its
 experts get an FP8 state (`threefold.kernels.fp8.Fp8Linear`) and run their GEMMs in FP8.
 Everything else keeps the run's precision: embeddings, the output layer, norms, the attention
-core, routers, the layers --first-last-layers-bf16 keeps, and experts under the per-tensor
-recipes.
+core, routers, the layers --first-last-layers-bf16 keeps, and experts under the recipes other
+than rowwise.
 
 Why experts only rowwise: an expert's GEMM takes the tokens routed to it from every rank of
 its expert-parallel group at once, where one device meets them one micro-batch at a time, so a
@@ -16,6 +16,9 @@ input gradient's are per token and per weight row, and the weight gradient's, pe
 the tokens, are powers of two, so a micro-batch's column cast with the scale of a union of
 micro-batches (its own times 2^-k) has the same FP8 values (`threefold.kernels.fp8`'s
 argument for rows split over ranks): every expert-parallel layout matches one device.
+Blockwise scaling's weight gradient is scaled per 128 tokens, blocks whose tokens an expert's
+GEMM gathers differently in every layout (no block of one device's lies around them): its
+experts stay in the run's precision too.
 
 `Fp8Scaling` owns every FP8 state of this rank's chunks: the step-end update of delayed scales
 and the tensors a checkpoint saves, named after the layer in the whole model
@@ -47,6 +50,7 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
         fp8_format=config.fp8,
         delayed=config.fp8_recipe == "delayed",
         rowwise=config.fp8_recipe == "rowwise",
+        blockwise=config.fp8_recipe == "blockwise",
         margin=config.fp8_margin,
         amax_history_len=config.fp8_amax_history_len,
         amax_compute_algo=config.fp8_amax_compute_algo,
@@ -232,7 +236,7 @@ class Fp8Scaling:
         elif self.experts is not None:
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         parallel = self.parallel
-        if parallel.sequence_parallel and parallel.tp.size > 1 and not self.recipe.rowwise:
+        if parallel.sequence_parallel and parallel.tp.size > 1 and not self.recipe.fine_grained:
             gather += "; sequence-parallel inputs all-gathered in FP8"
         if any(state.traced for state in self.states.values()):
             gather += "; traced into the compiled layers' graphs where they run no collective"

@@ -85,7 +85,7 @@ def build_model_and_optimizer(
             device,
             params_dtype(config),
             training.micro_batch_size,
-            config.fp8.enabled,
+            config.fp8,
         )
     )
     torch_native = uses_torch_data_parallel(config)

@@ -41,7 +41,8 @@ attention core's output, which the core keeps anyway (its copy adds 1 byte), unl
 recomputation drops the core's. The step's FP8 weights are held once for all micro-batches
 (`Fp8Scaling.weights_cached`), in both layouts (2 bytes per FP8 weight; 1 with
 --fp8-param-gather, whose row-major copy is the parameter, and under rowwise scaling, which
-keeps the transposed cast only, with its input's fp32 scales, one per input feature); under
+keeps the transposed cast only); rowwise and blockwise inputs keep fp32 scales beside their
+transposed copies (one per input feature; blockwise one per feature and 128 tokens); under
 FSDP each micro-batch in flight keeps its own transposed copy; --fp8-param-gather stores the
 FP8 weights in FP8 only (parameters: 1 byte each).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
@@ -255,13 +256,21 @@ def layer_activation_bytes(
     mlp = _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
     if moe:
         mlp = _moe_activation_bytes(config, s, b, e, fp8)
-    if fp8 and config.fp8.fp8_recipe == "rowwise":  # and each FP8 input's per-feature scales
-        attention += 4 * (h + h // t)
-        mlp += 4 * (h + f // t) if mlp_in_fp8 else 0
+    # and each FP8 input's fp32 scales, kept with its transposed copy (rowwise, blockwise)
+    scales = _scale_bytes_per_feature(config, s, b) if fp8 else 0
+    attention += scales * (h + h // t)
+    mlp += scales * (h + f // t) if mlp_in_fp8 else 0
     # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
     dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
     return norm_blocks + attention + mlp + dropout
+
+
+def _scale_bytes_per_feature(config: Config, s: int, b: int) -> int:
+    """The fp32 scales an FP8 input's transposed copy keeps per input feature: one (rowwise),
+    one per 128 of the s b tokens (blockwise), none (one per tensor)."""
+    recipe = config.fp8.fp8_recipe
+    return {"rowwise": 4, "blockwise": 4 * -(-s * b // 128)}.get(recipe, 0)
 
 
 def _intermediate_bytes(model: ModelConfig, e: int, fp8: bool) -> int:
@@ -275,7 +284,7 @@ def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> 
     many expert inputs (taken by the dispatch; fc1's FP8 copy when the experts run in FP8) and
     outputs; an expert keeps the dense MLP's intermediates for each (at its expert-TP share,
     for the pairs of all its ETP peers); the shared expert as the dense MLP of its size.
-    Rowwise scaling adds the fp32 scales per input feature of each FP8 GEMM's input."""
+    Rowwise and blockwise scaling add the fp32 scales of each FP8 GEMM's input."""
     model, parallel = config.model, config.parallel
     t, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     h, f, shared = (
@@ -288,12 +297,11 @@ def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> 
     experts = fp8 and experts_in_fp8(config.fp8)
     expert_input = 1 if experts else e
     total = pairs * ((expert_input + e) * h + _intermediate_bytes(model, e, experts) * f // etp)
-    rowwise = fp8 and config.fp8.fp8_recipe == "rowwise"
     if experts:
         total += 4 * model.num_experts // parallel.expert_model_parallel_size * (h + f // etp)
     if shared:
         total += s * b * shared // t * _intermediate_bytes(model, e, fp8)
-        total += 4 * (h + shared // t) if rowwise else 0
+        total += _scale_bytes_per_feature(config, s, b) * (h + shared // t) if fp8 else 0
     return total
 
 
