@@ -6,12 +6,13 @@ validation losses side by side and the curves plotted (tools/plot_logs.py).
     python bench/fp8_loss.py --only fp8_tensorwise    # rerun one; the report reads the others
     python bench/fp8_loss.py --moe --out bench/results/fp8_loss_moe    # the MoE model
 
-Six runs of the same model, data and seed, one process each: the base precision (--bf16 on
+Seven runs of the same model, data and seed, one process each: the base precision (--bf16 on
 a GPU, fp32 on a CPU); the same with FP8 GEMMs under delayed scaling (Megatron-LM's Llama-3
 recipe: hybrid, amax history 1024, max), and with --fp8-margin 1 on top; with FP8
-tensorwise scaling; and with rowwise scaling (torchao's recipe, and with E5M2 gradients). On a
-CPU the FP8 GEMMs are torch._scaled_mm's exact emulation, so the numerics are the GPU's (the
-accumulation order aside) and only the speed is not.
+tensorwise scaling; with rowwise scaling (torchao's recipe, and with E5M2 gradients); and with
+blockwise scaling (Megatron-LM's, E4M3). On a CPU the FP8 GEMMs are torch._scaled_mm's exact
+emulation (blockwise: the blocks dequantized exactly, then an fp32 GEMM), so the numerics are
+the GPU's (the accumulation order aside) and only the speed is not.
 
 --moe: the same model with a mixture of experts in every layer (4 experts of FFN 512, top-2,
 load-balancing loss), in three runs: the base precision; tensorwise FP8, which leaves the
@@ -42,6 +43,9 @@ RUNS = {
     # with E5M2 gradients, as the other FP8 runs here
     "fp8_rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
     "fp8_rowwise_hybrid": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+    # Megatron-LM's blockwise (TE's Float8BlockScaling, DeepSeek-V3's): a scale per 1 x 128
+    # block of activations and gradients, per 128 x 128 of weights, E4M3 throughout as usual
+    "fp8_blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
 MOE = "--num-experts 4 --moe-ffn-hidden-size 512 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"
 MOE_RUNS = {name: RUNS[name] for name in ("base", "fp8_tensorwise", "fp8_rowwise")}

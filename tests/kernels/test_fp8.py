@@ -665,6 +665,11 @@ def test_the_triton_current_rowwise_and_blockwise_casts_on_cuda_are_the_eager_on
     a transposed view, a row of zeros, a margin, and an amax of nothing or not finite."""
     from threefold.kernels import reference, triton_fp8
 
+    def same(kernel, *args):
+        got, expected = getattr(triton_fp8, kernel)(*args), getattr(reference, kernel)(*args)
+        for one, other in zip(got, expected, strict=True):
+            assert one.shape == other.shape and torch.equal(one.float(), other.float()), kernel
+
     torch.manual_seed(0)
     for rows, cols in ((100, 70), (4096, 2048), (3, 200), (33, 1000)):
         tensor = torch.randn(rows, cols, device="cuda") * torch.logspace(-6, 6, cols).cuda()
@@ -675,23 +680,10 @@ def test_the_triton_current_rowwise_and_blockwise_casts_on_cuda_are_the_eager_on
                 limit = float(torch.finfo(dtype).max)
                 for margin in (0, 1):
                     for amax in (reference.amax(layout), torch.tensor(0.0, device="cuda")):
-                        args = (layout, amax, dtype, limit, margin)
-                        got = triton_fp8.fp8_cast_transpose_current(*args)
-                        expected = reference.fp8_cast_transpose_current(*args)
-                        for one, other in zip(got, expected):
-                            assert one.shape == other.shape
-                            assert torch.equal(one.float(), other.float())
-                    args = (layout, dtype, limit, margin)
-                    got, expected = triton_fp8.fp8_cast_rows(*args), reference.fp8_cast_rows(*args)
-                    for one, other in zip(got, expected):
-                        assert one.shape == other.shape and torch.equal(one.float(), other.float())
+                        same("fp8_cast_transpose_current", layout, amax, dtype, limit, margin)
+                    same("fp8_cast_rows", layout, dtype, limit, margin)
                     for block_rows in (1, 128):
-                        args = (layout, dtype, limit, margin, block_rows)
-                        got = triton_fp8.fp8_cast_blocks(*args)
-                        expected = reference.fp8_cast_blocks(*args)
-                        for one, other in zip(got, expected):
-                            assert one.shape == other.shape
-                            assert torch.equal(one.float(), other.float())
+                        same("fp8_cast_blocks", layout, dtype, limit, margin, block_rows)
     for amax in (3.0, 1e-45, float("inf"), float("nan")):
         args = (tensor[:2, :2], torch.tensor(amax, device="cuda"), E4M3, 448.0, 0)
         got = triton_fp8.fp8_cast_transpose_current(*args)[2]

@@ -296,7 +296,7 @@ def _fp8_gemms(device: torch.device, recipe: str, fp8_format: str) -> str:
     blockwise = recipe == "blockwise"
     if not _on_gpu(device):
         if blockwise:
-            return "block-scaled GEMMs emulated (CPU: the blocks dequantized exactly, fp32 GEMM)"
+            return "emulated block by block (CPU: the blocks dequantized exactly, an fp32 GEMM)"
         return "torch._scaled_mm (CPU: exact emulation, fp32 accumulation)"
     one = torch.ones((), device=device)
     a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)

@@ -55,6 +55,15 @@ def _magnitude(x):
 
 
 @triton.jit
+def _load_tile(x_ptr, r, c, rows, cols, stride_row, stride_col):
+    """The tile of rows `r` by columns `c` (64-bit offsets: a gradient of 16 x 8192 tokens
+    by 28672 features has 2^31.8 elements) in fp32, 0 outside the tensor, and its mask."""
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * stride_row + c[None, :] * stride_col, mask=mask, other=0.0)
+    return x.to(tl.float32), mask
+
+
+@triton.jit
 def _cast_transpose(
     x_ptr,
     out_ptr,
@@ -73,12 +82,9 @@ def _cast_transpose(
     AMAX: tl.constexpr,
     CURRENT: tl.constexpr,
 ):
-    # 64-bit offsets: a gradient of 16 x 8192 tokens by 28672 features has 2^31.8 elements
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None] * stride_row + c[None, :] * stride_col, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x, mask = _load_tile(x_ptr, r, c, rows, cols, stride_row, stride_col)
     if CAST:
         if CURRENT:  # `scale_ptr` holds the amax the scale follows from
             scale = _current_scale(tl.load(scale_ptr), limit, unmargin)
@@ -109,21 +115,16 @@ def _cast_rows(
     BLOCK_COLS: tl.constexpr,
 ):
     r = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    in_rows = r < rows
     amax = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
     for start in tl.range(0, cols, BLOCK_COLS):
         c = start + tl.arange(0, BLOCK_COLS).to(tl.int64)
-        mask = in_rows[:, None] & (c[None, :] < cols)
-        pointers = x_ptr + r[:, None] * stride_row + c[None, :] * stride_col
-        x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        x, _ = _load_tile(x_ptr, r, c, rows, cols, stride_row, stride_col)
         amax = tl.maximum(amax, tl.max(_magnitude(x), axis=1))
     scale = _power_of_two_scale(amax, limit, unmargin)
-    tl.store(inverse_ptr + r, tl.math.div_rn(1.0, scale), mask=in_rows)
+    tl.store(inverse_ptr + r, tl.math.div_rn(1.0, scale), mask=r < rows)
     for start in tl.range(0, cols, BLOCK_COLS):
         c = start + tl.arange(0, BLOCK_COLS).to(tl.int64)
-        mask = in_rows[:, None] & (c[None, :] < cols)
-        pointers = x_ptr + r[:, None] * stride_row + c[None, :] * stride_col
-        x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        x, mask = _load_tile(x_ptr, r, c, rows, cols, stride_row, stride_col)
         y = tl.minimum(tl.maximum(x * scale[:, None], -limit), limit)
         tl.store(
             out_ptr + r[:, None] * cols + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
@@ -150,9 +151,7 @@ def _cast_blocks(
     # row of the tile; or (SQUARE) one BLOCK x BLOCK block, one scale.
     r = (tl.program_id(0) * TILE_ROWS + tl.arange(0, TILE_ROWS)).to(tl.int64)
     c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None] * stride_row + c[None, :] * stride_col, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x, mask = _load_tile(x_ptr, r, c, rows, cols, stride_row, stride_col)
     if SQUARE:
         scale = _power_of_two_scale(tl.max(tl.max(_magnitude(x), axis=1), axis=0), limit, unmargin)
         inverse = tl.math.div_rn(1.0, scale)
