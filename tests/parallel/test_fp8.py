@@ -48,7 +48,7 @@ RECIPES = {
     # torchao's rowwise recipe: E4M3 everywhere
     "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
     # TE's and DeepSeek-V3's; at these widths one block spans a row (weights: the whole
-    # weight), and a layout's pieces lie inside it (tests/kernels/test_fp8.py: blocks a
+    # weight), and a layout's pieces lie inside it (tests/kernels/test_fp8_casts.py: blocks a
     # layout cuts)
     "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
@@ -127,7 +127,7 @@ def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -
 def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, recipe, sabotage):
     """The negative control: the same TP=2 run whose ranks scale their shards by their own
     amaxes misses the tolerance the real one meets. (Rowwise scaling needs no reduction:
-    tests/kernels/test_fp8.py's power-of-two pieces.)"""
+    tests/kernels/test_fp8_casts.py's power-of-two pieces.)"""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
     result = run_distributed(2, fp8_train_job, argv, 10, sabotage)[0]
     expected = references[recipe]["losses"]

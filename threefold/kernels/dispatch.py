@@ -309,7 +309,7 @@ def _fp8_gemms(device: torch.device, recipe: str, fp8_format: str) -> str:
         ) from error
     if not blockwise:
         return "torch._scaled_mm (cuBLASLt FP8 tensor cores)"
-    from threefold.kernels.fp8 import blockwise_mm, fp8_dtypes  # (which imports this module)
+    from threefold.kernels.fp8_gemms import blockwise_mm, fp8_dtypes  # (it imports this module)
 
     x = torch.ones(128, 256, device=device)
     rows, square = torch.ones(128, 2, device=device), torch.ones(1, 2, device=device)

@@ -10,7 +10,7 @@ per cast (an amax reduction, the cast, the transpose) and eager scale arithmetic
 more, each a launch from Python, and an FP8 layer casts at least twice per micro-batch (its
 input and its output gradient): on an H100 the 1B model's FP8 step was bound by the host's
 launches, not the GPU. Used on CUDA where Triton imports (kernels/dispatch.py); the same bytes
-as the reference (tests/kernels/test_fp8.py). Scales and their inverses are divided with
+as the reference (tests/kernels/test_fp8_casts.py). Scales and their inverses are divided with
 `div_rn`, correctly rounded as PyTorch's divisions are (Triton's `/` is approximate).
 """
 

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.kernels import reference
-from threefold.kernels.fp8 import FP8_MAX, WEIGHT, Fp8Linear
+from threefold.kernels.fp8 import WEIGHT, Fp8Linear
+from threefold.kernels.fp8_gemms import FP8_MAX
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 
 # (the weight, the start and end of the master's piece in the flattened weight, the master)

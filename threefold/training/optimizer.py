@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
-from threefold.kernels.fp8 import FP8_MAX
+from threefold.kernels.fp8_gemms import FP8_MAX
 from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local

@@ -1,0 +1,104 @@
+"""The FP8 formats and GEMMs: `torch._scaled_mm` with one scale per tensor, per row or per
+block of each operand (cuBLASLt's FP8 tensor cores on Hopper and later; on the CPU an exact
+emulation: products of FP8 values summed in fp32, so CI runs the arithmetic a GPU runs). Each
+GEMM takes the inverses of the scales its operands were cast with (kernels/fp8.py casts them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from threefold.kernels import reference
+from threefold.kernels.dispatch import KERNELS
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}  # 448, 57344
+
+
+def fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
+    """(activations and weights, gradients): Megatron-LM's --fp8-format."""
+    return (E4M3, E5M2) if fp8_format == "hybrid" else (E4M3, E4M3)
+
+
+def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor x scale in FP8, saturating at the format's max."""
+    return reference.fp8_cast(tensor, scale, dtype, FP8_MAX[dtype])
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """(a x a_inverse) @ (b x b_inverse) for FP8 `a` [m, k], row-major, and `b` [k, n],
+    column-major, as cuBLASLt takes them (the cast-transposes produce both layouts); the
+    inverses are of the scales the operands were cast with (`dequantization`), each computed
+    once per cast rather than once per GEMM: on a GPU an FP8 step is bound by its launches.
+
+    `fast_accum`: Hopper's FP8 tensor cores accumulate in fewer bits than fp32; without it
+    cuBLASLt moves the partial sums into fp32 registers every few steps of k (TE's "split
+    accumulator"), which costs time. As Transformer Engine and torchao, the forward GEMM
+    accumulates fast and the two gradient GEMMs, whose sums are longer and noisier, do not.
+    (The CPU's emulation sums in fp32 either way.)"""
+    return torch._scaled_mm(
+        a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
+def dequantization(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale: what a GEMM multiplies an operand cast with `scale` by. A new tensor, so it
+    can be saved for backward as it is (a delayed scale is updated in place at the step's
+    end)."""
+    return scale.reciprocal()
+
+
+def rowwise_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inverses: torch.Tensor,
+    b_inverses: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """`scaled_mm` with a scale per row of `a` and per column of `b`, given by their inverses
+    as `Fp8Linear.cast_fine` returns them: [m, 1], and [n, 1] per row of the transposed copy
+    `b` is a view of."""
+    scales = dict(scale_a=a_inverses, scale_b=b_inverses.view(1, -1), use_fast_accum=fast_accum)
+    # Compiled, a refusal would come from inside the graph, where it cannot be caught: on
+    # CUDA the graph asks for bf16 from the start.
+    compiled_on_gpu = torch.compiler.is_compiling() and a.device.type == "cuda"
+    if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output and not compiled_on_gpu:
+        try:
+            return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
+        except RuntimeError:  # an argument check, before any kernel ran: bf16 from now on
+            KERNELS.fp8_rowwise_fp32_output = False
+    out = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+    return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
+
+
+def blockwise_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inverses: torch.Tensor,
+    b_inverses: torch.Tensor,
+    out_dtype: torch.dtype,
+    b_block_rows: int,
+) -> torch.Tensor:
+    """`scaled_mm` with a scale per block: `a` [m, k] row-major, its inverses per 1 x 128
+    block ([m, k / 128]); `b` [k, n] column-major, a view of its transposed copy [n, k], whose
+    inverses are per block of that copy (`b_block_rows` 1: [n, k / 128]; 128, a weight's:
+    [n / 128, k / 128]). On CUDA cuBLASLt's blockwise GEMM (Hopper; CUDA 12.9 or later): bf16
+    output only, no fast accumulation, the 1 x 128 scales outer-dimension-major. Elsewhere an
+    emulation: the operands dequantized exactly (powers of two) and multiplied in fp32."""
+    if a.device.type == "cuda":
+        scale_a = a_inverses.t().contiguous().t()
+        scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    a32 = reference.dequantize_blocks(a, a_inverses, 1)
+    b32 = reference.dequantize_blocks(b.t(), b_inverses, b_block_rows)
+    return (a32 @ b32.t()).to(out_dtype)
