@@ -92,8 +92,9 @@ def blockwise_mm(
     block ([m, k / 128]); `b` [k, n] column-major, a view of its transposed copy [n, k], whose
     inverses are per block of that copy (`b_block_rows` 1: [n, k / 128]; 128, a weight's:
     [n / 128, k / 128]). On CUDA cuBLASLt's blockwise GEMM (Hopper; CUDA 12.9 or later): bf16
-    output only, no fast accumulation, the 1 x 128 scales outer-dimension-major. Elsewhere an
-    emulation: the operands dequantized exactly (powers of two) and multiplied in fp32."""
+    output only, no fast accumulation, the 1 x 128 scales outer-dimension-major (as the casts
+    write them: the copies below are then views). Elsewhere an emulation: the operands
+    dequantized exactly (powers of two) and multiplied in fp32."""
     if a.device.type == "cuda":
         scale_a = a_inverses.t().contiguous().t()
         scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()

@@ -175,7 +175,8 @@ def fp8_cast_blocks(
     blocks at the right and bottom edges cut short), cast as `fp8_cast` does, row-major
     whatever the input's layout (a transposed view gives the transposed copy); returns the FP8
     values and the scales' inverses, one per block ([ceil(rows / block_rows), ceil(cols /
-    FP8_BLOCK)]: what the GEMM takes)."""
+    FP8_BLOCK)]: what the GEMM takes; 1 x 128 blocks' outer-dimension-major, as cuBLASLt takes
+    them, so that no GEMM copies them)."""
     rows, cols = tensor.shape
     row_blocks, col_blocks = -(-rows // block_rows), -(-cols // FP8_BLOCK)
     padding = (0, col_blocks * FP8_BLOCK - cols, 0, row_blocks * block_rows - rows)
@@ -184,7 +185,10 @@ def fp8_cast_blocks(
     scales = rowwise_scale(amax, limit, margin)
     expanded = scales[:, None, :, None].expand(-1, block_rows, -1, FP8_BLOCK)
     expanded = expanded.reshape(row_blocks * block_rows, col_blocks * FP8_BLOCK)[:rows, :cols]
-    return fp8_cast(tensor, expanded, dtype, limit).contiguous(), scales.reciprocal()
+    inverses = scales.reciprocal()
+    if block_rows == 1:
+        inverses = inverses.t().contiguous().t()
+    return fp8_cast(tensor, expanded, dtype, limit).contiguous(), inverses
 
 
 def dequantize_blocks(

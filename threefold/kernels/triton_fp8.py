@@ -140,7 +140,8 @@ def _cast_blocks(
     cols,
     stride_row,
     stride_col,
-    col_blocks,
+    inverse_stride_row,
+    inverse_stride_col,
     limit,
     unmargin,
     TILE_ROWS: tl.constexpr,
@@ -155,11 +156,12 @@ def _cast_blocks(
     if SQUARE:
         scale = _power_of_two_scale(tl.max(tl.max(_magnitude(x), axis=1), axis=0), limit, unmargin)
         inverse = tl.math.div_rn(1.0, scale)
-        tl.store(inverse_ptr + tl.program_id(0) * col_blocks + tl.program_id(1), inverse)
+        block = tl.program_id(0) * inverse_stride_row + tl.program_id(1) * inverse_stride_col
+        tl.store(inverse_ptr + block, inverse)
         y = x * scale
     else:
         scale = _power_of_two_scale(tl.max(_magnitude(x), axis=1), limit, unmargin)
-        inverses = inverse_ptr + r * col_blocks + tl.program_id(1)
+        inverses = inverse_ptr + r * inverse_stride_row + tl.program_id(1) * inverse_stride_col
         tl.store(inverses, tl.math.div_rn(1.0, scale), mask=r < rows)
         y = x * scale[:, None]
     y = tl.minimum(tl.maximum(y, -limit), limit)
@@ -231,11 +233,14 @@ def fp8_cast_blocks(
     tensor: torch.Tensor, dtype: torch.dtype, limit: float, margin: int, block_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.fp8_cast_blocks` in one kernel: the FP8 values (row-major, whatever the
-    input's layout) and the inverses per block (`block_rows`: 1 or `FP8_BLOCK`)."""
+    input's layout) and the inverses per block (`block_rows`: 1 or `FP8_BLOCK`), laid out as
+    the reference's."""
     rows, cols = tensor.shape
     row_blocks, col_blocks = triton.cdiv(rows, block_rows), triton.cdiv(cols, FP8_BLOCK)
     quantized = torch.empty(rows, cols, dtype=dtype, device=tensor.device)
     inverses = torch.empty(row_blocks, col_blocks, device=tensor.device)
+    if block_rows == 1:
+        inverses = torch.empty(col_blocks, rows, device=tensor.device).t()
     if not tensor.numel():
         return quantized, inverses.fill_(1.0)
     square = block_rows == FP8_BLOCK
@@ -248,7 +253,8 @@ def fp8_cast_blocks(
         cols,
         tensor.stride(0),
         tensor.stride(1),
-        col_blocks,
+        inverses.stride(0),
+        inverses.stride(1),
         limit,
         2.0**-margin,
         TILE_ROWS=tile_rows,
