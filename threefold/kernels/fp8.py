@@ -270,21 +270,6 @@ class Fp8Linear(nn.Module):
         )
         return (weight8, inverses), (weight8.t().contiguous(), inverses.t().contiguous())
 
-    def set_gathered_weight_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """--fp8-param-gather: the amax of the whole updated weight (reduced over the ranks
-        holding its shards); sets and returns the scale to cast it with. Delayed scaling
-        records the amax as this step's weight amax, as a forward casting the weight would."""
-        if self.recipe.delayed:
-            self.step_amax[WEIGHT] = amax
-        if self.recipe.delayed and self.has_history:
-            scale = self.scale_in_use[WEIGHT]
-        else:
-            scale = scale_from_amax(
-                amax, self.fp8_max[WEIGHT], self.recipe.margin, amax.new_ones(())
-            )
-        self.gathered_scale.copy_(scale)
-        return self.gathered_scale
-
     def weight_in_fp8(
         self, weight: torch.Tensor, cached: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -548,3 +533,31 @@ def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
     torch._foreach_zero_(cleared)
     for state in states:
         state.has_history = True
+
+
+def set_gathered_scales(states: list[Fp8Linear], amax: torch.Tensor) -> torch.Tensor:
+    """--fp8-param-gather, after an optimizer step: from the amaxes ([layers]) of the whole
+    updated weights of `states` (reduced over the ranks holding their pieces), the scale each
+    weight is cast with, set as its `gathered_scale` and returned ([layers]). Delayed scaling
+    records the amax as the step's weight amax, as a forward casting the weight would, and
+    casts with its history's scale once it has one. One batch for every layer, as
+    `push_amaxes`: each layer alone took a dozen launches."""
+    recipe = states[0].recipe
+    if recipe.delayed:
+        torch._foreach_copy_([state.step_amax[WEIGHT] for state in states], list(amax.unbind(0)))
+    from_history = [recipe.delayed and state.has_history for state in states]
+    current = None
+    if not all(from_history):
+        fp8_max = states[0].fp8_max[WEIGHT]
+        current = scale_from_amax(amax, fp8_max, recipe.margin, torch.ones_like(amax))
+    if not any(from_history):
+        scales = current
+    else:
+        scales = torch.stack(
+            [
+                state.scale_in_use[WEIGHT] if history else current[i]
+                for i, (state, history) in enumerate(zip(states, from_history))
+            ]
+        )
+    torch._foreach_copy_([state.gathered_scale for state in states], list(scales.unbind(0)))
+    return scales

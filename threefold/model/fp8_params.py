@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from math import inf
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from threefold.kernels import reference
-from threefold.kernels.fp8 import WEIGHT, Fp8Linear
+from threefold.kernels.fp8 import WEIGHT, Fp8Linear, set_gathered_scales
 from threefold.kernels.fp8_gemms import FP8_MAX
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 
@@ -84,28 +84,51 @@ class Fp8Parameters:
         finally:
             self.store_in_fp8()
 
+    def set_shards(self, shards: list[Shard]) -> None:
+        """This rank's fp32 pieces of the weights (the distributed optimizer's masters), which
+        `cast` casts after each step: one piece per weight at most (a bucket holds whole
+        parameters, and a rank one shard of it)."""
+        flat, ranges = self.buffer.param_buffer, self.buffer.ranges
+        self._masters = [master for *_, master in shards]
+        # each piece's place in the FP8 buffer, and its weight's index in `states`
+        self._targets = [
+            flat[ranges[param][0] + start : ranges[param][0] + end]
+            for param, start, end, _ in shards
+        ]
+        owners = [self._index[param] for param, *_ in shards]
+        assert len(set(owners)) == len(owners), "a weight with two pieces on one rank"
+        self._owners = torch.tensor(owners, dtype=torch.long, device=flat.device)
+        states = list(self.states.values())
+        dtypes = {state.recipe.dtypes[WEIGHT] for state in states}
+        assert len(dtypes) == 1, "one FP8 weight format per run"
+        self._dtype = dtypes.pop()
+
     @torch.no_grad()
-    def cast(self, shards: list[Shard]) -> None:
-        """This rank's fp32 pieces of the weights, after an optimizer step: the scales agreed
-        over every rank holding a piece, then the pieces cast into the FP8 buffer (its
-        all-gather is the buffer's, started by the optimizer next)."""
+    def cast(self) -> None:
+        """This rank's fp32 pieces of the weights (`set_shards`), after an optimizer step:
+        the scales agreed over every rank holding a piece, then the pieces cast into the FP8
+        buffer (its all-gather is the buffer's, started by the optimizer next). In batches
+        over the pieces: the amaxes in one multi-tensor norm, the scales of all weights at
+        once (`set_gathered_scales`), the casts' multiply and clamp as multi-tensor ops; each
+        piece then takes one copy into FP8 (per piece: some twenty launches before)."""
         device = self.buffer.param_buffer.device
         amax = torch.zeros(len(self.states), device=device)
-        for param, _, _, master in shards:
-            i = self._index[param]
-            amax[i] = torch.maximum(amax[i], reference.amax(master).to(device))
+        masters = self._masters
+        if masters:  # max |x| of each piece, exactly (a maximum does not round)
+            amax[self._owners] = torch.stack(torch._foreach_norm(masters, ord=inf)).to(device)
         self.shard_group.all_reduce(amax, op=dist.ReduceOp.MAX)
         self.amax_group.all_reduce(amax, op=dist.ReduceOp.MAX)
-        scales = [
-            state.set_gathered_weight_amax(amax[i]) for i, state in enumerate(self.states.values())
-        ]
-        for param, start, end, master in shards:
-            offset = self.buffer.ranges[param][0]
-            dtype = self.states[param].recipe.dtypes[WEIGHT]
-            cast = reference.fp8_cast(
-                master, scales[self._index[param]].to(master.device), dtype, FP8_MAX[dtype]
-            )
-            self.buffer.param_buffer[offset + start : offset + end].copy_(cast)
+        scales = set_gathered_scales(list(self.states.values()), amax)
+        if not masters:
+            return
+        # (`reference.fp8_cast`'s arithmetic: the same bytes)
+        per_piece = scales[self._owners].to(masters[0].device)
+        scaled = torch._foreach_mul(masters, list(per_piece.unbind(0)))
+        limit = FP8_MAX[self._dtype]
+        torch._foreach_clamp_min_(scaled, -limit)
+        torch._foreach_clamp_max_(scaled, limit)
+        for target, piece in zip(self._targets, scaled):
+            target.copy_(piece)  # (not multi-tensor: CUDA's takes no FP8 destination)
 
     def padding_bytes(self) -> int:
         """The buffer's bytes beyond its weights' (the padding to equal shards): the FP8 copies

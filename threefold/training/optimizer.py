@@ -421,8 +421,11 @@ class DistributedOptimizer(_AdamWithMasters):
             )
             pieces.append(_Piece(param, low - start, high - start, master))
         self._build(pieces, config, named_parameters)
-        self._fp8_pieces = [piece for piece in self.pieces if piece.param in fp8]
-        if fp8:  # the first FP8 copies, from the initial weights, which they replace
+        if fp8:
+            fp8_parameters.set_shards(
+                [(p.param, p.start, p.end, p.master) for p in self.pieces if p.param in fp8]
+            )
+            # the first FP8 copies, from the initial weights, which they replace
             self.copy_masters_to_model()
             fp8_parameters.store_in_fp8()
 
@@ -444,9 +447,7 @@ class DistributedOptimizer(_AdamWithMasters):
                 if piece.param not in self._fp8_weights:
                     self._slice(piece, "param_buffer").copy_(piece.master)
         if self.fp8_parameters is not None:
-            self.fp8_parameters.cast(
-                [(p.param, p.start, p.end, p.master) for p in self._fp8_pieces]
-            )
+            self.fp8_parameters.cast()
         for buffer in self.grad_buffers:
             buffer.start_param_gather()
         if not self.overlap_param_gather:  # else each module waits in its forward pre-hook
