@@ -6,6 +6,7 @@
 - torch.compile'd norms, SwiGLU, GELU, RoPE and cross-entropy chunks (C++ on this CPU, Triton
   on a GPU) inside whole GPT-2 and LLaMA-style models: logits, loss and every gradient.
 - Each compiled op alone in bf16, within bf16 tolerance of the fp32 reference.
+- The stacked SwiGLU and the QKV split with RoPE, compiled: no concatenation in backward.
 """
 
 import pytest
@@ -132,7 +133,73 @@ def _ops(device: str = "cpu"):
         "swiglu": (lambda fc1: reference.swiglu(*fc1.chunk(2, dim=-1)), (tensor(16, 2, 128),)),
         "gelu": (reference.gelu, (tensor(16, 2, 128), "tanh")),
         "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin)),
+        "swiglu_stacked": (reference.swiglu_stacked, (tensor(16, 2, 128),)),
+        "split_rotary": (_split_rotary_flat, (tensor(16, 2, 2, 5, 32), cos, sin)),
     }
+
+
+def _split_rotary_flat(qkv, cos, sin):
+    """`split_rotary`'s three outputs (3 query heads per group) as one tensor."""
+    return torch.cat([t.flatten() for t in reference.split_rotary(qkv, cos, sin, 3)])
+
+
+def _backward_nodes(outputs, leaf) -> set[str]:
+    """The kinds of autograd nodes between `outputs` and the leaf tensor `leaf`."""
+    seen, names, stack = set(), set(), [t.grad_fn for t in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+def test_compiled_stacked_swiglu_and_split_rotary_write_one_gradient():
+    """On a GPU, autograd's backward of a split (the fused QKV output into query, key and
+    value; an FP8 fc1 output into gate and up) concatenated the pieces' gradients: a copy of
+    the whole gradient. Compiled, `split_rotary` and `swiglu_stacked` take the whole tensor
+    and their backward writes its gradient in one piece: the same values as the split ops
+    eager, and no split or concatenation left in the graph."""
+    generator = torch.Generator().manual_seed(5)
+    qkv = torch.randn(16, 2, 2, 5, 32, generator=generator)
+    fc1 = torch.randn(16, 2, 128, generator=generator)
+    cos, sin = torch.randn(16, 1, 1, 32, generator=generator).cos(), torch.randn(1).sin()
+
+    def split_ops(qkv):
+        query, key, value = qkv.split([3, 1, 1], dim=3)
+        query = reference.rotary(query.reshape(16, 2, -1, 32), cos, sin)
+        return query, reference.rotary(key.squeeze(3), cos, sin), value.squeeze(3)
+
+    cases = (
+        (split_ops, lambda x: reference.split_rotary(x, cos, sin, 3), qkv),
+        (
+            lambda x: (reference.swiglu(*x.chunk(2, dim=-1)),),
+            lambda x: (reference.swiglu_stacked(x),),
+            fc1,
+        ),
+    )
+    for eager, fused, tensor in cases:
+        results = []
+        for function in (eager, fused, torch.compile(fused)):
+            leaf = tensor.clone().requires_grad_()
+            outputs = function(leaf)
+            grads = [
+                torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
+                for i, t in enumerate(outputs)
+            ]
+            torch.autograd.backward(outputs, grads)
+            results.append(
+                ([t.detach() for t in outputs], leaf.grad, _backward_nodes(outputs, leaf))
+            )
+        (want, want_grad, split), (same, same_grad, _), (got, got_grad, nodes) = results
+        assert any("Split" in name for name in split)  # the eager ops' backward splits
+        assert nodes == {"CompiledFunctionBackward", "AccumulateGrad"}, nodes
+        for a, b in zip(same + [same_grad], want + [want_grad]):
+            assert torch.equal(a, b)  # the reference is the split ops, bitwise
+        for a, b in zip(got + [got_grad], want + [want_grad]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

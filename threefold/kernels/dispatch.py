@@ -78,8 +78,10 @@ class Kernels:
         self.layer_norm = reference.layer_norm
         self.rms_norm = reference.rms_norm
         self.swiglu = reference.swiglu
+        self.swiglu_stacked = reference.swiglu_stacked
         self.gelu = reference.gelu
         self.rotary = reference.rotary
+        self.split_rotary = reference.split_rotary
         self.attention = reference.attention
         self.cross_entropy = vocab_parallel_cross_entropy
         self.amax = reference.amax
@@ -395,14 +397,14 @@ def configure(
         KERNELS.layer_norm = fuse(reference.layer_norm)
         KERNELS.rms_norm = fuse(reference.rms_norm)
         parts["norm"] = f"{how} {normalization}"
-    for name, enabled, label in (
-        ("swiglu", config.bias_swiglu_fusion, "SwiGLU"),
-        ("gelu", config.bias_gelu_fusion, "GELU"),
-        ("rotary", config.apply_rope_fusion, "RoPE"),
+    for names, enabled, label in (
+        (("swiglu", "swiglu_stacked"), config.bias_swiglu_fusion, "SwiGLU"),
+        (("gelu",), config.bias_gelu_fusion, "GELU"),
+        (("rotary", "split_rotary"), config.apply_rope_fusion, "RoPE"),
     ):
-        setattr(
-            KERNELS, name, fuse(getattr(reference, name)) if enabled else getattr(reference, name)
-        )
+        for name in names:
+            kernel = getattr(reference, name)
+            setattr(KERNELS, name, fuse(kernel) if enabled else kernel)
         parts[label] = how if enabled else "eager"
     if config.cross_entropy_loss_fusion:
         KERNELS.cross_entropy = functools.partial(

@@ -98,14 +98,17 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(
             s, b, self.num_query_groups_per_partition, self.heads_per_group + 2, self.head_dim
         )
-        query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
-        query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
-        key, value = key.squeeze(3), value.squeeze(3)
-        if self.q_layernorm is not None:
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
-        if rotary is not None:
-            query = KERNELS.rotary(query, *rotary)
-            key = KERNELS.rotary(key, *rotary)
+        if self.q_layernorm is None and rotary is not None:
+            query, key, value = KERNELS.split_rotary(qkv, *rotary, self.heads_per_group)
+        else:
+            query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
+            query = query.reshape(s, b, -1, self.head_dim)  # heads of a group stay adjacent
+            key, value = key.squeeze(3), value.squeeze(3)
+            if self.q_layernorm is not None:
+                query, key = self.q_layernorm(query), self.k_layernorm(key)
+            if rotary is not None:
+                query = KERNELS.rotary(query, *rotary)
+                key = KERNELS.rotary(key, *rotary)
 
         if self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)

@@ -47,8 +47,13 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            intermediate = KERNELS.swiglu(*self.linear_fc1.forward_blocks(hidden_states))
+        fc1 = self.linear_fc1
+        if self.swiglu and fc1.fp8 is not None:
+            # An FP8 GEMM's backward casts its output's whole gradient: SwiGLU writes the two
+            # blocks' gradients into one tensor (`swiglu_stacked`), not autograd's chunk.
+            intermediate = KERNELS.swiglu_stacked(fc1(hidden_states))
+        elif self.swiglu:
+            intermediate = KERNELS.swiglu(*fc1.forward_blocks(hidden_states))
         else:
             intermediate = KERNELS.gelu(self.linear_fc1(hidden_states), self.gelu_approximation)
         return self.linear_fc2(intermediate)

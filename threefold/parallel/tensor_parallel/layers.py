@@ -290,16 +290,12 @@ class ColumnParallelLinear(nn.Module):
         gate and up), each block's gradient used as it comes in backward (`linear_blocks`)."""
         if self.gather_output:
             raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
-        if self._gathers_in_fp8():  # FP8's own backward: the blocks as chunks of one output
-            output = linear_gemm(self, x, self.weight, self.bias, self.tp)
-            return output.chunk(self.partition_stride, -1)
-        x = self._parallel_input(x)
         if self.fp8 is not None:  # FP8's own backward: the blocks as chunks of one output
-            blocks = linear_gemm(self, x, self.weight, self.bias).chunk(self.partition_stride, -1)
-        else:
-            fuse = self.gradient_accumulation_fusion and torch.is_grad_enabled()
-            fuse = fuse and getattr(self.weight, "main_grad", None) is not None
-            blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride, fuse)
+            return self.forward(x).chunk(self.partition_stride, -1)
+        x = self._parallel_input(x)
+        fuse = self.gradient_accumulation_fusion and torch.is_grad_enabled()
+        fuse = fuse and getattr(self.weight, "main_grad", None) is not None
+        blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride, fuse)
         if self.adapter is not None:
             adapter = self.adapter(x).chunk(self.partition_stride, dim=-1)
             blocks = tuple(block + extra for block, extra in zip(blocks, adapter))
