@@ -544,3 +544,39 @@ def test_a_step_casts_each_weight_once_and_trains_bitwise_as_before(monkeypatch,
     assert not all(map(torch.equal, stale["params"], cached["params"]))
     if "rowwise" not in flags:
         assert stale["losses"][1:] != cached["losses"][1:]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise", "blockwise"])
+def test_a_steps_first_weight_gradient_is_written_into_main_grad_not_added(recipe):
+    """An FP8 GEMM cannot add into its output as addmm does: while main_grad holds the zeros
+    the buffer started the step with, the GEMM writes the weight gradient there (no add);
+    later micro-batches add theirs. The same sum as adding every micro-batch's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    recipe_flags = {name: recipe == name for name in ("rowwise", "blockwise")}
+    layer = Fp8Linear(Fp8Recipe(delayed=recipe == "delayed", **recipe_flags))
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(128, 128))
+    inputs = [torch.randn(128, 128) for _ in range(2)]
+    buffer = GradientBuffer([weight], ParallelContext().dp)
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    sums = []
+    for written in (True, False):
+        buffer.start_step(num_microbatches=2)
+        weight.main_grad_is_zero = written
+        adds = []
+        for x in inputs:
+            out = layer.linear(x, weight, None, accumulate_in_main_grad=True)
+            ops.clear()
+            with Ops():
+                out.backward(torch.ones_like(out))
+            adds.append(ops.count("add_"))
+        assert adds == ([0, 1] if written else [1, 1])
+        sums.append(weight.main_grad.clone())
+    assert torch.equal(sums[0], sums[1]) and sums[0].abs().sum() > 0

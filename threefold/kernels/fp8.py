@@ -66,7 +66,7 @@ from threefold.kernels.fp8_gemms import (
 )
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
-from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad
+from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad, write_weight_grad
 from threefold.parallel.tensor_parallel.mappings import (
     all_gather_along_first_dim,
     reduce_scatter_along_first_dim,
@@ -331,6 +331,7 @@ class Fp8Linear(nn.Module):
             return self._eager(x, weight, bias, accumulate, sequence_parallel)
         if accumulate and weight.requires_grad and torch.is_grad_enabled():
             weight.grad_added_to_main_grad = True
+            weight.main_grad_is_zero = False  # (a compiled backward adds: `_weight_grad`)
         return self._function(x, weight, bias, accumulate, sequence_parallel, traced=True)
 
     def _traceable(self, sequence_parallel: Group | None) -> bool:
@@ -402,7 +403,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
         if needs_weight:
             grad_weight = _weight_grad(
-                ctx, lambda dtype: scaled_mm(g8_t, x8_t.t(), grad_inverse, input_inverse, dtype)
+                ctx,
+                lambda dtype, out=None: scaled_mm(
+                    g8_t, x8_t.t(), grad_inverse, input_inverse, dtype, out=out
+                ),
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
@@ -425,12 +429,20 @@ def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bo
 
 
 def _weight_grad(ctx, gemm) -> torch.Tensor:
-    """The weight gradient from `gemm(out_dtype)`: in fp32 straight into main_grad, never
-    rounded to bf16 (accumulating), else in the weight's dtype."""
-    if ctx.accumulate:
-        # traced: `Fp8Linear.linear` flagged the placeholder in the forward
-        return accumulate_weight_grad(ctx.weight, gemm(torch.float32), flag=not ctx.traced)
-    return gemm(ctx.weight.dtype)
+    """The weight gradient from `gemm(out_dtype, out=None)`: in fp32 straight into main_grad,
+    never rounded to bf16 (accumulating; written by the GEMM where main_grad still holds the
+    step's zeros: `write_weight_grad`), else in the weight's dtype."""
+    if not ctx.accumulate:
+        return gemm(ctx.weight.dtype)
+    if ctx.traced:  # `Fp8Linear.linear` flagged the placeholder in the forward
+        return accumulate_weight_grad(ctx.weight, gemm(torch.float32), flag=False)
+    return write_weight_grad(ctx.weight, gemm)
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, or copied into `out` (GEMMs that write no given tensor: cuBLASLt's rowwise
+    and blockwise ones give bf16)."""
+    return result if out is None else out.copy_(result)
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -480,8 +492,8 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
             g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
             grad_weight = _weight_grad(
                 ctx,
-                lambda dtype: fp8.fine_grained_mm(
-                    g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype
+                lambda dtype, out=None: _into(
+                    out, fp8.fine_grained_mm(g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype)
                 ),
             )
         if needs_bias and ctx.has_bias:

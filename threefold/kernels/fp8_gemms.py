@@ -33,6 +33,7 @@ def scaled_mm(
     b_inverse: torch.Tensor,
     out_dtype: torch.dtype,
     fast_accum: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(a x a_inverse) @ (b x b_inverse) for FP8 `a` [m, k], row-major, and `b` [k, n],
     column-major, as cuBLASLt takes them (the cast-transposes produce both layouts); the
@@ -43,10 +44,12 @@ def scaled_mm(
     cuBLASLt moves the partial sums into fp32 registers every few steps of k (TE's "split
     accumulator"), which costs time. As Transformer Engine and torchao, the forward GEMM
     accumulates fast and the two gradient GEMMs, whose sums are longer and noisier, do not.
-    (The CPU's emulation sums in fp32 either way.)"""
-    return torch._scaled_mm(
-        a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype, use_fast_accum=fast_accum
-    )
+    (The CPU's emulation sums in fp32 either way.) `out`: written there (row-major [m, n], of
+    `out_dtype`)."""
+    scales = dict(scale_a=a_inverse, scale_b=b_inverse, use_fast_accum=fast_accum)
+    if out is not None:
+        return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype, out=out)
+    return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
 
 
 def dequantization(scale: torch.Tensor) -> torch.Tensor:

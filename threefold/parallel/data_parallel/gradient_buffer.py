@@ -134,6 +134,8 @@ class GradientBuffer:
     def start_step(self, num_microbatches: int) -> None:
         """Zero the gradients and arm the per-bucket countdown for a step."""
         self.buffer.zero_()
+        for param in self.params:  # the first gradient may be written, not added (layers.py)
+            param.main_grad_is_zero = True
         self._expected_calls = num_microbatches
         self._calls = dict.fromkeys(self.params, 0)
         self._pending = [0] * len(self.buckets)
@@ -147,6 +149,7 @@ class GradientBuffer:
             param.grad_added_to_main_grad = False
         else:
             param.main_grad.add_(param.grad)
+            param.main_grad_is_zero = False
         param.grad = None
         if not self.overlap_grad_reduce:
             return

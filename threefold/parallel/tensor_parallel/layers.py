@@ -10,6 +10,8 @@ takes the `ParallelContext` it lives in: its TP group and whether sequence paral
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,7 @@ def _placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
     `grad_added_to_main_grad`, as Megatron's. `flag=False`: the caller's forward set it."""
     if flag:
         weight.grad_added_to_main_grad = True
+        weight.main_grad_is_zero = False
     return torch.empty_like(weight)
 
 
@@ -70,6 +73,20 @@ def accumulate_weight_grad(
     (`_placeholder_grad`'s `flag`)."""
     weight.main_grad.add_(grad_weight)
     return _placeholder_grad(weight, flag)
+
+
+def write_weight_grad(weight: torch.Tensor, gemm: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """A weight gradient that `gemm(dtype, out)` computes in fp32 (an FP8 GEMM, which cannot
+    accumulate into its output as addmm does) into `weight.main_grad`: written there by the
+    GEMM itself while main_grad still holds the zeros the gradient buffer started the step
+    with (`main_grad_is_zero`, set by its `start_step`: a step's first micro-batch), saving
+    the add (in main_grad's dtype: 0 + x rounds as the GEMM's output does), else added.
+    Returns the placeholder."""
+    main_grad = weight.main_grad
+    if getattr(weight, "main_grad_is_zero", False) and main_grad.is_contiguous():
+        gemm(main_grad.dtype, main_grad)
+        return _placeholder_grad(weight)
+    return accumulate_weight_grad(weight, gemm(torch.float32))
 
 
 class _LinearWithGradAccumulation(torch.autograd.Function):
