@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.kernels.test_fp8 import _VIEWS
+from threefold.kernels import reference
 from threefold.kernels.fp8 import WEIGHT, Fp8Linear, Fp8Recipe
 from threefold.kernels.fp8_gemms import E4M3, quantize
 from threefold.kernels.reference import scale_from_amax
@@ -71,3 +72,57 @@ def test_the_param_gather_cast_launches_one_copy_per_weight(delayed):
             state.gathered[1].view(-1).float(), quantize(master, scale, E4M3).float()
         )
         assert state.step_amax[WEIGHT] == (amax if delayed else 0.0)
+
+
+class _MaxOverRanks:
+    """A stand-in for the buffer's group over simulated ranks: the first pass records each
+    rank's tensor, the second gives every rank their elementwise maximum."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.result: torch.Tensor | None = None
+
+    def all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        if self.result is None:
+            self.seen.append(tensor.clone())
+        else:
+            tensor.copy_(self.result)
+        return tensor
+
+
+def test_blockwise_pieces_cast_as_the_whole_weight():
+    """--fp8-param-gather under blockwise scaling: ranks whose pieces of a weight start and
+    end anywhere in its 128 x 128 blocks (mid-row, mid-block, several blocks) reduce the
+    amaxes of the blocks they touch and cast their pieces into exactly the bytes, and the
+    block scales, of casting the whole fp32 weight at once (`reference.fp8_cast_blocks`)."""
+    torch.manual_seed(1)
+    shape = (300, 260)  # edge blocks cut short both ways
+    magnitudes = 2.0 ** torch.randint(-6, 6, (3, 3)).float()
+    weight = (
+        torch.randn(shape)
+        * magnitudes.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
+    )
+    cuts = [0, 127 * 260 + 5, 129 * 260 + 200, 300 * 260]  # three ranks' pieces
+    recipe = Fp8Recipe(fp8_format="e4m3", delayed=False, blockwise=True)
+    group, ranks = _MaxOverRanks(), []
+    for start, end in zip(cuts, cuts[1:]):
+        param = torch.nn.Parameter(weight.clone())
+        buffer = GradientBuffer(
+            [param], ParallelContext().dp, flat_parameters=True, param_dtype=E4M3
+        )
+        fp8 = Fp8Parameters({param: Fp8Linear(recipe)}, buffer)
+        fp8.shard_group = group
+        fp8.set_shards([(param, start, end, weight.view(-1)[start:end].clone())])
+        ranks.append((fp8, start, end))
+    for fp8, _, _ in ranks:
+        fp8.cast()  # recording
+    group.result = torch.stack(group.seen).amax(0)
+    gathered = torch.zeros(weight.numel(), dtype=E4M3)
+    for fp8, start, end in ranks:
+        fp8.cast()
+        gathered[start:end] = fp8.buffer.param_buffer[start:end]
+    expected, inverses = reference.fp8_cast_blocks(weight, E4M3, 448.0, 0, 128)
+    assert torch.equal(gathered.view(shape).float(), expected.float())
+    for fp8, _, _ in ranks:
+        state = next(iter(fp8.states.values()))
+        assert torch.equal(state.gathered_inverses, inverses)

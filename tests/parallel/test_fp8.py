@@ -31,8 +31,10 @@ from tests.training.test_checkpointing import _resume_job
 from threefold.arguments import parse_args
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save import save_checkpoint
+from threefold.kernels.dispatch import KERNELS
 from threefold.kernels.fp8 import Fp8Linear
 from threefold.model.fp8 import fp8_states
+from threefold.model.fp8_params import dequantized as fp8_dequantized
 from threefold.parallel.parallel_context import ONE_DEVICE
 from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
 from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
@@ -52,8 +54,10 @@ RECIPES = {
     # layout cuts)
     "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
 }
-# --fp8-param-gather casts with one scale per weight
-PARAM_GATHER_RECIPES = ["tensorwise", "delayed"]
+# --fp8-param-gather casts one copy of each weight (rowwise scaling casts two)
+PARAM_GATHER_RECIPES = ["tensorwise", "delayed", "blockwise"]
+# sequence-parallel inputs gathered in FP8: one scale per tensor
+ONE_SCALE_RECIPES = ["tensorwise", "delayed"]
 LAYOUTS = {
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2": (2, []),
@@ -152,7 +156,7 @@ def sequence_gather_job(argv: list[str], steps: int, in_fp8: bool) -> dict:
     return {"losses": losses, "params": _full(trainer), "gathered": gathered, "line": line}
 
 
-@pytest.mark.parametrize("recipe", PARAM_GATHER_RECIPES)
+@pytest.mark.parametrize("recipe", ONE_SCALE_RECIPES)
 def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
     """Under SP, QKV's and fc1's inputs are cast on each rank and all-gathered as FP8 bytes:
     bitwise the training of gathering them in the run's dtype (fp32 here) and casting after,
@@ -217,17 +221,30 @@ def param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dic
         fp8_parameters.shard_group = ONE_DEVICE
     weight_casts = []
     for state in fp8_parameters.states.values():
-        cast = state.cast
-        state.cast = lambda index, tensor, cast=cast: (
-            weight_casts.append(index == 1),
-            cast(index, tensor),
-        )[1]
-    losses = [trainer.train_step()[0] for _ in range(steps)]
+        for name in ("cast", "cast_fine"):  # (the weight's: tensorwise, delayed; rowwise)
+            cast = getattr(state, name)
+            setattr(
+                state,
+                name,
+                lambda index, tensor, cast=cast: (
+                    weight_casts.append(index == 1),
+                    cast(index, tensor),
+                )[1],
+            )
+    blocks = KERNELS.fp8_cast_blocks  # (blockwise: its weights' 128 x 128 blocks)
+    KERNELS.fp8_cast_blocks = lambda tensor, dtype, limit, margin, rows: (
+        weight_casts.append(rows > 1),
+        blocks(tensor, dtype, limit, margin, rows),
+    )[1]
+    try:
+        losses = [trainer.train_step()[0] for _ in range(steps)]
+    finally:
+        KERNELS.fp8_cast_blocks = blocks
     trainer.data_parallel.finish_param_gather()  # (--overlap-param-gather: the next forward's)
     with trainer.data_parallel.parameters_in_model_dtype():
         dequantized = all(
             param.dtype == fp8_parameters.model_dtype
-            and torch.equal(param.float(), state.gathered[1].float() / state.gathered_scale)
+            and torch.equal(param.float(), fp8_dequantized(state))
             for param, state in fp8_parameters.states.items()
         )
     # (after the context too: it stores them in FP8 again)
@@ -272,12 +289,14 @@ def test_fp8_param_gather_matches_one_device(references, recipe, layout):
     assert_match_one_device(results, reference, recipe)
 
 
-def test_fp8_param_gather_without_the_shard_amax_reduction_differs(references):
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_param_gather_without_the_shard_amax_reduction_differs(references, recipe):
     """The negative control: DP=2 ranks that scale their optimizer shards of a weight by
-    their own amax cast the two halves of one weight differently."""
-    argv = LLAMA_STYLE + TRAINING + RECIPES["tensorwise"] + PARAM_GATHER
+    their own amax (of each block they touch) cast the two halves of one weight (of one
+    block) differently."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + PARAM_GATHER
     result = run_distributed(2, param_gather_job, argv, 10, True)[0]
-    expected = references["tensorwise"]["losses"]
+    expected = references[recipe]["losses"]
     worst = max(abs(a - e) / abs(e) for a, e in zip(result["losses"], expected))
     assert worst > 10 * LOSS_TOLERANCE
 
@@ -329,14 +348,15 @@ def _save_param_gather_run(argv: list[str], directory: str) -> dict:
     return {"params": _full(trainer)}
 
 
-def test_fp8_param_gather_checkpoints_hold_the_weights_in_the_runs_dtype(tmp_path):
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_fp8_param_gather_checkpoints_hold_the_weights_in_the_runs_dtype(tmp_path, recipe):
     """--fp8-param-gather keeps its FP8 weights in FP8 only, yet its checkpoint holds them in
-    bf16 — the dequantized values its GEMMs used — as any other run's: a DP2 checkpoint loads
-    as weights into one device with and without the flag (with it, the optimizer takes its
-    masters from the loaded weights, which it can only read in bf16), and both hold exactly
-    the saved run's weights."""
+    bf16 — the dequantized values its GEMMs used (per tensor, or per block) — as any other
+    run's: a DP2 checkpoint loads as weights into one device with and without the flag (with
+    it, the optimizer takes its masters from the loaded weights, which it can only read in
+    bf16), and both hold exactly the saved run's weights."""
     directory = str(tmp_path / "ckpt")
-    argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"] + ["--bf16", "--use-distributed-optimizer"]
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + ["--bf16", "--use-distributed-optimizer"]
     saved = run_distributed(2, _save_param_gather_run, argv + ["--fp8-param-gather"], directory)
     expected = saved[0]["params"]
     for flags in ([], ["--fp8-param-gather"]):

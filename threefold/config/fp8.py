@@ -22,7 +22,7 @@ arithmetic, threefold.model.fp8 picks the layers.
                               one recipe that also puts MoE experts in FP8
     --fp8-param-gather        the FP8 layers' weights are cast once per step, from the
                               distributed optimizer's fp32 shards, and all-gathered as FP8 bytes
-                              (threefold.model.fp8_params)
+                              (threefold.model.fp8_params); tensorwise, delayed, blockwise
 """
 
 from __future__ import annotations
@@ -107,9 +107,10 @@ class Fp8Config:
             "tensorwise or rowwise",
         )
         require(
-            not (self.fp8_param_gather and self.fp8_recipe in ("rowwise", "blockwise")),
-            "--fp8-param-gather all-gathers weights cast with one scale each; with "
-            f"--fp8-recipe {self.fp8_recipe} use neither, or pick tensorwise or delayed",
+            not (self.fp8_param_gather and self.fp8_recipe == "rowwise"),
+            "--fp8-param-gather all-gathers one FP8 copy of each weight, and rowwise scaling "
+            "casts a weight twice (per row and per column); drop one, or pick tensorwise, "
+            "delayed or blockwise",
         )
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")

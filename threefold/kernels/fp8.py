@@ -166,6 +166,9 @@ class Fp8Linear(nn.Module):
         # (A tuple: a parameter assigned to a module attribute would become the module's.)
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
+        # Blockwise: the inverses of that copy's scales, one per 128 x 128 block (set by
+        # threefold.model.fp8_params, which knows the weight's shape).
+        self.register_buffer("gathered_inverses", None, persistent=False)
         # One training step's FP8 weight: (the weight, its transposed FP8 copy, its
         # `dequantization`, its row-major FP8 copy), cast by the first micro-batch and read by
         # the others (`Fp8Scaling.weights_cached`); rowwise and blockwise: (the weight,
@@ -261,13 +264,16 @@ class Fp8Linear(nn.Module):
 
     def _cast_weight_fine(self, weight: torch.Tensor):
         """What `fine_grained_weight` keeps: rowwise the transposed cast; blockwise both
-        layouts."""
+        layouts, from the gathered copy with --fp8-param-gather (its transpose, once a step)."""
         if not self.recipe.blockwise:
             return self.cast_fine(WEIGHT, weight.t())
-        dtype = self.recipe.dtypes[WEIGHT]
-        weight8, inverses = _kernels().fp8_cast_blocks(
-            weight, dtype, FP8_MAX[dtype], self.recipe.margin, reference.FP8_BLOCK
-        )
+        if self.gathered is not None and self.gathered[0] is weight:
+            weight8, inverses = self.gathered[1], self.gathered_inverses
+        else:
+            dtype = self.recipe.dtypes[WEIGHT]
+            weight8, inverses = _kernels().fp8_cast_blocks(
+                weight, dtype, FP8_MAX[dtype], self.recipe.margin, reference.FP8_BLOCK
+            )
         return (weight8, inverses), (weight8.t().contiguous(), inverses.t().contiguous())
 
     def weight_in_fp8(

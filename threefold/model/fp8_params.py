@@ -15,9 +15,11 @@ The scale: every rank must cast with the same one, and no rank holds the whole w
 distributed optimizer's shards split it over DP x CP, tensor parallelism over TP). So each
 rank's amax of its shards is reduced (max) over the buffer's group and the layer's TP x CP group
 first, in one message for all weights: tensorwise scaling casts with the scale from that amax,
-delayed scaling with its history's scale, recording the amax as the step's weight amax. The
-casts start from the fp32 masters, not from a bf16 rounding of them (Megatron's "no
-intermediate dtype").
+delayed scaling with its history's scale, recording the amax as the step's weight amax.
+Blockwise scaling reduces the amaxes of each weight's 128 x 128 blocks over the buffer's group
+instead (a rank's piece starts and ends anywhere in a block), and casts with a scale per block
+(`Fp8Parameters._cast_blocks`). The casts start from the fp32 masters, not from a bf16 rounding
+of them (Megatron's "no intermediate dtype").
 
 The parameter keeps no copy in the run's dtype: once the optimizer has its fp32 masters, the
 parameter's storage *is* its FP8 copy in the buffer (`param.dtype` is E4M3), 1 byte per weight
@@ -36,10 +38,13 @@ from math import inf
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from threefold.kernels import reference
 from threefold.kernels.fp8 import WEIGHT, Fp8Linear, set_gathered_scales
 from threefold.kernels.fp8_gemms import FP8_MAX
+from threefold.kernels.reference import FP8_BLOCK
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 
 # (the weight, the start and end of the master's piece in the flattened weight, the master)
@@ -53,9 +58,13 @@ class Fp8Parameters:
     def __init__(self, states: dict[nn.Parameter, Fp8Linear], buffer: GradientBuffer) -> None:
         self.states, self.buffer = states, buffer
         self._index = {param: i for i, param in enumerate(states)}
+        self.recipe = next(iter(states.values())).recipe
         for param, state in states.items():
             start, end = buffer.ranges[param]
             state.gathered = (param, buffer.param_buffer[start:end].view(param.shape))
+            if self.recipe.blockwise:  # one scale per 128 x 128 block
+                blocks = [-(-size // FP8_BLOCK) for size in param.shape]
+                state.gathered_inverses = torch.ones(blocks, device=buffer.param_buffer.device)
         # The run's dtype, which `in_model_dtype` dequantizes into.
         self.model_dtype = next(iter(states)).dtype
         # The ranks holding the other pieces of a weight: the optimizer's shards over the
@@ -77,8 +86,7 @@ class Fp8Parameters:
         self.buffer.finish_param_gather()
         with torch.no_grad():
             for param, state in self.states.items():
-                weight8 = state.gathered[1]
-                param.data = (weight8.float() / state.gathered_scale).to(self.model_dtype)
+                param.data = dequantized(state).to(self.model_dtype)
         try:
             yield
         finally:
@@ -97,6 +105,7 @@ class Fp8Parameters:
         ]
         owners = [self._index[param] for param, *_ in shards]
         assert len(set(owners)) == len(owners), "a weight with two pieces on one rank"
+        self._shards, self._owner_list = shards, owners
         self._owners = torch.tensor(owners, dtype=torch.long, device=flat.device)
         states = list(self.states.values())
         dtypes = {state.recipe.dtypes[WEIGHT] for state in states}
@@ -105,9 +114,17 @@ class Fp8Parameters:
 
     @torch.no_grad()
     def cast(self) -> None:
-        """This rank's fp32 pieces of the weights (`set_shards`), after an optimizer step:
-        the scales agreed over every rank holding a piece, then the pieces cast into the FP8
-        buffer (its all-gather is the buffer's, started by the optimizer next). In batches
+        """The FP8 copies from this rank's fp32 pieces of the weights, after an optimizer
+        step (the buffer's all-gather, started by the optimizer next, then brings them to
+        every rank)."""
+        if self.recipe.blockwise:
+            self._cast_blocks()
+        else:
+            self._cast_tensors()
+
+    def _cast_tensors(self) -> None:
+        """One scale per weight (tensorwise, delayed): the scales agreed over every rank
+        holding a piece, then the pieces cast into the FP8 buffer. In batches
         over the pieces: the amaxes in one multi-tensor norm, the scales of all weights at
         once (`set_gathered_scales`), the casts' multiply and clamp as multi-tensor ops; each
         piece then takes one copy into FP8 (per piece: some twenty launches before)."""
@@ -130,8 +147,86 @@ class Fp8Parameters:
         for target, piece in zip(self._targets, scaled):
             target.copy_(piece)  # (not multi-tensor: CUDA's takes no FP8 destination)
 
+    def _cast_blocks(self) -> None:
+        """Blockwise: one power-of-two scale per 128 x 128 block of each weight, as a forward
+        casting the whole fp32 weight would (`reference.fp8_cast_blocks`), though a rank's
+        piece of the flattened weight starts and ends anywhere in a block. Each rank takes
+        the amaxes of the blocks its pieces touch, every weight's blocks are reduced (max)
+        over the buffer's group in one message, and each rank casts its pieces with their
+        blocks' scales (Transformer Engine casts its blockwise FP8 parameters so). No
+        reduction over TP x CP: a tensor-parallel rank's blocks are those of its own shard,
+        as without the flag."""
+        states = list(self.states.values())
+        amaxes = [torch.zeros_like(state.gathered_inverses) for state in states]
+        for (param, start, end, master), owner in zip(self._shards, self._owner_list):
+            for offset, row, rows, col, width in _row_segments(start, end, param.shape[1]):
+                values = master[offset : offset + rows * width].view(rows, width)
+                (r, c), block_amax = _block_amaxes(values, row, col)
+                tile = amaxes[owner][r : r + block_amax.shape[0], c : c + block_amax.shape[1]]
+                torch.maximum(tile, block_amax.to(tile.device), out=tile)
+        flat = torch.cat([amax.view(-1) for amax in amaxes])
+        self.shard_group.all_reduce(flat, op=dist.ReduceOp.MAX)
+        limit, margin = FP8_MAX[self._dtype], self.recipe.margin
+        scales = reference.rowwise_scale(flat, limit, margin).split([a.numel() for a in amaxes])
+        for state, scale, amax in zip(states, scales, amaxes):
+            state.gathered_inverses.copy_(scale.view(amax.shape).reciprocal())
+        for (param, start, end, master), owner, target in zip(
+            self._shards, self._owner_list, self._targets
+        ):
+            scale = scales[owner].view(amaxes[owner].shape).to(master.device)
+            for offset, row, rows, col, width in _row_segments(start, end, param.shape[1]):
+                values = master[offset : offset + rows * width].view(rows, width)
+                rows_index = torch.arange(row, row + rows, device=master.device) // FP8_BLOCK
+                cols_index = torch.arange(col, col + width, device=master.device) // FP8_BLOCK
+                expanded = scale[rows_index[:, None], cols_index]
+                cast = reference.fp8_cast(values, expanded, self._dtype, limit)
+                target[offset : offset + rows * width].copy_(cast.view(-1))
+
     def padding_bytes(self) -> int:
         """The buffer's bytes beyond its weights' (the padding to equal shards): the FP8 copies
         themselves are the parameters' storage."""
         flat = self.buffer.param_buffer
         return (flat.numel() - sum(param.numel() for param in self.states)) * flat.element_size()
+
+
+def dequantized(state: Fp8Linear) -> torch.Tensor:
+    """A gathered FP8 weight in fp32: its values times the inverse of its scale, or of each
+    block's (exact either way: an FP8 value times a power of two, or over one scale)."""
+    weight8 = state.gathered[1]
+    if state.gathered_inverses is not None:
+        return reference.dequantize_blocks(weight8, state.gathered_inverses, FP8_BLOCK)
+    return weight8.float() / state.gathered_scale
+
+
+def _row_segments(start: int, end: int, cols: int) -> list[tuple[int, int, int, int, int]]:
+    """The piece [start, end) of a row-major weight with `cols` columns as runs of whole rows
+    and partial rows (three at most): (offset in the piece, first row, rows, first column,
+    columns)."""
+    segments, offset = [], 0
+    while start < end:
+        row, col = divmod(start, cols)
+        if col == 0 and end - start >= cols:
+            rows, width = (end - start) // cols, cols
+        else:
+            rows, width = 1, min(cols - col, end - start)
+        segments.append((offset, row, rows, col, width))
+        offset, start = offset + rows * width, start + rows * width
+    return segments
+
+
+def _block_amaxes(values: torch.Tensor, row: int, col: int) -> tuple[tuple[int, int], torch.Tensor]:
+    """max |x| over each 128 x 128 block of the weight that `values` ([rows, columns] of it,
+    from `row`, `col`) touches: the first block's (row, column) and the amaxes, exact (a
+    maximum does not round; the padding is zeros)."""
+    rows, width = values.shape
+    lead_rows, lead_cols = row % FP8_BLOCK, col % FP8_BLOCK
+    pad = (lead_cols, -(lead_cols + width) % FP8_BLOCK)
+    if any(pad):
+        values = F.pad(values, pad)
+    col_blocks = values.shape[1] // FP8_BLOCK
+    per_row = torch.linalg.vector_norm(
+        values.view(rows, col_blocks, FP8_BLOCK), ord=inf, dim=-1
+    )  # [rows, column blocks], then the rows folded into their blocks
+    per_row = F.pad(per_row, (0, 0, lead_rows, -(lead_rows + rows) % FP8_BLOCK))
+    amax = per_row.view(-1, FP8_BLOCK, col_blocks).amax(dim=1)
+    return (row // FP8_BLOCK, col // FP8_BLOCK), amax
