@@ -58,7 +58,9 @@ class Fp8Parameters:
     def __init__(self, states: dict[nn.Parameter, Fp8Linear], buffer: GradientBuffer) -> None:
         self.states, self.buffer = states, buffer
         self._index = {param: i for i, param in enumerate(states)}
+        # one recipe per run: one FP8 format for every weight
         self.recipe = next(iter(states.values())).recipe
+        self._dtype = self.recipe.dtypes[WEIGHT]
         for param, state in states.items():
             start, end = buffer.ranges[param]
             state.gathered = (param, buffer.param_buffer[start:end].view(param.shape))
@@ -97,20 +99,17 @@ class Fp8Parameters:
         `cast` casts after each step: one piece per weight at most (a bucket holds whole
         parameters, and a rank one shard of it)."""
         flat, ranges = self.buffer.param_buffer, self.buffer.ranges
+        owners = [self._index[param] for param, *_ in shards]
+        if len(set(owners)) != len(owners):
+            raise ValueError("Fp8Parameters.set_shards: a weight with two pieces on one rank")
+        self._shards, self._owner_list = shards, owners
         self._masters = [master for *_, master in shards]
         # each piece's place in the FP8 buffer, and its weight's index in `states`
         self._targets = [
             flat[ranges[param][0] + start : ranges[param][0] + end]
             for param, start, end, _ in shards
         ]
-        owners = [self._index[param] for param, *_ in shards]
-        assert len(set(owners)) == len(owners), "a weight with two pieces on one rank"
-        self._shards, self._owner_list = shards, owners
         self._owners = torch.tensor(owners, dtype=torch.long, device=flat.device)
-        states = list(self.states.values())
-        dtypes = {state.recipe.dtypes[WEIGHT] for state in states}
-        assert len(dtypes) == 1, "one FP8 weight format per run"
-        self._dtype = dtypes.pop()
 
     @torch.no_grad()
     def cast(self) -> None:
@@ -124,10 +123,10 @@ class Fp8Parameters:
 
     def _cast_tensors(self) -> None:
         """One scale per weight (tensorwise, delayed): the scales agreed over every rank
-        holding a piece, then the pieces cast into the FP8 buffer. In batches
-        over the pieces: the amaxes in one multi-tensor norm, the scales of all weights at
-        once (`set_gathered_scales`), the casts' multiply and clamp as multi-tensor ops; each
-        piece then takes one copy into FP8 (per piece: some twenty launches before)."""
+        holding a piece, then the pieces cast into the FP8 buffer. In batches over the
+        pieces: the amaxes in one multi-tensor norm, the scales of all weights at once
+        (`set_gathered_scales`), the casts' multiply and clamp as multi-tensor ops; each piece
+        then takes one copy into FP8 (per piece: some twenty launches before)."""
         device = self.buffer.param_buffer.device
         amax = torch.zeros(len(self.states), device=device)
         masters = self._masters
