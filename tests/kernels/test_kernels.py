@@ -165,7 +165,8 @@ def test_compiled_stacked_swiglu_and_split_rotary_write_one_gradient():
     generator = torch.Generator().manual_seed(5)
     qkv = torch.randn(16, 2, 2, 5, 32, generator=generator)
     fc1 = torch.randn(16, 2, 128, generator=generator)
-    cos, sin = torch.randn(16, 1, 1, 32, generator=generator).cos(), torch.randn(1).sin()
+    angles = torch.randn(16, 1, 1, 32, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
 
     def split_ops(qkv):
         query, key, value = qkv.split([3, 1, 1], dim=3)
