@@ -102,7 +102,7 @@ class Fp8Parameters:
         owners = [self._index[param] for param, *_ in shards]
         if len(set(owners)) != len(owners):
             raise ValueError("Fp8Parameters.set_shards: a weight with two pieces on one rank")
-        self._shards, self._owner_list = shards, owners
+        self._owner_list = owners
         self._masters = [master for *_, master in shards]
         # each piece's place in the FP8 buffer, and its weight's index in `states`
         self._targets = [
@@ -110,6 +110,11 @@ class Fp8Parameters:
             for param, start, end, _ in shards
         ]
         self._owners = torch.tensor(owners, dtype=torch.long, device=flat.device)
+        if self.recipe.blockwise:  # the pieces' rows and their blocks, fixed for the run
+            self._segments = [
+                _piece_segments(master, target, start, end, param.shape[1])
+                for (param, start, end, master), target in zip(shards, self._targets)
+            ]
 
     @torch.no_grad()
     def cast(self) -> None:
@@ -157,9 +162,8 @@ class Fp8Parameters:
         as without the flag."""
         states = list(self.states.values())
         amaxes = [torch.zeros_like(state.gathered_inverses) for state in states]
-        for (param, start, end, master), owner in zip(self._shards, self._owner_list):
-            for offset, row, rows, col, width in _row_segments(start, end, param.shape[1]):
-                values = master[offset : offset + rows * width].view(rows, width)
+        for segments, owner in zip(self._segments, self._owner_list):
+            for values, _, row, col, _ in segments:
                 (r, c), block_amax = _block_amaxes(values, row, col)
                 tile = amaxes[owner][r : r + block_amax.shape[0], c : c + block_amax.shape[1]]
                 torch.maximum(tile, block_amax.to(tile.device), out=tile)
@@ -169,17 +173,11 @@ class Fp8Parameters:
         scales = reference.rowwise_scale(flat, limit, margin).split([a.numel() for a in amaxes])
         for state, scale, amax in zip(states, scales, amaxes):
             state.gathered_inverses.copy_(scale.view(amax.shape).reciprocal())
-        for (param, start, end, master), owner, target in zip(
-            self._shards, self._owner_list, self._targets
-        ):
+        for segments, owner, master in zip(self._segments, self._owner_list, self._masters):
             scale = scales[owner].view(amaxes[owner].shape).to(master.device)
-            for offset, row, rows, col, width in _row_segments(start, end, param.shape[1]):
-                values = master[offset : offset + rows * width].view(rows, width)
-                rows_index = torch.arange(row, row + rows, device=master.device) // FP8_BLOCK
-                cols_index = torch.arange(col, col + width, device=master.device) // FP8_BLOCK
-                expanded = scale[rows_index[:, None], cols_index]
-                cast = reference.fp8_cast(values, expanded, self._dtype, limit)
-                target[offset : offset + rows * width].copy_(cast.view(-1))
+            for values, target, _, _, blocks in segments:
+                cast = reference.fp8_cast(values, scale[blocks], self._dtype, limit)
+                target.copy_(cast.view(-1))
 
     def padding_bytes(self) -> int:
         """The buffer's bytes beyond its weights' (the padding to equal shards): the FP8 copies
@@ -210,6 +208,22 @@ def _row_segments(start: int, end: int, cols: int) -> list[tuple[int, int, int, 
             rows, width = 1, min(cols - col, end - start)
         segments.append((offset, row, rows, col, width))
         offset, start = offset + rows * width, start + rows * width
+    return segments
+
+
+def _piece_segments(
+    master: torch.Tensor, target: torch.Tensor, start: int, end: int, cols: int
+) -> list[tuple]:
+    """A piece's `_row_segments` as the blockwise cast reads them: (the master's values
+    [rows, columns], their place in the FP8 buffer, the first row and column, the block of
+    each value as an index into the weight's block scales)."""
+    segments = []
+    for offset, row, rows, col, width in _row_segments(start, end, cols):
+        rows_index = torch.arange(row, row + rows, device=master.device) // FP8_BLOCK
+        cols_index = torch.arange(col, col + width, device=master.device) // FP8_BLOCK
+        values = master[offset : offset + rows * width].view(rows, width)
+        place = target[offset : offset + rows * width]
+        segments.append((values, place, row, col, (rows_index[:, None], cols_index)))
     return segments
 
 
