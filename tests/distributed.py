@@ -1,9 +1,9 @@
 """Run a function on N real gloo ranks, reusing the spawned workers across tests.
 
-Spawning a rank costs seconds on a 2-core machine (each imports torch and megatron-core), so a
+Spawning a rank costs seconds on a 2-core machine (each imports torch), so a
 pool of N workers is started once per world size and kept for the whole session. Each job runs
-`fn(*args)` on every rank and returns the per-rank results in rank order; megatron-core's
-groups are torn down after every job so the next one can choose another layout.
+`fn(*args)` on every rank and returns the per-rank results in rank order; the job's process
+groups are torn down after it so the next one can choose another layout.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import gc
 import os
 import queue
 import socket
+import sys
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
@@ -62,13 +63,31 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # report everything, including assertion errors, to the test
             results.put((rank, False, traceback.format_exc()))
         finally:
-            state.destroy_model_parallel()
+            _destroy_groups(state)
             KERNELS.use_reference()
             # The job's trainer, model and autograd graph hold its process groups in reference
             # cycles; until a collection frees them, each group keeps its gloo threads polling,
             # and hundreds of jobs' worth slowed every later test.
             gc.collect()
     dist.destroy_process_group()
+
+
+def _destroy_groups(state) -> None:
+    """Every process group a job left behind: threefold's layout, and megatron-core's own,
+    which the tests that run its models build (its destroy only forgets its references, some
+    not even those: a group still referenced keeps its gloo threads)."""
+    import torch.distributed as dist
+
+    state.destroy_model_parallel()
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+        for name, value in list(vars(ps).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(ps, name, None)
+    for group in set(dist.distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class WorkerPool:

@@ -12,8 +12,8 @@ Each layer imports only from the layers below it (lowest first):
     training    the trainer and the components it composes, observability
     entry       threefold.arguments/validation/inference/megatron_compat, the scripts, tools/
 
-and only threefold/parallel/ reads megatron-core's groups through `threefold.parallel.state`'s
-getters: everything else receives a ParallelContext. No two modules import each other (directly
+and only threefold/parallel/ reads the process groups from `threefold.parallel.state`:
+everything else receives a ParallelContext. No two modules import each other (directly
 or around a cycle) at import time.
 """
 

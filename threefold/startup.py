@@ -1,6 +1,6 @@
 """The start-up the entry scripts share, after their flags and input files are checked: the
 process environment `--deterministic-mode` needs (before any NCCL communicator or cuBLAS
-handle exists), then torch.distributed and megatron-core's groups for the layout. A mistake
+handle exists), then torch.distributed and the groups for the layout. A mistake
 found here (nccl without a GPU, a determinism variable set to a racy value) is one line and
 exit code 2, as a flag mistake is."""
 

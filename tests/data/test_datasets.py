@@ -68,15 +68,13 @@ def _batch_hashes(argv: list[str], iterations: int, resume_at: int = 0) -> list 
         local = np.stack(
             [next(iterator)["tokens"].numpy() for _ in range(trainer.num_microbatches)]
         )
-        if state.data_parallel_world_size() > 1:  # put the replicas' micro-batches in order
+        dp = trainer.parallel.dp
+        if dp.size > 1:  # put the replicas' micro-batches in order
             import torch
             import torch.distributed as dist
 
-            parts = [
-                torch.empty_like(torch.from_numpy(local))
-                for _ in range(state.data_parallel_world_size())
-            ]
-            dist.all_gather(parts, torch.from_numpy(local), group=state.data_parallel_group())
+            parts = [torch.empty_like(torch.from_numpy(local)) for _ in range(dp.size)]
+            dist.all_gather(parts, torch.from_numpy(local), group=dp.group)
             local = np.stack([p.numpy() for p in parts], axis=1)  # [micro-batch, dp, ...]
         hashes.append(hashlib.sha256(np.ascontiguousarray(local).tobytes()).hexdigest())
     return hashes if state.global_rank() == 0 else None

@@ -30,8 +30,8 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a)
 
 `ParallelContext()` is one process: every size 1, every rank 0, no group. The context is built
-from megatron-core's `parallel_state` by `threefold.parallel.state.parallel_context`, the one
-place that reads it.
+from the groups `threefold.parallel.state` creates (in Megatron's rank order) by its
+`parallel_context`, the one place that holds them.
 """
 
 from __future__ import annotations

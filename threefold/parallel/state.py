@@ -1,9 +1,11 @@
-"""Process groups: torch.distributed plus megatron-core's `parallel_state`.
+"""Process groups: built once for a layout, in Megatron's rank order, read into a ParallelContext.
 
-megatron-core builds the tensor (TP), context (CP), pipeline (PP) and data (DP) groups with
-Megatron's rank order: TP varies fastest, then CP, then DP, then PP. With world size 8, TP=2,
-PP=2 the grid is `arange(8).view(pp=2, dp=2, tp=2)`; with TP=2, CP=2, DP=2 it is
-`arange(8).view(dp=2, cp=2, tp=2)`; see docs/parallelism.md for the picture.
+The groups are those megatron-core's `parallel_state.initialize_model_parallel` builds, with
+the same members (`threefold.parallel.rank_order`: TP varies fastest, then CP, then DP, then
+PP; with world size 8, TP=2, PP=2 the grid is `arange(8).view(pp=2, dp=2, tp=2)`; see
+docs/parallelism.md for the picture), so a rank holds the shard it would in Megatron-LM. They
+are built here rather than by megatron-core: importing it (its package imports torch's
+compiler) took 2.6 s of a tiny run's 6.5 s start, for groups that are a few `new_group` calls.
 
 Everything below also answers sensibly when no process group exists (one process, sizes 1,
 ranks 0), so the single-process reference run of a parity test needs no distributed setup.
@@ -14,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,15 +23,10 @@ import torch.distributed as dist
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.pipeline_parallel.p2p import destroy_p2p_groups, initialize_p2p_groups
+from threefold.parallel.rank_order import RankLayout
 
-
-def _parallel_state():
-    # megatron-core warns at import about missing Transformer Engine / apex: irrelevant here,
-    # threefold owns its layers and kernels.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state
-    return parallel_state
+# This rank's group of each kind (`_GROUP_KINDS`), while a layout is initialized.
+_GROUPS: dict[str, Group] = {}
 
 
 def _free_port() -> int:
@@ -91,6 +87,26 @@ def _process_groups() -> set:
     return set(dist.distributed_c10d._world.pg_map)
 
 
+# Each kind of group: its name here, its members in the layout, and megatron-core's name for
+# it. Every rank creates every group, in this order, as `new_group` needs.
+_GROUP_KINDS = (
+    ("tp", lambda layout: layout.dense("tp")),  # tensor model parallel
+    ("pp", lambda layout: layout.dense("pp")),  # pipeline model parallel
+    ("dp", lambda layout: layout.dense("dp")),  # data parallel
+    ("cp", lambda layout: layout.dense("cp")),  # context parallel
+    ("dp_cp", lambda layout: layout.dense("dp-cp")),  # data parallel with context parallel
+    ("tp_cp", lambda layout: layout.dense("tp-cp")),  # tensor and context parallel
+    ("model_parallel", lambda layout: layout.dense("tp-pp")),  # model parallel
+    ("embedding", lambda layout: layout.embedding()),  # embedding
+    ("ep", lambda layout: layout.experts("ep")),  # expert model parallel
+    ("expert_tp", lambda layout: layout.experts("tp")),  # expert tensor parallel
+    ("expert_tp_ep", lambda layout: layout.experts("tp-ep")),  # expert tensor and model parallel
+    ("expert_dp", lambda layout: layout.experts("dp")),  # expert data parallel
+    # expert tensor-model-pipeline parallel
+    ("expert_model_parallel", lambda layout: layout.experts("tp-ep-pp")),
+)
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -100,23 +116,27 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
 ) -> None:
-    """Build TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the initialized
-    world with megatron-core."""
+    """Build the TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the
+    initialized world, in Megatron's rank order."""
     destroy_model_parallel()
+    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size == 1:
+        raise ValueError("an interleaved (virtual) pipeline needs a pipeline of 2+ stages")
+    layout = RankLayout(
+        dist.get_world_size(),
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+        expert_tensor_parallel_size,
+    )
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
-    ps = _parallel_state()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
-        # On CPU the main groups already are gloo; duplicates would only cost start-up time.
-        create_gloo_process_groups=dist.get_backend() != "gloo",
-    )
+    rank, timeout = dist.get_rank(), datetime.timedelta(minutes=timeout_minutes)
+    for kind, members in _GROUP_KINDS:
+        for ranks in members(layout):
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                _GROUPS[kind] = Group(group, len(ranks), ranks.index(rank))
     initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
 
 
@@ -172,92 +192,36 @@ def initialize_for_inference(
 
 
 def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p") -> ParallelContext:
-    """The groups megatron-core built (or a world of one when it built none), read once."""
+    """The groups of the initialized layout (or a world of one when none is), read once."""
     if not is_initialized():
         return ParallelContext(world=Group(None, global_world_size(), global_rank()))
-    tp = Group(
-        tensor_model_parallel_group(),
-        tensor_model_parallel_world_size(),
-        tensor_model_parallel_rank(),
-    )
-    pp = Group(
-        pipeline_model_parallel_group(),
-        pipeline_model_parallel_world_size(),
-        pipeline_model_parallel_rank(),
-    )
-    ps = _parallel_state()
-    dp_cp = Group(
-        ps.get_data_parallel_group(with_context_parallel=True),
-        ps.get_data_parallel_world_size(with_context_parallel=True),
-        ps.get_data_parallel_rank(with_context_parallel=True),
-    )
-    cp = Group(
-        ps.get_context_parallel_group(),
-        ps.get_context_parallel_world_size(),
-        ps.get_context_parallel_rank(),
-    )
-    tp_cp = Group(
-        ps.get_tensor_and_context_parallel_group(),
-        ps.get_tensor_and_context_parallel_world_size(),
-        ps.get_tensor_and_context_parallel_rank(),
-    )
-    ep = Group(
-        ps.get_expert_model_parallel_group(),
-        ps.get_expert_model_parallel_world_size(),
-        ps.get_expert_model_parallel_rank(),
-    )
-    expert_tp = Group(
-        ps.get_expert_tensor_parallel_group(),
-        ps.get_expert_tensor_parallel_world_size(),
-        ps.get_expert_tensor_parallel_rank(),
-    )
-    expert_tp_ep = Group(
-        ps.get_expert_tensor_and_model_parallel_group(),
-        ps.get_expert_tensor_and_model_parallel_world_size(),
-        ps.get_expert_tensor_and_model_parallel_rank(),
-    )
+    groups = _GROUPS
     # The dispatcher addresses an expert's ETP ranks as EP rank x ETP + ETP rank.
+    ep, expert_tp, expert_tp_ep = groups["ep"], groups["expert_tp"], groups["expert_tp_ep"]
     if expert_tp_ep.rank != ep.rank * expert_tp.size + expert_tp.rank:
-        raise RuntimeError("megatron-core's expert groups are not ordered ETP-fastest")
-    expert_dp = Group(
-        ps.get_expert_data_parallel_group(),
-        ps.get_expert_data_parallel_world_size(),
-        ps.get_expert_data_parallel_rank(),
-    )
+        raise RuntimeError("the expert groups are not ordered ETP-fastest")
+    embedding = groups.get("embedding")  # only the first and last stage hold one
     return ParallelContext(
-        tp=tp,
-        pp=pp,
+        **{name: groups[name] for name in ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp")},
         ep=ep,
         expert_tp=expert_tp,
         expert_tp_ep=expert_tp_ep,
-        expert_dp=expert_dp,
-        expert_model_parallel_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
-        dp=Group(data_parallel_group(), data_parallel_world_size(), data_parallel_rank()),
-        cp=cp,
-        dp_cp=dp_cp,
-        tp_cp=tp_cp,
-        cp_comm_type=cp_comm_type,
+        expert_dp=groups["expert_dp"],
+        expert_model_parallel_group=groups["expert_model_parallel"].group,
         world=Group(dist.group.WORLD, global_world_size(), global_rank()),
-        # Only the first and last stage belong to one (megatron-core asserts elsewhere).
-        embedding_group=embedding_group() if pp.rank in (0, pp.size - 1) else None,
-        model_parallel_group=model_parallel_group(),
-        sequence_parallel=sequence_parallel and tp.size > 1,
+        embedding_group=embedding.group if embedding is not None else None,
+        model_parallel_group=groups["model_parallel"].group,
+        cp_comm_type=cp_comm_type,
+        sequence_parallel=sequence_parallel and groups["tp"].size > 1,
     )
 
 
 def destroy_model_parallel() -> None:
-    """Tear the groups down for real. megatron-core's destroy only forgets its references; the
-    groups (each with a gloo event-loop thread) would otherwise live on, so a process that
-    re-initializes many layouts (the test workers) would accumulate hundreds of threads."""
-    ps = _parallel_state()
-    if not ps.model_parallel_is_initialized():
+    """Tear the groups down for real: each group keeps a gloo event-loop thread, so a process
+    that initializes many layouts (the test workers) would otherwise accumulate hundreds."""
+    if not _GROUPS:
         return
-    ps.destroy_model_parallel()
-    # Its destroy misses some of its own globals (the intra-partial data-parallel group with
-    # context parallelism, in 0.16): a group still referenced keeps its threads.
-    for name, value in list(vars(ps).items()):
-        if isinstance(value, dist.ProcessGroup):
-            setattr(ps, name, None)
+    _GROUPS.clear()
     destroy_p2p_groups()
     for group in _process_groups() - _GROUPS_BEFORE:
         if group is not dist.group.WORLD:
@@ -265,59 +229,7 @@ def destroy_model_parallel() -> None:
 
 
 def is_initialized() -> bool:
-    return dist.is_initialized() and _parallel_state().model_parallel_is_initialized()
-
-
-def _query(name: str, default):
-    if not is_initialized():
-        return default
-    return getattr(_parallel_state(), name)()
-
-
-def tensor_model_parallel_group() -> dist.ProcessGroup | None:
-    return _query("get_tensor_model_parallel_group", None)
-
-
-def tensor_model_parallel_world_size() -> int:
-    return _query("get_tensor_model_parallel_world_size", 1)
-
-
-def tensor_model_parallel_rank() -> int:
-    return _query("get_tensor_model_parallel_rank", 0)
-
-
-def pipeline_model_parallel_group() -> dist.ProcessGroup | None:
-    return _query("get_pipeline_model_parallel_group", None)
-
-
-def pipeline_model_parallel_world_size() -> int:
-    return _query("get_pipeline_model_parallel_world_size", 1)
-
-
-def pipeline_model_parallel_rank() -> int:
-    return _query("get_pipeline_model_parallel_rank", 0)
-
-
-def data_parallel_group() -> dist.ProcessGroup | None:
-    return _query("get_data_parallel_group", None)
-
-
-def data_parallel_world_size() -> int:
-    return _query("get_data_parallel_world_size", 1)
-
-
-def data_parallel_rank() -> int:
-    return _query("get_data_parallel_rank", 0)
-
-
-def embedding_group() -> dist.ProcessGroup | None:
-    """First and last pipeline stage of each pipeline: the holders of tied embeddings."""
-    return _query("get_embedding_group", None)
-
-
-def model_parallel_group() -> dist.ProcessGroup | None:
-    """TP x PP: the ranks that together hold one replica of the model."""
-    return _query("get_model_parallel_group", None)
+    return dist.is_initialized() and bool(_GROUPS)
 
 
 def global_rank() -> int:
@@ -326,11 +238,3 @@ def global_rank() -> int:
 
 def global_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_first_pipeline_stage() -> bool:
-    return pipeline_model_parallel_rank() == 0
-
-
-def is_last_pipeline_stage() -> bool:
-    return pipeline_model_parallel_rank() == pipeline_model_parallel_world_size() - 1
