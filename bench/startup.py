@@ -68,8 +68,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, values in times.items():
         print(
-            f"| {name} | {statistics.median(values):.2f} | {min(values):.2f} | "
-            f"{max(values):.2f} |"
+            f"| {name} | {statistics.median(values):.2f} | {min(values):.2f} | {max(values):.2f} |"
         )
 
 

@@ -1,7 +1,7 @@
 """Run a function on N real gloo ranks, reusing the spawned workers across tests.
 
-Spawning a rank costs seconds on a 2-core machine (each imports torch), so a
-pool of N workers is started once per world size and kept for the whole session. Each job runs
+Spawning a rank costs seconds on a 2-core machine (each imports torch), so a pool of N workers
+is started once per world size and kept for the whole session. Each job runs
 `fn(*args)` on every rank and returns the per-rank results in rank order; the job's process
 groups are torn down after it so the next one can choose another layout.
 """

@@ -74,7 +74,8 @@ VALUE_NOTES = {
 
 # flag -> why it changes nothing here
 NO_COUNTERPART = {
-    "--use-mcore-models": "threefold's model is built on megatron-core's process groups already",
+    "--use-mcore-models": "threefold's model has megatron-core's parameter names, QKV layout "
+    "and rank order already",
     "--no-masked-softmax-fusion": "attention runs in SDPA or Transformer Engine kernels; there "
     "is no separate masked-softmax kernel",
     "--no-bias-dropout-fusion": "bias, dropout and residual add are separate ops here",

@@ -141,8 +141,8 @@ def initialize_model_parallel(
 
 
 def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
-    """torch.distributed from torchrun's environment and megatron-core's groups for the
-    layout of a ParallelConfig; returns this rank's device and its parallel context."""
+    """torch.distributed from torchrun's environment and the groups for the layout of a
+    ParallelConfig; returns this rank's device and its parallel context."""
     device = initialize_distributed(
         parallel.distributed_backend, parallel.distributed_timeout_minutes
     )
@@ -150,7 +150,7 @@ def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
 
 
 def initialize_layout(parallel) -> ParallelContext:
-    """megatron-core's groups for a ParallelConfig over the initialized world; the context."""
+    """The groups for a ParallelConfig over the initialized world; the context."""
     initialize_model_parallel(
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
