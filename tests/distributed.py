@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # report everything, including assertion errors, to the test
             results.put((rank, False, traceback.format_exc()))
         finally:
-            _destroy_groups(state)
+            destroy_groups(state)
             KERNELS.use_reference()
             # The job's trainer, model and autograd graph hold its process groups in reference
             # cycles; until a collection frees them, each group keeps its gloo threads polling,
@@ -72,7 +72,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
-def _destroy_groups(state) -> None:
+def destroy_groups(state) -> None:
     """Every process group a job left behind: threefold's layout, and megatron-core's own,
     which the tests that run its models build (its destroy only forgets its references, some
     not even those: a group still referenced keeps its gloo threads)."""

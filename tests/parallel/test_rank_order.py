@@ -73,7 +73,7 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from tests.distributed import _destroy_groups
+    from tests.distributed import destroy_groups
     from threefold.parallel import state
 
     seen = []
@@ -117,7 +117,7 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
                     dist.get_rank(group),
                 )
         seen.append((ours, megatron_cores))
-        _destroy_groups(state)
+        destroy_groups(state)
     return seen
 
 
