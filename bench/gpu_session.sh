@@ -5,15 +5,20 @@
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
 #   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...)
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
-# Logs and results go to bench/results/gpu_mfu, or, under the device tool (which brings back
-# at most 8 files from $OUT), to /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each
-# phase and every 30 s during it: a phase cut off by a time limit skips the EXIT trap, and
-# what it wrote still comes back. fp8loss reads the corpus (`make data` here, then carry
-# data/shakespeare_text_document.bin, .idx and data/shakespeare_sp.model). The wheels install
-# under /tmp/site, beside the machine's own torch.
+#   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
+#   bash bench/gpu_session.sh checks             # tests, fp8loss and resume side by side (none
+#                                                # of them timed: they share the GPU)
+# Phases chain, separated by a lone comma, in one install and one lease of the device:
+#   bash bench/gpu_session.sh checks , bench --shape 8b-8l --only ... , bench --only ...
+# bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l) under bench/results, or, under
+# the device tool (which brings back at most 8 files from $OUT), under /tmp/gpu_results,
+# packed into $OUT/gpu_results.tgz after each phase and every 30 s during it: a phase cut off
+# by a time limit still brings back what it wrote. fp8loss, resume and checks read the corpus
+# (`make data` here, then carry data/shakespeare_text_document.bin, .idx and
+# data/shakespeare_sp.model). The wheels install under /tmp/site, beside the machine's torch.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-out=bench/results/gpu_mfu
+out=bench/results
 if [ -n "${OUT:-}" ]; then
   out=/tmp/gpu_results
   mkdir -p "$out"
@@ -24,22 +29,61 @@ if [ -n "${OUT:-}" ]; then
   packer=$!
   trap 'kill "$packer" 2>/dev/null; pack' EXIT
 fi
-mkdir -p "$out"
+mkdir -p "$out/gpu_mfu"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi >"$out/nvidia-smi.txt" 2>&1
-phase="${1:-bench}"
-shift || true
-case "$phase" in
-  tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
-           2>&1 | tee "$out/device_tests.log" ;;
-  bench) python3 bench/gpu_mfu.py --out "$out" "$@" 2>&1 | tee "$out/gpu_mfu_stderr.log" ;;
-  profile) python3 bench/gpu_profile.py "$@" 2>&1 | tee -a "$out/profile.txt" ;;
-  fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$out/fp8_loss.txt" ;;
-  *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, profile or fp8loss" >&2
-     exit 2 ;;
-esac
+nvidia-smi >"$out/gpu_mfu/nvidia-smi.txt" 2>&1
+logs="$out/gpu_mfu"
+
+run_phase() {
+  local phase="${1:-bench}"
+  shift || true
+  case "$phase" in
+    tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
+             2>&1 | tee "$logs/device_tests.log" ;;
+    bench)
+      local dir="$out/gpu_mfu" previous=""
+      for arg in "$@"; do  # a wider shape's results beside the 1B ones, not over them
+        [ "$previous" = --shape ] && [ "$arg" != 1b ] && dir="$out/gpu_mfu_$arg"
+        previous="$arg"
+      done
+      mkdir -p "$dir"
+      python3 bench/gpu_mfu.py --out "$dir" "$@" 2>&1 | tee "$dir/gpu_mfu_stderr.log" ;;
+    profile) python3 bench/gpu_profile.py "$@" 2>&1 | tee -a "$logs/profile.txt" ;;
+    fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$logs/fp8_loss.txt" ;;
+    resume) python3 bench/fp8_resume.py --out "$out/fp8_resume" "$@" 2>&1 \
+              | tee "$logs/fp8_resume.txt" ;;
+    checks)
+      # the seven loss runs in two processes (each fails at its report, which needs the
+      # other's logs), the report once both are done
+      python3 bench/fp8_loss.py --out "$out/fp8_loss" --only base fp8_delayed fp8_tensorwise \
+        >"$logs/fp8_loss_a.txt" 2>&1 &
+      python3 bench/fp8_loss.py --out "$out/fp8_loss" --only fp8_delayed_margin1 fp8_rowwise \
+        fp8_rowwise_hybrid fp8_blockwise >"$logs/fp8_loss_b.txt" 2>&1 &
+      python3 bench/fp8_resume.py --out "$out/fp8_resume" --jobs 6 >"$logs/fp8_resume.txt" 2>&1 &
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
+        >"$logs/device_tests.log" 2>&1
+      wait
+      python3 bench/fp8_loss.py --out "$out/fp8_loss" --only >"$logs/fp8_loss.txt" 2>&1
+      tail -n 4 "$logs/device_tests.log" "$logs/fp8_loss.txt" "$logs/fp8_resume.txt" ;;
+    *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, profile," \
+         "fp8loss, resume or checks" >&2
+       return 2 ;;
+  esac
+  [ -n "${OUT:-}" ] && pack
+  return 0
+}
+
+args=()
+for arg in "$@" ,; do
+  if [ "$arg" = , ]; then
+    [ "${#args[@]}" -gt 0 ] && { run_phase "${args[@]}" || exit; }
+    args=()
+  else
+    args+=("$arg")
+  fi
+done
