@@ -5,6 +5,8 @@ validation losses side by side and the curves plotted (tools/plot_logs.py).
     python bench/fp8_loss.py --iters 20 --out /tmp/fp8_loss_smoke        # the script itself
     python bench/fp8_loss.py --only fp8_tensorwise    # rerun one; the report reads the others
     python bench/fp8_loss.py --moe --out bench/results/fp8_loss_moe    # the MoE model
+    python bench/fp8_loss.py --only base --no-report & ...; wait; python bench/fp8_loss.py --only
+                                                       # runs side by side, then the report
 
 Seven runs of the same model, data and seed, one process each: the base precision (--bf16 on
 a GPU, fp32 on a CPU); the same with FP8 GEMMs under delayed scaling (Megatron-LM's Llama-3
@@ -89,6 +91,9 @@ def main() -> None:
         "--only", nargs="*", choices=RUNS, help="run these; the others' logs are read from --out"
     )
     parser.add_argument("--moe", action="store_true", help="the mixture-of-experts model")
+    parser.add_argument(
+        "--no-report", action="store_true", help="only the runs (side by side with other --only)"
+    )
     args = parser.parse_args()
     runs = MOE_RUNS if args.moe else RUNS
     if not os.path.exists(DATA + ".bin"):
@@ -102,12 +107,18 @@ def main() -> None:
         if args.only is None or name in args.only:
             with open(log, "w") as stream:
                 subprocess.run(command + flags, stdout=stream, stderr=subprocess.STDOUT, check=True)
+        if args.no_report or not os.path.exists(log):  # (the report names those not run)
+            continue
         with open(log) as stream:
             final[name] = float(VALIDATION.findall(stream.read())[-1][1])
-    logs = [os.path.join(args.out, f"{name}.log") for name in runs]
+    if args.no_report:
+        return
+    if "base" not in final:
+        sys.exit(f"{args.out}/base.log is missing: run the base precision first")
+    logs = [os.path.join(args.out, f"{name}.log") for name in final]
     plot = os.path.join(args.out, "fp8_loss.png")
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"), *logs, "--labels", *runs]
+        [sys.executable, os.path.join(ROOT, "tools", "plot_logs.py"), *logs, "--labels", *final]
         + ["--output", plot],
         check=True,
     )
@@ -137,6 +148,11 @@ def main() -> None:
             "|---|---|---|",
             *rows,
             "",
+            *(
+                [f"Not run here: {', '.join(sorted(set(runs) - set(final)))}.", ""]
+                if set(runs) - set(final)
+                else []
+            ),
         ]
     )
     with open(os.path.join(args.out, "fp8_loss.md"), "w") as stream:

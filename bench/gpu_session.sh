@@ -6,13 +6,13 @@
 #   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...)
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 #   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
-#   bash bench/gpu_session.sh checks             # tests, fp8loss and resume side by side (none
-#                                                # of them timed: they share the GPU)
+#   bash bench/gpu_session.sh checks [RUNS...]   # tests, fp8loss RUNS (default all) and resume
+#                                                # side by side (none timed: they share the GPU)
 # Phases chain, separated by a lone comma, in one install and one lease of the device:
 #   bash bench/gpu_session.sh checks , bench --shape 8b-8l --only ... , bench --only ...
 # bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l) under bench/results, or, under
 # the device tool (which brings back at most 8 files from $OUT), under /tmp/gpu_results,
-# packed into $OUT/gpu_results.tgz after each phase and every 30 s during it: a phase cut off
+# packed into $OUT/gpu_results.tgz after each phase and every 10 s during it: a phase cut off
 # by a time limit still brings back what it wrote. fp8loss, resume and checks read the corpus
 # (`make data` here, then carry data/shakespeare_text_document.bin, .idx and
 # data/shakespeare_sp.model). The wheels install under /tmp/site, beside the machine's torch.
@@ -25,7 +25,7 @@ if [ -n "${OUT:-}" ]; then
   pack() {
     tar -C "$out" -czf "$OUT/gpu_results.part" . && mv "$OUT/gpu_results.part" "$OUT/gpu_results.tgz"
   }
-  (while sleep 30; do pack; done) &
+  (while sleep 10; do pack; done) &
   packer=$!
   trap 'kill "$packer" 2>/dev/null; pack' EXIT
 fi
@@ -58,16 +58,22 @@ run_phase() {
     resume) python3 bench/fp8_resume.py --out "$out/fp8_resume" "$@" 2>&1 \
               | tee "$logs/fp8_resume.txt" ;;
     checks)
-      # the seven loss runs in two processes (each fails at its report, which needs the
-      # other's logs), the report once both are done
-      python3 bench/fp8_loss.py --out "$out/fp8_loss" --only base fp8_delayed fp8_tensorwise \
-        >"$logs/fp8_loss_a.txt" 2>&1 &
-      python3 bench/fp8_loss.py --out "$out/fp8_loss" --only fp8_delayed_margin1 fp8_rowwise \
-        fp8_rowwise_hybrid fp8_blockwise >"$logs/fp8_loss_b.txt" 2>&1 &
-      python3 bench/fp8_resume.py --out "$out/fp8_resume" --jobs 6 >"$logs/fp8_resume.txt" 2>&1 &
+      # side by side: each loss run in its own process (ARGS: which, default all seven; the
+      # report once all are done), the resume cases (deterministic mode), the `cuda` tests
+      local runs=("$@") pids=()
+      [ ${#runs[@]} -eq 0 ] && runs=(base fp8_delayed fp8_tensorwise fp8_delayed_margin1
+                                     fp8_rowwise fp8_rowwise_hybrid fp8_blockwise)
+      for run in "${runs[@]}"; do
+        python3 bench/fp8_loss.py --out "$out/fp8_loss" --only "$run" --no-report \
+          >"$logs/fp8_loss_$run.txt" 2>&1 &
+        pids+=($!)
+      done
+      python3 bench/fp8_resume.py --out "$out/fp8_resume" --modes deterministic --jobs 3 \
+        >"$logs/fp8_resume.txt" 2>&1 &
+      pids+=($!)
       python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
         >"$logs/device_tests.log" 2>&1
-      wait
+      wait "${pids[@]}"  # (not the packer)
       python3 bench/fp8_loss.py --out "$out/fp8_loss" --only >"$logs/fp8_loss.txt" 2>&1
       tail -n 4 "$logs/device_tests.log" "$logs/fp8_loss.txt" "$logs/fp8_resume.txt" ;;
     *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, profile," \

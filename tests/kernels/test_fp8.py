@@ -20,7 +20,7 @@ from tests.parity import (
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
 from threefold.kernels.dispatch import KERNELS
-from threefold.kernels.fp8 import WEIGHT, Fp8Linear, Fp8Recipe, update_delayed_scales
+from threefold.kernels.fp8 import INVERSES, WEIGHT, Fp8Linear, Fp8Recipe, update_delayed_scales
 from threefold.kernels.fp8_gemms import E4M3, E5M2, fp8_dtypes, quantize, scaled_mm
 from threefold.kernels.reference import rowwise_scale, scale_from_amax
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
@@ -334,10 +334,36 @@ def test_the_step_end_update_launches_as_much_for_many_layers_as_for_one():
         for state in alone:
             update_delayed_scales([state], [])
     for state, single in zip(states, alone):
-        for field in ("amax_history", "scale", "scale_in_use", "inverse_in_use", "step_amax"):
+        for field in ("amax_history", "scale", "scale_in_use", "step_amax", *INVERSES):
             assert torch.equal(getattr(state, field), getattr(single, field)), field
         assert state.has_history
     assert states[-1].step_amax.tolist() == [0.0, 2.0, 0.0] and not states[0].step_amax.any()
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_the_gemms_scales_are_aligned_tensors_of_their_own(monkeypatch, delayed):
+    """cuBLASLt reads a scale only from a 16-byte aligned address (CUBLAS_STATUS_NOT_SUPPORTED
+    otherwise, as delayed scaling's step-2 GEMMs met on an H100 when the inverses were the
+    elements of one (3,) buffer), and Inductor's scaled-GEMM lowering fails on a view: every
+    scale the three GEMMs take, before and after the history, starts its own storage."""
+    import threefold.kernels.fp8 as fp8
+
+    seen = []
+
+    def checked(a, b, a_inverse, b_inverse, *args, **kwargs):
+        seen.extend((a_inverse, b_inverse))
+        return scaled_mm(a, b, a_inverse, b_inverse, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "scaled_mm", checked)
+    layer = Fp8Linear(Fp8Recipe(fp8_format="hybrid", delayed=delayed))
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    for _ in range(2):  # delayed: current scaling, then the history's inverses
+        layer.linear(torch.randn(16, 32, requires_grad=True), weight, None).sum().backward()
+        if delayed:
+            update_delayed_scales([layer], [])
+    assert len(seen) == 12 and (layer.has_history or not delayed)
+    for scale in seen:
+        assert scale.storage_offset() == 0 and scale.data_ptr() % 16 == 0
 
 
 def test_most_recent_amax_and_a_layout_gradient_factor():
@@ -575,3 +601,17 @@ def test_a_steps_first_weight_gradient_is_written_into_main_grad_not_added(recip
         assert adds == ([0, 1] if written else [1, 1])
         sums.append(weight.main_grad.clone())
     assert torch.equal(sums[0], sums[1]) and sums[0].abs().sum() > 0
+
+
+def test_weight_block_scales_reach_the_gemm_at_a_16_byte_row_stride():
+    """cuBLASLt reads 128 x 128 block scales row by row at a stride of a multiple of 4 floats:
+    k / 128 = 3 is padded to 4 (same values, a view of the padded copy); 4 is left as it is."""
+    from threefold.kernels.fp8_gemms import _padded_block_scales
+
+    for blocks, padded_stride in ((3, 4), (4, 4), (5, 8)):
+        inverses = torch.rand(2, blocks)
+        got = _padded_block_scales(inverses)
+        assert torch.equal(got, inverses) and got.stride() == (padded_stride, 1)
+        assert (got is inverses) == (blocks == padded_stride)
+    transposed = torch.rand(4, 8).t()  # not row-contiguous: copied
+    assert _padded_block_scales(transposed).stride() == (4, 1)

@@ -74,6 +74,8 @@ from threefold.parallel.tensor_parallel.mappings import (
 
 # Index of each of a linear layer's tensors in its scaling state.
 INPUT, WEIGHT, GRAD = 0, 1, 2
+# The buffers of `dequantization(scale_in_use)`, by INPUT, WEIGHT, GRAD (Fp8Linear).
+INVERSES = ("input_inverse", "weight_inverse", "grad_inverse")
 
 
 def _kernels():
@@ -149,8 +151,13 @@ class Fp8Linear(nn.Module):
         )
         self.register_buffer("scale", torch.ones(3), persistent=False)
         self.register_buffer("scale_in_use", torch.ones(3), persistent=False)
-        # `dequantization(scale_in_use)`, once per step rather than per cast (launches)
-        self.register_buffer("inverse_in_use", torch.ones(3), persistent=False)
+        # `dequantization(scale_in_use)`, once per step rather than per cast (launches); a
+        # 0-dim buffer per operand, not the elements of one (3,) buffer: cuBLASLt reads a
+        # scale only from a 16-byte aligned address, which an element past the first is not
+        # (CUBLAS_STATUS_NOT_SUPPORTED on an H100), and Inductor's scaled-GEMM lowering fails
+        # on such a view.
+        for name in INVERSES:
+            self.register_buffer(name, torch.ones(()), persistent=False)
         self.register_buffer(
             "amax_history", torch.zeros(recipe.amax_history_len, 3), persistent=False
         )
@@ -197,7 +204,7 @@ class Fp8Linear(nn.Module):
         # evaluation leaves the state as it was; tensorwise records nothing
         record = self.step_amax[index] if self.recipe.delayed and self.training else None
         if self.recipe.delayed and self.has_history:
-            scale, inverse = self.scale_in_use[index], self.inverse_in_use[index]
+            scale, inverse = self.scale_in_use[index], getattr(self, INVERSES[index])
             quantized, transposed = kernels.fp8_cast_transpose(
                 tensor, scale, dtype, FP8_MAX[dtype], record
             )
@@ -305,8 +312,12 @@ class Fp8Linear(nn.Module):
         """Scale from the history from now on (after a checkpoint's state is loaded; at a
         step's end `push_amaxes` does this for every layer at once)."""
         self.scale_in_use.copy_(self.scale * self.units)
-        self.inverse_in_use.copy_(dequantization(self.scale_in_use))
+        torch._foreach_copy_(self.inverses(), list(dequantization(self.scale_in_use).unbind(0)))
         self.has_history = True
+
+    def inverses(self) -> list[torch.Tensor]:
+        """The buffers of `dequantization(scale_in_use)`: INPUT's, WEIGHT's, GRAD's."""
+        return [getattr(self, name) for name in INVERSES]
 
     def linear(
         self,
@@ -535,13 +546,10 @@ def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
     previous = torch.stack([state.scale for state in states])
     scale = scale_from_amax(chosen, fp8_max, recipe.margin, previous)
     in_use = scale * units
-    for field, value in (
-        ("amax_history", history),
-        ("scale", scale),
-        ("scale_in_use", in_use),
-        ("inverse_in_use", dequantization(in_use)),
-    ):
+    for field, value in (("amax_history", history), ("scale", scale), ("scale_in_use", in_use)):
         torch._foreach_copy_([getattr(state, field) for state in states], list(value.unbind(0)))
+    inverses = [inverse for state in states for inverse in state.inverses()]
+    torch._foreach_copy_(inverses, list(dequantization(in_use).reshape(-1).unbind(0)))
     cleared = [state.step_amax for state in states if state.gathered is None] + [
         state.step_amax[index]
         for state in states

@@ -83,6 +83,20 @@ def rowwise_mm(
     return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
 
 
+def _padded_block_scales(inverses: torch.Tensor) -> torch.Tensor:
+    """128 x 128 block scales [n / 128, k / 128], each row's k-block scales contiguous and
+    the rows a multiple of 4 floats apart: cuBLASLt reads them so, padded to a 16-byte
+    stride, whatever the view says (unpadded, k / 128 = 3 gave garbage on an H100). A view
+    of a padded copy, made only where they are not so laid out already (never at the
+    benchmark's shapes)."""
+    rows, blocks = inverses.shape
+    if blocks % 4 == 0 and inverses.is_contiguous():
+        return inverses
+    padded = inverses.new_zeros(rows, -(-blocks // 4) * 4)
+    padded[:, :blocks] = inverses
+    return padded[:, :blocks]
+
+
 def blockwise_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -100,7 +114,10 @@ def blockwise_mm(
     dequantized exactly (powers of two) and multiplied in fp32."""
     if a.device.type == "cuda":
         scale_a = a_inverses.t().contiguous().t()
-        scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()
+        if b_block_rows > 1:
+            scale_b = _padded_block_scales(b_inverses).t()
+        else:
+            scale_b = b_inverses.t().contiguous()
         out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         return out.to(out_dtype)
     a32 = reference.dequantize_blocks(a, a_inverses, 1)
