@@ -83,6 +83,16 @@ def precision() -> list[str]:
     return ["--bf16"] if torch.cuda.is_available() else []
 
 
+def base_precision(log: str) -> str:
+    """The base run's precision, from the device its log names (`precision`'s choice there):
+    the report may be written on another machine than the runs."""
+    with open(log) as stream:
+        device = re.search(r"> world size .* on (\w+);", stream.read())
+    if device is None:
+        sys.exit(f"{log} names no device: not a pretrain_gpt.py log")
+    return "bf16 (`--bf16`, on a GPU)" if device.group(1) == "cuda" else "fp32 (on a CPU)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fp8_loss"))
@@ -136,13 +146,13 @@ def main() -> None:
             + (f", every MLP a mixture of experts (`{MOE}`)" if args.moe else "")
             + "; the FP8 runs' flags:",
             "",
-            *[f"- {name}: `{' '.join(flags)}`" for name, flags in runs.items() if flags],
+            *[f"- {name}: `{' '.join(runs[name])}`" for name in final if runs[name]],
             "",
             "Raw logs and fp8_loss.png beside this file. On a CPU the FP8 GEMMs are an "
             "emulation and the runs may share the cores: the tokens-per-second panel is no "
             "speed measure there.",
             "",
-            f"Base precision: {' '.join(precision()) or 'fp32'} (the runs' logs name the device).",
+            f"Base precision: {base_precision(logs[0])}.",
             "",
             "| run | final validation loss | against the base |",
             "|---|---|---|",

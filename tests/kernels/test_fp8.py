@@ -603,15 +603,19 @@ def test_a_steps_first_weight_gradient_is_written_into_main_grad_not_added(recip
     assert torch.equal(sums[0], sums[1]) and sums[0].abs().sum() > 0
 
 
-def test_weight_block_scales_reach_the_gemm_at_a_16_byte_row_stride():
-    """cuBLASLt reads 128 x 128 block scales row by row at a stride of a multiple of 4 floats:
-    k / 128 = 3 is padded to 4 (same values, a view of the padded copy); 4 is left as it is."""
-    from threefold.kernels.fp8_gemms import _padded_block_scales
+def test_weight_block_scales_cublas_cannot_read_become_per_row_scales():
+    """At k / 128 not a multiple of 4 a weight's 128 x 128 block scales go to the GEMM as the
+    same scale for each row of a block (1 x 128): the weight it dequantizes to is the same
+    bit for bit; at a multiple of 4 they go unchanged."""
+    from threefold.kernels.fp8_gemms import _cublas_weight_scales
+    from threefold.kernels.reference import dequantize_blocks
 
-    for blocks, padded_stride in ((3, 4), (4, 4), (5, 8)):
-        inverses = torch.rand(2, blocks)
-        got = _padded_block_scales(inverses)
-        assert torch.equal(got, inverses) and got.stride() == (padded_stride, 1)
-        assert (got is inverses) == (blocks == padded_stride)
-    transposed = torch.rand(4, 8).t()  # not row-contiguous: copied
-    assert _padded_block_scales(transposed).stride() == (4, 1)
+    torch.manual_seed(0)
+    for rows, cols in ((200, 384), (256, 320), (256, 512)):
+        values = torch.randn(rows, cols).to(E4M3)
+        inverses = torch.rand(-(-rows // 128), -(-cols // 128))
+        got, block_rows = _cublas_weight_scales(inverses, 128, rows)
+        assert (block_rows == 128) == (inverses.shape[1] % 4 == 0)
+        assert (got is inverses) == (block_rows == 128)
+        expected = dequantize_blocks(values, inverses, 128)
+        assert torch.equal(dequantize_blocks(values, got, block_rows), expected)

@@ -83,18 +83,17 @@ def rowwise_mm(
     return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
 
 
-def _padded_block_scales(inverses: torch.Tensor) -> torch.Tensor:
-    """128 x 128 block scales [n / 128, k / 128], each row's k-block scales contiguous and
-    the rows a multiple of 4 floats apart: cuBLASLt reads them so, padded to a 16-byte
-    stride, whatever the view says (unpadded, k / 128 = 3 gave garbage on an H100). A view
-    of a padded copy, made only where they are not so laid out already (never at the
-    benchmark's shapes)."""
-    rows, blocks = inverses.shape
-    if blocks % 4 == 0 and inverses.is_contiguous():
-        return inverses
-    padded = inverses.new_zeros(rows, -(-blocks // 4) * 4)
-    padded[:, :blocks] = inverses
-    return padded[:, :blocks]
+def _cublas_weight_scales(
+    inverses: torch.Tensor, block_rows: int, rows: int
+) -> tuple[torch.Tensor, int]:
+    """A weight's 128 x 128 block inverses ([rows / 128, k / 128]) as cuBLASLt computes them
+    right: unchanged where k / 128 is a multiple of 4; otherwise the same inverse for each
+    row of a block ([rows, k / 128], then a 1 x 128 x 1 x 128 GEMM, exact all the same). On
+    an H100 with torch 2.11, 128 x 128 scales at k / 128 = 3 gave garbage: cuBLASLt reads
+    their rows at a 16-byte stride, and `_scaled_mm` accepts them only unpadded."""
+    if block_rows > 1 and inverses.shape[1] % 4:
+        return inverses.repeat_interleave(block_rows, 0)[:rows], 1
+    return inverses, block_rows
 
 
 def blockwise_mm(
@@ -111,13 +110,12 @@ def blockwise_mm(
     [n / 128, k / 128]). On CUDA cuBLASLt's blockwise GEMM (Hopper; CUDA 12.9 or later): bf16
     output only, no fast accumulation, the 1 x 128 scales outer-dimension-major (as the casts
     write them: the copies below are then views). Elsewhere an emulation: the operands
-    dequantized exactly (powers of two) and multiplied in fp32."""
+    dequantized exactly (powers of two) and multiplied in fp32. Both take the weight's scales
+    as `_cublas_weight_scales` gives them, so the CPU's tests cover that too."""
+    b_inverses, b_block_rows = _cublas_weight_scales(b_inverses, b_block_rows, b.shape[1])
     if a.device.type == "cuda":
         scale_a = a_inverses.t().contiguous().t()
-        if b_block_rows > 1:
-            scale_b = _padded_block_scales(b_inverses).t()
-        else:
-            scale_b = b_inverses.t().contiguous()
+        scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()
         out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         return out.to(out_dtype)
     a32 = reference.dequantize_blocks(a, a_inverses, 1)
