@@ -340,32 +340,6 @@ def test_the_step_end_update_launches_as_much_for_many_layers_as_for_one():
     assert states[-1].step_amax.tolist() == [0.0, 2.0, 0.0] and not states[0].step_amax.any()
 
 
-@pytest.mark.parametrize("delayed", [True, False])
-def test_the_gemms_scales_are_aligned_tensors_of_their_own(monkeypatch, delayed):
-    """cuBLASLt reads a scale only from a 16-byte aligned address (CUBLAS_STATUS_NOT_SUPPORTED
-    otherwise, as delayed scaling's step-2 GEMMs met on an H100 when the inverses were the
-    elements of one (3,) buffer), and Inductor's scaled-GEMM lowering fails on a view: every
-    scale the three GEMMs take, before and after the history, starts its own storage."""
-    import threefold.kernels.fp8 as fp8
-
-    seen = []
-
-    def checked(a, b, a_inverse, b_inverse, *args, **kwargs):
-        seen.extend((a_inverse, b_inverse))
-        return scaled_mm(a, b, a_inverse, b_inverse, *args, **kwargs)
-
-    monkeypatch.setattr(fp8, "scaled_mm", checked)
-    layer = Fp8Linear(Fp8Recipe(fp8_format="hybrid", delayed=delayed))
-    weight = torch.nn.Parameter(torch.randn(64, 32))
-    for _ in range(2):  # delayed: current scaling, then the history's inverses
-        layer.linear(torch.randn(16, 32, requires_grad=True), weight, None).sum().backward()
-        if delayed:
-            update_delayed_scales([layer], [])
-    assert len(seen) == 12 and (layer.has_history or not delayed)
-    for scale in seen:
-        assert scale.storage_offset() == 0 and scale.data_ptr() % 16 == 0
-
-
 def test_most_recent_amax_and_a_layout_gradient_factor():
     recipe = Fp8Recipe(fp8_format="e4m3", delayed=True, amax_history_len=2)
     layer = Fp8Linear(recipe, gradient_factor=4.0)
@@ -601,21 +575,3 @@ def test_a_steps_first_weight_gradient_is_written_into_main_grad_not_added(recip
         assert adds == ([0, 1] if written else [1, 1])
         sums.append(weight.main_grad.clone())
     assert torch.equal(sums[0], sums[1]) and sums[0].abs().sum() > 0
-
-
-def test_weight_block_scales_cublas_cannot_read_become_per_row_scales():
-    """At k / 128 not a multiple of 4 a weight's 128 x 128 block scales go to the GEMM as the
-    same scale for each row of a block (1 x 128): the weight it dequantizes to is the same
-    bit for bit; at a multiple of 4 they go unchanged."""
-    from threefold.kernels.fp8_gemms import _cublas_weight_scales
-    from threefold.kernels.reference import dequantize_blocks
-
-    torch.manual_seed(0)
-    for rows, cols in ((200, 384), (256, 320), (256, 512)):
-        values = torch.randn(rows, cols).to(E4M3)
-        inverses = torch.rand(-(-rows // 128), -(-cols // 128))
-        got, block_rows = _cublas_weight_scales(inverses, 128, rows)
-        assert (block_rows == 128) == (inverses.shape[1] % 4 == 0)
-        assert (got is inverses) == (block_rows == 128)
-        expected = dequantize_blocks(values, inverses, 128)
-        assert torch.equal(dequantize_blocks(values, got, block_rows), expected)
