@@ -85,7 +85,7 @@ run_phase() {
 }
 
 args=()
-for arg in "$@" ,; do
+for arg in "$@" ","; do  # a final "," runs the last phase
   if [ "$arg" = , ]; then
     [ "${#args[@]}" -gt 0 ] && { run_phase "${args[@]}" || exit; }
     args=()
