@@ -87,8 +87,9 @@ def _process_groups() -> set:
     return set(dist.distributed_c10d._world.pg_map)
 
 
-# Each kind of group: its name here, its members in the layout, and megatron-core's name for
-# it. Every rank creates every group, in this order, as `new_group` needs.
+# Each kind of group: its name (the ParallelContext field it fills) and its members in the
+# layout; the comments give megatron-core's name for it. Every rank creates every group, in
+# this order, as `new_group` needs.
 _GROUP_KINDS = (
     ("tp", lambda layout: layout.dense("tp")),  # tensor model parallel
     ("pp", lambda layout: layout.dense("pp")),  # pipeline model parallel
