@@ -59,17 +59,20 @@ run_phase() {
               | tee "$logs/fp8_resume.txt" ;;
     checks)
       # side by side: each loss run in its own process (ARGS: which, default all seven; the
-      # report once all are done), the resume cases (deterministic mode), the `cuda` tests
-      local runs=("$@") pids=()
+      # report once all are done), the resume cases in deterministic mode (the recipes among
+      # RUNS, fp8_delayed -> delayed; all three if none is), the `cuda` tests
+      local runs=("$@") pids=() recipes=()
       [ ${#runs[@]} -eq 0 ] && runs=(base fp8_delayed fp8_tensorwise fp8_delayed_margin1
                                      fp8_rowwise fp8_rowwise_hybrid fp8_blockwise)
       for run in "${runs[@]}"; do
         python3 bench/fp8_loss.py --out "$out/fp8_loss" --only "$run" --no-report \
           >"$logs/fp8_loss_$run.txt" 2>&1 &
         pids+=($!)
+        case "$run" in fp8_delayed | fp8_tensorwise | fp8_blockwise) recipes+=("${run#fp8_}") ;; esac
       done
+      [ ${#recipes[@]} -eq 0 ] && recipes=(delayed tensorwise blockwise)
       python3 bench/fp8_resume.py --out "$out/fp8_resume" --modes deterministic --jobs 3 \
-        >"$logs/fp8_resume.txt" 2>&1 &
+        --recipes "${recipes[@]}" >"$logs/fp8_resume.txt" 2>&1 &
       pids+=($!)
       python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
         >"$logs/device_tests.log" 2>&1
