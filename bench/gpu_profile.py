@@ -5,6 +5,10 @@ time exceeds its GPU time (the 1B FP8 step: docs/fp8.md).
 
     python bench/gpu_profile.py [--steps 2] [-- EXTRA_PRETRAIN_FLAGS...]
     python bench/gpu_profile.py --tiny -- --compile-layers          # the script, on a CPU
+    python bench/gpu_profile.py --output-code code.txt -- --compile-layers ...
+
+--output-code writes the source Inductor generates for the compiled graphs (on a GPU its
+Triton kernels, whose names the profile lists) to a file: what a slow fused kernel does.
 """
 
 from __future__ import annotations
@@ -25,8 +29,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--output-code", metavar="PATH", help="Inductor's generated code, here")
     parser.add_argument("extra", nargs="*", help="pretrain_gpt.py flags added to the bench's")
     args = parser.parse_args()
+    if args.output_code:  # read by torch._logging when torch is imported, just below
+        os.environ["TORCH_LOGS"] = "output_code"
+        os.environ["TORCH_LOGS_OUT"] = os.path.abspath(args.output_code)
 
     import torch
     from gpu_mfu import TINY, Shape, threefold_args

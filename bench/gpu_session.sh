@@ -43,7 +43,7 @@ run_phase() {
   local phase="${1:-bench}"
   shift || true
   case "$phase" in
-    tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
+    tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/data/test_loader.py -k cuda \
              2>&1 | tee "$logs/device_tests.log" ;;
     bench)
       local dir="$out/gpu_mfu" previous=""
@@ -74,7 +74,7 @@ run_phase() {
       python3 bench/fp8_resume.py --out "$out/fp8_resume" --modes deterministic --jobs 3 \
         --recipes "${recipes[@]}" >"$logs/fp8_resume.txt" 2>&1 &
       pids+=($!)
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels -k cuda \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/data/test_loader.py -k cuda \
         >"$logs/device_tests.log" 2>&1
       wait "${pids[@]}"  # (not the packer)
       python3 bench/fp8_loss.py --out "$out/fp8_loss" --only >"$logs/fp8_loss.txt" 2>&1

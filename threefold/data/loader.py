@@ -114,17 +114,32 @@ def micro_batches(
 def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
     """A micro-batch from samples of `seq_length + 1` tokens (and optionally a loss mask,
     the document ids of packed documents and positions)."""
-    tokens = torch.from_numpy(np.stack([item["tokens"] for item in items]))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    if "loss_mask" in items[0]:
-        batch["loss_mask"] = torch.from_numpy(np.stack([item["loss_mask"] for item in items]))
-    else:
-        batch["loss_mask"] = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
-    if "document_ids" in items[0]:
-        documents = torch.from_numpy(np.stack([item["document_ids"] for item in items]))
-        causal = torch.ones(documents.shape[1], documents.shape[1], dtype=torch.bool).tril()
+    host = {"tokens": np.stack([item["tokens"] for item in items])}
+    for name in ("loss_mask", "document_ids", "position_ids"):
+        if name in items[0]:
+            host[name] = np.stack([item[name] for item in items])
+    moved = {name: to_device(torch.from_numpy(value), device) for name, value in host.items()}
+    # Inputs and targets are two windows of one copy, as in Megatron's get_batch.
+    tokens = moved.pop("tokens")
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    batch["loss_mask"] = moved.pop("loss_mask", None)
+    if batch["loss_mask"] is None:  # pretraining: a loss at every position, made in place
+        batch["loss_mask"] = torch.ones(tokens.shape[0], tokens.shape[1] - 1, device=device)
+    if "document_ids" in moved:  # the [b, 1, s, s] mask built where it is used
+        documents = moved.pop("document_ids")
+        length = documents.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         same = documents[:, :, None] == documents[:, None, :]
-        batch["attention_mask"] = (same & causal).unsqueeze(1)  # [b, 1, s, s]
-    if "position_ids" in items[0]:
-        batch["position_ids"] = torch.from_numpy(np.stack([item["position_ids"] for item in items]))
-    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+        batch["attention_mask"] = (same & causal).unsqueeze(1)
+    batch.update(moved)  # position_ids
+    return batch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU it goes from pinned (page-locked) memory, as
+    Megatron's data loader pins its batches: a copy from pageable memory may make the host
+    wait for the GPU's queue to drain, after which a small model's GPU idles while the host
+    launches the next kernels (docs/performance.md)."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
