@@ -3,17 +3,18 @@
 # bench/gpu_wheels.sh carried in .whl/:
 #   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
-#   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...)
+#   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...), and
+#                                                # the code Inductor generates for the run
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 #   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
 #   bash bench/gpu_session.sh checks [RUNS...]   # tests, fp8loss RUNS (default all) and resume
 #                                                # side by side (none timed: they share the GPU)
 # Phases chain, separated by a lone comma, in one install and one lease of the device:
 #   bash bench/gpu_session.sh checks , bench --shape 8b-8l --only ... , bench --only ...
-# bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l) under bench/results, or, under
-# the device tool (which brings back at most 8 files from $OUT), under /tmp/gpu_results,
-# packed into $OUT/gpu_results.tgz after each phase and every 10 s during it: a phase cut off
-# by a time limit still brings back what it wrote. fp8loss, resume and checks read the corpus
+# bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l, gpu_moe/ with --moe) under
+# bench/results, or, under the device tool (which brings back at most 8 files from $OUT),
+# under /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each phase and every 10 s
+# during it: a phase cut off by a time limit still brings back what it wrote. fp8loss, resume and checks read the corpus
 # (`make data` here, then carry data/shakespeare_text_document.bin, .idx and
 # data/shakespeare_sp.model). The wheels install under /tmp/site, beside the machine's torch.
 set -uo pipefail
@@ -47,13 +48,15 @@ run_phase() {
              2>&1 | tee "$logs/device_tests.log" ;;
     bench)
       local dir="$out/gpu_mfu" previous=""
-      for arg in "$@"; do  # a wider shape's results beside the 1B ones, not over them
+      for arg in "$@"; do  # a wider shape's or the MoE's results beside the 1B ones
         [ "$previous" = --shape ] && [ "$arg" != 1b ] && dir="$out/gpu_mfu_$arg"
+        [ "$arg" = --moe ] && dir="$out/gpu_moe"
         previous="$arg"
       done
       mkdir -p "$dir"
       python3 bench/gpu_mfu.py --out "$dir" "$@" 2>&1 | tee "$dir/gpu_mfu_stderr.log" ;;
-    profile) python3 bench/gpu_profile.py "$@" 2>&1 | tee -a "$logs/profile.txt" ;;
+    profile) python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" "$@" 2>&1 \
+               | tee -a "$logs/profile.txt" ;;
     fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$logs/fp8_loss.txt" ;;
     resume) python3 bench/fp8_resume.py --out "$out/fp8_resume" "$@" 2>&1 \
               | tee "$logs/fp8_resume.txt" ;;
