@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access, from the repository root, with the wheels of
 # bench/gpu_wheels.sh carried in .whl/:
-#   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels
+#   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels, data
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
 #   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...), and
 #                                                # the code Inductor generates for the run
@@ -14,9 +14,10 @@
 # bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l, gpu_moe/ with --moe) under
 # bench/results, or, under the device tool (which brings back at most 8 files from $OUT),
 # under /tmp/gpu_results, packed into $OUT/gpu_results.tgz after each phase and every 10 s
-# during it: a phase cut off by a time limit still brings back what it wrote. fp8loss, resume and checks read the corpus
-# (`make data` here, then carry data/shakespeare_text_document.bin, .idx and
-# data/shakespeare_sp.model). The wheels install under /tmp/site, beside the machine's torch.
+# during it: a phase cut off by a time limit still brings back what it wrote. fp8loss, resume
+# and checks read the corpus (`make data` here, then carry data/shakespeare_text_document.bin,
+# .idx and data/shakespeare_sp.model). The wheels install under /tmp/site, beside the
+# machine's torch.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=bench/results
@@ -39,13 +40,14 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi >"$out/gpu_mfu/nvidia-smi.txt" 2>&1
 logs="$out/gpu_mfu"
+device_tests=(tests/kernels tests/data/test_loader.py)  # their `cuda` legs
 
 run_phase() {
   local phase="${1:-bench}"
   shift || true
   case "$phase" in
-    tests) python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/data/test_loader.py -k cuda \
-             2>&1 | tee "$logs/device_tests.log" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -rs "${device_tests[@]}" -k cuda 2>&1 \
+             | tee "$logs/device_tests.log" ;;
     bench)
       local dir="$out/gpu_mfu" previous=""
       for arg in "$@"; do  # a wider shape's or the MoE's results beside the 1B ones
@@ -71,13 +73,15 @@ run_phase() {
         python3 bench/fp8_loss.py --out "$out/fp8_loss" --only "$run" --no-report \
           >"$logs/fp8_loss_$run.txt" 2>&1 &
         pids+=($!)
-        case "$run" in fp8_delayed | fp8_tensorwise | fp8_blockwise) recipes+=("${run#fp8_}") ;; esac
+        case "$run" in
+          fp8_delayed | fp8_tensorwise | fp8_blockwise) recipes+=("${run#fp8_}") ;;
+        esac
       done
       [ ${#recipes[@]} -eq 0 ] && recipes=(delayed tensorwise blockwise)
       python3 bench/fp8_resume.py --out "$out/fp8_resume" --modes deterministic --jobs 3 \
         --recipes "${recipes[@]}" >"$logs/fp8_resume.txt" 2>&1 &
       pids+=($!)
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/data/test_loader.py -k cuda \
+      python3 -m pytest -q -p no:cacheprovider -rs "${device_tests[@]}" -k cuda \
         >"$logs/device_tests.log" 2>&1
       wait "${pids[@]}"  # (not the packer)
       python3 bench/fp8_loss.py --out "$out/fp8_loss" --only >"$logs/fp8_loss.txt" 2>&1

@@ -222,8 +222,8 @@ def test_auto_keeps_the_fastest_fused_backend_and_logs_every_timing(monkeypatch)
 
 
 def test_a_backend_slow_while_it_warms_up_is_timed_again_after_the_others(monkeypatch):
-    """On a fresh H100 the first process timed cuDNN's attention at twice its speed in every
-    later one and ran FlashAttention: each backend is timed in rounds, in turn, and keeps its
+    """On a fresh H100 the first process timed cuDNN's attention at twice the time the later
+    ones took, and ran FlashAttention: each backend is timed in rounds, in turn, and keeps its
     best, so a first slow timing does not decide."""
     warm = {"FLASH_ATTENTION": [3.9, 3.9, 3.9], "CUDNN_ATTENTION": [4.85, 2.16, 2.16]}
     order = []
