@@ -312,7 +312,7 @@ class Fp8Linear(nn.Module):
         """Scale from the history from now on (after a checkpoint's state is loaded; at a
         step's end `push_amaxes` does this for every layer at once)."""
         self.scale_in_use.copy_(self.scale * self.units)
-        torch._foreach_copy_(self.inverses(), list(dequantization(self.scale_in_use).unbind(0)))
+        _set_inverses([self], self.scale_in_use.unsqueeze(0))
         self.has_history = True
 
     def inverses(self) -> list[torch.Tensor]:
@@ -530,6 +530,13 @@ def update_delayed_scales(states: list[Fp8Linear], groups: list[Group]) -> None:
     push_amaxes(states, step_amax)
 
 
+def _set_inverses(states: list[Fp8Linear], in_use: torch.Tensor) -> None:
+    """Each layer's inverse buffers (`Fp8Linear.inverses`) from its row of `in_use`, the
+    scales in use ([layers, 3]), in one multi-tensor copy."""
+    inverses = [inverse for state in states for inverse in state.inverses()]
+    torch._foreach_copy_(inverses, list(dequantization(in_use).reshape(-1).unbind(0)))
+
+
 def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
     """Delayed scaling at a step's end, for the layers of `states` (of one recipe) at once: the
     step's reduced amaxes ([layers, 3]) enter the histories (newest first), the next step's
@@ -548,8 +555,7 @@ def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
     in_use = scale * units
     for field, value in (("amax_history", history), ("scale", scale), ("scale_in_use", in_use)):
         torch._foreach_copy_([getattr(state, field) for state in states], list(value.unbind(0)))
-    inverses = [inverse for state in states for inverse in state.inverses()]
-    torch._foreach_copy_(inverses, list(dequantization(in_use).reshape(-1).unbind(0)))
+    _set_inverses(states, in_use)
     cleared = [state.step_amax for state in states if state.gathered is None] + [
         state.step_amax[index]
         for state in states
