@@ -310,7 +310,7 @@ def test_the_step_end_update_launches_as_much_for_many_layers_as_for_one():
         states = [Fp8Linear(recipe, gradient_factor=2.0 ** (i % 3)) for i in range(count)]
         for i, state in enumerate(states):
             state.step_amax.copy_(torch.tensor([1.0 + i, 2.0, 2.0**-i]))
-        states[-1].gathered = (None, None)  # as --fp8-param-gather sets it
+        states[-1].param_gather = True  # as --fp8-param-gather sets it
         return states
 
     def next_step(states):
@@ -388,8 +388,8 @@ def test_layers_kept_out_of_fp8_and_the_log_line(capsys):
         ),
         (["--fp8-format", "hybrid", "--fp8-param-gather"], "add --use-distributed-optimizer"),
         (
-            ["--fp8-format", "hybrid", "--fp8-param-gather", "--distributed-strategy", "fsdp"],
-            "--fp8-param-gather casts the distributed optimizer's shards",
+            ["--fp8-format", "hybrid", "--fp8-param-gather", "--distributed-strategy", "ddp"],
+            "--fp8-param-gather casts the distributed optimizer's or FSDP2's shards",
         ),
         (["--fp8-param-gather"], "add --fp8-format"),
         (

@@ -21,8 +21,9 @@ arithmetic, threefold.model.fp8 picks the layers.
                               --float8.recipe_name rowwise; not a Megatron-LM recipe); the
                               one recipe that also puts MoE experts in FP8
     --fp8-param-gather        the FP8 layers' weights are cast once per step, from the
-                              distributed optimizer's fp32 shards, and all-gathered as FP8 bytes
-                              (threefold.model.fp8_params); tensorwise, delayed, blockwise
+                              distributed optimizer's or FSDP2's fp32 shards, and all-gathered
+                              as FP8 bytes (threefold.model.fp8_params, fp8_fsdp_params);
+                              tensorwise, delayed, blockwise
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Fp8Config:
     fp8_param_gather: bool = arg(
         False,
         help="keep the FP8 layers' compute weights in FP8, cast from the distributed "
-        "optimizer's fp32 shards, and all-gather them in FP8",
+        "optimizer's (or FSDP2's) fp32 shards, and all-gather them in FP8",
     )
     first_last_layers_bf16: bool = arg(
         False, help="keep the first and last transformer layers in the run's precision"
@@ -91,8 +92,11 @@ class Fp8Config:
             range(num_layers - end + 1, num_layers + 1)
         )
 
-    def finalize(self, num_layers: int, fp16: bool, distributed_optimizer: bool) -> None:
-        """`distributed_optimizer`: threefold's own (--distributed-strategy megatron)."""
+    def finalize(
+        self, num_layers: int, fp16: bool, distributed_optimizer: bool, fsdp: bool = False
+    ) -> None:
+        """`distributed_optimizer`: threefold's own (--distributed-strategy megatron); `fsdp`:
+        --distributed-strategy fsdp."""
         if not self.enabled:
             require(
                 not (self.fp8_param_gather or self.first_last_layers_bf16),
@@ -115,11 +119,13 @@ class Fp8Config:
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")
         require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
-        # Megatron-LM also takes it with FSDP2 (and, with TE >= 2.0, turns it off there).
+        # (Megatron-LM takes it with FSDP2 too, and with TE >= 2.0 turns it off there;
+        # torchtitan all-gathers FSDP2's shards in float8.)
         require(
-            not self.fp8_param_gather or distributed_optimizer,
-            "--fp8-param-gather casts the distributed optimizer's shards to FP8: add "
-            "--use-distributed-optimizer with --distributed-strategy megatron, or drop it",
+            not self.fp8_param_gather or distributed_optimizer or fsdp,
+            "--fp8-param-gather casts the distributed optimizer's or FSDP2's shards to FP8: "
+            "add --use-distributed-optimizer with --distributed-strategy megatron, or use "
+            "--distributed-strategy fsdp, or drop it",
         )
         for flag, count in (
             ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),

@@ -57,7 +57,8 @@ class Config:
         distributed_optimizer = (
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )
-        self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer)
+        fsdp = parallel.distributed_strategy == "fsdp"
+        self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp)
         return warnings
 
     def _finalize_gradient_precision(self) -> None:

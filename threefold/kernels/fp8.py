@@ -56,6 +56,7 @@ from torch import nn
 
 from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
+from threefold.kernels.fp8_fsdp import Fp8GatheredWeight
 from threefold.kernels.fp8_gemms import (
     FP8_MAX,
     blockwise_mm,
@@ -168,9 +169,11 @@ class Fp8Linear(nn.Module):
         self.register_buffer(
             "fp8_max", torch.tensor([FP8_MAX[dtype] for dtype in recipe.dtypes]), persistent=False
         )
-        # --fp8-param-gather: (the weight, its FP8 copy) and the scale that copy was cast with,
-        # set by threefold.model.fp8_params; the forward then uses the copy.
-        # (A tuple: a parameter assigned to a module attribute would become the module's.)
+        # --fp8-param-gather: the weight reaches the GEMMs in FP8, cast once per step with
+        # `gathered_scale` (threefold.model.fp8_params): under the distributed optimizer
+        # `gathered`, (the weight, its FP8 copy) (a tuple: a parameter assigned to a module
+        # attribute would become the module's); under FSDP2 the weight itself is FP8.
+        self.param_gather = False
         self.gathered: tuple[nn.Parameter, torch.Tensor] | None = None
         self.register_buffer("gathered_scale", torch.ones(()), persistent=False)
         # Blockwise: the inverses of that copy's scales, one per 128 x 128 block (set by
@@ -274,9 +277,8 @@ class Fp8Linear(nn.Module):
         layouts, from the gathered copy with --fp8-param-gather (its transpose, once a step)."""
         if not self.recipe.blockwise:
             return self.cast_fine(WEIGHT, weight.t())
-        if self.gathered is not None and self.gathered[0] is weight:
-            weight8, inverses = self.gathered[1], self.gathered_inverses
-        else:
+        weight8, inverses = self.gathered_fp8(weight), self.gathered_inverses
+        if weight8 is None:
             dtype = self.recipe.dtypes[WEIGHT]
             weight8, inverses = _kernels().fp8_cast_blocks(
                 weight, dtype, FP8_MAX[dtype], self.recipe.margin, reference.FP8_BLOCK
@@ -294,19 +296,28 @@ class Fp8Linear(nn.Module):
         one back per micro-batch, to save that byte per weight, took 15 ms of GPU time per
         step of the 1B bench on an H100 (1-byte elements transpose slowly). `cached=False`: cast
         now, whatever the step keeps (a traced `linear`: module doc)."""
-        gathered = self.gathered is not None and self.gathered[0] is weight
         cache, caching = self.weight_cache, cached and self.cache_weight
         if caching and cache is not None and cache[0] is weight:
             _, transposed, inverse, weight8 = cache
             return weight8, transposed, inverse
-        if gathered:
-            weight8 = self.gathered[1]
+        weight8 = self.gathered_fp8(weight)
+        if weight8 is not None:
             result = weight8, weight8.t().contiguous(), dequantization(self.gathered_scale)
         else:
             result = self.cast(WEIGHT, weight)
         if caching:
             self.weight_cache = (weight, result[1], result[2], result[0])
         return result
+
+    def gathered_fp8(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """--fp8-param-gather's FP8 copy of `weight` (FSDP2's gathered weight itself, or the
+        distributed optimizer's copy of it), cast with `gathered_scale` (blockwise:
+        `gathered_inverses`); None without the flag."""
+        if isinstance(weight, Fp8GatheredWeight):
+            return weight.fp8
+        if self.gathered is not None and self.gathered[0] is weight:
+            return self.gathered[1]
+        return None
 
     def use_history(self) -> None:
         """Scale from the history from now on (after a checkpoint's state is loaded; at a
@@ -556,40 +567,9 @@ def push_amaxes(states: list[Fp8Linear], step_amax: torch.Tensor) -> None:
     for field, value in (("amax_history", history), ("scale", scale), ("scale_in_use", in_use)):
         torch._foreach_copy_([getattr(state, field) for state in states], list(value.unbind(0)))
     _set_inverses(states, in_use)
-    cleared = [state.step_amax for state in states if state.gathered is None] + [
-        state.step_amax[index]
-        for state in states
-        if state.gathered is not None
-        for index in (INPUT, GRAD)
+    cleared = [state.step_amax for state in states if not state.param_gather] + [
+        state.step_amax[index] for state in states if state.param_gather for index in (INPUT, GRAD)
     ]
     torch._foreach_zero_(cleared)
     for state in states:
         state.has_history = True
-
-
-def set_gathered_scales(states: list[Fp8Linear], amax: torch.Tensor) -> torch.Tensor:
-    """--fp8-param-gather, after an optimizer step: from the amaxes ([layers]) of the whole
-    updated weights of `states` (reduced over the ranks holding their pieces), the scale each
-    weight is cast with, set as its `gathered_scale` and returned ([layers]). Delayed scaling
-    records the amax as the step's weight amax, as a forward casting the weight would, and
-    casts with its history's scale once it has one. One batch for every layer, as
-    `push_amaxes`: each layer alone took a dozen launches."""
-    recipe = states[0].recipe
-    if recipe.delayed:
-        torch._foreach_copy_([state.step_amax[WEIGHT] for state in states], list(amax.unbind(0)))
-    from_history = [recipe.delayed and state.has_history for state in states]
-    current = None
-    if not all(from_history):
-        fp8_max = states[0].fp8_max[WEIGHT]
-        current = scale_from_amax(amax, fp8_max, recipe.margin, torch.ones_like(amax))
-    if not any(from_history):
-        scales = current
-    else:
-        scales = torch.stack(
-            [
-                state.scale_in_use[WEIGHT] if history else current[i]
-                for i, (state, history) in enumerate(zip(states, from_history))
-            ]
-        )
-    torch._foreach_copy_([state.gathered_scale for state in states], list(scales.unbind(0)))
-    return scales

@@ -135,14 +135,19 @@ def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:
     }
 
 
-def fp8_weights(chunks: list[nn.Module]) -> dict[nn.Parameter, Fp8Linear]:
-    """The trained weights of the chunks' FP8 layers, each with its layer's FP8 state."""
-    return {
-        module.weight: module.fp8
+def fp8_layers(chunks: list[nn.Module]) -> list[nn.Module]:
+    """The chunks' FP8 linear layers whose weights are trained."""
+    return [
+        module
         for chunk in chunks
         for module in chunk.modules()
         if isinstance(getattr(module, "fp8", None), Fp8Linear) and module.weight.requires_grad
-    }
+    ]
+
+
+def fp8_weights(chunks: list[nn.Module]) -> dict[nn.Parameter, Fp8Linear]:
+    """The trained weights of the chunks' FP8 layers, each with its layer's FP8 state."""
+    return {module.weight: module.fp8 for module in fp8_layers(chunks)}
 
 
 _STATE = ("scale", "amax_history")

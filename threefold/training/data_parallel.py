@@ -24,7 +24,8 @@ from torch import nn
 
 from threefold.config import Config
 from threefold.kernels.fp8 import WEIGHT
-from threefold.model.fp8 import fp8_weights
+from threefold.model.fp8 import fp8_layers, fp8_weights
+from threefold.model.fp8_fsdp_params import Fp8FsdpParameters, shard_in_fp8
 from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import (
     GradientBuffer,
@@ -239,6 +240,10 @@ class TorchDataParallel:
         self.compute_dtype = params_dtype(config)
         self.activation_dtype = self.compute_dtype if fsdp else torch.float32
         self.device_type = device.type
+        # --fp8-param-gather: the FP8 layers' weights all-gathered in FP8 (FSDP2 only: the
+        # config refuses DDP), prepared before FSDP2 shards them
+        fp8_layers_gathered = fp8_layers(model_chunks) if config.fp8.fp8_param_gather else []
+        shard_in_fp8(fp8_layers_gathered)
         wrapped = (
             wrap_fsdp(model, device, parallel.dp_cp, self.compute_dtype, reduce_dtype)
             if fsdp
@@ -251,8 +256,15 @@ class TorchDataParallel:
         self.parallel = parallel
         self.reduce_after_schedule = not fsdp and parallel.pp.size > 1
         self.reduce_dtype = reduce_dtype
+        self.fp8_parameters = None
+        if fp8_layers_gathered:
+            self.fp8_parameters = Fp8FsdpParameters(fp8_layers_gathered, parallel.dp_cp, wrapped)
         self.optimizer = NativeOptimizer(
-            list(model.named_parameters()), config.training, parallel, sharded=fsdp
+            list(model.named_parameters()),
+            config.training,
+            parallel,
+            sharded=fsdp,
+            fp8_parameters=self.fp8_parameters,
         )
 
     def start_step(self, num_microbatches: int) -> None:
@@ -295,10 +307,15 @@ class TorchDataParallel:
         return sum(grad.numel() * grad.element_size() for grad in self._local_grads())
 
     def extra_parameter_bytes(self) -> int:
-        return 0
+        """--fp8-param-gather's FP8 copies of this rank's rows."""
+        return self.fp8_parameters.fp8_bytes() if self.fp8_parameters is not None else 0
 
     def parameters_in_model_dtype(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        """While open, every parameter a plain tensor (--fp8-param-gather's FP8 layers' shards
+        are FSDP2 all-gather extensions otherwise)."""
+        if self.fp8_parameters is None:
+            return contextlib.nullcontext()
+        return self.fp8_parameters.in_model_dtype()
 
     def finish_param_gather(self) -> None:
         pass

@@ -432,8 +432,10 @@ def estimate_stage(
     # is the parameter under --fp8-param-gather; rowwise keeps the transposed one only);
     # uncached (FSDP, and FP8 linears traced into compiled layers), each micro-batch in flight
     # keeps its transposed one (a recomputed one only while recomputing, left out).
-    # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype.
-    parameter_bytes = count * params + fp8_weights * (1 - params) * gathered
+    # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype;
+    # under FSDP2 the FP8 copies of a rank's rows sit beside its fp32 shards (4 bytes / share).
+    stored_in_fp8 = params / 4 if strategy == "fsdp" else 1 - params
+    parameter_bytes = count * params + fp8_weights * stored_in_fp8 * gathered
     fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
     pp = parallel.pipeline_model_parallel_size
     traced = traces_fp8_linears(config.kernels.compile_layers, pp, gathered)

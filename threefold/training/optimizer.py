@@ -35,6 +35,7 @@ from torch import nn
 
 from threefold.config import TrainingConfig
 from threefold.kernels.fp8_gemms import FP8_MAX
+from threefold.model.fp8_fsdp_params import Fp8FsdpParameters
 from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local
@@ -482,7 +483,11 @@ class NativeOptimizer(_AdamWithMasters):
         config: TrainingConfig,
         parallel: ParallelContext,
         sharded: bool,
+        fp8_parameters: Fp8FsdpParameters | None = None,
     ) -> None:
+        """`fp8_parameters` (FSDP2 with --fp8-param-gather): the FP8 copies of the FP8
+        layers' shards, cast again whenever the parameters change."""
+        self.fp8_parameters = fp8_parameters
         # FSDP shards over DP; TP shards (and counts TP-replicated weights once) and pipeline
         # stages hold different layers either way.
         self.reduction_groups = ([parallel.dp_cp.group] if sharded else []) + (
@@ -508,7 +513,8 @@ class NativeOptimizer(_AdamWithMasters):
         pass
 
     def copy_masters_to_model(self) -> None:
-        pass
+        if self.fp8_parameters is not None:
+            self.fp8_parameters.cast()
 
     def copy_model_to_masters(self) -> None:
-        pass
+        self.copy_masters_to_model()
