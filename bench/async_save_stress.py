@@ -60,6 +60,13 @@ TINY = [
 LAYOUTS = {
     "dp2": (2, ["--global-batch-size", "4"]),
     "dp4-distopt": (4, ["--global-batch-size", "8", "--use-distributed-optimizer"]),
+    # FSDP2's shards are DTensors (staged as their local shards), the FP8 layers' all-gather
+    # extensions (plain tensors while saved)
+    "fsdp2-fp8": (
+        2,
+        ["--global-batch-size", "4", "--distributed-strategy", "fsdp", "--bf16"]
+        + ["--fp8-format", "hybrid", "--fp8-param-gather"],
+    ),
     "tp2pp2": (
         4,
         [

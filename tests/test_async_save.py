@@ -1,6 +1,7 @@
 """--async-save with every training-thread collective that used to deadlock or corrupt it
 (--exit-signal-handler, --check-for-nan-in-loss-and-grad, --exit-duration-in-mins) and a save
-every iteration, over 20 iterations on 2 ranks and on TP2 x PP2: no hang, no crash, and every
+every iteration, over 20 iterations on 2 ranks, on TP2 x PP2 and on FSDP2 (DTensor shards, FP8
+all-gather extensions; it crashed at its first async save before): no hang, no crash, and every
 saved iteration's shards and RNG files equal those of the same run saved synchronously.
 bench/async_save_stress.py runs the same comparison in a loop (bench/results/)."""
 
@@ -23,6 +24,7 @@ def test_async_saves_under_collectives_equal_synchronous_ones():
             "--layouts",
             "dp2",
             "tp2pp2",
+            "fsdp2-fp8",
             "--timeout",
             "240",
         ],
@@ -34,6 +36,6 @@ def test_async_saves_under_collectives_equal_synchronous_ones():
     rows = [
         line
         for line in result.stdout.splitlines()
-        if line.startswith("| dp2 |") or line.startswith("| tp2pp2 |")
+        if line.startswith(("| dp2 |", "| tp2pp2 |", "| fsdp2-fp8 |"))
     ]
-    assert len(rows) == 2 and all("| 1 | 1 | 0 | 0 | 0 |" in row for row in rows), rows
+    assert len(rows) == 3 and all("| 1 | 1 | 0 | 0 | 0 |" in row for row in rows), rows

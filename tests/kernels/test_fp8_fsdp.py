@@ -1,9 +1,14 @@
 """The tensor subclasses FSDP2 all-gathers --fp8-param-gather's weights through, on their own
 (tests/parallel/test_fp8_fsdp.py trains with them on gloo ranks)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from tests.conftest import ROOT, logged_losses
 from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe
 from threefold.kernels.fp8_fsdp import Fp8GatheredWeight, Fp8ShardWeight
 from threefold.kernels.fp8_gemms import E4M3
@@ -49,3 +54,34 @@ def test_the_all_gather_hooks_move_fp8_bytes_and_the_gathered_weight_reads_them(
     assert Fp8Linear(Fp8Recipe()).gathered_fp8(trimmed) is trimmed.fp8
     with pytest.raises(NotImplementedError, match="only its layer's FP8 GEMMs read it"):
         trimmed + 1
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 GEMMs need a GPU of compute capability 8.9 or later",
+)
+def test_fsdp2_fp8_param_gather_on_cuda_follows_the_run_without_it():
+    """The CUDA leg (bench/gpu_session.sh tests): one torchrun rank, NCCL, FSDP2 in bf16 with
+    FP8 GEMMs, with and without --fp8-param-gather: the FP8 rows cast on the device, gathered
+    through NCCL as bytes, read by cuBLASLt; the losses of the two runs within 5e-4 (they
+    differ only by the weights' casts, from the fp32 shards or from their bf16 copies)."""
+    losses = []
+    for flags in ([], ["--fp8-param-gather"]):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+        command += [os.path.join(ROOT, "pretrain_gpt.py"), *TINY_CUDA_RUN, *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "all-gathered in FP8" in result.stdout or not flags
+        losses.append([float(v) for v in logged_losses(result.stdout)["train"].values()])
+    assert len(losses[0]) == 5 and len(losses[1]) == 5
+    for without, with_flag in zip(*losses):
+        assert abs(with_flag - without) <= 5e-4 * abs(without), losses
+
+
+TINY_CUDA_RUN = [
+    *["--distributed-strategy", "fsdp", "--bf16", "--fp8-format", "hybrid"],
+    *["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4"],
+    *["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4"],
+    *["--train-iters", "5", "--lr", "1e-4", "--mock-data", "--vocab-size", "512"],
+    *["--log-interval", "1", "--eval-iters", "0", "--seed", "3"],
+]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
 from threefold.checkpoint.manifest import (
@@ -38,6 +39,7 @@ from threefold.checkpoint.manifest import (
     my_slice,
     write_manifest,
 )
+from threefold.parallel.data_parallel.torch_native import local
 
 # Threads that checksum a rank's files (hashlib releases the GIL). DCP's writer itself stays at
 # one thread per rank: with thread_count > 1, torch (2.13) drops an exception raised in its
@@ -147,16 +149,22 @@ class CheckpointWriter:
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of the tensors in CPU memory, reused from save to save (pinned when the
-        tensors live on a GPU, so the copy runs at full bus speed)."""
+        tensors live on a GPU, so the copy runs at full bus speed). A DTensor (FSDP2's
+        shards) is staged as its local shard, wrapped again in its sharding, as torch's own
+        async staging does, so DCP writes each rank's piece of the whole tensor."""
         staged = {}
         for key, tensor in tensors.items():
+            shard = local(tensor).detach()
             buffer = self._staging.get(key)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            if buffer is None or buffer.shape != shard.shape or buffer.dtype != shard.dtype:
                 buffer = torch.empty(
-                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+                    shard.shape, dtype=shard.dtype, device="cpu", pin_memory=shard.is_cuda
                 )
                 self._staging[key] = buffer
-            staged[key] = buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            buffer.copy_(shard, non_blocking=shard.is_cuda)
+            if isinstance(tensor, DTensor):
+                buffer = DTensor(buffer, tensor._spec, requires_grad=False)
+            staged[key] = buffer
         if any(t.is_cuda for t in tensors.values()):
             torch.cuda.synchronize()
         return staged
