@@ -90,3 +90,6 @@ def test_megatrons_gpt3_and_llama3_examples_as_their_flags_are_today(tmp_path):
     assert kind == "refused" and message.startswith("--fp8-param-gather casts"), message
     kind, message = megatron_configs.outcome(with_param_gather + ["--use-distributed-optimizer"])
     assert kind == "parses", message
+    # or Megatron-LM's PyTorch FSDP2, whose shards are then all-gathered in FP8
+    kind, message = megatron_configs.outcome(with_param_gather + ["--use-torch-fsdp2"])
+    assert kind == "parses", message

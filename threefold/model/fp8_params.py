@@ -1,5 +1,8 @@
 """--fp8-param-gather: the FP8 layers' weights kept for compute in FP8, all-gathered as FP8 bytes.
 
+(Under the distributed optimizer, here; under FSDP2, model/fp8_fsdp_params.py, whose per-step
+cast of the shards is this module's `Fp8ShardCasts`.)
+
 Without it, the distributed optimizer all-gathers each updated weight in the run's precision
 (2 bytes an element in bf16) and each step's first forward casts the weight to FP8 again
 (`Fp8Scaling.weights_cached`). With it, as Megatron-LM does with Transformer Engine's FP8
