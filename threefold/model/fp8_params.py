@@ -21,7 +21,7 @@ first, in one message for all weights: tensorwise scaling casts with the scale f
 delayed scaling with its history's scale, recording the amax as the step's weight amax.
 Blockwise scaling reduces the amaxes of each weight's 128 x 128 blocks over the buffer's group
 instead (a rank's piece starts and ends anywhere in a block), and casts with a scale per block
-(`Fp8Parameters._cast_blocks`). The casts start from the fp32 masters, not from a bf16 rounding
+(`Fp8ShardCasts._cast_blocks`). The casts start from the fp32 masters, not from a bf16 rounding
 of them (Megatron's "no intermediate dtype").
 
 The parameter keeps no copy in the run's dtype: once the optimizer has its fp32 masters, the
