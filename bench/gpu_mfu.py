@@ -114,10 +114,12 @@ CONTENDERS = (
 # tensorwise and rowwise beside torchtitan's float8 recipes of those names (torchao's rowwise
 # is E4M3 throughout); blockwise, Megatron-LM's (TE's Float8BlockScaling), in E4M3 as usual.
 # +compile-layers: the FP8 linears traced into each layer's graph, as torchtitan compiles
-# torchao's (docs/fp8.md).
+# torchao's (docs/fp8.md), their casts the Triton kernels as opaque operators; +fused-casts:
+# the casts left to Inductor to fuse with the ops around them (--fusion-impl compile).
 FP8_CONTENDERS = (
     "threefold+fp8",
     "threefold+fp8+compile-layers",
+    "threefold+fp8+compile-layers+fused-casts",
     "threefold+fp8+param-gather",
     "threefold+fp8-tensorwise",
     "threefold+fp8-tensorwise+compile-layers",
@@ -236,6 +238,9 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
         "threefold+fp8": lambda *a: _threefold(*a, extra=FP8_FLAGS),
         "threefold+fp8+compile-layers": lambda *a: _threefold(
             *a, extra=(*FP8_FLAGS, "--compile-layers")
+        ),
+        "threefold+fp8+compile-layers+fused-casts": lambda *a: _threefold(
+            *a, extra=(*FP8_FLAGS, "--compile-layers", "--fusion-impl", "compile")
         ),
         "threefold+fp8+param-gather": lambda *a: _threefold(
             *a, extra=(*FP8_FLAGS, *PARAM_GATHER_FLAGS)

@@ -20,6 +20,7 @@ from tests.parity import (
     relative_error,
     train_job,
 )
+from threefold.kernels import dispatch
 from threefold.kernels.dispatch import KERNELS
 
 LLAMA = LLAMA_STYLE + TRAINING
@@ -32,6 +33,22 @@ def _fresh_compiler():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def opaque_fp8_casts(monkeypatch):
+    """The FP8 casts inside compiled layers as opaque operators (kernels/fp8_ops.py), as where
+    the run's casts are Triton (CUDA); here they run the CPU's eager casts."""
+    configure = dispatch.configure
+
+    def configure_opaque(*args, **kwargs):
+        line = configure(*args, **kwargs)
+        KERNELS.opaque_fp8_casts = True
+        return line
+
+    monkeypatch.setattr(dispatch, "configure", configure_opaque)
+    yield
+    KERNELS.opaque_fp8_casts = False
 
 
 def _compiled_matches_eager(argv):
@@ -89,6 +106,26 @@ def test_fp8_linears_are_traced_into_the_compiled_layer(capsys, recipe):
     assert explained.graph_count == 1 and explained.graph_break_count == 0
     assert _fp8_gemms_traced(explained) == 4
     assert "traced into the compiled layers' graphs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_opaque_fp8_casts_are_operators_of_the_compiled_layer(opaque_fp8_casts, recipe):
+    """Where the casts are opaque, each FP8 linear's forward in the layer's one graph casts
+    through kernels/fp8_ops.py's operators and traces no cast of its own for Inductor."""
+    argv = LLAMA + ["--compile-layers", "--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    explained = _explained_layer(argv)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert _fp8_gemms_traced(explained) == 4
+    for graph in explained.graphs:
+        for name, module in graph.named_children():
+            if name.startswith("fwd_body"):
+                targets = [str(node.target) for node in module.graph.nodes]
+                assert any(target.startswith("threefold.fp8_cast") for target in targets)
+                assert not any(
+                    "float8" in str(node.args) and not str(node.target).startswith("threefold.")
+                    for node in module.graph.nodes
+                    if "_scaled_mm" not in str(node.target)
+                )
 
 
 def _fp8_linears_traced(argv: list[str]) -> bool:
@@ -162,6 +199,12 @@ def test_fp8_layers_compiled_train_as_eager_ones(recipe):
     assert sum(counters["frames"].values()) > 0 and not counters["recompile_limit"]
     assert compiled["fp8"].keys() == eager["fp8"].keys()
     assert_close_dicts(compiled["fp8"], eager["fp8"], 1e-5, "FP8 state")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_fp8_layers_with_opaque_casts_compiled_train_as_eager_ones(opaque_fp8_casts, recipe):
+    """The same with the casts opaque operators: the eager casts' bytes, inside the graph."""
+    test_fp8_layers_compiled_train_as_eager_ones(FP8_STEP_VARIANTS[recipe])
 
 
 def test_fp8_layers_compiled_under_pipeline_parallelism():

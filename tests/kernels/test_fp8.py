@@ -464,24 +464,31 @@ def test_fp8_layers_accumulate_into_the_gradient_buffer_where_the_others_cannot(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", ["", "fp8_param_gather", "compile_layers"])
+@pytest.mark.parametrize(
+    "variant", ["", "fp8_param_gather", "compile_layers", "compile_layers_fused_casts"]
+)
 def test_fp8_bf16_training_on_the_device_follows_fp32(device, variant):
     """Five steps with FP8 GEMMs (hybrid, delayed) in bf16 on the device, with the weights cast
     per forward, gathered in FP8 from the distributed optimizer, or cast inside compiled
     layers (the FP8 linears traced into their graphs), track the fp32 CPU run without FP8 of
     the same data and initial weights. (The CUDA leg: cuBLASLt's GEMMs, the one-rank NCCL path
-    of --fp8-param-gather, and the compiler's FP8 casts and scaled GEMMs.)"""
+    of --fp8-param-gather, and the compiled layers' FP8 casts: the Triton ones as opaque
+    operators, and with --fusion-impl compile the ones Inductor fuses.)"""
     argv = LLAMA_STYLE + TRAINING
     expected = train_job(argv, 5)["losses"]
     flags = ["--bf16", "--fp8-format", "hybrid"]
     if variant == "fp8_param_gather":
         flags += ["--use-distributed-optimizer", "--fp8-param-gather"]
-    if variant == "compile_layers":
+    if variant.startswith("compile_layers"):
         if device == "cpu":  # 30 s of CI; the CPU's are tests/kernels/test_compile_layers.py's
             pytest.skip("compiled FP8 layers on the CPU: test_compile_layers.py, in fp32")
         torch._dynamo.reset()  # a fresh cache: a full one would fall back to eager quietly
         flags += ["--compile-layers"]
+        if variant == "compile_layers_fused_casts":
+            flags += ["--fusion-impl", "compile"]
     trainer = Trainer(parse_args(argv + flags), torch.device(device), ParallelContext())
+    if variant.startswith("compile_layers"):  # (CUDA) the Triton casts, unless Inductor fuses
+        assert KERNELS.opaque_fp8_casts == (variant == "compile_layers")
     losses = [trainer.train_step()[0] for _ in range(5)]
     # Measured on the CPU: 4e-5. A model stuck at uniform predictions (ln 1001) would be
     # 8e-4 to 1.7e-3 off these losses, so the bound also fails on a broken FP8 path.

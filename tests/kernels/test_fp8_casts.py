@@ -158,6 +158,67 @@ def test_the_compiled_casts_are_the_eager_ones_bitwise():
                     assert torch.equal(got.float(), expected.float())
 
 
+def test_the_opaque_casts_are_one_operator_each_in_a_compiled_graph():
+    """kernels/fp8_ops.py, what compiled layers cast with where the run's casts are Triton: in
+    the graph each cast is one operator (none of the reference's ops for Inductor to fuse with
+    a norm), and compiled it gives the eager cast's bytes and layouts (its fake version's
+    strides are the real ones'), and max-accumulates delayed scaling's amax in place, into a
+    view of the state."""
+    from threefold.kernels import fp8_ops, reference
+
+    graphs = []
+
+    def inductor(graph, inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append(graph)
+        return compile_fx(graph, inputs)
+
+    def casts(tensor, scale, step_amax):
+        normed = tensor.relu() * 4  # a producer for Inductor to fuse into, exact
+        return (
+            *fp8_ops.fp8_cast_transpose(normed, scale, E4M3, 448.0, step_amax[0]),
+            *fp8_ops.fp8_cast_transpose_current(normed, fp8_ops.amax(normed), E5M2, 57344.0, 1),
+            *fp8_ops.fp8_cast_rows(normed.t(), E4M3, 448.0, 0),
+            *fp8_ops.fp8_cast_blocks(normed, E4M3, 448.0, 0, 1),
+            *fp8_ops.fp8_cast_blocks(normed, E4M3, 448.0, 0, 128),
+        )
+
+    def eager(tensor, scale, step_amax):
+        normed = tensor.relu() * 4
+        return (
+            *reference.fp8_cast_transpose(normed, scale, E4M3, 448.0, step_amax[0]),
+            *reference.fp8_cast_transpose_current(normed, reference.amax(normed), E5M2, 57344.0, 1),
+            *reference.fp8_cast_rows(normed.t(), E4M3, 448.0, 0),
+            *reference.fp8_cast_blocks(normed, E4M3, 448.0, 0, 1),
+            *reference.fp8_cast_blocks(normed, E4M3, 448.0, 0, 128),
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(casts, backend=inductor, fullgraph=True)
+    tensor, scale = torch.randn(200, 300) * 30, torch.tensor(448.0 / 120.0)
+    step_amax, expected_amax = torch.tensor([0.0, 7.0]), torch.tensor([0.0, 7.0])
+    got, expected = compiled(tensor, scale, step_amax), eager(tensor, scale, expected_amax)
+    for one, other in zip(got, expected, strict=True):
+        assert one.dtype == other.dtype and one.stride() == other.stride()
+        assert torch.equal(one.float(), other.float())
+    assert torch.equal(step_amax, expected_amax) and step_amax[0] > 0
+    (graph,) = graphs
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    operators = [target for target in targets if target.startswith("threefold.")]
+    assert sorted(operators) == sorted(
+        f"threefold.{name}.default"
+        for name in ("fp8_cast_transpose", "fp8_cast_transpose_current", "fp8_amax")
+        + ("fp8_cast_rows", "fp8_cast_blocks", "fp8_cast_blocks")
+    )
+    casts_traced = [
+        node
+        for node in graph.graph.nodes
+        if "float8" in str(node.args) and not str(node.target).startswith("threefold.")
+    ]
+    assert not casts_traced
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 def test_the_triton_cast_transpose_and_amax_on_cuda_are_the_eager_ones_bitwise(source):
@@ -181,6 +242,7 @@ def test_the_triton_cast_transpose_and_amax_on_cuda_are_the_eager_ones_bitwise(s
                 expected = reference.fp8_cast_transpose(layout, scale, dtype, limit)
                 for one, other in zip(got, expected):
                     assert one.shape == other.shape and torch.equal(one.float(), other.float())
+                    assert one.stride() == other.stride()  # fp8_ops.py's fake versions'
                 assert step_amax[0] == reference.amax(layout) and step_amax[1] == 1e9
             assert torch.equal(triton_fp8.amax(layout), reference.amax(layout))
     tensor[1, 1] = float("nan")  # non-finite either way: the previous scale is kept
@@ -203,6 +265,7 @@ def test_the_triton_current_rowwise_and_blockwise_casts_on_cuda_are_the_eager_on
         got, expected = getattr(triton_fp8, kernel)(*args), getattr(reference, kernel)(*args)
         for one, other in zip(got, expected, strict=True):
             assert one.shape == other.shape and torch.equal(one.float(), other.float()), kernel
+            assert one.stride() == other.stride(), kernel  # fp8_ops.py's fake versions'
 
     torch.manual_seed(0)
     for rows, cols in ((100, 70), (4096, 2048), (3, 200), (33, 1000)):

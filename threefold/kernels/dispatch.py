@@ -89,6 +89,9 @@ class Kernels:
         self.fp8_cast_transpose_current = reference.fp8_cast_transpose_current
         self.fp8_cast_rows = reference.fp8_cast_rows
         self.fp8_cast_blocks = reference.fp8_cast_blocks
+        # Inside compiled layers: the casts as opaque operators (kernels/fp8_ops.py), which
+        # run the ones above, rather than the reference for Inductor to fuse.
+        self.opaque_fp8_casts = False
         # Whether a rowwise-scaled torch._scaled_mm writes fp32 (the CPU's does; cuBLASLt's
         # rowwise kernels have written bf16 only): turned off by kernels/fp8.py's first try.
         self.fp8_rowwise_fp32_output = True
@@ -443,7 +446,13 @@ def configure(
         if triton_fp8 is not None and config.fusion_impl == "auto":
             for name in _FP8_CASTS:
                 setattr(KERNELS, name, getattr(triton_fp8, name))
-            casts = "casts with transposes, scales and amaxes Triton (one kernel each)"
+            # and inside compiled layers too (fp8_ops.py says why; --fusion-impl compile
+            # leaves them to Inductor)
+            KERNELS.opaque_fp8_casts = True
+            casts = (
+                "casts with transposes, scales and amaxes Triton (one kernel each, "
+                "opaque to compiled layers)"
+            )
         parts["fp8 GEMMs"] = f"{_fp8_gemms(device, fp8.fp8_recipe, fp8.fp8)}, {casts}"
     # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
     # which dynamo cannot trace (each linear layer would become a graph break).

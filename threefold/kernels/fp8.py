@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from threefold.kernels import reference
+from threefold.kernels import fp8_ops, reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.kernels.fp8_fsdp import Fp8GatheredWeight
 from threefold.kernels.fp8_gemms import (
@@ -80,10 +80,13 @@ INVERSES = ("input_inverse", "weight_inverse", "grad_inverse")
 
 
 def _kernels():
-    """Where the casts come from: inside a compiled graph (a traced `Fp8Linear.linear`) the
-    reference, which the compiler fuses with the ops around it; else the run's (`KERNELS`:
-    one Triton kernel per cast on CUDA, a compiled one elsewhere). The same bytes either way."""
-    return reference if torch.compiler.is_compiling() else KERNELS
+    """Where the casts come from: the run's (`KERNELS`: one Triton kernel per cast on CUDA, a
+    compiled one elsewhere); inside a compiled graph (a traced `Fp8Linear.linear`) the same as
+    opaque operators where the run's are Triton (kernels/fp8_ops.py), else the reference,
+    which the compiler fuses with the ops around it. The same bytes either way."""
+    if not torch.compiler.is_compiling():
+        return KERNELS
+    return fp8_ops if KERNELS.opaque_fp8_casts else reference
 
 
 @dataclass(frozen=True)
