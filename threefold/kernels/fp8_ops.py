@@ -6,8 +6,8 @@ namespaces with the signatures of kernels/reference.py's casts (`Fp8Linear`'s `_
 - the reference itself, which Inductor fuses with the ops around it (the norm's output cast as
   it is written). On an H100 one such fused kernel, an RMSNorm with the cast, its transpose
   and the amax, took 396 us per call where the hand-written Triton cast-transpose takes 45
-  (bench/results/gpu_mfu_fp8_2026-11-26/): a reduction kernel walks rows, so its transposed
-  FP8 store has no tile to make it coalesced;
+  (bench/results/gpu_mfu_fp8_2026-11-26/). Our reading, not yet checked against the code
+  Inductor wrote: a reduction kernel walks rows, so its transposed FP8 store is not tiled;
 - this module, where each cast is one operator that Inductor calls and does not look into.
   It runs the run's eager cast (`KERNELS`: the Triton kernels on CUDA), so the graph's casts
   are the eager path's, launch for launch. The graph stays whole: no break per cast.
