@@ -18,12 +18,13 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from threefold.data import megatron_core  # noqa: E402
 
 
 def make_jsonl(path: str, megabytes: int) -> None:
@@ -48,9 +49,7 @@ def run(*argv: str) -> float:
 
 
 def write_tokens(prefix: str, total_tokens: int) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    IndexedDatasetBuilder = megatron_core.datasets().indexed_dataset.IndexedDatasetBuilder
     rng = np.random.default_rng(0)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
     written = 0

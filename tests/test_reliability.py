@@ -200,15 +200,22 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, THREEFOLD_TEST_TAG=tag, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2"),
+        env=dict(os.environ, THREEFOLD_TEST_TAG=tag),
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not re.search(r" iteration +5/", open(log.name).read()):
+
+    def wait_for(pattern: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not re.search(pattern, open(log.name).read()):
             assert launch.poll() is None and time.monotonic() < deadline, open(log.name).read()
             time.sleep(0.1)
+
+    try:
+        wait_for(r" iteration +5/", 120)
         (victim,) = _workers(tag, rank=1)
         os.kill(victim, signal.SIGSTOP)  # frozen: its watchdog thread cannot answer either
+        wait_for(r"threefold watchdog on rank 0: ", 60)
+        # A stopped process ignores torchrun's SIGTERM; torchrun would wait 30 s to SIGKILL it.
+        os.kill(victim, signal.SIGKILL)
         assert launch.wait(timeout=60) != 0
     finally:
         for pid in _workers(tag, rank=1):

@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import sys
 import time
-import warnings
 
 import numpy as np
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError, DataConfig  # noqa: E402
 from threefold.config.data import TOKENIZERS  # noqa: E402
+from threefold.data import megatron_core  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -105,9 +105,8 @@ def main() -> None:
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    indexed_dataset = megatron_core.datasets().indexed_dataset
+    DType, IndexedDatasetBuilder = indexed_dataset.DType, indexed_dataset.IndexedDatasetBuilder
 
     data_config = DataConfig(
         tokenizer_type=args.tokenizer_type,

@@ -18,6 +18,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import convert_checkpoint  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = [
     "llama",
@@ -33,6 +36,8 @@ KINDS = [
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
+    """The tool as a user runs it: a process of its own, its exit code and its one-line
+    refusals (`converted_in_process` spares the conversions that only make inputs the cost)."""
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
         capture_output=True,
@@ -40,6 +45,10 @@ def convert(*argv: str) -> subprocess.CompletedProcess:
         timeout=120,
         cwd=ROOT,
     )
+
+
+def converted_in_process(*argv: str) -> None:
+    assert convert_checkpoint.main(list(argv)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +59,9 @@ def converted(tmp_path_factory):
         root = tmp_path_factory.mktemp(kind)
         hf_dir, ours = str(root / "hf"), str(root / "threefold")
         model = build_hf_model(kind, hf_dir)
-        result = convert(
+        converted_in_process(
             "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
         )
-        assert result.returncode == 0, result.stderr[-2000:]
         out[kind] = (model, hf_dir, ours)
     return out
 
@@ -76,10 +84,9 @@ def test_logits_match_transformers_at_tp1(converted, kind):
 def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind, tmp_path):
     _, hf_dir, ours = converted[kind]
     exported = str(tmp_path / "exported")
-    result = convert(
+    converted_in_process(
         "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
     )
-    assert result.returncode == 0, result.stderr[-2000:]
     before = {}
     for name in os.listdir(hf_dir):  # one file, or shards listed by an index
         if name.endswith(".safetensors"):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import warnings
 
 import numpy as np
 
 from threefold.config import ConfigError
+from threefold.data import megatron_core
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _CHECKED: set[tuple[str, int]] = set()  # (prefix, vocabulary size) found good in this process
@@ -213,10 +213,8 @@ class MegatronSamples:
 
 
 def _blend(paths: list[str], flag: str, vocab_size: int):
-    from megatron.core.datasets.utils import get_blend_from_list
-
     try:
-        prefixes, weights = get_blend_from_list(paths)
+        prefixes, weights = megatron_core.datasets().utils.get_blend_from_list(paths)
     except (ValueError, AssertionError):
         raise ConfigError(f"{flag}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ...") from None
     for prefix in prefixes:
@@ -228,12 +226,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     """Train, validation and test samples (None for an empty split) from indexed data."""
     from threefold.safe_loading import check_npy_cache
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.blended_megatron_dataset_builder import (
-            BlendedMegatronDatasetBuilder,
-        )
-        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    mcore = megatron_core.datasets()
     data, model = config.data, config.model
     vocab = model.vocab_size
     options = {}
@@ -257,7 +250,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     for directory in index_cache_directories(data.data_cache_path, prefixes):
         check_index_cache(directory)
         check_npy_cache(directory)  # megatron-core loads these with allow_pickle=True
-    gpt_config = GPTDatasetConfig(
+    gpt_config = mcore.gpt_dataset.GPTDatasetConfig(
         random_seed=config.training.seed,
         sequence_length=model.seq_length,
         path_to_cache=data.data_cache_path,
@@ -271,7 +264,8 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     )
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     try:
-        built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+        builder = mcore.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder
+        built = builder(mcore.gpt_dataset.GPTDataset, sizes, lambda: True, gpt_config).build()
     except (AssertionError, ValueError, IndexError) as error:
         raise ConfigError(
             f"--data-path/--split: megatron-core could not build the datasets "
