@@ -22,18 +22,16 @@ import sys
 
 from threefold.arguments import build_parser, parse_args, print_refusal, speaks_for_its_machine
 from threefold.checkpoint.args import checkpoint_flags, latest_config
-from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
-from threefold.data.loader import document_flags
-from threefold.data.sft import SFTDataset, read_jsonl
-from threefold.parallel import state
 from threefold.startup import start_processes
-from threefold.training.trainer import Trainer
 
 
 def sft_datasets(packing: bool):
     def build(config, tokenizer) -> list:
+        from threefold.data.loader import document_flags
+        from threefold.data.sft import SFTDataset, read_jsonl
+
         if tokenizer is None:
             raise ConfigError(
                 "finetune.py needs a tokenizer: the checkpoint has none, pass "
@@ -129,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load)
     )
+    # The flags and the checkpoint's metadata first, before torch is imported: a mistake
+    # costs a second.
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel import state
+    from threefold.training.trainer import Trainer
+
     started = start_processes(config, "finetune.py")
     if started is None:
         return 2

@@ -115,25 +115,6 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
     return total / count, count
 
 
-TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
-
-
-def add_layout_flags(parser) -> None:
-    """The tools' layout: pipeline stages (Megatron's flag), the other ranks tensor-parallel."""
-    group = parser.add_argument_group("layout (of the launched processes)")
-    group.add_argument(
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="pipeline stages (default 1); the launched processes / stages are TP ranks",
-    )
-    group.add_argument(
-        "--tensor-model-parallel-size",
-        type=int,
-        help="TP ranks per stage (default: launched processes / pipeline stages)",
-    )
-
-
 def start_tool(parser, args) -> tuple[torch.device, ParallelContext]:
     """This tool process's device and parallel context at the layout of `add_layout_flags`;
     a layout the launch cannot take exits in one line (said by the first process)."""
@@ -146,17 +127,3 @@ def start_tool(parser, args) -> tuple[torch.device, ParallelContext]:
     except ConfigError as error:
         first = os.environ.get("RANK", "0") == "0"
         parser.exit(2, f"{parser.prog}: error: {error}\n" if first else None)
-
-
-def add_tokenizer_flags(parser) -> None:
-    """The tools' own tokenizer flags: by default the checkpoint's tokenizer is used; a
-    Megatron-LM checkpoint names files on the machine that trained it, these name local ones."""
-    group = parser.add_argument_group("tokenizer (default: the checkpoint's)")
-    for flag in TOKENIZER_FLAGS:
-        group.add_argument(flag, help=f"instead of the checkpoint's {flag.removeprefix('--')}")
-
-
-def tokenizer_files(args) -> dict:
-    """{DataConfig field: value} of the tokenizer flags given."""
-    names = [flag.removeprefix("--").replace("-", "_") for flag in TOKENIZER_FLAGS]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

@@ -26,200 +26,12 @@ with the model only: load it there with --finetune, or --no-load-optim --no-load
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
-from threefold.checkpoint.files import checkpoint_dir, read_metadata  # noqa: E402
-from threefold.checkpoint.hf import (  # noqa: E402
-    hf_config_from_model_config,
-    hf_to_threefold,
-    model_config_from_hf,
-    threefold_to_hf,
-)
-from threefold.checkpoint.load import find_checkpoint, load_model  # noqa: E402
-from threefold.checkpoint.megatron.format import is_megatron_checkpoint  # noqa: E402
-from threefold.checkpoint.megatron.save import save_megatron_checkpoint  # noqa: E402
-from threefold.checkpoint.save import save_weights_checkpoint  # noqa: E402
-from threefold.config import Config, ConfigError, ModelConfig  # noqa: E402
-from threefold.model.lora import merged_weights  # noqa: E402
-from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group  # noqa: E402
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConfigError(
-            f"--load-dir {directory}: no model.safetensors or "
-            "model.safetensors.index.json (safetensors checkpoints only)"
-        )
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(os.path.join(directory, name)))
-    return weights
-
-
-def tokenizer_files(source: str) -> list[str]:
-    """The tokenizer's files in a Hugging Face directory (none when it has no tokenizer)."""
-    found = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
-    return found if {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found) else []
-
-
-def copy_tokenizer_files(source: str, destination: str) -> bool:
-    """Copy the tokenizer's files; returns whether there is a tokenizer at all."""
-    found = tokenizer_files(source)
-    if found:
-        os.makedirs(destination, exist_ok=True)
-    for name in found:
-        shutil.copyfile(os.path.join(source, name), os.path.join(destination, name))
-    return bool(found)
-
-
-def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
-    """(config.json, architecture, model config, threefold tensors, the weights' dtypes) of
-    a Hugging Face model directory."""
-    config_file = os.path.join(load_dir, "config.json")
-    if not os.path.isfile(config_file):
-        raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
-    with open(config_file) as f:
-        hf_config = json.load(f)
-    architecture, model_config = model_config_from_hf(hf_config)
-    weights = read_hf_weights(load_dir)
-    dtypes = {t.dtype for t in weights.values()}
-    tensors = hf_to_threefold(weights, model_config, architecture)
-    return hf_config, architecture, model_config, tensors, dtypes
-
-
-def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
-    hf_config, architecture, model_config, tensors, dtypes = read_hf_model(load_dir)
-    dtypes = {str(dtype).removeprefix("torch.") for dtype in dtypes}
-    config = Config(model=model_config)
-    if tokenizer_files(load_dir):  # copied into the checkpoint as it is written
-        config.data.tokenizer_type = "HuggingFaceTokenizer"
-        config.data.tokenizer_model = os.path.join(checkpoint_dir(save_dir, 0), "tokenizer")
-    hf = {
-        "architecture": architecture,
-        "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
-        "config": hf_config,
-    }
-    return save_weights_checkpoint(
-        save_dir,
-        config,
-        tensors,
-        extra_metadata={"hf": hf},
-        add_files=lambda path: copy_tokenizer_files(load_dir, os.path.join(path, "tokenizer")),
-    )
-
-
-def _guess_architecture(model: ModelConfig) -> str:
-    if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
-        return "GPT2LMHeadModel"
-    if (
-        model.normalization == "RMSNorm"
-        and model.swiglu
-        and (model.position_embedding_type == "rope")
-    ):
-        if model.is_moe:
-            return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
-        if model.qk_layernorm:
-            return "Qwen3ForCausalLM"
-        return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
-    raise ConfigError(
-        "this threefold model matches no Hugging Face architecture threefold "
-        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3 and the "
-        "Mixtral/Qwen3-MoE mixtures of experts: RMSNorm + SwiGLU + RoPE)"
-    )
-
-
-def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Tensor], dict, int]:
-    """(config, whole tensors by name, metadata, iteration) of the latest checkpoint in a
-    threefold or Megatron-LM (torch_dist) --load-dir, LoRA adapters folded in."""
-    iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
-    if iteration is None:
-        raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
-    if is_megatron_checkpoint(checkpoint_dir(load_dir, iteration)) != (loader == "megatron"):
-        other = "threefold" if loader == "megatron" else "megatron"
-        raise ConfigError(
-            f"--load-dir {load_dir}: not a {loader} checkpoint; it is a {other} one: "
-            f"use --loader {other}"
-        )
-    metadata = read_metadata(load_dir, iteration)
-    config, model, _ = load_model(load_dir, iteration=iteration, with_tokenizer=False)
-    state = {}
-    for name, param in model.named_parameters():
-        name = model.layout_independent_name(name)
-        state[name] = gather_tensor_parallel(
-            param.detach(), param, sharding_group(param, model.parallel)
-        )
-    if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
-        state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
-        config.model.lora_rank = None
-    return config, state, metadata, iteration
-
-
-def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
-    from safetensors.torch import save_file
-
-    config, state, metadata, iteration = whole_model(load_dir, loader)
-    hf = metadata.get("hf", {})
-    architecture = hf.get("architecture") or _guess_architecture(config.model)
-    tensors = threefold_to_hf(state, config.model, architecture)
-    target = getattr(torch, dtype or hf.get("dtype", "float32"))
-    tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
-    os.makedirs(save_dir, exist_ok=True)
-    save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = hf_config_from_model_config(config.model, architecture)
-    hf_config["torch_dtype"] = str(target).removeprefix("torch.")
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if key in hf.get("config", {}):
-            hf_config[key] = hf["config"][key]
-    with open(os.path.join(save_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), save_dir)
-    return save_dir
-
-
-def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
-    """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
-    iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
-    if loader == "hf":
-        _, _, model_config, state, dtypes = read_hf_model(load_dir)
-        config, iteration = Config(model=model_config), 0
-        default = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    else:
-        config, state, _, iteration = whole_model(load_dir, loader)
-        default = torch.bfloat16 if config.training.bf16 else torch.float32
-    if config.model.is_moe:
-        raise ConfigError(
-            f"--load-dir {load_dir}: a mixture of experts; Megatron-LM's MoE checkpoint layout "
-            "is not written yet (dense GPT/LLaMA models only)"
-        )
-    target = getattr(torch, dtype) if dtype else default
-    return save_megatron_checkpoint(save_dir, config, state, target, iteration)
+from threefold.config import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,19 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         "the run trained in; float32 otherwise)",
     )
     args = parser.parse_args(argv)
+    # The flags first, before torch is imported: --help or a mistyped flag costs a second.
+    from threefold.checkpoint import convert
+
     try:
         if args.loader == args.saver:
             raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
         if (args.loader, args.saver) == ("hf", "threefold"):
-            path = hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
+            path = convert.hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
         elif args.saver == "hf":
-            path = to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
+            path = convert.to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
         elif args.saver == "megatron":
-            path = to_megatron_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
-        else:  # megatron -> threefold: a weights-only checkpoint, like a Hugging Face import
-            config, state, _, _ = whole_model(args.load_dir, args.loader)
-            config = Config(model=config.model, data=config.data)  # whole tensors: TP = PP = 1
-            path = save_weights_checkpoint(args.save_dir, config, state)
+            path = convert.to_megatron_checkpoint(
+                args.load_dir, args.save_dir, args.dtype, args.loader
+            )
+        else:
+            path = convert.megatron_to_threefold_checkpoint(args.load_dir, args.save_dir)
     except ConfigError as error:
         parser.exit(2, f"convert_checkpoint.py: error: {error}\n")
     print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")

@@ -22,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import build_parser, config_from_namespace, parse_args  # noqa: E402
-from threefold.config import Config  # noqa: E402
+from threefold.arguments import build_parser, config_from_namespace, parse_args, print_refusal  # noqa: E402
+from threefold.config import Config, ConfigError  # noqa: E402
 from threefold.training.memory_estimate import estimate_stage, parameter_count  # noqa: E402
 
 GIB = 2**30
@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             build_parser("estimate_memory.py").parse_args(rest)
         ).parallel.ranks_per_replica
     config = parse_args(rest, world_size=own.world_size, prog="estimate_memory.py")
-    print(format_estimate(config, own.gpu_memory_gib))
+    try:
+        print(format_estimate(config, own.gpu_memory_gib))
+    except ConfigError as error:  # what the flags leave open: the vocabulary, for one
+        print_refusal("estimate_memory.py", error)
+        return 2
     return 0
 
 

@@ -22,17 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
-from threefold.data.tokenizer import prompt_ids as encode_prompt  # noqa: E402
-from threefold.inference import (  # noqa: E402
-    add_layout_flags,
-    add_tokenizer_flags,
-    generate,
-    start_tool,
-    tokenizer_files,
-)
-from threefold.parallel import state  # noqa: E402
+from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
 
 
 def main() -> int:
@@ -59,6 +50,12 @@ def main() -> int:
     add_tokenizer_flags(parser)
     add_layout_flags(parser)
     args = parser.parse_args()
+    # The flags first, before torch is imported: --help or a mistyped flag costs a second.
+    from threefold.checkpoint.load import load_model
+    from threefold.data.tokenizer import prompt_ids as encode_prompt
+    from threefold.inference import generate, start_tool
+    from threefold.parallel import state
+
     device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_model(

@@ -18,16 +18,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference import (  # noqa: E402
-    add_layout_flags,
-    add_tokenizer_flags,
-    score,
-    start_tool,
-    tokenizer_files,
-)
-from threefold.parallel import state  # noqa: E402
+from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
 
 
 def main() -> int:
@@ -43,6 +35,11 @@ def main() -> int:
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
+    # The flags and the input first, before torch is imported: a mistake costs a second.
+    from threefold.checkpoint.load import load_model
+    from threefold.inference import score, start_tool
+    from threefold.parallel import state
+
     device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_model(

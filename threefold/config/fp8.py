@@ -135,3 +135,27 @@ class Fp8Config:
                 0 <= count <= num_layers,
                 f"{flag} {count} must be between 0 and --num-layers {num_layers}",
             )
+
+
+def experts_in_fp8(config: Fp8Config) -> bool:
+    """Whether the MoE experts' linear layers run in FP8 (rowwise scaling only: module doc)."""
+    return config.enabled and config.fp8_recipe == "rowwise"
+
+
+def caches_fp8_weights(distributed_strategy: str) -> bool:
+    """Whether a training step keeps its FP8 weights for all its micro-batches
+    (`Fp8Scaling.weights_cached`). Not under FSDP, which gathers a layer's weights for its
+    forward and frees them after: a copy of every layer's held through the step would undo
+    that."""
+    return distributed_strategy != "fsdp"
+
+
+def traces_fp8_linears(
+    compile_layers: bool, pipeline_parallel_size: int, param_gather: bool
+) -> bool:
+    """Whether FP8 linear layers are traced into their compiled layers' graphs
+    (`Fp8Linear.linear`): under --compile-layers, except with pipeline parallelism (1F1B runs
+    a micro-batch's forward before the previous one's backward) and --fp8-param-gather (whose
+    weight copies a layer finds by the parameter's identity, which a graph would be
+    specialized on: one graph per layer)."""
+    return compile_layers and pipeline_parallel_size == 1 and not param_gather

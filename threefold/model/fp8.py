@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from threefold.config.fp8 import Fp8Config
+from threefold.config.fp8 import Fp8Config, experts_in_fp8
 from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
 from threefold.model.mlp import MLP
 from threefold.model.moe.layer import MoELayer
@@ -55,11 +55,6 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
         amax_history_len=config.fp8_amax_history_len,
         amax_compute_algo=config.fp8_amax_compute_algo,
     )
-
-
-def experts_in_fp8(config: Fp8Config) -> bool:
-    """Whether the MoE experts' linear layers run in FP8 (rowwise scaling only: module doc)."""
-    return config.enabled and config.fp8_recipe == "rowwise"
 
 
 def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -104,25 +99,6 @@ def convert_to_fp8(
         for module in experts if experts_in_fp8(config) else []:
             # Rowwise scaling reduces no amax (and keeps no units: its scales are per row).
             module.fp8 = Fp8Linear(recipe, ONE_DEVICE).to(device)
-
-
-def caches_fp8_weights(distributed_strategy: str) -> bool:
-    """Whether a training step keeps its FP8 weights for all its micro-batches
-    (`Fp8Scaling.weights_cached`). Not under FSDP, which gathers a layer's weights for its
-    forward and frees them after: a copy of every layer's held through the step would undo
-    that."""
-    return distributed_strategy != "fsdp"
-
-
-def traces_fp8_linears(
-    compile_layers: bool, pipeline_parallel_size: int, param_gather: bool
-) -> bool:
-    """Whether FP8 linear layers are traced into their compiled layers' graphs
-    (`Fp8Linear.linear`): under --compile-layers, except with pipeline parallelism (1F1B runs
-    a micro-batch's forward before the previous one's backward) and --fp8-param-gather (whose
-    weight copies a layer finds by the parameter's identity, which a graph would be
-    specialized on: one graph per layer)."""
-    return compile_layers and pipeline_parallel_size == 1 and not param_gather
 
 
 def fp8_states(chunks: list[nn.Module]) -> dict[str, Fp8Linear]:

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 
 from threefold.config import Config
+from threefold.config.fp8 import caches_fp8_weights, traces_fp8_linears
 from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_model
 from threefold.model import GPTModel
-from threefold.model.fp8 import Fp8Scaling, caches_fp8_weights, convert_to_fp8, traces_fp8_linears
+from threefold.model.fp8 import Fp8Scaling, convert_to_fp8
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.training.data_parallel import (

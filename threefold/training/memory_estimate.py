@@ -57,8 +57,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
-from threefold.model.fp8 import caches_fp8_weights, experts_in_fp8, traces_fp8_linears
+from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8, traces_fp8_linears
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
+from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
 
 
 def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
@@ -308,8 +309,6 @@ def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> 
 def _micro_batches_in_flight(config: Config, stage: int) -> int:
     """The most micro-batches whose activations stage `stage` holds at once, from the
     schedule's own action order (counted in model chunks' worth, divided by the chunks)."""
-    from threefold.parallel.pipeline_parallel.schedules import interleaved_order, one_f_one_b_order
-
     parallel = config.parallel
     pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
     m = config.training.num_micro_batches(parallel.data_parallel_size)
