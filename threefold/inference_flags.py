@@ -1,6 +1,6 @@
 """The generation and scoring tools' own flags, apart from threefold.inference so that a tool
-answers --help or a mistyped flag before it imports torch (a second, where torch costs three).
-"""
+answers --help or a mistyped flag before it imports torch (in a tenth of a second, where
+importing torch takes three)."""
 
 from __future__ import annotations
 
