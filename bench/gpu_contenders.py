@@ -77,6 +77,10 @@ def transformers_step(shape: Shape, device, bf16: bool, compiled: bool = False):
 
 
 def megatron_core_step(shape: Shape, device, bf16: bool):
+    if device.type != "cuda":  # said before megatron-core's 2.5 s import
+        raise RuntimeError(
+            "megatron-core's GPTModel needs CUDA (its RoPE calls torch.cuda.current_device())"
+        )
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -87,10 +91,6 @@ def megatron_core_step(shape: Shape, device, bf16: bool):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if device.type != "cuda":
-        raise RuntimeError(
-            "megatron-core's GPTModel needs CUDA (its RoPE calls torch.cuda.current_device())"
-        )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
     dist.init_process_group("nccl", rank=0, world_size=1)
