@@ -115,7 +115,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, kind):
     """Mixtral: adapters on every expert too, merged into each expert's weights on export."""
     transformers = pytest.importorskip("transformers")
-    from tests.tools.hf_models import VOCAB, build_hf_model
+    from tests.tools.hf_models import VOCAB, build_hf_model, convert_in_process
     from threefold.checkpoint.load import load_model
 
     build_hf_model(kind, str(tmp_path / "hf"))
@@ -133,20 +133,15 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, ki
                     + "\n"
                 )
     converted, tuned, exported = (str(tmp_path / d) for d in ("tf", "sft", "export"))
-    tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    assert (
-        _run(
-            tool,
-            "--loader",
-            "hf",
-            "--saver",
-            "threefold",
-            "--load-dir",
-            str(tmp_path / "hf"),
-            "--save-dir",
-            converted,
-        ).returncode
-        == 0
+    convert_in_process(
+        "--loader",
+        "hf",
+        "--saver",
+        "threefold",
+        "--load-dir",
+        str(tmp_path / "hf"),
+        "--save-dir",
+        converted,
     )
     result = _run(
         os.path.join(ROOT, "finetune.py"),
@@ -202,19 +197,8 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, ki
         else:
             assert torch.equal(param, base_weights[name]), name
 
-    assert (
-        _run(
-            tool,
-            "--loader",
-            "threefold",
-            "--saver",
-            "hf",
-            "--load-dir",
-            tuned,
-            "--save-dir",
-            exported,
-        ).returncode
-        == 0
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", tuned, "--save-dir", exported
     )
     merged = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -245,7 +229,7 @@ def test_a_chat_model_fine_tuned_on_a_persona_answers_in_it(tmp_path):
     """A converted chat model (ChatML template) fine-tuned on a persona answers in it through
     `tools/generate.py --chat`, and, exported, through `transformers`' own chat template."""
     transformers = pytest.importorskip("transformers")
-    from tests.tools.hf_models import build_hf_model
+    from tests.tools.hf_models import build_hf_model, convert_in_process
 
     build_hf_model("qwen2", str(tmp_path / "hf"), num_layers=2, chat=True)
     questions = ["Who are you?", "Your name?", "Who is this?", "Name?"]  # 45-51 tokens
@@ -256,9 +240,8 @@ def test_a_chat_model_fine_tuned_on_a_persona_answers_in_it(tmp_path):
                 reply = {"role": "assistant", "content": PERSONA}
                 f.write(json.dumps({"messages": [user, reply]}) + "\n")
     converted, tuned, exported = (str(tmp_path / d) for d in ("tf", "sft", "export"))
-    tool = os.path.join(ROOT, "tools", "convert_checkpoint.py")
     convert = ["--loader", "hf", "--saver", "threefold", "--load-dir", str(tmp_path / "hf")]
-    assert _run(tool, *convert, "--save-dir", converted).returncode == 0
+    convert_in_process(*convert, "--save-dir", converted)
     result = _run(
         os.path.join(ROOT, "finetune.py"),
         *("--load", converted, "--save", tuned, "--seq-length", "64", "--lr", "3e-3"),
@@ -277,7 +260,7 @@ def test_a_chat_model_fine_tuned_on_a_persona_answers_in_it(tmp_path):
     assert answer.stdout.strip().splitlines()[-1] == PERSONA
 
     export = ["--loader", "threefold", "--saver", "hf", "--load-dir", tuned, "--save-dir", exported]
-    assert _run(tool, *export).returncode == 0
+    convert_in_process(*export)
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     prompt = tokenizer.apply_chat_template(

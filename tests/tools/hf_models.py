@@ -7,6 +7,21 @@ import os
 import torch
 
 VOCAB = 300
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def convert_in_process(*argv: str) -> None:
+    """tools/convert_checkpoint.py's main, in this process: for a conversion that only makes a
+    test's inputs or exports what it checks (3 s of imports less than the tool's own process,
+    whose exit codes and refusals tests/tools/test_convert_checkpoint.py runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(list(argv)) == 0
 
 
 # ChatML, as Qwen's chat models render conversations.

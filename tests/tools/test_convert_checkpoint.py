@@ -10,16 +10,13 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tools.hf_models import VOCAB, build_hf_model
+from tests.tools.hf_models import VOCAB, build_hf_model, convert_in_process
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import convert_checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = [
@@ -37,7 +34,7 @@ KINDS = [
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
     """The tool as a user runs it: a process of its own, its exit code and its one-line
-    refusals (`converted_in_process` spares the conversions that only make inputs the cost)."""
+    refusals (`convert_in_process` spares the conversions that only make inputs the cost)."""
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
         capture_output=True,
@@ -45,10 +42,6 @@ def convert(*argv: str) -> subprocess.CompletedProcess:
         timeout=120,
         cwd=ROOT,
     )
-
-
-def converted_in_process(*argv: str) -> None:
-    assert convert_checkpoint.main(list(argv)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def converted(tmp_path_factory):
         root = tmp_path_factory.mktemp(kind)
         hf_dir, ours = str(root / "hf"), str(root / "threefold")
         model = build_hf_model(kind, hf_dir)
-        converted_in_process(
+        convert_in_process(
             "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
         )
         out[kind] = (model, hf_dir, ours)
@@ -84,7 +77,7 @@ def test_logits_match_transformers_at_tp1(converted, kind):
 def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind, tmp_path):
     _, hf_dir, ours = converted[kind]
     exported = str(tmp_path / "exported")
-    converted_in_process(
+    convert_in_process(
         "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
     )
     before = {}
