@@ -4,8 +4,6 @@ and exports that compute the same function in `transformers`."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -74,22 +72,13 @@ def test_variant_layouts_match_single_process(style, flags, tolerance):
     assert_matches_reference(results, reference, tolerance)
 
 
-def _convert(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-
-
 @pytest.mark.parametrize(
     "flags,architecture",
     [(["--apply-layernorm-1p"], "LlamaForCausalLM"), (VARIANT, "Qwen3ForCausalLM")],
 )
 def test_trained_variants_export_to_transformers(flags, architecture, tmp_path):
     transformers = pytest.importorskip("transformers")
+    from tests.tools.hf_models import convert_in_process
     from threefold.checkpoint.save import save_checkpoint
 
     argv = LLAMA_STYLE + TRAINING + flags + ["--vocab-size", "1008", "--save", str(tmp_path)]
@@ -98,7 +87,7 @@ def test_trained_variants_export_to_transformers(flags, architecture, tmp_path):
         trainer.train_step()
     save_checkpoint(str(tmp_path), trainer.checkpoint_components())
     exported = str(tmp_path / "hf")
-    result = _convert(
+    convert_in_process(
         "--loader",
         "threefold",
         "--saver",
@@ -108,7 +97,6 @@ def test_trained_variants_export_to_transformers(flags, architecture, tmp_path):
         "--save-dir",
         exported,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
     assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == [architecture]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     tokens = torch.randint(0, 1008, (2, 16), generator=torch.Generator().manual_seed(0))
