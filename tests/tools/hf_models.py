@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 VOCAB = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # tools/ is no package: its scripts by name
+import convert_checkpoint  # noqa: E402
+
 
 def convert_in_process(*argv: str) -> None:
     """tools/convert_checkpoint.py's main, in this process: for a conversion that only makes a
     test's inputs or exports what it checks (3 s of imports less than the tool's own process,
     whose exit codes and refusals tests/tools/test_convert_checkpoint.py runs)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py")
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(list(argv)) == 0
+    assert convert_checkpoint.main(list(argv)) == 0
 
 
 # ChatML, as Qwen's chat models render conversations.

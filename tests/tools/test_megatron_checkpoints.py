@@ -20,12 +20,10 @@ import torch
 
 from tests import megatron_core_models as mc
 from tests.distributed import run_distributed
+from tests.tools.hf_models import convert_checkpoint
 from threefold.checkpoint.load import load_checkpoint, load_model
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import convert_checkpoint  # noqa: E402
 
 KINDS = ["llama", "gpt2"]
 
