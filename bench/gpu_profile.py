@@ -1,7 +1,7 @@
 """Where a threefold training step spends its GPU time: the PyTorch profiler over a few steps
 of bench/gpu_mfu.py's model, kernels grouped by name, most expensive first; then, on a GPU, the
 same ops by their own host time (what the host spends launching them), for a step whose wall
-time exceeds its GPU time (the 1B FP8 step: docs/fp8.md).
+time exceeds its GPU time (the 1B FP8 step: docs/fp8_gpu.md).
 
     python bench/gpu_profile.py [--steps 2] [-- EXTRA_PRETRAIN_FLAGS...]
     python bench/gpu_profile.py --tiny -- --compile-layers          # the script, on a CPU

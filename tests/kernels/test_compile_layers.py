@@ -24,6 +24,7 @@ from threefold.kernels import dispatch
 from threefold.kernels.dispatch import KERNELS
 
 LLAMA = LLAMA_STYLE + TRAINING
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 
 
 @pytest.fixture(autouse=True)
@@ -146,6 +147,52 @@ def test_fp8_linears_stay_eager_with_fp8_param_gather(capsys):
     )
 
 
+@pytest.mark.parametrize("recompute", [[], FULL_RECOMPUTE], ids=["", "full_recompute"])
+def test_compiled_layers_add_their_weight_gradients_into_the_buffer(monkeypatch, recompute):
+    """--gradient-accumulation-fusion inside compiled layers: every weight-gradient GEMM of the
+    layers adds into main_grad through the operator Inductor calls with main_grad itself (5
+    per layer and micro-batch: QKV, projection, SwiGLU's gate and up blocks, fc2); the
+    gradient buffer finds each of their placeholders flagged (by the traced forward; under
+    full recomputation by the forward recomputed in backward) and discards it; two steps
+    of four micro-batches train as the eager layers do."""
+    import inspect
+
+    from tests.parity import _setup
+    from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+    from threefold.parallel.tensor_parallel import weight_grad
+
+    add_product, accumulate = weight_grad._add_product, GradientBuffer._accumulate
+    by_operator, unflagged = [], set()
+
+    def counted_add_product(*args):
+        by_operator.append(inspect.stack()[1].function == "_add_product_op")
+        add_product(*args)
+
+    def watched_accumulate(self, param):
+        if not getattr(param, "grad_added_to_main_grad", False):
+            unflagged.add(param)
+        accumulate(self, param)
+
+    monkeypatch.setattr(weight_grad, "_add_product", counted_add_product)
+    monkeypatch.setattr(GradientBuffer, "_accumulate", watched_accumulate)
+    runs = {}
+    argv = LLAMA + recompute + (["--recompute-num-layers", "1"] if recompute else [])
+    for name, flags in (("eager", []), ("compiled", ["--compile-layers"])):
+        by_operator.clear()
+        trainer = _setup(argv + flags)
+        runs[name] = [trainer.train_step()[0] for _ in range(2)]
+    assert "gradient buffer by their GEMM" in KERNELS.description
+    assert sum(by_operator) == 2 * 5 * 4 * 2  # layers, GEMMs, micro-batches, steps
+    layers = trainer.model.decoder.layers
+    weights = {name for name, param in layers.named_parameters() if param in unflagged}
+    assert weights == {
+        f"{i}.{norm}"
+        for i in (0, 1)
+        for norm in ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+    }
+    assert_losses_close(runs["compiled"], runs["eager"], 1e-6)
+
+
 def test_selective_recompute_inside_compiled_layers():
     # The recomputed core attention runs eager between two compiled graphs.
     _compiled_matches_eager(LLAMA + ["--recompute-granularity", "selective"])
@@ -161,17 +208,8 @@ def test_tensor_parallel_with_sequence_parallel_and_compiled_layers():
 
 def test_pipeline_parallel_with_full_recompute_and_compiled_layers():
     reference = train_job(LLAMA, 10)
-    argv = LLAMA + [
-        "--pipeline-model-parallel-size",
-        "2",
-        "--compile-layers",
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "uniform",
-        "--recompute-num-layers",
-        "1",
-    ]
+    argv = LLAMA + ["--pipeline-model-parallel-size", "2", "--compile-layers"] + FULL_RECOMPUTE
+    argv += ["--recompute-num-layers", "1"]
     assert_matches_reference(run_distributed(2, train_job, argv, 10), reference, 1e-5)
 
 

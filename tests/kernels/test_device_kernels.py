@@ -113,12 +113,23 @@ def test_the_fastest_backend_at_the_model_shape_matches_fp32_math(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_training_on_the_device_follows_fp32(device):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile_layers"])
+def test_bf16_training_on_the_device_follows_fp32(device, compiled):
     """Five steps with the device's default kernels in bf16 (fp32 master weights and Adam
-    state) track the fp32 CPU run of the same data and initial weights."""
+    state) track the fp32 CPU run of the same data and initial weights; eager, and with
+    compiled layers, whose weight-gradient GEMMs add bf16 products into the fp32 gradient
+    buffer from inside the graph on CUDA (tensor_parallel/weight_grad.py)."""
     argv = LLAMA_STYLE + TRAINING
+    flags = ["--bf16"]
+    if compiled:
+        if device == "cpu":  # the CPU's: test_compile_layers.py, in fp32 (no bf16 addmm here)
+            pytest.skip("compiled layers on the CPU: test_compile_layers.py")
+        torch._dynamo.reset()  # a fresh cache: a full one would fall back to eager quietly
+        flags += ["--compile-layers"]
     expected = train_job(argv, 5)["losses"]
-    trainer = Trainer(parse_args(argv + ["--bf16"]), torch.device(device), ParallelContext())
+    trainer = Trainer(parse_args(argv + flags), torch.device(device), ParallelContext())
+    if device == "cuda":
+        assert "weight gradients accumulated into the gradient buffer" in KERNELS.description
     assert next(trainer.model.parameters()).device.type == device
     losses = [trainer.train_step()[0] for _ in range(5)]
     assert_losses_close(losses, expected, BF16_TOLERANCE)

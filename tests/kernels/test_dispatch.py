@@ -46,11 +46,17 @@ def test_explicit_choices_are_honoured():
     assert KERNELS.rotary is reference.rotary and KERNELS.layer_norm is not reference.layer_norm
     assert "transformer layers" not in line
     assert line.endswith("weight gradients accumulated into the gradient buffer by their GEMM")
-    line = configure(KernelConfig(compile_layers=True), CPU, torch.float32, "RMSNorm", SHAPE)
+    compiled = KernelConfig(compile_layers=True)
+    line = configure(compiled, CPU, torch.float32, "RMSNorm", SHAPE)
     assert "transformer layers each torch.compile'd as one graph" in line
+    assert line.endswith("weight gradients accumulated into the gradient buffer by their GEMM")
+    # a compiled forward flags its backward's gradient, which 1F1B's order would mismatch
+    line = configure(compiled, CPU, torch.float32, "RMSNorm", SHAPE, pipeline_parallel_size=2)
     assert line.endswith(
-        "weight gradients added to the gradient buffer separately (compiled layers)"
+        "weight gradients added to the gradient buffer separately (compiled layers under "
+        "pipeline parallelism)"
     )
+    assert not KERNELS.gradient_accumulation_fusion
     # bf16 into the fp32 buffer needs addmm's out_dtype, which the CPU lacks
     line = configure(KernelConfig(), CPU, torch.bfloat16, "RMSNorm", SHAPE)
     assert line.endswith("(this torch has no addmm with out_dtype)")

@@ -449,12 +449,12 @@ def test_gradient_accumulation_fusion_is_on_with_threefold_data_parallelism(caps
     assert not off.model.decoder.layers[0].mlp.linear_fc2.gradient_accumulation_fusion
 
 
-@pytest.mark.parametrize("flags", [["--bf16"], ["--compile-layers"]], ids=["bf16", "compiled"])
+@pytest.mark.parametrize("flags", [["--bf16"], ["--bf16", "--compile-layers"]])
 def test_fp8_layers_accumulate_into_the_gradient_buffer_where_the_others_cannot(capsys, flags):
     """Where the other layers add their weight gradients separately — bf16 without addmm's
-    out_dtype (the CPU), and compiled layers — the FP8 layers still accumulate theirs by
-    their GEMM: its output is fp32 already, and, compiled, their forward flags the
-    placeholder gradient for the buffer's hook (a compiled backward cannot)."""
+    out_dtype (the CPU), eager or compiled — the FP8 layers still accumulate theirs by their
+    GEMM: its output is fp32 already, and, compiled, their forward flags the placeholder
+    gradient for the buffer's hook (a compiled backward cannot)."""
     trainer = _setup(LLAMA_STYLE + TRAINING + ["--fp8-format", "hybrid"] + flags)
     assert "the FP8 layers' accumulated by their GEMM" in capsys.readouterr().out
     layer = trainer.model.decoder.layers[0]

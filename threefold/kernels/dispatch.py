@@ -363,9 +363,11 @@ def configure(
     normalization: str,
     attention: AttentionShape,
     fp8: Fp8Config | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> str:
     """Select every kernel for this run; returns the start-up log line. `fp8` (enabled): the
-    linear layers' GEMMs run in FP8 (--fp8-format, --fp8-recipe)."""
+    linear layers' GEMMs run in FP8 (--fp8-format, --fp8-recipe). `pipeline_parallel_size`:
+    whether the weight gradients of compiled layers can go into the gradient buffer."""
     in_fp8 = fp8 is not None and fp8.enabled
     KERNELS.use_reference()
     cuda = _on_gpu(device)
@@ -454,14 +456,19 @@ def configure(
                 "opaque to compiled layers)"
             )
         parts["fp8 GEMMs"] = f"{_fp8_gemms(device, fp8.fp8_recipe, fp8.fp8)}, {casts}"
-    # Not inside compiled layers: the fused backward writes into a buffer outside the graph,
-    # which dynamo cannot trace (each linear layer would become a graph break).
-    fusable = config.gradient_accumulation_fusion and not config.compile_layers
+    # Inside compiled layers the forward flags the fused gradient for its backward, which
+    # 1F1B's forward-before-backward order would mismatch (tensor_parallel/weight_grad.py).
+    unflaggable = config.compile_layers and pipeline_parallel_size > 1
+    fusable = config.gradient_accumulation_fusion and not unflaggable
     KERNELS.gradient_accumulation_fusion = fusable and _gradient_accumulation_fusion(device, dtype)
     if KERNELS.gradient_accumulation_fusion:
         parts["weight gradients"] = "accumulated into the gradient buffer by their GEMM"
     elif config.gradient_accumulation_fusion:
-        why = "this torch has no addmm with out_dtype" if fusable else "compiled layers"
+        why = (
+            "this torch has no addmm with out_dtype"
+            if fusable
+            else "compiled layers under pipeline parallelism"
+        )
         # (the FP8 layers add their fp32 weight gradients themselves: training/build.py)
         parts["weight gradients"] = f"added to the gradient buffer separately ({why})" + (
             "; the FP8 layers' accumulated by their GEMM" if in_fp8 else ""
@@ -490,6 +497,7 @@ def configure_for_model(
     dtype: torch.dtype,
     micro_batch_size: int = 1,
     fp8: Fp8Config | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
     shape = AttentionShape(
@@ -502,7 +510,7 @@ def configure_for_model(
     )
     if fp8 is not None and fp8.enabled and _on_gpu(device):
         _check_fp8_shapes(model, tensor_parallel_size)
-    return configure(config, device, dtype, model.normalization, shape, fp8)
+    return configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
 
 
 def _check_fp8_shapes(model: ModelConfig, tensor_parallel_size: int) -> None:

@@ -67,11 +67,11 @@ from threefold.kernels.fp8_gemms import (
 )
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
-from threefold.parallel.tensor_parallel.layers import accumulate_weight_grad, write_weight_grad
 from threefold.parallel.tensor_parallel.mappings import (
     all_gather_along_first_dim,
     reduce_scatter_along_first_dim,
 )
+from threefold.parallel.tensor_parallel.weight_grad import accumulate_weight_grad, write_weight_grad
 
 # Index of each of a linear layer's tensors in its scaling state.
 INPUT, WEIGHT, GRAD = 0, 1, 2

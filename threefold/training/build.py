@@ -87,6 +87,7 @@ def build_model_and_optimizer(
             params_dtype(config),
             training.micro_batch_size,
             config.fp8,
+            parallel.pp.size,
         )
     )
     torch_native = uses_torch_data_parallel(config)

@@ -10,8 +10,6 @@ takes the `ParallelContext` it lives in: its TP group and whether sequence paral
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,90 +28,18 @@ from threefold.parallel.tensor_parallel.sharding import (
     mark_replicated,
     mark_tensor_parallel,
 )
+from threefold.parallel.tensor_parallel.weight_grad import (
+    LinearWithGradAccumulation,
+    add_weight_grad_product,
+    flag_traced_accumulation,
+    placeholder_after_fused_grad,
+)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the TP size ({denominator})")
     return numerator // denominator
-
-
-def _placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
-    """What autograd receives for a weight whose gradient went into `main_grad` already: an
-    uninitialized tensor (no memory traffic) the gradient buffer's hook discards on seeing
-    `grad_added_to_main_grad`, as Megatron's. `flag=False`: the caller's forward set it."""
-    if flag:
-        weight.grad_added_to_main_grad = True
-        weight.main_grad_is_zero = False
-    return torch.empty_like(weight)
-
-
-def add_weight_grad_product(
-    weight: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor
-) -> torch.Tensor:
-    """--gradient-accumulation-fusion: `weight.main_grad += grad_output^T @ inputs` inside the
-    weight-gradient GEMM (its beta = 1), with no separate gradient tensor and add; bf16 GEMMs
-    accumulate into the fp32 buffer directly on CUDA. Returns the placeholder gradient."""
-    _add_product(weight.main_grad, grad_output, inputs)
-    return _placeholder_grad(weight)
-
-
-def _add_product(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-    if main_grad.dtype == grad_output.dtype:
-        main_grad.addmm_(grad_output.t(), inputs)
-    else:
-        torch.addmm(main_grad, grad_output.t(), inputs, out_dtype=main_grad.dtype, out=main_grad)
-
-
-def accumulate_weight_grad(
-    weight: torch.Tensor, grad_weight: torch.Tensor, flag: bool = True
-) -> torch.Tensor:
-    """A weight gradient computed in fp32 already (the FP8 GEMM's output) added to
-    `weight.main_grad`, skipping its rounding to the parameters' dtype; the placeholder
-    (`_placeholder_grad`'s `flag`)."""
-    weight.main_grad.add_(grad_weight)
-    return _placeholder_grad(weight, flag)
-
-
-def write_weight_grad(weight: torch.Tensor, gemm: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """A weight gradient that `gemm(dtype, out)` computes in fp32 (an FP8 GEMM, which cannot
-    accumulate into its output as addmm does) into `weight.main_grad`: written there by the
-    GEMM itself while main_grad still holds the zeros the gradient buffer started the step
-    with (`main_grad_is_zero`, set by its `start_step`: a step's first micro-batch), saving
-    the add (in main_grad's dtype: 0 + x rounds as the GEMM's output does), else added.
-    Returns the placeholder."""
-    main_grad = weight.main_grad
-    if getattr(weight, "main_grad_is_zero", False) and main_grad.is_contiguous():
-        gemm(main_grad.dtype, main_grad)
-        return _placeholder_grad(weight)
-    return accumulate_weight_grad(weight, gemm(torch.float32))
-
-
-class _LinearWithGradAccumulation(torch.autograd.Function):
-    """`F.linear` whose weight gradient is accumulated into `weight.main_grad` by the GEMM
-    (megatron-core's LinearWithGradAccumulationAndAsyncCommunication, without the overlap)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x)
-        # The parameter itself, for its main_grad: under activation recomputation a saved
-        # tensor comes back as another tensor object.
-        ctx.weight, ctx.has_bias = weight, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        grads = grad_output.reshape(-1, grad_output.shape[-1])
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad
-        grad_x = (grads @ weight).view(x.shape) if needs_x else None
-        grad_weight = (
-            add_weight_grad_product(weight, grads, x.reshape(-1, x.shape[-1]))
-            if needs_weight
-            else None
-        )
-        grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias
 
 
 def linear_gemm(
@@ -137,7 +63,8 @@ def linear_gemm(
     if module.fp8 is not None:
         return module.fp8.linear(x, weight, bias, fuse, sequence_parallel)
     if fuse:
-        return _LinearWithGradAccumulation.apply(x, weight, bias)
+        traced = flag_traced_accumulation(weight)
+        return LinearWithGradAccumulation.apply(x, weight, bias, traced)
     return F.linear(x, weight, bias)
 
 
@@ -152,7 +79,7 @@ class _LinearBlocks(torch.autograd.Function):
     forward ran in, as autocast's own backward does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks, accumulate=False):
+    def forward(ctx, x, weight, bias, blocks, accumulate=False, traced=False):
         biases = (None,) * blocks if bias is None else bias.chunk(blocks)
         outputs = tuple(
             F.linear(x, block, block_bias)
@@ -162,7 +89,7 @@ class _LinearBlocks(torch.autograd.Function):
         ctx.blocks, ctx.has_bias, ctx.compute_dtype = blocks, bias is not None, outputs[0].dtype
         # --gradient-accumulation-fusion: into the parameter's main_grad (the parameter
         # itself: under recomputation a saved tensor comes back as another object)
-        ctx.accumulate, ctx.weight = accumulate, weight
+        ctx.accumulate, ctx.weight, ctx.traced = accumulate, weight, traced
         return outputs
 
     @staticmethod
@@ -193,7 +120,7 @@ class _LinearBlocks(torch.autograd.Function):
             elif needs_x:
                 grad_x.addmm_(grad, block_weight)
             if accumulate:
-                _add_product(ctx.weight.main_grad[block], grad, inputs)
+                add_weight_grad_product(ctx.weight.main_grad, grad, inputs, ctx.traced, block.start)
             elif grad_weight is not None:
                 torch.mm(grad.t(), inputs, out=grad_weight[block])
             if grad_bias is not None:
@@ -201,12 +128,12 @@ class _LinearBlocks(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(x.shape).to(x.dtype)
         if accumulate:
-            grad_weight = _placeholder_grad(ctx.weight)
+            grad_weight = placeholder_after_fused_grad(ctx.weight, ctx.traced)
         elif grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(weight.dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def linear_blocks(
@@ -218,7 +145,8 @@ def linear_blocks(
 ) -> tuple[torch.Tensor, ...]:
     """`F.linear(x, weight, bias).chunk(blocks, -1)`, with a cheaper backward (`_LinearBlocks`);
     `accumulate_in_main_grad`: the weight gradient goes into `weight.main_grad`."""
-    return _LinearBlocks.apply(x, weight, bias, blocks, accumulate_in_main_grad)
+    traced = accumulate_in_main_grad and flag_traced_accumulation(weight)
+    return _LinearBlocks.apply(x, weight, bias, blocks, accumulate_in_main_grad, traced)
 
 
 class ColumnParallelLinear(nn.Module):
