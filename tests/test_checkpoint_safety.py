@@ -6,6 +6,7 @@ reads that kind of file: each refuses in one line with exit code 2, and the mark
 appears. The restricted readers themselves are checked directly too.
 """
 
+import enum
 import json
 import os
 import pickle
@@ -233,3 +234,48 @@ def test_the_restricted_readers(tmp_path):
     # A legacy RNG file (numpy's state as an ndarray) still loads.
     torch.save({"numpy": np.random.get_state()}, tmp_path / "legacy.pt")
     assert load_tensors_file(str(tmp_path / "legacy.pt"))["numpy"][0] == "MT19937"
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as Python 3.11's Enum does by default: `getattr(class, name)` (DCP's
+    metadata under torch before 2.13, whose memory-format enum kept that default). `planted`:
+    also `getattr` of one object, not an enum, with an attribute of its own."""
+
+    def __init__(self, file, planted=None) -> None:
+        super().__init__(file)
+        self.planted = planted
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if self.planted is not None and obj is self.planted[0]:
+            return getattr, self.planted[1]
+        return NotImplemented
+
+
+def test_dcp_metadata_with_enum_members_by_name(tmp_path):
+    """Such metadata loads, each member looked up in its allow-listed enum; a `getattr` of
+    anything but an enum member is refused (an attacker's way to a method of an allowed
+    class)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4]), [chunk])
+    metadata = Metadata(state_dict_metadata={"weight": tensor})
+    path = tmp_path / ".metadata"
+    with open(path, "wb") as f:
+        _EnumsByName(f).dump(metadata)
+    assert b"getattr" in path.read_bytes()
+    loaded = load_dcp_metadata(str(path)).state_dict_metadata["weight"]
+    assert loaded.properties.memory_format == torch.contiguous_format
+    assert loaded.properties.dtype == torch.bfloat16 and loaded.size == torch.Size([4])
+    for attribute in ((TensorProperties, "__init__"), (type(chunk), "__class__")):
+        with open(path, "wb") as f:
+            _EnumsByName(f, planted=(chunk, attribute)).dump(metadata)
+        with pytest.raises(UnsafeFileError, match="refused to load: it asks to run getattr"):
+            load_dcp_metadata(str(path))

@@ -6,7 +6,8 @@ torch), the per-rank RNG files (`torch.save`), and megatron-core's cached datase
 (`numpy.load(allow_pickle=True)`). Each is read here under an allow-list:
 
     .metadata         an unpickler that builds only DCP's metadata dataclasses, torch.Size,
-                      dtypes and paths (`SafeFileSystemReader`, used for every DCP load)
+                      dtypes, paths and members of DCP's enums (`SafeFileSystemReader`, used
+                      for every DCP load)
     rng/rank_*.pt     `torch.load(weights_only=True)`: tensors, numbers, strings, containers
                       (and numpy's array reconstruction, for RNG files of older threefold)
     cache/*.npy       the header must be numpy's, with a plain numeric dtype: megatron-core
@@ -17,6 +18,7 @@ A file that needs anything else is refused with `UnsafeFileError`, one line nami
 
 from __future__ import annotations
 
+import enum
 import os
 import pickle
 
@@ -69,8 +71,23 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsafeFileError(
-            f"{self.path}: refused to load: it asks to run {module}.{name}, "
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
+        raise self._refused(f"{module}.{name}")
+
+    def _enum_member(self, cls, name):
+        """What `builtins.getattr` may do here: Python 3.11 pickles an enum member as
+        `getattr(its class, its name)`, which DCP's metadata holds wherever torch leaves the
+        enum's default (torch before 2.13: `_MEM_FORMAT_ENCODING`; every version's save-plan
+        item types). Only a member of an allow-listed enum is looked up."""
+        members = getattr(cls, "__members__", None) if isinstance(cls, enum.EnumMeta) else None
+        if members is None or not isinstance(name, str) or name not in members:
+            raise self._refused(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, ...)")
+        return members[name]
+
+    def _refused(self, what: str) -> UnsafeFileError:
+        return UnsafeFileError(
+            f"{self.path}: refused to load: it asks to run {what}, "
             "which a checkpoint's metadata never needs (a tampered file?)"
         )
 

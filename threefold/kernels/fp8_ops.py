@@ -31,7 +31,27 @@ def amax(tensor: torch.Tensor) -> torch.Tensor:
     return KERNELS.amax(tensor)
 
 
-@torch.library.custom_op("threefold::fp8_cast_transpose", mutates_args=("amax_into",))
+# The casts that may max-accumulate an amax are two operators each, one mutating it and one
+# not: torch 2.11 fails to trace an optional mutated argument given as None (tensorwise
+# scaling records no amax; evaluation none either), which the GPUs' torch is.
+@torch.library.custom_op("threefold::fp8_cast_transpose", mutates_args=())
+def _cast_transpose(
+    tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, limit: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KERNELS.fp8_cast_transpose(tensor, scale, dtype, limit, None)
+
+
+@torch.library.custom_op("threefold::fp8_cast_transpose_recording", mutates_args=("amax_into",))
+def _cast_transpose_recording(
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    limit: float,
+    amax_into: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return KERNELS.fp8_cast_transpose(tensor, scale, dtype, limit, amax_into)
+
+
 def fp8_cast_transpose(
     tensor: torch.Tensor,
     scale: torch.Tensor,
@@ -40,10 +60,32 @@ def fp8_cast_transpose(
     amax_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.fp8_cast_transpose`, as the run casts: `amax_into` max-accumulated in place."""
-    return KERNELS.fp8_cast_transpose(tensor, scale, dtype, limit, amax_into)
+    if amax_into is None:
+        return _cast_transpose(tensor, scale, dtype, limit)
+    return _cast_transpose_recording(tensor, scale, dtype, limit, amax_into)
 
 
-@torch.library.custom_op("threefold::fp8_cast_transpose_current", mutates_args=("amax_into",))
+@torch.library.custom_op("threefold::fp8_cast_transpose_current", mutates_args=())
+def _cast_transpose_current(
+    tensor: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, limit: float, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return KERNELS.fp8_cast_transpose_current(tensor, amax, dtype, limit, margin, None)
+
+
+@torch.library.custom_op(
+    "threefold::fp8_cast_transpose_current_recording", mutates_args=("amax_into",)
+)
+def _cast_transpose_current_recording(
+    tensor: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    limit: float,
+    margin: int,
+    amax_into: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return KERNELS.fp8_cast_transpose_current(tensor, amax, dtype, limit, margin, amax_into)
+
+
 def fp8_cast_transpose_current(
     tensor: torch.Tensor,
     amax: torch.Tensor,
@@ -53,7 +95,9 @@ def fp8_cast_transpose_current(
     amax_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.fp8_cast_transpose_current`, as the run casts."""
-    return KERNELS.fp8_cast_transpose_current(tensor, amax, dtype, limit, margin, amax_into)
+    if amax_into is None:
+        return _cast_transpose_current(tensor, amax, dtype, limit, margin)
+    return _cast_transpose_current_recording(tensor, amax, dtype, limit, margin, amax_into)
 
 
 @torch.library.custom_op("threefold::fp8_cast_rows", mutates_args=())
@@ -79,11 +123,21 @@ fp8_cast_rows.register_fake(reference.fp8_cast_rows)
 fp8_cast_blocks.register_fake(reference.fp8_cast_blocks)
 
 
-@fp8_cast_transpose.register_fake
-def _(tensor, scale, dtype, limit, amax_into=None):
+@_cast_transpose.register_fake
+def _(tensor, scale, dtype, limit):
     return reference.fp8_cast_transpose(tensor, scale, dtype, limit)
 
 
-@fp8_cast_transpose_current.register_fake
-def _(tensor, amax, dtype, limit, margin, amax_into=None):
+@_cast_transpose_recording.register_fake
+def _(tensor, scale, dtype, limit, amax_into):
+    return reference.fp8_cast_transpose(tensor, scale, dtype, limit)
+
+
+@_cast_transpose_current.register_fake
+def _(tensor, amax, dtype, limit, margin):
+    return reference.fp8_cast_transpose_current(tensor, amax, dtype, limit, margin)
+
+
+@_cast_transpose_current_recording.register_fake
+def _(tensor, amax, dtype, limit, margin, amax_into):
     return reference.fp8_cast_transpose_current(tensor, amax, dtype, limit, margin)
