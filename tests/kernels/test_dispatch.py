@@ -114,6 +114,25 @@ def test_compiling_on_a_cpu_without_a_compiler_is_refused_up_front(config, flag)
         configure(KernelConfig(), CPU, torch.float32, "RMSNorm", SHAPE)  # eager needs none
 
 
+def test_rowwise_fp8_on_a_cpu_torch_without_rowwise_gemms_is_refused_up_front(monkeypatch):
+    """torch before 2.13 runs the CPU's _scaled_mm with one scale per tensor only: rowwise
+    scaling is refused at start-up in one line (it failed on an internal assert in the first
+    step; as torch 2.11's CPU does, here)."""
+    scaled_mm = torch._scaled_mm
+
+    def per_tensor_only(a, b, scale_a, scale_b, **kwargs):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("_scaled_mm only supports per-tensor scaling for CPU backend.")
+        return scaled_mm(a, b, scale_a, scale_b, **kwargs)
+
+    assert "CPU: exact emulation" in dispatch._fp8_gemms(CPU, "rowwise", "e4m3")
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    with pytest.raises(ConfigError, match="^--fp8-recipe rowwise: this torch .* on the CPU"):
+        dispatch._fp8_gemms(CPU, "rowwise", "e4m3")
+    for recipe in ("tensorwise", "delayed", "blockwise"):
+        dispatch._fp8_gemms(CPU, recipe, "e4m3")
+
+
 def test_transformer_engine_request_fails_before_torch_loads(tmp_path):
     argv = LLAMA_STYLE + TRAINING + ["--transformer-impl", "transformer_engine"]
     result = subprocess.run(

@@ -303,6 +303,20 @@ _FP8_CASTS = (
 )
 
 
+def _check_cpu_rowwise_gemm() -> None:
+    """The CPU's torch._scaled_mm takes a scale per row from torch 2.13 on; before, only one
+    per tensor (an internal assert deep in the first step)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError as error:
+        raise ConfigError(
+            f"--fp8-recipe rowwise: this torch ({torch.__version__}) cannot run FP8 GEMMs with "
+            "a scale per row on the CPU (torch 2.13 can); use tensorwise, delayed or "
+            "blockwise here, or a GPU"
+        ) from error
+
+
 def _fp8_gemms(device: torch.device, recipe: str, fp8_format: str) -> str:
     """Whether torch._scaled_mm runs on this device (cuBLASLt's FP8 GEMMs need compute
     capability 8.9: Ada, Hopper and later; its block-scaled ones Hopper and CUDA 12.9); the
@@ -311,6 +325,8 @@ def _fp8_gemms(device: torch.device, recipe: str, fp8_format: str) -> str:
     if not _on_gpu(device):
         if blockwise:
             return "emulated block by block (CPU: the blocks dequantized exactly, an fp32 GEMM)"
+        if recipe == "rowwise":
+            _check_cpu_rowwise_gemm()
         return "torch._scaled_mm (CPU: exact emulation, fp32 accumulation)"
     one = torch.ones((), device=device)
     a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
