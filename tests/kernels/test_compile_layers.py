@@ -147,14 +147,14 @@ def test_fp8_linears_stay_eager_with_fp8_param_gather(capsys):
     )
 
 
-@pytest.mark.parametrize("recompute", [[], FULL_RECOMPUTE], ids=["", "full_recompute"])
-def test_compiled_layers_add_their_weight_gradients_into_the_buffer(monkeypatch, recompute):
+def test_compiled_layers_add_their_weight_gradients_into_the_buffer(monkeypatch):
     """--gradient-accumulation-fusion inside compiled layers: every weight-gradient GEMM of the
     layers adds into main_grad through the operator Inductor calls with main_grad itself (5
     per layer and micro-batch: QKV, projection, SwiGLU's gate and up blocks, fc2); the
-    gradient buffer finds each of their placeholders flagged (by the traced forward; under
-    full recomputation by the forward recomputed in backward) and discards it; two steps
-    of four micro-batches train as the eager layers do."""
+    gradient buffer finds each of their placeholders flagged (by the traced forward: the
+    second layer's, and the first's, which is fully recomputed, by the forward recomputed in
+    backward) and discards it; two steps of four micro-batches train as the eager layers
+    do."""
     import inspect
 
     from tests.parity import _setup
@@ -176,7 +176,8 @@ def test_compiled_layers_add_their_weight_gradients_into_the_buffer(monkeypatch,
     monkeypatch.setattr(weight_grad, "_add_product", counted_add_product)
     monkeypatch.setattr(GradientBuffer, "_accumulate", watched_accumulate)
     runs = {}
-    argv = LLAMA + recompute + (["--recompute-num-layers", "1"] if recompute else [])
+    argv = LLAMA + ["--recompute-granularity", "full", "--recompute-method", "block"]
+    argv += ["--recompute-num-layers", "1"]
     for name, flags in (("eager", []), ("compiled", ["--compile-layers"])):
         by_operator.clear()
         trainer = _setup(argv + flags)
