@@ -32,7 +32,7 @@ from threefold.parallel.tensor_parallel.weight_grad import (
     LinearWithGradAccumulation,
     add_weight_grad_product,
     flag_traced_accumulation,
-    placeholder_after_fused_grad,
+    placeholder_grad,
 )
 
 
@@ -128,7 +128,7 @@ class _LinearBlocks(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(x.shape).to(x.dtype)
         if accumulate:
-            grad_weight = placeholder_after_fused_grad(ctx.weight, ctx.traced)
+            grad_weight = placeholder_grad(ctx.weight, flag=not ctx.traced)
         elif grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:

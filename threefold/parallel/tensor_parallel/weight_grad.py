@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
+def placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
     """What autograd receives for a weight whose gradient went into `main_grad` already: an
     uninitialized tensor (no memory traffic). `flag=False`: the caller's forward set it."""
     if flag:
@@ -82,20 +82,14 @@ def add_weight_grad_product(
         _add_product(main_grad, grad_output, inputs)
 
 
-def placeholder_after_fused_grad(weight: torch.Tensor, traced: bool) -> torch.Tensor:
-    """The placeholder for a weight whose gradient `add_weight_grad_product` added, flagged
-    here unless its traced forward flagged it."""
-    return _placeholder_grad(weight, flag=not traced)
-
-
 def accumulate_weight_grad(
     weight: torch.Tensor, grad_weight: torch.Tensor, flag: bool = True
 ) -> torch.Tensor:
     """A weight gradient computed in fp32 already (the FP8 GEMM's output) added to
     `weight.main_grad`, skipping its rounding to the parameters' dtype; the placeholder
-    (`_placeholder_grad`'s `flag`)."""
+    (`placeholder_grad`'s `flag`)."""
     weight.main_grad.add_(grad_weight)
-    return _placeholder_grad(weight, flag)
+    return placeholder_grad(weight, flag)
 
 
 def write_weight_grad(weight: torch.Tensor, gemm: Callable[..., torch.Tensor]) -> torch.Tensor:
@@ -108,7 +102,7 @@ def write_weight_grad(weight: torch.Tensor, gemm: Callable[..., torch.Tensor]) -
     main_grad = weight.main_grad
     if getattr(weight, "main_grad_is_zero", False) and main_grad.is_contiguous():
         gemm(main_grad.dtype, main_grad)
-        return _placeholder_grad(weight)
+        return placeholder_grad(weight)
     return accumulate_weight_grad(weight, gemm(torch.float32))
 
 
@@ -135,6 +129,6 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         if needs_weight:
             inputs = x.reshape(-1, x.shape[-1])
             add_weight_grad_product(weight.main_grad, grads, inputs, ctx.traced)
-            grad_weight = placeholder_after_fused_grad(weight, ctx.traced)
+            grad_weight = placeholder_grad(weight, flag=not ctx.traced)
         grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
