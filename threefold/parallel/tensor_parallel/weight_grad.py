@@ -52,12 +52,18 @@ def _add_product(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: tor
         torch.addmm(main_grad, grad_output.t(), inputs, out_dtype=main_grad.dtype, out=main_grad)
 
 
-@torch.library.custom_op("threefold::add_weight_grad_product", mutates_args=("main_grad",))
-def _add_product_op(
+def _add_rows(
     main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor, row: int
 ) -> None:
     """`_add_product` into rows `row` onwards of main_grad (a stacked weight's block)."""
     _add_product(main_grad[row : row + grad_output.shape[1]], grad_output, inputs)
+
+
+@torch.library.custom_op("threefold::add_weight_grad_product", mutates_args=("main_grad",))
+def _add_product_op(
+    main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor, row: int
+) -> None:
+    _add_rows(main_grad, grad_output, inputs, row)
 
 
 @_add_product_op.register_fake
@@ -74,12 +80,7 @@ def add_weight_grad_product(
 ) -> None:
     """`main_grad[row:] += grad_output^T @ inputs` for the rows grad_output has, in the
     weight-gradient GEMM; `traced`: inside a compiled graph (module doc)."""
-    if traced:
-        _add_product_op(main_grad, grad_output, inputs, row)
-    elif row or grad_output.shape[1] != main_grad.shape[0]:
-        _add_product(main_grad[row : row + grad_output.shape[1]], grad_output, inputs)
-    else:
-        _add_product(main_grad, grad_output, inputs)
+    (_add_product_op if traced else _add_rows)(main_grad, grad_output, inputs, row)
 
 
 def accumulate_weight_grad(
