@@ -12,6 +12,9 @@ layout, and compares it with the same run saved synchronously (made once per lay
               from each checkpoint's manifest: every tracker position is bitwise correct)
 
     python bench/async_save_stress.py --loops 20 --out bench/results/async_save_stress.md
+
+--jobs N runs N at once: tests/test_async_save.py's quick check, whose runs mostly wait on
+imports and fsync; the seconds in its table are then a shared machine's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -160,6 +164,19 @@ def _mismatch(reference: tuple, log: str, save: str, iterations: int) -> str | N
     return None
 
 
+def _row(layout: str, loops: list[tuple[str, str | None, float, str]]) -> str:
+    counts = {"ok": 0, "hang": 0, "crash": 0, "mismatch": 0}
+    for outcome, _, _, _ in loops:
+        counts[outcome] += 1
+    durations = [seconds for _, _, seconds, _ in loops]
+    blocked = [float(b) for *_, log in loops for b in re.findall(r"\(([\d.]+) s blocked\)", log)]
+    return (
+        f"| {layout} | {LAYOUTS[layout][0]} | {len(loops)} | {counts['ok']} | "
+        f"{counts['hang']} | {counts['crash']} | {counts['mismatch']} | "
+        f"{sum(durations) / len(durations):.1f} | {max(blocked, default=0) * 1000:.0f} |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,30 +185,48 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (the tests' check; the seconds in the table are then shared ones)",
+    )
     parser.add_argument("--out", help="write the table to this markdown file")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="async-save-stress-")
+    pool = ThreadPoolExecutor(args.jobs)
+
+    def run(layout: str, name: str, asynchronous: bool) -> Future:
+        save = os.path.join(work, f"{layout}-{name}")
+        return pool.submit(_run, layout, args.iterations, save, asynchronous, args.timeout)
+
     rows, failures = [], 0
     try:
-        for layout in args.layouts:
-            save = os.path.join(work, f"{layout}-sync")
-            outcome, log, seconds = _run(layout, args.iterations, save, False, args.timeout)
+        # Every run starts at once (--jobs at a time); each loop is checked against its
+        # layout's synchronous run once both have ended.
+        started = {
+            layout: (
+                run(layout, "sync", False),
+                [run(layout, f"async-{loop}", True) for loop in range(args.loops)],
+            )
+            for layout in args.layouts
+        }
+        for layout, (synchronous, loops) in started.items():
+            outcome, log, _ = synchronous.result()
             if outcome != "ok":
                 print(log[-3000:], file=sys.stderr)
                 raise SystemExit(f"{layout}: the synchronous reference run ended in {outcome}")
+            save = os.path.join(work, f"{layout}-sync")
             reference = (_losses(log), _shards(save, args.iterations))
-            counts = {"ok": 0, "hang": 0, "crash": 0, "mismatch": 0}
-            durations, blocked = [], []
-            for loop in range(args.loops):
+            checked = []
+            for loop, future in enumerate(loops):
+                outcome, log, seconds = future.result()
                 save = os.path.join(work, f"{layout}-async-{loop}")
-                outcome, log, seconds = _run(layout, args.iterations, save, True, args.timeout)
                 problem = (
                     _mismatch(reference, log, save, args.iterations) if outcome == "ok" else None
                 )
                 outcome = "mismatch" if problem else outcome
-                counts[outcome] += 1
-                durations.append(seconds)
-                blocked += [float(b) for b in re.findall(r"\(([\d.]+) s blocked\)", log)]
+                checked.append((outcome, problem, seconds, log))
                 print(
                     f"{layout} loop {loop + 1}/{args.loops}: {outcome}"
                     f"{': ' + problem if problem else ''} ({seconds:.1f} s)",
@@ -200,14 +235,10 @@ def main() -> int:
                 if outcome != "ok":
                     print(log[-3000:], file=sys.stderr)
                 shutil.rmtree(save, ignore_errors=True)
-            failures += args.loops - counts["ok"]
-            rows.append(
-                f"| {layout} | {LAYOUTS[layout][0]} | {args.loops} | {counts['ok']} | "
-                f"{counts['hang']} | {counts['crash']} | {counts['mismatch']} | "
-                f"{sum(durations) / len(durations):.1f} | "
-                f"{max(blocked, default=0) * 1000:.0f} |"
-            )
+            failures += sum(outcome != "ok" for outcome, *_ in checked)
+            rows.append(_row(layout, checked))
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(work, ignore_errors=True)
     table = "\n".join(
         [

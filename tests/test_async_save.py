@@ -3,7 +3,8 @@
 every iteration, over 20 iterations on 2 ranks, on TP2 x PP2 and on FSDP2 (DTensor shards, FP8
 all-gather extensions; it crashed at its first async save before): no hang, no crash, and every
 saved iteration's shards and RNG files equal those of the same run saved synchronously.
-bench/async_save_stress.py runs the same comparison in a loop (bench/results/)."""
+bench/async_save_stress.py runs the same comparison in a loop (bench/results/); here its runs go
+two at a time."""
 
 import os
 import subprocess
@@ -27,6 +28,8 @@ def test_async_saves_under_collectives_equal_synchronous_ones():
             "fsdp2-fp8",
             "--timeout",
             "240",
+            "--jobs",
+            "2",
         ],
         capture_output=True,
         text=True,

@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
+from tests.concurrent_runs import Runs, run_together, selected
 from tests.conftest import ROOT, TINY_MODEL, logged_losses
 from tests.data.test_datasets import VOCAB, write_corpus
 
@@ -143,21 +145,13 @@ def reference(tmp_path_factory) -> tuple[str, dict[int, str]]:
     """A 6-iteration run stopped after saving iterations 2 and 4, and the losses of the same
     run uninterrupted."""
     directory = str(tmp_path_factory.mktemp("reference") / "run")
-    saved, _ = _pretrain(
-        *TINY,
-        *MOCK,
-        "--train-iters",
-        "6",
-        "--save-interval",
-        "2",
-        "--exit-interval",
-        "4",
-        "--save",
-        directory,
+    saving = ("--save-interval", "2", "--exit-interval", "4", "--save", directory)
+    runs = run_together(
+        lambda *flags: _pretrain(*TINY, *MOCK, "--train-iters", "6", *flags)[0],
+        {"saved": saving, "straight": ()},
     )
-    assert saved.returncode == 0, saved.stderr[-3000:]
-    straight, _ = _pretrain(*TINY, *MOCK, "--train-iters", "6")
-    return directory, logged_losses(straight.stdout)["train"]
+    assert runs["saved"].returncode == 0, runs["saved"].stderr[-3000:]
+    return directory, logged_losses(runs["straight"].stdout)["train"]
 
 
 def _damage(root: str, kind: str) -> tuple[int | None, str]:
@@ -228,10 +222,17 @@ CHECKPOINT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", CHECKPOINT_CASES)
-def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, tmp_path):
-    good, straight = reference
-    root = str(tmp_path / "run")
+class Resumed(NamedTuple):
+    root: str
+    resume_from: int | None  # None: a one-line refusal
+    expected: str  # what the output must say
+    untouched: dict[str, float]  # the older good checkpoint's metadata time
+    result: subprocess.CompletedProcess
+    seconds: float
+
+
+def _resume_damaged(good: str, root: str, kind: str) -> Resumed:
+    """Damage a copy of the good run at `root` and resume it."""
     shutil.copytree(good, root)
     resume_from, expected = _damage(root, kind)
     untouched = {
@@ -242,6 +243,25 @@ def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, tmp_
     result, seconds = _pretrain(
         *TINY, *MOCK, "--train-iters", "6", "--save-interval", "2", "--save", root, "--load", root
     )
+    return Resumed(root, resume_from, expected, untouched, result, seconds)
+
+
+@pytest.fixture(scope="module")
+def damaged_runs(request, reference, tmp_path_factory):
+    """Every selected case's damaged copy, resumed: the runs start together, two at a time."""
+    runs = Runs(jobs=2)
+    test = "test_checkpoint_faults_resume_from_the_newest_good_one"
+    for kind in selected(request, test, "kind"):
+        root = str(tmp_path_factory.mktemp(kind) / "run")
+        runs.start(kind, _resume_damaged, reference[0], root, kind)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.parametrize("kind", CHECKPOINT_CASES)
+def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, damaged_runs):
+    _, straight = reference
+    root, resume_from, expected, untouched, result, seconds = damaged_runs.result(kind)
     if resume_from is None:
         _refused(result, seconds, expected)
         return
@@ -470,9 +490,13 @@ def test_shape_changing_flags_that_differ_from_the_checkpoint(reference, tmp_pat
     padding loads through resharding."""
     good, _ = reference
     flags = [*TINY, *MOCK, "--train-iters", "6", "--load", good]
-    _refused(
-        *_pretrain(*flags, "--max-position-embeddings", "32"),
-        "--max-position-embeddings 16 but this run has 32",
+    runs = run_together(
+        _pretrain,
+        {
+            "positions": (*flags, "--max-position-embeddings", "32"),
+            "padding": (*flags, "--make-vocab-size-divisible-by", "256"),
+        },
     )
-    result, _ = _pretrain(*flags, "--make-vocab-size-divisible-by", "256")
+    _refused(*runs["positions"], "--max-position-embeddings 16 but this run has 32")
+    result, _ = runs["padding"]
     assert result.returncode == 0 and "at iteration 4" in result.stdout, result.stderr[-3000:]

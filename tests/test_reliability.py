@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.concurrent_runs import Runs, runs_test, selected
 from tests.conftest import ROOT, TINY_MODEL, logged_losses, tiny_gpt_environment
 from tests.distributed import free_port
 from threefold.training.numerics import SpikyLossDetector
@@ -126,56 +127,23 @@ def test_a_rank_killed_under_max_restarts_resumes_exactly(shakespeare_data, tmp_
         assert torch.equal(expected[name], actual[name]), name
 
 
-@pytest.mark.parametrize(
-    "layout,waits_in",
-    [
-        (
-            [],  # NaN checking (on by default) is the first collective after backward
-            r"all_reduce at threefold/training/numerics\.py:\d+ in check_loss_and_grads",
-        ),
-        (
-            ["--no-check-for-nan-in-loss-and-grad"],
-            r"a collective at threefold/parallel/data_parallel/gradient_buffer\.py:\d+ in "
-            "finish_grad_sync",
-        ),
-        (
-            ["--tensor-model-parallel-size", "2"],
-            r"all_reduce at threefold/parallel/tensor_parallel/mappings\.py:\d+ in _all_reduce",
-        ),
-    ],
-)
-def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(layout, waits_in):
-    """Rank 1 hangs in forward-backward; DP: rank 0 waits in the NaN check's all-reduce (or,
-    without it, the gradient all-reduce), TP: in the forward's tensor-parallel all-reduce, the
-    same phase as rank 1."""
-    result, seconds = _torchrun(
-        2,
-        TINY
-        + layout
-        + [
-            "--train-iters",
-            "50",
-            "--global-batch-size",
-            "4",
-            "--distributed-timeout-minutes",
-            "0.2",
-        ],
-        THREEFOLD_STALL_AT="1@5",
-    )
-    assert result.returncode != 0
-    assert seconds < 60
-    output = result.stdout + result.stderr
-    # Whichever rank's watchdog fires first reports it; torchrun then stops the other.
-    assert re.search(
-        r"threefold watchdog on rank \d: no progress for \d+ s "
-        r"\(--distributed-timeout-minutes 0\.2\): rank 1 stalled outside any "
-        r"collective at threefold/training/faults\.py:\d+ in delay "
-        r"\(forward-backward of iteration 5\); the others wait in " + waits_in,
-        output,
-    ), output[-3000:]
+STALLS = {
+    # NaN checking (on by default) is the first collective after backward
+    "nan-check": ([], r"all_reduce at threefold/training/numerics\.py:\d+ in check_loss_and_grads"),
+    "gradient-sync": (
+        ["--no-check-for-nan-in-loss-and-grad"],
+        r"a collective at threefold/parallel/data_parallel/gradient_buffer\.py:\d+ in "
+        "finish_grad_sync",
+    ),
+    "tensor-parallel": (
+        ["--tensor-model-parallel-size", "2"],
+        r"all_reduce at threefold/parallel/tensor_parallel/mappings\.py:\d+ in _all_reduce",
+    ),
+}
 
 
-def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
+def _stop_rank_1(log_path) -> str:
+    """Train on 2 ranks, SIGSTOP rank 1 at iteration 5 and wait for the watchdog; the log."""
     tag = uuid.uuid4().hex
     command = [
         sys.executable,
@@ -194,7 +162,7 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
         "--distributed-timeout-minutes",
         "0.2",
     ]
-    log = open(tmp_path / "stopped.log", "w+")
+    log = open(log_path, "w+")
     launch = subprocess.Popen(
         command,
         cwd=ROOT,
@@ -221,7 +189,46 @@ def test_a_stopped_rank_is_named_as_not_answering(tmp_path):
         for pid in _workers(tag, rank=1):
             os.kill(pid, signal.SIGKILL)
         launch.kill()
-    output = open(log.name).read()
+    return open(log.name).read()
+
+
+@pytest.fixture(scope="module")
+def watchdog_runs(request, tmp_path_factory):
+    """The selected stalls' runs and the stopped rank's, started together: each spends most of
+    its time waiting for its watchdog's 12 s."""
+    runs = Runs(jobs=len(STALLS) + 1)
+    test = "test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in"
+    for stall in selected(request, test, "stall"):
+        flags = ["--train-iters", "50", "--global-batch-size", "4"]
+        flags += ["--distributed-timeout-minutes", "0.2"]
+        runs.start(stall, _torchrun, 2, TINY + STALLS[stall][0] + flags, THREEFOLD_STALL_AT="1@5")
+    if runs_test(request, "test_a_stopped_rank_is_named_as_not_answering"):
+        runs.start("stopped", _stop_rank_1, tmp_path_factory.mktemp("stopped") / "stopped.log")
+    yield runs
+    runs.close()
+
+
+@pytest.mark.parametrize("stall", STALLS)
+def test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in(stall, watchdog_runs):
+    """Rank 1 hangs in forward-backward; DP: rank 0 waits in the NaN check's all-reduce (or,
+    without it, the gradient all-reduce), TP: in the forward's tensor-parallel all-reduce, the
+    same phase as rank 1."""
+    result, seconds = watchdog_runs.result(stall)
+    assert result.returncode != 0
+    assert seconds < 60
+    output = result.stdout + result.stderr
+    # Whichever rank's watchdog fires first reports it; torchrun then stops the other.
+    assert re.search(
+        r"threefold watchdog on rank \d: no progress for \d+ s "
+        r"\(--distributed-timeout-minutes 0\.2\): rank 1 stalled outside any "
+        r"collective at threefold/training/faults\.py:\d+ in delay "
+        r"\(forward-backward of iteration 5\); the others wait in " + STALLS[stall][1],
+        output,
+    ), output[-3000:]
+
+
+def test_a_stopped_rank_is_named_as_not_answering(watchdog_runs):
+    output = watchdog_runs.result("stopped")
     assert re.search(
         r"threefold watchdog on rank 0: no progress for \d+ s \(--distributed-"
         r"timeout-minutes 0\.2\): rank 1 did not answer \(process stopped, dead "

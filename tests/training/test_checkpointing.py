@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.concurrent_runs import Runs, selected
 from tests.conftest import TINY_MODEL
 from tests.distributed import run_distributed
 from tests.parity import (
@@ -201,21 +202,35 @@ def _last_loss(output: str) -> str:
     return [line for line in output.splitlines() if "lm loss" in line][-1].split("|")[6]
 
 
+def _kill_then_resume(directory: str, point: str) -> tuple:
+    """(the run killed at `point` of the iteration-4 save, the tracker it left, the resumed
+    run, the tracker that left)."""
+    tracker = os.path.join(directory, TRACKER)
+    killed = _pretrain(directory, crash_at=f"{point}@4")
+    after_kill = open(tracker).read().strip()
+    resumed = _pretrain(directory, "--load", directory)
+    return killed, after_kill, resumed, open(tracker).read().strip()
+
+
 @pytest.fixture(scope="module")
-def uninterrupted_final_loss(tmp_path_factory):
-    return _last_loss(_pretrain(str(tmp_path_factory.mktemp("straight"))).stdout)
+def killed_runs(request, tmp_path_factory):
+    """The uninterrupted run and each selected point's kill and resume, started together."""
+    runs = Runs(jobs=2)
+    runs.start("straight", _pretrain, str(tmp_path_factory.mktemp("straight")))
+    for point in selected(request, "test_a_process_killed_mid_save_loses_nothing", "point"):
+        runs.start(point, _kill_then_resume, str(tmp_path_factory.mktemp(point) / "run"), point)
+    yield runs
+    runs.close()
 
 
 @pytest.mark.parametrize("point", ["after-rng", "before-shards", "before-tracker"])
-def test_a_process_killed_mid_save_loses_nothing(tmp_path, point, uninterrupted_final_loss):
+def test_a_process_killed_mid_save_loses_nothing(point, killed_runs):
     """SIGKILL at several points of the iteration-4 save: the tracker still names iteration 2,
     which loads, and the resumed run finishes with the same final loss as one never killed."""
-    directory = str(tmp_path / "run")
-    killed = _pretrain(directory, crash_at=f"{point}@4")
+    killed, after_kill, resumed, after_resume = killed_runs.result(point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert open(os.path.join(directory, TRACKER)).read().strip() == "2"
-    resumed = _pretrain(directory, "--load", directory)
+    assert after_kill == "2"
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "at iteration 2" in resumed.stdout
-    assert _last_loss(resumed.stdout) == uninterrupted_final_loss
-    assert open(os.path.join(directory, TRACKER)).read().strip() == "4"
+    assert _last_loss(resumed.stdout) == _last_loss(killed_runs.result("straight").stdout)
+    assert after_resume == "4"
