@@ -430,20 +430,42 @@ def preprocessed_good_corpus(tmp_path_factory) -> dict[str, bytes]:
     }
 
 
+def _preprocess_a_bad_record(directory, kind: str, good: dict[str, bytes]) -> tuple:
+    """Over a previous good run's output in `directory`, preprocess the corpus with one bad
+    record: (the run, its seconds)."""
+    for suffix, content in good.items():
+        (directory / f"out_text_document{suffix}").write_bytes(content)
+    bad = GOOD_LINES[0] + GOOD_LINES[1] + BAD_RECORDS[kind] + b"".join(GOOD_LINES)
+    (directory / "corpus.jsonl").write_bytes(bad)
+    start = time.monotonic()
+    result = _preprocess(directory / "corpus.jsonl", directory / "out")
+    return result, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def bad_record_runs(request, preprocessed_good_corpus, tmp_path_factory):
+    """The selected bad records' runs, started together, two at a time: {kind: folder}."""
+    runs, folders = Runs(jobs=2), {}
+    test = "test_preprocess_refuses_a_bad_record_and_keeps_the_good_files"
+    for kind in selected(request, test, "kind"):
+        folders[kind] = tmp_path_factory.mktemp(kind)
+        runs.start(kind, _preprocess_a_bad_record, folders[kind], kind, preprocessed_good_corpus)
+    yield runs, folders
+    runs.close()
+
+
 @pytest.mark.parametrize("kind", sorted(BAD_RECORDS))
 def test_preprocess_refuses_a_bad_record_and_keeps_the_good_files(
-    kind, tmp_path, preprocessed_good_corpus
+    kind, bad_record_runs, preprocessed_good_corpus
 ):
-    pair = {suffix: tmp_path / f"out_text_document{suffix}" for suffix in (".bin", ".idx")}
-    for suffix, path in pair.items():
-        path.write_bytes(preprocessed_good_corpus[suffix])  # a previous good run's output
-    bad = GOOD_LINES[0] + GOOD_LINES[1] + BAD_RECORDS[kind] + b"".join(GOOD_LINES)
-    (tmp_path / "corpus.jsonl").write_bytes(bad)
-    start = time.monotonic()
-    result = _preprocess(tmp_path / "corpus.jsonl", tmp_path / "out")
-    _refused(result, time.monotonic() - start, "corpus.jsonl:3:")
+    runs, folders = bad_record_runs
+    _refused(*runs.result(kind), "corpus.jsonl:3:")
+    pair = {suffix: folders[kind] / f"out_text_document{suffix}" for suffix in (".bin", ".idx")}
     assert {suffix: path.read_bytes() for suffix, path in pair.items()} == preprocessed_good_corpus
-    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", *sorted(p.name for p in pair.values())]
+    assert sorted(os.listdir(folders[kind])) == [
+        "corpus.jsonl",
+        *sorted(p.name for p in pair.values()),
+    ]
 
 
 def test_preprocess_skips_every_kind_of_bad_record_when_asked(tmp_path, preprocessed_good_corpus):
