@@ -196,8 +196,11 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="async-save-stress-")
     pool = ThreadPoolExecutor(args.jobs)
 
+    def save_dir(layout: str, name: str) -> str:
+        return os.path.join(work, f"{layout}-{name}")
+
     def run(layout: str, name: str, asynchronous: bool) -> Future:
-        save = os.path.join(work, f"{layout}-{name}")
+        save = save_dir(layout, name)
         return pool.submit(_run, layout, args.iterations, save, asynchronous, args.timeout)
 
     rows, failures = [], 0
@@ -216,12 +219,11 @@ def main() -> int:
             if outcome != "ok":
                 print(log[-3000:], file=sys.stderr)
                 raise SystemExit(f"{layout}: the synchronous reference run ended in {outcome}")
-            save = os.path.join(work, f"{layout}-sync")
-            reference = (_losses(log), _shards(save, args.iterations))
+            reference = (_losses(log), _shards(save_dir(layout, "sync"), args.iterations))
             checked = []
             for loop, future in enumerate(loops):
                 outcome, log, seconds = future.result()
-                save = os.path.join(work, f"{layout}-async-{loop}")
+                save = save_dir(layout, f"async-{loop}")
                 problem = (
                     _mismatch(reference, log, save, args.iterations) if outcome == "ok" else None
                 )

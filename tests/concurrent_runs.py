@@ -2,8 +2,9 @@
 
 A command-line run here is mostly one core importing torch, or ranks waiting for a timeout to
 fire: run one test at a time, the other core idles. A module starts the runs its selected tests
-check (`selected`) in one `Runs`, `jobs` at a time, and each test waits for its own. Each run
-keeps its own clock (the function it calls times itself), so a refusal's seconds stay its own.
+check (`selected`) in one `Runs` (a context manager), `jobs` at a time, and each test waits for
+its own. Each run keeps its own clock (the function it calls times itself), so a refusal's
+seconds stay its own.
 
 Not for runs whose function sets a preexec_fn (subprocess does not allow one beside threads).
 """
@@ -32,16 +33,19 @@ class Runs:
         """Runs not yet started never start; running ones end under their own timeouts."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def __enter__(self) -> Runs:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def run_together(fn: Callable, calls: dict[Hashable, tuple], jobs: int = 2) -> dict:
     """{key: fn(*calls[key])}, `jobs` calls at a time."""
-    runs = Runs(jobs)
-    try:
+    with Runs(jobs) as runs:
         for key, args in calls.items():
             runs.start(key, fn, *args)
         return {key: runs.result(key) for key in calls}
-    finally:
-        runs.close()
 
 
 def _items(request, test: str) -> list:

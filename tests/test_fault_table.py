@@ -249,13 +249,12 @@ def _resume_damaged(good: str, root: str, kind: str) -> Resumed:
 @pytest.fixture(scope="module")
 def damaged_runs(request, reference, tmp_path_factory):
     """Every selected case's damaged copy, resumed: the runs start together, two at a time."""
-    runs = Runs(jobs=2)
-    test = "test_checkpoint_faults_resume_from_the_newest_good_one"
-    for kind in selected(request, test, "kind"):
-        root = str(tmp_path_factory.mktemp(kind) / "run")
-        runs.start(kind, _resume_damaged, reference[0], root, kind)
-    yield runs
-    runs.close()
+    with Runs(jobs=2) as runs:
+        test = "test_checkpoint_faults_resume_from_the_newest_good_one"
+        for kind in selected(request, test, "kind"):
+            root = str(tmp_path_factory.mktemp(kind) / "run")
+            runs.start(kind, _resume_damaged, reference[0], root, kind)
+        yield runs
 
 
 @pytest.mark.parametrize("kind", CHECKPOINT_CASES)
@@ -445,13 +444,15 @@ def _preprocess_a_bad_record(directory, kind: str, good: dict[str, bytes]) -> tu
 @pytest.fixture(scope="module")
 def bad_record_runs(request, preprocessed_good_corpus, tmp_path_factory):
     """The selected bad records' runs, started together, two at a time: {kind: folder}."""
-    runs, folders = Runs(jobs=2), {}
-    test = "test_preprocess_refuses_a_bad_record_and_keeps_the_good_files"
-    for kind in selected(request, test, "kind"):
-        folders[kind] = tmp_path_factory.mktemp(kind)
-        runs.start(kind, _preprocess_a_bad_record, folders[kind], kind, preprocessed_good_corpus)
-    yield runs, folders
-    runs.close()
+    folders = {}
+    with Runs(jobs=2) as runs:
+        test = "test_preprocess_refuses_a_bad_record_and_keeps_the_good_files"
+        for kind in selected(request, test, "kind"):
+            folders[kind] = tmp_path_factory.mktemp(kind)
+            runs.start(
+                kind, _preprocess_a_bad_record, folders[kind], kind, preprocessed_good_corpus
+            )
+        yield runs, folders
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_RECORDS))

@@ -6,49 +6,36 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-from tests.concurrent_runs import Runs
 from tests.conftest import ROOT
 
-LEGS = {
-    "dense": [
-        *("threefold", "threefold+compile-layers", "transformers", "megatron-core"),
-        *("torchtitan", "threefold+fp8-rowwise", "threefold+fp8-blockwise"),
-        "torchtitan+float8+compile",
-    ],
-    "moe": ["threefold", "transformers", "threefold+fp8-rowwise"],
-}
 
-
-def _gpu_mfu(out: Path, leg: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """(the run, its --out folder)."""
+def test_gpu_mfu_script_runs_on_a_tiny_model(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "gpu_mfu.py"), "--tiny"]
-        + (["--moe"] if leg == "moe" else [])
-        + ["--steps", "2", "--warmup", "1", "--out", str(out), "--only", *LEGS[leg]],
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "gpu_mfu.py"),
+            "--tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--only",
+            "threefold",
+            "threefold+compile-layers",
+            "transformers",
+            "megatron-core",
+            "torchtitan",
+            "threefold+fp8-rowwise",
+            "threefold+fp8-blockwise",
+            "torchtitan+float8+compile",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    return result, out
-
-
-@pytest.fixture(scope="module")
-def legs(tmp_path_factory):
-    """Both legs' runs, started together (each runs its contenders one at a time, on one
-    core)."""
-    runs = Runs(jobs=2)
-    for leg in LEGS:
-        runs.start(leg, _gpu_mfu, tmp_path_factory.mktemp(leg), leg)
-    yield runs
-    runs.close()
-
-
-def test_gpu_mfu_script_runs_on_a_tiny_model(legs):
-    result, tmp_path = legs.result("dense")
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "gpu_mfu.md").read_text()
     rows = {
@@ -79,10 +66,17 @@ def test_gpu_mfu_script_runs_on_a_tiny_model(legs):
     assert "> kernels: transformer-impl local;" in log and "RESULT {" in log
 
 
-def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(legs):
+def test_gpu_mfu_script_runs_its_mixture_of_experts_leg(tmp_path):
     """--moe: threefold's MoE model and transformers' Mixtral on the same shape, each a row,
     and threefold's rowwise FP8, its experts in FP8."""
-    result, tmp_path = legs.result("moe")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu_mfu.py"), "--tiny", "--moe"]
+        + ["--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+        + ["--only", "threefold", "transformers", "threefold+fp8-rowwise"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     table = (tmp_path / "gpu_moe.md").read_text()
     assert "'num_experts': 4" in table and "mixture of experts" in table

@@ -196,16 +196,17 @@ def _stop_rank_1(log_path) -> str:
 def watchdog_runs(request, tmp_path_factory):
     """The selected stalls' runs and the stopped rank's, started together: each spends most of
     its time waiting for its watchdog's 12 s."""
-    runs = Runs(jobs=len(STALLS) + 1)
-    test = "test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in"
-    for stall in selected(request, test, "stall"):
-        flags = ["--train-iters", "50", "--global-batch-size", "4"]
-        flags += ["--distributed-timeout-minutes", "0.2"]
-        runs.start(stall, _torchrun, 2, TINY + STALLS[stall][0] + flags, THREEFOLD_STALL_AT="1@5")
-    if runs_test(request, "test_a_stopped_rank_is_named_as_not_answering"):
-        runs.start("stopped", _stop_rank_1, tmp_path_factory.mktemp("stopped") / "stopped.log")
-    yield runs
-    runs.close()
+    with Runs(jobs=len(STALLS) + 1) as runs:
+        test = "test_a_stalled_rank_is_named_with_the_operation_the_others_wait_in"
+        for stall in selected(request, test, "stall"):
+            flags = ["--train-iters", "50", "--global-batch-size", "4"]
+            flags += ["--distributed-timeout-minutes", "0.2"]
+            runs.start(
+                stall, _torchrun, 2, TINY + STALLS[stall][0] + flags, THREEFOLD_STALL_AT="1@5"
+            )
+        if runs_test(request, "test_a_stopped_rank_is_named_as_not_answering"):
+            runs.start("stopped", _stop_rank_1, tmp_path_factory.mktemp("stopped") / "stopped.log")
+        yield runs
 
 
 @pytest.mark.parametrize("stall", STALLS)

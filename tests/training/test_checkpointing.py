@@ -215,12 +215,11 @@ def _kill_then_resume(directory: str, point: str) -> tuple:
 @pytest.fixture(scope="module")
 def killed_runs(request, tmp_path_factory):
     """The uninterrupted run and each selected point's kill and resume, started together."""
-    runs = Runs(jobs=2)
-    runs.start("straight", _pretrain, str(tmp_path_factory.mktemp("straight")))
-    for point in selected(request, "test_a_process_killed_mid_save_loses_nothing", "point"):
-        runs.start(point, _kill_then_resume, str(tmp_path_factory.mktemp(point) / "run"), point)
-    yield runs
-    runs.close()
+    with Runs(jobs=2) as runs:
+        runs.start("straight", _pretrain, str(tmp_path_factory.mktemp("straight")))
+        for point in selected(request, "test_a_process_killed_mid_save_loses_nothing", "point"):
+            runs.start(point, _kill_then_resume, str(tmp_path_factory.mktemp(point) / "run"), point)
+        yield runs
 
 
 @pytest.mark.parametrize("point", ["after-rng", "before-shards", "before-tracker"])
