@@ -58,6 +58,11 @@ ANY_VALUE = {
         int,
         "threefold prints its own lines; it does not route them through Python's logging",
     ),
+    "--fp8-interval": (
+        int,
+        "Transformer Engine ignores it since version 1.8 and Megatron-LM documents it as "
+        "ignored; scales follow --fp8-recipe",
+    ),
     "--tiktoken-pattern": (
         str,
         "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",

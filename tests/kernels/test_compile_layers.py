@@ -214,7 +214,13 @@ def test_pipeline_parallel_with_full_recompute_and_compiled_layers():
     assert_matches_reference(run_distributed(2, train_job, argv, 10), reference, 1e-5)
 
 
-@pytest.mark.parametrize("recipe", FP8_STEP_VARIANTS.values(), ids=FP8_STEP_VARIANTS)
+# and a weight gradient from the unquantized operands, inside the compiled backward
+COMPILED_FP8_VARIANTS = FP8_STEP_VARIANTS | {
+    "tensorwise-unquantized-wgrad": FP8_STEP_VARIANTS["tensorwise"] + ["--no-fp8-wgrad"]
+}
+
+
+@pytest.mark.parametrize("recipe", COMPILED_FP8_VARIANTS.values(), ids=COMPILED_FP8_VARIANTS)
 def test_fp8_layers_compiled_train_as_eager_ones(recipe):
     """FP8 linears traced into compiled layers, over three steps of four micro-batches (eager:
     the step's cached FP8 weights; traced: a cast per micro-batch) and the delayed scales'

@@ -133,6 +133,24 @@ def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -
     assert_close_dicts(state, reference["fp8"], 1e-5 if recipe == "delayed" else 0, "fp8 state")
 
 
+# --no-fp8-wgrad: the weight gradients from the unquantized inputs; under SP those are gathered
+# in the run's dtype (not FP8) and kept whole for the weight gradient. Five steps: such gradients
+# carry a layout's fp32 reduction order (~1e-7) into the weights, where FP8 ones round it away,
+# and once that tips one weight element's FP8 cast, Adam's normalized steps spread it (TP2+SP:
+# parameters bitwise after one step, 1e-7 apart after five, 2e-4 in the median after ten).
+UNQUANTIZED_WGRAD_LAYOUTS = [("tensorwise", "tp2_sp"), ("delayed", "dp2"), ("blockwise", "cp2")]
+
+
+@pytest.mark.parametrize("recipe,layout", UNQUANTIZED_WGRAD_LAYOUTS)
+def test_weight_gradients_in_the_runs_precision_match_one_device(references, recipe, layout):
+    world_size, flags = LAYOUTS[layout]
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + ["--no-fp8-wgrad"]
+    reference = fp8_train_job(argv, 5)
+    assert reference["losses"] != references[recipe]["losses"][:5]  # the flag changes training
+    results = run_distributed(world_size, fp8_train_job, argv + flags, 5)
+    assert_match_one_device(results, reference, recipe)
+
+
 @pytest.mark.parametrize("recipe,sabotage", [("tensorwise", "current"), ("delayed", "delayed")])
 def test_without_the_amax_reduction_tensor_parallel_fp8_differs(references, recipe, sabotage):
     """The negative control: the same TP=2 run whose ranks scale their shards by their own

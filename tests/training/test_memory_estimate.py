@@ -163,6 +163,24 @@ def test_what_fp8_changes_is_what_the_estimate_says(flags, fp8):
     assert stored == (-in_fp8["fp8 weight copies"][0] if "--fp8-param-gather" in fp8 else 0)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--fp8-recipe", "tensorwise"],
+        ["--fp8-recipe", "rowwise", "--recompute-granularity", "selective"],
+    ],
+)
+def test_fp8_layers_with_unquantized_weight_gradients_keep_what_bf16_keeps(flags):
+    """--no-fp8-wgrad: the FP8 layers keep their inputs as the bf16 run's layers do, and no
+    FP8 copies of them; measured and estimated, the activations are the bf16 run's, byte for
+    byte, beside the step's FP8 weight copies."""
+    argv = LLAMA_STYLE + WIDE + TRAINING + ["--bf16"] + flags[2:]
+    bf16 = _measure_and_estimate(argv)
+    in_fp8 = _measure_and_estimate(argv + HYBRID + flags[:2] + ["--no-fp8-wgrad"])
+    assert in_fp8["activations"] == bf16["activations"]
+    assert in_fp8["fp8 weight copies"][0] == in_fp8["fp8 weight copies"][1] > 0
+
+
 def test_fp8_linears_traced_into_compiled_layers_keep_no_step_copies():
     """Traced into a compiled layer, an FP8 linear casts its weight per micro-batch: the one
     micro-batch in flight (no PP) keeps its transposed copy, not the step's two layouts."""

@@ -24,6 +24,10 @@ arithmetic, threefold.model.fp8 picks the layers.
                               distributed optimizer's or FSDP2's fp32 shards, and all-gathered
                               as FP8 bytes (threefold.model.fp8_params, fp8_fsdp_params);
                               tensorwise, delayed, blockwise
+    --no-fp8-wgrad            the weight gradients' GEMMs in the run's precision, from the
+                              layer's input kept unquantized (Megatron-LM's fp8_wgrad=False,
+                              Transformer Engine's override_linear_precision); the forward and
+                              the input gradients stay in FP8
 """
 
 from __future__ import annotations
@@ -69,6 +73,15 @@ class Fp8Config:
         help="keep the FP8 layers' compute weights in FP8, cast from the distributed "
         "optimizer's (or FSDP2's) fp32 shards, and all-gather them in FP8",
     )
+    # Megatron-LM applies it to delayed scaling only (the one recipe it passes TE's
+    # override_linear_precision); here every recipe honours it.
+    fp8_wgrad: bool = arg(
+        True,
+        flag="--no-fp8-wgrad",
+        aliases=("--disable-fp8-wgrad",),
+        help="compute the FP8 layers' weight gradients in the run's precision (their forward "
+        "and input gradients stay in FP8); the layers then keep their inputs unquantized",
+    )
     first_last_layers_bf16: bool = arg(
         False, help="keep the first and last transformer layers in the run's precision"
     )
@@ -98,10 +111,19 @@ class Fp8Config:
         """`distributed_optimizer`: threefold's own (--distributed-strategy megatron); `fsdp`:
         --distributed-strategy fsdp."""
         if not self.enabled:
+            given = [
+                flag
+                for flag, on in (
+                    ("--fp8-param-gather", self.fp8_param_gather),
+                    ("--first-last-layers-bf16", self.first_last_layers_bf16),
+                    ("--no-fp8-wgrad", not self.fp8_wgrad),
+                )
+                if on
+            ]
             require(
-                not (self.fp8_param_gather or self.first_last_layers_bf16),
-                "--fp8-param-gather and --first-last-layers-bf16 belong to FP8 training; add "
-                "--fp8-format e4m3 or hybrid, or drop them",
+                not given,
+                f"{' and '.join(given)} belong{'s' if len(given) == 1 else ''} to FP8 training; "
+                f"add --fp8-format e4m3 or hybrid, or drop {'it' if len(given) == 1 else 'them'}",
             )
             return
         require(

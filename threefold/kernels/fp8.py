@@ -5,6 +5,7 @@ A linear layer in FP8 computes, with one scale per tensor (s = FP8 max / amax / 
     forward          y  = (q(x, sx) @ q(w, sw)^T) / (sx sw)            q: cast to E4M3, saturating
     input gradient   dx = (q(g, sg) @ q(w, sw)) / (sg sw)              g: E4M3, or E5M2 (hybrid)
     weight gradient  dw = (q(g, sg)^T @ q(x, sx)) / (sg sx)
+                     (--no-fp8-wgrad: dw = g^T @ x in the run's precision, x kept unquantized)
 
 through `torch._scaled_mm`: cuBLASLt's FP8 tensor-core GEMM on Hopper and later, and an exact
 emulation on the CPU (products of FP8 values accumulated in fp32), so CI runs the very code a
@@ -49,6 +50,7 @@ Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,7 @@ from threefold.kernels.fp8_gemms import (
     fp8_dtypes,
     rowwise_mm,
     scaled_mm,
+    unquantized_mm,
 )
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
@@ -100,12 +103,19 @@ class Fp8Recipe:
     amax_compute_algo: str = "most_recent"
     rowwise: bool = False
     blockwise: bool = False
+    # False (--no-fp8-wgrad): the weight gradient's GEMM in the run's precision
+    fp8_wgrad: bool = True
 
     @property
     def fine_grained(self) -> bool:
         """Rowwise and blockwise scaling: scales per row or block of each GEMM operand, from
         this rank's own piece of it (no amax reduced over ranks, no state kept)."""
         return self.rowwise or self.blockwise
+
+    @property
+    def gathers_in_fp8(self) -> bool:
+        """Whether sequence parallelism all-gathers an input in FP8 (`Fp8Linear`'s attribute)."""
+        return not self.fine_grained and self.fp8_wgrad
 
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -117,6 +127,8 @@ class Fp8Recipe:
         formats = "E4M3 activations and weights, E5M2 gradients"
         if self.fp8_format == "e4m3":
             formats = "E4M3 everywhere"
+        if not self.fp8_wgrad:
+            formats += "; weight gradients in the run's precision"
         if self.rowwise:
             return f"rowwise current scaling (power-of-two scales per row), {formats}"
         if self.blockwise:
@@ -194,7 +206,8 @@ class Fp8Linear(nn.Module):
         # gathered bytes are exactly the cast of the gathered input, 1 byte an element on the
         # wire instead of bf16's 2. Not rowwise or blockwise: the transposed copy needs scales
         # per feature over the sequence (or its blocks), which no rank has before the gather.
-        self.gathers_in_fp8 = not recipe.fine_grained
+        # Nor with --no-fp8-wgrad, whose weight gradient takes the gathered input unquantized.
+        self.gathers_in_fp8 = recipe.gathers_in_fp8
         # Whether `linear` may be traced into a compiled layer's graph (--compile-layers
         # without pipeline parallelism: threefold.model.fp8.convert_to_fp8); see `linear`.
         self.traced = False
@@ -396,7 +409,8 @@ class Fp8Linear(nn.Module):
 class _Fp8LinearFunction(torch.autograd.Function):
     """The three GEMMs of an FP8 linear layer. Each operand is cast once, in both layouts:
     the forward uses x8 and w8 (w8^T is column-major as it is), backward the transposes
-    x8^T, w8^T (saved instead of x8, w8: the same bytes) and g8, g8^T. With `tp` (sequence
+    x8^T, w8^T (saved instead of x8, w8: the same bytes) and g8, g8^T (--no-fp8-wgrad: x
+    itself is saved, and g8^T unused, for the weight gradient's GEMM). With `tp` (sequence
     parallelism) x is this rank's slice of the sequence: cast, all-gathered over `tp` as FP8
     bytes and transposed after the gather; the input gradient is reduce-scattered back."""
 
@@ -414,14 +428,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         output = scaled_mm(x8, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True)
         if bias is not None:
             output = output + bias.to(out_dtype)
-        ctx.save_for_backward(x8_t, w8_t, input_inverse, weight_inverse)
+        kept = (x8_t, input_inverse) if fp8.recipe.fp8_wgrad else (inputs, None)
+        ctx.save_for_backward(*kept, w8_t, weight_inverse)
         _remember(ctx, x, weight, bias, fp8, accumulate, traced)
         ctx.tp, ctx.input_shape = tp, shape
         return output.view(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, w8_t, input_inverse, weight_inverse = ctx.saved_tensors
+        x_kept, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g8_t, grad_inverse = fp8.cast(GRAD, grads)
@@ -432,11 +447,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.view(ctx.input_shape)
             if ctx.tp is not None:
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
-        if needs_weight:
+        if needs_weight and not fp8.recipe.fp8_wgrad:
+            grad_weight = _weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
+        elif needs_weight:
             grad_weight = _weight_grad(
                 ctx,
                 lambda dtype, out=None: scaled_mm(
-                    g8_t, x8_t.t(), grad_inverse, input_inverse, dtype, out=out
+                    g8_t, x_kept.t(), grad_inverse, input_inverse, dtype, out=out
                 ),
             )
         if needs_bias and ctx.has_bias:
@@ -488,13 +505,14 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
     is cast in the layout its GEMM reads and scaled per row (or 1 x 128 block of a row) of it:
     x and w for the forward; g with w^T for the input gradient; g^T and x^T for the weight
     gradient (a blockwise weight per 128 x 128 block, w^T the same blocks). Saved for
-    backward: x^T and w^T, each with its scales' inverses."""
+    backward: x^T and w^T, each with its scales' inverses (--no-fp8-wgrad: x itself, not
+    cast for the weight gradient, nor is g^T)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x_inverses = fp8.cast_fine(INPUT, inputs)
-        x8_t, x_t_inverses = fp8.cast_fine(INPUT, inputs.t())
+        kept = fp8.cast_fine(INPUT, inputs.t()) if fp8.recipe.fp8_wgrad else (inputs, None)
         (w8, w_inverses), (w8_t, w_t_inverses) = fp8.fine_grained_weight(weight, not traced)
         out_dtype = _output_dtype(x)
         output = fp8.fine_grained_mm(
@@ -502,13 +520,13 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
         )
         if bias is not None:
             output = output + bias.to(output.dtype)
-        ctx.save_for_backward(x8_t, x_t_inverses, w8_t, w_t_inverses)
+        ctx.save_for_backward(*kept, w8_t, w_t_inverses)
         _remember(ctx, x, weight, bias, fp8, accumulate, traced)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
+        x_kept, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -519,12 +537,14 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
                 g8, w8_t.t(), g_inverses, w_t_inverses, ctx.dtype, weight=True
             )
             grad_x = grad_x.view(ctx.input_shape)
-        if needs_weight:
+        if needs_weight and not fp8.recipe.fp8_wgrad:
+            grad_weight = _weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
+        elif needs_weight:
             g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
             grad_weight = _weight_grad(
                 ctx,
                 lambda dtype, out=None: _into(
-                    out, fp8.fine_grained_mm(g8_t, x8_t.t(), g_t_inverses, x_t_inverses, dtype)
+                    out, fp8.fine_grained_mm(g8_t, x_kept.t(), g_t_inverses, x_t_inverses, dtype)
                 ),
             )
         if needs_bias and ctx.has_bias:

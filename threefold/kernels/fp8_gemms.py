@@ -52,6 +52,24 @@ def scaled_mm(
     return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
 
 
+def unquantized_mm(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a @ b of operands in the run's precision (--no-fp8-wgrad's weight gradient), in
+    `out_dtype`: bf16 operands into fp32 through mm's out_dtype on CUDA (fp32 sums, never
+    rounded to bf16, as Transformer Engine's weight-gradient GEMM adds into main_grad);
+    elsewhere, which has no such kernel, from fp32 copies: the same exact products. Under
+    autocast (fp32 parameters) `b` may be fp32 beside a bf16 `a`: it is rounded to bf16, as
+    autocast's linear would have."""
+    b = b.to(a.dtype)
+    if a.dtype == out_dtype:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=out_dtype, out=out)
+    result = torch.mm(a.to(out_dtype), b.to(out_dtype))
+    return result if out is None else out.copy_(result)
+
+
 def dequantization(scale: torch.Tensor) -> torch.Tensor:
     """1 / scale: what a GEMM multiplies an operand cast with `scale` by. A new tensor, so it
     can be saved for backward as it is (a delayed scale is updated in place at the step's

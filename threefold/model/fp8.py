@@ -54,6 +54,7 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
         margin=config.fp8_margin,
         amax_history_len=config.fp8_amax_history_len,
         amax_compute_algo=config.fp8_amax_compute_algo,
+        fp8_wgrad=config.fp8_wgrad,
     )
 
 
@@ -217,7 +218,7 @@ class Fp8Scaling:
         elif self.experts is not None:
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         parallel = self.parallel
-        if parallel.sequence_parallel and parallel.tp.size > 1 and not self.recipe.fine_grained:
+        if parallel.sequence_parallel and parallel.tp.size > 1 and self.recipe.gathers_in_fp8:
             gather += "; sequence-parallel inputs all-gathered in FP8"
         if any(state.traced for state in self.states.values()):
             gather += "; traced into the compiled layers' graphs where they run no collective"

@@ -44,7 +44,8 @@ recomputation drops the core's. The step's FP8 weights are held once for all mic
 keeps the transposed cast only); rowwise and blockwise inputs keep fp32 scales beside their
 transposed copies (one per input feature; blockwise one per feature and 128 tokens); under
 FSDP each micro-batch in flight keeps its own transposed copy; --fp8-param-gather stores the
-FP8 weights in FP8 only (parameters: 1 byte each).
+FP8 weights in FP8 only (parameters: 1 byte each). Under --no-fp8-wgrad the layers keep their
+inputs in the run's dtype, as without FP8, for the weight gradients (the weight copies stay).
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
@@ -224,6 +225,7 @@ def layer_activation_bytes(
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     if recompute_kept:  # full recomputation: the layer group's input only
         return e * s * b * h // sigma
+    fp8 = fp8 and config.fp8.fp8_wgrad  # (module doc: --no-fp8-wgrad)
     if moe is None and model.is_moe:  # averaged over the layers: exact if all are MoE
         pattern = model.moe_layer_pattern(model.num_layers)
         share = sum(pattern) / len(pattern)
