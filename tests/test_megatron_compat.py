@@ -328,7 +328,8 @@ def test_functional_test_flags_parse_with_their_megatron_meaning(capsys):
         BASE
         + """--deterministic-mode --use-persistent-ckpt-worker --dist-ckpt-strictness log_all
         --dist-ckpt-optim-fully-reshardable --ckpt-fully-parallel-load
-        --apply-query-key-layer-scaling --logging-level 40 --ckpt-format torch_dist""".split()
+        --apply-query-key-layer-scaling --logging-level 40 --ckpt-format torch_dist
+        --ckpt-assume-constant-structure --async-strategy nvrx --async-ckpt-use-cpu-shm""".split()
     )
     out = capsys.readouterr().out
     for flag in (
@@ -338,6 +339,9 @@ def test_functional_test_flags_parse_with_their_megatron_meaning(capsys):
         "--ckpt-fully-parallel-load has no effect",
         "--apply-query-key-layer-scaling has no effect",
         "--logging-level 40 has no effect",
+        "--ckpt-assume-constant-structure has no effect",
+        "--async-strategy nvrx has no effect",
+        "--async-ckpt-use-cpu-shm has no effect",
     ):
         assert f"> {flag}: " in out, flag
     assert config.kernels.deterministic_mode

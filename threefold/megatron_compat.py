@@ -58,6 +58,11 @@ ANY_VALUE = {
         int,
         "threefold prints its own lines; it does not route them through Python's logging",
     ),
+    "--async-strategy": (
+        str,
+        "--async-save has one implementation here (a thread of its own with its own process "
+        "group, docs/reliability.md), not Megatron-LM's nvrx or mcore writers",
+    ),
     "--fp8-interval": (
         int,
         "Transformer Engine ignores it since version 1.8 and Megatron-LM documents it as "
@@ -112,6 +117,10 @@ NO_COUNTERPART = {
     "overflow; threefold's attention keeps its softmax in fp32 (the function is the same)",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written with "
     "--tensorboard-dir",
+    "--async-ckpt-use-cpu-shm": "--async-save stages into pinned memory of the saving process "
+    "itself, whose writer is a thread: there is no other process to share memory with",
+    "--ckpt-assume-constant-structure": "each save plans its shards afresh (a few collectives "
+    "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
     "on CUDA",
 }
@@ -240,8 +249,6 @@ MISSING = {
     "--eval-global-batch-size": "a separate evaluation batch size",
     "--save-retain-interval": "retaining every Nth checkpoint",
     "--cross-entropy-fusion-impl": "Transformer Engine's fused cross-entropy",
-    "--ckpt-assume-constant-structure": "Megatron-LM's cached checkpoint structure",
-    "--async-strategy": "Megatron-LM's asynchronous checkpoint strategies",
     "--fim-": "fill-in-the-middle data",
     "--export-": "ModelOpt export and distillation",
     "--use-mup": "muP parametrization",
