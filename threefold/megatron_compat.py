@@ -236,7 +236,6 @@ MISSING = {
     "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
     "optimizer step",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
-    "--moe-router-dtype": "DeepSeek-V3-style routing options",
     "--moe-router-group-topk": "DeepSeek-V3-style routing options",
     "--moe-router-num-groups": "DeepSeek-V3-style routing options",
     "--moe-router-topk-scaling-factor": "DeepSeek-V3-style routing options",

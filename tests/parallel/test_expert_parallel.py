@@ -107,6 +107,38 @@ def test_router_matches_the_reference(flags):
     assert losses["z_loss"].item() == pytest.approx(z, rel=1e-5)
 
 
+def test_router_dtype_routes_and_combines_a_bf16_model_in_fp32():
+    """--moe-router-dtype fp32 (megatron-core's): the logits of bf16 tokens and weight
+    computed in fp32, the probabilities kept in fp32 and the experts' outputs weighted and
+    summed in fp32, each rounded to bf16 once; gradients return in bf16. Without it the logits
+    are bf16's, which route differently."""
+    from threefold.parallel.expert_parallel.dispatcher import Dispatch, _weighted_sum
+
+    routers = []
+    for flags in (["--moe-router-dtype", "fp32"], []):
+        config = _model_config("--bf16", *flags)
+        router = TopKRouter(config, ParallelContext(), normal_init(0.5))
+        torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+        routers.append(router.bfloat16())
+    tokens = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    tokens = tokens.bfloat16().requires_grad_()
+    (probs, routing_map, _), (plain, _, _) = (router(tokens, batch_size=2) for router in routers)
+    logits = tokens.detach().float() @ routers[0].weight.detach().float().T
+    expected = _reference_routing(logits, config.moe_router_topk, "softmax", False)
+    assert probs.dtype == torch.float32 and plain.dtype == torch.bfloat16
+    torch.testing.assert_close(probs.detach().double(), expected, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(plain.detach().double(), expected, rtol=1e-3, atol=1e-4)
+    probs.square().sum().backward()
+    assert tokens.grad.dtype == routers[0].weight.grad.dtype == torch.bfloat16
+    token_ids, experts = routing_map.nonzero(as_tuple=True)
+    plan = Dispatch(token_ids, probs.detach()[token_ids, experts], 64, [])
+    outputs = torch.randn(len(token_ids), 8, generator=torch.Generator().manual_seed(2))
+    combined = _weighted_sum(outputs.bfloat16(), plan)
+    weighted = outputs.bfloat16().float() * plan.probs[:, None]
+    exact = torch.zeros(64, 8).index_add(0, token_ids, weighted).bfloat16()
+    assert combined.dtype == torch.bfloat16 and torch.equal(combined, exact)
+
+
 def test_sequence_aux_loss_is_the_mean_over_sequences():
     config = _model_config("--moe-router-load-balancing-type", "seq_aux_loss")
     router = TopKRouter(config, ParallelContext(), normal_init(0.5))
@@ -309,6 +341,8 @@ VARIANTS = {
     "top2": [],
     "top1+shared": ["--moe-router-topk", "1", "--moe-shared-expert-intermediate-size", "48"],
     "capacity": ["--moe-expert-capacity-factor", "0.75", "--moe-token-dispatcher-type", "alltoall"],
+    # fp64 logits, probabilities and weighted sums in an fp32 run (fp32 would change nothing)
+    "router-fp64": ["--moe-router-dtype", "fp64", "--moe-token-dispatcher-type", "alltoall"],
 }
 
 

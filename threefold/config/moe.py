@@ -79,6 +79,13 @@ class MoEConfig:
         help="aux_loss (over the micro-batch), seq_aux_loss (per sequence), sinkhorn "
         "(balanced routing, no loss) or none",
     )
+    moe_router_dtype: str | None = arg(
+        None,
+        group=GROUP,
+        choices=("fp32", "fp64"),
+        help="compute the router's logits and probabilities, and the weighted sum of the "
+        "experts' outputs, in fp32 or fp64 (default: the run's dtype)",
+    )
     moe_aux_loss_coeff: float = arg(
         0.0, checkpoint=MODEL, group=GROUP, help="weight of the load-balancing loss"
     )

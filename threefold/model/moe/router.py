@@ -1,6 +1,9 @@
 """The top-k router of an MoE layer and its auxiliary losses, as megatron-core computes them.
 
     logits   = tokens @ weight.T                               [tokens, experts]
+               (--moe-router-dtype fp32/fp64: computed in that dtype, and so are the
+               probabilities and the experts' weighted sum, parallel/expert_parallel/
+               dispatcher.py; megatron-core's router_gating_linear)
     softmax  : softmax over the top-k logits (or, --moe-router-pre-softmax, top-k of the
                softmax over all experts); sigmoid: top-k sigmoid scores, renormalized if k > 1
     capacity : --moe-expert-capacity-factor keeps at most ceil(tokens x k / experts x factor)
@@ -38,6 +41,35 @@ from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
 
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Scores are computed in fp32, or in fp64 where the logits are (--moe-router-dtype)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+class _GatingLinear(torch.autograd.Function):
+    """tokens @ weight.T in `dtype`, the operands saved in their own dtypes (no fp32 copy of
+    the tokens kept for backward), the gradients computed in `dtype` and returned in theirs."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, dtype: torch.dtype):
+        ctx.save_for_backward(tokens, weight)
+        ctx.dtype = dtype
+        return tokens.to(dtype) @ weight.to(dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+        grad_tokens = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_tokens = (grad @ weight.to(ctx.dtype)).to(tokens.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad.t() @ tokens.to(ctx.dtype)).to(weight.dtype)
+        return grad_tokens, grad_weight, None
+
 
 def top_k(
     logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool
@@ -45,10 +77,10 @@ def top_k(
     """(probabilities [T, k], expert indices [T, k]) of each token's k experts."""
     if score_function == "softmax":
         if pre_softmax:
-            return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            return torch.softmax(_at_least_fp32(logits), dim=-1).topk(k, dim=-1)
         top, indices = logits.topk(k, dim=-1)
-        return torch.softmax(top.float(), dim=-1), indices
-    scores, indices = torch.sigmoid(logits.float()).topk(k, dim=-1)
+        return torch.softmax(_at_least_fp32(top), dim=-1), indices
+    scores, indices = torch.sigmoid(_at_least_fp32(logits)).topk(k, dim=-1)
     if k > 1:
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return scores, indices
@@ -72,8 +104,8 @@ def sinkhorn(cost: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """Every expert's score of every token, summing to 1 per token."""
     if score_function == "softmax":
-        return torch.softmax(logits.float(), dim=-1)
-    scores = torch.sigmoid(logits.float())
+        return torch.softmax(_at_least_fp32(logits), dim=-1)
+    scores = torch.sigmoid(_at_least_fp32(logits))
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
@@ -120,6 +152,7 @@ class TopKRouter(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy = config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.router_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
         # The ranks that route slices of one sequence: TP under sequence parallelism (required
         # with MoE when TP > 1) and CP.
         self.sequence_group = parallel.tp_cp
@@ -133,7 +166,10 @@ class TopKRouter(nn.Module):
         """tokens [T, hidden], sequence-major (T = local sequence x `batch_size`). Returns the
         routing probabilities [T, E] (0 where not routed), the routing map [T, E] and the
         auxiliary losses {name: loss with its coefficient}, when training with gradients."""
-        logits = F.linear(tokens, self.weight)
+        if self.router_dtype is None:
+            logits = F.linear(tokens, self.weight)
+        else:
+            logits = _GatingLinear.apply(tokens, self.weight, self.router_dtype)
         if self.load_balancing == "sinkhorn":
             probs, indices = self._sinkhorn_top_k(logits)
         else:
@@ -155,14 +191,15 @@ class TopKRouter(nn.Module):
 
     def _sinkhorn_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.topk == 1:
-            scores = torch.sigmoid(logits.float())
+            scores = torch.sigmoid(_at_least_fp32(logits))
         else:
-            scores = torch.softmax(logits.float(), dim=-1)
+            scores = torch.softmax(_at_least_fp32(logits), dim=-1)
         if not self.training:
             return scores.topk(self.topk, dim=-1)
         with torch.no_grad():
             group = self.sequence_group
-            whole = _all_gather(logits.float(), 0, group) if group.size > 1 else logits.float()
+            scored = _at_least_fp32(logits)
+            whole = _all_gather(scored, 0, group) if group.size > 1 else scored
             balanced = sinkhorn(whole)
             if group.size > 1:  # this rank's tokens: its block of the gathered rows
                 balanced = balanced.narrow(0, group.rank * logits.shape[0], logits.shape[0])
@@ -174,7 +211,7 @@ class TopKRouter(nn.Module):
         ranks = self.sequence_group.size
         if self.z_loss_coeff:
             # The mean over the whole sequence: this rank's part of it.
-            z = torch.logsumexp(logits.float(), dim=-1).square().mean() / ranks
+            z = torch.logsumexp(_at_least_fp32(logits), dim=-1).square().mean() / ranks
             losses["z_loss"] = z * self.z_loss_coeff
         if self.load_balancing in ("none", "sinkhorn") or not self.aux_loss_coeff:
             return losses

@@ -166,9 +166,12 @@ class AllGatherDispatcher:
 
 
 def _weighted_sum(expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-    weighted = expert_output * plan.probs.unsqueeze(-1).to(expert_output.dtype)
-    out = expert_output.new_zeros(plan.num_tokens, expert_output.shape[-1])
-    return out.index_add(0, plan.token_ids, weighted)
+    """Each token's experts' outputs weighted by their probabilities and summed, in the wider
+    of the two dtypes (the probabilities' under --moe-router-dtype), returned in the outputs'."""
+    dtype = torch.promote_types(expert_output.dtype, plan.probs.dtype)
+    weighted = expert_output.to(dtype) * plan.probs.unsqueeze(-1).to(dtype)
+    out = weighted.new_zeros(plan.num_tokens, expert_output.shape[-1])
+    return out.index_add(0, plan.token_ids, weighted).to(expert_output.dtype)
 
 
 def _repeat_blocks(values: torch.Tensor, sizes: list[int], times: int) -> torch.Tensor:
