@@ -134,10 +134,11 @@ def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -
 
 
 # --no-fp8-wgrad: the weight gradients from the unquantized inputs; under SP those are gathered
-# in the run's dtype (not FP8) and kept whole for the weight gradient. Five steps: such gradients
+# in the run's dtype (not FP8) and kept whole for the weight gradient. Three steps: such gradients
 # carry a layout's fp32 reduction order (~1e-7) into the weights, where FP8 ones round it away,
 # and once that tips one weight element's FP8 cast, Adam's normalized steps spread it (TP2+SP:
-# parameters bitwise after one step, 1e-7 apart after five, 2e-4 in the median after ten).
+# parameters bitwise after one step, 5e-8 apart in the median after three and 8e-8 after five,
+# 2e-4 after ten). How soon a tip comes depends on the CPU's summation order, so few steps.
 UNQUANTIZED_WGRAD_LAYOUTS = [("tensorwise", "tp2_sp"), ("delayed", "dp2"), ("blockwise", "cp2")]
 
 
@@ -145,9 +146,9 @@ UNQUANTIZED_WGRAD_LAYOUTS = [("tensorwise", "tp2_sp"), ("delayed", "dp2"), ("blo
 def test_weight_gradients_in_the_runs_precision_match_one_device(references, recipe, layout):
     world_size, flags = LAYOUTS[layout]
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + ["--no-fp8-wgrad"]
-    reference = fp8_train_job(argv, 5)
-    assert reference["losses"] != references[recipe]["losses"][:5]  # the flag changes training
-    results = run_distributed(world_size, fp8_train_job, argv + flags, 5)
+    reference = fp8_train_job(argv, 3)
+    assert reference["losses"] != references[recipe]["losses"][:3]  # the flag changes training
+    results = run_distributed(world_size, fp8_train_job, argv + flags, 3)
     assert_match_one_device(results, reference, recipe)
 
 
