@@ -459,6 +459,12 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),
         (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "gives 3 layers"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "capacity-factor"),
+        (
+            ["--moe-router-topk", "1", "--moe-router-dtype", "fp32"],
+            1,
+            "--moe-router-topk --moe-router-dtype: mixture-of-experts settings of a model "
+            "without experts; add --num-experts or drop them",
+        ),
     ],
 )
 def test_moe_mistakes_are_refused_in_one_line(flags, world_size, expected, capsys):

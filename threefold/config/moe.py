@@ -6,11 +6,12 @@ is still declared once, here. `finalize_moe` is called from the model's own fina
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
-from threefold.config.fields import ARCHITECTURE, MODEL, arg
+from threefold.config.fields import ARCHITECTURE, MODEL, arg, flag_of
 
 GROUP = "mixture of experts"
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
@@ -146,6 +147,16 @@ class MoEConfig:
 
     def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> None:
         if not self.is_moe:
+            given = [
+                flag_of(field)
+                for field in dataclasses.fields(MoEConfig)
+                if getattr(self, field.name) != field.default
+            ]
+            _require(
+                not given,
+                f"{' '.join(given)}: mixture-of-experts settings of a model without experts; "
+                "add --num-experts or drop them",
+            )
             return
         experts, topk = self.num_experts, self.moe_router_topk
         _require(experts >= 1, "--num-experts must be >= 1")
