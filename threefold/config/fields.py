@@ -56,6 +56,17 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
+def given_flags(config: Any, config_class: type, names: tuple[str, ...] | None = None) -> list[str]:
+    """The flags of `config_class`'s fields (those named, or all) that `config` holds at a
+    value other than their default: what a refusal names when they belong to a feature that
+    is off."""
+    return [
+        flag_of(field)
+        for field in dataclasses.fields(config_class)
+        if (names is None or field.name in names) and getattr(config, field.name) != field.default
+    ]
+
+
 def checkpoint_fields(config_class: type, *kinds: str) -> list[dataclasses.Field]:
     """The fields a checkpoint carries of the given kinds, in declaration order."""
     return [f for f in dataclasses.fields(config_class) if f.metadata.get("checkpoint") in kinds]

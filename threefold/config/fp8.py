@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config.errors import require
-from threefold.config.fields import arg
+from threefold.config.fields import arg, given_flags
 
 FP8_FORMATS = ("e4m3", "hybrid")
 # What Megatron-LM accepts (mxfp8 needs Blackwell's microscaling GEMMs), and torchao's
@@ -111,15 +111,8 @@ class Fp8Config:
         """`distributed_optimizer`: threefold's own (--distributed-strategy megatron); `fsdp`:
         --distributed-strategy fsdp."""
         if not self.enabled:
-            given = [
-                flag
-                for flag, on in (
-                    ("--fp8-param-gather", self.fp8_param_gather),
-                    ("--first-last-layers-bf16", self.first_last_layers_bf16),
-                    ("--no-fp8-wgrad", not self.fp8_wgrad),
-                )
-                if on
-            ]
+            only_with_fp8 = ("fp8_param_gather", "first_last_layers_bf16", "fp8_wgrad")
+            given = given_flags(self, Fp8Config, only_with_fp8)
             require(
                 not given,
                 f"{' and '.join(given)} belong{'s' if len(given) == 1 else ''} to FP8 training; "

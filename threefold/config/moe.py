@@ -6,12 +6,11 @@ is still declared once, here. `finalize_moe` is called from the model's own fina
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
-from threefold.config.fields import ARCHITECTURE, MODEL, arg, flag_of
+from threefold.config.fields import ARCHITECTURE, MODEL, arg, given_flags
 
 GROUP = "mixture of experts"
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
@@ -147,11 +146,7 @@ class MoEConfig:
 
     def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> None:
         if not self.is_moe:
-            given = [
-                flag_of(field)
-                for field in dataclasses.fields(MoEConfig)
-                if getattr(self, field.name) != field.default
-            ]
+            given = given_flags(self, MoEConfig)
             _require(
                 not given,
                 f"{' '.join(given)}: mixture-of-experts settings of a model without experts; "
