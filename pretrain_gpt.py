@@ -23,6 +23,8 @@ def _summary(config, trainer, device_type: str) -> str:
         layout += ", sequence parallel"
     if len(trainer.model_chunks) > 1:
         layout += f", {len(trainer.model_chunks)} virtual stages"
+    if parallel.use_tp_pp_dp_mapping:
+        layout += ", rank order TP-CP-EP-PP-DP"
     num_params = sum(p.numel() for _, p in trainer.layout_independent_parameters())
     return (
         f"> world size {parallel.world_size} ({layout}) on {device_type}; {num_params:,} "

@@ -31,8 +31,9 @@ MEGATRON_LINE = re.compile(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteratio
                 "2",
                 "--virtual-pipeline-model-parallel-size",
                 "2",
+                "--use-tp-pp-dp-mapping",  # Megatron-LM's "dp_last" configs
             ],
-            "TP=2, PP=2, DP=2, 2 virtual stages",
+            "TP=2, PP=2, DP=2, 2 virtual stages, rank order TP-CP-EP-PP-DP",
         ),
         (
             4,

@@ -223,8 +223,6 @@ MISSING = {
     "--error-injection-": "Megatron-LM's rerun state machine",
     "--result-rejected-tracker-filename": "Megatron-LM's rerun state machine",
     "--check-weight-hash-across-dp-replicas-interval": "weight-hash checks across replicas",
-    "--use-tp-pp-dp-mapping": "the TP-PP-DP rank order (threefold keeps megatron-core's "
-    "default TP-CP-EP-DP-PP)",
     "--overlap-p2p-communication-warmup-flush": "Megatron-LM's pipeline warm-up tuning",
     "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",

@@ -312,6 +312,13 @@ LAYOUTS = {
         EP2 + ["--expert-tensor-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
     ),
     "ep2xpp2-allgather": (4, EP2 + ["--pipeline-model-parallel-size", "2"]),
+    # Megatron-LM's moe/..._cp2_pp2_ep2_..._dp_last: PP before DP, EP carved out of CP
+    "cp2xpp2xep2xdp2-tp-pp-dp-alltoall": (
+        8,
+        EP2
+        + ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+        + ["--moe-token-dispatcher-type", "alltoall", "--use-tp-pp-dp-mapping"],
+    ),
     "ep2xcp2-alltoall": (
         4,
         EP2 + ["--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
@@ -454,6 +461,14 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
             + ["--expert-tensor-parallel-size", "1"],
             2,
             "needs --sequence-parallel",
+        ),
+        (
+            ["--num-experts", "4", "--pipeline-model-parallel-size", "2"]
+            + ["--expert-model-parallel-size", "2", "--use-tp-pp-dp-mapping"],
+            4,
+            "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size 2 needs "
+            "--expert-tensor-parallel-size 1 x --expert-model-parallel-size 2 = "
+            "--tensor-model-parallel-size 1 x --context-parallel-size 1",
         ),
         (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),

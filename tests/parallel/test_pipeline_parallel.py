@@ -4,6 +4,7 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import (
+    DP_TOLERANCE,
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
@@ -77,6 +78,26 @@ def test_uneven_stages_match_single_process(references):
     )
     result = run_distributed(4, train_job, argv, 10)[0]
     assert_losses_close(result["losses"], references["gpt2_tied"]["losses"], 1e-5)
+
+
+def _train_and_name_pipeline(argv: list[str], steps: int) -> dict:
+    """`train_job`, and the ranks of this rank's pipeline."""
+    import torch.distributed as dist
+
+    from threefold.parallel import state
+
+    result = train_job(argv, steps)
+    return {**result, "pipeline": dist.get_process_group_ranks(state.parallel_context().pp.group)}
+
+
+def test_the_tp_pp_dp_rank_order_matches_single_process(references):
+    # Megatron-LM's --use-tp-pp-dp-mapping: PP before DP, so stages 0 and 1 are ranks 0 and 1;
+    # tied embeddings, the distributed optimizer and its DP groups all follow the new order.
+    argv = GPT2_STYLE + EIGHT_LAYERS + TRAINING
+    argv += ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    results = run_distributed(4, _train_and_name_pipeline, argv + ["--use-tp-pp-dp-mapping"], 10)
+    assert [r["pipeline"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert_matches_reference(results, references["gpt2_tied"], DP_TOLERANCE)
 
 
 def _one_step_with_trace(argv: list[str]) -> dict:

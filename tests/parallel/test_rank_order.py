@@ -1,13 +1,14 @@
 """threefold builds its process groups itself (threefold/parallel/state.py), in Megatron's rank
 order: the same members as megatron-core's `parallel_state` for every layout, compared as rank
-lists against its `RankGenerator` and as real gloo groups against its own."""
+lists against its `RankGenerator` and as real gloo groups against its own, in megatron-core's
+default rank order and in `--use-tp-pp-dp-mapping`'s."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.distributed import run_distributed
-from threefold.parallel.rank_order import RankLayout, rank_groups
+from threefold.parallel.rank_order import DEFAULT_ORDER, TP_PP_DP_ORDER, RankLayout, rank_groups
 
 # (world, TP, PP, CP, EP, ETP)
 LAYOUTS = [
@@ -26,14 +27,21 @@ DENSE = ["tp", "pp", "dp", "cp", "dp-cp", "tp-cp", "tp-pp", "tp-dp-cp", "tp-dp",
 EXPERTS = ["ep", "tp", "tp-ep", "dp", "tp-ep-pp", "pp"]
 
 
+@pytest.mark.parametrize("order", [DEFAULT_ORDER, TP_PP_DP_ORDER])
 @pytest.mark.parametrize("world, tp, pp, cp, ep, etp", LAYOUTS)
-def test_groups_are_megatron_cores_rank_generators(world, tp, pp, cp, ep, etp):
+def test_groups_are_megatron_cores_rank_generators(world, tp, pp, cp, ep, etp, order):
     from megatron.core.parallel_state import RankGenerator
 
-    layout = RankLayout(world, tp, pp, cp, ep, etp)
-    order, dp = "tp-cp-ep-dp-pp", world // (tp * pp * cp)
+    dp = world // (tp * pp * cp)
     dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
     experts = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    if dense.get_ranks("pp") != experts.get_ranks("pp"):
+        # megatron-core asserts the two grids' pipelines are one; so does the layout
+        assert order == TP_PP_DP_ORDER and etp * ep != tp * cp
+        with pytest.raises(ValueError, match="its pipelines differ"):
+            RankLayout(world, tp, pp, cp, ep, etp, order)
+        return
+    layout = RankLayout(world, tp, pp, cp, ep, etp, order)
     for members in DENSE:
         assert layout.dense(members) == dense.get_ranks(members), members
     for members in EXPERTS:
@@ -52,6 +60,15 @@ def test_the_grid_puts_tp_fastest_and_pp_slowest():
     assert rank_groups({"tp": 2, "cp": 3}, "cp") == [[0, 2, 4], [1, 3, 5]]
 
 
+def test_the_tp_pp_dp_mapping_puts_a_replicas_ranks_together():
+    # world 8, TP=2, PP=2: arange(8).view(dp=2, pp=2, tp=2); a replica is ranks 0-3
+    layout = RankLayout(8, 2, 2, order=TP_PP_DP_ORDER)
+    assert layout.dense("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.dense("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.dense("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.dense("tp-pp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_a_layout_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ValueError, match="world size 6 is not divisible by TP 4"):
         RankLayout(6, 4)
@@ -59,6 +76,8 @@ def test_a_layout_that_does_not_divide_the_world_is_refused():
         RankLayout(6, 2, expert_model_parallel_size=4, expert_tensor_parallel_size=1)
     with pytest.raises(ValueError, match="unknown dimension 'xp'"):
         rank_groups({"tp": 2}, "xp")
+    with pytest.raises(ValueError, match="order 'tp-dp' is not an order of"):
+        rank_groups({"tp": 2}, "tp", "tp-dp")
 
 
 def _members(group) -> list[int] | None:
@@ -77,8 +96,8 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
     from threefold.parallel import state
 
     seen = []
-    for tp, pp, cp, ep, etp in layouts:
-        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp)
+    for tp, pp, cp, ep, etp, order in layouts:
+        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp, order)
         context = state.parallel_context()
         ps.initialize_model_parallel(
             tp,
@@ -87,6 +106,7 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=etp,
             create_gloo_process_groups=False,
+            order=order,
         )
         first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
         theirs = {
@@ -122,7 +142,15 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
 
 
 def test_the_groups_are_megatron_cores_on_eight_ranks():
-    layouts = [(2, 2, 1, 1, 2), (2, 1, 2, 2, 1), (1, 2, 2, 2, 1), (1, 2, 1, 4, 1), (4, 1, 1, 2, 2)]
+    layouts = [
+        (2, 2, 1, 1, 2, DEFAULT_ORDER),
+        (2, 1, 2, 2, 1, DEFAULT_ORDER),
+        (1, 2, 2, 2, 1, DEFAULT_ORDER),
+        (1, 2, 1, 4, 1, DEFAULT_ORDER),
+        (4, 1, 1, 2, 2, DEFAULT_ORDER),
+        (2, 2, 1, 1, 2, TP_PP_DP_ORDER),
+        (1, 2, 2, 2, 1, TP_PP_DP_ORDER),
+    ]
     for rank, seen in enumerate(run_distributed(8, _threefold_and_megatron_core_groups, layouts)):
         for layout, (ours, megatron_cores) in zip(layouts, seen):
             assert ours == megatron_cores, (rank, layout)

@@ -82,6 +82,13 @@ class ParallelConfig:
         help="ETP: ranks that split each expert's matrices, as TP splits the dense MLP's "
         "(default: --tensor-model-parallel-size, as Megatron)",
     )
+    use_tp_pp_dp_mapping: bool = arg(
+        False,
+        help=(
+            "rank order TP-CP-EP-PP-DP instead of TP-CP-EP-DP-PP: a model replica's ranks are "
+            "consecutive, so pipeline sends stay inside a node and DP reductions cross nodes"
+        ),
+    )
     sequence_parallel: bool = arg(
         False,
         help=(
@@ -260,9 +267,22 @@ class ParallelConfig:
     def _finalize_expert_parallel(self, model: ModelConfig) -> None:
         ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
         _require(ep >= 1, "--expert-model-parallel-size must be >= 1")
+        cp, pp = self.context_parallel_size, self.pipeline_model_parallel_size
         if self.expert_tensor_parallel_size is None:
-            self.expert_tensor_parallel_size = tp if model.is_moe else 1
+            # A dense model's expert groups go unused, but under --use-tp-pp-dp-mapping its
+            # expert grid must still split each stage's ranks as the dense grid does.
+            dense_etp = tp * cp if self.use_tp_pp_dp_mapping else 1
+            self.expert_tensor_parallel_size = tp if model.is_moe else dense_etp
         etp = self.expert_tensor_parallel_size
+        # megatron-core's rule: with DP after PP the dense and the experts' grids share their
+        # pipelines only when a stage splits into as many replicas in each.
+        _require(
+            not self.use_tp_pp_dp_mapping or pp == 1 or etp * ep == tp * cp,
+            f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp} needs "
+            f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} = "
+            f"--tensor-model-parallel-size {tp} x --context-parallel-size {cp} (the same data-"
+            "parallel size for experts as for the dense layers); change one or drop the mapping",
+        )
         if not model.is_moe:
             _require(
                 ep == 1,

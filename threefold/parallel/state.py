@@ -3,9 +3,10 @@
 The groups are those megatron-core's `parallel_state.initialize_model_parallel` builds, with
 the same members (`threefold.parallel.rank_order`: TP varies fastest, then CP, then DP, then
 PP; with world size 8, TP=2, PP=2 the grid is `arange(8).view(pp=2, dp=2, tp=2)`; see
-docs/parallelism.md for the picture), so a rank holds the shard it would in Megatron-LM. They
-are built here rather than by megatron-core: importing it (its package imports torch's
-compiler) took 2.6 s of a tiny run's 6.5 s start, for groups that are a few `new_group` calls.
+docs/parallelism.md for the picture; `--use-tp-pp-dp-mapping` puts PP before DP), so a rank
+holds the shard it would in Megatron-LM. They are built here rather than by megatron-core:
+importing it (its package imports torch's compiler) took 2.6 s of a tiny run's 6.5 s start, for
+groups that are a few `new_group` calls.
 
 Everything below also answers sensibly when no process group exists (one process, sizes 1,
 ranks 0), so the single-process reference run of a parity test needs no distributed setup.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.pipeline_parallel.p2p import destroy_p2p_groups, initialize_p2p_groups
-from threefold.parallel.rank_order import RankLayout
+from threefold.parallel.rank_order import DEFAULT_ORDER, TP_PP_DP_ORDER, RankLayout
 
 # This rank's group of each kind (`_GROUP_KINDS`), while a layout is initialized.
 _GROUPS: dict[str, Group] = {}
@@ -116,9 +117,10 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
+    order: str = DEFAULT_ORDER,
 ) -> None:
     """Build the TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the
-    initialized world, in Megatron's rank order."""
+    initialized world, in Megatron's rank order `order` (megatron-core's argument)."""
     destroy_model_parallel()
     if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size == 1:
         raise ValueError("an interleaved (virtual) pipeline needs a pipeline of 2+ stages")
@@ -129,6 +131,7 @@ def initialize_model_parallel(
         context_parallel_size,
         expert_model_parallel_size,
         expert_tensor_parallel_size,
+        order,
     )
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
@@ -138,7 +141,7 @@ def initialize_model_parallel(
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 _GROUPS[kind] = Group(group, len(ranks), ranks.index(rank))
-    initialize_p2p_groups(pipeline_model_parallel_size, timeout_minutes)
+    initialize_p2p_groups(layout.dense("pp"), timeout_minutes)
 
 
 def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
@@ -160,6 +163,7 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.context_parallel_size,
         parallel.expert_model_parallel_size,
         parallel.expert_tensor_parallel_size,
+        TP_PP_DP_ORDER if parallel.use_tp_pp_dp_mapping else DEFAULT_ORDER,
     )
     context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.

@@ -23,17 +23,14 @@ from threefold.parallel.parallel_context import Group
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
-def initialize_p2p_groups(pipeline_size: int, timeout_minutes: float = 10) -> None:
-    """Create the activation and gradient groups of every pipeline; all ranks must call this.
-    Pipeline group j holds ranks j, j + W/P, j + 2W/P, ... (PP varies slowest). A receive
-    that waits longer than the timeout fails instead of hanging the job."""
+def initialize_p2p_groups(pipelines: list[list[int]], timeout_minutes: float = 10) -> None:
+    """Create the activation and gradient groups of every pipeline (its ranks, first stage
+    first); all ranks must call this. A receive that waits longer than the timeout fails
+    instead of hanging the job."""
     _GROUPS.clear()
-    if pipeline_size == 1:
+    if len(pipelines[0]) == 1:
         return
-    world = dist.get_world_size()
-    stride = world // pipeline_size
-    for j in range(stride):
-        ranks = [j + i * stride for i in range(pipeline_size)]
+    for ranks in pipelines:
         for kind in ("activation", "gradient"):
             group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))
             if dist.get_rank() in ranks:
