@@ -11,7 +11,7 @@ pipeline's point-to-point traffic stays inside a node and only the DP reductions
 
 A group of one or more dimensions ("tp-cp") holds the ranks that differ only along those; its
 members are in rank order, and the groups are ordered by their first rank, as megatron-core's
-`RankGenerator.get_ranks` lists them (tests/parallel/ test_rank_order.py compares the two), so
+`RankGenerator.get_ranks` lists them (tests/parallel/test_rank_order.py compares the two), so
 a rank holds the same shard here as in Megatron-LM and a checkpoint's files line up with its
 layout.
 
