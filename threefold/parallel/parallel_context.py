@@ -7,7 +7,7 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
 
     ParallelContext
       tp          tensor-parallel group (Megatron's rank order: TP varies fastest)
-      pp          pipeline-parallel group (varies slowest)
+      pp          pipeline-parallel group (varies slowest; before DP with --use-tp-pp-dp-mapping)
       dp          data-parallel group: the replicas that read different samples
       cp          context-parallel group: the ranks that split each sample's sequence
       dp_cp       DP x CP: the ranks holding the same weights, over which gradients are
