@@ -253,7 +253,6 @@ MISSING = {
     "--cuda-graph-": "CUDA graphs",
     "--enable-cuda-graph": "CUDA graphs",
     "--test-mode": "Megatron-LM's test mode",
-    "--verify-integrity": "Megatron-LM's dataset integrity verification",
     "--inference-": "Megatron-LM's inference engine (threefold samples with tools/generate.py)",
     "--max-tokens-to-oom": "Megatron-LM's inference engine",
     "--num-tokens-to-generate": "Megatron-LM's inference engine",

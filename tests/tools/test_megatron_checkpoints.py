@@ -11,6 +11,7 @@ saves Adam's state: threefold goes on from it at other layouts exactly as megatr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -283,7 +284,11 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
         argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
         assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
         iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
-        theirs = run_distributed(1, mc.logits, kind, os.path.join(out, f"iter_{iteration:07d}"))
+        path = os.path.join(out, f"iter_{iteration:07d}")
+        # Megatron-LM's --verify-integrity list, as megatron-core would write it
+        with open(os.path.join(path, "integrity.json")) as f:
+            assert json.load(f) == _megatrons_integrity(path)
+        theirs = run_distributed(1, mc.logits, kind, path)
         torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
 
 
@@ -457,3 +462,44 @@ def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_p
     flattened = {**sizes, "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight": (2, 32)}
     optimizer = megatron_optimizer({"optimizer": {}}, flattened)
     assert (optimizer.layout, optimizer.readable) == ("fully_sharded_model_space", False)
+
+
+def _megatrons_integrity(path: str) -> dict:
+    """What megatron-core's save_integrity_manifest writes (Megatron-LM's --verify-integrity;
+    megatron-core 0.16.1 predates it): each file directly in the directory, its SHA-256."""
+    import hashlib
+
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name != "integrity.json" and os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = hashlib.sha256(f.read()).hexdigest()
+    return {"algorithm": "sha256", "files": files}
+
+
+def test_megatrons_integrity_manifest_is_verified(megatron, tmp_path):
+    from threefold.checkpoint.load import find_checkpoint
+
+    root = str(tmp_path / "run")
+    shutil.copytree(megatron["llama"][0], root)
+    path = os.path.join(root, "iter_0000010")
+    # Without integrity.json: loaded unverified, unless --verify-integrity asks for checksums.
+    assert find_checkpoint(root) == 10
+    from tests.parity import _setup
+
+    trainer = _setup(_argv(root, 1, 1) + ["--finetune", "--verify-integrity"])
+    with pytest.raises(ConfigError, match="holds no checksums .* which --verify-integrity"):
+        load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
+    with open(os.path.join(path, "integrity.json"), "w") as f:
+        json.dump(_megatrons_integrity(path), f)
+    assert find_checkpoint(root, verify_integrity=True) == 10
+    load_model(root, with_tokenizer=False)
+    # One flipped byte in a shard, the size unchanged: refused, naming the file.
+    shard = next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
+    with open(os.path.join(path, shard), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ConfigError, match=f"{shard} does not match its checksum"):
+        load_model(root, with_tokenizer=False)

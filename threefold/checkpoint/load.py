@@ -1,7 +1,9 @@
 """Loading a checkpoint: the tracker's iteration, verified, into any layout.
 
-The tracker's iteration is verified against its manifest; a damaged one falls back to the
-newest complete checkpoint before it, with a one-line warning. A checkpoint of the same layout
+The tracker's iteration is verified against its manifest (or a Megatron-LM checkpoint against
+its integrity.json); a damaged one falls back to the newest complete checkpoint before it,
+with a one-line warning. `--verify-integrity` (Megatron-LM's flag) also counts a checkpoint
+without either list as unusable instead of loading it unverified. A checkpoint of the same layout
 loads directly (torch.distributed.checkpoint); any other TP/PP/DP layout, with or without the
 distributed optimizer, goes through checkpoint/resharding.py, optimizer state included. Nothing
 read from a checkpoint is unpickled freely (threefold/safe_loading.py). The architecture and
@@ -26,9 +28,11 @@ from threefold.checkpoint.files import (
     read_tracker,
 )
 from threefold.checkpoint.manifest import (
+    INTEGRITY,
     MANIFEST,
     complete_iterations,
     has_iteration_directories,
+    read_integrity,
     read_manifest,
     verify_slice,
 )
@@ -102,17 +106,27 @@ def _all_ranks_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _damage(root: str, iteration: int) -> str | None:
+def _damage(root: str, iteration: int, verify_integrity: bool = False) -> str | None:
     """What is wrong with a checkpoint's files (None when they are as written). This rank
-    verifies its slice of the files against the manifest; checkpoints from before manifests
-    are only checked for their metadata."""
+    verifies its slice of the files against the manifest (a Megatron-LM checkpoint's: its
+    integrity.json); checkpoints with neither are only checked for their metadata, or refused
+    under `verify_integrity`."""
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         return f"{path} does not exist"
-    manifest = read_manifest(path)
+    manifest = None
+    for name, read in ((MANIFEST, read_manifest), (INTEGRITY, read_integrity)):
+        if os.path.isfile(os.path.join(path, name)):
+            manifest = read(path)
+            if manifest is None:
+                return f"{os.path.join(path, name)} is unreadable"
+            break
     if manifest is None:
-        if os.path.isfile(os.path.join(path, MANIFEST)):
-            return f"{os.path.join(path, MANIFEST)} is unreadable"
+        if verify_integrity:
+            return (
+                f"{path} holds no checksums ({MANIFEST} or Megatron-LM's {INTEGRITY}) to "
+                "verify, which --verify-integrity requires; drop the flag to load it unverified"
+            )
         return (
             None
             if os.path.isfile(os.path.join(path, "metadata.json"))
@@ -127,9 +141,10 @@ def _damage(root: str, iteration: int) -> str | None:
     )
 
 
-def find_checkpoint(root: str) -> int | None:
-    """The iteration to load from `root`: the tracker's, verified; if it is damaged, the
-    newest complete one before it, with a one-line warning. None when `root` holds no
+def find_checkpoint(root: str, verify_integrity: bool = False) -> int | None:
+    """The iteration to load from `root`: the tracker's, verified (`verify_integrity`: one
+    without checksums counts as damaged); if it is damaged, the newest complete one before
+    it, with a one-line warning. None when `root` holds no
     checkpoint at all; a one-line ConfigError when it holds some but none is usable (never
     'start from scratch' over existing iterations)."""
     tracked = read_tracker(root)
@@ -153,7 +168,7 @@ def find_checkpoint(root: str) -> int | None:
         )
     problems = []
     for iteration in candidates:
-        damage = _damage(root, iteration)
+        damage = _damage(root, iteration, verify_integrity)
         if _all_ranks_agree(damage is None):
             if problems:
                 _warn(
@@ -185,7 +200,7 @@ def load_checkpoint(
         if root == components.config.checkpoint.save:
             return None
         raise ConfigError(f"--load {root}: no such directory")
-    iteration = find_checkpoint(root)
+    iteration = find_checkpoint(root, components.config.checkpoint.verify_integrity)
     if iteration is None:
         return None
     metadata = read_metadata(root, iteration)

@@ -6,6 +6,13 @@ a directory named `iter_NNNNNNN` with a manifest is complete. Ranks digest (and 
 verify) disjoint slices of the sorted file list, so the work spreads over the ranks.
 
     DIR/iter_0000100/manifest.json    {"files": {"__0_0.distcp": [size, sha256], ...}}
+
+Megatron-LM's checkpoints carry their own list when saved with `--verify-integrity`
+(megatron-core's `dist_checkpointing.validation.save_integrity_manifest`): the SHA-256 of each
+file directly in the directory, without sizes. threefold verifies it as it verifies its own,
+and writes it into the checkpoints it exports to Megatron-LM.
+
+    DIR/iter_0000100/integrity.json   {"algorithm": "sha256", "files": {"common.pt": sha256, ...}}
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import re
 
 MANIFEST = "manifest.json"
+INTEGRITY = "integrity.json"  # Megatron-LM's
 PARTIAL = ".partial"  # a save in progress (or abandoned by a crash)
 REPLACED = ".replaced"  # an older save of the same iteration, kept until the new one is in
 _ITERATION = re.compile(r"^iter_(\d{7})$")
@@ -64,6 +72,36 @@ def read_manifest(path: str) -> dict[str, list] | None:
     return files if isinstance(files, dict) else None
 
 
+def write_integrity(path: str) -> None:
+    """Megatron-LM's integrity.json for the files directly in `path` (a Megatron checkpoint
+    being written)."""
+    from threefold.checkpoint.files import write_atomically
+
+    names = sorted(
+        name
+        for name in os.listdir(path)
+        if name != INTEGRITY and os.path.isfile(os.path.join(path, name))
+    )
+    files = {name: digest(os.path.join(path, name))[1] for name in names}
+    write_atomically(
+        os.path.join(path, INTEGRITY), json.dumps({"algorithm": "sha256", "files": files}, indent=2)
+    )
+
+
+def read_integrity(path: str) -> dict[str, list] | None:
+    """Megatron-LM's integrity.json as a manifest ({file: [None, sha256]}: no sizes), or None
+    when the directory has none or it is unreadable or not SHA-256."""
+    try:
+        with open(os.path.join(path, INTEGRITY)) as f:
+            data = json.load(f)
+        files = data["files"]
+        if data.get("algorithm", "sha256") != "sha256" or not isinstance(files, dict):
+            return None
+        return {name: [None, str(sha)] for name, sha in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def verify_slice(
     path: str, manifest: dict[str, list], rank: int = 0, world_size: int = 1
 ) -> str | None:
@@ -76,7 +114,7 @@ def verify_slice(
         full = os.path.join(path, name)
         size, sha = manifest[name]
         actual_size = os.path.getsize(full)
-        if actual_size != size:
+        if size is not None and actual_size != size:
             return f"{name} has {actual_size} bytes, {size} were written"
         if digest(full)[1] != sha:
             return f"{name} does not match its checksum (corrupted after it was written)"

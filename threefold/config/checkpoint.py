@@ -47,6 +47,14 @@ class CheckpointConfig:
         ),
         metavar="N",
     )
+    verify_integrity: bool = arg(
+        False,
+        help=(
+            "refuse a --load checkpoint without checksums (threefold's manifest.json or "
+            "Megatron-LM's integrity.json); those it has are verified with or without the "
+            "flag, and every --save writes them"
+        ),
+    )
     finetune: bool = arg(
         False, help="load the weights only; iteration and consumed samples start from 0"
     )  # weights only; iteration and consumed samples start at 0

@@ -3,9 +3,10 @@
 Megatron-LM's `--load` resumes from (with `--finetune`, or `--no-load-optim --no-load-rng`: it
 holds the model only).
 
-Crash safety as for threefold's own checkpoints: the directory is written as `iter_N.partial/`,
-renamed to `iter_N/` when complete, and only then does the tracker name it; an existing
-`iter_N/` is never replaced.
+The directory carries Megatron-LM's integrity.json (each file's SHA-256), which its
+`--verify-integrity` requires. Crash safety as for threefold's own checkpoints: the directory
+is written as `iter_N.partial/`, renamed to `iter_N/` when complete, and only then does the
+tracker name it; an existing `iter_N/` is never replaced.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
+from threefold.checkpoint.manifest import write_integrity
 from threefold.checkpoint.megatron.format import BACKEND, CHECKPOINT_VERSION, megatron_args
 from threefold.checkpoint.megatron.tensors import stacked_state_dict
 from threefold.config import Config, ConfigError
@@ -83,6 +85,8 @@ def save_megatron_checkpoint(
     torch.save(common, os.path.join(partial, "common.pt"))
     with open(os.path.join(partial, "metadata.json"), "w") as f:
         json.dump(BACKEND, f)
+    # What Megatron-LM's --verify-integrity checks on load (and writes when it saves).
+    write_integrity(partial)
     fsync_directory(partial)
     os.replace(partial, path)
     fsync_directory(root)
