@@ -44,6 +44,7 @@ SHAPES = {
         position_embedding_type="rope",
         untie_embeddings_and_output_weights=True,
         rotary_base=500000.0,
+        rotary_interleaved=False,
         norm_epsilon=1e-5,
     ),
     "gpt2": dict(
@@ -58,9 +59,12 @@ SHAPES = {
         position_embedding_type="learned_absolute",
         untie_embeddings_and_output_weights=False,
         rotary_base=10000.0,
+        rotary_interleaved=False,
         norm_epsilon=1e-5,
     ),
 }
+# RoPE on adjacent pairs of the head dimension (Megatron-LM's --rotary-interleaved)
+SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -154,6 +158,7 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         gradient_accumulation_fusion=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        rotary_interleaved=shape["rotary_interleaved"],
     )
     # Norm weights start at 1 and biases at 0: make them random too, so a mix-up shows.
     model = GPTModel(
@@ -189,7 +194,6 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         add_position_embedding=shape["position_embedding_type"] == "learned_absolute",
         use_rotary_position_embeddings=shape["position_embedding_type"] == "rope",
         rotary_percent=1.0,
-        rotary_interleaved=False,
         add_qkv_bias=False,
         apply_layernorm_1p=False,
         squared_relu=False,

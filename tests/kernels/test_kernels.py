@@ -133,6 +133,7 @@ def _ops(device: str = "cpu"):
         "swiglu": (lambda fc1: reference.swiglu(*fc1.chunk(2, dim=-1)), (tensor(16, 2, 128),)),
         "gelu": (reference.gelu, (tensor(16, 2, 128), "tanh")),
         "rotary": (reference.rotary, (tensor(16, 2, 4, 32), cos, sin)),
+        "rotary_interleaved": (reference.rotary_interleaved, (tensor(16, 2, 4, 32), cos, sin)),
         "swiglu_stacked": (reference.swiglu_stacked, (tensor(16, 2, 128),)),
         "split_rotary": (_split_rotary_flat, (tensor(16, 2, 2, 5, 32), cos, sin)),
     }

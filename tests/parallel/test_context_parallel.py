@@ -54,6 +54,7 @@ from tests.parity import (  # noqa: E402
     assert_close_dicts,
     assert_matches_reference,
     first_step_gradients_job,
+    relative_error,
     train_job,
 )
 
@@ -393,3 +394,15 @@ def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, com
     reference = train_job(argv, 10)
     layout = ["--context-parallel-size", "2", "--cp-comm-type", comm_type]
     assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)
+
+
+def test_interleaved_rotary_embeddings_match_at_cp2_with_restarting_positions():
+    """--rotary-interleaved turns each rank's chunks by their own positions, restarted at
+    each document: CP2 trains as one process does, and not as rotate-half RoPE does."""
+    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + ["--rotary-interleaved"]
+    reference = train_job(argv, 5)
+    layout = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+    assert_matches_reference(run_distributed(2, train_job, argv + layout, 5), reference, 1e-5)
+    halves = train_job(LLAMA_STYLE + TRAINING + DOCUMENTS, 5)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert relative_error(halves["params"][qkv], reference["params"][qkv]) > 1e-3

@@ -330,6 +330,47 @@ def _copy_with_args(root: str, destination: str, **changes) -> str:
     return destination
 
 
+def test_interleaved_rotary_embeddings_compute_megatron_cores_logits(tmp_path):
+    """Megatron-LM's --rotary-interleaved: megatron-core's model, saved and read back by
+    threefold, gives its logits; the Hugging Face export (rotate-half RoPE, the query and key
+    rows of each head regrouped) gives them too."""
+    from tests.tools.hf_models import has_transformers
+
+    root = str(tmp_path / "megatron")
+    run_distributed(1, mc.save, "llama_interleaved", root, 10, 1, 1)
+    reference = run_distributed(1, mc.logits, "llama_interleaved", f"{root}/iter_0000010")[0]
+    config, model, _ = load_model(root, with_tokenizer=False)
+    assert config.model.rotary_interleaved
+    with torch.no_grad():
+        logits = model(mc.TOKENS).transpose(0, 1)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    # Read as rotate-half RoPE, the same weights compute something else: the flag matters.
+    config.model.rotary_interleaved = False
+    plain = _model_with(config, model)
+    with torch.no_grad():
+        assert (plain(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-2
+    if not has_transformers():
+        return
+    from transformers import AutoModelForCausalLM
+
+    hf = str(tmp_path / "hf")
+    argv = ["--loader", "megatron", "--saver", "hf", "--load-dir", root, "--save-dir", hf]
+    assert convert_checkpoint.main(argv) == 0
+    hf_model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf_model(mc.TOKENS).logits
+    torch.testing.assert_close(theirs, reference[..., : theirs.shape[-1]], rtol=0, atol=1e-4)
+
+
+def _model_with(config, model):
+    """A GPTModel of `config` holding `model`'s weights."""
+    from threefold.model import GPTModel
+
+    other = GPTModel(config.model, model.padded_vocab_size)
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
 @pytest.mark.parametrize(
     "change,named",
     [

@@ -57,6 +57,12 @@ class ModelConfig(MoEConfig):
         ),
     )
     rotary_base: float = arg(10000.0, checkpoint=MODEL, help="RoPE theta")
+    rotary_interleaved: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="RoPE rotates adjacent pairs (0,1), (2,3), ... of the head dimension (GPT-J, "
+        "Meta's original LLaMA) instead of its two halves",
+    )
     # Llama 3.1's RoPE frequency scaling (model/rope.py)
     use_rope_scaling: bool = arg(
         False,
@@ -223,10 +229,14 @@ class ModelConfig(MoEConfig):
                 self.kv_channels % 2 == 0,
                 f"rope needs an even head size, got --kv-channels {self.kv_channels}",
             )
-        _require(
-            not self.use_rope_scaling or self.position_embedding_type == "rope",
-            "--use-rope-scaling needs --position-embedding-type rope",
-        )
+        for name, given in (
+            ("--use-rope-scaling", self.use_rope_scaling),
+            ("--rotary-interleaved", self.rotary_interleaved),
+        ):
+            _require(
+                not given or self.position_embedding_type == "rope",
+                f"{name} needs --position-embedding-type rope",
+            )
         _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
         _require(
             self.normalization in ("LayerNorm", "RMSNorm"),

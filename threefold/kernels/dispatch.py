@@ -81,6 +81,7 @@ class Kernels:
         self.swiglu_stacked = reference.swiglu_stacked
         self.gelu = reference.gelu
         self.rotary = reference.rotary
+        self.rotary_interleaved = reference.rotary_interleaved
         self.split_rotary = reference.split_rotary
         self.attention = reference.attention
         self.cross_entropy = vocab_parallel_cross_entropy
@@ -430,7 +431,7 @@ def configure(
     for names, enabled, label in (
         (("swiglu", "swiglu_stacked"), config.bias_swiglu_fusion, "SwiGLU"),
         (("gelu",), config.bias_gelu_fusion, "GELU"),
-        (("rotary", "split_rotary"), config.apply_rope_fusion, "RoPE"),
+        (("rotary", "rotary_interleaved", "split_rotary"), config.apply_rope_fusion, "RoPE"),
     ):
         for name in names:
             kernel = getattr(reference, name)

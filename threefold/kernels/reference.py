@@ -49,6 +49,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
 
+def rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotary` on adjacent pairs: elements 2i and 2i + 1 of the head dimension turn by
+    frequency i (megatron-core's `rotary_interleaved`). The same products as megatron-core's
+    interleaved rotate-half, on the pairs gathered into halves and then put back."""
+    halves = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)  # evens, then odds
+    return rotary(halves, cos, sin).unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
 def split_rotary(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_per_group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

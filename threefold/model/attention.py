@@ -61,6 +61,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.rotary_interleaved = config.rotary_interleaved
         self.attention_dropout = config.attention_dropout
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
@@ -98,7 +99,7 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(
             s, b, self.num_query_groups_per_partition, self.heads_per_group + 2, self.head_dim
         )
-        if self.q_layernorm is None and rotary is not None:
+        if self.q_layernorm is None and rotary is not None and not self.rotary_interleaved:
             query, key, value = KERNELS.split_rotary(qkv, *rotary, self.heads_per_group)
         else:
             query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
@@ -107,8 +108,8 @@ class SelfAttention(nn.Module):
             if self.q_layernorm is not None:
                 query, key = self.q_layernorm(query), self.k_layernorm(key)
             if rotary is not None:
-                query = KERNELS.rotary(query, *rotary)
-                key = KERNELS.rotary(key, *rotary)
+                rotate = KERNELS.rotary_interleaved if self.rotary_interleaved else KERNELS.rotary
+                query, key = rotate(query, *rotary), rotate(key, *rotary)
 
         if self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)

@@ -20,7 +20,7 @@ from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
-from threefold.config import ModelConfig
+from threefold.config import ConfigError, ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.architecture: adapter
@@ -49,6 +49,12 @@ def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
 
 def check_exportable(config: ModelConfig, architecture: str) -> None:
     """Refuse, by flag, a model the architecture would compute differently."""
+    if config.rotary_interleaved and config.qk_layernorm:
+        raise ConfigError(
+            f"{architecture} rotates the halves of each head; a --rotary-interleaved model "
+            "with --qk-layernorm does not export to it (its norm weights would need the "
+            "regrouping its query and key rows get, which is not implemented)"
+        )
     ADAPTERS[architecture].check_exportable(config)
 
 

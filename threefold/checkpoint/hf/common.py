@@ -103,6 +103,10 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig):
     rest = qkv.shape[1:]
     grouped = qkv.reshape(groups, per_group + 2, d, *rest)
     q, k, v = grouped.split([per_group, 1, 1], dim=1)
+    if config.rotary_interleaved:
+        # Hugging Face rotates each head's halves: pair (2i, 2i + 1) becomes rows i and
+        # d/2 + i, which turns the same scores (a dot product does not see the order).
+        q, k = (x.unflatten(2, (d // 2, 2)).transpose(2, 3).flatten(2, 3) for x in (q, k))
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
