@@ -99,6 +99,11 @@ def test_the_flag_its_alias_its_log_line_and_its_refusal(capsys):
         parse_args(LLAMA_STYLE + TRAINING + ["--no-fp8-wgrad"])
     refusal = "error: --no-fp8-wgrad belongs to FP8 training; add --fp8-format e4m3 or hybrid"
     assert refusal + ", or drop it\n" in capsys.readouterr().err
+    # Every FP8 setting given without --fp8-format is named, not dropped
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_STYLE + TRAINING + ["--fp8-recipe", "tensorwise", "--fp8-margin", "1"])
+    refusal = "error: --fp8-recipe and --fp8-margin belong to FP8 training; add --fp8-format"
+    assert refusal in capsys.readouterr().err
 
 
 def test_fp8_interval_is_taken_and_named_as_ignored(capsys):
