@@ -134,6 +134,11 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
         ),
         (["--overlap-param-gather"], 2, "--overlap-param-gather"),
         (
+            ["--distributed-strategy", "fsdp", "--ddp-average-in-collective"],
+            2,
+            "--ddp-average-in-collective belongs to --distributed-strategy megatron",
+        ),
+        (
             ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"]
             + ["--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"],
             4,

@@ -229,7 +229,6 @@ MISSING = {
     "--account-for-loss-in-pipeline-split": "pipeline splits counting embedding and loss",
     "--defer-embedding-wgrad-compute": "deferred embedding weight gradients",
     "--wgrad-deferral-limit": "deferred embedding weight gradients",
-    "--ddp-average-in-collective": "averaging gradients inside the reduce-scatter",
     "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
     "optimizer step",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",

@@ -40,6 +40,7 @@ OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]
         (2, [], DP_TOLERANCE),
         (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 1e-5),
         (4, ["--pipeline-model-parallel-size", "2"], DP_TOLERANCE),
+        (4, ["--use-distributed-optimizer", "--ddp-average-in-collective"], DP_TOLERANCE),
     ],
 )
 def test_overlapped_bucketed_reduction_matches_single_process(world_size, flags, tolerance):
@@ -137,3 +138,45 @@ def test_nan_check_looks_at_each_bucket_before_its_overlapped_reduction():
     )
     assert (rank0, rank1) == (True, False)
     assert not reduced0 and not reduced1
+
+
+def _averaged_in_collective(scaling_factor: float | None) -> dict:
+    """One bucket of this rank's gradient (rank r: r + i / 7) reduced with averaging in the
+    collective, all-reduced and reduce-scattered; and the scaled sum it must equal."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
+    from threefold.parallel.parallel_context import Group
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = Group(dist.group.WORLD, world, rank)
+    values = [torch.arange(12, dtype=torch.float32) / 7 + r for r in range(world)]
+    out = {}
+    for reduce_scatter in (False, True):
+        param = nn.Parameter(torch.zeros(12))
+        buffer = GradientBuffer(
+            [param], dp, pad_to_multiple=world, average_in_collective=True,
+            gradient_scaling_factor=scaling_factor,
+        )  # fmt: skip
+        buffer.reduce_scatter = reduce_scatter
+        param.main_grad.copy_(values[rank])
+        buffer.finish_grad_sync()
+        start, end = buffer.shard_range(0) if reduce_scatter else (0, 12)
+        out[reduce_scatter] = (param.main_grad.reshape(-1)[start:end].clone(), start, end)
+    expected = sum(values) * (scaling_factor or 1 / world)
+    return {"out": out, "expected": expected}
+
+
+@pytest.mark.parametrize("scaling_factor", [None, 1 / 6], ids=["mean", "experts-of-6"])
+def test_averaging_in_the_collective_scales_once(scaling_factor):
+    """--ddp-average-in-collective (on gloo: NCCL's AVG for floats, each rank's values x 1/n
+    on the way into the sum) gives the mean, and a scaling factor other than the mean
+    (Megatron-LM's expert gradients) applied once, in both reductions."""
+    import torch
+
+    for result in run_distributed(3, _averaged_in_collective, scaling_factor):
+        expected = result["expected"]
+        for shard, start, end in result["out"].values():
+            torch.testing.assert_close(shard, expected[start:end], rtol=1e-6, atol=0)

@@ -331,6 +331,11 @@ LAYOUTS = {
     ),
     "ep2xdp2-allgather": (4, EP2),
     "ep2xdp2-distributed-optimizer": (4, EP2 + ["--use-distributed-optimizer"]),
+    # experts: x (expert DP / DP) before an average over expert DP, as Megatron-LM scales them
+    "ep2xdp2-distributed-optimizer-average-in-collective": (
+        4,
+        EP2 + ["--use-distributed-optimizer", "--ddp-average-in-collective"],
+    ),
     "ep2xdp2-distributed-optimizer-overlap-alltoall": (
         4,
         EP2

@@ -113,6 +113,11 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = arg(
         False, help="with --bf16: accumulate and reduce gradients in bf16 instead of fp32"
     )
+    ddp_average_in_collective: bool = arg(
+        False,
+        help="average gradients inside the collective (NCCL's AVG: each rank's gradient "
+        "multiplied by 1 / DP on the way in) instead of dividing them before a sum",
+    )
     ddp_bucket_size: int | None = arg(
         None, help="elements per gradient bucket"
     )  # elements; None: 40M (Megatron's default)
@@ -355,13 +360,15 @@ class ParallelConfig:
                     ("--use-distributed-optimizer", self.use_distributed_optimizer),
                     ("--overlap-grad-reduce", self.overlap_grad_reduce),
                     ("--overlap-param-gather", self.overlap_param_gather),
+                    ("--ddp-average-in-collective", self.ddp_average_in_collective),
                 )
                 if value
             ]
             _require(
                 not megatron_only,
-                f"{', '.join(megatron_only)} belong to --distributed-strategy megatron; "
-                f"PyTorch {strategy.upper()} shards/overlaps on its own, drop them",
+                f"{', '.join(megatron_only)} belong{'s' if len(megatron_only) == 1 else ''} to "
+                f"--distributed-strategy megatron; PyTorch {strategy.upper()} shards, overlaps "
+                f"and averages on its own, drop {'it' if len(megatron_only) == 1 else 'them'}",
             )
         if strategy == "auto":
             _require(

@@ -96,6 +96,7 @@ class MegatronDataParallel:
             return bool(getattr(param, "shared_embedding", False) and parallel.pp.size > 1)
 
         options = dict(
+            average_in_collective=dp.ddp_average_in_collective,
             bucket_size=dp.bucket_size,
             flat_parameters=distributed,
             overlap_grad_reduce=dp.overlap_grad_reduce,

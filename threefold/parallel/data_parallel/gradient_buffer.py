@@ -46,6 +46,12 @@ class GradientBuffer:
     are summed over expert-DP and scaled by 1 / (DP x CP), since the experts of one rank also
     receive tokens from the other ranks of their EP group.
 
+    `average_in_collective` (--ddp-average-in-collective, Megatron-LM's): the reduction
+    averages, as NCCL's AVG does for floating point (each rank's values multiplied by 1 / group
+    size as they enter the sum, no separate kernel); a scaling factor other than the mean is
+    applied before it, as that factor x group size. Backends without AVG (gloo) get the same
+    arithmetic from a multiplication and a sum.
+
     `param_dtype`, when the flat parameters are in another dtype than the parameters (FP8
     weights, --fp8-param-gather): the flat buffer holds their compute copies, which the
     optimizer writes (and which model/fp8_params.py makes the parameters' storage).
@@ -63,12 +69,14 @@ class GradientBuffer:
         needs_full_gradient=None,
         gradient_scaling_factor: float | None = None,
         param_dtype: torch.dtype | None = None,
+        average_in_collective: bool = False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
         self.scaling_factor = (
             1.0 / dp.size if gradient_scaling_factor is None else gradient_scaling_factor
         )
+        self.average_in_collective = average_in_collective and dp.size > 1
         device = self.params[0].device
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
@@ -181,7 +189,10 @@ class GradientBuffer:
         if bucket in self._handles or (world == 1 and self.scaling_factor == 1.0):
             return
         start, end = self.buckets[bucket]
-        if self.scaling_factor == 1.0 / world:
+        op = dist.ReduceOp.SUM
+        if self.average_in_collective:
+            op = self._average(self.buffer[start:end], self.scaling_factor * world)
+        elif self.scaling_factor == 1.0 / world:
             self.buffer[start:end].div_(world)  # the mean, rounded as a division
         else:
             self.buffer[start:end].mul_(self.scaling_factor)
@@ -195,12 +206,22 @@ class GradientBuffer:
                 shard_end - shard_start, dtype=self.buffer.dtype, device=self.buffer.device
             )
             handle = reduce_scatter_single(
-                shard, self.buffer[start:end], group=group, async_op=True
+                shard, self.buffer[start:end], op=op, group=group, async_op=True
             )
             self._handles[bucket] = (handle, shard)
         else:
-            handle = dist.all_reduce(self.buffer[start:end], group=group, async_op=True)
+            handle = dist.all_reduce(self.buffer[start:end], op=op, group=group, async_op=True)
             self._handles[bucket] = (handle, None)
+
+    def _average(self, values: torch.Tensor, factor: float) -> dist.ReduceOp:
+        """Scale `values` for an averaging reduction over the group (and by `factor` first,
+        when that is not 1); returns the reduction's op."""
+        if factor != 1.0:
+            values.mul_(factor)
+        if dist.get_backend(self.dp.group) == "nccl":
+            return dist.ReduceOp.AVG  # NCCL's PreMulSum: x 1/n on the way into the sum
+        values.mul_(1.0 / self.dp.size)
+        return dist.ReduceOp.SUM
 
     def local_grads_finite(self) -> torch.Tensor:
         """Whether this rank's own gradients are all finite (a device bool): the buckets whose
