@@ -45,6 +45,7 @@ SHAPES = {
         untie_embeddings_and_output_weights=True,
         rotary_base=500000.0,
         rotary_interleaved=False,
+        squared_relu=False,
         norm_epsilon=1e-5,
     ),
     "gpt2": dict(
@@ -60,11 +61,14 @@ SHAPES = {
         untie_embeddings_and_output_weights=False,
         rotary_base=10000.0,
         rotary_interleaved=False,
+        squared_relu=False,
         norm_epsilon=1e-5,
     ),
 }
 # RoPE on adjacent pairs of the head dimension (Megatron-LM's --rotary-interleaved)
 SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
+# relu(x)^2 MLPs (Megatron-LM's --squared-relu)
+SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -131,6 +135,7 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
     """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP layout."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
+    from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -147,7 +152,9 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         normalization=shape["normalization"],
         layernorm_epsilon=shape["norm_epsilon"],
         gated_linear_unit=shape["swiglu"],
-        activation_func=F.silu if shape["swiglu"] else F.gelu,
+        activation_func=squared_relu
+        if shape["squared_relu"]
+        else (F.silu if shape["swiglu"] else F.gelu),
         add_bias_linear=shape["add_bias_linear"],
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -196,7 +203,6 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         rotary_percent=1.0,
         add_qkv_bias=False,
         apply_layernorm_1p=False,
-        squared_relu=False,
         openai_gelu=False,
         qk_layernorm=False,
         attention_dropout=0.0,  # as `build` makes the model

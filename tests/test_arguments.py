@@ -88,6 +88,11 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
         (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
         (["--use-rope-scaling"], 1, "--use-rope-scaling needs --position-embedding-type rope"),
         (["--rotary-interleaved"], 1, "--rotary-interleaved needs --position-embedding-type rope"),
+        (
+            ["--squared-relu", "--swiglu"],
+            1,
+            "--squared-relu is the MLP's activation: drop --swiglu",
+        ),
         (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
         (
             ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],

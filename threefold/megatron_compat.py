@@ -206,7 +206,6 @@ MISSING = {
     "--rotary-scaling-factor": "multi-latent attention's YaRN RoPE",
     "--mscale": "multi-latent attention's YaRN RoPE",
     "--mscale-all-dim": "multi-latent attention's YaRN RoPE",
-    "--squared-relu": "squared-ReLU MLPs",
     "--experimental-attention-variant": "gated/linear attention variants",
     "--linear-": "gated/linear attention variants",
     "--attention-output-gate": "gated/linear attention variants",

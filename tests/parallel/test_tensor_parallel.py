@@ -140,3 +140,16 @@ def test_region_boundaries_are_skipped_without_tensor_parallelism():
         "reduce_scatter_to_sequence_parallel_region",
     ):
         assert getattr(mappings, name)(x, Group()) is x, name
+
+
+def test_squared_relu_mlps_match_at_tp2_with_sequence_parallelism():
+    """--squared-relu: the column-parallel fc1's shards go through relu(x)^2 on their own, as
+    GELU's do; gradients at TP2 + SP are one process's."""
+    argv = GPT2_STYLE + TRAINING + ["--squared-relu"]
+    reference = gradient_job(argv)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    for result in run_distributed(2, gradient_job, argv + layout):
+        assert relative_error(result["logits"], reference["logits"]) <= 1e-5
+        assert_close_dicts(result["grads"], reference["grads"], 1e-5, "gradient")
+    gelu = gradient_job(GPT2_STYLE + TRAINING)
+    assert relative_error(gelu["logits"], reference["logits"]) > 1e-3

@@ -330,31 +330,43 @@ def _copy_with_args(root: str, destination: str, **changes) -> str:
     return destination
 
 
-def test_interleaved_rotary_embeddings_compute_megatron_cores_logits(tmp_path):
-    """Megatron-LM's --rotary-interleaved: megatron-core's model, saved and read back by
-    threefold, gives its logits; the Hugging Face export (rotate-half RoPE, the query and key
-    rows of each head regrouped) gives them too."""
+@pytest.mark.parametrize(
+    "kind,field",
+    [("llama_interleaved", "rotary_interleaved"), ("gpt2_squared_relu", "squared_relu")],
+    ids=["rotary-interleaved", "squared-relu"],
+)
+def test_megatron_architecture_flags_compute_megatron_cores_logits(tmp_path, capsys, kind, field):
+    """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs) and --squared-relu:
+    megatron-core's model, saved and read back by threefold, gives its logits. The Hugging Face
+    export of the first (rotate-half RoPE, each head's query and key rows regrouped) gives them
+    too; the second has no Hugging Face architecture and is refused in one line."""
     from tests.tools.hf_models import has_transformers
 
     root = str(tmp_path / "megatron")
-    run_distributed(1, mc.save, "llama_interleaved", root, 10, 1, 1)
-    reference = run_distributed(1, mc.logits, "llama_interleaved", f"{root}/iter_0000010")[0]
+    run_distributed(1, mc.save, kind, root, 10, 1, 1)
+    reference = run_distributed(1, mc.logits, kind, f"{root}/iter_0000010")[0]
     config, model, _ = load_model(root, with_tokenizer=False)
-    assert config.model.rotary_interleaved
+    assert getattr(config.model, field)
     with torch.no_grad():
         logits = model(mc.TOKENS).transpose(0, 1)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
-    # Read as rotate-half RoPE, the same weights compute something else: the flag matters.
-    config.model.rotary_interleaved = False
-    plain = _model_with(config, model)
+    # Without the flag, the same weights compute something else: the flag matters.
+    setattr(config.model, field, False)
     with torch.no_grad():
-        assert (plain(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-2
+        plain = _model_with(config, model)(mc.TOKENS).transpose(0, 1)
+    assert (plain - reference).abs().max() > 1e-2
+    hf = str(tmp_path / "hf")
+    argv = ["--loader", "megatron", "--saver", "hf", "--load-dir", root, "--save-dir", hf]
+    if field == "squared_relu":
+        with pytest.raises(SystemExit):
+            convert_checkpoint.main(argv)
+        assert "has no squared-ReLU MLPs (--squared-relu)" in capsys.readouterr().err
+        assert not os.path.exists(hf)
+        return
     if not has_transformers():
         return
     from transformers import AutoModelForCausalLM
 
-    hf = str(tmp_path / "hf")
-    argv = ["--loader", "megatron", "--saver", "hf", "--load-dir", root, "--save-dir", hf]
     assert convert_checkpoint.main(argv) == 0
     hf_model = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
     with torch.no_grad():

@@ -112,6 +112,11 @@ class ModelConfig(MoEConfig):
     openai_gelu: bool = arg(
         False, checkpoint=ARCHITECTURE, help="tanh approximation of GELU"
     )  # GELU's tanh approximation (GPT-2)
+    squared_relu: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="squared-ReLU MLPs, relu(x)^2 (Primer, Nemotron), instead of GELU",
+    )
     untie_embeddings_and_output_weights: bool = arg(
         False,
         checkpoint=ARCHITECTURE,
@@ -193,6 +198,10 @@ class ModelConfig(MoEConfig):
                 self.ffn_hidden_size = max(self.ffn_hidden_size, 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        _require(
+            not self.squared_relu or not (self.swiglu or self.openai_gelu),
+            "--squared-relu is the MLP's activation: drop --swiglu and --openai-gelu",
+        )
         if self.group_query_attention:
             _require(
                 self.num_query_groups is not None,

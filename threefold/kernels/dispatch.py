@@ -80,6 +80,7 @@ class Kernels:
         self.swiglu = reference.swiglu
         self.swiglu_stacked = reference.swiglu_stacked
         self.gelu = reference.gelu
+        self.squared_relu = reference.squared_relu  # eager; --compile-layers fuses it
         self.rotary = reference.rotary
         self.rotary_interleaved = reference.rotary_interleaved
         self.split_rotary = reference.split_rotary

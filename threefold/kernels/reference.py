@@ -37,6 +37,11 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate)
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (megatron-core's squared_relu): one saved tensor, relu's output."""
+    return torch.pow(F.relu(x), 2)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [sequence, batch, heads, head_dim] by the position tables, in fp32.
 

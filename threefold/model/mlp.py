@@ -13,8 +13,9 @@ from threefold.parallel.tensor_parallel.sharding import InitMethod
 
 
 class MLP(nn.Module):
-    """GELU MLP, or SwiGLU with gate and up projections stacked in `linear_fc1` as megatron-core
-    stores them ([gate; up] in the full weight; each TP rank holds its slice of both)."""
+    """GELU (or squared-ReLU) MLP, or SwiGLU with gate and up projections stacked in
+    `linear_fc1` as megatron-core stores them ([gate; up] in the full weight; each TP rank
+    holds its slice of both)."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class MLP(nn.Module):
         """`ffn_hidden_size`: other than the config's (an MoE layer's shared expert)."""
         super().__init__()
         self.swiglu = config.swiglu
+        self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size
         fc1_size = ffn_hidden_size * (2 if self.swiglu else 1)
@@ -54,6 +56,8 @@ class MLP(nn.Module):
             intermediate = KERNELS.swiglu_stacked(fc1(hidden_states))
         elif self.swiglu:
             intermediate = KERNELS.swiglu(*fc1.forward_blocks(hidden_states))
+        elif self.squared_relu:
+            intermediate = KERNELS.squared_relu(fc1(hidden_states))
         else:
             intermediate = KERNELS.gelu(self.linear_fc1(hidden_states), self.gelu_approximation)
         return self.linear_fc2(intermediate)

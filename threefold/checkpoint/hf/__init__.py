@@ -20,7 +20,7 @@ from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.architecture: adapter
@@ -45,17 +45,6 @@ def model_config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
 
 def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:
     return ADAPTERS[architecture].hf_config(config)
-
-
-def check_exportable(config: ModelConfig, architecture: str) -> None:
-    """Refuse, by flag, a model the architecture would compute differently."""
-    if config.rotary_interleaved and config.qk_layernorm:
-        raise ConfigError(
-            f"{architecture} rotates the halves of each head; a --rotary-interleaved model "
-            "with --qk-layernorm does not export to it (its norm weights would need the "
-            "regrouping its query and key rows get, which is not implemented)"
-        )
-    ADAPTERS[architecture].check_exportable(config)
 
 
 def hf_to_threefold(

@@ -174,6 +174,17 @@ class Adapter:
                 f"{self.architecture} is a mixture of experts and this model is dense; export "
                 "it as LlamaForCausalLM or Qwen3ForCausalLM"
             )
+        if config.squared_relu:
+            raise ConfigError(
+                f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "
+                "Hugging Face architectures threefold exports computes this model"
+            )
+        if config.rotary_interleaved and config.qk_layernorm:
+            raise ConfigError(
+                f"{self.architecture} rotates the halves of each head; a --rotary-interleaved "
+                "model with --qk-layernorm does not export to it (its norm weights would need "
+                "the regrouping its query and key rows get, which is not implemented)"
+            )
         self.check_exportable(config)
         if config.apply_layernorm_1p:  # Hugging Face multiplies by the weight itself
             state = {

@@ -43,7 +43,6 @@ _TOKENIZERS = {
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
     ("rotary_percent", 1.0, "partial rotary embeddings (--rotary-percent)"),
-    ("squared_relu", False, "squared-ReLU MLPs (--squared-relu)"),
     ("multi_latent_attention", False, "multi-latent attention (--multi-latent-attention)"),
     ("num_experts", None, "mixture-of-experts layers (--num-experts)"),
     ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
@@ -184,7 +183,6 @@ def megatron_args(config: Config, iteration: int) -> dict:
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
         rotary_percent=1.0,
-        squared_relu=False,
         apply_query_key_layer_scaling=False,
         num_experts=None,
         vocab_size=model.vocab_size,

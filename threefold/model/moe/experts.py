@@ -139,6 +139,7 @@ class Experts(nn.Module):
         self.num_local = config.num_experts // parallel.ep.size
         self.expert_offset = parallel.ep.rank * self.num_local
         self.swiglu = config.swiglu
+        self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = config.moe_grouped_gemm
         self.local_experts = nn.ModuleDict(
@@ -153,6 +154,8 @@ class Experts(nn.Module):
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return KERNELS.swiglu(*x.chunk(2, dim=-1))
+        if self.squared_relu:
+            return KERNELS.squared_relu(x)
         return KERNELS.gelu(x, self.gelu_approximation)
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
