@@ -156,6 +156,11 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
         ),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
+        (
+            ["--save", "run", "--save-interval", "2", "--save-retain-interval", "3"],
+            1,
+            "--save-retain-interval 3 must be a positive multiple of --save-interval 2",
+        ),
     ],
 )
 def test_layout_mistakes_are_reported(capsys, extra, world_size, expected):

@@ -484,28 +484,36 @@ def test_preprocess_skips_every_kind_of_bad_record_when_asked(tmp_path, preproce
     )
 
 
-def test_ckpt_keep_latest_deletes_only_older_complete_checkpoints(tmp_path):
+@pytest.mark.parametrize(
+    "retention,kept",
+    [
+        (["--ckpt-keep-latest", "2"], [4, 5]),
+        # Megatron-LM's: multiples of 2 stay, and the last one
+        (["--save-retain-interval", "2"], [2, 4, 5]),
+    ],
+    ids=["keep-latest", "retain-interval"],
+)
+def test_retention_deletes_only_older_complete_checkpoints(tmp_path, retention, kept):
     root = tmp_path / "run"
     root.mkdir()
     (root / "iter_0000009.partial").mkdir()  # an abandoned save is tidied, not "kept"
     result, _ = _pretrain(
-        *TINY,
-        *MOCK,
-        "--train-iters",
-        "5",
-        "--save-interval",
-        "1",
-        "--save",
-        str(root),
-        "--ckpt-keep-latest",
-        "2",
-    )
+        *TINY, *MOCK, "--train-iters", "5", "--save-interval", "1", "--save", str(root),
+        *retention,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == [
-        "iter_0000004",
-        "iter_0000005",
-        TRACKER,
-    ]
+    expected = [f"iter_{i:07d}" for i in kept] + [TRACKER]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == expected
+
+
+def test_retention_keeps_the_newest_and_every_retained_interval():
+    from threefold.checkpoint.writer import superseded
+
+    older = [9, 8, 6, 4, 3, 2]  # newest first, older than the save just committed
+    assert superseded(older, None, None) == []
+    assert superseded(older, 3, None) == [6, 4, 3, 2]
+    assert superseded(older, None, 4) == [9, 6, 3, 2]
+    assert superseded(older, 2, 3) == [8, 4, 2]
 
 
 def test_shape_changing_flags_that_differ_from_the_checkpoint(reference, tmp_path):

@@ -241,7 +241,6 @@ MISSING = {
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--step-batch-size-schedule": "batch-size schedules by step",
     "--eval-global-batch-size": "a separate evaluation batch size",
-    "--save-retain-interval": "retaining every Nth checkpoint",
     "--cross-entropy-fusion-impl": "Transformer Engine's fused cross-entropy",
     "--fim-": "fill-in-the-middle data",
     "--export-": "ModelOpt export and distillation",

@@ -68,6 +68,18 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
+def superseded(older: list[int], keep_latest: int | None, retain_interval: int | None) -> list[int]:
+    """Which of the complete checkpoints `older` (newest first) than a save just committed
+    to delete: none unless asked; beyond the newest `keep_latest` (counting the new one), and
+    (--save-retain-interval) those whose iteration is not a multiple of `retain_interval`."""
+    if keep_latest is None and retain_interval is None:
+        return []
+    keep = set(older[: max(keep_latest - 1, 0)]) if keep_latest is not None else set()
+    if retain_interval is not None:
+        keep |= {i for i in older if i % retain_interval == 0}
+    return [i for i in older if i not in keep]
+
+
 class CheckpointWriter:
     """Saves into `root`, synchronously or in the background; owns the save's process group,
     its thread and its staging buffers. `single_process`: written by this process alone
@@ -79,10 +91,11 @@ class CheckpointWriter:
         asynchronous: bool = False,
         single_process: bool = False,
         keep_latest: int | None = None,
+        retain_interval: int | None = None,
     ) -> None:
         self.root = root
         self.asynchronous = asynchronous
-        self.keep_latest = keep_latest
+        self.keep_latest, self.retain_interval = keep_latest, retain_interval
         self.distributed = distributed = dist.is_initialized() and not single_process
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
@@ -220,7 +233,6 @@ class CheckpointWriter:
         write_atomically(os.path.join(self.root, TRACKER), f"{iteration}\n")
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
-        if self.keep_latest is not None:  # only complete ones older than the tracker's
-            older = [i for i in complete_iterations(self.root) if i < iteration]
-            for old in older[max(self.keep_latest - 1, 0) :]:
-                shutil.rmtree(checkpoint_dir(self.root, old))
+        older = [i for i in complete_iterations(self.root) if i < iteration]
+        for old in superseded(older, self.keep_latest, self.retain_interval):
+            shutil.rmtree(checkpoint_dir(self.root, old))

@@ -55,6 +55,13 @@ class CheckpointConfig:
             "flag, and every --save writes them"
         ),
     )
+    save_retain_interval: int | None = arg(
+        None,
+        help="after each complete save, delete older checkpoints whose iteration is not a "
+        "multiple of this (a multiple of --save-interval), as Megatron-LM does; with "
+        "--ckpt-keep-latest, the newest N are kept too",
+        metavar="N",
+    )
     finetune: bool = arg(
         False, help="load the weights only; iteration and consumed samples start from 0"
     )  # weights only; iteration and consumed samples start at 0
@@ -78,6 +85,15 @@ class CheckpointConfig:
                 "--ckpt-keep-latest must be >= 1 (leave it out to keep every checkpoint)",
             )
             _require(self.save is not None, "--ckpt-keep-latest needs --save DIR")
+        if self.save_retain_interval is not None:
+            _require(self.save is not None, "--save-retain-interval needs --save DIR")
+            _require(
+                self.save_interval is not None
+                and self.save_retain_interval > 0
+                and self.save_retain_interval % self.save_interval == 0,
+                f"--save-retain-interval {self.save_retain_interval} must be a positive "
+                f"multiple of --save-interval {self.save_interval}",
+            )
         # --load equal to --save is how a run resumes itself (requeues, elastic restarts): a
         # first run finds nothing there yet and starts from scratch.
         _require(

@@ -25,7 +25,12 @@ class Checkpointer:
     ) -> None:
         self.config, self.components, self.observability = config, components, observability
         self.writer = (
-            CheckpointWriter(config.save, config.async_save, keep_latest=config.ckpt_keep_latest)
+            CheckpointWriter(
+                config.save,
+                config.async_save,
+                keep_latest=config.ckpt_keep_latest,
+                retain_interval=config.save_retain_interval,
+            )
             if config.save
             else None
         )
