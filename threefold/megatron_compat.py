@@ -239,7 +239,6 @@ MISSING = {
     "--moe-shared-expert-gate": "gated shared experts",
     "--moe-permute-fusion": "Transformer Engine's fused MoE permutation",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
-    "--step-batch-size-schedule": "batch-size schedules by step",
     "--eval-global-batch-size": "a separate evaluation batch size",
     "--cross-entropy-fusion-impl": "Transformer Engine's fused cross-entropy",
     "--fim-": "fill-in-the-middle data",

@@ -137,3 +137,41 @@ def test_resuming_mid_ramp_is_bitwise(tmp_path):
 
     result = _resume_job(LLAMA_STYLE + RAMP, str(tmp_path / "ckpt"))  # saved after 4, 4, 8
     assert result["resumed_losses"] == result["straight"]["losses"][3:]
+
+
+# Megatron-LM's --step-batch-size-schedule: 4 from 0 tokens, 8 from 128 tokens (8 samples of
+# 16): the same batches as RAMP.
+STEPS = _without(RAMP, "--rampup-batch-size", "--global-batch-size")
+STEPS += ["--step-batch-size-schedule", "0:4 0.128K:8"]
+
+
+def test_a_step_schedule_trains_as_the_ramp_with_the_same_batch_sizes():
+    training = parse_args(LLAMA_STYLE + STEPS).training
+    assert (training.train_iters, training.global_batch_size) == (6, 8)
+    assert [training.global_batch_size_at(c) for c in (0, 4, 7, 8, 1000)] == [4, 4, 4, 8, 8]
+    # Megatron-LM's count: batches until the samples are passed, a last partial one included
+    longer = _without(STEPS, "--train-samples") + ["--train-samples", "41"]
+    assert parse_args(LLAMA_STYLE + longer).training.train_iters == 7
+    reference = train_job(LLAMA_STYLE + RAMP, 6)
+    assert train_job(LLAMA_STYLE + STEPS, 6)["losses"] == reference["losses"]
+    results = run_distributed(2, train_job, LLAMA_STYLE + STEPS, 6)
+    assert_matches_reference(results, reference, DP_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--global-batch-size", "16"], "ends at global batch size 8, and --global-batch-size 16"),
+        (["--rampup-batch-size", "4", "4", "8"], "drop --rampup-batch-size"),
+        (["--step-batch-size-schedule", "0:4 64"], "'64' is not THRESHOLD:SIZE"),
+        (["--step-batch-size-schedule", "16:4 64:8"], "the first threshold must be 0"),
+        (["--step-batch-size-schedule", "0:4 64:5"], "the global batch size 5 is not divisible"),
+    ],
+)
+def test_step_schedule_mistakes_are_refused(extra, message, capsys):
+    base = LLAMA_STYLE + _without(STEPS, "--step-batch-size-schedule")
+    base += [] if "--step-batch-size-schedule" in extra else STEPS[-2:]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(base + extra)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

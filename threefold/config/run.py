@@ -32,7 +32,7 @@ class Config:
         """Derive and validate everything that needs no model, data or process group."""
         warnings = self.model.finalize()
         warnings += self.parallel.finalize(self.model)
-        self.training.finalize(self.parallel.data_parallel_size)
+        self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
         parallel = self.parallel
         self._finalize_gradient_precision()
         if parallel.virtual_pipeline_model_parallel_size:

@@ -13,6 +13,19 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
+_SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def _count(text: str) -> int | None:
+    """'250B' -> 250 * 10**9 (Megatron-LM's suffixes K, M, B, T); None when not a number."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        return None
+
+
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = arg(1, help="samples per forward/backward on each data-parallel rank")
@@ -45,6 +58,17 @@ class TrainingConfig:
         nargs=3,
         metavar=("START", "INCREMENT", "SAMPLES"),
     )
+    # Megatron-LM's --step-batch-size-schedule "0:384 200B:768 400B:1152": from each threshold
+    # of tokens consumed (suffixes K, M, B, T), that global batch size; the last one is
+    # --global-batch-size's stand-in, which it replaces.
+    step_batch_size_schedule: str | None = arg(
+        None,
+        help="global batch size by tokens consumed, 'THRESHOLD:SIZE ...' (the first threshold "
+        "0; K, M, B, T suffixes), instead of --global-batch-size",
+        metavar="SCHEDULE",
+    )
+    # (threshold in samples, global batch size), from the schedule at finalize
+    step_batch_sizes: list[tuple[int, int]] = arg(default_factory=list, cli=False)
     lr: float = arg(3e-4, help="peak learning rate")
     min_lr: float = arg(0.0, help="final learning rate of the decay")
     lr_decay_style: str = arg(
@@ -203,7 +227,12 @@ class TrainingConfig:
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         """The global batch size of the iteration that starts after `consumed_samples`
-        (Megatron's RampupBatchsizeNumMicroBatchesCalculator)."""
+        (Megatron's RampupBatchsizeNumMicroBatchesCalculator, and its
+        StepBatchsizeNumMicroBatchesCalculator)."""
+        if self.step_batch_sizes:
+            return [
+                size for threshold, size in self.step_batch_sizes if consumed_samples >= threshold
+            ][-1]
         if self.rampup_batch_size is None:
             return self.global_batch_size
         start, increment, samples = self.rampup_batch_size
@@ -215,17 +244,21 @@ class TrainingConfig:
 
     def rampup_batch_sizes(self) -> list[int]:
         """Every global batch size the run uses."""
+        if self.step_batch_sizes:
+            return [size for _, size in self.step_batch_sizes]
         if self.rampup_batch_size is None:
             return [self.global_batch_size]
         start, increment, _ = self.rampup_batch_size
         return list(range(start, self.global_batch_size + 1, increment))
 
-    def finalize(self, data_parallel_size: int) -> None:
+    def finalize(self, data_parallel_size: int, seq_length: int) -> None:
         if self.fp16 and self.loss_scale is None:
             # As Megatron-LM: under dynamic loss scaling a non-finite gradient is the loss
             # scaler's signal to skip the step and back off, not an error.
             self.check_for_nan_in_loss_and_grad = False
         _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        if self.step_batch_size_schedule is not None:
+            self._finalize_step_schedule(seq_length, data_parallel_size)
         if self.global_batch_size is None:
             self.global_batch_size = self.micro_batch_size * data_parallel_size
         per_step = self.micro_batch_size * data_parallel_size
@@ -392,10 +425,58 @@ class TrainingConfig:
                 f"data-parallel size {data_parallel_size}",
             )
 
+    def _finalize_step_schedule(self, seq_length: int, data_parallel_size: int) -> None:
+        flag = "--step-batch-size-schedule"
+        _require(
+            self.rampup_batch_size is None,
+            f"{flag} sets the global batch size: drop --rampup-batch-size",
+        )
+        steps = []
+        for entry in self.step_batch_size_schedule.replace(",", " ").split():
+            threshold, _, size = entry.partition(":")
+            tokens, size = _count(threshold), _count(size)
+            _require(
+                None not in (tokens, size) and size > 0,
+                f"{flag}: {entry!r} is not THRESHOLD:SIZE (tokens consumed, with K, M, B or T, "
+                "then a global batch size), e.g. '0:384 200B:768'",
+            )
+            steps.append((tokens // seq_length, size))  # thresholds in samples of seq_length
+        steps.sort()
+        thresholds = [threshold for threshold, _ in steps]
+        _require(
+            bool(steps) and thresholds[0] == 0 and len(set(thresholds)) == len(thresholds),
+            f"{flag}: the first threshold must be 0 and the thresholds distinct (in samples of "
+            f"--seq-length {seq_length}: {thresholds})",
+        )
+        per_step = self.micro_batch_size * data_parallel_size
+        for _, size in steps:
+            _require(
+                size % per_step == 0,
+                f"{flag}: the global batch size {size} is not divisible by --micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {data_parallel_size}",
+            )
+        # Megatron-LM refuses --global-batch-size beside the schedule, though its own
+        # examples/gpt3 script gives both; the schedule's last size is the same number.
+        _require(
+            self.global_batch_size in (None, steps[-1][1]),
+            f"{flag} ends at global batch size {steps[-1][1]}, and --global-batch-size "
+            f"{self.global_batch_size} says otherwise; drop --global-batch-size",
+        )
+        self.step_batch_sizes = steps
+        self.global_batch_size = steps[-1][1]  # as Megatron-LM's global_batch_size
+
     def _iterations_for(self, train_samples: int) -> int:
         """Megatron's count of iterations for --train-samples: those of the ramp, then whole
-        global batches."""
+        global batches; under a step schedule, each step's batches until the next threshold
+        is passed (Megatron-LM's update_train_iters)."""
         iterations = consumed = 0
+        if self.step_batch_sizes:
+            while consumed < train_samples:
+                size = self.global_batch_size_at(consumed)
+                ahead = [t for t, _ in self.step_batch_sizes if t > consumed] + [train_samples]
+                batches = -(-(min(ahead[0], train_samples) - consumed) // size)
+                consumed, iterations = consumed + batches * size, iterations + batches
+            return iterations
         if self.rampup_batch_size is not None:
             while consumed <= self.rampup_batch_size[2] and consumed <= train_samples:
                 consumed += self.global_batch_size_at(consumed)

@@ -22,7 +22,7 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     train = (
         training.train_samples
         if training.train_samples is not None
-        else training.train_iters * training.global_batch_size
+        else training.train_iters * max(training.rampup_batch_sizes())  # (a step schedule's)
     )
     sizes = [train, evaluation, evaluation]
     if data.mock_data:
