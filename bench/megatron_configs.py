@@ -57,8 +57,9 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
             value = os.path.join(scratch, flag.strip("-"))
         elif flag in SHRUNK:
             value = SHRUNK[flag]
-        elif flag == "--num-attention-heads":
-            value = str(value) if 64 % int(value) == 0 and int(value) <= 16 else "4"
+        elif flag == "--num-attention-heads":  # as many as divide hidden 64 and TP divides
+            tp = int(model_args.get("--tensor-model-parallel-size", 1))
+            value = str(value) if 64 % int(value) == 0 and int(value) <= 16 else str(max(4, tp))
         elif flag == "--distributed-backend":
             value = "gloo"
         elif flag == "--transformer-impl" and value == "transformer_engine":

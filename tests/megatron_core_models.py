@@ -45,6 +45,7 @@ SHAPES = {
         untie_embeddings_and_output_weights=True,
         rotary_base=500000.0,
         rotary_interleaved=False,
+        rotary_percent=1.0,
         squared_relu=False,
         norm_epsilon=1e-5,
     ),
@@ -61,12 +62,15 @@ SHAPES = {
         untie_embeddings_and_output_weights=False,
         rotary_base=10000.0,
         rotary_interleaved=False,
+        rotary_percent=1.0,
         squared_relu=False,
         norm_epsilon=1e-5,
     ),
 }
 # RoPE on adjacent pairs of the head dimension (Megatron-LM's --rotary-interleaved)
 SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
+# RoPE on half of each head's dimensions (--rotary-percent 0.5, Nemotron's)
+SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
 # relu(x)^2 MLPs (Megatron-LM's --squared-relu)
 SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
@@ -177,6 +181,7 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type=shape["position_embedding_type"],
         rotary_base=int(shape["rotary_base"]),
+        rotary_percent=shape["rotary_percent"],
         share_embeddings_and_output_weights=not shape["untie_embeddings_and_output_weights"],
     )
     with torch.no_grad():
@@ -200,7 +205,6 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         max_position_embeddings=SEQ,
         add_position_embedding=shape["position_embedding_type"] == "learned_absolute",
         use_rotary_position_embeddings=shape["position_embedding_type"] == "rope",
-        rotary_percent=1.0,
         add_qkv_bias=False,
         apply_layernorm_1p=False,
         openai_gelu=False,

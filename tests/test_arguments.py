@@ -93,6 +93,12 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             1,
             "--squared-relu is the MLP's activation: drop --swiglu",
         ),
+        (["--rotary-percent", "0.5"], 1, "--rotary-percent needs --position-embedding-type rope"),
+        (
+            ["--position-embedding-type", "rope", "--rotary-percent", "0.01"],
+            1,
+            "RoPE needs an even number of them, more than 0",
+        ),
         (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
         (
             ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],

@@ -31,7 +31,6 @@ ALIASES = {
 
 # flag -> (type, the one supported value, why no other)
 ONLY_DEFAULT = {
-    "--rotary-percent": (float, 1.0, "partial rotary embeddings are not implemented"),
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
     "--optimizer": (
         str,

@@ -396,10 +396,14 @@ def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, com
     assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)
 
 
-def test_interleaved_rotary_embeddings_match_at_cp2_with_restarting_positions():
-    """--rotary-interleaved turns each rank's chunks by their own positions, restarted at
-    each document: CP2 trains as one process does, and not as rotate-half RoPE does."""
-    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + ["--rotary-interleaved"]
+@pytest.mark.parametrize(
+    "rope", [["--rotary-interleaved"], ["--rotary-percent", "0.5"]], ids=["interleaved", "half"]
+)
+def test_rope_variants_match_at_cp2_with_restarting_positions(rope):
+    """--rotary-interleaved and --rotary-percent turn each rank's chunks by their own
+    positions, restarted at each document: CP2 trains as one process does, and not as
+    whole-head rotate-half RoPE does."""
+    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + rope
     reference = train_job(argv, 5)
     layout = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
     assert_matches_reference(run_distributed(2, train_job, argv + layout, 5), reference, 1e-5)

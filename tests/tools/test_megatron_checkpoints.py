@@ -331,15 +331,22 @@ def _copy_with_args(root: str, destination: str, **changes) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind,field",
-    [("llama_interleaved", "rotary_interleaved"), ("gpt2_squared_relu", "squared_relu")],
-    ids=["rotary-interleaved", "squared-relu"],
+    "kind,field,off,refusal",
+    [
+        ("llama_interleaved", "rotary_interleaved", False, None),
+        ("llama_partial_rotary", "rotary_percent", 1.0, "this model's --rotary-percent 0.5"),
+        ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
+    ],
+    ids=["rotary-interleaved", "rotary-percent", "squared-relu"],
 )
-def test_megatron_architecture_flags_compute_megatron_cores_logits(tmp_path, capsys, kind, field):
-    """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs) and --squared-relu:
-    megatron-core's model, saved and read back by threefold, gives its logits. The Hugging Face
-    export of the first (rotate-half RoPE, each head's query and key rows regrouped) gives them
-    too; the second has no Hugging Face architecture and is refused in one line."""
+def test_megatron_architecture_flags_compute_megatron_cores_logits(
+    tmp_path, capsys, kind, field, off, refusal
+):
+    """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs), --rotary-percent 0.5 and
+    --squared-relu: megatron-core's model, saved and read back by threefold, gives its logits.
+    The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
+    regrouped) gives them too; the others have no Hugging Face architecture among those
+    threefold writes, and their export is refused in one line."""
     from tests.tools.hf_models import has_transformers
 
     root = str(tmp_path / "megatron")
@@ -351,16 +358,16 @@ def test_megatron_architecture_flags_compute_megatron_cores_logits(tmp_path, cap
         logits = model(mc.TOKENS).transpose(0, 1)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     # Without the flag, the same weights compute something else: the flag matters.
-    setattr(config.model, field, False)
+    setattr(config.model, field, off)
     with torch.no_grad():
         plain = _model_with(config, model)(mc.TOKENS).transpose(0, 1)
     assert (plain - reference).abs().max() > 1e-2
     hf = str(tmp_path / "hf")
     argv = ["--loader", "megatron", "--saver", "hf", "--load-dir", root, "--save-dir", hf]
-    if field == "squared_relu":
+    if refusal is not None:
         with pytest.raises(SystemExit):
             convert_checkpoint.main(argv)
-        assert "has no squared-ReLU MLPs (--squared-relu)" in capsys.readouterr().err
+        assert refusal in capsys.readouterr().err
         assert not os.path.exists(hf)
         return
     if not has_transformers():
@@ -387,7 +394,6 @@ def _model_with(config, model):
     "change,named",
     [
         ({"num_experts": 8}, "--num-experts"),
-        ({"rotary_percent": 0.5}, "--rotary-percent"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
     ],
 )

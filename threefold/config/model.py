@@ -57,6 +57,12 @@ class ModelConfig(MoEConfig):
         ),
     )
     rotary_base: float = arg(10000.0, checkpoint=MODEL, help="RoPE theta")
+    rotary_percent: float = arg(
+        1.0,
+        checkpoint=ARCHITECTURE,
+        help="the share of each head's dimensions RoPE turns (the first ones; Nemotron: 0.5); "
+        "the rest pass through",
+    )
     rotary_interleaved: bool = arg(
         False,
         checkpoint=ARCHITECTURE,
@@ -177,6 +183,12 @@ class ModelConfig(MoEConfig):
         None, help="layers per recomputed group (uniform) or recomputed layers per stage (block)"
     )
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE turns (megatron-core's int(kv_channels x
+        rotary_percent))."""
+        return int(self.kv_channels * self.rotary_percent)
+
     def finalize(self) -> list[str]:
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
         _require(self.num_layers > 0, "--num-layers must be positive")
@@ -238,9 +250,17 @@ class ModelConfig(MoEConfig):
                 self.kv_channels % 2 == 0,
                 f"rope needs an even head size, got --kv-channels {self.kv_channels}",
             )
+        if self.position_embedding_type == "rope":
+            _require(
+                self.rotary_percent <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0,
+                f"--rotary-percent {self.rotary_percent} of --kv-channels {self.kv_channels} "
+                f"turns {self.rotary_dim} dimensions; RoPE needs an even number of them, more "
+                "than 0",
+            )
         for name, given in (
             ("--use-rope-scaling", self.use_rope_scaling),
             ("--rotary-interleaved", self.rotary_interleaved),
+            ("--rotary-percent", self.rotary_percent != 1.0),
         ):
             _require(
                 not given or self.position_embedding_type == "rope",

@@ -62,6 +62,7 @@ class SelfAttention(nn.Module):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.rotary_interleaved = config.rotary_interleaved
+        self.rotary_dim = config.rotary_dim if config.position_embedding_type == "rope" else 0
         self.attention_dropout = config.attention_dropout
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
@@ -99,7 +100,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(
             s, b, self.num_query_groups_per_partition, self.heads_per_group + 2, self.head_dim
         )
-        if self.q_layernorm is None and rotary is not None and not self.rotary_interleaved:
+        whole = self.rotary_dim == self.head_dim and not self.rotary_interleaved
+        if self.q_layernorm is None and rotary is not None and whole:
             query, key, value = KERNELS.split_rotary(qkv, *rotary, self.heads_per_group)
         else:
             query, key, value = qkv.split([self.heads_per_group, 1, 1], dim=3)
@@ -108,14 +110,22 @@ class SelfAttention(nn.Module):
             if self.q_layernorm is not None:
                 query, key = self.q_layernorm(query), self.k_layernorm(key)
             if rotary is not None:
-                rotate = KERNELS.rotary_interleaved if self.rotary_interleaved else KERNELS.rotary
-                query, key = rotate(query, *rotary), rotate(key, *rotary)
+                query, key = self._rotate(query, rotary), self._rotate(key, rotary)
 
         if self.recompute_core_attention and self.training:
             context = checkpoint(self._core_attention, query, key, value, attention_mask)
         else:
             context = self._core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)
+
+    def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on the first `rotary_dim` dimensions of each head (all of them unless
+        --rotary-percent), the rest passed through, as megatron-core does."""
+        rotate = KERNELS.rotary_interleaved if self.rotary_interleaved else KERNELS.rotary
+        if self.rotary_dim == self.head_dim:
+            return rotate(x, *rotary)
+        turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((rotate(turned, *rotary), kept), dim=-1)
 
     def _core_attention(
         self,

@@ -116,7 +116,7 @@ class GPTModel(nn.Module):
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = (
             RotaryEmbedding(
-                config.kv_channels,
+                config.rotary_dim,
                 config.rotary_base,
                 config.rope_scaling_factor if config.use_rope_scaling else None,
             )

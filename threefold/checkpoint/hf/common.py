@@ -174,6 +174,11 @@ class Adapter:
                 f"{self.architecture} is a mixture of experts and this model is dense; export "
                 "it as LlamaForCausalLM or Qwen3ForCausalLM"
             )
+        if config.rotary_percent != 1.0:
+            raise ConfigError(
+                f"{self.architecture} turns every dimension of each head with RoPE; this "
+                f"model's --rotary-percent {config.rotary_percent} turns only some"
+            )
         if config.squared_relu:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "

@@ -42,7 +42,6 @@ _TOKENIZERS = {
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
-    ("rotary_percent", 1.0, "partial rotary embeddings (--rotary-percent)"),
     ("multi_latent_attention", False, "multi-latent attention (--multi-latent-attention)"),
     ("num_experts", None, "mixture-of-experts layers (--num-experts)"),
     ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
@@ -182,7 +181,6 @@ def megatron_args(config: Config, iteration: int) -> dict:
         ffn_hidden_size=model.ffn_hidden_size,
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
-        rotary_percent=1.0,
         apply_query_key_layer_scaling=False,
         num_experts=None,
         vocab_size=model.vocab_size,
