@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from threefold.checkpoint.writer import CheckpointSaveError
     from threefold.parallel import state
     from threefold.training.numerics import NonFiniteError
+    from threefold.training.replica_check import ReplicaMismatchError
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointSaveError as error:
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 1
-    except NonFiniteError as error:
+    except (NonFiniteError, ReplicaMismatchError) as error:
         if rank_zero:
             save = config.checkpoint.save
             last = read_tracker(save) if save and os.path.isdir(save) else None

@@ -219,7 +219,6 @@ MISSING = {
     "--rerun-mode": "Megatron-LM's rerun state machine",
     "--error-injection-": "Megatron-LM's rerun state machine",
     "--result-rejected-tracker-filename": "Megatron-LM's rerun state machine",
-    "--check-weight-hash-across-dp-replicas-interval": "weight-hash checks across replicas",
     "--overlap-p2p-communication-warmup-flush": "Megatron-LM's pipeline warm-up tuning",
     "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",

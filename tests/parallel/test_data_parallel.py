@@ -180,3 +180,79 @@ def test_averaging_in_the_collective_scales_once(scaling_factor):
         expected = result["expected"]
         for shard, start, end in result["out"].values():
             torch.testing.assert_close(shard, expected[start:end], rtol=1e-6, atol=0)
+
+
+def _replicas_checked(argv: list[str], flip_rank: int) -> dict:
+    """Two steps with --check-weight-hash-across-dp-replicas-interval 1, then one bit of one
+    weight flipped on `flip_rank`: what each check says."""
+    import torch
+
+    from threefold.training.replica_check import ReplicaMismatchError
+
+    trainer = _setup(argv + ["--check-weight-hash-across-dp-replicas-interval", "1"])
+    check = trainer.replica_check
+    lines = []
+    for iteration in (1, 2):
+        trainer.train_step()
+        lines.append(check.check(iteration, trainer.layout_independent_parameters()))
+    name, param = trainer.layout_independent_parameters()[3]
+    if trainer.parallel.world.rank == flip_rank:
+        with torch.no_grad():
+            bits = param.data.view(-1)[:1].view(torch.int32)
+            bits ^= 1  # the lowest mantissa bit of one element
+    try:
+        check.check(3, trainer.layout_independent_parameters())
+    except ReplicaMismatchError as error:
+        return {"lines": lines, "error": str(error), "name": name}
+    return {"lines": lines, "error": None, "name": name}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]],
+    ids=["dp2", "dp2-distributed-optimizer-overlap"],
+)
+def test_weight_hash_check_passes_replicas_and_names_one_that_differs(flags):
+    """Megatron-LM's --check-weight-hash-across-dp-replicas-interval: replicas agree after
+    every step (its line), and one flipped bit on rank 1 stops every rank naming the
+    parameter and the rank."""
+    results = run_distributed(2, _replicas_checked, LLAMA_STYLE + TRAINING + flags, 1)
+    for result in results:
+        assert result["lines"] == [
+            ">>> Weight hashes match after 1 iterations...",
+            ">>> Weight hashes match after 2 iterations...",
+        ]
+        assert result["error"] == (
+            "--check-weight-hash-across-dp-replicas-interval: the weights of data-parallel "
+            f"replicas differ after iteration 3: {result['name']} on rank 1, against the "
+            "first replica's"
+        )
+
+
+def _refusal_under_fsdp(argv: list[str]) -> str:
+    from threefold.config import ConfigError
+
+    try:
+        _setup(argv)
+    except ConfigError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_weight_hash_check_runs_from_the_command_line_and_is_refused_under_fsdp():
+    import subprocess
+    import sys
+
+    flag = ["--check-weight-hash-across-dp-replicas-interval", "2"]
+    argv = LLAMA_STYLE + TRAINING + flag
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv, "--train-iters", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = [line for line in result.stdout.splitlines() if line.startswith(">>> Weight hashes")]
+    assert found == [f">>> Weight hashes match after {i} iterations..." for i in (0, 2, 4)]
+    (message,) = run_distributed(1, _refusal_under_fsdp, argv + ["--distributed-strategy", "fsdp"])
+    assert "FSDP2 shards every weight over the data-parallel ranks" in message

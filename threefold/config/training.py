@@ -180,6 +180,12 @@ class TrainingConfig:
         flag="--no-check-for-nan-in-loss-and-grad",
         help="do not stop at the first non-finite loss or NaN gradient",
     )
+    check_weight_hash_across_dp_replicas_interval: int | None = arg(
+        None,
+        help="every N iterations (and before the first) compare the data-parallel replicas' "
+        "weights by digest and stop, naming what differs, if they are not the same",
+        metavar="N",
+    )
     check_for_spiky_loss: bool = arg(
         False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
     )  # log batches whose loss jumps (see training/numerics)
@@ -501,4 +507,9 @@ class TrainingConfig:
             "--exit-duration-in-mins must be positive",
         )
         _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
+        interval = self.check_weight_hash_across_dp_replicas_interval
+        _require(
+            interval is None or interval >= 1,
+            "--check-weight-hash-across-dp-replicas-interval must be >= 1",
+        )
         _require(self.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")

@@ -38,6 +38,7 @@ from threefold.training.logging import progress
 from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.numerics import NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
+from threefold.training.replica_check import ReplicaCheck, ReplicaMismatchError
 from threefold.training.train_state import TrainState
 
 
@@ -79,6 +80,11 @@ class Trainer:
         dtype = self.data_parallel.activation_dtype
         self.pipeline_options = dict(pp=parallel.pp, dtype=dtype, tensor_shape=shape)
         self._train_iterator = None
+        self.replica_check = ReplicaCheck(
+            training.check_weight_hash_across_dp_replicas_interval,
+            parallel,
+            [p for chunk in self.model_chunks for p in chunk.parameters()],
+        )
         self.checkpointer = Checkpointer(
             config.checkpoint, self.checkpoint_components, self.observability
         )
@@ -240,6 +246,7 @@ class Trainer:
         with self.observability:
             try:
                 completed = True
+                self._check_replicas(force=True)
                 while self.state.iteration < self.config.training.train_iters:
                     losses.append(self._iteration())
                     reason = self.observability.exit_reason(self.state.iteration)
@@ -254,7 +261,7 @@ class Trainer:
                     self.state.iteration, self.checkpointer.last_path
                 )
                 self.print(summary)
-            except NonFiniteError:
+            except (NonFiniteError, ReplicaMismatchError):
                 self.checkpointer.wait()  # an earlier checkpoint in flight is a good one
                 raise
         return losses
@@ -292,6 +299,14 @@ class Trainer:
             with watch.evaluation(iteration):
                 valid_loss = self.evaluate()
             watch.validation(iteration, valid_loss)
+        self._check_replicas()  # before a save: a state whose replicas differ is never saved
         if self.checkpointer.due(iteration):
             self.checkpointer.save(iteration)
         return loss
+
+    def _check_replicas(self, force: bool = False) -> None:
+        """--check-weight-hash-across-dp-replicas-interval: when due (or `force`d, before the
+        first iteration, if the flag is given), compare the replicas' weights."""
+        check, iteration = self.replica_check, self.state.iteration
+        if check.interval is not None and (force or check.due(iteration)):
+            self.print(check.check(iteration, self.layout_independent_parameters()))
