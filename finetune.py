@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     # costs a second.
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel import state
+    from threefold.training import halting
     from threefold.training.trainer import Trainer
 
     started = start_processes(config, "finetune.py")
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     initial = trainer.evaluate()
     if initial is not None:
         trainer.print(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
-    trainer.train()
+    code = halting.train(trainer, "finetune.py")
+    if code:
+        return code
     state.destroy_model_parallel()
     return 0
 

@@ -50,12 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print_refusal("pretrain_gpt.py", error)
         return 2
 
-    from threefold.checkpoint.files import read_tracker
     from threefold.checkpoint.load import load_checkpoint
-    from threefold.checkpoint.writer import CheckpointSaveError
     from threefold.parallel import state
-    from threefold.training.numerics import NonFiniteError
-    from threefold.training.replica_check import ReplicaMismatchError
+    from threefold.training import halting
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
@@ -87,32 +84,20 @@ def main(argv: list[str] | None = None) -> int:
                 if iteration is not None
                 else f"> no checkpoint in --load {config.checkpoint.load}; starting from scratch"
             )
+            pending = iteration is not None and trainer.validation.after_load(
+                checkpoint.load, iteration
+            )
+            if pending:  # --rerun-mode validate_results: an iteration to rerun from here
+                trainer.print(pending)
     except ConfigError as error:
         if rank_zero:
             print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     trainer.print(_summary(config, trainer, device.type))
     trainer.observability.print_timers(SETUP)
-    try:
-        trainer.train()
-    except CheckpointSaveError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-        return 1
-    except (NonFiniteError, ReplicaMismatchError) as error:
-        if rank_zero:
-            save = config.checkpoint.save
-            last = read_tracker(save) if save and os.path.isdir(save) else None
-            kept = (
-                f"the last checkpoint, iteration {last} in {save}, is untouched"
-                if last is not None
-                else "no checkpoint was saved"
-            )
-            print(
-                f"pretrain_gpt.py: {error}; stopping without saving: {kept}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return 1
+    code = halting.train(trainer, "pretrain_gpt.py")
+    if code:
+        return code
     state.destroy_model_parallel()
     return 0
 

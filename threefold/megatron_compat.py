@@ -118,6 +118,9 @@ NO_COUNTERPART = {
     "--tensorboard-dir",
     "--async-ckpt-use-cpu-shm": "--async-save stages into pinned memory of the saving process "
     "itself, whose writer is a thread: there is no other process to share memory with",
+    "--disable-gloo-process-groups": "threefold builds no gloo copies of its process groups "
+    "(Megatron-LM keeps them for the distributed optimizer's host transfers); only "
+    "--async-save adds a gloo group of its own, for its writer thread",
     "--ckpt-assume-constant-structure": "each save plans its shards afresh (a few collectives "
     "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
@@ -216,9 +219,6 @@ MISSING = {
     "--megatron-fsdp-": "Megatron-FSDP",
     "--num-distributed-optimizer-instances": "several distributed-optimizer instances",
     "--muon-": "the Muon optimizer",
-    "--rerun-mode": "Megatron-LM's rerun state machine",
-    "--error-injection-": "Megatron-LM's rerun state machine",
-    "--result-rejected-tracker-filename": "Megatron-LM's rerun state machine",
     "--overlap-p2p-communication-warmup-flush": "Megatron-LM's pipeline warm-up tuning",
     "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",

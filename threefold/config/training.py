@@ -3,6 +3,7 @@ memory hygiene (torch-free: flags are parsed before torch loads)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
@@ -13,6 +14,7 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
@@ -185,6 +187,25 @@ class TrainingConfig:
         help="every N iterations (and before the first) compare the data-parallel replicas' "
         "weights by digest and stop, naming what differs, if they are not the same",
         metavar="N",
+    )
+    # Megatron-LM's rerun state machine (training/rerun.py); Megatron-LM's default is
+    # validate_results, threefold's stops at the first bad loss as it always has.
+    rerun_mode: str = arg(
+        "disabled",
+        choices=RERUN_MODES,
+        help="validate_results: rerun an iteration whose loss is NaN or Inf to tell a device "
+        "fault (exit 17, or 16 to resume elsewhere) from the model's; disabled: stop at once",
+    )
+    error_injection_rate: int = arg(
+        0, help="with validate_results: pretend one in this many results is bad (tests)"
+    )
+    error_injection_type: str = arg(
+        "transient_error",
+        choices=("correct_result", "transient_error", "persistent_error"),
+        help="what an injected bad result turns out to be",
+    )
+    result_rejected_tracker_filename: str | None = arg(
+        None, help="with validate_results: append a line per rejected result to this file"
     )
     check_for_spiky_loss: bool = arg(
         False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
@@ -489,6 +510,33 @@ class TrainingConfig:
                 iterations += 1
         return iterations + max(train_samples - consumed, 0) // self.global_batch_size
 
+    def _check_rerun_mode(self) -> None:
+        _require(
+            self.rerun_mode != "report_stats",
+            "--rerun-mode report_stats (rerunning every iteration to measure nondeterminism) "
+            "is not implemented; use validate_results or disabled",
+        )
+        validating = self.rerun_mode == "validate_results"
+        _require(self.error_injection_rate >= 0, "--error-injection-rate must be >= 0")
+        _require(
+            validating
+            or (self.error_injection_rate == 0 and not self.result_rejected_tracker_filename),
+            "--error-injection-rate and --result-rejected-tracker-filename belong to "
+            "--rerun-mode validate_results; add it or drop them",
+        )
+        _require(
+            not validating or self.check_for_nan_in_loss_and_grad,
+            "--rerun-mode validate_results validates the losses --check-for-nan-in-loss-and-grad "
+            "checks; drop --no-check-for-nan-in-loss-and-grad (under fp16 dynamic loss scaling "
+            "a bad loss is a skipped step instead)",
+        )
+        tracker = self.result_rejected_tracker_filename
+        where = os.path.dirname(os.path.abspath(tracker)) if tracker else None
+        _require(
+            where is None or os.access(where, os.W_OK),
+            f"--result-rejected-tracker-filename {tracker}: {where} is not a writable directory",
+        )
+
     def _check_limits(self) -> None:
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
@@ -507,6 +555,7 @@ class TrainingConfig:
             "--exit-duration-in-mins must be positive",
         )
         _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
+        self._check_rerun_mode()
         interval = self.check_weight_hash_across_dp_replicas_interval
         _require(
             interval is None or interval >= 1,

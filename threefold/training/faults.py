@@ -6,6 +6,8 @@ real run never sets (see also THREEFOLD_CRASH_AT in threefold/checkpoint/writer.
                                         (default 20) in that iteration: a loss spike
     THREEFOLD_STALL_AT=RANK@ITERATION   that rank hangs in that iteration's forward-backward
     THREEFOLD_SLOW_RANK=RANK:SECONDS    that rank computes this much longer in every iteration
+    THREEFOLD_NODE_NAME=NAME            the node this process says it runs on (--rerun-mode's
+                                        "another device", for a rescheduled job on one machine)
 """
 
 from __future__ import annotations
@@ -59,3 +61,8 @@ def delay(rank: int, iteration: int) -> None:
         slow_rank, seconds = slow.split(":")
         if int(slow_rank) == rank:
             time.sleep(float(seconds))
+
+
+def node_name() -> str | None:
+    """THREEFOLD_NODE_NAME, when set."""
+    return os.environ.get("THREEFOLD_NODE_NAME") or None

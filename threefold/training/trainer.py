@@ -39,6 +39,7 @@ from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.numerics import NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
 from threefold.training.replica_check import ReplicaCheck, ReplicaMismatchError
+from threefold.training.rerun import IterationState, RerunExit, ResultValidation
 from threefold.training.train_state import TrainState
 
 
@@ -80,6 +81,7 @@ class Trainer:
         dtype = self.data_parallel.activation_dtype
         self.pipeline_options = dict(pp=parallel.pp, dtype=dtype, tensor_shape=shape)
         self._train_iterator = None
+        self.validation = ResultValidation(training, parallel.world, device)
         self.replica_check = ReplicaCheck(
             training.check_weight_hash_across_dp_replicas_interval,
             parallel,
@@ -164,23 +166,18 @@ class Trainer:
         watchdog.enter("forward-backward", iteration)
         for chunk in self.model_chunks:
             chunk.train(True)
-        data_parallel.start_step(num_microbatches)
-        start = time.perf_counter()
-        faults.delay(self.parallel.world.rank, iteration)
         per_token = training.calculate_per_token_loss
-        cached = self.fp8.weights_cached() if self.fp8 is not None else nullcontext()
-        with self.timers("forward-backward", 1), cached:
-            losses = self._schedule(
-                self.train_iterator(),
-                num_microbatches,
-                loss_scale=self.loss_scaler.scale,
-                per_token_loss=per_token,
-                timers=self.timers,
-                **data_parallel.schedule_options(),
+        # --rerun-mode validate_results: what a rerun of this iteration starts from
+        before = IterationState(self.fp8) if self.validation.enabled else None
+        losses = self._forward_backward(num_microbatches, iteration)
+        try:
+            losses = self.validation.validate(
+                iteration, losses, lambda: self._rerun(before, num_microbatches, iteration)
             )
-        watchdog.add_busy_time(time.perf_counter() - start)
-        if self.moe_statistics is not None:
-            self.moe_statistics.after_iteration(num_microbatches)
+        except RerunExit as stop:
+            if stop.save:
+                self._save_for_rerun(before, iteration)
+            raise
         if training.check_for_nan_in_loss_and_grad:
             check_loss_and_grads(losses, data_parallel.local_grads_finite(), iteration)
         watchdog.enter("gradient reduction", iteration)
@@ -205,6 +202,52 @@ class Trainer:
         self.state.consumed_train_samples += global_batch_size
         self.last_global_batch_size = global_batch_size
         return total / max(weight, 1.0), grad_norm, not updated
+
+    def _forward_backward(self, num_microbatches: int, iteration: int) -> list[torch.Tensor]:
+        """This iteration's forward and backward passes over its micro-batches."""
+        data_parallel = self.data_parallel
+        data_parallel.start_step(num_microbatches)
+        start = time.perf_counter()
+        faults.delay(self.parallel.world.rank, iteration)
+        cached = self.fp8.weights_cached() if self.fp8 is not None else nullcontext()
+        with self.timers("forward-backward", 1), cached:
+            losses = self._schedule(
+                self.train_iterator(),
+                num_microbatches,
+                loss_scale=self.loss_scaler.scale,
+                per_token_loss=self.config.training.calculate_per_token_loss,
+                timers=self.timers,
+                **data_parallel.schedule_options(),
+            )
+        self.observability.watchdog.add_busy_time(time.perf_counter() - start)
+        if self.moe_statistics is not None:
+            self.moe_statistics.after_iteration(num_microbatches)
+        return losses
+
+    def _rerun(
+        self, before: IterationState, num_microbatches: int, iteration: int
+    ) -> list[torch.Tensor]:
+        """The iteration again, from the state before it: the same micro-batches and RNG."""
+        before.restore()
+        self._train_iterator = self._batches(0, self.state.consumed_train_samples)
+        return self._forward_backward(num_microbatches, iteration)
+
+    def _save_for_rerun(self, before: IterationState, iteration: int) -> None:
+        """Save the state before `iteration` (its checkpoint, unless the last one is it) and
+        the validation's record, for a job on other devices to rerun it."""
+        save = self.config.checkpoint.save
+        if save is None:
+            raise RerunExit(
+                17,
+                "the result reproduced on this device, and without --save the iteration "
+                "cannot be rerun on another; exiting",
+            )
+        before.restore()
+        self._train_iterator = None  # the next reader starts at the samples consumed so far
+        if self.checkpointer.last_saved != self.state.iteration:
+            self.checkpointer.save(self.state.iteration)
+        self.checkpointer.wait()
+        self.validation.write_state(save, iteration)
 
     def _global_loss_totals(self, losses: list[torch.Tensor]) -> tuple[float, float]:
         """The reported [total, weight] pairs (see `gpt_forward_step`) summed over the global
@@ -261,7 +304,7 @@ class Trainer:
                     self.state.iteration, self.checkpointer.last_path
                 )
                 self.print(summary)
-            except (NonFiniteError, ReplicaMismatchError):
+            except (NonFiniteError, ReplicaMismatchError, RerunExit):
                 self.checkpointer.wait()  # an earlier checkpoint in flight is a good one
                 raise
         return losses

@@ -1,0 +1,49 @@
+"""How a training job that had to stop tells the person running it, and its exit code.
+
+    CheckpointSaveError     a save failed (disk full, ...): the previous checkpoint is untouched
+    NonFiniteError          --check-for-nan-in-loss-and-grad found a bad loss or gradient
+    ReplicaMismatchError    --check-weight-hash-across-dp-replicas-interval found replicas apart
+    RerunExit               --rerun-mode validate_results: Megatron-LM's exit codes 16 and 17
+
+One line on stderr from rank 0 (the first two name the checkpoint that stays the last good
+state) and the exit code, instead of a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from threefold.checkpoint.files import read_tracker
+from threefold.checkpoint.writer import CheckpointSaveError
+from threefold.training.numerics import NonFiniteError
+from threefold.training.replica_check import ReplicaMismatchError
+from threefold.training.rerun import RerunExit
+
+
+def train(trainer, program: str) -> int:
+    """`trainer.train()`, and the exit code: 0, or that of the reason it stopped."""
+    rank_zero = trainer.parallel.world.rank == 0
+    try:
+        trainer.train()
+    except CheckpointSaveError as error:
+        print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except RerunExit as stop:
+        if rank_zero:
+            print(f"{program}: {stop}", file=sys.stderr, flush=True)
+        return stop.code
+    except (NonFiniteError, ReplicaMismatchError) as error:
+        if rank_zero:
+            save = trainer.config.checkpoint.save
+            last = read_tracker(save) if save and os.path.isdir(save) else None
+            kept = (
+                f"the last checkpoint, iteration {last} in {save}, is untouched"
+                if last is not None
+                else "no checkpoint was saved"
+            )
+            print(
+                f"{program}: {error}; stopping without saving: {kept}", file=sys.stderr, flush=True
+            )
+        return 1
+    return 0
