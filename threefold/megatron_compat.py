@@ -62,6 +62,10 @@ ANY_VALUE = {
         "--async-save has one implementation here (a thread of its own with its own process "
         "group, docs/reliability.md), not Megatron-LM's nvrx or mcore writers",
     ),
+    "--wgrad-deferral-limit": (
+        int,
+        "it tunes --defer-embedding-wgrad-compute, whose deferral threefold does not make",
+    ),
     "--fp8-interval": (
         int,
         "Transformer Engine ignores it since version 1.8 and Megatron-LM documents it as "
@@ -118,6 +122,11 @@ NO_COUNTERPART = {
     "--tensorboard-dir",
     "--async-ckpt-use-cpu-shm": "--async-save stages into pinned memory of the saving process "
     "itself, whose writer is a thread: there is no other process to share memory with",
+    "--defer-embedding-wgrad-compute": "the output layer's weight-gradient GEMM runs in each "
+    "micro-batch's backward here; Megatron-LM moves it into the pipeline flush to hide the "
+    "flush, with the same gradient",
+    "--overlap-p2p-communication-warmup-flush": "threefold's pipeline sends are asynchronous in "
+    "every phase of the schedule already (its receives wait for their data)",
     "--disable-gloo-process-groups": "threefold builds no gloo copies of its process groups "
     "(Megatron-LM keeps them for the distributed optimizer's host transfers); only "
     "--async-save adds a gloo group of its own, for its writer thread",
@@ -219,13 +228,10 @@ MISSING = {
     "--megatron-fsdp-": "Megatron-FSDP",
     "--num-distributed-optimizer-instances": "several distributed-optimizer instances",
     "--muon-": "the Muon optimizer",
-    "--overlap-p2p-communication-warmup-flush": "Megatron-LM's pipeline warm-up tuning",
     "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",
     "--account-for-embedding-in-pipeline-split": "pipeline splits counting embedding and loss",
     "--account-for-loss-in-pipeline-split": "pipeline splits counting embedding and loss",
-    "--defer-embedding-wgrad-compute": "deferred embedding weight gradients",
-    "--wgrad-deferral-limit": "deferred embedding weight gradients",
     "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
     "optimizer step",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
