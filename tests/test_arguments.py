@@ -160,6 +160,19 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             1,
             "--recompute-method and --recompute-num-layers",
         ),
+        (
+            ["--microbatch-group-size-per-virtual-pipeline-stage", "2"],
+            1,
+            "shapes the interleaved schedule: add virtual pipeline stages or drop it",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size"]
+            + ["2", "--num-layers", "4", "--global-batch-size", "8"]
+            + ["--microbatch-group-size-per-virtual-pipeline-stage", "3"],
+            2,
+            "must be between --pipeline-model-parallel-size 2 and the micro-batches (4 = global "
+            "batch size 8 / (--micro-batch-size x DP)), and leave a last group of 0 or at least 2",
+        ),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
         (

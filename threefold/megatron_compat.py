@@ -228,7 +228,6 @@ MISSING = {
     "--megatron-fsdp-": "Megatron-FSDP",
     "--num-distributed-optimizer-instances": "several distributed-optimizer instances",
     "--muon-": "the Muon optimizer",
-    "--microbatch-group-size-per-virtual-pipeline-stage": "Megatron-LM's pipeline warm-up tuning",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",
     "--account-for-embedding-in-pipeline-split": "pipeline splits counting embedding and loss",
     "--account-for-loss-in-pipeline-split": "pipeline splits counting embedding and loss",

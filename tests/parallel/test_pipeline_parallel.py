@@ -165,6 +165,43 @@ def test_interleaved_order_is_complete(stages, virtual, micro_batches):
         )
 
 
+@pytest.mark.parametrize(
+    "stages,virtual,micro_batches,group",
+    [(2, 2, 4, 4), (2, 2, 6, 3), (4, 2, 12, 5), (4, 3, 10, 5), (2, 3, 5, 3)],
+)
+def test_interleaved_order_with_micro_batch_groups_is_complete(
+    stages, virtual, micro_batches, group
+):
+    for rank in range(stages):
+        order = interleaved_order(micro_batches, stages, rank, virtual, group)
+        _check_order(order, micro_batches, virtual)
+
+
+def test_micro_batch_groups_run_in_megatrons_table_order():
+    """megatron-core's get_schedule_table example, PP2 with VP2, N3 M5: micro-batches
+    0 1 2 0 1 2 3 4 3 4 through chunks 0 0 0 1 1 1 0 0 1 1."""
+    forwards = [(mb, c) for kind, mb, c in interleaved_order(5, 2, 1, 2, 3) if kind == "F"]
+    assert forwards == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0)] + [
+        (3, 1),
+        (4, 1),
+    ]
+    default = [(mb, c) for kind, mb, c in interleaved_order(4, 2, 0, 2) if kind == "F"]
+    assert default == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("batch,group", [(8, 4), (10, 5)], ids=["m4-n4", "m5-n5"])
+def test_micro_batch_groups_match_single_process(batch, group):
+    """--microbatch-group-size-per-virtual-pipeline-stage at PP2 x VP2: all the micro-batches
+    through the first chunk before the second, instead of 2 at a time; with groups of 5, an
+    odd number of micro-batches, which groups of PP could not take."""
+    argv = GPT2_STYLE + EIGHT_LAYERS + TRAINING + ["--global-batch-size", str(batch)]
+    reference = train_job(argv, 4)
+    argv += ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage"]
+    argv += ["2", "--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
+    results = run_distributed(2, train_job, argv, 4)
+    assert_matches_reference(results, reference, 1e-5)
+
+
 def _check_order(order, micro_batches, chunks):
     expected = {(mb, c) for mb in range(micro_batches) for c in range(chunks)}
     forwards = [(mb, c) for kind, mb, c in order if kind == "F"]

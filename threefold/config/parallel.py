@@ -48,6 +48,11 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = arg(
         None, help="layers per model chunk (instead of --virtual-pipeline-model-parallel-size)"
     )
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = arg(
+        None,
+        help="interleaved 1F1B: micro-batches that go through each model chunk before the next "
+        "group starts (default: the pipeline size); between PP and the micro-batches",
+    )
     decoder_first_pipeline_num_layers: int | None = arg(
         None, help="layers of the first pipeline stage (the rest split evenly)"
     )

@@ -35,15 +35,31 @@ class Config:
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
         parallel = self.parallel
         self._finalize_gradient_precision()
+        group = parallel.microbatch_group_size_per_virtual_pipeline_stage
+        _require(
+            group is None or parallel.virtual_pipeline_model_parallel_size,
+            "--microbatch-group-size-per-virtual-pipeline-stage shapes the interleaved "
+            "schedule: add virtual pipeline stages or drop it",
+        )
         if parallel.virtual_pipeline_model_parallel_size:
+            pp = parallel.pipeline_model_parallel_size
             for size in self.training.rampup_batch_sizes():
                 micro_batches = self.training.num_micro_batches(parallel.data_parallel_size, size)
+                have = f"{micro_batches} = global batch size {size} / (--micro-batch-size x DP)"
+                if group is None:  # groups of PP micro-batches, the last one too
+                    _require(
+                        micro_batches % pp == 0,
+                        f"the interleaved schedule needs the number of micro-batches ({have}) "
+                        f"to be a multiple of --pipeline-model-parallel-size {pp}",
+                    )
+                    continue
+                # megatron-core's bounds: a group fills the pipeline, and so does the last one
+                rest = micro_batches % group
                 _require(
-                    micro_batches % parallel.pipeline_model_parallel_size == 0,
-                    f"the interleaved schedule needs the number of micro-batches "
-                    f"({micro_batches} = global batch size {size} / (--micro-batch-size x DP)) "
-                    "to be a multiple of --pipeline-model-parallel-size "
-                    f"{parallel.pipeline_model_parallel_size}",
+                    pp <= group <= micro_batches and rest in (0, *range(pp, group)),
+                    f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be between "
+                    f"--pipeline-model-parallel-size {pp} and the micro-batches ({have}), and "
+                    f"leave a last group of 0 or at least {pp}",
                 )
         self.data.finalize()
         _require(

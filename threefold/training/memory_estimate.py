@@ -316,7 +316,8 @@ def _micro_batches_in_flight(config: Config, stage: int) -> int:
     m = config.training.num_micro_batches(parallel.data_parallel_size)
     if pp == 1:
         return 1
-    order = interleaved_order(m, pp, stage, vpp) if vpp else one_f_one_b_order(m, pp, stage)
+    group = parallel.microbatch_group_size_per_virtual_pipeline_stage
+    order = interleaved_order(m, pp, stage, vpp, group) if vpp else one_f_one_b_order(m, pp, stage)
     held = most = 0
     for kind, _, _ in order:
         held += 1 if kind == "F" else -1

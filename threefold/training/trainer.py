@@ -80,6 +80,9 @@ class Trainer:
         shape = parallel.pipeline_tensor_shape(*shape)
         dtype = self.data_parallel.activation_dtype
         self.pipeline_options = dict(pp=parallel.pp, dtype=dtype, tensor_shape=shape)
+        if config.parallel.virtual_pipeline_model_parallel_size:
+            group = config.parallel.microbatch_group_size_per_virtual_pipeline_stage
+            self.pipeline_options["microbatch_group_size"] = group
         self._train_iterator = None
         self.validation = ResultValidation(training, parallel.world, device)
         self.replica_check = ReplicaCheck(

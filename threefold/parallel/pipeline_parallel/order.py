@@ -19,17 +19,25 @@ def one_f_one_b_order(num_microbatches: int, pipeline_size: int, rank: int) -> l
 
 
 def interleaved_order(
-    num_microbatches: int, pipeline_size: int, rank: int, virtual_size: int
+    num_microbatches: int,
+    pipeline_size: int,
+    rank: int,
+    virtual_size: int,
+    group_size: int | None = None,
 ) -> list[Action]:
-    p, v = pipeline_size, virtual_size
-    total = num_microbatches * v
-
-    def micro_batch(k: int) -> int:
-        return (k // (p * v)) * p + k % p
-
-    forwards = [("F", micro_batch(k), (k // p) % v) for k in range(total)]
-    backwards = [("B", micro_batch(k), v - 1 - (k // p) % v) for k in range(total)]
-    warmup = total if num_microbatches == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    """Megatron-LM's interleaved 1F1B: micro-batches in groups of `group_size` (its
+    --microbatch-group-size-per-virtual-pipeline-stage; default the pipeline size), each group
+    through every model chunk before the next group starts, the last group taking the rest."""
+    p, v, m = pipeline_size, virtual_size, num_microbatches
+    n = group_size or p
+    table = []  # (micro-batch, chunk) in the order chunks run forward
+    for start in range(0, m, n):
+        stop = m if start + n >= m else start + n
+        table += [(mb, c) for c in range(v) for mb in range(start, stop)]
+    total = len(table)
+    forwards = [("F", mb, c) for mb, c in table]
+    backwards = [("B", mb, v - 1 - c) for mb, c in table]
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * n, total)
     order = forwards[:warmup]
     for i in range(total - warmup):
         order += [forwards[warmup + i], backwards[i]]

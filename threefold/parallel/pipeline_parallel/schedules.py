@@ -208,9 +208,11 @@ def forward_backward_pipelining(
     per_token_loss: bool = False,
     timers: TimerFactory | None = None,
     no_sync_func: Callable | None = None,
+    microbatch_group_size: int | None = None,
 ) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several, over the stages of
-    the pipeline group `pp` (`no_sync_func`: see run_actions)."""
+    the pipeline group `pp` (`no_sync_func`: see run_actions; `microbatch_group_size`: see
+    interleaved_order)."""
     pipeline_size, rank = pp.size, pp.rank
     virtual_size = len(model_chunks)
     with _timed(timers, "batch-generator"):
@@ -220,7 +222,9 @@ def forward_backward_pipelining(
     elif virtual_size == 1:
         actions = one_f_one_b_order(num_microbatches, pipeline_size, rank)
     else:
-        actions = interleaved_order(num_microbatches, pipeline_size, rank, virtual_size)
+        actions = interleaved_order(
+            num_microbatches, pipeline_size, rank, virtual_size, microbatch_group_size
+        )
     return run_actions(
         actions,
         forward_step,
