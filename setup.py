@@ -28,6 +28,8 @@ setup(
             "matplotlib",
             # megatron-core's torch_dist writer imports it (the Megatron checkpoint tests)
             "psutil",
+            # megatron-core's distributed-optimizer instance groups (the rank-order tests)
+            "einops",
             # the ecosystem launchers' tests: launch/ray_gpt.py, `accelerate launch`
             "ray[train]",
             "accelerate",

@@ -226,7 +226,6 @@ MISSING = {
     "--data-parallel-sharding-strategy": "Megatron-FSDP",
     "--outer-dp-sharding-strategy": "Megatron-FSDP",
     "--megatron-fsdp-": "Megatron-FSDP",
-    "--num-distributed-optimizer-instances": "several distributed-optimizer instances",
     "--muon-": "the Muon optimizer",
     "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",
     "--account-for-embedding-in-pipeline-split": "pipeline splits counting embedding and loss",

@@ -331,6 +331,12 @@ LAYOUTS = {
     ),
     "ep2xdp2-allgather": (4, EP2),
     "ep2xdp2-distributed-optimizer": (4, EP2 + ["--use-distributed-optimizer"]),
+    # two distributed-optimizer instances: experts' of one rank each (expert DP 2), the dense
+    # weights' of two
+    "ep2xdp2-distributed-optimizer-instances": (
+        4,
+        EP2 + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+    ),
     # experts: x (expert DP / DP) before an average over expert DP, as Megatron-LM scales them
     "ep2xdp2-distributed-optimizer-average-in-collective": (
         4,

@@ -96,8 +96,8 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
     from threefold.parallel import state
 
     seen = []
-    for tp, pp, cp, ep, etp, order in layouts:
-        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp, order)
+    for tp, pp, cp, ep, etp, order, instances in layouts:
+        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp, order, instances)
         context = state.parallel_context()
         ps.initialize_model_parallel(
             tp,
@@ -107,6 +107,7 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
             expert_tensor_parallel_size=etp,
             create_gloo_process_groups=False,
             order=order,
+            num_distributed_optimizer_instances=instances,
         )
         first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
         theirs = {
@@ -123,7 +124,11 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
             "embedding_group": ps.get_embedding_group() if first_or_last else None,
             "model_parallel_group": ps.get_model_parallel_group(),
             "expert_model_parallel_group": ps.get_expert_tensor_model_pipeline_parallel_group(),
+            "dp_cp_intra": ps.get_data_parallel_group(True, partial_data_parallel=True),
+            "expert_dp_intra": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
         }
+        if instances > 1:  # (megatron-core builds the experts' only, for both)
+            theirs["expert_dp_inter"] = ps.get_inter_distributed_optimizer_instance_group()
         ours, megatron_cores = {}, {}
         for kind, group in theirs.items():
             mine = getattr(context, kind)
@@ -143,13 +148,16 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
 
 def test_the_groups_are_megatron_cores_on_eight_ranks():
     layouts = [
-        (2, 2, 1, 1, 2, DEFAULT_ORDER),
-        (2, 1, 2, 2, 1, DEFAULT_ORDER),
-        (1, 2, 2, 2, 1, DEFAULT_ORDER),
-        (1, 2, 1, 4, 1, DEFAULT_ORDER),
-        (4, 1, 1, 2, 2, DEFAULT_ORDER),
-        (2, 2, 1, 1, 2, TP_PP_DP_ORDER),
-        (1, 2, 2, 2, 1, TP_PP_DP_ORDER),
+        (2, 2, 1, 1, 2, DEFAULT_ORDER, 1),
+        (2, 1, 2, 2, 1, DEFAULT_ORDER, 1),
+        (1, 2, 2, 2, 1, DEFAULT_ORDER, 1),
+        (1, 2, 1, 4, 1, DEFAULT_ORDER, 1),
+        (4, 1, 1, 2, 2, DEFAULT_ORDER, 1),
+        (2, 2, 1, 1, 2, TP_PP_DP_ORDER, 1),
+        (1, 2, 2, 2, 1, TP_PP_DP_ORDER, 1),
+        # --num-distributed-optimizer-instances 2: DP x CP 4 in two runs of 2, expert DP 4 too
+        (2, 1, 1, 1, 1, DEFAULT_ORDER, 2),
+        (1, 1, 2, 2, 1, DEFAULT_ORDER, 2),
     ]
     for rank, seen in enumerate(run_distributed(8, _threefold_and_megatron_core_groups, layouts)):
         for layout, (ours, megatron_cores) in zip(layouts, seen):

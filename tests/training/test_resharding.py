@@ -64,8 +64,9 @@ def tp2_pp2_checkpoint(tmp_path_factory):
         ["--tensor-model-parallel-size", "4"],
         ["--pipeline-model-parallel-size", "4"],
         ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
+        ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
     ],
-    ids=["dp4", "tp4", "pp4", "pp2-dp2-distributed-optimizer"],
+    ids=["dp4", "tp4", "pp4", "pp2-dp2-distributed-optimizer", "dp4-two-optimizer-instances"],
 )
 def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout):
     argv, directory, saved = tp2_pp2_checkpoint
@@ -81,6 +82,15 @@ def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_pat
     # DP=4, and PP=2 x DP=2 with other buckets (so other shard boundaries).
     for layout in ([], ["--pipeline-model-parallel-size", "2", "--ddp-bucket-size", "5000"]):
         _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
+
+
+def test_optimizer_instances_checkpoint_resumes_with_one_instance(tmp_path):
+    """Two distributed-optimizer instances at DP4 save each shard once (the instances hold
+    the same ones); one instance over all four ranks takes the state up."""
+    argv = GPT2_STYLE + TRAINING + FOUR_LAYERS + ["--use-distributed-optimizer"]
+    instances = ["--num-distributed-optimizer-instances", "2"]
+    saved = run_distributed(4, _save_then_continue, argv + instances, str(tmp_path))
+    _check(saved, run_distributed(4, _load_then_step, argv, str(tmp_path)))
 
 
 def test_bf16_masters_carry_over_when_resharded(tmp_path):

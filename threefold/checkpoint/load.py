@@ -73,6 +73,9 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
             # expert weights are sharded over expert-DP, which EP changes
             and saved.get("expert_model_parallel_size", 1) == current.expert_model_parallel_size
             and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size
+            # each instance shards over its own ranks
+            and saved.get("num_distributed_optimizer_instances", 1)
+            == current.num_distributed_optimizer_instances
         )
     return same
 

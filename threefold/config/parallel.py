@@ -104,6 +104,12 @@ class ParallelConfig:
     use_distributed_optimizer: bool = arg(
         False, help="shard fp32 master weights and Adam moments across data-parallel ranks"
     )
+    num_distributed_optimizer_instances: int = arg(
+        1,
+        help="with --use-distributed-optimizer: split the data-parallel ranks into this many "
+        "instances, each sharding the optimizer over its own ranks, whose gradients are "
+        "all-reduced across instances (optimizer memory for fewer cross-node collectives)",
+    )
     overlap_grad_reduce: bool = arg(
         False, help="all-reduce each gradient bucket as soon as backward has produced it"
     )
@@ -333,6 +339,29 @@ class ParallelConfig:
             "reduced over their own group)",
         )
 
+    def _finalize_optimizer_instances(self) -> None:
+        count, flag = (
+            self.num_distributed_optimizer_instances,
+            "--num-distributed-optimizer-instances",
+        )
+        _require(count >= 1, f"{flag} must be >= 1")
+        if count == 1:
+            return
+        _require(
+            self.use_distributed_optimizer and self.distributed_strategy == "megatron",
+            f"{flag} {count} splits the distributed optimizer: add --use-distributed-optimizer",
+        )
+        replicas = self.data_parallel_size * self.context_parallel_size
+        _require(
+            replicas % count == 0 and self.expert_data_parallel_size % count == 0,
+            f"{flag} {count} must divide DP x CP ({replicas}) and expert DP "
+            f"({self.expert_data_parallel_size})",
+        )
+        _require(
+            not self.ddp_average_in_collective,
+            f"--ddp-average-in-collective with {flag} is not implemented; drop one",
+        )
+
     @property
     def expert_data_parallel_size(self) -> int:
         """Replicas of each expert: the ranks of one pipeline stage over EP x ETP."""
@@ -419,6 +448,7 @@ class ParallelConfig:
             "distributed optimizer all-gathers parameters)",
         )
         self._finalize_expert_parallel(model)
+        self._finalize_optimizer_instances()
         self._finalize_strategy()
         _require(
             self.distributed_backend in (None, "gloo", "nccl"),

@@ -22,6 +22,10 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
                   over which the dispatcher exchanges tokens (rank = EP rank x ETP + ETP rank)
       expert_dp   the other ranks of the stage holding the same experts, over which expert
                   gradients are summed (scaled by 1 / DP x CP, as Megatron)
+      dp_cp_intra, expert_dp_intra  the ranks one distributed-optimizer instance shards over
+                  (--num-distributed-optimizer-instances; all of dp_cp / expert_dp at 1)
+      dp_cp_inter, expert_dp_inter  the ranks at the same place of each instance, which
+                  all-reduce their shards' gradients (size 1 with one instance)
       world       every rank
       embedding_group       first and last pipeline stage: holders of tied embeddings
       model_parallel_group  TP x PP: the ranks that together hold one model replica
@@ -69,6 +73,10 @@ class ParallelContext:
     expert_tp: Group = field(default_factory=Group)
     expert_tp_ep: Group = field(default_factory=Group)
     expert_dp: Group = field(default_factory=Group)
+    dp_cp_intra: Group = field(default_factory=Group)
+    dp_cp_inter: Group = field(default_factory=Group)
+    expert_dp_intra: Group = field(default_factory=Group)
+    expert_dp_inter: Group = field(default_factory=Group)
     world: Group = field(default_factory=Group)
     embedding_group: dist.ProcessGroup | None = None
     model_parallel_group: dist.ProcessGroup | None = None

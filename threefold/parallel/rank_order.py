@@ -68,6 +68,8 @@ class RankLayout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     order: str = DEFAULT_ORDER
+    # --num-distributed-optimizer-instances: each group of replicas split into this many
+    distributed_optimizer_instances: int = 1
 
     def __post_init__(self) -> None:
         tp, pp, cp = (
@@ -84,6 +86,13 @@ class RankLayout:
                 f"world size {self.world_size} is not divisible by expert TP {self.expert_tp} "
                 f"x EP {self.expert_model_parallel_size} x PP {pp}"
             )
+        count = self.distributed_optimizer_instances
+        for replicas, what in ((self.dense("dp-cp"), "DP x CP"), (self.experts("dp"), "expert DP")):
+            if len(replicas[0]) % count:
+                raise ValueError(
+                    f"{what} of {len(replicas[0])} ranks do not split into {count} "
+                    "distributed-optimizer instances"
+                )
         # The two grids must agree on the pipelines. With PP slowest they always do; with DP
         # after PP, only when a stage holds as many ranks before PP in each grid.
         if self.dense("pp") != self.experts("pp"):
@@ -123,6 +132,23 @@ class RankLayout:
             "pp": pp,
         }
         return rank_groups(sizes, members, self.order)
+
+    def instances(self, replicas: list[list[int]], part: str) -> list[list[int]]:
+        """--num-distributed-optimizer-instances I: each group of `replicas` (DP x CP, or expert
+        DP) in I consecutive runs of its ranks, the "intra" groups one optimizer instance
+        shards over (megatron-core's intra-partial groups), or (`part="inter"`) the ranks at
+        the same place of each run, which all-reduce the instances' shards. None at I = 1."""
+        count = self.distributed_optimizer_instances
+        if count == 1:
+            return []
+        out = []
+        for ranks in replicas:
+            size = len(ranks) // count
+            if part == "intra":
+                out += [ranks[i * size : (i + 1) * size] for i in range(count)]
+            else:
+                out += [ranks[j::size] for j in range(size)]
+        return sorted(out)
 
     def embedding(self) -> list[list[int]]:
         """Per pipeline, its first and last stage's ranks (the holders of tied embeddings;

@@ -104,6 +104,12 @@ _GROUP_KINDS = (
     ("expert_tp", lambda layout: layout.experts("tp")),  # expert tensor parallel
     ("expert_tp_ep", lambda layout: layout.experts("tp-ep")),  # expert tensor and model parallel
     ("expert_dp", lambda layout: layout.experts("dp")),  # expert data parallel
+    # --num-distributed-optimizer-instances (none at 1): intra-partial data parallel (with CP),
+    # the ranks across instances, and the same for expert data parallel
+    ("dp_cp_intra", lambda layout: layout.instances(layout.dense("dp-cp"), "intra")),
+    ("dp_cp_inter", lambda layout: layout.instances(layout.dense("dp-cp"), "inter")),
+    ("expert_dp_intra", lambda layout: layout.instances(layout.experts("dp"), "intra")),
+    ("expert_dp_inter", lambda layout: layout.instances(layout.experts("dp"), "inter")),
     # expert tensor-model-pipeline parallel
     ("expert_model_parallel", lambda layout: layout.experts("tp-ep-pp")),
 )
@@ -118,6 +124,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
     order: str = DEFAULT_ORDER,
+    num_distributed_optimizer_instances: int = 1,
 ) -> None:
     """Build the TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the
     initialized world, in Megatron's rank order `order` (megatron-core's argument)."""
@@ -132,6 +139,7 @@ def initialize_model_parallel(
         expert_model_parallel_size,
         expert_tensor_parallel_size,
         order,
+        num_distributed_optimizer_instances,
     )
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
@@ -164,6 +172,7 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.expert_model_parallel_size,
         parallel.expert_tensor_parallel_size,
         TP_PP_DP_ORDER if parallel.use_tp_pp_dp_mapping else DEFAULT_ORDER,
+        parallel.num_distributed_optimizer_instances,
     )
     context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.
@@ -206,7 +215,15 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
     if expert_tp_ep.rank != ep.rank * expert_tp.size + expert_tp.rank:
         raise RuntimeError("the expert groups are not ordered ETP-fastest")
     embedding = groups.get("embedding")  # only the first and last stage hold one
+    # one distributed-optimizer instance: it shards over all the replicas, none across
+    instances = {
+        "dp_cp_intra": groups.get("dp_cp_intra", groups["dp_cp"]),
+        "dp_cp_inter": groups.get("dp_cp_inter", Group()),
+        "expert_dp_intra": groups.get("expert_dp_intra", groups["expert_dp"]),
+        "expert_dp_inter": groups.get("expert_dp_inter", Group()),
+    }
     return ParallelContext(
+        **instances,
         **{name: groups[name] for name in ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp")},
         ep=ep,
         expert_tp=expert_tp,

@@ -113,27 +113,36 @@ class MegatronDataParallel:
         dense = [p for _, p in named if not is_expert(p) and p not in fp8]
         # Under the distributed optimizer each bucket splits into one shard per rank of the
         # buffer's group.
+        # --num-distributed-optimizer-instances: each instance shards over its own ranks
+        # (the intra groups; all the replicas with one instance), the mean is over all of them.
+        dense_group, expert_group = parallel.dp_cp_intra, parallel.expert_dp_intra
+        mean = 1.0 / parallel.dp_cp.size
         self.grad_buffer = GradientBuffer(
             dense,
-            parallel.dp_cp,
-            pad_to_multiple=parallel.dp_cp.size if distributed else 1,
+            dense_group,
+            pad_to_multiple=dense_group.size if distributed else 1,
             needs_full_gradient=summed_over_another_group,
+            gradient_scaling_factor=mean if dense_group.size != parallel.dp_cp.size else None,
+            inter=parallel.dp_cp_inter,
             **options,
         )
         if experts:
             self.expert_grad_buffer = GradientBuffer(
                 experts,
-                parallel.expert_dp,
-                pad_to_multiple=parallel.expert_dp.size if distributed else 1,
-                gradient_scaling_factor=1.0 / parallel.dp_cp.size,
+                expert_group,
+                pad_to_multiple=expert_group.size if distributed else 1,
+                gradient_scaling_factor=mean,
+                inter=parallel.expert_dp_inter,
                 **options,
             )
         self.fp8_parameters = None
         if fp8:
             fp8_buffer = GradientBuffer(
                 list(fp8),
-                parallel.dp_cp,
-                pad_to_multiple=parallel.dp_cp.size,
+                dense_group,
+                pad_to_multiple=dense_group.size,
+                gradient_scaling_factor=mean if dense_group.size != parallel.dp_cp.size else None,
+                inter=parallel.dp_cp_inter,
                 param_dtype=next(iter(fp8.values())).recipe.dtypes[WEIGHT],
                 **options,
             )

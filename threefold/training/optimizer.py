@@ -390,7 +390,7 @@ class DistributedOptimizer(_AdamWithMasters):
         # The group a buffer reduces over holds the other shards of its optimizer state.
         self.reduction_groups = [dense.dp.group, parallel.model_parallel_group]
         if experts:
-            groups = [parallel.expert_dp.group, parallel.expert_model_parallel_group]
+            groups = [parallel.expert_dp_intra.group, parallel.expert_model_parallel_group]
             self.expert_reduction_groups = groups
         self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.reduction_device = dense.buffer.device

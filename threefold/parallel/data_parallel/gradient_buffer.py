@@ -70,6 +70,7 @@ class GradientBuffer:
         gradient_scaling_factor: float | None = None,
         param_dtype: torch.dtype | None = None,
         average_in_collective: bool = False,
+        inter: Group | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
@@ -77,6 +78,9 @@ class GradientBuffer:
             1.0 / dp.size if gradient_scaling_factor is None else gradient_scaling_factor
         )
         self.average_in_collective = average_in_collective and dp.size > 1
+        # --num-distributed-optimizer-instances: `dp` is one instance's ranks; the other
+        # instances' copies of each shard are summed over `inter` after the reduce-scatter
+        self.inter = inter if inter is not None and inter.size > 1 else None
         device = self.params[0].device
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []  # [start, end) of each bucket in the buffer
@@ -240,9 +244,15 @@ class GradientBuffer:
         for bucket in range(len(self.buckets)):
             self._launch(bucket)
         for bucket, (handle, shard) in self._handles.items():
-            if handle is None:
+            if handle is not None:
+                handle.wait()
+            elif self.inter is None:
                 continue
-            handle.wait()
+            if self.inter is not None:
+                start, end = self.buckets[bucket]
+                dist.all_reduce(
+                    self.buffer[start:end] if shard is None else shard, group=self.inter.group
+                )
             if shard is not None:
                 start, end = self.shard_range(bucket)
                 self.buffer[start:end].copy_(shard)
