@@ -81,14 +81,16 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
 
 def world_size(argv: list[str]) -> int:
     """The fewest ranks the config's layout runs on: each pipeline stage holds TP x CP x DP
-    ranks, which EP x expert TP (default: TP, as in Megatron) must divide as well."""
+    ranks, which EP x expert TP (default: TP, as in Megatron) must divide as well, and whose
+    replicas (DP x CP, and expert DP) split into the distributed-optimizer instances."""
 
     def size(flag: str, default: int = 1) -> int:
         return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
     tp = size("--tensor-model-parallel-size")
     experts = size("--expert-model-parallel-size") * size("--expert-tensor-parallel-size", tp)
-    stage = math.lcm(tp * size("--context-parallel-size"), experts)
+    instances = size("--num-distributed-optimizer-instances")
+    stage = math.lcm(tp * size("--context-parallel-size"), tp * instances, experts * instances)
     return stage * size("--pipeline-model-parallel-size")
 
 
