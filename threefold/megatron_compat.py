@@ -249,7 +249,6 @@ MISSING = {
     "--mup-": "muP parametrization",
     "--cuda-graph-": "CUDA graphs",
     "--enable-cuda-graph": "CUDA graphs",
-    "--test-mode": "Megatron-LM's test mode",
     "--inference-": "Megatron-LM's inference engine (threefold samples with tools/generate.py)",
     "--max-tokens-to-oom": "Megatron-LM's inference engine",
     "--num-tokens-to-generate": "Megatron-LM's inference engine",

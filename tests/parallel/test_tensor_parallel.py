@@ -153,3 +153,36 @@ def test_squared_relu_mlps_match_at_tp2_with_sequence_parallelism():
         assert_close_dicts(result["grads"], reference["grads"], 1e-5, "gradient")
     gelu = gradient_job(GPT2_STYLE + TRAINING)
     assert relative_error(gelu["logits"], reference["logits"]) > 1e-3
+
+
+def _test_mode_check(argv: list[str]) -> dict:
+    """--test-mode at TP2: a step, then one bit of a QK-norm weight flipped on TP rank 1."""
+    import torch
+
+    from threefold.training.replica_check import ReplicaMismatchError
+
+    trainer = _setup(argv + ["--test-mode", "--qk-layernorm"])
+    check = trainer.replica_check
+    trainer.train_step()
+    line = check.check(1, trainer.layout_independent_parameters())
+    name, param = next(
+        (n, p) for n, p in trainer.layout_independent_parameters() if "q_layernorm" in n
+    )
+    if trainer.parallel.tp.rank == 1:
+        with torch.no_grad():
+            param.data.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+    try:
+        check.check(2, trainer.layout_independent_parameters())
+    except ReplicaMismatchError as error:
+        return {"line": line, "error": str(error), "name": name, "interval": check.interval}
+    return {"line": line, "error": None, "name": name, "interval": check.interval}
+
+
+def test_test_mode_compares_weights_every_tensor_parallel_rank_holds_whole():
+    """Megatron-LM's --test-mode compares the QK norms across TP (and DP) ranks: here every
+    iteration, every weight TP ranks hold whole."""
+    argv = LLAMA_STYLE + TRAINING + ["--tensor-model-parallel-size", "2"]
+    for result in run_distributed(2, _test_mode_check, argv):
+        assert result["interval"] == 1
+        assert result["line"] == ">>> Weight hashes match after 1 iterations..."
+        assert result["error"] is not None and f"{result['name']} on rank 1" in result["error"]

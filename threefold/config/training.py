@@ -207,6 +207,11 @@ class TrainingConfig:
     result_rejected_tracker_filename: str | None = arg(
         None, help="with validate_results: append a line per rejected result to this file"
     )
+    test_mode: bool = arg(
+        False,
+        help="compare the replicas' weights every iteration, and the weights each "
+        "tensor-parallel rank holds whole (norms) across TP too",
+    )
     check_for_spiky_loss: bool = arg(
         False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
     )  # log batches whose loss jumps (see training/numerics)
@@ -556,6 +561,8 @@ class TrainingConfig:
         )
         _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
         self._check_rerun_mode()
+        if self.test_mode and self.check_weight_hash_across_dp_replicas_interval is None:
+            self.check_weight_hash_across_dp_replicas_interval = 1  # every iteration
         interval = self.check_weight_hash_across_dp_replicas_interval
         _require(
             interval is None or interval >= 1,

@@ -1,5 +1,7 @@
 """`--check-weight-hash-across-dp-replicas-interval N` (Megatron-LM's flag): the ranks that hold
-the same weights must hold the same bytes.
+the same weights must hold the same bytes. `--test-mode` (also Megatron-LM's, which compares the
+QK norms across TP and DP in every forward) checks every iteration, and compares the weights
+each tensor-parallel rank holds whole across TP too.
 
 Every N iterations, and once before the first, each rank digests each of its parameters (SHA-1
 of its values as fp32, as megatron-core's `check_param_hashes_across_dp_replicas`), and the
@@ -61,15 +63,21 @@ class ReplicaCheck:
     """Compares the replicas' weights every `interval` iterations (None: never)."""
 
     def __init__(
-        self, interval: int | None, parallel: ParallelContext, params: list[nn.Parameter]
+        self,
+        interval: int | None,
+        parallel: ParallelContext,
+        params: list[nn.Parameter],
+        across_tp: bool = False,
     ) -> None:
+        """`across_tp` (--test-mode): the weights every tensor-parallel rank holds whole (norms,
+        QK norms, row-parallel biases) are compared across TP (expert TP) as well."""
         if interval is not None and any(hasattr(p, "device_mesh") for p in params):
             raise ConfigError(
                 "--check-weight-hash-across-dp-replicas-interval: FSDP2 shards every weight "
                 "over the data-parallel ranks, so there are no replicas to compare; drop the "
                 "flag or use --distributed-strategy megatron or ddp"
             )
-        self.interval, self.parallel = interval, parallel
+        self.interval, self.parallel, self.across_tp = interval, parallel, across_tp
 
     def due(self, iteration: int) -> bool:
         return self.interval is not None and iteration % self.interval == 0
@@ -81,7 +89,13 @@ class ReplicaCheck:
         parallel, problems = self.parallel, []
         dense = [(n, p) for n, p in named if not is_expert(p)]
         experts = [(n, p) for n, p in named if is_expert(p)]
-        for params, replicas in ((dense, parallel.dp_cp), (experts, parallel.expert_dp)):
+        checks = [(dense, parallel.dp_cp), (experts, parallel.expert_dp)]
+        if self.across_tp:
+            whole = [(n, p) for n, p in dense if not getattr(p, "tensor_model_parallel", False)]
+            checks.append((whole, parallel.tp))
+            whole = [(n, p) for n, p in experts if not getattr(p, "tensor_model_parallel", False)]
+            checks.append((whole, parallel.expert_tp))
+        for params, replicas in checks:
             members = dist.get_process_group_ranks(replicas.group) if replicas.size > 1 else []
             for name, ranks in differing(params, replicas):
                 held = ", ".join(str(members[r]) for r in ranks)

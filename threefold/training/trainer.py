@@ -89,6 +89,7 @@ class Trainer:
             training.check_weight_hash_across_dp_replicas_interval,
             parallel,
             [p for chunk in self.model_chunks for p in chunk.parameters()],
+            across_tp=training.test_mode,
         )
         self.checkpointer = Checkpointer(
             config.checkpoint, self.checkpoint_components, self.observability
