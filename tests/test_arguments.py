@@ -173,6 +173,12 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             "must be between --pipeline-model-parallel-size 2 and the micro-batches (4 = global "
             "batch size 8 / (--micro-batch-size x DP)), and leave a last group of 0 or at least 2",
         ),
+        (
+            ["--pipeline-model-parallel-size", "2", "--account-for-loss-in-pipeline-split"],
+            2,
+            "--num-layers 2 plus the 1 layer(s) the embedding and loss count for do not split "
+            "evenly over 2 model chunks",
+        ),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
         (

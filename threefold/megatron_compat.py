@@ -227,9 +227,6 @@ MISSING = {
     "--outer-dp-sharding-strategy": "Megatron-FSDP",
     "--megatron-fsdp-": "Megatron-FSDP",
     "--muon-": "the Muon optimizer",
-    "--num-virtual-stages-per-pipeline-rank": "pipeline splits counting embedding and loss",
-    "--account-for-embedding-in-pipeline-split": "pipeline splits counting embedding and loss",
-    "--account-for-loss-in-pipeline-split": "pipeline splits counting embedding and loss",
     "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
     "optimizer step",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",

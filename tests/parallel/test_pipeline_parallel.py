@@ -218,3 +218,45 @@ def _max_in_flight(order) -> int:
         held += 1 if kind == "F" else -1
         most = max(most, held)
     return most
+
+
+@pytest.mark.parametrize(
+    "world,layers,flags",
+    [
+        # Megatron-LM's functional test: 6 layers + embedding + loss over 4 x 2 chunks of one,
+        # so rank 0's first chunk is the embedding alone and rank 3's last the loss alone.
+        (
+            4,
+            6,
+            ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank"]
+            + ["2", "--account-for-embedding-in-pipeline-split"]
+            + ["--account-for-loss-in-pipeline-split"],
+        ),
+        # 7 layers + embedding in two stages of 4: layers 0-2, then 3-6
+        (
+            2,
+            7,
+            ["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"],
+        ),
+    ],
+    ids=["pp4-vp2-embedding-and-loss", "pp2-embedding"],
+)
+def test_embedding_and_loss_counted_in_the_split_match_single_process(world, layers, flags):
+    argv = GPT2_STYLE + ["--num-layers", str(layers)] + TRAINING
+    reference = train_job(argv, 4)
+    results = run_distributed(world, train_job, argv + flags, 4)
+    assert_matches_reference(results, reference, 1e-5)
+
+
+def test_counted_embedding_and_loss_take_a_layer_of_the_first_and_last_chunk():
+    from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
+
+    # (offset, layers) per chunk of each rank: megatron-core's get_num_layers_to_build
+    assert [model_chunk_layers(6, 4, r, 2, embedding=True, loss=True) for r in range(4)] == [
+        [(0, 0), (3, 1)],
+        [(0, 1), (4, 1)],
+        [(1, 1), (5, 1)],
+        [(2, 1), (6, 0)],
+    ]
+    assert [model_chunk_layers(7, 2, r, embedding=True) for r in range(2)] == [[(0, 3)], [(3, 4)]]
+    assert [model_chunk_layers(7, 2, r, loss=True) for r in range(2)] == [[(0, 4)], [(4, 3)]]

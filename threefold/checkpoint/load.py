@@ -58,6 +58,12 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
             "decoder_first_pipeline_num_layers",
             "decoder_last_pipeline_num_layers",
         )
+    ) and all(
+        saved.get(name, False) == getattr(current, name)
+        for name in (
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        )
     )
     # an expert's shapes (and keys) follow expert TP
     same = same and (saved.get("expert_tensor_parallel_size") or 1) == (

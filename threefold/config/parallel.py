@@ -53,6 +53,15 @@ class ParallelConfig:
         help="interleaved 1F1B: micro-batches that go through each model chunk before the next "
         "group starts (default: the pipeline size); between PP and the micro-batches",
     )
+    num_virtual_stages_per_pipeline_rank: int | None = arg(
+        None, help="model chunks per pipeline rank (Megatron-LM's newer spelling of V)"
+    )
+    account_for_embedding_in_pipeline_split: bool = arg(
+        False, help="count the embedding as a layer of the first model chunk in the even split"
+    )
+    account_for_loss_in_pipeline_split: bool = arg(
+        False, help="count the output layer and loss as a layer of the last model chunk"
+    )
     decoder_first_pipeline_num_layers: int | None = arg(
         None, help="layers of the first pipeline stage (the rest split evenly)"
     )
@@ -179,6 +188,20 @@ class ParallelConfig:
 
     def _finalize_pipeline(self, model: ModelConfig) -> None:
         pp, layers = self.pipeline_model_parallel_size, model.num_layers
+        if self.num_virtual_stages_per_pipeline_rank is not None:
+            _require(
+                self.virtual_pipeline_model_parallel_size is None
+                and self.num_layers_per_virtual_pipeline_stage is None,
+                "give only one of --num-virtual-stages-per-pipeline-rank, "
+                "--virtual-pipeline-model-parallel-size and "
+                "--num-layers-per-virtual-pipeline-stage",
+            )
+            self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        extra = int(self.account_for_embedding_in_pipeline_split)
+        extra += int(self.account_for_loss_in_pipeline_split)
+        if extra:
+            self._finalize_accounted_split(layers, extra)
+            return
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
             _require(
@@ -236,6 +259,39 @@ class ParallelConfig:
                 f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
                 f"{pp}; change one or set --decoder-first/last-pipeline-num-layers",
             )
+
+    def _finalize_accounted_split(self, layers: int, extra: int) -> None:
+        """--account-for-embedding/loss-in-pipeline-split: PP x V chunks of equal slots, the
+        embedding and the loss taking one each (megatron-core's get_num_layers_to_build)."""
+        pp = self.pipeline_model_parallel_size
+        _require(
+            self.decoder_first_pipeline_num_layers is None
+            and self.decoder_last_pipeline_num_layers is None,
+            "--account-for-embedding/loss-in-pipeline-split cannot be combined with "
+            "--decoder-first/last-pipeline-num-layers",
+        )
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is not None:  # in slots, as megatron-core counts them
+            _require(
+                self.virtual_pipeline_model_parallel_size is None,
+                "give only one of --num-layers-per-virtual-pipeline-stage and "
+                "--virtual-pipeline-model-parallel-size",
+            )
+            slots_per_stage = (layers + extra) // pp
+            _require(
+                per_stage > 0 and slots_per_stage % per_stage == 0,
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
+                f"{slots_per_stage} layers (embedding and loss counted) of a pipeline stage",
+            )
+            self.virtual_pipeline_model_parallel_size = slots_per_stage // per_stage
+        if self.virtual_pipeline_model_parallel_size == 1:
+            self.virtual_pipeline_model_parallel_size = None
+        chunks = pp * (self.virtual_pipeline_model_parallel_size or 1)
+        _require(
+            (layers + extra) % chunks == 0 and (layers + extra) // chunks >= 1,
+            f"--num-layers {layers} plus the {extra} layer(s) the embedding and loss count for "
+            f"do not split evenly over {chunks} model chunks (PP x virtual stages)",
+        )
 
     def _finalize_context_parallel(self, model: ModelConfig) -> None:
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size

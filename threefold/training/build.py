@@ -13,7 +13,7 @@ from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_mo
 from threefold.model import GPTModel
 from threefold.model.fp8 import Fp8Scaling, convert_to_fp8
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
+from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.data_parallel import (
     DataParallel,
     build_data_parallel,
@@ -30,16 +30,8 @@ def build_model_chunks(
     config: Config, parallel: ParallelContext, device: torch.device, dtype: torch.dtype
 ) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
-    layout = config.parallel
     pp, rank = parallel.pp.size, parallel.pp.rank
-    layers = model_chunk_layers(
-        config.model.num_layers,
-        pp,
-        rank,
-        layout.virtual_pipeline_model_parallel_size,
-        layout.decoder_first_pipeline_num_layers,
-        layout.decoder_last_pipeline_num_layers,
-    )
+    layers = chunk_layers_of(config.parallel, config.model.num_layers, rank)
     padded_vocab = config.model.padded_vocab_size(parallel.tp.size)
     chunks = []
     for index, (offset, count) in enumerate(layers):

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
 from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8, traces_fp8_linears
-from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
+from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
 
 
@@ -96,14 +96,7 @@ def _layer_parameters(
 
 def _stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> list[int]:
     """The 0-based numbers of the layers pipeline stage `stage` holds."""
-    chunks = model_chunk_layers(
-        model.num_layers,
-        parallel.pipeline_model_parallel_size,
-        stage,
-        parallel.virtual_pipeline_model_parallel_size,
-        parallel.decoder_first_pipeline_num_layers,
-        parallel.decoder_last_pipeline_num_layers,
-    )
+    chunks = chunk_layers_of(parallel, model.num_layers, stage)
     return [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
 
 
@@ -332,14 +325,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
-    chunks = model_chunk_layers(
-        model.num_layers,
-        pp,
-        stage,
-        parallel.virtual_pipeline_model_parallel_size,
-        parallel.decoder_first_pipeline_num_layers,
-        parallel.decoder_last_pipeline_num_layers,
-    )
+    chunks = chunk_layers_of(parallel, model.num_layers, stage)
     total = 0
     for offset, layers in chunks:
         recomputed = 0

@@ -7,11 +7,16 @@ and last stage's share, the rest being split evenly over the middle stages.
 With V virtual stages per rank (interleaved 1F1B), the model is cut into P*V equal chunks and
 rank r holds chunks r, r + P, r + 2P, ...: model chunk v of rank r starts at layer
 (v * P + r) * L / (P * V). Activations thus travel around the ring of ranks V times.
+
+`--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split`
+(Megatron-LM's) count the embedding and the loss as one layer each in that even split: the
+first chunk (of rank 0) holds one transformer layer fewer, the last chunk (of the last rank)
+too, down to none (a chunk of the embedding alone, or of the final norm and loss alone).
 """
 
 from __future__ import annotations
 
-from threefold.config.parallel import stage_layer_counts
+from threefold.config.parallel import ParallelConfig, stage_layer_counts
 
 
 def model_chunk_layers(
@@ -21,8 +26,20 @@ def model_chunk_layers(
     virtual_size: int | None = None,
     first: int | None = None,
     last: int | None = None,
+    embedding: bool = False,
+    loss: bool = False,
 ) -> list[tuple[int, int]]:
-    """(layer offset, number of layers) of each model chunk this pipeline rank holds."""
+    """(layer offset, number of layers) of each model chunk this pipeline rank holds;
+    `embedding`, `loss`: those count as a layer of the first and the last chunk."""
+    if embedding or loss:
+        chunks = pipeline_size * (virtual_size or 1)
+        per_chunk = (num_layers + embedding + loss) // chunks
+        counts = [per_chunk] * chunks
+        counts[0] -= embedding
+        counts[-1] -= loss
+        offsets = [sum(counts[:g]) for g in range(chunks)]
+        mine = range(pipeline_rank, chunks, pipeline_size)  # chunk v of rank r: v P + r
+        return [(offsets[g], counts[g]) for g in mine]
     if virtual_size and virtual_size > 1:
         per_chunk = num_layers // (pipeline_size * virtual_size)
         return [
@@ -31,3 +48,17 @@ def model_chunk_layers(
         ]
     counts = stage_layer_counts(num_layers, pipeline_size, first, last)
     return [(sum(counts[:pipeline_rank]), counts[pipeline_rank])]
+
+
+def chunk_layers_of(parallel: ParallelConfig, num_layers: int, rank: int) -> list[tuple[int, int]]:
+    """`model_chunk_layers` of pipeline rank `rank` in the layout a ParallelConfig gives."""
+    return model_chunk_layers(
+        num_layers,
+        parallel.pipeline_model_parallel_size,
+        rank,
+        parallel.virtual_pipeline_model_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
+        parallel.account_for_embedding_in_pipeline_split,
+        parallel.account_for_loss_in_pipeline_split,
+    )
