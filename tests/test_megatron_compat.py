@@ -130,6 +130,11 @@ def test_ckpt_format_torch_dist_says_what_is_written(capsys):
     out = capsys.readouterr().out
     assert "> --ckpt-format torch_dist: checkpoints are saved in threefold's format" in out
     assert "tools/convert_checkpoint.py --saver megatron" in out
+    # Megatron-LM's legacy per-rank pickles: never written, never read
+    parse_args(BASE + ["--ckpt-format", "torch"])
+    out = capsys.readouterr().out
+    assert "> --ckpt-format torch: checkpoints are saved in threefold's format" in out
+    assert "neither written nor read" in out
 
 
 @pytest.mark.parametrize("flag", sorted(megatron_compat.NO_COUNTERPART))

@@ -40,7 +40,7 @@ ONLY_DEFAULT = {
     # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
-        ("threefold", "torch_dist"),
+        ("threefold", "torch_dist", "torch"),
         "runs save threefold's own format (docs/checkpoints.md); Megatron-LM's torch_dist "
         "is written by tools/convert_checkpoint.py --saver megatron",
     ),
@@ -82,7 +82,10 @@ VALUE_NOTES = {
     ("--ckpt-format", "torch_dist"): "--ckpt-format torch_dist: checkpoints are saved in "
     "threefold's format (torch.distributed.checkpoint shards keyed model.tp{r}.*, "
     "docs/checkpoints.md), not Megatron-LM's torch_dist layout; --load reads both, and "
-    "tools/convert_checkpoint.py --saver megatron writes Megatron-LM's"
+    "tools/convert_checkpoint.py --saver megatron writes Megatron-LM's",
+    ("--ckpt-format", "torch"): "--ckpt-format torch: checkpoints are saved in threefold's "
+    "format (docs/checkpoints.md); Megatron-LM's legacy torch format, a pickle per rank, is "
+    "neither written nor read (loading one would run whatever code it holds)",
 }
 
 # flag -> why it changes nothing here
@@ -127,6 +130,9 @@ NO_COUNTERPART = {
     "flush, with the same gradient",
     "--overlap-p2p-communication-warmup-flush": "threefold's pipeline sends are asynchronous in "
     "every phase of the schedule already (its receives wait for their data)",
+    "--overlap-param-gather-with-optimizer-step": "with --overlap-param-gather every bucket's "
+    "all-gather starts as soon as the step has written its shard, asynchronously, and the "
+    "next forward waits per module: Megatron-LM's flag starts the first bucket's earlier still",
     "--disable-gloo-process-groups": "threefold builds no gloo copies of its process groups "
     "(Megatron-LM keeps them for the distributed optimizer's host transfers); only "
     "--async-save adds a gloo group of its own, for its writer thread",
@@ -227,8 +233,6 @@ MISSING = {
     "--outer-dp-sharding-strategy": "Megatron-FSDP",
     "--megatron-fsdp-": "Megatron-FSDP",
     "--muon-": "the Muon optimizer",
-    "--overlap-param-gather-with-optimizer-step": "parameter gathering overlapped with the "
-    "optimizer step",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
     "--moe-router-group-topk": "DeepSeek-V3-style routing options",
     "--moe-router-num-groups": "DeepSeek-V3-style routing options",
