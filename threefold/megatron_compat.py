@@ -66,6 +66,11 @@ ANY_VALUE = {
         int,
         "it tunes --defer-embedding-wgrad-compute, whose deferral threefold does not make",
     ),
+    "--cross-entropy-fusion-impl": (
+        str,
+        "the loss is threefold's chunked vocabulary-parallel cross-entropy (the one-shot "
+        "reference with --no-cross-entropy-loss-fusion), whichever implementation is named",
+    ),
     "--fp8-interval": (
         int,
         "Transformer Engine ignores it since version 1.8 and Megatron-LM documents it as "
@@ -133,6 +138,8 @@ NO_COUNTERPART = {
     "--overlap-param-gather-with-optimizer-step": "with --overlap-param-gather every bucket's "
     "all-gather starts as soon as the step has written its shard, asynchronously, and the "
     "next forward waits per module: Megatron-LM's flag starts the first bucket's earlier still",
+    "--moe-permute-fusion": "the dispatcher permutes tokens with PyTorch's index operations; "
+    "Transformer Engine's fused permutation computes the same order",
     "--disable-gloo-process-groups": "threefold builds no gloo copies of its process groups "
     "(Megatron-LM keeps them for the distributed optimizer's host transfers); only "
     "--async-save adds a gloo group of its own, for its writer thread",
@@ -240,10 +247,8 @@ MISSING = {
     "--moe-router-enable-expert-bias": "DeepSeek-V3-style routing options",
     "--moe-router-bias-update-rate": "DeepSeek-V3-style routing options",
     "--moe-shared-expert-gate": "gated shared experts",
-    "--moe-permute-fusion": "Transformer Engine's fused MoE permutation",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",
-    "--cross-entropy-fusion-impl": "Transformer Engine's fused cross-entropy",
     "--fim-": "fill-in-the-middle data",
     "--export-": "ModelOpt export and distillation",
     "--use-mup": "muP parametrization",
