@@ -107,6 +107,33 @@ def test_router_matches_the_reference(flags):
     assert losses["z_loss"].item() == pytest.approx(z, rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    "score_function,pre_softmax",
+    [("softmax", False), ("softmax", True), ("sigmoid", False)],
+    ids=["softmax", "pre-softmax", "sigmoid"],
+)
+def test_group_limited_routing_is_megatron_cores(score_function, pre_softmax):
+    """--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk 4 with
+    --moe-router-topk-scaling-factor 2.5 over 16 experts (DeepSeek-V3's shape, smaller):
+    megatron-core's topk_routing_with_score_function, probabilities and choice."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from threefold.model.moe.router import top_k
+
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
+    probs, indices = top_k(logits, 4, score_function, pre_softmax, (4, 2), 2.5)
+    ours = torch.zeros_like(logits).scatter(1, indices, probs)
+    theirs, routing_map = topk_routing_with_score_function(
+        logits, 4, pre_softmax, 4, 2, 2.5, score_function
+    )
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert torch.equal(ours > 0, routing_map)
+    # the choice is group-limited: every token's experts lie in two of its four groups
+    assert all(len(set((row // 4).tolist())) <= 2 for row in indices)
+    plain = torch.zeros_like(logits).scatter(1, logits.topk(4, dim=-1).indices, 1.0)
+    assert not torch.equal(plain > 0, routing_map)
+
+
 def test_router_dtype_routes_and_combines_a_bf16_model_in_fp32():
     """--moe-router-dtype fp32 (megatron-core's): the logits of bf16 tokens and weight
     computed in fp32, the probabilities kept in fp32 and the experts' outputs weighted and
@@ -361,6 +388,9 @@ VARIANTS = {
     "capacity": ["--moe-expert-capacity-factor", "0.75", "--moe-token-dispatcher-type", "alltoall"],
     # fp64 logits, probabilities and weighted sums in an fp32 run (fp32 would change nothing)
     "router-fp64": ["--moe-router-dtype", "fp64", "--moe-token-dispatcher-type", "alltoall"],
+    # DeepSeek-V3's group-limited routing: 2 groups of 2 experts, the best one per token
+    "group-limited": ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]
+    + ["--moe-router-topk-scaling-factor", "2.5"],
 }
 
 
@@ -482,6 +512,16 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
             "--tensor-model-parallel-size 1 x --context-parallel-size 1",
         ),
         (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5"),
+        (
+            ["--num-experts", "4", "--moe-router-num-groups", "2"],
+            1,
+            "--moe-router-num-groups and --moe-router-group-topk go together",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+            1,
+            "--moe-router-num-groups 3 must divide --num-experts 4",
+        ),
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),
         (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "gives 3 layers"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "capacity-factor"),

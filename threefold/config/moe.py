@@ -98,6 +98,27 @@ class MoEConfig:
         group=GROUP,
         help="hidden size of the shared expert every token also passes through (none: none)",
     )
+    # DeepSeek-V2/V3's group-limited routing (megatron-core's group_limited_topk)
+    moe_router_num_groups: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="split the experts into this many equal groups (EP ranks or nodes) for "
+        "--moe-router-group-topk",
+    )
+    moe_router_group_topk: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="route each token within its best groups only (a group's score: the sum of its "
+        "top topk / group-topk expert scores)",
+    )
+    moe_router_topk_scaling_factor: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="multiply the routing probabilities by this (DeepSeek-V3: 2.5)",
+    )
     moe_layer_freq: str = arg(
         "1",
         checkpoint=ARCHITECTURE,
@@ -185,6 +206,26 @@ class MoEConfig:
             not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
             "--moe-router-pre-softmax needs --moe-router-score-function softmax",
         )
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        _require(
+            (groups is None) == (group_topk is None),
+            "--moe-router-num-groups and --moe-router-group-topk go together",
+        )
+        if groups is not None:
+            _require(
+                groups >= 1 and experts % groups == 0 and 1 <= group_topk <= groups,
+                f"--moe-router-num-groups {groups} must divide --num-experts {experts}, and "
+                f"--moe-router-group-topk {group_topk} be between 1 and it",
+            )
+            _require(
+                topk % group_topk == 0 and topk // group_topk <= experts // groups,
+                f"--moe-router-topk {topk} must be a multiple of --moe-router-group-topk "
+                f"{group_topk}, at most {experts // groups} experts per group",
+            )
+            _require(
+                self.moe_router_load_balancing_type != "sinkhorn",
+                "--moe-router-group-topk routes by the top-k scores; sinkhorn routing does not",
+            )
         capacity = self.moe_expert_capacity_factor
         _require(capacity is None or capacity > 0, "--moe-expert-capacity-factor must be positive")
         _require(

@@ -71,19 +71,46 @@ class _GatingLinear(torch.autograd.Function):
         return grad_tokens, grad_weight, None
 
 
-def top_k(
-    logits: torch.Tensor, k: int, score_function: str, pre_softmax: bool
+def group_limited_top_k(
+    scores: torch.Tensor, k: int, num_groups: int, group_topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities [T, k], expert indices [T, k]) of each token's k experts."""
+    """The top k of `scores` [T, E] within each token's `group_topk` best groups of experts
+    (E / num_groups consecutive experts each; a group scores the sum of its top k /
+    group_topk), megatron-core's group_limited_topk."""
+    grouped = scores.unflatten(-1, (num_groups, -1))
+    group_scores = grouped.topk(k // group_topk, dim=-1)[0].sum(dim=-1)
+    chosen = group_scores.topk(group_topk, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    masked = scores.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).flatten(1), float("-inf"))
+    return masked.topk(k, dim=-1)
+
+
+def top_k(
+    logits: torch.Tensor,
+    k: int,
+    score_function: str,
+    pre_softmax: bool,
+    groups: tuple[int, int] | None = None,
+    scaling_factor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities [T, k], expert indices [T, k]) of each token's k experts; `groups`
+    (number of groups, groups per token): group-limited routing; `scaling_factor`: times the
+    probabilities (megatron-core's topk_routing_with_score_function)."""
+
+    def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return group_limited_top_k(scores, k, *groups) if groups else scores.topk(k, dim=-1)
+
     if score_function == "softmax":
         if pre_softmax:
-            return torch.softmax(_at_least_fp32(logits), dim=-1).topk(k, dim=-1)
-        top, indices = logits.topk(k, dim=-1)
-        return torch.softmax(_at_least_fp32(top), dim=-1), indices
-    scores, indices = torch.sigmoid(_at_least_fp32(logits)).topk(k, dim=-1)
-    if k > 1:
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    return scores, indices
+            probs, indices = choose(torch.softmax(_at_least_fp32(logits), dim=-1))
+        else:
+            top, indices = choose(logits)
+            probs = torch.softmax(_at_least_fp32(top), dim=-1)
+    else:
+        probs, indices = choose(torch.sigmoid(_at_least_fp32(logits)))
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return (probs * scaling_factor if scaling_factor else probs), indices
 
 
 def sinkhorn(cost: torch.Tensor, tolerance: float = 1e-4) -> torch.Tensor:
@@ -146,6 +173,9 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
         self.score_function = config.moe_router_score_function
         self.pre_softmax = config.moe_router_pre_softmax
+        groups = (config.moe_router_num_groups, config.moe_router_group_topk)
+        self.groups = groups if groups[0] is not None else None
+        self.scaling_factor = config.moe_router_topk_scaling_factor
         self.load_balancing = config.moe_router_load_balancing_type
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
@@ -173,7 +203,14 @@ class TopKRouter(nn.Module):
         if self.load_balancing == "sinkhorn":
             probs, indices = self._sinkhorn_top_k(logits)
         else:
-            probs, indices = top_k(logits, self.topk, self.score_function, self.pre_softmax)
+            probs, indices = top_k(
+                logits,
+                self.topk,
+                self.score_function,
+                self.pre_softmax,
+                self.groups,
+                self.scaling_factor,
+            )
         probs = probs.to(logits.dtype)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
         routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
