@@ -241,8 +241,6 @@ MISSING = {
     "--megatron-fsdp-": "Megatron-FSDP",
     "--muon-": "the Muon optimizer",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
-    "--moe-router-enable-expert-bias": "DeepSeek-V3-style routing options",
-    "--moe-router-bias-update-rate": "DeepSeek-V3-style routing options",
     "--moe-shared-expert-gate": "gated shared experts",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",

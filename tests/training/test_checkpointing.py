@@ -61,6 +61,12 @@ def _resume_job(argv: list[str], directory: str) -> dict:
         (4, ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]),
         (4, ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"]),
         (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
+        # DeepSeek-V3's expert biases: state outside the optimizer, resumed with the weights
+        (
+            1,
+            ["--num-experts", "4", "--moe-router-score-function", "sigmoid"]
+            + ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01"],
+        ),
         (
             4,
             ["--num-experts", "4", "--expert-model-parallel-size", "2"]

@@ -119,6 +119,17 @@ class MoEConfig:
         group=GROUP,
         help="multiply the routing probabilities by this (DeepSeek-V3: 2.5)",
     )
+    moe_router_enable_expert_bias: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the sigmoid "
+        "scores that choose the experts (not on the weights), nudged after each step towards "
+        "an even load",
+    )
+    moe_router_bias_update_rate: float = arg(
+        1e-3, group=GROUP, help="how far each step moves an expert's bias (sign of its deficit)"
+    )
     moe_layer_freq: str = arg(
         "1",
         checkpoint=ARCHITECTURE,
@@ -226,6 +237,14 @@ class MoEConfig:
                 self.moe_router_load_balancing_type != "sinkhorn",
                 "--moe-router-group-topk routes by the top-k scores; sinkhorn routing does not",
             )
+        _require(
+            not self.moe_router_enable_expert_bias or self.moe_router_score_function == "sigmoid",
+            "--moe-router-enable-expert-bias biases sigmoid scores: add "
+            "--moe-router-score-function sigmoid",
+        )
+        _require(
+            self.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0"
+        )
         capacity = self.moe_expert_capacity_factor
         _require(capacity is None or capacity > 0, "--moe-expert-capacity-factor must be positive")
         _require(

@@ -66,6 +66,8 @@ class MoEStatistics:
                     self.losses[row, number - 1] += value
             if "tokens_per_expert" in statistics:
                 self.tokens[number - 1] += statistics["tokens_per_expert"].double().cpu()
+                if layer.router.expert_bias is not None:  # the step's counts balance it
+                    layer.router.update_expert_bias(statistics["tokens_per_expert"])
         self.iterations += 1
 
     def report(self, device: torch.device) -> tuple[dict[str, float], torch.Tensor]:

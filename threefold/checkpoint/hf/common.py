@@ -179,6 +179,12 @@ class Adapter:
                 f"{self.architecture} turns every dimension of each head with RoPE; this "
                 f"model's --rotary-percent {config.rotary_percent} turns only some"
             )
+        if config.moe_router_enable_expert_bias or config.moe_router_num_groups:
+            raise ConfigError(
+                f"{self.architecture} routes by plain top-k scores; this model's DeepSeek-V3 "
+                "routing (--moe-router-enable-expert-bias, --moe-router-num-groups) has no "
+                "Hugging Face architecture among those threefold writes"
+            )
         if config.squared_relu:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "

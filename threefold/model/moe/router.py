@@ -39,7 +39,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
-from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
+from threefold.parallel.tensor_parallel.sharding import InitMethod, constant_init, mark_replicated
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -92,10 +92,12 @@ def top_k(
     pre_softmax: bool,
     groups: tuple[int, int] | None = None,
     scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities [T, k], expert indices [T, k]) of each token's k experts; `groups`
     (number of groups, groups per token): group-limited routing; `scaling_factor`: times the
-    probabilities (megatron-core's topk_routing_with_score_function)."""
+    probabilities; `expert_bias` (sigmoid scores): added to the scores that choose the experts,
+    not to their weights (megatron-core's topk_routing_with_score_function)."""
 
     def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return group_limited_top_k(scores, k, *groups) if groups else scores.topk(k, dim=-1)
@@ -107,7 +109,12 @@ def top_k(
             top, indices = choose(logits)
             probs = torch.softmax(_at_least_fp32(top), dim=-1)
     else:
-        probs, indices = choose(torch.sigmoid(_at_least_fp32(logits)))
+        scores = torch.sigmoid(_at_least_fp32(logits))
+        if expert_bias is None:
+            probs, indices = choose(scores)
+        else:
+            indices = choose(scores + expert_bias.float())[1]
+            probs = scores.gather(1, indices)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     return (probs * scaling_factor if scaling_factor else probs), indices
@@ -176,6 +183,13 @@ class TopKRouter(nn.Module):
         groups = (config.moe_router_num_groups, config.moe_router_group_topk)
         self.groups = groups if groups[0] is not None else None
         self.scaling_factor = config.moe_router_topk_scaling_factor
+        # --moe-router-enable-expert-bias: fp32 state, not trained by the optimizer, nudged
+        # after each step from the step's token counts over all ranks of the stage
+        self.expert_bias, self.bias_update_rate = None, config.moe_router_bias_update_rate
+        self.count_groups = (parallel.tp_cp, parallel.dp)
+        if config.moe_router_enable_expert_bias:
+            bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+            self.expert_bias = mark_replicated(bias, constant_init(0.0))
         self.load_balancing = config.moe_router_load_balancing_type
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
@@ -210,6 +224,7 @@ class TopKRouter(nn.Module):
                 self.pre_softmax,
                 self.groups,
                 self.scaling_factor,
+                self.expert_bias,
             )
         probs = probs.to(logits.dtype)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
@@ -225,6 +240,25 @@ class TopKRouter(nn.Module):
         if self.training and torch.is_grad_enabled():
             losses = self._auxiliary_losses(logits, batch_size)
         return routing_probs, routing_map, losses
+
+    def _apply(self, fn, recurse: bool = True):
+        """As nn.Module's, but the expert bias stays fp32 when the model is cast (megatron-core
+        keeps it fp32 too: bf16 could not hold its small steps)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+        return self
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """After a step: this rank's routed-token counts summed over the stage's ranks, and
+        each expert's bias moved by the rate towards an even load (megatron-core's
+        get_updated_expert_bias)."""
+        counts = tokens_per_expert.to(self.expert_bias.device, torch.float32)
+        for group in self.count_groups:
+            counts = group.all_reduce(counts)
+        deficit = counts.mean() - counts
+        self.expert_bias.add_(torch.sign(deficit) * self.bias_update_rate)
 
     def _sinkhorn_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.topk == 1:
