@@ -63,8 +63,9 @@ def _same(first: float, second: float) -> bool:
 
 
 class ResultValidation:
-    """The validation of one job's iterations; `world` is the job's world group, `seed` seeds
-    the error injection (as Megatron-LM's, one rank in every `error_injection_rate`)."""
+    """The validation of one job's iterations, for a TrainingConfig; `world` is the job's
+    world group. The error injection draws from `training.seed` (as Megatron-LM's: one rank
+    in every `error_injection_rate`)."""
 
     def __init__(self, training, world, device: torch.device) -> None:
         self.enabled = training.rerun_mode == "validate_results"
@@ -86,11 +87,12 @@ class ResultValidation:
             return node, torch.cuda.current_device()
         return node, int(os.environ.get("LOCAL_RANK", 0))
 
-    def _log(self, message: str, iteration: int, error: bool = True) -> None:
+    def _log(self, message: str, iteration: int) -> None:
+        """Megatron-LM's failure line (which appends "!" to the message)."""
         node, device = self.location()
         print(
-            f"{'ERROR' if error else 'WARNING'}: Rank {self.world.rank}, node {node}, device "
-            f"{device}, iteration #{iteration}: {message}!",
+            f"ERROR: Rank {self.world.rank}, node {node}, device {device}, iteration "
+            f"#{iteration}: {message}!",
             flush=True,
         )
 

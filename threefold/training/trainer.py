@@ -184,6 +184,8 @@ class Trainer:
             raise
         if training.check_for_nan_in_loss_and_grad:
             check_loss_and_grads(losses, data_parallel.local_grads_finite(), iteration)
+        if self.moe_statistics is not None:  # (after any rerun: the step's own counts)
+            self.moe_statistics.after_iteration(num_microbatches)
         watchdog.enter("gradient reduction", iteration)
         with self.timers("all-grads-sync", 1):
             data_parallel.finish_grad_sync()
@@ -224,8 +226,6 @@ class Trainer:
                 **data_parallel.schedule_options(),
             )
         self.observability.watchdog.add_busy_time(time.perf_counter() - start)
-        if self.moe_statistics is not None:
-            self.moe_statistics.after_iteration(num_microbatches)
         return losses
 
     def _rerun(
