@@ -140,11 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     device, parallel = started
     try:
         trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
-        load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)
+        loaded = load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)
+        # --rerun-mode validate_results: an iteration a resumed run must rerun first
+        pending = (
+            resuming and loaded is not None and trainer.validation.after_load(known.load, loaded)
+        )
     except ConfigError as error:
         if parallel.world.rank == 0:
             print(f"finetune.py: error: {error}", file=sys.stderr, flush=True)
         return 2
+    if pending:
+        trainer.print(pending)
     trainable = sum(
         p.numel() for _, p in trainer.layout_independent_parameters() if p.requires_grad
     )
