@@ -286,6 +286,10 @@ class ParallelConfig:
             self.virtual_pipeline_model_parallel_size = slots_per_stage // per_stage
         if self.virtual_pipeline_model_parallel_size == 1:
             self.virtual_pipeline_model_parallel_size = None
+        _require(
+            self.virtual_pipeline_model_parallel_size is None or pp > 1,
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1",
+        )
         chunks = pp * (self.virtual_pipeline_model_parallel_size or 1)
         _require(
             (layers + extra) % chunks == 0 and (layers + extra) // chunks >= 1,
