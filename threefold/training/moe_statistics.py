@@ -9,6 +9,10 @@ ranks (each routes a slice of the sequence) and the pipeline stages (each holds 
 layers), averaged over data-parallel replicas; the log line shows the mean over the MoE layers
 per iteration. Token counts are summed over data-parallel replicas too: the global batch's
 tokens per expert.
+
+The step's counts are also what --moe-router-enable-expert-bias balances: as they arrive,
+each such layer's router updates its biases from them (its own reduction over the stage's
+ranks, every iteration; the router owns the biases and how they move).
 """
 
 from __future__ import annotations

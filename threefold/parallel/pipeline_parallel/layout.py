@@ -31,23 +31,17 @@ def model_chunk_layers(
 ) -> list[tuple[int, int]]:
     """(layer offset, number of layers) of each model chunk this pipeline rank holds;
     `embedding`, `loss`: those count as a layer of the first and the last chunk."""
-    if embedding or loss:
-        chunks = pipeline_size * (virtual_size or 1)
-        per_chunk = (num_layers + embedding + loss) // chunks
-        counts = [per_chunk] * chunks
-        counts[0] -= embedding
-        counts[-1] -= loss
-        offsets = [sum(counts[:g]) for g in range(chunks)]
-        mine = range(pipeline_rank, chunks, pipeline_size)  # chunk v of rank r: v P + r
-        return [(offsets[g], counts[g]) for g in mine]
-    if virtual_size and virtual_size > 1:
-        per_chunk = num_layers // (pipeline_size * virtual_size)
-        return [
-            ((v * pipeline_size + pipeline_rank) * per_chunk, per_chunk)
-            for v in range(virtual_size)
-        ]
-    counts = stage_layer_counts(num_layers, pipeline_size, first, last)
-    return [(sum(counts[:pipeline_rank]), counts[pipeline_rank])]
+    if first is not None or last is not None:  # uneven stages (no virtual stages)
+        counts = stage_layer_counts(num_layers, pipeline_size, first, last)
+        return [(sum(counts[:pipeline_rank]), counts[pipeline_rank])]
+    chunks = pipeline_size * (virtual_size or 1)
+    per_chunk = (num_layers + embedding + loss) // chunks
+    counts = [per_chunk] * chunks
+    counts[0] -= embedding
+    counts[-1] -= loss
+    offsets = [sum(counts[:g]) for g in range(chunks)]
+    mine = range(pipeline_rank, chunks, pipeline_size)  # chunk v of rank r: v P + r
+    return [(offsets[g], counts[g]) for g in mine]
 
 
 def chunk_layers_of(parallel: ParallelConfig, num_layers: int, rank: int) -> list[tuple[int, int]]:
