@@ -240,13 +240,16 @@ def _refusal_under_fsdp(argv: list[str]) -> str:
 
 
 def test_weight_hash_check_runs_from_the_command_line_and_is_refused_under_fsdp():
+    import os
     import subprocess
     import sys
+
+    from tests.conftest import ROOT
 
     flag = ["--check-weight-hash-across-dp-replicas-interval", "2"]
     argv = LLAMA_STYLE + TRAINING + flag
     result = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *argv, "--train-iters", "4"],
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--train-iters", "4"],
         capture_output=True,
         text=True,
         timeout=120,
