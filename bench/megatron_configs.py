@@ -13,8 +13,9 @@ What is changed to run on a CPU, and nothing else: the data and tokenizer files 
 `--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters), paths of
 checkpoints and TensorBoard become a scratch directory, `--distributed-backend nccl` becomes
 gloo, `--transformer-impl transformer_engine` becomes local, and the model shrinks (hidden 64,
-4 heads or the config's if it divides 64, FFN 128, sequence 64, 2 iterations); layers, parallel
-layout, precision, and every other flag stay.
+4 heads or the config's if it divides 64, as many query groups of them as divide both, FFN 128,
+sequence 64, 2 iterations); the harness's `${REPEAT}` (a repetition's number) is 1; layers,
+parallel layout, precision, and every other flag stay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DROPPED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path"}
 PATHS = {"--save", "--load", "--tensorboard-dir", "--wandb-save-dir", "--profile-dir"}
+HARNESS = {"${REPEAT}": "1"}  # variables the test harness substitutes
 SHRUNK = {
     "--hidden-size": "64",
     "--ffn-hidden-size": "128",
@@ -51,6 +53,7 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
     for flag, value in model_args.items():
         if flag in DROPPED or value is False or value is None:
             continue
+        value = HARNESS.get(value, value) if isinstance(value, str) else value
         if flag in ("--save", "--load"):  # the harness's fresh run: --load is its --save
             value = os.path.join(scratch, "checkpoints")
         elif flag in PATHS:
@@ -75,7 +78,7 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
     if "--num-query-groups" in model_args:
         groups = int(model_args["--num-query-groups"])
         heads = int(argv[argv.index("--num-attention-heads") + 1])
-        argv[argv.index("--num-query-groups") + 1] = str(groups if heads % groups == 0 else 1)
+        argv[argv.index("--num-query-groups") + 1] = str(math.gcd(groups, heads))
     return argv + ["--mock-data", "--vocab-size", "1024"]
 
 

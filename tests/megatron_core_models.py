@@ -3,13 +3,16 @@ the interchange tests, exactly as Megatron-LM's `save_checkpoint`/`load_checkpoi
 (`dist_checkpointing.save` of the model's sharded state dict plus `args`, `iteration`,
 `checkpoint_version` in common.pt; the tracker beside `iter_N/`).
 
-megatron-core assumes CUDA in three places that have nothing to do with the function computed;
+megatron-core assumes CUDA (or Transformer Engine) in places that have nothing to do with the
+function computed;
 `cpu_patches()` covers them while megatron-core runs and restores torch afterwards:
 - RoPE builds its frequencies on `torch.cuda.current_device()` (patched to "cpu");
 - the torch_dist writer calls `torch.cuda.synchronize()` before writing (patched to a no-op);
 - the default causal mask is made on "cuda", so the forward passes an explicit mask;
 - attention forks the CUDA RNG tracker (for dropout, here 0): the fork is a no-op;
-- tied embeddings under PP are moved with `.cuda()` before their all-reduce: it stays put.
+- tied embeddings under PP are moved with `.cuda()` before their all-reduce: it stays put;
+- MLA takes Transformer Engine for present when megatron-core's TE extension imports (it
+  does without TE): it is told it is not.
 The torch_dist writer also imports psutil (a test dependency) and writes from forked
 processes, which Python refuses to a daemonic process such as a test's pooled rank: `save`
 lifts that flag for the length of the save (the writers are joined before it returns).
@@ -73,6 +76,39 @@ SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
 SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
 # relu(x)^2 MLPs (Megatron-LM's --squared-relu)
 SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
+# Multi-latent attention (Megatron-LM's --multi-latent-attention): learned positions beside
+# MLA's own YaRN RoPE (as Megatron-LM's functional test), a query latent, latent norms, and a
+# value head narrower than the query/key head; then plain RoPE, queries straight from the
+# hidden state and a value head wider than the query/key head.
+MLA = dict(
+    multi_latent_attention=True,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_head_dim=12,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    rope_type="yarn",
+    rotary_scaling_factor=40.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+    qk_layernorm=True,
+)
+SHAPES["mla"] = {
+    **SHAPES["llama"],
+    **MLA,
+    "num_query_groups": 4,
+    "position_embedding_type": "learned_absolute",
+}
+SHAPES["mla_rope"] = {
+    **SHAPES["llama"],
+    **MLA,
+    "num_query_groups": 4,
+    "q_lora_rank": None,
+    "v_head_dim": 24,
+    "rope_type": "rope",
+    "qk_layernorm": False,
+}
+_MLA_FIELDS = tuple(MLA)
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -81,7 +117,11 @@ SEQ = 16
 @contextlib.contextmanager
 def cpu_patches():
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer import multi_latent_attention
 
+    # MLA believes Transformer Engine present when megatron-core's TE extension imports,
+    # which it does without TE, and then asks whether its layers are TE's (None here).
+    have_te, multi_latent_attention.HAVE_TE = multi_latent_attention.HAVE_TE, False
     saved = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
@@ -95,6 +135,7 @@ def cpu_patches():
     try:
         yield
     finally:
+        multi_latent_attention.HAVE_TE = have_te
         (
             torch.cuda.current_device,
             torch.cuda.synchronize,
@@ -135,6 +176,22 @@ def optimizer_patches():
         torch.Tensor.type = saved_type
 
 
+class MLACoreAttention(torch.nn.Module):
+    """The core attention of megatron-core's MLA on a CPU: its local DotProductAttention takes
+    no key and value head sizes of their own (Transformer Engine's does). softmax(q k^T x
+    megatron-core's softmax scale, masked where the mask is True) v, in fp32."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
+        super().__init__()
+        self.softmax_scale = kwargs["softmax_scale"]
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        scores = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float())
+        scores = (scores * self.softmax_scale).masked_fill(attention_mask, float("-inf"))
+        context = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), value.float())
+        return context.flatten(2).to(query.dtype)
+
+
 def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0):
     """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP layout."""
     import torch.nn.functional as F
@@ -147,6 +204,13 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
     shape = SHAPES[kind]
     parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
+    mla = {name: shape[name] for name in _MLA_FIELDS if name in shape}
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        TransformerConfig = MLATransformerConfig  # noqa: N806 (megatron-core's class)
+        mla["apply_rope_fusion"] = False  # its fused MLA RoPE is a CUDA kernel
+        mla["rotary_base"] = shape["rotary_base"]  # Megatron-LM's config takes --rotary-base
     config = TransformerConfig(
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
@@ -170,11 +234,19 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         attention_dropout=0.0,
         hidden_dropout=0.0,
         rotary_interleaved=shape["rotary_interleaved"],
+        **mla,
     )
+    spec = get_gpt_layer_local_spec(
+        normalization=shape["normalization"],
+        multi_latent_attention=bool(mla),
+        qk_layernorm=shape.get("qk_layernorm", False),
+    )
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
     # Norm weights start at 1 and biases at 0: make them random too, so a mix-up shows.
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=shape["normalization"]),
+        transformer_layer_spec=spec,
         vocab_size=PADDED_VOCAB,  # Megatron-LM passes args.padded_vocab_size
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -197,8 +269,9 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     shape = SHAPES[kind]
     from megatron.core.transformer.enums import AttnBackend
 
+    defaults = dict(qk_layernorm=False, multi_latent_attention=False)
     return argparse.Namespace(
-        **shape,
+        **(defaults | shape),
         group_query_attention=shape["num_query_groups"] != shape["num_attention_heads"],
         kv_channels=shape["hidden_size"] // shape["num_attention_heads"],
         seq_length=SEQ,
@@ -208,7 +281,6 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         add_qkv_bias=False,
         apply_layernorm_1p=False,
         openai_gelu=False,
-        qk_layernorm=False,
         attention_dropout=0.0,  # as `build` makes the model
         hidden_dropout=0.0,
         num_experts=None,

@@ -53,6 +53,13 @@ LLAMA_STYLE = [
     "--disable-bias-linear",
     "--untie-embeddings-and-output-weights",
 ]
+# LLaMA with a key and value head per query head (multi-latent attention takes no GQA)
+LLAMA_MHA_STYLE = [
+    flag
+    for i, flag in enumerate(LLAMA_STYLE)
+    if flag not in ("--group-query-attention", "--num-query-groups")
+    and LLAMA_STYLE[i - 1] != "--num-query-groups"
+]
 # FP8 runs of a few steps: each recipe, and full recomputation (a second forward per step).
 FP8_STEP_VARIANTS = {
     "delayed": ["--fp8-format", "hybrid"],

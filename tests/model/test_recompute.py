@@ -56,3 +56,17 @@ def test_recompute_flags_are_validated(capsys):
     with pytest.raises(SystemExit):
         parse_args(LLAMA_STYLE + TRAINING + ["--recompute-granularity", "full"])
     assert "--recompute-method" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_STYLE + TRAINING + ["--recompute-granularity", "selective"] + ONE)
+    assert "need --recompute-granularity full" in capsys.readouterr().err
+
+
+ONE = ["--recompute-num-layers", "1"]
+
+
+def test_recompute_layers_without_a_granularity_recompute_nothing_as_in_megatron(capsys):
+    """Megatron-LM's reruns test passes --recompute-num-layers alone: it runs, recomputing
+    nothing, and says so."""
+    config = parse_args(LLAMA_STYLE + TRAINING + ONE)
+    assert config.model.recompute_granularity is None
+    assert "--recompute-num-layers changes nothing" in capsys.readouterr().out

@@ -392,10 +392,7 @@ def _model_with(config, model):
 
 @pytest.mark.parametrize(
     "change,named",
-    [
-        ({"num_experts": 8}, "--num-experts"),
-        ({"multi_latent_attention": True}, "--multi-latent-attention"),
-    ],
+    [({"num_experts": 8}, "--num-experts"), ({"mtp_num_layers": 1}, "--mtp-num-layers")],
 )
 def test_architectures_threefold_does_not_build_are_refused_by_name(
     megatron, tmp_path, change, named

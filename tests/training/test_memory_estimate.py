@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.distributed import run_distributed
-from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup
+from tests.parity import GPT2_STYLE, LLAMA_MHA_STYLE, LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
 from threefold.training.memory import measure_activation_bytes, measure_bytes_per_parameter
 from threefold.training.memory_estimate import estimate_stage, micro_batch_activation_bytes
@@ -20,6 +20,10 @@ MOE += ["--moe-shared-expert-intermediate-size", "64"]
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
 # Wider than the parity models so the layers, not the logits, dominate the activations.
 WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
+# LLaMA with multi-latent attention: a query latent, latent norms, values narrower than the
+# query/key heads
+MLA = LLAMA_MHA_STYLE + ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"]
+MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
 
 
 def _measure_and_estimate(argv: list[str]) -> dict:
@@ -91,6 +95,9 @@ def _assert_within_10_percent(results: list[dict]) -> None:
             "1",
         ],
         LLAMA_STYLE + WIDE + MOE,
+        MLA + WIDE,
+        MLA + WIDE + ["--bf16", "--recompute-granularity", "selective"],
+        MLA + WIDE + FP8,
         LLAMA_STYLE + WIDE + FP8,
         LLAMA_STYLE + WIDE + FP8 + ["--recompute-granularity", "selective"],
         LLAMA_STYLE
@@ -111,6 +118,9 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-bf16-selective",
         "gpt2-dropout-full-block",
         "llama-moe",
+        "mla",
+        "mla-bf16-selective",
+        "mla-fp8",
         "llama-fp8",
         "llama-fp8-selective",
         "llama-fp8-full-block",
@@ -282,3 +292,20 @@ def test_cli_prints_every_stage(fp8):
         numbers = [float(x) for x in line.replace("(", " ").replace(")", " ").split()[1:-1]]
         sizes, total = numbers[:4] + numbers[5:-1], numbers[-1]
         assert abs(sum(sizes) - total) <= 0.01 * len(sizes), line
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+    ],
+    ids=["tp2-sp", "cp2-allgather"],
+)
+def test_mla_parallel_layouts(flags):
+    """Multi-latent attention's whole down projections and norms beside its split up
+    projections (under sequence parallelism a slice of the sequence each), and the gathered
+    keys and values of --cp-comm-type allgather at the padded head size."""
+    _assert_within_10_percent(
+        run_distributed(2, _measure_and_estimate, MLA + WIDE + TRAINING + flags)
+    )

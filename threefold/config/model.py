@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg
+from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 
 
 @dataclass
-class ModelConfig(MoEConfig):
+class ModelConfig(MLAConfig, MoEConfig):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts fields are inherited (config/moe.py)."""
+    The mixture-of-experts and multi-latent attention fields are inherited (config/moe.py,
+    config/mla.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -162,7 +164,8 @@ class ModelConfig(MoEConfig):
     )
     lora_target_modules: list[str] = arg(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-        help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all)",
+        help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all); "
+        "multi-latent attention's linear_qkv: its up projections (or linear_q_proj)",
         group="LoRA fine-tuning",
     )
     recompute_granularity: str | None = arg(
@@ -277,17 +280,18 @@ class ModelConfig(MoEConfig):
         _require(
             self.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive"
         )
-        self._finalize_recompute()
+        self.finalize_mla()
+        warnings = self._finalize_recompute()
         self._finalize_lora()
         self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
-            return [
+            return warnings + [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                 f"{self.max_position_embeddings}: RoPE runs at any length, but the model records "
                 f"a context of {self.max_position_embeddings} (a Hugging Face export's "
                 "max_position_embeddings); raise --max-position-embeddings to the length trained"
             ]
-        return []
+        return warnings
 
     def _finalize_lora(self) -> None:
         if self.lora_rank is None:
@@ -302,7 +306,7 @@ class ModelConfig(MoEConfig):
             f"from {', '.join(targets)}",
         )
 
-    def _finalize_recompute(self) -> None:
+    def _finalize_recompute(self) -> list[str]:
         granularity, method = self.recompute_granularity, self.recompute_method
         _require(
             granularity in (None, "full", "selective"),
@@ -317,11 +321,27 @@ class ModelConfig(MoEConfig):
                 self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
                 "--recompute-granularity full needs --recompute-num-layers >= 1",
             )
-        else:
+        elif granularity == "selective":
             _require(
                 method is None and self.recompute_num_layers is None,
                 "--recompute-method and --recompute-num-layers need --recompute-granularity full",
             )
+        elif method is not None or self.recompute_num_layers is not None:
+            # Megatron-LM takes them without a granularity, and recomputes nothing.
+            given = [
+                flag
+                for flag, value in (
+                    ("--recompute-method", method),
+                    ("--recompute-num-layers", self.recompute_num_layers),
+                )
+                if value is not None
+            ]
+            verb = "change" if len(given) > 1 else "changes"
+            return [
+                f"{' and '.join(given)} {verb} nothing without --recompute-granularity full "
+                "(as in Megatron-LM): nothing is recomputed"
+            ]
+        return []
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice."""

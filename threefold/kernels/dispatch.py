@@ -518,10 +518,12 @@ def configure_for_model(
     pipeline_parallel_size: int = 1,
 ) -> str:
     """`configure` for a model's attention shapes on one tensor-parallel rank."""
+    heads = model.num_attention_heads // tensor_parallel_size
+    mla = model.multi_latent_attention  # one key/value head per query head, padded (model/mla.py)
     shape = AttentionShape(
-        heads=model.num_attention_heads // tensor_parallel_size,
-        groups=model.num_query_groups // tensor_parallel_size,
-        head_dim=model.kv_channels,
+        heads=heads,
+        groups=heads if mla else model.num_query_groups // tensor_parallel_size,
+        head_dim=max(model.q_head_dim, model.v_head_dim) if mla else model.kv_channels,
         dropout=model.attention_dropout,
         sequence=model.seq_length,
         batch=micro_batch_size,
@@ -536,13 +538,32 @@ def _check_fp8_shapes(model: ModelConfig, tensor_parallel_size: int) -> None:
     input and output features on one TP rank (the token count is checked by the GEMM)."""
     tp = tensor_parallel_size
     query_groups = model.num_query_groups
+    heads = model.num_attention_heads
     features = {
         "--hidden-size / TP": model.hidden_size // tp,
         "--hidden-size": model.hidden_size,
         "--ffn-hidden-size / TP": model.ffn_hidden_size // tp,
-        "attention heads x --kv-channels / TP": model.num_attention_heads * model.kv_channels // tp,
-        "query groups x --kv-channels / TP": query_groups * model.kv_channels // tp,
     }
+    if model.multi_latent_attention:
+        features |= {
+            "--kv-lora-rank": model.kv_lora_rank,
+            "--kv-lora-rank + --qk-pos-emb-head-dim": model.kv_lora_rank
+            + model.qk_pos_emb_head_dim,
+            "attention heads x (--qk-head-dim + --qk-pos-emb-head-dim) / TP": heads
+            * model.q_head_dim
+            // tp,
+            "attention heads x (--qk-head-dim + --v-head-dim) / TP": heads
+            * (model.qk_head_dim + model.v_head_dim)
+            // tp,
+            "attention heads x --v-head-dim / TP": heads * model.v_head_dim // tp,
+        }
+        if model.q_lora_rank is not None:
+            features["--q-lora-rank"] = model.q_lora_rank
+    else:
+        features |= {
+            "attention heads x --kv-channels / TP": heads * model.kv_channels // tp,
+            "query groups x --kv-channels / TP": query_groups * model.kv_channels // tp,
+        }
     for what, size in features.items():
         if size % 16:
             raise ConfigError(

@@ -43,9 +43,53 @@ def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAtte
     return context_parallel_attention(parallel.cp, parallel.cp_comm_type, _kernel_attention)
 
 
-class SelfAttention(nn.Module):
-    """`core_attention(config, parallel)` builds what turns query, key and value into the
-    context (the layer spec's choice: `local_attention` or `context_parallel`)."""
+class Attention(nn.Module):
+    """What every attention layer shares: `core_attention(config, parallel)` builds what turns
+    query, key and value into the context (the layer spec's choice: `local_attention` or
+    `context_parallel`), run with its dropout and selective recomputation."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention],
+    ) -> None:
+        super().__init__()
+        self.core_attention = core_attention(config, parallel)
+        self.attention_dropout = config.attention_dropout
+        # Megatron's selective recomputation: the attention scores are the activations that
+        # grow with the square of the sequence, and the cheapest to recompute.
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.recompute_core_attention and self.training:
+            return checkpoint(self._core_attention, query, key, value, attention_mask)
+        return self._core_attention(query, key, value, attention_mask)
+
+    def _core_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
+        query head i reads key/value group i // heads_per_group."""
+        dropout = self.attention_dropout if self.training else 0.0
+        # Each TP rank owns different heads: their dropout masks must differ.
+        fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
+        with fork:
+            return self.core_attention(query, key, value, attention_mask, dropout)
+
+
+class SelfAttention(Attention):
+    """Multi-head (or grouped-query) self-attention from one fused QKV projection."""
 
     def __init__(
         self,
@@ -55,18 +99,13 @@ class SelfAttention(nn.Module):
         output_layer_init_method: InitMethod,
         core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
     ) -> None:
-        super().__init__()
-        self.core_attention = core_attention(config, parallel)
+        super().__init__(config, parallel, core_attention)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_dim = config.rotary_dim if config.position_embedding_type == "rope" else 0
-        self.attention_dropout = config.attention_dropout
-        # Megatron's selective recomputation: the attention scores are the activations that
-        # grow with the square of the sequence, and the cheapest to recompute.
-        self.recompute_core_attention = config.recompute_granularity == "selective"
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
@@ -112,11 +151,11 @@ class SelfAttention(nn.Module):
             if rotary is not None:
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
 
-        if self.recompute_core_attention and self.training:
-            context = checkpoint(self._core_attention, query, key, value, attention_mask)
-        else:
-            context = self._core_attention(query, key, value, attention_mask)
-        return self.linear_proj(context)
+        return self.linear_proj(self._attend(query, key, value, attention_mask))
+
+    def linear_layers(self) -> list[nn.Module]:
+        """The layer's linear layers (those FP8 runs: model/fp8.py)."""
+        return [self.linear_qkv, self.linear_proj]
 
     def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first `rotary_dim` dimensions of each head (all of them unless
@@ -126,18 +165,3 @@ class SelfAttention(nn.Module):
             return rotate(x, *rotary)
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
         return torch.cat((rotate(turned, *rotary), kept), dim=-1)
-
-    def _core_attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
-        query head i reads key/value group i // heads_per_group."""
-        dropout = self.attention_dropout if self.training else 0.0
-        # Each TP rank owns different heads: their dropout masks must differ.
-        fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
-        with fork:
-            return self.core_attention(query, key, value, attention_mask, dropout)

@@ -41,7 +41,6 @@ from threefold.model.mlp import MLP
 from threefold.model.moe.layer import MoELayer
 from threefold.parallel.parallel_context import ONE_DEVICE, ParallelContext
 
-_ATTENTION_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
 _MLP_LINEARS = ("linear_fc1", "linear_fc2")
 
 
@@ -61,7 +60,7 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
 def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """A transformer layer's FP8 candidates: (attention's and the dense MLP's or the shared
     expert's linear layers, the experts' linear layers)."""
-    dense = [layer.get_submodule(name) for name in _ATTENTION_LINEARS]
+    dense = layer.self_attention.linear_layers()
     experts: list[nn.Module] = []
     mlp = layer.mlp
     if isinstance(mlp, MoELayer):

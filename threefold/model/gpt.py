@@ -20,7 +20,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
-from threefold.model.rope import RotaryEmbedding
+from threefold.model.rope import rotary_embedding
 from threefold.model.spec import LayerSpec, layer_spec
 from threefold.model.transformer import TransformerBlock
 from threefold.parallel.parallel_context import ParallelContext
@@ -114,15 +114,7 @@ class GPTModel(nn.Module):
             self.embedding = LanguageModelEmbedding(config, parallel, padded_vocab_size)
             if self.share_embeddings_and_output_weights:
                 self.embedding.word_embeddings.weight.shared_embedding = True
-        self.rotary_pos_emb = (
-            RotaryEmbedding(
-                config.rotary_dim,
-                config.rotary_base,
-                config.rope_scaling_factor if config.use_rope_scaling else None,
-            )
-            if config.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary_pos_emb = rotary_embedding(config)
         self.decoder = TransformerBlock(
             config,
             parallel,

@@ -10,7 +10,9 @@ adapter is split the way the layer is, so its output adds to the layer's before 
   output is a partial sum that the layer's all-reduce (or reduce-scatter) completes, and B's
   gradient is likewise summed over TP.
 An MoE expert's fc1/fc2 (whole on its EP rank) get whole adapters, handled as expert weights
-(--lora-freeze-experts: none). Names follow Megatron-Bridge: `<layer>.adapter.linear_in.weight`
+(--lora-freeze-experts: none). In multi-latent attention the target linear_qkv means the
+column-parallel projections to queries, keys and values (`MLA_QKV`). Names follow
+Megatron-Bridge: `<layer>.adapter.linear_in.weight`
 (A) and `<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights
 for export.
 """
@@ -99,6 +101,8 @@ def apply_lora(
 
     for param in model.parameters():
         param.requires_grad_(False)
+    if "linear_qkv" in targets:  # a multi-latent attention's projections to query, key, value
+        targets = [*targets, *MLA_QKV]
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in targets:
             continue
@@ -132,6 +136,11 @@ def apply_lora(
                 tp=module.tp.size,
                 partition_stride=module.partition_stride,
             )
+
+
+# The column-parallel layers of multi-latent attention that --lora-target-modules linear_qkv
+# adapts (model/mla.py); its down projections, small and whole on every TP rank, keep none.
+MLA_QKV = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
 
 
 def is_adapter(name: str) -> bool:

@@ -5,7 +5,13 @@ The rotation itself is `threefold.kernels.reference.rotary` (or its fused versio
 `--use-rope-scaling` applies Llama 3.1's frequency scaling (Megatron-LM's and Hugging Face's
 `llama3` rope type) with Megatron's fixed constants: wavelengths beyond the original context of
 8192 / low-frequency factor 1 are slowed by `--rope-scaling-factor`, those below 8192 /
-high-frequency factor 4 are kept, and the band between is interpolated smoothly."""
+high-frequency factor 4 are kept, and the band between is interpolated smoothly.
+
+Multi-latent attention brings its own RoPE over --qk-pos-emb-head-dim (`rotary_embedding`),
+by default YaRN (megatron-core's `YarnRotaryEmbedding`): frequencies whose wavelengths fit
+the original context many times are kept, those that fit it less than once are slowed by
+--rotary-scaling-factor, with a linear ramp between; the tables are scaled by YaRN's mscale
+ratio."""
 
 from __future__ import annotations
 
@@ -13,6 +19,14 @@ import math
 
 import torch
 from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.config.mla import (
+    YARN_BETA_FAST,
+    YARN_BETA_SLOW,
+    YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+    yarn_mscale,
+)
 
 ORIGINAL_CONTEXT = 8192
 LOW_FREQ_FACTOR = 1.0
@@ -48,3 +62,57 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         return emb.cos(), emb.sin()
+
+
+def _yarn_correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
+    """The dimension whose wavelength fits `rotations` times into the original context."""
+    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_frequencies(dim: int, base: float, factor: float) -> torch.Tensor:
+    """YaRN's inverse frequencies, as megatron-core computes them (in fp32)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    kept = 1.0 / (base**exponents)
+    slowed = 1.0 / (factor * base**exponents)
+    context = YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
+    low = max(math.floor(_yarn_correction_dim(YARN_BETA_FAST, dim, base, context)), 0)
+    high = min(math.ceil(_yarn_correction_dim(YARN_BETA_SLOW, dim, base, context)), dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
+    keep = 1.0 - ramp.clamp(0, 1)
+    return slowed * (1 - keep) + kept * keep
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """RoPE with YaRN's frequencies; the tables scaled by mscale / mscale_all_dim's ratio."""
+
+    def __init__(
+        self, head_dim: int, base: float, factor: float, mscale: float, mscale_all_dim: float
+    ) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("inv_freq", yarn_frequencies(head_dim, base, factor), persistent=False)
+        self.table_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+
+    def forward(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().forward(seq_length, device)
+        return cos * self.table_scale, sin * self.table_scale
+
+
+def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
+    """The model's RoPE tables: multi-latent attention's own (YaRN or plain, over
+    --qk-pos-emb-head-dim, whatever --position-embedding-type says, as megatron-core's MLA),
+    else --position-embedding-type rope's over the rotated share of each head."""
+    if config.multi_latent_attention:
+        dim = config.qk_pos_emb_head_dim
+        if not config.mla_yarn:
+            return RotaryEmbedding(dim, config.rotary_base)
+        return YarnRotaryEmbedding(
+            dim,
+            config.rotary_base,
+            config.rotary_scaling_factor,
+            config.mscale,
+            config.mscale_all_dim,
+        )
+    if config.position_embedding_type != "rope":
+        return None
+    scaling = config.rope_scaling_factor if config.use_rope_scaling else None
+    return RotaryEmbedding(config.rotary_dim, config.rotary_base, scaling)

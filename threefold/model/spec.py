@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from threefold.config import ModelConfig
 from threefold.model.attention import SelfAttention, context_parallel
+from threefold.model.mla import MLASelfAttention
 from threefold.model.mlp import MLP
 from threefold.model.moe import MoELayer
 from threefold.model.norms import build_norm
@@ -38,11 +39,13 @@ class LayerSpec:
 
 
 def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
-    """The parts a model config and layout ask for: the GPT layer, its core attention
-    spanning the context-parallel ranks when the sequence is split over them, its MLP a
-    mixture of experts in the layers --moe-layer-freq picks."""
+    """The parts a model config and layout ask for: the GPT layer, its attention multi-latent
+    with --multi-latent-attention, its core attention spanning the context-parallel ranks when
+    the sequence is split over them, its MLP a mixture of experts in the layers
+    --moe-layer-freq picks."""
     pattern = config.moe_layer_pattern(config.num_layers)
     parts = {"moe_layers": frozenset(i + 1 for i, moe in enumerate(pattern) if moe)}
+    attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
     if parallel.cp.size > 1:
-        parts["self_attention"] = functools.partial(SelfAttention, core_attention=context_parallel)
-    return LayerSpec(**parts)
+        attention = functools.partial(attention, core_attention=context_parallel)
+    return LayerSpec(**parts, self_attention=attention)

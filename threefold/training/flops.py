@@ -9,7 +9,8 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
 - MLP: 2 * 2 h f, or 2 * 3 h f with SwiGLU (gate, up and down projections); in an MoE layer
   the k experts a token is routed to (expert size f_e), the shared expert (size f_s) and the
   router 2 h E: active parameters only, as Megatron counts them;
-and the output layer 2 h V. See docs/performance.md for the derivation and MFU.
+and the output layer 2 h V. Multi-latent attention's projections are counted as Megatron-LM
+counts them (`_mla_flops_per_token`). See docs/performance.md for the derivation and MFU.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ def training_flops_per_iteration(
     h, s = config.hidden_size, config.seq_length
     d, heads, groups = config.kv_channels, config.num_attention_heads, config.num_query_groups
     f = config.ffn_hidden_size
-    qkv = 2 * h * d * (heads + 2 * groups)
-    projection = 2 * d * heads * h
-    attention = 2 * 2 * s * d * heads
+    attention = attention_flops_per_token(config)
+    if config.multi_latent_attention:
+        qkv, projection = _mla_flops_per_token(config)
+    else:
+        qkv = 2 * h * d * (heads + 2 * groups)
+        projection = 2 * d * heads * h
     per_size = 2 * (3 if config.swiglu else 2) * h  # FLOPs per unit of MLP hidden size
     dense = per_size * f
     moe = 0
@@ -38,6 +42,29 @@ def training_flops_per_iteration(
         per_token_forward += qkv + projection + attention + (moe if is_moe else dense)
     per_token_forward += 2 * h * padded_vocab_size
     return 3.0 * per_token_forward * global_batch_size * s
+
+
+def attention_flops_per_token(config: ModelConfig) -> int:
+    """The core attention's forward FLOPs per token and layer: scores and weighted sum over the
+    whole s x s (as Megatron-LM counted them before halving for the causal mask)."""
+    heads, s = config.num_attention_heads, config.seq_length
+    if config.multi_latent_attention:
+        return 2 * s * heads * (config.q_head_dim + config.v_head_dim)
+    return 2 * 2 * s * config.kv_channels * heads
+
+
+def _mla_flops_per_token(config: ModelConfig) -> tuple[int, int]:
+    """Multi-latent attention's forward FLOPs per token: (the projections to query, key and
+    value, the output projection), the first as Megatron-LM counts them (the latents' down and
+    up projections, one multiply per latent element for its norm, the shared RoPE key part)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    q_head, v_head, rope = config.q_head_dim, config.v_head_dim, config.qk_pos_emb_head_dim
+    if config.q_lora_rank is None:
+        query = h * heads * q_head
+    else:
+        query = config.q_lora_rank * (h + heads * q_head + 1)
+    key_value = config.kv_lora_rank * (h + heads * (config.qk_head_dim + v_head) + 1)
+    return 2 * (query + key_value + h * rope), 2 * heads * v_head * h
 
 
 # Dense bf16 peak of the GPUs MFU is reported for (TFLOP/s, no sparsity); the first key found

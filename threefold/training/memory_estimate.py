@@ -77,7 +77,10 @@ def _layer_parameters(
     h, d = model.hidden_size, model.kv_channels
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups)
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
+    if model.multi_latent_attention:
+        count = _mla_parameters(model, tp) + 2 * norm
+    else:
+        count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
     if moe:
         count += h * model.num_experts
         count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
@@ -85,6 +88,8 @@ def _layer_parameters(
             count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
     else:
         count += _mlp_parameters(model, model.ffn_hidden_size, tp)
+    if model.multi_latent_attention:
+        return count + (h if model.add_bias_linear else 0)
     if model.qk_layernorm:
         count += 2 * d * (2 if model.normalization == "LayerNorm" else 1)
     if model.add_bias_linear:
@@ -92,6 +97,29 @@ def _layer_parameters(
     elif model.add_qkv_bias:
         count += qkv // tp
     return count
+
+
+def _mla_weights(model: ModelConfig, tp: int) -> int:
+    """Multi-latent attention's linear weights on one TP rank: the down projections whole,
+    the up and output projections split (model/mla.py)."""
+    h, heads, r, c = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.q_lora_rank,
+        model.kv_lora_rank,
+    )
+    count = h * (c + model.qk_pos_emb_head_dim)
+    count += r * h if r is not None else h * heads * model.q_head_dim // tp
+    count += (r or 0) * heads * model.q_head_dim // tp
+    count += c * heads * (model.qk_head_dim + model.v_head_dim) // tp
+    return count + heads * model.v_head_dim * h // tp
+
+
+def _mla_parameters(model: ModelConfig, tp: int) -> int:
+    """`_mla_weights` and the latent norms (whole on every rank)."""
+    norm = 2 if model.normalization == "LayerNorm" else 1
+    latents = model.kv_lora_rank + (model.q_lora_rank or 0)
+    return _mla_weights(model, tp) + (latents * norm if model.qk_layernorm else 0)
 
 
 def _stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> list[int]:
@@ -129,6 +157,8 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
     model, parallel = config.model, config.parallel
     tp, h, d = parallel.tensor_model_parallel_size, model.hidden_size, model.kv_channels
     attention = h * d * (2 * model.num_attention_heads + 2 * model.num_query_groups) // tp
+    if model.multi_latent_attention:
+        attention = _mla_weights(model, tp)
     mlp = _mlp_weights(model, model.ffn_hidden_size, tp)
     moe = _mlp_weights(model, model.moe_shared_expert_intermediate_size or 0, tp)
     if model.is_moe and experts_in_fp8(config.fp8):
@@ -248,6 +278,9 @@ def layer_activation_bytes(
             # The other CP ranks' keys and values, gathered and kept for backward.
             others = model.seq_length - s
             attention += 2 * e * others * b * g * d // t
+    if model.multi_latent_attention:
+        norm_blocks -= qkv_input * s * b * h
+        norm_blocks, attention = _mla_activation_bytes(config, s, b, e, norm_blocks, fp8)
     # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: two.
     mlp = _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
     if moe:
@@ -260,6 +293,42 @@ def layer_activation_bytes(
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
     dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
     return norm_blocks + attention + mlp + dropout
+
+
+def _mla_activation_bytes(
+    config: Config, s: int, b: int, e: int, norm_blocks: int, fp8: bool
+) -> tuple[int, int]:
+    """Multi-latent attention's share of a layer's activations (as `layer_activation_bytes`
+    for other attention): the down projections' input, this rank's slice (and the query
+    projection's gathered input without a query latent); each latent's norm and the up
+    projection's gathered input; the core's queries, keys and values at the padded head size
+    (model/mla.py), its output and log-sum-exp unless selective recomputation drops them, and
+    the output projection's input (the context cut to the value heads). In FP8 each linear
+    layer keeps a 1-byte copy of its input instead (each down projection its own)."""
+    model, parallel = config.model, config.parallel
+    t = parallel.tensor_model_parallel_size
+    sigma = t if parallel.sequence_parallel else 1
+    h, heads = model.hidden_size, model.num_attention_heads
+    width, v = max(model.q_head_dim, model.v_head_dim), model.v_head_dim
+    rms = model.normalization == "RMSNorm"
+    x = 1 if fp8 else e  # a linear layer's kept input, per element
+    lora = model.q_lora_rank is not None
+    norm_blocks += (2 if fp8 and lora else 1) * x * s * b * h // sigma
+    if not lora and (sigma > 1 or fp8):
+        norm_blocks += x * s * b * h
+    attention = 0
+    for rank in [model.kv_lora_rank] + ([model.q_lora_rank] if lora else []):
+        attention += x * s * b * rank
+        if model.qk_layernorm:
+            attention += 4 * s * b * rank // sigma * (2 if rms else 1)
+            attention += 4 * (1 if rms else 2) * s * b // sigma
+    attention += 3 * e * s * b * heads * width // t + x * s * b * heads * v // t
+    if model.recompute_granularity != "selective":
+        core_output = fp8 or width != v  # else it is the output projection's input
+        attention += 4 * b * heads * s // t + (e * s * b * heads * width // t if core_output else 0)
+        if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
+            attention += 2 * e * (model.seq_length - s) * b * heads * width // t
+    return norm_blocks, attention
 
 
 def _scale_bytes_per_feature(config: Config, s: int, b: int) -> int:
@@ -339,7 +408,9 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         # --recompute-method block recomputes a chunk's first layers; the rest keep theirs.
         for layer in range(offset + recomputed, offset + layers):
             total += layer_activation_bytes(config, fp8=_fp8_layer(config, layer))
-    if model.position_embedding_type == "rope":
+    if model.multi_latent_attention:
+        total += 2 * 4 * s * model.qk_pos_emb_head_dim  # MLA's cos/sin tables
+    elif model.position_embedding_type == "rope":
         total += 2 * 4 * s * model.kv_channels  # the cos/sin tables
     if stage == 0:
         total += 8 * s * b  # token ids

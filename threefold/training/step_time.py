@@ -40,7 +40,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from threefold.config import Config
-from threefold.training.flops import training_flops_per_iteration
+from threefold.training.flops import attention_flops_per_token, training_flops_per_iteration
 from threefold.training.memory_estimate import stage_parameters
 
 # GEMM efficiency falls as a local matrix dimension shrinks toward the kernels' tile size.
@@ -156,7 +156,7 @@ def predict_step_time(config: Config, hardware: Hardware, gpus_per_node: int) ->
     output_layer = 2 * h * vocab
     per_token = training_flops_per_iteration(model, 1, vocab) / 3 / s
     per_layer = (per_token - output_layer) / model.num_layers
-    attention = 4 * s * model.kv_channels * model.num_attention_heads
+    attention = attention_flops_per_token(model)
     gemm = per_layer - attention
     recompute = model.recompute_granularity
     gemm_passes = 3 + (1 if recompute == "full" else 0)
@@ -177,7 +177,11 @@ def predict_step_time(config: Config, hardware: Hardware, gpus_per_node: int) ->
     tp_layer = (8 + (4 if recompute == "full" else 0)) * _ring(
         activation, t, _bandwidth(tp_span, gpus_per_node, hardware), hardware
     )
-    kv = tokens * 2 * model.num_query_groups * model.kv_channels / t * element
+    if model.multi_latent_attention:  # a key and value per head, at the padded head size
+        kv_heads, kv_dim = model.num_attention_heads, max(model.q_head_dim, model.v_head_dim)
+    else:
+        kv_heads, kv_dim = model.num_query_groups, model.kv_channels
+    kv = tokens * 2 * kv_heads * kv_dim / t * element
     cp_layer = 0.0
     if c > 1:
         exchange = 3 * (c - 1) * (kv / (_bandwidth(cp_span, gpus_per_node, hardware) * 1e9))

@@ -20,6 +20,12 @@ import torch
 from threefold.config import ConfigError, ModelConfig
 from threefold.model import rope
 
+# Why a multi-latent attention model has no Hugging Face export (after "X has ").
+NO_MLA = (
+    "no multi-latent attention (--multi-latent-attention); DeepSeek's architectures are not "
+    "among those threefold exports: export to Megatron-LM (--saver megatron) instead"
+)
+
 
 class TensorSource:
     """A Hugging Face state dict a conversion takes tensors from: `take(name)` returns one and
@@ -174,6 +180,8 @@ class Adapter:
                 f"{self.architecture} is a mixture of experts and this model is dense; export "
                 "it as LlamaForCausalLM or Qwen3ForCausalLM"
             )
+        if config.multi_latent_attention:
+            raise ConfigError(f"{self.architecture} has {NO_MLA}")
         if config.rotary_percent != 1.0:
             raise ConfigError(
                 f"{self.architecture} turns every dimension of each head with RoPE; this "

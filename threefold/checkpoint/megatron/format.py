@@ -42,7 +42,6 @@ _TOKENIZERS = {
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
-    ("multi_latent_attention", False, "multi-latent attention (--multi-latent-attention)"),
     ("num_experts", None, "mixture-of-experts layers (--num-experts)"),
     ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),

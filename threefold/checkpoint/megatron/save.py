@@ -59,7 +59,7 @@ def save_megatron_checkpoint(
                 [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
             )
         state[name] = tensor.contiguous()
-    state = stacked_state_dict(state, model.num_layers)
+    state = stacked_state_dict(state, model.num_layers, model.multi_latent_attention)
     args = megatron_args(config, iteration)
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = padded

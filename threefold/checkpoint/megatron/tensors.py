@@ -5,7 +5,9 @@ but stores them differently: the layers are stacked — `decoder.layers.{i}.X` o
 the slice [i] of one tensor `decoder.layers.X'` of global shape [num_layers, ...] — and the
 norms keep the names of Transformer Engine's fused norm+linear layers, which megatron-core's
 local spec maps its own to (`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`,
-`pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_`). The global tensors are layout-free:
+`pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_`; a multi-latent attention model's as
+its Transformer Engine spec does, `_TE_MLA_NAMES`, while its local spec keeps threefold's names,
+which read as well). The global tensors are layout-free:
 QKV is per query group `[q..., k, v]` and SwiGLU's fc1 `[gate; up]`, both as in threefold's
 whole model, and the embedding keeps the saving run's vocabulary padding.
 
@@ -39,22 +41,23 @@ _TE_NAMES = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
-# Modules whose (empty) `_extra_state` megatron-core's local and TE layers load as objects.
-_LINEAR_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
+# Transformer Engine's multi-latent attention spec (Megatron-LM's default for MLA models; its
+# local spec keeps threefold's names): the input norm is a module of its own, the latent norms
+# are fused into the up projections.
+_TE_MLA_NAMES = {
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
 
 
-def megatron_key(name: str) -> tuple[str, int | None]:
+def megatron_key(name: str, multi_latent_attention: bool = False) -> tuple[str, int | None]:
     """(megatron-core's key, layer index or None) of a threefold parameter name."""
     match = _LAYER.match(name)
     if match is None:
         return name, None
     rest = match.group(2)
-    for local, te in _TE_NAMES.items():
+    for local, te in (_TE_MLA_NAMES if multi_latent_attention else _TE_NAMES).items():
         if rest.startswith(local):
             rest = te + rest[len(local) :]
     return f"decoder.layers.{rest}", int(match.group(1))
@@ -107,9 +110,9 @@ class MegatronTensors:
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
 
     def _key(self, kind: str, name: str) -> tuple[str, int | None] | None:
-        key, layer = megatron_key(name)
+        (key, layer), (mla_key, _) = megatron_key(name), megatron_key(name, True)
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
-            for candidate in (key, _local_key(name)):
+            for candidate in (key, mla_key, _local_key(name)):
                 if prefix + candidate in self.sizes:
                     return prefix + candidate, layer
         return None
@@ -154,21 +157,28 @@ def _extra_state() -> io.BytesIO:
     return buffer
 
 
-def stacked_state_dict(tensors: dict[str, torch.Tensor], num_layers: int) -> dict:
+def stacked_state_dict(
+    tensors: dict[str, torch.Tensor], num_layers: int, multi_latent_attention: bool = False
+) -> dict:
     """megatron-core's torch_dist state dict of a whole model given by threefold names."""
     state: dict = {}
     layers: dict[str, dict[int, torch.Tensor]] = {}
+    # Modules whose (empty) `_extra_state` megatron-core's local and TE layers load as objects.
+    linear_modules = set()
     for name, tensor in tensors.items():
-        key, layer = megatron_key(name)
+        key, layer = megatron_key(name, multi_latent_attention)
         if layer is None:
             state[key] = tensor
         else:
             layers.setdefault(key, {})[layer] = tensor
+            module = _LAYER.match(name).group(2).rsplit(".", 1)[0]
+            if module.rsplit(".", 1)[-1].startswith("linear_"):
+                linear_modules.add(module)
     for key, per_layer in layers.items():
         if sorted(per_layer) != list(range(num_layers)):
             raise ConfigError(f"{key}: the model lacks some of its {num_layers} layers")
         state[key] = torch.stack([per_layer[i] for i in range(num_layers)])
-    for module in _LINEAR_MODULES:
+    for module in sorted(linear_modules):
         for layer in range(num_layers):
             key = f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}"
             state[key] = _extra_state()

@@ -149,6 +149,36 @@ def linear_blocks(
     return _LinearBlocks.apply(x, weight, bias, blocks, accumulate_in_main_grad, traced)
 
 
+def tensor_parallel_input(x: torch.Tensor, tp: Group, sequence_parallel: bool) -> torch.Tensor:
+    """What a column-parallel layer reads: this rank's activations [s, b, ...], whole on every
+    TP rank (their gradient, partial per rank's heads, summed over TP in backward), or under
+    sequence parallelism all-gathered along the sequence (reduce-scattered back)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, tp)
+    return copy_to_tensor_parallel_region(x, tp)
+
+
+class DuplicatedLinear(nn.Module):
+    """Y = X A, A whole on every TP rank (Transformer Engine's `parallel_mode="duplicated"`):
+    each rank projects its own activations, under sequence parallelism its slice of the
+    sequence, whose share of A's gradient is then summed over TP (`partial_grads`)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, *, parallel: ParallelContext, init_method
+    ) -> None:
+        super().__init__()
+        self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
+        self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
+        self.weight = mark_replicated(
+            nn.Parameter(torch.empty(output_size, input_size)),
+            init_method,
+            partial_grads=parallel.sequence_parallel,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_gemm(self, x, self.weight, None)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) across the TP group.
 
@@ -206,9 +236,7 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def _parallel_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, self.tp)
-        return copy_to_tensor_parallel_region(x, self.tp)
+        return tensor_parallel_input(x, self.tp, self.sequence_parallel)
 
     def _gathers_in_fp8(self) -> bool:
         """Under sequence parallelism an FP8 layer all-gathers its input as FP8 bytes, cast

@@ -1,0 +1,162 @@
+"""Multi-latent attention (DeepSeek-V2/V3), megatron-core's `MLASelfAttention`.
+
+    hidden ─ linear_q_down_proj ─ q_layernorm ─ linear_q_up_proj ──── q [heads, nope | rope]
+      │     (or linear_q_proj straight from the hidden state)
+      └──── linear_kv_down_proj ─┬─ kv latent ─ kv_layernorm ─ linear_kv_up_proj ─ k_nope, v
+                                 └─ k_rope: one RoPE part of the key, shared by all heads
+
+The down projections are small and whole on every TP rank (each rank projects its own
+activations: under sequence parallelism its slice of the sequence, their weights' gradients
+then summed over TP); the up projections are column-parallel, split by heads, and the output
+projection row-parallel, as in other attention. The norms exist with --qk-layernorm only
+(megatron-core's spec: `IdentityOp` otherwise).
+
+RoPE turns the query's rope part and the shared key part as megatron-core's MLA does: their
+even dimensions, then their odd ones, rotated as halves. The core attention is the model's
+(local, or spanning the CP ranks), which takes one head size for query, key and value: a
+value narrower than the query/key head (DeepSeek-V3: 128 against 192) is padded with zeros,
+which add nothing to the context and are cut from it after (a wider value pads the queries
+and keys, which changes no score). megatron-core's softmax scale (YaRN's temperature squared
+over sqrt(q head size)) is the kernels' own 1/sqrt(head size) with the queries multiplied to
+make up the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.kernels.dispatch import KERNELS
+from threefold.model.attention import Attention, CoreAttention, local_attention
+from threefold.model.norms import build_norm
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    DuplicatedLinear,
+    RowParallelLinear,
+    tensor_parallel_input,
+)
+from threefold.parallel.tensor_parallel.sharding import InitMethod
+
+
+class MLASelfAttention(Attention):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+        core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
+    ) -> None:
+        super().__init__(config, parallel, core_attention)
+        self.tp, self.sequence_parallel = parallel.tp, parallel.sequence_parallel
+        heads = config.num_attention_heads
+        self.heads_per_partition = heads // parallel.tp.size
+        self.qk_head_dim, self.v_head_dim = config.qk_head_dim, config.v_head_dim
+        self.rope_dim, self.q_head_dim = config.qk_pos_emb_head_dim, config.q_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        # One head size for the core attention: the wider of query/key and value heads, the
+        # other padded with zeros. Megatron's softmax scale over the kernels' own
+        # 1/sqrt(head size) multiplies the queries.
+        self.width = max(self.q_head_dim, self.v_head_dim)
+        self.query_scale = config.mla_softmax_scale * self.width**0.5
+        self.q_lora = config.q_lora_rank is not None
+
+        def column(inputs: int, outputs: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                inputs, outputs, parallel=parallel, bias=False, init_method=init_method
+            )
+
+        def latent_norm(size: int):
+            # Under sequence parallelism a rank normalizes its slice of the sequence.
+            if not config.qk_layernorm:
+                return None
+            return build_norm(config, size, partial_grads=parallel.sequence_parallel)
+
+        h = config.hidden_size
+        self.q_layernorm = None
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column(h, heads * self.q_head_dim)
+        else:
+            self.linear_q_down_proj = DuplicatedLinear(
+                h, config.q_lora_rank, parallel=parallel, init_method=init_method
+            )
+            self.q_layernorm = latent_norm(config.q_lora_rank)
+            self.linear_q_up_proj = column(config.q_lora_rank, heads * self.q_head_dim)
+        self.linear_kv_down_proj = DuplicatedLinear(
+            h, self.kv_lora_rank + self.rope_dim, parallel=parallel, init_method=init_method
+        )
+        self.kv_layernorm = latent_norm(self.kv_lora_rank)
+        self.linear_kv_up_proj = column(
+            self.kv_lora_rank, heads * (self.qk_head_dim + self.v_head_dim)
+        )
+        self.linear_proj = RowParallelLinear(
+            heads * self.v_head_dim,
+            h,
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=output_layer_init_method,
+        )
+
+    def linear_layers(self) -> list[nn.Module]:
+        """The layer's linear layers (those FP8 runs: model/fp8.py), the down projections
+        included (Transformer Engine's MLA runs them in FP8 too)."""
+        names = ["linear_q_down_proj", "linear_q_up_proj"] if self.q_lora else ["linear_q_proj"]
+        names += ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+        import os
+
+        names = [n for n in names if n not in os.environ.get("SKIP", "").split(",")]
+        return [getattr(self, name) for name in names]
+
+    def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.q_lora:
+            return self.linear_q_proj(hidden_states)
+        latent = self.linear_q_down_proj(hidden_states)
+        if self.q_layernorm is not None:
+            latent = self.q_layernorm(latent)
+        return self.linear_q_up_proj(latent)
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.shape[-1] == self.width else F.pad(x, (0, self.width - x.shape[-1]))
+
+    def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """megatron-core's MLA RoPE: the even dimensions, then the odd ones, turned as halves."""
+        halves = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        return KERNELS.rotary(halves, *rotary)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        query = self._query(hidden_states)  # [s, b, heads/tp * q_head_dim]
+        latent, key_rope = self.linear_kv_down_proj(hidden_states).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv = self.linear_kv_up_proj(latent)  # [s, b, heads/tp * (qk_head_dim + v_head_dim)]
+        # The shared key part reaches every head: the whole sequence, on every TP rank.
+        key_rope = tensor_parallel_input(key_rope, self.tp, self.sequence_parallel)
+        s, b, _ = query.shape
+        heads = self.heads_per_partition
+        query_nope, query_rope = query.view(s, b, heads, -1).split(
+            [self.qk_head_dim, self.rope_dim], dim=-1
+        )
+        key_nope, value = kv.view(s, b, heads, -1).split([self.qk_head_dim, self.v_head_dim], -1)
+        query = torch.cat((query_nope, self._rotate(query_rope, rotary)), dim=-1)
+        key_rope = self._rotate(key_rope.unsqueeze(2), rotary).expand(-1, -1, heads, -1)
+        key = torch.cat((key_nope, key_rope), dim=-1)
+        if self.query_scale != 1.0:
+            query = query * self.query_scale
+        query, key, value = (self._widened(t) for t in (query, key, value))
+        context = self._attend(query, key, value, attention_mask)
+        if self.width != self.v_head_dim:
+            context = context.view(s, b, heads, self.width)[..., : self.v_head_dim]
+            context = context.reshape(s, b, heads * self.v_head_dim)
+        return self.linear_proj(context)
