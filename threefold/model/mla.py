@@ -107,9 +107,6 @@ class MLASelfAttention(Attention):
         included (Transformer Engine's MLA runs them in FP8 too)."""
         names = ["linear_q_down_proj", "linear_q_up_proj"] if self.q_lora else ["linear_q_proj"]
         names += ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
-        import os
-
-        names = [n for n in names if n not in os.environ.get("SKIP", "").split(",")]
         return [getattr(self, name) for name in names]
 
     def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
