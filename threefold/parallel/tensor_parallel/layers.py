@@ -164,7 +164,12 @@ class DuplicatedLinear(nn.Module):
     sequence, whose share of A's gradient is then summed over TP (`partial_grads`)."""
 
     def __init__(
-        self, input_size: int, output_size: int, *, parallel: ParallelContext, init_method
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel: ParallelContext,
+        init_method: InitMethod,
     ) -> None:
         super().__init__()
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
