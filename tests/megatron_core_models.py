@@ -109,6 +109,18 @@ SHAPES["mla_rope"] = {
     "qk_layernorm": False,
 }
 _MLA_FIELDS = tuple(MLA)
+# YaRN on other attention (--position-embedding-type yarn): 4x over an original context of 8,
+# so the sequence of 16 reaches past it
+YARN = dict(
+    rotary_scaling_factor=4.0,
+    mscale=1.0,
+    mscale_all_dim=0.0,
+    yarn_original_max_position_embeddings=8,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_correction_range_round_to_int=True,
+)
+SHAPES["llama_yarn"] = {**SHAPES["llama"], "position_embedding_type": "yarn", **YARN}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -204,7 +216,7 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
     shape = SHAPES[kind]
     parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
-    mla = {name: shape[name] for name in _MLA_FIELDS if name in shape}
+    mla = {name: shape[name] for name in _MLA_FIELDS if shape.get("multi_latent_attention")}
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -236,6 +248,13 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         rotary_interleaved=shape["rotary_interleaved"],
         **mla,
     )
+    if shape["position_embedding_type"] == "yarn":  # as Megatron-LM's arguments set them
+        config.yarn_rotary_scaling_factor = shape["rotary_scaling_factor"]
+        for name in ("mscale", "mscale_all_dim"):
+            setattr(config, f"yarn_{name}", shape[name])
+        for name in YARN:
+            if name.startswith("yarn_"):
+                setattr(config, name, shape[name])
     spec = get_gpt_layer_local_spec(
         normalization=shape["normalization"],
         multi_latent_attention=bool(mla),

@@ -20,6 +20,8 @@ from threefold.config import ConfigError
 ALIASES = {
     "--recompute-activations": ("model.recompute_granularity", "selective"),
     "--use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
+    # threefold's default already, as Megatron-LM's (--no-yarn-correction-range-round-to-int)
+    "--yarn-correction-range-round-to-int": ("model.yarn_correction_range_round_to_int", True),
     "--use-torch-fsdp2": ("parallel.distributed_strategy", "fsdp"),
     "--use-flash-attn": ("kernels.attention_backend", "flash"),
     # threefold's default already (the chunked cross-entropy); --no-cross-entropy-loss-fusion
@@ -267,7 +269,6 @@ MISSING_CHOICES = {
     ("--moe-router-load-balancing-type", "global_aux_loss"): "the global auxiliary loss",
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
     ("--cp-comm-type", "a2a+p2p"): "hierarchical a2a+p2p context parallelism",
-    ("--position-embedding-type", "yarn"): "YaRN rotary embeddings",
     ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",
 }
 

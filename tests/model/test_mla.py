@@ -168,6 +168,12 @@ def test_export_names_transformer_engines_mla_norms_and_reads_back(tmp_path, cap
     [
         (["--q-lora-rank", "8"], "--q-lora-rank: multi-latent attention settings"),
         (["--rope-type", "yarn"], "--rope-type yarn belongs to --multi-latent-attention"),
+        (["--mscale-all-dim", "1"], "--mscale-all-dim: YaRN settings of a model without"),
+        (["--yarn-beta-fast", "16"], "--yarn-beta-fast belong to --position-embedding-type yarn"),
+        (
+            ["--position-embedding-type", "yarn", "--rotary-interleaved"],
+            "--rotary-interleaved needs --position-embedding-type rope",
+        ),
         (MLA[len(LLAMA_MHA_STYLE) :] + ["--rotary-interleaved"], "--rotary-interleaved with"),
         (
             MLA[len(LLAMA_MHA_STYLE) :] + ["--group-query-attention", "--num-query-groups", "2"],

@@ -396,11 +396,17 @@ def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, com
     assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)
 
 
+YARN = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"]
+YARN += ["--yarn-original-max-position-embeddings", "8"]
+
+
 @pytest.mark.parametrize(
-    "rope", [["--rotary-interleaved"], ["--rotary-percent", "0.5"]], ids=["interleaved", "half"]
+    "rope",
+    [["--rotary-interleaved"], ["--rotary-percent", "0.5"], YARN],
+    ids=["interleaved", "half", "yarn"],
 )
 def test_rope_variants_match_at_cp2_with_restarting_positions(rope):
-    """--rotary-interleaved and --rotary-percent turn each rank's chunks by their own
+    """--rotary-interleaved, --rotary-percent and YaRN turn each rank's chunks by their own
     positions, restarted at each document: CP2 trains as one process does, and not as
     whole-head rotate-half RoPE does."""
     argv = LLAMA_STYLE + TRAINING + DOCUMENTS + rope

@@ -57,8 +57,9 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
-    """Save a random-init HF model of `kind` (llama, llama-tied, llama3, qwen2, qwen3, gpt2,
-    mistral, mixtral, qwen3-moe) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-yarn, qwen2,
+    qwen3, gpt2, mistral, mixtral, qwen3-moe) with a tokenizer (`chat`: a ChatML chat
+    tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -91,6 +92,20 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192,
+            },
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama-yarn":  # YaRN 4x over an original context of 16, with a temperature
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
             },
             **common,
         )

@@ -23,6 +23,7 @@ KINDS = [
     "llama",
     "llama-tied",
     "llama3",
+    "llama-yarn",
     "qwen2",
     "qwen3",
     "gpt2",
@@ -247,7 +248,11 @@ def test_expert_parallel_per_token_losses_match_transformers(converted, kind):
 @pytest.mark.parametrize(
     "scaling,named",
     [
-        ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling='yarn'"),
+        ({"rope_type": "linear", "factor": 4.0}, "rope_scaling='linear'"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0},
+            "rope_scaling.attention_factor=2.0",
+        ),
         (
             {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
             "rope_scaling.original_max_position_embeddings=4096",

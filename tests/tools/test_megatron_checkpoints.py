@@ -336,14 +336,17 @@ def _copy_with_args(root: str, destination: str, **changes) -> str:
         ("llama_interleaved", "rotary_interleaved", False, None),
         ("llama_partial_rotary", "rotary_percent", 1.0, "this model's --rotary-percent 0.5"),
         ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
+        ("llama_yarn", "position_embedding_type", "rope", "YaRN positions"),
     ],
-    ids=["rotary-interleaved", "rotary-percent", "squared-relu"],
+    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn"],
 )
 def test_megatron_architecture_flags_compute_megatron_cores_logits(
     tmp_path, capsys, kind, field, off, refusal
 ):
-    """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs), --rotary-percent 0.5 and
-    --squared-relu: megatron-core's model, saved and read back by threefold, gives its logits.
+    """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs), --rotary-percent 0.5,
+    --squared-relu and --position-embedding-type yarn (4x over an original context of 8, its
+    temperature on the tables): megatron-core's model, saved and read back by threefold, gives
+    its logits.
     The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
     regrouped) gives them too; the others have no Hugging Face architecture among those
     threefold writes, and their export is refused in one line."""

@@ -117,11 +117,7 @@ def _guess_architecture(model: ModelConfig) -> str:
         raise ConfigError(f"none of the Hugging Face architectures threefold exports has {NO_MLA}")
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"
-    if (
-        model.normalization == "RMSNorm"
-        and model.swiglu
-        and (model.position_embedding_type == "rope")
-    ):
+    if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
         if model.is_moe:
             return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
         if model.qk_layernorm:

@@ -29,16 +29,9 @@ YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
 # The fields that mean something only with --multi-latent-attention (--rope-type rope is also
 # other attention's).
-_MLA_ONLY = (
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "rotary_scaling_factor",
-    "mscale",
-    "mscale_all_dim",
-)
+_MLA_ONLY = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+# YaRN's, shared with --position-embedding-type yarn (config/model.py)
+_YARN = ("rotary_scaling_factor", "mscale", "mscale_all_dim")
 
 
 def yarn_mscale(scaling_factor: float, mscale: float) -> float:
@@ -89,7 +82,8 @@ class MLAConfig:
         1.0,
         checkpoint=ARCHITECTURE,
         group=GROUP,
-        help="YaRN's context extension over the original 4096 positions (DeepSeek-V3: 40)",
+        help="YaRN's context extension over the original context (DeepSeek-V3: 40), with "
+        "--multi-latent-attention or --position-embedding-type yarn",
     )
     mscale: float = arg(
         1.0, checkpoint=ARCHITECTURE, group=GROUP, help="YaRN's mscale (the RoPE tables' scale)"
@@ -124,6 +118,12 @@ class MLAConfig:
                 not given,
                 f"{' '.join(given)}: multi-latent attention settings of a model without it; "
                 "add --multi-latent-attention or drop them",
+            )
+            given = given_flags(self, MLAConfig, _YARN)
+            _require(
+                not given or self.position_embedding_type == "yarn",
+                f"{' '.join(given)}: YaRN settings of a model without YaRN; add "
+                "--position-embedding-type yarn (or --multi-latent-attention) or drop them",
             )
             _require(
                 self.rope_type in (None, "rope"),

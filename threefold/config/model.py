@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
-from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg
+from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 
@@ -45,8 +46,9 @@ class ModelConfig(MLAConfig, MoEConfig):
     position_embedding_type: str = arg(
         "learned_absolute",
         checkpoint=ARCHITECTURE,
-        choices=("learned_absolute", "rope"),
-        help="learned_absolute (GPT-2) or rope (LLaMA)",
+        choices=("learned_absolute", "rope", "yarn"),
+        help="learned_absolute (GPT-2), rope (LLaMA) or yarn (RoPE stretched by YaRN: "
+        "--rotary-scaling-factor and the --yarn-* flags)",
     )
     # False: Megatron's --no-position-embedding
     add_position_embedding: bool = arg(
@@ -81,6 +83,28 @@ class ModelConfig(MLAConfig, MoEConfig):
         8.0,
         checkpoint=ARCHITECTURE,
         help="with --use-rope-scaling; default 8 (Llama 3.1), 32 for Llama 3.2",
+    )
+    # YaRN (--position-embedding-type yarn; model/rope.py), beside the --rotary-scaling-factor,
+    # --mscale and --mscale-all-dim it shares with multi-latent attention (config/mla.py)
+    yarn_original_max_position_embeddings: int | None = arg(
+        None, checkpoint=ARCHITECTURE, help="YaRN's original context (default 4096)"
+    )
+    yarn_beta_fast: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help="YaRN: dimensions turning more often than this over the original context keep "
+        "their frequency (default 32)",
+    )
+    yarn_beta_slow: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help="YaRN: dimensions turning less often than this are stretched fully (default 1)",
+    )
+    yarn_correction_range_round_to_int: bool = arg(
+        True,
+        checkpoint=ARCHITECTURE,
+        flag="--no-yarn-correction-range-round-to-int",
+        help="YaRN's ramp between kept and stretched dimensions starts and ends between them",
     )
     normalization: str = arg(
         "LayerNorm",
@@ -187,6 +211,11 @@ class ModelConfig(MLAConfig, MoEConfig):
     )
 
     @property
+    def rotary_position_embeddings(self) -> bool:
+        """Whether attention turns queries and keys by the model's RoPE tables (rope, yarn)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
     def rotary_dim(self) -> int:
         """The dimensions of each head RoPE turns (megatron-core's int(kv_channels x
         rotary_percent))."""
@@ -232,11 +261,11 @@ class ModelConfig(MLAConfig, MoEConfig):
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope"),
-            "--position-embedding-type must be learned_absolute or rope",
+            self.position_embedding_type in ("learned_absolute", "rope", "yarn"),
+            "--position-embedding-type must be learned_absolute, rope or yarn",
         )
         _require(
-            self.add_position_embedding or self.position_embedding_type == "rope",
+            self.add_position_embedding or self.rotary_position_embeddings,
             "--no-position-embedding: a model without position information is not "
             "implemented; use --position-embedding-type rope (with which the flag changes "
             "nothing)",
@@ -248,12 +277,11 @@ class ModelConfig(MLAConfig, MoEConfig):
                 f"{self.max_position_embeddings} with learned positions; raise "
                 "--max-position-embeddings or use --position-embedding-type rope",
             )
-        if self.position_embedding_type == "rope":
+        if self.rotary_position_embeddings:
             _require(
                 self.kv_channels % 2 == 0,
                 f"rope needs an even head size, got --kv-channels {self.kv_channels}",
             )
-        if self.position_embedding_type == "rope":
             _require(
                 self.rotary_percent <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0,
                 f"--rotary-percent {self.rotary_percent} of --kv-channels {self.kv_channels} "
@@ -269,6 +297,15 @@ class ModelConfig(MLAConfig, MoEConfig):
                 not given or self.position_embedding_type == "rope",
                 f"{name} needs --position-embedding-type rope",
             )
+        yarn = [
+            flag_of(f)
+            for f in dataclasses.fields(self)
+            if f.name.startswith("yarn_") and getattr(self, f.name) != f.default
+        ]
+        _require(
+            not yarn or self.position_embedding_type == "yarn",
+            f"{' '.join(yarn)} belong to --position-embedding-type yarn; add it or drop them",
+        )
         _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
         _require(
             self.normalization in ("LayerNorm", "RMSNorm"),

@@ -105,7 +105,7 @@ class SelfAttention(Attention):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.rotary_interleaved = config.rotary_interleaved
-        self.rotary_dim = config.rotary_dim if config.position_embedding_type == "rope" else 0
+        self.rotary_dim = config.rotary_dim if config.rotary_position_embeddings else 0
         qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,

@@ -11,11 +11,13 @@ Multi-latent attention brings its own RoPE over --qk-pos-emb-head-dim (`rotary_e
 by default YaRN (megatron-core's `YarnRotaryEmbedding`): frequencies whose wavelengths fit
 the original context many times are kept, those that fit it less than once are slowed by
 --rotary-scaling-factor, with a linear ramp between; the tables are scaled by YaRN's mscale
-ratio."""
+ratio. `--position-embedding-type yarn` stretches other attention's RoPE the same way, with
+its own original context and betas (--yarn-*)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -69,14 +71,30 @@ def _yarn_correction_dim(rotations: float, dim: int, base: float, context: int) 
     return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def yarn_frequencies(dim: int, base: float, factor: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's settings (megatron-core's `YarnRotaryEmbedding`; multi-latent attention's are
+    its MLATransformerConfig defaults for the original context, betas and rounding)."""
+
+    factor: float
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_context: int = YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
+    beta_fast: float = YARN_BETA_FAST
+    beta_slow: float = YARN_BETA_SLOW
+    round_to_int: bool = True
+
+
+def yarn_frequencies(dim: int, base: float, yarn: Yarn) -> torch.Tensor:
     """YaRN's inverse frequencies, as megatron-core computes them (in fp32)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     kept = 1.0 / (base**exponents)
-    slowed = 1.0 / (factor * base**exponents)
-    context = YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS
-    low = max(math.floor(_yarn_correction_dim(YARN_BETA_FAST, dim, base, context)), 0)
-    high = min(math.ceil(_yarn_correction_dim(YARN_BETA_SLOW, dim, base, context)), dim - 1)
+    slowed = 1.0 / (yarn.factor * base**exponents)
+    low = _yarn_correction_dim(yarn.beta_fast, dim, base, yarn.original_context)
+    high = _yarn_correction_dim(yarn.beta_slow, dim, base, yarn.original_context)
+    if yarn.round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
     keep = 1.0 - ramp.clamp(0, 1)
     return slowed * (1 - keep) + kept * keep
@@ -85,12 +103,13 @@ def yarn_frequencies(dim: int, base: float, factor: float) -> torch.Tensor:
 class YarnRotaryEmbedding(RotaryEmbedding):
     """RoPE with YaRN's frequencies; the tables scaled by mscale / mscale_all_dim's ratio."""
 
-    def __init__(
-        self, head_dim: int, base: float, factor: float, mscale: float, mscale_all_dim: float
-    ) -> None:
+    def __init__(self, head_dim: int, base: float, yarn: Yarn) -> None:
         nn.Module.__init__(self)
-        self.register_buffer("inv_freq", yarn_frequencies(head_dim, base, factor), persistent=False)
-        self.table_scale = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        self.register_buffer("inv_freq", yarn_frequencies(head_dim, base, yarn), persistent=False)
+        factor = yarn.factor
+        self.table_scale = yarn_mscale(factor, yarn.mscale) / yarn_mscale(
+            factor, yarn.mscale_all_dim
+        )
 
     def forward(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super().forward(seq_length, device)
@@ -100,18 +119,25 @@ class YarnRotaryEmbedding(RotaryEmbedding):
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
     """The model's RoPE tables: multi-latent attention's own (YaRN or plain, over
     --qk-pos-emb-head-dim, whatever --position-embedding-type says, as megatron-core's MLA),
-    else --position-embedding-type rope's over the rotated share of each head."""
+    else --position-embedding-type rope's or yarn's over the rotated share of each head."""
+    stretch = Yarn(config.rotary_scaling_factor, config.mscale, config.mscale_all_dim)
     if config.multi_latent_attention:
         dim = config.qk_pos_emb_head_dim
         if not config.mla_yarn:
             return RotaryEmbedding(dim, config.rotary_base)
-        return YarnRotaryEmbedding(
-            dim,
-            config.rotary_base,
-            config.rotary_scaling_factor,
-            config.mscale,
-            config.mscale_all_dim,
+        return YarnRotaryEmbedding(dim, config.rotary_base, stretch)
+    if config.position_embedding_type == "yarn":
+        given = {
+            "original_context": config.yarn_original_max_position_embeddings,
+            "beta_fast": config.yarn_beta_fast,
+            "beta_slow": config.yarn_beta_slow,
+        }
+        stretch = replace(
+            stretch,
+            round_to_int=config.yarn_correction_range_round_to_int,
+            **{name: value for name, value in given.items() if value is not None},
         )
+        return YarnRotaryEmbedding(config.rotary_dim, config.rotary_base, stretch)
     if config.position_embedding_type != "rope":
         return None
     scaling = config.rope_scaling_factor if config.use_rope_scaling else None

@@ -270,7 +270,7 @@ def layer_activation_bytes(
     # recomputation drops it; the FP8 layer keeps its own copy.
     core_output = ((0 if selective else e) + 1) if fp8 else e
     attention = e * s * b * (h + 2 * g * d) // t + core_output * s * b * h // t
-    if model.position_embedding_type == "rope":
+    if model.rotary_position_embeddings:
         attention += e * s * b * (h + g * d) // t
     if not selective:
         attention += 4 * b * a * s // t
@@ -410,7 +410,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
             total += layer_activation_bytes(config, fp8=_fp8_layer(config, layer))
     if model.multi_latent_attention:
         total += 2 * 4 * s * model.qk_pos_emb_head_dim  # MLA's cos/sin tables
-    elif model.position_embedding_type == "rope":
+    elif model.rotary_position_embeddings:
         total += 2 * 4 * s * model.kv_channels  # the cos/sin tables
     if stage == 0:
         total += 8 * s * b  # token ids

@@ -18,6 +18,12 @@ from collections.abc import Callable
 import torch
 
 from threefold.config import ConfigError, ModelConfig
+from threefold.config.mla import (
+    YARN_BETA_FAST,
+    YARN_BETA_SLOW,
+    YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+    yarn_mscale,
+)
 from threefold.model import rope
 
 # Why a multi-latent attention model has no Hugging Face export (after "X has ").
@@ -53,20 +59,23 @@ def refuse(condition: bool, field: str, value, why: str) -> None:
         raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
 
 
-def rope_settings(hf: dict) -> tuple[float, float | None]:
-    """(RoPE base, Llama 3.1 scaling factor or None) of a Hugging Face config."""
+def rope_settings(hf: dict) -> tuple[float, dict]:
+    """(RoPE base, the ModelConfig fields of its scaling: Llama 3.1's llama3 or YaRN) of a
+    Hugging Face config."""
     parameters = hf.get("rope_parameters") or {}
     scaling = {**(hf.get("rope_scaling") or {}), **parameters}
     rope_type = scaling.get("rope_type", scaling.get("type"))
     refuse(
-        rope_type not in (None, "default", "llama3"),
+        rope_type not in (None, "default", "llama3", "yarn"),
         "rope_scaling",
         rope_type,
-        "threefold implements plain RoPE and Llama 3.1's llama3 scaling",
+        "threefold implements plain RoPE, Llama 3.1's llama3 scaling and YaRN",
     )
     theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "yarn":
+        return theta, _yarn_fields(scaling, hf)
     if rope_type != "llama3":
-        return theta, None
+        return theta, {}
     fixed = {
         "low_freq_factor": rope.LOW_FREQ_FACTOR,
         "high_freq_factor": rope.HIGH_FREQ_FACTOR,
@@ -79,7 +88,36 @@ def rope_settings(hf: dict) -> tuple[float, float | None]:
             scaling.get(field),
             f"llama3 scaling is implemented with {field}={value} (as Megatron-LM)",
         )
-    return theta, float(scaling["factor"])
+    return theta, {"use_rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+
+
+def _yarn_fields(scaling: dict, hf: dict) -> dict:
+    """YaRN as transformers reads it: the original context defaults to the model's, the
+    factor to their ratio; the temperature from mscale over mscale_all_dim when both are
+    given, else from the factor alone (threefold's mscale 1 over 0, Megatron-LM's default)."""
+    original = scaling.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        mscale, mscale_all_dim = 1.0, 0.0
+    given = scaling.get("attention_factor")
+    implied = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    refuse(
+        given is not None and abs(given - implied) > 1e-12,
+        "rope_scaling.attention_factor",
+        given,
+        f"threefold's YaRN scales by mscale's ratio ({implied} here), not a factor of its own",
+    )
+    return {
+        "position_embedding_type": "yarn",
+        "rotary_scaling_factor": float(factor),
+        "mscale": float(mscale),
+        "mscale_all_dim": float(mscale_all_dim),
+        "yarn_original_max_position_embeddings": int(original),
+        "yarn_beta_fast": float(scaling.get("beta_fast") or 32),
+        "yarn_beta_slow": float(scaling.get("beta_slow") or 1),
+        "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)),
+    }
 
 
 def llama3_rope_scaling(factor: float) -> dict:
@@ -89,6 +127,25 @@ def llama3_rope_scaling(factor: float) -> dict:
         "low_freq_factor": rope.LOW_FREQ_FACTOR,
         "high_freq_factor": rope.HIGH_FREQ_FACTOR,
         "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
+    }
+
+
+def rope_scaling(config: ModelConfig) -> dict | None:
+    """A model's RoPE scaling as transformers' `rope_scaling` (None: plain RoPE)."""
+    if config.use_rope_scaling:
+        return llama3_rope_scaling(config.rope_scaling_factor)
+    if config.position_embedding_type != "yarn":
+        return None
+    return {
+        "rope_type": "yarn",
+        "factor": config.rotary_scaling_factor,
+        "original_max_position_embeddings": config.yarn_original_max_position_embeddings
+        or YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+        "beta_fast": config.yarn_beta_fast or YARN_BETA_FAST,
+        "beta_slow": config.yarn_beta_slow or YARN_BETA_SLOW,
+        "mscale": config.mscale,
+        "mscale_all_dim": config.mscale_all_dim,
+        "truncate": config.yarn_correction_range_round_to_int,
     }
 
 

@@ -11,9 +11,9 @@ import torch
 from threefold.checkpoint.hf.common import (
     Adapter,
     Take,
-    llama3_rope_scaling,
     refuse,
     renamed,
+    rope_scaling,
     rope_settings,
     split_qkv,
     stack_qkv,
@@ -91,7 +91,7 @@ class LlamaAdapter(Adapter):
         groups = hf.get("num_key_value_heads") or heads
         hidden = hf["hidden_size"]
         positions = hf.get("max_position_embeddings", 4096)
-        theta, scaling_factor = rope_settings(hf)
+        theta, scaling = rope_settings(hf)
         return ModelConfig(
             num_layers=hf["num_hidden_layers"],
             hidden_size=hidden,
@@ -102,10 +102,8 @@ class LlamaAdapter(Adapter):
             kv_channels=hf.get("head_dim") or hidden // heads,
             seq_length=min(positions, 4096),
             max_position_embeddings=positions,
-            position_embedding_type="rope",
             rotary_base=theta,
-            use_rope_scaling=scaling_factor is not None,
-            rope_scaling_factor=scaling_factor or 8.0,
+            **{"position_embedding_type": "rope", **scaling},
             normalization="RMSNorm",
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,
@@ -152,8 +150,8 @@ class LlamaAdapter(Adapter):
         }
         if self.writes_biases:
             hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
-        if config.use_rope_scaling:
-            hf["rope_scaling"] = llama3_rope_scaling(config.rope_scaling_factor)
+        if rope_scaling(config) is not None:
+            hf["rope_scaling"] = rope_scaling(config)
         return {**hf, **self.extra_hf_config}
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:

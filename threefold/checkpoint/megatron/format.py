@@ -68,10 +68,17 @@ def _model_config(args: dict, source: str) -> dict:
             f"{source}: a Megatron-LM checkpoint of a model with {what} "
             f"({name} = {args[name]!r}); threefold does not build that architecture"
         )
-    if args.get("position_embedding_type") not in (None, "learned_absolute", "rope", "none"):
+    if args.get("position_embedding_type") not in (
+        None,
+        "learned_absolute",
+        "rope",
+        "yarn",
+        "none",
+    ):
         raise ConfigError(
             f"{source}: a Megatron-LM checkpoint with --position-embedding-type "
-            f"{args['position_embedding_type']}; threefold builds learned_absolute, rope and none"
+            f"{args['position_embedding_type']}; threefold builds learned_absolute, rope, yarn "
+            "and none"
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
