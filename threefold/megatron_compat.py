@@ -140,6 +140,8 @@ NO_COUNTERPART = {
     "--overlap-param-gather-with-optimizer-step": "with --overlap-param-gather every bucket's "
     "all-gather starts as soon as the step has written its shard, asynchronously, and the "
     "next forward waits per module: Megatron-LM's flag starts the first bucket's earlier still",
+    "--moe-router-fusion": "the router's top-k and scores run as PyTorch operations (Transformer "
+    "Engine's fused router kernel is a CUDA kernel of the same function)",
     "--moe-permute-fusion": "the dispatcher permutes tokens with PyTorch's index operations; "
     "Transformer Engine's fused permutation computes the same order",
     "--disable-gloo-process-groups": "threefold builds no gloo copies of its process groups "
@@ -266,7 +268,6 @@ MISSING = {
 }
 # (flag, value) -> the feature a Megatron-LM choice selects that threefold does not have
 MISSING_CHOICES = {
-    ("--moe-router-load-balancing-type", "global_aux_loss"): "the global auxiliary loss",
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
     ("--cp-comm-type", "a2a+p2p"): "hierarchical a2a+p2p context parallelism",
     ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",

@@ -13,7 +13,7 @@ from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, MODEL, arg, given_flags
 
 GROUP = "mixture of experts"
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 # Megatron's --moe-layer-freq pattern, "([0]*1+[1]*3)": read by this, never evaluated.
 _PATTERN_TERM = re.compile(r"^\[\s*([01])\s*\](?:\s*\*\s*(\d+))?$")
 
@@ -76,8 +76,9 @@ class MoEConfig:
         checkpoint=MODEL,
         group=GROUP,
         choices=LOAD_BALANCING_TYPES,
-        help="aux_loss (over the micro-batch), seq_aux_loss (per sequence), sinkhorn "
-        "(balanced routing, no loss) or none",
+        help="aux_loss (over the micro-batch), seq_aux_loss (per sequence), global_aux_loss "
+        "(over every replica's micro-batches of the step so far), sinkhorn (balanced "
+        "routing, no loss) or none",
     )
     moe_router_dtype: str | None = arg(
         None,
@@ -185,6 +186,13 @@ class MoEConfig:
                 "add --num-experts or drop them",
             )
             return
+        _require(
+            self.moe_router_load_balancing_type != "global_aux_loss"
+            or self.recompute_granularity != "full",
+            "--moe-router-load-balancing-type global_aux_loss counts each micro-batch once as "
+            "it is routed, which full recomputation would route again; use selective "
+            "recomputation or another load-balancing type",
+        )
         experts, topk = self.num_experts, self.moe_router_topk
         _require(experts >= 1, "--num-experts must be >= 1")
         _require(

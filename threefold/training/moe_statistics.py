@@ -7,8 +7,9 @@ number of micro-batches, all without communication. A report reduces the window 
 megatron-core's tracker does each iteration: summed over the tensor- and context-parallel
 ranks (each routes a slice of the sequence) and the pipeline stages (each holds its own
 layers), averaged over data-parallel replicas; the log line shows the mean over the MoE layers
-per iteration. Token counts are summed over data-parallel replicas too: the global batch's
-tokens per expert.
+per iteration (`global_load_balancing_loss` is summed over the replicas, whose shares make up
+the global batch's loss). Token counts are summed over data-parallel replicas too: the global
+batch's tokens per expert.
 
 The step's counts are also what --moe-router-enable-expert-bias balances: as they arrive,
 each such layer's router updates its biases from them (its own reduction over the stage's
@@ -33,6 +34,8 @@ def tracked_losses(config: ModelConfig) -> list[str]:
         names.append("load_balancing_loss")
     if config.moe_aux_loss_coeff and config.moe_router_load_balancing_type == "seq_aux_loss":
         names.append("seq_load_balancing_loss")
+    if config.moe_aux_loss_coeff and config.moe_router_load_balancing_type == "global_aux_loss":
+        names.append("global_load_balancing_loss")
     if config.moe_z_loss_coeff:
         names.append("z_loss")
     return names
@@ -88,7 +91,12 @@ class MoEStatistics:
         parallel.dp.all_reduce(losses)
         parallel.dp.all_reduce(tokens)
         iterations = max(self.iterations, 1)
-        losses = losses.cpu() / parallel.dp.size / iterations
+        # Averaged over replicas, except the global loss, whose replicas' shares sum to it
+        # (megatron-core's reduce_group_has_dp).
+        replicas = torch.tensor(
+            [1 if name == "global_load_balancing_loss" else parallel.dp.size for name in self.names]
+        )
+        losses = losses.cpu() / replicas[:, None] / iterations
         tokens = tokens.cpu() / iterations
         layers = [n - 1 for n in self.moe_layer_numbers]
         means = {name: losses[row, layers].mean().item() for row, name in enumerate(self.names)}

@@ -25,7 +25,7 @@ from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.model.loss import gpt_forward_step
-from threefold.model.moe import set_aux_loss_scale
+from threefold.model.moe import start_aux_losses
 from threefold.parallel.context_parallel.sequence import split_batch
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
@@ -151,7 +151,7 @@ class Trainer:
             # does (a CP rank's share of a loss is summed over CP, gradients are averaged).
             divisor = 1 if options.get("per_token_loss") else num_microbatches
             scale = options.get("loss_scale", 1.0) / divisor * self.parallel.cp.size
-            set_aux_loss_scale(self.model_chunks, scale)
+            start_aux_losses(self.model_chunks, scale)
         return schedule(self._forward_step, iterator, chunks, num_microbatches, **options)
 
     def train_iterator(self):

@@ -1,5 +1,5 @@
 """Mixture-of-experts layers (Megatron's --num-experts): router, dispatch, experts."""
 
-from threefold.model.moe.layer import MoELayer, set_aux_loss_scale
+from threefold.model.moe.layer import MoELayer, start_aux_losses
 
-__all__ = ["MoELayer", "set_aux_loss_scale"]
+__all__ = ["MoELayer", "start_aux_losses"]

@@ -7,7 +7,7 @@ the sequence under sequence parallelism), the same shape out.
 The auxiliary losses are not returned: like megatron-core's MoEAuxLossAutoScaler they are
 attached to the routing probabilities, whose backward adds each loss's gradient scaled by
 `aux_loss_scale`, the factor the schedule applies to the language-model loss (1 / micro-batches,
-times the fp16 loss scale); the trainer sets it each step (`set_aux_loss_scale`). That works on
+times the fp16 loss scale); the trainer sets it each step (`start_aux_losses`). That works on
 every pipeline stage, which the loss of the last stage cannot reach. Each layer also keeps
 what it routed for the log: the losses without their coefficients (Megatron's
 `load_balancing_loss`, `z_loss`) and the tokens routed to each expert, summed over the
@@ -73,6 +73,7 @@ class MoELayer(nn.Module):
         self.coefficients = {
             "load_balancing_loss": config.moe_aux_loss_coeff,
             "seq_load_balancing_loss": config.moe_aux_loss_coeff,
+            "global_load_balancing_loss": config.moe_aux_loss_coeff,
             "z_loss": config.moe_z_loss_coeff,
         }
         self.aux_loss_scale = 1.0
@@ -108,9 +109,11 @@ class MoELayer(nn.Module):
         return statistics
 
 
-def set_aux_loss_scale(model_chunks: list[nn.Module], scale: float) -> None:
-    """The gradient the auxiliary losses get: the schedule's factor on the main loss."""
+def start_aux_losses(model_chunks: list[nn.Module], scale: float) -> None:
+    """A schedule's run begins: the gradient the auxiliary losses get (the schedule's factor
+    on the main loss), and the global auxiliary loss's counts start over."""
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, MoELayer):
                 module.aux_loss_scale = scale
+                module.router.start_step()

@@ -24,7 +24,12 @@ with p the scores over all experts and `routed` a fresh top-k of them; T and the
 are the whole sequence's, summed over the ranks that each route a slice of it (TP under
 sequence parallelism, and CP), while the probabilities are this rank's: the losses of those
 ranks add up to the loss of the whole micro-batch. `seq_aux_loss` is the same per sequence,
-averaged over the micro-batch. The z-loss is coeff x mean_t logsumexp(logits_t)^2 (each rank
+averaged over the micro-batch. `global_aux_loss` (megatron-core's) counts the routed tokens of
+every rank's micro-batch (T and the counts summed over the data-parallel replicas too),
+averaged over the micro-batches of the step so far: a run's balance is its global batch's, and
+its strength depends on the layout by design (its gradient, like every loss's, is averaged
+over the replicas: DP2 with one micro-batch each computes one process's loss over both at
+half the coefficient). The z-loss is coeff x mean_t logsumexp(logits_t)^2 (each rank
 its share of the mean).
 """
 
@@ -200,6 +205,9 @@ class TopKRouter(nn.Module):
         # The ranks that route slices of one sequence: TP under sequence parallelism (required
         # with MoE when TP > 1) and CP.
         self.sequence_group = parallel.tp_cp
+        # global_aux_loss: the step's counts so far, over all ranks of the stage
+        self.data_parallel, self.global_steps = parallel.dp, 0
+        self.register_buffer("global_counts", torch.zeros(config.num_experts), persistent=False)
         weight = torch.empty(config.num_experts, config.hidden_size)
         # Under sequence parallelism each TP rank's gradient covers its slice of the tokens.
         self.weight = mark_replicated(nn.Parameter(weight), init, parallel.sequence_parallel)
@@ -249,6 +257,11 @@ class TopKRouter(nn.Module):
             self.expert_bias.data = self.expert_bias.data.float()
         return self
 
+    def start_step(self) -> None:
+        """A step's micro-batches begin: the global auxiliary loss counts them afresh."""
+        self.global_counts.zero_()
+        self.global_steps = 0
+
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """After a step: this rank's routed-token counts summed over the stage's ranks, and
@@ -293,6 +306,18 @@ class TopKRouter(nn.Module):
             counts = self._over_sequence(routed.sum(dim=0))
             tokens = logits.shape[0] * ranks
             losses["load_balancing_loss"] = (scores.sum(dim=0) * counts).sum() * (coeff / tokens**2)
+        elif self.load_balancing == "global_aux_loss":
+            counts = self._over_sequence(routed.sum(dim=0))
+            if self.data_parallel.size > 1:
+                record_collective("all_reduce", counts.numel(), counts.element_size())
+                counts = self.data_parallel.all_reduce(counts.contiguous())
+            self.global_counts += counts.float()
+            self.global_steps += 1
+            average = (self.global_counts / self.global_steps).to(scores.dtype)
+            tokens = logits.shape[0] * ranks * self.data_parallel.size
+            losses["global_load_balancing_loss"] = (scores.sum(dim=0) * average).sum() * (
+                coeff / tokens**2
+            )
         else:  # seq_aux_loss: [local sequence, batch, experts]
             counts = self._over_sequence(routed.unflatten(0, (-1, batch_size)).sum(dim=0))
             sequence = logits.shape[0] // batch_size * ranks
