@@ -21,7 +21,7 @@ def test_async_saves_under_collectives_equal_synchronous_ones():
             "--loops",
             "1",
             "--iterations",
-            "20",
+            "10",
             "--layouts",
             "dp2",
             "tp2pp2",

@@ -150,8 +150,6 @@ def test_the_groups_are_megatron_cores_on_eight_ranks():
     layouts = [
         (2, 2, 1, 1, 2, DEFAULT_ORDER, 1),
         (2, 1, 2, 2, 1, DEFAULT_ORDER, 1),
-        (1, 2, 2, 2, 1, DEFAULT_ORDER, 1),
-        (1, 2, 1, 4, 1, DEFAULT_ORDER, 1),
         (4, 1, 1, 2, 2, DEFAULT_ORDER, 1),
         (2, 2, 1, 1, 2, TP_PP_DP_ORDER, 1),
         (1, 2, 2, 2, 1, TP_PP_DP_ORDER, 1),
