@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,20 +215,49 @@ def test_fp8_mla_gradients_match_one_device_at_cp2():
         assert_close_dicts(result["grads"], reference["grads"], 2e-6, "gradient")
 
 
-def test_fp8_mla_forward_matches_one_device_under_sequence_parallelism():
-    """TP2 with sequence parallelism: the down projections cast each rank's slice of the
-    sequence with the amax of the whole (reduced over TP), so the first step's loss is one
-    device's; cast with their own slice's, it is not. (Gradients are not compared here: the
-    E5M2 casts of this tiny model's gradients turn TP's different summation order, 1e-7,
-    into whole FP8 steps of single elements, percents of a weight's gradient; at CP2 they
-    come out within 2e-6, above.)"""
-    from tests.parallel.test_fp8 import fp8_train_job
+def _first_down_projection_input_in_fp8(argv: list[str], sabotage: bool) -> tuple:
+    """The first step's FP8 cast of layer 0's key/value down projection input (this rank's
+    rows) and its scale's inverse; `sabotage`: every cast scaled by its own rank's amax."""
+    from tests.parity import _setup
+    from threefold.kernels.fp8 import INPUT, Fp8Linear
+    from threefold.parallel.parallel_context import ONE_DEVICE
 
+    trainer = _setup(argv)
+    state = trainer.model.decoder.layers[0].self_attention.linear_kv_down_proj.fp8
+    for module in trainer.model.modules() if sabotage else []:
+        if isinstance(module, Fp8Linear):
+            module.amax_group = ONE_DEVICE
+    seen, cast = [], state.cast
+
+    def recording(index, tensor):
+        result = cast(index, tensor)
+        if index == INPUT and not seen:
+            seen.append((result[0].float().numpy().copy(), float(result[2])))
+        return result
+
+    state.cast = recording
+    trainer.train_step()
+    return seen[0]
+
+
+def test_fp8_mla_down_projections_cast_by_the_whole_sequences_amax():
+    """TP2 with sequence parallelism: each rank's slice of the sequence is cast to FP8 with
+    the amax of the whole (reduced over TP), so its FP8 bytes are one device's rows, bitwise
+    (a maximum and an elementwise cast round nothing differently anywhere); cast with their
+    own slice's amax, they are not. (Gradients are not compared at TP: the E5M2 casts of this
+    tiny model's gradients turn TP's different summation order, 1e-7, into whole FP8 steps of
+    single elements, percents of a weight's gradient; at CP2 they come out within 2e-6,
+    above.)"""
     argv = MLA + TRAINING + FP8
-    reference = fp8_train_job(argv, 1)["losses"][0]
+    whole, inverse = _first_down_projection_input_in_fp8(argv, False)
     world, extra = LAYOUTS["tp2_sp"]
-    for sabotage, equal in ((None, True), ("current", False)):
-        losses = [
-            r["losses"][0] for r in run_distributed(world, fp8_train_job, argv + extra, 1, sabotage)
+    for sabotage in (False, True):
+        results = run_distributed(
+            world, _first_down_projection_input_in_fp8, argv + extra, sabotage
+        )
+        rows = len(results[0][0])
+        same = [
+            np.array_equal(cast, whole[rank * rows : (rank + 1) * rows]) and scale == inverse
+            for rank, (cast, scale) in enumerate(results)
         ]
-        assert all((abs(loss - reference) <= 1e-7 * reference) == equal for loss in losses), losses
+        assert all(same) if not sabotage else not all(same), same
