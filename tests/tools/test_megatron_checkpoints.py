@@ -336,7 +336,7 @@ def _copy_with_args(root: str, destination: str, **changes) -> str:
         ("llama_interleaved", "rotary_interleaved", False, None),
         ("llama_partial_rotary", "rotary_percent", 1.0, "this model's --rotary-percent 0.5"),
         ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
-        ("llama_yarn", "position_embedding_type", "rope", "YaRN positions"),
+        ("llama_yarn", "position_embedding_type", "rope", None),
     ],
     ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn"],
 )
@@ -348,8 +348,9 @@ def test_megatron_architecture_flags_compute_megatron_cores_logits(
     temperature on the tables): megatron-core's model, saved and read back by threefold, gives
     its logits.
     The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
-    regrouped) gives them too; the others have no Hugging Face architecture among those
-    threefold writes, and their export is refused in one line."""
+    regrouped) and of YaRN (LLaMA's rope_scaling of type yarn) gives them too; the others have
+    no Hugging Face architecture among those threefold writes, and their export is refused in
+    one line."""
     from tests.tools.hf_models import has_transformers
 
     root = str(tmp_path / "megatron")
