@@ -175,6 +175,12 @@ def test_export_names_transformer_engines_mla_norms_and_reads_back(tmp_path, cap
             ["--position-embedding-type", "yarn", "--rotary-interleaved"],
             "--rotary-interleaved needs --position-embedding-type rope",
         ),
+        (
+            MLA[len(LLAMA_MHA_STYLE) :]
+            + ["--position-embedding-type", "yarn"]
+            + ["--yarn-beta-fast", "16"],
+            "--yarn-beta-fast with --multi-latent-attention",
+        ),
         (MLA[len(LLAMA_MHA_STYLE) :] + ["--rotary-interleaved"], "--rotary-interleaved with"),
         (
             MLA[len(LLAMA_MHA_STYLE) :] + ["--group-query-attention", "--num-query-groups", "2"],

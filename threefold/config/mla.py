@@ -145,6 +145,21 @@ class MLAConfig:
             "make it even",
         )
         _require(self.rotary_scaling_factor > 0, "--rotary-scaling-factor must be positive")
+        yarn = [
+            f"--{name.replace('_', '-')}"
+            for name in (
+                "yarn_original_max_position_embeddings",
+                "yarn_beta_fast",
+                "yarn_beta_slow",
+            )
+            if getattr(self, name) is not None
+        ]
+        _require(
+            not yarn,
+            f"{' '.join(yarn)} with --multi-latent-attention: MLA's YaRN keeps megatron-core's "
+            "original context 4096 and betas 32/1 (Megatron-LM's flags set other attention's); "
+            "drop them",
+        )
         for name, given in (
             ("--rotary-interleaved", self.rotary_interleaved),
             ("--rotary-percent", self.rotary_percent != 1.0),
