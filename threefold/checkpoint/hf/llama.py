@@ -150,8 +150,9 @@ class LlamaAdapter(Adapter):
         }
         if self.writes_biases:
             hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
-        if rope_scaling(config) is not None:
-            hf["rope_scaling"] = rope_scaling(config)
+        scaling = rope_scaling(config)
+        if scaling is not None:
+            hf["rope_scaling"] = scaling
         return {**hf, **self.extra_hf_config}
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
