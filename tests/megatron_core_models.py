@@ -13,6 +13,8 @@ function computed;
 - tied embeddings under PP are moved with `.cuda()` before their all-reduce: it stays put;
 - MLA takes Transformer Engine for present when megatron-core's TE extension imports (it
   does without TE): it is told it is not.
+- the MoE router's GEMM looks up Transformer Engine's by a name bound only when TE imports: it
+  is bound to None, which takes torch's.
 The torch_dist writer also imports psutil (a test dependency) and writes from forked
 processes, which Python refuses to a daemonic process such as a test's pooled rank: `save`
 lifts that flag for the length of the save (the writers are joined before it returns).
@@ -121,6 +123,30 @@ YARN = dict(
     yarn_correction_range_round_to_int=True,
 )
 SHAPES["llama_yarn"] = {**SHAPES["llama"], "position_embedding_type": "yarn", **YARN}
+# Mixture of experts (--num-experts): DeepSeek-V3's routing (sigmoid scores, an expert bias,
+# scaled weights) and a shared expert, with a first dense layer (--moe-layer-freq [0,1,1,1]:
+# megatron-core keeps such a model's layers apart); then every layer MoE (stacked layers),
+# softmax routing, no shared expert.
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_layer_freq=[0, 1, 1, 1],
+    moe_shared_expert_intermediate_size=48,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_topk_scaling_factor=2.5,
+)
+SHAPES["moe"] = {**SHAPES["llama"], **MOE}
+SHAPES["moe_stacked"] = {
+    **SHAPES["llama"],
+    **MOE,
+    "moe_layer_freq": 1,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_topk_scaling_factor": None,
+}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -130,10 +156,13 @@ SEQ = 16
 def cpu_patches():
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
     # MLA believes Transformer Engine present when megatron-core's TE extension imports,
     # which it does without TE, and then asks whether its layers are TE's (None here).
     have_te, multi_latent_attention.HAVE_TE = multi_latent_attention.HAVE_TE, False
+    # The router's GEMM asks for Transformer Engine's GEMM by a name bound only when TE imports.
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     saved = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
@@ -204,17 +233,24 @@ class MLACoreAttention(torch.nn.Module):
         return context.flatten(2).to(query.dtype)
 
 
-def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0):
-    """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP layout."""
+def build(
+    kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0, expert_parallel: int = 1
+):
+    """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP (x EP) layout."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = SHAPES[kind]
-    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
+    )
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     mla = {name: shape[name] for name in _MLA_FIELDS if shape.get("multi_latent_attention")}
     if mla:
@@ -223,6 +259,15 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         TransformerConfig = MLATransformerConfig  # noqa: N806 (megatron-core's class)
         mla["apply_rope_fusion"] = False  # its fused MLA RoPE is a CUDA kernel
         mla["rotary_base"] = shape["rotary_base"]  # Megatron-LM's config takes --rotary-base
+    moe = {}
+    if shape.get("num_experts"):
+        moe = {name: shape[name] for name in MOE if name != "num_experts"}
+        moe.update(
+            num_moe_experts=shape["num_experts"],
+            expert_model_parallel_size=expert_parallel,
+            moe_token_dispatcher_type="allgather",
+            moe_aux_loss_coeff=0.0,
+        )
     config = TransformerConfig(
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
@@ -247,6 +292,7 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         hidden_dropout=0.0,
         rotary_interleaved=shape["rotary_interleaved"],
         **mla,
+        **moe,
     )
     if shape["position_embedding_type"] == "yarn":  # as Megatron-LM's arguments set them
         config.yarn_rotary_scaling_factor = shape["rotary_scaling_factor"]
@@ -262,6 +308,10 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
     )
     if mla:
         spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    if moe:  # dense and MoE layers as --moe-layer-freq says
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=shape["normalization"]
+        )
     # Norm weights start at 1 and biases at 0: make them random too, so a mix-up shows.
     model = GPTModel(
         config=config,
@@ -279,6 +329,9 @@ def build(kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # a buffer, zero at first: it chooses experts
+                buffer.add_(torch.randn_like(buffer) * 0.1)
     return model
 
 
@@ -288,7 +341,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     shape = SHAPES[kind]
     from megatron.core.transformer.enums import AttnBackend
 
-    defaults = dict(qk_layernorm=False, multi_latent_attention=False)
+    defaults = dict(qk_layernorm=False, multi_latent_attention=False, num_experts=None)
     return argparse.Namespace(
         **(defaults | shape),
         group_query_attention=shape["num_query_groups"] != shape["num_attention_heads"],
@@ -302,7 +355,6 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         openai_gelu=False,
         attention_dropout=0.0,  # as `build` makes the model
         hidden_dropout=0.0,
-        num_experts=None,
         vocab_size=None,
         padded_vocab_size=PADDED_VOCAB,
         make_vocab_size_divisible_by=128,
@@ -344,12 +396,23 @@ def _write(state: dict, root: str, iteration: int, content_metadata: dict | None
     dist.barrier()
 
 
-def save(kind: str, root: str, iteration: int, tensor_parallel: int, pipeline_parallel: int):
-    """One rank's part of a Megatron-LM torch_dist save (run on TP x PP gloo ranks)."""
+def save(
+    kind: str,
+    root: str,
+    iteration: int,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int = 1,
+):
+    """One rank's part of a Megatron-LM torch_dist save (run on TP x PP (x DP) gloo ranks)."""
+    import torch.distributed as dist
+
     with cpu_patches():
-        model = build(kind, tensor_parallel, pipeline_parallel)
+        model = build(kind, tensor_parallel, pipeline_parallel, expert_parallel=expert_parallel)
+        args = megatron_args(kind, tensor_parallel, pipeline_parallel)
+        args.world_size, args.expert_model_parallel_size = dist.get_world_size(), expert_parallel
         state = {
-            "args": megatron_args(kind, tensor_parallel, pipeline_parallel),
+            "args": args,
             "checkpoint_version": 3.0,
             "iteration": iteration,
             "model": model.sharded_state_dict(),

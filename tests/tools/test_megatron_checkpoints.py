@@ -22,6 +22,16 @@ import torch
 from tests import megatron_core_models as mc
 from tests.distributed import run_distributed
 from tests.tools.hf_models import convert_checkpoint
+from tests.tools.megatron_runs import (
+    continue_argv,
+    continue_training,
+    copy_with_args,
+    megatron_argv,
+    megatrons_integrity,
+    per_token_losses,
+    reference_losses,
+    train_from,
+)
 from threefold.checkpoint.load import load_checkpoint, load_model
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
@@ -41,13 +51,6 @@ def megatron(tmp_path_factory):
     return checkpoints
 
 
-def _reference_losses(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token losses of TOKENS[1:] given megatron-core's logits of TOKENS[:-1]."""
-    return torch.nn.functional.cross_entropy(
-        logits[0, :-1].double(), mc.TOKENS[0, 1:], reduction="none"
-    ).float()
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp1_logits_equal_megatron_cores(megatron, kind):
     root, reference = megatron[kind]
@@ -58,66 +61,14 @@ def test_tp1_logits_equal_megatron_cores(megatron, kind):
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
 
 
-def _per_token_losses(argv: list[str], root: str) -> list | None:
-    """Per-token losses of TOKENS through a TP/PP run that --loads the Megatron checkpoint."""
-    from tests.parity import _setup
-    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
-
-    trainer = _setup(argv)
-    load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
-    for chunk in trainer.model_chunks:
-        chunk.eval()
-    tokens = mc.TOKENS.repeat(2, 1)
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-
-    def step(batch, model, input_tensor=None):
-        output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
-        return output, lambda per_token: (per_token.mean(), per_token.detach())
-
-    trainer.pipeline_options["tensor_shape"] = (mc.SEQ - 1, 2, 64)
-    losses = get_forward_backward_func(trainer.parallel.pp)(
-        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
-    )
-    return losses[0][0].tolist() if trainer.parallel.is_last_pipeline_stage else None
-
-
-def _argv(root: str, tp: int, pp: int) -> list[str]:
-    """A run whose model comes from the Megatron checkpoint's args (--use-checkpoint-args)."""
-    return [
-        "--load",
-        root,
-        "--use-checkpoint-args",  # (its tokenizer's files are not on this machine)
-        "--mock-data",
-        "--seq-length",
-        str(mc.SEQ - 1),
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "2",
-        "--tensor-model-parallel-size",
-        str(tp),
-        "--pipeline-model-parallel-size",
-        str(pp),
-    ]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2pp2"])
 def test_any_layout_computes_megatron_cores_losses(megatron, kind, tp, pp):
     root, reference = megatron[kind]
-    results = run_distributed(tp * pp, _per_token_losses, _argv(root, tp, pp), root)
-    expected = _reference_losses(reference)
+    results = run_distributed(tp * pp, per_token_losses, megatron_argv(root, tp, pp), root)
+    expected = reference_losses(reference)
     for losses in (r for r in results if r is not None):
         torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
-
-
-def _train(argv: list[str], root: str, finetune: bool, steps: int = 2) -> tuple[list, object]:
-    from tests.parity import _setup
-
-    trainer = _setup(argv)
-    load_checkpoint(root, trainer.checkpoint_components(), load_optimizer=False, finetune=finetune)
-    losses = [trainer.train_step()[0] for _ in range(steps)]
-    return losses, trainer
 
 
 def test_training_goes_on_from_a_megatron_checkpoint_as_from_its_conversion(megatron, tmp_path):
@@ -139,15 +90,19 @@ def test_training_goes_on_from_a_megatron_checkpoint_as_from_its_conversion(mega
         )
         == 0
     )
-    direct, _ = _train(_argv(root, 1, 1) + ["--finetune"], root, finetune=True)
-    from_conversion, _ = _train(_argv(root, 1, 1) + ["--finetune"], converted, finetune=True)
+    direct, _ = train_from(megatron_argv(root, 1, 1) + ["--finetune"], root, finetune=True)
+    from_conversion, _ = train_from(
+        megatron_argv(root, 1, 1) + ["--finetune"], converted, finetune=True
+    )
     assert direct == from_conversion
     assert all(torch.isfinite(torch.tensor(direct)))
 
 
 def test_no_load_optim_resumes_megatrons_iteration_and_schedule(megatron):
     root, _ = megatron["gpt2"]
-    _, trainer = _train(_argv(root, 1, 1) + ["--no-load-optim"], root, finetune=False, steps=1)
+    _, trainer = train_from(
+        megatron_argv(root, 1, 1) + ["--no-load-optim"], root, finetune=False, steps=1
+    )
     state = trainer.checkpoint_components().train_state
     assert (state.iteration, state.consumed_train_samples) == (11, 642)
     # Megatron-LM's schedule counts samples (640 saved); an iteration-based run, iterations.
@@ -158,7 +113,7 @@ def test_a_megatron_checkpoint_without_optimizer_state_needs_no_load_optim(megat
     from tests.parity import _setup
 
     root, _ = megatron["llama"]
-    trainer = _setup(_argv(root, 1, 1))
+    trainer = _setup(megatron_argv(root, 1, 1))
     with pytest.raises(ConfigError, match="without its optimizer state; pass --no-load-optim"):
         load_checkpoint(root, trainer.checkpoint_components())
 
@@ -178,53 +133,6 @@ def megatron_trained(tmp_path_factory):
     return runs
 
 
-def _continue(argv: list[str], root: str, after: str, load_optimizer: bool) -> tuple:
-    """One iteration after --load of Megatron's checkpoint, on megatron-core's next global
-    batch: (the loss, the largest difference to megatron-core's weights after that step)."""
-    from tests.parity import _full, _setup
-    from threefold.data.loader import collate
-
-    trainer = _setup(argv)
-    assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer) == 2
-    dp = trainer.parallel.dp
-    rows = mc.batch(2, 2).chunk(dp.size)[dp.rank]
-    items = [{"tokens": row.numpy()} for row in rows]
-    trainer._train_iterator = iter([collate(items, trainer.device)])
-    loss, _, _ = trainer.train_step()
-    _, megatron_model, _ = load_model(after, with_tokenizer=False)
-    expected = {
-        megatron_model.layout_independent_name(n): p.detach()
-        for n, p in megatron_model.named_parameters()
-    }
-    difference = max(
-        float((torch.from_numpy(value) - expected[name][: value.shape[0]]).abs().max())
-        for name, value in _full(trainer).items()
-    )
-    return loss, difference
-
-
-def _continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
-    """megatron-core's hyperparameters (tests/megatron_core_models.py) as threefold flags."""
-    return _argv(root, tp, pp) + [
-        "--micro-batch-size",
-        str(2 // dp),
-        "--lr",
-        str(mc.LR),
-        "--min-lr",
-        str(mc.LR),
-        "--lr-decay-style",
-        "constant",
-        "--weight-decay",
-        str(mc.WEIGHT_DECAY),
-        "--clip-grad",
-        "1.0",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
-    ]
-
-
 @pytest.mark.parametrize(
     "layout,tp,pp,dp,flags",
     [
@@ -241,13 +149,15 @@ def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
     """megatron-core's Adam state (moments, fp32 masters, step) read into threefold at
     another layout: the next iteration's loss and updated weights are megatron-core's."""
     root, after, megatron_loss = megatron_trained[layout]
-    argv = _continue_argv(root, tp, pp, dp) + flags
-    for loss, difference in run_distributed(tp * pp * dp, _continue, argv, root, after, True):
+    argv = continue_argv(root, tp, pp, dp) + flags
+    for loss, difference in run_distributed(
+        tp * pp * dp, continue_training, argv, root, after, True
+    ):
         assert loss == pytest.approx(megatron_loss, rel=1e-6)
         assert difference < 1e-6
     # The state is what makes it so: a fresh optimizer takes another step.
     if (tp, pp, dp) == (1, 1, 1) and layout == "fully_reshardable":
-        _, difference = _continue(argv + ["--no-load-optim"], root, after, False)
+        _, difference = continue_training(argv + ["--no-load-optim"], root, after, False)
         assert difference > 1e-4
 
 
@@ -255,7 +165,7 @@ def test_megatrons_default_optimizer_layout_is_refused_naming_the_fix(megatron_t
     from tests.parity import _setup
 
     root, _, _ = megatron_trained["dp_reshardable"]
-    trainer = _setup(_continue_argv(root, 1, 1, 1))
+    trainer = _setup(continue_argv(root, 1, 1, 1))
     with pytest.raises(ConfigError) as error:
         load_checkpoint(root, trainer.checkpoint_components())
     message = str(error.value)
@@ -271,7 +181,9 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
     threefold's); Megatron -> threefold -> Megatron is bitwise."""
     root, reference = megatron[kind]
     trained = str(tmp_path / "trained")
-    _, trainer = _train(_argv(root, 1, 1) + ["--finetune", "--save", trained], root, True)
+    _, trainer = train_from(
+        megatron_argv(root, 1, 1) + ["--finetune", "--save", trained], root, True
+    )
     save_checkpoint(trained, trainer.checkpoint_components())
     _, model, _ = load_model(trained, with_tokenizer=False)
     with torch.no_grad():
@@ -287,7 +199,7 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
         path = os.path.join(out, f"iter_{iteration:07d}")
         # Megatron-LM's --verify-integrity list, as megatron-core would write it
         with open(os.path.join(path, "integrity.json")) as f:
-            assert json.load(f) == _megatrons_integrity(path)
+            assert json.load(f) == megatrons_integrity(path)
         theirs = run_distributed(1, mc.logits, kind, path)
         torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
 
@@ -298,7 +210,7 @@ def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_p
     vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
     vocab.write_text("{}")
     merges.write_text("")
-    root = _copy_with_args(
+    root = copy_with_args(
         megatron["llama"][0], str(tmp_path / "run"), vocab_file=str(vocab), merge_file=str(merges)
     )
     assert "--vocab-file" not in checkpoint_flags(megatron["llama"][0], with_tokenizer=True)
@@ -317,17 +229,6 @@ def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_p
         f"--merge-file {merges}",
     ):
         assert expected in text, (expected, text)
-
-
-def _copy_with_args(root: str, destination: str, **changes) -> str:
-    """A copy of a Megatron checkpoint whose common.pt args have `changes`."""
-    shutil.copytree(root, destination)
-    path = os.path.join(destination, "iter_0000010", "common.pt")
-    common = torch.load(path, weights_only=False)  # the test's own file
-    for name, value in changes.items():
-        setattr(common["args"], name, value)
-    torch.save(common, path)
-    return destination
 
 
 @pytest.mark.parametrize(
@@ -396,12 +297,15 @@ def _model_with(config, model):
 
 @pytest.mark.parametrize(
     "change,named",
-    [({"num_experts": 8}, "--num-experts"), ({"mtp_num_layers": 1}, "--mtp-num-layers")],
+    [
+        ({"moe_shared_expert_gate": True}, "--moe-shared-expert-gate"),
+        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+    ],
 )
 def test_architectures_threefold_does_not_build_are_refused_by_name(
     megatron, tmp_path, change, named
 ):
-    root = _copy_with_args(megatron["llama"][0], str(tmp_path / "changed"), **change)
+    root = copy_with_args(megatron["llama"][0], str(tmp_path / "changed"), **change)
     with pytest.raises(ConfigError, match=named):
         load_model(root, with_tokenizer=False)
 
@@ -417,7 +321,7 @@ class _Payload:
 def test_a_tampered_common_file_runs_nothing(megatron, tmp_path):
     """Megatron-LM unpickles common.pt freely; threefold builds plain data only."""
     marker = str(tmp_path / "ran")
-    root = _copy_with_args(
+    root = copy_with_args(
         megatron["llama"][0], str(tmp_path / "tampered"), hidden_size=_Payload(marker)
     )
     with pytest.raises(ConfigError):
@@ -524,19 +428,6 @@ def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_p
     assert (optimizer.layout, optimizer.readable) == ("fully_sharded_model_space", False)
 
 
-def _megatrons_integrity(path: str) -> dict:
-    """What megatron-core's save_integrity_manifest writes (Megatron-LM's --verify-integrity;
-    megatron-core 0.16.1 predates it): each file directly in the directory, its SHA-256."""
-    import hashlib
-
-    files = {}
-    for name in sorted(os.listdir(path)):
-        if name != "integrity.json" and os.path.isfile(os.path.join(path, name)):
-            with open(os.path.join(path, name), "rb") as f:
-                files[name] = hashlib.sha256(f.read()).hexdigest()
-    return {"algorithm": "sha256", "files": files}
-
-
 def test_megatrons_integrity_manifest_is_verified(megatron, tmp_path):
     from threefold.checkpoint.load import find_checkpoint
 
@@ -547,11 +438,11 @@ def test_megatrons_integrity_manifest_is_verified(megatron, tmp_path):
     assert find_checkpoint(root) == 10
     from tests.parity import _setup
 
-    trainer = _setup(_argv(root, 1, 1) + ["--finetune", "--verify-integrity"])
+    trainer = _setup(megatron_argv(root, 1, 1) + ["--finetune", "--verify-integrity"])
     with pytest.raises(ConfigError, match="holds no checksums .* which --verify-integrity"):
         load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
     with open(os.path.join(path, "integrity.json"), "w") as f:
-        json.dump(_megatrons_integrity(path), f)
+        json.dump(megatrons_integrity(path), f)
     assert find_checkpoint(root, verify_integrity=True) == 10
     load_model(root, with_tokenizer=False)
     # One flipped byte in a shard, the size unchanged: refused, naming the file.

@@ -188,11 +188,6 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
     else:
         config, state, _, iteration = whole_model(load_dir, loader)
         default = torch.bfloat16 if config.training.bf16 else torch.float32
-    if config.model.is_moe:
-        raise ConfigError(
-            f"--load-dir {load_dir}: a mixture of experts; Megatron-LM's MoE checkpoint layout "
-            "is not written yet (dense GPT/LLaMA models only)"
-        )
     target = getattr(torch, dtype) if dtype else default
     return save_megatron_checkpoint(save_dir, config, state, target, iteration)
 

@@ -42,7 +42,9 @@ _TOKENIZERS = {
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
-    ("num_experts", None, "mixture-of-experts layers (--num-experts)"),
+    ("moe_shared_expert_gate", False, "a gated shared expert (--moe-shared-expert-gate)"),
+    ("moe_apply_probs_on_input", False, "routing weights on the experts' input"),
+    ("moe_latent_size", None, "latent experts (--moe-latent-size)"),
     ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
@@ -82,6 +84,11 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
+    if "moe_layer_freq" in model:  # Megatron-LM's args hold the parsed N or [0, 1, ...]
+        model["moe_layer_freq"] = str(model["moe_layer_freq"]).replace(" ", "")
+    balancing = model.get("moe_router_load_balancing_type")
+    if isinstance(balancing, list) and len(balancing) == 1:  # megatron-core's list form
+        (model["moe_router_load_balancing_type"],) = balancing
     if "max_position_embeddings" in args:
         model["max_position_embeddings"] = args["max_position_embeddings"]
     for name, value in model.items():
@@ -172,6 +179,14 @@ def megatron_metadata(path: str) -> dict:
     }
 
 
+def moe_layer_freq(model: ModelConfig) -> int | list[int]:
+    """--moe-layer-freq as Megatron-LM's args hold it: N, or one 0/1 per layer. megatron-core
+    keeps the layers of a checkpoint per layer, not stacked, for anything but 1."""
+    if model.moe_layer_freq.isdigit():
+        return int(model.moe_layer_freq)
+    return model.moe_layer_pattern(model.num_layers)
+
+
 def megatron_args(config: Config, iteration: int) -> dict:
     """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
     field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read."""
@@ -188,7 +203,7 @@ def megatron_args(config: Config, iteration: int) -> dict:
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
         apply_query_key_layer_scaling=False,
-        num_experts=None,
+        moe_layer_freq=moe_layer_freq(model),
         vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size(1),
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,

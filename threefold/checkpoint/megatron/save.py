@@ -23,7 +23,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
 from threefold.checkpoint.manifest import write_integrity
-from threefold.checkpoint.megatron.format import BACKEND, CHECKPOINT_VERSION, megatron_args
+from threefold.checkpoint.megatron.format import (
+    BACKEND,
+    CHECKPOINT_VERSION,
+    megatron_args,
+    moe_layer_freq,
+)
 from threefold.checkpoint.megatron.tensors import stacked_state_dict
 from threefold.config import Config, ConfigError
 
@@ -59,7 +64,8 @@ def save_megatron_checkpoint(
                 [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
             )
         state[name] = tensor.contiguous()
-    state = stacked_state_dict(state, model.num_layers, model.multi_latent_attention)
+    stacked = moe_layer_freq(model) == 1  # as megatron-core stores such a model's layers
+    state = stacked_state_dict(state, model.num_layers, model.multi_latent_attention, stacked)
     args = megatron_args(config, iteration)
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = padded

@@ -7,19 +7,26 @@ norms keep the names of Transformer Engine's fused norm+linear layers, which meg
 local spec maps its own to (`input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`,
 `pre_mlp_layernorm.` -> `mlp.linear_fc1.layer_norm_`; a multi-latent attention model's as
 its Transformer Engine spec does, `_TE_MLA_NAMES`, while its local spec keeps threefold's names,
-which read as well). The global tensors are layout-free:
+which read as well). A mixture of experts' layer holds its experts as one tensor,
+`mlp.experts.experts.X` of shape [experts, ...] (on a second axis when stacked) for threefold's
+`mlp.experts.local_experts.{e}.X`; and where the layers differ (--moe-layer-freq other than 1)
+megatron-core keeps each layer's tensors apart, `decoder.layers.{i}.X`, not stacked. The global
+tensors are layout-free:
 QKV is per query group `[q..., k, v]` and SwiGLU's fc1 `[gate; up]`, both as in threefold's
 whole model, and the embedding keeps the saving run's vocabulary padding.
 
-Reading takes one layer's slice at a time out of the stacked tensors (a load plan for just that
-chunk), so a rank never holds more than one parameter of the whole model beyond its own. Adam's
-state, where megatron-core stored it in model space (checkpoint/megatron/optimizer.py), is the
-same tensors under a prefix and is read the same way.
+Reading takes one layer's (and expert's) slice at a time out of the stacked tensors (a load
+plan for just that chunk), so a rank never holds more than one parameter of the whole model
+beyond its own. Adam's state, where megatron-core stored it in model space
+(checkpoint/megatron/optimizer.py), is the same tensors under a prefix and is read the same
+way.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import math
 import re
 import warnings
 
@@ -36,6 +43,7 @@ from threefold.config import ConfigError
 from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron-core's local spec stores its norms under Transformer Engine's names.
 _TE_NAMES = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -51,40 +59,74 @@ _TE_MLA_NAMES = {
 }
 
 
-def megatron_key(name: str, multi_latent_attention: bool = False) -> tuple[str, int | None]:
-    """(megatron-core's key, layer index or None) of a threefold parameter name."""
-    match = _LAYER.match(name)
-    if match is None:
-        return name, None
-    rest = match.group(2)
+def _renamed(rest: str, multi_latent_attention: bool) -> str:
+    """A layer's parameter name under megatron-core's names for its norms."""
     for local, te in (_TE_MLA_NAMES if multi_latent_attention else _TE_NAMES).items():
         if rest.startswith(local):
-            rest = te + rest[len(local) :]
-    return f"decoder.layers.{rest}", int(match.group(1))
+            return te + rest[len(local) :]
+    return rest
 
 
-def _local_key(name: str) -> str:
-    """The key without the TE renaming (checkpoints of specs that keep their own names)."""
+def _split(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(the name within a layer with the expert's index taken out, (layer, expert...)), or None
+    outside the layers."""
     match = _LAYER.match(name)
-    return name if match is None else f"decoder.layers.{match.group(2)}"
+    if match is None:
+        return None
+    rest, index = match.group(2), (int(match.group(1)),)
+    expert = _EXPERT.match(rest)
+    if expert is not None:  # megatron-core stores a layer's experts as one [experts, ...] tensor
+        rest, index = f"mlp.experts.experts.{expert.group(2)}", index + (int(expert.group(1)),)
+    return rest, index
+
+
+def megatron_key(
+    name: str, multi_latent_attention: bool = False, stacked: bool = True, renamed: bool = True
+) -> tuple[str, tuple[int, ...]]:
+    """(megatron-core's key of a threefold parameter, the indices of its slice in that key's
+    tensor). Stacked: `decoder.layers.X` with indices (layer,) or (layer, expert); per layer
+    (models whose layers differ): `decoder.layers.{layer}.X` with () or (expert,). `renamed`:
+    norms under the fused layers' names (else threefold's own)."""
+    split = _split(name)
+    if split is None:
+        return name, ()
+    rest, index = split
+    rest = _renamed(rest, multi_latent_attention) if renamed else rest
+    if stacked:
+        return f"decoder.layers.{rest}", index
+    return f"decoder.layers.{index[0]}.{rest}", index[1:]
+
+
+def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every key megatron-core may have stored a parameter under: its local and Transformer
+    Engine specs' names (plain and MLA), stacked or per layer."""
+    split = _split(name)
+    if split is None:
+        return [(name, ())]
+    rest, index = split
+    found = []
+    for renamed in (_renamed(rest, False), _renamed(rest, True), rest):
+        found += [(f"decoder.layers.{renamed}", index)]
+        found += [(f"decoder.layers.{index[0]}.{renamed}", index[1:])]
+    return found
 
 
 class _SlicePlanner(DefaultLoadPlanner):
-    """Reads the slice [layer] of stacked tensors (or whole unstacked ones) into targets."""
+    """Reads the slice [index] of stacked tensors (whole tensors for index ()) into targets."""
 
-    def __init__(self, targets: dict[str, tuple[int | None, torch.Tensor]]) -> None:
+    def __init__(self, targets: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
         super().__init__()
         self.targets = targets
 
     def _view(self, key: str) -> torch.Tensor:
-        layer, target = self.targets[key]
-        return target if layer is None else target.unsqueeze(0)
+        index, target = self.targets[key]
+        return target.view((1,) * len(index) + tuple(target.shape))
 
     def create_local_plan(self) -> LoadPlan:
         items = []
-        for key, (layer, _) in self.targets.items():
+        for key, (index, _) in self.targets.items():
             view = self._view(key)
-            offsets = (0,) * view.dim() if layer is None else (layer,) + (0,) * (view.dim() - 1)
+            offsets = index + (0,) * (view.dim() - len(index))
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
             items += create_read_items_for_chunk_list(
                 key, self.metadata.state_dict_metadata[key], [chunk]
@@ -109,12 +151,11 @@ class MegatronTensors:
         metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
 
-    def _key(self, kind: str, name: str) -> tuple[str, int | None] | None:
-        (key, layer), (mla_key, _) = megatron_key(name), megatron_key(name, True)
+    def _key(self, kind: str, name: str) -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
-            for candidate in (key, mla_key, _local_key(name)):
-                if prefix + candidate in self.sizes:
-                    return prefix + candidate, layer
+            for key, index in _candidates(name):
+                if prefix + key in self.sizes:
+                    return prefix + key, index
         return None
 
     def has(self, kind: str, name: str) -> bool:
@@ -125,17 +166,17 @@ class MegatronTensors:
         found = self._key(kind, name)
         if found is None:
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
-        key, layer = found
-        size = self.sizes[key] if layer is None else self.sizes[key][1:]
-        if layer is not None and layer >= self.sizes[key][0]:
-            raise ConfigError(f"--load {self.path}: {key} holds no layer {layer}")
-        target = torch.empty(size, dtype=torch.float32)
+        key, index = found
+        size = self.sizes[key]
+        if any(i >= n for i, n in zip(index, size)):
+            raise ConfigError(f"--load {self.path}: {key} holds no slice {list(index)}")
+        target = torch.empty(size[len(index) :], dtype=torch.float32)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 {key: target},
                 storage_reader=self.reader,
-                planner=_SlicePlanner({key: (layer, target)}),
+                planner=_SlicePlanner({key: (index, target)}),
                 no_dist=True,
             )
         if param.dim() and param.valid_rows is not None:
@@ -158,28 +199,53 @@ def _extra_state() -> io.BytesIO:
 
 
 def stacked_state_dict(
-    tensors: dict[str, torch.Tensor], num_layers: int, multi_latent_attention: bool = False
+    tensors: dict[str, torch.Tensor],
+    num_layers: int,
+    multi_latent_attention: bool = False,
+    stacked: bool = True,
 ) -> dict:
-    """megatron-core's torch_dist state dict of a whole model given by threefold names."""
+    """megatron-core's torch_dist state dict of a whole model given by threefold names: the
+    layers stacked into one tensor per name, or (`stacked` False) kept per layer as
+    megatron-core keeps them when the layers differ (--moe-layer-freq other than 1); each
+    layer's experts stacked into one [experts, ...] tensor either way."""
     state: dict = {}
-    layers: dict[str, dict[int, torch.Tensor]] = {}
+    slices: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     # Modules whose (empty) `_extra_state` megatron-core's local and TE layers load as objects.
-    linear_modules = set()
+    linear_modules: dict[str, set[tuple[int, ...]]] = {}
+    # An MoE layer's pre-MLP norm is fused into fc1's name by the local spec, as a dense
+    # layer's, but a module of its own in Transformer Engine's (Megatron-LM's default): it is
+    # written under both names, so that either spec loads the export.
+    moe_layers = {_split(name)[1][0] for name in tensors if ".mlp.router." in name}
     for name, tensor in tensors.items():
-        key, layer = megatron_key(name, multi_latent_attention)
-        if layer is None:
-            state[key] = tensor
-        else:
-            layers.setdefault(key, {})[layer] = tensor
-            module = _LAYER.match(name).group(2).rsplit(".", 1)[0]
-            if module.rsplit(".", 1)[-1].startswith("linear_"):
-                linear_modules.add(module)
-    for key, per_layer in layers.items():
-        if sorted(per_layer) != list(range(num_layers)):
-            raise ConfigError(f"{key}: the model lacks some of its {num_layers} layers")
-        state[key] = torch.stack([per_layer[i] for i in range(num_layers)])
-    for module in sorted(linear_modules):
-        for layer in range(num_layers):
-            key = f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}"
-            state[key] = _extra_state()
+        keys = [megatron_key(name, multi_latent_attention, stacked)]
+        split = _split(name)
+        if split and split[0].startswith("pre_mlp_layernorm.") and split[1][0] in moe_layers:
+            keys.append(megatron_key(name, multi_latent_attention, stacked, renamed=False))
+        for key, index in keys:
+            if index:
+                slices.setdefault(key, {})[index] = tensor
+            else:
+                state[key] = tensor
+        module = keys[0][0].rsplit(".", 1)[0]
+        if split and module.rsplit(".", 1)[-1].startswith("linear_"):
+            linear_modules.setdefault(module, set()).add(keys[0][1])
+    for key, pieces in slices.items():
+        shape = _grid(key, pieces, num_layers if stacked else None)
+        whole = torch.stack([pieces[index] for index in itertools.product(*map(range, shape))])
+        state[key] = whole.view(*shape, *whole.shape[1:])
+    for module, indices in sorted(linear_modules.items()):
+        shape = _grid(module, dict.fromkeys(indices), num_layers if stacked else None) or (1,)
+        for index in itertools.product(*map(range, shape)):
+            offsets, sizes = ".".join(map(str, index)), ".".join(map(str, shape))
+            state[f"{module}._extra_state/shard_{offsets}_{sizes}"] = _extra_state()
     return state
+
+
+def _grid(key: str, pieces: dict, num_layers: int | None) -> tuple[int, ...]:
+    """The leading shape the slices of one key fill: all of it, and every layer if stacked."""
+    shape = tuple(
+        max(index[axis] for index in pieces) + 1 for axis in range(len(next(iter(pieces))))
+    )
+    if len(pieces) != math.prod(shape) or (num_layers is not None and shape[0] != num_layers):
+        raise ConfigError(f"{key}: the model lacks some of its layers or experts")
+    return shape

@@ -1,0 +1,144 @@
+"""Runs of threefold on a Megatron-LM checkpoint written by megatron-core
+(tests/megatron_core_models.py): the flags that load it, the per-token losses of a layout,
+a few training steps, and the files Megatron-LM writes beside it. Shared by the dense and the
+mixture-of-experts interchange tests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import torch
+
+from tests import megatron_core_models as mc
+from threefold.checkpoint.load import load_checkpoint, load_model
+
+
+def reference_losses(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token losses of TOKENS[1:] given megatron-core's logits of TOKENS[:-1]."""
+    return torch.nn.functional.cross_entropy(
+        logits[0, :-1].double(), mc.TOKENS[0, 1:], reduction="none"
+    ).float()
+
+
+def per_token_losses(argv: list[str], root: str, length: int = mc.SEQ - 1) -> list | None:
+    """Per-token losses of TOKENS (its first `length` + 1; the run's --seq-length) through a
+    TP/PP run that --loads the Megatron checkpoint."""
+    from tests.parity import _setup
+    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
+
+    trainer = _setup(argv)
+    load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
+    for chunk in trainer.model_chunks:
+        chunk.eval()
+    tokens = mc.TOKENS[:, : length + 1].repeat(2, 1)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    def step(batch, model, input_tensor=None):
+        output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
+        return output, lambda per_token: (per_token.mean(), per_token.detach())
+
+    trainer.pipeline_options["tensor_shape"] = (length, 2, 64)
+    losses = get_forward_backward_func(trainer.parallel.pp)(
+        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
+    )
+    return losses[0][0].tolist() if trainer.parallel.is_last_pipeline_stage else None
+
+
+def megatron_argv(root: str, tp: int, pp: int) -> list[str]:
+    """A run whose model comes from the Megatron checkpoint's args (--use-checkpoint-args)."""
+    return [
+        "--load",
+        root,
+        "--use-checkpoint-args",  # (its tokenizer's files are not on this machine)
+        "--mock-data",
+        "--seq-length",
+        str(mc.SEQ - 1),
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+    ]
+
+
+def train_from(argv: list[str], root: str, finetune: bool, steps: int = 2) -> tuple[list, object]:
+    from tests.parity import _setup
+
+    trainer = _setup(argv)
+    load_checkpoint(root, trainer.checkpoint_components(), load_optimizer=False, finetune=finetune)
+    losses = [trainer.train_step()[0] for _ in range(steps)]
+    return losses, trainer
+
+
+def copy_with_args(root: str, destination: str, **changes) -> str:
+    """A copy of a Megatron checkpoint whose common.pt args have `changes`."""
+    shutil.copytree(root, destination)
+    path = os.path.join(destination, "iter_0000010", "common.pt")
+    common = torch.load(path, weights_only=False)  # the test's own file
+    for name, value in changes.items():
+        setattr(common["args"], name, value)
+    torch.save(common, path)
+    return destination
+
+
+def megatrons_integrity(path: str) -> dict:
+    """What megatron-core's save_integrity_manifest writes (Megatron-LM's --verify-integrity;
+    megatron-core 0.16.1 predates it): each file directly in the directory, its SHA-256."""
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name != "integrity.json" and os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = hashlib.sha256(f.read()).hexdigest()
+    return {"algorithm": "sha256", "files": files}
+
+
+def continue_training(argv: list[str], root: str, after: str, load_optimizer: bool) -> tuple:
+    """One iteration after --load of Megatron's checkpoint, on megatron-core's next global
+    batch: (the loss, the largest difference to megatron-core's weights after that step)."""
+    from tests.parity import _full, _setup
+    from threefold.data.loader import collate
+
+    trainer = _setup(argv)
+    assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer) == 2
+    dp = trainer.parallel.dp
+    rows = mc.batch(2, 2).chunk(dp.size)[dp.rank]
+    items = [{"tokens": row.numpy()} for row in rows]
+    trainer._train_iterator = iter([collate(items, trainer.device)])
+    loss, _, _ = trainer.train_step()
+    _, megatron_model, _ = load_model(after, with_tokenizer=False)
+    expected = {
+        megatron_model.layout_independent_name(n): p.detach()
+        for n, p in megatron_model.named_parameters()
+    }
+    difference = max(
+        float((torch.from_numpy(value) - expected[name][: value.shape[0]]).abs().max())
+        for name, value in _full(trainer).items()
+    )
+    return loss, difference
+
+
+def continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
+    """megatron-core's hyperparameters (tests/megatron_core_models.py) as threefold flags."""
+    return megatron_argv(root, tp, pp) + [
+        "--micro-batch-size",
+        str(2 // dp),
+        "--lr",
+        str(mc.LR),
+        "--min-lr",
+        str(mc.LR),
+        "--lr-decay-style",
+        "constant",
+        "--weight-decay",
+        str(mc.WEIGHT_DECAY),
+        "--clip-grad",
+        "1.0",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]

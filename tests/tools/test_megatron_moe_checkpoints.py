@@ -1,0 +1,193 @@
+"""Megatron-LM torch_dist checkpoints of mixture-of-experts models in and out, against
+megatron-core itself.
+
+megatron-core's GPTModel with experts (its local spec's SequentialMLP, whose checkpoint keys its
+grouped-GEMM experts share) saves two models (tests/megatron_core_models.py):
+- "moe": a dense first layer, then MoE layers with DeepSeek-V3's routing (sigmoid scores, an
+  expert bias, scaled weights) and a shared expert, saved at TP2 x EP2 (experts split over
+  expert-TP 2). Its layers differ, so megatron-core keeps each layer's tensors apart
+  (`decoder.layers.{i}.…`) and a layer's experts as one [experts, …] tensor.
+- "moe_stacked": every layer MoE, softmax routing, saved at EP2: the layers are stacked as a
+  dense model's are, experts on a second axis ([layers, experts, …]).
+threefold reads both at other layouts and computes megatron-core's logits, and its export
+loads back into megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests import megatron_core_models as mc
+from tests.distributed import run_distributed
+from tests.tools.hf_models import convert_checkpoint
+from tests.tools.megatron_runs import (
+    continue_argv,
+    continue_training,
+    megatron_argv,
+    megatrons_integrity,
+    per_token_losses,
+    reference_losses,
+    train_from,
+)
+from threefold.checkpoint.load import load_model
+from threefold.checkpoint.save import save_checkpoint
+from threefold.safe_loading import SafeFileSystemReader
+
+# kind -> (TP, EP, ranks) megatron-core saves it at
+SAVED = {"moe": (2, 2, 4), "moe_stacked": (1, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS)."""
+    checkpoints = {}
+    for kind, (tp, ep, ranks) in SAVED.items():
+        root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
+        run_distributed(ranks, mc.save, kind, root, 10, tp, 1, ep)
+        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
+        checkpoints[kind] = (root, reference)
+    return checkpoints
+
+
+@pytest.mark.parametrize("kind", SAVED)
+def test_one_process_computes_megatron_cores_logits(megatron, kind):
+    root, reference = megatron[kind]
+    config, model, _ = load_model(root, with_tokenizer=False)
+    shape = mc.SHAPES[kind]
+    model_config = config.model
+    assert (model_config.num_experts, model_config.moe_ffn_hidden_size) == (4, 32)
+    assert model_config.moe_layer_pattern(4) == ([0, 1, 1, 1] if kind == "moe" else [1] * 4)
+    for name in ("moe_shared_expert_intermediate_size", "moe_router_score_function"):
+        assert getattr(model_config, name) == shape[name]
+    assert model_config.moe_router_enable_expert_bias == shape["moe_router_enable_expert_bias"]
+    with torch.no_grad():
+        logits = model(mc.TOKENS).transpose(0, 1)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    if kind == "moe":  # the expert bias chooses the experts: without it, other logits
+        with torch.no_grad():
+            for layer in model.decoder.layers[1:]:
+                layer.mlp.router.expert_bias.zero_()
+            assert (model(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "kind,tp,pp,ep,flags",
+    [
+        ("moe", 1, 1, 2, []),
+        ("moe", 2, 1, 2, ["--sequence-parallel", "--seq-length", "14"]),
+        ("moe", 1, 2, 1, []),
+        ("moe_stacked", 1, 2, 2, []),
+    ],
+    ids=["ep2", "tp2-sp-ep2", "pp2", "stacked-pp2-ep2"],
+)
+def test_any_layout_computes_megatron_cores_losses(megatron, kind, tp, pp, ep, flags):
+    root, reference = megatron[kind]
+    ranks = tp * pp * ep  # EP within data parallelism: DP = EP here
+    argv = megatron_argv(root, tp, pp) + ["--expert-model-parallel-size", str(ep), *flags]
+    argv += ["--global-batch-size", str(2 * ep)]  # each rank's micro-batch of 2
+    # Sequence parallelism splits the sequence over TP: 14 of the causal model's 15 tokens.
+    length = 14 if "--sequence-parallel" in flags else mc.SEQ - 1
+    results = run_distributed(ranks, per_token_losses, argv, root, length)
+    expected = reference_losses(reference)[:length]
+    for losses in (r for r in results if r is not None):
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", SAVED)
+def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
+    """threefold -> Megatron: megatron-core's MoE GPTModel reads the export of a model trained
+    on (its expert bias moved too) and computes threefold's logits; Megatron -> threefold ->
+    Megatron gives megatron-core's own logits bitwise."""
+    root, reference = megatron[kind]
+    trained = str(tmp_path / "trained")
+    argv = megatron_argv(root, 1, 1) + ["--finetune", "--save", trained]
+    _, trainer = train_from(argv, root, True)
+    save_checkpoint(trained, trainer.checkpoint_components())
+    _, model, _ = load_model(trained, with_tokenizer=False)
+    with torch.no_grad():
+        ours = model(mc.TOKENS).transpose(0, 1)
+    assert (ours - reference).abs().max() > 1e-3  # training moved it
+    converted = str(tmp_path / "converted")
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
+    assert convert_checkpoint.main(argv + [converted]) == 0
+    for source, expected, tolerance in ((trained, ours, 1e-5), (converted, reference, 0)):
+        out = source + "_megatron"
+        argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
+        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
+        iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
+        path = os.path.join(out, f"iter_{iteration:07d}")
+        with open(os.path.join(path, "integrity.json")) as f:  # Megatron's --verify-integrity
+            assert json.load(f) == megatrons_integrity(path)
+        # Transformer Engine's spec (Megatron-LM's default) names an MoE layer's pre-MLP norm
+        # as a module of its own; the local spec, as a dense layer's (fused into fc1).
+        keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        te_norm = {
+            "moe": ["decoder.layers.1.pre_mlp_layernorm.weight"],
+            "moe_stacked": ["decoder.layers.pre_mlp_layernorm.weight"],
+        }[kind]
+        assert all(key in keys for key in te_norm)
+        assert "decoder.layers.0.pre_mlp_layernorm.weight" not in keys  # dense: TE fuses it
+        theirs = run_distributed(1, mc.logits, kind, path)
+        torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
+
+
+@pytest.fixture(scope="module")
+def megatron_trained(tmp_path_factory):
+    """(checkpoint root, megatron-core's weights one iteration later, its loss): megatron-core
+    trained "moe" 2 iterations at DP2 with its distributed optimizer, saved fully reshardable."""
+    directory = tmp_path_factory.mktemp("megatron_moe_trained")
+    root, after = str(directory / "run"), str(directory / "after")
+    losses = run_distributed(2, mc.train_and_save, "moe", root, after, 1, "fully_reshardable", 2)
+    return root, after, losses[0]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,dp,flags",
+    [
+        (1, 1, 1, []),
+        (1, 1, 2, ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]),
+        (1, 2, 1, []),
+    ],
+    ids=["one-process", "dp2-ep2-distributed-optimizer", "pp2"],
+)
+def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
+    megatron_trained, tp, pp, dp, flags
+):
+    """megatron-core's Adam state of the experts, the router and the rest, read into threefold
+    at another layout: the next iteration's loss and weights are megatron-core's. (The harness
+    steps megatron-core's optimizer without Megatron-LM's finalize_model_grads, which moves the
+    expert bias; threefold's bias update is off to match.)"""
+    root, after, megatron_loss = megatron_trained
+    argv = continue_argv(root, tp, pp, dp) + flags + ["--moe-router-bias-update-rate", "0"]
+    results = run_distributed(tp * pp * dp, continue_training, argv, root, after, True)
+    for loss, difference in results:
+        assert loss == pytest.approx(megatron_loss, rel=1e-6)
+        assert difference < 1e-6
+    if dp == 1 and pp == 1:  # the state is what makes it so: a fresh optimizer steps elsewhere
+        _, difference = continue_training(argv + ["--no-load-optim"], root, after, False)
+        assert difference > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+def test_a_hugging_face_moe_goes_to_megatron_with_its_logits(kind, tmp_path):
+    """Mixtral (every layer MoE: stacked) and Qwen3-MoE (a dense layer among MoE ones: per
+    layer) from Hugging Face to Megatron-LM's layout and back into threefold: transformers'
+    logits."""
+    from tests.tools.hf_models import VOCAB, build_hf_model, has_transformers
+
+    if not has_transformers():
+        pytest.skip("transformers is not installed")
+    hf, megatron = str(tmp_path / "hf"), str(tmp_path / "megatron")
+    hf_model = build_hf_model(kind, hf)
+    argv = ["--loader", "hf", "--saver", "megatron", "--load-dir", hf, "--save-dir", megatron]
+    assert convert_checkpoint.main(argv) == 0
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    _, model, _ = load_model(megatron, with_tokenizer=False)
+    with torch.no_grad():
+        logits = model(tokens)[..., :VOCAB].transpose(0, 1)
+        expected = hf_model(tokens).logits
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
