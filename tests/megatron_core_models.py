@@ -36,6 +36,7 @@ import os
 import torch
 
 TOKENS = torch.tensor([[3, 17, 91, 5, 250, 8, 42, 42, 7, 199, 64, 1, 0, 33, 120, 77]])
+LOSS_MASK = torch.ones(1, 15).index_fill_(1, torch.tensor([3]), 0.0)  # of TOKENS[1:]
 SHAPES = {
     "llama": dict(
         num_layers=4,
@@ -147,6 +148,9 @@ SHAPES["moe_stacked"] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_topk_scaling_factor": None,
 }
+# Multi-token prediction (--mtp-num-layers 2) on the MoE model: each depth's layer is MoE, as
+# the last decoder layer is.
+SHAPES["moe_mtp"] = {**SHAPES["moe"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -268,6 +272,11 @@ def build(
             moe_token_dispatcher_type="allgather",
             moe_aux_loss_coeff=0.0,
         )
+    if shape.get("mtp_num_layers"):
+        moe.update(
+            mtp_num_layers=shape["mtp_num_layers"],
+            mtp_loss_scaling_factor=shape["mtp_loss_scaling_factor"],
+        )
     config = TransformerConfig(
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
@@ -312,6 +321,11 @@ def build(
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=shape["normalization"]
         )
+    mtp = None
+    if shape.get("mtp_num_layers"):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     # Norm weights start at 1 and biases at 0: make them random too, so a mix-up shows.
     model = GPTModel(
         config=config,
@@ -324,6 +338,7 @@ def build(
         rotary_base=int(shape["rotary_base"]),
         rotary_percent=shape["rotary_percent"],
         share_embeddings_and_output_weights=not shape["untie_embeddings_and_output_weights"],
+        mtp_block_spec=mtp,
     )
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -341,7 +356,9 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     shape = SHAPES[kind]
     from megatron.core.transformer.enums import AttnBackend
 
-    defaults = dict(qk_layernorm=False, multi_latent_attention=False, num_experts=None)
+    defaults = dict(
+        qk_layernorm=False, multi_latent_attention=False, num_experts=None, mtp_num_layers=None
+    )
     return argparse.Namespace(
         **(defaults | shape),
         group_query_attention=shape["num_query_groups"] != shape["num_attention_heads"],
@@ -535,3 +552,25 @@ def logits(kind: str, path: str) -> torch.Tensor:
         mask = torch.triu(torch.ones(TOKENS.shape[1], TOKENS.shape[1]), 1).bool()[None, None]
         with torch.no_grad():
             return model(TOKENS, positions, mask)
+
+
+def gradients(kind: str, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """megatron-core's training-mode loss of TOKENS (the mean over LOSS_MASK) and its
+    gradients by parameter name, from the checkpoint `path`; a multi-token prediction
+    model's depths add their losses' gradients (MTPLossAutoScaler at scale 1)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    with cpu_patches():
+        model = build(kind, 1, 1, seed=123)
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(state["model"])
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        length = SEQ - 1
+        positions = torch.arange(length)[None]
+        mask = torch.triu(torch.ones(length, length), 1).bool()[None, None]
+        tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
+        per_token = model(tokens, positions, mask, labels=labels, loss_mask=LOSS_MASK)
+        loss = (per_token * LOSS_MASK).sum() / LOSS_MASK.sum()
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -225,7 +225,8 @@ MISSING = {
     "--fp8-quantizer-factory": "custom FP8 recipes",
     "--fp8-output-proj": "an FP8 output layer (MXFP8)",
     "--fp4-": "FP4 training",
-    "--mtp-": "multi-token prediction (MTP)",
+    "--mtp-": "multi-token prediction variants (one layer repeated over the depths, hidden-state "
+    "mixing, detached heads, hybrid MTP patterns)",
     "--dsa-": "DeepSeek sparse attention",
     "--recompute-modules": "recomputation of chosen modules (threefold's selective recomputation "
     "is the core attention's)",

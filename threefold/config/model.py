@@ -11,10 +11,11 @@ from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
+from threefold.config.mtp import MTPConfig
 
 
 @dataclass
-class ModelConfig(MLAConfig, MoEConfig):
+class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts and multi-latent attention fields are inherited (config/moe.py,
     config/mla.py)."""
@@ -318,6 +319,7 @@ class ModelConfig(MLAConfig, MoEConfig):
             self.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive"
         )
         self.finalize_mla()
+        self.finalize_mtp()
         warnings = self._finalize_recompute()
         self._finalize_lora()
         self.finalize_moe(self.num_layers, self.ffn_hidden_size)

@@ -399,6 +399,20 @@ class ParallelConfig:
             "reduced over their own group)",
         )
 
+    def _finalize_multi_token_prediction(self, model: ModelConfig) -> None:
+        if not model.mtp_num_layers:
+            return
+        _require(
+            self.context_parallel_size == 1,
+            "--mtp-num-layers with --context-parallel-size > 1 is not implemented (the "
+            "shifted tokens would cross the context-parallel ranks' chunks); use CP 1",
+        )
+        _require(
+            self.pipeline_model_parallel_size == 1,
+            "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not implemented "
+            "(the last stage would need the word embeddings); use PP 1",
+        )
+
     def _finalize_optimizer_instances(self) -> None:
         count, flag = (
             self.num_distributed_optimizer_instances,
@@ -508,6 +522,7 @@ class ParallelConfig:
             "distributed optimizer all-gathers parameters)",
         )
         self._finalize_expert_parallel(model)
+        self._finalize_multi_token_prediction(model)
         self._finalize_optimizer_instances()
         self._finalize_strategy()
         _require(

@@ -11,6 +11,7 @@ tensor-parallel size 1 it is an ordinary single-device model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.mtp import MultiTokenPredictionBlock, check_mtp_input
 from threefold.model.rope import rotary_embedding
 from threefold.model.spec import LayerSpec, layer_spec
 from threefold.model.transformer import TransformerBlock
@@ -115,16 +117,20 @@ class GPTModel(nn.Module):
             if self.share_embeddings_and_output_weights:
                 self.embedding.word_embeddings.weight.shared_embedding = True
         self.rotary_pos_emb = rotary_embedding(config)
+        spec = spec or layer_spec(config, parallel)
         self.decoder = TransformerBlock(
             config,
             parallel,
-            spec or layer_spec(config, parallel),
+            spec,
             config.num_layers if num_layers is None else num_layers,
             layer_offset,
             init,
             scaled_init,
             final_layernorm=post_process,
         )
+        self.mtp = None
+        if post_process and config.mtp_num_layers:  # (config/parallel.py: one stage only)
+            self.mtp = MultiTokenPredictionBlock(config, parallel, spec, init, scaled_init)
         if post_process:
             tied = self.share_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
@@ -185,6 +191,7 @@ class GPTModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """From token ids [b, s] (first stage) or incoming hidden states [s, b, h] (later
         stages). Returns the per-token loss [b, s] when `labels` are given on the last stage,
@@ -193,7 +200,11 @@ class GPTModel(nn.Module):
 
         Packed sequences (fine-tuning) pass `attention_mask` [b, 1, s, s] (True: may attend;
         block-diagonal causal, one block per document) and `position_ids` [b, s]; without
-        them attention is causal over the whole sequence and positions are 0..s-1."""
+        them attention is causal over the whole sequence and positions are 0..s-1.
+
+        With --mtp-num-layers, training also runs the multi-token prediction depths on the
+        labels (and `loss_mask`, all ones if not given), whose losses join the backward pass
+        (model/mtp.py)."""
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
         seq_length = hidden_states.shape[0] * (self.tp.size if self.sequence_parallel else 1)
@@ -208,7 +219,13 @@ class GPTModel(nn.Module):
         hidden_states = self.decoder(hidden_states, rotary, attention_mask)
         if not self.post_process:
             return hidden_states
-        logits = self.output_layer(hidden_states, weight=self.output_weight())
+        output_layer = functools.partial(self.output_layer, weight=self.output_weight())
+        if self.mtp is not None and self.training and labels is not None:
+            check_mtp_input(attention_mask)
+            hidden_states = self.mtp(
+                hidden_states, input_ids, labels, loss_mask, self.embedding, output_layer, rotary
+            )
+        logits = output_layer(hidden_states)
         if labels is None:
             return logits
         # Contiguous: a view returned from an FSDP2 root would be fragile under in-place ops.

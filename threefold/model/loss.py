@@ -34,6 +34,7 @@ def gpt_forward_step(
         hidden_states=input_tensor,
         attention_mask=batch.get("attention_mask"),
         position_ids=batch.get("position_ids"),
+        loss_mask=batch["loss_mask"],
     )
     loss_mask = batch["loss_mask"]
 

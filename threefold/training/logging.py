@@ -43,6 +43,7 @@ class IterationStats:
     num_zeros_in_grad: int | None = None
     params_norm: float | None = None
     timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
+    mtp_losses: dict[str, float] | None = None  # multi-token prediction (mtp_1 loss ...)
     moe_losses: dict[str, float] | None = None  # MoE auxiliary losses (load_balancing_loss ...)
     log_throughput: bool = False  # Megatron's --log-throughput field
 
@@ -150,7 +151,8 @@ def format_iteration(stats: IterationStats) -> str:
     )
     if stats.lm_loss is not None:
         line += f" lm loss: {stats.lm_loss:.6E} |"
-    for name, value in (stats.moe_losses or {}).items():  # after lm loss, as Megatron
+    # After lm loss, the multi-token prediction and then the MoE losses, as Megatron.
+    for name, value in {**(stats.mtp_losses or {}), **(stats.moe_losses or {})}.items():
         line += f" {name}: {value:.6E} |"
     line += f" loss scale: {stats.loss_scale:.1f} |"
     if stats.grad_norm is not None:
@@ -204,6 +206,7 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
         "nan-iterations": stats.nan_iterations,
         "iteration-time-ms": stats.elapsed_ms,
     }
+    values.update(stats.mtp_losses or {})
     values.update(stats.moe_losses or {})
     values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})
     return {name: value for name, value in values.items() if value is not None}

@@ -36,6 +36,7 @@ from threefold.training.checkpointer import Checkpointer
 from threefold.training.flops import training_flops_per_iteration
 from threefold.training.logging import progress
 from threefold.training.moe_statistics import MoEStatistics
+from threefold.training.mtp_losses import MTPLosses
 from threefold.training.numerics import NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
 from threefold.training.replica_check import ReplicaCheck, ReplicaMismatchError
@@ -68,6 +69,8 @@ class Trainer:
             if config.model.is_moe
             else None
         )
+        depths = config.model.mtp_num_layers
+        self.mtp_losses = MTPLosses(self.model_chunks, depths, parallel) if depths else None
         self.state = TrainState()
         # Evaluation always runs full global batches; training's follow --rampup-batch-size.
         self.num_microbatches = training.num_micro_batches(parallel.dp.size)
@@ -146,12 +149,16 @@ class Trainer:
         """Forward (and backward) over the micro-batches by the pipeline's schedule."""
         schedule = get_forward_backward_func(self.parallel.pp)
         chunks, options = self.data_parallel.wrapped_chunks, {**self.pipeline_options, **options}
+        # The factor the schedule puts on the main loss, and the CP one gpt_forward_step does
+        # (a CP rank's share of a loss is summed over CP, gradients are averaged): what the
+        # auxiliary losses' gradients take.
+        per_token = bool(options.get("per_token_loss"))
+        divisor = 1 if per_token else num_microbatches
+        scale = options.get("loss_scale", 1.0) / divisor * self.parallel.cp.size
         if self.moe_statistics is not None:
-            # The factor the schedule puts on the main loss, and the CP one gpt_forward_step
-            # does (a CP rank's share of a loss is summed over CP, gradients are averaged).
-            divisor = 1 if options.get("per_token_loss") else num_microbatches
-            scale = options.get("loss_scale", 1.0) / divisor * self.parallel.cp.size
             start_aux_losses(self.model_chunks, scale)
+        if self.mtp_losses is not None:
+            self.mtp_losses.start(scale, per_token)
         return schedule(self._forward_step, iterator, chunks, num_microbatches, **options)
 
     def train_iterator(self):
@@ -186,6 +193,8 @@ class Trainer:
             check_loss_and_grads(losses, data_parallel.local_grads_finite(), iteration)
         if self.moe_statistics is not None:  # (after any rerun: the step's own counts)
             self.moe_statistics.after_iteration(num_microbatches)
+        if self.mtp_losses is not None:
+            self.mtp_losses.after_iteration(num_microbatches)
         watchdog.enter("gradient reduction", iteration)
         with self.timers("all-grads-sync", 1):
             data_parallel.finish_grad_sync()
@@ -337,6 +346,8 @@ class Trainer:
         if watch.log_due(iteration):
             components = (self.state, self.scheduler, self.optimizer, self.loss_scaler)
             numbers, tokens = progress(self.config, *components, batch, grad_norm, skipped), None
+            if self.mtp_losses is not None:
+                numbers["mtp_losses"] = self.mtp_losses.report(self.device)
             if self.moe_statistics is not None:
                 numbers["moe_losses"], tokens = self.moe_statistics.report(self.device)
             watch.log(numbers)

@@ -45,7 +45,6 @@ _UNSUPPORTED = (
     ("moe_shared_expert_gate", False, "a gated shared expert (--moe-shared-expert-gate)"),
     ("moe_apply_probs_on_input", False, "routing weights on the experts' input"),
     ("moe_latent_size", None, "latent experts (--moe-latent-size)"),
-    ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),

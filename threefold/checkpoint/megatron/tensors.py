@@ -29,6 +29,7 @@ import itertools
 import math
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,6 +44,9 @@ from threefold.config import ConfigError
 from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron-core's linear layers in the transformer layers, and MTP's projection
+_LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron-core's local spec stores its norms under Transformer Engine's names.
 _TE_NAMES = {
@@ -67,17 +71,36 @@ def _renamed(rest: str, multi_latent_attention: bool) -> str:
     return rest
 
 
-def _split(name: str) -> tuple[str, tuple[int, ...]] | None:
-    """(the name within a layer with the expert's index taken out, (layer, expert...)), or None
-    outside the layers."""
-    match = _LAYER.match(name)
-    if match is None:
+@dataclass(frozen=True)
+class _Split:
+    """A transformer layer's parameter: its name within the layer (an expert's index taken
+    out), the layer's own key prefix, its index in the stacked decoder layers (None for a
+    multi-token prediction layer, never stacked) and the expert's index (or ())."""
+
+    rest: str
+    prefix: str
+    layer: int | None
+    expert: tuple[int, ...]
+
+
+def _split(name: str) -> _Split | None:
+    """A decoder or multi-token prediction layer's parameter taken apart; None otherwise."""
+    match, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
+    if match is not None:
+        prefix, rest, layer = (
+            f"decoder.layers.{match.group(1)}",
+            match.group(2),
+            int(match.group(1)),
+        )
+    elif mtp is not None:
+        prefix, rest, layer = mtp.group(1), mtp.group(2), None
+    else:
         return None
-    rest, index = match.group(2), (int(match.group(1)),)
     expert = _EXPERT.match(rest)
-    if expert is not None:  # megatron-core stores a layer's experts as one [experts, ...] tensor
-        rest, index = f"mlp.experts.experts.{expert.group(2)}", index + (int(expert.group(1)),)
-    return rest, index
+    if expert is None:
+        return _Split(rest, prefix, layer, ())
+    # megatron-core stores a layer's experts as one [experts, ...] tensor
+    return _Split(f"mlp.experts.experts.{expert.group(2)}", prefix, layer, (int(expert.group(1)),))
 
 
 def megatron_key(
@@ -85,16 +108,16 @@ def megatron_key(
 ) -> tuple[str, tuple[int, ...]]:
     """(megatron-core's key of a threefold parameter, the indices of its slice in that key's
     tensor). Stacked: `decoder.layers.X` with indices (layer,) or (layer, expert); per layer
-    (models whose layers differ): `decoder.layers.{layer}.X` with () or (expert,). `renamed`:
-    norms under the fused layers' names (else threefold's own)."""
+    (models whose layers differ, and multi-token prediction layers): `decoder.layers.{layer}.X`
+    (`mtp.layers.{k}.transformer_layer.X`) with () or (expert,). `renamed`: norms under the
+    fused layers' names (else threefold's own)."""
     split = _split(name)
     if split is None:
         return name, ()
-    rest, index = split
-    rest = _renamed(rest, multi_latent_attention) if renamed else rest
-    if stacked:
-        return f"decoder.layers.{rest}", index
-    return f"decoder.layers.{index[0]}.{rest}", index[1:]
+    rest = _renamed(split.rest, multi_latent_attention) if renamed else split.rest
+    if stacked and split.layer is not None:
+        return f"decoder.layers.{rest}", (split.layer, *split.expert)
+    return f"{split.prefix}.{rest}", split.expert
 
 
 def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -103,11 +126,11 @@ def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
     split = _split(name)
     if split is None:
         return [(name, ())]
-    rest, index = split
     found = []
-    for renamed in (_renamed(rest, False), _renamed(rest, True), rest):
-        found += [(f"decoder.layers.{renamed}", index)]
-        found += [(f"decoder.layers.{index[0]}.{renamed}", index[1:])]
+    for rest in (_renamed(split.rest, False), _renamed(split.rest, True), split.rest):
+        if split.layer is not None:
+            found.append((f"decoder.layers.{rest}", (split.layer, *split.expert)))
+        found.append((f"{split.prefix}.{rest}", split.expert))
     return found
 
 
@@ -215,26 +238,32 @@ def stacked_state_dict(
     # An MoE layer's pre-MLP norm is fused into fc1's name by the local spec, as a dense
     # layer's, but a module of its own in Transformer Engine's (Megatron-LM's default): it is
     # written under both names, so that either spec loads the export.
-    moe_layers = {_split(name)[1][0] for name in tensors if ".mlp.router." in name}
+    moe_layers = {_split(name).prefix for name in tensors if ".mlp.router." in name}
+    stacked_keys = set()  # the keys of the decoder layers' stacks
     for name, tensor in tensors.items():
         keys = [megatron_key(name, multi_latent_attention, stacked)]
         split = _split(name)
-        if split and split[0].startswith("pre_mlp_layernorm.") and split[1][0] in moe_layers:
+        if split and split.rest.startswith("pre_mlp_layernorm.") and split.prefix in moe_layers:
             keys.append(megatron_key(name, multi_latent_attention, stacked, renamed=False))
         for key, index in keys:
             if index:
                 slices.setdefault(key, {})[index] = tensor
             else:
                 state[key] = tensor
+            if stacked and split and split.layer is not None:
+                stacked_keys.add(key)
         module = keys[0][0].rsplit(".", 1)[0]
-        if split and module.rsplit(".", 1)[-1].startswith("linear_"):
+        if _LINEAR.match(module) and (split or module.startswith("mtp.")):
             linear_modules.setdefault(module, set()).add(keys[0][1])
+            if keys[0][0] in stacked_keys:
+                stacked_keys.add(module)
     for key, pieces in slices.items():
-        shape = _grid(key, pieces, num_layers if stacked else None)
+        shape = _grid(key, pieces, num_layers if key in stacked_keys else None)
         whole = torch.stack([pieces[index] for index in itertools.product(*map(range, shape))])
         state[key] = whole.view(*shape, *whole.shape[1:])
     for module, indices in sorted(linear_modules.items()):
-        shape = _grid(module, dict.fromkeys(indices), num_layers if stacked else None) or (1,)
+        layers = num_layers if module in stacked_keys else None
+        shape = _grid(module, dict.fromkeys(indices), layers) or (1,)
         for index in itertools.product(*map(range, shape)):
             offsets, sizes = ".".join(map(str, index)), ".".join(map(str, shape))
             state[f"{module}._extra_state/shard_{offsets}_{sizes}"] = _extra_state()

@@ -1,0 +1,140 @@
+"""Multi-token prediction (Megatron-LM's --mtp-num-layers): megatron-core's own MTP model gives
+threefold's gradients, every layout trains as one process, and the log carries Megatron's
+`mtp_k loss`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import megatron_core_models as mc
+from tests.distributed import run_distributed
+from tests.parallel.test_expert_parallel import MOE
+from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
+from tests.tools.hf_models import convert_checkpoint
+from threefold.checkpoint.load import load_model
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+def _gradients(path: str, scaling_factor: float | None = None) -> tuple[float, dict]:
+    """threefold's training-mode loss and gradients as megatron_core_models.gradients takes
+    them, from a Megatron checkpoint."""
+    config, model, _ = load_model(path, with_tokenizer=False)
+    if scaling_factor is not None:
+        model.mtp.weight = scaling_factor / config.model.mtp_num_layers
+    model.train()
+    tokens = mc.TOKENS
+    per_token = model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mc.LOSS_MASK)
+    loss = (per_token * mc.LOSS_MASK).sum() / mc.LOSS_MASK.sum()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """(Megatron checkpoint root, megatron-core's loss, its gradients): an MoE model (dense
+    first layer, DeepSeek-V3 routing, a shared expert) with two MTP depths, MoE as its last
+    layer is."""
+    root = str(tmp_path_factory.mktemp("megatron_mtp"))
+    run_distributed(1, mc.save, "moe_mtp", root, 10, 1, 1)
+    path = os.path.join(root, "iter_0000010")
+    loss, grads = run_distributed(1, mc.gradients, "moe_mtp", path)[0]
+    return root, loss, grads
+
+
+def test_gradients_are_megatron_cores(megatron):
+    """Every parameter's gradient (the depths' own, and what their losses add to the main
+    model's) within 1e-5 of megatron-core's; without the MTP loss they are not."""
+    root, expected_loss, expected = megatron
+    config, _, _ = load_model(root, with_tokenizer=False)
+    assert (config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor) == (2, 0.3)
+    loss, grads = _gradients(root)
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    assert grads.keys() == expected.keys()
+    assert any(name.startswith("mtp.layers.1.transformer_layer.mlp.experts") for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-5 * grad.abs().max())
+    _, without = _gradients(root, scaling_factor=0.0)
+    name = "decoder.layers.3.mlp.router.weight"
+    assert (without[name] - expected[name]).abs().max() > 1e-3 * expected[name].abs().max()
+
+
+def test_export_loads_into_megatron_core_with_the_same_gradients(megatron, tmp_path):
+    root, expected_loss, expected = megatron
+    out = str(tmp_path / "exported")
+    converted = str(tmp_path / "converted")
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
+    assert convert_checkpoint.main(argv + [converted]) == 0
+    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", converted]
+    assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
+    loss, grads = run_distributed(1, mc.gradients, "moe_mtp", f"{out}/iter_0000000")[0]
+    assert loss == expected_loss
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected[name]), name
+
+
+MOE_MTP = LLAMA_STYLE + TRAINING + MOE + MTP + ["--moe-router-topk", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_job(MOE_MTP, 4)
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "ep2", "dp2-distributed-optimizer"])
+def test_mtp_trains_as_one_process(reference, layout):
+    world, extra = {
+        "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "dp2": (2, []),
+        "ep2": (2, ["--expert-model-parallel-size", "2"]),
+        "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    }[layout]
+    results = run_distributed(world, train_job, MOE_MTP + extra, 4)
+    assert_matches_reference(results, reference, 2e-6)
+
+
+def _logged(argv: list[str]) -> dict:
+    trainer = _setup(argv)
+    for _ in range(2):
+        trainer.train_step()
+    return trainer.mtp_losses.report(trainer.device)
+
+
+def test_the_log_carries_each_depths_loss_averaged_over_replicas():
+    from threefold.training.logging import IterationStats, format_iteration
+
+    argv = LLAMA_STYLE + TRAINING + MTP
+    reference = _logged(argv)
+    assert list(reference) == ["mtp_1 loss", "mtp_2 loss"]
+    assert all(4 < value < 7 for value in reference.values())  # about ln(vocabulary)
+    for logged in run_distributed(2, _logged, argv):
+        for name, value in logged.items():
+            assert value == pytest.approx(reference[name], rel=1e-5)
+    stats = IterationStats(
+        iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=1.0, learning_rate=1e-3,
+        global_batch_size=8, lm_loss=5.0, loss_scale=1.0, grad_norm=1.0, skipped_iterations=0,
+        nan_iterations=0, tokens_per_second=1.0, tflops_per_device=1.0, mtp_losses=reference,
+        moe_losses={"load_balancing_loss": 1.0},
+    )  # fmt: skip
+    line = format_iteration(stats)
+    assert line.index("lm loss") < line.index("mtp_1 loss: ") < line.index("load_balancing_loss")
+
+
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--context-parallel-size", "2"], "--mtp-num-layers with --context-parallel-size"),
+        (["--pipeline-model-parallel-size", "2"], "--mtp-num-layers with --pipeline-model"),
+        (["--mtp-use-repeated-layer"], "multi-token prediction variants"),
+    ],
+)
+def test_what_is_not_built_is_refused_in_one_line(capsys, extra, named):
+    from threefold.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_STYLE + TRAINING + MTP + extra, world_size=2)
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1

@@ -1,0 +1,43 @@
+"""Multi-token prediction fields of the model (Megatron-LM's --mtp-num-layers; DeepSeek-V3's
+MTP).
+
+After the decoder, each of --mtp-num-layers depths predicts one token further: depth k takes
+the previous depth's hidden states and the embeddings of the input shifted by k, and its own
+transformer layer feeds the shared output layer. Its loss, averaged over the depths and
+scaled by --mtp-loss-scaling-factor, is added to the language-model loss's gradient, not to
+the reported loss (Megatron logs it apart, as `mtp_1 loss`, ...).
+
+`ModelConfig` inherits the fields; `finalize_mtp` is called from the model's own finalize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import ARCHITECTURE, MODEL, arg
+
+GROUP = "multi-token prediction"
+
+
+@dataclass
+class MTPConfig:
+    mtp_num_layers: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="multi-token prediction depths after the decoder, one transformer layer each "
+        "(none: next-token prediction only)",
+    )
+    mtp_loss_scaling_factor: float = arg(
+        0.1,
+        checkpoint=MODEL,
+        group=GROUP,
+        help="weight of the multi-token prediction loss (averaged over the depths)",
+    )
+
+    def finalize_mtp(self) -> None:
+        if self.mtp_num_layers is None:
+            return
+        _require(self.mtp_num_layers >= 1, "--mtp-num-layers must be >= 1")
+        _require(self.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must be >= 0")

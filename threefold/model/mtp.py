@@ -1,0 +1,169 @@
+"""Multi-token prediction (Megatron-LM's --mtp-num-layers; DeepSeek-V3's MTP): D depths after
+the decoder, each predicting one token further than the one before.
+
+Depth k (1-based) takes h_{k-1}, the decoder's normalized output for k = 1, and the embeddings
+of the input shifted left by k (the last k positions hold token 0 and leave the loss):
+
+    h_k = final_layernorm(transformer_layer(eh_proj([enorm(embeddings); hnorm(h_{k-1})])))
+
+and the shared output layer turns h_k into logits for the labels shifted by k. As in
+megatron-core: the positions shift with the tokens (learned position embeddings see them),
+RoPE's do not; `eh_proj` is column-parallel, its output gathered over TP (and split again
+along the sequence under sequence parallelism); the transformer layer is the last decoder
+layer's kind (MoE when that one is). Names are megatron-core's: `mtp.layers.{k-1}.enorm`, ...
+
+The loss of depth k is its mean over the shifted loss mask (its sum under
+--calculate-per-token-loss). It is not returned: it is attached to the main hidden states,
+whose backward gives it the gradient (--mtp-loss-scaling-factor / D) times the schedule's factor
+on the main loss (`aux_loss_scale`, as the MoE auxiliary losses get, model/moe/layer.py), as
+megatron-core's MTPLossAutoScaler does. Each depth's value is kept for the log (`mtp_1 loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from threefold.config import ConfigError, ModelConfig
+from threefold.kernels.dispatch import KERNELS
+from threefold.model.spec import LayerSpec
+from threefold.model.transformer import TransformerLayer
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear
+from threefold.parallel.tensor_parallel.mappings import (
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from threefold.parallel.tensor_parallel.sharding import InitMethod
+
+
+def shift_left(tensor: torch.Tensor) -> torch.Tensor:
+    """[b, s] moved one position to the left along the sequence, 0 at the end (megatron-core's
+    roll_tensor without context parallelism)."""
+    return torch.cat([tensor[:, 1:], torch.zeros_like(tensor[:, :1])], dim=1)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `hidden`; in backward, `loss` receives the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class MultiTokenPredictionLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        spec: LayerSpec,
+        depth: int,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        hidden, sequence_parallel = config.hidden_size, parallel.sequence_parallel
+        self.tp, self.sequence_parallel = parallel.tp, sequence_parallel
+        self.enorm = spec.norm(config, hidden, sequence_parallel)
+        self.hnorm = spec.norm(config, hidden, sequence_parallel)
+        self.eh_proj = ColumnParallelLinear(
+            2 * hidden, hidden, parallel=parallel, bias=False, init_method=init_method
+        )
+        last = config.num_layers
+        number = last + depth  # megatron-core numbers the MTP layers after the decoder's
+        if last in spec.moe_layers:  # the last decoder layer's kind
+            spec = dataclasses.replace(spec, moe_layers=spec.moe_layers | {number})
+        self.transformer_layer = TransformerLayer(
+            config, parallel, spec, number, init_method, output_layer_init_method
+        )
+        self.final_layernorm = spec.norm(config, hidden, sequence_parallel)
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        both = torch.cat([self.enorm(embeddings), self.hnorm(hidden_states)], dim=-1)
+        hidden_states = gather_from_tensor_parallel_region(self.eh_proj(both), self.tp)
+        if self.sequence_parallel:
+            hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.tp)
+        hidden_states = self.transformer_layer(hidden_states, rotary)
+        return self.final_layernorm(hidden_states)
+
+
+class MultiTokenPredictionBlock(nn.Module):
+    """The --mtp-num-layers depths, on the last pipeline stage."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        spec: LayerSpec,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            MultiTokenPredictionLayer(
+                config, parallel, spec, depth, init_method, output_layer_init_method
+            )
+            for depth in range(1, config.mtp_num_layers + 1)
+        )
+        self.weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
+        self.vocab_size, self.tp = config.vocab_size, parallel.tp
+        # Set by the trainer each step (model/moe/layer.py's start_aux_losses).
+        self.aux_loss_scale, self.per_token_loss = 1.0, False
+        self._losses: list[torch.Tensor] = []  # per depth, summed over micro-batches
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        embedding: nn.Module,
+        output_layer,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The main hidden states, with each depth's loss attached for the backward pass."""
+        batch, sequence = input_ids.shape
+        positions = torch.arange(sequence, device=input_ids.device).expand(batch, sequence)
+        loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+        main, depth_hidden, losses = hidden_states, hidden_states, []
+        for layer in self.layers:
+            input_ids, positions = shift_left(input_ids), shift_left(positions)
+            labels, loss_mask = shift_left(labels), shift_left(loss_mask)
+            depth_hidden = layer(embedding(input_ids, positions), depth_hidden, rotary)
+            per_token = KERNELS.cross_entropy(
+                output_layer(depth_hidden), labels.t(), self.vocab_size, self.tp
+            ).t()
+            total = (per_token.float() * loss_mask).sum()
+            mean = total / loss_mask.sum().clamp(min=1)
+            loss = total if self.per_token_loss else mean
+            main = _AttachLoss.apply(main, loss, self.weight * self.aux_loss_scale)
+            losses.append(mean.detach())  # logged as a mean in either case, as Megatron does
+        if self.training:
+            values = torch.stack(losses)
+            self._losses = [values] if not self._losses else [self._losses[0] + values]
+        return main
+
+    def take_losses(self) -> torch.Tensor | None:
+        """Each depth's loss summed over the micro-batches since the last call (on this rank)."""
+        losses, self._losses = self._losses, []
+        return losses[0] if losses else None
+
+
+def check_mtp_input(attention_mask: torch.Tensor | None) -> None:
+    if attention_mask is not None:
+        raise ConfigError(
+            "--mtp-num-layers with packed sequences (their own attention mask): the shifted "
+            "tokens would cross documents; train without packing"
+        )
