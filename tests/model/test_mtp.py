@@ -12,7 +12,14 @@ import torch
 from tests import megatron_core_models as mc
 from tests.distributed import run_distributed
 from tests.parallel.test_expert_parallel import MOE
-from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
+from tests.parity import (
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    TRAINING,
+    _setup,
+    assert_matches_reference,
+    train_job,
+)
 from tests.tools.hf_models import convert_checkpoint
 from threefold.checkpoint.load import load_model
 
@@ -84,15 +91,27 @@ def reference():
     return train_job(MOE_MTP, 4)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "ep2", "dp2-distributed-optimizer"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "ep2", "dp2-distributed-optimizer", "pp2"])
 def test_mtp_trains_as_one_process(reference, layout):
     world, extra = {
         "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "dp2": (2, []),
         "ep2": (2, ["--expert-model-parallel-size", "2"]),
         "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+        "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     }[layout]
     results = run_distributed(world, train_job, MOE_MTP + extra, 4)
+    assert_matches_reference(results, reference, 2e-6)
+
+
+def test_the_last_stage_copy_of_tied_embeddings_and_positions_trains_as_one_process():
+    """GPT-2 style (tied embeddings, learned positions) over interleaved PP2: the last stage
+    embeds the shifted input with its copy of the first stage's embedding, word and position
+    tables both kept equal to the first stage's by summing their gradients."""
+    argv = GPT2_STYLE + TRAINING + MTP + ["--num-layers", "4"]
+    reference = train_job(argv, 4)
+    interleaved = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage"]
+    results = run_distributed(2, train_job, argv + interleaved + ["1"], 4)
     assert_matches_reference(results, reference, 2e-6)
 
 
@@ -127,7 +146,6 @@ def test_the_log_carries_each_depths_loss_averaged_over_replicas():
     "extra,named",
     [
         (["--context-parallel-size", "2"], "--mtp-num-layers with --context-parallel-size"),
-        (["--pipeline-model-parallel-size", "2"], "--mtp-num-layers with --pipeline-model"),
         (["--mtp-use-repeated-layer"], "multi-token prediction variants"),
     ],
 )
@@ -138,3 +156,21 @@ def test_what_is_not_built_is_refused_in_one_line(capsys, extra, named):
         parse_args(LLAMA_STYLE + TRAINING + MTP + extra, world_size=2)
     error = capsys.readouterr().err
     assert named in error and error.count("\n") == 1
+
+
+def test_flops_count_each_depth_as_megatron_does():
+    """Megatron-LM's num_floating_point_operations: each depth a layer of the last layer's
+    kind, its norms (3h) and projection (2h^2) multiply-adds, and its own logits."""
+    from threefold.arguments import parse_args
+    from threefold.training.flops import training_flops_per_iteration
+
+    with_mtp = parse_args(MOE_MTP).model
+    without = parse_args(LLAMA_STYLE + TRAINING + MOE + ["--moe-router-topk", "2"]).model
+    h, s, vocab, batch = 32, 16, 1024, 8
+    layer = 2 * h * 4 * (8 + 2 * 4) + 2 * h * h + 2 * 2 * s * h  # QKV, projection, attention
+    layer += 2 * 3 * h * 32 * 2 + 2 * h * 4  # two experts of 32 (SwiGLU), the router
+    per_depth = layer + 2 * (3 * h + 2 * h * h) + 2 * h * vocab
+    added = training_flops_per_iteration(with_mtp, batch, vocab) - training_flops_per_iteration(
+        without, batch, vocab
+    )
+    assert added == pytest.approx(3.0 * 2 * per_depth * batch * s)

@@ -407,11 +407,6 @@ class ParallelConfig:
             "--mtp-num-layers with --context-parallel-size > 1 is not implemented (the "
             "shifted tokens would cross the context-parallel ranks' chunks); use CP 1",
         )
-        _require(
-            self.pipeline_model_parallel_size == 1,
-            "--mtp-num-layers with --pipeline-model-parallel-size > 1 is not implemented "
-            "(the last stage would need the word embeddings); use PP 1",
-        )
 
     def _finalize_optimizer_instances(self) -> None:
         count, flag = (

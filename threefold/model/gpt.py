@@ -112,10 +112,17 @@ class GPTModel(nn.Module):
         # Megatron's scaled init for the projections that write into the residual stream.
         scaled_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
 
-        if pre_process:
+        tied = self.share_embeddings_and_output_weights
+        mtp_here = post_process and bool(config.mtp_num_layers)
+        if pre_process or mtp_here:
             self.embedding = LanguageModelEmbedding(config, parallel, padded_vocab_size)
-            if self.share_embeddings_and_output_weights:
-                self.embedding.word_embeddings.weight.shared_embedding = True
+            # Multi-token prediction embeds the input again after the decoder: a last stage
+            # without the embedding holds a copy of it, kept equal to the first stage's as a
+            # tied output layer's weight is (their gradients summed over the embedding group).
+            for name, param in self.embedding.named_parameters():
+                if config.mtp_num_layers or (tied and name.startswith("word_embeddings.")):
+                    param.shared_embedding = True
+                    param.embedding_copy = not pre_process
         self.rotary_pos_emb = rotary_embedding(config)
         spec = spec or layer_spec(config, parallel)
         self.decoder = TransformerBlock(
@@ -129,17 +136,16 @@ class GPTModel(nn.Module):
             final_layernorm=post_process,
         )
         self.mtp = None
-        if post_process and config.mtp_num_layers:  # (config/parallel.py: one stage only)
+        if mtp_here:
             self.mtp = MultiTokenPredictionBlock(config, parallel, spec, init, scaled_init)
         if post_process:
-            tied = self.share_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
                 padded_vocab_size,
                 parallel=parallel,
                 bias=False,
                 init_method=init,
-                skip_weight_param=tied and pre_process,
+                skip_weight_param=tied and (pre_process or mtp_here),
                 valid_output_size=config.vocab_size,
             )
         if config.lora_rank:
@@ -153,7 +159,7 @@ class GPTModel(nn.Module):
                 config.lora_target_modules,
                 config.lora_freeze_experts,
             )
-        if post_process and self.share_embeddings_and_output_weights and not pre_process:
+        if post_process and tied and not (pre_process or mtp_here):
             # Under pipeline parallelism the last stage holds a copy of the tied weight; its
             # gradient is summed with the first stage's so the copies stay equal.
             self.output_layer.weight.shared_embedding = True
@@ -180,7 +186,7 @@ class GPTModel(nn.Module):
         )
 
     def output_weight(self) -> torch.Tensor:
-        if self.share_embeddings_and_output_weights and self.pre_process:
+        if self.share_embeddings_and_output_weights and (self.pre_process or self.mtp is not None):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 

@@ -10,7 +10,8 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
   the k experts a token is routed to (expert size f_e), the shared expert (size f_s) and the
   router 2 h E: active parameters only, as Megatron counts them;
 and the output layer 2 h V. Multi-latent attention's projections are counted as Megatron-LM
-counts them (`_mla_flops_per_token`). See docs/performance.md for the derivation and MFU.
+counts them (`_mla_flops_per_token`), and so are multi-token prediction's depths (a layer
+each, its norms and projection, its logits). See docs/performance.md for the derivation and MFU.
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ def training_flops_per_iteration(
         shared = config.moe_shared_expert_intermediate_size or 0
         routed = config.moe_router_topk * config.moe_ffn_hidden_size
         moe = per_size * (routed + shared) + 2 * h * config.num_experts
+    pattern = config.moe_layer_pattern(config.num_layers)
+    depths = config.mtp_num_layers or 0
     per_token_forward = 0
-    for is_moe in config.moe_layer_pattern(config.num_layers):
+    for is_moe in pattern + pattern[-1:] * depths:  # MTP layers: the last layer's kind
         per_token_forward += qkv + projection + attention + (moe if is_moe else dense)
-    per_token_forward += 2 * h * padded_vocab_size
+    # Each MTP depth's norms (Megatron-LM counts 3h multiply-adds) and projection [2h -> h],
+    # and every depth's logits beside the main ones.
+    per_token_forward += depths * 2 * (3 * h + 2 * h * h)
+    per_token_forward += (1 + depths) * 2 * h * padded_vocab_size
     return 3.0 * per_token_forward * global_batch_size * s
 
 
