@@ -322,7 +322,7 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
         self.finalize_mtp()
         warnings = self._finalize_recompute()
         self._finalize_lora()
-        self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings += self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return warnings + [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "

@@ -177,7 +177,8 @@ class MoEConfig:
             return [0] * num_layers
         return parse_layer_pattern(self.moe_layer_freq, num_layers)
 
-    def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> None:
+    def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> list[str]:
+        """Validate; returns warnings to print."""
         if not self.is_moe:
             given = given_flags(self, MoEConfig)
             _require(
@@ -185,7 +186,7 @@ class MoEConfig:
                 f"{' '.join(given)}: mixture-of-experts settings of a model without experts; "
                 "add --num-experts or drop them",
             )
-            return
+            return []
         _require(
             self.moe_router_load_balancing_type != "global_aux_loss"
             or self.recompute_granularity != "full",
@@ -220,10 +221,6 @@ class MoEConfig:
         _require(
             self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
             "--moe-z-loss-coeff must be >= 0",
-        )
-        _require(
-            not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
-            "--moe-router-pre-softmax needs --moe-router-score-function softmax",
         )
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         _require(
@@ -263,3 +260,10 @@ class MoEConfig:
             any(self.moe_layer_pattern(num_layers)),
             f"--moe-layer-freq {self.moe_layer_freq} makes no layer an MoE layer",
         )
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            # Megatron-LM takes it and routes by sigmoid scores all the same (its configs do).
+            return [
+                "--moe-router-pre-softmax has no effect with --moe-router-score-function "
+                f"{self.moe_router_score_function} (as in Megatron-LM)"
+            ]
+        return []
