@@ -12,8 +12,8 @@ from tests.parity import LLAMA_STYLE, TRAINING, _setup
 
 @pytest.mark.parametrize(
     "score_function,pre_softmax",
-    [("softmax", False), ("softmax", True), ("sigmoid", False)],
-    ids=["softmax", "pre-softmax", "sigmoid"],
+    [("softmax", False), ("softmax", True), ("sigmoid", False), ("sigmoid", True)],
+    ids=["softmax", "pre-softmax", "sigmoid", "sigmoid-pre-softmax"],
 )
 def test_group_limited_routing_is_megatron_cores(score_function, pre_softmax):
     """--moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk 4 with
@@ -70,3 +70,14 @@ def test_expert_bias_balances_and_stays_fp32_under_bf16():
     assert not torch.equal(router.expert_bias, bias)
     names = [n for n, _ in trainer.layout_independent_parameters()]
     assert "decoder.layers.0.mlp.router.expert_bias" in names
+
+
+def test_pre_softmax_beside_sigmoid_scores_is_taken_with_a_note(capsys):
+    """Megatron-LM takes --moe-router-pre-softmax with sigmoid scores and ignores it (its MTP
+    configs pass both); so does threefold, saying so at start-up (the routing: above)."""
+    from threefold.arguments import parse_args
+
+    sigmoid = ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"]
+    config = parse_args(LLAMA_STYLE + TRAINING + MOE + sigmoid)
+    assert config.model.moe_router_pre_softmax
+    assert "--moe-router-pre-softmax has no effect" in capsys.readouterr().out
