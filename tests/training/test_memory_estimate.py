@@ -112,6 +112,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + MOE
         + ["--moe-layer-freq", "[0,1]"]
         + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"],
+        # two multi-token prediction depths, each an MoE layer as the last one is
+        LLAMA_STYLE + WIDE + MOE + ["--mtp-num-layers", "2"],
     ],
     ids=[
         "llama",
@@ -125,6 +127,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-fp8-selective",
         "llama-fp8-full-block",
         "llama-fp8-first-layer-bf16-moe",
+        "llama-moe-mtp",
     ],
 )
 def test_single_process(flags):
@@ -232,6 +235,8 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
             + ["--use-distributed-optimizer", "--fp8-param-gather"],
         ),
         (2, FP8 + ["--pipeline-model-parallel-size", "2"]),
+        # the last stage's MTP depth and its copy of the embedding
+        (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
     ],
     ids=[
         "tp2-sp",
@@ -245,6 +250,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "moe-ep2-dp2-distributed-optimizer",
         "fp8-tp2-sp-dp2-param-gather",
         "fp8-pp2",
+        "mtp-pp2",
     ],
 )
 def test_parallel_layouts(world_size, flags):

@@ -136,7 +136,10 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
     per_layer = (model.num_experts // parallel.expert_model_parallel_size) * _mlp_parameters(
         model, model.moe_ffn_hidden_size, parallel.expert_tensor_parallel_size
     )
-    return per_layer * sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
+    layers = sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
+    if stage == parallel.pipeline_model_parallel_size - 1 and pattern[-1]:
+        layers += model.mtp_num_layers or 0  # MTP layers: the last layer's kind
+    return per_layer * layers
 
 
 def _fp8_layer(config: Config, layer: int) -> bool:
@@ -190,10 +193,33 @@ def stage_parameters(
         count += embedding
         if model.position_embedding_type == "learned_absolute":
             count += model.max_position_embeddings * h
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
     if stage == pp - 1:
-        count += h * (2 if model.normalization == "LayerNorm" else 1)  # final norm
+        count += norm  # final norm
         if model.untie_embeddings_and_output_weights or pp > 1:
             count += embedding  # the output layer, or the last stage's copy of the tied one
+        count += _mtp_parameters(model, parallel, padded_vocab)
+    return count
+
+
+def _mtp_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: int) -> int:
+    """The last stage's multi-token prediction depths (model/mtp.py): each a layer of the last
+    layer's kind, eh_proj [h, 2h] split over TP and three norms; under PP its copy of the
+    embedding (beside an untied output layer; a tied one's copy is that copy)."""
+    depths = model.mtp_num_layers or 0
+    if not depths:
+        return 0
+    tp, h = parallel.tensor_model_parallel_size, model.hidden_size
+    last_moe = bool(model.moe_layer_pattern(model.num_layers)[-1])
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    layer = _layer_parameters(model, tp, last_moe, ep, etp)
+    count = depths * (layer + 2 * h * h // tp + 3 * norm)
+    if parallel.pipeline_model_parallel_size > 1:
+        if model.untie_embeddings_and_output_weights:
+            count += padded_vocab * h // tp
+        if model.position_embedding_type == "learned_absolute":
+            count += model.max_position_embeddings * h
     return count
 
 
@@ -417,18 +443,43 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         if model.hidden_dropout > 0:
             total += e * s * b * h // sigma  # the embedding dropout's mask
     if stage == pp - 1:
-        rms = model.normalization == "RMSNorm"
-        total += (
-            4 * s * b * h // sigma * (2 if rms else 1)
-            + 4 * (1 if rms else 2) * s * b // sigma
-            + e * s * b * h
-        )  # final norm and the output layer's input
-        padded = model.padded_vocab_size(tp)
-        # The cross-entropy's gradient: in the logits' dtype (chunked, the default) or the
-        # reference's fp32 softmax; plus targets and mask.
-        logits_bytes = e if config.kernels.cross_entropy_loss_fusion else 4
-        total += logits_bytes * s * b * padded // tp + 9 * s * b
+        total += _output_activation_bytes(config, s, b, sigma, e)
+        total += _mtp_activation_bytes(config, s, b, sigma, e)
     return total
+
+
+def _output_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) -> int:
+    """The final norm, the output layer's input and the loss's."""
+    model, tp = config.model, config.parallel.tensor_model_parallel_size
+    h, rms = model.hidden_size, model.normalization == "RMSNorm"
+    total = 4 * s * b * h // sigma * (2 if rms else 1) + 4 * (1 if rms else 2) * s * b // sigma
+    total += e * s * b * h
+    # The cross-entropy's gradient: in the logits' dtype (chunked, the default) or the
+    # reference's fp32 softmax; plus targets and mask.
+    logits_bytes = e if config.kernels.cross_entropy_loss_fusion else 4
+    return total + logits_bytes * s * b * model.padded_vocab_size(tp) // tp + 9 * s * b
+
+
+def _mtp_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) -> int:
+    """Each multi-token prediction depth: its embeddings (enorm's input), both norms'
+    statistics, eh_proj's input [2h], its layer, and a final norm, output layer and loss as
+    the model's own; the shifted tokens, positions, labels and mask."""
+    model = config.model
+    depths = model.mtp_num_layers or 0
+    if not depths:
+        return 0
+    h, stats = model.hidden_size, 1 if model.normalization == "RMSNorm" else 2
+    last_moe = bool(model.moe_layer_pattern(model.num_layers)[-1])
+    per_depth = (
+        e * s * b * h // sigma
+        + 2 * 4 * stats * s * b // sigma
+        + e * s * b * 2 * h // sigma
+        + layer_activation_bytes(config, moe=last_moe)
+        + _output_activation_bytes(config, s, b, sigma, e)
+        + 3 * 8 * s * b
+        + 4 * s * b
+    )
+    return depths * per_depth
 
 
 def recompute_workspace_bytes(config: Config) -> int:
