@@ -237,6 +237,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         (2, FP8 + ["--pipeline-model-parallel-size", "2"]),
         # the last stage's MTP depth and its copy of the embedding
         (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
+        (2, FP8 + ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
     ],
     ids=[
         "tp2-sp",
@@ -251,6 +252,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "fp8-tp2-sp-dp2-param-gather",
         "fp8-pp2",
         "mtp-pp2",
+        "fp8-mtp-pp2",
     ],
 )
 def test_parallel_layouts(world_size, flags):

@@ -169,11 +169,16 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
         etp = parallel.expert_tensor_parallel_size
         moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp)
     pattern = model.moe_layer_pattern(model.num_layers)
-    return sum(
+    count = sum(
         attention + (moe if pattern[layer] else mlp)
         for layer in _stage_layers(model, parallel, stage)
         if _fp8_layer(config, layer)
     )
+    if stage == parallel.pipeline_model_parallel_size - 1 and config.fp8.enabled:
+        # multi-token prediction's layers and projections (model/fp8.py)
+        depth = attention + (moe if pattern[-1] else mlp) + 2 * h * h // tp
+        count += (model.mtp_num_layers or 0) * depth
+    return count
 
 
 def stage_parameters(
@@ -474,7 +479,7 @@ def _mtp_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) ->
         e * s * b * h // sigma
         + 2 * 4 * stats * s * b // sigma
         + e * s * b * 2 * h // sigma
-        + layer_activation_bytes(config, moe=last_moe)
+        + layer_activation_bytes(config, fp8=config.fp8.enabled, moe=last_moe)
         + _output_activation_bytes(config, s, b, sigma, e)
         + 3 * 8 * s * b
         + 4 * s * b
