@@ -195,3 +195,25 @@ def test_fp8_depths_train_as_one_process(layout):
     }[layout]
     results = run_distributed(2, fp8_train_job, argv + extra, 10)
     assert_match_one_device(results, reference, "tensorwise")
+
+
+def test_hugging_face_export_is_the_next_token_model_and_says_so(tmp_path, capsys):
+    from tests.tools.hf_models import has_transformers
+    from threefold.checkpoint.save import save_checkpoint
+
+    if not has_transformers():
+        pytest.skip("transformers is not installed")
+    from transformers import AutoModelForCausalLM
+
+    saved, hf = str(tmp_path / "saved"), str(tmp_path / "hf")
+    trainer = _setup(LLAMA_STYLE + TRAINING + ["--mtp-num-layers", "1", "--save", saved])
+    trainer.train_step()
+    save_checkpoint(saved, trainer.checkpoint_components())
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", saved, "--save-dir", hf]
+    assert convert_checkpoint.main(argv) == 0
+    assert "multi-token prediction depths (mtp.layers.*) stay behind" in capsys.readouterr().out
+    _, model, _ = load_model(saved, with_tokenizer=False)
+    theirs = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(mc.TOKENS).transpose(0, 1)[..., : theirs.config.vocab_size]
+        torch.testing.assert_close(theirs(mc.TOKENS).logits, ours, rtol=0, atol=1e-4)

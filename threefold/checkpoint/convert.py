@@ -162,6 +162,13 @@ def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: st
     config, state, metadata, iteration = whole_model(load_dir, loader)
     hf = metadata.get("hf", {})
     architecture = hf.get("architecture") or _guess_architecture(config.model)
+    if config.model.mtp_num_layers:
+        # Hugging Face's architectures predict the next token only; said, not silently dropped.
+        print(
+            f"> {load_dir}: its {config.model.mtp_num_layers} multi-token prediction depths "
+            "(mtp.layers.*) stay behind: the export is the next-token model"
+        )
+        state = {name: tensor for name, tensor in state.items() if not name.startswith("mtp.")}
     tensors = threefold_to_hf(state, config.model, architecture)
     target = getattr(torch, dtype or hf.get("dtype", "float32"))
     tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
