@@ -142,3 +142,17 @@ def continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
         "--hidden-dropout",
         "0",
     ]
+
+
+def saved_by_megatron_core(tmp_path_factory, layouts: dict) -> dict:
+    """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS) for each
+    kind's layout (TP, PP, EP, ranks) megatron-core saves it at (iteration 10)."""
+    from tests.distributed import run_distributed
+
+    checkpoints = {}
+    for kind, (tp, pp, ep, ranks) in layouts.items():
+        root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
+        run_distributed(ranks, mc.save, kind, root, 10, tp, pp, ep)
+        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
+        checkpoints[kind] = (root, reference)
+    return checkpoints

@@ -30,6 +30,7 @@ from tests.tools.megatron_runs import (
     megatrons_integrity,
     per_token_losses,
     reference_losses,
+    saved_by_megatron_core,
     train_from,
 )
 from threefold.checkpoint.load import load_checkpoint, load_model
@@ -42,13 +43,7 @@ KINDS = ["llama", "gpt2"]
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS)."""
-    checkpoints = {}
-    for kind in KINDS:
-        root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
-        run_distributed(4, mc.save, kind, root, 10, 2, 2)
-        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
-        checkpoints[kind] = (root, reference)
-    return checkpoints
+    return saved_by_megatron_core(tmp_path_factory, {kind: (2, 2, 1, 4) for kind in KINDS})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -299,7 +294,7 @@ def _model_with(config, model):
     "change,named",
     [
         ({"moe_shared_expert_gate": True}, "--moe-shared-expert-gate"),
-        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+        ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
     ],
 )
 def test_architectures_threefold_does_not_build_are_refused_by_name(

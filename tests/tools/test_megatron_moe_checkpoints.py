@@ -31,26 +31,21 @@ from tests.tools.megatron_runs import (
     megatrons_integrity,
     per_token_losses,
     reference_losses,
+    saved_by_megatron_core,
     train_from,
 )
 from threefold.checkpoint.load import load_model
 from threefold.checkpoint.save import save_checkpoint
 from threefold.safe_loading import SafeFileSystemReader
 
-# kind -> (TP, EP, ranks) megatron-core saves it at
-SAVED = {"moe": (2, 2, 4), "moe_stacked": (1, 2, 2)}
+# kind -> (TP, PP, EP, ranks) megatron-core saves it at
+SAVED = {"moe": (2, 1, 2, 4), "moe_stacked": (1, 1, 2, 2)}
 
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS)."""
-    checkpoints = {}
-    for kind, (tp, ep, ranks) in SAVED.items():
-        root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
-        run_distributed(ranks, mc.save, kind, root, 10, tp, 1, ep)
-        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
-        checkpoints[kind] = (root, reference)
-    return checkpoints
+    return saved_by_megatron_core(tmp_path_factory, SAVED)
 
 
 @pytest.mark.parametrize("kind", SAVED)
