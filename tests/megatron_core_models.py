@@ -151,6 +151,8 @@ SHAPES["moe_stacked"] = {
 # Multi-token prediction (--mtp-num-layers 2) on the MoE model: each depth's layer is MoE, as
 # the last decoder layer is.
 SHAPES["moe_mtp"] = {**SHAPES["moe"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
+# ... and one depth on GPT-2 (learned positions, which the depth's embedding shifts; tied)
+SHAPES["gpt2_mtp"] = {**SHAPES["gpt2"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -317,7 +319,7 @@ def build(
     )
     if mla:
         spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
-    if moe:  # dense and MoE layers as --moe-layer-freq says
+    if shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=shape["normalization"]
         )
@@ -554,10 +556,25 @@ def logits(kind: str, path: str) -> torch.Tensor:
             return model(TOKENS, positions, mask)
 
 
-def gradients(kind: str, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+# Two documents in TOKENS[:-1]: positions restart and attention stops at the eighth token
+# (--reset-position-ids, --reset-attention-mask).
+DOCUMENT_POSITIONS = torch.cat([torch.arange(7), torch.arange(8)])[None]
+
+
+def document_mask() -> torch.Tensor:
+    """[1, 1, s, s], True where attention may go: causal within each document."""
+    document = (DOCUMENT_POSITIONS == 0).cumsum(-1)[0]
+    same = document[:, None] == document[None, :]
+    return (same & torch.ones(len(document), len(document)).tril().bool())[None, None]
+
+
+def gradients(
+    kind: str, path: str, documents: bool = False
+) -> tuple[float, dict[str, torch.Tensor]]:
     """megatron-core's training-mode loss of TOKENS (the mean over LOSS_MASK) and its
     gradients by parameter name, from the checkpoint `path`; a multi-token prediction
-    model's depths add their losses' gradients (MTPLossAutoScaler at scale 1)."""
+    model's depths add their losses' gradients (MTPLossAutoScaler at scale 1). `documents`:
+    DOCUMENT_POSITIONS and document_mask()."""
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -569,6 +586,8 @@ def gradients(kind: str, path: str) -> tuple[float, dict[str, torch.Tensor]]:
         length = SEQ - 1
         positions = torch.arange(length)[None]
         mask = torch.triu(torch.ones(length, length), 1).bool()[None, None]
+        if documents:  # (megatron-core's mask: True where attention may not go)
+            positions, mask = DOCUMENT_POSITIONS, ~document_mask()
         tokens, labels = TOKENS[:, :-1], TOKENS[:, 1:]
         per_token = model(tokens, positions, mask, labels=labels, loss_mask=LOSS_MASK)
         loss = (per_token * LOSS_MASK).sum() / LOSS_MASK.sum()

@@ -26,7 +26,9 @@ from threefold.checkpoint.load import load_model
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 
 
-def _gradients(path: str, scaling_factor: float | None = None) -> tuple[float, dict]:
+def _gradients(
+    path: str, scaling_factor: float | None = None, documents: bool = False
+) -> tuple[float, dict]:
     """threefold's training-mode loss and gradients as megatron_core_models.gradients takes
     them, from a Megatron checkpoint."""
     config, model, _ = load_model(path, with_tokenizer=False)
@@ -34,7 +36,10 @@ def _gradients(path: str, scaling_factor: float | None = None) -> tuple[float, d
         model.mtp.weight = scaling_factor / config.model.mtp_num_layers
     model.train()
     tokens = mc.TOKENS
-    per_token = model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mc.LOSS_MASK)
+    extra = {}
+    if documents:
+        extra = {"position_ids": mc.DOCUMENT_POSITIONS, "attention_mask": mc.document_mask()}
+    per_token = model(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=mc.LOSS_MASK, **extra)
     loss = (per_token * mc.LOSS_MASK).sum() / mc.LOSS_MASK.sum()
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -67,6 +72,23 @@ def test_gradients_are_megatron_cores(megatron):
     _, without = _gradients(root, scaling_factor=0.0)
     name = "decoder.layers.3.mlp.router.weight"
     assert (without[name] - expected[name]).abs().max() > 1e-3 * expected[name].abs().max()
+
+
+def test_per_document_positions_and_attention_give_megatron_cores_gradients(tmp_path):
+    """GPT-2 (learned positions, tied) with one depth over two documents (positions restart,
+    attention stops at the boundary): megatron-core rolls the positions with the tokens for the
+    depth's embedding; so does threefold. Without the documents the gradients differ."""
+    root = str(tmp_path / "megatron")
+    run_distributed(1, mc.save, "gpt2_mtp", root, 10, 1, 1)
+    path = os.path.join(root, "iter_0000010")
+    loss, expected = run_distributed(1, mc.gradients, "gpt2_mtp", path, True)[0]
+    ours_loss, grads = _gradients(root, documents=True)
+    assert ours_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-5 * grad.abs().max())
+    _, plain = _gradients(root)
+    name = "embedding.position_embeddings.weight"
+    assert (plain[name] - expected[name]).abs().max() > 1e-3 * expected[name].abs().max()
 
 
 def test_export_loads_into_megatron_core_with_the_same_gradients(megatron, tmp_path):
@@ -113,6 +135,17 @@ def test_the_last_stage_copy_of_tied_embeddings_and_positions_trains_as_one_proc
     interleaved = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage"]
     results = run_distributed(2, train_job, argv + interleaved + ["1"], 4)
     assert_matches_reference(results, reference, 2e-6)
+
+
+def test_per_document_positions_and_attention_train_as_one_process():
+    """--reset-position-ids --reset-attention-mask with learned positions: every depth embeds
+    the shifted documents' positions and attends within documents, at TP2+SP as in one
+    process."""
+    argv = GPT2_STYLE + TRAINING + MTP + ["--tokenizer-type", "NullTokenizer"]
+    argv += ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+    reference = train_job(argv, 4)
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert_matches_reference(run_distributed(2, train_job, argv + tp2, 4), reference, 2e-6)
 
 
 def _logged(argv: list[str]) -> dict:

@@ -6,6 +6,7 @@ mixture-of-experts interchange tests."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -156,3 +157,34 @@ def saved_by_megatron_core(tmp_path_factory, layouts: dict) -> dict:
         reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
         checkpoints[kind] = (root, reference)
     return checkpoints
+
+
+def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor, list]:
+    """threefold's logits of TOKENS after two fine-tuning steps from the Megatron checkpoint
+    `root`, and Megatron-LM checkpoints threefold exports, each as (its iter_N directory, the
+    logits megatron-core must compute from it, the tolerance): the trained model's (threefold's
+    logits, 1e-5) and Megatron -> threefold -> Megatron's (megatron-core's own, bitwise). Each
+    carries Megatron-LM's --verify-integrity list as megatron-core would write it."""
+    from tests.tools.hf_models import convert_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
+
+    trained, converted = str(directory / "trained"), str(directory / "converted")
+    argv = megatron_argv(root, 1, 1) + ["--finetune", "--save", trained]
+    _, trainer = train_from(argv, root, True)
+    save_checkpoint(trained, trainer.checkpoint_components())
+    _, model, _ = load_model(trained, with_tokenizer=False)
+    with torch.no_grad():
+        ours = model(mc.TOKENS).transpose(0, 1)
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
+    assert convert_checkpoint.main(argv + [converted]) == 0
+    written = []
+    for source, expected, tolerance in ((trained, ours, 1e-5), (converted, reference, 0)):
+        out = source + "_megatron"
+        argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
+        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
+        iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
+        path = os.path.join(out, f"iter_{iteration:07d}")
+        with open(os.path.join(path, "integrity.json")) as f:
+            assert json.load(f) == megatrons_integrity(path)
+        written.append((path, expected, tolerance))
+    return ours, written

@@ -26,6 +26,7 @@ from tests.tools.megatron_runs import (
     continue_argv,
     continue_training,
     copy_with_args,
+    exports,
     megatron_argv,
     megatrons_integrity,
     per_token_losses,
@@ -34,7 +35,6 @@ from tests.tools.megatron_runs import (
     train_from,
 )
 from threefold.checkpoint.load import load_checkpoint, load_model
-from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
 
 KINDS = ["llama", "gpt2"]
@@ -175,26 +175,8 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
     """threefold -> Megatron: megatron-core's GPTModel reads the export (logits within 1e-5 of
     threefold's); Megatron -> threefold -> Megatron is bitwise."""
     root, reference = megatron[kind]
-    trained = str(tmp_path / "trained")
-    _, trainer = train_from(
-        megatron_argv(root, 1, 1) + ["--finetune", "--save", trained], root, True
-    )
-    save_checkpoint(trained, trainer.checkpoint_components())
-    _, model, _ = load_model(trained, with_tokenizer=False)
-    with torch.no_grad():
-        ours = model(mc.TOKENS).transpose(0, 1)
-    converted = str(tmp_path / "converted")
-    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
-    assert convert_checkpoint.main(argv + [converted]) == 0
-    for source, expected, tolerance in ((trained, ours, 1e-5), (converted, reference, 0)):
-        out = source + "_megatron"
-        argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
-        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
-        iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
-        path = os.path.join(out, f"iter_{iteration:07d}")
-        # Megatron-LM's --verify-integrity list, as megatron-core would write it
-        with open(os.path.join(path, "integrity.json")) as f:
-            assert json.load(f) == megatrons_integrity(path)
+    _, written = exports(root, reference, tmp_path)
+    for path, expected, tolerance in written:
         theirs = run_distributed(1, mc.logits, kind, path)
         torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
 

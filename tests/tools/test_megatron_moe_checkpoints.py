@@ -15,9 +15,6 @@ loads back into megatron-core.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -27,15 +24,13 @@ from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
     continue_argv,
     continue_training,
+    exports,
     megatron_argv,
-    megatrons_integrity,
     per_token_losses,
     reference_losses,
     saved_by_megatron_core,
-    train_from,
 )
 from threefold.checkpoint.load import load_model
-from threefold.checkpoint.save import save_checkpoint
 from threefold.safe_loading import SafeFileSystemReader
 
 # kind -> (TP, PP, EP, ranks) megatron-core saves it at
@@ -98,25 +93,9 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
     on (its expert bias moved too) and computes threefold's logits; Megatron -> threefold ->
     Megatron gives megatron-core's own logits bitwise."""
     root, reference = megatron[kind]
-    trained = str(tmp_path / "trained")
-    argv = megatron_argv(root, 1, 1) + ["--finetune", "--save", trained]
-    _, trainer = train_from(argv, root, True)
-    save_checkpoint(trained, trainer.checkpoint_components())
-    _, model, _ = load_model(trained, with_tokenizer=False)
-    with torch.no_grad():
-        ours = model(mc.TOKENS).transpose(0, 1)
+    ours, written = exports(root, reference, tmp_path)
     assert (ours - reference).abs().max() > 1e-3  # training moved it
-    converted = str(tmp_path / "converted")
-    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root, "--save-dir"]
-    assert convert_checkpoint.main(argv + [converted]) == 0
-    for source, expected, tolerance in ((trained, ours, 1e-5), (converted, reference, 0)):
-        out = source + "_megatron"
-        argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", source]
-        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
-        iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
-        path = os.path.join(out, f"iter_{iteration:07d}")
-        with open(os.path.join(path, "integrity.json")) as f:  # Megatron's --verify-integrity
-            assert json.load(f) == megatrons_integrity(path)
+    for path, expected, tolerance in written:
         # Transformer Engine's spec (Megatron-LM's default) names an MoE layer's pre-MLP norm
         # as a module of its own; the local spec, as a dense layer's (fused into fc1).
         keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata

@@ -21,7 +21,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
-from threefold.model.mtp import MultiTokenPredictionBlock, check_mtp_input
+from threefold.model.mtp import MultiTokenPredictionBlock
 from threefold.model.rope import rotary_embedding
 from threefold.model.spec import LayerSpec, layer_spec
 from threefold.model.transformer import TransformerBlock
@@ -227,10 +227,14 @@ class GPTModel(nn.Module):
             return hidden_states
         output_layer = functools.partial(self.output_layer, weight=self.output_weight())
         if self.mtp is not None and self.training and labels is not None:
-            check_mtp_input(attention_mask)
-            hidden_states = self.mtp(
-                hidden_states, input_ids, labels, loss_mask, self.embedding, output_layer, rotary
-            )
+            batch = {
+                "tokens": input_ids,
+                "labels": labels,
+                "loss_mask": loss_mask,
+                "position_ids": position_ids,
+                "attention_mask": attention_mask,
+            }
+            hidden_states = self.mtp(hidden_states, batch, self.embedding, output_layer, rotary)
         logits = output_layer(hidden_states)
         if labels is None:
             return logits

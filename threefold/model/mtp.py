@@ -26,7 +26,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.spec import LayerSpec
 from threefold.model.transformer import TransformerLayer
@@ -90,12 +90,13 @@ class MultiTokenPredictionLayer(nn.Module):
         embeddings: torch.Tensor,
         hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         both = torch.cat([self.enorm(embeddings), self.hnorm(hidden_states)], dim=-1)
         hidden_states = gather_from_tensor_parallel_region(self.eh_proj(both), self.tp)
         if self.sequence_parallel:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.tp)
-        hidden_states = self.transformer_layer(hidden_states, rotary)
+        hidden_states = self.transformer_layer(hidden_states, rotary, attention_mask)
         return self.final_layernorm(hidden_states)
 
 
@@ -126,22 +127,28 @@ class MultiTokenPredictionBlock(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None,
+        batch: dict[str, torch.Tensor | None],
         embedding: nn.Module,
         output_layer,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """The main hidden states, with each depth's loss attached for the backward pass."""
-        batch, sequence = input_ids.shape
-        positions = torch.arange(sequence, device=input_ids.device).expand(batch, sequence)
+        """The main hidden states, with each depth's loss attached for the backward pass.
+        `batch`: the micro-batch's `tokens`, `labels`, and `loss_mask`, `position_ids`,
+        `attention_mask` or None (all ones; 0..s-1; causal). Per-document positions and
+        attention apply to every depth, and the shift runs over document boundaries, as in
+        megatron-core without packed-sequence parameters."""
+        input_ids, labels = batch["tokens"], batch["labels"]
+        positions, loss_mask = batch.get("position_ids"), batch.get("loss_mask")
+        if positions is None:
+            sequence = input_ids.shape[1]
+            positions = torch.arange(sequence, device=input_ids.device).expand_as(input_ids)
         loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         main, depth_hidden, losses = hidden_states, hidden_states, []
         for layer in self.layers:
             input_ids, positions = shift_left(input_ids), shift_left(positions)
             labels, loss_mask = shift_left(labels), shift_left(loss_mask)
-            depth_hidden = layer(embedding(input_ids, positions), depth_hidden, rotary)
+            embeddings = embedding(input_ids, positions)
+            depth_hidden = layer(embeddings, depth_hidden, rotary, batch.get("attention_mask"))
             per_token = KERNELS.cross_entropy(
                 output_layer(depth_hidden), labels.t(), self.vocab_size, self.tp
             ).t()
@@ -159,11 +166,3 @@ class MultiTokenPredictionBlock(nn.Module):
         """Each depth's loss summed over the micro-batches since the last call (on this rank)."""
         losses, self._losses = self._losses, []
         return losses[0] if losses else None
-
-
-def check_mtp_input(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is not None:
-        raise ConfigError(
-            "--mtp-num-layers with packed sequences (their own attention mask): the shifted "
-            "tokens would cross documents; train without packing"
-        )
