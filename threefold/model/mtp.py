@@ -120,9 +120,9 @@ class MultiTokenPredictionBlock(nn.Module):
         )
         self.weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
         self.vocab_size, self.tp = config.vocab_size, parallel.tp
-        # Set by the trainer each step (model/moe/layer.py's start_aux_losses).
+        # Set by the trainer each step (training/mtp_losses.py).
         self.aux_loss_scale, self.per_token_loss = 1.0, False
-        self._losses: list[torch.Tensor] = []  # per depth, summed over micro-batches
+        self._losses: torch.Tensor | None = None  # per depth, summed over micro-batches
 
     def forward(
         self,
@@ -157,12 +157,11 @@ class MultiTokenPredictionBlock(nn.Module):
             loss = total if self.per_token_loss else mean
             main = _AttachLoss.apply(main, loss, self.weight * self.aux_loss_scale)
             losses.append(mean.detach())  # logged as a mean in either case, as Megatron does
-        if self.training:
-            values = torch.stack(losses)
-            self._losses = [values] if not self._losses else [self._losses[0] + values]
+        values = torch.stack(losses)
+        self._losses = values if self._losses is None else self._losses + values
         return main
 
     def take_losses(self) -> torch.Tensor | None:
         """Each depth's loss summed over the micro-batches since the last call (on this rank)."""
-        losses, self._losses = self._losses, []
-        return losses[0] if losses else None
+        losses, self._losses = self._losses, None
+        return losses
