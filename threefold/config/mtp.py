@@ -36,6 +36,12 @@ class MTPConfig:
         help="weight of the multi-token prediction loss (averaged over the depths)",
     )
 
+    def layer_pattern_with_mtp(self) -> list[int]:
+        """1 for each MoE layer, the decoder's then the MTP depths' (each of the last decoder
+        layer's kind, as megatron-core builds them)."""
+        pattern = self.moe_layer_pattern(self.num_layers)
+        return pattern + pattern[-1:] * (self.mtp_num_layers or 0)
+
     def finalize_mtp(self) -> None:
         if self.mtp_num_layers is None:
             return

@@ -38,10 +38,9 @@ def training_flops_per_iteration(
         shared = config.moe_shared_expert_intermediate_size or 0
         routed = config.moe_router_topk * config.moe_ffn_hidden_size
         moe = per_size * (routed + shared) + 2 * h * config.num_experts
-    pattern = config.moe_layer_pattern(config.num_layers)
     depths = config.mtp_num_layers or 0
     per_token_forward = 0
-    for is_moe in pattern + pattern[-1:] * depths:  # MTP layers: the last layer's kind
+    for is_moe in config.layer_pattern_with_mtp():
         per_token_forward += qkv + projection + attention + (moe if is_moe else dense)
     # Each MTP depth's norms (Megatron-LM counts 3h multiply-adds) and projection [2h -> h],
     # and every depth's logits beside the main ones.

@@ -54,8 +54,7 @@ class MoEStatistics:
         ]
         # Multi-token prediction layers follow the decoder's, each of the last one's kind
         # (model/mtp.py), and count as Megatron-LM counts them: among the MoE layers.
-        pattern = config.moe_layer_pattern(config.num_layers)
-        pattern += pattern[-1:] * (config.mtp_num_layers or 0)
+        pattern = config.layer_pattern_with_mtp()
         self.moe_layer_numbers = [i + 1 for i, moe in enumerate(pattern) if moe]
         self.names = tracked_losses(config)
         self.num_layers, self.num_experts = len(pattern), config.num_experts
