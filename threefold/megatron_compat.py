@@ -232,7 +232,6 @@ MISSING = {
     "is the core attention's)",
     "--fine-grained-activation-offloading": "activation offloading",
     "--offload-modules": "activation offloading",
-    "--pipeline-model-parallel-layout": "explicit per-stage pipeline layouts",
     "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
     "--experimental-attention-variant": "gated/linear attention variants",

@@ -62,11 +62,18 @@ def tp2_pp2_checkpoint(tmp_path_factory):
     [
         [],  # TP=1, PP=1, DP=4
         ["--tensor-model-parallel-size", "4"],
-        ["--pipeline-model-parallel-size", "4"],
+        # the first stage only embeds, the last holds two layers (Megatron's explicit layout)
+        ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "E|t|t|ttL"],
         ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
     ],
-    ids=["dp4", "tp4", "pp4", "pp2-dp2-distributed-optimizer", "dp4-two-optimizer-instances"],
+    ids=[
+        "dp4",
+        "tp4",
+        "pp4-layout",
+        "pp2-dp2-distributed-optimizer",
+        "dp4-two-optimizer-instances",
+    ],
 )
 def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout):
     argv, directory, saved = tp2_pp2_checkpoint

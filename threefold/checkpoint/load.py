@@ -65,6 +65,10 @@ def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
             "account_for_loss_in_pipeline_split",
         )
     )
+    # (older checkpoints have no layout string)
+    same = same and saved.get("pipeline_model_parallel_layout") == (
+        current.pipeline_model_parallel_layout
+    )
     # an expert's shapes (and keys) follow expert TP
     same = same and (saved.get("expert_tensor_parallel_size") or 1) == (
         current.expert_tensor_parallel_size or 1

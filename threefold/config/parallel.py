@@ -8,6 +8,7 @@ from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
 from threefold.config.model import ModelConfig
+from threefold.config.pipeline_layout import layout_layer_counts
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
 # Megatron's --cp-comm-type names (a2a+p2p, its hierarchical variant, is not implemented).
@@ -67,6 +68,12 @@ class ParallelConfig:
     )
     decoder_last_pipeline_num_layers: int | None = arg(
         None, help="layers of the last pipeline stage (the rest split evenly)"
+    )
+    pipeline_model_parallel_layout: str | None = arg(
+        None,
+        help="the layers of every model chunk, Megatron-LM's string: E embedding, t "
+        "transformer layer, m MTP depth, L loss, | between chunks, x*n and (...)*n repeat "
+        "(e.g. Et*3|(tt|)*6mL); the chunks per rank set the virtual pipeline size",
     )
     context_parallel_size: int = arg(
         1,
@@ -197,6 +204,9 @@ class ParallelConfig:
                 "--num-layers-per-virtual-pipeline-stage",
             )
             self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        if self.pipeline_model_parallel_layout is not None:
+            self._finalize_explicit_layout(model)
+            return
         extra = int(self.account_for_embedding_in_pipeline_split)
         extra += int(self.account_for_loss_in_pipeline_split)
         if extra:
@@ -259,6 +269,39 @@ class ParallelConfig:
                 f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size "
                 f"{pp}; change one or set --decoder-first/last-pipeline-num-layers",
             )
+
+    def _finalize_explicit_layout(self, model: ModelConfig) -> None:
+        """--pipeline-model-parallel-layout: the chunks per rank are the virtual pipeline size;
+        no other flag may split the layers too (megatron-core's conflicts)."""
+        _require(
+            self.decoder_first_pipeline_num_layers is None
+            and self.decoder_last_pipeline_num_layers is None
+            and not self.account_for_embedding_in_pipeline_split
+            and not self.account_for_loss_in_pipeline_split
+            and self.num_layers_per_virtual_pipeline_stage is None,
+            "--pipeline-model-parallel-layout places every layer: drop "
+            "--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-"
+            "split and --num-layers-per-virtual-pipeline-stage",
+        )
+        pp = self.pipeline_model_parallel_size
+        chunks = len(self.chunk_layer_counts(model))
+        given = self.virtual_pipeline_model_parallel_size
+        _require(
+            given is None or given * pp == chunks,
+            f"--pipeline-model-parallel-layout has {chunks} chunks, {chunks // pp} per pipeline "
+            f"rank, and --virtual-pipeline-model-parallel-size is {given}; drop the latter",
+        )
+        self.virtual_pipeline_model_parallel_size = chunks // pp if chunks > pp else None
+
+    def chunk_layer_counts(self, model: ModelConfig) -> list[int]:
+        """Transformer layers of each model chunk of --pipeline-model-parallel-layout, in the
+        order they run."""
+        return layout_layer_counts(
+            self.pipeline_model_parallel_layout,
+            self.pipeline_model_parallel_size,
+            model.num_layers,
+            model.mtp_num_layers,
+        )
 
     def _finalize_accounted_split(self, layers: int, extra: int) -> None:
         """--account-for-embedding/loss-in-pipeline-split: PP x V chunks of equal slots, the

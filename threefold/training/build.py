@@ -31,7 +31,7 @@ def build_model_chunks(
 ) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
     pp, rank = parallel.pp.size, parallel.pp.rank
-    layers = chunk_layers_of(config.parallel, config.model.num_layers, rank)
+    layers = chunk_layers_of(config.parallel, config.model, rank)
     padded_vocab = config.model.padded_vocab_size(parallel.tp.size)
     chunks = []
     for index, (offset, count) in enumerate(layers):

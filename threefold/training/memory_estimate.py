@@ -124,7 +124,7 @@ def _mla_parameters(model: ModelConfig, tp: int) -> int:
 
 def _stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> list[int]:
     """The 0-based numbers of the layers pipeline stage `stage` holds."""
-    chunks = chunk_layers_of(parallel, model.num_layers, stage)
+    chunks = chunk_layers_of(parallel, model, stage)
     return [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
 
 
@@ -425,7 +425,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
-    chunks = chunk_layers_of(parallel, model.num_layers, stage)
+    chunks = chunk_layers_of(parallel, model, stage)
     total = 0
     for offset, layers in chunks:
         recomputed = 0

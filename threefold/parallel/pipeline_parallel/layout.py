@@ -12,10 +12,14 @@ rank r holds chunks r, r + P, r + 2P, ...: model chunk v of rank r starts at lay
 (Megatron-LM's) count the embedding and the loss as one layer each in that even split: the
 first chunk (of rank 0) holds one transformer layer fewer, the last chunk (of the last rank)
 too, down to none (a chunk of the embedding alone, or of the final norm and loss alone).
+
+`--pipeline-model-parallel-layout` (config/pipeline_layout.py) spells out every chunk's layers;
+chunks are numbered and assigned to ranks as above.
 """
 
 from __future__ import annotations
 
+from threefold.config.model import ModelConfig
 from threefold.config.parallel import ParallelConfig, stage_layer_counts
 
 
@@ -39,15 +43,28 @@ def model_chunk_layers(
     counts = [per_chunk] * chunks
     counts[0] -= embedding
     counts[-1] -= loss
-    offsets = [sum(counts[:g]) for g in range(chunks)]
-    mine = range(pipeline_rank, chunks, pipeline_size)  # chunk v of rank r: v P + r
+    return chunks_of_rank(counts, pipeline_size, pipeline_rank)
+
+
+def chunks_of_rank(
+    counts: list[int], pipeline_size: int, pipeline_rank: int
+) -> list[tuple[int, int]]:
+    """(layer offset, number of layers) of a rank's chunks, given every chunk's layers in the
+    order they run."""
+    offsets = [sum(counts[:g]) for g in range(len(counts))]
+    mine = range(pipeline_rank, len(counts), pipeline_size)  # chunk v of rank r: v P + r
     return [(offsets[g], counts[g]) for g in mine]
 
 
-def chunk_layers_of(parallel: ParallelConfig, num_layers: int, rank: int) -> list[tuple[int, int]]:
+def chunk_layers_of(
+    parallel: ParallelConfig, model: ModelConfig, rank: int
+) -> list[tuple[int, int]]:
     """`model_chunk_layers` of pipeline rank `rank` in the layout a ParallelConfig gives."""
+    if parallel.pipeline_model_parallel_layout is not None:
+        counts = parallel.chunk_layer_counts(model)
+        return chunks_of_rank(counts, parallel.pipeline_model_parallel_size, rank)
     return model_chunk_layers(
-        num_layers,
+        model.num_layers,
         parallel.pipeline_model_parallel_size,
         rank,
         parallel.virtual_pipeline_model_parallel_size,
