@@ -34,11 +34,6 @@ ALIASES = {
 # flag -> (type, the one supported value, why no other)
 ONLY_DEFAULT = {
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
-    "--optimizer": (
-        str,
-        "adam",
-        "the optimizer is Adam with decoupled weight decay (Megatron-LM's adam)",
-    ),
     # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
@@ -243,12 +238,15 @@ MISSING = {
     "--data-parallel-sharding-strategy": "Megatron-FSDP",
     "--outer-dp-sharding-strategy": "Megatron-FSDP",
     "--megatron-fsdp-": "Megatron-FSDP",
-    "--muon-": "the Muon optimizer",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
     "--moe-shared-expert-gate": "gated shared experts",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",
     "--fim-": "fill-in-the-middle data",
+    "--lion-": "the Lion optimizer (threefold has adam and muon)",
+    "--no-use-layer-wise-param-layout": "Megatron-LM's layer-wise distributed optimizer for Muon",
+    "--adaptive-muon-": "adaptive Muon (threefold has adam and muon)",
+    "--sgd-momentum": "the SGD optimizer (threefold has adam and muon)",
     "--export-": "ModelOpt export and distillation",
     "--use-mup": "muP parametrization",
     "--mup-": "muP parametrization",

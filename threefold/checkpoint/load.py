@@ -234,6 +234,13 @@ def load_checkpoint(
             "--no-save-optim and holds no optimizer state; pass --no-load-optim "
             "(or --finetune)"
         )
+    saved_optimizer = metadata["config"].get("training", {}).get("optimizer", "adam")
+    if load_optimizer and saved_optimizer != components.config.training.optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint holds {saved_optimizer}'s optimizer state and this "
+            f"run has --optimizer {components.config.training.optimizer}; pass --no-load-optim "
+            "(or --finetune) to start its state afresh"
+        )
     _check_architecture(root, metadata["config"]["model"], components.config.model)
     _check_tokenizer(root, path, metadata, components.config.data)
     # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their

@@ -33,10 +33,10 @@ from threefold.parallel.tensor_parallel.sharding import is_expert, shard_of, sha
 from threefold.safe_loading import SafeFileSystemReader
 
 _KEY = re.compile(
-    r"^(model|optimizer\.(exp_avg|exp_avg_sq|step|master))\.tp(\d+)\.(.+?)"
+    r"^(model|optimizer\.(exp_avg|exp_avg_sq|momentum_buffer|step|master))\.tp(\d+)\.(.+?)"
     r"(?:\[(\d+):(\d+)\])?$"
 )
-FIELDS = ("exp_avg", "exp_avg_sq", "master")
+FIELDS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "master")
 
 
 class SavedTensors:

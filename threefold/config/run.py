@@ -11,6 +11,7 @@ from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
 from threefold.config.logging import LoggingConfig
 from threefold.config.model import ModelConfig
+from threefold.config.muon import check_muon_layout
 from threefold.config.parallel import ParallelConfig
 from threefold.config.training import TrainingConfig
 
@@ -33,6 +34,8 @@ class Config:
         warnings = self.model.finalize()
         warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
+        training = self.training
+        check_muon_layout(training, self.parallel, training.optimizer_cpu_offload, training.fp16)
         parallel = self.parallel
         self._finalize_gradient_precision()
         group = parallel.microbatch_group_size_per_virtual_pipeline_stage

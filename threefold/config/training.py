@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
+from threefold.config.muon import MuonConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -29,7 +30,7 @@ def _count(text: str) -> int | None:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(MuonConfig):
     micro_batch_size: int = arg(1, help="samples per forward/backward on each data-parallel rank")
     global_batch_size: int | None = arg(
         None, help="samples per optimizer step; default --micro-batch-size x DP"
@@ -284,6 +285,7 @@ class TrainingConfig:
         return list(range(start, self.global_batch_size + 1, increment))
 
     def finalize(self, data_parallel_size: int, seq_length: int) -> None:
+        self.finalize_muon()
         if self.fp16 and self.loss_scale is None:
             # As Megatron-LM: under dynamic loss scaling a non-finite gradient is the loss
             # scaler's signal to skip the step and back off, not an error.

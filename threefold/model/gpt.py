@@ -37,6 +37,12 @@ from threefold.parallel.tensor_parallel.sharding import (
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's `is_embedding_or_output_parameter`: the word embeddings and the output layer
+    (tied or not), by their names in a model chunk."""
+    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
+
+
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, padded_vocab_size: int):
         super().__init__()

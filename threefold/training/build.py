@@ -23,6 +23,7 @@ from threefold.training.data_parallel import (
 from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory import measure_bytes_per_parameter
+from threefold.training.muon import describe as describe_muon
 from threefold.training.strategy import resolve_auto_strategy
 
 
@@ -113,6 +114,8 @@ def build_model_and_optimizer(
         )
         report(fp8.describe())
     optimizer = data_parallel.optimizer
+    if training.optimizer == "muon":
+        report(describe_muon(training, len(optimizer.muon.matrices) if optimizer.muon else 0))
     optimizer.initialize_state()
     optimizer.count_zeros = config.logging.log_num_zeros_in_grad
     named = [

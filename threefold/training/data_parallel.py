@@ -43,6 +43,7 @@ from threefold.parallel.data_parallel.torch_native import (
 )
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
+from threefold.training.muon import muon_matrices
 from threefold.training.optimizer import (
     DistributedOptimizer,
     MixedPrecisionOptimizer,
@@ -173,8 +174,11 @@ class MegatronDataParallel:
                 for buffer in self.buffers:
                     buffer.wait_for_params_before_forward(model_chunks)
         else:
+            matrices = None
+            if training.optimizer == "muon":
+                matrices = muon_matrices(named, config.model, parallel, training)
             self.optimizer = MixedPrecisionOptimizer(
-                named, training, parallel, offload, experts=config.model.is_moe
+                named, training, parallel, offload, config.model.is_moe, matrices
             )
 
     def start_step(self, num_microbatches: int) -> None:

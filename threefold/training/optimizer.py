@@ -37,10 +37,12 @@ from threefold.config import TrainingConfig
 from threefold.kernels.fp8_gemms import FP8_MAX
 from threefold.model.fp8_fsdp_params import Fp8FsdpParameters
 from threefold.model.fp8_params import Fp8Parameters
+from threefold.model.gpt import is_embedding_or_output
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.data_parallel.torch_native import local
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
+from threefold.training.muon import Muon
 
 OFFLOAD_DEVICE = torch.device("cpu")
 
@@ -61,12 +63,6 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
     return sum((t == 0).sum() for t in tensors) if tensors else torch.zeros((), dtype=torch.int64)
-
-
-def is_embedding_or_output(name: str) -> bool:
-    """Megatron's `is_embedding_or_output_parameter`: the word embeddings and the output layer
-    (tied or not), by their names in a model chunk."""
-    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
 def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
@@ -105,8 +101,12 @@ class _AdamWithMasters:
         pieces: list[_Piece],
         config: TrainingConfig,
         named_parameters: list[tuple[str, nn.Parameter]],
+        matrices: dict | None = None,
     ) -> None:
+        """`matrices` (--optimizer muon): the parameters Muon steps (training/muon.py), each
+        with how it is orthogonalized; Adam steps the rest."""
         self.pieces = pieces
+        matrices = matrices or {}
         self.clip_grad = config.clip_grad
         self.count_zeros = False  # --log-num-zeros-in-grad: the trainer turns it on
         self.num_zeros_in_grad: int | None = None
@@ -121,7 +121,9 @@ class _AdamWithMasters:
                 params = [
                     p.master
                     for p in pieces
-                    if (p.param in decoupled) == is_decoupled and (p.param.dim() > 1) == decay
+                    if (p.param in decoupled) == is_decoupled
+                    and (p.param.dim() > 1) == decay
+                    and p.param not in matrices
                 ]
                 if params:
                     # wd_mult: the scheduler sets weight_decay = its value x wd_mult.
@@ -133,7 +135,7 @@ class _AdamWithMasters:
                             "weight_decay": config.weight_decay if decay else 0.0,
                         }
                     )
-        masters = [p.master for p in pieces]
+        masters = [p.master for p in pieces if p.param not in matrices]
         # PyTorch's fused AdamW: one vectorized pass per tensor instead of a chain of
         # elementwise ops (4.8x faster on a 4M-parameter model on CPU). Plain tensors only:
         # FSDP's DTensor shards take the default implementation.
@@ -148,6 +150,13 @@ class _AdamWithMasters:
             eps=config.adam_eps,
             fused=fused or None,
         )
+        stepped = [p for p in pieces if p.param in matrices]
+        self.muon = None
+        if stepped:  # matrices only: weight decay for all, none in the decoupled-LR groups
+            group = {"params": [p.master for p in stepped], "decoupled_lr": False, "wd_mult": 1.0}
+            group["weight_decay"] = config.weight_decay
+            self.muon = Muon([group], {p.master: matrices[p.param] for p in stepped}, config)
+        self._muon_masters = {p.master for p in stepped}
 
     def _master(self, value: torch.Tensor, offload: bool) -> nn.Parameter:
         """A separate fp32 master initialized from `value`, on the CPU when offloading."""
@@ -156,7 +165,7 @@ class _AdamWithMasters:
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+        return self.optimizer.param_groups + (self.muon.param_groups if self.muon else [])
 
     @property
     def master_params(self) -> list[nn.Parameter]:
@@ -239,6 +248,8 @@ class _AdamWithMasters:
             torch._foreach_mul_(local_grads, self.clip_grad / (norm + 1e-6))
         if self.pieces:
             self.optimizer.step()
+        if self.muon is not None:
+            self.muon.step()
         self.copy_masters_to_model()
         self._release_grads()
         return True, norm
@@ -252,6 +263,11 @@ class _AdamWithMasters:
         zeros lazily), so memory can be measured at start-up and checkpoints loaded into."""
         fused = self.optimizer.defaults["fused"]
         for piece in self.pieces:
+            if piece.master in self._muon_masters:
+                muon = self.muon.state[piece.master]
+                if not muon:
+                    muon["momentum_buffer"] = torch.zeros_like(piece.master)
+                continue
             adam = self.optimizer.state[piece.master]
             if not adam:
                 # Where AdamW itself would put it: the fused kernel reads the step count on
@@ -265,11 +281,10 @@ class _AdamWithMasters:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: Adam moments and separate masters."""
+        states = list(self.optimizer.state.values())
+        states += list(self.muon.state.values()) if self.muon is not None else []
         total = sum(
-            local(t).numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for k, t in s.items()
-            if k != "step"
+            local(t).numel() * t.element_size() for s in states for k, t in s.items() if k != "step"
         )
         if self.separate_masters:
             total += sum(local(m).numel() * m.element_size() for m in self.master_params)
@@ -281,9 +296,9 @@ class _AdamWithMasters:
         tensors = {}
         for piece in self.pieces:
             key = self._piece_key(names[piece.param], piece)
-            adam = self.optimizer.state[piece.master]
-            for field in ("exp_avg", "exp_avg_sq", "step"):
-                tensors[f"optimizer.{field}.{key}"] = adam[field]
+            state = self._state(piece)
+            for field in self._fields(piece) + (("step",) if "step" in state else ()):
+                tensors[f"optimizer.{field}.{key}"] = state[field]
             if self.separate_masters:
                 tensors[f"optimizer.master.{key}"] = piece.master.data
         return tensors
@@ -291,6 +306,15 @@ class _AdamWithMasters:
     @staticmethod
     def _piece_key(name: str, piece: _Piece) -> str:
         return name
+
+    def _state(self, piece: _Piece) -> dict:
+        muon = piece.master in self._muon_masters
+        return (self.muon if muon else self.optimizer).state[piece.master]
+
+    def _fields(self, piece: _Piece) -> tuple[str, ...]:
+        """The state a piece's optimizer keeps beside the step count."""
+        muon = piece.master in self._muon_masters
+        return ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
 
     @torch.no_grad()
     def load_resharded(
@@ -300,20 +324,21 @@ class _AdamWithMasters:
         loaded: dict[nn.Parameter, torch.Tensor],
         step: torch.Tensor | None,
     ) -> None:
-        """Adam state from a checkpoint of another layout: `full_shard(field, name, param)` is
-        this layout's TP shard of a parameter's saved `exp_avg`/`exp_avg_sq`, `loaded` the fp32
+        """Optimizer state from a checkpoint of another layout: `full_shard(field, name, param)`
+        is this layout's TP shard of a parameter's saved `exp_avg`/`exp_avg_sq` (Muon's
+        `momentum_buffer`), `loaded` the fp32
         weights the parameters were filled from; each piece of this rank takes its slice."""
         pieces: dict[nn.Parameter, list[_Piece]] = {}
         for piece in self.pieces:
             pieces.setdefault(piece.param, []).append(piece)
         for name, param in named_parameters:
             for piece in pieces.get(param, []):
-                adam = self.optimizer.state[piece.master]
-                for field in ("exp_avg", "exp_avg_sq"):
+                state = self._state(piece)
+                for field in self._fields(piece):
                     values = full_shard(field, name, param).reshape(-1)[piece.start : piece.end]
-                    adam[field].copy_(values.view_as(adam[field]))
-                if step is not None:
-                    adam["step"].copy_(step)
+                    state[field].copy_(values.view_as(state[field]))
+                if step is not None and "step" in state:
+                    state["step"].copy_(step)
                 if self.separate_masters:
                     piece.master.copy_(
                         loaded[param].reshape(-1)[piece.start : piece.end].view_as(piece.master)
@@ -328,9 +353,10 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         parallel: ParallelContext,
         offload: bool = False,
         experts: bool = False,
+        matrices: dict | None = None,
     ) -> None:
         """`experts`: the model has expert weights (on any pipeline stage: every rank joins
-        the reduction of their norms)."""
+        the reduction of their norms); `matrices`: those Muon steps (--optimizer muon)."""
         self.reduction_groups = [parallel.model_parallel_group]
         if experts:
             self.expert_reduction_groups = [parallel.expert_model_parallel_group]
@@ -345,6 +371,7 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
             ],
             config,
             named_parameters,
+            matrices,
         )
 
     def _attach_grads(self) -> list[torch.Tensor]:

@@ -1,0 +1,128 @@
+"""The optimizer choice and Muon's fields (Megatron-LM's --optimizer muon, --muon-*).
+
+Muon steps every weight matrix of the transformer layers with momentum whose update is
+orthogonalized by a Newton-Schulz iteration (training/muon.py); the embeddings, the output
+layer, norms and biases stay with Adam (`--muon-scalar-optimizer adam`), as in Megatron-LM.
+
+`TrainingConfig` inherits the fields; `finalize_muon` is called from its finalize, and
+`check_muon_layout` from the run config's, where the parallel layout is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+GROUP = "Muon optimizer"
+OPTIMIZERS = ("adam", "muon")
+# Newton-Schulz coefficient sets threefold has (training/muon.py), by Megatron-LM's names.
+COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol")
+
+
+@dataclass
+class MuonConfig:
+    optimizer: str = arg(
+        "adam",
+        help="adam (AdamW: decoupled weight decay, as Megatron-LM's adam) or muon (weight "
+        "matrices orthogonalized, the rest Adam)",
+    )
+    muon_momentum: float = arg(0.9, group=GROUP, help="Muon's momentum")
+    muon_split_qkv: bool = arg(
+        True,
+        flag="--muon-no-split-qkv",
+        group=GROUP,
+        help="orthogonalize the fused query/key/value weight whole, not each part apart",
+    )
+    muon_nesterov: bool = arg(False, group=GROUP, help="Nesterov momentum")
+    muon_scale_mode: str = arg(
+        "spectral",
+        choices=("spectral", "unit_rms_norm", "shape_scaling"),
+        group=GROUP,
+        help="the update's scale: sqrt(max(out, in)), sqrt(out/in) or sqrt(max(1, out/in))",
+    )
+    muon_fp32_matmul_prec: str = arg(
+        "medium",
+        choices=("low", "medium", "high"),
+        group=GROUP,
+        help="Newton-Schulz matmuls: medium in bf16, high in fp32 (TF32 on GPUs)",
+    )
+    muon_coefficient_type: str = arg(
+        "quintic", group=GROUP, help=f"Newton-Schulz coefficients: {', '.join(COEFFICIENT_TYPES)}"
+    )
+    muon_num_ns_steps: int = arg(5, group=GROUP, help="Newton-Schulz iterations")
+    muon_tp_mode: str = arg(
+        "duplicated",
+        choices=("blockwise", "duplicated", "distributed"),
+        group=GROUP,
+        help="a TP-split matrix: duplicated gathers it and orthogonalizes it whole on every TP "
+        "rank, blockwise orthogonalizes each rank's shard alone",
+    )
+    muon_use_syrk: bool = arg(
+        False, group=GROUP, help="Megatron-LM's Triton SYRK Gram kernel (not in threefold)"
+    )
+    muon_extra_scale_factor: float = arg(1.0, group=GROUP, help="a further factor on the update")
+    muon_scalar_optimizer: str = arg(
+        "adam",
+        choices=("adam", "lion"),
+        group=GROUP,
+        help="the optimizer of embeddings, output layer, norms and biases",
+    )
+
+    def finalize_muon(self) -> None:
+        _require(
+            self.optimizer != "dist_muon",
+            "--optimizer dist_muon (Megatron-LM's Muon with its layer-wise distributed "
+            "optimizer) is not built; use --optimizer muon without --use-distributed-optimizer",
+        )
+        _require(
+            self.optimizer in OPTIMIZERS,
+            f"--optimizer {self.optimizer} is not built; threefold has {' and '.join(OPTIMIZERS)}",
+        )
+        if self.optimizer != "muon":
+            return
+        _require(
+            self.muon_coefficient_type in COEFFICIENT_TYPES,
+            f"--muon-coefficient-type {self.muon_coefficient_type} is not built; choose one of "
+            f"{', '.join(COEFFICIENT_TYPES)}",
+        )
+        _require(self.muon_num_ns_steps >= 1, "--muon-num-ns-steps must be >= 1")
+        _require(0 <= self.muon_momentum < 1, "--muon-momentum must be in [0, 1)")
+        _require(
+            self.muon_fp32_matmul_prec != "low",
+            "--muon-fp32-matmul-prec low is not a precision torch has; use medium (bf16 "
+            "Newton-Schulz) or high (fp32)",
+        )
+        _require(
+            self.muon_tp_mode != "distributed",
+            "--muon-tp-mode distributed (Newton-Schulz split over the TP ranks) is not built; "
+            "duplicated gives the same updates",
+        )
+        _require(
+            not self.muon_use_syrk,
+            "--muon-use-syrk (Megatron-LM's Triton SYRK kernel) is not built; drop it",
+        )
+        _require(
+            self.muon_scalar_optimizer == "adam",
+            "--muon-scalar-optimizer lion is not built; threefold's scalar optimizer is adam",
+        )
+
+
+def check_muon_layout(training: MuonConfig, parallel, offload: bool, fp16: bool) -> None:
+    """What Muon runs beside: Megatron's data parallelism with every rank's whole optimizer."""
+    if training.optimizer != "muon":
+        return
+    _require(
+        not parallel.use_distributed_optimizer,
+        "--optimizer muon with --use-distributed-optimizer (Megatron-LM's layer-wise "
+        "distributed optimizer for Muon) is not built; drop --use-distributed-optimizer",
+    )
+    _require(
+        parallel.distributed_strategy == "megatron",
+        "--optimizer muon runs with --distributed-strategy megatron (its own data parallelism)",
+    )
+    _require(not offload, "--optimizer muon with --optimizer-cpu-offload is not built")
+    _require(
+        not fp16, "--optimizer muon with --fp16 is not supported (as in Megatron-LM); use --bf16"
+    )
