@@ -110,7 +110,9 @@ def reference():
     return train_job(MOE_MUON, 4)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "ep2-etp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", ["tp2-sp", "dp2", "ep2-etp2", "pp2", "dp2-distributed-optimizer", "tp2-ep2-dp2-do"]
+)
 def test_muon_trains_as_one_process(reference, layout):
     world, extra = {
         "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -122,6 +124,13 @@ def test_muon_trains_as_one_process(reference, layout):
             + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ),
         "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+        # each matrix whole in one DP rank's shard, its TP peers owning theirs
+        "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+        "tp2-ep2-dp2-do": (
+            4,
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+        ),
     }[layout]
     results = run_distributed(world, train_job, MOE_MUON + extra, 4)
     assert_matches_reference(results, reference, 2e-5)
@@ -141,12 +150,9 @@ def test_momentum_resumes_in_another_layout(tmp_path):
     argv = LLAMA_STYLE + TRAINING + MUON + ["--num-layers", "4"]
     tp2 = ["--tensor-model-parallel-size", "2"]
     saved = run_distributed(2, _save_then_continue, argv + tp2, str(tmp_path))
-    _check(
-        saved,
-        run_distributed(
-            2, _load_then_step, argv + ["--pipeline-model-parallel-size", "2"], str(tmp_path)
-        ),
-    )
+    # into PP2, and into DP2 with the distributed optimizer (each rank's whole matrices)
+    for layout in (["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"]):
+        _check(saved, run_distributed(2, _load_then_step, argv + layout, str(tmp_path)))
 
 
 def test_a_resume_in_the_same_layout_is_bitwise_and_adam_takes_no_muon_state(tmp_path):
@@ -164,11 +170,21 @@ def test_a_resume_in_the_same_layout_is_bitwise_and_adam_takes_no_muon_state(tmp
         load_checkpoint(str(tmp_path), adam.checkpoint_components())
 
 
+def test_megatrons_dist_muon_is_muon_with_the_distributed_optimizer(capsys):
+    from threefold.arguments import parse_args
+
+    argv = LLAMA_STYLE + TRAINING + MUON + ["--optimizer", "dist_muon"]
+    config = parse_args(argv + ["--no-use-layer-wise-param-layout"], world_size=2)
+    assert config.training.optimizer == "muon" and config.parallel.use_distributed_optimizer
+    printed = capsys.readouterr()
+    assert "dist_muon is --optimizer muon --use-distributed-optimizer" in printed.out + printed.err
+    assert "keeps every parameter whole" in printed.out + printed.err
+
+
 @pytest.mark.parametrize(
     "extra,named",
     [
-        (["--use-distributed-optimizer"], "layer-wise distributed optimizer for Muon"),
-        (["--optimizer", "dist_muon"], "--optimizer dist_muon"),
+        (["--fp8-format", "hybrid", "--fp8-param-gather"], "with --fp8-param-gather"),
         (["--optimizer", "sgd"], "--optimizer sgd is not built"),
         (["--muon-tp-mode", "distributed"], "duplicated gives the same updates"),
         (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec low"),

@@ -5,7 +5,9 @@ orthogonalized by a Newton-Schulz iteration (training/muon.py); the embeddings, 
 layer, norms and biases stay with Adam (`--muon-scalar-optimizer adam`), as in Megatron-LM.
 
 `TrainingConfig` inherits the fields; `finalize_muon` is called from its finalize, and
-`check_muon_layout` from the run config's, where the parallel layout is known.
+`check_muon_layout` from the run config's, where the parallel layout is known. Under
+--use-distributed-optimizer each Muon matrix lies whole in one data-parallel rank's shard
+(Megatron-LM's layer-wise distributed optimizer).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class MuonConfig:
         False, group=GROUP, help="Megatron-LM's Triton SYRK Gram kernel (not in threefold)"
     )
     muon_extra_scale_factor: float = arg(1.0, group=GROUP, help="a further factor on the update")
+    use_layer_wise_param_layout: bool = arg(
+        True,
+        flag="--no-use-layer-wise-param-layout",
+        group=GROUP,
+        help="Megatron-LM's buffer layout choice for Muon under the distributed optimizer; "
+        "threefold keeps each parameter whole in one rank's shard either way",
+    )
     muon_scalar_optimizer: str = arg(
         "adam",
         choices=("adam", "lion"),
@@ -71,11 +80,6 @@ class MuonConfig:
     )
 
     def finalize_muon(self) -> None:
-        _require(
-            self.optimizer != "dist_muon",
-            "--optimizer dist_muon (Megatron-LM's Muon with its layer-wise distributed "
-            "optimizer) is not built; use --optimizer muon without --use-distributed-optimizer",
-        )
         _require(
             self.optimizer in OPTIMIZERS,
             f"--optimizer {self.optimizer} is not built; threefold has {' and '.join(OPTIMIZERS)}",
@@ -109,20 +113,35 @@ class MuonConfig:
         )
 
 
-def check_muon_layout(training: MuonConfig, parallel, offload: bool, fp16: bool) -> None:
-    """What Muon runs beside: Megatron's data parallelism with every rank's whole optimizer."""
+def check_muon_layout(config) -> list[str]:
+    """Muon beside the rest of the run (a `Config`): Megatron-LM's deprecated dist_muon is
+    muon with the distributed optimizer. Returns start-up notes."""
+    training, parallel = config.training, config.parallel
+    notes = []
+    if training.optimizer == "dist_muon":
+        training.optimizer, parallel.use_distributed_optimizer = "muon", True
+        notes.append("--optimizer dist_muon is --optimizer muon --use-distributed-optimizer")
     if training.optimizer != "muon":
-        return
-    _require(
-        not parallel.use_distributed_optimizer,
-        "--optimizer muon with --use-distributed-optimizer (Megatron-LM's layer-wise "
-        "distributed optimizer for Muon) is not built; drop --use-distributed-optimizer",
-    )
+        return notes
     _require(
         parallel.distributed_strategy == "megatron",
         "--optimizer muon runs with --distributed-strategy megatron (its own data parallelism)",
     )
-    _require(not offload, "--optimizer muon with --optimizer-cpu-offload is not built")
     _require(
-        not fp16, "--optimizer muon with --fp16 is not supported (as in Megatron-LM); use --bf16"
+        not training.optimizer_cpu_offload,
+        "--optimizer muon with --optimizer-cpu-offload is not built",
     )
+    _require(
+        not training.fp16,
+        "--optimizer muon with --fp16 is not supported (as in Megatron-LM); use --bf16",
+    )
+    _require(
+        not config.fp8.fp8_param_gather,
+        "--optimizer muon with --fp8-param-gather is not built; drop --fp8-param-gather",
+    )
+    if not training.use_layer_wise_param_layout:
+        notes.append(
+            "--no-use-layer-wise-param-layout: threefold's distributed optimizer keeps every "
+            "parameter whole in one rank's shard under Muon either way (the same steps)"
+        )
+    return notes

@@ -31,11 +31,9 @@ class Config:
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
-        warnings = self.model.finalize()
+        warnings = self.model.finalize() + check_muon_layout(self)
         warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
-        training = self.training
-        check_muon_layout(training, self.parallel, training.optimizer_cpu_offload, training.fp16)
         parallel = self.parallel
         self._finalize_gradient_precision()
         group = parallel.microbatch_group_size_per_virtual_pipeline_stage

@@ -101,6 +101,7 @@ class MegatronDataParallel:
             bucket_size=dp.bucket_size,
             flat_parameters=distributed,
             overlap_grad_reduce=dp.overlap_grad_reduce,
+            whole_params_per_shard=distributed and training.optimizer == "muon",
             grad_dtype=(
                 params_dtype(config)
                 if half and not dp.accumulate_allreduce_grads_in_fp32
@@ -159,6 +160,9 @@ class MegatronDataParallel:
         ]
         for buffer in self.buffers:
             buffer.check_finite = training.check_for_nan_in_loss_and_grad
+        matrices = None
+        if training.optimizer == "muon":
+            matrices = muon_matrices(named, config.model, parallel, training)
         if distributed:
             self.optimizer = DistributedOptimizer(
                 named,
@@ -169,14 +173,12 @@ class MegatronDataParallel:
                 offload,
                 experts=config.model.is_moe,
                 fp8_parameters=self.fp8_parameters,
+                matrices=matrices,
             )
             if dp.overlap_param_gather:
                 for buffer in self.buffers:
                     buffer.wait_for_params_before_forward(model_chunks)
         else:
-            matrices = None
-            if training.optimizer == "muon":
-                matrices = muon_matrices(named, config.model, parallel, training)
             self.optimizer = MixedPrecisionOptimizer(
                 named, training, parallel, offload, config.model.is_moe, matrices
             )

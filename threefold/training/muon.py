@@ -108,10 +108,12 @@ def scale_factor(rows: int, columns: int, mode: str) -> float:
 
 @dataclass
 class Matrix:
-    """How one weight matrix is orthogonalized: `group`, `partition_dim`: the TP ranks holding
+    """How one weight matrix is orthogonalized: `shape`: as this rank holds it; `group`,
+    `partition_dim`: the TP ranks holding
     its other shards and the dimension they split (None: orthogonalized as held here);
     `split`: rows per query group of the fused query/key/value weight, orthogonalized apart."""
 
+    shape: tuple[int, int]  # this rank's (its master may be a flat view)
     group: Group | None = None
     partition_dim: int | None = None
     split: list[int] | None = None
@@ -131,7 +133,7 @@ def muon_matrices(
     for name, param in named_parameters:
         if not param.requires_grad or param.dim() != 2 or is_embedding_or_output(name):
             continue
-        matrix = Matrix()
+        matrix = Matrix(tuple(param.shape))
         if getattr(param, "tensor_model_parallel", False) and config.muon_tp_mode == "duplicated":
             group = parallel.expert_tp if is_expert(param) else parallel.tp
             if group.size > 1:
@@ -211,7 +213,9 @@ class Muon(torch.optim.Optimizer):
                     buffer = state["momentum_buffer"]
                     buffer.lerp_(grad, 1 - momentum)
                     update = grad.lerp(buffer, momentum) if config.muon_nesterov else buffer
-                    param.add_(self.orthogonalize(update, self.matrices[param]), alpha=-lr)
+                    matrix = self.matrices[param]
+                    step = self.orthogonalize(update.view(matrix.shape), matrix)
+                    param.add_(step.reshape(param.shape), alpha=-lr)
 
 
 def describe(config: TrainingConfig, matrices: int) -> str:

@@ -403,12 +403,15 @@ class DistributedOptimizer(_AdamWithMasters):
         offload: bool = False,
         experts: bool = False,
         fp8_parameters: Fp8Parameters | None = None,
+        matrices: dict | None = None,
     ) -> None:
         """Each rank of a buffer's group owns one shard of every bucket of it: the dense
         buffer's over DP x CP and, in a mixture of experts (`experts`: on any stage, so that
         every rank joins the reduction of their norms), the expert buffer's over expert-DP.
         `fp8_parameters` (--fp8-param-gather): weights whose flat copies are FP8, cast from
-        their masters after each step, so their masters are always separate fp32 copies."""
+        their masters after each step, so their masters are always separate fp32 copies.
+        `matrices` (--optimizer muon): those Muon steps, each whole in one rank's shard (the
+        buffers' `whole_params_per_shard`)."""
         if any(buffer.param_buffer is None for buffer in grad_buffers):
             raise ValueError(
                 "the distributed optimizer needs GradientBuffers with flat_parameters=True"
@@ -447,8 +450,10 @@ class DistributedOptimizer(_AdamWithMasters):
                 if self.separate_masters
                 else nn.Parameter(flat.detach())
             )
+            if matrices and param in matrices and (low, high) != (start, end):
+                raise RuntimeError("Muon's matrices must lie whole in one shard")
             pieces.append(_Piece(param, low - start, high - start, master))
-        self._build(pieces, config, named_parameters)
+        self._build(pieces, config, named_parameters, matrices)
         if fp8:
             fp8_parameters.set_shards(
                 [(p.param, p.start, p.end, p.master) for p in self.pieces if p.param in fp8]

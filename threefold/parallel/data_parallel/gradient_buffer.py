@@ -71,6 +71,7 @@ class GradientBuffer:
         param_dtype: torch.dtype | None = None,
         average_in_collective: bool = False,
         inter: Group | None = None,
+        whole_params_per_shard: bool = False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp = dp
@@ -112,6 +113,8 @@ class GradientBuffer:
                 offset = self._close_bucket(bucket_start, offset, pad_to_multiple, group is special)
         if not self.buckets:
             offset = self._close_bucket(0, 0, pad_to_multiple, False)
+        if whole_params_per_shard:
+            offset = self._whole_params_per_shard()
         self.buffer = torch.zeros(offset, dtype=grad_dtype, device=device)
         moves_params = param_dtype is None
         self.param_buffer = (
@@ -142,6 +145,33 @@ class GradientBuffer:
             self.full_buckets.add(len(self.buckets))
         self.buckets.append((start, end))
         return end
+
+    def _whole_params_per_shard(self) -> int:
+        """Lay each bucket out again so that every DP rank's shard holds whole parameters (Muon
+        under the distributed optimizer steps whole matrices, as Megatron-LM's layer-wise
+        distributed optimizer): the bucket's parameters, in order, go to the rank where they
+        start in an even split, each rank's run at the start of its shard, and every shard is
+        as long as the longest run. Returns the buffer's length."""
+        members: list[list[nn.Parameter]] = [[] for _ in self.buckets]
+        for param, bucket in self._bucket_of.items():  # in layout order
+            members[bucket].append(param)
+        ranks, offset = self.dp.size, 0
+        for bucket, params in enumerate(members):
+            total = sum(p.numel() for p in params)
+            runs: list[list[nn.Parameter]] = [[] for _ in range(ranks)]
+            start = 0
+            for param in params:
+                runs[start * ranks // total].append(param)
+                start += param.numel()
+            shard = max([1] + [sum(p.numel() for p in run) for run in runs])
+            for rank, run in enumerate(runs):
+                position = offset + rank * shard
+                for param in run:
+                    self.ranges[param] = (position, position + param.numel())
+                    position += param.numel()
+            self.buckets[bucket] = (offset, offset + shard * ranks)
+            offset += shard * ranks
+        return offset
 
     def start_step(self, num_microbatches: int) -> None:
         """Zero the gradients and arm the per-bucket countdown for a step."""
