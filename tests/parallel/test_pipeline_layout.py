@@ -105,12 +105,10 @@ def _layout_of(argv: list[str]) -> dict:
     [
         # interleaved over three chunks per rank, rank 0's second one empty
         (8, 2, "Et|tt||ttt|t|tL", [[1, 0, 1], [2, 3, 1]], False),
-        # no interleaving, uneven: the last stage holds most
-        (8, 4, "Ettt|t|t|tttL", [[3], [1], [1], [3]], False),
         # Megatron's MTP configs' shape: the last chunk holds the depths and the loss only
         (4, 2, "Et|t|tt|mmL", [[1, 2], [1, 0]], True),
     ],
-    ids=["pp2-three-chunks-one-empty", "pp4-uneven", "pp2-mtp-chunk"],
+    ids=["pp2-three-chunks-one-empty", "pp2-mtp-chunk"],
 )
 def test_layouts_train_as_one_process(layers, world, layout, chunk_layers, mtp):
     argv = GPT2_STYLE + TRAINING + ["--num-layers", str(layers)]
