@@ -114,6 +114,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"],
         # two multi-token prediction depths, each an MoE layer as the last one is
         LLAMA_STYLE + WIDE + MOE + ["--mtp-num-layers", "2"],
+        # Muon: one momentum for the matrices, Adam's two moments for the rest
+        LLAMA_STYLE + WIDE + MOE + ["--optimizer", "muon", "--bf16"],
     ],
     ids=[
         "llama",
@@ -128,6 +130,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-fp8-full-block",
         "llama-fp8-first-layer-bf16-moe",
         "llama-moe-mtp",
+        "llama-moe-muon-bf16",
     ],
 )
 def test_single_process(flags):

@@ -228,6 +228,18 @@ def _mtp_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: 
     return count
 
 
+def _word_tables(
+    model: ModelConfig, parallel: ParallelConfig, padded_vocab: int, stage: int
+) -> int:
+    """The word-embedding and output-layer elements of `stage_parameters` (Adam's under Muon:
+    megatron-core's `is_embedding_or_output_parameter`)."""
+    pp, untied = parallel.pipeline_model_parallel_size, model.untie_embeddings_and_output_weights
+    tables = (stage == 0) + (stage == pp - 1) * (
+        (untied or pp > 1) + bool(model.mtp_num_layers and pp > 1 and untied)
+    )
+    return tables * padded_vocab * model.hidden_size // parallel.tensor_model_parallel_size
+
+
 def parameter_count(model: ModelConfig, padded_vocab: int) -> int:
     """The whole model's parameters (a tied output layer counted once)."""
     return stage_parameters(model, ParallelConfig(), padded_vocab, 0)
@@ -536,10 +548,16 @@ def estimate_stage(
     )
     params, grads, optimizer = _bytes_per_parameter(config, strategy, distributed)
     optimizer_bytes = count * optimizer
+    experts = stage_expert_parameters(config.model, parallel, stage)
+    dp_cp = parallel.data_parallel_size * parallel.context_parallel_size
     if distributed and strategy == "megatron":  # expert state is sharded over expert-DP
-        experts = stage_expert_parameters(config.model, parallel, stage)
-        dp_cp = parallel.data_parallel_size * parallel.context_parallel_size
         optimizer_bytes += experts * optimizer * (dp_cp / parallel.expert_data_parallel_size - 1)
+    if config.training.optimizer == "muon":  # one momentum, not Adam's two moments
+        # (the few 1-D weights among the matrices: under 1% of them)
+        vocabulary = config.model.padded_vocab_size(parallel.tensor_model_parallel_size)
+        dense = count - experts - _word_tables(config.model, parallel, vocabulary, stage)
+        shares = (dp_cp, parallel.expert_data_parallel_size) if distributed else (1, 1)
+        optimizer_bytes -= 4 * (dense / shares[0] + experts / shares[1])
     fp8_weights = stage_fp8_weights(config, stage)
     gathered = config.fp8.fp8_param_gather
     in_flight = _micro_batches_in_flight(config, stage)
