@@ -168,6 +168,11 @@ def test_megatrons_default_optimizer_layout_is_refused_naming_the_fix(megatron_t
     assert "\n" not in message
     # Its weights load all the same.
     assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer=False) == 2
+    # and Adam's state is no Muon momentum
+    root, _, _ = megatron_trained["fully_reshardable"]
+    muon = _setup(continue_argv(root, 1, 1, 1) + ["--optimizer", "muon"])
+    with pytest.raises(ConfigError, match="Muon optimizer state is not built; pass --no-load"):
+        load_checkpoint(root, muon.checkpoint_components())
 
 
 @pytest.mark.parametrize("kind", KINDS)

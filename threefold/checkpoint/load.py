@@ -235,10 +235,16 @@ def load_checkpoint(
             "(or --finetune)"
         )
     saved_optimizer = metadata["config"].get("training", {}).get("optimizer", "adam")
-    if load_optimizer and saved_optimizer != components.config.training.optimizer:
+    optimizer = components.config.training.optimizer
+    if megatron and load_optimizer and optimizer == "muon":
+        raise ConfigError(
+            f"--load {root}: reading Megatron-LM's Muon optimizer state is not built; pass "
+            "--no-load-optim (or --finetune) to start the momentum afresh"
+        )
+    if load_optimizer and saved_optimizer != optimizer:
         raise ConfigError(
             f"--load {root}: the checkpoint holds {saved_optimizer}'s optimizer state and this "
-            f"run has --optimizer {components.config.training.optimizer}; pass --no-load-optim "
+            f"run has --optimizer {optimizer}; pass --no-load-optim "
             "(or --finetune) to start its state afresh"
         )
     _check_architecture(root, metadata["config"]["model"], components.config.model)

@@ -20,7 +20,8 @@ gradients go to the CPU and updated weights come back every step (DeepSpeed's Ze
 
 Weight decay applies to matrices only: biases and norm weights (1-D) are excluded, as in
 Megatron. With --decoupled-lr the word embeddings and the output layer form groups of their own,
-which the scheduler gives --decoupled-lr / --decoupled-min-lr.
+which the scheduler gives --decoupled-lr / --decoupled-min-lr. Under --optimizer muon the weight
+matrices are Muon's (training/muon.py), in the same schedule, and AdamW steps the rest.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class _Piece:
 
 
 class _AdamWithMasters:
-    """What all optimizers share: masters in `pieces`, AdamW over them, and the step.
+    """What all optimizers share: masters in `pieces`, AdamW (and Muon) over them, the step.
 
     `separate_masters`: the fp32 masters are copies (bf16/fp16 models, or offloaded to the CPU)
     that are written back into the model after each step, rather than the parameters (or views
@@ -326,8 +327,8 @@ class _AdamWithMasters:
     ) -> None:
         """Optimizer state from a checkpoint of another layout: `full_shard(field, name, param)`
         is this layout's TP shard of a parameter's saved `exp_avg`/`exp_avg_sq` (Muon's
-        `momentum_buffer`), `loaded` the fp32
-        weights the parameters were filled from; each piece of this rank takes its slice."""
+        `momentum_buffer`), `loaded` the fp32 weights the parameters were filled from; each
+        piece of this rank takes its slice."""
         pieces: dict[nn.Parameter, list[_Piece]] = {}
         for piece in self.pieces:
             pieces.setdefault(piece.param, []).append(piece)
