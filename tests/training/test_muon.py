@@ -125,7 +125,12 @@ def test_muon_trains_as_one_process(reference, layout):
         ),
         "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
         # each matrix whole in one DP rank's shard, its TP peers owning theirs
-        "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+        # several buckets (each laid out whole per shard), reduced and gathered overlapped
+        "dp2-distributed-optimizer": (
+            2,
+            ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+            + ["--ddp-bucket-size", "20000"],
+        ),
         "tp2-ep2-dp2-do": (
             4,
             ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
