@@ -13,9 +13,13 @@ layer, norms and biases stay with Adam (`--muon-scalar-optimizer adam`), as in M
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
+
+if TYPE_CHECKING:
+    from threefold.config.run import Config
 
 GROUP = "Muon optimizer"
 OPTIMIZERS = ("adam", "muon")
@@ -113,7 +117,7 @@ class MuonConfig:
         )
 
 
-def check_muon_layout(config) -> list[str]:
+def check_muon_layout(config: Config) -> list[str]:
     """Muon beside the rest of the run (a `Config`): Megatron-LM's deprecated dist_muon is
     muon with the distributed optimizer. Returns start-up notes."""
     training, parallel = config.training, config.parallel
