@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 GROUP = "Muon optimizer"
 OPTIMIZERS = ("adam", "muon")
 # Newton-Schulz coefficient sets threefold has (training/muon.py), by Megatron-LM's names.
-COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol")
+COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5")
 
 
 @dataclass
@@ -96,6 +96,10 @@ class MuonConfig:
             f"{', '.join(COEFFICIENT_TYPES)}",
         )
         _require(self.muon_num_ns_steps >= 1, "--muon-num-ns-steps must be >= 1")
+        _require(
+            self.muon_coefficient_type != "cubic5" or self.muon_num_ns_steps == 5,
+            "--muon-coefficient-type cubic5 is a schedule of five steps: --muon-num-ns-steps 5",
+        )
         _require(0 <= self.muon_momentum < 1, "--muon-momentum must be in [0, 1)")
         _require(
             self.muon_fp32_matmul_prec != "low",

@@ -70,8 +70,17 @@ COEFFICIENTS = {
         (2.7573, -3.2939, 1.4254),
         (2.7215, -3.0494, 1.3169),
     ],
+    "deepseekv4": [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2,
+    # cubic (c = 0), a fixed schedule of five steps
+    "cubic5": [
+        (3.3656576, -3.3420992, 0.0),
+        (2.5744352, -1.4957376, 0.0),
+        (2.5368962, -1.4312570, 0.0),
+        (2.4418906, -1.2764040, 0.0),
+        (2.2230472, -0.9630650, 0.0),
+    ],
 }
-_SCHEDULES = ("polar_express", "cans")
+_SCHEDULES = ("polar_express", "cans", "deepseekv4")
 
 
 def coefficients(kind: str, steps: int) -> list[tuple[float, float, float]]:
@@ -91,6 +100,9 @@ def newton_schulz(x: torch.Tensor, steps: int, kind: str, bf16: bool) -> torch.T
         X = X.to(torch.bfloat16)
     for a, b, c in coefficients(kind, steps):
         A = X @ X.mT
+        if c == 0.0:  # no A^2 to form
+            X = torch.addmm(X, A, X, alpha=b, beta=a)
+            continue
         B = torch.addmm(A, A, A, alpha=c, beta=b)
         X = torch.addmm(X, B, X, alpha=1.0, beta=a)
     X = X.to(torch.float32)
