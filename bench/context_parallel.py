@@ -76,8 +76,8 @@ WARMUP, TIMED = 2, 3
 def _measure(argv: list[str]) -> dict:
     from threefold.arguments import parse_args
     from threefold.parallel import state
+    from threefold.training.activation_estimate import micro_batch_activation_bytes
     from threefold.training.memory import measure_activation_bytes
-    from threefold.training.memory_estimate import micro_batch_activation_bytes
     from threefold.training.trainer import Trainer
 
     config = parse_args(argv, world_size=dist.get_world_size())

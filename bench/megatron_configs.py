@@ -25,6 +25,7 @@ import glob
 import io
 import math
 import os
+import re
 import sys
 import tempfile
 
@@ -73,6 +74,9 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
             argv.append(flag)
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, str) and re.fullmatch(r"\[[^]]+\]", value.strip()):
+            # the harness (_run_training.sh) strips the brackets and passes the words apart
+            argv += [flag, *value.strip()[1:-1].split()]
         else:
             argv += [flag, str(value)]
     if "--num-query-groups" in model_args:

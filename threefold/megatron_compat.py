@@ -223,8 +223,6 @@ MISSING = {
     "--mtp-": "multi-token prediction variants (one layer repeated over the depths, hidden-state "
     "mixing, detached heads, hybrid MTP patterns)",
     "--dsa-": "DeepSeek sparse attention",
-    "--recompute-modules": "recomputation of chosen modules (threefold's selective recomputation "
-    "is the core attention's)",
     "--fine-grained-activation-offloading": "activation offloading",
     "--offload-modules": "activation offloading",
     "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",

@@ -11,7 +11,7 @@ number of devices, and prints what each pipeline stage's ranks need:
         --recompute-method uniform --recompute-num-layers 1 [--gpu-memory-gib 80]
 
 The model's data flags are not needed (a vocabulary size is). See
-threefold/training/memory_estimate.py for what is counted.
+threefold/training/memory_estimate.py and activation_estimate.py for what is counted.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ import pytest
 from tests.distributed import run_distributed
 from tests.parity import GPT2_STYLE, LLAMA_MHA_STYLE, LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
+from threefold.training.activation_estimate import micro_batch_activation_bytes
 from threefold.training.memory import measure_activation_bytes, measure_bytes_per_parameter
-from threefold.training.memory_estimate import estimate_stage, micro_batch_activation_bytes
+from threefold.training.memory_estimate import estimate_stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]
@@ -116,6 +117,12 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         LLAMA_STYLE + WIDE + MOE + ["--mtp-num-layers", "2"],
         # Muon: one momentum for the matrices, Adam's two moments for the rest
         LLAMA_STYLE + WIDE + MOE + ["--optimizer", "muon", "--bf16"],
+        # MoE layers recomputed whole, as their input, and the norms
+        LLAMA_STYLE
+        + WIDE
+        + MOE
+        + ["--bf16", "--recompute-granularity", "selective", "--recompute-modules", "moe"]
+        + ["layernorm", "core_attn"],
     ],
     ids=[
         "llama",
@@ -131,10 +138,36 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-fp8-first-layer-bf16-moe",
         "llama-moe-mtp",
         "llama-moe-muon-bf16",
+        "llama-moe-recompute-moe-layernorm",
     ],
 )
 def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
+
+
+BF16 = LLAMA_STYLE + WIDE + ["--bf16"]
+RECOMPUTED_MODULES = {
+    "layernorm": (BF16, ["layernorm"]),
+    "layernorm-fp32": (LLAMA_STYLE + WIDE, ["layernorm"]),
+    "mlp": (BF16, ["mlp"]),
+    "moe_act": (BF16 + MOE, ["moe_act"]),
+    "shared_experts": (BF16 + MOE, ["shared_experts"]),
+    "mla_up_proj": (MLA + WIDE + ["--bf16"], ["mla_up_proj"]),
+    "mla-layernorm-core_attn": (MLA + WIDE + ["--bf16"], ["layernorm", "core_attn"]),
+}
+
+
+@pytest.mark.parametrize("case", RECOMPUTED_MODULES)
+def test_what_each_recomputed_module_saves_is_what_the_estimate_says(case):
+    """--recompute-modules: measured (the output-discarding modules' outputs freed once the
+    forward is done), the activations fall, by what the estimate says within 2%."""
+    flags, modules = RECOMPUTED_MODULES[case]
+    argv = flags + TRAINING
+    kept = _measure_and_estimate(argv)["activations"]
+    selective = ["--recompute-granularity", "selective", "--recompute-modules", *modules]
+    recomputed = _measure_and_estimate(argv + selective)["activations"]
+    measured, estimated = (recomputed[i] - kept[i] for i in (0, 1))
+    assert measured < 0 and abs(estimated - measured) <= 0.02 * abs(measured), (measured, estimated)
 
 
 HYBRID = ["--fp8-format", "hybrid"]

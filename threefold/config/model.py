@@ -12,13 +12,14 @@ from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_o
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
+from threefold.config.recompute import RecomputeConfig
 
 
 @dataclass
-class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
+class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts and multi-latent attention fields are inherited (config/moe.py,
-    config/mla.py)."""
+    The mixture-of-experts, multi-latent attention, multi-token prediction and recomputation
+    fields are inherited (config/moe.py, config/mla.py, config/mtp.py, config/recompute.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -193,23 +194,6 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
         "multi-latent attention's linear_qkv: its up projections (or linear_q_proj)",
         group="LoRA fine-tuning",
     )
-    recompute_granularity: str | None = arg(
-        None,
-        help="full: recompute whole layers; selective: only core attention",
-        choices=("full", "selective"),
-    )
-    recompute_method: str | None = arg(
-        None,
-        help=(
-            "uniform: checkpoint groups of --recompute-num-layers layers; "
-            "block: checkpoint the first --recompute-num-layers layers of "
-            "each stage"
-        ),
-        choices=("uniform", "block"),
-    )
-    recompute_num_layers: int | None = arg(
-        None, help="layers per recomputed group (uniform) or recomputed layers per stage (block)"
-    )
 
     @property
     def rotary_position_embeddings(self) -> bool:
@@ -320,9 +304,9 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
         )
         self.finalize_mla()
         self.finalize_mtp()
-        warnings = self._finalize_recompute()
         self._finalize_lora()
-        warnings += self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings += self.finalize_recompute()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return warnings + [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
@@ -344,43 +328,6 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig):
             f"--lora-target-modules: {', '.join(unknown)} unknown; choose "
             f"from {', '.join(targets)}",
         )
-
-    def _finalize_recompute(self) -> list[str]:
-        granularity, method = self.recompute_granularity, self.recompute_method
-        _require(
-            granularity in (None, "full", "selective"),
-            "--recompute-granularity must be full or selective",
-        )
-        if granularity == "full":
-            _require(
-                method in ("uniform", "block"),
-                "--recompute-granularity full needs --recompute-method uniform or block",
-            )
-            _require(
-                self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
-                "--recompute-granularity full needs --recompute-num-layers >= 1",
-            )
-        elif granularity == "selective":
-            _require(
-                method is None and self.recompute_num_layers is None,
-                "--recompute-method and --recompute-num-layers need --recompute-granularity full",
-            )
-        elif method is not None or self.recompute_num_layers is not None:
-            # Megatron-LM takes them without a granularity, and recomputes nothing.
-            given = [
-                flag
-                for flag, value in (
-                    ("--recompute-method", method),
-                    ("--recompute-num-layers", self.recompute_num_layers),
-                )
-                if value is not None
-            ]
-            verb = "change" if len(given) > 1 else "changes"
-            return [
-                f"{' and '.join(given)} {verb} nothing without --recompute-granularity full "
-                "(as in Megatron-LM): nothing is recomputed"
-            ]
-        return []
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary padded so every tensor-parallel rank holds an equal, aligned slice."""

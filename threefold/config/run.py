@@ -13,6 +13,7 @@ from threefold.config.logging import LoggingConfig
 from threefold.config.model import ModelConfig
 from threefold.config.muon import check_muon_layout
 from threefold.config.parallel import ParallelConfig
+from threefold.config.recompute import check_recompute_kernels
 from threefold.config.training import TrainingConfig
 
 
@@ -71,6 +72,7 @@ class Config:
         self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()
+        check_recompute_kernels(self)
         distributed_optimizer = (
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         self.attention_dropout = config.attention_dropout
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recomputes("core_attn")
 
     def _attend(
         self,

@@ -33,6 +33,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.attention import Attention, CoreAttention, local_attention
 from threefold.model.norms import build_norm
+from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -65,6 +66,7 @@ class MLASelfAttention(Attention):
         self.width = max(self.q_head_dim, self.v_head_dim)
         self.query_scale = config.mla_softmax_scale * self.width**0.5
         self.q_lora = config.q_lora_rank is not None
+        self.recompute_up_proj = config.recomputes("mla_up_proj")
 
         def column(inputs: int, outputs: int) -> ColumnParallelLinear:
             return ColumnParallelLinear(
@@ -109,13 +111,13 @@ class MLASelfAttention(Attention):
         names += ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
         return [getattr(self, name) for name in names]
 
-    def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _query_latent(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the query's up projection takes: the normed latent, or the hidden states
+        without a query latent (linear_q_proj)."""
         if not self.q_lora:
-            return self.linear_q_proj(hidden_states)
+            return hidden_states
         latent = self.linear_q_down_proj(hidden_states)
-        if self.q_layernorm is not None:
-            latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)
+        return latent if self.q_layernorm is None else self.q_layernorm(latent)
 
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.shape[-1] == self.width else F.pad(x, (0, self.width - x.shape[-1]))
@@ -125,35 +127,56 @@ class MLASelfAttention(Attention):
         halves = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         return KERNELS.rotary(halves, *rotary)
 
-    def forward(
+    def _up_projections(
         self,
-        hidden_states: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        query = self._query(hidden_states)  # [s, b, heads/tp * q_head_dim]
-        latent, key_rope = self.linear_kv_down_proj(hidden_states).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )
-        if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
+        query_latent: torch.Tensor,
+        latent: torch.Tensor,
+        key_rope: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The core attention's query, key and value from the latents and the shared key
+        part (all of the sequence on this rank): the up projections, RoPE, the softmax scale
+        and the padding to one head size (what --recompute-modules mla_up_proj recomputes)."""
+        up = self.linear_q_up_proj if self.q_lora else self.linear_q_proj
+        query = up(query_latent)  # [s, b, heads/tp * q_head_dim]
         kv = self.linear_kv_up_proj(latent)  # [s, b, heads/tp * (qk_head_dim + v_head_dim)]
-        # The shared key part reaches every head: the whole sequence, on every TP rank.
-        key_rope = tensor_parallel_input(key_rope, self.tp, self.sequence_parallel)
         s, b, _ = query.shape
         heads = self.heads_per_partition
         query_nope, query_rope = query.view(s, b, heads, -1).split(
             [self.qk_head_dim, self.rope_dim], dim=-1
         )
         key_nope, value = kv.view(s, b, heads, -1).split([self.qk_head_dim, self.v_head_dim], -1)
-        query = torch.cat((query_nope, self._rotate(query_rope, rotary)), dim=-1)
-        key_rope = self._rotate(key_rope.unsqueeze(2), rotary).expand(-1, -1, heads, -1)
+        query = torch.cat((query_nope, self._rotate(query_rope, (cos, sin))), dim=-1)
+        key_rope = self._rotate(key_rope.unsqueeze(2), (cos, sin)).expand(-1, -1, heads, -1)
         key = torch.cat((key_nope, key_rope), dim=-1)
         if self.query_scale != 1.0:
             query = query * self.query_scale
         query, key, value = (self._widened(t) for t in (query, key, value))
+        return query, key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        query_latent = self._query_latent(hidden_states)
+        latent, key_rope = self.linear_kv_down_proj(hidden_states).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        # The shared key part reaches every head: the whole sequence, on every TP rank.
+        key_rope = tensor_parallel_input(key_rope, self.tp, self.sequence_parallel)
+        up = OutputDiscardingCheckpoint(self.recompute_up_proj and self.training)
+        query, key, value = up.checkpoint(
+            self._up_projections, query_latent, latent, key_rope, *rotary
+        )
         context = self._attend(query, key, value, attention_mask)
+        up.discard_output_and_register_recompute(context)
         if self.width != self.v_head_dim:
+            s, b, heads = context.shape[0], context.shape[1], self.heads_per_partition
             context = context.view(s, b, heads, self.width)[..., : self.v_head_dim]
             context = context.reshape(s, b, heads * self.v_head_dim)
         return self.linear_proj(context)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.model.recompute import checkpoint
+from threefold.model.recompute import OutputDiscardingCheckpoint, checkpoint
 from threefold.model.spec import LayerSpec
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
@@ -53,6 +53,11 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
+        # Selective recomputation (config/recompute.py): the norms' outputs freed once the
+        # attention and MLP have run; the MLP (dense or MoE) kept as its input only.
+        self.recompute_layernorm = config.recomputes("layernorm")
+        moe = layer_number in spec.moe_layers
+        self.recompute_mlp = config.recomputes("moe" if moe else "mlp")
 
     def forward(
         self,
@@ -60,11 +65,21 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden_states), rotary, attention_mask)
+        recompute_norm = self.recompute_layernorm and self.training
+        norm = OutputDiscardingCheckpoint(recompute_norm)
+        normed = norm.checkpoint(self.input_layernorm, hidden_states)
+        attention = self.self_attention(normed, rotary, attention_mask)
+        norm.discard_output_and_register_recompute(attention)
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        norm = OutputDiscardingCheckpoint(recompute_norm)
+        normed = norm.checkpoint(self.pre_mlp_layernorm, hidden_states)
+        if self.recompute_mlp and self.training:
+            mlp = checkpoint(self.mlp, normed)
+        else:
+            mlp = self.mlp(normed)
+        norm.discard_output_and_register_recompute(mlp)
         return dropout_add(
             mlp, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )

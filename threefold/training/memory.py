@@ -60,15 +60,16 @@ def measure_activation_bytes(
     this rank's model chunks (parameters and `shared`, tensors held once for all micro-batches,
     excluded; each storage counted once): what a micro-batch in flight costs. A chunk that does
     not start the model gets zeros of `tensor_shape` as what the previous stage would have
-    sent. Measured with saved-tensor hooks, so it works on the CPU."""
+    sent. Measured with saved-tensor hooks, so it works on the CPU; counted once the forward
+    is done, when recomputation (--recompute-modules layernorm, ...) has freed what it frees."""
     params = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
     params |= {tensor.untyped_storage().data_ptr() for tensor in shared}
-    storages: dict[int, int] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage.data_ptr()] = storage
         return tensor
 
     outputs = []
@@ -88,5 +89,6 @@ def measure_activation_bytes(
                     position_ids=batch.get("position_ids"),  # a CP rank's true positions
                 )
             )
+    kept = sum(storage.nbytes() for storage in storages.values())
     del outputs  # frees the graph
-    return sum(storages.values())
+    return kept

@@ -160,7 +160,8 @@ def predict_step_time(config: Config, hardware: Hardware, gpus_per_node: int) ->
     gemm = per_layer - attention
     recompute = model.recompute_granularity
     gemm_passes = 3 + (1 if recompute == "full" else 0)
-    attention_passes = 3 + (1 if recompute in ("full", "selective") else 0)
+    # (of --recompute-modules the core attention only: the planner proposes no other)
+    attention_passes = 3 + (1 if recompute == "full" or model.recomputes("core_attn") else 0)
     efficiency = _gemm_efficiency(hardware, min(h / t, b * s))
     layer = (
         gemm * gemm_passes * tokens / t / (peak * efficiency)

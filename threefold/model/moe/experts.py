@@ -29,6 +29,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.layers import linear_gemm
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_expert
@@ -142,6 +143,8 @@ class Experts(nn.Module):
         self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = config.moe_grouped_gemm
+        # --recompute-modules moe_act: the activation's output freed once fc2 has kept its copy
+        self.recompute_activation = config.recomputes("moe_act")
         self.local_experts = nn.ModuleDict(
             {
                 str(self.expert_offset + i): ExpertMLP(
@@ -168,8 +171,15 @@ class Experts(nn.Module):
             return self._grouped(tokens, counts, experts)
         outputs = []
         for expert, part in zip(experts, tokens.split(counts)):
-            outputs.append(expert.linear_fc2(self._activation(expert.linear_fc1(part))))
+            outputs.append(self._activated(expert.linear_fc2, expert.linear_fc1(part)))
         return torch.cat(outputs) if outputs else tokens[:0]
+
+    def _activated(self, fc2, hidden: torch.Tensor) -> torch.Tensor:
+        """fc2(activation(hidden)), the activation's output recomputed with moe_act."""
+        activation = OutputDiscardingCheckpoint(self.recompute_activation and self.training)
+        out = fc2(activation.checkpoint(self._activation, hidden))
+        activation.discard_output_and_register_recompute(out)
+        return out
 
     def _grouped(self, tokens: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
         fc1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, out, in]
@@ -178,7 +188,7 @@ class Experts(nn.Module):
         if experts[0].linear_fc1.bias is not None:
             biases = [e.linear_fc1.local_bias() for e in experts]
             hidden = hidden + _per_token(torch.stack(biases), counts)
-        out = _grouped_matmul(self._activation(hidden), fc2, counts)
+        out = self._activated(lambda x: _grouped_matmul(x, fc2, counts), hidden)
         if experts[0].linear_fc2.bias is not None:
             biases = [e.linear_fc2.local_bias() for e in experts]
             out = out + _per_token(torch.stack(biases), counts)

@@ -23,7 +23,7 @@ from threefold.config import ModelConfig
 from threefold.model.mlp import MLP
 from threefold.model.moe.experts import Experts
 from threefold.model.moe.router import TopKRouter
-from threefold.model.recompute import is_recomputing
+from threefold.model.recompute import checkpoint, is_recomputing
 from threefold.parallel.expert_parallel import build_dispatcher
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import InitMethod
@@ -70,6 +70,7 @@ class MoELayer(nn.Module):
                 output_layer_init_method,
                 ffn_hidden_size=config.moe_shared_expert_intermediate_size,
             )
+        self.recompute_shared_experts = config.recomputes("shared_experts")
         self.coefficients = {
             "load_balancing_loss": config.moe_aux_loss_coeff,
             "seq_load_balancing_loss": config.moe_aux_loss_coeff,
@@ -91,7 +92,10 @@ class MoELayer(nn.Module):
         expert_output = self.experts(expert_input, plan.counts)
         output = self.dispatcher.combine(expert_output, plan).view(sequence, batch, hidden)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
+            if self.recompute_shared_experts and self.training:
+                output = output + checkpoint(self.shared_experts, hidden_states)
+            else:
+                output = output + self.shared_experts(hidden_states)
         return output
 
     @torch.no_grad()
