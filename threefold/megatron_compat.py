@@ -265,7 +265,6 @@ MISSING = {
 # (flag, value) -> the feature a Megatron-LM choice selects that threefold does not have
 MISSING_CHOICES = {
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
-    ("--cp-comm-type", "a2a+p2p"): "hierarchical a2a+p2p context parallelism",
     ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",
 }
 

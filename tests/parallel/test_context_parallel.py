@@ -10,9 +10,13 @@ import torch
 from tests.distributed import run_distributed
 
 COMM_TYPES = ["p2p", "allgather", "a2a"]
+# a2a+p2p: all-to-all within pairs of consecutive CP ranks, ring attention across the pairs
+HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]
 
 
-def _core_attention_job(comm_type: str, heads: int, groups: int) -> list[float]:
+def _core_attention_job(
+    comm_type: str, heads: int, groups: int, hierarchy: list[int] | None = None
+) -> list[float]:
     import torch.distributed as dist
 
     from threefold.kernels import reference
@@ -20,8 +24,14 @@ def _core_attention_job(comm_type: str, heads: int, groups: int) -> list[float]:
     from threefold.parallel.context_parallel.attention import context_parallel_attention
     from threefold.parallel.context_parallel.sequence import local_positions
 
-    state.initialize_model_parallel(1, 1, context_parallel_size=dist.get_world_size())
-    cp = state.parallel_context(cp_comm_type=comm_type).cp
+    state.initialize_model_parallel(
+        1,
+        1,
+        context_parallel_size=dist.get_world_size(),
+        hierarchical_context_parallel_sizes=hierarchy,
+    )
+    parallel = state.parallel_context(cp_comm_type=comm_type)
+    cp = parallel.cp
     torch.manual_seed(0)  # the same whole-sequence inputs on every rank
     sequence, batch, head_dim = 32, 2, 8
     q = torch.randn(sequence, batch, heads, head_dim, requires_grad=True)
@@ -33,7 +43,8 @@ def _core_attention_job(comm_type: str, heads: int, groups: int) -> list[float]:
 
     mine = local_positions(sequence, cp)
     local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
-    attention = context_parallel_attention(cp, comm_type, reference.attention)
+    hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
+    attention = context_parallel_attention(cp, comm_type, reference.attention, hierarchy)
     out = attention(*local, None, 0.0)
     out.backward(upstream[mine])
     pairs = [(out, expected[mine])] + [(t.grad, w.grad[mine]) for t, w in zip(local, (q, k, v))]
@@ -44,6 +55,14 @@ def _core_attention_job(comm_type: str, heads: int, groups: int) -> list[float]:
 @pytest.mark.parametrize("comm_type", COMM_TYPES)
 def test_core_attention_equals_whole_sequence_attention(cp, comm_type):
     for errors in run_distributed(cp, _core_attention_job, comm_type, 8, 4):  # GQA: 2 per group
+        assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("hierarchy", [[2, 2], [4, 2], [2, 4]], ids=["2x2", "4x2", "2x4"])
+def test_hierarchical_core_attention_equals_whole_sequence_attention(hierarchy):
+    """a2a+p2p: the all-to-all's group first (consecutive CP ranks), then the ring's."""
+    world = hierarchy[0] * hierarchy[1]
+    for errors in run_distributed(world, _core_attention_job, "a2a+p2p", 8, 4, hierarchy):
         assert max(errors) < 1e-5, errors
 
 
@@ -83,8 +102,10 @@ LAYOUTS = {
 
 
 def _argv(style: str, world: int, extra: list[str], comm_type: str, cp: int) -> list[str]:
-    argv = STYLES[style] + TRAINING + extra
-    return argv + ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+    argv = STYLES[style] + TRAINING + extra + ["--context-parallel-size", str(cp)]
+    if comm_type == "a2a+p2p":
+        return argv + HIERARCHICAL
+    return argv + ["--cp-comm-type", comm_type]
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +121,11 @@ def references():
     }
 
 
-@pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize(
+    "style,cp,comm_type",
+    [(style, cp, comm) for comm in COMM_TYPES for cp in (2, 4) for style in STYLES]
+    + [("llama", 4, "a2a+p2p")],
+)
 def test_first_step_gradients_match(references, style, cp, comm_type):
     expected = references[style]["grads"]
     for result in run_distributed(
@@ -122,6 +145,9 @@ PAIRWISE = [
     for j, comm_type in enumerate(COMM_TYPES)
     for style in [list(STYLES)[(i + j) % len(STYLES)]]
 ]
+
+
+PAIRWISE.append(pytest.param("cp4", "a2a+p2p", "gpt2", id="cp4-a2a+p2p-gpt2"))
 
 
 @pytest.mark.parametrize("layout,comm_type,style", PAIRWISE)
@@ -172,8 +198,9 @@ def _per_layer_collectives_job(argv: list[str]) -> dict:
     return {key: two.get(key, 0) - one.get(key, 0) for key in set(one) | set(two)}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize(
+    "cp,comm_type", [(cp, comm) for comm in COMM_TYPES for cp in (2, 4)] + [(4, "a2a+p2p")]
+)
 def test_communication_per_layer_equals_the_theory(cp, comm_type):
     argv = _argv("llama", cp, [], comm_type, cp)
     per_layer = run_distributed(cp, _per_layer_collectives_job, argv)[0]
@@ -204,6 +231,16 @@ def test_communication_per_layer_equals_the_theory(cp, comm_type):
         qkv_bytes = local * batch * (heads + 2 * groups) * head_dim * 4
         context_bytes = local * batch * heads * head_dim * 4
         expected = {"all_to_all": 4, "all_to_all:bytes": 2 * (qkv_bytes + context_bytes)}
+    if comm_type == "a2a+p2p":
+        # The same all-to-alls within pairs, then the ring over 2 pairs: a block is a pair's
+        # keys and values for half the groups, as many bytes as this rank's own.
+        ring = 2
+        expected |= {
+            "cp_send_kv": 2 * (ring - 1),
+            "cp_send_kv:bytes": 2 * (ring - 1) * kv_bytes,
+            "cp_send_grad_kv": ring,
+            "cp_send_grad_kv:bytes": ring * kv_bytes,
+        }
     assert per_layer == expected
 
 
@@ -347,7 +384,22 @@ def test_dropout_masks_differ_across_cp_ranks_and_agree_across_replicas():
         (
             ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
             2,
-            "--hierarchical-context-parallel-sizes",
+            "--hierarchical-context-parallel-sizes shapes --cp-comm-type a2a+p2p",
+        ),
+        (
+            ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"],
+            4,
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes",
+        ),
+        (
+            ["--context-parallel-size", "4"] + HIERARCHICAL[:3] + ["4", "2"],
+            4,
+            "--hierarchical-context-parallel-sizes 4 2 must multiply to --context-parallel-size 4",
+        ),
+        (
+            ["--context-parallel-size", "8"] + HIERARCHICAL[:3] + ["8", "1"],
+            8,
+            "over the all-to-all's 8 ranks",
         ),
         (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2, "--cp-comm-type"),
         (
@@ -364,7 +416,18 @@ def test_dropout_masks_differ_across_cp_ranks_and_agree_across_replicas():
             "--tensor-model-parallel-size 4",
         ),
     ],
-    ids=["sequence", "a2a-heads", "world", "hierarchical", "per-layer", "documents", "sp"],
+    ids=[
+        "sequence",
+        "a2a-heads",
+        "world",
+        "hierarchical",
+        "hierarchical-needs-sizes",
+        "hierarchical-product",
+        "hierarchical-heads",
+        "per-layer",
+        "documents",
+        "sp",
+    ],
 )
 def test_bad_context_parallel_layouts_are_refused_naming_the_flag(
     capsys, flags, world_size, expected

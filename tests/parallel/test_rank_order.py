@@ -96,8 +96,9 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
     from threefold.parallel import state
 
     seen = []
-    for tp, pp, cp, ep, etp, order, instances in layouts:
-        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp, order, instances)
+    for tp, pp, cp, ep, etp, order, instances, *hierarchy in layouts:
+        hierarchy = hierarchy[0] if hierarchy else None  # a2a+p2p's levels of CP
+        state.initialize_model_parallel(tp, pp, None, 1, cp, ep, etp, order, instances, hierarchy)
         context = state.parallel_context()
         ps.initialize_model_parallel(
             tp,
@@ -108,6 +109,7 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
             create_gloo_process_groups=False,
             order=order,
             num_distributed_optimizer_instances=instances,
+            hierarchical_context_parallel_sizes=hierarchy,
         )
         first_or_last = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
         theirs = {
@@ -127,6 +129,8 @@ def _threefold_and_megatron_core_groups(layouts) -> list:
             "dp_cp_intra": ps.get_data_parallel_group(True, partial_data_parallel=True),
             "expert_dp_intra": ps.get_expert_data_parallel_group(partial_expert_data_parallel=True),
         }
+        if hierarchy:
+            theirs["cp_a2a"], theirs["cp_p2p"] = ps.get_hierarchical_context_parallel_groups()
         if instances > 1:  # (megatron-core builds the experts' only, for both)
             theirs["expert_dp_inter"] = ps.get_inter_distributed_optimizer_instance_group()
         ours, megatron_cores = {}, {}
@@ -156,6 +160,9 @@ def test_the_groups_are_megatron_cores_on_eight_ranks():
         # --num-distributed-optimizer-instances 2: DP x CP 4 in two runs of 2, expert DP 4 too
         (2, 1, 1, 1, 1, DEFAULT_ORDER, 2),
         (1, 1, 2, 2, 1, DEFAULT_ORDER, 2),
+        # --cp-comm-type a2a+p2p: CP 4 as all-to-all pairs and a ring of 2, and CP 8 as 2 x 4
+        (1, 2, 4, 1, 1, DEFAULT_ORDER, 1, [2, 2]),
+        (1, 1, 8, 1, 1, DEFAULT_ORDER, 1, [2, 4]),
     ]
     for rank, seen in enumerate(run_distributed(8, _threefold_and_megatron_core_groups, layouts)):
         for layout, (ours, megatron_cores) in zip(layouts, seen):

@@ -1,9 +1,11 @@
-"""The parallel layout: TP, PP (with virtual and uneven stages), CP, DP and its strategy."""
+"""The parallel layout: TP, PP (with virtual and uneven stages), CP (config/context_parallel.py),
+EP, DP and its strategy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from threefold.config.context_parallel import ContextParallelConfig
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
@@ -11,8 +13,6 @@ from threefold.config.model import ModelConfig
 from threefold.config.pipeline_layout import layout_layer_counts
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
-# Megatron's --cp-comm-type names (a2a+p2p, its hierarchical variant, is not implemented).
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def stage_layer_counts(
@@ -40,7 +40,7 @@ def stage_layer_counts(
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(ContextParallelConfig):
     tensor_model_parallel_size: int = arg(1, help="TP: ranks that split every layer's matrices")
     pipeline_model_parallel_size: int = arg(1, help="PP: stages the layers are split into")
     virtual_pipeline_model_parallel_size: int | None = arg(
@@ -74,26 +74,6 @@ class ParallelConfig:
         help="the layers of every model chunk, Megatron-LM's string: E embedding, t "
         "transformer layer, m MTP depth, L loss, | between chunks, x*n and (...)*n repeat "
         "(e.g. Et*3|(tt|)*6mL); the chunks per rank set the virtual pipeline size",
-    )
-    context_parallel_size: int = arg(
-        1,
-        help=(
-            "CP: ranks that split every sequence (2 x CP load-balanced chunks, rank r holding "
-            "chunks r and 2CP-1-r); attention exchanges keys/values by --cp-comm-type"
-        ),
-    )
-    cp_comm_type: list[str] = arg(
-        default_factory=lambda: ["p2p"],
-        help=(
-            "how CP ranks exchange attention inputs: p2p (ring attention, sends overlapped "
-            "with each block's attention), allgather (all keys/values gathered), a2a (Ulysses: "
-            "all-to-all from sequence- to head-sharded)"
-        ),
-        nargs="+",
-        choices=CP_COMM_TYPES,
-    )
-    hierarchical_context_parallel_sizes: list[int] | None = arg(
-        None, help="not implemented (a2a+p2p); refused when given", nargs="+"
     )
     expert_model_parallel_size: int = arg(
         1, help="EP: ranks that split each MoE layer's experts (carved out of DP x CP)"
@@ -340,49 +320,6 @@ class ParallelConfig:
             f"do not split evenly over {chunks} model chunks (PP x virtual stages)",
         )
 
-    def _finalize_context_parallel(self, model: ModelConfig) -> None:
-        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
-        _require(cp >= 1, "--context-parallel-size must be >= 1")
-        _require(
-            self.world_size % (tp * self.pipeline_model_parallel_size * cp) == 0,
-            f"world size {self.world_size} is not divisible by TP x PP x "
-            f"--context-parallel-size {cp}; launch a multiple of "
-            f"{tp * self.pipeline_model_parallel_size * cp} processes",
-        )
-        _require(
-            self.hierarchical_context_parallel_sizes is None,
-            "--hierarchical-context-parallel-sizes (--cp-comm-type a2a+p2p) is not "
-            "implemented; use one of --cp-comm-type p2p, allgather or a2a",
-        )
-        _require(
-            len(set(self.cp_comm_type)) == 1,
-            "--cp-comm-type takes one type for every layer here (per-layer types are not "
-            "implemented); give one of p2p, allgather, a2a",
-        )
-        if cp == 1:
-            return
-        comm = self.comm_type
-        _require(
-            model.seq_length % (2 * cp) == 0,
-            f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size "
-            f"{cp} (each CP rank holds two of 2 x CP equal chunks)",
-        )
-        if self.sequence_parallel:
-            _require(
-                (model.seq_length // cp) % tp == 0,
-                f"--seq-length {model.seq_length} / --context-parallel-size {cp} is not "
-                f"divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel "
-                "needs",
-            )
-        if comm == "a2a":
-            heads, groups = model.num_attention_heads // tp, model.num_query_groups // tp
-            _require(
-                heads % cp == 0 and groups % cp == 0,
-                f"--cp-comm-type a2a splits each TP rank's {heads} heads and {groups} query "
-                f"groups over --context-parallel-size {cp}, which must divide both; use "
-                "--cp-comm-type p2p or allgather",
-            )
-
     def _finalize_expert_parallel(self, model: ModelConfig) -> None:
         ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
         _require(ep >= 1, "--expert-model-parallel-size must be >= 1")
@@ -480,11 +417,6 @@ class ParallelConfig:
         stage_ranks = self.world_size // self.pipeline_model_parallel_size
         return stage_ranks // (self.expert_model_parallel_size * self.expert_tensor_parallel_size)
 
-    @property
-    def comm_type(self) -> str:
-        """The one --cp-comm-type of every layer."""
-        return self.cp_comm_type[0]
-
     def _finalize_strategy(self) -> None:
         strategy = self.distributed_strategy
         _require(
@@ -534,7 +466,7 @@ class ParallelConfig:
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "
             f"x --pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
-        self._finalize_context_parallel(model)
+        self.finalize_context_parallel(model)
         self._finalize_pipeline(model)
         check_tensor_parallel_split(model, tp)
         if self.sequence_parallel and tp == 1:

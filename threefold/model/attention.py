@@ -40,7 +40,10 @@ def local_attention(config: ModelConfig, parallel: ParallelContext) -> CoreAtten
 def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAttention:
     """Core attention over a sequence split across the CP ranks, by --cp-comm-type."""
     del config
-    return context_parallel_attention(parallel.cp, parallel.cp_comm_type, _kernel_attention)
+    hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
+    return context_parallel_attention(
+        parallel.cp, parallel.cp_comm_type, _kernel_attention, hierarchy
+    )
 
 
 class Attention(nn.Module):

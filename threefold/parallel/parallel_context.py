@@ -10,6 +10,8 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       pp          pipeline-parallel group (varies slowest; before DP with --use-tp-pp-dp-mapping)
       dp          data-parallel group: the replicas that read different samples
       cp          context-parallel group: the ranks that split each sample's sequence
+      cp_a2a, cp_p2p  --cp-comm-type a2a+p2p's levels of cp: the all-to-all's consecutive
+                  ranks, the ring's ranks at the same place of each (size 1 otherwise)
       dp_cp       DP x CP: the ranks holding the same weights, over which gradients are
                   averaged and the distributed optimizer shards (dp when CP is 1)
       tp_cp       TP x CP: the ranks that together hold one micro-batch's sequence under
@@ -31,7 +33,8 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       model_parallel_group  TP x PP: the ranks that together hold one model replica
       expert_model_parallel_group  ETP x EP x PP: the ranks that together hold every expert once
       sequence_parallel     activations between layers split along the sequence over TP
-      cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a)
+      cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a,
+                            a2a+p2p)
 
 `ParallelContext()` is one process: every size 1, every rank 0, no group. The context is built
 from the groups `threefold.parallel.state` creates (in Megatron's rank order) by its
@@ -67,6 +70,8 @@ class ParallelContext:
     pp: Group = field(default_factory=Group)
     dp: Group = field(default_factory=Group)
     cp: Group = field(default_factory=Group)
+    cp_a2a: Group = field(default_factory=Group)
+    cp_p2p: Group = field(default_factory=Group)
     dp_cp: Group = field(default_factory=Group)
     tp_cp: Group = field(default_factory=Group)
     ep: Group = field(default_factory=Group)

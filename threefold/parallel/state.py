@@ -125,9 +125,11 @@ def initialize_model_parallel(
     expert_tensor_parallel_size: int = 1,
     order: str = DEFAULT_ORDER,
     num_distributed_optimizer_instances: int = 1,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
 ) -> None:
-    """Build the TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP) over the
-    initialized world, in Megatron's rank order `order` (megatron-core's argument)."""
+    """Build the TP/CP/PP/DP groups (and the experts' ETP, EP and expert-DP, and a2a+p2p's
+    levels of CP) over the initialized world, in Megatron's rank order `order` (megatron-core's
+    argument)."""
     destroy_model_parallel()
     if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size == 1:
         raise ValueError("an interleaved (virtual) pipeline needs a pipeline of 2+ stages")
@@ -144,12 +146,33 @@ def initialize_model_parallel(
     _GROUPS_BEFORE.clear()
     _GROUPS_BEFORE.update(_process_groups())
     rank, timeout = dist.get_rank(), datetime.timedelta(minutes=timeout_minutes)
-    for kind, members in _GROUP_KINDS:
+    kinds = list(_GROUP_KINDS)
+    if hierarchical_context_parallel_sizes:
+        kinds += _hierarchical_cp_kinds(hierarchical_context_parallel_sizes[0])
+    for kind, members in kinds:
         for ranks in members(layout):
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 _GROUPS[kind] = Group(group, len(ranks), ranks.index(rank))
     initialize_p2p_groups(layout.dense("pp"), timeout_minutes)
+
+
+def _hierarchical_cp_kinds(a2a_size: int) -> list:
+    """megatron-core's hierarchical context-parallel groups of two levels: each CP group's
+    consecutive runs of `a2a_size` ranks (the all-to-all), and its ranks `a2a_size` apart (the
+    ring)."""
+    return [
+        (
+            "cp_a2a",
+            lambda layout: [
+                r[i : i + a2a_size] for r in layout.dense("cp") for i in range(0, len(r), a2a_size)
+            ],
+        ),
+        (
+            "cp_p2p",
+            lambda layout: [r[i::a2a_size] for r in layout.dense("cp") for i in range(a2a_size)],
+        ),
+    ]
 
 
 def initialize_from_config(parallel) -> tuple[torch.device, ParallelContext]:
@@ -173,6 +196,7 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.expert_tensor_parallel_size,
         TP_PP_DP_ORDER if parallel.use_tp_pp_dp_mapping else DEFAULT_ORDER,
         parallel.num_distributed_optimizer_instances,
+        parallel.hierarchical_context_parallel_sizes,
     )
     context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
     # The config's DP size (validated before launch) and the groups' must be one number.
@@ -225,6 +249,8 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
     return ParallelContext(
         **instances,
         **{name: groups[name] for name in ("tp", "pp", "dp", "cp", "dp_cp", "tp_cp")},
+        cp_a2a=groups.get("cp_a2a", Group()),
+        cp_p2p=groups.get("cp_p2p", Group()),
         ep=ep,
         expert_tp=expert_tp,
         expert_tp_ep=expert_tp_ep,

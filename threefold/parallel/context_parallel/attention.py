@@ -9,6 +9,8 @@
              key/value heads); the same blocks as the ring, computed from memory.
   a2a        Ulysses: all-to-all from sequence-sharded to head-sharded, ordinary attention
              over the whole sequence for 1/CP of the heads, all-to-all back.
+  a2a+p2p    both (--hierarchical-context-parallel-sizes A P): Ulysses within groups of A
+             consecutive CP ranks, ring attention across the P groups for 1/A of the heads.
 
 Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
 queries need: j == r, causal attention over its own two chunks (in order, so an ordinary causal
@@ -298,11 +300,36 @@ def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, loc
     return back.permute(1, 2, 0, 3, 4).reshape(s, b, heads * d)
 
 
-def context_parallel_attention(cp: Group, comm_type: str, local: Callable) -> Callable:
+def hierarchical_attention(query, key, value, dropout, a2a: Group, p2p: Group):
+    """a2a+p2p: Ulysses over `a2a` (A consecutive CP ranks), then ring attention over `p2p`
+    (the ranks at the same place of each a2a group). The all-to-all gives each rank its a2a
+    group's 2A chunks for 1/A of the heads, in the order `to_global_order` puts them: the A
+    first chunks, then the A second ones in reverse. With ring rank o holding CP ranks oA ..
+    oA+A-1, those are chunks oA .. oA+A-1 and 2CP-A(o+1) .. 2CP-1-oA: coarse chunks o and
+    2P-1-o of 2P, the ring's own load-balanced layout, on which it runs unchanged."""
+
+    def ring(q, k, v, attention_mask, p):
+        return ring_attention(q, k, v, p2p, p)
+
+    return ulysses_attention(query, key, value, None, dropout, a2a, ring)
+
+
+def context_parallel_attention(
+    cp: Group, comm_type: str, local: Callable, hierarchy: tuple[Group, Group] | None = None
+) -> Callable:
     """The core attention for `--cp-comm-type comm_type` over `cp`; `local` is the
-    single-rank attention (the kernel dispatch's) that a2a runs on whole sequences."""
+    single-rank attention (the kernel dispatch's) that a2a runs on whole sequences;
+    `hierarchy` a2a+p2p's (all-to-all group, ring group)."""
     if comm_type == "a2a":
         return lambda q, k, v, mask, dropout: ulysses_attention(q, k, v, mask, dropout, cp, local)
+    if comm_type == "a2a+p2p":
+        a2a, p2p = hierarchy
+
+        def hierarchical(query, key, value, attention_mask, dropout):
+            assert attention_mask is None, "--cp-comm-type a2a+p2p takes no attention mask"
+            return hierarchical_attention(query, key, value, dropout, a2a, p2p)
+
+        return hierarchical
     blockwise = {"p2p": ring_attention, "allgather": allgather_attention}[comm_type]
 
     def attention(query, key, value, attention_mask, dropout):
