@@ -262,6 +262,17 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
             ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
             + ["--sequence-parallel", "--recompute-granularity", "selective"],
         ),
+        (
+            4,
+            ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+            + ["--hierarchical-context-parallel-sizes", "2", "2"],
+        ),
+        # a column-parallel linear keeps its own gathered copy of a recomputed norm's output
+        (
+            2,
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]
+            + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"],
+        ),
         (2, MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]),
         (4, MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
         (
@@ -283,6 +294,8 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "cp4-allgather",
         "cp2-a2a-bf16",
         "tp2-sp-cp2-selective",
+        "cp4-a2a+p2p",
+        "tp2-sp-bf16-recompute-layernorm-mlp",
         "moe-ep2-every-other-layer",
         "moe-ep2-dp2-distributed-optimizer",
         "fp8-tp2-sp-dp2-param-gather",
