@@ -36,6 +36,7 @@ MODELS = {
     "moe-whole": (MOE_MODEL, ["moe"]),
     "mla": (MLA + TRAINING, ["mla_up_proj", "layernorm", "core_attn"]),
     "fp8": (LLAMA_STYLE + TRAINING + MOE + ["--fp8-format", "hybrid"], ["layernorm", "moe_act"]),
+    "mla-fp8": (MLA + TRAINING + ["--fp8-format", "hybrid"], ["mla_up_proj"]),
 }
 # Recomputation only changes the order in which a tensor's gradient contributions are summed
 # (the recomputed graph's, then the rest): fp32 rounding, 1e-7 relative.
