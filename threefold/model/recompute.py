@@ -94,8 +94,9 @@ def _rerun(ctx) -> None:
 
 
 class _DiscardedOutput(torch.autograd.Function):
-    """`function(*inputs)` run without a graph; its backward takes the graph the recomputation
-    built (`_rerun`) through to the inputs and parameters."""
+    """`function(*inputs)`, its outputs detached from the graph they were computed in (which
+    is dropped at once); its backward takes the graph the recomputation built (`_rerun`)
+    through to the inputs and parameters."""
 
     @staticmethod
     def forward(ctx, function, owner, *inputs):

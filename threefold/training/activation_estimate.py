@@ -32,6 +32,12 @@ transposed copies (one per input feature; blockwise one per feature and 128 toke
 FSDP each micro-batch in flight keeps its own transposed copy; --fp8-param-gather stores the
 FP8 weights in FP8 only (parameters: 1 byte each). Under --no-fp8-wgrad the layers keep their
 inputs in the run's dtype, as without FP8, for the weight gradients (the weight copies stay).
+Selective recomputation (--recompute-modules): core_attn drops the core's log-sum-exp and
+output; mlp and moe keep the MLP's input only; shared_experts drops the shared expert's
+intermediates; moe_act the activation's output (fc1's stays); layernorm keeps each norm's input
+instead of its internals and frees the linear's input where that is the norm's own output (no
+SP gather, no FP8 copy); mla_up_proj keeps the latents and the down projection's output (the
+shared key part is a view of it) instead of the core's query, key and value.
 Full recomputation keeps only each recomputed group's input (e s b h/sigma) and re-creates one
 group's activations during backward. The last stage adds the vocab-parallel cross-entropy's
 gradient (e s b V/t chunked, 4 s b V/t for the reference's fp32 softmax). A pipeline stage
