@@ -58,8 +58,8 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-yarn, qwen2,
-    qwen3, gpt2, mistral, mixtral, qwen3-moe) with a tokenizer (`chat`: a ChatML chat
-    tokenizer)."""
+    qwen3, gpt2, mistral, mixtral, qwen3-moe, deepseek-v3) with a tokenizer (`chat`: a ChatML
+    chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -165,6 +165,43 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+    elif kind == "deepseek-v3":  # MLA with YaRN and a temperature; a dense first layer, then
+        # sigmoid routing with expert biases over 4 groups of 2 experts, 2 groups kept, scaled
+        config = transformers.DeepseekV3Config(
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = transformers.DeepseekV3ForCausalLM(config)
+        with torch.no_grad():  # norms away from 1 and expert biases that change the choice
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.uniform_(-0.1, 0.1)
     elif kind == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_layer=num_layers, n_embd=64, n_head=4, n_positions=64

@@ -2,6 +2,7 @@
 computes what `transformers` computes, at TP=1 and TP=2 x PP=2."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ KINDS = [
     "mistral",
     "mixtral",
     "qwen3-moe",
+    "deepseek-v3",
 ]
 
 
@@ -235,14 +237,24 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
     _assert_transformers_losses(hf_model, results)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
-def test_expert_parallel_per_token_losses_match_transformers(converted, kind):
+@pytest.mark.parametrize(
+    "kind,layout",
+    [
+        ("mixtral", []),
+        ("qwen3-moe", []),
+        # DeepSeek-V3's dense first layer and MoE layers on two pipeline stages x EP2
+        ("deepseek-v3", ["--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2"],
+)
+def test_expert_parallel_per_token_losses_match_transformers(converted, kind, layout):
     hf_model, _, ours = converted[kind]
     argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "23"]
     argv += ["--micro-batch-size", "2", "--global-batch-size", "4"]
     argv += ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    results = run_distributed(2, _per_token_losses, argv, ours)
-    _assert_transformers_losses(hf_model, results)
+    world = 4 if layout else 2
+    results = run_distributed(world, _per_token_losses, argv + layout, ours)
+    _assert_transformers_losses(hf_model, [r for r in results if r is not None])
 
 
 @pytest.mark.parametrize(
@@ -336,7 +348,7 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
     assert abs(reported - expected) < 1e-4 * expected
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "deepseek-v3"])
 def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, kind):
     """transformers 5 stacks the experts in memory and saves them one by one."""
     import json
@@ -349,7 +361,60 @@ def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, ki
     saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
     live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     assert any(name.endswith("experts.gate_up_proj") for name in live)
+    if kind == "deepseek-v3":  # a Hub checkpoint's MTP layer after the decoder's: left out
+        saved["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
     from_saved = hf_to_threefold(saved, config, architecture)
     from_live = hf_to_threefold(live, config, architecture)
     assert from_saved.keys() == from_live.keys()
     assert all(torch.equal(from_saved[name], from_live[name]) for name in from_saved)
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"rope_interleave": False}, "rope_interleave=False"),
+        ({"topk_group": 1}, "n_group/topk_group=(4, 1)"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ({"n_shared_experts": 0}, "n_shared_experts=0"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0}},
+            "rope_parameters.beta_fast=16.0",
+        ),
+    ],
+)
+def test_deepseek_v3_settings_threefold_cannot_compute_are_refused(converted, change, named):
+    """Each one would route or rotate differently from what threefold computes."""
+    import json
+
+    from threefold.checkpoint.hf import model_config_from_hf
+    from threefold.config import ConfigError
+
+    with open(os.path.join(converted["deepseek-v3"][1], "config.json")) as f:
+        hf = {**json.load(f), **change}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--moe-router-score-function", "softmax"], "softmax routing scores"),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "2"], "top 2 experts"),
+        (["--mtp-num-layers", "1"], "multi-token prediction"),
+    ],
+)
+def test_an_mla_model_deepseek_v3_cannot_express_is_refused(flags, named):
+    from threefold.arguments import parse_args
+    from threefold.checkpoint.hf import threefold_to_hf
+    from threefold.config import ConfigError
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    argv += ["--multi-latent-attention", "--qk-layernorm", "--swiglu", "--normalization"]
+    argv += ["RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope"]
+    argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function"]
+    argv += ["sigmoid", "--moe-shared-expert-intermediate-size", "64", "--mock-data"]
+    argv += ["--moe-ffn-hidden-size", "32", "--vocab-size", str(VOCAB), "--seq-length", "16"]
+    argv += ["--micro-batch-size", "2"]
+    config = parse_args(argv + flags).model
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        threefold_to_hf({}, config, "DeepseekV3ForCausalLM")

@@ -18,7 +18,6 @@ from threefold.checkpoint.hf import (
     model_config_from_hf,
     threefold_to_hf,
 )
-from threefold.checkpoint.hf.common import NO_MLA
 from threefold.checkpoint.load import find_checkpoint, load_model
 from threefold.checkpoint.megatron.format import is_megatron_checkpoint
 from threefold.checkpoint.megatron.save import save_megatron_checkpoint
@@ -114,7 +113,7 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 def _guess_architecture(model: ModelConfig) -> str:
     if model.multi_latent_attention:
-        raise ConfigError(f"none of the Hugging Face architectures threefold exports has {NO_MLA}")
+        return "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:

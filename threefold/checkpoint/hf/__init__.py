@@ -4,6 +4,7 @@
                (without sliding-window attention), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
+    deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
+from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
@@ -24,7 +26,7 @@ from threefold.config import ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.architecture: adapter
-    for adapter in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, GPT2)
+    for adapter in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GPT2)
 }
 
 

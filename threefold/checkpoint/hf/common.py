@@ -28,8 +28,8 @@ from threefold.model import rope
 
 # Why a multi-latent attention model has no Hugging Face export (after "X has ").
 NO_MLA = (
-    "no multi-latent attention (--multi-latent-attention); DeepSeek's architectures are not "
-    "among those threefold exports: export to Megatron-LM (--saver megatron) instead"
+    "no multi-latent attention (--multi-latent-attention); export it as DeepseekV3ForCausalLM "
+    "(or to Megatron-LM: --saver megatron)"
 )
 
 
@@ -181,6 +181,7 @@ class Adapter:
     architecture: str
     model_type: str
     exports_moe = False  # a mixture-of-experts architecture
+    exports_mla = False  # multi-latent attention and DeepSeek-V3's routing (hf/deepseek.py)
     # Hugging Face tensors that carry nothing (buffers some versions save).
     ignored_suffixes = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -232,23 +233,25 @@ class Adapter:
                 f"this model is a mixture of experts, which {self.architecture} is not; export "
                 "it as MixtralForCausalLM or Qwen3MoeForCausalLM"
             )
-        if self.exports_moe and not config.is_moe:
+        if self.exports_moe and not config.is_moe and not self.exports_mla:
             raise ConfigError(
                 f"{self.architecture} is a mixture of experts and this model is dense; export "
                 "it as LlamaForCausalLM or Qwen3ForCausalLM"
             )
-        if config.multi_latent_attention:
+        if config.multi_latent_attention and not self.exports_mla:
             raise ConfigError(f"{self.architecture} has {NO_MLA}")
         if config.rotary_percent != 1.0:
             raise ConfigError(
                 f"{self.architecture} turns every dimension of each head with RoPE; this "
                 f"model's --rotary-percent {config.rotary_percent} turns only some"
             )
-        if config.moe_router_enable_expert_bias or config.moe_router_num_groups:
+        if (config.moe_router_enable_expert_bias or config.moe_router_num_groups) and not (
+            self.exports_mla
+        ):
             raise ConfigError(
                 f"{self.architecture} routes by plain top-k scores; this model's DeepSeek-V3 "
-                "routing (--moe-router-enable-expert-bias, --moe-router-num-groups) has no "
-                "Hugging Face architecture among those threefold writes"
+                "routing (--moe-router-enable-expert-bias, --moe-router-num-groups) is "
+                "DeepseekV3ForCausalLM's"
             )
         if config.squared_relu:
             raise ConfigError(

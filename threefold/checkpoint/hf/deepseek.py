@@ -1,0 +1,367 @@
+"""DeepseekV3ForCausalLM: multi-latent attention and DeepSeek-V3's mixture of experts.
+
+Attention (threefold's model/mla.py is megatron-core's MLA, whose tensors these are):
+
+    HF self_attn.                  threefold self_attention.
+    q_a_proj, q_a_layernorm,       linear_q_down_proj, q_layernorm, linear_q_up_proj
+      q_b_proj                       (or q_proj = linear_q_proj without a query latent)
+    kv_a_proj_with_mqa             linear_kv_down_proj  ([kv latent; shared RoPE key] rows)
+    kv_a_layernorm, kv_b_proj      kv_layernorm, linear_kv_up_proj  ([key; value] per head)
+    o_proj                         linear_proj
+
+The latent norms are --qk-layernorm's (megatron-core's MLA has them only then). RoPE is the
+same: with rope_interleave (DeepSeek-V3's) transformers turns the even dimensions, then the
+odd ones, as halves, as megatron-core's MLA does; YaRN keeps megatron-core's original context
+4096 and betas 32/1, with the factor and temperature of --rotary-scaling-factor, --mscale and
+--mscale-all-dim (the softmax scale YaRN's temperature squared, on both sides).
+
+The MoE layers (after first_k_dense_replace dense ones: --moe-layer-freq) route as
+--moe-router-score-function sigmoid with --moe-router-enable-expert-bias
+(e_score_correction_bias), in n_group groups of which topk_group are kept
+(--moe-router-num-groups, --moe-router-group-topk; transformers scores a group by its top 2
+experts, megatron-core by its top k / group-topk: they must agree), the k probabilities
+renormalized (norm_topk_prob, megatron-core's for k > 1) and times routed_scaling_factor
+(--moe-router-topk-scaling-factor). The n_shared_experts shared experts are one MLP of
+n_shared_experts x moe_intermediate_size (--moe-shared-expert-intermediate-size).
+
+The multi-token prediction layers DeepSeek-V3's Hub checkpoints carry after the decoder's are
+left out (transformers does not compute them either), and a model with --mtp-num-layers is not
+written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from threefold.checkpoint.hf.common import Take, TensorSource, refuse, renamed
+from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.checkpoint.hf.moe import MoEAdapter
+from threefold.config import ConfigError, ModelConfig
+from threefold.config.mla import (
+    YARN_BETA_FAST,
+    YARN_BETA_SLOW,
+    YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+)
+
+# transformers' DeepSeek-V3 router scores a group of experts by its best two.
+GROUP_SCORE_EXPERTS = 2
+
+
+def _attention_names(i: int, q_lora: bool) -> dict[str, str]:
+    """threefold name suffix -> HF name for one layer's attention and norms."""
+    p = f"model.layers.{i}."
+    names = {
+        "input_layernorm.weight": p + "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": p + "post_attention_layernorm.weight",
+        "self_attention.linear_kv_down_proj.weight": p + "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attention.kv_layernorm.weight": p + "self_attn.kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.weight": p + "self_attn.kv_b_proj.weight",
+        "self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
+    }
+    if q_lora:
+        names.update(
+            {
+                "self_attention.linear_q_down_proj.weight": p + "self_attn.q_a_proj.weight",
+                "self_attention.q_layernorm.weight": p + "self_attn.q_a_layernorm.weight",
+                "self_attention.linear_q_up_proj.weight": p + "self_attn.q_b_proj.weight",
+            }
+        )
+    else:
+        names["self_attention.linear_q_proj.weight"] = p + "self_attn.q_proj.weight"
+    return names
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer an HF tensor belongs to (-1: none)."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else -1
+
+
+def _shared_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}.mlp.shared_experts."
+    return {"mlp.shared_experts.linear_fc2.weight": p + "down_proj.weight"}
+
+
+def _rope_fields(hf: dict) -> dict:
+    """threefold's MLA RoPE fields of a DeepSeek-V3 config (plain RoPE, or megatron-core's
+    YaRN)."""
+    parameters = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    refuse(
+        rope_type not in ("default", "yarn"),
+        "rope_parameters.rope_type",
+        rope_type,
+        "multi-latent attention takes plain RoPE or YaRN",
+    )
+    if rope_type == "default":
+        return {"rotary_base": theta, "rope_type": "rope"}
+    fixed = {
+        "original_max_position_embeddings": YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+        "beta_fast": YARN_BETA_FAST,
+        "beta_slow": YARN_BETA_SLOW,
+        "truncate": True,
+    }
+    for field, value in fixed.items():
+        refuse(
+            parameters.get(field, value) != value,
+            f"rope_parameters.{field}",
+            parameters.get(field),
+            f"megatron-core's MLA YaRN has {field} {value} (DeepSeek-V3's)",
+        )
+    refuse(
+        parameters.get("attention_factor") is not None,
+        "rope_parameters.attention_factor",
+        parameters.get("attention_factor"),
+        "MLA's YaRN scales by mscale / mscale_all_dim, not a factor of its own",
+    )
+    return {
+        "rotary_base": theta,
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(parameters["factor"]),
+        "mscale": float(parameters.get("mscale") or 1.0),
+        "mscale_all_dim": float(parameters.get("mscale_all_dim") or 0.0),
+    }
+
+
+@dataclass(frozen=True)
+class DeepSeekV3Adapter(MoEAdapter):
+    exports_mla = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        for field, value, wanted, why in (
+            ("hidden_act", hf.get("hidden_act", "silu"), "silu", "SwiGLU with SiLU only"),
+            ("attention_bias", bool(hf.get("attention_bias")), False, "MLA has no biases"),
+            ("pretraining_tp", hf.get("pretraining_tp", 1), 1, "must be 1"),
+            (
+                "rope_interleave",
+                hf.get("rope_interleave", True),
+                True,
+                "megatron-core's MLA turns the even, then the odd dimensions (interleaved)",
+            ),
+        ):
+            refuse(value != wanted, field, value, why)
+        layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+        groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        dense = min(hf.get("first_k_dense_replace") or 0, layers)
+        heads = hf["num_attention_heads"]
+        positions = hf.get("max_position_embeddings", 4096)
+        config = ModelConfig(
+            num_layers=layers,
+            hidden_size=hf["hidden_size"],
+            ffn_hidden_size=hf["intermediate_size"],
+            num_attention_heads=heads,
+            seq_length=min(positions, 4096),
+            max_position_embeddings=positions,
+            position_embedding_type="rope",
+            **_rope_fields(hf),
+            normalization="RMSNorm",
+            norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+            swiglu=True,
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            vocab_size=hf["vocab_size"],
+            init_method_std=hf.get("initializer_range", 0.02),
+            attention_dropout=hf.get("attention_dropout", 0.0),
+            hidden_dropout=0.0,
+            multi_latent_attention=True,
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_head_dim=hf["qk_nope_head_dim"],
+            qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            qk_layernorm=True,  # the latent norms
+        )
+        if dense == layers:  # every layer dense (DeepSeek-V2-Lite-like): no experts
+            return config
+        refuse(
+            groups > 1 and k // kept != GROUP_SCORE_EXPERTS,
+            "n_group/topk_group",
+            (groups, kept),
+            f"transformers scores a group by its top {GROUP_SCORE_EXPERTS} experts, "
+            f"megatron-core by its top num_experts_per_tok / topk_group ({k // kept} here)",
+        )
+        refuse(
+            bool(hf.get("norm_topk_prob", True)) != (k > 1),
+            "norm_topk_prob",
+            hf.get("norm_topk_prob"),
+            "megatron-core renormalizes sigmoid top-k probabilities exactly when k > 1",
+        )
+        shared = hf.get("n_shared_experts") or 0
+        refuse(shared < 1, "n_shared_experts", shared, "DeepSeek-V3 has a shared expert")
+        pattern = [int(i >= dense) for i in range(layers)]
+        moe = {
+            "num_experts": hf["n_routed_experts"],
+            "moe_router_topk": k,
+            "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
+            "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_num_groups": groups if groups > 1 else None,
+            "moe_router_group_topk": kept if groups > 1 else None,
+            "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None,
+            "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "alltoall",
+        }
+        for name, value in moe.items():
+            setattr(config, name, value)
+        return config
+
+    def _dense_layers(self, config: ModelConfig) -> int:
+        """first_k_dense_replace: the dense layers before the first MoE one (all without
+        experts)."""
+        if not config.is_moe:
+            return config.num_layers
+        pattern = self._pattern(config)
+        return pattern.index(1) if 1 in pattern else len(pattern)
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        problems = [
+            (not config.multi_latent_attention, "attention other than multi-latent"),
+            (not config.qk_layernorm, "latents without norms (train with --qk-layernorm)"),
+            (config.normalization != "RMSNorm" or not config.swiglu, "other than RMSNorm + SwiGLU"),
+            (config.add_bias_linear, "biases on the linear layers"),
+            (config.position_embedding_type != "rope", "position embeddings besides MLA's RoPE"),
+            (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
+        ]
+        if config.is_moe:
+            k, dense = config.moe_router_topk, self._dense_layers(config)
+            shared = config.moe_shared_expert_intermediate_size or 0
+            groups = config.moe_router_num_groups
+            problems += [
+                (config.moe_router_score_function != "sigmoid", "softmax routing scores"),
+                (not all(self._pattern(config)[dense:]), "dense layers after MoE ones"),
+                (
+                    shared == 0 or shared % config.moe_ffn_hidden_size,
+                    "no shared expert of a multiple of --moe-ffn-hidden-size",
+                ),
+                (
+                    groups and k // config.moe_router_group_topk != GROUP_SCORE_EXPERTS,
+                    f"groups not scored by their top {GROUP_SCORE_EXPERTS} experts "
+                    "(--moe-router-topk / --moe-router-group-topk)",
+                ),
+            ]
+        for problem, what in problems:
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        rope = {"rope_type": "default", "rope_theta": config.rotary_base}
+        if config.mla_yarn and config.rotary_scaling_factor != 1.0:
+            rope = {
+                "rope_type": "yarn",
+                "rope_theta": config.rotary_base,
+                "factor": config.rotary_scaling_factor,
+                "original_max_position_embeddings": YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+                "beta_fast": YARN_BETA_FAST,
+                "beta_slow": YARN_BETA_SLOW,
+                "mscale": config.mscale,
+                "mscale_all_dim": config.mscale_all_dim,
+            }
+        # A dense model: one expert of the dense MLP's size, which no layer builds.
+        experts = config.num_experts or 1
+        expert_size = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        shared = config.moe_shared_expert_intermediate_size or expert_size
+        groups = config.moe_router_num_groups
+        k = config.moe_router_topk if config.is_moe else 1
+        return {
+            **self.common_hf_config(config),
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size,
+            "moe_intermediate_size": expert_size,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_attention_heads,
+            "n_shared_experts": shared // expert_size,
+            "n_routed_experts": experts,
+            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
+            "kv_lora_rank": config.kv_lora_rank,
+            "q_lora_rank": config.q_lora_rank,
+            "qk_rope_head_dim": config.qk_pos_emb_head_dim,
+            "qk_nope_head_dim": config.qk_head_dim,
+            "v_head_dim": config.v_head_dim,
+            "n_group": groups or 1,
+            "topk_group": config.moe_router_group_topk if groups else 1,
+            "num_experts_per_tok": k,
+            "first_k_dense_replace": self._dense_layers(config),
+            "norm_topk_prob": k > 1,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_position_embeddings,
+            "rms_norm_eps": config.norm_epsilon,
+            "rope_parameters": rope,
+            "rope_interleave": True,
+            "attention_bias": False,
+            "attention_dropout": config.attention_dropout,
+            "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+            "num_nextn_predict_layers": 0,
+        }
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = {
+            "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
+            "decoder.final_layernorm.weight": take("model.norm.weight"),
+        }
+        if config.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = take("lm_head.weight")
+        else:
+            used.add("lm_head.weight")
+        q_lora = config.q_lora_rank is not None
+        for i in range(config.num_layers):
+            out.update(renamed(_attention_names(i, q_lora), i, take, to_hf=False))
+            out.update(self.take_mlp(take, config, i))
+        # The Hub checkpoints' multi-token prediction layers follow the decoder's
+        # (model.layers.61 of DeepSeek-V3's 61); transformers computes none, nor does this.
+        if isinstance(take, TensorSource):
+            used.update(n for n in take.state if _layer_of(n) >= config.num_layers)
+        return out
+
+    def _moe_layer(self, config: ModelConfig, i: int) -> bool:
+        return config.is_moe and bool(self._pattern(config)[i])
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        if not self._moe_layer(config, i):
+            return LlamaAdapter.take_mlp(self, take, config, i)
+        out = super().take_mlp(take, config, i)
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}.mlp."
+        out[ours + "mlp.router.expert_bias"] = take(p + "gate.e_score_correction_bias").float()
+        out.update(renamed(_shared_names(i), i, take, to_hf=False))
+        shared = [take(p + "shared_experts.gate_proj.weight")]
+        shared.append(take(p + "shared_experts.up_proj.weight"))
+        out[ours + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(shared)
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = {
+            "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+            "model.norm.weight": state["decoder.final_layernorm.weight"],
+        }
+        if config.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = state["output_layer.weight"]
+        q_lora = config.q_lora_rank is not None
+        for i in range(config.num_layers):
+            out.update(renamed(_attention_names(i, q_lora), i, state.__getitem__, to_hf=True))
+            out.update(self.give_mlp(state, config, i))
+        return out
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        if not self._moe_layer(config, i):
+            return LlamaAdapter.give_mlp(self, state, config, i)
+        out = super().give_mlp(state, config, i)
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}.mlp."
+        bias = state.get(ours + "mlp.router.expert_bias")
+        if bias is None:  # routed without one: transformers' buffer of zeros
+            bias = torch.zeros(config.num_experts)
+        out[p + "gate.e_score_correction_bias"] = bias.float()
+        out.update(renamed(_shared_names(i), i, state.__getitem__, to_hf=True))
+        gate, up = state[ours + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
+        out.update(
+            {p + "shared_experts.gate_proj.weight": gate, p + "shared_experts.up_proj.weight": up}
+        )
+        return out
+
+
+DEEPSEEK_V3 = DeepSeekV3Adapter("DeepseekV3ForCausalLM", "deepseek_v3", writes_biases=False)
