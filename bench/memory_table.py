@@ -5,6 +5,8 @@ Mixtral 8x7B, whose experts rowwise scaling alone puts in FP8).
 
     python bench/memory_table.py > bench/results/memory_table.md
 
+and last a DeepSeek-V3-shaped MoE by --recompute-modules.
+
 No GPU is needed: the estimate is computed, not measured. What it counts is held within 1%
 of CPU measurements by tests/training/test_memory_estimate.py.
 """
@@ -148,6 +150,52 @@ def fp8_table() -> None:
             print("| " + " | ".join(str(x) for x in row) + " |")
 
 
+# Megatron-LM's DeepSeek-V3 proxy (tests/functional_tests/.../deepseekv3_proxy_flex_tp1pp4emp16
+# etp1cp1_release: DeepSeek-V3's width, MLA and routing, 14 of its 61 layers, 64 experts) in
+# its layout, TP2 x PP4 x EP16 over 128 GPUs, for --recompute-modules.
+DEEPSEEK_PROXY = [
+    *(
+        "--num-layers 14 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
+        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm --rotary-scaling-factor 40 "
+        "--mscale 1.0 --mscale-all-dim 1.0 --num-experts 64 --moe-layer-freq ([0]*3+[1]*11) "
+        "--moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 "
+        "--moe-router-topk 8 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+        "--moe-router-num-groups 8 --moe-router-group-topk 4 --moe-grouped-gemm "
+        "--moe-token-dispatcher-type alltoall --mtp-num-layers 1 --vocab-size 129280 "
+        "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 "
+        "--pipeline-model-parallel-layout Et*2|(tt|)*5t|tmL --expert-model-parallel-size 16 "
+        "--expert-tensor-parallel-size 1 --use-distributed-optimizer"
+    ).split(),
+    *LLAMA[:7],  # (its vocabulary is DeepSeek-V3's)
+    *LLAMA[9:],
+]
+RECOMPUTE_MODULES = {
+    "none": [],
+    "core_attn (selective's default)": ["--recompute-granularity", "selective"],
+    "layernorm mla_up_proj moe_act": ["layernorm", "mla_up_proj", "moe_act"],
+    "layernorm mla_up_proj moe_act core_attn": ["layernorm", "mla_up_proj", "moe_act", "core_attn"],
+    "mlp moe mla_up_proj layernorm (Megatron-FSDP's DeepSeek-V3 example)": [
+        "mlp",
+        "moe",
+        "mla_up_proj",
+        "layernorm",
+    ],
+    "full, uniform, 1 layer": ["--recompute-granularity", "full", "--recompute-method"]
+    + ["uniform", "--recompute-num-layers", "1"],
+}
+
+
+def recompute_table() -> None:
+    print("| recomputation | activations GiB (stage) | total GiB |")
+    print("|---|---|---|")
+    for name, flags in RECOMPUTE_MODULES.items():
+        if flags and not flags[0].startswith("--"):
+            flags = ["--recompute-granularity", "selective", "--recompute-modules", *flags]
+        e = estimate_memory(parse_args(DEEPSEEK_PROXY + flags, world_size=128))
+        print(f"| {name} | {e.activations / GIB:.1f} ({e.stage}) | {e.total / GIB:.1f} |")
+
+
 def main() -> None:
     _header("options", *SIZES[:4], "total GiB", "fits 90% of 80 GB")
     for model in [model for model in MODELS if model not in FP8_ONLY]:
@@ -173,6 +221,12 @@ def main() -> None:
             print("| " + " | ".join(str(x) for x in row) + " |")
     print(f"\nWith FP8 GEMMs ({FP8_BASE}):\n")
     fp8_table()
+    print(
+        "\nMegatron-LM's DeepSeek-V3 proxy (14 layers at DeepSeek-V3's width, MLA, 64 experts, "
+        "MTP; bf16, sequence 4096, micro-batch 1; TP2 x SP x PP4 x EP16, 128 GPUs, distributed "
+        "optimizer), the pipeline stage that needs most, by --recompute-modules:\n"
+    )
+    recompute_table()
 
 
 if __name__ == "__main__":
