@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     code = halting.train(trainer, "finetune.py")
     if code:
         return code
-    state.destroy_model_parallel()
+    state.shut_down()
     return 0
 
 

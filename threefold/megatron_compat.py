@@ -246,8 +246,6 @@ MISSING = {
     "--adaptive-muon-": "adaptive Muon (threefold has adam and muon)",
     "--sgd-momentum": "the SGD optimizer (threefold has adam and muon)",
     "--export-": "ModelOpt export and distillation",
-    "--use-mup": "muP parametrization",
-    "--mup-": "muP parametrization",
     "--cuda-graph-": "CUDA graphs",
     "--enable-cuda-graph": "CUDA graphs",
     "--inference-": "Megatron-LM's inference engine (threefold samples with tools/generate.py)",

@@ -95,7 +95,7 @@ def main() -> int:
             print(tokenizer.detokenize(reply).strip(), flush=True)
         else:
             print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
-    state.destroy_model_parallel()
+    state.shut_down()
     return 0
 
 

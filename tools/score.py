@@ -60,7 +60,7 @@ def main() -> int:
             f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
             flush=True,
         )
-    state.destroy_model_parallel()
+    state.shut_down()
     return 0
 
 

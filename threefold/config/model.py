@@ -12,14 +12,16 @@ from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_o
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
+from threefold.config.mup import MuPConfig
 from threefold.config.recompute import RecomputeConfig
 
 
 @dataclass
-class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig):
+class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig, MuPConfig):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts, multi-latent attention, multi-token prediction and recomputation
-    fields are inherited (config/moe.py, config/mla.py, config/mtp.py, config/recompute.py)."""
+    The mixture-of-experts, multi-latent attention, multi-token prediction, recomputation and
+    muP fields are inherited (config/moe.py, config/mla.py, config/mtp.py, config/recompute.py,
+    config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -304,6 +306,7 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig):
         )
         self.finalize_mla()
         self.finalize_mtp()
+        self.finalize_mup()
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_recompute()

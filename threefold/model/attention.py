@@ -130,6 +130,8 @@ class SelfAttention(Attention):
             bias=config.add_bias_linear,
             init_method=output_layer_init_method,
         )
+        # muP's softmax scale (config/mup.py), on the queries: the kernels take 1/sqrt(d).
+        self.query_scale = config.mup_query_scale(config.kv_channels)
 
     def forward(
         self,
@@ -153,7 +155,8 @@ class SelfAttention(Attention):
                 query, key = self.q_layernorm(query), self.k_layernorm(key)
             if rotary is not None:
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
-
+        if self.query_scale != 1.0:
+            query = query * self.query_scale
         return self.linear_proj(self._attend(query, key, value, attention_mask))
 
     def linear_layers(self) -> list[nn.Module]:

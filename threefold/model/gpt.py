@@ -43,6 +43,10 @@ def is_embedding_or_output(name: str) -> bool:
     return name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
+def _scaled(layer, factor: float, hidden_states: torch.Tensor) -> torch.Tensor:
+    return layer(hidden_states) * factor
+
+
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, padded_vocab_size: int):
         super().__init__()
@@ -50,6 +54,7 @@ class LanguageModelEmbedding(nn.Module):
         self.tp = parallel.tp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
+        self.embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size,
             config.hidden_size,
@@ -79,6 +84,8 @@ class LanguageModelEmbedding(nn.Module):
             else:  # packed documents: each restarts at position 0
                 positions = self.position_embeddings(position_ids.t()[start : start + local])
             embeddings = embeddings + positions.to(embeddings.dtype)
+        if self.embedding_mult != 1.0:
+            embeddings = embeddings * self.embedding_mult
         if self.training and self.hidden_dropout > 0:
             fork = get_rng_tracker().fork() if self.sequence_parallel else contextlib.nullcontext()
             with fork:
@@ -114,9 +121,14 @@ class GPTModel(nn.Module):
         self.sequence_parallel = parallel.sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
-        init = normal_init(config.init_method_std)
+        # muP (config/mup.py) narrows the hidden matrices' init by the width multiplier.
+        width = config.mup_width_mult
+        init = normal_init(config.init_method_std / math.sqrt(width))
         # Megatron's scaled init for the projections that write into the residual stream.
-        scaled_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
+        scaled_init = normal_init(
+            config.init_method_std / math.sqrt(2.0 * config.num_layers * width)
+        )
+        self.logits_mult = config.mup_logits_mult
 
         tied = self.share_embeddings_and_output_weights
         mtp_here = post_process and bool(config.mtp_num_layers)
@@ -150,7 +162,8 @@ class GPTModel(nn.Module):
                 padded_vocab_size,
                 parallel=parallel,
                 bias=False,
-                init_method=init,
+                # (muP: an untied output layer is initialized as the embeddings are)
+                init_method=normal_init(config.init_method_std) if config.use_mup else init,
                 skip_weight_param=tied and (pre_process or mtp_here),
                 valid_output_size=config.vocab_size,
             )
@@ -232,6 +245,8 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden_states
         output_layer = functools.partial(self.output_layer, weight=self.output_weight())
+        if self.logits_mult != 1.0:  # muP's output multiplier, on the MTP depths' logits too
+            output_layer = functools.partial(_scaled, output_layer, self.logits_mult)
         if self.mtp is not None and self.training and labels is not None:
             batch = {
                 "tokens": input_ids,

@@ -276,6 +276,15 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(group)
 
 
+def shut_down() -> None:
+    """The end of a launched program: the layout's groups, then the default one, as
+    torch.distributed asks before exit (gloo's threads are then joined here, not torn down
+    with the interpreter, where a rank could abort)."""
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def is_initialized() -> bool:
     return dist.is_initialized() and bool(_GROUPS)
 

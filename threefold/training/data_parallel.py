@@ -44,6 +44,7 @@ from threefold.parallel.data_parallel.torch_native import (
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
 from threefold.training.muon import muon_matrices
+from threefold.training.mup import mup_lr_scales
 from threefold.training.optimizer import (
     DistributedOptimizer,
     MixedPrecisionOptimizer,
@@ -163,6 +164,7 @@ class MegatronDataParallel:
         matrices = None
         if training.optimizer == "muon":
             matrices = muon_matrices(named, config.model, parallel, training)
+        lr_scales = mup_lr_scales(named, config.model, matrices)
         if distributed:
             self.optimizer = DistributedOptimizer(
                 named,
@@ -174,13 +176,14 @@ class MegatronDataParallel:
                 experts=config.model.is_moe,
                 fp8_parameters=self.fp8_parameters,
                 matrices=matrices,
+                lr_scales=lr_scales,
             )
             if dp.overlap_param_gather:
                 for buffer in self.buffers:
                     buffer.wait_for_params_before_forward(model_chunks)
         else:
             self.optimizer = MixedPrecisionOptimizer(
-                named, training, parallel, offload, config.model.is_moe, matrices
+                named, training, parallel, offload, config.model.is_moe, matrices, lr_scales
             )
 
     def start_step(self, num_microbatches: int) -> None:
@@ -275,12 +278,14 @@ class TorchDataParallel:
         self.fp8_parameters = None
         if fp8_layers_gathered:
             self.fp8_parameters = Fp8FsdpParameters(fp8_layers_gathered, parallel.dp_cp, wrapped)
+        named = list(model.named_parameters())
         self.optimizer = NativeOptimizer(
-            list(model.named_parameters()),
+            named,
             config.training,
             parallel,
             sharded=fsdp,
             fp8_parameters=self.fp8_parameters,
+            lr_scales=mup_lr_scales(named, config.model),
         )
 
     def start_step(self, num_microbatches: int) -> None:

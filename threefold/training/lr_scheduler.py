@@ -125,7 +125,9 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         weight_decay = self.get_wd()
         for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr(group.get("decoupled_lr", False))
+            # lr_mult (muP's hidden matrices): every schedule here is linear in (--lr,
+            # --min-lr) with warmup from 0, so this is the schedule of lr_mult x both.
+            group["lr"] = self.get_lr(group.get("decoupled_lr", False)) * group.get("lr_mult", 1.0)
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         return self.get_lr()
 

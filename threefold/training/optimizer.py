@@ -26,6 +26,7 @@ matrices are Muon's (training/muon.py), in the same schedule, and AdamW steps th
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,11 +104,13 @@ class _AdamWithMasters:
         config: TrainingConfig,
         named_parameters: list[tuple[str, nn.Parameter]],
         matrices: dict | None = None,
+        lr_scales: dict | None = None,
     ) -> None:
         """`matrices` (--optimizer muon): the parameters Muon steps (training/muon.py), each
-        with how it is orthogonalized; Adam steps the rest."""
+        with how it is orthogonalized; Adam steps the rest. `lr_scales` (--use-mup): the
+        factor on a parameter's learning rate and Adam eps (training/mup.py)."""
         self.pieces = pieces
-        matrices = matrices or {}
+        matrices, lr_scales = matrices or {}, lr_scales or {}
         self.clip_grad = config.clip_grad
         self.count_zeros = False  # --log-num-zeros-in-grad: the trainer turns it on
         self.num_zeros_in_grad: int | None = None
@@ -117,25 +120,29 @@ class _AdamWithMasters:
             else set()
         )
         groups = []
-        for is_decoupled in (False, True):
-            for decay in (True, False):
-                params = [
-                    p.master
-                    for p in pieces
-                    if (p.param in decoupled) == is_decoupled
-                    and (p.param.dim() > 1) == decay
-                    and p.param not in matrices
-                ]
-                if params:
-                    # wd_mult: the scheduler sets weight_decay = its value x wd_mult.
-                    groups.append(
-                        {
-                            "params": params,
-                            "decoupled_lr": is_decoupled,
-                            "wd_mult": 1.0 if decay else 0.0,
-                            "weight_decay": config.weight_decay if decay else 0.0,
-                        }
-                    )
+        scales = sorted(set(lr_scales.values()) | {1.0})
+        for is_decoupled, decay, scale in itertools.product((False, True), (True, False), scales):
+            params = [
+                p.master
+                for p in pieces
+                if (p.param in decoupled) == is_decoupled
+                and (p.param.dim() > 1) == decay
+                and p.param not in matrices
+                and lr_scales.get(p.param, 1.0) == scale
+            ]
+            if params:
+                # wd_mult: the scheduler sets weight_decay = its value x wd_mult; lr_mult:
+                # lr = its value x lr_mult.
+                groups.append(
+                    {
+                        "params": params,
+                        "decoupled_lr": is_decoupled,
+                        "wd_mult": 1.0 if decay else 0.0,
+                        "weight_decay": config.weight_decay if decay else 0.0,
+                        "lr_mult": scale,
+                        "eps": config.adam_eps * scale,
+                    }
+                )
         masters = [p.master for p in pieces if p.param not in matrices]
         # PyTorch's fused AdamW: one vectorized pass per tensor instead of a chain of
         # elementwise ops (4.8x faster on a 4M-parameter model on CPU). Plain tensors only:
@@ -355,9 +362,11 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         offload: bool = False,
         experts: bool = False,
         matrices: dict | None = None,
+        lr_scales: dict | None = None,
     ) -> None:
         """`experts`: the model has expert weights (on any pipeline stage: every rank joins
-        the reduction of their norms); `matrices`: those Muon steps (--optimizer muon)."""
+        the reduction of their norms); `matrices`: those Muon steps (--optimizer muon);
+        `lr_scales`: muP's (training/mup.py)."""
         self.reduction_groups = [parallel.model_parallel_group]
         if experts:
             self.expert_reduction_groups = [parallel.expert_model_parallel_group]
@@ -373,6 +382,7 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
             config,
             named_parameters,
             matrices,
+            lr_scales,
         )
 
     def _attach_grads(self) -> list[torch.Tensor]:
@@ -405,6 +415,7 @@ class DistributedOptimizer(_AdamWithMasters):
         experts: bool = False,
         fp8_parameters: Fp8Parameters | None = None,
         matrices: dict | None = None,
+        lr_scales: dict | None = None,
     ) -> None:
         """Each rank of a buffer's group owns one shard of every bucket of it: the dense
         buffer's over DP x CP and, in a mixture of experts (`experts`: on any stage, so that
@@ -454,7 +465,7 @@ class DistributedOptimizer(_AdamWithMasters):
             if matrices and param in matrices and (low, high) != (start, end):
                 raise RuntimeError("Muon's matrices must lie whole in one shard")
             pieces.append(_Piece(param, low - start, high - start, master))
-        self._build(pieces, config, named_parameters, matrices)
+        self._build(pieces, config, named_parameters, matrices, lr_scales)
         if fp8:
             fp8_parameters.set_shards(
                 [(p.param, p.start, p.end, p.master) for p in self.pieces if p.param in fp8]
@@ -517,9 +528,10 @@ class NativeOptimizer(_AdamWithMasters):
         parallel: ParallelContext,
         sharded: bool,
         fp8_parameters: Fp8FsdpParameters | None = None,
+        lr_scales: dict | None = None,
     ) -> None:
         """`fp8_parameters` (FSDP2 with --fp8-param-gather): the FP8 copies of the FP8
-        layers' shards, cast again whenever the parameters change."""
+        layers' shards, cast again whenever the parameters change; `lr_scales`: muP's."""
         self.fp8_parameters = fp8_parameters
         # FSDP shards over DP; TP shards (and counts TP-replicated weights once) and pipeline
         # stages hold different layers either way.
@@ -530,9 +542,8 @@ class NativeOptimizer(_AdamWithMasters):
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]
         self.reduction_device = local(self.model_params[0]).device
-        self._build(
-            [_Piece(p, 0, p.numel(), p) for p in self.model_params], config, named_parameters
-        )
+        pieces = [_Piece(p, 0, p.numel(), p) for p in self.model_params]
+        self._build(pieces, config, named_parameters, lr_scales=lr_scales)
 
     def _attach_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.model_params]

@@ -253,6 +253,16 @@ class Adapter:
                 "routing (--moe-router-enable-expert-bias, --moe-router-num-groups) is "
                 "DeepseekV3ForCausalLM's"
             )
+        heads = config.kv_channels or config.hidden_size // config.num_attention_heads
+        if config.use_mup and (
+            config.mup_logits_mult != 1.0
+            or config.mup_embedding_mult != 1.0
+            or (config.mup_query_scale(heads) != 1.0 and not config.multi_latent_attention)
+        ):
+            raise ConfigError(
+                f"{self.architecture} has no muP multipliers: this --use-mup model scales its "
+                "logits, embeddings or attention scores, which the export would lose"
+            )
         if config.squared_relu:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "
