@@ -44,6 +44,7 @@ _STATE_ALLOWED = {
     "initialize_distributed",
     "initialize_model_parallel",
     "destroy_model_parallel",
+    "shut_down",
     "parallel_context",
     "default_backend",
     "is_initialized",
