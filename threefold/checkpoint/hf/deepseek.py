@@ -301,14 +301,7 @@ class DeepSeekV3Adapter(MoEAdapter):
         }
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = {
-            "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
-            "decoder.final_layernorm.weight": take("model.norm.weight"),
-        }
-        if config.untie_embeddings_and_output_weights:
-            out["output_layer.weight"] = take("lm_head.weight")
-        else:
-            used.add("lm_head.weight")
+        out = self.take_ends(take, config, used)
         q_lora = config.q_lora_rank is not None
         for i in range(config.num_layers):
             out.update(renamed(_attention_names(i, q_lora), i, take, to_hf=False))
@@ -335,12 +328,7 @@ class DeepSeekV3Adapter(MoEAdapter):
         return out
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = {
-            "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-            "model.norm.weight": state["decoder.final_layernorm.weight"],
-        }
-        if config.untie_embeddings_and_output_weights:
-            out["lm_head.weight"] = state["output_layer.weight"]
+        out = self.give_ends(state, config)
         q_lora = config.q_lora_rank is not None
         for i in range(config.num_layers):
             out.update(renamed(_attention_names(i, q_lora), i, state.__getitem__, to_hf=True))

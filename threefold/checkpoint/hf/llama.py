@@ -155,7 +155,9 @@ class LlamaAdapter(Adapter):
             hf["rope_scaling"] = scaling
         return {**hf, **self.extra_hf_config}
 
-    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+    @staticmethod
+    def take_ends(take: Take, config: ModelConfig, used: set[str]) -> dict:
+        """The embeddings, the final norm and the output layer (the decoder's ends)."""
         out = {
             "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
             "decoder.final_layernorm.weight": take("model.norm.weight"),
@@ -164,6 +166,20 @@ class LlamaAdapter(Adapter):
             out["output_layer.weight"] = take("lm_head.weight")
         else:
             used.add("lm_head.weight")  # tied: a copy of the embeddings, if present at all
+        return out
+
+    @staticmethod
+    def give_ends(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = {
+            "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+            "model.norm.weight": state["decoder.final_layernorm.weight"],
+        }
+        if config.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = state["output_layer.weight"]
+        return out
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = self.take_ends(take, config, used)
         for i in range(config.num_layers):
             ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
@@ -189,12 +205,7 @@ class LlamaAdapter(Adapter):
         return out
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = {
-            "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-            "model.norm.weight": state["decoder.final_layernorm.weight"],
-        }
-        if config.untie_embeddings_and_output_weights:
-            out["lm_head.weight"] = state["output_layer.weight"]
+        out = self.give_ends(state, config)
         for i in range(config.num_layers):
             ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
