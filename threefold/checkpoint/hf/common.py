@@ -59,6 +59,18 @@ def refuse(condition: bool, field: str, value, why: str) -> None:
         raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
 
 
+def refuse_other_values(settings: dict, fixed: dict, where: str, why: str) -> None:
+    """Each of `fixed`'s fields, where `settings` gives it, must have its value there; `why`
+    takes the field and that value."""
+    for field, value in fixed.items():
+        refuse(
+            settings.get(field, value) != value,
+            f"{where}.{field}",
+            settings.get(field),
+            why.format(field, value),
+        )
+
+
 def rope_settings(hf: dict) -> tuple[float, dict]:
     """(RoPE base, the ModelConfig fields of its scaling: Llama 3.1's llama3 or YaRN) of a
     Hugging Face config."""
@@ -81,13 +93,9 @@ def rope_settings(hf: dict) -> tuple[float, dict]:
         "high_freq_factor": rope.HIGH_FREQ_FACTOR,
         "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
     }
-    for field, value in fixed.items():
-        refuse(
-            scaling.get(field, value) != value,
-            f"rope_scaling.{field}",
-            scaling.get(field),
-            f"llama3 scaling is implemented with {field}={value} (as Megatron-LM)",
-        )
+    refuse_other_values(
+        scaling, fixed, "rope_scaling", "llama3 scaling is implemented with {}={} (as Megatron-LM)"
+    )
     return theta, {"use_rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 

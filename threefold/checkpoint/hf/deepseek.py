@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, TensorSource, refuse, renamed
+from threefold.checkpoint.hf.common import Take, TensorSource, refuse, refuse_other_values, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
 from threefold.config import ConfigError, ModelConfig
@@ -105,13 +105,9 @@ def _rope_fields(hf: dict) -> dict:
         "beta_slow": YARN_BETA_SLOW,
         "truncate": True,
     }
-    for field, value in fixed.items():
-        refuse(
-            parameters.get(field, value) != value,
-            f"rope_parameters.{field}",
-            parameters.get(field),
-            f"megatron-core's MLA YaRN has {field} {value} (DeepSeek-V3's)",
-        )
+    refuse_other_values(
+        parameters, fixed, "rope_parameters", "megatron-core's MLA YaRN has {} {} (DeepSeek-V3's)"
+    )
     refuse(
         parameters.get("attention_factor") is not None,
         "rope_parameters.attention_factor",
