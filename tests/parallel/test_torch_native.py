@@ -190,3 +190,14 @@ def test_auto_names_the_context_parallel_size_that_fits_a_long_sequence():
         return estimate_memory(candidate, strategy, distributed).total
 
     assert need(4) <= 0.9 * 6 * GIB < need(2)
+
+
+def test_auto_counts_gated_delta_net_layers():
+    # 18 of 24 layers gated delta nets with 16 query/key and 32 value heads of 128: each
+    # projects to 12352 and back from 4096 features, 12.6M parameters more than attention's
+    # 4h^2 at hidden 1024: 0.36B + 18 x 12.6M (model/test_gated_delta_net.py checks the count
+    # against a built model).
+    flags = ("--swiglu", "--experimental-attention-variant", "gated_delta_net")
+    flags += ("--linear-attention-freq", "4")
+    strategy, distributed, why = choose_strategy(_config(1024, 24, flags=flags), 10_000 * GIB)
+    assert (strategy, distributed) == ("ddp", False) and "0.59B parameters" in why

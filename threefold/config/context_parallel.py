@@ -80,6 +80,12 @@ class ContextParallelConfig:
         if cp == 1:
             return
         _require(
+            not model.gated_delta_net,
+            "--context-parallel-size with --experimental-attention-variant gated_delta_net: "
+            "the gated delta rule runs over the whole sequence, and its context parallelism "
+            "(megatron-core's all-to-all over heads) is not implemented here; use CP 1",
+        )
+        _require(
             model.seq_length % (2 * cp) == 0,
             f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size "
             f"{cp} (each CP rank holds two of 2 x CP equal chunks)",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
+from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
@@ -17,11 +18,13 @@ from threefold.config.recompute import RecomputeConfig
 
 
 @dataclass
-class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig, MuPConfig):
+class ModelConfig(
+    MLAConfig, LinearAttentionConfig, MoEConfig, MTPConfig, RecomputeConfig, MuPConfig
+):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts, multi-latent attention, multi-token prediction, recomputation and
-    muP fields are inherited (config/moe.py, config/mla.py, config/mtp.py, config/recompute.py,
-    config/mup.py)."""
+    The mixture-of-experts, multi-latent attention, linear attention, multi-token prediction,
+    recomputation and muP fields are inherited (config/moe.py, config/mla.py,
+    config/linear_attention.py, config/mtp.py, config/recompute.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -305,6 +308,7 @@ class ModelConfig(MLAConfig, MoEConfig, MTPConfig, RecomputeConfig, MuPConfig):
             self.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive"
         )
         self.finalize_mla()
+        self.finalize_linear_attention()
         self.finalize_mtp()
         self.finalize_mup()
         self._finalize_lora()

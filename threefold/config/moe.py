@@ -16,35 +16,41 @@ GROUP = "mixture of experts"
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 # Megatron's --moe-layer-freq pattern, "([0]*1+[1]*3)": read by this, never evaluated.
 _PATTERN_TERM = re.compile(r"^\[\s*([01])\s*\](?:\s*\*\s*(\d+))?$")
+# ... and the whole sum repeated, "([1]*3+[0]*1)*2"
+_REPEATED = re.compile(r"^\((.*)\)\s*\*\s*(\d+)$")
 
 
-def parse_layer_pattern(text: str, num_layers: int) -> list[int]:
+def parse_layer_pattern(text: str, num_layers: int, flag: str = "--moe-layer-freq") -> list[int]:
     """--moe-layer-freq as one 0/1 per layer: N (every N-th layer, from the first, is MoE),
-    a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists."""
+    a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists, the
+    sum itself repeated "(...)*k"; the lists of another `flag` (--linear-attention-freq) alike."""
     text = text.strip()
+    repeated = _REPEATED.match(text)
+    if repeated is not None:
+        times = int(repeated.group(2))
+        _require(
+            times >= 1 and num_layers % times == 0,
+            f"{flag} {text}: {times} repeats do not make --num-layers {num_layers}",
+        )
+        return parse_layer_pattern(f"({repeated.group(1)})", num_layers // times, flag) * times
     if text.isdigit():
         every = int(text)
-        _require(every >= 1, "--moe-layer-freq must be >= 1")
+        _require(every >= 1, f"{flag} must be >= 1")
         return [int(i % every == 0) for i in range(num_layers)]
     body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
     if body.startswith("[") and "*" not in body and body.count("[") == 1:
         items = [item.strip() for item in body.strip("[]").split(",") if item.strip()]
         pattern = [int(item) for item in items if item in ("0", "1")]
-        _require(
-            len(pattern) == len(items), f"--moe-layer-freq {text}: the list may hold 0 and 1 only"
-        )
+        _require(len(pattern) == len(items), f"{flag} {text}: the list may hold 0 and 1 only")
     else:
         pattern = []
         for term in body.split("+"):
             match = _PATTERN_TERM.match(term.strip())
-            _require(
-                match is not None,
-                f"--moe-layer-freq {text}: expected N, [1,0,...] or ([0]*a+[1]*b)",
-            )
+            _require(match is not None, f"{flag} {text}: expected N, [1,0,...] or ([0]*a+[1]*b)")
             pattern += [int(match.group(1))] * int(match.group(2) or 1)
     _require(
         len(pattern) == num_layers,
-        f"--moe-layer-freq {text} gives {len(pattern)} layers, --num-layers is {num_layers}",
+        f"{flag} {text} gives {len(pattern)} layers, --num-layers is {num_layers}",
     )
     return pattern
 
@@ -98,6 +104,12 @@ class MoEConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         help="hidden size of the shared expert every token also passes through (none: none)",
+    )
+    moe_shared_expert_gate: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="scale the shared expert's output per token by a learned sigmoid gate",
     )
     # DeepSeek-V2/V3's group-limited routing (megatron-core's group_limited_topk)
     moe_router_num_groups: int | None = arg(
@@ -207,6 +219,11 @@ class MoEConfig:
             self.moe_shared_expert_intermediate_size is None
             or self.moe_shared_expert_intermediate_size >= 1,
             "--moe-shared-expert-intermediate-size must be >= 1",
+        )
+        _require(
+            not self.moe_shared_expert_gate or self.moe_shared_expert_intermediate_size,
+            "--moe-shared-expert-gate gates the shared expert: add "
+            "--moe-shared-expert-intermediate-size or drop it",
         )
         _require(
             self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,

@@ -520,3 +520,11 @@ def check_tensor_parallel_split(model: ModelConfig, tp: int) -> None:
         f"--ffn-hidden-size {model.ffn_hidden_size} is not divisible by "
         f"--tensor-model-parallel-size {tp}",
     )
+    if model.gated_delta_net:
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            heads = getattr(model, name)
+            _require(
+                heads % tp == 0,
+                f"--{name.replace('_', '-')} {heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}; each TP rank runs whole gated delta net heads",
+            )

@@ -29,11 +29,20 @@ from threefold.config.fields import arg
 if TYPE_CHECKING:
     from threefold.config.run import Config
 
-MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act", "mla_up_proj")
+MODULES = (
+    "core_attn",
+    "mlp",
+    "moe",
+    "shared_experts",
+    "layernorm",
+    "moe_act",
+    "mla_up_proj",
+    "gdn_norm_out",
+)
 # Recomputed by freeing their outputs (model/recompute.py: OutputDiscardingCheckpoint).
-OUTPUT_DISCARDING = ("layernorm", "moe_act", "mla_up_proj")
+OUTPUT_DISCARDING = ("layernorm", "moe_act", "mla_up_proj", "gdn_norm_out")
 # megatron-core's modules of models threefold does not have (refused with those models' flags).
-OTHER_MODELS = ("gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+OTHER_MODELS = ("gdp_in_proj", "gdp_qkv", "mhc")
 
 
 @dataclass
@@ -117,7 +126,7 @@ class RecomputeConfig:
         _require(
             not others,
             f"--recompute-modules {' '.join(others)}: modules of models threefold does not have "
-            "(gated delta nets, hyper-connections); drop them",
+            "(gated delta products, hyper-connections); drop them",
         )
         unknown = [m for m in modules if m not in MODULES]
         _require(
@@ -158,6 +167,7 @@ class RecomputeConfig:
             "moe": not self.is_moe,
             "moe_act": not self.is_moe,
             "shared_experts": self.moe_shared_expert_intermediate_size is None,
+            "gdn_norm_out": not self.gated_delta_net,
             "mlp": self.is_moe and all(self.moe_layer_pattern(self.num_layers)),
         }
         unused = [m for m in modules if idle.get(m)]

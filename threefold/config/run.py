@@ -69,6 +69,11 @@ class Config:
             "--reset-attention-mask (per-document attention) is not implemented with "
             "--context-parallel-size > 1; drop one (--reset-position-ids works with CP)",
         )
+        _require(
+            not (self.model.gated_delta_net and self.data.reset_attention_mask),
+            "--reset-attention-mask with gated delta net layers, whose rule would carry its "
+            "state across documents (megatron-core ignores the mask there too); drop it",
+        )
         self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()

@@ -116,6 +116,11 @@ class TrainingConfig(MuonConfig):
     )
     decoupled_min_lr: float | None = arg(None, help="their final learning rate (default: --min-lr)")
     weight_decay: float = arg(0.01, help="AdamW weight decay (matrices only; not biases or norms)")
+    apply_wd_to_qk_layernorm: bool = arg(
+        False,
+        help="weight decay on the query and key norms too (Qwen3-Next; other norms and biases "
+        "never decay)",
+    )
     # A weight decay that moves from start to end over the run (Megatron's increment styles).
     start_weight_decay: float | None = arg(
         None, help="weight decay at the start, with --weight-decay-incr-style"

@@ -3,6 +3,9 @@
 `linear_qkv` follows megatron-core's layout: rows are grouped by query group, each group
 holding its query heads, then one key head, then one value head: [q0 .. q(h/g-1), k, v] per
 group. Splitting the rows evenly over TP ranks therefore hands each rank whole query groups.
+With --attention-output-gate each group also holds a gate head per query head, after the
+queries ([q..., gate..., k, v], as megatron-core), and the context is multiplied by the
+gate's sigmoid before the output projection.
 """
 
 from __future__ import annotations
@@ -109,7 +112,11 @@ class SelfAttention(Attention):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_dim = config.rotary_dim if config.rotary_position_embeddings else 0
-        qkv_size = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        self.output_gate = config.attention_output_gate
+        gates = config.num_attention_heads if self.output_gate else 0
+        qkv_size = config.kv_channels * (
+            config.num_attention_heads + gates + 2 * config.num_query_groups
+        )
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             qkv_size,
@@ -141,9 +148,11 @@ class SelfAttention(Attention):
     ) -> torch.Tensor:
         qkv = self.linear_qkv(hidden_states)  # [s, b, groups/tp * (heads_per_group + 2) * d]
         s, b, _ = qkv.shape
-        qkv = qkv.view(
-            s, b, self.num_query_groups_per_partition, self.heads_per_group + 2, self.head_dim
-        )
+        per_group = self.heads_per_group * (2 if self.output_gate else 1) + 2
+        qkv = qkv.view(s, b, self.num_query_groups_per_partition, per_group, self.head_dim)
+        gate = None
+        if self.output_gate:
+            gate, qkv = self._split_gate(qkv)
         whole = self.rotary_dim == self.head_dim and not self.rotary_interleaved
         if self.q_layernorm is None and rotary is not None and whole:
             query, key, value = KERNELS.split_rotary(qkv, *rotary, self.heads_per_group)
@@ -157,7 +166,17 @@ class SelfAttention(Attention):
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
         if self.query_scale != 1.0:
             query = query * self.query_scale
-        return self.linear_proj(self._attend(query, key, value, attention_mask))
+        context = self._attend(query, key, value, attention_mask)
+        if gate is not None:  # megatron-core's `_apply_output_gate`: the sigmoid in fp32
+            context = (context * torch.sigmoid(gate.flatten(2).float())).to(context.dtype)
+        return self.linear_proj(context)
+
+    def _split_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, b, groups, (2 heads_per_group + 2), d] -> the gate [s, b, heads, d] (heads of a
+        group adjacent, as the queries), and [q..., k, v] per group as without a gate."""
+        per_group = self.heads_per_group
+        query, gate, key_value = qkv.split([per_group, per_group, 2], dim=3)
+        return gate.flatten(2, 3), torch.cat((query, key_value), dim=3)
 
     def linear_layers(self) -> list[nn.Module]:
         """The layer's linear layers (those FP8 runs: model/fp8.py)."""

@@ -3,9 +3,10 @@
 
 `TransformerLayer` never names its parts: it asks its `LayerSpec` for the self-attention, the
 MLP and the norms. A new variant is a new module and one line in `layer_spec`: the layers
---moe-layer-freq picks take the mixture-of-experts MLP (`moe_mlp`) instead of `mlp`; under
-context parallelism `self_attention` is built with the core attention that spans the CP ranks;
-the layer itself does not change. Every
+--moe-layer-freq picks take the mixture-of-experts MLP (`moe_mlp`) instead of `mlp`, those
+--linear-attention-freq picks a gated delta net (`linear_attention`) instead of
+`self_attention`; under context parallelism `self_attention` is built with the core attention
+that spans the CP ranks; the layer itself does not change. Every
 factory takes the model config, the parallel context and the two init methods (the norm: the
 config, its size and whether its gradient is partial over TP), so a part reads its options
 from the config, not from threaded keywords.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from threefold.config import ModelConfig
 from threefold.model.attention import SelfAttention, context_parallel
+from threefold.model.gated_delta_net import GatedDeltaNet
 from threefold.model.mla import MLASelfAttention
 from threefold.model.mlp import MLP
 from threefold.model.moe import MoELayer
@@ -33,18 +35,30 @@ class LayerSpec:
     norm: Callable = build_norm  # (config, size, partial_grads) -> module
     moe_mlp: Callable = MoELayer  # as `mlp`, for the layers in `moe_layers`
     moe_layers: frozenset[int] = frozenset()  # 1-based global layer numbers
+    linear_attention: Callable = GatedDeltaNet  # as `self_attention`, for `linear_layers`
+    linear_layers: frozenset[int] = frozenset()  # 1-based global layer numbers
 
     def mlp_of(self, layer_number: int) -> Callable:
         return self.moe_mlp if layer_number in self.moe_layers else self.mlp
+
+    def attention_of(self, layer_number: int) -> Callable:
+        return self.linear_attention if layer_number in self.linear_layers else self.self_attention
 
 
 def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
     """The parts a model config and layout ask for: the GPT layer, its attention multi-latent
     with --multi-latent-attention, its core attention spanning the context-parallel ranks when
     the sequence is split over them, its MLP a mixture of experts in the layers
-    --moe-layer-freq picks."""
-    pattern = config.moe_layer_pattern(config.num_layers)
-    parts = {"moe_layers": frozenset(i + 1 for i, moe in enumerate(pattern) if moe)}
+    --moe-layer-freq picks, its attention a gated delta net in those --linear-attention-freq
+    picks."""
+
+    def layers(pattern: list[int]) -> frozenset[int]:
+        return frozenset(i + 1 for i, chosen in enumerate(pattern) if chosen)
+
+    parts = {
+        "moe_layers": layers(config.moe_layer_pattern(config.num_layers)),
+        "linear_layers": layers(config.linear_attention_pattern(config.num_layers)),
+    }
     attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
     if parallel.cp.size > 1:
         attention = functools.partial(attention, core_attention=context_parallel)

@@ -46,7 +46,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.input_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
-        self.self_attention = spec.self_attention(
+        self.self_attention = spec.attention_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
         self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)

@@ -10,8 +10,10 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
   the k experts a token is routed to (expert size f_e), the shared expert (size f_s) and the
   router 2 h E: active parameters only, as Megatron counts them;
 and the output layer 2 h V. Multi-latent attention's projections are counted as Megatron-LM
-counts them (`_mla_flops_per_token`), and so are multi-token prediction's depths (a layer
-each, its norms and projection, its logits). See docs/performance.md for the derivation and MFU.
+counts them (`_mla_flops_per_token`), and so are gated delta net layers
+(`gated_delta_net_flops_per_token`), --attention-output-gate's gate projection (2 h^2 more
+for QKV) and multi-token prediction's depths (a layer each, its norms and projection, its
+logits). See docs/performance.md for the derivation and MFU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def training_flops_per_iteration(
     if config.multi_latent_attention:
         qkv, projection = _mla_flops_per_token(config)
     else:
-        qkv = 2 * h * d * (heads + 2 * groups)
+        gate = heads if config.attention_output_gate else 0
+        qkv = 2 * h * d * (heads + 2 * groups + gate)
         projection = 2 * d * heads * h
     per_size = 2 * (3 if config.swiglu else 2) * h  # FLOPs per unit of MLP hidden size
     dense = per_size * f
@@ -40,8 +43,13 @@ def training_flops_per_iteration(
         moe = per_size * (routed + shared) + 2 * h * config.num_experts
     depths = config.mtp_num_layers or 0
     per_token_forward = 0
-    for is_moe in config.layer_pattern_with_mtp():
-        per_token_forward += qkv + projection + attention + (moe if is_moe else dense)
+    linear = config.linear_attention_pattern(config.num_layers)
+    for layer, is_moe in enumerate(config.layer_pattern_with_mtp()):
+        if layer < len(linear) and linear[layer]:
+            per_token_forward += gated_delta_net_flops_per_token(config)
+        else:
+            per_token_forward += qkv + projection + attention
+        per_token_forward += moe if is_moe else dense
     # Each MTP depth's norms (Megatron-LM counts 3h multiply-adds) and projection [2h -> h],
     # and every depth's logits beside the main ones.
     per_token_forward += depths * 2 * (3 * h + 2 * h * h)
@@ -56,6 +64,16 @@ def attention_flops_per_token(config: ModelConfig) -> int:
     if config.multi_latent_attention:
         return 2 * s * heads * (config.q_head_dim + config.v_head_dim)
     return 2 * 2 * s * config.kv_channels * heads
+
+
+def gated_delta_net_flops_per_token(config: ModelConfig) -> int:
+    """A gated delta net layer's forward FLOPs per token, as Megatron-LM counts them: its
+    projections, the convolution, and 4 d_v^2 per value head for the rule's products."""
+    h, d_v, heads = config.hidden_size, config.linear_value_head_dim, config.linear_num_value_heads
+    qk, v = config.linear_num_key_heads * config.linear_key_head_dim, heads * d_v
+    in_proj = h * (2 * qk + 2 * v + 2 * heads)
+    conv = config.linear_conv_kernel_dim * (2 * qk + v)
+    return 2 * (in_proj + conv + 4 * heads * d_v * d_v + h * v)
 
 
 def _mla_flops_per_token(config: ModelConfig) -> tuple[int, int]:

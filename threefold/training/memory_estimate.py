@@ -40,14 +40,18 @@ def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
 
 
 def _layer_parameters(
-    model: ModelConfig, tp: int, moe: bool = False, ep: int = 1, etp: int = 1
+    model: ModelConfig, tp: int, moe: bool = False, ep: int = 1, etp: int = 1, linear: bool = False
 ) -> int:
     """One transformer layer's parameters on one TP rank; an MoE layer's MLP is its router,
-    its experts divided over EP (split inside over expert TP) and its shared expert over TP."""
+    its experts divided over EP (split inside over expert TP) and its shared expert over TP
+    (with its gate); a `linear` layer's attention is a gated delta net."""
     h, d = model.hidden_size, model.kv_channels
-    qkv = d * (model.num_attention_heads + 2 * model.num_query_groups)
+    gate = d * model.num_attention_heads if model.attention_output_gate else 0
+    qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    if model.multi_latent_attention:
+    if linear:
+        count = _gdn_parameters(model, tp) + 2 * norm
+    elif model.multi_latent_attention:
         count = _mla_parameters(model, tp) + 2 * norm
     else:
         count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
@@ -56,8 +60,11 @@ def _layer_parameters(
         count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
         if model.moe_shared_expert_intermediate_size:
             count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
+            count += h if model.moe_shared_expert_gate else 0
     else:
         count += _mlp_parameters(model, model.ffn_hidden_size, tp)
+    if linear:
+        return count
     if model.multi_latent_attention:
         return count + (h if model.add_bias_linear else 0)
     if model.qk_layernorm:
@@ -66,6 +73,36 @@ def _layer_parameters(
         count += qkv // tp + h
     elif model.add_qkv_bias:
         count += qkv // tp
+    return count
+
+
+def _gdn_sizes(model: ModelConfig) -> tuple[int, int, int]:
+    """A gated delta net's (query/key, value, value heads) sizes over all heads."""
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    return (
+        qk,
+        model.linear_num_value_heads * model.linear_value_head_dim,
+        model.linear_num_value_heads,
+    )
+
+
+def _gdn_weights(model: ModelConfig, tp: int) -> int:
+    """A gated delta net's in_proj and out_proj weight elements on one TP rank."""
+    qk, v, heads = _gdn_sizes(model)
+    return model.hidden_size * (2 * qk + 3 * v + 2 * heads) // tp
+
+
+def _gdn_parameters(model: ModelConfig, tp: int) -> int:
+    """A gated delta net's parameters on one TP rank (model/gated_delta_net.py): its
+    projections, the convolution over q, k and v, A_log and dt_bias per value head (all split
+    by heads), and its output norm over a value head."""
+    qk, v, heads = _gdn_sizes(model)
+    count = (
+        _gdn_weights(model, tp) + ((2 * qk + v) * model.linear_conv_kernel_dim + 2 * heads) // tp
+    )
+    count += model.linear_value_head_dim * (2 if model.normalization == "LayerNorm" else 1)
+    if model.add_bias_linear:
+        count += (2 * qk + 2 * v + 2 * heads) // tp + model.hidden_size
     return count
 
 
@@ -119,11 +156,13 @@ def _mlp_weights(model: ModelConfig, f: int, tp: int) -> int:
 
 def stage_fp8_weights(config: Config, stage: int) -> int:
     """The weight elements of the FP8 linear layers one rank of stage `stage` holds: attention's
-    QKV and projection, dense MLPs' and shared experts' fc1 and fc2, and under rowwise scaling
+    QKV and projection (a gated delta net's in_proj and out_proj), dense MLPs' and shared
+    experts' fc1 and fc2, and under rowwise scaling
     the experts' (model/fp8.py)."""
     model, parallel = config.model, config.parallel
     tp, h, d = parallel.tensor_model_parallel_size, model.hidden_size, model.kv_channels
-    attention = h * d * (2 * model.num_attention_heads + 2 * model.num_query_groups) // tp
+    gate = model.num_attention_heads if model.attention_output_gate else 0
+    attention = h * d * (2 * model.num_attention_heads + 2 * model.num_query_groups + gate) // tp
     if model.multi_latent_attention:
         attention = _mla_weights(model, tp)
     mlp = _mlp_weights(model, model.ffn_hidden_size, tp)
@@ -133,8 +172,9 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
         etp = parallel.expert_tensor_parallel_size
         moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp)
     pattern = model.moe_layer_pattern(model.num_layers)
+    linear = model.linear_attention_pattern(model.num_layers)
     count = sum(
-        attention + (moe if pattern[layer] else mlp)
+        (_gdn_weights(model, tp) if linear[layer] else attention) + (moe if pattern[layer] else mlp)
         for layer in _stage_layers(model, parallel, stage)
         if fp8_layer(config, layer)
     )
@@ -152,9 +192,10 @@ def stage_parameters(
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     h = model.hidden_size
     pattern = model.moe_layer_pattern(model.num_layers)
+    linear = model.linear_attention_pattern(model.num_layers)
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     count = sum(
-        _layer_parameters(model, tp, bool(pattern[layer]), ep, etp)
+        _layer_parameters(model, tp, bool(pattern[layer]), ep, etp, bool(linear[layer]))
         for layer in _stage_layers(model, parallel, stage)
     )
     embedding = padded_vocab * h // tp
@@ -206,7 +247,7 @@ def _word_tables(
 
 def parameter_count(model: ModelConfig, padded_vocab: int) -> int:
     """The whole model's parameters (a tied output layer counted once)."""
-    return stage_parameters(model, ParallelConfig(), padded_vocab, 0)
+    return stage_parameters(model, ParallelConfig(expert_tensor_parallel_size=1), padded_vocab, 0)
 
 
 def _bytes_per_parameter(

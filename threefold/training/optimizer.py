@@ -19,7 +19,8 @@ under FSDP).
 gradients go to the CPU and updated weights come back every step (DeepSpeed's ZeRO-Offload).
 
 Weight decay applies to matrices only: biases and norm weights (1-D) are excluded, as in
-Megatron. With --decoupled-lr the word embeddings and the output layer form groups of their own,
+Megatron (with --apply-wd-to-qk-layernorm the query and key norms decay too, Qwen3-Next's
+rule). With --decoupled-lr the word embeddings and the output layer form groups of their own,
 which the scheduler gives --decoupled-lr / --decoupled-min-lr. Under --optimizer muon the weight
 matrices are Muon's (training/muon.py), in the same schedule, and AdamW steps the rest.
 """
@@ -74,6 +75,13 @@ def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
     return tensor
 
 
+def _decays(name: str, param: nn.Parameter, config: TrainingConfig) -> bool:
+    """Whether weight decay applies: to matrices, and with --apply-wd-to-qk-layernorm to the
+    query and key norms (megatron-core's name test: `q_layernorm.` or `k_layernorm.`)."""
+    qk_norm = "q_layernorm." in name or "k_layernorm." in name
+    return param.dim() > 1 or (config.apply_wd_to_qk_layernorm and qk_norm)
+
+
 @dataclass
 class _Piece:
     """The part [start, end) of a flattened model parameter that an fp32 master stands for."""
@@ -119,6 +127,7 @@ class _AdamWithMasters:
             if config.decoupled_lr is not None
             else set()
         )
+        decays = {param for name, param in named_parameters if _decays(name, param, config)}
         groups = []
         scales = sorted(set(lr_scales.values()) | {1.0})
         for is_decoupled, decay, scale in itertools.product((False, True), (True, False), scales):
@@ -126,7 +135,7 @@ class _AdamWithMasters:
                 p.master
                 for p in pieces
                 if (p.param in decoupled) == is_decoupled
-                and (p.param.dim() > 1) == decay
+                and (p.param in decays) == decay
                 and p.param not in matrices
                 and lr_scales.get(p.param, 1.0) == scale
             ]

@@ -271,6 +271,20 @@ class Adapter:
                 f"{self.architecture} has no muP multipliers: this --use-mup model scales its "
                 "logits, embeddings or attention scores, which the export would lose"
             )
+        gated = [
+            flag
+            for flag, given in (
+                ("--experimental-attention-variant", config.gated_delta_net),
+                ("--attention-output-gate", config.attention_output_gate),
+                ("--moe-shared-expert-gate", config.moe_shared_expert_gate),
+            )
+            if given
+        ]
+        if gated:
+            raise ConfigError(
+                f"{self.architecture} has no gated delta nets or gates ({' '.join(gated)}); "
+                "this model is Qwen3-Next's kind, which threefold does not export"
+            )
         if config.squared_relu:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "

@@ -17,6 +17,7 @@ micro-batches until `take_statistics`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
@@ -26,7 +27,7 @@ from threefold.model.moe.router import TopKRouter
 from threefold.model.recompute import checkpoint, is_recomputing
 from threefold.parallel.expert_parallel import build_dispatcher
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.tensor_parallel.sharding import InitMethod
+from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
 
 
 class _AttachLosses(torch.autograd.Function):
@@ -42,6 +43,43 @@ class _AttachLosses(torch.autograd.Function):
     def backward(ctx, grad):
         scales = [torch.full((), ctx.scale, dtype=d, device=v) for d, v in ctx.like]
         return grad, None, *scales
+
+
+class SharedExpertMLP(MLP):
+    """The shared expert every token passes through: an MLP of
+    --moe-shared-expert-intermediate-size, with --moe-shared-expert-gate its output scaled per
+    token by sigmoid(x . gate_weight) (Qwen2-MoE's and Qwen3-Next's gate, megatron-core's
+    `gate_weight`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
+        super().__init__(
+            config,
+            parallel,
+            init_method,
+            output_layer_init_method,
+            ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+        )
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            # Each rank gates its own tokens: under sequence parallelism its slice of the
+            # sequence, the weight's gradient then summed over TP.
+            self.gate_weight = mark_replicated(
+                nn.Parameter(torch.empty(1, config.hidden_size)),
+                init_method,
+                partial_grads=parallel.sequence_parallel,
+            )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = super().forward(hidden_states)
+        if self.gate_weight is None:
+            return output
+        return output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))
 
 
 class MoELayer(nn.Module):
@@ -63,12 +101,8 @@ class MoELayer(nn.Module):
         )
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
-            self.shared_experts = MLP(
-                config,
-                parallel,
-                init_method,
-                output_layer_init_method,
-                ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+            self.shared_experts = SharedExpertMLP(
+                config, parallel, init_method, output_layer_init_method
             )
         self.recompute_shared_experts = config.recomputes("shared_experts")
         self.coefficients = {

@@ -190,8 +190,9 @@ class ColumnParallelLinear(nn.Module):
     The input is replicated on every TP rank (or, with sequence parallelism, all-gathered along
     the sequence); the output stays split unless `gather_output`. `partition_stride` > 1 means
     the full output is `stride` stacked blocks, each split separately (SwiGLU's [gate; up], so
-    every rank holds matching gate and up columns). `forward(x, weight=...)` uses a weight owned
-    by another module: the output layer tied to the word embeddings.
+    every rank holds matching gate and up columns); `partition_sizes` the same for blocks of
+    unequal sizes. `forward(x, weight=...)` uses a weight owned by another module: the output
+    layer tied to the word embeddings.
     """
 
     def __init__(
@@ -206,6 +207,7 @@ class ColumnParallelLinear(nn.Module):
         partition_stride: int = 1,
         skip_weight_param: bool = False,
         valid_output_size: int | None = None,
+        partition_sizes: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.tp = parallel.tp
@@ -228,6 +230,7 @@ class ColumnParallelLinear(nn.Module):
                 master_shape=(output_size, input_size),
                 partition_stride=partition_stride,
                 valid_rows=valid_output_size,
+                partition_sizes=partition_sizes,
             )
         if bias:
             self.bias = mark_tensor_parallel(
@@ -236,6 +239,7 @@ class ColumnParallelLinear(nn.Module):
                 init_method=constant_init(0.0),
                 master_shape=(output_size,),
                 partition_stride=partition_stride,
+                partition_sizes=partition_sizes,
             )
         else:
             self.register_parameter("bias", None)

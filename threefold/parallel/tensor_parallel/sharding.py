@@ -9,6 +9,9 @@ one place they are written down; the only code that sets them is below, the TP l
     partition_dim          int        the split dimension (TP parameters only)
     partition_stride       int        > 1: the full tensor is `stride` stacked blocks, each split
                                       separately (SwiGLU's [gate; up])
+    partition_sizes        tuple|None the same for stacked blocks of unequal sizes (the gated
+                                      delta net's [q; k; v; z; beta; alpha] projection): each
+                                      block's size in the full tensor
     master_shape           tuple      the full tensor's shape on one device (vocabulary padded)
     valid_rows             int|None   rows of the full tensor that are real (the rest: padding)
     init_method            callable   init_method(full tensor, generator)
@@ -43,6 +46,7 @@ PARAMETER_ATTRIBUTES = (
     "tensor_model_parallel",
     "partition_dim",
     "partition_stride",
+    "partition_sizes",
     "master_shape",
     "valid_rows",
     "init_method",
@@ -116,10 +120,12 @@ def mark_tensor_parallel(
     master_shape: tuple[int, ...],
     partition_stride: int = 1,
     valid_rows: int | None = None,
+    partition_sizes: tuple[int, ...] | None = None,
 ) -> torch.nn.Parameter:
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = partition_stride
+    param.partition_sizes = partition_sizes
     param.master_shape = tuple(master_shape)
     param.valid_rows = master_shape[0] if valid_rows is None else valid_rows
     param.init_method = init_method
@@ -127,12 +133,21 @@ def mark_tensor_parallel(
     return param
 
 
+def _blocks(tensor: torch.Tensor, param: torch.nn.Parameter, parts: int) -> tuple:
+    """The stacked blocks that are split separately, cut from the full tensor (`parts` 1) or
+    from one of `parts` shards."""
+    sizes = getattr(param, "partition_sizes", None)
+    if sizes is None:
+        return tensor.chunk(param.partition_stride, dim=param.partition_dim)
+    return tensor.split([size // parts for size in sizes], dim=param.partition_dim)
+
+
 def shard_of(full: torch.Tensor, param: torch.nn.Parameter, rank: int, world: int) -> torch.Tensor:
     """This rank's slice of a full tensor, following the parameter's partitioning."""
     if not getattr(param, "tensor_model_parallel", False) or world == 1:
         return full
-    dim, stride = param.partition_dim, param.partition_stride
-    blocks = full.chunk(stride, dim=dim)
+    dim = param.partition_dim
+    blocks = _blocks(full, param, 1)
     return torch.cat([block.chunk(world, dim=dim)[rank] for block in blocks], dim=dim)
 
 
@@ -140,9 +155,9 @@ def unshard(shards: list[torch.Tensor], param: torch.nn.Parameter) -> torch.Tens
     """Inverse of `shard_of`: the full tensor from every rank's shard, in rank order."""
     if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
         return shards[0]
-    dim, stride = param.partition_dim, param.partition_stride
-    per_rank_blocks = [shard.chunk(stride, dim=dim) for shard in shards]
-    blocks = [torch.cat([blocks[i] for blocks in per_rank_blocks], dim=dim) for i in range(stride)]
+    dim = param.partition_dim
+    per_rank_blocks = [_blocks(shard, param, len(shards)) for shard in shards]
+    blocks = [torch.cat(rank_blocks, dim=dim) for rank_blocks in zip(*per_rank_blocks)]
     return torch.cat(blocks, dim=dim)
 
 

@@ -1,0 +1,168 @@
+"""Gated DeltaNet, the linear attention of a hybrid model's other layers (megatron-core's
+`GatedDeltaNet`; Qwen3-Next), in place of a layer's self-attention:
+
+    hidden ─ in_proj ─┬─ q, k, v ─ causal conv1d ─ SiLU ─ q, k L2-normed ─┐
+                      ├─ beta ─ sigmoid (write strength) ─────────────────┤ gated delta rule
+                      ├─ alpha ─ -exp(A_log) softplus(alpha + dt_bias) ───┘ (kernels/)
+                      └─ z ─────────────────── out_norm(per head) x SiLU(z) ─ out_proj
+
+`in_proj` holds megatron-core's sections [q; k; v; z; beta; alpha] in its full weight; each
+is split over the TP ranks by heads (`partition_sizes`), so every rank projects, convolves and
+runs the rule for its own heads, as attention does, and `out_proj` is row-parallel. A
+query/key head serves --linear-num-value-heads / --linear-num-key-heads value heads. Like
+megatron-core it ignores the attention mask: the rule is causal by construction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from threefold.config import ModelConfig
+from threefold.kernels.gated_delta_rule import chunk_gated_delta_rule
+from threefold.model.norms import build_norm
+from threefold.model.recompute import OutputDiscardingCheckpoint
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.tensor_parallel.sharding import (
+    InitMethod,
+    constant_init,
+    mark_tensor_parallel,
+)
+
+# megatron-core's A_init_range: the decay rates exp(A_log) start uniform in [1, 16]
+A_INIT_RANGE = (1.0, 16.0)
+
+
+def _log_uniform_init(low: float, high: float) -> InitMethod:
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.uniform_(low, high, generator=generator).log_()
+
+    return init
+
+
+def _uniform_init(bound: float) -> InitMethod:
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.uniform_(-bound, bound, generator=generator)
+
+    return init
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the head dimension (FLA's l2norm, megatron-core's), in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelContext,
+        init_method: InitMethod,
+        output_layer_init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        tp = parallel.tp.size
+        self.key_head_dim, self.value_head_dim = (
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
+        self.key_heads = config.linear_num_key_heads // tp
+        self.value_heads = config.linear_num_value_heads // tp
+        qk = config.linear_num_key_heads * self.key_head_dim
+        v = config.linear_num_value_heads * self.value_head_dim
+        heads = config.linear_num_value_heads
+        sections = (qk, qk, v, v, heads, heads)
+        self.local_sections = [size // tp for size in sections]
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size,
+            sum(sections),
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=init_method,
+            partition_sizes=sections,
+        )
+        # A depthwise causal convolution over q, k and v; PyTorch's default Conv1d init (a
+        # bound of 1/sqrt(fan_in)), which megatron-core keeps.
+        kernel = config.linear_conv_kernel_dim
+        conv = (qk, qk, v)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(sum(conv) // tp, 1, kernel)),
+            partition_dim=0,
+            init_method=_uniform_init(1 / math.sqrt(kernel)),
+            master_shape=(sum(conv), 1, kernel),
+            partition_sizes=conv,
+        )
+        self.A_log = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.value_heads)),
+            partition_dim=0,
+            init_method=_log_uniform_init(*A_INIT_RANGE),
+            master_shape=(heads,),
+        )
+        self.dt_bias = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.value_heads)),
+            partition_dim=0,
+            init_method=constant_init(1.0),
+            master_shape=(heads,),
+        )
+        # Over each value head: a rank sees its heads' share of the gradient.
+        self.out_norm = build_norm(config, self.value_head_dim, partial_grads=True)
+        self.out_proj = RowParallelLinear(
+            v,
+            config.hidden_size,
+            parallel=parallel,
+            bias=config.add_bias_linear,
+            init_method=output_layer_init_method,
+        )
+        self.recompute_norm_out = config.recomputes("gdn_norm_out")
+
+    def linear_layers(self) -> list[nn.Module]:
+        """The layer's linear layers (those FP8 runs: model/fp8.py)."""
+        return [self.in_proj, self.out_proj]
+
+    def _convolved(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[s, b, channels] -> SiLU(causal depthwise convolution) as [b, s, channels]."""
+        s = qkv.shape[0]
+        weight = self.conv1d.weight
+        x = F.conv1d(
+            qkv.permute(1, 2, 0), weight, padding=weight.shape[-1] - 1, groups=weight.shape[0]
+        )
+        return F.silu(x[..., :s]).transpose(1, 2)
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_norm(core) x SiLU(z) per value head, [b, s, heads, d] -> [s, b, heads * d]."""
+        gated = (self.out_norm(core) * F.silu(z.float())).to(core.dtype)
+        return gated.flatten(2).transpose(0, 1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        del rotary, attention_mask  # no positions: the convolution and the rule are causal
+        projected = self.in_proj(hidden_states)  # [s, b, local sections]
+        s, b, _ = projected.shape
+        q, k, v, z, beta, alpha = projected.split(self.local_sections, dim=-1)
+        q, k, v = self._convolved(torch.cat((q, k, v), dim=-1)).split(
+            self.local_sections[:3], dim=-1
+        )
+        q = l2_normalized(q.unflatten(-1, (self.key_heads, self.key_head_dim)))
+        k = l2_normalized(k.unflatten(-1, (self.key_heads, self.key_head_dim)))
+        group = self.value_heads // self.key_heads
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        v = v.unflatten(-1, (self.value_heads, self.value_head_dim))
+        # per value head: log decay g <= 0 and write strength, in fp32, [b, s, heads]
+        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+        g, beta = g.transpose(0, 1), beta.float().sigmoid().transpose(0, 1)
+        core = chunk_gated_delta_rule(q, k, v, g, beta).to(hidden_states.dtype)
+        z = z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_head_dim))
+        norm = OutputDiscardingCheckpoint(self.recompute_norm_out and self.training)
+        output = self.out_proj(norm.checkpoint(self._gated_norm, core, z))
+        norm.discard_output_and_register_recompute(output)
+        return output
