@@ -259,6 +259,8 @@ MISSING = {
 MISSING_CHOICES = {
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
     ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",
+    ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
+    ("--experimental-attention-variant", "gdn2"): "Gated DeltaNet 2 (megatron-core's GDN2)",
 }
 
 
