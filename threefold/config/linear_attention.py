@@ -102,6 +102,11 @@ class LinearAttentionConfig:
             )
         else:
             _require(
+                self.experimental_attention_variant in GATED_DELTA_NET,
+                f"--experimental-attention-variant {self.experimental_attention_variant}: "
+                "threefold builds gated_delta_net (gdn) only",
+            )
+            _require(
                 self.linear_attention_freq is not None,
                 "--experimental-attention-variant gated_delta_net needs --linear-attention-freq "
                 "(N, or a pattern of 1 for linear and 0 for standard attention per layer)",

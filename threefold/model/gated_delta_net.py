@@ -10,7 +10,8 @@
 is split over the TP ranks by heads (`partition_sizes`), so every rank projects, convolves and
 runs the rule for its own heads, as attention does, and `out_proj` is row-parallel. A
 query/key head serves --linear-num-value-heads / --linear-num-key-heads value heads. Like
-megatron-core it ignores the attention mask: the rule is causal by construction.
+megatron-core it ignores the attention mask (the rule is causal by construction) and has no
+biases, whatever --disable-bias-linear says.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class GatedDeltaNet(nn.Module):
             config.hidden_size,
             sum(sections),
             parallel=parallel,
-            bias=config.add_bias_linear,
+            bias=False,
             init_method=init_method,
             partition_sizes=sections,
         )
@@ -116,7 +117,7 @@ class GatedDeltaNet(nn.Module):
             v,
             config.hidden_size,
             parallel=parallel,
-            bias=config.add_bias_linear,
+            bias=False,
             init_method=output_layer_init_method,
         )
         self.recompute_norm_out = config.recomputes("gdn_norm_out")

@@ -95,15 +95,12 @@ def _gdn_weights(model: ModelConfig, tp: int) -> int:
 def _gdn_parameters(model: ModelConfig, tp: int) -> int:
     """A gated delta net's parameters on one TP rank (model/gated_delta_net.py): its
     projections, the convolution over q, k and v, A_log and dt_bias per value head (all split
-    by heads), and its output norm over a value head."""
+    by heads), and its output norm over a value head; no biases."""
     qk, v, heads = _gdn_sizes(model)
     count = (
         _gdn_weights(model, tp) + ((2 * qk + v) * model.linear_conv_kernel_dim + 2 * heads) // tp
     )
-    count += model.linear_value_head_dim * (2 if model.normalization == "LayerNorm" else 1)
-    if model.add_bias_linear:
-        count += (2 * qk + 2 * v + 2 * heads) // tp + model.hidden_size
-    return count
+    return count + model.linear_value_head_dim * (2 if model.normalization == "LayerNorm" else 1)
 
 
 def _mla_weights(model: ModelConfig, tp: int) -> int:

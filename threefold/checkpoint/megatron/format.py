@@ -42,7 +42,6 @@ _TOKENIZERS = {
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
-    ("moe_shared_expert_gate", False, "a gated shared expert (--moe-shared-expert-gate)"),
     ("moe_apply_probs_on_input", False, "routing weights on the experts' input"),
     ("moe_latent_size", None, "latent experts (--moe-latent-size)"),
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
@@ -83,8 +82,9 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
-    if "moe_layer_freq" in model:  # Megatron-LM's args hold the parsed N or [0, 1, ...]
-        model["moe_layer_freq"] = str(model["moe_layer_freq"]).replace(" ", "")
+    for name in ("moe_layer_freq", "linear_attention_freq"):
+        if name in model:  # Megatron-LM's args hold the parsed N or [0, 1, ...]
+            model[name] = str(model[name]).replace(" ", "")
     balancing = model.get("moe_router_load_balancing_type")
     if isinstance(balancing, list) and len(balancing) == 1:  # megatron-core's list form
         (model["moe_router_load_balancing_type"],) = balancing
@@ -186,6 +186,16 @@ def moe_layer_freq(model: ModelConfig) -> int | list[int]:
     return model.moe_layer_pattern(model.num_layers)
 
 
+def linear_attention_freq(model: ModelConfig) -> int | list[int] | None:
+    """--linear-attention-freq as Megatron-LM's args hold it (None without gated delta nets).
+    megatron-core keeps the layers of a checkpoint per layer for a list, or N other than 1."""
+    if not model.gated_delta_net:
+        return None
+    if model.linear_attention_freq.strip().isdigit():
+        return int(model.linear_attention_freq)
+    return model.linear_attention_pattern(model.num_layers)
+
+
 def megatron_args(config: Config, iteration: int) -> dict:
     """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
     field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read."""
@@ -203,6 +213,7 @@ def megatron_args(config: Config, iteration: int) -> dict:
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
         apply_query_key_layer_scaling=False,
         moe_layer_freq=moe_layer_freq(model),
+        linear_attention_freq=linear_attention_freq(model),
         vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size(1),
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,

@@ -26,10 +26,11 @@ from threefold.checkpoint.manifest import write_integrity
 from threefold.checkpoint.megatron.format import (
     BACKEND,
     CHECKPOINT_VERSION,
+    linear_attention_freq,
     megatron_args,
     moe_layer_freq,
 )
-from threefold.checkpoint.megatron.tensors import stacked_state_dict
+from threefold.checkpoint.megatron.tensors import SECTIONS, stacked_state_dict
 from threefold.config import Config, ConfigError
 
 
@@ -64,8 +65,18 @@ def save_megatron_checkpoint(
                 [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
             )
         state[name] = tensor.contiguous()
-    stacked = moe_layer_freq(model) == 1  # as megatron-core stores such a model's layers
-    state = stacked_state_dict(state, model.num_layers, model.multi_latent_attention, stacked)
+    # as megatron-core stores such a model's layers
+    stacked = moe_layer_freq(model) == 1 and linear_attention_freq(model) in (None, 1)
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    v, heads = (
+        model.linear_num_value_heads * model.linear_value_head_dim,
+        model.linear_num_value_heads,
+    )
+    # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows
+    sections = dict(zip(SECTIONS, ([qk, qk, v, v, heads, heads], [qk, qk, v])))
+    state = stacked_state_dict(
+        state, model.num_layers, model.multi_latent_attention, stacked, sections
+    )
     args = megatron_args(config, iteration)
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = padded

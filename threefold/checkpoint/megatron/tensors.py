@@ -13,7 +13,11 @@ which read as well). A mixture of experts' layer holds its experts as one tensor
 megatron-core keeps each layer's tensors apart, `decoder.layers.{i}.X`, not stacked. The global
 tensors are layout-free:
 QKV is per query group `[q..., k, v]` and SwiGLU's fc1 `[gate; up]`, both as in threefold's
-whole model, and the embedding keeps the saving run's vocabulary padding.
+whole model, and the embedding keeps the saving run's vocabulary padding. A gated delta net's
+projection and convolution are stored a section at a time, `in_proj.weight.query` ...
+`.alpha` and `conv1d.weight.query` ... `.value` (megatron-core's `_split_tensor_factory`;
+`SECTIONS`), whose concatenation is threefold's whole tensor, and its input norm under
+Transformer Engine's name for the norm fused into in_proj.
 
 Reading takes one layer's (and expert's) slice at a time out of the stacked tensors (a load
 plan for just that chunk), so a rank never holds more than one parameter of the whole model
@@ -45,7 +49,7 @@ from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # megatron-core's linear layers in the transformer layers, and MTP's projection
-_LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj)$")
+_LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj|in_proj|out_proj)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron-core's local spec stores its norms under Transformer Engine's names.
@@ -63,9 +67,19 @@ _TE_MLA_NAMES = {
 }
 
 
-def _renamed(rest: str, multi_latent_attention: bool) -> str:
+# A gated delta net layer's (Megatron-LM's spec fuses its input norm into in_proj)
+_TE_GDN_NAMES = {**_TE_NAMES, "input_layernorm.": "self_attention.in_proj.layer_norm_"}
+# megatron-core's sections of a gated delta net's tensors, in threefold's order along rows
+SECTIONS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+}
+
+
+def _renamed(rest: str, multi_latent_attention: bool, gated_delta_net: bool = False) -> str:
     """A layer's parameter name under megatron-core's names for its norms."""
-    for local, te in (_TE_MLA_NAMES if multi_latent_attention else _TE_NAMES).items():
+    names = _TE_GDN_NAMES if gated_delta_net else _TE_NAMES
+    for local, te in (_TE_MLA_NAMES if multi_latent_attention else names).items():
         if rest.startswith(local):
             return te + rest[len(local) :]
     return rest
@@ -104,17 +118,23 @@ def _split(name: str) -> _Split | None:
 
 
 def megatron_key(
-    name: str, multi_latent_attention: bool = False, stacked: bool = True, renamed: bool = True
+    name: str,
+    multi_latent_attention: bool = False,
+    stacked: bool = True,
+    renamed: bool = True,
+    gated_delta_net: bool = False,
 ) -> tuple[str, tuple[int, ...]]:
     """(megatron-core's key of a threefold parameter, the indices of its slice in that key's
     tensor). Stacked: `decoder.layers.X` with indices (layer,) or (layer, expert); per layer
     (models whose layers differ, and multi-token prediction layers): `decoder.layers.{layer}.X`
     (`mtp.layers.{k}.transformer_layer.X`) with () or (expert,). `renamed`: norms under the
-    fused layers' names (else threefold's own)."""
+    fused layers' names (else threefold's own); `gated_delta_net`: the layer is one."""
     split = _split(name)
     if split is None:
         return name, ()
-    rest = _renamed(split.rest, multi_latent_attention) if renamed else split.rest
+    rest = split.rest
+    if renamed:
+        rest = _renamed(rest, multi_latent_attention, gated_delta_net)
     if stacked and split.layer is not None:
         return f"decoder.layers.{rest}", (split.layer, *split.expert)
     return f"{split.prefix}.{rest}", split.expert
@@ -127,7 +147,8 @@ def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
     if split is None:
         return [(name, ())]
     found = []
-    for rest in (_renamed(split.rest, False), _renamed(split.rest, True), split.rest):
+    renamed = [_renamed(split.rest, mla, gdn) for mla, gdn in ((0, 0), (1, 0), (0, 1))]
+    for rest in (*renamed, split.rest):
         if split.layer is not None:
             found.append((f"decoder.layers.{rest}", (split.layer, *split.expert)))
         found.append((f"{split.prefix}.{rest}", split.expert))
@@ -174,22 +195,38 @@ class MegatronTensors:
         metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
 
-    def _key(self, kind: str, name: str) -> tuple[str, tuple[int, ...]] | None:
+    def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
             for key, index in _candidates(name):
-                if prefix + key in self.sizes:
+                if prefix + key + suffix in self.sizes:
                     return prefix + key, index
         return None
 
+    def _sectioned(self, kind: str, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """The key a gated delta net's tensor is stored under a section at a time."""
+        split = _split(name)
+        sections = SECTIONS.get(split.rest) if split else None
+        return self._key(kind, name, "." + sections[0]) if sections else None
+
     def has(self, kind: str, name: str) -> bool:
-        return self._key(kind, name) is not None
+        return self._key(kind, name) is not None or self._sectioned(kind, name) is not None
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of a parameter, unpadded (valid rows only), in fp32."""
         found = self._key(kind, name)
+        if found is None and self._sectioned(kind, name) is not None:
+            key, index = self._sectioned(kind, name)
+            sections = SECTIONS[_split(name).rest]
+            return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
         if found is None:
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
-        key, index = found
+        target = self._read(*found)
+        if param.dim() and param.valid_rows is not None:
+            target = target[: param.valid_rows]
+        return target
+
+    def _read(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        """The slice [index] of the stored tensor `key`, in fp32."""
         size = self.sizes[key]
         if any(i >= n for i, n in zip(index, size)):
             raise ConfigError(f"--load {self.path}: {key} holds no slice {list(index)}")
@@ -202,8 +239,6 @@ class MegatronTensors:
                 planner=_SlicePlanner({key: (index, target)}),
                 no_dist=True,
             )
-        if param.dim() and param.valid_rows is not None:
-            target = target[: param.valid_rows]
         return target
 
     def step(self) -> torch.Tensor | None:
@@ -226,11 +261,13 @@ def stacked_state_dict(
     num_layers: int,
     multi_latent_attention: bool = False,
     stacked: bool = True,
+    sections: dict[str, list[int]] | None = None,
 ) -> dict:
     """megatron-core's torch_dist state dict of a whole model given by threefold names: the
     layers stacked into one tensor per name, or (`stacked` False) kept per layer as
     megatron-core keeps them when the layers differ (--moe-layer-freq other than 1); each
-    layer's experts stacked into one [experts, ...] tensor either way."""
+    layer's experts stacked into one [experts, ...] tensor either way. `sections`: the row
+    sizes of the tensors megatron-core stores a section at a time (`SECTIONS`)."""
     state: dict = {}
     slices: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     # Modules whose (empty) `_extra_state` megatron-core's local and TE layers load as objects.
@@ -239,17 +276,27 @@ def stacked_state_dict(
     # layer's, but a module of its own in Transformer Engine's (Megatron-LM's default): it is
     # written under both names, so that either spec loads the export.
     moe_layers = {_split(name).prefix for name in tensors if ".mlp.router." in name}
+    gdn_layers = {_split(name).prefix for name in tensors if ".self_attention.in_proj." in name}
     stacked_keys = set()  # the keys of the decoder layers' stacks
     for name, tensor in tensors.items():
-        keys = [megatron_key(name, multi_latent_attention, stacked)]
         split = _split(name)
+        gdn = split is not None and split.prefix in gdn_layers
+        keys = [megatron_key(name, multi_latent_attention, stacked, gated_delta_net=gdn)]
         if split and split.rest.startswith("pre_mlp_layernorm.") and split.prefix in moe_layers:
             keys.append(megatron_key(name, multi_latent_attention, stacked, renamed=False))
-        for key, index in keys:
+        parts = [(key, index, tensor) for key, index in keys]
+        if split is not None and split.rest in SECTIONS:
+            pieces = tensor.split(sections[split.rest])
+            parts = [
+                (f"{key}.{section}", index, piece)
+                for key, index in keys
+                for section, piece in zip(SECTIONS[split.rest], pieces)
+            ]
+        for key, index, part in parts:
             if index:
-                slices.setdefault(key, {})[index] = tensor
+                slices.setdefault(key, {})[index] = part
             else:
-                state[key] = tensor
+                state[key] = part
             if stacked and split and split.layer is not None:
                 stacked_keys.add(key)
         module = keys[0][0].rsplit(".", 1)[0]
