@@ -277,3 +277,17 @@ def test_an_activation_other_than_silu_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(argv + ["--linear-attention-freq", "2"])
     assert "add --swiglu" in capsys.readouterr().err
+
+
+def test_fp8_runs_the_projections_and_trains_close_to_fp32():
+    """In FP8 the gated delta net's in_proj and out_proj are FP8 layers (their scaling state is
+    checkpointed), the convolution and the rule stay in the run's dtype."""
+    fp8 = train_job(QWEN3_NEXT + ["--fp8-format", "hybrid"], 3)
+    names = " ".join(fp8["fp8"])
+    assert (
+        "layers.0.self_attention.in_proj" in names and "layers.0.self_attention.out_proj" in names
+    )
+    assert "conv1d" not in names
+    reference = train_job(QWEN3_NEXT, 3)
+    for ours, theirs in zip(fp8["losses"], reference["losses"]):
+        assert abs(ours - theirs) < 1e-3 * theirs

@@ -280,7 +280,8 @@ def _model_with(config, model):
 @pytest.mark.parametrize(
     "change,named",
     [
-        ({"moe_shared_expert_gate": True}, "--moe-shared-expert-gate"),
+        ({"moe_latent_size": 16}, "--moe-latent-size"),
+        ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
     ],
 )

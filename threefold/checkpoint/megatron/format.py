@@ -22,6 +22,7 @@ from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
+from threefold.config.linear_attention import GATED_DELTA_NET
 from threefold.safe_loading import SafeFileSystemReader
 
 BACKEND = {
@@ -60,6 +61,12 @@ def is_megatron_checkpoint(path: str) -> bool:
 
 
 def _model_config(args: dict, source: str) -> dict:
+    variant = args.get("experimental_attention_variant")
+    if variant not in (None, *GATED_DELTA_NET):
+        raise ConfigError(
+            f"{source}: a Megatron-LM checkpoint of a model with --experimental-attention-variant "
+            f"{variant}; threefold builds gated_delta_net only"
+        )
     for name, allowed, what in _UNSUPPORTED:
         value = args.get(name)
         if value is None or value == allowed or (allowed is None and not value):
