@@ -58,8 +58,8 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-yarn, qwen2,
-    qwen3, gpt2, mistral, mixtral, qwen3-moe, deepseek-v3) with a tokenizer (`chat`: a ChatML
-    chat tokenizer)."""
+    qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3) with a tokenizer (`chat`:
+    a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -165,6 +165,30 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+    elif kind == "qwen3-next":  # gated delta nets (4 key heads of 2 value heads each, as wide
+        # as the key heads) in layers 1-3, gated attention in 4; a dense layer; RoPE on a quarter
+        config = transformers.Qwen3NextConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = transformers.Qwen3NextForCausalLM(config)
+        with torch.no_grad():  # norms away from their start, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5) if "linear_attn" not in name else param.uniform_(
+                        0.5, 1.5
+                    )
     elif kind == "deepseek-v3":  # MLA with YaRN and a temperature; a dense first layer, then
         # sigmoid routing with expert biases over 4 groups of 2 experts, 2 groups kept, scaled
         config = transformers.DeepseekV3Config(

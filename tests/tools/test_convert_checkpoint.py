@@ -1,6 +1,7 @@
 """tools/convert_checkpoint.py: HF models convert to threefold and back; the converted model
 computes what `transformers` computes, at TP=1 and TP=2 x PP=2."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ KINDS = [
     "mistral",
     "mixtral",
     "qwen3-moe",
+    "qwen3-next",
     "deepseek-v3",
 ]
 
@@ -244,8 +246,10 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
         ("qwen3-moe", []),
         # DeepSeek-V3's dense first layer and MoE layers on two pipeline stages x EP2
         ("deepseek-v3", ["--pipeline-model-parallel-size", "2"]),
+        # gated delta nets then a dense MLP on one stage, gated attention on the other, x EP2
+        ("qwen3-next", ["--pipeline-model-parallel-size", "2"]),
     ],
-    ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2"],
+    ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2", "qwen3-next-pp2"],
 )
 def test_expert_parallel_per_token_losses_match_transformers(converted, kind, layout):
     hf_model, _, ours = converted[kind]
@@ -348,7 +352,7 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
     assert abs(reported - expected) < 1e-4 * expected
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen3-next", "deepseek-v3"])
 def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, kind):
     """transformers 5 stacks the experts in memory and saves them one by one."""
     import json
@@ -418,3 +422,13 @@ def test_an_mla_model_deepseek_v3_cannot_express_is_refused(flags, named):
     config = parse_args(argv + flags).model
     with pytest.raises(ConfigError, match=re.escape(named)):
         threefold_to_hf({}, config, "DeepseekV3ForCausalLM")
+
+
+def test_a_gated_model_exports_as_qwen3_next_only(converted):
+    from threefold.checkpoint.hf import threefold_to_hf
+    from threefold.config import ConfigError
+
+    config, model, _ = load_model(converted["qwen3-next"][2], with_tokenizer=False)
+    whole_rope = dataclasses.replace(config.model, rotary_percent=1.0)
+    with pytest.raises(ConfigError, match="export this model as Qwen3NextForCausalLM"):
+        threefold_to_hf(model.state_dict(), whole_rope, "Qwen3MoeForCausalLM")

@@ -190,6 +190,11 @@ class Adapter:
     model_type: str
     exports_moe = False  # a mixture-of-experts architecture
     exports_mla = False  # multi-latent attention and DeepSeek-V3's routing (hf/deepseek.py)
+    # gated delta nets, gated attention and a gated shared expert, RoPE on part of each head
+    # (hf/qwen3_next.py)
+    exports_qwen3_next = False
+    # Its norms scale by (1 + weight), as --apply-layernorm-1p's do (Qwen3-Next's).
+    zero_centered_norms = False
     # Hugging Face tensors that carry nothing (buffers some versions save).
     ignored_suffixes = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -248,7 +253,7 @@ class Adapter:
             )
         if config.multi_latent_attention and not self.exports_mla:
             raise ConfigError(f"{self.architecture} has {NO_MLA}")
-        if config.rotary_percent != 1.0:
+        if config.rotary_percent != 1.0 and not self.exports_qwen3_next:
             raise ConfigError(
                 f"{self.architecture} turns every dimension of each head with RoPE; this "
                 f"model's --rotary-percent {config.rotary_percent} turns only some"
@@ -280,10 +285,10 @@ class Adapter:
             )
             if given
         ]
-        if gated:
+        if gated and not self.exports_qwen3_next:
             raise ConfigError(
                 f"{self.architecture} has no gated delta nets or gates ({' '.join(gated)}); "
-                "this model is Qwen3-Next's kind, which threefold does not export"
+                "export this model as Qwen3NextForCausalLM"
             )
         if config.squared_relu:
             raise ConfigError(
@@ -297,9 +302,11 @@ class Adapter:
                 "the regrouping its query and key rows get, which is not implemented)"
             )
         self.check_exportable(config)
-        if config.apply_layernorm_1p:  # Hugging Face multiplies by the weight itself
+        # Hugging Face multiplies by the weight itself (or by 1 + weight: zero_centered_norms)
+        shift = int(config.apply_layernorm_1p) - int(self.zero_centered_norms)
+        if shift:
             state = {
-                name: tensor + 1 if name.endswith("layernorm.weight") else tensor
+                name: tensor + shift if name.endswith("layernorm.weight") else tensor
                 for name, tensor in state.items()
             }
         return {

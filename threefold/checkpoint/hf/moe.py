@@ -33,6 +33,8 @@ class MoEAdapter(LlamaAdapter):
     moe_prefix: str = "mlp"  # the MoE block's name inside a layer
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     renormalizes_always: bool = True  # Mixtral; Qwen3-MoE says so in norm_topk_prob
+    # Qwen3-Next's shared expert, scaled by a sigmoid gate (hf/qwen3_next.py)
+    gated_shared_expert: ClassVar[bool] = False
 
     def model_config(self, hf: dict) -> ModelConfig:
         refuse(
@@ -42,7 +44,7 @@ class MoEAdapter(LlamaAdapter):
             "router jitter is not implemented",
         )
         refuse(
-            bool(hf.get("shared_expert_intermediate_size")),
+            bool(hf.get("shared_expert_intermediate_size")) and not self.gated_shared_expert,
             "shared_expert_intermediate_size",
             hf.get("shared_expert_intermediate_size"),
             "a gated shared expert is not implemented",
@@ -70,7 +72,10 @@ class MoEAdapter(LlamaAdapter):
                 self.renormalizes_always and config.moe_router_pre_softmax,
                 "--moe-router-pre-softmax",
             ),
-            (config.moe_shared_expert_intermediate_size, "--moe-shared-expert-intermediate-size"),
+            (
+                config.moe_shared_expert_intermediate_size and not self.gated_shared_expert,
+                "--moe-shared-expert-intermediate-size",
+            ),
             (
                 config.add_bias_linear,
                 "biases on the linear layers (train with --disable-bias-linear)",

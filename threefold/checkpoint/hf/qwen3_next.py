@@ -1,0 +1,226 @@
+"""Qwen3NextForCausalLM: Gated DeltaNet layers among gated attention ones, a mixture of experts
+with a gated shared expert (threefold's --experimental-attention-variant gated_delta_net,
+--attention-output-gate, --moe-shared-expert-gate; model/gated_delta_net.py).
+
+Hugging Face groups a gated delta net's projections by query/key head, threefold (as
+megatron-core) by section:
+
+    HF in_proj_qkvz   per key head g: [q_g; k_g; v of g's value heads; z of g's value heads]
+    HF in_proj_ba     per key head g: [beta of g's value heads; alpha of g's value heads]
+    threefold in_proj [q; k; v; z; beta; alpha], each over all heads in the same head order
+
+and its attention's q_proj holds each head's query then its gate, where threefold's linear_qkv
+holds, per query group, the group's queries, their gates, then key and value. The convolution
+(over [q; k; v]), A_log, dt_bias and out_proj map as they are. Qwen3-Next's norms scale by
+(1 + weight), --apply-layernorm-1p's: imported models take it and the weights as they are; the
+gated delta net's output norm is the exception, a plain weight in Hugging Face (threefold's
+follows --apply-layernorm-1p, as megatron-core's does). RoPE turns partial_rotary_factor of
+each head (--rotary-percent). Routing and the experts are Qwen3-MoE's (hf/moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from threefold.checkpoint.hf.common import Take, refuse
+from threefold.checkpoint.hf.moe import MoEAdapter
+from threefold.config import ConfigError, ModelConfig
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def _sizes(config: ModelConfig) -> tuple[int, int, int, int]:
+    """(key heads, value heads per key head, key head size, value head size)."""
+    keys, values = config.linear_num_key_heads, config.linear_num_value_heads
+    return keys, values // keys, config.linear_key_head_dim, config.linear_value_head_dim
+
+
+@dataclass(frozen=True)
+class Qwen3NextAdapter(MoEAdapter):
+    exports_qwen3_next: ClassVar[bool] = True
+    zero_centered_norms: ClassVar[bool] = True
+    gated_shared_expert: ClassVar[bool] = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        config = super().model_config(hf)
+        layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or [
+            LINEAR if (i + 1) % hf.get("full_attention_interval", 4) else FULL
+            for i in range(layers)
+        ]
+        refuse(set(types) - {LINEAR, FULL}, "layer_types", types, f"{LINEAR} or {FULL} only")
+        pattern = [int(kind == LINEAR) for kind in types]
+        parameters = hf.get("rope_parameters") or {}
+        partial = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        config.experimental_attention_variant = "gated_delta_net" if any(pattern) else None
+        if any(pattern):
+            config.linear_attention_freq = str(pattern).replace(" ", "")
+            for name in ("linear_conv_kernel_dim", "linear_key_head_dim"):
+                setattr(config, name, hf[name])
+            for name in ("linear_value_head_dim", "linear_num_key_heads"):
+                setattr(config, name, hf[name])
+            config.linear_num_value_heads = hf["linear_num_value_heads"]
+        config.attention_output_gate = True
+        config.apply_layernorm_1p = True
+        config.rotary_percent = float(partial)
+        config.moe_shared_expert_intermediate_size = hf["shared_expert_intermediate_size"]
+        config.moe_shared_expert_gate = True
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        problems = [
+            (not config.attention_output_gate, "attention without --attention-output-gate"),
+            (
+                not (config.moe_shared_expert_intermediate_size and config.moe_shared_expert_gate),
+                "MoE layers without a gated shared expert (--moe-shared-expert-gate)",
+            ),
+            (config.normalization != "RMSNorm", f"--normalization {config.normalization}"),
+        ]
+        for problem, what in problems:
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        pattern = config.linear_attention_pattern(config.num_layers)
+        hf.update(
+            layer_types=[LINEAR if linear else FULL for linear in pattern],
+            shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+            partial_rotary_factor=config.rotary_percent,
+            linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+            linear_key_head_dim=config.linear_key_head_dim,
+            linear_value_head_dim=config.linear_value_head_dim,
+            linear_num_key_heads=config.linear_num_key_heads,
+            linear_num_value_heads=config.linear_num_value_heads,
+        )
+        return hf
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = self.take_ends(take, config, used)
+        linear = config.linear_attention_pattern(config.num_layers)
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out[ours + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+            out[ours + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+            attention = self._take_linear if linear[i] else self._take_gated_attention
+            out.update(attention(take, config, ours + "self_attention.", p))
+            out.update(self.take_mlp(take, config, i))
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = self.give_ends(state, config)
+        linear = config.linear_attention_pattern(config.num_layers)
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = state[ours + "input_layernorm.weight"]
+            out[p + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
+            attention = self._give_linear if linear[i] else self._give_gated_attention
+            out.update(attention(state, config, ours + "self_attention.", p))
+            out.update(self.give_mlp(state, config, i))
+        return out
+
+    @staticmethod
+    def _take_gated_attention(take: Take, config: ModelConfig, ours: str, p: str) -> dict:
+        heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        query_gate = take(p + "self_attn.q_proj.weight").view(heads, 2, d, -1)
+        per_group = [t.reshape(groups, -1, d, t.shape[-1]) for t in query_gate.unbind(1)]
+        key_value = [take(p + f"self_attn.{x}_proj.weight").view(groups, 1, d, -1) for x in "kv"]
+        qkv = torch.cat([*per_group, *key_value], dim=1)
+        return {
+            ours + "linear_qkv.weight": qkv.reshape(-1, qkv.shape[-1]),
+            ours + "q_layernorm.weight": take(p + "self_attn.q_norm.weight"),
+            ours + "k_layernorm.weight": take(p + "self_attn.k_norm.weight"),
+            ours + "linear_proj.weight": take(p + "self_attn.o_proj.weight"),
+        }
+
+    @staticmethod
+    def _give_gated_attention(state: dict, config: ModelConfig, ours: str, p: str) -> dict:
+        heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        per_group = heads // groups
+        qkv = state[ours + "linear_qkv.weight"].view(groups, 2 * per_group + 2, d, -1)
+        query, gate, key, value = qkv.split([per_group, per_group, 1, 1], dim=1)
+        query_gate = torch.stack([query.reshape(heads, d, -1), gate.reshape(heads, d, -1)], 1)
+        return {
+            p + "self_attn.q_proj.weight": query_gate.reshape(heads * 2 * d, -1),
+            p + "self_attn.k_proj.weight": key.reshape(groups * d, -1),
+            p + "self_attn.v_proj.weight": value.reshape(groups * d, -1),
+            p + "self_attn.q_norm.weight": state[ours + "q_layernorm.weight"],
+            p + "self_attn.k_norm.weight": state[ours + "k_layernorm.weight"],
+            p + "self_attn.o_proj.weight": state[ours + "linear_proj.weight"],
+        }
+
+    @staticmethod
+    def _take_linear(take: Take, config: ModelConfig, ours: str, p: str) -> dict:
+        keys, group, d_k, d_v = _sizes(config)
+        q = p + "linear_attn."
+        qkvz = take(q + "in_proj_qkvz.weight").view(keys, 2 * d_k + 2 * group * d_v, -1)
+        ba = take(q + "in_proj_ba.weight").view(keys, 2 * group, -1)
+        parts = [*qkvz.split([d_k, d_k, group * d_v, group * d_v], 1), *ba.split(group, 1)]
+        # the output norm: Hugging Face's plain weight, threefold's centred under 1p
+        shift = 1 if config.apply_layernorm_1p else 0
+        return {
+            ours + "in_proj.weight": torch.cat([t.reshape(-1, t.shape[-1]) for t in parts]),
+            ours + "conv1d.weight": take(q + "conv1d.weight"),
+            ours + "A_log": take(q + "A_log"),
+            ours + "dt_bias": take(q + "dt_bias"),
+            ours + "out_norm.weight": take(q + "norm.weight") - shift,
+            ours + "out_proj.weight": take(q + "out_proj.weight"),
+        }
+
+    @staticmethod
+    def _give_linear(state: dict, config: ModelConfig, ours: str, p: str) -> dict:
+        keys, group, d_k, d_v = _sizes(config)
+        q, v = keys * d_k, keys * group * d_v
+        in_proj = state[ours + "in_proj.weight"]
+        parts = in_proj.split([q, q, v, v, keys * group, keys * group])
+        by_head = [t.reshape(keys, -1, t.shape[-1]) for t in parts]
+        shift = 1 if config.apply_layernorm_1p else 0
+        p += "linear_attn."
+        return {
+            p + "in_proj_qkvz.weight": torch.cat(by_head[:4], 1).reshape(-1, in_proj.shape[-1]),
+            p + "in_proj_ba.weight": torch.cat(by_head[4:], 1).reshape(-1, in_proj.shape[-1]),
+            p + "conv1d.weight": state[ours + "conv1d.weight"],
+            p + "A_log": state[ours + "A_log"],
+            p + "dt_bias": state[ours + "dt_bias"],
+            p + "norm.weight": state[ours + "out_norm.weight"] + shift,
+            p + "out_proj.weight": state[ours + "out_proj.weight"],
+        }
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        out = super().take_mlp(take, config, i)
+        if self._pattern(config)[i]:
+            ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+            shared = [take(p + f"shared_expert.{x}_proj.weight") for x in ("gate", "up")]
+            out[ours + "shared_experts.linear_fc1.weight"] = torch.cat(shared)
+            out[ours + "shared_experts.linear_fc2.weight"] = take(
+                p + "shared_expert.down_proj.weight"
+            )
+            out[ours + "shared_experts.gate_weight"] = take(p + "shared_expert_gate.weight")
+        return out
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        out = super().give_mlp(state, config, i)
+        if self._pattern(config)[i]:
+            ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+            gate, up = state[ours + "shared_experts.linear_fc1.weight"].chunk(2)
+            out[p + "shared_expert.gate_proj.weight"] = gate
+            out[p + "shared_expert.up_proj.weight"] = up
+            out[p + "shared_expert.down_proj.weight"] = state[
+                ours + "shared_experts.linear_fc2.weight"
+            ]
+            out[p + "shared_expert_gate.weight"] = state[ours + "shared_experts.gate_weight"]
+        return out
+
+
+QWEN3_NEXT = Qwen3NextAdapter(
+    "Qwen3NextForCausalLM",
+    "qwen3_next",
+    qk_norm=True,
+    writes_biases=False,
+    extra_hf_config={"attention_bias": False},
+    renormalizes_always=False,
+)
