@@ -224,6 +224,8 @@ LAYOUTS = {
         + ["--sequence-parallel"],
     ),
     "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    # the gated delta nets' all-to-all over CP beside the attention layers' ring
+    "cp2-pp2": (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 
@@ -251,8 +253,8 @@ def test_layouts_train_as_one_process(layout):
             "--linear-num-key-heads 2 is not divisible by --tensor-model-parallel-size 4",
         ),
         (
-            [*GDN, "--linear-attention-freq", "2", "--context-parallel-size", "2"],
-            "its context parallelism",
+            [*GDN, "--linear-attention-freq", "2", "--context-parallel-size", "4"],
+            "--linear-num-key-heads 2 is not divisible by TP x --context-parallel-size 4",
         ),
         (
             [*GDN, "--linear-attention-freq", "2", "--reset-attention-mask"],

@@ -79,12 +79,15 @@ class ContextParallelConfig:
         self._finalize_hierarchical()
         if cp == 1:
             return
-        _require(
-            not model.gated_delta_net,
-            "--context-parallel-size with --experimental-attention-variant gated_delta_net: "
-            "the gated delta rule runs over the whole sequence, and its context parallelism "
-            "(megatron-core's all-to-all over heads) is not implemented here; use CP 1",
-        )
+        if model.gated_delta_net:  # each CP rank runs the rule for a share of the heads
+            for name in ("linear_num_key_heads", "linear_num_value_heads"):
+                heads = getattr(model, name)
+                _require(
+                    heads % (tp * cp) == 0,
+                    f"--{name.replace('_', '-')} {heads} is not divisible by TP x "
+                    f"--context-parallel-size {tp * cp}; each rank runs whole gated delta net "
+                    "heads of the whole sequence",
+                )
         _require(
             model.seq_length % (2 * cp) == 0,
             f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size "

@@ -12,6 +12,13 @@ runs the rule for its own heads, as attention does, and `out_proj` is row-parall
 query/key head serves --linear-num-value-heads / --linear-num-key-heads value heads. Like
 megatron-core it ignores the attention mask (the rule is causal by construction) and has no
 biases, whatever --disable-bias-linear says.
+
+Under context parallelism a rank holds two chunks of the sequence, but the convolution and the
+rule run along all of it: as megatron-core does, the projection's output is sent all-to-all
+over CP, each rank receiving the whole sequence for 1/CP of its heads (Ulysses's exchange,
+back in position order), and the gated norm's output is sent back before out_proj. Each rank
+convolves and decays with its heads' rows of conv1d, A_log and dt_bias; their gradients, and
+the projections', are summed over CP with the rest (the DP x CP gradient reduction).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.gated_delta_rule import chunk_gated_delta_rule
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
+from threefold.parallel.context_parallel.attention import gather_sequence, scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.sharding import (
@@ -67,18 +75,18 @@ class GatedDeltaNet(nn.Module):
         output_layer_init_method: InitMethod,
     ) -> None:
         super().__init__()
-        tp = parallel.tp.size
-        self.key_head_dim, self.value_head_dim = (
-            config.linear_key_head_dim,
-            config.linear_value_head_dim,
-        )
-        self.key_heads = config.linear_num_key_heads // tp
-        self.value_heads = config.linear_num_value_heads // tp
+        tp, self.cp = parallel.tp.size, parallel.cp
+        self.key_head_dim = config.linear_key_head_dim
+        self.value_head_dim = config.linear_value_head_dim
+        # the heads this rank runs the rule for: its TP rank's, of those its CP rank's share
+        self.key_heads = config.linear_num_key_heads // tp // self.cp.size
+        self.value_heads = config.linear_num_value_heads // tp // self.cp.size
         qk = config.linear_num_key_heads * self.key_head_dim
         v = config.linear_num_value_heads * self.value_head_dim
         heads = config.linear_num_value_heads
         sections = (qk, qk, v, v, heads, heads)
-        self.local_sections = [size // tp for size in sections]
+        self.tp_sections = [size // tp for size in sections]  # in_proj's output on this rank
+        self.local_sections = [size // self.cp.size for size in self.tp_sections]
         self.in_proj = ColumnParallelLinear(
             config.hidden_size,
             sum(sections),
@@ -100,13 +108,13 @@ class GatedDeltaNet(nn.Module):
             partition_sizes=conv,
         )
         self.A_log = mark_tensor_parallel(
-            nn.Parameter(torch.empty(self.value_heads)),
+            nn.Parameter(torch.empty(heads // tp)),
             partition_dim=0,
             init_method=_log_uniform_init(*A_INIT_RANGE),
             master_shape=(heads,),
         )
         self.dt_bias = mark_tensor_parallel(
-            nn.Parameter(torch.empty(self.value_heads)),
+            nn.Parameter(torch.empty(heads // tp)),
             partition_dim=0,
             init_method=constant_init(1.0),
             master_shape=(heads,),
@@ -126,19 +134,28 @@ class GatedDeltaNet(nn.Module):
         """The layer's linear layers (those FP8 runs: model/fp8.py)."""
         return [self.in_proj, self.out_proj]
 
+    def _cp_share(self, tensor: torch.Tensor, sections: list[int]) -> torch.Tensor:
+        """This CP rank's heads' rows of a parameter split by heads (each of its `sections`)."""
+        if self.cp.size == 1:
+            return tensor
+        parts = tensor.split(sections)
+        return torch.cat([part.chunk(self.cp.size)[self.cp.rank] for part in parts])
+
     def _convolved(self, qkv: torch.Tensor) -> torch.Tensor:
         """[s, b, channels] -> SiLU(causal depthwise convolution) as [b, s, channels]."""
         s = qkv.shape[0]
-        weight = self.conv1d.weight
+        weight = self._cp_share(self.conv1d.weight, self.tp_sections[:3])
         x = F.conv1d(
             qkv.permute(1, 2, 0), weight, padding=weight.shape[-1] - 1, groups=weight.shape[0]
         )
         return F.silu(x[..., :s]).transpose(1, 2)
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """out_norm(core) x SiLU(z) per value head, [b, s, heads, d] -> [s, b, heads * d]."""
+        """out_norm(core) x SiLU(z) per value head, [b, s, heads, d] -> [s, b, heads * d] (this
+        rank's tokens for all its TP rank's heads under CP)."""
         gated = (self.out_norm(core) * F.silu(z.float())).to(core.dtype)
-        return gated.flatten(2).transpose(0, 1)
+        gated = gated.flatten(2).transpose(0, 1)
+        return scatter_sequence(gated, self.cp) if self.cp.size > 1 else gated
 
     def forward(
         self,
@@ -147,7 +164,11 @@ class GatedDeltaNet(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         del rotary, attention_mask  # no positions: the convolution and the rule are causal
-        projected = self.in_proj(hidden_states)  # [s, b, local sections]
+        projected = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
+        if self.cp.size > 1:  # each section's heads split over CP, the whole sequence gathered
+            parts = projected.split(self.tp_sections, dim=-1)
+            parts = torch.cat([t.unflatten(-1, (self.cp.size, -1)) for t in parts], dim=-1)
+            projected = gather_sequence(parts, self.cp)
         s, b, _ = projected.shape
         q, k, v, z, beta, alpha = projected.split(self.local_sections, dim=-1)
         q, k, v = self._convolved(torch.cat((q, k, v), dim=-1)).split(
@@ -159,7 +180,8 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         v = v.unflatten(-1, (self.value_heads, self.value_head_dim))
         # per value head: log decay g <= 0 and write strength, in fp32, [b, s, heads]
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+        a_log, dt_bias = (self._cp_share(t, [t.shape[0]]) for t in (self.A_log, self.dt_bias))
+        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         g, beta = g.transpose(0, 1), beta.float().sigmoid().transpose(0, 1)
         core = chunk_gated_delta_rule(q, k, v, g, beta).to(hidden_states.dtype)
         z = z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_head_dim))

@@ -284,6 +284,21 @@ def _all_to_all(x: torch.Tensor, cp: Group) -> torch.Tensor:
     return output
 
 
+def gather_sequence(parts: torch.Tensor, cp: Group) -> torch.Tensor:
+    """[s, b, CP, f]: this rank's s tokens, f features for each CP rank's share of the heads
+    -> [CP x s, b, f]: this rank's share for the whole sequence, in position order (Ulysses's
+    first all-to-all)."""
+    received = _AllToAll.apply(parts.permute(2, 0, 1, 3), cp)  # [CP source, s, b, f]
+    return to_global_order(received, cp.size)
+
+
+def scatter_sequence(whole: torch.Tensor, cp: Group) -> torch.Tensor:
+    """The inverse of `gather_sequence`: [CP x s, b, f] -> [s, b, CP x f], every rank's share
+    of the heads for this rank's tokens."""
+    back = _AllToAll.apply(to_rank_order(whole, cp.size), cp)  # [CP head part, s, b, f]
+    return back.permute(1, 2, 0, 3).flatten(2)
+
+
 def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, local: Callable):
     """a2a: every rank gets the whole sequence of 1/CP of the heads (query heads and their
     key/value groups together, so GQA's pairing is kept), attends with `local`, sends back."""
@@ -292,12 +307,10 @@ def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, loc
     split = [heads // cp.size, groups // cp.size, groups // cp.size]
     # [s, b, CP, heads/CP + 2 groups/CP, d]: each rank's share of q, k and v side by side.
     parts = torch.cat([t.unflatten(2, (cp.size, -1)) for t in (query, key, value)], dim=3)
-    received = _AllToAll.apply(parts.permute(2, 0, 1, 3, 4), cp)  # [CP source, s, b, ., d]
-    whole = to_global_order(received, cp.size)  # [CP x s, b, ., d]
+    whole = gather_sequence(parts.flatten(3), cp).unflatten(2, (-1, d))  # [CP x s, b, ., d]
     q, k, v = whole.split(split, dim=2)
-    context = local(q, k, v, attention_mask, dropout).unflatten(2, (split[0], d))
-    back = _AllToAll.apply(to_rank_order(context, cp.size), cp)  # [CP head part, s, b, ., d]
-    return back.permute(1, 2, 0, 3, 4).reshape(s, b, heads * d)
+    context = local(q, k, v, attention_mask, dropout)  # [CP x s, b, heads/CP x d]
+    return scatter_sequence(context, cp)
 
 
 def hierarchical_attention(query, key, value, dropout, a2a: Group, p2p: Group):
