@@ -196,7 +196,8 @@ class ModelConfig(
     lora_target_modules: list[str] = arg(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         help="of linear_qkv linear_proj linear_fc1 linear_fc2 (default: all); "
-        "multi-latent attention's linear_qkv: its up projections (or linear_q_proj)",
+        "multi-latent attention's linear_qkv: its up projections (or linear_q_proj); a gated "
+        "delta net's linear_qkv and linear_proj: its in_proj and out_proj",
         group="LoRA fine-tuning",
     )
 

@@ -11,7 +11,9 @@ adapter is split the way the layer is, so its output adds to the layer's before 
   gradient is likewise summed over TP.
 An MoE expert's fc1/fc2 (whole on its EP rank) get whole adapters, handled as expert weights
 (--lora-freeze-experts: none). In multi-latent attention the target linear_qkv means the
-column-parallel projections to queries, keys and values (`MLA_QKV`). Names follow
+column-parallel projections to queries, keys and values (`MLA_QKV`); in a gated delta net
+linear_qkv means its in_proj (B split by heads in each of its sections, as the weight) and
+linear_proj its out_proj (`GATED_DELTA_NET`). Names follow
 Megatron-Bridge: `<layer>.adapter.linear_in.weight`
 (A) and `<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights
 for export.
@@ -48,6 +50,7 @@ class LoRAAdapter(nn.Module):
         row_parallel: bool,
         tp: int,
         partition_stride: int = 1,
+        partition_sizes: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.scale = alpha / rank
@@ -74,6 +77,7 @@ class LoRAAdapter(nn.Module):
                 init_method=constant_init(0.0),
                 master_shape=(output_size, rank),
                 partition_stride=partition_stride,
+                partition_sizes=partition_sizes,
             )
         # The TP gradient sum these marks request is only needed when TP > 1.
 
@@ -103,6 +107,7 @@ def apply_lora(
         param.requires_grad_(False)
     if "linear_qkv" in targets:  # a multi-latent attention's projections to query, key, value
         targets = [*targets, *MLA_QKV]
+    targets = [*targets, *(GATED_DELTA_NET[t] for t in targets if t in GATED_DELTA_NET)]
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] not in targets:
             continue
@@ -135,12 +140,15 @@ def apply_lora(
                 row_parallel=False,
                 tp=module.tp.size,
                 partition_stride=module.partition_stride,
+                partition_sizes=getattr(module.weight, "partition_sizes", None),
             )
 
 
 # The column-parallel layers of multi-latent attention that --lora-target-modules linear_qkv
 # adapts (model/mla.py); its down projections, small and whole on every TP rank, keep none.
 MLA_QKV = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+# A gated delta net's projections that linear_qkv and linear_proj adapt (model/gated_delta_net.py)
+GATED_DELTA_NET = {"linear_qkv": "in_proj", "linear_proj": "out_proj"}
 
 
 def is_adapter(name: str) -> bool:
