@@ -24,6 +24,10 @@ WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
 # LLaMA with multi-latent attention: a query latent, latent norms, values narrower than the
 # query/key heads
 MLA = LLAMA_MHA_STYLE + ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"]
+# Gated delta nets in the odd layers (the chunked rule's fp32 intermediates dominate)
+GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"]
+GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
+GDN += ["--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
 
 
@@ -123,6 +127,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + MOE
         + ["--bf16", "--recompute-granularity", "selective", "--recompute-modules", "moe"]
         + ["layernorm", "core_attn"],
+        LLAMA_STYLE + WIDE + GDN,
+        LLAMA_STYLE + WIDE + GDN + ["--bf16"],
     ],
     ids=[
         "llama",
@@ -139,6 +145,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-moe-mtp",
         "llama-moe-muon-bf16",
         "llama-moe-recompute-moe-layernorm",
+        "gated-delta-net",
+        "gated-delta-net-bf16",
     ],
 )
 def test_single_process(flags):
@@ -285,6 +293,18 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         # the last stage's MTP depth and its copy of the embedding
         (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
         (2, FP8 + ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
+        # the gated delta nets' exchange over CP: the whole sequence for 1/(TP x CP) of the heads
+        (
+            4,
+            GDN
+            + [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--context-parallel-size",
+                "2",
+            ],
+        ),
     ],
     ids=[
         "tp2-sp",
@@ -302,6 +322,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "fp8-pp2",
         "mtp-pp2",
         "fp8-mtp-pp2",
+        "gated-delta-net-tp2-sp-cp2",
     ],
 )
 def test_parallel_layouts(world_size, flags):

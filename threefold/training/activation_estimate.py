@@ -17,7 +17,14 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   layer keeps, per (token, expert) pair, the expert's input and output and those
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
-- dropout masks when dropout is on.
+- dropout masks when dropout is on;
+- a gated delta net layer instead of attention (`_gated_delta_net_activation_bytes`): its
+  convolution's input and output, the projections' and gates' per-token tensors, the chunked
+  rule's fp32 intermediates (per chunk of C tokens and value head: seven C x C matrices, the
+  chunk's queries, keys and values in several forms, the state entering it), the gated norm
+  and out_proj's input; under CP for the whole sequence and 1/CP of the heads
+  (--recompute-modules gdn_norm_out's saving is not counted: the estimate stays high by
+  about the gated norm's tensors, 10-16 bytes per value element).
 FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention, dense MLPs and shared
 experts (and experts under rowwise scaling) keep 1-byte copies of their inputs instead of the
 run's dtype: QKV and fc1 (the norm block's linear input; an MoE layer's router keeps it in the
@@ -65,11 +72,15 @@ def _local_sequence(config: Config) -> int:
 
 
 def layer_activation_bytes(
-    config: Config, recompute_kept: bool = False, fp8: bool = False, moe: bool | None = None
+    config: Config,
+    recompute_kept: bool = False,
+    fp8: bool = False,
+    moe: bool | None = None,
+    linear: bool = False,
 ) -> int:
     """What one transformer layer keeps for backward per micro-batch (see the module doc).
     `fp8`: the layer's linears run in FP8; `moe`: whether its MLP is an MoE layer (default:
-    the average over the model's layers)."""
+    the average over the model's layers); `linear`: its attention is a gated delta net."""
     model, parallel = config.model, config.parallel
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     f, a, d, g = (
@@ -87,7 +98,9 @@ def layer_activation_bytes(
     if moe is None and model.is_moe:  # averaged over the layers: exact if all are MoE
         pattern = model.moe_layer_pattern(model.num_layers)
         share = sum(pattern) / len(pattern)
-        dense, sparse = (layer_activation_bytes(config, False, fp8, kind) for kind in (False, True))
+        dense, sparse = (
+            layer_activation_bytes(config, False, fp8, kind, linear) for kind in (False, True)
+        )
         return round((1 - share) * dense + share * sparse)
     rms = model.normalization == "RMSNorm"
     stats = 1 if rms else 2
@@ -122,9 +135,11 @@ def layer_activation_bytes(
             # The other CP ranks' keys and values, gathered and kept for backward.
             others = model.seq_length - s
             attention += 2 * e * others * b * g * d // t
-    if model.multi_latent_attention:
+    if model.multi_latent_attention and not linear:
         norm_blocks -= qkv_input * s * b * h
         norm_blocks, attention = _mla_activation_bytes(config, s, b, e, norm_blocks, fp8)
+    if linear:
+        attention = _gated_delta_net_activation_bytes(config, b, e)
     # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: two.
     mlp = _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
     if moe:
@@ -139,6 +154,38 @@ def layer_activation_bytes(
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
     dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
     return norm_blocks + attention + mlp + dropout
+
+
+def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
+    """A gated delta net layer's activations between in_proj's input and out_proj's (model/
+    gated_delta_net.py), as its autograd graph keeps them: for S tokens (the whole sequence:
+    under CP each rank runs all of it for 1/CP of its heads), c = 2 qk + v convolved channels
+    and G value heads on this rank. In fp32 the convolution's SiLU output and the projection
+    (which the gates' views keep) are kept whole; in bf16 their fp32 copies of q, k and z."""
+    model, parallel = config.model, config.parallel
+    split = parallel.tensor_model_parallel_size * parallel.context_parallel_size
+    S, width = model.seq_length, model.linear_conv_kernel_dim  # noqa: N806 (the sequence)
+    G, dk, dv = (
+        model.linear_num_value_heads // split,
+        model.linear_key_head_dim,
+        model.linear_value_head_dim,
+    )  # noqa: N806
+    qk, v = model.linear_num_key_heads // split * dk, G * dv
+    c, projected = 2 * qk + v, 2 * qk + 2 * v + 2 * G
+    total = e * b * S * c + e * b * (S + width - 1) * c  # the convolution's input and output
+    if e == 4:  # the SiLU output (q, k read as fp32 views) and the projection (z's view)
+        total += 4 * b * S * (c + projected)
+    else:  # fp32 copies of q, k (L2 norm) and z (its SiLU)
+        total += 4 * b * S * (2 * qk + v)
+    total += 4 * b * S * (2 * model.linear_num_key_heads // split + 3 * G)  # rsqrt, gates
+    # the gated norm: its fp32 input and normalized copies and statistics, SiLU(z), the
+    # norm's output and the product (out_proj's input)
+    total += 8 * b * S * v + 4 * b * S * G + 4 * b * S * v + 2 * e * b * S * v
+    chunk = 64  # kernels/gated_delta_rule.py
+    n = -(-S // chunk)
+    rows = n * chunk  # the padded sequence
+    rule = 7 * n * chunk * chunk + rows * (5 * dk + 3 * dv + 5) + n * dk * dv
+    return total + 4 * b * G * rule
 
 
 def _mla_activation_bytes(
@@ -262,8 +309,11 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
             recomputed = layers if model.recompute_method == "uniform" else groups
             total += groups * layer_activation_bytes(config, recompute_kept=True)
         # --recompute-method block recomputes a chunk's first layers; the rest keep theirs.
+        linear = model.linear_attention_pattern(model.num_layers)
         for layer in range(offset + recomputed, offset + layers):
-            total += layer_activation_bytes(config, fp8=fp8_layer(config, layer))
+            total += layer_activation_bytes(
+                config, fp8=fp8_layer(config, layer), linear=bool(linear[layer])
+            )
     if model.multi_latent_attention:
         total += 2 * 4 * s * model.qk_pos_emb_head_dim  # MLA's cos/sin tables
     elif model.rotary_position_embeddings:
