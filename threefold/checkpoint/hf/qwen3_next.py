@@ -15,7 +15,8 @@ holds, per query group, the group's queries, their gates, then key and value. Th
 (1 + weight), --apply-layernorm-1p's: imported models take it and the weights as they are; the
 gated delta net's output norm is the exception, a plain weight in Hugging Face (threefold's
 follows --apply-layernorm-1p, as megatron-core's does). RoPE turns partial_rotary_factor of
-each head (--rotary-percent). Routing and the experts are Qwen3-MoE's (hf/moe.py).
+each head (--rotary-percent). Routing and the experts are Qwen3-MoE's (hf/moe.py). The Hub
+checkpoints' multi-token prediction module (`mtp.*`) is left out, as transformers leaves it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, refuse
+from threefold.checkpoint.hf.common import Take, TensorSource, refuse
 from threefold.checkpoint.hf.moe import MoEAdapter
 from threefold.config import ConfigError, ModelConfig
 
@@ -109,6 +110,8 @@ class Qwen3NextAdapter(MoEAdapter):
             attention = self._take_linear if linear[i] else self._take_gated_attention
             out.update(attention(take, config, ours + "self_attention.", p))
             out.update(self.take_mlp(take, config, i))
+        if isinstance(take, TensorSource):  # the Hub's MTP module: computed by neither
+            used.update(name for name in take.state if name.startswith("mtp."))
         return out
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
