@@ -33,8 +33,8 @@ def _other_value(field: dataclasses.Field):
         return not default
     if action.type is float:
         return (default or 1.0) * 2 + 0.5
-    if isinstance(default, str):  # a free-form value (--moe-layer-freq)
-        return default + "2"
+    if isinstance(default, str) or action.type is str:  # free-form (--moe-layer-freq)
+        return (default or "") + "2"
     return (default or 0) + 3
 
 
