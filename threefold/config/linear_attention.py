@@ -81,6 +81,16 @@ class LinearAttentionConfig:
     def gated_delta_net(self) -> bool:
         return self.experimental_attention_variant is not None
 
+    def gated_delta_net_sections(self) -> tuple[int, ...]:
+        """The row sizes of a gated delta net's in_proj over all heads, [q; k; v; z; beta;
+        alpha] (megatron-core's sections; its convolution's rows are the first three)."""
+        qk = self.linear_num_key_heads * self.linear_key_head_dim
+        v, heads = (
+            self.linear_num_value_heads * self.linear_value_head_dim,
+            self.linear_num_value_heads,
+        )
+        return (qk, qk, v, v, heads, heads)
+
     def linear_attention_pattern(self, num_layers: int) -> list[int]:
         """1 for each layer whose attention is a gated delta net."""
         if not self.gated_delta_net:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK_SIZE = 64  # megatron-core's and FLA's
+
 
 def recurrent_gated_delta_rule(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -58,7 +60,7 @@ def chunk_gated_delta_rule(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule`'s output, computed in chunks of `chunk_size` tokens."""
     dtype, work = query.dtype, torch.promote_types(query.dtype, torch.float32)

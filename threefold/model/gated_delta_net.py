@@ -81,10 +81,8 @@ class GatedDeltaNet(nn.Module):
         # the heads this rank runs the rule for: its TP rank's, of those its CP rank's share
         self.key_heads = config.linear_num_key_heads // tp // self.cp.size
         self.value_heads = config.linear_num_value_heads // tp // self.cp.size
-        qk = config.linear_num_key_heads * self.key_head_dim
-        v = config.linear_num_value_heads * self.value_head_dim
-        heads = config.linear_num_value_heads
-        sections = (qk, qk, v, v, heads, heads)
+        sections = config.gated_delta_net_sections()
+        qk, _, v, _, heads, _ = sections
         self.tp_sections = [size // tp for size in sections]  # in_proj's output on this rank
         self.local_sections = [size // self.cp.size for size in self.tp_sections]
         self.in_proj = ColumnParallelLinear(

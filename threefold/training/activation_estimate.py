@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from threefold.config import Config, ModelConfig
 from threefold.config.fp8 import experts_in_fp8
+from threefold.kernels.gated_delta_rule import CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
 
@@ -158,34 +159,30 @@ def layer_activation_bytes(
 
 def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
     """A gated delta net layer's activations between in_proj's input and out_proj's (model/
-    gated_delta_net.py), as its autograd graph keeps them: for S tokens (the whole sequence:
-    under CP each rank runs all of it for 1/CP of its heads), c = 2 qk + v convolved channels
-    and G value heads on this rank. In fp32 the convolution's SiLU output and the projection
-    (which the gates' views keep) are kept whole; in bf16 their fp32 copies of q, k and z."""
+    gated_delta_net.py), as its autograd graph keeps them: for the whole sequence (under CP
+    each rank runs all of it for 1/CP of its heads), c = 2 qk + v convolved channels and this
+    rank's value heads. In fp32 the convolution's SiLU output and the projection (which the
+    gates' views keep) are kept whole; in bf16 their fp32 copies of q, k and z."""
     model, parallel = config.model, config.parallel
     split = parallel.tensor_model_parallel_size * parallel.context_parallel_size
-    S, width = model.seq_length, model.linear_conv_kernel_dim  # noqa: N806 (the sequence)
-    G, dk, dv = (
-        model.linear_num_value_heads // split,
-        model.linear_key_head_dim,
-        model.linear_value_head_dim,
-    )  # noqa: N806
-    qk, v = model.linear_num_key_heads // split * dk, G * dv
-    c, projected = 2 * qk + v, 2 * qk + 2 * v + 2 * G
-    total = e * b * S * c + e * b * (S + width - 1) * c  # the convolution's input and output
+    seq, width = model.seq_length, model.linear_conv_kernel_dim
+    heads = model.linear_num_value_heads // split
+    dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+    qk, v = model.linear_num_key_heads // split * dk, heads * dv
+    c, projected = 2 * qk + v, 2 * qk + 2 * v + 2 * heads
+    total = e * b * (2 * seq + width - 1) * c  # the convolution's input and output
     if e == 4:  # the SiLU output (q, k read as fp32 views) and the projection (z's view)
-        total += 4 * b * S * (c + projected)
+        total += 4 * b * seq * (c + projected)
     else:  # fp32 copies of q, k (L2 norm) and z (its SiLU)
-        total += 4 * b * S * (2 * qk + v)
-    total += 4 * b * S * (2 * model.linear_num_key_heads // split + 3 * G)  # rsqrt, gates
+        total += 4 * b * seq * (2 * qk + v)
+    total += 4 * b * seq * (2 * model.linear_num_key_heads // split + 3 * heads)  # rsqrt, gates
     # the gated norm: its fp32 input and normalized copies and statistics, SiLU(z), the
     # norm's output and the product (out_proj's input)
-    total += 8 * b * S * v + 4 * b * S * G + 4 * b * S * v + 2 * e * b * S * v
-    chunk = 64  # kernels/gated_delta_rule.py
-    n = -(-S // chunk)
-    rows = n * chunk  # the padded sequence
-    rule = 7 * n * chunk * chunk + rows * (5 * dk + 3 * dv + 5) + n * dk * dv
-    return total + 4 * b * G * rule
+    total += (12 + 2 * e) * b * seq * v + 4 * b * seq * heads
+    chunks = -(-seq // CHUNK_SIZE)
+    rows = chunks * CHUNK_SIZE  # the padded sequence
+    rule = 7 * chunks * CHUNK_SIZE**2 + rows * (5 * dk + 3 * dv + 5) + chunks * dk * dv
+    return total + 4 * b * heads * rule
 
 
 def _mla_activation_bytes(

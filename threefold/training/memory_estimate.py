@@ -76,19 +76,9 @@ def _layer_parameters(
     return count
 
 
-def _gdn_sizes(model: ModelConfig) -> tuple[int, int, int]:
-    """A gated delta net's (query/key, value, value heads) sizes over all heads."""
-    qk = model.linear_num_key_heads * model.linear_key_head_dim
-    return (
-        qk,
-        model.linear_num_value_heads * model.linear_value_head_dim,
-        model.linear_num_value_heads,
-    )
-
-
 def _gdn_weights(model: ModelConfig, tp: int) -> int:
     """A gated delta net's in_proj and out_proj weight elements on one TP rank."""
-    qk, v, heads = _gdn_sizes(model)
+    qk, _, v, _, heads, _ = model.gated_delta_net_sections()
     return model.hidden_size * (2 * qk + 3 * v + 2 * heads) // tp
 
 
@@ -96,10 +86,9 @@ def _gdn_parameters(model: ModelConfig, tp: int) -> int:
     """A gated delta net's parameters on one TP rank (model/gated_delta_net.py): its
     projections, the convolution over q, k and v, A_log and dt_bias per value head (all split
     by heads), and its output norm over a value head; no biases."""
-    qk, v, heads = _gdn_sizes(model)
-    count = (
-        _gdn_weights(model, tp) + ((2 * qk + v) * model.linear_conv_kernel_dim + 2 * heads) // tp
-    )
+    qk, _, v, _, heads, _ = model.gated_delta_net_sections()
+    conv = (2 * qk + v) * model.linear_conv_kernel_dim
+    count = _gdn_weights(model, tp) + (conv + 2 * heads) // tp
     return count + model.linear_value_head_dim * (2 if model.normalization == "LayerNorm" else 1)
 
 

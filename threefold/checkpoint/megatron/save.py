@@ -67,13 +67,9 @@ def save_megatron_checkpoint(
         state[name] = tensor.contiguous()
     # as megatron-core stores such a model's layers
     stacked = moe_layer_freq(model) == 1 and linear_attention_freq(model) in (None, 1)
-    qk = model.linear_num_key_heads * model.linear_key_head_dim
-    v, heads = (
-        model.linear_num_value_heads * model.linear_value_head_dim,
-        model.linear_num_value_heads,
-    )
     # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows
-    sections = dict(zip(SECTIONS, ([qk, qk, v, v, heads, heads], [qk, qk, v])))
+    rows = list(model.gated_delta_net_sections())
+    sections = dict(zip(SECTIONS, (rows, rows[:3])))
     state = stacked_state_dict(
         state, model.num_layers, model.multi_latent_attention, stacked, sections
     )
