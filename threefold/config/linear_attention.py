@@ -25,6 +25,9 @@ from threefold.config.moe import parse_layer_pattern
 GROUP = "linear attention"
 # Megatron-LM's spelling, and the one megatron-core now prefers
 GATED_DELTA_NET = ("gated_delta_net", "gdn")
+# The tokens the gated delta rule solves at once (kernels/gated_delta_rule.py; megatron-core's
+# and FLA's); here so the torch-free planning tools' estimate reads it too.
+RULE_CHUNK_SIZE = 64
 _SIZES = (
     "linear_conv_kernel_dim",
     "linear_key_head_dim",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CHUNK_SIZE = 64  # megatron-core's and FLA's
+from threefold.config.linear_attention import RULE_CHUNK_SIZE
 
 
 def recurrent_gated_delta_rule(
@@ -60,7 +60,7 @@ def chunk_gated_delta_rule(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int = RULE_CHUNK_SIZE,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule`'s output, computed in chunks of `chunk_size` tokens."""
     dtype, work = query.dtype, torch.promote_types(query.dtype, torch.float32)

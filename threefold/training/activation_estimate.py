@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from threefold.config import Config, ModelConfig
 from threefold.config.fp8 import experts_in_fp8
-from threefold.kernels.gated_delta_rule import CHUNK_SIZE
+from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
 
