@@ -273,12 +273,13 @@ def test_an_fp8_linear_launches_only_its_casts_amaxes_and_gemms(monkeypatch, rec
     layer = Fp8Linear(Fp8Recipe(delayed=delayed, amax_history_len=4, rowwise=recipe == "rowwise"))
     weight = torch.nn.Parameter(torch.randn(32, 16))
     weight.main_grad = torch.zeros(32, 16)
-    x = torch.randn(8, 16, requires_grad=True)
+    # 16 tokens: an inner dimension cuBLASLt takes as it is (fp8_gemms.pad_inner pads others)
+    x = torch.randn(16, 16, requires_grad=True)
     layer.linear(x, weight, None, accumulate_in_main_grad=True).sum().backward()
     update_delayed_scales([layer], [])  # a history from here on (delayed)
     layer.cache_weight = True
     layer.linear(x, weight, None, accumulate_in_main_grad=True)  # casts the step's weight
-    grad = torch.ones(8, 32)
+    grad = torch.ones(16, 32)
     calls.clear()
     with Count():
         out = layer.linear(x, weight, None, accumulate_in_main_grad=True)

@@ -217,6 +217,42 @@ def test_the_opaque_casts_are_one_operator_each_in_a_compiled_graph():
     assert not casts_traced
 
 
+def test_the_reference_casts_write_the_layouts_the_triton_kernels_allocate():
+    """The opaque casts' fake versions run the reference (kernels/fp8_ops.py), so Inductor lays
+    out the code around a cast by the reference's strides: they must be the Triton kernels'
+    (`torch.empty` row-major FP8 values and transposes; `block_inverses`), for a row-major, a
+    transposed and a column-major input, and in a dimension of one block (a GPU found both:
+    the column-major cast and a single column of 1 x 128 blocks)."""
+    from threefold.kernels import reference
+
+    def row_major(rows, cols):
+        return torch.empty(rows, cols).stride()
+
+    for rows, cols in ((100, 70), (3, 200), (300, 129)):
+        tensor = torch.randn(rows, cols)
+        for layout in (tensor, tensor.t(), tensor.t().contiguous().t()):
+            rows, cols = layout.shape
+            amax = reference.amax(layout)
+            for got in (
+                reference.fp8_cast_transpose(layout, torch.tensor(2.0), E4M3, 448.0),
+                reference.fp8_cast_transpose_current(layout, amax, E4M3, 448.0, 0)[:2],
+            ):
+                assert got[0].stride() == row_major(rows, cols)
+                assert got[1].stride() == row_major(cols, rows)
+            assert reference.fp8_cast_rows(layout, E4M3, 448.0, 0)[0].stride() == row_major(
+                rows, cols
+            )
+            for block_rows in (1, 128):
+                values, inverses = reference.fp8_cast_blocks(layout, E4M3, 448.0, 0, block_rows)
+                blocks = (-(-rows // block_rows), -(-cols // 128))
+                allocated = reference.block_inverses(*blocks, block_rows, layout.device)
+                assert values.stride() == row_major(rows, cols)
+                assert inverses.shape == allocated.shape == blocks
+                assert inverses.stride() == allocated.stride()
+                if block_rows == 1:  # outer-dimension-major, as cuBLASLt takes them
+                    assert inverses.stride() == (1, blocks[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 def test_the_triton_cast_transpose_and_amax_on_cuda_are_the_eager_ones_bitwise(source):

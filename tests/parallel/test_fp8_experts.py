@@ -39,6 +39,7 @@ from tests.parity import (
 )
 from tests.training.test_checkpointing import _resume_job
 from threefold.arguments import parse_args
+from threefold.kernels import fp8_gemms
 from threefold.kernels.fp8 import Fp8Linear
 from threefold.model.fp8 import fp8_recipe
 from threefold.model.moe.experts import ExpertLinear, Experts
@@ -137,11 +138,9 @@ def test_shared_expert_in_fp8_matches_one_device_experts_stay_out():
     assert "shared-expert linear layers" in trainer.fp8.describe()
 
 
-def test_an_expert_no_token_reaches_gets_a_zero_gradient_in_fp8():
-    """Rowwise FP8 has no amax to scale an empty GEMM by: an expert without tokens computes
-    nothing in FP8 and its weights get zero gradients, the others' the FP8 GEMMs'."""
-    argv = LLAMA_STYLE + TRAINING + MOE + RECIPES["rowwise"]
-    config = parse_args(argv)
+def _rowwise_experts(counts: list[int]) -> tuple[Experts, torch.Tensor, list[int]]:
+    """Experts of `MOE` in rowwise FP8, seeded weights, and tokens routed `counts` to each."""
+    config = parse_args(LLAMA_STYLE + TRAINING + MOE + RECIPES["rowwise"])
     experts = Experts(config.model, ParallelContext(), normal_init(0.1), normal_init(0.1))
     generator = torch.Generator().manual_seed(0)
     for param in experts.parameters():
@@ -150,8 +149,43 @@ def test_an_expert_no_token_reaches_gets_a_zero_gradient_in_fp8():
     for module in experts.modules():
         if isinstance(module, ExpertLinear):
             module.fp8 = Fp8Linear(recipe)
-    counts = [3, 0, 5, 2]
     tokens = torch.randn(sum(counts), config.model.hidden_size, generator=generator)
+    return experts, tokens, counts
+
+
+def test_experts_of_any_token_count_take_gemms_cublas_accepts(monkeypatch):
+    """An H100 refused rowwise FP8 experts (bench/results/gpu_2026-11-28/): the weight
+    gradient's GEMM sums over an expert's tokens, and cuBLASLt takes FP8 operands only with an
+    inner dimension that is a multiple of 16. The GEMMs pad it with zeros
+    (kernels/fp8_gemms.py): here `_scaled_mm` refuses as cuBLASLt does, and the experts'
+    outputs and gradients at token counts of 3, 21 and 37 are those of the GEMMs unpadded."""
+    scaled_mm = torch._scaled_mm
+
+    def as_cublas(a, b, **kwargs):
+        assert a.shape[1] % 16 == 0, f"inner dimension {a.shape[1]}"
+        return scaled_mm(a, b, **kwargs)
+
+    def run() -> list[torch.Tensor]:
+        experts, tokens, counts = _rowwise_experts([3, 21, 37, 16])
+        tokens.requires_grad_(True)
+        out = experts(tokens, counts)
+        out.square().sum().backward()
+        return [out.detach(), tokens.grad] + [p.grad for p in experts.parameters()]
+
+    monkeypatch.setattr(fp8_gemms, "INNER_MULTIPLE", 1)  # no padding: what failed on the GPU
+    unpadded = run()
+    monkeypatch.setattr(torch, "_scaled_mm", as_cublas)
+    with pytest.raises(AssertionError, match="inner dimension 3"):
+        run()
+    monkeypatch.setattr(fp8_gemms, "INNER_MULTIPLE", 16)
+    for got, expected in zip(run(), unpadded, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_an_expert_no_token_reaches_gets_a_zero_gradient_in_fp8():
+    """Rowwise FP8 has no amax to scale an empty GEMM by: an expert without tokens computes
+    nothing in FP8 and its weights get zero gradients, the others' the FP8 GEMMs'."""
+    experts, tokens, counts = _rowwise_experts([3, 0, 5, 2])
     out = experts(tokens, counts)
     out.square().sum().backward()
     for index, count in enumerate(counts):

@@ -7,6 +7,7 @@ GEMM takes the inverses of the scales its operands were cast with (kernels/fp8.p
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
@@ -24,6 +25,27 @@ def fp8_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype]:
 def quantize(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """tensor x scale in FP8, saturating at the format's max."""
     return reference.fp8_cast(tensor, scale, dtype, FP8_MAX[dtype])
+
+
+# cuBLASLt's FP8 GEMMs take only an inner dimension that is a multiple of 16 (`_scaled_mm`
+# refuses others). An expert's weight-gradient GEMM sums over that expert's tokens, any number
+# of them, so its operands are padded with zeros, which add nothing to any sum (Megatron-LM
+# pads the routing instead, --moe-router-padding-for-fp8).
+INNER_MULTIPLE = 16
+
+
+def pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 `a` [m, k] row-major and `b` [k, n] column-major with k padded by zeros to a
+    multiple of `INNER_MULTIPLE`, in the same layouts; unchanged where it is one. Padded as
+    bytes: byte 0 is +0 in both FP8 formats, and a byte pad runs on every device."""
+    missing = -a.shape[1] % INNER_MULTIPLE
+    if not missing:
+        return a, b
+
+    def padded(rows: torch.Tensor) -> torch.Tensor:  # [r, k] row-major -> [r, k + missing]
+        return F.pad(rows.contiguous().view(torch.uint8), (0, missing)).view(rows.dtype)
+
+    return padded(a), padded(b.t()).t()
 
 
 def scaled_mm(
@@ -46,6 +68,7 @@ def scaled_mm(
     accumulates fast and the two gradient GEMMs, whose sums are longer and noisier, do not.
     (The CPU's emulation sums in fp32 either way.) `out`: written there (row-major [m, n], of
     `out_dtype`)."""
+    a, b = pad_inner(a, b)
     scales = dict(scale_a=a_inverse, scale_b=b_inverse, use_fast_accum=fast_accum)
     if out is not None:
         return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype, out=out)
@@ -88,6 +111,7 @@ def rowwise_mm(
     """`scaled_mm` with a scale per row of `a` and per column of `b`, given by their inverses
     as `Fp8Linear.cast_fine` returns them: [m, 1], and [n, 1] per row of the transposed copy
     `b` is a view of."""
+    a, b = pad_inner(a, b)
     scales = dict(scale_a=a_inverses, scale_b=b_inverses.view(1, -1), use_fast_accum=fast_accum)
     # Compiled, a refusal would come from inside the graph, where it cannot be caught: on
     # CUDA the graph asks for bf16 from the start.
@@ -132,6 +156,7 @@ def blockwise_mm(
     as `_cublas_weight_scales` gives them, so the CPU's tests cover that too."""
     b_inverses, b_block_rows = _cublas_weight_scales(b_inverses, b_block_rows, b.shape[1])
     if a.device.type == "cuda":
+        a, b = pad_inner(a, b)  # within the last 128-block of k: the same inverses
         scale_a = a_inverses.t().contiguous().t()
         scale_b = b_inverses.t() if b_block_rows > 1 else b_inverses.t().contiguous()
         out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)

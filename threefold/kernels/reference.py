@@ -138,6 +138,9 @@ def fp8_cast_transpose(
     quantized = fp8_cast(tensor, scale, dtype, limit)
     if amax_into is not None:
         torch.maximum(amax_into, amax(tensor), out=amax_into)
+    # row-major whatever the input's layout, as the Triton kernel writes it: the compiled
+    # layers' opaque casts (kernels/fp8_ops.py) declare these strides to Inductor
+    quantized = quantized.contiguous()
     return quantized, quantized.t().contiguous()
 
 
@@ -223,10 +226,22 @@ def fp8_cast_blocks(
     scales = rowwise_scale(amax, limit, margin)
     expanded = scales[:, None, :, None].expand(-1, block_rows, -1, FP8_BLOCK)
     expanded = expanded.reshape(row_blocks * block_rows, col_blocks * FP8_BLOCK)[:rows, :cols]
-    inverses = scales.reciprocal()
-    if block_rows == 1:
-        inverses = inverses.t().contiguous().t()
+    inverses = block_inverses(row_blocks, col_blocks, block_rows, tensor.device)
+    inverses.copy_(scales.reciprocal())
     return fp8_cast(tensor, expanded, dtype, limit).contiguous(), inverses
+
+
+def block_inverses(
+    row_blocks: int, col_blocks: int, block_rows: int, device: torch.device
+) -> torch.Tensor:
+    """The uninitialized [row_blocks, col_blocks] fp32 inverses of `fp8_cast_blocks`, laid out
+    as cuBLASLt takes them: 1 x 128 blocks' outer-dimension-major, 128 x 128 blocks' row-major.
+    The Triton kernel allocates its output here too, so that the strides the compiled layers'
+    opaque cast declares (its fake runs this reference) are the ones it writes, even in a
+    dimension of one block."""
+    if block_rows == 1:
+        return torch.empty(col_blocks, row_blocks, device=device).t()
+    return torch.empty(row_blocks, col_blocks, device=device)
 
 
 def dequantize_blocks(

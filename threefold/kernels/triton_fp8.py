@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from threefold.kernels.reference import FP8_BLOCK
+from threefold.kernels.reference import FP8_BLOCK, block_inverses
 
 BLOCK = 64  # a 64 x 64 tile: the transposed store goes through shared memory, coalesced
 # Rowwise: a program owns 16 rows and walks their columns twice (amax, then cast), 128 at a
@@ -238,9 +238,7 @@ def fp8_cast_blocks(
     rows, cols = tensor.shape
     row_blocks, col_blocks = triton.cdiv(rows, block_rows), triton.cdiv(cols, FP8_BLOCK)
     quantized = torch.empty(rows, cols, dtype=dtype, device=tensor.device)
-    inverses = torch.empty(row_blocks, col_blocks, device=tensor.device)
-    if block_rows == 1:
-        inverses = torch.empty(col_blocks, rows, device=tensor.device).t()
+    inverses = block_inverses(row_blocks, col_blocks, block_rows, tensor.device)
     if not tensor.numel():
         return quantized, inverses.fill_(1.0)
     square = block_rows == FP8_BLOCK
