@@ -9,6 +9,10 @@
 #   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
 #   bash bench/gpu_session.sh checks [RUNS...]   # tests, fp8loss RUNS (default all) and resume
 #                                                # side by side (none timed: they share the GPU)
+#   bash bench/gpu_session.sh at REV [ARGS...]   # bench/gpu_mfu.py ARGS as it was at commit
+#                                                # REV, beside this tree's rows: its tree carried
+#                                                # in .old/REV (`mkdir -p .old/REV && git archive
+#                                                # REV | tar -x -C .old/REV`, carry .old)
 # Phases chain, separated by a lone comma, in one install and one lease of the device:
 #   bash bench/gpu_session.sh checks , bench --shape 8b-8l --only ... , bench --only ...
 # bench writes to gpu_mfu/ (gpu_mfu_8b-8l/ with --shape 8b-8l, gpu_moe/ with --moe) under
@@ -57,6 +61,15 @@ run_phase() {
       done
       mkdir -p "$dir"
       python3 bench/gpu_mfu.py --out "$dir" "$@" 2>&1 | tee "$dir/gpu_mfu_stderr.log" ;;
+    at)
+      # the old script puts its own tree first on sys.path, in its contenders' processes too
+      local rev="${1:?at: which commit (its tree in .old/REV)}"
+      shift
+      [ -f ".old/$rev/bench/gpu_mfu.py" ] || { echo "at: no .old/$rev/bench/gpu_mfu.py;" \
+        "unpack the commit there (git archive) and carry .old" >&2; return 2; }
+      mkdir -p "$out/gpu_mfu_at_$rev"
+      python3 ".old/$rev/bench/gpu_mfu.py" --out "$out/gpu_mfu_at_$rev" "$@" 2>&1 \
+        | tee "$out/gpu_mfu_at_$rev/gpu_mfu_stderr.log" ;;
     profile) python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" "$@" 2>&1 \
                | tee -a "$logs/profile.txt" ;;
     fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$logs/fp8_loss.txt" ;;
@@ -86,7 +99,7 @@ run_phase() {
       wait "${pids[@]}"  # (not the packer)
       python3 bench/fp8_loss.py --out "$out/fp8_loss" --only >"$logs/fp8_loss.txt" 2>&1
       tail -n 4 "$logs/device_tests.log" "$logs/fp8_loss.txt" "$logs/fp8_resume.txt" ;;
-    *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, profile," \
+    *) echo "bench/gpu_session.sh: unknown phase '$phase'; use tests, bench, at, profile," \
          "fp8loss, resume or checks" >&2
        return 2 ;;
   esac
