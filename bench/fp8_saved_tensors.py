@@ -1,7 +1,8 @@
 """What a compiled FP8 layer keeps for backward, with its casts as opaque operators
 (kernels/fp8_ops.py, what a CUDA run with Triton uses) and with the reference casts that
 Inductor fuses (`+fused-casts` in bench/gpu_mfu.py): the tensors autograd saves over one
-forward of one transformer layer of gpu_mfu.py's shape, by kind, and the difference.
+forward of one transformer layer of gpu_mfu.py's shape in a training step, with the weights'
+FP8 copies the step holds, by kind, and the difference.
 
     python bench/fp8_saved_tensors.py [--tiny] [--out bench/results/fp8_saved_tensors.md]
 
@@ -27,8 +28,9 @@ MODES = {"opaque": True, "fused": False}  # KERNELS.opaque_fp8_casts
 
 
 def saved_tensors(shape: Shape, opaque: bool) -> list[tuple[tuple[int, ...], str, int]]:
-    """(shape, dtype, bytes) of each storage one layer's forward saves for backward (weights
-    excluded), the layer compiled as --compile-layers compiles it."""
+    """(shape, dtype, bytes) of each storage one layer's forward in a training step saves for
+    backward, and of the weights' FP8 copies the step holds (the weights themselves excluded),
+    the layer compiled as --compile-layers compiles it."""
     import torch
 
     from threefold.arguments import parse_args
@@ -56,8 +58,14 @@ def saved_tensors(shape: Shape, opaque: bool) -> list[tuple[tuple[int, ...], str
     hidden = torch.randn(tokens, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):  # the first call compiles (and casts the weights' first scales)
         saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            layer(hidden, None)
+        # as in a training step: the weights' FP8 copies are cast for the step and held by it
+        with trainer.fp8.weights_cached():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                layer(hidden, None)
+            for state in trainer.fp8.states.values():
+                for copy in state.weight_cache[1:]:
+                    if isinstance(copy, torch.Tensor) and copy.dtype.itemsize == 1:
+                        pack(copy)
     return list(saved.values())
 
 
@@ -67,8 +75,9 @@ def report(shape: Shape, results: dict[str, list]) -> str:
         "",
         f"One transformer layer of bench/gpu_mfu.py's shape ({shape.seq_length} x "
         f"{shape.micro_batch_size} tokens, hidden {shape.hidden_size}, FFN "
-        f"{shape.ffn_hidden_size}), bf16, delayed FP8 (hybrid), --compile-layers; one forward, "
-        "the tensors autograd saves (weights excluded), by dtype:",
+        f"{shape.ffn_hidden_size}), bf16, delayed FP8 (hybrid), --compile-layers; one forward "
+        "in a training step: the tensors autograd saves and the weights' FP8 copies the step "
+        "holds (the weights excluded), by dtype:",
         "",
         "| casts | "
         + " | ".join(f"{d} MiB" for d in ("bfloat16", "float32", "float8"))

@@ -115,11 +115,11 @@ def test_a_failed_contender_is_reported_by_its_exception_line():
 
 
 def test_compiled_fp8_layers_with_opaque_casts_keep_their_fp8_copies_for_backward():
-    """bench/fp8_saved_tensors.py, the reading of the 2.2 GiB the opaque casts cost on an H100
-    (docs/fp8_gpu.md): with the casts Inductor fuses, a compiled FP8 layer saves no FP8 tensor
-    (the partitioner recomputes the casts in backward from what it keeps anyway); with the
-    opaque casts, which it cannot recompute, it keeps their FP8 copies and nothing else (but
-    a few scalars)."""
+    """bench/fp8_saved_tensors.py, the reading of what the opaque casts cost on an H100
+    (docs/fp8_gpu.md): with the casts Inductor fuses, a compiled FP8 layer saves no FP8 copy
+    of its inputs (the partitioner recomputes the casts in backward from what it keeps
+    anyway); with the opaque casts, which it cannot recompute, it keeps them. Both hold the
+    weights' copies cast for the step; nothing else differs (but a few scalars)."""
     script = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "fp8_saved_tensors.py"), "--tiny"],
         capture_output=True,
@@ -127,10 +127,9 @@ def test_compiled_fp8_layers_with_opaque_casts_keep_their_fp8_copies_for_backwar
         timeout=600,
     )
     assert script.returncode == 0, script.stderr
-    totals = re.search(
-        r"([\d,]+) bytes against ([\d,]+), of which FP8 ([\d,]+) and ([\d,]+)", script.stdout
-    )
+    numbers = r"([\d,]+) bytes against ([\d,]+), of which FP8 ([\d,]+) and ([\d,]+)"
+    totals = re.search(numbers, script.stdout)
     opaque, fused, opaque_fp8, fused_fp8 = (int(n.replace(",", "")) for n in totals.groups())
-    assert fused_fp8 == 0 and opaque_fp8 > 0
+    assert opaque_fp8 > fused_fp8 > 0
     # (a few scalars differ: the scales' inverses the two graphs keep)
-    assert abs(opaque - fused - opaque_fp8) < 0.01 * opaque_fp8
+    assert abs((opaque - fused) - (opaque_fp8 - fused_fp8)) < 0.01 * (opaque_fp8 - fused_fp8)

@@ -225,8 +225,8 @@ COMPILED_FP8_VARIANTS = {
 
 @pytest.mark.parametrize("recipe", COMPILED_FP8_VARIANTS.values(), ids=COMPILED_FP8_VARIANTS)
 def test_fp8_layers_compiled_train_as_eager_ones(recipe):
-    """FP8 linears traced into compiled layers, over three steps of four micro-batches (eager:
-    the step's cached FP8 weights; traced: a cast per micro-batch) and the delayed scales'
+    """FP8 linears traced into compiled layers, over three steps of four micro-batches (the
+    step's FP8 weights cast by the first micro-batch, or before the step) and the delayed scales'
     first step and history, train as eager ones, to the FP8 layouts' tolerances
     (tests/parallel/test_fp8.py): the compiled fp32 ops round differently, and that can tip
     an FP8 cast over a rounding boundary (E4M3 gradients, --fp8-format e4m3, tip most: a
@@ -278,3 +278,51 @@ def test_fp8_layers_compiled_under_tensor_parallelism():
     for got, expected in zip(compiled, eager):
         assert_losses_close(got["losses"], expected["losses"], 1e-6)
         assert_close_dicts(got["fp8"], expected["fp8"], 1e-5, "FP8 state")
+
+
+def _fp8_storages_saved(trainer, batch) -> set[int]:
+    """The FP8 storages one micro-batch's forward saves for backward."""
+    saved: set[int] = set()
+
+    def pack(tensor):
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        (chunk,) = trainer.model_chunks
+        output = chunk(batch["tokens"], labels=batch["labels"])
+    del output
+    return saved
+
+
+@pytest.mark.parametrize("cast_for_the_step", [True, False], ids=["cast-for-the-step", "control"])
+def test_traced_fp8_layers_read_the_weights_cast_once_for_the_step(
+    opaque_fp8_casts, cast_for_the_step
+):
+    """A traced FP8 linear cannot keep what it casts, so the step's weights are cast before its
+    first forward (`Fp8Scaling.weights_cached`) and each micro-batch's graph reads them. On an
+    H100 a traced layer cast every weight for every micro-batch and kept each one's copy for
+    backward (45 MiB per 1B layer). Here the FP8 tensors two micro-batches' graphs save include
+    the step's transposed weight copies, one per linear, the same for both; the control, whose
+    weights are not cast for the step, saves none of them (its graph casts its own)."""
+    from tests.parity import _setup
+
+    trainer = _setup(LLAMA + ["--compile-layers", "--fp8-format", "hybrid"])
+    trainer.train_step()  # compiled; delayed scaling has its history from here on
+    if not cast_for_the_step:
+        trainer.fp8.traced_weights = {}
+    batch = next(trainer.train_iterator())
+    states = list(trainer.fp8.traced_weights.values()) or list(trainer.fp8.states.values())
+    assert len(states) == 4 * 2  # QKV, proj, fc1, fc2 of two layers, all traced
+    with trainer.fp8.weights_cached():
+        saved = [_fp8_storages_saved(trainer, batch) for _ in range(2)]
+        cached = [state.weight_cache for state in states]
+    # each linear saves an FP8 copy of its input and one of its weight (transposed)
+    assert len(saved[0]) == len(saved[1]) == 2 * len(states)
+    if not cast_for_the_step:  # each graph casts and keeps its own weight copies
+        assert cached == [None] * len(states) and not saved[0] & saved[1]
+        return
+    transposed = {cache[1].untyped_storage().data_ptr() for cache in cached}
+    assert len(transposed) == len(states)
+    assert saved[0] & saved[1] == transposed  # the step's copies; the inputs' each its own

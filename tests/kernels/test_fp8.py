@@ -20,8 +20,9 @@ from tests.parity import (
 from threefold.arguments import parse_args
 from threefold.config import ConfigError
 from threefold.kernels.dispatch import KERNELS
-from threefold.kernels.fp8 import INVERSES, WEIGHT, Fp8Linear, Fp8Recipe, update_delayed_scales
+from threefold.kernels.fp8 import INVERSES, WEIGHT, Fp8Linear, update_delayed_scales
 from threefold.kernels.fp8_gemms import E4M3, E5M2, fp8_dtypes, quantize, scaled_mm
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import rowwise_scale, scale_from_amax
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.parallel_context import ParallelContext

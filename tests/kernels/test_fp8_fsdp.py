@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, logged_losses
-from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe
+from threefold.kernels.fp8 import Fp8Linear
 from threefold.kernels.fp8_fsdp import Fp8GatheredWeight, Fp8ShardWeight
 from threefold.kernels.fp8_gemms import E4M3
+from threefold.kernels.fp8_recipe import Fp8Recipe
 
 
 def test_a_shard_stays_a_shard_through_fsdp2s_sharding_and_nothing_else():

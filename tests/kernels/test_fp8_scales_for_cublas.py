@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import threefold.kernels.fp8 as fp8
-from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
+from threefold.kernels.fp8 import Fp8Linear, update_delayed_scales
 from threefold.kernels.fp8_gemms import E4M3, _cublas_weight_scales, scaled_mm
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import dequantize_blocks
 
 

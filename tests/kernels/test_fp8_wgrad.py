@@ -9,8 +9,9 @@ import torch
 from tests.kernels.test_fp8 import DEVICES
 from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
-from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe
+from threefold.kernels.fp8 import Fp8Linear
 from threefold.kernels.fp8_gemms import FP8_MAX
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer
 from threefold.parallel.parallel_context import ParallelContext
 

@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.kernels.test_fp8 import _VIEWS
 from threefold.kernels import reference
-from threefold.kernels.fp8 import WEIGHT, Fp8Linear, Fp8Recipe
+from threefold.kernels.fp8 import WEIGHT, Fp8Linear
 from threefold.kernels.fp8_gemms import E4M3, quantize
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import scale_from_amax
 from threefold.model.fp8_params import Fp8Parameters
 from threefold.parallel.data_parallel.gradient_buffer import GradientBuffer

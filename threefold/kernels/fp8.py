@@ -49,7 +49,6 @@ Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -63,11 +62,11 @@ from threefold.kernels.fp8_gemms import (
     FP8_MAX,
     blockwise_mm,
     dequantization,
-    fp8_dtypes,
     rowwise_mm,
     scaled_mm,
     unquantized_mm,
 )
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
 from threefold.parallel.tensor_parallel.mappings import (
@@ -90,58 +89,6 @@ def _kernels():
     if not torch.compiler.is_compiling():
         return KERNELS
     return fp8_ops if KERNELS.opaque_fp8_casts else reference
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """One run's FP8 settings (config/fp8.py's flags, resolved)."""
-
-    fp8_format: str = "hybrid"
-    delayed: bool = True
-    margin: int = 0
-    amax_history_len: int = 1
-    amax_compute_algo: str = "most_recent"
-    rowwise: bool = False
-    blockwise: bool = False
-    # False (--no-fp8-wgrad): the weight gradient's GEMM in the run's precision
-    fp8_wgrad: bool = True
-
-    @property
-    def fine_grained(self) -> bool:
-        """Rowwise and blockwise scaling: scales per row or block of each GEMM operand, from
-        this rank's own piece of it (no amax reduced over ranks, no state kept)."""
-        return self.rowwise or self.blockwise
-
-    @property
-    def gathers_in_fp8(self) -> bool:
-        """Whether sequence parallelism all-gathers an input in FP8 (`Fp8Linear`'s attribute)."""
-        return not self.fine_grained and self.fp8_wgrad
-
-    @property
-    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-        """The FP8 dtype of the input, the weight and the gradient."""
-        forward, backward = fp8_dtypes(self.fp8_format)
-        return forward, forward, backward
-
-    def describe(self) -> str:
-        formats = "E4M3 activations and weights, E5M2 gradients"
-        if self.fp8_format == "e4m3":
-            formats = "E4M3 everywhere"
-        if not self.fp8_wgrad:
-            formats += "; weight gradients in the run's precision"
-        if self.rowwise:
-            return f"rowwise current scaling (power-of-two scales per row), {formats}"
-        if self.blockwise:
-            return (
-                "blockwise current scaling (power-of-two scales per 1 x 128 block of "
-                f"activations and gradients, per 128 x 128 block of weights), {formats}"
-            )
-        if not self.delayed:
-            return f"tensorwise current scaling, {formats}"
-        return (
-            f"delayed scaling (amax history {self.amax_history_len}, "
-            f"{self.amax_compute_algo}, margin {self.margin}), {formats}"
-        )
 
 
 class Fp8Linear(nn.Module):
@@ -277,12 +224,12 @@ class Fp8Linear(nn.Module):
         one cast per micro-batch). Blockwise: one cast per 128 x 128 block, whose transpose
         is the transposed copy (the same blocks), both kept. `cached=False`: cast now, whatever
         the step keeps (a traced `linear`)."""
-        cache, caching = self.weight_cache, cached and self.cache_weight
-        if caching and cache is not None and cache[0] is weight:
+        cache = self._step_copies(weight, cached)
+        if cache is not None:
             kept = cache[1]
         else:
             kept = self._cast_weight_fine(weight)
-            if caching:
+            if cached and self.cache_weight:
                 self.weight_cache = (weight, kept)
         if self.recipe.blockwise:
             return kept
@@ -312,8 +259,8 @@ class Fp8Linear(nn.Module):
         one back per micro-batch, to save that byte per weight, took 15 ms of GPU time per
         step of the 1B bench on an H100 (1-byte elements transpose slowly). `cached=False`: cast
         now, whatever the step keeps (a traced `linear`: module doc)."""
-        cache, caching = self.weight_cache, cached and self.cache_weight
-        if caching and cache is not None and cache[0] is weight:
+        cache = self._step_copies(weight, cached)
+        if cache is not None:
             _, transposed, inverse, weight8 = cache
             return weight8, transposed, inverse
         weight8 = self.gathered_fp8(weight)
@@ -321,9 +268,29 @@ class Fp8Linear(nn.Module):
             result = weight8, weight8.t().contiguous(), dequantization(self.gathered_scale)
         else:
             result = self.cast(WEIGHT, weight)
-        if caching:
+        if cached and self.cache_weight:
             self.weight_cache = (weight, result[1], result[2], result[0])
         return result
+
+    def _step_copies(self, weight: torch.Tensor, cached: bool) -> tuple | None:
+        """The step's kept copies of `weight` (`weight_cache`), if any. An eager call finds them
+        by the weight's identity. A traced one (`cached=False`) takes them as they are: cast
+        before the step's first forward (`cast_step_weight`), they are inputs of the graph,
+        which reads them for every micro-batch instead of casting the weight again (an
+        identity test would be a guard on the parameter)."""
+        cache = self.weight_cache
+        if not self.cache_weight or cache is None or (cached and cache[0] is not weight):
+            return None
+        return cache
+
+    def cast_step_weight(self, weight: torch.Tensor) -> None:
+        """Casts `weight` for the step now, eager, into `weight_cache` (under
+        `Fp8Scaling.weights_cached`): a traced `linear` cannot keep what it casts."""
+        with torch.no_grad():
+            if self.recipe.fine_grained:
+                self.fine_grained_weight(weight)
+            else:
+                self.weight_in_fp8(weight)
 
     def gathered_fp8(self, weight: torch.Tensor) -> torch.Tensor | None:
         """--fp8-param-gather's FP8 copy of `weight` (FSDP2's gathered weight itself, or the
@@ -363,10 +330,11 @@ class Fp8Linear(nn.Module):
         Inside a layer compiled whole (--compile-layers), a `traced` layer's call is part of
         the layer's graph unless it communicates (`_traceable`): its casts fuse with the ops
         around them (a norm's output is written in FP8 as it is computed) and the step makes
-        no Python call per GEMM; on an H100 the 1B model's FP8 step was bound by those. Each
-        micro-batch then casts the weight itself (cached copies are Python state a graph
-        cannot branch on), and the gradient buffer's `grad_added_to_main_grad` is set here,
-        not by the backward (a compiled backward cannot set an attribute): exact while every
+        no Python call per GEMM; on an H100 the 1B model's FP8 step was bound by those. The
+        weight's copies are cast before the step (`cast_step_weight`) and read by the graph
+        (outside a training step, as in evaluation, the graph casts them itself), and the
+        gradient buffer's `grad_added_to_main_grad` is set here, not by the backward (a
+        compiled backward cannot set an attribute): exact while every
         backward follows its own forward, so not under pipeline parallelism, whose 1F1B runs
         the next forward first (and whose backward would find the FP8 state and main_grad,
         saved by the forward, changed in place). Everywhere else the call runs eager."""

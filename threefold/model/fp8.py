@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from threefold.config.fp8 import Fp8Config, experts_in_fp8
-from threefold.kernels.fp8 import Fp8Linear, Fp8Recipe, update_delayed_scales
+from threefold.kernels.fp8 import Fp8Linear, update_delayed_scales
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.model.mlp import MLP
 from threefold.model.moe.layer import MoELayer
 from threefold.parallel.parallel_context import ONE_DEVICE, ParallelContext
@@ -153,6 +154,9 @@ class Fp8Scaling:
         self.cache_weights = cache_weights
         self.param_gather = config.fp8_param_gather
         self.states = fp8_states(chunks)
+        # The weights whose FP8 linears may run inside a compiled graph: cast for the step
+        # before it starts (`weights_cached`)
+        self.traced_weights = {w: state for w, state in fp8_weights(chunks).items() if state.traced}
         self.bf16_layers = sorted(config.bf16_layers(num_layers))
         has_moe = any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules())
         # None: no MoE layer here; else whether its experts run in FP8
@@ -174,11 +178,15 @@ class Fp8Scaling:
         every micro-batch would cast the same bytes; the copies are dropped at the end, before
         the weights change. Later micro-batches transpose instead of casting (no amax, no
         reduction), and, as they share the copies, a pipeline stage holds one FP8 weight (in
-        both layouts) for its micro-batches in flight instead of one each. (Off where
+        both layouts) for its micro-batches in flight instead of one each. A layer traced into
+        a compiled graph cannot keep what it casts: its weights are cast here, before the
+        first forward, and every micro-batch's graph reads them. (Off where
         `caches_fp8_weights` says so: then every micro-batch casts.)"""
         states = list(self.states.values()) if self.cache_weights else []
         for state in states:
             state.cache_weight = True
+        for weight, state in self.traced_weights.items() if states else ():
+            state.cast_step_weight(weight)
         try:
             yield
         finally:

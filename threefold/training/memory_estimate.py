@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
-from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8, traces_fp8_linears
+from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.activation_estimate import (
     fp8_layer,
@@ -312,17 +312,16 @@ def estimate_stage(
     gathered = config.fp8.fp8_param_gather
     in_flight = micro_batches_in_flight(config, stage)
     # The step's FP8 weights in both layouts, shared by its micro-batches (the row-major one
-    # is the parameter under --fp8-param-gather; rowwise keeps the transposed one only);
-    # uncached (FSDP, and FP8 linears traced into compiled layers), each micro-batch in flight
-    # keeps its transposed one (a recomputed one only while recomputing, left out).
+    # is the parameter under --fp8-param-gather; rowwise keeps the transposed one only;
+    # linears traced into compiled layers read them too, cast before the step); uncached
+    # (FSDP), each micro-batch in flight keeps its transposed one (a recomputed one only while
+    # recomputing, left out).
     # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype;
     # under FSDP2 the FP8 copies of a rank's rows sit beside its fp32 shards (4 bytes / share).
     stored_in_fp8 = params / 4 if strategy == "fsdp" else 1 - params
     parameter_bytes = count * params + fp8_weights * stored_in_fp8 * gathered
     fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
-    pp = parallel.pipeline_model_parallel_size
-    traced = traces_fp8_linears(config.kernels.compile_layers, pp, gathered)
-    if not caches_fp8_weights(strategy) or traced:
+    if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
     activations = in_flight * micro_batch_activation_bytes(
         config, stage
