@@ -6,9 +6,13 @@ time exceeds its GPU time (the 1B FP8 step: docs/fp8_gpu.md).
     python bench/gpu_profile.py [--steps 2] [-- EXTRA_PRETRAIN_FLAGS...]
     python bench/gpu_profile.py --tiny -- --compile-layers          # the script, on a CPU
     python bench/gpu_profile.py --output-code code.txt -- --compile-layers ...
+    python bench/gpu_profile.py --trace trace.json.gz -- ...
 
 --output-code writes the source Inductor generates for the compiled graphs (on a GPU its
 Triton kernels, whose names the profile lists) to a file: what a slow fused kernel does.
+--trace writes the profiled steps' trace (Chrome format) and prints bench/gpu_timeline.py's
+reading of it: GPU time by kind of work, and idle time put down to the host or the device,
+with the longest gaps. The trace comes back from a lent GPU to be read again anywhere.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--output-code", metavar="PATH", help="Inductor's generated code, here")
+    parser.add_argument("--trace", metavar="PATH", help="the trace (.json or .json.gz), here")
     parser.add_argument("extra", nargs="*", help="pretrain_gpt.py flags added to the bench's")
     args = parser.parse_args()
     if args.output_code:  # read by torch._logging when torch is imported, just below
         os.environ["TORCH_LOGS"] = "output_code"
         os.environ["TORCH_LOGS_OUT"] = os.path.abspath(args.output_code)
 
+    import gpu_timeline
     import torch
     from gpu_mfu import TINY, Shape, threefold_args
     from torch.profiler import ProfilerActivity, profile
@@ -63,6 +69,9 @@ def main() -> None:
     print(
         profiler.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90)
     )
+    if args.trace:
+        profiler.export_chrome_trace(args.trace)
+        print(gpu_timeline.report(gpu_timeline.load(args.trace), args.steps))
     if cuda:
         print("by host time (self CPU):")
         print(

@@ -3,8 +3,9 @@
 # bench/gpu_wheels.sh carried in .whl/:
 #   bash bench/gpu_session.sh tests              # the `cuda` legs of tests/kernels, data
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
-#   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...), and
-#                                                # the code Inductor generates for the run
+#   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...), the
+#                                                # code Inductor generates for the run, and the
+#                                                # trace (gpu_mfu/profile_trace_N.json.gz)
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 #   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
 #   bash bench/gpu_session.sh checks [RUNS...]   # tests, fp8loss RUNS (default all) and resume
@@ -45,6 +46,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi >"$out/gpu_mfu/nvidia-smi.txt" 2>&1
 logs="$out/gpu_mfu"
 device_tests=(tests/kernels tests/data/test_loader.py)  # their `cuda` legs
+profiles=0
 
 run_phase() {
   local phase="${1:-bench}"
@@ -70,8 +72,10 @@ run_phase() {
       mkdir -p "$out/gpu_mfu_at_$rev"
       python3 ".old/$rev/bench/gpu_mfu.py" --out "$out/gpu_mfu_at_$rev" "$@" 2>&1 \
         | tee "$out/gpu_mfu_at_$rev/gpu_mfu_stderr.log" ;;
-    profile) python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" "$@" 2>&1 \
-               | tee -a "$logs/profile.txt" ;;
+    profile)  # each profile's trace beside the tables, read by bench/gpu_timeline.py
+      profiles=$((profiles + 1))
+      python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" \
+        --trace "$logs/profile_trace_$profiles.json.gz" "$@" 2>&1 | tee -a "$logs/profile.txt" ;;
     fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$logs/fp8_loss.txt" ;;
     resume) python3 bench/fp8_resume.py --out "$out/fp8_resume" "$@" 2>&1 \
               | tee "$logs/fp8_resume.txt" ;;
