@@ -133,3 +133,20 @@ def test_gpu_profile_writes_the_trace_it_reads(tmp_path):
     assert "no GPU kernels in the trace (a CPU run)" in result.stdout
     names = {event.get("name") for event in gpu_timeline.load(str(path))}
     assert "aten::mm" in names
+
+
+def test_step_ops_counts_a_step_in_each_tree():
+    """bench/step_ops.py, this tree against itself: every count equal, so no operator row."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "step_ops.py"), "--only", "threefold"]
+        + ["--trees", ROOT, "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| operator | this tree | this tree |"
+    assert rows[1].startswith("| (all) | ") and rows[2].startswith("| loss | ")
+    total, again = rows[1].split("|")[2:4]
+    assert int(total) == int(again) > 1000
