@@ -162,6 +162,8 @@ RECOMPUTED_MODULES = {
     "shared_experts": (BF16 + MOE, ["shared_experts"]),
     "mla_up_proj": (MLA + WIDE + ["--bf16"], ["mla_up_proj"]),
     "mla-layernorm-core_attn": (MLA + WIDE + ["--bf16"], ["layernorm", "core_attn"]),
+    "gdn_norm_out": (LLAMA_STYLE + WIDE + GDN + ["--bf16"], ["gdn_norm_out"]),
+    "gdn_norm_out-fp32": (LLAMA_STYLE + WIDE + GDN, ["gdn_norm_out"]),
 }
 
 

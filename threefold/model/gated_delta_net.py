@@ -184,6 +184,8 @@ class GatedDeltaNet(nn.Module):
         core = chunk_gated_delta_rule(q, k, v, g, beta).to(hidden_states.dtype)
         z = z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_head_dim))
         norm = OutputDiscardingCheckpoint(self.recompute_norm_out and self.training)
+        if norm.enabled:  # kept for the recomputation: a copy, as a view would keep the whole
+            z = z.contiguous()  # projection (autograd keeps none of it otherwise in bf16)
         output = self.out_proj(norm.checkpoint(self._gated_norm, core, z))
         norm.discard_output_and_register_recompute(output)
         return output

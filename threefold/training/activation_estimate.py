@@ -23,8 +23,9 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   rule's fp32 intermediates (per chunk of C tokens and value head: seven C x C matrices, the
   chunk's queries, keys and values in several forms, the state entering it), the gated norm
   and out_proj's input; under CP for the whole sequence and 1/CP of the heads
-  (--recompute-modules gdn_norm_out's saving is not counted: the estimate stays high by
-  about the gated norm's tensors, 10-16 bytes per value element).
+  (--recompute-modules gdn_norm_out: the norm's checkpoint keeps the core's output and a
+  copy of z, 2e bytes per value element, instead of its 16 bytes of fp32 tensors and its
+  statistics; in fp32 the projection z viewed goes too).
 FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention, dense MLPs and shared
 experts (and experts under rowwise scaling) keep 1-byte copies of their inputs instead of the
 run's dtype: QKV and fc1 (the norm block's linear input; an MoE layer's router keeps it in the
@@ -179,6 +180,11 @@ def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
     # the gated norm: its fp32 input and normalized copies and statistics, SiLU(z), the
     # norm's output and the product (out_proj's input)
     total += (12 + 2 * e) * b * seq * v + 4 * b * seq * heads
+    if model.recomputes("gdn_norm_out"):
+        # the norm's checkpoint keeps the core's output and a copy of z instead: its fp32
+        # tensors and statistics go (in bf16 also z's fp32 copy, out_proj keeping a copy of
+        # its input; in fp32 out_proj's input itself, and the projection z no longer views)
+        total -= b * seq * ((16 - e) * v + 4 * heads + (4 * projected if e == 4 else 0))
     chunks = -(-seq // CHUNK_SIZE)
     rows = chunks * CHUNK_SIZE  # the padded sequence
     rule = 7 * chunks * CHUNK_SIZE**2 + rows * (5 * dk + 3 * dv + 5) + chunks * dk * dv
