@@ -65,6 +65,7 @@ from threefold.kernels.fp8_gemms import (
     rowwise_mm,
     scaled_mm,
     unquantized_mm,
+    weight_grad_into,
 )
 from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import scale_from_amax
@@ -73,7 +74,11 @@ from threefold.parallel.tensor_parallel.mappings import (
     all_gather_along_first_dim,
     reduce_scatter_along_first_dim,
 )
-from threefold.parallel.tensor_parallel.weight_grad import accumulate_weight_grad, write_weight_grad
+from threefold.parallel.tensor_parallel.weight_grad import (
+    accumulate_weight_grad,
+    placeholder_grad,
+    write_weight_grad,
+)
 
 # Index of each of a linear layer's tensors in its scaling state.
 INPUT, WEIGHT, GRAD = 0, 1, 2
@@ -418,11 +423,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if needs_weight and not fp8.recipe.fp8_wgrad:
             grad_weight = _weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
         elif needs_weight:
+            operands = (g8_t, x_kept.t(), grad_inverse, input_inverse)
             grad_weight = _weight_grad(
-                ctx,
-                lambda dtype, out=None: scaled_mm(
-                    g8_t, x_kept.t(), grad_inverse, input_inverse, dtype, out=out
-                ),
+                ctx, lambda dtype, out=None: scaled_mm(*operands, dtype, out=out), operands
             )
         if needs_bias and ctx.has_bias:
             grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
@@ -444,15 +447,22 @@ def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bo
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _weight_grad(ctx, gemm) -> torch.Tensor:
+def _weight_grad(ctx, gemm, operands: tuple | None = None) -> torch.Tensor:
     """The weight gradient from `gemm(out_dtype, out=None)`: in fp32 straight into main_grad,
     never rounded to bf16 (accumulating; written by the GEMM where main_grad still holds the
-    step's zeros: `write_weight_grad`), else in the weight's dtype."""
+    step's zeros: `write_weight_grad`), else in the weight's dtype. Traced into a compiled
+    layer, a tensorwise GEMM's `operands` go to one operator that decides between writing
+    and adding as the graph runs (`weight_grad_into`); other GEMMs add."""
     if not ctx.accumulate:
         return gemm(ctx.weight.dtype)
-    if ctx.traced:  # `Fp8Linear.linear` flagged the placeholder in the forward
+    if not ctx.traced:
+        return write_weight_grad(ctx.weight, gemm)
+    # `Fp8Linear.linear` flagged the placeholder in the forward
+    zeroed = getattr(ctx.weight, "main_grad_zeroed", None)
+    if operands is None or zeroed is None:
         return accumulate_weight_grad(ctx.weight, gemm(torch.float32), flag=False)
-    return write_weight_grad(ctx.weight, gemm)
+    weight_grad_into(ctx.weight.main_grad, zeroed, *operands)
+    return placeholder_grad(ctx.weight, flag=False)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from threefold.parallel.collectives import all_gather_single, reduce_scatter_single
 from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.weight_grad import mark_main_grad_added
 
 
 class GradientBuffer:
@@ -126,8 +127,12 @@ class GradientBuffer:
         # strong reference to this buffer there would make buffer -> parameter -> hook ->
         # buffer a cycle nothing can free, keeping the model and its process groups alive.
         accumulate = _weak_hook(self._accumulate)
-        for param, (start, end) in self.ranges.items():
+        # Whether each main_grad still holds the step's zeros, as a tensor a compiled graph
+        # reads when it runs (`param.main_grad_is_zero` is the same for eager code).
+        self.zeroed = torch.ones(len(self.ranges), dtype=torch.bool)
+        for index, (param, (start, end)) in enumerate(self.ranges.items()):
             param.main_grad = self.buffer[start:end].view_as(param)
+            param.main_grad_zeroed = self.zeroed[index]
             if self.param_buffer is not None and moves_params:
                 self.param_buffer[start:end].copy_(param.data.view(-1))
                 param.data = self.param_buffer[start:end].view_as(param)
@@ -176,8 +181,9 @@ class GradientBuffer:
     def start_step(self, num_microbatches: int) -> None:
         """Zero the gradients and arm the per-bucket countdown for a step."""
         self.buffer.zero_()
-        for param in self.params:  # the first gradient may be written, not added (layers.py)
+        for param in self.params:  # the first gradient may be written, not added (weight_grad)
             param.main_grad_is_zero = True
+        self.zeroed.fill_(True)
         self._expected_calls = num_microbatches
         self._calls = dict.fromkeys(self.params, 0)
         self._pending = [0] * len(self.buckets)
@@ -191,7 +197,7 @@ class GradientBuffer:
             param.grad_added_to_main_grad = False
         else:
             param.main_grad.add_(param.grad)
-            param.main_grad_is_zero = False
+            mark_main_grad_added(param)
         param.grad = None
         if not self.overlap_grad_reduce:
             return

@@ -24,18 +24,33 @@ import torch
 import torch.nn.functional as F
 
 
+def mark_main_grad_added(weight: torch.Tensor) -> None:
+    """`weight.main_grad` holds a gradient now: the gradient buffer's flags that it still
+    holds the step's zeros are cleared, the attribute (read by eager code) and the tensor
+    (read by compiled graphs: kernels/fp8_gemms.py's `weight_grad_into`). Once a step: later
+    calls find the attribute cleared and touch no tensor."""
+    if getattr(weight, "main_grad_is_zero", False):
+        weight.main_grad_is_zero = False
+        zeroed = getattr(weight, "main_grad_zeroed", None)
+        if zeroed is not None:
+            zeroed.fill_(False)
+
+
 def placeholder_grad(weight: torch.Tensor, flag: bool = True) -> torch.Tensor:
     """What autograd receives for a weight whose gradient went into `main_grad` already: an
     uninitialized tensor (no memory traffic). `flag=False`: the caller's forward set it."""
     if flag:
         weight.grad_added_to_main_grad = True
-        weight.main_grad_is_zero = False
+        mark_main_grad_added(weight)
     return torch.empty_like(weight)
 
 
 def flag_traced_accumulation(weight: torch.Tensor) -> bool:
     """Whether this forward is being traced into a compiled graph; if so, flag now what its
-    backward will have added (a compiled backward cannot set an attribute)."""
+    backward will have added (a compiled backward cannot set an attribute). Only the
+    attribute, which the traced code sets without reading (a read would be a guard, and a
+    graph for each value): the tensor flag is the FP8 operator's, which no weight of these
+    layers reaches."""
     traced = torch.compiler.is_compiling()
     if traced and weight.requires_grad:
         weight.grad_added_to_main_grad = True
