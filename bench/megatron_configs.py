@@ -10,7 +10,8 @@ run would start) or stops in one line naming what is missing. A generic argparse
     python bench/megatron_configs.py /tmp/Megatron-LM > bench/results/megatron_configs.md
 
 What is changed to run on a CPU, and nothing else: the data and tokenizer files become
-`--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters), paths of
+`--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters; with
+`--fim-data`, which rearranges text, a small corpus and GPT-2 files holding its sentinels), paths of
 checkpoints and TensorBoard become a scratch directory, `--distributed-backend nccl` becomes
 gloo, `--transformer-impl transformer_engine` becomes local, and the model shrinks (hidden 64,
 4 heads or the config's if it divides 64, as many query groups of them as divide both, FFN 128,
@@ -83,7 +84,50 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
         groups = int(model_args["--num-query-groups"])
         heads = int(argv[argv.index("--num-attention-heads") + 1])
         argv[argv.index("--num-query-groups") + 1] = str(math.gcd(groups, heads))
+    if model_args.get("--fim-data"):
+        return argv + fim_files(scratch) + ["--vocab-size", "1024"]
     return argv + ["--mock-data", "--vocab-size", "1024"]
+
+
+FIM_SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<|endoftext|>")
+
+
+def fim_files(scratch: str) -> list[str]:
+    """--fim-data rearranges the text of documents, which mock tokens have none of (Megatron-LM
+    refuses mock data with it too): GPT-2 byte-level files whose vocabulary holds the FIM
+    sentinels (256 bytes, no merges) and a corpus of 1,000 documents (this file's lines), so
+    that even a 0.1% test split gets one; written once into the scratch directory."""
+    prefix = os.path.join(scratch, "fim", "corpus")
+    files = ["--vocab-file", prefix + "_vocab.json", "--merge-file", prefix + "_merges.txt"]
+    flags = ["--data-path", prefix, *files, "--tokenizer-type", "GPT2BPETokenizer"]
+    if os.path.exists(prefix + ".idx"):
+        return flags
+    import json
+    import warnings
+
+    import numpy as np
+    from tokenizers import pre_tokenizers
+
+    from threefold.data.tokenizer import GPT2BPETokenizer
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    with open(prefix + "_vocab.json", "w") as f:
+        json.dump({token: i for i, token in enumerate([*alphabet, *FIM_SENTINELS])}, f)
+    with open(prefix + "_merges.txt", "w") as f:
+        f.write("#version: 0.2\n")
+    tokenizer = GPT2BPETokenizer(prefix + "_vocab.json", prefix + "_merges.txt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    with open(__file__) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for number in range(1000):
+        ids = tokenizer.tokenize(lines[number % len(lines)]) + [tokenizer.eod]
+        builder.add_document(np.array(ids), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return flags
 
 
 def world_size(argv: list[str]) -> int:

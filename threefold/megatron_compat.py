@@ -235,7 +235,6 @@ MISSING = {
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",
-    "--fim-": "fill-in-the-middle data",
     "--lion-": "the Lion optimizer (threefold has adam and muon)",
     "--no-use-layer-wise-param-layout": "Megatron-LM's layer-wise distributed optimizer for Muon",
     "--adaptive-muon-": "adaptive Muon (threefold has adam and muon)",

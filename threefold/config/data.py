@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
@@ -86,6 +86,28 @@ class DataConfig:
     eod_mask_loss: bool = arg(
         False, help="no loss on predicting the token after an end-of-document token"
     )
+    # Fill-in-the-middle samples (data/fim.py), Megatron-LM's flags and defaults.
+    fim_data: bool = arg(False, help="rearrange documents for fill-in-the-middle training")
+    fim_rate: float = arg(0.5, help="--fim-data: the share of documents rearranged")
+    fim_spm_rate: float = arg(
+        0.5, help="--fim-data: the share of those in suffix-prefix-middle order (else PSM)"
+    )
+    fim_split_sample: str | None = arg(
+        None, help="--fim-data: a token cutting documents into fragments rearranged apart"
+    )
+    fim_fragment_rate: float | None = arg(
+        None, help="--fim-split-sample: the share of fragments rearranged"
+    )
+    fim_no_prefix: str | None = arg(
+        None, help="--fim-data: leave pieces whose text starts with this as they are"
+    )
+    fim_prefix_token: str = arg("<fim_prefix>", help="--fim-data: the prefix sentinel token")
+    fim_middle_token: str = arg("<fim_middle>", help="--fim-data: the middle sentinel token")
+    fim_suffix_token: str = arg("<fim_suffix>", help="--fim-data: the suffix sentinel token")
+    fim_pad_token: str = arg("<fim_pad>", help="--fim-data: fills a sample rearranging shortened")
+    fim_eod_token: str = arg(
+        "<|endoftext|>", help="--fim-data: the end-of-document token documents are cut at"
+    )
 
     def split_weights(self) -> list[float]:
         # Megatron-LM's Llama-3 example passes --split "'99,1,0'": the quotes reach argv.
@@ -112,6 +134,38 @@ class DataConfig:
         )
         self.finalize_tokenizer()
         self.split_weights()
+        self.finalize_fim()
+
+    def finalize_fim(self) -> None:
+        """--fim-*: rates that are probabilities, and no flag without --fim-data."""
+        if not self.fim_data:
+            given = [
+                "--" + field.name.replace("_", "-")
+                for field in fields(self)
+                if field.name.startswith("fim_") and getattr(self, field.name) != field.default
+            ]
+            _require(
+                not given,
+                f"{' '.join(given)}: fill-in-the-middle flags without --fim-data; add it or "
+                "drop them",
+            )
+            return
+        _require(
+            not self.mock_data,
+            "--fim-data rearranges the text of documents: give --data-path, not --mock-data",
+        )
+        for flag, rate in (
+            ("--fim-rate", self.fim_rate),
+            ("--fim-spm-rate", self.fim_spm_rate),
+            ("--fim-fragment-rate", self.fim_fragment_rate),
+        ):
+            _require(
+                rate is None or 0 <= rate <= 1, f"{flag} {rate} must be a probability in [0, 1]"
+            )
+        _require(
+            self.fim_split_sample is None or self.fim_fragment_rate is not None,
+            "--fim-split-sample needs --fim-fragment-rate (the share of fragments rearranged)",
+        )
 
     def finalize_tokenizer(self) -> None:
         """The tokenizer flags alone (the tools that sample a checkpoint take only these)."""

@@ -16,14 +16,17 @@ Mock data (`--mock-data`): every sample is a pure function of the seed and the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
 from threefold.config import ConfigError
 from threefold.data import megatron_core
+from threefold.data.fim import FillInTheMiddle
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _CHECKED: set[tuple[str, int]] = set()  # (prefix, vocabulary size) found good in this process
@@ -196,15 +199,17 @@ class MegatronSamples:
 
     shuffled = True  # the indices are shuffled already: read sequentially
 
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset, transform: Callable | None = None) -> None:
+        # `transform(tokens, index)`: --fim-data's rearrangement (data/fim.py)
+        self.dataset, self.transform = dataset, transform
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> np.ndarray:
         sample = self.dataset[index]
-        return np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+        tokens = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
+        return tokens if self.transform is None else self.transform(tokens, index)
 
     def source_of(self, index: int) -> int:
         """Which blended dataset sample `index` comes from (0 when not blended)."""
@@ -271,7 +276,14 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
             f"--data-path/--split: megatron-core could not build the datasets "
             f"({error}); check --split and that every split has documents"
         ) from None
-    datasets = [MegatronSamples(d) if d is not None and len(d) else None for d in built]
+    transforms = [None] * len(built)
+    if data.fim_data:  # each split's samples rearranged from a generator of its own
+        fim = FillInTheMiddle(data, tokenizer, config.training.seed)
+        transforms = [functools.partial(fim, split=split) for split in range(len(built))]
+    datasets = [
+        MegatronSamples(d, transform) if d is not None and len(d) else None
+        for d, transform in zip(built, transforms)
+    ]
     if datasets[0] is None:
         raise ConfigError("--split: the train split is empty; give it documents")
     return datasets

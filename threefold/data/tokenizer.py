@@ -1,4 +1,5 @@
-"""Tokenizers behind one small interface: `tokenize`, `detokenize`, `vocab_size`, `eod`."""
+"""Tokenizers behind one small interface: `tokenize`, `detokenize`, `token_id`, `vocab_size`,
+`eod`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class SentencePieceTokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         return self.processor.decode([int(i) for i in ids])
+
+    def token_id(self, token: str) -> int | None:
+        """One piece's id (None if the model has no such piece)."""
+        found = self.processor.piece_to_id(token)
+        return found if self.processor.id_to_piece(found) == token else None
 
 
 class Llama2Tokenizer(SentencePieceTokenizer):
@@ -79,6 +85,14 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: list[int]) -> str:
         return self._decode([int(i) for i in ids])
 
+    def token_id(self, token: str) -> int | None:
+        """One token's id, special tokens included (None if the vocabulary lacks it)."""
+        if hasattr(self.tokenizer, "token_to_id"):  # the `tokenizers` library's
+            return self.tokenizer.token_to_id(token)
+        found = self.tokenizer.convert_tokens_to_ids(token)
+        known = found is not None and self.tokenizer.convert_ids_to_tokens(found) == token
+        return found if known else None
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
@@ -127,6 +141,10 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
+    def token_id(self, token: str) -> int | None:
+        """One token's id (None if the vocabulary lacks it)."""
+        return self.tokenizer.token_to_id(token)
+
 
 class NullTokenizer:
     """Megatron's NullTokenizer: ids are given, `--vocab-size` of them plus one end-of-document."""
@@ -141,6 +159,10 @@ class NullTokenizer:
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def token_id(self, token: str) -> int | None:
+        """A token given as its id (the only names this tokenizer has)."""
+        return int(token) if token.isdigit() and int(token) < self.vocab_size else None
 
 
 def build_tokenizer(config: DataConfig, vocab_size: int | None):
