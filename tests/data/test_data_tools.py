@@ -135,6 +135,9 @@ def test_gpt2_bpe_tokenizer_from_vocab_and_merges(tmp_path):
     tokenizer = GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
     assert tokenizer.eod == trainer.token_to_id("<|endoftext|>")
     assert tokenizer.detokenize(tokenizer.tokenize(TEXTS[0])) == TEXTS[0]
+    # special tokens by name (--fim-data's sentinels), None where the vocabulary lacks one
+    assert tokenizer.token_id("<|endoftext|>") == tokenizer.eod
+    assert tokenizer.token_id("<fim_prefix>") is None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -164,3 +167,5 @@ def test_a_trained_tokenizer_keeps_newlines_indentation_and_spaces(tmp_path):
     unseen = "def  f():\n\n        pass\t# ünïcode ✓\n"  # byte fallback for the new characters
     for text in documents + [unseen]:
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
+    assert tokenizer.token_id(tokenizer.processor.id_to_piece(tokenizer.eod)) == tokenizer.eod
+    assert tokenizer.token_id("<fim_prefix>") is None  # not the unknown piece's id

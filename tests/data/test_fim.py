@@ -173,3 +173,16 @@ def test_sentinels_the_tokenizer_lacks_are_named():
         FillInTheMiddle(parse_args(argv).data, NullTokenizer(VOCAB - 1), seed=1)
     with pytest.raises(ConfigError, match="--fim-data rearranges text: it needs --tokenizer"):
         FillInTheMiddle(parse_args(argv).data, None, seed=1)
+
+
+def test_a_hugging_face_tokenizer_names_its_special_tokens(tmp_path):
+    """The sentinels of a Hugging Face tokenizer by name; None (not the unknown token's id)
+    for one it lacks."""
+    pytest.importorskip("transformers")
+    from tests.tools.hf_models import build_tokenizer
+    from threefold.data.tokenizer import HuggingFaceTokenizer
+
+    build_tokenizer(str(tmp_path))
+    tokenizer = HuggingFaceTokenizer(str(tmp_path))
+    assert tokenizer.token_id("</s>") == tokenizer.eod
+    assert tokenizer.token_id("<fim_prefix>") is None
