@@ -75,28 +75,9 @@ def scaled_mm(
     return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
 
 
-def write_or_add(
-    main_grad: torch.Tensor,
-    zeroed: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_inverse: torch.Tensor,
-    b_inverse: torch.Tensor,
-) -> None:
-    """A weight gradient, `scaled_mm(a, b, ...)`, into `main_grad`: written there by the GEMM
-    while `zeroed` (the gradient buffer's flag, a CPU tensor) says main_grad still holds the
-    step's zeros, which saves an add reading and writing main_grad (the flag then cleared);
-    else computed in fp32 and added."""
-    if bool(zeroed) and main_grad.is_contiguous():
-        scaled_mm(a, b, a_inverse, b_inverse, main_grad.dtype, out=main_grad)
-        zeroed.fill_(False)
-    else:
-        main_grad.add_(scaled_mm(a, b, a_inverse, b_inverse, torch.float32))
-
-
-# `write_or_add` as one operator of a compiled graph, which calls it with main_grad and the
-# flag themselves: a graph cannot branch on a flag that changes between its runs (the first
-# micro-batch of a step writes, the others add), so the operator decides when it runs.
+# A weight gradient as one operator of a compiled graph, which calls it with main_grad and the
+# gradient buffer's flag themselves: a graph cannot branch on a flag that changes between its
+# runs (a step's first micro-batch writes, the others add), so the operator decides as it runs.
 @torch.library.custom_op("threefold::fp8_weight_grad_into", mutates_args=("main_grad", "zeroed"))
 def weight_grad_into(
     main_grad: torch.Tensor,
@@ -106,7 +87,14 @@ def weight_grad_into(
     a_inverse: torch.Tensor,
     b_inverse: torch.Tensor,
 ) -> None:
-    write_or_add(main_grad, zeroed, a, b, a_inverse, b_inverse)
+    """`scaled_mm(a, b, ...)` into `main_grad`: written there by the GEMM while `zeroed` (a
+    CPU tensor) says main_grad still holds the step's zeros, which saves an add reading and
+    writing main_grad (the flag then cleared); else computed in fp32 and added."""
+    if bool(zeroed) and main_grad.is_contiguous():
+        scaled_mm(a, b, a_inverse, b_inverse, main_grad.dtype, out=main_grad)
+        zeroed.fill_(False)
+    else:
+        main_grad.add_(scaled_mm(a, b, a_inverse, b_inverse, torch.float32))
 
 
 @weight_grad_into.register_fake
