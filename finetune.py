@@ -50,6 +50,11 @@ def sft_datasets(packing: bool):
                 "samples mask their prompts themselves, and --sft-packing keeps "
                 "documents apart"
             )
+        if data.fim_data:
+            raise ConfigError(
+                "finetune.py: --fim-data rearranges pretraining documents; SFT conversations "
+                "keep their order (drop the flag)"
+            )
 
         def dataset(paths: list[str]) -> SFTDataset | None:
             records = [record for path in paths for record in read_jsonl(path)]

@@ -186,3 +186,11 @@ def test_a_hugging_face_tokenizer_names_its_special_tokens(tmp_path):
     tokenizer = HuggingFaceTokenizer(str(tmp_path))
     assert tokenizer.token_id("</s>") == tokenizer.eod
     assert tokenizer.token_id("<fim_prefix>") is None
+
+
+def test_finetuning_refuses_fim_data():
+    from finetune import sft_datasets
+
+    argv = MODEL + ["--data-path", "unused", "--train-iters", "2", "--fim-data"]
+    with pytest.raises(ConfigError, match="finetune.py: --fim-data rearranges pretraining"):
+        sft_datasets(packing=False)(parse_args(argv), NullTokenizer(VOCAB))
