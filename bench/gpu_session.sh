@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh bench [ARGS...]    # bench/gpu_mfu.py ARGS (e.g. --only ...)
 #   bash bench/gpu_session.sh profile [ARGS...]  # bench/gpu_profile.py ARGS (-- FLAGS...), the
 #                                                # code Inductor generates for the run, and the
-#                                                # trace (gpu_mfu/profile_trace_N.json.gz)
+#                                                # trace (profile_trace_N.json.gz in $OUT,
+#                                                # else in gpu_mfu/)
 #   bash bench/gpu_session.sh fp8loss [ARGS...]  # bench/fp8_loss.py ARGS: FP8 vs bf16 losses
 #   bash bench/gpu_session.sh resume [ARGS...]   # bench/fp8_resume.py ARGS: FP8 stop and resume
 #   bash bench/gpu_session.sh checks [RUNS...]   # tests, fp8loss RUNS (default all) and resume
@@ -72,10 +73,14 @@ run_phase() {
       mkdir -p "$out/gpu_mfu_at_$rev"
       python3 ".old/$rev/bench/gpu_mfu.py" --out "$out/gpu_mfu_at_$rev" "$@" 2>&1 \
         | tee "$out/gpu_mfu_at_$rev/gpu_mfu_stderr.log" ;;
-    profile)  # each profile's trace beside the tables, read by bench/gpu_timeline.py
+    profile)  # each profile's trace, read by bench/gpu_timeline.py: under the device tool a
+      # file of its own in $OUT (a 1B step's trace is a few MiB gzipped; the tarball must stay
+      # under the 16 MiB a file that comes back may have)
       profiles=$((profiles + 1))
-      python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" \
-        --trace "$logs/profile_trace_$profiles.json.gz" "$@" 2>&1 | tee -a "$logs/profile.txt" ;;
+      local trace="$logs/profile_trace_$profiles.json.gz"
+      [ -n "${OUT:-}" ] && trace="$OUT/profile_trace_$profiles.json.gz"
+      python3 bench/gpu_profile.py --output-code "$logs/inductor_code.txt" --trace "$trace" \
+        "$@" 2>&1 | tee -a "$logs/profile.txt" ;;
     fp8loss) python3 bench/fp8_loss.py --out "$out/fp8_loss" "$@" 2>&1 | tee "$logs/fp8_loss.txt" ;;
     resume) python3 bench/fp8_resume.py --out "$out/fp8_resume" "$@" 2>&1 \
               | tee "$logs/fp8_resume.txt" ;;
