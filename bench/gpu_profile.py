@@ -7,6 +7,7 @@ time exceeds its GPU time (the 1B FP8 step: docs/fp8_gpu.md).
     python bench/gpu_profile.py --tiny -- --compile-layers          # the script, on a CPU
     python bench/gpu_profile.py --output-code code.txt -- --compile-layers ...
     python bench/gpu_profile.py --trace trace.json.gz -- ...
+    python bench/gpu_profile.py --tree .old/b5ce27a --trace old.json.gz -- ...  # a commit's
 
 --output-code writes the source Inductor generates for the compiled graphs (on a GPU its
 Triton kernels, whose names the profile lists) to a file: what a slow fused kernel does.
@@ -35,37 +36,38 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--output-code", metavar="PATH", help="Inductor's generated code, here")
     parser.add_argument("--trace", metavar="PATH", help="the trace (.json or .json.gz), here")
+    parser.add_argument(
+        "--tree", metavar="DIR", help="profile threefold as it was in DIR (.old/REV, a commit)"
+    )
     parser.add_argument("extra", nargs="*", help="pretrain_gpt.py flags added to the bench's")
     args = parser.parse_args()
     if args.output_code:  # read by torch._logging when torch is imported, just below
         os.environ["TORCH_LOGS"] = "output_code"
         os.environ["TORCH_LOGS_OUT"] = os.path.abspath(args.output_code)
 
-    import gpu_timeline
-    import torch
-    from gpu_mfu import TINY, Shape, threefold_args
-    from torch.profiler import ProfilerActivity, profile
+    import gpu_timeline  # (this tree's, whichever threefold is profiled)
 
-    from threefold.arguments import parse_args
-    from threefold.parallel.parallel_context import ParallelContext
-    from threefold.training.trainer import Trainer
+    if args.tree:  # that tree's threefold and bench/gpu_mfu.py, ahead of this one's
+        sys.path[:0] = [os.path.abspath(args.tree), os.path.join(args.tree, "bench")]
+    import gpu_mfu
+    import torch
+    from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    shape = TINY if args.tiny else Shape()
-    trainer = Trainer(
-        parse_args(threefold_args(shape, cuda) + args.extra), device, ParallelContext()
-    )
+    shape = gpu_mfu.TINY if args.tiny else gpu_mfu.Shape()
+    step = gpu_mfu._threefold(shape, device, cuda, extra=tuple(args.extra))
     for _ in range(args.warmup):
-        trainer.train_step()
+        step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
     with profile(activities=activities) as profiler:
         for _ in range(args.steps):
-            trainer.train_step()
+            step()
     seconds = (time.perf_counter() - start) / args.steps
     sort = "cuda_time_total" if cuda else "cpu_time_total"
-    print(f"step {seconds * 1e3:.1f} ms (profiled), flags: {' '.join(args.extra) or '-'}")
+    tree = f" (threefold of {args.tree})" if args.tree else ""
+    print(f"step {seconds * 1e3:.1f} ms (profiled){tree}, flags: {' '.join(args.extra) or '-'}")
     print(
         profiler.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=90)
     )

@@ -3,6 +3,7 @@ format, as `gpu_profile.py --trace` writes it) read without torch, so a trace br
 a lent GPU can be read again on any machine.
 
     python bench/gpu_timeline.py TRACE.json.gz [--steps 2] [--gaps 12]
+    python bench/gpu_timeline.py TRACE.json.gz --against OTHER.json.gz   # what changed
 
 Three tables:
 - GPU time by kind of work (cuBLAS GEMMs in 16 bits or FP8, attention, Inductor's Triton
@@ -240,6 +241,44 @@ def report(events: list[dict], steps: int, longest: int = 12) -> str:
     return "\n".join(lines)
 
 
+def compare(events: list[dict], against: list[dict], steps: int, rows: int = 15) -> str:
+    """Two traces of the same step (two commits, two flags) side by side: GPU time a step by
+    kind of work and the kernels whose time changed most, with their launches a step."""
+    sides = [device_events(events), device_events(against)]
+    if not all(sides):
+        return "a trace without GPU kernels (a CPU run): nothing to compare"
+    per_step = 1e3 * steps
+    totals: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0]) for _ in sides]
+    kinds: list[dict[str, float]] = [defaultdict(float) for _ in sides]
+    for side, device in enumerate(sides):
+        for event in device:
+            totals[side][event.name][0] += event.end - event.start
+            totals[side][event.name][1] += 1
+            kinds[side][event.kind] += event.end - event.start
+    lines = ["| kind of work | ms a step | against | change |", "|---|---|---|---|"]
+    for kind in sorted(set(kinds[0]) | set(kinds[1]), key=lambda k: -kinds[0].get(k, 0)):
+        a, b = (kinds[side].get(kind, 0.0) / per_step for side in (0, 1))
+        lines.append(f"| {kind} | {a:.2f} | {b:.2f} | {a - b:+.2f} |")
+    busy = [gaps(device)[0] / per_step for device in sides]
+    lines.append(
+        f"| (busy, streams merged) | {busy[0]:.2f} | {busy[1]:.2f} | {busy[0] - busy[1]:+.2f} |"
+    )
+    lines += [
+        "",
+        "| kernel | ms a step | against | change | launches a step |",
+        "|---|---|---|---|---|",
+    ]
+    names = set(totals[0]) | set(totals[1])
+    change = {n: totals[0].get(n, [0.0, 0])[0] - totals[1].get(n, [0.0, 0])[0] for n in names}
+    for name in sorted(names, key=lambda n: -abs(change[n]))[:rows]:
+        (a, na), (b, nb) = (totals[side].get(name, [0.0, 0]) for side in (0, 1))
+        lines.append(
+            f"| {_short(name)} | {a / per_step:.2f} | {b / per_step:.2f} | "
+            f"{change[name] / per_step:+.2f} | {na / steps:.0f} vs {nb / steps:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -249,8 +288,14 @@ def main() -> None:
     parser.add_argument("trace", help="a Chrome trace (.json or .json.gz)")
     parser.add_argument("--steps", type=int, default=2, help="training steps the trace holds")
     parser.add_argument("--gaps", type=int, default=12, help="how many of the longest gaps")
+    parser.add_argument(
+        "--against", metavar="TRACE", help="a second trace of the same step: what changed"
+    )
     args = parser.parse_args()
-    print(report(load(args.trace), args.steps, args.gaps))
+    if args.against:
+        print(compare(load(args.trace), load(args.against), args.steps))
+    else:
+        print(report(load(args.trace), args.steps, args.gaps))
 
 
 if __name__ == "__main__":

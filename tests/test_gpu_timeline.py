@@ -120,6 +120,17 @@ def test_the_report_gives_the_time_a_step_and_the_longest_gaps(tmp_path):
     assert gpu_timeline.report([_op("aten::mm", 0, 5)], 1).startswith("no GPU kernels")
 
 
+def test_two_traces_compared_by_kind_and_by_kernel():
+    """--against: the FP8 GEMM 10 µs slower in the second trace shows as its kind's change
+    and as the kernel that changed most, with its launches."""
+    slower = _trace()
+    slower[11] = _kernel("nvjet_sm90_qqtst_128x256_v_bz_TNN", 2, 40, 40)  # 50 µs -> 40 here
+    text = gpu_timeline.compare(_trace(), slower, steps=1)
+    assert "| FP8 GEMMs | 0.05 | 0.04 | +0.01 |" in text
+    kernels = text.split("| kernel |")[1].splitlines()
+    assert kernels[2] == "| nvjet_sm90_qqtst_128x256_v_bz_TNN | 0.05 | 0.04 | +0.01 | 1 vs 1 |"
+
+
 def test_gpu_profile_writes_the_trace_it_reads(tmp_path):
     """The profile phase of a lent GPU's call (bench/gpu_session.sh), on the tiny model: the
     trace is written, holds the step's operators and is read back (no kernels on a CPU)."""
@@ -133,6 +144,41 @@ def test_gpu_profile_writes_the_trace_it_reads(tmp_path):
     assert "no GPU kernels in the trace (a CPU run)" in result.stdout
     names = {event.get("name") for event in gpu_timeline.load(str(path))}
     assert "aten::mm" in names
+    # --tree: the step as another tree's bench/gpu_mfu.py builds it (a commit's, in .old/REV)
+    other = tmp_path / "other"
+    (other / "bench").mkdir(parents=True)
+    (other / "bench" / "gpu_mfu.py").write_text(OTHER_TREE)
+    result = subprocess.run(
+        [*command, "--tree", str(other), "--", "--bf16"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the other tree's step ('--bf16',)" in result.stdout
+    assert f"(threefold of {other})" in result.stdout
+
+
+# A tree whose bench/gpu_mfu.py builds a step of one matrix product
+OTHER_TREE = """
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Shape:
+    pass
+
+
+TINY = Shape()
+
+
+def _threefold(shape, device, bf16, extra=()):
+    print("the other tree's step", extra)
+    a = torch.ones(8, 8)
+    return lambda: float((a @ a).sum())
+"""
 
 
 def test_step_ops_counts_a_step_in_each_tree():
