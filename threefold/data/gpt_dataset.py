@@ -227,10 +227,30 @@ def _blend(paths: list[str], flag: str, vocab_size: int):
     return prefixes, weights
 
 
-def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
-    """Train, validation and test samples (None for an empty split) from indexed data."""
+def _check_npy_caches(directories: list[str]) -> None:
+    """Every cached index megatron-core will load with allow_pickle=True (safe_loading.py),
+    checked on every rank before any rank writes one: megatron-core's builder has rank 0 write
+    the cache while the others wait at its barrier, and a rank still checking would read a
+    file half written (and refuse it). So the checks run between two barriers of the group the
+    builder's own barrier uses, the default one; a rank that refuses still reaches the second,
+    so the others never wait on it."""
+    import torch.distributed as dist
+
     from threefold.safe_loading import check_npy_cache
 
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier()
+    try:
+        for directory in directories:
+            check_npy_cache(directory)
+    finally:
+        if distributed:
+            dist.barrier()
+
+
+def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
+    """Train, validation and test samples (None for an empty split) from indexed data."""
     mcore = megatron_core.datasets()
     data, model = config.data, config.model
     vocab = model.vocab_size
@@ -252,9 +272,10 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         if blend
         for prefix in blend[0]
     ]
-    for directory in index_cache_directories(data.data_cache_path, prefixes):
+    directories = index_cache_directories(data.data_cache_path, prefixes)
+    for directory in directories:
         check_index_cache(directory)
-        check_npy_cache(directory)  # megatron-core loads these with allow_pickle=True
+    _check_npy_caches(directories)
     gpt_config = mcore.gpt_dataset.GPTDatasetConfig(
         random_seed=config.training.seed,
         sequence_length=model.seq_length,
