@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     # costs a second.
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel import state
+    from threefold.parallel.refusal import print_refusal_once
     from threefold.training import halting
     from threefold.training.trainer import Trainer
 
@@ -150,9 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         pending = (
             resuming and loaded is not None and trainer.validation.after_load(known.load, loaded)
         )
-    except ConfigError as error:
-        if parallel.world.rank == 0:
-            print(f"finetune.py: error: {error}", file=sys.stderr, flush=True)
+    except ConfigError as error:  # from here on, possibly met by some ranks only
+        print_refusal_once("finetune.py", error, parallel.world.rank)
         return 2
     if pending:
         trainer.print(pending)

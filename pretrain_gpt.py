@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel import state
+    from threefold.parallel.refusal import print_refusal_once
     from threefold.training import halting
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
@@ -60,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     if started is None:
         return 2
     device, parallel = started
-    rank_zero = parallel.world.rank == 0
     try:
         trainer = Trainer(config, device, parallel)
         if config.checkpoint.load:
@@ -89,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if pending:  # --rerun-mode validate_results: an iteration to rerun from here
                 trainer.print(pending)
-    except ConfigError as error:
-        if rank_zero:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    except ConfigError as error:  # from here on, possibly met by some ranks only
+        print_refusal_once("pretrain_gpt.py", error, parallel.world.rank)
         return 2
     trainer.print(_summary(config, trainer, device.type))
     trainer.observability.print_timers(SETUP)

@@ -276,3 +276,40 @@ def test_under_torchrun_a_refusal_is_printed_once():
         "pretrain_gpt.py: error: unrecognized arguments: --num-layer 2; did you mean "
         "--num-layers? (--help lists every flag)"
     ]
+
+
+# After start-up ranks can meet different refusals (a file one node lacks): each is said once,
+# by the first rank to meet it, a rank other than 0 naming itself.
+_RANKS_APART = """
+import sys
+
+import torch.distributed as dist
+
+from threefold.parallel import state
+from threefold.parallel.refusal import print_refusal_once
+
+state.initialize_distributed("gloo")
+rank = dist.get_rank()
+print_refusal_once("job.py", "--data-path corpus: every rank meets this", rank)
+dist.barrier()
+if rank == 2:
+    print_refusal_once("job.py", "--load ckpt: a shard only rank 2 reads is damaged", rank)
+    sys.exit(2)
+dist.barrier()  # the others wait for rank 2, as a job's collectives would, until stopped
+"""
+
+
+def test_under_torchrun_a_refusal_met_after_start_up_is_printed_once_by_whichever_rank_met_it(
+    tmp_path,
+):
+    script = tmp_path / "job.py"
+    script.write_text(_RANKS_APART)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "3", str(script)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = (result.stdout + result.stderr).splitlines()
+    assert [line for line in lines if line.startswith("job.py:")] == [
+        "job.py: error: --data-path corpus: every rank meets this",
+        "job.py: error on rank 2: --load ckpt: a shard only rank 2 reads is damaged",
+    ]

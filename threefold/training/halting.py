@@ -5,8 +5,9 @@
     ReplicaMismatchError    --check-weight-hash-across-dp-replicas-interval found replicas apart
     RerunExit               --rerun-mode validate_results: Megatron-LM's exit codes 16 and 17
 
-One line on stderr from rank 0 (the first two name the checkpoint that stays the last good
-state) and the exit code, instead of a traceback per rank.
+One line on stderr (the first two name the checkpoint that stays the last good state) and
+the exit code, instead of a traceback per rank. A failed save is said by the first rank that
+met it (a disk can fill on one node only: parallel/refusal.py), the rest by rank 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 from threefold.checkpoint.files import read_tracker
 from threefold.checkpoint.writer import CheckpointSaveError
+from threefold.parallel.refusal import print_refusal_once
 from threefold.training.numerics import NonFiniteError
 from threefold.training.replica_check import ReplicaMismatchError
 from threefold.training.rerun import RerunExit
@@ -27,7 +29,7 @@ def train(trainer, program: str) -> int:
     try:
         trainer.train()
     except CheckpointSaveError as error:
-        print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+        print_refusal_once(program, error, trainer.parallel.world.rank)
         return 1
     except RerunExit as stop:
         if rank_zero:
