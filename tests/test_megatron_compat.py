@@ -460,3 +460,80 @@ def test_deterministic_mode_sets_megatrons_environment_and_torch(monkeypatch):
     monkeypatch.setenv("NCCL_ALGO", "Tree")
     with pytest.raises(ConfigError, match="NCCL_ALGO=Tree may reorder sums"):
         deterministic_environment()
+
+
+def _parallel_fields(config) -> dict:
+    """The run's parallel settings, less Megatron-FSDP's own flags (what they set is compared)."""
+    from threefold.config.megatron_fsdp import MegatronFsdpConfig
+
+    values = dataclasses.asdict(config)
+    for name in MegatronFsdpConfig.__dataclass_fields__:
+        del values["parallel"][name]
+    return values
+
+
+def test_megatron_fsdp_runs_as_fsdp2(capsys):
+    """A Megatron-FSDP script's flags (v1 wants the distributed optimizer, its overlaps are
+    FSDP's prefetch and reduction) are the FSDP2 run, whose parity tests stand for it; under
+    --bf16 its default gradient communication is bf16 (FSDP2's bf16 reduce-scatter)."""
+    fsdp = "--use-megatron-fsdp --use-distributed-optimizer --overlap-grad-reduce "
+    fsdp += "--overlap-param-gather --ckpt-format fsdp_dtensor --bf16"
+    config = parse_args(BASE + fsdp.split(), world_size=2)
+    out = capsys.readouterr().out
+    torch_fsdp2 = parse_args(BASE + "--use-torch-fsdp2 --grad-reduce-in-bf16 --bf16".split(), 2)
+    assert _parallel_fields(config) == _parallel_fields(torch_fsdp2)
+    assert config.parallel.distributed_strategy == "fsdp"
+    assert "WARNING: --use-megatron-fsdp runs as FSDP2 (--distributed-strategy fsdp)" in out
+    assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather with " in out
+    assert "--megatron-fsdp-main-grads-dtype bf16: FSDP2 accumulates gradients in fp32" in out
+    assert "> --ckpt-format fsdp_dtensor: checkpoints are saved in threefold's format" in out
+    # Megatron-LM's functional test gives every dtype as fp32: FSDP2's defaults
+    fp32 = " --megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32"
+    fp32 += " --megatron-fsdp-grad-comm-dtype fp32"
+    config = parse_args(BASE + (fsdp + fp32).split(), world_size=2)
+    assert "main-grads-dtype" not in capsys.readouterr().out
+    torch_fsdp2 = parse_args(BASE + "--use-torch-fsdp2 --bf16".split(), world_size=2)
+    assert _parallel_fields(config) == _parallel_fields(torch_fsdp2)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+            "--data-parallel-sharding-strategy optim_grads keeps whole parameters on every "
+            "rank; threefold has it as its distributed optimizer",
+        ),
+        (
+            "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard",
+            "threefold has it as plain data parallelism",
+        ),
+        (
+            "--use-megatron-fsdp --megatron-fsdp-main-params-dtype bf16",
+            "--megatron-fsdp-main-params-dtype bf16: FSDP2 keeps fp32 master parameters",
+        ),
+        (
+            "--use-megatron-fsdp --megatron-fsdp-main-params-dtype auto --bf16",
+            "--megatron-fsdp-main-params-dtype auto: FSDP2 keeps fp32",
+        ),
+        ("--use-megatron-fsdp --fp16", "--megatron-fsdp-grad-comm-dtype fp16: FSDP2"),
+        (
+            "--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16",
+            "--megatron-fsdp-grad-comm-dtype bf16: FSDP2 reduce-scatters in fp32, or in bf16 "
+            "under --bf16",
+        ),
+        ("--use-megatron-fsdp --outer-dp-sharding-strategy optim", "hybrid FSDP"),
+        ("--use-megatron-fsdp --use-torch-fsdp2", "drop --distributed-strategy fsdp"),
+        (
+            "--data-parallel-sharding-strategy optim --outer-dp-sharding-strategy optim",
+            "--data-parallel-sharding-strategy --outer-dp-sharding-strategy belong to "
+            "Megatron-FSDP: add --use-megatron-fsdp or drop them",
+        ),
+    ],
+)
+def test_what_megatron_fsdp_does_not_carry_over_is_refused_in_one_line(extra, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + extra.split(), world_size=2)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err

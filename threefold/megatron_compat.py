@@ -37,7 +37,7 @@ ONLY_DEFAULT = {
     # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
-        ("threefold", "torch_dist", "torch"),
+        ("threefold", "torch_dist", "torch", "fsdp_dtensor"),
         "runs save threefold's own format (docs/checkpoints.md); Megatron-LM's torch_dist "
         "is written by tools/convert_checkpoint.py --saver megatron",
     ),
@@ -85,6 +85,9 @@ VALUE_NOTES = {
     "threefold's format (torch.distributed.checkpoint shards keyed model.tp{r}.*, "
     "docs/checkpoints.md), not Megatron-LM's torch_dist layout; --load reads both, and "
     "tools/convert_checkpoint.py --saver megatron writes Megatron-LM's",
+    ("--ckpt-format", "fsdp_dtensor"): "--ckpt-format fsdp_dtensor: checkpoints are saved "
+    "in threefold's format (docs/checkpoints.md), which FSDP2 runs save and load at any "
+    "layout, not Megatron-FSDP's DTensor layout",
     ("--ckpt-format", "torch"): "--ckpt-format torch: checkpoints are saved in threefold's "
     "format (docs/checkpoints.md); Megatron-LM's legacy torch format, a pickle per rank, is "
     "neither written nor read (loading one would run whatever code it holds)",
@@ -228,10 +231,8 @@ MISSING = {
     "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
     "--tp-comm-overlap": "tensor-parallel communication overlap (TE userbuffers)",
-    "--use-megatron-fsdp": "Megatron-FSDP (threefold shards with torch FSDP2: --use-torch-fsdp2)",
-    "--data-parallel-sharding-strategy": "Megatron-FSDP",
-    "--outer-dp-sharding-strategy": "Megatron-FSDP",
-    "--megatron-fsdp-": "Megatron-FSDP",
+    # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
+    "--megatron-fsdp-": "Megatron-FSDP's other options",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
     "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",

@@ -1,5 +1,5 @@
 """The parallel layout: TP, PP (with virtual and uneven stages), CP (config/context_parallel.py),
-EP, DP and its strategy."""
+EP, DP and its strategy (Megatron-FSDP's flags: config/megatron_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from threefold.config.context_parallel import ContextParallelConfig
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
+from threefold.config.megatron_fsdp import MegatronFsdpConfig
 from threefold.config.model import ModelConfig
 from threefold.config.pipeline_layout import layout_layer_counts
 
@@ -40,7 +41,7 @@ def stage_layer_counts(
 
 
 @dataclass
-class ParallelConfig(ContextParallelConfig):
+class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
     tensor_model_parallel_size: int = arg(1, help="TP: ranks that split every layer's matrices")
     pipeline_model_parallel_size: int = arg(1, help="PP: stages the layers are split into")
     virtual_pipeline_model_parallel_size: int | None = arg(
@@ -373,10 +374,16 @@ class ParallelConfig(ContextParallelConfig):
             "mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
             "(as in Megatron: each TP rank routes its own slice of the sequence)",
         )
+        strategy = (
+            "--use-megatron-fsdp (FSDP2 here)"
+            if self.use_megatron_fsdp
+            else f"--distributed-strategy {self.distributed_strategy}"
+        )
         _require(
             self.distributed_strategy == "megatron",
-            "mixture-of-experts needs --distributed-strategy megatron (expert gradients are "
-            "reduced over their own group)",
+            f"mixture-of-experts under {strategy} is not implemented (expert gradients are "
+            "reduced over their own group): use threefold's data parallelism, with "
+            "--use-distributed-optimizer to shard the optimizer state",
         )
 
     def _finalize_multi_token_prediction(self, model: ModelConfig) -> None:

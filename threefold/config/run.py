@@ -32,7 +32,10 @@ class Config:
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
-        warnings = self.model.finalize() + check_muon_layout(self)
+        training = self.training
+        precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+        warnings = self.parallel.finalize_megatron_fsdp(precision)  # the strategy, first
+        warnings += self.model.finalize() + check_muon_layout(self)
         warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
         parallel = self.parallel
