@@ -276,12 +276,19 @@ def test_grouped_gemm_equals_the_loop():
 
 # -- expert parallelism reproduces one process -------------------------------------------------
 def _train_with_statistics(argv: list[str], steps: int) -> dict:
-    """Losses, final parameters, and the log's MoE numbers of the run."""
+    """Losses, gradient norms, final parameters, and the log's MoE numbers of the run."""
     trainer = _setup(argv)
-    losses = [trainer.train_step()[0] for _ in range(steps)]
+    steps = [trainer.train_step() for _ in range(steps)]
     means, tokens = trainer.moe_statistics.report(trainer.device)
     params = _without_key_bias(_full(trainer), trainer)
-    return {"losses": losses, "params": params, "moe": means, "tokens": tokens.numpy()}
+    losses, norms = [step[0] for step in steps], [step[1] for step in steps]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "moe": means,
+        "tokens": tokens.numpy(),
+    }
 
 
 EP2 = ["--expert-model-parallel-size", "2"]
@@ -348,6 +355,18 @@ LAYOUTS = {
         + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
         + ["--moe-token-dispatcher-type", "alltoall"],
     ),
+    # FSDP2 with experts (torchtitan's FSDP + EP): the experts sharded over expert DP 2, the
+    # rest of each layer over DP 4 (EP ranks share it)
+    "ep2xfsdp4-alltoall": (
+        4,
+        EP2 + ["--distributed-strategy", "fsdp", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2xfsdp2-tp2-allgather": (
+        4,
+        EP2
+        + ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]
+        + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ),
     "ep2xdp2-alltoall-overlap": (
         4,
         EP2
@@ -381,6 +400,8 @@ def test_expert_parallel_layouts_match_single_process(name):
         for name, value in reference["moe"].items():
             assert result["moe"][name] == pytest.approx(value, rel=1e-5), name
         np.testing.assert_allclose(result["tokens"], reference["tokens"])
+        # the clipped norm counts every expert once, wherever its shards are
+        np.testing.assert_allclose(result["norms"], reference["norms"], rtol=TOLERANCE)
 
 
 def test_expert_tensor_parallel_biases_match_single_process():
@@ -408,6 +429,17 @@ def test_router_variants_match_single_process_at_ep2(variant):
     # The same tokens routed, and under a capacity the same ones dropped.
     for result in results:
         np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
+def test_deepseek_routing_under_fsdp_matches_single_process():
+    """FSDP2 with experts under DeepSeek-V3's routing: group-limited top-k, and the expert
+    biases (state that FSDP2 shards between steps) nudged from the token counts of all ranks."""
+    argv = LLAMA_STYLE + TRAINING + MOE + VARIANTS["expert-bias"] + VARIANTS["group-limited"]
+    reference = _train_with_statistics(argv, 10)
+    layout = LAYOUTS["ep2xfsdp4-alltoall"][1]
+    results = run_distributed(4, _train_with_statistics, argv + layout, 10)
+    # (each step's routing follows the biases of the steps before: the losses show them)
+    assert_matches_reference(results, reference, TOLERANCE)
 
 
 def test_first_step_gradients_match_at_ep2_and_ep4():

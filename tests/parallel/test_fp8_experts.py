@@ -52,7 +52,12 @@ LAYOUTS = {
     "ep2-alltoall-grouped": (2, EP_LAYOUTS["ep2-alltoall"][1] + ["--moe-grouped-gemm"]),
     **{
         name: EP_LAYOUTS[name]
-        for name in ("ep2xetp2-tp2-alltoall", "ep2xcp2-alltoall", "ep2xpp2-allgather")
+        for name in (
+            "ep2xetp2-tp2-alltoall",
+            "ep2xcp2-alltoall",
+            "ep2xpp2-allgather",
+            "ep2xfsdp4-alltoall",
+        )
     },
 }
 

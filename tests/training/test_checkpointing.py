@@ -61,6 +61,12 @@ def _resume_job(argv: list[str], directory: str) -> dict:
         (4, ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]),
         (4, ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"]),
         (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
+        # FSDP2 with experts: each layer's experts sharded over expert DP 2, the rest over DP 4
+        (
+            4,
+            ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+            + ["--distributed-strategy", "fsdp", "--bf16"],
+        ),
         # DeepSeek-V3's expert biases: state outside the optimizer, resumed with the weights
         (
             1,

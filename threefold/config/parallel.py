@@ -374,16 +374,11 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
             "mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
             "(as in Megatron: each TP rank routes its own slice of the sequence)",
         )
-        strategy = (
-            "--use-megatron-fsdp (FSDP2 here)"
-            if self.use_megatron_fsdp
-            else f"--distributed-strategy {self.distributed_strategy}"
-        )
         _require(
-            self.distributed_strategy == "megatron",
-            f"mixture-of-experts under {strategy} is not implemented (expert gradients are "
-            "reduced over their own group): use threefold's data parallelism, with "
-            "--use-distributed-optimizer to shard the optimizer state",
+            self.distributed_strategy in ("megatron", "fsdp"),
+            f"mixture-of-experts under --distributed-strategy {self.distributed_strategy} is "
+            "not implemented (DDP would average each expert's gradients with those of other "
+            "experts): use megatron or fsdp",
         )
 
     def _finalize_multi_token_prediction(self, model: ModelConfig) -> None:

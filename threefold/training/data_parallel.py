@@ -264,7 +264,14 @@ class TorchDataParallel:
         fp8_layers_gathered = fp8_layers(model_chunks) if config.fp8.fp8_param_gather else []
         shard_in_fp8(fp8_layers_gathered)
         wrapped = (
-            wrap_fsdp(model, device, parallel.dp_cp, self.compute_dtype, reduce_dtype)
+            wrap_fsdp(
+                model,
+                device,
+                parallel.dp_cp,
+                self.compute_dtype,
+                reduce_dtype,
+                parallel.expert_dp if config.model.is_moe else None,
+            )
             if fsdp
             else wrap_ddp(model, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)
         )
@@ -284,6 +291,7 @@ class TorchDataParallel:
             config.training,
             parallel,
             sharded=fsdp,
+            experts=config.model.is_moe,
             fp8_parameters=self.fp8_parameters,
             lr_scales=mup_lr_scales(named, config.model),
         )

@@ -536,17 +536,24 @@ class NativeOptimizer(_AdamWithMasters):
         config: TrainingConfig,
         parallel: ParallelContext,
         sharded: bool,
+        experts: bool = False,
         fp8_parameters: Fp8FsdpParameters | None = None,
         lr_scales: dict | None = None,
     ) -> None:
-        """`fp8_parameters` (FSDP2 with --fp8-param-gather): the FP8 copies of the FP8
-        layers' shards, cast again whenever the parameters change; `lr_scales`: muP's."""
+        """`experts`: the model has expert weights (FSDP2 shards them over expert DP; every
+        rank joins the reduction of their norms); `fp8_parameters` (FSDP2 with
+        --fp8-param-gather): the FP8 copies of the FP8 layers' shards, cast again whenever the
+        parameters change; `lr_scales`: muP's."""
         self.fp8_parameters = fp8_parameters
         # FSDP shards over DP; TP shards (and counts TP-replicated weights once) and pipeline
         # stages hold different layers either way.
         self.reduction_groups = ([parallel.dp_cp.group] if sharded else []) + (
             [parallel.model_parallel_group] if parallel.tp.size * parallel.pp.size > 1 else []
         )
+        if experts:
+            self.expert_reduction_groups = ([parallel.expert_dp.group] if sharded else []) + [
+                parallel.expert_model_parallel_group
+            ]
         self.tp_rank, self.expert_tp_rank = parallel.tp.rank, parallel.expert_tp.rank
         self.separate_masters = False
         self.model_params = [p for _, p in named_parameters if p.requires_grad]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.parallel.data_parallel.torch_native import add_replicated
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
 from threefold.parallel.tensor_parallel.sharding import InitMethod, constant_init, mark_replicated
@@ -271,7 +272,7 @@ class TopKRouter(nn.Module):
         for group in self.count_groups:
             counts = group.all_reduce(counts)
         deficit = counts.mean() - counts
-        self.expert_bias.add_(torch.sign(deficit) * self.bias_update_rate)
+        add_replicated(self.expert_bias, torch.sign(deficit) * self.bias_update_rate)
 
     def _sinkhorn_top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.topk == 1:

@@ -15,9 +15,16 @@ Both compose with tensor parallelism (2D, as torchtitan and Megatron-LM's --use-
 threefold's TP layers hold their shards and run their own collectives, and DDP/FSDP2 work over
 the data-parallel group only, each TP rank's shard replicated (DDP) or sharded (FSDP2) across
 its DP peers. Sequence-parallel norm weights are then summed over TP after the DP reduction,
-as in the megatron strategy. PP needs --distributed-strategy megatron (checked by the config).
+as in the megatron strategy.
 Gradient synchronization is skipped on all but the last micro-batch of a step
 (`no_sync_context`), so accumulation costs one reduction.
+
+Mixture-of-experts under FSDP2 (as torchtitan's FSDP with expert parallelism): each layer's
+experts are a unit of their own, sharded over the expert-data-parallel group (the ranks that
+hold the same experts), the rest of the layer over DP. Their gradients are summed over that
+group and divided by DP x CP, as the megatron strategy scales them (the experts of one rank
+also serve the tokens of its EP peers). DDP would average every gradient over DP, experts
+held by other ranks included, and is refused with experts (config/parallel.py).
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from threefold.parallel.parallel_context import Group
-from threefold.parallel.tensor_parallel.sharding import PARAMETER_ATTRIBUTES
+from threefold.parallel.tensor_parallel.sharding import PARAMETER_ATTRIBUTES, is_expert
 
 
 def wrap_ddp(
@@ -93,7 +100,10 @@ def wrap_fsdp(
     dp: Group,
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
+    expert_dp: Group | None = None,
 ) -> nn.Module:
+    """FSDP2 on every transformer layer and on the model; `expert_dp` (a model with experts):
+    the group each layer's experts shard over (module doc)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 replaces the parameters with new DTensor ones: their attributes are carried over.
@@ -101,17 +111,20 @@ def wrap_fsdp(
         name: {a: getattr(p, a) for a in PARAMETER_ATTRIBUTES if hasattr(p, a)}
         for name, p in model.named_parameters()
     }
-    # Without TP the data-parallel group is the whole world: the default group (never torn
-    # down and re-created as megatron-core's are when a layout changes) backs the mesh.
-    group = dist.group.WORLD if dp.size == dist.get_world_size() else dp.group
-    # DTensor caches sharding plans by mesh, and meshes over the same ranks compare equal
-    # unless their dimensions are named apart: named after the group, a mesh over groups
-    # re-created for another layout (the test workers do that) never reuses a stale plan.
-    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"dp{group.group_name}",))
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=reduce_dtype,
     )
+    experts = expert_blocks(model)
+    if experts:
+        expert_mesh = _mesh(expert_dp, device)
+        for block in experts:
+            fully_shard(block, mesh=expert_mesh, mp_policy=policy)
+            # summed over expert DP, then / (DP x CP); a plain sum and a division, which any
+            # backend runs (a factor other than the group's size is NCCL's PreMulSum otherwise)
+            block.set_gradient_divide_factor(float(dp.size))
+            block.set_force_sum_reduction_for_comms(True)
+    mesh = _mesh(dp, device)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # embedding, final norm, output layer
@@ -119,6 +132,30 @@ def wrap_fsdp(
         for attribute, value in saved[name].items():
             setattr(param, attribute, value)
     return model
+
+
+def _mesh(group: Group, device: torch.device) -> DeviceMesh:
+    # A group over the whole world is the default group (never torn down and re-created as
+    # megatron-core's are when a layout changes).
+    process_group = dist.group.WORLD if group.size == dist.get_world_size() else group.group
+    # DTensor caches sharding plans by mesh, and meshes over the same ranks compare equal
+    # unless their dimensions are named apart: named after the group, a mesh over groups
+    # re-created for another layout (the test workers do that) never reuses a stale plan.
+    name = f"dp{process_group.group_name}"
+    return DeviceMesh.from_group(process_group, device.type, mesh_dim_names=(name,))
+
+
+def expert_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules that hold expert weights only: each MoE layer's experts."""
+    blocks: list[str] = []
+    found = []
+    for name, module in model.named_modules():
+        params = list(module.parameters())
+        inside = any(name.startswith(block + ".") for block in blocks)
+        if params and not inside and all(is_expert(p) for p in params):
+            blocks.append(name)
+            found.append(module)
+    return found
 
 
 def reshard(model: nn.Module) -> None:
@@ -133,6 +170,16 @@ def reshard(model: nn.Module) -> None:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, else the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def add_replicated(param: torch.Tensor, update: torch.Tensor) -> None:
+    """`param += update`, where `update` is the same whole tensor on every rank and `param`
+    may be FSDP2's shard of it (a DTensor between steps): the shard adds its own part."""
+    if isinstance(param, DTensor):
+        whole = DTensor.from_local(update, param.device_mesh, [Replicate()], run_check=False)
+        update = whole.redistribute(placements=param.placements)  # a local slice, no message
+    param.add_(update)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
