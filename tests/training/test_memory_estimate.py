@@ -390,3 +390,21 @@ def test_mla_parallel_layouts(flags):
     _assert_within_10_percent(
         run_distributed(2, _measure_and_estimate, MLA + WIDE + TRAINING + flags)
     )
+
+
+def _static_bytes(argv: list[str]) -> tuple[float, float]:
+    """(measured, estimated) bytes of this rank's parameters, gradients and optimizer state."""
+    trainer = _setup(argv)
+    named = trainer.layout_independent_parameters()
+    measured = measure_bytes_per_parameter(named, trainer.data_parallel)
+    estimate = estimate_stage(trainer.config, trainer.parallel.pp.rank)
+    return measured.total * sum(p.numel() for _, p in named), estimate.static
+
+
+def test_fsdp_shards_the_experts_over_expert_data_parallel_as_estimated():
+    """FSDP2 with experts: the experts' state shards over expert DP (2 here), the rest over
+    DP x CP (4); the estimate counts each over its own ranks."""
+    flags = MOE + ["--expert-model-parallel-size", "2", "--distributed-strategy", "fsdp"]
+    results = run_distributed(4, _static_bytes, LLAMA_STYLE + WIDE + TRAINING + flags)
+    for measured, estimated in results:
+        assert abs(estimated - measured) <= 0.02 * measured, (measured, estimated)

@@ -14,6 +14,7 @@ the run pads it) times the bytes per parameter of the precision and data-paralle
                                                              (expert weights: / expert-DP)
     ddp (fp32 params, autocast)    4       4                 8
     fsdp                           (4      4                 8) / (DP x CP)
+                                   (expert weights: / expert-DP)
 
 Activations: training/activation_estimate.py.
 """
@@ -300,8 +301,13 @@ def estimate_stage(
     optimizer_bytes = count * optimizer
     experts = stage_expert_parameters(config.model, parallel, stage)
     dp_cp = parallel.data_parallel_size * parallel.context_parallel_size
-    if distributed and strategy == "megatron":  # expert state is sharded over expert-DP
-        optimizer_bytes += experts * optimizer * (dp_cp / parallel.expert_data_parallel_size - 1)
+    # Expert state is sharded over expert-DP, not DP x CP: the distributed optimizer's, and
+    # FSDP2's parameters and gradients too (parallel/data_parallel/torch_native.py). The
+    # per-parameter bytes divided by DP x CP: these many more expert elements make up for it.
+    more_experts = experts * (dp_cp / parallel.expert_data_parallel_size - 1)
+    if (distributed and strategy == "megatron") or strategy == "fsdp":
+        optimizer_bytes += more_experts * optimizer
+    sharded = more_experts if strategy == "fsdp" else 0
     if config.training.optimizer == "muon":  # one momentum, not Adam's two moments
         # (the few 1-D weights among the matrices: under 1% of them)
         vocabulary = config.model.padded_vocab_size(parallel.tensor_model_parallel_size)
@@ -319,7 +325,7 @@ def estimate_stage(
     # --fp8-param-gather stores the FP8 weights in FP8 only: 1 byte each, not the run's dtype;
     # under FSDP2 the FP8 copies of a rank's rows sit beside its fp32 shards (4 bytes / share).
     stored_in_fp8 = params / 4 if strategy == "fsdp" else 1 - params
-    parameter_bytes = count * params + fp8_weights * stored_in_fp8 * gathered
+    parameter_bytes = (count + sharded) * params + fp8_weights * stored_in_fp8 * gathered
     fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
     if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight
@@ -329,7 +335,7 @@ def estimate_stage(
     return MemoryEstimate(
         stage,
         parameter_bytes,
-        count * grads,
+        (count + sharded) * grads,
         optimizer_bytes,
         activations,
         in_flight,
