@@ -4,6 +4,7 @@ kept, and each sample a function of the seed, its split and its index."""
 
 import numpy as np
 import pytest
+import torch
 
 from tests.data.test_datasets import MODEL, VOCAB, corpus  # noqa: F401 (a fixture)
 from tests.parity import _setup
@@ -148,6 +149,31 @@ def test_fim_data_rearranges_each_split_s_samples_by_their_index(corpus):  # noq
             assert not np.array_equal(expected, plain[split][index])
             assert 495 in expected  # every document rearranged at rate 1
     assert not np.array_equal(rearranged[0][0], fim(plain[0][0], 0, 1))  # a split's own
+
+
+def test_worker_processes_read_the_micro_batches_this_process_reads(corpus):  # noqa: F811
+    """--num-workers 2 (Megatron-LM's DataLoader workers, which take --fim-data's
+    re-tokenization off the step): the same micro-batches in the same order, from the start
+    and from a resumed position, and the same losses."""
+    argv = MODEL + ["--data-path", f"{corpus}/a", "--split", "80,20,0", "--train-iters", "4"]
+    argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--fim-data"]
+    argv += ["--fim-prefix-token", "495", "--fim-middle-token", "496", "--fim-suffix-token"]
+    argv += ["497", "--fim-pad-token", "498", "--fim-eod-token", str(VOCAB - 1)]
+    for consumed in (0, 6):
+        read = []
+        for workers in ("0", "2"):
+            trainer = _setup(argv + ["--num-workers", workers])
+            trainer.state.consumed_train_samples = consumed
+            iterator = trainer.train_iterator()
+            read.append([next(iterator) for _ in range(5)])
+        for here, there in zip(*read):
+            assert here.keys() == there.keys()
+            assert all(torch.equal(here[name], there[name]) for name in here)
+    losses = []
+    for workers in ("0", "2"):
+        trainer = _setup(argv + ["--num-workers", workers])
+        losses.append([trainer.train_step()[0] for _ in range(2)])
+    assert losses[0] == losses[1]
 
 
 @pytest.mark.parametrize(

@@ -67,9 +67,8 @@ class DataConfig:
     merge_file: str | None = arg(None, help="GPT2BPETokenizer: merges.txt")
     num_workers: int = arg(
         0,
-        help=(
-            "accepted for Megatron-LM's scripts; threefold reads batches in the training process"
-        ),
+        help="processes that read training batches ahead of the step (PyTorch DataLoader "
+        "workers, as Megatron-LM's, whose default is 2); 0: read in the training process",
     )
     mmap_bin_files: bool = arg(
         True,
@@ -132,6 +131,7 @@ class DataConfig:
             not (self.valid_data_path or self.test_data_path) or self.train_data_path,
             "--valid-data-path/--test-data-path need --train-data-path",
         )
+        _require(self.num_workers >= 0, f"--num-workers {self.num_workers} must be >= 0")
         self.finalize_tokenizer()
         self.split_weights()
         self.finalize_fim()

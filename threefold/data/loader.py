@@ -96,29 +96,62 @@ def micro_batches(
     device: torch.device,
     dp: Group,
     shuffle: bool = True,
+    num_workers: int = 0,
 ) -> Iterator[dict]:
     """This data-parallel rank's micro-batches (`dp`: the group of replicas that share a
-    global batch), from `consumed_samples` on."""
+    global batch), from `consumed_samples` on; read by `num_workers` processes ahead of the
+    step (Megatron-LM's --num-workers), or in this one at 0."""
     # megatron-core's datasets are shuffled by their own indices: read them in order.
     shuffle = shuffle and not getattr(dataset, "shuffled", False)
     sampler = PretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, dp.rank, dp.size, seed, shuffle
     )
-    for indices in sampler:
-        items = [dataset[i] for i in indices]
-        if not isinstance(items[0], dict):  # pretraining: token windows, loss everywhere
-            items = [{"tokens": item} for item in items]
-        yield collate(items, device)
+    if num_workers:
+        hosts = iter(_worker_loader(dataset, sampler, num_workers, device))
+    else:
+        hosts = (stack_samples([dataset[i] for i in indices]) for indices in sampler)
+    for host in hosts:
+        yield to_batch(host, device)
+
+
+def _worker_loader(dataset, sampler, num_workers: int, device: torch.device):
+    """PyTorch's DataLoader over the sampler's micro-batches, as Megatron-LM's: worker
+    processes read and stack the samples (a sample's cost, --fim-data's re-tokenization say,
+    then overlaps the steps), two micro-batches ahead each, in the sampler's order; pinned
+    for a GPU. A sample is the same whichever process reads it (data/fim.py seeds by index)."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=stack_samples,
+        pin_memory=device.type == "cuda",
+        persistent_workers=True,
+        # its own generator for the workers' seeds: drawn from the global one, the seeds
+        # would move the dropout stream of the run by one draw
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def stack_samples(items: list) -> dict[str, torch.Tensor]:
+    """Samples (token windows, or dicts of arrays) stacked into a micro-batch's host tensors."""
+    if not isinstance(items[0], dict):  # pretraining: token windows, loss everywhere
+        items = [{"tokens": item} for item in items]
+    host = {"tokens": np.stack([item["tokens"] for item in items])}
+    for name in ("loss_mask", "document_ids", "position_ids"):
+        if name in items[0]:
+            host[name] = np.stack([item[name] for item in items])
+    return {name: torch.from_numpy(value) for name, value in host.items()}
 
 
 def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
     """A micro-batch from samples of `seq_length + 1` tokens (and optionally a loss mask,
     the document ids of packed documents and positions)."""
-    host = {"tokens": np.stack([item["tokens"] for item in items])}
-    for name in ("loss_mask", "document_ids", "position_ids"):
-        if name in items[0]:
-            host[name] = np.stack([item[name] for item in items])
-    moved = {name: to_device(torch.from_numpy(value), device) for name, value in host.items()}
+    return to_batch(stack_samples(items), device)
+
+
+def to_batch(host: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """A micro-batch on `device` from its stacked host tensors."""
+    moved = {name: to_device(value, device) for name, value in host.items()}
     # Inputs and targets are two windows of one copy, as in Megatron's get_batch.
     tokens = moved.pop("tokens")
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
@@ -140,6 +173,6 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     Megatron's data loader pins its batches: a copy from pageable memory may make the host
     wait for the GPU's queue to drain, after which a small model's GPU idles while the host
     launches the next kernels (docs/performance.md)."""
-    if device.type == "cuda":
+    if device.type == "cuda" and not tensor.is_pinned():  # (the workers' batches are)
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)

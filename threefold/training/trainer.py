@@ -141,7 +141,12 @@ class Trainer:
     def _batches(self, split: int, consumed_samples: int, shuffle: bool = True):
         training = self.config.training
         where = (training.micro_batch_size, training.seed, self.device, self.parallel.dp)
-        batches = micro_batches(self.datasets[split], consumed_samples, *where, shuffle=shuffle)
+        # --num-workers: training batches read ahead by worker processes (evaluation reads a
+        # few batches now and then, in this process)
+        workers = self.config.data.num_workers if split == 0 else 0
+        batches = micro_batches(
+            self.datasets[split], consumed_samples, *where, shuffle=shuffle, num_workers=workers
+        )
         # The ranks of a CP group read the same samples and keep their share of each sequence.
         return (split_batch(batch, self.parallel.cp) for batch in batches)
 
