@@ -149,6 +149,9 @@ NO_COUNTERPART = {
     "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
     "on CUDA",
+    "--use-transformer-engine-op-fuser": "it builds the MLP from Transformer Engine's "
+    "operation-based API, for that library's fusions of the same function; threefold's MLP "
+    "is its own layers, with their own fused kernels (the > kernels: line)",
 }
 
 
@@ -234,7 +237,6 @@ MISSING = {
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
     "--megatron-fsdp-": "Megatron-FSDP's other options",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
-    "--use-transformer-engine-op-fuser": "Transformer Engine's operation fuser",
     "--eval-global-batch-size": "a separate evaluation batch size",
     "--lion-": "the Lion optimizer (threefold has adam and muon)",
     "--no-use-layer-wise-param-layout": "Megatron-LM's layer-wise distributed optimizer for Muon",
