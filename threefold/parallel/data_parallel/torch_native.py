@@ -146,7 +146,9 @@ def _mesh(group: Group, device: torch.device) -> DeviceMesh:
 
 
 def expert_blocks(model: nn.Module) -> list[nn.Module]:
-    """The outermost modules that hold expert weights only: each MoE layer's experts."""
+    """The outermost modules that hold expert weights only: each MoE layer's experts (their
+    LoRA adapters are expert weights too). An expert weight outside them would be averaged
+    over DP with other experts: refused."""
     blocks: list[str] = []
     found = []
     for name, module in model.named_modules():
@@ -155,6 +157,10 @@ def expert_blocks(model: nn.Module) -> list[nn.Module]:
         if params and not inside and all(is_expert(p) for p in params):
             blocks.append(name)
             found.append(module)
+    covered = {id(p) for block in found for p in block.parameters()}
+    stray = [n for n, p in model.named_parameters() if is_expert(p) and id(p) not in covered]
+    if stray:
+        raise ValueError(f"{stray[0]}: an expert weight beside other weights in one module")
     return found
 
 
