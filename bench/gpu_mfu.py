@@ -47,6 +47,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -344,7 +345,9 @@ def _title(tiny: bool, moe: bool, shape: str = "1b") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_mfu"))
+    parser.add_argument(
+        "--out", help="default: bench/results/gpu_mfu; with --tiny, a new temporary directory"
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model: check the script")
     parser.add_argument("--moe", action="store_true", help="a Mixtral-style mixture of experts")
     parser.add_argument(
@@ -387,6 +390,10 @@ def main() -> None:
 
     from threefold.training.flops import peak_tflops
 
+    if args.out is None:  # a check on the tiny model never writes over the GPU's results
+        results_dir = os.path.join(ROOT, "bench", "results", "gpu_mfu")
+        args.out = tempfile.mkdtemp(prefix="gpu_mfu_tiny_") if args.tiny else results_dir
+        print(f"logs and tables in {args.out}", file=sys.stderr, flush=True)
     os.makedirs(args.out, exist_ok=True)
     environment = _environment()
     flops = _flops_per_step(shape)

@@ -164,6 +164,22 @@ def test_auto_shards_more_when_the_estimate_does_not_fit():
     assert "ddp would need" in why
 
 
+@pytest.mark.parametrize(
+    "experts,expected", [(4, ("megatron", False)), (32, ("megatron", True)), (256, ("fsdp", False))]
+)
+def test_auto_with_experts_takes_threefolds_data_parallelism_where_it_would_take_ddp(
+    experts, expected
+):
+    """Mixture-of-experts: never DDP (it would average each expert's gradients with other
+    experts'); the size rule and the memory budget otherwise as without experts, the experts
+    counted whole (0.62B, 3.8B and 29B parameters: each expert 3 x 1024 x 1536 a layer)."""
+    flags = ("--num-experts", str(experts), "--expert-model-parallel-size", "2")
+    flags += ("--moe-ffn-hidden-size", "1536")
+    config = _config(1024, 24, flags=flags)
+    strategy, distributed, why = choose_strategy(config, 10_000 * GIB)
+    assert (strategy, distributed) == expected, why
+
+
 def test_auto_with_tensor_parallelism_stays_with_megatron():
     config = _config(1024, 24, flags=("--tensor-model-parallel-size", "2"))
     assert choose_strategy(config, 10_000 * GIB)[:2] == ("megatron", False)

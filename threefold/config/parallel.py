@@ -375,10 +375,10 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
             "(as in Megatron: each TP rank routes its own slice of the sequence)",
         )
         _require(
-            self.distributed_strategy in ("megatron", "fsdp"),
-            f"mixture-of-experts under --distributed-strategy {self.distributed_strategy} is "
-            "not implemented (DDP would average each expert's gradients with those of other "
-            "experts): use megatron or fsdp",
+            self.distributed_strategy != "ddp",
+            "mixture-of-experts under --distributed-strategy ddp is not implemented (DDP would "
+            "average each expert's gradients with those of other experts): use megatron, fsdp "
+            "or auto",
         )
 
     def _finalize_multi_token_prediction(self, model: ModelConfig) -> None:

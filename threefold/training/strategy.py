@@ -4,8 +4,9 @@ The rule of thumb (model parameters N): N < 1B → PyTorch DDP (every rank holds
 least communication); 1B ≤ N ≤ 7B → threefold's data parallelism with the distributed optimizer
 (ZeRO-1/2: optimizer state sharded); N > 7B → FSDP (ZeRO-3: parameters sharded too). With tensor
 or pipeline parallelism only threefold's own data parallelism applies, with the distributed
-optimizer from 1B up. The choice is then refined by the memory estimate: while the estimated
-per-device memory exceeds 90% of the device's, the next more-sharded strategy is taken.
+optimizer from 1B up; with experts, threefold's data parallelism in DDP's place. The choice is
+then refined by the memory estimate: while the estimated per-device memory exceeds 90% of the
+device's, the next more-sharded strategy is taken.
 
 When even the most sharded choice does not fit, the explanation says which
 --context-parallel-size would make it fit, if one would: at long sequences the activations,
@@ -24,6 +25,9 @@ from threefold.training.memory_estimate import estimate_memory, parameter_count
 
 # (strategy, distributed optimizer), least to most sharded.
 _LADDER = [("ddp", False), ("megatron", True), ("fsdp", False)]
+# With experts DDP is out (it would average each expert's gradients with other experts'):
+# threefold's own data parallelism holds everything instead.
+_MOE_LADDER = [("megatron", False), ("megatron", True), ("fsdp", False)]
 _MODEL_PARALLEL_LADDER = [("megatron", False), ("megatron", True)]
 _USABLE_FRACTION = 0.9
 
@@ -49,7 +53,7 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
             "data parallelism" + (", distributed optimizer from 1B" if index else "")
         )
     else:
-        ladder = _LADDER
+        ladder = _MOE_LADDER if config.model.is_moe else _LADDER
         index = 0 if count < 1e9 else 1 if count <= 7e9 else 2
         rule = f"{size} parameters " + (
             "< 1B" if index == 0 else "in 1B-7B" if index == 1 else "> 7B"
