@@ -21,6 +21,7 @@ def _summary(config, trainer, device_type: str) -> str:
     layout = parallel.layout()
     if parallel.sequence_parallel:
         layout += ", sequence parallel"
+        layout += ", its collectives overlapped" if parallel.tp_comm_overlap else ""
     if len(trainer.model_chunks) > 1:
         layout += f", {len(trainer.model_chunks)} virtual stages"
     if parallel.use_tp_pp_dp_mapping:

@@ -73,6 +73,11 @@ ANY_VALUE = {
         "Transformer Engine ignores it since version 1.8 and Megatron-LM documents it as "
         "ignored; scales follow --fp8-recipe",
     ),
+    "--tp-comm-overlap-cfg": (
+        str,
+        "it tunes Transformer Engine's userbuffers; --tp-comm-overlap runs threefold's own "
+        "ring of slices here (parallel/tensor_parallel/comm_overlap.py)",
+    ),
     "--tiktoken-pattern": (
         str,
         "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",
@@ -233,7 +238,6 @@ MISSING = {
     "--offload-modules": "activation offloading",
     "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
-    "--tp-comm-overlap": "tensor-parallel communication overlap (TE userbuffers)",
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
     "--megatron-fsdp-": "Megatron-FSDP's other options",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",

@@ -59,6 +59,23 @@ def test_ten_training_steps_match(references, style, tp, sequence_parallel):
     assert_close_dicts(result["params"], reference["params"], 1e-5, "parameter")
 
 
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_overlapped_collectives_match(references, style, tp):
+    """--tp-comm-overlap: each sequence-parallel collective a ring of slices around its GEMM
+    (the reduce-scatters' sums in another order): first-step gradients and ten steps as one
+    process; the weight gradients into main_grad, SwiGLU's fc1 blocks (llama) and biases (gpt2)
+    included."""
+    argv = _tensor_parallel_argv(style, tp, True) + ["--tp-comm-overlap"]
+    reference = references[style]
+    for result in run_distributed(tp, gradient_job, argv):
+        assert relative_error(result["logits"], reference["grads"]["logits"]) <= 1e-5
+        assert_close_dicts(result["grads"], reference["grads"]["grads"], 1e-5, "gradient")
+    result = run_distributed(tp, train_job, argv, 10)[0]
+    assert_losses_close(result["losses"], reference["train"]["losses"], 1e-5)
+    assert_close_dicts(result["params"], reference["train"]["params"], 1e-5, "parameter")
+
+
 def test_tensor_and_data_parallel_combined(references):
     argv = LLAMA_STYLE + TRAINING + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     result = run_distributed(4, train_job, argv, 10)[0]  # TP=2 x DP=2
@@ -79,22 +96,25 @@ def _per_layer_job(argv: list[str]) -> dict:
     return {key: two.get(key, 0) - one.get(key, 0) for key in set(one) | set(two)}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_collectives_per_layer_follow_megatron_accounting(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,overlap", [(False, False), (True, False), (True, True)])
+def test_collectives_per_layer_follow_megatron_accounting(sequence_parallel, overlap):
     argv = GPT2_STYLE + TRAINING + ["--tensor-model-parallel-size", "2"]
     argv += ["--sequence-parallel"] if sequence_parallel else []
+    argv += ["--tp-comm-overlap"] if overlap else []  # the same volume, in slices
     per_layer = run_distributed(2, _per_layer_job, argv)[0]
     activation_bytes = 16 * 2 * 32 * 4  # sequence x micro-batch x hidden, fp32
     if not sequence_parallel:
         # Forward: after attention and after the MLP; backward: before QKV and before fc1.
         assert per_layer == {"all_reduce": 4, "all_reduce:bytes": 4 * activation_bytes}
     else:
-        # Each all-reduce becomes a reduce-scatter + all-gather pair of the same total volume.
+        # Each all-reduce becomes a reduce-scatter + all-gather pair of the same total volume;
+        # with the overlap each runs in ring steps.
         assert per_layer == {
             "all_gather": 4,
             "all_gather:bytes": 4 * activation_bytes,
             "reduce_scatter": 4,
             "reduce_scatter:bytes": 4 * activation_bytes,
+            **({"in_ring_steps": 8} if overlap else {}),
         }
 
 

@@ -98,6 +98,11 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
             "the sequence over the TP ranks"
         ),
     )
+    tp_comm_overlap: bool = arg(
+        False,
+        help="overlap the sequence-parallel all-gathers and reduce-scatters with the linear "
+        "layers' GEMMs, slice by slice around the TP ring",
+    )
     use_distributed_optimizer: bool = arg(
         False, help="shard fp32 master weights and Adam moments across data-parallel ranks"
     )
@@ -478,6 +483,11 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
                 "--tensor-model-parallel-size 1; disabling it"
             )
             self.sequence_parallel = False
+        _require(
+            self.sequence_parallel or not self.tp_comm_overlap,
+            "--tp-comm-overlap overlaps the sequence-parallel collectives: add "
+            "--sequence-parallel (and --tensor-model-parallel-size > 1)",
+        )
         if self.sequence_parallel:
             _require(
                 model.seq_length % tp == 0,

@@ -86,6 +86,11 @@ class Config:
         )
         fsdp = parallel.distributed_strategy == "fsdp"
         self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp)
+        if parallel.tp_comm_overlap and self.fp8.enabled:
+            warnings.append(
+                "--tp-comm-overlap with --fp8-format: the FP8 linear layers all-gather their "
+                "FP8 inputs without the overlap; the layers in the run's dtype overlap"
+            )
         return warnings
 
     def _finalize_gradient_precision(self) -> None:

@@ -33,6 +33,8 @@ whatever group it is given (`dp_cp` for dense weights, expert-DP when that exist
       model_parallel_group  TP x PP: the ranks that together hold one model replica
       expert_model_parallel_group  ETP x EP x PP: the ranks that together hold every expert once
       sequence_parallel     activations between layers split along the sequence over TP
+      tp_comm_overlap       the sequence-parallel linears' collectives overlapped with their
+                            GEMMs (--tp-comm-overlap: tensor_parallel/comm_overlap.py)
       cp_comm_type          how attention exchanges keys/values over cp (p2p, allgather, a2a,
                             a2a+p2p)
 
@@ -87,6 +89,7 @@ class ParallelContext:
     model_parallel_group: dist.ProcessGroup | None = None
     expert_model_parallel_group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     cp_comm_type: str = "p2p"
 
     @property

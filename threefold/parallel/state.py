@@ -198,7 +198,9 @@ def initialize_layout(parallel) -> ParallelContext:
         parallel.num_distributed_optimizer_instances,
         parallel.hierarchical_context_parallel_sizes,
     )
-    context = parallel_context(parallel.sequence_parallel, parallel.comm_type)
+    context = parallel_context(
+        parallel.sequence_parallel, parallel.comm_type, parallel.tp_comm_overlap
+    )
     # The config's DP size (validated before launch) and the groups' must be one number.
     if context.dp.size != parallel.data_parallel_size:
         raise RuntimeError(
@@ -229,7 +231,9 @@ def initialize_for_inference(
     return device, parallel_context()
 
 
-def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p") -> ParallelContext:
+def parallel_context(
+    sequence_parallel: bool = False, cp_comm_type: str = "p2p", tp_comm_overlap: bool = False
+) -> ParallelContext:
     """The groups of the initialized layout (or a world of one when none is), read once."""
     if not is_initialized():
         return ParallelContext(world=Group(None, global_world_size(), global_rank()))
@@ -261,6 +265,7 @@ def parallel_context(sequence_parallel: bool = False, cp_comm_type: str = "p2p")
         model_parallel_group=groups["model_parallel"].group,
         cp_comm_type=cp_comm_type,
         sequence_parallel=sequence_parallel and groups["tp"].size > 1,
+        tp_comm_overlap=tp_comm_overlap and sequence_parallel and groups["tp"].size > 1,
     )
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -42,6 +43,24 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient goes into `main_grad` (--gradient-accumulation-fusion): only
+    for the layer's own weight (a tied one also gets the embedding's gradient)."""
+    return (
+        module.gradient_accumulation_fusion
+        and weight is module.weight
+        and getattr(weight, "main_grad", None) is not None
+        and torch.is_grad_enabled()
+    )
+
+
+def _overlaps(module: nn.Module) -> bool:
+    """--tp-comm-overlap applies: sequence parallel over TP > 1, in the run's dtype (an FP8
+    layer gathers FP8 bytes of its own) and without a LoRA adapter, which reads the gathered
+    input."""
+    return module.tp_comm_overlap and module.fp8 is None and module.adapter is None
+
+
 def linear_gemm(
     module: nn.Module,
     x: torch.Tensor,
@@ -54,12 +73,7 @@ def linear_gemm(
     (only for the layer's own weight: a tied one also gets the embedding's gradient).
     `sequence_parallel` (FP8 layers): `x` is this rank's slice of the sequence, all-gathered
     over that group by the FP8 GEMM itself (`Fp8Linear.gathers_in_fp8`)."""
-    fuse = (
-        module.gradient_accumulation_fusion
-        and weight is module.weight
-        and getattr(weight, "main_grad", None) is not None
-        and torch.is_grad_enabled()
-    )
+    fuse = _fuses(module, weight)
     if module.fp8 is not None:
         return module.fp8.linear(x, weight, bias, fuse, sequence_parallel)
     if fuse:
@@ -220,6 +234,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, world, "output size")
         self.gather_output = gather_output
         self.sequence_parallel = parallel.sequence_parallel
+        self.tp_comm_overlap = parallel.tp_comm_overlap  # (parallel_context: SP and TP > 1)
         if skip_weight_param:
             self.register_parameter("weight", None)
         else:
@@ -256,7 +271,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if self._gathers_in_fp8():
+        if _overlaps(self):
+            fuse = _fuses(self, weight)
+            output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
+        elif self._gathers_in_fp8():
             output = linear_gemm(self, x, weight, self.bias, self.tp)
         else:
             x = self._parallel_input(x)
@@ -272,11 +290,10 @@ class ColumnParallelLinear(nn.Module):
         gate and up), each block's gradient used as it comes in backward (`linear_blocks`)."""
         if self.gather_output:
             raise ValueError("forward_blocks returns this rank's blocks; gather_output is set")
-        if self.fp8 is not None:  # FP8's own backward: the blocks as chunks of one output
+        if self.fp8 is not None or _overlaps(self):  # the blocks as chunks of one output
             return self.forward(x).chunk(self.partition_stride, -1)
         x = self._parallel_input(x)
-        fuse = self.gradient_accumulation_fusion and torch.is_grad_enabled()
-        fuse = fuse and getattr(self.weight, "main_grad", None) is not None
+        fuse = _fuses(self, self.weight)
         blocks = linear_blocks(x, self.weight, self.bias, self.partition_stride, fuse)
         if self.adapter is not None:
             adapter = self.adapter(x).chunk(self.partition_stride, dim=-1)
@@ -311,6 +328,7 @@ class RowParallelLinear(nn.Module):
         self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
         self.input_size_per_partition = _divide(input_size, world, "input size")
         self.sequence_parallel = sequence_parallel
+        self.tp_comm_overlap = parallel.tp_comm_overlap
         self.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(output_size, self.input_size_per_partition)),
             partition_dim=1,
@@ -327,6 +345,9 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _overlaps(self):
+            output = linear_reduce_scatter(x, self.weight, self.tp, _fuses(self, self.weight))
+            return output if self.bias is None else output + self.bias
         output = linear_gemm(self, x, self.weight, None)
         if self.adapter is not None:
             output = output + self.adapter(x)
