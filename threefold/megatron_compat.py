@@ -241,7 +241,6 @@ MISSING = {
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
     "--megatron-fsdp-": "Megatron-FSDP's other options",
     "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
-    "--eval-global-batch-size": "a separate evaluation batch size",
     "--lion-": "the Lion optimizer (threefold has adam and muon)",
     "--no-use-layer-wise-param-layout": "Megatron-LM's layer-wise distributed optimizer for Muon",
     "--adaptive-muon-": "adaptive Muon (threefold has adam and muon)",

@@ -17,6 +17,25 @@ from threefold.config.recompute import check_recompute_kernels
 from threefold.config.training import TrainingConfig
 
 
+def _check_interleaved(micro_batches: int, have: str, pp: int, group: int | None) -> None:
+    """The interleaved schedule's bounds on a step's micro-batches (`have` says whose)."""
+    if group is None:  # groups of PP micro-batches, the last one too
+        _require(
+            micro_batches % pp == 0,
+            f"the interleaved schedule needs the number of micro-batches ({have}) "
+            f"to be a multiple of --pipeline-model-parallel-size {pp}",
+        )
+        return
+    # megatron-core's bounds: a group fills the pipeline, and so does the last one
+    rest = micro_batches % group
+    _require(
+        pp <= group <= micro_batches and rest in (0, *range(pp, group)),
+        f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be between "
+        f"--pipeline-model-parallel-size {pp} and the micro-batches ({have}), and "
+        f"leave a last group of 0 or at least {pp}",
+    )
+
+
 @dataclass
 class Config:
     """Everything a run needs, grouped by concern."""
@@ -47,25 +66,17 @@ class Config:
             "schedule: add virtual pipeline stages or drop it",
         )
         if parallel.virtual_pipeline_model_parallel_size:
-            pp = parallel.pipeline_model_parallel_size
+            dp = parallel.data_parallel_size
             for size in self.training.rampup_batch_sizes():
-                micro_batches = self.training.num_micro_batches(parallel.data_parallel_size, size)
+                micro_batches = self.training.num_micro_batches(dp, size)
                 have = f"{micro_batches} = global batch size {size} / (--micro-batch-size x DP)"
-                if group is None:  # groups of PP micro-batches, the last one too
-                    _require(
-                        micro_batches % pp == 0,
-                        f"the interleaved schedule needs the number of micro-batches ({have}) "
-                        f"to be a multiple of --pipeline-model-parallel-size {pp}",
-                    )
-                    continue
-                # megatron-core's bounds: a group fills the pipeline, and so does the last one
-                rest = micro_batches % group
-                _require(
-                    pp <= group <= micro_batches and rest in (0, *range(pp, group)),
-                    f"--microbatch-group-size-per-virtual-pipeline-stage {group} must be between "
-                    f"--pipeline-model-parallel-size {pp} and the micro-batches ({have}), and "
-                    f"leave a last group of 0 or at least {pp}",
+                _check_interleaved(
+                    micro_batches, have, parallel.pipeline_model_parallel_size, group
                 )
+            micro_batches = self.training.num_eval_micro_batches(dp)
+            have = f"evaluation's {micro_batches} = --eval-global-batch-size / (--eval-micro-"
+            have += "batch-size x DP)"
+            _check_interleaved(micro_batches, have, parallel.pipeline_model_parallel_size, group)
         self.data.finalize()
         _require(
             parallel.context_parallel_size == 1 or not self.data.reset_attention_mask,

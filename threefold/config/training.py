@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
+from threefold.config.evaluation_batches import EvalBatchConfig
 from threefold.config.fields import arg
 from threefold.config.muon import MuonConfig
 
@@ -30,7 +31,7 @@ def _count(text: str) -> int | None:
 
 
 @dataclass
-class TrainingConfig(MuonConfig):
+class TrainingConfig(EvalBatchConfig, MuonConfig):
     micro_batch_size: int = arg(1, help="samples per forward/backward on each data-parallel rank")
     global_batch_size: int | None = arg(
         None, help="samples per optimizer step; default --micro-batch-size x DP"
@@ -306,6 +307,9 @@ class TrainingConfig(MuonConfig):
             f"--global-batch-size {self.global_batch_size} is not divisible by --micro-batch-size "
             f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
             f"of {per_step}",
+        )
+        self.finalize_eval_batches(
+            self.global_batch_size, self.micro_batch_size, data_parallel_size
         )
         _require(
             not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one"

@@ -18,7 +18,7 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     model, data, training = config.model, config.data, config.training
     # What the run reads: every training step's samples, and --eval-iters global batches of
     # validation and test (threefold evaluates on the same batches each time).
-    evaluation = max(training.eval_iters, 1) * training.global_batch_size
+    evaluation = max(training.eval_iters, 1) * training.eval_global_batch_size
     train = (
         training.train_samples
         if training.train_samples is not None

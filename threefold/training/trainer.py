@@ -140,7 +140,8 @@ class Trainer:
 
     def _batches(self, split: int, consumed_samples: int, shuffle: bool = True):
         training = self.config.training
-        where = (training.micro_batch_size, training.seed, self.device, self.parallel.dp)
+        micro_batch_size = training.eval_micro_batch_size if split else training.micro_batch_size
+        where = (micro_batch_size, training.seed, self.device, self.parallel.dp)
         # --num-workers: training batches read ahead by worker processes (evaluation reads a
         # few batches now and then, in this process)
         workers = self.config.data.num_workers if split == 0 else 0
@@ -295,8 +296,13 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train(False)
         iterator, losses = self._batches(split, 0, shuffle=False), []
-        for _ in range(self.config.training.eval_iters):
-            losses += self._schedule(iterator, self.num_microbatches, forward_only=True)
+        training, parallel = self.config.training, self.parallel
+        # --eval-global-batch-size / --eval-micro-batch-size (by default training's)
+        count = training.num_eval_micro_batches(parallel.dp.size)
+        shape = (self.config.model.seq_length, training.eval_micro_batch_size)
+        shape = parallel.pipeline_tensor_shape(*shape, self.config.model.hidden_size)
+        for _ in range(training.eval_iters):
+            losses += self._schedule(iterator, count, forward_only=True, tensor_shape=shape)
         self.data_parallel.after_evaluation()
         return self._mean_loss(losses)
 
