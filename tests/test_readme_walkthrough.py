@@ -37,6 +37,6 @@ def test_the_own_data_walkthrough_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout
     done = re.findall(r"> done: (\d+) iterations .*?best validation loss ([\d.]+)", output)
-    assert [int(n) for n, _ in done] == [100, 100], output[-3000:]
+    assert [int(n) for n, _ in done] == [100, 200], output[-3000:]
     # The fine-tuned model answers the way it was tuned to.
     assert "# square\ndef square(x):\n    return x * x" in output, output[-2000:]

@@ -58,7 +58,8 @@ def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, in the run's dtype (an FP8
     layer gathers FP8 bytes of its own) and without a LoRA adapter, which reads the gathered
     input."""
-    return module.tp_comm_overlap and module.fp8 is None and module.adapter is None
+    overlap = module.tp_comm_overlap and module.sequence_parallel
+    return overlap and module.fp8 is None and module.adapter is None
 
 
 def linear_gemm(
