@@ -28,6 +28,9 @@ With --fp8 (or named in --only) also threefold's FP8 GEMMs (delayed hybrid, Mega
 Llama recipe; compiled; with --fp8-param-gather; tensorwise; rowwise) and torchtitan with
 torchao's float8 (tensorwise and rowwise, compiled as its float8 is meant to run); with --moe,
 threefold's delayed hybrid and rowwise FP8 (the one that puts the experts in FP8).
+Named in --only: threefold+offload, the attention's saved tensors offloaded to host memory
+(--fine-grained-activation-offloading, model/activation_offload.py): its peak memory and
+tokens/s beside threefold's.
 --shape 8b-8l: a wider model for FP8's larger GEMMs, LLaMA-3-8B's width (hidden 4096, 32
 heads, 8 KV groups; FFN 11264, what torchtitan's multiple_of makes of it) at 8 layers.
 
@@ -134,6 +137,9 @@ FP8_CONTENDERS = (
 # --moe --fp8: FP8 outside the experts (delayed hybrid; the experts' grouped GEMM in bf16), and
 # rowwise, whose experts run in FP8 one at a time (docs/fp8.md).
 MOE_FP8_CONTENDERS = ("threefold+fp8", "threefold+fp8-rowwise")
+OFFLOAD_FLAGS = ("--fine-grained-activation-offloading", "--offload-modules", "core_attn")
+OFFLOAD_FLAGS += ("attn_proj", "qkv_linear")
+MEMORY_CONTENDERS = ("threefold+offload",)
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16")
 FP8_FLAGS += ("--fp8-amax-compute-algo", "max")
 TENSORWISE_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
@@ -254,6 +260,7 @@ def run_contender(name: str, shape: Shape, steps: int, warmup: int) -> dict:
         ),
         "threefold+fp8-rowwise": lambda *a: _threefold(*a, extra=ROWWISE_FLAGS),
         "threefold+fp8-blockwise": lambda *a: _threefold(*a, extra=BLOCKWISE_FLAGS),
+        "threefold+offload": lambda *a: _threefold(*a, extra=OFFLOAD_FLAGS),
         "torchtitan+float8+compile": lambda *a: torchtitan_step(
             *a, compiled=True, float8="tensorwise"
         ),
@@ -356,12 +363,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument(
-        "--only", nargs="+", choices=CONTENDERS + FP8_CONTENDERS, help="default: all (--moe: four)"
+        "--only",
+        nargs="+",
+        choices=CONTENDERS + FP8_CONTENDERS + MEMORY_CONTENDERS,
+        help="default: all (--moe: four)",
     )
     parser.add_argument("--fp8", action="store_true", help="also threefold with FP8 GEMMs")
     parser.add_argument("--micro-batch-size", type=int, help="default: the shape's (2)")
     parser.add_argument("--global-batch-size", type=int, help="default: the shape's (8)")
-    parser.add_argument("--contender", choices=CONTENDERS + FP8_CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--contender",
+        choices=CONTENDERS + FP8_CONTENDERS + MEMORY_CONTENDERS,
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args()
     shape = {(False, False): Shape(), (True, False): TINY, (False, True): MOE}.get(
         (args.tiny, args.moe), TINY_MOE

@@ -234,8 +234,8 @@ MISSING = {
     "--mtp-": "multi-token prediction variants (one layer repeated over the depths, hidden-state "
     "mixing, detached heads, hybrid MTP patterns)",
     "--dsa-": "DeepSeek sparse attention",
-    "--fine-grained-activation-offloading": "activation offloading",
-    "--offload-modules": "activation offloading",
+    # (--fine-grained-activation-offloading and its flags: config/activation_offload.py)
+    "--delay-offload-until-cuda-graph": "CUDA graphs",
     "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from threefold.config.activation_offload import ActivationOffloadConfig
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
@@ -19,12 +20,19 @@ from threefold.config.recompute import RecomputeConfig
 
 @dataclass
 class ModelConfig(
-    MLAConfig, LinearAttentionConfig, MoEConfig, MTPConfig, RecomputeConfig, MuPConfig
+    MLAConfig,
+    LinearAttentionConfig,
+    MoEConfig,
+    MTPConfig,
+    RecomputeConfig,
+    ActivationOffloadConfig,
+    MuPConfig,
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, linear attention, multi-token prediction,
-    recomputation and muP fields are inherited (config/moe.py, config/mla.py,
-    config/linear_attention.py, config/mtp.py, config/recompute.py, config/mup.py)."""
+    recomputation, activation offloading and muP fields are inherited (config/moe.py,
+    config/mla.py, config/linear_attention.py, config/mtp.py, config/recompute.py,
+    config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
     hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
@@ -315,6 +323,7 @@ class ModelConfig(
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_recompute()
+        warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return warnings + [
                 f"--seq-length {self.seq_length} exceeds --max-position-embeddings "

@@ -86,6 +86,20 @@ INPUT, WEIGHT, GRAD = 0, 1, 2
 INVERSES = ("input_inverse", "weight_inverse", "grad_inverse")
 
 
+def held_for_step(tensor: torch.Tensor) -> bool:
+    """A weight copy `Fp8Scaling.weights_cached` keeps for the step: every micro-batch saves
+    that same copy for backward (activation offloading leaves it on the device)."""
+    return getattr(tensor, "_held_for_step", False)
+
+
+def _hold_for_step(*copies) -> None:
+    for copy in copies:
+        if isinstance(copy, tuple):
+            _hold_for_step(*copy)
+        elif isinstance(copy, torch.Tensor):
+            copy._held_for_step = True
+
+
 def _kernels():
     """Where the casts come from: the run's (`KERNELS`: one Triton kernel per cast on CUDA, a
     compiled one elsewhere); inside a compiled graph (a traced `Fp8Linear.linear`) the same as
@@ -236,6 +250,7 @@ class Fp8Linear(nn.Module):
             kept = self._cast_weight_fine(weight)
             if cached and self.cache_weight:
                 self.weight_cache = (weight, kept)
+                _hold_for_step(kept)
         if self.recipe.blockwise:
             return kept
         return self.cast_fine(WEIGHT, weight), kept
@@ -275,6 +290,7 @@ class Fp8Linear(nn.Module):
             result = self.cast(WEIGHT, weight)
         if cached and self.cache_weight:
             self.weight_cache = (weight, result[1], result[2], result[0])
+            _hold_for_step(*result)
         return result
 
     def _step_copies(self, weight: torch.Tensor, cached: bool) -> tuple | None:

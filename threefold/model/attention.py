@@ -18,6 +18,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.activation_offload import offload_group
 from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention
@@ -66,6 +67,10 @@ class Attention(nn.Module):
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
         self.recompute_core_attention = config.recomputes("core_attn")
+        # Fine-grained activation offloading (model/activation_offload.py)
+        self.offload_qkv_linear = config.offloads("qkv_linear")
+        self.offload_core_attn = config.offloads("core_attn")
+        self.offload_attn_proj = config.offloads("attn_proj")
 
     def _attend(
         self,
@@ -74,9 +79,10 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.recompute_core_attention and self.training:
-            return checkpoint(self._core_attention, query, key, value, attention_mask)
-        return self._core_attention(query, key, value, attention_mask)
+        with offload_group("core_attn", self.offload_core_attn):
+            if self.recompute_core_attention and self.training:
+                return checkpoint(self._core_attention, query, key, value, attention_mask)
+            return self._core_attention(query, key, value, attention_mask)
 
     def _core_attention(
         self,
@@ -146,6 +152,19 @@ class SelfAttention(Attention):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        with offload_group("qkv_linear", self.offload_qkv_linear):
+            query, key, value, gate = self._query_key_value(hidden_states, rotary)
+        context = self._attend(query, key, value, attention_mask)
+        with offload_group("attn_proj", self.offload_attn_proj):
+            if gate is not None:  # megatron-core's `_apply_output_gate`: the sigmoid in fp32
+                context = (context * torch.sigmoid(gate.flatten(2).float())).to(context.dtype)
+            return self.linear_proj(context)
+
+    def _query_key_value(
+        self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The QKV projection split into the rotated, scaled queries, the keys and values,
+        and the output gate (None without --attention-output-gate)."""
         qkv = self.linear_qkv(hidden_states)  # [s, b, groups/tp * (heads_per_group + 2) * d]
         s, b, _ = qkv.shape
         per_group = self.heads_per_group * (2 if self.output_gate else 1) + 2
@@ -166,10 +185,7 @@ class SelfAttention(Attention):
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
         if self.query_scale != 1.0:
             query = query * self.query_scale
-        context = self._attend(query, key, value, attention_mask)
-        if gate is not None:  # megatron-core's `_apply_output_gate`: the sigmoid in fp32
-            context = (context * torch.sigmoid(gate.flatten(2).float())).to(context.dtype)
-        return self.linear_proj(context)
+        return query, key, value, gate
 
     def _split_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, b, groups, (2 heads_per_group + 2), d] -> the gate [s, b, heads, d] (heads of a

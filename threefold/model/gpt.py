@@ -21,6 +21,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.activation_offload import ActivationOffload
 from threefold.model.mtp import MultiTokenPredictionBlock
 from threefold.model.rope import rotary_embedding
 from threefold.model.spec import LayerSpec, layer_spec
@@ -156,6 +157,15 @@ class GPTModel(nn.Module):
         self.mtp = None
         if mtp_here:
             self.mtp = MultiTokenPredictionBlock(config, parallel, spec, init, scaled_init)
+        self.activation_offload = None
+        if config.fine_grained_activation_offloading:
+            self.activation_offload = ActivationOffload(
+                config.offload_modules,
+                config.min_offloaded_tensor_size,
+                config.activation_offload_fraction,
+                parallel.pp.rank * config.delta_offload_bytes_across_pp_ranks,
+                config.fine_grained_offloading_max_inflight_offloads,
+            )
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -209,6 +219,14 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
+    def _offloading(self, rotary: tuple | None, attention_mask: torch.Tensor | None):
+        """The micro-batch's forward pass through the layers, offloading what --offload-modules
+        name (model/activation_offload.py); the rotary tables and the mask, which every layer
+        saves, stay."""
+        if self.activation_offload is None or not (self.training and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return self.activation_offload.forward_pass(keep=(*(rotary or ()), attention_mask))
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -241,21 +259,22 @@ class GPTModel(nn.Module):
                 cos, sin = self.rotary_pos_emb(int(position_ids.max()) + 1, hidden_states.device)
                 index = position_ids.t()
                 rotary = (cos[index].squeeze(2), sin[index].squeeze(2))
-        hidden_states = self.decoder(hidden_states, rotary, attention_mask)
-        if not self.post_process:
-            return hidden_states
-        output_layer = functools.partial(self.output_layer, weight=self.output_weight())
-        if self.logits_mult != 1.0:  # muP's output multiplier, on the MTP depths' logits too
-            output_layer = functools.partial(_scaled, output_layer, self.logits_mult)
-        if self.mtp is not None and self.training and labels is not None:
-            batch = {
-                "tokens": input_ids,
-                "labels": labels,
-                "loss_mask": loss_mask,
-                "position_ids": position_ids,
-                "attention_mask": attention_mask,
-            }
-            hidden_states = self.mtp(hidden_states, batch, self.embedding, output_layer, rotary)
+        with self._offloading(rotary, attention_mask):
+            hidden_states = self.decoder(hidden_states, rotary, attention_mask)
+            if not self.post_process:
+                return hidden_states
+            output_layer = functools.partial(self.output_layer, weight=self.output_weight())
+            if self.logits_mult != 1.0:  # muP's output multiplier, on the MTP depths' too
+                output_layer = functools.partial(_scaled, output_layer, self.logits_mult)
+            if self.mtp is not None and self.training and labels is not None:
+                batch = {
+                    "tokens": input_ids,
+                    "labels": labels,
+                    "loss_mask": loss_mask,
+                    "position_ids": position_ids,
+                    "attention_mask": attention_mask,
+                }
+                hidden_states = self.mtp(hidden_states, batch, self.embedding, output_layer, rotary)
         logits = output_layer(hidden_states)
         if labels is None:
             return logits

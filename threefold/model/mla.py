@@ -31,6 +31,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.activation_offload import offload_group
 from threefold.model.attention import Attention, CoreAttention, local_attention
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
@@ -161,22 +162,24 @@ class MLASelfAttention(Attention):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query_latent = self._query_latent(hidden_states)
-        latent, key_rope = self.linear_kv_down_proj(hidden_states).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )
-        if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
-        # The shared key part reaches every head: the whole sequence, on every TP rank.
-        key_rope = tensor_parallel_input(key_rope, self.tp, self.sequence_parallel)
-        up = OutputDiscardingCheckpoint(self.recompute_up_proj and self.training)
-        query, key, value = up.checkpoint(
-            self._up_projections, query_latent, latent, key_rope, *rotary
-        )
+        with offload_group("qkv_linear", self.offload_qkv_linear):
+            query_latent = self._query_latent(hidden_states)
+            latent, key_rope = self.linear_kv_down_proj(hidden_states).split(
+                [self.kv_lora_rank, self.rope_dim], dim=-1
+            )
+            if self.kv_layernorm is not None:
+                latent = self.kv_layernorm(latent)
+            # The shared key part reaches every head: the whole sequence, on every TP rank.
+            key_rope = tensor_parallel_input(key_rope, self.tp, self.sequence_parallel)
+            up = OutputDiscardingCheckpoint(self.recompute_up_proj and self.training)
+            query, key, value = up.checkpoint(
+                self._up_projections, query_latent, latent, key_rope, *rotary
+            )
         context = self._attend(query, key, value, attention_mask)
         up.discard_output_and_register_recompute(context)
-        if self.width != self.v_head_dim:
-            s, b, heads = context.shape[0], context.shape[1], self.heads_per_partition
-            context = context.view(s, b, heads, self.width)[..., : self.v_head_dim]
-            context = context.reshape(s, b, heads * self.v_head_dim)
-        return self.linear_proj(context)
+        with offload_group("attn_proj", self.offload_attn_proj):
+            if self.width != self.v_head_dim:
+                s, b, heads = context.shape[0], context.shape[1], self.heads_per_partition
+                context = context.view(s, b, heads, self.width)[..., : self.v_head_dim]
+                context = context.reshape(s, b, heads * self.v_head_dim)
+            return self.linear_proj(context)

@@ -57,6 +57,12 @@ _recomputing = 0
 _checkpointing = 0
 
 
+def is_checkpointing() -> bool:
+    """Inside a checkpointed region's first forward: what it saves is the checkpoint's to
+    drop (activation offloading leaves it alone)."""
+    return _checkpointing > 0
+
+
 def is_recomputing() -> bool:
     """Inside the backward pass's second forward of a recomputed region: what the forward
     records (MoE routing statistics) was recorded the first time."""
@@ -85,9 +91,11 @@ def _rerun(ctx) -> None:
     """Runs the function again, with a graph, from its saved inputs."""
     global _recomputing
     _recomputing += 1
+    # Leaves of its own (what an unpack returns may be a copy: activation offloading's).
+    ctx.leaves = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
     try:
         with torch.enable_grad():
-            recomputed = ctx.function(*ctx.saved_tensors)
+            recomputed = ctx.function(*ctx.leaves)
     finally:
         _recomputing -= 1
     ctx.recomputed = recomputed if isinstance(recomputed, tuple) else (recomputed,)
@@ -114,6 +122,9 @@ class _DiscardedOutput(torch.autograd.Function):
             else outputs.detach()
         )
         ctx.save_for_backward(*leaves)
+        # Read before backward without unpacking the saved inputs (which activation
+        # offloading may have moved to the host).
+        ctx.input_storages = {x.untyped_storage().data_ptr() for x in inputs}
         ctx.function, ctx.recomputed, owner.ctx = function, None, ctx
         return outputs
 
@@ -125,7 +136,7 @@ class _DiscardedOutput(torch.autograd.Function):
         pairs = [(out, g) for out, g in pairs if out.requires_grad]
         if pairs:
             torch.autograd.backward(*zip(*pairs))
-        inputs, ctx.recomputed, ctx.function = ctx.saved_tensors, None, None
+        inputs, ctx.leaves, ctx.recomputed, ctx.function = ctx.leaves, None, None, None
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
 
@@ -160,7 +171,7 @@ class OutputDiscardingCheckpoint:
         consumer that produced it."""
         if not (self.enabled and hook_tensor.requires_grad):
             return
-        inputs = {x.untyped_storage().data_ptr() for x in self.ctx.saved_tensors}
+        inputs = self.ctx.input_storages
         # (an output aliasing an input would free the input: kept whole)
         self.discarded = [
             (i, out) for i, out in self.discarded if out.untyped_storage().data_ptr() not in inputs

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import OutputDiscardingCheckpoint, checkpoint
 from threefold.model.spec import LayerSpec
 from threefold.parallel.parallel_context import ParallelContext
@@ -58,6 +59,9 @@ class TransformerLayer(nn.Module):
         self.recompute_layernorm = config.recomputes("layernorm")
         moe = layer_number in spec.moe_layers
         self.recompute_mlp = config.recomputes("moe" if moe else "mlp")
+        # Fine-grained activation offloading (model/activation_offload.py): the norms' inputs.
+        self.offload_attn_norm = config.offloads("attn_norm")
+        self.offload_mlp_norm = config.offloads("mlp_norm")
 
     def forward(
         self,
@@ -67,14 +71,16 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         recompute_norm = self.recompute_layernorm and self.training
         norm = OutputDiscardingCheckpoint(recompute_norm)
-        normed = norm.checkpoint(self.input_layernorm, hidden_states)
+        with offload_group("attn_norm", self.offload_attn_norm):
+            normed = norm.checkpoint(self.input_layernorm, hidden_states)
         attention = self.self_attention(normed, rotary, attention_mask)
         norm.discard_output_and_register_recompute(attention)
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )
         norm = OutputDiscardingCheckpoint(recompute_norm)
-        normed = norm.checkpoint(self.pre_mlp_layernorm, hidden_states)
+        with offload_group("mlp_norm", self.offload_mlp_norm):
+            normed = norm.checkpoint(self.pre_mlp_layernorm, hidden_states)
         if self.recompute_mlp and self.training:
             mlp = checkpoint(self.mlp, normed)
         else:

@@ -55,7 +55,10 @@ for stage r; interleaved: more).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from threefold.config import Config, ModelConfig
+from threefold.config.activation_offload import offload_plan
 from threefold.config.fp8 import experts_in_fp8
 from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
@@ -83,34 +86,46 @@ def layer_activation_bytes(
     """What one transformer layer keeps for backward per micro-batch (see the module doc).
     `fp8`: the layer's linears run in FP8; `moe`: whether its MLP is an MoE layer (default:
     the average over the model's layers); `linear`: its attention is a gated delta net."""
+    if recompute_kept:  # full recomputation: the layer group's input only
+        model, parallel = config.model, config.parallel
+        sigma = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+        e = 2 if (config.training.bf16 or config.training.fp16) else 4
+        return (
+            e
+            * _local_sequence(config)
+            * config.training.micro_batch_size
+            * (model.hidden_size)
+            // sigma
+        )
+    return round(sum(layer_activation_parts(config, fp8, moe, linear).values()))
+
+
+def layer_activation_parts(
+    config: Config, fp8: bool = False, moe: bool | None = None, linear: bool = False
+) -> dict[str, float]:
+    """`layer_activation_bytes` by the module whose forward saves each tensor: the modules
+    --offload-modules names (config/activation_offload.py), and "rest"."""
     model, parallel = config.model, config.parallel
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
-    f, a, d, g = (
-        model.ffn_hidden_size,
-        model.num_attention_heads,
-        model.kv_channels,
-        model.num_query_groups,
-    )
+    f = model.ffn_hidden_size
     t = parallel.tensor_model_parallel_size
     sigma = t if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
-    if recompute_kept:  # full recomputation: the layer group's input only
-        return e * s * b * h // sigma
     fp8 = fp8 and config.fp8.fp8_wgrad  # (module doc: --no-fp8-wgrad)
     if moe is None and model.is_moe:  # averaged over the layers: exact if all are MoE
         pattern = model.moe_layer_pattern(model.num_layers)
         share = sum(pattern) / len(pattern)
-        dense, sparse = (
-            layer_activation_bytes(config, False, fp8, kind, linear) for kind in (False, True)
-        )
-        return round((1 - share) * dense + share * sparse)
+        dense, sparse = (layer_activation_parts(config, fp8, kind, linear) for kind in (0, 1))
+        return {
+            name: (1 - share) * dense.get(name, 0) + share * sparse.get(name, 0)
+            for name in dense.keys() | sparse.keys()
+        }
     rms = model.normalization == "RMSNorm"
     stats = 1 if rms else 2
     norm_block = 4 * s * b * h // sigma * (2 if rms else 1) + 4 * stats * s * b // sigma
     norms = model.recomputes("layernorm")
     if norms:  # a recomputed norm keeps its input only
         norm_block = e * s * b * h // sigma
-    selective = model.recomputes("core_attn")
     mlp_recomputed = model.recomputes("moe" if moe else "mlp")
     mlp_in_fp8 = fp8 and not moe
     # The linear's input, gathered over the sequence under SP: an FP8 copy in an FP8 layer
@@ -124,38 +139,60 @@ def layer_activation_bytes(
         fc1_input += 0 if model.recomputes("shared_experts") else 1
     if mlp_recomputed:  # the MLP keeps its input only: the norm's output, unless freed
         fc1_input = 0 if norms else e / sigma
-    norm_blocks = 2 * norm_block + round((qkv_input + fc1_input) * s * b * h)
-    # The projection's input, the attention core's output: kept by the core unless selective
-    # recomputation drops it; the FP8 layer keeps its own copy.
-    core_output = ((0 if selective else e) + 1) if fp8 else e
-    attention = e * s * b * (h + 2 * g * d) // t + core_output * s * b * h // t
-    if model.rotary_position_embeddings:
-        attention += e * s * b * (h + g * d) // t
-    if not selective:
-        attention += 4 * b * a * s // t
-        if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
-            # The other CP ranks' keys and values, gathered and kept for backward.
-            others = model.seq_length - s
-            attention += 2 * e * others * b * g * d // t
-    if model.multi_latent_attention and not linear:
-        norm_blocks -= qkv_input * s * b * h
-        norm_blocks, attention = _mla_activation_bytes(config, s, b, e, norm_blocks, fp8)
-    if linear:
-        attention = _gated_delta_net_activation_bytes(config, b, e)
-    # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: two.
-    mlp = _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
-    if moe:
-        mlp = _moe_activation_bytes(config, s, b, e, fp8)
+    parts = {"attn_norm": norm_block, "mlp_norm": norm_block}
+    parts["qkv_linear"] = round(qkv_input * s * b * h)
+    rest = round(fc1_input * s * b * h)
+    if linear:  # (its input projection keeps the norm's output as a linear's input)
+        rest += parts.pop("qkv_linear") + _gated_delta_net_activation_bytes(config, b, e)
+    elif model.multi_latent_attention:
+        mla = _mla_activation_parts(config, s, b, e, fp8)
+        rest += mla.pop("rest")
+        parts.update(mla)
+    else:
+        attention = _attention_parts(config, s, b, e, fp8)
+        rest += attention.pop("rest")
+        parts.update(attention)
     # and each FP8 input's fp32 scales, kept with its transposed copy (rowwise, blockwise)
     scales = _scale_bytes_per_feature(config, s, b) if fp8 else 0
-    attention += scales * (h + h // t)
-    mlp += scales * (h + f // t) if mlp_in_fp8 else 0
-    if mlp_recomputed:
-        mlp = 0
+    rest += scales * (h + h // t)
+    if not mlp_recomputed:
+        if moe:
+            parts.update(_moe_activation_parts(config, s, b, e, fp8))
+            rest += parts.pop("rest")
+        else:  # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: 2
+            rest += _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
+            rest += scales * (h + f // t) if mlp_in_fp8 else 0
     # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
     # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
-    dropout = 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
-    return norm_blocks + attention + mlp + dropout
+    rest += 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
+    return {**parts, "rest": rest}
+
+
+def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[str, int]:
+    """Self-attention's share of a layer's activations (as `layer_activation_parts`). The core
+    keeps its queries, keys and values and the log-sum-exp (under selective recomputation its
+    checkpoint keeps the inputs, which offloading leaves); RoPE's rotated queries and keys
+    are counted apart (the core's offloading frees what measures without them). The
+    projection's input, the core's output, is one storage both keep ("attn_output": freed
+    once both have offloaded it), unless selective recomputation drops the core's; the FP8
+    projection keeps its own copy beside the core's."""
+    model, parallel = config.model, config.parallel
+    h, a, d = model.hidden_size, model.num_attention_heads, model.kv_channels
+    g, t = model.num_query_groups, parallel.tensor_model_parallel_size
+    core = e * s * b * (h + 2 * g * d) // t
+    rope = e * s * b * (h + g * d) // t if model.rotary_position_embeddings else 0
+    if model.recomputes("core_attn"):
+        projection = (1 if fp8 else e) * s * b * h // t
+        return {"core_attn": 0, "attn_proj": projection, "attn_output": 0, "rest": rope + core}
+    core += 4 * b * a * s // t
+    if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
+        # The other CP ranks' keys and values, gathered and kept for backward.
+        core += 2 * e * (model.seq_length - s) * b * g * d // t
+    output = e * s * b * h // t
+    if fp8:
+        projection = s * b * h // t
+        return {"core_attn": core + output, "attn_proj": projection, "attn_output": 0, "rest": rope}
+    return {"core_attn": core, "attn_proj": 0, "attn_output": output, "rest": rope}
 
 
 def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
@@ -191,16 +228,15 @@ def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
     return total + 4 * b * heads * rule
 
 
-def _mla_activation_bytes(
-    config: Config, s: int, b: int, e: int, norm_blocks: int, fp8: bool
-) -> tuple[int, int]:
-    """Multi-latent attention's share of a layer's activations (as `layer_activation_bytes`
-    for other attention): the down projections' input, this rank's slice (and the query
-    projection's gathered input without a query latent); each latent's norm and the up
-    projection's gathered input; the core's queries, keys and values at the padded head size
-    (model/mla.py), its output and log-sum-exp unless selective recomputation drops them, and
-    the output projection's input (the context cut to the value heads). In FP8 each linear
-    layer keeps a 1-byte copy of its input instead (each down projection its own)."""
+def _mla_activation_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[str, int]:
+    """Multi-latent attention's share of a layer's activations (as `layer_activation_parts`
+    for other attention). The QKV module's: the down projections' input, this rank's slice
+    (and the query projection's gathered input without a query latent), each latent's norm
+    and the up projection's gathered input. The core's: its queries, keys and values at the
+    padded head size (model/mla.py), its output and log-sum-exp unless selective
+    recomputation drops them. The output projection's input (the context cut to the value
+    heads). In FP8 each linear layer keeps a 1-byte copy of its input instead (each down
+    projection its own)."""
     model, parallel = config.model, config.parallel
     t = parallel.tensor_model_parallel_size
     sigma = t if parallel.sequence_parallel else 1
@@ -210,28 +246,34 @@ def _mla_activation_bytes(
     x = 1 if fp8 else e  # a linear layer's kept input, per element
     lora = model.q_lora_rank is not None
     # the down projections' input: the norm's output (freed where the norm is recomputed)
+    qkv = 0
     if fp8 or not model.recomputes("layernorm"):
-        norm_blocks += (2 if fp8 and lora else 1) * x * s * b * h // sigma
+        qkv += (2 if fp8 and lora else 1) * x * s * b * h // sigma
     if not lora and (sigma > 1 or fp8):
-        norm_blocks += x * s * b * h
+        qkv += x * s * b * h
     # Recomputed up projections keep their inputs in the run's dtype (and the whole down
     # projection's output, which the shared key part is a view of), not the core's query,
     # key and value.
     up = model.recomputes("mla_up_proj")
-    attention = e * s * b * model.qk_pos_emb_head_dim if up else 0
-    attention += e * s * b * model.kv_lora_rank // sigma if up and model.qk_layernorm else 0
+    qkv += e * s * b * model.qk_pos_emb_head_dim if up else 0
+    qkv += e * s * b * model.kv_lora_rank // sigma if up and model.qk_layernorm else 0
     for rank in [model.kv_lora_rank] + ([model.q_lora_rank] if lora else []):
-        attention += (e if up else x) * s * b * rank
+        qkv += (e if up else x) * s * b * rank
         if model.qk_layernorm:
-            attention += 4 * s * b * rank // sigma * (2 if rms else 1)
-            attention += 4 * (1 if rms else 2) * s * b // sigma
-    attention += (0 if up else 3 * e * s * b * heads * width // t) + x * s * b * heads * v // t
-    if not model.recomputes("core_attn"):
-        core_output = fp8 or width != v  # else it is the output projection's input
-        attention += 4 * b * heads * s // t + (e * s * b * heads * width // t if core_output else 0)
-        if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
-            attention += 2 * e * (model.seq_length - s) * b * heads * width // t
-    return norm_blocks, attention
+            qkv += 4 * s * b * rank // sigma * (2 if rms else 1)
+            qkv += 4 * (1 if rms else 2) * s * b // sigma
+    core = 0 if up else 3 * e * s * b * heads * width // t
+    projection = x * s * b * heads * v // t
+    if model.recomputes("core_attn"):  # (its checkpoint keeps the inputs)
+        parts = {"core_attn": 0, "attn_proj": projection, "attn_output": 0, "rest": core}
+        return {"qkv_linear": qkv, **parts}
+    core += 4 * b * heads * s // t
+    if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
+        core += 2 * e * (model.seq_length - s) * b * heads * width // t
+    if fp8 or width != v:  # the core's output and the projection's own (cut, or FP8) input
+        parts = {"core_attn": core + e * s * b * heads * width // t, "attn_proj": projection}
+        return {"qkv_linear": qkv, **parts, "attn_output": 0, "rest": 0}
+    return {"qkv_linear": qkv, "core_attn": core, "attn_proj": 0, "attn_output": projection}
 
 
 def _scale_bytes_per_feature(config: Config, s: int, b: int) -> int:
@@ -247,12 +289,16 @@ def _intermediate_bytes(model: ModelConfig, e: int, fp8: bool) -> int:
     return e * (3 if model.swiglu else 1) + (1 if fp8 else e)
 
 
-def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> int:
+def _moe_activation_parts(
+    config: Config, s: int, b: int, e: int, fp8: bool
+) -> dict[str, int | float]:
     """An MoE MLP: this rank's s b / sigma tokens, each routed to k experts, come back as as
-    many expert inputs (taken by the dispatch; fc1's FP8 copy when the experts run in FP8) and
-    outputs; an expert keeps the dense MLP's intermediates for each (at its expert-TP share,
-    for the pairs of all its ETP peers); the shared expert as the dense MLP of its size.
-    Rowwise and blockwise scaling add the fp32 scales of each FP8 GEMM's input."""
+    many expert inputs (taken by the dispatch, kept by fc1: `expert_fc1`; its FP8 copy when
+    the experts run in FP8) and outputs; an expert keeps the dense MLP's intermediates for
+    each (at its expert-TP share, for the pairs of all its ETP peers): fc1's output and the
+    activation's (`moe_act`), fc2's input (`expert_fc2`: offloaded with the others under
+    `fused_group_mlp`); the shared expert as the dense MLP of its size. Rowwise and blockwise
+    scaling add the fp32 scales of each FP8 GEMM's input."""
     model, parallel = config.model, config.parallel
     t, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     h, f, shared = (
@@ -263,17 +309,22 @@ def _moe_activation_bytes(config: Config, s: int, b: int, e: int, fp8: bool) -> 
     sigma = t if parallel.sequence_parallel else 1
     pairs = s * b // sigma * model.moe_router_topk * etp
     experts = fp8 and experts_in_fp8(config.fp8)
-    expert_input = 1 if experts else e
-    intermediate = _intermediate_bytes(model, e, experts)
+    fc2_input = 1 if experts else e
+    activation = _intermediate_bytes(model, e, experts) - fc2_input
     if model.recomputes("moe_act"):  # the activation's output freed (an FP8 fc2 keeps a copy)
-        intermediate = e * (2 if model.swiglu else 1) + (1 if experts else 0)
-    total = pairs * ((expert_input + e) * h + intermediate * f // etp)
+        activation, fc2_input = e * (2 if model.swiglu else 1), 1 if experts else 0
+    parts = {
+        "expert_fc1": pairs * (1 if experts else e) * h,
+        "moe_act": pairs * activation * f // etp,
+        "expert_fc2": pairs * fc2_input * f // etp,
+    }
+    rest = pairs * e * h
     if experts:
-        total += 4 * model.num_experts // parallel.expert_model_parallel_size * (h + f // etp)
+        rest += 4 * model.num_experts // parallel.expert_model_parallel_size * (h + f // etp)
     if shared and not model.recomputes("shared_experts"):
-        total += s * b * shared // t * _intermediate_bytes(model, e, fp8)
-        total += _scale_bytes_per_feature(config, s, b) * (h + shared // t) if fp8 else 0
-    return total
+        rest += s * b * shared // t * _intermediate_bytes(model, e, fp8)
+        rest += _scale_bytes_per_feature(config, s, b) * (h + shared // t) if fp8 else 0
+    return {**parts, "rest": rest}
 
 
 def micro_batches_in_flight(config: Config, stage: int) -> int:
@@ -313,10 +364,12 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
             total += groups * layer_activation_bytes(config, recompute_kept=True)
         # --recompute-method block recomputes a chunk's first layers; the rest keep theirs.
         linear = model.linear_attention_pattern(model.num_layers)
-        for layer in range(offset + recomputed, offset + layers):
+        kept = range(offset + recomputed, offset + layers)
+        for layer in kept:
             total += layer_activation_bytes(
                 config, fp8=fp8_layer(config, layer), linear=bool(linear[layer])
             )
+        total -= offloaded_activation_bytes(config, kept, stage)
     if model.multi_latent_attention:
         total += 2 * 4 * s * model.qk_pos_emb_head_dim  # MLA's cos/sin tables
     elif model.rotary_position_embeddings:
@@ -329,6 +382,51 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         total += _output_activation_bytes(config, s, b, sigma, e)
         total += _mtp_activation_bytes(config, s, b, sigma, e)
     return total
+
+
+# The offloadable modules in the order a layer's forward runs them (config/activation_offload.py).
+FORWARD_ORDER = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+EXPERT_ORDER = ("expert_fc1", "moe_act")
+
+
+def offloaded_activation_bytes(config: Config, layers: Iterable[int], stage: int) -> int:
+    """What --fine-grained-activation-offloading moves to host memory of one micro-batch's
+    activations through a model chunk's `layers` (0-based): each offloaded module's share of
+    `layer_activation_parts` is a group (the experts' looped one per local expert), planned
+    as the model plans its groups (`offload_plan`). A group under --min-offloaded-tensor-size
+    elements in all stays; multi-token prediction layers are counted as kept."""
+    model, parallel = config.model, config.parallel
+    if not model.fine_grained_activation_offloading:
+        return 0
+    e = 2 if (config.training.bf16 or config.training.fp16) else 4
+    pattern = model.moe_layer_pattern(model.num_layers)
+    linear = model.linear_attention_pattern(model.num_layers)
+    looped = not model.moe_grouped_gemm or config.fp8.enabled and experts_in_fp8(config.fp8)
+    local_experts = (model.num_experts or 1) // parallel.expert_model_parallel_size
+    groups = []  # (the bytes a group saves, those offloading it frees)
+    for layer in layers:
+        fp8, moe = fp8_layer(config, layer), bool(pattern[layer])
+        parts = layer_activation_parts(config, fp8, moe, bool(linear[layer]))
+        output = parts.get("attn_output", 0)  # freed with the projection's (module doc)
+        for name in FORWARD_ORDER:
+            if model.offloads(name):
+                shared = output if name in ("core_attn", "attn_proj") else 0
+                own = parts.get(name, 0)
+                groups.append((own + shared, own + (shared if name == "attn_proj" else 0)))
+        if not moe:
+            continue
+        if model.offloads("fused_group_mlp"):
+            whole = sum(parts[name] for name in (*EXPERT_ORDER, "expert_fc2"))
+            groups.append((whole, whole))
+            continue
+        split = local_experts if looped and local_experts > 1 else 1
+        chosen = [parts[name] / split for name in EXPERT_ORDER if model.offloads(name)]
+        groups += [(size, size) for size in chosen] * split
+    # (a group whose tensors are all under the minimum is, in all, under it)
+    sizes = [size if size >= e * model.min_offloaded_tensor_size else 0 for size, _ in groups]
+    keep = stage * model.delta_offload_bytes_across_pp_ranks
+    planned = offload_plan(sizes, model.activation_offload_fraction, keep)
+    return round(sum(groups[i][1] for i in planned))
 
 
 def _output_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) -> int:

@@ -61,7 +61,9 @@ def measure_activation_bytes(
     excluded; each storage counted once): what a micro-batch in flight costs. A chunk that does
     not start the model gets zeros of `tensor_shape` as what the previous stage would have
     sent. Measured with saved-tensor hooks, so it works on the CPU; counted once the forward
-    is done, when recomputation (--recompute-modules layernorm, ...) has freed what it frees."""
+    is done, when recomputation (--recompute-modules layernorm, ...) has freed what it frees
+    and activation offloading has moved what it moves (on the CPU its host copies are not
+    counted: on a GPU they are not device memory)."""
     params = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
     params |= {tensor.untyped_storage().data_ptr() for tensor in shared}
     storages: dict[int, torch.UntypedStorage] = {}
@@ -72,6 +74,12 @@ def measure_activation_bytes(
             storages[storage.data_ptr()] = storage
         return tensor
 
+    # Activation offloading's groups save through hooks of their own, which hide their tensors
+    # from `pack`: each reports those it leaves on the device instead.
+    offloads = [chunk.activation_offload for chunk in model_chunks]
+    offloads = [offload for offload in offloads if offload is not None]
+    for offload in offloads:
+        offload.resident = {}
     outputs = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         for chunk in model_chunks:
@@ -89,6 +97,9 @@ def measure_activation_bytes(
                     position_ids=batch.get("position_ids"),  # a CP rank's true positions
                 )
             )
+    for offload in offloads:
+        storages |= {p: s for p, s in offload.resident.items() if p not in params}
+        offload.resident = None
     kept = sum(storage.nbytes() for storage in storages.values())
     del outputs  # frees the graph
     return kept

@@ -24,6 +24,7 @@ from threefold.config import Config
 from threefold.data.loader import build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
+from threefold.model.activation_offload import offload_summary
 from threefold.model.loss import gpt_forward_step
 from threefold.model.moe import start_aux_losses
 from threefold.parallel.context_parallel.sequence import split_batch
@@ -87,6 +88,8 @@ class Trainer:
             group = config.parallel.microbatch_group_size_per_virtual_pipeline_stage
             self.pipeline_options["microbatch_group_size"] = group
         self._train_iterator = None
+        # (what the first step's forward passes planned to offload: printed once it is known)
+        self._offloading_unreported = model.fine_grained_activation_offloading
         self.validation = ResultValidation(training, parallel.world, device)
         self.replica_check = ReplicaCheck(
             training.check_weight_hash_across_dp_replicas_interval,
@@ -348,6 +351,9 @@ class Trainer:
         first_sample = self.state.consumed_train_samples
         watch.before_iteration(self.state.iteration)
         loss, grad_norm, skipped = self.train_step()
+        if self._offloading_unreported:
+            self._offloading_unreported = False
+            self.print(offload_summary(self.model_chunks))
         iteration, batch = self.state.iteration, self.last_global_batch_size
         self.checkpointer.poll()
         self.state.skipped_iterations += int(skipped)

@@ -29,6 +29,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.layers import linear_gemm
@@ -145,6 +146,10 @@ class Experts(nn.Module):
         self.grouped_gemm = config.moe_grouped_gemm
         # --recompute-modules moe_act: the activation's output freed once fc2 has kept its copy
         self.recompute_activation = config.recomputes("moe_act")
+        # Fine-grained activation offloading (model/activation_offload.py)
+        self.offload_fc1 = config.offloads("expert_fc1")
+        self.offload_activation = config.offloads("moe_act")
+        self.offload_mlp = config.offloads("fused_group_mlp")
         self.local_experts = nn.ModuleDict(
             {
                 str(self.expert_offset + i): ExpertMLP(
@@ -163,6 +168,10 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """tokens [sum(counts), hidden], grouped by local expert; the experts' outputs."""
+        with offload_group("fused_group_mlp", self.offload_mlp):
+            return self._experts(tokens, counts)
+
+    def _experts(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         experts = list(self.local_experts.values())
         looped = experts and (
             experts[0].linear_fc1.adapter is not None or experts[0].linear_fc1.fp8 is not None
@@ -171,23 +180,28 @@ class Experts(nn.Module):
             return self._grouped(tokens, counts, experts)
         outputs = []
         for expert, part in zip(experts, tokens.split(counts)):
-            outputs.append(self._activated(expert.linear_fc2, expert.linear_fc1(part)))
+            with offload_group("expert_fc1", self.offload_fc1):
+                hidden = expert.linear_fc1(part)
+            outputs.append(self._activated(expert.linear_fc2, hidden))
         return torch.cat(outputs) if outputs else tokens[:0]
 
     def _activated(self, fc2, hidden: torch.Tensor) -> torch.Tensor:
         """fc2(activation(hidden)), the activation's output recomputed with moe_act."""
         activation = OutputDiscardingCheckpoint(self.recompute_activation and self.training)
-        out = fc2(activation.checkpoint(self._activation, hidden))
+        with offload_group("moe_act", self.offload_activation):
+            activated = activation.checkpoint(self._activation, hidden)
+        out = fc2(activated)
         activation.discard_output_and_register_recompute(out)
         return out
 
     def _grouped(self, tokens: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
         fc1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, out, in]
         fc2 = torch.stack([e.linear_fc2.weight for e in experts])
-        hidden = _grouped_matmul(tokens, fc1, counts)
-        if experts[0].linear_fc1.bias is not None:
-            biases = [e.linear_fc1.local_bias() for e in experts]
-            hidden = hidden + _per_token(torch.stack(biases), counts)
+        with offload_group("expert_fc1", self.offload_fc1):
+            hidden = _grouped_matmul(tokens, fc1, counts)
+            if experts[0].linear_fc1.bias is not None:
+                biases = [e.linear_fc1.local_bias() for e in experts]
+                hidden = hidden + _per_token(torch.stack(biases), counts)
         out = self._activated(lambda x: _grouped_matmul(x, fc2, counts), hidden)
         if experts[0].linear_fc2.bias is not None:
             biases = [e.linear_fc2.local_bias() for e in experts]
