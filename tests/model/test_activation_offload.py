@@ -176,6 +176,18 @@ LAYOUTS = {
         ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
         + ["--delta-offload-bytes-across-pp-ranks", "4096"],
     ),
+    # two model chunks per stage, each with its own groups and plan
+    "pp2-vpp2": (
+        LLAMA_STYLE + TRAINING + ["--num-layers", "4"],
+        LAYER,
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ),
+    # FSDP2's gathered parameters left alone; ring attention's per-step tensors offloaded
+    "fsdp-cp2": (
+        LLAMA_STYLE + TRAINING,
+        LAYER,
+        ["--use-torch-fsdp2", "--context-parallel-size", "2"],
+    ),
 }
 
 

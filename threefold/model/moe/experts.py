@@ -195,14 +195,14 @@ class Experts(nn.Module):
         return out
 
     def _grouped(self, tokens: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
-        fc1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, out, in]
-        fc2 = torch.stack([e.linear_fc2.weight for e in experts])
+        fc1 = [e.linear_fc1.weight for e in experts]
+        fc2 = [e.linear_fc2.weight for e in experts]
         with offload_group("expert_fc1", self.offload_fc1):
-            hidden = _grouped_matmul(tokens, fc1, counts)
+            hidden = _grouped_linear(tokens, fc1, counts)
             if experts[0].linear_fc1.bias is not None:
                 biases = [e.linear_fc1.local_bias() for e in experts]
                 hidden = hidden + _per_token(torch.stack(biases), counts)
-        out = self._activated(lambda x: _grouped_matmul(x, fc2, counts), hidden)
+        out = self._activated(lambda x: _grouped_linear(x, fc2, counts), hidden)
         if experts[0].linear_fc2.bias is not None:
             biases = [e.linear_fc2.local_bias() for e in experts]
             out = out + _per_token(torch.stack(biases), counts)
@@ -212,6 +212,44 @@ class Experts(nn.Module):
 def _per_token(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
     repeats = torch.tensor(counts, device=bias.device)
     return bias.repeat_interleave(repeats, dim=0)
+
+
+class _Restack:
+    """What autograd keeps of the experts' stacked weights: the parameters, and the view the
+    grouped GEMM saved of their stack."""
+
+    def __init__(self, weights: list[torch.Tensor], saved: torch.Tensor) -> None:
+        self.weights = weights
+        self.view = (saved.size(), saved.stride(), saved.storage_offset())
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.weights).as_strided(*self.view)
+
+
+def _grouped_linear(tokens: torch.Tensor, weights: list[torch.Tensor], counts: list[int]):
+    """`_grouped_matmul` over the experts' weights stacked [E, out, in], the stack not kept
+    for backward (a copy of every local expert's weight per micro-batch in flight): its
+    backward stacks the parameters again. Saved-tensor hooks outside (activation offloading,
+    a checkpoint, a measurement) see every other tensor the GEMM saves."""
+    stacked = torch.stack(weights)
+    if torch.compiler.is_compiling():  # (the compiler decides what its graph keeps)
+        return _grouped_matmul(tokens, stacked, counts)
+    address = stacked.untyped_storage().data_ptr()
+    # The hooks in force here, which take what is not the stack (torch's own accessor).
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack(tensor: torch.Tensor):
+        if tensor.untyped_storage().data_ptr() == address:
+            return _Restack(weights, tensor)
+        return outer[0](tensor) if outer else tensor
+
+    def unpack(saved):
+        if isinstance(saved, _Restack):
+            return saved.stacked()
+        return outer[1](saved) if outer else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return _grouped_matmul(tokens, stacked, counts)
 
 
 def _grouped_matmul(tokens: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor:
