@@ -172,6 +172,12 @@ class MoEConfig:
         choices=("alltoall", "allgather"),
         help="how tokens reach their experts' ranks: all-to-all, or all-gather over EP",
     )
+    moe_shared_expert_overlap: bool = arg(
+        False,
+        group=GROUP,
+        help="run the shared expert while the alltoall dispatcher's all-to-alls travel (after "
+        "the router, not before it)",
+    )
     moe_grouped_gemm: bool = arg(
         False,
         group=GROUP,
@@ -224,6 +230,23 @@ class MoEConfig:
             not self.moe_shared_expert_gate or self.moe_shared_expert_intermediate_size,
             "--moe-shared-expert-gate gates the shared expert: add "
             "--moe-shared-expert-intermediate-size or drop it",
+        )
+        overlap = self.moe_shared_expert_overlap
+        _require(
+            not overlap or self.moe_shared_expert_intermediate_size,
+            "--moe-shared-expert-overlap overlaps the shared expert with the dispatch: add "
+            "--moe-shared-expert-intermediate-size or drop it",
+        )
+        _require(
+            not overlap or self.moe_token_dispatcher_type == "alltoall",
+            "--moe-shared-expert-overlap overlaps the alltoall dispatcher's all-to-alls (as in "
+            "Megatron-LM): add --moe-token-dispatcher-type alltoall",
+        )
+        _require(
+            not overlap or not self.recomputes("shared_experts"),
+            "--moe-shared-expert-overlap runs the shared expert in two parts beside the "
+            "all-to-alls, which --recompute-modules shared_experts cannot recompute (as in "
+            "Megatron-LM): drop one",
         )
         _require(
             self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,

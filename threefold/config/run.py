@@ -99,6 +99,11 @@ class Config:
         )
         fsdp = parallel.distributed_strategy == "fsdp"
         self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp)
+        if self.model.moe_shared_expert_overlap and self.kernels.compile_layers:
+            warnings.append(
+                "--moe-shared-expert-overlap with --compile-layers: each compiled layer runs "
+                "its shared expert as its graph orders it, not beside the all-to-alls"
+            )
         if parallel.tp_comm_overlap and self.fp8.enabled:
             warnings.append(
                 "--tp-comm-overlap with --fp8-format: the FP8 linear layers all-gather their "

@@ -49,15 +49,17 @@ class MLP(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activated(hidden_states))
+
+    def activated(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The activation of fc1's output: fc2's input."""
         fc1 = self.linear_fc1
         if self.swiglu and fc1.fp8 is not None:
             # An FP8 GEMM's backward casts its output's whole gradient: SwiGLU writes the two
             # blocks' gradients into one tensor (`swiglu_stacked`), not autograd's chunk.
-            intermediate = KERNELS.swiglu_stacked(fc1(hidden_states))
-        elif self.swiglu:
-            intermediate = KERNELS.swiglu(*fc1.forward_blocks(hidden_states))
-        elif self.squared_relu:
-            intermediate = KERNELS.squared_relu(fc1(hidden_states))
-        else:
-            intermediate = KERNELS.gelu(self.linear_fc1(hidden_states), self.gelu_approximation)
-        return self.linear_fc2(intermediate)
+            return KERNELS.swiglu_stacked(fc1(hidden_states))
+        if self.swiglu:
+            return KERNELS.swiglu(*fc1.forward_blocks(hidden_states))
+        if self.squared_relu:
+            return KERNELS.squared_relu(fc1(hidden_states))
+        return KERNELS.gelu(fc1(hidden_states), self.gelu_approximation)

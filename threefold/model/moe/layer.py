@@ -76,7 +76,11 @@ class SharedExpertMLP(MLP):
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        output = super().forward(hidden_states)
+        return self.finish(self.activated(hidden_states), hidden_states)
+
+    def finish(self, intermediate: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fc2 of `activated`'s output, gated per token of `hidden_states` (the input)."""
+        output = self.linear_fc2(intermediate)
         if self.gate_weight is None:
             return output
         return output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))
@@ -105,6 +109,7 @@ class MoELayer(nn.Module):
                 config, parallel, init_method, output_layer_init_method
             )
         self.recompute_shared_experts = config.recomputes("shared_experts")
+        self.shared_expert_overlap = config.moe_shared_expert_overlap
         self.coefficients = {
             "load_balancing_loss": config.moe_aux_loss_coeff,
             "seq_load_balancing_loss": config.moe_aux_loss_coeff,
@@ -122,9 +127,21 @@ class MoELayer(nn.Module):
             probs = _AttachLosses.apply(probs, self.aux_loss_scale, *losses.values())
         if self.training and not is_recomputing():
             self._record(losses, routing_map)
-        expert_input, plan = self.dispatcher.dispatch(tokens, probs, routing_map)
+        shared = self.shared_experts
+        if self.shared_expert_overlap:
+            # --moe-shared-expert-overlap: fc1 and the activation while the tokens travel to
+            # their experts, fc2 while the experts' outputs travel back.
+            expert_input, plan, intermediate = self.dispatcher.dispatch(
+                tokens, probs, routing_map, beside=lambda: shared.activated(hidden_states)
+            )
+            expert_output = self.experts(expert_input, plan.counts)
+            output, shared_output = self.dispatcher.combine(
+                expert_output, plan, beside=lambda: shared.finish(intermediate, hidden_states)
+            )
+            return output.view(sequence, batch, hidden) + shared_output
+        expert_input, plan, _ = self.dispatcher.dispatch(tokens, probs, routing_map)
         expert_output = self.experts(expert_input, plan.counts)
-        output = self.dispatcher.combine(expert_output, plan).view(sequence, batch, hidden)
+        output = self.dispatcher.combine(expert_output, plan)[0].view(sequence, batch, hidden)
         if self.shared_experts is not None:
             if self.recompute_shared_experts and self.training:
                 output = output + checkpoint(self.shared_experts, hidden_states)

@@ -18,11 +18,18 @@ like any other expert's; allgather gathers over all ETP x EP ranks and its reduc
 them. With ETP 1 the group is the EP group.
 
 A `Dispatch` records what a combine needs to undo its dispatch; it lives for one forward.
+
+Both calls take `beside`, work computed while the call's all-to-all travels (the alltoall
+dispatcher; allgather runs it first): --moe-shared-expert-overlap's shared expert. The
+exchange starts, `beside()` runs, the exchange is awaited; on a GPU the transfer runs on the
+communicator's stream beside that compute. Backward exchanges the gradients in turn.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,12 +82,44 @@ class _VariableAllToAll(torch.autograd.Function):
         return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], ep: Group) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], ep: Group, async_op: bool = False
+):
+    """`x`'s rows exchanged over `ep` (with `async_op`: and the pending work)."""
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     record_collective("all_to_all", x.numel(), x.element_size())
-    dist.all_to_all_single(out, x, recv, send, group=ep.group)
-    return out
+    work = dist.all_to_all_single(out, x, recv, send, group=ep.group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+class _Exchanged(torch.autograd.Function):
+    """What `_all_to_all` of `x` received, exchanged already (outside autograd, beside other
+    work); backward exchanges the gradient as `_VariableAllToAll` does."""
+
+    @staticmethod
+    def forward(ctx, x, received: list, send_splits, recv_splits, ep: Group):
+        ctx.splits, ctx.ep = (send_splits, recv_splits), ep
+        return received[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor, send: list[int], recv: list[int], ep: Group, beside: Callable | None
+) -> tuple[torch.Tensor, Any]:
+    """`_VariableAllToAll` of `x`, and `beside()` (None: nothing) computed while it travels
+    (after it, inside a compiled layer: the graph orders them itself)."""
+    if beside is None or torch.compiler.is_compiling():
+        received = _VariableAllToAll.apply(x, send, recv, ep)
+        return received, beside() if beside is not None else None
+    received, work = _all_to_all(x.detach(), send, recv, ep, async_op=True)
+    result = beside()
+    work.wait()
+    return _Exchanged.apply(x, [received], send, recv, ep), result
 
 
 class AllToAllDispatcher:
@@ -90,15 +129,20 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.ep_size
 
     def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> tuple[torch.Tensor, Dispatch]:
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        beside: Callable | None = None,
+    ) -> tuple[torch.Tensor, Dispatch, Any]:
         experts, token_ids = _pairs(routing_map)
         pair_probs = probs[token_ids, experts]
         per_expert = routing_map.sum(dim=0)  # [E]
         if self.group.size == 1:
             counts = per_expert.tolist()
             permuted = tokens.index_select(0, token_ids)
-            return permuted, Dispatch(token_ids, pair_probs, tokens.shape[0], counts)
+            result = beside() if beside is not None else None
+            return permuted, Dispatch(token_ids, pair_probs, tokens.shape[0], counts), result
         # The pairs of each EP rank's experts are contiguous (expert-major); each block goes to
         # every ETP rank of that EP rank, in the group's order (EP rank x ETP + ETP rank).
         per_ep = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
@@ -113,7 +157,7 @@ class AllToAllDispatcher:
         mine = everyone[:, self.ep_rank]  # [src, local]: what each source sends here
         recv = mine.sum(dim=1).tolist()
         permuted = tokens.index_select(0, token_ids)
-        received = _VariableAllToAll.apply(permuted, send, recv, self.group)
+        received, result = _exchange(permuted, send, recv, self.group, beside)
         # Received in (source, local expert) blocks; the experts need (local expert, source).
         # Each received row's block (source x local + local expert); a stable sort by (local
         # expert, source) groups them by expert with no per-block work on the host.
@@ -125,16 +169,21 @@ class AllToAllDispatcher:
         plan = Dispatch(
             token_ids, pair_probs, tokens.shape[0], mine.sum(dim=0).tolist(), send, recv, order
         )
-        return received.index_select(0, order), plan
+        return received.index_select(0, order), plan, result
 
-    def combine(self, expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    def combine(
+        self, expert_output: torch.Tensor, plan: Dispatch, beside: Callable | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        result = None
         if plan.order is not None:
             unsorted = torch.empty_like(expert_output).index_copy(0, plan.order, expert_output)
-            expert_output = _VariableAllToAll.apply(
-                unsorted, plan.recv_splits, plan.send_splits, self.group
+            expert_output, result = _exchange(
+                unsorted, plan.recv_splits, plan.send_splits, self.group, beside
             )
+        elif beside is not None:
+            result = beside()
         # Under ETP a pair comes back once per ETP rank: the weighted sum adds the partials.
-        return _weighted_sum(expert_output, plan)
+        return _weighted_sum(expert_output, plan), result
 
 
 class AllGatherDispatcher:
@@ -144,8 +193,13 @@ class AllGatherDispatcher:
         self.first = group.rank // expert_tp_size * self.num_local
 
     def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
-    ) -> tuple[torch.Tensor, Dispatch]:
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        beside: Callable | None = None,
+    ) -> tuple[torch.Tensor, Dispatch, Any]:
+        result = beside() if beside is not None else None
         # Gathered in group-rank order along the token dimension; backward reduce-scatters.
         tokens = gather_from_sequence_parallel_region(tokens, self.group)
         probs = gather_from_sequence_parallel_region(probs, self.group)
@@ -156,13 +210,17 @@ class AllGatherDispatcher:
         pair_probs = probs[token_ids, experts + self.first]
         counts = local_map.sum(dim=0).tolist()
         plan = Dispatch(token_ids, pair_probs, tokens.shape[0], counts)
-        return tokens.index_select(0, token_ids), plan
+        return tokens.index_select(0, token_ids), plan, result
 
-    def combine(self, expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    def combine(
+        self, expert_output: torch.Tensor, plan: Dispatch, beside: Callable | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        result = beside() if beside is not None else None
         # Each rank's partial sums of all gathered tokens; summed and split back.
-        return reduce_scatter_to_sequence_parallel_region(
+        summed = reduce_scatter_to_sequence_parallel_region(
             _weighted_sum(expert_output, plan), self.group
         )
+        return summed, result
 
 
 def _weighted_sum(expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
