@@ -90,6 +90,18 @@ def test_offloading_trains_bitwise_as_without(model, copies):
         assert copies and {name for name, _ in copies} <= set(chosen), chosen
 
 
+@pytest.mark.parametrize(
+    "argv", [LLAMA_STYLE + TRAINING + ["--num-layers", "3"], MOE_MODEL], ids=["llama", "moe"]
+)
+def test_layer_level_offloading_trains_bitwise_as_without(argv, copies):
+    """--cpu-offloading-num-layers 1: the first layer's whole activations, once per
+    micro-batch (4 a step)."""
+    reference = train_job(argv, 3)
+    _equal(train_job(argv + ["--cpu-offloading-num-layers", "1"], 3), reference, "layer 1")
+    assert [name for name, _ in copies] == ["layer"] * len(copies) and copies
+    assert len({id(ref) for _, ref in copies}) == len(copies)
+
+
 def test_offloaded_storages_leave_the_device_until_backward(copies):
     """After the forward pass nothing holds an offloaded tensor's storage (on a GPU: its
     memory is free); the last module of the pass stays; the backward's gradients are those
@@ -240,6 +252,14 @@ def test_layouts_with_offloading_train_as_one_process(layout):
             "--recompute-modules moe",
         ),
         (OFFLOAD + ["--offload-modules", "core_attn", "--delay-offload-until-cuda-graph"], "CUDA"),
+        (["--cpu-offloading-num-layers", "2"], "fewer than --num-layers 2"),
+        (["--cpu-offloading-num-layers", "1", "--pipeline-model-parallel-size", "2"], "pipeline"),
+        (["--cpu-offloading-num-layers", "1", "--recompute-granularity", "selective"], "recompu"),
+        (
+            OFFLOAD + ["--offload-modules", "core_attn", "--cpu-offloading-num-layers", "1"],
+            "give one",
+        ),
+        (["--cpu-offloading-retain-pinned-cpu-buffers"], "belongs to --cpu-offloading-num-layers"),
     ],
     ids=[
         "no-modules",
@@ -252,6 +272,11 @@ def test_layouts_with_offloading_train_as_one_process(layout):
         "compile",
         "moe-recomputed",
         "cuda-graphs",
+        "all-layers",
+        "layers-under-pp",
+        "layers-recomputed",
+        "layers-and-modules",
+        "retain-alone",
     ],
 )
 def test_refusals_are_one_line(capsys, flags, named):

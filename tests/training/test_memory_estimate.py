@@ -218,6 +218,17 @@ def test_what_each_offloaded_module_moves_is_what_the_estimate_says(case):
     assert measured < 0 and abs(estimated - measured) <= 0.03 * abs(measured), (measured, estimated)
 
 
+@pytest.mark.parametrize("flags", [BF16 + ["--num-layers", "3"], BF16 + MOE], ids=["llama", "moe"])
+def test_layer_level_offloading_moves_what_the_estimate_says(flags):
+    """--cpu-offloading-num-layers: the first layer's activations leave the device whole, as
+    many as the estimate says of a layer within its own bound (10%)."""
+    argv = flags + TRAINING
+    kept = _measure_and_estimate(argv)["activations"]
+    offloaded = _measure_and_estimate(argv + ["--cpu-offloading-num-layers", "1"])
+    measured, estimated = (offloaded["activations"][i] - kept[i] for i in (0, 1))
+    assert measured < 0 and abs(estimated - measured) <= 0.1 * abs(measured), (measured, estimated)
+
+
 def test_a_later_pipeline_stage_keeps_the_delta_on_the_device():
     """--delta-offload-bytes-across-pp-ranks 30000: stage 1 keeps its latest groups worth
     30000 bytes (its second layer's core attention and projection; the norm after them is

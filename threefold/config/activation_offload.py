@@ -13,8 +13,11 @@ end of its forward and comes back before its backward (model/activation_offload.
     moe_act      the experts' activation function  }
     fused_group_mlp  the experts' whole MLP        }
 
+--cpu-offloading-num-layers N (Megatron-LM's layer-level offloading, which it runs through
+Transformer Engine) offloads everything the first N transformer layers keep, a group per layer.
+
 `ModelConfig` inherits the fields; `finalize_activation_offload` is called from its finalize,
-and `check_offload_kernels` from the run config's, where the kernel choice is known.
+and `check_offload_run` from the run config's, where the kernels and the layout are known.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ MODULES = (
     "fused_group_mlp",
 )
 EXPERT_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
+# The fields of fine-grained offloading (the others: layer-level offloading's)
+FINE_GRAINED = (
+    "offload_modules",
+    "min_offloaded_tensor_size",
+    "activation_offload_fraction",
+    "delta_offload_bytes_across_pp_ranks",
+    "fine_grained_offloading_max_inflight_offloads",
+)
 
 
 @dataclass
@@ -77,6 +88,22 @@ class ActivationOffloadConfig:
         help="copies to the host in flight per module before the forward waits for the "
         "oldest (default: never waits)",
     )
+    cpu_offloading_num_layers: int = arg(
+        0,
+        group=GROUP,
+        help="offload the activations of the first N transformer layers (layer-level "
+        "offloading; fewer than --num-layers)",
+    )
+    cpu_offloading_retain_pinned_cpu_buffers: bool = arg(
+        False,
+        group=GROUP,
+        help="keep the pinned host buffers between iterations (PyTorch's pinned-memory cache "
+        "keeps them either way)",
+    )
+
+    def offloads_layers(self) -> bool:
+        """Whether --cpu-offloading-num-layers offloads whole layers."""
+        return self.cpu_offloading_num_layers > 0
 
     def offloads(self, module: str) -> bool:
         """Whether fine-grained activation offloading takes `module` (one of MODULES)."""
@@ -85,8 +112,36 @@ class ActivationOffloadConfig:
     def finalize_activation_offload(self) -> list[str]:
         """Validate; returns notes to print. Needs the MoE and recomputation fields
         finalized."""
+        layers = self.cpu_offloading_num_layers
+        _require(
+            0 <= layers < self.num_layers,
+            f"--cpu-offloading-num-layers {layers} must be at least 0 and fewer than "
+            f"--num-layers {self.num_layers} (the last layers' backward comes first)",
+        )
+        _require(
+            layers or not self.cpu_offloading_retain_pinned_cpu_buffers,
+            "--cpu-offloading-retain-pinned-cpu-buffers belongs to --cpu-offloading-num-layers: "
+            "add it or drop the flag",
+        )
+        if layers:
+            _require(
+                not self.fine_grained_activation_offloading,
+                "--cpu-offloading-num-layers offloads whole layers and "
+                "--fine-grained-activation-offloading modules inside them: give one",
+            )
+            _require(
+                self.recompute_granularity is None,
+                "--cpu-offloading-num-layers with activation recomputation (as in Megatron-LM, "
+                "which refuses the pair): drop one, or offload modules with "
+                "--fine-grained-activation-offloading beside the recomputation",
+            )
+            if self.cpu_offloading_retain_pinned_cpu_buffers:
+                return [
+                    "--cpu-offloading-retain-pinned-cpu-buffers has no effect: PyTorch's "
+                    "pinned-memory cache keeps the host buffers between iterations either way"
+                ]
         if not self.fine_grained_activation_offloading:
-            tuning = given_flags(self, ActivationOffloadConfig)
+            tuning = given_flags(self, ActivationOffloadConfig, FINE_GRAINED)
             _require(
                 not tuning,
                 f"{' '.join(tuning)} tune fine-grained activation offloading: add "
@@ -171,12 +226,24 @@ def offload_plan(sizes: list[int], fraction: float, keep_on_device_bytes: int) -
     return set(rest[: len(rest) - int(len(rest) * (1 - fraction))])
 
 
-def check_offload_kernels(config: Config) -> None:
-    """Offloading acts on the tensors autograd saves in eager mode; a compiled layer's
-    backward keeps its own."""
+def check_offload_run(config: Config) -> None:
+    """Offloading acts on the tensors autograd saves in eager mode, which a compiled layer's
+    graph keeps itself; layer-level offloading runs without pipeline stages (as in
+    Megatron-LM, whose later stages hold fewer micro-batches)."""
+    model = config.model
+    flag = (
+        "--fine-grained-activation-offloading"
+        if model.fine_grained_activation_offloading
+        else "--cpu-offloading-num-layers"
+    )
+    offloading = model.fine_grained_activation_offloading or model.offloads_layers()
     _require(
-        not (config.model.fine_grained_activation_offloading and config.kernels.compile_layers),
-        "--fine-grained-activation-offloading moves the tensors saved by the layers' eager "
-        "operations, which --compile-layers replaces with one graph that keeps its own; "
-        "drop one",
+        not (offloading and config.kernels.compile_layers),
+        f"{flag} moves the tensors saved by the layers' eager operations, which "
+        "--compile-layers replaces with one graph that keeps its own; drop one",
+    )
+    _require(
+        not model.offloads_layers() or config.parallel.pipeline_model_parallel_size == 1,
+        "--cpu-offloading-num-layers runs without pipeline parallelism (as in Megatron-LM); "
+        "offload modules with --fine-grained-activation-offloading instead",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from threefold.config.activation_offload import check_offload_kernels
+from threefold.config.activation_offload import check_offload_run
 from threefold.config.checkpoint import CheckpointConfig
 from threefold.config.data import DataConfig
 from threefold.config.errors import require as _require
@@ -93,7 +93,7 @@ class Config:
         warnings += self.logging.finalize()
         self.kernels.finalize()
         check_recompute_kernels(self)
-        check_offload_kernels(self)
+        check_offload_run(self)
         distributed_optimizer = (
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )

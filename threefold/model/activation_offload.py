@@ -236,13 +236,19 @@ class ActivationOffload:
         activation_offload_fraction: float = 1.0,
         keep_on_device_bytes: int = 0,
         max_inflight_offloads: int | None = None,
+        first_groups: int | None = None,
     ) -> None:
+        """`first_groups`: offload those first groups of each pass, no others (layer-level
+        offloading's layers); otherwise the plan's."""
         self.modules = frozenset(modules)
         self.min_numel = min_offloaded_tensor_size
         self.fraction = activation_offload_fraction
         self.keep_on_device_bytes = keep_on_device_bytes
         self.copies = _Copies(max_inflight_offloads)
-        self.planned: set[int] | None = None  # the groups offloaded, by index (None: all)
+        self.first_groups = first_groups
+        # the groups offloaded, by index (None: all, in the first pass)
+        self.planned: set[int] | None = None if first_groups is None else set(range(first_groups))
+        self.surveyed = False
         self.offloaded_bytes: dict[str, int] = {}  # per module, one forward pass under the plan
         # Set to {} to measure: the storages the next pass's groups leave on the device
         # (training/memory.py's measurement, whose hooks the groups' own hooks hide them from).
@@ -260,7 +266,7 @@ class ActivationOffload:
             _PASS.reset(token)
         if self.resident is not None:
             self.resident.update(forward.resident())
-        if self.planned is None and forward.groups:
+        if not self.surveyed and forward.groups:
             self.plan(forward.groups)
 
     def offloads(self, index: int) -> bool:
@@ -268,8 +274,10 @@ class ActivationOffload:
 
     def plan(self, groups: list[_Group]) -> None:
         """Which groups later passes offload, from the first pass's sizes."""
-        sizes = [group.bytes for group in groups]
-        self.planned = offload_plan(sizes, self.fraction, self.keep_on_device_bytes)
+        self.surveyed = True
+        if self.first_groups is None:
+            sizes = [group.bytes for group in groups]
+            self.planned = offload_plan(sizes, self.fraction, self.keep_on_device_bytes)
         self.offloaded_bytes = {}
         for group in groups:
             if group.index in self.planned:

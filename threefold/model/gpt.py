@@ -166,6 +166,9 @@ class GPTModel(nn.Module):
                 parallel.pp.rank * config.delta_offload_bytes_across_pp_ranks,
                 config.fine_grained_offloading_max_inflight_offloads,
             )
+        elif config.offloads_layers():  # every layer a group, the first N offloaded
+            layers = config.cpu_offloading_num_layers
+            self.activation_offload = ActivationOffload(["layer"], 0, first_groups=layers)
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,

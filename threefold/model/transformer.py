@@ -62,12 +62,23 @@ class TransformerLayer(nn.Module):
         # Fine-grained activation offloading (model/activation_offload.py): the norms' inputs.
         self.offload_attn_norm = config.offloads("attn_norm")
         self.offload_mlp_norm = config.offloads("mlp_norm")
+        self.offload_layer = config.offloads_layers()
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # --cpu-offloading-num-layers: every layer a group (the first N offloaded)
+        with offload_group("layer", self.offload_layer):
+            return self._forward(hidden_states, rotary, attention_mask)
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         recompute_norm = self.recompute_layernorm and self.training
         norm = OutputDiscardingCheckpoint(recompute_norm)

@@ -171,8 +171,10 @@ def layer_activation_parts(
 def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[str, int]:
     """Self-attention's share of a layer's activations (as `layer_activation_parts`). The core
     keeps its queries, keys and values and the log-sum-exp (under selective recomputation its
-    checkpoint keeps the inputs, which offloading leaves); RoPE's rotated queries and keys
-    are counted apart (the core's offloading frees what measures without them). The
+    checkpoint keeps the inputs, which offloading leaves). RoPE's rotated queries and keys
+    count as kept by the rest: a GPU's attention reads them as views, and offloading the core
+    frees them too, but the CPU's copies its inputs and keeps none of them (the estimate is
+    the GPU's; the offloading it predicts errs low). The
     projection's input, the core's output, is one storage both keep ("attn_output": freed
     once both have offloaded it), unless selective recomputation drops the core's; the FP8
     projection keeps its own copy beside the core's."""
@@ -390,17 +392,24 @@ EXPERT_ORDER = ("expert_fc1", "moe_act")
 
 
 def offloaded_activation_bytes(config: Config, layers: Iterable[int], stage: int) -> int:
-    """What --fine-grained-activation-offloading moves to host memory of one micro-batch's
-    activations through a model chunk's `layers` (0-based): each offloaded module's share of
+    """What activation offloading moves to host memory of one micro-batch's activations
+    through a model chunk's `layers` (0-based): --cpu-offloading-num-layers N the first N
+    layers' whole; --fine-grained-activation-offloading each offloaded module's share of
     `layer_activation_parts` is a group (the experts' looped one per local expert), planned
     as the model plans its groups (`offload_plan`). A group under --min-offloaded-tensor-size
     elements in all stays; multi-token prediction layers are counted as kept."""
     model, parallel = config.model, config.parallel
+    pattern = model.moe_layer_pattern(model.num_layers)
+    linear = model.linear_attention_pattern(model.num_layers)
+    if model.offloads_layers():  # the first N layers whole (no pipeline stages: refused)
+        first = [layer for layer in layers if layer < model.cpu_offloading_num_layers]
+        return sum(
+            layer_activation_bytes(config, False, fp8_layer(config, i), None, bool(linear[i]))
+            for i in first
+        )
     if not model.fine_grained_activation_offloading:
         return 0
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
-    pattern = model.moe_layer_pattern(model.num_layers)
-    linear = model.linear_attention_pattern(model.num_layers)
     looped = not model.moe_grouped_gemm or config.fp8.enabled and experts_in_fp8(config.fp8)
     local_experts = (model.num_experts or 1) // parallel.expert_model_parallel_size
     groups = []  # (the bytes a group saves, those offloading it frees)
