@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -127,6 +128,34 @@ def test_offloaded_storages_leave_the_device_until_backward(copies):
         grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
+
+
+def test_a_group_and_its_reloaded_tensors_go_when_its_backward_is_done(monkeypatch):
+    """Nothing but autograd holds a group once the forward pass is done: with the garbage
+    collector off, every group is gone after backward (a reference cycle would keep its
+    reloaded tensors until a collection, which --manual-gc runs rarely)."""
+    groups = []
+    open_group = activation_offload._Pass.open
+
+    def recording(self, name):
+        group = open_group(self, name)
+        groups.append(weakref.ref(group))
+        return group
+
+    monkeypatch.setattr(activation_offload._Pass, "open", recording)
+    trainer = _setup(LLAMA_STYLE + TRAINING + OFFLOAD + ["--offload-modules", *LAYER])
+    batch = next(trainer.train_iterator())
+    trainer.data_parallel.grad_buffer.start_step(num_microbatches=1)
+    gc.collect()
+    gc.disable()
+    try:
+        loss = trainer.model(batch["tokens"], labels=batch["labels"]).mean()
+        assert len(groups) == 2 * len(LAYER) and all(ref() is not None for ref in groups)
+        loss.backward()
+        del loss
+        assert all(ref() is None for ref in groups)
+    finally:
+        gc.enable()
 
 
 def test_the_plan_keeps_the_latest_groups_on_the_device():

@@ -120,7 +120,10 @@ class _Group:
     """What one module kept for backward in one forward pass."""
 
     def __init__(self, forward: _Pass, name: str, index: int, previous: _Group | None) -> None:
-        self.forward, self.name, self.index, self.previous = forward, name, index, previous
+        # (`forward` only while the pass runs: the pass lists its groups, and a cycle would
+        # keep a group's reloaded tensors until the garbage collector found it)
+        self.forward, self.owner = forward, forward.owner
+        self.name, self.index, self.previous = name, index, previous
         self.tensors: list[torch.Tensor] = []
         self.slots: dict[tuple, int] = {}  # the same tensor saved twice is kept once
         self.bytes = 0
@@ -180,7 +183,7 @@ class _Group:
     def reload(self) -> None:
         if self.reloaded is not None:
             return
-        self.reloaded, self.reload_ready = self.forward.owner.copies.to_device(
+        self.reloaded, self.reload_ready = self.owner.copies.to_device(
             self.host, self.device, self.host_ready
         )
         self.host = self.host_ready = None
@@ -268,6 +271,9 @@ class ActivationOffload:
             self.resident.update(forward.resident())
         if not self.surveyed and forward.groups:
             self.plan(forward.groups)
+        for group in forward.groups:  # each group now lives as long as autograd holds it
+            group.forward = None
+        forward.groups = []
 
     def offloads(self, index: int) -> bool:
         return self.planned is None or index in self.planned
