@@ -71,15 +71,18 @@ def _all_gather(tensor: torch.Tensor, ep: Group) -> torch.Tensor:
 
 
 class _VariableAllToAll(torch.autograd.Function):
+    """`_all_to_all` of `x` (or what it `received`, exchanged already outside autograd, beside
+    other work); backward exchanges the gradient the other way."""
+
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, ep: Group):
+    def forward(ctx, x, send_splits, recv_splits, ep: Group, received: list | None = None):
         ctx.splits, ctx.ep = (send_splits, recv_splits), ep
-        return _all_to_all(x, send_splits, recv_splits, ep)
+        return received[0] if received else _all_to_all(x, send_splits, recv_splits, ep)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None
+        return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None, None
 
 
 def _all_to_all(
@@ -93,21 +96,6 @@ def _all_to_all(
     return (out, work) if async_op else out
 
 
-class _Exchanged(torch.autograd.Function):
-    """What `_all_to_all` of `x` received, exchanged already (outside autograd, beside other
-    work); backward exchanges the gradient as `_VariableAllToAll` does."""
-
-    @staticmethod
-    def forward(ctx, x, received: list, send_splits, recv_splits, ep: Group):
-        ctx.splits, ctx.ep = (send_splits, recv_splits), ep
-        return received[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None, None
-
-
 def _exchange(
     x: torch.Tensor, send: list[int], recv: list[int], ep: Group, beside: Callable | None
 ) -> tuple[torch.Tensor, Any]:
@@ -119,7 +107,7 @@ def _exchange(
     received, work = _all_to_all(x.detach(), send, recv, ep, async_op=True)
     result = beside()
     work.wait()
-    return _Exchanged.apply(x, [received], send, recv, ep), result
+    return _VariableAllToAll.apply(x, send, recv, ep, [received]), result
 
 
 class AllToAllDispatcher:
