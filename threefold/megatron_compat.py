@@ -236,11 +236,9 @@ MISSING = {
     "--dsa-": "DeepSeek sparse attention",
     # (--fine-grained-activation-offloading and its flags: config/activation_offload.py)
     "--delay-offload-until-cuda-graph": "CUDA graphs",
-    "--delay-wgrad-compute": "weight gradients delayed into the expert all-to-all",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
     "--megatron-fsdp-": "Megatron-FSDP's other options",
-    "--overlap-moe-expert-parallel-comm": "expert-parallel all-to-all overlapped with compute",
     "--lion-": "the Lion optimizer (threefold has adam and muon)",
     "--no-use-layer-wise-param-layout": "Megatron-LM's layer-wise distributed optimizer for Muon",
     "--adaptive-muon-": "adaptive Muon (threefold has adam and muon)",

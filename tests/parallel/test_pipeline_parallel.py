@@ -14,11 +14,10 @@ from tests.parity import (
     train_job,
 )
 from threefold.model.loss import gpt_forward_step
+from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
 from threefold.parallel.pipeline_parallel.schedules import (
     ScheduleTrace,
     forward_backward_pipelining,
-    interleaved_order,
-    one_f_one_b_order,
 )
 
 EIGHT_LAYERS = ["--num-layers", "8"]  # after the style's own --num-layers: argparse keeps the last

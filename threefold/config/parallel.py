@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from threefold.config.context_parallel import ContextParallelConfig
+from threefold.config.ep_overlap import ExpertOverlapConfig
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
@@ -41,7 +42,7 @@ def stage_layer_counts(
 
 
 @dataclass
-class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig):
+class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapConfig):
     tensor_model_parallel_size: int = arg(1, help="TP: ranks that split every layer's matrices")
     pipeline_model_parallel_size: int = arg(1, help="PP: stages the layers are split into")
     virtual_pipeline_model_parallel_size: int | None = arg(

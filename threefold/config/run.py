@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from threefold.config.activation_offload import check_offload_run
 from threefold.config.checkpoint import CheckpointConfig
 from threefold.config.data import DataConfig
+from threefold.config.ep_overlap import check_ep_overlap
 from threefold.config.errors import require as _require
 from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
@@ -94,6 +95,7 @@ class Config:
         self.kernels.finalize()
         check_recompute_kernels(self)
         check_offload_run(self)
+        check_ep_overlap(self)
         distributed_optimizer = (
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )

@@ -335,10 +335,16 @@ def micro_batches_in_flight(config: Config, stage: int) -> int:
     parallel = config.parallel
     pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
     m = config.training.num_micro_batches(parallel.data_parallel_size)
+    # --overlap-moe-expert-parallel-comm: a micro-batch's forward runs beside the previous
+    # one's backward (one more warm-up forward under interleaving)
+    combined = parallel.overlap_moe_expert_parallel_comm
     if pp == 1:
-        return 1
+        return 2 if combined and m > 1 else 1
     group = parallel.microbatch_group_size_per_virtual_pipeline_stage
-    order = interleaved_order(m, pp, stage, vpp, group) if vpp else one_f_one_b_order(m, pp, stage)
+    if vpp:
+        order = interleaved_order(m, pp, stage, vpp, group, combined)
+    else:
+        order = one_f_one_b_order(m, pp, stage)
     held = most = 0
     for kind, _, _ in order:
         held += 1 if kind == "F" else -1

@@ -101,6 +101,11 @@ def build_model_and_optimizer(
                     in_fp8 = getattr(module, "fp8", None) is not None
                     fuse = KERNELS.gradient_accumulation_fusion or in_fp8
                     module.gradient_accumulation_fusion = fuse
+    if config.parallel.delay_wgrad_compute:  # (threefold/parallel/tensor_parallel/delayed_wgrad.py)
+        for chunk in chunks:
+            for module in chunk.modules():
+                if hasattr(module, "delay_wgrad_compute"):
+                    module.delay_wgrad_compute = True
     fp8 = None
     if config.fp8.enabled:
         cache = caches_fp8_weights(config.parallel.distributed_strategy)

@@ -45,11 +45,18 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
     parallel = config.parallel
     count = parameter_count(config.model, config.model.padded_vocab_size(1))
     size = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
-    if parallel.model_parallel_size > 1:
+    # (--overlap-moe-expert-parallel-comm runs without FSDP: config/ep_overlap.py)
+    if parallel.model_parallel_size > 1 or parallel.overlap_moe_expert_parallel_comm:
         ladder = _MODEL_PARALLEL_LADDER
         index = int(count >= 1e9)
         rule = (
-            f"{size} parameters with tensor/pipeline parallelism: threefold's "
+            f"{size} parameters with "
+            + (
+                "tensor/pipeline parallelism"
+                if parallel.model_parallel_size > 1
+                else "--overlap-moe-expert-parallel-comm"
+            )
+            + ": threefold's "
             "data parallelism" + (", distributed optimizer from 1B" if index else "")
         )
     else:

@@ -84,6 +84,8 @@ class Trainer:
         shape = parallel.pipeline_tensor_shape(*shape)
         dtype = self.data_parallel.activation_dtype
         self.pipeline_options = dict(pp=parallel.pp, dtype=dtype, tensor_shape=shape)
+        if config.parallel.delay_wgrad_compute:  # (the combined schedules')
+            self.pipeline_options["delay_wgrad_compute"] = True
         if config.parallel.virtual_pipeline_model_parallel_size:
             group = config.parallel.microbatch_group_size_per_virtual_pipeline_stage
             self.pipeline_options["microbatch_group_size"] = group
@@ -156,7 +158,9 @@ class Trainer:
 
     def _schedule(self, iterator, num_microbatches: int, **options) -> list[torch.Tensor]:
         """Forward (and backward) over the micro-batches by the pipeline's schedule."""
-        schedule = get_forward_backward_func(self.parallel.pp)
+        schedule = get_forward_backward_func(
+            self.parallel.pp, self.config.parallel.overlap_moe_expert_parallel_comm
+        )
         chunks, options = self.data_parallel.wrapped_chunks, {**self.pipeline_options, **options}
         # The factor the schedule puts on the main loss, and the CP one gpt_forward_step does
         # (a CP rank's share of a loss is summed over CP, gradients are averaged): what the

@@ -23,6 +23,8 @@ dense layers' do; the grouped GEMM's reach it through autograd (its weights are 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,7 @@ from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.delayed_wgrad import collecting, defer
 from threefold.parallel.tensor_parallel.layers import linear_gemm
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_expert
 
@@ -112,6 +115,7 @@ class ExpertLinear(nn.Module):
         self.adapter: nn.Module | None = None
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-recipe rowwise
         self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
+        self.delay_wgrad_compute = False  # set with --delay-wgrad-compute
 
     def local_bias(self) -> torch.Tensor | None:
         """The bias this rank adds (a row-parallel one on the first expert-TP rank only)."""
@@ -144,6 +148,7 @@ class Experts(nn.Module):
         self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = config.moe_grouped_gemm
+        self.delay_wgrad_compute = False  # set with --delay-wgrad-compute (the grouped GEMM)
         # --recompute-modules moe_act: the activation's output freed once fc2 has kept its copy
         self.recompute_activation = config.recomputes("moe_act")
         # Fine-grained activation offloading (model/activation_offload.py)
@@ -197,12 +202,18 @@ class Experts(nn.Module):
     def _grouped(self, tokens: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
         fc1 = [e.linear_fc1.weight for e in experts]
         fc2 = [e.linear_fc2.weight for e in experts]
+
+        def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+            if self.delay_wgrad_compute and torch.is_grad_enabled():  # deferrable
+                return _GroupedLinear.apply(x, counts, *weights)
+            return _grouped_linear(x, weights, counts)
+
         with offload_group("expert_fc1", self.offload_fc1):
-            hidden = _grouped_linear(tokens, fc1, counts)
+            hidden = grouped_linear(tokens, fc1)
             if experts[0].linear_fc1.bias is not None:
                 biases = [e.linear_fc1.local_bias() for e in experts]
                 hidden = hidden + _per_token(torch.stack(biases), counts)
-        out = self._activated(lambda x: _grouped_linear(x, fc2, counts), hidden)
+        out = self._activated(lambda x: grouped_linear(x, fc2), hidden)
         if experts[0].linear_fc2.bias is not None:
             biases = [e.linear_fc2.local_bias() for e in experts]
             out = out + _per_token(torch.stack(biases), counts)
@@ -250,6 +261,37 @@ def _grouped_linear(tokens: torch.Tensor, weights: list[torch.Tensor], counts: l
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return _grouped_matmul(tokens, stacked, counts)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`_grouped_matmul` over the experts' `weights` with --delay-wgrad-compute: the tokens'
+    gradient is one grouped GEMM over the weights' transposes stacked, each expert's weight
+    gradient the product of its own rows, deferred while a combined step's backward collects
+    (parallel/tensor_parallel/delayed_wgrad.py). It keeps the parameters, not their stack."""
+
+    @staticmethod
+    def forward(ctx, tokens, counts, *weights):
+        ctx.save_for_backward(tokens)
+        ctx.counts, ctx.weights = counts, weights
+        return _grouped_matmul(tokens, torch.stack(weights), counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tokens,), counts, weights = ctx.saved_tensors, ctx.counts, ctx.weights
+        grad_tokens = None
+        if ctx.needs_input_grad[0]:  # group g times weights[g], the transpose's transpose
+            grad_tokens = _grouped_matmul(grad, torch.stack([w.t() for w in weights]), counts)
+        grads: list[torch.Tensor | None] = [None] * len(weights)
+        parts = zip(weights, grad.split(counts), tokens.split(counts))
+        for index, (weight, rows, inputs) in enumerate(parts):
+            if not ctx.needs_input_grad[2 + index]:
+                continue
+            product = functools.partial(torch.mm, rows.t(), inputs)
+            if collecting():
+                defer(weight, product)
+            else:
+                grads[index] = product()
+        return grad_tokens, None, *grads
 
 
 def _grouped_matmul(tokens: torch.Tensor, weights: torch.Tensor, counts: list[int]) -> torch.Tensor:

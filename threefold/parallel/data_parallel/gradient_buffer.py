@@ -193,7 +193,11 @@ class GradientBuffer:
         self._nonfinite: list[torch.Tensor] = []
 
     def _accumulate(self, param: torch.Tensor) -> None:
-        if getattr(param, "grad_added_to_main_grad", False):  # --gradient-accumulation-fusion
+        added = getattr(param, "grad_added_to_main_grad", False)  # --gradient-accumulation-fusion
+        if param.grad is None and not added:
+            # none came (--delay-wgrad-compute: it comes through autograd again, deferred)
+            return
+        if added:
             param.grad_added_to_main_grad = False
         else:
             param.main_grad.add_(param.grad)

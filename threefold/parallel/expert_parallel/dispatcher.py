@@ -23,6 +23,9 @@ Both calls take `beside`, work computed while the call's all-to-all travels (the
 dispatcher; allgather runs it first): --moe-shared-expert-overlap's shared expert. The
 exchange starts, `beside()` runs, the exchange is awaited; on a GPU the transfer runs on the
 communicator's stream beside that compute. Backward exchanges the gradients in turn.
+
+Under --overlap-moe-expert-parallel-comm every exchange, the gradients' too, hands the turn to
+the other pass of a combined 1F1B step while it travels (pipeline_parallel/combined_1f1b.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from threefold.parallel.collectives import all_gather_single
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.pipeline_parallel import combined_1f1b
 from threefold.parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     record_collective,
@@ -82,7 +86,13 @@ class _VariableAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None, None
+        if not combined_1f1b.in_progress():
+            return _all_to_all(grad, recv_splits, send_splits, ctx.ep), None, None, None, None
+        # --overlap-moe-expert-parallel-comm: the forward pass runs while the gradient travels
+        out, work = _all_to_all(grad, recv_splits, send_splits, ctx.ep, async_op=True)
+        combined_1f1b.hand_over("backward")
+        work.wait()
+        return out, None, None, None, None
 
 
 def _all_to_all(
@@ -99,13 +109,16 @@ def _all_to_all(
 def _exchange(
     x: torch.Tensor, send: list[int], recv: list[int], ep: Group, beside: Callable | None
 ) -> tuple[torch.Tensor, Any]:
-    """`_VariableAllToAll` of `x`, and `beside()` (None: nothing) computed while it travels
-    (after it, inside a compiled layer: the graph orders them itself)."""
-    if beside is None or torch.compiler.is_compiling():
+    """`_VariableAllToAll` of `x`, and `beside()` (None: nothing) computed while it travels,
+    then the other pass of a combined 1F1B step if one is in progress (after it, inside a
+    compiled layer: the graph orders them itself)."""
+    overlapped = beside is not None or combined_1f1b.in_progress()
+    if not overlapped or torch.compiler.is_compiling():
         received = _VariableAllToAll.apply(x, send, recv, ep)
         return received, beside() if beside is not None else None
     received, work = _all_to_all(x.detach(), send, recv, ep, async_op=True)
-    result = beside()
+    result = beside() if beside is not None else None
+    combined_1f1b.hand_over("forward")
     work.wait()
     return _VariableAllToAll.apply(x, send, recv, ep, [received]), result
 

@@ -24,10 +24,33 @@ def interleaved_order(
     rank: int,
     virtual_size: int,
     group_size: int | None = None,
+    combined: bool = False,
 ) -> list[Action]:
     """Megatron-LM's interleaved 1F1B: micro-batches in groups of `group_size` (its
     --microbatch-group-size-per-virtual-pipeline-stage; default the pipeline size), each group
-    through every model chunk before the next group starts, the last group taking the rest."""
+    through every model chunk before the next group starts, the last group taking the rest.
+    `combined`: the order of `combined_interleaved_steps`."""
+    steps = combined_interleaved_steps(
+        num_microbatches, pipeline_size, rank, virtual_size, group_size, combined
+    )
+    return [action for step in steps for action in step]
+
+
+def combined_interleaved_steps(
+    num_microbatches: int,
+    pipeline_size: int,
+    rank: int,
+    virtual_size: int,
+    group_size: int | None = None,
+    combined: bool = True,
+) -> list[list[Action]]:
+    """The interleaved order as steps: with `combined` (--overlap-moe-expert-parallel-comm)
+    each steady-state forward and the backward after it one combined step, run together
+    (combined_1f1b.py), after one more warm-up forward than without, as Megatron-LM
+    schedules it. The extra forward makes each step's two actions independent (the last stage
+    would otherwise pair a micro-batch's forward with its own backward) and keeps the stages
+    from waiting on each other: no combined step needs a forward output that its neighbour
+    sends only after a combined step of its own. Every other action is a step of its own."""
     p, v, m = pipeline_size, virtual_size, num_microbatches
     n = group_size or p
     table = []  # (micro-batch, chunk) in the order chunks run forward
@@ -37,11 +60,12 @@ def interleaved_order(
     total = len(table)
     forwards = [("F", mb, c) for mb, c in table]
     backwards = [("B", mb, v - 1 - c) for mb, c in table]
-    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * n, total)
-    order = forwards[:warmup]
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * n + combined, total)
+    steps = [[action] for action in forwards[:warmup]]
     for i in range(total - warmup):
-        order += [forwards[warmup + i], backwards[i]]
-    return order + backwards[total - warmup :]
+        pair = [forwards[warmup + i], backwards[i]]
+        steps += [pair] if combined else [[action] for action in pair]
+    return steps + [[action] for action in backwards[total - warmup :]]
 
 
 def forward_only_order(num_microbatches: int, virtual_size: int) -> list[Action]:

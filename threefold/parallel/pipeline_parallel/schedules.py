@@ -32,17 +32,20 @@ batch-generator, forward-compute, backward-compute, forward/backward-recv/send.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.pipeline_parallel.combined_1f1b import run_together
 from threefold.parallel.pipeline_parallel.order import (
     Action,
+    combined_interleaved_steps,
     forward_only_order,
-    interleaved_order,
     one_f_one_b_order,
 )
 from threefold.parallel.pipeline_parallel.p2p import P2P
@@ -107,6 +110,52 @@ def forward_backward_no_pipelining(
     return reported
 
 
+def forward_backward_combined(
+    forward_step: ForwardStep,
+    data_iterator: Iterator[dict],
+    model_chunks: list,
+    num_microbatches: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    no_sync_func: Callable | None = None,
+    per_token_loss: bool = False,
+    timers: TimerFactory | None = None,
+    delay_wgrad_compute: bool = False,
+    **_unused,
+) -> list[torch.Tensor]:
+    """--overlap-moe-expert-parallel-comm without pipeline stages (Megatron-LM's
+    combined_1f1b_schedule_for_no_pipelining): the first micro-batch's forward alone, then the
+    forward of each next one together with the backward of the one before (combined_1f1b.py),
+    and the last backward alone, outside `no_sync_func`. A combined step is timed as
+    forward-compute, as Megatron-LM times it. `delay_wgrad_compute`: the combined steps'
+    weight gradients wait for their exchanges (tensor_parallel/delayed_wgrad.py)."""
+    if forward_only:
+        return forward_backward_no_pipelining(
+            forward_step, data_iterator, model_chunks, num_microbatches, True, timers=timers
+        )
+    (model,) = model_chunks
+    factor = loss_scale / (1 if per_token_loss else num_microbatches)
+    reported = []
+
+    def forward() -> torch.Tensor:
+        with _timed(timers, "batch-generator"):
+            batch = next(data_iterator)
+        output, loss_func = forward_step(batch, model, None)
+        loss, value = loss_func(output)
+        reported.append(value)
+        return loss * factor
+
+    with no_sync_func() if no_sync_func else contextlib.nullcontext():
+        with _timed(timers, "forward-compute"):
+            loss = forward()
+        for _ in range(num_microbatches - 1):
+            with _timed(timers, "forward-compute"):
+                loss, _ = run_together(forward, loss.backward, delay_wgrad_compute)
+    with _timed(timers, "backward-compute"):
+        loss.backward()
+    return reported
+
+
 def _timed(timers: TimerFactory | None, name: str) -> contextlib.AbstractContextManager:
     return timers(name, 2) if timers is not None else contextlib.nullcontext()
 
@@ -127,7 +176,7 @@ def _recorded(
 
 
 def run_actions(
-    actions: list[Action],
+    steps: list[list[Action]],
     forward_step: ForwardStep,
     batches: list[dict],
     model_chunks: list,
@@ -140,55 +189,87 @@ def run_actions(
     per_token_loss: bool = False,
     timers: TimerFactory | None = None,
     no_sync_func: Callable | None = None,
+    delay_wgrad_compute: bool = False,
 ) -> list[torch.Tensor]:
-    """`no_sync_func` (PyTorch DDP/FSDP2 around the stage): gradient reduction held back for
-    every action but this stage's last backward, which reduces what all micro-batches
-    accumulated (FSDP2; DDP, which cannot have several forwards in flight, reduces nothing
-    here and the data-parallel wrapper reduces after the schedule)."""
+    """Each step is one action, or a forward and a backward run together
+    (--overlap-moe-expert-parallel-comm, combined_1f1b.py): both inputs received, the two
+    passes run taking turns (`delay_wgrad_compute`: see forward_backward_combined), both
+    outputs sent. `no_sync_func` (PyTorch DDP/FSDP2 around the
+    stage): gradient reduction held back for every step but this stage's last backward, which
+    reduces what all micro-batches accumulated (FSDP2; DDP, which cannot have several forwards
+    in flight, reduces nothing here and the data-parallel wrapper reduces after the
+    schedule)."""
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(pp, tensor_shape, dtype, device)
     divisor = 1 if per_token_loss else len(batches)
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     reported = []
-    last = len(actions) - 1 if not forward_only else -1
+    last = len(steps) - 1 if not forward_only else -1
 
-    for index, (kind, micro_batch, chunk) in enumerate(actions):
-        model = model_chunks[chunk]
+    def stage_of(chunk: int) -> nn.Module:
         # (PyTorch DDP keeps the stage as `.module`; FSDP2 wraps it in place)
-        stage = getattr(model, "module", model)
+        return getattr(model_chunks[chunk], "module", model_chunks[chunk])
+
+    def receive(kind: str, micro_batch: int, chunk: int) -> torch.Tensor | None:
+        """The action's input from a neighbouring stage, if it has one."""
+        if kind == "F" and not stage_of(chunk).pre_process:
+            with _recorded(trace, timers, "recv-forward", micro_batch, chunk):
+                input_tensor = p2p.recv_forward()
+            return input_tensor.requires_grad_(not forward_only)
+        if kind == "B" and not stage_of(chunk).post_process:
+            with _recorded(trace, timers, "recv-backward", micro_batch, chunk):
+                return p2p.recv_backward()
+        return None
+
+    def compute(kind: str, micro_batch: int, chunk: int, received) -> torch.Tensor | None:
+        if kind == "B":
+            torch.autograd.backward(held[(micro_batch, chunk)][1], grad_tensors=received)
+            return None
+        output, loss_func = forward_step(batches[micro_batch], model_chunks[chunk], received)
+        if stage_of(chunk).post_process:
+            loss, value = loss_func(output)
+            reported.append(value)
+            output = loss * (loss_scale / divisor)
+        return output
+
+    def send(kind: str, micro_batch: int, chunk: int, received, output) -> None:
+        stage = stage_of(chunk)
+        if kind == "F":
+            if not stage.post_process:
+                with _recorded(trace, timers, "send-forward", micro_batch, chunk):
+                    p2p.send_forward(output)
+            if not forward_only:
+                held[(micro_batch, chunk)] = (received, output)
+                if trace is not None:
+                    trace.max_activations_in_flight = max(
+                        trace.max_activations_in_flight, len(held)
+                    )
+            return
+        input_tensor, _ = held.pop((micro_batch, chunk))
+        if not stage.pre_process:
+            with _recorded(trace, timers, "send-backward", micro_batch, chunk):
+                p2p.send_backward(input_tensor.grad)
+
+    for index, step in enumerate(steps):
         with no_sync_func() if no_sync_func and index != last else contextlib.nullcontext():
-            if kind == "F":
-                input_tensor = None
-                if not stage.pre_process:
-                    with _recorded(trace, timers, "recv-forward", micro_batch, chunk):
-                        input_tensor = p2p.recv_forward()
-                    input_tensor.requires_grad_(not forward_only)
-                with _recorded(trace, timers, "F", micro_batch, chunk):
-                    output, loss_func = forward_step(batches[micro_batch], model, input_tensor)
-                    if stage.post_process:
-                        loss, value = loss_func(output)
-                        reported.append(value)
-                        output = loss * (loss_scale / divisor)
-                if not stage.post_process:
-                    with _recorded(trace, timers, "send-forward", micro_batch, chunk):
-                        p2p.send_forward(output)
-                if not forward_only:
-                    held[(micro_batch, chunk)] = (input_tensor, output)
-                    if trace is not None:
-                        trace.max_activations_in_flight = max(
-                            trace.max_activations_in_flight, len(held)
-                        )
-            else:
-                input_tensor, output = held.pop((micro_batch, chunk))
-                grad = None
-                if not stage.post_process:
-                    with _recorded(trace, timers, "recv-backward", micro_batch, chunk):
-                        grad = p2p.recv_backward()
-                with _recorded(trace, timers, "B", micro_batch, chunk):
-                    torch.autograd.backward(output, grad_tensors=grad)
-                if not stage.pre_process:
-                    with _recorded(trace, timers, "send-backward", micro_batch, chunk):
-                        p2p.send_backward(input_tensor.grad)
+            received = [receive(*action) for action in step]
+            if len(step) == 1:
+                with _recorded(trace, timers, *step[0]):
+                    outputs = [compute(*step[0], received[0])]
+            else:  # a combined step, timed as forward-compute (as Megatron-LM)
+                (forward, backward), start = step, time.perf_counter()
+                with _timed(timers, "forward-compute"):
+                    output, _ = run_together(
+                        functools.partial(compute, *forward, received[0]),
+                        functools.partial(compute, *backward, received[1]),
+                        delay_wgrad_compute,
+                    )
+                outputs = [output, None]
+                if trace is not None:
+                    end = time.perf_counter()
+                    trace.events += [(*action, start, end) for action in step]
+            for action, inputs, output in zip(step, received, outputs):
+                send(*action, inputs, output)
     p2p.wait_all()
     return reported
 
@@ -209,24 +290,26 @@ def forward_backward_pipelining(
     timers: TimerFactory | None = None,
     no_sync_func: Callable | None = None,
     microbatch_group_size: int | None = None,
+    combined: bool = False,
+    delay_wgrad_compute: bool = False,
 ) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several, over the stages of
     the pipeline group `pp` (`no_sync_func`: see run_actions; `microbatch_group_size`: see
-    interleaved_order)."""
+    interleaved_order; `combined`: --overlap-moe-expert-parallel-comm, interleaved only)."""
     pipeline_size, rank = pp.size, pp.rank
     virtual_size = len(model_chunks)
     with _timed(timers, "batch-generator"):
         batches = [next(data_iterator) for _ in range(num_microbatches)]
     if forward_only:
-        actions = forward_only_order(num_microbatches, virtual_size)
+        steps = [[action] for action in forward_only_order(num_microbatches, virtual_size)]
     elif virtual_size == 1:
-        actions = one_f_one_b_order(num_microbatches, pipeline_size, rank)
+        steps = [[action] for action in one_f_one_b_order(num_microbatches, pipeline_size, rank)]
     else:
-        actions = interleaved_order(
-            num_microbatches, pipeline_size, rank, virtual_size, microbatch_group_size
+        steps = combined_interleaved_steps(
+            num_microbatches, pipeline_size, rank, virtual_size, microbatch_group_size, combined
         )
     return run_actions(
-        actions,
+        steps,
         forward_step,
         batches,
         model_chunks,
@@ -239,11 +322,13 @@ def forward_backward_pipelining(
         per_token_loss,
         timers,
         no_sync_func,
+        delay_wgrad_compute,
     )
 
 
-def get_forward_backward_func(pp: Group) -> Callable:
-    """The schedule for the pipeline group `pp`; call it with `pp=pp` among its keywords."""
+def get_forward_backward_func(pp: Group, combined_1f1b: bool = False) -> Callable:
+    """The schedule for the pipeline group `pp`; call it with `pp=pp` among its keywords.
+    `combined_1f1b`: --overlap-moe-expert-parallel-comm."""
     if pp.size > 1:
-        return forward_backward_pipelining
-    return forward_backward_no_pipelining
+        return functools.partial(forward_backward_pipelining, combined=combined_1f1b)
+    return forward_backward_combined if combined_1f1b else forward_backward_no_pipelining

@@ -10,12 +10,15 @@ takes the `ParallelContext` it lives in: its TP group and whether sequence paral
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
+from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, collecting, defer
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -80,6 +83,8 @@ def linear_gemm(
     if fuse:
         traced = flag_traced_accumulation(weight)
         return LinearWithGradAccumulation.apply(x, weight, bias, traced)
+    if module.delay_wgrad_compute and torch.is_grad_enabled():
+        return DelayableLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -112,43 +117,53 @@ class _LinearBlocks(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dtype = ctx.compute_dtype
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        inputs = x.reshape(-1, x.shape[-1]).to(dtype)
-        weights = weight.to(dtype).chunk(ctx.blocks, dim=0)
-        accumulate = needs_weight and ctx.accumulate
-        grad_weight = (
-            torch.empty(weight.shape, dtype=dtype, device=weight.device)
-            if needs_weight and not accumulate
-            else None
-        )
-        grad_bias = (
-            torch.empty(weight.shape[0], dtype=dtype, device=weight.device)
-            if needs_bias and ctx.has_bias
-            else None
-        )
-        grad_x = None
         rows = weight.shape[0] // ctx.blocks
-        for index, (grad, block_weight) in enumerate(zip(grads, weights)):
-            grad = grad.reshape(-1, rows).to(dtype)
-            block = slice(index * rows, (index + 1) * rows)
-            if needs_x and grad_x is None:
-                grad_x = grad @ block_weight
-            elif needs_x:
-                grad_x.addmm_(grad, block_weight)
-            if accumulate:
-                add_weight_grad_product(ctx.weight.main_grad, grad, inputs, ctx.traced, block.start)
-            elif grad_weight is not None:
-                torch.mm(grad.t(), inputs, out=grad_weight[block])
-            if grad_bias is not None:
-                torch.sum(grad, dim=0, out=grad_bias[block])
-        if grad_x is not None:
+        grads = [grad.reshape(-1, rows).to(dtype) for grad in grads]
+        grad_x = grad_bias = grad_weight = None
+        if needs_x:
+            for grad, block_weight in zip(grads, weight.to(dtype).chunk(ctx.blocks, dim=0)):
+                if grad_x is None:
+                    grad_x = grad @ block_weight
+                else:
+                    grad_x.addmm_(grad, block_weight)
             grad_x = grad_x.view(x.shape).to(x.dtype)
-        if accumulate:
-            grad_weight = placeholder_grad(ctx.weight, flag=not ctx.traced)
-        elif grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
+        if needs_bias and ctx.has_bias:
+            grad_bias = torch.empty(weight.shape[0], dtype=dtype, device=weight.device)
+            for index, grad in enumerate(grads):
+                torch.sum(grad, dim=0, out=grad_bias[index * rows : (index + 1) * rows])
             grad_bias = grad_bias.to(weight.dtype)
+        if needs_weight:
+            inputs = x.reshape(-1, x.shape[-1]).to(dtype)
+            accumulate = ctx.weight if ctx.accumulate else None
+            product = functools.partial(
+                _blocks_weight_grad, grads, inputs, weight, accumulate, ctx.traced
+            )
+            if collecting():  # --delay-wgrad-compute
+                defer(ctx.weight, product)
+            else:
+                grad_weight = product()
         return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _blocks_weight_grad(
+    grads: list[torch.Tensor],
+    inputs: torch.Tensor,
+    weight: torch.Tensor,
+    accumulate: torch.Tensor | None,
+    traced: bool,
+) -> torch.Tensor:
+    """`_LinearBlocks`' weight gradient, block by block: into the rows of `accumulate`'s
+    main_grad (the parameter, under gradient-accumulation fusion; its placeholder returned),
+    or a gradient like `weight`."""
+    rows = grads[0].shape[1]
+    if accumulate is not None:
+        for index, grad in enumerate(grads):
+            add_weight_grad_product(accumulate.main_grad, grad, inputs, traced, index * rows)
+        return placeholder_grad(accumulate, flag=not traced)
+    grad_weight = torch.empty(weight.shape, dtype=inputs.dtype, device=weight.device)
+    for index, grad in enumerate(grads):
+        torch.mm(grad.t(), inputs, out=grad_weight[index * rows : (index + 1) * rows])
+    return grad_weight.to(weight.dtype)
 
 
 def linear_blocks(
@@ -189,6 +204,7 @@ class DuplicatedLinear(nn.Module):
         super().__init__()
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
         self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
+        self.delay_wgrad_compute = False  # set with --delay-wgrad-compute
         self.weight = mark_replicated(
             nn.Parameter(torch.empty(output_size, input_size)),
             init_method,
@@ -232,6 +248,7 @@ class ColumnParallelLinear(nn.Module):
         self.adapter = None  # a LoRA adapter (threefold/model/lora.py), when fine-tuning
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
         self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
+        self.delay_wgrad_compute = False  # set with --delay-wgrad-compute
         self.output_size_per_partition = _divide(output_size, world, "output size")
         self.gather_output = gather_output
         self.sequence_parallel = parallel.sequence_parallel
@@ -327,6 +344,7 @@ class RowParallelLinear(nn.Module):
         self.adapter = None  # a LoRA adapter, whose partial output the reduction completes
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
         self.gradient_accumulation_fusion = False  # set with threefold's gradient buffer
+        self.delay_wgrad_compute = False  # set with --delay-wgrad-compute
         self.input_size_per_partition = _divide(input_size, world, "input size")
         self.sequence_parallel = sequence_parallel
         self.tp_comm_overlap = parallel.tp_comm_overlap

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from threefold.parallel.tensor_parallel import delayed_wgrad
+
 
 def mark_main_grad_added(weight: torch.Tensor) -> None:
     """`weight.main_grad` holds a gradient now: the gradient buffer's flags that it still
@@ -143,8 +145,15 @@ class LinearWithGradAccumulation(torch.autograd.Function):
         grad_x = (grads @ weight).view(x.shape) if needs_x else None
         grad_weight = None
         if needs_weight:
-            inputs = x.reshape(-1, x.shape[-1])
-            add_weight_grad_product(weight.main_grad, grads, inputs, ctx.traced)
-            grad_weight = placeholder_grad(weight, flag=not ctx.traced)
+            inputs, traced = x.reshape(-1, x.shape[-1]), ctx.traced
+
+            def product() -> torch.Tensor:
+                add_weight_grad_product(weight.main_grad, grads, inputs, traced)
+                return placeholder_grad(weight, flag=not traced)
+
+            if delayed_wgrad.collecting():  # --delay-wgrad-compute
+                delayed_wgrad.defer(weight, product)
+            else:
+                grad_weight = product()
         grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
