@@ -17,8 +17,9 @@ from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference, train_
 from threefold.arguments import parse_args
 from threefold.parallel.expert_parallel import dispatcher
 from threefold.parallel.pipeline_parallel import combined_1f1b
-from threefold.parallel.pipeline_parallel.order import combined_interleaved_steps
+from threefold.parallel.pipeline_parallel.order import combined_interleaved_steps, interleaved_order
 from threefold.parallel.tensor_parallel import delayed_wgrad
+from threefold.training.activation_estimate import micro_batches_in_flight
 
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 MODEL = LLAMA_STYLE + TRAINING + MOE + ALLTOALL
@@ -273,3 +274,27 @@ def test_the_combined_interleaved_order_never_waits_on_itself():
     # the last stage, without the extra warm-up forward, would pair F(mb, c) with B(mb, c)
     last = combined_interleaved_steps(8, 2, 1, 2)
     assert all(step[0][1:] != step[1][1:] for step in last if len(step) == 2)
+
+
+def _most_held(order: list[tuple]) -> int:
+    held = most = 0
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+def test_the_memory_estimate_holds_what_the_combined_schedule_holds(monkeypatch):
+    """Without stages a combined step holds two micro-batches' activations, where the plain
+    schedule holds one; interleaved, each stage holds one model chunk's more (the extra
+    warm-up forward), which the estimate walks from the same order."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    flags = MODEL + EP2 + ["--global-batch-size", "32"]
+    assert micro_batches_in_flight(parse_args(flags), 0) == 1
+    assert micro_batches_in_flight(parse_args(flags + OVERLAP), 0) == 2
+    for rank in range(4):
+        plain = combined_interleaved_steps(8, 4, rank, 2, None, False)
+        combined = combined_interleaved_steps(8, 4, rank, 2)
+        flat = [action for step in combined for action in step]
+        assert _most_held(flat) == _most_held([step[0] for step in plain]) + 1
+        assert flat == interleaved_order(8, 4, rank, 2, None, True)

@@ -77,12 +77,12 @@ def check_ep_overlap(config: Config) -> None:
         "--num-virtual-stages-per-pipeline-rank (or a --pipeline-model-parallel-layout with "
         "several chunks per stage)",
     )
+    fsdp = "--use-megatron-fsdp (FSDP2 here)" if parallel.use_megatron_fsdp else "FSDP"
     _require(
         parallel.distributed_strategy != "fsdp",
-        f"{FLAG} with FSDP is not built in threefold: FSDP2 reshards at the end of each "
-        "backward the parameters the other micro-batch's forward is using; use "
-        "--distributed-strategy megatron (with --use-distributed-optimizer to shard the "
-        "optimizer state)",
+        f"{FLAG} with {fsdp} is not built in threefold: FSDP2 reshards, at the end of each "
+        "backward, the parameters the other micro-batch's forward is using; use threefold's "
+        "data parallelism (--use-distributed-optimizer shards the optimizer state)",
     )
     _require(
         model.recompute_granularity != "full",
