@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import os
 import platform
 import socket
@@ -80,6 +81,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     from threefold.parallel import state
     from threefold.training.trainer import Trainer
 
+    sys.stdout = io.StringIO()  # (the trainers' start-up lines)
     waits: list[float] = []
     _timed_exchanges(waits)
     base = trainer_flags(args.batch, args.seq, grouped=False)

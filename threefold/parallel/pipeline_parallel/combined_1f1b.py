@@ -21,7 +21,9 @@ which is the order Megatron-LM's TransformerLayerSchedulePlan.run gives its node
 computation of each micro-batch is unchanged, and so is the order in which its gradients
 accumulate (each backward still runs whole before the next starts). Every rank runs the same
 passes in the same turns, so every rank starts the same collectives in the same order; a pass
-that has finished no longer takes turns and the other runs on alone.
+that has finished no longer takes turns and the other runs on alone. Under
+--delay-wgrad-compute the backward, having started an exchange, first computes the weight
+gradients it deferred (tensor_parallel/delayed_wgrad.py), then hands over.
 
 On a GPU an all-to-all started with `async_op` runs on the communicator's stream while the
 other pass's kernels run on the compute stream; on gloo it runs on gloo's own threads.

@@ -9,7 +9,9 @@ the loss is a sum over tokens, and the caller divides the gradients by the globa
 count once it is known (Megatron's --calculate-per-token-loss).
 
 Pipeline schedules are written as an *order of actions* per rank, F(micro-batch, chunk) and
-B(micro-batch, chunk), run by one executor (`run_actions`):
+B(micro-batch, chunk), run by one executor (`run_actions`) in steps of one action, or of a
+forward and a backward run together under --overlap-moe-expert-parallel-comm (order.py's
+`combined_interleaved_steps`):
 
     1F1B (PipeDream-flush), P stages, stage r, m micro-batches:
       warm-up: F for min(P - r - 1, m) micro-batches; steady: F(i + warm-up), B(i) pairs;
@@ -194,11 +196,12 @@ def run_actions(
     """Each step is one action, or a forward and a backward run together
     (--overlap-moe-expert-parallel-comm, combined_1f1b.py): both inputs received, the two
     passes run taking turns (`delay_wgrad_compute`: see forward_backward_combined), both
-    outputs sent. `no_sync_func` (PyTorch DDP/FSDP2 around the
-    stage): gradient reduction held back for every step but this stage's last backward, which
-    reduces what all micro-batches accumulated (FSDP2; DDP, which cannot have several forwards
-    in flight, reduces nothing here and the data-parallel wrapper reduces after the
-    schedule)."""
+    outputs sent.
+
+    `no_sync_func` (PyTorch DDP/FSDP2 around the stage): gradient reduction held back for
+    every step but this stage's last backward, which reduces what all micro-batches
+    accumulated (FSDP2; DDP, which cannot have several forwards in flight, reduces nothing
+    here and the data-parallel wrapper reduces after the schedule)."""
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(pp, tensor_shape, dtype, device)
     divisor = 1 if per_token_loss else len(batches)
