@@ -85,6 +85,8 @@ LAYOUTS = {
     "ep4": (["--expert-model-parallel-size", "4"], []),
     "ep2-tp2-sp": (EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], []),
     "ep2-etp2": (EP2 + ["--expert-tensor-parallel-size", "2"], []),
+    # the ring attention's exchanges between the turns
+    "ep2-cp2": (EP2 + ["--context-parallel-size", "2"], []),
     "ep2-dp2-distributed-optimizer-overlapped": (
         EP2 + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
         [],
@@ -141,6 +143,7 @@ def combined_steps(parallel: list[str], model: list[str], rank: int) -> int:
     pipeline stages; the interleaved order's pairs with them (PP2 outermost of 4 ranks)."""
     global_batch = int(model[len(model) - 1 - model[::-1].index("--global-batch-size") + 1])
     model_parallel = 2 if "--tensor-model-parallel-size" in parallel else 1
+    model_parallel *= 2 if "--context-parallel-size" in parallel else 1
     model_parallel *= 2 if "--pipeline-model-parallel-size" in parallel else 1
     micro_batches = global_batch // (2 * (4 // model_parallel))
     if "--pipeline-model-parallel-size" not in parallel:
