@@ -6,7 +6,9 @@ each one's all-to-alls travelling while the other computes
 `ParallelConfig` inherits the fields (Megatron-LM keeps them with its parallel settings);
 `check_ep_overlap` is called from the run config's finalize, where the model and kernels are
 known. The refusals are Megatron-LM's, but for the precision: the combined step computes in
-any dtype, so an fp32 run (which Megatron-LM refuses) is taken.
+any dtype, so an fp32 run (which Megatron-LM refuses) is taken. threefold adds its own where its
+kernels own the work: layers compiled whole, and delayed weight gradients beside FP8 GEMMs or
+--tp-comm-overlap's.
 """
 
 from __future__ import annotations
@@ -76,13 +78,6 @@ def check_ep_overlap(config: Config) -> None:
         f"{FLAG} with pipeline stages runs the interleaved schedule (as Megatron-LM): add "
         "--num-virtual-stages-per-pipeline-rank (or a --pipeline-model-parallel-layout with "
         "several chunks per stage)",
-    )
-    fsdp = "--use-megatron-fsdp (FSDP2 here)" if parallel.use_megatron_fsdp else "FSDP"
-    _require(
-        parallel.distributed_strategy != "fsdp",
-        f"{FLAG} with {fsdp} is not built in threefold: FSDP2 reshards, at the end of each "
-        "backward, the parameters the other micro-batch's forward is using; use threefold's "
-        "data parallelism (--use-distributed-optimizer shards the optimizer state)",
     )
     _require(
         model.recompute_granularity != "full",

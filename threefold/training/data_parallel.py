@@ -18,6 +18,7 @@ optimizer.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from threefold.parallel.data_parallel.gradient_buffer import (
 )
 from threefold.parallel.data_parallel.torch_native import (
     average_grads,
+    gathered_through_the_schedule,
     local,
     no_sync_context,
     reshard,
@@ -300,7 +302,12 @@ class TorchDataParallel:
         self.optimizer.zero_grad()
 
     def schedule_options(self) -> dict:
-        return {"no_sync_func": no_sync_context(self.wrapped_chunks[0])}
+        model = self.wrapped_chunks[0]
+        return {
+            "no_sync_func": no_sync_context(model),
+            # (FSDP2, read by the combined schedule of --overlap-moe-expert-parallel-comm)
+            "gathered_func": functools.partial(gathered_through_the_schedule, model),
+        }
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:

@@ -15,6 +15,8 @@ the run pads it) times the bytes per parameter of the precision and data-paralle
     ddp (fp32 params, autocast)    4       4                 8
     fsdp                           (4      4                 8) / (DP x CP)
                                    (expert weights: / expert-DP)
+      + --overlap-moe-expert-parallel-comm: params + 2 (bf16/fp16) or 4, every parameter
+        gathered through the step
 
 Activations: training/activation_estimate.py.
 """
@@ -326,6 +328,10 @@ def estimate_stage(
     # under FSDP2 the FP8 copies of a rank's rows sit beside its fp32 shards (4 bytes / share).
     stored_in_fp8 = params / 4 if strategy == "fsdp" else 1 - params
     parameter_bytes = (count + sharded) * params + fp8_weights * stored_in_fp8 * gathered
+    if strategy == "fsdp" and parallel.overlap_moe_expert_parallel_comm:
+        # every parameter gathered, in the compute dtype, through the step's combined
+        # schedule (parallel/data_parallel/torch_native.py: gathered_through_the_schedule)
+        parameter_bytes += count * (2 if config.training.bf16 or config.training.fp16 else 4)
     fp8_copies = 1 if gathered or config.fp8.fp8_recipe == "rowwise" else 2
     if not caches_fp8_weights(strategy):
         fp8_copies = 0 if config.model.recompute_granularity == "full" else in_flight

@@ -45,7 +45,8 @@ def choose_strategy(config: Config, device_memory: int) -> tuple[str, bool, str]
     parallel = config.parallel
     count = parameter_count(config.model, config.model.padded_vocab_size(1))
     size = f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
-    # (--overlap-moe-expert-parallel-comm runs without FSDP: config/ep_overlap.py)
+    # (under --overlap-moe-expert-parallel-comm FSDP2 keeps every parameter gathered through
+    # the step, which gives up what it would be chosen for)
     if parallel.model_parallel_size > 1 or parallel.overlap_moe_expert_parallel_comm:
         ladder = _MODEL_PARALLEL_LADDER
         index = int(count >= 1e9)

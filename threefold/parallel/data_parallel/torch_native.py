@@ -30,7 +30,7 @@ held by other ranks included, and is refused with experts (config/parallel.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -207,3 +207,30 @@ def no_sync_context(model: nn.Module) -> Callable[[], contextlib.AbstractContext
             model.set_requires_gradient_sync(True)
 
     return fsdp_no_sync
+
+
+@contextlib.contextmanager
+def gathered_through_the_schedule(model: nn.Module) -> Iterator[None]:
+    """FSDP2 keeps every parameter it gathers until the context ends, then reshards them all
+    (--overlap-moe-expert-parallel-comm: a micro-batch's forward runs beside another's
+    backward, and FSDP2 would reshard a layer after one pass, or everything at the end of a
+    backward, while the other pass still reads it; Megatron-LM turns off Megatron-FSDP's
+    per-layer resharding in this schedule too). The gradients and optimizer state stay
+    sharded; the parameters are whole for the step's forward and backward passes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        # fully_shard's defaults again: every module reshards after forward but the root
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+        model.set_reshard_after_backward(True)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

@@ -123,6 +123,7 @@ def forward_backward_combined(
     per_token_loss: bool = False,
     timers: TimerFactory | None = None,
     delay_wgrad_compute: bool = False,
+    gathered_func: Callable | None = None,
     **_unused,
 ) -> list[torch.Tensor]:
     """--overlap-moe-expert-parallel-comm without pipeline stages (Megatron-LM's
@@ -130,7 +131,9 @@ def forward_backward_combined(
     forward of each next one together with the backward of the one before (combined_1f1b.py),
     and the last backward alone, outside `no_sync_func`. A combined step is timed as
     forward-compute, as Megatron-LM times it. `delay_wgrad_compute`: the combined steps'
-    weight gradients wait for their exchanges (tensor_parallel/delayed_wgrad.py)."""
+    weight gradients wait for their exchanges (tensor_parallel/delayed_wgrad.py).
+    `gathered_func` (FSDP2): a context that keeps the parameters gathered through it, which
+    the two passes of a combined step read at once."""
     if forward_only:
         return forward_backward_no_pipelining(
             forward_step, data_iterator, model_chunks, num_microbatches, True, timers=timers
@@ -147,14 +150,15 @@ def forward_backward_combined(
         reported.append(value)
         return loss * factor
 
-    with no_sync_func() if no_sync_func else contextlib.nullcontext():
-        with _timed(timers, "forward-compute"):
-            loss = forward()
-        for _ in range(num_microbatches - 1):
+    with gathered_func() if gathered_func else contextlib.nullcontext():
+        with no_sync_func() if no_sync_func else contextlib.nullcontext():
             with _timed(timers, "forward-compute"):
-                loss, _ = run_together(forward, loss.backward, delay_wgrad_compute)
-    with _timed(timers, "backward-compute"):
-        loss.backward()
+                loss = forward()
+            for _ in range(num_microbatches - 1):
+                with _timed(timers, "forward-compute"):
+                    loss, _ = run_together(forward, loss.backward, delay_wgrad_compute)
+        with _timed(timers, "backward-compute"):
+            loss.backward()
     return reported
 
 
@@ -295,10 +299,12 @@ def forward_backward_pipelining(
     microbatch_group_size: int | None = None,
     combined: bool = False,
     delay_wgrad_compute: bool = False,
+    gathered_func: Callable | None = None,
 ) -> list[torch.Tensor]:
     """1F1B with one model chunk per rank, interleaved 1F1B with several, over the stages of
     the pipeline group `pp` (`no_sync_func`: see run_actions; `microbatch_group_size`: see
-    interleaved_order; `combined`: --overlap-moe-expert-parallel-comm, interleaved only)."""
+    interleaved_order; `combined`: --overlap-moe-expert-parallel-comm, interleaved only, with
+    `delay_wgrad_compute` and `gathered_func` as in forward_backward_combined)."""
     pipeline_size, rank = pp.size, pp.rank
     virtual_size = len(model_chunks)
     with _timed(timers, "batch-generator"):
@@ -311,22 +317,24 @@ def forward_backward_pipelining(
         steps = combined_interleaved_steps(
             num_microbatches, pipeline_size, rank, virtual_size, microbatch_group_size, combined
         )
-    return run_actions(
-        steps,
-        forward_step,
-        batches,
-        model_chunks,
-        pp,
-        tensor_shape,
-        dtype,
-        forward_only,
-        loss_scale,
-        trace,
-        per_token_loss,
-        timers,
-        no_sync_func,
-        delay_wgrad_compute,
-    )
+    gathered = gathered_func() if gathered_func and combined else contextlib.nullcontext()
+    with gathered:
+        return run_actions(
+            steps,
+            forward_step,
+            batches,
+            model_chunks,
+            pp,
+            tensor_shape,
+            dtype,
+            forward_only,
+            loss_scale,
+            trace,
+            per_token_loss,
+            timers,
+            no_sync_func,
+            delay_wgrad_compute,
+        )
 
 
 def get_forward_backward_func(pp: Group, combined_1f1b: bool = False) -> Callable:

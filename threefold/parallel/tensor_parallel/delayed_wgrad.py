@@ -46,7 +46,9 @@ def flush() -> None:
     deferred = list(_pending)
     _pending.clear()
     weights = [weight for weight, _ in deferred]
-    torch.autograd.backward(weights, [gradient() for _, gradient in deferred])
+    with torch.no_grad():  # (at the end of a pass, outside autograd's engine)
+        gradients = [gradient() for _, gradient in deferred]
+    torch.autograd.backward(weights, gradients)
 
 
 @contextlib.contextmanager
