@@ -43,7 +43,8 @@ class ExpertOverlapConfig:
 
 
 def check_ep_overlap(config: Config) -> None:
-    """Megatron-LM's conditions on the combined step, each refused in one line."""
+    """The conditions on the combined step (Megatron-LM's, and threefold's own: module doc),
+    each refused in one line."""
     model, parallel = config.model, config.parallel
     if parallel.delay_wgrad_compute:
         _require(
