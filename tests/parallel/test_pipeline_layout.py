@@ -118,4 +118,6 @@ def test_layouts_train_as_one_process(layers, world, layout, chunk_layers, mtp):
     chunks = run_distributed(world, _layout_of, argv)
     assert [c["layers"] for c in chunks] == chunk_layers
     assert chunks[0]["virtual"] == (len(chunk_layers[0]) if len(chunk_layers[0]) > 1 else None)
-    assert_matches_reference(run_distributed(world, train_job, argv, 4), reference, 2e-6)
+    # 1e-5 as the other pipeline parity tests: the stages' fp32 sums are ordered otherwise, and
+    # how far that moves the norms' biases depends on the CPU (2.5e-6 on an AVX-512 Xeon)
+    assert_matches_reference(run_distributed(world, train_job, argv, 4), reference, 1e-5)
