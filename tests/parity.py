@@ -8,10 +8,16 @@ from the TP shards, so any two layouts compare directly.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import torch
 
 from threefold.arguments import parse_args
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.save import save_checkpoint
 from threefold.parallel import state
 from threefold.parallel.data_parallel.gradient_buffer import finalize_model_grads
 from threefold.parallel.data_parallel.torch_native import full
@@ -230,3 +236,52 @@ def assert_matches_reference(results: list[dict], reference: dict, tolerance: fl
         assert_losses_close(result["losses"], reference["losses"], tolerance)
     params = merge_pipeline_stages([r["params"] for r in results])
     assert_close_dicts(params, reference["params"], tolerance, "parameter")
+
+
+# FP8 runs are compared a step at a time. Their rounding makes a run chaotic: a layout's
+# reordered fp32 sums put an activation a hair to the other side of an FP8 rounding boundary,
+# that element moves by a whole FP8 step, and Adam's normalized updates spread it. How soon
+# that happens depends on the CPU's GEMM kernels: on an AVX-512 Xeon one device on one thread
+# and on two drifts apart to a median parameter error of 1e-2 by step 10, as far as a TP run
+# that skips the amax reduction. So the layout saves a checkpoint before every step, and the
+# reference takes each step from that checkpoint: every compared step starts from the same
+# state, and only that step's arithmetic may differ.
+Record = Callable[[Trainer], dict]
+
+
+def steps_from_checkpoints_job(
+    trainer: Trainer, steps: int, directory: str, record: Record
+) -> dict:
+    """Train `steps` steps, checkpointing the state each starts from under `directory`/<step>;
+    the losses, and `record(trainer)` after every step."""
+    losses, after = [], []
+    for step in range(steps):
+        save_checkpoint(os.path.join(directory, str(step)), trainer.checkpoint_components())
+        losses.append(trainer.train_step()[0])
+        after.append(record(trainer))
+    return {"losses": losses, "after": after}
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Compute as a rank of tests/distributed.py does: on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def one_device_steps(argv: list[str], steps: int, directory: str, record: Record) -> dict:
+    """The one-device reference of `steps_from_checkpoints_job`: each step taken by a fresh
+    one-device trainer from the layout's checkpoint of that step's start."""
+    losses, after = [], []
+    with one_thread():
+        for step in range(steps):
+            trainer = _setup(argv)
+            path = os.path.join(directory, str(step))
+            assert (load_checkpoint(path, trainer.checkpoint_components()) or 0) == step
+            losses.append(trainer.train_step()[0])
+            after.append(record(trainer))
+    return {"losses": losses, "after": after}

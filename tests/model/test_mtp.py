@@ -209,25 +209,29 @@ def test_flops_count_each_depth_as_megatron_does():
     assert added == pytest.approx(3.0 * 2 * per_depth * batch * s)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
-def test_fp8_depths_train_as_one_process(layout):
-    """--fp8-format hybrid (tensorwise): the depths' layers and projections run in FP8 (as
-    megatron-core's, in its FP8 context) and TP2+SP or PP2 match one device's FP8 run within
-    tests/parallel/test_fp8.py's bounds. (Delayed scaling passes at PP2; under TP2+SP one
-    element of this tiny model's first-step gradients lands on the other side of an E5M2
-    rounding boundary, as with MLA: the loss drifts by ~6e-6.)"""
-    from tests.parallel.test_fp8 import RECIPES, assert_match_one_device, fp8_train_job
+def test_fp8_depths_train_as_one_process(tmp_path, layout, recipe):
+    """The depths' layers and projections run in FP8 (as megatron-core's, in its FP8 context),
+    and TP2+SP or PP2 take each step as one device does, within tests/parallel/test_fp8.py's
+    bounds (compared a step at a time, as there)."""
+    from tests.parallel.test_fp8 import (
+        RECIPES,
+        assert_match_one_device,
+        fp8_train_job,
+        stepwise_parity,
+    )
 
-    argv = LLAMA_STYLE + TRAINING + RECIPES["tensorwise"] + ["--mtp-num-layers", "1"]
-    reference = fp8_train_job(argv, 10)
-    assert "mtp.layers.0.eh_proj.scale" in reference["fp8"]
-    assert "mtp.layers.0.transformer_layer.mlp.linear_fc2.scale" in reference["fp8"]
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + ["--mtp-num-layers", "1"]
     extra = {
         "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
     }[layout]
-    results = run_distributed(2, fp8_train_job, argv + extra, 10)
-    assert_match_one_device(results, reference, "tensorwise")
+    results, reference = stepwise_parity(2, fp8_train_job, argv + extra, argv, tmp_path)
+    state = reference["after"][-1]["fp8"]
+    assert "mtp.layers.0.eh_proj.scale" in state
+    assert "mtp.layers.0.transformer_layer.mlp.linear_fc2.scale" in state
+    assert_match_one_device(results, reference, recipe)
 
 
 def test_hugging_face_export_is_the_next_token_model_and_says_so(tmp_path, capsys):

@@ -8,14 +8,16 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parallel.test_fp8 import (
+    LOSS_TOLERANCE,
     PARAM_GATHER_RECIPES,
     RECIPES,
-    _scaling_state,
+    _differences,
+    _weights_and_scaling,
     assert_match_one_device,
     fp8_train_job,
-    references,  # noqa: F401  (the module-scoped fixture)
+    stepwise_parity,
 )
-from tests.parity import LLAMA_STYLE, TRAINING, _full, _setup, _without_key_bias
+from tests.parity import LLAMA_STYLE, TRAINING, _setup, steps_from_checkpoints_job
 from tests.training.test_checkpointing import _resume_job
 from threefold.kernels.fp8_fsdp import Fp8GatheredWeight, Fp8ShardWeight
 from threefold.model.fp8 import fp8_layers
@@ -30,7 +32,9 @@ LAYOUTS = {
 }
 
 
-def fsdp_param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -> dict:
+def fsdp_param_gather_job(
+    argv: list[str], steps: int, sabotage: bool = False, directory: str | None = None
+) -> dict:
     """Losses, whole parameters and scaling state after `steps` steps, and what travelled:
     the bytes FSDP2 all-gathered for the FP8 layers' shards, whether every FP8 GEMM read a
     gathered FP8 weight, and how often a forward cast a weight itself. `sabotage`: each rank
@@ -56,18 +60,19 @@ def fsdp_param_gather_job(argv: list[str], steps: int, sabotage: bool = False) -
             1
         ]
     try:
-        losses = [trainer.train_step()[0] for _ in range(steps)]
+        if directory is None:
+            result = {"losses": [trainer.train_step()[0] for _ in range(steps)]}
+        else:
+            result = steps_from_checkpoints_job(trainer, steps, directory, _weights_and_scaling)
     finally:
         Fp8ShardWeight.fsdp_pre_all_gather = pre_all_gather
     named = trainer.layout_independent_parameters()
     count = sum(param.numel() for _, param in named)
     measured = measure_bytes_per_parameter(named, trainer.data_parallel).parameters * count
     estimated = estimate_stage(trainer.config, trainer.parallel.pp.rank).parameters
-    return {
-        "losses": losses,
+    return result | {
+        **_weights_and_scaling(trainer),
         "parameter_bytes": (measured, estimated),
-        "params": _without_key_bias(_full(trainer), trainer),
-        "fp8": _scaling_state(trainer),
         "gathered": gathered,
         "reads": set(reads),
         "weight_casts": sum(weight_casts),
@@ -91,16 +96,19 @@ def _assert_gathered_in_fp8(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fsdp2_fp8_param_gather_matches_one_device(references, layout):  # noqa: F811
+def test_fsdp2_fp8_param_gather_matches_one_device(tmp_path, layout):
     """In fp32 each rank casts its rows of a weight with the scale of the whole weight (the
     amax of every rank's rows; blockwise, of each 128 x 128 block), so FSDP2 gathers exactly
     the FP8 bytes one device casting the fp32 weight gets: the run matches the one-device run
     without the flag, as FSDP2 without it does (tests/parallel/test_fp8.py)."""
     world_size, recipe, flags = LAYOUTS[layout]
-    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + FSDP_PARAM_GATHER + flags
-    results = run_distributed(world_size, fsdp_param_gather_job, argv, 10)
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]
+    layout_argv = argv + FSDP_PARAM_GATHER + flags
+    results, reference = stepwise_parity(
+        world_size, fsdp_param_gather_job, layout_argv, argv, tmp_path
+    )
     _assert_gathered_in_fp8(results)
-    assert_match_one_device(results, references[recipe], recipe)
+    assert_match_one_device(results, reference, recipe)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -121,14 +129,15 @@ def test_uneven_fsdp2_shards_gather_the_bytes_of_the_run_without_the_flag(recipe
             assert np.array_equal(with_flag["params"][name], value), name
 
 
-def test_fsdp2_fp8_param_gather_without_the_shard_amax_reduction_differs(references):  # noqa: F811
+def test_fsdp2_fp8_param_gather_without_the_shard_amax_reduction_differs(tmp_path):
     """The negative control: FSDP2 ranks that scale their rows of a weight by their own amax
-    cast the two halves of one weight differently, and the run leaves one device's."""
-    argv = LLAMA_STYLE + TRAINING + RECIPES["tensorwise"] + FSDP_PARAM_GATHER
-    result = run_distributed(2, fsdp_param_gather_job, argv, 10, True)[0]
-    expected = references["tensorwise"]["losses"]
-    worst = max(abs(a - e) / abs(e) for a, e in zip(result["losses"], expected))
-    assert worst > 1e-5
+    cast the two halves of one weight differently, and the steps leave one device's."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES["tensorwise"]
+    results, reference = stepwise_parity(
+        2, fsdp_param_gather_job, argv + FSDP_PARAM_GATHER, argv, tmp_path, True
+    )
+    worst, _ = _differences(results, reference)
+    assert worst > 10 * LOSS_TOLERANCE
 
 
 def test_fsdp2_fp8_param_gather_resumes_bitwise(tmp_path):
