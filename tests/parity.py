@@ -252,11 +252,12 @@ Record = Callable[[Trainer], dict]
 def steps_from_checkpoints_job(
     trainer: Trainer, steps: int, directory: str, record: Record
 ) -> dict:
-    """Train `steps` steps, checkpointing the state each starts from under `directory`/<step>;
-    the losses, and `record(trainer)` after every step."""
+    """Train `steps` steps, checkpointing the state each but the first starts from under
+    `directory`/<step>; the losses, and `record(trainer)` after every step."""
     losses, after = [], []
     for step in range(steps):
-        save_checkpoint(os.path.join(directory, str(step)), trainer.checkpoint_components())
+        if step > 0:
+            save_checkpoint(os.path.join(directory, str(step)), trainer.checkpoint_components())
         losses.append(trainer.train_step()[0])
         after.append(record(trainer))
     return {"losses": losses, "after": after}
@@ -275,13 +276,15 @@ def one_thread() -> Iterator[None]:
 
 def one_device_steps(argv: list[str], steps: int, directory: str, record: Record) -> dict:
     """The one-device reference of `steps_from_checkpoints_job`: each step taken by a fresh
-    one-device trainer from the layout's checkpoint of that step's start."""
+    one-device trainer, the first from its own initialization (a layout that initializes
+    otherwise fails there), every later one from the layout's checkpoint of its start."""
     losses, after = [], []
     with one_thread():
         for step in range(steps):
             trainer = _setup(argv)
-            path = os.path.join(directory, str(step))
-            assert (load_checkpoint(path, trainer.checkpoint_components()) or 0) == step
+            if step > 0:
+                path = os.path.join(directory, str(step))
+                assert load_checkpoint(path, trainer.checkpoint_components()) == step
             losses.append(trainer.train_step()[0])
             after.append(record(trainer))
     return {"losses": losses, "after": after}
