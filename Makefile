@@ -38,7 +38,7 @@ demo: data
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 # The lent GPUs run torch $(GPU_TORCH) (docs/performance.md): the suite's CPU legs of kernels,
 # parallelism, training and data on that release, before a GPU session spends device time on
