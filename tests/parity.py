@@ -274,14 +274,21 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def one_device_steps(argv: list[str], steps: int, directory: str, record: Record) -> dict:
+def one_device_steps(
+    argv: list[str],
+    steps: int,
+    directory: str,
+    record: Record,
+    setup: Callable[[list[str]], Trainer] = _setup,
+) -> dict:
     """The one-device reference of `steps_from_checkpoints_job`: each step taken by a fresh
-    one-device trainer, the first from its own initialization (a layout that initializes
-    otherwise fails there), every later one from the layout's checkpoint of its start."""
+    one-device trainer (`setup(argv)`), the first from its own initialization (a layout that
+    initializes otherwise fails there), every later one from the layout's checkpoint of its
+    start."""
     losses, after = [], []
     with one_thread():
         for step in range(steps):
-            trainer = _setup(argv)
+            trainer = setup(argv)
             if step > 0:
                 path = os.path.join(directory, str(step))
                 assert load_checkpoint(path, trainer.checkpoint_components()) == step

@@ -195,8 +195,25 @@ def test_one_process_of_expert_parallel_size_one_is_refused(capsys):
             "--moe-shared-expert-overlap",
         ),
         (TRAINING + MOE + ALLTOALL + ["--compile-layers"], "--compile-layers"),
+        # FSDP2 wraps one chunk per stage, and pipeline stages need the interleaved schedule
+        (
+            TRAINING
+            + MOE
+            + ALLTOALL
+            + ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+            + ["--num-virtual-stages-per-pipeline-rank", "2", "--distributed-strategy", "fsdp"],
+            "drop the virtual pipeline stages",
+        ),
     ],
-    ids=["allgather", "pipeline", "full-recompute", "moe-recompute", "shared-overlap", "compile"],
+    ids=[
+        "allgather",
+        "pipeline",
+        "full-recompute",
+        "moe-recompute",
+        "shared-overlap",
+        "compile",
+        "fsdp-pipeline",
+    ],
 )
 def test_refusals_are_one_line(capsys, monkeypatch, flags, named):
     monkeypatch.setenv("WORLD_SIZE", "4")

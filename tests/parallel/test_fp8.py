@@ -123,16 +123,18 @@ def stepwise_parity(
     directory,
     sabotage=None,
     record=_weights_and_scaling,
+    setup=_setup,
 ) -> tuple[list[dict], dict]:
     """`job(argv, STEPS, sabotage, directory)` on `world_size` ranks, and one device's steps
-    (`reference_argv`) from its checkpoints, recording what the job records (`record`)."""
+    (`setup(reference_argv)`) from its checkpoints, recording what the job records
+    (`record`)."""
     directory = str(directory)
     if world_size == 1:
         with one_thread():
             results = [job(argv, STEPS, sabotage, directory)]
     else:
         results = run_distributed(world_size, job, argv, STEPS, sabotage, directory)
-    reference = one_device_steps(reference_argv, STEPS, directory, record)
+    reference = one_device_steps(reference_argv, STEPS, directory, record, setup)
     return results, reference
 
 
