@@ -249,18 +249,20 @@ def assert_matches_reference(results: list[dict], reference: dict, tolerance: fl
 Record = Callable[[Trainer], dict]
 
 
-def steps_from_checkpoints_job(
-    trainer: Trainer, steps: int, directory: str, record: Record
-) -> dict:
-    """Train `steps` steps, checkpointing the state each but the first starts from under
-    `directory`/<step>; the losses, and `record(trainer)` after every step."""
+def train_steps(trainer: Trainer, steps: int, record: Record, directory: str | None = None) -> dict:
+    """Train `steps` steps: the losses, and `record(trainer)` after the last. With a
+    `directory`, a step at a time: the state each step but the first starts from is
+    checkpointed under `directory`/<step>, and `after` holds `record(trainer)` after each."""
     losses, after = [], []
     for step in range(steps):
-        if step > 0:
+        if directory is not None and step > 0:
             save_checkpoint(os.path.join(directory, str(step)), trainer.checkpoint_components())
         losses.append(trainer.train_step()[0])
-        after.append(record(trainer))
-    return {"losses": losses, "after": after}
+        if directory is not None:
+            after.append(record(trainer))
+    if directory is None:
+        return {"losses": losses, **record(trainer)}
+    return {"losses": losses, **after[-1], "after": after}
 
 
 @contextlib.contextmanager
@@ -281,7 +283,7 @@ def one_device_steps(
     record: Record,
     setup: Callable[[list[str]], Trainer] = _setup,
 ) -> dict:
-    """The one-device reference of `steps_from_checkpoints_job`: each step taken by a fresh
+    """The one-device reference of `train_steps` with a directory: each step taken by a fresh
     one-device trainer (`setup(argv)`), the first from its own initialization (a layout that
     initializes otherwise fails there), every later one from the layout's checkpoint of its
     start."""

@@ -32,7 +32,7 @@ from tests.parity import (
     one_device_steps,
     one_thread,
     relative_error,
-    steps_from_checkpoints_job,
+    train_steps,
 )
 from tests.training.test_checkpointing import _resume_job
 from threefold.arguments import parse_args
@@ -95,7 +95,7 @@ def fp8_train_job(
     argv: list[str], steps: int, sabotage: str | None = None, directory: str | None = None
 ) -> dict:
     """`train_job` plus the delayed-scaling state; with a `directory`, checkpointed before
-    and recorded after every step (`steps_from_checkpoints_job`). `sabotage`: skip the amax
+    and recorded after every step (`train_steps`). `sabotage`: skip the amax
     reduction over TP x CP ("current": per GEMM; "delayed": at step end), as a layout-unaware
     FP8 would."""
     trainer = _setup(argv)
@@ -105,10 +105,7 @@ def fp8_train_job(
                 module.amax_group = ONE_DEVICE
     if sabotage == "delayed":
         trainer.fp8.parallel = type(trainer.parallel)(dp=trainer.parallel.dp)
-    if directory is not None:
-        return steps_from_checkpoints_job(trainer, steps, directory, _weights_and_scaling)
-    losses = [trainer.train_step()[0] for _ in range(steps)]
-    return {"losses": losses, **_weights_and_scaling(trainer)}
+    return train_steps(trainer, steps, _weights_and_scaling, directory)
 
 
 # delayed scaling's history of 3 rolls over at the fourth step
@@ -314,10 +311,7 @@ def param_gather_job(
         blocks(tensor, dtype, limit, margin, rows),
     )[1]
     try:
-        if directory is None:
-            result = {"losses": [trainer.train_step()[0] for _ in range(steps)]}
-        else:
-            result = steps_from_checkpoints_job(trainer, steps, directory, _masters_and_scaling)
+        result = train_steps(trainer, steps, _masters_and_scaling, directory)
     finally:
         KERNELS.fp8_cast_blocks = blocks
     trainer.data_parallel.finish_param_gather()  # (--overlap-param-gather: the next forward's)
@@ -333,7 +327,6 @@ def param_gather_job(
         for param, state in fp8_parameters.states.items()
     )
     return result | {
-        **_masters_and_scaling(trainer),
         "weights_cast_in_forward": sum(weight_casts),
         "casts_in_forward": len(weight_casts),
         "flat_dtype": str(fp8_parameters.buffer.param_buffer.dtype),

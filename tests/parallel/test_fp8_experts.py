@@ -36,7 +36,7 @@ from tests.parity import (
     first_step_gradients_job,
     merge_pipeline_stages,
     relative_error,
-    steps_from_checkpoints_job,
+    train_steps,
 )
 from tests.training.test_checkpointing import _resume_job
 from threefold.arguments import parse_args
@@ -84,11 +84,7 @@ def experts_job(
     argv: list[str], steps: int, experts: str | None = None, directory: str | None = None
 ) -> dict:
     """`fp8_train_job` (a step at a time with a `directory`) of an `experts_trainer`."""
-    trainer = experts_trainer(argv, experts)
-    if directory is not None:
-        return steps_from_checkpoints_job(trainer, steps, directory, _weights_and_scaling)
-    losses = [trainer.train_step()[0] for _ in range(steps)]
-    return {"losses": losses, **_weights_and_scaling(trainer)}
+    return train_steps(experts_trainer(argv, experts), steps, _weights_and_scaling, directory)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

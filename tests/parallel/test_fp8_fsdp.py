@@ -17,7 +17,7 @@ from tests.parallel.test_fp8 import (
     fp8_train_job,
     stepwise_parity,
 )
-from tests.parity import LLAMA_STYLE, TRAINING, _setup, steps_from_checkpoints_job
+from tests.parity import LLAMA_STYLE, TRAINING, _setup, train_steps
 from tests.training.test_checkpointing import _resume_job
 from threefold.kernels.fp8_fsdp import Fp8GatheredWeight, Fp8ShardWeight
 from threefold.model.fp8 import fp8_layers
@@ -60,10 +60,7 @@ def fsdp_param_gather_job(
             1
         ]
     try:
-        if directory is None:
-            result = {"losses": [trainer.train_step()[0] for _ in range(steps)]}
-        else:
-            result = steps_from_checkpoints_job(trainer, steps, directory, _weights_and_scaling)
+        result = train_steps(trainer, steps, _weights_and_scaling, directory)
     finally:
         Fp8ShardWeight.fsdp_pre_all_gather = pre_all_gather
     named = trainer.layout_independent_parameters()
@@ -71,7 +68,6 @@ def fsdp_param_gather_job(
     measured = measure_bytes_per_parameter(named, trainer.data_parallel).parameters * count
     estimated = estimate_stage(trainer.config, trainer.parallel.pp.rank).parameters
     return result | {
-        **_weights_and_scaling(trainer),
         "parameter_bytes": (measured, estimated),
         "gathered": gathered,
         "reads": set(reads),
