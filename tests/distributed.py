@@ -1,7 +1,8 @@
-"""Run a function on N real gloo ranks, reusing the spawned workers across tests.
+"""Run a function on N real gloo ranks, reusing the workers across tests.
 
-Spawning a rank costs seconds on a 2-core machine (each imports torch), so a pool of N workers
-is started once per world size and kept for the whole session. Each job runs
+Starting a rank costs seconds on a 2-core machine (each imports torch), so a pool of N workers
+is started once per world size and kept for the whole session, each worker forked from a
+server that imported torch and threefold once (`PRELOAD`). Each job runs
 `fn(*args)` on every rank and returns the per-rank results in rank order; the job's process
 groups are torn down after it so the next one can choose another layout.
 """
@@ -22,6 +23,11 @@ from multiprocessing.reduction import ForkingPickler
 import torch.multiprocessing as mp
 
 JOB_TIMEOUT_S = 600
+# What every rank imports before its first job. A fork server imports it once and forks each
+# worker from itself: a spawned worker imported it anew, about 5 CPU-seconds a rank (torch,
+# then torch._dynamo through the trainer's compiler-disabled functions), which the 2-core
+# machine paid for every rank of every pool (a 32-rank pool took about a minute to start).
+PRELOAD = ["torch", "torch.distributed", "threefold.training.trainer", "tests.distributed"]
 
 
 def free_port() -> int:
@@ -93,7 +99,8 @@ def destroy_groups(state) -> None:
 
 class WorkerPool:
     def __init__(self, world_size: int) -> None:
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)  # (read when the fork server first starts)
         port = free_port()
         self.world_size = world_size
         self.tasks = [context.Queue() for _ in range(world_size)]
