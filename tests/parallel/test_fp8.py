@@ -15,6 +15,8 @@ instead of the whole tensor's (the sabotaged runs) is off by 2e-5 to 6e-5 in som
 by 3e-3 to 1e-2 in the median tensor and by 8e-3 to 3e-2 in the worst: the bounds sit between.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -448,34 +450,37 @@ def test_fp8_param_gather_checkpoints_hold_the_weights_in_the_runs_dtype(tmp_pat
             assert all(param.dtype == torch.float8_e4m3fn for param in stored)
 
 
-def _save_after_three_steps(argv: list[str], directory: str) -> dict:
-    trainer = _setup(argv + ["--save", directory])
+def _three_steps_then_stepwise(argv: list[str], directory: str) -> dict:
+    """Three steps, then three more a step at a time, each from a checkpoint
+    (`directory`/0, /1, /2: `train_steps`): the losses, and the scaling state after each."""
+    trainer = _setup(argv)
     for _ in range(3):
         trainer.train_step()
-    save_checkpoint(directory, trainer.checkpoint_components())
-    losses = [trainer.train_step()[0] for _ in range(3)]
-    return {"fp8": _scaling_state(trainer), "next_losses": losses}
+    save_checkpoint(os.path.join(directory, "0"), trainer.checkpoint_components())
+    return train_steps(trainer, 3, lambda trainer: {"fp8": _scaling_state(trainer)}, directory)
 
 
 def test_fp8_state_reshards_from_tp2_pp2_to_one_device(tmp_path):
     """Saved at TP=2 x PP=2, loaded on one device: every layer's history and scales are the
-    saved ones, and the next steps' losses are the uninterrupted run's."""
+    saved ones, and each next step's loss and state are the 4-rank run's (a step at a time
+    from its checkpoints, as the layouts above: FP8 rounding makes longer runs chaotic)."""
     directory = str(tmp_path / "ckpt")
     argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"]
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    saved = run_distributed(4, _save_after_three_steps, argv + layout, directory)
-    resumed = _setup(argv)
-    fresh_state = _scaling_state(resumed)
-    assert load_checkpoint(directory, resumed.checkpoint_components()) == 3
-    loaded = _scaling_state(resumed)
-    assert all(
-        resumed_state.has_history for resumed_state in fp8_states(resumed.model_chunks).values()
-    )
-    assert any(not np.array_equal(loaded[k], fresh_state[k]) for k in loaded)
-    losses = [resumed.train_step()[0] for _ in range(3)]
-    assert_losses_close(losses, saved[-1]["next_losses"], LOSS_TOLERANCE)
-    # the history after three more steps, on one device, is the 4-rank run's
-    merged = {}
-    for result in saved:
-        merged |= result["fp8"]
-    assert_close_dicts(_scaling_state(resumed), merged, 1e-5, "fp8 state")
+    saved = run_distributed(4, _three_steps_then_stepwise, argv + layout, directory)
+    with one_thread():
+        for step in range(3):
+            resumed = _setup(argv)
+            fresh_state = _scaling_state(resumed)
+            path = os.path.join(directory, str(step))
+            assert load_checkpoint(path, resumed.checkpoint_components()) == 3 + step
+            loaded = _scaling_state(resumed)
+            assert all(state.has_history for state in fp8_states(resumed.model_chunks).values())
+            assert any(not np.array_equal(loaded[k], fresh_state[k]) for k in loaded)
+            loss = resumed.train_step()[0]
+            # (the last pipeline stage's losses are the run's)
+            assert_losses_close([loss], saved[-1]["losses"][step : step + 1], LOSS_TOLERANCE)
+            merged = {}
+            for result in saved:
+                merged |= result["after"][step]["fp8"]
+            assert_close_dicts(_scaling_state(resumed), merged, 1e-5, "fp8 state")
