@@ -37,7 +37,9 @@ def per_file(cases: list[tuple[float, str, str]]) -> dict[str, list[float]]:
     return files
 
 
-def compare(before: list, after: list, limit: int) -> None:
+def compare(
+    before: list[tuple[float, str, str]], after: list[tuple[float, str, str]], limit: int
+) -> None:
     """The files whose time changed most from `before` to `after`, either way."""
     old = {module: sum(times) for module, times in per_file(before).items()}
     new = {module: sum(times) for module, times in per_file(after).items()}
