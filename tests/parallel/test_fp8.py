@@ -222,8 +222,28 @@ def sequence_gather_job(argv: list[str], steps: int, in_fp8: bool) -> dict:
             module.gathers_in_fp8 = module.gathers_in_fp8 and in_fp8
     losses = [trainer.train_step()[0] for _ in range(steps)]
     gathered = COLLECTIVE_COUNTS["all_gather:bytes"]
-    line = trainer.fp8.describe()
-    return {"losses": losses, "params": _full(trainer), "gathered": gathered, "line": line}
+    line, rings = trainer.fp8.describe(), COLLECTIVE_COUNTS["in_ring_steps"]
+    return {"losses": losses, "params": _full(trainer), "gathered": gathered, "line": line} | {
+        "rings": rings
+    }
+
+
+def _layer_passes(argv: list[str], steps: int) -> tuple[int, int]:
+    """(layers x micro-batches x `steps`: the layer forward and backward passes of a TP=2 run,
+    the elements of one activation of a micro-batch's whole sequence)."""
+    config = parse_args(argv, world_size=2)
+    model, training = config.model, config.training
+    micro_batches = training.global_batch_size // training.micro_batch_size
+    elements = model.seq_length * training.micro_batch_size * model.hidden_size
+    return model.num_layers * micro_batches * steps, elements
+
+
+def _gathered_elements(argv: list[str], steps: int) -> int:
+    """The elements of one kind of activation (or gradient) a TP=2 SP run all-gathers in
+    `steps` steps: two per layer pass (QKV's and fc1's inputs; or the gradients of the
+    attention projection's and fc2's outputs)."""
+    passes, elements = _layer_passes(argv, steps)
+    return 2 * passes * elements
 
 
 @pytest.mark.parametrize("recipe", ONE_SCALE_RECIPES)
@@ -237,13 +257,42 @@ def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
     fp8, control = (run_distributed(2, sequence_gather_job, argv, steps, on)[0] for on in (1, 0))
     assert fp8["losses"] == control["losses"]
     assert_close_dicts(fp8["params"], control["params"], 0.0, "parameter")
-    config = parse_args(argv, world_size=2)
-    model, training = config.model, config.training
-    micro_batches = training.global_batch_size // training.micro_batch_size
-    elements = model.seq_length * training.micro_batch_size * model.hidden_size
-    inputs = 2 * model.num_layers * micro_batches * steps * elements
-    assert control["gathered"] - fp8["gathered"] == 3 * inputs
+    assert control["gathered"] - fp8["gathered"] == 3 * _gathered_elements(argv, steps)
     assert "; sequence-parallel inputs all-gathered in FP8;" in fp8["line"]
+
+
+@pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4)])
+def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
+    """--tp-comm-overlap with FP8 layers (parallel/tensor_parallel/fp8_comm_overlap.py): each
+    sequence-parallel collective a ring of FP8 slices or partial sums around the slices' FP8
+    GEMMs, a step at a time as one device."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]
+    flags = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--tp-comm-overlap"]
+    results, reference = stepwise_parity(tp, fp8_train_job, argv + flags, argv, tmp_path)
+    assert_match_one_device(results, reference, recipe)
+
+
+@pytest.mark.parametrize("recipe", ONE_SCALE_RECIPES)
+def test_overlapped_fp8_layers_gather_fp8_in_ring_steps(recipe):
+    """With the overlap, TP=2 trains bitwise as without it (a reduce-scatter of two ranks adds
+    one pair either way), every linear layer's collective in ring steps (4 forward + 4
+    backward per layer and micro-batch; the output layer's 2, in the run's dtype), and the
+    row-parallel layers' gradients gathered in FP8, cast before the gather with the whole
+    tensor's scale: the all-gathered bytes fall by 3 per element of those gradients (fp32
+    here)."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
+    steps = 2
+    overlapped, plain = (
+        run_distributed(2, sequence_gather_job, argv + extra, steps, True)[0]
+        for extra in (["--tp-comm-overlap"], [])
+    )
+    assert overlapped["losses"] == plain["losses"]
+    assert_close_dicts(overlapped["params"], plain["params"], 0.0, "parameter")
+    assert plain["gathered"] - overlapped["gathered"] == 3 * _gathered_elements(argv, steps)
+    passes = _layer_passes(argv, steps)[0]
+    output_layer = 2 * passes // parse_args(argv, world_size=2).model.num_layers  # (run's dtype)
+    assert (plain["rings"], overlapped["rings"]) == (0, 8 * passes + output_layer)
+    assert "as are row-parallel gradients, in ring steps" in overlapped["line"]
 
 
 PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]

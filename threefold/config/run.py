@@ -106,10 +106,14 @@ class Config:
                 "--moe-shared-expert-overlap with --compile-layers: each compiled layer runs "
                 "its shared expert as its graph orders it, not beside the all-to-alls"
             )
-        if parallel.tp_comm_overlap and self.fp8.enabled:
+        one_scale = self.fp8.fp8_recipe in ("tensorwise", "delayed") and self.fp8.fp8_wgrad
+        if parallel.tp_comm_overlap and self.fp8.enabled and not one_scale:
+            # (parallel/tensor_parallel/fp8_comm_overlap.py: a cast before the gather)
             warnings.append(
-                "--tp-comm-overlap with --fp8-format: the FP8 linear layers all-gather their "
-                "FP8 inputs without the overlap; the layers in the run's dtype overlap"
+                f"--tp-comm-overlap with --fp8-recipe {self.fp8.fp8_recipe}"
+                f"{'' if self.fp8.fp8_wgrad else ' --no-fp8-wgrad'}: the FP8 linear layers "
+                "gather their inputs whole before casting, without the overlap; tensorwise "
+                "and delayed scaling overlap"
             )
         return warnings
 

@@ -413,13 +413,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x8_t = x8.t().contiguous()
             shape = (tp.size * x.shape[0], *x.shape[1:])
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight, cached=not traced)
-        out_dtype = _output_dtype(x)
+        out_dtype = output_dtype(x)
         output = scaled_mm(x8, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True)
         if bias is not None:
             output = output + bias.to(out_dtype)
         kept = (x8_t, input_inverse) if fp8.recipe.fp8_wgrad else (inputs, None)
         ctx.save_for_backward(*kept, w8_t, weight_inverse)
-        _remember(ctx, x, weight, bias, fp8, accumulate, traced)
+        remember_layer(ctx, x, weight, bias, fp8, accumulate, traced)
         ctx.tp, ctx.input_shape = tp, shape
         return output.view(*shape[:-1], weight.shape[0])
 
@@ -437,10 +437,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if ctx.tp is not None:
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
         if needs_weight and not fp8.recipe.fp8_wgrad:
-            grad_weight = _weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
+            grad_weight = layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
         elif needs_weight:
             operands = (g8_t, x_kept.t(), grad_inverse, input_inverse)
-            grad_weight = _weight_grad(
+            grad_weight = layer_weight_grad(
                 ctx, lambda dtype, out=None: scaled_mm(*operands, dtype, out=out), operands
             )
         if needs_bias and ctx.has_bias:
@@ -454,7 +454,7 @@ def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
     return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
 
 
-def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool) -> None:
+def remember_layer(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool) -> None:
     """What an FP8 linear's backward needs beside its saved tensors: the parameter itself, for
     its main_grad (a saved tensor can come back as another object under activation
     recomputation), and the input's shape and dtypes."""
@@ -463,7 +463,7 @@ def _remember(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bo
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
-def _weight_grad(ctx, gemm, operands: tuple | None = None) -> torch.Tensor:
+def layer_weight_grad(ctx, gemm, operands: tuple | None = None) -> torch.Tensor:
     """The weight gradient from `gemm(out_dtype, out=None)`: in fp32 straight into main_grad,
     never rounded to bf16 (accumulating; written by the GEMM where main_grad still holds the
     step's zeros: `write_weight_grad`), else in the weight's dtype. Traced into a compiled
@@ -487,7 +487,7 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
+def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype F.linear would return: the autocast dtype under autocast (PyTorch DDP/FSDP2
     keep fp32 parameters), else the input's."""
     device = x.device.type
@@ -508,14 +508,14 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
         x8, x_inverses = fp8.cast_fine(INPUT, inputs)
         kept = fp8.cast_fine(INPUT, inputs.t()) if fp8.recipe.fp8_wgrad else (inputs, None)
         (w8, w_inverses), (w8_t, w_t_inverses) = fp8.fine_grained_weight(weight, not traced)
-        out_dtype = _output_dtype(x)
+        out_dtype = output_dtype(x)
         output = fp8.fine_grained_mm(
             x8, w8.t(), x_inverses, w_inverses, out_dtype, weight=True, fast_accum=True
         )
         if bias is not None:
             output = output + bias.to(output.dtype)
         ctx.save_for_backward(*kept, w8_t, w_t_inverses)
-        _remember(ctx, x, weight, bias, fp8, accumulate, traced)
+        remember_layer(ctx, x, weight, bias, fp8, accumulate, traced)
         return output.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -532,10 +532,10 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
             )
             grad_x = grad_x.view(ctx.input_shape)
         if needs_weight and not fp8.recipe.fp8_wgrad:
-            grad_weight = _weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
+            grad_weight = layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
         elif needs_weight:
             g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
-            grad_weight = _weight_grad(
+            grad_weight = layer_weight_grad(
                 ctx,
                 lambda dtype, out=None: _into(
                     out, fp8.fine_grained_mm(g8_t, x_kept.t(), g_t_inverses, x_t_inverses, dtype)

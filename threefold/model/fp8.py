@@ -232,6 +232,11 @@ class Fp8Scaling:
         parallel = self.parallel
         if parallel.sequence_parallel and parallel.tp.size > 1 and self.recipe.gathers_in_fp8:
             gather += "; sequence-parallel inputs all-gathered in FP8"
+            if parallel.tp_comm_overlap:  # (parallel/tensor_parallel/fp8_comm_overlap.py)
+                gather += (
+                    ", as are row-parallel gradients, in ring steps beside their GEMMs "
+                    "(--tp-comm-overlap)"
+                )
         if any(state.traced for state in self.states.values()):
             gather += "; traced into the compiled layers' graphs where they run no collective"
         elif self.compile_layers and self.states:

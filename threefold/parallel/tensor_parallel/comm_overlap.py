@@ -40,7 +40,7 @@ def _start_ring_exchange(send: torch.Tensor, receive: torch.Tensor, tp: Group) -
     return dist.batch_isend_irecv(operations)
 
 
-def _gathered_products(local: torch.Tensor, product, tp: Group) -> tuple[list, list]:
+def gathered_products(local: torch.Tensor, product, tp: Group) -> tuple[list, list]:
     """The ring all-gather of `local` (this rank's slice of the sequence) with `product` of
     each slice computed while the next one travels: (the slices, their products), both in
     sequence order."""
@@ -63,7 +63,7 @@ def _gathered_products(local: torch.Tensor, product, tp: Group) -> tuple[list, l
     return slices, products
 
 
-def _reduce_scattered(partial, tp: Group, numel: int, element_size: int) -> torch.Tensor:
+def reduce_scattered(partial, tp: Group, numel: int, element_size: int) -> torch.Tensor:
     """The ring reduce-scatter of `partial(c)` (this rank's contribution to slice c of the
     output): at each step the next destination's partial is computed, the running sum from the
     previous rank added, and the sum passed on; the last step's is this rank's slice."""
@@ -89,7 +89,7 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp, accumulate):
-        slices, outputs = _gathered_products(x, lambda part: F.linear(part, weight, bias), tp)
+        slices, outputs = gathered_products(x, lambda part: F.linear(part, weight, bias), tp)
         ctx.save_for_backward(torch.cat(slices), weight)
         ctx.tp, ctx.accumulate, ctx.has_bias = tp, accumulate, bias is not None
         ctx.param = weight  # its main_grad (a saved tensor comes back as another object)
@@ -100,7 +100,7 @@ class _AllGatherLinear(torch.autograd.Function):
         gathered, weight = ctx.saved_tensors
         tp, grad_output = ctx.tp, grad_output.contiguous()
         pieces = grad_output.chunk(tp.size)
-        grad_x = _reduce_scattered(
+        grad_x = reduce_scattered(
             lambda c: pieces[c] @ weight, tp, gathered.numel(), gathered.element_size()
         )
         return (grad_x, *_weight_and_bias_grads(ctx, grad_output, gathered), None, None)
@@ -114,7 +114,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         x = x.contiguous()
         pieces = x.chunk(tp.size)
         out_numel = x.numel() // x.shape[-1] * weight.shape[0]
-        output = _reduce_scattered(
+        output = reduce_scattered(
             lambda c: F.linear(pieces[c], weight), tp, out_numel, x.element_size()
         )
         ctx.save_for_backward(x, weight)
@@ -124,7 +124,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        slices, grads_x = _gathered_products(grad_output, lambda part: part @ weight, ctx.tp)
+        slices, grads_x = gathered_products(grad_output, lambda part: part @ weight, ctx.tp)
         grad_weight, _ = _weight_and_bias_grads(ctx, torch.cat(slices), x)
         return torch.cat(grads_x), grad_weight, None, None
 

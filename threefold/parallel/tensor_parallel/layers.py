@@ -19,6 +19,10 @@ from torch import nn
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, collecting, defer
+from threefold.parallel.tensor_parallel.fp8_comm_overlap import (
+    fp8_all_gather_linear,
+    fp8_linear_reduce_scatter,
+)
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -58,11 +62,11 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
 
 
 def _overlaps(module: nn.Module) -> bool:
-    """--tp-comm-overlap applies: sequence parallel over TP > 1, in the run's dtype (an FP8
-    layer gathers FP8 bytes of its own) and without a LoRA adapter, which reads the gathered
-    input."""
-    overlap = module.tp_comm_overlap and module.sequence_parallel
-    return overlap and module.fp8 is None and module.adapter is None
+    """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
+    reads the gathered input, and in the run's dtype or FP8 with one scale per tensor (rowwise
+    and blockwise casts need the gathered input: fp8_comm_overlap.py)."""
+    overlap = module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
+    return overlap and (module.fp8 is None or module.fp8.gathers_in_fp8)
 
 
 def linear_gemm(
@@ -291,7 +295,10 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if _overlaps(self):
             fuse = _fuses(self, weight)
-            output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
+            if self.fp8 is not None:
+                output = fp8_all_gather_linear(self.fp8, x, weight, self.bias, self.tp, fuse)
+            else:
+                output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
         elif self._gathers_in_fp8():
             output = linear_gemm(self, x, weight, self.bias, self.tp)
         else:
@@ -365,7 +372,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _overlaps(self):
-            output = linear_reduce_scatter(x, self.weight, self.tp, _fuses(self, self.weight))
+            fuse = _fuses(self, self.weight)
+            if self.fp8 is not None:
+                output = fp8_linear_reduce_scatter(self.fp8, x, self.weight, self.tp, fuse)
+            else:
+                output = linear_reduce_scatter(x, self.weight, self.tp, fuse)
             return output if self.bias is None else output + self.bias
         output = linear_gemm(self, x, self.weight, None)
         if self.adapter is not None:
