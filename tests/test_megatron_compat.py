@@ -541,8 +541,8 @@ def test_what_megatron_fsdp_does_not_carry_over_is_refused_in_one_line(extra, me
 
 def test_tp_comm_overlap_needs_sequence_parallelism_and_says_what_fp8_keeps(capsys):
     """Megatron-LM asserts the same: the overlap is of the sequence-parallel collectives. Its
-    userbuffers' tuning file is taken and named; FP8 layers overlap with one scale per tensor
-    and say when they gather without the overlap."""
+    userbuffers' tuning file is taken and named; FP8 layers overlap, and the one case that
+    gathers without the overlap (one scale per tensor, --no-fp8-wgrad) says so."""
     tp2 = ["--tensor-model-parallel-size", "2", "--tp-comm-overlap"]
     with pytest.raises(SystemExit):
         parse_args(BASE + tp2, world_size=2)
@@ -551,8 +551,9 @@ def test_tp_comm_overlap_needs_sequence_parallelism_and_says_what_fp8_keeps(caps
     assert config.parallel.tp_comm_overlap
     assert "> --tp-comm-overlap-cfg ub.yaml has no effect" in capsys.readouterr().out
     fp8 = tp2 + ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe"]
-    parse_args(BASE + fp8 + ["tensorwise"], world_size=2)
-    assert "FP8 linear layers" not in capsys.readouterr().out
-    parse_args(BASE + fp8 + ["blockwise"], world_size=2)
+    for recipe in ("tensorwise", "blockwise --no-fp8-wgrad"):
+        parse_args(BASE + fp8 + recipe.split(), world_size=2)
+        assert "FP8 linear layers" not in capsys.readouterr().out
+    parse_args(BASE + fp8 + ["tensorwise", "--no-fp8-wgrad"], world_size=2)
     out = capsys.readouterr().out
-    assert "--fp8-recipe blockwise: the FP8 linear layers gather their inputs whole" in out
+    assert "tensorwise --no-fp8-wgrad: the FP8 linear layers gather their inputs whole" in out

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import threefold.kernels.fp8 as fp8
+import threefold.kernels.fp8_autograd as fp8_autograd
 from threefold.kernels.fp8 import Fp8Linear, update_delayed_scales
 from threefold.kernels.fp8_gemms import E4M3, _cublas_weight_scales, scaled_mm
 from threefold.kernels.fp8_recipe import Fp8Recipe
@@ -23,7 +24,8 @@ def test_the_gemms_scales_are_aligned_tensors_of_their_own(monkeypatch, delayed)
         seen.extend((a_inverse, b_inverse))
         return scaled_mm(a, b, a_inverse, b_inverse, *args, **kwargs)
 
-    monkeypatch.setattr(fp8, "scaled_mm", checked)
+    for module in (fp8, fp8_autograd):  # (the forward's and input gradient's; the weight's)
+        monkeypatch.setattr(module, "scaled_mm", checked)
     layer = Fp8Linear(Fp8Recipe(fp8_format="hybrid", delayed=delayed))
     weight = torch.nn.Parameter(torch.randn(64, 32))
     for _ in range(2):  # delayed: current scaling, then the history's inverses

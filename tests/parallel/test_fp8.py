@@ -261,10 +261,10 @@ def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
     assert "; sequence-parallel inputs all-gathered in FP8;" in fp8["line"]
 
 
-@pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4)])
+@pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4), ("blockwise", 4)])
 def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
     """--tp-comm-overlap with FP8 layers (parallel/tensor_parallel/fp8_comm_overlap.py): each
-    sequence-parallel collective a ring of FP8 slices or partial sums around the slices' FP8
+    sequence-parallel collective a ring of slices or partial sums around the slices' FP8
     GEMMs, a step at a time as one device."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]
     flags = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--tp-comm-overlap"]
@@ -272,27 +272,35 @@ def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
     assert_match_one_device(results, reference, recipe)
 
 
-@pytest.mark.parametrize("recipe", ONE_SCALE_RECIPES)
-def test_overlapped_fp8_layers_gather_fp8_in_ring_steps(recipe):
+@pytest.mark.parametrize(
+    "recipe,extra",
+    [("tensorwise", []), ("rowwise", []), ("blockwise", ["--no-fp8-wgrad"])],
+    ids=["tensorwise", "rowwise", "blockwise-no-fp8-wgrad"],
+)
+def test_overlapped_fp8_layers_train_bitwise_as_the_plain_ones(recipe, extra):
     """With the overlap, TP=2 trains bitwise as without it (a reduce-scatter of two ranks adds
     one pair either way), every linear layer's collective in ring steps (4 forward + 4
-    backward per layer and micro-batch; the output layer's 2, in the run's dtype), and the
-    row-parallel layers' gradients gathered in FP8, cast before the gather with the whole
-    tensor's scale: the all-gathered bytes fall by 3 per element of those gradients (fp32
-    here)."""
-    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
+    backward per layer and micro-batch; the output layer's 2, in the run's dtype). With one
+    scale per tensor the row-parallel layers' gradients are gathered in FP8, cast before the
+    gather with the whole tensor's scale: the all-gathered bytes fall by 3 per element of
+    those gradients (fp32 here). Rowwise and blockwise slices travel in the run's dtype, as
+    the plain layers gather them, and are cast as they arrive."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + extra + LAYOUTS["tp2_sp"][1]
     steps = 2
     overlapped, plain = (
-        run_distributed(2, sequence_gather_job, argv + extra, steps, True)[0]
-        for extra in (["--tp-comm-overlap"], [])
+        run_distributed(2, sequence_gather_job, argv + overlap, steps, True)[0]
+        for overlap in (["--tp-comm-overlap"], [])
     )
     assert overlapped["losses"] == plain["losses"]
     assert_close_dicts(overlapped["params"], plain["params"], 0.0, "parameter")
-    assert plain["gathered"] - overlapped["gathered"] == 3 * _gathered_elements(argv, steps)
+    in_fp8 = recipe in ONE_SCALE_RECIPES
+    fewer = 3 * _gathered_elements(argv, steps) if in_fp8 else 0
+    assert plain["gathered"] - overlapped["gathered"] == fewer
     passes = _layer_passes(argv, steps)[0]
     output_layer = 2 * passes // parse_args(argv, world_size=2).model.num_layers  # (run's dtype)
     assert (plain["rings"], overlapped["rings"]) == (0, 8 * passes + output_layer)
-    assert "as are row-parallel gradients, in ring steps" in overlapped["line"]
+    assert ("as are row-parallel gradients, in ring steps" in overlapped["line"]) == in_fp8
+    assert "in ring steps beside their GEMMs" in overlapped["line"]
 
 
 PARAM_GATHER = ["--use-distributed-optimizer", "--fp8-param-gather"]

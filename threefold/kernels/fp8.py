@@ -49,24 +49,24 @@ Scales, as Transformer Engine's recipes (Megatron-LM's --fp8-recipe):
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from threefold.kernels import fp8_ops, reference
 from threefold.kernels.dispatch import KERNELS
-from threefold.kernels.fp8_fsdp import Fp8GatheredWeight
-from threefold.kernels.fp8_gemms import (
-    FP8_MAX,
-    blockwise_mm,
-    dequantization,
-    rowwise_mm,
-    scaled_mm,
-    unquantized_mm,
-    weight_grad_into,
+from threefold.kernels.fp8_autograd import (
+    GRAD,
+    INPUT,
+    WEIGHT,
+    bias_grad,
+    fine_grained_weight_grad,
+    output_dtype,
+    remember_layer,
+    tensorwise_weight_grad,
 )
+from threefold.kernels.fp8_fsdp import Fp8GatheredWeight
+from threefold.kernels.fp8_gemms import FP8_MAX, blockwise_mm, dequantization, rowwise_mm, scaled_mm
 from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
@@ -74,14 +74,7 @@ from threefold.parallel.tensor_parallel.mappings import (
     all_gather_along_first_dim,
     reduce_scatter_along_first_dim,
 )
-from threefold.parallel.tensor_parallel.weight_grad import (
-    accumulate_weight_grad,
-    placeholder_grad,
-    write_weight_grad,
-)
 
-# Index of each of a linear layer's tensors in its scaling state.
-INPUT, WEIGHT, GRAD = 0, 1, 2
 # The buffers of `dequantization(scale_in_use)`, by INPUT, WEIGHT, GRAD (Fp8Linear).
 INVERSES = ("input_inverse", "weight_inverse", "grad_inverse")
 
@@ -429,69 +422,20 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g8_t, grad_inverse = fp8.cast(GRAD, grads)
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_x = grad_weight = grad_bias = None
-        if needs_x:
+        grad_x = None
+        if ctx.needs_input_grad[0]:
             grad_x = scaled_mm(g8, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype)
             grad_x = grad_x.view(ctx.input_shape)
             if ctx.tp is not None:
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
-        if needs_weight and not fp8.recipe.fp8_wgrad:
-            grad_weight = layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
-        elif needs_weight:
-            operands = (g8_t, x_kept.t(), grad_inverse, input_inverse)
-            grad_weight = layer_weight_grad(
-                ctx, lambda dtype, out=None: scaled_mm(*operands, dtype, out=out), operands
-            )
-        if needs_bias and ctx.has_bias:
-            grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        grad_weight = tensorwise_weight_grad(ctx, grads, x_kept, input_inverse, g8_t, grad_inverse)
+        return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None, None
 
 
 def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
     """Every TP rank's FP8 rows, concatenated in rank order, gathered as bytes (which every
     backend takes)."""
     return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
-
-
-def remember_layer(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, traced: bool) -> None:
-    """What an FP8 linear's backward needs beside its saved tensors: the parameter itself, for
-    its main_grad (a saved tensor can come back as another object under activation
-    recomputation), and the input's shape and dtypes."""
-    ctx.fp8, ctx.accumulate, ctx.weight, ctx.traced = fp8, accumulate, weight, traced
-    ctx.input_shape, ctx.dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-
-
-def layer_weight_grad(ctx, gemm, operands: tuple | None = None) -> torch.Tensor:
-    """The weight gradient from `gemm(out_dtype, out=None)`: in fp32 straight into main_grad,
-    never rounded to bf16 (accumulating; written by the GEMM where main_grad still holds the
-    step's zeros: `write_weight_grad`), else in the weight's dtype. Traced into a compiled
-    layer, a tensorwise GEMM's `operands` go to one operator that decides between writing
-    and adding as the graph runs (`weight_grad_into`); other GEMMs add."""
-    if not ctx.accumulate:
-        return gemm(ctx.weight.dtype)
-    if not ctx.traced:
-        return write_weight_grad(ctx.weight, gemm)
-    # `Fp8Linear.linear` flagged the placeholder in the forward
-    zeroed = getattr(ctx.weight, "main_grad_zeroed", None)
-    if operands is None or zeroed is None:
-        return accumulate_weight_grad(ctx.weight, gemm(torch.float32), flag=False)
-    weight_grad_into(ctx.weight.main_grad, zeroed, *operands)
-    return placeholder_grad(ctx.weight, flag=False)
-
-
-def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
-    """`result`, or copied into `out` (GEMMs that write no given tensor: cuBLASLt's rowwise
-    and blockwise ones give bf16)."""
-    return result if out is None else out.copy_(result)
-
-
-def output_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear would return: the autocast dtype under autocast (PyTorch DDP/FSDP2
-    keep fp32 parameters), else the input's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
@@ -523,27 +467,15 @@ class _Fp8FineGrainedLinearFunction(torch.autograd.Function):
         x_kept, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
         fp8 = ctx.fp8
         grads = grad_output.reshape(-1, grad_output.shape[-1])
-        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        grad_x = grad_weight = grad_bias = None
-        if needs_x:
+        grad_x = None
+        if ctx.needs_input_grad[0]:
             g8, g_inverses = fp8.cast_fine(GRAD, grads)
             grad_x = fp8.fine_grained_mm(
                 g8, w8_t.t(), g_inverses, w_t_inverses, ctx.dtype, weight=True
             )
             grad_x = grad_x.view(ctx.input_shape)
-        if needs_weight and not fp8.recipe.fp8_wgrad:
-            grad_weight = layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
-        elif needs_weight:
-            g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
-            grad_weight = layer_weight_grad(
-                ctx,
-                lambda dtype, out=None: _into(
-                    out, fp8.fine_grained_mm(g8_t, x_kept.t(), g_t_inverses, x_t_inverses, dtype)
-                ),
-            )
-        if needs_bias and ctx.has_bias:
-            grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        grad_weight = fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses)
+        return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None
 
 
 def update_delayed_scales(states: list[Fp8Linear], groups: list[Group]) -> None:

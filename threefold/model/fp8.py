@@ -237,6 +237,11 @@ class Fp8Scaling:
                     ", as are row-parallel gradients, in ring steps beside their GEMMs "
                     "(--tp-comm-overlap)"
                 )
+        elif parallel.tp_comm_overlap and self.recipe.overlaps_tp_comm:
+            gather += (
+                "; sequence-parallel collectives in ring steps beside their GEMMs, each "
+                "slice cast as it arrives (--tp-comm-overlap)"
+            )
         if any(state.traced for state in self.states.values()):
             gather += "; traced into the compiled layers' graphs where they run no collective"
         elif self.compile_layers and self.states:

@@ -1,6 +1,7 @@
-"""--tp-comm-overlap for FP8 layers (tensorwise and delayed scaling): comm_overlap.py's rings,
-with FP8 bytes on the wire wherever the plain FP8 layer's collective already carries them or
-could, and one `scaled_mm` per slice.
+"""--tp-comm-overlap for FP8 layers: comm_overlap.py's rings around the slices' FP8 GEMMs.
+
+One scale per tensor (tensorwise, delayed), FP8 bytes on the wire wherever the plain FP8 layer's
+collective carries them or could:
 
     column-parallel  fwd: x cast on each rank, its FP8 slices around the ring, each arriving
                           slice's GEMM while the next travels (the bytes of the plain layer's
@@ -15,23 +16,32 @@ could, and one `scaled_mm` per slice.
                           reduced over TP x CP, which is the gathered tensor's; delayed: the
                           history's), for half bf16's traffic.
 
+Rowwise and blockwise scaling: the gathered slices travel in the run's dtype, as the plain
+layer gathers them (the weight gradient's x^T and g^T are scaled per feature over the whole
+sequence, which no rank has before the gather), and each arriving slice is cast for its own
+GEMM: its rows' scales (per row, or per 1 x 128 block of a row) are those of the same rows in
+the whole tensor, so the slices' FP8 operands are the plain layer's. The partial sums are as
+above. --no-fp8-wgrad with one scale per tensor stays unoverlapped: its slices would each need
+the whole tensor's current scale before any of them arrives.
+
 Every FP8 operand is bitwise the plain layer's, and the weight gradient is the same one GEMM
 over the whole gathered sequence; only the slices' GEMMs and the reduce-scatter's additions
-run in another order. Rowwise and blockwise scaling, and --no-fp8-wgrad, need the gathered
-input before any cast (kernels/fp8.py: `gathers_in_fp8`) and stay unoverlapped.
+run in another order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from threefold.kernels.fp8 import (
+from threefold.kernels.fp8 import Fp8Linear
+from threefold.kernels.fp8_autograd import (
     GRAD,
     INPUT,
-    Fp8Linear,
-    layer_weight_grad,
+    bias_grad,
+    fine_grained_weight_grad,
     output_dtype,
     remember_layer,
+    tensorwise_weight_grad,
 )
 from threefold.kernels.fp8_gemms import FP8_MAX, scaled_mm
 from threefold.parallel.parallel_context import Group
@@ -48,19 +58,14 @@ def _gathered_gemms(x8: torch.Tensor, gemm, tp: Group) -> tuple[torch.Tensor, to
     return torch.cat(slices).view(x8.dtype), torch.cat(products)
 
 
-def _weight_and_bias_grads(ctx, grads: torch.Tensor, x8_t, input_inverse, g8_t, grad_inverse):
-    """The weight gradient from the whole sequence's FP8 operands, as the plain FP8 layer's
-    (kernels/fp8.py: `layer_weight_grad`), and the bias gradient."""
-    needs_weight, needs_bias = ctx.needs_input_grad[1:3]
-    grad_weight = grad_bias = None
-    if needs_weight:
-        operands = (g8_t, x8_t.t(), grad_inverse, input_inverse)
-        grad_weight = layer_weight_grad(
-            ctx, lambda dtype, out=None: scaled_mm(*operands, dtype, out=out), operands
-        )
-    if needs_bias and ctx.has_bias:
-        grad_bias = grads.sum(dim=0).to(ctx.bias_dtype)
-    return grad_weight, grad_bias
+def _reduce_scattered_output(ctx, tp: Group, partial, out_dtype: torch.dtype) -> torch.Tensor:
+    """A row-parallel forward's output: `partial(c)`, this rank's GEMM for slice c of the
+    sequence, summed around the ring; this rank's slice, [s / TP, b, output features]."""
+    x_shape, out_features = ctx.input_shape, ctx.weight.shape[0]
+    numel = x_shape.numel() // x_shape[-1] * out_features
+    output = reduce_scattered(partial, tp, numel, out_dtype.itemsize)
+    ctx.tp = tp
+    return output.view(x_shape[0] // tp.size, *x_shape[1:-1], out_features)
 
 
 class _Fp8AllGatherLinear(torch.autograd.Function):
@@ -99,12 +104,10 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
                 lambda c: scaled_mm(pieces[c], w8_t.t(), grad_inverse, weight_inverse, ctx.dtype),
                 tp,
                 tp.size * local_shape.numel(),
-                torch.empty((), dtype=ctx.dtype).element_size(),
+                ctx.dtype.itemsize,
             ).view(local_shape)
-        grad_weight, grad_bias = _weight_and_bias_grads(
-            ctx, grads, x8_t, input_inverse, g8_t, grad_inverse
-        )
-        return grad_x, grad_weight, grad_bias, None, None, None
+        grad_weight = tensorwise_weight_grad(ctx, grads, x8_t, input_inverse, g8_t, grad_inverse)
+        return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None
 
 
 class _Fp8LinearReduceScatter(torch.autograd.Function):
@@ -116,20 +119,17 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_inverse = fp8.cast(INPUT, inputs)
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
-        out_dtype = output_dtype(x)
-        pieces = x8.chunk(tp.size)
-        output = reduce_scattered(
+        out_dtype, pieces = output_dtype(x), x8.chunk(tp.size)
+        ctx.save_for_backward(x8_t, input_inverse, w8_t, weight_inverse)
+        remember_layer(ctx, x, weight, None, fp8, accumulate, traced=False)
+        return _reduce_scattered_output(
+            ctx,
+            tp,
             lambda c: scaled_mm(
                 pieces[c], w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True
             ),
-            tp,
-            inputs.shape[0] * weight.shape[0],
-            torch.empty((), dtype=out_dtype).element_size(),
+            out_dtype,
         )
-        ctx.save_for_backward(x8_t, input_inverse, w8_t, weight_inverse)
-        remember_layer(ctx, x, weight, None, fp8, accumulate, traced=False)
-        ctx.tp = tp
-        return output.view(x.shape[0] // tp.size, *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -141,10 +141,97 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
             lambda part: scaled_mm(part, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype),
             ctx.tp,
         )
-        grad_weight, _ = _weight_and_bias_grads(
-            ctx, g8, x8_t, input_inverse, g8.t().contiguous(), grad_inverse
-        )
+        g8_t = g8.t().contiguous()
+        grad_weight = tensorwise_weight_grad(ctx, None, x8_t, input_inverse, g8_t, grad_inverse)
         return grad_x.view(ctx.input_shape), grad_weight, None, None, None
+
+
+class _Fp8FineGrainedAllGatherLinear(torch.autograd.Function):
+    """Column-parallel, rowwise or blockwise: the slices of x around the ring in the run's
+    dtype, each cast and multiplied as it arrives (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, tp: Group):
+        (w8, w_inverses), (w8_t, w_t_inverses) = fp8.fine_grained_weight(weight)
+        out_dtype = output_dtype(x)
+
+        def product(part: torch.Tensor) -> torch.Tensor:
+            part8, inverses = fp8.cast_fine(INPUT, part.reshape(-1, part.shape[-1]))
+            return fp8.fine_grained_mm(
+                part8, w8.t(), inverses, w_inverses, out_dtype, weight=True, fast_accum=True
+            )
+
+        slices, outputs = gathered_products(x, product, tp)
+        gathered = torch.cat(slices)
+        inputs = gathered.reshape(-1, x.shape[-1])
+        output = torch.cat(outputs)
+        if bias is not None:
+            output = output + bias.to(output.dtype)
+        kept = fp8.cast_fine(INPUT, inputs.t()) if fp8.recipe.fp8_wgrad else (inputs, None)
+        ctx.save_for_backward(*kept, w8_t, w_t_inverses)
+        remember_layer(ctx, x, weight, bias, fp8, accumulate, traced=False)
+        ctx.tp = tp
+        return output.view(*gathered.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_kept, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
+        fp8, tp = ctx.fp8, ctx.tp
+        grads = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g8, g_inverses = fp8.cast_fine(GRAD, grads)
+            pieces, inverses = g8.chunk(tp.size), g_inverses.chunk(tp.size)
+            grad_x = reduce_scattered(
+                lambda c: fp8.fine_grained_mm(
+                    pieces[c], w8_t.t(), inverses[c], w_t_inverses, ctx.dtype, weight=True
+                ),
+                tp,
+                tp.size * ctx.input_shape.numel(),
+                ctx.dtype.itemsize,
+            ).view(ctx.input_shape)
+        grad_weight = fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses)
+        return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None
+
+
+class _Fp8FineGrainedLinearReduceScatter(torch.autograd.Function):
+    """Row-parallel, rowwise or blockwise: the partial sums' ring, and in backward the slices
+    of g around the ring in the run's dtype, each cast and multiplied as it arrives."""
+
+    @staticmethod
+    def forward(ctx, x, weight, fp8: Fp8Linear, accumulate: bool, tp: Group):
+        inputs = x.reshape(-1, x.shape[-1])
+        x8, x_inverses = fp8.cast_fine(INPUT, inputs)
+        kept = fp8.cast_fine(INPUT, inputs.t()) if fp8.recipe.fp8_wgrad else (inputs, None)
+        (w8, w_inverses), (w8_t, w_t_inverses) = fp8.fine_grained_weight(weight)
+        out_dtype = output_dtype(x)
+        pieces, inverses = x8.chunk(tp.size), x_inverses.chunk(tp.size)
+        ctx.save_for_backward(*kept, w8_t, w_t_inverses)
+        remember_layer(ctx, x, weight, None, fp8, accumulate, traced=False)
+        return _reduce_scattered_output(
+            ctx,
+            tp,
+            lambda c: fp8.fine_grained_mm(
+                pieces[c], w8.t(), inverses[c], w_inverses, out_dtype, weight=True, fast_accum=True
+            ),
+            out_dtype,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_kept, x_t_inverses, w8_t, w_t_inverses = ctx.saved_tensors
+        fp8 = ctx.fp8
+
+        def product(part: torch.Tensor) -> torch.Tensor:
+            part8, inverses = fp8.cast_fine(GRAD, part.reshape(-1, part.shape[-1]))
+            return fp8.fine_grained_mm(
+                part8, w8_t.t(), inverses, w_t_inverses, ctx.dtype, weight=True
+            )
+
+        slices, grads_x = gathered_products(grad_output, product, ctx.tp)
+        grads = torch.cat(slices).reshape(-1, grad_output.shape[-1])
+        grad_weight = fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses)
+        return torch.cat(grads_x).view(ctx.input_shape), grad_weight, None, None, None
 
 
 def _accumulates(fp8: Fp8Linear, weight: torch.Tensor, fuse: bool) -> bool:
@@ -167,7 +254,8 @@ def fp8_all_gather_linear(
     all-gather overlapped with the GEMMs (module doc); `fuse`: the weight gradient goes into
     `weight.main_grad`."""
     accumulate = _accumulates(fp8, weight, fuse)
-    return _Fp8AllGatherLinear.apply(x, weight, bias, fp8, accumulate, tp)
+    function = _Fp8FineGrainedAllGatherLinear if fp8.recipe.fine_grained else _Fp8AllGatherLinear
+    return function.apply(x, weight, bias, fp8, accumulate, tp)
 
 
 @torch.compiler.disable
@@ -177,4 +265,6 @@ def fp8_linear_reduce_scatter(
     """A row-parallel FP8 layer's output (no bias), reduce-scattered over the sequence, the
     reduce-scatter overlapped with the GEMMs (module doc)."""
     accumulate = _accumulates(fp8, weight, fuse)
-    return _Fp8LinearReduceScatter.apply(x, weight, fp8, accumulate, tp)
+    fine_grained = fp8.recipe.fine_grained
+    function = _Fp8FineGrainedLinearReduceScatter if fine_grained else _Fp8LinearReduceScatter
+    return function.apply(x, weight, fp8, accumulate, tp)

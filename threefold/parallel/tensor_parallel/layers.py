@@ -63,10 +63,10 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
 
 def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
-    reads the gathered input, and in the run's dtype or FP8 with one scale per tensor (rowwise
-    and blockwise casts need the gathered input: fp8_comm_overlap.py)."""
+    reads the gathered input, and in the run's dtype or an FP8 recipe the rings take
+    (fp8_comm_overlap.py)."""
     overlap = module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
-    return overlap and (module.fp8 is None or module.fp8.gathers_in_fp8)
+    return overlap and (module.fp8 is None or module.fp8.recipe.overlaps_tp_comm)
 
 
 def linear_gemm(
