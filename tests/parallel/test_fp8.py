@@ -239,31 +239,35 @@ def _layer_passes(argv: list[str], steps: int) -> tuple[int, int]:
 
 
 def _gathered_elements(argv: list[str], steps: int) -> int:
-    """The elements of one kind of activation (or gradient) a TP=2 SP run all-gathers in
-    `steps` steps: two per layer pass (QKV's and fc1's inputs; or the gradients of the
-    attention projection's and fc2's outputs)."""
+    """The elements of one kind of tensor a TP=2 SP run all-gathers in `steps` steps: two per
+    layer pass (QKV's and fc1's inputs; or the gradients of the attention projection's and
+    fc2's outputs)."""
     passes, elements = _layer_passes(argv, steps)
     return 2 * passes * elements
 
 
 @pytest.mark.parametrize("recipe", ONE_SCALE_RECIPES)
 def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
-    """Under SP, QKV's and fc1's inputs are cast on each rank and all-gathered as FP8 bytes:
-    bitwise the training of gathering them in the run's dtype (fp32 here) and casting after,
-    for 1 byte an element instead of 4 — the all-gathered bytes fall by exactly 3 per element
-    of those inputs (two per layer, per micro-batch)."""
+    """Under SP, QKV's and fc1's inputs, and the gradients of the attention projection's and
+    fc2's outputs, are cast on each rank and all-gathered as FP8 bytes: bitwise the training
+    of gathering them in the run's dtype (fp32 here) and casting after, for 1 byte an element
+    instead of 4 — the all-gathered bytes fall by exactly 3 per element of those inputs and
+    gradients (two each per layer, per micro-batch)."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + LAYOUTS["tp2_sp"][1]
     steps = 2
     fp8, control = (run_distributed(2, sequence_gather_job, argv, steps, on)[0] for on in (1, 0))
     assert fp8["losses"] == control["losses"]
     assert_close_dicts(fp8["params"], control["params"], 0.0, "parameter")
-    assert control["gathered"] - fp8["gathered"] == 3 * _gathered_elements(argv, steps)
-    assert "; sequence-parallel inputs all-gathered in FP8;" in fp8["line"]
+    assert control["gathered"] - fp8["gathered"] == 3 * 2 * _gathered_elements(argv, steps)
+    assert (
+        "; sequence-parallel inputs and row-parallel gradients all-gathered in FP8;"
+        in (fp8["line"])
+    )
 
 
 @pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4), ("blockwise", 4)])
 def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
-    """--tp-comm-overlap with FP8 layers (parallel/tensor_parallel/fp8_comm_overlap.py): each
+    """--tp-comm-overlap with FP8 layers (parallel/tensor_parallel/fp8_sequence_parallel.py): each
     sequence-parallel collective a ring of slices or partial sums around the slices' FP8
     GEMMs, a step at a time as one device."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]
@@ -280,11 +284,9 @@ def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
 def test_overlapped_fp8_layers_train_bitwise_as_the_plain_ones(recipe, extra):
     """With the overlap, TP=2 trains bitwise as without it (a reduce-scatter of two ranks adds
     one pair either way), every linear layer's collective in ring steps (4 forward + 4
-    backward per layer and micro-batch; the output layer's 2, in the run's dtype). With one
-    scale per tensor the row-parallel layers' gradients are gathered in FP8, cast before the
-    gather with the whole tensor's scale: the all-gathered bytes fall by 3 per element of
-    those gradients (fp32 here). Rowwise and blockwise slices travel in the run's dtype, as
-    the plain layers gather them, and are cast as they arrive."""
+    backward per layer and micro-batch; the output layer's 2, in the run's dtype), gathering
+    the bytes the plain layers gather: FP8 with one scale per tensor; rowwise and blockwise
+    slices in the run's dtype, each cast as it arrives."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + extra + LAYOUTS["tp2_sp"][1]
     steps = 2
     overlapped, plain = (
@@ -293,13 +295,12 @@ def test_overlapped_fp8_layers_train_bitwise_as_the_plain_ones(recipe, extra):
     )
     assert overlapped["losses"] == plain["losses"]
     assert_close_dicts(overlapped["params"], plain["params"], 0.0, "parameter")
+    assert plain["gathered"] == overlapped["gathered"]
     in_fp8 = recipe in ONE_SCALE_RECIPES
-    fewer = 3 * _gathered_elements(argv, steps) if in_fp8 else 0
-    assert plain["gathered"] - overlapped["gathered"] == fewer
     passes = _layer_passes(argv, steps)[0]
     output_layer = 2 * passes // parse_args(argv, world_size=2).model.num_layers  # (run's dtype)
     assert (plain["rings"], overlapped["rings"]) == (0, 8 * passes + output_layer)
-    assert ("as are row-parallel gradients, in ring steps" in overlapped["line"]) == in_fp8
+    assert ("gradients all-gathered in FP8, in ring steps" in overlapped["line"]) == in_fp8
     assert "in ring steps beside their GEMMs" in overlapped["line"]
 
 

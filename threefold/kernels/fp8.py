@@ -61,6 +61,7 @@ from threefold.kernels.fp8_autograd import (
     WEIGHT,
     bias_grad,
     fine_grained_weight_grad,
+    gather_fp8_rows,
     output_dtype,
     remember_layer,
     tensorwise_weight_grad,
@@ -70,10 +71,7 @@ from threefold.kernels.fp8_gemms import FP8_MAX, blockwise_mm, dequantization, r
 from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.kernels.reference import scale_from_amax
 from threefold.parallel.parallel_context import ONE_DEVICE, Group
-from threefold.parallel.tensor_parallel.mappings import (
-    all_gather_along_first_dim,
-    reduce_scatter_along_first_dim,
-)
+from threefold.parallel.tensor_parallel.mappings import reduce_scatter_along_first_dim
 
 # The buffers of `dequantization(scale_in_use)`, by INPUT, WEIGHT, GRAD (Fp8Linear).
 INVERSES = ("input_inverse", "weight_inverse", "grad_inverse")
@@ -402,7 +400,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x8, x8_t, input_inverse = fp8.cast(INPUT, inputs)
         shape = x.shape  # of the input the GEMMs take: the whole sequence under `tp`
         if tp is not None:
-            x8 = _gather_rows(x8, tp)
+            x8 = gather_fp8_rows(x8, tp)
             x8_t = x8.t().contiguous()
             shape = (tp.size * x.shape[0], *x.shape[1:])
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight, cached=not traced)
@@ -430,12 +428,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_x = reduce_scatter_along_first_dim(grad_x, ctx.tp)
         grad_weight = tensorwise_weight_grad(ctx, grads, x_kept, input_inverse, g8_t, grad_inverse)
         return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None, None
-
-
-def _gather_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
-    """Every TP rank's FP8 rows, concatenated in rank order, gathered as bytes (which every
-    backend takes)."""
-    return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
 
 
 class _Fp8FineGrainedLinearFunction(torch.autograd.Function):

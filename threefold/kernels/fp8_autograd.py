@@ -1,6 +1,7 @@
 """What the FP8 linear layers' autograd functions share (kernels/fp8.py's, and their
---tp-comm-overlap rings in parallel/tensor_parallel/fp8_comm_overlap.py): the context a
-forward leaves its backward, the output dtype, and the weight gradient's GEMM."""
+sequence-parallel ones in parallel/tensor_parallel/fp8_sequence_parallel.py): the context a
+forward leaves its backward, the output dtype, the FP8 all-gather and the weight and bias
+gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from functools import partial
 import torch
 
 from threefold.kernels.fp8_gemms import scaled_mm, unquantized_mm, weight_grad_into
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.mappings import all_gather_along_first_dim
 from threefold.parallel.tensor_parallel.weight_grad import (
     accumulate_weight_grad,
     placeholder_grad,
@@ -85,6 +88,12 @@ def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
         return result if out is None else out.copy_(result)
 
     return layer_weight_grad(ctx, gemm)
+
+
+def gather_fp8_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
+    """Every TP rank's FP8 rows, concatenated in rank order, gathered as bytes (which every
+    backend takes)."""
+    return all_gather_along_first_dim(x8.view(torch.uint8), tp).view(x8.dtype)
 
 
 def bias_grad(ctx, grads: torch.Tensor) -> torch.Tensor | None:

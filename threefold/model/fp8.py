@@ -231,12 +231,10 @@ class Fp8Scaling:
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         parallel = self.parallel
         if parallel.sequence_parallel and parallel.tp.size > 1 and self.recipe.gathers_in_fp8:
-            gather += "; sequence-parallel inputs all-gathered in FP8"
-            if parallel.tp_comm_overlap:  # (parallel/tensor_parallel/fp8_comm_overlap.py)
-                gather += (
-                    ", as are row-parallel gradients, in ring steps beside their GEMMs "
-                    "(--tp-comm-overlap)"
-                )
+            # (parallel/tensor_parallel/fp8_sequence_parallel.py)
+            gather += "; sequence-parallel inputs and row-parallel gradients all-gathered in FP8"
+            if parallel.tp_comm_overlap:
+                gather += ", in ring steps beside their GEMMs (--tp-comm-overlap)"
         elif parallel.tp_comm_overlap and self.recipe.overlaps_tp_comm:
             gather += (
                 "; sequence-parallel collectives in ring steps beside their GEMMs, each "

@@ -19,7 +19,7 @@ from torch import nn
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, collecting, defer
-from threefold.parallel.tensor_parallel.fp8_comm_overlap import (
+from threefold.parallel.tensor_parallel.fp8_sequence_parallel import (
     fp8_all_gather_linear,
     fp8_linear_reduce_scatter,
 )
@@ -64,9 +64,19 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
 def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
     reads the gathered input, and in the run's dtype or an FP8 recipe the rings take
-    (fp8_comm_overlap.py)."""
+    (fp8_sequence_parallel.py)."""
     overlap = module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
     return overlap and (module.fp8 is None or module.fp8.recipe.overlaps_tp_comm)
+
+
+def _gathers_in_fp8(module: nn.Module) -> bool:
+    """Under sequence parallelism an FP8 layer all-gathers its input (column-parallel) or its
+    output gradient (row-parallel) as FP8 bytes, cast before the gather
+    (`Fp8Linear.gathers_in_fp8`): half bf16's traffic. Not with a LoRA adapter, which reads
+    the gathered input, and adds its own output, in the run's dtype."""
+    fp8 = module.fp8 is not None and module.fp8.gathers_in_fp8
+    parallel = module.sequence_parallel and module.tp.size > 1
+    return fp8 and parallel and module.adapter is None
 
 
 def linear_gemm(
@@ -284,13 +294,6 @@ class ColumnParallelLinear(nn.Module):
     def _parallel_input(self, x: torch.Tensor) -> torch.Tensor:
         return tensor_parallel_input(x, self.tp, self.sequence_parallel)
 
-    def _gathers_in_fp8(self) -> bool:
-        """Under sequence parallelism an FP8 layer all-gathers its input as FP8 bytes, cast
-        before the gather (`Fp8Linear.gathers_in_fp8`): half bf16's traffic. Not with a LoRA
-        adapter, which reads the gathered input in the run's dtype."""
-        fp8 = self.fp8 is not None and self.fp8.gathers_in_fp8
-        return fp8 and self.sequence_parallel and self.tp.size > 1 and self.adapter is None
-
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if _overlaps(self):
@@ -299,7 +302,7 @@ class ColumnParallelLinear(nn.Module):
                 output = fp8_all_gather_linear(self.fp8, x, weight, self.bias, self.tp, fuse)
             else:
                 output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
-        elif self._gathers_in_fp8():
+        elif _gathers_in_fp8(self):
             output = linear_gemm(self, x, weight, self.bias, self.tp)
         else:
             x = self._parallel_input(x)
@@ -371,12 +374,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _overlaps(self):
-            fuse = _fuses(self, self.weight)
-            if self.fp8 is not None:
-                output = fp8_linear_reduce_scatter(self.fp8, x, self.weight, self.tp, fuse)
-            else:
-                output = linear_reduce_scatter(x, self.weight, self.tp, fuse)
+        if _overlaps(self) or _gathers_in_fp8(self):
+            output = self._linear_reduce_scatter(x)
             return output if self.bias is None else output + self.bias
         output = linear_gemm(self, x, self.weight, None)
         if self.adapter is not None:
@@ -388,6 +387,15 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             output = output + self.bias
         return output
+
+    def _linear_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The output (no bias) reduce-scattered over the sequence by the GEMM's own function:
+        in ring steps with --tp-comm-overlap, else an FP8 layer's plain collectives, its
+        gradient gathered in FP8 (fp8_sequence_parallel.py)."""
+        fuse, overlap = _fuses(self, self.weight), _overlaps(self)
+        if self.fp8 is not None:
+            return fp8_linear_reduce_scatter(self.fp8, x, self.weight, self.tp, fuse, overlap)
+        return linear_reduce_scatter(x, self.weight, self.tp, fuse)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,7 +1,9 @@
-"""--tp-comm-overlap for FP8 layers: comm_overlap.py's rings around the slices' FP8 GEMMs.
+"""An FP8 layer's sequence-parallel collectives run by its own GEMMs' autograd functions:
+--tp-comm-overlap's rings (comm_overlap.py's, around the slices' FP8 GEMMs), and a row-parallel
+layer's plain reduce-scatter, whose backward gathers the output gradient in FP8. (A
+column-parallel layer's plain FP8 all-gather is kernels/fp8.py's.)
 
-One scale per tensor (tensorwise, delayed), FP8 bytes on the wire wherever the plain FP8 layer's
-collective carries them or could:
+One scale per tensor (tensorwise, delayed), FP8 bytes on the wire for both gathers:
 
     column-parallel  fwd: x cast on each rank, its FP8 slices around the ring, each arriving
                           slice's GEMM while the next travels (the bytes of the plain layer's
@@ -9,20 +11,23 @@ collective carries them or could:
                      bwd: g cast whole; each destination's partial dgrad GEMM added to the
                           running sum (run's dtype) that travels on
     row-parallel     fwd: x cast whole; the same ring of partial sums over the sequence
-                     bwd: g cast on each rank, its FP8 slices around the ring, each slice's
-                          dgrad GEMM while the next travels. The plain layer gathers g in the
-                          run's dtype and casts after: the same bytes, since a slice is cast
-                          with the scale of the whole gathered tensor (tensorwise: the amax
-                          reduced over TP x CP, which is the gathered tensor's; delayed: the
-                          history's), for half bf16's traffic.
+                          (plain: one GEMM, then the reduce-scatter)
+                     bwd: g cast on each rank and its FP8 slices around the ring, each slice's
+                          dgrad GEMM while the next travels (plain: all-gathered in FP8, then
+                          one GEMM). Gathering g in the run's dtype and casting after gives
+                          the same bytes, since a slice is cast with the scale of the whole
+                          gathered tensor (tensorwise: the amax reduced over TP x CP, which
+                          is the gathered tensor's; delayed: the history's), for half bf16's
+                          traffic, as Transformer Engine gathers FP8 gradients.
 
 Rowwise and blockwise scaling: the gathered slices travel in the run's dtype, as the plain
-layer gathers them (the weight gradient's x^T and g^T are scaled per feature over the whole
+layers gather them (the weight gradient's x^T and g^T are scaled per feature over the whole
 sequence, which no rank has before the gather), and each arriving slice is cast for its own
 GEMM: its rows' scales (per row, or per 1 x 128 block of a row) are those of the same rows in
 the whole tensor, so the slices' FP8 operands are the plain layer's. The partial sums are as
-above. --no-fp8-wgrad with one scale per tensor stays unoverlapped: its slices would each need
-the whole tensor's current scale before any of them arrives.
+above. --no-fp8-wgrad with one scale per tensor takes the input and gradient whole and
+unquantized, and runs the plain collectives in the run's dtype: its slices would each need the
+whole tensor's current scale before any of them arrives.
 
 Every FP8 operand is bitwise the plain layer's, and the weight gradient is the same one GEMM
 over the whole gathered sequence; only the slices' GEMMs and the reduce-scatter's additions
@@ -39,6 +44,7 @@ from threefold.kernels.fp8_autograd import (
     INPUT,
     bias_grad,
     fine_grained_weight_grad,
+    gather_fp8_rows,
     output_dtype,
     remember_layer,
     tensorwise_weight_grad,
@@ -46,6 +52,7 @@ from threefold.kernels.fp8_autograd import (
 from threefold.kernels.fp8_gemms import FP8_MAX, scaled_mm
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.comm_overlap import gathered_products, reduce_scattered
+from threefold.parallel.tensor_parallel.mappings import reduce_scatter_along_first_dim
 
 
 def _gathered_gemms(x8: torch.Tensor, gemm, tp: Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,39 +118,48 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
 
 
 class _Fp8LinearReduceScatter(torch.autograd.Function):
-    """Row-parallel: reduce-scatter(the FP8 layer's F.linear(x, weight)) over the sequence,
-    overlapped."""
+    """Row-parallel: reduce-scatter(the FP8 layer's F.linear(x, weight)) over the sequence, in
+    the ring with `overlap`, else the plain collectives (module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, fp8: Fp8Linear, accumulate: bool, tp: Group):
+    def forward(ctx, x, weight, fp8: Fp8Linear, accumulate: bool, tp: Group, overlap: bool):
         inputs = x.reshape(-1, x.shape[-1])
         x8, x8_t, input_inverse = fp8.cast(INPUT, inputs)
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
-        out_dtype, pieces = output_dtype(x), x8.chunk(tp.size)
+        out_dtype = output_dtype(x)
         ctx.save_for_backward(x8_t, input_inverse, w8_t, weight_inverse)
         remember_layer(ctx, x, weight, None, fp8, accumulate, traced=False)
-        return _reduce_scattered_output(
-            ctx,
-            tp,
-            lambda c: scaled_mm(
-                pieces[c], w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True
-            ),
-            out_dtype,
-        )
+        ctx.overlap = overlap
+
+        def gemm(rows8: torch.Tensor) -> torch.Tensor:
+            return scaled_mm(
+                rows8, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True
+            )
+
+        if not overlap:
+            ctx.tp = tp
+            output = gemm(x8).view(*x.shape[:-1], weight.shape[0])
+            return reduce_scatter_along_first_dim(output, tp)
+        pieces = x8.chunk(tp.size)
+        return _reduce_scattered_output(ctx, tp, lambda c: gemm(pieces[c]), out_dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         x8_t, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
         # this rank's slice, cast with the scale of the whole gathered gradient (module doc)
         local8, _, grad_inverse = ctx.fp8.cast(GRAD, grad_output.reshape(-1, grad_output.shape[-1]))
-        g8, grad_x = _gathered_gemms(
-            local8,
-            lambda part: scaled_mm(part, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype),
-            ctx.tp,
-        )
+
+        def gemm(rows8: torch.Tensor) -> torch.Tensor:
+            return scaled_mm(rows8, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype)
+
+        if ctx.overlap:
+            g8, grad_x = _gathered_gemms(local8, gemm, ctx.tp)
+        else:
+            g8 = gather_fp8_rows(local8, ctx.tp)
+            grad_x = gemm(g8)
         g8_t = g8.t().contiguous()
         grad_weight = tensorwise_weight_grad(ctx, None, x8_t, input_inverse, g8_t, grad_inverse)
-        return grad_x.view(ctx.input_shape), grad_weight, None, None, None
+        return grad_x.view(ctx.input_shape), grad_weight, None, None, None, None
 
 
 class _Fp8FineGrainedAllGatherLinear(torch.autograd.Function):
@@ -260,11 +276,18 @@ def fp8_all_gather_linear(
 
 @torch.compiler.disable
 def fp8_linear_reduce_scatter(
-    fp8: Fp8Linear, x: torch.Tensor, weight: torch.Tensor, tp: Group, fuse: bool = False
+    fp8: Fp8Linear,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tp: Group,
+    fuse: bool = False,
+    overlap: bool = True,
 ) -> torch.Tensor:
-    """A row-parallel FP8 layer's output (no bias), reduce-scattered over the sequence, the
-    reduce-scatter overlapped with the GEMMs (module doc)."""
+    """A row-parallel FP8 layer's output (no bias), reduce-scattered over the sequence: with
+    `overlap` in the ring beside the GEMMs, else (one scale per tensor:
+    `Fp8Linear.gathers_in_fp8`) by the plain collectives, the gradient gathered in FP8
+    (module doc)."""
     accumulate = _accumulates(fp8, weight, fuse)
-    fine_grained = fp8.recipe.fine_grained
-    function = _Fp8FineGrainedLinearReduceScatter if fine_grained else _Fp8LinearReduceScatter
-    return function.apply(x, weight, fp8, accumulate, tp)
+    if fp8.recipe.fine_grained:
+        return _Fp8FineGrainedLinearReduceScatter.apply(x, weight, fp8, accumulate, tp)
+    return _Fp8LinearReduceScatter.apply(x, weight, fp8, accumulate, tp, overlap)
