@@ -281,20 +281,24 @@ def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
     [("tensorwise", []), ("rowwise", []), ("blockwise", ["--no-fp8-wgrad"])],
     ids=["tensorwise", "rowwise", "blockwise-no-fp8-wgrad"],
 )
-def test_overlapped_fp8_layers_train_bitwise_as_the_plain_ones(recipe, extra):
-    """With the overlap, TP=2 trains bitwise as without it (a reduce-scatter of two ranks adds
-    one pair either way), every linear layer's collective in ring steps (4 forward + 4
-    backward per layer and micro-batch; the output layer's 2, in the run's dtype), gathering
-    the bytes the plain layers gather: FP8 with one scale per tensor; rowwise and blockwise
-    slices in the run's dtype, each cast as it arrives."""
+def test_overlapped_fp8_layers_train_as_the_plain_ones(recipe, extra):
+    """With the overlap, TP=2 trains as without it, every linear layer's collective in ring
+    steps (4 forward + 4 backward per layer and micro-batch; the output layer's 2, in the
+    run's dtype), gathering the bytes the plain layers gather: FP8 with one scale per tensor;
+    rowwise and blockwise slices in the run's dtype, each cast as it arrives. Bitwise on the
+    CPUs this was written on (a reduce-scatter of two ranks adds one pair either way); the
+    module's tolerances because each slice's GEMM has half the rows of the plain layer's,
+    which another CPU's BLAS may block, and so sum, otherwise."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + extra + LAYOUTS["tp2_sp"][1]
     steps = 2
     overlapped, plain = (
         run_distributed(2, sequence_gather_job, argv + overlap, steps, True)[0]
         for overlap in (["--tp-comm-overlap"], [])
     )
-    assert overlapped["losses"] == plain["losses"]
-    assert_close_dicts(overlapped["params"], plain["params"], 0.0, "parameter")
+    assert_losses_close(overlapped["losses"], plain["losses"], LOSS_TOLERANCE)
+    assert_close_dicts(overlapped["params"], plain["params"], PARAMETER_TOLERANCE, "parameter")
+    errors = [relative_error(overlapped["params"][n], plain["params"][n]) for n in plain["params"]]
+    assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
     assert plain["gathered"] == overlapped["gathered"]
     in_fp8 = recipe in ONE_SCALE_RECIPES
     passes = _layer_passes(argv, steps)[0]
