@@ -158,6 +158,7 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
             g8 = gather_fp8_rows(local8, ctx.tp)
             grad_x = gemm(g8)
         g8_t = g8.t().contiguous()
+        # (no unquantized gradients: --no-fp8-wgrad's layers never come here, `overlaps_tp_comm`)
         grad_weight = tensorwise_weight_grad(ctx, None, x8_t, input_inverse, g8_t, grad_inverse)
         return grad_x.view(ctx.input_shape), grad_weight, None, None, None, None
 
