@@ -267,7 +267,7 @@ def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
 
 @pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4), ("blockwise", 4)])
 def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
-    """--tp-comm-overlap with FP8 layers (parallel/tensor_parallel/fp8_sequence_parallel.py): each
+    """--tp-comm-overlap with FP8 layers (kernels/fp8_sequence_parallel.py): each
     sequence-parallel collective a ring of slices or partial sums around the slices' FP8
     GEMMs, a step at a time as one device."""
     argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]

@@ -108,7 +108,7 @@ class Config:
             )
         one_scale = self.fp8.fp8_recipe in ("tensorwise", "delayed")
         if parallel.tp_comm_overlap and self.fp8.enabled and one_scale and not self.fp8.fp8_wgrad:
-            # (parallel/tensor_parallel/fp8_sequence_parallel.py: Fp8Recipe.overlaps_tp_comm)
+            # (kernels/fp8_sequence_parallel.py: Fp8Recipe.overlaps_tp_comm)
             warnings.append(
                 f"--tp-comm-overlap with --fp8-recipe {self.fp8.fp8_recipe} --no-fp8-wgrad: "
                 "the FP8 linear layers gather their inputs whole before casting, without the "

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from threefold.kernels import fp8_ops, reference
+from threefold.kernels import fp8_ops, fp8_sequence_parallel, reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.kernels.fp8_autograd import (
     GRAD,
@@ -357,6 +357,35 @@ class Fp8Linear(nn.Module):
             weight.grad_added_to_main_grad = True
             weight.main_grad_is_zero = False  # (a compiled backward adds: `_weight_grad`)
         return self._function(x, weight, bias, accumulate, sequence_parallel, traced=True)
+
+    def all_gather_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        tp: Group,
+        accumulate_in_main_grad: bool = False,
+    ) -> torch.Tensor:
+        """`linear` of `x`, this rank's slice of the sequence, all-gathered over `tp` in ring
+        steps beside the slices' GEMMs (--tp-comm-overlap: kernels/fp8_sequence_parallel.py)."""
+        return fp8_sequence_parallel.fp8_all_gather_linear(
+            self, x, weight, bias, tp, accumulate_in_main_grad
+        )
+
+    def linear_reduce_scatter(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        tp: Group,
+        accumulate_in_main_grad: bool = False,
+        overlap: bool = True,
+    ) -> torch.Tensor:
+        """A row-parallel `linear` (no bias) reduce-scattered over the sequence: in ring steps
+        with `overlap`, else the plain collectives with the gradient gathered in FP8
+        (kernels/fp8_sequence_parallel.py)."""
+        return fp8_sequence_parallel.fp8_linear_reduce_scatter(
+            self, x, weight, tp, accumulate_in_main_grad, overlap
+        )
 
     def _traceable(self, sequence_parallel: Group | None) -> bool:
         """Whether this call runs no collective: no FP8 gather of a sequence-parallel input,

@@ -1,5 +1,5 @@
 """What the FP8 linear layers' autograd functions share (kernels/fp8.py's, and their
-sequence-parallel ones in parallel/tensor_parallel/fp8_sequence_parallel.py): the context a
+sequence-parallel ones in kernels/fp8_sequence_parallel.py): the context a
 forward leaves its backward, the output dtype, the FP8 all-gather and the weight and bias
 gradients."""
 

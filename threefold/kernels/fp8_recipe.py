@@ -38,7 +38,7 @@ class Fp8Recipe:
     @property
     def overlaps_tp_comm(self) -> bool:
         """Whether --tp-comm-overlap's rings run around this recipe's GEMMs
-        (parallel/tensor_parallel/fp8_sequence_parallel.py): all but one scale per tensor with
+        (kernels/fp8_sequence_parallel.py): all but one scale per tensor with
         --no-fp8-wgrad, whose slices would each need the whole tensor's scale first."""
         return self.fine_grained or self.fp8_wgrad
 

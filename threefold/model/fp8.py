@@ -231,7 +231,7 @@ class Fp8Scaling:
             kept_out = "attention core, routers and experts (FP8 with rowwise scaling only)"
         parallel = self.parallel
         if parallel.sequence_parallel and parallel.tp.size > 1 and self.recipe.gathers_in_fp8:
-            # (parallel/tensor_parallel/fp8_sequence_parallel.py)
+            # (kernels/fp8_sequence_parallel.py)
             gather += "; sequence-parallel inputs and row-parallel gradients all-gathered in FP8"
             if parallel.tp_comm_overlap:
                 gather += ", in ring steps beside their GEMMs (--tp-comm-overlap)"

@@ -19,10 +19,6 @@ from torch import nn
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
 from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, collecting, defer
-from threefold.parallel.tensor_parallel.fp8_sequence_parallel import (
-    fp8_all_gather_linear,
-    fp8_linear_reduce_scatter,
-)
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -64,7 +60,7 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
 def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
     reads the gathered input, and in the run's dtype or an FP8 recipe the rings take
-    (fp8_sequence_parallel.py)."""
+    (kernels/fp8_sequence_parallel.py, through the layer's `Fp8Linear`)."""
     overlap = module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
     return overlap and (module.fp8 is None or module.fp8.recipe.overlaps_tp_comm)
 
@@ -299,7 +295,7 @@ class ColumnParallelLinear(nn.Module):
         if _overlaps(self):
             fuse = _fuses(self, weight)
             if self.fp8 is not None:
-                output = fp8_all_gather_linear(self.fp8, x, weight, self.bias, self.tp, fuse)
+                output = self.fp8.all_gather_linear(x, weight, self.bias, self.tp, fuse)
             else:
                 output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
         elif _gathers_in_fp8(self):
@@ -391,10 +387,10 @@ class RowParallelLinear(nn.Module):
     def _linear_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """The output (no bias) reduce-scattered over the sequence by the GEMM's own function:
         in ring steps with --tp-comm-overlap, else an FP8 layer's plain collectives, its
-        gradient gathered in FP8 (fp8_sequence_parallel.py)."""
+        gradient gathered in FP8 (`Fp8Linear.linear_reduce_scatter`)."""
         fuse, overlap = _fuses(self, self.weight), _overlaps(self)
         if self.fp8 is not None:
-            return fp8_linear_reduce_scatter(self.fp8, x, self.weight, self.tp, fuse, overlap)
+            return self.fp8.linear_reduce_scatter(x, self.weight, self.tp, fuse, overlap)
         return linear_reduce_scatter(x, self.weight, self.tp, fuse)
 
 

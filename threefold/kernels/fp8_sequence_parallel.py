@@ -1,7 +1,9 @@
 """An FP8 layer's sequence-parallel collectives run by its own GEMMs' autograd functions:
---tp-comm-overlap's rings (comm_overlap.py's, around the slices' FP8 GEMMs), and a row-parallel
-layer's plain reduce-scatter, whose backward gathers the output gradient in FP8. (A
-column-parallel layer's plain FP8 all-gather is kernels/fp8.py's.)
+--tp-comm-overlap's rings (parallel/tensor_parallel/comm_overlap.py's, around the slices'
+FP8 GEMMs), and a row-parallel layer's plain reduce-scatter, whose backward gathers the
+output gradient in FP8. (A column-parallel layer's plain FP8 all-gather is kernels/fp8.py's.)
+The TP layers reach these through their `Fp8Linear` (`all_gather_linear`,
+`linear_reduce_scatter`).
 
 One scale per tensor (tensorwise, delayed), FP8 bytes on the wire for both gathers:
 
@@ -36,9 +38,10 @@ run in another order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from threefold.kernels.fp8 import Fp8Linear
 from threefold.kernels.fp8_autograd import (
     GRAD,
     INPUT,
@@ -53,6 +56,9 @@ from threefold.kernels.fp8_gemms import FP8_MAX, scaled_mm
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.comm_overlap import gathered_products, reduce_scattered
 from threefold.parallel.tensor_parallel.mappings import reduce_scatter_along_first_dim
+
+if TYPE_CHECKING:  # (kernels/fp8.py's layers call in here: `Fp8Linear.all_gather_linear`)
+    from threefold.kernels.fp8 import Fp8Linear
 
 
 def _gathered_gemms(x8: torch.Tensor, gemm, tp: Group) -> tuple[torch.Tensor, torch.Tensor]:
