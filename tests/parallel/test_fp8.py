@@ -265,12 +265,22 @@ def test_sequence_parallel_inputs_are_gathered_in_fp8(recipe):
     )
 
 
-@pytest.mark.parametrize("recipe,tp", [("tensorwise", 2), ("delayed", 4), ("blockwise", 4)])
-def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
+@pytest.mark.parametrize(
+    "recipe,tp,extra",
+    [
+        ("tensorwise", 2, []),
+        ("delayed", 4, []),
+        ("blockwise", 4, []),
+        ("delayed", 4, ["--no-fp8-wgrad"]),
+    ],
+    ids=["tensorwise-2", "delayed-4", "blockwise-4", "delayed-4-no-fp8-wgrad"],
+)
+def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp, extra):
     """--tp-comm-overlap with FP8 layers (kernels/fp8_sequence_parallel.py): each
     sequence-parallel collective a ring of slices or partial sums around the slices' FP8
-    GEMMs, a step at a time as one device."""
-    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe]
+    GEMMs, a step at a time as one device (--no-fp8-wgrad: slices in the run's dtype, each
+    cast as it arrives with the whole tensor's scale)."""
+    argv = LLAMA_STYLE + TRAINING + RECIPES[recipe] + extra
     flags = ["--tensor-model-parallel-size", str(tp), "--sequence-parallel", "--tp-comm-overlap"]
     results, reference = stepwise_parity(tp, fp8_train_job, argv + flags, argv, tmp_path)
     assert_match_one_device(results, reference, recipe)
@@ -278,14 +288,22 @@ def test_overlapped_fp8_layers_match_one_device(tmp_path, recipe, tp):
 
 @pytest.mark.parametrize(
     "recipe,extra",
-    [("tensorwise", []), ("rowwise", []), ("blockwise", ["--no-fp8-wgrad"])],
-    ids=["tensorwise", "rowwise", "blockwise-no-fp8-wgrad"],
+    [
+        ("tensorwise", []),
+        ("rowwise", []),
+        ("blockwise", ["--no-fp8-wgrad"]),
+        ("delayed", ["--no-fp8-wgrad"]),
+    ],
+    ids=["tensorwise", "rowwise", "blockwise-no-fp8-wgrad", "delayed-no-fp8-wgrad"],
 )
 def test_overlapped_fp8_layers_train_as_the_plain_ones(recipe, extra):
     """With the overlap, TP=2 trains as without it, every linear layer's collective in ring
     steps (4 forward + 4 backward per layer and micro-batch; the output layer's 2, in the
     run's dtype), gathering the bytes the plain layers gather: FP8 with one scale per tensor;
-    rowwise and blockwise slices in the run's dtype, each cast as it arrives. Bitwise on the
+    rowwise and blockwise slices, and --no-fp8-wgrad's (whose weight gradients take the
+    gathered tensors unquantized), in the run's dtype, each cast as it arrives (delayed: the
+    first step's slices with the whole tensor's amax reduced before the ring, the second's
+    with the history's scale). Bitwise on the
     CPUs this was written on (a reduce-scatter of two ranks adds one pair either way); the
     module's tolerances because each slice's GEMM has half the rows of the plain layer's,
     which another CPU's BLAS may block, and so sum, otherwise."""
@@ -300,7 +318,7 @@ def test_overlapped_fp8_layers_train_as_the_plain_ones(recipe, extra):
     errors = [relative_error(overlapped["params"][n], plain["params"][n]) for n in plain["params"]]
     assert np.median(errors) <= MEDIAN_PARAMETER_TOLERANCE
     assert plain["gathered"] == overlapped["gathered"]
-    in_fp8 = recipe in ONE_SCALE_RECIPES
+    in_fp8 = recipe in ONE_SCALE_RECIPES and "--no-fp8-wgrad" not in extra
     passes = _layer_passes(argv, steps)[0]
     output_layer = 2 * passes // parse_args(argv, world_size=2).model.num_layers  # (run's dtype)
     assert (plain["rings"], overlapped["rings"]) == (0, 8 * passes + output_layer)

@@ -106,14 +106,6 @@ class Config:
                 "--moe-shared-expert-overlap with --compile-layers: each compiled layer runs "
                 "its shared expert as its graph orders it, not beside the all-to-alls"
             )
-        one_scale = self.fp8.fp8_recipe in ("tensorwise", "delayed")
-        if parallel.tp_comm_overlap and self.fp8.enabled and one_scale and not self.fp8.fp8_wgrad:
-            # (kernels/fp8_sequence_parallel.py: Fp8Recipe.overlaps_tp_comm)
-            warnings.append(
-                f"--tp-comm-overlap with --fp8-recipe {self.fp8.fp8_recipe} --no-fp8-wgrad: "
-                "the FP8 linear layers gather their inputs whole before casting, without the "
-                "overlap; the other FP8 recipes, or the FP8 weight gradient, overlap"
-            )
         return warnings
 
     def _finalize_gradient_precision(self) -> None:

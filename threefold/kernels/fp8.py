@@ -176,21 +176,39 @@ class Fp8Linear(nn.Module):
         transposed, and the `dequantization` of the scale it was cast with. Delayed scaling
         from its history takes one launch: the scale and its inverse are the step's, and the
         cast max-accumulates the amax into `step_amax` itself."""
+        return self.cast_part(index, tensor, self.current_amax(tensor))
+
+    def current_amax(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The amax a cast of `tensor` derives its scale from (current scaling: tensorwise,
+        and delayed scaling's first step, which has no history yet), reduced over
+        `amax_group`: where `tensor` is this rank's slice of a sequence-parallel tensor, the
+        whole gathered tensor's. None where delayed scaling scales from its history.
+
+        (TE starts delayed scaling from scale 1, which flushes most gradients to zero, and
+        would do so differently in every layout: a rank's gradients are DP x CP times one
+        device's, which a scale from the tensor's own amax cancels.)"""
+        if self.recipe.delayed and self.has_history:
+            return None
+        return self.amax_group.all_reduce(_kernels().amax(tensor), op=dist.ReduceOp.MAX)
+
+    def cast_part(
+        self, index: int, tensor: torch.Tensor, current: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`cast` of `tensor`, or of a part of the tensor whose `current_amax` is `current`,
+        with that whole tensor's scale: the slices of a sequence gathered in the run's dtype
+        (--tp-comm-overlap with --no-fp8-wgrad) are cast as they arrive into the bytes of
+        the gathered tensor's cast. Delayed scaling records each part's amax into
+        `step_amax` (max-accumulated, so the parts record the whole's)."""
         dtype, kernels = self.recipe.dtypes[index], _kernels()
         # evaluation leaves the state as it was; tensorwise records nothing
         record = self.step_amax[index] if self.recipe.delayed and self.training else None
-        if self.recipe.delayed and self.has_history:
+        if current is None:
             scale, inverse = self.scale_in_use[index], getattr(self, INVERSES[index])
             quantized, transposed = kernels.fp8_cast_transpose(
                 tensor, scale, dtype, FP8_MAX[dtype], record
             )
             return quantized, transposed, inverse
-        # Current scaling: tensorwise, and delayed scaling's first step, which has no history
-        # yet. (TE starts from scale 1 there, which flushes most gradients to zero, and would
-        # do so differently in every layout: a rank's gradients are DP x CP times one
-        # device's, which a scale from the tensor's own amax cancels.) The cast derives the
-        # scale and its inverse from the amax itself.
-        current = self.amax_group.all_reduce(kernels.amax(tensor), op=dist.ReduceOp.MAX)
+        # (the cast derives the scale and its inverse from the amax itself)
         return kernels.fp8_cast_transpose_current(
             tensor, current, dtype, FP8_MAX[dtype], self.recipe.margin, record
         )

@@ -36,13 +36,6 @@ class Fp8Recipe:
         return not self.fine_grained and self.fp8_wgrad
 
     @property
-    def overlaps_tp_comm(self) -> bool:
-        """Whether --tp-comm-overlap's rings run around this recipe's GEMMs
-        (kernels/fp8_sequence_parallel.py): all but one scale per tensor with
-        --no-fp8-wgrad, whose slices would each need the whole tensor's scale first."""
-        return self.fine_grained or self.fp8_wgrad
-
-    @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """The FP8 dtype of the input, the weight and the gradient."""
         forward, backward = fp8_dtypes(self.fp8_format)

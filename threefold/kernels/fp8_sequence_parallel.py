@@ -27,9 +27,12 @@ layers gather them (the weight gradient's x^T and g^T are scaled per feature ove
 sequence, which no rank has before the gather), and each arriving slice is cast for its own
 GEMM: its rows' scales (per row, or per 1 x 128 block of a row) are those of the same rows in
 the whole tensor, so the slices' FP8 operands are the plain layer's. The partial sums are as
-above. --no-fp8-wgrad with one scale per tensor takes the input and gradient whole and
-unquantized, and runs the plain collectives in the run's dtype: its slices would each need the
-whole tensor's current scale before any of them arrives.
+above. --no-fp8-wgrad with one scale per tensor: the weight gradient takes the gathered input
+(column-parallel) or gradient (row-parallel) unquantized, so those slices travel in the run's
+dtype too, and each is cast as it arrives with the scale of the whole gathered tensor: from
+the history (delayed), or from the amax each rank reduces from its own slice over TP x CP
+before the ring starts (one scalar all-reduce, as the plain FP8 gather's cast takes), so the
+slices' FP8 operands are the bytes of the plain layer's cast after its gather.
 
 Every FP8 operand is bitwise the plain layer's, and the weight gradient is the same one GEMM
 over the whole gathered sequence; only the slices' GEMMs and the reduce-scatter's additions
@@ -81,31 +84,52 @@ def _reduce_scattered_output(ctx, tp: Group, partial, out_dtype: torch.dtype) ->
     return output.view(x_shape[0] // tp.size, *x_shape[1:-1], out_features)
 
 
+def _cast_as_gathered(fp8: Fp8Linear, index: int, local: torch.Tensor, gemm, tp: Group):
+    """One scale per tensor with --no-fp8-wgrad (module doc): this rank's slice `local` of the
+    sequence around the ring in the run's dtype, each slice cast as it arrives with the scale
+    of the whole gathered tensor (its amax reduced from this rank's slice before the ring:
+    `Fp8Linear.current_amax`) and `gemm(slice8, inverse)` of it while the next travels:
+    (the gathered rows, unquantized, and the products), both in sequence order."""
+    rows = local.reshape(-1, local.shape[-1])  # (sequence-major: the slices are runs of rows)
+    current = fp8.current_amax(rows)
+
+    def product(part: torch.Tensor) -> torch.Tensor:
+        part8, _, inverse = fp8.cast_part(index, part, current)
+        return gemm(part8, inverse)
+
+    slices, products = gathered_products(rows, product, tp)
+    return torch.cat(slices), torch.cat(products)
+
+
 class _Fp8AllGatherLinear(torch.autograd.Function):
     """Column-parallel: the FP8 layer's F.linear(all-gather(x), weight, bias), overlapped."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, tp: Group):
-        x8, _, input_inverse = fp8.cast(INPUT, x.reshape(-1, x.shape[-1]))
+        if fp8.recipe.fp8_wgrad:
+            x8, _, input_inverse = fp8.cast(INPUT, x.reshape(-1, x.shape[-1]))
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
         out_dtype = output_dtype(x)
-        gathered, output = _gathered_gemms(
-            x8,
-            lambda part: scaled_mm(
-                part, w8.t(), input_inverse, weight_inverse, out_dtype, fast_accum=True
-            ),
-            tp,
-        )
+
+        def gemm(part8: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+            return scaled_mm(part8, w8.t(), inverse, weight_inverse, out_dtype, fast_accum=True)
+
+        if fp8.recipe.fp8_wgrad:
+            gathered, output = _gathered_gemms(x8, lambda part: gemm(part, input_inverse), tp)
+            kept = (gathered.t().contiguous(), input_inverse)
+        else:  # the weight gradient takes the gathered input unquantized
+            gathered, output = _cast_as_gathered(fp8, INPUT, x, gemm, tp)
+            kept = (gathered, None)
         if bias is not None:
             output = output + bias.to(out_dtype)
-        ctx.save_for_backward(gathered.t().contiguous(), input_inverse, w8_t, weight_inverse)
+        ctx.save_for_backward(*kept, w8_t, weight_inverse)
         remember_layer(ctx, x, weight, bias, fp8, accumulate, traced=False)
         ctx.tp = tp
         return output.view(tp.size * x.shape[0], *x.shape[1:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
+        x_kept, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
         tp = ctx.tp
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         g8, g8_t, grad_inverse = ctx.fp8.cast(GRAD, grads)
@@ -119,7 +143,7 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
                 tp.size * local_shape.numel(),
                 ctx.dtype.itemsize,
             ).view(local_shape)
-        grad_weight = tensorwise_weight_grad(ctx, grads, x8_t, input_inverse, g8_t, grad_inverse)
+        grad_weight = tensorwise_weight_grad(ctx, grads, x_kept, input_inverse, g8_t, grad_inverse)
         return grad_x, grad_weight, bias_grad(ctx, grads), None, None, None
 
 
@@ -133,7 +157,8 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
         x8, x8_t, input_inverse = fp8.cast(INPUT, inputs)
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
         out_dtype = output_dtype(x)
-        ctx.save_for_backward(x8_t, input_inverse, w8_t, weight_inverse)
+        kept = (x8_t, input_inverse) if fp8.recipe.fp8_wgrad else (inputs, None)
+        ctx.save_for_backward(*kept, w8_t, weight_inverse)
         remember_layer(ctx, x, weight, None, fp8, accumulate, traced=False)
         ctx.overlap = overlap
 
@@ -151,21 +176,25 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8_t, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
+        x_kept, input_inverse, w8_t, weight_inverse = ctx.saved_tensors
+        fp8 = ctx.fp8
+
+        def gemm(rows8: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+            return scaled_mm(rows8, w8_t.t(), inverse, weight_inverse, ctx.dtype)
+
+        if not fp8.recipe.fp8_wgrad:  # (always overlapped: `Fp8Linear.gathers_in_fp8`)
+            grads, grad_x = _cast_as_gathered(fp8, GRAD, grad_output, gemm, ctx.tp)
+            grad_weight = tensorwise_weight_grad(ctx, grads, x_kept, None, None, None)
+            return grad_x.view(ctx.input_shape), grad_weight, None, None, None, None
         # this rank's slice, cast with the scale of the whole gathered gradient (module doc)
-        local8, _, grad_inverse = ctx.fp8.cast(GRAD, grad_output.reshape(-1, grad_output.shape[-1]))
-
-        def gemm(rows8: torch.Tensor) -> torch.Tensor:
-            return scaled_mm(rows8, w8_t.t(), grad_inverse, weight_inverse, ctx.dtype)
-
+        local8, _, grad_inverse = fp8.cast(GRAD, grad_output.reshape(-1, grad_output.shape[-1]))
         if ctx.overlap:
-            g8, grad_x = _gathered_gemms(local8, gemm, ctx.tp)
+            g8, grad_x = _gathered_gemms(local8, lambda rows8: gemm(rows8, grad_inverse), ctx.tp)
         else:
             g8 = gather_fp8_rows(local8, ctx.tp)
-            grad_x = gemm(g8)
+            grad_x = gemm(g8, grad_inverse)
         g8_t = g8.t().contiguous()
-        # (no unquantized gradients: --no-fp8-wgrad's layers never come here, `overlaps_tp_comm`)
-        grad_weight = tensorwise_weight_grad(ctx, None, x8_t, input_inverse, g8_t, grad_inverse)
+        grad_weight = tensorwise_weight_grad(ctx, None, x_kept, input_inverse, g8_t, grad_inverse)
         return grad_x.view(ctx.input_shape), grad_weight, None, None, None, None
 
 

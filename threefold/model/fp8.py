@@ -235,7 +235,7 @@ class Fp8Scaling:
             gather += "; sequence-parallel inputs and row-parallel gradients all-gathered in FP8"
             if parallel.tp_comm_overlap:
                 gather += ", in ring steps beside their GEMMs (--tp-comm-overlap)"
-        elif parallel.tp_comm_overlap and self.recipe.overlaps_tp_comm:
+        elif parallel.tp_comm_overlap:
             gather += (
                 "; sequence-parallel collectives in ring steps beside their GEMMs, each "
                 "slice cast as it arrives (--tp-comm-overlap)"

@@ -59,10 +59,9 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
 
 def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
-    reads the gathered input, and in the run's dtype or an FP8 recipe the rings take
-    (kernels/fp8_sequence_parallel.py, through the layer's `Fp8Linear`)."""
-    overlap = module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
-    return overlap and (module.fp8 is None or module.fp8.recipe.overlaps_tp_comm)
+    reads the gathered input (FP8 layers: kernels/fp8_sequence_parallel.py, through the
+    layer's `Fp8Linear`)."""
+    return module.tp_comm_overlap and module.sequence_parallel and module.adapter is None
 
 
 def _gathers_in_fp8(module: nn.Module) -> bool:
