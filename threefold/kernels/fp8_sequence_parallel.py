@@ -106,8 +106,6 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, fp8: Fp8Linear, accumulate: bool, tp: Group):
-        if fp8.recipe.fp8_wgrad:
-            x8, _, input_inverse = fp8.cast(INPUT, x.reshape(-1, x.shape[-1]))
         w8, w8_t, weight_inverse = fp8.weight_in_fp8(weight)
         out_dtype = output_dtype(x)
 
@@ -115,6 +113,7 @@ class _Fp8AllGatherLinear(torch.autograd.Function):
             return scaled_mm(part8, w8.t(), inverse, weight_inverse, out_dtype, fast_accum=True)
 
         if fp8.recipe.fp8_wgrad:
+            x8, _, input_inverse = fp8.cast(INPUT, x.reshape(-1, x.shape[-1]))
             gathered, output = _gathered_gemms(x8, lambda part: gemm(part, input_inverse), tp)
             kept = (gathered.t().contiguous(), input_inverse)
         else:  # the weight gradient takes the gathered input unquantized
@@ -182,7 +181,7 @@ class _Fp8LinearReduceScatter(torch.autograd.Function):
         def gemm(rows8: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
             return scaled_mm(rows8, w8_t.t(), inverse, weight_inverse, ctx.dtype)
 
-        if not fp8.recipe.fp8_wgrad:  # (always overlapped: `Fp8Linear.gathers_in_fp8`)
+        if not fp8.recipe.fp8_wgrad:  # (overlapped: the plain path is `gathers_in_fp8`'s only)
             grads, grad_x = _cast_as_gathered(fp8, GRAD, grad_output, gemm, ctx.tp)
             grad_weight = tensorwise_weight_grad(ctx, grads, x_kept, None, None, None)
             return grad_x.view(ctx.input_shape), grad_weight, None, None, None, None
