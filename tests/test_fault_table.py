@@ -177,6 +177,10 @@ def _damage(root: str, kind: str) -> tuple[int | None, str]:
         with open(os.path.join(newest, "metadata.json"), "r+b") as f:
             f.truncate(100)
         return 2, "falling back to iteration 2"
+    if kind == "garbage-in-metadata-json":  # same size: the early look at sizes passes it
+        with open(os.path.join(newest, "metadata.json"), "r+b") as f:
+            f.write(b"\0" * 16)
+        return 2, "metadata.json does not match its checksum"
     if kind == "truncated-rng":
         with open(os.path.join(newest, "rng", "rank_00000.pt"), "r+b") as f:
             f.truncate(10)
@@ -212,6 +216,7 @@ CHECKPOINT_CASES = [
     "missing-shard",
     "missing-dcp-metadata",
     "truncated-metadata-json",
+    "garbage-in-metadata-json",
     "truncated-rng",
     "tracker-names-a-missing-iteration",
     "tracker-deleted",
@@ -263,6 +268,8 @@ def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, dama
     root, resume_from, expected, untouched, result, seconds = damaged_runs.result(kind)
     if resume_from is None:
         _refused(result, seconds, expected)
+        # Found before torch is imported: the launchers' check refuses it before any worker.
+        _refused(*_pretrain(*TINY, *MOCK, "--load", root, THREEFOLD_VALIDATE_ONLY="1"), expected)
         return
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
@@ -275,6 +282,40 @@ def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, dama
     for name, mtime in untouched.items():  # the good older checkpoint was not rewritten
         assert os.path.getmtime(os.path.join(root, name, "metadata.json")) == mtime
     assert not [n for n in os.listdir(root) if n.endswith((".partial", ".replaced"))]
+
+
+def test_a_checkpoint_without_every_ranks_rng_is_refused_before_the_workers_start(reference):
+    """The launchers' check (one process, WORLD_SIZE of the job): a 1-rank checkpoint resumed
+    on 2 ranks lacks rank 1's RNG streams."""
+    good, _ = reference
+    flags = [*TINY, *MOCK, "--train-iters", "6", "--load", good]
+    early = _pretrain(*flags, THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
+    _refused(*early, "rank_00001.pt is missing, so rank 1's random streams cannot resume")
+    result, _ = _pretrain(*flags, "--no-load-rng", THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_damaged_load_is_refused_before_torch_is_imported(reference, tmp_path):
+    root = str(tmp_path / "run")
+    shutil.copytree(reference[0], root)
+    _, expected = _damage(root, "everything-damaged")
+    check = (
+        "import sys\n"
+        "from threefold.arguments import parse_args\n"
+        "from threefold.validation import check_inputs\n"
+        "try:\n"
+        "    check_inputs(parse_args(sys.argv[1:]))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    flags = [*TINY, *MOCK, "--train-iters", "6", "--load", root]
+    result = subprocess.run(
+        [sys.executable, "-c", check, *flags], capture_output=True, text=True, cwd=ROOT
+    )
+    assert expected in result.stdout and "torch imported: False" in result.stdout, (
+        result.stdout + result.stderr[-2000:]
+    )
 
 
 def test_rerunning_a_finished_run_rewrites_nothing(reference, tmp_path):

@@ -1,7 +1,8 @@
 """Everything a run reads from disk, checked before any process group, model or dataset exists:
-tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load. Together with the
-configs' own checks (threefold/config/) a mistake ends the run within a second or two, as one
-line naming the flag and the file, with exit code 2 — not minutes later on hundreds of ranks.
+tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load (all but its
+checksums). Together with the configs' own checks (threefold/config/) a mistake ends the run
+within a second or two, as one line naming the flag and the file, with exit code 2 — not
+minutes later on hundreds of ranks.
 
 A `--vocab-size` below the tokenizer's and token ids outside the vocabulary are checked here too,
 except with a Hugging Face tokenizer (seconds to import): then when the trainer builds it, still
@@ -10,6 +11,8 @@ before the model. Each data file is scanned once per run (`check_prefix` remembe
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import os
 
@@ -123,8 +126,63 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
             check_index_cache(directory)
     if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
-    load = config.checkpoint.load
-    if load is not None and os.path.isdir(load):
-        from threefold.checkpoint.files import read_tracker
+    if config.checkpoint.load is not None:
+        _check_load(config, vocab_size)
 
-        read_tracker(load)  # names the tracker when it holds no iteration number
+
+def _check_load(config: Config, vocab_size: int | None) -> None:
+    """`--load` as far as it can be checked without torch, alike on every rank
+    (checkpoint/loadable.py): refused when no iteration the run could choose has all its
+    files and is loadable by this run. The files' contents are verified once the process
+    groups exist, and where they might still decide between iterations, only what fails on
+    all of them is refused here; a fallback is announced later, once."""
+    from threefold.checkpoint.files import checkpoint_dir
+    from threefold.checkpoint.loadable import (
+        check_loadable,
+        checksums_file,
+        choose_iteration,
+        damage,
+    )
+
+    checkpoint, world_size = config.checkpoint, config.parallel.world_size
+    load = checkpoint.load
+    if not os.path.isdir(load):
+        if load == checkpoint.save:
+            return  # (the run's first start: nothing to resume yet)
+        raise ConfigError(f"--load {load}: no such directory")
+    settled = None  # the run's config once the tokenizer's size and the strategy are known
+    if (vocab_size or config.model.vocab_size) and config.parallel.distributed_strategy != "auto":
+        settled = copy.copy(config)
+        settled.model = dataclasses.replace(
+            config.model, vocab_size=vocab_size or config.model.vocab_size
+        )
+    refusals: dict[int, ConfigError] = {}
+
+    def verdict(iteration: int) -> str | None:
+        found = damage(load, iteration, checkpoint.verify_integrity, contents=False)
+        if found is not None or settled is None:
+            return found
+        try:
+            check_loadable(
+                load,
+                iteration,
+                settled,
+                range(world_size),
+                not checkpoint.no_load_optim,
+                not checkpoint.no_load_rng,
+                checkpoint.finetune,
+            )
+        except ConfigError as error:
+            refusals[iteration] = error
+            # With a manifest the run may find its contents damaged and load an earlier one.
+            return str(error) if checksums_file(checkpoint_dir(load, iteration)) else None
+        return None
+
+    try:
+        iteration = choose_iteration(load, verdict)
+    except ConfigError:
+        if refusals:  # every iteration it could load refuses this run
+            raise next(iter(refusals.values())) from None
+        raise
+    if iteration in refusals:
+        raise refusals[iteration]

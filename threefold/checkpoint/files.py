@@ -9,9 +9,11 @@ torch is imported (checkpoint/args.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
+from threefold.checkpoint.manifest import digest
 from threefold.config import ConfigError, DataConfig
 from threefold.config.data import SENTENCEPIECE
 
@@ -106,3 +108,24 @@ def latest_config(root: str) -> tuple[int, dict]:
     if iteration is None:
         raise ConfigError(f"--load {root}: holds no complete checkpoint")
     return iteration, read_metadata(root, iteration)["config"]
+
+
+def tokenizer_digest(data: DataConfig) -> str | None:
+    """SHA-256 over the files that define the run's tokenizer (None without one): a
+    checkpoint refuses to resume with another tokenizer of the same vocabulary size."""
+    if data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
+        files = [
+            os.path.join(data.tokenizer_model, name)
+            for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+        ]
+    elif data.tokenizer_type == "GPT2BPETokenizer":
+        files = [data.vocab_file, data.merge_file]
+    else:
+        files = [data.tokenizer_model] if data.tokenizer_model else []
+    files = [f for f in files if f and os.path.isfile(f)]
+    if not files:
+        return None
+    sha = hashlib.sha256()
+    for name in files:
+        sha.update(bytes.fromhex(digest(name)[1]))
+    return sha.hexdigest()

@@ -6,8 +6,10 @@ with a one-line warning. `--verify-integrity` (Megatron-LM's flag) also counts a
 without either list as unusable instead of loading it unverified. A checkpoint of the same layout
 loads directly (torch.distributed.checkpoint); any other TP/PP/DP layout, with or without the
 distributed optimizer, goes through checkpoint/resharding.py, optimizer state included. Nothing
-read from a checkpoint is unpickled freely (threefold/safe_loading.py). The architecture and
-the tokenizer are checked against the run's before any tensor is read.
+read from a checkpoint is unpickled freely (threefold/safe_loading.py). The choice of the
+iteration and the checks against the run (architecture, tokenizer, the state it needs) are
+checkpoint/loadable.py's, made before any tensor is read; `check_inputs` has made them once
+already, without the checksums, before torch was imported.
 """
 
 from __future__ import annotations
@@ -20,93 +22,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from threefold.checkpoint.components import CheckpointComponents
-from threefold.checkpoint.files import (
-    TRACKER,
-    checkpoint_dir,
-    checkpoint_tokenizer,
-    read_metadata,
-    read_tracker,
-)
-from threefold.checkpoint.manifest import (
-    INTEGRITY,
-    MANIFEST,
-    complete_iterations,
-    has_iteration_directories,
-    read_integrity,
-    read_manifest,
-    verify_slice,
-)
-from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
+from threefold.checkpoint.files import checkpoint_dir, checkpoint_tokenizer, read_metadata
+from threefold.checkpoint.loadable import check_loadable, choose_iteration, damage, rng_file
 from threefold.checkpoint.resharding import load_resharded, load_weights
-from threefold.checkpoint.save import set_rng_state, tensor_state, tokenizer_digest
-from threefold.config import Config, ConfigError, ModelConfig
-from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+from threefold.checkpoint.save import set_rng_state, tensor_state
+from threefold.config import Config, ConfigError
 from threefold.config.parallel import check_tensor_parallel_split
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.safe_loading import SafeFileSystemReader, load_tensors_file
-
-
-def _same_layout(saved: dict, current, load_optimizer: bool) -> bool:
-    """Whether the checkpoint's tensors have exactly this run's keys and shapes."""
-    same = all(
-        saved[name] == getattr(current, name)
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers",
-        )
-    ) and all(
-        saved.get(name, False) == getattr(current, name)
-        for name in (
-            "account_for_embedding_in_pipeline_split",
-            "account_for_loss_in_pipeline_split",
-        )
-    )
-    # (older checkpoints have no layout string)
-    same = same and saved.get("pipeline_model_parallel_layout") == (
-        current.pipeline_model_parallel_layout
-    )
-    # an expert's shapes (and keys) follow expert TP
-    same = same and (saved.get("expert_tensor_parallel_size") or 1) == (
-        current.expert_tensor_parallel_size or 1
-    )
-    if load_optimizer and (saved["use_distributed_optimizer"] or current.use_distributed_optimizer):
-        saved_dp = saved["world_size"] // (
-            saved["tensor_model_parallel_size"] * saved["pipeline_model_parallel_size"]
-        )
-        same = same and (
-            saved["use_distributed_optimizer"] == current.use_distributed_optimizer
-            and saved_dp == current.data_parallel_size
-            # expert weights are sharded over expert-DP, which EP changes
-            and saved.get("expert_model_parallel_size", 1) == current.expert_model_parallel_size
-            and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size
-            # each instance shards over its own ranks
-            and saved.get("num_distributed_optimizer_instances", 1)
-            == current.num_distributed_optimizer_instances
-        )
-    return same
-
-
-def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
-    """The run's model must be the checkpoint's in every field declared ARCHITECTURE
-    (config/fields.py), and in the position table's rows with learned positions."""
-    defaults = ModelConfig()
-    fields = checkpoint_fields(ModelConfig, ARCHITECTURE)
-    if current.position_embedding_type == "learned_absolute":
-        fields += [
-            f for f in dataclasses.fields(ModelConfig) if f.name == "max_position_embeddings"
-        ]
-    for field in fields:
-        name = field.name
-        if saved.get(name, getattr(defaults, name)) != getattr(current, name):
-            raise ConfigError(
-                f"--load {root}: the checkpoint's model has {flag_of(field)} "
-                f"{saved.get(name)} but this run has {getattr(current, name)}; "
-                "use the checkpoint's model flags"
-            )
 
 
 def _all_ranks_agree(ok: bool) -> bool:
@@ -119,78 +43,18 @@ def _all_ranks_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _damage(root: str, iteration: int, verify_integrity: bool = False) -> str | None:
-    """What is wrong with a checkpoint's files (None when they are as written). This rank
-    verifies its slice of the files against the manifest (a Megatron-LM checkpoint's: its
-    integrity.json); checkpoints with neither are only checked for their metadata, or refused
-    under `verify_integrity`."""
-    path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        return f"{path} does not exist"
-    manifest = None
-    for name, read in ((MANIFEST, read_manifest), (INTEGRITY, read_integrity)):
-        if os.path.isfile(os.path.join(path, name)):
-            manifest = read(path)
-            if manifest is None:
-                return f"{os.path.join(path, name)} is unreadable"
-            break
-    if manifest is None:
-        if verify_integrity:
-            return (
-                f"{path} holds no checksums ({MANIFEST} or Megatron-LM's {INTEGRITY}) to "
-                "verify, which --verify-integrity requires; drop the flag to load it unverified"
-            )
-        return (
-            None
-            if os.path.isfile(os.path.join(path, "metadata.json"))
-            else f"{path} has no metadata.json"
-        )
-    distributed = dist.is_initialized()
-    return verify_slice(
-        path,
-        manifest,
-        dist.get_rank() if distributed else 0,
-        dist.get_world_size() if distributed else 1,
-    )
-
-
 def find_checkpoint(root: str, verify_integrity: bool = False) -> int | None:
-    """The iteration to load from `root`: the tracker's, verified (`verify_integrity`: one
-    without checksums counts as damaged); if it is damaged, the newest complete one before
-    it, with a one-line warning. None when `root` holds no
-    checkpoint at all; a one-line ConfigError when it holds some but none is usable (never
-    'start from scratch' over existing iterations)."""
-    tracked = read_tracker(root)
-    complete = complete_iterations(root)
-    candidates = ([tracked] if tracked is not None else []) + [
-        i for i in complete if i != tracked and (tracked is None or i < tracked)
-    ]
-    if tracked is None and not candidates:
-        if has_iteration_directories(root):
-            raise ConfigError(
-                f"--load {root}: holds iter_* directories but no {TRACKER} and "
-                "none of them is complete; refusing to start from scratch over "
-                f"them: write the iteration to resume into {root}/{TRACKER}, or "
-                "use another directory"
-            )
-        return None
-    if tracked is None:
-        _warn(
-            f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "
-            f"iteration {candidates[0]}"
-        )
-    problems = []
-    for iteration in candidates:
-        damage = _damage(root, iteration, verify_integrity)
-        if _all_ranks_agree(damage is None):
-            if problems:
-                _warn(
-                    f"> --load {root}: {problems[0]}; falling back to iteration {iteration}, "
-                    "the newest complete checkpoint before it"
-                )
-            return iteration
-        problems.append(f"iteration {iteration} is damaged ({damage or 'on another rank'})")
-    raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint verifies")
+    """The iteration to load from `root` (checkpoint/loadable.py's `choose_iteration`): this
+    rank verifies its slice of each candidate's checksums (`verify_integrity`: one without
+    checksums counts as damaged), and all ranks choose the same one."""
+    distributed = dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    return choose_iteration(
+        root,
+        lambda iteration: damage(root, iteration, verify_integrity, rank, world_size),
+        _all_ranks_agree,
+        _warn,
+    )
 
 
 def _warn(message: str) -> None:
@@ -216,72 +80,24 @@ def load_checkpoint(
     iteration = find_checkpoint(root, components.config.checkpoint.verify_integrity)
     if iteration is None:
         return None
-    metadata = read_metadata(root, iteration)
-    path = checkpoint_dir(root, iteration)
-    if finetune:
-        load_optimizer = load_rng = False
-    megatron = "megatron" in metadata
-    if megatron and load_optimizer and not metadata["optimizer_saved"]:
-        raise ConfigError(megatron_refusal(metadata["megatron"]["optimizer"], f"--load {root}"))
-    if metadata.get("weights_only") and load_optimizer:
-        raise ConfigError(
-            f"--load {root}: the checkpoint holds weights only (a converted "
-            "model); pass --finetune (or --no-load-optim)"
-        )
-    if not metadata.get("optimizer_saved", True) and load_optimizer:
-        raise ConfigError(
-            f"--load {root}: iteration {iteration} was saved with "
-            "--no-save-optim and holds no optimizer state; pass --no-load-optim "
-            "(or --finetune)"
-        )
-    saved_optimizer = metadata["config"].get("training", {}).get("optimizer", "adam")
-    optimizer = components.config.training.optimizer
-    if megatron and load_optimizer and optimizer == "muon":
-        raise ConfigError(
-            f"--load {root}: reading Megatron-LM's Muon optimizer state is not built; pass "
-            "--no-load-optim (or --finetune) to start the momentum afresh"
-        )
-    if load_optimizer and saved_optimizer != optimizer:
-        raise ConfigError(
-            f"--load {root}: the checkpoint holds {saved_optimizer}'s optimizer state and this "
-            f"run has --optimizer {optimizer}; pass --no-load-optim "
-            "(or --finetune) to start its state afresh"
-        )
-    _check_architecture(root, metadata["config"]["model"], components.config.model)
-    _check_tokenizer(root, path, metadata, components.config.data)
-    # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
-    # initialization (B = 0, so the model is the checkpoint's).
-    without_adapters = bool(
-        components.config.model.lora_rank and not metadata["config"]["model"].get("lora_rank")
+    loadable = check_loadable(
+        root,
+        iteration,
+        components.config,
+        [components.parallel.world.rank],
+        load_optimizer,
+        load_rng,
+        finetune,
     )
-    if without_adapters and load_optimizer:
-        raise ConfigError(
-            f"--load {root}: the checkpoint has no LoRA adapters; start the "
-            "fine-tuning with --finetune"
-        )
+    path, metadata, megatron = loadable.path, loadable.metadata, loadable.megatron
+    same_layout, load_optimizer = loadable.same_layout, loadable.load_optimizer
+    load_rng, without_adapters = loadable.load_rng, loadable.without_adapters
     saved = metadata["config"]["parallel"]
-    # Converted (weights-only) checkpoints hold the unpadded vocabulary, and another
-    # --make-vocab-size-divisible-by pads it differently: both are resharded.
-    same_layout = (
-        not megatron
-        and _same_layout(saved, components.config.parallel, load_optimizer)
-        and not metadata.get("weights_only")
-        and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
-        == components.config.model.make_vocab_size_divisible_by
+    rng = (
+        load_tensors_file(rng_file(path, components.parallel.world.rank))
+        if same_layout and load_rng
+        else None
     )
-    if same_layout and load_rng and not metadata.get("rng_saved", True):
-        raise ConfigError(
-            f"--load {root}: iteration {iteration} was saved with --no-save-rng "
-            "and holds no RNG state; pass --no-load-rng (or --finetune)"
-        )
-    rng_file = os.path.join(path, "rng", f"rank_{components.parallel.world.rank:05d}.pt")
-    if same_layout and load_rng and not os.path.isfile(rng_file):
-        raise ConfigError(
-            f"--load {root}: {rng_file} is missing, so this rank's random "
-            "streams cannot resume; pass --no-load-rng to continue with fresh "
-            "ones (the losses will differ from an uninterrupted run)"
-        )
-    rng = load_tensors_file(rng_file) if same_layout and load_rng else None
     # (--fp8-param-gather's FP8-stored weights: loaded in the run's dtype, cast again by the
     # optimizer's copy to the model)
     with components.parameters_in_model_dtype():
@@ -345,26 +161,6 @@ def load_fp8_state(path: str, tensors: dict[str, torch.Tensor]) -> None:
             )
     if present:
         dcp.load(present, storage_reader=reader, no_dist=True)
-
-
-def _check_tokenizer(root: str, path: str, metadata: dict, data) -> None:
-    saved = metadata.get("tokenizer_sha256")
-    current = tokenizer_digest(data)
-    if saved and current and saved != current:
-        copy = next(
-            (
-                os.path.join(path, name)
-                for name in ("tokenizer.model", "tokenizer")
-                if os.path.exists(os.path.join(path, name))
-            ),
-            None,
-        )
-        use = f"--tokenizer-model {copy}" if copy else "the run's tokenizer files"
-        mine = data.tokenizer_model or data.vocab_file
-        raise ConfigError(
-            f"--load {root}: this run's tokenizer ({mine}) is not the one the "
-            f"checkpoint was trained with; use {use} (or --use-checkpoint-args)"
-        )
 
 
 def load_model(

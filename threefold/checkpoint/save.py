@@ -20,7 +20,6 @@ it in a background thread on a process group of its own. See docs/reliability.md
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -31,8 +30,7 @@ import numpy as np
 import torch
 
 from threefold.checkpoint.components import CheckpointComponents
-from threefold.checkpoint.files import write_atomically
-from threefold.checkpoint.manifest import digest
+from threefold.checkpoint.files import tokenizer_digest, write_atomically
 from threefold.checkpoint.writer import CheckpointWriter, crash_point
 from threefold.config import Config
 from threefold.model.lora import is_adapter
@@ -86,27 +84,6 @@ def set_rng_state(saved: dict) -> None:
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["cuda"])
     get_rng_tracker().states = dict(saved["tracker"])
-
-
-def tokenizer_digest(data) -> str | None:
-    """SHA-256 over the files that define the run's tokenizer (None without one): a
-    checkpoint refuses to resume with another tokenizer of the same vocabulary size."""
-    if data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
-        files = [
-            os.path.join(data.tokenizer_model, name)
-            for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
-        ]
-    elif data.tokenizer_type == "GPT2BPETokenizer":
-        files = [data.vocab_file, data.merge_file]
-    else:
-        files = [data.tokenizer_model] if data.tokenizer_model else []
-    files = [f for f in files if f and os.path.isfile(f)]
-    if not files:
-        return None
-    sha = hashlib.sha256()
-    for name in files:
-        sha.update(bytes.fromhex(digest(name)[1]))
-    return sha.hexdigest()
 
 
 def save_checkpoint(

@@ -23,7 +23,6 @@ from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
 from threefold.config.linear_attention import GATED_DELTA_NET
-from threefold.safe_loading import SafeFileSystemReader
 
 BACKEND = {
     "sharded_backend": "torch_dist",
@@ -160,6 +159,9 @@ def megatron_metadata(path: str) -> dict:
     )
     iteration = int(common.get("iteration", 0) or 0)
     scheduler = common.get("opt_param_scheduler")
+    # (torch, only here: describing threefold's own checkpoints stays torch-free)
+    from threefold.safe_loading import SafeFileSystemReader
+
     sizes = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     optimizer = megatron_optimizer(
         common, {k: tuple(v.size) for k, v in sizes.items() if hasattr(v, "size")}

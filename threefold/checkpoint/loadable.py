@@ -1,0 +1,311 @@
+"""Which checkpoint a `--load` loads, and whether this run can load it, from its files and
+metadata alone.
+
+Torch-free, so that `check_inputs` (threefold/validation.py) refuses a `--load` that cannot
+succeed before torch is imported, within a second (only a Megatron-LM checkpoint's common.pt
+needs torch to read). That early look sees what every rank sees alike: which files are there,
+the metadata, the RNG files; not the files' contents, whose sizes and checksums each rank
+verifies for its own slice once the process groups exist (hashing a large checkpoint takes
+minutes). checkpoint/load.py then runs both steps again with the contents verified, all
+ranks agreeing on the iteration, and only then reads tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+
+from threefold.checkpoint.files import (
+    TRACKER,
+    checkpoint_dir,
+    read_metadata,
+    read_tracker,
+    tokenizer_digest,
+)
+from threefold.checkpoint.manifest import (
+    INTEGRITY,
+    MANIFEST,
+    complete_iterations,
+    has_iteration_directories,
+    read_integrity,
+    read_manifest,
+    verify_slice,
+)
+from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
+from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
+from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+
+
+def damage(
+    root: str,
+    iteration: int,
+    verify_integrity: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    contents: bool = True,
+) -> str | None:
+    """What is wrong with a checkpoint's files (None when they are as written): every file of
+    its manifest (a Megatron-LM checkpoint's: its integrity.json) must be there and, with
+    `contents`, this rank's slice of them have the sizes and SHA-256s written. Checkpoints
+    with neither list are only checked for their metadata, or refused under
+    `verify_integrity`."""
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        return f"{path} does not exist"
+    listed = checksums_file(path)
+    if listed is None:
+        if verify_integrity:
+            return (
+                f"{path} holds no checksums ({MANIFEST} or Megatron-LM's {INTEGRITY}) to "
+                "verify, which --verify-integrity requires; drop the flag to load it unverified"
+            )
+        return (
+            None
+            if os.path.isfile(os.path.join(path, "metadata.json"))
+            else f"{path} has no metadata.json"
+        )
+    manifest = (read_manifest if listed == MANIFEST else read_integrity)(path)
+    if manifest is None:
+        return f"{os.path.join(path, listed)} is unreadable"
+    return verify_slice(path, manifest, rank, world_size, contents)
+
+
+def checksums_file(path: str) -> str | None:
+    """The name of the list of checksums in a checkpoint directory (threefold's manifest, else
+    Megatron-LM's integrity.json), None when it has neither."""
+    return next((n for n in (MANIFEST, INTEGRITY) if os.path.isfile(os.path.join(path, n))), None)
+
+
+def choose_iteration(
+    root: str,
+    damage_of: Callable[[int], str | None],
+    all_ranks_agree: Callable[[bool], bool] = bool,
+    warn: Callable[[str], None] | None = None,
+) -> int | None:
+    """The iteration to load from `root`: the tracker's, if `damage_of(iteration)` (this
+    rank's verdict on its files, `damage`) finds nothing wrong; if it is damaged, the newest
+    complete one before it, with a one-line `warn`ing. None when `root` holds no checkpoint at
+    all; a one-line ConfigError when it holds some but none is usable (never 'start from
+    scratch' over existing iterations). `all_ranks_agree(ok)`: whether `ok` holds on every
+    rank, so that all ranks choose the same iteration."""
+    warn = warn or (lambda message: None)
+    tracked = read_tracker(root)
+    complete = complete_iterations(root)
+    candidates = ([tracked] if tracked is not None else []) + [
+        i for i in complete if i != tracked and (tracked is None or i < tracked)
+    ]
+    if tracked is None and not candidates:
+        if has_iteration_directories(root):
+            raise ConfigError(
+                f"--load {root}: holds iter_* directories but no {TRACKER} and "
+                "none of them is complete; refusing to start from scratch over "
+                f"them: write the iteration to resume into {root}/{TRACKER}, or "
+                "use another directory"
+            )
+        return None
+    if tracked is None:
+        warn(
+            f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "
+            f"iteration {candidates[0]}"
+        )
+    problems = []
+    for iteration in candidates:
+        found = damage_of(iteration)
+        if all_ranks_agree(found is None):
+            if problems:
+                warn(
+                    f"> --load {root}: {problems[0]}; falling back to iteration {iteration}, "
+                    "the newest complete checkpoint before it"
+                )
+            return iteration
+        problems.append(f"iteration {iteration} is damaged ({found or 'on another rank'})")
+    raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint verifies")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loadable:
+    """A checkpoint this run can load, and how: what `check_loadable` found."""
+
+    path: str
+    metadata: dict
+    megatron: bool  # a Megatron-LM torch_dist checkpoint
+    same_layout: bool  # the run's tensors have exactly the checkpoint's keys and shapes
+    load_optimizer: bool
+    load_rng: bool
+    without_adapters: bool  # LoRA fine-tuning from a checkpoint without adapters
+
+
+def check_loadable(
+    root: str,
+    iteration: int,
+    config: Config,
+    ranks: Iterable[int],
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+) -> Loadable:
+    """Whether this run (`config`) can load `iteration` of `root`: a one-line ConfigError for
+    the first thing it cannot (the optimizer state or RNG streams it would need, the model,
+    the tokenizer), before any tensor is read. `ranks`: the world ranks whose RNG streams must
+    be there. `finetune`: weights only."""
+    metadata = read_metadata(root, iteration)
+    path = checkpoint_dir(root, iteration)
+    if finetune:
+        load_optimizer = load_rng = False
+    megatron = "megatron" in metadata
+    if megatron and load_optimizer and not metadata["optimizer_saved"]:
+        raise ConfigError(megatron_refusal(metadata["megatron"]["optimizer"], f"--load {root}"))
+    if metadata.get("weights_only") and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint holds weights only (a converted "
+            "model); pass --finetune (or --no-load-optim)"
+        )
+    if not metadata.get("optimizer_saved", True) and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: iteration {iteration} was saved with "
+            "--no-save-optim and holds no optimizer state; pass --no-load-optim "
+            "(or --finetune)"
+        )
+    saved_optimizer = metadata["config"].get("training", {}).get("optimizer", "adam")
+    optimizer = config.training.optimizer
+    if megatron and load_optimizer and optimizer == "muon":
+        raise ConfigError(
+            f"--load {root}: reading Megatron-LM's Muon optimizer state is not built; pass "
+            "--no-load-optim (or --finetune) to start the momentum afresh"
+        )
+    if load_optimizer and saved_optimizer != optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint holds {saved_optimizer}'s optimizer state and this "
+            f"run has --optimizer {optimizer}; pass --no-load-optim "
+            "(or --finetune) to start its state afresh"
+        )
+    _check_architecture(root, metadata["config"]["model"], config.model)
+    _check_tokenizer(root, path, metadata, config.data)
+    # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
+    # initialization (B = 0, so the model is the checkpoint's).
+    without_adapters = bool(
+        config.model.lora_rank and not metadata["config"]["model"].get("lora_rank")
+    )
+    if without_adapters and load_optimizer:
+        raise ConfigError(
+            f"--load {root}: the checkpoint has no LoRA adapters; start the "
+            "fine-tuning with --finetune"
+        )
+    # Converted (weights-only) checkpoints hold the unpadded vocabulary, and another
+    # --make-vocab-size-divisible-by pads it differently: both are resharded.
+    same_layout = (
+        not megatron
+        and _same_layout(metadata["config"]["parallel"], config.parallel, load_optimizer)
+        and not metadata.get("weights_only")
+        and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
+        == config.model.make_vocab_size_divisible_by
+    )
+    if same_layout and load_rng:  # (per-rank streams belong to the saved layout's ranks)
+        if not metadata.get("rng_saved", True):
+            raise ConfigError(
+                f"--load {root}: iteration {iteration} was saved with --no-save-rng "
+                "and holds no RNG state; pass --no-load-rng (or --finetune)"
+            )
+        _check_rng_files(root, path, ranks)
+    return Loadable(
+        path, metadata, megatron, same_layout, load_optimizer, load_rng, without_adapters
+    )
+
+
+def rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+
+
+def _check_rng_files(root: str, path: str, ranks: Iterable[int]) -> None:
+    directory = os.path.dirname(rng_file(path, 0))
+    present = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    for rank in ranks:
+        if os.path.basename(rng_file(path, rank)) not in present:
+            raise ConfigError(
+                f"--load {root}: {rng_file(path, rank)} is missing, so rank {rank}'s random "
+                "streams cannot resume; pass --no-load-rng to continue with fresh "
+                "ones (the losses will differ from an uninterrupted run)"
+            )
+
+
+def _same_layout(saved: dict, current: ParallelConfig, load_optimizer: bool) -> bool:
+    """Whether the checkpoint's tensors have exactly this run's keys and shapes."""
+    same = all(
+        saved[name] == getattr(current, name)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+        )
+    ) and all(
+        saved.get(name, False) == getattr(current, name)
+        for name in (
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        )
+    )
+    # (older checkpoints have no layout string)
+    same = same and saved.get("pipeline_model_parallel_layout") == (
+        current.pipeline_model_parallel_layout
+    )
+    # an expert's shapes (and keys) follow expert TP
+    same = same and (saved.get("expert_tensor_parallel_size") or 1) == (
+        current.expert_tensor_parallel_size or 1
+    )
+    if load_optimizer and (saved["use_distributed_optimizer"] or current.use_distributed_optimizer):
+        saved_dp = saved["world_size"] // (
+            saved["tensor_model_parallel_size"] * saved["pipeline_model_parallel_size"]
+        )
+        same = same and (
+            saved["use_distributed_optimizer"] == current.use_distributed_optimizer
+            and saved_dp == current.data_parallel_size
+            # expert weights are sharded over expert-DP, which EP changes
+            and saved.get("expert_model_parallel_size", 1) == current.expert_model_parallel_size
+            and (saved.get("ddp_bucket_size") or 40_000_000) == current.bucket_size
+            # each instance shards over its own ranks
+            and saved.get("num_distributed_optimizer_instances", 1)
+            == current.num_distributed_optimizer_instances
+        )
+    return same
+
+
+def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
+    """The run's model must be the checkpoint's in every field declared ARCHITECTURE
+    (config/fields.py), and in the position table's rows with learned positions."""
+    defaults = ModelConfig()
+    fields = checkpoint_fields(ModelConfig, ARCHITECTURE)
+    if current.position_embedding_type == "learned_absolute":
+        fields += [
+            f for f in dataclasses.fields(ModelConfig) if f.name == "max_position_embeddings"
+        ]
+    for field in fields:
+        name = field.name
+        if saved.get(name, getattr(defaults, name)) != getattr(current, name):
+            raise ConfigError(
+                f"--load {root}: the checkpoint's model has {flag_of(field)} "
+                f"{saved.get(name)} but this run has {getattr(current, name)}; "
+                "use the checkpoint's model flags"
+            )
+
+
+def _check_tokenizer(root: str, path: str, metadata: dict, data: DataConfig) -> None:
+    saved = metadata.get("tokenizer_sha256")
+    current = tokenizer_digest(data)
+    if saved and current and saved != current:
+        copy = next(
+            (
+                os.path.join(path, name)
+                for name in ("tokenizer.model", "tokenizer")
+                if os.path.exists(os.path.join(path, name))
+            ),
+            None,
+        )
+        use = f"--tokenizer-model {copy}" if copy else "the run's tokenizer files"
+        mine = data.tokenizer_model or data.vocab_file
+        raise ConfigError(
+            f"--load {root}: this run's tokenizer ({mine}) is not the one the "
+            f"checkpoint was trained with; use {use} (or --use-checkpoint-args)"
+        )
