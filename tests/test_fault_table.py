@@ -177,7 +177,7 @@ def _damage(root: str, kind: str) -> tuple[int | None, str]:
         with open(os.path.join(newest, "metadata.json"), "r+b") as f:
             f.truncate(100)
         return 2, "falling back to iteration 2"
-    if kind == "garbage-in-metadata-json":  # same size: the early look at sizes passes it
+    if kind == "garbage-in-metadata-json":  # same size; the look before start-up reads no contents
         with open(os.path.join(newest, "metadata.json"), "r+b") as f:
             f.write(b"\0" * 16)
         return 2, "metadata.json does not match its checksum"

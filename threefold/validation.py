@@ -1,6 +1,6 @@
 """Everything a run reads from disk, checked before any process group, model or dataset exists:
-tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load (all but its
-checksums). Together with the configs' own checks (threefold/config/) a mistake ends the run
+tokenizer files, the data's `.bin/.idx` headers, the checkpoint to load (but for its files'
+contents). Together with the configs' own checks (threefold/config/) a mistake ends the run
 within a second or two, as one line naming the flag and the file, with exit code 2 — not
 minutes later on hundreds of ranks.
 
@@ -131,58 +131,18 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
 
 
 def _check_load(config: Config, vocab_size: int | None) -> None:
-    """`--load` as far as it can be checked without torch, alike on every rank
-    (checkpoint/loadable.py): refused when no iteration the run could choose has all its
-    files and is loadable by this run. The files' contents are verified once the process
-    groups exist, and where they might still decide between iterations, only what fails on
-    all of them is refused here; a fallback is announced later, once."""
-    from threefold.checkpoint.files import checkpoint_dir
-    from threefold.checkpoint.loadable import (
-        check_loadable,
-        checksums_file,
-        choose_iteration,
-        damage,
-    )
+    """`--load`, but for its files' contents (checkpoint/loadable.py's `check_before_start`)."""
+    from threefold.checkpoint.loadable import check_before_start
 
-    checkpoint, world_size = config.checkpoint, config.parallel.world_size
-    load = checkpoint.load
+    load = config.checkpoint.load
     if not os.path.isdir(load):
-        if load == checkpoint.save:
+        if load == config.checkpoint.save:
             return  # (the run's first start: nothing to resume yet)
         raise ConfigError(f"--load {load}: no such directory")
-    settled = None  # the run's config once the tokenizer's size and the strategy are known
+    settled = None  # the run's config, once the tokenizer's size and the strategy are known
     if (vocab_size or config.model.vocab_size) and config.parallel.distributed_strategy != "auto":
         settled = copy.copy(config)
         settled.model = dataclasses.replace(
             config.model, vocab_size=vocab_size or config.model.vocab_size
         )
-    refusals: dict[int, ConfigError] = {}
-
-    def verdict(iteration: int) -> str | None:
-        found = damage(load, iteration, checkpoint.verify_integrity, contents=False)
-        if found is not None or settled is None:
-            return found
-        try:
-            check_loadable(
-                load,
-                iteration,
-                settled,
-                range(world_size),
-                not checkpoint.no_load_optim,
-                not checkpoint.no_load_rng,
-                checkpoint.finetune,
-            )
-        except ConfigError as error:
-            refusals[iteration] = error
-            # With a manifest the run may find its contents damaged and load an earlier one.
-            return str(error) if checksums_file(checkpoint_dir(load, iteration)) else None
-        return None
-
-    try:
-        iteration = choose_iteration(load, verdict)
-    except ConfigError:
-        if refusals:  # every iteration it could load refuses this run
-            raise next(iter(refusals.values())) from None
-        raise
-    if iteration in refusals:
-        raise refusals[iteration]
+    check_before_start(load, config.checkpoint, config.parallel.world_size, settled)

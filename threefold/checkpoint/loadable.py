@@ -33,7 +33,14 @@ from threefold.checkpoint.manifest import (
     verify_slice,
 )
 from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
-from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
+from threefold.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+)
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
 
 
@@ -121,6 +128,46 @@ def choose_iteration(
             return iteration
         problems.append(f"iteration {iteration} is damaged ({found or 'on another rank'})")
     raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint verifies")
+
+
+def check_before_start(
+    root: str, checkpoint: CheckpointConfig, world_size: int, run: Config | None
+) -> None:
+    """A one-line ConfigError when no iteration of `root` that the run could choose has all
+    its files and is loadable by the run (`check_loadable`; `run`: its config, None where it
+    is not settled before start-up). Alike on every rank of a `world_size`-rank job. Where the
+    files' contents might still decide between iterations, only what fails on all of them is
+    refused; a fallback is announced later, once, when the contents are verified."""
+    refusals: dict[int, ConfigError] = {}
+
+    def verdict(iteration: int) -> str | None:
+        found = damage(root, iteration, checkpoint.verify_integrity, contents=False)
+        if found is not None or run is None:
+            return found
+        try:
+            check_loadable(
+                root,
+                iteration,
+                run,
+                range(world_size),
+                not checkpoint.no_load_optim,
+                not checkpoint.no_load_rng,
+                checkpoint.finetune,
+            )
+        except ConfigError as error:
+            refusals[iteration] = error
+            # With a manifest the run may find its contents damaged and load an earlier one.
+            return str(error) if checksums_file(checkpoint_dir(root, iteration)) else None
+        return None
+
+    try:
+        iteration = choose_iteration(root, verdict)
+    except ConfigError:
+        if refusals:  # every iteration the run could load refuses it
+            raise next(iter(refusals.values())) from None
+        raise
+    if iteration in refusals:
+        raise refusals[iteration]
 
 
 @dataclasses.dataclass(frozen=True)
