@@ -10,61 +10,79 @@ The model's architecture, tokenizer and dropout come from the checkpoint (Megatr
 --use-checkpoint-args; a converted model's dropout is 0); training, layout and LoRA flags, and
 a --hidden-dropout/--attention-dropout given, come from the command line. JSONL
 records are {"prompt", "response"} or {"messages": [...]}; only responses carry loss (see
-threefold/data/sft.py). The checkpoint's weights are loaded (iteration 0, fresh optimizer)
-unless --load is the --save directory of this fine-tuning run, which then resumes exactly.
+threefold/data/sft.py); --test-data-path is evaluated after training. The checkpoint's
+weights are loaded (iteration 0, fresh optimizer) unless --load is the --save directory of
+this fine-tuning run, which then resumes exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from threefold.arguments import build_parser, parse_args, print_refusal, speaks_for_its_machine
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.save_directory import claim_on_rank_zero
-from threefold.config import ConfigError
+from threefold.config import Config, ConfigError
 from threefold.startup import start_processes
+from threefold.validation import check_inputs
+
+
+def check_finetuning(config: Config, packing: bool) -> None:
+    """What fine-tuning cannot do with these flags, as one-line ConfigErrors before torch is
+    imported (the files themselves: `check_inputs`)."""
+    data = config.data
+    if not data.train_data_path:
+        raise ConfigError(
+            "fine-tuning reads JSONL conversations: give --train-data-path FILE (and "
+            "--valid-data-path, --test-data-path), not --data-path or --mock-data"
+        )
+    if data.tokenizer_type is None:
+        raise ConfigError(
+            "finetune.py needs a tokenizer: the checkpoint has none, pass "
+            "--tokenizer-type and --tokenizer-model"
+        )
+    if packing and config.parallel.context_parallel_size > 1:
+        raise ConfigError(
+            "--sft-packing keeps packed samples apart with per-document attention masks, "
+            "which --context-parallel-size > 1 does not implement; drop one"
+        )
+    flags = data.document_flags()
+    if flags:
+        raise ConfigError(
+            f"finetune.py: {flags[0]} is for pretraining token windows; SFT "
+            "samples mask their prompts themselves, and --sft-packing keeps "
+            "documents apart"
+        )
+    if data.fim_data:
+        raise ConfigError(
+            "finetune.py: --fim-data rearranges pretraining documents; SFT conversations "
+            "keep their order (drop the flag)"
+        )
 
 
 def sft_datasets(packing: bool):
+    """The trainer's `build_data`: --train-data-path, --valid-data-path and
+    --test-data-path's conversations as samples (`check_finetuning` has passed)."""
+
     def build(config, tokenizer) -> list:
-        from threefold.data.loader import document_flags
         from threefold.data.sft import SFTDataset, read_jsonl
 
-        if tokenizer is None:
-            raise ConfigError(
-                "finetune.py needs a tokenizer: the checkpoint has none, pass "
-                "--tokenizer-type and --tokenizer-model"
-            )
         data, seq_length = config.data, config.model.seq_length
-        if packing and config.parallel.context_parallel_size > 1:
-            raise ConfigError(
-                "--sft-packing keeps packed samples apart with per-document attention masks, "
-                "which --context-parallel-size > 1 does not implement; drop one"
-            )
-        flags = document_flags(data)
-        if flags:
-            raise ConfigError(
-                f"finetune.py: {flags[0]} is for pretraining token windows; SFT "
-                "samples mask their prompts themselves, and --sft-packing keeps "
-                "documents apart"
-            )
-        if data.fim_data:
-            raise ConfigError(
-                "finetune.py: --fim-data rearranges pretraining documents; SFT conversations "
-                "keep their order (drop the flag)"
-            )
 
-        def dataset(paths: list[str]) -> SFTDataset | None:
-            records = [record for path in paths for record in read_jsonl(path)]
+        def dataset(paths: list[str] | None, flag: str) -> SFTDataset | None:
+            records = [record for path in paths or [] for record in read_jsonl(path, flag)]
             return SFTDataset(records, tokenizer, seq_length, packing) if paths else None
 
-        train, valid = dataset(data.train_data_path), dataset(data.valid_data_path)
+        train = dataset(data.train_data_path, "--train-data-path")
+        valid = dataset(data.valid_data_path, "--valid-data-path")
+        test = dataset(data.test_data_path, "--test-data-path")
         for warning in dataset_size_warnings(config, len(train), valid and len(valid)):
             if speaks_for_its_machine():
                 print(f"WARNING: {warning}", flush=True)
-        return [train, valid, None]
+        return [train, valid, test]
 
     return build
 
@@ -124,16 +142,24 @@ def main(argv: list[str] | None = None) -> int:
         print_refusal("finetune.py", error)
         return 2
     config = parse_args(prefix + rest, prog="finetune.py")
+    resuming = known.save is not None and (
+        os.path.abspath(known.save) == os.path.abspath(known.load)
+    )
+    # Weights only, at iteration 0 with a fresh optimizer, unless the run resumes itself.
+    config.checkpoint = dataclasses.replace(
+        config.checkpoint, finetune=config.checkpoint.finetune or not resuming
+    )
+    # The flags, the files and the checkpoint's metadata first, before torch is imported: a
+    # mistake costs a second.
     try:
+        check_finetuning(config, args.sft_packing)
+        check_inputs(config, indexed_data=False)
+        if os.environ.get("THREEFOLD_VALIDATE_ONLY"):  # (a launcher's check, as pretrain_gpt.py's)
+            return 0
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
         print_refusal("finetune.py", error)
         return 2
-    resuming = known.save is not None and (
-        os.path.abspath(known.save) == os.path.abspath(known.load)
-    )
-    # The flags and the checkpoint's metadata first, before torch is imported: a mistake
-    # costs a second.
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel import state
     from threefold.parallel.refusal import print_refusal_once
@@ -146,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     device, parallel = started
     try:
         trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
-        loaded = load_checkpoint(known.load, trainer.checkpoint_components(), finetune=not resuming)
+        loaded = load_checkpoint(
+            known.load, trainer.checkpoint_components(), finetune=config.checkpoint.finetune
+        )
         # --rerun-mode validate_results: an iteration a resumed run must rerun first
         pending = (
             resuming and loaded is not None and trainer.validation.after_load(known.load, loaded)

@@ -35,21 +35,28 @@ def _remove(root: str, *names: str) -> None:
         os.remove(os.path.join(root, name))
 
 
+# (what is done to the copy, the flags the resumed run adds)
 CASES = {
-    "every iteration misses a shard": lambda root: _remove(
-        root, "iter_0000002/__0_0.distcp", "iter_0000004/__0_0.distcp"
+    "every iteration misses a shard": (
+        lambda root: _remove(root, "iter_0000002/__0_0.distcp", "iter_0000004/__0_0.distcp"),
+        [],
     ),
-    "no manifest, RNG file missing": lambda root: _remove(
-        root, "iter_0000004/manifest.json", "iter_0000004/rng/rank_00000.pt"
+    "no manifest, RNG file missing": (
+        lambda root: _remove(root, "iter_0000004/manifest.json", "iter_0000004/rng/rank_00000.pt"),
+        [],
     ),
-    "no tracker, no complete iteration": lambda root: _remove(
-        root, TRACKER, "iter_0000002/manifest.json", "iter_0000004/manifest.json"
+    "no tracker, no complete iteration": (
+        lambda root: _remove(
+            root, TRACKER, "iter_0000002/manifest.json", "iter_0000004/manifest.json"
+        ),
+        [],
     ),
+    "none: the run resumes with another --lr": (lambda root: None, ["--lr", "2e-3"]),
 }
 
 
-def refused(tree: str, root: str) -> float:
-    command = [sys.executable, os.path.join(tree, "pretrain_gpt.py"), *RUN, "--load", root]
+def refused(tree: str, root: str, flags: list[str]) -> float:
+    command = [sys.executable, os.path.join(tree, "pretrain_gpt.py"), *RUN, *flags, "--load", root]
     start = time.perf_counter()
     result = subprocess.run(command + ["--save", root], cwd=tree, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -75,7 +82,7 @@ def main() -> None:
         if saved.returncode != 0:
             sys.exit(f"the run to damage failed\n{saved.stderr[-3000:]}")
         damaged = {}
-        for name, damage in CASES.items():
+        for name, (damage, _) in CASES.items():
             damaged[name] = os.path.join(scratch, str(len(damaged)))
             shutil.copytree(good, damaged[name])
             damage(damaged[name])
@@ -83,7 +90,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for case, root in damaged.items():
                 for tree, path in trees.items():
-                    times[case, tree].append(refused(path, root))
+                    times[case, tree].append(refused(path, root, CASES[case][1]))
     print("# A --load that cannot succeed: seconds until pretrain_gpt.py refuses it\n")
     print(
         f"Machine: {os.cpu_count()} CPU cores, Python {platform.python_version()}; "

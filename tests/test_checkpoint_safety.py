@@ -105,6 +105,8 @@ def _entry_points(root: str, tmp_path, shakespeare_data) -> dict[str, list[str]]
             *TINY,
             "--train-iters",
             "3",
+            "--lr-decay-iters",  # (the checkpoint's: a resumed run keeps its schedule)
+            "2",
             "--data-path",
             shakespeare_data["DATA_PATH"],
             "--tokenizer-type",

@@ -1,19 +1,24 @@
 """finetune.py: loss on responses only, packing equivalent to separate samples, LoRA trains only
-adapters, and a converted HF model fine-tuned and exported loads back into transformers."""
+adapters, a converted HF model fine-tuned and exported loads back into transformers, and its
+mistakes refused in one line before torch is imported."""
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import TINY_MODEL
 from tests.parity import GPT2_STYLE, LLAMA_STYLE, TRAINING, _setup
+from threefold.config import ConfigError
 from threefold.data.loader import collate
-from threefold.data.sft import SFTDataset
+from threefold.data.sft import SFTDataset, read_jsonl
 from threefold.data.tokenizer import NullTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +158,8 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, ki
         str(tmp_path / "train.jsonl"),
         "--valid-data-path",
         str(tmp_path / "valid.jsonl"),
+        "--test-data-path",
+        str(tmp_path / "valid.jsonl"),
         "--seq-length",
         "32",
         "--micro-batch-size",
@@ -177,9 +184,10 @@ def test_lora_finetune_of_a_converted_model_exports_to_transformers(tmp_path, ki
     losses = [
         float(x) for x in re.findall(r"validation loss.*?lm loss value: ([\d.E+-]+)", result.stdout)
     ]
-    # before fine-tuning, at --eval-interval 30, and Megatron's report after training (the same
-    # weights and batches: the same loss)
-    assert len(losses) == 3 and losses[1] == losses[2] < losses[0] - 0.2, result.stdout
+    # before fine-tuning, at --eval-interval 30, and Megatron's reports after training on the
+    # validation and the test set (the same weights and batches: the same loss)
+    assert len(losses) == 4 and losses[1] == losses[2] == losses[3] < losses[0] - 0.2
+    assert "on test set" in result.stdout
 
     # LoRA: the base weights are the converted ones, bit for bit; the adapters moved.
     base_config, base, _ = load_model(converted)
@@ -273,3 +281,100 @@ def test_a_chat_model_fine_tuned_on_a_persona_answers_in_it(tmp_path):
         )
     reply = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
     assert reply.strip() == PERSONA
+
+
+@pytest.fixture(scope="module")
+def pretrained(shakespeare_data, tmp_path_factory) -> str:
+    """Two iterations on the tokenized default corpus, saved with the tokenizer."""
+    directory = str(tmp_path_factory.mktemp("pretrained") / "run")
+    result = _run(
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY_MODEL,
+        *("--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0"),
+        *("--data-path", shakespeare_data["DATA_PATH"], "--split", "98,1,1"),
+        *("--tokenizer-type", "SentencePieceTokenizer"),
+        *("--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"]),
+        *("--save", directory),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory
+
+
+# finetune.py's main in a fresh interpreter, failing if it imported torch on the way.
+BEFORE_TORCH = (
+    "import sys, finetune; code = finetune.main(sys.argv[1:]); "
+    "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
+)
+
+
+def test_fine_tuning_mistakes_are_refused_before_torch_is_imported(pretrained, tmp_path):
+    records = tmp_path / "sft.jsonl"
+    records.write_text(json.dumps({"prompt": "To be", "response": " or not"}) + "\n")
+    damaged, resumed = str(tmp_path / "damaged"), str(tmp_path / "resumed")
+    shutil.copytree(pretrained, damaged)
+    os.remove(os.path.join(damaged, "iter_0000002", "__0_0.distcp"))
+    shutil.copytree(pretrained, resumed)  # (a run resumes itself: --load is its --save)
+    base = ["--load", pretrained, "--train-iters", "2", "--lr", "1e-4"]
+    base += ["--micro-batch-size", "1", "--global-batch-size", "1"]
+    data, missing = ["--train-data-path", str(records)], str(tmp_path / "none.jsonl")
+    cases = [
+        (["--mock-data"], "give --train-data-path FILE"),
+        (["--train-data-path", missing], f"--train-data-path {missing}: no such file"),
+        (data + ["--valid-data-path", missing], f"--valid-data-path {missing}: no such file"),
+        (data + ["--test-data-path", missing], f"--test-data-path {missing}: no such file"),
+        (
+            data + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "no.model"],
+            "--tokenizer-model no.model: no such file",
+        ),
+        (data + ["--load", damaged], "__0_0.distcp is missing"),
+        (data + ["--load", resumed, "--save", resumed, "--lr", "2e-3"], "schedule has --lr 0.001"),
+        (data + ["--sft-packing", "--context-parallel-size", "2"], "--sft-packing"),
+    ]
+    for extra, expected in cases:
+        ranks = {"WORLD_SIZE": "2"} if "--context-parallel-size" in extra else {}
+        result, seconds = _before_torch(*base, *extra, **ranks)
+        assert result.returncode == 2, (extra, result.stderr[-2000:])
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("finetune.py: error: ") and expected in line, (extra, line)
+        assert seconds < 5, (extra, seconds)
+    # The control: resumed with the checkpoint's --lr, the load passes the same checks.
+    result, _ = _before_torch(
+        *base,
+        *data,
+        "--load",
+        resumed,
+        "--save",
+        resumed,
+        "--lr",
+        "1e-3",
+        THREEFOLD_VALIDATE_ONLY="1",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _before_torch(*argv: str, **environment) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", BEFORE_TORCH, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=dict(os.environ, **environment),
+    )
+    return result, time.monotonic() - start
+
+
+def test_a_bad_record_names_its_flag_file_and_line(tmp_path):
+    cases = [
+        (b'{"prompt": "a", "response": "b"}\n[1, 2]\n', ':2: needs "prompt" and "response"'),
+        (b'{"prompt": "a"\n', ":1: not JSON"),
+        (b"\xff\xfe\n", "not UTF-8 text"),
+        (b"\n\n", "no records"),
+    ]
+    for content, expected in cases:
+        path = tmp_path / "records.jsonl"
+        path.write_bytes(content)
+        with pytest.raises(ConfigError, match=re.escape(f"--valid-data-path {path}")) as error:
+            read_jsonl(str(path), "--valid-data-path")
+        assert expected in str(error.value)

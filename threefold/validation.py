@@ -99,14 +99,19 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
             vocab_size = model_vocab_size(
                 build_tokenizer(data, config.model.vocab_size), config.model.vocab_size
             )
-    if indexed_data:
+    sources = (
+        ("--data-path", data.data_path),
+        ("--train-data-path", data.train_data_path),
+        ("--valid-data-path", data.valid_data_path),
+        ("--test-data-path", data.test_data_path),
+    )
+    if not indexed_data:  # JSONL files, read whole when the datasets are built
+        for flag, paths in sources:
+            for path in paths or []:
+                _readable(path, flag)
+    else:
         prefixes = []
-        for flag, paths in (
-            ("--data-path", data.data_path),
-            ("--train-data-path", data.train_data_path),
-            ("--valid-data-path", data.valid_data_path),
-            ("--test-data-path", data.test_data_path),
-        ):
+        for flag, paths in sources:
             for prefix in data_prefixes(paths, flag) if paths else []:
                 if vocab_size is None:
                     check_index(prefix, flag)

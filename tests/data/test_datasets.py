@@ -215,13 +215,13 @@ def test_document_flags_need_an_end_of_document_token():
         build_datasets(config)
 
 
-def test_finetuning_refuses_the_pretraining_document_flags():
-    from finetune import sft_datasets
-    from threefold.data.tokenizer import NullTokenizer
+def test_finetuning_refuses_the_pretraining_document_flags(tmp_path):
+    from finetune import check_finetuning
 
-    config = parse_args(MODEL + ["--mock-data", "--train-iters", "2", "--reset-attention-mask"])
+    argv = MODEL + ["--train-data-path", str(tmp_path / "sft.jsonl"), "--train-iters", "2"]
+    argv += ["--tokenizer-type", "NullTokenizer", "--reset-attention-mask"]
     with pytest.raises(ConfigError, match="--reset-attention-mask is for pretraining"):
-        sft_datasets(packing=False)(config, NullTokenizer(VOCAB))
+        check_finetuning(parse_args(argv), packing=False)
 
 
 def test_no_mmap_bin_files_reads_the_same_samples(corpus):

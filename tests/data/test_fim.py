@@ -215,8 +215,9 @@ def test_a_hugging_face_tokenizer_names_its_special_tokens(tmp_path):
 
 
 def test_finetuning_refuses_fim_data():
-    from finetune import sft_datasets
+    from finetune import check_finetuning
 
-    argv = MODEL + ["--data-path", "unused", "--train-iters", "2", "--fim-data"]
+    argv = MODEL + ["--train-data-path", "unused", "--train-iters", "2", "--fim-data"]
+    argv += ["--tokenizer-type", "NullTokenizer"]
     with pytest.raises(ConfigError, match="finetune.py: --fim-data rearranges pretraining"):
-        sft_datasets(packing=False)(parse_args(argv), NullTokenizer(VOCAB))
+        check_finetuning(parse_args(argv), packing=False)

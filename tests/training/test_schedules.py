@@ -10,6 +10,7 @@ import torch
 from tests.parity import GPT2_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
 from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.loadable import check_before_start
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
 from threefold.training.lr_scheduler import OptimizerParamScheduler
@@ -175,6 +176,10 @@ def test_resume_with_another_schedule_is_refused_unless_settled(checkpoint):
         r"run has 0\.001; .*--override-opt_param-scheduler",
     ):
         load_checkpoint(checkpoint, _setup(changed).checkpoint_components())
+    # Before start-up too, from the metadata alone (pretrain_gpt.py's and finetune.py's look).
+    config = parse_args(changed + ["--load", checkpoint])
+    with pytest.raises(ConfigError, match=r"--load .*: the checkpoint's schedule has --lr 0\.003"):
+        check_before_start(checkpoint, config.checkpoint, 1, config)
     overriding = _setup(changed + ["--override-opt_param-scheduler"])
     load_checkpoint(checkpoint, overriding.checkpoint_components())
     assert overriding.scheduler.schedule["max_lr"] == 1e-3

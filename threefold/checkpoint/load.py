@@ -128,12 +128,7 @@ def load_checkpoint(
             components.optimizer.copy_model_to_masters()
     if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
         components.train_state.load_state_dict(metadata["train_state"])
-        scheduler = metadata["scheduler"]
-        if megatron and not components.scheduler.in_samples:
-            # Megatron-LM counts its LR schedule in samples; an iteration-based run here counts
-            # iterations (and checks the schedule itself against its own flags).
-            scheduler = {"num_steps": metadata["train_state"]["iteration"]}
-        components.scheduler.load_state_dict(scheduler)
+        components.scheduler.load_state_dict(loadable.scheduler)
     if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
         set_rng_state(rng)
     return iteration

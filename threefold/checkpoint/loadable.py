@@ -40,8 +40,10 @@ from threefold.config import (
     DataConfig,
     ModelConfig,
     ParallelConfig,
+    TrainingConfig,
 )
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+from threefold.config.lr_schedule import resumed_lr_schedule
 
 
 def damage(
@@ -181,6 +183,7 @@ class Loadable:
     load_optimizer: bool
     load_rng: bool
     without_adapters: bool  # LoRA fine-tuning from a checkpoint without adapters
+    scheduler: dict | None  # the LR scheduler's state to resume (None: weights only)
 
 
 def check_loadable(
@@ -255,9 +258,25 @@ def check_loadable(
                 "and holds no RNG state; pass --no-load-rng (or --finetune)"
             )
         _check_rng_files(root, path, ranks)
+    scheduler = None if finetune else _scheduler_state(root, metadata, config.training)
     return Loadable(
-        path, metadata, megatron, same_layout, load_optimizer, load_rng, without_adapters
+        path, metadata, megatron, same_layout, load_optimizer, load_rng, without_adapters, scheduler
     )
+
+
+def _scheduler_state(root: str, metadata: dict, training: TrainingConfig) -> dict:
+    """The LR scheduler's state a resumed run loads, once its schedule is settled against the
+    run's flags (config/lr_schedule.py)."""
+    scheduler = metadata["scheduler"]
+    if "megatron" in metadata and training.train_samples is None:
+        # Megatron-LM counts its LR schedule in samples; an iteration-based run here counts
+        # iterations (and checks the schedule itself against its own flags).
+        scheduler = {"num_steps": metadata["train_state"]["iteration"]}
+    try:
+        resumed_lr_schedule(scheduler, training)
+    except ConfigError as error:
+        raise ConfigError(f"--load {root}: {error}") from None
+    return scheduler
 
 
 def rng_file(path: str, rank: int) -> str:

@@ -108,6 +108,18 @@ class DataConfig:
         "<|endoftext|>", help="--fim-data: the end-of-document token documents are cut at"
     )
 
+    def document_flags(self) -> list[str]:
+        """Megatron's flags given that split pretraining token windows into their documents."""
+        return [
+            flag
+            for flag, value in (
+                ("--reset-position-ids", self.reset_position_ids),
+                ("--reset-attention-mask", self.reset_attention_mask),
+                ("--eod-mask-loss", self.eod_mask_loss),
+            )
+            if value
+        ]
+
     def split_weights(self) -> list[float]:
         # Megatron-LM's Llama-3 example passes --split "'99,1,0'": the quotes reach argv.
         parts = self.split.strip("'\"").replace("/", ",").split(",")

@@ -32,7 +32,7 @@ def build_datasets(config: Config, tokenizer=None) -> list:
         ]
     else:
         datasets = megatron_datasets(config, tokenizer, sizes)
-    flags = document_flags(data)
+    flags = data.document_flags()
     if not flags:
         return datasets
     if getattr(tokenizer, "eod", None) is None:
@@ -41,19 +41,6 @@ def build_datasets(config: Config, tokenizer=None) -> list:
             "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)"
         )
     return [None if d is None else DocumentMasks(d, tokenizer.eod, data) for d in datasets]
-
-
-def document_flags(data: DataConfig) -> list[str]:
-    """Megatron's flags that split pretraining token windows into their documents."""
-    return [
-        flag
-        for flag, value in (
-            ("--reset-position-ids", data.reset_position_ids),
-            ("--reset-attention-mask", data.reset_attention_mask),
-            ("--eod-mask-loss", data.eod_mask_loss),
-        )
-        if value
-    ]
 
 
 class DocumentMasks:

@@ -23,7 +23,8 @@ from threefold.config import ConfigError
 from threefold.data.tokenizer import prompt_ids
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, flag: str) -> list[dict]:
+    """The records of `flag`'s JSONL file, or a ConfigError naming the flag, file and line."""
     records = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -33,16 +34,21 @@ def read_jsonl(path: str) -> list[dict]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ConfigError(f"{path}:{number}: not JSON ({error.msg})") from None
-                if not ("messages" in record or {"prompt", "response"} <= record.keys()):
+                    raise ConfigError(f"{flag} {path}:{number}: not JSON ({error.msg})") from None
+                if not (
+                    isinstance(record, dict)
+                    and ("messages" in record or {"prompt", "response"} <= record.keys())
+                ):
                     raise ConfigError(
-                        f'{path}:{number}: needs "prompt" and "response", or "messages"'
+                        f'{flag} {path}:{number}: needs "prompt" and "response", or "messages"'
                     )
                 records.append(record)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
+        raise ConfigError(f"{flag} {path}: no such file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{flag} {path}: not UTF-8 text ({error.reason})") from None
     if not records:
-        raise ConfigError(f"{path}: no records")
+        raise ConfigError(f"{flag} {path}: no records")
     return records
 
 

@@ -17,33 +17,17 @@ Weight decay: `--weight-decay` throughout, or with `--weight-decay-incr-style li
 from `--start-weight-decay` to `--end-weight-decay` over the whole run; groups with
 `wd_mult` 0 (biases and norms) never decay.
 
-A checkpoint stores the schedule. On resume the run's flags must describe the same schedule
-(else the load stops, naming the flag) unless `--override-opt_param-scheduler` (the flags win)
-or `--use-checkpoint-opt_param-scheduler` (the checkpoint wins), as in Megatron-LM.
+A checkpoint stores the schedule; what a resumed run follows is threefold/config/lr_schedule.py's
+(the run's flags must describe the same schedule unless --override-opt_param-scheduler or
+--use-checkpoint-opt_param-scheduler says which wins).
 """
 
 from __future__ import annotations
 
 import math
 
-from threefold.config import ConfigError, TrainingConfig
-
-# Schedule values a checkpoint stores and a resume compares, with the flags that set them.
-_FLAGS = {
-    "max_lr": "--lr",
-    "min_lr": "--min-lr",
-    "decay_style": "--lr-decay-style",
-    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples",
-    "decay_steps": "--lr-decay-iters/--lr-decay-samples",
-    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
-    "wsd_decay_style": "--lr-wsd-decay-style",
-    "decoupled_lr": "--decoupled-lr",
-    "decoupled_min_lr": "--decoupled-min-lr",
-    "start_wd": "--start-weight-decay",
-    "end_wd": "--end-weight-decay",
-    "wd_incr_style": "--weight-decay-incr-style",
-    "wd_incr_steps": "--train-iters/--train-samples (the weight-decay ramp)",
-}
+from threefold.config import TrainingConfig
+from threefold.config.lr_schedule import lr_schedule, resumed_lr_schedule
 
 
 def _decayed(style: str, ratio: float) -> float:
@@ -59,30 +43,9 @@ def _decayed(style: str, ratio: float) -> float:
 
 class OptimizerParamScheduler:
     def __init__(self, optimizer, config: TrainingConfig) -> None:
-        self.optimizer = optimizer
+        self.optimizer, self.config = optimizer, config
         self.in_samples = config.train_samples is not None
-        samples = self.in_samples
-        self.schedule = {
-            "max_lr": config.lr,
-            "min_lr": config.min_lr,
-            "decay_style": config.lr_decay_style,
-            "warmup_steps": config.lr_warmup_samples if samples else config.lr_warmup_iters,
-            "decay_steps": config.lr_decay_samples if samples else config.lr_decay_iters,
-            "wsd_decay_steps": (
-                config.lr_wsd_decay_samples if samples else config.lr_wsd_decay_iters
-            ),
-            "wsd_decay_style": config.lr_wsd_decay_style,
-            "decoupled_lr": config.decoupled_lr,
-            "decoupled_min_lr": (
-                config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
-            ),
-            "start_wd": config.start_weight_decay,
-            "end_wd": config.end_weight_decay,
-            "wd_incr_style": config.weight_decay_incr_style,
-            "wd_incr_steps": config.train_samples if samples else config.train_iters,
-        }
-        self.override = config.override_opt_param_scheduler
-        self.use_checkpoint = config.use_checkpoint_opt_param_scheduler
+        self.schedule = lr_schedule(config)
         self.num_steps = 0
         self.step(0)
 
@@ -139,22 +102,7 @@ class OptimizerParamScheduler:
         return {"num_steps": self.num_steps, **self.schedule}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resume at the checkpoint's step; its schedule is checked against (or replaces,
-        with --use-checkpoint-opt_param-scheduler) this run's. Raises ConfigError on a
-        difference the flags do not settle."""
-        for name, saved in state_dict.items():
-            if name not in self.schedule or self.override:
-                continue  # older checkpoints store only the step
-            if self.use_checkpoint:
-                self.schedule[name] = saved
-            elif saved != self.schedule[name] and not (
-                name == "wd_incr_steps" and self.schedule["wd_incr_style"] == "constant"
-            ):
-                raise ConfigError(
-                    f"the checkpoint's schedule has {_FLAGS[name]} {saved} but this run has "
-                    f"{self.schedule[name]}; use the checkpoint's value, or pass "
-                    "--override-opt_param-scheduler (this run's schedule) or "
-                    "--use-checkpoint-opt_param-scheduler (the checkpoint's)"
-                )
+        """Resume at the checkpoint's step, on the schedule `resumed_lr_schedule` settles."""
+        self.schedule = resumed_lr_schedule(state_dict, self.config)
         self.num_steps = 0
         self.step(state_dict["num_steps"])
