@@ -48,6 +48,21 @@ def pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return padded(a), padded(b.t()).t()
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, **arguments) -> torch.Tensor:
+    """`torch._scaled_mm`; on the CPU, run eagerly, with oneDNN off. Where the CPU has AMX,
+    ATen hands FP8 GEMMs to oneDNN, whose FP8 kernels need matrix units this Xeon lacks: its
+    fallback took 5.1 s for a 512 x 256 x 512 GEMM, ATen's own emulation (the same products
+    summed by an fp32 GEMM) 11 ms. (A compiled graph cannot hold the switch: it calls the
+    operator as the flag stands when the graph runs.)"""
+    if a.device.type != "cpu" or torch.compiler.is_compiling() or not torch.backends.mkldnn.enabled:
+        return torch._scaled_mm(a, b, **arguments)
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch._scaled_mm(a, b, **arguments)
+    finally:
+        torch.backends.mkldnn.enabled = True
+
+
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -71,8 +86,8 @@ def scaled_mm(
     a, b = pad_inner(a, b)
     scales = dict(scale_a=a_inverse, scale_b=b_inverse, use_fast_accum=fast_accum)
     if out is not None:
-        return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype, out=out)
-    return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
+        return _scaled_mm(a, b, **scales, out_dtype=out_dtype, out=out)
+    return _scaled_mm(a, b, **scales, out_dtype=out_dtype)
 
 
 # A weight gradient as one operator of a compiled graph, which calls it with main_grad and the
@@ -145,11 +160,11 @@ def rowwise_mm(
     compiled_on_gpu = torch.compiler.is_compiling() and a.device.type == "cuda"
     if out_dtype == torch.float32 and KERNELS.fp8_rowwise_fp32_output and not compiled_on_gpu:
         try:
-            return torch._scaled_mm(a, b, **scales, out_dtype=out_dtype)
+            return _scaled_mm(a, b, **scales, out_dtype=out_dtype)
         except RuntimeError:  # an argument check, before any kernel ran: bf16 from now on
             KERNELS.fp8_rowwise_fp32_output = False
     out = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    return torch._scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
+    return _scaled_mm(a, b, **scales, out_dtype=out).to(out_dtype)
 
 
 def _cublas_weight_scales(
