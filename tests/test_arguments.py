@@ -201,6 +201,17 @@ def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
     assert "--sequence-parallel has no effect" in capsys.readouterr().out
 
 
+def test_a_save_interval_without_save_warns_and_saves_nothing(capsys, tmp_path):
+    """As Megatron-LM, whose DeepSeek-proxy configs comment out --save and keep the interval."""
+    from threefold.training.checkpointer import Checkpointer
+
+    config = parse_args(BASE + ["--save-interval", "2"], world_size=1)
+    assert "WARNING: --save-interval 2 without --save: no checkpoint" in capsys.readouterr().out
+    assert not Checkpointer(config.checkpoint, None, None).due(2)
+    with_save = parse_args(BASE + ["--save-interval", "2", "--save", str(tmp_path)], world_size=1)
+    assert Checkpointer(with_save.checkpoint, None, None).due(2)
+
+
 def test_a_mistyped_flag_gets_one_line_naming_the_nearest_flag():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--num-layer", "2"],

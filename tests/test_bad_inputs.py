@@ -112,7 +112,6 @@ CONFIGS = [
     (MOCK + ["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr"),
     (MOCK + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"], 1, "--lr-warmup-iters 5"),
     (MOCK + ["--split", "a,b"], 1, "--split"),
-    (MOCK + ["--save-interval", "10"], 1, "--save-interval needs --save"),
     (MOCK + ["--async-save"], 1, "--async-save needs --save"),
     (MOCK + ["--no-load-optim"], 1, "--no-load-optim needs --load"),
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),

@@ -74,10 +74,17 @@ class CheckpointConfig:
         ),
     )  # model flags from --load (threefold/checkpoint/args.py)
 
-    def finalize(self) -> None:
+    def finalize(self) -> list[str]:
+        warnings = []
         if self.save_interval is not None:
             _require(self.save_interval >= 1, "--save-interval must be >= 1")
-            _require(self.save is not None, "--save-interval needs --save DIR")
+            if self.save is None:
+                # Megatron-LM saves only with --save, and its own configs rely on that (the
+                # DeepSeek proxy's comment their --save out and keep --save-interval 25).
+                warnings.append(
+                    f"--save-interval {self.save_interval} without --save: no checkpoint is "
+                    "written; give --save DIR to keep them"
+                )
         _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
         if self.ckpt_keep_latest is not None:
             _require(
@@ -112,3 +119,4 @@ class CheckpointConfig:
             ("--no-save-rng", self.no_save_rng),
         ):
             _require(not value or self.save is not None, f"{name} needs --save DIR")
+        return warnings

@@ -90,7 +90,7 @@ class Config:
             "--reset-attention-mask with gated delta net layers, whose rule would carry its "
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
-        self.checkpoint.finalize()
+        warnings += self.checkpoint.finalize()
         warnings += self.logging.finalize()
         self.kernels.finalize()
         check_recompute_kernels(self)

@@ -38,8 +38,9 @@ class Checkpointer:
         self.last_path: str | None = None  # its directory, once written by this run
 
     def due(self, iteration: int) -> bool:
-        """--save-interval says so (the loop saves the last iteration itself)."""
-        return bool(self.config.save_interval and iteration % self.config.save_interval == 0)
+        """--save-interval says so, given --save (the loop saves the last iteration itself)."""
+        interval = self.config.save_interval
+        return bool(self.config.save and interval and iteration % interval == 0)
 
     def save(self, iteration: int) -> None:
         watch = self.observability
