@@ -151,7 +151,9 @@ class GatedDeltaNet(nn.Module):
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """out_norm(core) x SiLU(z) per value head, [b, s, heads, d] -> [s, b, heads * d] (this
         rank's tokens for all its TP rank's heads under CP)."""
-        gated = (self.out_norm(core) * F.silu(z.float())).to(core.dtype)
+        # SiLU of a contiguous z on every path: the recomputed norm is handed a copy, and on
+        # some CPUs (AVX-512) SiLU's vectorized loop and its strided one differ by an ulp.
+        gated = (self.out_norm(core) * F.silu(z.float().contiguous())).to(core.dtype)
         gated = gated.flatten(2).transpose(0, 1)
         return scatter_sequence(gated, self.cp) if self.cp.size > 1 else gated
 

@@ -25,7 +25,7 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   and out_proj's input; under CP for the whole sequence and 1/CP of the heads
   (--recompute-modules gdn_norm_out: the norm's checkpoint keeps the core's output and a
   copy of z, 2e bytes per value element, instead of its 16 bytes of fp32 tensors and its
-  statistics; in fp32 the projection z viewed goes too).
+  statistics; in fp32 SiLU's copy of z goes too).
 FP8 layers (--fp8-format; model/fp8.py): the linear layers of attention, dense MLPs and shared
 experts (and experts under rowwise scaling) keep 1-byte copies of their inputs instead of the
 run's dtype: QKV and fc1 (the norm block's linear input; an MoE layer's router keeps it in the
@@ -201,18 +201,18 @@ def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
     """A gated delta net layer's activations between in_proj's input and out_proj's (model/
     gated_delta_net.py), as its autograd graph keeps them: for the whole sequence (under CP
     each rank runs all of it for 1/CP of its heads), c = 2 qk + v convolved channels and this
-    rank's value heads. In fp32 the convolution's SiLU output and the projection (which the
-    gates' views keep) are kept whole; in bf16 their fp32 copies of q, k and z."""
+    rank's value heads. In fp32 the convolution's SiLU output (which q and k view) and a copy
+    of z are kept; in bf16 fp32 copies of q, k and z."""
     model, parallel = config.model, config.parallel
     split = parallel.tensor_model_parallel_size * parallel.context_parallel_size
     seq, width = model.seq_length, model.linear_conv_kernel_dim
     heads = model.linear_num_value_heads // split
     dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
     qk, v = model.linear_num_key_heads // split * dk, heads * dv
-    c, projected = 2 * qk + v, 2 * qk + 2 * v + 2 * heads
+    c = 2 * qk + v
     total = e * b * (2 * seq + width - 1) * c  # the convolution's input and output
-    if e == 4:  # the SiLU output (q, k read as fp32 views) and the projection (z's view)
-        total += 4 * b * seq * (c + projected)
+    if e == 4:  # the SiLU output (q, k read as fp32 views) and a copy of z (its SiLU)
+        total += 4 * b * seq * (c + v)
     else:  # fp32 copies of q, k (L2 norm) and z (its SiLU)
         total += 4 * b * seq * (2 * qk + v)
     total += 4 * b * seq * (2 * model.linear_num_key_heads // split + 3 * heads)  # rsqrt, gates
@@ -222,8 +222,8 @@ def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
     if model.recomputes("gdn_norm_out"):
         # the norm's checkpoint keeps the core's output and a copy of z instead: its fp32
         # tensors and statistics go (in bf16 also z's fp32 copy, out_proj keeping a copy of
-        # its input; in fp32 out_proj's input itself, and the projection z no longer views)
-        total -= b * seq * ((16 - e) * v + 4 * heads + (4 * projected if e == 4 else 0))
+        # its input; in fp32 out_proj's input itself, and SiLU's copy of z)
+        total -= b * seq * ((16 - e) * v + 4 * heads + (4 * v if e == 4 else 0))
     chunks = -(-seq // CHUNK_SIZE)
     rows = chunks * CHUNK_SIZE  # the padded sequence
     rule = 7 * chunks * CHUNK_SIZE**2 + rows * (5 * dk + 3 * dv + 5) + chunks * dk * dv
