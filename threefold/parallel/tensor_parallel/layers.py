@@ -92,7 +92,10 @@ def linear_gemm(
     if fuse:
         traced = flag_traced_accumulation(weight)
         return LinearWithGradAccumulation.apply(x, weight, bias, traced)
-    if module.delay_wgrad_compute and torch.is_grad_enabled():
+    # Deferred only for the layer's own weight: a tied one gets the embedding's gradient in the
+    # same pass, and would reach the gradient buffer in two parts, which --overlap-grad-reduce
+    # would count as two micro-batches (a bucket reduced before the step's last gradients).
+    if module.delay_wgrad_compute and weight is module.weight and torch.is_grad_enabled():
         return DelayableLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
