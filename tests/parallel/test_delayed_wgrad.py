@@ -1,7 +1,8 @@
 """--delay-wgrad-compute's GEMM paths one by one: inside a collecting backward pass each layer's
 weight gradient waits for the flush, then arrives through autograd as the one computed at once
 (plain, gradient-accumulation fusion's main_grad, SwiGLU's blocks with and without it, the
-grouped experts), without building a graph; outside one nothing waits. The combined schedule
+grouped experts, an FP8 layer's under each recipe, into main_grad or not), without building a
+graph; outside one nothing waits. The combined schedule
 that collects is tested in tests/parallel/test_ep_overlap.py."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from threefold.kernels.fp8 import Fp8Linear
+from threefold.kernels.fp8_recipe import Fp8Recipe
 from threefold.model.moe import experts as experts_module
 from threefold.parallel.tensor_parallel import delayed_wgrad
 from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear
@@ -38,11 +41,27 @@ def _grouped(x, w):
     return experts_module._GroupedLinear.apply(x, COUNTS, *w.chunk(len(COUNTS)))
 
 
+def _fp8(recipe: Fp8Recipe, fused: bool):
+    """An FP8 layer's GEMMs (a fresh scaling state each call), its weight gradient added to
+    main_grad (`fused`) or returned."""
+    return lambda x, w: Fp8Linear(recipe).linear(x, w, None, fused)
+
+
+FP8_RECIPES = {
+    "delayed": Fp8Recipe(delayed=True),
+    "tensorwise": Fp8Recipe(delayed=False),
+    "rowwise": Fp8Recipe(delayed=False, rowwise=True),
+    "blockwise": Fp8Recipe(delayed=False, blockwise=True),
+    "tensorwise-no-fp8-wgrad": Fp8Recipe(delayed=False, fp8_wgrad=False),
+    "rowwise-no-fp8-wgrad": Fp8Recipe(delayed=False, rowwise=True, fp8_wgrad=False),
+}
 PATHS = {
     "plain": (_plain, False),
     "fused": (_fused, True),
     "blocks": (_blocks, False),
     "blocks-fused": (_blocks_fused, True),
+    **{f"fp8-{name}": (_fp8(recipe, False), False) for name, recipe in FP8_RECIPES.items()},
+    **{f"fp8-{name}-fused": (_fp8(recipe, True), True) for name, recipe in FP8_RECIPES.items()},
 }
 
 

@@ -13,7 +13,14 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parallel.test_expert_parallel import MOE
-from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference, train_job
+from tests.parallel.test_fp8 import RECIPES, assert_match_one_device, fp8_train_job, stepwise_parity
+from tests.parity import (
+    LLAMA_STYLE,
+    TRAINING,
+    assert_close_dicts,
+    assert_matches_reference,
+    train_job,
+)
 from threefold.arguments import parse_args
 from threefold.parallel.expert_parallel import dispatcher
 from threefold.parallel.pipeline_parallel import combined_1f1b
@@ -155,6 +162,30 @@ def test_a_tied_output_layer_is_not_deferred_under_the_overlapped_reduction():
     results = run_distributed(4, counted_train_job, tied + flags, 4)
     assert_matches_reference(results, reference, 1e-5)
     assert all(result["flushed"][True] > 0 for result in results)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "rowwise"])
+def test_fp8_weight_gradients_wait_for_the_exchanges_too(tmp_path, recipe):
+    """--delay-wgrad-compute with FP8 layers (attention and the shared expert; under rowwise
+    the experts too): EP2 with the combined step trains exactly as the same layout with its
+    weight gradients computed at once (the same GEMMs, each weight's micro-batches added in
+    the same order), as many of them deferred as in bf16, most beside an exchange; and as
+    one FP8 device, a step at a time, to the FP8 layouts' tolerances
+    (tests/parallel/test_fp8.py)."""
+    model = MODEL + ["--global-batch-size", "32"] + SHARED
+    argv, layout = model + RECIPES[recipe], model + RECIPES[recipe] + OVERLAP + EP2
+    at_once = run_distributed(4, counted_train_job, layout, 3)
+    deferred = run_distributed(4, counted_train_job, layout + DELAYED, 3)
+    in_bf16 = run_distributed(4, counted_train_job, model + OVERLAP + EP2 + DELAYED, 3)
+    for plain, delayed, bf16 in zip(at_once, deferred, in_bf16):
+        assert delayed["losses"] == plain["losses"]
+        assert_close_dicts(delayed["params"], plain["params"], 0, "parameter")
+        assert_close_dicts(delayed["fp8"], plain["fp8"], 0, "fp8 state")
+        assert plain["flushed"] == {True: 0, False: 0}
+        assert delayed["flushed"] == bf16["flushed"]
+        assert delayed["flushed"][True] > delayed["flushed"][False] > 0
+    results, reference = stepwise_parity(4, fp8_train_job, layout + DELAYED, argv, tmp_path)
+    assert_match_one_device(results, reference, recipe)
 
 
 def combined_steps(parallel: list[str], model: list[str], rank: int) -> int:

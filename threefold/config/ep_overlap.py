@@ -53,11 +53,6 @@ def check_ep_overlap(config: Config) -> None:
             "(as Megatron-LM): add it",
         )
         _require(
-            not config.fp8.enabled,
-            "--delay-wgrad-compute with --fp8-format is not built in threefold: the FP8 GEMMs "
-            "compute their weight gradients in their own backward; drop one",
-        )
-        _require(
             not parallel.tp_comm_overlap,
             "--delay-wgrad-compute with --tp-comm-overlap is not built in threefold: the "
             "overlapped GEMMs compute their weight gradients in their own backward; drop one",

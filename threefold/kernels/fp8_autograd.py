@@ -5,12 +5,14 @@ gradients."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from threefold.kernels.fp8_gemms import scaled_mm, unquantized_mm, weight_grad_into
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.delayed_wgrad import collecting, defer
 from threefold.parallel.tensor_parallel.mappings import all_gather_along_first_dim
 from threefold.parallel.tensor_parallel.weight_grad import (
     accumulate_weight_grad,
@@ -63,11 +65,12 @@ def tensorwise_weight_grad(ctx, grads, x_kept, input_inverse, g8_t, grad_inverse
     if not ctx.needs_input_grad[1]:
         return None
     if not ctx.fp8.recipe.fp8_wgrad:
-        return layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
+        return _when_due(
+            ctx, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
+        )
     operands = (g8_t, x_kept.t(), grad_inverse, input_inverse)
-    return layer_weight_grad(
-        ctx, lambda dtype, out=None: scaled_mm(*operands, dtype, out=out), operands
-    )
+    gemm = lambda dtype, out=None: scaled_mm(*operands, dtype, out=out)  # noqa: E731
+    return _when_due(ctx, partial(layer_weight_grad, ctx, gemm, operands))
 
 
 def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
@@ -79,15 +82,32 @@ def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
         return None
     fp8 = ctx.fp8
     if not fp8.recipe.fp8_wgrad:
-        return layer_weight_grad(ctx, partial(unquantized_mm, grads.t(), x_kept))
-    g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
+        return _when_due(
+            ctx, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
+        )
 
-    def gemm(dtype, out=None):
-        # (cuBLASLt's rowwise and blockwise GEMMs write no given tensor: copied into `out`)
-        result = fp8.fine_grained_mm(g8_t, x_kept.t(), g_t_inverses, x_t_inverses, dtype)
-        return result if out is None else out.copy_(result)
+    def weight_grad() -> torch.Tensor:  # the cast of g^T too: it serves this GEMM alone
+        g8_t, g_t_inverses = fp8.cast_fine(GRAD, grads.t())
 
-    return layer_weight_grad(ctx, gemm)
+        def gemm(dtype, out=None):
+            # (cuBLASLt's rowwise and blockwise GEMMs write no given tensor: copied into `out`)
+            result = fp8.fine_grained_mm(g8_t, x_kept.t(), g_t_inverses, x_t_inverses, dtype)
+            return result if out is None else out.copy_(result)
+
+        return layer_weight_grad(ctx, gemm)
+
+    return _when_due(ctx, weight_grad)
+
+
+def _when_due(ctx, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """`weight_grad()` now, or, while a combined step's backward collects them
+    (--delay-wgrad-compute: parallel/tensor_parallel/delayed_wgrad.py), when the pass starts
+    its next exchange: None is then the backward's answer for the weight, and the deferred
+    gradient reaches it through its own accumulator, as a bf16 layer's does."""
+    if collecting():
+        defer(ctx.weight, weight_grad)
+        return None
+    return weight_grad()
 
 
 def gather_fp8_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:
