@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.distributed import close_pools
+from tests.distributed import close_pools, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The smallest model the command-line tests train (each adds its own run flags).
@@ -148,6 +148,9 @@ def tiny_gpt_environment(data: dict[str, str], **overrides) -> dict[str, str]:
         EVAL_ITERS="1",
         PRECISION="fp32",
         NPROC_PER_NODE="2",
+        # launch/torchrun_gpt.sh's default port is 29500: two launches at once (the suite's
+        # files run side by side) would meet there.
+        MASTER_PORT=str(free_port()),
         **data,
     )
     environment.update({key: str(value) for key, value in overrides.items()})

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.distributed import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,6 +52,8 @@ def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
         "torch.distributed.run",
         "--nproc_per_node",
         str(nproc),
+        "--master_port",
+        str(free_port()),
         os.path.join(ROOT, "pretrain_gpt.py"),
         *layout,
         "--num-layers",

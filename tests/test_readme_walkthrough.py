@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT
+from tests.distributed import free_port
 
 
 def _walkthrough() -> str:
@@ -22,9 +23,12 @@ def test_the_own_data_walkthrough_runs_as_written(tmp_path):
     block = block.replace("own/", f"{tmp_path}/own/").replace(
         "mkdir -p own", f"mkdir -p {tmp_path}/own"
     )
-    # The test's interpreter stands for the activated virtual environment.
+    # The test's interpreter stands for the activated virtual environment. The block's torchrun
+    # takes its port from PET_MASTER_PORT (its default, 29500, another launch may hold).
     environment = dict(
-        os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+        os.environ,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        PET_MASTER_PORT=str(free_port()),
     )
     result = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block],
