@@ -26,6 +26,7 @@ from threefold.parallel.expert_parallel import dispatcher
 from threefold.parallel.pipeline_parallel import combined_1f1b
 from threefold.parallel.pipeline_parallel.order import combined_interleaved_steps, interleaved_order
 from threefold.parallel.tensor_parallel import delayed_wgrad
+from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
 from threefold.training.activation_estimate import micro_batches_in_flight
 from threefold.training.memory_estimate import estimate_memory, stage_parameters
 
@@ -71,6 +72,7 @@ def counted_train_job(argv: list[str], iterations: int) -> dict:
             return out, Work()
         return result
 
+    rings = COLLECTIVE_COUNTS["in_ring_steps"]
     combined_1f1b._Turns.hand_over, dispatcher._all_to_all = recording, watched
     combined_1f1b._Turns.__init__, delayed_wgrad.flush = counting, counting_flush
     try:
@@ -80,6 +82,7 @@ def counted_train_job(argv: list[str], iterations: int) -> dict:
         combined_1f1b._Turns.__init__, delayed_wgrad.flush = start, flush
     rank = torch.distributed.get_rank()
     counts = {"combined": len(steps), "rank": rank, "flushed": flushed}
+    counts["rings"] = COLLECTIVE_COUNTS["in_ring_steps"] - rings  # --tp-comm-overlap's
     return {**result, "sides": sides, "pending": pending, **counts}
 
 
@@ -162,6 +165,26 @@ def test_a_tied_output_layer_is_not_deferred_under_the_overlapped_reduction():
     results = run_distributed(4, counted_train_job, tied + flags, 4)
     assert_matches_reference(results, reference, 1e-5)
     assert all(result["flushed"][True] > 0 for result in results)
+
+
+def test_the_tp_comm_overlap_rings_weight_gradients_wait_as_the_plain_gemms_do():
+    """--delay-wgrad-compute with --tp-comm-overlap: EP2 x TP2 with sequence parallelism, the
+    linear layers' collectives in ring steps, tied embeddings and --overlap-grad-reduce, trains
+    as one process. The rings' weight-gradient GEMMs wait as the plain collectives' GEMMs do
+    (as many deferred, most beside an exchange); the tied output layer's ring, whose weight the
+    embedding's gradient also reaches, computes at once."""
+    tied = [flag for flag in MODEL if flag != "--untie-embeddings-and-output-weights"]
+    tied += ["--global-batch-size", "32"] + SHARED
+    reference = train_job(tied, 4)
+    layout = tied + OVERLAP + EP2 + DELAYED + ["--overlap-grad-reduce"]
+    layout += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    in_rings = run_distributed(4, counted_train_job, layout + ["--tp-comm-overlap"], 4)
+    gathered = run_distributed(4, counted_train_job, layout, 4)
+    assert_matches_reference(in_rings, reference, 1e-5)
+    for rings, plain in zip(in_rings, gathered):
+        assert rings["rings"] > 0 and plain["rings"] == 0
+        assert rings["flushed"] == plain["flushed"]
+        assert rings["flushed"][True] > rings["flushed"][False] > 0
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "rowwise"])

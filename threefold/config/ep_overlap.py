@@ -6,9 +6,8 @@ each one's all-to-alls travelling while the other computes
 `ParallelConfig` inherits the fields (Megatron-LM keeps them with its parallel settings);
 `check_ep_overlap` is called from the run config's finalize, where the model and kernels are
 known. The refusals are Megatron-LM's, but for the precision: the combined step computes in
-any dtype, so an fp32 run (which Megatron-LM refuses) is taken. threefold adds its own where its
-kernels own the work: layers compiled whole, and delayed weight gradients beside FP8 GEMMs or
---tp-comm-overlap's.
+any dtype, so an fp32 run (which Megatron-LM refuses) is taken. threefold adds one of its own:
+layers compiled whole, whose graphs would run the exchanges the step hands over at.
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ def check_ep_overlap(config: Config) -> None:
             parallel.overlap_moe_expert_parallel_comm,
             f"--delay-wgrad-compute delays weight gradients into the all-to-alls of {FLAG} "
             "(as Megatron-LM): add it",
-        )
-        _require(
-            not parallel.tp_comm_overlap,
-            "--delay-wgrad-compute with --tp-comm-overlap is not built in threefold: the "
-            "overlapped GEMMs compute their weight gradients in their own backward; drop one",
         )
     if not parallel.overlap_moe_expert_parallel_comm:
         return

@@ -1,18 +1,18 @@
 """What the FP8 linear layers' autograd functions share (kernels/fp8.py's, and their
 sequence-parallel ones in kernels/fp8_sequence_parallel.py): the context a
 forward leaves its backward, the output dtype, the FP8 all-gather and the weight and bias
-gradients."""
+gradients. A weight gradient is computed when due (`delayed_wgrad.when_due`): at once, or with
+--delay-wgrad-compute at the combined step's next exchange, as a bf16 layer's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from threefold.kernels.fp8_gemms import scaled_mm, unquantized_mm, weight_grad_into
 from threefold.parallel.parallel_context import Group
-from threefold.parallel.tensor_parallel.delayed_wgrad import collecting, defer
+from threefold.parallel.tensor_parallel.delayed_wgrad import when_due
 from threefold.parallel.tensor_parallel.mappings import all_gather_along_first_dim
 from threefold.parallel.tensor_parallel.weight_grad import (
     accumulate_weight_grad,
@@ -65,12 +65,12 @@ def tensorwise_weight_grad(ctx, grads, x_kept, input_inverse, g8_t, grad_inverse
     if not ctx.needs_input_grad[1]:
         return None
     if not ctx.fp8.recipe.fp8_wgrad:
-        return _when_due(
-            ctx, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
+        return when_due(
+            ctx.weight, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
         )
     operands = (g8_t, x_kept.t(), grad_inverse, input_inverse)
     gemm = lambda dtype, out=None: scaled_mm(*operands, dtype, out=out)  # noqa: E731
-    return _when_due(ctx, partial(layer_weight_grad, ctx, gemm, operands))
+    return when_due(ctx.weight, partial(layer_weight_grad, ctx, gemm, operands))
 
 
 def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
@@ -82,8 +82,8 @@ def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
         return None
     fp8 = ctx.fp8
     if not fp8.recipe.fp8_wgrad:
-        return _when_due(
-            ctx, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
+        return when_due(
+            ctx.weight, partial(layer_weight_grad, ctx, partial(unquantized_mm, grads.t(), x_kept))
         )
 
     def weight_grad() -> torch.Tensor:  # the cast of g^T too: it serves this GEMM alone
@@ -96,18 +96,7 @@ def fine_grained_weight_grad(ctx, grads, x_kept, x_t_inverses):
 
         return layer_weight_grad(ctx, gemm)
 
-    return _when_due(ctx, weight_grad)
-
-
-def _when_due(ctx, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-    """`weight_grad()` now, or, while a combined step's backward collects them
-    (--delay-wgrad-compute: parallel/tensor_parallel/delayed_wgrad.py), when the pass starts
-    its next exchange: None is then the backward's answer for the weight, and the deferred
-    gradient reaches it through its own accumulator, as a bf16 layer's does."""
-    if collecting():
-        defer(ctx.weight, weight_grad)
-        return None
-    return weight_grad()
+    return when_due(ctx.weight, weight_grad)
 
 
 def gather_fp8_rows(x8: torch.Tensor, tp: Group) -> torch.Tensor:

@@ -34,7 +34,7 @@ from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import Group, ParallelContext
-from threefold.parallel.tensor_parallel.delayed_wgrad import collecting, defer
+from threefold.parallel.tensor_parallel.delayed_wgrad import when_due
 from threefold.parallel.tensor_parallel.layers import linear_gemm
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_expert
 
@@ -286,11 +286,7 @@ class _GroupedLinear(torch.autograd.Function):
         for index, (weight, rows, inputs) in enumerate(parts):
             if not ctx.needs_input_grad[2 + index]:
                 continue
-            product = functools.partial(torch.mm, rows.t(), inputs)
-            if collecting():
-                defer(weight, product)
-            else:
-                grads[index] = product()
+            grads[index] = when_due(weight, functools.partial(torch.mm, rows.t(), inputs))
         return grad_tokens, None, *grads
 
 

@@ -15,7 +15,9 @@ A rank sends to the next TP rank and receives from the previous one (non-blockin
 slice is in flight while the GEMM of another runs; on a GPU the transfer runs on the
 communicator's stream beside the compute. The results are those of the plain collectives up
 to the order of the reduce-scatter's additions. The weight gradient is one GEMM over the whole
-gathered sequence (into `main_grad` with --gradient-accumulation-fusion), as without overlap.
+gathered sequence (into `main_grad` with --gradient-accumulation-fusion), as without overlap;
+with --delay-wgrad-compute it waits, as a plain layer's, for the combined step's next
+exchange (delayed_wgrad.py), the ring's input gradient leaving at once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.delayed_wgrad import when_due
 from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS, record_collective
 from threefold.parallel.tensor_parallel.weight_grad import add_weight_grad_product, placeholder_grad
 
@@ -88,10 +91,10 @@ class _AllGatherLinear(torch.autograd.Function):
     """Column-parallel: F.linear(all-gather(x), weight, bias), the gather overlapped."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tp, accumulate):
+    def forward(ctx, x, weight, bias, tp, accumulate, delay):
         slices, outputs = gathered_products(x, lambda part: F.linear(part, weight, bias), tp)
         ctx.save_for_backward(torch.cat(slices), weight)
-        ctx.tp, ctx.accumulate, ctx.has_bias = tp, accumulate, bias is not None
+        ctx.tp, ctx.accumulate, ctx.delay, ctx.has_bias = tp, accumulate, delay, bias is not None
         ctx.param = weight  # its main_grad (a saved tensor comes back as another object)
         return torch.cat(outputs)
 
@@ -103,14 +106,14 @@ class _AllGatherLinear(torch.autograd.Function):
         grad_x = reduce_scattered(
             lambda c: pieces[c] @ weight, tp, gathered.numel(), gathered.element_size()
         )
-        return (grad_x, *_weight_and_bias_grads(ctx, grad_output, gathered), None, None)
+        return (grad_x, *_weight_and_bias_grads(ctx, grad_output, gathered), None, None, None)
 
 
 class _LinearReduceScatter(torch.autograd.Function):
     """Row-parallel: reduce-scatter(F.linear(x, weight)) over the sequence, overlapped."""
 
     @staticmethod
-    def forward(ctx, x, weight, tp, accumulate):
+    def forward(ctx, x, weight, tp, accumulate, delay):
         x = x.contiguous()
         pieces = x.chunk(tp.size)
         out_numel = x.numel() // x.shape[-1] * weight.shape[0]
@@ -118,7 +121,8 @@ class _LinearReduceScatter(torch.autograd.Function):
             lambda c: F.linear(pieces[c], weight), tp, out_numel, x.element_size()
         )
         ctx.save_for_backward(x, weight)
-        ctx.tp, ctx.accumulate, ctx.has_bias, ctx.param = tp, accumulate, False, weight
+        ctx.tp, ctx.accumulate, ctx.delay, ctx.has_bias = tp, accumulate, delay, False
+        ctx.param = weight
         return output
 
     @staticmethod
@@ -126,21 +130,25 @@ class _LinearReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         slices, grads_x = gathered_products(grad_output, lambda part: part @ weight, ctx.tp)
         grad_weight, _ = _weight_and_bias_grads(ctx, torch.cat(slices), x)
-        return torch.cat(grads_x), grad_weight, None, None
+        return torch.cat(grads_x), grad_weight, None, None, None
 
 
 def _weight_and_bias_grads(ctx, grad_output: torch.Tensor, inputs: torch.Tensor) -> tuple:
-    """The weight gradient over the whole sequence (into main_grad when accumulating) and the
-    bias gradient."""
+    """The weight gradient over the whole sequence (into main_grad when accumulating; when due
+    where it may be delayed) and the bias gradient."""
     grads = grad_output.reshape(-1, grad_output.shape[-1])
     inputs = inputs.reshape(-1, inputs.shape[-1])
     grad_bias = grads.sum(dim=0) if ctx.has_bias else None
     if not ctx.needs_input_grad[1]:
         return None, grad_bias
-    if ctx.accumulate:
-        add_weight_grad_product(ctx.param.main_grad, grads, inputs, traced=False)
-        return placeholder_grad(ctx.param), grad_bias
-    return grads.t() @ inputs, grad_bias
+
+    def weight_grad() -> torch.Tensor:
+        if ctx.accumulate:
+            add_weight_grad_product(ctx.param.main_grad, grads, inputs, traced=False)
+            return placeholder_grad(ctx.param)
+        return grads.t() @ inputs
+
+    return (when_due(ctx.param, weight_grad) if ctx.delay else weight_grad()), grad_bias
 
 
 # Eager between compiled graphs (--compile-layers), as the plain collectives are: traced, the
@@ -152,17 +160,19 @@ def all_gather_linear(
     bias: torch.Tensor | None,
     tp: Group,
     accumulate: bool = False,
+    delay: bool = False,
 ) -> torch.Tensor:
     """A column-parallel layer's output from this rank's slice `x` of the sequence: the
     all-gather overlapped with the GEMM (module doc); `accumulate`: the weight gradient goes
-    into `weight.main_grad`."""
-    return _AllGatherLinear.apply(x, weight, bias, tp, accumulate)
+    into `weight.main_grad`; `delay`: it may wait for the next exchange (--delay-wgrad-compute)."""
+    return _AllGatherLinear.apply(x, weight, bias, tp, accumulate, delay)
 
 
 @torch.compiler.disable
 def linear_reduce_scatter(
-    x: torch.Tensor, weight: torch.Tensor, tp: Group, accumulate: bool = False
+    x: torch.Tensor, weight: torch.Tensor, tp: Group, accumulate: bool = False, delay: bool = False
 ) -> torch.Tensor:
     """A row-parallel layer's output (no bias), reduce-scattered over the sequence, the
-    reduce-scatter overlapped with the GEMM (module doc)."""
-    return _LinearReduceScatter.apply(x, weight, tp, accumulate)
+    reduce-scatter overlapped with the GEMM (module doc); `accumulate` and `delay` as
+    `all_gather_linear`'s."""
+    return _LinearReduceScatter.apply(x, weight, tp, accumulate, delay)

@@ -5,8 +5,8 @@ leaves one GEMM sooner per layer it follows: the experts' weight gradients no lo
 the dispatch's gradient exchange, nor the attention's the next layer's combine.
 
 A layer marked `delay_wgrad_compute` (set at build from the flag) computes its input gradient
-in its backward as always; while a combined step's backward collects (`collecting`), it hands
-the weight gradient's computation to `defer` instead of running it. `flush` runs what was
+in its backward as always, and its weight gradient through `when_due`: at once, or, while a
+combined step's backward collects (`collecting`), at the next flush. `flush` runs what was
 deferred and gives the gradients to autograd through the weights' own accumulators
 (`torch.autograd.backward` on the parameters), so the gradient buffer's hooks see each as they
 see any other, gradient-accumulation fusion's placeholders included. The combined step flushes
@@ -33,10 +33,15 @@ def collecting() -> bool:
     return _pending is not None
 
 
-def defer(weight: torch.Tensor, gradient: Callable[[], torch.Tensor]) -> None:
-    """`gradient()` (the weight's gradient, or gradient-accumulation fusion's placeholder once
-    it has added into main_grad) is computed at the next `flush`."""
+def when_due(weight: torch.Tensor, gradient: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """A layer backward's answer for `weight`: `gradient()` (the weight's gradient, or
+    gradient-accumulation fusion's placeholder once it has added into main_grad) computed now,
+    or, while a combined step's backward collects, None, with `gradient()` computed at the next
+    `flush` and reaching the weight through its own accumulator."""
+    if _pending is None:
+        return gradient()
     _pending.append((weight, gradient))
+    return None
 
 
 def flush() -> None:
@@ -84,9 +89,5 @@ class DelayableLinear(torch.autograd.Function):
         grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
         grad_weight = None
         if needs_weight:
-            product = lambda: grads.t() @ x.reshape(-1, x.shape[-1])  # noqa: E731
-            if collecting():
-                defer(weight, product)
-            else:
-                grad_weight = product()
+            grad_weight = when_due(weight, lambda: grads.t() @ x.reshape(-1, x.shape[-1]))
         return grad_x, grad_weight, grad_bias

@@ -18,7 +18,7 @@ from torch import nn
 
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.comm_overlap import all_gather_linear, linear_reduce_scatter
-from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, collecting, defer
+from threefold.parallel.tensor_parallel.delayed_wgrad import DelayableLinear, when_due
 from threefold.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -57,6 +57,15 @@ def _fuses(module: nn.Module, weight: torch.Tensor) -> bool:
     )
 
 
+def _delays(module: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient may wait for the combined step's next exchange
+    (--delay-wgrad-compute): only the layer's own weight's. A tied one gets the embedding's
+    gradient in the same pass, and would reach the gradient buffer in two parts, which
+    --overlap-grad-reduce would count as two micro-batches (a bucket reduced before the
+    step's last gradients)."""
+    return module.delay_wgrad_compute and weight is module.weight
+
+
 def _overlaps(module: nn.Module) -> bool:
     """--tp-comm-overlap applies: sequence parallel over TP > 1, without a LoRA adapter, which
     reads the gathered input (FP8 layers: kernels/fp8_sequence_parallel.py, through the
@@ -92,10 +101,7 @@ def linear_gemm(
     if fuse:
         traced = flag_traced_accumulation(weight)
         return LinearWithGradAccumulation.apply(x, weight, bias, traced)
-    # Deferred only for the layer's own weight: a tied one gets the embedding's gradient in the
-    # same pass, and would reach the gradient buffer in two parts, which --overlap-grad-reduce
-    # would count as two micro-batches (a bucket reduced before the step's last gradients).
-    if module.delay_wgrad_compute and weight is module.weight and torch.is_grad_enabled():
+    if _delays(module, weight) and torch.is_grad_enabled():
         return DelayableLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -150,10 +156,7 @@ class _LinearBlocks(torch.autograd.Function):
             product = functools.partial(
                 _blocks_weight_grad, grads, inputs, weight, accumulate, ctx.traced
             )
-            if collecting():  # --delay-wgrad-compute
-                defer(ctx.weight, product)
-            else:
-                grad_weight = product()
+            grad_weight = when_due(ctx.weight, product)  # --delay-wgrad-compute
         return grad_x, grad_weight, grad_bias, None, None, None
 
 
@@ -299,7 +302,8 @@ class ColumnParallelLinear(nn.Module):
             if self.fp8 is not None:
                 output = self.fp8.all_gather_linear(x, weight, self.bias, self.tp, fuse)
             else:
-                output = all_gather_linear(x, weight, self.bias, self.tp, fuse)
+                delay = _delays(self, weight)
+                output = all_gather_linear(x, weight, self.bias, self.tp, fuse, delay)
         elif _gathers_in_fp8(self):
             output = linear_gemm(self, x, weight, self.bias, self.tp)
         else:
@@ -393,7 +397,7 @@ class RowParallelLinear(nn.Module):
         fuse, overlap = _fuses(self, self.weight), _overlaps(self)
         if self.fp8 is not None:
             return self.fp8.linear_reduce_scatter(x, self.weight, self.tp, fuse, overlap)
-        return linear_reduce_scatter(x, self.weight, self.tp, fuse)
+        return linear_reduce_scatter(x, self.weight, self.tp, fuse, _delays(self, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):

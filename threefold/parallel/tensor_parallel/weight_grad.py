@@ -151,9 +151,6 @@ class LinearWithGradAccumulation(torch.autograd.Function):
                 add_weight_grad_product(weight.main_grad, grads, inputs, traced)
                 return placeholder_grad(weight, flag=not traced)
 
-            if delayed_wgrad.collecting():  # --delay-wgrad-compute
-                delayed_wgrad.defer(weight, product)
-            else:
-                grad_weight = product()
+            grad_weight = delayed_wgrad.when_due(weight, product)  # --delay-wgrad-compute
         grad_bias = grads.sum(dim=0) if needs_bias and ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
