@@ -26,7 +26,7 @@ from threefold.arguments import build_parser, parse_args, print_refusal, speaks_
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
-from threefold.startup import start_processes
+from threefold.startup import frozen_imports, start_processes
 from threefold.validation import check_inputs
 
 
@@ -160,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print_refusal("finetune.py", error)
         return 2
-    from threefold.checkpoint.load import load_checkpoint
-    from threefold.parallel import state
-    from threefold.parallel.refusal import print_refusal_once
-    from threefold.training import halting
-    from threefold.training.trainer import Trainer
+    with frozen_imports():
+        from threefold.checkpoint.load import load_checkpoint
+        from threefold.parallel import state
+        from threefold.parallel.refusal import print_refusal_once
+        from threefold.training import halting
+        from threefold.training.trainer import Trainer
 
     started = start_processes(config, "finetune.py")
     if started is None:

@@ -11,7 +11,7 @@ import sys
 from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import ConfigError
-from threefold.startup import start_processes
+from threefold.startup import frozen_imports, start_processes
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
 
@@ -51,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         print_refusal("pretrain_gpt.py", error)
         return 2
 
-    from threefold.checkpoint.load import load_checkpoint
-    from threefold.parallel import state
-    from threefold.parallel.refusal import print_refusal_once
-    from threefold.training import halting
-    from threefold.training.timers import SETUP
-    from threefold.training.trainer import Trainer
+    with frozen_imports():
+        from threefold.checkpoint.load import load_checkpoint
+        from threefold.parallel import state
+        from threefold.parallel.refusal import print_refusal_once
+        from threefold.training import halting
+        from threefold.training.timers import SETUP
+        from threefold.training.trainer import Trainer
 
     started = start_processes(config, "pretrain_gpt.py")
     if started is None:

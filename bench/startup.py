@@ -1,4 +1,5 @@
-"""Start-up: the wall time of tiny pretrain_gpt.py runs, with and without megatron-core imported.
+"""Start-up: the wall time of tiny pretrain_gpt.py runs, with and without megatron-core imported,
+and with the cyclic collector left to pass over the imports.
 
     python bench/startup.py > bench/results/startup.md   (after `make data`)
 
@@ -8,8 +9,10 @@ process groups itself (threefold/parallel/state.py), and a run on .bin/.idx data
 megatron-core's dataset modules, not its package's __init__ (threefold/data/megatron_core.py).
 Importing that package (its tensor-parallel layers, torch's compiler for its fused kernels,
 wandb for its inference contexts) is what each "imported first" row adds back: the same run,
-`megatron.core.parallel_state` imported before it, as the old group set-up did. Rows
-alternate; each reports the median of `--repeats` runs.
+`megatron.core.parallel_state` imported before it, as the old group set-up did. The
+"collector left on" row is the run as it was before threefold/startup.py's `frozen_imports`:
+the collector neither paused nor frozen, so it passes over torch's objects while they import
+and once more at exit. Rows alternate; each reports the median of `--repeats` runs.
 """
 
 from __future__ import annotations
@@ -40,10 +43,22 @@ WITH_MEGATRON_CORE = (
     "sys.argv = ['pretrain_gpt.py'] + sys.argv[1:]; "
     "runpy.run_path('pretrain_gpt.py', run_name='__main__')"
 )
+# The same run, `frozen_imports` without its effect (gc.disable and gc.freeze do nothing).
+COLLECTOR_LEFT_ON = (
+    "import gc, runpy, sys; gc.disable = gc.freeze = lambda: None; "
+    "sys.argv = ['pretrain_gpt.py'] + sys.argv[1:]; "
+    "runpy.run_path('pretrain_gpt.py', run_name='__main__')"
+)
 OURS = [sys.executable, "pretrain_gpt.py"]
 THEIRS = [sys.executable, "-c", WITH_MEGATRON_CORE]
 ROWS = {
     "mock data (threefold's groups)": OURS + MOCK_DATA,
+    "mock data, the collector left on through imports and exit": [
+        sys.executable,
+        "-c",
+        COLLECTOR_LEFT_ON,
+    ]
+    + MOCK_DATA,
     "mock data, megatron-core imported first": THEIRS + MOCK_DATA,
     "--data-path (megatron-core's dataset modules only)": OURS + INDEXED_DATA,
     "--data-path, megatron-core imported first": THEIRS + INDEXED_DATA,

@@ -57,6 +57,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
     )
+    # The imports' objects (some 300,000) out of every collection: the collection after each
+    # job, and the automatic ones during it, passed over all of them, 0.17 s of CPU a rank each
+    # time (an 8-rank job that does nothing took 0.7 s); the parity files ran 20% faster.
+    gc.freeze()
     while True:
         job = tasks.get()
         if job is None:

@@ -32,6 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
+from threefold.startup import frozen_imports  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
-    from threefold.checkpoint import convert
+    with frozen_imports():
+        from threefold.checkpoint import convert
 
     try:
         if args.loader == args.saver:

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
+from threefold.startup import frozen_imports  # noqa: E402
 
 
 def main() -> int:
@@ -51,10 +52,11 @@ def main() -> int:
     add_layout_flags(parser)
     args = parser.parse_args()
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
-    from threefold.checkpoint.load import load_model
-    from threefold.data.tokenizer import prompt_ids as encode_prompt
-    from threefold.inference import generate, start_tool
-    from threefold.parallel import state
+    with frozen_imports():
+        from threefold.checkpoint.load import load_model
+        from threefold.data.tokenizer import prompt_ids as encode_prompt
+        from threefold.inference import generate, start_tool
+        from threefold.parallel import state
 
     device, parallel = start_tool(parser, args)
     try:

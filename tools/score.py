@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
+from threefold.startup import frozen_imports  # noqa: E402
 
 
 def main() -> int:
@@ -36,9 +37,10 @@ def main() -> int:
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
     # The flags and the input first, before torch is imported: a mistake costs a second.
-    from threefold.checkpoint.load import load_model
-    from threefold.inference import score, start_tool
-    from threefold.parallel import state
+    with frozen_imports():
+        from threefold.checkpoint.load import load_model
+        from threefold.inference import score, start_tool
+        from threefold.parallel import state
 
     device, parallel = start_tool(parser, args)
     try:
