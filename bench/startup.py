@@ -51,14 +51,10 @@ COLLECTOR_LEFT_ON = (
 )
 OURS = [sys.executable, "pretrain_gpt.py"]
 THEIRS = [sys.executable, "-c", WITH_MEGATRON_CORE]
+LEFT_ON = [sys.executable, "-c", COLLECTOR_LEFT_ON]
 ROWS = {
     "mock data (threefold's groups)": OURS + MOCK_DATA,
-    "mock data, the collector left on through imports and exit": [
-        sys.executable,
-        "-c",
-        COLLECTOR_LEFT_ON,
-    ]
-    + MOCK_DATA,
+    "mock data, the collector left on through imports and exit": LEFT_ON + MOCK_DATA,
     "mock data, megatron-core imported first": THEIRS + MOCK_DATA,
     "--data-path (megatron-core's dataset modules only)": OURS + INDEXED_DATA,
     "--data-path, megatron-core imported first": THEIRS + INDEXED_DATA,

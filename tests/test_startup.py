@@ -4,6 +4,7 @@ import, nor at exit."""
 
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -51,7 +52,9 @@ def test_a_training_process_collects_nothing_it_imported(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    frozen, collections = map(int, result.stderr.split("frozen ")[-1].split()[::3])
+    report = re.findall(r"frozen (\d+) full collections (\d+)", result.stderr)
+    assert report, result.stderr[-500:]
+    frozen, collections = map(int, report[-1])
     # torch and the trainer are some 300,000 objects; importing them with the collector on
     # ran five full collections over them.
     assert frozen > 100_000 and collections == 0, result.stderr[-500:]
