@@ -160,26 +160,38 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print_refusal("finetune.py", error)
         return 2
-    with frozen_imports():
-        from threefold.checkpoint.load import load_checkpoint
+    with frozen_imports():  # what _fine_tune imports
+        import threefold.checkpoint.load  # noqa: F401
+        import threefold.training.trainer  # noqa: F401
         from threefold.parallel import state
-        from threefold.parallel.refusal import print_refusal_once
-        from threefold.training import halting
-        from threefold.training.trainer import Trainer
+
+    code = _fine_tune(config, args.sft_packing, known.load, resuming, iteration)
+    if code == 0:
+        state.shut_down()  # with nothing left that holds a group: _fine_tune has returned
+    return code
+
+
+def _fine_tune(
+    config: Config, sft_packing: bool, load: str, resuming: bool, iteration: int | None
+) -> int:
+    """Start this process's groups, load the model, tune it: the exit code. Whatever holds a
+    group lives in this frame, gone before `state.shut_down` (which says why)."""
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel.refusal import print_refusal_once
+    from threefold.training import halting
+    from threefold.training.trainer import Trainer
 
     started = start_processes(config, "finetune.py")
     if started is None:
         return 2
     device, parallel = started
     try:
-        trainer = Trainer(config, device, parallel, build_data=sft_datasets(args.sft_packing))
+        trainer = Trainer(config, device, parallel, build_data=sft_datasets(sft_packing))
         loaded = load_checkpoint(
-            known.load, trainer.checkpoint_components(), finetune=config.checkpoint.finetune
+            load, trainer.checkpoint_components(), finetune=config.checkpoint.finetune
         )
         # --rerun-mode validate_results: an iteration a resumed run must rerun first
-        pending = (
-            resuming and loaded is not None and trainer.validation.after_load(known.load, loaded)
-        )
+        pending = resuming and loaded is not None and trainer.validation.after_load(load, loaded)
     except ConfigError as error:  # from here on, possibly met by some ranks only
         print_refusal_once("finetune.py", error, parallel.world.rank)
         return 2
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     total = sum(p.numel() for _, p in trainer.layout_independent_parameters())
     trainer.print(
-        f"> fine-tuning from {known.load} (iteration {iteration}): "
+        f"> fine-tuning from {load} (iteration {iteration}): "
         f"{len(trainer.datasets[0])} training samples, {trainable:,} of {total:,} "
         "parameters trainable on rank 0"
         + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else "")
@@ -198,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     initial = trainer.evaluate()
     if initial is not None:
         trainer.print(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
-    code = halting.train(trainer, "finetune.py")
-    if code:
-        return code
-    state.shut_down()
-    return 0
+    return halting.train(trainer, "finetune.py")
 
 
 if __name__ == "__main__":

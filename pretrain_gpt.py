@@ -10,7 +10,7 @@ import sys
 
 from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.save_directory import claim_on_rank_zero
-from threefold.config import ConfigError
+from threefold.config import Config, ConfigError
 from threefold.startup import frozen_imports, start_processes
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
@@ -51,13 +51,25 @@ def main(argv: list[str] | None = None) -> int:
         print_refusal("pretrain_gpt.py", error)
         return 2
 
-    with frozen_imports():
-        from threefold.checkpoint.load import load_checkpoint
+    with frozen_imports():  # what _train imports
+        import threefold.checkpoint.load  # noqa: F401
+        import threefold.training.trainer  # noqa: F401
         from threefold.parallel import state
-        from threefold.parallel.refusal import print_refusal_once
-        from threefold.training import halting
-        from threefold.training.timers import SETUP
-        from threefold.training.trainer import Trainer
+
+    code = _train(config)
+    if code == 0:
+        state.shut_down()  # with nothing left that holds a group: _train has returned
+    return code
+
+
+def _train(config: Config) -> int:
+    """Start this process's groups, build the trainer, resume, train: the exit code. Whatever
+    holds a group lives in this frame, gone before `state.shut_down` (which says why)."""
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel.refusal import print_refusal_once
+    from threefold.training import halting
+    from threefold.training.timers import SETUP
+    from threefold.training.trainer import Trainer
 
     started = start_processes(config, "pretrain_gpt.py")
     if started is None:
@@ -96,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer.print(_summary(config, trainer, device.type))
     trainer.observability.print_timers(SETUP)
-    code = halting.train(trainer, "pretrain_gpt.py")
-    if code:
-        return code
-    state.shut_down()
-    return 0
+    return halting.train(trainer, "pretrain_gpt.py")
 
 
 if __name__ == "__main__":

@@ -56,5 +56,6 @@ def test_a_training_process_collects_nothing_it_imported(tmp_path):
     assert report, result.stderr[-500:]
     frozen, collections = map(int, report[-1])
     # torch and the trainer are some 300,000 objects; importing them with the collector on
-    # ran five full collections over them.
-    assert frozen > 100_000 and collections == 0, result.stderr[-500:]
+    # ran five full collections over them. The one full collection is state.shut_down's,
+    # which frees the run's groups before the teardown: frozen, the imports are not in it.
+    assert frozen > 100_000 and collections == 1, result.stderr[-500:]

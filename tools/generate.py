@@ -52,11 +52,23 @@ def main() -> int:
     add_layout_flags(parser)
     args = parser.parse_args()
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
-    with frozen_imports():
-        from threefold.checkpoint.load import load_model
-        from threefold.data.tokenizer import prompt_ids as encode_prompt
-        from threefold.inference import generate, start_tool
+    with frozen_imports():  # what _generate imports
+        import threefold.checkpoint.load  # noqa: F401
+        import threefold.data.tokenizer  # noqa: F401
+        import threefold.inference  # noqa: F401
         from threefold.parallel import state
+
+    _generate(parser, args)
+    state.shut_down()  # with nothing left that holds a group: _generate has returned
+    return 0
+
+
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Start this process's groups, load the model, sample from it. Whatever holds a group
+    lives in this frame, gone before `state.shut_down` (which says why)."""
+    from threefold.checkpoint.load import load_model
+    from threefold.data.tokenizer import prompt_ids as encode_prompt
+    from threefold.inference import generate, start_tool
 
     device, parallel = start_tool(parser, args)
     try:
@@ -97,8 +109,6 @@ def main() -> int:
             print(tokenizer.detokenize(reply).strip(), flush=True)
         else:
             print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
-    state.shut_down()
-    return 0
 
 
 if __name__ == "__main__":

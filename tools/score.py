@@ -37,10 +37,21 @@ def main() -> int:
     if not os.path.isfile(args.input):
         parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
     # The flags and the input first, before torch is imported: a mistake costs a second.
-    with frozen_imports():
-        from threefold.checkpoint.load import load_model
-        from threefold.inference import score, start_tool
+    with frozen_imports():  # what _score imports
+        import threefold.checkpoint.load  # noqa: F401
+        import threefold.inference  # noqa: F401
         from threefold.parallel import state
+
+    _score(parser, args)
+    state.shut_down()  # with nothing left that holds a group: _score has returned
+    return 0
+
+
+def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Start this process's groups, load the model, score the text. Whatever holds a group
+    lives in this frame, gone before `state.shut_down` (which says why)."""
+    from threefold.checkpoint.load import load_model
+    from threefold.inference import score, start_tool
 
     device, parallel = start_tool(parser, args)
     try:
@@ -62,8 +73,6 @@ def main() -> int:
             f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
             flush=True,
         )
-    state.shut_down()
-    return 0
 
 
 if __name__ == "__main__":

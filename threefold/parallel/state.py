@@ -15,6 +15,7 @@ ranks 0), so the single-process reference run of a parity test needs no distribu
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 
@@ -283,11 +284,20 @@ def destroy_model_parallel() -> None:
 
 def shut_down() -> None:
     """The end of a launched program: the layout's groups, then the default one, as
-    torch.distributed asks before exit (gloo's threads are then joined here, not torn down
-    with the interpreter, where a rank could abort)."""
+    torch.distributed asks before exit, then the collection that frees them.
+
+    Destroying a gloo group only forgets it (its `shutdown` stops nothing); its threads are
+    joined when the last reference to it goes. That must happen here, while the interpreter
+    is whole: a gloo thread still finishing a collective when the interpreter tears down
+    needs the GIL it can no longer take, and the rank aborts ("terminate called without an
+    active exception", exit -6) after a run that succeeded. So the caller holds no group
+    here (no trainer, model or ParallelContext: the entry scripts' `_train`/`_run` hold them
+    and have returned), and the collection frees the reference cycles that still do."""
     destroy_model_parallel()
+    _GROUPS_BEFORE.clear()  # (the default group, kept to tell a layout's groups from it)
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def is_initialized() -> bool:
