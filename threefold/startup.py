@@ -24,7 +24,12 @@ def frozen_imports() -> Iterator[None]:
     a pass over each: five such passes while they import, and the interpreter's last one at
     exit, 0.5 s and 1 s of a tiny run's 5 s on a 2-core machine (bench/results/startup.md).
     Frozen, they are also left alone by the collections of a forked data-loader worker, whose
-    pages then stay shared (what Python's documentation of `gc.freeze` advises before fork)."""
+    pages then stay shared (what Python's documentation of `gc.freeze` advises before fork).
+
+    Frozen with them are the imports' garbage cycles (torch.fx's `wrap` keeps its own frame in
+    a local), and through those frames' `f_back` the caller's frame: whatever the caller's
+    locals come to hold lives until exit. So the entry scripts hold their trainer in a
+    function called after the block, not in the caller."""
     enabled = gc.isenabled()
     gc.disable()
     try:
