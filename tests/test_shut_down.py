@@ -54,7 +54,9 @@ def _torchrun(tmp_path, script: str, argv: list[str]) -> list[int]:
     return [int(left[rank]) for rank in sorted(left)]
 
 
-def test_training_and_sampling_leave_no_gloo_thread_to_the_teardown(shakespeare_data, tmp_path):
+def test_training_tuning_sampling_and_scoring_leave_no_gloo_thread_to_the_teardown(
+    shakespeare_data, tmp_path
+):
     save = str(tmp_path / "checkpoint")
     train = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     train += "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 "
@@ -64,6 +66,17 @@ def test_training_and_sampling_leave_no_gloo_thread_to_the_teardown(shakespeare_
     train += ["--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"], "--save", save]
     # Before: all 14 groups of the layout (42 threads a rank) lived on into the teardown.
     assert _torchrun(tmp_path, "pretrain_gpt.py", train) == [0, 0]
-    sample = ["--load", save, "--prompt", "ROMEO:", "--max-new-tokens", "2"]
-    sample += ["--tensor-model-parallel-size", "2"]
+
+    records = tmp_path / "sft.jsonl"
+    records.write_text('{"prompt": "ROMEO: ", "response": "Good morrow."}\n' * 8)
+    tune = ["--load", save, "--save", str(tmp_path / "tuned"), "--train-iters", "1"]
+    tune += ["--train-data-path", str(records), "--valid-data-path", str(records)]
+    tune += ["--global-batch-size", "4", "--micro-batch-size", "2", "--eval-iters", "1"]
+    assert _torchrun(tmp_path, "finetune.py", tune) == [0, 0]
+
+    layout = ["--load", save, "--tensor-model-parallel-size", "2"]
+    sample = layout + ["--prompt", "ROMEO:", "--max-new-tokens", "2"]
     assert _torchrun(tmp_path, "tools/generate.py", sample) == [0, 0]
+    (tmp_path / "text.txt").write_text("ROMEO: Good morrow, cousin. " * 4)
+    score = layout + ["--input", str(tmp_path / "text.txt")]
+    assert _torchrun(tmp_path, "tools/score.py", score) == [0, 0]
