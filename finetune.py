@@ -26,7 +26,7 @@ from threefold.arguments import build_parser, parse_args, print_refusal, speaks_
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
-from threefold.startup import frozen_imports, start_processes
+from threefold.startup import frozen_imports, run_then_shut_down, start_processes
 from threefold.validation import check_inputs
 
 
@@ -163,12 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     with frozen_imports():  # what _fine_tune imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.training.trainer  # noqa: F401
-        from threefold.parallel import state
 
-    code = _fine_tune(config, args.sft_packing, known.load, resuming, iteration)
-    if code == 0:
-        state.shut_down()  # with nothing left that holds a group: _fine_tune has returned
-    return code
+    return run_then_shut_down(
+        lambda: _fine_tune(config, args.sft_packing, known.load, resuming, iteration)
+    )
 
 
 def _fine_tune(

@@ -11,7 +11,7 @@ import sys
 from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
-from threefold.startup import frozen_imports, start_processes
+from threefold.startup import frozen_imports, run_then_shut_down, start_processes
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
 
@@ -54,12 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     with frozen_imports():  # what _train imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.training.trainer  # noqa: F401
-        from threefold.parallel import state
 
-    code = _train(config)
-    if code == 0:
-        state.shut_down()  # with nothing left that holds a group: _train has returned
-    return code
+    return run_then_shut_down(lambda: _train(config))
 
 
 def _train(config: Config) -> int:

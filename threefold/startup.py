@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from threefold.arguments import print_refusal
 from threefold.config import Config, ConfigError
@@ -38,6 +38,19 @@ def frozen_imports() -> Iterator[None]:
         if enabled:
             gc.enable()
         gc.freeze()
+
+
+def run_then_shut_down(run: Callable[[], int]) -> int:
+    """`run()`'s exit code; after a 0, this process's groups are destroyed and freed
+    (`state.shut_down`, which says why they must go before the interpreter's teardown).
+    Whatever holds a group (trainer, model, ParallelContext) lives in `run`'s own frame, gone
+    by then, not in the caller's."""
+    code = run()
+    if code == 0:
+        from threefold.parallel import state
+
+        state.shut_down()
+    return code
 
 
 def start_processes(config: Config, prog: str):

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
-from threefold.startup import frozen_imports  # noqa: E402
+from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
 def main() -> int:
@@ -56,14 +56,11 @@ def main() -> int:
         import threefold.checkpoint.load  # noqa: F401
         import threefold.data.tokenizer  # noqa: F401
         import threefold.inference  # noqa: F401
-        from threefold.parallel import state
 
-    _generate(parser, args)
-    state.shut_down()  # with nothing left that holds a group: _generate has returned
-    return 0
+    return run_then_shut_down(lambda: _generate(parser, args))
 
 
-def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Start this process's groups, load the model, sample from it. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.checkpoint.load import load_model
@@ -109,6 +106,7 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             print(tokenizer.detokenize(reply).strip(), flush=True)
         else:
             print(args.prompt + tokenizer.detokenize(new_ids), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

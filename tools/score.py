@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
-from threefold.startup import frozen_imports  # noqa: E402
+from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
 def main() -> int:
@@ -40,14 +40,11 @@ def main() -> int:
     with frozen_imports():  # what _score imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.inference  # noqa: F401
-        from threefold.parallel import state
 
-    _score(parser, args)
-    state.shut_down()  # with nothing left that holds a group: _score has returned
-    return 0
+    return run_then_shut_down(lambda: _score(parser, args))
 
 
-def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Start this process's groups, load the model, score the text. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.checkpoint.load import load_model
@@ -73,6 +70,7 @@ def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
             flush=True,
         )
+    return 0
 
 
 if __name__ == "__main__":
