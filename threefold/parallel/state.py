@@ -291,8 +291,10 @@ def shut_down() -> None:
     is whole: a gloo thread still finishing a collective when the interpreter tears down
     needs the GIL it can no longer take, and the rank aborts ("terminate called without an
     active exception", exit -6) after a run that succeeded. So the caller holds no group
-    here (no trainer, model or ParallelContext: the entry scripts' `_train`/`_run` hold them
-    and have returned), and the collection frees the reference cycles that still do."""
+    here (no trainer, model or ParallelContext: `startup.run_then_shut_down` calls this once
+    the function that held them has returned), and the collection frees the reference
+    cycles that still do (bench/gloo_exit.py shows the abort; tests/test_shut_down.py the
+    threads gone)."""
     destroy_model_parallel()
     _GROUPS_BEFORE.clear()  # (the default group, kept to tell a layout's groups from it)
     if dist.is_initialized():
