@@ -10,11 +10,11 @@ a gloo group does not join its threads; freeing the last reference to it does.
 
 import os
 import re
-import subprocess
 import sys
 
 from tests.conftest import ROOT
 from tests.distributed import free_port
+from tests.test_startup import run_reporting
 
 # Each rank's threads at exit, after the script's own exit handlers, before the teardown.
 REPORT_AT_EXIT = """
@@ -38,15 +38,11 @@ if "RANK" in os.environ:  # the ranks, not torchrun's agent
 
 def _torchrun(tmp_path, script: str, argv: list[str]) -> list[int]:
     """Launch `script` on 2 ranks; each rank's gloo threads left at exit."""
-    (tmp_path / "sitecustomize.py").write_text(REPORT_AT_EXIT)
-    result = subprocess.run(
+    result = run_reporting(
+        tmp_path,
+        REPORT_AT_EXIT,
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         + ["--master_port", str(free_port()), os.path.join(ROOT, script), *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     left = dict(re.findall(r"rank (\d) gloo threads at exit: (\d+)", result.stderr))

@@ -40,15 +40,28 @@ def test_the_imports_run_without_the_collector_and_are_frozen_after():
         gc.unfreeze()  # the pytest process's objects back to the oldest generation
 
 
-def test_a_training_process_collects_nothing_it_imported(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(REPORT_AT_EXIT)
-    argv = TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
-    result = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *argv, "--mock-data", "--vocab-size", "100"],
+def run_reporting(
+    tmp_path, report: str, command: list[str], timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """`command` run from the checkout with `report` as its processes' sitecustomize (each
+    Python process it starts runs it first: the place to register an exit report)."""
+    (tmp_path / "sitecustomize.py").write_text(report)
+    return subprocess.run(
+        command,
         capture_output=True,
         text=True,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=timeout,
+    )
+
+
+def test_a_training_process_collects_nothing_it_imported(tmp_path):
+    argv = TINY_MODEL + ["--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+    result = run_reporting(
+        tmp_path,
+        REPORT_AT_EXIT,
+        [sys.executable, "pretrain_gpt.py", *argv, "--mock-data", "--vocab-size", "100"],
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
