@@ -6,15 +6,19 @@ can no longer take, and its rank aborts after a run that succeeded ("terminate c
 an active exception", exit -6, torchrun's ChildFailedError): seen once in a 4-rank FP8 run,
 and in 4 of 20 launches that end with a collective in flight (bench/gloo_exit.py). Destroying
 a gloo group does not join its threads; freeing the last reference to it does.
+
+The same holds for a run every rank stops together (--rerun-mode's exit 16 and 17, a
+non-finite loss): a rank aborting there turns the code a scheduler acts on into -6.
 """
 
 import os
 import re
+import subprocess
 import sys
 
 from tests.conftest import ROOT
 from tests.distributed import free_port
-from tests.test_startup import run_reporting
+from tests.test_startup import reporting_environment, run_reporting
 
 # Each rank's threads at exit, after the script's own exit handlers, before the teardown.
 REPORT_AT_EXIT = """
@@ -45,8 +49,33 @@ def _torchrun(tmp_path, script: str, argv: list[str]) -> list[int]:
         + ["--master_port", str(free_port()), os.path.join(ROOT, script), *argv],
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    left = dict(re.findall(r"rank (\d) gloo threads at exit: (\d+)", result.stderr))
-    assert sorted(left) == ["0", "1"], result.stderr[-2000:]
+    return _left_at_exit(result.stderr)
+
+
+def _ranks_alone(tmp_path, argv: list[str], **environment) -> tuple[list[int], list[int]]:
+    """pretrain_gpt.py on 2 ranks started as a scheduler starts one task per rank, no torchrun
+    agent between (which would stop the slower rank once the first had exited): each rank's
+    exit code, and its gloo threads left at exit."""
+    environment = {**reporting_environment(tmp_path, REPORT_AT_EXIT), **environment}
+    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+            cwd=ROOT,
+            env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    stderr = "".join(rank.communicate(timeout=240)[1] for rank in ranks)
+    return [rank.returncode for rank in ranks], _left_at_exit(stderr)
+
+
+def _left_at_exit(stderr: str) -> list[int]:
+    left = dict(re.findall(r"rank (\d) gloo threads at exit: (\d+)", stderr))
+    assert sorted(left) == ["0", "1"], stderr[-2000:]
     return [int(left[rank]) for rank in sorted(left)]
 
 
@@ -76,3 +105,17 @@ def test_training_tuning_sampling_and_scoring_leave_no_gloo_thread_to_the_teardo
     (tmp_path / "text.txt").write_text("ROMEO: Good morrow, cousin. " * 4)
     score = layout + ["--input", str(tmp_path / "text.txt")]
     assert _torchrun(tmp_path, "tools/score.py", score) == [0, 0]
+
+
+def test_a_stop_every_rank_makes_together_leaves_no_gloo_thread_to_the_teardown(tmp_path):
+    tiny = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    tiny += "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 4 --mock-data "
+    tiny += "--vocab-size 128 --eval-iters 0 --tensor-model-parallel-size 2 "
+    tiny = (tiny + "--distributed-backend gloo").split()
+    # --rerun-mode validate_results finds a fault it reproduces: saved, exit 16 on every rank.
+    rerun = ["--rerun-mode", "validate_results", "--error-injection-rate", "1"]
+    rerun += ["--error-injection-type", "persistent_error", "--save", str(tmp_path / "saved")]
+    assert _ranks_alone(tmp_path, tiny + rerun) == ([16, 16], [0, 0])
+    # One rank's loss is nan: every rank stops, exit 1.
+    nan = tiny + ["--bf16", "--check-for-nan-in-loss-and-grad"]
+    assert _ranks_alone(tmp_path, nan, THREEFOLD_NAN_AT="1@2") == ([1, 1], [0, 0])

@@ -45,15 +45,20 @@ def run_reporting(
 ) -> subprocess.CompletedProcess:
     """`command` run from the checkout with `report` as its processes' sitecustomize (each
     Python process it starts runs it first: the place to register an exit report)."""
-    (tmp_path / "sitecustomize.py").write_text(report)
     return subprocess.run(
         command,
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        env=reporting_environment(tmp_path, report),
         timeout=timeout,
     )
+
+
+def reporting_environment(tmp_path, report: str) -> dict[str, str]:
+    """This process's environment, with `report` the sitecustomize of what it starts."""
+    (tmp_path / "sitecustomize.py").write_text(report)
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
 
 
 def test_a_training_process_collects_nothing_it_imported(tmp_path):

@@ -41,12 +41,15 @@ def frozen_imports() -> Iterator[None]:
 
 
 def run_then_shut_down(run: Callable[[], int]) -> int:
-    """`run()`'s exit code; after a 0, this process's groups are destroyed and freed
-    (`state.shut_down`, which says why they must go before the interpreter's teardown).
-    Whatever holds a group (trainer, model, ParallelContext) lives in `run`'s own frame, gone
-    by then, not in the caller's."""
+    """`run()`'s exit code; after a 0, or a stop every rank made together (exit 16 or 17 of
+    --rerun-mode, a non-finite loss: `halting.StoppedTogether`), this process's groups are
+    destroyed and freed (`state.shut_down`, which says why they must go before the
+    interpreter's teardown). Whatever holds a group (trainer, model, ParallelContext) lives
+    in `run`'s own frame, gone by then, not in the caller's."""
+    from threefold.training.halting import StoppedTogether
+
     code = run()
-    if code == 0:
+    if code == 0 or isinstance(code, StoppedTogether):
         from threefold.parallel import state
 
         state.shut_down()

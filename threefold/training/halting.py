@@ -8,6 +8,11 @@
 One line on stderr (the first two name the checkpoint that stays the last good state) and
 the exit code, instead of a traceback per rank. A failed save is said by the first rank that
 met it (a disk can fill on one node only: parallel/refusal.py), the rest by rank 0.
+
+The last three are decided by a collective, so every rank stops at the same point with no
+collective in flight: their codes are `StoppedTogether`, and the process groups are freed
+before exit as after a run that completed (startup.run_then_shut_down). A failed save may be
+one rank's alone while its peers wait in a collective, so its code is a plain int.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from threefold.training.replica_check import ReplicaMismatchError
 from threefold.training.rerun import RerunExit
 
 
+class StoppedTogether(int):
+    """An exit code every rank returns at the same point, none still in a collective: like a
+    0, it lets the groups be destroyed and freed before the interpreter tears down (without
+    that, a gloo thread finishing its last collective then can abort the rank, and exit 16
+    reach the scheduler as -6). After a stop one rank meets alone, destroying an NCCL
+    communicator its peers are still waiting on can hang, so those codes stay plain."""
+
+
 def train(trainer, program: str) -> int:
     """`trainer.train()`, and the exit code: 0, or that of the reason it stopped."""
     rank_zero = trainer.parallel.world.rank == 0
@@ -34,7 +47,7 @@ def train(trainer, program: str) -> int:
     except RerunExit as stop:
         if rank_zero:
             print(f"{program}: {stop}", file=sys.stderr, flush=True)
-        return stop.code
+        return StoppedTogether(stop.code)
     except (NonFiniteError, ReplicaMismatchError) as error:
         if rank_zero:
             save = trainer.config.checkpoint.save
@@ -47,5 +60,5 @@ def train(trainer, program: str) -> int:
             print(
                 f"{program}: {error}; stopping without saving: {kept}", file=sys.stderr, flush=True
             )
-        return 1
+        return StoppedTogether(1)
     return 0
