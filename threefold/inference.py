@@ -115,6 +115,24 @@ def score(model, ids: list[int], context_length: int) -> tuple[float, int]:
     return total / count, count
 
 
+def load_for_text(args, device: torch.device, parallel: ParallelContext):
+    """(config, model, tokenizer) of the checkpoint in --load, for a tool that reads or writes
+    text: its tokenizer is the checkpoint's, or the files the tokenizer flags name; a run that
+    had none is refused."""
+    from threefold.checkpoint.load import load_model
+    from threefold.inference_flags import tokenizer_files
+
+    config, model, tokenizer = load_model(
+        args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
+    )
+    if tokenizer is None:
+        raise ConfigError(
+            f"--load {args.load}: the run had no tokenizer (mock data, or a converted model); "
+            "give one with --tokenizer-type and its files"
+        )
+    return config, model, tokenizer
+
+
 def start_tool(parser, args) -> tuple[torch.device, ParallelContext]:
     """This tool process's device and parallel context at the layout of `add_layout_flags`;
     a layout the launch cannot take exits in one line (said by the first process)."""

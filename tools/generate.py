@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
+from threefold.inference_flags import add_layout_flags, add_tokenizer_flags  # noqa: E402
 from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
@@ -63,20 +63,12 @@ def main() -> int:
 def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Start this process's groups, load the model, sample from it. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
-    from threefold.checkpoint.load import load_model
     from threefold.data.tokenizer import prompt_ids as encode_prompt
-    from threefold.inference import generate, start_tool
+    from threefold.inference import generate, load_for_text, start_tool
 
     device, parallel = start_tool(parser, args)
     try:
-        config, model, tokenizer = load_model(
-            args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
-        )
-        if tokenizer is None:
-            raise ConfigError(
-                f"--load {args.load}: the run had no tokenizer (mock data, or a converted model); "
-                "give one with --tokenizer-type and its files"
-            )
+        config, model, tokenizer = load_for_text(args, device, parallel)
         if args.chat and not getattr(tokenizer, "has_chat_template", False):
             raise ConfigError(
                 f"--chat: the tokenizer of {args.load} has no chat template (a Hugging Face "

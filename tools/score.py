@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.config import ConfigError  # noqa: E402
-from threefold.inference_flags import add_layout_flags, add_tokenizer_flags, tokenizer_files  # noqa: E402
+from threefold.inference_flags import add_layout_flags, add_tokenizer_flags  # noqa: E402
 from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
@@ -47,19 +47,11 @@ def main() -> int:
 def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Start this process's groups, load the model, score the text. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
-    from threefold.checkpoint.load import load_model
-    from threefold.inference import score, start_tool
+    from threefold.inference import load_for_text, score, start_tool
 
     device, parallel = start_tool(parser, args)
     try:
-        config, model, tokenizer = load_model(
-            args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
-        )
-        if tokenizer is None:
-            raise ConfigError(
-                f"--load {args.load}: the run had no tokenizer (mock data, or a converted model); "
-                "give one with --tokenizer-type and its files"
-            )
+        config, model, tokenizer = load_for_text(args, device, parallel)
         with open(args.input, encoding="utf-8") as f:
             ids = tokenizer.tokenize(f.read())
         loss, count = score(model, ids, config.model.seq_length)
