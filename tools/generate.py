@@ -17,6 +17,7 @@ have been saved at any TP/PP/DP layout (it is resharded on load). Greedy unless
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -52,12 +53,29 @@ def main() -> int:
     add_layout_flags(parser)
     args = parser.parse_args()
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
+    mistake = _sampling_mistake(args)
+    if mistake:
+        parser.exit(2, f"generate.py: error: {mistake}\n")
     with frozen_imports():  # what _generate imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.data.tokenizer  # noqa: F401
         import threefold.inference  # noqa: F401
 
     return run_then_shut_down(lambda: _generate(parser, args))
+
+
+def _sampling_mistake(args: argparse.Namespace) -> str | None:
+    """The line for a sampling flag no sample can follow (a NaN or negative temperature
+    reached torch.multinomial as a traceback once the model had loaded), else None."""
+    if args.max_new_tokens < 0:
+        return f"--max-new-tokens {args.max_new_tokens}: give 0 or more"
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature {args.temperature}: give 0 (greedy) or a positive number"
+    if not 0 < args.top_p <= 1:  # (a NaN fails it too)
+        return f"--top-p {args.top_p}: give a probability above 0, at most 1 (1: every token)"
+    if args.top_p < 1 and args.temperature == 0:  # greedy would ignore it
+        return f"--top-p {args.top_p} is for sampling: give a --temperature above 0 with it"
+    return None
 
 
 def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -74,14 +92,19 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 f"--chat: the tokenizer of {args.load} has no chat template (a Hugging Face "
                 "tokenizer_config.json with chat_template); drop --chat"
             )
+        if args.chat:
+            prompt_ids = tokenizer.chat_ids(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+            )
+        else:  # as fine-tuning samples begin (BOS where the tokenizer adds one)
+            prompt_ids = encode_prompt(tokenizer, args.prompt)
+        if not prompt_ids:
+            raise ConfigError(
+                f"--prompt {args.prompt!r} is no tokens (this tokenizer starts a text with no "
+                "beginning-of-sequence token): give some text to continue"
+            )
     except ConfigError as error:
         parser.exit(2, f"generate.py: error: {error}\n")
-    if args.chat:
-        prompt_ids = tokenizer.chat_ids(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-    else:  # as fine-tuning samples begin (BOS where the tokenizer adds one)
-        prompt_ids = encode_prompt(tokenizer, args.prompt)
     new_ids = generate(
         model,
         prompt_ids,

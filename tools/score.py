@@ -34,17 +34,22 @@ def main() -> int:
     add_tokenizer_flags(parser)
     add_layout_flags(parser)
     args = parser.parse_args()
-    if not os.path.isfile(args.input):
-        parser.exit(2, f"score.py: error: --input {args.input}: no such file\n")
-    # The flags and the input first, before torch is imported: a mistake costs a second.
+    try:  # (read before torch is imported: a wrong file costs a second)
+        with open(args.input, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as error:
+        where = f"byte {error.start}: {error.reason}"
+        parser.exit(2, f"score.py: error: --input {args.input}: not UTF-8 text ({where})\n")
+    except OSError as error:
+        parser.exit(2, f"score.py: error: --input {args.input}: {error.strerror.lower()}\n")
     with frozen_imports():  # what _score imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.inference  # noqa: F401
 
-    return run_then_shut_down(lambda: _score(parser, args))
+    return run_then_shut_down(lambda: _score(parser, args, text))
 
 
-def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _score(parser: argparse.ArgumentParser, args: argparse.Namespace, text: str) -> int:
     """Start this process's groups, load the model, score the text. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.inference import load_for_text, score, start_tool
@@ -52,11 +57,12 @@ def _score(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_for_text(args, device, parallel)
-        with open(args.input, encoding="utf-8") as f:
-            ids = tokenizer.tokenize(f.read())
-        loss, count = score(model, ids, config.model.seq_length)
-    except (ConfigError, ValueError) as error:
+    except ConfigError as error:
         parser.exit(2, f"score.py: error: {error}\n")
+    try:
+        loss, count = score(model, tokenizer.tokenize(text), config.model.seq_length)
+    except ValueError as error:  # (a text of fewer than 2 tokens)
+        parser.exit(2, f"score.py: error: --input {args.input}: {error}\n")
     if parallel.world.rank == 0:
         print(
             f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
