@@ -10,7 +10,9 @@ round-trip exactly (`detokenize(tokenize(text)) == text`).
 
 import argparse
 import os
+import re
 import sys
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +29,53 @@ def _pieces(text: str) -> list[str]:
         pieces.append(text[start:end])
         start = end
     return pieces + [text[start:]]
+
+
+def _refusal(error: Exception, vocab_size: int) -> str:
+    """One line for sentencepiece's refusal, whose text follows its check ("... [check] text")."""
+    text = str(error).rsplit("] ", 1)[-1].strip()
+    small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
+    if small:
+        return (
+            f"--vocab-size {vocab_size}: below the {small.group(1)} pieces every tokenizer of "
+            "this text holds (its characters, 256 bytes, the special tokens); give at least that"
+        )
+    high = re.search(r"too high \(\d+\)\. Please set it to a value <= (\d+)", text)
+    if high:
+        return (
+            f"--vocab-size {vocab_size}: more pieces than this text yields; give at most "
+            f"{high.group(1)}, or more text"
+        )
+    return f"sentencepiece: {text}"
+
+
+def _train(sentences: Iterator[str], prefix: str, args: argparse.Namespace) -> None:
+    """sentencepiece's training, writing PREFIX.model and PREFIX.vocab."""
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=sentences,
+        model_prefix=prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=1.0,
+        input_sentence_size=args.max_sentences,
+        shuffle_input_sentence=True,
+        byte_fallback=True,
+        # Keep the text as it is (sentencepiece's defaults normalize it with NFKC, drop
+        # repeated spaces and know no newline).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n"],
+        max_sentence_length=_PIECE,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        num_threads=2,
+        minloglevel=2,
+    )
 
 
 def main() -> None:
@@ -54,40 +103,38 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not os.path.isfile(args.input):
-        parser.error(f"--input {args.input}: no such file")
-    import sentencepiece
+        parser.exit(2, f"train_tokenizer.py: error: --input {args.input}: no such file\n")
+    for flag, value in (("--vocab-size", args.vocab_size), ("--max-sentences", args.max_sentences)):
+        if value < 1:
+            parser.exit(2, f"train_tokenizer.py: error: {flag} {value}: give a positive number\n")
+    bad_records = []  # what the reader refused: sentencepiece passes it on as its own error
 
     def sentences():
         """Whole documents (in pieces of at most _PIECE characters, cut after a newline), so
         newlines and indentation are part of what the tokenizer learns."""
-        for document in read_documents(args.input, args.json_keys):
-            for text in document.values():
-                yield from (piece for piece in _pieces(text) if piece.strip())
+        try:
+            for document in read_documents(args.input, args.json_keys):
+                for text in document.values():
+                    yield from (piece for piece in _pieces(text) if piece.strip())
+        except ValueError as error:
+            bad_records.append(str(error))
+            raise
 
     os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=sentences(),
-        model_prefix=args.model_prefix,
-        vocab_size=args.vocab_size,
-        model_type=args.model_type,
-        character_coverage=1.0,
-        input_sentence_size=args.max_sentences,
-        shuffle_input_sentence=True,
-        byte_fallback=True,
-        # Keep the text as it is (sentencepiece's defaults normalize it with NFKC, drop
-        # repeated spaces and know no newline).
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        user_defined_symbols=["\n"],
-        max_sentence_length=_PIECE,
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        num_threads=2,
-        minloglevel=2,
-    )
+    # Trained under a name of its own, then renamed: a tokenizer already at --model-prefix
+    # (which data was tokenized with) is replaced only by a complete one.
+    partial = f"{args.model_prefix}.partial-{os.getpid()}"
+    try:
+        _train(sentences(), partial, args)
+        for extension in (".vocab", ".model"):  # the model last: it is what a run reads
+            os.replace(partial + extension, args.model_prefix + extension)
+    except (ValueError, RuntimeError) as error:  # a bad record; sentencepiece's refusals
+        line = bad_records[0] if bad_records else _refusal(error, args.vocab_size)
+        parser.exit(2, f"train_tokenizer.py: error: {line}; nothing was written\n")
+    finally:
+        for extension in (".vocab", ".model"):
+            if os.path.exists(partial + extension):
+                os.remove(partial + extension)
     print(f"wrote {args.model_prefix}.model (vocabulary {args.vocab_size})")
 
 

@@ -169,3 +169,48 @@ def test_a_trained_tokenizer_keeps_newlines_indentation_and_spaces(tmp_path):
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
     assert tokenizer.token_id(tokenizer.processor.id_to_piece(tokenizer.eod)) == tokenizer.eod
     assert tokenizer.token_id("<fim_prefix>") is None  # not the unknown piece's id
+
+
+def test_a_tokenizer_that_cannot_be_trained_is_one_line_and_keeps_the_one_there(tmp_path):
+    """(before: sentencepiece's or the reader's traceback, after writing nothing but by luck)"""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    prefix = str(tmp_path / "sp")
+    _tool(
+        "train_tokenizer.py",
+        "--input",
+        str(corpus),
+        "--vocab-size",
+        "300",
+        "--model-prefix",
+        prefix,
+    )
+    kept = {ext: open(prefix + ext, "rb").read() for ext in (".model", ".vocab")}
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + '\n{"text": 1}\n')
+    for corpus_name, vocab_size, line in (
+        ("corpus.jsonl", "0", "--vocab-size 0: give a positive number"),
+        (
+            "corpus.jsonl",
+            "100",
+            "--vocab-size 100: below the 300 pieces every tokenizer of this text holds (its "
+            "characters, 256 bytes, the special tokens); give at least that; nothing was written",
+        ),
+        (
+            "corpus.jsonl",
+            "5000",
+            "--vocab-size 5000: more pieces than this text yields; give at most 512, or more "
+            "text; nothing was written",
+        ),
+        ("bad.jsonl", "300", f"{tmp_path}/bad.jsonl:2: 'text' is 1, not text; nothing was written"),
+    ):
+        argv = ["--input", str(tmp_path / corpus_name), "--vocab-size", vocab_size]
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), *argv]
+            + ["--model-prefix", prefix],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (result.returncode, result.stderr) == (2, f"train_tokenizer.py: error: {line}\n")
+    assert {ext: open(prefix + ext, "rb").read() for ext in (".model", ".vocab")} == kept
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "corpus.jsonl", "sp.model", "sp.vocab"]
