@@ -102,6 +102,33 @@ def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, kind
         assert torch.equal(reloaded(TOKENS).logits, converted[kind][0](TOKENS).logits)
 
 
+def test_an_export_writes_over_nothing_and_appears_only_once_complete(converted, tmp_path):
+    _, _, ours = converted["llama"]
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")  # an earlier model, or anything else
+    result = convert(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", str(exported)
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"convert_checkpoint.py: error: --save-dir {exported}: exists and is not an empty "
+        "directory; an export writes over nothing: choose a new directory\n",
+    )
+    assert (
+        os.listdir(exported) == ["config.json"] and (exported / "config.json").read_text() == "{}"
+    )
+    # Into an empty directory (made for it): written beside it, renamed into place.
+    (exported / "config.json").unlink()
+    (tmp_path / "exported.partial").mkdir()  # a failed export's, cleared
+    (tmp_path / "exported.partial" / "model.safetensors").write_text("half")
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", str(exported)
+    )
+    assert sorted(os.listdir(tmp_path)) == ["exported"]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(exported))
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral"])
 def test_greedy_generation_matches_transformers(converted, kind):
     hf_model, _, ours = converted[kind]

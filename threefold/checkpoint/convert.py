@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from threefold.checkpoint.files import checkpoint_dir, read_metadata
+from threefold.checkpoint.files import checkpoint_dir, fsync_directory, read_metadata
 from threefold.checkpoint.hf import (
     hf_config_from_model_config,
     hf_to_threefold,
@@ -156,8 +156,17 @@ def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Ten
 
 
 def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
+    """A Hugging Face model directory (model.safetensors, config.json, the tokenizer's files)
+    at `save_dir`, which must not exist or be empty: an export never writes over files. It
+    is written beside it and renamed into place once complete, so an export that fails (or
+    a disk that fills) leaves no half-written model where transformers would load it."""
     from safetensors.torch import save_file
 
+    if os.path.exists(save_dir) and not (os.path.isdir(save_dir) and not os.listdir(save_dir)):
+        raise ConfigError(
+            f"--save-dir {save_dir}: exists and is not an empty directory; an export writes "
+            "over nothing: choose a new directory"
+        )
     config, state, metadata, iteration = whole_model(load_dir, loader)
     hf = metadata.get("hf", {})
     architecture = hf.get("architecture") or _guess_architecture(config.model)
@@ -171,16 +180,23 @@ def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: st
     tensors = threefold_to_hf(state, config.model, architecture)
     target = getattr(torch, dtype or hf.get("dtype", "float32"))
     tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
-    os.makedirs(save_dir, exist_ok=True)
-    save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
+    partial = os.path.normpath(save_dir) + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # (a failed export's)
+    os.makedirs(partial)
+    save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
     hf_config = hf_config_from_model_config(config.model, architecture)
     hf_config["torch_dtype"] = str(target).removeprefix("torch.")
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in hf.get("config", {}):
             hf_config[key] = hf["config"][key]
-    with open(os.path.join(save_dir, "config.json"), "w") as f:
+    with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), save_dir)
+    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), partial)
+    for name in os.listdir(partial):  # on disk before the rename makes them the model
+        with open(os.path.join(partial, name), "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(partial, save_dir)  # onto nothing, or onto an empty directory
+    fsync_directory(os.path.dirname(os.path.abspath(save_dir)))
     return save_dir
 
 
