@@ -214,3 +214,19 @@ def test_a_tokenizer_that_cannot_be_trained_is_one_line_and_keeps_the_one_there(
         assert (result.returncode, result.stderr) == (2, f"train_tokenizer.py: error: {line}\n")
     assert {ext: open(prefix + ext, "rb").read() for ext in (".model", ".vocab")} == kept
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "corpus.jsonl", "sp.model", "sp.vocab"]
+
+
+def test_a_corpus_written_again_is_replaced_whole_or_not_at_all(tmp_path):
+    from threefold.data.corpus import default_corpus_documents, write_jsonl
+
+    path = tmp_path / "corpus.jsonl"
+    assert write_jsonl(default_corpus_documents(), path) > 100
+    complete = path.read_bytes()
+
+    def interrupted():
+        yield {"text": "the first document"}
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl(interrupted(), path)
+    assert path.read_bytes() == complete and os.listdir(tmp_path) == ["corpus.jsonl"]
