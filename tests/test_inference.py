@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.distributed import free_port
 from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
@@ -82,12 +83,23 @@ def test_an_input_that_is_no_utf8_text_file_is_refused_before_torch(tmp_path):
 def test_a_text_of_no_tokens_is_refused_naming_its_flag(mock_data_run, shakespeare_data, tmp_path):
     tokenizer = ["--tokenizer-type", "SentencePieceTokenizer"]
     tokenizer += ["--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"]]
-    result = _tool("generate.py", "--load", mock_data_run, "--prompt", "", *tokenizer)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr == (
-        "generate.py: error: --prompt '' is no tokens (this tokenizer starts a text with no "
-        "beginning-of-sequence token): give some text to continue\n"
+    # On 2 ranks at TP2, each meets it: the line is said once (before: once per rank).
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_port", str(free_port())]
+    prompt = ["--load", mock_data_run, "--prompt", "", *tokenizer]
+    result = subprocess.run(
+        [sys.executable, *torchrun, os.path.join(ROOT, "tools", "generate.py"), *prompt],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("generate.py")]
+    assert lines == [
+        "generate.py: error: --prompt '' is no tokens (this tokenizer starts a text with no "
+        "beginning-of-sequence token): give some text to continue"
+    ], result.stderr[-2000:]
     (tmp_path / "empty.txt").write_text("")
     empty = str(tmp_path / "empty.txt")
     result = _tool("score.py", "--load", mock_data_run, "--input", empty, *tokenizer)

@@ -9,8 +9,6 @@ broadcast back over the pipeline, so every rank goes on with the same sequence.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -136,12 +134,13 @@ def load_for_text(args, device: torch.device, parallel: ParallelContext):
 def start_tool(parser, args) -> tuple[torch.device, ParallelContext]:
     """This tool process's device and parallel context at the layout of `add_layout_flags`;
     a layout the launch cannot take exits in one line (said by the first process)."""
+    from threefold.arguments import print_refusal
     from threefold.parallel import state
 
     try:
         return state.initialize_for_inference(
             args.pipeline_model_parallel_size, args.tensor_model_parallel_size
         )
-    except ConfigError as error:
-        first = os.environ.get("RANK", "0") == "0"
-        parser.exit(2, f"{parser.prog}: error: {error}\n" if first else None)
+    except ConfigError as error:  # every process meets it: local rank 0 says it
+        print_refusal(parser.prog, error)
+        parser.exit(2)

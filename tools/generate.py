@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import print_refusal  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags  # noqa: E402
 from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
@@ -55,7 +56,8 @@ def main() -> int:
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
     mistake = _sampling_mistake(args)
     if mistake:
-        parser.exit(2, f"generate.py: error: {mistake}\n")
+        print_refusal("generate.py", mistake)
+        return 2
     with frozen_imports():  # what _generate imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.data.tokenizer  # noqa: F401
@@ -83,6 +85,7 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.data.tokenizer import prompt_ids as encode_prompt
     from threefold.inference import generate, load_for_text, start_tool
+    from threefold.parallel.refusal import print_refusal_once
 
     device, parallel = start_tool(parser, args)
     try:
@@ -104,7 +107,8 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 "beginning-of-sequence token): give some text to continue"
             )
     except ConfigError as error:
-        parser.exit(2, f"generate.py: error: {error}\n")
+        print_refusal_once("generate.py", error, parallel.world.rank)
+        return 2
     new_ids = generate(
         model,
         prompt_ids,

@@ -18,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import print_refusal  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags  # noqa: E402
 from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
@@ -39,9 +40,11 @@ def main() -> int:
             text = f.read()
     except UnicodeDecodeError as error:
         where = f"byte {error.start}: {error.reason}"
-        parser.exit(2, f"score.py: error: --input {args.input}: not UTF-8 text ({where})\n")
+        print_refusal("score.py", f"--input {args.input}: not UTF-8 text ({where})")
+        return 2
     except OSError as error:
-        parser.exit(2, f"score.py: error: --input {args.input}: {error.strerror.lower()}\n")
+        print_refusal("score.py", f"--input {args.input}: {error.strerror.lower()}")
+        return 2
     with frozen_imports():  # what _score imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.inference  # noqa: F401
@@ -53,16 +56,19 @@ def _score(parser: argparse.ArgumentParser, args: argparse.Namespace, text: str)
     """Start this process's groups, load the model, score the text. Whatever holds a group
     lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.inference import load_for_text, score, start_tool
+    from threefold.parallel.refusal import print_refusal_once
 
     device, parallel = start_tool(parser, args)
     try:
         config, model, tokenizer = load_for_text(args, device, parallel)
     except ConfigError as error:
-        parser.exit(2, f"score.py: error: {error}\n")
+        print_refusal_once("score.py", error, parallel.world.rank)
+        return 2
     try:
         loss, count = score(model, tokenizer.tokenize(text), config.model.seq_length)
     except ValueError as error:  # (a text of fewer than 2 tokens)
-        parser.exit(2, f"score.py: error: --input {args.input}: {error}\n")
+        print_refusal_once("score.py", f"--input {args.input}: {error}", parallel.world.rank)
+        return 2
     if parallel.world.rank == 0:
         print(
             f"tokens scored: {count} | mean loss: {loss:.6f} | perplexity: {math.exp(loss):.4f}",
