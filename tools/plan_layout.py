@@ -283,6 +283,25 @@ def hf_model_flags(path: str) -> list[str]:
     return kept
 
 
+def _cluster_mistake(args: argparse.Namespace) -> str | None:
+    """The line for a cluster flag no layout can be planned on, else None."""
+    positive = {
+        "--gpus": args.gpus,
+        "--gpus-per-node": args.gpus_per_node,
+        "--gpu-memory-gib": args.gpu_memory_gib,
+        "--top": args.top,
+        "--peak-tflops": args.peak_tflops,
+        "--intra-node-gbps": args.intra_node_gbps,
+        "--inter-node-gbps": args.inter_node_gbps,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:  # (a NaN is refused too)
+            return f"{flag} {value}: give a positive number"
+    if not 0 < args.memory_fraction <= 1:
+        return f"--memory-fraction {args.memory_fraction}: give a share above 0, at most 1"
+    return None
+
+
 def _refuse(message: str) -> int:
     print(f"plan_layout.py: error: {message}", file=sys.stderr)
     return 2
@@ -318,10 +337,18 @@ def main(argv: list[str] | None = None) -> int:
         build_parser("plan_layout.py", __doc__, parser).print_help()
         return 0
     args, rest = parser.parse_known_args(argv)
+    mistake = _cluster_mistake(args)
+    if mistake:
+        return _refuse(mistake)
     if args.hf_config:
         if not os.path.isfile(args.hf_config):
             return _refuse(f"--hf-config {args.hf_config}: no such file")
-        rest = hf_model_flags(args.hf_config) + rest
+        try:
+            rest = hf_model_flags(args.hf_config) + rest
+        except ValueError as error:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+            return _refuse(f"--hf-config {args.hf_config}: not a JSON config ({error})")
+        except ConfigError as error:
+            return _refuse(f"--hf-config {args.hf_config}: {error}")
     if "--max-position-embeddings" not in rest and "--seq-length" in rest:
         rest += ["--max-position-embeddings", rest[rest.index("--seq-length") + 1]]
     base = [*rest, "--bf16", "--mock-data"]
@@ -331,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(io.StringIO()):
         parse_args(base, world_size=1, prog="plan_layout.py")
     planner = Planner(rest, base, args.gpus, args.gpus_per_node, args)
-    plans = planner.plans()
+    try:
+        plans = planner.plans()
+    except ConfigError as error:  # what only the memory estimate needs (the vocabulary size)
+        return _refuse(str(error))
     print_plans(plans, planner, args.top)
     if not plans:
         print("plan_layout.py: error: no layout fits; add GPUs or memory", file=sys.stderr)

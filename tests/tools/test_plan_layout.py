@@ -161,6 +161,44 @@ def test_the_tool_plans_a_hugging_face_config_and_an_moe_model(tmp_path):
     assert expert_parallel and all(seconds > 0 for seconds in expert_parallel)
 
 
+SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+SMALL = (SMALL + "--global-batch-size 8").split()
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--gpus", "0", *SMALL], "--gpus 0: give a positive number"),
+        (["--gpus", "-8", *SMALL], "--gpus -8: give a positive number"),
+        (
+            ["--gpus", "8", "--gpu-memory-gib", "0", *SMALL],
+            "--gpu-memory-gib 0.0: give a positive number",
+        ),
+        (
+            ["--gpus", "8", "--memory-fraction", "1.5", *SMALL],
+            "--memory-fraction 1.5: give a share above 0, at most 1",
+        ),
+        (
+            ["--gpus", "8", *SMALL],
+            "the vocabulary size is unknown: pass --vocab-size or a tokenizer",
+        ),
+        (
+            ["--gpus", "8", "--hf-config", "{config}"],
+            "--hf-config {config}: not a JSON config (Expecting value: line 1 column 1 (char 0))",
+        ),
+    ],
+)
+def test_a_cluster_or_model_no_layout_can_be_planned_on_is_one_line(argv, line, tmp_path, capsys):
+    """(before: a ZeroDivisionError, an AttributeError or a ConfigError's traceback)"""
+    from plan_layout import main
+
+    config = tmp_path / "config.json"
+    config.write_text("not JSON")
+    argv = [arg.format(config=config) for arg in argv]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"plan_layout.py: error: {line.format(config=config)}\n"
+
+
 def test_the_collective_fit_recovers_latency_and_bandwidth():
     import collectives
 
