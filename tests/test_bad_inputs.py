@@ -115,6 +115,7 @@ CONFIGS = [
     (MOCK + ["--async-save"], 1, "--async-save needs --save"),
     (MOCK + ["--no-load-optim"], 1, "--no-load-optim needs --load"),
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),
+    (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
     (MOCK + ["--no-such-flag"], 1, "--no-such-flag"),
     (MOCK + ["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
     (["--vocab-size", "128"], 1, "--data-path"),

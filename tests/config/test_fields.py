@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from threefold.arguments import build_parser, config_from_namespace
+from threefold.arguments import build_parser, config_from_namespace, parse_args
 from threefold.checkpoint.args import model_flags
-from threefold.config import ModelConfig
+from threefold.config import Config, ModelConfig
 from threefold.config.fields import (
     ARCHITECTURE,
     FINETUNING,
@@ -70,3 +70,32 @@ def test_every_carried_field_round_trips(field):
     assert {f.name: getattr(parsed.model, f.name) for f in CARRIED} == {
         f.name: getattr(config, f.name) for f in CARRIED
     }
+
+
+BOUNDED = [
+    field
+    for part in dataclasses.fields(Config)
+    for field in dataclasses.fields(getattr(Config(), part.name))
+    if field.metadata.get("minimum") is not None
+]
+
+
+@pytest.mark.parametrize("field", BOUNDED, ids=lambda field: flag_of(field))
+def test_every_declared_minimum_is_refused_below_in_one_line(field, capsys):
+    """(before, `--seq-length 0`, `--ffn-hidden-size 0` and `--kv-channels 0` reached a reshape
+    after start-up; `--global-batch-size 0` named the evaluation's flags)"""
+    below = field.metadata["minimum"] - 1
+    argv = ["--mock-data", "--vocab-size", "128", flag_of(field), str(below)]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv, world_size=1)
+    assert exit_info.value.code == 2
+    line = f"pretrain_gpt.py: error: {flag_of(field)} must be >= {below + 1}, not {below}\n"
+    assert capsys.readouterr().err == line
+
+
+def test_the_sizes_a_run_cannot_do_without_declare_a_minimum():
+    declared = {flag_of(field) for field in BOUNDED}
+    sizes = ["--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads"]
+    sizes += ["--kv-channels", "--seq-length", "--vocab-size", "--micro-batch-size"]
+    sizes += ["--global-batch-size", "--tensor-model-parallel-size"]
+    assert set(sizes) <= declared

@@ -18,7 +18,9 @@ class CheckpointConfig:
     load: str | None = arg(
         None, help="directory to resume or start from (the --save directory resumes a run)"
     )
-    save_interval: int | None = arg(None, help="save every this many iterations (and at the end)")
+    save_interval: int | None = arg(
+        None, minimum=1, help="save every this many iterations (and at the end)"
+    )
     async_save: bool = arg(
         False, help="write checkpoints in the background while training continues"
     )  # write in the background; the tracker follows when complete
@@ -76,15 +78,13 @@ class CheckpointConfig:
 
     def finalize(self) -> list[str]:
         warnings = []
-        if self.save_interval is not None:
-            _require(self.save_interval >= 1, "--save-interval must be >= 1")
-            if self.save is None:
-                # Megatron-LM saves only with --save, and its own configs rely on that (the
-                # DeepSeek proxy's comment their --save out and keep --save-interval 25).
-                warnings.append(
-                    f"--save-interval {self.save_interval} without --save: no checkpoint is "
-                    "written; give --save DIR to keep them"
-                )
+        if self.save_interval is not None and self.save is None:
+            # Megatron-LM saves only with --save, and its own configs rely on that (the
+            # DeepSeek proxy's comment their --save out and keep --save-interval 25).
+            warnings.append(
+                f"--save-interval {self.save_interval} without --save: no checkpoint is "
+                "written; give --save DIR to keep them"
+            )
         _require(not self.async_save or self.save is not None, "--async-save needs --save DIR")
         if self.ckpt_keep_latest is not None:
             _require(

@@ -10,6 +10,8 @@ parser from these declarations; nothing else lists the flags.
                               type is not the flag's (--lr-warmup-iters parses an int)
     group="LoRA fine-tuning"  a --help section other than the config's
     cli=False                 no flag (the world size comes from the launcher)
+    minimum=1                 the least value the flag takes (`check_minimums`, before any
+                              other check: a size of 0 reached a reshape as a traceback)
 
     checkpoint=ARCHITECTURE   the checkpoint's tensors depend on it, or what they compute: a
                               load refuses a run that differs (checkpoint/load.py), and
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from threefold.config.errors import ConfigError
 
 ARCHITECTURE = "architecture"
 MODEL = "model"
@@ -50,6 +54,14 @@ def arg(
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_minimums(config: Any) -> None:
+    """ConfigError for the first field of `config` given below the `minimum` it declares."""
+    for field in dataclasses.fields(config):
+        minimum, value = field.metadata.get("minimum"), getattr(config, field.name)
+        if minimum is not None and value is not None and value < minimum:
+            raise ConfigError(f"{flag_of(field)} must be >= {minimum}, not {value}")
 
 
 def flag_of(field: dataclasses.Field) -> str:

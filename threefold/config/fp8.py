@@ -62,7 +62,7 @@ class Fp8Config:
         choices=FP8_RECIPES,
     )
     fp8_margin: int = arg(0, help="scale = FP8 max / amax / 2^margin")
-    fp8_amax_history_len: int = arg(1, help="steps of amax history (delayed scaling)")
+    fp8_amax_history_len: int = arg(1, minimum=1, help="steps of amax history (delayed scaling)")
     fp8_amax_compute_algo: str = arg(
         "most_recent",
         help="the amax a delayed scale uses: the newest in the history, or the history's max",
@@ -134,7 +134,6 @@ class Fp8Config:
         )
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
         require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")
-        require(self.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be >= 1")
         # (Megatron-LM takes it with FSDP2 too, and with TE >= 2.0 turns it off there;
         # torchtitan all-gathers FSDP2's shards in float8.)
         require(

@@ -75,7 +75,7 @@ class KernelConfig:
         flag="--no-cross-entropy-loss-fusion",
     )
     cross_entropy_chunk_tokens: int = arg(
-        4096, help="tokens per chunk of the fused cross-entropy (default 4096)"
+        4096, minimum=1, help="tokens per chunk of the fused cross-entropy (default 4096)"
     )  # tokens per chunk of the fused cross-entropy
     # Megatron-LM's gradient-accumulation fusion (on by default there too): the weight-gradient
     # GEMM of the tensor-parallel linear layers adds into the fp32 gradient buffer itself
@@ -111,4 +111,3 @@ class KernelConfig:
             self.fusion_impl in FUSION_IMPLS,
             f"--fusion-impl must be one of {', '.join(FUSION_IMPLS)}",
         )
-        require(self.cross_entropy_chunk_tokens >= 1, "--cross-entropy-chunk-tokens must be >= 1")

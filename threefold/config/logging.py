@@ -10,7 +10,7 @@ from threefold.config.fields import arg
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = arg(100, help="print the log line every this many iterations")
+    log_interval: int = arg(100, minimum=1, help="print the log line every this many iterations")
     log_params_norm: bool = arg(
         False, help="add the L2 norm of all parameters to the log line"
     )  # L2 norm of all parameters, each counted once
@@ -85,7 +85,6 @@ class LoggingConfig:
     wandb_entity: str | None = arg(None, help="the Weights & Biases team or user")
 
     def finalize(self) -> list[str]:
-        _require(self.log_interval >= 1, "--log-interval must be >= 1")
         _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
         _require(
             not self.log_timers_to_tensorboard or self.tensorboard_dir is not None,

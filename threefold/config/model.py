@@ -34,14 +34,19 @@ class ModelConfig(
     config/mla.py, config/linear_attention.py, config/mtp.py, config/recompute.py,
     config/activation_offload.py, config/mup.py)."""
 
-    num_layers: int = arg(2, checkpoint=ARCHITECTURE, help="transformer layers")
-    hidden_size: int = arg(64, checkpoint=ARCHITECTURE, help="width of the residual stream")
+    num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
+    hidden_size: int = arg(
+        64, checkpoint=ARCHITECTURE, minimum=1, help="width of the residual stream"
+    )
     ffn_hidden_size: int | None = arg(
         None,
         checkpoint=ARCHITECTURE,
+        minimum=1,
         help="default 4*hidden, or 2/3 of that rounded to 64 with --swiglu",
     )
-    num_attention_heads: int = arg(4, checkpoint=ARCHITECTURE, help="query heads per layer")
+    num_attention_heads: int = arg(
+        4, checkpoint=ARCHITECTURE, minimum=1, help="query heads per layer"
+    )
     group_query_attention: bool = arg(
         False, checkpoint=MODEL, help="grouped query attention: --num-query-groups key/value heads"
     )
@@ -51,9 +56,9 @@ class ModelConfig(
         help="key/value heads with --group-query-attention (default: one per query head)",
     )
     kv_channels: int | None = arg(
-        None, checkpoint=ARCHITECTURE, help="head size; default hidden/heads"
+        None, checkpoint=ARCHITECTURE, minimum=1, help="head size; default hidden/heads"
     )
-    seq_length: int = arg(128, checkpoint=MODEL, help="tokens per training sample")
+    seq_length: int = arg(128, checkpoint=MODEL, minimum=1, help="tokens per training sample")
     # Checked on load with learned positions only (the position table's rows).
     max_position_embeddings: int | None = arg(
         None, checkpoint=MODEL, help="rows of the learned position table; default --seq-length"
@@ -179,16 +184,18 @@ class ModelConfig(
     vocab_size: int | None = arg(
         None,
         checkpoint=ARCHITECTURE,
+        minimum=1,
         help=(
             "vocabulary size without a tokenizer (--mock-data, NullTokenizer); else the tokenizer's"
         ),
     )
     make_vocab_size_divisible_by: int = arg(
-        128, checkpoint=MODEL, help="pad the vocabulary to a multiple of this x TP size"
+        128, checkpoint=MODEL, minimum=1, help="pad the vocabulary to a multiple of this x TP size"
     )
     # LoRA adapters (fine-tuning): rank None means none.
     lora_rank: int | None = arg(
         None,
+        minimum=1,
         help="add LoRA adapters of this rank; freeze everything else",
         group="LoRA fine-tuning",
     )
@@ -222,12 +229,8 @@ class ModelConfig(
 
     def finalize(self) -> list[str]:
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
-        _require(self.num_layers > 0, "--num-layers must be positive")
-        _require(self.hidden_size > 0, "--hidden-size must be positive")
         _require(
-            self.num_attention_heads > 0
-            and self.hidden_size % self.num_attention_heads == 0
-            or self.kv_channels is not None,
+            self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
             f"{self.num_attention_heads}; change one of them or set --kv-channels",
         )
@@ -313,9 +316,6 @@ class ModelConfig(
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
-        _require(
-            self.make_vocab_size_divisible_by > 0, "--make-vocab-size-divisible-by must be positive"
-        )
         self.finalize_mla()
         self.finalize_linear_attention()
         self.finalize_mtp()
@@ -336,7 +336,6 @@ class ModelConfig(
     def _finalize_lora(self) -> None:
         if self.lora_rank is None:
             return
-        _require(self.lora_rank >= 1, "--lora-rank must be >= 1")
         _require(0.0 <= self.lora_dropout < 1.0, "--lora-dropout must be in [0, 1)")
         targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
         unknown = [t for t in self.lora_target_modules if t not in targets]

@@ -101,6 +101,7 @@ class MoEConfig:
     )
     moe_shared_expert_intermediate_size: int | None = arg(
         None,
+        minimum=1,
         checkpoint=ARCHITECTURE,
         group=GROUP,
         help="hidden size of the shared expert every token also passes through (none: none)",
@@ -221,11 +222,6 @@ class MoEConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = ffn_hidden_size
         _require(self.moe_ffn_hidden_size >= 1, "--moe-ffn-hidden-size must be >= 1")
-        _require(
-            self.moe_shared_expert_intermediate_size is None
-            or self.moe_shared_expert_intermediate_size >= 1,
-            "--moe-shared-expert-intermediate-size must be >= 1",
-        )
         _require(
             not self.moe_shared_expert_gate or self.moe_shared_expert_intermediate_size,
             "--moe-shared-expert-gate gates the shared expert: add "

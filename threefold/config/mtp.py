@@ -24,6 +24,7 @@ GROUP = "multi-token prediction"
 class MTPConfig:
     mtp_num_layers: int | None = arg(
         None,
+        minimum=1,
         checkpoint=ARCHITECTURE,
         group=GROUP,
         help="multi-token prediction depths after the decoder, one transformer layer each "
@@ -45,5 +46,4 @@ class MTPConfig:
     def finalize_mtp(self) -> None:
         if self.mtp_num_layers is None:
             return
-        _require(self.mtp_num_layers >= 1, "--mtp-num-layers must be >= 1")
         _require(self.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must be >= 0")

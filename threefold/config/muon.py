@@ -57,7 +57,7 @@ class MuonConfig:
     muon_coefficient_type: str = arg(
         "quintic", group=GROUP, help=f"Newton-Schulz coefficients: {', '.join(COEFFICIENT_TYPES)}"
     )
-    muon_num_ns_steps: int = arg(5, group=GROUP, help="Newton-Schulz iterations")
+    muon_num_ns_steps: int = arg(5, group=GROUP, minimum=1, help="Newton-Schulz iterations")
     muon_tp_mode: str = arg(
         "duplicated",
         choices=("blockwise", "duplicated", "distributed"),
@@ -95,7 +95,6 @@ class MuonConfig:
             f"--muon-coefficient-type {self.muon_coefficient_type} is not built; choose one of "
             f"{', '.join(COEFFICIENT_TYPES)}",
         )
-        _require(self.muon_num_ns_steps >= 1, "--muon-num-ns-steps must be >= 1")
         _require(
             self.muon_coefficient_type != "cubic5" or self.muon_num_ns_steps == 5,
             "--muon-coefficient-type cubic5 is a schedule of five steps: --muon-num-ns-steps 5",

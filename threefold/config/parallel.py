@@ -43,8 +43,12 @@ def stage_layer_counts(
 
 @dataclass
 class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapConfig):
-    tensor_model_parallel_size: int = arg(1, help="TP: ranks that split every layer's matrices")
-    pipeline_model_parallel_size: int = arg(1, help="PP: stages the layers are split into")
+    tensor_model_parallel_size: int = arg(
+        1, minimum=1, help="TP: ranks that split every layer's matrices"
+    )
+    pipeline_model_parallel_size: int = arg(
+        1, minimum=1, help="PP: stages the layers are split into"
+    )
     virtual_pipeline_model_parallel_size: int | None = arg(
         None, help="model chunks per pipeline rank (interleaved 1F1B)"
     )
@@ -78,10 +82,11 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
         "(e.g. Et*3|(tt|)*6mL); the chunks per rank set the virtual pipeline size",
     )
     expert_model_parallel_size: int = arg(
-        1, help="EP: ranks that split each MoE layer's experts (carved out of DP x CP)"
+        1, minimum=1, help="EP: ranks that split each MoE layer's experts (carved out of DP x CP)"
     )
     expert_tensor_parallel_size: int | None = arg(
         None,
+        minimum=1,
         help="ETP: ranks that split each expert's matrices, as TP splits the dense MLP's "
         "(default: --tensor-model-parallel-size, as Megatron)",
     )
@@ -329,7 +334,6 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
 
     def _finalize_expert_parallel(self, model: ModelConfig) -> None:
         ep, tp = self.expert_model_parallel_size, self.tensor_model_parallel_size
-        _require(ep >= 1, "--expert-model-parallel-size must be >= 1")
         cp, pp = self.context_parallel_size, self.pipeline_model_parallel_size
         if self.expert_tensor_parallel_size is None:
             # A dense model's expert groups go unused, but under --use-tp-pp-dp-mapping its
@@ -357,7 +361,6 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
             f"--num-experts {model.num_experts} is not divisible by "
             f"--expert-model-parallel-size {ep}",
         )
-        _require(etp >= 1, "--expert-tensor-parallel-size must be >= 1")
         replica_ranks = tp * self.context_parallel_size * self.data_parallel_size
         _require(
             replica_ranks % (ep * etp) == 0,
@@ -467,8 +470,6 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
         """Validate the layout against the world and the model; returns warnings to print."""
         warnings = []
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        _require(tp >= 1, "--tensor-model-parallel-size must be >= 1")
-        _require(pp >= 1, "--pipeline-model-parallel-size must be >= 1")
         _require(
             self.world_size % (tp * pp) == 0,
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from threefold.config.activation_offload import check_offload_run
 from threefold.config.checkpoint import CheckpointConfig
 from threefold.config.data import DataConfig
 from threefold.config.ep_overlap import check_ep_overlap
 from threefold.config.errors import require as _require
+from threefold.config.fields import check_minimums
 from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
 from threefold.config.logging import LoggingConfig
@@ -53,6 +54,8 @@ class Config:
 
     def finalize(self) -> list[str]:
         """Derive and validate everything that needs no model, data or process group."""
+        for part in fields(self):  # the bounds the fields declare, before anything uses them
+            check_minimums(getattr(self, part.name))
         training = self.training
         precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
         warnings = self.parallel.finalize_megatron_fsdp(precision)  # the strategy, first

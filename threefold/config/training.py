@@ -32,9 +32,11 @@ def _count(text: str) -> int | None:
 
 @dataclass
 class TrainingConfig(EvalBatchConfig, MuonConfig):
-    micro_batch_size: int = arg(1, help="samples per forward/backward on each data-parallel rank")
+    micro_batch_size: int = arg(
+        1, minimum=1, help="samples per forward/backward on each data-parallel rank"
+    )
     global_batch_size: int | None = arg(
-        None, help="samples per optimizer step; default --micro-batch-size x DP"
+        None, minimum=1, help="samples per optimizer step; default --micro-batch-size x DP"
     )
     train_iters: int | None = arg(
         None, help="optimizer steps to train (default 100 unless --train-samples)"
@@ -296,7 +298,6 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
             # As Megatron-LM: under dynamic loss scaling a non-finite gradient is the loss
             # scaler's signal to skip the step and back off, not an error.
             self.check_for_nan_in_loss_and_grad = False
-        _require(self.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
         if self.step_batch_size_schedule is not None:
             self._finalize_step_schedule(seq_length, data_parallel_size)
         if self.global_batch_size is None:
