@@ -116,6 +116,8 @@ CONFIGS = [
     (MOCK + ["--no-load-optim"], 1, "--no-load-optim needs --load"),
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),
     (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
+    (MOCK + ["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), not 2.0"),
+    (MOCK + ["--lr", "inf"], 1, "--lr and --min-lr must be finite and >= 0"),
     (MOCK + ["--no-such-flag"], 1, "--no-such-flag"),
     (MOCK + ["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
     (["--vocab-size", "128"], 1, "--data-path"),

@@ -83,13 +83,15 @@ BOUNDED = [
 @pytest.mark.parametrize("field", BOUNDED, ids=lambda field: flag_of(field))
 def test_every_declared_minimum_is_refused_below_in_one_line(field, capsys):
     """(before, `--seq-length 0`, `--ffn-hidden-size 0` and `--kv-channels 0` reached a reshape
-    after start-up; `--global-batch-size 0` named the evaluation's flags)"""
-    below = field.metadata["minimum"] - 1
+    after start-up, a negative --adam-eps, --init-method-std or --seed torch's or numpy's
+    ValueError; `--global-batch-size 0` named the evaluation's flags)"""
+    minimum = field.metadata["minimum"]
+    below = build_parser()._option_string_actions[flag_of(field)].type(str(minimum - 1))
     argv = ["--mock-data", "--vocab-size", "128", flag_of(field), str(below)]
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv, world_size=1)
     assert exit_info.value.code == 2
-    line = f"pretrain_gpt.py: error: {flag_of(field)} must be >= {below + 1}, not {below}\n"
+    line = f"pretrain_gpt.py: error: {flag_of(field)} must be >= {minimum}, not {below}\n"
     assert capsys.readouterr().err == line
 
 

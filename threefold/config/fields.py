@@ -11,7 +11,8 @@ parser from these declarations; nothing else lists the flags.
     group="LoRA fine-tuning"  a --help section other than the config's
     cli=False                 no flag (the world size comes from the launcher)
     minimum=1                 the least value the flag takes (`check_minimums`, before any
-                              other check: a size of 0 reached a reshape as a traceback)
+                              other check: a size of 0 reached a reshape as a traceback, a
+                              negative --adam-eps or --init-method-std torch's ValueError)
 
     checkpoint=ARCHITECTURE   the checkpoint's tensors depend on it, or what they compute: a
                               load refuses a run that differs (checkpoint/load.py), and
@@ -60,7 +61,7 @@ def check_minimums(config: Any) -> None:
     """ConfigError for the first field of `config` given below the `minimum` it declares."""
     for field in dataclasses.fields(config):
         minimum, value = field.metadata.get("minimum"), getattr(config, field.name)
-        if minimum is not None and value is not None and value < minimum:
+        if minimum is not None and value is not None and not value >= minimum:  # (NaN too)
             raise ConfigError(f"{flag_of(field)} must be >= {minimum}, not {value}")
 
 

@@ -80,7 +80,7 @@ class ModelConfig(
             "--position-embedding-type rope, which it must come with)"
         ),
     )
-    rotary_base: float = arg(10000.0, checkpoint=MODEL, help="RoPE theta")
+    rotary_base: float = arg(10000.0, checkpoint=MODEL, minimum=1, help="RoPE theta")
     rotary_percent: float = arg(
         1.0,
         checkpoint=ARCHITECTURE,
@@ -132,7 +132,7 @@ class ModelConfig(
         choices=("LayerNorm", "RMSNorm"),
         help="LayerNorm (GPT-2) or RMSNorm (LLaMA)",
     )
-    norm_epsilon: float = arg(1e-5, checkpoint=MODEL, help="epsilon of every norm")
+    norm_epsilon: float = arg(1e-5, checkpoint=MODEL, minimum=0, help="epsilon of every norm")
     # Norm weights stored centred on zero and applied as (1 + weight) (Megatron's
     # --apply-layernorm-1p): weight decay then pulls the scale towards 1, not 0.
     apply_layernorm_1p: bool = arg(
@@ -180,7 +180,9 @@ class ModelConfig(
     hidden_dropout: float = arg(
         0.1, checkpoint=FINETUNING, help="dropout on the embeddings and before each residual add"
     )
-    init_method_std: float = arg(0.02, help="standard deviation of the normal initialization")
+    init_method_std: float = arg(
+        0.02, minimum=0, help="standard deviation of the normal initialization"
+    )
     vocab_size: int | None = arg(
         None,
         checkpoint=ARCHITECTURE,

@@ -3,6 +3,7 @@ memory hygiene (torch-free: flags are parsed before torch loads)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -118,7 +119,9 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         None, help="peak learning rate of the word embeddings and output layer (default: --lr)"
     )
     decoupled_min_lr: float | None = arg(None, help="their final learning rate (default: --min-lr)")
-    weight_decay: float = arg(0.01, help="AdamW weight decay (matrices only; not biases or norms)")
+    weight_decay: float = arg(
+        0.01, minimum=0, help="AdamW weight decay (matrices only; not biases or norms)"
+    )
     apply_wd_to_qk_layernorm: bool = arg(
         False,
         help="weight decay on the query and key norms too (Qwen3-Next; other norms and biases "
@@ -126,10 +129,10 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     )
     # A weight decay that moves from start to end over the run (Megatron's increment styles).
     start_weight_decay: float | None = arg(
-        None, help="weight decay at the start, with --weight-decay-incr-style"
+        None, minimum=0, help="weight decay at the start, with --weight-decay-incr-style"
     )
     end_weight_decay: float | None = arg(
-        None, help="weight decay at the end, with --weight-decay-incr-style"
+        None, minimum=0, help="weight decay at the end, with --weight-decay-incr-style"
     )
     weight_decay_incr_style: str = arg(
         "constant",
@@ -138,7 +141,7 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     )
     adam_beta1: float = arg(0.9, help="AdamW beta1")
     adam_beta2: float = arg(0.999, help="AdamW beta2")
-    adam_eps: float = arg(1e-8, help="AdamW epsilon")
+    adam_eps: float = arg(1e-8, minimum=0, help="AdamW epsilon")
     clip_grad: float = arg(1.0, help="clip the global gradient norm to this (0: no clipping)")
     # Every token of the global batch weighs the same in the loss and gradient, rather than
     # every micro-batch (whose mean is over its own loss-mask tokens).
@@ -168,7 +171,7 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     min_loss_scale: float = arg(1.0, help="the dynamic loss scale never goes below this")
     loss_scale_window: int = arg(1000, help="steps without overflow before the loss scale doubles")
     hysteresis: int = arg(2, help="overflows tolerated before the loss scale halves")
-    seed: int = arg(1234, help="seed of initialization, dropout and data order")
+    seed: int = arg(1234, minimum=0, help="seed of initialization, dropout and data order")
     eval_interval: int = arg(
         1000, help="evaluate on the validation split every this many iterations (and at the end)"
     )
@@ -315,7 +318,12 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         _require(
             not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
-        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0")
+        _require(
+            0 <= self.lr < math.inf and 0 <= self.min_lr < math.inf,
+            "--lr and --min-lr must be finite and >= 0",
+        )
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            _require(0 <= beta < 1, f"{flag} must be in [0, 1), not {beta}")
         _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
         _require(
             self.decoupled_min_lr is None or self.decoupled_lr is not None,
