@@ -99,6 +99,11 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             1,
             "RoPE needs an even number of them, more than 0",
         ),
+        (
+            ["--position-embedding-type", "rope", "--rotary-percent", "1.5"],
+            1,
+            "--rotary-percent 1.5: the share of each head RoPE turns, above 0 and at most 1",
+        ),
         (["--max-position-embeddings", "16"], 1, "--max-position-embeddings 16"),
         (
             ["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],

@@ -287,7 +287,12 @@ class ModelConfig(
                 f"rope needs an even head size, got --kv-channels {self.kv_channels}",
             )
             _require(
-                self.rotary_percent <= 1 and self.rotary_dim > 0 and self.rotary_dim % 2 == 0,
+                0 < self.rotary_percent <= 1,
+                f"--rotary-percent {self.rotary_percent}: the share of each head RoPE turns, "
+                "above 0 and at most 1",
+            )
+            _require(
+                self.rotary_dim > 0 and self.rotary_dim % 2 == 0,
                 f"--rotary-percent {self.rotary_percent} of --kv-channels {self.kv_channels} "
                 f"turns {self.rotary_dim} dimensions; RoPE needs an even number of them, more "
                 "than 0",

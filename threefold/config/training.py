@@ -51,7 +51,7 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
             "schedule is then in samples too"
         ),
     )
-    lr_warmup_samples: int = arg(0, help="with --train-samples")
+    lr_warmup_samples: int = arg(0, minimum=0, help="with --train-samples")
     lr_decay_samples: int | None = arg(None, help="with --train-samples (default: --train-samples)")
     # Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START
     # by INCREMENT in equal steps over the first SAMPLES samples, then stays at
@@ -82,7 +82,7 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         "linear", choices=LR_DECAY_STYLES, help="shape of the learning-rate decay after warmup"
     )
     lr_warmup_iters: float = arg(
-        0, type=int, help="iterations of linear warmup from 0 to --lr"
+        0, type=int, minimum=0, help="iterations of linear warmup from 0 to --lr"
     )  # iterations; fractional when set from lr_warmup_fraction
     lr_warmup_fraction: float | None = arg(
         None, help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)"
