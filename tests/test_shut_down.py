@@ -8,13 +8,15 @@ and in 4 of 20 launches that end with a collective in flight (bench/gloo_exit.py
 a gloo group does not join its threads; freeing the last reference to it does.
 
 The same holds for a run every rank stops together (--rerun-mode's exit 16 and 17, a
-non-finite loss): a rank aborting there turns the code a scheduler acts on into -6.
+non-finite loss): a rank aborting there turns the code a scheduler acts on into -6. And the
+collection that frees the groups must find no data-loader worker still running.
 """
 
 import os
 import re
 import subprocess
 import sys
+import time
 
 from tests.conftest import ROOT
 from tests.distributed import free_port
@@ -119,3 +121,25 @@ def test_a_stop_every_rank_makes_together_leaves_no_gloo_thread_to_the_teardown(
     # One rank's loss is nan: every rank stops, exit 1.
     nan = tiny + ["--bf16", "--check-for-nan-in-loss-and-grad"]
     assert _ranks_alone(tmp_path, nan, THREEFOLD_NAN_AT="1@2") == ([1, 1], [0, 0])
+
+
+def test_a_run_with_data_loader_workers_ends_within_seconds_of_its_last_line():
+    """The workers stop with the training loop, told by their queues. Freed by the collection
+    in state.shut_down instead, their queues' finalizers had run first: no worker heard, and
+    DataLoader killed each after its 5 s timeout (10 s here, 40 s with --num-workers 8)."""
+    argv = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    argv += "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data "
+    argv += "--vocab-size 128 --eval-iters 0 --num-workers 2"
+    run = subprocess.Popen(
+        [sys.executable, "-u", os.path.join(ROOT, "pretrain_gpt.py"), *argv.split()],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    last_line_at = None
+    for line in run.stdout:
+        if line.startswith("> done:"):
+            last_line_at = time.monotonic()
+    assert run.wait(timeout=120) == 0 and last_line_at is not None
+    assert time.monotonic() - last_line_at < 4

@@ -338,6 +338,12 @@ class Trainer:
             except (NonFiniteError, ReplicaMismatchError, RerunExit):
                 self.checkpointer.wait()  # an earlier checkpoint in flight is a good one
                 raise
+            finally:
+                # --num-workers' processes stop here, told to by their queues. Left to the
+                # collection that frees the trainer (state.shut_down), the queues' feeder
+                # threads were closed first, the workers never heard and each was killed
+                # after DataLoader's 5 s timeout. A later step reads from consumed samples.
+                self._train_iterator = None
         return losses
 
     def _final_evaluations(self) -> None:
