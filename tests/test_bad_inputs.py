@@ -141,6 +141,7 @@ CONFIGS = [
     (MOCK + ["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file"),
     (MOCK + ["--load", "/no/such/checkpoints"], 1, "--load /no/such/checkpoints"),
     (["--data-path", "0.5", "/some/corpus", "0.5"], 1, "--data-path"),
+    (["--data-path", "nan", "/some/corpus"], 1, "--data-path: blending weights must be finite"),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 import os
 
 from threefold.config import Config, ConfigError
@@ -45,8 +46,11 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
         raise ConfigError(
             f"{flag} {' '.join(paths)}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ..."
         )
-    if any(float(weight) < 0 for weight in weights) or sum(map(float, weights)) <= 0:
-        raise ConfigError(f"{flag}: blending weights must be non-negative with a positive sum")
+    numbers = [float(weight) for weight in weights]
+    if not all(0 <= number < math.inf for number in numbers) or not sum(numbers) > 0:  # (NaN)
+        raise ConfigError(
+            f"{flag}: blending weights must be finite and non-negative with a positive sum"
+        )
     return prefixes
 
 

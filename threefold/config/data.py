@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from threefold.config.errors import ConfigError
@@ -129,8 +130,8 @@ class DataConfig:
             raise ConfigError(f"--split {self.split!r} must be numbers such as 969,30,1") from None
         weights = (weights + [0.0, 0.0, 0.0])[:3]
         _require(
-            sum(weights) > 0 and all(w >= 0 for w in weights),
-            f"--split {self.split!r} needs non-negative weights with a positive sum",
+            sum(weights) > 0 and all(0 <= w < math.inf for w in weights),
+            f"--split {self.split!r} needs finite, non-negative weights with a positive sum",
         )
         return [w / sum(weights) for w in weights]
 
