@@ -118,6 +118,7 @@ CONFIGS = [
     (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
     (MOCK + ["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), not 2.0"),
     (MOCK + ["--lr", "inf"], 1, "--lr and --min-lr must be finite and >= 0"),
+    (MOCK + ["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be"),
     (MOCK + ["--no-such-flag"], 1, "--no-such-flag"),
     (MOCK + ["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
     (["--vocab-size", "128"], 1, "--data-path"),

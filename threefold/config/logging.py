@@ -29,9 +29,11 @@ class LoggingConfig:
         False, help="with --profile: torch.profiler, trace written to --tensorboard-dir"
     )
     profile_step_start: int = arg(
-        10, help="with --profile: the iteration after which profiling starts"
+        10, minimum=0, help="with --profile: the iteration after which profiling starts"
     )
-    profile_step_end: int = arg(12, help="with --profile: the iteration after which it stops")
+    profile_step_end: int = arg(
+        12, minimum=0, help="with --profile: the iteration after which it stops"
+    )
     profile_ranks: list[int] = arg(
         default_factory=lambda: [0], help="global ranks to profile (default 0)"
     )

@@ -202,9 +202,11 @@ class ModelConfig(
         group="LoRA fine-tuning",
     )
     lora_alpha: float = arg(
-        32.0, help="adapter scale alpha/rank (default 32)", group="LoRA fine-tuning"
+        32.0, minimum=0, help="adapter scale alpha/rank (default 32)", group="LoRA fine-tuning"
     )
-    lora_dropout: float = arg(0.0, group="LoRA fine-tuning", help="dropout on the adapters' input")
+    lora_dropout: float = arg(
+        0.0, minimum=0, group="LoRA fine-tuning", help="dropout on the adapters' input"
+    )
     lora_freeze_experts: bool = arg(
         False,
         help="mixture of experts: no adapters on the experts (they stay frozen, as the router)",
@@ -325,7 +327,6 @@ class ModelConfig(
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
         self.finalize_mla()
         self.finalize_linear_attention()
-        self.finalize_mtp()
         self.finalize_mup()
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)

@@ -7,14 +7,13 @@ transformer layer feeds the shared output layer. Its loss, averaged over the dep
 scaled by --mtp-loss-scaling-factor, is added to the language-model loss's gradient, not to
 the reported loss (Megatron logs it apart, as `mtp_1 loss`, ...).
 
-`ModelConfig` inherits the fields; `finalize_mtp` is called from the model's own finalize.
+`ModelConfig` inherits the fields; their bounds are declared on them (`minimum=`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, MODEL, arg
 
 GROUP = "multi-token prediction"
@@ -32,6 +31,7 @@ class MTPConfig:
     )
     mtp_loss_scaling_factor: float = arg(
         0.1,
+        minimum=0,
         checkpoint=MODEL,
         group=GROUP,
         help="weight of the multi-token prediction loss (averaged over the depths)",
@@ -42,8 +42,3 @@ class MTPConfig:
         layer's kind, as megatron-core builds them)."""
         pattern = self.moe_layer_pattern(self.num_layers)
         return pattern + pattern[-1:] * (self.mtp_num_layers or 0)
-
-    def finalize_mtp(self) -> None:
-        if self.mtp_num_layers is None:
-            return
-        _require(self.mtp_loss_scaling_factor >= 0, "--mtp-loss-scaling-factor must be >= 0")

@@ -34,7 +34,7 @@ class MuonConfig:
         help="adam (AdamW: decoupled weight decay, as Megatron-LM's adam) or muon (weight "
         "matrices orthogonalized, the rest Adam)",
     )
-    muon_momentum: float = arg(0.9, group=GROUP, help="Muon's momentum")
+    muon_momentum: float = arg(0.9, group=GROUP, minimum=0, help="Muon's momentum")
     muon_split_qkv: bool = arg(
         True,
         flag="--muon-no-split-qkv",
@@ -68,7 +68,9 @@ class MuonConfig:
     muon_use_syrk: bool = arg(
         False, group=GROUP, help="Megatron-LM's Triton SYRK Gram kernel (not in threefold)"
     )
-    muon_extra_scale_factor: float = arg(1.0, group=GROUP, help="a further factor on the update")
+    muon_extra_scale_factor: float = arg(
+        1.0, group=GROUP, minimum=0, help="a further factor on the update"
+    )
     use_layer_wise_param_layout: bool = arg(
         True,
         flag="--no-use-layer-wise-param-layout",

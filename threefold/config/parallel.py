@@ -469,6 +469,8 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
     def finalize(self, model: ModelConfig) -> list[str]:
         """Validate the layout against the world and the model; returns warnings to print."""
         warnings = []
+        timeout = self.distributed_timeout_minutes
+        _require(timeout > 0, f"--distributed-timeout-minutes must be positive, not {timeout}")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         _require(
             self.world_size % (tp * pp) == 0,

@@ -62,7 +62,9 @@ class RecomputeConfig:
         choices=("uniform", "block"),
     )
     recompute_num_layers: int | None = arg(
-        None, help="layers per recomputed group (uniform) or recomputed layers per stage (block)"
+        None,
+        minimum=0,
+        help="layers per recomputed group (uniform) or recomputed layers per stage (block)",
     )
     recompute_modules: list[str] | None = arg(
         None,

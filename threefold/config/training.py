@@ -92,9 +92,9 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     )
     # WSD: the final anneal from --lr to --min-lr, its length and shape.
     lr_wsd_decay_iters: int | None = arg(
-        None, help="length of WSD's final anneal, ending at --lr-decay-iters"
+        None, minimum=0, help="length of WSD's final anneal, ending at --lr-decay-iters"
     )
-    lr_wsd_decay_samples: int | None = arg(None, help="with --train-samples")
+    lr_wsd_decay_samples: int | None = arg(None, minimum=0, help="with --train-samples")
     lr_wsd_decay_style: str = arg(
         "exponential",
         help="shape of WSD's final anneal (default exponential)",
@@ -168,9 +168,11 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         ),
     )
     initial_loss_scale: float = arg(2.0**32, help="fp16's first dynamic loss scale")
-    min_loss_scale: float = arg(1.0, help="the dynamic loss scale never goes below this")
-    loss_scale_window: int = arg(1000, help="steps without overflow before the loss scale doubles")
-    hysteresis: int = arg(2, help="overflows tolerated before the loss scale halves")
+    min_loss_scale: float = arg(1.0, minimum=0, help="the dynamic loss scale never goes below this")
+    loss_scale_window: int = arg(
+        1000, minimum=1, help="steps without overflow before the loss scale doubles"
+    )
+    hysteresis: int = arg(2, minimum=1, help="overflows tolerated before the loss scale halves")
     seed: int = arg(1234, minimum=0, help="seed of initialization, dropout and data order")
     eval_interval: int = arg(
         1000, help="evaluate on the validation split every this many iterations (and at the end)"
