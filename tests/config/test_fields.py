@@ -3,7 +3,9 @@
 fields come from their declarations (config/fields.py), so a new one is covered without being
 listed anywhere."""
 
+import contextlib
 import dataclasses
+import io
 import json
 
 import pytest
@@ -101,3 +103,28 @@ def test_the_sizes_a_run_cannot_do_without_declare_a_minimum():
     sizes += ["--kv-channels", "--seq-length", "--vocab-size", "--micro-batch-size"]
     sizes += ["--global-batch-size", "--tensor-model-parallel-size"]
     assert set(sizes) <= declared
+
+
+def test_no_numeric_flag_takes_a_negative_value_silently():
+    """Every int or float flag refuses -1 (a size, a count, a rate, a scale): by a declared
+    minimum or a check of its own. The exceptions are Megatron-LM's flags threefold takes with
+    any value and names at start-up (megatron_compat.ANY_VALUE)."""
+    from threefold import megatron_compat
+
+    taken = []
+    for action in build_parser()._actions:
+        single = action.option_strings and action.nargs is None
+        if not single or action.type not in (int, float):
+            continue
+        try:
+            with (
+                contextlib.redirect_stdout(io.StringIO()),
+                contextlib.redirect_stderr(io.StringIO()),
+            ):
+                parse_args(["--mock-data", "--vocab-size", "128", action.option_strings[0], "-1"])
+        except SystemExit:
+            continue
+        taken.append(action.option_strings[0])
+    assert sorted(taken) == sorted(
+        f for f, (kind, _) in megatron_compat.ANY_VALUE.items() if kind in (int, float)
+    )
