@@ -28,9 +28,11 @@ def _tool(name: str, *argv: str) -> None:
     )
 
 
-def test_preprocess_round_trip_through_megatron_core(tmp_path):
+def _trained_tokenizer(tmp_path) -> str:
+    """TEXTS as tmp_path/corpus.jsonl, and a 300-piece tokenizer trained on it: its prefix."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    prefix = str(tmp_path / "sp")
     _tool(
         "train_tokenizer.py",
         "--input",
@@ -38,8 +40,14 @@ def test_preprocess_round_trip_through_megatron_core(tmp_path):
         "--vocab-size",
         "300",
         "--model-prefix",
-        str(tmp_path / "sp"),
+        prefix,
     )
+    return prefix
+
+
+def test_preprocess_round_trip_through_megatron_core(tmp_path):
+    _trained_tokenizer(tmp_path)
+    corpus = tmp_path / "corpus.jsonl"
     _tool(
         "preprocess_data.py",
         "--input",
@@ -173,18 +181,7 @@ def test_a_trained_tokenizer_keeps_newlines_indentation_and_spaces(tmp_path):
 
 def test_a_tokenizer_that_cannot_be_trained_is_one_line_and_keeps_the_one_there(tmp_path):
     """(before: sentencepiece's or the reader's traceback, after writing nothing but by luck)"""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    prefix = str(tmp_path / "sp")
-    _tool(
-        "train_tokenizer.py",
-        "--input",
-        str(corpus),
-        "--vocab-size",
-        "300",
-        "--model-prefix",
-        prefix,
-    )
+    prefix = _trained_tokenizer(tmp_path)
     kept = {ext: open(prefix + ext, "rb").read() for ext in (".model", ".vocab")}
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + '\n{"text": 1}\n')
     for corpus_name, vocab_size, line in (
