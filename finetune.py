@@ -22,7 +22,13 @@ import dataclasses
 import os
 import sys
 
-from threefold.arguments import build_parser, parse_args, print_refusal, speaks_for_its_machine
+from threefold.arguments import (
+    ToolParser,
+    build_parser,
+    parse_args,
+    print_refusal,
+    speaks_for_its_machine,
+)
 from threefold.checkpoint.args import checkpoint_flags, latest_config
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
@@ -109,7 +115,7 @@ def dataset_size_warnings(config, train_samples: int, valid_samples: int | None)
 
 
 def _own_flags() -> argparse.ArgumentParser:
-    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own = ToolParser(prog="finetune.py", add_help=False)
     group = own.add_argument_group("fine-tuning (finetune.py)")
     group.add_argument(
         "--sft-packing",
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser("finetune.py", __doc__, _own_flags()).print_help()
         return 0
     args, rest = _own_flags().parse_known_args(argv)
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe = ToolParser(prog="finetune.py", add_help=False)
     probe.add_argument("--load")
     probe.add_argument("--save")
     probe.add_argument("--tokenizer-type")

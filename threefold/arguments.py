@@ -23,27 +23,41 @@ from threefold.config import Config, ConfigError
 from threefold.config.fields import flag_of
 
 
-class _Parser(argparse.ArgumentParser):
-    """Mistakes in one line, not after 150 lines of usage; a mistyped flag gets the nearest
-    real one."""
+class ToolParser(argparse.ArgumentParser):
+    """A command line whose mistakes come in one line, not after the usage block; a mistyped
+    flag gets the nearest real one. Under torchrun, local rank 0 says it for its machine."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # as Megatron-LM: a flag's prefix is not that flag
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        missing = _megatron_feature(message)
-        if missing:
-            self.exit(2, f"{self.prog}: error: {missing}\n")
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
             flag = unknown.group(1).split("=")[0]
             near = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
             if near:
                 message += f"; did you mean {near[0]}?"
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+        if unknown or message.startswith("the following arguments are required"):
+            message += " (--help lists every flag)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     def exit(self, status: int = 0, message: str | None = None):
         if status and message and not speaks_for_its_machine():
             message = None  # the same refusal, printed by local rank 0
             _let_local_rank_zero_speak()
         super().exit(status, message)
+
+
+class _Parser(ToolParser):
+    """Megatron-LM's command line: a Megatron-LM flag threefold lacks is named with its
+    feature."""
+
+    def error(self, message: str):
+        missing = _megatron_feature(message)
+        if missing:
+            self.exit(2, f"{self.prog}: error: {missing}\n")
+        super().error(message)
 
 
 def _megatron_feature(message: str) -> str | None:
@@ -158,7 +172,6 @@ def build_parser(
     parser = _Parser(
         prog=prog,
         description=description,
-        allow_abbrev=False,  # as Megatron-LM: a prefix of a flag is not that flag
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[own_flags] if own_flags is not None else [],
     )

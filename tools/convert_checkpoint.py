@@ -31,16 +31,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import ToolParser  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.startup import frozen_imports  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     formats = ["hf", "threefold", "megatron"]
     parser.add_argument("--loader", required=True, choices=formats, help="the format read")
     parser.add_argument("--saver", required=True, choices=formats, help="the format written")

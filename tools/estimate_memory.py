@@ -22,7 +22,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import build_parser, config_from_namespace, parse_args, print_refusal  # noqa: E402
+from threefold.arguments import (  # noqa: E402
+    ToolParser,
+    build_parser,
+    config_from_namespace,
+    parse_args,
+    print_refusal,
+)
 from threefold.config import Config, ConfigError  # noqa: E402
 from threefold.training.memory_estimate import estimate_stage, parameter_count  # noqa: E402
 
@@ -59,11 +65,8 @@ def format_estimate(config: Config, device_memory_gib: float | None = None) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        allow_abbrev=False,
-        add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = ToolParser(
+        description=__doc__, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--world-size",

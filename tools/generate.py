@@ -23,18 +23,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import print_refusal  # noqa: E402
+from threefold.arguments import ToolParser, print_refusal  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.inference_flags import add_layout_flags, add_tokenizer_flags  # noqa: E402
 from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument(

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import build_parser, config_from_namespace, parse_args  # noqa: E402
+from threefold.arguments import ToolParser, build_parser, config_from_namespace, parse_args  # noqa: E402
 from threefold.config import Config, ConfigError  # noqa: E402
 from threefold.training.flops import training_flops_per_iteration  # noqa: E402
 from threefold.training.memory_estimate import estimate_memory  # noqa: E402
@@ -308,11 +308,8 @@ def _refuse(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        allow_abbrev=False,
-        add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = ToolParser(
+        description=__doc__, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")

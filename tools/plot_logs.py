@@ -11,11 +11,14 @@ What was plotted is also written into the PNG's metadata (the `threefold-series`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from threefold.arguments import ToolParser  # noqa: E402
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 # every `name: value |` field of a log line (Megatron-LM's and threefold's own)
@@ -81,7 +84,7 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", help="training logs (stdout of pretrain_gpt.py)")
     parser.add_argument("--labels", nargs="+", help="one per log; default: the file names")
     parser.add_argument("--output", default="training.png", help="PNG file to write")

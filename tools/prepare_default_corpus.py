@@ -3,17 +3,17 @@
 python tools/prepare_default_corpus.py --output data/shakespeare.jsonl
 """
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import ToolParser  # noqa: E402
 from threefold.data.corpus import default_corpus_documents, write_jsonl  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser = ToolParser(description=__doc__)
     parser.add_argument("--output", required=True, help="the JSONL file to write")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -20,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import ToolParser  # noqa: E402
 from threefold.config import ConfigError, DataConfig  # noqa: E402
 from threefold.config.data import TOKENIZERS  # noqa: E402
 from threefold.data import megatron_core  # noqa: E402
@@ -64,11 +65,7 @@ def _bounded_imap(pool, documents, workers: int, chunk: int = 64):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--input", required=True, help="JSONL file, or text with a document per line"
     )

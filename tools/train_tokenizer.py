@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from threefold.arguments import ToolParser  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 
 _PIECE = 16384  # characters per training "sentence"
@@ -79,7 +80,7 @@ def _train(sentences: Iterator[str], prefix: str, args: argparse.Namespace) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser = ToolParser(description=__doc__)
     parser.add_argument(
         "--input", required=True, help="JSONL file, or text with a document per line"
     )

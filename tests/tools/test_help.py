@@ -1,7 +1,7 @@
 """Every entry point's --help describes every flag it takes (with its default where it has
 one), under the entry point's own name, and answers before torch is imported (a flag mistake
-costs a tenth of a second, not the three of torch's import); the planning tools answer whole
-without torch."""
+costs a tenth of a second, not the three of torch's import); a flag mistake is one line, not
+argparse's usage block; the planning tools answer whole without torch."""
 
 import os
 import re
@@ -54,6 +54,21 @@ def test_help_describes_every_flag(script):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(f"usage: {os.path.basename(script)}")
     assert flags_without_help(result.stdout) == []
+    assert not _imports_torch(result.stderr)
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS)
+def test_a_flag_mistake_is_one_line_before_torch(script):
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", script, "--no-such-flag"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(said) == 1 and said[0].startswith(f"{os.path.basename(script)}: error: "), said
     assert not _imports_torch(result.stderr)
 
 
