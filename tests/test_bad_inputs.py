@@ -202,6 +202,28 @@ def test_a_vocabulary_below_the_tokenizer_is_refused(shakespeare_data):
     )
 
 
+def test_tokenizer_files_their_library_cannot_read_are_refused(tmp_path):
+    """(before: sentencepiece's RuntimeError or the tokenizers library's bare Exception)"""
+    garbage = tmp_path / "tokenizer.model"
+    garbage.write_bytes(bytes(range(256)) * 4)
+    _assert_refused(
+        *_run(
+            BASE
+            + MOCK
+            + ["--tokenizer-type", "SentencePieceTokenizer"]
+            + ["--tokenizer-model", str(garbage)]
+        ),
+        f"--tokenizer-model {garbage}: not a readable sentencepiece model (INTERNAL: could not "
+        f"parse ModelProto from {garbage})",
+    )
+    files = ["--vocab-file", str(garbage), "--merge-file", str(garbage)]
+    _assert_refused(
+        *_run(BASE + MOCK + ["--tokenizer-type", "GPT2BPETokenizer", *files]),
+        f"--vocab-file {garbage} / --merge-file {garbage}: not a readable GPT-2 BPE (Error "
+        "while reading BPE files: ",
+    )
+
+
 @pytest.fixture(scope="module")
 def good_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("good")

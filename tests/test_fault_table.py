@@ -445,6 +445,9 @@ BAD_RECORDS = {
     "not-utf8": b'{"text": "\xff\xfe"}\n',
     "missing-key": b'{"body": "a b"}\n',
     "null-text": b'{"text": null}\n',
+    # met by the tokenizer, in a worker process: NullTokenizer reads ids, 0 to --vocab-size
+    "not-token-ids": b'{"text": "1 two 3"}\n',
+    "id-outside-the-vocabulary": b'{"text": "1 2 101"}\n',
 }
 
 

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from threefold import megatron_compat
 from threefold.checkpoint.args import flags_for_use_checkpoint_args
@@ -58,6 +58,20 @@ class _Parser(ToolParser):
         if missing:
             self.exit(2, f"{self.prog}: error: {missing}\n")
         super().error(message)
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    """An argparse `type=` for a tool's count or size: a number of `kind` above 0 (NaN
+    refused), else argparse's one line, `argument --workers: give a positive number, not 0`."""
+
+    def parse(text: str):
+        value = kind(text)  # a ValueError: argparse's "invalid int value: 'x'"
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"give a positive number, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _megatron_feature(message: str) -> str | None:

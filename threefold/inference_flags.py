@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from threefold.arguments import positive
+
 TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
 
 
@@ -14,13 +16,13 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("layout (of the launched processes)")
     group.add_argument(
         "--pipeline-model-parallel-size",
-        type=int,
+        type=positive(int),
         default=1,
         help="pipeline stages (default 1); the launched processes / stages are TP ranks",
     )
     group.add_argument(
         "--tensor-model-parallel-size",
-        type=int,
+        type=positive(int),
         help="TP ranks per stage (default: launched processes / pipeline stages)",
     )
 

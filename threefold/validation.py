@@ -64,6 +64,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         check_split,
         index_cache_directories,
     )
+    from threefold.data.tokenizer import check_hf_directory
     from threefold.launch_environment import check_accelerate_settings
 
     check_accelerate_settings(config)
@@ -81,15 +82,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         _readable(data.tokenizer_model, "--tokenizer-model")
     elif data.tokenizer_type == "HuggingFaceTokenizer":
         _readable(data.tokenizer_model, "--tokenizer-model", "directory")
-        if not any(
-            os.path.isfile(os.path.join(data.tokenizer_model, name))
-            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-        ):
-            raise ConfigError(
-                f"--tokenizer-model {data.tokenizer_model}: holds no "
-                "tokenizer.json or tokenizer_config.json; give a Hugging Face "
-                "tokenizer directory"
-            )
+        check_hf_directory(data.tokenizer_model)
     elif data.tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file)):
             if path is None:

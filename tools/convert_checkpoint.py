@@ -33,11 +33,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import ToolParser  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
+from threefold.output_directory import make_parent_directory  # noqa: E402
 from threefold.startup import frozen_imports  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(
+        prog="convert_checkpoint.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     formats = ["hf", "threefold", "megatron"]
     parser.add_argument("--loader", required=True, choices=formats, help="the format read")
     parser.add_argument("--saver", required=True, choices=formats, help="the format written")
@@ -56,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
+    if args.loader == args.saver:
+        parser.error(f"--loader and --saver are both {args.loader}; nothing to convert")
+    try:
+        make_parent_directory(args.save_dir, "--save-dir")
+    except ConfigError as error:
+        parser.error(str(error))
     with frozen_imports():
         from threefold.checkpoint import convert
 
     try:
-        if args.loader == args.saver:
-            raise ConfigError(f"--loader and --saver are both {args.loader}; nothing to convert")
         if (args.loader, args.saver) == ("hf", "threefold"):
             path = convert.hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
         elif args.saver == "hf":

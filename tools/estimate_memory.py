@@ -27,6 +27,7 @@ from threefold.arguments import (  # noqa: E402
     build_parser,
     config_from_namespace,
     parse_args,
+    positive,
     print_refusal,
 )
 from threefold.config import Config, ConfigError  # noqa: E402
@@ -66,17 +67,20 @@ def format_estimate(config: Config, device_memory_gib: float | None = None) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = ToolParser(
-        description=__doc__, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="estimate_memory.py",
+        description=__doc__,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--world-size",
-        type=int,
+        type=positive(int),
         default=None,
         help="number of devices (default: TP x PP x CP, i.e. DP=1)",
     )
     parser.add_argument(
         "--gpu-memory-gib",
-        type=float,
+        type=positive(float),
         default=None,
         help="say whether each stage fits in this much device memory",
     )

@@ -30,7 +30,11 @@ from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
 def main() -> int:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(
+        prog="generate.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument(

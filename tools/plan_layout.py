@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -36,7 +35,13 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import ToolParser, build_parser, config_from_namespace, parse_args  # noqa: E402
+from threefold.arguments import (  # noqa: E402
+    ToolParser,
+    build_parser,
+    config_from_namespace,
+    parse_args,
+    positive,
+)
 from threefold.config import Config, ConfigError  # noqa: E402
 from threefold.training.flops import training_flops_per_iteration  # noqa: E402
 from threefold.training.memory_estimate import estimate_memory  # noqa: E402
@@ -265,11 +270,9 @@ def print_plans(plans: list[Plan], planner: Planner, top: int) -> None:
 def hf_model_flags(path: str) -> list[str]:
     """A Hugging Face config.json as pretrain_gpt.py's model flags."""
     from threefold.checkpoint.args import model_flags
-    from threefold.checkpoint.hf import model_config_from_hf
+    from threefold.checkpoint.hf import read_hf_config
 
-    with open(path) as file:
-        hf = json.load(file)
-    _, model = model_config_from_hf(hf)
+    _, _, model = read_hf_config(path, "--hf-config")
     flags = model_flags(dataclasses.asdict(model))
     skip = {"--seq-length", "--max-position-embeddings"}  # the plan's own
     kept, drop_next = [], False
@@ -285,18 +288,6 @@ def hf_model_flags(path: str) -> list[str]:
 
 def _cluster_mistake(args: argparse.Namespace) -> str | None:
     """The line for a cluster flag no layout can be planned on, else None."""
-    positive = {
-        "--gpus": args.gpus,
-        "--gpus-per-node": args.gpus_per_node,
-        "--gpu-memory-gib": args.gpu_memory_gib,
-        "--top": args.top,
-        "--peak-tflops": args.peak_tflops,
-        "--intra-node-gbps": args.intra_node_gbps,
-        "--inter-node-gbps": args.inter_node_gbps,
-    }
-    for flag, value in positive.items():
-        if value is not None and not value > 0:  # (a NaN is refused too)
-            return f"{flag} {value}: give a positive number"
     if not 0 < args.memory_fraction <= 1:
         return f"--memory-fraction {args.memory_fraction}: give a share above 0, at most 1"
     return None
@@ -309,15 +300,20 @@ def _refuse(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ToolParser(
-        description=__doc__, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="plan_layout.py",
+        description=__doc__,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpus", type=positive(int), required=True, help="GPUs in the cluster")
+    parser.add_argument(
+        "--gpus-per-node", type=positive(int), default=8, help="GPUs per node (default 8)"
+    )
     parser.add_argument(
         "--gpu", choices=sorted(HARDWARE), default="H100", help="GPU type (default H100)"
     )
     parser.add_argument(
-        "--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80)"
+        "--gpu-memory-gib", type=positive(float), default=80.0, help="memory per GPU (default 80)"
     )
     parser.add_argument(
         "--memory-fraction",
@@ -325,11 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0.9,
         help="share of the memory a layout may fill, the rest for the allocator (default 0.9)",
     )
-    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak, if not the GPU's")
-    parser.add_argument("--intra-node-gbps", type=float, help="NCCL bus bandwidth in a node")
-    parser.add_argument("--inter-node-gbps", type=float, help="per GPU across nodes")
+    parser.add_argument(
+        "--peak-tflops", type=positive(float), help="dense bf16 peak, if not the GPU's"
+    )
+    parser.add_argument(
+        "--intra-node-gbps", type=positive(float), help="NCCL bus bandwidth in a node"
+    )
+    parser.add_argument("--inter-node-gbps", type=positive(float), help="per GPU across nodes")
     parser.add_argument("--hf-config", help="a Hugging Face config.json instead of model flags")
-    parser.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    parser.add_argument(
+        "--top", type=positive(int), default=10, help="layouts to print (default 10)"
+    )
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         build_parser("plan_layout.py", __doc__, parser).print_help()
         return 0
@@ -342,10 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(f"--hf-config {args.hf_config}: no such file")
         try:
             rest = hf_model_flags(args.hf_config) + rest
-        except ValueError as error:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-            return _refuse(f"--hf-config {args.hf_config}: not a JSON config ({error})")
         except ConfigError as error:
-            return _refuse(f"--hf-config {args.hf_config}: {error}")
+            return _refuse(str(error))
     if "--max-position-embeddings" not in rest and "--seq-length" in rest:
         rest += ["--max-position-embeddings", rest[rest.index("--seq-length") + 1]]
     base = [*rest, "--bf16", "--mock-data"]

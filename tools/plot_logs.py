@@ -19,6 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import ToolParser  # noqa: E402
+from threefold.config import ConfigError  # noqa: E402
+from threefold.output_directory import make_parent_directory  # noqa: E402
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 # every `name: value |` field of a log line (Megatron-LM's and threefold's own)
@@ -84,11 +86,15 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ToolParser(description=__doc__.split("\n\n")[0])
+    parser = ToolParser(prog="plot_logs.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", help="training logs (stdout of pretrain_gpt.py)")
     parser.add_argument("--labels", nargs="+", help="one per log; default: the file names")
     parser.add_argument("--output", default="training.png", help="PNG file to write")
     args = parser.parse_args(argv)
+    try:
+        make_parent_directory(args.output, "--output")
+    except ConfigError as error:
+        parser.error(str(error))
     labels = args.labels or [os.path.basename(path) for path in args.logs]
     if len(labels) != len(args.logs):
         parser.error(f"--labels: {len(labels)} labels for {len(args.logs)} logs")

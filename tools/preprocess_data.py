@@ -20,12 +20,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import ToolParser  # noqa: E402
+from threefold.arguments import ToolParser, positive  # noqa: E402
 from threefold.config import ConfigError, DataConfig  # noqa: E402
 from threefold.config.data import TOKENIZERS  # noqa: E402
 from threefold.data import megatron_core  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.data.tokenizer import build_tokenizer  # noqa: E402
+from threefold.output_directory import make_parent_directory  # noqa: E402
 
 _tokenizer = None
 _append_eod = False
@@ -40,12 +41,18 @@ def _init_worker(data_config: DataConfig, vocab_size, append_eod: bool, dtype) -
     _dtype = dtype
 
 
-def _encode(document: dict[str, str]) -> tuple[dict[str, np.ndarray], int]:
-    """Token ids as the output's dtype: a few bytes per token, not a Python int's 36, while
-    they travel back from a worker and wait in the pool's queue for the writer."""
+def _encode(numbered: tuple[int, dict[str, str]]) -> tuple[dict[str, np.ndarray] | str, int]:
+    """(token ids as the output's dtype, text bytes): a few bytes per token, not a Python
+    int's 36, while they travel back from a worker and wait in the pool's queue for the
+    writer. A text the tokenizer refuses (NullTokenizer's word that is no id) is a bad record:
+    ('line N: why', 0)."""
+    line, document = numbered
     encoded = {}
     for key, text in document.items():
-        ids = _tokenizer.tokenize(text)
+        try:
+            ids = _tokenizer.tokenize(text)
+        except ValueError as error:
+            return f"{line}: {key!r}: {error}", 0
         if _append_eod:
             ids.append(_tokenizer.eod)
         encoded[key] = np.asarray(ids, dtype=_dtype)
@@ -65,7 +72,11 @@ def _bounded_imap(pool, documents, workers: int, chunk: int = 64):
 
 
 def main() -> None:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(
+        prog="preprocess_data.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--input", required=True, help="JSONL file, or text with a document per line"
     )
@@ -81,16 +92,21 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", help="sentencepiece file or HF tokenizer dir")
     parser.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    parser.add_argument("--vocab-size", type=int, help="for NullTokenizer")
+    parser.add_argument("--vocab-size", type=positive(int), help="for NullTokenizer")
     parser.add_argument(
         "--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx per key"
     )
     parser.add_argument(
         "--append-eod", action="store_true", help="end each document with the end-of-document token"
     )
-    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
     parser.add_argument(
-        "--log-interval", type=int, default=1000, help="print progress every this many documents"
+        "--workers", type=positive(int), default=1, help="tokenizing processes (default: 1)"
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=positive(int),
+        default=1000,
+        help="print progress every this many documents",
     )
     parser.add_argument(
         "--skip-bad-records",
@@ -102,9 +118,6 @@ def main() -> None:
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
 
-    indexed_dataset = megatron_core.datasets().indexed_dataset
-    DType, IndexedDatasetBuilder = indexed_dataset.DType, indexed_dataset.IndexedDatasetBuilder
-
     data_config = DataConfig(
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
@@ -113,10 +126,13 @@ def main() -> None:
     )
     try:
         tokenizer = build_tokenizer(data_config, args.vocab_size)
+        make_parent_directory(args.output_prefix, "--output-prefix")
     except ConfigError as error:
-        parser.exit(2, f"preprocess_data.py: error: {error}\n")
+        parser.error(str(error))
+    # megatron-core imports torch: after the flags, the tokenizer and the output are checked.
+    indexed_dataset = megatron_core.datasets().indexed_dataset
+    DType, IndexedDatasetBuilder = indexed_dataset.DType, indexed_dataset.IndexedDatasetBuilder
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     # Written aside and renamed over the outputs only once complete: a failure (bad input,
     # full disk, Ctrl-C) leaves an earlier good .bin/.idx pair as it was.
@@ -178,7 +194,13 @@ def _tokenize(args, data_config: DataConfig, builders: dict, dtype) -> tuple:
     input_size = max(os.path.getsize(args.input), 1)
     reported_bytes = 0
     try:
-        for count, (encoded, num_bytes) in zip(itertools.count(1), encoded_stream):
+        for encoded, num_bytes in encoded_stream:
+            if isinstance(encoded, str):  # a bad record, where the tokenizer met it
+                if not args.skip_bad_records:
+                    raise ValueError(f"{args.input}:{encoded}")
+                report(f"{args.input}:{encoded}")
+                continue
+            count += 1
             total_bytes += num_bytes
             for key, ids in encoded.items():
                 if len(ids):

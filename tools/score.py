@@ -25,7 +25,9 @@ from threefold.startup import frozen_imports, run_then_shut_down  # noqa: E402
 
 
 def main() -> int:
-    parser = ToolParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(
+        prog="score.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--load", required=True, help="checkpoint directory (with the tracker)")
     parser.add_argument("--input", required=True, help="a UTF-8 text file")
     add_tokenizer_flags(parser)

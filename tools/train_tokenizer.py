@@ -16,8 +16,10 @@ from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from threefold.arguments import ToolParser  # noqa: E402
+from threefold.arguments import ToolParser, positive  # noqa: E402
+from threefold.config import ConfigError  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
+from threefold.output_directory import make_parent_directory  # noqa: E402
 
 _PIECE = 16384  # characters per training "sentence"
 
@@ -80,7 +82,7 @@ def _train(sentences: Iterator[str], prefix: str, args: argparse.Namespace) -> N
 
 
 def main() -> None:
-    parser = ToolParser(description=__doc__)
+    parser = ToolParser(prog="train_tokenizer.py", description=__doc__)
     parser.add_argument(
         "--input", required=True, help="JSONL file, or text with a document per line"
     )
@@ -88,7 +90,10 @@ def main() -> None:
         "--json-keys", nargs="+", default=["text"], help="JSON fields to read (default: text)"
     )
     parser.add_argument(
-        "--vocab-size", type=int, default=8000, help="tokens in the vocabulary (default: 8000)"
+        "--vocab-size",
+        type=positive(int),
+        default=8000,
+        help="tokens in the vocabulary (default: 8000)",
     )
     parser.add_argument(
         "--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab"
@@ -98,30 +103,30 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-sentences",
-        type=int,
+        type=positive(int),
         default=2_000_000,
         help="lines sampled for training, bounding memory and time",
     )
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.exit(2, f"train_tokenizer.py: error: --input {args.input}: no such file\n")
-    for flag, value in (("--vocab-size", args.vocab_size), ("--max-sentences", args.max_sentences)):
-        if value < 1:
-            parser.exit(2, f"train_tokenizer.py: error: {flag} {value}: give a positive number\n")
     bad_records = []  # what the reader refused: sentencepiece passes it on as its own error
 
     def sentences():
         """Whole documents (in pieces of at most _PIECE characters, cut after a newline), so
         newlines and indentation are part of what the tokenizer learns."""
         try:
-            for document in read_documents(args.input, args.json_keys):
+            for _, document in read_documents(args.input, args.json_keys):
                 for text in document.values():
                     yield from (piece for piece in _pieces(text) if piece.strip())
         except ValueError as error:
             bad_records.append(str(error))
             raise
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
+    try:
+        make_parent_directory(args.model_prefix, "--model-prefix")
+    except ConfigError as error:
+        parser.error(str(error))
     # Trained under a name of its own, then renamed: a tokenizer already at --model-prefix
     # (which data was tokenized with) is replaced only by a complete one.
     partial = f"{args.model_prefix}.partial-{os.getpid()}"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from threefold.arguments import parse_args
+from threefold.config import ConfigError
 from threefold.data.loader import build_datasets
-from threefold.data.tokenizer import SentencePieceTokenizer
+from threefold.data.tokenizer import HuggingFaceTokenizer, NullTokenizer, SentencePieceTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = [
@@ -185,7 +186,7 @@ def test_a_tokenizer_that_cannot_be_trained_is_one_line_and_keeps_the_one_there(
     kept = {ext: open(prefix + ext, "rb").read() for ext in (".model", ".vocab")}
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + '\n{"text": 1}\n')
     for corpus_name, vocab_size, line in (
-        ("corpus.jsonl", "0", "--vocab-size 0: give a positive number"),
+        ("corpus.jsonl", "0", "argument --vocab-size: give a positive number, not 0"),
         (
             "corpus.jsonl",
             "100",
@@ -227,3 +228,30 @@ def test_a_corpus_written_again_is_replaced_whole_or_not_at_all(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_jsonl(interrupted(), path)
     assert path.read_bytes() == complete and os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+def test_a_hugging_face_tokenizer_its_library_cannot_read_is_one_line(tmp_path):
+    """(before: transformers' ValueError or JSONDecodeError, as preprocess_data.py's,
+    finetune.py's or generate.py's traceback)"""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="empty: holds no tokenizer.json or tokenizer_config"):
+        HuggingFaceTokenizer(str(tmp_path / "empty"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ConfigError) as refused:
+        HuggingFaceTokenizer(str(tmp_path / "broken"))
+    line = str(refused.value)
+    assert line.startswith(f"--tokenizer-model {tmp_path / 'broken'}: not a readable Hugging Face")
+    assert "\n" not in line
+
+
+def test_null_tokenizer_reads_token_ids_of_its_vocabulary_only():
+    """(before: int()'s message without the record, and an id past the vocabulary written
+    to the .bin for the training run to refuse)"""
+    tokenizer = NullTokenizer(100)
+    assert tokenizer.tokenize(" 0 7\n99 100 ") == [0, 7, 99, 100]  # 100: end of document
+    with pytest.raises(ValueError, match="'seven' is not a token id"):
+        tokenizer.tokenize("0 seven")
+    for word in ("101", "-1"):
+        with pytest.raises(ValueError, match=f"token id {word} is outside the vocabulary"):
+            tokenizer.tokenize(f"1 {word}")

@@ -168,11 +168,11 @@ SMALL = (SMALL + "--global-batch-size 8").split()
 @pytest.mark.parametrize(
     "argv, line",
     [
-        (["--gpus", "0", *SMALL], "--gpus 0: give a positive number"),
-        (["--gpus", "-8", *SMALL], "--gpus -8: give a positive number"),
+        (["--gpus", "0", *SMALL], "argument --gpus: give a positive number, not 0"),
+        (["--gpus", "-8", *SMALL], "argument --gpus: give a positive number, not -8"),
         (
-            ["--gpus", "8", "--gpu-memory-gib", "0", *SMALL],
-            "--gpu-memory-gib 0.0: give a positive number",
+            ["--gpus", "8", "--gpu-memory-gib", "nan", *SMALL],
+            "argument --gpu-memory-gib: give a positive number, not nan",
         ),
         (
             ["--gpus", "8", "--memory-fraction", "1.5", *SMALL],
@@ -195,8 +195,38 @@ def test_a_cluster_or_model_no_layout_can_be_planned_on_is_one_line(argv, line, 
     config = tmp_path / "config.json"
     config.write_text("not JSON")
     argv = [arg.format(config=config) for arg in argv]
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as refused:  # (argparse's, for a flag's own value)
+        code = refused.code
+    assert code == 2
     assert capsys.readouterr().err == f"plan_layout.py: error: {line.format(config=config)}\n"
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("[1, 2]", "not a JSON config (a list)"),
+        ('{"model_type": "llama"}', "no 'num_attention_heads' field, which LlamaForCausalLM needs"),
+        (
+            '{"model_type": "llama", "hidden_size": "64", "num_attention_heads": 4, '
+            '"num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}',
+            "a field LlamaForCausalLM reads has a value of the wrong type (unsupported operand "
+            "type(s) for //: 'str' and 'int')",
+        ),
+    ],
+    ids=["a list", "a field missing", "a text for a number"],
+)
+def test_a_hugging_face_config_that_is_no_models_is_one_line(text, line, tmp_path, capsys):
+    """plan_layout.py --hf-config and convert_checkpoint.py --loader hf read config.json
+    alike (threefold/checkpoint/hf.read_hf_config). (before: a KeyError's, TypeError's or
+    AttributeError's traceback)"""
+    from plan_layout import main
+
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    assert main(["--gpus", "8", "--hf-config", str(config), *SMALL]) == 2
+    assert capsys.readouterr().err == f"plan_layout.py: error: --hf-config {config}: {line}\n"
 
 
 def test_the_collective_fit_recovers_latency_and_bandwidth():

@@ -15,7 +15,7 @@ from threefold.checkpoint.files import checkpoint_dir, fsync_directory, read_met
 from threefold.checkpoint.hf import (
     hf_config_from_model_config,
     hf_to_threefold,
-    model_config_from_hf,
+    read_hf_config,
     threefold_to_hf,
 )
 from threefold.checkpoint.load import find_checkpoint, load_model
@@ -81,9 +81,7 @@ def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
     config_file = os.path.join(load_dir, "config.json")
     if not os.path.isfile(config_file):
         raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
-    with open(config_file) as f:
-        hf_config = json.load(f)
-    architecture, model_config = model_config_from_hf(hf_config)
+    hf_config, architecture, model_config = read_hf_config(config_file, "--load-dir")
     weights = read_hf_weights(load_dir)
     dtypes = {t.dtype for t in weights.values()}
     tensors = hf_to_threefold(weights, model_config, architecture)

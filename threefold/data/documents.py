@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 
 def read_documents(
     path: str, json_keys: list[str], on_bad_record: Callable[[str], None] | None = None
-) -> Iterator[dict[str, str]]:
-    """Yields {key: text} per document, streaming; plain-text files give their lines as 'text'.
-    A bad record (not UTF-8, not JSON, a missing or non-text key) raises ValueError naming
-    `path:line`, or with `on_bad_record` is reported to it and skipped."""
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """Yields (line number, {key: text}) per document, streaming; plain-text files give their
+    lines as 'text'. A bad record (not UTF-8, not JSON, a missing or non-text key) raises
+    ValueError naming `path:line`, or with `on_bad_record` is reported to it and skipped."""
     is_json = path.endswith((".json", ".jsonl"))
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, 1):
@@ -24,7 +24,7 @@ def read_documents(
                 on_bad_record(message)
                 continue
             if document is not None:
-                yield document
+                yield line_number, document
 
 
 def _parse(raw: bytes, is_json: bool, json_keys: list[str]) -> dict[str, str] | None:

@@ -3,10 +3,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from threefold.config import ConfigError, DataConfig
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@contextlib.contextmanager
+def _read_as(files: str, kind: str) -> Iterator[None]:
+    """A tokenizer file the library cannot read becomes one line naming the flag and file.
+    The libraries raise what they like for a malformed file (sentencepiece a RuntimeError,
+    `tokenizers` a bare Exception, transformers a ValueError or a JSONDecodeError)."""
+    try:
+        yield
+    except ImportError:
+        raise
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{files}: not a readable {kind} ({reason})") from None
+
+
+def check_hf_directory(directory: str) -> None:
+    """`--tokenizer-model DIR` of a Hugging Face tokenizer: a directory holding its files."""
+    if not os.path.isdir(directory):
+        raise ConfigError(
+            f"--tokenizer-model {directory}: no such directory; give the "
+            "local directory holding tokenizer.json / tokenizer_config.json"
+        )
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in HF_TOKENIZER_FILES):
+        raise ConfigError(
+            f"--tokenizer-model {directory}: holds no tokenizer.json or "
+            "tokenizer_config.json; give a Hugging Face tokenizer directory"
+        )
 
 
 class SentencePieceTokenizer:
@@ -19,7 +50,8 @@ class SentencePieceTokenizer:
                 "tools/train_tokenizer.py or fix the path"
             )
         self.model_file = model_file
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        with _read_as(f"--tokenizer-model {model_file}", "sentencepiece model"):
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
         self.vocab_size = self.processor.vocab_size()
         self.eod = self.processor.eos_id()
         self.bos = self.processor.bos_id()
@@ -50,16 +82,20 @@ class HuggingFaceTokenizer:
     `tokenizers` library's tokenizer.json."""
 
     def __init__(self, directory: str) -> None:
-        if not os.path.isdir(directory):
-            raise ConfigError(
-                f"--tokenizer-model {directory}: no such directory; give the "
-                "local directory holding tokenizer.json / tokenizer_config.json"
-            )
+        check_hf_directory(directory)
         self.model_file = directory
         try:
             from transformers import AutoTokenizer
+        except ImportError:
+            AutoTokenizer = None
+        with _read_as(f"--tokenizer-model {directory}", "Hugging Face tokenizer"):
+            if AutoTokenizer is not None:
+                self.tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+            else:
+                from tokenizers import Tokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+                self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        if AutoTokenizer is not None:
             self._encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
             self._decode = self.tokenizer.decode
             self.vocab_size = len(self.tokenizer)
@@ -67,10 +103,7 @@ class HuggingFaceTokenizer:
             # Whether the tokenizer starts every text with BOS (Llama's do): the models it
             # was made for were pretrained so.
             self.adds_bos = bos is not None and self.tokenizer("a")["input_ids"][:1] == [bos]
-        except ImportError:
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        else:
             self._encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids
             self._decode = self.tokenizer.decode
             self.vocab_size = self.tokenizer.get_vocab_size()
@@ -127,7 +160,8 @@ class GPT2BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         self.model_file = None
-        self.tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        with _read_as(f"--vocab-file {vocab_file} / --merge-file {merge_file}", "GPT-2 BPE"):
+            self.tokenizer = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self.tokenizer.decoder = decoders.ByteLevel()
         self.vocab_size = self.tokenizer.get_vocab_size()
@@ -155,7 +189,22 @@ class NullTokenizer:
         self.bos = None
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(token) for token in text.split()]
+        """The text's ids, separated by white space: a word that is not one is a ValueError."""
+        ids = []
+        for word in text.split():
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise ValueError(
+                    f"{word[:20]!r} is not a token id (NullTokenizer reads ids separated by spaces)"
+                ) from None
+        outside = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if outside is not None:
+            raise ValueError(
+                f"token id {outside} is outside the vocabulary (--vocab-size {self.eod}: ids 0 to "
+                f"{self.eod - 1}, and {self.eod} for the end of document)"
+            )
+        return ids
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(str(int(i)) for i in ids)

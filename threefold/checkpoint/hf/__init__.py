@@ -16,6 +16,8 @@ different model. A new family is a new adapter and one line in `ADAPTERS`.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
@@ -24,7 +26,7 @@ from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
-from threefold.config import ModelConfig
+from threefold.config import ConfigError, ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.architecture: adapter
@@ -42,9 +44,34 @@ def architecture_of(hf: dict) -> str:
 def model_config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
     """(architecture, threefold model config) of a Hugging Face config.json."""
     architecture = architecture_of(hf)
-    config = ADAPTERS[architecture].model_config(hf)
+    try:
+        config = ADAPTERS[architecture].model_config(hf)
+    except ConfigError:  # a field the adapter refuses by name
+        raise
+    except KeyError as error:  # a config.json cut short, or written by hand
+        raise ConfigError(f"no {error.args[0]!r} field, which {architecture} needs") from None
+    except (AttributeError, TypeError, ValueError) as error:  # a text where a number goes
+        raise ConfigError(
+            f"a field {architecture} reads has a value of the wrong type ({error})"
+        ) from None
     config.finalize()
     return architecture, config
+
+
+def read_hf_config(path: str, flag: str) -> tuple[dict, str, ModelConfig]:
+    """(config.json, architecture, threefold model config) of a Hugging Face config file;
+    a ConfigError naming `flag` and the file for one that is not JSON or not a model's."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except ValueError as error:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ConfigError(f"{flag} {path}: not a JSON config ({error})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{flag} {path}: not a JSON config (a {type(hf).__name__})")
+    try:
+        return hf, *model_config_from_hf(hf)
+    except ConfigError as error:
+        raise ConfigError(f"{flag} {path}: {error}") from None
 
 
 def hf_config_from_model_config(config: ModelConfig, architecture: str) -> dict:

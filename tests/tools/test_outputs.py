@@ -1,0 +1,59 @@
+"""Every tool that writes a file or a directory checks where it goes before any work and before
+torch is imported: a file standing where its directory must be is one line naming the flag
+(threefold/output_directory.py), not a traceback after the tokenizing or the conversion."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+# tool: (its arguments, the flag of its output); {blocked} is a file, {tmp} a directory.
+TOOLS = {
+    "preprocess_data.py": (
+        ["--input", "{tmp}/corpus.jsonl", "--tokenizer-type", "NullTokenizer"]
+        + ["--vocab-size", "100", "--output-prefix", "{blocked}/data"],
+        "--output-prefix",
+    ),
+    "train_tokenizer.py": (
+        ["--input", "{tmp}/corpus.jsonl", "--model-prefix", "{blocked}/sp"],
+        "--model-prefix",
+    ),
+    "prepare_default_corpus.py": (["--output", "{blocked}/corpus.jsonl"], "--output"),
+    "plot_logs.py": (["{tmp}/training.log", "--output", "{blocked}/training.png"], "--output"),
+    "convert_checkpoint.py": (
+        ["--loader", "hf", "--saver", "threefold", "--load-dir", "{tmp}"]
+        + ["--save-dir", "{blocked}/converted"],
+        "--save-dir",
+    ),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_an_output_under_a_file_is_one_line_before_any_work(tool, tmp_path):
+    (tmp_path / "corpus.jsonl").write_text('{"text": "1 2 3"}\n')
+    (tmp_path / "training.log").write_text(" iteration        1/       1 | lm loss: 2.0 |\n")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the output's directory must be\n")
+    argv, flag = TOOLS[tool]
+    argv = [arg.format(tmp=tmp_path, blocked=blocked) for arg in argv]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", os.path.join(ROOT, "tools", tool), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    output = argv[argv.index(flag) + 1]
+    assert (result.returncode, said) == (
+        2,
+        [
+            f"{tool}: error: {flag} {output}: cannot write there ({blocked} is a file); give a "
+            "path in a writable directory"
+        ],
+    )
+    assert re.search(r"\| +torch$", result.stderr, re.MULTILINE) is None
+    assert blocked.read_text() == "a file where the output's directory must be\n"
