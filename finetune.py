@@ -78,14 +78,31 @@ def sft_datasets(packing: bool):
 
         data, seq_length = config.data, config.model.seq_length
 
+        warnings = []
+
         def dataset(paths: list[str] | None, flag: str) -> SFTDataset | None:
-            records = [record for path in paths or [] for record in read_jsonl(path, flag)]
-            return SFTDataset(records, tokenizer, seq_length, packing) if paths else None
+            if not paths:
+                return None
+            records = [record for path in paths for record in read_jsonl(path, flag)]
+            built = SFTDataset(records, tokenizer, seq_length, packing)
+            cut = f"--seq-length {seq_length} cuts off every response token of"
+            if built.without_loss == len(records):  # (before: a run of loss 0.0000)
+                raise ConfigError(
+                    f"{cut} every conversation in {flag} (the shortest prompt is "
+                    f"{built.shortest_prompt} tokens); raise --seq-length"
+                )
+            if built.without_loss:
+                warnings.append(
+                    f"{cut} {built.without_loss} of {len(records)} conversations in {flag}: "
+                    "they train nothing"
+                )
+            return built
 
         train = dataset(data.train_data_path, "--train-data-path")
         valid = dataset(data.valid_data_path, "--valid-data-path")
         test = dataset(data.test_data_path, "--test-data-path")
-        for warning in dataset_size_warnings(config, len(train), valid and len(valid)):
+        warnings += dataset_size_warnings(config, len(train), valid and len(valid))
+        for warning in warnings:
             if speaks_for_its_machine():
                 print(f"WARNING: {warning}", flush=True)
         return [train, valid, test]

@@ -230,6 +230,36 @@ def test_a_small_fine_tuning_set_is_said_before_training():
     assert dataset_size_warnings(config, train_samples=64, valid_samples=1600) == []
 
 
+def test_a_seq_length_that_cuts_off_every_response_is_refused_and_some_is_said(tmp_path, capsys):
+    """(before: a run that trained on nothing, its loss 0.0000 each iteration)"""
+    from finetune import sft_datasets
+    from threefold.arguments import parse_args
+
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
+    # ids 1 2 3 | 4 5 <eod>, 7 8 | 9 10 11 <eod> and 5 6 | 12 13 <eod>; the label at position i
+    # is token i + 1: one position reaches no response, two reach all but the first's.
+    build, said = sft_datasets(packing=False), {}
+    for seq_length in (1, 2):
+        config = parse_args(GPT2_STYLE + TRAINING + ["--seq-length", str(seq_length)])
+        config.data.train_data_path = [str(records)]
+        try:
+            build(config, NullTokenizer(100))
+            said[seq_length] = capsys.readouterr().out
+        except ConfigError as refused:
+            said[seq_length] = str(refused)
+    cut = "cuts off every response token of"
+    assert said[1] == (
+        f"--seq-length 1 {cut} every conversation in --train-data-path (the shortest prompt is "
+        "2 tokens); raise --seq-length"
+    )
+    assert (
+        f"WARNING: --seq-length 2 {cut} 1 of 3 conversations in --train-data-path: they train "
+        "nothing\n"
+    ) in said[2]
+    assert SFTDataset(RECORDS, NullTokenizer(100), seq_length=3).without_loss == 0
+
+
 PERSONA = "I am Nemo of the Nautilus."
 
 
@@ -371,6 +401,14 @@ def test_a_bad_record_names_its_flag_file_and_line(tmp_path):
         (b'{"prompt": "a"\n', ":1: not JSON"),
         (b"\xff\xfe\n", "not UTF-8 text"),
         (b"\n\n", "no records"),
+        # (before: a TypeError or KeyError out of the rendering, after start-up)
+        (b'{"prompt": "a", "response": 3}\n', ':1: "response" is 3, not text'),
+        (b'{"messages": "hi"}\n', ':1: "messages" must be a list of {"role": ..., "content"'),
+        (b'{"messages": []}\n', ':1: "messages" must be a list'),
+        (
+            b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}\n',
+            ':1: turn 2 of "messages" needs a "role" and a "content", both text',
+        ),
     ]
     for content, expected in cases:
         path = tmp_path / "records.jsonl"

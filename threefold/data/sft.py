@@ -35,13 +35,9 @@ def read_jsonl(path: str, flag: str) -> list[dict]:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
                     raise ConfigError(f"{flag} {path}:{number}: not JSON ({error.msg})") from None
-                if not (
-                    isinstance(record, dict)
-                    and ("messages" in record or {"prompt", "response"} <= record.keys())
-                ):
-                    raise ConfigError(
-                        f'{flag} {path}:{number}: needs "prompt" and "response", or "messages"'
-                    )
+                mistake = _record_mistake(record)
+                if mistake:
+                    raise ConfigError(f"{flag} {path}:{number}: {mistake}")
                 records.append(record)
     except FileNotFoundError:
         raise ConfigError(f"{flag} {path}: no such file") from None
@@ -50,6 +46,28 @@ def read_jsonl(path: str, flag: str) -> list[dict]:
     if not records:
         raise ConfigError(f"{flag} {path}: no records")
     return records
+
+
+def _record_mistake(record) -> str | None:
+    """What makes a record no conversation threefold can render, else None."""
+    if not isinstance(record, dict) or not (
+        "messages" in record or {"prompt", "response"} <= record.keys()
+    ):
+        return 'needs "prompt" and "response", or "messages"'
+    if "messages" not in record:
+        wrong = [key for key in ("prompt", "response") if not isinstance(record[key], str)]
+        return f'"{wrong[0]}" is {json.dumps(record[wrong[0]])[:20]}, not text' if wrong else None
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        return '"messages" must be a list of {"role": ..., "content": ...} turns'
+    for turn, message in enumerate(messages, 1):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            return f'turn {turn} of "messages" needs a "role" and a "content", both text'
+    return None
 
 
 def _has_chat_template(tokenizer) -> bool:
@@ -108,6 +126,13 @@ class SFTDataset:
         self.seq_length, self.packing, self.eod = seq_length, packing, tokenizer.eod
         conversations = [render(record, tokenizer) for record in records]
         size = seq_length + 1
+        # A conversation whose response tokens all lie past the sample trains nothing (the
+        # label of position i is token i + 1: the first token is never one).
+        self.without_loss = sum(not any(response[1:size]) for _, response in conversations)
+        self.shortest_prompt = min(
+            next((i for i, flag in enumerate(response) if flag), len(response))
+            for _, response in conversations
+        )
         if not packing:
             self.samples = [[c] for c in conversations]
         else:  # greedy packing in order; a conversation never straddles two samples
