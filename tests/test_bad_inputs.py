@@ -224,6 +224,24 @@ def test_tokenizer_files_their_library_cannot_read_are_refused(tmp_path):
     )
 
 
+def test_an_output_under_a_file_is_refused(tmp_path):
+    """(before: a NotADirectoryError after start-up, or at the first rerun's report)"""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a directory must be\n")
+    for flag, path, more in (
+        ("--tensorboard-dir", f"{blocked}/tensorboard", []),
+        (
+            "--result-rejected-tracker-filename",
+            f"{blocked}/rejected.txt",
+            ["--rerun-mode", "validate_results"],
+        ),
+    ):
+        _assert_refused(
+            *_run(BASE + MOCK + more + [flag, path]),
+            f"{flag} {path}: cannot write there ({blocked} is a file)",
+        )
+
+
 @pytest.fixture(scope="module")
 def good_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("good")

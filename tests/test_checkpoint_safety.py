@@ -192,6 +192,27 @@ def test_a_hostile_metadata_json_is_refused_in_one_line(
         _refused_in_one_line(result, "metadata.json")
 
 
+def test_a_megatron_checkpoint_in_its_legacy_pickle_format_is_refused_unread(
+    tmp_path, shakespeare_data
+):
+    """Megatron-LM's --ckpt-format torch is one pickled model_optim_rng.pt per model-parallel
+    rank: refused by name, with how to have Megatron-LM re-save it (before: "iteration 1 is
+    damaged (... has no metadata.json)")."""
+    marker = str(tmp_path / "marker")
+    root = tmp_path / "megatron"
+    (root / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save({"args": Payload(marker)}, root / "iter_0000001/mp_rank_00/model_optim_rng.pt")
+    commands = _entry_points(str(root), tmp_path, shakespeare_data)
+    convert = commands["convert_checkpoint.py"]
+    convert[convert.index("--loader") + 1] = "megatron"
+    for name, result in run_together(_run, commands).items():
+        _refused_in_one_line(result, "iteration 1 is a Megatron-LM checkpoint in its legacy torch")
+        flag = "--load-dir" if name == "convert_checkpoint.py" else "--load"
+        assert f"error: {flag} {root}: " in result.stderr, result.stderr[-2000:]
+    assert not os.path.exists(marker)
+
+
 def test_a_planted_dataset_index_cache_never_runs(shakespeare_data, tmp_path):
     """megatron-core loads its cached indices with numpy.load(allow_pickle=True): a pickle
     planted under a cached index's name is refused before megatron-core sees it."""

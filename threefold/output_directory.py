@@ -1,6 +1,6 @@
-"""Where a tool writes: the directory of its output made before any work, or the flag refused
-in one line (a file in the way, a directory this user cannot write), not a traceback after
-minutes of tokenizing or converting."""
+"""Where a run or a tool writes: checked before any work, so that a file standing where a
+directory must be, or a directory this user cannot write, is one line naming the flag, not a
+traceback after minutes of training, tokenizing or converting."""
 
 from __future__ import annotations
 
@@ -9,28 +9,34 @@ import os
 from threefold.config import ConfigError
 
 
-def make_parent_directory(path: str, flag: str) -> None:
-    """Make the directory that `path` (a file or a directory the tool writes) goes in; a
-    ConfigError naming `flag` when it cannot be made or written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as error:
+def check_creatable(directory: str, flag: str, given: str | None = None) -> None:
+    """A ConfigError naming `flag` (and the path `given` to it) unless `directory` is, or can
+    be made as, a directory this user writes. Nothing is created."""
+    given = given or directory
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
         raise ConfigError(
-            f"{flag} {path}: cannot write there ({_in_the_way(directory) or error.strerror}); "
-            "give a path in a writable directory"
-        ) from None
-    if not os.access(directory, os.W_OK | os.X_OK):
+            f"{flag} {given}: cannot write there ({existing} is a file); give a path in a "
+            "writable directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
-            f"{flag} {path}: {directory} is not writable by this user; give a path in a "
+            f"{flag} {given}: {existing} is not writable by this user; give a path in a "
             "writable directory"
         )
 
 
-def _in_the_way(directory: str) -> str | None:
-    """'X is a file' for the file standing where a directory of `directory`'s path must be."""
-    while directory != os.path.dirname(directory):
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            return f"{directory} is a file"
-        directory = os.path.dirname(directory)
-    return None
+def make_parent_directory(path: str, flag: str) -> None:
+    """Make the directory that `path` (a file or a directory a tool writes) goes in; a
+    ConfigError naming `flag` when it cannot be made or written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    check_creatable(directory, flag, path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:  # (what changed since the check, or a full disk)
+        raise ConfigError(
+            f"{flag} {path}: cannot write there ({error.strerror}); give a path in a writable "
+            "directory"
+        ) from None

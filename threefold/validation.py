@@ -128,8 +128,24 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
             check_index_cache(directory)
     if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
+    _check_outputs(config)
     if config.checkpoint.load is not None:
         _check_load(config, vocab_size)
+
+
+def _check_outputs(config: Config) -> None:
+    """The directories the run writes besides --save (claimed with its lock at start-up):
+    before, a file in the way was a traceback after start-up, or at the first rerun."""
+    from threefold.output_directory import check_creatable
+
+    logging, tracker = config.logging, config.training.result_rejected_tracker_filename
+    if logging.tensorboard_dir:
+        check_creatable(logging.tensorboard_dir, "--tensorboard-dir")
+    if logging.wandb_project and logging.wandb_save_dir:
+        check_creatable(logging.wandb_save_dir, "--wandb-save-dir")
+    if tracker:
+        parent = os.path.dirname(os.path.abspath(tracker))
+        check_creatable(parent, "--result-rejected-tracker-filename", tracker)
 
 
 def _check_load(config: Config, vocab_size: int | None) -> None:

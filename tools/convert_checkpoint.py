@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             path = convert.megatron_to_threefold_checkpoint(args.load_dir, args.save_dir)
-    except ConfigError as error:
-        parser.exit(2, f"convert_checkpoint.py: error: {error}\n")
+    except ConfigError as error:  # the loading code names pretrain_gpt.py's --load
+        parser.error(re.sub(r"^--load ", "--load-dir ", str(error)))
     print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")
     return 0
 

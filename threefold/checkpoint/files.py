@@ -58,10 +58,17 @@ def read_tracker(root: str) -> int | None:
 def read_metadata(root: str, iteration: int) -> dict:
     """A checkpoint's metadata.json; for a Megatron-LM torch_dist checkpoint, its common.pt
     described the same way (checkpoint/megatron/format.py)."""
-    from threefold.checkpoint.megatron.format import is_megatron_checkpoint, megatron_metadata
+    from threefold.checkpoint.megatron.format import (
+        is_megatron_checkpoint,
+        legacy_format,
+        megatron_metadata,
+    )
 
     if is_megatron_checkpoint(checkpoint_dir(root, iteration)):
         return megatron_metadata(checkpoint_dir(root, iteration))
+    legacy = legacy_format(checkpoint_dir(root, iteration))
+    if legacy:
+        raise ConfigError(f"--load {root}: iteration {iteration} is {legacy}")
     path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")

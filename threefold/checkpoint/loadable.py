@@ -32,6 +32,7 @@ from threefold.checkpoint.manifest import (
     read_manifest,
     verify_slice,
 )
+from threefold.checkpoint.megatron.format import legacy_format
 from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
 from threefold.config import (
     CheckpointConfig,
@@ -113,6 +114,9 @@ def choose_iteration(
                 "use another directory"
             )
         return None
+    legacy = tracked is not None and legacy_format(checkpoint_dir(root, tracked))
+    if legacy:  # (not damage: a format threefold does not read)
+        raise ConfigError(f"--load {root}: iteration {tracked} is {legacy}")
     if tracked is None:
         warn(
             f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "

@@ -50,6 +50,21 @@ _UNSUPPORTED = (
 )
 
 
+def legacy_format(path: str) -> str | None:
+    """Why an iter_N directory in Megatron-LM's legacy `--ckpt-format torch` (a pickled
+    model_optim_rng.pt per model-parallel rank) is not loaded, else None."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "metadata.json")):
+        return None
+    if not any(name.startswith("mp_rank_") for name in os.listdir(path)):
+        return None
+    return (
+        "a Megatron-LM checkpoint in its legacy torch format (mp_rank_*/model_optim_rng.pt: "
+        "pickles, which threefold never loads); have Megatron-LM save it as torch_dist "
+        "(--ckpt-format torch --load ... --ckpt-convert-format torch_dist --ckpt-convert-save "
+        "NEW) and load NEW/torch_dist"
+    )
+
+
 def is_megatron_checkpoint(path: str) -> bool:
     """Whether `path` (an iter_N directory) was written by megatron-core's dist_checkpointing."""
     try:
