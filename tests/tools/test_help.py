@@ -5,10 +5,10 @@ argparse's usage block; the planning tools answer whole without torch."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.tools.imports import run_watching_imports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY_POINTS = ["pretrain_gpt.py", "finetune.py"] + [
@@ -38,38 +38,21 @@ def test_the_walker_finds_a_flag_without_help():
     assert flags_without_help(text) == ["--bare"]
 
 
-def _imports_torch(importtime: str) -> bool:
-    return re.search(r"\| +torch$", importtime, re.MULTILINE) is not None
-
-
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_help_describes_every_flag(script):
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", script, "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith(f"usage: {os.path.basename(script)}")
-    assert flags_without_help(result.stdout) == []
-    assert not _imports_torch(result.stderr)
+    run = run_watching_imports(script, "--help")
+    assert run.returncode == 0, run.said[-30:]
+    assert run.stdout.startswith(f"usage: {os.path.basename(script)}")
+    assert flags_without_help(run.stdout) == []
+    assert not run.imported_torch
 
 
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_a_flag_mistake_is_one_line_before_torch(script):
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", script, "--no-such-flag"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
-    assert result.returncode == 2 and result.stdout == ""
-    assert len(said) == 1 and said[0].startswith(f"{os.path.basename(script)}: error: "), said
-    assert not _imports_torch(result.stderr)
+    run = run_watching_imports(script, "--no-such-flag")
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.said) == 1 and run.said[0].startswith(f"{os.path.basename(script)}: error: ")
+    assert not run.imported_torch
 
 
 MODEL = (
@@ -87,12 +70,6 @@ MODEL = (
     ids=["estimate_memory", "plan_layout"],
 )
 def test_the_planning_tools_answer_without_torch(argv):
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0 and "GiB" in result.stdout, result.stderr[-3000:]
-    assert not _imports_torch(result.stderr)
+    run = run_watching_imports(*argv)
+    assert run.returncode == 0 and "GiB" in run.stdout, run.said[-30:]
+    assert not run.imported_torch

@@ -3,13 +3,11 @@ torch is imported: a file standing where its directory must be is one line namin
 (threefold/output_directory.py), not a traceback after the tokenizing or the conversion."""
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.tools.imports import run_watching_imports
 
 # tool: (its arguments, the flag of its output); {blocked} is a file, {tmp} a directory.
 TOOLS = {
@@ -40,20 +38,14 @@ def test_an_output_under_a_file_is_one_line_before_any_work(tool, tmp_path):
     blocked.write_text("a file where the output's directory must be\n")
     argv, flag = TOOLS[tool]
     argv = [arg.format(tmp=tmp_path, blocked=blocked) for arg in argv]
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", os.path.join(ROOT, "tools", tool), *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    run = run_watching_imports(os.path.join(ROOT, "tools", tool), *argv)
     output = argv[argv.index(flag) + 1]
-    assert (result.returncode, said) == (
+    assert (run.returncode, run.said) == (
         2,
         [
             f"{tool}: error: {flag} {output}: cannot write there ({blocked} is a file); give a "
             "path in a writable directory"
         ],
     )
-    assert re.search(r"\| +torch$", result.stderr, re.MULTILINE) is None
+    assert not run.imported_torch
     assert blocked.read_text() == "a file where the output's directory must be\n"
