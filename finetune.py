@@ -228,7 +228,7 @@ def _fine_tune(
         "parameters trainable on rank 0"
         + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else "")
     )
-    initial = trainer.evaluate()
+    initial = trainer.evaluate(advance=False)  # the first evaluation reads these batches again
     if initial is not None:
         trainer.print(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
     return halting.train(trainer, "finetune.py")

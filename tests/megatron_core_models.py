@@ -389,6 +389,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         bf16=False,
         fp16=False,
         consumed_train_samples=640,
+        consumed_valid_samples=24,
         attention_backend=AttnBackend.auto,
     )
 

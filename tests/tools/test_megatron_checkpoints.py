@@ -100,6 +100,7 @@ def test_no_load_optim_resumes_megatrons_iteration_and_schedule(megatron):
     )
     state = trainer.checkpoint_components().train_state
     assert (state.iteration, state.consumed_train_samples) == (11, 642)
+    assert state.consumed_valid_samples == 24  # where Megatron-LM's evaluations had read to
     # Megatron-LM's schedule counts samples (640 saved); an iteration-based run, iterations.
     assert trainer.checkpoint_components().scheduler.num_steps == 11
 

@@ -1,12 +1,19 @@
 """--eval-global-batch-size and --eval-micro-batch-size (Megatron-LM's): evaluation reads its
 own global batches in its own micro-batches; the validation loss is the mean over the same
-tokens however they are cut, on one process and across pipeline stages."""
+tokens however they are cut, on one process and across pipeline stages. Each evaluation reads
+on from where the last stopped, as Megatron-LM's, and a checkpoint carries the count."""
+
+import json
+import os
 
 import pytest
 
 from tests.distributed import run_distributed
 from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
+from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.manifest import MANIFEST, digest
+from threefold.checkpoint.save import save_checkpoint
 
 EVAL = ["--eval-iters", "2"]
 
@@ -52,3 +59,51 @@ def test_evaluation_batch_mistakes_are_one_line(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(LLAMA_STYLE + TRAINING + flags)
     assert message in capsys.readouterr().err
+
+
+def test_each_evaluation_reads_on_from_the_last_as_megatron():
+    """Megatron-LM's validation iterator goes on through the split (sized for every evaluation
+    of the run and the one after it); before, threefold read the same first batches each time.
+    The test split is read from its start."""
+    trainer = _setup(LLAMA_STYLE + TRAINING + EVAL + ["--eval-interval", "4"])
+    training = trainer.config.training
+    assert training.evaluation_samples() == 2 * 8
+    # 10 iterations: evaluations after 4 and 8, and after training
+    assert len(trainer.datasets[1]) == 3 * 16 and len(trainer.datasets[2]) == 16
+    first = trainer.evaluate(advance=False)  # (finetune.py's baseline: read again after)
+    assert trainer.evaluate() == first and trainer.state.consumed_valid_samples == 16
+    second = trainer.evaluate()
+    assert second != pytest.approx(first, rel=1e-6)
+    assert trainer.state.consumed_valid_samples == 32
+    fresh = _setup(LLAMA_STYLE + TRAINING + EVAL + ["--eval-interval", "4"])
+    fresh.state.consumed_valid_samples = 16
+    assert fresh.evaluate() == second  # the same weights, the batches from sample 16
+    assert trainer.evaluate(2) == fresh.evaluate(2)  # test: its first batches, every time
+
+
+def test_a_checkpoint_carries_the_count_and_one_without_it_is_counted_as_megatron(tmp_path):
+    argv = LLAMA_STYLE + TRAINING + EVAL + ["--eval-interval", "2"]
+    trainer = _setup(argv)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.state.consumed_valid_samples = 48  # (what three evaluations of 16 read)
+    save_checkpoint(str(tmp_path), trainer.checkpoint_components())
+    resumed = _setup(argv)
+    assert load_checkpoint(str(tmp_path), resumed.checkpoint_components()) == 3
+    assert resumed.state.consumed_valid_samples == 48
+    # A checkpoint saved before the count was kept: Megatron-LM's rule, one evaluation of
+    # --eval-iters global batches each --eval-interval iterations (iteration 3: one of 16).
+    path = os.path.join(str(tmp_path), "iter_0000003")
+    with open(os.path.join(path, "metadata.json")) as f:
+        metadata = json.load(f)
+    del metadata["train_state"]["consumed_valid_samples"]
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(metadata, f)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["files"]["metadata.json"] = digest(os.path.join(path, "metadata.json"))
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    older = _setup(argv)
+    assert load_checkpoint(str(tmp_path), older.checkpoint_components()) == 3
+    assert older.state.consumed_valid_samples == 16

@@ -127,7 +127,11 @@ def load_checkpoint(
         else:
             components.optimizer.copy_model_to_masters()
     if not finetune:  # the run goes on where it stopped: iteration, samples, LR schedule
-        components.train_state.load_state_dict(metadata["train_state"])
+        saved = metadata["train_state"]
+        if "consumed_valid_samples" not in saved:  # (saved before they were counted)
+            training = components.config.training
+            saved = saved | {"consumed_valid_samples": training.validation_samples_read(iteration)}
+        components.train_state.load_state_dict(saved)
         components.scheduler.load_state_dict(loadable.scheduler)
     if rng is not None:  # (per-rank streams belong to the saved layout's ranks)
         set_rng_state(rng)

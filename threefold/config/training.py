@@ -297,6 +297,16 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         start, increment, _ = self.rampup_batch_size
         return list(range(start, self.global_batch_size + 1, increment))
 
+    def evaluation_samples(self) -> int:
+        """The samples one evaluation reads: --eval-iters global batches of evaluation's size."""
+        return self.eval_iters * self.eval_global_batch_size
+
+    def validation_samples_read(self, iteration: int) -> int:
+        """The validation samples the evaluations up to `iteration` read, one every
+        --eval-interval iterations: where the next evaluation reads on from, and Megatron-LM's
+        count for a checkpoint that does not hold it."""
+        return iteration // self.eval_interval * self.evaluation_samples()
+
     def finalize(self, data_parallel_size: int, seq_length: int) -> None:
         self.finalize_muon()
         if self.fp16 and self.loss_scale is None:

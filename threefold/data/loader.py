@@ -16,15 +16,17 @@ from threefold.parallel.parallel_context import Group
 def build_datasets(config: Config, tokenizer=None) -> list:
     """Train, validation and test datasets (None where a split is empty)."""
     model, data, training = config.model, config.data, config.training
-    # What the run reads: every training step's samples, and --eval-iters global batches of
-    # validation and test (threefold evaluates on the same batches each time).
-    evaluation = max(training.eval_iters, 1) * training.eval_global_batch_size
+    # What the run reads, as Megatron-LM sizes it: every training step's samples; on the
+    # validation split, each evaluation reads on from the last (one per --eval-interval and
+    # one after training); the test split is read once, after training.
+    evaluation = max(training.evaluation_samples(), training.eval_global_batch_size)
     train = (
         training.train_samples
         if training.train_samples is not None
         else training.train_iters * max(training.rampup_batch_sizes())  # (a step schedule's)
     )
-    sizes = [train, evaluation, evaluation]
+    validation = training.validation_samples_read(training.train_iters) + evaluation
+    sizes = [train, validation, evaluation]
     if data.mock_data:
         datasets = [
             MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0  # where the next evaluation reads on (Megatron-LM's)
     skipped_iterations: int = 0
     nan_iterations: int = 0
 

@@ -296,14 +296,20 @@ class Trainer:
         return total / max(weight, 1.0)
 
     @torch.no_grad()
-    def evaluate(self, split: int = 1) -> float | None:
-        """Mean loss over `--eval-iters` global batches of a split, always the same batches."""
+    def evaluate(self, split: int = 1, advance: bool = True) -> float | None:
+        """Mean loss over `--eval-iters` global batches of a split. On the validation split
+        each evaluation reads on from where the last one stopped, as Megatron-LM's (the count
+        is in the checkpoint; `advance=False` reads them without moving on); the test split is
+        read from its start."""
         if self.datasets[split] is None or self.config.training.eval_iters == 0:
             return None
         for chunk in self.model_chunks:
             chunk.train(False)
-        iterator, losses = self._batches(split, 0, shuffle=False), []
         training, parallel = self.config.training, self.parallel
+        start = self.state.consumed_valid_samples if split == 1 else 0
+        iterator, losses = self._batches(split, start, shuffle=False), []
+        if split == 1 and advance:
+            self.state.consumed_valid_samples += training.evaluation_samples()
         # --eval-global-batch-size / --eval-micro-batch-size (by default training's)
         count = training.num_eval_micro_batches(parallel.dp.size)
         shape = (self.config.model.seq_length, training.eval_micro_batch_size)

@@ -181,6 +181,14 @@ def megatron_metadata(path: str) -> dict:
     optimizer = megatron_optimizer(
         common, {k: tuple(v.size) for k, v in sizes.items() if hasattr(v, "size")}
     )
+    train_state = {
+        "iteration": iteration,
+        "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
+    }
+    # Where Megatron-LM's checkpoint says 0, Megatron-LM counts them from the iteration, as
+    # threefold's loader does for a train state without them.
+    if args.get("consumed_valid_samples"):
+        train_state["consumed_valid_samples"] = int(args["consumed_valid_samples"])
     return {
         "iteration": iteration,
         "megatron": {
@@ -190,10 +198,7 @@ def megatron_metadata(path: str) -> dict:
         },
         "optimizer_saved": optimizer.readable,
         "rng_saved": False,
-        "train_state": {
-            "iteration": iteration,
-            "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
-        },
+        "train_state": train_state,
         "scheduler": {"num_steps": int(scheduler["num_steps"])}
         if isinstance(scheduler, dict) and "num_steps" in scheduler
         else {"num_steps": 0},
