@@ -5,9 +5,13 @@ on from where the last stopped, as Megatron-LM's, and a checkpoint carries the c
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
+from tests.conftest import ROOT, TINY_MODEL
 from tests.distributed import run_distributed
 from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.arguments import parse_args
@@ -107,3 +111,42 @@ def test_a_checkpoint_carries_the_count_and_one_without_it_is_counted_as_megatro
     older = _setup(argv)
     assert load_checkpoint(str(tmp_path), older.checkpoint_components()) == 3
     assert older.state.consumed_valid_samples == 16
+
+
+def _pretrain(*argv: str) -> dict[str, str]:
+    """pretrain_gpt.py on mock data: {what each validation line names: its loss}, and the
+    rest of its output under "said"."""
+    run = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY_MODEL, *argv]
+    run += ["--mock-data", "--vocab-size", "64", "--global-batch-size", "2", "--lr", "1e-3"]
+    run += ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2"]
+    result = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(
+        r"validation loss at (iteration \d+[^|]*)\| lm loss value: (\S+)", result.stdout
+    )
+    return {where.strip(): loss for where, loss in lines} | {"said": result.stdout}
+
+
+def test_skip_train_evaluates_the_loaded_model_and_saves_nothing(tmp_path):
+    """Megatron-LM's --skip-train: the loaded model on the validation split from its start and
+    on the test split; no training step, no save."""
+    save = str(tmp_path / "run")
+    trained = _pretrain("--save", save)
+    before = {
+        os.path.join(path, name): os.stat(os.path.join(path, name)).st_mtime_ns
+        for path, _, names in os.walk(save)
+        for name in names
+        if name != ".threefold.lock"
+    }
+    evaluated = _pretrain("--load", save, "--save", save, "--skip-train")
+    assert "skipping training (--skip-train is on) ..." in evaluated["said"]
+    assert " iteration        1/" not in evaluated["said"]  # no training log line
+    # the model of iteration 2 on the validation split's first batches: what the evaluation
+    # at iteration 2 read (the one after training read on)
+    assert evaluated["iteration 2 on validation set"] == trained["iteration 2"]
+    assert evaluated["iteration 2 on test set"] == trained["iteration 2 on test set"]
+    assert "no checkpoint (--skip-train)" in evaluated["said"]
+    after = {path: os.stat(path).st_mtime_ns for path in before}
+    assert after == before and sorted(os.listdir(save)) == sorted(
+        [".threefold.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
+    )

@@ -178,6 +178,11 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         1000, help="evaluate on the validation split every this many iterations (and at the end)"
     )
     eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
+    skip_train: bool = arg(
+        False,
+        help="evaluate the model (--load's) on the validation split from its start and on the "
+        "test split, --eval-iters global batches each, without training or saving",
+    )
     # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
     # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
     exit_interval: int | None = arg(
@@ -584,6 +589,11 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         )
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
         _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
+        _require(
+            not self.skip_train or self.eval_iters > 0,
+            "--skip-train only evaluates, --eval-iters global batches of each split; give "
+            "--eval-iters 1 or more",
+        )
         _require(
             self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1"
         )

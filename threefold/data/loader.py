@@ -25,7 +25,9 @@ def build_datasets(config: Config, tokenizer=None) -> list:
         if training.train_samples is not None
         else training.train_iters * max(training.rampup_batch_sizes())  # (a step schedule's)
     )
-    validation = training.validation_samples_read(training.train_iters) + evaluation
+    validation = evaluation  # --skip-train's one evaluation, from the split's start
+    if not training.skip_train:
+        validation += training.validation_samples_read(training.train_iters)
     sizes = [train, validation, evaluation]
     if data.mock_data:
         datasets = [

@@ -52,7 +52,7 @@ class RunProgress:
             f"about {_clock(pace * left)} left"
         )
 
-    def summary(self, iteration: int, checkpoint: str | None) -> str:
+    def summary(self, iteration: int, checkpoint: str | None, unsaved: str = "no --save") -> str:
         """What the run did, in one line: iterations and time, the last training loss, the
         best validation loss, where the last checkpoint is."""
         done = iteration - self.first_iteration
@@ -62,5 +62,5 @@ class RunProgress:
         if self.best_validation is not None:
             loss, at = self.best_validation
             parts.append(f"best validation loss {loss:.4f} after {at} iterations")
-        parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no --save)")
+        parts.append(f"checkpoint {checkpoint}" if checkpoint else f"no checkpoint ({unsaved})")
         return "; ".join(parts)

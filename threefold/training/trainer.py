@@ -322,6 +322,8 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> list[float]:
         """Train to --train-iters (or an exit condition); the per-iteration mean losses."""
+        if self.config.training.skip_train:
+            return self._evaluate_only()
         losses = []
         with self.observability:
             try:
@@ -351,6 +353,18 @@ class Trainer:
                 # after DataLoader's 5 s timeout. A later step reads from consumed samples.
                 self._train_iterator = None
         return losses
+
+    def _evaluate_only(self) -> list[float]:
+        """--skip-train (Megatron-LM's): the model as loaded, on the validation split from its
+        start and on the test split; nothing trained, nothing saved."""
+        self.print("skipping training (--skip-train is on) ...")
+        self.state.consumed_valid_samples = 0
+        progress = self.observability.run_progress
+        progress.before_iteration(self.state.iteration)  # (0 iterations done, from here)
+        with self.observability:
+            self._final_evaluations()
+            self.print(progress.summary(self.state.iteration, None, unsaved="--skip-train"))
+        return []
 
     def _final_evaluations(self) -> None:
         """Megatron-LM's reports after training: the validation and the test split, each as
