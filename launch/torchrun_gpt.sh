@@ -23,6 +23,11 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+for name in NNODES NODE_RANK NPROC_PER_NODE MASTER_PORT MAX_RESTARTS; do
+  case ${!name} in
+    '' | *[!0-9]*) echo "torchrun_gpt.sh: error: $name=${!name}: give a whole number" >&2; exit 2 ;;
+  esac
+done
 
 # shellcheck source=launch/gpt_args.sh
 source launch/gpt_args.sh

@@ -123,6 +123,36 @@ def test_the_launcher_refuses_a_bad_layout_once_before_spawning(
     assert not os.path.exists(tmp_path / "ckpt")
 
 
+@pytest.mark.parametrize(
+    "variables, line",
+    [
+        ({"NNODES": "two"}, "torchrun_gpt.sh: error: NNODES=two: give a whole number"),
+        ({"MASTER_PORT": "-1"}, "torchrun_gpt.sh: error: MASTER_PORT=-1: give a whole number"),
+        (
+            {"NPROC_PER_NODE": "0"},
+            "pretrain_gpt.py: error: WORLD_SIZE '0': the job must have at least one process (a "
+            "launcher's NNODES x NPROC_PER_NODE)",
+        ),
+    ],
+    ids=["not-a-number", "negative", "no-processes"],
+)
+def test_torchrun_launcher_refuses_a_launch_variable_before_spawning(
+    shakespeare_data, tmp_path, variables, line
+):
+    """(before: bash's 'two: unbound variable', torchrun's own traceback, or parse_args'
+    ZeroDivisionError)"""
+    environment = tiny_gpt_environment(shakespeare_data, SAVE_DIR=tmp_path / "ckpt")
+    result = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch", "torchrun_gpt.sh")],
+        env=environment | variables,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr.strip().splitlines()) == (2, [line])
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
 def test_rayjob_manifest():
     """launch/k8s/rayjob.yaml runs launch/ray_gpt.sh on the image the Dockerfile builds, with
     a Ray Train worker per GPU and the checkpoints on a volume every pod mounts."""

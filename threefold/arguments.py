@@ -214,6 +214,17 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
     return config
 
 
+def _launched_world_size(given: int | None) -> int:
+    """The processes of the job: `given`, else the launcher's WORLD_SIZE (1 without one)."""
+    text = os.environ.get("WORLD_SIZE", "1") if given is None else str(given)
+    if not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise ConfigError(
+            f"WORLD_SIZE {text!r}: the job must have at least one process (a launcher's "
+            "NNODES x NPROC_PER_NODE)"
+        )
+    return int(text)
+
+
 def parse_args(
     argv: Sequence[str] | None = None, world_size: int | None = None, prog: str = "pretrain_gpt.py"
 ) -> Config:
@@ -234,8 +245,8 @@ def parse_args(
         print(f"> {note}", flush=True)
         namespace = parser.parse_args(prefix + list(sys.argv[1:] if argv is None else argv))
     config = config_from_namespace(namespace)
-    config.parallel.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        config.parallel.world_size = _launched_world_size(world_size)
         for note in megatron_compat.check(
             {dest: value for dest, value in vars(namespace).items() if dest.startswith("compat.")}
         ):
