@@ -146,6 +146,8 @@ def test_skip_train_evaluates_the_loaded_model_and_saves_nothing(tmp_path):
     assert evaluated["iteration 2 on validation set"] == trained["iteration 2"]
     assert evaluated["iteration 2 on test set"] == trained["iteration 2 on test set"]
     assert "no checkpoint (--skip-train)" in evaluated["said"]
+    only_the_model = parse_args(LLAMA_STYLE + TRAINING + EVAL + ["--skip-train"]).checkpoint
+    assert only_the_model.no_load_optim and only_the_model.no_load_rng  # (Megatron-LM's too)
     after = {path: os.stat(path).st_mtime_ns for path in before}
     assert after == before and sorted(os.listdir(save)) == sorted(
         [".threefold.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -94,6 +94,8 @@ class Config:
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
         warnings += self.checkpoint.finalize()
+        if training.skip_train:  # only the model is needed, as in Megatron-LM
+            self.checkpoint.no_load_optim = self.checkpoint.no_load_rng = True
         warnings += self.logging.finalize()
         self.kernels.finalize()
         check_recompute_kernels(self)

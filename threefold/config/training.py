@@ -180,8 +180,9 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
     skip_train: bool = arg(
         False,
-        help="evaluate the model (--load's) on the validation split from its start and on the "
-        "test split, --eval-iters global batches each, without training or saving",
+        help="evaluate the model (--load's, without its optimizer state) on the validation split "
+        "from its start and on the test split, --eval-iters global batches each, without "
+        "training or saving",
     )
     # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
     # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
