@@ -80,8 +80,15 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
             axis.legend()
     axes[-1, 0].set_xlabel("iteration")
     figure.tight_layout()
-    figure.savefig(output, dpi=100, metadata={"threefold-series": json.dumps(summary)})
-    plt.close(figure)
+    # Drawn aside and renamed: a plot already there is replaced by a whole one or not at all.
+    partial = f"{output.removesuffix('.png')}.partial-{os.getpid()}.png"
+    try:
+        figure.savefig(partial, dpi=100, metadata={"threefold-series": json.dumps(summary)})
+        os.replace(partial, output)
+    finally:
+        plt.close(figure)
+        if os.path.exists(partial):
+            os.remove(partial)
     return summary
 
 
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="+", help="one per log; default: the file names")
     parser.add_argument("--output", default="training.png", help="PNG file to write")
     args = parser.parse_args(argv)
+    if not args.output.endswith(".png"):  # (what was plotted goes into a PNG text chunk)
+        parser.error(f"--output {args.output}: give a .png file")
     try:
         make_parent_directory(args.output, "--output")
     except ConfigError as error:

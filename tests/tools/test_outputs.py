@@ -49,3 +49,20 @@ def test_an_output_under_a_file_is_one_line_before_any_work(tool, tmp_path):
     )
     assert not run.imported_torch
     assert blocked.read_text() == "a file where the output's directory must be\n"
+
+
+def test_plot_logs_writes_a_whole_png_or_refuses_another_format(tmp_path):
+    """(before: --output plot.svg drew the figure, then failed on the PNG-only metadata with a
+    traceback; the PNG is drawn aside and renamed, so a plot there is never half-replaced)"""
+    log = tmp_path / "training.log"
+    log.write_text(" iteration        1/       1 | lm loss: 2.0 |\n")
+    script = os.path.join(ROOT, "tools", "plot_logs.py")
+    refused = run_watching_imports(script, str(log), "--output", str(tmp_path / "plot.svg"))
+    assert (refused.returncode, refused.said) == (
+        2,
+        [f"plot_logs.py: error: --output {tmp_path / 'plot.svg'}: give a .png file"],
+    )
+    drawn = run_watching_imports(script, str(log), "--output", str(tmp_path / "plot.png"))
+    assert drawn.returncode == 0, drawn.said
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(os.listdir(tmp_path)) == ["plot.png", "training.log"]
