@@ -461,3 +461,30 @@ def test_a_gated_model_exports_as_qwen3_next_only(converted):
     whole_rope = dataclasses.replace(config.model, rotary_percent=1.0)
     with pytest.raises(ConfigError, match="export this model as Qwen3NextForCausalLM"):
         threefold_to_hf(model.state_dict(), whole_rope, "Qwen3MoeForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "files, line",
+    [
+        ({"model.safetensors": b"\xff" * 64}, "{dir}/model.safetensors: not a readable"),
+        (
+            {"model.safetensors.index.json": b'{"weight_map": {"x": "model-1.safetensors"}}'},
+            "{dir}: 'model-1.safetensors', listed in its index, is missing",
+        ),
+        (
+            {"model.safetensors.index.json": b'{"weight_map": 3}'},
+            "{dir}/model.safetensors.index.json: not a safetensors index (AttributeError",
+        ),
+    ],
+    ids=["not-safetensors", "shard-missing", "index-not-a-map"],
+)
+def test_hugging_face_weights_that_cannot_be_read_are_one_line(files, line, tmp_path):
+    """(before: safetensors' SafetensorError, a FileNotFoundError or an AttributeError)"""
+    from threefold.checkpoint.convert import read_hf_weights
+    from threefold.config import ConfigError
+
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError) as refused:
+        read_hf_weights(str(tmp_path))
+    assert str(refused.value).startswith(f"--load-dir {line.format(dir=tmp_path)}")

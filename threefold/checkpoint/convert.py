@@ -40,12 +40,20 @@ TOKENIZER_FILES = (
 
 
 def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face model's tensors, from model.safetensors or the shards its index lists; a
+    file that is missing or not safetensors is one line naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ConfigError(
+                f"--load-dir {index}: not a safetensors index ({type(error).__name__}: {error})"
+            ) from None
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -55,7 +63,15 @@ def read_hf_weights(directory: str) -> dict[str, torch.Tensor]:
         )
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        weights.update(load_file(os.path.join(directory, name)))
+        path = os.path.join(directory, str(name))
+        if name != os.path.basename(str(name)) or not os.path.isfile(path):
+            raise ConfigError(f"--load-dir {directory}: {name!r}, listed in its index, is missing")
+        try:
+            weights.update(load_file(path))
+        except SafetensorError as error:
+            raise ConfigError(
+                f"--load-dir {path}: not a readable safetensors file ({error})"
+            ) from None
     return weights
 
 
