@@ -114,11 +114,11 @@ def test_a_checkpoint_carries_the_count_and_one_without_it_is_counted_as_megatro
 
 
 def _pretrain(*argv: str) -> dict[str, str]:
-    """pretrain_gpt.py on mock data: {what each validation line names: its loss}, and the
-    rest of its output under "said"."""
-    run = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY_MODEL, *argv]
+    """pretrain_gpt.py on mock data (`argv` last: its flags win): {what each validation line
+    names: its loss}, and the rest of its output under "said"."""
+    run = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY_MODEL]
     run += ["--mock-data", "--vocab-size", "64", "--global-batch-size", "2", "--lr", "1e-3"]
-    run += ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2"]
+    run += ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2", *argv]
     result = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = re.findall(
@@ -140,6 +140,7 @@ def test_skip_train_evaluates_the_loaded_model_and_saves_nothing(tmp_path):
     }
     evaluated = _pretrain("--load", save, "--save", save, "--skip-train")
     assert "skipping training (--skip-train is on) ..." in evaluated["said"]
+    assert "WARNING: enabling --no-load-optim when skipping training." in evaluated["said"]
     assert " iteration        1/" not in evaluated["said"]  # no training log line
     # the model of iteration 2 on the validation split's first batches: what the evaluation
     # at iteration 2 read (the one after training read on)
@@ -152,3 +153,22 @@ def test_skip_train_evaluates_the_loaded_model_and_saves_nothing(tmp_path):
     assert after == before and sorted(os.listdir(save)) == sorted(
         [".threefold.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
     )
+
+
+def test_start_eval_at_iter_evaluates_from_that_iteration_on_as_megatron():
+    """Megatron-LM's --start-eval-at-iter: no evaluation during training before it (the one
+    after training is kept); the split and a checkpoint's missing count follow its formula."""
+    run = _pretrain("--train-iters", "6", "--start-eval-at-iter", "4")
+    assert sorted(key for key in run if key != "said") == [
+        "iteration 4",
+        "iteration 6",
+        "iteration 6 on test set",
+        "iteration 6 on validation set",
+    ]
+    training = parse_args(
+        LLAMA_STYLE + TRAINING + EVAL + ["--eval-interval", "5", "--start-eval-at-iter", "10"]
+    ).training
+    assert [training.evaluates_at(i) for i in (5, 9, 10, 15)] == [False, False, True, True]
+    # evaluations at 10, 15 and 20 read 3 x 16 samples; Megatron-LM's formula counts 2 (it
+    # takes 10 // 5 = 2 intervals as skipped), and the split is sized by it
+    assert training.validation_samples_read(20) == 2 * 16

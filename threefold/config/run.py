@@ -94,7 +94,9 @@ class Config:
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
         warnings += self.checkpoint.finalize()
-        if training.skip_train:  # only the model is needed, as in Megatron-LM
+        if training.skip_train:  # only the model is needed (Megatron-LM's warning)
+            if not self.checkpoint.no_load_optim:
+                warnings.append("enabling --no-load-optim when skipping training.")
             self.checkpoint.no_load_optim = self.checkpoint.no_load_rng = True
         warnings += self.logging.finalize()
         self.kernels.finalize()

@@ -178,6 +178,12 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         1000, help="evaluate on the validation split every this many iterations (and at the end)"
     )
     eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
+    start_eval_at_iter: int | None = arg(
+        None,
+        minimum=0,
+        help="evaluate during training only from this iteration on (default: from the first "
+        "--eval-interval); the evaluation after training is kept",
+    )
     skip_train: bool = arg(
         False,
         help="evaluate the model (--load's, without its optimizer state) on the validation split "
@@ -307,11 +313,17 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         """The samples one evaluation reads: --eval-iters global batches of evaluation's size."""
         return self.eval_iters * self.eval_global_batch_size
 
+    def evaluates_at(self, iteration: int) -> bool:
+        """Whether training evaluates after `iteration` (the evaluation after training aside)."""
+        return iteration % self.eval_interval == 0 and iteration >= (self.start_eval_at_iter or 0)
+
     def validation_samples_read(self, iteration: int) -> int:
         """The validation samples the evaluations up to `iteration` read, one every
-        --eval-interval iterations: where the next evaluation reads on from, and Megatron-LM's
-        count for a checkpoint that does not hold it."""
-        return iteration // self.eval_interval * self.evaluation_samples()
+        --eval-interval iterations from --start-eval-at-iter: Megatron-LM's count (its
+        formula, which takes the evaluation at a --start-eval-at-iter on the interval for
+        skipped too), for the split's size and a checkpoint that does not hold the count."""
+        skipped = (self.start_eval_at_iter or 0) // self.eval_interval
+        return max(0, iteration // self.eval_interval - skipped) * self.evaluation_samples()
 
     def finalize(self, data_parallel_size: int, seq_length: int) -> None:
         self.finalize_muon()

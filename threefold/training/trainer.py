@@ -400,7 +400,7 @@ class Trainer:
             watch.log(numbers)
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)
-        if iteration % training.eval_interval == 0:  # (the last: after training, as Megatron)
+        if training.evaluates_at(iteration):  # (and after training, as Megatron-LM)
             with watch.evaluation(iteration):
                 valid_loss = self.evaluate()
             watch.validation(iteration, valid_loss)
