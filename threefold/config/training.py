@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
-from threefold.config.evaluation_batches import EvalBatchConfig
+from threefold.config.evaluation import EvaluationConfig
 from threefold.config.fields import arg
 from threefold.config.muon import MuonConfig
 
@@ -32,7 +32,7 @@ def _count(text: str) -> int | None:
 
 
 @dataclass
-class TrainingConfig(EvalBatchConfig, MuonConfig):
+class TrainingConfig(EvaluationConfig, MuonConfig):
     micro_batch_size: int = arg(
         1, minimum=1, help="samples per forward/backward on each data-parallel rank"
     )
@@ -174,22 +174,6 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
     )
     hysteresis: int = arg(2, minimum=1, help="overflows tolerated before the loss scale halves")
     seed: int = arg(1234, minimum=0, help="seed of initialization, dropout and data order")
-    eval_interval: int = arg(
-        1000, help="evaluate on the validation split every this many iterations (and at the end)"
-    )
-    eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
-    start_eval_at_iter: int | None = arg(
-        None,
-        minimum=0,
-        help="evaluate during training only from this iteration on (default: from the first "
-        "--eval-interval); the evaluation after training is kept",
-    )
-    skip_train: bool = arg(
-        False,
-        help="evaluate the model (--load's, without its optimizer state) on the validation split "
-        "from its start and on the test split, --eval-iters global batches each, without "
-        "training or saving",
-    )
     # Leaving early with a checkpoint (Megatron's exit conditions): after an iteration that is a
     # multiple of exit_interval, after exit_duration_in_mins of training, or on SIGTERM/SIGUSR1.
     exit_interval: int | None = arg(
@@ -309,22 +293,6 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         start, increment, _ = self.rampup_batch_size
         return list(range(start, self.global_batch_size + 1, increment))
 
-    def evaluation_samples(self) -> int:
-        """The samples one evaluation reads: --eval-iters global batches of evaluation's size."""
-        return self.eval_iters * self.eval_global_batch_size
-
-    def evaluates_at(self, iteration: int) -> bool:
-        """Whether training evaluates after `iteration` (the evaluation after training aside)."""
-        return iteration % self.eval_interval == 0 and iteration >= (self.start_eval_at_iter or 0)
-
-    def validation_samples_read(self, iteration: int) -> int:
-        """The validation samples the evaluations up to `iteration` read, one every
-        --eval-interval iterations from --start-eval-at-iter: Megatron-LM's count (its
-        formula, which takes the evaluation at a --start-eval-at-iter on the interval for
-        skipped too), for the split's size and a checkpoint that does not hold the count."""
-        skipped = (self.start_eval_at_iter or 0) // self.eval_interval
-        return max(0, iteration // self.eval_interval - skipped) * self.evaluation_samples()
-
     def finalize(self, data_parallel_size: int, seq_length: int) -> None:
         self.finalize_muon()
         if self.fp16 and self.loss_scale is None:
@@ -342,9 +310,7 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
             f"{self.micro_batch_size} x data-parallel size {data_parallel_size}; use a multiple "
             f"of {per_step}",
         )
-        self.finalize_eval_batches(
-            self.global_batch_size, self.micro_batch_size, data_parallel_size
-        )
+        self.finalize_evaluation(self.global_batch_size, self.micro_batch_size, data_parallel_size)
         _require(
             not (self.bf16 and self.fp16), "--fp16 and --bf16 are mutually exclusive; pick one"
         )
@@ -599,13 +565,6 @@ class TrainingConfig(EvalBatchConfig, MuonConfig):
         _require(
             self.loss_scale is None or self.fp16 or self.bf16,
             "--loss-scale scales fp16/bf16 gradients; add --fp16 or --bf16, or drop it",
-        )
-        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
-        _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
-        _require(
-            not self.skip_train or self.eval_iters > 0,
-            "--skip-train only evaluates, --eval-iters global batches of each split; give "
-            "--eval-iters 1 or more",
         )
         _require(
             self.exit_interval is None or self.exit_interval >= 1, "--exit-interval must be >= 1"

@@ -1,0 +1,89 @@
+"""Evaluation, as Megatron-LM's: when (every --eval-interval iterations from
+--start-eval-at-iter, and after training; --skip-train for nothing else), how much (--eval-iters
+steps, each of --eval-global-batch-size samples in micro-batches of --eval-micro-batch-size, by
+default training's sizes) and where on the validation split (each evaluation reads on from the
+last).
+
+`TrainingConfig` inherits the fields; `finalize_evaluation` is called from its finalize, once
+the global batch size is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import arg
+
+
+@dataclass
+class EvaluationConfig:
+    eval_interval: int = arg(
+        1000, help="evaluate on the validation split every this many iterations (and at the end)"
+    )
+    eval_iters: int = arg(100, help="global batches per evaluation (0: none)")
+    start_eval_at_iter: int | None = arg(
+        None,
+        minimum=0,
+        help="evaluate during training only from this iteration on (default: from the first "
+        "--eval-interval); the evaluation after training is kept",
+    )
+    skip_train: bool = arg(
+        False,
+        help="evaluate the model (--load's, without its optimizer state) on the validation split "
+        "from its start and on the test split, --eval-iters global batches each, without "
+        "training or saving",
+    )
+    eval_global_batch_size: int | None = arg(
+        None, help="samples per evaluation step; default --global-batch-size"
+    )
+    eval_micro_batch_size: int | None = arg(
+        None,
+        help="samples per evaluation forward on each data-parallel rank; default "
+        "--micro-batch-size",
+    )
+
+    def finalize_evaluation(
+        self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int
+    ) -> None:
+        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
+        _require(
+            not self.skip_train or self.eval_iters > 0,
+            "--skip-train only evaluates, --eval-iters global batches of each split; give "
+            "--eval-iters 1 or more",
+        )
+        if self.eval_global_batch_size is None:
+            self.eval_global_batch_size = global_batch_size
+        if self.eval_micro_batch_size is None:
+            self.eval_micro_batch_size = micro_batch_size
+        size, micro = self.eval_global_batch_size, self.eval_micro_batch_size
+        _require(
+            size >= 1 and micro >= 1,
+            "--eval-global-batch-size and --eval-micro-batch-size must be >= 1",
+        )
+        per_step = micro * data_parallel_size
+        _require(
+            size % per_step == 0,
+            f"--eval-global-batch-size {size} is not divisible by --eval-micro-batch-size "
+            f"{micro} x data-parallel size {data_parallel_size}; use a multiple of {per_step}",
+        )
+
+    def num_eval_micro_batches(self, data_parallel_size: int) -> int:
+        return self.eval_global_batch_size // (self.eval_micro_batch_size * data_parallel_size)
+
+    def evaluation_samples(self) -> int:
+        """The samples one evaluation reads: --eval-iters global batches of evaluation's size."""
+        return self.eval_iters * self.eval_global_batch_size
+
+    def evaluates_at(self, iteration: int) -> bool:
+        """Whether training evaluates after `iteration` (the evaluation after training aside)."""
+        return iteration % self.eval_interval == 0 and iteration >= (self.start_eval_at_iter or 0)
+
+    def validation_samples_read(self, iteration: int) -> int:
+        """The validation samples the evaluations up to `iteration` read, one every
+        --eval-interval iterations from --start-eval-at-iter: Megatron-LM's count (its
+        formula, which takes the evaluation at a --start-eval-at-iter on the interval for
+        skipped too), for the split's size and a checkpoint that does not hold the count."""
+        skipped = (self.start_eval_at_iter or 0) // self.eval_interval
+        return max(0, iteration // self.eval_interval - skipped) * self.evaluation_samples()
