@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from tests import megatron_core_models as mc
+from threefold.checkpoint.files import read_metadata
 from threefold.checkpoint.load import load_checkpoint, load_model
 
 
@@ -184,6 +185,10 @@ def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor
         assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
         iteration = int(open(os.path.join(out, "latest_checkpointed_iteration.txt")).read())
         path = os.path.join(out, f"iter_{iteration:07d}")
+        # the samples read so far go along, for Megatron-LM's data loaders to skip
+        samples = [read_metadata(d, iteration)["train_state"] for d in (source, out)]
+        for key in ("consumed_train_samples", "consumed_valid_samples"):
+            assert samples[0].get(key, 0) == samples[1].get(key, 0), key
         with open(os.path.join(path, "integrity.json")) as f:
             assert json.load(f) == megatrons_integrity(path)
         written.append((path, expected, tolerance))

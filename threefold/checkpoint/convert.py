@@ -219,13 +219,14 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
     iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
     if loader == "hf":
         _, _, model_config, state, dtypes = read_hf_model(load_dir)
-        config, iteration = Config(model=model_config), 0
+        config, iteration, train_state = Config(model=model_config), 0, {}
         default = dtypes.pop() if len(dtypes) == 1 else torch.float32
     else:
-        config, state, _, iteration = whole_model(load_dir, loader)
+        config, state, metadata, iteration = whole_model(load_dir, loader)
+        train_state = metadata.get("train_state", {})
         default = torch.bfloat16 if config.training.bf16 else torch.float32
     target = getattr(torch, dtype) if dtype else default
-    return save_megatron_checkpoint(save_dir, config, state, target, iteration)
+    return save_megatron_checkpoint(save_dir, config, state, target, iteration, train_state)
 
 
 def megatron_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:

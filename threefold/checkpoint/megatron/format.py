@@ -225,9 +225,13 @@ def linear_attention_freq(model: ModelConfig) -> int | list[int] | None:
     return model.linear_attention_pattern(model.num_layers)
 
 
-def megatron_args(config: Config, iteration: int) -> dict:
+def megatron_args(config: Config, iteration: int, train_state: dict | None = None) -> dict:
     """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
-    field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read."""
+    field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read.
+    `train_state` (threefold's) gives the samples read so far, which Megatron-LM's data
+    loaders skip on resuming; without it, 0, which Megatron-LM counts again from the iteration
+    at a constant batch size."""
+    train_state = train_state or {}
     model = config.model
     heads = model.num_attention_heads
     args = {
@@ -264,8 +268,8 @@ def megatron_args(config: Config, iteration: int) -> dict:
         transformer_impl="local",
         spec=None,
         iteration=iteration,
-        consumed_train_samples=0,
-        consumed_valid_samples=0,
+        consumed_train_samples=int(train_state.get("consumed_train_samples", 0)),
+        consumed_valid_samples=int(train_state.get("consumed_valid_samples", 0)),
         bf16=config.training.bf16,
         fp16=config.training.fp16,
     )

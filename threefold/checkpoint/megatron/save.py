@@ -48,9 +48,11 @@ def save_megatron_checkpoint(
     tensors: dict[str, torch.Tensor],
     dtype: torch.dtype,
     iteration: int = 0,
+    train_state: dict | None = None,
 ) -> str:
     """Write `tensors` (whole, by threefold parameter name, the vocabulary unpadded or padded)
-    under `root` as Megatron-LM's iteration `iteration`; returns the iter_N directory."""
+    under `root` as Megatron-LM's iteration `iteration`, with the samples `train_state` says
+    were read (none without it); returns the iter_N directory."""
     path = checkpoint_dir(root, iteration)
     if os.path.exists(path):
         raise ConfigError(f"--save-dir {root}: {path} exists already; choose another directory")
@@ -73,7 +75,7 @@ def save_megatron_checkpoint(
     state = stacked_state_dict(
         state, model.num_layers, model.multi_latent_attention, stacked, sections
     )
-    args = megatron_args(config, iteration)
+    args = megatron_args(config, iteration, train_state)
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = padded
     common = {
