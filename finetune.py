@@ -122,11 +122,12 @@ def dataset_size_warnings(config, train_samples: int, valid_samples: int | None)
             "lower --global-batch-size or add data"
         )
     evaluated = training.eval_iters * batch
-    if valid_samples and evaluated > 2 * valid_samples:
+    if valid_samples and evaluated > 2 * valid_samples and not training.full_validation:
         warnings.append(
             f"each evaluation reads {evaluated} samples (--eval-iters {training.eval_iters} x "
             f"--global-batch-size {batch}) of a validation set of {valid_samples}: use "
-            f"--eval-iters {max(1, -(-valid_samples // batch))}"
+            f"--eval-iters {max(1, -(-valid_samples // batch))}, or --full-validation (each "
+            "sample once)"
         )
     return warnings
 

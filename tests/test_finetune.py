@@ -228,6 +228,8 @@ def test_a_small_fine_tuning_set_is_said_before_training():
     assert "3 training samples" in train and "--global-batch-size 32" in train
     assert "reads 3200 samples" in evaluation and "use --eval-iters 1" in evaluation
     assert dataset_size_warnings(config, train_samples=64, valid_samples=1600) == []
+    config.training.full_validation = True  # each evaluation reads the set once: nothing to say
+    assert dataset_size_warnings(config, train_samples=64, valid_samples=10) == []
 
 
 def test_a_seq_length_that_cuts_off_every_response_is_refused_and_some_is_said(tmp_path, capsys):

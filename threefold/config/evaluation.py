@@ -1,8 +1,8 @@
 """Evaluation, as Megatron-LM's: when (every --eval-interval iterations from
 --start-eval-at-iter, and after training; --skip-train for nothing else), how much (--eval-iters
 steps, each of --eval-global-batch-size samples in micro-batches of --eval-micro-batch-size, by
-default training's sizes) and where on the validation split (each evaluation reads on from the
-last).
+default training's sizes; --full-validation: the whole validation split) and where on the
+validation split (each evaluation reads on from the last; --full-validation's from its start).
 
 `TrainingConfig` inherits the fields; `finalize_evaluation` is called from its finalize, once
 the global batch size is known.
@@ -34,6 +34,11 @@ class EvaluationConfig:
         "from its start and on the test split, --eval-iters global batches each, without "
         "training or saving",
     )
+    full_validation: bool = arg(
+        False,
+        help="each evaluation reads the whole validation split, every sample once (one epoch "
+        "of it, not --eval-iters global batches), its loss the mean over its tokens",
+    )
     eval_global_batch_size: int | None = arg(
         None, help="samples per evaluation step; default --global-batch-size"
     )
@@ -49,7 +54,7 @@ class EvaluationConfig:
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
         _require(self.eval_iters >= 0, "--eval-iters must be >= 0")
         _require(
-            not self.skip_train or self.eval_iters > 0,
+            not self.skip_train or self.eval_iters > 0 or self.full_validation,
             "--skip-train only evaluates, --eval-iters global batches of each split; give "
             "--eval-iters 1 or more",
         )
@@ -73,8 +78,14 @@ class EvaluationConfig:
         return self.eval_global_batch_size // (self.eval_micro_batch_size * data_parallel_size)
 
     def evaluation_samples(self) -> int:
-        """The samples one evaluation reads: --eval-iters global batches of evaluation's size."""
+        """The samples one evaluation reads: --eval-iters global batches of evaluation's size
+        (of the validation split under --full-validation: all of them, a size only the data
+        knows)."""
         return self.eval_iters * self.eval_global_batch_size
+
+    def evaluates(self, split: int) -> bool:
+        """Whether evaluations read split 1 (validation) or 2 (test) at all."""
+        return self.eval_iters > 0 or (split == 1 and self.full_validation)
 
     def evaluates_at(self, iteration: int) -> bool:
         """Whether training evaluates after `iteration` (the evaluation after training aside)."""
@@ -84,6 +95,9 @@ class EvaluationConfig:
         """The validation samples the evaluations up to `iteration` read, one every
         --eval-interval iterations from --start-eval-at-iter: Megatron-LM's count (its
         formula, which takes the evaluation at a --start-eval-at-iter on the interval for
-        skipped too), for the split's size and a checkpoint that does not hold the count."""
+        skipped too), for the split's size and a checkpoint that does not hold the count.
+        --full-validation reads the split from its start every time, so it counts none."""
+        if self.full_validation:
+            return 0
         skipped = (self.start_eval_at_iter or 0) // self.eval_interval
         return max(0, iteration // self.eval_interval - skipped) * self.evaluation_samples()

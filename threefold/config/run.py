@@ -84,6 +84,11 @@ class Config:
             _check_interleaved(micro_batches, have, parallel.pipeline_model_parallel_size, group)
         self.data.finalize()
         _require(
+            not (training.full_validation and self.data.mock_data),
+            "--full-validation reads the validation split once through, and --mock-data's "
+            "never ends: give --data-path, or drop the flag for --eval-iters batches",
+        )
+        _require(
             parallel.context_parallel_size == 1 or not self.data.reset_attention_mask,
             "--reset-attention-mask (per-document attention) is not implemented with "
             "--context-parallel-size > 1; drop one (--reset-position-ids works with CP)",

@@ -266,6 +266,14 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
                 (data.test_data_path, "--test-data-path"),
             )
         ]
+    validation = options.get("blend") or options["blend_per_split"][1]
+    if config.training.full_validation and validation and validation[1] is not None:
+        flag = "--data-path" if data.data_path else "--valid-data-path"
+        raise ConfigError(
+            f"--full-validation reads every validation sample once, and {flag} weighs its "
+            "datasets (samples drawn by weight): give the validation prefixes without weights "
+            "(--valid-data-path PREFIX PREFIX ...)"
+        )
     prefixes = [
         prefix
         for blend in [options.get("blend"), *options.get("blend_per_split", [])]

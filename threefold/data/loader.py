@@ -28,6 +28,8 @@ def build_datasets(config: Config, tokenizer=None) -> list:
     validation = evaluation  # --skip-train's one evaluation, from the split's start
     if not training.skip_train:
         validation += training.validation_samples_read(training.train_iters)
+    if training.full_validation:
+        validation = None  # one epoch of the split, each sample once (megatron-core's None)
     sizes = [train, validation, evaluation]
     if data.mock_data:
         datasets = [
@@ -45,6 +47,33 @@ def build_datasets(config: Config, tokenizer=None) -> list:
             "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)"
         )
     return [None if d is None else DocumentMasks(d, tokenizer.eod, data) for d in datasets]
+
+
+class WholeSplit:
+    """A split read once through in whole global batches (--full-validation): its samples,
+    then copies of its first ones with no loss (a loss mask of zeros) up to a multiple of
+    `global_batch_size`. Every rank and step then runs whole micro-batches (the pipeline and
+    expert parallelism's all-to-alls need the same count everywhere), and a token-weighted
+    loss counts each real sample once."""
+
+    def __init__(self, dataset, global_batch_size: int) -> None:
+        self.dataset, self.size = dataset, len(dataset)
+        self.steps = -(-self.size // global_batch_size)  # (the last one padded)
+        self.length = self.steps * global_batch_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        sample = self.dataset[index % self.size]
+        if not isinstance(sample, dict):  # pretraining: a token window, loss everywhere
+            sample = {"tokens": sample}
+        mask = sample.get("loss_mask")
+        if mask is None:
+            mask = np.ones(len(sample["tokens"]) - 1, dtype=np.float32)
+        if index >= self.size:
+            mask = np.zeros_like(mask)
+        return {**sample, "loss_mask": mask}
 
 
 class DocumentMasks:

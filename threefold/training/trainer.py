@@ -14,6 +14,7 @@ which compare its per-iteration losses and final parameters across parallel layo
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 
@@ -21,7 +22,7 @@ import torch
 
 from threefold.checkpoint.components import CheckpointComponents
 from threefold.config import Config
-from threefold.data.loader import build_datasets, micro_batches
+from threefold.data.loader import WholeSplit, build_datasets, micro_batches
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.model.activation_offload import offload_summary
@@ -61,6 +62,12 @@ class Trainer:
         # Data before the model: a bad file is reported before the heavy work starts.
         with self.timers("train/valid/test-data-iterators-setup", 0):
             self.datasets = (build_data or build_datasets)(config, self.tokenizer)
+        if training.full_validation and self.datasets[1] is not None:
+            whole = WholeSplit(self.datasets[1], training.eval_global_batch_size)
+            self.print(
+                f"> --full-validation: {whole.size} validation samples per evaluation, "
+                f"{whole.steps} steps of --eval-global-batch-size {training.eval_global_batch_size}"
+            )
         with self.timers("model-and-optimizer-setup", 0):
             built = build_model_and_optimizer(config, parallel, device, self.print)
         self.model_chunks, self.data_parallel, self.scheduler, self.loss_scaler, self.fp8 = built
@@ -135,15 +142,15 @@ class Trainer:
         )
 
     # -- one step -----------------------------------------------------------------------------
-    def _forward_step(self, batch: dict, model: torch.nn.Module, input_tensor=None):
-        per_token = self.config.training.calculate_per_token_loss
+    def _forward_step(self, batch: dict, model: torch.nn.Module, input_tensor=None, *, per_token):
         with self.data_parallel.forward_context():
             output, loss_func = gpt_forward_step(
                 batch, model, input_tensor, per_token, self.parallel.cp
             )
         return output, faults.inject(loss_func, self.parallel.world.rank, self.state.iteration + 1)
 
-    def _batches(self, split: int, consumed_samples: int, shuffle: bool = True):
+    def _batches(self, split: int, consumed_samples: int, shuffle: bool = True, dataset=None):
+        """This rank's micro-batches of split `split` (of `dataset` in its place, if given)."""
         training = self.config.training
         micro_batch_size = training.eval_micro_batch_size if split else training.micro_batch_size
         where = (micro_batch_size, training.seed, self.device, self.parallel.dp)
@@ -151,7 +158,11 @@ class Trainer:
         # few batches now and then, in this process)
         workers = self.config.data.num_workers if split == 0 else 0
         batches = micro_batches(
-            self.datasets[split], consumed_samples, *where, shuffle=shuffle, num_workers=workers
+            self.datasets[split] if dataset is None else dataset,
+            consumed_samples,
+            *where,
+            shuffle=shuffle,
+            num_workers=workers,
         )
         # The ranks of a CP group read the same samples and keep their share of each sequence.
         return (split_batch(batch, self.parallel.cp) for batch in batches)
@@ -172,7 +183,8 @@ class Trainer:
             start_aux_losses(self.model_chunks, scale)
         if self.mtp_losses is not None:
             self.mtp_losses.start(scale, per_token)
-        return schedule(self._forward_step, iterator, chunks, num_microbatches, **options)
+        forward_step = functools.partial(self._forward_step, per_token=per_token)
+        return schedule(forward_step, iterator, chunks, num_microbatches, **options)
 
     def train_iterator(self):
         if self._train_iterator is None:
@@ -300,22 +312,32 @@ class Trainer:
         """Mean loss over `--eval-iters` global batches of a split. On the validation split
         each evaluation reads on from where the last one stopped, as Megatron-LM's (the count
         is in the checkpoint; `advance=False` reads them without moving on); the test split is
-        read from its start."""
-        if self.datasets[split] is None or self.config.training.eval_iters == 0:
+        read from its start. --full-validation reads the whole validation split each time,
+        every token's loss counted once."""
+        training, parallel = self.config.training, self.parallel
+        if self.datasets[split] is None or not training.evaluates(split):
             return None
         for chunk in self.model_chunks:
             chunk.train(False)
-        training, parallel = self.config.training, self.parallel
-        start = self.state.consumed_valid_samples if split == 1 else 0
-        iterator, losses = self._batches(split, start, shuffle=False), []
-        if split == 1 and advance:
-            self.state.consumed_valid_samples += training.evaluation_samples()
+        whole = split == 1 and training.full_validation
+        if whole:
+            dataset = WholeSplit(self.datasets[1], training.eval_global_batch_size)
+            iterator, steps = self._batches(1, 0, shuffle=False, dataset=dataset), dataset.steps
+        else:
+            start = self.state.consumed_valid_samples if split == 1 else 0
+            iterator, steps = self._batches(split, start, shuffle=False), training.eval_iters
+            if split == 1 and advance:
+                self.state.consumed_valid_samples += training.evaluation_samples()
         # --eval-global-batch-size / --eval-micro-batch-size (by default training's)
         count = training.num_eval_micro_batches(parallel.dp.size)
         shape = (self.config.model.seq_length, training.eval_micro_batch_size)
         shape = parallel.pipeline_tensor_shape(*shape, self.config.model.hidden_size)
-        for _ in range(training.eval_iters):
-            losses += self._schedule(iterator, count, forward_only=True, tensor_shape=shape)
+        # (the padding's micro-batches hold no token: weighted by tokens, they count nothing)
+        per_token, losses = training.calculate_per_token_loss or whole, []
+        for _ in range(steps):
+            losses += self._schedule(
+                iterator, count, forward_only=True, tensor_shape=shape, per_token_loss=per_token
+            )
         self.data_parallel.after_evaluation()
         return self._mean_loss(losses)
 
