@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from threefold.arguments import ToolParser  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.output_directory import make_parent_directory  # noqa: E402
+from threefold.written_aside import written_aside  # noqa: E402
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 # every `name: value |` field of a log line (Megatron-LM's and threefold's own)
@@ -81,14 +82,11 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
     axes[-1, 0].set_xlabel("iteration")
     figure.tight_layout()
     # Drawn aside and renamed: a plot already there is replaced by a whole one or not at all.
-    partial = f"{output.removesuffix('.png')}.partial-{os.getpid()}.png"
     try:
-        figure.savefig(partial, dpi=100, metadata={"threefold-series": json.dumps(summary)})
-        os.replace(partial, output)
+        with written_aside(output) as (partial,):
+            figure.savefig(partial, dpi=100, metadata={"threefold-series": json.dumps(summary)})
     finally:
         plt.close(figure)
-        if os.path.exists(partial):
-            os.remove(partial)
     return summary
 
 

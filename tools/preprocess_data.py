@@ -27,6 +27,7 @@ from threefold.data import megatron_core  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.data.tokenizer import build_tokenizer  # noqa: E402
 from threefold.output_directory import make_parent_directory  # noqa: E402
+from threefold.written_aside import written_aside  # noqa: E402
 
 _tokenizer = None
 _append_eod = False
@@ -136,30 +137,25 @@ def main() -> None:
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     # Written aside and renamed over the outputs only once complete: a failure (bad input,
     # full disk, Ctrl-C) leaves an earlier good .bin/.idx pair as it was.
-    temporary = {key: f"{prefix}.tmp.{os.getpid()}" for key, prefix in prefixes.items()}
-    builders = {
-        key: IndexedDatasetBuilder(temporary[key] + ".bin", dtype=dtype) for key in prefixes
-    }
+    outputs = [prefix + suffix for prefix in prefixes.values() for suffix in (".idx", ".bin")]
     try:
-        count, total_tokens, bad, elapsed, total_bytes = _tokenize(
-            args, data_config, builders, DType.optimal_dtype(tokenizer.vocab_size)
-        )
-        for key, builder in builders.items():
-            builder.finalize(temporary[key] + ".idx")
-        for key, prefix in prefixes.items():
-            for suffix in (".idx", ".bin"):
-                os.replace(temporary[key] + suffix, prefix + suffix)
+        with written_aside(*outputs) as temporaries:
+            aside = dict(zip(outputs, temporaries))
+            builders = {
+                key: IndexedDatasetBuilder(aside[prefix + ".bin"], dtype=dtype)
+                for key, prefix in prefixes.items()
+            }
+            count, total_tokens, bad, elapsed, total_bytes = _tokenize(
+                args, data_config, builders, DType.optimal_dtype(tokenizer.vocab_size)
+            )
+            for key, builder in builders.items():
+                builder.finalize(aside[prefixes[key] + ".idx"])
     except ValueError as error:  # a bad record, without --skip-bad-records
         parser.exit(
             2,
             f"preprocess_data.py: error: {error}; fix it or pass "
             "--skip-bad-records (nothing was written)\n",
         )
-    finally:
-        for path in temporary.values():
-            for suffix in (".bin", ".idx"):
-                if os.path.exists(path + suffix):
-                    os.remove(path + suffix)
     skipped = f", skipped {bad} bad records" if bad else ""
     print(
         f"done: {count} documents, {total_tokens} tokens in {elapsed:.1f} s "

@@ -20,6 +20,7 @@ from threefold.arguments import ToolParser, positive  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
 from threefold.data.documents import read_documents  # noqa: E402
 from threefold.output_directory import make_parent_directory  # noqa: E402
+from threefold.written_aside import written_aside  # noqa: E402
 
 _PIECE = 16384  # characters per training "sentence"
 
@@ -129,18 +130,14 @@ def main() -> None:
         parser.error(str(error))
     # Trained under a name of its own, then renamed: a tokenizer already at --model-prefix
     # (which data was tokenized with) is replaced only by a complete one.
-    partial = f"{args.model_prefix}.partial-{os.getpid()}"
+    # (the model last: it is what a run reads)
+    outputs = [args.model_prefix + extension for extension in (".vocab", ".model")]
     try:
-        _train(sentences(), partial, args)
-        for extension in (".vocab", ".model"):  # the model last: it is what a run reads
-            os.replace(partial + extension, args.model_prefix + extension)
+        with written_aside(*outputs) as (vocab, _):
+            _train(sentences(), vocab.removesuffix(".vocab"), args)  # writes both
     except (ValueError, RuntimeError) as error:  # a bad record; sentencepiece's refusals
         line = bad_records[0] if bad_records else _refusal(error, args.vocab_size)
         parser.exit(2, f"train_tokenizer.py: error: {line}; nothing was written\n")
-    finally:
-        for extension in (".vocab", ".model"):
-            if os.path.exists(partial + extension):
-                os.remove(partial + extension)
     print(f"wrote {args.model_prefix}.model (vocabulary {args.vocab_size})")
 
 

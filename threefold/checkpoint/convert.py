@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from threefold.checkpoint.files import checkpoint_dir, fsync_directory, read_metadata
+from threefold.checkpoint.files import checkpoint_dir, read_metadata
 from threefold.checkpoint.hf import (
     hf_config_from_model_config,
     hf_to_threefold,
@@ -25,6 +25,7 @@ from threefold.checkpoint.save import save_weights_checkpoint
 from threefold.config import Config, ConfigError, ModelConfig
 from threefold.model.lora import merged_weights
 from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
+from threefold.written_aside import fsync_directory
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -20,26 +20,6 @@ from threefold.config.data import SENTENCEPIECE
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Replace `path` with `text` so that a crash leaves the old file or the new one, never a
-    mix: write aside, fsync, rename, fsync the directory (which makes the rename durable)."""
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    fsync_directory(os.path.dirname(path) or ".")
-
-
-def fsync_directory(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 

@@ -54,7 +54,7 @@ def my_slice(files: list[str], rank: int, world_size: int) -> list[str]:
 
 
 def write_manifest(path: str, digests: dict[str, list]) -> None:
-    from threefold.checkpoint.files import write_atomically
+    from threefold.written_aside import write_atomically
 
     write_atomically(
         os.path.join(path, MANIFEST), json.dumps({"files": dict(sorted(digests.items()))}, indent=1)
@@ -75,7 +75,7 @@ def read_manifest(path: str) -> dict[str, list] | None:
 def write_integrity(path: str) -> None:
     """Megatron-LM's integrity.json for the files directly in `path` (a Megatron checkpoint
     being written)."""
-    from threefold.checkpoint.files import write_atomically
+    from threefold.written_aside import write_atomically
 
     names = sorted(
         name

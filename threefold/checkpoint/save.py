@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from threefold.checkpoint.components import CheckpointComponents
-from threefold.checkpoint.files import tokenizer_digest, write_atomically
+from threefold.checkpoint.files import tokenizer_digest
 from threefold.checkpoint.writer import CheckpointWriter, crash_point
 from threefold.config import Config
 from threefold.model.lora import is_adapter
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
 from threefold.parallel.tensor_parallel.sharding import sharding_group
+from threefold.written_aside import write_atomically
 
 
 def tensor_state(

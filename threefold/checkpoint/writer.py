@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
+from threefold.checkpoint.files import TRACKER, checkpoint_dir
 from threefold.checkpoint.manifest import (
     PARTIAL,
     REPLACED,
@@ -40,6 +40,7 @@ from threefold.checkpoint.manifest import (
     write_manifest,
 )
 from threefold.parallel.data_parallel.torch_native import local
+from threefold.written_aside import fsync_directory, write_atomically
 
 # Threads that checksum a rank's files (hashlib releases the GIL). DCP's writer itself stays at
 # one thread per rank: with thread_count > 1, torch (2.13) drops an exception raised in its

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+
+from threefold.written_aside import written_aside
 
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
 
@@ -59,14 +60,9 @@ def default_corpus_documents() -> Iterator[dict]:
 def write_jsonl(documents: Iterator[dict], path: str | Path) -> int:
     """Write `documents` to `path`, one JSON object a line; the count. Written aside and
     renamed: a file already there is replaced by a complete one or not at all."""
-    count, temporary = 0, f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as f:
-            for document in documents:
-                f.write(json.dumps(document, ensure_ascii=False) + "\n")
-                count += 1
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    count = 0
+    with written_aside(str(path)) as (temporary,), open(temporary, "w", encoding="utf-8") as f:
+        for document in documents:
+            f.write(json.dumps(document, ensure_ascii=False) + "\n")
+            count += 1
     return count

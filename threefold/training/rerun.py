@@ -36,9 +36,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from threefold.checkpoint.files import write_atomically
 from threefold.checkpoint.save import rng_state, set_rng_state
 from threefold.training import faults
+from threefold.written_aside import write_atomically
 
 EXIT_RESUME_TO_DISAMBIGUATE = 16  # Megatron-LM's EXIT_CODE_RESUME_TO_DISAMBIGUATE
 EXIT_FAILED_ON_RESULT_VALIDATION = 17  # its EXIT_CODE_FAILED_ON_RESULT_VALIDATION

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from threefold.checkpoint.files import TRACKER, checkpoint_dir, fsync_directory, write_atomically
+from threefold.checkpoint.files import TRACKER, checkpoint_dir
 from threefold.checkpoint.manifest import write_integrity
 from threefold.checkpoint.megatron.format import (
     BACKEND,
@@ -32,6 +32,7 @@ from threefold.checkpoint.megatron.format import (
 )
 from threefold.checkpoint.megatron.tensors import SECTIONS, stacked_state_dict
 from threefold.config import Config, ConfigError
+from threefold.written_aside import fsync_directory, write_atomically
 
 
 class _PreSerializedPlanner(DefaultSavePlanner):
