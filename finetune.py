@@ -99,9 +99,13 @@ def sft_datasets(packing: bool):
             return built
 
         train = dataset(data.train_data_path, "--train-data-path")
-        valid = dataset(data.valid_data_path, "--valid-data-path")
+        if config.training.multiple_validation_sets:  # a set per file, evaluated on its own
+            valid = [dataset([path], "--valid-data-path") for path in data.valid_data_path]
+        else:
+            valid = dataset(data.valid_data_path, "--valid-data-path")
         test = dataset(data.test_data_path, "--test-data-path")
-        warnings += dataset_size_warnings(config, len(train), valid and len(valid))
+        valid_samples = sum(map(len, valid)) if isinstance(valid, list) else valid and len(valid)
+        warnings += dataset_size_warnings(config, len(train), valid_samples)
         for warning in warnings:
             if speaks_for_its_machine():
                 print(f"WARNING: {warning}", flush=True)
@@ -229,9 +233,11 @@ def _fine_tune(
         "parameters trainable on rank 0"
         + (f", LoRA rank {config.model.lora_rank}" if config.model.lora_rank else "")
     )
-    initial = trainer.evaluate(advance=False)  # the first evaluation reads these batches again
-    if initial is not None:
-        trainer.print(f" validation loss before fine-tuning | lm loss value: {initial:.6E} |")
+    for name, dataset in trainer.validation_sets:
+        # (advance=False: the first evaluation reads these batches again)
+        initial = trainer.evaluate(advance=False, dataset=dataset)
+        if initial is not None:
+            trainer.print(f" {name} loss before fine-tuning | lm loss value: {initial:.6E} |")
     return halting.train(trainer, "finetune.py")
 
 

@@ -143,6 +143,8 @@ CONFIGS = [
     (MOCK + ["--load", "/no/such/checkpoints"], 1, "--load /no/such/checkpoints"),
     (["--data-path", "0.5", "/some/corpus", "0.5"], 1, "--data-path"),
     (["--data-path", "nan", "/some/corpus"], 1, "--data-path: blending weights must be finite"),
+    # prefixes without weights are Megatron-LM's blend by size (before: refused as malformed)
+    (["--data-path", "/no/a", "/no/b"], 1, "--data-path /no/a: /no/a.bin does not exist"),
 ]
 
 

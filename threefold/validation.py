@@ -30,7 +30,8 @@ def _readable(path: str, flag: str, kind: str = "file") -> None:
 
 
 def data_prefixes(paths: list[str], flag: str) -> list[str]:
-    """The prefixes of `PREFIX` or `WEIGHT PREFIX WEIGHT PREFIX ...` (Megatron's blend)."""
+    """The prefixes of `PREFIX ...` or `WEIGHT PREFIX WEIGHT PREFIX ...` (Megatron's blend;
+    unweighted, megatron-core draws from each in proportion to its size)."""
 
     def is_number(text: str) -> bool:
         try:
@@ -39,12 +40,13 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
             return False
         return True
 
-    if len(paths) == 1:
+    if not any(map(is_number, paths)):
         return paths
     weights, prefixes = paths[0::2], paths[1::2]
     if len(paths) % 2 or not all(map(is_number, weights)) or any(map(is_number, prefixes)):
         raise ConfigError(
-            f"{flag} {' '.join(paths)}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ..."
+            f"{flag} {' '.join(paths)}: give PREFIX [PREFIX ...], or WEIGHT PREFIX WEIGHT "
+            "PREFIX ..."
         )
     numbers = [float(weight) for weight in weights]
     if not all(0 <= number < math.inf for number in numbers) or not sum(numbers) > 0:  # (NaN)

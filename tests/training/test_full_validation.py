@@ -19,11 +19,18 @@ ON_DATA = [flag for flag in TRAINING if flag != "--mock-data"]
 
 
 @pytest.fixture(scope="module")
-def argv(tmp_path_factory):
+def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     write_corpus(str(root / "docs"), 120, seed=3)
-    data = ["--data-path", str(root / "docs"), "--split", "80,20,0"]
-    return LLAMA_STYLE + ON_DATA + data + ["--data-cache-path", str(root / "cache")]
+    write_corpus(str(root / "web"), 20, seed=4)
+    write_corpus(str(root / "code"), 30, seed=5, low=300)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def argv(root):
+    data = ["--data-path", f"{root}/docs", "--split", "80,20,0"]
+    return LLAMA_STYLE + ON_DATA + data + ["--data-cache-path", f"{root}/cache"]
 
 
 def _validation_loss(argv: list[str]) -> float:
@@ -63,7 +70,7 @@ def test_every_validation_sample_is_read_once_however_the_batches_cut_them(argv)
 def test_each_evaluation_reads_the_split_from_its_start(argv, capsys):
     trainer = _setup(argv + ["--full-validation", "--eval-iters", "1"])
     samples = len(trainer.datasets[1])
-    assert f"> --full-validation: {samples} validation samples per evaluation" in (
+    assert f"> --full-validation: validation: {samples} samples per evaluation" in (
         capsys.readouterr().out
     )
     first = trainer.evaluate()
@@ -122,3 +129,48 @@ def test_fine_tuning_counts_each_response_token_of_the_validation_set_once(tmp_p
             tokens += sample["loss_mask"].sum().item()
     assert len(valid) == 7 and tokens == 25 + 7  # (and each one's end-of-document)
     assert trainer.evaluate() == pytest.approx(total / tokens, rel=1e-5)
+
+
+def _per_set(argv: list[str]) -> dict[str, float]:
+    trainer = _setup(argv)
+    trainer.train_step()
+    with trainer.observability:  # (its metric writers)
+        trainer._validate(1)
+    return {name: trainer.evaluate(dataset=d) for name, d in trainer.validation_sets}
+
+
+def test_multiple_validation_sets_are_each_evaluated_whole_under_their_names(root, capsys):
+    """--multiple-validation-sets: each --valid-data-path dataset on its own, its loss what a
+    run with that dataset alone computes, reported as Megatron-LM's `validation-NAME`."""
+    per_split = ["--data-cache-path", f"{root}/cache", "--train-data-path", f"{root}/docs"]
+    argv = LLAMA_STYLE + ON_DATA + per_split + ["--full-validation"]
+    sets = ["--valid-data-path", f"{root}/web", f"{root}/code", "--multiple-validation-sets"]
+    losses = _per_set(argv + sets + ["--validation-set-names", "web", "code"])
+    said = capsys.readouterr().out
+    assert list(losses) == ["validation-web", "validation-code"]
+    for name, path in (("web", "web"), ("code", "code")):
+        alone = _per_set(argv + ["--valid-data-path", f"{root}/{path}"])
+        assert losses[f"validation-{name}"] == pytest.approx(alone["validation"], rel=1e-6)
+        assert f" validation-{name} loss at iteration 1 | lm loss value: " in said
+    assert losses["validation-web"] != pytest.approx(losses["validation-code"], rel=1e-5)
+    assert list(_per_set(argv + sets)) == ["validation-0", "validation-1"]  # (unnamed)
+    with pytest.raises(ConfigError, match="2 names for 3 --valid-data-path datasets"):
+        three = ["--valid-data-path", f"{root}/web", f"{root}/code", f"{root}/docs"]
+        _setup(argv + sets + three + ["--validation-set-names", "web", "code"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--multiple-validation-sets"], "evaluates each set whole: add --full-validation"),
+        (["--validation-set-names", "web"], "names the --multiple-validation-sets: add that"),
+        (
+            ["--multiple-validation-sets", "--full-validation"],
+            "evaluates each --valid-data-path dataset on its own",
+        ),
+    ],
+)
+def test_multiple_validation_set_mistakes_are_one_line(argv, flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv + flags)
+    assert message in capsys.readouterr().err

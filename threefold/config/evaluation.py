@@ -1,8 +1,9 @@
 """Evaluation, as Megatron-LM's: when (every --eval-interval iterations from
 --start-eval-at-iter, and after training; --skip-train for nothing else), how much (--eval-iters
 steps, each of --eval-global-batch-size samples in micro-batches of --eval-micro-batch-size, by
-default training's sizes; --full-validation: the whole validation split) and where on the
-validation split (each evaluation reads on from the last; --full-validation's from its start).
+default training's sizes; --full-validation: the whole validation split, or each of
+--multiple-validation-sets) and where on the validation split (each evaluation reads on from
+the last; --full-validation's from its start).
 
 `TrainingConfig` inherits the fields; `finalize_evaluation` is called from its finalize, once
 the global batch size is known.
@@ -39,6 +40,16 @@ class EvaluationConfig:
         help="each evaluation reads the whole validation split, every sample once (one epoch "
         "of it, not --eval-iters global batches), its loss the mean over its tokens",
     )
+    multiple_validation_sets: bool = arg(
+        False,
+        help="evaluate each --valid-data-path dataset on its own, whole (with "
+        "--full-validation), its loss on a line of its own ('validation-NAME loss at ...')",
+    )
+    validation_set_names: list[str] = arg(
+        default_factory=list,
+        help="the names of the --multiple-validation-sets, one per --valid-data-path dataset "
+        "(default: their positions, 0 1 ...)",
+    )
     eval_global_batch_size: int | None = arg(
         None, help="samples per evaluation step; default --global-batch-size"
     )
@@ -57,6 +68,15 @@ class EvaluationConfig:
             not self.skip_train or self.eval_iters > 0 or self.full_validation,
             "--skip-train only evaluates, --eval-iters global batches of each split; give "
             "--eval-iters 1 or more",
+        )
+        _require(
+            not self.multiple_validation_sets or self.full_validation,
+            "--multiple-validation-sets evaluates each set whole: add --full-validation "
+            "(as Megatron-LM requires)",
+        )
+        _require(
+            not self.validation_set_names or self.multiple_validation_sets,
+            "--validation-set-names names the --multiple-validation-sets: add that flag",
         )
         if self.eval_global_batch_size is None:
             self.eval_global_batch_size = global_batch_size
@@ -86,6 +106,14 @@ class EvaluationConfig:
     def evaluates(self, split: int) -> bool:
         """Whether evaluations read split 1 (validation) or 2 (test) at all."""
         return self.eval_iters > 0 or (split == 1 and self.full_validation)
+
+    def validation_set_name(self, index: int) -> str:
+        """What Megatron-LM's report calls validation set `index`: `validation`, or with
+        --multiple-validation-sets `validation-NAME` (`validation-0` without names)."""
+        if not self.multiple_validation_sets:
+            return "validation"
+        names = self.validation_set_names
+        return f"validation-{names[index] if names else index}"
 
     def evaluates_at(self, iteration: int) -> bool:
         """Whether training evaluates after `iteration` (the evaluation after training aside)."""

@@ -89,6 +89,11 @@ class Config:
             "never ends: give --data-path, or drop the flag for --eval-iters batches",
         )
         _require(
+            not training.multiple_validation_sets or self.data.valid_data_path,
+            "--multiple-validation-sets evaluates each --valid-data-path dataset on its own: "
+            "give them with --train-data-path and --valid-data-path",
+        )
+        _require(
             parallel.context_parallel_size == 1 or not self.data.reset_attention_mask,
             "--reset-attention-mask (per-document attention) is not implemented with "
             "--context-parallel-size > 1; drop one (--reset-position-ids works with CP)",

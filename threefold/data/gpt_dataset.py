@@ -221,7 +221,9 @@ def _blend(paths: list[str], flag: str, vocab_size: int):
     try:
         prefixes, weights = megatron_core.datasets().utils.get_blend_from_list(paths)
     except (ValueError, AssertionError):
-        raise ConfigError(f"{flag}: give PREFIX, or WEIGHT PREFIX WEIGHT PREFIX ...") from None
+        raise ConfigError(
+            f"{flag}: give PREFIX [PREFIX ...], or WEIGHT PREFIX WEIGHT PREFIX ..."
+        ) from None
     for prefix in prefixes:
         check_prefix(prefix, vocab_size, flag)
     return prefixes, weights
@@ -294,6 +296,8 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         eod_mask_loss=False,
         create_attention_mask=False,
         mmap_bin_files=data.mmap_bin_files,
+        # (a list of datasets, one per --valid-data-path prefix, for the validation split)
+        multiple_validation_sets=config.training.multiple_validation_sets,
         **options,
     )
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
@@ -309,13 +313,20 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     if data.fim_data:  # each split's samples rearranged from a generator of its own
         fim = FillInTheMiddle(data, tokenizer, config.training.seed)
         transforms = [functools.partial(fim, split=split) for split in range(len(built))]
-    datasets = [
-        MegatronSamples(d, transform) if d is not None and len(d) else None
-        for d, transform in zip(built, transforms)
-    ]
+    datasets = [_samples(d, transform) for d, transform in zip(built, transforms)]
+    if config.training.multiple_validation_sets and not isinstance(datasets[1], list):
+        datasets[1] = [datasets[1]]  # (megatron-core's single prefix: no list)
     if datasets[0] is None:
         raise ConfigError("--split: the train split is empty; give it documents")
     return datasets
+
+
+def _samples(built, transform: Callable | None):
+    """megatron-core's dataset of a split (a list of them: --multiple-validation-sets) as
+    threefold's samples; None for an empty one."""
+    if isinstance(built, list):
+        return [_samples(dataset, transform) for dataset in built]
+    return MegatronSamples(built, transform) if built is not None and len(built) else None
 
 
 class MockGPTDataset:

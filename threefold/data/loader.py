@@ -7,14 +7,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from threefold.config import Config, ConfigError, DataConfig
+from threefold.config import Config, ConfigError, DataConfig, TrainingConfig
 from threefold.data.gpt_dataset import MockGPTDataset, megatron_datasets
 from threefold.data.sampler import PretrainingSampler
 from threefold.parallel.parallel_context import Group
 
 
 def build_datasets(config: Config, tokenizer=None) -> list:
-    """Train, validation and test datasets (None where a split is empty)."""
+    """Train, validation and test datasets (None where a split is empty; validation's a list
+    of them with --multiple-validation-sets)."""
     model, data, training = config.model, config.data, config.training
     # What the run reads, as Megatron-LM sizes it: every training step's samples; on the
     # validation split, each evaluation reads on from the last (one per --eval-interval and
@@ -46,7 +47,28 @@ def build_datasets(config: Config, tokenizer=None) -> list:
             f"{flags[0]} needs a tokenizer with an end-of-document token; give "
             "--tokenizer-type (with --mock-data: NullTokenizer and --vocab-size)"
         )
-    return [None if d is None else DocumentMasks(d, tokenizer.eod, data) for d in datasets]
+
+    def masked(dataset):
+        if isinstance(dataset, list):  # --multiple-validation-sets
+            return [masked(d) for d in dataset]
+        return None if dataset is None else DocumentMasks(dataset, tokenizer.eod, data)
+
+    return [masked(d) for d in datasets]
+
+
+def validation_sets(validation, training: TrainingConfig) -> list[tuple[str, object]]:
+    """The validation split's datasets, each with the name Megatron-LM's report gives it
+    (`validation`, or --multiple-validation-sets' `validation-NAME`); empty ones left out."""
+    if not isinstance(validation, list):
+        return [] if validation is None else [(training.validation_set_name(0), validation)]
+    names = training.validation_set_names
+    if names and len(names) != len(validation):
+        raise ConfigError(
+            f"--validation-set-names: {len(names)} names for {len(validation)} "
+            "--valid-data-path datasets; give one name each"
+        )
+    sets = enumerate(validation)
+    return [(training.validation_set_name(i), d) for i, d in sets if d is not None]
 
 
 class WholeSplit:

@@ -226,10 +226,10 @@ class TensorBoardLogger:
         for name, value in _scalars(stats).items():
             self.writer.add_scalar(name, value, stats.iteration)
 
-    def log_validation(self, iteration: int, loss: float) -> None:
+    def log_validation(self, iteration: int, loss: float, split: str = "validation") -> None:
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", loss, iteration)
-            self.writer.add_scalar("lm loss validation ppl", math.exp(min(20.0, loss)), iteration)
+            self.writer.add_scalar(f"lm loss {split}", loss, iteration)
+            self.writer.add_scalar(f"lm loss {split} ppl", math.exp(min(20.0, loss)), iteration)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -282,12 +282,10 @@ class WandbLogger:
         if self.run is not None:
             self.run.log(_scalars(stats), step=stats.iteration)
 
-    def log_validation(self, iteration: int, loss: float) -> None:
+    def log_validation(self, iteration: int, loss: float, split: str = "validation") -> None:
         if self.run is not None:
-            self.run.log(
-                {"lm loss validation": loss, "lm loss validation ppl": math.exp(min(20.0, loss))},
-                step=iteration,
-            )
+            ppl = math.exp(min(20.0, loss))
+            self.run.log({f"lm loss {split}": loss, f"lm loss {split} ppl": ppl}, step=iteration)
 
     def close(self) -> None:
         if self.run is not None:
@@ -307,9 +305,9 @@ class MetricWriters:
         for writer in self.writers:
             writer.log_iteration(stats)
 
-    def log_validation(self, iteration: int, loss: float) -> None:
+    def log_validation(self, iteration: int, loss: float, split: str = "validation") -> None:
         for writer in self.writers:
-            writer.log_validation(iteration, loss)
+            writer.log_validation(iteration, loss, split)
 
     def close(self) -> None:
         for writer in self.writers:

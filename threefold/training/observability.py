@@ -164,16 +164,21 @@ class Observability:
             yield
         self.restart_window()
 
-    def validation(self, iteration: int, loss: float | None, on: str | None = None) -> None:
+    def validation(
+        self, iteration: int, loss: float | None, on: str | None = None, split="validation"
+    ) -> None:
         """Report an evaluation; `on`: Megatron's after-training reports ("validation set",
-        "test set"); a test-set loss is not a validation point."""
+        "test set"); a test-set loss is not a validation point. `split`: the validation set's
+        name (`validation-NAME` for one of --multiple-validation-sets, whose losses are not
+        the run's best)."""
         if loss is None:
             return
         prefix = f"iteration {iteration}" + (f" on {on}" if on else "")
-        self.print_last(format_validation(prefix, loss))
+        self.print_last(format_validation(prefix, loss, split))
         if on != "test set":
-            self.writers.log_validation(iteration, loss)
-            self.run_progress.validated(iteration, loss)
+            self.writers.log_validation(iteration, loss, split)
+            if split == "validation":
+                self.run_progress.validated(iteration, loss)
 
     def restart_window(self) -> None:
         """Evaluation and checkpoint time is not iteration time."""

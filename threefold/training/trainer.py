@@ -22,7 +22,7 @@ import torch
 
 from threefold.checkpoint.components import CheckpointComponents
 from threefold.config import Config
-from threefold.data.loader import WholeSplit, build_datasets, micro_batches
+from threefold.data.loader import WholeSplit, build_datasets, micro_batches, validation_sets
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 from threefold.model import GPTModel
 from threefold.model.activation_offload import offload_summary
@@ -62,11 +62,12 @@ class Trainer:
         # Data before the model: a bad file is reported before the heavy work starts.
         with self.timers("train/valid/test-data-iterators-setup", 0):
             self.datasets = (build_data or build_datasets)(config, self.tokenizer)
-        if training.full_validation and self.datasets[1] is not None:
-            whole = WholeSplit(self.datasets[1], training.eval_global_batch_size)
+        self.validation_sets = validation_sets(self.datasets[1], training)
+        for name, dataset in self.validation_sets if training.full_validation else ():
+            whole = WholeSplit(dataset, training.eval_global_batch_size)
             self.print(
-                f"> --full-validation: {whole.size} validation samples per evaluation, "
-                f"{whole.steps} steps of --eval-global-batch-size {training.eval_global_batch_size}"
+                f"> --full-validation: {name}: {whole.size} samples per evaluation, {whole.steps}"
+                f" steps of --eval-global-batch-size {training.eval_global_batch_size}"
             )
         with self.timers("model-and-optimizer-setup", 0):
             built = build_model_and_optimizer(config, parallel, device, self.print)
@@ -308,24 +309,29 @@ class Trainer:
         return total / max(weight, 1.0)
 
     @torch.no_grad()
-    def evaluate(self, split: int = 1, advance: bool = True) -> float | None:
+    def evaluate(self, split: int = 1, advance: bool = True, dataset=None) -> float | None:
         """Mean loss over `--eval-iters` global batches of a split. On the validation split
         each evaluation reads on from where the last one stopped, as Megatron-LM's (the count
         is in the checkpoint; `advance=False` reads them without moving on); the test split is
         read from its start. --full-validation reads the whole validation split each time,
-        every token's loss counted once."""
+        every token's loss counted once. `dataset`: which of the `validation_sets` (default:
+        the first)."""
         training, parallel = self.config.training, self.parallel
-        if self.datasets[split] is None or not training.evaluates(split):
+        if dataset is None:
+            first = self.validation_sets[0][1] if self.validation_sets else None
+            dataset = first if split == 1 else self.datasets[split]
+        if dataset is None or not training.evaluates(split):
             return None
         for chunk in self.model_chunks:
             chunk.train(False)
         whole = split == 1 and training.full_validation
         if whole:
-            dataset = WholeSplit(self.datasets[1], training.eval_global_batch_size)
+            dataset = WholeSplit(dataset, training.eval_global_batch_size)
             iterator, steps = self._batches(1, 0, shuffle=False, dataset=dataset), dataset.steps
         else:
             start = self.state.consumed_valid_samples if split == 1 else 0
-            iterator, steps = self._batches(split, start, shuffle=False), training.eval_iters
+            iterator = self._batches(split, start, shuffle=False, dataset=dataset)
+            steps = training.eval_iters
             if split == 1 and advance:
                 self.state.consumed_valid_samples += training.evaluation_samples()
         # --eval-global-batch-size / --eval-micro-batch-size (by default training's)
@@ -392,10 +398,19 @@ class Trainer:
         """Megatron-LM's reports after training: the validation and the test split, each as
         `validation loss at iteration N on validation set / on test set`."""
         watch, iteration = self.observability, self.state.iteration
-        for split, name in ((1, "validation set"), (2, "test set")):
+        self._validate(iteration, on="validation set")
+        with watch.evaluation(iteration):
+            loss = self.evaluate(2)
+        watch.validation(iteration, loss, on="test set")
+
+    def _validate(self, iteration: int, on: str | None = None) -> None:
+        """Evaluate each validation set and report it under its name (Megatron-LM's
+        `validation loss at ...`, `validation-NAME loss at ...`)."""
+        watch = self.observability
+        for name, dataset in self.validation_sets:
             with watch.evaluation(iteration):
-                loss = self.evaluate(split)
-            watch.validation(iteration, loss, on=name)
+                loss = self.evaluate(1, dataset=dataset)
+            watch.validation(iteration, loss, on=on, split=name)
 
     def _iteration(self) -> float:
         """One training iteration and what follows it: the log line, evaluation, a save."""
@@ -423,9 +438,7 @@ class Trainer:
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)
         if training.evaluates_at(iteration):  # (and after training, as Megatron-LM)
-            with watch.evaluation(iteration):
-                valid_loss = self.evaluate()
-            watch.validation(iteration, valid_loss)
+            self._validate(iteration)
         self._check_replicas()  # before a save: a state whose replicas differ is never saved
         if self.checkpointer.due(iteration):
             self.checkpointer.save(iteration)
