@@ -174,3 +174,18 @@ def test_multiple_validation_set_mistakes_are_one_line(argv, flags, message, cap
     with pytest.raises(SystemExit):
         parse_args(argv + flags)
     assert message in capsys.readouterr().err
+
+
+def test_fine_tuning_takes_a_validation_set_per_file(tmp_path):
+    from finetune import sft_datasets
+    from threefold.data.tokenizer import NullTokenizer
+
+    paths = []
+    for name, count in (("chat", 3), ("math", 5)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join('{"prompt": "1 2", "response": "3 4"}\n' for _ in range(count)))
+        paths.append(str(path))
+    argv = GPT2_STYLE + ON_DATA + ["--train-data-path", paths[0], "--valid-data-path", *paths]
+    config = parse_args(argv + ["--full-validation", "--multiple-validation-sets"])
+    _, valid, _ = sft_datasets(False)(config, NullTokenizer(1001))
+    assert [len(d) for d in valid] == [3, 5]
