@@ -26,9 +26,11 @@ from threefold.written_aside import written_aside  # noqa: E402
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 # every `name: value |` field of a log line (Megatron-LM's and threefold's own)
 FIELD = re.compile(r" ([A-Za-z][^|:]*?): (\S+) \|")
-# during training, and Megatron-LM's report after it ("... on validation set")
+# during training, and Megatron-LM's report after it ("... on validation set"); one of
+# --multiple-validation-sets is `validation-NAME loss at ...`
 VALIDATION = re.compile(
-    r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: (\S+) \|"
+    r"(validation(?:-\S+)?) loss at iteration (\d+)(?: on validation set)? \| "
+    r"lm loss value: (\S+) \|"
 )
 PANELS = [
     ("lm loss", "training loss"),
@@ -54,8 +56,16 @@ def parse_log(path: str) -> dict[str, dict[int, float]]:
                         except ValueError:
                             pass
             elif match := VALIDATION.search(line):
-                series["validation loss"][int(match.group(1))] = float(match.group(2))
+                name, iteration, value = match.groups()
+                series.setdefault(f"{name} loss", {})[int(iteration)] = float(value)
     return series
+
+
+def _curves(run: dict[str, dict[int, float]], name: str) -> dict[str, dict[int, float]]:
+    """A panel's series of one run: the validation panel's are each validation set's."""
+    if name != "validation loss":
+        return {name: run[name]}
+    return {key: points for key, points in run.items() if key.startswith("validation")}
 
 
 def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
@@ -64,20 +74,29 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], output: str) -> dict:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    panels = [(name, title) for name, title in PANELS if any(run[name] for run in runs.values())]
+    panels = [
+        (name, title)
+        for name, title in PANELS
+        if any(any(_curves(run, name).values()) for run in runs.values())
+    ]
     figure, axes = plt.subplots(
         len(panels), 1, figsize=(8, 2.8 * len(panels)), sharex=True, squeeze=False
     )
     summary = {}
     for axis, (name, title) in zip(axes[:, 0], panels):
+        drawn = []
         for label, run in runs.items():
-            points = sorted(run[name].items())
-            if points:
-                axis.plot(*zip(*points), label=label, marker="." if len(points) < 30 else None)
-                summary.setdefault(name, {})[label] = len(points)
+            for series, points in _curves(run, name).items():
+                if points:
+                    # (one of several validation sets: the run's label and the set's name)
+                    named = label if series == name else f"{label} {series.removesuffix(' loss')}"
+                    marker = "." if len(points) < 30 else None
+                    axis.plot(*zip(*sorted(points.items())), label=named, marker=marker)
+                    summary.setdefault(series, {})[label] = len(points)
+                    drawn.append(named)
         axis.set_ylabel(title)
         axis.grid(alpha=0.3)
-        if name in ("lm loss", "validation loss") and len(runs) > 1:
+        if name in ("lm loss", "validation loss") and len(drawn) > 1:
             axis.legend()
     axes[-1, 0].set_xlabel("iteration")
     figure.tight_layout()

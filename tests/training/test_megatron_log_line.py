@@ -157,7 +157,7 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
     import sys
 
     sys.path.insert(0, "tools")
-    from plot_logs import parse_log
+    from plot_logs import parse_log, plot
 
     stamp = "2026-11-24 03:50:37.123456"
     lines = [
@@ -171,6 +171,8 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
         "lm loss PPL: 7.767901E+00 | ",
         " validation loss at iteration 30 on test set | lm loss value: 9.000000E+00 | "
         "lm loss PPL: 8.103084E+03 | ",
+        " validation-web loss at iteration 30 | lm loss value: 2.200000E+00 | "
+        "lm loss PPL: 9.025013E+00 | ",
     ]
     path = tmp_path / "megatron.log"
     path.write_text("\n".join(lines) + "\n")
@@ -179,4 +181,7 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
     assert series["throughput per GPU (TFLOP/s/GPU)"][10] == pytest.approx(187.7)
     assert series["learning rate"][20] == pytest.approx(2.5e-4)
     assert series["validation loss"] == {30: 2.05}  # the test-set report is not validation
+    assert series["validation-web loss"] == {30: 2.2}  # one of --multiple-validation-sets
+    drawn = plot({"run": series}, str(tmp_path / "plot.png"))
+    assert drawn["validation loss"] == drawn["validation-web loss"] == {"run": 1}
     assert series["tokens per second"] == {}
