@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from threefold.config.data_args import read_data_args
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
@@ -47,6 +48,14 @@ class DataConfig:
     )
     test_data_path: list[str] = arg(
         default_factory=list, help="per-split [WEIGHT] PREFIX ... of the test data"
+    )
+    data_args_path: str | None = arg(
+        None, help="a file holding --data-path's blend, for one too long for a command line"
+    )
+    per_split_data_args_path: str | None = arg(
+        None,
+        help='a JSON file {"train": ..., "valid": ..., "test": ...} holding the per-split '
+        "blends (--train-data-path, ...), for ones too long for a command line",
     )
     data_cache_path: str | None = arg(
         None, help="where megatron-core caches the document/sample/shuffle indices"
@@ -136,6 +145,7 @@ class DataConfig:
         return [w / sum(weights) for w in weights]
 
     def finalize(self) -> None:
+        read_data_args(self)  # (--data-args-path, --per-split-data-args-path)
         _require(
             bool(self.data_path) + self.mock_data + bool(self.train_data_path) == 1,
             "give exactly one of --data-path PREFIX, --train-data-path and --mock-data",
