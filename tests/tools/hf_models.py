@@ -57,7 +57,8 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
-    """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-yarn, qwen2,
+    """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
+    llama-yarn, qwen2,
     qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3) with a tokenizer (`chat`:
     a ChatML chat tokenizer)."""
     import transformers
@@ -93,6 +94,14 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192,
             },
+            **common,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama-linear":  # linear position interpolation, a context 4x as long
+        config = transformers.LlamaConfig(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
             **common,
         )
         model = transformers.LlamaForCausalLM(config)

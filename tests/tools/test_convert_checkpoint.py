@@ -2,6 +2,7 @@
 computes what `transformers` computes, at TP=1 and TP=2 x PP=2."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -19,12 +20,14 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
+from threefold.model.rope import RotaryEmbedding  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = [
     "llama",
     "llama-tied",
     "llama3",
+    "llama-linear",
     "llama-yarn",
     "qwen2",
     "qwen3",
@@ -291,7 +294,7 @@ def test_expert_parallel_per_token_losses_match_transformers(converted, kind, la
 @pytest.mark.parametrize(
     "scaling,named",
     [
-        ({"rope_type": "linear", "factor": 4.0}, "rope_scaling='linear'"),
+        ({"rope_type": "dynamic", "factor": 4.0}, "rope_scaling='dynamic'"),
         (
             {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0},
             "rope_scaling.attention_factor=2.0",
@@ -323,6 +326,55 @@ def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
         str(tmp_path / "out"),
     )
     assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+def test_linear_rope_scaling_is_megatrons_position_interpolation(converted, tmp_path):
+    """transformers' `linear` rope type divides the frequencies by the factor, megatron-core's
+    --rotary-seq-len-interpolation-factor the positions: the same tables, the flag in the
+    checkpoint, and back in an export's rope_scaling."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding as MegatronRotaryEmbedding,
+    )
+
+    from tests.megatron_core_models import cpu_patches
+
+    hf_model, _, ours = converted["llama-linear"]
+    config, model, _ = load_model(ours)
+    assert config.model.rotary_seq_len_interpolation_factor == 4.0
+    cos, sin = model.rotary_pos_emb(24, torch.device("cpu"))
+    positions = torch.arange(24)[None]
+    their_cos, their_sin = hf_model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(cos[:, 0, 0], their_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0, 0], their_sin[0], rtol=0, atol=1e-6)
+    plain = RotaryEmbedding(config.model.kv_channels, config.model.rotary_base)
+    assert not torch.allclose(plain(24, torch.device("cpu"))[0], cos, atol=1e-3)
+    megatron = MegatronRotaryEmbedding(
+        config.model.kv_channels,
+        1.0,
+        seq_len_interpolation_factor=4.0,
+        rotary_base=config.model.rotary_base,
+        use_cpu_initialization=True,
+    )
+    with cpu_patches():  # (its tables are built on the current CUDA device)
+        torch.testing.assert_close(megatron(24).cos(), cos, rtol=0, atol=1e-6)
+    exported = str(tmp_path / "exported")
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
+    )
+    with open(os.path.join(exported, "config.json")) as f:
+        assert json.load(f)["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    megatron_dir = str(tmp_path / "megatron")  # Megatron-LM's args carry it too
+    convert_in_process(
+        "--loader",
+        "threefold",
+        "--saver",
+        "megatron",
+        "--load-dir",
+        ours,
+        "--save-dir",
+        megatron_dir,
+    )
+    assert load_model(megatron_dir)[0].model.rotary_seq_len_interpolation_factor == 4.0
 
 
 def test_llama3_rope_scaling_converts_to_the_flags(converted):

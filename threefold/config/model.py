@@ -93,6 +93,13 @@ class ModelConfig(
         help="RoPE rotates adjacent pairs (0,1), (2,3), ... of the head dimension (GPT-J, "
         "Meta's original LLaMA) instead of its two halves",
     )
+    rotary_seq_len_interpolation_factor: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        minimum=1,
+        help="RoPE's positions divided by this (linear position interpolation: a context this "
+        "many times longer; Hugging Face's linear rope_scaling)",
+    )
     # Llama 3.1's RoPE frequency scaling (model/rope.py)
     use_rope_scaling: bool = arg(
         False,
@@ -303,11 +310,17 @@ class ModelConfig(
             ("--use-rope-scaling", self.use_rope_scaling),
             ("--rotary-interleaved", self.rotary_interleaved),
             ("--rotary-percent", self.rotary_percent != 1.0),
+            ("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
         ):
             _require(
                 not given or self.position_embedding_type == "rope",
                 f"{name} needs --position-embedding-type rope",
             )
+        _require(
+            not (self.rotary_seq_len_interpolation_factor and self.multi_latent_attention),
+            "--rotary-seq-len-interpolation-factor with multi-latent attention, whose RoPE "
+            "threefold builds without it; drop the flag",
+        )
         yarn = [
             flag_of(f)
             for f in dataclasses.fields(self)

@@ -12,7 +12,10 @@ by default YaRN (megatron-core's `YarnRotaryEmbedding`): frequencies whose wavel
 the original context many times are kept, those that fit it less than once are slowed by
 --rotary-scaling-factor, with a linear ramp between; the tables are scaled by YaRN's mscale
 ratio. `--position-embedding-type yarn` stretches other attention's RoPE the same way, with
-its own original context and betas (--yarn-*)."""
+its own original context and betas (--yarn-*).
+
+`--rotary-seq-len-interpolation-factor F` divides the positions by F (linear position
+interpolation, Hugging Face's `linear` rope type): a model trained on N tokens reads F x N."""
 
 from __future__ import annotations
 
@@ -51,16 +54,27 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, base: float, scaling_factor: float | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        scaling_factor: float | None = None,
+        interpolation_factor: float | None = None,
+    ) -> None:
+        """`scaling_factor`: Llama 3.1's frequency scaling; `interpolation_factor`: positions
+        divided by it (--rotary-seq-len-interpolation-factor, as megatron-core's)."""
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if scaling_factor is not None:
             inv_freq = llama3_scaled(inv_freq, scaling_factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.interpolation_factor = interpolation_factor
 
     def forward(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables of shape [sequence, 1, 1, head_dim] for positions 0..seq_length-1."""
         positions = torch.arange(seq_length, device=device, dtype=torch.float32)
+        if self.interpolation_factor is not None:
+            positions *= 1 / self.interpolation_factor
         freqs = torch.outer(positions, self.inv_freq.to(device))
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         return emb.cos(), emb.sin()
@@ -105,6 +119,7 @@ class YarnRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, head_dim: int, base: float, yarn: Yarn) -> None:
         nn.Module.__init__(self)
+        self.interpolation_factor = None
         self.register_buffer("inv_freq", yarn_frequencies(head_dim, base, yarn), persistent=False)
         factor = yarn.factor
         self.table_scale = yarn_mscale(factor, yarn.mscale) / yarn_mscale(
@@ -141,4 +156,5 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
     if config.position_embedding_type != "rope":
         return None
     scaling = config.rope_scaling_factor if config.use_rope_scaling else None
-    return RotaryEmbedding(config.rotary_dim, config.rotary_base, scaling)
+    interpolation = config.rotary_seq_len_interpolation_factor
+    return RotaryEmbedding(config.rotary_dim, config.rotary_base, scaling, interpolation)

@@ -78,14 +78,17 @@ def rope_settings(hf: dict) -> tuple[float, dict]:
     scaling = {**(hf.get("rope_scaling") or {}), **parameters}
     rope_type = scaling.get("rope_type", scaling.get("type"))
     refuse(
-        rope_type not in (None, "default", "llama3", "yarn"),
+        rope_type not in (None, "default", "linear", "llama3", "yarn"),
         "rope_scaling",
         rope_type,
-        "threefold implements plain RoPE, Llama 3.1's llama3 scaling and YaRN",
+        "threefold implements plain RoPE, linear position interpolation, Llama 3.1's llama3 "
+        "scaling and YaRN",
     )
     theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope_type == "yarn":
         return theta, _yarn_fields(scaling, hf)
+    if rope_type == "linear":  # (transformers divides the frequencies, megatron-core positions)
+        return theta, {"rotary_seq_len_interpolation_factor": float(scaling["factor"])}
     if rope_type != "llama3":
         return theta, {}
     fixed = {
@@ -140,6 +143,14 @@ def llama3_rope_scaling(factor: float) -> dict:
 
 def rope_scaling(config: ModelConfig) -> dict | None:
     """A model's RoPE scaling as transformers' `rope_scaling` (None: plain RoPE)."""
+    interpolation = config.rotary_seq_len_interpolation_factor
+    if interpolation and config.use_rope_scaling:
+        raise ConfigError(
+            "transformers' rope_scaling holds one kind: this model has both "
+            "--rotary-seq-len-interpolation-factor and --use-rope-scaling"
+        )
+    if interpolation:
+        return {"rope_type": "linear", "factor": float(interpolation)}
     if config.use_rope_scaling:
         return llama3_rope_scaling(config.rope_scaling_factor)
     if config.position_embedding_type != "yarn":
