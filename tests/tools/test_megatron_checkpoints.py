@@ -284,6 +284,11 @@ def _model_with(config, model):
         ({"moe_latent_size": 16}, "--moe-latent-size"),
         ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
+        # (before: loaded as plain attention and activations, the logits silently wrong)
+        ({"window_size": (128, 0)}, "sliding-window attention"),
+        ({"softmax_type": "learnable"}, "--softmax-type"),
+        ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
+        ({"apply_residual_connection_post_layernorm": True}, "after the norms"),
     ],
 )
 def test_architectures_threefold_does_not_build_are_refused_by_name(

@@ -47,6 +47,19 @@ _UNSUPPORTED = (
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
+    # (read as the plain model they are not, these would load without an error)
+    ("window_size", None, "sliding-window attention (--window-size)"),
+    ("window_attn_skip_freq", None, "sliding-window attention (--window-attn-skip-freq)"),
+    ("softmax_type", "vanilla", "an off-by-one or learnable softmax (--softmax-type)"),
+    ("no_rope_freq", None, "layers without RoPE (--no-rope-freq)"),
+    ("quick_geglu", False, "the quick GeGLU activation (--quick-geglu)"),
+    ("glu_linear_offset", 0.0, "an offset on the GLU's linear half (--glu-linear-offset)"),
+    ("activation_func_clamp_value", None, "clamped activations (--activation-func-clamp-value)"),
+    (
+        "apply_residual_connection_post_layernorm",
+        False,
+        "residual connections taken after the norms",
+    ),
 )
 
 
