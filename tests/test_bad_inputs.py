@@ -185,6 +185,17 @@ def test_a_broken_checkpoint_tracker_is_refused(tmp_path):
     )
 
 
+def test_exit_on_missing_checkpoint_refuses_an_empty_load(tmp_path):
+    """Megatron-LM's --exit-on-missing-checkpoint: a --load with nothing in it (a typo, a
+    lost mount) stops the run instead of training from scratch, even as its own --save."""
+    flags = ["--exit-on-missing-checkpoint", "--save", str(tmp_path / "run")]
+    for load in (tmp_path, tmp_path / "run"):
+        _assert_refused(
+            *_run(BASE + MOCK + ["--load", str(load), *flags]),
+            f"--load {load}: holds no checkpoint, and --exit-on-missing-checkpoint is on",
+        )
+
+
 def test_a_vocabulary_below_the_tokenizer_is_refused(shakespeare_data):
     _assert_refused(
         *_run(

@@ -155,7 +155,13 @@ def _check_load(config: Config, vocab_size: int | None) -> None:
     from threefold.checkpoint.loadable import check_before_start
 
     load = config.checkpoint.load
+    missing = (
+        f"--load {load}: holds no checkpoint, and --exit-on-missing-checkpoint is on; fix the "
+        "path, or drop the flag to start from scratch"
+    )
     if not os.path.isdir(load):
+        if config.checkpoint.exit_on_missing_checkpoint:
+            raise ConfigError(missing)
         if load == config.checkpoint.save:
             return  # (the run's first start: nothing to resume yet)
         raise ConfigError(f"--load {load}: no such directory")
@@ -165,4 +171,6 @@ def _check_load(config: Config, vocab_size: int | None) -> None:
         settled.model = dataclasses.replace(
             config.model, vocab_size=vocab_size or config.model.vocab_size
         )
-    check_before_start(load, config.checkpoint, config.parallel.world_size, settled)
+    iteration = check_before_start(load, config.checkpoint, config.parallel.world_size, settled)
+    if iteration is None and config.checkpoint.exit_on_missing_checkpoint:
+        raise ConfigError(missing)

@@ -138,12 +138,13 @@ def choose_iteration(
 
 def check_before_start(
     root: str, checkpoint: CheckpointConfig, world_size: int, run: Config | None
-) -> None:
+) -> int | None:
     """A one-line ConfigError when no iteration of `root` that the run could choose has all
     its files and is loadable by the run (`check_loadable`; `run`: its config, None where it
     is not settled before start-up). Alike on every rank of a `world_size`-rank job. Where the
     files' contents might still decide between iterations, only what fails on all of them is
-    refused; a fallback is announced later, once, when the contents are verified."""
+    refused; a fallback is announced later, once, when the contents are verified. Returns
+    the iteration chosen (None: `root` holds no checkpoint)."""
     refusals: dict[int, ConfigError] = {}
 
     def verdict(iteration: int) -> str | None:
@@ -174,6 +175,7 @@ def check_before_start(
         raise
     if iteration in refusals:
         raise refusals[iteration]
+    return iteration
 
 
 @dataclasses.dataclass(frozen=True)

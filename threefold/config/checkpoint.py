@@ -24,6 +24,11 @@ class CheckpointConfig:
     async_save: bool = arg(
         False, help="write checkpoints in the background while training continues"
     )  # write in the background; the tracker follows when complete
+    exit_on_missing_checkpoint: bool = arg(
+        False,
+        help="refuse to start when --load holds no checkpoint (a mistyped path, a lost "
+        "mount) instead of training from scratch",
+    )
     no_load_optim: bool = arg(
         False, help="load weights, scheduler and iteration, but start the optimizer afresh"
     )
@@ -109,6 +114,7 @@ class CheckpointConfig:
             "checkpoints, give --load the --save directory",
         )
         for name, value in (
+            ("--exit-on-missing-checkpoint", self.exit_on_missing_checkpoint),
             ("--no-load-optim", self.no_load_optim),
             ("--no-load-rng", self.no_load_rng),
             ("--finetune", self.finetune),
