@@ -123,6 +123,31 @@ def test_blending_weights_are_respected_over_10000_samples(corpus):
     assert abs((sources == 1).mean() - 0.7) < 0.01
 
 
+def test_the_mid_level_surplus_reaches_megatron_core(corpus):
+    """--mid-level-dataset-surplus (Megatron-LM's): each blended dataset is built that much
+    larger than its weight's share, the fix megatron-core's 'too few samples' calls for."""
+    argv = MODEL + ["--data-path", "0.3", f"{corpus}/a", "0.7", f"{corpus}/b"]
+    argv += ["--split", "100,0,0", "--train-iters", "1250"]
+    sizes = []
+    for surplus in ("0.005", "0.5"):
+        config = parse_args(argv + ["--mid-level-dataset-surplus", surplus])
+        blend = build_datasets(config)[0].dataset
+        sizes.append([len(dataset) for dataset in blend.datasets])
+    assert all(small < large for small, large in zip(*sizes)), sizes
+    # megatron-core's refusal names its config attribute: threefold's names the flag
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    def oversampled(self):
+        raise IndexError("... mid_level_dataset_surplus may be increased, e.g. two- or ...")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BlendedMegatronDatasetBuilder, "build", oversampled)
+        with pytest.raises(ConfigError, match=r"raise --mid-level-dataset-surplus \(now 0.005\)"):
+            build_datasets(parse_args(argv))
+
+
 def test_per_split_paths(corpus):
     config = parse_args(
         MODEL

@@ -85,6 +85,15 @@ class DataConfig:
         help="read the .bin files through file handles instead of memory-mapping them",
         flag="--no-mmap-bin-files",
     )  # False: read .bin files through file handles
+    mid_level_dataset_surplus: float = arg(
+        0.005,
+        minimum=0,
+        help="the share of extra samples megatron-core builds for each dataset of a weighted "
+        "blend; raise it when it reports too few samples for the blend",
+    )
+    num_dataset_builder_threads: int = arg(
+        1, minimum=1, help="threads megatron-core builds a blend's datasets with"
+    )
     # Pretraining windows split at end-of-document tokens (data/loader.DocumentMasks).
     reset_position_ids: bool = arg(
         False, help="positions restart at 0 after each end-of-document token"

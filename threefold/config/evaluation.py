@@ -99,8 +99,8 @@ class EvaluationConfig:
 
     def evaluation_samples(self) -> int:
         """The samples one evaluation reads: --eval-iters global batches of evaluation's size
-        (of the validation split under --full-validation: all of them, a size only the data
-        knows)."""
+        (the test split's still under --full-validation, whose validation reads its whole
+        split, a size only the data knows)."""
         return self.eval_iters * self.eval_global_batch_size
 
     def evaluates(self, split: int) -> bool:

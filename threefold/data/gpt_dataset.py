@@ -296,6 +296,8 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         eod_mask_loss=False,
         create_attention_mask=False,
         mmap_bin_files=data.mmap_bin_files,
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        num_dataset_builder_threads=data.num_dataset_builder_threads,
         # (a list of datasets, one per --valid-data-path prefix, for the validation split)
         multiple_validation_sets=config.training.multiple_validation_sets,
         **options,
@@ -305,6 +307,12 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         builder = mcore.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder
         built = builder(mcore.gpt_dataset.GPTDataset, sizes, lambda: True, gpt_config).build()
     except (AssertionError, ValueError, IndexError) as error:
+        if "mid_level_dataset_surplus" in str(error):  # (its IndexError names the attribute)
+            raise ConfigError(
+                f"--data-path: megatron-core's blend draws more samples from a dataset than it "
+                f"built; raise --mid-level-dataset-surplus (now {data.mid_level_dataset_surplus})"
+                ", e.g. ten-fold"
+            ) from None
         raise ConfigError(
             f"--data-path/--split: megatron-core could not build the datasets "
             f"({error}); check --split and that every split has documents"

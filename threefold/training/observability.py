@@ -165,7 +165,7 @@ class Observability:
         self.restart_window()
 
     def validation(
-        self, iteration: int, loss: float | None, on: str | None = None, split="validation"
+        self, iteration: int, loss: float | None, on: str | None = None, split: str = "validation"
     ) -> None:
         """Report an evaluation; `on`: Megatron's after-training reports ("validation set",
         "test set"); a test-set loss is not a validation point. `split`: the validation set's

@@ -63,12 +63,14 @@ class Trainer:
         with self.timers("train/valid/test-data-iterators-setup", 0):
             self.datasets = (build_data or build_datasets)(config, self.tokenizer)
         self.validation_sets = validation_sets(self.datasets[1], training)
-        for name, dataset in self.validation_sets if training.full_validation else ():
-            whole = WholeSplit(dataset, training.eval_global_batch_size)
-            self.print(
-                f"> --full-validation: {name}: {whole.size} samples per evaluation, {whole.steps}"
-                f" steps of --eval-global-batch-size {training.eval_global_batch_size}"
-            )
+        if training.full_validation:
+            for name, dataset in self.validation_sets:
+                whole = WholeSplit(dataset, training.eval_global_batch_size)
+                self.print(
+                    f"> --full-validation: {name}: {whole.size} samples per evaluation, "
+                    f"{whole.steps} steps of --eval-global-batch-size "
+                    f"{training.eval_global_batch_size}"
+                )
         with self.timers("model-and-optimizer-setup", 0):
             built = build_model_and_optimizer(config, parallel, device, self.print)
         self.model_chunks, self.data_parallel, self.scheduler, self.loss_scaler, self.fp8 = built
@@ -143,7 +145,9 @@ class Trainer:
         )
 
     # -- one step -----------------------------------------------------------------------------
-    def _forward_step(self, batch: dict, model: torch.nn.Module, input_tensor=None, *, per_token):
+    def _forward_step(
+        self, batch: dict, model: torch.nn.Module, input_tensor=None, *, per_token: bool
+    ):
         with self.data_parallel.forward_context():
             output, loss_func = gpt_forward_step(
                 batch, model, input_tensor, per_token, self.parallel.cp
