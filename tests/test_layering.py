@@ -3,7 +3,8 @@
 Each layer imports only from the layers below it (lowest first):
 
     config      dataclass configs and ConfigError; torch-free, imports nothing of threefold's
-    util        threefold.safe_loading (loading files without running their code)
+    util        threefold.safe_loading (loading files without running their code),
+                threefold.written_aside (replacing files whole or not at all)
     parallel    process groups (the ParallelContext), TP/SP layers, PP schedules, DP gradients
     kernels     attention, norms, fused cross-entropy, chosen at start-up
     model       the GPT model, its layer spec and its loss
@@ -35,7 +36,7 @@ LAYERS = [
     "training",
     "entry",
 ]
-_UTIL = {"threefold.safe_loading"}
+_UTIL = {"threefold.safe_loading", "threefold.written_aside"}
 # What outside threefold/parallel/ may call on threefold.parallel.state: set-up and tear-down,
 # and building the context. The group/rank getters are parallel/'s own.
 _STATE_ALLOWED = {
