@@ -191,3 +191,45 @@ def test_resume_with_another_schedule_is_refused_unless_settled(checkpoint):
     assert same.scheduler.get_lr() == from_checkpoint.scheduler.get_lr()
     # Biases and norms stay without weight decay whatever the schedule sets.
     assert sorted(g["weight_decay"] for g in same.optimizer.param_groups) == [0.0, 0.01]
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "WSD"])
+def test_warmup_from_lr_warmup_init_is_megatron_cores(style):
+    """--lr-warmup-init (Megatron-LM's): the warmup starts there, in every group (a muP group's
+    lr_mult scales its peak and floor, not the start), then the decay as before: megatron-core's
+    OptimizerParamScheduler, step by step."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as Theirs
+
+    flags = ["--lr-decay-style", style, "--lr-warmup-iters", "4", "--train-iters", "20"]
+    flags += ["--lr-warmup-init", "0.25"] + (
+        ["--lr-wsd-decay-iters", "8"] if style == "WSD" else []
+    )
+    training = parse_args(BASE + flags).training
+    groups = [{"params": [torch.zeros(1)]}, {"params": [torch.zeros(1)], "lr_mult": 0.5}]
+    ours = OptimizerParamScheduler(torch.optim.AdamW(groups), training)
+    their_groups = [
+        {"params": [torch.zeros(1)], "max_lr": 1.0, "min_lr": 0.1},
+        {"params": [torch.zeros(1)], "max_lr": 0.5, "min_lr": 0.05},
+    ]
+    theirs = Theirs(
+        torch.optim.AdamW(their_groups),
+        init_lr=0.25,
+        max_lr=1.0,
+        min_lr=0.1,
+        lr_warmup_steps=4,
+        lr_decay_steps=20,
+        lr_decay_style=style,
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=20,
+        wd_incr_style="constant",
+        wsd_decay_steps=8 if style == "WSD" else None,
+        lr_wsd_decay_style="exponential" if style == "WSD" else None,
+    )
+    for step in range(21):
+        expected = [group["lr"] for group in theirs.optimizer.param_groups]
+        got = [group["lr"] for group in ours.optimizer.param_groups]
+        assert got == pytest.approx(expected, rel=1e-12), step
+        ours.iteration_done(training.global_batch_size)
+        theirs.step(1)
+    assert [g["lr"] for g in ours.optimizer.param_groups][0] == pytest.approx(0.1)

@@ -82,8 +82,11 @@ class TrainingConfig(EvaluationConfig, MuonConfig):
         "linear", choices=LR_DECAY_STYLES, help="shape of the learning-rate decay after warmup"
     )
     lr_warmup_iters: float = arg(
-        0, type=int, minimum=0, help="iterations of linear warmup from 0 to --lr"
+        0, type=int, minimum=0, help="iterations of linear warmup from --lr-warmup-init to --lr"
     )  # iterations; fractional when set from lr_warmup_fraction
+    lr_warmup_init: float = arg(
+        0.0, minimum=0, help="the learning rate warmup starts from (default 0)"
+    )
     lr_warmup_fraction: float | None = arg(
         None, help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)"
     )  # of lr_decay_iters, as Megatron-LM
@@ -321,6 +324,10 @@ class TrainingConfig(EvaluationConfig, MuonConfig):
         for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0 <= beta < 1, f"{flag} must be in [0, 1), not {beta}")
         _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        _require(  # (megatron-core asserts it)
+            self.lr_warmup_init <= self.lr,
+            f"--lr-warmup-init {self.lr_warmup_init} is above --lr {self.lr}",
+        )
         _require(
             self.decoupled_min_lr is None or self.decoupled_lr is not None,
             "--decoupled-min-lr needs --decoupled-lr",

@@ -1,7 +1,8 @@
 """Learning-rate and weight-decay schedules with Megatron-LM's semantics (its
 OptimizerParamScheduler).
 
-Learning rate: linear warmup from 0 over `--lr-warmup-iters`, then by `--lr-decay-style`
+Learning rate: linear warmup from `--lr-warmup-init` (default 0) over `--lr-warmup-iters`, then
+by `--lr-decay-style`
 - constant: --lr;
 - linear / cosine: from --lr down to `--min-lr` at `--lr-decay-iters`;
 - inverse-square-root: --lr x sqrt(warmup / step), never below --min-lr;
@@ -49,14 +50,19 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, decoupled: bool = False) -> float:
+    def get_lr(self, decoupled: bool = False, lr_mult: float = 1.0) -> float:
+        """The learning rate of a group (`decoupled`: --decoupled-lr's; `lr_mult`: muP's hidden
+        matrices', whose peak and floor it scales, as megatron-core's per-group max_lr and
+        min_lr: the warmup starts from --lr-warmup-init in every group)."""
         s = self.schedule
         max_lr, min_lr = (
             (s["decoupled_lr"], s["decoupled_min_lr"]) if decoupled else (s["max_lr"], s["min_lr"])
         )
+        max_lr, min_lr = max_lr * lr_mult, min_lr * lr_mult
         warmup, decay, style = s["warmup_steps"], s["decay_steps"], s["decay_style"]
         if warmup > 0 and self.num_steps <= warmup:
-            return max_lr * self.num_steps / warmup
+            start = s.get("init_lr", 0.0)  # (a checkpoint's schedule from before the flag)
+            return start + (max_lr - start) * self.num_steps / warmup
         if style == "constant":
             return max_lr
         if self.num_steps > decay:
@@ -88,9 +94,8 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         weight_decay = self.get_wd()
         for group in self.optimizer.param_groups:
-            # lr_mult (muP's hidden matrices): every schedule here is linear in (--lr,
-            # --min-lr) with warmup from 0, so this is the schedule of lr_mult x both.
-            group["lr"] = self.get_lr(group.get("decoupled_lr", False)) * group.get("lr_mult", 1.0)
+            decoupled = group.get("decoupled_lr", False)
+            group["lr"] = self.get_lr(decoupled, group.get("lr_mult", 1.0))
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         return self.get_lr()
 
