@@ -40,6 +40,11 @@ def check_finetuning(config: Config, packing: bool) -> None:
     """What fine-tuning cannot do with these flags, as one-line ConfigErrors before torch is
     imported (the files themselves: `check_inputs`)."""
     data = config.data
+    if config.checkpoint.pretrained_checkpoint:
+        raise ConfigError(
+            "finetune.py fine-tunes --load's model (and resumes itself when --save is --load): "
+            "give the model as --load; --pretrained-checkpoint is pretrain_gpt.py's"
+        )
     if not data.train_data_path:
         raise ConfigError(
             "fine-tuning reads JSONL conversations: give --train-data-path FILE (and "

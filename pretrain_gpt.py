@@ -9,6 +9,7 @@ import os
 import sys
 
 from threefold.arguments import parse_args, print_refusal
+from threefold.checkpoint.pretrained import starting_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
 from threefold.startup import frozen_imports, run_then_shut_down, start_processes
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.training.exit_signal_handler:  # from the first second: start-up takes a while
         exit_signal_handler()
     try:
+        # (--pretrained-checkpoint in --load's place while --load holds no checkpoint)
+        config.checkpoint, starting_note = starting_checkpoint(config.checkpoint)
         check_inputs(config)
         if os.environ.get("THREEFOLD_VALIDATE_ONLY"):
             # The launchers' check before they spawn workers: a mistake is then one line and
@@ -55,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         import threefold.checkpoint.load  # noqa: F401
         import threefold.training.trainer  # noqa: F401
 
-    return run_then_shut_down(lambda: _train(config))
+    return run_then_shut_down(lambda: _train(config, starting_note))
 
 
-def _train(config: Config) -> int:
+def _train(config: Config, starting_note: str | None = None) -> int:
     """Start this process's groups, build the trainer, resume, train: the exit code. Whatever
     holds a group lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.checkpoint.load import load_checkpoint
@@ -73,6 +76,8 @@ def _train(config: Config) -> int:
     device, parallel = started
     try:
         trainer = Trainer(config, device, parallel)
+        if starting_note:
+            trainer.print(starting_note)
         if config.checkpoint.load:
             checkpoint = config.checkpoint
             with trainer.timers("load-checkpoint", 0):
@@ -89,11 +94,13 @@ def _train(config: Config) -> int:
                 and not checkpoint.finetune
             ):
                 trainer.checkpointer.last_saved = iteration  # on disk: never written over
-            trainer.print(
-                f"> resumed from {config.checkpoint.load} at iteration {iteration}"
-                if iteration is not None
-                else f"> no checkpoint in --load {config.checkpoint.load}; starting from scratch"
-            )
+            if iteration is None:
+                said = f"> no checkpoint in --load {checkpoint.load}; starting from scratch"
+            elif checkpoint.finetune:  # (weights only: the run counts from 0)
+                said = f"> loaded the weights of {checkpoint.load} (iteration {iteration})"
+            else:
+                said = f"> resumed from {checkpoint.load} at iteration {iteration}"
+            trainer.print(said)
             pending = iteration is not None and trainer.validation.after_load(
                 checkpoint.load, iteration
             )

@@ -361,6 +361,7 @@ def test_fine_tuning_mistakes_are_refused_before_torch_is_imported(pretrained, t
         (data + ["--load", damaged], "__0_0.distcp is missing"),
         (data + ["--load", resumed, "--save", resumed, "--lr", "2e-3"], "schedule has --lr 0.001"),
         (data + ["--sft-packing", "--context-parallel-size", "2"], "--sft-packing"),
+        (data + ["--pretrained-checkpoint", pretrained], "give the model as --load"),
     ]
     for extra, expected in cases:
         ranks = {"WORLD_SIZE": "2"} if "--context-parallel-size" in extra else {}

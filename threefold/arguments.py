@@ -239,6 +239,7 @@ def parse_args(
                 getattr(namespace, "checkpoint.load", None),
                 getattr(namespace, "checkpoint.save", None),
                 with_tokenizer=not hasattr(namespace, "data.tokenizer_type"),
+                pretrained=getattr(namespace, "checkpoint.pretrained_checkpoint", None),
             )
         except ConfigError as error:
             parser.exit(2, f"{parser.prog}: error: {error}\n")

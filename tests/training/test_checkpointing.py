@@ -245,3 +245,38 @@ def test_a_process_killed_mid_save_loses_nothing(point, killed_runs):
     assert "resumed from" in resumed.stdout and "at iteration 2" in resumed.stdout
     assert _last_loss(resumed.stdout) == _last_loss(killed_runs.result("straight").stdout)
     assert after_resume == "4"
+
+
+def _losses(output: str) -> list[str]:
+    return [line.split("|")[6] for line in output.splitlines() if "lm loss" in line]
+
+
+def test_pretrained_checkpoint_starts_a_run_that_later_resumes_itself(tmp_path):
+    """Megatron-LM's --pretrained-checkpoint: while --load (the run's own --save) holds
+    nothing, the run fine-tunes from it as --load BASE --finetune does; once it has saved, a
+    restart with the same command line resumes its own checkpoint. Neither holding one is
+    one line."""
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    assert _pretrain(base).returncode == 0
+    same = ["--load", run, "--pretrained-checkpoint", base]
+    first = _pretrain(run, *same)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"holds none: fine-tuning from --pretrained-checkpoint {base}" in first.stdout
+    assert f"> loaded the weights of {base} (iteration 4)" in first.stdout
+    finetuned = _pretrain(str(tmp_path / "finetune"), "--load", base, "--finetune")
+    assert _losses(first.stdout) == _losses(finetuned.stdout) and len(_losses(first.stdout)) == 4
+    again = _pretrain(run, *same)
+    assert f"> resumed from {run} at iteration 4" in again.stdout, again.stderr[-2000:]
+    # --use-checkpoint-args takes the model flags from where the run starts
+    from threefold.checkpoint.args import flags_for_use_checkpoint_args
+
+    fresh = run + "2"
+    flags, note = flags_for_use_checkpoint_args(fresh, fresh, False, pretrained=base)
+    assert f"model flags from {base}" in note and "--num-layers" in flags
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    refused = _pretrain(run + "2", "--load", run + "2", "--pretrained-checkpoint", empty)
+    assert refused.returncode == 2 and refused.stderr == (
+        f"pretrain_gpt.py: error: --pretrained-checkpoint {empty}: holds no checkpoint "
+        f"(--load {run}2 holds none either); fix the path\n"
+    )

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 
-from threefold.checkpoint.files import checkpoint_tokenizer, latest_config, read_tracker
+from threefold.checkpoint.files import (
+    checkpoint_tokenizer,
+    holds_checkpoint,
+    latest_config,
+    read_tracker,
+)
 from threefold.config import ConfigError, DataConfig, ModelConfig
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, as_flags
 
@@ -25,10 +30,13 @@ def model_flags(model: dict) -> list[str]:
 
 
 def flags_for_use_checkpoint_args(
-    load: str | None, save: str | None, with_tokenizer: bool
+    load: str | None, save: str | None, with_tokenizer: bool, pretrained: str | None = None
 ) -> tuple[list[str], str]:
     """(flags, a start-up note) for --use-checkpoint-args. A run whose --load is its own --save
-    directory and finds no checkpoint there yet (its first start) keeps its command line."""
+    directory and finds no checkpoint there yet (its first start) keeps its command line, or
+    takes `pretrained`'s (--pretrained-checkpoint, which it then starts from)."""
+    if pretrained is not None and not holds_checkpoint(load):
+        load = pretrained
     if load is None:
         raise ConfigError(
             "--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)"

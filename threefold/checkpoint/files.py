@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 
-from threefold.checkpoint.manifest import digest
+from threefold.checkpoint.manifest import complete_iterations, digest
 from threefold.config import ConfigError, DataConfig
 from threefold.config.data import SENTENCEPIECE
 
@@ -33,6 +33,13 @@ def read_tracker(root: str) -> int | None:
     if not (text.isascii() and text.isdigit()):
         raise ConfigError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
     return int(text)
+
+
+def holds_checkpoint(root: str | None) -> bool:
+    """Whether `root` holds a checkpoint to start from: a tracker or a complete iteration."""
+    if not root or not os.path.isdir(root):
+        return False
+    return read_tracker(root) is not None or bool(complete_iterations(root))
 
 
 def read_metadata(root: str, iteration: int) -> dict:

@@ -24,6 +24,11 @@ class CheckpointConfig:
     async_save: bool = arg(
         False, help="write checkpoints in the background while training continues"
     )  # write in the background; the tracker follows when complete
+    pretrained_checkpoint: str | None = arg(
+        None,
+        help="the checkpoint to fine-tune from while --load holds none (a run's first start): "
+        "its weights only, from iteration 0 (as --finetune); later starts resume from --load",
+    )
     exit_on_missing_checkpoint: bool = arg(
         False,
         help="refuse to start when --load holds no checkpoint (a mistyped path, a lost "

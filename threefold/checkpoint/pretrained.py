@@ -1,0 +1,31 @@
+"""Megatron-LM's `--pretrained-checkpoint DIR`: what a fine-tuning job starts from on its first
+start, when `--load` (its own checkpoints, usually its `--save`) holds none yet. Then the run
+loads DIR as `--finetune` does (the weights, at iteration 0, a fresh optimizer); every later
+start (a requeue, a restart) finds its own checkpoint in `--load` and resumes it, with no
+change to the command line. Decided before torch is imported, from the directories alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from threefold.checkpoint.files import holds_checkpoint
+from threefold.config import CheckpointConfig, ConfigError
+
+
+def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:
+    """The checkpoint settings the run loads with (--load swapped for --pretrained-checkpoint
+    with --finetune, when --load holds nothing), and a start-up note saying so."""
+    pretrained = checkpoint.pretrained_checkpoint
+    if pretrained is None or holds_checkpoint(checkpoint.load):
+        return checkpoint, None
+    where = f"--load {checkpoint.load} holds none" if checkpoint.load else "no --load"
+    if not holds_checkpoint(pretrained):
+        raise ConfigError(
+            f"--pretrained-checkpoint {pretrained}: holds no checkpoint ({where} either); fix "
+            "the path"
+        )
+    note = (
+        f"> {where}: fine-tuning from --pretrained-checkpoint {pretrained} (its weights, from "
+        "iteration 0)"
+    )
+    return dataclasses.replace(checkpoint, load=pretrained, finetune=True), note
