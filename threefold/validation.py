@@ -40,7 +40,7 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
             return False
         return True
 
-    if not any(map(is_number, paths)):
+    if len(paths) == 1 or not any(map(is_number, paths)):  # (one prefix may look like a number)
         return paths
     weights, prefixes = paths[0::2], paths[1::2]
     if len(paths) % 2 or not all(map(is_number, weights)) or any(map(is_number, prefixes)):
