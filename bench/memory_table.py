@@ -1,7 +1,8 @@
 """Per-GPU memory of LLaMA-2 7B/13B/70B in the layouts Megatron-Core's guides use, from
 threefold's estimator (tools/estimate_memory.py), against 80 GB GPUs; then the same models
 in bf16 beside FP8 GEMMs with and without --fp8-param-gather, and with rowwise scaling (with
-Mixtral 8x7B, whose experts rowwise scaling alone puts in FP8).
+Mixtral 8x7B, whose experts rowwise scaling alone puts in FP8), and with the precision-aware
+optimizer's state in fewer bits.
 
     python bench/memory_table.py > bench/results/memory_table.md
 
@@ -122,6 +123,17 @@ FP8_VARIANTS = {
 }
 
 
+# --use-precision-aware-optimizer (docs/parallelism.md) on the same rows: a bf16 run's masters
+# as 16-bit remainders, then the moments and gradients in bf16.
+OPTIMIZER_VARIANTS = {
+    "AdamW, fp32 state": [],
+    "precision-aware (remainders)": ["--use-precision-aware-optimizer"],
+    "precision-aware, bf16 moments": ["--use-precision-aware-optimizer"]
+    + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+    "precision-aware, bf16 moments and gradients": ["--use-precision-aware-optimizer"]
+    + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--main-grads-dtype", "bf16"],
+}
+
 SIZES = ("params", "grads", "optimizer", "activations")
 
 
@@ -145,6 +157,19 @@ def fp8_table() -> None:
             config = _config(model, VARIANTS[FP8_BASE] + variant)
             e = estimate_memory(config)
             sizes = (e.parameters, e.gradients, e.optimizer, e.activations, e.fp8_weights, e.total)
+            dp = config.parallel.data_parallel_size
+            row = [model, gpus, tp, pp, dp, name, *(f"{x / GIB:.1f}" for x in sizes)]
+            print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+def optimizer_table() -> None:
+    _header("optimizer", *SIZES[:4], "total GiB")
+    for model in [model for model in MODELS if model not in FP8_ONLY]:
+        gpus, tp, pp = RECOMMENDED[model]
+        for name, variant in OPTIMIZER_VARIANTS.items():
+            config = _config(model, VARIANTS[FP8_BASE] + variant)
+            e = estimate_memory(config)
+            sizes = (e.parameters, e.gradients, e.optimizer, e.activations, e.total)
             dp = config.parallel.data_parallel_size
             row = [model, gpus, tp, pp, dp, name, *(f"{x / GIB:.1f}" for x in sizes)]
             print("| " + " | ".join(str(x) for x in row) + " |")
@@ -221,6 +246,8 @@ def main() -> None:
             print("| " + " | ".join(str(x) for x in row) + " |")
     print(f"\nWith FP8 GEMMs ({FP8_BASE}):\n")
     fp8_table()
+    print(f"\nWith the precision-aware optimizer ({FP8_BASE}):\n")
+    optimizer_table()
     print(
         "\nMegatron-LM's DeepSeek-V3 proxy (14 layers at DeepSeek-V3's width, MLA, 64 experts, "
         "MTP; bf16, sequence 4096, micro-batch 1; TP2 x SP x PP4 x EP16, 128 GPUs, distributed "

@@ -31,7 +31,8 @@ class CheckpointComponents:
     parallel: ParallelContext
     # This rank's parameters under their names in the whole single-device model, complete.
     parameters: Callable[[], list[tuple[str, nn.Parameter]]]
-    # state_tensors(names), copy_masters_to_model(), copy_model_to_masters(), load_resharded()
+    # state_tensors(names), store_loaded(tensors), copy_masters_to_model(),
+    # copy_model_to_masters(), load_resharded()
     optimizer: Any
     scheduler: Stateful
     loss_scaler: Stateful

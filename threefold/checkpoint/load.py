@@ -104,9 +104,10 @@ def load_checkpoint(
         if same_layout:
             reader = SafeFileSystemReader(path)
             reader.read_metadata()  # a refusal in one line here, not wrapped by DCP's collectives
-            dcp.load(
-                tensor_state(components, load_optimizer, without_adapters), storage_reader=reader
-            )
+            state = tensor_state(components, load_optimizer, without_adapters)
+            dcp.load(state, storage_reader=reader)
+            if load_optimizer:  # (read into fp32 copies of a precision-aware optimizer's state)
+                components.optimizer.store_loaded(state)
         else:
             load_resharded(
                 path,

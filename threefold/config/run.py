@@ -16,6 +16,7 @@ from threefold.config.logging import LoggingConfig
 from threefold.config.model import ModelConfig
 from threefold.config.muon import check_muon_layout
 from threefold.config.parallel import ParallelConfig
+from threefold.config.precision_aware import check_precision_aware
 from threefold.config.recompute import check_recompute_kernels
 from threefold.config.training import TrainingConfig
 
@@ -63,6 +64,7 @@ class Config:
         warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
         parallel = self.parallel
+        check_precision_aware(self)  # (a bf16 --main-grads-dtype: bf16 gradient reduction)
         self._finalize_gradient_precision()
         group = parallel.microbatch_group_size_per_virtual_pipeline_stage
         _require(

@@ -11,6 +11,7 @@ from threefold.config.errors import require as _require
 from threefold.config.evaluation import EvaluationConfig
 from threefold.config.fields import arg
 from threefold.config.muon import MuonConfig
+from threefold.config.precision_aware import PrecisionAwareConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
@@ -32,7 +33,7 @@ def _count(text: str) -> int | None:
 
 
 @dataclass
-class TrainingConfig(EvaluationConfig, MuonConfig):
+class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
     micro_batch_size: int = arg(
         1, minimum=1, help="samples per forward/backward on each data-parallel rank"
     )

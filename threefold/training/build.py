@@ -24,6 +24,7 @@ from threefold.training.loss_scaler import build_loss_scaler
 from threefold.training.lr_scheduler import OptimizerParamScheduler
 from threefold.training.memory import measure_bytes_per_parameter
 from threefold.training.muon import describe as describe_muon
+from threefold.training.precision_aware import describe as describe_precision_aware
 from threefold.training.strategy import resolve_auto_strategy
 
 
@@ -121,6 +122,8 @@ def build_model_and_optimizer(
     optimizer = data_parallel.optimizer
     if training.optimizer == "muon":
         report(describe_muon(training, len(optimizer.muon.matrices) if optimizer.muon else 0))
+    if training.precision_aware_steps():
+        report(describe_precision_aware(config))
     optimizer.initialize_state()
     optimizer.count_zeros = config.logging.log_num_zeros_in_grad
     named = [

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
 from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8
+from threefold.config.precision_aware import DTYPE_BYTES
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.activation_estimate import (
     fp8_layer,
@@ -256,6 +257,16 @@ def _bytes_per_parameter(
     # FP8 weights (the distributed optimizer then keeps them separate for every parameter)
     separate_masters = half or training.optimizer_cpu_offload or config.fp8.fp8_param_gather
     optimizer = 12 if separate_masters else 8
+    if training.precision_aware_steps():  # (training/precision_aware.py)
+        moments = DTYPE_BYTES[training.exp_avg_dtype] + DTYPE_BYTES[training.exp_avg_sq_dtype]
+        fp32_masters = training.fp16 and training.main_params_dtype == "fp32"
+        if not half:
+            masters = 0
+        elif config.fp8.fp8_param_gather or fp32_masters:
+            masters = 4
+        else:  # fp16 masters, or a bf16 weight's 16-bit remainders
+            masters = 2
+        optimizer = moments + masters
     if training.optimizer_cpu_offload:
         optimizer = 0  # in host memory, not the device's
     return params, grads, optimizer / (dp if distributed_optimizer else 1)

@@ -23,6 +23,10 @@ Megatron (with --apply-wd-to-qk-layernorm the query and key norms decay too, Qwe
 rule). With --decoupled-lr the word embeddings and the output layer form groups of their own,
 which the scheduler gives --decoupled-lr / --decoupled-min-lr. Under --optimizer muon the weight
 matrices are Muon's (training/muon.py), in the same schedule, and AdamW steps the rest.
+
+With --use-precision-aware-optimizer (distributed optimizer only) the masters are kept by the
+optimizer itself, beside the flat parameters they update, and it stores them and the moments in
+the dtypes asked for (training/precision_aware.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from threefold.parallel.data_parallel.torch_native import local
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
 from threefold.training.muon import Muon
+from threefold.training.precision_aware import DTYPES, PrecisionAwareAdamW
 
 OFFLOAD_DEVICE = torch.device("cpu")
 
@@ -61,7 +66,8 @@ def _counts_towards_norm(param: nn.Parameter, tensor_model_parallel_rank: int) -
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(())
-    return torch.stack(torch._foreach_norm(tensors)).float().pow(2).sum()
+    # (in fp32 whatever the tensors' dtype: --main-grads-dtype bf16's gradients)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).pow(2).sum()
 
 
 def _zeros(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -84,12 +90,15 @@ def _decays(name: str, param: nn.Parameter, config: TrainingConfig) -> bool:
 
 @dataclass
 class _Piece:
-    """The part [start, end) of a flattened model parameter that an fp32 master stands for."""
+    """The part [start, end) of a flattened model parameter that an fp32 master stands for.
+    `separate`: the master is a copy, not the parameter (or a view of it). The precision-aware
+    optimizer steps 16-bit views and keeps their fp32 values in its own state."""
 
     param: nn.Parameter
     start: int
     end: int
     master: nn.Parameter
+    separate: bool = False
 
 
 class _AdamWithMasters:
@@ -113,11 +122,16 @@ class _AdamWithMasters:
         named_parameters: list[tuple[str, nn.Parameter]],
         matrices: dict | None = None,
         lr_scales: dict | None = None,
+        precision_aware: bool = False,
     ) -> None:
         """`matrices` (--optimizer muon): the parameters Muon steps (training/muon.py), each
         with how it is orthogonalized; Adam steps the rest. `lr_scales` (--use-mup): the
-        factor on a parameter's learning rate and Adam eps (training/mup.py)."""
+        factor on a parameter's learning rate and Adam eps (training/mup.py).
+        `precision_aware`: training/precision_aware.py's AdamW, which keeps the masters of
+        16-bit pieces itself."""
         self.pieces = pieces
+        self.precision_aware = precision_aware
+        self._state_keys: dict[str, tuple[_Piece, str]] = {}
         matrices, lr_scales = matrices or {}, lr_scales or {}
         self.clip_grad = config.clip_grad
         self.count_zeros = False  # --log-num-zeros-in-grad: the trainer turns it on
@@ -160,13 +174,21 @@ class _AdamWithMasters:
             type(m.data) is torch.Tensor and m.device.type in ("cpu", "cuda") for m in masters
         )
         # A rank can own no piece at all (a tiny model over many DP ranks).
-        self.optimizer = torch.optim.AdamW(
-            groups or [{"params": [nn.Parameter(torch.zeros(1))]}],
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            fused=fused or None,
-        )
+        groups = groups or [{"params": [nn.Parameter(torch.zeros(1))]}]
+        betas = (config.adam_beta1, config.adam_beta2)
+        if precision_aware:
+            dtypes = {
+                "exp_avg": DTYPES[config.exp_avg_dtype],
+                "exp_avg_sq": DTYPES[config.exp_avg_sq_dtype],
+                "master_param": DTYPES[config.main_params_dtype],
+            }
+            self.optimizer = PrecisionAwareAdamW(
+                groups, lr=config.lr, betas=betas, eps=config.adam_eps, dtypes=dtypes, fused=fused
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=config.lr, betas=betas, eps=config.adam_eps, fused=fused or None
+            )
         stepped = [p for p in pieces if p.param in matrices]
         self.muon = None
         if stepped:  # matrices only: weight decay for all, none in the decoupled-LR groups
@@ -242,6 +264,9 @@ class _AdamWithMasters:
     def params_norm(self) -> float:
         """The L2 norm of all parameters (their fp32 masters), each counted once
         (--log-params-norm)."""
+        if self.precision_aware:  # each master in fp32 in turn: a norm per piece
+            unscaled = self.optimizer.unscaled
+            return self._global_norm([unscaled(p.master, "master").norm() for p in self.pieces])
         return self._global_norm(self.master_params)
 
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
@@ -273,13 +298,16 @@ class _AdamWithMasters:
 
     def _release_grads(self) -> None:
         for piece in self.pieces:
-            piece.master.grad = None
+            piece.master.grad = piece.master.decoupled_grad = None
 
     def initialize_state(self) -> None:
         """Create the Adam moments now rather than at the first step (AdamW creates the same
         zeros lazily), so memory can be measured at start-up and checkpoints loaded into."""
-        fused = self.optimizer.defaults["fused"]
+        fused = self.optimizer.defaults.get("fused")
         for piece in self.pieces:
+            if self.precision_aware:
+                self.optimizer.initialize_state(piece.master)
+                continue
             if piece.master in self._muon_masters:
                 muon = self.muon.state[piece.master]
                 if not muon:
@@ -303,9 +331,8 @@ class _AdamWithMasters:
         total = sum(
             local(t).numel() * t.element_size() for s in states for k, t in s.items() if k != "step"
         )
-        if self.separate_masters:
-            total += sum(local(m).numel() * m.element_size() for m in self.master_params)
-        return total
+        masters = [p.master for p in self.pieces if p.separate]
+        return total + sum(local(m).numel() * m.element_size() for m in masters)
 
     def state_tensors(self, names: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
         """The optimizer's tensors for a checkpoint, keyed by parameter name (and piece)."""
@@ -313,12 +340,34 @@ class _AdamWithMasters:
         tensors = {}
         for piece in self.pieces:
             key = self._piece_key(names[piece.param], piece)
-            state = self._state(piece)
-            for field in self._fields(piece) + (("step",) if "step" in state else ()):
-                tensors[f"optimizer.{field}.{key}"] = state[field]
-            if self.separate_masters:
-                tensors[f"optimizer.master.{key}"] = piece.master.data
+            fields = self._fields(piece) + (("step",) if "step" in self._state(piece) else ())
+            for field in fields + (("master",) if self.separate_masters else ()):
+                tensors[f"optimizer.{field}.{key}"] = self._state_value(piece, field)
+                self._state_keys[f"optimizer.{field}.{key}"] = (piece, field)
         return tensors
+
+    def store_loaded(self, tensors: dict[str, torch.Tensor]) -> None:
+        """After a checkpoint was read into `state_tensors()`'s tensors: store those that were
+        fp32 copies of the state (the precision-aware optimizer's); the others are the state."""
+        if self.precision_aware:
+            for key, (piece, field) in self._state_keys.items():
+                if key in tensors:
+                    self._store(piece, field, tensors[key])
+
+    def _state_value(self, piece: _Piece, field: str) -> torch.Tensor:
+        """A piece's `field` (an optimizer state, or "master") in fp32: the state itself, or
+        (the precision-aware optimizer's 16-bit or 8-bit state) a copy."""
+        if self.precision_aware and field != "step":
+            return self.optimizer.unscaled(piece.master, field)
+        return piece.master.data if field == "master" else self._state(piece)[field]
+
+    def _store(self, piece: _Piece, field: str, value: torch.Tensor) -> None:
+        """Set a piece's `field` (as `_state_value` names it) from fp32 `value`."""
+        if self.precision_aware and field != "step":
+            self.optimizer.store(piece.master, field, value)
+            return
+        stored = piece.master if field == "master" else self._state(piece)[field]
+        stored.copy_(value.view_as(stored))
 
     @staticmethod
     def _piece_key(name: str, piece: _Piece) -> str:
@@ -350,16 +399,13 @@ class _AdamWithMasters:
             pieces.setdefault(piece.param, []).append(piece)
         for name, param in named_parameters:
             for piece in pieces.get(param, []):
-                state = self._state(piece)
                 for field in self._fields(piece):
                     values = full_shard(field, name, param).reshape(-1)[piece.start : piece.end]
-                    state[field].copy_(values.view_as(state[field]))
-                if step is not None and "step" in state:
-                    state["step"].copy_(step)
+                    self._store(piece, field, values)
+                if step is not None and "step" in self._state(piece):
+                    self._store(piece, "step", step)
                 if self.separate_masters:
-                    piece.master.copy_(
-                        loaded[param].reshape(-1)[piece.start : piece.end].view_as(piece.master)
-                    )
+                    self._store(piece, "master", loaded[param].reshape(-1)[piece.start : piece.end])
 
 
 class MixedPrecisionOptimizer(_AdamWithMasters):
@@ -385,7 +431,9 @@ class MixedPrecisionOptimizer(_AdamWithMasters):
         self.reduction_device = self.model_params[0].device
         self._build(
             [
-                _Piece(p, 0, p.numel(), self._master(p, offload) if self.separate_masters else p)
+                _Piece(p, 0, p.numel(), self._master(p, offload), separate=True)
+                if self.separate_masters
+                else _Piece(p, 0, p.numel(), p)
                 for p in self.model_params
             ],
             config,
@@ -454,6 +502,10 @@ class DistributedOptimizer(_AdamWithMasters):
         self.fp8_parameters = fp8_parameters
         fp8 = self._fp8_weights = fp8_parameters.states if fp8_parameters is not None else {}
         self.separate_masters = config.bf16 or config.fp16 or offload or bool(fp8)
+        # --use-precision-aware-optimizer: the optimizer keeps the masters of the flat
+        # parameters' 16-bit pieces itself (FP8 weights' stay fp32 copies; fp32 weights are
+        # their own).
+        precision_aware = config.precision_aware_steps()
         pieces = []
         for param in self.model_params:
             buffer = self._buffer_of[param]
@@ -466,15 +518,12 @@ class DistributedOptimizer(_AdamWithMasters):
             # (a view of the flat parameters, except for FP8 weights')
             flat = param.detach().view(-1)[low - start : high - start]
             # fp32: the master *is* the parameter shard (a view), so no extra copy is kept.
-            master = (
-                self._master(flat, offload)
-                if self.separate_masters
-                else nn.Parameter(flat.detach())
-            )
+            separate = self.separate_masters and (param in fp8 or not precision_aware)
+            master = self._master(flat, offload) if separate else nn.Parameter(flat.detach())
             if matrices and param in matrices and (low, high) != (start, end):
                 raise RuntimeError("Muon's matrices must lie whole in one shard")
-            pieces.append(_Piece(param, low - start, high - start, master))
-        self._build(pieces, config, named_parameters, matrices, lr_scales)
+            pieces.append(_Piece(param, low - start, high - start, master, separate))
+        self._build(pieces, config, named_parameters, matrices, lr_scales, precision_aware)
         if fp8:
             fp8_parameters.set_shards(
                 [(p.param, p.start, p.end, p.master) for p in self.pieces if p.param in fp8]
@@ -490,16 +539,19 @@ class DistributedOptimizer(_AdamWithMasters):
         return getattr(buffer, of)[start + piece.start : start + piece.end]
 
     def _attach_grads(self) -> list[torch.Tensor]:
+        if self.precision_aware:  # it reads the buffer's gradients, in the buffer's dtype
+            for piece in self.pieces:
+                piece.master.decoupled_grad = self._slice(piece, "buffer")
+            return [piece.master.decoupled_grad for piece in self.pieces]
         for piece in self.pieces:
             piece.master.grad = self._fp32_grad(self._slice(piece, "buffer"), piece.master)
         return [piece.master.grad for piece in self.pieces]
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
-        if self.separate_masters:
-            for piece in self.pieces:
-                if piece.param not in self._fp8_weights:
-                    self._slice(piece, "param_buffer").copy_(piece.master)
+        for piece in self.pieces:
+            if piece.separate and piece.param not in self._fp8_weights:
+                self._slice(piece, "param_buffer").copy_(piece.master)
         if self.fp8_parameters is not None:
             self.fp8_parameters.cast()
         for buffer in self.grad_buffers:
@@ -510,13 +562,15 @@ class DistributedOptimizer(_AdamWithMasters):
 
     @torch.no_grad()
     def copy_model_to_masters(self) -> None:
-        if self.separate_masters:
-            for piece in self.pieces:
+        for piece in self.pieces:
+            if piece.separate:
                 if piece.param.dtype in FP8_MAX:  # (only in the run's dtype: `in_model_dtype`)
                     raise RuntimeError(
                         "FP8-stored weights read outside Fp8Parameters.in_model_dtype"
                     )
                 piece.master.copy_(piece.param.detach().view(-1)[piece.start : piece.end])
+            elif self.precision_aware and piece.master.dtype != torch.float32:
+                self.optimizer.store(piece.master, "master", piece.master.detach().float())
         if self.fp8_parameters is not None:  # and the FP8 copies from those masters
             self.copy_masters_to_model()
 
