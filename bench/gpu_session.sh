@@ -47,7 +47,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi >"$out/gpu_mfu/nvidia-smi.txt" 2>&1
 logs="$out/gpu_mfu"
 device_tests=(tests/kernels tests/data/test_loader.py tests/model/test_activation_offload.py
-  tests/model/test_grouped_experts.py)  # their `cuda` legs
+  tests/model/test_grouped_experts.py tests/training/test_precision_aware.py)  # their `cuda` legs
 profiles=0
 
 run_phase() {

@@ -7,6 +7,7 @@ bit and load into the plain optimizer and back; the memory is what the estimate 
 import pytest
 import torch
 
+from tests.conftest import DEVICES
 from tests.distributed import run_distributed
 from tests.parity import (
     DP_TOLERANCE,
@@ -30,7 +31,8 @@ BF16_MOMENTS = ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
 HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 
 
-def test_a_bf16_weight_and_its_remainder_are_the_fp32_master_bit_for_bit():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bf16_weight_and_its_remainder_are_the_fp32_master_bit_for_bit(device):
     generator = torch.Generator().manual_seed(0)
     master = torch.randn(100_000, generator=generator) * torch.logspace(-30, 30, 100_000)
     special = [0.0, -0.0, float("inf"), -float("inf"), 1e-45, -3.4e38, torch.finfo().tiny]
@@ -38,6 +40,7 @@ def test_a_bf16_weight_and_its_remainder_are_the_fp32_master_bit_for_bit():
     # Exact ties, half a bf16 unit above an even and an odd high half, of both signs.
     for i, high in enumerate((0x3F80, 0x3F81, 0xBF80 - 0x10000, 0xBF81 - 0x10000)):
         master.view(torch.int32)[10 + i] = high * 65536 + 0x8000
+    master = master.to(device)
     weight, remainder = split_master(master)
     assert weight.dtype == torch.bfloat16 and remainder.dtype == torch.int16
     assert torch.equal(join_master(weight, remainder).view(torch.int32), master.view(torch.int32))
@@ -59,7 +62,7 @@ def _rounded(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return value.to(dtype).float()
     largest = {torch.float16: 65504.0 / 2, torch.float8_e4m3fn: 448.0}[dtype]
     scale = value.abs().max().reshape(1) / largest
-    inverse = scale.reciprocal() if scale > 0 else torch.zeros(1)
+    inverse = scale.reciprocal() if scale > 0 else torch.zeros_like(scale)
     return (value * inverse).to(dtype).float() * scale
 
 
@@ -74,13 +77,16 @@ def _rounded(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         (torch.float32, torch.bfloat16, torch.float16, torch.float32),
     ],
 )
-def test_the_stored_state_is_adamw_rounded_after_each_step(exp_avg, exp_avg_sq, weights, masters):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stored_state_is_adamw_rounded_after_each_step(
+    exp_avg, exp_avg_sq, weights, masters, device
+):
     """Five steps on a [300] weight: the masters and moments equal torch's AdamW in fp32 whose
     moments (and masters) are rounded as stored after each step, bit for bit; the weight is
     its master in the weights' dtype (a bf16 weight with fp32 masters: the master's high
     half)."""
     generator = torch.Generator().manual_seed(1)
-    start = torch.randn(300, generator=generator)
+    start = torch.randn(300, generator=generator).to(device)
     weight = torch.nn.Parameter(start.to(weights))
     dtypes = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "master_param": masters}
     group = {"params": [weight], "weight_decay": 0.1}
@@ -88,7 +94,7 @@ def test_the_stored_state_is_adamw_rounded_after_each_step(exp_avg, exp_avg_sq, 
     reference = torch.nn.Parameter(_rounded(start.to(weights).float(), masters or torch.float32))
     adamw = torch.optim.AdamW([reference], fused=True, weight_decay=0.1, **HYPERPARAMETERS)
     for step in range(5):
-        gradient = torch.randn(300, generator=generator) * 10.0 ** (step - 2)
+        gradient = torch.randn(300, generator=generator).to(device) * 10.0 ** (step - 2)
         weight.decoupled_grad = gradient.to(weights)
         optimizer.step()
         reference.grad = gradient.to(weights).float()
