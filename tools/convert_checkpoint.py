@@ -18,9 +18,10 @@ threefold/checkpoint/hf/.
 
 Megatron side: megatron-core's torch_dist directory (tracker, iter_N/ with common.pt,
 metadata.json and the .distcp shards) of a dense GPT/LLaMA model saved at any TP/PP layout, local
-or Transformer Engine layer names; written at TP = PP = 1 (Megatron-LM loads it into any layout)
-with the model only: load it there with --finetune, or --no-load-optim --no-load-rng
-(threefold/checkpoint/megatron/). A threefold run can also --load a Megatron checkpoint directly.
+or Transformer Engine layer names; written at TP = PP = 1 (Megatron-LM loads it into any layout),
+with Adam's state where the threefold checkpoint has it (Megatron-LM's distributed optimizer goes
+on from it), else the model only (threefold/checkpoint/megatron/, docs/checkpoints.md). A
+threefold run can also --load a Megatron checkpoint directly.
 """
 
 from __future__ import annotations

@@ -157,6 +157,65 @@ def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
         assert difference > 1e-4
 
 
+def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
+    megatron_trained, tmp_path
+):
+    """Megatron -> threefold -> Megatron with the optimizer: threefold reads megatron-core's
+    checkpoint (Adam's state, TP2 x DP2) at TP1 and saves its own; the export of that, read by
+    megatron-core's distributed optimizer at TP2 x DP2 as Megatron-LM's --load reads it, takes
+    the iteration megatron-core took from its own checkpoint: the same loss and weights."""
+    from tests.parity import _setup
+    from threefold.checkpoint.save import save_checkpoint
+
+    root, after, megatron_loss = megatron_trained["fully_reshardable"]
+    trainer = _setup(continue_argv(root, 1, 1, 1))
+    assert load_checkpoint(root, trainer.checkpoint_components()) == 2
+    threefold = str(tmp_path / "threefold")
+    save_checkpoint(threefold, trainer.checkpoint_components())
+    export, again = str(tmp_path / "export"), str(tmp_path / "again")
+    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
+    assert convert_checkpoint.main(argv + ["--save-dir", export]) == 0
+    path = os.path.join(export, "iter_0000002")
+    losses = run_distributed(4, mc.load_and_continue, "llama", path, again, 2)
+    assert losses[0] == pytest.approx(megatron_loss, rel=1e-6)
+    _, theirs, _ = load_model(again, with_tokenizer=False)
+    _, expected, _ = load_model(after, with_tokenizer=False)
+    weights = dict(expected.named_parameters())
+    for name, value in theirs.named_parameters():
+        assert (value - weights[name]).abs().max() < 1e-6, name
+    # Megatron-LM's --load takes the optimizer and leaves its RNG as seeded (none saved).
+    args = torch.load(os.path.join(path, "common.pt"), weights_only=False)["args"]
+    assert (args.no_save_optim, args.no_save_rng, args.use_distributed_optimizer) == (
+        False,
+        True,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,metadata,reason",
+    [
+        ([], {"optimizer_saved": False}, "holds none"),
+        ([], {"weights_only": True}, "holds none"),
+        (["--optimizer", "muon", "--use-distributed-optimizer"], {}, "not Adam's"),
+        (["--lora-rank", "4"], {}, "the adapters only"),
+        (["--distributed-strategy", "fsdp"], {}, "PyTorch's layout"),
+        (["--decoupled-lr", "1e-3"], {}, "--decoupled-lr"),
+        (["--use-mup"], {}, "muP"),
+        ([], {}, None),
+    ],
+)
+def test_what_optimizer_state_an_export_cannot_carry_is_said(flags, metadata, reason):
+    """An export of such a checkpoint holds the model (and says why, naming the flag)."""
+    from tests.parity import LLAMA_STYLE, TRAINING
+    from threefold.arguments import parse_args
+    from threefold.checkpoint.megatron.optimizer import unexportable
+
+    config = parse_args(LLAMA_STYLE + TRAINING + flags)
+    found = unexportable(config, metadata)
+    assert found is None if reason is None else reason in found
+
+
 def test_megatrons_default_optimizer_layout_is_refused_naming_the_fix(megatron_trained):
     from tests.parity import _setup
 

@@ -146,6 +146,33 @@ def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
         assert difference > 1e-4
 
 
+def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
+    megatron_trained, tmp_path
+):
+    """Megatron -> threefold -> Megatron with the optimizer's state of the experts, the router
+    and the rest: megatron-core's distributed optimizers (one for the experts, one for the
+    rest) read threefold's export at DP2 and take the iteration they took from their own
+    checkpoint."""
+    from tests.parity import _setup
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
+
+    root, after, megatron_loss = megatron_trained
+    trainer = _setup(continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"])
+    assert load_checkpoint(root, trainer.checkpoint_components()) == 2
+    threefold, export = str(tmp_path / "threefold"), str(tmp_path / "export")
+    save_checkpoint(threefold, trainer.checkpoint_components())
+    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
+    assert convert_checkpoint.main(argv + ["--save-dir", export]) == 0
+    again = str(tmp_path / "again")
+    losses = run_distributed(2, mc.load_and_continue, "moe", f"{export}/iter_0000002", again, 1)
+    assert losses[0] == pytest.approx(megatron_loss, rel=1e-6)
+    _, theirs, _ = load_model(again, with_tokenizer=False)
+    expected = dict(load_model(after, with_tokenizer=False)[1].named_parameters())
+    for name, value in theirs.named_parameters():
+        assert (value - expected[name]).abs().max() < 1e-6, name
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
 def test_a_hugging_face_moe_goes_to_megatron_with_its_logits(kind, tmp_path):
     """Mixtral (every layer MoE: stacked) and Qwen3-MoE (a dense layer among MoE ones: per

@@ -20,9 +20,17 @@ from threefold.checkpoint.hf import (
 )
 from threefold.checkpoint.load import find_checkpoint, load_model
 from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+from threefold.checkpoint.megatron.optimizer import (
+    EXPORTED_FIELDS,
+    ExportedOptimizer,
+    exported_common,
+    unexportable,
+)
 from threefold.checkpoint.megatron.save import save_megatron_checkpoint
+from threefold.checkpoint.resharding import SavedTensors
 from threefold.checkpoint.save import save_weights_checkpoint
 from threefold.config import Config, ConfigError, ModelConfig
+from threefold.model import GPTModel
 from threefold.model.lora import merged_weights
 from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
 from threefold.written_aside import fsync_directory
@@ -147,6 +155,14 @@ def _guess_architecture(model: ModelConfig) -> str:
 def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Tensor], dict, int]:
     """(config, whole tensors by name, metadata, iteration) of the latest checkpoint in a
     threefold or Megatron-LM (torch_dist) --load-dir, LoRA adapters folded in."""
+    config, state, metadata, iteration, _ = whole_checkpoint(load_dir, loader)
+    config.model.lora_rank = None  # (the adapters folded into the weights)
+    return config, state, metadata, iteration
+
+
+def whole_checkpoint(load_dir: str, loader: str) -> tuple[Config, dict, dict, int, GPTModel]:
+    """`whole_model`'s, and the model at TP = PP = 1 it loaded (as saved: a LoRA run's
+    config keeps its --lora-rank)."""
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
@@ -166,8 +182,39 @@ def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Ten
         )
     if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
         state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
-        config.model.lora_rank = None
-    return config, state, metadata, iteration
+    return config, state, metadata, iteration, model
+
+
+def _exported_optimizer(
+    load_dir: str, iteration: int, config: Config, metadata: dict, model: GPTModel
+) -> ExportedOptimizer | None:
+    """A threefold checkpoint's Adam state as Megatron-LM's distributed optimizer keeps it, or
+    None (and a line saying why) where it has none Megatron-LM can take."""
+    reason = unexportable(config, metadata)
+    if reason is not None:
+        print(f"> the optimizer state is not exported ({reason}): the export holds the model")
+        return None
+    saved = SavedTensors(checkpoint_dir(load_dir, iteration))
+    saved_tp = metadata["config"]["parallel"]["tensor_model_parallel_size"]
+    tensors: dict[str, dict] = {field: {} for field in EXPORTED_FIELDS}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:  # (no state: DeepSeek-V3's expert bias, a buffer there)
+            continue
+        name = model.layout_independent_name(name)
+        for field in EXPORTED_FIELDS:
+            # an fp32 run's weights are their own masters
+            source = "model" if field == "master" and not saved.has(field, name) else field
+            tensors[field][name] = saved.full(source, name, param, saved_tp).float()
+    train_state = metadata.get("train_state", {})
+    common = exported_common(
+        config,
+        metadata["scheduler"],
+        float(saved.step()),
+        int(train_state.get("consumed_train_samples", 0)),
+        config.model.is_moe,
+        metadata.get("loss_scaler"),
+    )
+    return ExportedOptimizer(tensors, common)
 
 
 def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
@@ -222,12 +269,17 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
         _, _, model_config, state, dtypes = read_hf_model(load_dir)
         config, iteration, train_state = Config(model=model_config), 0, {}
         default = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        optimizer = None
     else:
-        config, state, metadata, iteration = whole_model(load_dir, loader)
+        config, state, metadata, iteration, model = whole_checkpoint(load_dir, loader)
         train_state = metadata.get("train_state", {})
         default = torch.bfloat16 if config.training.bf16 else torch.float32
+        optimizer = _exported_optimizer(load_dir, iteration, config, metadata, model)
+        config.model.lora_rank = None  # (the adapters folded into the weights)
     target = getattr(torch, dtype) if dtype else default
-    return save_megatron_checkpoint(save_dir, config, state, target, iteration, train_state)
+    return save_megatron_checkpoint(
+        save_dir, config, state, target, iteration, train_state, optimizer
+    )
 
 
 def megatron_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:

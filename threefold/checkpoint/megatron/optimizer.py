@@ -1,5 +1,5 @@
-"""Which of Megatron-LM's optimizer states a torch_dist checkpoint holds, and what threefold
-reads of it.
+"""Which of Megatron-LM's optimizer states a torch_dist checkpoint holds, what threefold
+reads of it, and what it writes into one (`exported_state`).
 
 megatron-core writes Adam's state in one of several layouts (Megatron-LM picks by flag and
 records the choice in common.pt's `content_metadata`):
@@ -18,12 +18,23 @@ records the choice in common.pt's `content_metadata`):
 The model-space layouts are read like the weights (any saved TP/PP, one layer's slice at a
 time), with the step count and (fp16) the loss scaler's state from common.pt. The other two
 are refused in one line that says how to get a readable one from Megatron-LM.
+
+An export writes the fully_reshardable layout, which Megatron-LM's distributed optimizer reads
+at any TP/PP/DP: the model-space tensors, and in common.pt the parameter groups (the step
+count and hyperparameters megatron-core's `load_state_dict` looks each of its groups up in,
+by weight-decay and LR multipliers, expert parallelism and decoupled LR), the LR scheduler's
+state in Megatron-LM's units (samples) and the content metadata naming the layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from threefold.config.lr_schedule import lr_schedule
+
+if TYPE_CHECKING:
+    from threefold.config import Config
 
 # threefold's optimizer fields -> the key prefixes megatron-core stores them under
 FIELDS = {
@@ -124,3 +135,113 @@ def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimiz
         _find_step(state) if model_space else None,
         _find_loss_scaler(state) if model_space else None,
     )
+
+
+# What Megatron-LM's save records beside an export's optimizer state (its `content_metadata`).
+CONTENT_METADATA = {
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+    "distrib_optim_sharding_type": "fully_reshardable",
+}
+# Megatron-LM's names for the state an export writes: `param` holds the fp32 masters.
+EXPORTED_FIELDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+@dataclass
+class ExportedOptimizer:
+    """What an export writes of the optimizer: the whole fp32 tensors by Megatron-LM field
+    and threefold name, and common.pt's entries."""
+
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    common: dict[str, Any] = field(default_factory=dict)
+
+
+def unexportable(config: Config, metadata: dict) -> str | None:
+    """Why a threefold checkpoint's optimizer state cannot go into a Megatron-LM one, or None."""
+    training = config.training
+    reasons = [
+        (
+            metadata.get("weights_only") or not metadata.get("optimizer_saved", True),
+            "the checkpoint holds none",
+        ),
+        (training.optimizer != "adam", f"--optimizer {training.optimizer}'s state is not Adam's"),
+        (bool(config.model.lora_rank), "a LoRA run's optimizer holds the adapters only"),
+        (
+            config.parallel.distributed_strategy != "megatron",
+            f"--distributed-strategy {config.parallel.distributed_strategy} keeps it in "
+            "PyTorch's layout",
+        ),
+        # megatron-core looks its groups up without their learning rates, so a group of its
+        # own LR would take another's
+        (training.decoupled_lr is not None, "--decoupled-lr's groups"),
+        (config.model.use_mup, "muP's per-group learning rates"),
+    ]
+    return next((reason for applies, reason in reasons if applies), None)
+
+
+def exported_common(
+    config: Config,
+    schedule: dict,
+    step: float,
+    consumed_samples: int,
+    experts: bool,
+    loss_scaler: dict | None = None,
+) -> dict:
+    """common.pt's optimizer entries: `schedule` is threefold's scheduler state, `step` Adam's
+    step count, `consumed_samples` the samples trained on (Megatron-LM's scheduler counts
+    samples, one global batch per iteration), `loss_scaler` fp16's dynamic scale."""
+    training = config.training
+    schedule = {**lr_schedule(training), **schedule}  # (older checkpoints: the step only)
+    scale = 1 if training.train_samples is not None else training.global_batch_size
+    groups = []
+    for is_expert_parallel in (False, True) if experts else (False,):
+        for wd_mult in (1.0, 0.0):
+            groups.append(
+                {
+                    # torch's AdamW's keys and Transformer Engine's/Apex's FusedAdam's: whichever
+                    # Megatron-LM steps with finds its own
+                    "lr": schedule["max_lr"],
+                    "betas": (training.adam_beta1, training.adam_beta2),
+                    "eps": training.adam_eps,
+                    "weight_decay": schedule["end_wd"] * wd_mult,
+                    "amsgrad": False,
+                    "maximize": False,
+                    "foreach": None,
+                    "capturable": False,
+                    "differentiable": False,
+                    "fused": None,
+                    "decoupled_weight_decay": True,
+                    "bias_correction": True,
+                    "wd_mult": wd_mult,
+                    "lr_mult": 1.0,
+                    "is_expert_parallel": is_expert_parallel,
+                    "is_decoupled_lr": False,
+                    "default_config": True,
+                    "max_lr": schedule["max_lr"],
+                    "min_lr": schedule["min_lr"],
+                    "step": float(step),
+                }
+            )
+    scheduler = {
+        "max_lr": schedule["max_lr"],
+        "lr_warmup_steps": schedule["warmup_steps"] * scale,
+        "num_steps": consumed_samples,
+        "lr_decay_style": schedule["decay_style"],
+        "lr_decay_steps": schedule["decay_steps"] * scale,
+        "min_lr": schedule["min_lr"],
+        "start_wd": schedule["start_wd"],
+        "end_wd": schedule["end_wd"],
+        "wd_incr_style": schedule["wd_incr_style"],
+        "wd_incr_steps": schedule["wd_incr_steps"] * scale,
+    }
+    optimizer = {
+        "optimizer": {"param_groups": groups},
+        "param_state_sharding_type": CONTENT_METADATA["distrib_optim_sharding_type"],
+    }
+    if training.fp16 and loss_scaler:  # (megatron-core's DynamicGradScaler: the same fields)
+        optimizer["grad_scaler"] = {k: loss_scaler[k] for k in _LOSS_SCALER}
+    return {
+        "optimizer": optimizer,
+        "opt_param_scheduler": scheduler,
+        "content_metadata": dict(CONTENT_METADATA),
+    }

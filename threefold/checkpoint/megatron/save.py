@@ -1,7 +1,9 @@
 """Write a whole model as a Megatron-LM torch_dist checkpoint (tools/convert_checkpoint.py
 --saver megatron): what megatron-core's `dist_checkpointing.load` reads into its GPTModel and
-Megatron-LM's `--load` resumes from (with `--finetune`, or `--no-load-optim --no-load-rng`: it
-holds the model only).
+Megatron-LM's `--load` resumes from. With the optimizer's state (checkpoint/megatron/
+optimizer.py) Megatron-LM's distributed optimizer goes on with it; without, its args say so
+(`no_save_optim`) and Megatron-LM's --load takes it with --no-load-optim or --finetune. Its
+args also say it holds no RNG state (`no_save_rng`), which Megatron-LM then leaves as seeded.
 
 The directory carries Megatron-LM's integrity.json (each file's SHA-256), which its
 `--verify-integrity` requires. Crash safety as for threefold's own checkpoints: the directory
@@ -30,6 +32,7 @@ from threefold.checkpoint.megatron.format import (
     megatron_args,
     moe_layer_freq,
 )
+from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, ExportedOptimizer
 from threefold.checkpoint.megatron.tensors import SECTIONS, stacked_state_dict
 from threefold.config import Config, ConfigError
 from threefold.written_aside import fsync_directory, write_atomically
@@ -43,20 +46,8 @@ class _PreSerializedPlanner(DefaultSavePlanner):
         return object
 
 
-def save_megatron_checkpoint(
-    root: str,
-    config: Config,
-    tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    iteration: int = 0,
-    train_state: dict | None = None,
-) -> str:
-    """Write `tensors` (whole, by threefold parameter name, the vocabulary unpadded or padded)
-    under `root` as Megatron-LM's iteration `iteration`, with the samples `train_state` says
-    were read (none without it); returns the iter_N directory."""
-    path = checkpoint_dir(root, iteration)
-    if os.path.exists(path):
-        raise ConfigError(f"--save-dir {root}: {path} exists already; choose another directory")
+def _megatron_state(config: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    """Whole tensors by threefold name as megatron-core's state dict keys them."""
     model = config.model
     padded = model.padded_vocab_size(1)
     state = {}
@@ -73,19 +64,45 @@ def save_megatron_checkpoint(
     # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows
     rows = list(model.gated_delta_net_sections())
     sections = dict(zip(SECTIONS, (rows, rows[:3])))
-    state = stacked_state_dict(
+    return stacked_state_dict(
         state, model.num_layers, model.multi_latent_attention, stacked, sections
     )
+
+
+def save_megatron_checkpoint(
+    root: str,
+    config: Config,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    iteration: int = 0,
+    train_state: dict | None = None,
+    optimizer: ExportedOptimizer | None = None,
+) -> str:
+    """Write `tensors` (whole, by threefold parameter name, the vocabulary unpadded or padded)
+    under `root` as Megatron-LM's iteration `iteration`, with the samples `train_state` says
+    were read (none without it) and the `optimizer` state (none without it); returns the
+    iter_N directory."""
+    path = checkpoint_dir(root, iteration)
+    if os.path.exists(path):
+        raise ConfigError(f"--save-dir {root}: {path} exists already; choose another directory")
+    state = _megatron_state(config, tensors, dtype)
+    for field, values in (optimizer.tensors if optimizer else {}).items():
+        for key, value in _megatron_state(config, values, torch.float32).items():
+            if "._extra_state" not in key:  # (the modules' objects: the model's only)
+                state[f"optimizer.state.{EXPORTED_FIELDS[field]}.{key}"] = value
     args = megatron_args(config, iteration, train_state)
     args["params_dtype"] = dtype
-    args["padded_vocab_size"] = padded
+    args["padded_vocab_size"] = config.model.padded_vocab_size(1)
+    args.update(no_save_rng=True, no_save_optim=optimizer is None)
+    args["use_distributed_optimizer"] = optimizer is not None
     common = {
         "args": argparse.Namespace(**args),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "num_floating_point_operations_so_far": 0,
         # Megatron-LM keeps only the padded vocabulary size; threefold reads its own back.
-        "threefold": {"vocab_size": model.vocab_size},
+        "threefold": {"vocab_size": config.model.vocab_size},
+        **(optimizer.common if optimizer else {}),
     }
     partial = f"{path}.partial"
     shutil.rmtree(partial, ignore_errors=True)
