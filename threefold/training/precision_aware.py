@@ -141,24 +141,23 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         weight, which is the master's high half (remainders) or the master rounded."""
         self.initialize_state(param)
         state = self.state[param]
-        value = value.reshape(param.shape)
         if name == "master":
             kind = self._master_kind(param)
             if kind == "remainder":
-                weight, state["master_param"] = split_master(value.float().contiguous())
+                weight, state["master_param"] = split_master(value.float().reshape(param.shape))
                 param.detach().copy_(weight)
                 return
-            param.detach().copy_(value)
+            param.detach().copy_(value.reshape(param.shape))
             if kind == "none":
                 return
             name = "master_param"
         stored = state[name]
-        if value is stored:
+        if value is stored:  # (an fp32 state, which the step wrote in place)
             return
         if f"{name}_scale" in state:
-            store_scaled(value.float(), stored, state[f"{name}_scale"])
+            store_scaled(value.float().reshape(stored.shape), stored, state[f"{name}_scale"])
         else:
-            stored.copy_(value)
+            stored.copy_(value.reshape(stored.shape))
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:

@@ -1,5 +1,5 @@
 """Which of Megatron-LM's optimizer states a torch_dist checkpoint holds, what threefold
-reads of it, and what it writes into one (`exported_state`).
+reads of it, and what it writes into one (`exported_common`, `ExportedOptimizer`).
 
 megatron-core writes Adam's state in one of several layouts (Megatron-LM picks by flag and
 records the choice in common.pt's `content_metadata`):
