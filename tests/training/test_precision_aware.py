@@ -253,6 +253,15 @@ def test_bytes_per_parameter_are_the_estimates(flags, gradients, optimizer):
     assert _bytes_per_parameter(config, "megatron", True)[1:] == (gradients, optimizer)
 
 
+def test_with_cpu_offload_the_host_optimizer_keeps_fp32_state():
+    """Megatron-LM requires the flag for --optimizer-cpu-offload, whose hybrid optimizer keeps
+    fp32 state on the host: so does threefold's offloaded one."""
+    argv = LLAMA_STYLE + TRAINING + PRECISION_AWARE + ["--bf16", "--optimizer-cpu-offload"]
+    trainer = _setup(argv)
+    assert not trainer.optimizer.precision_aware
+    assert all(piece.master.dtype == torch.float32 for piece in trainer.optimizer.pieces)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

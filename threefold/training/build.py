@@ -124,6 +124,11 @@ def build_model_and_optimizer(
         report(describe_muon(training, len(optimizer.muon.matrices) if optimizer.muon else 0))
     if training.precision_aware_steps():
         report(describe_precision_aware(config))
+    elif training.use_precision_aware_optimizer:  # (Megatron-LM's hybrid optimizer: the same)
+        report(
+            "> optimizer: --use-precision-aware-optimizer with --optimizer-cpu-offload: AdamW "
+            "steps in host memory with fp32 masters and moments"
+        )
     optimizer.initialize_state()
     optimizer.count_zeros = config.logging.log_num_zeros_in_grad
     named = [
