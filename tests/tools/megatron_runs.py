@@ -193,3 +193,33 @@ def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor
             assert json.load(f) == megatrons_integrity(path)
         written.append((path, expected, tolerance))
     return ours, written
+
+
+def export_and_go_on(argv: list[str], root: str, directory, kind: str, tp: int, ranks: int):
+    """threefold reads megatron-core's checkpoint `root` with Adam's state (`argv`: one
+    process) and saves its own; that is exported to Megatron-LM's format, and megatron-core's
+    distributed optimizer reads the export on `ranks` ranks at TP `tp`, as Megatron-LM's --load
+    does, and takes the next iteration. Returns (the export's iter_N directory, megatron-core's
+    loss, its weights after the iteration, by threefold name)."""
+    from tests.distributed import run_distributed
+    from tests.parity import _setup
+    from tests.tools.hf_models import convert_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
+
+    trainer = _setup(argv)
+    iteration = load_checkpoint(root, trainer.checkpoint_components())
+    threefold, export = str(directory / "threefold"), str(directory / "export")
+    save_checkpoint(threefold, trainer.checkpoint_components())
+    convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
+    assert convert_checkpoint.main(convert + ["--save-dir", export]) == 0
+    path, again = os.path.join(export, f"iter_{iteration:07d}"), str(directory / "again")
+    losses = run_distributed(ranks, mc.load_and_continue, kind, path, again, tp)
+    _, model, _ = load_model(again, with_tokenizer=False)
+    return path, losses[0], dict(model.named_parameters())
+
+
+def largest_difference(weights: dict, checkpoint: str) -> float:
+    """The largest difference between `weights` and a checkpoint's, by threefold name."""
+    _, model, _ = load_model(checkpoint, with_tokenizer=False)
+    expected = dict(model.named_parameters())
+    return max(float((value - expected[name]).abs().max()) for name, value in weights.items())

@@ -26,7 +26,9 @@ from tests.tools.megatron_runs import (
     continue_argv,
     continue_training,
     copy_with_args,
+    export_and_go_on,
     exports,
+    largest_difference,
     megatron_argv,
     megatrons_integrity,
     per_token_losses,
@@ -164,25 +166,11 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     checkpoint (Adam's state, TP2 x DP2) at TP1 and saves its own; the export of that, read by
     megatron-core's distributed optimizer at TP2 x DP2 as Megatron-LM's --load reads it, takes
     the iteration megatron-core took from its own checkpoint: the same loss and weights."""
-    from tests.parity import _setup
-    from threefold.checkpoint.save import save_checkpoint
-
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
-    trainer = _setup(continue_argv(root, 1, 1, 1))
-    assert load_checkpoint(root, trainer.checkpoint_components()) == 2
-    threefold = str(tmp_path / "threefold")
-    save_checkpoint(threefold, trainer.checkpoint_components())
-    export, again = str(tmp_path / "export"), str(tmp_path / "again")
-    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
-    assert convert_checkpoint.main(argv + ["--save-dir", export]) == 0
-    path = os.path.join(export, "iter_0000002")
-    losses = run_distributed(4, mc.load_and_continue, "llama", path, again, 2)
-    assert losses[0] == pytest.approx(megatron_loss, rel=1e-6)
-    _, theirs, _ = load_model(again, with_tokenizer=False)
-    _, expected, _ = load_model(after, with_tokenizer=False)
-    weights = dict(expected.named_parameters())
-    for name, value in theirs.named_parameters():
-        assert (value - weights[name]).abs().max() < 1e-6, name
+    argv = continue_argv(root, 1, 1, 1)
+    path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4)
+    assert loss == pytest.approx(megatron_loss, rel=1e-6)
+    assert largest_difference(weights, after) < 1e-6
     # Megatron-LM's --load takes the optimizer and leaves its RNG as seeded (none saved).
     args = torch.load(os.path.join(path, "common.pt"), weights_only=False)["args"]
     assert (args.no_save_optim, args.no_save_rng, args.use_distributed_optimizer) == (

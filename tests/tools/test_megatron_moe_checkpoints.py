@@ -24,7 +24,9 @@ from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
     continue_argv,
     continue_training,
+    export_and_go_on,
     exports,
+    largest_difference,
     megatron_argv,
     per_token_losses,
     reference_losses,
@@ -153,24 +155,11 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     and the rest: megatron-core's distributed optimizers (one for the experts, one for the
     rest) read threefold's export at DP2 and take the iteration they took from their own
     checkpoint."""
-    from tests.parity import _setup
-    from threefold.checkpoint.load import load_checkpoint
-    from threefold.checkpoint.save import save_checkpoint
-
     root, after, megatron_loss = megatron_trained
-    trainer = _setup(continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"])
-    assert load_checkpoint(root, trainer.checkpoint_components()) == 2
-    threefold, export = str(tmp_path / "threefold"), str(tmp_path / "export")
-    save_checkpoint(threefold, trainer.checkpoint_components())
-    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
-    assert convert_checkpoint.main(argv + ["--save-dir", export]) == 0
-    again = str(tmp_path / "again")
-    losses = run_distributed(2, mc.load_and_continue, "moe", f"{export}/iter_0000002", again, 1)
-    assert losses[0] == pytest.approx(megatron_loss, rel=1e-6)
-    _, theirs, _ = load_model(again, with_tokenizer=False)
-    expected = dict(load_model(after, with_tokenizer=False)[1].named_parameters())
-    for name, value in theirs.named_parameters():
-        assert (value - expected[name]).abs().max() < 1e-6, name
+    argv = continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"]
+    _, loss, weights = export_and_go_on(argv, root, tmp_path, "moe", 1, 2)
+    assert loss == pytest.approx(megatron_loss, rel=1e-6)
+    assert largest_difference(weights, after) < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
