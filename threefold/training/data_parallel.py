@@ -45,13 +45,10 @@ from threefold.parallel.data_parallel.torch_native import (
 )
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
+from threefold.training.distrib_optimizer import DistributedOptimizer
 from threefold.training.muon import muon_matrices
 from threefold.training.mup import mup_lr_scales
-from threefold.training.optimizer import (
-    DistributedOptimizer,
-    MixedPrecisionOptimizer,
-    NativeOptimizer,
-)
+from threefold.training.optimizer import MixedPrecisionOptimizer, NativeOptimizer
 
 
 def params_dtype(config: Config) -> torch.dtype:
