@@ -16,11 +16,11 @@ function computed;
 - the MoE router's GEMM looks up Transformer Engine's by a name bound only when TE imports: it
   is bound to None, which takes torch's.
 The torch_dist writer also imports psutil (a test dependency) and writes from forked
-processes, which Python refuses to a daemonic process such as a test's pooled rank: `save`
+processes, which Python refuses to a daemonic process such as a test's pooled rank: `write`
 lifts that flag for the length of the save (the writers are joined before it returns).
 
-`train_and_save` also trains with megatron-core's DistributedDataParallel and optimizer (its
-DistributedOptimizer included), which assume CUDA in two more places, covered by
+tests/megatron_core_training.py also trains with megatron-core's DistributedDataParallel and
+optimizer (its DistributedOptimizer included), which assume CUDA in two more places, covered by
 `optimizer_patches()`: buffers made with `device="cuda"` (made on the CPU instead) and
 parameter type checks that expect `torch.cuda.FloatTensor` names (a CPU tensor's type name
 is reported with `.cuda.`).
@@ -394,7 +394,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     )
 
 
-def _write(state: dict, root: str, iteration: int, content_metadata: dict | None = None):
+def write(state: dict, root: str, iteration: int, content_metadata: dict | None = None):
     """dist_checkpointing.save into root/iter_N and the tracker, as Megatron-LM does."""
     import multiprocessing
 
@@ -439,190 +439,7 @@ def save(
             "opt_param_scheduler": {"num_steps": 640, "max_lr": 3e-4},
             "num_floating_point_operations_so_far": 1.0e12,
         }
-        _write(state, root, iteration)
-
-
-LR, WEIGHT_DECAY = 3e-3, 0.01
-
-
-def batch(step: int, data_parallel: int) -> torch.Tensor:
-    """The global batch [DP, SEQ] of training step `step` (DP rank r trains row r)."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (data_parallel, SEQ), generator=generator)
-
-
-@contextlib.contextmanager
-def _megatron_training(kind: str, tensor_parallel: int, distributed: bool):
-    """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer,
-    as a namespace: `model`, `optimizer`, `scheduler` and `iteration(step)`, which trains on
-    global batch `step` and returns the loss averaged over DP.
-
-    As Megatron-LM's loop: constant LR through its OptimizerParamScheduler (which also keeps
-    biases and norms free of weight decay; `use_checkpoint` takes a loaded checkpoint's
-    schedule), clipping at 1.0, AdamW; each DP rank's loss the mean over its tokens, gradients
-    averaged over DP by the DDP wrapper."""
-    import types
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    with cpu_patches(), optimizer_patches():
-        model = build(kind, tensor_parallel, 1)
-        dp = parallel_state.get_data_parallel_world_size()
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
-        ddp = DistributedDataParallel(model.config, ddp_config, model)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=LR,
-                min_lr=LR,
-                weight_decay=WEIGHT_DECAY,
-                clip_grad=1.0,
-                use_distributed_optimizer=distributed,
-                params_dtype=torch.float32,
-            ),
-            [ddp],
-        )
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=LR,
-            max_lr=LR,
-            min_lr=LR,
-            lr_warmup_steps=0,
-            lr_decay_steps=1000,
-            lr_decay_style="constant",
-            start_wd=WEIGHT_DECAY,
-            end_wd=WEIGHT_DECAY,
-            wd_incr_steps=1000,
-            wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=True,
-        )
-        positions = torch.arange(SEQ - 1)[None]
-        mask = torch.triu(torch.ones(SEQ - 1, SEQ - 1), 1).bool()[None, None]
-
-        def iteration(step: int) -> float:
-            tokens = batch(step, dp)[parallel_state.get_data_parallel_rank()][None]
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = ddp(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean()
-            loss.backward()
-            ddp.finish_grad_sync()
-            updated, _, _ = optimizer.step()
-            assert updated
-            scheduler.step(increment=dp)
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, group=parallel_state.get_data_parallel_group())
-            return mean.item() / dp
-
-        yield types.SimpleNamespace(
-            model=model, optimizer=optimizer, scheduler=scheduler, iteration=iteration, dp=dp
-        )
-
-
-def train_and_save(
-    kind: str, root: str, after: str, tensor_parallel: int, layout: str | None, steps: int
-) -> float:
-    """`steps` iterations of `_megatron_training`, a checkpoint with the optimizer state under
-    `root` (`layout`: the distributed optimizer's --dist-ckpt-optim-fully-reshardable
-    ("fully_reshardable") or default ("dp_reshardable") layout, None: the non-distributed
-    optimizer), then one more iteration whose weights go (model only) under `after`. Returns
-    that iteration's loss."""
-    import torch.distributed as dist
-
-    distributed = layout is not None
-    with _megatron_training(kind, tensor_parallel, distributed) as run:
-        for step in range(steps):
-            run.iteration(step)
-        args = megatron_args(kind, tensor_parallel, 1)
-        args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
-        args.consumed_train_samples = steps * run.dp
-        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-        if distributed:
-            metadata["distrib_optim_sharding_type"] = layout
-        model_state = run.model.sharded_state_dict(metadata=metadata)
-        state = {
-            "args": args,
-            "checkpoint_version": 3.0,
-            "iteration": steps,
-            "model": model_state,
-            "optimizer": run.optimizer.sharded_state_dict(model_state, metadata=metadata),
-            "opt_param_scheduler": run.scheduler.state_dict(),
-        }
-        _write(state, root, steps, metadata)
-        loss = run.iteration(steps)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
-        _write(state | {"model": run.model.sharded_state_dict()}, after, steps + 1)
-    return loss
-
-
-@contextlib.contextmanager
-def _torch_adams_steps_on_load(optimizer):
-    """Two faults of megatron-core's load into torch's Adam, its fallback without Transformer
-    Engine (whose FusedAdam, what Megatron-LM steps with on GPUs, keeps the step in its groups
-    instead): the fully_reshardable load looks each parameter's step up among the
-    checkpoint's per-parameter tensors, which hold none (the step stays as the groups set it
-    here), and every parameter gets one shared step tensor, which torch's Adam then advances
-    once per parameter (each gets its own here)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def keeping_the_step(self, model_param, tensors):
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        step = self.optimizer.state[main_param].get("step")
-        original(self, model_param, tensors if step is None else {**tensors, "step": step})
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = keeping_the_step
-    try:
-        yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original
-    for inner in optimizer.chained_optimizers:
-        for state in inner.optimizer.state.values():
-            state["step"] = state["step"].clone()
-
-
-def load_and_continue(kind: str, path: str, after: str, tensor_parallel: int) -> float:
-    """Megatron-LM's --load of the iter_N directory `path` with its distributed optimizer
-    (model, optimizer state and LR schedule, read as its `load_checkpoint` reads them), then
-    iteration N, whose weights go (model only) under `after`. Returns that iteration's loss."""
-    from megatron.core import dist_checkpointing
-
-    iteration = int(os.path.basename(path).split("_")[1])
-    with _megatron_training(kind, tensor_parallel, distributed=True) as run:
-        # megatron-core builds the sharded state dict of torch's Adam (its fallback without
-        # Transformer Engine, whose FusedAdam keeps the step in its groups) only once its
-        # state exists: zeros at step 0 here, all of which the load replaces.
-        for optimizer in run.optimizer.chained_optimizers:
-            for group in optimizer.optimizer.param_groups:
-                for param in group["params"]:
-                    optimizer.optimizer.state[param] = {
-                        "step": torch.zeros(()),
-                        "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param),
-                    }
-        metadata = dist_checkpointing.load_content_metadata(path)
-        model_state = run.model.sharded_state_dict(metadata=metadata)
-        state = {
-            "model": model_state,
-            "optimizer": run.optimizer.sharded_state_dict(
-                model_state, is_loading=True, metadata=metadata
-            ),
-        }
-        state = dist_checkpointing.load(state, path)
-        run.model.load_state_dict(state["model"])
-        with _torch_adams_steps_on_load(run.optimizer):
-            run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["opt_param_scheduler"])
-        loss = run.iteration(iteration)
-        args = megatron_args(kind, tensor_parallel, 1)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration + 1}
-        _write(state | {"model": run.model.sharded_state_dict()}, after, iteration + 1)
-    return loss
+        write(state, root, iteration)
 
 
 def logits(kind: str, path: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from tests import megatron_core_models as mc
+from tests import megatron_core_training as mt
 from threefold.checkpoint.files import read_metadata
 from threefold.checkpoint.load import load_checkpoint, load_model
 
@@ -108,7 +109,7 @@ def continue_training(argv: list[str], root: str, after: str, load_optimizer: bo
     trainer = _setup(argv)
     assert load_checkpoint(root, trainer.checkpoint_components(), load_optimizer) == 2
     dp = trainer.parallel.dp
-    rows = mc.batch(2, 2).chunk(dp.size)[dp.rank]
+    rows = mt.batch(2, 2).chunk(dp.size)[dp.rank]
     items = [{"tokens": row.numpy()} for row in rows]
     trainer._train_iterator = iter([collate(items, trainer.device)])
     loss, _, _ = trainer.train_step()
@@ -130,13 +131,13 @@ def continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
         "--micro-batch-size",
         str(2 // dp),
         "--lr",
-        str(mc.LR),
+        str(mt.LR),
         "--min-lr",
-        str(mc.LR),
+        str(mt.LR),
         "--lr-decay-style",
         "constant",
         "--weight-decay",
-        str(mc.WEIGHT_DECAY),
+        str(mt.WEIGHT_DECAY),
         "--clip-grad",
         "1.0",
         "--attention-dropout",
@@ -213,7 +214,7 @@ def export_and_go_on(argv: list[str], root: str, directory, kind: str, tp: int, 
     convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
     assert convert_checkpoint.main(convert + ["--save-dir", export]) == 0
     path, again = os.path.join(export, f"iter_{iteration:07d}"), str(directory / "again")
-    losses = run_distributed(ranks, mc.load_and_continue, kind, path, again, tp)
+    losses = run_distributed(ranks, mt.load_and_continue, kind, path, again, tp)
     _, model, _ = load_model(again, with_tokenizer=False)
     return path, losses[0], dict(model.named_parameters())
 

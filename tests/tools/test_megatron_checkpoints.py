@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests import megatron_core_models as mc
+from tests import megatron_core_training as mt
 from tests.distributed import run_distributed
 from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
@@ -126,7 +127,7 @@ def megatron_trained(tmp_path_factory):
         directory = tmp_path_factory.mktemp(f"megatron_{layout}")
         root, after = str(directory / "run"), str(directory / "after")
         optimizer = None if layout == "non-distributed" else layout
-        losses = run_distributed(4, mc.train_and_save, "llama", root, after, 2, optimizer, 2)
+        losses = run_distributed(4, mt.train_and_save, "llama", root, after, 2, optimizer, 2)
         runs[layout] = (root, after, losses[0])
     return runs
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests import megatron_core_models as mc
+from tests import megatron_core_training as mt
 from tests.distributed import run_distributed
 from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
@@ -117,7 +118,7 @@ def megatron_trained(tmp_path_factory):
     trained "moe" 2 iterations at DP2 with its distributed optimizer, saved fully reshardable."""
     directory = tmp_path_factory.mktemp("megatron_moe_trained")
     root, after = str(directory / "run"), str(directory / "after")
-    losses = run_distributed(2, mc.train_and_save, "moe", root, after, 1, "fully_reshardable", 2)
+    losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, "fully_reshardable", 2)
     return root, after, losses[0]
 
 
