@@ -147,7 +147,9 @@ def test_fp8_weights_keep_fp32_masters_beside_the_remainders():
     argv += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
     plain = train_job(argv, 3)["losses"]
     trainer = _setup(argv + ["--use-precision-aware-optimizer"])
-    assert [trainer.train_step()[0] for _ in range(3)] == pytest.approx(plain, rel=1e-6)
+    # (bitwise here; 1e-5 for a CPU on which a master lands on a tie, whose bf16 weight then
+    # rounds away from zero instead of to even, and FP8 carries the difference on)
+    assert [trainer.train_step()[0] for _ in range(3)] == pytest.approx(plain, rel=1e-5)
     fp8 = trainer.data_parallel.fp8_parameters.states
     for piece in trainer.optimizer.pieces:
         expected = torch.float32 if piece.param in fp8 else torch.bfloat16
