@@ -118,12 +118,19 @@ def test_collectives_per_layer_follow_megatron_accounting(sequence_parallel, ove
         }
 
 
-def test_initialization_is_layout_independent():
+@pytest.mark.parametrize("init", [[], ["--init-method-xavier-uniform"]], ids=["normal", "xavier"])
+def test_initialization_is_layout_independent(init):
     """A TP=2 model holds exactly the shards of the TP=1 model with the same seed."""
-    argv = LLAMA_STYLE + TRAINING
+    argv = LLAMA_STYLE + TRAINING + init
     reference = train_job(argv, 0)["params"]
     result = run_distributed(2, train_job, argv + ["--tensor-model-parallel-size", "2"], 0)[0]
     assert_close_dicts(result["params"], reference, 0.0, "initial parameter")
+    if init:  # Megatron-LM's: U(-a, a), a = sqrt(6 / (fan_in + fan_out)), for every matrix
+        for name, value in reference.items():
+            if value.ndim == 2:
+                bound = (6 / sum(value.shape)) ** 0.5
+                assert abs(value).max() <= bound and abs(value).max() > 0.9 * bound, name
+                assert abs(value.var() - bound**2 / 3) < 0.1 * bound**2 / 3, name
 
 
 def test_dropout_masks_differ_across_tp_ranks_inside_tp_regions_only():

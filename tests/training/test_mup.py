@@ -154,6 +154,7 @@ def test_megatron_args_carry_mup_both_ways():
     [
         (["--mup-base-hidden-size", "8"], "--mup-base-hidden-size: muP settings without --use-mup"),
         (["--use-mup", "--mup-base-hidden-size", "0"], "--mup-base-hidden-size must be positive"),
+        (["--use-mup", "--init-method-xavier-uniform"], "muP sets the initialization itself"),
     ],
 )
 def test_refusals_are_one_line(capsys, flags, named):

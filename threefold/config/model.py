@@ -190,6 +190,12 @@ class ModelConfig(
     init_method_std: float = arg(
         0.02, minimum=0, help="standard deviation of the normal initialization"
     )
+    init_method_xavier_uniform: bool = arg(
+        False,
+        help="Xavier-uniform initialization of the embeddings and every linear weight of the "
+        "layers and output layer (U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of each whole "
+        "matrix) instead of the normal one",
+    )
     vocab_size: int | None = arg(
         None,
         checkpoint=ARCHITECTURE,
@@ -270,6 +276,11 @@ class ModelConfig(
             self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
             f"--num-attention-heads {self.num_attention_heads} is not divisible by "
             f"--num-query-groups {self.num_query_groups}; choose a divisor of the head count",
+        )
+        _require(
+            not (self.init_method_xavier_uniform and self.use_mup),
+            "--init-method-xavier-uniform with --use-mup: muP sets the initialization itself; "
+            "drop one",
         )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length

@@ -33,6 +33,7 @@ from threefold.parallel.tensor_parallel.sharding import (
     initialize_parameters,
     mark_replicated,
     normal_init,
+    xavier_uniform_init,
 )
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -51,7 +52,11 @@ def _scaled(layer, factor: float, hidden_states: torch.Tensor) -> torch.Tensor:
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, padded_vocab_size: int):
         super().__init__()
-        init = normal_init(config.init_method_std)
+        init = (
+            xavier_uniform_init()
+            if config.init_method_xavier_uniform
+            else normal_init(config.init_method_std)
+        )
         self.tp = parallel.tp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
@@ -129,6 +134,8 @@ class GPTModel(nn.Module):
         scaled_init = normal_init(
             config.init_method_std / math.sqrt(2.0 * config.num_layers * width)
         )
+        if config.init_method_xavier_uniform:  # (Megatron-LM's: for both)
+            init = scaled_init = xavier_uniform_init()
         self.logits_mult = config.mup_logits_mult
 
         tied = self.share_embeddings_and_output_weights

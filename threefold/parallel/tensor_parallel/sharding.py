@@ -64,6 +64,18 @@ def normal_init(std: float) -> InitMethod:
     return init
 
 
+def xavier_uniform_init() -> InitMethod:
+    """torch's xavier_uniform_ (Megatron-LM's --init-method-xavier-uniform) of the full matrix,
+    so every TP layout draws the same; stacked experts' [E, out, in] tensor one expert at a
+    time."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        for matrix in tensor.view(-1, *tensor.shape[-2:]):
+            torch.nn.init.xavier_uniform_(matrix, generator=generator)
+
+    return init
+
+
 def constant_init(value: float) -> InitMethod:
     def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
         tensor.fill_(value)
