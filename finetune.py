@@ -45,6 +45,11 @@ def check_finetuning(config: Config, packing: bool) -> None:
             "finetune.py fine-tunes --load's model (and resumes itself when --save is --load): "
             "give the model as --load; --pretrained-checkpoint is pretrain_gpt.py's"
         )
+    if data.sft:
+        raise ConfigError(
+            "--sft is pretrain_gpt.py's (Megatron-LM's SFT: a JSONL line a packed sample); "
+            "finetune.py reads conversations itself, packed with --sft-packing: drop it"
+        )
     if not data.train_data_path:
         raise ConfigError(
             "fine-tuning reads JSONL conversations: give --train-data-path FILE (and "

@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import itertools
 import math
 import os
 
 from threefold.config import Config, ConfigError
-from threefold.config.data import SENTENCEPIECE
+from threefold.config.data import HF_DIRECTORY, SENTENCEPIECE
 
 
 def _readable(path: str, flag: str, kind: str = "file") -> None:
@@ -56,6 +57,24 @@ def data_prefixes(paths: list[str], flag: str) -> list[str]:
     return prefixes
 
 
+def check_conversations(path: str, flag: str, data, whole: bool) -> None:
+    """--sft's JSONL file: every line a conversation (data/conversations.py), and a line for
+    each split that gets a share of it (megatron-core's ranges: round(bound x lines))."""
+    from threefold.data.conversations import line_offsets
+
+    lines = len(line_offsets(path, flag, data.sft_tokenizer_prompt_format != "default"))
+    weights = [1.0] if whole else data.split_weights()
+    bounds = [0.0, *itertools.accumulate(weights)]
+    for name, weight, begin, end in zip(
+        ("train", "validation", "test"), weights, bounds, bounds[1:]
+    ):
+        if weight > 0 and round(end * lines) == round(begin * lines):
+            raise ConfigError(
+                f"--split {data.split}: the {name} split gets none of the {lines} conversation "
+                f"lines of {path}; give it more lines or weight 0"
+            )
+
+
 def check_inputs(config: Config, indexed_data: bool = True) -> None:
     """Raise ConfigError naming the flag and file for the first input the run cannot read.
     `indexed_data`: the data paths are `.bin/.idx` prefixes (not fine-tuning's JSONL)."""
@@ -82,7 +101,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
     data = config.data
     if data.tokenizer_type in SENTENCEPIECE:
         _readable(data.tokenizer_model, "--tokenizer-model")
-    elif data.tokenizer_type == "HuggingFaceTokenizer":
+    elif data.tokenizer_type in HF_DIRECTORY:
         _readable(data.tokenizer_model, "--tokenizer-model", "directory")
         check_hf_directory(data.tokenizer_model)
     elif data.tokenizer_type == "GPT2BPETokenizer":
@@ -91,7 +110,7 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE")
             _readable(path, flag)
     vocab_size = None
-    if data.tokenizer_type != "HuggingFaceTokenizer":  # (that one takes seconds to import)
+    if data.tokenizer_type not in HF_DIRECTORY:  # (those take seconds to import)
         from threefold.data.tokenizer import build_tokenizer, model_vocab_size
 
         if data.tokenizer_type or config.model.vocab_size is not None:
@@ -108,6 +127,11 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
         for flag, paths in sources:
             for path in paths or []:
                 _readable(path, flag)
+    elif data.sft:
+        for flag, paths in sources:
+            for path in data_prefixes(paths, flag) if paths else []:
+                _readable(path, flag)
+                check_conversations(path, flag, data, whole=flag != "--data-path")
     else:
         prefixes = []
         for flag, paths in sources:

@@ -29,9 +29,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(directory: str, chat: bool = False) -> None:
+# The special tokens of Nemotron's tokenizers that Megatron-LM's SFT prompt formats use.
+NEMOTRON_SPECIALS = ("<unk>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<SPECIAL_233>")
+
+
+def build_tokenizer(directory: str, chat: bool = False, specials: tuple[str, ...] = ()) -> None:
     """A byte-level BPE tokenizer trained on a few lines, saved as HF tokenizer files; `chat`:
-    with ChatML's special tokens, <|im_end|> as end of sequence, and its chat template."""
+    with ChatML's special tokens, <|im_end|> as end of sequence, and its chat template;
+    `specials`: more special tokens (NEMOTRON_SPECIALS, say)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,7 +48,7 @@ def build_tokenizer(directory: str, chat: bool = False) -> None:
         "Whether 'tis nobler in the mind to suffer",
         "The slings and arrows of outrageous fortune",
     ] * 20
-    specials = ["<s>", "</s>"] + (["<|im_start|>", "<|im_end|>"] if chat else [])
+    specials = ["<s>", "</s>", *specials] + (["<|im_start|>", "<|im_end|>"] if chat else [])
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB, special_tokens=specials, initial_alphabet=alphabet

@@ -76,4 +76,6 @@ def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) 
             ):
                 if value:
                     flags += [flag, value]
+            if data.tokenizer_type == "SFTTokenizer":  # (how it renders: part of it)
+                flags += ["--sft-tokenizer-prompt-format", data.sft_tokenizer_prompt_format]
     return flags

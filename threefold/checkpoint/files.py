@@ -15,7 +15,7 @@ import os
 
 from threefold.checkpoint.manifest import complete_iterations, digest
 from threefold.config import ConfigError, DataConfig
-from threefold.config.data import SENTENCEPIECE
+from threefold.config.data import HF_DIRECTORY, SENTENCEPIECE
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -85,7 +85,7 @@ def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataCon
         return data
     if data.tokenizer_type in SENTENCEPIECE:
         data.tokenizer_model = os.path.join(path, "tokenizer.model")
-    elif data.tokenizer_type == "HuggingFaceTokenizer":
+    elif data.tokenizer_type in HF_DIRECTORY:
         data.tokenizer_model = os.path.join(path, "tokenizer")
     return data
 
@@ -107,7 +107,7 @@ def latest_config(root: str) -> tuple[int, dict]:
 def tokenizer_digest(data: DataConfig) -> str | None:
     """SHA-256 over the files that define the run's tokenizer (None without one): a
     checkpoint refuses to resume with another tokenizer of the same vocabulary size."""
-    if data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
+    if data.tokenizer_type in HF_DIRECTORY and data.tokenizer_model:
         files = [
             os.path.join(data.tokenizer_model, name)
             for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")

@@ -18,10 +18,16 @@ TOKENIZERS = (
     "GPTSentencePieceTokenizer",
     "Llama2Tokenizer",
     "HuggingFaceTokenizer",
+    # Megatron-LM's tokenizer of --sft conversations: a Hugging Face tokenizer directory and
+    # --sft-tokenizer-prompt-format's turn markers (data/sft_tokenizer.py)
+    "SFTTokenizer",
     "GPT2BPETokenizer",
     "NullTokenizer",
 )
 SENTENCEPIECE = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+HF_DIRECTORY = ("HuggingFaceTokenizer", "SFTTokenizer")  # --tokenizer-model DIR
+# Megatron-LM's --sft-tokenizer-prompt-format values (data/sft_tokenizer.py renders them)
+PROMPT_FORMATS = ("nemotron-h-aligned", "nemotron-nano-v2", "identity", "default")
 # Megatron-LM tokenizers threefold does not have, and what to use instead
 _MISSING_TOKENIZERS = {
     "TikTokenizer": "tiktoken vocabularies are not read by threefold; save the tokenizer "
@@ -71,7 +77,15 @@ class DataConfig:
         help="how text becomes tokens (needed to read text; .bin files hold token ids)",
     )
     tokenizer_model: str | None = arg(
-        None, help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer: the directory"
+        None,
+        help="SentencePieceTokenizer: the .model file; HuggingFaceTokenizer, SFTTokenizer: the "
+        "directory",
+    )
+    sft_tokenizer_prompt_format: str = arg(
+        "nemotron-h-aligned",
+        choices=PROMPT_FORMATS,
+        help="SFTTokenizer: how conversations are rendered (default: the tokenizer's own chat "
+        "template, loss on every token)",
     )
     vocab_file: str | None = arg(None, help="GPT2BPETokenizer: vocab.json")  # GPT2BPETokenizer
     merge_file: str | None = arg(None, help="GPT2BPETokenizer: merges.txt")
@@ -103,6 +117,11 @@ class DataConfig:
     )
     eod_mask_loss: bool = arg(
         False, help="no loss on predicting the token after an end-of-document token"
+    )
+    sft: bool = arg(
+        False,
+        help="Megatron-LM's SFT: the data paths are JSONL files of conversations, a line a "
+        "packed sample (needs --tokenizer-type SFTTokenizer)",
     )
     # Fill-in-the-middle samples (data/fim.py), Megatron-LM's flags and defaults.
     fim_data: bool = arg(False, help="rearrange documents for fill-in-the-middle training")
@@ -167,6 +186,29 @@ class DataConfig:
         self.finalize_tokenizer()
         self.split_weights()
         self.finalize_fim()
+        self.finalize_sft()
+
+    def finalize_sft(self) -> None:
+        """--sft: Megatron-LM's conversations, which only its SFTTokenizer renders, packed with
+        their own positions and per-conversation attention (megatron-core asserts that the
+        document flags are off)."""
+        if not self.sft:
+            return
+        _require(
+            self.tokenizer_type == "SFTTokenizer",
+            "--sft renders conversations with --tokenizer-type SFTTokenizer (a Hugging Face "
+            "--tokenizer-model DIR and --sft-tokenizer-prompt-format); add them",
+        )
+        _require(
+            not self.mock_data,
+            "--sft reads JSONL conversations: give --data-path FILE.jsonl, not --mock-data",
+        )
+        flags = self.document_flags() + ["--fim-data"] * self.fim_data
+        _require(
+            not flags,
+            f"--sft with {flags[0] if flags else ''}: a conversation's sample carries its own "
+            "positions, attention and loss mask; drop the flag",
+        )
 
     def finalize_fim(self) -> None:
         """--fim-*: rates that are probabilities, and no flag without --fim-data."""
@@ -211,12 +253,18 @@ class DataConfig:
             f"--tokenizer-type {self.tokenizer_type} is not supported; use one of "
             f"{', '.join(t for t in TOKENIZERS if t)}",
         )
-        if self.tokenizer_type in (*SENTENCEPIECE, "HuggingFaceTokenizer"):
+        if self.tokenizer_type in (*SENTENCEPIECE, *HF_DIRECTORY):
             _require(
                 self.tokenizer_model is not None,
                 f"--tokenizer-type {self.tokenizer_type} needs --tokenizer-model "
-                f"{'DIR' if self.tokenizer_type == 'HuggingFaceTokenizer' else 'FILE'}",
+                f"{'DIR' if self.tokenizer_type in HF_DIRECTORY else 'FILE'}",
             )
+        _require(
+            self.tokenizer_type == "SFTTokenizer"
+            or self.sft_tokenizer_prompt_format == "nemotron-h-aligned",
+            f"--sft-tokenizer-prompt-format {self.sft_tokenizer_prompt_format} is "
+            "SFTTokenizer's; add --tokenizer-type SFTTokenizer or drop it",
+        )
         if self.tokenizer_type is None and (self.vocab_file or self.merge_file):
             # GPT-2's files name their tokenizer (Megatron-LM's GPT-3 example passes no type)
             _require(

@@ -217,7 +217,34 @@ class MegatronSamples:
         return 0 if dataset_index is None else int(dataset_index[index])
 
 
-def _blend(paths: list[str], flag: str, vocab_size: int):
+class IndexedData:
+    """What `megatron_datasets` reads --data-path's `.bin/.idx` prefixes with: megatron-core's
+    GPTDataset, samples as token arrays (rearranged with --fim-data). data/megatron_sft.py
+    has --sft's JSONL counterpart."""
+
+    def __init__(self, config, tokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.dataset_class = megatron_core.datasets().gpt_dataset.GPTDataset
+        # (what GPTDataset asks of a tokenizer: only for masks threefold does not request)
+        self.dataset_tokenizer = _Tokenizer(
+            getattr(tokenizer, "eod", None), config.model.vocab_size
+        )
+        self.fim = None
+        if config.data.fim_data:  # each split's samples rearranged from a generator of its own
+            self.fim = FillInTheMiddle(config.data, tokenizer, config.training.seed)
+
+    def check(self, prefix: str, flag: str) -> None:
+        check_prefix(prefix, self.config.model.vocab_size, flag)
+
+    def cache_directories(self, prefixes: list[str]) -> list[str]:
+        return index_cache_directories(self.config.data.data_cache_path, prefixes)
+
+    def samples(self, dataset, split: int):
+        transform = None if self.fim is None else functools.partial(self.fim, split=split)
+        return MegatronSamples(dataset, transform)
+
+
+def _blend(paths: list[str], flag: str, check: Callable[[str, str], None]):
     try:
         prefixes, weights = megatron_core.datasets().utils.get_blend_from_list(paths)
     except (ValueError, AssertionError):
@@ -225,7 +252,7 @@ def _blend(paths: list[str], flag: str, vocab_size: int):
             f"{flag}: give PREFIX [PREFIX ...], or WEIGHT PREFIX WEIGHT PREFIX ..."
         ) from None
     for prefix in prefixes:
-        check_prefix(prefix, vocab_size, flag)
+        check(prefix, flag)
     return prefixes, weights
 
 
@@ -251,17 +278,18 @@ def _check_npy_caches(directories: list[str]) -> None:
             dist.barrier()
 
 
-def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
-    """Train, validation and test samples (None for an empty split) from indexed data."""
+def megatron_datasets(config, tokenizer, sizes: list[int], reader=None) -> list:
+    """Train, validation and test samples (None for an empty split), built by megatron-core's
+    builder (its blends, splits and sizes) from what `reader` reads: IndexedData by default."""
     mcore = megatron_core.datasets()
+    reader = reader or IndexedData(config, tokenizer)
     data, model = config.data, config.model
-    vocab = model.vocab_size
     options = {}
     if data.data_path:
-        options.update(blend=_blend(data.data_path, "--data-path", vocab), split=data.split)
+        options.update(blend=_blend(data.data_path, "--data-path", reader.check), split=data.split)
     else:
         options["blend_per_split"] = [
-            _blend(paths, flag, vocab) if paths else None
+            _blend(paths, flag, reader.check) if paths else None
             for paths, flag in (
                 (data.train_data_path, "--train-data-path"),
                 (data.valid_data_path, "--valid-data-path"),
@@ -282,7 +310,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         if blend
         for prefix in blend[0]
     ]
-    directories = index_cache_directories(data.data_cache_path, prefixes)
+    directories = reader.cache_directories(prefixes)
     for directory in directories:
         check_index_cache(directory)
     _check_npy_caches(directories)
@@ -290,7 +318,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
         random_seed=config.training.seed,
         sequence_length=model.seq_length,
         path_to_cache=data.data_cache_path,
-        tokenizer=_Tokenizer(getattr(tokenizer, "eod", None), vocab),
+        tokenizer=reader.dataset_tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -305,7 +333,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     try:
         builder = mcore.blended_megatron_dataset_builder.BlendedMegatronDatasetBuilder
-        built = builder(mcore.gpt_dataset.GPTDataset, sizes, lambda: True, gpt_config).build()
+        built = builder(reader.dataset_class, sizes, lambda: True, gpt_config).build()
     except (AssertionError, ValueError, IndexError) as error:
         if "mid_level_dataset_surplus" in str(error):  # (its IndexError names the attribute)
             raise ConfigError(
@@ -317,11 +345,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
             f"--data-path/--split: megatron-core could not build the datasets "
             f"({error}); check --split and that every split has documents"
         ) from None
-    transforms = [None] * len(built)
-    if data.fim_data:  # each split's samples rearranged from a generator of its own
-        fim = FillInTheMiddle(data, tokenizer, config.training.seed)
-        transforms = [functools.partial(fim, split=split) for split in range(len(built))]
-    datasets = [_samples(d, transform) for d, transform in zip(built, transforms)]
+    datasets = [_samples(dataset, split, reader) for split, dataset in enumerate(built)]
     if config.training.multiple_validation_sets and not isinstance(datasets[1], list):
         datasets[1] = [datasets[1]]  # (megatron-core's single prefix: no list)
     if datasets[0] is None:
@@ -329,12 +353,12 @@ def megatron_datasets(config, tokenizer, sizes: list[int]) -> list:
     return datasets
 
 
-def _samples(built, transform: Callable | None):
+def _samples(built, split: int, reader):
     """megatron-core's dataset of a split (a list of them: --multiple-validation-sets) as
     threefold's samples; None for an empty one."""
     if isinstance(built, list):
-        return [_samples(dataset, transform) for dataset in built]
-    return MegatronSamples(built, transform) if built is not None and len(built) else None
+        return [_samples(dataset, split, reader) for dataset in built]
+    return reader.samples(built, split) if built is not None and len(built) else None
 
 
 class MockGPTDataset:

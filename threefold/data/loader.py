@@ -37,6 +37,10 @@ def build_datasets(config: Config, tokenizer=None) -> list:
             MockGPTDataset(model.seq_length, model.vocab_size, training.seed, split, size)
             for split, size in enumerate(sizes)
         ]
+    elif data.sft:  # Megatron-LM's JSONL conversations, packed (already masked)
+        from threefold.data.megatron_sft import SFTData
+
+        return megatron_datasets(config, tokenizer, sizes, SFTData(config, tokenizer))
     else:
         datasets = megatron_datasets(config, tokenizer, sizes)
     flags = data.document_flags()

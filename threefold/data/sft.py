@@ -20,6 +20,7 @@ import json
 import numpy as np
 
 from threefold.config import ConfigError
+from threefold.data.conversations import message_mistake
 from threefold.data.tokenizer import prompt_ids
 
 
@@ -57,17 +58,7 @@ def _record_mistake(record) -> str | None:
     if "messages" not in record:
         wrong = [key for key in ("prompt", "response") if not isinstance(record[key], str)]
         return f'"{wrong[0]}" is {json.dumps(record[wrong[0]])[:20]}, not text' if wrong else None
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        return '"messages" must be a list of {"role": ..., "content": ...} turns'
-    for turn, message in enumerate(messages, 1):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            return f'turn {turn} of "messages" needs a "role" and a "content", both text'
-    return None
+    return message_mistake(record["messages"], masks=False)
 
 
 def _has_chat_template(tokenizer) -> bool:

@@ -224,6 +224,10 @@ def build_tokenizer(config: DataConfig, vocab_size: int | None):
         return GPT2BPETokenizer(config.vocab_file, config.merge_file)
     if config.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(config.tokenizer_model)
+    if config.tokenizer_type == "SFTTokenizer":
+        from threefold.data.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(config.tokenizer_model, config.sft_tokenizer_prompt_format)
     if config.tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")

@@ -4,6 +4,8 @@
     NonFiniteError          --check-for-nan-in-loss-and-grad found a bad loss or gradient
     ReplicaMismatchError    --check-weight-hash-across-dp-replicas-interval found replicas apart
     RerunExit               --rerun-mode validate_results: Megatron-LM's exit codes 16 and 17
+    ConfigError             an input found bad only when read (an --sft conversation whose
+                            turns the tokenizer cannot tell apart): exit code 2
 
 One line on stderr (the first two name the checkpoint that stays the last good state) and
 the exit code, instead of a traceback per rank. A failed save is said by the first rank that
@@ -22,6 +24,7 @@ import sys
 
 from threefold.checkpoint.files import read_tracker
 from threefold.checkpoint.writer import CheckpointSaveError
+from threefold.config import ConfigError
 from threefold.parallel.refusal import print_refusal_once
 from threefold.training.numerics import NonFiniteError
 from threefold.training.replica_check import ReplicaMismatchError
@@ -44,6 +47,9 @@ def train(trainer, program: str) -> int:
     except CheckpointSaveError as error:
         print_refusal_once(program, error, trainer.parallel.world.rank)
         return 1
+    except ConfigError as error:  # (the rank that read it alone: a plain int)
+        print_refusal_once(program, error, trainer.parallel.world.rank)
+        return 2
     except RerunExit as stop:
         if rank_zero:
             print(f"{program}: {stop}", file=sys.stderr, flush=True)

@@ -349,7 +349,17 @@ class Trainer:
                 iterator, count, forward_only=True, tensor_shape=shape, per_token_loss=per_token
             )
         self.data_parallel.after_evaluation()
+        if self.config.data.sft and not whole:
+            return self._micro_batch_mean_loss(losses)
         return self._mean_loss(losses)
+
+    def _micro_batch_mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """Megatron-LM's evaluation loss of --sft: the mean over every micro-batch of all
+        ranks and steps of its own token mean (one with no loss token counts 0), not the
+        token mean of them all. (--full-validation keeps the token mean: its padding
+        micro-batches would count.)"""
+        means = [total / weight.clamp(min=1) for total, weight in losses]
+        return self._mean_loss([torch.stack((mean, torch.ones_like(mean))) for mean in means])
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self) -> list[float]:

@@ -35,6 +35,7 @@ CHECKPOINT_VERSION = 3.0
 _TOKENIZERS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model", "sft_tokenizer_prompt_format"),
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
     "Llama2Tokenizer": ("tokenizer_model",),
@@ -270,6 +271,7 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         tokenizer_model=config.data.tokenizer_model,
         vocab_file=config.data.vocab_file,
         merge_file=config.data.merge_file,
+        sft_tokenizer_prompt_format=config.data.sft_tokenizer_prompt_format,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         context_parallel_size=1,
