@@ -18,11 +18,12 @@ def gpt_forward_step(
     """Megatron's forward step: the model's output (per-token loss on the last pipeline stage,
     hidden states elsewhere) and how to reduce it to the micro-batch loss.
 
-    The reported value is [loss total, weight]: the global batch's loss is the sum of the
-    totals over the sum of the weights. By default the loss is the micro-batch's mean over its
-    loss-mask tokens, weighted 1 (every micro-batch counts the same, whatever its token count);
-    with `per_token_loss` it is the sum over those tokens, weighted by their number, so every
-    token of the global batch counts the same (Megatron's --calculate-per-token-loss).
+    The reported value is [loss total, loss tokens]: the global batch's loss is the sum of the
+    totals over the sum of the tokens, the token mean Megatron-LM's log line and evaluation
+    report. The loss backpropagated is by default the micro-batch's mean over its loss-mask
+    tokens (every micro-batch weighs the same in the gradient, whatever its token count); with
+    `per_token_loss` it is the sum over those tokens, divided by the global batch's count
+    after the reduction, so every token weighs the same (Megatron's --calculate-per-token-loss).
 
     Under context parallelism (`cp`) the batch is this rank's share of the sequence: the
     reported sums are taken over the CP group, so they are the whole micro-batch's, and the
@@ -44,8 +45,6 @@ def gpt_forward_step(
         if per_token_loss:
             return total * cp.size, whole
         # clamp: a fine-tuning micro-batch may hold no response token at all
-        tokens = whole[1].clamp(min=1)
-        loss = whole[0] / tokens
-        return total * cp.size / tokens, torch.stack((loss, torch.ones_like(loss)))
+        return total * cp.size / whole[1].clamp(min=1), whole
 
     return output, loss_func

@@ -342,8 +342,9 @@ class Trainer:
         count = training.num_eval_micro_batches(parallel.dp.size)
         shape = (self.config.model.seq_length, training.eval_micro_batch_size)
         shape = parallel.pipeline_tensor_shape(*shape, self.config.model.hidden_size)
-        # (the padding's micro-batches hold no token: weighted by tokens, they count nothing)
-        per_token, losses = training.calculate_per_token_loss or whole, []
+        # (the reported losses are token sums and counts: the padding's micro-batches of
+        # --full-validation hold no token, so they count nothing)
+        per_token, losses = training.calculate_per_token_loss, []
         for _ in range(steps):
             losses += self._schedule(
                 iterator, count, forward_only=True, tensor_shape=shape, per_token_loss=per_token
