@@ -36,7 +36,7 @@ from threefold.startup import frozen_imports, run_then_shut_down, start_processe
 from threefold.validation import check_inputs
 
 
-def check_finetuning(config: Config, packing: bool) -> None:
+def check_finetuning(config: Config) -> None:
     """What fine-tuning cannot do with these flags, as one-line ConfigErrors before torch is
     imported (the files themselves: `check_inputs`)."""
     data = config.data
@@ -59,11 +59,6 @@ def check_finetuning(config: Config, packing: bool) -> None:
         raise ConfigError(
             "finetune.py needs a tokenizer: the checkpoint has none, pass "
             "--tokenizer-type and --tokenizer-model"
-        )
-    if packing and config.parallel.context_parallel_size > 1:
-        raise ConfigError(
-            "--sft-packing keeps packed samples apart with per-document attention masks, "
-            "which --context-parallel-size > 1 does not implement; drop one"
         )
     flags = data.document_flags()
     if flags:
@@ -190,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # The flags, the files and the checkpoint's metadata first, before torch is imported: a
     # mistake costs a second.
     try:
-        check_finetuning(config, args.sft_packing)
+        check_finetuning(config)
         check_inputs(config, indexed_data=False)
         if os.environ.get("THREEFOLD_VALIDATE_ONLY"):  # (a launcher's check, as pretrain_gpt.py's)
             return 0

@@ -360,12 +360,11 @@ def test_fine_tuning_mistakes_are_refused_before_torch_is_imported(pretrained, t
         ),
         (data + ["--load", damaged], "__0_0.distcp is missing"),
         (data + ["--load", resumed, "--save", resumed, "--lr", "2e-3"], "schedule has --lr 0.001"),
-        (data + ["--sft-packing", "--context-parallel-size", "2"], "--sft-packing"),
+        (data + ["--sft"], "--sft "),  # (pretrain_gpt.py's Megatron-LM SFT)
         (data + ["--pretrained-checkpoint", pretrained], "give the model as --load"),
     ]
     for extra, expected in cases:
-        ranks = {"WORLD_SIZE": "2"} if "--context-parallel-size" in extra else {}
-        result, seconds = _before_torch(*base, *extra, **ranks)
+        result, seconds = _before_torch(*base, *extra)
         assert result.returncode == 2, (extra, result.stderr[-2000:])
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("finetune.py: error: ") and expected in line, (extra, line)

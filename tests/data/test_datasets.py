@@ -246,7 +246,7 @@ def test_finetuning_refuses_the_pretraining_document_flags(tmp_path):
     argv = MODEL + ["--train-data-path", str(tmp_path / "sft.jsonl"), "--train-iters", "2"]
     argv += ["--tokenizer-type", "NullTokenizer", "--reset-attention-mask"]
     with pytest.raises(ConfigError, match="--reset-attention-mask is for pretraining"):
-        check_finetuning(parse_args(argv), packing=False)
+        check_finetuning(parse_args(argv))
 
 
 def test_no_mmap_bin_files_reads_the_same_samples(corpus):

@@ -220,4 +220,4 @@ def test_finetuning_refuses_fim_data():
     argv = MODEL + ["--train-data-path", "unused", "--train-iters", "2", "--fim-data"]
     argv += ["--tokenizer-type", "NullTokenizer"]
     with pytest.raises(ConfigError, match="finetune.py: --fim-data rearranges pretraining"):
-        check_finetuning(parse_args(argv), packing=False)
+        check_finetuning(parse_args(argv))

@@ -165,6 +165,20 @@ def test_the_conversation_that_reaches_the_end_is_cut_and_the_rest_dropped():
     assert sample["document_ids"].tolist() == [0] * 5 + [1] * 2
 
 
+def test_under_context_parallelism_each_conversation_is_padded_to_2cp():
+    """Megatron-LM's padding at CP2: each conversation to a multiple of 4 tokens, its
+    positions going on; the padding is part of the conversation and carries no loss."""
+    sample = pack(LINE[:6], _Ids(), seq_length=12, multiple=4)
+    # 5 tokens padded to 8, then the second conversation reaches the end: cut, then a pad
+    assert sample["tokens"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 9, 0]
+    assert sample["position_ids"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert sample["document_ids"].tolist() == [0] * 8 + [1] * 4
+    assert sample["loss_mask"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0]
+    short = pack(LINE[:3], _Ids(), seq_length=12, multiple=4)  # (then filled to the end)
+    assert short["tokens"].tolist() == [1, 2, 3, 4, 5] + [0] * 8
+    assert short["position_ids"].tolist() == list(range(12))
+
+
 def _write_lines(path, count: int, seed: int) -> list[list[dict]]:
     rng, lines = random.Random(seed), []
 
@@ -241,6 +255,18 @@ def test_sft_layouts_match_single_process(sft_run, world_size, flags, tolerance)
     assert_matches_reference(results, reference, tolerance)
 
 
+def test_sft_over_context_parallel_ranks_trains_as_one_process(sft_run, monkeypatch):
+    """CP2 (ring attention): the conversations, padded to multiples of 4 as Megatron-LM pads
+    them at CP2, attend within themselves over the ranks, as one process computes them from
+    the same samples."""
+    from threefold.data import megatron_sft
+
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]
+    results = run_distributed(2, train_job, sft_run + cp2, 4)
+    monkeypatch.setattr(megatron_sft, "padding_multiple", lambda config: 4)
+    assert_matches_reference(results, train_job(sft_run, 4), 1e-5)
+
+
 def test_evaluation_is_megatron_lms_mean_of_micro_batch_means(sft_run):
     """Megatron-LM's --sft validation loss: every micro-batch's own token mean, averaged; not
     the token mean of the batch (pretraining's), which differs when micro-batches hold
@@ -290,7 +316,6 @@ def test_sft_mistakes_are_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
     )
     assert "not --mock-data" in refusal(_argv(tokenizer_dir, "--mock-data", "--vocab-size", "9"))
     assert refusal(good + ["--reset-attention-mask"]).startswith("--sft with --reset-attention")
-    assert refusal(good + ["--context-parallel-size", "2"], 2).startswith("--sft (per-document")
     plain = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir]
     assert "is SFTTokenizer's" in refusal(
         LLAMA_STYLE + TRAINING + plain + ["--sft-tokenizer-prompt-format", "identity"]

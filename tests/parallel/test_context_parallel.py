@@ -14,15 +14,35 @@ COMM_TYPES = ["p2p", "allgather", "a2a"]
 HIERARCHICAL = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]
 
 
+# Packed documents of a 32-token sequence, per sample: their first tokens. They cross chunk
+# boundaries, and at CP4 (chunks of 4) whole chunks' queries have no key in another's block.
+DOCUMENT_STARTS = ([0, 3, 11, 12, 20, 29], [0, 16, 17, 31])
+
+
+def _document_ids(sequence: int) -> torch.Tensor:
+    starts = torch.zeros(len(DOCUMENT_STARTS), sequence, dtype=torch.long)
+    for row, firsts in enumerate(DOCUMENT_STARTS):
+        starts[row, firsts] = 1
+    return starts.cumsum(1)
+
+
 def _core_attention_job(
-    comm_type: str, heads: int, groups: int, hierarchy: list[int] | None = None
+    comm_type: str,
+    heads: int,
+    groups: int,
+    hierarchy: list[int] | None = None,
+    documents: bool = False,
 ) -> list[float]:
     import torch.distributed as dist
 
     from threefold.kernels import reference
     from threefold.parallel import state
     from threefold.parallel.context_parallel.attention import context_parallel_attention
-    from threefold.parallel.context_parallel.sequence import local_positions
+    from threefold.parallel.context_parallel.sequence import (
+        Documents,
+        document_mask,
+        local_positions,
+    )
 
     state.initialize_model_parallel(
         1,
@@ -38,14 +58,15 @@ def _core_attention_job(
     k = torch.randn(sequence, batch, groups, head_dim, requires_grad=True)
     v = torch.randn(sequence, batch, groups, head_dim, requires_grad=True)
     upstream = torch.randn(sequence, batch, heads * head_dim)
-    expected = reference.attention(q, k, v, None, 0.0)
+    ids = _document_ids(sequence) if documents else None
+    expected = reference.attention(q, k, v, None if ids is None else document_mask(ids), 0.0)
     expected.backward(upstream)
 
     mine = local_positions(sequence, cp)
     local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
     hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
     attention = context_parallel_attention(cp, comm_type, reference.attention, hierarchy)
-    out = attention(*local, None, 0.0)
+    out = attention(*local, None if ids is None else Documents.of(ids, cp.size), 0.0)
     out.backward(upstream[mine])
     pairs = [(out, expected[mine])] + [(t.grad, w.grad[mine]) for t, w in zip(local, (q, k, v))]
     return [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
@@ -56,6 +77,30 @@ def _core_attention_job(
 def test_core_attention_equals_whole_sequence_attention(cp, comm_type):
     for errors in run_distributed(cp, _core_attention_job, comm_type, 8, 4):  # GQA: 2 per group
         assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("comm_type", [*COMM_TYPES, "a2a+p2p"])
+def test_packed_documents_attend_within_themselves_over_cp4(comm_type):
+    """Per-document attention (--reset-attention-mask, --sft, --sft-packing) split over 4 CP
+    ranks: every token's output and gradients are those of the whole sequence's masked
+    attention, though some blocks hold queries with no key of their own document."""
+    hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
+    for errors in run_distributed(4, _core_attention_job, comm_type, 8, 4, hierarchy, True):
+        assert max(errors) < 1e-5, errors
+
+
+def test_a_block_without_keys_for_a_row_gives_it_nothing():
+    """A row whose block holds no key of its document: output 0 and log-sum-exp -inf, which
+    merging weighs 0; its gradients are 0, and nothing is NaN."""
+    from threefold.parallel.context_parallel.block_attention import block_backward, block_forward
+
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+    allowed = torch.tensor([[True, False, True], [False] * 3, [True] * 3]).view(1, 1, 3, 3)
+    out, lse = block_forward(q, k, v, False, 0.5, None, allowed)
+    assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, [0, 2]]).all()
+    grads = block_backward(torch.randn_like(out), q, k, v, out, lse, False, 0.5, None, allowed)
+    assert all(torch.isfinite(g).all() for g in grads) and (grads[0][:, :, 1] == 0).all()
 
 
 @pytest.mark.parametrize("hierarchy", [[2, 2], [4, 2], [2, 4]], ids=["2x2", "4x2", "2x4"])
@@ -313,7 +358,7 @@ def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropo
     )
 
     def attention(q, gathered):
-        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234)
+        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234, None)
 
     assert torch.autograd.gradcheck(attention, (q, gathered))
 
@@ -403,12 +448,6 @@ def test_dropout_masks_differ_across_cp_ranks_and_agree_across_replicas():
         ),
         (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"], 2, "--cp-comm-type"),
         (
-            ["--context-parallel-size", "2", "--reset-attention-mask", "--tokenizer-type"]
-            + ["NullTokenizer"],
-            2,
-            "--reset-attention-mask",
-        ),
-        (
             ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4"]
             + ["--sequence-parallel", "--seq-length", "20"],
             8,
@@ -425,7 +464,6 @@ def test_dropout_masks_differ_across_cp_ranks_and_agree_across_replicas():
         "hierarchical-product",
         "hierarchical-heads",
         "per-layer",
-        "documents",
         "sp",
     ],
 )
@@ -457,6 +495,27 @@ def test_uneven_loss_tokens_and_restarting_positions_match(per_token, world, com
     reference = train_job(argv, 10)
     layout = ["--context-parallel-size", "2", "--cp-comm-type", comm_type]
     assert_matches_reference(run_distributed(world, train_job, argv + layout, 10), reference, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--cp-comm-type", "p2p"]),
+        (4, ["--cp-comm-type", "allgather", "--tensor-model-parallel-size", "2"]),
+        (4, ["--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["cp2-p2p", "cp2-allgather-tp2", "cp2-a2a-pp2"],
+)
+def test_per_document_attention_trains_as_one_process(world, layout):
+    """--reset-attention-mask over CP ranks: each document attends only within itself, as on
+    one process; without the mask the run differs (the mask is applied, not ignored)."""
+    argv = LLAMA_STYLE + TRAINING + DOCUMENTS + ["--reset-attention-mask"]
+    reference = train_job(argv, 5)
+    layout = ["--context-parallel-size", "2", *layout]
+    assert_matches_reference(run_distributed(world, train_job, argv + layout, 5), reference, 1e-5)
+    unmasked = train_job(LLAMA_STYLE + TRAINING + DOCUMENTS, 5)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert relative_error(unmasked["params"][qkv], reference["params"][qkv]) > 1e-3
 
 
 YARN = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"]

@@ -99,11 +99,6 @@ class Config:
         per_document = "--reset-attention-mask" if self.data.reset_attention_mask else None
         per_document = "--sft" if self.data.sft else per_document
         _require(
-            parallel.context_parallel_size == 1 or not per_document,
-            f"{per_document} (per-document attention) is not implemented with "
-            "--context-parallel-size > 1; drop one (--reset-position-ids works with CP)",
-        )
-        _require(
             not (self.model.gated_delta_net and per_document),
             f"{per_document} with gated delta net layers, whose rule would carry its "
             "state across documents (megatron-core ignores the mask there too); drop it",

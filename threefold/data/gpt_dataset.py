@@ -326,6 +326,7 @@ def megatron_datasets(config, tokenizer, sizes: list[int], reader=None) -> list:
         mmap_bin_files=data.mmap_bin_files,
         mid_level_dataset_surplus=data.mid_level_dataset_surplus,
         num_dataset_builder_threads=data.num_dataset_builder_threads,
+        context_parallel_size=config.parallel.context_parallel_size,  # (--sft's padding)
         # (a list of datasets, one per --valid-data-path prefix, for the validation split)
         multiple_validation_sets=config.training.multiple_validation_sets,
         **options,

@@ -10,7 +10,8 @@ import torch
 from threefold.config import Config, ConfigError, DataConfig, TrainingConfig
 from threefold.data.gpt_dataset import MockGPTDataset, megatron_datasets
 from threefold.data.sampler import PretrainingSampler
-from threefold.parallel.parallel_context import Group
+from threefold.parallel.context_parallel.sequence import split_batch
+from threefold.parallel.parallel_context import ONE_DEVICE, Group
 
 
 def build_datasets(config: Config, tokenizer=None) -> list:
@@ -190,9 +191,10 @@ def stack_samples(items: list) -> dict[str, torch.Tensor]:
 
 
 def collate(items: list[dict[str, np.ndarray]], device: torch.device) -> dict:
-    """A micro-batch from samples of `seq_length + 1` tokens (and optionally a loss mask,
-    the document ids of packed documents and positions)."""
-    return to_batch(stack_samples(items), device)
+    """A micro-batch for one device from samples of `seq_length + 1` tokens (and optionally
+    a loss mask, the document ids of packed documents, whose attention mask it then holds,
+    and positions)."""
+    return split_batch(to_batch(stack_samples(items), device), ONE_DEVICE)
 
 
 def to_batch(host: dict[str, torch.Tensor], device: torch.device) -> dict:
@@ -204,13 +206,9 @@ def to_batch(host: dict[str, torch.Tensor], device: torch.device) -> dict:
     batch["loss_mask"] = moved.pop("loss_mask", None)
     if batch["loss_mask"] is None:  # pretraining: a loss at every position, made in place
         batch["loss_mask"] = torch.ones(tokens.shape[0], tokens.shape[1] - 1, device=device)
-    if "document_ids" in moved:  # the [b, 1, s, s] mask built where it is used
-        documents = moved.pop("document_ids")
-        length = documents.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        same = documents[:, :, None] == documents[:, None, :]
-        batch["attention_mask"] = (same & causal).unsqueeze(1)
-    batch.update(moved)  # position_ids
+    # position_ids; document_ids, which the trainer's `split_batch` makes the attention's
+    # mask (on one rank [b, 1, s, s], built where it is used; over CP ranks a block at a time)
+    batch.update(moved)
     return batch
 
 

@@ -10,7 +10,9 @@ A line's messages are split into conversations at each system turn; each is rend
 SFTTokenizer (data/sft_tokenizer.py) and packed after the previous one with positions from 0,
 attending only within itself. The pack ends where `--seq-length` ends: the conversation that
 reaches it is cut there and the rest of the line dropped; a shorter pack is filled with the
-prompt format's pad token, which continues the last conversation's positions. The token after
+prompt format's pad token, which continues the last conversation's positions. Under context
+parallelism each conversation is first padded to a multiple of 2 x CP tokens, as
+Megatron-LM pads it (the samples then depend on CP, as Megatron-LM's do). The token after
 the last input is always a pad token, and a pad token is never a target.
 """
 
@@ -38,30 +40,37 @@ def split_conversations(messages: list[dict]) -> list[list[dict]]:
     return conversations
 
 
-def pack(messages: list[dict], tokenizer, seq_length: int) -> dict[str, np.ndarray]:
+def pack(
+    messages: list[dict], tokenizer, seq_length: int, multiple: int = 1
+) -> dict[str, np.ndarray]:
     """A line's sample: `seq_length + 1` tokens, and per input position its loss mask,
-    position and conversation (the loader's per-document attention)."""
+    position and conversation (the loader's per-document attention). `multiple`: each
+    conversation is padded to a multiple of it (Megatron-LM's 2 x CP under context
+    parallelism, whose per-sequence split needs it), the padding continuing its positions."""
     size, pad = seq_length + 1, tokenizer.pad
     tokens: list[int] = []
     targets: list[int] = []
     positions: list[int] = []
     ends: list[int] = []  # where each conversation's tokens end
+
+    def fill(count: int) -> None:
+        first = positions[-1] + 1 if positions else 0
+        tokens.extend([pad] * count)
+        targets.extend([pad] * count)
+        positions.extend(range(first, first + count))
+
     for conversation in split_conversations(messages):
         ids, wanted = tokenizer.tokenize_conversation(conversation)
         tokens += ids
         targets += wanted
         positions += range(len(ids))
+        fill(-len(tokens) % multiple)
         ends.append(len(tokens))
         if len(tokens) >= size:  # cut: the last input is the sample's last, then a pad
-            tokens, targets = tokens[:seq_length] + [pad], targets[:seq_length] + [pad]
-            positions = positions[:size]
+            tokens[seq_length:], targets[seq_length:] = [pad], [pad]
+            del positions[size:]
             break
-    fill = size - len(tokens)
-    if fill > 0:
-        first = positions[-1] + 1 if positions else 0
-        tokens += [pad] * fill
-        targets += [pad] * fill
-        positions += range(first, first + fill)
+    fill(size - len(tokens))
     ends[-1] = seq_length  # (the filling, or the cut, belongs to the last conversation)
     labels = np.array(targets[1:])
     documents = np.searchsorted(np.array(ends), np.arange(seq_length), side="right")
@@ -71,6 +80,12 @@ def pack(messages: list[dict], tokenizer, seq_length: int) -> dict[str, np.ndarr
         "position_ids": np.array(positions[:seq_length], dtype=np.int64),
         "document_ids": documents.astype(np.int64),
     }
+
+
+def padding_multiple(config) -> int:
+    """What each conversation is padded to a multiple of: 2 x CP under context parallelism."""
+    cp = config.context_parallel_size or 1
+    return 2 * cp if cp > 1 else 1
 
 
 class SFTDataset(_mcore.megatron_dataset.MegatronDataset):
@@ -83,8 +98,10 @@ class SFTDataset(_mcore.megatron_dataset.MegatronDataset):
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         record = int(self.indices[index % len(self.indices)])
+        config = self.config
         try:
-            return pack(self.dataset[record], self.config.tokenizer, self.config.sequence_length)
+            messages, multiple = self.dataset[record], padding_multiple(config)
+            return pack(messages, config.tokenizer, config.sequence_length, multiple)
         except ConfigError as error:  # (met when read: name the line)
             raise ConfigError(f"{self.dataset.where(record)}: {error}") from None
 

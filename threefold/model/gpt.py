@@ -235,7 +235,9 @@ class GPTModel(nn.Module):
         saves, stay."""
         if self.activation_offload is None or not (self.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
-        return self.activation_offload.forward_pass(keep=(*(rotary or ()), attention_mask))
+        # (under CP the mask is `Documents`, which no layer saves: each block's is recomputed)
+        mask = (attention_mask,) if isinstance(attention_mask, torch.Tensor) else ()
+        return self.activation_offload.forward_pass(keep=(*(rotary or ()), *mask))
 
     def forward(
         self,

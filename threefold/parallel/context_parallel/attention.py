@@ -12,6 +12,11 @@
   a2a+p2p    both (--hierarchical-context-parallel-sizes A P): Ulysses within groups of A
              consecutive CP ranks, ring attention across the P groups for 1/A of the heads.
 
+Packed documents (--reset-attention-mask, --sft, --sft-packing) reach the core attention as
+`Documents` (sequence.py): the ring and all-gather mask each block by its queries' and keys'
+document ids (blocks with such a mask run the eager block kernel), Ulysses builds the whole
+sequence's mask after its all-to-all, and a2a+p2p lays the ids out for its ring.
+
 Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
 queries need: j == r, causal attention over its own two chunks (in order, so an ordinary causal
 mask is exact); j < r, both of its chunks over j's first chunk only (j's second chunk lies in
@@ -43,7 +48,12 @@ from threefold.parallel.context_parallel.block_attention import (
     expand_groups,
     sum_groups,
 )
-from threefold.parallel.context_parallel.sequence import to_global_order, to_rank_order
+from threefold.parallel.context_parallel.sequence import (
+    Documents,
+    document_mask,
+    to_global_order,
+    to_rank_order,
+)
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -99,10 +109,11 @@ def _attend(
     scale: float,
     dropout: Dropout | None,
     into: Accumulator,
+    allowed: torch.Tensor | None,
 ) -> None:
     rows, keys, causal = plan
     k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
-    out, lse = block_forward(q[:, :, rows], k, v, causal, scale, dropout)
+    out, lse = block_forward(q[:, :, rows], k, v, causal, scale, dropout, allowed)
     into.add(rows, out, lse)
 
 
@@ -117,13 +128,14 @@ def _attend_backward(
     scale: float,
     dropout: Dropout | None,
     grad_q: torch.Tensor,
+    allowed: torch.Tensor | None,
 ) -> torch.Tensor:
     """Adds the block's query gradient to `grad_q`; returns the gradient of `kv` (in
     `grad_q`'s dtype: fp32 or wider)."""
     rows, keys, causal = plan
     k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
     block = (grad_out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
-    dq, dk, dv = block_backward(*block, causal, scale, dropout)
+    dq, dk, dv = block_backward(*block, causal, scale, dropout, allowed)
     grad_q[:, :, rows] += dq.to(grad_q.dtype)
     grad_kv = torch.zeros(kv.shape, dtype=grad_q.dtype, device=kv.device)
     grad_kv[0][:, :, keys] = sum_groups(dk.to(grad_q.dtype), heads_per_group)
@@ -136,11 +148,16 @@ def _dropout(p: float, seed: int, source: int) -> Dropout | None:
     return Dropout(p, seed + source) if p > 0 else None
 
 
+def _allowed(documents: Documents | None, rank: int, source: int, plan) -> torch.Tensor | None:
+    """The block's per-document mask (None: no packed documents)."""
+    return None if documents is None else documents.allowed(rank, source, plan)
+
+
 class _RingAttention(torch.autograd.Function):
     """q [b, heads, 2c, d], k and v [b, groups, 2c, d] -> out [b, heads, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int):
+    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int, documents):
         heads_per_group = q.shape[1] // k.shape[1]
         kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
         for step in range(cp.size):
@@ -148,14 +165,18 @@ class _RingAttention(torch.autograd.Function):
             _trace("forward block start", step)
             source = (cp.rank - step) % cp.size
             plan = _step_plan(source, cp.rank, half)
-            mask = _dropout(dropout, seed, source)
-            _attend(q, kv, plan, heads_per_group, scale, mask, result)
+            mask, allowed = (
+                _dropout(dropout, seed, source),
+                _allowed(documents, cp.rank, source, plan),
+            )
+            _attend(q, kv, plan, heads_per_group, scale, mask, result, allowed)
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse)
         ctx.cp, ctx.scale, ctx.dropout, ctx.seed = cp, scale, dropout, seed
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -171,9 +192,10 @@ class _RingAttention(torch.autograd.Function):
             source = (cp.rank - step) % cp.size
             plan = _step_plan(source, cp.rank, half)
             mask = _dropout(ctx.dropout, ctx.seed, source)
+            allowed = _allowed(ctx.documents, cp.rank, source, plan)
             _trace("backward block start", step)
             grad_kv = _attend_backward(
-                grad_out, q, kv, out, lse, plan, heads_per_group, scale, mask, grad_q
+                grad_out, q, kv, out, lse, plan, heads_per_group, scale, mask, grad_q, allowed
             )
             _trace("backward block end", step)
             # The gradient of the block held now travels with it: add what the ranks before
@@ -184,23 +206,25 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_k, grad_v = returning.wait()
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 4
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 5
 
 
 class _GatheredAttention(torch.autograd.Function):
     """The ring's blocks from the gathered keys/values [CP, 2, b, groups, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int):
+    def forward(ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int, documents):
         heads_per_group = q.shape[1] // gathered.shape[3]
         result, half = Accumulator(), q.shape[2] // 2
         for step in range(gathered.shape[0]):
             source = (rank - step) % gathered.shape[0]
             plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
-            _attend(q, gathered[source], plan, heads_per_group, scale, mask, result)
+            allowed = _allowed(documents, rank, source, plan)
+            _attend(q, gathered[source], plan, heads_per_group, scale, mask, result, allowed)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, result.lse)
         ctx.rank, ctx.scale, ctx.dropout, ctx.seed = rank, scale, dropout, seed
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -223,8 +247,9 @@ class _GatheredAttention(torch.autograd.Function):
                 ctx.scale,
                 mask,
                 grad_q,
+                _allowed(ctx.documents, ctx.rank, source, plan),
             )
-        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 4
+        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 5
 
 
 def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -243,14 +268,18 @@ def _seed(p: float, device: torch.device) -> int:
     return int(torch.randint(0, 2**62, (1,), device=device)) if p > 0 else 0
 
 
-def ring_attention(query, key, value, cp: Group, dropout: float = 0.0) -> torch.Tensor:
+def ring_attention(
+    query, key, value, cp: Group, dropout: float = 0.0, documents: Documents | None = None
+) -> torch.Tensor:
     q, k, v = _heads_first(query, key, value)
     scale = 1.0 / math.sqrt(q.shape[-1])
     seed = _seed(dropout, q.device)
-    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale, dropout, seed))
+    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale, dropout, seed, documents))
 
 
-def allgather_attention(query, key, value, cp: Group, dropout: float = 0.0) -> torch.Tensor:
+def allgather_attention(
+    query, key, value, cp: Group, dropout: float = 0.0, documents: Documents | None = None
+) -> torch.Tensor:
     # One all-gather for keys and values (backward: one reduce-scatter of their gradients).
     s, b, groups, d = key.shape
     kv = torch.stack((key, value), dim=1)  # [s, 2, b, groups, d]
@@ -258,7 +287,7 @@ def allgather_attention(query, key, value, cp: Group, dropout: float = 0.0) -> t
     gathered = gathered.permute(0, 2, 3, 4, 1, 5).contiguous()  # [CP, 2, b, groups, s, d]
     (q,) = _heads_first(query)
     scale, seed = 1.0 / math.sqrt(d), _seed(dropout, q.device)
-    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed)
+    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed, documents)
     return _sequence_first(out)
 
 
@@ -301,7 +330,10 @@ def scatter_sequence(whole: torch.Tensor, cp: Group) -> torch.Tensor:
 
 def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, local: Callable):
     """a2a: every rank gets the whole sequence of 1/CP of the heads (query heads and their
-    key/value groups together, so GQA's pairing is kept), attends with `local`, sends back."""
+    key/value groups together, so GQA's pairing is kept), attends with `local`, sends back;
+    packed documents' `Documents` become the whole sequence's [b, 1, s, s] mask."""
+    if isinstance(attention_mask, Documents):
+        attention_mask = document_mask(attention_mask.whole())
     s, b, heads, d = query.shape
     groups = key.shape[2]
     split = [heads // cp.size, groups // cp.size, groups // cp.size]
@@ -313,16 +345,20 @@ def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, loc
     return scatter_sequence(context, cp)
 
 
-def hierarchical_attention(query, key, value, dropout, a2a: Group, p2p: Group):
+def hierarchical_attention(
+    query, key, value, dropout, a2a: Group, p2p: Group, documents: Documents | None = None
+):
     """a2a+p2p: Ulysses over `a2a` (A consecutive CP ranks), then ring attention over `p2p`
     (the ranks at the same place of each a2a group). The all-to-all gives each rank its a2a
     group's 2A chunks for 1/A of the heads, in the order `to_global_order` puts them: the A
     first chunks, then the A second ones in reverse. With ring rank o holding CP ranks oA ..
     oA+A-1, those are chunks oA .. oA+A-1 and 2CP-A(o+1) .. 2CP-1-oA: coarse chunks o and
-    2P-1-o of 2P, the ring's own load-balanced layout, on which it runs unchanged."""
+    2P-1-o of 2P, the ring's own load-balanced layout, on which it runs unchanged (packed
+    documents too: their ids laid out for P ranks)."""
+    coarse = None if documents is None else Documents.of(documents.whole(), p2p.size)
 
     def ring(q, k, v, attention_mask, p):
-        return ring_attention(q, k, v, p2p, p)
+        return ring_attention(q, k, v, p2p, p, coarse)
 
     return ulysses_attention(query, key, value, None, dropout, a2a, ring)
 
@@ -339,15 +375,13 @@ def context_parallel_attention(
         a2a, p2p = hierarchy
 
         def hierarchical(query, key, value, attention_mask, dropout):
-            assert attention_mask is None, "--cp-comm-type a2a+p2p takes no attention mask"
-            return hierarchical_attention(query, key, value, dropout, a2a, p2p)
+            return hierarchical_attention(query, key, value, dropout, a2a, p2p, attention_mask)
 
         return hierarchical
     blockwise = {"p2p": ring_attention, "allgather": allgather_attention}[comm_type]
 
     def attention(query, key, value, attention_mask, dropout):
-        # The config refuses per-document masks with CP; this guards direct use.
-        assert attention_mask is None, f"--cp-comm-type {comm_type} takes no attention mask"
-        return blockwise(query, key, value, cp, dropout)
+        # (a mask under CP is packed documents': split_batch's `Documents`)
+        return blockwise(query, key, value, cp, dropout, attention_mask)
 
     return attention

@@ -15,9 +15,13 @@ backward regenerates the same mask; the output-gradient term is then rowsum(dO *
 final, dropped O, as in FlashAttention's backward.
 
 Tensors are [batch, heads, sequence, head_dim]; `causal` blocks are square (a chunk over
-itself). On CPU without dropout the block kernel is PyTorch's flash-attention kernel (the op
-behind SDPA, which also returns the log-sum-exp); otherwise the eager `math` functions below
-(which materialize one block's scores at a time), also the tests' reference.
+itself). `allowed` [batch, 1, rows, keys] (True: may attend) masks a block further: packed
+documents, each attending only within itself. A row may then have no key at all in a block:
+its log-sum-exp is -inf and its output 0, which the merge weighs 0 (every row has a key in
+the block of its own chunk: itself). On CPU without dropout or mask the block kernel is
+PyTorch's flash-attention kernel (the op behind SDPA, which also returns the log-sum-exp);
+otherwise the eager `math` functions below (which materialize one block's scores at a time),
+also the tests' reference.
 """
 
 from __future__ import annotations
@@ -51,11 +55,15 @@ def compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None
+) -> torch.Tensor:
     dtype = compute_dtype(q)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     if causal:
         scores = scores.masked_fill(_future(scores), float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return scores
 
 
@@ -66,10 +74,11 @@ def math_forward(
     causal: bool,
     scale: float,
     dropout: Dropout | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = _scores(q, k, causal, scale)
+    scores = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(scores - _finite(lse)[..., None])  # (a row without keys: all 0)
     if dropout is not None:
         probs = dropout.kept(probs)
     out = torch.matmul(probs, v.to(probs.dtype))
@@ -86,10 +95,11 @@ def math_backward(
     causal: bool,
     scale: float,
     dropout: Dropout | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = compute_dtype(q)
     qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
-    probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    probs = torch.exp(_scores(q, k, causal, scale, allowed) - _finite(lse)[..., None])
     kept = probs if dropout is None else dropout.kept(probs)
     grad_v = torch.matmul(kept.transpose(-2, -1), grad)
     grad_probs = torch.matmul(grad, vf.transpose(-2, -1))
@@ -102,14 +112,18 @@ def math_backward(
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
 def _future(scores: torch.Tensor) -> torch.Tensor:
     rows, columns = scores.shape[-2:]
     return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
 
 
-def _flash(q: torch.Tensor, dropout: Dropout | None) -> bool:
+def _flash(q: torch.Tensor, dropout: Dropout | None, allowed: torch.Tensor | None) -> bool:
     cpu = q.device.type == "cpu" and q.dtype != torch.float64
-    return cpu and _CPU_FLASH is not None and dropout is None
+    return cpu and _CPU_FLASH is not None and dropout is None and allowed is None
 
 
 def block_forward(
@@ -119,12 +133,13 @@ def block_forward(
     causal: bool,
     scale: float,
     dropout: Dropout | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp in fp32 or wider) of q's attention over k and v."""
-    if _flash(q, dropout):
+    if _flash(q, dropout, allowed):
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
-    return math_forward(q, k, v, causal, scale, dropout)
+    return math_forward(q, k, v, causal, scale, dropout, allowed)
 
 
 def block_backward(
@@ -137,11 +152,12 @@ def block_backward(
     causal: bool,
     scale: float,
     dropout: Dropout | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for this block, given the rows' final output and log-sum-exp."""
-    if _flash(q, dropout):
+    if _flash(q, dropout, allowed):
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return math_backward(grad_out, q, k, v, out, lse, causal, scale, dropout)
+    return math_backward(grad_out, q, k, v, out, lse, causal, scale, dropout, allowed)
 
 
 class Accumulator:

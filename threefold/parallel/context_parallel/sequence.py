@@ -9,6 +9,8 @@ the other, so it is still in increasing position order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from threefold.parallel.parallel_context import Group
@@ -33,25 +35,64 @@ def local_positions(seq_length: int, cp: Group, device: torch.device | None = No
     )
 
 
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> [b, 1, s, s]: True where a query may attend, its own document's
+    tokens up to itself (packed documents, --reset-attention-mask)."""
+    length = document_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Per-document attention over a sequence split across CP ranks, as the core attention
+    masks it a block at a time (no rank holds a [s, s] mask of the whole sequence): the
+    document ids of every CP rank's local sequence, [CP, b, 2c]. Every rank reads the whole
+    micro-batch before keeping its share, so each knows every rank's ids without a collective."""
+
+    ranks: torch.Tensor
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, cp_size: int) -> Documents:
+        """The layout of `cp_size` ranks of a whole sequence's [b, s] ids."""
+        return cls(to_rank_order(document_ids.t(), cp_size).permute(0, 2, 1))
+
+    def whole(self) -> torch.Tensor:
+        """The [b, s] ids of the whole sequence, in position order."""
+        return to_global_order(self.ranks.permute(0, 2, 1), self.ranks.shape[0]).t()
+
+    def allowed(self, rank: int, source: int, plan: tuple[slice, slice, bool]) -> torch.Tensor:
+        """[b, 1, rows, keys]: which of `source`'s keys the rows of `rank`'s queries may
+        attend to, for a block (rows, keys, causal) of the attention's plan."""
+        rows, keys, causal = plan
+        queries, others = self.ranks[rank][:, rows], self.ranks[source][:, keys]
+        same = queries[:, :, None] == others[:, None, :]
+        if causal:  # (a chunk over itself: square)
+            same &= torch.ones(same.shape[1:], dtype=torch.bool, device=same.device).tril()
+        return same.unsqueeze(1)
+
+
 def split_batch(batch: dict, cp: Group) -> dict:
     """This CP rank's share of a micro-batch: its two chunks of the tokens, labels, loss mask
     and positions. Positions are made explicit (0..s-1 cut the same way) so RoPE and learned
-    position embeddings see each token's true place in the sequence."""
-    if cp.size == 1:
-        return batch
-    if "attention_mask" in batch:
-        raise ValueError(
-            "per-document attention masks (--reset-attention-mask, packed fine-tuning "
-            "sequences) are not implemented with --context-parallel-size > 1"
-        )
-    tokens = batch["tokens"]
+    position embeddings see each token's true place in the sequence. Packed documents'
+    `document_ids` become the attention's mask: [b, 1, s, s] on one rank, `Documents` over
+    CP ranks."""
     batch = dict(batch)
+    documents = batch.pop("document_ids", None)
+    if cp.size == 1:
+        if documents is not None:
+            batch["attention_mask"] = document_mask(documents)
+        return batch
+    tokens = batch["tokens"]
     if "position_ids" not in batch:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         batch["position_ids"] = positions.expand_as(tokens)
     index = local_positions(tokens.shape[1], cp, tokens.device)
     for name in _SEQUENCE_ENTRIES:
         batch[name] = batch[name].index_select(1, index)
+    if documents is not None:
+        batch["attention_mask"] = Documents.of(documents, cp.size)
     return batch
 
 
