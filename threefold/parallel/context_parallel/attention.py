@@ -14,7 +14,7 @@
 
 Packed documents (--reset-attention-mask, --sft, --sft-packing) reach the core attention as
 `Documents` (sequence.py): the ring and all-gather mask each block by its queries' and keys'
-document ids (blocks with such a mask run the eager block kernel), Ulysses builds the whole
+document ids (the eager block kernel then, on a CPU too), Ulysses builds the whole
 sequence's mask after its all-to-all, and a2a+p2p lays the ids out for its ring.
 
 Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
