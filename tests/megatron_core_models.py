@@ -77,6 +77,9 @@ SHAPES = {
 SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
 # RoPE on half of each head's dimensions (--rotary-percent 0.5, Nemotron's)
 SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
+# A sliding window of 3 keys back in every other layer (--window-size 3,0
+# --window-attn-skip-freq 2: layers 2 and 4 keep full attention)
+SHAPES["llama_window"] = {**SHAPES["llama"], "window_size": (3, 0), "window_attn_skip_freq": 2}
 # relu(x)^2 MLPs (Megatron-LM's --squared-relu)
 SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
 # Multi-latent attention (Megatron-LM's --multi-latent-attention): learned positions beside
@@ -169,6 +172,16 @@ def cpu_patches():
     have_te, multi_latent_attention.HAVE_TE = multi_latent_attention.HAVE_TE, False
     # The router's GEMM asks for Transformer Engine's GEMM by a name bound only when TE imports.
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    # The sliding window's mask is made on "cuda" (--window-size): the same mask on the CPU.
+    from megatron.core.fusions import fused_softmax
+
+    window_mask = fused_softmax.get_sliding_window_causal_mask
+
+    def cpu_window_mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, skv - sq - window_size[0]), skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = cpu_window_mask
     saved = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
@@ -183,6 +196,7 @@ def cpu_patches():
         yield
     finally:
         multi_latent_attention.HAVE_TE = have_te
+        fused_softmax.get_sliding_window_causal_mask = window_mask
         (
             torch.cuda.current_device,
             torch.cuda.synchronize,
@@ -302,6 +316,8 @@ def build(
         attention_dropout=0.0,
         hidden_dropout=0.0,
         rotary_interleaved=shape["rotary_interleaved"],
+        window_size=shape.get("window_size"),
+        window_attn_skip_freq=shape.get("window_attn_skip_freq"),
         **mla,
         **moe,
     )
@@ -359,7 +375,12 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
     from megatron.core.transformer.enums import AttnBackend
 
     defaults = dict(
-        qk_layernorm=False, multi_latent_attention=False, num_experts=None, mtp_num_layers=None
+        qk_layernorm=False,
+        multi_latent_attention=False,
+        num_experts=None,
+        mtp_num_layers=None,
+        window_size=None,
+        window_attn_skip_freq=None,
     )
     return argparse.Namespace(
         **(defaults | shape),

@@ -124,8 +124,8 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             **common,
         )
         model = transformers.LlamaForCausalLM(config)
-    elif kind == "mistral":  # saved in shards with an index file
-        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=None, **common)
+    elif kind == "mistral":  # saved in shards with an index file; a sliding window of 8
+        config = transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)
         model = transformers.MistralForCausalLM(config)
         model.generation_config.eos_token_id = None
         model.save_pretrained(directory, max_shard_size="100KB")

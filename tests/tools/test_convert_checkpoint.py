@@ -328,6 +328,49 @@ def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
     assert result.returncode == 2 and named in result.stderr, result.stderr
 
 
+def test_sliding_windows_convert_as_transformers_computes_them(converted, tmp_path):
+    """Mistral's window of 8 (its `converted` model) is --window-size 7,0 and exports back;
+    Qwen2's windows in the layers from max_window_layers on are a --window-attn-skip-freq
+    pattern, with transformers' logits, and its export is refused (no Hugging Face
+    architecture threefold writes has windows in some layers only)."""
+    import json
+
+    config, _, _ = load_model(converted["mistral"][2])
+    assert (config.model.window_size, config.model.window_attn_skip_freq) == ("7,0", None)
+    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "ours")
+    build_hf_model("qwen2", hf_dir)
+    config_file = os.path.join(hf_dir, "config.json")
+    with open(config_file) as f:
+        hf = json.load(f)
+    hf.update(use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    hf.pop("layer_types", None)  # (transformers derives them from the three above)
+    with open(config_file, "w") as f:
+        json.dump(hf, f)
+    convert_in_process(
+        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
+    )
+    config, model, _ = load_model(ours)
+    assert config.model.window_attn_skip_freq == "[0,0,1,1]"
+    windowed = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logits = model(TOKENS)[..., :VOCAB].transpose(0, 1)
+        expected = windowed(TOKENS).logits
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
+    with torch.no_grad():  # (the windows matter for these 24 tokens)
+        assert (converted["qwen2"][0](TOKENS).logits - expected).abs().max() > 1e-3
+    result = convert(
+        "--loader",
+        "threefold",
+        "--saver",
+        "hf",
+        "--load-dir",
+        ours,
+        "--save-dir",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 2 and "in some layers: export it as Mistral" in result.stderr
+
+
 def test_linear_rope_scaling_is_megatrons_position_interpolation(converted, tmp_path):
     """transformers' `linear` rope type divides the frequencies by the factor, megatron-core's
     --rotary-seq-len-interpolation-factor the positions: the same tables, the flag in the

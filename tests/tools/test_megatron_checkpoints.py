@@ -269,15 +269,17 @@ def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_p
         ("llama_partial_rotary", "rotary_percent", 1.0, "this model's --rotary-percent 0.5"),
         ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
         ("llama_yarn", "position_embedding_type", "rope", None),
+        ("llama_window", "window_size", None, "has no sliding window in every layer"),
     ],
-    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn"],
+    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn", "window"],
 )
 def test_megatron_architecture_flags_compute_megatron_cores_logits(
     tmp_path, capsys, kind, field, off, refusal
 ):
     """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs), --rotary-percent 0.5,
-    --squared-relu and --position-embedding-type yarn (4x over an original context of 8, its
-    temperature on the tables): megatron-core's model, saved and read back by threefold, gives
+    --squared-relu, --position-embedding-type yarn (4x over an original context of 8, its
+    temperature on the tables) and --window-size 3,0 --window-attn-skip-freq 2 (a sliding
+    window in layers 1 and 3): megatron-core's model, saved and read back by threefold, gives
     its logits.
     The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
     regrouped) and of YaRN (LLaMA's rope_scaling of type yarn) gives them too; the others have
@@ -317,6 +319,26 @@ def test_megatron_architecture_flags_compute_megatron_cores_logits(
     torch.testing.assert_close(theirs, reference[..., : theirs.shape[-1]], rtol=0, atol=1e-4)
 
 
+def test_a_sliding_window_goes_back_to_megatron_lm(tmp_path):
+    """Megatron -> threefold -> Megatron of a --window-size model: the export's args hold the
+    window as Megatron-LM's do, and megatron-core computes the same logits from it."""
+    root, trained = str(tmp_path / "megatron"), str(tmp_path / "threefold")
+    run_distributed(1, mc.save, "llama_window", root, 10, 1, 1)
+    reference = run_distributed(1, mc.logits, "llama_window", f"{root}/iter_0000010")[0]
+    for loader, saver, load, save in (
+        ("megatron", "threefold", root, trained),
+        ("threefold", "megatron", trained, str(tmp_path / "back")),
+    ):
+        argv = ["--loader", loader, "--saver", saver, "--load-dir", load, "--save-dir", save]
+        assert convert_checkpoint.main(argv) == 0
+    with open(tmp_path / "back" / "latest_checkpointed_iteration.txt") as f:
+        path = str(tmp_path / "back" / f"iter_{int(f.read()):07d}")
+    args = torch.load(f"{path}/common.pt", weights_only=False)["args"]
+    assert (args.window_size, args.window_attn_skip_freq) == ((3, 0), 2)
+    theirs = run_distributed(1, mc.logits, "llama_window", path)[0]
+    torch.testing.assert_close(theirs, reference, rtol=0, atol=0)
+
+
 def _model_with(config, model):
     """A GPTModel of `config` holding `model`'s weights."""
     from threefold.model import GPTModel
@@ -333,7 +355,7 @@ def _model_with(config, model):
         ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
         # (before: loaded as plain attention and activations, the logits silently wrong)
-        ({"window_size": (128, 0)}, "sliding-window attention"),
+        ({"quick_geglu": True}, "--quick-geglu"),
         ({"softmax_type": "learnable"}, "--softmax-type"),
         ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),

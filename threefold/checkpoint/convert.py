@@ -144,6 +144,8 @@ def _guess_architecture(model: ModelConfig) -> str:
             return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
         if model.qk_layernorm:
             return "Qwen3ForCausalLM"
+        if model.window_size is not None and not model.add_qkv_bias:
+            return "MistralForCausalLM"  # (a sliding window)
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "

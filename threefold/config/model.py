@@ -16,12 +16,14 @@ from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
 from threefold.config.mup import MuPConfig
 from threefold.config.recompute import RecomputeConfig
+from threefold.config.window_attention import WindowAttentionConfig
 
 
 @dataclass
 class ModelConfig(
     MLAConfig,
     LinearAttentionConfig,
+    WindowAttentionConfig,
     MoEConfig,
     MTPConfig,
     RecomputeConfig,
@@ -29,10 +31,10 @@ class ModelConfig(
     MuPConfig,
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts, multi-latent attention, linear attention, multi-token prediction,
-    recomputation, activation offloading and muP fields are inherited (config/moe.py,
-    config/mla.py, config/linear_attention.py, config/mtp.py, config/recompute.py,
-    config/activation_offload.py, config/mup.py)."""
+    The mixture-of-experts, multi-latent attention, linear attention, sliding-window attention,
+    multi-token prediction, recomputation, activation offloading and muP fields are inherited
+    (config/moe.py, config/mla.py, config/linear_attention.py, config/window_attention.py,
+    config/mtp.py, config/recompute.py, config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -351,6 +353,7 @@ class ModelConfig(
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
         self.finalize_mla()
         self.finalize_linear_attention()
+        self.finalize_window_attention()
         self.finalize_mup()
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)

@@ -25,6 +25,8 @@ def parse_layer_pattern(text: str, num_layers: int, flag: str = "--moe-layer-fre
     a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists, the
     sum itself repeated "(...)*k"; the lists of another `flag` (--linear-attention-freq) alike."""
     text = text.strip()
+    if re.fullmatch(r"\[[^]]*\]\s*\*\s*\d+", text):  # [1,0]*4, as Python reads it
+        text = "(" + text.replace("]", "])", 1)
     repeated = _REPEATED.match(text)
     if repeated is not None:
         times = int(repeated.group(2))

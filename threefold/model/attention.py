@@ -50,6 +50,17 @@ def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAtte
     )
 
 
+def window_mask(
+    length: int, window: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[1 or b, 1, s, s]: True where a query may attend, the `window` keys before it and
+    itself (--window-size window,0), within the packed documents of `attention_mask`."""
+    offsets = torch.arange(length, device=device)
+    back = offsets[:, None] - offsets[None, :]
+    band = ((back >= 0) & (back <= window))[None, None]
+    return band if attention_mask is None else band & attention_mask
+
+
 class Attention(nn.Module):
     """What every attention layer shares: `core_attention(config, parallel)` builds what turns
     query, key and value into the context (the layer spec's choice: `local_attention` or
@@ -60,10 +71,12 @@ class Attention(nn.Module):
         config: ModelConfig,
         parallel: ParallelContext,
         core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention],
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.core_attention = core_attention(config, parallel)
         self.attention_dropout = config.attention_dropout
+        self.window = window  # --window-size: the keys back a query sees (None: all)
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
         self.recompute_core_attention = config.recomputes("core_attn")
@@ -94,6 +107,8 @@ class Attention(nn.Module):
         """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
         query head i reads key/value group i // heads_per_group."""
         dropout = self.attention_dropout if self.training else 0.0
+        if self.window is not None:
+            attention_mask = window_mask(query.shape[0], self.window, attention_mask, query.device)
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
@@ -110,8 +125,9 @@ class SelfAttention(Attention):
         init_method: InitMethod,
         output_layer_init_method: InitMethod,
         core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
+        window: int | None = None,
     ) -> None:
-        super().__init__(config, parallel, core_attention)
+        super().__init__(config, parallel, core_attention, window)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp

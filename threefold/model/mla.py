@@ -53,8 +53,9 @@ class MLASelfAttention(Attention):
         init_method: InitMethod,
         output_layer_init_method: InitMethod,
         core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
+        window: int | None = None,
     ) -> None:
-        super().__init__(config, parallel, core_attention)
+        super().__init__(config, parallel, core_attention, window)
         self.tp, self.sequence_parallel = parallel.tp, parallel.sequence_parallel
         heads = config.num_attention_heads
         self.heads_per_partition = heads // parallel.tp.size

@@ -204,6 +204,7 @@ class Adapter:
     # gated delta nets, gated attention and a gated shared expert, RoPE on part of each head
     # (hf/qwen3_next.py)
     exports_qwen3_next = False
+    windows = False  # a sliding window in every layer (Mistral's)
     # Its norms scale by (1 + weight), as --apply-layernorm-1p's do (Qwen3-Next's).
     zero_centered_norms = False
     # Hugging Face tensors that carry nothing (buffers some versions save).
@@ -305,6 +306,15 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "
                 "Hugging Face architectures threefold exports computes this model"
+            )
+        if config.window_size is not None and not (
+            self.windows and config.window_attn_skip_freq is None
+        ):
+            some = " in some layers" if config.window_attn_skip_freq else ""
+            raise ConfigError(
+                f"{self.architecture} has no sliding window in every layer, and this model "
+                f"attends in a window (--window-size){some}: export it as MistralForCausalLM, "
+                "whose layers all slide"
             )
         if config.rotary_interleaved and config.qk_layernorm:
             raise ConfigError(

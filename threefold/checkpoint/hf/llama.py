@@ -57,6 +57,8 @@ class LlamaAdapter(Adapter):
     qk_norm: bool = False  # Qwen3: RMSNorm on each query and key head (--qk-layernorm)
     # Qwen's configs name a window they do not use unless use_sliding_window is set.
     window_needs_flag: bool = False
+    # Mistral: a sliding window in every layer (its config's default: 4096 tokens)
+    windows: bool = False  # (the Adapter's class default, as a field here)
     writes_biases: bool = True  # its config carries attention_bias / mlp_bias
     extra_hf_config: dict = field(default_factory=dict)
 
@@ -73,13 +75,7 @@ class LlamaAdapter(Adapter):
             hf.get("pretraining_tp"),
             "must be 1",
         )
-        refuse(
-            hf.get("sliding_window") is not None
-            and (not self.window_needs_flag or hf.get("use_sliding_window")),
-            "sliding_window",
-            hf.get("sliding_window"),
-            "sliding-window attention is not implemented",
-        )
+        window = self._window(hf)
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
         refuse(
             attention_bias != mlp_bias,
@@ -115,6 +111,35 @@ class LlamaAdapter(Adapter):
             init_method_std=hf.get("initializer_range", 0.02),
             attention_dropout=hf.get("attention_dropout", 0.0),
             hidden_dropout=0.0,
+            **window,
+        )
+
+    def _window(self, hf: dict) -> dict:
+        """--window-size (and which layers, --window-attn-skip-freq) of a config's sliding
+        window of `sliding_window` tokens, the query's own included: keys back = it - 1."""
+        size = hf.get("sliding_window", 4096 if self.windows else None)
+        if self.window_needs_flag and not hf.get("use_sliding_window"):
+            size = None  # (named, not used)
+        refuse(
+            size is not None and not (self.windows or self.window_needs_flag),
+            "sliding_window",
+            size,
+            f"{self.architecture} has no sliding window",
+        )
+        if size is None:
+            return {}
+        if not self.window_needs_flag:
+            return {"window_size": f"{size - 1},0"}
+        # Qwen: the layers from max_window_layers on (or those layer_types names) slide.
+        layers = hf["num_hidden_layers"]
+        kinds = hf.get("layer_types") or [
+            "sliding_attention" if i >= hf.get("max_window_layers", layers) else "full_attention"
+            for i in range(layers)
+        ]
+        pattern = [int(kind == "sliding_attention") for kind in kinds]
+        freq = "[" + ",".join(map(str, pattern)) + "]"
+        return (
+            {"window_size": f"{size - 1},0", "window_attn_skip_freq": freq} if any(pattern) else {}
         )
 
     def check_exportable(self, config: ModelConfig) -> None:
@@ -150,6 +175,9 @@ class LlamaAdapter(Adapter):
         }
         if self.writes_biases:
             hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+        if self.windows:  # (explicit: without it Mistral's config means 4096)
+            window = config.attention_window()
+            hf["sliding_window"] = None if window is None else window + 1
         scaling = rope_scaling(config)
         if scaling is not None:
             hf["rope_scaling"] = scaling
@@ -241,7 +269,7 @@ class LlamaAdapter(Adapter):
 
 
 LLAMA = LlamaAdapter("LlamaForCausalLM", "llama")
-MISTRAL = LlamaAdapter("MistralForCausalLM", "mistral")
+MISTRAL = LlamaAdapter("MistralForCausalLM", "mistral", windows=True)
 QWEN2 = LlamaAdapter(
     "Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_needs_flag=True, writes_biases=False
 )

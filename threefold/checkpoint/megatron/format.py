@@ -49,8 +49,6 @@ _UNSUPPORTED = (
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     # (read as the plain model they are not, these would load without an error)
-    ("window_size", None, "sliding-window attention (--window-size)"),
-    ("window_attn_skip_freq", None, "sliding-window attention (--window-attn-skip-freq)"),
     ("softmax_type", "vanilla", "an off-by-one or learnable softmax (--softmax-type)"),
     ("no_rope_freq", None, "layers without RoPE (--no-rope-freq)"),
     ("quick_geglu", False, "the quick GeGLU activation (--quick-geglu)"),
@@ -117,9 +115,11 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
-    for name in ("moe_layer_freq", "linear_attention_freq"):
+    for name in ("moe_layer_freq", "linear_attention_freq", "window_attn_skip_freq"):
         if name in model:  # Megatron-LM's args hold the parsed N or [0, 1, ...]
             model[name] = str(model[name]).replace(" ", "")
+    if isinstance(model.get("window_size"), (tuple, list)):  # its args hold (L, R)
+        model["window_size"] = ",".join(map(str, model["window_size"]))
     balancing = model.get("moe_router_load_balancing_type")
     if isinstance(balancing, list) and len(balancing) == 1:  # megatron-core's list form
         (model["moe_router_load_balancing_type"],) = balancing
@@ -239,6 +239,18 @@ def linear_attention_freq(model: ModelConfig) -> int | list[int] | None:
     return model.linear_attention_pattern(model.num_layers)
 
 
+def window_args(model: ModelConfig) -> dict:
+    """--window-size and --window-attn-skip-freq as Megatron-LM's args hold them: (L, R), and
+    N or one 0/1 per layer."""
+    if model.window_size is None:
+        return {"window_size": None, "window_attn_skip_freq": None}
+    freq = model.window_attn_skip_freq
+    if freq is not None:
+        freq = int(freq) if freq.strip().isdigit() else model.window_pattern(model.num_layers)
+    window = tuple(int(part) for part in model.window_size.split(","))
+    return {"window_size": window, "window_attn_skip_freq": freq}
+
+
 def megatron_args(config: Config, iteration: int, train_state: dict | None = None) -> dict:
     """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
     field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read.
@@ -261,6 +273,7 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         apply_query_key_layer_scaling=False,
         moe_layer_freq=moe_layer_freq(model),
         linear_attention_freq=linear_attention_freq(model),
+        **window_args(model),
         vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size(1),
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
