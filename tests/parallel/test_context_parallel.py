@@ -32,6 +32,7 @@ def _core_attention_job(
     groups: int,
     hierarchy: list[int] | None = None,
     documents: bool = False,
+    window: int | None = None,
 ) -> list[float]:
     import torch.distributed as dist
 
@@ -42,6 +43,7 @@ def _core_attention_job(
         Documents,
         document_mask,
         local_positions,
+        window_mask,
     )
 
     state.initialize_model_parallel(
@@ -59,14 +61,19 @@ def _core_attention_job(
     v = torch.randn(sequence, batch, groups, head_dim, requires_grad=True)
     upstream = torch.randn(sequence, batch, heads * head_dim)
     ids = _document_ids(sequence) if documents else None
-    expected = reference.attention(q, k, v, None if ids is None else document_mask(ids), 0.0)
+    mask = None if ids is None else document_mask(ids)
+    mask = mask if window is None else window_mask(sequence, window, mask, q.device)
+    expected = reference.attention(q, k, v, mask, 0.0)
     expected.backward(upstream)
 
     mine = local_positions(sequence, cp)
     local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
     hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
     attention = context_parallel_attention(cp, comm_type, reference.attention, hierarchy)
-    out = attention(*local, None if ids is None else Documents.of(ids, cp.size), 0.0)
+    spans = None if ids is None else Documents.of(ids, cp.size)
+    if window is not None:
+        spans = Documents.windowed(spans, window, cp.size, local[0])
+    out = attention(*local, spans, 0.0)
     out.backward(upstream[mine])
     pairs = [(out, expected[mine])] + [(t.grad, w.grad[mine]) for t, w in zip(local, (q, k, v))]
     return [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
@@ -86,6 +93,18 @@ def test_packed_documents_attend_within_themselves_over_cp4(comm_type):
     attention, though some blocks hold queries with no key of their own document."""
     hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
     for errors in run_distributed(4, _core_attention_job, comm_type, 8, 4, hierarchy, True):
+        assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["window", "window-documents"])
+@pytest.mark.parametrize("comm_type", [*COMM_TYPES, "a2a+p2p"])
+def test_a_sliding_window_over_cp4_is_the_whole_sequences(comm_type, documents):
+    """--window-size 5,0 over 4 CP ranks (chunks of 4 tokens): each block masked by its
+    tokens' positions (and documents) gives every token the whole sequence's output and
+    gradients."""
+    hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
+    results = run_distributed(4, _core_attention_job, comm_type, 8, 4, hierarchy, documents, 5)
+    for errors in results:
         assert max(errors) < 1e-5, errors
 
 

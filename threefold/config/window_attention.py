@@ -7,7 +7,8 @@ models take R = 0, so a query sees itself and the L tokens before it (a Hugging 
 attention: N makes every N-th layer full and the others windowed (N-1 : 1, megatron-core's
 `is_layer_window_attention`), a pattern such as [1,1,1,0]*3 gives 1 (window) or 0 (full) per
 layer. Gated delta net layers have no window. The window is a band of the causal mask, built
-where the attention runs (model/attention.py), and combines with packed documents' masks.
+where the attention runs (model/attention.py; over CP ranks a block at a time), and combines
+with packed documents' masks.
 
 `ModelConfig` inherits the fields; `finalize_window_attention` is called from its finalize.
 """

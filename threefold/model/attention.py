@@ -22,6 +22,7 @@ from threefold.model.activation_offload import offload_group
 from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention
+from threefold.parallel.context_parallel.sequence import Documents, window_mask
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
@@ -50,17 +51,6 @@ def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAtte
     )
 
 
-def window_mask(
-    length: int, window: int, attention_mask: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """[1 or b, 1, s, s]: True where a query may attend, the `window` keys before it and
-    itself (--window-size window,0), within the packed documents of `attention_mask`."""
-    offsets = torch.arange(length, device=device)
-    back = offsets[:, None] - offsets[None, :]
-    band = ((back >= 0) & (back <= window))[None, None]
-    return band if attention_mask is None else band & attention_mask
-
-
 class Attention(nn.Module):
     """What every attention layer shares: `core_attention(config, parallel)` builds what turns
     query, key and value into the context (the layer spec's choice: `local_attention` or
@@ -77,6 +67,7 @@ class Attention(nn.Module):
         self.core_attention = core_attention(config, parallel)
         self.attention_dropout = config.attention_dropout
         self.window = window  # --window-size: the keys back a query sees (None: all)
+        self.cp_size = parallel.cp.size  # (over CP ranks the window masks each block)
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
         self.recompute_core_attention = config.recomputes("core_attn")
@@ -107,7 +98,9 @@ class Attention(nn.Module):
         """query [s, b, heads, d], key and value [s, b, groups, d] -> context [s, b, heads*d];
         query head i reads key/value group i // heads_per_group."""
         dropout = self.attention_dropout if self.training else 0.0
-        if self.window is not None:
+        if self.window is not None and self.cp_size > 1:
+            attention_mask = Documents.windowed(attention_mask, self.window, self.cp_size, query)
+        elif self.window is not None:
             attention_mask = window_mask(query.shape[0], self.window, attention_mask, query.device)
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()

@@ -48,12 +48,7 @@ from threefold.parallel.context_parallel.block_attention import (
     expand_groups,
     sum_groups,
 )
-from threefold.parallel.context_parallel.sequence import (
-    Documents,
-    document_mask,
-    to_global_order,
-    to_rank_order,
-)
+from threefold.parallel.context_parallel.sequence import Documents, to_global_order, to_rank_order
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -333,7 +328,7 @@ def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, loc
     key/value groups together, so GQA's pairing is kept), attends with `local`, sends back;
     packed documents' `Documents` become the whole sequence's [b, 1, s, s] mask."""
     if isinstance(attention_mask, Documents):
-        attention_mask = document_mask(attention_mask.whole())
+        attention_mask = attention_mask.whole_mask()
     s, b, heads, d = query.shape
     groups = key.shape[2]
     split = [heads // cp.size, groups // cp.size, groups // cp.size]
@@ -355,7 +350,9 @@ def hierarchical_attention(
     oA+A-1, those are chunks oA .. oA+A-1 and 2CP-A(o+1) .. 2CP-1-oA: coarse chunks o and
     2P-1-o of 2P, the ring's own load-balanced layout, on which it runs unchanged (packed
     documents too: their ids laid out for P ranks)."""
-    coarse = None if documents is None else Documents.of(documents.whole(), p2p.size)
+    coarse = None
+    if documents is not None:
+        coarse = Documents.of(documents.whole(), p2p.size, documents.window)
 
     def ring(q, k, v, attention_mask, p):
         return ring_attention(q, k, v, p2p, p, coarse)

@@ -43,23 +43,63 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal).unsqueeze(1)
 
 
+def window_mask(
+    length: int, window: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[1 or b, 1, s, s]: True where a query may attend, the `window` keys before it and
+    itself (--window-size window,0), within the packed documents of `attention_mask`."""
+    offsets = torch.arange(length, device=device)
+    back = offsets[:, None] - offsets[None, :]
+    band = ((back >= 0) & (back <= window))[None, None]
+    return band if attention_mask is None else band & attention_mask
+
+
 @dataclass(frozen=True)
 class Documents:
     """Per-document attention over a sequence split across CP ranks, as the core attention
     masks it a block at a time (no rank holds a [s, s] mask of the whole sequence): the
     document ids of every CP rank's local sequence, [CP, b, 2c]. Every rank reads the whole
-    micro-batch before keeping its share, so each knows every rank's ids without a collective."""
+    micro-batch before keeping its share, so each knows every rank's ids without a collective.
+    `window`: a sliding window's keys back (--window-size), by position in the sequence."""
 
     ranks: torch.Tensor
+    window: int | None = None
 
     @classmethod
-    def of(cls, document_ids: torch.Tensor, cp_size: int) -> Documents:
+    def of(cls, document_ids: torch.Tensor, cp_size: int, window: int | None = None) -> Documents:
         """The layout of `cp_size` ranks of a whole sequence's [b, s] ids."""
-        return cls(to_rank_order(document_ids.t(), cp_size).permute(0, 2, 1))
+        return cls(to_rank_order(document_ids.t(), cp_size).permute(0, 2, 1), window)
+
+    @classmethod
+    def windowed(
+        cls, mask: Documents | None, window: int, cp_size: int, query: torch.Tensor
+    ) -> Documents:
+        """`mask` (None: one document, the whole sequence) with a sliding window; `query`
+        [2c, b, ...] this rank's."""
+        if mask is None:
+            ranks = torch.zeros(cp_size, query.shape[1], query.shape[0], device=query.device)
+            return cls(ranks, window)
+        return cls(mask.ranks, window)
 
     def whole(self) -> torch.Tensor:
         """The [b, s] ids of the whole sequence, in position order."""
         return to_global_order(self.ranks.permute(0, 2, 1), self.ranks.shape[0]).t()
+
+    def whole_mask(self) -> torch.Tensor:
+        """[b, 1, s, s]: the whole sequence's mask (Ulysses, after its all-to-all)."""
+        mask = document_mask(self.whole())
+        if self.window is None:
+            return mask
+        return window_mask(mask.shape[-1], self.window, mask, mask.device)
+
+    def _positions(self, rank: int) -> torch.Tensor:
+        cp_size, chunk = self.ranks.shape[0], self.ranks.shape[-1] // 2
+        return torch.cat(
+            [
+                torch.arange(i * chunk, (i + 1) * chunk, device=self.ranks.device)
+                for i in chunk_ids(cp_size, rank)
+            ]
+        )
 
     def allowed(self, rank: int, source: int, plan: tuple[slice, slice, bool]) -> torch.Tensor:
         """[b, 1, rows, keys]: which of `source`'s keys the rows of `rank`'s queries may
@@ -69,6 +109,9 @@ class Documents:
         same = queries[:, :, None] == others[:, None, :]
         if causal:  # (a chunk over itself: square)
             same &= torch.ones(same.shape[1:], dtype=torch.bool, device=same.device).tril()
+        if self.window is not None:  # (the plan's keys never lie after its queries)
+            back = self._positions(rank)[rows][:, None] - self._positions(source)[keys][None]
+            same &= back <= self.window
         return same.unsqueeze(1)
 
 
