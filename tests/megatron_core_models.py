@@ -80,6 +80,14 @@ SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
 # A sliding window of 3 keys back in every other layer (--window-size 3,0
 # --window-attn-skip-freq 2: layers 2 and 4 keep full attention)
 SHAPES["llama_window"] = {**SHAPES["llama"], "window_size": (3, 0), "window_attn_skip_freq": 2}
+# GPT-OSS's MLP: quick_gelu(gate) * (up + 1), the halves clamped (at a value they reach here)
+SHAPES["quick_geglu"] = {
+    **SHAPES["llama"],
+    "swiglu": False,
+    "quick_geglu": True,
+    "glu_linear_offset": 1.0,
+    "activation_func_clamp_value": 0.05,
+}
 # relu(x)^2 MLPs (Megatron-LM's --squared-relu)
 SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
 # Multi-latent attention (Megatron-LM's --multi-latent-attention): learned positions beside
@@ -259,7 +267,7 @@ def build(
     """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP (x EP) layout."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.activations import squared_relu
+    from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -301,10 +309,14 @@ def build(
         ffn_hidden_size=shape["ffn_hidden_size"],
         normalization=shape["normalization"],
         layernorm_epsilon=shape["norm_epsilon"],
-        gated_linear_unit=shape["swiglu"],
+        gated_linear_unit=shape["swiglu"] or shape.get("quick_geglu", False),
         activation_func=squared_relu
         if shape["squared_relu"]
+        else quick_gelu
+        if shape.get("quick_geglu")
         else (F.silu if shape["swiglu"] else F.gelu),
+        glu_linear_offset=shape.get("glu_linear_offset", 0.0),
+        activation_func_clamp_value=shape.get("activation_func_clamp_value"),
         add_bias_linear=shape["add_bias_linear"],
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -381,6 +393,9 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         mtp_num_layers=None,
         window_size=None,
         window_attn_skip_freq=None,
+        quick_geglu=False,
+        glu_linear_offset=0.0,
+        activation_func_clamp_value=None,
     )
     return argparse.Namespace(
         **(defaults | shape),

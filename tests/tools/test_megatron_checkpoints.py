@@ -270,17 +270,19 @@ def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_p
         ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
         ("llama_yarn", "position_embedding_type", "rope", None),
         ("llama_window", "window_size", None, "has no sliding window in every layer"),
+        ("quick_geglu", "glu_linear_offset", 0.0, "matches no Hugging Face architecture"),
     ],
-    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn", "window"],
+    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn", "window", "quick-geglu"],
 )
 def test_megatron_architecture_flags_compute_megatron_cores_logits(
     tmp_path, capsys, kind, field, off, refusal
 ):
     """Megatron-LM's --rotary-interleaved (RoPE on adjacent pairs), --rotary-percent 0.5,
     --squared-relu, --position-embedding-type yarn (4x over an original context of 8, its
-    temperature on the tables) and --window-size 3,0 --window-attn-skip-freq 2 (a sliding
-    window in layers 1 and 3): megatron-core's model, saved and read back by threefold, gives
-    its logits.
+    temperature on the tables), --window-size 3,0 --window-attn-skip-freq 2 (a sliding
+    window in layers 1 and 3) and GPT-OSS's MLP (--quick-geglu --glu-linear-offset 1.0
+    --activation-func-clamp-value 0.05, a clamp the activations reach): megatron-core's model,
+    saved and read back by threefold, gives its logits.
     The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
     regrouped) and of YaRN (LLaMA's rope_scaling of type yarn) gives them too; the others have
     no Hugging Face architecture among those threefold writes, and their export is refused in
@@ -355,9 +357,8 @@ def _model_with(config, model):
         ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
         # (before: loaded as plain attention and activations, the logits silently wrong)
-        ({"quick_geglu": True}, "--quick-geglu"),
         ({"softmax_type": "learnable"}, "--softmax-type"),
-        ({"activation_func_clamp_value": 7.0}, "--activation-func-clamp-value"),
+        ({"no_rope_freq": 4}, "--no-rope-freq"),
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),
     ],
 )

@@ -178,6 +178,21 @@ class ModelConfig(
         checkpoint=ARCHITECTURE,
         help="squared-ReLU MLPs, relu(x)^2 (Primer, Nemotron), instead of GELU",
     )
+    # GPT-OSS's MLP: a GLU of quick GELU, x * sigmoid(1.702 x), whose linear half is offset
+    # by --glu-linear-offset, both halves clamped to --activation-func-clamp-value
+    quick_geglu: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="quick-GELU GLU MLPs: quick_gelu(gate) * (up + --glu-linear-offset) (GPT-OSS)",
+    )
+    glu_linear_offset: float = arg(
+        0.0, checkpoint=ARCHITECTURE, help="added to a GLU's linear half (GPT-OSS: 1.0)"
+    )
+    activation_func_clamp_value: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        help="a GLU's gate clamped to at most V, its linear half to [-V, V] (GPT-OSS: 7.0)",
+    )
     untie_embeddings_and_output_weights: bool = arg(
         False,
         checkpoint=ARCHITECTURE,
@@ -236,6 +251,11 @@ class ModelConfig(
     )
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLPs are GLUs: fc1 holds a gate and an up projection."""
+        return self.swiglu or self.quick_geglu
+
+    @property
     def rotary_position_embeddings(self) -> bool:
         """Whether attention turns queries and keys by the model's RoPE tables (rope, yarn)."""
         return self.position_embedding_type in ("rope", "yarn")
@@ -266,6 +286,21 @@ class ModelConfig(
         _require(
             not self.squared_relu or not (self.swiglu or self.openai_gelu),
             "--squared-relu is the MLP's activation: drop --swiglu and --openai-gelu",
+        )
+        _require(
+            not self.quick_geglu or not (self.swiglu or self.squared_relu or self.openai_gelu),
+            "--quick-geglu is the MLP's activation: drop --swiglu, --squared-relu and "
+            "--openai-gelu",
+        )
+        _require(
+            self.gated_linear_unit
+            or (self.glu_linear_offset == 0.0 and self.activation_func_clamp_value is None),
+            "--glu-linear-offset and --activation-func-clamp-value shape a GLU MLP: add "
+            "--quick-geglu or --swiglu, or drop them",
+        )
+        _require(
+            self.activation_func_clamp_value is None or self.activation_func_clamp_value > 0,
+            f"--activation-func-clamp-value {self.activation_func_clamp_value} must be > 0",
         )
         if self.group_query_attention:
             _require(

@@ -288,7 +288,7 @@ def _scale_bytes_per_feature(config: Config, s: int, b: int) -> int:
 def _intermediate_bytes(model: ModelConfig, e: int, fp8: bool) -> int:
     """Bytes an MLP keeps per intermediate feature of a token: fc1's output, SiLU's and their
     product (GELU: fc1's output and GELU's), the last one fc2's input: 1 byte in FP8."""
-    return e * (3 if model.swiglu else 1) + (1 if fp8 else e)
+    return e * (3 if model.gated_linear_unit else 1) + (1 if fp8 else e)
 
 
 def _moe_activation_parts(
@@ -314,7 +314,7 @@ def _moe_activation_parts(
     fc2_input = 1 if experts else e
     activation = _intermediate_bytes(model, e, experts) - fc2_input
     if model.recomputes("moe_act"):  # the activation's output freed (an FP8 fc2 keeps a copy)
-        activation, fc2_input = e * (2 if model.swiglu else 1), 1 if experts else 0
+        activation, fc2_input = e * (2 if model.gated_linear_unit else 1), 1 if experts else 0
     parts = {
         "expert_fc1": pairs * (1 if experts else e) * h,
         "moe_act": pairs * activation * f // etp,

@@ -39,7 +39,7 @@ from threefold.training.activation_estimate import (
 
 def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
     """An MLP of hidden size `f` split over `tp` ranks (column-parallel biases split too)."""
-    h, fc1 = model.hidden_size, f * (2 if model.swiglu else 1)
+    h, fc1 = model.hidden_size, f * (2 if model.gated_linear_unit else 1)
     return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.add_bias_linear else 0)
 
 
@@ -141,7 +141,7 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
 
 def _mlp_weights(model: ModelConfig, f: int, tp: int) -> int:
     """fc1's and fc2's weight elements of an MLP of hidden size `f` split over `tp` ranks."""
-    return model.hidden_size * f * (3 if model.swiglu else 2) // tp
+    return model.hidden_size * f * (3 if model.gated_linear_unit else 2) // tp
 
 
 def stage_fp8_weights(config: Config, stage: int) -> int:

@@ -51,9 +51,6 @@ _UNSUPPORTED = (
     # (read as the plain model they are not, these would load without an error)
     ("softmax_type", "vanilla", "an off-by-one or learnable softmax (--softmax-type)"),
     ("no_rope_freq", None, "layers without RoPE (--no-rope-freq)"),
-    ("quick_geglu", False, "the quick GeGLU activation (--quick-geglu)"),
-    ("glu_linear_offset", 0.0, "an offset on the GLU's linear half (--glu-linear-offset)"),
-    ("activation_func_clamp_value", None, "clamped activations (--activation-func-clamp-value)"),
     (
         "apply_residual_connection_post_layernorm",
         False,

@@ -32,6 +32,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
+from threefold.model.mlp import GLU
 from threefold.model.recompute import OutputDiscardingCheckpoint
 from threefold.parallel.parallel_context import Group, ParallelContext
 from threefold.parallel.tensor_parallel.delayed_wgrad import when_due
@@ -49,8 +50,8 @@ class ExpertMLP(nn.Module):
     ) -> None:
         super().__init__()
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
-        fc1_out = ffn * (2 if config.swiglu else 1)
-        stride = 2 if config.swiglu else 1
+        fc1_out = ffn * (2 if config.gated_linear_unit else 1)
+        stride = 2 if config.gated_linear_unit else 1
         self.linear_fc1 = ExpertLinear(
             hidden, fc1_out, config, init_method, expert_tp, row_parallel=False, stride=stride
         )
@@ -144,7 +145,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_local = config.num_experts // parallel.ep.size
         self.expert_offset = parallel.ep.rank * self.num_local
-        self.swiglu = config.swiglu
+        self.glu = GLU.of(config)
         self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = config.moe_grouped_gemm
@@ -165,8 +166,8 @@ class Experts(nn.Module):
         )
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return KERNELS.swiglu(*x.chunk(2, dim=-1))
+        if self.glu:
+            return self.glu(*x.chunk(2, dim=-1))
         if self.squared_relu:
             return KERNELS.squared_relu(x)
         return KERNELS.gelu(x, self.gelu_approximation)
