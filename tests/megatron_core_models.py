@@ -80,6 +80,10 @@ SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
 # A sliding window of 3 keys back in every other layer (--window-size 3,0
 # --window-attn-skip-freq 2: layers 2 and 4 keep full attention)
 SHAPES["llama_window"] = {**SHAPES["llama"], "window_size": (3, 0), "window_attn_skip_freq": 2}
+# GPT-OSS's attention sinks: a learned softmax logit per head (--softmax-type learnable), and
+# the fixed logit 0 (off-by-one)
+SHAPES["llama_sinks"] = {**SHAPES["llama"], "softmax_type": "learnable"}
+SHAPES["llama_off_by_one"] = {**SHAPES["llama"], "softmax_type": "off-by-one"}
 # GPT-OSS's MLP: quick_gelu(gate) * (up + 1), the halves clamped (at a value they reach here)
 SHAPES["quick_geglu"] = {
     **SHAPES["llama"],
@@ -316,6 +320,7 @@ def build(
         if shape.get("quick_geglu")
         else (F.silu if shape["swiglu"] else F.gelu),
         glu_linear_offset=shape.get("glu_linear_offset", 0.0),
+        softmax_type=shape.get("softmax_type", "vanilla"),
         activation_func_clamp_value=shape.get("activation_func_clamp_value"),
         add_bias_linear=shape["add_bias_linear"],
         tensor_model_parallel_size=tensor_parallel,
@@ -396,6 +401,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         quick_geglu=False,
         glu_linear_offset=0.0,
         activation_func_clamp_value=None,
+        softmax_type="vanilla",
     )
     return argparse.Namespace(
         **(defaults | shape),

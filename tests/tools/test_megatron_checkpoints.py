@@ -321,12 +321,28 @@ def test_megatron_architecture_flags_compute_megatron_cores_logits(
     torch.testing.assert_close(theirs, reference[..., : theirs.shape[-1]], rtol=0, atol=1e-4)
 
 
-def test_a_sliding_window_goes_back_to_megatron_lm(tmp_path):
-    """Megatron -> threefold -> Megatron of a --window-size model: the export's args hold the
-    window as Megatron-LM's do, and megatron-core computes the same logits from it."""
+@pytest.mark.parametrize(
+    "kind,args",
+    [
+        ("llama_window", {"window_size": (3, 0), "window_attn_skip_freq": 2}),
+        ("llama_sinks", {"softmax_type": "learnable"}),
+        ("llama_off_by_one", {"softmax_type": "off-by-one"}),
+    ],
+    ids=["window", "learnable-sinks", "off-by-one"],
+)
+def test_gpt_oss_attention_goes_to_megatron_lm_and_back(tmp_path, kind, args):
+    """Megatron -> threefold -> Megatron of GPT-OSS's attention: a sliding window in every
+    other layer (--window-size 3,0 --window-attn-skip-freq 2), and a softmax with one more
+    logit, learned per head (its `core_attention.softmax_offset`) or 0 (--softmax-type):
+    threefold computes megatron-core's logits, the export's args hold the flags as
+    Megatron-LM's do, and megatron-core computes the same logits from it."""
     root, trained = str(tmp_path / "megatron"), str(tmp_path / "threefold")
-    run_distributed(1, mc.save, "llama_window", root, 10, 1, 1)
-    reference = run_distributed(1, mc.logits, "llama_window", f"{root}/iter_0000010")[0]
+    run_distributed(1, mc.save, kind, root, 10, 1, 1)
+    reference = run_distributed(1, mc.logits, kind, f"{root}/iter_0000010")[0]
+    _, model, _ = load_model(root, with_tokenizer=False)
+    with torch.no_grad():
+        logits = model(mc.TOKENS).transpose(0, 1)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     for loader, saver, load, save in (
         ("megatron", "threefold", root, trained),
         ("threefold", "megatron", trained, str(tmp_path / "back")),
@@ -335,9 +351,9 @@ def test_a_sliding_window_goes_back_to_megatron_lm(tmp_path):
         assert convert_checkpoint.main(argv) == 0
     with open(tmp_path / "back" / "latest_checkpointed_iteration.txt") as f:
         path = str(tmp_path / "back" / f"iter_{int(f.read()):07d}")
-    args = torch.load(f"{path}/common.pt", weights_only=False)["args"]
-    assert (args.window_size, args.window_attn_skip_freq) == ((3, 0), 2)
-    theirs = run_distributed(1, mc.logits, "llama_window", path)[0]
+    saved = torch.load(f"{path}/common.pt", weights_only=False)["args"]
+    assert {name: getattr(saved, name) for name in args} == args
+    theirs = run_distributed(1, mc.logits, kind, path)[0]
     torch.testing.assert_close(theirs, reference, rtol=0, atol=0)
 
 
@@ -357,7 +373,6 @@ def _model_with(config, model):
         ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
         # (before: loaded as plain attention and activations, the logits silently wrong)
-        ({"softmax_type": "learnable"}, "--softmax-type"),
         ({"no_rope_freq": 4}, "--no-rope-freq"),
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),
     ],

@@ -147,6 +147,13 @@ class ModelConfig(
     apply_layernorm_1p: bool = arg(
         False, checkpoint=ARCHITECTURE, help="norm weights centred on zero, applied as 1 + weight"
     )
+    softmax_type: str = arg(
+        "vanilla",
+        checkpoint=ARCHITECTURE,
+        choices=("vanilla", "off-by-one", "learnable"),
+        help="attention's softmax: off-by-one adds a logit 0 beside each row's scores, "
+        "learnable one learned per head (GPT-OSS's attention sinks)",
+    )
     # a norm over each query and key head before RoPE (Qwen3)
     qk_layernorm: bool = arg(
         False,
@@ -297,6 +304,11 @@ class ModelConfig(
             or (self.glu_linear_offset == 0.0 and self.activation_func_clamp_value is None),
             "--glu-linear-offset and --activation-func-clamp-value shape a GLU MLP: add "
             "--quick-geglu or --swiglu, or drop them",
+        )
+        _require(
+            self.softmax_type == "vanilla" or not self.multi_latent_attention,
+            f"--softmax-type {self.softmax_type} with --multi-latent-attention is not "
+            "implemented; drop one",
         )
         _require(
             self.activation_func_clamp_value is None or self.activation_func_clamp_value > 0,

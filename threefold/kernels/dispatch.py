@@ -530,7 +530,10 @@ def configure_for_model(
     )
     if fp8 is not None and fp8.enabled and _on_gpu(device):
         _check_fp8_shapes(model, tensor_parallel_size)
-    return configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
+    line = configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
+    if model.softmax_type != "vanilla":  # (model/attention.py's SoftmaxOffsetAttention)
+        line += f"; --softmax-type {model.softmax_type}: attention written out (eager)"
+    return line
 
 
 def _check_fp8_shapes(model: ModelConfig, tensor_parallel_size: int) -> None:

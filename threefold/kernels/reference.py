@@ -6,6 +6,8 @@ return the input dtype. Attention takes Megatron's [sequence, batch, heads, head
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +102,33 @@ def attention(
         is_causal=attention_mask is None,
         enable_gqa=heads != key.shape[1],
     )
+    return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def attention_with_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """`attention` whose softmax has one more logit per head, `sinks` [heads], beside the
+    scaled scores of every query (megatron-core's SoftmaxOne, --softmax-type; GPT-OSS's
+    attention sinks): it takes a share of each row's probability and attends to nothing.
+    Written out (the scores are materialized), as no SDPA kernel takes such a logit."""
+    s, b, heads, d = query.shape
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads|groups, s, d]
+    if k.shape[1] != heads:
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) / math.sqrt(d)
+    if attention_mask is None:
+        attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    probs = F.dropout(probs, dropout) if dropout > 0 else probs
+    context = torch.matmul(probs.to(v.dtype), v)
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.norms import build_norm
@@ -26,7 +27,7 @@ from threefold.parallel.context_parallel.sequence import Documents, window_mask
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
-from threefold.parallel.tensor_parallel.sharding import InitMethod
+from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_tensor_parallel
 
 CoreAttention = Callable  # (query, key, value, attention_mask, dropout) -> context
 
@@ -49,6 +50,28 @@ def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAtte
     return context_parallel_attention(
         parallel.cp, parallel.cp_comm_type, _kernel_attention, hierarchy
     )
+
+
+class SoftmaxOffsetAttention(nn.Module):
+    """Core attention with one more softmax logit per head beside each row's scores
+    (megatron-core's --softmax-type; GPT-OSS's attention sinks): 0 (off-by-one) or
+    `softmax_offset`, learned per head (learnable), split over TP with the heads and named as
+    megatron-core names it (`self_attention.core_attention.softmax_offset`). The scores are
+    written out (kernels/reference.py), whatever the kernel dispatch chose."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, init_method) -> None:
+        super().__init__()
+        heads = config.num_attention_heads // parallel.tp.size
+        if config.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads))
+            mark_tensor_parallel(self.softmax_offset, 0, init_method, (config.num_attention_heads,))
+        else:  # (off-by-one: no state, as megatron-core keeps none)
+            self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
+
+    def forward(self, query, key, value, attention_mask, dropout) -> torch.Tensor:
+        return reference.attention_with_sinks(
+            query, key, value, attention_mask, dropout, self.softmax_offset
+        )
 
 
 class Attention(nn.Module):
@@ -121,6 +144,8 @@ class SelfAttention(Attention):
         window: int | None = None,
     ) -> None:
         super().__init__(config, parallel, core_attention, window)
+        if config.softmax_type != "vanilla":
+            self.core_attention = SoftmaxOffsetAttention(config, parallel, init_method)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp

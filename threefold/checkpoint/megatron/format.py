@@ -49,7 +49,6 @@ _UNSUPPORTED = (
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     # (read as the plain model they are not, these would load without an error)
-    ("softmax_type", "vanilla", "an off-by-one or learnable softmax (--softmax-type)"),
     ("no_rope_freq", None, "layers without RoPE (--no-rope-freq)"),
     (
         "apply_residual_connection_post_layernorm",

@@ -1,0 +1,66 @@
+"""Attention sinks (--softmax-type off-by-one|learnable): one more softmax logit per head, the
+learned ones split over TP with the heads, every layout as one process, and what is not
+implemented refused in one line. megatron-core's logits of such models:
+tests/tools/test_megatron_checkpoints.py."""
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference, train_job
+from threefold.arguments import parse_args
+from threefold.kernels import reference
+
+
+def test_the_sink_takes_a_share_of_each_rows_probability():
+    """Written out by hand: softmax over [scores, sink], the sink's share dropped; with a sink
+    of -inf it is ordinary causal attention."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(5, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64)
+    out = reference.attention_with_sinks(q, k, v, None, 0.0, sinks)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(8)
+    scores = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+    weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + sinks.exp()[:, None, None])
+    expected = torch.einsum("bhst,tbhd->sbhd", weights, v).reshape(5, 2, -1)
+    torch.testing.assert_close(out, expected)
+    plain = reference.attention_with_sinks(q, k, v, None, 0.0, torch.full((4,), -math.inf))
+    torch.testing.assert_close(plain, reference.attention(q, k, v, None, 0.0))
+
+
+@pytest.mark.parametrize(
+    "world,flags",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        (2, ["--tensor-model-parallel-size", "2", "--window-size", "3,0"]),
+    ],
+    ids=["tp2-sp", "pp2", "tp2-window"],
+)
+def test_learned_sinks_train_as_one_process(world, flags):
+    """Each TP rank holds its heads' sinks; with a sliding window too (GPT-OSS's layers)."""
+    argv = LLAMA_STYLE + TRAINING + ["--softmax-type", "learnable"]
+    window = flags[flags.index("--window-size") :] if "--window-size" in flags else []
+    reference_run = train_job(argv + window, 4)
+    results = run_distributed(world, train_job, argv + flags, 4)
+    assert_matches_reference(results, reference_run, 1e-5)
+    assert (
+        "decoder.layers.0.self_attention.core_attention.softmax_offset" in reference_run["params"]
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,world_size,said",
+    [
+        (["--context-parallel-size", "2"], 2, "--softmax-type learnable with --context-parallel"),
+        (["--multi-latent-attention"], 1, "--softmax-type learnable with --multi-latent"),
+    ],
+    ids=["cp", "mla"],
+)
+def test_what_sinks_do_not_implement_is_one_line(capsys, flags, world_size, said):
+    argv = LLAMA_STYLE + TRAINING + ["--softmax-type", "learnable", *flags]
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv, world_size=world_size)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
