@@ -118,6 +118,11 @@ class DataConfig:
     eod_mask_loss: bool = arg(
         False, help="no loss on predicting the token after an end-of-document token"
     )
+    dataloader_inter_document_masking: bool = arg(
+        False,
+        help="tokens attend only within their own document of the sample, as the dataset's "
+        "index cuts it (no end-of-document token needed), positions restarting at each",
+    )
     sft: bool = arg(
         False,
         help="Megatron-LM's SFT: the data paths are JSONL files of conversations, a line a "
@@ -154,6 +159,7 @@ class DataConfig:
                 ("--reset-position-ids", self.reset_position_ids),
                 ("--reset-attention-mask", self.reset_attention_mask),
                 ("--eod-mask-loss", self.eod_mask_loss),
+                ("--dataloader-inter-document-masking", self.dataloader_inter_document_masking),
             )
             if value
         ]
@@ -187,6 +193,17 @@ class DataConfig:
         self.split_weights()
         self.finalize_fim()
         self.finalize_sft()
+        if self.dataloader_inter_document_masking:
+            given = [
+                flag
+                for flag, on in (("--mock-data", self.mock_data), ("--fim-data", self.fim_data))
+                if on
+            ]
+            _require(
+                not given,
+                f"--dataloader-inter-document-masking with {' '.join(given)}: its documents are "
+                "those of indexed data as megatron-core samples them; drop one",
+            )
 
     def finalize_sft(self) -> None:
         """--sft: Megatron-LM's conversations, which only its SFTTokenizer renders, packed with

@@ -103,6 +103,8 @@ class Config:
         # (--sft packs conversations that attend within themselves, as documents)
         per_document = "--reset-attention-mask" if self.data.reset_attention_mask else None
         per_document = "--sft" if self.data.sft else per_document
+        if self.data.dataloader_inter_document_masking:
+            per_document = "--dataloader-inter-document-masking"
         _require(
             not (self.model.gated_delta_net and per_document),
             f"{per_document} with gated delta net layers, whose rule would carry its "

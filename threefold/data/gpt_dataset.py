@@ -211,6 +211,34 @@ class MegatronSamples:
         tokens = np.concatenate([sample["tokens"].numpy(), sample["labels"][-1:].numpy()])
         return tokens if self.transform is None else self.transform(tokens, index)
 
+    def document_pieces(self, index: int, sequence_length: int) -> list[int]:
+        """The lengths of the documents' pieces in sample `index`, in order, as Megatron-LM's
+        --dataloader-inter-document-masking cuts it: from megatron-core's sample index (the
+        sample's first and last document and their offsets), the extra token of the labels
+        left out, and any padding made part of the last piece. Read after the sample itself
+        (megatron-core may load its indices then)."""
+        dataset = self.dataset
+        if getattr(dataset, "dataset_index", None) is not None:  # a blend: which one, where
+            dataset, index = (
+                dataset.datasets[int(dataset.dataset_index[index])],
+                int(dataset.dataset_sample_index[index]),
+            )
+        sample = int(dataset.shuffle_index[index])
+        (first, start), (last, end) = dataset.sample_index[sample], dataset.sample_index[sample + 1]
+        extra = int(dataset.config.add_extra_token_to_sequence)
+        length = dataset.dataset.sequence_lengths
+        if first == last:
+            pieces = [int(end - start) + extra]
+        else:
+            pieces = [int(length[dataset.document_index[first]] - start)]
+            pieces += [int(length[dataset.document_index[i]]) for i in range(first + 1, last)]
+            pieces.append(int(end) + extra)
+        pieces[-1] -= extra
+        if pieces[-1] == 0:
+            pieces.pop()
+        pieces[-1:] = [pieces[-1] + max(sequence_length - sum(pieces), 0)] if pieces else []
+        return pieces or [sequence_length]
+
     def source_of(self, index: int) -> int:
         """Which blended dataset sample `index` comes from (0 when not blended)."""
         dataset_index = getattr(self.dataset, "dataset_index", None)

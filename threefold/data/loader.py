@@ -44,7 +44,10 @@ def build_datasets(config: Config, tokenizer=None) -> list:
         return megatron_datasets(config, tokenizer, sizes, SFTData(config, tokenizer))
     else:
         datasets = megatron_datasets(config, tokenizer, sizes)
-    flags = data.document_flags()
+    if data.dataloader_inter_document_masking:
+        datasets = [_each(d, IndexedDocuments) for d in datasets]
+    # (the flags that find documents by their end-of-document tokens)
+    flags = [f for f in data.document_flags() if f != "--dataloader-inter-document-masking"]
     if not flags:
         return datasets
     if getattr(tokenizer, "eod", None) is None:
@@ -54,11 +57,44 @@ def build_datasets(config: Config, tokenizer=None) -> list:
         )
 
     def masked(dataset):
-        if isinstance(dataset, list):  # --multiple-validation-sets
-            return [masked(d) for d in dataset]
-        return None if dataset is None else DocumentMasks(dataset, tokenizer.eod, data)
+        return DocumentMasks(dataset, tokenizer.eod, data)
 
-    return [masked(d) for d in datasets]
+    return [_each(d, masked) for d in datasets]
+
+
+def _each(dataset, wrap):
+    """`wrap(dataset)`, for each of a list (--multiple-validation-sets); None stays None."""
+    if isinstance(dataset, list):
+        return [_each(d, wrap) for d in dataset]
+    return None if dataset is None else wrap(dataset)
+
+
+class IndexedDocuments:
+    """Megatron-LM's --dataloader-inter-document-masking: each token attends only within its
+    own document of the sample, and positions restart at each, the documents cut where
+    megatron-core's index stitched them together (`MegatronSamples.document_pieces`), not at
+    end-of-document tokens. Taken over --reset-attention-mask and --reset-position-ids
+    (DocumentMasks, on the outside, keeps --eod-mask-loss's loss mask)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str):  # shuffled, source_of, ...: the dataset's own
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        tokens = self.dataset[index]
+        pieces = self.dataset.document_pieces(index, len(tokens) - 1)
+        documents = np.repeat(np.arange(len(pieces)), pieces)
+        starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
+        return {
+            "tokens": tokens,
+            "document_ids": documents,
+            "position_ids": np.arange(len(documents)) - np.repeat(starts, pieces),
+        }
 
 
 def validation_sets(validation, training: TrainingConfig) -> list[tuple[str, object]]:
@@ -121,12 +157,15 @@ class DocumentMasks:
         return getattr(self.dataset, name)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        tokens = self.dataset[index]
+        sample = self.dataset[index]
+        sample = dict(sample) if isinstance(sample, dict) else {"tokens": sample}
+        tokens = sample["tokens"]
         is_eod = tokens[:-1] == self.eod
         documents = np.concatenate([[0], np.cumsum(is_eod[:-1])])
-        sample = {"tokens": tokens}
         if self.data.eod_mask_loss:
             sample["loss_mask"] = (~is_eod).astype(np.float32)
+        if self.data.dataloader_inter_document_masking:  # (its documents, not the EODs')
+            return sample
         if self.data.reset_position_ids:
             starts = np.flatnonzero(np.concatenate([[True], is_eod[:-1]]))
             sample["position_ids"] = np.arange(len(documents)) - starts[documents]
