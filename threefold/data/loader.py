@@ -69,12 +69,9 @@ def _each(dataset, wrap):
     return None if dataset is None else wrap(dataset)
 
 
-class IndexedDocuments:
-    """Megatron-LM's --dataloader-inter-document-masking: each token attends only within its
-    own document of the sample, and positions restart at each, the documents cut where
-    megatron-core's index stitched them together (`MegatronSamples.document_pieces`), not at
-    end-of-document tokens. Taken over --reset-attention-mask and --reset-position-ids
-    (DocumentMasks, on the outside, keeps --eod-mask-loss's loss mask)."""
+class SampleView:
+    """A dataset whose samples are seen with more in them; its length and everything else
+    (shuffled, source_of, ...) are the dataset's own."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
@@ -82,8 +79,16 @@ class IndexedDocuments:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getattr__(self, name: str):  # shuffled, source_of, ...: the dataset's own
+    def __getattr__(self, name: str):
         return getattr(self.dataset, name)
+
+
+class IndexedDocuments(SampleView):
+    """Megatron-LM's --dataloader-inter-document-masking: each token attends only within its
+    own document of the sample, and positions restart at each, the documents cut where
+    megatron-core's index stitched them together (`MegatronSamples.document_pieces`), not at
+    end-of-document tokens. Taken over --reset-attention-mask and --reset-position-ids
+    (DocumentMasks, on the outside, keeps --eod-mask-loss's loss mask)."""
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         tokens = self.dataset[index]
@@ -139,7 +144,7 @@ class WholeSplit:
         return {**sample, "loss_mask": mask}
 
 
-class DocumentMasks:
+class DocumentMasks(SampleView):
     """Token windows of a pretraining dataset, with what Megatron's GPTDataset derives from the
     end-of-document (EOD) tokens in them. A document ends with its EOD token, so position i
     belongs to the document numbered by the EODs among inputs 0..i-1:
@@ -148,13 +153,8 @@ class DocumentMasks:
     --eod-mask-loss  no loss where the input token is an EOD (predicting across documents)."""
 
     def __init__(self, dataset, eod: int, data: DataConfig) -> None:
-        self.dataset, self.eod, self.data = dataset, eod, data
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str):  # shuffled, source_of, ...: the dataset's own
-        return getattr(self.dataset, name)
+        super().__init__(dataset)
+        self.eod, self.data = eod, data
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         sample = self.dataset[index]
