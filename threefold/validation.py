@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import itertools
 import math
 import os
 
@@ -61,14 +60,11 @@ def check_conversations(path: str, flag: str, data, whole: bool) -> None:
     """--sft's JSONL file: every line a conversation (data/conversations.py), and a line for
     each split that gets a share of it (megatron-core's ranges: round(bound x lines))."""
     from threefold.data.conversations import line_offsets
+    from threefold.data.gpt_dataset import split_ranges
 
     lines = len(line_offsets(path, flag, data.sft_tokenizer_prompt_format != "default"))
-    weights = [1.0] if whole else data.split_weights()
-    bounds = [0.0, *itertools.accumulate(weights)]
-    for name, weight, begin, end in zip(
-        ("train", "validation", "test"), weights, bounds, bounds[1:]
-    ):
-        if weight > 0 and round(end * lines) == round(begin * lines):
+    for name, first, last in split_ranges([1.0] if whole else data.split_weights(), lines):
+        if first == last:
             raise ConfigError(
                 f"--split {data.split}: the {name} split gets none of the {lines} conversation "
                 f"lines of {path}; give it more lines or weight 0"

@@ -122,6 +122,19 @@ def document_lengths(prefix: str) -> np.ndarray:
     return np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=34, shape=(sequences,))
 
 
+def split_ranges(weights: list[float], count: int) -> list[tuple[str, int, int]]:
+    """(split name, first, end) of the items each split with a share gets out of `count`, as
+    megatron-core's builder cuts them: round(bound x count). `weights` normalized."""
+    bounds = np.concatenate([[0.0], np.cumsum(weights)])
+    return [
+        (name, round(begin * count), round(end * count))
+        for name, weight, begin, end in zip(
+            ("train", "validation", "test"), weights, bounds, bounds[1:]
+        )
+        if weight > 0
+    ]
+
+
 def check_split(
     prefix: str,
     weights: list[float],
@@ -140,12 +153,8 @@ def check_split(
             f"--seq-length {seq_length} + 1; give it more text or a shorter "
             "--seq-length"
         )
-    bounds = np.concatenate([[0.0], np.cumsum(weights)])
-    for name, weight, begin, end in zip(
-        ("train", "validation", "test"), weights, bounds, bounds[1:]
-    ):
-        first, last = round(begin * len(lengths)), round(end * len(lengths))
-        if weight > 0 and int(lengths[first:last].sum(dtype=np.int64)) == 0:
+    for name, first, last in split_ranges(weights, len(lengths)):
+        if int(lengths[first:last].sum(dtype=np.int64)) == 0:
             share = f"{last - first} of its {len(lengths)} documents"
             fix = (
                 "give it more documents (e.g. --split 90,5,5) or weight 0"
