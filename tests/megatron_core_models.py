@@ -163,6 +163,23 @@ SHAPES["moe_stacked"] = {
     "moe_router_enable_expert_bias": False,
     "moe_router_topk_scaling_factor": None,
 }
+# GPT-OSS as megatron-core builds it: every layer MoE, biases on every linear layer and on
+# the router (add_bias_linear), its MLP, attention sinks, a sliding window in every other
+# layer, and YaRN with its correction range not rounded
+SHAPES["gpt_oss"] = {
+    **SHAPES["moe_stacked"],
+    "add_bias_linear": True,
+    "swiglu": False,
+    "quick_geglu": True,
+    "glu_linear_offset": 1.0,
+    "activation_func_clamp_value": 0.05,
+    "softmax_type": "learnable",
+    "window_size": (3, 0),
+    "window_attn_skip_freq": 2,
+    "position_embedding_type": "yarn",
+    **YARN,
+    "yarn_correction_range_round_to_int": False,
+}
 # Multi-token prediction (--mtp-num-layers 2) on the MoE model: each depth's layer is MoE, as
 # the last decoder layer is.
 SHAPES["moe_mtp"] = {**SHAPES["moe"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}

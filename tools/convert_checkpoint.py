@@ -13,7 +13,8 @@ HF side: config.json plus model.safetensors or a sharded model.safetensors.index
 tokenizer files, which travel along (into the threefold checkpoint's tokenizer/ directory and
 back). threefold side: a weights-only checkpoint at TP = PP = 1 (train or fine-tune from it with
 --finetune; it loads into any layout); exports read threefold checkpoints of any layout.
-Supported: Llama 2/3 (and SmolLM-style tied embeddings), Mistral, Qwen2, GPT-2; see
+Supported: Llama 2/3 (and SmolLM-style tied embeddings), Mistral, Qwen2, Qwen3, GPT-2,
+Mixtral, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, GPT-OSS (its MXFP4 experts read); see
 threefold/checkpoint/hf/.
 
 Megatron side: megatron-core's torch_dist directory (tracker, iter_N/ with common.pt,

@@ -64,7 +64,8 @@ def build_tokenizer(directory: str, chat: bool = False, specials: tuple[str, ...
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2,
-    qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3) with a tokenizer (`chat`:
+    qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3, gpt-oss) with a tokenizer
+    (`chat`:
     a ChatML chat tokenizer)."""
     import transformers
 
@@ -240,6 +241,35 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.uniform_(-0.1, 0.1)
+    elif kind == "gpt-oss":  # a window of 8 in layers 1 and 3, YaRN 4x unrounded, a clamp
+        # the activations reach; biases and sinks random, so a mix-up shows
+        config = transformers.GptOssConfig(
+            num_key_value_heads=2,
+            head_dim=24,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            swiglu_limit=0.1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,  # (a correction range that rounding would move)
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            tie_word_embeddings=False,
+            **{**common, "intermediate_size": 32},
+        )
+        model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0, 0.5 if name.endswith("sinks") else 0.1)
+                elif name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     elif kind == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_layer=num_layers, n_embd=64, n_head=4, n_positions=64

@@ -37,7 +37,7 @@ from threefold.checkpoint.load import load_model
 from threefold.safe_loading import SafeFileSystemReader
 
 # kind -> (TP, PP, EP, ranks) megatron-core saves it at
-SAVED = {"moe": (2, 1, 2, 4), "moe_stacked": (1, 1, 2, 2)}
+SAVED = {"moe": (2, 1, 2, 4), "moe_stacked": (1, 1, 2, 2), "gpt_oss": (1, 1, 2, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,25 @@ def test_one_process_computes_megatron_cores_logits(megatron, kind):
             for layer in model.decoder.layers[1:]:
                 layer.mlp.router.expert_bias.zero_()
             assert (model(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-3
+
+
+def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, monkeypatch):
+    """A Megatron-LM checkpoint's tensor that no parameter of the model takes would leave the
+    model computing something else (threefold before its router had megatron-core's bias gave
+    other logits for "gpt_oss"): the load is refused in one line naming it."""
+    from threefold.config import ConfigError
+    from threefold.model.moe import router
+
+    root, _ = megatron["gpt_oss"]
+    build = router.TopKRouter.__init__
+
+    def without_bias(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.bias = None
+
+    monkeypatch.setattr(router.TopKRouter, "__init__", without_bias)
+    with pytest.raises(ConfigError, match=r"holds decoder\.layers\.mlp\.router\.bias, which"):
+        load_model(root, with_tokenizer=False)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +124,7 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
         te_norm = {
             "moe": ["decoder.layers.1.pre_mlp_layernorm.weight"],
             "moe_stacked": ["decoder.layers.pre_mlp_layernorm.weight"],
+            "gpt_oss": ["decoder.layers.pre_mlp_layernorm.weight"],
         }[kind]
         assert all(key in keys for key in te_norm)
         assert "decoder.layers.0.pre_mlp_layernorm.weight" not in keys  # dense: TE fuses it

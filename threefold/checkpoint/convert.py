@@ -108,7 +108,8 @@ def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
         raise ConfigError(f"--load-dir {load_dir}: no config.json; is it a Hugging Face model?")
     hf_config, architecture, model_config = read_hf_config(config_file, "--load-dir")
     weights = read_hf_weights(load_dir)
-    dtypes = {t.dtype for t in weights.values()}
+    # (MXFP4 experts' bytes and exponents are not the model's dtype)
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     tensors = hf_to_threefold(weights, model_config, architecture)
     return hf_config, architecture, model_config, tensors, dtypes
 
@@ -139,6 +140,8 @@ def _guess_architecture(model: ModelConfig) -> str:
         return "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"
+    if model.quick_geglu and model.is_moe and model.softmax_type == "learnable":
+        return "GptOssForCausalLM"
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
         if model.is_moe:
             return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
@@ -150,7 +153,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3 and the "
-        "Mixtral/Qwen3-MoE mixtures of experts: RMSNorm + SwiGLU + RoPE)"
+        "Mixtral/Qwen3-MoE mixtures of experts: RMSNorm + SwiGLU + RoPE; GPT-OSS: experts "
+        "with --quick-geglu and --softmax-type learnable)"
     )
 
 

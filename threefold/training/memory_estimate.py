@@ -59,8 +59,10 @@ def _layer_parameters(
         count = _mla_parameters(model, tp) + 2 * norm
     else:
         count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
+        if model.softmax_type == "learnable":  # a sink logit per head
+            count += model.num_attention_heads // tp
     if moe:
-        count += h * model.num_experts
+        count += (h + int(model.add_bias_linear)) * model.num_experts  # the router
         count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
         if model.moe_shared_expert_intermediate_size:
             count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)

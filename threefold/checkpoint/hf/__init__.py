@@ -5,6 +5,8 @@
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing)
+    gpt_oss.py GptOssForCausalLM (biased experts and router, attention sinks, windows by layer,
+               MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
@@ -23,6 +25,7 @@ import torch
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3
 from threefold.checkpoint.hf.gpt2 import GPT2
+from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
@@ -30,7 +33,18 @@ from threefold.config import ConfigError, ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.architecture: adapter
-    for adapter in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, GPT2)
+    for adapter in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        MIXTRAL,
+        QWEN3_MOE,
+        QWEN3_NEXT,
+        DEEPSEEK_V3,
+        GPT_OSS,
+        GPT2,
+    )
 }
 
 

@@ -54,6 +54,23 @@ class TensorSource:
 Take = TensorSource | Callable[[str], torch.Tensor]
 
 
+class GivenState(dict):
+    """threefold's tensors handed to an export: remembers which ones it read, so that a
+    tensor no Hugging Face name carries is refused instead of left behind."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default=None):
+        self.read.add(name)
+        return super().get(name, default)
+
+
 def refuse(condition: bool, field: str, value, why: str) -> None:
     if condition:
         raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
@@ -205,6 +222,8 @@ class Adapter:
     # (hf/qwen3_next.py)
     exports_qwen3_next = False
     windows = False  # a sliding window in every layer (Mistral's)
+    windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
+    sinks = False  # a learned sink logit per head (--softmax-type learnable: GPT-OSS's)
     # Its norms scale by (1 + weight), as --apply-layernorm-1p's do (Qwen3-Next's).
     zero_centered_norms = False
     # Hugging Face tensors that carry nothing (buffers some versions save).
@@ -308,13 +327,24 @@ class Adapter:
                 "Hugging Face architectures threefold exports computes this model"
             )
         if config.window_size is not None and not (
-            self.windows and config.window_attn_skip_freq is None
+            self.windows_by_layer or (self.windows and config.window_attn_skip_freq is None)
         ):
             some = " in some layers" if config.window_attn_skip_freq else ""
             raise ConfigError(
                 f"{self.architecture} has no sliding window in every layer, and this model "
                 f"attends in a window (--window-size){some}: export it as MistralForCausalLM, "
                 "whose layers all slide"
+            )
+        if config.softmax_type != "vanilla" and not self.sinks:
+            raise ConfigError(
+                f"{self.architecture} has no attention sinks, and this model's softmax has one "
+                f"more logit per head (--softmax-type {config.softmax_type}): export a mixture "
+                "of experts with learned sinks as GptOssForCausalLM"
+            )
+        if config.quick_geglu and not self.sinks:
+            raise ConfigError(
+                f"{self.architecture} has no quick-GELU GLU MLPs (--quick-geglu); "
+                "GptOssForCausalLM's experts have them"
             )
         if config.rotary_interleaved and config.qk_layernorm:
             raise ConfigError(
@@ -330,9 +360,16 @@ class Adapter:
                 name: tensor + shift if name.endswith("layernorm.weight") else tensor
                 for name, tensor in state.items()
             }
-        return {
-            name: tensor.contiguous() for name, tensor in self.give_weights(state, config).items()
-        }
+        given = GivenState(state)
+        out = self.give_weights(given, config)
+        left = sorted(set(given) - given.read)
+        if left:
+            raise ConfigError(
+                f"{self.architecture} has no place for {', '.join(left[:3])}"
+                f"{f' and {len(left) - 3} more' if len(left) > 3 else ''}: the export would "
+                "compute something else without them"
+            )
+        return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
 def renamed(

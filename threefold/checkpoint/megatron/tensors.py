@@ -194,6 +194,7 @@ class MegatronTensors:
         self.reader = SafeFileSystemReader(path)  # one index read for every parameter
         metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+        self.read: set[str] = set()  # the model tensors' keys read so far
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
@@ -214,6 +215,7 @@ class MegatronTensors:
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of a parameter, unpadded (valid rows only), in fp32."""
         found = self._key(kind, name)
+        self._mark_read(name)
         if found is None and self._sectioned(kind, name) is not None:
             key, index = self._sectioned(kind, name)
             sections = SECTIONS[_split(name).rest]
@@ -240,6 +242,36 @@ class MegatronTensors:
                 no_dist=True,
             )
         return target
+
+    def _mark_read(self, name: str) -> None:
+        """The parameter's model tensors have a reader (whether its values come from there or
+        from the fp32 masters beside them): each name it may be stored under (threefold's
+        exports write an MoE layer's pre-MLP norm under two), a section at a time too."""
+        split = _split(name)
+        sections = SECTIONS.get(split.rest, ()) if split else ()
+        for key, _ in _candidates(name):
+            for stored in (key, *(f"{key}.{section}" for section in sections)):
+                if stored in self.sizes:
+                    self.read.add(stored)
+
+    def check_all_read(self) -> None:
+        """After a model holding every layer was read: a model tensor of the checkpoint that
+        no parameter took (a part threefold's model lacks, megatron-core's router bias before
+        threefold had one, say) would be dropped without a word; it is refused instead, as
+        Megatron-LM's strict load refuses an unexpected key."""
+        optimizer = tuple(prefix for prefixes in FIELDS.values() for prefix in prefixes)
+        unread = sorted(
+            key
+            for key in self.sizes
+            if key not in self.read and not key.startswith(("optimizer.", *optimizer))
+        )
+        if unread:
+            more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+            raise ConfigError(
+                f"--load {self.path}: the checkpoint holds {', '.join(unread[:3])}{more}, which "
+                "this model has no parameter for: its model flags differ from the checkpoint's "
+                "(try --use-checkpoint-args), or it has a part threefold does not build"
+            )
 
     def step(self) -> torch.Tensor | None:
         """Adam's step (from common.pt), when the checkpoint holds Megatron's optimizer."""

@@ -1,6 +1,7 @@
 """The top-k router of an MoE layer and its auxiliary losses, as megatron-core computes them.
 
-    logits   = tokens @ weight.T                               [tokens, experts]
+    logits   = tokens @ weight.T (+ bias)                      [tokens, experts]
+               (the bias unless --disable-bias-linear, as megatron-core's)
                (--moe-router-dtype fp32/fp64: computed in that dtype, and so are the
                probabilities and the experts' weighted sum, parallel/expert_parallel/
                dispatcher.py; megatron-core's router_gating_linear)
@@ -56,25 +57,29 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 
 class _GatingLinear(torch.autograd.Function):
-    """tokens @ weight.T in `dtype`, the operands saved in their own dtypes (no fp32 copy of
-    the tokens kept for backward), the gradients computed in `dtype` and returned in theirs."""
+    """tokens @ weight.T (+ bias) in `dtype`, the operands saved in their own dtypes (no fp32
+    copy of the tokens kept for backward), the gradients computed in `dtype` and returned in
+    theirs."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, dtype: torch.dtype):
+    def forward(ctx, tokens, weight, bias, dtype: torch.dtype):
         ctx.save_for_backward(tokens, weight)
-        ctx.dtype = dtype
-        return tokens.to(dtype) @ weight.to(dtype).t()
+        ctx.dtype, ctx.bias_dtype = dtype, None if bias is None else bias.dtype
+        logits = tokens.to(dtype) @ weight.to(dtype).t()
+        return logits if bias is None else logits + bias.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         tokens, weight = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
-        grad_tokens = grad_weight = None
+        grad_tokens = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_tokens = (grad @ weight.to(ctx.dtype)).to(tokens.dtype)
         if ctx.needs_input_grad[1]:
             grad_weight = (grad.t() @ tokens.to(ctx.dtype)).to(weight.dtype)
-        return grad_tokens, grad_weight, None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0).to(ctx.bias_dtype)
+        return grad_tokens, grad_weight, grad_bias, None
 
 
 def group_limited_top_k(
@@ -179,7 +184,9 @@ def _ramp(probs: torch.Tensor) -> torch.Tensor:
 
 class TopKRouter(nn.Module):
     """Routes each token to `--moe-router-topk` experts; the weight is Megatron's
-    `router.weight` [experts, hidden], the same on every TP rank."""
+    `router.weight` [experts, hidden], the same on every TP rank, and unless
+    --disable-bias-linear a `router.bias` [experts] beside it (megatron-core's, GPT-OSS's),
+    initialized as the weight is."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, init: InitMethod) -> None:
         super().__init__()
@@ -212,6 +219,10 @@ class TopKRouter(nn.Module):
         weight = torch.empty(config.num_experts, config.hidden_size)
         # Under sequence parallelism each TP rank's gradient covers its slice of the tokens.
         self.weight = mark_replicated(nn.Parameter(weight), init, parallel.sequence_parallel)
+        self.bias = None
+        if config.add_bias_linear:
+            bias = nn.Parameter(torch.empty(config.num_experts))
+            self.bias = mark_replicated(bias, init, parallel.sequence_parallel)
 
     def forward(
         self, tokens: torch.Tensor, batch_size: int
@@ -220,9 +231,9 @@ class TopKRouter(nn.Module):
         routing probabilities [T, E] (0 where not routed), the routing map [T, E] and the
         auxiliary losses {name: loss with its coefficient}, when training with gradients."""
         if self.router_dtype is None:
-            logits = F.linear(tokens, self.weight)
+            logits = F.linear(tokens, self.weight, self.bias)
         else:
-            logits = _GatingLinear.apply(tokens, self.weight, self.router_dtype)
+            logits = _GatingLinear.apply(tokens, self.weight, self.bias, self.router_dtype)
         if self.load_balancing == "sinkhorn":
             probs, indices = self._sinkhorn_top_k(logits)
         else:
