@@ -67,23 +67,42 @@ def test_one_process_computes_megatron_cores_logits(megatron, kind):
             assert (model(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-3
 
 
-def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, monkeypatch):
-    """A Megatron-LM checkpoint's tensor that no parameter of the model takes would leave the
-    model computing something else (threefold before its router had megatron-core's bias gave
-    other logits for "gpt_oss"): the load is refused in one line naming it."""
+def _refusal_without_router_bias(argv: list[str], root: str) -> str | None:
+    """The line a run whose router has no bias (threefold before it had megatron-core's)
+    gets when it --loads the checkpoint; None if it loads."""
+    from tests.parity import _setup
+    from threefold.checkpoint.load import load_checkpoint
     from threefold.config import ConfigError
     from threefold.model.moe import router
 
-    root, _ = megatron["gpt_oss"]
     build = router.TopKRouter.__init__
 
     def without_bias(self, *args, **kwargs):
         build(self, *args, **kwargs)
         self.bias = None
 
-    monkeypatch.setattr(router.TopKRouter, "__init__", without_bias)
-    with pytest.raises(ConfigError, match=r"holds decoder\.layers\.mlp\.router\.bias, which"):
-        load_model(root, with_tokenizer=False)
+    router.TopKRouter.__init__ = without_bias  # (a pooled worker: put back below)
+    try:
+        load_checkpoint(root, _setup(argv).checkpoint_components(), finetune=True)
+    except ConfigError as error:
+        return str(error)
+    finally:
+        router.TopKRouter.__init__ = build
+    return None
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["one-process", "pp2"])
+def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, pp):
+    """A Megatron-LM checkpoint's tensor that no parameter of the model takes would leave the
+    model computing something else (threefold before its router had megatron-core's bias gave
+    other logits for "gpt_oss"): the load is refused in one line naming it. Under PP the
+    stages pool what they read (each reads only its layers, the first the embedding, the last
+    the final norm), and every stage refuses."""
+    root, _ = megatron["gpt_oss"]
+    lines = run_distributed(pp, _refusal_without_router_bias, megatron_argv(root, 1, pp), root)
+    for line in lines:
+        assert "holds decoder.layers.mlp.router.bias, which this model has no parameter" in line
+        assert "decoder.final_layernorm" not in line and "embedding" not in line
 
 
 @pytest.mark.parametrize(

@@ -152,8 +152,8 @@ def load_weights(
             saved.full(source, name, param, saved_tensor_parallel_size), param, parallel
         )
         param.copy_(loaded[param])
-    if parallel.pp.size == 1 and hasattr(saved, "check_all_read"):
-        saved.check_all_read()  # (one stage holds every layer: every tensor has a reader)
+    if hasattr(saved, "check_all_read"):  # a Megatron-LM checkpoint: every tensor read
+        saved.check_all_read(parallel.pp)
     return loaded
 
 

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.config import ConfigError
+from threefold.parallel.parallel_context import Group
 from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -254,16 +256,22 @@ class MegatronTensors:
                 if stored in self.sizes:
                     self.read.add(stored)
 
-    def check_all_read(self) -> None:
-        """After a model holding every layer was read: a model tensor of the checkpoint that
-        no parameter took (a part threefold's model lacks, megatron-core's router bias before
-        threefold had one, say) would be dropped without a word; it is refused instead, as
-        Megatron-LM's strict load refuses an unexpected key."""
+    def check_all_read(self, pipeline: Group) -> None:
+        """After the model was read, on every rank of the `pipeline` group (whose stages
+        together hold every layer): a model tensor of the checkpoint that no parameter took
+        (a part threefold's model lacks, megatron-core's router bias before threefold had
+        one, say) would be dropped without a word; it is refused instead, as Megatron-LM's
+        strict load refuses an unexpected key."""
+        read = self.read
+        if pipeline.size > 1:
+            everyone: list = [None] * pipeline.size
+            dist.all_gather_object(everyone, sorted(read), group=pipeline.group)
+            read = set().union(*everyone)
         optimizer = tuple(prefix for prefixes in FIELDS.values() for prefix in prefixes)
         unread = sorted(
             key
             for key in self.sizes
-            if key not in self.read and not key.startswith(("optimizer.", *optimizer))
+            if key not in read and not key.startswith(("optimizer.", *optimizer))
         )
         if unread:
             more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
