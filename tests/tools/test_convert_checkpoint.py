@@ -652,6 +652,8 @@ def test_mxfp4_experts_of_the_published_gpt_oss_checkpoints_are_read_exactly(con
 
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from threefold.checkpoint.hf.gpt_oss import dequantize_mxfp4
+
     hf_model, hf_dir, _ = converted["gpt-oss"]
     quantized = str(tmp_path / "mxfp4")
     shutil.copytree(hf_dir, quantized)
@@ -664,6 +666,8 @@ def test_mxfp4_experts_of_the_published_gpt_oss_checkpoints_are_read_exactly(con
             blocks, scales = _mxfp4(tensors.pop(name), generator)
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
             dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            exact = dequantize_mxfp4(blocks, scales)  # (a bf16 holds every value)
+            assert torch.equal(exact.bfloat16().float(), exact)
             with torch.no_grad():
                 reference.get_parameter(name).copy_(dequantized)
     safetensors_torch.save_file(tensors, os.path.join(quantized, "model.safetensors"))

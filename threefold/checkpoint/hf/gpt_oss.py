@@ -18,8 +18,9 @@ Its experts are stacked and transposed, gate and up interleaved by column:
 
 The published checkpoints store the experts' weights in MXFP4 (`*_blocks`: two 4-bit E2M1
 values a byte, low nibble first; `*_scales`: one power-of-two exponent, biased by 127, per 32
-values along the input dimension); they are read exactly (every such value is an fp32). An
-export writes plain weights, which transformers loads without a quantization_config.
+values along the input dimension); they are read exactly, in the biases' dtype (every such
+value is a bf16). An export writes plain weights, which transformers loads without a
+quantization_config.
 """
 
 from __future__ import annotations
@@ -152,11 +153,15 @@ class GptOssAdapter(MoEAdapter):
     @staticmethod
     def _experts(take: Take, p: str, name: str) -> torch.Tensor:
         """A stacked expert weight as transformers holds it ([experts, in, out]), from plain
-        or MXFP4 weights (stored [experts, out, in / 32, 16])."""
+        or MXFP4 weights (stored [experts, out, in / 32, 16]), these in the dtype of the
+        expert's biases: every MXFP4 value is a bf16 too, and a 20B model's experts take
+        half the memory in it. One expert at a time in fp32."""
         if p + name + "_blocks" not in take:
             return take(p + name)
-        weight = dequantize_mxfp4(take(p + name + "_blocks"), take(p + name + "_scales"))
-        return weight.transpose(1, 2)
+        blocks, scales = take(p + name + "_blocks"), take(p + name + "_scales")
+        dtype = take(p + name + "_bias").dtype
+        experts = [dequantize_mxfp4(b, s).to(dtype).t() for b, s in zip(blocks, scales)]
+        return torch.stack(experts)
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
