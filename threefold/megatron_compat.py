@@ -45,11 +45,6 @@ ONLY_DEFAULT = {
 
 # flag -> (type, why any value changes nothing here): accepted and named at start-up
 ANY_VALUE = {
-    "--dist-ckpt-strictness": (
-        str,
-        "threefold's loads always refuse a missing tensor and pass over tensors the model "
-        "does not have (Megatron-LM's default, assume_ok_unexpected)",
-    ),
     "--logging-level": (
         int,
         "threefold prints its own lines; it does not route them through Python's logging",

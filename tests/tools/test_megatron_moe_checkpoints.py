@@ -67,9 +67,12 @@ def test_one_process_computes_megatron_cores_logits(megatron, kind):
             assert (model(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-3
 
 
-def _refusal_without_router_bias(argv: list[str], root: str) -> str | None:
-    """The line a run whose router has no bias (threefold before it had megatron-core's)
-    gets when it --loads the checkpoint; None if it loads."""
+def _load_without_router_bias(argv: list[str], root: str) -> str:
+    """What a run whose router has no bias (threefold before it had megatron-core's) says
+    when it --loads the checkpoint: its refusal, or what it printed loading."""
+    import contextlib
+    import io
+
     from tests.parity import _setup
     from threefold.checkpoint.load import load_checkpoint
     from threefold.config import ConfigError
@@ -82,27 +85,42 @@ def _refusal_without_router_bias(argv: list[str], root: str) -> str | None:
         self.bias = None
 
     router.TopKRouter.__init__ = without_bias  # (a pooled worker: put back below)
+    printed = io.StringIO()
     try:
-        load_checkpoint(root, _setup(argv).checkpoint_components(), finetune=True)
+        with contextlib.redirect_stdout(printed):
+            load_checkpoint(root, _setup(argv).checkpoint_components(), finetune=True)
     except ConfigError as error:
-        return str(error)
+        return f"refused: {error}"
     finally:
         router.TopKRouter.__init__ = build
-    return None
+    return printed.getvalue()
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["one-process", "pp2"])
-def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, pp):
+@pytest.mark.parametrize(
+    "pp,strictness",
+    [(1, None), (2, None), (1, "log_unexpected"), (2, "assume_ok_unexpected")],
+    ids=["one-process", "pp2", "log_unexpected", "pp2-assume_ok_unexpected"],
+)
+def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, pp, strictness):
     """A Megatron-LM checkpoint's tensor that no parameter of the model takes would leave the
     model computing something else (threefold before its router had megatron-core's bias gave
     other logits for "gpt_oss"): the load is refused in one line naming it. Under PP the
     stages pool what they read (each reads only its layers, the first the embedding, the last
-    the final norm), and every stage refuses."""
+    the final norm), and every stage refuses. --dist-ckpt-strictness log_unexpected loads
+    without it and says so; assume_ok_unexpected (Megatron-LM's default) does not look."""
     root, _ = megatron["gpt_oss"]
-    lines = run_distributed(pp, _refusal_without_router_bias, megatron_argv(root, 1, pp), root)
-    for line in lines:
-        assert "holds decoder.layers.mlp.router.bias, which this model has no parameter" in line
-        assert "decoder.final_layernorm" not in line and "embedding" not in line
+    argv = megatron_argv(root, 1, pp)
+    argv += ["--dist-ckpt-strictness", strictness] if strictness else []
+    said = run_distributed(pp, _load_without_router_bias, argv, root)
+    named = "holds decoder.layers.mlp.router.bias"
+    if strictness is None:
+        for line in said:
+            assert line.startswith("refused: ") and named in line, line
+            assert "decoder.final_layernorm" not in line and "embedding" not in line
+    elif strictness == "log_unexpected":
+        assert f"{named}, left behind" in said[0]
+    else:
+        assert all("router.bias" not in out for out in said)
 
 
 @pytest.mark.parametrize(

@@ -138,9 +138,12 @@ def load_weights(
     saved_tensor_parallel_size: int,
     parallel: ParallelContext,
     saved=None,
+    strictness: str = "raise_unexpected",
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
-    the fp32 shard each was filled from (the masters' values when the checkpoint has them)."""
+    the fp32 shard each was filled from (the masters' values when the checkpoint has them).
+    `strictness`: what a Megatron-LM checkpoint's tensors no parameter takes do
+    (--dist-ckpt-strictness)."""
     saved = saved or saved_tensors(path)
     loaded = {}
     for name, param in named_parameters:
@@ -152,8 +155,8 @@ def load_weights(
             saved.full(source, name, param, saved_tensor_parallel_size), param, parallel
         )
         param.copy_(loaded[param])
-    if hasattr(saved, "check_all_read"):  # a Megatron-LM checkpoint: every tensor read
-        saved.check_all_read(parallel.pp)
+    if hasattr(saved, "check_all_read"):  # a Megatron-LM checkpoint: every tensor read?
+        saved.check_all_read(parallel.pp, strictness)
     return loaded
 
 
@@ -176,7 +179,8 @@ def load_resharded(
     parallel = components.parallel
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]
-    loaded = load_weights(path, named, saved_tensor_parallel_size, parallel, saved)
+    strictness = components.config.checkpoint.dist_ckpt_strictness
+    loaded = load_weights(path, named, saved_tensor_parallel_size, parallel, saved, strictness)
     if not load_optimizer:
         return
 

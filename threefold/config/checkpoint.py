@@ -8,6 +8,20 @@ from dataclasses import dataclass
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
 
+# megatron-core's StrictHandling, for a Megatron-LM checkpoint's tensors no parameter takes:
+# refused (raise_*), named and passed over (log_*, return_*) or passed over unchecked
+# (assume_ok_unexpected, Megatron-LM's default; ignore_all). A missing tensor is always refused.
+DIST_CKPT_STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+
 
 @dataclass
 class CheckpointConfig:
@@ -28,6 +42,15 @@ class CheckpointConfig:
         None,
         help="the checkpoint to fine-tune from while --load holds none (a run's first start): "
         "its weights only, from iteration 0 (as --finetune); later starts resume from --load",
+    )
+    # threefold refuses by default: a tensor left behind makes the model compute something
+    # other than the checkpoint's (Megatron-LM's default, assume_ok_unexpected, does not look).
+    dist_ckpt_strictness: str = arg(
+        "raise_unexpected",
+        choices=DIST_CKPT_STRICTNESS,
+        help="a Megatron-LM checkpoint's tensors no parameter of the model takes: refuse them "
+        "(raise_*), name them and go on (log_*, return_*), or do not look "
+        "(assume_ok_unexpected, Megatron-LM's default; ignore_all)",
     )
     exit_on_missing_checkpoint: bool = arg(
         False,

@@ -256,12 +256,16 @@ class MegatronTensors:
                 if stored in self.sizes:
                     self.read.add(stored)
 
-    def check_all_read(self, pipeline: Group) -> None:
+    def check_all_read(self, pipeline: Group, strictness: str) -> None:
         """After the model was read, on every rank of the `pipeline` group (whose stages
         together hold every layer): a model tensor of the checkpoint that no parameter took
         (a part threefold's model lacks, megatron-core's router bias before threefold had
-        one, say) would be dropped without a word; it is refused instead, as Megatron-LM's
-        strict load refuses an unexpected key."""
+        one, say) leaves the model computing something else. `strictness`
+        (--dist-ckpt-strictness, megatron-core's names): refused (raise_*, threefold's
+        default), named (log_*, return_*), or not looked for (assume_ok_unexpected,
+        Megatron-LM's default, and ignore_all)."""
+        if strictness in ("assume_ok_unexpected", "ignore_all"):
+            return
         read = self.read
         if pipeline.size > 1:
             everyone: list = [None] * pipeline.size
@@ -273,13 +277,18 @@ class MegatronTensors:
             for key in self.sizes
             if key not in read and not key.startswith(("optimizer.", *optimizer))
         )
-        if unread:
-            more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+        if not unread:
+            return
+        more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+        what = f"--load {self.path}: the checkpoint holds {', '.join(unread[:3])}{more}"
+        if strictness.startswith("raise"):
             raise ConfigError(
-                f"--load {self.path}: the checkpoint holds {', '.join(unread[:3])}{more}, which "
-                "this model has no parameter for: its model flags differ from the checkpoint's "
-                "(try --use-checkpoint-args), or it has a part threefold does not build"
+                f"{what}, which this model has no parameter for: its model flags differ from "
+                "the checkpoint's (try --use-checkpoint-args), or it has a part threefold does "
+                "not build (--dist-ckpt-strictness log_unexpected loads it without them)"
             )
+        if pipeline.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"> {what}, left behind: no parameter takes them (--dist-ckpt-strictness)")
 
     def step(self) -> torch.Tensor | None:
         """Adam's step (from common.pt), when the checkpoint holds Megatron's optimizer."""
