@@ -206,6 +206,16 @@ def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
     assert "--sequence-parallel has no effect" in capsys.readouterr().out
 
 
+def test_what_not_to_load_without_load_warns(capsys):
+    """Megatron-LM's GPT-OSS example passes --no-load-optim --no-load-rng without --load, and
+    Megatron-LM runs it: a warning, not a refusal (--finetune without --load is refused)."""
+    config = parse_args(BASE + ["--no-load-optim", "--no-load-rng"], world_size=1)
+    out = capsys.readouterr().out
+    for flag in ("--no-load-optim", "--no-load-rng"):
+        assert f"WARNING: {flag} has no effect without --load: nothing is loaded" in out
+    assert config.checkpoint.no_load_optim and config.checkpoint.load is None
+
+
 def test_a_save_interval_without_save_warns_and_saves_nothing(capsys, tmp_path):
     """As Megatron-LM, whose DeepSeek-proxy configs comment out --save and keep the interval."""
     from threefold.training.checkpointer import Checkpointer

@@ -113,7 +113,7 @@ CONFIGS = [
     (MOCK + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"], 1, "--lr-warmup-iters 5"),
     (MOCK + ["--split", "a,b"], 1, "--split"),
     (MOCK + ["--async-save"], 1, "--async-save needs --save"),
-    (MOCK + ["--no-load-optim"], 1, "--no-load-optim needs --load"),
+    (MOCK + ["--finetune"], 1, "--finetune needs --load"),
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),
     (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
     (MOCK + ["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), not 2.0"),

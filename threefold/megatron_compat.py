@@ -149,6 +149,15 @@ NO_COUNTERPART = {
     "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
     "on CUDA",
+    # ModelOpt's model-builder settings (megatron/post_training/arguments.py), which its
+    # examples/gptoss/02_train.sh passes to pretrain_gpt.py
+    "--enable-gpt-oss": "it sets GPT-OSS's YaRN in ModelOpt's model builder, which Megatron-LM's "
+    "pretrain_gpt.py builds with only for a ModelOpt checkpoint or distillation; threefold "
+    "builds the model the other flags describe, as Megatron-LM does without them, and refuses "
+    "ModelOpt checkpoints",
+    "--export-force-local-attention": "it picks megatron-core's local attention in ModelOpt's "
+    "model builder, used only for a ModelOpt checkpoint or distillation; threefold's attention "
+    "kernel is the > kernels: line's",
     "--use-transformer-engine-op-fuser": "it builds the MLP from Transformer Engine's "
     "operation-based API, for that library's fusions of the same function; threefold's MLP "
     "is its own layers, with their own fused kernels (the > kernels: line)",

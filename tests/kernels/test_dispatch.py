@@ -67,6 +67,21 @@ def test_explicit_choices_are_honoured():
     assert "weight gradients" not in line and not KERNELS.gradient_accumulation_fusion
 
 
+def test_bf16_gemms_reduce_in_fp32_with_megatrons_flag():
+    """--disable-bf16-reduced-precision-matmul turns off torch's bf16 partial sums for cuBLAS
+    (as Megatron-LM's does) and says so; a run without it has torch's default back."""
+    matmul = torch.backends.cuda.matmul
+    flagged = KernelConfig(disable_bf16_reduced_precision_matmul=True)
+    try:
+        line = configure(flagged, CPU, torch.bfloat16, "RMSNorm", SHAPE)
+        assert not matmul.allow_bf16_reduced_precision_reduction
+        assert "bf16 GEMMs partial sums in fp32 (--disable-bf16-reduced-precision-matmul)" in line
+        line = configure(KernelConfig(), CPU, torch.bfloat16, "RMSNorm", SHAPE)
+        assert matmul.allow_bf16_reduced_precision_reduction and "bf16 GEMMs" not in line
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = True
+
+
 @pytest.mark.parametrize(
     "config,message",
     [

@@ -408,6 +408,16 @@ def test_a_tampered_common_file_runs_nothing(megatron, tmp_path):
     assert not os.path.exists(marker)
 
 
+def test_a_modelopt_checkpoint_is_refused_in_one_line(megatron, tmp_path):
+    """Megatron-LM builds a checkpoint with modelopt_state/ by ModelOpt's builder (quantizers,
+    --enable-gpt-oss's YaRN that its args do not record): not the model its args describe."""
+    root = str(tmp_path / "modelopt")
+    shutil.copytree(megatron["llama"][0], root)
+    os.makedirs(os.path.join(root, "iter_0000010", "modelopt_state"))
+    with pytest.raises(ConfigError, match="a ModelOpt checkpoint"):
+        load_model(root, with_tokenizer=False)
+
+
 def test_convert_refuses_a_format_mismatch_in_one_line(megatron, tmp_path, capsys):
     root, _ = megatron["gpt2"]
     argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", root, "--save-dir", "x"]

@@ -143,11 +143,17 @@ class CheckpointConfig:
         )
         for name, value in (
             ("--exit-on-missing-checkpoint", self.exit_on_missing_checkpoint),
-            ("--no-load-optim", self.no_load_optim),
-            ("--no-load-rng", self.no_load_rng),
             ("--finetune", self.finetune),
         ):
             _require(not value or self.load is not None, f"{name} needs --load DIR")
+        # What not to load, with nothing to load: Megatron-LM's launch scripts pass these
+        # whether or not they load (examples/gptoss/02_train.sh), and Megatron-LM runs them.
+        for name, value in (
+            ("--no-load-optim", self.no_load_optim),
+            ("--no-load-rng", self.no_load_rng),
+        ):
+            if value and self.load is None:
+                warnings.append(f"{name} has no effect without --load: nothing is loaded")
         for name, value in (
             ("--no-save-optim", self.no_save_optim),
             ("--no-save-rng", self.no_save_rng),

@@ -86,6 +86,13 @@ class KernelConfig:
         help="compute the linear layers' weight gradients and add them to the gradient buffer "
         "in separate kernels",
     )
+    # Megatron-LM's: cuBLAS may add a bf16 GEMM's partial sums in bf16 for speed (torch's
+    # allow_bf16_reduced_precision_reduction, on by default); this keeps them in fp32.
+    disable_bf16_reduced_precision_matmul: bool = arg(
+        False,
+        help="bf16 GEMMs add their partial sums in fp32 throughout (cuBLAS may otherwise "
+        "reduce in bf16)",
+    )
     # torch.compile each transformer layer whole, as torchtitan compiles its blocks: the
     # kernels inside are traced into one graph, so --fusion-impl only affects the final norm
     # and the loss, which stay outside the layers.

@@ -450,6 +450,11 @@ def configure(
         )
     else:
         parts["cross-entropy"] = "reference (whole logits in fp32)"
+    # (set either way: a process configures kernels once per run, tests many times)
+    reduced = not config.disable_bf16_reduced_precision_matmul
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+    if not reduced and dtype == torch.bfloat16:
+        parts["bf16 GEMMs"] = "partial sums in fp32 (--disable-bf16-reduced-precision-matmul)"
     # apex's FusedAdam is not used even when present: PyTorch's fused AdamW is the same
     # multi-tensor kernel and keeps one optimizer-state format in checkpoints.
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"

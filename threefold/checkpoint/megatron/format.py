@@ -155,6 +155,14 @@ def megatron_metadata(path: str) -> dict:
     common_file = os.path.join(path, "common.pt")
     if not os.path.isfile(common_file):
         raise ConfigError(f"--load {path}: common.pt is missing; the checkpoint is incomplete")
+    if os.path.isdir(os.path.join(path, "modelopt_state")):
+        # Megatron-LM builds such a model with ModelOpt's builder (its quantizers, and
+        # --enable-gpt-oss's YaRN, which its args do not record): not the model its args say.
+        raise ConfigError(
+            f"--load {path}: a ModelOpt checkpoint (modelopt_state/), which Megatron-LM builds "
+            "with ModelOpt's model builder; threefold has none: load the checkpoint it was made "
+            "from, or export it from ModelOpt to Hugging Face and convert that"
+        )
     common = read_common(common_file)
     args = common.get("args")
     if not isinstance(args, dict):
