@@ -1,7 +1,7 @@
 """Attention sinks (--softmax-type off-by-one|learnable): one more softmax logit per head, the
-learned ones split over TP with the heads, every layout as one process, and what is not
-implemented refused in one line. megatron-core's logits of such models:
-tests/tools/test_megatron_checkpoints.py."""
+learned ones split over TP with the heads, every layout (context-parallel ones too) as one
+process, and what is not implemented (multi-latent attention) refused in one line.
+megatron-core's logits of such models: tests/tools/test_megatron_checkpoints.py."""
 
 import math
 
@@ -36,11 +36,18 @@ def test_the_sink_takes_a_share_of_each_rows_probability():
         (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         (2, ["--pipeline-model-parallel-size", "2"]),
         (2, ["--tensor-model-parallel-size", "2", "--window-size", "3,0"]),
+        (2, ["--context-parallel-size", "2", "--window-size", "3,0"]),
+        (
+            4,
+            ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+            + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ),
     ],
-    ids=["tp2-sp", "pp2", "tp2-window"],
+    ids=["tp2-sp", "pp2", "tp2-window", "cp2-ring-window", "cp2-ulysses-tp2-sp"],
 )
 def test_learned_sinks_train_as_one_process(world, flags):
-    """Each TP rank holds its heads' sinks; with a sliding window too (GPT-OSS's layers)."""
+    """Each TP rank holds its heads' sinks; with a sliding window too (GPT-OSS's layers);
+    over CP ranks, each rank's queries' share of the sinks' gradient summed as every weight's."""
     argv = LLAMA_STYLE + TRAINING + ["--softmax-type", "learnable"]
     window = flags[flags.index("--window-size") :] if "--window-size" in flags else []
     reference_run = train_job(argv + window, 4)
@@ -53,11 +60,8 @@ def test_learned_sinks_train_as_one_process(world, flags):
 
 @pytest.mark.parametrize(
     "flags,world_size,said",
-    [
-        (["--context-parallel-size", "2"], 2, "--softmax-type learnable with --context-parallel"),
-        (["--multi-latent-attention"], 1, "--softmax-type learnable with --multi-latent"),
-    ],
-    ids=["cp", "mla"],
+    [(["--multi-latent-attention"], 1, "--softmax-type learnable with --multi-latent")],
+    ids=["mla"],
 )
 def test_what_sinks_do_not_implement_is_one_line(capsys, flags, world_size, said):
     argv = LLAMA_STYLE + TRAINING + ["--softmax-type", "learnable", *flags]

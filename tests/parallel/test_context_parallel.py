@@ -33,6 +33,7 @@ def _core_attention_job(
     hierarchy: list[int] | None = None,
     documents: bool = False,
     window: int | None = None,
+    sinks: bool = False,
 ) -> list[float]:
     import torch.distributed as dist
 
@@ -63,19 +64,26 @@ def _core_attention_job(
     ids = _document_ids(sequence) if documents else None
     mask = None if ids is None else document_mask(ids)
     mask = mask if window is None else window_mask(sequence, window, mask, q.device)
-    expected = reference.attention(q, k, v, mask, 0.0)
+    # attention sinks (--softmax-type learnable): one more logit per head, learned
+    sink = torch.randn(heads, requires_grad=True) if sinks else None
+    whole = reference.attention if sink is None else reference.attention_with_sinks
+    expected = whole(q, k, v, mask, 0.0, *([] if sink is None else [sink]))
     expected.backward(upstream)
 
     mine = local_positions(sequence, cp)
     local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
     hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
-    attention = context_parallel_attention(cp, comm_type, reference.attention, hierarchy)
+    attention = context_parallel_attention(cp, comm_type, whole, hierarchy)
     spans = None if ids is None else Documents.of(ids, cp.size)
     if window is not None:
         spans = Documents.windowed(spans, window, cp.size, local[0])
-    out = attention(*local, spans, 0.0)
+    my_sink = None if sink is None else sink.detach().clone().requires_grad_()
+    out = attention(*local, spans, 0.0, *([] if sink is None else [my_sink]))
     out.backward(upstream[mine])
     pairs = [(out, expected[mine])] + [(t.grad, w.grad[mine]) for t, w in zip(local, (q, k, v))]
+    if sink is not None:  # each rank's rows' share of the sinks' gradient, summed
+        dist.all_reduce(my_sink.grad, group=cp.group)
+        pairs.append((my_sink.grad, sink.grad))
     return [float((a - b).abs().max() / b.abs().max()) for a, b in pairs]
 
 
@@ -106,6 +114,18 @@ def test_a_sliding_window_over_cp4_is_the_whole_sequences(comm_type, documents):
     results = run_distributed(4, _core_attention_job, comm_type, 8, 4, hierarchy, documents, 5)
     for errors in results:
         assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("comm_type", [*COMM_TYPES, "a2a+p2p"])
+def test_attention_sinks_over_cp4_are_the_whole_sequences(comm_type):
+    """GPT-OSS's attention over 4 CP ranks: learned sinks, a sliding window of 5 and packed
+    documents; the ring and all-gather merge the sinks as a last block, Ulysses gives each
+    rank its heads' sinks. Outputs, q/k/v gradients and the sinks' gradient (summed over the
+    ranks' rows) are the whole sequence's."""
+    hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
+    args = (comm_type, 8, 4, hierarchy, True, 5, True)
+    for errors in run_distributed(4, _core_attention_job, *args):
+        assert len(errors) == 5 and max(errors) < 1e-5, errors
 
 
 def test_a_block_without_keys_for_a_row_gives_it_nothing():
@@ -377,7 +397,7 @@ def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropo
     )
 
     def attention(q, gathered):
-        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234, None)
+        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234, None, None)
 
     assert torch.autograd.gradcheck(attention, (q, gathered))
 

@@ -95,11 +95,6 @@ class Config:
             "--multiple-validation-sets evaluates each --valid-data-path dataset on its own: "
             "give them with --train-data-path and --valid-data-path",
         )
-        _require(
-            parallel.context_parallel_size == 1 or self.model.softmax_type == "vanilla",
-            f"--softmax-type {self.model.softmax_type} with --context-parallel-size > 1 is not "
-            "implemented; drop one",
-        )
         # (--sft packs conversations that attend within themselves, as documents)
         per_document = "--reset-attention-mask" if self.data.reset_attention_mask else None
         per_document = "--sft" if self.data.sft else per_document

@@ -57,7 +57,9 @@ class SoftmaxOffsetAttention(nn.Module):
     (megatron-core's --softmax-type; GPT-OSS's attention sinks): 0 (off-by-one) or
     `softmax_offset`, learned per head (learnable), split over TP with the heads and named as
     megatron-core names it (`self_attention.core_attention.softmax_offset`). The scores are
-    written out (kernels/reference.py), whatever the kernel dispatch chose."""
+    written out (kernels/reference.py), whatever the kernel dispatch chose; over CP ranks the
+    ring and all-gather merge the sinks as a last block, Ulysses writes out its heads' share
+    (parallel/context_parallel/attention.py)."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, init_method) -> None:
         super().__init__()
@@ -67,11 +69,17 @@ class SoftmaxOffsetAttention(nn.Module):
             mark_tensor_parallel(self.softmax_offset, 0, init_method, (config.num_attention_heads,))
         else:  # (off-by-one: no state, as megatron-core keeps none)
             self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
+        self.attend = reference.attention_with_sinks
+        if parallel.cp.size > 1:
+            self.attend = context_parallel_attention(
+                parallel.cp,
+                parallel.cp_comm_type,
+                reference.attention_with_sinks,
+                (parallel.cp_a2a, parallel.cp_p2p),
+            )
 
     def forward(self, query, key, value, attention_mask, dropout) -> torch.Tensor:
-        return reference.attention_with_sinks(
-            query, key, value, attention_mask, dropout, self.softmax_offset
-        )
+        return self.attend(query, key, value, attention_mask, dropout, self.softmax_offset)
 
 
 class Attention(nn.Module):

@@ -17,6 +17,11 @@ Packed documents (--reset-attention-mask, --sft, --sft-packing) reach the core a
 document ids (the eager block kernel then, on a CPU too), Ulysses builds the whole
 sequence's mask after its all-to-all, and a2a+p2p lays the ids out for its ring.
 
+Attention sinks (--softmax-type: one more logit per head beside every row's scores, GPT-OSS's)
+take `sinks` [heads]: the ring and all-gather merge each row's sink as a last block whose
+output is 0 and whose log-sum-exp is the sink (its gradient, per head, -sum over rows of
+exp(sink - lse) rowsum(dO * O)); Ulysses hands its local attention its share of the heads'.
+
 Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
 queries need: j == r, causal attention over its own two chunks (in order, so an ordinary causal
 mask is exact); j < r, both of its chunks over j's first chunk only (j's second chunk lies in
@@ -138,6 +143,26 @@ def _attend_backward(
     return grad_kv
 
 
+def _add_sinks(result: Accumulator, sinks: torch.Tensor | None) -> None:
+    """Every row's sink logit (per head) merged as one more block: no value, only weight."""
+    if sinks is not None:
+        lse = sinks.to(result.lse.dtype).view(1, -1, 1).expand_as(result.lse)
+        result.add(slice(None), torch.zeros_like(result.out), lse)
+
+
+def _sinks_gradient(
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor | None:
+    """d loss / d sinks [heads]: a sink's probability exp(sink - lse) times its value's
+    (zero) score gradient minus rowsum(dO * O), summed over the rows and the batch."""
+    if sinks is None or not sinks.requires_grad:
+        return None
+    dtype = lse.dtype
+    row_dot = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [b, heads, rows]
+    probability = torch.exp(sinks.to(dtype).view(1, -1, 1) - lse)
+    return -(probability * row_dot).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 def _dropout(p: float, seed: int, source: int) -> Dropout | None:
     """The block of CP rank `source`'s keys draws its mask from seed + source."""
     return Dropout(p, seed + source) if p > 0 else None
@@ -152,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
     """q [b, heads, 2c, d], k and v [b, groups, 2c, d] -> out [b, heads, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int, documents):
+    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int, documents, sinks):
         heads_per_group = q.shape[1] // k.shape[1]
         kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
         for step in range(cp.size):
@@ -168,15 +193,16 @@ class _RingAttention(torch.autograd.Function):
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
+        _add_sinks(result, sinks)
         out = result.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, result.lse)
+        ctx.save_for_backward(q, k, v, out, result.lse, sinks)
         ctx.cp, ctx.scale, ctx.dropout, ctx.seed = cp, scale, dropout, seed
         ctx.documents = documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
         heads_per_group, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         grad_out = grad_out.contiguous()
@@ -201,14 +227,17 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_k, grad_v = returning.wait()
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 5
+        grad_sinks = _sinks_gradient(grad_out, out, lse, sinks)
+        return (grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 5, grad_sinks)
 
 
 class _GatheredAttention(torch.autograd.Function):
     """The ring's blocks from the gathered keys/values [CP, 2, b, groups, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int, documents):
+    def forward(
+        ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int, documents, sinks
+    ):
         heads_per_group = q.shape[1] // gathered.shape[3]
         result, half = Accumulator(), q.shape[2] // 2
         for step in range(gathered.shape[0]):
@@ -216,15 +245,16 @@ class _GatheredAttention(torch.autograd.Function):
             plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
             allowed = _allowed(documents, rank, source, plan)
             _attend(q, gathered[source], plan, heads_per_group, scale, mask, result, allowed)
+        _add_sinks(result, sinks)
         out = result.out.to(q.dtype)
-        ctx.save_for_backward(q, gathered, out, result.lse)
+        ctx.save_for_backward(q, gathered, out, result.lse, sinks)
         ctx.rank, ctx.scale, ctx.dropout, ctx.seed = rank, scale, dropout, seed
         ctx.documents = documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, gathered, out, lse = ctx.saved_tensors
+        q, gathered, out, lse, sinks = ctx.saved_tensors
         heads_per_group, half = q.shape[1] // gathered.shape[3], q.shape[2] // 2
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
@@ -244,7 +274,8 @@ class _GatheredAttention(torch.autograd.Function):
                 grad_q,
                 _allowed(ctx.documents, ctx.rank, source, plan),
             )
-        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 5
+        grad_sinks = _sinks_gradient(grad_out, out, lse, sinks)
+        return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 5, grad_sinks
 
 
 def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -264,16 +295,29 @@ def _seed(p: float, device: torch.device) -> int:
 
 
 def ring_attention(
-    query, key, value, cp: Group, dropout: float = 0.0, documents: Documents | None = None
+    query,
+    key,
+    value,
+    cp: Group,
+    dropout: float = 0.0,
+    documents: Documents | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q, k, v = _heads_first(query, key, value)
     scale = 1.0 / math.sqrt(q.shape[-1])
     seed = _seed(dropout, q.device)
-    return _sequence_first(_RingAttention.apply(q, k, v, cp, scale, dropout, seed, documents))
+    out = _RingAttention.apply(q, k, v, cp, scale, dropout, seed, documents, sinks)
+    return _sequence_first(out)
 
 
 def allgather_attention(
-    query, key, value, cp: Group, dropout: float = 0.0, documents: Documents | None = None
+    query,
+    key,
+    value,
+    cp: Group,
+    dropout: float = 0.0,
+    documents: Documents | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # One all-gather for keys and values (backward: one reduce-scatter of their gradients).
     s, b, groups, d = key.shape
@@ -282,7 +326,7 @@ def allgather_attention(
     gathered = gathered.permute(0, 2, 3, 4, 1, 5).contiguous()  # [CP, 2, b, groups, s, d]
     (q,) = _heads_first(query)
     scale, seed = 1.0 / math.sqrt(d), _seed(dropout, q.device)
-    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed, documents)
+    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed, documents, sinks)
     return _sequence_first(out)
 
 
@@ -323,10 +367,20 @@ def scatter_sequence(whole: torch.Tensor, cp: Group) -> torch.Tensor:
     return back.permute(1, 2, 0, 3).flatten(2)
 
 
-def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, local: Callable):
+def ulysses_attention(
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout,
+    cp: Group,
+    local: Callable,
+    sinks: torch.Tensor | None = None,
+):
     """a2a: every rank gets the whole sequence of 1/CP of the heads (query heads and their
     key/value groups together, so GQA's pairing is kept), attends with `local`, sends back;
-    packed documents' `Documents` become the whole sequence's [b, 1, s, s] mask."""
+    packed documents' `Documents` become the whole sequence's [b, 1, s, s] mask. `sinks`:
+    `local` takes this rank's share of them as a sixth argument."""
     if isinstance(attention_mask, Documents):
         attention_mask = attention_mask.whole_mask()
     s, b, heads, d = query.shape
@@ -336,12 +390,20 @@ def ulysses_attention(query, key, value, attention_mask, dropout, cp: Group, loc
     parts = torch.cat([t.unflatten(2, (cp.size, -1)) for t in (query, key, value)], dim=3)
     whole = gather_sequence(parts.flatten(3), cp).unflatten(2, (-1, d))  # [CP x s, b, ., d]
     q, k, v = whole.split(split, dim=2)
-    context = local(q, k, v, attention_mask, dropout)  # [CP x s, b, heads/CP x d]
+    mine = () if sinks is None else (sinks.unflatten(0, (cp.size, -1))[cp.rank],)
+    context = local(q, k, v, attention_mask, dropout, *mine)  # [CP x s, b, heads/CP x d]
     return scatter_sequence(context, cp)
 
 
 def hierarchical_attention(
-    query, key, value, dropout, a2a: Group, p2p: Group, documents: Documents | None = None
+    query,
+    key,
+    value,
+    dropout,
+    a2a: Group,
+    p2p: Group,
+    documents: Documents | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """a2a+p2p: Ulysses over `a2a` (A consecutive CP ranks), then ring attention over `p2p`
     (the ranks at the same place of each a2a group). The all-to-all gives each rank its a2a
@@ -354,31 +416,38 @@ def hierarchical_attention(
     if documents is not None:
         coarse = Documents.of(documents.whole(), p2p.size, documents.window)
 
-    def ring(q, k, v, attention_mask, p):
-        return ring_attention(q, k, v, p2p, p, coarse)
+    def ring(q, k, v, attention_mask, p, sinks=None):
+        return ring_attention(q, k, v, p2p, p, coarse, sinks)
 
-    return ulysses_attention(query, key, value, None, dropout, a2a, ring)
+    return ulysses_attention(query, key, value, None, dropout, a2a, ring, sinks)
 
 
 def context_parallel_attention(
     cp: Group, comm_type: str, local: Callable, hierarchy: tuple[Group, Group] | None = None
 ) -> Callable:
     """The core attention for `--cp-comm-type comm_type` over `cp`; `local` is the
-    single-rank attention (the kernel dispatch's) that a2a runs on whole sequences;
-    `hierarchy` a2a+p2p's (all-to-all group, ring group)."""
+    single-rank attention (the kernel dispatch's) that a2a runs on whole sequences, taking
+    the sinks as a sixth argument when the attention is called with them; `hierarchy`
+    a2a+p2p's (all-to-all group, ring group)."""
     if comm_type == "a2a":
-        return lambda q, k, v, mask, dropout: ulysses_attention(q, k, v, mask, dropout, cp, local)
+
+        def ulysses(query, key, value, attention_mask, dropout, sinks=None):
+            return ulysses_attention(query, key, value, attention_mask, dropout, cp, local, sinks)
+
+        return ulysses
     if comm_type == "a2a+p2p":
         a2a, p2p = hierarchy
 
-        def hierarchical(query, key, value, attention_mask, dropout):
-            return hierarchical_attention(query, key, value, dropout, a2a, p2p, attention_mask)
+        def hierarchical(query, key, value, attention_mask, dropout, sinks=None):
+            return hierarchical_attention(
+                query, key, value, dropout, a2a, p2p, attention_mask, sinks
+            )
 
         return hierarchical
     blockwise = {"p2p": ring_attention, "allgather": allgather_attention}[comm_type]
 
-    def attention(query, key, value, attention_mask, dropout):
+    def attention(query, key, value, attention_mask, dropout, sinks=None):
         # (a mask under CP is packed documents': split_batch's `Documents`)
-        return blockwise(query, key, value, cp, dropout, attention_mask)
+        return blockwise(query, key, value, cp, dropout, attention_mask, sinks)
 
     return attention
