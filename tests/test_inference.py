@@ -17,7 +17,7 @@ from tests.parity import LLAMA_STYLE, TRAINING, _setup
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
 from threefold.inference import load_for_text
-from threefold.inference_flags import add_tokenizer_flags
+from threefold.inference_flags import add_strictness_flag, add_tokenizer_flags
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def test_a_run_without_a_tokenizer_is_refused_naming_the_flags_to_give(mock_data
     parser = argparse.ArgumentParser()
     parser.add_argument("--load")
     add_tokenizer_flags(parser)
+    add_strictness_flag(parser)
     args = parser.parse_args(["--load", mock_data_run])
     with pytest.raises(ConfigError, match="the run had no tokenizer .* with --tokenizer-type"):
         load_for_text(args, torch.device("cpu"), None)

@@ -121,7 +121,11 @@ def load_for_text(args, device: torch.device, parallel: ParallelContext):
     from threefold.inference_flags import tokenizer_files
 
     config, model, tokenizer = load_model(
-        args.load, device, parallel=parallel, tokenizer_files=tokenizer_files(args)
+        args.load,
+        device,
+        parallel=parallel,
+        tokenizer_files=tokenizer_files(args),
+        strictness=args.dist_ckpt_strictness,
     )
     if tokenizer is None:
         raise ConfigError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from threefold.arguments import positive
+from threefold.config.checkpoint import DIST_CKPT_STRICTNESS
 
 TOKENIZER_FLAGS = ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file")
 
@@ -24,6 +25,19 @@ def add_layout_flags(parser: argparse.ArgumentParser) -> None:
         "--tensor-model-parallel-size",
         type=positive(int),
         help="TP ranks per stage (default: launched processes / pipeline stages)",
+    )
+    add_strictness_flag(parser)
+
+
+def add_strictness_flag(parser: argparse.ArgumentParser) -> None:
+    """What a Megatron-LM checkpoint's tensors no parameter takes do, as pretrain_gpt.py's
+    --dist-ckpt-strictness (refused by default)."""
+    parser.add_argument(
+        "--dist-ckpt-strictness",
+        choices=DIST_CKPT_STRICTNESS,
+        default="raise_unexpected",
+        help="a Megatron-LM checkpoint's tensors the model has no parameter for: refuse them "
+        "(raise_*, the default), name them and go on (log_*, return_*), or do not look",
     )
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import ToolParser  # noqa: E402
 from threefold.config import ConfigError  # noqa: E402
+from threefold.inference_flags import add_strictness_flag  # noqa: E402
 from threefold.output_directory import make_parent_directory  # noqa: E402
 from threefold.startup import frozen_imports  # noqa: E402
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of exported HF or Megatron weights (default: what was imported, or what "
         "the run trained in; float32 otherwise)",
     )
+    add_strictness_flag(parser)
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
     if args.loader == args.saver:
@@ -73,17 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     with frozen_imports():
         from threefold.checkpoint import convert
 
+    strictness = args.dist_ckpt_strictness
     try:
         if (args.loader, args.saver) == ("hf", "threefold"):
             path = convert.hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
         elif args.saver == "hf":
-            path = convert.to_hf_checkpoint(args.load_dir, args.save_dir, args.dtype, args.loader)
+            path = convert.to_hf_checkpoint(
+                args.load_dir, args.save_dir, args.dtype, args.loader, strictness
+            )
         elif args.saver == "megatron":
             path = convert.to_megatron_checkpoint(
-                args.load_dir, args.save_dir, args.dtype, args.loader
+                args.load_dir, args.save_dir, args.dtype, args.loader, strictness
             )
         else:
-            path = convert.megatron_to_threefold_checkpoint(args.load_dir, args.save_dir)
+            path = convert.megatron_to_threefold_checkpoint(
+                args.load_dir, args.save_dir, strictness
+            )
     except ConfigError as error:  # the loading code names pretrain_gpt.py's --load
         parser.error(re.sub(r"^--load ", "--load-dir ", str(error)))
     print(f"converted {args.load_dir} ({args.loader}) -> {path} ({args.saver})")

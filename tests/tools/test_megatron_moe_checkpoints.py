@@ -123,6 +123,33 @@ def test_a_tensor_the_model_would_not_read_is_refused_not_dropped(megatron, pp, 
         assert all("router.bias" not in out for out in said)
 
 
+def test_the_converter_refuses_what_it_would_leave_behind_unless_told(
+    megatron, monkeypatch, tmp_path, capsys
+):
+    """tools/convert_checkpoint.py takes --dist-ckpt-strictness too: refused by default in one
+    line naming the tensor, converted without it (and said) with log_unexpected."""
+    from threefold.model.moe import router
+
+    root, _ = megatron["gpt_oss"]
+    build = router.TopKRouter.__init__
+
+    def without_bias(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.bias = None
+
+    monkeypatch.setattr(router.TopKRouter, "__init__", without_bias)
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root]
+    with pytest.raises(SystemExit) as stop:
+        convert_checkpoint.main([*argv, "--save-dir", str(tmp_path / "refused")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "holds decoder.layers.mlp.router.bias, which" in err
+    assert err.count("\n") == 1 and not (tmp_path / "refused").exists()
+    saved = str(tmp_path / "told")
+    strictness = ["--dist-ckpt-strictness", "log_unexpected"]
+    assert convert_checkpoint.main([*argv, "--save-dir", saved, *strictness]) == 0
+    assert "decoder.layers.mlp.router.bias, left behind" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "kind,tp,pp,ep,flags",
     [

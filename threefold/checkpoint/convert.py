@@ -158,15 +158,19 @@ def _guess_architecture(model: ModelConfig) -> str:
     )
 
 
-def whole_model(load_dir: str, loader: str) -> tuple[Config, dict[str, torch.Tensor], dict, int]:
+def whole_model(
+    load_dir: str, loader: str, strictness: str = "raise_unexpected"
+) -> tuple[Config, dict[str, torch.Tensor], dict, int]:
     """(config, whole tensors by name, metadata, iteration) of the latest checkpoint in a
     threefold or Megatron-LM (torch_dist) --load-dir, LoRA adapters folded in."""
-    config, state, metadata, iteration, _ = whole_checkpoint(load_dir, loader)
+    config, state, metadata, iteration, _ = whole_checkpoint(load_dir, loader, strictness)
     config.model.lora_rank = None  # (the adapters folded into the weights)
     return config, state, metadata, iteration
 
 
-def whole_checkpoint(load_dir: str, loader: str) -> tuple[Config, dict, dict, int, GPTModel]:
+def whole_checkpoint(
+    load_dir: str, loader: str, strictness: str = "raise_unexpected"
+) -> tuple[Config, dict, dict, int, GPTModel]:
     """`whole_model`'s, and the model at TP = PP = 1 it loaded (as saved: a LoRA run's
     config keeps its --lora-rank)."""
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
@@ -179,7 +183,9 @@ def whole_checkpoint(load_dir: str, loader: str) -> tuple[Config, dict, dict, in
             f"use --loader {other}"
         )
     metadata = read_metadata(load_dir, iteration)
-    config, model, _ = load_model(load_dir, iteration=iteration, with_tokenizer=False)
+    config, model, _ = load_model(
+        load_dir, iteration=iteration, with_tokenizer=False, strictness=strictness
+    )
     state = {}
     for name, param in model.named_parameters():
         name = model.layout_independent_name(name)
@@ -223,7 +229,13 @@ def _exported_optimizer(
     return ExportedOptimizer(tensors, common)
 
 
-def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
+def to_hf_checkpoint(
+    load_dir: str,
+    save_dir: str,
+    dtype: str | None,
+    loader: str,
+    strictness: str = "raise_unexpected",
+) -> str:
     """A Hugging Face model directory (model.safetensors, config.json, the tokenizer's files)
     at `save_dir`, which must not exist or be empty: an export never writes over files. It
     is written beside it and renamed into place once complete, so an export that fails (or
@@ -235,7 +247,7 @@ def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: st
             f"--save-dir {save_dir}: exists and is not an empty directory; an export writes "
             "over nothing: choose a new directory"
         )
-    config, state, metadata, iteration = whole_model(load_dir, loader)
+    config, state, metadata, iteration = whole_model(load_dir, loader, strictness)
     hf = metadata.get("hf", {})
     architecture = hf.get("architecture") or _guess_architecture(config.model)
     if config.model.mtp_num_layers:
@@ -268,7 +280,13 @@ def to_hf_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: st
     return save_dir
 
 
-def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, loader: str) -> str:
+def to_megatron_checkpoint(
+    load_dir: str,
+    save_dir: str,
+    dtype: str | None,
+    loader: str,
+    strictness: str = "raise_unexpected",
+) -> str:
     """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
     iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
     if loader == "hf":
@@ -277,7 +295,7 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
         default = dtypes.pop() if len(dtypes) == 1 else torch.float32
         optimizer = None
     else:
-        config, state, metadata, iteration, model = whole_checkpoint(load_dir, loader)
+        config, state, metadata, iteration, model = whole_checkpoint(load_dir, loader, strictness)
         train_state = metadata.get("train_state", {})
         default = torch.bfloat16 if config.training.bf16 else torch.float32
         optimizer = _exported_optimizer(load_dir, iteration, config, metadata, model)
@@ -288,8 +306,10 @@ def to_megatron_checkpoint(load_dir: str, save_dir: str, dtype: str | None, load
     )
 
 
-def megatron_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
+def megatron_to_threefold_checkpoint(
+    load_dir: str, save_dir: str, strictness: str = "raise_unexpected"
+) -> str:
     """A weights-only threefold checkpoint of a Megatron-LM one, like a Hugging Face import."""
-    config, state, _, _ = whole_model(load_dir, "megatron")
+    config, state, _, _ = whole_model(load_dir, "megatron", strictness)
     config = Config(model=config.model, data=config.data)  # whole tensors: TP = PP = 1
     return save_weights_checkpoint(save_dir, config, state)

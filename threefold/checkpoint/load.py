@@ -170,6 +170,7 @@ def load_model(
     parallel: ParallelContext | None = None,
     with_tokenizer: bool = True,
     tokenizer_files: dict | None = None,
+    strictness: str = "raise_unexpected",
 ):
     """(config, model, tokenizer) of the latest checkpoint under `root` (or of `iteration`,
     found by `find_checkpoint` already), for generation and scoring: this rank's pipeline stage
@@ -177,7 +178,8 @@ def load_model(
     given), from a checkpoint of any layout (Megatron-LM's torch_dist too). The tokenizer
     is None for mock-data runs and when not `with_tokenizer` (conversions); `tokenizer_files`
     ({field: value} of DataConfig's tokenizer fields) replaces the checkpoint's (a Megatron-LM
-    checkpoint names files on the machine that trained it)."""
+    checkpoint names files on the machine that trained it). `strictness`: what a Megatron-LM
+    checkpoint's tensors no parameter takes do (--dist-ckpt-strictness)."""
     from threefold.data.tokenizer import build_tokenizer
     from threefold.model import GPTModel
 
@@ -224,6 +226,7 @@ def load_model(
         named,
         metadata["config"]["parallel"]["tensor_model_parallel_size"],
         parallel,
+        strictness=strictness,
     )
     model.eval()
     return config, model.to(device or torch.device("cpu")), tokenizer
