@@ -113,7 +113,12 @@ def reference():
     return train_job(MOE_MTP, 4)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "dp2", "ep2", "dp2-distributed-optimizer", "pp2"])
+# (cp2: each depth's shift takes a chunk's next token from the CP rank holding it, and its
+# loss is the mean over the whole micro-batch's tokens)
+@pytest.mark.parametrize(
+    "layout",
+    ["tp2-sp", "dp2", "ep2", "dp2-distributed-optimizer", "pp2", "cp2", "cp2-a2a-ep2", "cp4"],
+)
 def test_mtp_trains_as_one_process(reference, layout):
     world, extra = {
         "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -121,6 +126,13 @@ def test_mtp_trains_as_one_process(reference, layout):
         "ep2": (2, ["--expert-model-parallel-size", "2"]),
         "dp2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
         "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+        "cp2": (2, ["--context-parallel-size", "2"]),
+        "cp2-a2a-ep2": (
+            2,
+            ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+            + ["--expert-model-parallel-size", "2"],
+        ),
+        "cp4": (4, ["--context-parallel-size", "4"]),
     }[layout]
     results = run_distributed(world, train_job, MOE_MTP + extra, 4)
     assert_matches_reference(results, reference, 2e-6)
@@ -137,15 +149,23 @@ def test_the_last_stage_copy_of_tied_embeddings_and_positions_trains_as_one_proc
     assert_matches_reference(results, reference, 2e-6)
 
 
-def test_per_document_positions_and_attention_train_as_one_process():
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--context-parallel-size", "2"],
+    ],
+    ids=["tp2-sp", "cp2"],
+)
+def test_per_document_positions_and_attention_train_as_one_process(layout):
     """--reset-position-ids --reset-attention-mask with learned positions: every depth embeds
-    the shifted documents' positions and attends within documents, at TP2+SP as in one
-    process."""
+    the shifted documents' positions and attends within documents, at TP2+SP and CP2 (the
+    documents' masks over the ranks' blocks, the loss masked by --eod-mask-loss unevenly
+    over the ranks) as in one process."""
     argv = GPT2_STYLE + TRAINING + MTP + ["--tokenizer-type", "NullTokenizer"]
     argv += ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
     reference = train_job(argv, 4)
-    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    assert_matches_reference(run_distributed(2, train_job, argv + tp2, 4), reference, 2e-6)
+    assert_matches_reference(run_distributed(2, train_job, argv + layout, 4), reference, 2e-6)
 
 
 def _logged(argv: list[str]) -> dict:
@@ -162,9 +182,10 @@ def test_the_log_carries_each_depths_loss_averaged_over_replicas():
     reference = _logged(argv)
     assert list(reference) == ["mtp_1 loss", "mtp_2 loss"]
     assert all(4 < value < 7 for value in reference.values())  # about ln(vocabulary)
-    for logged in run_distributed(2, _logged, argv):
-        for name, value in logged.items():
-            assert value == pytest.approx(reference[name], rel=1e-5)
+    for layout in ([], ["--context-parallel-size", "2"]):  # DP2; CP2: the whole sequence's
+        for logged in run_distributed(2, _logged, argv + layout):
+            for name, value in logged.items():
+                assert value == pytest.approx(reference[name], rel=1e-5)
     stats = IterationStats(
         iteration=1, train_iters=2, consumed_samples=8, elapsed_ms=1.0, learning_rate=1e-3,
         global_batch_size=8, lm_loss=5.0, loss_scale=1.0, grad_norm=1.0, skipped_iterations=0,
@@ -176,11 +197,7 @@ def test_the_log_carries_each_depths_loss_averaged_over_replicas():
 
 
 @pytest.mark.parametrize(
-    "extra,named",
-    [
-        (["--context-parallel-size", "2"], "--mtp-num-layers with --context-parallel-size"),
-        (["--mtp-use-repeated-layer"], "multi-token prediction variants"),
-    ],
+    "extra,named", [(["--mtp-use-repeated-layer"], "multi-token prediction variants")]
 )
 def test_what_is_not_built_is_refused_in_one_line(capsys, extra, named):
     from threefold.arguments import parse_args

@@ -390,15 +390,6 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
             "or auto",
         )
 
-    def _finalize_multi_token_prediction(self, model: ModelConfig) -> None:
-        if not model.mtp_num_layers:
-            return
-        _require(
-            self.context_parallel_size == 1,
-            "--mtp-num-layers with --context-parallel-size > 1 is not implemented (the "
-            "shifted tokens would cross the context-parallel ranks' chunks); use CP 1",
-        )
-
     def _finalize_optimizer_instances(self) -> None:
         count, flag = (
             self.num_distributed_optimizer_instances,
@@ -508,7 +499,6 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
             "distributed optimizer all-gathers parameters)",
         )
         self._finalize_expert_parallel(model)
-        self._finalize_multi_token_prediction(model)
         self._finalize_optimizer_instances()
         self._finalize_strategy()
         _require(

@@ -30,6 +30,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.spec import LayerSpec
 from threefold.model.transformer import TransformerLayer
+from threefold.parallel.context_parallel.sequence import shift_left
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear
 from threefold.parallel.tensor_parallel.mappings import (
@@ -37,12 +38,6 @@ from threefold.parallel.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from threefold.parallel.tensor_parallel.sharding import InitMethod
-
-
-def shift_left(tensor: torch.Tensor) -> torch.Tensor:
-    """[b, s] moved one position to the left along the sequence, 0 at the end (megatron-core's
-    roll_tensor without context parallelism)."""
-    return torch.cat([tensor[:, 1:], torch.zeros_like(tensor[:, :1])], dim=1)
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -119,7 +114,7 @@ class MultiTokenPredictionBlock(nn.Module):
             for depth in range(1, config.mtp_num_layers + 1)
         )
         self.weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
-        self.vocab_size, self.tp = config.vocab_size, parallel.tp
+        self.vocab_size, self.tp, self.cp = config.vocab_size, parallel.tp, parallel.cp
         # Set by the trainer each step (training/mtp_losses.py).
         self.aux_loss_scale, self.per_token_loss = 1.0, False
         self._losses: torch.Tensor | None = None  # per depth, summed over micro-batches
@@ -144,19 +139,24 @@ class MultiTokenPredictionBlock(nn.Module):
             positions = torch.arange(sequence, device=input_ids.device).expand_as(input_ids)
         loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         main, depth_hidden, losses = hidden_states, hidden_states, []
+        cp = self.cp
         for layer in self.layers:
-            input_ids, positions = shift_left(input_ids), shift_left(positions)
-            labels, loss_mask = shift_left(labels), shift_left(loss_mask)
+            input_ids, positions = shift_left(input_ids, cp), shift_left(positions, cp)
+            labels, loss_mask = shift_left(labels, cp), shift_left(loss_mask, cp)
             embeddings = embedding(input_ids, positions)
             depth_hidden = layer(embeddings, depth_hidden, rotary, batch.get("attention_mask"))
             per_token = KERNELS.cross_entropy(
                 output_layer(depth_hidden), labels.t(), self.vocab_size, self.tp
             ).t()
             total = (per_token.float() * loss_mask).sum()
-            mean = total / loss_mask.sum().clamp(min=1)
-            loss = total if self.per_token_loss else mean
+            # Under CP this rank's share of the micro-batch's loss: a mean over the whole
+            # micro-batch's tokens (megatron-core divides by each rank's own count), which
+            # `aux_loss_scale` multiplies by CP as the main loss is (training/trainer.py).
+            whole = cp.all_reduce(torch.stack((total.detach(), loss_mask.sum().float())))
+            count = whole[1].clamp(min=1)
+            loss = total if self.per_token_loss else total / count
             main = _AttachLoss.apply(main, loss, self.weight * self.aux_loss_scale)
-            losses.append(mean.detach())  # logged as a mean in either case, as Megatron does
+            losses.append(whole[0] / count)  # logged as a mean in either case, as Megatron
         values = torch.stack(losses)
         self._losses = values if self._losses is None else self._losses + values
         return main

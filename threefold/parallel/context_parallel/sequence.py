@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from threefold.parallel.parallel_context import Group
 
@@ -32,6 +33,28 @@ def local_positions(seq_length: int, cp: Group, device: torch.device | None = No
             torch.arange(i * chunk, (i + 1) * chunk, device=device)
             for i in chunk_ids(cp.size, cp.rank)
         ]
+    )
+
+
+def shift_left(tensor: torch.Tensor, cp: Group) -> torch.Tensor:
+    """[b, s] (this rank's tokens, local order) moved one position left in the whole
+    sequence, 0 at its end (megatron-core's roll_tensor, multi-token prediction's shift).
+    Each chunk's last place takes the next chunk's first element: chunk r + 1 is rank r + 1's
+    first (for the last rank, its own second chunk), chunk 2CP - r is rank r - 1's second
+    (none after rank 0's second, the sequence's last): one all-gather of each rank's two
+    first elements."""
+    zero = torch.zeros_like(tensor[:, :1])
+    if cp.size == 1:
+        return torch.cat([tensor[:, 1:], zero], dim=1)
+    first, second = tensor.chunk(2, dim=1)
+    heads = torch.stack([first[:, 0], second[:, 0]]).contiguous()  # [2, b]
+    everyone = heads.new_empty((cp.size * 2, heads.shape[1]))
+    dist.all_gather_into_tensor(everyone, heads, group=cp.group)
+    everyone = everyone.view(cp.size, 2, -1)  # [rank, chunk, b]
+    after_first = everyone[cp.rank + 1, 0] if cp.rank + 1 < cp.size else second[:, 0]
+    after_second = everyone[cp.rank - 1, 1] if cp.rank > 0 else zero[:, 0]
+    return torch.cat(
+        [first[:, 1:], after_first[:, None], second[:, 1:], after_second[:, None]], dim=1
     )
 
 
