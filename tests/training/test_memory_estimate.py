@@ -21,6 +21,11 @@ MOE += ["--moe-shared-expert-intermediate-size", "64"]
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
 # Wider than the parity models so the layers, not the logits, dominate the activations.
 WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
+# Attention sinks over a longer sequence: written out on one rank, their S x S matrices
+# dominate (and a query width a d twice the hidden size, as GPT-OSS's exceeds its)
+SINKS = ["--softmax-type", "learnable"]
+LONG = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "256"]
+LONG += ["--max-position-embeddings", "256"]
 # LLaMA with multi-latent attention: a query latent, latent norms, values narrower than the
 # query/key heads
 MLA = LLAMA_MHA_STYLE + ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"]
@@ -129,6 +134,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + ["layernorm", "core_attn"],
         LLAMA_STYLE + WIDE + GDN,
         LLAMA_STYLE + WIDE + GDN + ["--bf16"],
+        LLAMA_STYLE + LONG + SINKS,
+        LLAMA_STYLE + LONG + SINKS + ["--bf16", "--window-size", "31,0", "--kv-channels", "16"],
     ],
     ids=[
         "llama",
@@ -147,6 +154,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-moe-recompute-moe-layernorm",
         "gated-delta-net",
         "gated-delta-net-bf16",
+        "sinks",
+        "sinks-bf16-window-wide-heads",
     ],
 )
 def test_single_process(flags):
@@ -363,6 +372,10 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         # the last stage's MTP depth and its copy of the embedding
         (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
         (2, FP8 + ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
+        # sinks over CP: Ulysses writes out the whole sequence for its heads, the ring keeps
+        # only its blocks' log-sum-exp
+        (2, SINKS + ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--bf16"]),
+        (2, SINKS + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
         # the gated delta nets' exchange over CP: the whole sequence for 1/(TP x CP) of the heads
         (
             4,
@@ -392,6 +405,8 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "fp8-pp2",
         "mtp-pp2",
         "fp8-mtp-pp2",
+        "sinks-cp2-a2a-bf16",
+        "sinks-cp2-p2p",
         "gated-delta-net-tp2-sp-cp2",
     ],
 )
