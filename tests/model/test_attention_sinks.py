@@ -30,6 +30,46 @@ def test_the_sink_takes_a_share_of_each_rows_probability():
     torch.testing.assert_close(plain, reference.attention(q, k, v, None, 0.0))
 
 
+@pytest.mark.parametrize("mask", ["causal", "window", "documents"])
+def test_the_blockwise_sink_attention_is_the_written_out_one_without_its_matrices(mask):
+    """The model's sink attention (one block of the CP ring's, the sinks merged after it):
+    the written-out attention's output and gradients (q, k, v and the sinks; GQA), and what it
+    keeps for backward holds no S x S matrix (the written-out one keeps several)."""
+    from threefold.parallel.context_parallel.attention import sink_attention
+    from threefold.parallel.context_parallel.sequence import document_mask, window_mask
+
+    torch.manual_seed(0)
+    s, b = 48, 2
+    q = torch.randn(s, b, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(s, b, 2, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0] * 20 + [1] * 28, [0] * 5 + [1] * 43])
+    allowed = {
+        "causal": None,
+        "window": window_mask(s, 7, None, q.device),
+        "documents": document_mask(ids),
+    }[mask]
+    upstream = torch.randn(s, b, 32, dtype=torch.float64)
+    results = []
+    for attention in (reference.attention_with_sinks, sink_attention):
+        kept = []
+
+        def pack(tensor, kept=kept):
+            kept.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = attention(q, k, v, allowed, 0.0, sinks)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), upstream)
+        results.append((out, grads, max(kept)))
+    (expected, expected_grads, written), (out, grads, blockwise) = results
+    # (the written-out attention computes its scores in fp32)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert written >= b * 4 * s * s > blockwise  # (the largest tensor kept: per head, or not)
+
+
 @pytest.mark.parametrize(
     "world,flags",
     [

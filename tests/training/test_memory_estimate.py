@@ -21,8 +21,9 @@ MOE += ["--moe-shared-expert-intermediate-size", "64"]
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
 # Wider than the parity models so the layers, not the logits, dominate the activations.
 WIDE = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "32"]
-# Attention sinks over a longer sequence: written out on one rank, their S x S matrices
-# dominate (and a query width a d twice the hidden size, as GPT-OSS's exceeds its)
+# Attention sinks over a longer sequence: their blocks keep a log-sum-exp, no S x S matrix
+# (written out, they kept several per head, 2 to 4 times these runs' activations); and a
+# query width a d twice the hidden size, as GPT-OSS's exceeds its
 SINKS = ["--softmax-type", "learnable"]
 LONG = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length", "256"]
 LONG += ["--max-position-embeddings", "256"]
@@ -372,8 +373,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         # the last stage's MTP depth and its copy of the embedding
         (2, ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
         (2, FP8 + ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"]),
-        # sinks over CP: Ulysses writes out the whole sequence for its heads, the ring keeps
-        # only its blocks' log-sum-exp
+        # sinks over CP: Ulysses's whole sequence for its heads, the ring's blocks
         (2, SINKS + ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--bf16"]),
         (2, SINKS + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
         # the gated delta nets' exchange over CP: the whole sequence for 1/(TP x CP) of the heads

@@ -537,7 +537,10 @@ def configure_for_model(
         _check_fp8_shapes(model, tensor_parallel_size)
     line = configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
     if model.softmax_type != "vanilla":  # (model/attention.py's SoftmaxOffsetAttention)
-        line += f"; --softmax-type {model.softmax_type}: attention written out (eager)"
+        line += (
+            f"; --softmax-type {model.softmax_type}: attention as the context-parallel ring's "
+            "blocks (PyTorch's flash kernel on the CPU, eager blocks on CUDA), the sinks merged"
+        )
     return line
 
 

@@ -17,12 +17,11 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.norms import build_norm
 from threefold.model.recompute import checkpoint
-from threefold.parallel.context_parallel.attention import context_parallel_attention
+from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
 from threefold.parallel.context_parallel.sequence import Documents, window_mask
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -56,10 +55,11 @@ class SoftmaxOffsetAttention(nn.Module):
     """Core attention with one more softmax logit per head beside each row's scores
     (megatron-core's --softmax-type; GPT-OSS's attention sinks): 0 (off-by-one) or
     `softmax_offset`, learned per head (learnable), split over TP with the heads and named as
-    megatron-core names it (`self_attention.core_attention.softmax_offset`). The scores are
-    written out (kernels/reference.py), whatever the kernel dispatch chose; over CP ranks the
-    ring and all-gather merge the sinks as a last block, Ulysses writes out its heads' share
-    (parallel/context_parallel/attention.py)."""
+    megatron-core names it (`self_attention.core_attention.softmax_offset`). No SDPA kernel
+    takes the logit: the attention runs as one block of the CP ring's (its scores recomputed
+    in backward from the output and log-sum-exp, as flash attention's, not kept), the sinks
+    merged as a last block (parallel/context_parallel/attention.py), over CP ranks by every
+    comm type."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, init_method) -> None:
         super().__init__()
@@ -69,13 +69,11 @@ class SoftmaxOffsetAttention(nn.Module):
             mark_tensor_parallel(self.softmax_offset, 0, init_method, (config.num_attention_heads,))
         else:  # (off-by-one: no state, as megatron-core keeps none)
             self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
-        self.attend = reference.attention_with_sinks
+        self.attend = sink_attention
         if parallel.cp.size > 1:
+            hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
             self.attend = context_parallel_attention(
-                parallel.cp,
-                parallel.cp_comm_type,
-                reference.attention_with_sinks,
-                (parallel.cp_a2a, parallel.cp_p2p),
+                parallel.cp, parallel.cp_comm_type, sink_attention, hierarchy
             )
 
     def forward(self, query, key, value, attention_mask, dropout) -> torch.Tensor:

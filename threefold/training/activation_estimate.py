@@ -10,8 +10,8 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   normalized intermediate, and the linear's input (e, the whole sequence);
 - attention: the QKV projection e s b (a d + 2 g d)/t, the attention output e s b a d/t,
   RoPE's rotated queries and keys, and the softmax log-sum-exp 4 b a s/t (flash attention keeps
-  no s x s matrix; selective recomputation drops the log-sum-exp; attention sinks without CP's
-  blocks are written out and keep s x s matrices, `_written_out_bytes`); with --cp-comm-type
+  no s x s matrix, nor do attention sinks' blocks; selective recomputation drops the
+  log-sum-exp); with --cp-comm-type
   allgather also the other CP ranks' keys and values (ring attention and Ulysses keep only
   this rank's share, so activations fall as 1/CP);
 - MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU); an MoE
@@ -188,7 +188,7 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
     if model.recomputes("core_attn"):
         projection = (1 if fp8 else e) * s * b * q // t
         return {"core_attn": 0, "attn_proj": projection, "attn_output": 0, "rest": rope + core}
-    core += _written_out_bytes(config, s, b, e) or 4 * b * a * s // t
+    core += 4 * b * a * s // t  # (attention sinks' blocks keep a log-sum-exp too)
     if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
         # The other CP ranks' keys and values, gathered and kept for backward.
         core += 2 * e * (model.seq_length - s) * b * g * d // t
@@ -197,29 +197,6 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
         projection = s * b * q // t
         return {"core_attn": core + output, "attn_proj": projection, "attn_output": 0, "rest": rope}
     return {"core_attn": core, "attn_proj": 0, "attn_output": output, "rest": rope}
-
-
-def _written_out_bytes(config: Config, s: int, b: int, e: int) -> int:
-    """Attention sinks (--softmax-type off-by-one|learnable) on one rank's whole sequences
-    (no CP, or Ulysses: its S = CP x s tokens for 1/CP of the heads) are written out
-    (kernels/reference.attention_with_sinks), which keeps S x S matrices per head: the
-    softmax's fp32 output over S + 1 columns, its copy in a 16-bit run's dtype for the
-    product with the values, the causal or window mask, the fp32 queries and keys (16-bit
-    runs) and the keys and values repeated per query head (GQA). 0 where flash attention or
-    the CP blocks keep only a log-sum-exp (sinks over the ring or all-gather too)."""
-    model, parallel = config.model, config.parallel
-    cp = parallel.context_parallel_size
-    if model.softmax_type == "vanilla" or (cp > 1 and parallel.comm_type != "a2a"):
-        return 0
-    a, d, g = model.num_attention_heads, model.kv_channels, model.num_query_groups
-    heads = a // parallel.tensor_model_parallel_size // (cp if cp > 1 else 1)
-    sequence = s * (cp if cp > 1 else 1)
-    scores = 4 * b * heads * sequence * (sequence + 1) + sequence * sequence
-    if e != 4:  # (fp32: the slice of the softmax's output is the product's operand itself)
-        scores += e * b * heads * sequence * sequence
-    per_head = b * heads * sequence * d
-    copies = (8 if e != 4 else 0) + (4 if e == 4 and g < a else 0) + (e if g < a else 0)
-    return scores + copies * per_head
 
 
 def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:

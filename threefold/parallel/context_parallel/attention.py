@@ -47,10 +47,12 @@ import torch.distributed as dist
 from threefold.parallel.context_parallel.block_attention import (
     Accumulator,
     Dropout,
+    add_sinks,
     block_backward,
     block_forward,
     compute_dtype,
     expand_groups,
+    sinks_gradient,
     sum_groups,
 )
 from threefold.parallel.context_parallel.sequence import Documents, to_global_order, to_rank_order
@@ -143,26 +145,6 @@ def _attend_backward(
     return grad_kv
 
 
-def _add_sinks(result: Accumulator, sinks: torch.Tensor | None) -> None:
-    """Every row's sink logit (per head) merged as one more block: no value, only weight."""
-    if sinks is not None:
-        lse = sinks.to(result.lse.dtype).view(1, -1, 1).expand_as(result.lse)
-        result.add(slice(None), torch.zeros_like(result.out), lse)
-
-
-def _sinks_gradient(
-    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
-) -> torch.Tensor | None:
-    """d loss / d sinks [heads]: a sink's probability exp(sink - lse) times its value's
-    (zero) score gradient minus rowsum(dO * O), summed over the rows and the batch."""
-    if sinks is None or not sinks.requires_grad:
-        return None
-    dtype = lse.dtype
-    row_dot = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [b, heads, rows]
-    probability = torch.exp(sinks.to(dtype).view(1, -1, 1) - lse)
-    return -(probability * row_dot).sum(dim=(0, 2)).to(sinks.dtype)
-
-
 def _dropout(p: float, seed: int, source: int) -> Dropout | None:
     """The block of CP rank `source`'s keys draws its mask from seed + source."""
     return Dropout(p, seed + source) if p > 0 else None
@@ -193,7 +175,7 @@ class _RingAttention(torch.autograd.Function):
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
-        _add_sinks(result, sinks)
+        add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse, sinks)
         ctx.cp, ctx.scale, ctx.dropout, ctx.seed = cp, scale, dropout, seed
@@ -227,7 +209,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_k, grad_v = returning.wait()
-        grad_sinks = _sinks_gradient(grad_out, out, lse, sinks)
+        grad_sinks = sinks_gradient(grad_out, out, lse, sinks)
         return (grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *[None] * 5, grad_sinks)
 
 
@@ -245,7 +227,7 @@ class _GatheredAttention(torch.autograd.Function):
             plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
             allowed = _allowed(documents, rank, source, plan)
             _attend(q, gathered[source], plan, heads_per_group, scale, mask, result, allowed)
-        _add_sinks(result, sinks)
+        add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, result.lse, sinks)
         ctx.rank, ctx.scale, ctx.dropout, ctx.seed = rank, scale, dropout, seed
@@ -274,8 +256,52 @@ class _GatheredAttention(torch.autograd.Function):
                 grad_q,
                 _allowed(ctx.documents, ctx.rank, source, plan),
             )
-        grad_sinks = _sinks_gradient(grad_out, out, lse, sinks)
+        grad_sinks = sinks_gradient(grad_out, out, lse, sinks)
         return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 5, grad_sinks
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Attention with sinks on one rank's whole sequences: the ring's one block (q over its
+    own keys, causal or by `allowed`) and the sinks merged after it, so that backward
+    recomputes the scores from (out, lse) as flash attention does, instead of keeping the S x
+    S matrices that writing the softmax out keeps for every layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed, scale: float, dropout: float, seed: int, sinks):
+        kv, result = torch.stack((k, v)), Accumulator()
+        plan = (slice(None), slice(None), allowed is None)
+        mask = _dropout(dropout, seed, 0)
+        _attend(q, kv, plan, q.shape[1] // k.shape[1], scale, mask, result, allowed)
+        add_sinks(result, sinks)
+        out = result.out.to(q.dtype)
+        ctx.save_for_backward(q, kv, out, result.lse, sinks, allowed)
+        ctx.scale, ctx.dropout, ctx.seed = scale, dropout, seed
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, out, lse, sinks, allowed = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        plan, mask = (slice(None), slice(None), allowed is None), _dropout(ctx.dropout, ctx.seed, 0)
+        heads_per_group = q.shape[1] // kv.shape[2]
+        grad_kv = _attend_backward(
+            grad_out, q, kv, out, lse, plan, heads_per_group, ctx.scale, mask, grad_q, allowed
+        )
+        grad_sinks = sinks_gradient(grad_out, out, lse, sinks)
+        grad_k, grad_v = grad_kv.to(kv.dtype)
+        return grad_q.to(q.dtype), grad_k, grad_v, *[None] * 4, grad_sinks
+
+
+def sink_attention(query, key, value, attention_mask, dropout: float, sinks) -> torch.Tensor:
+    """`kernels.reference.attention_with_sinks` (its layouts; `attention_mask` True where a
+    query may attend, [s, s] or [b, 1, s, s], None: causal) without its S x S activations."""
+    q, k, v = _heads_first(query, key, value)
+    allowed = attention_mask
+    if allowed is not None and allowed.dim() == 2:
+        allowed = allowed[None, None]
+    scale, seed = 1.0 / math.sqrt(q.shape[-1]), _seed(dropout, q.device)
+    return _sequence_first(_SinkAttention.apply(q, k, v, allowed, scale, dropout, seed, sinks))
 
 
 def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:

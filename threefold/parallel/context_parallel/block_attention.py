@@ -192,3 +192,24 @@ def sum_groups(grad: torch.Tensor, heads_per_group: int) -> torch.Tensor:
         return grad
     b, heads, s, d = grad.shape
     return grad.view(b, heads // heads_per_group, heads_per_group, s, d).sum(2)
+
+
+def add_sinks(result: Accumulator, sinks: torch.Tensor | None) -> None:
+    """Every row's sink logit (per head; attention sinks, --softmax-type) merged as one more
+    block: no value, only weight."""
+    if sinks is not None:
+        lse = sinks.to(result.lse.dtype).view(1, -1, 1).expand_as(result.lse)
+        result.add(slice(None), torch.zeros_like(result.out), lse)
+
+
+def sinks_gradient(
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor | None:
+    """d loss / d sinks [heads]: a sink's probability exp(sink - lse) times its value's
+    (zero) score gradient minus rowsum(dO * O), summed over the rows and the batch."""
+    if sinks is None or not sinks.requires_grad:
+        return None
+    dtype = lse.dtype
+    row_dot = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [b, heads, rows]
+    probability = torch.exp(sinks.to(dtype).view(1, -1, 1) - lse)
+    return -(probability * row_dot).sum(dim=(0, 2)).to(sinks.dtype)
