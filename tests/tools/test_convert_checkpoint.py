@@ -335,8 +335,9 @@ def test_unsupported_config_is_refused_by_name(tmp_path, scaling, named):
 def test_sliding_windows_convert_as_transformers_computes_them(converted, tmp_path):
     """Mistral's window of 8 (its `converted` model) is --window-size 7,0 and exports back;
     Qwen2's windows in the layers from max_window_layers on are a --window-attn-skip-freq
-    pattern, with transformers' logits, and its export is refused (no Hugging Face
-    architecture threefold writes has windows in some layers only)."""
+    pattern, with transformers' logits, and export back as its layer_types, which
+    transformers loads with the same logits; as Mistral, which slides in every layer, that
+    pattern is refused."""
     import json
 
     config, _, _ = load_model(converted["mistral"][2])
@@ -362,17 +363,22 @@ def test_sliding_windows_convert_as_transformers_computes_them(converted, tmp_pa
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
     with torch.no_grad():  # (the windows matter for these 24 tokens)
         assert (converted["qwen2"][0](TOKENS).logits - expected).abs().max() > 1e-3
-    result = convert(
-        "--loader",
-        "threefold",
-        "--saver",
-        "hf",
-        "--load-dir",
-        ours,
-        "--save-dir",
-        str(tmp_path / "out"),
+    exported = str(tmp_path / "out")
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
     )
-    assert result.returncode == 2 and "in some layers: export it as Mistral" in result.stderr
+    with open(os.path.join(exported, "config.json")) as f:
+        written = json.load(f)
+    assert written["layer_types"] == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    assert (written["use_sliding_window"], written["sliding_window"]) == (True, 8)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, expected)
+    from threefold.checkpoint.hf import threefold_to_hf
+    from threefold.config import ConfigError
+
+    with pytest.raises(ConfigError, match="in some layers: export it as MistralForCausalLM"):
+        threefold_to_hf({}, config.model, "MistralForCausalLM")
 
 
 def test_linear_rope_scaling_is_megatrons_position_interpolation(converted, tmp_path):

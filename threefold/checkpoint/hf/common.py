@@ -332,8 +332,8 @@ class Adapter:
             some = " in some layers" if config.window_attn_skip_freq else ""
             raise ConfigError(
                 f"{self.architecture} has no sliding window in every layer, and this model "
-                f"attends in a window (--window-size){some}: export it as MistralForCausalLM, "
-                "whose layers all slide"
+                f"attends in a window (--window-size){some}: export it as MistralForCausalLM "
+                "(every layer slides) or Qwen2ForCausalLM (the layers it names)"
             )
         if config.softmax_type != "vanilla" and not self.sinks:
             raise ConfigError(

@@ -58,7 +58,6 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 @dataclass(frozen=True)
 class GptOssAdapter(MoEAdapter):
     sinks = True
-    windows_by_layer = True
 
     def model_config(self, hf: dict) -> ModelConfig:
         alpha = hf.get("swiglu_alpha", QUICK_GELU_ALPHA)
@@ -204,4 +203,4 @@ class GptOssAdapter(MoEAdapter):
         }
 
 
-GPT_OSS = GptOssAdapter("GptOssForCausalLM", "gpt_oss", writes_biases=False)
+GPT_OSS = GptOssAdapter("GptOssForCausalLM", "gpt_oss", windows_by_layer=True, writes_biases=False)

@@ -59,6 +59,8 @@ class LlamaAdapter(Adapter):
     window_needs_flag: bool = False
     # Mistral: a sliding window in every layer (its config's default: 4096 tokens)
     windows: bool = False  # (the Adapter's class default, as a field here)
+    # Qwen2, Qwen3: a sliding window in the layers `layer_types` names
+    windows_by_layer: bool = False
     writes_biases: bool = True  # its config carries attention_bias / mlp_bias
     extra_hf_config: dict = field(default_factory=dict)
 
@@ -142,6 +144,20 @@ class LlamaAdapter(Adapter):
             {"window_size": f"{size - 1},0", "window_attn_skip_freq": freq} if any(pattern) else {}
         )
 
+    @staticmethod
+    def _layer_windows(config: ModelConfig) -> dict:
+        """Qwen's config of the model's windows: use_sliding_window, and where there are
+        some, their size (the query's own key counted) and the layers that slide."""
+        window, pattern = config.attention_window(), config.window_pattern(config.num_layers)
+        if window is None:
+            return {"use_sliding_window": False}
+        return {
+            "use_sliding_window": True,
+            "sliding_window": window + 1,
+            "max_window_layers": pattern.index(1),  # (layer_types say which exactly)
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in pattern],
+        }
+
     def check_exportable(self, config: ModelConfig) -> None:
         if not self.qk_norm:
             return super().check_exportable(config)
@@ -178,6 +194,8 @@ class LlamaAdapter(Adapter):
         if self.windows:  # (explicit: without it Mistral's config means 4096)
             window = config.attention_window()
             hf["sliding_window"] = None if window is None else window + 1
+        if self.window_needs_flag and self.windows_by_layer:
+            hf.update(self._layer_windows(config))
         scaling = rope_scaling(config)
         if scaling is not None:
             hf["rope_scaling"] = scaling
@@ -271,13 +289,19 @@ class LlamaAdapter(Adapter):
 LLAMA = LlamaAdapter("LlamaForCausalLM", "llama")
 MISTRAL = LlamaAdapter("MistralForCausalLM", "mistral", windows=True)
 QWEN2 = LlamaAdapter(
-    "Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_needs_flag=True, writes_biases=False
+    "Qwen2ForCausalLM",
+    "qwen2",
+    qkv_bias=True,
+    window_needs_flag=True,
+    windows_by_layer=True,
+    writes_biases=False,
 )
 QWEN3 = LlamaAdapter(
     "Qwen3ForCausalLM",
     "qwen3",
     qk_norm=True,
     window_needs_flag=True,
+    windows_by_layer=True,
     writes_biases=False,
-    extra_hf_config={"attention_bias": False, "use_sliding_window": False},
+    extra_hf_config={"attention_bias": False},
 )
