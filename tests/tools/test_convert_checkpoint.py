@@ -719,6 +719,8 @@ def test_mxfp4_experts_of_the_published_gpt_oss_checkpoints_are_read_exactly(con
         ("mixtral", {"swiglu": False, "quick_geglu": True}, "has no quick-GELU GLU MLPs"),
         ("gpt-oss", {"softmax_type": "off-by-one"}, "no learned sinks"),
         ("gpt-oss", {"add_bias_linear": False}, "no biases"),
+        ("mixtral", {"moe_expert_capacity_factor": 1.0}, "drops no tokens"),
+        ("gpt-oss", {"moe_router_topk_scaling_factor": 2.5}, "does not scale its routing"),
     ],
     ids=[
         "llama-sinks",
@@ -726,11 +728,14 @@ def test_mxfp4_experts_of_the_published_gpt_oss_checkpoints_are_read_exactly(con
         "mixtral-quick-geglu",
         "gpt-oss-off-by-one",
         "gpt-oss-no-biases",
+        "mixtral-capacity",
+        "gpt-oss-scaled-routing",
     ],
 )
 def test_what_an_architecture_cannot_hold_is_refused_not_dropped(converted, kind, change, said):
     """A model with sinks or GPT-OSS's MLP exported as an architecture without them would lose
-    them silently: refused in one line (and GPT-OSS's own needs)."""
+    them silently, as would experts with a capacity or scaled routing weights exported as
+    architectures that have neither: refused in one line (and GPT-OSS's own needs)."""
     from threefold.checkpoint.hf import threefold_to_hf
     from threefold.config import ConfigError
 

@@ -289,6 +289,18 @@ class Adapter:
                 f"{self.architecture} turns every dimension of each head with RoPE; this "
                 f"model's --rotary-percent {config.rotary_percent} turns only some"
             )
+        if config.is_moe and config.moe_expert_capacity_factor is not None:
+            raise ConfigError(
+                f"{self.architecture} drops no tokens, and this model's experts take at most "
+                f"--moe-expert-capacity-factor {config.moe_expert_capacity_factor} times their "
+                "share: transformers would compute something else"
+            )
+        if config.moe_router_topk_scaling_factor and not self.exports_mla:
+            raise ConfigError(
+                f"{self.architecture} does not scale its routing weights, and this model's "
+                f"--moe-router-topk-scaling-factor {config.moe_router_topk_scaling_factor} "
+                "does (DeepseekV3ForCausalLM's routed_scaling_factor)"
+            )
         if (config.moe_router_enable_expert_bias or config.moe_router_num_groups) and not (
             self.exports_mla
         ):
