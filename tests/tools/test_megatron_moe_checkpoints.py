@@ -67,6 +67,31 @@ def test_one_process_computes_megatron_cores_logits(megatron, kind):
             assert (model(mc.TOKENS).transpose(0, 1) - reference).abs().max() > 1e-3
 
 
+def test_megatron_cores_gpt_oss_exports_as_transformers_gpt_oss(megatron, tmp_path):
+    """megatron-core's GPT-OSS-shaped model (biased experts and router, quick-GELU GLU with a
+    clamp, learned sinks, windows in every other layer, unrounded YaRN), exported to Hugging
+    Face as threefold guesses it (GptOssForCausalLM): transformers computes megatron-core's
+    logits."""
+    from tests.tools.hf_models import has_transformers
+
+    if not has_transformers():
+        pytest.skip("transformers is not installed")
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    root, reference = megatron["gpt_oss"]
+    hf = str(tmp_path / "hf")
+    argv = ["--loader", "megatron", "--saver", "hf", "--load-dir", root, "--save-dir", hf]
+    assert convert_checkpoint.main(argv) == 0
+    with open(f"{hf}/config.json") as f:
+        assert json.load(f)["architectures"] == ["GptOssForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(mc.TOKENS).logits
+    torch.testing.assert_close(theirs, reference[..., : theirs.shape[-1]], rtol=0, atol=1e-5)
+
+
 def _load_without_router_bias(argv: list[str], root: str) -> str:
     """What a run whose router has no bias (threefold before it had megatron-core's) says
     when it --loads the checkpoint: its refusal, or what it printed loading."""
