@@ -1,7 +1,7 @@
 """GPT-OSS's model as threefold trains it: experts and router with biases (no
 --disable-bias-linear; megatron-core's router bias), GPT-OSS's MLP, learned attention sinks and
 a sliding window in every other layer. The router's bias, summed over TP under sequence
-parallelism, and every layout as one process. Conversions: tests/tools/test_convert_checkpoint.py
+parallelism, and every layout as one process. Conversions: tests/tools/test_convert_gpt_oss.py
 (transformers' GptOssForCausalLM, MXFP4 experts) and tests/tools/test_megatron_moe_checkpoints.py
 (megatron-core's logits)."""
 
