@@ -141,8 +141,9 @@ class MultiTokenPredictionBlock(nn.Module):
         main, depth_hidden, losses = hidden_states, hidden_states, []
         cp = self.cp
         for layer in self.layers:
-            input_ids, positions = shift_left(input_ids, cp), shift_left(positions, cp)
-            labels, loss_mask = shift_left(labels, cp), shift_left(loss_mask, cp)
+            input_ids, positions, labels, loss_mask = shift_left(
+                [input_ids, positions, labels, loss_mask], cp
+            )
             embeddings = embedding(input_ids, positions)
             depth_hidden = layer(embeddings, depth_hidden, rotary, batch.get("attention_mask"))
             per_token = KERNELS.cross_entropy(

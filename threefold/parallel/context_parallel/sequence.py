@@ -36,26 +36,35 @@ def local_positions(seq_length: int, cp: Group, device: torch.device | None = No
     )
 
 
-def shift_left(tensor: torch.Tensor, cp: Group) -> torch.Tensor:
-    """[b, s] (this rank's tokens, local order) moved one position left in the whole
-    sequence, 0 at its end (megatron-core's roll_tensor, multi-token prediction's shift).
-    Each chunk's last place takes the next chunk's first element: chunk r + 1 is rank r + 1's
-    first (for the last rank, its own second chunk), chunk 2CP - r is rank r - 1's second
-    (none after rank 0's second, the sequence's last): one all-gather of each rank's two
-    first elements."""
-    zero = torch.zeros_like(tensor[:, :1])
+def shift_left(tensors: list[torch.Tensor], cp: Group) -> list[torch.Tensor]:
+    """Each [b, s] tensor (this rank's tokens, local order) moved one position left in the
+    whole sequence, 0 at its end (megatron-core's roll_tensor, multi-token prediction's
+    shift). Each chunk's last place takes the next chunk's first element: chunk r + 1 is rank
+    r + 1's first (for the last rank, its own second chunk), chunk 2CP - r is rank r - 1's
+    second (none after rank 0's second, the sequence's last). One all-gather of every
+    tensor's two first elements per rank, in float64 (token ids, positions and loss-mask
+    values are exact in it)."""
     if cp.size == 1:
-        return torch.cat([tensor[:, 1:], zero], dim=1)
-    first, second = tensor.chunk(2, dim=1)
-    heads = torch.stack([first[:, 0], second[:, 0]]).contiguous()  # [2, b]
-    everyone = heads.new_empty((cp.size * 2, heads.shape[1]))
+        return [torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1) for t in tensors]
+    halves = [t.chunk(2, dim=1) for t in tensors]
+    heads = torch.stack([torch.stack([a[:, 0], b[:, 0]]).double() for a, b in halves])
+    everyone = heads.new_empty((cp.size * heads.shape[0], *heads.shape[1:]))
     dist.all_gather_into_tensor(everyone, heads, group=cp.group)
-    everyone = everyone.view(cp.size, 2, -1)  # [rank, chunk, b]
-    after_first = everyone[cp.rank + 1, 0] if cp.rank + 1 < cp.size else second[:, 0]
-    after_second = everyone[cp.rank - 1, 1] if cp.rank > 0 else zero[:, 0]
-    return torch.cat(
-        [first[:, 1:], after_first[:, None], second[:, 1:], after_second[:, None]], dim=1
-    )
+    everyone = everyone.view(cp.size, *heads.shape)  # [rank, tensor, chunk, b]
+    shifted = []
+    for index, (first, second) in enumerate(halves):
+        if cp.rank + 1 < cp.size:
+            after_first = everyone[cp.rank + 1, index, 0].to(first.dtype)
+        else:
+            after_first = second[:, 0]
+        after_second = (
+            everyone[cp.rank - 1, index, 1].to(first.dtype)
+            if cp.rank > 0
+            else torch.zeros_like(second[:, 0])
+        )
+        pieces = [first[:, 1:], after_first[:, None], second[:, 1:], after_second[:, None]]
+        shifted.append(torch.cat(pieces, dim=1))
+    return shifted
 
 
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
