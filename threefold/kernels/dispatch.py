@@ -32,6 +32,7 @@ from threefold.kernels.cross_entropy import (
 )
 from threefold.kernels.determinism import deterministic_environment, use_deterministic_algorithms
 from threefold.kernels.external import ApexNorms, TEAttention, try_import
+from threefold.parallel.context_parallel.block_attention import block_kernel
 from threefold.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 # Megatron's --attention-backend names onto SDPA's backends.
@@ -521,8 +522,10 @@ def configure_for_model(
     micro_batch_size: int = 1,
     fp8: Fp8Config | None = None,
     pipeline_parallel_size: int = 1,
+    cp_comm_type: str | None = None,
 ) -> str:
-    """`configure` for a model's attention shapes on one tensor-parallel rank."""
+    """`configure` for a model's attention shapes on one tensor-parallel rank; `cp_comm_type`
+    the --cp-comm-type of a run with context parallelism (None: without)."""
     heads = model.num_attention_heads // tensor_parallel_size
     mla = model.multi_latent_attention  # one key/value head per query head, padded (model/mla.py)
     shape = AttentionShape(
@@ -536,12 +539,34 @@ def configure_for_model(
     if fp8 is not None and fp8.enabled and _on_gpu(device):
         _check_fp8_shapes(model, tensor_parallel_size)
     line = configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
+    if cp_comm_type in ("p2p", "allgather", "a2a+p2p"):
+        line += (
+            f"; --cp-comm-type {cp_comm_type}: attention by blocks merged by log-sum-exp, on "
+            + _blocks(shape, device, dtype)
+        )
     if model.softmax_type != "vanilla":  # (model/attention.py's SoftmaxOffsetAttention)
         line += (
             f"; --softmax-type {model.softmax_type}: attention as the context-parallel ring's "
-            "blocks (PyTorch's flash kernel on the CPU, eager blocks on CUDA), the sinks merged"
+            f"blocks, the sinks merged, on {_blocks(shape, device, dtype)}"
         )
     return line
+
+
+_BLOCK_KERNELS = {
+    "cpu flash": "PyTorch's CPU flash kernel",
+    "cuda flash": "FlashAttention-2 (PyTorch's)",
+    "math": "eager",
+}
+
+
+def _blocks(shape: AttentionShape, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel of the blocks that context-parallel attention merges by log-sum-exp (after
+    `configure`: --deterministic-mode changes it on CUDA)."""
+    probe = torch.empty(1, 1, 1, shape.head_dim, dtype=dtype, device=device)
+    kernel = _BLOCK_KERNELS[block_kernel(probe, None, None)]
+    if kernel == "eager":
+        return "eager blocks"
+    return f"{kernel} (masked blocks, for documents or windows, and dropout: eager)"
 
 
 def _check_fp8_shapes(model: ModelConfig, tensor_parallel_size: int) -> None:

@@ -82,6 +82,7 @@ def build_model_and_optimizer(
             training.micro_batch_size,
             config.fp8,
             parallel.pp.size,
+            layout.comm_type if parallel.cp.size > 1 else None,
         )
     )
     torch_native = uses_torch_data_parallel(config)

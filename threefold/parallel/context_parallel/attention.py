@@ -51,9 +51,7 @@ from threefold.parallel.context_parallel.block_attention import (
     block_backward,
     block_forward,
     compute_dtype,
-    expand_groups,
     sinks_gradient,
-    sum_groups,
 )
 from threefold.parallel.context_parallel.sequence import Documents, to_global_order, to_rank_order
 from threefold.parallel.parallel_context import Group
@@ -107,14 +105,13 @@ def _attend(
     q: torch.Tensor,
     kv: torch.Tensor,
     plan: tuple[slice, slice, bool],
-    heads_per_group: int,
     scale: float,
     dropout: Dropout | None,
     into: Accumulator,
     allowed: torch.Tensor | None,
 ) -> None:
     rows, keys, causal = plan
-    k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
+    k, v = kv[:, :, :, keys]
     out, lse = block_forward(q[:, :, rows], k, v, causal, scale, dropout, allowed)
     into.add(rows, out, lse)
 
@@ -126,7 +123,6 @@ def _attend_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     plan: tuple[slice, slice, bool],
-    heads_per_group: int,
     scale: float,
     dropout: Dropout | None,
     grad_q: torch.Tensor,
@@ -135,13 +131,13 @@ def _attend_backward(
     """Adds the block's query gradient to `grad_q`; returns the gradient of `kv` (in
     `grad_q`'s dtype: fp32 or wider)."""
     rows, keys, causal = plan
-    k, v = (expand_groups(t[:, :, keys], heads_per_group) for t in kv)
+    k, v = kv[:, :, :, keys]
     block = (grad_out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
     dq, dk, dv = block_backward(*block, causal, scale, dropout, allowed)
     grad_q[:, :, rows] += dq.to(grad_q.dtype)
     grad_kv = torch.zeros(kv.shape, dtype=grad_q.dtype, device=kv.device)
-    grad_kv[0][:, :, keys] = sum_groups(dk.to(grad_q.dtype), heads_per_group)
-    grad_kv[1][:, :, keys] = sum_groups(dv.to(grad_q.dtype), heads_per_group)
+    grad_kv[0][:, :, keys] = dk
+    grad_kv[1][:, :, keys] = dv
     return grad_kv
 
 
@@ -160,7 +156,6 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int, documents, sinks):
-        heads_per_group = q.shape[1] // k.shape[1]
         kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
         for step in range(cp.size):
             incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
@@ -171,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
                 _dropout(dropout, seed, source),
                 _allowed(documents, cp.rank, source, plan),
             )
-            _attend(q, kv, plan, heads_per_group, scale, mask, result, allowed)
+            _attend(q, kv, plan, scale, mask, result, allowed)
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
@@ -186,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
-        heads_per_group, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        half = q.shape[2] // 2
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         kv, returning = torch.stack((k, v)), None
@@ -198,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
             allowed = _allowed(ctx.documents, cp.rank, source, plan)
             _trace("backward block start", step)
             grad_kv = _attend_backward(
-                grad_out, q, kv, out, lse, plan, heads_per_group, scale, mask, grad_q, allowed
+                grad_out, q, kv, out, lse, plan, scale, mask, grad_q, allowed
             )
             _trace("backward block end", step)
             # The gradient of the block held now travels with it: add what the ranks before
@@ -220,13 +215,12 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(
         ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int, documents, sinks
     ):
-        heads_per_group = q.shape[1] // gathered.shape[3]
         result, half = Accumulator(), q.shape[2] // 2
         for step in range(gathered.shape[0]):
             source = (rank - step) % gathered.shape[0]
             plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
             allowed = _allowed(documents, rank, source, plan)
-            _attend(q, gathered[source], plan, heads_per_group, scale, mask, result, allowed)
+            _attend(q, gathered[source], plan, scale, mask, result, allowed)
         add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, result.lse, sinks)
@@ -237,7 +231,7 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, gathered, out, lse, sinks = ctx.saved_tensors
-        heads_per_group, half = q.shape[1] // gathered.shape[3], q.shape[2] // 2
+        half = q.shape[2] // 2
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         grad_gathered = torch.zeros(gathered.shape, dtype=grad_q.dtype, device=q.device)
@@ -250,7 +244,6 @@ class _GatheredAttention(torch.autograd.Function):
                 out,
                 lse,
                 plan,
-                heads_per_group,
                 ctx.scale,
                 mask,
                 grad_q,
@@ -271,7 +264,7 @@ class _SinkAttention(torch.autograd.Function):
         kv, result = torch.stack((k, v)), Accumulator()
         plan = (slice(None), slice(None), allowed is None)
         mask = _dropout(dropout, seed, 0)
-        _attend(q, kv, plan, q.shape[1] // k.shape[1], scale, mask, result, allowed)
+        _attend(q, kv, plan, scale, mask, result, allowed)
         add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, result.lse, sinks, allowed)
@@ -284,9 +277,8 @@ class _SinkAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         plan, mask = (slice(None), slice(None), allowed is None), _dropout(ctx.dropout, ctx.seed, 0)
-        heads_per_group = q.shape[1] // kv.shape[2]
         grad_kv = _attend_backward(
-            grad_out, q, kv, out, lse, plan, heads_per_group, ctx.scale, mask, grad_q, allowed
+            grad_out, q, kv, out, lse, plan, ctx.scale, mask, grad_q, allowed
         )
         grad_sinks = sinks_gradient(grad_out, out, lse, sinks)
         grad_k, grad_v = grad_kv.to(kv.dtype)

@@ -14,14 +14,16 @@ as above is exact. Each block draws its mask from a generator seeded with its ow
 backward regenerates the same mask; the output-gradient term is then rowsum(dO * O) with the
 final, dropped O, as in FlashAttention's backward.
 
-Tensors are [batch, heads, sequence, head_dim]; `causal` blocks are square (a chunk over
-itself). `allowed` [batch, 1, rows, keys] (True: may attend) masks a block further: packed
-documents, each attending only within itself. A row may then have no key at all in a block:
-its log-sum-exp is -inf and its output 0, which the merge weighs 0 (every row has a key in
-the block of its own chunk: itself). On CPU without dropout or mask the block kernel is
-PyTorch's flash-attention kernel (the op behind SDPA, which also returns the log-sum-exp);
-otherwise the eager `math` functions below (which materialize one block's scores at a time),
-also the tests' reference.
+Queries are [batch, heads, sequence, head_dim], keys and values [batch, groups, sequence,
+head_dim] (query head i reads group i // (heads / groups): the flash kernels take the groups
+as they are, the eager ones expand them); `causal` blocks are square (a chunk over itself).
+`allowed` [batch, 1, rows, keys] (True: may attend) masks a block further: packed documents,
+each attending only within itself. A row may then have no key at all in a block: its
+log-sum-exp is -inf and its output 0, which the merge weighs 0 (every row has a key in the
+block of its own chunk: itself). Without dropout or mask the block kernel is PyTorch's
+flash-attention kernel, the op behind SDPA, which also returns the log-sum-exp: on the CPU, and
+on CUDA for 16-bit inputs (FlashAttention-2's). Otherwise the eager `math` functions below
+(which materialize one block's scores at a time), also the tests' reference.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_BACKWARD = getattr(
     torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
 )
+_CUDA_FLASH = torch.ops.aten._scaled_dot_product_flash_attention
+_CUDA_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ def math_forward(
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = (expand_groups(t, q.shape[1] // k.shape[1]) for t in (k, v))
     scores = _scores(q, k, causal, scale, allowed)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse)[..., None])  # (a row without keys: all 0)
@@ -97,6 +102,8 @@ def math_backward(
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    heads_per_group = q.shape[1] // k.shape[1]
+    k, v = (expand_groups(t, heads_per_group) for t in (k, v))
     dtype = compute_dtype(q)
     qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
     probs = torch.exp(_scores(q, k, causal, scale, allowed) - _finite(lse)[..., None])
@@ -109,6 +116,7 @@ def math_backward(
     grad_scores = probs * (grad_probs - row_dot) * scale
     grad_q = torch.matmul(grad_scores, kf)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), qf)
+    grad_k, grad_v = (sum_groups(g, heads_per_group) for g in (grad_k, grad_v))
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
@@ -121,9 +129,57 @@ def _future(scores: torch.Tensor) -> torch.Tensor:
     return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
 
 
-def _flash(q: torch.Tensor, dropout: Dropout | None, allowed: torch.Tensor | None) -> bool:
-    cpu = q.device.type == "cpu" and q.dtype != torch.float64
-    return cpu and _CPU_FLASH is not None and dropout is None and allowed is None
+def block_kernel(q: torch.Tensor, dropout: Dropout | None, allowed: torch.Tensor | None) -> str:
+    """Which kernel attends a block of these queries: "cpu flash", "cuda flash" or "math"."""
+    if dropout is not None or allowed is not None:
+        return "math"
+    if q.device.type == "cpu" and q.dtype != torch.float64 and _CPU_FLASH is not None:
+        return "cpu flash"
+    if q.device.type == "cuda" and _cuda_flash_runs(q):
+        return "cuda flash"
+    return "math"
+
+
+def _cuda_flash_runs(q: torch.Tensor) -> bool:
+    """FlashAttention-2's limits: 16-bit inputs, head sizes that are multiples of 8 up to 256,
+    Ampere or newer. fp32 blocks stay eager, and so do blocks under --deterministic-mode, which
+    keeps flash's backward out of SDPA too (kernels/determinism.py)."""
+    head_dim = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and not torch.are_deterministic_algorithms_enabled()
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
+
+
+def _cuda_flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse, *_ = _CUDA_FLASH(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The kernel reads the log-sum-exp through a bare pointer as [b, heads, rows]: a block's
+    # rows of the merged one are a strided view. The random state only matters with
+    # dropout, which stays eager.
+    unused = torch.empty((), dtype=torch.int64)
+    rows, keys = q.shape[2], k.shape[2]
+    lse = lse.contiguous()
+    args = (grad_out, q, k, v, out, lse, None, None, rows, keys, 0.0, causal, unused, unused)
+    return _CUDA_FLASH_BACKWARD(*args, scale=scale)
 
 
 def block_forward(
@@ -136,9 +192,12 @@ def block_forward(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp in fp32 or wider) of q's attention over k and v."""
-    if _flash(q, dropout, allowed):
+    kernel = block_kernel(q, dropout, allowed)
+    if kernel == "cpu flash":
         out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
         return out, lse.float()
+    if kernel == "cuda flash":
+        return _cuda_flash_forward(q, k, v, causal, scale)
     return math_forward(q, k, v, causal, scale, dropout, allowed)
 
 
@@ -155,8 +214,11 @@ def block_backward(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for this block, given the rows' final output and log-sum-exp."""
-    if _flash(q, dropout, allowed):
+    kernel = block_kernel(q, dropout, allowed)
+    if kernel == "cpu flash":
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if kernel == "cuda flash":
+        return _cuda_flash_backward(grad_out, q, k, v, out, lse, causal, scale)
     return math_backward(grad_out, q, k, v, out, lse, causal, scale, dropout, allowed)
 
 
