@@ -13,9 +13,10 @@ What is changed to run on a CPU, and nothing else: the data and tokenizer files 
 `--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters; with
 `--fim-data`, which rearranges text, a small corpus and GPT-2 files holding its sentinels), paths of
 checkpoints and TensorBoard become a scratch directory, `--distributed-backend nccl` becomes
-gloo, `--transformer-impl transformer_engine` becomes local, and the model shrinks (hidden 64,
-4 heads or the config's if it divides 64, as many query groups of them as divide both, FFN 128,
-sequence 64, 2 iterations); the harness's `${REPEAT}` (a repetition's number) is 1; layers,
+gloo, `--transformer-impl transformer_engine` becomes local, `--attention-backend fused`
+(cuDNN's) auto, and the model shrinks (hidden 64, 4 heads or the config's if it divides 64, as
+many query groups of them as divide both, FFN 128, sequence 64, a DSA indexer of 4 heads of 16
+picking 16 keys, 2 iterations); the harness's `${REPEAT}` (a repetition's number) is 1; layers,
 parallel layout, precision, and every other flag stay.
 """
 
@@ -46,6 +47,10 @@ SHRUNK = {
     "--kv-channels": "16",
     "--moe-ffn-hidden-size": "32",
     "--moe-shared-expert-intermediate-size": "32",
+    # DeepSeek sparse attention's indexer, and its top-k under the shrunk sequence
+    "--dsa-indexer-n-heads": "4",
+    "--dsa-indexer-head-dim": "16",
+    "--dsa-indexer-topk": "16",
 }
 
 
@@ -69,6 +74,8 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
             value = "gloo"
         elif flag == "--transformer-impl" and value == "transformer_engine":
             value = "local"  # Transformer Engine does not install without CUDA
+        elif flag == "--attention-backend" and value == "fused":
+            value = "auto"  # cuDNN's fused attention needs CUDA
         elif flag == "--tokenizer-type" and value != "NullTokenizer":
             continue  # its files are dropped: mock data with --vocab-size
         if value is True:

@@ -15,6 +15,10 @@ function computed;
   does without TE): it is told it is not.
 - the MoE router's GEMM looks up Transformer Engine's by a name bound only when TE imports: it
   is bound to None, which takes torch's.
+- DSA's indexer rotates with fast_hadamard_transform, a CUDA extension: the same transform
+  as Sylvester's matrix (tests/megatron_core_layers.py, with the layers megatron-core's local
+  spec lacks). Its RoPE is patched to Megatron-LM's since megatron-core 0.16, which turns
+  other dimensions (the same file).
 The torch_dist writer also imports psutil (a test dependency) and writes from forked
 processes, which Python refuses to a daemonic process such as a test's pooled rank: `write`
 lifts that flag for the length of the save (the writers are joined before it returns).
@@ -34,6 +38,13 @@ import functools
 import os
 
 import torch
+
+from tests.megatron_core_layers import (
+    MLACoreAttention,
+    dsa_core_attention,
+    hadamard_by_matrix,
+    indexer_rope_as_megatron_lm,
+)
 
 TOKENS = torch.tensor([[3, 17, 91, 5, 250, 8, 42, 42, 7, 199, 64, 1, 0, 33, 120, 77]])
 LOSS_MASK = torch.ones(1, 15).index_fill_(1, torch.tensor([3]), 0.0)  # of TOKENS[1:]
@@ -127,6 +138,24 @@ SHAPES["mla_rope"] = {
     "qk_layernorm": False,
 }
 _MLA_FIELDS = tuple(MLA)
+# DeepSeek sparse attention (--experimental-attention-variant dsa) on that MLA: each query
+# attends to the 6 keys an indexer of 4 heads of 16 scores highest (of up to 16), the indexer
+# learning from its KL loss (weight 0.1)
+DSA = dict(
+    experimental_attention_variant="dsa",
+    dsa_indexer_n_heads=4,
+    dsa_indexer_head_dim=16,
+    dsa_indexer_topk=6,
+    dsa_indexer_loss_coeff=0.1,
+    dsa_indexer_use_sparse_loss=False,
+)
+SHAPES["dsa"] = {**SHAPES["mla"], **DSA}
+# ... over each query's top 6 only, RoPE on the indexer's heads MLA's way
+SHAPES["dsa_sparse_interleaved"] = {
+    **SHAPES["dsa"],
+    "dsa_indexer_use_sparse_loss": True,
+    "dsa_indexer_rope_interleaved": True,
+}
 # YaRN on other attention (--position-embedding-type yarn): 4x over an original context of 8,
 # so the sequence of 16 reaches past it
 YARN = dict(
@@ -211,6 +240,12 @@ def cpu_patches():
         return ~torch.tril(torch.triu(m, skv - sq - window_size[0]), skv - sq + window_size[1])
 
     fused_softmax.get_sliding_window_causal_mask = cpu_window_mask
+    # DSA's indexer's Hadamard rotation (fast_hadamard_transform: CUDA, bf16 only)
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    rotate, rope = dsa.rotate_activation, dsa.DSAIndexer._apply_rope
+    dsa.rotate_activation = hadamard_by_matrix
+    dsa.DSAIndexer._apply_rope = indexer_rope_as_megatron_lm
     saved = (
         torch.cuda.current_device,
         torch.cuda.synchronize,
@@ -226,6 +261,7 @@ def cpu_patches():
     finally:
         multi_latent_attention.HAVE_TE = have_te
         fused_softmax.get_sliding_window_causal_mask = window_mask
+        dsa.rotate_activation, dsa.DSAIndexer._apply_rope = rotate, rope
         (
             torch.cuda.current_device,
             torch.cuda.synchronize,
@@ -266,22 +302,6 @@ def optimizer_patches():
         torch.Tensor.type = saved_type
 
 
-class MLACoreAttention(torch.nn.Module):
-    """The core attention of megatron-core's MLA on a CPU: its local DotProductAttention takes
-    no key and value head sizes of their own (Transformer Engine's does). softmax(q k^T x
-    megatron-core's softmax scale, masked where the mask is True) v, in fp32."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs) -> None:
-        super().__init__()
-        self.softmax_scale = kwargs["softmax_scale"]
-
-    def forward(self, query, key, value, attention_mask, *args, **kwargs):
-        scores = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float())
-        scores = (scores * self.softmax_scale).masked_fill(attention_mask, float("-inf"))
-        context = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), value.float())
-        return context.flatten(2).to(query.dtype)
-
-
 def build(
     kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0, expert_parallel: int = 1
 ):
@@ -302,6 +322,7 @@ def build(
     )
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     mla = {name: shape[name] for name in _MLA_FIELDS if shape.get("multi_latent_attention")}
+    mla.update({name: shape[name] for name in DSA if name in shape})
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -355,6 +376,8 @@ def build(
         **mla,
         **moe,
     )
+    # (a field of Megatron-LM's config since megatron-core 0.16, read by the patched RoPE)
+    config.dsa_indexer_rope_interleaved = shape.get("dsa_indexer_rope_interleaved", False)
     if shape["position_embedding_type"] == "yarn":  # as Megatron-LM's arguments set them
         config.yarn_rotary_scaling_factor = shape["rotary_scaling_factor"]
         for name in ("mscale", "mscale_all_dim"):
@@ -369,6 +392,8 @@ def build(
     )
     if mla:
         spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    if shape.get("experimental_attention_variant") == "dsa":
+        spec.submodules.self_attention.submodules.core_attention = dsa_core_attention()
     if shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=shape["normalization"]

@@ -237,7 +237,8 @@ MISSING = {
     "--fp4-": "FP4 training",
     "--mtp-": "multi-token prediction variants (one layer repeated over the depths, hidden-state "
     "mixing, detached heads, hybrid MTP patterns)",
-    "--dsa-": "DeepSeek sparse attention",
+    "--dsa-": "DeepSeek sparse attention's other options (threefold has --dsa-indexer-n-heads, "
+    "-head-dim, -topk, -loss-coeff, -use-sparse-loss, -rope-interleaved and -k-norm-epsilon)",
     # (--fine-grained-activation-offloading and its flags: config/activation_offload.py)
     "--delay-offload-until-cuda-graph": "CUDA graphs",
     "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
@@ -266,7 +267,6 @@ MISSING = {
 MISSING_CHOICES = {
     ("--transformer-impl", "inference_optimized"): "Megatron-LM's inference-optimized layers",
     ("--position-embedding-type", "mrope"): "multimodal rotary embeddings",
-    ("--experimental-attention-variant", "dsa"): "DeepSeek sparse attention",
     ("--experimental-attention-variant", "gdn2"): "Gated DeltaNet 2 (megatron-core's GDN2)",
 }
 

@@ -370,7 +370,7 @@ def _model_with(config, model):
     "change,named",
     [
         ({"moe_latent_size": 16}, "--moe-latent-size"),
-        ({"experimental_attention_variant": "dsa"}, "--experimental-attention-variant dsa"),
+        ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
         # (before: loaded as plain attention and activations, the logits silently wrong)
         ({"no_rope_freq": 4}, "--no-rope-freq"),

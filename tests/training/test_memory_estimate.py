@@ -35,6 +35,10 @@ GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attentio
 GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
 GDN += ["--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
+# DeepSeek sparse attention on that MLA: 8 of 32 keys, an indexer of 4 heads of 16 that learns
+DSA = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4"]
+DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "8"]
+LEARNS = ["--dsa-indexer-loss-coeff", "0.1"]
 
 
 def _measure_and_estimate(argv: list[str]) -> dict:
@@ -137,6 +141,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         LLAMA_STYLE + WIDE + GDN + ["--bf16"],
         LLAMA_STYLE + LONG + SINKS,
         LLAMA_STYLE + LONG + SINKS + ["--bf16", "--window-size", "31,0", "--kv-channels", "16"],
+        MLA + WIDE + DSA + LEARNS,
+        MLA + WIDE + DSA + ["--bf16"],
     ],
     ids=[
         "llama",
@@ -157,6 +163,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "gated-delta-net-bf16",
         "sinks",
         "sinks-bf16-window-wide-heads",
+        "dsa",
+        "dsa-bf16-without-indexer-loss",
     ],
 )
 def test_single_process(flags):
@@ -462,13 +470,15 @@ def test_cli_prints_every_stage(fp8):
     [
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + DSA + LEARNS,
     ],
-    ids=["tp2-sp", "cp2-allgather"],
+    ids=["tp2-sp", "cp2-allgather", "dsa-tp2-sp"],
 )
 def test_mla_parallel_layouts(flags):
     """Multi-latent attention's whole down projections and norms beside its split up
-    projections (under sequence parallelism a slice of the sequence each), and the gathered
-    keys and values of --cp-comm-type allgather at the padded head size."""
+    projections (under sequence parallelism a slice of the sequence each), the gathered
+    keys and values of --cp-comm-type allgather at the padded head size, and DSA's whole
+    indexer on the gathered sequence."""
     _assert_within_10_percent(
         run_distributed(2, _measure_and_estimate, MLA + WIDE + TRAINING + flags)
     )

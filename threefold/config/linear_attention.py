@@ -43,9 +43,9 @@ class LinearAttentionConfig:
         None,
         checkpoint=ARCHITECTURE,
         group=GROUP,
-        choices=GATED_DELTA_NET,
+        choices=(*GATED_DELTA_NET, "dsa"),
         help="gated_delta_net (or gdn): Gated DeltaNet linear attention in the layers "
-        "--linear-attention-freq picks",
+        "--linear-attention-freq picks; dsa: DeepSeek sparse attention (config/dsa.py)",
     )
     linear_attention_freq: str | None = arg(
         None,
@@ -82,7 +82,7 @@ class LinearAttentionConfig:
 
     @property
     def gated_delta_net(self) -> bool:
-        return self.experimental_attention_variant is not None
+        return self.experimental_attention_variant in GATED_DELTA_NET
 
     def gated_delta_net_sections(self) -> tuple[int, ...]:
         """The row sizes of a gated delta net's in_proj over all heads, [q; k; v; z; beta;
@@ -114,11 +114,6 @@ class LinearAttentionConfig:
                 "--experimental-attention-variant gated_delta_net; add it or drop them",
             )
         else:
-            _require(
-                self.experimental_attention_variant in GATED_DELTA_NET,
-                f"--experimental-attention-variant {self.experimental_attention_variant}: "
-                "threefold builds gated_delta_net (gdn) only",
-            )
             _require(
                 self.linear_attention_freq is not None,
                 "--experimental-attention-variant gated_delta_net needs --linear-attention-freq "

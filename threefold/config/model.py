@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from threefold.config.activation_offload import ActivationOffloadConfig
+from threefold.config.dsa import DSAConfig
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
@@ -22,6 +23,7 @@ from threefold.config.window_attention import WindowAttentionConfig
 @dataclass
 class ModelConfig(
     MLAConfig,
+    DSAConfig,
     LinearAttentionConfig,
     WindowAttentionConfig,
     MoEConfig,
@@ -31,10 +33,11 @@ class ModelConfig(
     MuPConfig,
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts, multi-latent attention, linear attention, sliding-window attention,
-    multi-token prediction, recomputation, activation offloading and muP fields are inherited
-    (config/moe.py, config/mla.py, config/linear_attention.py, config/window_attention.py,
-    config/mtp.py, config/recompute.py, config/activation_offload.py, config/mup.py)."""
+    The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
+    attention, sliding-window attention, multi-token prediction, recomputation, activation
+    offloading and muP fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
+    config/linear_attention.py, config/window_attention.py, config/mtp.py,
+    config/recompute.py, config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -399,6 +402,7 @@ class ModelConfig(
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{flag(name)} must be in [0, 1), got {value}")
         self.finalize_mla()
+        self.finalize_dsa()
         self.finalize_linear_attention()
         self.finalize_window_attention()
         self.finalize_mup()

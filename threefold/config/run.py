@@ -105,6 +105,7 @@ class Config:
             f"{per_document} with gated delta net layers, whose rule would carry its "
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
+        warnings += self._check_sparse_attention(per_document)
         warnings += self.checkpoint.finalize()
         if training.skip_train:  # only the model is needed (Megatron-LM's warning)
             if not self.checkpoint.no_load_optim:
@@ -126,6 +127,28 @@ class Config:
                 "its shared expert as its graph orders it, not beside the all-to-alls"
             )
         return warnings
+
+    def _check_sparse_attention(self, per_document: str | None) -> list[str]:
+        """DeepSeek sparse attention as megatron-core 0.16 has it: whole sequences, causal."""
+        if not self.model.sparse_attention:
+            return []
+        _require(
+            not per_document,
+            f"{per_document} with --experimental-attention-variant dsa: its indexer picks keys "
+            "across documents (megatron-core's attends causally over them too); drop it",
+        )
+        _require(
+            self.parallel.context_parallel_size == 1,
+            "--context-parallel-size with --experimental-attention-variant dsa: the indexer "
+            "scores every earlier key of the whole sequence (megatron-core refuses it too); "
+            "use TP, PP or DP",
+        )
+        if self.model.attention_dropout > 0:
+            return [
+                f"--attention-dropout {self.model.attention_dropout}: DeepSeek sparse attention "
+                "drops no attention probabilities (as megatron-core's); it applies to no layer"
+            ]
+        return []
 
     def _finalize_gradient_precision(self) -> None:
         parallel = self.parallel

@@ -544,6 +544,11 @@ def configure_for_model(
             f"; --cp-comm-type {cp_comm_type}: attention by blocks merged by log-sum-exp, on "
             + _blocks(shape, device, dtype)
         )
+    if model.sparse_attention:  # (model/dsa.py)
+        line += (
+            "; --experimental-attention-variant dsa: the attention above under a mask of each "
+            "query's top-k keys (s x s, as megatron-core 0.16's unfused sparse attention)"
+        )
     if model.softmax_type != "vanilla":  # (model/attention.py's SoftmaxOffsetAttention)
         line += (
             f"; --softmax-type {model.softmax_type}: attention as the context-parallel ring's "

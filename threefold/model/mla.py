@@ -5,6 +5,10 @@
       └──── linear_kv_down_proj ─┬─ kv latent ─ kv_layernorm ─ linear_kv_up_proj ─ k_nope, v
                                  └─ k_rope: one RoPE part of the key, shared by all heads
 
+With --experimental-attention-variant dsa the core attention is DeepSeek's sparse attention
+(model/dsa.py): each query attends to the keys an indexer picks from the attention's input
+and query latent.
+
 The down projections are small and whole on every TP rank (each rank projects its own
 activations: under sequence parallelism its slice of the sequence, their weights' gradients
 then summed over TP); the up projections are column-parallel, split by heads, and the output
@@ -30,11 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.attention import Attention, CoreAttention, local_attention
+from threefold.model.dsa import SparseAttention, sparse_mask
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
+from threefold.model.rope import rotate_mla
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -56,6 +61,10 @@ class MLASelfAttention(Attention):
         window: int | None = None,
     ) -> None:
         super().__init__(config, parallel, core_attention, window)
+        if config.sparse_attention:  # (--experimental-attention-variant dsa)
+            self.core_attention = SparseAttention(
+                config, parallel, init_method, self.core_attention
+            )
         self.tp, self.sequence_parallel = parallel.tp, parallel.sequence_parallel
         heads = config.num_attention_heads
         self.heads_per_partition = heads // parallel.tp.size
@@ -124,11 +133,6 @@ class MLASelfAttention(Attention):
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
         return x if x.shape[-1] == self.width else F.pad(x, (0, self.width - x.shape[-1]))
 
-    def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """megatron-core's MLA RoPE: the even dimensions, then the odd ones, turned as halves."""
-        halves = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        return KERNELS.rotary(halves, *rotary)
-
     def _up_projections(
         self,
         query_latent: torch.Tensor,
@@ -149,8 +153,8 @@ class MLASelfAttention(Attention):
             [self.qk_head_dim, self.rope_dim], dim=-1
         )
         key_nope, value = kv.view(s, b, heads, -1).split([self.qk_head_dim, self.v_head_dim], -1)
-        query = torch.cat((query_nope, self._rotate(query_rope, (cos, sin))), dim=-1)
-        key_rope = self._rotate(key_rope.unsqueeze(2), (cos, sin)).expand(-1, -1, heads, -1)
+        query = torch.cat((query_nope, rotate_mla(query_rope, (cos, sin))), dim=-1)
+        key_rope = rotate_mla(key_rope.unsqueeze(2), (cos, sin)).expand(-1, -1, heads, -1)
         key = torch.cat((key_nope, key_rope), dim=-1)
         if self.query_scale != 1.0:
             query = query * self.query_scale
@@ -176,7 +180,13 @@ class MLASelfAttention(Attention):
             query, key, value = up.checkpoint(
                 self._up_projections, query_latent, latent, key_rope, *rotary
             )
+        sparse = self.core_attention if isinstance(self.core_attention, SparseAttention) else None
+        if sparse is not None:  # each query's keys, picked by the indexer
+            selection = sparse.select(hidden_states, query_latent, rotary)
+            attention_mask = sparse_mask(selection[1])
         context = self._attend(query, key, value, attention_mask)
+        if sparse is not None:  # (before the recomputed query and key are let go)
+            context = sparse.with_indexer_loss(context, selection, query, key)
         up.discard_output_and_register_recompute(context)
         with offload_group("attn_proj", self.offload_attn_proj):
             if self.width != self.v_head_dim:

@@ -28,6 +28,7 @@ from torch import nn
 
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
+from threefold.model.aux_loss import attach_losses
 from threefold.model.spec import LayerSpec
 from threefold.model.transformer import TransformerLayer
 from threefold.parallel.context_parallel.sequence import shift_left
@@ -38,19 +39,6 @@ from threefold.parallel.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from threefold.parallel.tensor_parallel.sharding import InitMethod
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `hidden`; in backward, `loss` receives the gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 class MultiTokenPredictionLayer(nn.Module):
@@ -156,7 +144,7 @@ class MultiTokenPredictionBlock(nn.Module):
             whole = cp.all_reduce(torch.stack((total.detach(), loss_mask.sum().float())))
             count = whole[1].clamp(min=1)
             loss = total if self.per_token_loss else total / count
-            main = _AttachLoss.apply(main, loss, self.weight * self.aux_loss_scale)
+            main = attach_losses(main, self.weight * self.aux_loss_scale, loss)
             losses.append(whole[0] / count)  # logged as a mean in either case, as Megatron
         values = torch.stack(losses)
         self._losses = values if self._losses is None else self._losses + values

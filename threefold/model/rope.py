@@ -32,6 +32,7 @@ from threefold.config.mla import (
     YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
     yarn_mscale,
 )
+from threefold.kernels.dispatch import KERNELS
 
 ORIGINAL_CONTEXT = 8192
 LOW_FREQ_FACTOR = 1.0
@@ -129,6 +130,13 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     def forward(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super().forward(seq_length, device)
         return cos * self.table_scale, sin * self.table_scale
+
+
+def rotate_mla(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """megatron-core's MLA RoPE (its indexer's too): the even dimensions, then the odd ones,
+    turned as halves."""
+    halves = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    return KERNELS.rotary(halves, *rotary)
 
 
 def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:

@@ -19,6 +19,9 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
 - dropout masks when dropout is on;
+- DeepSeek sparse attention (`_sparse_attention_bytes`): the mask of each query's chosen keys
+  (s x s), and, when its indexer learns, its loss's s x s tensors (one per indexer head, and
+  three more) as megatron-core 0.16's unfused DSA keeps them;
 - a gated delta net layer instead of attention (`_gated_delta_net_activation_bytes`): its
   convolution's input and output, the projections' and gates' per-token tensors, the chunked
   rule's fp32 intermediates (per chunk of C tokens and value head: seven C x C matrices, the
@@ -147,7 +150,7 @@ def layer_activation_parts(
         rest += parts.pop("qkv_linear") + _gated_delta_net_activation_bytes(config, b, e)
     elif model.multi_latent_attention:
         mla = _mla_activation_parts(config, s, b, e, fp8)
-        rest += mla.pop("rest")
+        rest += mla.pop("rest") + _sparse_attention_bytes(config, s, b, e)
         parts.update(mla)
     else:
         attention = _attention_parts(config, s, b, e, fp8)
@@ -197,6 +200,27 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
         projection = s * b * q // t
         return {"core_attn": core + output, "attn_proj": projection, "attn_output": 0, "rest": rope}
     return {"core_attn": core, "attn_proj": 0, "attn_output": output, "rest": rope}
+
+
+def _sparse_attention_bytes(config: Config, s: int, b: int, e: int) -> int:
+    """DeepSeek sparse attention's additions (model/dsa.py): the attention's mask of chosen
+    keys, as SDPA's additive bias (e b s^2), and, when the indexer learns, what its loss's
+    graph keeps: its per-head ReLU scores (fp32, b H s^2), the softmax, logarithm and target of
+    its KL divergence (fp32, 3 b s^2), the top-k indices, fp32 copies of its queries and keys,
+    its key norm's input and statistics and its head weights; under sequence parallelism the
+    gathered attention input and query latent too."""
+    model, parallel = config.model, config.parallel
+    if not model.sparse_attention:
+        return 0
+    mask = e * b * s * s
+    if not model.dsa_indexer_loss_coeff:  # (the indexer then runs without a graph)
+        return mask
+    heads, d, k = model.dsa_indexer_n_heads, model.dsa_indexer_head_dim, model.dsa_indexer_topk
+    scores = 4 * b * s * s * (heads + 3) + 8 * b * s * min(k, s)
+    per_token = 4 * heads * d + 4 * d + e * d + 8 + e * heads
+    if parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1:
+        per_token += e * (model.hidden_size + (model.q_lora_rank or model.hidden_size))
+    return mask + scores + s * b * per_token
 
 
 def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:

@@ -45,6 +45,7 @@ class IterationStats:
     timers: dict[str, float] | None = None  # max over ranks (ms) per timer, for TensorBoard
     mtp_losses: dict[str, float] | None = None  # multi-token prediction (mtp_1 loss ...)
     moe_losses: dict[str, float] | None = None  # MoE auxiliary losses (load_balancing_loss ...)
+    indexer_losses: dict[str, float] | None = None  # DeepSeek sparse attention (indexer loss)
     log_throughput: bool = False  # Megatron's --log-throughput field
 
 
@@ -151,8 +152,8 @@ def format_iteration(stats: IterationStats) -> str:
     )
     if stats.lm_loss is not None:
         line += f" lm loss: {stats.lm_loss:.6E} |"
-    # After lm loss, the multi-token prediction and then the MoE losses, as Megatron.
-    for name, value in {**(stats.mtp_losses or {}), **(stats.moe_losses or {})}.items():
+    # After lm loss, the multi-token prediction, the MoE and the indexer losses, as Megatron.
+    for name, value in _auxiliary_losses(stats).items():
         line += f" {name}: {value:.6E} |"
     line += f" loss scale: {stats.loss_scale:.1f} |"
     if stats.grad_norm is not None:
@@ -177,6 +178,10 @@ def format_iteration(stats: IterationStats) -> str:
     if stats.memory_gib is not None:
         line += f" max memory (GiB): {stats.memory_gib:.2f} |"
     return line
+
+
+def _auxiliary_losses(stats: IterationStats) -> dict[str, float]:
+    return {**(stats.mtp_losses or {}), **(stats.moe_losses or {}), **(stats.indexer_losses or {})}
 
 
 def format_validation(prefix: str, loss: float, split: str = "validation") -> str:
@@ -206,8 +211,7 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
         "nan-iterations": stats.nan_iterations,
         "iteration-time-ms": stats.elapsed_ms,
     }
-    values.update(stats.mtp_losses or {})
-    values.update(stats.moe_losses or {})
+    values.update(_auxiliary_losses(stats))
     values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})
     return {name: value for name, value in values.items() if value is not None}
 

@@ -115,10 +115,18 @@ def _mla_weights(model: ModelConfig, tp: int) -> int:
 
 
 def _mla_parameters(model: ModelConfig, tp: int) -> int:
-    """`_mla_weights` and the latent norms (whole on every rank)."""
+    """`_mla_weights`, the latent norms and DSA's indexer (whole on every rank)."""
     norm = 2 if model.normalization == "LayerNorm" else 1
     latents = model.kv_lora_rank + (model.q_lora_rank or 0)
-    return _mla_weights(model, tp) + (latents * norm if model.qk_layernorm else 0)
+    count = _mla_weights(model, tp) + (latents * norm if model.qk_layernorm else 0)
+    return count + (_indexer_parameters(model) if model.sparse_attention else 0)
+
+
+def _indexer_parameters(model: ModelConfig) -> int:
+    """DeepSeek sparse attention's indexer (model/dsa.py): its query, key and head-weight
+    projections and its key's LayerNorm."""
+    h, heads, d = model.hidden_size, model.dsa_indexer_n_heads, model.dsa_indexer_head_dim
+    return (model.q_lora_rank or h) * heads * d + h * d + 2 * d + h * heads
 
 
 def _stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> list[int]:

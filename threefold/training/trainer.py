@@ -36,6 +36,7 @@ from threefold.training import faults
 from threefold.training.build import build_model_and_optimizer
 from threefold.training.checkpointer import Checkpointer
 from threefold.training.flops import training_flops_per_iteration
+from threefold.training.indexer_losses import IndexerLosses
 from threefold.training.logging import progress
 from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.mtp_losses import MTPLosses
@@ -82,6 +83,10 @@ class Trainer:
         )
         depths = config.model.mtp_num_layers
         self.mtp_losses = MTPLosses(self.model_chunks, depths, parallel) if depths else None
+        self.indexer_losses = None
+        if config.model.sparse_attention and (config.model.dsa_indexer_loss_coeff or 0) > 0:
+            layers = config.model.num_layers
+            self.indexer_losses = IndexerLosses(self.model_chunks, layers, parallel)
         self.state = TrainState()
         # Evaluation always runs full global batches; training's follow --rampup-batch-size.
         self.num_microbatches = training.num_micro_batches(parallel.dp.size)
@@ -188,6 +193,8 @@ class Trainer:
             start_aux_losses(self.model_chunks, scale)
         if self.mtp_losses is not None:
             self.mtp_losses.start(scale, per_token)
+        if self.indexer_losses is not None:
+            self.indexer_losses.start(scale)
         forward_step = functools.partial(self._forward_step, per_token=per_token)
         return schedule(forward_step, iterator, chunks, num_microbatches, **options)
 
@@ -225,6 +232,8 @@ class Trainer:
             self.moe_statistics.after_iteration(num_microbatches)
         if self.mtp_losses is not None:
             self.mtp_losses.after_iteration(num_microbatches)
+        if self.indexer_losses is not None:
+            self.indexer_losses.after_iteration(num_microbatches)
         watchdog.enter("gradient reduction", iteration)
         with self.timers("all-grads-sync", 1):
             data_parallel.finish_grad_sync()
@@ -449,6 +458,8 @@ class Trainer:
                 numbers["mtp_losses"] = self.mtp_losses.report(self.device)
             if self.moe_statistics is not None:
                 numbers["moe_losses"], tokens = self.moe_statistics.report(self.device)
+            if self.indexer_losses is not None:
+                numbers["indexer_losses"] = self.indexer_losses.report(self.device)
             watch.log(numbers)
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)

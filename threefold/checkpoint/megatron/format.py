@@ -21,6 +21,7 @@ import os
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
+from threefold.config.dsa import DSA
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
 from threefold.config.linear_attention import GATED_DELTA_NET
 
@@ -84,10 +85,10 @@ def is_megatron_checkpoint(path: str) -> bool:
 
 def _model_config(args: dict, source: str) -> dict:
     variant = args.get("experimental_attention_variant")
-    if variant not in (None, *GATED_DELTA_NET):
+    if variant not in (None, *GATED_DELTA_NET, DSA):
         raise ConfigError(
             f"{source}: a Megatron-LM checkpoint of a model with --experimental-attention-variant "
-            f"{variant}; threefold builds gated_delta_net only"
+            f"{variant}; threefold builds gated_delta_net and dsa only"
         )
     for name, allowed, what in _UNSUPPORTED:
         value = args.get(name)

@@ -5,10 +5,11 @@ picks, with the same call: hidden states [sequence, batch, hidden] in (this TP r
 the sequence under sequence parallelism), the same shape out.
 
 The auxiliary losses are not returned: like megatron-core's MoEAuxLossAutoScaler they are
-attached to the routing probabilities, whose backward adds each loss's gradient scaled by
-`aux_loss_scale`, the factor the schedule applies to the language-model loss (1 / micro-batches,
-times the fp16 loss scale); the trainer sets it each step (`start_aux_losses`). That works on
-every pipeline stage, which the loss of the last stage cannot reach. Each layer also keeps
+attached to the routing probabilities (model/aux_loss.py), whose backward adds each loss's
+gradient scaled by `aux_loss_scale`, the factor the schedule applies to the language-model
+loss (1 / micro-batches, times the fp16 loss scale); the trainer sets it each step
+(`start_aux_losses`). That works on every pipeline stage, which the loss of the last stage
+cannot reach. Each layer also keeps
 what it routed for the log: the losses without their coefficients (Megatron's
 `load_balancing_loss`, `z_loss`) and the tokens routed to each expert, summed over the
 micro-batches until `take_statistics`.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.model.aux_loss import attach_losses
 from threefold.model.mlp import MLP
 from threefold.model.moe.experts import Experts
 from threefold.model.moe.router import TopKRouter
@@ -28,21 +30,6 @@ from threefold.model.recompute import checkpoint, is_recomputing
 from threefold.parallel.expert_parallel import build_dispatcher
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
-
-
-class _AttachLosses(torch.autograd.Function):
-    """Identity on `probs`; in backward, each loss receives the gradient `scale`."""
-
-    @staticmethod
-    def forward(ctx, probs, scale: float, *losses):
-        ctx.scale, ctx.count = scale, len(losses)
-        ctx.like = [(loss.dtype, loss.device) for loss in losses]
-        return probs.view_as(probs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scales = [torch.full((), ctx.scale, dtype=d, device=v) for d, v in ctx.like]
-        return grad, None, *scales
 
 
 class SharedExpertMLP(MLP):
@@ -124,7 +111,7 @@ class MoELayer(nn.Module):
         tokens = hidden_states.reshape(-1, hidden)
         probs, routing_map, losses = self.router(tokens, batch)
         if losses:
-            probs = _AttachLosses.apply(probs, self.aux_loss_scale, *losses.values())
+            probs = attach_losses(probs, self.aux_loss_scale, *losses.values())
         if self.training and not is_recomputing():
             self._record(losses, routing_map)
         shared = self.shared_experts

@@ -206,7 +206,9 @@ def tensor_parallel_input(x: torch.Tensor, tp: Group, sequence_parallel: bool) -
 class DuplicatedLinear(nn.Module):
     """Y = X A, A whole on every TP rank (Transformer Engine's `parallel_mode="duplicated"`):
     each rank projects its own activations, under sequence parallelism its slice of the
-    sequence, whose share of A's gradient is then summed over TP (`partial_grads`)."""
+    sequence, whose share of A's gradient is then summed over TP (`partial_grads`).
+    `whole_sequence`: every rank projects the whole sequence (gathered first) and computes
+    the whole gradient, which is not summed."""
 
     def __init__(
         self,
@@ -215,6 +217,7 @@ class DuplicatedLinear(nn.Module):
         *,
         parallel: ParallelContext,
         init_method: InitMethod,
+        whole_sequence: bool = False,
     ) -> None:
         super().__init__()
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
@@ -223,7 +226,7 @@ class DuplicatedLinear(nn.Module):
         self.weight = mark_replicated(
             nn.Parameter(torch.empty(output_size, input_size)),
             init_method,
-            partial_grads=parallel.sequence_parallel,
+            partial_grads=parallel.sequence_parallel and not whole_sequence,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
