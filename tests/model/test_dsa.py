@@ -191,9 +191,25 @@ def test_the_indexers_gradient_is_whole_on_every_tp_rank():
         _assert_close_apart(result["grads"], expected["grads"], 1e-4, 2e-6, "gradient")
 
 
-def test_the_log_carries_megatrons_indexer_loss(monkeypatch):
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        [],
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ],
+    ids=["", "full-recompute"],
+)
+def test_the_log_carries_megatrons_indexer_loss(monkeypatch, recompute):
     """`indexer loss`: the layers' losses (with their coefficient) averaged over the
-    micro-batches and the layers, as Megatron-LM logs it; the kernels line names the mask."""
+    micro-batches and the layers, as Megatron-LM logs it, once though backward computes them
+    again; the kernels line names the mask."""
     computed = []
     divergence = dsa.indexer_loss
 
@@ -204,11 +220,12 @@ def test_the_log_carries_megatrons_indexer_loss(monkeypatch):
     monkeypatch.setattr(dsa, "indexer_loss", recorded)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        trainer = _setup(DSA + TRAINING)
+        trainer = _setup(DSA + TRAINING + recompute)
     assert "dsa: the attention above under a mask of each query's top-k keys" in printed.getvalue()
     trainer.train_step()
-    assert len(computed) == 2 * 4  # two layers, four micro-batches
-    expected = 0.1 * sum(computed) / 4 / 2
+    forwards = 2 if recompute else 1
+    assert len(computed) == 2 * 4 * forwards  # two layers, four micro-batches
+    expected = 0.1 * sum(computed) / forwards / 4 / 2
     assert trainer.indexer_losses.report(trainer.device)["indexer loss"] == pytest.approx(expected)
 
 

@@ -45,6 +45,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.aux_loss import attach_losses
 from threefold.model.norms import Norm
+from threefold.model.recompute import is_recomputing
 from threefold.model.rope import rotate_mla
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import DuplicatedLinear, tensor_parallel_input
@@ -207,8 +208,9 @@ class SparseAttention(nn.Module):
             index_scores, topk, query.detach(), key.detach(), self.sparse_loss, self.parallel
         )
         loss = divergence * self.loss_coeff
-        kept = loss.detach()
-        self._loss_sum = kept if self._loss_sum is None else self._loss_sum + kept
+        if not is_recomputing():  # (recorded by the first forward)
+            kept = loss.detach()
+            self._loss_sum = kept if self._loss_sum is None else self._loss_sum + kept
         return attach_losses(context, self.aux_loss_scale, loss)
 
     def take_loss(self) -> torch.Tensor | None:
