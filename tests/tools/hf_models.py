@@ -63,10 +63,8 @@ def build_tokenizer(directory: str, chat: bool = False, specials: tuple[str, ...
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2,
-    qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3, gpt-oss) with a tokenizer
-    (`chat`:
-    a ChatML chat tokenizer)."""
+    llama-yarn, qwen2, qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
+    deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -241,6 +239,29 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.uniform_(-0.1, 0.1)
+    elif kind == "deepseek-v32":  # DeepSeek-V3's model (without its experts) whose attention
+        # each query attends to the 6 keys an indexer of 4 heads of 32 picks
+        config = transformers.DeepseekV32Config(
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            first_k_dense_replace=num_layers,
+            index_n_heads=4,
+            index_head_dim=32,
+            index_topk=6,
+            num_key_value_heads=4,  # (its default of 128 leaves the eager attention no keys)
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            attn_implementation="eager",  # (its SDPA path hands the indexer no mask)
+            **common,
+        )
+        model = transformers.DeepseekV32ForCausalLM(config)
+        with torch.no_grad():  # norms away from 1, and the indexer's key norm's bias from 0
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.uniform_(-1, 1)
     elif kind == "gpt-oss":  # a window of 8 in layers 1 and 3, YaRN 4x unrounded, a clamp
         # the activations reach; biases and sinks random, so a mix-up shows
         config = transformers.GptOssConfig(

@@ -137,7 +137,7 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 def _guess_architecture(model: ModelConfig) -> str:
     if model.multi_latent_attention:
-        return "DeepseekV3ForCausalLM"
+        return "DeepseekV32ForCausalLM" if model.sparse_attention else "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"
     if model.quick_geglu and model.is_moe and model.softmax_type == "learnable":

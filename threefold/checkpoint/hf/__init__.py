@@ -23,7 +23,7 @@ import json
 import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
-from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3
+from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
@@ -42,6 +42,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3_MOE,
         QWEN3_NEXT,
         DEEPSEEK_V3,
+        DEEPSEEK_V32,
         GPT_OSS,
         GPT2,
     )

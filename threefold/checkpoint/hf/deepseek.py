@@ -1,4 +1,5 @@
-"""DeepseekV3ForCausalLM: multi-latent attention and DeepSeek-V3's mixture of experts.
+"""DeepseekV3ForCausalLM: multi-latent attention and DeepSeek-V3's mixture of experts; and
+DeepseekV32ForCausalLM, the same with DeepSeek sparse attention's indexer in every layer.
 
 Attention (threefold's model/mla.py is megatron-core's MLA, whose tensors these are):
 
@@ -46,6 +47,7 @@ from threefold.config.mla import (
     YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
 )
 
+DEEPSEEK_V3_NAME = "DeepseekV3ForCausalLM"
 # transformers' DeepSeek-V3 router scores a group of experts by its best two.
 GROUP_SCORE_EXPERTS = 2
 
@@ -218,6 +220,10 @@ class DeepSeekV3Adapter(MoEAdapter):
     def check_exportable(self, config: ModelConfig) -> None:
         problems = [
             (not config.multi_latent_attention, "attention other than multi-latent"),
+            (
+                config.sparse_attention and self.architecture == DEEPSEEK_V3_NAME,
+                "DeepSeek sparse attention (DeepseekV32ForCausalLM has it)",
+            ),
             (not config.qk_layernorm, "latents without norms (train with --qk-layernorm)"),
             (config.normalization != "RMSNorm" or not config.swiglu, "other than RMSNorm + SwiGLU"),
             (config.add_bias_linear, "biases on the linear layers"),
@@ -348,4 +354,99 @@ class DeepSeekV3Adapter(MoEAdapter):
         return out
 
 
-DEEPSEEK_V3 = DeepSeekV3Adapter("DeepseekV3ForCausalLM", "deepseek_v3", writes_biases=False)
+DEEPSEEK_V3 = DeepSeekV3Adapter(DEEPSEEK_V3_NAME, "deepseek_v3", writes_biases=False)
+
+
+# The indexer's tensors: threefold's (megatron-core's) name under
+# self_attention.core_attention.indexer. -> transformers' under self_attn.indexer.
+_INDEXER = {
+    "linear_wq_b.weight": "wq_b.weight",
+    "linear_wk.weight": "wk.weight",
+    "k_norm.weight": "k_norm.weight",
+    "k_norm.bias": "k_norm.bias",
+    "linear_weights_proj.weight": "weights_proj.weight",
+}
+# transformers' (and DeepSeek's) indexer key norm: a LayerNorm of epsilon 1e-6, whatever
+# rms_norm_eps says
+INDEXER_K_NORM_EPSILON = 1e-6
+
+
+def _indexer_names(i: int) -> dict[str, str]:
+    return {
+        f"self_attention.core_attention.indexer.{ours}": f"model.layers.{i}.self_attn.indexer.{hf}"
+        for ours, hf in _INDEXER.items()
+    }
+
+
+@dataclass(frozen=True)
+class DeepSeekV32Adapter(DeepSeekV3Adapter):
+    """DeepseekV32ForCausalLM: DeepSeek-V3's model whose attention is DeepSeek sparse attention
+    (threefold's --experimental-attention-variant dsa, model/dsa.py): index_n_heads heads of
+    index_head_dim picking index_topk keys, RoPE on their first dimensions as halves. Its
+    Hadamard rotation, which transformers leaves out, changes no score."""
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        refuse(not hf.get("q_lora_rank"), "q_lora_rank", hf.get("q_lora_rank"), "must be set")
+        layers = hf["num_hidden_layers"]
+        dense = min(hf.get("first_k_dense_replace") or 0, layers)
+        mlp_types = hf.get("mlp_layer_types")
+        refuse(
+            mlp_types not in (None, ["dense"] * dense + ["sparse"] * (layers - dense)),
+            "mlp_layer_types",
+            mlp_types,
+            "must be first_k_dense_replace dense layers, then MoE ones",
+        )
+        attention_types = set(hf.get("layer_types") or ["indexed_attention"])
+        refuse(
+            attention_types != {"indexed_attention"},
+            "layer_types",
+            sorted(attention_types),
+            "every layer's attention is DeepSeek sparse attention",
+        )
+        config = super().model_config(hf)
+        config.experimental_attention_variant = "dsa"
+        config.dsa_indexer_n_heads = hf["index_n_heads"]
+        config.dsa_indexer_head_dim = hf["index_head_dim"]
+        config.dsa_indexer_topk = hf["index_topk"]
+        config.dsa_indexer_k_norm_epsilon = INDEXER_K_NORM_EPSILON
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        problems = [
+            (not config.sparse_attention, "attention other than DeepSeek sparse attention"),
+            (config.q_lora_rank is None, "queries without a latent (--q-lora-rank)"),
+            (config.dsa_indexer_rope_interleaved, "the indexer's RoPE turned MLA's way"),
+            (
+                (config.dsa_indexer_k_norm_epsilon or config.norm_epsilon)
+                != INDEXER_K_NORM_EPSILON,
+                f"an indexer key norm of epsilon other than {INDEXER_K_NORM_EPSILON} "
+                "(--dsa-indexer-k-norm-epsilon)",
+            ),
+        ]
+        for problem, what in problems:
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        super().check_exportable(config)
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        return {
+            **super().hf_config(config),
+            "index_n_heads": config.dsa_indexer_n_heads,
+            "index_head_dim": config.dsa_indexer_head_dim,
+            "index_topk": config.dsa_indexer_topk,
+        }
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = super().take_weights(take, config, used)
+        for i in range(config.num_layers):
+            out.update(renamed(_indexer_names(i), i, take, to_hf=False))
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = super().give_weights(state, config)
+        for i in range(config.num_layers):
+            out.update(renamed(_indexer_names(i), i, state.__getitem__, to_hf=True))
+        return out
+
+
+DEEPSEEK_V32 = DeepSeekV32Adapter("DeepseekV32ForCausalLM", "deepseek_v32", writes_biases=False)
