@@ -240,11 +240,10 @@ DSA_FLAGS = DSA[len(MLA) :]
         (["--experimental-attention-variant", "dsa"], "dsa is sparse multi-latent attention"),
         (MLA_FLAGS + DSA_FLAGS[:2], "needs --dsa-indexer-n-heads --dsa-indexer-head-dim"),
         (MLA_FLAGS + DSA_FLAGS + ["--dsa-indexer-head-dim", "12"], "a power of 2"),
-        (MLA_FLAGS + DSA_FLAGS + ["--reset-attention-mask"], "--reset-attention-mask with"),
         (MLA_FLAGS + DSA_FLAGS + ["--window-size", "4,0"], "--window-size with"),
         (MLA_FLAGS + DSA_FLAGS + ["--dsa-indexer-topk-freq", "2"], "other options"),
     ],
-    ids=["without-dsa", "without-mla", "no-sizes", "head-dim", "documents", "window", "later"],
+    ids=["without-dsa", "without-mla", "no-sizes", "head-dim", "window", "later"],
 )
 def test_what_megatron_cores_dsa_lacks_is_one_line(capsys, argv, named):
     with pytest.raises(SystemExit):
@@ -306,3 +305,40 @@ def test_the_indexer_picks_the_keys_transformers_deepseek_v32_picks():
             mine = {int(i) for i in picked[batch, row] if i <= row}
             hers = {int(i) for i in expected[batch, row] if i <= row}
             assert len(mine) == min(6, row + 1) and mine == hers, (batch, row)
+
+
+def test_packed_documents_are_each_its_own_sequence():
+    """Two documents packed in one sequence (positions restarting, attention within each, as
+    --reset-attention-mask makes them): each gets the logits it gets alone, its indexer
+    picking among its own keys, and the indexer loss is the two documents' losses weighed by
+    their queries. Without the documents' mask the second document's logits differ."""
+    from threefold.parallel.context_parallel.sequence import document_mask
+
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        model = _setup(DSA + TRAINING + ["--seq-length", "24"]).model
+    with torch.no_grad():  # an indexer far from the attention's distribution: a KL of order 1
+        for name, param in model.named_parameters():
+            if INDEXER + "linear" in name:
+                param.mul_(30)
+    first, second = torch.randint(0, 1000, (1, 10)), torch.randint(0, 1000, (1, 14))
+    losses = []
+    monkey = pytest.MonkeyPatch()
+    divergence = dsa.indexer_loss
+    monkey.setattr(dsa, "indexer_loss", lambda *a: losses.append(divergence(*a)) or losses[-1])
+    try:
+        alone = [model(tokens) for tokens in (first, second)]
+        ids = torch.tensor([[0] * 10 + [1] * 14])
+        positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+        packed = model(
+            torch.cat([first, second], 1), position_ids=positions, attention_mask=document_mask(ids)
+        )
+        unmasked = model(torch.cat([first, second], 1), position_ids=positions)
+    finally:
+        monkey.undo()
+    torch.testing.assert_close(packed[:10], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[10:], alone[1], rtol=0, atol=1e-5)
+    assert (unmasked[10:] - alone[1]).abs().max() > 1e-3
+    for layer in range(2):  # (each layer's loss: alone first, then second, then packed)
+        by_document = (10 * losses[layer] + 14 * losses[2 + layer]) / 24
+        torch.testing.assert_close(losses[4 + layer], by_document, rtol=1e-5, atol=0)

@@ -105,7 +105,7 @@ class Config:
             f"{per_document} with gated delta net layers, whose rule would carry its "
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
-        warnings += self._check_sparse_attention(per_document)
+        warnings += self._check_sparse_attention()
         warnings += self.checkpoint.finalize()
         if training.skip_train:  # only the model is needed (Megatron-LM's warning)
             if not self.checkpoint.no_load_optim:
@@ -128,15 +128,10 @@ class Config:
             )
         return warnings
 
-    def _check_sparse_attention(self, per_document: str | None) -> list[str]:
-        """DeepSeek sparse attention as megatron-core 0.16 has it: whole sequences, causal."""
+    def _check_sparse_attention(self) -> list[str]:
+        """DeepSeek sparse attention over whole sequences on every rank."""
         if not self.model.sparse_attention:
             return []
-        _require(
-            not per_document,
-            f"{per_document} with --experimental-attention-variant dsa: its indexer picks keys "
-            "across documents (megatron-core's attends causally over them too); drop it",
-        )
         _require(
             self.parallel.context_parallel_size == 1,
             "--context-parallel-size with --experimental-attention-variant dsa: the indexer "

@@ -9,13 +9,14 @@ dsa, config/dsa.py).
     index score I(t, u) = sum_j w(t, j) ReLU(q(t, j) . k(u)), for u <= t
 
 Each query attends to the keys of its --dsa-indexer-topk highest index scores (and never to
-later ones): the MLA's own attention under a [b, 1, s, s] mask, scores and all, as megatron-core
-0.16's unfused kernel computes it (its fused ones are CUDA kernels of later versions). RoPE
-turns an indexer head's first --qk-pos-emb-head-dim dimensions with the MLA's tables, as halves
-(DeepSeek-V3.2's and Megatron-LM's since megatron-core 0.16, which turned the last ones as MLA
-does; --dsa-indexer-rope-interleaved: as MLA does); the Hadamard transform is
-fast_hadamard_transform's (Sylvester's matrix over sqrt(d)), computed here in fp32 on any
-device.
+later ones, nor, with packed documents, to another document's, as Megatron-LM's packed
+sequences since megatron-core 0.16): the MLA's own attention under a [b, 1, s, s] mask, scores
+and all, as megatron-core 0.16's unfused kernel computes it (its fused ones are CUDA kernels of
+later versions). RoPE turns an indexer head's first --qk-pos-emb-head-dim dimensions with the
+MLA's tables, as halves (DeepSeek-V3.2's and Megatron-LM's since megatron-core 0.16, which
+turned the last ones as MLA does; --dsa-indexer-rope-interleaved: as MLA does); the Hadamard
+transform is fast_hadamard_transform's (Sylvester's matrix over sqrt(d)), computed here in fp32
+on any device.
 
 The indexer reads the attention's input and query latent detached: the language-model loss
 never reaches it, nor its loss the rest of the model. It learns from the KL divergence of its
@@ -70,6 +71,15 @@ def _causal(scores: torch.Tensor) -> torch.Tensor:
     return torch.full((s, s), float("-inf"), device=scores.device).triu(1)
 
 
+def _masked(scores: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """`scores` [b, (heads,) s, s] with -inf at later keys, and where `allowed` [b, 1, s, s]
+    (packed documents: each query's own document) is False."""
+    scores = scores + _causal(scores)
+    if allowed is None:
+        return scores
+    return scores.masked_fill(~(allowed if scores.dim() == 4 else allowed[:, 0]), float("-inf"))
+
+
 class DSAIndexer(nn.Module):
     def __init__(
         self, config: ModelConfig, parallel: ParallelContext, init_method: InitMethod
@@ -106,9 +116,11 @@ class DSAIndexer(nn.Module):
         hidden_states: torch.Tensor,
         query_latent: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index scores [b, s, s] in fp32, -inf for later keys; each query's top-k keys
-        [b, s, k]) from this rank's attention input and query latent [s(/TP), b, ...]."""
+        """(index scores [b, s, s] in fp32, -inf for later keys and outside `allowed`; each
+        query's top-k keys [b, s, k]) from this rank's attention input and query latent
+        [s(/TP), b, ...]."""
         x, latent = (
             tensor_parallel_input(t.detach(), self.tp, self.sequence_parallel)
             for t in (hidden_states, query_latent)
@@ -121,16 +133,17 @@ class DSAIndexer(nn.Module):
         # (multiplied in megatron-core's order, so that ties between keys break alike)
         weights = self.linear_weights_proj(x) * self.heads**-0.5 * self.softmax_scale
         scores = torch.einsum("sbhd,tbd->sbht", q.float(), k.float()).relu()
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2).transpose(0, 1)
-        scores = scores + _causal(scores)
+        scores = _masked((scores * weights.unsqueeze(-1)).sum(dim=2).transpose(0, 1), allowed)
         return scores, scores.topk(min(self.topk, s), dim=-1).indices
 
 
-def sparse_mask(topk: torch.Tensor) -> torch.Tensor:
-    """[b, 1, s, s], True where a query may attend: its top-k keys, none later than itself."""
+def sparse_mask(topk: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, 1, s, s], True where a query may attend: its top-k keys, none later than itself
+    (nor outside `allowed`)."""
     b, s, _ = topk.shape
     chosen = torch.zeros(b, s, s, dtype=torch.bool, device=topk.device).scatter_(-1, topk, True)
-    return (chosen & torch.ones(s, s, dtype=torch.bool, device=topk.device).tril())[:, None]
+    chosen = (chosen & torch.ones(s, s, dtype=torch.bool, device=topk.device).tril())[:, None]
+    return chosen if allowed is None else chosen & allowed
 
 
 def indexer_loss(
@@ -140,14 +153,16 @@ def indexer_loss(
     key: torch.Tensor,
     sparse: bool,
     parallel: ParallelContext,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The KL divergence of the indexer's softmax from the attention's distribution (from
     this rank's heads of query and key [s, b, heads, d], already scaled for a softmax scale of
-    1/sqrt(d), summed over the TP ranks' heads), averaged over the queries."""
+    1/sqrt(d), summed over the TP ranks' heads), averaged over the queries; both over each
+    query's earlier keys of `allowed` (index_scores are masked already)."""
     scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) / math.sqrt(
         query.shape[-1]
     )
-    scores = scores + _causal(scores)
+    scores = _masked(scores, allowed)
     if sparse:
         outside = torch.full_like(index_scores, float("-inf")).scatter_(-1, topk, 0.0)
         scores, index_scores = scores + outside[:, None], index_scores + outside
@@ -187,10 +202,11 @@ class SparseAttention(nn.Module):
         hidden_states: torch.Tensor,
         query_latent: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's (scores, top-k), without a graph unless its loss will need one."""
         with contextlib.nullcontext() if self._learns() else torch.no_grad():
-            return self.indexer(hidden_states, query_latent, rotary)
+            return self.indexer(hidden_states, query_latent, rotary, allowed)
 
     def with_indexer_loss(
         self,
@@ -198,14 +214,16 @@ class SparseAttention(nn.Module):
         selection: tuple[torch.Tensor, torch.Tensor],
         query: torch.Tensor,
         key: torch.Tensor,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`context` carrying the indexer's loss for `selection` (index scores, top-k) into
         backward (when training with a coefficient), the loss kept for the log."""
         if not self._learns():
             return context
         index_scores, topk = selection
+        detached = (query.detach(), key.detach())
         divergence = indexer_loss(
-            index_scores, topk, query.detach(), key.detach(), self.sparse_loss, self.parallel
+            index_scores, topk, *detached, self.sparse_loss, self.parallel, allowed
         )
         loss = divergence * self.loss_coeff
         if not is_recomputing():  # (recorded by the first forward)

@@ -181,12 +181,13 @@ class MLASelfAttention(Attention):
                 self._up_projections, query_latent, latent, key_rope, *rotary
             )
         sparse = self.core_attention if isinstance(self.core_attention, SparseAttention) else None
+        documents = attention_mask
         if sparse is not None:  # each query's keys, picked by the indexer
-            selection = sparse.select(hidden_states, query_latent, rotary)
-            attention_mask = sparse_mask(selection[1])
+            selection = sparse.select(hidden_states, query_latent, rotary, documents)
+            attention_mask = sparse_mask(selection[1], documents)
         context = self._attend(query, key, value, attention_mask)
         if sparse is not None:  # (before the recomputed query and key are let go)
-            context = sparse.with_indexer_loss(context, selection, query, key)
+            context = sparse.with_indexer_loss(context, selection, query, key, documents)
         up.discard_output_and_register_recompute(context)
         with offload_group("attn_proj", self.offload_attn_proj):
             if self.width != self.v_head_dim:
