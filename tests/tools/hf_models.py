@@ -61,6 +61,13 @@ def build_tokenizer(directory: str, chat: bool = False, specials: tuple[str, ...
     fast.save_pretrained(directory)
 
 
+# DeepSeek-V3's and V3.2's multi-latent attention: a query latent, a value head narrower than
+# the query/key head
+MLA_SIZES = dict(
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12
+)
+
+
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
@@ -205,11 +212,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     elif kind == "deepseek-v3":  # MLA with YaRN and a temperature; a dense first layer, then
         # sigmoid routing with expert biases over 4 groups of 2 experts, 2 groups kept, scaled
         config = transformers.DeepseekV3Config(
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
+            **MLA_SIZES,
             n_routed_experts=8,
             n_shared_experts=1,
             moe_intermediate_size=32,
@@ -242,11 +245,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     elif kind == "deepseek-v32":  # DeepSeek-V3's model (without its experts) whose attention
         # each query attends to the 6 keys an indexer of 4 heads of 32 picks
         config = transformers.DeepseekV32Config(
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
+            **MLA_SIZES,
             first_k_dense_replace=num_layers,
             index_n_heads=4,
             index_head_dim=32,

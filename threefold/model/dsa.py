@@ -231,7 +231,7 @@ class SparseAttention(nn.Module):
             self._loss_sum = kept if self._loss_sum is None else self._loss_sum + kept
         return attach_losses(context, self.aux_loss_scale, loss)
 
-    def take_loss(self) -> torch.Tensor | None:
+    def take_losses(self) -> torch.Tensor | None:
         """The indexer losses (with their coefficient) since the last call, summed over
         micro-batches on this rank."""
         loss, self._loss_sum = self._loss_sum, None

@@ -194,7 +194,7 @@ class Trainer:
         if self.mtp_losses is not None:
             self.mtp_losses.start(scale, per_token)
         if self.indexer_losses is not None:
-            self.indexer_losses.start(scale)
+            self.indexer_losses.start(scale, per_token)
         forward_step = functools.partial(self._forward_step, per_token=per_token)
         return schedule(forward_step, iterator, chunks, num_microbatches, **options)
 
