@@ -279,3 +279,26 @@ def test_a_backend_slow_while_it_warms_up_is_timed_again_after_the_others(monkey
     assert kernel == "CUDNN_ATTENTION"
     assert label.endswith("CUDNN_ATTENTION 2.16 ms, FLASH_ATTENTION 3.90 ms")
     assert order == ["FLASH_ATTENTION", "CUDNN_ATTENTION"] * dispatch._TIMING_ROUNDS
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--hidden-size", "40", "--num-attention-heads", "4"], "--hidden-size / TP is 20"),
+        (
+            ["--multi-latent-attention", "--kv-lora-rank", "24", "--qk-pos-emb-head-dim", "8"],
+            "--kv-lora-rank is 24",
+        ),
+    ],
+    ids=["hidden", "mla-latent"],
+)
+def test_fp8_model_sizes_cublas_refuses_are_named_before_the_model_is_built(flags, named):
+    """cuBLASLt's FP8 GEMMs take multiples of 16 (checked only on CUDA, where they run)."""
+    from tests.parity import LLAMA_MHA_STYLE, TRAINING
+    from threefold.arguments import parse_args
+    from threefold.kernels.fp8_shapes import check_fp8_shapes
+
+    config = parse_args(LLAMA_MHA_STYLE + TRAINING + ["--ffn-hidden-size", "64"] + flags).model
+    with pytest.raises(ConfigError, match=named):
+        check_fp8_shapes(config, tensor_parallel_size=2)
+    check_fp8_shapes(parse_args(LLAMA_MHA_STYLE + TRAINING).model, tensor_parallel_size=1)
