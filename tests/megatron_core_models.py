@@ -45,175 +45,10 @@ from tests.megatron_core_layers import (
     hadamard_by_matrix,
     indexer_rope_as_megatron_lm,
 )
+from tests.megatron_core_shapes import DSA, MLA_FIELDS, MOE, SHAPES, YARN
 
 TOKENS = torch.tensor([[3, 17, 91, 5, 250, 8, 42, 42, 7, 199, 64, 1, 0, 33, 120, 77]])
 LOSS_MASK = torch.ones(1, 15).index_fill_(1, torch.tensor([3]), 0.0)  # of TOKENS[1:]
-SHAPES = {
-    "llama": dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=True,
-        rotary_base=500000.0,
-        rotary_interleaved=False,
-        rotary_percent=1.0,
-        squared_relu=False,
-        norm_epsilon=1e-5,
-    ),
-    "gpt2": dict(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=4,
-        ffn_hidden_size=256,
-        normalization="LayerNorm",
-        swiglu=False,
-        add_bias_linear=True,
-        position_embedding_type="learned_absolute",
-        untie_embeddings_and_output_weights=False,
-        rotary_base=10000.0,
-        rotary_interleaved=False,
-        rotary_percent=1.0,
-        squared_relu=False,
-        norm_epsilon=1e-5,
-    ),
-}
-# RoPE on adjacent pairs of the head dimension (Megatron-LM's --rotary-interleaved)
-SHAPES["llama_interleaved"] = {**SHAPES["llama"], "rotary_interleaved": True}
-# RoPE on half of each head's dimensions (--rotary-percent 0.5, Nemotron's)
-SHAPES["llama_partial_rotary"] = {**SHAPES["llama"], "rotary_percent": 0.5}
-# A sliding window of 3 keys back in every other layer (--window-size 3,0
-# --window-attn-skip-freq 2: layers 2 and 4 keep full attention)
-SHAPES["llama_window"] = {**SHAPES["llama"], "window_size": (3, 0), "window_attn_skip_freq": 2}
-# GPT-OSS's attention sinks: a learned softmax logit per head (--softmax-type learnable), and
-# the fixed logit 0 (off-by-one)
-SHAPES["llama_sinks"] = {**SHAPES["llama"], "softmax_type": "learnable"}
-SHAPES["llama_off_by_one"] = {**SHAPES["llama"], "softmax_type": "off-by-one"}
-# GPT-OSS's MLP: quick_gelu(gate) * (up + 1), the halves clamped (at a value they reach here)
-SHAPES["quick_geglu"] = {
-    **SHAPES["llama"],
-    "swiglu": False,
-    "quick_geglu": True,
-    "glu_linear_offset": 1.0,
-    "activation_func_clamp_value": 0.05,
-}
-# relu(x)^2 MLPs (Megatron-LM's --squared-relu)
-SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
-# Multi-latent attention (Megatron-LM's --multi-latent-attention): learned positions beside
-# MLA's own YaRN RoPE (as Megatron-LM's functional test), a query latent, latent norms, and a
-# value head narrower than the query/key head; then plain RoPE, queries straight from the
-# hidden state and a value head wider than the query/key head.
-MLA = dict(
-    multi_latent_attention=True,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_head_dim=12,
-    qk_pos_emb_head_dim=8,
-    v_head_dim=16,
-    rope_type="yarn",
-    rotary_scaling_factor=40.0,
-    mscale=1.0,
-    mscale_all_dim=1.0,
-    qk_layernorm=True,
-)
-SHAPES["mla"] = {
-    **SHAPES["llama"],
-    **MLA,
-    "num_query_groups": 4,
-    "position_embedding_type": "learned_absolute",
-}
-SHAPES["mla_rope"] = {
-    **SHAPES["llama"],
-    **MLA,
-    "num_query_groups": 4,
-    "q_lora_rank": None,
-    "v_head_dim": 24,
-    "rope_type": "rope",
-    "qk_layernorm": False,
-}
-_MLA_FIELDS = tuple(MLA)
-# DeepSeek sparse attention (--experimental-attention-variant dsa) on that MLA: each query
-# attends to the 6 keys an indexer of 4 heads of 16 scores highest (of up to 16), the indexer
-# learning from its KL loss (weight 0.1)
-DSA = dict(
-    experimental_attention_variant="dsa",
-    dsa_indexer_n_heads=4,
-    dsa_indexer_head_dim=16,
-    dsa_indexer_topk=6,
-    dsa_indexer_loss_coeff=0.1,
-    dsa_indexer_use_sparse_loss=False,
-)
-SHAPES["dsa"] = {**SHAPES["mla"], **DSA}
-# ... over each query's top 6 only, RoPE on the indexer's heads MLA's way
-SHAPES["dsa_sparse_interleaved"] = {
-    **SHAPES["dsa"],
-    "dsa_indexer_use_sparse_loss": True,
-    "dsa_indexer_rope_interleaved": True,
-}
-# YaRN on other attention (--position-embedding-type yarn): 4x over an original context of 8,
-# so the sequence of 16 reaches past it
-YARN = dict(
-    rotary_scaling_factor=4.0,
-    mscale=1.0,
-    mscale_all_dim=0.0,
-    yarn_original_max_position_embeddings=8,
-    yarn_beta_fast=32.0,
-    yarn_beta_slow=1.0,
-    yarn_correction_range_round_to_int=True,
-)
-SHAPES["llama_yarn"] = {**SHAPES["llama"], "position_embedding_type": "yarn", **YARN}
-# Mixture of experts (--num-experts): DeepSeek-V3's routing (sigmoid scores, an expert bias,
-# scaled weights) and a shared expert, with a first dense layer (--moe-layer-freq [0,1,1,1]:
-# megatron-core keeps such a model's layers apart); then every layer MoE (stacked layers),
-# softmax routing, no shared expert.
-MOE = dict(
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=32,
-    moe_layer_freq=[0, 1, 1, 1],
-    moe_shared_expert_intermediate_size=48,
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_router_topk_scaling_factor=2.5,
-)
-SHAPES["moe"] = {**SHAPES["llama"], **MOE}
-SHAPES["moe_stacked"] = {
-    **SHAPES["llama"],
-    **MOE,
-    "moe_layer_freq": 1,
-    "moe_shared_expert_intermediate_size": None,
-    "moe_router_score_function": "softmax",
-    "moe_router_enable_expert_bias": False,
-    "moe_router_topk_scaling_factor": None,
-}
-# GPT-OSS as megatron-core builds it: every layer MoE, biases on every linear layer and on
-# the router (add_bias_linear), its MLP, attention sinks, a sliding window in every other
-# layer, and YaRN with its correction range not rounded
-SHAPES["gpt_oss"] = {
-    **SHAPES["moe_stacked"],
-    "add_bias_linear": True,
-    "swiglu": False,
-    "quick_geglu": True,
-    "glu_linear_offset": 1.0,
-    "activation_func_clamp_value": 0.05,
-    "softmax_type": "learnable",
-    "window_size": (3, 0),
-    "window_attn_skip_freq": 2,
-    "position_embedding_type": "yarn",
-    **YARN,
-    "yarn_correction_range_round_to_int": False,
-}
-# Multi-token prediction (--mtp-num-layers 2) on the MoE model: each depth's layer is MoE, as
-# the last decoder layer is.
-SHAPES["moe_mtp"] = {**SHAPES["moe"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
-# ... and one depth on GPT-2 (learned positions, which the depth's embedding shifts; tied)
-SHAPES["gpt2_mtp"] = {**SHAPES["gpt2"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
 VOCAB = 250  # padded by Megatron-LM to 256 (--make-vocab-size-divisible-by 128 x TP 2)
 PADDED_VOCAB = 256
 SEQ = 16
@@ -321,7 +156,7 @@ def build(
         tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
     )
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
-    mla = {name: shape[name] for name in _MLA_FIELDS if shape.get("multi_latent_attention")}
+    mla = {name: shape[name] for name in MLA_FIELDS if shape.get("multi_latent_attention")}
     mla.update({name: shape[name] for name in DSA if name in shape})
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -373,6 +208,9 @@ def build(
         rotary_interleaved=shape["rotary_interleaved"],
         window_size=shape.get("window_size"),
         window_attn_skip_freq=shape.get("window_attn_skip_freq"),
+        no_rope_freq=shape.get("no_rope_freq"),
+        qk_l2_norm=shape.get("qk_l2_norm", False),
+        moe_apply_probs_on_input=shape.get("moe_apply_probs_on_input", False),
         **mla,
         **moe,
     )
@@ -389,6 +227,7 @@ def build(
         normalization=shape["normalization"],
         multi_latent_attention=bool(mla),
         qk_layernorm=shape.get("qk_layernorm", False),
+        qk_l2_norm=shape.get("qk_l2_norm", False),
     )
     if mla:
         spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
@@ -396,7 +235,10 @@ def build(
         spec.submodules.self_attention.submodules.core_attention = dsa_core_attention()
     if shape.get("num_experts"):  # dense and MoE layers as --moe-layer-freq says
         spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=shape["normalization"]
+            config,
+            use_transformer_engine=False,
+            normalization=shape["normalization"],
+            qk_l2_norm=shape.get("qk_l2_norm", False),
         )
     mtp = None
     if shape.get("mtp_num_layers"):
@@ -444,9 +286,14 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         glu_linear_offset=0.0,
         activation_func_clamp_value=None,
         softmax_type="vanilla",
+        no_rope_freq=None,
     )
+    given = defaults | shape
+    # (Megatron-LM's args name megatron-core's Llama 4 fields after ModelOpt's flags)
+    for name in ("qk_l2_norm", "moe_apply_probs_on_input"):
+        given[f"export_{name}"] = given.pop(name, False)
     return argparse.Namespace(
-        **(defaults | shape),
+        **given,
         group_query_attention=shape["num_query_groups"] != shape["num_attention_heads"],
         kv_channels=shape["hidden_size"] // shape["num_attention_heads"],
         seq_length=SEQ,

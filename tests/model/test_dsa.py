@@ -27,6 +27,7 @@ from tests.parity import (
     train_job,
 )
 from tests.tools.hf_models import convert_checkpoint
+from tests.tools.megatron_runs import gradients_from
 from threefold.arguments import parse_args
 from threefold.checkpoint.load import load_model
 from threefold.model import dsa
@@ -46,28 +47,6 @@ def test_the_hadamard_transform_is_sylvesters_matrix():
     torch.testing.assert_close(dsa.hadamard_transform(x), hadamard_by_matrix(x))
     half = x.to(torch.bfloat16)
     assert torch.equal(dsa.hadamard_transform(half), hadamard_by_matrix(half.float()).bfloat16())
-
-
-def _gradients(path: str, **changes) -> tuple[float, dict, torch.Tensor]:
-    """threefold's training-mode loss, gradients (as megatron_core_models.gradients takes
-    them) and logits, from a Megatron checkpoint whose model config takes `changes`."""
-    config, model, _ = load_model(path, with_tokenizer=False)
-    if changes:
-        from threefold.model import GPTModel
-
-        for name, value in changes.items():
-            setattr(config.model, name, value)
-        changed = GPTModel(config.model, model.padded_vocab_size)
-        changed.load_state_dict(model.state_dict())
-        model = changed
-    with torch.no_grad():
-        logits = model.eval()(mc.TOKENS).transpose(0, 1)
-    model.train()
-    per_token = model(mc.TOKENS[:, :-1], labels=mc.TOKENS[:, 1:], loss_mask=mc.LOSS_MASK)
-    loss = (per_token * mc.LOSS_MASK).sum() / mc.LOSS_MASK.sum()
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), grads, logits
 
 
 _SAVED: dict[str, tuple] = {}
@@ -105,7 +84,7 @@ def test_megatron_cores_dsa_gives_threefolds_logits_and_gradients(megatron):
     )
     assert config.model.dsa_indexer_use_sparse_loss == (kind != "dsa")
     assert config.model.dsa_indexer_rope_interleaved == (kind != "dsa")
-    loss, grads, logits = _gradients(root)
+    loss, grads, logits = gradients_from(root)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-5)
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     assert grads.keys() == expected.keys()
@@ -114,9 +93,9 @@ def test_megatron_cores_dsa_gives_threefolds_logits_and_gradients(megatron):
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-5 * grad.abs().max())
     if kind != "dsa":
         return
-    _, _, dense = _gradients(root, dsa_indexer_topk=16)
+    _, _, dense = gradients_from(root, dsa_indexer_topk=16)
     assert (dense - expected_logits).abs().max() > 1e-3
-    _, without, _ = _gradients(root, dsa_indexer_loss_coeff=0.0)
+    _, without, _ = gradients_from(root, dsa_indexer_loss_coeff=0.0)
     assert not any(INDEXER in name for name in without)
 
 
@@ -135,8 +114,8 @@ def test_export_names_transformer_engines_indexer_and_reads_back(tmp_path_factor
         assert f"decoder.layers.{INDEXER}{name}.weight" in keys
         assert f"decoder.layers.{INDEXER}{name}._extra_state/shard_0_4" in keys
     assert {f"decoder.layers.{INDEXER}k_norm.{p}" for p in ("weight", "bias")} <= keys
-    loss, grads, _ = _gradients(root)
-    again_loss, again, _ = _gradients(out)
+    loss, grads, _ = gradients_from(root)
+    again_loss, again, _ = gradients_from(out)
     assert again_loss == loss == pytest.approx(expected_loss, rel=1e-6)
     for name, grad in grads.items():
         assert torch.equal(again[name], grad), name

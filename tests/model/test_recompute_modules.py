@@ -138,6 +138,23 @@ def test_default_and_notes(capsys):
     assert "shared_experts adds nothing" in capsys.readouterr().out
 
 
+def test_the_deprecated_moe_layer_recompute_adds_moe_as_megatron_core_does(capsys):
+    """--moe-layer-recompute (Megatron-LM's Llama 4 Maverick and DeepSeek-R1 configurations):
+    selective recomputation with moe beside the modules given, or beside core_attn."""
+    config = parse_args(MOE_MODEL + ["--moe-layer-recompute"])
+    assert config.model.recompute_granularity == "selective"
+    assert config.model.recompute_modules == ["core_attn", "moe"]
+    assert "--moe-layer-recompute is deprecated" in capsys.readouterr().out
+    config = parse_args(MOE_MODEL + ["--moe-layer-recompute"] + SELECTIVE + ["moe_act"])
+    assert config.model.recompute_modules == ["moe_act", "moe"]
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    with pytest.raises(SystemExit):
+        parse_args(MOE_MODEL + ["--moe-layer-recompute"] + full + ["--recompute-num-layers", "1"])
+    error = capsys.readouterr().err
+    assert "--moe-layer-recompute with --recompute-granularity full" in error
+    assert error.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     "argv,named",
     [

@@ -224,3 +224,25 @@ def largest_difference(weights: dict, checkpoint: str) -> float:
     _, model, _ = load_model(checkpoint, with_tokenizer=False)
     expected = dict(model.named_parameters())
     return max(float((value - expected[name]).abs().max()) for name, value in weights.items())
+
+
+def gradients_from(path: str, **changes) -> tuple[float, dict, torch.Tensor]:
+    """threefold's training-mode loss, gradients (as megatron_core_models.gradients takes
+    them) and logits, from a Megatron checkpoint whose model config takes `changes`."""
+    config, model, _ = load_model(path, with_tokenizer=False)
+    if changes:
+        from threefold.model import GPTModel
+
+        for name, value in changes.items():
+            setattr(config.model, name, value)
+        changed = GPTModel(config.model, model.padded_vocab_size)
+        changed.load_state_dict(model.state_dict())
+        model = changed
+    with torch.no_grad():
+        logits = model.eval()(mc.TOKENS).transpose(0, 1)
+    model.train()
+    per_token = model(mc.TOKENS[:, :-1], labels=mc.TOKENS[:, 1:], loss_mask=mc.LOSS_MASK)
+    loss = (per_token * mc.LOSS_MASK).sum() / mc.LOSS_MASK.sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, logits

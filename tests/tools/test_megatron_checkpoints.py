@@ -372,8 +372,8 @@ def _model_with(config, model):
         ({"moe_latent_size": 16}, "--moe-latent-size"),
         ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
         ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
-        # (before: loaded as plain attention and activations, the logits silently wrong)
-        ({"no_rope_freq": 4}, "--no-rope-freq"),
+        ({"heterogeneous_layers_config_path": "layers.json"}, "heterogeneous layers"),
+        # (before: loaded as plain activations, the logits silently wrong)
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),
     ],
 )

@@ -12,6 +12,7 @@ from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
 from threefold.config.linear_attention import LinearAttentionConfig
+from threefold.config.llama4 import Llama4Config
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
@@ -26,6 +27,7 @@ class ModelConfig(
     DSAConfig,
     LinearAttentionConfig,
     WindowAttentionConfig,
+    Llama4Config,
     MoEConfig,
     MTPConfig,
     RecomputeConfig,
@@ -34,10 +36,11 @@ class ModelConfig(
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, multi-token prediction, recomputation, activation
-    offloading and muP fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
-    config/linear_attention.py, config/window_attention.py, config/mtp.py,
-    config/recompute.py, config/activation_offload.py, config/mup.py)."""
+    attention, sliding-window attention, Llama 4 attention, multi-token prediction,
+    recomputation, activation offloading and muP fields are inherited (config/moe.py,
+    config/mla.py, config/dsa.py, config/linear_attention.py, config/window_attention.py,
+    config/llama4.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
+    config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -408,6 +411,7 @@ class ModelConfig(
         self.finalize_mup()
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings += self.finalize_llama4()
         warnings += self.finalize_recompute()
         warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)

@@ -25,6 +25,9 @@ def parse_layer_pattern(text: str, num_layers: int, flag: str = "--moe-layer-fre
     a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists, the
     sum itself repeated "(...)*k"; the lists of another `flag` (--linear-attention-freq) alike."""
     text = text.strip()
+    wrapped = re.fullmatch(r"\(\s*(\[[^]]*\]\s*\*\s*\d+)\s*\)", text)
+    if wrapped:  # ([0,1]*24), Llama 4 Maverick's
+        text = wrapped.group(1)
     if re.fullmatch(r"\[[^]]*\]\s*\*\s*\d+", text):  # [1,0]*4, as Python reads it
         text = "(" + text.replace("]", "])", 1)
     repeated = _REPEATED.match(text)
@@ -151,6 +154,14 @@ class MoEConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         help="which layers are MoE: every N-th, or a pattern like ([0]*1+[1]*3)",
+    )
+    moe_apply_probs_on_input: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        aliases=("--export-moe-apply-probs-on-input",),
+        help="scale each token by its routing weight before its expert rather than the "
+        "expert's output after it (Llama 4's; top-1 routing only)",
     )
     moe_expert_capacity_factor: float | None = arg(
         None,
@@ -293,6 +304,11 @@ class MoEConfig:
         _require(
             not self.moe_pad_expert_input_to_capacity or capacity is not None,
             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+        )
+        _require(
+            not self.moe_apply_probs_on_input or topk == 1,
+            f"--moe-apply-probs-on-input scales a token's one expert input: it needs "
+            f"--moe-router-topk 1, not {topk} (as in megatron-core)",
         )
         _require(
             any(self.moe_layer_pattern(num_layers)),

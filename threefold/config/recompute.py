@@ -74,6 +74,12 @@ class RecomputeConfig:
         "(default: core_attn)",
     )
 
+    moe_layer_recompute: bool = arg(
+        False,
+        help="deprecated (as in Megatron-LM): --recompute-granularity selective with moe added "
+        "to --recompute-modules",
+    )
+
     def recomputes(self, module: str) -> bool:
         """Whether selective recomputation takes `module` (one of MODULES)."""
         modules = self.recompute_modules
@@ -82,12 +88,13 @@ class RecomputeConfig:
 
     def finalize_recompute(self) -> list[str]:
         """Validate; returns notes to print. Needs the MoE and MLA fields finalized."""
+        notes = self._moe_layer_recompute()
         granularity, method = self.recompute_granularity, self.recompute_method
         _require(
             granularity in (None, "full", "selective"),
             "--recompute-granularity must be full or selective",
         )
-        notes = self._finalize_modules()
+        notes += self._finalize_modules()
         if granularity == "full":
             _require(
                 method in ("uniform", "block"),
@@ -118,6 +125,24 @@ class RecomputeConfig:
                 "(as in Megatron-LM): nothing is recomputed"
             )
         return notes
+
+    def _moe_layer_recompute(self) -> list[str]:
+        """--moe-layer-recompute as megatron-core reads it: selective recomputation, with moe
+        added to the modules (core_attn unless given)."""
+        if not self.moe_layer_recompute:
+            return []
+        _require(
+            self.recompute_granularity != "full",
+            "--moe-layer-recompute with --recompute-granularity full (megatron-core refuses the "
+            "pair); drop one",
+        )
+        self.recompute_granularity = "selective"
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        modules = self.recompute_modules = modules + ["moe"] * ("moe" not in modules)
+        return [
+            "--moe-layer-recompute is deprecated (as in Megatron-LM): it recomputes as "
+            f"--recompute-granularity selective --recompute-modules {' '.join(modules)}"
+        ]
 
     def _finalize_modules(self) -> list[str]:
         given = self.recompute_modules is not None

@@ -19,7 +19,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
-from threefold.model.norms import build_norm
+from threefold.model.norms import L2Norm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
 from threefold.parallel.context_parallel.sequence import Documents, window_mask
@@ -148,6 +148,7 @@ class SelfAttention(Attention):
         output_layer_init_method: InitMethod,
         core_attention: Callable[[ModelConfig, ParallelContext], CoreAttention] = local_attention,
         window: int | None = None,
+        rope: bool = True,
     ) -> None:
         super().__init__(config, parallel, core_attention, window)
         if config.softmax_type != "vanilla":
@@ -157,7 +158,9 @@ class SelfAttention(Attention):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.rotary_interleaved = config.rotary_interleaved
-        self.rotary_dim = config.rotary_dim if config.rotary_position_embeddings else 0
+        # (rope False: a layer --no-rope-freq leaves without RoPE attends by content alone)
+        self.rope = rope and config.rotary_position_embeddings
+        self.rotary_dim = config.rotary_dim if self.rope else 0
         self.output_gate = config.attention_output_gate
         gates = config.num_attention_heads if self.output_gate else 0
         qkv_size = config.kv_channels * (
@@ -176,6 +179,8 @@ class SelfAttention(Attention):
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
             self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
+        elif config.qk_l2_norm:
+            self.q_layernorm = self.k_layernorm = L2Norm(config.norm_epsilon)
         self.linear_proj = RowParallelLinear(
             config.kv_channels * config.num_attention_heads,
             config.hidden_size,
@@ -193,7 +198,9 @@ class SelfAttention(Attention):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         with offload_group("qkv_linear", self.offload_qkv_linear):
-            query, key, value, gate = self._query_key_value(hidden_states, rotary)
+            query, key, value, gate = self._query_key_value(
+                hidden_states, rotary if self.rope else None
+            )
         context = self._attend(query, key, value, attention_mask)
         with offload_group("attn_proj", self.offload_attn_proj):
             if gate is not None:  # megatron-core's `_apply_output_gate`: the sigmoid in fp32

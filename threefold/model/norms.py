@@ -1,9 +1,11 @@
 """LayerNorm and RMSNorm, computed in fp32 whatever the activation dtype (as fused kernels do),
-by the kernels chosen at start-up (`threefold.kernels.dispatch`)."""
+by the kernels chosen at start-up (`threefold.kernels.dispatch`); and the L2 norm of Llama 4's
+queries and keys, an RMSNorm without a weight."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from threefold.kernels.dispatch import KERNELS
@@ -50,6 +52,18 @@ class Norm(nn.Module):
         if self.normalization == "LayerNorm":
             return KERNELS.layer_norm(x, weight, self.bias, self.eps)
         return KERNELS.rms_norm(x, weight, self.eps)
+
+
+class L2Norm(nn.Module):
+    """x scaled to unit RMS over its last dimension, in fp32, with no weight (megatron-core's
+    `L2Norm`, --qk-l2-norm)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def build_norm(config, size: int, partial_grads: bool = False) -> Norm:

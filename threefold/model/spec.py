@@ -6,11 +6,11 @@ MLP and the norms. A new variant is a new module and one line in `layer_spec`: t
 --moe-layer-freq picks take the mixture-of-experts MLP (`moe_mlp`) instead of `mlp`, those
 --linear-attention-freq picks a gated delta net (`linear_attention`) instead of
 `self_attention`, those --window-attn-skip-freq leaves windowed get `self_attention` with
---window-size's window; under context parallelism `self_attention` is built with the core
-attention that spans the CP ranks; the layer itself does not change. Every factory takes the
-model config, the parallel context and the two init methods (the norm: the config, its size
-and whether its gradient is partial over TP), so a part reads its options from the config,
-not from threaded keywords.
+--window-size's window, those --no-rope-freq picks `self_attention` without RoPE; under
+context parallelism `self_attention` is built with the core attention that spans the CP
+ranks; the layer itself does not change. Every factory takes the model config, the parallel
+context and the two init methods (the norm: the config, its size and whether its gradient is
+partial over TP), so a part reads its options from the config, not from threaded keywords.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class LayerSpec:
     linear_layers: frozenset[int] = frozenset()  # 1-based global layer numbers
     window: int | None = None  # --window-size's keys back, in `window_layers`
     window_layers: frozenset[int] = frozenset()  # 1-based global layer numbers
+    no_rope_layers: frozenset[int] = frozenset()  # 1-based: --no-rope-freq's, without RoPE
 
     def mlp_of(self, layer_number: int) -> Callable:
         return self.moe_mlp if layer_number in self.moe_layers else self.mlp
@@ -47,9 +48,12 @@ class LayerSpec:
     def attention_of(self, layer_number: int) -> Callable:
         if layer_number in self.linear_layers:
             return self.linear_attention
+        options = {}
         if layer_number in self.window_layers:
-            return functools.partial(self.self_attention, window=self.window)
-        return self.self_attention
+            options["window"] = self.window
+        if layer_number in self.no_rope_layers:
+            options["rope"] = False
+        return functools.partial(self.self_attention, **options) if options else self.self_attention
 
 
 def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
@@ -67,6 +71,7 @@ def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
         "linear_layers": layers(config.linear_attention_pattern(config.num_layers)),
         "window": config.attention_window(),
         "window_layers": layers(config.window_pattern(config.num_layers)),
+        "no_rope_layers": layers(config.no_rope_pattern(config.num_layers)),
     }
     attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
     if parallel.cp.size > 1:

@@ -333,6 +333,21 @@ class Adapter:
                 f"{self.architecture} has no gated delta nets or gates ({' '.join(gated)}); "
                 "export this model as Qwen3NextForCausalLM"
             )
+        llama4 = [
+            flag
+            for flag, given in (
+                ("--no-rope-freq", config.no_rope_freq),
+                ("--qk-l2-norm", config.qk_l2_norm),
+                ("--moe-apply-probs-on-input", config.moe_apply_probs_on_input),
+            )
+            if given
+        ]
+        if llama4:
+            raise ConfigError(
+                f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}), and "
+                "threefold does not write Llama4ForCausalLM (whose query-key norm and chunked "
+                "attention also differ from megatron-core's)"
+            )
         if config.squared_relu:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "

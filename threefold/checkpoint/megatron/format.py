@@ -44,13 +44,11 @@ _TOKENIZERS = {
 }
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
-    ("moe_apply_probs_on_input", False, "routing weights on the experts' input"),
     ("moe_latent_size", None, "latent experts (--moe-latent-size)"),
     ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
     ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     # (read as the plain model they are not, these would load without an error)
-    ("no_rope_freq", None, "layers without RoPE (--no-rope-freq)"),
     (
         "apply_residual_connection_post_layernorm",
         False,
@@ -112,7 +110,17 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
-    for name in ("moe_layer_freq", "linear_attention_freq", "window_attn_skip_freq"):
+    for name in ("export_qk_l2_norm", "export_moe_apply_probs_on_input"):
+        if args.get(name):  # Megatron-LM's flags of megatron-core's Llama 4 fields
+            model[name.removeprefix("export_")] = True
+    if model.get("qk_l2_norm"):  # megatron-core then normalizes by the L2 norm alone
+        model["qk_layernorm"] = False
+    for name in (
+        "moe_layer_freq",
+        "linear_attention_freq",
+        "window_attn_skip_freq",
+        "no_rope_freq",
+    ):
         if name in model:  # Megatron-LM's args hold the parsed N or [0, 1, ...]
             model[name] = str(model[name]).replace(" ", "")
     if isinstance(model.get("window_size"), (tuple, list)):  # its args hold (L, R)
@@ -256,6 +264,14 @@ def window_args(model: ModelConfig) -> dict:
     return {"window_size": window, "window_attn_skip_freq": freq}
 
 
+def no_rope_freq(model: ModelConfig) -> int | list[int] | None:
+    """--no-rope-freq as Megatron-LM's args hold it: N, or one 0/1 per layer."""
+    freq = model.no_rope_freq
+    if freq is None:
+        return None
+    return int(freq) if freq.isdigit() else model.no_rope_pattern(model.num_layers)
+
+
 def megatron_args(config: Config, iteration: int, train_state: dict | None = None) -> dict:
     """Megatron-LM's args (as a dict) for a checkpoint of this model at TP = PP = 1: every
     field Megatron-LM's `load_args_from_checkpoint` and its load-time checks read.
@@ -279,6 +295,9 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         moe_layer_freq=moe_layer_freq(model),
         linear_attention_freq=linear_attention_freq(model),
         **window_args(model),
+        no_rope_freq=no_rope_freq(model),
+        export_qk_l2_norm=model.qk_l2_norm,
+        export_moe_apply_probs_on_input=model.moe_apply_probs_on_input,
         vocab_size=model.vocab_size,
         padded_vocab_size=model.padded_vocab_size(1),
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,

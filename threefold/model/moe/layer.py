@@ -103,6 +103,7 @@ class MoELayer(nn.Module):
             "global_load_balancing_loss": config.moe_aux_loss_coeff,
             "z_loss": config.moe_z_loss_coeff,
         }
+        self.apply_probs_on_input = config.moe_apply_probs_on_input
         self.aux_loss_scale = 1.0
         self._statistics: dict[str, torch.Tensor] = {}
 
@@ -114,6 +115,8 @@ class MoELayer(nn.Module):
             probs = attach_losses(probs, self.aux_loss_scale, *losses.values())
         if self.training and not is_recomputing():
             self._record(losses, routing_map)
+        if self.apply_probs_on_input:
+            tokens, probs = probs_on_input(tokens, probs, routing_map)
         shared = self.shared_experts
         if self.shared_expert_overlap:
             # --moe-shared-expert-overlap: fc1 and the activation while the tokens travel to
@@ -149,6 +152,17 @@ class MoELayer(nn.Module):
         the auxiliary losses (without coefficients) and `tokens_per_expert` [experts]."""
         statistics, self._statistics = self._statistics, {}
         return statistics
+
+
+def probs_on_input(
+    tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """--moe-apply-probs-on-input (Llama 4's): each token scaled by its routing weight, in the
+    tokens' dtype, before it goes to its expert (top-1: a row's one weight is its sum; a token
+    dropped over capacity has none), and weights of 1 for the combine, as megatron-core's
+    experts reset them. The scale keeps the weights' graph: the router learns through it."""
+    weight = probs.sum(dim=-1, keepdim=True)
+    return (weight * tokens).to(tokens.dtype), routing_map.to(probs.dtype)
 
 
 def start_aux_losses(model_chunks: list[nn.Module], scale: float) -> None:

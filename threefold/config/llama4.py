@@ -1,0 +1,95 @@
+"""Llama 4's attention: layers without RoPE (Megatron-LM's --no-rope-freq, Llama 4's
+interleaved "NoPE" layers) and queries and keys scaled to unit RMS per head without a weight
+(megatron-core's `qk_l2_norm`, which Megatron-LM sets from --export-qk-l2-norm).
+
+--no-rope-freq N skips RoPE in every N-th layer (layers N, 2N, ...: megatron-core's
+[0]*(N-1)+[1] pattern repeated); a pattern such as ([0]*3+[1]*1)*3 gives 1 (no RoPE) or 0 per
+layer, read by `parse_layer_pattern`, never evaluated (Megatron-LM evaluates it as Python).
+Such a layer attends by content alone; the others rotate as usual.
+
+`ModelConfig` inherits the fields; `finalize_llama4` is called from its finalize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import ARCHITECTURE, arg
+from threefold.config.moe import parse_layer_pattern
+
+GROUP = "Llama 4 attention"
+
+
+@dataclass
+class Llama4Config:
+    no_rope_freq: str | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="N: every N-th layer without RoPE (Llama 4: 4); or a pattern such as "
+        "([0]*3+[1]*1)*3 with 1 for a layer without RoPE",
+    )
+    qk_l2_norm: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        aliases=("--export-qk-l2-norm",),
+        help="scale each query and key head to unit RMS, without a weight (Llama 4's L2 norm; "
+        "Megatron-LM's --export-qk-l2-norm)",
+    )
+
+    def no_rope_pattern(self, num_layers: int) -> list[int]:
+        """1 for each layer without RoPE."""
+        freq = self.no_rope_freq
+        if freq is None:
+            return [0] * num_layers
+        if freq.strip().isdigit():  # (layer numbers from 1: the N-th, 2N-th, ... skip it)
+            every = int(freq)
+            _require(every >= 1, "--no-rope-freq must be >= 1")
+            return [int(number % every == 0) for number in range(1, num_layers + 1)]
+        return parse_layer_pattern(freq, num_layers, "--no-rope-freq")
+
+    def finalize_llama4(self) -> list[str]:
+        """Validate; returns warnings to print."""
+        freq = self.no_rope_freq
+        if freq is not None:
+            _require(
+                self.rotary_position_embeddings,
+                "--no-rope-freq picks layers that skip RoPE: it needs --position-embedding-type "
+                "rope or yarn",
+            )
+            _require(
+                not self.multi_latent_attention,
+                "--no-rope-freq with --multi-latent-attention: megatron-core's MLA rotates in "
+                "every layer (it ignores the flag); drop it",
+            )
+            _require(
+                not self.mtp_num_layers,
+                "--no-rope-freq with --mtp-num-layers: the pattern covers the decoder's layers "
+                "and megatron-core's prediction layers are numbered past them; drop one",
+            )
+            if freq.strip().isdigit():
+                every = int(freq)
+                _require(
+                    every >= 1 and self.num_layers % every == 0,
+                    f"--no-rope-freq {freq} must divide --num-layers {self.num_layers} (as in "
+                    "megatron-core)",
+                )
+            self.no_rope_freq = freq.replace(" ", "")
+            self.no_rope_pattern(self.num_layers)  # (a malformed pattern: one line now)
+        if not self.qk_l2_norm:
+            return []
+        _require(
+            not self.multi_latent_attention,
+            "--qk-l2-norm with --multi-latent-attention is not supported (as in megatron-core); "
+            "drop one",
+        )
+        if not self.qk_layernorm:
+            return []
+        # Megatron-LM's Llama 4 Scout configuration passes both: its spec takes the L2 norm.
+        self.qk_layernorm = False
+        return [
+            "--qk-layernorm has no effect with --qk-l2-norm: queries and keys are normalized by "
+            "the L2 norm alone, without a weight (as in megatron-core)"
+        ]
