@@ -71,7 +71,7 @@ MLA_SIZES = dict(
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
-    deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    glm4-moe, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -239,6 +239,39 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.uniform_(-0.1, 0.1)
+    elif kind == "glm4-moe":  # GLM-4.5's attention (biases on q, k, v; head norms; RoPE on half
+        # of each head) with DeepSeek-V3's routing: a dense first layer, 4 groups of 2, 2 kept
+        config = transformers.Glm4MoeConfig(
+            num_key_value_heads=2,
+            head_dim=24,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = transformers.Glm4MoeForCausalLM(config)
+        with torch.no_grad():  # norms, biases and expert biases away from their start
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+                elif name.endswith("_proj.bias"):
+                    param.normal_(0, 0.5)
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.uniform_(-0.1, 0.1)

@@ -37,6 +37,7 @@ KINDS = [
     "qwen3-moe",
     "qwen3-next",
     "deepseek-v3",
+    "glm4-moe",
     "gpt-oss",
 ]
 
@@ -282,8 +283,10 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
         ("qwen3-next", ["--pipeline-model-parallel-size", "2"]),
         # biased experts and router, sinks and windows on two stages x EP2
         ("gpt-oss", ["--pipeline-model-parallel-size", "2"]),
+        # GLM-4.5's biased, normalized, half-rotated heads and grouped routing, PP2 x EP2
+        ("glm4-moe", ["--pipeline-model-parallel-size", "2"]),
     ],
-    ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2", "qwen3-next-pp2", "gpt-oss-pp2"],
+    ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2", "qwen3-next-pp2", "gpt-oss-pp2", "glm-pp2"],
 )
 def test_expert_parallel_per_token_losses_match_transformers(converted, kind, layout):
     hf_model, _, ours = converted[kind]
@@ -484,7 +487,7 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
     assert abs(reported - expected) < 1e-4 * expected
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen3-next", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen3-next", "deepseek-v3", "glm4-moe"])
 def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, kind):
     """transformers 5 stacks the experts in memory and saves them one by one."""
     import json
@@ -497,7 +500,7 @@ def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, ki
     saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
     live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     assert any(name.endswith("experts.gate_up_proj") for name in live)
-    if kind == "deepseek-v3":  # a Hub checkpoint's MTP layer after the decoder's: left out
+    if kind in ("deepseek-v3", "glm4-moe"):  # a Hub checkpoint's MTP layer: left out
         saved["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
     if kind == "qwen3-next":  # the Hub checkpoints' MTP module: left out
         saved["mtp.fc.weight"] = torch.zeros(64, 128)

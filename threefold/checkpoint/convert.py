@@ -143,6 +143,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.quick_geglu and model.is_moe and model.softmax_type == "learnable":
         return "GptOssForCausalLM"
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
+        if model.is_moe and model.moe_router_score_function == "sigmoid":
+            return "Glm4MoeForCausalLM"  # (DeepSeek-V3's routing)
         if model.is_moe:
             return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
         if model.qk_layernorm:
@@ -153,8 +155,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3 and the "
-        "Mixtral/Qwen3-MoE mixtures of experts: RMSNorm + SwiGLU + RoPE; GPT-OSS: experts "
-        "with --quick-geglu and --softmax-type learnable)"
+        "Mixtral/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; GPT-OSS: "
+        "experts with --quick-geglu and --softmax-type learnable)"
     )
 
 

@@ -4,7 +4,9 @@
                (without sliding-window attention), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
-    deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing)
+    deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
+               DeepseekV32ForCausalLM (the same with DeepSeek sparse attention's indexer)
+    glm4_moe.py  Glm4MoeForCausalLM (GLM-4.5: grouped-query attention, DeepSeek-V3's routing)
     gpt_oss.py GptOssForCausalLM (biased experts and router, attention sinks, windows by layer,
                MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
@@ -24,6 +26,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
+from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
@@ -43,6 +46,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3_NEXT,
         DEEPSEEK_V3,
         DEEPSEEK_V32,
+        GLM4_MOE,
         GPT_OSS,
         GPT2,
     )

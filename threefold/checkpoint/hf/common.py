@@ -217,7 +217,11 @@ class Adapter:
     architecture: str
     model_type: str
     exports_moe = False  # a mixture-of-experts architecture
-    exports_mla = False  # multi-latent attention and DeepSeek-V3's routing (hf/deepseek.py)
+    exports_mla = False  # multi-latent attention (hf/deepseek.py)
+    # DeepSeek-V3's routing: sigmoid scores, expert biases, groups, scaled weights
+    # (hf/deepseek.py, hf/glm4_moe.py)
+    deepseek_routing = False
+    partial_rope = False  # RoPE on the first part of each head (hf/qwen3_next.py, hf/glm4_moe.py)
     # gated delta nets, gated attention and a gated shared expert, RoPE on part of each head
     # (hf/qwen3_next.py)
     exports_qwen3_next = False
@@ -284,7 +288,7 @@ class Adapter:
             )
         if config.multi_latent_attention and not self.exports_mla:
             raise ConfigError(f"{self.architecture} has {NO_MLA}")
-        if config.rotary_percent != 1.0 and not self.exports_qwen3_next:
+        if config.rotary_percent != 1.0 and not self.partial_rope:
             raise ConfigError(
                 f"{self.architecture} turns every dimension of each head with RoPE; this "
                 f"model's --rotary-percent {config.rotary_percent} turns only some"
@@ -295,19 +299,19 @@ class Adapter:
                 f"--moe-expert-capacity-factor {config.moe_expert_capacity_factor} times their "
                 "share: transformers would compute something else"
             )
-        if config.moe_router_topk_scaling_factor and not self.exports_mla:
+        if config.moe_router_topk_scaling_factor and not self.deepseek_routing:
             raise ConfigError(
                 f"{self.architecture} does not scale its routing weights, and this model's "
                 f"--moe-router-topk-scaling-factor {config.moe_router_topk_scaling_factor} "
-                "does (DeepseekV3ForCausalLM's routed_scaling_factor)"
+                "does (DeepseekV3ForCausalLM's and Glm4MoeForCausalLM's routed_scaling_factor)"
             )
         if (config.moe_router_enable_expert_bias or config.moe_router_num_groups) and not (
-            self.exports_mla
+            self.deepseek_routing
         ):
             raise ConfigError(
                 f"{self.architecture} routes by plain top-k scores; this model's DeepSeek-V3 "
                 "routing (--moe-router-enable-expert-bias, --moe-router-num-groups) is "
-                "DeepseekV3ForCausalLM's"
+                "DeepseekV3ForCausalLM's and Glm4MoeForCausalLM's"
             )
         heads = config.kv_channels or config.hidden_size // config.num_attention_heads
         if config.use_mup and (
@@ -372,6 +376,12 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has no quick-GELU GLU MLPs (--quick-geglu); "
                 "GptOssForCausalLM's experts have them"
+            )
+        if config.rotary_interleaved and config.rotary_percent != 1.0:
+            raise ConfigError(
+                f"{self.architecture} rotates the halves of each head's turned part; a "
+                f"--rotary-interleaved model with --rotary-percent {config.rotary_percent} does "
+                "not export to it (regrouping part of each head is not implemented)"
             )
         if config.rotary_interleaved and config.qk_layernorm:
             raise ConfigError(

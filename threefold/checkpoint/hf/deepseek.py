@@ -125,9 +125,59 @@ def _rope_fields(hf: dict) -> dict:
     }
 
 
+def leave_out_mtp_layers(take: Take, config: ModelConfig, used: set[str]) -> None:
+    """The Hub checkpoints' multi-token prediction layers follow the decoder's (model.layers.61
+    of DeepSeek-V3's 61, model.layers.92 of GLM-4.5's 92); transformers computes none, nor
+    does the conversion."""
+    if isinstance(take, TensorSource):
+        used.update(n for n in take.state if _layer_of(n) >= config.num_layers)
+
+
+def deepseek_moe(hf: dict) -> dict:
+    """The mixture-of-experts fields of a DeepSeek-V3-routed config (DeepSeek-V3's, GLM-4.5's):
+    first_k_dense_replace dense layers, then sigmoid routing with expert biases, in groups,
+    renormalized and scaled, beside n_shared_experts shared experts."""
+    layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    dense = min(hf.get("first_k_dense_replace") or 0, layers)
+    refuse(
+        groups > 1 and k // kept != GROUP_SCORE_EXPERTS,
+        "n_group/topk_group",
+        (groups, kept),
+        f"transformers scores a group by its top {GROUP_SCORE_EXPERTS} experts, "
+        f"megatron-core by its top num_experts_per_tok / topk_group ({k // kept} here)",
+    )
+    refuse(
+        bool(hf.get("norm_topk_prob", True)) != (k > 1),
+        "norm_topk_prob",
+        hf.get("norm_topk_prob"),
+        "megatron-core renormalizes sigmoid top-k probabilities exactly when k > 1",
+    )
+    shared = hf.get("n_shared_experts") or 0
+    refuse(
+        shared < 1, "n_shared_experts", shared, "DeepSeek-V3's routing comes with a shared expert"
+    )
+    pattern = [int(i >= dense) for i in range(layers)]
+    return {
+        "num_experts": hf["n_routed_experts"],
+        "moe_router_topk": k,
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
+        "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": groups if groups > 1 else None,
+        "moe_router_group_topk": kept if groups > 1 else None,
+        "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None,
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+
+
 @dataclass(frozen=True)
 class DeepSeekV3Adapter(MoEAdapter):
     exports_mla = True
+    deepseek_routing = True
 
     def model_config(self, hf: dict) -> ModelConfig:
         for field, value, wanted, why in (
@@ -142,8 +192,7 @@ class DeepSeekV3Adapter(MoEAdapter):
             ),
         ):
             refuse(value != wanted, field, value, why)
-        layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-        groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        layers = hf["num_hidden_layers"]
         dense = min(hf.get("first_k_dense_replace") or 0, layers)
         heads = hf["num_attention_heads"]
         positions = hf.get("max_position_embeddings", 4096)
@@ -173,40 +222,9 @@ class DeepSeekV3Adapter(MoEAdapter):
             v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # the latent norms
         )
-        if dense == layers:  # every layer dense (DeepSeek-V2-Lite-like): no experts
-            return config
-        refuse(
-            groups > 1 and k // kept != GROUP_SCORE_EXPERTS,
-            "n_group/topk_group",
-            (groups, kept),
-            f"transformers scores a group by its top {GROUP_SCORE_EXPERTS} experts, "
-            f"megatron-core by its top num_experts_per_tok / topk_group ({k // kept} here)",
-        )
-        refuse(
-            bool(hf.get("norm_topk_prob", True)) != (k > 1),
-            "norm_topk_prob",
-            hf.get("norm_topk_prob"),
-            "megatron-core renormalizes sigmoid top-k probabilities exactly when k > 1",
-        )
-        shared = hf.get("n_shared_experts") or 0
-        refuse(shared < 1, "n_shared_experts", shared, "DeepSeek-V3 has a shared expert")
-        pattern = [int(i >= dense) for i in range(layers)]
-        moe = {
-            "num_experts": hf["n_routed_experts"],
-            "moe_router_topk": k,
-            "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-            "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
-            "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
-            "moe_router_score_function": "sigmoid",
-            "moe_router_enable_expert_bias": True,
-            "moe_router_num_groups": groups if groups > 1 else None,
-            "moe_router_group_topk": kept if groups > 1 else None,
-            "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None,
-            "moe_aux_loss_coeff": 0.0,
-            "moe_token_dispatcher_type": "alltoall",
-        }
-        for name, value in moe.items():
-            setattr(config, name, value)
+        if dense < layers:  # (every layer dense, DeepSeek-V2-Lite-like: no experts)
+            for name, value in deepseek_moe(hf).items():
+                setattr(config, name, value)
         return config
 
     def _dense_layers(self, config: ModelConfig) -> int:
@@ -218,7 +236,13 @@ class DeepSeekV3Adapter(MoEAdapter):
         return pattern.index(1) if 1 in pattern else len(pattern)
 
     def check_exportable(self, config: ModelConfig) -> None:
-        problems = [
+        for problem, what in self.attention_problems(config) + self.routing_problems(config):
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+
+    def attention_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
+        """(whether, what) of what the architecture's attention cannot express."""
+        return [
             (not config.multi_latent_attention, "attention other than multi-latent"),
             (
                 config.sparse_attention and self.architecture == DEEPSEEK_V3_NAME,
@@ -230,26 +254,27 @@ class DeepSeekV3Adapter(MoEAdapter):
             (config.position_embedding_type != "rope", "position embeddings besides MLA's RoPE"),
             (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
         ]
-        if config.is_moe:
-            k, dense = config.moe_router_topk, self._dense_layers(config)
-            shared = config.moe_shared_expert_intermediate_size or 0
-            groups = config.moe_router_num_groups
-            problems += [
-                (config.moe_router_score_function != "sigmoid", "softmax routing scores"),
-                (not all(self._pattern(config)[dense:]), "dense layers after MoE ones"),
-                (
-                    shared == 0 or shared % config.moe_ffn_hidden_size,
-                    "no shared expert of a multiple of --moe-ffn-hidden-size",
-                ),
-                (
-                    groups and k // config.moe_router_group_topk != GROUP_SCORE_EXPERTS,
-                    f"groups not scored by their top {GROUP_SCORE_EXPERTS} experts "
-                    "(--moe-router-topk / --moe-router-group-topk)",
-                ),
-            ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+
+    def routing_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
+        """(whether, what) of what DeepSeek-V3's routing cannot express."""
+        if not config.is_moe:
+            return []
+        k, dense = config.moe_router_topk, self._dense_layers(config)
+        shared = config.moe_shared_expert_intermediate_size or 0
+        groups = config.moe_router_num_groups
+        return [
+            (config.moe_router_score_function != "sigmoid", "softmax routing scores"),
+            (not all(self._pattern(config)[dense:]), "dense layers after MoE ones"),
+            (
+                shared == 0 or shared % config.moe_ffn_hidden_size,
+                "no shared expert of a multiple of --moe-ffn-hidden-size",
+            ),
+            (
+                groups and k // config.moe_router_group_topk != GROUP_SCORE_EXPERTS,
+                f"groups not scored by their top {GROUP_SCORE_EXPERTS} experts "
+                "(--moe-router-topk / --moe-router-group-topk)",
+            ),
+        ]
 
     def hf_config(self, config: ModelConfig) -> dict:
         rope = {"rope_type": "default", "rope_theta": config.rotary_base}
@@ -264,33 +289,19 @@ class DeepSeekV3Adapter(MoEAdapter):
                 "mscale": config.mscale,
                 "mscale_all_dim": config.mscale_all_dim,
             }
-        # A dense model: one expert of the dense MLP's size, which no layer builds.
-        experts = config.num_experts or 1
-        expert_size = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        shared = config.moe_shared_expert_intermediate_size or expert_size
-        groups = config.moe_router_num_groups
-        k = config.moe_router_topk if config.is_moe else 1
         return {
             **self.common_hf_config(config),
+            **self.routing_hf_config(config),
             "hidden_size": config.hidden_size,
             "intermediate_size": config.ffn_hidden_size,
-            "moe_intermediate_size": expert_size,
             "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_attention_heads,
-            "n_shared_experts": shared // expert_size,
-            "n_routed_experts": experts,
-            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
             "kv_lora_rank": config.kv_lora_rank,
             "q_lora_rank": config.q_lora_rank,
             "qk_rope_head_dim": config.qk_pos_emb_head_dim,
             "qk_nope_head_dim": config.qk_head_dim,
             "v_head_dim": config.v_head_dim,
-            "n_group": groups or 1,
-            "topk_group": config.moe_router_group_topk if groups else 1,
-            "num_experts_per_tok": k,
-            "first_k_dense_replace": self._dense_layers(config),
-            "norm_topk_prob": k > 1,
             "hidden_act": "silu",
             "max_position_embeddings": config.max_position_embeddings,
             "rms_norm_eps": config.norm_epsilon,
@@ -302,16 +313,32 @@ class DeepSeekV3Adapter(MoEAdapter):
             "num_nextn_predict_layers": 0,
         }
 
+    def routing_hf_config(self, config: ModelConfig) -> dict:
+        """The routing fields of the config transformers reads."""
+        # A dense model: one expert of the dense MLP's size, which no layer builds.
+        expert_size = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        shared = config.moe_shared_expert_intermediate_size or expert_size
+        groups = config.moe_router_num_groups
+        k = config.moe_router_topk if config.is_moe else 1
+        return {
+            "moe_intermediate_size": expert_size,
+            "n_shared_experts": shared // expert_size,
+            "n_routed_experts": config.num_experts or 1,
+            "routed_scaling_factor": config.moe_router_topk_scaling_factor or 1.0,
+            "n_group": groups or 1,
+            "topk_group": config.moe_router_group_topk if groups else 1,
+            "num_experts_per_tok": k,
+            "first_k_dense_replace": self._dense_layers(config),
+            "norm_topk_prob": k > 1,
+        }
+
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         out = self.take_ends(take, config, used)
         q_lora = config.q_lora_rank is not None
         for i in range(config.num_layers):
             out.update(renamed(_attention_names(i, q_lora), i, take, to_hf=False))
             out.update(self.take_mlp(take, config, i))
-        # The Hub checkpoints' multi-token prediction layers follow the decoder's
-        # (model.layers.61 of DeepSeek-V3's 61); transformers computes none, nor does this.
-        if isinstance(take, TensorSource):
-            used.update(n for n in take.state if _layer_of(n) >= config.num_layers)
+        leave_out_mtp_layers(take, config, used)
         return out
 
     def _moe_layer(self, config: ModelConfig, i: int) -> bool:

@@ -42,6 +42,7 @@ def _sizes(config: ModelConfig) -> tuple[int, int, int, int]:
 @dataclass(frozen=True)
 class Qwen3NextAdapter(MoEAdapter):
     exports_qwen3_next: ClassVar[bool] = True
+    partial_rope: ClassVar[bool] = True
     zero_centered_norms: ClassVar[bool] = True
     gated_shared_expert: ClassVar[bool] = True
 
