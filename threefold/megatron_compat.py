@@ -149,6 +149,19 @@ NO_COUNTERPART = {
     "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
     "on CUDA",
+    "--enable-experimental": "it unlocks Megatron-LM's experimental features; threefold's need "
+    "no such gate, and those it lacks are refused by name",
+    # Megatron-FSDP's memory and NCCL settings (examples/megatron_fsdp/), under
+    # --use-megatron-fsdp's FSDP2
+    "--init-model-with-meta-device": "each rank initializes its tensor- and pipeline-parallel "
+    "share of the model on the CPU from --seed (the same values in every layout) before FSDP2 "
+    "shards it over data parallelism; Megatron-FSDP initializes only each rank's shards, from "
+    "the meta device",
+    "--fsdp-double-buffer": "FSDP2 allocates its all-gather and reduce-scatter buffers itself",
+    "--use-nccl-ub": "no NCCL user buffers are registered: the collectives move the same data "
+    "through NCCL's own buffers",
+    "--fsdp-manual-registration": "it registers --use-nccl-ub's buffers, which threefold does not "
+    "use",
     # ModelOpt's model-builder settings (megatron/post_training/arguments.py), which its
     # examples/gptoss/02_train.sh passes to pretrain_gpt.py
     "--enable-gpt-oss": "it sets GPT-OSS's YaRN in ModelOpt's model builder, which Megatron-LM's "

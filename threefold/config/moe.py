@@ -183,8 +183,22 @@ class MoEConfig:
     moe_token_dispatcher_type: str = arg(
         "allgather",
         group=GROUP,
-        choices=("alltoall", "allgather"),
-        help="how tokens reach their experts' ranks: all-to-all, or all-gather over EP",
+        choices=("alltoall", "allgather", "flex"),
+        help="how tokens reach their experts' ranks: all-to-all, or all-gather over EP (flex, "
+        "Megatron-LM's DeepEP/HybridEP kernels, runs as alltoall)",
+    )
+    moe_flex_dispatcher_backend: str | None = arg(
+        None,
+        group=GROUP,
+        choices=("deepep", "hybridep"),
+        help="flex's CUDA library in Megatron-LM (default deepep); here flex runs as alltoall "
+        "with either",
+    )
+    moe_router_force_load_balancing: bool = arg(
+        False,
+        group=GROUP,
+        help="benchmarking only (as in Megatron-LM): route by random logits, so the experts' "
+        "loads are even; the router's gradient passes straight through them",
     )
     moe_shared_expert_overlap: bool = arg(
         False,
@@ -209,6 +223,23 @@ class MoEConfig:
             return [0] * num_layers
         return parse_layer_pattern(self.moe_layer_freq, num_layers)
 
+    def _flex_as_alltoall(self) -> list[str]:
+        """Megatron-LM's flex dispatcher (DeepEP's or HybridEP's CUDA kernels, which make the
+        all-to-all exchange of the same tokens) as alltoall, said at start-up."""
+        backend = self.moe_flex_dispatcher_backend
+        if self.moe_token_dispatcher_type != "flex":
+            _require(
+                backend is None,
+                f"--moe-flex-dispatcher-backend {backend} belongs to --moe-token-dispatcher-type "
+                "flex; add it or drop the flag",
+            )
+            return []
+        self.moe_token_dispatcher_type, self.moe_flex_dispatcher_backend = "alltoall", None
+        return [
+            f"--moe-token-dispatcher-type flex ({backend or 'deepep'}) runs as alltoall: DeepEP's "
+            "and HybridEP's kernels are CUDA libraries that make the same exchange"
+        ]
+
     def finalize_moe(self, num_layers: int, ffn_hidden_size: int) -> list[str]:
         """Validate; returns warnings to print."""
         if not self.is_moe:
@@ -226,6 +257,7 @@ class MoEConfig:
             "it is routed, which full recomputation would route again; use selective "
             "recomputation or another load-balancing type",
         )
+        notes = self._flex_as_alltoall()
         experts, topk = self.num_experts, self.moe_router_topk
         _require(experts >= 1, "--num-experts must be >= 1")
         _require(
@@ -314,10 +346,15 @@ class MoEConfig:
             any(self.moe_layer_pattern(num_layers)),
             f"--moe-layer-freq {self.moe_layer_freq} makes no layer an MoE layer",
         )
+        if self.moe_router_force_load_balancing:
+            notes.append(
+                "--moe-router-force-load-balancing routes by random logits (as Megatron-LM, for "
+                "benchmarking): the experts' loads are even and the routing learns nothing"
+            )
         if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
             # Megatron-LM takes it and routes by sigmoid scores all the same (its configs do).
-            return [
+            notes.append(
                 "--moe-router-pre-softmax has no effect with --moe-router-score-function "
                 f"{self.moe_router_score_function} (as in Megatron-LM)"
-            ]
-        return []
+            )
+        return notes

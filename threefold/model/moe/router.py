@@ -46,6 +46,7 @@ from threefold.config import ModelConfig
 from threefold.parallel.data_parallel.torch_native import add_replicated
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
 from threefold.parallel.tensor_parallel.sharding import InitMethod, constant_init, mark_replicated
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -182,6 +183,22 @@ def _ramp(probs: torch.Tensor) -> torch.Tensor:
     return (torch.arange(tokens, device=probs.device, dtype=torch.float32) / tokens)[:, None]
 
 
+class _RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing (megatron-core's RandomSTE): standard normal logits in
+    place of the router's, drawn from the model-parallel stream (each TP rank routes its own
+    slice of the sequence; a recomputation redraws the same), the gradient passed straight
+    through to the router's."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork():
+            return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class TopKRouter(nn.Module):
     """Routes each token to `--moe-router-topk` experts; the weight is Megatron's
     `router.weight` [experts, hidden], the same on every TP rank, and unless
@@ -210,6 +227,7 @@ class TopKRouter(nn.Module):
         self.drop_policy = config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.router_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
+        self.force_load_balancing = config.moe_router_force_load_balancing
         # The ranks that route slices of one sequence: TP under sequence parallelism (required
         # with MoE when TP > 1) and CP.
         self.sequence_group = parallel.tp_cp
@@ -234,6 +252,8 @@ class TopKRouter(nn.Module):
             logits = F.linear(tokens, self.weight, self.bias)
         else:
             logits = _GatingLinear.apply(tokens, self.weight, self.bias, self.router_dtype)
+        if self.force_load_balancing:
+            logits = _RandomLogits.apply(logits)
         if self.load_balancing == "sinkhorn":
             probs, indices = self._sinkhorn_top_k(logits)
         else:
