@@ -65,6 +65,7 @@ def _train(config: Config, starting_note: str | None = None) -> int:
     """Start this process's groups, build the trainer, resume, train: the exit code. Whatever
     holds a group lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.upcycling import upcycle_on_rank_zero
     from threefold.parallel.refusal import print_refusal_once
     from threefold.training import halting
     from threefold.training.timers import SETUP
@@ -78,7 +79,13 @@ def _train(config: Config, starting_note: str | None = None) -> int:
         trainer = Trainer(config, device, parallel)
         if starting_note:
             trainer.print(starting_note)
-        if config.checkpoint.load:
+        if config.model.moe_use_upcycling:
+            with trainer.timers("load-checkpoint", 0):
+                trainer.print(upcycle_on_rank_zero(config, parallel))
+                load_checkpoint(
+                    config.checkpoint.save, trainer.checkpoint_components(), finetune=True
+                )
+        elif config.checkpoint.load:
             checkpoint = config.checkpoint
             with trainer.timers("load-checkpoint", 0):
                 iteration = load_checkpoint(

@@ -190,3 +190,6 @@ SHAPES["llama4_moe"] = {
     "moe_router_topk_scaling_factor": None,
     "moe_apply_probs_on_input": True,
 }
+# A mixture to upcycle the LLaMA model into (--moe-use-upcycling): every layer's 96-wide MLP
+# in pieces of 48 (granularity 2) over 4 experts, top 2, no shared expert
+SHAPES["llama_upcycled"] = {**SHAPES["moe_stacked"], "moe_ffn_hidden_size": 48}

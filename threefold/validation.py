@@ -151,8 +151,29 @@ def check_inputs(config: Config, indexed_data: bool = True) -> None:
     if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("--wandb-project needs the wandb package: pip install wandb")
     _check_outputs(config)
-    if config.checkpoint.load is not None:
+    if config.model.moe_use_upcycling:
+        _check_upcycling(config)
+    elif config.checkpoint.load is not None:
         _check_load(config, vocab_size)
+
+
+def _check_upcycling(config: Config) -> None:
+    """--moe-use-upcycling's --load holds the dense checkpoint (read whole at start-up, its
+    model checked then) and its --save none yet: the upcycling is a run's first start."""
+    from threefold.checkpoint.loadable import choose_iteration, damage
+
+    def holds_checkpoint(root: str) -> bool:
+        verdict = lambda iteration: damage(root, iteration, False, contents=False)  # noqa: E731
+        return os.path.isdir(root) and choose_iteration(root, verdict) is not None
+
+    load, save = config.checkpoint.load, config.checkpoint.save
+    if not holds_checkpoint(load):
+        raise ConfigError(f"--load {load}: holds no checkpoint of the dense model to upcycle")
+    if holds_checkpoint(save):
+        raise ConfigError(
+            f"--moe-use-upcycling: --save {save} holds a checkpoint already (as Megatron-LM, "
+            "the upcycling is the first run's); drop the flag and --load it to resume"
+        )
 
 
 def _check_outputs(config: Config) -> None:

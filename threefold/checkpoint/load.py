@@ -33,7 +33,7 @@ from threefold.parallel.pipeline_parallel.layout import model_chunk_layers
 from threefold.safe_loading import SafeFileSystemReader, load_tensors_file
 
 
-def _all_ranks_agree(ok: bool) -> bool:
+def all_ranks_agree(ok: bool) -> bool:
     """Whether `ok` holds on every rank (a load chooses the same checkpoint everywhere)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return ok
@@ -52,7 +52,7 @@ def find_checkpoint(root: str, verify_integrity: bool = False) -> int | None:
     return choose_iteration(
         root,
         lambda iteration: damage(root, iteration, verify_integrity, rank, world_size),
-        _all_ranks_agree,
+        all_ranks_agree,
         _warn,
     )
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, MODEL, arg, given_flags
+
+if TYPE_CHECKING:
+    from threefold.config.run import Config
 
 GROUP = "mixture of experts"
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -194,6 +198,19 @@ class MoEConfig:
         help="flex's CUDA library in Megatron-LM (default deepep); here flex runs as alltoall "
         "with either",
     )
+    moe_use_upcycling: bool = arg(
+        False,
+        group=GROUP,
+        help="start from --load's dense checkpoint, its MLPs turned into the experts, written "
+        "to --save first (threefold/checkpoint/upcycling.py)",
+    )
+    moe_upcycling_granularity: int = arg(
+        1,
+        group=GROUP,
+        minimum=1,
+        help="with --moe-use-upcycling: the dense --ffn-hidden-size over --moe-ffn-hidden-size "
+        "(each expert a piece of the dense MLP)",
+    )
     moe_router_force_load_balancing: bool = arg(
         False,
         group=GROUP,
@@ -358,3 +375,48 @@ class MoEConfig:
                 f"{self.moe_router_score_function} (as in Megatron-LM)"
             )
         return notes
+
+
+def check_upcycling(config: Config) -> list[str]:
+    """--moe-use-upcycling's run: a dense --load to start from, a fresh --save to write the
+    upcycled model to, and a mixture megatron-core's upcycling can fill. Returns notes."""
+    model, checkpoint = config.model, config.checkpoint
+    if not model.moe_use_upcycling:
+        _require(
+            model.moe_upcycling_granularity == 1,
+            "--moe-upcycling-granularity shapes --moe-use-upcycling; add it or drop the flag",
+        )
+        return []
+    granularity = model.moe_upcycling_granularity
+    _require(
+        model.is_moe, "--moe-use-upcycling turns a dense model into experts: add --num-experts"
+    )
+    _require(
+        checkpoint.load and checkpoint.save and checkpoint.load != checkpoint.save,
+        "--moe-use-upcycling reads the dense model from --load and writes the upcycled one to "
+        "--save: give both, apart",
+    )
+    _require(
+        model.num_experts % granularity == 0,
+        f"--num-experts {model.num_experts} must be a multiple of --moe-upcycling-granularity "
+        f"{granularity} (as in megatron-core)",
+    )
+    _require(
+        model.moe_shared_expert_intermediate_size is None,
+        "--moe-use-upcycling with a shared expert: megatron-core's upcycling leaves it at its "
+        "initialization, the model no longer the dense one; drop "
+        "--moe-shared-expert-intermediate-size",
+    )
+    _require(
+        not (model.quick_geglu or model.openai_gelu),
+        "--moe-use-upcycling scales SwiGLU, GELU and squared-ReLU MLPs (megatron-core's); this "
+        "model's activation is none of them",
+    )
+    notes = []
+    if not (checkpoint.no_load_optim and checkpoint.no_load_rng):
+        checkpoint.no_load_optim = checkpoint.no_load_rng = True
+        notes.append(
+            "--moe-use-upcycling loads the dense model's weights only (as Megatron-LM, "
+            "--no-load-optim --no-load-rng)"
+        )
+    return notes

@@ -14,6 +14,7 @@ from threefold.config.fp8 import Fp8Config
 from threefold.config.kernels import KernelConfig
 from threefold.config.logging import LoggingConfig
 from threefold.config.model import ModelConfig
+from threefold.config.moe import check_upcycling
 from threefold.config.muon import check_muon_layout
 from threefold.config.parallel import ParallelConfig
 from threefold.config.precision_aware import check_precision_aware
@@ -107,6 +108,7 @@ class Config:
         )
         warnings += self._check_sparse_attention()
         warnings += self.checkpoint.finalize()
+        warnings += check_upcycling(self)
         if training.skip_train:  # only the model is needed (Megatron-LM's warning)
             if not self.checkpoint.no_load_optim:
                 warnings.append("enabling --no-load-optim when skipping training.")
