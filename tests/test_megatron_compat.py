@@ -146,6 +146,36 @@ def test_switches_without_a_counterpart_are_named_at_start_up(flag, capsys):
     assert dataclasses.asdict(config) == dataclasses.asdict(plain)
 
 
+@pytest.mark.parametrize("flag", sorted(megatron_compat.ANY_VALUE))
+def test_settings_without_a_counterpart_are_named_at_start_up(flag, capsys):
+    kind, _ = megatron_compat.ANY_VALUE[flag]
+    plain = parse_args(BASE)
+    capsys.readouterr()
+    config = parse_args(BASE + [flag, {int: "3", str: "x"}[kind]])
+    assert f"> {flag} {kind({int: '3', str: 'x'}[kind])} has no effect: " in capsys.readouterr().out
+    assert dataclasses.asdict(config) == dataclasses.asdict(plain)
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--batch-size", "4"], "--batch-size: removed from Megatron-LM: use --micro-batch-size"),
+        (["--checkpoint-activations"], "use --recompute-activations"),
+        (["--bert-no-binary-head"], "BERT, T5, vision and retrieval models"),
+        (["--inprocess-restart"], "in-process restarts (NVIDIA Resiliency Extension)"),
+        (["--spec", "my.module", "spec"], "threefold imports no code its command line names"),
+    ],
+    ids=["removed", "removed-switch", "bert", "prefix", "spec"],
+)
+def test_megatron_lms_other_flags_are_named_in_one_line(argv, named, capsys):
+    """Flags of Megatron-LM's parser for what threefold does not have (or Megatron-LM no
+    longer takes) name it, rather than argparse's "unrecognized arguments"."""
+    with pytest.raises(SystemExit):
+        parse_args(BASE + argv)
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1
+
+
 def test_lr_warmup_fraction_is_a_fraction_of_the_decay_iterations(capsys):
     config = parse_args(
         BASE + ["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "10", "--lr", "1.0"]

@@ -73,6 +73,19 @@ ANY_VALUE = {
         "it tunes Transformer Engine's userbuffers; --tp-comm-overlap runs threefold's own "
         "ring of slices here (parallel/tensor_parallel/comm_overlap.py)",
     ),
+    "--one-logger-project": (str, "threefold sends no telemetry to NVIDIA's one-logger"),
+    "--one-logger-run-name": (str, "threefold sends no telemetry to NVIDIA's one-logger"),
+    "--app-tag-run-name": (str, "threefold sends no telemetry to NVIDIA's one-logger"),
+    "--app-tag-run-version": (str, "threefold sends no telemetry to NVIDIA's one-logger"),
+    "--dist-ckpt-format": (
+        str,
+        "deprecated in Megatron-LM, where it has no effect either; --ckpt-format selects the "
+        "format",
+    ),
+    "--ddp-num-buckets": (
+        int,
+        "gradient buckets are sized by --ddp-bucket-size (default 40M elements, Megatron-LM's)",
+    ),
     "--tiktoken-pattern": (
         str,
         "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",
@@ -149,6 +162,16 @@ NO_COUNTERPART = {
     "per save); the files written are the same either way",
     "--log-memory-to-tensorboard": "max memory (GiB) is always written with --tensorboard-dir "
     "on CUDA",
+    "--no-one-logger": "threefold sends no telemetry (NVIDIA's one-logger is off either way)",
+    "--one-logger-async": "threefold sends no telemetry to NVIDIA's one-logger",
+    "--use-dist-ckpt": "deprecated in Megatron-LM, where it has no effect either; "
+    "--ckpt-format selects the format",
+    "--ddp-pad-buckets-for-high-nccl-busbw": "gradient buckets are not padded for NCCL's bus "
+    "bandwidth; the gradients are the same",
+    "--no-align-param-gather": "it changes when pipeline stages start their parameter "
+    "all-gathers, not what they gather",
+    "--no-gradient-reduce-div-fusion": "the division of the gradients by the data-parallel "
+    "size is a step of its own here either way",
     "--enable-experimental": "it unlocks Megatron-LM's experimental features; threefold's need "
     "no such gate, and those it lacks are refused by name",
     # Megatron-FSDP's memory and NCCL settings (examples/megatron_fsdp/), under
@@ -275,6 +298,65 @@ MISSING = {
     "--grpo-": "reinforcement learning (GRPO)",
     "--perform-rl-step": "reinforcement learning (GRPO)",
     "--langrl-env-config": "reinforcement learning (GRPO)",
+    # flags Megatron-LM itself no longer takes (its validate_args stops on them)
+    "--batch-size": "removed from Megatron-LM: use --micro-batch-size",
+    "--warmup": "removed from Megatron-LM: use --lr-warmup-fraction or --lr-warmup-iters",
+    "--model-parallel-size": "removed from Megatron-LM: use --tensor-model-parallel-size",
+    "--checkpoint-activations": "removed from Megatron-LM: use --recompute-activations or "
+    "--recompute-granularity",
+    "--inprocess-": "in-process restarts (NVIDIA Resiliency Extension)",
+    "--enable-ft-package": "the fault-tolerance package (NVIDIA Resiliency Extension)",
+    "--calc-ft-timeouts": "the fault-tolerance package (NVIDIA Resiliency Extension)",
+    "--ft-num-warmup-iters": "the fault-tolerance package (NVIDIA Resiliency Extension)",
+    "--check-for-large-grads": "the rerun machine's check for large gradients (threefold "
+    "checks for NaN and Inf: --check-for-nan-in-loss-and-grad)",
+    "--spec": "layer specs named by module path (threefold imports no code its command line names)",
+    "--yaml-cfg": "YAML configuration files (give the flags)",
+    "--hybrid-": "hybrid Mamba models",
+    "--mamba-": "hybrid Mamba models",
+    "--heterogeneous-layers-config-": "heterogeneous layers",
+    "--kitchen-": "custom quantization recipes",
+    "--te-precision-config-file": "custom quantization recipes",
+    "--logits-": "distillation from saved logits",
+    "--otel-": "OpenTelemetry tracing",
+    # Megatron-LM's BERT, T5, vision and retrieval models share its parser
+    **dict.fromkeys(
+        (
+            "--bert-",
+            "--biencoder-",
+            "--ict-",
+            "--dino-",
+            "--retriever-",
+            "--vision-",
+            "--swin-backbone-type",
+            "--img-h",
+            "--img-w",
+            "--num-channels",
+            "--patch-dim",
+            "--num-classes",
+            "--classes-fraction",
+            "--data-per-class-fraction",
+            "--mask-type",
+            "--mask-prob",
+            "--mask-factor",
+            "--block-data-path",
+            "--evidence-data-path",
+            "--titles-data-path",
+            "--embedding-path",
+            "--indexer-batch-size",
+            "--indexer-log-interval",
+            "--query-in-block-prob",
+            "--use-one-sent-docs",
+            "--short-seq-prob",
+            "--output-bert-embeddings",
+            "--encoder-num-layers",
+            "--encoder-seq-length",
+            "--decoder-num-layers",
+            "--decoder-seq-length",
+            "--relative-attention-",
+        ),
+        "Megatron-LM's BERT, T5, vision and retrieval models (threefold trains GPT models)",
+    ),
 }
 # (flag, value) -> the feature a Megatron-LM choice selects that threefold does not have
 MISSING_CHOICES = {

@@ -39,13 +39,43 @@ def _bytes_job(argv: list[str]) -> dict:
     [
         ("ddp", ["--ddp-bucket-size", "2000"]),  # several of PyTorch DDP's buckets
         ("fsdp", []),
+        ("fsdp", ["--torch-fsdp2-no-reshard-after-forward"]),  # ZeRO-2
     ],
+    ids=["ddp", "fsdp", "fsdp-zero2"],
 )
 def test_ten_steps_with_clipping_match_single_process(reference, strategy, flags):
     results = run_distributed(
         2, train_job, LLAMA_STYLE + TRAINING + ["--distributed-strategy", strategy] + flags, 10
     )
     assert_matches_reference(results, reference, DP_TOLERANCE)
+
+
+def _gathered_after_forward(argv: list[str]) -> list[bool]:
+    """Whether each layer's parameters are still gathered (not DTensor shards) after a forward
+    (the root's stay gathered either way: FSDP2 leaves its root's for the backward)."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = _setup(argv)
+    batch = next(trainer.train_iterator())
+    trainer.model(batch["tokens"], labels=batch["labels"]).mean()
+    layers = trainer.model.decoder.layers
+    return [not isinstance(layer.self_attention.linear_qkv.weight, DTensor) for layer in layers]
+
+
+def test_zero2_keeps_each_layers_parameters_gathered_until_its_backward():
+    argv = LLAMA_STYLE + TRAINING + ["--distributed-strategy", "fsdp"]
+    assert run_distributed(2, _gathered_after_forward, argv) == [[False, False]] * 2
+    zero2 = run_distributed(
+        2, _gathered_after_forward, argv + ["--torch-fsdp2-no-reshard-after-forward"]
+    )
+    assert zero2 == [[True, True]] * 2
+
+
+def test_zero2_without_fsdp2_is_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_STYLE + TRAINING + ["--torch-fsdp2-no-reshard-after-forward"])
+    error = capsys.readouterr().err
+    assert "shapes FSDP2: add --use-torch-fsdp2" in error and error.count("\n") == 1
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])

@@ -151,6 +151,14 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
         ),
         choices=STRATEGIES,
     )
+    # FSDP2's ZeRO-2: each layer keeps its gathered parameters from its forward to its
+    # backward (one all-gather a step instead of two; the memory of whole layers held)
+    torch_fsdp2_reshard_after_forward: bool = arg(
+        True,
+        flag="--torch-fsdp2-no-reshard-after-forward",
+        help="with FSDP2: keep each layer's gathered parameters from its forward to its "
+        "backward (ZeRO-2: fewer all-gathers, more memory)",
+    )
     distributed_backend: str | None = arg(
         None, help="default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl")
     )  # None: nccl when CUDA is present, else gloo
@@ -460,6 +468,11 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
     def finalize(self, model: ModelConfig) -> list[str]:
         """Validate the layout against the world and the model; returns warnings to print."""
         warnings = []
+        _require(
+            self.torch_fsdp2_reshard_after_forward or self.distributed_strategy in ("fsdp", "auto"),
+            "--torch-fsdp2-no-reshard-after-forward shapes FSDP2: add --use-torch-fsdp2 (or "
+            "--distributed-strategy fsdp) or drop it",
+        )
         timeout = self.distributed_timeout_minutes
         _require(timeout > 0, f"--distributed-timeout-minutes must be positive, not {timeout}")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size

@@ -270,6 +270,7 @@ class TorchDataParallel:
                 self.compute_dtype,
                 reduce_dtype,
                 parallel.expert_dp if config.model.is_moe else None,
+                dp.torch_fsdp2_reshard_after_forward,
             )
             if fsdp
             else wrap_ddp(model, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)

@@ -101,9 +101,12 @@ def wrap_fsdp(
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
     expert_dp: Group | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """FSDP2 on every transformer layer and on the model; `expert_dp` (a model with experts):
-    the group each layer's experts shard over (module doc)."""
+    the group each layer's experts shard over (module doc). `reshard_after_forward` False
+    (--torch-fsdp2-no-reshard-after-forward): each layer keeps its gathered parameters until
+    its backward (ZeRO-2)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 replaces the parameters with new DTensor ones: their attributes are carried over.
@@ -119,15 +122,21 @@ def wrap_fsdp(
     if experts:
         expert_mesh = _mesh(expert_dp, device)
         for block in experts:
-            fully_shard(block, mesh=expert_mesh, mp_policy=policy)
+            fully_shard(
+                block,
+                mesh=expert_mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+            )
             # summed over expert DP, then / (DP x CP); a plain sum and a division, which any
             # backend runs (a factor other than the group's size is NCCL's PreMulSum otherwise)
             block.set_gradient_divide_factor(float(dp.size))
             block.set_force_sum_reduction_for_comms(True)
     mesh = _mesh(dp, device)
     for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # embedding, final norm, output layer
+    model.reshards_after_forward = reshard_after_forward  # (what the schedule puts back)
     for name, param in model.named_parameters():
         for attribute, value in saved[name].items():
             setattr(param, attribute, value)
@@ -227,8 +236,8 @@ def gathered_through_the_schedule(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        # fully_shard's defaults again: every module reshards after forward but the root
-        model.set_reshard_after_forward(True)
+        # as wrapped again: every module as it was wrapped, and not the root
+        model.set_reshard_after_forward(getattr(model, "reshards_after_forward", True))
         model.set_reshard_after_forward(False, recurse=False)
         model.set_reshard_after_backward(True)
         for module in model.modules():
