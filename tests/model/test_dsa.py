@@ -19,6 +19,7 @@ from tests.model.test_mla import MLA
 from tests.parity import (
     LLAMA_MHA_STYLE,
     TRAINING,
+    _full,
     _setup,
     assert_close_dicts,
     assert_losses_close,
@@ -39,6 +40,8 @@ DSA = MLA + ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads",
 DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "6"]
 DSA += ["--dsa-indexer-loss-coeff", "0.1"]
 INDEXER = "self_attention.core_attention.indexer."
+# one micro-batch of 2 sequences per step (TRAINING's global batch of 8 over 4)
+TRAINING_ONE_BATCH = TRAINING + ["--global-batch-size", "2"]
 
 
 def test_the_hadamard_transform_is_sylvesters_matrix():
@@ -170,6 +173,28 @@ def test_the_indexers_gradient_is_whole_on_every_tp_rank():
         _assert_close_apart(result["grads"], expected["grads"], 1e-4, 2e-6, "gradient")
 
 
+def test_per_token_loss_sums_the_indexer_loss_over_the_queries():
+    """--calculate-per-token-loss: the indexer's KL is summed over the queries, as the main
+    loss over the tokens (Megatron-LM's since megatron-core 0.16), and the step's gradients
+    are divided by its tokens. Every token counts here (one micro-batch of 2 x 16), so the
+    gradients are those of the default means; a mean under the flag would leave the indexer's
+    32 times smaller."""
+    expected = _step_gradients(DSA + TRAINING_ONE_BATCH)
+    per_token = _step_gradients(DSA + TRAINING_ONE_BATCH + ["--calculate-per-token-loss"])
+    _assert_close_apart(per_token, expected, 1e-5, 1e-6, "gradient")
+
+
+def _step_gradients(argv: list[str]) -> dict:
+    """A training step's gradients as the optimizer takes them: through the trainer's own
+    forward and backward, divided by the step's tokens under --calculate-per-token-loss."""
+    trainer = _setup(argv)
+    losses = trainer._forward_backward(trainer.num_microbatches, 1)
+    trainer.data_parallel.finish_grad_sync()
+    _, tokens = trainer._global_loss_totals(losses)
+    divisor = tokens if trainer.config.training.calculate_per_token_loss else 1.0
+    return {name: g / divisor for name, g in _full(trainer, "main_grad").items()}
+
+
 @pytest.mark.parametrize(
     "recompute",
     [
@@ -193,7 +218,7 @@ def test_the_log_carries_megatrons_indexer_loss(monkeypatch, recompute):
     divergence = dsa.indexer_loss
 
     def recorded(*args):
-        computed.append(divergence(*args).item())
+        computed.append(divergence(*args).mean().item())
         return divergence(*args)
 
     monkeypatch.setattr(dsa, "indexer_loss", recorded)
@@ -289,8 +314,8 @@ def test_the_indexer_picks_the_keys_transformers_deepseek_v32_picks():
 def test_packed_documents_are_each_its_own_sequence():
     """Two documents packed in one sequence (positions restarting, attention within each, as
     --reset-attention-mask makes them): each gets the logits it gets alone, its indexer
-    picking among its own keys, and the indexer loss is the two documents' losses weighed by
-    their queries. Without the documents' mask the second document's logits differ."""
+    picking among its own keys, and each query's indexer KL is the one it has in its document
+    alone. Without the documents' mask the second document's logits differ."""
     from threefold.parallel.context_parallel.sequence import document_mask
 
     torch.manual_seed(0)
@@ -305,6 +330,7 @@ def test_packed_documents_are_each_its_own_sequence():
     monkey = pytest.MonkeyPatch()
     divergence = dsa.indexer_loss
     monkey.setattr(dsa, "indexer_loss", lambda *a: losses.append(divergence(*a)) or losses[-1])
+    # (each call's KL per query [1, s])
     try:
         alone = [model(tokens) for tokens in (first, second)]
         ids = torch.tensor([[0] * 10 + [1] * 14])
@@ -318,6 +344,6 @@ def test_packed_documents_are_each_its_own_sequence():
     torch.testing.assert_close(packed[:10], alone[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(packed[10:], alone[1], rtol=0, atol=1e-5)
     assert (unmasked[10:] - alone[1]).abs().max() > 1e-3
-    for layer in range(2):  # (each layer's loss: alone first, then second, then packed)
-        by_document = (10 * losses[layer] + 14 * losses[2 + layer]) / 24
-        torch.testing.assert_close(losses[4 + layer], by_document, rtol=1e-5, atol=0)
+    for layer in range(2):  # (each layer's KL: alone first, then second, then packed)
+        by_document = torch.cat([losses[layer], losses[2 + layer]], dim=1)
+        torch.testing.assert_close(losses[4 + layer], by_document, rtol=1e-5, atol=1e-7)

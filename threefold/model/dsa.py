@@ -157,8 +157,8 @@ def indexer_loss(
 ) -> torch.Tensor:
     """The KL divergence of the indexer's softmax from the attention's distribution (from
     this rank's heads of query and key [s, b, heads, d], already scaled for a softmax scale of
-    1/sqrt(d), summed over the TP ranks' heads), averaged over the queries; both over each
-    query's earlier keys of `allowed` (index_scores are masked already)."""
+    1/sqrt(d), summed over the TP ranks' heads), per query [b, s]; both over each query's
+    earlier keys of `allowed` (index_scores are masked already)."""
     scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) / math.sqrt(
         query.shape[-1]
     )
@@ -171,7 +171,7 @@ def indexer_loss(
     target = target / target.sum(dim=-1, keepdim=True)
     predicted = torch.softmax(index_scores, dim=-1)
     divergence = target * (torch.log(target + 1e-10) - torch.log(predicted + 1e-10))
-    return divergence.sum(dim=-1).mean()
+    return divergence.sum(dim=-1)
 
 
 class SparseAttention(nn.Module):
@@ -187,7 +187,10 @@ class SparseAttention(nn.Module):
         self.attend, self.parallel = attend, parallel
         self.loss_coeff = config.dsa_indexer_loss_coeff or 0.0
         self.sparse_loss = config.dsa_indexer_use_sparse_loss
-        self.aux_loss_scale = 1.0  # set by the trainer each step (training/indexer_losses.py)
+        # set by the trainer each step (training/indexer_losses.py): the gradient's factor,
+        # and --calculate-per-token-loss's sum over the queries (Megatron-LM's since
+        # megatron-core 0.16, as the main loss's over the tokens) instead of their mean
+        self.aux_loss_scale, self.per_token_loss = 1.0, False
         self._loss_sum: torch.Tensor | None = None
 
     def forward(self, query, key, value, attention_mask, dropout) -> torch.Tensor:
@@ -225,7 +228,8 @@ class SparseAttention(nn.Module):
         divergence = indexer_loss(
             index_scores, topk, *detached, self.sparse_loss, self.parallel, allowed
         )
-        loss = divergence * self.loss_coeff
+        reduced = divergence.sum() if self.per_token_loss else divergence.mean()
+        loss = reduced * self.loss_coeff
         if not is_recomputing():  # (recorded by the first forward)
             kept = loss.detach()
             self._loss_sum = kept if self._loss_sum is None else self._loss_sum + kept

@@ -1,7 +1,8 @@
 """Megatron's `indexer loss` for the log line: DeepSeek sparse attention's indexer loss
 (model/dsa.py, with --dsa-indexer-loss-coeff), as megatron-core's DSAIndexerLossLoggingHelper
 reports it: the window's mean (reduced as training/layer_losses.py says) of the sum over the
-layers, divided by the model's layers.
+layers, divided by the model's layers. Under --calculate-per-token-loss each layer's loss is
+summed over its queries, not averaged (Megatron-LM's since megatron-core 0.16), and logged so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ class IndexerLosses(LayerLosses):
     ) -> None:
         super().__init__(model_chunks, SparseAttention, 1, parallel)
         self.num_layers = num_layers
+
+    def start(self, scale: float, per_token_loss: bool) -> None:
+        super().start(scale, per_token_loss)
+        for attention in self.layers:
+            attention.per_token_loss = per_token_loss
 
     def report(self, device) -> dict[str, float]:
         """{"indexer loss": its mean over the window and the layers}; every rank calls."""
