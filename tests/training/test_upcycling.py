@@ -134,3 +134,29 @@ def test_a_second_upcycling_and_another_model_are_refused_in_one_line(dense, tmp
     other = _pretrain(*MOE.split(), *narrower)
     assert other.returncode == 2 and "--ffn-hidden-size --moe-upcycling-granularity" in other.stderr
     assert other.stderr.strip().count("\n") == 0
+
+
+def _upcycled_first_loss(argv: list[str]) -> float:
+    """pretrain_gpt.py's start under --moe-use-upcycling (rank 0 writes, every rank loads in
+    its own layout), then one training step's loss."""
+    from tests.parity import _setup
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.upcycling import upcycle_on_rank_zero
+
+    trainer = _setup(argv)
+    upcycle_on_rank_zero(trainer.config, trainer.parallel)
+    load_checkpoint(trainer.config.checkpoint.save, trainer.checkpoint_components(), finetune=True)
+    return trainer.train_step()[0]
+
+
+def test_ranks_upcycle_once_and_train_as_one_process(dense, tmp_path):
+    """On EP2 ranks (alltoall) rank 0 reads and writes while the others wait (a read that
+    asked the other ranks to agree on the iteration hung them), and the step is one
+    process's."""
+    argv = BASE.split() + MOE.split() + ["--load", dense, "--global-batch-size", "4"]
+    argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]  # (no layout's own draws)
+    alone = run_distributed(1, _upcycled_first_loss, argv + ["--save", str(tmp_path / "one")])
+    ep2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ranks = run_distributed(2, _upcycled_first_loss, argv + ep2 + ["--save", str(tmp_path / "two")])
+    for loss in ranks:
+        assert loss == pytest.approx(alone[0], rel=1e-6)

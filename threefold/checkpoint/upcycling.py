@@ -115,18 +115,19 @@ def _check_shape(name: str, tensor: torch.Tensor, init: torch.Tensor) -> None:
         )
 
 
-def upcycle(config: Config) -> str:
-    """Write --load's dense model upcycled into --save (one process); returns the directory
-    written."""
+def upcycle(config: Config, iteration: int | None = None) -> str:
+    """Write --load's dense model (its latest checkpoint, or `iteration`) upcycled into --save
+    (one process, no collectives given `iteration`); returns the directory written."""
     from threefold.checkpoint.load import load_model
     from threefold.checkpoint.save import save_weights_checkpoint
     from threefold.model import GPTModel
 
     model_config = config.model
-    dense_config, dense_model, _ = load_model(config.checkpoint.load, with_tokenizer=False)
+    load = config.checkpoint.load
+    dense_config, dense_model, _ = load_model(load, iteration=iteration, with_tokenizer=False)
     if dense_config.model.is_moe:
         raise ConfigError(
-            f"--moe-use-upcycling: --load {config.checkpoint.load} holds a mixture of experts; "
+            f"--moe-use-upcycling: --load {load} holds a mixture of experts; "
             "upcycling starts from a dense model"
         )
     moe = GPTModel(model_config, model_config.padded_vocab_size(1))
@@ -135,19 +136,20 @@ def upcycle(config: Config) -> str:
     init = {name: p.detach() for name, p in moe.named_parameters()}
     state = upcycled_state(dense, init, model_config, model_config.moe_upcycling_granularity)
     written = Config(model=model_config, data=config.data)  # (weights only, at TP = PP = 1)
-    extra = {"upcycled_from": config.checkpoint.load}
+    extra = {"upcycled_from": load}
     return save_weights_checkpoint(config.checkpoint.save, written, state, extra_metadata=extra)
 
 
 def upcycle_on_rank_zero(config: Config, parallel: ParallelContext) -> str:
     """`upcycle` on world rank 0 while the others wait; returns the line that says so. A
     refusal there (a dense model that is not this one without experts) stops every rank."""
-    from threefold.checkpoint.load import all_ranks_agree
+    from threefold.checkpoint.load import all_ranks_agree, find_checkpoint
 
+    iteration = find_checkpoint(config.checkpoint.load)  # (every rank: it agrees over them)
     refusal = None
     if parallel.world.rank == 0:
         try:
-            upcycle(config)
+            upcycle(config, iteration)
         except ConfigError as error:
             refusal = error
     if not all_ranks_agree(refusal is None):
