@@ -21,6 +21,17 @@ def convert_in_process(*argv: str) -> None:
     assert convert_checkpoint.main(list(argv)) == 0
 
 
+def converted_hf_model(kind: str, root) -> tuple:
+    """(transformers' random model of `kind`, its directory, threefold's checkpoint of it)
+    under the directory `root`."""
+    hf_dir, ours = str(root / "hf"), str(root / "threefold")
+    model = build_hf_model(kind, hf_dir)
+    convert_in_process(
+        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
+    )
+    return model, hf_dir, ours
+
+
 # ChatML, as Qwen's chat models render conversations.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -66,6 +77,33 @@ def build_tokenizer(directory: str, chat: bool = False, specials: tuple[str, ...
 MLA_SIZES = dict(
     q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12
 )
+
+
+# DeepSeek-V3's routing, as DeepSeek-V3 and GLM-4.5 configure it: a dense first layer, then
+# sigmoid scores with expert biases over 4 groups of 2 experts, 2 groups kept, scaled by 2.5
+DEEPSEEK_ROUTING = dict(
+    n_routed_experts=8,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+)
+
+
+def _shaken(model):
+    """`model` with its norms away from 1 and expert biases that change the choice, so that a
+    wrong mapping shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.1, 0.1)
+    return model
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
@@ -213,14 +251,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         # sigmoid routing with expert biases over 4 groups of 2 experts, 2 groups kept, scaled
         config = transformers.DeepseekV3Config(
             **MLA_SIZES,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            moe_intermediate_size=32,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
+            **DEEPSEEK_ROUTING,
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,
@@ -234,14 +265,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             tie_word_embeddings=False,
             **common,
         )
-        model = transformers.DeepseekV3ForCausalLM(config)
-        with torch.no_grad():  # norms away from 1 and expert biases that change the choice
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
-            for name, buffer in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buffer.uniform_(-0.1, 0.1)
+        model = _shaken(transformers.DeepseekV3ForCausalLM(config))
     elif kind == "glm4-moe":  # GLM-4.5's attention (biases on q, k, v; head norms; RoPE on half
         # of each head) with DeepSeek-V3's routing: a dense first layer, 4 groups of 2, 2 kept
         config = transformers.Glm4MoeConfig(
@@ -249,14 +273,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             head_dim=24,
             attention_bias=True,
             use_qk_norm=True,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            moe_intermediate_size=32,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
+            **DEEPSEEK_ROUTING,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
@@ -265,16 +282,11 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             tie_word_embeddings=False,
             **common,
         )
-        model = transformers.Glm4MoeForCausalLM(config)
-        with torch.no_grad():  # norms, biases and expert biases away from their start
+        model = _shaken(transformers.Glm4MoeForCausalLM(config))
+        with torch.no_grad():  # q/k/v biases away from 0 too
             for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
-                elif name.endswith("_proj.bias"):
+                if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
-            for name, buffer in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buffer.uniform_(-0.1, 0.1)
     elif kind == "deepseek-v32":  # DeepSeek-V3's model (without its experts) whose attention
         # each query attends to the 6 keys an indexer of 4 heads of 32 picks
         config = transformers.DeepseekV32Config(

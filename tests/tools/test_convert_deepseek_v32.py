@@ -11,7 +11,7 @@ import torch
 
 from tests.model.test_dsa import DSA, INDEXER
 from tests.parity import TRAINING
-from tests.tools.hf_models import VOCAB, build_hf_model, convert_in_process, has_transformers
+from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -29,13 +29,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_see
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(transformers' model, its directory, threefold's checkpoint of it)."""
-    root = tmp_path_factory.mktemp("deepseek_v32")
-    hf_dir, ours = str(root / "hf"), str(root / "threefold")
-    model = build_hf_model("deepseek-v32", hf_dir)
-    convert_in_process(
-        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
-    )
-    return model, hf_dir, ours
+    return converted_hf_model("deepseek-v32", tmp_path_factory.mktemp("deepseek_v32"))
 
 
 def test_logits_are_transformers_and_the_indexer_chooses(converted):

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.tools.hf_models import VOCAB, build_hf_model, convert_in_process, has_transformers
+from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -30,13 +30,7 @@ TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_see
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(transformers' model, its directory, threefold's checkpoint of it)."""
-    root = tmp_path_factory.mktemp("glm4_moe")
-    hf_dir, ours = str(root / "hf"), str(root / "threefold")
-    model = build_hf_model("glm4-moe", hf_dir)
-    convert_in_process(
-        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
-    )
-    return model, hf_dir, ours
+    return converted_hf_model("glm4-moe", tmp_path_factory.mktemp("glm4_moe"))
 
 
 def test_the_hub_spelling_of_the_config_reads_the_same(converted):
