@@ -163,7 +163,9 @@ def _check_upcycling(config: Config) -> None:
     from threefold.checkpoint.loadable import choose_iteration, damage
 
     def holds_checkpoint(root: str) -> bool:
-        verdict = lambda iteration: damage(root, iteration, False, contents=False)  # noqa: E731
+        def verdict(iteration: int) -> str | None:
+            return damage(root, iteration, False, contents=False)
+
         return os.path.isdir(root) and choose_iteration(root, verdict) is not None
 
     load, save = config.checkpoint.load, config.checkpoint.save
