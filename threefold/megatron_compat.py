@@ -34,6 +34,12 @@ ALIASES = {
 # flag -> (type, the one supported value, why no other)
 ONLY_DEFAULT = {
     "--dataloader-type": (str, "single", "only Megatron's default single-pass sampler exists"),
+    "--optimizer-offload-fraction": (
+        float,
+        1.0,
+        "--optimizer-cpu-offload keeps the whole optimizer state on the CPU (Megatron-LM's "
+        "default fraction)",
+    ),
     # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
     "--ckpt-format": (
         str,
@@ -146,6 +152,8 @@ NO_COUNTERPART = {
     "--defer-embedding-wgrad-compute": "the output layer's weight-gradient GEMM runs in each "
     "micro-batch's backward here; Megatron-LM moves it into the pipeline flush to hide the "
     "flush, with the same gradient",
+    "--no-overlap-p2p-communication": "threefold's pipeline sends are asynchronous and its "
+    "receives wait for their data whichever is asked; the values sent are the same",
     "--overlap-p2p-communication-warmup-flush": "threefold's pipeline sends are asynchronous in "
     "every phase of the schedule already (its receives wait for their data)",
     "--overlap-param-gather-with-optimizer-step": "with --overlap-param-gather every bucket's "
