@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, arg
-from threefold.config.moe import parse_layer_pattern
+from threefold.config.moe import every_nth_layer, parse_layer_pattern
 
 GROUP = "Llama 4 attention"
 
@@ -44,10 +44,8 @@ class Llama4Config:
         freq = self.no_rope_freq
         if freq is None:
             return [0] * num_layers
-        if freq.strip().isdigit():  # (layer numbers from 1: the N-th, 2N-th, ... skip it)
-            every = int(freq)
-            _require(every >= 1, "--no-rope-freq must be >= 1")
-            return [int(number % every == 0) for number in range(1, num_layers + 1)]
+        if freq.strip().isdigit():
+            return every_nth_layer(int(freq), num_layers, "--no-rope-freq")
         return parse_layer_pattern(freq, num_layers, "--no-rope-freq")
 
     def finalize_llama4(self) -> list[str]:

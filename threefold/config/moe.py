@@ -24,6 +24,13 @@ _PATTERN_TERM = re.compile(r"^\[\s*([01])\s*\](?:\s*\*\s*(\d+))?$")
 _REPEATED = re.compile(r"^\((.*)\)\s*\*\s*(\d+)$")
 
 
+def every_nth_layer(every: int, num_layers: int, flag: str) -> list[int]:
+    """1 for layers N, 2N, ... (numbered from 1), 0 for the others: --no-rope-freq N's
+    layers, --window-attn-skip-freq N's full-attention ones."""
+    _require(every >= 1, f"{flag} must be >= 1")
+    return [int(number % every == 0) for number in range(1, num_layers + 1)]
+
+
 def parse_layer_pattern(text: str, num_layers: int, flag: str = "--moe-layer-freq") -> list[int]:
     """--moe-layer-freq as one 0/1 per layer: N (every N-th layer, from the first, is MoE),
     a list "[1,0,1,0]", or Megatron's "([0]*1+[1]*3)" sums of repeated one-element lists, the

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, arg
-from threefold.config.moe import parse_layer_pattern
+from threefold.config.moe import every_nth_layer, parse_layer_pattern
 
 GROUP = "sliding-window attention"
 
@@ -54,10 +54,9 @@ class WindowAttentionConfig:
         freq = self.window_attn_skip_freq
         if freq is None:
             return [1] * num_layers
-        if freq.strip().isdigit():  # (layer numbers from 1: the N-th, 2N-th, ... are full)
-            every = int(freq)
-            _require(every >= 1, "--window-attn-skip-freq must be >= 1")
-            return [int(number % every != 0) for number in range(1, num_layers + 1)]
+        if freq.strip().isdigit():  # (the N-th, 2N-th, ... layers are full)
+            full = every_nth_layer(int(freq), num_layers, "--window-attn-skip-freq")
+            return [1 - layer for layer in full]
         return parse_layer_pattern(freq, num_layers, "--window-attn-skip-freq")
 
     def finalize_window_attention(self) -> None:

@@ -136,10 +136,13 @@ def leave_out_mtp_layers(take: Take, config: ModelConfig, used: set[str]) -> Non
 def deepseek_moe(hf: dict) -> dict:
     """The mixture-of-experts fields of a DeepSeek-V3-routed config (DeepSeek-V3's, GLM-4.5's):
     first_k_dense_replace dense layers, then sigmoid routing with expert biases, in groups,
-    renormalized and scaled, beside n_shared_experts shared experts."""
+    renormalized and scaled, beside n_shared_experts shared experts. Empty when every layer is
+    dense (DeepSeek-V2-Lite-like: no experts)."""
     layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
     dense = min(hf.get("first_k_dense_replace") or 0, layers)
+    if dense == layers:
+        return {}
     refuse(
         groups > 1 and k // kept != GROUP_SCORE_EXPERTS,
         "n_group/topk_group",
@@ -193,7 +196,6 @@ class DeepSeekV3Adapter(MoEAdapter):
         ):
             refuse(value != wanted, field, value, why)
         layers = hf["num_hidden_layers"]
-        dense = min(hf.get("first_k_dense_replace") or 0, layers)
         heads = hf["num_attention_heads"]
         positions = hf.get("max_position_embeddings", 4096)
         config = ModelConfig(
@@ -222,9 +224,8 @@ class DeepSeekV3Adapter(MoEAdapter):
             v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # the latent norms
         )
-        if dense < layers:  # (every layer dense, DeepSeek-V2-Lite-like: no experts)
-            for name, value in deepseek_moe(hf).items():
-                setattr(config, name, value)
+        for name, value in deepseek_moe(hf).items():
+            setattr(config, name, value)
         return config
 
     def _dense_layers(self, config: ModelConfig) -> int:

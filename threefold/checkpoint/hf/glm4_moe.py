@@ -43,10 +43,8 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
         config.add_qkv_bias = bool(hf.get("attention_bias"))
         config.qk_layernorm = bool(hf.get("use_qk_norm"))
         config.rotary_percent = _partial_rotary_factor(hf)
-        layers = hf["num_hidden_layers"]
-        if min(hf.get("first_k_dense_replace") or 0, layers) < layers:
-            for name, value in deepseek_moe(hf).items():
-                setattr(config, name, value)
+        for name, value in deepseek_moe(hf).items():
+            setattr(config, name, value)
         return config
 
     def attention_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
