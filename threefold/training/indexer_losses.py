@@ -21,11 +21,6 @@ class IndexerLosses(LayerLosses):
         super().__init__(model_chunks, SparseAttention, 1, parallel)
         self.num_layers = num_layers
 
-    def start(self, scale: float, per_token_loss: bool) -> None:
-        super().start(scale, per_token_loss)
-        for attention in self.layers:
-            attention.per_token_loss = per_token_loss
-
     def report(self, device) -> dict[str, float]:
         """{"indexer loss": its mean over the window and the layers}; every rank calls."""
         return {"indexer loss": self._window_means(device).item() / self.num_layers}

@@ -8,7 +8,7 @@ by the number of micro-batches. A report reduces the window once: summed over th
 stages (each holds its own layers), averaged over data-parallel replicas and over the window's
 iterations. (Every TP rank computes the whole loss: nothing to sum there.) Each step the
 trainer hands the layers the factor the schedule puts on the main loss, which their losses'
-gradients take (`aux_loss_scale`).
+gradients take (`aux_loss_scale`), and --calculate-per-token-loss's choice (`per_token_loss`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ class LayerLosses:
         self.sums = torch.zeros(self.width, dtype=torch.float64)
 
     def start(self, scale: float, per_token_loss: bool) -> None:
-        """A schedule's run begins: the gradient factor of the layers' losses."""
+        """A schedule's run begins: the gradient factor of the layers' losses, and whether
+        they are sums (--calculate-per-token-loss) or means."""
         for layer in self.layers:
-            layer.aux_loss_scale = scale
+            layer.aux_loss_scale, layer.per_token_loss = scale, per_token_loss
 
     def after_iteration(self, num_microbatches: int) -> None:
         for layer in self.layers:

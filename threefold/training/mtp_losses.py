@@ -19,11 +19,6 @@ class MTPLosses(LayerLosses):
     ) -> None:
         super().__init__(model_chunks, MultiTokenPredictionBlock, depths, parallel)
 
-    def start(self, scale: float, per_token_loss: bool) -> None:
-        super().start(scale, per_token_loss)
-        for block in self.layers:
-            block.per_token_loss = per_token_loss
-
     def report(self, device) -> dict[str, float]:
         """{`mtp_k loss`: its mean over the window}; every rank calls."""
         values = self._window_means(device)
