@@ -154,7 +154,9 @@ def test_fim_data_rearranges_each_split_s_samples_by_their_index(corpus):  # noq
 def test_worker_processes_read_the_micro_batches_this_process_reads(corpus):  # noqa: F811
     """--num-workers 2 (Megatron-LM's DataLoader workers, which take --fim-data's
     re-tokenization off the step): the same micro-batches in the same order, from the start
-    and from a resumed position, and the same losses."""
+    and from a resumed position, and the same losses. Each reader is closed when done: left
+    to the collection of its trainer's cycle, its workers would wait out DataLoader's 5 s
+    shutdown timeout each (trainer.train does the same in its `finally`)."""
     argv = MODEL + ["--data-path", f"{corpus}/a", "--split", "80,20,0", "--train-iters", "4"]
     argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--fim-data"]
     argv += ["--fim-prefix-token", "495", "--fim-middle-token", "496", "--fim-suffix-token"]
@@ -166,6 +168,7 @@ def test_worker_processes_read_the_micro_batches_this_process_reads(corpus):  # 
             trainer.state.consumed_train_samples = consumed
             iterator = trainer.train_iterator()
             read.append([next(iterator) for _ in range(5)])
+            iterator.close()
         for here, there in zip(*read):
             assert here.keys() == there.keys()
             assert all(torch.equal(here[name], there[name]) for name in here)
@@ -173,6 +176,7 @@ def test_worker_processes_read_the_micro_batches_this_process_reads(corpus):  # 
     for workers in ("0", "2"):
         trainer = _setup(argv + ["--num-workers", workers])
         losses.append([trainer.train_step()[0] for _ in range(2)])
+        trainer.train_iterator().close()
     assert losses[0] == losses[1]
 
 
