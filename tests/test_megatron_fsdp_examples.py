@@ -83,11 +83,11 @@ def test_deepseek_v3s_script_runs_its_flex_dispatcher_as_alltoall(capsys):
     )
     assert config.parallel.expert_model_parallel_size == 8
     assert config.parallel.distributed_strategy == "fsdp"
+    assert config.parallel.init_model_with_meta_device
     for said in (
         "--moe-token-dispatcher-type flex (hybridep) runs as alltoall",
         "--moe-router-force-load-balancing routes by random logits",
         "--enable-experimental has no effect",
-        "--init-model-with-meta-device has no effect",
         "--fsdp-double-buffer has no effect",
         "--use-nccl-ub has no effect",
     ):

@@ -184,10 +184,6 @@ NO_COUNTERPART = {
     "no such gate, and those it lacks are refused by name",
     # Megatron-FSDP's memory and NCCL settings (examples/megatron_fsdp/), under
     # --use-megatron-fsdp's FSDP2
-    "--init-model-with-meta-device": "each rank initializes its tensor- and pipeline-parallel "
-    "share of the model on the CPU from --seed (the same values in every layout) before FSDP2 "
-    "shards it over data parallelism; Megatron-FSDP initializes only each rank's shards, from "
-    "the meta device",
     "--fsdp-double-buffer": "FSDP2 allocates its all-gather and reduce-scatter buffers itself",
     "--use-nccl-ub": "no NCCL user buffers are registered: the collectives move the same data "
     "through NCCL's own buffers",

@@ -159,6 +159,13 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
         help="with FSDP2: keep each layer's gathered parameters from its forward to its "
         "backward (ZeRO-2: fewer all-gathers, more memory)",
     )
+    # Megatron-LM's: parameters built without storage and materialized where they live; under
+    # FSDP2 after sharding, so no rank holds the whole model (model/meta_device.py)
+    init_model_with_meta_device: bool = arg(
+        False,
+        help="build the model on the meta device: under FSDP2 each rank then allocates and "
+        "initializes only its shards (the same values as without it)",
+    )
     distributed_backend: str | None = arg(
         None, help="default: nccl when CUDA is available, else gloo", choices=("gloo", "nccl")
     )  # None: nccl when CUDA is present, else gloo

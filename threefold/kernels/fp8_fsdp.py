@@ -27,8 +27,10 @@ from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 # What FSDP2 does to a parameter while sharding it (chunk, narrow, pad into new zeros, view)
-# and to make a Parameter of it (detach): the shard stays an Fp8ShardWeight through them.
+# and to make a Parameter of it (detach), and what `to_empty` does to a shard of a model
+# built on the meta device (empty_like): the shard stays an Fp8ShardWeight through them.
 _SHARDING_OPS = {
+    aten.empty_like.default,
     aten.split.Tensor,
     aten.slice.Tensor,
     aten.new_zeros.default,

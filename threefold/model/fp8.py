@@ -78,17 +78,18 @@ def convert_to_fp8(
     config: Fp8Config,
     parallel: ParallelContext,
     num_layers: int,
+    device: torch.device,
     per_token_loss: bool = False,
     traced: bool = False,
 ) -> None:
-    """Give the FP8 linear layers of one model chunk their FP8 state, on the chunk's device.
+    """Give the FP8 linear layers of one model chunk their FP8 state, on `device` (the chunk's;
+    its parameters may still be on the meta device: model/meta_device.py).
     `per_token_loss`: --calculate-per-token-loss (no loss divisor per micro-batch). `traced`:
     the dense ones may be traced into their compiled layer's graph (`Fp8Linear.linear`); the
     experts', between the MoE layer's all-to-alls, stay eager."""
     recipe, keep = fp8_recipe(config), config.bf16_layers(num_layers)
     # A rank's gradients are DP x CP times one device's (model/loss.py, the schedules).
     gradient_factor = parallel.cp.size * (1 if per_token_loss else parallel.dp.size)
-    device = next(chunk.parameters()).device
     # Multi-token prediction's layers and projections run in FP8 too (as megatron-core's,
     # in its FP8 context), whatever --first-last-layers-bf16 keeps.
     depths = list(chunk.mtp.layers) if getattr(chunk, "mtp", None) is not None else []

@@ -3,6 +3,7 @@ optimizer, the LR scheduler and the loss scaler."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -12,6 +13,7 @@ from threefold.config.fp8 import caches_fp8_weights, traces_fp8_linears
 from threefold.kernels.dispatch import KERNELS, compile_layers, configure_for_model
 from threefold.model import GPTModel
 from threefold.model.fp8 import Fp8Scaling, convert_to_fp8
+from threefold.model.meta_device import materialize, move_buffers, parameters_on_meta
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.data_parallel import (
@@ -35,25 +37,34 @@ def build_model_chunks(
     pp, rank = parallel.pp.size, parallel.pp.rank
     layers = chunk_layers_of(config.parallel, config.model, rank)
     padded_vocab = config.model.padded_vocab_size(parallel.tp.size)
+    meta = config.parallel.init_model_with_meta_device
     chunks = []
     for index, (offset, count) in enumerate(layers):
-        chunk = GPTModel(
-            config.model,
-            padded_vocab,
-            parallel=parallel,
-            pre_process=rank == 0 and index == 0,
-            post_process=rank == pp - 1 and index == len(layers) - 1,
-            num_layers=count,
-            layer_offset=offset,
-        )
-        chunk.initialize(config.training.seed)
-        chunks.append(chunk.to(device=device, dtype=dtype))
+        with parameters_on_meta() if meta else contextlib.nullcontext():
+            chunk = GPTModel(
+                config.model,
+                padded_vocab,
+                parallel=parallel,
+                pre_process=rank == 0 and index == 0,
+                post_process=rank == pp - 1 and index == len(layers) - 1,
+                num_layers=count,
+                layer_offset=offset,
+            )
+        if not meta:
+            chunk.initialize(config.training.seed)
+            chunks.append(chunk.to(device=device, dtype=dtype))
+        else:  # FSDP2 materializes its shards once it has cut them (TorchDataParallel)
+            move_buffers(chunk.to(dtype=dtype), device)
+            if config.parallel.distributed_strategy != "fsdp":
+                materialize(chunk, device, config.training.seed)
+            chunks.append(chunk)
         if config.fp8.enabled:
             convert_to_fp8(
                 chunk,
                 config.fp8,
                 parallel,
                 config.model.num_layers,
+                device,
                 config.training.calculate_per_token_loss,
                 traced=traces_fp8_linears(
                     config.kernels.compile_layers, pp, config.fp8.fp8_param_gather

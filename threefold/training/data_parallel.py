@@ -28,6 +28,7 @@ from threefold.kernels.fp8 import WEIGHT
 from threefold.model.fp8 import fp8_layers, fp8_weights
 from threefold.model.fp8_fsdp_params import Fp8FsdpParameters, shard_in_fp8
 from threefold.model.fp8_params import Fp8Parameters
+from threefold.model.meta_device import holds_meta_parameters, materialize
 from threefold.parallel.data_parallel.gradient_buffer import (
     GradientBuffer,
     all_reduce_embedding_grads,
@@ -275,6 +276,8 @@ class TorchDataParallel:
             if fsdp
             else wrap_ddp(model, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)
         )
+        if holds_meta_parameters(model):  # --init-model-with-meta-device: only the shards
+            materialize(model, device, config.training.seed)
         if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from threefold.parallel.parallel_context import Group, ParallelContext
 
@@ -191,7 +192,14 @@ def initialize_parameters(
         rows = param.valid_rows if param.dim() else None
         param.init_method(full[:rows] if rows is not None else full, generator)
         group = sharding_group(param, parallel)
-        param.copy_(shard_of(full, param, group.rank, group.size))
+        shard = shard_of(full, param, group.rank, group.size)
+        if isinstance(param, DTensor):
+            # sharded by FSDP2 before it was initialized (--init-model-with-meta-device): this
+            # rank's rows, cut as FSDP2 cuts them, with no communication (every rank drew alike)
+            mesh, placements = param.device_mesh, param.placements
+            shard = distribute_tensor(shard, mesh, placements, src_data_rank=None).to_local()
+            param = param.to_local()
+        param.copy_(shard)
 
 
 @torch.no_grad()
