@@ -109,7 +109,7 @@ def _shaken(model):
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
-    glm4-moe, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -287,6 +287,35 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
+    elif kind == "llama4":  # Scout's layers shrunk: every other layer without RoPE (their
+        # queries tempered from position 3 on), the others in chunks of 4 with the L2 norm;
+        # experts in layers 2 and 4; Scout's RoPE scaling, its bands over a context of 8
+        config = transformers.Llama4TextConfig(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            interleave_moe_layer_step=2,
+            no_rope_layer_interval=2,
+            attention_chunk_size=4,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 16.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8,
+            },
+            tie_word_embeddings=False,
+            **{**common, "intermediate_size": 32},
+        )
+        model = _shaken(transformers.Llama4ForCausalLM(config))
+        with torch.no_grad():  # the experts from their zeros
+            for name, param in model.named_parameters():
+                if "experts." in name:
+                    param.normal_(0, 0.1)
     elif kind == "deepseek-v32":  # DeepSeek-V3's model (without its experts) whose attention
         # each query attends to the 6 keys an indexer of 4 heads of 32 picks
         config = transformers.DeepseekV32Config(

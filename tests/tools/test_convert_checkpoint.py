@@ -38,6 +38,7 @@ KINDS = [
     "qwen3-next",
     "deepseek-v3",
     "glm4-moe",
+    "llama4",
     "gpt-oss",
 ]
 
@@ -134,8 +135,8 @@ def test_an_export_writes_over_nothing_and_appears_only_once_complete(converted,
     assert {"config.json", "model.safetensors"} <= set(os.listdir(exported))
 
 
-# (gpt-oss: its window of 8 reached as the text grows, its sinks, with transformers' cache)
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral", "gpt-oss"])
+# (gpt-oss's window of 8 and sinks, llama4's chunks and temperature: reached as the text grows)
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral", "gpt-oss", "llama4"])
 def test_greedy_generation_matches_transformers(converted, kind):
     hf_model, _, ours = converted[kind]
     _, model, tokenizer = load_model(ours)
@@ -183,8 +184,8 @@ def test_generation_tools_refuse_a_layout_the_model_cannot_take(converted):
         run_distributed(2, _generate_and_score, ours, 1, 2)
 
 
-def _per_token_losses(argv: list[str], directory: str) -> list | None:
-    """Per-token losses of TOKENS through a pipeline/tensor-parallel run of the checkpoint."""
+def _per_token_losses(argv: list[str], directory: str, tokens=TOKENS) -> list | None:
+    """Per-token losses of `tokens` through a pipeline/tensor-parallel run of the checkpoint."""
     from tests.parity import _setup
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
@@ -193,25 +194,25 @@ def _per_token_losses(argv: list[str], directory: str) -> list | None:
     load_checkpoint(directory, trainer.checkpoint_components(), finetune=True)
     for chunk in trainer.model_chunks:
         chunk.eval()  # no dropout
-    batch = {"tokens": TOKENS[:, :-1], "labels": TOKENS[:, 1:]}
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
     def step(batch, model, input_tensor=None):
         output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
         return output, lambda per_token: (per_token.mean(), per_token.detach())
 
-    trainer.pipeline_options["tensor_shape"] = (23, 2, 64)
+    trainer.pipeline_options["tensor_shape"] = (tokens.shape[1] - 1, 2, 64)
     losses = get_forward_backward_func(trainer.parallel.pp)(
         step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
     )
     return losses[0].numpy().tolist() if trainer.parallel.is_last_pipeline_stage else None
 
 
-def _assert_transformers_losses(hf_model, results: list) -> None:
-    """Each rank's per-token losses of TOKENS are the ones `transformers` computes."""
+def _assert_transformers_losses(hf_model, results: list, tokens=TOKENS) -> None:
+    """Each rank's per-token losses of `tokens` are the ones `transformers` computes."""
     with torch.no_grad():
-        logits = hf_model(TOKENS[:, :-1]).logits
+        logits = hf_model(tokens[:, :-1]).logits
         expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), TOKENS[:, 1:].reshape(-1), reduction="none"
+            logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none"
         )
     for result in results:
         np.testing.assert_allclose(
@@ -306,9 +307,9 @@ def test_expert_parallel_per_token_losses_match_transformers(converted, kind, la
             {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0},
             "rope_scaling.attention_factor=2.0",
         ),
-        (
-            {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4096},
-            "rope_scaling.original_max_position_embeddings=4096",
+        (  # (llama3's other bands convert: Scout's, tests/tools/test_convert_llama4.py)
+            {"rope_type": "longrope", "factor": 8.0, "original_max_position_embeddings": 4096},
+            "rope_scaling='longrope'",
         ),
     ],
 )

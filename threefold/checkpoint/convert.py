@@ -13,6 +13,7 @@ import torch
 
 from threefold.checkpoint.files import checkpoint_dir, read_metadata
 from threefold.checkpoint.hf import (
+    ADAPTERS,
     hf_config_from_model_config,
     hf_to_threefold,
     read_hf_config,
@@ -116,6 +117,12 @@ def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
 
 def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
     hf_config, architecture, model_config, tensors, dtypes = read_hf_model(load_dir)
+    prefixes = ADAPTERS[architecture].left_behind_prefixes
+    if prefixes:  # a multimodal checkpoint's text model: said, not silently dropped
+        print(
+            f"> {load_dir}: {architecture}'s {', '.join(p + '*' for p in prefixes)} stay "
+            "behind: the conversion is its text model"
+        )
     dtypes = {str(dtype).removeprefix("torch.") for dtype in dtypes}
     config = Config(model=model_config)
     if tokenizer_files(load_dir):  # copied into the checkpoint as it is written
@@ -143,6 +150,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.quick_geglu and model.is_moe and model.softmax_type == "learnable":
         return "GptOssForCausalLM"
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
+        if model.moe_apply_probs_on_input or model.no_rope_freq or model.attention_chunk_size:
+            return "Llama4ForCausalLM"
         if model.is_moe and model.moe_router_score_function == "sigmoid":
             return "Glm4MoeForCausalLM"  # (DeepSeek-V3's routing)
         if model.is_moe:
@@ -154,7 +163,7 @@ def _guess_architecture(model: ModelConfig) -> str:
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
-        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3 and the "
+        "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
         "Mixtral/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; GPT-OSS: "
         "experts with --quick-geglu and --softmax-type learnable)"
     )

@@ -10,7 +10,7 @@ from threefold.config.activation_offload import ActivationOffloadConfig
 from threefold.config.dsa import DSAConfig
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
-from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of
+from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of, given_flags
 from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.llama4 import Llama4Config
 from threefold.config.mla import MLAConfig
@@ -118,6 +118,25 @@ class ModelConfig(
         8.0,
         checkpoint=ARCHITECTURE,
         help="with --use-rope-scaling; default 8 (Llama 3.1), 32 for Llama 3.2",
+    )
+    # Hugging Face's other llama3 values (Megatron-LM's are fixed: 1, 4 and 8192)
+    rope_scaling_low_freq_factor: float = arg(
+        1.0,
+        checkpoint=ARCHITECTURE,
+        help="with --use-rope-scaling: wavelengths beyond the original context over this are "
+        "slowed",
+    )
+    rope_scaling_high_freq_factor: float = arg(
+        4.0,
+        checkpoint=ARCHITECTURE,
+        help="with --use-rope-scaling: wavelengths below the original context over this are "
+        "kept (Llama 4 Scout: 1)",
+    )
+    rope_scaling_original_max_position_embeddings: int = arg(
+        8192,
+        checkpoint=ARCHITECTURE,
+        minimum=1,
+        help="with --use-rope-scaling: the context before the scaling",
     )
     # YaRN (--position-embedding-type yarn; model/rope.py), beside the --rotary-scaling-factor,
     # --mscale and --mscale-all-dim it shares with multi-latent attention (config/mla.py)
@@ -279,6 +298,24 @@ class ModelConfig(
         rotary_percent))."""
         return int(self.kv_channels * self.rotary_percent)
 
+    def _check_rope_scaling_bands(self) -> None:
+        bands = (
+            "rope_scaling_low_freq_factor",
+            "rope_scaling_high_freq_factor",
+            "rope_scaling_original_max_position_embeddings",
+        )
+        given = given_flags(self, ModelConfig, bands)
+        _require(
+            self.use_rope_scaling or not given,
+            f"{' '.join(given)} belong to --use-rope-scaling: add it or drop them",
+        )
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        _require(
+            0 < low <= high,
+            f"--rope-scaling-low-freq-factor {low} and --rope-scaling-high-freq-factor {high}: "
+            "the low one must be above 0 and at most the high one",
+        )
+
     def finalize(self) -> list[str]:
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
         _require(
@@ -397,6 +434,7 @@ class ModelConfig(
             f"{' '.join(yarn)} belong to --position-embedding-type yarn; add it or drop them",
         )
         _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
+        self._check_rope_scaling_bands()
         _require(
             self.normalization in ("LayerNorm", "RMSNorm"),
             "--normalization must be LayerNorm or RMSNorm",

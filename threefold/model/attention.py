@@ -22,7 +22,7 @@ from threefold.model.activation_offload import offload_group
 from threefold.model.norms import L2Norm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
-from threefold.parallel.context_parallel.sequence import Documents, window_mask
+from threefold.parallel.context_parallel.sequence import Documents, chunk_mask, window_mask
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
@@ -96,6 +96,7 @@ class Attention(nn.Module):
         self.core_attention = core_attention(config, parallel)
         self.attention_dropout = config.attention_dropout
         self.window = window  # --window-size: the keys back a query sees (None: all)
+        self.chunk: int | None = None  # --attention-chunk-size: the chunks a query sees within
         self.cp_size = parallel.cp.size  # (over CP ranks the window masks each block)
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
@@ -131,10 +132,21 @@ class Attention(nn.Module):
             attention_mask = Documents.windowed(attention_mask, self.window, self.cp_size, query)
         elif self.window is not None:
             attention_mask = window_mask(query.shape[0], self.window, attention_mask, query.device)
+        elif self.chunk is not None:
+            attention_mask = chunk_mask(query.shape[0], self.chunk, attention_mask, query.device)
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
             return self.core_attention(query, key, value, attention_mask, dropout)
+
+
+def tempered(query: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:
+    """query [s, b, heads, d] scaled at position p of the sequence by 1 + scale *
+    log(1 + floor((p + 1) / floor_scale)), in fp32 (transformers' Llama 4 temperature
+    tuning, in its layers without RoPE)."""
+    positions = torch.arange(query.shape[0], device=query.device, dtype=torch.float32)
+    scales = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * scale + 1.0
+    return (query * scales[:, None, None, None]).to(query.dtype)
 
 
 class SelfAttention(Attention):
@@ -179,8 +191,15 @@ class SelfAttention(Attention):
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
             self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
-        elif config.qk_l2_norm:
+        elif config.qk_l2_norm and (self.rope or not config.qk_l2_norm_rope_layers_only):
             self.q_layernorm = self.k_layernorm = L2Norm(config.norm_epsilon)
+        # transformers' Llama 4 (config/llama4.py): the layers with RoPE attend in chunks,
+        # those without scale their queries up with the position
+        if self.rope:
+            self.chunk = config.attention_chunk_size
+        self.temperature = None
+        if not self.rope and config.attn_temperature_tuning:
+            self.temperature = (config.attn_temperature_floor_scale, config.attn_temperature_scale)
         self.linear_proj = RowParallelLinear(
             config.kv_channels * config.num_attention_heads,
             config.hidden_size,
@@ -230,6 +249,8 @@ class SelfAttention(Attention):
                 query, key = self.q_layernorm(query), self.k_layernorm(key)
             if rotary is not None:
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
+            if self.temperature is not None:
+                query = tempered(query, *self.temperature)
         if self.query_scale != 1.0:
             query = query * self.query_scale
         return query, key, value, gate

@@ -3,9 +3,12 @@ Hugging Face LLaMA: the head dimension's first and second halves form the rotate
 The rotation itself is `threefold.kernels.reference.rotary` (or its fused version).
 
 `--use-rope-scaling` applies Llama 3.1's frequency scaling (Megatron-LM's and Hugging Face's
-`llama3` rope type) with Megatron's fixed constants: wavelengths beyond the original context of
-8192 / low-frequency factor 1 are slowed by `--rope-scaling-factor`, those below 8192 /
-high-frequency factor 4 are kept, and the band between is interpolated smoothly.
+`llama3` rope type), by default with Megatron's fixed constants: wavelengths beyond the
+original context of 8192 / low-frequency factor 1 are slowed by `--rope-scaling-factor`, those
+below 8192 / high-frequency factor 4 are kept, and the band between is interpolated smoothly
+(--rope-scaling-low-freq-factor, --rope-scaling-high-freq-factor and
+--rope-scaling-original-max-position-embeddings give Hugging Face's other values: Llama 4
+Scout's 1 and 1 leave no band).
 
 Multi-latent attention brings its own RoPE over --qk-pos-emb-head-dim (`rotary_embedding`),
 by default YaRN (megatron-core's `YarnRotaryEmbedding`): frequencies whose wavelengths fit
@@ -39,17 +42,27 @@ LOW_FREQ_FACTOR = 1.0
 HIGH_FREQ_FACTOR = 4.0
 
 
-def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's frequency scaling: Megatron's constants by default; Llama 4 Scout's keeps
+    no band between (high = low = 1: --rope-scaling-high-freq-factor)."""
+
+    factor: float
+    low_freq_factor: float = LOW_FREQ_FACTOR
+    high_freq_factor: float = HIGH_FREQ_FACTOR
+    original_context: int = ORIGINAL_CONTEXT
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tensor:
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     wavelength = 2 * math.pi / inv_freq
-    slowed = torch.where(
-        wavelength > ORIGINAL_CONTEXT / LOW_FREQ_FACTOR, inv_freq / factor, inv_freq
-    )
-    smooth = (ORIGINAL_CONTEXT / wavelength - LOW_FREQ_FACTOR) / (
-        HIGH_FREQ_FACTOR - LOW_FREQ_FACTOR
-    )
+    slowed = torch.where(wavelength > scaling.original_context / low, inv_freq / factor, inv_freq)
+    if high == low:  # no band to interpolate in
+        return slowed
+    smooth = (scaling.original_context / wavelength - low) / (high - low)
     interpolated = (1 - smooth) * slowed / factor + smooth * slowed
-    medium = (wavelength >= ORIGINAL_CONTEXT / HIGH_FREQ_FACTOR) & (
-        wavelength <= ORIGINAL_CONTEXT / LOW_FREQ_FACTOR
+    medium = (wavelength >= scaling.original_context / high) & (
+        wavelength <= scaling.original_context / low
     )
     return torch.where(medium, interpolated, slowed)
 
@@ -59,15 +72,15 @@ class RotaryEmbedding(nn.Module):
         self,
         head_dim: int,
         base: float,
-        scaling_factor: float | None = None,
+        scaling: Llama3Scaling | None = None,
         interpolation_factor: float | None = None,
     ) -> None:
-        """`scaling_factor`: Llama 3.1's frequency scaling; `interpolation_factor`: positions
+        """`scaling`: Llama 3.1's frequency scaling; `interpolation_factor`: positions
         divided by it (--rotary-seq-len-interpolation-factor, as megatron-core's)."""
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        if scaling_factor is not None:
-            inv_freq = llama3_scaled(inv_freq, scaling_factor)
+        if scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, scaling)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.interpolation_factor = interpolation_factor
 
@@ -163,6 +176,13 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
         return YarnRotaryEmbedding(config.rotary_dim, config.rotary_base, stretch)
     if config.position_embedding_type != "rope":
         return None
-    scaling = config.rope_scaling_factor if config.use_rope_scaling else None
+    scaling = None
+    if config.use_rope_scaling:
+        scaling = Llama3Scaling(
+            config.rope_scaling_factor,
+            config.rope_scaling_low_freq_factor,
+            config.rope_scaling_high_freq_factor,
+            config.rope_scaling_original_max_position_embeddings,
+        )
     interpolation = config.rotary_seq_len_interpolation_factor
     return RotaryEmbedding(config.rotary_dim, config.rotary_base, scaling, interpolation)

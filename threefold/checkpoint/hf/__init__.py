@@ -7,6 +7,9 @@
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
                DeepseekV32ForCausalLM (the same with DeepSeek sparse attention's indexer)
     glm4_moe.py  Glm4MoeForCausalLM (GLM-4.5: grouped-query attention, DeepSeek-V3's routing)
+    llama4.py  Llama4ForCausalLM (Llama 4 Scout and Maverick: layers without RoPE, chunked
+               attention, top-1 experts weighted on their input beside a shared expert), and
+               the text model of Llama4ForConditionalGeneration (the Hub's files)
     gpt_oss.py GptOssForCausalLM (biased experts and router, attention sinks, windows by layer,
                MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
@@ -30,6 +33,7 @@ from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
 from threefold.config import ConfigError, ModelConfig
@@ -47,6 +51,8 @@ ADAPTERS: dict[str, Adapter] = {
         DEEPSEEK_V3,
         DEEPSEEK_V32,
         GLM4_MOE,
+        LLAMA4,
+        LLAMA4_CONDITIONAL,
         GPT_OSS,
         GPT2,
     )

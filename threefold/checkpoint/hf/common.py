@@ -108,15 +108,17 @@ def rope_settings(hf: dict) -> tuple[float, dict]:
         return theta, {"rotary_seq_len_interpolation_factor": float(scaling["factor"])}
     if rope_type != "llama3":
         return theta, {}
-    fixed = {
-        "low_freq_factor": rope.LOW_FREQ_FACTOR,
-        "high_freq_factor": rope.HIGH_FREQ_FACTOR,
-        "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
+    return theta, {
+        "use_rope_scaling": True,
+        "rope_scaling_factor": float(scaling["factor"]),
+        "rope_scaling_low_freq_factor": float(scaling.get("low_freq_factor", rope.LOW_FREQ_FACTOR)),
+        "rope_scaling_high_freq_factor": float(
+            scaling.get("high_freq_factor", rope.HIGH_FREQ_FACTOR)
+        ),
+        "rope_scaling_original_max_position_embeddings": int(
+            scaling.get("original_max_position_embeddings", rope.ORIGINAL_CONTEXT)
+        ),
     }
-    refuse_other_values(
-        scaling, fixed, "rope_scaling", "llama3 scaling is implemented with {}={} (as Megatron-LM)"
-    )
-    return theta, {"use_rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
 
 
 def _yarn_fields(scaling: dict, hf: dict) -> dict:
@@ -148,13 +150,13 @@ def _yarn_fields(scaling: dict, hf: dict) -> dict:
     }
 
 
-def llama3_rope_scaling(factor: float) -> dict:
+def llama3_rope_scaling(config: ModelConfig) -> dict:
     return {
         "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": rope.LOW_FREQ_FACTOR,
-        "high_freq_factor": rope.HIGH_FREQ_FACTOR,
-        "original_max_position_embeddings": rope.ORIGINAL_CONTEXT,
+        "factor": config.rope_scaling_factor,
+        "low_freq_factor": config.rope_scaling_low_freq_factor,
+        "high_freq_factor": config.rope_scaling_high_freq_factor,
+        "original_max_position_embeddings": config.rope_scaling_original_max_position_embeddings,
     }
 
 
@@ -169,7 +171,7 @@ def rope_scaling(config: ModelConfig) -> dict | None:
     if interpolation:
         return {"rope_type": "linear", "factor": float(interpolation)}
     if config.use_rope_scaling:
-        return llama3_rope_scaling(config.rope_scaling_factor)
+        return llama3_rope_scaling(config)
     if config.position_embedding_type != "yarn":
         return None
     return {
@@ -196,13 +198,15 @@ def stack_qkv(
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
-def split_qkv(qkv: torch.Tensor, config: ModelConfig):
+def split_qkv(qkv: torch.Tensor, config: ModelConfig, halves: bool = True):
+    """The inverse of `stack_qkv`; `halves`: for a model that rotates each head's halves
+    (transformers' LLaMA; Llama 4 rotates adjacent pairs, as --rotary-interleaved does)."""
     groups, d = config.num_query_groups, config.kv_channels
     per_group = config.num_attention_heads // groups
     rest = qkv.shape[1:]
     grouped = qkv.reshape(groups, per_group + 2, d, *rest)
     q, k, v = grouped.split([per_group, 1, 1], dim=1)
-    if config.rotary_interleaved:
+    if config.rotary_interleaved and halves:
         # Hugging Face rotates each head's halves: pair (2i, 2i + 1) becomes rows i and
         # d/2 + i, which turns the same scores (a dot product does not see the order).
         q, k = (x.unflatten(2, (d // 2, 2)).transpose(2, 3).flatten(2, 3) for x in (q, k))
@@ -225,6 +229,9 @@ class Adapter:
     # gated delta nets, gated attention and a gated shared expert, RoPE on part of each head
     # (hf/qwen3_next.py)
     exports_qwen3_next = False
+    exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
+    exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
+    rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
     sinks = False  # a learned sink logit per head (--softmax-type learnable: GPT-OSS's)
@@ -232,6 +239,9 @@ class Adapter:
     zero_centered_norms = False
     # Hugging Face tensors that carry nothing (buffers some versions save).
     ignored_suffixes = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+    # Parts of a multimodal checkpoint a conversion of its text model leaves out (said at
+    # conversion: `left_behind`).
+    left_behind_prefixes: tuple[str, ...] = ()
 
     def model_config(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -268,6 +278,7 @@ class Adapter:
         used = take.used
         out = self.take_weights(take, config, used)
         left = {n for n in hf_state if not n.endswith(self.ignored_suffixes)} - used
+        left -= set(self.left_behind(hf_state))
         if left:
             raise ConfigError(
                 f"the Hugging Face checkpoint has tensors threefold would not "
@@ -275,13 +286,18 @@ class Adapter:
             )
         return {name: tensor.contiguous() for name, tensor in out.items()}
 
+    def left_behind(self, hf_state: dict[str, torch.Tensor]) -> list[str]:
+        """The tensors of `hf_state` the conversion leaves out (`left_behind_prefixes`)."""
+        prefixes = self.left_behind_prefixes
+        return [name for name in hf_state if prefixes and name.startswith(prefixes)]
+
     def to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
         if config.is_moe and not self.exports_moe:
             raise ConfigError(
                 f"this model is a mixture of experts, which {self.architecture} is not; export "
                 "it as MixtralForCausalLM or Qwen3MoeForCausalLM"
             )
-        if self.exports_moe and not config.is_moe and not self.exports_mla:
+        if self.exports_moe and not config.is_moe and not (self.exports_mla or self.exports_dense):
             raise ConfigError(
                 f"{self.architecture} is a mixture of experts and this model is dense; export "
                 "it as LlamaForCausalLM or Qwen3ForCausalLM"
@@ -343,14 +359,15 @@ class Adapter:
                 ("--no-rope-freq", config.no_rope_freq),
                 ("--qk-l2-norm", config.qk_l2_norm),
                 ("--moe-apply-probs-on-input", config.moe_apply_probs_on_input),
+                ("--attention-chunk-size", config.attention_chunk_size),
+                ("--attn-temperature-tuning", config.attn_temperature_tuning),
             )
             if given
         ]
-        if llama4:
+        if llama4 and not self.exports_llama4:
             raise ConfigError(
-                f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}), and "
-                "threefold does not write Llama4ForCausalLM (whose query-key norm and chunked "
-                "attention also differ from megatron-core's)"
+                f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
+                "export this model as Llama4ForCausalLM"
             )
         if config.squared_relu:
             raise ConfigError(

@@ -255,7 +255,8 @@ class LlamaAdapter(Adapter):
         for i in range(config.num_layers):
             ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
-            q, k, v = split_qkv(state[ours + "self_attention.linear_qkv.weight"], config)
+            qkv = state[ours + "self_attention.linear_qkv.weight"]
+            q, k, v = split_qkv(qkv, config, self.rotates_halves)
             out.update(
                 {
                     p + "self_attn.q_proj.weight": q,

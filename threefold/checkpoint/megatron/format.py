@@ -22,7 +22,7 @@ from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from threefold.config.dsa import DSA
-from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields
+from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields, given_flags
 from threefold.config.linear_attention import GATED_DELTA_NET
 
 BACKEND = {
@@ -234,6 +234,17 @@ def megatron_metadata(path: str) -> dict:
     }
 
 
+# The model options threefold has from transformers that Megatron-LM's args cannot hold.
+BEYOND_MEGATRON = (
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
+    "qk_l2_norm_rope_layers_only",
+    "attention_chunk_size",
+    "attn_temperature_tuning",
+)
+
+
 def moe_layer_freq(model: ModelConfig) -> int | list[int]:
     """--moe-layer-freq as Megatron-LM's args hold it: N, or one 0/1 per layer. megatron-core
     keeps the layers of a checkpoint per layer, not stacked, for anything but 1."""
@@ -280,6 +291,12 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     at a constant batch size."""
     train_state = train_state or {}
     model = config.model
+    beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
+    if beyond:
+        raise ConfigError(
+            f"Megatron-LM builds no {' '.join(beyond)} (transformers' Llama 4 and llama3 RoPE "
+            "settings), and would load this model as another: export it with --saver hf"
+        )
     heads = model.num_attention_heads
     args = {
         f.name: getattr(model, f.name) for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)

@@ -86,6 +86,18 @@ def window_mask(
     return band if attention_mask is None else band & attention_mask
 
 
+def chunk_mask(
+    length: int, chunk: int, attention_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[1 or b, 1, s, s]: True where a query may attend, the keys of its own chunk of `chunk`
+    positions up to itself (--attention-chunk-size: transformers' Llama 4 chunked attention),
+    within the packed documents of `attention_mask`."""
+    offsets = torch.arange(length, device=device)
+    same = (offsets[:, None] // chunk == offsets[None, :] // chunk)[None, None]
+    causal = (offsets[:, None] >= offsets[None, :])[None, None]
+    return same & causal if attention_mask is None else same & causal & attention_mask
+
+
 @dataclass(frozen=True)
 class Documents:
     """Per-document attention over a sequence split across CP ranks, as the core attention
