@@ -78,6 +78,23 @@ def test_each_of_llama4s_choices_is_what_transformers_computes(converted, undone
         assert _relative_error(other(TOKENS)[..., :VOCAB].transpose(0, 1), expected) > 1e-3
 
 
+@pytest.mark.parametrize("length", [24, 3, 22], ids=["whole-chunks", "one-short-chunk", "cut"])
+def test_chunks_folded_into_the_batch_are_the_masked_attention(converted, length):
+    """Over whole chunks (or one shorter than a chunk) each chunk attends in the batch with no
+    mask; the same scores as the chunk mask, which packed documents and a cut chunk use."""
+    _, _, ours = converted
+    attention = load_model(ours)[1].decoder.layers[0].self_attention
+    assert attention.chunk == 4
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(length, 2, 4, 16, generator=generator)
+    key, value = (torch.randn(length, 2, 2, 16, generator=generator) for _ in range(2))
+    one_document = torch.ones(1, 1, length, length, dtype=torch.bool)
+    with torch.no_grad():
+        plain = attention._core_attention(query, key, value, None)
+        masked = attention._core_attention(query, key, value, one_document)
+    torch.testing.assert_close(plain, masked, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "layout",
     [

@@ -133,11 +133,32 @@ class Attention(nn.Module):
         elif self.window is not None:
             attention_mask = window_mask(query.shape[0], self.window, attention_mask, query.device)
         elif self.chunk is not None:
-            attention_mask = chunk_mask(query.shape[0], self.chunk, attention_mask, query.device)
+            # packed documents, or a last chunk cut short: the mask; else `_in_chunks`
+            length = query.shape[0]
+            if attention_mask is not None or (length > self.chunk and length % self.chunk):
+                attention_mask = chunk_mask(length, self.chunk, attention_mask, query.device)
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
+            if self.chunk is not None and attention_mask is None:
+                return self._in_chunks(query, key, value, dropout)
             return self.core_attention(query, key, value, attention_mask, dropout)
+
+    def _in_chunks(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float
+    ) -> torch.Tensor:
+        """--attention-chunk-size over sequences of whole chunks: each chunk is causal
+        attention of its own, the chunks folded into the batch, with no [s, s] mask (the work
+        and memory of s x chunk scores, and the flash kernels take it)."""
+        s, b = query.shape[:2]
+        chunk = min(self.chunk, s)
+
+        def fold(x: torch.Tensor) -> torch.Tensor:  # [s, b, ...] -> [chunk, s/chunk x b, ...]
+            x = x.reshape(s // chunk, chunk, b, *x.shape[2:]).transpose(0, 1)
+            return x.reshape(chunk, -1, *x.shape[3:])
+
+        context = self.core_attention(fold(query), fold(key), fold(value), None, dropout)
+        return context.reshape(chunk, s // chunk, b, -1).transpose(0, 1).reshape(s, b, -1)
 
 
 def tempered(query: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:

@@ -76,6 +76,12 @@ def refuse(condition: bool, field: str, value, why: str) -> None:
         raise ConfigError(f"Hugging Face config field {field}={value!r} is not supported: {why}")
 
 
+def refuse_router_jitter(hf: dict) -> None:
+    """Routers that add noise to their logits while training (Mixtral's, Llama 4's option)."""
+    jitter = hf.get("router_jitter_noise")
+    refuse(bool(jitter), "router_jitter_noise", jitter, "router jitter is not implemented")
+
+
 def refuse_other_values(settings: dict, fixed: dict, where: str, why: str) -> None:
     """Each of `fixed`'s fields, where `settings` gives it, must have its value there; `why`
     takes the field and that value."""

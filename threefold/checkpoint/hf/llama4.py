@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, refuse, rope_scaling
+from threefold.checkpoint.hf.common import Take, refuse, refuse_router_jitter, rope_scaling
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
@@ -50,12 +50,7 @@ class Llama4Adapter(LlamaAdapter):
             hf.get("attention_bias"),
             "threefold has biases on every projection or none, and Llama 4's MLPs have none",
         )
-        refuse(
-            bool(hf.get("router_jitter_noise")),
-            "router_jitter_noise",
-            hf.get("router_jitter_noise"),
-            "router jitter is not implemented",
-        )
+        refuse_router_jitter(hf)
         topk = hf.get("num_experts_per_tok", 1)
         refuse(topk != 1, "num_experts_per_tok", topk, "Llama 4's routing is built for top-1")
         layers = hf["num_hidden_layers"]

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, refuse
+from threefold.checkpoint.hf.common import Take, refuse, refuse_router_jitter
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
@@ -37,12 +37,7 @@ class MoEAdapter(LlamaAdapter):
     gated_shared_expert: ClassVar[bool] = False
 
     def model_config(self, hf: dict) -> ModelConfig:
-        refuse(
-            bool(hf.get("router_jitter_noise")),
-            "router_jitter_noise",
-            hf.get("router_jitter_noise"),
-            "router jitter is not implemented",
-        )
+        refuse_router_jitter(hf)
         refuse(
             bool(hf.get("shared_expert_intermediate_size")) and not self.gated_shared_expert,
             "shared_expert_intermediate_size",
