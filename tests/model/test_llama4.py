@@ -15,7 +15,8 @@ import torch
 
 from tests import megatron_core_models as mc
 from tests.distributed import run_distributed
-from tests.parity import LLAMA_MHA_STYLE, TRAINING
+from tests.parallel.test_context_parallel import DOCUMENTS
+from tests.parity import LLAMA_MHA_STYLE, TRAINING, assert_matches_reference, train_job
 from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
     exports,
@@ -201,3 +202,29 @@ def test_megatron_lms_llama4_flags_build_llama4(capsys, variant):
     assert [type(layer.mlp).__name__ for layer in layers] == ["MLP", "MoELayer"] * 2
     assert all(layer.mlp.apply_probs_on_input for layer in layers[1::2])
     assert "--recompute-modules core_attn moe" in said
+
+
+# transformers' Llama 4 options (config/llama4.py): chunks of 6, which straddle the CP ranks'
+# chunks of 4, and queries tempered from position 2 on
+TRANSFORMERS = ["--no-rope-freq", "2", "--qk-l2-norm", "--qk-l2-norm-rope-layers-only"]
+TRANSFORMERS += ["--rotary-interleaved", "--attention-chunk-size", "6", "--attn-temperature-tuning"]
+TRANSFORMERS += ["--attn-temperature-floor-scale", "3", "--attn-temperature-scale", "0.5"]
+
+
+@pytest.mark.parametrize(
+    "world,layout,data",
+    [
+        (2, ["--cp-comm-type", "p2p"], []),
+        (2, ["--cp-comm-type", "p2p"], DOCUMENTS + ["--reset-attention-mask"]),
+        (4, ["--cp-comm-type", "allgather", "--tensor-model-parallel-size", "2"], []),
+        (4, ["--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"], []),
+    ],
+    ids=["cp2-p2p", "cp2-p2p-documents", "cp2-allgather-tp2", "cp2-a2a-pp2"],
+)
+def test_transformers_llama4_trains_over_context_parallel_ranks_as_one_process(world, layout, data):
+    """Each CP rank's queries tempered by their place in the whole sequence, the chunks (within
+    packed documents) masked a block at a time: five steps as one process."""
+    argv = LLAMA_MHA_STYLE + TRANSFORMERS + TRAINING + data
+    reference = train_job(argv, 5)
+    layout = ["--context-parallel-size", "2", *layout]
+    assert_matches_reference(run_distributed(world, train_job, argv + layout, 5), reference, 1e-5)

@@ -184,9 +184,8 @@ CHUNKED = ["--attention-chunk-size", "4"]
         (["--rope-scaling-high-freq-factor", "1"], "belong to --use-rope-scaling"),
         (["--use-rope-scaling", "--rope-scaling-low-freq-factor", "5"], "at most the high one"),
         (CHUNKED + ["--window-size", "3,0"], "one mask of the two"),
-        (CHUNKED + ["--context-parallel-size", "2"], "not built across context-parallel"),
     ],
-    ids=["l2-rope-only", "temperature", "temperature-scale", "bands", "band-order", "window", "cp"],
+    ids=["l2-rope-only", "temperature", "temperature-scale", "bands", "band-order", "window"],
 )
 def test_transformers_llama4_options_out_of_place_are_one_line(capsys, argv, named):
     with pytest.raises(SystemExit):

@@ -107,7 +107,6 @@ class Config:
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
         warnings += self._check_sparse_attention()
-        self._check_positions_across_context_parallelism()
         warnings += self.checkpoint.finalize()
         warnings += check_upcycling(self)
         if training.skip_train:  # only the model is needed (Megatron-LM's warning)
@@ -130,24 +129,6 @@ class Config:
                 "its shared expert as its graph orders it, not beside the all-to-alls"
             )
         return warnings
-
-    def _check_positions_across_context_parallelism(self) -> None:
-        """transformers' Llama 4 chunks and tempers by position in the whole sequence, which
-        a context-parallel rank's share (two chunks of it) does not carry."""
-        model = self.model
-        given = [
-            flag
-            for flag, value in (
-                ("--attention-chunk-size", model.attention_chunk_size),
-                ("--attn-temperature-tuning", model.attn_temperature_tuning),
-            )
-            if value
-        ]
-        _require(
-            self.parallel.context_parallel_size == 1 or not given,
-            f"--context-parallel-size with {' '.join(given)}: not built across context-"
-            "parallel ranks; use TP, PP or DP",
-        )
 
     def _check_sparse_attention(self) -> list[str]:
         """DeepSeek sparse attention over whole sequences on every rank."""

@@ -22,7 +22,12 @@ from threefold.model.activation_offload import offload_group
 from threefold.model.norms import L2Norm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
-from threefold.parallel.context_parallel.sequence import Documents, chunk_mask, window_mask
+from threefold.parallel.context_parallel.sequence import (
+    Documents,
+    chunk_mask,
+    local_positions,
+    window_mask,
+)
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
@@ -132,6 +137,8 @@ class Attention(nn.Module):
             attention_mask = Documents.windowed(attention_mask, self.window, self.cp_size, query)
         elif self.window is not None:
             attention_mask = window_mask(query.shape[0], self.window, attention_mask, query.device)
+        elif self.chunk is not None and self.cp_size > 1:
+            attention_mask = Documents.chunked(attention_mask, self.chunk, self.cp_size, query)
         elif self.chunk is not None:
             # packed documents, or a last chunk cut short: the mask; else `_in_chunks`
             length = query.shape[0]
@@ -161,12 +168,13 @@ class Attention(nn.Module):
         return context.reshape(chunk, s // chunk, b, -1).transpose(0, 1).reshape(s, b, -1)
 
 
-def tempered(query: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:
-    """query [s, b, heads, d] scaled at position p of the sequence by 1 + scale *
-    log(1 + floor((p + 1) / floor_scale)), in fp32 (transformers' Llama 4 temperature
-    tuning, in its layers without RoPE)."""
-    positions = torch.arange(query.shape[0], device=query.device, dtype=torch.float32)
-    scales = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * scale + 1.0
+def tempered(
+    query: torch.Tensor, positions: torch.Tensor, floor_scale: int, scale: float
+) -> torch.Tensor:
+    """query [s, b, heads, d] scaled at each token's position p in the sequence (`positions`
+    [s]) by 1 + scale * log(1 + floor((p + 1) / floor_scale)), in fp32 (transformers' Llama 4
+    temperature tuning, in its layers without RoPE)."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
     return (query * scales[:, None, None, None]).to(query.dtype)
 
 
@@ -218,7 +226,7 @@ class SelfAttention(Attention):
         # those without scale their queries up with the position
         if self.rope:
             self.chunk = config.attention_chunk_size
-        self.temperature = None
+        self.temperature, self.cp = None, parallel.cp
         if not self.rope and config.attn_temperature_tuning:
             self.temperature = (config.attn_temperature_floor_scale, config.attn_temperature_scale)
         self.linear_proj = RowParallelLinear(
@@ -270,8 +278,11 @@ class SelfAttention(Attention):
                 query, key = self.q_layernorm(query), self.k_layernorm(key)
             if rotary is not None:
                 query, key = self._rotate(query, rotary), self._rotate(key, rotary)
-            if self.temperature is not None:
-                query = tempered(query, *self.temperature)
+            if self.temperature is not None:  # (by position in the whole sequence)
+                positions = torch.arange(s, device=query.device)
+                if self.cp.size > 1:
+                    positions = local_positions(s * self.cp.size, self.cp, query.device)
+                query = tempered(query, positions, *self.temperature)
         if self.query_scale != 1.0:
             query = query * self.query_scale
         return query, key, value, gate

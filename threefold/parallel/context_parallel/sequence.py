@@ -125,6 +125,19 @@ class Documents:
             return cls(ranks, window)
         return cls(mask.ranks, window)
 
+    @classmethod
+    def chunked(
+        cls, mask: Documents | None, chunk: int, cp_size: int, query: torch.Tensor
+    ) -> Documents:
+        """`mask` (None: one document, the whole sequence) within chunks of `chunk` positions
+        (--attention-chunk-size): an id per document and chunk; `query` [2c, b, ...] this
+        rank's."""
+        if mask is None:
+            mask = cls(torch.zeros(cp_size, query.shape[1], query.shape[0], device=query.device))
+        positions = torch.stack([mask._positions(rank) for rank in range(cp_size)])
+        chunks_per_sequence = cp_size * positions.shape[-1] // chunk + 1
+        return cls(mask.ranks * chunks_per_sequence + (positions // chunk)[:, None, :])
+
     def whole(self) -> torch.Tensor:
         """The [b, s] ids of the whole sequence, in position order."""
         return to_global_order(self.ranks.permute(0, 2, 1), self.ranks.shape[0]).t()
