@@ -108,7 +108,7 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
+    llama-yarn, qwen2, qwen3, phi3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
     glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
@@ -196,6 +196,20 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+    elif kind == "phi3":  # fused QKV and gate/up; a window of 8; RoPE on half of each head
+        config = transformers.Phi3Config(
+            num_key_value_heads=2,
+            sliding_window=8,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            **common,
+        )
+        model = _shaken(transformers.Phi3ForCausalLM(config))
     elif kind == "mixtral":
         config = transformers.MixtralConfig(
             num_key_value_heads=2,

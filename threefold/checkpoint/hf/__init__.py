@@ -13,6 +13,7 @@
     gpt_oss.py GptOssForCausalLM (biased experts and router, attention sinks, windows by layer,
                MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
+    phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -35,6 +36,7 @@ from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
+from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
 from threefold.config import ConfigError, ModelConfig
 
@@ -45,6 +47,7 @@ ADAPTERS: dict[str, Adapter] = {
         MISTRAL,
         QWEN2,
         QWEN3,
+        PHI3,
         MIXTRAL,
         QWEN3_MOE,
         QWEN3_NEXT,

@@ -127,6 +127,13 @@ def rope_settings(hf: dict) -> tuple[float, dict]:
     }
 
 
+def partial_rotary_factor(hf: dict) -> float:
+    """The share of each head RoPE turns (--rotary-percent): transformers 5 keeps it in
+    rope_parameters, the Hub's configs at the top level."""
+    parameters = hf.get("rope_parameters") or {}
+    return float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
 def _yarn_fields(scaling: dict, hf: dict) -> dict:
     """YaRN as transformers reads it: the original context defaults to the model's, the
     factor to their ratio; the temperature from mscale over mscale_all_dim when both are

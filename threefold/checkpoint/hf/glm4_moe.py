@@ -17,16 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, refuse
+from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse
 from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter, deepseek_moe, leave_out_mtp_layers
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ModelConfig
-
-
-def _partial_rotary_factor(hf: dict) -> float:
-    """transformers 5 keeps it in rope_parameters; the Hub's configs at the top level."""
-    parameters = hf.get("rope_parameters") or {}
-    return float(parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
 
 
 @dataclass(frozen=True)
@@ -42,7 +36,7 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
         config = LlamaAdapter.model_config(self, {**hf, "attention_bias": False})
         config.add_qkv_bias = bool(hf.get("attention_bias"))
         config.qk_layernorm = bool(hf.get("use_qk_norm"))
-        config.rotary_percent = _partial_rotary_factor(hf)
+        config.rotary_percent = partial_rotary_factor(hf)
         for name, value in deepseek_moe(hf).items():
             setattr(config, name, value)
         return config

@@ -1,0 +1,84 @@
+"""Phi3ForCausalLM (Phi-3 and Phi-3.5 mini and medium, Phi-4): the LLaMA family with its
+projections fused.
+
+    qkv_proj      [all q; all k; all v] rows -> linear_qkv's per-group [q..., k, v]
+    gate_up_proj  [gate; up] rows             =  linear_fc1 (threefold's own order)
+
+Everything else maps as LLaMA's: the norms, o_proj, down_proj and the ends; a sliding window
+in every layer where the config names one (Phi-3 mini: 2047 tokens, --window-size 2046,0); RoPE
+on the first partial_rotary_factor of each head, its halves rotated (--rotary-percent).
+LongRoPE (the 128k-context models, Phi-4-mini) is refused by name, as every adapter refuses
+it: its factors switch with the sequence's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from threefold.checkpoint.hf.common import (
+    Take,
+    partial_rotary_factor,
+    refuse,
+    renamed,
+    split_qkv,
+    stack_qkv,
+)
+from threefold.checkpoint.hf.llama import LlamaAdapter, _dense_mlp_names, _layer_names
+from threefold.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Phi3Adapter(LlamaAdapter):
+    partial_rope = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        for field in ("attention_bias", "mlp_bias"):
+            refuse(bool(hf.get(field)), field, hf.get(field), "Phi-3's projections have none")
+        # (a config without sliding_window has none: Mistral's default of 4096 is not Phi's)
+        config = super().model_config({"sliding_window": None, **hf})
+        config.rotary_percent = partial_rotary_factor(hf)
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        if config.add_bias_linear or config.add_qkv_bias or config.rotary_interleaved:
+            raise ConfigError(
+                f"{self.architecture} cannot express this model: biases, or RoPE on adjacent "
+                "pairs (--rotary-interleaved)"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        hf["original_max_position_embeddings"] = config.max_position_embeddings
+        hf["partial_rotary_factor"] = config.rotary_percent
+        return hf
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = self.take_ends(take, config, used)
+        heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
+            out.update(renamed(_dense_mlp_names(i, config), i, take, to_hf=False))
+            q, k, v = take(p + "self_attn.qkv_proj.weight").split(
+                [heads * d, groups * d, groups * d]
+            )
+            out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(q, k, v, config)
+            out[ours + "mlp.linear_fc1.weight"] = take(p + "mlp.gate_up_proj.weight")
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = self.give_ends(state, config)
+        for i in range(config.num_layers):
+            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
+            out.update(renamed(_dense_mlp_names(i, config), i, state.__getitem__, to_hf=True))
+            qkv = split_qkv(state[ours + "self_attention.linear_qkv.weight"], config)
+            out[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            out[p + "mlp.gate_up_proj.weight"] = state[ours + "mlp.linear_fc1.weight"]
+        return out
+
+
+PHI3 = Phi3Adapter("Phi3ForCausalLM", "phi3", windows=True, writes_biases=False)
