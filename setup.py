@@ -33,6 +33,8 @@ setup(
             # the ecosystem launchers' tests: launch/ray_gpt.py, `accelerate launch`
             "ray[train]",
             "accelerate",
+            # --saver peft: its adapters loaded over their base model (the PEFT export tests)
+            "peft",
         ],
         "hf": ["transformers>=4.45", "tokenizers>=0.19"],
         # Fused kernels, used when importable and never required.

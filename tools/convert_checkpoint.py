@@ -8,6 +8,8 @@
         --load-dir megatron_run/checkpoints --save-dir checkpoints/from_megatron
     python tools/convert_checkpoint.py --loader threefold --saver megatron \\
         --load-dir checkpoints/run --save-dir megatron_checkpoints
+    python tools/convert_checkpoint.py --loader threefold --saver peft \\
+        --load-dir checkpoints/lora_finetuned --save-dir my_adapter --base-model path/to/hf_model
 
 HF side: config.json plus model.safetensors or a sharded model.safetensors.index.json, and the
 tokenizer files, which travel along (into the threefold checkpoint's tokenizer/ directory and
@@ -23,6 +25,10 @@ or Transformer Engine layer names; written at TP = PP = 1 (Megatron-LM loads it 
 with Adam's state where the threefold checkpoint has it (Megatron-LM's distributed optimizer goes
 on from it), else the model only (threefold/checkpoint/megatron/, docs/checkpoints.md). A
 threefold run can also --load a Megatron checkpoint directly.
+
+PEFT side (--saver peft): a LoRA fine-tune's adapters, unmerged, as a PEFT adapter directory
+(adapter_config.json, adapter_model.safetensors) over its Hugging Face base model, for the dense
+LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, Phi-3); --saver hf writes the model merged.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     formats = ["hf", "threefold", "megatron"]
     parser.add_argument("--loader", required=True, choices=formats, help="the format read")
-    parser.add_argument("--saver", required=True, choices=formats, help="the format written")
+    parser.add_argument(
+        "--saver", required=True, choices=[*formats, "peft"], help="the format written"
+    )
     parser.add_argument(
         "--load-dir",
         required=True,
@@ -63,11 +71,26 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of exported HF or Megatron weights (default: what was imported, or what "
         "the run trained in; float32 otherwise)",
     )
+    parser.add_argument(
+        "--hf-architecture",
+        help="with --saver hf or peft: the Hugging Face architecture written (default: the one "
+        "the checkpoint was converted from, else the one its model matches)",
+    )
+    parser.add_argument(
+        "--base-model",
+        help="with --saver peft: the base model's Hub name or path, which the adapter records",
+    )
     add_strictness_flag(parser)
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
     if args.loader == args.saver:
         parser.error(f"--loader and --saver are both {args.loader}; nothing to convert")
+    if args.saver == "peft" and args.loader != "threefold":
+        parser.error("--saver peft writes the adapters of a threefold LoRA run: --loader threefold")
+    if args.hf_architecture and args.saver not in ("hf", "peft"):
+        parser.error(f"--hf-architecture names what --saver hf or peft writes, not {args.saver}")
+    if args.base_model and args.saver != "peft":
+        parser.error("--base-model is the base of a PEFT adapter: it goes with --saver peft")
     try:
         make_parent_directory(args.save_dir, "--save-dir")
     except ConfigError as error:
@@ -81,7 +104,21 @@ def main(argv: list[str] | None = None) -> int:
             path = convert.hf_to_threefold_checkpoint(args.load_dir, args.save_dir)
         elif args.saver == "hf":
             path = convert.to_hf_checkpoint(
-                args.load_dir, args.save_dir, args.dtype, args.loader, strictness
+                args.load_dir,
+                args.save_dir,
+                args.dtype,
+                args.loader,
+                strictness,
+                args.hf_architecture,
+            )
+        elif args.saver == "peft":
+            path = convert.to_peft_adapter(
+                args.load_dir,
+                args.save_dir,
+                args.dtype,
+                strictness,
+                args.hf_architecture,
+                args.base_model,
             )
         elif args.saver == "megatron":
             path = convert.to_megatron_checkpoint(

@@ -180,10 +180,10 @@ def whole_model(
 
 
 def whole_checkpoint(
-    load_dir: str, loader: str, strictness: str = "raise_unexpected"
+    load_dir: str, loader: str, strictness: str = "raise_unexpected", merge_adapters: bool = True
 ) -> tuple[Config, dict, dict, int, GPTModel]:
     """`whole_model`'s, and the model at TP = PP = 1 it loaded (as saved: a LoRA run's
-    config keeps its --lora-rank)."""
+    config keeps its --lora-rank); `merge_adapters` False: LoRA's adapters kept apart."""
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
@@ -203,7 +203,7 @@ def whole_checkpoint(
         state[name] = gather_tensor_parallel(
             param.detach(), param, sharding_group(param, model.parallel)
         )
-    if config.model.lora_rank:  # fine-tuned with LoRA: fold the adapters into the weights
+    if config.model.lora_rank and merge_adapters:  # fine-tuned with LoRA: fold them in
         state = merged_weights(state, config.model.lora_alpha / config.model.lora_rank)
     return config, state, metadata, iteration, model
 
@@ -240,12 +240,45 @@ def _exported_optimizer(
     return ExportedOptimizer(tensors, common)
 
 
+def _refuse_a_used_directory(save_dir: str) -> None:
+    if os.path.exists(save_dir) and not (os.path.isdir(save_dir) and not os.listdir(save_dir)):
+        raise ConfigError(
+            f"--save-dir {save_dir}: exists and is not an empty directory; an export writes "
+            "over nothing: choose a new directory"
+        )
+
+
+def _partial_directory(save_dir: str) -> str:
+    """Where an export is written before `_publish` renames it into place."""
+    partial = os.path.normpath(save_dir) + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # (a failed export's)
+    os.makedirs(partial)
+    return partial
+
+
+def _publish(partial: str, save_dir: str) -> str:
+    for name in os.listdir(partial):  # on disk before the rename makes them the export
+        with open(os.path.join(partial, name), "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(partial, save_dir)  # onto nothing, or onto an empty directory
+    fsync_directory(os.path.dirname(os.path.abspath(save_dir)))
+    return save_dir
+
+
+def _hf_architecture(config: Config, metadata: dict, given: str | None) -> str:
+    """--hf-architecture, else the one the checkpoint was converted from, else a guess."""
+    if given is not None and given not in ADAPTERS:
+        raise ConfigError(f"--hf-architecture {given}: not one of {', '.join(ADAPTERS)}")
+    return given or metadata.get("hf", {}).get("architecture") or _guess_architecture(config.model)
+
+
 def to_hf_checkpoint(
     load_dir: str,
     save_dir: str,
     dtype: str | None,
     loader: str,
     strictness: str = "raise_unexpected",
+    architecture: str | None = None,
 ) -> str:
     """A Hugging Face model directory (model.safetensors, config.json, the tokenizer's files)
     at `save_dir`, which must not exist or be empty: an export never writes over files. It
@@ -253,14 +286,10 @@ def to_hf_checkpoint(
     a disk that fills) leaves no half-written model where transformers would load it."""
     from safetensors.torch import save_file
 
-    if os.path.exists(save_dir) and not (os.path.isdir(save_dir) and not os.listdir(save_dir)):
-        raise ConfigError(
-            f"--save-dir {save_dir}: exists and is not an empty directory; an export writes "
-            "over nothing: choose a new directory"
-        )
+    _refuse_a_used_directory(save_dir)
     config, state, metadata, iteration = whole_model(load_dir, loader, strictness)
     hf = metadata.get("hf", {})
-    architecture = hf.get("architecture") or _guess_architecture(config.model)
+    architecture = _hf_architecture(config, metadata, architecture)
     if config.model.mtp_num_layers:
         # Hugging Face's architectures predict the next token only; said, not silently dropped.
         print(
@@ -271,9 +300,7 @@ def to_hf_checkpoint(
     tensors = threefold_to_hf(state, config.model, architecture)
     target = getattr(torch, dtype or hf.get("dtype", "float32"))
     tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
-    partial = os.path.normpath(save_dir) + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)  # (a failed export's)
-    os.makedirs(partial)
+    partial = _partial_directory(save_dir)
     save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
     hf_config = hf_config_from_model_config(config.model, architecture)
     hf_config["torch_dtype"] = str(target).removeprefix("torch.")
@@ -283,12 +310,37 @@ def to_hf_checkpoint(
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), partial)
-    for name in os.listdir(partial):  # on disk before the rename makes them the model
-        with open(os.path.join(partial, name), "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(partial, save_dir)  # onto nothing, or onto an empty directory
-    fsync_directory(os.path.dirname(os.path.abspath(save_dir)))
-    return save_dir
+    return _publish(partial, save_dir)
+
+
+def to_peft_adapter(
+    load_dir: str,
+    save_dir: str,
+    dtype: str | None,
+    strictness: str = "raise_unexpected",
+    architecture: str | None = None,
+    base: str | None = None,
+) -> str:
+    """A LoRA fine-tune's adapters as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors; checkpoint/hf/peft.py) for the Hugging Face base model `base`,
+    written as `to_hf_checkpoint` writes."""
+    from safetensors.torch import save_file
+
+    from threefold.checkpoint.hf.peft import peft_adapter
+
+    _refuse_a_used_directory(save_dir)
+    config, state, metadata, _, _ = whole_checkpoint(
+        load_dir, "threefold", strictness, merge_adapters=False
+    )
+    architecture = _hf_architecture(config, metadata, architecture)
+    tensors, adapter_config = peft_adapter(state, config.model, architecture, base)
+    target = getattr(torch, dtype or metadata.get("hf", {}).get("dtype", "float32"))
+    partial = _partial_directory(save_dir)
+    tensors = {name: t.to(target).contiguous() for name, t in tensors.items()}
+    save_file(tensors, os.path.join(partial, "adapter_model.safetensors"), {"format": "pt"})
+    with open(os.path.join(partial, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+    return _publish(partial, save_dir)
 
 
 def to_megatron_checkpoint(

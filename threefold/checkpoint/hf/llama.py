@@ -276,6 +276,20 @@ class LlamaAdapter(Adapter):
             out.update(self.give_mlp(state, config, i))
         return out
 
+    def lora_modules(
+        self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The Hugging Face modules of layer i's `layer` (linear_qkv, ...) with their LoRA
+        (A, B), cut from threefold's adapter (A, B) as the weights are cut (hf/peft.py)."""
+        p = f"model.layers.{i}."
+        if layer == "linear_qkv":
+            q, k, v = split_qkv(b, config, self.rotates_halves)
+            return {p + f"self_attn.{x}_proj": (a, rows) for x, rows in zip("qkv", (q, k, v))}
+        if layer == "linear_fc1":
+            gate, up = b.chunk(2)
+            return {p + "mlp.gate_proj": (a, gate), p + "mlp.up_proj": (a, up)}
+        return {p + ("self_attn.o_proj" if layer == "linear_proj" else "mlp.down_proj"): (a, b)}
+
     def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
         ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
         out = renamed(_dense_mlp_names(i, config), i, state.__getitem__, to_hf=True)

@@ -53,6 +53,9 @@ class Phi3Adapter(LlamaAdapter):
         hf = super().hf_config(config)
         hf["original_max_position_embeddings"] = config.max_position_embeddings
         hf["partial_rotary_factor"] = config.rotary_percent
+        # Phi3Config's defaults are Phi-3's vocabulary's (32000): the source's ids, when the
+        # checkpoint was converted from one, are written over these
+        hf.update(pad_token_id=None, eos_token_id=None)
         return hf
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
@@ -79,6 +82,16 @@ class Phi3Adapter(LlamaAdapter):
             out[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
             out[p + "mlp.gate_up_proj.weight"] = state[ours + "mlp.linear_fc1.weight"]
         return out
+
+    def lora_modules(
+        self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        p = f"model.layers.{i}."
+        if layer == "linear_qkv":
+            return {p + "self_attn.qkv_proj": (a, torch.cat(split_qkv(b, config)))}
+        if layer == "linear_fc1":
+            return {p + "mlp.gate_up_proj": (a, b)}
+        return super().lora_modules(layer, i, a, b, config)
 
 
 PHI3 = Phi3Adapter("Phi3ForCausalLM", "phi3", windows=True, writes_biases=False)
