@@ -47,10 +47,11 @@ def tuned(request, tmp_path_factory):
     _, hf_dir, ours = converted_hf_model(request.param, root)
     lora, adapter = str(root / "lora"), str(root / "adapter")
     _lora_fine_tune(ours, lora)
-    architecture = ["--hf-architecture", ARCHITECTURES[request.param], "--base-model", hf_dir]
+    # (the fine-tune's config carries the architecture it was converted from: no
+    # --hf-architecture needed, and Phi-3's would be guessed wrong)
     convert_in_process(
         "--loader", "threefold", "--saver", "peft", "--load-dir", lora, "--save-dir", adapter,
-        *architecture,
+        "--base-model", hf_dir,
     )  # fmt: skip
     return request.param, hf_dir, lora, adapter
 
@@ -84,8 +85,9 @@ def test_peft_merged_is_the_merged_export(tuned, tmp_path):
     merged = str(tmp_path / "merged")
     convert_in_process(
         "--loader", "threefold", "--saver", "hf", "--load-dir", lora, "--save-dir", merged,
-        "--hf-architecture", ARCHITECTURES[kind],
     )  # fmt: skip
+    with open(os.path.join(merged, "config.json")) as f:
+        assert json.load(f)["architectures"] == [ARCHITECTURES[kind]]
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     by_peft = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload()
     exported = _logits(transformers.AutoModelForCausalLM.from_pretrained(merged).eval())
@@ -97,12 +99,18 @@ def test_what_peft_cannot_take_is_one_line(tuned, tmp_path):
     base = os.path.join(os.path.dirname(lora), "threefold")
     result = convert(
         "--loader", "threefold", "--saver", "peft", "--load-dir", base,
-        "--save-dir", str(tmp_path / "none"), "--hf-architecture", ARCHITECTURES[kind],
+        "--save-dir", str(tmp_path / "none"),
     )  # fmt: skip
     assert result.returncode == 2 and "holds no LoRA adapters" in result.stderr
     assert result.stderr.count("\n") == 1 and not os.path.exists(tmp_path / "none")
     result = convert("--loader", "hf", "--saver", "peft", "--load-dir", hf_dir, "--save-dir", "x")
     assert result.returncode == 2 and "--loader threefold" in result.stderr
+    result = convert(
+        "--loader", "threefold", "--saver", "peft", "--load-dir", lora,
+        "--save-dir", str(tmp_path / "other"), "--hf-architecture", "Phi4ForCausalLM",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--hf-architecture Phi4ForCausalLM: not one of" in result.stderr
     config, _, _ = load_model(lora)
     config.model.num_experts = 4
     with pytest.raises(ConfigError, match="not MixtralForCausalLM's: export the model merged"):

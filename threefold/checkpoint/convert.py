@@ -117,6 +117,8 @@ def read_hf_model(load_dir: str) -> tuple[dict, str, ModelConfig, dict, set]:
 
 def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
     hf_config, architecture, model_config, tensors, dtypes = read_hf_model(load_dir)
+    # (what the model exports as: a multimodal checkpoint's text model exports as its own)
+    model_config.hf_architecture = ADAPTERS[architecture].exports_as or architecture
     prefixes = ADAPTERS[architecture].left_behind_prefixes
     if prefixes:  # a multimodal checkpoint's text model: said, not silently dropped
         print(
@@ -266,7 +268,9 @@ def _publish(partial: str, save_dir: str) -> str:
 
 
 def _hf_architecture(config: Config, metadata: dict, given: str | None) -> str:
-    """--hf-architecture, else the one the checkpoint was converted from, else a guess."""
+    """--hf-architecture, else the one the model was converted from (which fine-tuning
+    carries in its config), else the one its options match."""
+    given = given or config.model.hf_architecture
     if given is not None and given not in ADAPTERS:
         raise ConfigError(f"--hf-architecture {given}: not one of {', '.join(ADAPTERS)}")
     return given or metadata.get("hf", {}).get("architecture") or _guess_architecture(config.model)

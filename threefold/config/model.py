@@ -256,6 +256,14 @@ class ModelConfig(
     make_vocab_size_divisible_by: int = arg(
         128, checkpoint=MODEL, minimum=1, help="pad the vocabulary to a multiple of this x TP size"
     )
+    # What a converted model came from: it travels with --use-checkpoint-args (finetune.py
+    # always takes it), and an export writes it (checkpoint/convert.py)
+    hf_architecture: str | None = arg(
+        None,
+        checkpoint=MODEL,
+        help="the Hugging Face architecture the model was converted from, which its exports "
+        "write (Phi3ForCausalLM, ...); set by the conversion",
+    )
     # LoRA adapters (fine-tuning): rank None means none.
     lora_rank: int | None = arg(
         None,

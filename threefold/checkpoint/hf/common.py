@@ -255,6 +255,7 @@ class Adapter:
     # Parts of a multimodal checkpoint a conversion of its text model leaves out (said at
     # conversion: `left_behind`).
     left_behind_prefixes: tuple[str, ...] = ()
+    exports_as: str | None = None  # the architecture its models export as (None: its own)
 
     def model_config(self, hf: dict) -> ModelConfig:
         raise NotImplementedError

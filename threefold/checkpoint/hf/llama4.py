@@ -212,9 +212,11 @@ LLAMA4 = Llama4Adapter("Llama4ForCausalLM", "llama4_text", writes_biases=False)
 class Llama4ConditionalAdapter(Llama4Adapter):
     """Llama4ForConditionalGeneration, as the Hub keeps Scout and Maverick: its text model
     (text_config, the tensors under language_model.) is converted, the vision encoder and its
-    projector stay behind (the conversion says so); it exports as Llama4ForCausalLM."""
+    projector stay behind (the conversion says so); it exports as Llama4ForCausalLM
+    (`exports_as`)."""
 
     left_behind_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "multi_modal_projector.")
+    exports_as: ClassVar[str] = "Llama4ForCausalLM"
 
     def model_config(self, hf: dict) -> ModelConfig:
         tied = hf.get("tie_word_embeddings", False)
@@ -225,9 +227,6 @@ class Llama4ConditionalAdapter(Llama4Adapter):
         if "lm_head.weight" in used:  # tied: a copy of the embeddings, if present at all
             used.add("language_model.lm_head.weight")
         return out
-
-    def common_hf_config(self, config: ModelConfig) -> dict:
-        return LLAMA4.common_hf_config(config)
 
 
 LLAMA4_CONDITIONAL = Llama4ConditionalAdapter(
