@@ -227,14 +227,19 @@ class LlamaAdapter(Adapter):
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         out = self.take_ends(take, config, used)
         for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
-            attention = [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-            out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(*attention, config)
-            if config.add_bias_linear or config.add_qkv_bias:
-                biases = [take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-                out[ours + "self_attention.linear_qkv.bias"] = stack_qkv(*biases, config)
+            out.update(self.take_qkv(take, config, i))
             out.update(self.take_mlp(take, config, i))
+        return out
+
+    def take_qkv(self, take: Take, config: ModelConfig, i: int) -> dict:
+        """Layer i's QKV projection (fused in Phi-3's)."""
+        ours, p = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+        weights = [take(p + f"{x}_proj.weight") for x in "qkv"]
+        out = {ours + "linear_qkv.weight": stack_qkv(*weights, config)}
+        if config.add_bias_linear or config.add_qkv_bias:
+            biases = [take(p + f"{x}_proj.bias") for x in "qkv"]
+            out[ours + "linear_qkv.bias"] = stack_qkv(*biases, config)
         return out
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
@@ -253,27 +258,19 @@ class LlamaAdapter(Adapter):
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
         out = self.give_ends(state, config)
         for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
-            qkv = state[ours + "self_attention.linear_qkv.weight"]
-            q, k, v = split_qkv(qkv, config, self.rotates_halves)
-            out.update(
-                {
-                    p + "self_attn.q_proj.weight": q,
-                    p + "self_attn.k_proj.weight": k,
-                    p + "self_attn.v_proj.weight": v,
-                }
-            )
-            if config.add_bias_linear or config.add_qkv_bias:
-                q, k, v = split_qkv(state[ours + "self_attention.linear_qkv.bias"], config)
-                out.update(
-                    {
-                        p + "self_attn.q_proj.bias": q,
-                        p + "self_attn.k_proj.bias": k,
-                        p + "self_attn.v_proj.bias": v,
-                    }
-                )
+            out.update(self.give_qkv(state, config, i))
             out.update(self.give_mlp(state, config, i))
+        return out
+
+    def give_qkv(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+        out = {}
+        q, k, v = split_qkv(state[ours + "linear_qkv.weight"], config, self.rotates_halves)
+        out.update({p + "q_proj.weight": q, p + "k_proj.weight": k, p + "v_proj.weight": v})
+        if config.add_bias_linear or config.add_qkv_bias:
+            q, k, v = split_qkv(state[ours + "linear_qkv.bias"], config)
+            out.update({p + "q_proj.bias": q, p + "k_proj.bias": k, p + "v_proj.bias": v})
         return out
 
     def lora_modules(

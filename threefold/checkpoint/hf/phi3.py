@@ -17,15 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.checkpoint.hf.common import (
-    Take,
-    partial_rotary_factor,
-    refuse,
-    renamed,
-    split_qkv,
-    stack_qkv,
-)
-from threefold.checkpoint.hf.llama import LlamaAdapter, _dense_mlp_names, _layer_names
+from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse, split_qkv, stack_qkv
+from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
 
@@ -58,30 +51,29 @@ class Phi3Adapter(LlamaAdapter):
         hf.update(pad_token_id=None, eos_token_id=None)
         return hf
 
-    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = self.take_ends(take, config, used)
+    def take_qkv(self, take: Take, config: ModelConfig, i: int) -> dict:
         heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
-        for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
-            out.update(renamed(_dense_mlp_names(i, config), i, take, to_hf=False))
-            q, k, v = take(p + "self_attn.qkv_proj.weight").split(
-                [heads * d, groups * d, groups * d]
-            )
-            out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(q, k, v, config)
-            out[ours + "mlp.linear_fc1.weight"] = take(p + "mlp.gate_up_proj.weight")
-        return out
+        qkv = take(f"model.layers.{i}.self_attn.qkv_proj.weight")
+        q, k, v = qkv.split([heads * d, groups * d, groups * d])
+        return {f"decoder.layers.{i}.self_attention.linear_qkv.weight": stack_qkv(q, k, v, config)}
 
-    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = self.give_ends(state, config)
-        for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
-            out.update(renamed(_dense_mlp_names(i, config), i, state.__getitem__, to_hf=True))
-            qkv = split_qkv(state[ours + "self_attention.linear_qkv.weight"], config)
-            out[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
-            out[p + "mlp.gate_up_proj.weight"] = state[ours + "mlp.linear_fc1.weight"]
-        return out
+    def give_qkv(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        qkv = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], config)
+        return {f"model.layers.{i}.self_attn.qkv_proj.weight": torch.cat(qkv)}
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        return {
+            ours + "linear_fc1.weight": take(p + "gate_up_proj.weight"),
+            ours + "linear_fc2.weight": take(p + "down_proj.weight"),
+        }
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        return {
+            p + "gate_up_proj.weight": state[ours + "linear_fc1.weight"],
+            p + "down_proj.weight": state[ours + "linear_fc2.weight"],
+        }
 
     def lora_modules(
         self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
