@@ -226,7 +226,8 @@ class SelfAttention(Attention):
         # those without scale their queries up with the position
         if self.rope:
             self.chunk = config.attention_chunk_size
-        self.temperature, self.cp = None, parallel.cp
+        self.cp = parallel.cp  # (a CP rank tempers by its tokens' places in the sequence)
+        self.temperature = None
         if not self.rope and config.attn_temperature_tuning:
             self.temperature = (config.attn_temperature_floor_scale, config.attn_temperature_scale)
         self.linear_proj = RowParallelLinear(
