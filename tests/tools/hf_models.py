@@ -108,8 +108,9 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, phi3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3,
-    glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    llama-yarn, qwen2, qwen3, phi3, gemma3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next,
+    deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML
+    chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -210,6 +211,26 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             **common,
         )
         model = _shaken(transformers.Phi3ForCausalLM(config))
+    elif kind == "gemma3":  # 3 layers with a window of 6 (their RoPE base 100), then a full
+        # one (base 1e4, linear scaling 2); a query scale of its own; norms away from 0
+        config = transformers.Gemma3TextConfig(
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=32,
+            sliding_window=6,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            pad_token_id=0,
+            **common,
+        )
+        model = transformers.Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
     elif kind == "mixtral":
         config = transformers.MixtralConfig(
             num_key_value_heads=2,

@@ -39,6 +39,8 @@ MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"
 DSA = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4"]
 DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "8"]
 LEARNS = ["--dsa-indexer-loss-coeff", "0.1"]
+GEMMA = ["--post-sublayer-norm", "--geglu", "--openai-gelu", "--apply-layernorm-1p"]
+GEMMA += ["--window-size", "7,0", "--window-attn-skip-freq", "2", "--window-rotary-base", "100"]
 
 
 def _measure_and_estimate(argv: list[str]) -> dict:
@@ -143,6 +145,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         LLAMA_STYLE + LONG + SINKS + ["--bf16", "--window-size", "31,0", "--kv-channels", "16"],
         MLA + WIDE + DSA + LEARNS,
         MLA + WIDE + DSA + ["--bf16"],
+        # Gemma 3's layers: norms after the sublayers, GeGLU, windows with their own RoPE
+        [a for a in LLAMA_STYLE if a != "--swiglu"] + WIDE + GEMMA,
     ],
     ids=[
         "llama",
@@ -165,6 +169,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "sinks-bf16-window-wide-heads",
         "dsa",
         "dsa-bf16-without-indexer-loss",
+        "gemma",
     ],
 )
 def test_single_process(flags):

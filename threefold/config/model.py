@@ -11,6 +11,7 @@ from threefold.config.dsa import DSAConfig
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of, given_flags
+from threefold.config.gemma import GemmaConfig
 from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.llama4 import Llama4Config
 from threefold.config.mla import MLAConfig
@@ -28,6 +29,7 @@ class ModelConfig(
     LinearAttentionConfig,
     WindowAttentionConfig,
     Llama4Config,
+    GemmaConfig,
     MoEConfig,
     MTPConfig,
     RecomputeConfig,
@@ -36,11 +38,11 @@ class ModelConfig(
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, Llama 4 attention, multi-token prediction,
-    recomputation, activation offloading and muP fields are inherited (config/moe.py,
-    config/mla.py, config/dsa.py, config/linear_attention.py, config/window_attention.py,
-    config/llama4.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
-    config/mup.py)."""
+    attention, sliding-window attention, Llama 4 attention, Gemma's layers, multi-token
+    prediction, recomputation, activation offloading and muP fields are inherited
+    (config/moe.py, config/mla.py, config/dsa.py, config/linear_attention.py,
+    config/window_attention.py, config/llama4.py, config/gemma.py, config/mtp.py,
+    config/recompute.py, config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -293,7 +295,7 @@ class ModelConfig(
     @property
     def gated_linear_unit(self) -> bool:
         """Whether the MLPs are GLUs: fc1 holds a gate and an up projection."""
-        return self.swiglu or self.quick_geglu
+        return self.swiglu or self.quick_geglu or self.geglu
 
     @property
     def rotary_position_embeddings(self) -> bool:
@@ -354,7 +356,7 @@ class ModelConfig(
             self.gated_linear_unit
             or (self.glu_linear_offset == 0.0 and self.activation_func_clamp_value is None),
             "--glu-linear-offset and --activation-func-clamp-value shape a GLU MLP: add "
-            "--quick-geglu or --swiglu, or drop them",
+            "--quick-geglu, --swiglu or --geglu, or drop them",
         )
         _require(
             self.softmax_type == "vanilla" or not self.multi_latent_attention,
@@ -458,6 +460,7 @@ class ModelConfig(
         self._finalize_lora()
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_llama4()
+        self.finalize_gemma()
         warnings += self.finalize_recompute()
         warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)

@@ -11,6 +11,7 @@ gate's sigmoid before the output projection.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -201,6 +202,8 @@ class SelfAttention(Attention):
         self.rotary_interleaved = config.rotary_interleaved
         # (rope False: a layer --no-rope-freq leaves without RoPE attends by content alone)
         self.rope = rope and config.rotary_position_embeddings
+        # --window-rotary-base: a windowed layer rotates by the second pair of tables
+        self.rotary_pair = int(window is not None and config.window_rotary_base is not None)
         self.rotary_dim = config.rotary_dim if self.rope else 0
         self.output_gate = config.attention_output_gate
         gates = config.num_attention_heads if self.output_gate else 0
@@ -237,8 +240,11 @@ class SelfAttention(Attention):
             bias=config.add_bias_linear,
             init_method=output_layer_init_method,
         )
-        # muP's softmax scale (config/mup.py), on the queries: the kernels take 1/sqrt(d).
+        # muP's softmax scale (config/mup.py), or --softmax-scale's, on the queries: the
+        # kernels take 1/sqrt(d).
         self.query_scale = config.mup_query_scale(config.kv_channels)
+        if config.softmax_scale is not None:
+            self.query_scale *= config.softmax_scale * math.sqrt(config.kv_channels)
 
     def forward(
         self,
@@ -247,8 +253,9 @@ class SelfAttention(Attention):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         with offload_group("qkv_linear", self.offload_qkv_linear):
+            pair = rotary[2 * self.rotary_pair : 2 * self.rotary_pair + 2] if rotary else None
             query, key, value, gate = self._query_key_value(
-                hidden_states, rotary if self.rope else None
+                hidden_states, pair if self.rope else None
             )
         context = self._attend(query, key, value, attention_mask)
         with offload_group("attn_proj", self.offload_attn_proj):

@@ -23,7 +23,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import ActivationOffload
 from threefold.model.mtp import MultiTokenPredictionBlock
-from threefold.model.rope import rotary_embedding
+from threefold.model.rope import RotaryEmbedding, rotary_embedding
 from threefold.model.spec import LayerSpec, layer_spec
 from threefold.model.transformer import TransformerBlock
 from threefold.parallel.parallel_context import ParallelContext
@@ -45,6 +45,18 @@ def is_embedding_or_output(name: str) -> bool:
     return name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
+def _tables(
+    embedding: nn.Module, seq_length: int, position_ids: torch.Tensor | None, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) of positions 0..s-1, or of `position_ids` (packed documents, context
+    parallelism) gathered to [s, b, 1, head_dim]."""
+    if position_ids is None:
+        return embedding(seq_length, device)
+    cos, sin = embedding(int(position_ids.max()) + 1, device)
+    index = position_ids.t()
+    return cos[index].squeeze(2), sin[index].squeeze(2)
+
+
 def _scaled(layer, factor: float, hidden_states: torch.Tensor) -> torch.Tensor:
     return layer(hidden_states) * factor
 
@@ -60,7 +72,9 @@ class LanguageModelEmbedding(nn.Module):
         self.tp = parallel.tp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
-        self.embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
+        # muP's multiplier, and --embedding-multiplier's (Gemma's sqrt(hidden))
+        mup = config.mup_embedding_mult if config.use_mup else 1.0
+        self.embedding_mult = mup * config.embedding_multiplier
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size,
             config.hidden_size,
@@ -150,6 +164,12 @@ class GPTModel(nn.Module):
                     param.shared_embedding = True
                     param.embedding_copy = not pre_process
         self.rotary_pos_emb = rotary_embedding(config)
+        # --window-rotary-base (Gemma 3): the windowed layers' own tables, after the others'
+        self.window_rotary_pos_emb = None
+        if config.window_rotary_base is not None:
+            self.window_rotary_pos_emb = RotaryEmbedding(
+                config.rotary_dim, config.window_rotary_base
+            )
         spec = spec or layer_spec(config, parallel)
         self.decoder = TransformerBlock(
             config,
@@ -265,12 +285,10 @@ class GPTModel(nn.Module):
         seq_length = hidden_states.shape[0] * (self.tp.size if self.sequence_parallel else 1)
         rotary = None
         if self.rotary_pos_emb is not None:
-            if position_ids is None:
-                rotary = self.rotary_pos_emb(seq_length, hidden_states.device)
-            else:  # tables of every position used, gathered to [s, b, 1, head_dim]
-                cos, sin = self.rotary_pos_emb(int(position_ids.max()) + 1, hidden_states.device)
-                index = position_ids.t()
-                rotary = (cos[index].squeeze(2), sin[index].squeeze(2))
+            rotary = _tables(self.rotary_pos_emb, seq_length, position_ids, hidden_states.device)
+        if self.window_rotary_pos_emb is not None:  # (SelfAttention takes its pair)
+            emb = self.window_rotary_pos_emb
+            rotary += _tables(emb, seq_length, position_ids, hidden_states.device)
         with self._offloading(rotary, attention_mask):
             hidden_states = self.decoder(hidden_states, rotary, attention_mask)
             if not self.post_process:

@@ -18,31 +18,39 @@ from threefold.parallel.tensor_parallel.sharding import InitMethod
 @dataclass(frozen=True)
 class GLU:
     """A GLU MLP's activation of fc1's two halves (megatron-core's unfused `glu`): SwiGLU,
-    silu(gate) * up, or with --quick-geglu quick_gelu(gate) * (up + offset), the gate clamped
-    to at most `clamp` and the linear half to [-clamp, clamp] (GPT-OSS's)."""
+    silu(gate) * up, with --geglu gelu(gate) * up (Gemma's), or with --quick-geglu
+    quick_gelu(gate) * (up + offset), the gate clamped to at most `clamp` and the linear half
+    to [-clamp, clamp] (GPT-OSS's)."""
 
     quick: bool = False
     offset: float = 0.0
     clamp: float | None = None
+    gelu: str | None = None  # --geglu: gelu(gate) with this approximation ("tanh" or "none")
 
     @classmethod
     def of(cls, config: ModelConfig) -> GLU | None:
         """The config's GLU, None for an MLP that is not one."""
         if not config.gated_linear_unit:
             return None
-        return cls(config.quick_geglu, config.glu_linear_offset, config.activation_func_clamp_value)
+        gelu = ("tanh" if config.openai_gelu else "none") if config.geglu else None
+        return cls(
+            config.quick_geglu, config.glu_linear_offset, config.activation_func_clamp_value, gelu
+        )
 
     @property
     def swiglu(self) -> bool:
         """Plain SwiGLU: the kernels' (fused under --bias-swiglu-fusion)."""
-        return not self.quick and self.offset == 0.0 and self.clamp is None
+        return not self.quick and self.gelu is None and self.offset == 0.0 and self.clamp is None
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return KERNELS.swiglu(gate, up)
         if self.clamp is not None:
             gate, up = gate.clamp(max=self.clamp), up.clamp(-self.clamp, self.clamp)
-        activated = gate * torch.sigmoid(1.702 * gate) if self.quick else F.silu(gate)
+        if self.gelu is not None:
+            activated = F.gelu(gate, approximate=self.gelu)
+        else:
+            activated = gate * torch.sigmoid(1.702 * gate) if self.quick else F.silu(gate)
         return activated * (up + self.offset)
 
 

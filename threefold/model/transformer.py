@@ -31,7 +31,8 @@ def dropout_add(
 
 
 class TransformerLayer(nn.Module):
-    """norm -> self-attention -> residual, norm -> MLP -> residual; the parts from `spec`."""
+    """norm -> self-attention -> residual, norm -> MLP -> residual (with --post-sublayer-norm a
+    norm on each output before its residual); the parts from `spec`."""
 
     def __init__(
         self,
@@ -54,6 +55,11 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
+        # --post-sublayer-norm (Gemma 2/3): the attention's and the MLP's outputs normed too
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if config.post_sublayer_norm:
+            self.post_self_attn_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
+            self.post_mlp_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
         # Selective recomputation (config/recompute.py): the norms' outputs freed once the
         # attention and MLP have run; the MLP (dense or MoE) kept as its input only.
         self.recompute_layernorm = config.recomputes("layernorm")
@@ -86,6 +92,8 @@ class TransformerLayer(nn.Module):
             normed = norm.checkpoint(self.input_layernorm, hidden_states)
         attention = self.self_attention(normed, rotary, attention_mask)
         norm.discard_output_and_register_recompute(attention)
+        if self.post_self_attn_layernorm is not None:
+            attention = self.post_self_attn_layernorm(attention)
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )
@@ -97,6 +105,8 @@ class TransformerLayer(nn.Module):
         else:
             mlp = self.mlp(normed)
         norm.discard_output_and_register_recompute(mlp)
+        if self.post_mlp_layernorm is not None:
+            mlp = self.post_mlp_layernorm(mlp)
         return dropout_add(
             mlp, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )

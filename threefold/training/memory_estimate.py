@@ -53,6 +53,7 @@ def _layer_parameters(
     gate = d * model.num_attention_heads if model.attention_output_gate else 0
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
     norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    norm *= 2 if model.post_sublayer_norm else 1  # (Gemma's norms after the sublayers too)
     if linear:
         count = _gdn_parameters(model, tp) + 2 * norm
     elif model.multi_latent_attention:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 
 from threefold.config import ConfigError, ModelConfig
+from threefold.config.fields import given_flags
+from threefold.config.gemma import GemmaConfig
 from threefold.config.mla import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -244,6 +246,7 @@ class Adapter:
     exports_qwen3_next = False
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
+    exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma3.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -382,6 +385,12 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
                 "export this model as Llama4ForCausalLM"
+            )
+        gemma = given_flags(config, GemmaConfig)
+        if gemma and not self.exports_gemma:
+            raise ConfigError(
+                f"{self.architecture} has none of Gemma's layers ({' '.join(gemma)}): export "
+                "this model as Gemma3ForCausalLM"
             )
         if config.squared_relu:
             raise ConfigError(

@@ -227,10 +227,14 @@ class LlamaAdapter(Adapter):
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         out = self.take_ends(take, config, used)
         for i in range(config.num_layers):
-            out.update(renamed(_layer_names(i, config), i, take, to_hf=False))
+            out.update(renamed(self.layer_names(i, config), i, take, to_hf=False))
             out.update(self.take_qkv(take, config, i))
             out.update(self.take_mlp(take, config, i))
         return out
+
+    def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
+        """threefold name suffix -> HF name of layer i's tensors that are only renamed."""
+        return _layer_names(i, config)
 
     def take_qkv(self, take: Take, config: ModelConfig, i: int) -> dict:
         """Layer i's QKV projection (fused in Phi-3's)."""
@@ -258,7 +262,7 @@ class LlamaAdapter(Adapter):
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
         out = self.give_ends(state, config)
         for i in range(config.num_layers):
-            out.update(renamed(_layer_names(i, config), i, state.__getitem__, to_hf=True))
+            out.update(renamed(self.layer_names(i, config), i, state.__getitem__, to_hf=True))
             out.update(self.give_qkv(state, config, i))
             out.update(self.give_mlp(state, config, i))
         return out

@@ -242,6 +242,11 @@ BEYOND_MEGATRON = (
     "qk_l2_norm_rope_layers_only",
     "attention_chunk_size",
     "attn_temperature_tuning",
+    "embedding_multiplier",
+    "post_sublayer_norm",
+    "geglu",
+    "softmax_scale",
+    "window_rotary_base",
 )
 
 
@@ -294,8 +299,8 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
     if beyond:
         raise ConfigError(
-            f"Megatron-LM builds no {' '.join(beyond)} (transformers' Llama 4 and llama3 RoPE "
-            "settings), and would load this model as another: export it with --saver hf"
+            f"Megatron-LM builds no {' '.join(beyond)} (transformers' Llama 4, Gemma and llama3 "
+            "RoPE settings), and would load this model as another: export it with --saver hf"
         )
     heads = model.num_attention_heads
     args = {

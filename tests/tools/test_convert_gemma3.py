@@ -1,0 +1,137 @@
+"""Hugging Face's Gemma3ForCausalLM (Gemma 3's text models) in and out: a tiny Gemma 3 with
+three windowed layers (their own RoPE base) and a full one (linear RoPE scaling), a query
+scale of its own and norms away from their start gives transformers' logits, and other
+logits with any of Gemma's layers undone; its per-token losses at TP2+SP and TP2 x PP2; a bitwise
+round trip that transformers loads; greedy generation past the window. Gemma's options
+train over TP2+SP x PP2 as one process; what does not fit is refused in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import LLAMA_MHA_STYLE, TRAINING, assert_matches_reference, train_job
+from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
+from threefold.checkpoint.load import load_model
+from threefold.checkpoint.megatron.format import megatron_args
+from threefold.config import ConfigError
+from threefold.inference import generate
+from threefold.model import GPTModel
+
+if not has_transformers():
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+import transformers  # noqa: E402
+from safetensors import torch as safetensors_torch  # noqa: E402
+
+from tests.tools.test_convert_checkpoint import (  # noqa: E402
+    TOKENS,
+    _assert_transformers_losses,
+    _per_token_losses,
+)
+from tests.tools.test_convert_llama4 import TOKENS_25  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(transformers' model, its directory, threefold's checkpoint of it)."""
+    return converted_hf_model("gemma3", tmp_path_factory.mktemp("gemma3"))
+
+
+UNDONE = {
+    "as-is": {},
+    "embedding-scale": {"embedding_multiplier": 1.0},
+    "query-scale": {"softmax_scale": None},
+    "window-rope": {"window_rotary_base": None},
+    "post-norms": {"post_sublayer_norm": False},
+    "exact-gelu": {"openai_gelu": False},
+    "norms-by-weight": {"apply_layernorm_1p": False},
+}
+
+
+@pytest.mark.parametrize("undone", UNDONE)
+def test_logits_are_transformers_and_each_layer_does_its_part(converted, undone):
+    hf_model, _, ours = converted
+    config, model, _ = load_model(ours)
+    other = GPTModel(dataclasses.replace(config.model, **UNDONE[undone]), model.padded_vocab_size)
+    other.load_state_dict(model.state_dict(), strict=undone != "post-norms")
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        logits = other(TOKENS)[..., :VOCAB].transpose(0, 1)
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    # (GELU's tanh approximation moves the logits least: 4e-5)
+    assert error < 5e-6 if undone == "as-is" else error > 2e-5, error
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp2-sp", "tp2-pp2"],
+)
+def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
+    hf_model, _, ours = converted
+    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
+    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
+    results = run_distributed(world, _per_token_losses, argv + layout, ours, TOKENS_25)
+    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+
+
+def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
+    hf_model, hf_dir, ours = converted
+    exported = str(tmp_path / "exported")
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
+    convert_in_process(*argv)
+    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
+    before.pop("lm_head.weight", None)  # (tied: transformers saves none)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
+    _, model, tokenizer = load_model(ours)
+    prompt = tokenizer.tokenize("To be, or not")
+    theirs = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert generate(model, prompt, 12, 64) == theirs
+
+
+GEMMA = ["--embedding-multiplier", "5.7", "--post-sublayer-norm", "--geglu", "--openai-gelu"]
+GEMMA += ["--softmax-scale", "0.3", "--window-size", "5,0", "--window-attn-skip-freq", "2"]
+GEMMA += ["--window-rotary-base", "100", "--apply-layernorm-1p", "--qk-layernorm"]
+
+
+def test_gemmas_layers_train_over_tp2_sp_pp2_as_one_process():
+    argv = [a for a in LLAMA_MHA_STYLE if a != "--swiglu"] + GEMMA + TRAINING
+    argv += ["--num-layers", "4"]
+    reference = train_job(argv, 3)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout += ["--pipeline-model-parallel-size", "2"]
+    assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)
+
+
+def test_what_does_not_fit_is_one_line(converted, capsys):
+    hf_model, _, ours = converted
+    hf = {**hf_model.config.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not supported"):
+        model_config_from_hf({**hf, "final_logit_softcapping": 30.0})
+    config, _, _ = load_model(ours)
+    with pytest.raises(ConfigError, match="Megatron-LM builds no --embedding-multiplier"):
+        megatron_args(config, 0)
+    with pytest.raises(ConfigError, match="has none of Gemma's layers .* Gemma3ForCausalLM"):
+        threefold_to_hf({}, config.model, "LlamaForCausalLM")
+    from threefold.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_MHA_STYLE + ["--geglu"] + TRAINING)
+    error = capsys.readouterr().err
+    assert "--geglu is the MLP's activation: drop --swiglu" in error and error.count("\n") == 1
