@@ -14,7 +14,9 @@
                MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
     gemma3.py  Gemma3ForCausalLM (Gemma 3's text models: GeGLU, norms after each sublayer,
-               sliding windows with their own RoPE base, scaled embeddings)
+               sliding windows with their own RoPE base, scaled embeddings), and the text
+               model of Gemma3ForConditionalGeneration (4B and up)
+    multimodal.py  a multimodal checkpoint's text model (Llama 4's and Gemma 3's)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
@@ -32,7 +34,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
-from threefold.checkpoint.hf.gemma3 import GEMMA3
+from threefold.checkpoint.hf.gemma3 import GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
@@ -52,6 +54,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3,
         PHI3,
         GEMMA3,
+        GEMMA3_CONDITIONAL,
         MIXTRAL,
         QWEN3_MOE,
         QWEN3_NEXT,

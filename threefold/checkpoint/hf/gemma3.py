@@ -17,7 +17,8 @@ The LLaMA family's tensors with Gemma's layers (config/gemma.py):
                                                     --rotary-seq-len-interpolation-factor
 
 Logit soft-capping (Gemma 2's), bidirectional attention and attention biases are refused by
-name; Gemma3ForConditionalGeneration (4B and up) is not read.
+name. Gemma3ForConditionalGeneration (4B and up) converts as its text model
+(hf/multimodal.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import ClassVar
 
 from threefold.checkpoint.hf.common import refuse, rope_scaling, rope_settings
 from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.checkpoint.hf.multimodal import TextOfMultimodal
 from threefold.config import ConfigError, ModelConfig
 
 
@@ -178,4 +180,18 @@ class Gemma3Adapter(LlamaAdapter):
 
 GEMMA3 = Gemma3Adapter(
     "Gemma3ForCausalLM", "gemma3_text", windows_by_layer=True, writes_biases=False
+)
+
+
+@dataclass(frozen=True)
+class Gemma3ConditionalAdapter(TextOfMultimodal, Gemma3Adapter):
+    """Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B): its text model
+    (hf/multimodal.py)."""
+
+    left_behind_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    exports_as: ClassVar[str] = "Gemma3ForCausalLM"
+
+
+GEMMA3_CONDITIONAL = Gemma3ConditionalAdapter(
+    "Gemma3ForConditionalGeneration", "gemma3", windows_by_layer=True, writes_biases=False
 )

@@ -28,6 +28,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Take, refuse, refuse_router_jitter, rope_scaling
 from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.checkpoint.hf.multimodal import TextOfMultimodal
 from threefold.config import ConfigError, ModelConfig
 
 
@@ -209,24 +210,12 @@ LLAMA4 = Llama4Adapter("Llama4ForCausalLM", "llama4_text", writes_biases=False)
 
 
 @dataclass(frozen=True)
-class Llama4ConditionalAdapter(Llama4Adapter):
+class Llama4ConditionalAdapter(TextOfMultimodal, Llama4Adapter):
     """Llama4ForConditionalGeneration, as the Hub keeps Scout and Maverick: its text model
-    (text_config, the tensors under language_model.) is converted, the vision encoder and its
-    projector stay behind (the conversion says so); it exports as Llama4ForCausalLM
-    (`exports_as`)."""
+    (hf/multimodal.py)."""
 
     left_behind_prefixes: ClassVar[tuple[str, ...]] = ("vision_model.", "multi_modal_projector.")
     exports_as: ClassVar[str] = "Llama4ForCausalLM"
-
-    def model_config(self, hf: dict) -> ModelConfig:
-        tied = hf.get("tie_word_embeddings", False)
-        return super().model_config({"tie_word_embeddings": tied, **hf["text_config"]})
-
-    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = super().take_weights(lambda name: take("language_model." + name), config, used)
-        if "lm_head.weight" in used:  # tied: a copy of the embeddings, if present at all
-            used.add("language_model.lm_head.weight")
-        return out
 
 
 LLAMA4_CONDITIONAL = Llama4ConditionalAdapter(
