@@ -28,7 +28,7 @@ threefold run can also --load a Megatron checkpoint directly.
 
 PEFT side (--saver peft): a LoRA fine-tune's adapters, unmerged, as a PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) over its Hugging Face base model, for the dense
-LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, Phi-3); --saver hf writes the model merged.
+LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3); --saver hf writes the model merged.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """--saver peft (checkpoint/hf/peft.py): a LoRA fine-tune of a converted model, its adapters
 written as a PEFT adapter. Loaded by `peft` over the Hugging Face base model, it computes the
 fine-tuned model's logits; merged by `peft`, the merged export's. LLaMA (q, k and v cut from
-linear_qkv's adapter, gate and up from linear_fc1's) and Phi-3 (fused projections: one each)."""
+linear_qkv's adapter, gate and up from linear_fc1's), Phi-3 (fused projections: one each) and
+Gemma 3 (its norms untouched)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ peft = pytest.importorskip("peft")
 
 import transformers  # noqa: E402
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def _lora_fine_tune(base: str, save: str) -> None:

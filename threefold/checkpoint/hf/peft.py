@@ -10,7 +10,7 @@ weights are), at the same rank and alpha. `linear_proj` and `linear_fc2` map one
     <layer>.adapter.linear_in.weight    <module>.lora_A.weight   [rank, in]
     <layer>.adapter.linear_out.weight   <module>.lora_B.weight   [out, rank]
 
-The dense LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, Phi-3) is written (`LlamaAdapter`'s
+The dense LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) is written (`LlamaAdapter`'s
 `lora_modules`); a mixture of experts' adapters and other families are refused in one line
 (the merged export, --saver hf, takes them all).
 """
@@ -41,7 +41,8 @@ def peft_adapter(
     if not isinstance(adapter, LlamaAdapter) or adapter.exports_moe or config.is_moe:
         raise ConfigError(
             f"--saver peft writes the adapters of the dense LLaMA family (LLaMA, Mistral, "
-            f"Qwen2, Qwen3, Phi-3), not {architecture}'s: export the model merged (--saver hf)"
+            f"Qwen2, Qwen3, Phi-3, Gemma 3), not {architecture}'s: export the model merged "
+            "(--saver hf)"
         )
     tensors, targets = {}, set()
     for i in range(config.num_layers):
