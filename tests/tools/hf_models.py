@@ -108,7 +108,7 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, phi3, gemma3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next,
+    llama-yarn, qwen2, qwen3, phi3, gemma2, gemma3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next,
     deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML
     chat tokenizer)."""
     import transformers
@@ -227,6 +227,24 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             **common,
         )
         model = transformers.Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
+    elif kind == "gemma2":  # windows of 6 in layers 1 and 3; scores capped at 0.01 (random
+        # ones are small), logits at 3
+        config = transformers.Gemma2Config(
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=32,
+            sliding_window=6,
+            attn_logit_softcapping=0.01,
+            final_logit_softcapping=3.0,
+            pad_token_id=0,
+            attn_implementation="eager",  # (transformers' other attention drops the cap)
+            **common,
+        )
+        model = transformers.Gemma2ForCausalLM(config)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

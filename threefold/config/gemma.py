@@ -1,4 +1,4 @@
-"""Gemma's layers (transformers' Gemma3ForCausalLM; checkpoint/hf/gemma3.py sets them), beside
+"""Gemma's layers (transformers' Gemma 2 and 3; checkpoint/hf/gemma.py sets them), beside
 what threefold has already (--apply-layernorm-1p's norms scaling by 1 + weight, --qk-layernorm,
 --window-size with --window-attn-skip-freq):
 
@@ -12,6 +12,9 @@ what threefold has already (--apply-layernorm-1p's norms scaling by 1 + weight, 
                                (Gemma 3: query_pre_attn_scalar^-1/2)
     --window-rotary-base B     the layers with a window rotate by RoPE base B, unscaled (Gemma
                                3's local layers: 10000), the others by --rotary-base
+    --attn-logit-softcapping C the attention scores capped softly: C tanh(score / C), before
+                               the softmax (Gemma 2: 50; written out, on one CP rank)
+    --final-logit-softcapping C  the logits capped softly likewise (Gemma 2: 30)
 
 Megatron-LM builds none of them (a Megatron export is refused).
 
@@ -66,6 +69,20 @@ class GemmaConfig:
         "(Gemma 3's local layers: 10000)",
     )
 
+    attn_logit_softcapping: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="cap the attention scores softly at this, cap * tanh(score / cap) (Gemma 2: 50); "
+        "the scores are written out",
+    )
+    final_logit_softcapping: float | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="cap the output logits softly at this (Gemma 2: 30)",
+    )
+
     def finalize_gemma(self) -> None:
         _require(
             self.embedding_multiplier > 0,
@@ -78,6 +95,17 @@ class GemmaConfig:
         _require(
             not self.geglu or not (self.swiglu or self.quick_geglu or self.squared_relu),
             "--geglu is the MLP's activation: drop --swiglu, --quick-geglu and --squared-relu",
+        )
+        for flag, cap in (
+            ("--attn-logit-softcapping", self.attn_logit_softcapping),
+            ("--final-logit-softcapping", self.final_logit_softcapping),
+        ):
+            _require(cap is None or cap > 0, f"{flag} {cap} must be positive")
+        _require(
+            not self.attn_logit_softcapping
+            or not (self.multi_latent_attention or self.softmax_type != "vanilla"),
+            "--attn-logit-softcapping with multi-latent attention or --softmax-type: not built; "
+            "drop one",
         )
         _require(
             not (self.softmax_scale and self.multi_latent_attention),

@@ -117,16 +117,49 @@ def attention_with_sinks(
     scaled scores of every query (megatron-core's SoftmaxOne, --softmax-type; GPT-OSS's
     attention sinks): it takes a share of each row's probability and attends to nothing.
     Written out (the scores are materialized), as no SDPA kernel takes such a logit."""
+    return attention_written_out(query, key, value, attention_mask, dropout, sinks=sinks)
+
+
+def attention_softcapped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    softcap: float,
+) -> torch.Tensor:
+    """`attention` whose scaled scores are capped softly, softcap * tanh(score / softcap),
+    before the softmax (--attn-logit-softcapping: Gemma 2's). Written out, as no SDPA kernel
+    caps."""
+    return attention_written_out(query, key, value, attention_mask, dropout, softcap=softcap)
+
+
+def attention_written_out(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`attention` with its [s, s] scores materialized in fp32: capped with `softcap`, and a
+    last logit per head beside them with `sinks`."""
     s, b, heads, d = query.shape
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads|groups, s, d]
     if k.shape[1] != heads:
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) / math.sqrt(d)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~attention_mask, float("-inf"))
-    sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if sinks is not None:
+        sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     probs = F.dropout(probs, dropout) if dropout > 0 else probs
     context = torch.matmul(probs.to(v.dtype), v)
     return context.permute(2, 0, 1, 3).reshape(s, b, -1)

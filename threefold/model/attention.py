@@ -11,6 +11,7 @@ gate's sigmoid before the output projection.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.norms import L2Norm, build_norm
@@ -195,6 +197,9 @@ class SelfAttention(Attention):
         super().__init__(config, parallel, core_attention, window)
         if config.softmax_type != "vanilla":
             self.core_attention = SoftmaxOffsetAttention(config, parallel, init_method)
+        elif config.attn_logit_softcapping is not None:  # (Gemma 2's; on one CP rank)
+            cap = config.attn_logit_softcapping
+            self.core_attention = functools.partial(reference.attention_softcapped, softcap=cap)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp

@@ -57,6 +57,11 @@ def _tables(
     return cos[index].squeeze(2), sin[index].squeeze(2)
 
 
+def _softcapped(layer, cap: float, hidden_states: torch.Tensor) -> torch.Tensor:
+    """--final-logit-softcapping: cap * tanh(logits / cap), each vocabulary shard's own."""
+    return torch.tanh(layer(hidden_states) / cap) * cap
+
+
 def _scaled(layer, factor: float, hidden_states: torch.Tensor) -> torch.Tensor:
     return layer(hidden_states) * factor
 
@@ -151,6 +156,7 @@ class GPTModel(nn.Module):
         if config.init_method_xavier_uniform:  # (Megatron-LM's: for both)
             init = scaled_init = xavier_uniform_init()
         self.logits_mult = config.mup_logits_mult
+        self.final_logit_softcapping = config.final_logit_softcapping
 
         tied = self.share_embeddings_and_output_weights
         mtp_here = post_process and bool(config.mtp_num_layers)
@@ -296,6 +302,9 @@ class GPTModel(nn.Module):
             output_layer = functools.partial(self.output_layer, weight=self.output_weight())
             if self.logits_mult != 1.0:  # muP's output multiplier, on the MTP depths' too
                 output_layer = functools.partial(_scaled, output_layer, self.logits_mult)
+            if self.final_logit_softcapping is not None:  # (Gemma 2's)
+                cap = self.final_logit_softcapping
+                output_layer = functools.partial(_softcapped, output_layer, cap)
             if self.mtp is not None and self.training and labels is not None:
                 batch = {
                     "tokens": input_ids,

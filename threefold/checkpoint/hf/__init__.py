@@ -13,9 +13,9 @@
     gpt_oss.py GptOssForCausalLM (biased experts and router, attention sinks, windows by layer,
                MXFP4 experts read)
     qwen3_next.py  Qwen3NextForCausalLM (gated delta nets, gated attention and shared expert)
-    gemma3.py  Gemma3ForCausalLM (Gemma 3's text models: GeGLU, norms after each sublayer,
-               sliding windows with their own RoPE base, scaled embeddings), and the text
-               model of Gemma3ForConditionalGeneration (4B and up)
+    gemma.py   Gemma3ForCausalLM (Gemma 3's text models: GeGLU, norms after each sublayer,
+               sliding windows with their own RoPE base, scaled embeddings), the text model
+               of Gemma3ForConditionalGeneration (4B and up), Gemma2ForCausalLM (soft-capped)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's and Gemma 3's)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt2.py    GPT2LMHeadModel
@@ -34,7 +34,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
-from threefold.checkpoint.hf.gemma3 import GEMMA3, GEMMA3_CONDITIONAL
+from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
@@ -53,6 +53,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN2,
         QWEN3,
         PHI3,
+        GEMMA2,
         GEMMA3,
         GEMMA3_CONDITIONAL,
         MIXTRAL,

@@ -246,7 +246,7 @@ class Adapter:
     exports_qwen3_next = False
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
-    exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma3.py)
+    exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)

@@ -247,6 +247,8 @@ BEYOND_MEGATRON = (
     "geglu",
     "softmax_scale",
     "window_rotary_base",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
 )
 
 

@@ -1,9 +1,11 @@
-"""Hugging Face's Gemma3ForCausalLM (Gemma 3's text models) in and out: a tiny Gemma 3 with
+"""Hugging Face's Gemma 3 and Gemma 2 in and out. Gemma3ForCausalLM: a tiny Gemma 3 with
 three windowed layers (their own RoPE base) and a full one (linear RoPE scaling), a query
 scale of its own and norms away from their start gives transformers' logits, and other
 logits with any of Gemma's layers undone; its per-token losses at TP2+SP and TP2 x PP2; a bitwise
 round trip that transformers loads; greedy generation past the window. Gemma's options
-train over TP2+SP x PP2 as one process; what does not fit is refused in one line."""
+train over TP2+SP x PP2 as one process; what does not fit is refused in one line.
+Gemma2ForCausalLM: its soft-capped scores and logits each doing their part, TP2+SP, the
+round trip and generation."""
 
 from __future__ import annotations
 
@@ -143,9 +145,63 @@ def test_the_multimodal_files_convert_as_their_text_model(converted, tmp_path, c
         assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    return converted_hf_model("gemma2", tmp_path_factory.mktemp("gemma2"))
+
+
+@pytest.mark.parametrize(
+    "undone",
+    [{}, {"attn_logit_softcapping": None}, {"final_logit_softcapping": None}],
+    ids=["as-is", "scores-uncapped", "logits-uncapped"],
+)
+def test_gemma2s_capped_scores_and_logits_are_transformers(gemma2, undone):
+    """Gemma 2: no head norms, every other layer windowed, one RoPE base; its scores capped
+    at 0.01 and its logits at 3."""
+    hf_model, _, ours = gemma2
+    config, model, _ = load_model(ours)
+    assert (config.model.window_attn_skip_freq, config.model.qk_layernorm) == ("[1,0,1,0]", False)
+    other = GPTModel(dataclasses.replace(config.model, **undone), model.padded_vocab_size)
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        logits = other(TOKENS)[..., :VOCAB].transpose(0, 1)
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error < 5e-6 if not undone else error > 1e-2, error
+
+
+def test_gemma2_over_tp2_sp_round_trip_and_generation(gemma2, tmp_path):
+    hf_model, hf_dir, ours = gemma2
+    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
+    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
+    argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    results = run_distributed(2, _per_token_losses, argv, ours, TOKENS_25)
+    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+    exported = str(tmp_path / "exported")
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
+    convert_in_process(*argv)
+    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
+    assert after.keys() == before.keys() - {"lm_head.weight"}
+    assert all(torch.equal(before[name], after[name]) for name in after)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, attn_implementation="eager"
+    ).eval()
+    assert type(reloaded).__name__ == "Gemma2ForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
+    _, model, tokenizer = load_model(ours)
+    prompt = tokenizer.tokenize("To be, or not")
+    theirs = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert generate(model, prompt, 12, 64) == theirs
+
+
 GEMMA = ["--embedding-multiplier", "5.7", "--post-sublayer-norm", "--geglu", "--openai-gelu"]
 GEMMA += ["--softmax-scale", "0.3", "--window-size", "5,0", "--window-attn-skip-freq", "2"]
 GEMMA += ["--window-rotary-base", "100", "--apply-layernorm-1p", "--qk-layernorm"]
+GEMMA += ["--attn-logit-softcapping", "0.5", "--final-logit-softcapping", "3"]
 
 
 def test_gemmas_layers_train_over_tp2_sp_pp2_as_one_process():
@@ -173,3 +229,8 @@ def test_what_does_not_fit_is_one_line(converted, capsys):
         parse_args(LLAMA_MHA_STYLE + ["--geglu"] + TRAINING)
     error = capsys.readouterr().err
     assert "--geglu is the MLP's activation: drop --swiglu" in error and error.count("\n") == 1
+    capped = ["--attn-logit-softcapping", "50", "--context-parallel-size", "2"]
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_MHA_STYLE + capped + TRAINING, world_size=2)
+    error = capsys.readouterr().err
+    assert "not built across context-parallel ranks" in error and error.count("\n") == 1

@@ -1,4 +1,6 @@
-"""Gemma3ForCausalLM (Gemma 3's text models: gemma-3-270m, gemma-3-1b).
+"""Gemma3ForCausalLM (Gemma 3's text models: gemma-3-270m, gemma-3-1b) and Gemma2ForCausalLM
+(Gemma 2: without head norms, every other layer windowed, one RoPE base, soft-capped scores
+and logits: --attn-logit-softcapping, --final-logit-softcapping).
 
 The LLaMA family's tensors with Gemma's layers (config/gemma.py):
 
@@ -16,9 +18,8 @@ The LLaMA family's tensors with Gemma's layers (config/gemma.py):
                                                     by --rotary-base, linear scaling as
                                                     --rotary-seq-len-interpolation-factor
 
-Logit soft-capping (Gemma 2's), bidirectional attention and attention biases are refused by
-name. Gemma3ForConditionalGeneration (4B and up) converts as its text model
-(hf/multimodal.py).
+Bidirectional attention and attention biases are refused by name.
+Gemma3ForConditionalGeneration (4B and up) converts as its text model (hf/multimodal.py).
 """
 
 from __future__ import annotations
@@ -32,27 +33,32 @@ from threefold.checkpoint.hf.multimodal import TextOfMultimodal
 from threefold.config import ConfigError, ModelConfig
 
 
-def _rope(hf: dict) -> tuple[dict, dict]:
-    """(the full layers', the sliding layers') RoPE settings, as transformers 5 keeps them
-    per layer type or the Hub's configs (rope_theta, rope_local_base_freq, rope_scaling)."""
+def _rope(hf: dict) -> tuple[dict, dict | None]:
+    """(the full layers', the sliding layers' or None where they share it) RoPE settings, as
+    transformers 5 keeps them per layer type or the Hub's configs (rope_theta,
+    rope_local_base_freq, rope_scaling)."""
     parameters = hf.get("rope_parameters") or {}
     if "full_attention" in parameters:
         return parameters["full_attention"], parameters.get("sliding_attention") or {}
-    full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
-    local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-    return full, local
+    full = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+    full.update(parameters)
+    if "rope_local_base_freq" not in hf:
+        return full, None
+    return full, {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
 
 
 @dataclass(frozen=True)
 class Gemma3Adapter(LlamaAdapter):
     exports_gemma: ClassVar[bool] = True
     zero_centered_norms: ClassVar[bool] = True
+    gemma2: ClassVar[bool] = False  # Gemma 2: soft-capping, no head norms, one RoPE
 
     def model_config(self, hf: dict) -> ModelConfig:
-        for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-            refuse(hf.get(field) is not None, field, hf.get(field), "soft-capping is not built")
+        if not self.gemma2:
+            for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+                refuse(hf.get(field) is not None, field, hf.get(field), "Gemma 3 has none")
         for field in ("use_bidirectional_attention", "attention_bias"):
-            refuse(bool(hf.get(field)), field, hf.get(field), "Gemma 3's text models have none")
+            refuse(bool(hf.get(field)), field, hf.get(field), "Gemma's text models have none")
         activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
         refuse(
             activation not in ("gelu_pytorch_tanh", "gelu"),
@@ -62,16 +68,16 @@ class Gemma3Adapter(LlamaAdapter):
         )
         full, local = _rope(hf)
         refuse(
-            local.get("rope_type", "default") != "default",
+            (local or {}).get("rope_type", "default") != "default",
             "rope_parameters.sliding_attention",
             local,
             "the sliding layers' RoPE is plain RoPE",
         )
         theta, scaling = rope_settings({"rope_parameters": full})
         layers = hf["num_hidden_layers"]
+        every = 2 if self.gemma2 else hf.get("sliding_window_pattern", 6)  # (a full layer)
         kinds = hf.get("layer_types") or [
-            "full_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) == 0 else "sliding"
-            for i in range(layers)
+            "full_attention" if (i + 1) % every == 0 else "sliding" for i in range(layers)
         ]
         pattern = [int(kind != "full_attention") for kind in kinds]
         heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
@@ -85,8 +91,9 @@ class Gemma3Adapter(LlamaAdapter):
             windows = {
                 "window_size": f"{window - 1},0",
                 "window_attn_skip_freq": "[" + ",".join(map(str, pattern)) + "]",
-                "window_rotary_base": float(local.get("rope_theta", 10000.0)),
             }
+            if local is not None:
+                windows["window_rotary_base"] = float(local.get("rope_theta", 10000.0))
         return ModelConfig(
             num_layers=layers,
             hidden_size=hidden,
@@ -102,7 +109,7 @@ class Gemma3Adapter(LlamaAdapter):
             normalization="RMSNorm",
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             apply_layernorm_1p=True,
-            qk_layernorm=True,
+            qk_layernorm=not self.gemma2,
             geglu=True,
             openai_gelu=activation == "gelu_pytorch_tanh",
             add_bias_linear=False,
@@ -114,13 +121,21 @@ class Gemma3Adapter(LlamaAdapter):
             embedding_multiplier=hidden**0.5,
             post_sublayer_norm=True,
             softmax_scale=None if scalar == head_dim else scalar**-0.5,
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
             **windows,
         )
 
     def check_exportable(self, config: ModelConfig) -> None:
         problems = [
             (config.normalization != "RMSNorm" or not config.apply_layernorm_1p, "other norms"),
-            (not (config.geglu and config.qk_layernorm), "an MLP other than GeGLU, no q/k norms"),
+            (not config.geglu, "an MLP other than GeGLU"),
+            (config.qk_layernorm == self.gemma2, "query and key norms (Gemma 3's, not Gemma 2's)"),
+            (
+                not self.gemma2
+                and (config.attn_logit_softcapping or config.final_logit_softcapping),
+                "soft-capping (Gemma 2's)",
+            ),
             (not config.post_sublayer_norm, "no norms after the sublayers"),
             (
                 abs(config.embedding_multiplier - config.hidden_size**0.5) > 1e-6,
@@ -129,7 +144,11 @@ class Gemma3Adapter(LlamaAdapter):
             (config.add_bias_linear or config.add_qkv_bias, "biases"),
             (config.position_embedding_type != "rope" or config.use_rope_scaling, "other RoPE"),
             (config.rotary_interleaved or config.rotary_percent != 1.0, "RoPE on pairs or part"),
-            (config.window_size is not None and not config.window_rotary_base, "windows' RoPE"),
+            (
+                config.window_size is not None
+                and (config.window_rotary_base is None) != self.gemma2,
+                "the windows' RoPE base (Gemma 3's own, Gemma 2's shared)",
+            ),
             (config.is_moe or config.mtp_num_layers, "experts or multi-token prediction"),
         ]
         for problem, what in problems:
@@ -141,6 +160,7 @@ class Gemma3Adapter(LlamaAdapter):
         full = {"rope_type": "default", "rope_theta": config.rotary_base}
         full.update(rope_scaling(config) or {})
         local = {"rope_type": "default", "rope_theta": config.window_rotary_base or 10000.0}
+        rope = full if self.gemma2 else {"full_attention": full, "sliding_attention": local}
         scale = config.softmax_scale
         return {
             **self.common_hf_config(config),
@@ -153,7 +173,7 @@ class Gemma3Adapter(LlamaAdapter):
             "hidden_activation": "gelu_pytorch_tanh" if config.openai_gelu else "gelu",
             "max_position_embeddings": config.max_position_embeddings,
             "rms_norm_eps": config.norm_epsilon,
-            "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "rope_parameters": rope,
             "query_pre_attn_scalar": config.kv_channels if scale is None else round(scale**-2),
             "sliding_window": None if window is None else window + 1,
             "layer_types": [
@@ -162,8 +182,8 @@ class Gemma3Adapter(LlamaAdapter):
             "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
             "attention_dropout": config.attention_dropout,
             "attention_bias": False,
-            "final_logit_softcapping": None,
-            "attn_logit_softcapping": None,
+            "final_logit_softcapping": config.final_logit_softcapping,
+            "attn_logit_softcapping": config.attn_logit_softcapping,
             "pad_token_id": None,
         }
 
@@ -195,3 +215,15 @@ class Gemma3ConditionalAdapter(TextOfMultimodal, Gemma3Adapter):
 GEMMA3_CONDITIONAL = Gemma3ConditionalAdapter(
     "Gemma3ForConditionalGeneration", "gemma3", windows_by_layer=True, writes_biases=False
 )
+
+
+@dataclass(frozen=True)
+class Gemma2Adapter(Gemma3Adapter):
+    """Gemma2ForCausalLM (Gemma 2 2B, 9B, 27B): Gemma 3's layers without head norms, every
+    other layer windowed, one RoPE base, and its scores and logits soft-capped
+    (--attn-logit-softcapping, --final-logit-softcapping)."""
+
+    gemma2: ClassVar[bool] = True
+
+
+GEMMA2 = Gemma2Adapter("Gemma2ForCausalLM", "gemma2", windows_by_layer=True, writes_biases=False)
