@@ -108,9 +108,9 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, phi3, gemma2, gemma3, gpt2, mistral, mixtral, qwen3-moe, qwen3-next,
-    deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML
-    chat tokenizer)."""
+    llama-yarn, qwen2, qwen3, phi3, gemma2, gemma3, gpt-neox, gpt2, mistral, mixtral,
+    qwen3-moe, qwen3-next, deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a
+    tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -416,6 +416,23 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0, 0.5 if name.endswith("sinks") else 0.1)
                 elif name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "gpt-neox":  # Pythia's layer: attention and MLP in parallel; RoPE on a quarter
+        config = transformers.GPTNeoXConfig(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            use_parallel_residual=True,
+            **{**common, "intermediate_size": 256},
+        )
+        model = transformers.GPTNeoXForCausalLM(config)
+        with torch.no_grad():  # biases and norms away from their start
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.1)
+                elif "norm" in name:
                     param.uniform_(0.5, 1.5)
     elif kind == "gpt2":
         config = transformers.GPT2Config(

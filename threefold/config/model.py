@@ -227,6 +227,13 @@ class ModelConfig(
         checkpoint=ARCHITECTURE,
         help="a GLU's gate clamped to at most V, its linear half to [-V, V] (GPT-OSS: 7.0)",
     )
+    # GPT-NeoX's (Pythia's) and GPT-J's layer: x + attention(norm1(x)) + mlp(norm2(x))
+    parallel_attention_mlp: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="the attention and the MLP both read the layer's input, their outputs added to it "
+        "together (GPT-NeoX's use_parallel_residual)",
+    )
     untie_embeddings_and_output_weights: bool = arg(
         False,
         checkpoint=ARCHITECTURE,

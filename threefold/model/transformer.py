@@ -32,7 +32,8 @@ def dropout_add(
 
 class TransformerLayer(nn.Module):
     """norm -> self-attention -> residual, norm -> MLP -> residual (with --post-sublayer-norm a
-    norm on each output before its residual); the parts from `spec`."""
+    norm on each output before its residual; with --parallel-attention-mlp both read the
+    layer's input); the parts from `spec`."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # 1-based and global across pipeline stages
         self.hidden_dropout = config.hidden_dropout
+        self.parallel_attention_mlp = config.parallel_attention_mlp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.input_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
         self.self_attention = spec.attention_of(layer_number)(
@@ -94,12 +96,15 @@ class TransformerLayer(nn.Module):
         norm.discard_output_and_register_recompute(attention)
         if self.post_self_attn_layernorm is not None:
             attention = self.post_self_attn_layernorm(attention)
+        layer_input = hidden_states
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )
+        # --parallel-attention-mlp (GPT-NeoX): the MLP reads the layer's input too
+        mlp_input = layer_input if self.parallel_attention_mlp else hidden_states
         norm = OutputDiscardingCheckpoint(recompute_norm)
         with offload_group("mlp_norm", self.offload_mlp_norm):
-            normed = norm.checkpoint(self.pre_mlp_layernorm, hidden_states)
+            normed = norm.checkpoint(self.pre_mlp_layernorm, mlp_input)
         if self.recompute_mlp and self.training:
             mlp = checkpoint(self.mlp, normed)
         else:

@@ -18,6 +18,7 @@
                of Gemma3ForConditionalGeneration (4B and up), Gemma2ForCausalLM (soft-capped)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's and Gemma 3's)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
+    gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -37,6 +38,7 @@ from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
+from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
@@ -65,6 +67,7 @@ ADAPTERS: dict[str, Adapter] = {
         LLAMA4,
         LLAMA4_CONDITIONAL,
         GPT_OSS,
+        GPT_NEOX,
         GPT2,
     )
 }

@@ -247,6 +247,7 @@ class Adapter:
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
+    parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -385,6 +386,12 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
                 "export this model as Llama4ForCausalLM"
+            )
+        if config.parallel_attention_mlp and not self.parallel_layers:
+            raise ConfigError(
+                f"{self.architecture}'s MLP reads the attention's output, and this model's "
+                "reads the layer's input (--parallel-attention-mlp): export it as "
+                "GPTNeoXForCausalLM"
             )
         gemma = given_flags(config, GemmaConfig)
         if gemma and not self.exports_gemma:

@@ -249,6 +249,7 @@ BEYOND_MEGATRON = (
     "window_rotary_base",
     "attn_logit_softcapping",
     "final_logit_softcapping",
+    "parallel_attention_mlp",
 )
 
 
@@ -301,8 +302,8 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
     if beyond:
         raise ConfigError(
-            f"Megatron-LM builds no {' '.join(beyond)} (transformers' Llama 4, Gemma and llama3 "
-            "RoPE settings), and would load this model as another: export it with --saver hf"
+            f"Megatron-LM builds no {' '.join(beyond)} (options of transformers' models), and "
+            "would load this model as another: export it with --saver hf"
         )
     heads = model.num_attention_heads
     args = {
