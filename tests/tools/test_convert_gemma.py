@@ -9,16 +9,12 @@ round trip and generation."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.parity import LLAMA_MHA_STYLE, TRAINING, assert_matches_reference, train_job
 from tests.tools.hf_models import (
-    VOCAB,
     build_tokenizer,
     convert_in_process,
     converted_hf_model,
@@ -28,15 +24,18 @@ from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
 from threefold.checkpoint.megatron.format import megatron_args
 from threefold.config import ConfigError
-from threefold.inference import generate
-from threefold.model import GPTModel
 
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 import transformers  # noqa: E402
-from safetensors import torch as safetensors_torch  # noqa: E402
 
+from tests.tools.hf_checks import (  # noqa: E402
+    assert_greedy_generation,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
 from tests.tools.test_convert_checkpoint import (  # noqa: E402
     TOKENS,
     _assert_transformers_losses,
@@ -65,13 +64,9 @@ UNDONE = {
 @pytest.mark.parametrize("undone", UNDONE)
 def test_logits_are_transformers_and_each_layer_does_its_part(converted, undone):
     hf_model, _, ours = converted
-    config, model, _ = load_model(ours)
-    other = GPTModel(dataclasses.replace(config.model, **UNDONE[undone]), model.padded_vocab_size)
-    other.load_state_dict(model.state_dict(), strict=undone != "post-norms")
     with torch.no_grad():
         expected = hf_model(TOKENS).logits
-        logits = other(TOKENS)[..., :VOCAB].transpose(0, 1)
-    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    error = relative_error(logits_with(ours, TOKENS, **UNDONE[undone]), expected)
     # (GELU's tanh approximation moves the logits least: 4e-5)
     assert error < 5e-6 if undone == "as-is" else error > 2e-5, error
 
@@ -94,23 +89,8 @@ def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
 
 def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
     hf_model, hf_dir, ours = converted
-    exported = str(tmp_path / "exported")
-    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
-    convert_in_process(*argv)
-    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
-    before.pop("lm_head.weight", None)  # (tied: transformers saves none)
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
-    _, model, tokenizer = load_model(ours)
-    prompt = tokenizer.tokenize("To be, or not")
-    theirs = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    assert generate(model, prompt, 12, 64) == theirs
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
 
 
 def test_the_multimodal_files_convert_as_their_text_model(converted, tmp_path, capsys):
@@ -159,14 +139,10 @@ def test_gemma2s_capped_scores_and_logits_are_transformers(gemma2, undone):
     """Gemma 2: no head norms, every other layer windowed, one RoPE base; its scores capped
     at 0.01 and its logits at 3."""
     hf_model, _, ours = gemma2
-    config, model, _ = load_model(ours)
+    config, _, _ = load_model(ours)
     assert (config.model.window_attn_skip_freq, config.model.qk_layernorm) == ("[1,0,1,0]", False)
-    other = GPTModel(dataclasses.replace(config.model, **undone), model.padded_vocab_size)
-    other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        expected = hf_model(TOKENS).logits
-        logits = other(TOKENS)[..., :VOCAB].transpose(0, 1)
-    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
     assert error < 5e-6 if not undone else error > 1e-2, error
 
 
@@ -178,24 +154,8 @@ def test_gemma2_over_tp2_sp_round_trip_and_generation(gemma2, tmp_path):
     results = run_distributed(2, _per_token_losses, argv, ours, TOKENS_25)
     _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
     exported = str(tmp_path / "exported")
-    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
-    convert_in_process(*argv)
-    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
-    assert after.keys() == before.keys() - {"lm_head.weight"}
-    assert all(torch.equal(before[name], after[name]) for name in after)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        exported, attn_implementation="eager"
-    ).eval()
-    assert type(reloaded).__name__ == "Gemma2ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
-    _, model, tokenizer = load_model(ours)
-    prompt = tokenizer.tokenize("To be, or not")
-    theirs = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    assert generate(model, prompt, 12, 64) == theirs
+    assert_round_trip(hf_model, hf_dir, ours, exported, TOKENS, attn_implementation="eager")
+    assert_greedy_generation(hf_model, ours)
 
 
 GEMMA = ["--embedding-multiplier", "5.7", "--post-sublayer-norm", "--geglu", "--openai-gelu"]

@@ -7,26 +7,26 @@ trains over TP2+SP x PP2 as one process."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from tests.distributed import run_distributed
 from tests.parity import TRAINING, assert_matches_reference, train_job
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import converted_hf_model, has_transformers
 from threefold.checkpoint.hf import threefold_to_hf
 from threefold.checkpoint.load import load_model
 from threefold.config import ConfigError
-from threefold.inference import generate
-from threefold.model import GPTModel
 
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-import transformers  # noqa: E402
-from safetensors import torch as safetensors_torch  # noqa: E402
-
+from tests.tools.hf_checks import (  # noqa: E402
+    assert_greedy_generation,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
 from tests.tools.test_convert_checkpoint import (  # noqa: E402
     TOKENS,
     _assert_transformers_losses,
@@ -46,14 +46,10 @@ def converted(tmp_path_factory):
 )
 def test_logits_are_transformers_and_each_choice_does_its_part(converted, undone):
     hf_model, _, ours = converted
-    config, model, _ = load_model(ours)
+    config, _, _ = load_model(ours)
     assert (config.model.parallel_attention_mlp, config.model.rotary_percent) == (True, 0.25)
-    other = GPTModel(dataclasses.replace(config.model, **undone), model.padded_vocab_size)
-    other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        expected = hf_model(TOKENS).logits
-        logits = other(TOKENS)[..., :VOCAB].transpose(0, 1)
-    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
     assert error < 2e-6 if not undone else error > 1e-4, error
 
 
@@ -68,23 +64,8 @@ def test_tp2_pp2_per_token_losses_are_transformers(converted):
 
 def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
     hf_model, hf_dir, ours = converted
-    exported = str(tmp_path / "exported")
-    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
-    convert_in_process(*argv)
-    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    assert type(reloaded).__name__ == "GPTNeoXForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
-    _, model, tokenizer = load_model(ours)
-    prompt = tokenizer.tokenize("To be, or not")
-    theirs = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    assert generate(model, prompt, 12, 64) == theirs
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
 
 
 PYTHIA = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"]

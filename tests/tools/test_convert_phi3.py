@@ -5,26 +5,24 @@ transformers loads; its per-token losses at TP2 x PP2; greedy generation as tran
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import converted_hf_model, has_transformers
 from threefold.checkpoint.hf import model_config_from_hf
 from threefold.checkpoint.load import load_model
 from threefold.config import ConfigError
-from threefold.inference import generate
-from threefold.model import GPTModel
 
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-import transformers  # noqa: E402
-from safetensors import torch as safetensors_torch  # noqa: E402
-
+from tests.tools.hf_checks import (  # noqa: E402
+    assert_greedy_generation,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
 from tests.tools.test_convert_checkpoint import (  # noqa: E402
     TOKENS,
     _assert_transformers_losses,
@@ -38,39 +36,24 @@ def converted(tmp_path_factory):
     return converted_hf_model("phi3", tmp_path_factory.mktemp("phi3"))
 
 
-def _relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((logits - expected).abs().max() / expected.abs().max()).item()
-
-
 @pytest.mark.parametrize(
     "undone", [{}, {"window_size": None}, {"rotary_percent": 1.0}], ids=["as-is", "window", "half"]
 )
 def test_logits_are_transformers_and_each_choice_does_its_part(converted, undone):
     """24 tokens over a window of 8; half of each head turned."""
     hf_model, _, ours = converted
-    config, model, _ = load_model(ours)
+    config, _, _ = load_model(ours)
     assert (config.model.window_size, config.model.rotary_percent) == ("7,0", 0.5)
-    other = GPTModel(dataclasses.replace(config.model, **undone), model.padded_vocab_size)
-    other.load_state_dict(model.state_dict())
     with torch.no_grad():
-        error = _relative_error(other(TOKENS)[..., :VOCAB].transpose(0, 1), hf_model(TOKENS).logits)
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
     assert error < 1e-5 if not undone else error > 1e-3, error
 
 
-def test_round_trip_is_bitwise_and_transformers_loads_the_export(converted, tmp_path):
+def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
+    """Generation past the window of 8 as the text grows, with transformers' cache."""
     hf_model, hf_dir, ours = converted
-    exported = str(tmp_path / "exported")
-    convert_in_process(
-        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported
-    )
-    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    assert type(reloaded).__name__ == "Phi3ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
 
 
 def test_tp2_pp2_per_token_losses_are_transformers(converted):
@@ -80,17 +63,6 @@ def test_tp2_pp2_per_token_losses_are_transformers(converted):
     argv += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     results = run_distributed(4, _per_token_losses, argv, ours)
     _assert_transformers_losses(hf_model, [r for r in results if r is not None])
-
-
-def test_greedy_generation_is_transformers(converted):
-    """Past the window of 8 as the text grows, with transformers' cache."""
-    hf_model, _, ours = converted
-    _, model, tokenizer = load_model(ours)
-    prompt = tokenizer.tokenize("To be, or not")
-    theirs = hf_model.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    assert generate(model, prompt, 12, 64) == theirs
 
 
 def test_longrope_is_refused_by_name(converted):

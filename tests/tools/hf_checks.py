@@ -1,0 +1,60 @@
+"""What the Hugging Face conversion tests of one family each check (tests/tools/
+test_convert_*.py): threefold's logits of a converted checkpoint (its model options changed,
+to show each does its part), the export's round trip, and greedy generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from tests.tools.hf_models import VOCAB, convert_in_process
+from threefold.checkpoint.load import load_model
+from threefold.inference import generate
+from threefold.model import GPTModel
+
+
+def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((logits - expected).abs().max() / expected.abs().max()).item()
+
+
+def logits_with(ours: str, tokens: torch.Tensor, **changes) -> torch.Tensor:
+    """The logits [b, s, vocab] of the checkpoint `ours`, its model config changed by
+    `changes` (its weights loaded as they fit: a norm the change drops is left out)."""
+    config, model, _ = load_model(ours)
+    other = GPTModel(dataclasses.replace(config.model, **changes), model.padded_vocab_size)
+    other.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        return other(tokens)[..., :VOCAB].transpose(0, 1)
+
+
+def assert_round_trip(hf_model, hf_dir: str, ours: str, exported: str, tokens, **load) -> None:
+    """The export of `ours` holds the Hugging Face model's tensors bitwise (the output layer of
+    tied embeddings left out, as transformers saves), and loads (with `load`) into
+    transformers' class of it with its logits."""
+    from safetensors import torch as safetensors_torch
+    from transformers import AutoModelForCausalLM
+
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
+    convert_in_process(*argv)
+    before = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    after = safetensors_torch.load_file(os.path.join(exported, "model.safetensors"))
+    if hf_model.config.tie_word_embeddings:
+        before.pop("lm_head.weight", None)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, **load).eval()
+    assert type(reloaded) is type(hf_model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def assert_greedy_generation(hf_model, ours: str) -> None:
+    """threefold's greedy continuation of a prompt is transformers' (with its cache)."""
+    _, model, tokenizer = load_model(ours)
+    prompt = tokenizer.tokenize("To be, or not")
+    theirs = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert generate(model, prompt, 12, 64) == theirs
