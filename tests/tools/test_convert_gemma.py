@@ -71,6 +71,21 @@ def test_logits_are_transformers_and_each_layer_does_its_part(converted, undone)
     assert error < 5e-6 if undone == "as-is" else error > 2e-5, error
 
 
+def test_the_hubs_config_spelling_reads_the_same(converted):
+    """The Hub's Gemma 3 configs (transformers 4's spelling) keep rope_theta,
+    rope_local_base_freq and rope_scaling at the top level; transformers 5 moves them into
+    rope_parameters by layer type."""
+    hf_model, _, _ = converted
+    hf = {**hf_model.config.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    _, expected = model_config_from_hf(hf)
+    parameters = hf.pop("rope_parameters")
+    hub = {**hf, "rope_theta": parameters["full_attention"]["rope_theta"]}
+    hub.update(rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    _, config = model_config_from_hf(hub)
+    assert config == expected
+    assert (config.window_rotary_base, config.rotary_seq_len_interpolation_factor) == (100.0, 2.0)
+
+
 @pytest.mark.parametrize(
     "world,layout",
     [
