@@ -4,7 +4,9 @@ to show each does its part), the export's round trip, and greedy generation."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 
 import torch
@@ -58,3 +60,34 @@ def assert_greedy_generation(hf_model, ours: str) -> None:
         torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
     )[0, len(prompt) :].tolist()
     assert generate(model, prompt, 12, 64) == theirs
+
+
+def assert_text_of_multimodal(both, hf_model, ours: str, root, tokens, said: str) -> None:
+    """`both`, a multimodal model whose language model holds `hf_model`'s weights, saved as the
+    Hub keeps it: its conversion says `said` (what stays behind), holds the tensors of the text
+    model's (`ours`) bitwise, and exports as the text model, which transformers loads with
+    `hf_model`'s logits."""
+    import transformers
+
+    from tests.tools.hf_models import build_tokenizer
+
+    hub, converted, exported = (str(root / name) for name in ("hub", "threefold", "exported"))
+    both.save_pretrained(hub)
+    build_tokenizer(hub)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        convert_in_process(
+            "--loader", "hf", "--saver", "threefold", "--load-dir", hub, "--save-dir", converted
+        )
+    assert said in output.getvalue(), output.getvalue()
+    (text_config, text, _), (config, model, _) = load_model(ours), load_model(converted)
+    assert config.model == text_config.model
+    expected = text.state_dict()
+    assert all(torch.equal(t, expected[n]) for n, t in model.state_dict().items())
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", converted, "--save-dir", exported
+    )
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    assert type(reloaded) is type(hf_model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)

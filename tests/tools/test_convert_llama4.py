@@ -13,13 +13,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parity import LLAMA_MHA_STYLE, TRAINING
-from tests.tools.hf_models import (
-    VOCAB,
-    build_tokenizer,
-    convert_in_process,
-    converted_hf_model,
-    has_transformers,
-)
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -32,6 +26,7 @@ if not has_transformers():
 
 import transformers  # noqa: E402
 
+from tests.tools.hf_checks import assert_text_of_multimodal  # noqa: E402
 from tests.tools.test_convert_checkpoint import (  # noqa: E402
     TOKENS,
     _assert_transformers_losses,
@@ -112,10 +107,8 @@ def test_expert_parallel_layouts_compute_transformers_losses(converted, layout):
     _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
 
 
-def test_the_hubs_multimodal_files_convert_as_their_text_model(converted, tmp_path, capsys):
-    """Scout and Maverick are kept as Llama4ForConditionalGeneration: its language model
-    converts to the same tensors as the text model's, bitwise, the vision encoder is said to
-    stay behind, and the export is the text model transformers loads."""
+def test_the_hubs_multimodal_files_convert_as_their_text_model(converted, tmp_path):
+    """Scout and Maverick are kept as Llama4ForConditionalGeneration: its text model."""
     hf_model, _, ours = converted
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     vision.update(intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32)
@@ -123,32 +116,8 @@ def test_the_hubs_multimodal_files_convert_as_their_text_model(converted, tmp_pa
     config = transformers.Llama4Config(text_config=hf_model.config.to_dict(), vision_config=vision)
     both = transformers.Llama4ForConditionalGeneration(config)
     both.language_model.load_state_dict(hf_model.state_dict())
-    hub, converted_hub = str(tmp_path / "hub"), str(tmp_path / "threefold")
-    both.save_pretrained(hub)
-    build_tokenizer(hub)
-    convert_in_process(
-        "--loader", "hf", "--saver", "threefold", "--load-dir", hub, "--save-dir", converted_hub
-    )
-    assert "vision_model.*, multi_modal_projector.* stay behind" in capsys.readouterr().out
-    text, multimodal = load_model(ours), load_model(converted_hub)
-    assert text[0].model == multimodal[0].model
-    expected = text[1].state_dict()
-    assert all(torch.equal(t, expected[n]) for n, t in multimodal[1].state_dict().items())
-    exported = str(tmp_path / "exported")
-    convert_in_process(
-        "--loader",
-        "threefold",
-        "--saver",
-        "hf",
-        "--load-dir",
-        converted_hub,
-        "--save-dir",
-        exported,
-    )
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
-    assert type(reloaded).__name__ == "Llama4ForCausalLM"
-    with torch.no_grad():
-        assert torch.equal(reloaded(TOKENS).logits, hf_model(TOKENS).logits)
+    said = "vision_model.*, multi_modal_projector.* stay behind"
+    assert_text_of_multimodal(both, hf_model, ours, tmp_path, TOKENS, said)
 
 
 def test_what_threefold_cannot_convert_is_one_line(converted):

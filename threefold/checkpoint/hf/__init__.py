@@ -1,7 +1,7 @@
 """Hugging Face <-> threefold: configs and weights, one adapter per model family.
 
     llama.py   LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings), MistralForCausalLM
-               (without sliding-window attention), Qwen2ForCausalLM (QKV bias),
+               (and Mistral3ForConditionalGeneration's text model), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
@@ -16,7 +16,7 @@
     gemma.py   Gemma3ForCausalLM (Gemma 3's text models: GeGLU, norms after each sublayer,
                sliding windows with their own RoPE base, scaled embeddings), the text model
                of Gemma3ForConditionalGeneration (4B and up), Gemma2ForCausalLM (soft-capped)
-    multimodal.py  a multimodal checkpoint's text model (Llama 4's and Gemma 3's)
+    multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     gpt2.py    GPT2LMHeadModel
@@ -40,7 +40,7 @@ from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
-from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
 from threefold.checkpoint.hf.phi3 import PHI3
@@ -52,6 +52,7 @@ ADAPTERS: dict[str, Adapter] = {
     for adapter in (
         LLAMA,
         MISTRAL,
+        MISTRAL3,
         QWEN2,
         QWEN3,
         PHI3,

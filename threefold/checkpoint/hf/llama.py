@@ -5,6 +5,7 @@ their configs spell sliding windows and biases."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -18,6 +19,7 @@ from threefold.checkpoint.hf.common import (
     split_qkv,
     stack_qkv,
 )
+from threefold.checkpoint.hf.multimodal import TextOfMultimodal
 from threefold.config import ConfigError, ModelConfig
 
 
@@ -321,3 +323,15 @@ QWEN3 = LlamaAdapter(
     writes_biases=False,
     extra_hf_config={"attention_bias": False},
 )
+
+
+@dataclass(frozen=True)
+class Mistral3Adapter(TextOfMultimodal, LlamaAdapter):
+    """Mistral3ForConditionalGeneration (Mistral Small 3.1 and 3.2): its text model, Mistral's
+    (hf/multimodal.py)."""
+
+    left_behind_prefixes: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    exports_as: ClassVar[str] = "MistralForCausalLM"
+
+
+MISTRAL3 = Mistral3Adapter("Mistral3ForConditionalGeneration", "mistral3", windows=True)
