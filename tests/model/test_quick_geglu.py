@@ -52,7 +52,7 @@ def test_gpt_oss_mlps_train_as_one_process(world, flags, moe):
     "flags,said",
     [
         (["--quick-geglu", "--swiglu"], "--quick-geglu is the MLP's activation"),
-        (["--glu-linear-offset", "1.0"], "shape a GLU MLP: add --quick-geglu or --swiglu"),
+        (["--glu-linear-offset", "1.0"], "shape a GLU MLP: add --quick-geglu, --swiglu or --geglu"),
         (
             ["--quick-geglu", "--activation-func-clamp-value", "0"],
             "--activation-func-clamp-value 0.0 must be > 0",

@@ -108,7 +108,7 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, phi3, gemma2, gemma3, gpt-neox, gpt2, mistral, mixtral,
+    llama-yarn, qwen2, qwen3, phi3, olmo2, gemma2, gemma3, gpt-neox, gpt2, mistral, mixtral,
     qwen3-moe, qwen3-next, deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a
     tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
@@ -417,6 +417,11 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                     param.normal_(0, 0.5 if name.endswith("sinks") else 0.1)
                 elif name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+    elif kind == "olmo2":  # norms after the sublayers only; q and k normed across heads
+        config = transformers.Olmo2Config(
+            num_key_value_heads=2, tie_word_embeddings=False, **common
+        )
+        model = _shaken(transformers.Olmo2ForCausalLM(config))
     elif kind == "gpt-neox":  # Pythia's layer: attention and MLP in parallel; RoPE on a quarter
         config = transformers.GPTNeoXConfig(
             rope_parameters={

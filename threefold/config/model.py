@@ -18,6 +18,7 @@ from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
 from threefold.config.mup import MuPConfig
+from threefold.config.olmo import OlmoConfig
 from threefold.config.recompute import RecomputeConfig
 from threefold.config.window_attention import WindowAttentionConfig
 
@@ -30,6 +31,7 @@ class ModelConfig(
     WindowAttentionConfig,
     Llama4Config,
     GemmaConfig,
+    OlmoConfig,
     MoEConfig,
     MTPConfig,
     RecomputeConfig,
@@ -38,11 +40,11 @@ class ModelConfig(
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, Llama 4 attention, Gemma's layers, multi-token
-    prediction, recomputation, activation offloading and muP fields are inherited
+    attention, sliding-window attention, Llama 4 attention, Gemma's and OLMo 2's layers,
+    multi-token prediction, recomputation, activation offloading and muP fields are inherited
     (config/moe.py, config/mla.py, config/dsa.py, config/linear_attention.py,
-    config/window_attention.py, config/llama4.py, config/gemma.py, config/mtp.py,
-    config/recompute.py, config/activation_offload.py, config/mup.py)."""
+    config/window_attention.py, config/llama4.py, config/gemma.py, config/olmo.py,
+    config/mtp.py, config/recompute.py, config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -468,6 +470,7 @@ class ModelConfig(
         warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_llama4()
         self.finalize_gemma()
+        self.finalize_olmo()
         warnings += self.finalize_recompute()
         warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)

@@ -1,15 +1,22 @@
 """LayerNorm and RMSNorm, computed in fp32 whatever the activation dtype (as fused kernels do),
-by the kernels chosen at start-up (`threefold.kernels.dispatch`); and the L2 norm of Llama 4's
-queries and keys, an RMSNorm without a weight."""
+by the kernels chosen at start-up (`threefold.kernels.dispatch`); the L2 norm of Llama 4's
+queries and keys, an RMSNorm without a weight; and OLMo 2's query and key norms over all
+heads together."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 
 from threefold.kernels.dispatch import KERNELS
-from threefold.parallel.tensor_parallel.sharding import constant_init, mark_replicated
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.sharding import (
+    constant_init,
+    mark_replicated,
+    mark_tensor_parallel,
+)
 
 
 class Norm(nn.Module):
@@ -64,6 +71,30 @@ class L2Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class AcrossHeadsRMSNorm(nn.Module):
+    """RMSNorm of a projection's heads together, [s, b, heads, d] over heads x d (OLMo 2's
+    query and key norms, --qk-layernorm-across-heads). Under TP each rank holds its heads and
+    their share of the weight (split like the projection's rows); the squares' sum is summed
+    over the TP group, in both directions of autograd (every rank's output depends on every
+    rank's input)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, tp: Group) -> None:
+        super().__init__()
+        self.eps, self.tp, self.width = eps, tp, heads * head_dim
+        local = heads // tp.size * head_dim
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(local)), 0, constant_init(1.0), (self.width,)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-2).float()
+        squares = flat.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            squares = all_reduce(squares, group=self.tp.group)
+        normed = flat * torch.rsqrt(squares / self.width + self.eps) * self.weight.float()
+        return normed.to(x.dtype).view_as(x)
 
 
 def build_norm(config, size: int, partial_grads: bool = False) -> Norm:

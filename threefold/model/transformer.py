@@ -30,6 +30,11 @@ def dropout_add(
         return residual + F.dropout(x, p=p, training=True)
 
 
+def _no_norm(config: ModelConfig, size: int, partial_grads: bool) -> nn.Module:
+    del config, size, partial_grads
+    return nn.Identity()
+
+
 class TransformerLayer(nn.Module):
     """norm -> self-attention -> residual, norm -> MLP -> residual (with --post-sublayer-norm a
     norm on each output before its residual; with --parallel-attention-mlp both read the
@@ -49,11 +54,13 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.parallel_attention_mlp = config.parallel_attention_mlp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
-        self.input_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
+        # (--no-sublayer-input-norms: OLMo 2's layer, normed after its sublayers only)
+        norm = spec.norm if config.sublayer_input_norms else _no_norm
+        self.input_layernorm = norm(config, config.hidden_size, sequence_parallel)
         self.self_attention = spec.attention_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
-        self.pre_mlp_layernorm = spec.norm(config, config.hidden_size, sequence_parallel)
+        self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
         self.mlp = spec.mlp_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )

@@ -52,14 +52,15 @@ def _layer_parameters(
     h, d = model.hidden_size, model.kv_channels
     gate = d * model.num_attention_heads if model.attention_output_gate else 0
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
-    norm *= 2 if model.post_sublayer_norm else 1  # (Gemma's norms after the sublayers too)
+    # the norms before the attention and the MLP, and after them (Gemma's, OLMo 2's)
+    norms = 2 * int(model.sublayer_input_norms) + 2 * int(model.post_sublayer_norm)
+    norm = norms * h * (2 if model.normalization == "LayerNorm" else 1)
     if linear:
-        count = _gdn_parameters(model, tp) + 2 * norm
+        count = _gdn_parameters(model, tp) + norm
     elif model.multi_latent_attention:
-        count = _mla_parameters(model, tp) + 2 * norm
+        count = _mla_parameters(model, tp) + norm
     else:
-        count = (h * qkv + d * model.num_attention_heads * h) // tp + 2 * norm
+        count = (h * qkv + d * model.num_attention_heads * h) // tp + norm
         if model.softmax_type == "learnable":  # a sink logit per head
             count += model.num_attention_heads // tp
     if moe:
@@ -74,7 +75,9 @@ def _layer_parameters(
         return count
     if model.multi_latent_attention:
         return count + (h if model.add_bias_linear else 0)
-    if model.qk_layernorm:
+    if model.qk_layernorm and model.qk_layernorm_across_heads:  # (OLMo 2's, split over TP)
+        count += (model.num_attention_heads + model.num_query_groups) * d // tp
+    elif model.qk_layernorm:
         count += 2 * d * (2 if model.normalization == "LayerNorm" else 1)
     if model.add_bias_linear:
         count += qkv // tp + h

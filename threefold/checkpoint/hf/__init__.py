@@ -17,6 +17,8 @@
                sliding windows with their own RoPE base, scaled embeddings), the text model
                of Gemma3ForConditionalGeneration (4B and up), Gemma2ForCausalLM (soft-capped)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
+    olmo2.py   Olmo2ForCausalLM (norms after the sublayers only, query and key norms across
+               heads)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     gpt2.py    GPT2LMHeadModel
@@ -43,6 +45,7 @@ from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
+from threefold.checkpoint.hf.olmo2 import OLMO2
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
 from threefold.config import ConfigError, ModelConfig
@@ -56,6 +59,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN2,
         QWEN3,
         PHI3,
+        OLMO2,
         GEMMA2,
         GEMMA3,
         GEMMA3_CONDITIONAL,

@@ -26,6 +26,7 @@ from threefold.config.mla import (
     YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
     yarn_mscale,
 )
+from threefold.config.olmo import OlmoConfig
 from threefold.model import rope
 
 # Why a multi-latent attention model has no Hugging Face export (after "X has ").
@@ -248,6 +249,7 @@ class Adapter:
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
+    exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -398,6 +400,12 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has none of Gemma's layers ({' '.join(gemma)}): export "
                 "this model as Gemma3ForCausalLM"
+            )
+        olmo = given_flags(config, OlmoConfig)
+        if olmo and not self.exports_olmo:
+            raise ConfigError(
+                f"{self.architecture} has none of OLMo 2's layers ({' '.join(olmo)}): export "
+                "this model as Olmo2ForCausalLM"
             )
         if config.squared_relu:
             raise ConfigError(

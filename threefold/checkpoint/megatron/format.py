@@ -250,6 +250,8 @@ BEYOND_MEGATRON = (
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "parallel_attention_mlp",
+    "sublayer_input_norms",
+    "qk_layernorm_across_heads",
 )
 
 

@@ -1,0 +1,77 @@
+"""Hugging Face's Olmo2ForCausalLM (OLMo 2) in and out: norms after the sublayers only, and
+the query and key norms across all heads (config/olmo.py). A tiny OLMo 2 gives transformers'
+logits, and others with norms before the sublayers too; its per-token losses at TP2+SP (the
+heads' norm summed over the TP group) and TP2 x PP2; a bitwise round trip that transformers
+loads; greedy generation. OLMo 2's layers train over TP2+SP x PP2 as one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import LLAMA_MHA_STYLE, TRAINING, assert_matches_reference, train_job
+from tests.tools.hf_models import converted_hf_model, has_transformers
+
+if not has_transformers():
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+from tests.tools.hf_checks import (  # noqa: E402
+    assert_greedy_generation,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
+from tests.tools.test_convert_checkpoint import (  # noqa: E402
+    TOKENS,
+    _assert_transformers_losses,
+    _per_token_losses,
+)
+from tests.tools.test_convert_llama4 import TOKENS_25  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return converted_hf_model("olmo2", tmp_path_factory.mktemp("olmo2"))
+
+
+@pytest.mark.parametrize("undone", [{}, {"sublayer_input_norms": True}], ids=["as-is", "pre-norms"])
+def test_logits_are_transformers(converted, undone):
+    hf_model, _, ours = converted
+    with torch.no_grad():
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
+    assert error < 2e-6 if not undone else error > 1e-2, error
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp2-sp", "tp2-pp2"],
+)
+def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
+    hf_model, _, ours = converted
+    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
+    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
+    results = run_distributed(world, _per_token_losses, argv + layout, ours, TOKENS_25)
+    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+
+
+def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
+    hf_model, hf_dir, ours = converted
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
+
+
+OLMO = ["--post-sublayer-norm", "--no-sublayer-input-norms", "--qk-layernorm"]
+OLMO += ["--qk-layernorm-across-heads", "--num-layers", "4"]
+
+
+def test_olmo2s_layers_train_over_tp2_sp_pp2_as_one_process():
+    argv = LLAMA_MHA_STYLE + OLMO + TRAINING
+    reference = train_job(argv, 3)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout += ["--pipeline-model-parallel-size", "2"]
+    assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)

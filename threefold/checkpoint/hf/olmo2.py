@@ -1,0 +1,66 @@
+"""Olmo2ForCausalLM (OLMo 2 1B, 7B, 13B, 32B): the LLaMA family's tensors with OLMo 2's layers
+(config/olmo.py): no norm before the attention and the MLP, a norm after each
+(post_attention_layernorm, post_feedforward_layernorm: --post-sublayer-norm
+--no-sublayer-input-norms), and the query and key norms over all heads together (q_norm,
+k_norm of width heads x head size: --qk-layernorm --qk-layernorm-across-heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Olmo2Adapter(LlamaAdapter):
+    exports_olmo: ClassVar[bool] = True
+    exports_gemma: ClassVar[bool] = True  # (--post-sublayer-norm, Gemma's option too)
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        config = super().model_config(hf)
+        config.post_sublayer_norm = True
+        config.sublayer_input_norms = False
+        config.qk_layernorm = config.qk_layernorm_across_heads = True
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        gemma = [
+            config.embedding_multiplier != 1.0,
+            config.geglu,
+            config.softmax_scale,
+            config.window_rotary_base,
+            config.attn_logit_softcapping,
+            config.final_logit_softcapping,
+        ]
+        olmo = (
+            config.post_sublayer_norm
+            and not config.sublayer_input_norms
+            and config.qk_layernorm_across_heads
+        )
+        if any(gemma) or not olmo or config.add_bias_linear or config.add_qkv_bias:
+            raise ConfigError(
+                f"{self.architecture} cannot express this model: its layers are normed after "
+                "the sublayers only, with query and key norms across heads, and no biases "
+                "(--post-sublayer-norm --no-sublayer-input-norms --qk-layernorm-across-heads)"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        hf.pop("mlp_bias", None)
+        return hf
+
+    def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
+        p = f"model.layers.{i}."
+        return {
+            "self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
+            "self_attention.q_layernorm.weight": p + "self_attn.q_norm.weight",
+            "self_attention.k_layernorm.weight": p + "self_attn.k_norm.weight",
+            "post_self_attn_layernorm.weight": p + "post_attention_layernorm.weight",
+            "post_mlp_layernorm.weight": p + "post_feedforward_layernorm.weight",
+        }
+
+
+OLMO2 = Olmo2Adapter("Olmo2ForCausalLM", "olmo2")
