@@ -23,9 +23,11 @@ def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
 
 def logits_with(ours: str, tokens: torch.Tensor, **changes) -> torch.Tensor:
     """The logits [b, s, vocab] of the checkpoint `ours`, its model config changed by
-    `changes` (its weights loaded as they fit: a norm the change drops is left out)."""
+    `changes` (its weights loaded as they fit: a norm the change drops is left out, one it
+    adds keeps its initialization)."""
     config, model, _ = load_model(ours)
     other = GPTModel(dataclasses.replace(config.model, **changes), model.padded_vocab_size)
+    other.initialize(seed=0)  # (a norm the change adds starts at its initialization: 1)
     other.load_state_dict(model.state_dict(), strict=False)
     with torch.no_grad():
         return other(tokens)[..., :VOCAB].transpose(0, 1)
