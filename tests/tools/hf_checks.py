@@ -1,6 +1,7 @@
 """What the Hugging Face conversion tests of one family each check (tests/tools/
 test_convert_*.py): threefold's logits of a converted checkpoint (its model options changed,
-to show each does its part), the export's round trip, and greedy generation."""
+to show each does its part), its per-token losses in parallel layouts, the export's round
+trip, greedy generation, and a multimodal checkpoint's text model."""
 
 from __future__ import annotations
 
@@ -11,10 +12,29 @@ import os
 
 import torch
 
+from tests.distributed import run_distributed
 from tests.tools.hf_models import VOCAB, convert_in_process
+from tests.tools.test_convert_checkpoint import (
+    TOKENS,
+    _assert_transformers_losses,
+    _per_token_losses,
+)
 from threefold.checkpoint.load import load_model
 from threefold.inference import generate
 from threefold.model import GPTModel
+
+# 24 positions (sequence parallelism splits them over TP 2), and their next tokens
+TOKENS_25 = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
+
+
+def assert_layout_losses(hf_model, ours: str, world: int, layout: list[str], tokens=TOKENS) -> None:
+    """The per-token losses of `tokens` through the checkpoint `ours` at `layout` (flags after
+    the model's own, --use-checkpoint-args) on `world` gloo ranks are transformers'."""
+    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data"]
+    argv += ["--seq-length", str(tokens.shape[1] - 1), "--micro-batch-size", "2"]
+    argv += ["--global-batch-size", "2", *layout]
+    results = run_distributed(world, _per_token_losses, argv, ours, tokens)
+    _assert_transformers_losses(hf_model, [r for r in results if r is not None], tokens)
 
 
 def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:

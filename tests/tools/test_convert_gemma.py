@@ -26,18 +26,15 @@ if not has_transformers():
 import transformers  # noqa: E402
 
 from tests.tools.hf_checks import (  # noqa: E402
+    TOKENS,
+    TOKENS_25,
     assert_greedy_generation,
+    assert_layout_losses,
     assert_round_trip,
     assert_text_of_multimodal,
     logits_with,
     relative_error,
 )
-from tests.tools.test_convert_checkpoint import (  # noqa: E402
-    TOKENS,
-    _assert_transformers_losses,
-    _per_token_losses,
-)
-from tests.tools.test_convert_llama4 import TOKENS_25  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +89,7 @@ def test_the_hubs_config_spelling_reads_the_same(converted):
 )
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     hf_model, _, ours = converted
-    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
-    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
-    results = run_distributed(world, _per_token_losses, argv + layout, ours, TOKENS_25)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+    assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
 
 
 def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
@@ -141,11 +135,8 @@ def test_gemma2s_capped_scores_and_logits_are_transformers(gemma2, undone):
 
 def test_gemma2_over_tp2_sp_round_trip_and_generation(gemma2, tmp_path):
     hf_model, hf_dir, ours = gemma2
-    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
-    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
-    argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    results = run_distributed(2, _per_token_losses, argv, ours, TOKENS_25)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+    tp2_sp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert_layout_losses(hf_model, ours, 2, tp2_sp, TOKENS_25)
     exported = str(tmp_path / "exported")
     assert_round_trip(hf_model, hf_dir, ours, exported, TOKENS, attn_implementation="eager")
     assert_greedy_generation(hf_model, ours)

@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed import run_distributed
 from tests.parity import LLAMA_MHA_STYLE, TRAINING
 from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
@@ -26,15 +25,7 @@ if not has_transformers():
 
 import transformers  # noqa: E402
 
-from tests.tools.hf_checks import assert_text_of_multimodal  # noqa: E402
-from tests.tools.test_convert_checkpoint import (  # noqa: E402
-    TOKENS,
-    _assert_transformers_losses,
-    _per_token_losses,
-)
-
-# 24 positions (sequence parallelism splits them over TP 2), and their next tokens
-TOKENS_25 = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
+from tests.tools.hf_checks import TOKENS, TOKENS_25, assert_layout_losses, assert_text_of_multimodal  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +91,9 @@ def test_chunks_folded_into_the_batch_are_the_masked_attention(converted, length
 )
 def test_expert_parallel_layouts_compute_transformers_losses(converted, layout):
     hf_model, _, ours = converted
-    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
-    argv += ["--micro-batch-size", "2", "--global-batch-size", "4"]
-    argv += ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    results = run_distributed(4, _per_token_losses, argv + layout, ours, TOKENS_25)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+    experts = ["--global-batch-size", "4", "--expert-model-parallel-size", "2"]
+    experts += ["--moe-token-dispatcher-type", "alltoall"]
+    assert_layout_losses(hf_model, ours, 4, experts + layout, TOKENS_25)
 
 
 def test_the_hubs_multimodal_files_convert_as_their_text_model(converted, tmp_path):

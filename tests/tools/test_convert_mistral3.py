@@ -14,8 +14,7 @@ if not has_transformers():
 
 import transformers  # noqa: E402
 
-from tests.tools.hf_checks import assert_text_of_multimodal  # noqa: E402
-from tests.tools.test_convert_checkpoint import TOKENS  # noqa: E402
+from tests.tools.hf_checks import TOKENS, assert_text_of_multimodal  # noqa: E402
 
 
 def test_the_hubs_files_convert_as_their_text_model(tmp_path):

@@ -17,17 +17,14 @@ if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from tests.tools.hf_checks import (  # noqa: E402
+    TOKENS,
+    TOKENS_25,
     assert_greedy_generation,
+    assert_layout_losses,
     assert_round_trip,
     logits_with,
     relative_error,
 )
-from tests.tools.test_convert_checkpoint import (  # noqa: E402
-    TOKENS,
-    _assert_transformers_losses,
-    _per_token_losses,
-)
-from tests.tools.test_convert_llama4 import TOKENS_25  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +50,7 @@ def test_logits_are_transformers(converted, undone):
 )
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     hf_model, _, ours = converted
-    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "24"]
-    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
-    results = run_distributed(world, _per_token_losses, argv + layout, ours, TOKENS_25)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None], TOKENS_25)
+    assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
 
 
 def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):

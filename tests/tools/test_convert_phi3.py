@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
 from tests.tools.hf_models import converted_hf_model, has_transformers
 from threefold.checkpoint.hf import model_config_from_hf
 from threefold.checkpoint.load import load_model
@@ -18,15 +17,12 @@ if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
 from tests.tools.hf_checks import (  # noqa: E402
+    TOKENS,
     assert_greedy_generation,
+    assert_layout_losses,
     assert_round_trip,
     logits_with,
     relative_error,
-)
-from tests.tools.test_convert_checkpoint import (  # noqa: E402
-    TOKENS,
-    _assert_transformers_losses,
-    _per_token_losses,
 )
 
 
@@ -58,11 +54,8 @@ def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_pat
 
 def test_tp2_pp2_per_token_losses_are_transformers(converted):
     hf_model, _, ours = converted
-    argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "23"]
-    argv += ["--micro-batch-size", "2", "--global-batch-size", "2"]
-    argv += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    results = run_distributed(4, _per_token_losses, argv, ours)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None])
+    tp2_pp2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert_layout_losses(hf_model, ours, 4, tp2_pp2)
 
 
 def test_longrope_is_refused_by_name(converted):
