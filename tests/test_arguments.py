@@ -184,6 +184,23 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             "--num-layers 2 plus the 1 layer(s) the embedding and loss count for do not split "
             "evenly over 2 model chunks",
         ),
+        (
+            ["--longrope-short-factor", "1", "2"],
+            1,
+            "--longrope-short-factor belong to --position-embedding-type longrope",
+        ),
+        (
+            ["--position-embedding-type", "longrope", "--longrope-short-factor", "1"],
+            1,
+            "--position-embedding-type longrope takes --longrope-short-factor, "
+            "--longrope-long-factor and --longrope-original-max-position-embeddings",
+        ),
+        (
+            ["--position-embedding-type", "longrope", "--longrope-original-max-position-embeddings"]
+            + ["16", "--longrope-short-factor", *"11111111", "--longrope-long-factor", "2", "0"],
+            1,
+            "--longrope-long-factor holds 2 factors; RoPE turns 8 pairs",
+        ),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
         (

@@ -31,6 +31,8 @@ def _other_value(field: dataclasses.Field):
     action = build_parser()._option_string_actions[flag_of(field)]
     if action.choices:
         return next(choice for choice in action.choices if choice != default)
+    if action.nargs == "+":  # a list (the --longrope-*-factor lists: every value kept)
+        return [0.1, 2.0 / 3, 1e-7]
     if isinstance(default, bool):
         return not default
     if action.type is float:

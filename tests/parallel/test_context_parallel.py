@@ -559,17 +559,20 @@ def test_per_document_attention_trains_as_one_process(world, layout):
 
 YARN = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4"]
 YARN += ["--yarn-original-max-position-embeddings", "8"]
+# Phi's LongRoPE: beyond its original context of 8, the long factors (model/rope.py)
+LONGROPE = ["--position-embedding-type", "longrope", "--longrope-short-factor", "1", "1.5"]
+LONGROPE += ["--longrope-long-factor", "2", "7", "--longrope-original-max-position-embeddings", "8"]
 
 
 @pytest.mark.parametrize(
     "rope",
-    [["--rotary-interleaved"], ["--rotary-percent", "0.5"], YARN],
-    ids=["interleaved", "half", "yarn"],
+    [["--rotary-interleaved"], ["--rotary-percent", "0.5"], YARN, LONGROPE],
+    ids=["interleaved", "half", "yarn", "longrope"],
 )
 def test_rope_variants_match_at_cp2_with_restarting_positions(rope):
-    """--rotary-interleaved, --rotary-percent and YaRN turn each rank's chunks by their own
-    positions, restarted at each document: CP2 trains as one process does, and not as
-    whole-head rotate-half RoPE does."""
+    """--rotary-interleaved, --rotary-percent, YaRN and LongRoPE turn each rank's chunks by
+    their own positions, restarted at each document: CP2 trains as one process does, and not
+    as whole-head rotate-half RoPE does."""
     argv = LLAMA_STYLE + TRAINING + DOCUMENTS + rope
     reference = train_job(argv, 5)
     layout = ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]

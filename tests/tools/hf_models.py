@@ -108,9 +108,9 @@ def _shaken(model):
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
-    llama-yarn, qwen2, qwen3, phi3, olmo2, gemma2, gemma3, gpt-neox, gpt2, mistral, mixtral,
-    qwen3-moe, qwen3-next, deepseek-v3, glm4-moe, llama4, deepseek-v32, gpt-oss) with a
-    tokenizer (`chat`: a ChatML chat tokenizer)."""
+    llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
+    mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3, glm4-moe, llama4, deepseek-v32,
+    gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -207,6 +207,23 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                 "partial_rotary_factor": 0.5,
             },
             tie_word_embeddings=False,
+            pad_token_id=0,
+            **common,
+        )
+        model = _shaken(transformers.Phi3ForCausalLM(config))
+    elif kind == "phi3-longrope":  # Phi-4 mini's: LongRoPE on 3/4 of each head (6 pairs),
+        # an original context of 16 of 64, the Hub's top-level original_max_position_embeddings
+        config = transformers.Phi3Config(
+            num_key_value_heads=2,
+            original_max_position_embeddings=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0],
+            },
+            tie_word_embeddings=True,
             pad_token_id=0,
             **common,
         )

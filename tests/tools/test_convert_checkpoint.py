@@ -307,9 +307,9 @@ def test_expert_parallel_per_token_losses_match_transformers(converted, kind, la
             {"rope_type": "yarn", "factor": 4.0, "attention_factor": 2.0},
             "rope_scaling.attention_factor=2.0",
         ),
-        (  # (llama3's other bands convert: Scout's, tests/tools/test_convert_llama4.py)
+        (  # (LongRoPE converts: Phi-4 mini's, tests/tools/test_convert_phi3.py)
             {"rope_type": "longrope", "factor": 8.0, "original_max_position_embeddings": 4096},
-            "rope_scaling='longrope'",
+            "no 'short_factor' field, which LlamaForCausalLM needs",
         ),
     ],
 )

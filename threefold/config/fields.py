@@ -87,12 +87,15 @@ def checkpoint_fields(config_class: type, *kinds: str) -> list[dataclasses.Field
 
 def as_flags(config_class: type, values: dict, *kinds: str) -> list[str]:
     """Stored values (a config as `dataclasses.asdict` wrote it) as the flags that set them:
-    `--name VALUE`, or a boolean's bare flag when the value is not its default."""
+    `--name VALUE` (`--name V1 V2 ...` for a list), or a boolean's bare flag when the value is
+    not its default."""
     flags = []
     for field in checkpoint_fields(config_class, *kinds):
         value = values.get(field.name)
         if field.type == "bool":  # the flag sets the value that is not the default
             flags += [flag_of(field)] if value is not None and value != field.default else []
+        elif isinstance(value, list):  # a flag of nargs
+            flags += [flag_of(field), *map(str, value)]
         elif value is not None:
             flags += [flag_of(field), str(value)]
     return flags

@@ -14,6 +14,7 @@ from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_o
 from threefold.config.gemma import GemmaConfig
 from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.llama4 import Llama4Config
+from threefold.config.longrope import LongRopeConfig
 from threefold.config.mla import MLAConfig
 from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
@@ -32,6 +33,7 @@ class ModelConfig(
     Llama4Config,
     GemmaConfig,
     OlmoConfig,
+    LongRopeConfig,
     MoEConfig,
     MTPConfig,
     RecomputeConfig,
@@ -41,10 +43,11 @@ class ModelConfig(
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
     attention, sliding-window attention, Llama 4 attention, Gemma's and OLMo 2's layers,
-    multi-token prediction, recomputation, activation offloading and muP fields are inherited
-    (config/moe.py, config/mla.py, config/dsa.py, config/linear_attention.py,
+    LongRoPE, multi-token prediction, recomputation, activation offloading and muP fields are
+    inherited (config/moe.py, config/mla.py, config/dsa.py, config/linear_attention.py,
     config/window_attention.py, config/llama4.py, config/gemma.py, config/olmo.py,
-    config/mtp.py, config/recompute.py, config/activation_offload.py, config/mup.py)."""
+    config/longrope.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
+    config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -78,9 +81,10 @@ class ModelConfig(
     position_embedding_type: str = arg(
         "learned_absolute",
         checkpoint=ARCHITECTURE,
-        choices=("learned_absolute", "rope", "yarn"),
-        help="learned_absolute (GPT-2), rope (LLaMA) or yarn (RoPE stretched by YaRN: "
-        "--rotary-scaling-factor and the --yarn-* flags)",
+        choices=("learned_absolute", "rope", "yarn", "longrope"),
+        help="learned_absolute (GPT-2), rope (LLaMA), yarn (RoPE stretched by YaRN: "
+        "--rotary-scaling-factor and the --yarn-* flags) or longrope (Phi's: the --longrope-* "
+        "flags)",
     )
     # False: Megatron's --no-position-embedding
     add_position_embedding: bool = arg(
@@ -308,8 +312,9 @@ class ModelConfig(
 
     @property
     def rotary_position_embeddings(self) -> bool:
-        """Whether attention turns queries and keys by the model's RoPE tables (rope, yarn)."""
-        return self.position_embedding_type in ("rope", "yarn")
+        """Whether attention turns queries and keys by the model's RoPE tables (rope, yarn,
+        longrope)."""
+        return self.position_embedding_type in ("rope", "yarn", "longrope")
 
     @property
     def rotary_dim(self) -> int:
@@ -396,8 +401,8 @@ class ModelConfig(
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "yarn"),
-            "--position-embedding-type must be learned_absolute, rope or yarn",
+            self.position_embedding_type in ("learned_absolute", "rope", "yarn", "longrope"),
+            "--position-embedding-type must be learned_absolute, rope, yarn or longrope",
         )
         _require(
             self.add_position_embedding or self.rotary_position_embeddings,
@@ -431,13 +436,16 @@ class ModelConfig(
         for name, given in (
             ("--use-rope-scaling", self.use_rope_scaling),
             ("--rotary-interleaved", self.rotary_interleaved),
-            ("--rotary-percent", self.rotary_percent != 1.0),
             ("--rotary-seq-len-interpolation-factor", self.rotary_seq_len_interpolation_factor),
         ):
             _require(
                 not given or self.position_embedding_type == "rope",
                 f"{name} needs --position-embedding-type rope",
             )
+        _require(
+            self.rotary_percent == 1.0 or self.position_embedding_type in ("rope", "longrope"),
+            "--rotary-percent needs --position-embedding-type rope (or longrope)",
+        )
         _require(
             not (self.rotary_seq_len_interpolation_factor and self.multi_latent_attention),
             "--rotary-seq-len-interpolation-factor with multi-latent attention, whose RoPE "
@@ -454,6 +462,7 @@ class ModelConfig(
         )
         _require(self.rope_scaling_factor >= 1, "--rope-scaling-factor must be >= 1")
         self._check_rope_scaling_bands()
+        self.finalize_longrope()
         _require(
             self.normalization in ("LayerNorm", "RMSNorm"),
             "--normalization must be LayerNorm or RMSNorm",

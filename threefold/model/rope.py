@@ -17,6 +17,9 @@ the original context many times are kept, those that fit it less than once are s
 ratio. `--position-embedding-type yarn` stretches other attention's RoPE the same way, with
 its own original context and betas (--yarn-*).
 
+`--position-embedding-type longrope` divides each frequency by a factor of its own, the short
+or the long ones by --seq-length, and scales the tables (config/longrope.py).
+
 `--rotary-seq-len-interpolation-factor F` divides the positions by F (linear position
 interpolation, Hugging Face's `linear` rope type): a model trained on N tokens reads F x N."""
 
@@ -128,21 +131,36 @@ def yarn_frequencies(dim: int, base: float, yarn: Yarn) -> torch.Tensor:
     return slowed * (1 - keep) + kept * keep
 
 
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """RoPE with YaRN's frequencies; the tables scaled by mscale / mscale_all_dim's ratio."""
+class ScaledRotaryEmbedding(RotaryEmbedding):
+    """RoPE of given inverse frequencies whose tables are multiplied by `table_scale`: YaRN's
+    (mscale over mscale_all_dim's ratio) and LongRoPE's (its attention factor)."""
 
-    def __init__(self, head_dim: int, base: float, yarn: Yarn) -> None:
+    def __init__(self, inv_freq: torch.Tensor, table_scale: float) -> None:
         nn.Module.__init__(self)
         self.interpolation_factor = None
-        self.register_buffer("inv_freq", yarn_frequencies(head_dim, base, yarn), persistent=False)
-        factor = yarn.factor
-        self.table_scale = yarn_mscale(factor, yarn.mscale) / yarn_mscale(
-            factor, yarn.mscale_all_dim
-        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.table_scale = table_scale
 
     def forward(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super().forward(seq_length, device)
         return cos * self.table_scale, sin * self.table_scale
+
+
+def yarn_rotary_embedding(head_dim: int, base: float, yarn: Yarn) -> ScaledRotaryEmbedding:
+    table_scale = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(
+        yarn.factor, yarn.mscale_all_dim
+    )
+    return ScaledRotaryEmbedding(yarn_frequencies(head_dim, base, yarn), table_scale)
+
+
+def longrope_rotary_embedding(config: ModelConfig) -> ScaledRotaryEmbedding:
+    """LongRoPE (config/longrope.py): each frequency divided by its factor, computed in fp32
+    as transformers' `longrope` does; the tables scaled by the attention factor."""
+    dim = config.rotary_dim
+    factors = torch.tensor(config.longrope_factors, dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (factors * config.rotary_base**exponents)
+    return ScaledRotaryEmbedding(inv_freq, config.longrope_attention_factor)
 
 
 def rotate_mla(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -161,7 +179,7 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
         dim = config.qk_pos_emb_head_dim
         if not config.mla_yarn:
             return RotaryEmbedding(dim, config.rotary_base)
-        return YarnRotaryEmbedding(dim, config.rotary_base, stretch)
+        return yarn_rotary_embedding(dim, config.rotary_base, stretch)
     if config.position_embedding_type == "yarn":
         given = {
             "original_context": config.yarn_original_max_position_embeddings,
@@ -173,7 +191,9 @@ def rotary_embedding(config: ModelConfig) -> RotaryEmbedding | None:
             round_to_int=config.yarn_correction_range_round_to_int,
             **{name: value for name, value in given.items() if value is not None},
         )
-        return YarnRotaryEmbedding(config.rotary_dim, config.rotary_base, stretch)
+        return yarn_rotary_embedding(config.rotary_dim, config.rotary_base, stretch)
+    if config.position_embedding_type == "longrope":
+        return longrope_rotary_embedding(config)
     if config.position_embedding_type != "rope":
         return None
     scaling = None

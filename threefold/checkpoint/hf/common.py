@@ -13,6 +13,7 @@ Weight layouts:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -98,21 +99,23 @@ def refuse_other_values(settings: dict, fixed: dict, where: str, why: str) -> No
 
 
 def rope_settings(hf: dict) -> tuple[float, dict]:
-    """(RoPE base, the ModelConfig fields of its scaling: Llama 3.1's llama3 or YaRN) of a
-    Hugging Face config."""
+    """(RoPE base, the ModelConfig fields of its scaling: Llama 3.1's llama3, YaRN or
+    LongRoPE) of a Hugging Face config."""
     parameters = hf.get("rope_parameters") or {}
     scaling = {**(hf.get("rope_scaling") or {}), **parameters}
     rope_type = scaling.get("rope_type", scaling.get("type"))
     refuse(
-        rope_type not in (None, "default", "linear", "llama3", "yarn"),
+        rope_type not in (None, "default", "linear", "llama3", "yarn", "longrope", "su"),
         "rope_scaling",
         rope_type,
         "threefold implements plain RoPE, linear position interpolation, Llama 3.1's llama3 "
-        "scaling and YaRN",
+        "scaling, YaRN and LongRoPE",
     )
     theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope_type == "yarn":
         return theta, _yarn_fields(scaling, hf)
+    if rope_type in ("longrope", "su"):  # ("su": its name in Phi-3's first configs)
+        return theta, _longrope_fields(scaling, hf)
     if rope_type == "linear":  # (transformers divides the frequencies, megatron-core positions)
         return theta, {"rotary_seq_len_interpolation_factor": float(scaling["factor"])}
     if rope_type != "llama3":
@@ -166,6 +169,29 @@ def _yarn_fields(scaling: dict, hf: dict) -> dict:
     }
 
 
+def _longrope_fields(scaling: dict, hf: dict) -> dict:
+    """LongRoPE as transformers reads it: the original context from the config's top level
+    first (Phi-3's), the attention factor given, else from `factor`, else from the ratio of
+    the contexts (config/longrope.py)."""
+    positions = hf.get("max_position_embeddings", 4096)
+    original = int(
+        hf.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or positions
+    )
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling.get("factor") or positions / original
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {
+        "position_embedding_type": "longrope",
+        "longrope_short_factor": [float(f) for f in scaling["short_factor"]],
+        "longrope_long_factor": [float(f) for f in scaling["long_factor"]],
+        "longrope_original_max_position_embeddings": original,
+        "longrope_attention_factor": float(attention),
+    }
+
+
 def llama3_rope_scaling(config: ModelConfig) -> dict:
     return {
         "rope_type": "llama3",
@@ -188,6 +214,14 @@ def rope_scaling(config: ModelConfig) -> dict | None:
         return {"rope_type": "linear", "factor": float(interpolation)}
     if config.use_rope_scaling:
         return llama3_rope_scaling(config)
+    if config.position_embedding_type == "longrope":
+        return {
+            "rope_type": "longrope",
+            "short_factor": config.longrope_short_factor,
+            "long_factor": config.longrope_long_factor,
+            "original_max_position_embeddings": config.longrope_original_max_position_embeddings,
+            "attention_factor": config.longrope_attention_factor,
+        }
     if config.position_embedding_type != "yarn":
         return None
     return {

@@ -100,7 +100,10 @@ class LlamaAdapter(Adapter):
             group_query_attention=groups != heads,
             num_query_groups=groups,
             kv_channels=hf.get("head_dim") or hidden // heads,
-            seq_length=min(positions, 4096),
+            # (LongRoPE: up to its original context, where transformers takes its short factors)
+            seq_length=min(
+                positions, 4096, scaling.get("longrope_original_max_position_embeddings", 4096)
+            ),
             max_position_embeddings=positions,
             rotary_base=theta,
             **{"position_embedding_type": "rope", **scaling},

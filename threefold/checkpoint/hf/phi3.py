@@ -7,8 +7,8 @@ projections fused.
 Everything else maps as LLaMA's: the norms, o_proj, down_proj and the ends; a sliding window
 in every layer where the config names one (Phi-3 mini: 2047 tokens, --window-size 2046,0); RoPE
 on the first partial_rotary_factor of each head, its halves rotated (--rotary-percent).
-LongRoPE (the 128k-context models, Phi-4-mini) is refused by name, as every adapter refuses
-it: its factors switch with the sequence's length.
+LongRoPE (the 128k-context models, Phi-3.5 and Phi-4 mini) is --position-embedding-type
+longrope; its original context is the config's top-level original_max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ class Phi3Adapter(LlamaAdapter):
         for field in ("attention_bias", "mlp_bias"):
             refuse(bool(hf.get(field)), field, hf.get(field), "Phi-3's projections have none")
         # (a config without sliding_window has none: Mistral's default of 4096 is not Phi's)
-        config = super().model_config({"sliding_window": None, **hf})
+        hf = {"sliding_window": None, **hf}
+        scaling = hf.get("rope_scaling") or {}
+        if scaling.get("type", scaling.get("rope_type")) == "yarn":  # (Phi3Config's reading)
+            hf["rope_scaling"] = {**scaling, "type": "longrope", "rope_type": "longrope"}
+        config = super().model_config(hf)
         config.rotary_percent = partial_rotary_factor(hf)
         return config
 
@@ -44,7 +48,9 @@ class Phi3Adapter(LlamaAdapter):
 
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)
-        hf["original_max_position_embeddings"] = config.max_position_embeddings
+        hf["original_max_position_embeddings"] = (
+            config.longrope_original_max_position_embeddings or config.max_position_embeddings
+        )
         hf["partial_rotary_factor"] = config.rotary_percent
         # Phi3Config's defaults are Phi-3's vocabulary's (32000): the source's ids, when the
         # checkpoint was converted from one, are written over these

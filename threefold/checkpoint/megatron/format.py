@@ -24,6 +24,7 @@ from threefold.config import Config, ConfigError, DataConfig, ModelConfig, Paral
 from threefold.config.dsa import DSA
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields, given_flags
 from threefold.config.linear_attention import GATED_DELTA_NET
+from threefold.config.longrope import FIELDS as LONGROPE_FIELDS
 
 BACKEND = {
     "sharded_backend": "torch_dist",
@@ -252,6 +253,7 @@ BEYOND_MEGATRON = (
     "parallel_attention_mlp",
     "sublayer_input_norms",
     "qk_layernorm_across_heads",
+    *LONGROPE_FIELDS,
 )
 
 
