@@ -29,6 +29,8 @@ JOB_TIMEOUT_S = 600
 # machine paid for every rank of every pool: 8 spawned ranks took 13.4 s to answer a first
 # job, 8 forked ones 1.8 s.
 PRELOAD = ["torch", "torch.distributed", "threefold.training.trainer", "tests.distributed"]
+# Objects a collection finds in its oldest generation beyond which a job imported a library.
+IMPORTED_OBJECTS = 50_000
 
 
 def free_port() -> int:
@@ -81,11 +83,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             # cycles; until a collection frees them, each group keeps its gloo threads polling,
             # and hundreds of jobs' worth slowed every later test.
             gc.collect()
-            # What survived (what a job imported: megatron-core's and transformers' modules,
-            # some 150,000 objects) joins the frozen imports: each later collection passed
-            # over it again, 66 ms of CPU a rank after every job from the first that imported
-            # megatron-core on.
-            gc.freeze()
+            # A job that imported a library (megatron-core, transformers: some 150,000
+            # objects) has it join the frozen imports: each later collection passed over it
+            # again, 66 ms of CPU a rank after every job. Only then: what else survived is
+            # frozen with it, and a process group among it is never collected (freezing after
+            # every job kept twice as many groups' gloo threads alive).
+            if len(gc.get_objects(generation=2)) > IMPORTED_OBJECTS:
+                gc.freeze()
     dist.destroy_process_group()
 
 

@@ -57,6 +57,7 @@ class LongRopeConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         minimum=2,
+        metavar="N",
         help="the context the model was pretrained at (the short factors' reach)",
     )
     longrope_attention_factor: float | None = arg(
@@ -64,6 +65,7 @@ class LongRopeConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         minimum=0,
+        metavar="A",
         help="the RoPE tables' scale (default: sqrt(1 + ln(s) / ln(original)), s the ratio of "
         "--max-position-embeddings to the original context)",
     )
