@@ -109,8 +109,8 @@ def _shaken(model):
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
-    mistral, mixtral, qwen3-moe, qwen3-next, deepseek-v3, glm4-moe, llama4, deepseek-v32,
-    gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
+    deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -291,6 +291,26 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         model = transformers.Qwen3MoeForCausalLM(config)
         with torch.no_grad():
             for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "qwen2-moe":  # Qwen2's biased attention; a dense layer; unnormalized top-k
+        # probabilities beside a shared expert its sigmoid gate scales
+        config = transformers.Qwen2MoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=24,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = transformers.Qwen2MoeForCausalLM(config)
+        with torch.no_grad():  # random biases and norms, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0, 0.5)
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
     elif kind == "qwen3-next":  # gated delta nets (4 key heads of 2 value heads each, as wide
@@ -479,3 +499,25 @@ def has_transformers() -> bool:
     except ImportError:
         return False
     return os.environ.get("THREEFOLD_SKIP_HF") is None
+
+
+def assert_live_experts_convert_as_saved(hf_model, hf_dir: str, left_out=None) -> dict:
+    """transformers 5 stacks a mixture's experts in memory and saves them one by one: both
+    convert to the same tensors (`left_out`: tensors of the Hub's checkpoints added to the
+    saved ones, which the conversion leaves out). Returns them."""
+    import json
+
+    from safetensors import torch as safetensors_torch
+
+    from threefold.checkpoint.hf import hf_to_threefold, model_config_from_hf
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        architecture, config = model_config_from_hf(json.load(f))
+    saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
+    live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in live)
+    from_saved = hf_to_threefold({**saved, **(left_out or {})}, config, architecture)
+    from_live = hf_to_threefold(live, config, architecture)
+    assert from_saved.keys() == from_live.keys()
+    assert all(torch.equal(from_saved[name], from_live[name]) for name in from_saved)
+    return from_saved

@@ -490,25 +490,15 @@ def test_score_cli_reports_the_perplexity_transformers_computes(converted, tmp_p
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen3-next", "deepseek-v3", "glm4-moe"])
 def test_stacked_experts_of_a_live_model_convert_as_the_saved_ones(converted, kind):
-    """transformers 5 stacks the experts in memory and saves them one by one."""
-    import json
-
-    from threefold.checkpoint.hf import hf_to_threefold, model_config_from_hf
+    from tests.tools.hf_models import assert_live_experts_convert_as_saved
 
     hf_model, hf_dir, _ = converted[kind]
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        architecture, config = model_config_from_hf(json.load(f))
-    saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
-    live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
-    assert any(name.endswith("experts.gate_up_proj") for name in live)
-    if kind in ("deepseek-v3", "glm4-moe"):  # a Hub checkpoint's MTP layer: left out
-        saved["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
-    if kind == "qwen3-next":  # the Hub checkpoints' MTP module: left out
-        saved["mtp.fc.weight"] = torch.zeros(64, 128)
-    from_saved = hf_to_threefold(saved, config, architecture)
-    from_live = hf_to_threefold(live, config, architecture)
-    assert from_saved.keys() == from_live.keys()
-    assert all(torch.equal(from_saved[name], from_live[name]) for name in from_saved)
+    left_out = {}  # the Hub checkpoints' multi-token prediction layer or module
+    if kind in ("deepseek-v3", "glm4-moe"):
+        left_out["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
+    if kind == "qwen3-next":
+        left_out["mtp.fc.weight"] = torch.zeros(64, 128)
+    assert_live_experts_convert_as_saved(hf_model, hf_dir, left_out)
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,8 @@ def _guess_architecture(model: ModelConfig) -> str:
             return "Llama4ForCausalLM"
         if model.is_moe and model.moe_router_score_function == "sigmoid":
             return "Glm4MoeForCausalLM"  # (DeepSeek-V3's routing)
+        if model.is_moe and model.moe_shared_expert_gate and not model.qk_layernorm:
+            return "Qwen2MoeForCausalLM"  # (a gated shared expert)
         if model.is_moe:
             return "Qwen3MoeForCausalLM" if model.qk_layernorm else "MixtralForCausalLM"
         if model.qk_layernorm:
@@ -166,8 +168,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
-        "Mixtral/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; GPT-OSS: "
-        "experts with --quick-geglu and --softmax-type learnable)"
+        "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
+        "GPT-OSS: experts with --quick-geglu and --softmax-type learnable)"
     )
 
 

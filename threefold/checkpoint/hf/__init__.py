@@ -3,7 +3,8 @@
     llama.py   LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings), MistralForCausalLM
                (and Mistral3ForConditionalGeneration's text model), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
-    moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM (mixtures of experts)
+    moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (mixtures of
+               experts; Qwen2-MoE's beside a gated shared expert)
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
                DeepseekV32ForCausalLM (the same with DeepSeek sparse attention's indexer)
     glm4_moe.py  Glm4MoeForCausalLM (GLM-4.5: grouped-query attention, DeepSeek-V3's routing)
@@ -44,7 +45,7 @@ from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
-from threefold.checkpoint.hf.moe import MIXTRAL, QWEN3_MOE
+from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.olmo2 import OLMO2
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
@@ -65,6 +66,7 @@ ADAPTERS: dict[str, Adapter] = {
         GEMMA3_CONDITIONAL,
         MIXTRAL,
         QWEN3_MOE,
+        QWEN2_MOE,
         QWEN3_NEXT,
         DEEPSEEK_V3,
         DEEPSEEK_V32,

@@ -279,6 +279,8 @@ class Adapter:
     # gated delta nets, gated attention and a gated shared expert, RoPE on part of each head
     # (hf/qwen3_next.py)
     exports_qwen3_next = False
+    # a shared expert scaled by a sigmoid gate (hf/moe.py: Qwen2-MoE's, Qwen3-Next's)
+    gated_shared_expert = False
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
@@ -398,14 +400,18 @@ class Adapter:
             for flag, given in (
                 ("--experimental-attention-variant", config.gated_delta_net),
                 ("--attention-output-gate", config.attention_output_gate),
-                ("--moe-shared-expert-gate", config.moe_shared_expert_gate),
+                (
+                    "--moe-shared-expert-gate",
+                    config.moe_shared_expert_gate and not self.gated_shared_expert,
+                ),
             )
             if given
         ]
         if gated and not self.exports_qwen3_next:
             raise ConfigError(
                 f"{self.architecture} has no gated delta nets or gates ({' '.join(gated)}); "
-                "export this model as Qwen3NextForCausalLM"
+                "export this model as Qwen3NextForCausalLM (or, with only a gated shared "
+                "expert, Qwen2MoeForCausalLM)"
             )
         llama4 = [
             flag

@@ -1,4 +1,5 @@
-"""Mixtures of experts of the LLaMA family: MixtralForCausalLM and Qwen3MoeForCausalLM.
+"""Mixtures of experts of the LLaMA family: MixtralForCausalLM, Qwen3MoeForCausalLM and
+Qwen2MoeForCausalLM.
 
 Attention, norms and embeddings are the LLaMA adapter's; the MLP of an MoE layer is a router
 (HF `gate.weight` = threefold's `mlp.router.weight`, [experts, hidden]) and experts stored one
@@ -13,6 +14,11 @@ Routing: both take the softmax over all experts and its top-k; Mixtral (and Qwen
 norm_topk_prob) renormalizes the k probabilities, which is the softmax over the top-k logits
 (threefold's default), and Qwen3-MoE without it keeps them (--moe-router-pre-softmax).
 Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) become --moe-layer-freq.
+
+Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) routes as Qwen3-MoE, has Qwen2's attention
+(biases on q, k and v: qkv_bias) and beside the experts a shared expert whose output a
+sigmoid gate scales (`mlp.shared_expert.*` and `mlp.shared_expert_gate`: threefold's
+`mlp.shared_experts` with --moe-shared-expert-gate, as Qwen3-Next's).
 """
 
 from __future__ import annotations
@@ -33,8 +39,6 @@ class MoEAdapter(LlamaAdapter):
     moe_prefix: str = "mlp"  # the MoE block's name inside a layer
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     renormalizes_always: bool = True  # Mixtral; Qwen3-MoE says so in norm_topk_prob
-    # Qwen3-Next's shared expert, scaled by a sigmoid gate (hf/qwen3_next.py)
-    gated_shared_expert: ClassVar[bool] = False
 
     def model_config(self, hf: dict) -> ModelConfig:
         refuse_router_jitter(hf)
@@ -57,6 +61,9 @@ class MoEAdapter(LlamaAdapter):
         config.moe_aux_loss_coeff = hf.get("router_aux_loss_coef", 0.0)
         config.moe_layer_freq = "1" if all(pattern) else str(pattern).replace(" ", "")
         config.moe_token_dispatcher_type = "alltoall"
+        if self.gated_shared_expert:
+            config.moe_shared_expert_intermediate_size = hf["shared_expert_intermediate_size"]
+            config.moe_shared_expert_gate = True
         return config
 
     def check_exportable(self, config: ModelConfig) -> None:
@@ -70,6 +77,10 @@ class MoEAdapter(LlamaAdapter):
             (
                 config.moe_shared_expert_intermediate_size and not self.gated_shared_expert,
                 "--moe-shared-expert-intermediate-size",
+            ),
+            (
+                self.gated_shared_expert and not config.moe_shared_expert_gate,
+                "MoE layers without a gated shared expert (--moe-shared-expert-gate)",
             ),
             (
                 config.add_bias_linear,
@@ -111,11 +122,23 @@ class MoEAdapter(LlamaAdapter):
                 decoder_sparse_step=1,
                 mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
             )
+        if self.gated_shared_expert:
+            hf["shared_expert_intermediate_size"] = config.moe_shared_expert_intermediate_size
         return hf
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         if not self._pattern(config)[i]:
             return super().take_mlp(take, config, i)
+        out = self._take_experts(take, config, i)
+        if self.gated_shared_expert:
+            ours, p = f"decoder.layers.{i}.mlp.shared_experts.", f"model.layers.{i}.mlp."
+            shared = [take(p + f"shared_expert.{x}_proj.weight") for x in ("gate", "up")]
+            out[ours + "linear_fc1.weight"] = torch.cat(shared)
+            out[ours + "linear_fc2.weight"] = take(p + "shared_expert.down_proj.weight")
+            out[ours + "gate_weight"] = take(p + "shared_expert_gate.weight")
+        return out
+
+    def _take_experts(self, take: Take, config: ModelConfig, i: int) -> dict:
         ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.{self.moe_prefix}."
         stacked = f"model.layers.{i}.mlp."
         if stacked + "experts.gate_up_proj" in take:  # transformers 5's own state dict
@@ -146,6 +169,13 @@ class MoEAdapter(LlamaAdapter):
             out[f"{theirs}{gate}.weight"] = gate_weight
             out[f"{theirs}{up}.weight"] = up_weight
             out[f"{theirs}{down}.weight"] = state[expert + "linear_fc2.weight"]
+        if self.gated_shared_expert:
+            ours, p = ours + "shared_experts.", f"model.layers.{i}.mlp."
+            gate_weight, up_weight = state[ours + "linear_fc1.weight"].chunk(2)
+            out[p + "shared_expert.gate_proj.weight"] = gate_weight
+            out[p + "shared_expert.up_proj.weight"] = up_weight
+            out[p + "shared_expert.down_proj.weight"] = state[ours + "linear_fc2.weight"]
+            out[p + "shared_expert_gate.weight"] = state[ours + "gate_weight"]
         return out
 
 
@@ -159,5 +189,37 @@ QWEN3_MOE = MoEAdapter(
     window_needs_flag=True,
     writes_biases=False,
     extra_hf_config={"attention_bias": False, "use_sliding_window": False},
+    renormalizes_always=False,
+)
+
+
+@dataclass(frozen=True)
+class Qwen2MoeAdapter(MoEAdapter):
+    gated_shared_expert: ClassVar[bool] = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        if hf.get("use_sliding_window") and not hf.get("layer_types"):
+            # Qwen2MoeConfig's own rule, not Qwen2's: the even layers below max_window_layers
+            below = hf.get("max_window_layers", 28)
+            kinds = [
+                "sliding_attention" if i % 2 == 0 and i < below else "full_attention"
+                for i in range(hf["num_hidden_layers"])
+            ]
+            hf = {**hf, "layer_types": kinds}
+        config = super().model_config(hf)
+        config.add_qkv_bias = bool(hf.get("qkv_bias", True))
+        return config
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        return {**super().hf_config(config), "qkv_bias": config.add_qkv_bias}
+
+
+QWEN2_MOE = Qwen2MoeAdapter(
+    "Qwen2MoeForCausalLM",
+    "qwen2_moe",
+    qkv_bias=True,
+    window_needs_flag=True,
+    windows_by_layer=True,
+    writes_biases=False,
     renormalizes_always=False,
 )

@@ -68,18 +68,12 @@ class Qwen3NextAdapter(MoEAdapter):
         config.attention_output_gate = True
         config.apply_layernorm_1p = True
         config.rotary_percent = float(partial)
-        config.moe_shared_expert_intermediate_size = hf["shared_expert_intermediate_size"]
-        config.moe_shared_expert_gate = True
         return config
 
     def check_exportable(self, config: ModelConfig) -> None:
         super().check_exportable(config)
         problems = [
             (not config.attention_output_gate, "attention without --attention-output-gate"),
-            (
-                not (config.moe_shared_expert_intermediate_size and config.moe_shared_expert_gate),
-                "MoE layers without a gated shared expert (--moe-shared-expert-gate)",
-            ),
             (config.normalization != "RMSNorm", f"--normalization {config.normalization}"),
         ]
         for problem, what in problems:
@@ -91,7 +85,6 @@ class Qwen3NextAdapter(MoEAdapter):
         pattern = config.linear_attention_pattern(config.num_layers)
         hf.update(
             layer_types=[LINEAR if linear else FULL for linear in pattern],
-            shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
             partial_rotary_factor=config.rotary_percent,
             linear_conv_kernel_dim=config.linear_conv_kernel_dim,
             linear_key_head_dim=config.linear_key_head_dim,
@@ -193,31 +186,6 @@ class Qwen3NextAdapter(MoEAdapter):
             p + "norm.weight": state[ours + "out_norm.weight"] + shift,
             p + "out_proj.weight": state[ours + "out_proj.weight"],
         }
-
-    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
-        out = super().take_mlp(take, config, i)
-        if self._pattern(config)[i]:
-            ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-            shared = [take(p + f"shared_expert.{x}_proj.weight") for x in ("gate", "up")]
-            out[ours + "shared_experts.linear_fc1.weight"] = torch.cat(shared)
-            out[ours + "shared_experts.linear_fc2.weight"] = take(
-                p + "shared_expert.down_proj.weight"
-            )
-            out[ours + "shared_experts.gate_weight"] = take(p + "shared_expert_gate.weight")
-        return out
-
-    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
-        out = super().give_mlp(state, config, i)
-        if self._pattern(config)[i]:
-            ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-            gate, up = state[ours + "shared_experts.linear_fc1.weight"].chunk(2)
-            out[p + "shared_expert.gate_proj.weight"] = gate
-            out[p + "shared_expert.up_proj.weight"] = up
-            out[p + "shared_expert.down_proj.weight"] = state[
-                ours + "shared_experts.linear_fc2.weight"
-            ]
-            out[p + "shared_expert_gate.weight"] = state[ours + "shared_experts.gate_weight"]
-        return out
 
 
 QWEN3_NEXT = Qwen3NextAdapter(
