@@ -201,6 +201,29 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             1,
             "--longrope-long-factor holds 2 factors; RoPE turns 8 pairs",
         ),
+        (
+            ["--parallel-attention-mlp-shared-norm"],
+            1,
+            "shares the attention's input norm with the MLP: add --parallel-attention-mlp",
+        ),
+        (
+            ["--parallel-attention-mlp", "--parallel-attention-mlp-shared-norm"]
+            + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
+            1,
+            "--recompute-modules layernorm frees the attention's norm output",
+        ),
+        (
+            ["--normalization", "RMSNorm", "--no-layernorm-bias"],
+            1,
+            "--no-layernorm-bias drops LayerNorm's bias; RMSNorm has none",
+        ),
+        (
+            ["--parallel-attention-mlp", "--parallel-attention-mlp-shared-norm"]
+            + ["--fine-grained-activation-offloading", "--offload-modules", "mlp_norm"],
+            1,
+            "with --parallel-attention-mlp-shared-norm the MLP has none",
+        ),
+        (["--logit-scale", "0"], 1, "--logit-scale 0.0 must be positive"),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
         (

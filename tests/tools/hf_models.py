@@ -110,7 +110,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, cohere) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -311,6 +311,19 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "cohere":  # one bias-free LayerNorm for the parallel attention and MLP,
+        # interleaved RoPE, scaled logits, tied embeddings
+        config = transformers.CohereConfig(
+            num_key_value_heads=2,
+            logit_scale=0.25,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.CohereForCausalLM(config)
+        with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
+            for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
     elif kind == "qwen3-next":  # gated delta nets (4 key heads of 2 value heads each, as wide

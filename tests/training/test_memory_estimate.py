@@ -42,6 +42,9 @@ LEARNS = ["--dsa-indexer-loss-coeff", "0.1"]
 GEMMA = ["--post-sublayer-norm", "--geglu", "--openai-gelu", "--apply-layernorm-1p"]
 GEMMA += ["--window-size", "7,0", "--window-attn-skip-freq", "2", "--window-rotary-base", "100"]
 
+COHERE = ["--normalization", "LayerNorm", "--no-layernorm-bias", "--parallel-attention-mlp"]
+COHERE += ["--parallel-attention-mlp-shared-norm"]
+
 
 def _measure_and_estimate(argv: list[str]) -> dict:
     trainer = _setup(argv)
@@ -147,6 +150,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         MLA + WIDE + DSA + ["--bf16"],
         # Gemma 3's layers: norms after the sublayers, GeGLU, windows with their own RoPE
         [a for a in LLAMA_STYLE if a != "--swiglu"] + WIDE + GEMMA,
+        # Cohere's layers: one bias-free LayerNorm for the attention and the MLP side by side
+        LLAMA_STYLE + WIDE + COHERE,
     ],
     ids=[
         "llama",
@@ -170,6 +175,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "dsa",
         "dsa-bf16-without-indexer-loss",
         "gemma",
+        "cohere",
     ],
 )
 def test_single_process(flags):

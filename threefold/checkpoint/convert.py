@@ -145,6 +145,8 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 
 def _guess_architecture(model: ModelConfig) -> str:
+    if model.parallel_attention_mlp_shared_norm:
+        return "CohereForCausalLM"  # (one norm read by the attention and the MLP)
     if model.multi_latent_attention:
         return "DeepseekV32ForCausalLM" if model.sparse_attention else "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":

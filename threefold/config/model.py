@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from threefold.config.activation_offload import ActivationOffloadConfig
+from threefold.config.cohere import CohereConfig
 from threefold.config.dsa import DSAConfig
 from threefold.config.errors import flag
 from threefold.config.errors import require as _require
@@ -33,6 +34,7 @@ class ModelConfig(
     Llama4Config,
     GemmaConfig,
     OlmoConfig,
+    CohereConfig,
     LongRopeConfig,
     MoEConfig,
     MTPConfig,
@@ -42,12 +44,12 @@ class ModelConfig(
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, Llama 4 attention, Gemma's and OLMo 2's layers,
-    LongRoPE, multi-token prediction, recomputation, activation offloading and muP fields are
-    inherited (config/moe.py, config/mla.py, config/dsa.py, config/linear_attention.py,
-    config/window_attention.py, config/llama4.py, config/gemma.py, config/olmo.py,
-    config/longrope.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
-    config/mup.py)."""
+    attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's and Cohere's
+    layers, LongRoPE, multi-token prediction, recomputation, activation offloading and muP
+    fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
+    config/linear_attention.py, config/window_attention.py, config/llama4.py, config/gemma.py,
+    config/olmo.py, config/cohere.py, config/longrope.py, config/mtp.py, config/recompute.py,
+    config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -481,6 +483,7 @@ class ModelConfig(
         self.finalize_gemma()
         self.finalize_olmo()
         warnings += self.finalize_recompute()
+        self.finalize_cohere()
         warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return warnings + [

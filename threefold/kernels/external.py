@@ -65,8 +65,10 @@ class ApexNorms:
         self.apex = apex_norm
 
     def layer_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
     ) -> torch.Tensor:
+        if bias is None:  # (--no-layernorm-bias: apex's affine kernel takes a bias)
+            bias = torch.zeros_like(weight)
         return self.apex.fused_layer_norm_affine(x, weight, bias, (x.shape[-1],), eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

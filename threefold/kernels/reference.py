@@ -13,9 +13,10 @@ import torch.nn.functional as F
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+    bias = None if bias is None else bias.float()  # (None: --no-layernorm-bias)
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias, eps).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -155,7 +155,7 @@ class GPTModel(nn.Module):
         )
         if config.init_method_xavier_uniform:  # (Megatron-LM's: for both)
             init = scaled_init = xavier_uniform_init()
-        self.logits_mult = config.mup_logits_mult
+        self.logits_mult = config.mup_logits_mult * config.logit_scale  # (Cohere's scale)
         self.final_logit_softcapping = config.final_logit_softcapping
 
         tied = self.share_embeddings_and_output_weights
@@ -300,7 +300,7 @@ class GPTModel(nn.Module):
             if not self.post_process:
                 return hidden_states
             output_layer = functools.partial(self.output_layer, weight=self.output_weight())
-            if self.logits_mult != 1.0:  # muP's output multiplier, on the MTP depths' too
+            if self.logits_mult != 1.0:  # muP's multiplier, --logit-scale; the MTP depths' too
                 output_layer = functools.partial(_scaled, output_layer, self.logits_mult)
             if self.final_logit_softcapping is not None:  # (Gemma 2's)
                 cap = self.final_logit_softcapping

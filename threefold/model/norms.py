@@ -27,7 +27,7 @@ class Norm(nn.Module):
     (`partial_grads`; also for query/key norms, whose heads are split over the TP ranks).
 
     `zero_centered_gamma` (--apply-layernorm-1p): the weight starts at 0 and scales by
-    (1 + weight).
+    (1 + weight). `bias` False (--no-layernorm-bias): a LayerNorm of a weight only (Cohere's).
     """
 
     def __init__(
@@ -37,6 +37,7 @@ class Norm(nn.Module):
         eps: float,
         partial_grads: bool = False,
         zero_centered_gamma: bool = False,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.normalization = normalization
@@ -47,7 +48,7 @@ class Norm(nn.Module):
             constant_init(0.0 if zero_centered_gamma else 1.0),
             partial_grads,
         )
-        if normalization == "LayerNorm":
+        if normalization == "LayerNorm" and bias:
             self.bias = mark_replicated(
                 nn.Parameter(torch.empty(hidden_size)), constant_init(0.0), partial_grads
             )
@@ -98,8 +99,13 @@ class AcrossHeadsRMSNorm(nn.Module):
 
 
 def build_norm(config, size: int, partial_grads: bool = False) -> Norm:
-    """The model's kind of norm (`--normalization`, `--norm-epsilon`, `--apply-layernorm-1p`)
-    over `size` features."""
+    """The model's kind of norm (`--normalization`, `--norm-epsilon`, `--apply-layernorm-1p`,
+    `--no-layernorm-bias`) over `size` features."""
     return Norm(
-        size, config.normalization, config.norm_epsilon, partial_grads, config.apply_layernorm_1p
+        size,
+        config.normalization,
+        config.norm_epsilon,
+        partial_grads,
+        config.apply_layernorm_1p,
+        config.layernorm_bias,
     )

@@ -60,7 +60,11 @@ class TransformerLayer(nn.Module):
         self.self_attention = spec.attention_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
-        self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
+        # (--parallel-attention-mlp-shared-norm: the MLP reads the attention's normed input)
+        self.shares_norm = config.parallel_attention_mlp_shared_norm
+        self.pre_mlp_layernorm = None
+        if not self.shares_norm:
+            self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
         self.mlp = spec.mlp_of(layer_number)(
             config, parallel, init_method, output_layer_init_method
         )
@@ -98,7 +102,7 @@ class TransformerLayer(nn.Module):
         recompute_norm = self.recompute_layernorm and self.training
         norm = OutputDiscardingCheckpoint(recompute_norm)
         with offload_group("attn_norm", self.offload_attn_norm):
-            normed = norm.checkpoint(self.input_layernorm, hidden_states)
+            normed = attention_input = norm.checkpoint(self.input_layernorm, hidden_states)
         attention = self.self_attention(normed, rotary, attention_mask)
         norm.discard_output_and_register_recompute(attention)
         if self.post_self_attn_layernorm is not None:
@@ -110,8 +114,11 @@ class TransformerLayer(nn.Module):
         # --parallel-attention-mlp (GPT-NeoX): the MLP reads the layer's input too
         mlp_input = layer_input if self.parallel_attention_mlp else hidden_states
         norm = OutputDiscardingCheckpoint(recompute_norm)
-        with offload_group("mlp_norm", self.offload_mlp_norm):
-            normed = norm.checkpoint(self.pre_mlp_layernorm, mlp_input)
+        if self.shares_norm:  # (config/cohere.py refuses recomputing the norm with it)
+            normed = attention_input
+        else:
+            with offload_group("mlp_norm", self.offload_mlp_norm):
+                normed = norm.checkpoint(self.pre_mlp_layernorm, mlp_input)
         if self.recompute_mlp and self.training:
             mlp = checkpoint(self.mlp, normed)
         else:

@@ -143,7 +143,12 @@ def layer_activation_parts(
         fc1_input += 0 if model.recomputes("shared_experts") else 1
     if mlp_recomputed:  # the MLP keeps its input only: the norm's output, unless freed
         fc1_input = 0 if norms else e / sigma
-    parts = {"attn_norm": norm_block, "mlp_norm": norm_block}
+    # --parallel-attention-mlp-shared-norm (Cohere's): one norm; without SP its output is the
+    # QKV linear's input, kept once for both
+    shared = model.parallel_attention_mlp_shared_norm
+    if shared and sigma == 1 and not mlp_in_fp8:
+        fc1_input = 0
+    parts = {"attn_norm": norm_block, "mlp_norm": 0 if shared else norm_block}
     parts["qkv_linear"] = round(qkv_input * s * b * h)
     rest = round(fc1_input * s * b * h)
     if linear:  # (its input projection keeps the norm's output as a linear's input)

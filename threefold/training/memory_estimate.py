@@ -43,6 +43,11 @@ def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
     return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.add_bias_linear else 0)
 
 
+def _per_feature(model: ModelConfig) -> int:
+    """A norm's parameters per feature: its weight, and LayerNorm's bias (not Cohere's)."""
+    return 2 if model.normalization == "LayerNorm" and model.layernorm_bias else 1
+
+
 def _layer_parameters(
     model: ModelConfig, tp: int, moe: bool = False, ep: int = 1, etp: int = 1, linear: bool = False
 ) -> int:
@@ -52,9 +57,11 @@ def _layer_parameters(
     h, d = model.hidden_size, model.kv_channels
     gate = d * model.num_attention_heads if model.attention_output_gate else 0
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
-    # the norms before the attention and the MLP, and after them (Gemma's, OLMo 2's)
-    norms = 2 * int(model.sublayer_input_norms) + 2 * int(model.post_sublayer_norm)
-    norm = norms * h * (2 if model.normalization == "LayerNorm" else 1)
+    # the norms before the attention and the MLP (one for both: Cohere's), and after them
+    # (Gemma's, OLMo 2's)
+    inputs = 1 if model.parallel_attention_mlp_shared_norm else 2
+    norms = inputs * int(model.sublayer_input_norms) + 2 * int(model.post_sublayer_norm)
+    norm = norms * h * _per_feature(model)
     if linear:
         count = _gdn_parameters(model, tp) + norm
     elif model.multi_latent_attention:
@@ -78,7 +85,7 @@ def _layer_parameters(
     if model.qk_layernorm and model.qk_layernorm_across_heads:  # (OLMo 2's, split over TP)
         count += (model.num_attention_heads + model.num_query_groups) * d // tp
     elif model.qk_layernorm:
-        count += 2 * d * (2 if model.normalization == "LayerNorm" else 1)
+        count += 2 * d * _per_feature(model)
     if model.add_bias_linear:
         count += qkv // tp + h
     elif model.add_qkv_bias:
@@ -99,7 +106,7 @@ def _gdn_parameters(model: ModelConfig, tp: int) -> int:
     qk, _, v, _, heads, _ = model.gated_delta_net_sections()
     conv = (2 * qk + v) * model.linear_conv_kernel_dim
     count = _gdn_weights(model, tp) + (conv + 2 * heads) // tp
-    return count + model.linear_value_head_dim * (2 if model.normalization == "LayerNorm" else 1)
+    return count + model.linear_value_head_dim * _per_feature(model)
 
 
 def _mla_weights(model: ModelConfig, tp: int) -> int:
@@ -120,7 +127,7 @@ def _mla_weights(model: ModelConfig, tp: int) -> int:
 
 def _mla_parameters(model: ModelConfig, tp: int) -> int:
     """`_mla_weights`, the latent norms and DSA's indexer (whole on every rank)."""
-    norm = 2 if model.normalization == "LayerNorm" else 1
+    norm = _per_feature(model)
     latents = model.kv_lora_rank + (model.q_lora_rank or 0)
     count = _mla_weights(model, tp) + (latents * norm if model.qk_layernorm else 0)
     return count + (_indexer_parameters(model) if model.sparse_attention else 0)
@@ -207,7 +214,7 @@ def stage_parameters(
         count += embedding
         if model.position_embedding_type == "learned_absolute":
             count += model.max_position_embeddings * h
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    norm = h * _per_feature(model)
     if stage == pp - 1:
         count += norm  # final norm
         if model.untie_embeddings_and_output_weights or pp > 1:
@@ -226,7 +233,7 @@ def _mtp_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: 
     tp, h = parallel.tensor_model_parallel_size, model.hidden_size
     last_moe = bool(model.moe_layer_pattern(model.num_layers)[-1])
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
-    norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    norm = h * _per_feature(model)
     layer = _layer_parameters(model, tp, last_moe, ep, etp)
     count = depths * (layer + 2 * h * h // tp + 3 * norm)
     if parallel.pipeline_model_parallel_size > 1:

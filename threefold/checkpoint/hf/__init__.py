@@ -22,6 +22,8 @@
                heads)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
+    cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
+               attention and the MLP side by side, interleaved RoPE, scaled logits)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -36,6 +38,7 @@ import json
 
 import torch
 
+from threefold.checkpoint.hf.cohere import COHERE
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
@@ -75,6 +78,7 @@ ADAPTERS: dict[str, Adapter] = {
         LLAMA4_CONDITIONAL,
         GPT_OSS,
         GPT_NEOX,
+        COHERE,
         GPT2,
     )
 }

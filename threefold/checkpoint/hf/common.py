@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from threefold.config import ConfigError, ModelConfig
+from threefold.config.cohere import CohereConfig
 from threefold.config.fields import given_flags
 from threefold.config.gemma import GemmaConfig
 from threefold.config.mla import (
@@ -286,6 +287,7 @@ class Adapter:
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)
+    exports_cohere = False  # Cohere's layers (config/cohere.py, hf/cohere.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -428,6 +430,12 @@ class Adapter:
             raise ConfigError(
                 f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
                 "export this model as Llama4ForCausalLM"
+            )
+        cohere = given_flags(config, CohereConfig)
+        if cohere and not self.exports_cohere:
+            raise ConfigError(
+                f"{self.architecture} has none of Cohere's layers ({' '.join(cohere)}): export "
+                "this model as CohereForCausalLM"
             )
         if config.parallel_attention_mlp and not self.parallel_layers:
             raise ConfigError(

@@ -253,6 +253,9 @@ BEYOND_MEGATRON = (
     "parallel_attention_mlp",
     "sublayer_input_norms",
     "qk_layernorm_across_heads",
+    "parallel_attention_mlp_shared_norm",
+    "layernorm_bias",
+    "logit_scale",
     *LONGROPE_FIELDS,
 )
 

@@ -1,0 +1,164 @@
+"""Hugging Face's CohereForCausalLM (Command R, Aya): one LayerNorm without a bias read by the
+attention and the MLP side by side, RoPE on adjacent pairs, scaled logits, tied embeddings.
+A tiny one gives transformers' logits, and other logits with each of its choices undone; a
+bitwise round trip that transformers loads; greedy generation; its per-token losses at
+TP2 + SP and TP2 x PP2; Cohere's layers train over TP2 + SP x PP2 as one process; a model
+trained in threefold with them exports as Cohere; what either side cannot express is refused in
+one line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference, train_job
+from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from threefold.arguments import parse_args
+from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
+from threefold.checkpoint.load import load_model
+from threefold.checkpoint.megatron.format import megatron_args
+from threefold.config import ConfigError
+
+if not has_transformers():
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+import transformers  # noqa: E402
+
+from tests.tools.hf_checks import (  # noqa: E402
+    TOKENS,
+    TOKENS_25,
+    assert_greedy_generation,
+    assert_layout_losses,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
+
+SEQUENTIAL = {"parallel_attention_mlp": False, "parallel_attention_mlp_shared_norm": False}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(transformers' model, its directory, threefold's checkpoint of it)."""
+    return converted_hf_model("cohere", tmp_path_factory.mktemp("cohere"))
+
+
+@pytest.mark.parametrize(
+    "undone",
+    [
+        {},
+        {"parallel_attention_mlp_shared_norm": False},  # a norm of its own (at 1) for the MLP
+        SEQUENTIAL,
+        {"rotary_interleaved": False},
+        {"logit_scale": 1.0},
+    ],
+    ids=["as-is", "mlp-norm", "sequential", "halves", "unscaled"],
+)
+def test_logits_are_transformers_and_each_choice_does_its_part(converted, undone):
+    hf_model, _, ours = converted
+    config, model, _ = load_model(ours)
+    assert not any(name.endswith("layernorm.bias") for name in model.state_dict())
+    assert (config.model.logit_scale, config.model.untie_embeddings_and_output_weights) == (
+        0.25,
+        False,
+    )
+    with torch.no_grad():
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
+    assert error < 1e-5 if not undone else error > 1e-3, error
+
+
+def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
+    hf_model, hf_dir, ours = converted
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp2-sp", "tp2-pp2"],
+)
+def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
+    """The shared norm's output feeds both sublayers' column-parallel inputs (under SP: their
+    gathers of the sequence)."""
+    hf_model, _, ours = converted
+    assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
+
+
+COHERE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+COHERE += ["--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope"]
+COHERE += ["--rotary-interleaved", "--normalization", "LayerNorm", "--no-layernorm-bias"]
+COHERE += ["--parallel-attention-mlp", "--parallel-attention-mlp-shared-norm"]
+COHERE += ["--logit-scale", "0.5", "--mock-data", "--vocab-size", str(VOCAB)]
+COHERE += ["--seq-length", "24", "--micro-batch-size", "2", "--train-iters", "1"]
+
+
+def test_a_model_trained_with_coheres_layers_exports_as_cohere(tmp_path):
+    from tests.parity import _setup
+    from threefold.checkpoint.save import save_checkpoint
+
+    ours, hf = str(tmp_path / "threefold"), str(tmp_path / "hf")
+    trainer = _setup(COHERE + ["--save", ours])
+    save_checkpoint(ours, trainer.checkpoint_components())
+    convert_in_process(
+        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", hf
+    )
+    with open(os.path.join(hf, "config.json")) as f:
+        exported = json.load(f)
+    assert (exported["architectures"], exported["logit_scale"]) == (["CohereForCausalLM"], 0.5)
+    _, model, _ = load_model(ours)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
+        assert relative_error(theirs(TOKENS).logits, expected) < 1e-5
+
+
+@pytest.mark.parametrize("field,value", [("use_qk_norm", True), ("attention_bias", True)])
+def test_what_threefold_cannot_compute_is_refused_by_name(converted, field, value):
+    _, hf_dir, _ = converted
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = {**json.load(f), field: value}
+    with pytest.raises(ConfigError, match=f"{field}={value}"):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "remove,architecture,named",
+    [
+        ([], "LlamaForCausalLM", "export this model as CohereForCausalLM"),
+        ([], "GPTNeoXForCausalLM", "export this model as CohereForCausalLM"),
+        (
+            ["--parallel-attention-mlp-shared-norm"],
+            "CohereForCausalLM",
+            "cannot express this model: its layers read one LayerNorm",
+        ),
+    ],
+    ids=["as-llama", "as-gpt-neox", "two-norms-as-cohere"],
+)
+def test_what_the_architectures_cannot_express_is_refused(remove, architecture, named):
+    config = parse_args([flag for flag in COHERE if flag not in remove]).model
+    with pytest.raises(ConfigError, match=named):
+        threefold_to_hf({}, config, architecture)
+
+
+def test_megatron_builds_none_of_coheres_layers():
+    with pytest.raises(ConfigError, match="--parallel-attention-mlp-shared-norm"):
+        megatron_args(parse_args(COHERE), 0)
+
+
+def test_coheres_layers_train_over_tp2_sp_pp2_as_one_process():
+    """The shared norm's weight gathers its gradient from both sublayers, summed over TP."""
+    layers = ["--rotary-interleaved", "--normalization", "LayerNorm", "--no-layernorm-bias"]
+    layers += ["--parallel-attention-mlp", "--parallel-attention-mlp-shared-norm"]
+    argv = LLAMA_STYLE + layers + ["--logit-scale", "0.5", "--num-layers", "4"] + TRAINING
+    reference = train_job(argv, 3)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout += ["--pipeline-model-parallel-size", "2"]
+    assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)

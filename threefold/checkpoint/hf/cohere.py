@@ -1,0 +1,85 @@
+"""CohereForCausalLM (Command R, Command R 08-2024, Aya 23, Aya Expanse): the LLaMA family's
+tensors with Cohere's layers (config/cohere.py):
+
+- one LayerNorm per layer, without a bias, read by the attention and the MLP side by side,
+  both added to the layer's input (`input_layernorm`: --parallel-attention-mlp
+  --parallel-attention-mlp-shared-norm --normalization LayerNorm --no-layernorm-bias); the
+  final norm likewise;
+- RoPE on adjacent pairs of each head (--rotary-interleaved: the weights map as they are);
+- the logits multiplied by logit_scale (--logit-scale; Command R: 0.0625), the embeddings
+  tied as a rule.
+
+Refused by name: use_qk_norm (Command R+'s per-head norms, a weight of its own for each
+head), attention_bias (biases on the attention's projections but not the MLP's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from threefold.checkpoint.hf.common import refuse
+from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class CohereAdapter(LlamaAdapter):
+    exports_cohere: ClassVar[bool] = True
+    parallel_layers: ClassVar[bool] = True
+    rotates_halves: ClassVar[bool] = False
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        refuse(
+            bool(hf.get("use_qk_norm")),
+            "use_qk_norm",
+            hf.get("use_qk_norm"),
+            "threefold's query and key norms share one weight over the heads",
+        )
+        refuse(
+            bool(hf.get("attention_bias")),
+            "attention_bias",
+            hf.get("attention_bias"),
+            "threefold has biases on all projections or none, and Cohere's MLP has none",
+        )
+        # (transformers' defaults for Cohere: the Hub's configs name theirs)
+        defaults = {"rope_theta": 500000.0, "tie_word_embeddings": True}
+        config = super().model_config(
+            {**defaults, **hf, "rms_norm_eps": hf.get("layer_norm_eps", 1e-5)}
+        )
+        config.normalization, config.layernorm_bias = "LayerNorm", False
+        config.parallel_attention_mlp = config.parallel_attention_mlp_shared_norm = True
+        config.rotary_interleaved = True
+        config.logit_scale = float(hf.get("logit_scale", 0.0625))
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        cohere = (
+            config.normalization == "LayerNorm"
+            and not config.layernorm_bias
+            and config.parallel_attention_mlp_shared_norm
+            and config.rotary_interleaved
+            and config.rotary_percent == 1.0
+        )
+        if not cohere or config.add_bias_linear or config.add_qkv_bias:
+            raise ConfigError(
+                f"{self.architecture} cannot express this model: its layers read one LayerNorm "
+                "without a bias in parallel, turn adjacent pairs of every dimension, and have no "
+                "biases (--normalization LayerNorm --no-layernorm-bias --parallel-attention-mlp "
+                "--parallel-attention-mlp-shared-norm --rotary-interleaved)"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        hf["layer_norm_eps"] = hf.pop("rms_norm_eps")
+        hf.update(logit_scale=config.logit_scale, use_qk_norm=False, attention_bias=False)
+        return hf
+
+    def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
+        names = super().layer_names(i, config)
+        del names["pre_mlp_layernorm.weight"]  # (the attention's norm serves the MLP too)
+        return names
+
+
+COHERE = CohereAdapter("CohereForCausalLM", "cohere", writes_biases=False)
