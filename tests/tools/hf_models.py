@@ -110,7 +110,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss, cohere) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, cohere, cohere2) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -323,6 +323,20 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         )
         model = transformers.CohereForCausalLM(config)
         with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "cohere2":  # Cohere's layers; layers 1-3 in a window of 8 with RoPE, the
+        # last attending to every key without positions
+        config = transformers.Cohere2Config(
+            num_key_value_heads=2,
+            logit_scale=0.25,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.Cohere2ForCausalLM(config)
+        with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)

@@ -4,7 +4,8 @@ A tiny one gives transformers' logits, and other logits with each of its choices
 bitwise round trip that transformers loads; greedy generation; its per-token losses at
 TP2 + SP and TP2 x PP2; Cohere's layers train over TP2 + SP x PP2 as one process; a model
 trained in threefold with them exports as Cohere; what either side cannot express is refused in
-one line."""
+one line. Cohere2 (Command R7B, Command A): windows with RoPE in three layers of four, full
+attention without positions in the fourth, as transformers computes them."""
 
 from __future__ import annotations
 
@@ -162,3 +163,42 @@ def test_coheres_layers_train_over_tp2_sp_pp2_as_one_process():
     layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout += ["--pipeline-model-parallel-size", "2"]
     assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def converted2(tmp_path_factory):
+    return converted_hf_model("cohere2", tmp_path_factory.mktemp("cohere2"))
+
+
+@pytest.mark.parametrize(
+    "undone",
+    [{}, {"window_size": None}, {"no_rope_freq": None}],
+    ids=["as-is", "no-windows", "rope-everywhere"],
+)
+def test_cohere2_logits_are_transformers_and_each_choice_does_its_part(converted2, undone):
+    """24 tokens over windows of 8."""
+    hf_model, _, ours = converted2
+    config, _, _ = load_model(ours)
+    assert (config.model.window_size, config.model.window_attn_skip_freq) == ("7,0", "[1,1,1,0]")
+    assert config.model.no_rope_freq == "[0,0,0,1]"
+    with torch.no_grad():
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
+    assert error < 1e-5 if not undone else error > 1e-3, error
+
+
+def test_cohere2_round_trip_generation_and_tp2_pp2_losses(converted2, tmp_path):
+    hf_model, hf_dir, ours = converted2
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert_layout_losses(hf_model, ours, 4, layout, TOKENS_25)
+
+
+def test_cohere2_refuses_rope_elsewhere_than_the_windows():
+    windows = COHERE + ["--window-size", "7,0", "--window-attn-skip-freq", "[1,0]"]
+    config = parse_args(windows + ["--no-rope-freq", "[1,0]"]).model
+    with pytest.raises(ConfigError, match="RoPE turns exactly the layers with a window"):
+        threefold_to_hf({}, config, "Cohere2ForCausalLM")
+    config = parse_args(windows + ["--no-rope-freq", "[0,1]"]).model
+    with pytest.raises(ConfigError, match="with Cohere's layers and windows: Cohere2ForCausalLM"):
+        threefold_to_hf({}, config, "CohereForCausalLM")

@@ -145,8 +145,8 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 
 def _guess_architecture(model: ModelConfig) -> str:
-    if model.parallel_attention_mlp_shared_norm:
-        return "CohereForCausalLM"  # (one norm read by the attention and the MLP)
+    if model.parallel_attention_mlp_shared_norm:  # (one norm read by the attention and MLP)
+        return "Cohere2ForCausalLM" if model.window_size else "CohereForCausalLM"
     if model.multi_latent_attention:
         return "DeepseekV32ForCausalLM" if model.sparse_attention else "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":

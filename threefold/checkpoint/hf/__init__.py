@@ -23,7 +23,8 @@
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
-               attention and the MLP side by side, interleaved RoPE, scaled logits)
+               attention and the MLP side by side, interleaved RoPE, scaled logits),
+               Cohere2ForCausalLM (Command R7B, Command A: windows with RoPE, full layers without)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -38,7 +39,7 @@ import json
 
 import torch
 
-from threefold.checkpoint.hf.cohere import COHERE
+from threefold.checkpoint.hf.cohere import COHERE, COHERE2
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
@@ -79,6 +80,7 @@ ADAPTERS: dict[str, Adapter] = {
         GPT_OSS,
         GPT_NEOX,
         COHERE,
+        COHERE2,
         GPT2,
     )
 }

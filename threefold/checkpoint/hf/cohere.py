@@ -11,6 +11,11 @@ tensors with Cohere's layers (config/cohere.py):
 
 Refused by name: use_qk_norm (Command R+'s per-head norms, a weight of its own for each
 head), attention_bias (biases on the attention's projections but not the MLP's).
+
+Cohere2ForCausalLM (Command R7B, Command A) is Cohere's model whose `layer_types` name the
+layers that attend within a sliding window of `sliding_window` keys (three in four; --window-size
+W-1,0 with a --window-attn-skip-freq pattern) and turn them by RoPE; the other layers attend to
+every key without positions (--no-rope-freq, the same pattern's complement).
 """
 
 from __future__ import annotations
@@ -83,3 +88,68 @@ class CohereAdapter(LlamaAdapter):
 
 
 COHERE = CohereAdapter("CohereForCausalLM", "cohere", writes_biases=False)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _pattern(layers: list[int]) -> str:
+    return "[" + ",".join(map(str, layers)) + "]"
+
+
+@dataclass(frozen=True)
+class Cohere2Adapter(CohereAdapter):
+    windows_by_layer: ClassVar[bool] = True
+    exports_llama4: ClassVar[bool] = True  # (--no-rope-freq, Llama 4's layers without RoPE)
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        layers = hf["num_hidden_layers"]
+        every = hf.get("sliding_window_pattern", 4)  # (the Hub's first configs)
+        kinds = hf.get("layer_types") or [
+            SLIDING if (i + 1) % every else FULL for i in range(layers)
+        ]
+        refuse(set(kinds) - {SLIDING, FULL}, "layer_types", kinds, f"{SLIDING} or {FULL} only")
+        window = hf.get("sliding_window", 4096)
+        refuse(
+            window is None,
+            "sliding_window",
+            window,
+            "transformers then turns no layer by RoPE; give the window",
+        )
+        config = super().model_config({k: v for k, v in hf.items() if k != "sliding_window"})
+        sliding = [int(kind == SLIDING) for kind in kinds]
+        if any(sliding):
+            config.window_size = f"{window - 1},0"
+            config.window_attn_skip_freq = None if all(sliding) else _pattern(sliding)
+        if not all(sliding):
+            config.no_rope_freq = _pattern([1 - layer for layer in sliding])
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        sliding = config.window_pattern(config.num_layers)
+        llama4 = [
+            config.qk_l2_norm,
+            config.attention_chunk_size,
+            config.attn_temperature_tuning,
+            config.moe_apply_probs_on_input,
+        ]
+        if any(llama4) or config.no_rope_pattern(config.num_layers) != [1 - w for w in sliding]:
+            raise ConfigError(
+                f"{self.architecture} cannot express this model: RoPE turns exactly the layers "
+                "with a window (--no-rope-freq the complement of --window-attn-skip-freq), and "
+                "none of Llama 4's other layers"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        del hf["use_qk_norm"]
+        sliding = config.window_pattern(config.num_layers)
+        window = config.attention_window()
+        hf.update(
+            layer_types=[SLIDING if layer else FULL for layer in sliding],
+            sliding_window=None if window is None else window + 1,
+        )
+        return hf
+
+
+COHERE2 = Cohere2Adapter("Cohere2ForCausalLM", "cohere2", writes_biases=False)

@@ -429,7 +429,8 @@ class Adapter:
         if llama4 and not self.exports_llama4:
             raise ConfigError(
                 f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
-                "export this model as Llama4ForCausalLM"
+                "export this model as Llama4ForCausalLM (with Cohere's layers and windows: "
+                "Cohere2ForCausalLM)"
             )
         cohere = given_flags(config, CohereConfig)
         if cohere and not self.exports_cohere:
