@@ -110,7 +110,8 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss, cohere, cohere2) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq) with a tokenizer
+    (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -326,6 +327,31 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
+    elif kind.startswith("falcon"):  # falcon: Falcon-7B's layer (one norm, one key and value
+        # head); falcon-new: 40B's (a norm each, 2 groups); falcon-seq: one after the other,
+        # a key and value per head, biases
+        layer = {
+            "falcon": {},
+            "falcon-new": {"new_decoder_architecture": True, "num_kv_heads": 2},
+            "falcon-seq": {"parallel_attn": False, "multi_query": False, "bias": True},
+        }[kind]
+        config = transformers.FalconConfig(
+            vocab_size=VOCAB,
+            num_hidden_layers=num_layers,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=128,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **layer,
+        )
+        model = transformers.FalconForCausalLM(config)
+        with torch.no_grad():  # norms and biases away from their start
+            for name, param in model.named_parameters():
+                if "ln" in name or "layernorm" in name:
+                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    param.normal_(0, 0.1)
     elif kind == "cohere2":  # Cohere's layers; layers 1-3 in a window of 8 with RoPE, the
         # last attending to every key without positions
         config = transformers.Cohere2Config(

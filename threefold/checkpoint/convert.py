@@ -145,6 +145,12 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 
 def _guess_architecture(model: ModelConfig) -> str:
+    if model.normalization == "LayerNorm" and model.rotary_position_embeddings:
+        if not model.swiglu and model.add_bias_linear and model.parallel_attention_mlp:
+            if not model.parallel_attention_mlp_shared_norm:
+                return "GPTNeoXForCausalLM"  # (a norm for each of the side-by-side sublayers)
+        if not model.swiglu:
+            return "FalconForCausalLM"
     if model.parallel_attention_mlp_shared_norm:  # (one norm read by the attention and MLP)
         return "Cohere2ForCausalLM" if model.window_size else "CohereForCausalLM"
     if model.multi_latent_attention:
@@ -171,7 +177,8 @@ def _guess_architecture(model: ModelConfig) -> str:
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
         "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
-        "GPT-OSS: experts with --quick-geglu and --softmax-type learnable)"
+        "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; Falcon and "
+        "GPT-NeoX: LayerNorm + GELU + RoPE; Cohere: --parallel-attention-mlp-shared-norm)"
     )
 
 

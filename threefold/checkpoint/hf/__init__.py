@@ -25,6 +25,8 @@
     cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
                attention and the MLP side by side, interleaved RoPE, scaled logits),
                Cohere2ForCausalLM (Command R7B, Command A: windows with RoPE, full layers without)
+    falcon.py  FalconForCausalLM (Falcon-7B, 40B, 180B, Falcon2-11B: side-by-side layers with one
+               norm or two, one key and value head or groups)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -42,6 +44,7 @@ import torch
 from threefold.checkpoint.hf.cohere import COHERE, COHERE2
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
+from threefold.checkpoint.hf.falcon import FALCON
 from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
@@ -81,6 +84,7 @@ ADAPTERS: dict[str, Adapter] = {
         GPT_NEOX,
         COHERE,
         COHERE2,
+        FALCON,
         GPT2,
     )
 }

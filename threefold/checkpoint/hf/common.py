@@ -287,7 +287,8 @@ class Adapter:
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)
-    exports_cohere = False  # Cohere's layers (config/cohere.py, hf/cohere.py)
+    # config/cohere.py's layers (hf/cohere.py; hf/falcon.py: the shared norm, checked there)
+    exports_cohere = False
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
