@@ -110,8 +110,8 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq) with a tokenizer
-    (`chat`: a ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq, starcoder2) with a
+    tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -349,6 +349,20 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         with torch.no_grad():  # norms and biases away from their start
             for name, param in model.named_parameters():
                 if "ln" in name or "layernorm" in name:
+                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    elif kind == "starcoder2":  # GQA, biases everywhere, LayerNorm, GELU, a window of 8
+        config = transformers.Starcoder2Config(
+            num_key_value_heads=2,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.Starcoder2ForCausalLM(config)
+        with torch.no_grad():  # norms and biases away from their start
+            for name, param in model.named_parameters():
+                if "norm" in name:
                     param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
                 elif name.endswith("bias"):
                     param.normal_(0, 0.1)

@@ -146,7 +146,9 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 def _guess_architecture(model: ModelConfig) -> str:
     if model.normalization == "LayerNorm" and model.rotary_position_embeddings:
-        if not model.swiglu and model.add_bias_linear and model.parallel_attention_mlp:
+        if not model.swiglu and not model.parallel_attention_mlp:
+            return "Starcoder2ForCausalLM"  # (GPT-2's layer around LLaMA's attention)
+        if not model.swiglu and model.add_bias_linear:
             if not model.parallel_attention_mlp_shared_norm:
                 return "GPTNeoXForCausalLM"  # (a norm for each of the side-by-side sublayers)
         if not model.swiglu:
@@ -177,7 +179,7 @@ def _guess_architecture(model: ModelConfig) -> str:
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
         "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
-        "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; Falcon and "
+        "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; StarCoder2, Falcon and "
         "GPT-NeoX: LayerNorm + GELU + RoPE; Cohere: --parallel-attention-mlp-shared-norm)"
     )
 

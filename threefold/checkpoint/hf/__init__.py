@@ -27,6 +27,7 @@
                Cohere2ForCausalLM (Command R7B, Command A: windows with RoPE, full layers without)
     falcon.py  FalconForCausalLM (Falcon-7B, 40B, 180B, Falcon2-11B: side-by-side layers with one
                norm or two, one key and value head or groups)
+    starcoder2.py  Starcoder2ForCausalLM (StarCoder2: LLaMA's attention in GPT-2's layer, windows)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -56,6 +57,7 @@ from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.olmo2 import OLMO2
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
+from threefold.checkpoint.hf.starcoder2 import STARCODER2
 from threefold.config import ConfigError, ModelConfig
 
 ADAPTERS: dict[str, Adapter] = {
@@ -85,6 +87,7 @@ ADAPTERS: dict[str, Adapter] = {
         COHERE,
         COHERE2,
         FALCON,
+        STARCODER2,
         GPT2,
     )
 }
