@@ -224,6 +224,7 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             "with --parallel-attention-mlp-shared-norm the MLP has none",
         ),
         (["--logit-scale", "0"], 1, "--logit-scale 0.0 must be positive"),
+        (["--residual-multiplier", "-1"], 1, "--residual-multiplier -1.0 must be positive"),
         (["--no-save-optim"], 1, "--no-save-optim needs --save DIR"),
         (["--no-save-rng"], 1, "--no-save-rng needs --save DIR"),
         (

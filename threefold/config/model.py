@@ -13,6 +13,7 @@ from threefold.config.errors import flag
 from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of, given_flags
 from threefold.config.gemma import GemmaConfig
+from threefold.config.granite import GraniteConfig
 from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.llama4 import Llama4Config
 from threefold.config.longrope import LongRopeConfig
@@ -35,6 +36,7 @@ class ModelConfig(
     GemmaConfig,
     OlmoConfig,
     CohereConfig,
+    GraniteConfig,
     LongRopeConfig,
     MoEConfig,
     MTPConfig,
@@ -44,12 +46,12 @@ class ModelConfig(
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's and Cohere's
-    layers, LongRoPE, multi-token prediction, recomputation, activation offloading and muP
-    fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
+    attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's, Cohere's and
+    Granite's layers, LongRoPE, multi-token prediction, recomputation, activation offloading
+    and muP fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
     config/linear_attention.py, config/window_attention.py, config/llama4.py, config/gemma.py,
-    config/olmo.py, config/cohere.py, config/longrope.py, config/mtp.py, config/recompute.py,
-    config/activation_offload.py, config/mup.py)."""
+    config/olmo.py, config/cohere.py, config/granite.py, config/longrope.py, config/mtp.py,
+    config/recompute.py, config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -484,6 +486,7 @@ class ModelConfig(
         self.finalize_olmo()
         warnings += self.finalize_recompute()
         self.finalize_cohere()
+        self.finalize_granite()
         warnings += self.finalize_activation_offload()
         if self.seq_length > self.max_position_embeddings:  # (rope: learned refused above)
             return warnings + [

@@ -52,6 +52,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # 1-based and global across pipeline stages
         self.hidden_dropout = config.hidden_dropout
+        self.residual_multiplier = config.residual_multiplier  # (Granite's)
         self.parallel_attention_mlp = config.parallel_attention_mlp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         # (--no-sublayer-input-norms: OLMo 2's layer, normed after its sublayers only)
@@ -107,6 +108,8 @@ class TransformerLayer(nn.Module):
         norm.discard_output_and_register_recompute(attention)
         if self.post_self_attn_layernorm is not None:
             attention = self.post_self_attn_layernorm(attention)
+        if self.residual_multiplier != 1.0:
+            attention = attention * self.residual_multiplier
         layer_input = hidden_states
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
@@ -126,6 +129,8 @@ class TransformerLayer(nn.Module):
         norm.discard_output_and_register_recompute(mlp)
         if self.post_mlp_layernorm is not None:
             mlp = self.post_mlp_layernorm(mlp)
+        if self.residual_multiplier != 1.0:
+            mlp = mlp * self.residual_multiplier
         return dropout_add(
             mlp, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )

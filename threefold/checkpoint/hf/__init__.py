@@ -28,6 +28,7 @@
     falcon.py  FalconForCausalLM (Falcon-7B, 40B, 180B, Falcon2-11B: side-by-side layers with one
                norm or two, one key and value head or groups)
     starcoder2.py  Starcoder2ForCausalLM (StarCoder2: LLaMA's attention in GPT-2's layer, windows)
+    granite.py GraniteForCausalLM (IBM Granite 3: LLaMA with four multipliers)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -51,6 +52,7 @@ from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
+from threefold.checkpoint.hf.granite import GRANITE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
@@ -88,6 +90,7 @@ ADAPTERS: dict[str, Adapter] = {
         COHERE2,
         FALCON,
         STARCODER2,
+        GRANITE,
         GPT2,
     )
 }

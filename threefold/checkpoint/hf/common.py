@@ -22,6 +22,7 @@ from threefold.config import ConfigError, ModelConfig
 from threefold.config.cohere import CohereConfig
 from threefold.config.fields import given_flags
 from threefold.config.gemma import GemmaConfig
+from threefold.config.granite import GraniteConfig
 from threefold.config.mla import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -287,6 +288,7 @@ class Adapter:
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)
+    exports_granite = False  # Granite's residual multiplier (config/granite.py, hf/granite.py)
     # config/cohere.py's layers (hf/cohere.py; hf/falcon.py: the shared norm, checked there)
     exports_cohere = False
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
@@ -432,6 +434,12 @@ class Adapter:
                 f"{self.architecture} has none of Llama 4's layers ({' '.join(llama4)}): "
                 "export this model as Llama4ForCausalLM (with Cohere's layers and windows: "
                 "Cohere2ForCausalLM)"
+            )
+        granite = given_flags(config, GraniteConfig)
+        if granite and not self.exports_granite:
+            raise ConfigError(
+                f"{self.architecture} has no {' '.join(granite)} (Granite's): export this "
+                "model as GraniteForCausalLM"
             )
         cohere = given_flags(config, CohereConfig)
         if cohere and not self.exports_cohere:

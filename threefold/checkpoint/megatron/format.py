@@ -256,6 +256,7 @@ BEYOND_MEGATRON = (
     "parallel_attention_mlp_shared_norm",
     "layernorm_bias",
     "logit_scale",
+    "residual_multiplier",
     *LONGROPE_FIELDS,
 )
 
