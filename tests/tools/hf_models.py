@@ -110,8 +110,8 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq, starcoder2, granite)
-    with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq, starcoder2, granite,
+    granite-moe) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -377,6 +377,18 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             **common,
         )
         model = transformers.GraniteForCausalLM(config)
+    elif kind == "granite-moe":  # Granite's multipliers, 4 experts of which 2 per token
+        config = transformers.GraniteMoeConfig(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.1,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            **{**common, "intermediate_size": 32},
+        )
+        model = transformers.GraniteMoeForCausalLM(config)
     elif kind == "cohere2":  # Cohere's layers; layers 1-3 in a window of 8 with RoPE, the
         # last attending to every key without positions
         config = transformers.Cohere2Config(

@@ -2,7 +2,9 @@
 A tiny Granite gives transformers' logits, and other logits with each multiplier undone; a
 bitwise round trip that transformers loads; greedy generation; its per-token losses at
 TP2 x PP2; a model trained in threefold with --residual-multiplier exports as Granite, and as
-LLaMA is refused in one line."""
+LLaMA is refused in one line. GraniteMoe: the same multipliers over Mixtral's routing, its
+stacked experts read and written as the Hub keeps them (and as transformers 5 holds them),
+transformers' logits, a bitwise round trip and its per-token losses at PP2 x EP2."""
 
 from __future__ import annotations
 
@@ -111,3 +113,23 @@ def test_a_model_trained_with_a_residual_multiplier_exports_as_granite(tmp_path)
 def test_what_the_architectures_cannot_express_is_refused(flags, architecture, named):
     with pytest.raises(ConfigError, match=named):
         threefold_to_hf({}, parse_args(GRANITE + flags).model, architecture)
+
+
+@pytest.fixture(scope="module")
+def converted_moe(tmp_path_factory):
+    return converted_hf_model("granite-moe", tmp_path_factory.mktemp("granite_moe"))
+
+
+def test_granite_moe_logits_round_trip_and_pp2_ep2_losses(converted_moe, tmp_path):
+    from tests.tools.hf_models import assert_live_experts_convert_as_saved
+
+    hf_model, hf_dir, ours = converted_moe
+    with torch.no_grad():
+        assert relative_error(logits_with(ours, TOKENS), hf_model(TOKENS).logits) < 1e-5
+        unscaled = logits_with(ours, TOKENS, residual_multiplier=1.0)
+        assert relative_error(unscaled, hf_model(TOKENS).logits) > 1e-3
+    assert_live_experts_convert_as_saved(hf_model, hf_dir)
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    layout = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    layout += ["--moe-token-dispatcher-type", "alltoall", "--global-batch-size", "4"]  # (DP2)
+    assert_layout_losses(hf_model, ours, 4, layout, TOKENS_25)

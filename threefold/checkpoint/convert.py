@@ -164,8 +164,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
         if model.moe_apply_probs_on_input or model.no_rope_freq or model.attention_chunk_size:
             return "Llama4ForCausalLM"
-        if model.residual_multiplier != 1.0:
-            return "GraniteForCausalLM"  # (its multipliers)
+        if model.residual_multiplier != 1.0:  # (Granite's multipliers)
+            return "GraniteMoeForCausalLM" if model.is_moe else "GraniteForCausalLM"
         if model.is_moe and model.moe_router_score_function == "sigmoid":
             return "Glm4MoeForCausalLM"  # (DeepSeek-V3's routing)
         if model.is_moe and model.moe_shared_expert_gate and not model.qk_layernorm:

@@ -28,7 +28,8 @@
     falcon.py  FalconForCausalLM (Falcon-7B, 40B, 180B, Falcon2-11B: side-by-side layers with one
                norm or two, one key and value head or groups)
     starcoder2.py  Starcoder2ForCausalLM (StarCoder2: LLaMA's attention in GPT-2's layer, windows)
-    granite.py GraniteForCausalLM (IBM Granite 3: LLaMA with four multipliers)
+    granite.py GraniteForCausalLM (IBM Granite 3: LLaMA with four multipliers),
+               GraniteMoeForCausalLM (the same with Mixtral's routing, experts stacked)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -52,7 +53,7 @@ from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
-from threefold.checkpoint.hf.granite import GRANITE
+from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
@@ -91,6 +92,7 @@ ADAPTERS: dict[str, Adapter] = {
         FALCON,
         STARCODER2,
         GRANITE,
+        GRANITE_MOE,
         GPT2,
     )
 }
