@@ -111,7 +111,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
     deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq, starcoder2, granite,
-    granite-moe) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    granite-moe, gemma) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -366,6 +366,13 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
                     param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
                 elif name.endswith("bias"):
                     param.normal_(0, 0.1)
+    elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
+        config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
+        model = transformers.GemmaForCausalLM(config)
+        with torch.no_grad():  # norm weights away from their start (0: scaling by 1)
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     elif kind == "granite":  # LLaMA with Granite's four multipliers, tied embeddings
         config = transformers.GraniteConfig(
             num_key_value_heads=2,

@@ -1,11 +1,12 @@
-"""Hugging Face's Gemma 3 and Gemma 2 in and out. Gemma3ForCausalLM: a tiny Gemma 3 with
+"""Hugging Face's Gemma 3, Gemma 2 and Gemma 1 in and out. Gemma3ForCausalLM: a tiny Gemma 3 with
 three windowed layers (their own RoPE base) and a full one (linear RoPE scaling), a query
 scale of its own and norms away from their start gives transformers' logits, and other
 logits with any of Gemma's layers undone; its per-token losses at TP2+SP and TP2 x PP2; a bitwise
 round trip that transformers loads; greedy generation past the window. Gemma's options
 train over TP2+SP x PP2 as one process; what does not fit is refused in one line.
 Gemma2ForCausalLM: its soft-capped scores and logits each doing their part, TP2+SP, the
-round trip and generation."""
+round trip and generation. GemmaForCausalLM (Gemma 1): its scaled embeddings and (1 + weight)
+norms each doing their part, TP2 x PP2, the round trip and generation; Gemma 2's layers refused."""
 
 from __future__ import annotations
 
@@ -178,3 +179,34 @@ def test_what_does_not_fit_is_one_line(converted, capsys):
         parse_args(LLAMA_MHA_STYLE + capped + TRAINING, world_size=2)
     error = capsys.readouterr().err
     assert "not built across context-parallel ranks" in error and error.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def gemma1(tmp_path_factory):
+    return converted_hf_model("gemma", tmp_path_factory.mktemp("gemma"))
+
+
+@pytest.mark.parametrize(
+    "undone",
+    [{}, {"embedding_multiplier": 1.0}, {"apply_layernorm_1p": False}],
+    ids=["as-is", "embeddings-unscaled", "norms-by-weight"],
+)
+def test_gemma1_logits_are_transformers_and_each_part_does_its_part(gemma1, undone):
+    hf_model, _, ours = gemma1
+    config, _, _ = load_model(ours)
+    assert (config.model.geglu, config.model.post_sublayer_norm) == (True, False)
+    with torch.no_grad():
+        error = relative_error(logits_with(ours, TOKENS, **undone), hf_model(TOKENS).logits)
+    assert error < 1e-5 if not undone else error > 1e-3, error
+
+
+def test_gemma1_over_tp2_pp2_round_trip_generation_and_refusal(gemma1, tmp_path):
+    hf_model, hf_dir, ours = gemma1
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert_layout_losses(hf_model, ours, 4, layout, TOKENS_25)
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
+    config, _, _ = load_model(ours)
+    config.model.post_sublayer_norm = True
+    with pytest.raises(ConfigError, match="export as Gemma2ForCausalLM or Gemma3ForCausalLM"):
+        threefold_to_hf({}, config.model, "GemmaForCausalLM")

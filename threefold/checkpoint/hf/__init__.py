@@ -17,6 +17,7 @@
     gemma.py   Gemma3ForCausalLM (Gemma 3's text models: GeGLU, norms after each sublayer,
                sliding windows with their own RoPE base, scaled embeddings), the text model
                of Gemma3ForConditionalGeneration (4B and up), Gemma2ForCausalLM (soft-capped)
+               and GemmaForCausalLM (Gemma 1, CodeGemma: the LLaMA layer with Gemma's parts)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
     olmo2.py   Olmo2ForCausalLM (norms after the sublayers only, query and key norms across
                heads)
@@ -48,7 +49,7 @@ from threefold.checkpoint.hf.cohere import COHERE, COHERE2
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.falcon import FALCON
-from threefold.checkpoint.hf.gemma import GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
+from threefold.checkpoint.hf.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
@@ -73,6 +74,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3,
         PHI3,
         OLMO2,
+        GEMMA,
         GEMMA2,
         GEMMA3,
         GEMMA3_CONDITIONAL,

@@ -20,6 +20,8 @@ The LLaMA family's tensors with Gemma's layers (config/gemma.py):
 
 Bidirectional attention and attention biases are refused by name.
 Gemma3ForConditionalGeneration (4B and up) converts as its text model (hf/multimodal.py).
+GemmaForCausalLM (Gemma 1, CodeGemma) is the LLaMA layer with Gemma's embeddings, norms and
+GeGLU only.
 """
 
 from __future__ import annotations
@@ -227,3 +229,66 @@ class Gemma2Adapter(Gemma3Adapter):
 
 
 GEMMA2 = Gemma2Adapter("Gemma2ForCausalLM", "gemma2", windows_by_layer=True, writes_biases=False)
+
+
+@dataclass(frozen=True)
+class GemmaAdapter(LlamaAdapter):
+    """GemmaForCausalLM (Gemma 2B and 7B, CodeGemma): the LLaMA family's layer with Gemma's
+    embeddings scaled by sqrt(hidden_size), its (1 + weight) RMSNorms and GeGLU, and none of
+    Gemma 2's and 3's norms after the sublayers, head norms, windows or soft-capping. Its
+    configs' `hidden_act` "gelu" means the tanh approximation, as transformers reads it."""
+
+    exports_gemma: ClassVar[bool] = True
+    zero_centered_norms: ClassVar[bool] = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        activation = hf.get("hidden_act", "gelu_pytorch_tanh")
+        refuse(
+            activation not in ("gelu_pytorch_tanh", "gelu"),
+            "hidden_act",
+            activation,
+            "Gemma's GeGLU with GELU's tanh approximation only",
+        )
+        refuse(
+            bool(hf.get("use_bidirectional_attention")),
+            "use_bidirectional_attention",
+            hf.get("use_bidirectional_attention"),
+            "threefold's attention is causal",
+        )
+        config = super().model_config(
+            {**hf, "hidden_act": "silu", "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+        )
+        config.swiglu, config.geglu, config.openai_gelu = False, True, True
+        config.apply_layernorm_1p = True
+        config.embedding_multiplier = hf["hidden_size"] ** 0.5
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        problems = [
+            (config.normalization != "RMSNorm" or not config.apply_layernorm_1p, "other norms"),
+            (not (config.geglu and config.openai_gelu), "an MLP other than tanh GeGLU"),
+            (
+                abs(config.embedding_multiplier - config.hidden_size**0.5) > 1e-6,
+                "embeddings scaled other than by sqrt(--hidden-size)",
+            ),
+            (
+                config.post_sublayer_norm
+                or config.softmax_scale
+                or config.window_rotary_base
+                or config.attn_logit_softcapping
+                or config.final_logit_softcapping,
+                "Gemma 2's and 3's layers (export as Gemma2ForCausalLM or Gemma3ForCausalLM)",
+            ),
+        ]
+        for problem, what in problems:
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        return {**super().hf_config(config), "hidden_act": "gelu_pytorch_tanh"}
+
+
+GEMMA = GemmaAdapter(
+    "GemmaForCausalLM", "gemma", writes_biases=False, extra_hf_config={"attention_bias": False}
+)
