@@ -111,7 +111,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
     deepseek-v32, gpt-oss, cohere, cohere2, falcon, falcon-new, falcon-seq, starcoder2, granite,
-    granite-moe, gemma) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
+    granite-moe, gemma, olmoe) with a tokenizer (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)
@@ -373,6 +373,18 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(-0.5, 0.5)
+    elif kind == "olmoe":  # query and key norms across heads, unnormalized top-k
+        config = transformers.OlmoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **{**common, "intermediate_size": 32},
+        )
+        model = transformers.OlmoeForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     elif kind == "granite":  # LLaMA with Granite's four multipliers, tied embeddings
         config = transformers.GraniteConfig(
             num_key_value_heads=2,

@@ -2,7 +2,10 @@
 the query and key norms across all heads (config/olmo.py). A tiny OLMo 2 gives transformers'
 logits, and others with norms before the sublayers too; its per-token losses at TP2+SP (the
 heads' norm summed over the TP group) and TP2 x PP2; a bitwise round trip that transformers
-loads; greedy generation. OLMo 2's layers train over TP2+SP x PP2 as one process."""
+loads; greedy generation. OLMo 2's layers train over TP2+SP x PP2 as one process. OLMoE
+(OlmoeForCausalLM): those query and key norms in the LLaMA layer, over experts: transformers'
+logits (others with the top-k renormalized), the stacked live experts, a round trip and its
+losses at TP2 + SP x EP2."""
 
 from __future__ import annotations
 
@@ -69,3 +72,25 @@ def test_olmo2s_layers_train_over_tp2_sp_pp2_as_one_process():
     layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout += ["--pipeline-model-parallel-size", "2"]
     assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    return converted_hf_model("olmoe", tmp_path_factory.mktemp("olmoe"))
+
+
+def test_olmoe_logits_experts_round_trip_and_tp2_sp_ep2_losses(olmoe, tmp_path):
+    from tests.tools.hf_models import assert_live_experts_convert_as_saved
+
+    hf_model, hf_dir, ours = olmoe
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        assert relative_error(logits_with(ours, TOKENS), expected) < 1e-5
+        renormalized = logits_with(ours, TOKENS, moe_router_pre_softmax=False)
+        assert relative_error(renormalized, expected) > 1e-3
+    assert_live_experts_convert_as_saved(hf_model, hf_dir)
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    layout += ["--moe-token-dispatcher-type", "alltoall"]
+    assert_layout_losses(hf_model, ours, 2, layout, TOKENS_25)

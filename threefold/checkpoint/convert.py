@@ -168,6 +168,8 @@ def _guess_architecture(model: ModelConfig) -> str:
             return "GraniteMoeForCausalLM" if model.is_moe else "GraniteForCausalLM"
         if model.is_moe and model.moe_router_score_function == "sigmoid":
             return "Glm4MoeForCausalLM"  # (DeepSeek-V3's routing)
+        if model.is_moe and model.qk_layernorm_across_heads:
+            return "OlmoeForCausalLM"  # (OLMo 2's query and key norms)
         if model.is_moe and model.moe_shared_expert_gate and not model.qk_layernorm:
             return "Qwen2MoeForCausalLM"  # (a gated shared expert)
         if model.is_moe:

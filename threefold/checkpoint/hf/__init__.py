@@ -20,7 +20,7 @@
                and GemmaForCausalLM (Gemma 1, CodeGemma: the LLaMA layer with Gemma's parts)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
     olmo2.py   Olmo2ForCausalLM (norms after the sublayers only, query and key norms across
-               heads)
+               heads), OlmoeForCausalLM (OLMoE: those query and key norms, experts)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
@@ -58,7 +58,7 @@ from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
-from threefold.checkpoint.hf.olmo2 import OLMO2
+from threefold.checkpoint.hf.olmo2 import OLMO2, OLMOE
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
 from threefold.checkpoint.hf.starcoder2 import STARCODER2
@@ -74,6 +74,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3,
         PHI3,
         OLMO2,
+        OLMOE,
         GEMMA,
         GEMMA2,
         GEMMA3,

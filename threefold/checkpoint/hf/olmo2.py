@@ -2,7 +2,8 @@
 (config/olmo.py): no norm before the attention and the MLP, a norm after each
 (post_attention_layernorm, post_feedforward_layernorm: --post-sublayer-norm
 --no-sublayer-input-norms), and the query and key norms over all heads together (q_norm,
-k_norm of width heads x head size: --qk-layernorm --qk-layernorm-across-heads).
+k_norm of width heads x head size: --qk-layernorm --qk-layernorm-across-heads). OLMoE's
+mixture of experts (OlmoeForCausalLM, below) has those query and key norms in the LLaMA layer.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from threefold.checkpoint.hf.common import refuse
 from threefold.checkpoint.hf.llama import LlamaAdapter
+from threefold.checkpoint.hf.moe import MoEAdapter
 from threefold.config import ConfigError, ModelConfig
 
 
@@ -64,3 +67,51 @@ class Olmo2Adapter(LlamaAdapter):
 
 
 OLMO2 = Olmo2Adapter("Olmo2ForCausalLM", "olmo2")
+
+
+@dataclass(frozen=True)
+class OlmoeAdapter(MoEAdapter):
+    """OlmoeForCausalLM (OLMoE 1B-7B): the LLaMA layer (norms before the sublayers) with OLMo
+    2's query and key norms across all heads (--qk-layernorm-across-heads) and Qwen3-MoE's
+    experts and routing (the top-k probabilities kept: norm_topk_prob) in every layer; its
+    `intermediate_size` is each expert's. clip_qkv is refused by name."""
+
+    exports_olmo: ClassVar[bool] = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        clip = hf.get("clip_qkv")
+        refuse(clip is not None, "clip_qkv", clip, "threefold does not clamp q, k and v")
+        config = super().model_config(hf)
+        config.qk_layernorm_across_heads = True
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        olmoe = (
+            config.qk_layernorm_across_heads
+            and config.sublayer_input_norms
+            and not config.post_sublayer_norm
+            and all(self._pattern(config))
+        )
+        if not olmoe:
+            raise ConfigError(
+                f"{self.architecture} cannot express this model: its layers are normed before "
+                "the sublayers, with query and key norms across heads "
+                "(--qk-layernorm-across-heads), and every one a mixture of experts"
+            )
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        for name in ("moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+            hf.pop(name)  # (Qwen's: OLMoE's experts are its intermediate_size)
+        return {**hf, "intermediate_size": config.moe_ffn_hidden_size, "clip_qkv": None}
+
+
+OLMOE = OlmoeAdapter(
+    "OlmoeForCausalLM",
+    "olmoe",
+    qk_norm=True,
+    writes_biases=False,
+    extra_hf_config={"attention_bias": False},
+    renormalizes_always=False,
+)
