@@ -104,7 +104,7 @@ def test_a_model_trained_with_a_residual_multiplier_exports_as_granite(tmp_path)
 @pytest.mark.parametrize(
     "flags,architecture,named",
     [
-        ([], "LlamaForCausalLM", "has no --residual-multiplier"),
+        ([], "LlamaForCausalLM", r"none of Granite's layers \(--residual-multiplier\)"),
         (["--post-sublayer-norm"], "GraniteForCausalLM", "Gemma's layers besides"),
         (["--normalization", "LayerNorm", "--no-layernorm-bias"], "GraniteForCausalLM", "RMSNorm"),
     ],

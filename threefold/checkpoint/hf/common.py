@@ -265,6 +265,16 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig, halves: bool = True):
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
+# The families whose own layers (the flags of config/<family>.py) only their adapters export:
+# the Adapter attribute that says so, whose layers they are, and the architecture to export as.
+FAMILY_LAYERS = (
+    (GraniteConfig, "exports_granite", "Granite's", "GraniteForCausalLM"),
+    (CohereConfig, "exports_cohere", "Cohere's", "CohereForCausalLM"),
+    (GemmaConfig, "exports_gemma", "Gemma's", "Gemma3ForCausalLM"),
+    (OlmoConfig, "exports_olmo", "OLMo 2's", "Olmo2ForCausalLM"),
+)
+
+
 class Adapter:
     """One Hugging Face model family. Subclasses say how its config and tensors map to
     threefold's (`model_config`, `hf_config`, `take_weights`, `give_weights`); the driver
@@ -316,6 +326,13 @@ class Adapter:
                 f"{self.architecture} has no query/key norms and this model was "
                 "trained with --qk-layernorm; export it as Qwen3ForCausalLM"
             )
+
+    def refuse_problems(self, problems: list[tuple[bool, str]]) -> None:
+        """`check_exportable`'s one line: the first of `problems` (whether it holds, what the
+        architecture cannot express) that holds."""
+        for problem, what in problems:
+            if problem:
+                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         raise NotImplementedError
@@ -435,35 +452,18 @@ class Adapter:
                 "export this model as Llama4ForCausalLM (with Cohere's layers and windows: "
                 "Cohere2ForCausalLM)"
             )
-        granite = given_flags(config, GraniteConfig)
-        if granite and not self.exports_granite:
-            raise ConfigError(
-                f"{self.architecture} has no {' '.join(granite)} (Granite's): export this "
-                "model as GraniteForCausalLM"
-            )
-        cohere = given_flags(config, CohereConfig)
-        if cohere and not self.exports_cohere:
-            raise ConfigError(
-                f"{self.architecture} has none of Cohere's layers ({' '.join(cohere)}): export "
-                "this model as CohereForCausalLM"
-            )
+        for fields, exports, family, architecture in FAMILY_LAYERS:
+            flags = given_flags(config, fields)
+            if flags and not getattr(self, exports):
+                raise ConfigError(
+                    f"{self.architecture} has none of {family} layers ({' '.join(flags)}): "
+                    f"export this model as {architecture}"
+                )
         if config.parallel_attention_mlp and not self.parallel_layers:
             raise ConfigError(
                 f"{self.architecture}'s MLP reads the attention's output, and this model's "
                 "reads the layer's input (--parallel-attention-mlp): export it as "
                 "GPTNeoXForCausalLM"
-            )
-        gemma = given_flags(config, GemmaConfig)
-        if gemma and not self.exports_gemma:
-            raise ConfigError(
-                f"{self.architecture} has none of Gemma's layers ({' '.join(gemma)}): export "
-                "this model as Gemma3ForCausalLM"
-            )
-        olmo = given_flags(config, OlmoConfig)
-        if olmo and not self.exports_olmo:
-            raise ConfigError(
-                f"{self.architecture} has none of OLMo 2's layers ({' '.join(olmo)}): export "
-                "this model as Olmo2ForCausalLM"
             )
         if config.squared_relu:
             raise ConfigError(

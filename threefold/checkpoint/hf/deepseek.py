@@ -451,9 +451,7 @@ class DeepSeekV32Adapter(DeepSeekV3Adapter):
                 "(--dsa-indexer-k-norm-epsilon)",
             ),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
         super().check_exportable(config)
 
     def hf_config(self, config: ModelConfig) -> dict:

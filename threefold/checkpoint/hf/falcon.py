@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from threefold.checkpoint.hf.common import Adapter, Take, refuse, renamed
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 _TOP = {
     "embedding.word_embeddings.weight": "transformer.word_embeddings.weight",
@@ -132,9 +132,7 @@ class FalconAdapter(Adapter):
             ),
             (config.is_moe or config.window_size is not None, "experts or windows"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         groups = config.num_query_groups or config.num_attention_heads

@@ -32,7 +32,7 @@ from typing import ClassVar
 from threefold.checkpoint.hf.common import refuse, rope_scaling, rope_settings
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.multimodal import TextOfMultimodal
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 
 def _rope(hf: dict) -> tuple[dict, dict | None]:
@@ -153,9 +153,7 @@ class Gemma3Adapter(LlamaAdapter):
             ),
             (config.is_moe or config.mtp_num_layers, "experts or multi-token prediction"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         window, pattern = config.attention_window(), config.window_pattern(config.num_layers)
@@ -281,9 +279,7 @@ class GemmaAdapter(LlamaAdapter):
                 "Gemma 2's and 3's layers (export as Gemma2ForCausalLM or Gemma3ForCausalLM)",
             ),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         return {**super().hf_config(config), "hidden_act": "gelu_pytorch_tanh"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from threefold.checkpoint.hf.common import Adapter, Take, partial_rotary_factor, refuse, renamed
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 _TOP = {
     "embedding.word_embeddings.weight": "gpt_neox.embed_in.weight",
@@ -108,9 +108,7 @@ class GPTNeoXAdapter(Adapter):
             ),
             (config.is_moe or config.window_size is not None, "experts or windows"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         return {

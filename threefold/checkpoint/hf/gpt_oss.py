@@ -115,9 +115,7 @@ class GptOssAdapter(MoEAdapter):
             (not all(self._pattern(config)), "dense layers (--moe-layer-freq)"),
             (config.qk_layernorm or config.add_qkv_bias, "--qk-layernorm or --add-qkv-bias"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)

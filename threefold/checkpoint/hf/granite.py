@@ -16,7 +16,7 @@ import torch
 from threefold.checkpoint.hf.common import Take
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,7 @@ class GraniteAdapter(LlamaAdapter):
                 "Gemma's layers besides its multipliers",
             ),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         head = config.kv_channels or config.hidden_size // config.num_attention_heads

@@ -29,7 +29,7 @@ import torch
 from threefold.checkpoint.hf.common import Take, refuse, refuse_router_jitter, rope_scaling
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.multimodal import TextOfMultimodal
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 
 def _pattern(values: list[int], layers: int) -> str | None:
@@ -118,9 +118,7 @@ class Llama4Adapter(LlamaAdapter):
             ),
             (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         layers = config.num_layers

@@ -30,7 +30,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Take, refuse, refuse_router_jitter
 from threefold.checkpoint.hf.llama import LlamaAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,7 @@ class MoEAdapter(LlamaAdapter):
                 "dense layers (--moe-layer-freq)",
             ),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     @staticmethod
     def _pattern(config: ModelConfig) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Take, TensorSource, refuse
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -76,9 +76,7 @@ class Qwen3NextAdapter(MoEAdapter):
             (not config.attention_output_gate, "attention without --attention-output-gate"),
             (config.normalization != "RMSNorm", f"--normalization {config.normalization}"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)

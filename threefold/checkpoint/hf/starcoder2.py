@@ -12,7 +12,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Take, refuse, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 
 _GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -54,9 +54,7 @@ class Starcoder2Adapter(LlamaAdapter):
             (config.add_qkv_bias, "biases on the query, key and value projections only"),
             (config.rotary_interleaved, "RoPE on adjacent pairs"),
         ]
-        for problem, what in problems:
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        self.refuse_problems(problems)
 
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)
