@@ -135,6 +135,16 @@ def rope_settings(hf: dict) -> tuple[float, dict]:
     }
 
 
+def scaled_or_no_rope(config: ModelConfig) -> bool:
+    """Whether the model's positions are other than plain RoPE's: no RoPE, or RoPE scaled
+    (llama3, YaRN, LongRoPE) or interpolated."""
+    return (
+        config.position_embedding_type != "rope"
+        or config.use_rope_scaling
+        or bool(config.rotary_seq_len_interpolation_factor)
+    )
+
+
 def partial_rotary_factor(hf: dict) -> float:
     """The share of each head RoPE turns (--rotary-percent): transformers 5 keeps it in
     rope_parameters, the Hub's configs at the top level."""

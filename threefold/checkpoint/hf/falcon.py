@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Adapter, Take, refuse, renamed
+from threefold.checkpoint.hf.common import Adapter, Take, refuse, renamed, scaled_or_no_rope
 from threefold.config import ModelConfig
 
 _TOP = {
@@ -123,11 +123,9 @@ class FalconAdapter(Adapter):
                 "grouped queries in layers one after the other",
             ),
             (
-                config.position_embedding_type != "rope"
+                scaled_or_no_rope(config)
                 or config.rotary_interleaved
-                or config.rotary_percent != 1.0
-                or config.use_rope_scaling
-                or config.rotary_seq_len_interpolation_factor,
+                or config.rotary_percent != 1,
                 "RoPE other than plain RoPE on every dimension's halves",
             ),
             (config.is_moe or config.window_size is not None, "experts or windows"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse
+from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse, scaled_or_no_rope
 from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter, deepseek_moe, leave_out_mtp_layers
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ModelConfig
@@ -45,12 +45,7 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
         return [
             (config.normalization != "RMSNorm" or not config.swiglu, "other than RMSNorm + SwiGLU"),
             (config.add_bias_linear, "biases besides the query, key and value projections'"),
-            (
-                config.position_embedding_type != "rope"
-                or config.use_rope_scaling
-                or config.rotary_seq_len_interpolation_factor,
-                "position embeddings besides plain RoPE",
-            ),
+            (scaled_or_no_rope(config), "position embeddings besides plain RoPE"),
             (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
         ]
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from threefold.checkpoint.hf.common import Adapter, Take, partial_rotary_factor, refuse, renamed
+from threefold.checkpoint.hf.common import (
+    Adapter,
+    Take,
+    partial_rotary_factor,
+    refuse,
+    renamed,
+    scaled_or_no_rope,
+)
 from threefold.config import ModelConfig
 
 _TOP = {
@@ -100,10 +107,7 @@ class GPTNeoXAdapter(Adapter):
             (config.num_query_groups not in (None, config.num_attention_heads), "grouped queries"),
             (not config.untie_embeddings_and_output_weights, "tied embeddings"),
             (
-                config.position_embedding_type != "rope"
-                or config.rotary_interleaved
-                or config.use_rope_scaling
-                or config.rotary_seq_len_interpolation_factor,
+                scaled_or_no_rope(config) or config.rotary_interleaved,
                 "RoPE other than plain RoPE on each head's halves",
             ),
             (config.is_moe or config.window_size is not None, "experts or windows"),
