@@ -10,6 +10,7 @@ import dataclasses
 import io
 import os
 
+import pytest
 import torch
 
 from tests.distributed import run_distributed
@@ -23,6 +24,16 @@ from threefold.checkpoint.load import load_model
 from threefold.inference import generate
 from threefold.model import GPTModel
 
+# The dense families' layouts (`world, layout` for assert_layout_losses): TP2 with sequence
+# parallelism on 2 ranks, TP2 x PP2 on 4.
+TP2_SP_AND_TP2_PP2 = pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp2-sp", "tp2-pp2"],
+)
 # 24 positions (sequence parallelism splits them over TP 2), and their next tokens
 TOKENS_25 = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
 
@@ -113,3 +124,30 @@ def assert_text_of_multimodal(both, hf_model, ours: str, root, tokens, said: str
     assert type(reloaded) is type(hf_model)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def assert_exports_as(argv: list[str], root, architecture: str) -> dict:
+    """A model built in threefold from `argv` (its initialization, saved) exports with no
+    --hf-architecture as `architecture` (the export's guess), and transformers computes its
+    logits within 1e-5. Returns the exported config.json."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.parity import _setup
+    from threefold.checkpoint.save import save_checkpoint
+
+    ours, exported = str(root / "threefold"), str(root / "exported")
+    trainer = _setup(argv + ["--save", ours])
+    save_checkpoint(ours, trainer.checkpoint_components())
+    argv = ["--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", exported]
+    convert_in_process(*argv)
+    with open(os.path.join(exported, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == [architecture]
+    _, model, _ = load_model(ours)
+    theirs = AutoModelForCausalLM.from_pretrained(exported).eval()
+    with torch.no_grad():
+        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
+        assert relative_error(theirs(TOKENS).logits, expected) < 1e-5
+    return config

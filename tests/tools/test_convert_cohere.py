@@ -17,7 +17,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference, train_job
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -27,11 +27,12 @@ from threefold.config import ConfigError
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-import transformers  # noqa: E402
 
 from tests.tools.hf_checks import (  # noqa: E402
     TOKENS,
     TOKENS_25,
+    TP2_SP_AND_TP2_PP2,
+    assert_exports_as,
     assert_greedy_generation,
     assert_layout_losses,
     assert_round_trip,
@@ -78,14 +79,7 @@ def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_pat
     assert_greedy_generation(hf_model, ours)
 
 
-@pytest.mark.parametrize(
-    "world,layout",
-    [
-        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ],
-    ids=["tp2-sp", "tp2-pp2"],
-)
+@TP2_SP_AND_TP2_PP2
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     """The shared norm's output feeds both sublayers' column-parallel inputs (under SP: their
     gathers of the sequence)."""
@@ -102,23 +96,8 @@ COHERE += ["--seq-length", "24", "--micro-batch-size", "2", "--train-iters", "1"
 
 
 def test_a_model_trained_with_coheres_layers_exports_as_cohere(tmp_path):
-    from tests.parity import _setup
-    from threefold.checkpoint.save import save_checkpoint
-
-    ours, hf = str(tmp_path / "threefold"), str(tmp_path / "hf")
-    trainer = _setup(COHERE + ["--save", ours])
-    save_checkpoint(ours, trainer.checkpoint_components())
-    convert_in_process(
-        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", hf
-    )
-    with open(os.path.join(hf, "config.json")) as f:
-        exported = json.load(f)
-    assert (exported["architectures"], exported["logit_scale"]) == (["CohereForCausalLM"], 0.5)
-    _, model, _ = load_model(ours)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
-        assert relative_error(theirs(TOKENS).logits, expected) < 1e-5
+    exported = assert_exports_as(COHERE, tmp_path, "CohereForCausalLM")
+    assert exported["logit_scale"] == 0.5
 
 
 @pytest.mark.parametrize("field,value", [("use_qk_norm", True), ("attention_bias", True)])

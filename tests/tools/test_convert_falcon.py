@@ -15,10 +15,9 @@ import os
 import pytest
 import torch
 
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
-from threefold.checkpoint.load import load_model
 from threefold.config import ConfigError
 
 if not has_transformers():
@@ -29,6 +28,7 @@ import transformers  # noqa: E402
 from tests.tools.hf_checks import (  # noqa: E402
     TOKENS,
     TOKENS_25,
+    assert_exports_as,
     assert_greedy_generation,
     assert_layout_losses,
     assert_round_trip,
@@ -86,23 +86,7 @@ FALCON += ["--seq-length", "24", "--micro-batch-size", "2", "--train-iters", "1"
 
 
 def test_a_model_trained_with_falcons_layer_exports_as_falcon(tmp_path):
-    from tests.parity import _setup
-    from threefold.checkpoint.save import save_checkpoint
-
-    ours, hf = str(tmp_path / "threefold"), str(tmp_path / "hf")
-    trainer = _setup(FALCON + ["--save", ours])
-    save_checkpoint(ours, trainer.checkpoint_components())
-    convert_in_process(
-        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", hf
-    )
-    with open(os.path.join(hf, "config.json")) as f:
-        exported = json.load(f)
-    assert (exported["architectures"], exported["multi_query"]) == (["FalconForCausalLM"], True)
-    _, model, _ = load_model(ours)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
-        assert relative_error(theirs(TOKENS).logits, expected) < 1e-5
+    assert assert_exports_as(FALCON, tmp_path, "FalconForCausalLM")["multi_query"]
 
 
 @pytest.mark.parametrize(

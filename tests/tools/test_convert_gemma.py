@@ -29,6 +29,7 @@ import transformers  # noqa: E402
 from tests.tools.hf_checks import (  # noqa: E402
     TOKENS,
     TOKENS_25,
+    TP2_SP_AND_TP2_PP2,
     assert_greedy_generation,
     assert_layout_losses,
     assert_round_trip,
@@ -80,14 +81,7 @@ def test_the_hubs_config_spelling_reads_the_same(converted):
     assert (config.window_rotary_base, config.rotary_seq_len_interpolation_factor) == (100.0, 2.0)
 
 
-@pytest.mark.parametrize(
-    "world,layout",
-    [
-        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ],
-    ids=["tp2-sp", "tp2-pp2"],
-)
+@TP2_SP_AND_TP2_PP2
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     hf_model, _, ours = converted
     assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)

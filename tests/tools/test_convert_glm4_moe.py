@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -22,7 +22,8 @@ from threefold.config import ConfigError
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-import transformers  # noqa: E402
+
+from tests.tools.hf_checks import assert_exports_as  # noqa: E402
 
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 
@@ -82,23 +83,7 @@ GLM += [str(VOCAB), "--seq-length", "24", "--micro-batch-size", "2", "--train-it
 def test_a_model_trained_with_deepseek_routing_exports_as_glm(tmp_path):
     """A threefold model of grouped-query attention with sigmoid routing (no expert bias, no
     groups) is GLM-4.5's: the export's guess, and transformers computes threefold's logits."""
-    from tests.parity import _setup
-    from threefold.checkpoint.save import save_checkpoint
-
-    ours, hf = str(tmp_path / "threefold"), str(tmp_path / "hf")
-    trainer = _setup(GLM + ["--save", ours])
-    save_checkpoint(ours, trainer.checkpoint_components())
-    convert_in_process(
-        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", hf
-    )
-    with open(os.path.join(hf, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Glm4MoeForCausalLM"]
-    _, model, _ = load_model(ours)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
-        logits = theirs(TOKENS).logits
-    assert (logits - expected).abs().max() / expected.abs().max() < 1e-5
+    assert_exports_as(GLM, tmp_path, "Glm4MoeForCausalLM")
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ if not has_transformers():
 from tests.tools.hf_checks import (  # noqa: E402
     TOKENS,
     TOKENS_25,
+    TP2_SP_AND_TP2_PP2,
     assert_greedy_generation,
     assert_layout_losses,
     assert_round_trip,
@@ -43,14 +44,7 @@ def test_logits_are_transformers(converted, undone):
     assert error < 2e-6 if not undone else error > 1e-2, error
 
 
-@pytest.mark.parametrize(
-    "world,layout",
-    [
-        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ],
-    ids=["tp2-sp", "tp2-pp2"],
-)
+@TP2_SP_AND_TP2_PP2
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     hf_model, _, ours = converted
     assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)

@@ -7,13 +7,10 @@ threefold with that layer exports as StarCoder2; what it cannot express is refus
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
-from tests.tools.hf_models import VOCAB, convert_in_process, converted_hf_model, has_transformers
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -22,11 +19,12 @@ from threefold.config import ConfigError
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
 
-import transformers  # noqa: E402
 
 from tests.tools.hf_checks import (  # noqa: E402
     TOKENS,
     TOKENS_25,
+    TP2_SP_AND_TP2_PP2,
+    assert_exports_as,
     assert_greedy_generation,
     assert_layout_losses,
     assert_round_trip,
@@ -61,14 +59,7 @@ def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_pat
     assert_greedy_generation(hf_model, ours)
 
 
-@pytest.mark.parametrize(
-    "world,layout",
-    [
-        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ],
-    ids=["tp2-sp", "tp2-pp2"],
-)
+@TP2_SP_AND_TP2_PP2
 def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     hf_model, _, ours = converted
     assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
@@ -81,26 +72,8 @@ STARCODER2 += ["--seq-length", "24", "--micro-batch-size", "2", "--train-iters",
 
 
 def test_a_model_trained_with_starcoder2s_layer_exports_as_starcoder2(tmp_path):
-    from tests.parity import _setup
-    from threefold.checkpoint.save import save_checkpoint
-
-    ours, hf = str(tmp_path / "threefold"), str(tmp_path / "hf")
-    trainer = _setup(STARCODER2 + ["--save", ours])
-    save_checkpoint(ours, trainer.checkpoint_components())
-    convert_in_process(
-        "--loader", "threefold", "--saver", "hf", "--load-dir", ours, "--save-dir", hf
-    )
-    with open(os.path.join(hf, "config.json")) as f:
-        exported = json.load(f)
-    assert (exported["architectures"], exported["sliding_window"]) == (
-        ["Starcoder2ForCausalLM"],
-        None,
-    )
-    _, model, _ = load_model(ours)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        expected = model.eval()(TOKENS)[..., :VOCAB].transpose(0, 1)
-        assert relative_error(theirs(TOKENS).logits, expected) < 1e-5
+    exported = assert_exports_as(STARCODER2, tmp_path, "Starcoder2ForCausalLM")
+    assert exported["sliding_window"] is None
 
 
 @pytest.mark.parametrize(
