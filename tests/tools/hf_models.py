@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from tests.tools.hf_family_models import family_model
+
 VOCAB = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -123,7 +125,10 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         num_attention_heads=4,
         max_position_embeddings=64,
     )
-    if kind == "llama":
+    model = family_model(kind, common)
+    if model is not None:
+        pass
+    elif kind == "llama":
         config = transformers.LlamaConfig(
             num_key_value_heads=2,
             tie_word_embeddings=False,
@@ -312,114 +317,6 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0, 0.5)
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
-    elif kind == "cohere":  # one bias-free LayerNorm for the parallel attention and MLP,
-        # interleaved RoPE, scaled logits, tied embeddings
-        config = transformers.CohereConfig(
-            num_key_value_heads=2,
-            logit_scale=0.25,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            **common,
-        )
-        model = transformers.CohereForCausalLM(config)
-        with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
-    elif kind.startswith("falcon"):  # falcon: Falcon-7B's layer (one norm, one key and value
-        # head); falcon-new: 40B's (a norm each, 2 groups); falcon-seq: one after the other,
-        # a key and value per head, biases
-        layer = {
-            "falcon": {},
-            "falcon-new": {"new_decoder_architecture": True, "num_kv_heads": 2},
-            "falcon-seq": {"parallel_attn": False, "multi_query": False, "bias": True},
-        }[kind]
-        config = transformers.FalconConfig(
-            vocab_size=VOCAB,
-            num_hidden_layers=num_layers,
-            hidden_size=64,
-            num_attention_heads=4,
-            ffn_hidden_size=128,
-            max_position_embeddings=64,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            **layer,
-        )
-        model = transformers.FalconForCausalLM(config)
-        with torch.no_grad():  # norms and biases away from their start
-            for name, param in model.named_parameters():
-                if "ln" in name or "layernorm" in name:
-                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
-                elif name.endswith("bias"):
-                    param.normal_(0, 0.1)
-    elif kind == "starcoder2":  # GQA, biases everywhere, LayerNorm, GELU, a window of 8
-        config = transformers.Starcoder2Config(
-            num_key_value_heads=2,
-            sliding_window=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            **common,
-        )
-        model = transformers.Starcoder2ForCausalLM(config)
-        with torch.no_grad():  # norms and biases away from their start
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
-                elif name.endswith("bias"):
-                    param.normal_(0, 0.1)
-    elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
-        config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
-        model = transformers.GemmaForCausalLM(config)
-        with torch.no_grad():  # norm weights away from their start (0: scaling by 1)
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(-0.5, 0.5)
-    elif kind == "olmoe":  # query and key norms across heads, unnormalized top-k
-        config = transformers.OlmoeConfig(
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            **{**common, "intermediate_size": 32},
-        )
-        model = transformers.OlmoeForCausalLM(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
-    elif kind == "granite":  # LLaMA with Granite's four multipliers, tied embeddings
-        config = transformers.GraniteConfig(
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            embedding_multiplier=3.0,
-            attention_multiplier=0.1,
-            residual_multiplier=0.5,
-            logits_scaling=4.0,
-            **common,
-        )
-        model = transformers.GraniteForCausalLM(config)
-    elif kind == "granite-moe":  # Granite's multipliers, 4 experts of which 2 per token
-        config = transformers.GraniteMoeConfig(
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            embedding_multiplier=3.0,
-            attention_multiplier=0.1,
-            residual_multiplier=0.5,
-            logits_scaling=4.0,
-            **{**common, "intermediate_size": 32},
-        )
-        model = transformers.GraniteMoeForCausalLM(config)
-    elif kind == "cohere2":  # Cohere's layers; layers 1-3 in a window of 8 with RoPE, the
-        # last attending to every key without positions
-        config = transformers.Cohere2Config(
-            num_key_value_heads=2,
-            logit_scale=0.25,
-            sliding_window=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            **common,
-        )
-        model = transformers.Cohere2ForCausalLM(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.uniform_(0.5, 1.5)
     elif kind == "qwen3-next":  # gated delta nets (4 key heads of 2 value heads each, as wide

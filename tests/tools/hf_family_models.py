@@ -1,0 +1,126 @@
+"""Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options
+(Cohere, Cohere2, Falcon, StarCoder2, Gemma 1, OLMoE, Granite, GraniteMoe): the kinds
+`build_hf_model` (tests/tools/hf_models.py) takes from here."""
+
+from __future__ import annotations
+
+import torch
+
+
+def family_model(kind: str, common: dict):
+    """transformers' random model of `kind` (its sizes from `common`, which
+    `build_hf_model` sets), or None for a kind built in hf_models.py."""
+    import transformers
+
+    if kind == "cohere":  # one bias-free LayerNorm for the parallel attention and MLP,
+        # interleaved RoPE, scaled logits, tied embeddings
+        config = transformers.CohereConfig(
+            num_key_value_heads=2,
+            logit_scale=0.25,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.CohereForCausalLM(config)
+        with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind.startswith("falcon"):  # falcon: Falcon-7B's layer (one norm, one key and value
+        # head); falcon-new: 40B's (a norm each, 2 groups); falcon-seq: one after the other,
+        # a key and value per head, biases
+        layer = {
+            "falcon": {},
+            "falcon-new": {"new_decoder_architecture": True, "num_kv_heads": 2},
+            "falcon-seq": {"parallel_attn": False, "multi_query": False, "bias": True},
+        }[kind]
+        falcon = {name: common[name] for name in ("vocab_size", "num_hidden_layers")}
+        falcon.update(
+            hidden_size=common["hidden_size"], ffn_hidden_size=common["intermediate_size"]
+        )
+        config = transformers.FalconConfig(
+            **falcon,
+            num_attention_heads=common["num_attention_heads"],
+            max_position_embeddings=common["max_position_embeddings"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **layer,
+        )
+        model = transformers.FalconForCausalLM(config)
+        with torch.no_grad():  # norms and biases away from their start
+            for name, param in model.named_parameters():
+                if "ln" in name or "layernorm" in name:
+                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    elif kind == "starcoder2":  # GQA, biases everywhere, LayerNorm, GELU, a window of 8
+        config = transformers.Starcoder2Config(
+            num_key_value_heads=2,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.Starcoder2ForCausalLM(config)
+        with torch.no_grad():  # norms and biases away from their start
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
+                elif name.endswith("bias"):
+                    param.normal_(0, 0.1)
+    elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
+        config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
+        model = transformers.GemmaForCausalLM(config)
+        with torch.no_grad():  # norm weights away from their start (0: scaling by 1)
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
+    elif kind == "olmoe":  # query and key norms across heads, unnormalized top-k
+        config = transformers.OlmoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **{**common, "intermediate_size": 32},
+        )
+        model = transformers.OlmoeForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    elif kind == "granite":  # LLaMA with Granite's four multipliers, tied embeddings
+        config = transformers.GraniteConfig(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.1,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            **common,
+        )
+        model = transformers.GraniteForCausalLM(config)
+    elif kind == "granite-moe":  # Granite's multipliers, 4 experts of which 2 per token
+        config = transformers.GraniteMoeConfig(
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.1,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            **{**common, "intermediate_size": 32},
+        )
+        model = transformers.GraniteMoeForCausalLM(config)
+    elif kind == "cohere2":  # Cohere's layers; layers 1-3 in a window of 8 with RoPE, the
+        # last attending to every key without positions
+        config = transformers.Cohere2Config(
+            num_key_value_heads=2,
+            logit_scale=0.25,
+            sliding_window=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+        model = transformers.Cohere2ForCausalLM(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
+    else:
+        return None
+    return model
