@@ -7,6 +7,19 @@ from __future__ import annotations
 import torch
 
 
+def shaken(model):
+    """`model` with its norms away from 1 and expert biases that change the choice, so that a
+    wrong mapping shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.1, 0.1)
+    return model
+
+
 def family_model(kind: str, common: dict):
     """transformers' random model of `kind` (its sizes from `common`, which
     `build_hf_model` sets), or None for a kind built in hf_models.py."""
@@ -20,11 +33,7 @@ def family_model(kind: str, common: dict):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **common,
         )
-        model = transformers.CohereForCausalLM(config)
-        with torch.no_grad():  # norm weights away from 1, so a wrong mapping shows
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
+        model = shaken(transformers.CohereForCausalLM(config))
     elif kind.startswith("falcon"):  # falcon: Falcon-7B's layer (one norm, one key and value
         # head); falcon-new: 40B's (a norm each, 2 groups); falcon-seq: one after the other,
         # a key and value per head, biases
@@ -79,11 +88,7 @@ def family_model(kind: str, common: dict):
             num_experts_per_tok=2,
             **{**common, "intermediate_size": 32},
         )
-        model = transformers.OlmoeForCausalLM(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
+        model = shaken(transformers.OlmoeForCausalLM(config))
     elif kind == "granite":  # LLaMA with Granite's four multipliers, tied embeddings
         config = transformers.GraniteConfig(
             num_key_value_heads=2,
@@ -116,11 +121,7 @@ def family_model(kind: str, common: dict):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **common,
         )
-        model = transformers.Cohere2ForCausalLM(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.uniform_(0.5, 1.5)
+        model = shaken(transformers.Cohere2ForCausalLM(config))
     else:
         return None
     return model

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from tests.tools.hf_family_models import family_model
+from tests.tools.hf_family_models import family_model, shaken
 
 VOCAB = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,19 +93,6 @@ DEEPSEEK_ROUTING = dict(
     first_k_dense_replace=1,
     routed_scaling_factor=2.5,
 )
-
-
-def _shaken(model):
-    """`model` with its norms away from 1 and expert biases that change the choice, so that a
-    wrong mapping shows."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.1, 0.1)
-    return model
 
 
 def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = False):
@@ -216,7 +203,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             pad_token_id=0,
             **common,
         )
-        model = _shaken(transformers.Phi3ForCausalLM(config))
+        model = shaken(transformers.Phi3ForCausalLM(config))
     elif kind == "phi3-longrope":  # Phi-4 mini's: LongRoPE on 3/4 of each head (6 pairs),
         # an original context of 16 of 64, the Hub's top-level original_max_position_embeddings
         config = transformers.Phi3Config(
@@ -233,7 +220,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             pad_token_id=0,
             **common,
         )
-        model = _shaken(transformers.Phi3ForCausalLM(config))
+        model = shaken(transformers.Phi3ForCausalLM(config))
     elif kind == "gemma3":  # 3 layers with a window of 6 (their RoPE base 100), then a full
         # one (base 1e4, linear scaling 2); a query scale of its own; norms away from 0
         config = transformers.Gemma3TextConfig(
@@ -361,7 +348,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             tie_word_embeddings=False,
             **common,
         )
-        model = _shaken(transformers.DeepseekV3ForCausalLM(config))
+        model = shaken(transformers.DeepseekV3ForCausalLM(config))
     elif kind == "glm4-moe":  # GLM-4.5's attention (biases on q, k, v; head norms; RoPE on half
         # of each head) with DeepSeek-V3's routing: a dense first layer, 4 groups of 2, 2 kept
         config = transformers.Glm4MoeConfig(
@@ -378,7 +365,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             tie_word_embeddings=False,
             **common,
         )
-        model = _shaken(transformers.Glm4MoeForCausalLM(config))
+        model = shaken(transformers.Glm4MoeForCausalLM(config))
         with torch.no_grad():  # q/k/v biases away from 0 too
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
@@ -407,7 +394,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
             tie_word_embeddings=False,
             **{**common, "intermediate_size": 32},
         )
-        model = _shaken(transformers.Llama4ForCausalLM(config))
+        model = shaken(transformers.Llama4ForCausalLM(config))
         with torch.no_grad():  # the experts from their zeros
             for name, param in model.named_parameters():
                 if "experts." in name:
@@ -464,7 +451,7 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
         config = transformers.Olmo2Config(
             num_key_value_heads=2, tie_word_embeddings=False, **common
         )
-        model = _shaken(transformers.Olmo2ForCausalLM(config))
+        model = shaken(transformers.Olmo2ForCausalLM(config))
     elif kind == "gpt-neox":  # Pythia's layer: attention and MLP in parallel; RoPE on a quarter
         config = transformers.GPTNeoXConfig(
             rope_parameters={
