@@ -1,5 +1,5 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options
-(Cohere, Cohere2, Falcon, StarCoder2, Gemma 1, OLMoE, Granite, GraniteMoe): the kinds
+(Cohere, Cohere2, Falcon, StarCoder2, Phi, Gemma 1, OLMoE, Granite, GraniteMoe): the kinds
 `build_hf_model` (tests/tools/hf_models.py) takes from here."""
 
 from __future__ import annotations
@@ -7,13 +7,16 @@ from __future__ import annotations
 import torch
 
 
-def shaken(model):
+def shaken(model, biases: bool = False):
     """`model` with its norms away from 1 and expert biases that change the choice, so that a
-    wrong mapping shows."""
+    wrong mapping shows; `biases`: every bias away from 0 too, the norms' included."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            norm = "norm" in name or ".ln_" in name
+            if norm and name.endswith("weight"):
                 param.uniform_(0.5, 1.5)
+            elif biases and name.endswith("bias"):
+                param.normal_(0, 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.1, 0.1)
@@ -53,13 +56,7 @@ def family_model(kind: str, common: dict):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **layer,
         )
-        model = transformers.FalconForCausalLM(config)
-        with torch.no_grad():  # norms and biases away from their start
-            for name, param in model.named_parameters():
-                if "ln" in name or "layernorm" in name:
-                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
-                elif name.endswith("bias"):
-                    param.normal_(0, 0.1)
+        model = shaken(transformers.FalconForCausalLM(config), biases=True)
     elif kind == "starcoder2":  # GQA, biases everywhere, LayerNorm, GELU, a window of 8
         config = transformers.Starcoder2Config(
             num_key_value_heads=2,
@@ -67,13 +64,21 @@ def family_model(kind: str, common: dict):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **common,
         )
-        model = transformers.Starcoder2ForCausalLM(config)
-        with torch.no_grad():  # norms and biases away from their start
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.uniform_(0.5, 1.5) if name.endswith("weight") else param.normal_(0, 0.1)
-                elif name.endswith("bias"):
-                    param.normal_(0, 0.1)
+        model = shaken(transformers.Starcoder2ForCausalLM(config), biases=True)
+    elif kind in ("phi", "phi-qk"):  # phi: Phi-2's layer (RoPE on 0.4 of each head, biases,
+        # the output layer's too); phi-qk: with LayerNorms on queries and keys, 2 groups, exact
+        # GELU, tied embeddings
+        options = {"qk_layernorm": True, "num_key_value_heads": 2, "hidden_act": "gelu"}
+        config = transformers.PhiConfig(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.4,
+            },
+            **(dict(options, tie_word_embeddings=True) if kind == "phi-qk" else {}),
+            **common,
+        )
+        model = shaken(transformers.PhiForCausalLM(config), biases=True)
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

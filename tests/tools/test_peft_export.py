@@ -1,8 +1,8 @@
 """--saver peft (checkpoint/hf/peft.py): a LoRA fine-tune of a converted model, its adapters
 written as a PEFT adapter. Loaded by `peft` over the Hugging Face base model, it computes the
 fine-tuned model's logits; merged by `peft`, the merged export's. LLaMA (q, k and v cut from
-linear_qkv's adapter, gate and up from linear_fc1's), Phi-3 (fused projections: one each) and
-Gemma 3 (its norms untouched)."""
+linear_qkv's adapter, gate and up from linear_fc1's), Phi-3 (fused projections: one each),
+Phi-2 (its own names, a bias on every projection) and Gemma 3 (its norms untouched)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import transformers  # noqa: E402
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phi": "PhiForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 
@@ -71,7 +72,10 @@ def test_peft_loads_the_adapter_over_the_base_model_as_fine_tuned(tuned):
     with open(os.path.join(adapter, "adapter_config.json")) as f:
         adapter_config = json.load(f)
     assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
-    fused = {"phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]}
+    fused = {
+        "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"],
+        "phi": ["dense", "fc1", "fc2", "k_proj", "q_proj", "v_proj"],
+    }
     split = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert adapter_config["target_modules"] == fused.get(kind, split)
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -99,6 +103,7 @@ def test_peft_merged_is_the_merged_export(tuned, tmp_path):
     assert (_logits(by_peft) - exported).abs().max() / exported.abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("tuned", ["llama"], indirect=True)  # (the same for every family)
 def test_what_peft_cannot_take_is_one_line(tuned, tmp_path):
     kind, hf_dir, lora, _ = tuned
     base = os.path.join(os.path.dirname(lora), "threefold")

@@ -22,6 +22,7 @@ from threefold.config.moe import MoEConfig
 from threefold.config.mtp import MTPConfig
 from threefold.config.mup import MuPConfig
 from threefold.config.olmo import OlmoConfig
+from threefold.config.phi import PhiConfig
 from threefold.config.recompute import RecomputeConfig
 from threefold.config.window_attention import WindowAttentionConfig
 
@@ -37,6 +38,7 @@ class ModelConfig(
     OlmoConfig,
     CohereConfig,
     GraniteConfig,
+    PhiConfig,
     LongRopeConfig,
     MoEConfig,
     MTPConfig,
@@ -47,11 +49,12 @@ class ModelConfig(
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
     The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
     attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's, Cohere's and
-    Granite's layers, LongRoPE, multi-token prediction, recomputation, activation offloading
-    and muP fields are inherited (config/moe.py, config/mla.py, config/dsa.py,
-    config/linear_attention.py, config/window_attention.py, config/llama4.py, config/gemma.py,
-    config/olmo.py, config/cohere.py, config/granite.py, config/longrope.py, config/mtp.py,
-    config/recompute.py, config/activation_offload.py, config/mup.py)."""
+    Granite's layers, Phi's output layer, LongRoPE, multi-token prediction, recomputation,
+    activation offloading and muP fields are inherited (config/moe.py, config/mla.py,
+    config/dsa.py, config/linear_attention.py, config/window_attention.py, config/llama4.py,
+    config/gemma.py, config/olmo.py, config/cohere.py, config/granite.py, config/phi.py,
+    config/longrope.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
+    config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(

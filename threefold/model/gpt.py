@@ -207,7 +207,7 @@ class GPTModel(nn.Module):
                 config.hidden_size,
                 padded_vocab_size,
                 parallel=parallel,
-                bias=False,
+                bias=config.output_layer_bias,  # (Phi's)
                 # (muP: an untied output layer is initialized as the embeddings are)
                 init_method=normal_init(config.init_method_std) if config.use_mup else init,
                 skip_weight_param=tied and (pre_process or mtp_here),

@@ -219,6 +219,8 @@ def stage_parameters(
         count += norm  # final norm
         if model.untie_embeddings_and_output_weights or pp > 1:
             count += embedding  # the output layer, or the last stage's copy of the tied one
+        if model.output_layer_bias:
+            count += padded_vocab // tp
         count += _mtp_parameters(model, parallel, padded_vocab)
     return count
 

@@ -21,6 +21,8 @@
     multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
     olmo2.py   Olmo2ForCausalLM (norms after the sublayers only, query and key norms across
                heads), OlmoeForCausalLM (OLMoE: those query and key norms, experts)
+    phi.py     PhiForCausalLM (Phi-1, Phi-1.5, Phi-2: one LayerNorm read by the attention and
+               the MLP side by side, RoPE on part of each head, a bias on the output layer)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
@@ -59,6 +61,7 @@ from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.olmo2 import OLMO2, OLMOE
+from threefold.checkpoint.hf.phi import PHI
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
 from threefold.checkpoint.hf.starcoder2 import STARCODER2
@@ -72,6 +75,7 @@ ADAPTERS: dict[str, Adapter] = {
         MISTRAL3,
         QWEN2,
         QWEN3,
+        PHI,
         PHI3,
         OLMO2,
         OLMOE,

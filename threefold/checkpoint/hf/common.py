@@ -30,6 +30,7 @@ from threefold.config.mla import (
     yarn_mscale,
 )
 from threefold.config.olmo import OlmoConfig
+from threefold.config.phi import PhiConfig
 from threefold.model import rope
 
 # Why a multi-latent attention model has no Hugging Face export (after "X has ").
@@ -279,6 +280,8 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig, halves: bool = True):
 # the Adapter attribute that says so, whose layers they are, and the architecture to export as.
 FAMILY_LAYERS = (
     (GraniteConfig, "exports_granite", "Granite's", "GraniteForCausalLM"),
+    # (before Cohere's: Phi's layer has Cohere's shared norm, and only Phi exports both)
+    (PhiConfig, "exports_phi", "Phi's", "PhiForCausalLM"),
     (CohereConfig, "exports_cohere", "Cohere's", "CohereForCausalLM"),
     (GemmaConfig, "exports_gemma", "Gemma's", "Gemma3ForCausalLM"),
     (OlmoConfig, "exports_olmo", "OLMo 2's", "Olmo2ForCausalLM"),
@@ -311,6 +314,7 @@ class Adapter:
     exports_granite = False  # Granite's residual multiplier (config/granite.py, hf/granite.py)
     # config/cohere.py's layers (hf/cohere.py; hf/falcon.py: the shared norm, checked there)
     exports_cohere = False
+    exports_phi = False  # config/phi.py's output-layer bias (hf/phi.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)

@@ -257,6 +257,7 @@ BEYOND_MEGATRON = (
     "layernorm_bias",
     "logit_scale",
     "residual_multiplier",
+    "output_layer_bias",
     *LONGROPE_FIELDS,
 )
 

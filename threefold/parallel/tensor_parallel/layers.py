@@ -290,6 +290,7 @@ class ColumnParallelLinear(nn.Module):
                 init_method=constant_init(0.0),
                 master_shape=(output_size,),
                 partition_stride=partition_stride,
+                valid_rows=valid_output_size,
                 partition_sizes=partition_sizes,
             )
         else:
