@@ -44,6 +44,10 @@ GEMMA += ["--window-size", "7,0", "--window-attn-skip-freq", "2", "--window-rota
 
 COHERE = ["--normalization", "LayerNorm", "--no-layernorm-bias", "--parallel-attention-mlp"]
 COHERE += ["--parallel-attention-mlp-shared-norm"]
+# GPT-NeoX's layer: a LayerNorm each for the attention and the MLP, side by side (in fp32 both
+# keep the layer's input, one tensor), a GELU MLP
+NEOX = [a for a in LLAMA_STYLE if a != "--swiglu"] + WIDE
+NEOX += ["--normalization", "LayerNorm", "--parallel-attention-mlp"]
 
 
 def _measure_and_estimate(argv: list[str]) -> dict:
@@ -152,6 +156,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         [a for a in LLAMA_STYLE if a != "--swiglu"] + WIDE + GEMMA,
         # Cohere's layers: one bias-free LayerNorm for the attention and the MLP side by side
         LLAMA_STYLE + WIDE + COHERE,
+        NEOX,
     ],
     ids=[
         "llama",
@@ -176,6 +181,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "dsa-bf16-without-indexer-loss",
         "gemma",
         "cohere",
+        "gpt-neox",
     ],
 )
 def test_single_process(flags):

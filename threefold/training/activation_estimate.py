@@ -148,7 +148,12 @@ def layer_activation_parts(
     shared = model.parallel_attention_mlp_shared_norm
     if shared and sigma == 1 and not mlp_in_fp8:
         fc1_input = 0
-    parts = {"attn_norm": norm_block, "mlp_norm": 0 if shared else norm_block}
+    mlp_norm = 0 if shared else norm_block
+    if model.parallel_attention_mlp and not shared and (norms or e == 4):
+        # GPT-NeoX's norm each: both read the layer's input, and where they keep that tensor
+        # itself (fp32, or recomputed; in bf16 each keeps its own fp32 copy) it is kept once
+        mlp_norm -= e * s * b * h // sigma
+    parts = {"attn_norm": norm_block, "mlp_norm": mlp_norm}
     parts["qkv_linear"] = round(qkv_input * s * b * h)
     rest = round(fc1_input * s * b * h)
     if linear:  # (its input projection keeps the norm's output as a linear's input)
