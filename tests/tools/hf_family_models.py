@@ -28,11 +28,13 @@ def family_model(kind: str, common: dict):
     `build_hf_model` sets), or None for a kind built in hf_models.py."""
     import transformers
 
-    if kind == "cohere":  # one bias-free LayerNorm for the parallel attention and MLP,
-        # interleaved RoPE, scaled logits, tied embeddings
+    if kind in ("cohere", "cohere-qk"):  # one bias-free LayerNorm for the parallel attention
+        # and MLP, interleaved RoPE, scaled logits, tied embeddings; cohere-qk: Command R+'s
+        # query and key norms, a weight for each head
         config = transformers.CohereConfig(
             num_key_value_heads=2,
             logit_scale=0.25,
+            use_qk_norm=kind == "cohere-qk",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **common,
         )

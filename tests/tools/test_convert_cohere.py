@@ -23,6 +23,7 @@ from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
 from threefold.checkpoint.megatron.format import megatron_args
 from threefold.config import ConfigError
+from threefold.training.memory_estimate import parameter_count
 
 if not has_transformers():
     pytest.skip("transformers is not installed", allow_module_level=True)
@@ -100,7 +101,7 @@ def test_a_model_trained_with_coheres_layers_exports_as_cohere(tmp_path):
     assert exported["logit_scale"] == 0.5
 
 
-@pytest.mark.parametrize("field,value", [("use_qk_norm", True), ("attention_bias", True)])
+@pytest.mark.parametrize("field,value", [("attention_bias", True)])
 def test_what_threefold_cannot_compute_is_refused_by_name(converted, field, value):
     _, hf_dir, _ = converted
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -131,17 +132,72 @@ def test_what_the_architectures_cannot_express_is_refused(remove, architecture, 
 def test_megatron_builds_none_of_coheres_layers():
     with pytest.raises(ConfigError, match="--parallel-attention-mlp-shared-norm"):
         megatron_args(parse_args(COHERE), 0)
+    per_head = [flag for flag in COHERE if "shared-norm" not in flag]
+    per_head += ["--qk-layernorm", "--qk-layernorm-per-head"]
+    with pytest.raises(ConfigError, match="--qk-layernorm-per-head"):
+        megatron_args(parse_args(per_head), 0)
 
 
 def test_coheres_layers_train_over_tp2_sp_pp2_as_one_process():
-    """The shared norm's weight gathers its gradient from both sublayers, summed over TP."""
+    """The shared norm's weight gathers its gradient from both sublayers, summed over TP;
+    Command R+'s query and key norms have a weight for each head, each TP rank its heads'."""
     layers = ["--rotary-interleaved", "--normalization", "LayerNorm", "--no-layernorm-bias"]
     layers += ["--parallel-attention-mlp", "--parallel-attention-mlp-shared-norm"]
+    layers += ["--qk-layernorm", "--qk-layernorm-per-head"]
     argv = LLAMA_STYLE + layers + ["--logit-scale", "0.5", "--num-layers", "4"] + TRAINING
     reference = train_job(argv, 3)
     layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout += ["--pipeline-model-parallel-size", "2"]
     assert_matches_reference(run_distributed(4, train_job, argv + layout, 3), reference, 1e-5)
+
+
+def test_command_r_plus_query_and_key_norms_have_a_weight_for_each_head(tmp_path_factory, tmp_path):
+    """use_qk_norm: a bias-free LayerNorm of each query and key head with its own weight
+    (--qk-layernorm --qk-layernorm-per-head): transformers' logits, other logits without the
+    norms or with one weight for all heads (their mean), a bitwise round trip, and TP2 + SP
+    (each rank its heads' weights) computing transformers' per-token losses."""
+    hf_model, hf_dir, ours = converted_hf_model("cohere-qk", tmp_path_factory.mktemp("qk"))
+    config, model, _ = load_model(ours)
+    assert config.model.qk_layernorm and config.model.qk_layernorm_per_head
+    count = sum(p.numel() for p in model.parameters())
+    assert parameter_count(config.model, model.padded_vocab_size) == count
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        assert relative_error(logits_with(ours, TOKENS), expected) < 1e-5
+        assert relative_error(logits_with(ours, TOKENS, qk_layernorm=False), expected) > 1e-3
+        for layer in model.decoder.layers:  # one weight for every head: the heads' mean
+            for norm in (layer.self_attention.q_layernorm, layer.self_attention.k_layernorm):
+                heads = norm.weight.view(-1, config.model.kv_channels)
+                heads.copy_(heads.mean(0).expand_as(heads))
+        averaged = model(TOKENS)[..., :VOCAB].transpose(0, 1)
+        assert relative_error(averaged, expected) > 1e-3
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert_layout_losses(hf_model, ours, 2, layout, TOKENS_25)
+
+
+def test_query_and_key_norms_of_one_weight_export_as_each_heads_copy(tmp_path):
+    exported = assert_exports_as(COHERE + ["--qk-layernorm"], tmp_path, "CohereForCausalLM")
+    assert exported["use_qk_norm"]
+
+
+@pytest.mark.parametrize(
+    "flags,architecture,named",
+    [
+        (["--qk-layernorm", "--qk-layernorm-per-head"], "Qwen3ForCausalLM", "as CohereFor"),
+        (["--qk-layernorm"], "Cohere2ForCausalLM", "export it as CohereForCausalLM"),
+    ],
+    ids=["as-qwen3", "as-cohere2"],
+)
+def test_per_head_norms_are_refused_where_they_do_not_fit(flags, architecture, named):
+    with pytest.raises(ConfigError, match=named):
+        threefold_to_hf({}, parse_args(COHERE + flags).model, architecture)
+
+
+def test_per_head_norms_without_query_and_key_norms_are_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(COHERE + ["--qk-layernorm-per-head"])
+    assert stop.value.code == 2 and "add --qk-layernorm" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

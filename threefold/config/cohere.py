@@ -6,6 +6,9 @@ checkpoint/hf/cohere.py sets them), beside --parallel-attention-mlp and --rotary
                                Falcon-7B's; GPT-NeoX's has a norm for each)
     --no-layernorm-bias        every LayerNorm a weight without a bias (Cohere's)
     --logit-scale S            the logits multiplied by S (Command R: 0.0625)
+    --qk-layernorm-per-head    --qk-layernorm with a weight of its own for each query and
+                               key head (Command R+'s use_qk_norm); under TP each rank holds
+                               its heads' weights
 
 Megatron-LM builds none of them (a Megatron export is refused).
 
@@ -45,7 +48,26 @@ class CohereConfig:
         help="the output logits multiplied by this (Command R: 0.0625)",
     )
 
+    qk_layernorm_per_head: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="--qk-layernorm with a weight of its own for each query and key head (Command R+'s)",
+    )
+
     def finalize_cohere(self) -> None:
+        _require(
+            not self.qk_layernorm_per_head
+            or (self.qk_layernorm and not self.qk_layernorm_across_heads),
+            "--qk-layernorm-per-head shapes --qk-layernorm's weights: add --qk-layernorm (and "
+            "drop --qk-layernorm-across-heads)",
+        )
+        _require(
+            not self.qk_layernorm_per_head
+            or not (self.multi_latent_attention or self.apply_layernorm_1p),
+            "--qk-layernorm-per-head with multi-latent attention or --apply-layernorm-1p: not "
+            "built; drop one",
+        )
         _require(self.logit_scale > 0, f"--logit-scale {self.logit_scale} must be positive")
         _require(
             self.layernorm_bias or self.normalization == "LayerNorm",

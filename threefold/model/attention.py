@@ -22,7 +22,7 @@ from threefold.config import ModelConfig
 from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
-from threefold.model.norms import AcrossHeadsRMSNorm, L2Norm, build_norm
+from threefold.model.norms import AcrossHeadsRMSNorm, L2Norm, PerHeadNorm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
 from threefold.parallel.context_parallel.sequence import (
@@ -222,14 +222,19 @@ class SelfAttention(Attention):
             bias=config.add_bias_linear or config.add_qkv_bias,
             init_method=init_method,
         )
-        # One weight over the head size, shared by all heads: a TP rank sees only its heads'
-        # share of the gradient, summed over the TP group after backward (as Megatron does).
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm and config.qk_layernorm_across_heads:  # (OLMo 2's)
             d, eps = config.kv_channels, config.norm_epsilon
             self.q_layernorm = AcrossHeadsRMSNorm(config.num_attention_heads, d, eps, parallel.tp)
             self.k_layernorm = AcrossHeadsRMSNorm(config.num_query_groups, d, eps, parallel.tp)
+        elif config.qk_layernorm and config.qk_layernorm_per_head:  # (Command R+'s)
+            d = config.kv_channels
+            self.q_layernorm = PerHeadNorm(config.num_attention_heads, d, config, parallel.tp)
+            self.k_layernorm = PerHeadNorm(config.num_query_groups, d, config, parallel.tp)
         elif config.qk_layernorm:
+            # One weight over the head size, shared by all heads: a TP rank sees only its
+            # heads' share of the gradient, summed over the TP group after backward (as
+            # Megatron does).
             self.q_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
             self.k_layernorm = build_norm(config, config.kv_channels, partial_grads=True)
         elif config.qk_l2_norm and (self.rope or not config.qk_l2_norm_rope_layers_only):

@@ -1,7 +1,7 @@
 """LayerNorm and RMSNorm, computed in fp32 whatever the activation dtype (as fused kernels do),
 by the kernels chosen at start-up (`threefold.kernels.dispatch`); the L2 norm of Llama 4's
-queries and keys, an RMSNorm without a weight; and OLMo 2's query and key norms over all
-heads together."""
+queries and keys, an RMSNorm without a weight; OLMo 2's query and key norms over all heads
+together, and Command R+'s over each head with a weight of its own."""
 
 from __future__ import annotations
 
@@ -96,6 +96,43 @@ class AcrossHeadsRMSNorm(nn.Module):
             squares = all_reduce(squares, group=self.tp.group)
         normed = flat * torch.rsqrt(squares / self.width + self.eps) * self.weight.float()
         return normed.to(x.dtype).view_as(x)
+
+
+class PerHeadNorm(nn.Module):
+    """A norm of each head of a projection, [s, b, heads, d] over d, with a weight (and a
+    LayerNorm's bias) of its own for each head (Command R+'s query and key norms,
+    --qk-layernorm-per-head). Under TP each rank holds its heads' rows, split like the
+    projection's; a head's statistics are its own, so nothing is summed over TP. The
+    weights are kept flat, [heads x d]: norm weights, which weight decay and Muon leave alone
+    as they leave every vector."""
+
+    def __init__(self, heads: int, head_dim: int, config, tp: Group) -> None:
+        super().__init__()
+        self.normalization, self.eps, self.head_dim = (
+            config.normalization,
+            config.norm_epsilon,
+            head_dim,
+        )
+        local, width = heads // tp.size * head_dim, heads * head_dim
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(local)), 0, constant_init(1.0), (width,)
+        )
+        self.bias = None
+        if config.normalization == "LayerNorm" and config.layernorm_bias:
+            self.bias = mark_tensor_parallel(
+                nn.Parameter(torch.empty(local)), 0, constant_init(0.0), (width,)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.head_dim,)
+        if self.normalization == "LayerNorm":
+            normed = F.layer_norm(x.float(), shape, eps=self.eps)
+        else:
+            normed = F.rms_norm(x.float(), shape, eps=self.eps)
+        normed = normed * self.weight.float().view(-1, self.head_dim)
+        if self.bias is not None:
+            normed = normed + self.bias.float().view(-1, self.head_dim)
+        return normed.to(x.dtype)
 
 
 def build_norm(config, size: int, partial_grads: bool = False) -> Norm:

@@ -84,6 +84,9 @@ def _layer_parameters(
         return count + (h if model.add_bias_linear else 0)
     if model.qk_layernorm and model.qk_layernorm_across_heads:  # (OLMo 2's, split over TP)
         count += (model.num_attention_heads + model.num_query_groups) * d // tp
+    elif model.qk_layernorm and model.qk_layernorm_per_head:  # (Command R+'s, split over TP)
+        heads = model.num_attention_heads + model.num_query_groups
+        count += heads * d * _per_feature(model) // tp
     elif model.qk_layernorm:
         count += 2 * d * _per_feature(model)
     if model.add_bias_linear:

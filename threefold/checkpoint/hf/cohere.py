@@ -9,8 +9,11 @@ tensors with Cohere's layers (config/cohere.py):
 - the logits multiplied by logit_scale (--logit-scale; Command R: 0.0625), the embeddings
   tied as a rule.
 
-Refused by name: use_qk_norm (Command R+'s per-head norms, a weight of its own for each
-head), attention_bias (biases on the attention's projections but not the MLP's).
+Command R+ (use_qk_norm) normalizes each query and key head by a LayerNorm without a bias and
+with a weight of its own, q_norm.weight [heads, head size] (--qk-layernorm
+--qk-layernorm-per-head, its weights kept flat). A model whose query and key norms share one
+weight exports with it repeated for each head. Refused by name: attention_bias (biases on the
+attention's projections but not the MLP's).
 
 Cohere2ForCausalLM (Command R7B, Command A) is Cohere's model whose `layer_types` name the
 layers that attend within a sliding window of `sliding_window` keys (three in four; --window-size
@@ -23,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from threefold.checkpoint.hf.common import refuse
+import torch
+
+from threefold.checkpoint.hf.common import Take, refuse
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
@@ -34,13 +39,9 @@ class CohereAdapter(LlamaAdapter):
     parallel_layers: ClassVar[bool] = True
     rotates_halves: ClassVar[bool] = False
 
+    qk_norms: ClassVar[bool] = True  # (Command R+'s; Cohere2 has none)
+
     def model_config(self, hf: dict) -> ModelConfig:
-        refuse(
-            bool(hf.get("use_qk_norm")),
-            "use_qk_norm",
-            hf.get("use_qk_norm"),
-            "threefold's query and key norms share one weight over the heads",
-        )
         refuse(
             bool(hf.get("attention_bias")),
             "attention_bias",
@@ -56,10 +57,15 @@ class CohereAdapter(LlamaAdapter):
         config.parallel_attention_mlp = config.parallel_attention_mlp_shared_norm = True
         config.rotary_interleaved = True
         config.logit_scale = float(hf.get("logit_scale", 0.0625))
+        config.qk_layernorm = config.qk_layernorm_per_head = bool(hf.get("use_qk_norm"))
         return config
 
     def check_exportable(self, config: ModelConfig) -> None:
-        super().check_exportable(config)
+        if config.qk_layernorm and not self.qk_norms:
+            raise ConfigError(
+                f"{self.architecture} has no query/key norms and this model was trained with "
+                "--qk-layernorm; export it as CohereForCausalLM"
+            )
         cohere = (
             config.normalization == "LayerNorm"
             and not config.layernorm_bias
@@ -78,13 +84,37 @@ class CohereAdapter(LlamaAdapter):
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)
         hf["layer_norm_eps"] = hf.pop("rms_norm_eps")
-        hf.update(logit_scale=config.logit_scale, use_qk_norm=False, attention_bias=False)
+        hf.update(
+            logit_scale=config.logit_scale, use_qk_norm=config.qk_layernorm, attention_bias=False
+        )
         return hf
 
     def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
         names = super().layer_names(i, config)
         del names["pre_mlp_layernorm.weight"]  # (the attention's norm serves the MLP too)
+        for x in "qk":  # (reshaped: take_qkv, give_qkv)
+            names.pop(f"self_attention.{x}_layernorm.weight", None)
         return names
+
+    def take_qkv(self, take: Take, config: ModelConfig, i: int) -> dict:
+        out = super().take_qkv(take, config, i)
+        if config.qk_layernorm:  # [heads, head size], flat in threefold
+            ours, p = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+            for x in "qk":
+                out[ours + f"{x}_layernorm.weight"] = take(p + f"{x}_norm.weight").flatten()
+        return out
+
+    def give_qkv(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        out = super().give_qkv(state, config, i)
+        if config.qk_layernorm:
+            ours, p = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+            d = config.kv_channels
+            heads = {"q": config.num_attention_heads, "k": config.num_query_groups}
+            for x in "qk":
+                weight = state[ours + f"{x}_layernorm.weight"]
+                # (one weight shared by the heads: each head's copy of it)
+                out[p + f"{x}_norm.weight"] = weight.reshape(-1, d).expand(heads[x], d).clone()
+        return out
 
 
 COHERE = CohereAdapter("CohereForCausalLM", "cohere", writes_biases=False)
@@ -98,6 +128,7 @@ def _pattern(layers: list[int]) -> str:
 
 @dataclass(frozen=True)
 class Cohere2Adapter(CohereAdapter):
+    qk_norms: ClassVar[bool] = False
     windows_by_layer: ClassVar[bool] = True
     exports_llama4: ClassVar[bool] = True  # (--no-rope-freq, Llama 4's layers without RoPE)
 

@@ -510,7 +510,7 @@ class Adapter:
                 f"--rotary-interleaved model with --rotary-percent {config.rotary_percent} does "
                 "not export to it (regrouping part of each head is not implemented)"
             )
-        if config.rotary_interleaved and config.qk_layernorm:
+        if config.rotary_interleaved and config.qk_layernorm and self.rotates_halves:
             raise ConfigError(
                 f"{self.architecture} rotates the halves of each head; a --rotary-interleaved "
                 "model with --qk-layernorm does not export to it (its norm weights would need "

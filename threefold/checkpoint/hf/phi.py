@@ -79,6 +79,7 @@ class PhiAdapter(LlamaAdapter):
             ),
             (config.gated_linear_unit or config.squared_relu, "a GLU or squared-ReLU MLP"),
             (config.logit_scale != 1.0, "--logit-scale"),
+            (config.qk_layernorm_per_head, "a weight of their own for each query and key head"),
             (
                 scaled_or_no_rope(config) or config.rotary_interleaved,
                 "RoPE other than plain RoPE on the halves of each head's turned part",

@@ -258,6 +258,7 @@ BEYOND_MEGATRON = (
     "logit_scale",
     "residual_multiplier",
     "output_layer_bias",
+    "qk_layernorm_per_head",
     *LONGROPE_FIELDS,
 )
 
