@@ -64,6 +64,7 @@ class LlamaAdapter(Adapter):
     # Qwen2, Qwen3: a sliding window in the layers `layer_types` names
     windows_by_layer: bool = False
     writes_biases: bool = True  # its config carries attention_bias / mlp_bias
+    final_norm: ClassVar[str] = "model.norm"  # (Phi's: model.final_layernorm)
     extra_hf_config: dict = field(default_factory=dict)
 
     def model_config(self, hf: dict) -> ModelConfig:
@@ -206,25 +207,31 @@ class LlamaAdapter(Adapter):
             hf["rope_scaling"] = scaling
         return {**hf, **self.extra_hf_config}
 
-    @staticmethod
-    def take_ends(take: Take, config: ModelConfig, used: set[str]) -> dict:
+    def take_ends(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         """The embeddings, the final norm and the output layer (the decoder's ends)."""
         out = {
             "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
-            "decoder.final_layernorm.weight": take("model.norm.weight"),
+            "decoder.final_layernorm.weight": take(self.final_norm + ".weight"),
         }
+        if config.normalization == "LayerNorm" and config.layernorm_bias:  # (StarCoder2's, Phi's)
+            out["decoder.final_layernorm.bias"] = take(self.final_norm + ".bias")
+        if config.output_layer_bias:  # (Phi's)
+            out["output_layer.bias"] = take("lm_head.bias")
         if config.untie_embeddings_and_output_weights:
             out["output_layer.weight"] = take("lm_head.weight")
         else:
             used.add("lm_head.weight")  # tied: a copy of the embeddings, if present at all
         return out
 
-    @staticmethod
-    def give_ends(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+    def give_ends(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
         out = {
             "model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
-            "model.norm.weight": state["decoder.final_layernorm.weight"],
+            self.final_norm + ".weight": state["decoder.final_layernorm.weight"],
         }
+        if config.normalization == "LayerNorm" and config.layernorm_bias:
+            out[self.final_norm + ".bias"] = state["decoder.final_layernorm.bias"]
+        if config.output_layer_bias:
+            out["lm_head.bias"] = state["output_layer.bias"]
         if config.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = state["output_layer.weight"]
         return out

@@ -36,6 +36,7 @@ class PhiAdapter(LlamaAdapter):
     exports_cohere: ClassVar[bool] = True  # (--parallel-attention-mlp-shared-norm only)
     parallel_layers: ClassVar[bool] = True
     partial_rope: ClassVar[bool] = True
+    final_norm: ClassVar[str] = "model.final_layernorm"
 
     def model_config(self, hf: dict) -> ModelConfig:
         activation = hf.get("hidden_act", "gelu_new")
@@ -129,32 +130,11 @@ class PhiAdapter(LlamaAdapter):
             for kind in _BOTH
         }
 
-    @staticmethod
-    def take_ends(take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = {
-            "embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
-            "decoder.final_layernorm.weight": take("model.final_layernorm.weight"),
-            "decoder.final_layernorm.bias": take("model.final_layernorm.bias"),
-            "output_layer.bias": take("lm_head.bias"),
-        }
-        if config.untie_embeddings_and_output_weights:
-            out["output_layer.weight"] = take("lm_head.weight")
-        else:
-            used.add("lm_head.weight")  # tied: a copy of the embeddings, if present at all
-        return out
-
-    @staticmethod
-    def give_ends(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        embeddings = state["embedding.word_embeddings.weight"]
-        out = {
-            "model.embed_tokens.weight": embeddings,
-            "model.final_layernorm.weight": state["decoder.final_layernorm.weight"],
-            "model.final_layernorm.bias": state["decoder.final_layernorm.bias"],
-            # (a model trained without --output-layer-bias computes Phi's with a zero bias)
-            "lm_head.bias": state.get("output_layer.bias", embeddings.new_zeros(len(embeddings))),
-        }
-        if config.untie_embeddings_and_output_weights:
-            out["lm_head.weight"] = state["output_layer.weight"]
+    def give_ends(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        out = super().give_ends(state, config)
+        if not config.output_layer_bias:  # Phi's with a zero bias computes this model
+            embeddings = state["embedding.word_embeddings.weight"]
+            out["lm_head.bias"] = embeddings.new_zeros(len(embeddings))
         return out
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:

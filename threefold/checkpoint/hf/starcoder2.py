@@ -74,16 +74,6 @@ class Starcoder2Adapter(LlamaAdapter):
         names["pre_mlp_layernorm.bias"] = p + "post_attention_layernorm.bias"
         return names
 
-    @staticmethod
-    def take_ends(take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = LlamaAdapter.take_ends(take, config, used)
-        return {**out, "decoder.final_layernorm.bias": take("model.norm.bias")}
-
-    @staticmethod
-    def give_ends(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = LlamaAdapter.give_ends(state, config)
-        return {**out, "model.norm.bias": state["decoder.final_layernorm.bias"]}
-
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         return renamed(self._mlp(i, config), i, take, to_hf=False)
 
