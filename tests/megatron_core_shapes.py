@@ -61,6 +61,15 @@ SHAPES["quick_geglu"] = {
 }
 # relu(x)^2 MLPs (Megatron-LM's --squared-relu)
 SHAPES["gpt2_squared_relu"] = {**SHAPES["gpt2"], "squared_relu": True}
+# Nemotron's layer (Minitron's flags but --apply-layernorm-1p, which megatron-core's local
+# spec does not build): LayerNorm, a squared-ReLU MLP, RoPE on half of each head
+SHAPES["nemotron"] = {
+    **SHAPES["llama"],
+    "normalization": "LayerNorm",
+    "swiglu": False,
+    "squared_relu": True,
+    "rotary_percent": 0.5,
+}
 # Multi-latent attention (Megatron-LM's --multi-latent-attention): learned positions beside
 # MLA's own YaRN RoPE (as Megatron-LM's functional test), a query latent, latent norms, and a
 # value head narrower than the query/key head; then plain RoPE, queries straight from the

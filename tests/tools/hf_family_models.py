@@ -1,6 +1,7 @@
-"""Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options
-(Cohere, Cohere2, Falcon, StarCoder2, Phi, Gemma 1, OLMoE, Granite, GraniteMoe): the kinds
-`build_hf_model` (tests/tools/hf_models.py) takes from here."""
+"""Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
+kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
+falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, gemma, olmoe, granite,
+granite-moe)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.PhiForCausalLM(config), biases=True)
+    elif kind == "nemotron":  # LayerNorm1P, a squared-ReLU MLP, RoPE on half of each head,
+        # 2 groups of heads wider than hidden / heads, biases
+        config = transformers.NemotronConfig(
+            num_key_value_heads=2,
+            head_dim=24,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            **common,
+        )
+        model = shaken(transformers.NemotronForCausalLM(config), biases=True)
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

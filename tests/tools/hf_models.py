@@ -99,9 +99,8 @@ def build_hf_model(kind: str, directory: str, num_layers: int = 4, chat: bool = 
     """Save a random-init HF model of `kind` (llama, llama-tied, llama3, llama-linear,
     llama-yarn, qwen2, qwen3, phi3, phi3-longrope, olmo2, gemma2, gemma3, gpt-neox, gpt2,
     mistral, mixtral, qwen3-moe, qwen2-moe, qwen3-next, deepseek-v3, glm4-moe, llama4,
-    deepseek-v32, gpt-oss, cohere, cohere-qk, cohere2, falcon, falcon-new, falcon-seq,
-    starcoder2, phi, phi-qk, granite, granite-moe, gemma, olmoe) with a tokenizer (`chat`: a
-    ChatML chat tokenizer)."""
+    deepseek-v32, gpt-oss, and those of tests/tools/hf_family_models.py) with a tokenizer
+    (`chat`: a ChatML chat tokenizer)."""
     import transformers
 
     torch.manual_seed(0)

@@ -268,11 +268,20 @@ def test_use_checkpoint_args_takes_megatrons_model_and_tokenizer(megatron, tmp_p
         ("llama_interleaved", "rotary_interleaved", False, None),
         ("llama_partial_rotary", "rotary_percent", 1.0, "this model's --rotary-percent 0.5"),
         ("gpt2_squared_relu", "squared_relu", False, "has no squared-ReLU MLPs (--squared-relu)"),
+        ("nemotron", "squared_relu", False, None),
         ("llama_yarn", "position_embedding_type", "rope", None),
         ("llama_window", "window_size", None, "has no sliding window in every layer"),
         ("quick_geglu", "glu_linear_offset", 0.0, "matches no Hugging Face architecture"),
     ],
-    ids=["rotary-interleaved", "rotary-percent", "squared-relu", "yarn", "window", "quick-geglu"],
+    ids=[
+        "rotary-interleaved",
+        "rotary-percent",
+        "squared-relu",
+        "nemotron",
+        "yarn",
+        "window",
+        "quick-geglu",
+    ],
 )
 def test_megatron_architecture_flags_compute_megatron_cores_logits(
     tmp_path, capsys, kind, field, off, refusal
@@ -284,9 +293,10 @@ def test_megatron_architecture_flags_compute_megatron_cores_logits(
     --activation-func-clamp-value 0.05, a clamp the activations reach): megatron-core's model,
     saved and read back by threefold, gives its logits.
     The Hugging Face export of the first (rotate-half RoPE, each head's query and key rows
-    regrouped) and of YaRN (LLaMA's rope_scaling of type yarn) gives them too; the others have
-    no Hugging Face architecture among those threefold writes, and their export is refused in
-    one line."""
+    regrouped), of YaRN (LLaMA's rope_scaling of type yarn) and of Nemotron's layer (LayerNorm,
+    --squared-relu, --rotary-percent 0.5: NemotronForCausalLM, its norm weights less 1) gives
+    them too; the others have no Hugging Face architecture among those threefold writes, and
+    their export is refused in one line."""
     from tests.tools.hf_models import has_transformers
 
     root = str(tmp_path / "megatron")

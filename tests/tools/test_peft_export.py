@@ -2,7 +2,8 @@
 written as a PEFT adapter. Loaded by `peft` over the Hugging Face base model, it computes the
 fine-tuned model's logits; merged by `peft`, the merged export's. LLaMA (q, k and v cut from
 linear_qkv's adapter, gate and up from linear_fc1's), Phi-3 (fused projections: one each),
-Phi-2 (its own names, a bias on every projection) and Gemma 3 (its norms untouched)."""
+Phi-2 (its own names, a bias on every projection), Nemotron (no gate) and Gemma 3 (its norms
+untouched)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "phi": "PhiForCausalLM",
+    "nemotron": "NemotronForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 
@@ -75,6 +77,7 @@ def test_peft_loads_the_adapter_over_the_base_model_as_fine_tuned(tuned):
     fused = {
         "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"],
         "phi": ["dense", "fc1", "fc2", "k_proj", "q_proj", "v_proj"],
+        "nemotron": ["down_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
     }
     split = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert adapter_config["target_modules"] == fused.get(kind, split)

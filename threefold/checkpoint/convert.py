@@ -148,6 +148,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.output_layer_bias:
         return "PhiForCausalLM"  # (the only family with a bias on its output layer)
     if model.normalization == "LayerNorm" and model.rotary_position_embeddings:
+        if model.squared_relu:
+            return "NemotronForCausalLM"
         if not model.swiglu and not model.parallel_attention_mlp:
             return "Starcoder2ForCausalLM"  # (GPT-2's layer around LLaMA's attention)
         if not model.swiglu and model.add_bias_linear:
@@ -186,8 +188,8 @@ def _guess_architecture(model: ModelConfig) -> str:
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
         "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
         "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; StarCoder2, Falcon and "
-        "GPT-NeoX: LayerNorm + GELU + RoPE; Cohere: --parallel-attention-mlp-shared-norm; Phi: "
-        "--output-layer-bias)"
+        "GPT-NeoX: LayerNorm + GELU + RoPE; Nemotron: LayerNorm + --squared-relu + RoPE; "
+        "Cohere: --parallel-attention-mlp-shared-norm; Phi: --output-layer-bias)"
     )
 
 

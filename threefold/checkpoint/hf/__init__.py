@@ -33,6 +33,8 @@
     starcoder2.py  Starcoder2ForCausalLM (StarCoder2: LLaMA's attention in GPT-2's layer, windows)
     granite.py GraniteForCausalLM (IBM Granite 3: LLaMA with four multipliers),
                GraniteMoeForCausalLM (the same with Mixtral's routing, experts stacked)
+    nemotron.py  NemotronForCausalLM (Nemotron-4, Minitron: LayerNorm1P, a squared-ReLU MLP,
+               RoPE on half of each head)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -60,6 +62,7 @@ from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from threefold.checkpoint.hf.nemotron import NEMOTRON
 from threefold.checkpoint.hf.olmo2 import OLMO2, OLMOE
 from threefold.checkpoint.hf.phi import PHI
 from threefold.checkpoint.hf.phi3 import PHI3
@@ -77,6 +80,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3,
         PHI,
         PHI3,
+        NEMOTRON,
         OLMO2,
         OLMOE,
         GEMMA,

@@ -315,6 +315,7 @@ class Adapter:
     # config/cohere.py's layers (hf/cohere.py; hf/falcon.py: the shared norm, checked there)
     exports_cohere = False
     exports_phi = False  # config/phi.py's output-layer bias (hf/phi.py)
+    squared_relu_mlp = False  # --squared-relu's MLP (hf/nemotron.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -479,10 +480,10 @@ class Adapter:
                 "reads the layer's input (--parallel-attention-mlp): export it as "
                 "GPTNeoXForCausalLM"
             )
-        if config.squared_relu:
+        if config.squared_relu and not self.squared_relu_mlp:
             raise ConfigError(
-                f"{self.architecture} has no squared-ReLU MLPs (--squared-relu); none of the "
-                "Hugging Face architectures threefold exports computes this model"
+                f"{self.architecture} has no squared-ReLU MLPs (--squared-relu): export this "
+                "model as NemotronForCausalLM"
             )
         if config.window_size is not None and not (
             self.windows_by_layer or (self.windows and config.window_attn_skip_freq is None)
