@@ -1,6 +1,6 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
-falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, gemma, olmoe, granite,
+falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, gemma, olmoe, granite,
 granite-moe)."""
 
 from __future__ import annotations
@@ -97,6 +97,16 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.NemotronForCausalLM(config), biases=True)
+    elif kind == "smollm3":  # every other layer without RoPE, attending in a window of 8
+        config = transformers.SmolLM3Config(
+            num_key_value_heads=2,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            **dict(pad_token_id=None, bos_token_id=None, eos_token_id=None),  # (Llama 3's ids)
+            **common,
+        )
+        model = shaken(transformers.SmolLM3ForCausalLM(config))
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

@@ -166,6 +166,10 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.quick_geglu and model.is_moe and model.softmax_type == "learnable":
         return "GptOssForCausalLM"
     if model.normalization == "RMSNorm" and model.swiglu and model.rotary_position_embeddings:
+        llama4 = [model.moe_apply_probs_on_input, model.attention_chunk_size, model.qk_l2_norm]
+        llama4 += [model.attn_temperature_tuning, model.is_moe]
+        if model.no_rope_freq and not any(llama4):  # (layers without RoPE, nothing else)
+            return "SmolLM3ForCausalLM"
         if model.moe_apply_probs_on_input or model.no_rope_freq or model.attention_chunk_size:
             return "Llama4ForCausalLM"
         if model.residual_multiplier != 1.0:  # (Granite's multipliers)
@@ -333,6 +337,9 @@ def to_hf_checkpoint(
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in hf.get("config", {}):
             hf_config[key] = hf["config"][key]
+    # A model trained here pads with no token id, not with its architecture's default one
+    # (SmolLM3's, Nemotron's), which a vocabulary of its own may not even hold.
+    hf_config.setdefault("pad_token_id", None)
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), partial)

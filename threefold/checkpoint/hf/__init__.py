@@ -3,6 +3,7 @@
     llama.py   LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings), MistralForCausalLM
                (and Mistral3ForConditionalGeneration's text model), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
+    smollm3.py SmolLM3ForCausalLM (SmolLM3: LLaMA with every fourth layer without RoPE)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (mixtures of
                experts; Qwen2-MoE's beside a gated shared expert)
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
@@ -67,6 +68,7 @@ from threefold.checkpoint.hf.olmo2 import OLMO2, OLMOE
 from threefold.checkpoint.hf.phi import PHI
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
+from threefold.checkpoint.hf.smollm3 import SMOLLM3
 from threefold.checkpoint.hf.starcoder2 import STARCODER2
 from threefold.config import ConfigError, ModelConfig
 
@@ -78,6 +80,7 @@ ADAPTERS: dict[str, Adapter] = {
         MISTRAL3,
         QWEN2,
         QWEN3,
+        SMOLLM3,
         PHI,
         PHI3,
         NEMOTRON,
