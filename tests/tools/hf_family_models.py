@@ -1,7 +1,7 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
-falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, gemma, olmoe, granite,
-granite-moe)."""
+falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3, gemma,
+olmoe, granite, granite-moe)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,19 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.SmolLM3ForCausalLM(config))
+    elif kind == "olmo3":  # OLMo 2's layers, three in four in a window of 8, YaRN (4x over
+        # 16 positions) in the fourth
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+        config = transformers.Olmo3Config(
+            num_key_value_heads=2,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": {**yarn, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            **common,
+        )
+        model = shaken(transformers.Olmo3ForCausalLM(config))
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

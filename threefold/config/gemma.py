@@ -66,7 +66,7 @@ class GemmaConfig:
         group=GROUP,
         minimum=1,
         help="the RoPE base of the layers with --window-size's window, without RoPE scaling "
-        "(Gemma 3's local layers: 10000)",
+        "or YaRN (Gemma 3's local layers: 10000; OLMo 3's, beside YaRN in the others)",
     )
 
     attn_logit_softcapping: float | None = arg(
@@ -114,9 +114,9 @@ class GemmaConfig:
         if self.window_rotary_base is None:
             return
         _require(
-            self.window_size is not None and self.position_embedding_type == "rope",
+            self.window_size is not None and self.position_embedding_type in ("rope", "yarn"),
             "--window-rotary-base is the RoPE base of the layers with a window: it needs "
-            "--window-size and --position-embedding-type rope",
+            "--window-size and --position-embedding-type rope (or yarn, for the other layers)",
         )
         _require(
             not (self.multi_latent_attention or self.gated_delta_net or self.mtp_num_layers),

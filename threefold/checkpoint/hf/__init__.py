@@ -21,7 +21,8 @@
                and GemmaForCausalLM (Gemma 1, CodeGemma: the LLaMA layer with Gemma's parts)
     multimodal.py  a multimodal checkpoint's text model (Llama 4's, Gemma 3's, Mistral 3's)
     olmo2.py   Olmo2ForCausalLM (norms after the sublayers only, query and key norms across
-               heads), OlmoeForCausalLM (OLMoE: those query and key norms, experts)
+               heads), Olmo3ForCausalLM (the same with windows by layer, YaRN in the others),
+               OlmoeForCausalLM (OLMoE: those query and key norms, experts)
     phi.py     PhiForCausalLM (Phi-1, Phi-1.5, Phi-2: one LayerNorm read by the attention and
                the MLP side by side, RoPE on part of each head, a bias on the output layer)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
@@ -64,7 +65,7 @@ from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.nemotron import NEMOTRON
-from threefold.checkpoint.hf.olmo2 import OLMO2, OLMOE
+from threefold.checkpoint.hf.olmo2 import OLMO2, OLMO3, OLMOE
 from threefold.checkpoint.hf.phi import PHI
 from threefold.checkpoint.hf.phi3 import PHI3
 from threefold.checkpoint.hf.qwen3_next import QWEN3_NEXT
@@ -85,6 +86,7 @@ ADAPTERS: dict[str, Adapter] = {
         PHI3,
         NEMOTRON,
         OLMO2,
+        OLMO3,
         OLMOE,
         GEMMA,
         GEMMA2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from threefold.checkpoint.hf.common import refuse
+from threefold.checkpoint.hf.common import refuse, rope_scaling
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
 from threefold.config import ConfigError, ModelConfig
@@ -34,7 +34,7 @@ class Olmo2Adapter(LlamaAdapter):
             config.embedding_multiplier != 1.0,
             config.geglu,
             config.softmax_scale,
-            config.window_rotary_base,
+            config.window_rotary_base and not self.windows_by_layer,
             config.attn_logit_softcapping,
             config.final_logit_softcapping,
         ]
@@ -67,6 +67,68 @@ class Olmo2Adapter(LlamaAdapter):
 
 
 OLMO2 = Olmo2Adapter("Olmo2ForCausalLM", "olmo2")
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Olmo3Adapter(Olmo2Adapter):
+    """Olmo3ForCausalLM (OLMo 3 7B, 32B): OLMo 2's layers, of which those `layer_types` names
+    (three in four) attend in a window of sliding_window keys (--window-size W-1,0
+    --window-attn-skip-freq). RoPE is given per layer type: the full layers' may be YaRN
+    (OLMo 3's long context), the windowed layers' plain RoPE of its own base
+    (--window-rotary-base, Gemma 3's option)."""
+
+    windows_by_layer: ClassVar[bool] = True
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        parameters = hf.get("rope_parameters") or {}
+        if FULL in parameters:  # (transformers 5: RoPE by layer type)
+            full = parameters[FULL]
+            local = parameters.get(SLIDING) or {"rope_theta": full.get("rope_theta", 10000.0)}
+        else:  # (the Hub's configs: the scaling is the full layers')
+            theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
+            full = {"rope_theta": theta, **(hf.get("rope_scaling") or {}), **parameters}
+            local = {"rope_theta": theta}
+        refuse(
+            local.get("rope_type", "default") != "default",
+            "rope_parameters.sliding_attention",
+            local,
+            "the sliding layers' RoPE is plain RoPE",
+        )
+        window = hf.get("sliding_window", 4096)
+        layers = hf["num_hidden_layers"]
+        kinds = hf.get("layer_types") or [SLIDING if (i + 1) % 4 else FULL for i in range(layers)]
+        llama = {**hf, "rope_parameters": full, "rope_scaling": None, "layer_types": kinds}
+        llama.update(use_sliding_window=window is not None, sliding_window=window)
+        config = super().model_config(llama)
+        local_theta = float(local.get("rope_theta", 10000.0))
+        scaled = config.position_embedding_type != "rope" or local_theta != config.rotary_base
+        if config.window_size is not None and scaled:
+            config.window_rotary_base = local_theta
+        return config
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        hf = super().hf_config(config)
+        for name in ("rope_theta", "rope_scaling", "use_sliding_window", "max_window_layers"):
+            hf.pop(name, None)
+        pattern = config.window_pattern(config.num_layers)
+        window = config.attention_window()
+        full = {"rope_type": "default", "rope_theta": config.rotary_base}
+        full.update(rope_scaling(config) or {})
+        local = {
+            "rope_type": "default",
+            "rope_theta": config.window_rotary_base or config.rotary_base,
+        }
+        hf.update(
+            sliding_window=None if window is None else window + 1,
+            layer_types=[SLIDING if layer else FULL for layer in pattern],
+            rope_parameters={FULL: full, SLIDING: local},
+        )
+        return hf
+
+
+OLMO3 = Olmo3Adapter("Olmo3ForCausalLM", "olmo3", window_needs_flag=True)
 
 
 @dataclass(frozen=True)
