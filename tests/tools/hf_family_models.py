@@ -1,7 +1,7 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
-falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3, gemma,
-olmoe, granite, granite-moe)."""
+falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
+deepseek-v2, gemma, olmoe, granite, granite-moe)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,37 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.Olmo3ForCausalLM(config))
+    elif kind == "deepseek-v2":  # DeepSeek-V2-Lite's MLA (no query latent; YaRN with a
+        # temperature), a dense first layer, then a softmax over 8 experts kept as it is, in 4
+        # groups scored by their best, 2 kept, scaled; a shared expert
+        config = transformers.DeepseekV2Config(
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "original_max_position_embeddings": 4096,  # (megatron-core's MLA YaRN's)
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+            **common,
+        )
+        model = shaken(transformers.DeepseekV2ForCausalLM(config))
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

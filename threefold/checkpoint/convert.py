@@ -160,6 +160,8 @@ def _guess_architecture(model: ModelConfig) -> str:
     if model.parallel_attention_mlp_shared_norm:  # (one norm read by the attention and MLP)
         return "Cohere2ForCausalLM" if model.window_size else "CohereForCausalLM"
     if model.multi_latent_attention:
+        if model.is_moe and model.moe_router_score_function == "softmax":
+            return "DeepseekV2ForCausalLM"  # (DeepSeek-V2's softmax routing)
         return "DeepseekV32ForCausalLM" if model.sparse_attention else "DeepseekV3ForCausalLM"
     if model.normalization == "LayerNorm" and model.position_embedding_type == "learned_absolute":
         return "GPT2LMHeadModel"

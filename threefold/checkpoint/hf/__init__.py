@@ -8,6 +8,7 @@
                experts; Qwen2-MoE's beside a gated shared expert)
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
                DeepseekV32ForCausalLM (the same with DeepSeek sparse attention's indexer)
+    deepseek_v2.py  DeepseekV2ForCausalLM (DeepSeek-V2-Lite: the same attention, softmax routing)
     glm4_moe.py  Glm4MoeForCausalLM (GLM-4.5: grouped-query attention, DeepSeek-V3's routing)
     llama4.py  Llama4ForCausalLM (Llama 4 Scout and Maverick: layers without RoPE, chunked
                attention, top-1 experts weighted on their input beside a shared expert), and
@@ -54,6 +55,7 @@ import torch
 from threefold.checkpoint.hf.cohere import COHERE, COHERE2
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
+from threefold.checkpoint.hf.deepseek_v2 import DEEPSEEK_V2
 from threefold.checkpoint.hf.falcon import FALCON
 from threefold.checkpoint.hf.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
@@ -96,6 +98,7 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN3_MOE,
         QWEN2_MOE,
         QWEN3_NEXT,
+        DEEPSEEK_V2,
         DEEPSEEK_V3,
         DEEPSEEK_V32,
         GLM4_MOE,

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from threefold.checkpoint.hf.common import Take, TensorSource, refuse, refuse_other_values, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ModelConfig
 from threefold.config.mla import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -50,6 +51,9 @@ from threefold.config.mla import (
 DEEPSEEK_V3_NAME = "DeepseekV3ForCausalLM"
 # transformers' DeepSeek-V3 router scores a group of experts by its best two.
 GROUP_SCORE_EXPERTS = 2
+# transformers' MLA latent norms (q_a_layernorm, kv_a_layernorm): RMSNorm's default epsilon,
+# whatever rms_norm_eps says
+LATENT_NORM_EPSILON = 1e-6
 
 
 def _attention_names(i: int, q_lora: bool) -> dict[str, str]:
@@ -181,6 +185,7 @@ def deepseek_moe(hf: dict) -> dict:
 class DeepSeekV3Adapter(MoEAdapter):
     exports_mla = True
     deepseek_routing = True
+    expert_score_bias: ClassVar[bool] = True  # e_score_correction_bias (not DeepSeek-V2's)
 
     def model_config(self, hf: dict) -> ModelConfig:
         for field, value, wanted, why in (
@@ -192,6 +197,13 @@ class DeepSeekV3Adapter(MoEAdapter):
                 hf.get("rope_interleave", True),
                 True,
                 "megatron-core's MLA turns the even, then the odd dimensions (interleaved)",
+            ),
+            (
+                "rms_norm_eps",
+                hf.get("rms_norm_eps", LATENT_NORM_EPSILON),
+                LATENT_NORM_EPSILON,
+                f"transformers' latent norms have epsilon {LATENT_NORM_EPSILON}, and threefold's "
+                "every norm one epsilon",
             ),
         ):
             refuse(value != wanted, field, value, why)
@@ -224,9 +236,13 @@ class DeepSeekV3Adapter(MoEAdapter):
             v_head_dim=hf["v_head_dim"],
             qk_layernorm=True,  # the latent norms
         )
-        for name, value in deepseek_moe(hf).items():
+        for name, value in self.moe_fields(hf).items():
             setattr(config, name, value)
         return config
+
+    def moe_fields(self, hf: dict) -> dict:
+        """The mixture-of-experts fields of the config (`deepseek_moe`'s routing)."""
+        return deepseek_moe(hf)
 
     def _dense_layers(self, config: ModelConfig) -> int:
         """first_k_dense_replace: the dense layers before the first MoE one (all without
@@ -237,9 +253,14 @@ class DeepSeekV3Adapter(MoEAdapter):
         return pattern.index(1) if 1 in pattern else len(pattern)
 
     def check_exportable(self, config: ModelConfig) -> None:
-        for problem, what in self.attention_problems(config) + self.routing_problems(config):
-            if problem:
-                raise ConfigError(f"{self.architecture} cannot express this model: {what}")
+        latent_norms = (
+            config.norm_epsilon != LATENT_NORM_EPSILON,
+            f"latent norms of epsilon {config.norm_epsilon} (transformers' are "
+            f"{LATENT_NORM_EPSILON} whatever rms_norm_eps says: --norm-epsilon "
+            f"{LATENT_NORM_EPSILON})",
+        )
+        problems = self.attention_problems(config) + self.routing_problems(config)
+        self.refuse_problems([*problems, latent_norms])
 
     def attention_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
         """(whether, what) of what the architecture's attention cannot express."""
@@ -350,7 +371,9 @@ class DeepSeekV3Adapter(MoEAdapter):
             return LlamaAdapter.take_mlp(self, take, config, i)
         out = super().take_mlp(take, config, i)
         ours, p = f"decoder.layers.{i}.", f"model.layers.{i}.mlp."
-        out[ours + "mlp.router.expert_bias"] = take(p + "gate.e_score_correction_bias").float()
+        if self.expert_score_bias:
+            bias = take(p + "gate.e_score_correction_bias").float()
+            out[ours + "mlp.router.expert_bias"] = bias
         out.update(renamed(_shared_names(i), i, take, to_hf=False))
         shared = [take(p + "shared_experts.gate_proj.weight")]
         shared.append(take(p + "shared_experts.up_proj.weight"))
@@ -370,10 +393,11 @@ class DeepSeekV3Adapter(MoEAdapter):
             return LlamaAdapter.give_mlp(self, state, config, i)
         out = super().give_mlp(state, config, i)
         ours, p = f"decoder.layers.{i}.", f"model.layers.{i}.mlp."
-        bias = state.get(ours + "mlp.router.expert_bias")
-        if bias is None:  # routed without one: transformers' buffer of zeros
-            bias = torch.zeros(config.num_experts)
-        out[p + "gate.e_score_correction_bias"] = bias.float()
+        if self.expert_score_bias:
+            bias = state.get(ours + "mlp.router.expert_bias")
+            if bias is None:  # routed without one: transformers' buffer of zeros
+                bias = torch.zeros(config.num_experts)
+            out[p + "gate.e_score_correction_bias"] = bias.float()
         out.update(renamed(_shared_names(i), i, state.__getitem__, to_hf=True))
         gate, up = state[ours + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
         out.update(
