@@ -1,7 +1,7 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
-deepseek-v2, gemma, olmoe, granite, granite-moe)."""
+deepseek-v2, gptj, llama-mlp-bias, gemma, olmoe, granite, granite-moe)."""
 
 from __future__ import annotations
 
@@ -151,6 +151,23 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.DeepseekV2ForCausalLM(config))
+    elif kind == "gptj":  # one LayerNorm for the parallel attention and MLP, biases on the
+        # MLP and the output layer, RoPE on adjacent pairs of half of each head
+        config = transformers.GPTJConfig(
+            vocab_size=common["vocab_size"],
+            n_embd=common["hidden_size"],
+            n_layer=common["num_hidden_layers"],
+            n_head=common["num_attention_heads"],
+            n_inner=common["intermediate_size"],
+            n_positions=common["max_position_embeddings"],
+            rotary_dim=8,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        model = shaken(transformers.GPTJForCausalLM(config), biases=True)
+    elif kind == "llama-mlp-bias":  # LLaMA with biases on its MLP alone
+        config = transformers.LlamaConfig(num_key_value_heads=2, mlp_bias=True, **common)
+        model = shaken(transformers.LlamaForCausalLM(config), biases=True)
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

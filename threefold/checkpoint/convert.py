@@ -145,8 +145,8 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 
 def _guess_architecture(model: ModelConfig) -> str:
-    if model.output_layer_bias:
-        return "PhiForCausalLM"  # (the only family with a bias on its output layer)
+    if model.output_layer_bias:  # (Phi's and GPT-J's: RoPE on halves or on adjacent pairs)
+        return "GPTJForCausalLM" if model.rotary_interleaved else "PhiForCausalLM"
     if model.normalization == "LayerNorm" and model.rotary_position_embeddings:
         if model.squared_relu:
             return "NemotronForCausalLM"
@@ -195,7 +195,7 @@ def _guess_architecture(model: ModelConfig) -> str:
         "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
         "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; StarCoder2, Falcon and "
         "GPT-NeoX: LayerNorm + GELU + RoPE; Nemotron: LayerNorm + --squared-relu + RoPE; "
-        "Cohere: --parallel-attention-mlp-shared-norm; Phi: --output-layer-bias)"
+        "Cohere: --parallel-attention-mlp-shared-norm; Phi and GPT-J: --output-layer-bias)"
     )
 
 

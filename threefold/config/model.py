@@ -217,6 +217,12 @@ class ModelConfig(
             "biases on the query, key and value projections even with --disable-bias-linear (Qwen2)"
         ),
     )
+    # MLP bias even with --disable-bias-linear (GPT-J; transformers' LLaMA with mlp_bias alone)
+    add_mlp_bias: bool = arg(
+        False,
+        checkpoint=ARCHITECTURE,
+        help="biases on the MLP's fc1 and fc2 even with --disable-bias-linear (GPT-J)",
+    )
     openai_gelu: bool = arg(
         False, checkpoint=ARCHITECTURE, help="tanh approximation of GELU"
     )  # GELU's tanh approximation (GPT-2)
@@ -313,6 +319,11 @@ class ModelConfig(
     )
 
     @property
+    def mlp_bias(self) -> bool:
+        """Whether the dense MLPs' linears have biases (--add-bias-linear's, --add-mlp-bias)."""
+        return self.add_bias_linear or self.add_mlp_bias
+
+    @property
     def gated_linear_unit(self) -> bool:
         """Whether the MLPs are GLUs: fc1 holds a gate and an up projection."""
         return self.swiglu or self.quick_geglu or self.geglu
@@ -378,6 +389,11 @@ class ModelConfig(
             or (self.glu_linear_offset == 0.0 and self.activation_func_clamp_value is None),
             "--glu-linear-offset and --activation-func-clamp-value shape a GLU MLP: add "
             "--quick-geglu, --swiglu or --geglu, or drop them",
+        )
+        _require(
+            not (self.add_mlp_bias and self.num_experts),
+            "--add-mlp-bias puts biases on the dense MLPs; with --num-experts it is not built: "
+            "drop it (or use --add-bias-linear)",
         )
         _require(
             self.softmax_type == "vanilla" or not self.multi_latent_attention,

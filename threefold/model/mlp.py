@@ -78,7 +78,7 @@ class MLP(nn.Module):
             config.hidden_size,
             fc1_size,
             parallel=parallel,
-            bias=config.add_bias_linear,
+            bias=config.mlp_bias,
             init_method=init_method,
             partition_stride=2 if self.glu else 1,
         )
@@ -86,7 +86,7 @@ class MLP(nn.Module):
             ffn_hidden_size,
             config.hidden_size,
             parallel=parallel,
-            bias=config.add_bias_linear,
+            bias=config.mlp_bias,
             init_method=output_layer_init_method,
         )
 

@@ -40,7 +40,7 @@ from threefold.training.activation_estimate import (
 def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
     """An MLP of hidden size `f` split over `tp` ranks (column-parallel biases split too)."""
     h, fc1 = model.hidden_size, f * (2 if model.gated_linear_unit else 1)
-    return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.add_bias_linear else 0)
+    return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.mlp_bias else 0)
 
 
 def _per_feature(model: ModelConfig) -> int:

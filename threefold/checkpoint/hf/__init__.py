@@ -38,6 +38,8 @@
                GraniteMoeForCausalLM (the same with Mixtral's routing, experts stacked)
     nemotron.py  NemotronForCausalLM (Nemotron-4, Minitron: LayerNorm1P, a squared-ReLU MLP,
                RoPE on half of each head)
+    gptj.py    GPTJForCausalLM (GPT-J: one LayerNorm read by the attention and the MLP side by
+               side, biases on the MLP and the output layer, RoPE on adjacent pairs of a part)
     gpt2.py    GPT2LMHeadModel
     common.py  what they share: refusals, RoPE settings, the QKV layouts, the conversion driver
 
@@ -62,6 +64,7 @@ from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
+from threefold.checkpoint.hf.gptj import GPTJ
 from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
@@ -106,6 +109,7 @@ ADAPTERS: dict[str, Adapter] = {
         LLAMA4_CONDITIONAL,
         GPT_OSS,
         GPT_NEOX,
+        GPTJ,
         COHERE,
         COHERE2,
         FALCON,

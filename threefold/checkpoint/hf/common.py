@@ -316,6 +316,7 @@ class Adapter:
     exports_cohere = False
     exports_phi = False  # config/phi.py's output-layer bias (hf/phi.py)
     squared_relu_mlp = False  # --squared-relu's MLP (hf/nemotron.py)
+    mlp_only_biases = False  # --add-mlp-bias (hf/llama.py's LLaMA, hf/gptj.py)
     rotates_halves = True  # RoPE on each head's halves (Llama 4: on adjacent pairs)
     windows = False  # a sliding window in every layer (Mistral's)
     windows_by_layer = False  # a sliding window in the layers it names (GPT-OSS's)
@@ -480,6 +481,11 @@ class Adapter:
                 "reads the layer's input (--parallel-attention-mlp): export it as "
                 "GPTNeoXForCausalLM"
             )
+        if config.add_mlp_bias and not (config.add_bias_linear or self.mlp_only_biases):
+            raise ConfigError(
+                f"{self.architecture} has no biases on the MLP alone (--add-mlp-bias): export "
+                "this model as LlamaForCausalLM or GPTJForCausalLM"
+            )
         if config.squared_relu and not self.squared_relu_mlp:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu): export this "
@@ -505,7 +511,7 @@ class Adapter:
                 f"{self.architecture} has no quick-GELU GLU MLPs (--quick-geglu); "
                 "GptOssForCausalLM's experts have them"
             )
-        if config.rotary_interleaved and config.rotary_percent != 1.0:
+        if config.rotary_interleaved and config.rotary_percent != 1.0 and self.rotates_halves:
             raise ConfigError(
                 f"{self.architecture} rotates the halves of each head's turned part; a "
                 f"--rotary-interleaved model with --rotary-percent {config.rotary_percent} does "

@@ -46,7 +46,7 @@ def _layer_names(i: int, config: ModelConfig) -> dict[str, str]:
 def _dense_mlp_names(i: int, config: ModelConfig) -> dict[str, str]:
     p = f"model.layers.{i}."
     names = {"mlp.linear_fc2.weight": p + "mlp.down_proj.weight"}
-    if config.add_bias_linear:
+    if config.mlp_bias:
         names["mlp.linear_fc2.bias"] = p + "mlp.down_proj.bias"
     return names
 
@@ -64,6 +64,7 @@ class LlamaAdapter(Adapter):
     # Qwen2, Qwen3: a sliding window in the layers `layer_types` names
     windows_by_layer: bool = False
     writes_biases: bool = True  # its config carries attention_bias / mlp_bias
+    mlp_only_biases: bool = False  # LLaMA's config may bias the MLP alone (--add-mlp-bias)
     final_norm: ClassVar[str] = "model.norm"  # (Phi's: model.final_layernorm)
     extra_hf_config: dict = field(default_factory=dict)
 
@@ -83,10 +84,17 @@ class LlamaAdapter(Adapter):
         window = self._window(hf)
         attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
         refuse(
-            attention_bias != mlp_bias,
+            attention_bias and not mlp_bias,
             "attention_bias/mlp_bias",
             (attention_bias, mlp_bias),
-            "threefold has biases on all projections or none (or on QKV only, as Qwen2)",
+            "threefold has biases on all projections, on the MLP only or on QKV only, not on "
+            "the attention alone",
+        )
+        refuse(
+            mlp_bias and not (attention_bias or self.mlp_only_biases),
+            "mlp_bias",
+            mlp_bias,
+            f"{self.architecture} reads no mlp_bias",
         )
         heads = hf["num_attention_heads"]
         groups = hf.get("num_key_value_heads") or heads
@@ -112,6 +120,7 @@ class LlamaAdapter(Adapter):
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,
             add_bias_linear=attention_bias,
+            add_mlp_bias=mlp_bias and not attention_bias,
             add_qkv_bias=self.qkv_bias,
             qk_layernorm=self.qk_norm,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -196,7 +205,7 @@ class LlamaAdapter(Adapter):
             "attention_dropout": config.attention_dropout,
         }
         if self.writes_biases:
-            hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
+            hf.update(attention_bias=config.add_bias_linear, mlp_bias=config.mlp_bias)
         if self.windows:  # (explicit: without it Mistral's config means 4096)
             window = config.attention_window()
             hf["sliding_window"] = None if window is None else window + 1
@@ -265,7 +274,7 @@ class LlamaAdapter(Adapter):
         out[ours + "mlp.linear_fc1.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
         )
-        if config.add_bias_linear:
+        if config.mlp_bias:
             out[ours + "mlp.linear_fc1.bias"] = torch.cat(
                 [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
             )
@@ -308,13 +317,13 @@ class LlamaAdapter(Adapter):
         out = renamed(_dense_mlp_names(i, config), i, state.__getitem__, to_hf=True)
         gate, up = state[ours + "mlp.linear_fc1.weight"].chunk(2)
         out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
-        if config.add_bias_linear:
+        if config.mlp_bias:
             gate, up = state[ours + "mlp.linear_fc1.bias"].chunk(2)
             out.update({p + "mlp.gate_proj.bias": gate, p + "mlp.up_proj.bias": up})
         return out
 
 
-LLAMA = LlamaAdapter("LlamaForCausalLM", "llama")
+LLAMA = LlamaAdapter("LlamaForCausalLM", "llama", mlp_only_biases=True)
 MISTRAL = LlamaAdapter("MistralForCausalLM", "mistral", windows=True)
 QWEN2 = LlamaAdapter(
     "Qwen2ForCausalLM",

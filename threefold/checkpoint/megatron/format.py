@@ -259,6 +259,7 @@ BEYOND_MEGATRON = (
     "residual_multiplier",
     "output_layer_bias",
     "qk_layernorm_per_head",
+    "add_mlp_bias",
     *LONGROPE_FIELDS,
 )
 
