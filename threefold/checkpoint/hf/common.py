@@ -146,6 +146,15 @@ def scaled_or_no_rope(config: ModelConfig) -> bool:
     )
 
 
+def plain_rope_theta(hf: dict, family: str) -> float:
+    """The RoPE base of a config of a family with plain RoPE only (Phi's, Nemotron's): scaling,
+    in rope_scaling or rope_parameters, is refused by name."""
+    scaling = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    refuse(rope_type != "default", "rope_scaling", rope_type, f"{family}'s plain RoPE only")
+    return float(scaling.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
 def partial_rotary_factor(hf: dict) -> float:
     """The share of each head RoPE turns (--rotary-percent): transformers 5 keeps it in
     rope_parameters, the Hub's configs at the top level."""

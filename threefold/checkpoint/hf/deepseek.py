@@ -137,16 +137,37 @@ def leave_out_mtp_layers(take: Take, config: ModelConfig, used: set[str]) -> Non
         used.update(n for n in take.state if _layer_of(n) >= config.num_layers)
 
 
-def deepseek_moe(hf: dict) -> dict:
-    """The mixture-of-experts fields of a DeepSeek-V3-routed config (DeepSeek-V3's, GLM-4.5's):
-    first_k_dense_replace dense layers, then sigmoid routing with expert biases, in groups,
-    renormalized and scaled, beside n_shared_experts shared experts. Empty when every layer is
-    dense (DeepSeek-V2-Lite-like: no experts)."""
-    layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-    groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
+def deepseek_experts(hf: dict, family: str) -> dict:
+    """The experts' fields both DeepSeek routings share: first_k_dense_replace dense layers,
+    then n_routed_experts of moe_intermediate_size beside n_shared_experts shared ones (one MLP
+    of their sizes together). Empty when every layer is dense."""
+    layers = hf["num_hidden_layers"]
     dense = min(hf.get("first_k_dense_replace") or 0, layers)
     if dense == layers:
         return {}
+    shared = hf.get("n_shared_experts") or 0
+    refuse(shared < 1, "n_shared_experts", shared, f"{family}'s routing comes with a shared expert")
+    pattern = [int(i >= dense) for i in range(layers)]
+    return {
+        "num_experts": hf["n_routed_experts"],
+        "moe_router_topk": hf["num_experts_per_tok"],
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+        "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
+        "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+
+
+def deepseek_moe(hf: dict) -> dict:
+    """The mixture-of-experts fields of a DeepSeek-V3-routed config (DeepSeek-V3's, GLM-4.5's):
+    `deepseek_experts`, routed by sigmoid scores with expert biases, in groups, renormalized
+    and scaled. Empty when every layer is dense (DeepSeek-V2-Lite-like: no experts)."""
+    experts = deepseek_experts(hf, "DeepSeek-V3")
+    if not experts:
+        return {}
+    k = hf["num_experts_per_tok"]
+    groups, kept = hf.get("n_group") or 1, hf.get("topk_group") or 1
     refuse(
         groups > 1 and k // kept != GROUP_SCORE_EXPERTS,
         "n_group/topk_group",
@@ -160,24 +181,13 @@ def deepseek_moe(hf: dict) -> dict:
         hf.get("norm_topk_prob"),
         "megatron-core renormalizes sigmoid top-k probabilities exactly when k > 1",
     )
-    shared = hf.get("n_shared_experts") or 0
-    refuse(
-        shared < 1, "n_shared_experts", shared, "DeepSeek-V3's routing comes with a shared expert"
-    )
-    pattern = [int(i >= dense) for i in range(layers)]
     return {
-        "num_experts": hf["n_routed_experts"],
-        "moe_router_topk": k,
-        "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-        "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
-        "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
+        **experts,
         "moe_router_score_function": "sigmoid",
         "moe_router_enable_expert_bias": True,
         "moe_router_num_groups": groups if groups > 1 else None,
         "moe_router_group_topk": kept if groups > 1 else None,
         "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None,
-        "moe_aux_loss_coeff": 0.0,
-        "moe_token_dispatcher_type": "alltoall",
     }
 
 
@@ -254,7 +264,7 @@ class DeepSeekV3Adapter(MoEAdapter):
 
     def check_exportable(self, config: ModelConfig) -> None:
         latent_norms = (
-            config.norm_epsilon != LATENT_NORM_EPSILON,
+            config.multi_latent_attention and config.norm_epsilon != LATENT_NORM_EPSILON,
             f"latent norms of epsilon {config.norm_epsilon} (transformers' are "
             f"{LATENT_NORM_EPSILON} whatever rms_norm_eps says: --norm-epsilon "
             f"{LATENT_NORM_EPSILON})",

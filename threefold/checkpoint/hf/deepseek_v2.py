@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from threefold.checkpoint.hf.common import refuse
-from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter
+from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter, deepseek_experts
 from threefold.config import ModelConfig
 
 GREEDY, GROUPS = "greedy", "group_limited_greedy"
@@ -32,10 +32,10 @@ class DeepSeekV2Adapter(DeepSeekV3Adapter):
     expert_score_bias: ClassVar[bool] = False
 
     def moe_fields(self, hf: dict) -> dict:
-        layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
-        dense = min(hf.get("first_k_dense_replace") or 0, layers)
-        if dense == layers:
+        experts = deepseek_experts(hf, "DeepSeek-V2")
+        if not experts:
             return {}
+        k = hf["num_experts_per_tok"]
         method = hf.get("topk_method", GREEDY)
         refuse(method not in (GREEDY, GROUPS), "topk_method", method, f"{GREEDY} or {GROUPS}")
         groups, kept = (hf.get("n_group") or 1, hf.get("topk_group") or 1)
@@ -54,23 +54,14 @@ class DeepSeekV2Adapter(DeepSeekV3Adapter):
             hf.get("moe_layer_freq"),
             "transformers' DeepSeek-V2 has experts in every layer after the dense ones",
         )
-        shared = hf.get("n_shared_experts") or 0
-        refuse(shared < 1, "n_shared_experts", shared, "DeepSeek-V2's experts have a shared one")
-        pattern = [int(i >= dense) for i in range(layers)]
         scaling = hf.get("routed_scaling_factor", 1.0)
         return {
-            "num_experts": hf["n_routed_experts"],
-            "moe_router_topk": k,
-            "moe_ffn_hidden_size": hf["moe_intermediate_size"],
-            "moe_shared_expert_intermediate_size": shared * hf["moe_intermediate_size"],
-            "moe_layer_freq": "1" if all(pattern) else str(pattern).replace(" ", ""),
+            **experts,
             "moe_router_score_function": "softmax",
             "moe_router_pre_softmax": True,
             "moe_router_num_groups": groups if groups > 1 else None,
             "moe_router_group_topk": kept if groups > 1 else None,
             "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
-            "moe_aux_loss_coeff": 0.0,
-            "moe_token_dispatcher_type": "alltoall",
         }
 
     def routing_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:

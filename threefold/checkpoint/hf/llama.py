@@ -40,6 +40,9 @@ def _layer_names(i: int, config: ModelConfig) -> dict[str, str]:
         )
     if config.add_bias_linear:
         names["self_attention.linear_proj.bias"] = p + "self_attn.o_proj.bias"
+    if config.normalization == "LayerNorm" and config.layernorm_bias:  # (StarCoder2's, Nemotron's)
+        names["input_layernorm.bias"] = p + "input_layernorm.bias"
+        names["pre_mlp_layernorm.bias"] = p + "post_attention_layernorm.bias"
     return names
 
 

@@ -21,6 +21,7 @@ import torch
 from threefold.checkpoint.hf.common import (
     Take,
     partial_rotary_factor,
+    plain_rope_theta,
     refuse,
     renamed,
     scaled_or_no_rope,
@@ -48,16 +49,13 @@ class NemotronAdapter(LlamaAdapter):
     def model_config(self, hf: dict) -> ModelConfig:
         activation = hf.get("hidden_act", "relu2")
         refuse(activation != "relu2", "hidden_act", activation, "the squared ReLU only")
-        scaling = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        refuse(rope_type != "default", "rope_scaling", rope_type, "Nemotron's plain RoPE only")
         llama = {
             **hf,
             "hidden_act": "silu",
             "rms_norm_eps": hf.get("norm_eps", 1e-5),
             "rope_parameters": None,
             "rope_scaling": None,
-            "rope_theta": scaling.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            "rope_theta": plain_rope_theta(hf, "Nemotron"),
         }
         config = super().model_config(llama)
         config.normalization, config.apply_layernorm_1p = "LayerNorm", True
@@ -95,13 +93,6 @@ class NemotronAdapter(LlamaAdapter):
             },
         )
         return hf
-
-    def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
-        names = super().layer_names(i, config)
-        p = f"model.layers.{i}."
-        names["input_layernorm.bias"] = p + "input_layernorm.bias"
-        names["pre_mlp_layernorm.bias"] = p + "post_attention_layernorm.bias"
-        return names
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         return renamed(_mlp_names(i, config), i, take, to_hf=False)

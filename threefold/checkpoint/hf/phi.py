@@ -22,7 +22,13 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse, scaled_or_no_rope
+from threefold.checkpoint.hf.common import (
+    Take,
+    partial_rotary_factor,
+    plain_rope_theta,
+    refuse,
+    scaled_or_no_rope,
+)
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
@@ -41,16 +47,13 @@ class PhiAdapter(LlamaAdapter):
     def model_config(self, hf: dict) -> ModelConfig:
         activation = hf.get("hidden_act", "gelu_new")
         refuse(activation not in _GELU, "hidden_act", activation, "GELU (exact or tanh) only")
-        scaling = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        refuse(rope_type != "default", "rope_scaling", rope_type, "Phi's plain RoPE only")
         llama = {
             **hf,
             "hidden_act": "silu",
             "rms_norm_eps": hf.get("layer_norm_eps", 1e-5),
             "rope_parameters": None,
             "rope_scaling": None,
-            "rope_theta": scaling.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            "rope_theta": plain_rope_theta(hf, "Phi"),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         }
         config = super().model_config(llama)

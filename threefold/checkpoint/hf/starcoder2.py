@@ -67,13 +67,6 @@ class Starcoder2Adapter(LlamaAdapter):
         )
         return hf
 
-    def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
-        names = super().layer_names(i, config)
-        p = f"model.layers.{i}."
-        names["input_layernorm.bias"] = p + "input_layernorm.bias"
-        names["pre_mlp_layernorm.bias"] = p + "post_attention_layernorm.bias"
-        return names
-
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         return renamed(self._mlp(i, config), i, take, to_hf=False)
 
