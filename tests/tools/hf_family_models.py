@@ -1,7 +1,7 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
-deepseek-v2, gptj, llama-mlp-bias, gemma, olmoe, granite, granite-moe)."""
+deepseek-v2, gptj, llama-mlp-bias, exaone4, gemma, olmoe, granite, granite-moe)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,10 @@ def family_model(kind: str, common: dict):
     elif kind == "llama-mlp-bias":  # LLaMA with biases on its MLP alone
         config = transformers.LlamaConfig(num_key_value_heads=2, mlp_bias=True, **common)
         model = shaken(transformers.LlamaForCausalLM(config), biases=True)
+    elif kind == "exaone4":  # OLMo 2's norms, a norm over each head, layers 1-3 in a window
+        # of 8 with RoPE, the fourth full without positions
+        config = transformers.Exaone4Config(num_key_value_heads=2, sliding_window=8, **common)
+        model = shaken(transformers.Exaone4ForCausalLM(config))
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

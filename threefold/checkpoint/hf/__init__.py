@@ -26,6 +26,8 @@
                OlmoeForCausalLM (OLMoE: those query and key norms, experts)
     phi.py     PhiForCausalLM (Phi-1, Phi-1.5, Phi-2: one LayerNorm read by the attention and
                the MLP side by side, RoPE on part of each head, a bias on the output layer)
+    exaone4.py Exaone4ForCausalLM (EXAONE 4.0: OLMo 2's norms, Qwen3's head norms, windows with
+               RoPE, full layers without)
     phi3.py    Phi3ForCausalLM (Phi-3, Phi-3.5 and Phi-4: LLaMA with fused QKV and gate/up)
     gpt_neox.py  GPTNeoXForCausalLM (Pythia: the attention and the MLP reading one input)
     cohere.py  CohereForCausalLM (Command R, Aya: one bias-free LayerNorm read by the
@@ -58,6 +60,7 @@ from threefold.checkpoint.hf.cohere import COHERE, COHERE2
 from threefold.checkpoint.hf.common import Adapter, refuse
 from threefold.checkpoint.hf.deepseek import DEEPSEEK_V3, DEEPSEEK_V32
 from threefold.checkpoint.hf.deepseek_v2 import DEEPSEEK_V2
+from threefold.checkpoint.hf.exaone4 import EXAONE4
 from threefold.checkpoint.hf.falcon import FALCON
 from threefold.checkpoint.hf.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
@@ -92,6 +95,7 @@ ADAPTERS: dict[str, Adapter] = {
         NEMOTRON,
         OLMO2,
         OLMO3,
+        EXAONE4,
         OLMOE,
         GEMMA,
         GEMMA2,

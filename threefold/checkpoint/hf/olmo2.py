@@ -21,12 +21,14 @@ from threefold.config import ConfigError, ModelConfig
 class Olmo2Adapter(LlamaAdapter):
     exports_olmo: ClassVar[bool] = True
     exports_gemma: ClassVar[bool] = True  # (--post-sublayer-norm, Gemma's option too)
+    # its query and key norms over all heads together (EXAONE 4's: over each head, one weight)
+    qk_across_heads: ClassVar[bool] = True
 
     def model_config(self, hf: dict) -> ModelConfig:
         config = super().model_config(hf)
         config.post_sublayer_norm = True
         config.sublayer_input_norms = False
-        config.qk_layernorm = config.qk_layernorm_across_heads = True
+        config.qk_layernorm, config.qk_layernorm_across_heads = True, self.qk_across_heads
         return config
 
     def check_exportable(self, config: ModelConfig) -> None:
@@ -41,13 +43,17 @@ class Olmo2Adapter(LlamaAdapter):
         olmo = (
             config.post_sublayer_norm
             and not config.sublayer_input_norms
-            and config.qk_layernorm_across_heads
+            and config.normalization == "RMSNorm"
+            and config.qk_layernorm
+            and config.qk_layernorm_across_heads == self.qk_across_heads
         )
         if any(gemma) or not olmo or config.add_bias_linear or config.add_qkv_bias:
+            across = " --qk-layernorm-across-heads" if self.qk_across_heads else ""
             raise ConfigError(
-                f"{self.architecture} cannot express this model: its layers are normed after "
-                "the sublayers only, with query and key norms across heads, and no biases "
-                "(--post-sublayer-norm --no-sublayer-input-norms --qk-layernorm-across-heads)"
+                f"{self.architecture} cannot express this model: its layers are normed (RMSNorm) "
+                f"after the sublayers only, with query and key norms "
+                f"{'across heads' if self.qk_across_heads else 'over each head'}, and no biases "
+                f"(--post-sublayer-norm --no-sublayer-input-norms --qk-layernorm{across})"
             )
 
     def hf_config(self, config: ModelConfig) -> dict:
