@@ -60,8 +60,8 @@ def logits_with(ours: str, tokens: torch.Tensor, **changes) -> torch.Tensor:
     other = GPTModel(dataclasses.replace(config.model, **changes), model.padded_vocab_size)
     other.initialize(seed=0)  # (a norm the change adds starts at its initialization: 1)
     other.load_state_dict(model.state_dict(), strict=False)
-    with torch.no_grad():
-        return other(tokens)[..., :VOCAB].transpose(0, 1)
+    with torch.no_grad():  # (in eval mode: a converted model may carry the family's dropout)
+        return other.eval()(tokens)[..., :VOCAB].transpose(0, 1)
 
 
 def assert_round_trip(hf_model, hf_dir: str, ours: str, exported: str, tokens, **load) -> None:

@@ -1,7 +1,8 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
-deepseek-v2, gptj, llama-mlp-bias, exaone4, gemma, olmoe, granite, granite-moe)."""
+deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, gemma, olmoe,
+granite, granite-moe)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def shaken(model, biases: bool = False):
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.1, 0.1)
     return model
+
+
+# (config class, model class, options) of the LLaMA layer's kin: RoPE on adjacent pairs and
+# biases everywhere (ERNIE 4.5), pairs (Helium), q, k, v biases (Seed-OSS), ReLU² (Arcee)
+KIN = {
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
+    "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+}
 
 
 def family_model(kind: str, common: dict):
@@ -172,6 +183,10 @@ def family_model(kind: str, common: dict):
         # of 8 with RoPE, the fourth full without positions
         config = transformers.Exaone4Config(num_key_value_heads=2, sliding_window=8, **common)
         model = shaken(transformers.Exaone4ForCausalLM(config))
+    elif kind in KIN:  # the LLaMA layer with one choice of its own (hf/llama_kin.py)
+        config_class, model_class, options = KIN[kind]
+        config = getattr(transformers, config_class)(num_key_value_heads=2, **options, **common)
+        model = shaken(getattr(transformers, model_class)(config), biases=True)
     elif kind == "gemma":  # Gemma 1: GeGLU, (1 + weight) norms, scaled embeddings
         config = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
         model = transformers.GemmaForCausalLM(config)

@@ -189,12 +189,14 @@ def _guess_architecture(model: ModelConfig) -> str:
         if model.window_size is not None and not model.add_qkv_bias:
             return "MistralForCausalLM"  # (a sliding window)
         return "Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM"
+    if model.normalization == "RMSNorm" and model.squared_relu and model.rotary_position_embeddings:
+        return "ArceeForCausalLM"  # (LLaMA with Nemotron's squared-ReLU MLP)
     raise ConfigError(
         "this threefold model matches no Hugging Face architecture threefold "
         "exports (GPT-2: LayerNorm + learned positions; LLaMA/Qwen2/Qwen3, Llama 4 and the "
         "Mixtral/Qwen2-MoE/Qwen3-MoE/GLM-4.5 mixtures of experts: RMSNorm + SwiGLU + RoPE; "
         "GPT-OSS: experts with --quick-geglu and --softmax-type learnable; StarCoder2, Falcon and "
-        "GPT-NeoX: LayerNorm + GELU + RoPE; Nemotron: LayerNorm + --squared-relu + RoPE; "
+        "GPT-NeoX: LayerNorm + GELU + RoPE; Nemotron and Arcee: --squared-relu + RoPE; "
         "Cohere: --parallel-attention-mlp-shared-norm; Phi and GPT-J: --output-layer-bias)"
     )
 

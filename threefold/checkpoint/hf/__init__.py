@@ -3,6 +3,8 @@
     llama.py   LlamaForCausalLM (Llama 2/3, SmolLM-style tied embeddings), MistralForCausalLM
                (and Mistral3ForConditionalGeneration's text model), Qwen2ForCausalLM (QKV bias),
                Qwen3ForCausalLM (RMSNorm on each query and key head: --qk-layernorm)
+    llama_kin.py  Ernie4_5ForCausalLM, HeliumForCausalLM (RoPE on adjacent pairs),
+               SeedOssForCausalLM (biases on q, k, v), ArceeForCausalLM (a squared-ReLU MLP)
     smollm3.py SmolLM3ForCausalLM (SmolLM3: LLaMA with every fourth layer without RoPE)
     moe.py     MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (mixtures of
                experts; Qwen2-MoE's beside a gated shared expert)
@@ -71,6 +73,7 @@ from threefold.checkpoint.hf.gptj import GPTJ
 from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
+from threefold.checkpoint.hf.llama_kin import ARCEE, ERNIE4_5, HELIUM, SEED_OSS
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.nemotron import NEMOTRON
 from threefold.checkpoint.hf.olmo2 import OLMO2, OLMO3, OLMOE
@@ -90,6 +93,10 @@ ADAPTERS: dict[str, Adapter] = {
         QWEN2,
         QWEN3,
         SMOLLM3,
+        ERNIE4_5,
+        HELIUM,
+        SEED_OSS,
+        ARCEE,
         PHI,
         PHI3,
         NEMOTRON,

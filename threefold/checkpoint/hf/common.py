@@ -498,7 +498,7 @@ class Adapter:
         if config.squared_relu and not self.squared_relu_mlp:
             raise ConfigError(
                 f"{self.architecture} has no squared-ReLU MLPs (--squared-relu): export this "
-                "model as NemotronForCausalLM"
+                "model as NemotronForCausalLM (LayerNorm) or ArceeForCausalLM (RMSNorm)"
             )
         if config.window_size is not None and not (
             self.windows_by_layer or (self.windows and config.window_attn_skip_freq is None)

@@ -297,7 +297,7 @@ class LlamaAdapter(Adapter):
         q, k, v = split_qkv(state[ours + "linear_qkv.weight"], config, self.rotates_halves)
         out.update({p + "q_proj.weight": q, p + "k_proj.weight": k, p + "v_proj.weight": v})
         if config.add_bias_linear or config.add_qkv_bias:
-            q, k, v = split_qkv(state[ours + "linear_qkv.bias"], config)
+            q, k, v = split_qkv(state[ours + "linear_qkv.bias"], config, self.rotates_halves)
             out.update({p + "q_proj.bias": q, p + "k_proj.bias": k, p + "v_proj.bias": v})
         return out
 

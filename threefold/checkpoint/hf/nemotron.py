@@ -31,7 +31,7 @@ from threefold.config import ModelConfig
 
 
 def _mlp_names(i: int, config: ModelConfig) -> dict[str, str]:
-    kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    kinds = ("weight", "bias") if config.mlp_bias else ("weight",)
     pairs = {"mlp.linear_fc1": "mlp.up_proj", "mlp.linear_fc2": "mlp.down_proj"}
     return {
         f"{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
@@ -40,8 +40,26 @@ def _mlp_names(i: int, config: ModelConfig) -> dict[str, str]:
     }
 
 
+class UpDownMLP:
+    """An LLaMA-family adapter's MLP of one projection and an activation, no gate (up_proj,
+    down_proj: Nemotron's, Arcee's squared ReLU)."""
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        return renamed(_mlp_names(i, config), i, take, to_hf=False)
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        return renamed(_mlp_names(i, config), i, state.__getitem__, to_hf=True)
+
+    def lora_modules(
+        self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if layer == "linear_fc1":  # (one module: no gate)
+            return {f"model.layers.{i}.mlp.up_proj": (a, b)}
+        return super().lora_modules(layer, i, a, b, config)
+
+
 @dataclass(frozen=True)
-class NemotronAdapter(LlamaAdapter):
+class NemotronAdapter(UpDownMLP, LlamaAdapter):
     zero_centered_norms: ClassVar[bool] = True
     squared_relu_mlp: ClassVar[bool] = True
     partial_rope: ClassVar[bool] = True
@@ -93,19 +111,6 @@ class NemotronAdapter(LlamaAdapter):
             },
         )
         return hf
-
-    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
-        return renamed(_mlp_names(i, config), i, take, to_hf=False)
-
-    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
-        return renamed(_mlp_names(i, config), i, state.__getitem__, to_hf=True)
-
-    def lora_modules(
-        self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if layer == "linear_fc1":  # (one module: no gate)
-            return {f"model.layers.{i}.mlp.up_proj": (a, b)}
-        return super().lora_modules(layer, i, a, b, config)
 
 
 NEMOTRON = NemotronAdapter("NemotronForCausalLM", "nemotron")
