@@ -126,7 +126,7 @@ def test_deepseek_v2s_own_groups_are_refused_by_name(converted):
         (["--moe-router-score-function", "sigmoid"], "routing other than a softmax"),
         (
             ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
-            "groups scored by more than their best expert",
+            "groups not scored by their top 1 experts",
         ),
         (["--norm-epsilon", "1e-5"], "latent norms of epsilon 1e-05"),
     ],

@@ -196,6 +196,8 @@ class DeepSeekV3Adapter(MoEAdapter):
     exports_mla = True
     deepseek_routing = True
     expert_score_bias: ClassVar[bool] = True  # e_score_correction_bias (not DeepSeek-V2's)
+    # transformers scores a group by its top experts (DeepSeek-V2's: by its best one)
+    group_score_experts: ClassVar[int] = GROUP_SCORE_EXPERTS
 
     def model_config(self, hf: dict) -> ModelConfig:
         for field, value, wanted, why in (
@@ -288,25 +290,29 @@ class DeepSeekV3Adapter(MoEAdapter):
         ]
 
     def routing_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
-        """(whether, what) of what DeepSeek-V3's routing cannot express."""
+        """(whether, what) of what the architecture's routing cannot express."""
         if not config.is_moe:
             return []
         k, dense = config.moe_router_topk, self._dense_layers(config)
         shared = config.moe_shared_expert_intermediate_size or 0
-        groups = config.moe_router_num_groups
+        groups, scored_by = config.moe_router_num_groups, self.group_score_experts
         return [
-            (config.moe_router_score_function != "sigmoid", "softmax routing scores"),
+            *self.score_problems(config),
             (not all(self._pattern(config)[dense:]), "dense layers after MoE ones"),
             (
                 shared == 0 or shared % config.moe_ffn_hidden_size,
                 "no shared expert of a multiple of --moe-ffn-hidden-size",
             ),
             (
-                groups and k // config.moe_router_group_topk != GROUP_SCORE_EXPERTS,
-                f"groups not scored by their top {GROUP_SCORE_EXPERTS} experts "
+                groups and k // config.moe_router_group_topk != scored_by,
+                f"groups not scored by their top {scored_by} experts "
                 "(--moe-router-topk / --moe-router-group-topk)",
             ),
         ]
+
+    def score_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
+        """(whether, what) of the routing scores the architecture cannot express."""
+        return [(config.moe_router_score_function != "sigmoid", "softmax routing scores")]
 
     def hf_config(self, config: ModelConfig) -> dict:
         rope = {"rope_type": "default", "rope_theta": config.rotary_base}

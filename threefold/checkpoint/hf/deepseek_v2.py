@@ -30,6 +30,7 @@ GREEDY, GROUPS = "greedy", "group_limited_greedy"
 @dataclass(frozen=True)
 class DeepSeekV2Adapter(DeepSeekV3Adapter):
     expert_score_bias: ClassVar[bool] = False
+    group_score_experts: ClassVar[int] = 1
 
     def moe_fields(self, hf: dict) -> dict:
         experts = deepseek_experts(hf, "DeepSeek-V2")
@@ -64,28 +65,13 @@ class DeepSeekV2Adapter(DeepSeekV3Adapter):
             "moe_router_topk_scaling_factor": scaling if scaling != 1.0 else None,
         }
 
-    def routing_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
-        if not config.is_moe:
-            return []
-        k, dense = config.moe_router_topk, self._dense_layers(config)
-        shared = config.moe_shared_expert_intermediate_size or 0
-        groups = config.moe_router_num_groups
+    def score_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
         return [
             (
                 config.moe_router_score_function != "softmax" or not config.moe_router_pre_softmax,
                 "routing other than a softmax over all experts (--moe-router-pre-softmax)",
             ),
             (config.moe_router_enable_expert_bias, "expert biases"),
-            (not all(self._pattern(config)[dense:]), "dense layers after MoE ones"),
-            (
-                shared == 0 or shared % config.moe_ffn_hidden_size,
-                "no shared expert of a multiple of --moe-ffn-hidden-size",
-            ),
-            (
-                groups and k // config.moe_router_group_topk != 1,
-                "groups scored by more than their best expert "
-                "(--moe-router-topk / --moe-router-group-topk above 1)",
-            ),
         ]
 
     def routing_hf_config(self, config: ModelConfig) -> dict:
