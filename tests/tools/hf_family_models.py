@@ -1,7 +1,7 @@
 """Tiny random models of the Hugging Face families whose layers go beyond LLaMA's options: the
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
-deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, gemma, olmoe,
+deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, glm4, gemma, olmoe,
 granite, granite-moe)."""
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ def shaken(model, biases: bool = False):
 
 
 # (config class, model class, options) of the LLaMA layer's kin: RoPE on adjacent pairs and
-# biases everywhere (ERNIE 4.5), pairs (Helium), q, k, v biases (Seed-OSS), ReLU² (Arcee)
+# biases everywhere (ERNIE 4.5), pairs (Helium), q, k, v biases (Seed-OSS), ReLU² (Arcee); and
+# GLM-4's layer
 KIN = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"use_bias": True}),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
     "seed-oss": ("SeedOssConfig", "SeedOssForCausalLM", {"head_dim": 16}),
     "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    # GLM-4-0414: four norms a layer, RoPE on pairs of half of each head, q, k, v biases
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16, "pad_token_id": None}),
 }
 
 

@@ -1,9 +1,10 @@
 """The LLaMA layer's kin in and out (threefold/checkpoint/hf/llama_kin.py), each one choice of
 its own: ERNIE 4.5 (RoPE on adjacent pairs, use_bias), Helium (pairs), Seed-OSS (biases on q, k
-and v alone), Arcee (a squared-ReLU MLP without a gate). A tiny one of each gives transformers'
-logits, and other logits with its choice undone; a bitwise round trip that transformers loads;
-its per-token losses at TP2 + SP. A threefold model of the LLaMA layer with --squared-relu
-exports as Arcee; what a family cannot express is refused in one line."""
+and v alone), Arcee (a squared-ReLU MLP without a gate); and GLM-4 (hf/glm4.py: four norms a
+layer, RoPE on pairs of half of each head, q, k, v biases, a fused gate and up). A tiny one of
+each gives transformers' logits, and other logits with its choice undone; a bitwise round trip
+that transformers loads; its per-token losses at TP2 + SP. A threefold model of the LLaMA layer
+with --squared-relu exports as Arcee; what a family cannot express is refused in one line."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ KIN = {
     # (Seed-OSS's residual_dropout, 0.1 by default, is --hidden-dropout)
     "seed-oss": ({"add_qkv_bias": True, "hidden_dropout": 0.1}, {"add_qkv_bias": False}),
     "arcee": ({"squared_relu": True, "swiglu": False}, {"squared_relu": False}),
+    # (GLM-4: hf/glm4.py; its norms after the sublayers undone)
+    "glm4": ({"post_sublayer_norm": True, "rotary_percent": 0.5}, {"post_sublayer_norm": False}),
 }
 
 
@@ -80,6 +83,8 @@ def test_what_the_kin_cannot_express_is_refused():
     config = parse_args([flag for flag in ARCEE if flag != "--squared-relu"] + ["--swiglu"]).model
     with pytest.raises(ConfigError, match="RoPE on halves"):
         threefold_to_hf({}, config, "HeliumForCausalLM")
+    with pytest.raises(ConfigError, match="layers other than four norms"):
+        threefold_to_hf({}, config, "Glm4ForCausalLM")
     hf = {"architectures": ["SeedOssForCausalLM"], "attention_out_bias": True}
     hf.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=VOCAB)
     with pytest.raises(ConfigError, match="attention_out_bias=True"):

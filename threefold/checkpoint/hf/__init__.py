@@ -11,6 +11,8 @@
     deepseek.py  DeepseekV3ForCausalLM (multi-latent attention, DeepSeek-V3's routing),
                DeepseekV32ForCausalLM (the same with DeepSeek sparse attention's indexer)
     deepseek_v2.py  DeepseekV2ForCausalLM (DeepSeek-V2-Lite: the same attention, softmax routing)
+    glm4.py    Glm4ForCausalLM (GLM-4-0414: four norms a layer, RoPE on pairs of half of each
+               head, q, k, v biases)
     glm4_moe.py  Glm4MoeForCausalLM (GLM-4.5: grouped-query attention, DeepSeek-V3's routing)
     llama4.py  Llama4ForCausalLM (Llama 4 Scout and Maverick: layers without RoPE, chunked
                attention, top-1 experts weighted on their input beside a shared expert), and
@@ -65,6 +67,7 @@ from threefold.checkpoint.hf.deepseek_v2 import DEEPSEEK_V2
 from threefold.checkpoint.hf.exaone4 import EXAONE4
 from threefold.checkpoint.hf.falcon import FALCON
 from threefold.checkpoint.hf.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_CONDITIONAL
+from threefold.checkpoint.hf.glm4 import GLM4
 from threefold.checkpoint.hf.glm4_moe import GLM4_MOE
 from threefold.checkpoint.hf.gpt2 import GPT2
 from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
@@ -115,6 +118,7 @@ ADAPTERS: dict[str, Adapter] = {
         DEEPSEEK_V2,
         DEEPSEEK_V3,
         DEEPSEEK_V32,
+        GLM4,
         GLM4_MOE,
         LLAMA4,
         LLAMA4_CONDITIONAL,

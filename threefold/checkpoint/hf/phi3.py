@@ -22,8 +22,34 @@ from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ConfigError, ModelConfig
 
 
+class FusedGateUpMLP:
+    """An LLaMA-family adapter's SwiGLU MLP whose gate and up projections are one tensor,
+    [gate; up] rows (gate_up_proj: Phi-3's, GLM-4's): threefold's linear_fc1 as it is."""
+
+    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        return {
+            ours + "linear_fc1.weight": take(p + "gate_up_proj.weight"),
+            ours + "linear_fc2.weight": take(p + "down_proj.weight"),
+        }
+
+    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+        return {
+            p + "gate_up_proj.weight": state[ours + "linear_fc1.weight"],
+            p + "down_proj.weight": state[ours + "linear_fc2.weight"],
+        }
+
+    def lora_modules(
+        self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if layer == "linear_fc1":
+            return {f"model.layers.{i}.mlp.gate_up_proj": (a, b)}
+        return super().lora_modules(layer, i, a, b, config)
+
+
 @dataclass(frozen=True)
-class Phi3Adapter(LlamaAdapter):
+class Phi3Adapter(FusedGateUpMLP, LlamaAdapter):
     partial_rope = True
 
     def model_config(self, hf: dict) -> ModelConfig:
@@ -67,28 +93,12 @@ class Phi3Adapter(LlamaAdapter):
         qkv = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], config)
         return {f"model.layers.{i}.self_attn.qkv_proj.weight": torch.cat(qkv)}
 
-    def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
-        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-        return {
-            ours + "linear_fc1.weight": take(p + "gate_up_proj.weight"),
-            ours + "linear_fc2.weight": take(p + "down_proj.weight"),
-        }
-
-    def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
-        ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
-        return {
-            p + "gate_up_proj.weight": state[ours + "linear_fc1.weight"],
-            p + "down_proj.weight": state[ours + "linear_fc2.weight"],
-        }
-
     def lora_modules(
         self, layer: str, i: int, a: torch.Tensor, b: torch.Tensor, config: ModelConfig
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         p = f"model.layers.{i}."
         if layer == "linear_qkv":
             return {p + "self_attn.qkv_proj": (a, torch.cat(split_qkv(b, config)))}
-        if layer == "linear_fc1":
-            return {p + "mlp.gate_up_proj": (a, b)}
         return super().lora_modules(layer, i, a, b, config)
 
 
