@@ -4,6 +4,7 @@ merged output and log-sum-exp, give the whole sequence's causal attention of tho
 bf16 against float64. On the CPU the blocks run PyTorch's CPU flash kernel; on CUDA
 FlashAttention-2's (bench/gpu_session.sh tests runs the `cuda` legs)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from threefold.arguments import parse_args
 from threefold.kernels.dispatch import configure_for_model
 from threefold.parallel.context_parallel import block_attention
 from threefold.parallel.context_parallel.attention import _GatheredAttention
-from threefold.parallel.context_parallel.block_attention import Dropout, block_kernel
+from threefold.parallel.context_parallel.block_attention import Dropout, Scoring, block_kernel
 
 BF16_TOLERANCE = 2e-2  # see test_kernels.py
 CP, CHUNK, BATCH, HEADS, GROUPS, HEAD_DIM = 4, 32, 2, 4, 2, 64
@@ -80,8 +81,8 @@ def test_flash_blocks_give_the_whole_sequences_attention_in_bf16(device, rank, w
     gathered, sinks_bf16 = on_device(gathered), on_device(sinks)
     flash = "cuda flash" if device == "cuda" else "cpu flash"
     assert block_kernel(q, None, None) == flash
-    scale = 1.0 / math.sqrt(HEAD_DIM)
-    out = _GatheredAttention.apply(q, gathered, rank, scale, 0.0, 0, None, sinks_bf16)
+    scoring = Scoring(1.0 / math.sqrt(HEAD_DIM))
+    out = _GatheredAttention.apply(q, gathered, rank, scoring, 0.0, 0, None, sinks_bf16)
     out.backward(grad_out.to(device, torch.bfloat16))
 
     def cpu(t):
@@ -103,14 +104,15 @@ def test_flash_blocks_give_the_whole_sequences_attention_in_bf16(device, rank, w
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_blocks_the_flash_kernel_cannot_take_run_eager(device):
-    """Dropout masks and masked blocks (documents, windows) need the eager kernel; so do
-    float64 (the tests' gradient checks) and, on CUDA, fp32 blocks (FlashAttention-2 takes
-    16-bit inputs only)."""
+    """Dropout masks, masked blocks (documents, windows) and capped scores need the eager
+    kernel; so do float64 (the tests' gradient checks) and, on CUDA, fp32 blocks
+    (FlashAttention-2 takes 16-bit inputs only)."""
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device=device)
     flash = "cuda flash" if device == "cuda" else "cpu flash"
     assert block_kernel(q, None, None) == flash
     assert block_kernel(q, Dropout(0.1, 0), None) == "math"
     assert block_kernel(q, None, torch.ones(1, 1, 8, 8, dtype=torch.bool, device=device)) == "math"
+    assert block_kernel(q, None, None, capped=True) == "math"
     assert block_kernel(q.double(), None, None) == "math"
     assert block_kernel(q.float(), None, None) == ("math" if device == "cuda" else "cpu flash")
 
@@ -136,13 +138,14 @@ def test_the_cuda_flash_calls_take_a_blocks_views_of_the_merged_rows():
 def test_the_kernels_line_names_the_blocks_kernel_under_context_parallelism(device):
     """The ring's, the all-gather's and a2a+p2p's blocks say which kernel they run on, as
     configured for the device and dtype; Ulysses (a2a) runs the attention the line already
-    names, on whole sequences."""
+    names, on whole sequences. Capped scores (Gemma 2's) run on eager blocks, whatever the
+    layout, and the line says so."""
     config = parse_args(CLI_MODEL + ["--bf16"])
     flash = "FlashAttention-2 (PyTorch's)" if device == "cuda" else "PyTorch's CPU flash kernel"
 
-    def line(comm_type, dtype=torch.bfloat16):
+    def line(comm_type, dtype=torch.bfloat16, model=config.model):
         return configure_for_model(
-            config.kernels, config.model, 1, torch.device(device), dtype, 2, None, 1, comm_type
+            config.kernels, model, 1, torch.device(device), dtype, 2, None, 1, comm_type
         )
 
     blocks = "attention by blocks merged by log-sum-exp, on"
@@ -151,3 +154,9 @@ def test_the_kernels_line_names_the_blocks_kernel_under_context_parallelism(devi
     assert "--cp-comm-type" not in line("a2a") and "--cp-comm-type" not in line(None)
     if device == "cuda":  # FlashAttention-2 takes 16-bit inputs only
         assert f"--cp-comm-type p2p: {blocks} eager blocks" in line("p2p", torch.float32)
+    capped = dataclasses.replace(config.model, attn_logit_softcapping=50.0)
+    said = "; --attn-logit-softcapping: attention as the context-parallel ring's blocks, the "
+    said += "scores capped, on eager blocks"
+    assert line(None, model=capped).endswith(said) and line("a2a", model=capped).endswith(said)
+    assert f"--cp-comm-type p2p: {blocks} eager blocks{said}" in line("p2p", model=capped)
+    assert "capped" not in line("p2p")

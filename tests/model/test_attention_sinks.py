@@ -30,12 +30,14 @@ def test_the_sink_takes_a_share_of_each_rows_probability():
     torch.testing.assert_close(plain, reference.attention(q, k, v, None, 0.0))
 
 
+@pytest.mark.parametrize("capped", [False, True], ids=["sinks", "capped"])
 @pytest.mark.parametrize("mask", ["causal", "window", "documents"])
-def test_the_blockwise_sink_attention_is_the_written_out_one_without_its_matrices(mask):
-    """The model's sink attention (one block of the CP ring's, the sinks merged after it):
-    the written-out attention's output and gradients (q, k, v and the sinks; GQA), and what it
-    keeps for backward holds no S x S matrix (the written-out one keeps several)."""
-    from threefold.parallel.context_parallel.attention import sink_attention
+def test_the_blockwise_attention_is_the_written_out_one_without_its_matrices(mask, capped):
+    """The model's sink attention and Gemma 2's capped attention (one block of the CP ring's,
+    the sinks merged after it; its scores capped softly at 0.5): the written-out attention's
+    output and gradients (q, k, v and the sinks; GQA), and what it keeps for backward holds no
+    S x S matrix (the written-out one keeps several)."""
+    from threefold.parallel.context_parallel.attention import one_block_attention
     from threefold.parallel.context_parallel.sequence import document_mask, window_mask
 
     torch.manual_seed(0)
@@ -51,7 +53,8 @@ def test_the_blockwise_sink_attention_is_the_written_out_one_without_its_matrice
     }[mask]
     upstream = torch.randn(s, b, 32, dtype=torch.float64)
     results = []
-    for attention in (reference.attention_with_sinks, sink_attention):
+    extra = {"softcap": 0.5} if capped else {"sinks": sinks}
+    for attention in (reference.attention_written_out, one_block_attention):
         kept = []
 
         def pack(tensor, kept=kept):
@@ -59,8 +62,9 @@ def test_the_blockwise_sink_attention_is_the_written_out_one_without_its_matrice
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = attention(q, k, v, allowed, 0.0, sinks)
-        grads = torch.autograd.grad(out, (q, k, v, sinks), upstream)
+            out = attention(q, k, v, allowed, 0.0, **extra)
+        leaves = (q, k, v) if capped else (q, k, v, sinks)
+        grads = torch.autograd.grad(out, leaves, upstream)
         results.append((out, grads, max(kept)))
     (expected, expected_grads, written), (out, grads, blockwise) = results
     # (the written-out attention computes its scores in fp32)

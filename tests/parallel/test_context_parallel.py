@@ -34,7 +34,10 @@ def _core_attention_job(
     documents: bool = False,
     window: int | None = None,
     sinks: bool = False,
+    softcap: float | None = None,
 ) -> list[float]:
+    import functools
+
     import torch.distributed as dist
 
     from threefold.kernels import reference
@@ -67,13 +70,15 @@ def _core_attention_job(
     # attention sinks (--softmax-type learnable): one more logit per head, learned
     sink = torch.randn(heads, requires_grad=True) if sinks else None
     whole = reference.attention if sink is None else reference.attention_with_sinks
+    if softcap is not None:  # (--attn-logit-softcapping: Ulysses's local attention caps too)
+        whole = functools.partial(reference.attention_written_out, softcap=softcap)
     expected = whole(q, k, v, mask, 0.0, *([] if sink is None else [sink]))
     expected.backward(upstream)
 
     mine = local_positions(sequence, cp)
     local = [t.detach()[mine].clone().requires_grad_() for t in (q, k, v)]
     hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
-    attention = context_parallel_attention(cp, comm_type, whole, hierarchy)
+    attention = context_parallel_attention(cp, comm_type, whole, hierarchy, softcap)
     spans = None if ids is None else Documents.of(ids, cp.size)
     if window is not None:
         spans = Documents.windowed(spans, window, cp.size, local[0])
@@ -128,18 +133,36 @@ def test_attention_sinks_over_cp4_are_the_whole_sequences(comm_type):
         assert len(errors) == 5 and max(errors) < 1e-5, errors
 
 
+@pytest.mark.parametrize("comm_type", [*COMM_TYPES, "a2a+p2p"])
+def test_capped_scores_over_cp4_are_the_whole_sequences(comm_type):
+    """Gemma 2's attention over 4 CP ranks: scores capped softly at 0.5 (random ones reach 3
+    times that), a sliding window of 5 and packed documents; each block caps its own scores
+    (Ulysses's local attention caps them on whole sequences). Outputs and q/k/v gradients are
+    the whole sequence's."""
+    hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
+    args = (comm_type, 8, 4, hierarchy, True, 5, False, 0.5)
+    for errors in run_distributed(4, _core_attention_job, *args):
+        assert len(errors) == 4 and max(errors) < 1e-5, errors
+
+
 def test_a_block_without_keys_for_a_row_gives_it_nothing():
     """A row whose block holds no key of its document: output 0 and log-sum-exp -inf, which
     merging weighs 0; its gradients are 0, and nothing is NaN."""
-    from threefold.parallel.context_parallel.block_attention import block_backward, block_forward
+    from threefold.parallel.context_parallel.block_attention import (
+        Scoring,
+        block_backward,
+        block_forward,
+    )
 
     q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
     allowed = torch.tensor([[True, False, True], [False] * 3, [True] * 3]).view(1, 1, 3, 3)
-    out, lse = block_forward(q, k, v, False, 0.5, None, allowed)
-    assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
-    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, [0, 2]]).all()
-    grads = block_backward(torch.randn_like(out), q, k, v, out, lse, False, 0.5, None, allowed)
-    assert all(torch.isfinite(g).all() for g in grads) and (grads[0][:, :, 1] == 0).all()
+    for scoring in (Scoring(0.5), Scoring(0.5, softcap=0.3)):
+        out, lse = block_forward(q, k, v, False, scoring, None, allowed)
+        assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
+        assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, [0, 2]]).all()
+        grad_out = torch.randn_like(out)
+        grads = block_backward(grad_out, q, k, v, out, lse, False, scoring, None, allowed)
+        assert all(torch.isfinite(g).all() for g in grads) and (grads[0][:, :, 1] == 0).all()
 
 
 @pytest.mark.parametrize("hierarchy", [[2, 2], [4, 2], [2, 4]], ids=["2x2", "4x2", "2x4"])
@@ -382,12 +405,15 @@ def test_activation_memory_falls_as_one_over_cp_at_16k_tokens():
                 assert abs(measured * cp / whole - 1) <= 0.1, (cp, comm_type, measured, whole)
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7], ids=["", "capped"])
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropout):
+def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropout, softcap):
     """In float64, with a fixed seed (so every call draws the same masks), the hand-written
-    backward of the blocks merged by log-sum-exp passes autograd's numerical gradient check."""
+    backward of the blocks merged by log-sum-exp passes autograd's numerical gradient check,
+    with the scores soft-capped too (Gemma 2's: the cap's own derivative)."""
     from threefold.parallel.context_parallel.attention import _GatheredAttention
+    from threefold.parallel.context_parallel.block_attention import Scoring
 
     torch.manual_seed(0)
     batch, heads, groups, chunk, head_dim, cp = 1, 4, 2, 3, 4, 2
@@ -397,7 +423,8 @@ def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropo
     )
 
     def attention(q, gathered):
-        return _GatheredAttention.apply(q, gathered, rank, 0.5, dropout, 1234, None, None)
+        scoring = Scoring(0.5, softcap)
+        return _GatheredAttention.apply(q, gathered, rank, scoring, dropout, 1234, None, None)
 
     assert torch.autograd.gradcheck(attention, (q, gathered))
 

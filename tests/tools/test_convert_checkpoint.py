@@ -185,26 +185,44 @@ def test_generation_tools_refuse_a_layout_the_model_cannot_take(converted):
 
 
 def _per_token_losses(argv: list[str], directory: str, tokens=TOKENS) -> list | None:
-    """Per-token losses of `tokens` through a pipeline/tensor-parallel run of the checkpoint."""
+    """Per-token losses of `tokens` through a pipeline/tensor/context-parallel run of the
+    checkpoint (a CP rank's losses of its chunks gathered back into the whole sequence's)."""
+    import torch.distributed as dist
+
     from tests.parity import _setup
     from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel.context_parallel.sequence import split_batch, to_global_order
     from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
 
     trainer = _setup(argv)
     load_checkpoint(directory, trainer.checkpoint_components(), finetune=True)
     for chunk in trainer.model_chunks:
         chunk.eval()  # no dropout
+    cp = trainer.parallel.cp
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = split_batch({**batch, "loss_mask": torch.ones(batch["labels"].shape)}, cp)
 
     def step(batch, model, input_tensor=None):
-        output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
+        output = model(
+            batch["tokens"],
+            position_ids=batch.get("position_ids"),
+            labels=batch["labels"],
+            hidden_states=input_tensor,
+        )
         return output, lambda per_token: (per_token.mean(), per_token.detach())
 
-    trainer.pipeline_options["tensor_shape"] = (tokens.shape[1] - 1, 2, 64)
+    trainer.pipeline_options["tensor_shape"] = ((tokens.shape[1] - 1) // cp.size, 2, 64)
     losses = get_forward_backward_func(trainer.parallel.pp)(
         step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
     )
-    return losses[0].numpy().tolist() if trainer.parallel.is_last_pipeline_stage else None
+    if not trainer.parallel.is_last_pipeline_stage:
+        return None
+    mine = losses[0]  # [b, this rank's 2 chunks]
+    if cp.size > 1:
+        every = [torch.empty_like(mine) for _ in range(cp.size)]
+        dist.all_gather(every, mine, group=cp.group)
+        mine = to_global_order(torch.stack(every).transpose(1, 2), cp.size).T
+    return mine.numpy().tolist()
 
 
 def _assert_transformers_losses(hf_model, results: list, tokens=TOKENS) -> None:

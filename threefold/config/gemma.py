@@ -13,7 +13,7 @@ what threefold has already (--apply-layernorm-1p's norms scaling by 1 + weight, 
     --window-rotary-base B     the layers with a window rotate by RoPE base B, unscaled (Gemma
                                3's local layers: 10000), the others by --rotary-base
     --attn-logit-softcapping C the attention scores capped softly: C tanh(score / C), before
-                               the softmax (Gemma 2: 50; written out, on one CP rank)
+                               the softmax (Gemma 2: 50; eager blocks, any CP layout)
     --final-logit-softcapping C  the logits capped softly likewise (Gemma 2: 30)
 
 Megatron-LM builds none of them (a Megatron export is refused).
@@ -74,7 +74,7 @@ class GemmaConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         help="cap the attention scores softly at this, cap * tanh(score / cap) (Gemma 2: 50); "
-        "the scores are written out",
+        "attention by eager blocks, recomputed in backward",
     )
     final_logit_softcapping: float | None = arg(
         None,

@@ -107,7 +107,6 @@ class Config:
             "state across documents (megatron-core ignores the mask there too); drop it",
         )
         warnings += self._check_sparse_attention()
-        self._check_softcapped_attention()
         warnings += self.checkpoint.finalize()
         warnings += check_upcycling(self)
         if training.skip_train:  # only the model is needed (Megatron-LM's warning)
@@ -130,13 +129,6 @@ class Config:
                 "its shared expert as its graph orders it, not beside the all-to-alls"
             )
         return warnings
-
-    def _check_softcapped_attention(self) -> None:
-        _require(
-            self.parallel.context_parallel_size == 1 or not self.model.attn_logit_softcapping,
-            "--attn-logit-softcapping with --context-parallel-size: its scores are written out "
-            "on one rank, not built across context-parallel ranks; use TP, PP or DP",
-        )
 
     def _check_sparse_attention(self) -> list[str]:
         """DeepSeek sparse attention over whole sequences on every rank."""

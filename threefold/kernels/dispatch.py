@@ -540,10 +540,11 @@ def configure_for_model(
     if fp8 is not None and fp8.enabled and _on_gpu(device):
         check_fp8_shapes(model, tensor_parallel_size)
     line = configure(config, device, dtype, model.normalization, shape, fp8, pipeline_parallel_size)
+    capped = model.attn_logit_softcapping is not None
     if cp_comm_type in ("p2p", "allgather", "a2a+p2p"):
         line += (
             f"; --cp-comm-type {cp_comm_type}: attention by blocks merged by log-sum-exp, on "
-            + _blocks(shape, device, dtype)
+            + _blocks(shape, device, dtype, capped)
         )
     if model.sparse_attention:  # (model/dsa.py)
         line += (
@@ -555,6 +556,11 @@ def configure_for_model(
             f"; --softmax-type {model.softmax_type}: attention as the context-parallel ring's "
             f"blocks, the sinks merged, on {_blocks(shape, device, dtype)}"
         )
+    if capped:  # (model/attention.py's softcapped_attention)
+        line += (
+            "; --attn-logit-softcapping: attention as the context-parallel ring's blocks, "
+            f"the scores capped, on {_blocks(shape, device, dtype, capped)}"
+        )
     return line
 
 
@@ -565,11 +571,13 @@ _BLOCK_KERNELS = {
 }
 
 
-def _blocks(shape: AttentionShape, device: torch.device, dtype: torch.dtype) -> str:
+def _blocks(
+    shape: AttentionShape, device: torch.device, dtype: torch.dtype, capped: bool = False
+) -> str:
     """The kernel of the blocks that context-parallel attention merges by log-sum-exp (after
-    `configure`: --deterministic-mode changes it on CUDA)."""
+    `configure`: --deterministic-mode changes it on CUDA; capped scores run eager)."""
     probe = torch.empty(1, 1, 1, shape.head_dim, dtype=dtype, device=device)
-    kernel = _BLOCK_KERNELS[block_kernel(probe, None, None)]
+    kernel = _BLOCK_KERNELS[block_kernel(probe, None, None, capped)]
     if kernel == "eager":
         return "eager blocks"
     return f"{kernel} (masked blocks, for documents or windows, and dropout: eager)"

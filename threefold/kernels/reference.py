@@ -121,20 +121,6 @@ def attention_with_sinks(
     return attention_written_out(query, key, value, attention_mask, dropout, sinks=sinks)
 
 
-def attention_softcapped(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float,
-    softcap: float,
-) -> torch.Tensor:
-    """`attention` whose scaled scores are capped softly, softcap * tanh(score / softcap),
-    before the softmax (--attn-logit-softcapping: Gemma 2's). Written out, as no SDPA kernel
-    caps."""
-    return attention_written_out(query, key, value, attention_mask, dropout, softcap=softcap)
-
-
 def attention_written_out(
     query: torch.Tensor,
     key: torch.Tensor,

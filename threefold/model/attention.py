@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from threefold.config import ModelConfig
-from threefold.kernels import reference
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
 from threefold.model.norms import AcrossHeadsRMSNorm, L2Norm, PerHeadNorm, build_norm
 from threefold.model.recompute import checkpoint
-from threefold.parallel.context_parallel.attention import context_parallel_attention, sink_attention
+from threefold.parallel.context_parallel.attention import (
+    context_parallel_attention,
+    one_block_attention,
+)
 from threefold.parallel.context_parallel.sequence import (
     Documents,
     chunk_mask,
@@ -59,6 +61,26 @@ def context_parallel(config: ModelConfig, parallel: ParallelContext) -> CoreAtte
     )
 
 
+def _blockwise(
+    parallel: ParallelContext, local: CoreAttention, softcap: float | None = None
+) -> CoreAttention:
+    """`local` (one block of the ring's, kernels that SDPA has none of) on one rank's whole
+    sequences, or over the CP ranks by --cp-comm-type."""
+    if parallel.cp.size == 1:
+        return local
+    hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
+    return context_parallel_attention(parallel.cp, parallel.cp_comm_type, local, hierarchy, softcap)
+
+
+def softcapped_attention(config: ModelConfig, parallel: ParallelContext) -> CoreAttention:
+    """Core attention whose scores are capped softly, cap * tanh(score / cap), before the
+    softmax (--attn-logit-softcapping: Gemma 2's). No SDPA kernel caps: the attention runs as
+    the context-parallel ring's blocks (eager, the scores recomputed in backward from the
+    output and log-sum-exp, not kept), on one rank or over CP ranks by every comm type."""
+    cap = config.attn_logit_softcapping
+    return _blockwise(parallel, functools.partial(one_block_attention, softcap=cap), cap)
+
+
 class SoftmaxOffsetAttention(nn.Module):
     """Core attention with one more softmax logit per head beside each row's scores
     (megatron-core's --softmax-type; GPT-OSS's attention sinks): 0 (off-by-one) or
@@ -77,12 +99,7 @@ class SoftmaxOffsetAttention(nn.Module):
             mark_tensor_parallel(self.softmax_offset, 0, init_method, (config.num_attention_heads,))
         else:  # (off-by-one: no state, as megatron-core keeps none)
             self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)
-        self.attend = sink_attention
-        if parallel.cp.size > 1:
-            hierarchy = (parallel.cp_a2a, parallel.cp_p2p)
-            self.attend = context_parallel_attention(
-                parallel.cp, parallel.cp_comm_type, sink_attention, hierarchy
-            )
+        self.attend = _blockwise(parallel, one_block_attention)
 
     def forward(self, query, key, value, attention_mask, dropout) -> torch.Tensor:
         return self.attend(query, key, value, attention_mask, dropout, self.softmax_offset)
@@ -197,9 +214,8 @@ class SelfAttention(Attention):
         super().__init__(config, parallel, core_attention, window)
         if config.softmax_type != "vanilla":
             self.core_attention = SoftmaxOffsetAttention(config, parallel, init_method)
-        elif config.attn_logit_softcapping is not None:  # (Gemma 2's; on one CP rank)
-            cap = config.attn_logit_softcapping
-            self.core_attention = functools.partial(reference.attention_softcapped, softcap=cap)
+        elif config.attn_logit_softcapping is not None:  # (Gemma 2's)
+            self.core_attention = softcapped_attention(config, parallel)
         tp = parallel.tp.size
         self.head_dim = config.kv_channels
         self.num_query_groups_per_partition = config.num_query_groups // tp

@@ -21,6 +21,9 @@ Attention sinks (--softmax-type: one more logit per head beside every row's scor
 take `sinks` [heads]: the ring and all-gather merge each row's sink as a last block whose
 output is 0 and whose log-sum-exp is the sink (its gradient, per head, -sum over rows of
 exp(sink - lse) rowsum(dO * O)); Ulysses hands its local attention its share of the heads'.
+Soft-capped scores (--attn-logit-softcapping, Gemma 2's) take `softcap`: the ring's and the
+all-gather's blocks cap their own scores (block_attention.py's `Scoring`); Ulysses's local
+attention must cap alike.
 
 Ranks hold chunks r and 2CP-1-r of 2 x CP (sequence.py). Against the block of rank j, rank r's
 queries need: j == r, causal attention over its own two chunks (in order, so an ordinary causal
@@ -47,6 +50,7 @@ import torch.distributed as dist
 from threefold.parallel.context_parallel.block_attention import (
     Accumulator,
     Dropout,
+    Scoring,
     add_sinks,
     block_backward,
     block_forward,
@@ -105,14 +109,14 @@ def _attend(
     q: torch.Tensor,
     kv: torch.Tensor,
     plan: tuple[slice, slice, bool],
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None,
     into: Accumulator,
     allowed: torch.Tensor | None,
 ) -> None:
     rows, keys, causal = plan
     k, v = kv[:, :, :, keys]
-    out, lse = block_forward(q[:, :, rows], k, v, causal, scale, dropout, allowed)
+    out, lse = block_forward(q[:, :, rows], k, v, causal, scoring, dropout, allowed)
     into.add(rows, out, lse)
 
 
@@ -123,7 +127,7 @@ def _attend_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     plan: tuple[slice, slice, bool],
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None,
     grad_q: torch.Tensor,
     allowed: torch.Tensor | None,
@@ -133,7 +137,7 @@ def _attend_backward(
     rows, keys, causal = plan
     k, v = kv[:, :, :, keys]
     block = (grad_out[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
-    dq, dk, dv = block_backward(*block, causal, scale, dropout, allowed)
+    dq, dk, dv = block_backward(*block, causal, scoring, dropout, allowed)
     grad_q[:, :, rows] += dq.to(grad_q.dtype)
     grad_kv = torch.zeros(kv.shape, dtype=grad_q.dtype, device=kv.device)
     grad_kv[0][:, :, keys] = dk
@@ -155,7 +159,9 @@ class _RingAttention(torch.autograd.Function):
     """q [b, heads, 2c, d], k and v [b, groups, 2c, d] -> out [b, heads, 2c, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Group, scale: float, dropout: float, seed: int, documents, sinks):
+    def forward(
+        ctx, q, k, v, cp: Group, scoring: Scoring, dropout: float, seed: int, documents, sinks
+    ):
         kv, result, half = torch.stack((k, v)), Accumulator(), q.shape[2] // 2
         for step in range(cp.size):
             incoming = _Exchange(kv, cp, "cp_send_kv", step) if step + 1 < cp.size else None
@@ -166,21 +172,21 @@ class _RingAttention(torch.autograd.Function):
                 _dropout(dropout, seed, source),
                 _allowed(documents, cp.rank, source, plan),
             )
-            _attend(q, kv, plan, scale, mask, result, allowed)
+            _attend(q, kv, plan, scoring, mask, result, allowed)
             _trace("forward block end", step)
             if incoming is not None:
                 kv = incoming.wait()
         add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse, sinks)
-        ctx.cp, ctx.scale, ctx.dropout, ctx.seed = cp, scale, dropout, seed
+        ctx.cp, ctx.scoring, ctx.dropout, ctx.seed = cp, scoring, dropout, seed
         ctx.documents = documents
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        cp, scoring = ctx.cp, ctx.scoring
         half = q.shape[2] // 2
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
@@ -193,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
             allowed = _allowed(ctx.documents, cp.rank, source, plan)
             _trace("backward block start", step)
             grad_kv = _attend_backward(
-                grad_out, q, kv, out, lse, plan, scale, mask, grad_q, allowed
+                grad_out, q, kv, out, lse, plan, scoring, mask, grad_q, allowed
             )
             _trace("backward block end", step)
             # The gradient of the block held now travels with it: add what the ranks before
@@ -213,18 +219,18 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, gathered, rank: int, scale: float, dropout: float, seed: int, documents, sinks
+        ctx, q, gathered, rank: int, scoring: Scoring, dropout: float, seed: int, documents, sinks
     ):
         result, half = Accumulator(), q.shape[2] // 2
         for step in range(gathered.shape[0]):
             source = (rank - step) % gathered.shape[0]
             plan, mask = _step_plan(source, rank, half), _dropout(dropout, seed, source)
             allowed = _allowed(documents, rank, source, plan)
-            _attend(q, gathered[source], plan, scale, mask, result, allowed)
+            _attend(q, gathered[source], plan, scoring, mask, result, allowed)
         add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, gathered, out, result.lse, sinks)
-        ctx.rank, ctx.scale, ctx.dropout, ctx.seed = rank, scale, dropout, seed
+        ctx.rank, ctx.scoring, ctx.dropout, ctx.seed = rank, scoring, dropout, seed
         ctx.documents = documents
         return out
 
@@ -244,7 +250,7 @@ class _GatheredAttention(torch.autograd.Function):
                 out,
                 lse,
                 plan,
-                ctx.scale,
+                ctx.scoring,
                 mask,
                 grad_q,
                 _allowed(ctx.documents, ctx.rank, source, plan),
@@ -253,22 +259,22 @@ class _GatheredAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_gathered.to(gathered.dtype), *[None] * 5, grad_sinks
 
 
-class _SinkAttention(torch.autograd.Function):
-    """Attention with sinks on one rank's whole sequences: the ring's one block (q over its
-    own keys, causal or by `allowed`) and the sinks merged after it, so that backward
-    recomputes the scores from (out, lse) as flash attention does, instead of keeping the S x
-    S matrices that writing the softmax out keeps for every layer."""
+class _OneBlockAttention(torch.autograd.Function):
+    """Attention with sinks or capped scores on one rank's whole sequences: the ring's one
+    block (q over its own keys, causal or by `allowed`) and the sinks merged after it, so that
+    backward recomputes the scores from (out, lse) as flash attention does, instead of keeping
+    the S x S matrices that writing the softmax out keeps for every layer."""
 
     @staticmethod
-    def forward(ctx, q, k, v, allowed, scale: float, dropout: float, seed: int, sinks):
+    def forward(ctx, q, k, v, allowed, scoring: Scoring, dropout: float, seed: int, sinks):
         kv, result = torch.stack((k, v)), Accumulator()
         plan = (slice(None), slice(None), allowed is None)
         mask = _dropout(dropout, seed, 0)
-        _attend(q, kv, plan, scale, mask, result, allowed)
+        _attend(q, kv, plan, scoring, mask, result, allowed)
         add_sinks(result, sinks)
         out = result.out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, result.lse, sinks, allowed)
-        ctx.scale, ctx.dropout, ctx.seed = scale, dropout, seed
+        ctx.scoring, ctx.dropout, ctx.seed = scoring, dropout, seed
         return out
 
     @staticmethod
@@ -278,22 +284,33 @@ class _SinkAttention(torch.autograd.Function):
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         plan, mask = (slice(None), slice(None), allowed is None), _dropout(ctx.dropout, ctx.seed, 0)
         grad_kv = _attend_backward(
-            grad_out, q, kv, out, lse, plan, ctx.scale, mask, grad_q, allowed
+            grad_out, q, kv, out, lse, plan, ctx.scoring, mask, grad_q, allowed
         )
         grad_sinks = sinks_gradient(grad_out, out, lse, sinks)
         grad_k, grad_v = grad_kv.to(kv.dtype)
         return grad_q.to(q.dtype), grad_k, grad_v, *[None] * 4, grad_sinks
 
 
-def sink_attention(query, key, value, attention_mask, dropout: float, sinks) -> torch.Tensor:
-    """`kernels.reference.attention_with_sinks` (its layouts; `attention_mask` True where a
-    query may attend, [s, s] or [b, 1, s, s], None: causal) without its S x S activations."""
+def one_block_attention(
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`kernels.reference.attention_written_out` with `sinks` or `softcap` (its layouts;
+    `attention_mask` True where a query may attend, [s, s] or [b, 1, s, s], None: causal)
+    without its S x S activations."""
     q, k, v = _heads_first(query, key, value)
     allowed = attention_mask
     if allowed is not None and allowed.dim() == 2:
         allowed = allowed[None, None]
-    scale, seed = 1.0 / math.sqrt(q.shape[-1]), _seed(dropout, q.device)
-    return _sequence_first(_SinkAttention.apply(q, k, v, allowed, scale, dropout, seed, sinks))
+    scoring = Scoring(1.0 / math.sqrt(q.shape[-1]), softcap)
+    seed = _seed(dropout, q.device)
+    out = _OneBlockAttention.apply(q, k, v, allowed, scoring, dropout, seed, sinks)
+    return _sequence_first(out)
 
 
 def _heads_first(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -320,11 +337,12 @@ def ring_attention(
     dropout: float = 0.0,
     documents: Documents | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     q, k, v = _heads_first(query, key, value)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scoring = Scoring(1.0 / math.sqrt(q.shape[-1]), softcap)
     seed = _seed(dropout, q.device)
-    out = _RingAttention.apply(q, k, v, cp, scale, dropout, seed, documents, sinks)
+    out = _RingAttention.apply(q, k, v, cp, scoring, dropout, seed, documents, sinks)
     return _sequence_first(out)
 
 
@@ -336,6 +354,7 @@ def allgather_attention(
     dropout: float = 0.0,
     documents: Documents | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     # One all-gather for keys and values (backward: one reduce-scatter of their gradients).
     s, b, groups, d = key.shape
@@ -343,8 +362,9 @@ def allgather_attention(
     gathered = gather_from_sequence_parallel_region(kv, cp).unflatten(0, (cp.size, s))
     gathered = gathered.permute(0, 2, 3, 4, 1, 5).contiguous()  # [CP, 2, b, groups, s, d]
     (q,) = _heads_first(query)
-    scale, seed = 1.0 / math.sqrt(d), _seed(dropout, q.device)
-    out = _GatheredAttention.apply(q, gathered, cp.rank, scale, dropout, seed, documents, sinks)
+    scoring, seed = Scoring(1.0 / math.sqrt(d), softcap), _seed(dropout, q.device)
+    args = (q, gathered, cp.rank, scoring, dropout, seed, documents, sinks)
+    out = _GatheredAttention.apply(*args)
     return _sequence_first(out)
 
 
@@ -422,6 +442,7 @@ def hierarchical_attention(
     p2p: Group,
     documents: Documents | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
     """a2a+p2p: Ulysses over `a2a` (A consecutive CP ranks), then ring attention over `p2p`
     (the ranks at the same place of each a2a group). The all-to-all gives each rank its a2a
@@ -435,18 +456,23 @@ def hierarchical_attention(
         coarse = Documents.of(documents.whole(), p2p.size, documents.window)
 
     def ring(q, k, v, attention_mask, p, sinks=None):
-        return ring_attention(q, k, v, p2p, p, coarse, sinks)
+        return ring_attention(q, k, v, p2p, p, coarse, sinks, softcap)
 
     return ulysses_attention(query, key, value, None, dropout, a2a, ring, sinks)
 
 
 def context_parallel_attention(
-    cp: Group, comm_type: str, local: Callable, hierarchy: tuple[Group, Group] | None = None
+    cp: Group,
+    comm_type: str,
+    local: Callable,
+    hierarchy: tuple[Group, Group] | None = None,
+    softcap: float | None = None,
 ) -> Callable:
     """The core attention for `--cp-comm-type comm_type` over `cp`; `local` is the
     single-rank attention (the kernel dispatch's) that a2a runs on whole sequences, taking
     the sinks as a sixth argument when the attention is called with them; `hierarchy`
-    a2a+p2p's (all-to-all group, ring group)."""
+    a2a+p2p's (all-to-all group, ring group); `softcap` the blocks' cap of their scores
+    (`local` caps alike)."""
     if comm_type == "a2a":
 
         def ulysses(query, key, value, attention_mask, dropout, sinks=None):
@@ -458,7 +484,7 @@ def context_parallel_attention(
 
         def hierarchical(query, key, value, attention_mask, dropout, sinks=None):
             return hierarchical_attention(
-                query, key, value, dropout, a2a, p2p, attention_mask, sinks
+                query, key, value, dropout, a2a, p2p, attention_mask, sinks, softcap
             )
 
         return hierarchical
@@ -466,6 +492,6 @@ def context_parallel_attention(
 
     def attention(query, key, value, attention_mask, dropout, sinks=None):
         # (a mask under CP is packed documents': split_batch's `Documents`)
-        return blockwise(query, key, value, cp, dropout, attention_mask, sinks)
+        return blockwise(query, key, value, cp, dropout, attention_mask, sinks, softcap)
 
     return attention

@@ -20,7 +20,14 @@ as they are, the eager ones expand them); `causal` blocks are square (a chunk ov
 `allowed` [batch, 1, rows, keys] (True: may attend) masks a block further: packed documents,
 each attending only within itself. A row may then have no key at all in a block: its
 log-sum-exp is -inf and its output 0, which the merge weighs 0 (every row has a key in the
-block of its own chunk: itself). Without dropout or mask the block kernel is PyTorch's
+block of its own chunk: itself).
+
+Soft-capped scores (Gemma 2's --attn-logit-softcapping): each block's scores are capped,
+cap * tanh(score / cap), before the softmax, which is then the softmax of the capped scores;
+merging is unchanged. Backward differentiates through the cap, 1 - (capped / cap)^2, from the
+capped scores it recomputes. `Scoring` carries the scale and the cap.
+
+Without dropout, mask or cap the block kernel is PyTorch's
 flash-attention kernel, the op behind SDPA, which also returns the log-sum-exp: on the CPU, and
 on CUDA for 16-bit inputs (FlashAttention-2's). Otherwise the eager `math` functions below
 (which materialize one block's scores at a time), also the tests' reference.
@@ -54,16 +61,35 @@ class Dropout:
         return probs * keep / (1.0 - self.p)
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How a block's scores are made: q k^T times `scale`, then with `softcap` capped softly,
+    softcap * tanh(score / softcap)."""
+
+    scale: float
+    softcap: float | None = None
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(q)
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * self.scale
+        if self.softcap is None:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap
+
+    def backward(self, grad: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The gradient of q k^T from that of the `scores` (as `scores` made them, unmasked:
+        a masked score's gradient is 0 and its factor must stay finite)."""
+        if self.softcap is not None:
+            grad = grad * (1.0 - (scores / self.softcap) ** 2)
+        return grad * self.scale
+
+
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
     """fp32, or wider for wider inputs (the tests' float64)."""
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, allowed: torch.Tensor | None
-) -> torch.Tensor:
-    dtype = compute_dtype(q)
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
+def _masked(scores: torch.Tensor, causal: bool, allowed: torch.Tensor | None) -> torch.Tensor:
     if causal:
         scores = scores.masked_fill(_future(scores), float("-inf"))
     if allowed is not None:
@@ -76,12 +102,12 @@ def math_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool,
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = (expand_groups(t, q.shape[1] // k.shape[1]) for t in (k, v))
-    scores = _scores(q, k, causal, scale, allowed)
+    scores = _masked(scoring.scores(q, k), causal, allowed)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse)[..., None])  # (a row without keys: all 0)
     if dropout is not None:
@@ -98,7 +124,7 @@ def math_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,14 +132,15 @@ def math_backward(
     k, v = (expand_groups(t, heads_per_group) for t in (k, v))
     dtype = compute_dtype(q)
     qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
-    probs = torch.exp(_scores(q, k, causal, scale, allowed) - _finite(lse)[..., None])
+    scores = scoring.scores(q, k)
+    probs = torch.exp(_masked(scores, causal, allowed) - _finite(lse)[..., None])
     kept = probs if dropout is None else dropout.kept(probs)
     grad_v = torch.matmul(kept.transpose(-2, -1), grad)
     grad_probs = torch.matmul(grad, vf.transpose(-2, -1))
     if dropout is not None:  # through the mask: the same keep / (1 - p) factor
         grad_probs = dropout.kept(grad_probs)
     row_dot = (grad * out.to(dtype)).sum(-1, keepdim=True)
-    grad_scores = probs * (grad_probs - row_dot) * scale
+    grad_scores = scoring.backward(probs * (grad_probs - row_dot), scores)
     grad_q = torch.matmul(grad_scores, kf)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), qf)
     grad_k, grad_v = (sum_groups(g, heads_per_group) for g in (grad_k, grad_v))
@@ -129,9 +156,12 @@ def _future(scores: torch.Tensor) -> torch.Tensor:
     return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
 
 
-def block_kernel(q: torch.Tensor, dropout: Dropout | None, allowed: torch.Tensor | None) -> str:
-    """Which kernel attends a block of these queries: "cpu flash", "cuda flash" or "math"."""
-    if dropout is not None or allowed is not None:
+def block_kernel(
+    q: torch.Tensor, dropout: Dropout | None, allowed: torch.Tensor | None, capped: bool = False
+) -> str:
+    """Which kernel attends a block of these queries: "cpu flash", "cuda flash" or "math"
+    (`capped`: the scores soft-capped, which no flash kernel of PyTorch's does)."""
+    if dropout is not None or allowed is not None or capped:
         return "math"
     if q.device.type == "cpu" and q.dtype != torch.float64 and _CPU_FLASH is not None:
         return "cpu flash"
@@ -187,18 +217,18 @@ def block_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool,
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp in fp32 or wider) of q's attention over k and v."""
-    kernel = block_kernel(q, dropout, allowed)
+    kernel = block_kernel(q, dropout, allowed, scoring.softcap is not None)
     if kernel == "cpu flash":
-        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)
+        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scoring.scale)
         return out, lse.float()
     if kernel == "cuda flash":
-        return _cuda_flash_forward(q, k, v, causal, scale)
-    return math_forward(q, k, v, causal, scale, dropout, allowed)
+        return _cuda_flash_forward(q, k, v, causal, scoring.scale)
+    return math_forward(q, k, v, causal, scoring, dropout, allowed)
 
 
 def block_backward(
@@ -209,17 +239,18 @@ def block_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
-    scale: float,
+    scoring: Scoring,
     dropout: Dropout | None = None,
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for this block, given the rows' final output and log-sum-exp."""
-    kernel = block_kernel(q, dropout, allowed)
+    kernel = block_kernel(q, dropout, allowed, scoring.softcap is not None)
+    scale = scoring.scale
     if kernel == "cpu flash":
         return _CPU_FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
     if kernel == "cuda flash":
         return _cuda_flash_backward(grad_out, q, k, v, out, lse, causal, scale)
-    return math_backward(grad_out, q, k, v, out, lse, causal, scale, dropout, allowed)
+    return math_backward(grad_out, q, k, v, out, lse, causal, scoring, dropout, allowed)
 
 
 class Accumulator:
