@@ -41,6 +41,20 @@ DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "8"]
 LEARNS = ["--dsa-indexer-loss-coeff", "0.1"]
 GEMMA = ["--post-sublayer-norm", "--geglu", "--openai-gelu", "--apply-layernorm-1p"]
 GEMMA += ["--window-size", "7,0", "--window-attn-skip-freq", "2", "--window-rotary-base", "100"]
+# Gemma 2's capped scores over a longer sequence: eager blocks that keep no S x S matrix either
+CAPPED = ["--attn-logit-softcapping", "20"]
+# Over the longer sequence: query and key norms of each kind, norms after the sublayers (OLMo
+# 2's instead of before), the attention's output gate and capped logits
+LONG_LAYERS = {
+    "qk-norm-post-norms-long": ["--qk-layernorm", "--post-sublayer-norm"],
+    "olmo2-bf16-long": ["--qk-layernorm", "--qk-layernorm-across-heads", "--post-sublayer-norm"]
+    + ["--no-sublayer-input-norms", "--bf16"],
+    "per-head-layernorm-bf16-long": ["--qk-layernorm", "--qk-layernorm-per-head", "--bf16"]
+    + ["--normalization", "LayerNorm"],
+    "qk-l2-norm-bf16-long": ["--qk-l2-norm", "--bf16"],
+    "output-gate-capped-logits-bf16-long": ["--attention-output-gate", "--bf16"]
+    + ["--final-logit-softcapping", "30"],
+}
 
 COHERE = ["--normalization", "LayerNorm", "--no-layernorm-bias", "--parallel-attention-mlp"]
 COHERE += ["--parallel-attention-mlp-shared-norm"]
@@ -154,6 +168,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         MLA + WIDE + DSA + ["--bf16"],
         # Gemma 3's layers: norms after the sublayers, GeGLU, windows with their own RoPE
         [a for a in LLAMA_STYLE if a != "--swiglu"] + WIDE + GEMMA,
+        [a for a in LLAMA_STYLE if a != "--swiglu"] + LONG + GEMMA + CAPPED,
+        *[LLAMA_STYLE + LONG + flags for flags in LONG_LAYERS.values()],
         # Cohere's layers: one bias-free LayerNorm for the attention and the MLP side by side
         LLAMA_STYLE + WIDE + COHERE,
         NEOX,
@@ -180,6 +196,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "dsa",
         "dsa-bf16-without-indexer-loss",
         "gemma",
+        "gemma2-capped-long",
+        *LONG_LAYERS,
         "cohere",
         "gpt-neox",
     ],

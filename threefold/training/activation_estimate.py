@@ -7,13 +7,20 @@ tests hold the two within 10%). With s sequence, b micro-batch, h hidden, f FFN,
 query groups of head size d, t TP, sigma = t under sequence parallelism (else 1), e bytes per
 activation element, per layer (s is this rank's share of the sequence: divided over CP):
 - each of the two norm+linear blocks: the norm's input (fp32, /sigma), its statistics, RMSNorm's
-  normalized intermediate, and the linear's input (e, the whole sequence);
+  normalized intermediate, and the linear's input (e, the whole sequence); with
+  --post-sublayer-norm two more norms of the same cost on the sublayers' outputs, and with
+  --no-sublayer-input-norms none before them;
+- query and key norms (`_qk_norm_bytes`; --qk-layernorm, across heads or per head, and
+  --qk-l2-norm): fp32 copies of the queries and keys (in fp32 the queries' copy only, where the
+  keys' input is a view of the QKV output the core keeps), the normalized intermediate of those
+  with a weight (not F.layer_norm's) and the statistics per head (or per token across heads);
 - attention: the QKV projection e s b (a d + 2 g d)/t, the attention output e s b a d/t,
   RoPE's rotated queries and keys, and the softmax log-sum-exp 4 b a s/t (flash attention keeps
   no s x s matrix, nor do attention sinks' blocks; selective recomputation drops the
   log-sum-exp); with --cp-comm-type
   allgather also the other CP ranks' keys and values (ring attention and Ulysses keep only
-  this rank's share, so activations fall as 1/CP);
+  this rank's share, so activations fall as 1/CP); with --attention-output-gate the gate's
+  fp32 sigmoid and the gated context (the projection's input) too;
 - MLP: e s b f/t times 4 (SwiGLU: fc1 output, SiLU output, product) or 2 (GELU); an MoE
   layer keeps, per (token, expert) pair, the expert's input and output and those
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
@@ -153,9 +160,13 @@ def layer_activation_parts(
         # GPT-NeoX's norm each: both read the layer's input, and where they keep that tensor
         # itself (fp32, or recomputed; in bf16 each keeps its own fp32 copy) it is kept once
         mlp_norm -= e * s * b * h // sigma
+    if not model.sublayer_input_norms:  # (OLMo 2's: the sublayers read the residual stream)
+        norm_block = mlp_norm = 0
     parts = {"attn_norm": norm_block, "mlp_norm": mlp_norm}
     parts["qkv_linear"] = round(qkv_input * s * b * h)
     rest = round(fc1_input * s * b * h)
+    if model.post_sublayer_norm:  # (never recomputed, never offloaded: kept whole)
+        rest += 2 * (4 * s * b * h // sigma * (2 if rms else 1) + 4 * stats * s * b // sigma)
     if linear:  # (its input projection keeps the norm's output as a linear's input)
         rest += parts.pop("qkv_linear") + _gated_delta_net_activation_bytes(config, b, e)
     elif model.multi_latent_attention:
@@ -166,6 +177,7 @@ def layer_activation_parts(
         attention = _attention_parts(config, s, b, e, fp8)
         rest += attention.pop("rest")
         parts.update(attention)
+        parts["qkv_linear"] += _qk_norm_bytes(config, s, b, e)
     # and each FP8 input's fp32 scales, kept with its transposed copy (rowwise, blockwise)
     scales = _scale_bytes_per_feature(config, s, b) if fp8 else 0
     rest += scales * (h + h // t)
@@ -198,18 +210,44 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
     q = a * d  # the queries' and the context's width (GPT-OSS's is not the hidden size)
     core = e * s * b * (q + 2 * g * d) // t
     rope = e * s * b * (q + g * d) // t if model.rotary_position_embeddings else 0
+    # --attention-output-gate: the gate's fp32 sigmoid, and the product the projection reads
+    # instead of the core's output, which the product's multiply keeps (in FP8 the
+    # projection's copy of the product, counted below, where the core keeps its output)
+    gate = 4 * s * b * q // t if model.attention_output_gate else 0
     if model.recomputes("core_attn"):
-        projection = (1 if fp8 else e) * s * b * q // t
+        gate += e * s * b * q // t if gate else 0
+        projection = (1 if fp8 else e) * s * b * q // t + gate
         return {"core_attn": 0, "attn_proj": projection, "attn_output": 0, "rest": rope + core}
     core += 4 * b * a * s // t  # (attention sinks' blocks keep a log-sum-exp too)
     if parallel.context_parallel_size > 1 and parallel.comm_type == "allgather":
         # The other CP ranks' keys and values, gathered and kept for backward.
         core += 2 * e * (model.seq_length - s) * b * g * d // t
     output = e * s * b * q // t
+    if gate and not fp8:
+        gate += output
     if fp8:
-        projection = s * b * q // t
+        projection = s * b * q // t + gate
         return {"core_attn": core + output, "attn_proj": projection, "attn_output": 0, "rest": rope}
-    return {"core_attn": core, "attn_proj": 0, "attn_output": output, "rest": rope}
+    return {"core_attn": core, "attn_proj": gate, "attn_output": output, "rest": rope}
+
+
+def _qk_norm_bytes(config: Config, s: int, b: int, e: int) -> int:
+    """The query and key norms' tensors (in the QKV projection's offloading group, whose
+    forward runs them): see the module doc."""
+    model = config.model
+    t = config.parallel.tensor_model_parallel_size
+    a, g, d = model.num_attention_heads // t, model.num_query_groups // t, model.kv_channels
+    across = model.qk_layernorm and model.qk_layernorm_across_heads
+    if not (model.qk_layernorm or model.qk_l2_norm):
+        return 0
+    tokens, rows = s * b, s * b * (a + g)
+    copies = 4 * tokens * (a + g) * d if e == 2 or across else 4 * tokens * a * d
+    if model.qk_l2_norm and not model.qk_layernorm:  # no weight: no normalized copy
+        return copies + 4 * rows
+    per_head = model.qk_layernorm_per_head
+    normalized = 4 * tokens * (a + g) * d if per_head or model.normalization == "RMSNorm" else 0
+    stats = 1 if model.normalization == "RMSNorm" else 2
+    return copies + normalized + 4 * stats * (2 * tokens if across else rows)
 
 
 def _sparse_attention_bytes(config: Config, s: int, b: int, e: int) -> int:
@@ -489,6 +527,8 @@ def _output_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int)
     # The cross-entropy's gradient: in the logits' dtype (chunked, the default) or the
     # reference's fp32 softmax; plus targets and mask.
     logits_bytes = e if config.kernels.cross_entropy_loss_fusion else 4
+    if model.final_logit_softcapping:  # (Gemma 2's cap: tanh keeps its output, e a logit)
+        logits_bytes += e
     return total + logits_bytes * s * b * model.padded_vocab_size(tp) // tp + 9 * s * b
 
 
