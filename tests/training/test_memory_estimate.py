@@ -206,6 +206,37 @@ def test_single_process(flags):
     _assert_within_10_percent([_measure_and_estimate(flags + TRAINING)])
 
 
+# Packed documents from a tiny vocabulary (its end-of-document token comes up often)
+DOCUMENTS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--eod-mask-loss"]
+WINDOWS = ["--window-size", "7,0", "--window-attn-skip-freq", "2"]
+
+
+@pytest.mark.parametrize(
+    "flags,masks",
+    [(["--reset-attention-mask"], 1), (WINDOWS, 1), (["--reset-attention-mask", *WINDOWS], 2)],
+    ids=["documents", "windows", "windows-in-documents"],
+)
+def test_the_layers_keep_one_copy_of_each_attention_mask(flags, masks):
+    """Four layers over packed documents, or two of them windowed, keep SDPA's additive copy
+    of each mask once a micro-batch (context_parallel/masks.py), not once a layer: e b s^2
+    bytes a mask (a window's band alone: e s^2) more than causal attention without one."""
+    argv = LLAMA_STYLE + LONG + DOCUMENTS + ["--num-layers", "4", "--bf16"] + TRAINING
+
+    def kept(more: list[str]) -> tuple[int, int]:
+        trainer = _setup(argv + more)
+        options = trainer.pipeline_options
+        batch = next(trainer.train_iterator())
+        measured = measure_activation_bytes(
+            trainer.model_chunks, batch, options["tensor_shape"], options["dtype"]
+        )
+        return measured, micro_batch_activation_bytes(trainer.config, 0)
+
+    (causal, causal_estimate), (masked, estimate) = kept([]), kept(flags)
+    b = 1 if flags == WINDOWS else int(argv[argv.index("--micro-batch-size") + 1])
+    assert masked - causal == masks * 2 * b * 256 * 256
+    assert estimate - causal_estimate == masked - causal
+
+
 BF16 = LLAMA_STYLE + WIDE + ["--bf16"]
 RECOMPUTED_MODULES = {
     "layernorm": (BF16, ["layernorm"]),
@@ -238,6 +269,11 @@ OFFLOADED_MODULES = {
     "qkv_linear": (BF16, ["qkv_linear"]),
     "core_attn": (BF16, ["core_attn"]),
     "core_attn-attn_proj": (BF16, ["core_attn", "attn_proj"]),
+    # (the layers' shared masks stay on the device, as the rotary tables do)
+    "core_attn-windows-in-documents": (
+        BF16 + DOCUMENTS + ["--reset-attention-mask", *WINDOWS],
+        ["core_attn"],
+    ),
     "mlp_norm-fp32": (LLAMA_STYLE + WIDE, ["mlp_norm"]),
     "all-layernorm-recomputed": (
         BF16 + ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"],

@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from threefold.parallel.context_parallel.masks import additive
+
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
@@ -92,6 +94,9 @@ def attention(
     """Causal (or masked) attention of query [s, b, heads, d] over key/value [s, b, groups, d];
     query head i reads group i // (heads / groups). Returns the context [s, b, heads * d]."""
     s, b, heads, _ = query.shape
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # SDPA's own conversion, made once for all layers (context_parallel/masks.py)
+        attention_mask = additive(attention_mask, query.dtype)
     # SDPA wants [batch, heads, sequence, head_dim]; its grouped-query convention is ours.
     query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     context = F.scaled_dot_product_attention(

@@ -31,6 +31,7 @@ from torch import nn
 from threefold.config.activation_offload import offload_plan
 from threefold.kernels.fp8 import held_for_step
 from threefold.model.recompute import is_checkpointing
+from threefold.parallel.context_parallel import masks
 
 _PASS: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar("offload_pass", default=None)
 
@@ -215,6 +216,8 @@ class _Pass:
         if type(tensor) is not torch.Tensor or tensor.numel() < self.owner.min_numel:
             return False
         if isinstance(tensor._base, nn.Parameter) or held_for_step(tensor):
+            return False
+        if masks.shared(tensor):  # (an attention mask every layer reads)
             return False
         return tensor.untyped_storage().data_ptr() not in self.keep
 

@@ -26,6 +26,8 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
 - dropout masks when dropout is on;
+- once a micro-batch, the attention masks every layer shares (`_shared_mask_bytes`): SDPA's
+  additive copies of packed documents' masks and of windows' bands (e b s^2, e s^2);
 - DeepSeek sparse attention (`_sparse_attention_bytes`): the mask of each query's chosen keys
   (s x s), and, when its indexer learns, its loss's s x s tensors (one per indexer head, and
   three more) as megatron-core 0.16's unfused DSA keeps them;
@@ -231,6 +233,29 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
     return {"core_attn": core, "attn_proj": gate, "attn_output": output, "rest": rope}
 
 
+def _shared_mask_bytes(config: Config, layers: list[int], s: int, b: int, e: int) -> int:
+    """The attention masks a stage's layers share (context_parallel/masks.py), kept once a
+    micro-batch on one CP rank: SDPA's additive copy (e bytes an entry) of the packed
+    documents' mask [b, s, s] in the layers without a window, and of the window's band
+    ([s, s]; [b, s, s] within the documents) in those with one. Attention sinks' and capped
+    scores' blocks keep the boolean masks instead (1 byte an entry); context-parallel blocks
+    build theirs as they go."""
+    model, data = config.model, config.data
+    if config.parallel.context_parallel_size > 1 or model.multi_latent_attention:
+        return 0
+    documents = data.reset_attention_mask or data.sft or data.dataloader_inter_document_masking
+    windowed = model.window_pattern(model.num_layers)
+    linear = model.linear_attention_pattern(model.num_layers)
+    kinds = {windowed[layer] for layer in layers if not linear[layer]}
+    entry = 1 if model.softmax_type != "vanilla" or model.attn_logit_softcapping else e
+    total = entry * b * s * s if documents and 0 in kinds else 0
+    if 1 in kinds:
+        total += entry * (b if documents else 1) * s * s
+    if documents and model.attention_chunk_size and 0 in kinds:  # (Llama 4's chunks)
+        total += entry * b * s * s
+    return total
+
+
 def _qk_norm_bytes(config: Config, s: int, b: int, e: int) -> int:
     """The query and key norms' tensors (in the QKV projection's offloading group, whose
     forward runs them): see the module doc."""
@@ -434,7 +459,8 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     sigma = tp if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     chunks = chunk_layers_of(parallel, model, stage)
-    total = 0
+    stage_layers = [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
+    total = _shared_mask_bytes(config, stage_layers, s, b, e)
     for offset, layers in chunks:
         recomputed = 0
         if model.recompute_granularity == "full":

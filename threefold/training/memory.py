@@ -95,6 +95,7 @@ def measure_activation_bytes(
                     labels=batch["labels"],
                     hidden_states=hidden,
                     position_ids=batch.get("position_ids"),  # a CP rank's true positions
+                    attention_mask=batch.get("attention_mask"),  # packed documents'
                 )
             )
     for offload in offloads:

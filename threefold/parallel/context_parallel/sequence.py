@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from threefold.parallel.context_parallel.masks import constant, derived
 from threefold.parallel.parallel_context import Group
 
 # The batch entries laid out [micro-batch, sequence] that every rank cuts the same way.
@@ -79,11 +80,21 @@ def window_mask(
     length: int, window: int, attention_mask: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
     """[1 or b, 1, s, s]: True where a query may attend, the `window` keys before it and
-    itself (--window-size window,0), within the packed documents of `attention_mask`."""
-    offsets = torch.arange(length, device=device)
-    back = offsets[:, None] - offsets[None, :]
-    band = ((back >= 0) & (back <= window))[None, None]
-    return band if attention_mask is None else band & attention_mask
+    itself (--window-size window,0), within the packed documents of `attention_mask`. The
+    same tensor for every layer (masks.py): SDPA keeps one additive copy, not one a layer."""
+    band = _band(length, window, device)
+    if attention_mask is None:
+        return band
+    return derived(attention_mask, ("window", window), lambda: band & attention_mask)
+
+
+def _band(length: int, window: int, device: torch.device) -> torch.Tensor:
+    def build() -> torch.Tensor:
+        offsets = torch.arange(length, device=device)
+        back = offsets[:, None] - offsets[None, :]
+        return ((back >= 0) & (back <= window))[None, None]
+
+    return constant(("window", length, window, device), build)
 
 
 def chunk_mask(
@@ -91,11 +102,20 @@ def chunk_mask(
 ) -> torch.Tensor:
     """[1 or b, 1, s, s]: True where a query may attend, the keys of its own chunk of `chunk`
     positions up to itself (--attention-chunk-size: transformers' Llama 4 chunked attention),
-    within the packed documents of `attention_mask`."""
-    offsets = torch.arange(length, device=device)
-    same = (offsets[:, None] // chunk == offsets[None, :] // chunk)[None, None]
-    causal = (offsets[:, None] >= offsets[None, :])[None, None]
-    return same & causal if attention_mask is None else same & causal & attention_mask
+    within the packed documents of `attention_mask`; shared by the layers as `window_mask`."""
+    chunks = _chunks(length, chunk, device)
+    if attention_mask is None:
+        return chunks
+    return derived(attention_mask, ("chunk", chunk), lambda: chunks & attention_mask)
+
+
+def _chunks(length: int, chunk: int, device: torch.device) -> torch.Tensor:
+    def build() -> torch.Tensor:
+        offsets = torch.arange(length, device=device)
+        same = (offsets[:, None] // chunk == offsets[None, :] // chunk)[None, None]
+        return same & (offsets[:, None] >= offsets[None, :])[None, None]
+
+    return constant(("chunk", length, chunk, device), build)
 
 
 @dataclass(frozen=True)
