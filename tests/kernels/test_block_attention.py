@@ -160,3 +160,31 @@ def test_the_kernels_line_names_the_blocks_kernel_under_context_parallelism(devi
     assert line(None, model=capped).endswith(said) and line("a2a", model=capped).endswith(said)
     assert f"--cp-comm-type p2p: {blocks} eager blocks{said}" in line("p2p", model=capped)
     assert "capped" not in line("p2p")
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["", "capped"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "masked"])
+def test_the_eager_kernel_in_slices_of_rows_is_the_whole_block(monkeypatch, causal, capped):
+    """A block larger than SCORES_AT_ONCE runs its queries in slices of rows (here 3 rows of
+    12 at a time): the output, log-sum-exp and gradients are those of the whole block at
+    once, in float64 (a causal square block, or one masked by documents)."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=generator, dtype=torch.float64) for _ in "qkv")
+    k, v = k[:, :2], v[:, :2]  # (2 groups)
+    grad_out = torch.randn(q.shape, generator=generator, dtype=torch.float64)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    allowed = None if causal else (ids[:, :, None] == ids[:, None, :])[:, None]
+    scoring = Scoring(0.3, 0.8 if capped else None)
+
+    def both() -> list[torch.Tensor]:
+        out, lse = block_attention.math_forward(q, k, v, causal, scoring, None, allowed)
+        grads = block_attention.math_backward(
+            grad_out, q, k, v, out, lse, causal, scoring, None, allowed
+        )
+        return [out, lse, *grads]
+
+    whole = both()
+    monkeypatch.setattr(block_attention, "SCORES_AT_ONCE", 2 * 4 * 12 * 3)
+    assert len(block_attention._row_slices(q, 12, None)) == 4
+    for sliced, expected in zip(both(), whole):
+        torch.testing.assert_close(sliced, expected, rtol=1e-12, atol=1e-12)

@@ -30,7 +30,8 @@ capped scores it recomputes. `Scoring` carries the scale and the cap.
 Without dropout, mask or cap the block kernel is PyTorch's
 flash-attention kernel, the op behind SDPA, which also returns the log-sum-exp: on the CPU, and
 on CUDA for 16-bit inputs (FlashAttention-2's). Otherwise the eager `math` functions below
-(which materialize one block's scores at a time), also the tests' reference.
+(which materialize one block's scores at a time, a large block's in slices of its query rows:
+`SCORES_AT_ONCE`), also the tests' reference.
 """
 
 from __future__ import annotations
@@ -89,11 +90,28 @@ def compute_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def _masked(scores: torch.Tensor, causal: bool, allowed: torch.Tensor | None) -> torch.Tensor:
+# The eager kernel materializes the scores of at most this many (batch, head, query, key)
+# entries at a time (256 MiB in fp32): a larger block takes its queries in slices of rows.
+SCORES_AT_ONCE = 2**26
+
+
+def _row_slices(q: torch.Tensor, keys: int, dropout: Dropout | None) -> list[slice]:
+    """The slices of q's rows the eager kernel takes at a time; all rows at once under
+    dropout, whose mask is drawn for the whole block."""
+    rows, per_row = q.shape[2], q.shape[0] * q.shape[1] * keys
+    step = rows if dropout is not None else max(1, SCORES_AT_ONCE // per_row)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _masked(
+    scores: torch.Tensor, causal: bool, allowed: torch.Tensor | None, rows: slice
+) -> torch.Tensor:
+    """`scores` of the block's rows `rows` with the future (of a square, causal block) and
+    what `allowed` forbids at -inf."""
     if causal:
-        scores = scores.masked_fill(_future(scores), float("-inf"))
+        scores = scores.masked_fill(_future(scores, rows.start), float("-inf"))
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed[..., rows, :], float("-inf"))
     return scores
 
 
@@ -107,13 +125,18 @@ def math_forward(
     allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = (expand_groups(t, q.shape[1] // k.shape[1]) for t in (k, v))
-    scores = _masked(scoring.scores(q, k), causal, allowed)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse)[..., None])  # (a row without keys: all 0)
-    if dropout is not None:
-        probs = dropout.kept(probs)
-    out = torch.matmul(probs, v.to(probs.dtype))
-    return out.to(q.dtype), lse
+    outs, lses = [], []
+    for rows in _row_slices(q, k.shape[2], dropout):
+        scores = _masked(scoring.scores(q[:, :, rows], k), causal, allowed, rows)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _finite(lse)[..., None])  # (a row without keys: all 0)
+        if dropout is not None:
+            probs = dropout.kept(probs)
+        outs.append(torch.matmul(probs, v.to(probs.dtype)).to(q.dtype))
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def math_backward(
@@ -132,17 +155,22 @@ def math_backward(
     k, v = (expand_groups(t, heads_per_group) for t in (k, v))
     dtype = compute_dtype(q)
     qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
-    scores = scoring.scores(q, k)
-    probs = torch.exp(_masked(scores, causal, allowed) - _finite(lse)[..., None])
-    kept = probs if dropout is None else dropout.kept(probs)
-    grad_v = torch.matmul(kept.transpose(-2, -1), grad)
-    grad_probs = torch.matmul(grad, vf.transpose(-2, -1))
-    if dropout is not None:  # through the mask: the same keep / (1 - p) factor
-        grad_probs = dropout.kept(grad_probs)
-    row_dot = (grad * out.to(dtype)).sum(-1, keepdim=True)
-    grad_scores = scoring.backward(probs * (grad_probs - row_dot), scores)
-    grad_q = torch.matmul(grad_scores, kf)
-    grad_k = torch.matmul(grad_scores.transpose(-2, -1), qf)
+    grad_q = torch.empty(q.shape, dtype=dtype, device=q.device)
+    grad_k, grad_v = (torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (k, v))
+    for rows in _row_slices(q, k.shape[2], dropout):
+        scores = scoring.scores(q[:, :, rows], k)
+        masked = _masked(scores, causal, allowed, rows)
+        probs = torch.exp(masked - _finite(lse[:, :, rows])[..., None])
+        kept = probs if dropout is None else dropout.kept(probs)
+        grad_rows = grad[:, :, rows]
+        grad_v += torch.matmul(kept.transpose(-2, -1), grad_rows)
+        grad_probs = torch.matmul(grad_rows, vf.transpose(-2, -1))
+        if dropout is not None:  # through the mask: the same keep / (1 - p) factor
+            grad_probs = dropout.kept(grad_probs)
+        row_dot = (grad_rows * out[:, :, rows].to(dtype)).sum(-1, keepdim=True)
+        grad_scores = scoring.backward(probs * (grad_probs - row_dot), scores)
+        grad_q[:, :, rows] = torch.matmul(grad_scores, kf)
+        grad_k += torch.matmul(grad_scores.transpose(-2, -1), qf[:, :, rows])
     grad_k, grad_v = (sum_groups(g, heads_per_group) for g in (grad_k, grad_v))
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
@@ -151,9 +179,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _future(scores: torch.Tensor) -> torch.Tensor:
+def _future(scores: torch.Tensor, first_row: int) -> torch.Tensor:
+    """The keys after each row's query, for rows from `first_row` of a square block."""
     rows, columns = scores.shape[-2:]
-    return torch.ones(rows, columns, dtype=torch.bool, device=scores.device).triu(1)
+    ones = torch.ones(rows, columns, dtype=torch.bool, device=scores.device)
+    return ones.triu(1 + first_row)
 
 
 def block_kernel(
