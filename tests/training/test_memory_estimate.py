@@ -211,16 +211,8 @@ DOCUMENTS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--eod-m
 WINDOWS = ["--window-size", "7,0", "--window-attn-skip-freq", "2"]
 
 
-@pytest.mark.parametrize(
-    "flags,masks",
-    [(["--reset-attention-mask"], 1), (WINDOWS, 1), (["--reset-attention-mask", *WINDOWS], 2)],
-    ids=["documents", "windows", "windows-in-documents"],
-)
-def test_the_layers_keep_one_copy_of_each_attention_mask(flags, masks):
-    """Four layers over packed documents, or two of them windowed, keep SDPA's additive copy
-    of each mask once a micro-batch (context_parallel/masks.py), not once a layer: e b s^2
-    bytes a mask (a window's band alone: e s^2) more than causal attention without one."""
-    argv = LLAMA_STYLE + LONG + DOCUMENTS + ["--num-layers", "4", "--bf16"] + TRAINING
+def _mask_bytes_job(argv: list[str], flags: list[str]) -> tuple[int, int]:
+    """(measured, estimated) activation bytes the mask `flags` add to the run `argv`."""
 
     def kept(more: list[str]) -> tuple[int, int]:
         trainer = _setup(argv + more)
@@ -232,9 +224,35 @@ def test_the_layers_keep_one_copy_of_each_attention_mask(flags, masks):
         return measured, micro_batch_activation_bytes(trainer.config, 0)
 
     (causal, causal_estimate), (masked, estimate) = kept([]), kept(flags)
+    return masked - causal, estimate - causal_estimate
+
+
+ULYSSES = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+
+
+@pytest.mark.parametrize(
+    "flags,masks,world",
+    [
+        (["--reset-attention-mask"], 1, 1),
+        (WINDOWS, 1, 1),
+        (["--reset-attention-mask", *WINDOWS], 2, 1),
+        (ULYSSES + ["--reset-attention-mask", *WINDOWS], 2, 2),
+    ],
+    ids=["documents", "windows", "windows-in-documents", "ulysses-windows-in-documents"],
+)
+def test_the_layers_keep_one_copy_of_each_attention_mask(flags, masks, world):
+    """Four layers over packed documents, or two of them windowed, keep SDPA's additive copy
+    of each mask once a micro-batch (context_parallel/masks.py), not once a layer: e b s^2
+    bytes a mask (a window's band alone: e s^2) more than causal attention without one, as
+    the estimate says; under Ulysses (CP2 a2a) the whole sequence's masks, s its length."""
+    argv = LLAMA_STYLE + LONG + DOCUMENTS + ["--num-layers", "4", "--bf16"] + TRAINING
     b = 1 if flags == WINDOWS else int(argv[argv.index("--micro-batch-size") + 1])
-    assert masked - causal == masks * 2 * b * 256 * 256
-    assert estimate - causal_estimate == masked - causal
+    if world == 1:
+        results = [_mask_bytes_job(argv, flags)]
+    else:  # (the layout in both runs: the masks are the difference)
+        results = run_distributed(world, _mask_bytes_job, argv + flags[:4], flags[4:])
+    for measured, estimated in results:
+        assert measured == masks * 2 * b * 256 * 256 and estimated == measured
 
 
 BF16 = LLAMA_STYLE + WIDE + ["--bf16"]

@@ -238,11 +238,17 @@ def _shared_mask_bytes(config: Config, layers: list[int], s: int, b: int, e: int
     micro-batch on one CP rank: SDPA's additive copy (e bytes an entry) of the packed
     documents' mask [b, s, s] in the layers without a window, and of the window's band
     ([s, s]; [b, s, s] within the documents) in those with one. Attention sinks' and capped
-    scores' blocks keep the boolean masks instead (1 byte an entry); context-parallel blocks
-    build theirs as they go."""
-    model, data = config.model, config.data
-    if config.parallel.context_parallel_size > 1 or model.multi_latent_attention:
+    scores' blocks keep the boolean masks instead (1 byte an entry). Over CP ranks Ulysses
+    (a2a) masks the whole sequence likewise (its window's band [b, s, s], from the ids of one
+    document); the ring's blocks build theirs as they go."""
+    model, data, parallel = config.model, config.data, config.parallel
+    if model.multi_latent_attention:
         return 0
+    band_batch = 1
+    if parallel.context_parallel_size > 1:
+        if parallel.comm_type != "a2a":
+            return 0
+        s, band_batch = s * parallel.context_parallel_size, b
     documents = data.reset_attention_mask or data.sft or data.dataloader_inter_document_masking
     windowed = model.window_pattern(model.num_layers)
     linear = model.linear_attention_pattern(model.num_layers)
@@ -250,7 +256,7 @@ def _shared_mask_bytes(config: Config, layers: list[int], s: int, b: int, e: int
     entry = 1 if model.softmax_type != "vanilla" or model.attn_logit_softcapping else e
     total = entry * b * s * s if documents and 0 in kinds else 0
     if 1 in kinds:
-        total += entry * (b if documents else 1) * s * s
+        total += entry * (b if documents else band_batch) * s * s
     if documents and model.attention_chunk_size and 0 in kinds:  # (Llama 4's chunks)
         total += entry * b * s * s
     return total

@@ -3,10 +3,11 @@
 A packed micro-batch's boolean mask [b, 1, s, s] (or a window's band) reaches SDPA in every
 layer, and SDPA turns it into an additive mask of the activations' dtype that it keeps for
 backward: L layers kept L copies, e b s^2 bytes each (measured on the CPU; CUDA's
-memory-efficient kernel keeps its bias likewise: 128 MiB a layer at 8,192 tokens in bf16). `additive` makes that conversion here, once per
-boolean mask object, so every layer's SDPA reads (and keeps) the same tensor; `derived` does the
-same for any tensor built from a mask, such as a window's band within the documents, and
-`constant` for one built from the shapes alone, such as the band itself.
+memory-efficient kernel keeps its bias likewise: 128 MiB a layer at 8,192 tokens in bf16).
+`additive` makes that conversion here, once per boolean mask object, so every layer's SDPA
+reads (and keeps) the same tensor; `derived` does the same for any tensor built from a mask
+(a window's band within the documents, Ulysses's whole-sequence mask from the documents'
+ids), and `constant` for one built from the shapes alone (the band itself).
 
 What is derived lives as long as the mask it came from (a weak reference drops it then), so a
 micro-batch's masks go with the micro-batch. Under torch.compile the derivation is traced into

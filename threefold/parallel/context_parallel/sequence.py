@@ -140,8 +140,10 @@ class Documents:
     ) -> Documents:
         """`mask` (None: one document, the whole sequence) with a sliding window; `query`
         [2c, b, ...] this rank's."""
-        if mask is None:
-            ranks = torch.zeros(cp_size, query.shape[1], query.shape[0], device=query.device)
+        if mask is None:  # (one object for every layer: `whole_mask` is then made once)
+            shape = (cp_size, query.shape[1], query.shape[0])
+            key = ("one document", shape, query.device)
+            ranks = constant(key, lambda: torch.zeros(shape, device=query.device))
             return cls(ranks, window)
         return cls(mask.ranks, window)
 
@@ -163,11 +165,16 @@ class Documents:
         return to_global_order(self.ranks.permute(0, 2, 1), self.ranks.shape[0]).t()
 
     def whole_mask(self) -> torch.Tensor:
-        """[b, 1, s, s]: the whole sequence's mask (Ulysses, after its all-to-all)."""
-        mask = document_mask(self.whole())
-        if self.window is None:
-            return mask
-        return window_mask(mask.shape[-1], self.window, mask, mask.device)
+        """[b, 1, s, s]: the whole sequence's mask (Ulysses, after its all-to-all); the same
+        tensor for every layer with these ids and window (masks.py)."""
+
+        def build() -> torch.Tensor:
+            mask = document_mask(self.whole())
+            if self.window is None:
+                return mask
+            return window_mask(mask.shape[-1], self.window, mask, mask.device)
+
+        return derived(self.ranks, ("whole", self.window), build)
 
     def _positions(self, rank: int) -> torch.Tensor:
         cp_size, chunk = self.ranks.shape[0], self.ranks.shape[-1] // 2
