@@ -9,6 +9,7 @@ the other, so it is still in increasing position order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,19 +83,12 @@ def window_mask(
     """[1 or b, 1, s, s]: True where a query may attend, the `window` keys before it and
     itself (--window-size window,0), within the packed documents of `attention_mask`. The
     same tensor for every layer (masks.py): SDPA keeps one additive copy, not one a layer."""
-    band = _band(length, window, device)
-    if attention_mask is None:
-        return band
-    return derived(attention_mask, ("window", window), lambda: band & attention_mask)
 
-
-def _band(length: int, window: int, device: torch.device) -> torch.Tensor:
-    def build() -> torch.Tensor:
-        offsets = torch.arange(length, device=device)
+    def band(offsets: torch.Tensor) -> torch.Tensor:
         back = offsets[:, None] - offsets[None, :]
-        return ((back >= 0) & (back <= window))[None, None]
+        return (back >= 0) & (back <= window)
 
-    return constant(("window", length, window, device), build)
+    return _positional(("window", window), band, length, attention_mask, device)
 
 
 def chunk_mask(
@@ -103,19 +97,31 @@ def chunk_mask(
     """[1 or b, 1, s, s]: True where a query may attend, the keys of its own chunk of `chunk`
     positions up to itself (--attention-chunk-size: transformers' Llama 4 chunked attention),
     within the packed documents of `attention_mask`; shared by the layers as `window_mask`."""
-    chunks = _chunks(length, chunk, device)
-    if attention_mask is None:
-        return chunks
-    return derived(attention_mask, ("chunk", chunk), lambda: chunks & attention_mask)
+
+    def chunks(offsets: torch.Tensor) -> torch.Tensor:
+        same = offsets[:, None] // chunk == offsets[None, :] // chunk
+        return same & (offsets[:, None] >= offsets[None, :])
+
+    return _positional(("chunk", chunk), chunks, length, attention_mask, device)
 
 
-def _chunks(length: int, chunk: int, device: torch.device) -> torch.Tensor:
+def _positional(
+    what: tuple,
+    rule: Callable[[torch.Tensor], torch.Tensor],
+    length: int,
+    attention_mask: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The [1, 1, s, s] mask `rule` makes of the positions (one per shape), within the packed
+    documents of `attention_mask` (one per mask object)."""
+
     def build() -> torch.Tensor:
-        offsets = torch.arange(length, device=device)
-        same = (offsets[:, None] // chunk == offsets[None, :] // chunk)[None, None]
-        return same & (offsets[:, None] >= offsets[None, :])[None, None]
+        return rule(torch.arange(length, device=device))[None, None]
 
-    return constant(("chunk", length, chunk, device), build)
+    mask = constant((*what, length, device), build)
+    if attention_mask is None:
+        return mask
+    return derived(attention_mask, what, lambda: mask & attention_mask)
 
 
 @dataclass(frozen=True)
