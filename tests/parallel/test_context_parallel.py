@@ -135,10 +135,10 @@ def test_attention_sinks_over_cp4_are_the_whole_sequences(comm_type):
 
 @pytest.mark.parametrize("comm_type", [*COMM_TYPES, "a2a+p2p"])
 def test_capped_scores_over_cp4_are_the_whole_sequences(comm_type):
-    """Gemma 2's attention over 4 CP ranks: scores capped softly at 0.5 (random ones reach 3
-    times that), a sliding window of 5 and packed documents; each block caps its own scores
-    (Ulysses's local attention caps them on whole sequences). Outputs and q/k/v gradients are
-    the whole sequence's."""
+    """Gemma 2's attention over 4 CP ranks: scores capped softly at 0.5 (more than half the
+    random ones are larger), a sliding window of 5 and packed documents; each block caps its
+    own scores (Ulysses's local attention caps them on whole sequences). Outputs and q/k/v
+    gradients are the whole sequence's."""
     hierarchy = [2, 2] if comm_type == "a2a+p2p" else None
     args = (comm_type, 8, 4, hierarchy, True, 5, False, 0.5)
     for errors in run_distributed(4, _core_attention_job, *args):
