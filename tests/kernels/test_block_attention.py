@@ -2,7 +2,9 @@
 device: the blocks of one rank's queries, merged by log-sum-exp and differentiated from the
 merged output and log-sum-exp, give the whole sequence's causal attention of those queries, in
 bf16 against float64. On the CPU the blocks run PyTorch's CPU flash kernel; on CUDA
-FlashAttention-2's (bench/gpu_session.sh tests runs the `cuda` legs)."""
+FlashAttention-2's (bench/gpu_session.sh tests runs the `cuda` legs). The eager kernel: a large
+block in slices of rows is the whole block, a row without keys gets nothing, and the
+hand-written backward (through capped scores too) passes autograd's gradient check."""
 
 import dataclasses
 import math
@@ -188,3 +190,39 @@ def test_the_eager_kernel_in_slices_of_rows_is_the_whole_block(monkeypatch, caus
     assert len(block_attention._row_slices(q, 12, None)) == 4
     for sliced, expected in zip(both(), whole):
         torch.testing.assert_close(sliced, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_block_without_keys_for_a_row_gives_it_nothing():
+    """A row whose block holds no key of its document: output 0 and log-sum-exp -inf, which
+    merging weighs 0; its gradients are 0, and nothing is NaN."""
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
+    allowed = torch.tensor([[True, False, True], [False] * 3, [True] * 3]).view(1, 1, 3, 3)
+    for scoring in (Scoring(0.5), Scoring(0.5, softcap=0.3)):
+        out, lse = block_attention.block_forward(q, k, v, False, scoring, None, allowed)
+        assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
+        assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, [0, 2]]).all()
+        grad_out = torch.randn_like(out)
+        args = (grad_out, q, k, v, out, lse, False, scoring, None, allowed)
+        grads = block_attention.block_backward(*args)
+        assert all(torch.isfinite(g).all() for g in grads) and (grads[0][:, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("softcap", [None, 0.7], ids=["", "capped"])
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropout, softcap):
+    """In float64, with a fixed seed (so every call draws the same masks), the hand-written
+    backward of the blocks merged by log-sum-exp passes autograd's numerical gradient check,
+    with the scores soft-capped too (Gemma 2's: the cap's own derivative)."""
+    torch.manual_seed(0)
+    batch, heads, groups, chunk, head_dim, cp = 1, 4, 2, 3, 4, 2
+    q = torch.randn(batch, heads, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True)
+    gathered = torch.randn(
+        cp, 2, batch, groups, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True
+    )
+
+    def attention(q, gathered):
+        scoring = Scoring(0.5, softcap)
+        return _GatheredAttention.apply(q, gathered, rank, scoring, dropout, 1234, None, None)
+
+    assert torch.autograd.gradcheck(attention, (q, gathered))

@@ -145,26 +145,6 @@ def test_capped_scores_over_cp4_are_the_whole_sequences(comm_type):
         assert len(errors) == 4 and max(errors) < 1e-5, errors
 
 
-def test_a_block_without_keys_for_a_row_gives_it_nothing():
-    """A row whose block holds no key of its document: output 0 and log-sum-exp -inf, which
-    merging weighs 0; its gradients are 0, and nothing is NaN."""
-    from threefold.parallel.context_parallel.block_attention import (
-        Scoring,
-        block_backward,
-        block_forward,
-    )
-
-    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64) for _ in range(3))
-    allowed = torch.tensor([[True, False, True], [False] * 3, [True] * 3]).view(1, 1, 3, 3)
-    for scoring in (Scoring(0.5), Scoring(0.5, softcap=0.3)):
-        out, lse = block_forward(q, k, v, False, scoring, None, allowed)
-        assert torch.isneginf(lse[:, :, 1]).all() and (out[:, :, 1] == 0).all()
-        assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, [0, 2]]).all()
-        grad_out = torch.randn_like(out)
-        grads = block_backward(grad_out, q, k, v, out, lse, False, scoring, None, allowed)
-        assert all(torch.isfinite(g).all() for g in grads) and (grads[0][:, :, 1] == 0).all()
-
-
 @pytest.mark.parametrize("hierarchy", [[2, 2], [4, 2], [2, 4]], ids=["2x2", "4x2", "2x4"])
 def test_hierarchical_core_attention_equals_whole_sequence_attention(hierarchy):
     """a2a+p2p: the all-to-all's group first (consecutive CP ranks), then the ring's."""
@@ -403,30 +383,6 @@ def test_activation_memory_falls_as_one_over_cp_at_16k_tokens():
             assert abs(estimate - measured) <= 0.1 * measured, (cp, comm_type, measured, estimate)
             if comm_type != "allgather":  # which keeps every rank's keys and values
                 assert abs(measured * cp / whole - 1) <= 0.1, (cp, comm_type, measured, whole)
-
-
-@pytest.mark.parametrize("softcap", [None, 0.7], ids=["", "capped"])
-@pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_blockwise_attention_backward_is_the_gradient_of_its_forward(rank, dropout, softcap):
-    """In float64, with a fixed seed (so every call draws the same masks), the hand-written
-    backward of the blocks merged by log-sum-exp passes autograd's numerical gradient check,
-    with the scores soft-capped too (Gemma 2's: the cap's own derivative)."""
-    from threefold.parallel.context_parallel.attention import _GatheredAttention
-    from threefold.parallel.context_parallel.block_attention import Scoring
-
-    torch.manual_seed(0)
-    batch, heads, groups, chunk, head_dim, cp = 1, 4, 2, 3, 4, 2
-    q = torch.randn(batch, heads, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True)
-    gathered = torch.randn(
-        cp, 2, batch, groups, 2 * chunk, head_dim, dtype=torch.float64, requires_grad=True
-    )
-
-    def attention(q, gathered):
-        scoring = Scoring(0.5, softcap)
-        return _GatheredAttention.apply(q, gathered, rank, scoring, dropout, 1234, None, None)
-
-    assert torch.autograd.gradcheck(attention, (q, gathered))
 
 
 def _ring_and_gathered_with_dropout_job() -> dict:

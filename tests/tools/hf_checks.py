@@ -10,16 +10,12 @@ import dataclasses
 import io
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tools.hf_models import VOCAB, convert_in_process
-from tests.tools.test_convert_checkpoint import (
-    TOKENS,
-    _assert_transformers_losses,
-    _per_token_losses,
-)
+from tests.tools.hf_models import TOKENS, VOCAB, convert_in_process
 from threefold.checkpoint.load import load_model
 from threefold.inference import generate
 from threefold.model import GPTModel
@@ -38,14 +34,68 @@ TP2_SP_AND_TP2_PP2 = pytest.mark.parametrize(
 TOKENS_25 = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
 
 
+def per_token_losses(argv: list[str], directory: str, tokens=TOKENS) -> list | None:
+    """Per-token losses of `tokens` through a pipeline/tensor/context-parallel run of the
+    checkpoint (a CP rank's losses of its chunks gathered back into the whole sequence's)."""
+    import torch.distributed as dist
+
+    from tests.parity import _setup
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.parallel.context_parallel.sequence import split_batch, to_global_order
+    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
+
+    trainer = _setup(argv)
+    load_checkpoint(directory, trainer.checkpoint_components(), finetune=True)
+    for chunk in trainer.model_chunks:
+        chunk.eval()  # no dropout
+    cp = trainer.parallel.cp
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batch = split_batch({**batch, "loss_mask": torch.ones(batch["labels"].shape)}, cp)
+
+    def step(batch, model, input_tensor=None):
+        output = model(
+            batch["tokens"],
+            position_ids=batch.get("position_ids"),
+            labels=batch["labels"],
+            hidden_states=input_tensor,
+        )
+        return output, lambda per_token: (per_token.mean(), per_token.detach())
+
+    trainer.pipeline_options["tensor_shape"] = ((tokens.shape[1] - 1) // cp.size, 2, 64)
+    losses = get_forward_backward_func(trainer.parallel.pp)(
+        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
+    )
+    if not trainer.parallel.is_last_pipeline_stage:
+        return None
+    mine = losses[0]  # [b, this rank's 2 chunks]
+    if cp.size > 1:
+        every = [torch.empty_like(mine) for _ in range(cp.size)]
+        dist.all_gather(every, mine, group=cp.group)
+        mine = to_global_order(torch.stack(every).transpose(1, 2), cp.size).T
+    return mine.numpy().tolist()
+
+
+def assert_transformers_losses(hf_model, results: list, tokens=TOKENS) -> None:
+    """Each rank's per-token losses of `tokens` are the ones `transformers` computes."""
+    with torch.no_grad():
+        logits = hf_model(tokens[:, :-1]).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none"
+        )
+    for result in results:
+        np.testing.assert_allclose(
+            np.asarray(result).reshape(-1), expected.numpy(), rtol=1e-4, atol=1e-5
+        )
+
+
 def assert_layout_losses(hf_model, ours: str, world: int, layout: list[str], tokens=TOKENS) -> None:
     """The per-token losses of `tokens` through the checkpoint `ours` at `layout` (flags after
     the model's own, --use-checkpoint-args) on `world` gloo ranks are transformers'."""
     argv = ["--use-checkpoint-args", "--load", ours, "--mock-data"]
     argv += ["--seq-length", str(tokens.shape[1] - 1), "--micro-batch-size", "2"]
     argv += ["--global-batch-size", "2", *layout]
-    results = run_distributed(world, _per_token_losses, argv, ours, tokens)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None], tokens)
+    results = run_distributed(world, per_token_losses, argv, ours, tokens)
+    assert_transformers_losses(hf_model, [r for r in results if r is not None], tokens)
 
 
 def relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:

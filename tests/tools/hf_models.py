@@ -10,6 +10,8 @@ import torch
 from tests.tools.hf_family_models import family_model, shaken
 
 VOCAB = 300
+# A batch of two sequences of 23 positions and their next tokens
+TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # tools/ is no package: its scripts by name

@@ -8,16 +8,16 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.tools.hf_models import VOCAB, build_hf_model, convert_in_process
+from tests.tools.hf_models import TOKENS, VOCAB, build_hf_model, convert_in_process
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from tests.tools.hf_checks import assert_transformers_losses, per_token_losses  # noqa: E402
 from threefold.checkpoint.load import load_model  # noqa: E402
 from threefold.inference import generate  # noqa: E402
 from threefold.model.rope import RotaryEmbedding  # noqa: E402
@@ -68,9 +68,6 @@ def converted(tmp_path_factory):
         )
         out[kind] = (model, hf_dir, ours)
     return out
-
-
-TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -184,62 +181,8 @@ def test_generation_tools_refuse_a_layout_the_model_cannot_take(converted):
         run_distributed(2, _generate_and_score, ours, 1, 2)
 
 
-def _per_token_losses(argv: list[str], directory: str, tokens=TOKENS) -> list | None:
-    """Per-token losses of `tokens` through a pipeline/tensor/context-parallel run of the
-    checkpoint (a CP rank's losses of its chunks gathered back into the whole sequence's)."""
-    import torch.distributed as dist
-
-    from tests.parity import _setup
-    from threefold.checkpoint.load import load_checkpoint
-    from threefold.parallel.context_parallel.sequence import split_batch, to_global_order
-    from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
-
-    trainer = _setup(argv)
-    load_checkpoint(directory, trainer.checkpoint_components(), finetune=True)
-    for chunk in trainer.model_chunks:
-        chunk.eval()  # no dropout
-    cp = trainer.parallel.cp
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
-    batch = split_batch({**batch, "loss_mask": torch.ones(batch["labels"].shape)}, cp)
-
-    def step(batch, model, input_tensor=None):
-        output = model(
-            batch["tokens"],
-            position_ids=batch.get("position_ids"),
-            labels=batch["labels"],
-            hidden_states=input_tensor,
-        )
-        return output, lambda per_token: (per_token.mean(), per_token.detach())
-
-    trainer.pipeline_options["tensor_shape"] = ((tokens.shape[1] - 1) // cp.size, 2, 64)
-    losses = get_forward_backward_func(trainer.parallel.pp)(
-        step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
-    )
-    if not trainer.parallel.is_last_pipeline_stage:
-        return None
-    mine = losses[0]  # [b, this rank's 2 chunks]
-    if cp.size > 1:
-        every = [torch.empty_like(mine) for _ in range(cp.size)]
-        dist.all_gather(every, mine, group=cp.group)
-        mine = to_global_order(torch.stack(every).transpose(1, 2), cp.size).T
-    return mine.numpy().tolist()
-
-
-def _assert_transformers_losses(hf_model, results: list, tokens=TOKENS) -> None:
-    """Each rank's per-token losses of `tokens` are the ones `transformers` computes."""
-    with torch.no_grad():
-        logits = hf_model(tokens[:, :-1]).logits
-        expected = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none"
-        )
-    for result in results:
-        np.testing.assert_allclose(
-            np.asarray(result).reshape(-1), expected.numpy(), rtol=1e-4, atol=1e-5
-        )
-
-
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
+def test_tp2_pp2per_token_losses_match_transformers(converted, kind):
     hf_model, _, ours = converted[kind]
     config, _, _ = load_model(ours)
     model = config.model
@@ -287,8 +230,8 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
         ]
     else:
         argv += ["--openai-gelu"]
-    results = [r for r in run_distributed(4, _per_token_losses, argv, ours) if r is not None]
-    _assert_transformers_losses(hf_model, results)
+    results = [r for r in run_distributed(4, per_token_losses, argv, ours) if r is not None]
+    assert_transformers_losses(hf_model, results)
 
 
 @pytest.mark.parametrize(
@@ -307,14 +250,14 @@ def test_tp2_pp2_per_token_losses_match_transformers(converted, kind):
     ],
     ids=["mixtral", "qwen3-moe", "deepseek-v3-pp2", "qwen3-next-pp2", "gpt-oss-pp2", "glm-pp2"],
 )
-def test_expert_parallel_per_token_losses_match_transformers(converted, kind, layout):
+def test_expert_parallelper_token_losses_match_transformers(converted, kind, layout):
     hf_model, _, ours = converted[kind]
     argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "23"]
     argv += ["--micro-batch-size", "2", "--global-batch-size", "4"]
     argv += ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
     world = 4 if layout else 2
-    results = run_distributed(world, _per_token_losses, argv + layout, ours)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None])
+    results = run_distributed(world, per_token_losses, argv + layout, ours)
+    assert_transformers_losses(hf_model, [r for r in results if r is not None])
 
 
 @pytest.mark.parametrize(

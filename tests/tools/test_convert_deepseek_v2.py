@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.tools.hf_checks import assert_transformers_losses, per_token_losses
 from tests.tools.hf_models import (
     VOCAB,
     assert_live_experts_convert_as_saved,
     converted_hf_model,
     has_transformers,
 )
-from tests.tools.test_convert_checkpoint import _assert_transformers_losses, _per_token_losses
 from threefold.arguments import parse_args
 from threefold.checkpoint.hf import model_config_from_hf, threefold_to_hf
 from threefold.checkpoint.load import load_model
@@ -75,7 +75,7 @@ def test_live_experts_round_trip_and_generation(converted, tmp_path):
     assert_greedy_generation(hf_model, ours)
 
 
-def test_tp2_sp_ep2_per_token_losses_match_transformers(converted):
+def test_tp2_sp_ep2per_token_losses_match_transformers(converted):
     """MLA's heads over TP with sequence parallelism, the experts over EP on the same two
     ranks."""
     hf_model, _, ours = converted
@@ -85,15 +85,15 @@ def test_tp2_sp_ep2_per_token_losses_match_transformers(converted):
     assert_layout_losses(hf_model, ours, 2, layout, TOKENS_25)
 
 
-def test_pp2_ep2_per_token_losses_match_transformers(converted):
+def test_pp2_ep2per_token_losses_match_transformers(converted):
     """The dense first layer on one stage, the MoE layer on the other, its experts over EP2."""
     hf_model, _, ours = converted
     argv = ["--use-checkpoint-args", "--load", ours, "--mock-data", "--seq-length", "23"]
     argv += ["--micro-batch-size", "2", "--global-batch-size", "4"]
     argv += ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
     argv += ["--pipeline-model-parallel-size", "2"]
-    results = run_distributed(4, _per_token_losses, argv, ours)
-    _assert_transformers_losses(hf_model, [r for r in results if r is not None])
+    results = run_distributed(4, per_token_losses, argv, ours)
+    assert_transformers_losses(hf_model, [r for r in results if r is not None])
 
 
 V2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
