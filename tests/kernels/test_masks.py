@@ -42,3 +42,12 @@ def test_one_mask_object_gets_one_additive_tensor_until_it_is_freed():
     del mask, twin
     gc.collect()
     assert len(masks._DERIVED) == before
+
+
+def test_masks_of_the_shapes_alone_are_the_latest_two():
+    """Generation asks for a longer window band each token: only the latest two stay."""
+    bands = [window_mask(length, 2, None, torch.device("cpu")) for length in (6, 7, 8)]
+    assert window_mask(8, 2, None, torch.device("cpu")) is bands[2]
+    assert window_mask(7, 2, None, torch.device("cpu")) is bands[1]
+    assert window_mask(6, 2, None, torch.device("cpu")) is not bands[0]
+    assert len(masks._CONSTANT) == 2

@@ -23,14 +23,15 @@ from collections.abc import Callable, Hashable
 import torch
 
 _DERIVED: dict[tuple[int, Hashable], tuple[weakref.ref, torch.Tensor]] = {}
-# Masks that depend on the shapes only (a window's band): the latest few (generation asks for
-# a longer one each token)
+# Masks that depend on the shapes only (a window's band), and what is derived from them: the
+# latest two (a run's training and validation shapes), as generation asks for a longer one each
+# token and each holds s^2 bytes and more
 _CONSTANT: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
-_CONSTANTS_KEPT = 8
+_CONSTANTS_KEPT = 2
 
 
 def constant(what: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`build()`, made once for each `what` (of the latest few asked for)."""
+    """`build()`, made once for each `what` (of the latest two asked for)."""
     if torch.compiler.is_compiling():
         return build()
     if what not in _CONSTANT:
