@@ -237,8 +237,15 @@ ULYSSES = ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]
         (WINDOWS, 1, 1),
         (["--reset-attention-mask", *WINDOWS], 2, 1),
         (ULYSSES + ["--reset-attention-mask", *WINDOWS], 2, 2),
+        (ULYSSES + ["--attention-chunk-size", "64"], 1, 2),
     ],
-    ids=["documents", "windows", "windows-in-documents", "ulysses-windows-in-documents"],
+    ids=[
+        "documents",
+        "windows",
+        "windows-in-documents",
+        "ulysses-windows-in-documents",
+        "ulysses-chunks",
+    ],
 )
 def test_the_layers_keep_one_copy_of_each_attention_mask(flags, masks, world):
     """Four layers over packed documents, or two of them windowed, keep SDPA's additive copy

@@ -236,30 +236,39 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
 def _shared_mask_bytes(config: Config, layers: list[int], s: int, b: int, e: int) -> int:
     """The attention masks a stage's layers share (context_parallel/masks.py), kept once a
     micro-batch on one CP rank: SDPA's additive copy (e bytes an entry) of the packed
-    documents' mask [b, s, s] in the layers without a window, and of the window's band
-    ([s, s]; [b, s, s] within the documents) in those with one. Attention sinks' and capped
-    scores' blocks keep the boolean masks instead (1 byte an entry). Over CP ranks Ulysses
-    (a2a) masks the whole sequence likewise (its window's band [b, s, s], from the ids of one
-    document); the ring's blocks build theirs as they go."""
+    documents' mask [b, s, s] in the layers without a window or chunks, of the window's band
+    ([s, s]; [b, s, s] within the documents) in those with one, and of the chunks' mask
+    within the documents (chunks alone fold into the batch: no mask). Attention sinks' and
+    capped scores' blocks keep the boolean masks instead (1 byte an entry). Over CP ranks
+    Ulysses (a2a) masks the whole sequence likewise, windows and chunks from the ids of one
+    document where there are none ([b, s, s]); the ring's blocks build theirs as they go."""
     model, data, parallel = config.model, config.data, config.parallel
     if model.multi_latent_attention:
         return 0
-    band_batch = 1
-    if parallel.context_parallel_size > 1:
+    ulysses = parallel.context_parallel_size > 1
+    if ulysses:
         if parallel.comm_type != "a2a":
             return 0
-        s, band_batch = s * parallel.context_parallel_size, b
+        s *= parallel.context_parallel_size
     documents = data.reset_attention_mask or data.sft or data.dataloader_inter_document_masking
-    windowed = model.window_pattern(model.num_layers)
-    linear = model.linear_attention_pattern(model.num_layers)
-    kinds = {windowed[layer] for layer in layers if not linear[layer]}
+    count = model.num_layers
+    windowed, linear = model.window_pattern(count), model.linear_attention_pattern(count)
+    chunked = [0] * count  # (--attention-chunk-size: the layers with RoPE)
+    if model.attention_chunk_size:
+        chunked = [1 - nope for nope in model.no_rope_pattern(count)]
+    kinds = set()
+    for layer in layers:
+        if not linear[layer]:
+            kinds.add("window" if windowed[layer] else "chunk" if chunked[layer] else "plain")
     entry = 1 if model.softmax_type != "vanilla" or model.attn_logit_softcapping else e
-    total = entry * b * s * s if documents and 0 in kinds else 0
-    if 1 in kinds:
-        total += entry * (b if documents else band_batch) * s * s
-    if documents and model.attention_chunk_size and 0 in kinds:  # (Llama 4's chunks)
-        total += entry * b * s * s
-    return total
+    masks = 0
+    if documents:
+        masks = len(kinds) * b  # (one mask per kind: the documents', within a window, chunks)
+    elif ulysses:
+        masks = len(kinds - {"plain"}) * b
+    elif "window" in kinds:
+        masks = 1  # (the band alone)
+    return entry * masks * s * s
 
 
 def _qk_norm_bytes(config: Config, s: int, b: int, e: int) -> int:

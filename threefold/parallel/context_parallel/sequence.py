@@ -124,6 +124,16 @@ def _positional(
     return derived(attention_mask, what, lambda: mask & attention_mask)
 
 
+def _one_document(cp_size: int, query: torch.Tensor) -> torch.Tensor:
+    """The ids [CP, b, 2c] of sequences of one document each, this rank's `query` [2c, b, ...]:
+    one object for every layer, so that what is derived from it (`Documents.whole_mask`) is
+    made once."""
+    shape = (cp_size, query.shape[1], query.shape[0])
+    return constant(
+        ("one document", shape, query.device), lambda: torch.zeros(shape, device=query.device)
+    )
+
+
 @dataclass(frozen=True)
 class Documents:
     """Per-document attention over a sequence split across CP ranks, as the core attention
@@ -146,11 +156,8 @@ class Documents:
     ) -> Documents:
         """`mask` (None: one document, the whole sequence) with a sliding window; `query`
         [2c, b, ...] this rank's."""
-        if mask is None:  # (one object for every layer: `whole_mask` is then made once)
-            shape = (cp_size, query.shape[1], query.shape[0])
-            key = ("one document", shape, query.device)
-            ranks = constant(key, lambda: torch.zeros(shape, device=query.device))
-            return cls(ranks, window)
+        if mask is None:
+            return cls(_one_document(cp_size, query), window)
         return cls(mask.ranks, window)
 
     @classmethod
@@ -161,10 +168,15 @@ class Documents:
         (--attention-chunk-size): an id per document and chunk; `query` [2c, b, ...] this
         rank's."""
         if mask is None:
-            mask = cls(torch.zeros(cp_size, query.shape[1], query.shape[0], device=query.device))
-        positions = torch.stack([mask._positions(rank) for rank in range(cp_size)])
-        chunks_per_sequence = cp_size * positions.shape[-1] // chunk + 1
-        return cls(mask.ranks * chunks_per_sequence + (positions // chunk)[:, None, :])
+            mask = cls(_one_document(cp_size, query))
+
+        def build() -> torch.Tensor:
+            positions = torch.stack([mask._positions(rank) for rank in range(cp_size)])
+            chunks_per_sequence = cp_size * positions.shape[-1] // chunk + 1
+            return mask.ranks * chunks_per_sequence + (positions // chunk)[:, None, :]
+
+        # (one object for every layer, as `_one_document`'s)
+        return cls(derived(mask.ranks, ("chunked", chunk), build))
 
     def whole(self) -> torch.Tensor:
         """The [b, s] ids of the whole sequence, in position order."""
