@@ -10,7 +10,7 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   normalized intermediate, and the linear's input (e, the whole sequence); with
   --post-sublayer-norm two more norms of the same cost on the sublayers' outputs, and with
   --no-sublayer-input-norms none before them;
-- query and key norms (`_qk_norm_bytes`; --qk-layernorm, across heads or per head, and
+- query and key norms (`qk_norm_bytes`; --qk-layernorm, across heads or per head, and
   --qk-l2-norm): fp32 copies of the queries and keys (in fp32 the queries' copy only, where the
   keys' input is a view of the QKV output the core keeps), the normalized intermediate of those
   with a weight (not F.layer_norm's) and the statistics per head (or per token across heads);
@@ -26,9 +26,9 @@ activation element, per layer (s is this rank's share of the sequence: divided o
   intermediates at the expert's size over expert TP; an expert-TP rank computes the pairs of
   all its ETP peers;
 - dropout masks when dropout is on;
-- once a micro-batch, the attention masks every layer shares (`_shared_mask_bytes`): SDPA's
+- once a micro-batch, the attention masks every layer shares (`shared_mask_bytes`): SDPA's
   additive copies of packed documents' masks and of windows' bands (e b s^2, e s^2);
-- DeepSeek sparse attention (`_sparse_attention_bytes`): the mask of each query's chosen keys
+- DeepSeek sparse attention (`sparse_attention_bytes`): the mask of each query's chosen keys
   (s x s), and, when its indexer learns, its loss's s x s tensors (one per indexer head, and
   three more) as megatron-core 0.16's unfused DSA keeps them;
 - a gated delta net layer instead of attention (`_gated_delta_net_activation_bytes`): its
@@ -76,6 +76,11 @@ from threefold.config.fp8 import experts_in_fp8
 from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
+from threefold.training.attention_activations import (
+    qk_norm_bytes,
+    shared_mask_bytes,
+    sparse_attention_bytes,
+)
 
 
 def fp8_layer(config: Config, layer: int) -> bool:
@@ -173,13 +178,13 @@ def layer_activation_parts(
         rest += parts.pop("qkv_linear") + _gated_delta_net_activation_bytes(config, b, e)
     elif model.multi_latent_attention:
         mla = _mla_activation_parts(config, s, b, e, fp8)
-        rest += mla.pop("rest") + _sparse_attention_bytes(config, s, b, e)
+        rest += mla.pop("rest") + sparse_attention_bytes(config, s, b, e)
         parts.update(mla)
     else:
         attention = _attention_parts(config, s, b, e, fp8)
         rest += attention.pop("rest")
         parts.update(attention)
-        parts["qkv_linear"] += _qk_norm_bytes(config, s, b, e)
+        parts["qkv_linear"] += qk_norm_bytes(config, s, b, e)
     # and each FP8 input's fp32 scales, kept with its transposed copy (rowwise, blockwise)
     scales = _scale_bytes_per_feature(config, s, b) if fp8 else 0
     rest += scales * (h + h // t)
@@ -231,84 +236,6 @@ def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[
         projection = s * b * q // t + gate
         return {"core_attn": core + output, "attn_proj": projection, "attn_output": 0, "rest": rope}
     return {"core_attn": core, "attn_proj": gate, "attn_output": output, "rest": rope}
-
-
-def _shared_mask_bytes(config: Config, layers: list[int], s: int, b: int, e: int) -> int:
-    """The attention masks a stage's layers share (context_parallel/masks.py), kept once a
-    micro-batch on one CP rank: SDPA's additive copy (e bytes an entry) of the packed
-    documents' mask [b, s, s] in the layers without a window or chunks, of the window's band
-    ([s, s]; [b, s, s] within the documents) in those with one, and of the chunks' mask
-    within the documents (chunks alone fold into the batch: no mask). Attention sinks' and
-    capped scores' blocks keep the boolean masks instead (1 byte an entry). Over CP ranks
-    Ulysses (a2a) masks the whole sequence likewise, windows and chunks from the ids of one
-    document where there are none ([b, s, s]); the ring's blocks build theirs as they go."""
-    model, data, parallel = config.model, config.data, config.parallel
-    if model.multi_latent_attention:
-        return 0
-    ulysses = parallel.context_parallel_size > 1
-    if ulysses:
-        if parallel.comm_type != "a2a":
-            return 0
-        s *= parallel.context_parallel_size
-    documents = data.reset_attention_mask or data.sft or data.dataloader_inter_document_masking
-    count = model.num_layers
-    windowed, linear = model.window_pattern(count), model.linear_attention_pattern(count)
-    chunked = [0] * count  # (--attention-chunk-size: the layers with RoPE)
-    if model.attention_chunk_size:
-        chunked = [1 - nope for nope in model.no_rope_pattern(count)]
-    kinds = set()
-    for layer in layers:
-        if not linear[layer]:
-            kinds.add("window" if windowed[layer] else "chunk" if chunked[layer] else "plain")
-    entry = 1 if model.softmax_type != "vanilla" or model.attn_logit_softcapping else e
-    masks = 0
-    if documents:
-        masks = len(kinds) * b  # (one mask per kind: the documents', within a window, chunks)
-    elif ulysses:
-        masks = len(kinds - {"plain"}) * b
-    elif "window" in kinds:
-        masks = 1  # (the band alone)
-    return entry * masks * s * s
-
-
-def _qk_norm_bytes(config: Config, s: int, b: int, e: int) -> int:
-    """The query and key norms' tensors (in the QKV projection's offloading group, whose
-    forward runs them): see the module doc."""
-    model = config.model
-    t = config.parallel.tensor_model_parallel_size
-    a, g, d = model.num_attention_heads // t, model.num_query_groups // t, model.kv_channels
-    across = model.qk_layernorm and model.qk_layernorm_across_heads
-    if not (model.qk_layernorm or model.qk_l2_norm):
-        return 0
-    tokens, rows = s * b, s * b * (a + g)
-    copies = 4 * tokens * (a + g) * d if e == 2 or across else 4 * tokens * a * d
-    if model.qk_l2_norm and not model.qk_layernorm:  # no weight: no normalized copy
-        return copies + 4 * rows
-    per_head = model.qk_layernorm_per_head
-    normalized = 4 * tokens * (a + g) * d if per_head or model.normalization == "RMSNorm" else 0
-    stats = 1 if model.normalization == "RMSNorm" else 2
-    return copies + normalized + 4 * stats * (2 * tokens if across else rows)
-
-
-def _sparse_attention_bytes(config: Config, s: int, b: int, e: int) -> int:
-    """DeepSeek sparse attention's additions (model/dsa.py): the attention's mask of chosen
-    keys, as SDPA's additive bias (e b s^2), and, when the indexer learns, what its loss's
-    graph keeps: its per-head ReLU scores (fp32, b H s^2), the softmax, logarithm and target of
-    its KL divergence (fp32, 3 b s^2), the top-k indices, fp32 copies of its queries and keys,
-    its key norm's input and statistics and its head weights; under sequence parallelism the
-    gathered attention input and query latent too."""
-    model, parallel = config.model, config.parallel
-    if not model.sparse_attention:
-        return 0
-    mask = e * b * s * s
-    if not model.dsa_indexer_loss_coeff:  # (the indexer then runs without a graph)
-        return mask
-    heads, d, k = model.dsa_indexer_n_heads, model.dsa_indexer_head_dim, model.dsa_indexer_topk
-    scores = 4 * b * s * s * (heads + 3) + 8 * b * s * min(k, s)
-    per_token = 4 * heads * d + 4 * d + e * d + 8 + e * heads
-    if parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1:
-        per_token += e * (model.hidden_size + (model.q_lora_rank or model.hidden_size))
-    return mask + scores + s * b * per_token
 
 
 def _gated_delta_net_activation_bytes(config: Config, b: int, e: int) -> int:
@@ -475,7 +402,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     chunks = chunk_layers_of(parallel, model, stage)
     stage_layers = [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
-    total = _shared_mask_bytes(config, stage_layers, s, b, e)
+    total = shared_mask_bytes(config, stage_layers, s, b, e)
     for offset, layers in chunks:
         recomputed = 0
         if model.recompute_granularity == "full":
