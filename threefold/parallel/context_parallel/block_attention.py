@@ -156,23 +156,27 @@ def math_backward(
     dtype = compute_dtype(q)
     qf, kf, vf, grad = q.to(dtype), k.to(dtype), v.to(dtype), grad_out.to(dtype)
     grad_q = torch.empty(q.shape, dtype=dtype, device=q.device)
-    grad_k, grad_v = (torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (k, v))
+    grad_k = grad_v = None  # (summed over the slices; one slice, as most blocks: no sum)
     for rows in _row_slices(q, k.shape[2], dropout):
         scores = scoring.scores(q[:, :, rows], k)
         masked = _masked(scores, causal, allowed, rows)
         probs = torch.exp(masked - _finite(lse[:, :, rows])[..., None])
         kept = probs if dropout is None else dropout.kept(probs)
         grad_rows = grad[:, :, rows]
-        grad_v += torch.matmul(kept.transpose(-2, -1), grad_rows)
+        grad_v = _summed(grad_v, torch.matmul(kept.transpose(-2, -1), grad_rows))
         grad_probs = torch.matmul(grad_rows, vf.transpose(-2, -1))
         if dropout is not None:  # through the mask: the same keep / (1 - p) factor
             grad_probs = dropout.kept(grad_probs)
         row_dot = (grad_rows * out[:, :, rows].to(dtype)).sum(-1, keepdim=True)
         grad_scores = scoring.backward(probs * (grad_probs - row_dot), scores)
         grad_q[:, :, rows] = torch.matmul(grad_scores, kf)
-        grad_k += torch.matmul(grad_scores.transpose(-2, -1), qf[:, :, rows])
+        grad_k = _summed(grad_k, torch.matmul(grad_scores.transpose(-2, -1), qf[:, :, rows]))
     grad_k, grad_v = (sum_groups(g, heads_per_group) for g in (grad_k, grad_v))
     return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
+
+
+def _summed(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
