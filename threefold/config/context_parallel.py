@@ -88,6 +88,13 @@ class ContextParallelConfig:
                     f"--context-parallel-size {tp * cp}; each rank runs whole gated delta net "
                     "heads of the whole sequence",
                 )
+        if model.hybrid and "M" in model.hybrid_layers():  # and the scan for a share of its heads
+            for name, count in (("heads", model.mamba_heads()), ("groups", model.mamba_num_groups)):
+                _require(
+                    count % (tp * cp) == 0,
+                    f"the {count} Mamba {name} are not divisible by TP x --context-parallel-size "
+                    f"{tp * cp}; each rank scans whole heads and groups of the whole sequence",
+                )
         _require(
             model.seq_length % (2 * cp) == 0,
             f"--seq-length {model.seq_length} is not divisible by 2 x --context-parallel-size "

@@ -14,6 +14,7 @@ from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, FINETUNING, MODEL, arg, flag_of, given_flags
 from threefold.config.gemma import GemmaConfig
 from threefold.config.granite import GraniteConfig
+from threefold.config.hybrid import HybridConfig
 from threefold.config.linear_attention import LinearAttentionConfig
 from threefold.config.llama4 import Llama4Config
 from threefold.config.longrope import LongRopeConfig
@@ -29,6 +30,7 @@ from threefold.config.window_attention import WindowAttentionConfig
 
 @dataclass
 class ModelConfig(
+    HybridConfig,
     MLAConfig,
     DSAConfig,
     LinearAttentionConfig,
@@ -46,15 +48,15 @@ class ModelConfig(
     ActivationOffloadConfig,
     MuPConfig,
 ):
-    """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py).
-    The mixture-of-experts, multi-latent attention, DeepSeek sparse attention, linear
-    attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's, Cohere's and
-    Granite's layers, Phi's output layer, LongRoPE, multi-token prediction, recomputation,
-    activation offloading and muP fields are inherited (config/moe.py, config/mla.py,
-    config/dsa.py, config/linear_attention.py, config/window_attention.py, config/llama4.py,
-    config/gemma.py, config/olmo.py, config/cohere.py, config/granite.py, config/phi.py,
-    config/longrope.py, config/mtp.py, config/recompute.py, config/activation_offload.py,
-    config/mup.py)."""
+    """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py). The
+    hybrid stack's, mixture-of-experts, multi-latent attention, DeepSeek sparse attention,
+    linear attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's, Cohere's
+    and Granite's layers, Phi's output layer, LongRoPE, multi-token prediction, recomputation,
+    activation offloading and muP fields are inherited (config/hybrid.py, config/moe.py,
+    config/mla.py, config/dsa.py, config/linear_attention.py, config/window_attention.py,
+    config/llama4.py, config/gemma.py, config/olmo.py, config/cohere.py, config/granite.py,
+    config/phi.py, config/longrope.py, config/mtp.py, config/recompute.py,
+    config/activation_offload.py, config/mup.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -360,6 +362,7 @@ class ModelConfig(
 
     def finalize(self) -> list[str]:
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
+        hybrid = self.finalize_hybrid()  # (the pattern sets --num-layers)
         _require(
             self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
@@ -499,7 +502,7 @@ class ModelConfig(
         self.finalize_window_attention()
         self.finalize_mup()
         self._finalize_lora()
-        warnings = self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings = hybrid + self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_llama4()
         self.finalize_gemma()
         self.finalize_olmo()

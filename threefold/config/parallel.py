@@ -211,6 +211,15 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
                 "--num-layers-per-virtual-pipeline-stage",
             )
             self.virtual_pipeline_model_parallel_size = self.num_virtual_stages_per_pipeline_rank
+        hybrid_layout = model.hybrid_pipeline_layout(pp)
+        if hybrid_layout is not None:  # (megatron-core's conflicts)
+            _require(
+                self.pipeline_model_parallel_layout is None
+                and self.virtual_pipeline_model_parallel_size is None,
+                "--hybrid-layer-pattern's | cuts set the pipeline chunks: drop "
+                "--pipeline-model-parallel-layout and the virtual pipeline flags",
+            )
+            self.pipeline_model_parallel_layout = hybrid_layout
         if self.pipeline_model_parallel_layout is not None:
             self._finalize_explicit_layout(model)
             return
@@ -553,4 +562,11 @@ def check_tensor_parallel_split(model: ModelConfig, tp: int) -> None:
                 heads % tp == 0,
                 f"--{name.replace('_', '-')} {heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}; each TP rank runs whole gated delta net heads",
+            )
+    if model.hybrid and "M" in model.hybrid_layers():
+        for name, count in (("heads", model.mamba_heads()), ("groups", model.mamba_num_groups)):
+            _require(
+                count % tp == 0,
+                f"the {count} Mamba {name} are not divisible by --tensor-model-parallel-size "
+                f"{tp}; each TP rank runs whole heads and whole groups (--mamba-num-{name})",
             )

@@ -61,9 +61,11 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
 def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """A transformer layer's FP8 candidates: (attention's and the dense MLP's or the shared
     expert's linear layers, the experts' linear layers)."""
-    dense = layer.self_attention.linear_layers()
+    # (a hybrid stack's layers: a Mamba mixer, or attention or an MLP alone)
+    mixer = getattr(layer, "mixer", None) or getattr(layer, "self_attention", None)
+    dense = mixer.linear_layers() if mixer is not None else []
     experts: list[nn.Module] = []
-    mlp = layer.mlp
+    mlp = getattr(layer, "mlp", None)
     if isinstance(mlp, MoELayer):
         for expert in mlp.experts.local_experts.values():
             experts += [getattr(expert, name) for name in _MLP_LINEARS]

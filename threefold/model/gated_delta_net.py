@@ -13,12 +13,9 @@ query/key head serves --linear-num-value-heads / --linear-num-key-heads value he
 megatron-core it ignores the attention mask (the rule is causal by construction) and has no
 biases, whatever --disable-bias-linear says.
 
-Under context parallelism a rank holds two chunks of the sequence, but the convolution and the
-rule run along all of it: as megatron-core does, the projection's output is sent all-to-all
-over CP, each rank receiving the whole sequence for 1/CP of its heads (Ulysses's exchange,
-back in position order), and the gated norm's output is sent back before out_proj. Each rank
-convolves and decays with its heads' rows of conv1d, A_log and dt_bias; their gradients, and
-the projections', are summed over CP with the rest (the DP x CP gradient reduction).
+Under context parallelism each rank runs the rule for a share of the heads over the whole
+sequence (model/sequence_mixing.py: megatron-core's all-to-all), and the gated norm's output
+is sent back before out_proj.
 """
 
 from __future__ import annotations
@@ -33,31 +30,20 @@ from threefold.config import ModelConfig
 from threefold.kernels.gated_delta_rule import chunk_gated_delta_rule
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
-from threefold.parallel.context_parallel.attention import gather_sequence, scatter_sequence
+from threefold.model.sequence_mixing import causal_conv1d, cp_share, gather_heads
+from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from threefold.parallel.tensor_parallel.sharding import (
     InitMethod,
     constant_init,
+    log_uniform_init,
     mark_tensor_parallel,
+    uniform_init,
 )
 
 # megatron-core's A_init_range: the decay rates exp(A_log) start uniform in [1, 16]
 A_INIT_RANGE = (1.0, 16.0)
-
-
-def _log_uniform_init(low: float, high: float) -> InitMethod:
-    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
-        tensor.uniform_(low, high, generator=generator).log_()
-
-    return init
-
-
-def _uniform_init(bound: float) -> InitMethod:
-    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
-        tensor.uniform_(-bound, bound, generator=generator)
-
-    return init
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,14 +87,14 @@ class GatedDeltaNet(nn.Module):
         self.conv1d.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(sum(conv) // tp, 1, kernel)),
             partition_dim=0,
-            init_method=_uniform_init(1 / math.sqrt(kernel)),
+            init_method=uniform_init(1 / math.sqrt(kernel)),
             master_shape=(sum(conv), 1, kernel),
             partition_sizes=conv,
         )
         self.A_log = mark_tensor_parallel(
             nn.Parameter(torch.empty(heads // tp)),
             partition_dim=0,
-            init_method=_log_uniform_init(*A_INIT_RANGE),
+            init_method=log_uniform_init(*A_INIT_RANGE),
             master_shape=(heads,),
         )
         self.dt_bias = mark_tensor_parallel(
@@ -132,22 +118,6 @@ class GatedDeltaNet(nn.Module):
         """The layer's linear layers (those FP8 runs: model/fp8.py)."""
         return [self.in_proj, self.out_proj]
 
-    def _cp_share(self, tensor: torch.Tensor, sections: list[int]) -> torch.Tensor:
-        """This CP rank's heads' rows of a parameter split by heads (each of its `sections`)."""
-        if self.cp.size == 1:
-            return tensor
-        parts = tensor.split(sections)
-        return torch.cat([part.chunk(self.cp.size)[self.cp.rank] for part in parts])
-
-    def _convolved(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[s, b, channels] -> SiLU(causal depthwise convolution) as [b, s, channels]."""
-        s = qkv.shape[0]
-        weight = self._cp_share(self.conv1d.weight, self.tp_sections[:3])
-        x = F.conv1d(
-            qkv.permute(1, 2, 0), weight, padding=weight.shape[-1] - 1, groups=weight.shape[0]
-        )
-        return F.silu(x[..., :s]).transpose(1, 2)
-
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """out_norm(core) x SiLU(z) per value head, [b, s, heads, d] -> [s, b, heads * d] (this
         rank's tokens for all its TP rank's heads under CP)."""
@@ -165,13 +135,11 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         del rotary, attention_mask  # no positions: the convolution and the rule are causal
         projected = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
-        if self.cp.size > 1:  # each section's heads split over CP, the whole sequence gathered
-            parts = projected.split(self.tp_sections, dim=-1)
-            parts = torch.cat([t.unflatten(-1, (self.cp.size, -1)) for t in parts], dim=-1)
-            projected = gather_sequence(parts, self.cp)
+        projected = gather_heads(projected, self.tp_sections, self.cp)  # (CP: all tokens)
         s, b, _ = projected.shape
         q, k, v, z, beta, alpha = projected.split(self.local_sections, dim=-1)
-        q, k, v = self._convolved(torch.cat((q, k, v), dim=-1)).split(
+        weight = cp_share(self.conv1d.weight, self.tp_sections[:3], self.cp)
+        q, k, v = causal_conv1d(torch.cat((q, k, v), dim=-1), weight).split(
             self.local_sections[:3], dim=-1
         )
         q = l2_normalized(q.unflatten(-1, (self.key_heads, self.key_head_dim)))
@@ -180,7 +148,7 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         v = v.unflatten(-1, (self.value_heads, self.value_head_dim))
         # per value head: log decay g <= 0 and write strength, in fp32, [b, s, heads]
-        a_log, dt_bias = (self._cp_share(t, [t.shape[0]]) for t in (self.A_log, self.dt_bias))
+        a_log, dt_bias = (cp_share(t, [t.shape[0]], self.cp) for t in (self.A_log, self.dt_bias))
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         g, beta = g.transpose(0, 1), beta.float().sigmoid().transpose(0, 1)
         core = chunk_gated_delta_rule(q, k, v, g, beta).to(hidden_states.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +12,12 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import OutputDiscardingCheckpoint, checkpoint
-from threefold.model.spec import LayerSpec
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.random import get_rng_tracker
 from threefold.parallel.tensor_parallel.sharding import InitMethod
+
+if TYPE_CHECKING:  # (the spec builds Mamba layers, which add their outputs as this module does)
+    from threefold.model.spec import LayerSpec
 
 
 def dropout_add(
@@ -57,18 +60,17 @@ class TransformerLayer(nn.Module):
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         # (--no-sublayer-input-norms: OLMo 2's layer, normed after its sublayers only)
         norm = spec.norm if config.sublayer_input_norms else _no_norm
-        self.input_layernorm = norm(config, config.hidden_size, sequence_parallel)
-        self.self_attention = spec.attention_of(layer_number)(
-            config, parallel, init_method, output_layer_init_method
-        )
+        self.self_attention = self.mlp = None  # (a hybrid stack's layers have one of them)
+        if (attention := spec.attention_of(layer_number)) is not None:
+            self.input_layernorm = norm(config, config.hidden_size, sequence_parallel)
+            self.self_attention = attention(config, parallel, init_method, output_layer_init_method)
         # (--parallel-attention-mlp-shared-norm: the MLP reads the attention's normed input)
         self.shares_norm = config.parallel_attention_mlp_shared_norm
         self.pre_mlp_layernorm = None
-        if not self.shares_norm:
-            self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
-        self.mlp = spec.mlp_of(layer_number)(
-            config, parallel, init_method, output_layer_init_method
-        )
+        if (mlp := spec.mlp_of(layer_number)) is not None:
+            self.mlp = mlp(config, parallel, init_method, output_layer_init_method)
+            if not self.shares_norm:
+                self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
         # --post-sublayer-norm (Gemma 2/3): the attention's and the MLP's outputs normed too
         self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if config.post_sublayer_norm:
@@ -100,6 +102,8 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        if self.self_attention is None:  # (a hybrid stack's MLP-only layer)
+            return self._mlp_part(hidden_states, hidden_states, None)
         recompute_norm = self.recompute_layernorm and self.training
         norm = OutputDiscardingCheckpoint(recompute_norm)
         with offload_group("attn_norm", self.offload_attn_norm):
@@ -114,8 +118,21 @@ class TransformerLayer(nn.Module):
         hidden_states = dropout_add(
             attention, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
         )
+        if self.mlp is None:  # (a hybrid stack's attention-only layer)
+            return hidden_states
         # --parallel-attention-mlp (GPT-NeoX): the MLP reads the layer's input too
         mlp_input = layer_input if self.parallel_attention_mlp else hidden_states
+        return self._mlp_part(mlp_input, hidden_states, attention_input)
+
+    def _mlp_part(
+        self,
+        mlp_input: torch.Tensor,
+        hidden_states: torch.Tensor,
+        attention_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """norm -> MLP -> residual onto `hidden_states` (`attention_input`: the attention's
+        normed input, which --parallel-attention-mlp-shared-norm's MLP reads)."""
+        recompute_norm = self.recompute_layernorm and self.training
         norm = OutputDiscardingCheckpoint(recompute_norm)
         if self.shares_norm:  # (config/cohere.py refuses recomputing the norm with it)
             normed = attention_input
@@ -157,10 +174,10 @@ class TransformerBlock(nn.Module):
         self.recompute_method = config.recompute_method if full else None
         self.recompute_num_layers = config.recompute_num_layers
         self.layers = nn.ModuleList(
-            TransformerLayer(
-                config, parallel, spec, layer_offset + i + 1, init_method, output_layer_init_method
+            (spec.mamba_layer if spec.is_mamba(n) else TransformerLayer)(
+                config, parallel, spec, n, init_method, output_layer_init_method
             )
-            for i in range(num_layers)
+            for n in range(layer_offset + 1, layer_offset + num_layers + 1)
         )
         self.final_layernorm = (
             spec.norm(config, config.hidden_size, parallel.sequence_parallel)

@@ -72,6 +72,7 @@ from collections.abc import Iterable
 
 from threefold.config import Config, ModelConfig
 from threefold.config.activation_offload import offload_plan
+from threefold.config.errors import require as _require
 from threefold.config.fp8 import experts_in_fp8
 from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
@@ -396,6 +397,11 @@ def micro_batches_in_flight(config: Config, stage: int) -> int:
 def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     """One micro-batch's activations on pipeline stage `stage` (all its model chunks)."""
     model, parallel = config.model, config.parallel
+    _require(
+        not model.hybrid,
+        "the activation estimate does not cover a hybrid stack's layers (--hybrid-layer-"
+        "pattern) yet: measure one step instead (training/memory.py)",
+    )
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1

@@ -11,9 +11,10 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
   router 2 h E: active parameters only, as Megatron counts them;
 and the output layer 2 h V. Multi-latent attention's projections are counted as Megatron-LM
 counts them (`_mla_flops_per_token`), and so are gated delta net layers
-(`gated_delta_net_flops_per_token`), --attention-output-gate's gate projection (2 h^2 more
-for QKV) and multi-token prediction's depths (a layer each, its norms and projection, its
-logits). See docs/performance.md for the derivation and MFU.
+(`gated_delta_net_flops_per_token`), a hybrid stack's Mamba layers (`mamba_flops_per_token`;
+its attention, MLP and MoE layers each count their part above), --attention-output-gate's
+gate projection (2 h^2 more for QKV) and multi-token prediction's depths (a layer each, its
+norms and projection, its logits). See docs/performance.md for the derivation and MFU.
 """
 
 from __future__ import annotations
@@ -44,12 +45,20 @@ def training_flops_per_iteration(
     depths = config.mtp_num_layers or 0
     per_token_forward = 0
     linear = config.linear_attention_pattern(config.num_layers)
+    symbols = config.hybrid_layers() if config.hybrid else ""
     for layer, is_moe in enumerate(config.layer_pattern_with_mtp()):
-        if layer < len(linear) and linear[layer]:
+        symbol = symbols[layer] if layer < len(symbols) else None
+        if symbol == "M":  # a hybrid stack's layers hold one part each
+            per_token_forward += mamba_flops_per_token(config)
+            continue
+        if symbol in ("-", "E"):
+            pass
+        elif layer < len(linear) and linear[layer]:
             per_token_forward += gated_delta_net_flops_per_token(config)
         else:
             per_token_forward += qkv + projection + attention
-        per_token_forward += moe if is_moe else dense
+        if symbol != "*":
+            per_token_forward += moe if is_moe else dense
     # Each MTP depth's norms (Megatron-LM counts 3h multiply-adds) and projection [2h -> h],
     # and every depth's logits beside the main ones.
     per_token_forward += depths * 2 * (3 * h + 2 * h * h)
@@ -74,6 +83,14 @@ def gated_delta_net_flops_per_token(config: ModelConfig) -> int:
     in_proj = h * (2 * qk + 2 * v + 2 * heads)
     conv = config.linear_conv_kernel_dim * (2 * qk + v)
     return 2 * (in_proj + conv + 4 * heads * d_v * d_v + h * v)
+
+
+def mamba_flops_per_token(config: ModelConfig) -> int:
+    """A Mamba layer's forward FLOPs per token, as Megatron-LM counts them: in_proj,
+    7 d_inner N for the scan, out_proj."""
+    h, sections = config.hidden_size, config.mamba_sections()
+    inner = sections[1]
+    return 2 * h * sum(sections) + 7 * inner * config.mamba_state_dim + 2 * inner * h
 
 
 def _mla_flops_per_token(config: ModelConfig) -> tuple[int, int]:

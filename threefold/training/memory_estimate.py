@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
 from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8
+from threefold.config.hybrid import ATTENTION, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
 from threefold.config.precision_aware import DTYPE_BYTES
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.activation_estimate import (
@@ -49,17 +50,28 @@ def _per_feature(model: ModelConfig) -> int:
 
 
 def _layer_parameters(
-    model: ModelConfig, tp: int, moe: bool = False, ep: int = 1, etp: int = 1, linear: bool = False
+    model: ModelConfig,
+    tp: int,
+    moe: bool = False,
+    ep: int = 1,
+    etp: int = 1,
+    linear: bool = False,
+    symbol: str | None = None,
 ) -> int:
     """One transformer layer's parameters on one TP rank; an MoE layer's MLP is its router,
     its experts divided over EP (split inside over expert TP) and its shared expert over TP
-    (with its gate); a `linear` layer's attention is a gated delta net."""
+    (with its gate); a `linear` layer's attention is a gated delta net. `symbol`: a hybrid
+    stack's layer (config/hybrid.py), its norm and one part."""
     h, d = model.hidden_size, model.kv_channels
+    if symbol == MAMBA:
+        return _mamba_parameters(model, tp) + h * _per_feature(model)
+    if symbol in (MLP, MOE):
+        return _mlp_part_parameters(model, tp, moe, ep, etp) + h * _per_feature(model)
     gate = d * model.num_attention_heads if model.attention_output_gate else 0
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
     # the norms before the attention and the MLP (one for both: Cohere's), and after them
     # (Gemma's, OLMo 2's)
-    inputs = 1 if model.parallel_attention_mlp_shared_norm else 2
+    inputs = 1 if model.parallel_attention_mlp_shared_norm or symbol == ATTENTION else 2
     norms = inputs * int(model.sublayer_input_norms) + 2 * int(model.post_sublayer_norm)
     norm = norms * h * _per_feature(model)
     if linear:
@@ -70,14 +82,8 @@ def _layer_parameters(
         count = (h * qkv + d * model.num_attention_heads * h) // tp + norm
         if model.softmax_type == "learnable":  # a sink logit per head
             count += model.num_attention_heads // tp
-    if moe:
-        count += (h + int(model.add_bias_linear)) * model.num_experts  # the router
-        count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
-        if model.moe_shared_expert_intermediate_size:
-            count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
-            count += h if model.moe_shared_expert_gate else 0
-    else:
-        count += _mlp_parameters(model, model.ffn_hidden_size, tp)
+    if symbol != ATTENTION:
+        count += _mlp_part_parameters(model, tp, moe, ep, etp)
     if linear:
         return count
     if model.multi_latent_attention:
@@ -94,6 +100,34 @@ def _layer_parameters(
     elif model.add_qkv_bias:
         count += qkv // tp
     return count
+
+
+def _mlp_part_parameters(model: ModelConfig, tp: int, moe: bool, ep: int, etp: int) -> int:
+    """A layer's MLP on one TP rank: dense, or the router, experts and shared expert."""
+    if not moe:
+        return _mlp_parameters(model, model.ffn_hidden_size, tp)
+    h = model.hidden_size
+    count = (h + int(model.add_bias_linear)) * model.num_experts  # the router
+    count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
+    if model.moe_shared_expert_intermediate_size:
+        count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
+        count += h if model.moe_shared_expert_gate else 0
+    return count
+
+
+def _mamba_weights(model: ModelConfig, tp: int) -> int:
+    """A Mamba mixer's in_proj and out_proj weight elements on one TP rank."""
+    sections = model.mamba_sections()
+    return model.hidden_size * (sum(sections) + sections[1]) // tp
+
+
+def _mamba_parameters(model: ModelConfig, tp: int) -> int:
+    """A Mamba mixer's parameters on one TP rank (model/mamba.py): its projections, the
+    convolution over x, B and C with its bias, dt_bias, A_log and D per head and the gated
+    norm's weight (all split by heads or groups)."""
+    _, inner, states, _, heads = model.mamba_sections()
+    conv = (inner + 2 * states) * (MAMBA_CONV_KERNEL + 1)
+    return _mamba_weights(model, tp) + (conv + 3 * heads + inner) // tp
 
 
 def _gdn_weights(model: ModelConfig, tp: int) -> int:
@@ -187,8 +221,19 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
         moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp)
     pattern = model.moe_layer_pattern(model.num_layers)
     linear = model.linear_attention_pattern(model.num_layers)
+    symbols = model.hybrid_layers() if model.hybrid else [None] * model.num_layers
+    parts = {  # a hybrid stack's layers: one part each
+        MAMBA: lambda layer: _mamba_weights(model, tp),
+        ATTENTION: lambda layer: attention,
+        MLP: lambda layer: mlp,
+        MOE: lambda layer: moe,
+        None: lambda layer: (
+            (_gdn_weights(model, tp) if linear[layer] else attention)
+            + (moe if pattern[layer] else mlp)
+        ),
+    }
     count = sum(
-        (_gdn_weights(model, tp) if linear[layer] else attention) + (moe if pattern[layer] else mlp)
+        parts[symbols[layer]](layer)
         for layer in _stage_layers(model, parallel, stage)
         if fp8_layer(config, layer)
     )
@@ -207,9 +252,12 @@ def stage_parameters(
     h = model.hidden_size
     pattern = model.moe_layer_pattern(model.num_layers)
     linear = model.linear_attention_pattern(model.num_layers)
+    symbols = model.hybrid_layers() if model.hybrid else [None] * model.num_layers
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     count = sum(
-        _layer_parameters(model, tp, bool(pattern[layer]), ep, etp, bool(linear[layer]))
+        _layer_parameters(
+            model, tp, bool(pattern[layer]), ep, etp, bool(linear[layer]), symbols[layer]
+        )
         for layer in _stage_layers(model, parallel, stage)
     )
     embedding = padded_vocab * h // tp

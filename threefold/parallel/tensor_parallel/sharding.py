@@ -84,6 +84,22 @@ def constant_init(value: float) -> InitMethod:
     return init
 
 
+def uniform_init(bound: float) -> InitMethod:
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.uniform_(-bound, bound, generator=generator)
+
+    return init
+
+
+def log_uniform_init(low: float, high: float) -> InitMethod:
+    """The logarithm of a uniform draw from [low, high] (a decay rate's A_log)."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.uniform_(low, high, generator=generator).log_()
+
+    return init
+
+
 def mark_replicated(
     param: torch.nn.Parameter, init_method: InitMethod, partial_grads: bool = False
 ) -> torch.nn.Parameter:

@@ -1,0 +1,200 @@
+"""Hybrid models with Mamba-2 layers (--hybrid-layer-pattern, --mamba-*): the chunked SSD scan
+is the recurrence, a Mamba layer computes what megatron-core's does (written out here from its
+definition), the pattern builds Megatron-LM's layers, the layouts train as one process, and
+bad settings stop in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import run_distributed
+from tests.parallel.test_expert_parallel import MOE
+from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
+from threefold.arguments import parse_args
+from threefold.kernels.ssd import chunk_ssd, recurrent_ssd
+
+MAMBA = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "4"]
+# Mamba, attention, MLP and mixture-of-experts layers in four pipeline segments (one chunk
+# each under PP2's two virtual stages; one process runs them as one)
+PATTERN = "M*|-M|E*|M-"
+HYBRID = LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", PATTERN, *MAMBA, *MOE]
+
+
+def _scan_inputs(seq: int, dtype=torch.float64):
+    torch.manual_seed(0)
+    b, heads, groups, p, n = 2, 4, 2, 3, 5
+    x = torch.randn(b, seq, heads, p, dtype=dtype)
+    dt = F.softplus(torch.randn(b, seq, heads, dtype=dtype))
+    A = -(torch.rand(heads, dtype=dtype) * 4 + 0.5)
+    B, C = (torch.randn(b, seq, groups, n, dtype=dtype) for _ in range(2))
+    D = torch.randn(heads, dtype=dtype)
+    return [t.requires_grad_() for t in (x, dt, A, B, C, D)]
+
+
+@pytest.mark.parametrize("seq,chunk", [(37, 4), (37, 16), (64, 64), (5, 128)])
+def test_the_chunked_scan_is_the_recurrence_with_its_gradients(seq, chunk):
+    inputs = _scan_inputs(seq)
+    expected = recurrent_ssd(*inputs)
+    actual = chunk_ssd(*inputs, chunk_size=chunk)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, inputs, grad)
+    got = torch.autograd.grad(actual, inputs, grad)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_the_recurrence_is_mamba2s_state_space_model():
+    """Two tokens by hand: S_1 = dt_1 B_1 x_1^T, S_2 = exp(dt_2 A) S_1 + dt_2 B_2 x_2^T,
+    y_2 = S_2^T C_2 + D x_2, head 3 of group 1 (two heads a group)."""
+    x, dt, A, B, C, D = (t.detach() for t in _scan_inputs(2))
+    y = recurrent_ssd(x, dt, A, B, C, D)
+    h, g = 3, 1
+    state = dt[0, 0, h] * torch.outer(B[0, 0, g], x[0, 0, h])
+    state = (dt[0, 1, h] * A[h]).exp() * state + dt[0, 1, h] * torch.outer(B[0, 1, g], x[0, 1, h])
+    torch.testing.assert_close(y[0, 1, h], state.T @ C[0, 1, g] + D[h] * x[0, 1, h])
+
+
+def _megatron_mamba_mixer(mixer, x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's MambaMixer forward (TP 1), step by step from its definition."""
+    z, xs, B, C, dt = (x @ mixer.in_proj.weight.T).split(mixer.local_sections, dim=-1)
+    xbc = torch.cat((xs, B, C), dim=-1)  # causal depthwise convolution, tap by tap
+    weight, width = mixer.conv1d.weight[:, 0], mixer.conv1d.weight.shape[-1]
+    padded = F.pad(xbc, (0, 0, 0, 0, width - 1, 0))
+    conv = sum(padded[i : i + x.shape[0]] * weight[:, i] for i in range(width))
+    xs, B, C = F.silu(conv + mixer.conv1d.bias).transpose(0, 1).split(mixer.local_sections[1:4], -1)
+    b, s = xs.shape[:2]
+    y = recurrent_ssd(
+        xs.reshape(b, s, mixer.heads, -1),
+        F.softplus(dt.transpose(0, 1) + mixer.dt_bias),
+        -mixer.A_log.exp(),
+        B.reshape(b, s, mixer.groups, -1),
+        C.reshape(b, s, mixer.groups, -1),
+        mixer.D,
+    ).reshape(b, s, -1)
+    gated = (y * F.silu(z.transpose(0, 1))).reshape(b, s, mixer.groups, -1)
+    normed = gated * torch.rsqrt(gated.square().mean(-1, keepdim=True) + 1e-5)
+    normed = normed.reshape(b, s, -1) * mixer.norm.weight
+    return normed.transpose(0, 1) @ mixer.out_proj.weight.T
+
+
+def test_the_pattern_builds_megatron_lms_layers_and_a_mamba_layer_computes_its_mixer():
+    trainer = _setup(HYBRID)
+    layers = trainer.model.decoder.layers
+    kinds = [
+        type(layer).__name__
+        if type(layer).__name__ == "MambaLayer"
+        else type(layer.self_attention or layer.mlp).__name__
+        for layer in layers
+    ]
+    assert kinds == ["MambaLayer", "SelfAttention", "MLP", "MambaLayer"] + [
+        "MoELayer",
+        "SelfAttention",
+        "MambaLayer",
+        "MLP",
+    ]
+    names = {n for n, _ in trainer.model.named_parameters()}
+    # megatron-core's names: a Mamba layer's norm and mixer, one norm in the other layers
+    for name in ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.bias", "mixer.A_log"):
+        assert f"decoder.layers.0.{name}" in names
+    assert "decoder.layers.1.input_layernorm.weight" in names
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" not in names
+    assert "decoder.layers.2.pre_mlp_layernorm.weight" in names
+    assert "decoder.layers.2.input_layernorm.weight" not in names
+    mixer = layers[0].mixer
+    assert (mixer.heads, mixer.groups) == (8, 4)  # 2 x 32 hidden / 8, as megatron-core
+    torch.manual_seed(1)
+    with torch.no_grad():
+        mixer.norm.weight.uniform_(0.5, 1.5)  # not the ones it starts at
+        x = torch.randn(16, 2, 32)
+        torch.testing.assert_close(mixer(x), _megatron_mamba_mixer(mixer, x))
+
+
+def test_megatrons_step_sizes_and_decays_start_in_their_ranges():
+    mixer = _setup(HYBRID).model.decoder.layers[0].mixer
+    dt = F.softplus(mixer.dt_bias.detach())
+    assert dt.min() >= 1e-4 and dt.max() <= 0.1 + 1e-6
+    decay = mixer.A_log.detach().exp()
+    assert decay.min() >= 1 and decay.max() <= 16
+    assert torch.equal(mixer.D.detach(), torch.ones(8))
+
+
+LAYOUTS = {
+    # the pattern's four segments, two virtual stages a rank
+    "tp2-sp-pp2": (
+        4,
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        + ["--pipeline-model-parallel-size", "2"],
+    ),
+    # the Mamba layers' all-to-all over CP beside the attention layers' ring
+    "cp2-tp2-sp": (
+        4,
+        [
+            "--context-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+    ),
+    "ep2-distributed-optimizer": (
+        2,
+        ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_train_as_one_process(layout):
+    world, flags = LAYOUTS[layout]
+    reference = train_job(HYBRID, 4)
+    assert_matches_reference(run_distributed(world, train_job, HYBRID + flags, 4), reference, 1e-5)
+
+
+def test_the_pattern_sets_the_layer_count_and_the_pipeline_chunks(capsys):
+    config = parse_args(HYBRID + ["--pipeline-model-parallel-size", "2"], world_size=2)
+    assert config.model.num_layers == 8
+    assert config.parallel.pipeline_model_parallel_layout == "Ett|tt|tt|ttL"
+    assert config.parallel.virtual_pipeline_model_parallel_size == 2
+    assert parse_args(HYBRID).parallel.pipeline_model_parallel_layout is None  # (one chunk)
+    config = parse_args(HYBRID + ["--num-layers", "3"])
+    assert config.model.num_layers == 8
+    assert "--num-layers 3 is replaced by that" in capsys.readouterr().out
+
+
+SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (MAMBA, "--mamba-state-dim --mamba-head-dim --mamba-num-groups: Mamba settings"),
+        (["--hybrid-layer-pattern", "M*G-"], "G marks gated delta net layers"),
+        (["--hybrid-layer-pattern", "M*x-"], "x is none of them"),
+        (["--hybrid-layer-pattern", "M*||-"], "segments that each hold a layer"),
+        (["--hybrid-layer-pattern", "M*E-"], "has mixture-of-experts layers (E): add --num"),
+        (SMALL + MOE, "without mixture-of-experts layers"),
+        (SMALL + ["--mamba-num-groups", "3"], "--mamba-num-groups 3 must divide the 8"),
+        (
+            SMALL + ["--mamba-num-groups", "2", "--tensor-model-parallel-size", "4"],
+            "the 2 Mamba groups are not divisible by --tensor-model-parallel-size 4",
+        ),
+        (
+            SMALL + ["--mamba-num-groups", "2", "--context-parallel-size", "4"],
+            "the 2 Mamba groups are not divisible by TP x --context-parallel-size 4",
+        ),
+        (SMALL + ["--reset-attention-mask"], "--reset-attention-mask with Mamba layers"),
+        (
+            ["--hybrid-layer-pattern", "M*|M-", *MAMBA, "--pipeline-model-parallel-size", "2"]
+            + ["--virtual-pipeline-model-parallel-size", "2"],
+            "| cuts set the pipeline chunks",
+        ),
+    ],
+)
+def test_refusals_are_one_line(capsys, argv, named):
+    with pytest.raises(SystemExit):
+        parse_args(LLAMA_STYLE + TRAINING + argv, world_size=4)
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1, error

@@ -1,0 +1,191 @@
+"""Hybrid models: Mamba-2 layers among attention, MLP and mixture-of-experts layers
+(Megatron-LM's `pretrain_hybrid.py` / `pretrain_mamba.py` and its --hybrid-layer-pattern;
+Nemotron-H's stack).
+
+The pattern names each layer by one symbol, as megatron-core's `hybrid_layer_allocation`
+does: M a Mamba layer (norm and Mamba-2 mixer, model/mamba.py), * an attention layer (norm
+and self-attention), - an MLP layer (norm and MLP), E a mixture-of-experts layer (norm and
+the experts of --num-experts). Unlike a GPT layer, each holds one sublayer: "M-M*-" is five
+layers. `|` cuts the pattern into pipeline segments, one model chunk each (more segments than
+--pipeline-model-parallel-size: virtual stages), which threefold runs as the
+--pipeline-model-parallel-layout of the same chunks.
+
+A Mamba mixer projects each token to z, x, B, C and dt (`mamba_sections`): x and the gate z
+are --mamba-num-heads heads of --mamba-head-dim (default: twice the hidden size's worth of
+heads), B and C --mamba-num-groups groups of --mamba-state-dim, shared by the heads of a group
+as keys are in grouped query attention, dt one step size per head.
+
+`ModelConfig` inherits the fields; `finalize_hybrid` is called from its finalize, first: the
+pattern sets --num-layers, which the rest checks against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from threefold.config.errors import require as _require
+from threefold.config.fields import ARCHITECTURE, arg, given_flags
+
+GROUP = "hybrid models"
+MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+PIPE = "|"
+# megatron-core's other symbols, each a layer threefold does not build in a hybrid stack
+_MISSING = {
+    "G": "gated delta net layers (threefold has them in GPT layers: "
+    "--experimental-attention-variant gated_delta_net)",
+    "D": "DeepSeek sparse attention layers",
+    "+": "multi-latent attention layers",
+    "/": "multi-token prediction patterns",
+}
+# megatron-core's MambaMixer: expand (d_inner = 2 x hidden), d_conv
+MAMBA_EXPAND = 2
+MAMBA_CONV_KERNEL = 4
+_SIZES = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
+
+
+@dataclass
+class HybridConfig:
+    hybrid_layer_pattern: str | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        aliases=["--hybrid-override-pattern"],
+        help="one symbol a layer: M Mamba, * attention, - MLP, E mixture of experts; | between "
+        'pipeline segments (e.g. "M-M*-|M-M*-"); sets --num-layers',
+    )
+    mamba_state_dim: int = arg(
+        128, checkpoint=ARCHITECTURE, group=GROUP, help="size of a Mamba head's state (N)"
+    )
+    mamba_head_dim: int = arg(64, checkpoint=ARCHITECTURE, group=GROUP, help="size of a head")
+    mamba_num_groups: int = arg(
+        8, checkpoint=ARCHITECTURE, group=GROUP, help="groups of heads that share B and C"
+    )
+    mamba_num_heads: int | None = arg(
+        None,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="Mamba heads (default: 2 x --hidden-size / --mamba-head-dim)",
+    )
+
+    @property
+    def hybrid(self) -> bool:
+        return self.hybrid_layer_pattern is not None
+
+    def hybrid_layers(self) -> str:
+        """One symbol a layer (the pattern without its pipeline cuts)."""
+        return self.hybrid_layer_pattern.replace(PIPE, "").strip()
+
+    def hybrid_segments(self) -> list[int]:
+        """The layers of each pipeline segment the pattern's `|` cut (one: no cut)."""
+        return [len(segment.strip()) for segment in self.hybrid_layer_pattern.split(PIPE)]
+
+    def hybrid_pipeline_layout(self, pipeline_size: int) -> str | None:
+        """The pattern's pipeline segments as a --pipeline-model-parallel-layout, a chunk
+        each (None: the pattern has no cut, or there is no pipeline to cut: one process runs
+        a model trained in segments as one chunk)."""
+        segments = self.hybrid_segments() if self.hybrid else [0]
+        if len(segments) == 1 or pipeline_size == 1:
+            return None
+        chunks = ["t" * count for count in segments]
+        chunks[0], chunks[-1] = "E" + chunks[0], chunks[-1] + "L"
+        return "|".join(chunks)
+
+    def moe_layer_pattern(self, num_layers: int) -> list[int]:
+        """In a hybrid model the E layers are the mixture-of-experts ones."""
+        if not self.hybrid:
+            return super().moe_layer_pattern(num_layers)
+        return [int(symbol == MOE) for symbol in self.hybrid_layers()]
+
+    def mamba_heads(self) -> int:
+        if self.mamba_num_heads is not None:
+            return self.mamba_num_heads
+        return MAMBA_EXPAND * self.hidden_size // self.mamba_head_dim
+
+    def mamba_sections(self) -> tuple[int, ...]:
+        """The row sizes of a Mamba mixer's in_proj, [z; x; B; C; dt] (megatron-core's order;
+        its convolution's channels are x, B and C)."""
+        inner = self.mamba_heads() * self.mamba_head_dim
+        states = self.mamba_num_groups * self.mamba_state_dim
+        return (inner, inner, states, states, self.mamba_heads())
+
+    def finalize_hybrid(self) -> list[str]:
+        """Validate; sets --num-layers from the pattern; returns warnings to print."""
+        if not self.hybrid:
+            given = given_flags(self, HybridConfig, _SIZES)
+            _require(
+                not given,
+                f"{' '.join(given)}: Mamba settings without --hybrid-layer-pattern; add it "
+                "(M marks a Mamba layer) or drop them",
+            )
+            return []
+        pattern = self.hybrid_layer_pattern
+        for symbol, what in _MISSING.items():
+            _require(
+                symbol not in pattern,
+                f"--hybrid-layer-pattern {pattern}: {symbol} marks {what}, which threefold's "
+                "hybrid models do not have; use M, *, - and E",
+            )
+        layers = self.hybrid_layers()
+        unknown = sorted(set(layers) - {MAMBA, ATTENTION, MLP, MOE})
+        _require(
+            layers and not unknown and all(self.hybrid_segments()),
+            f"--hybrid-layer-pattern {pattern}: one symbol a layer, M (Mamba), * (attention), "
+            "- (MLP) or E (mixture of experts), and | between pipeline segments that each hold "
+            "a layer" + (f"; {' '.join(unknown)} is none of them" if unknown else ""),
+        )
+        _require(
+            MOE not in layers or self.is_moe,
+            f"--hybrid-layer-pattern {pattern} has mixture-of-experts layers (E): add "
+            "--num-experts",
+        )
+        _require(
+            not self.is_moe or MOE in layers,
+            "--num-experts in a hybrid model without mixture-of-experts layers: mark them E in "
+            "--hybrid-layer-pattern or drop it",
+        )
+        _require(
+            not self.is_moe or self.moe_layer_freq in (1, "1"),
+            "--moe-layer-freq in a hybrid model: --hybrid-layer-pattern's E marks the "
+            "mixture-of-experts layers; drop it",
+        )
+        for given, what in (
+            (self.mtp_num_layers, "--mtp-num-layers: a hybrid model's prediction depths"),
+            (self.post_sublayer_norm, "--post-sublayer-norm: norms after a hybrid layer's part"),
+            (
+                self.parallel_attention_mlp,
+                "--parallel-attention-mlp: attention and MLP side by "
+                "side, which a hybrid stack keeps in layers of their own",
+            ),
+            (
+                not self.sublayer_input_norms,
+                "--no-sublayer-input-norms: a hybrid layer without its norm",
+            ),
+        ):
+            _require(not given, f"{what} are not built here; drop it")
+        warnings = []
+        if self.num_layers != len(layers):
+            if given_flags(self, type(self), ("num_layers",)):
+                warnings.append(
+                    f"--hybrid-layer-pattern {pattern} has {len(layers)} layers: --num-layers "
+                    f"{self.num_layers} is replaced by that, as Megatron-LM does"
+                )
+            self.num_layers = len(layers)
+        if MAMBA in layers:
+            self._check_mamba_sizes()
+        return warnings
+
+    def _check_mamba_sizes(self) -> None:
+        for name in _SIZES:
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"--{name.replace('_', '-')} must be positive")
+        heads, groups = self.mamba_heads(), self.mamba_num_groups
+        _require(
+            heads > 0,
+            f"--hidden-size {self.hidden_size} makes no Mamba head of --mamba-head-dim "
+            f"{self.mamba_head_dim}; set --mamba-num-heads",
+        )
+        _require(
+            heads % groups == 0,
+            f"--mamba-num-groups {groups} must divide the {heads} Mamba heads: each group's B "
+            "and C serve its heads",
+        )
