@@ -36,12 +36,19 @@ def _summary(config, trainer, device_type: str) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "pretrain_gpt.py", hybrid: bool = False) -> int:
+    """Train as `prog`; `hybrid`: Megatron-LM's hybrid entry points (pretrain_hybrid.py,
+    pretrain_mamba.py), which build a hybrid model only."""
     # Flags and input files first, before torch is even imported: a mistake costs a second.
-    config = parse_args(argv)
+    config = parse_args(argv, prog=prog)
     if config.training.exit_signal_handler:  # from the first second: start-up takes a while
         exit_signal_handler()
     try:
+        if hybrid and not config.model.hybrid:
+            raise ConfigError(
+                f"{prog} builds a hybrid model: give --hybrid-layer-pattern (M Mamba, * "
+                "attention, - MLP, E mixture-of-experts layers), or run pretrain_gpt.py"
+            )
         # (--pretrained-checkpoint in --load's place while --load holds no checkpoint)
         config.checkpoint, starting_note = starting_checkpoint(config.checkpoint)
         check_inputs(config)
@@ -51,17 +58,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         lock = claim_on_rank_zero(config.checkpoint.save)  # noqa: F841 (held until exit)
     except ConfigError as error:
-        print_refusal("pretrain_gpt.py", error)
+        print_refusal(prog, error)
         return 2
 
     with frozen_imports():  # what _train imports
         import threefold.checkpoint.load  # noqa: F401
         import threefold.training.trainer  # noqa: F401
 
-    return run_then_shut_down(lambda: _train(config, starting_note))
+    return run_then_shut_down(lambda: _train(config, starting_note, prog))
 
 
-def _train(config: Config, starting_note: str | None = None) -> int:
+def _train(config: Config, starting_note: str | None = None, prog: str = "pretrain_gpt.py") -> int:
     """Start this process's groups, build the trainer, resume, train: the exit code. Whatever
     holds a group lives in this frame, gone before `state.shut_down` (which says why)."""
     from threefold.checkpoint.load import load_checkpoint
@@ -71,7 +78,7 @@ def _train(config: Config, starting_note: str | None = None) -> int:
     from threefold.training.timers import SETUP
     from threefold.training.trainer import Trainer
 
-    started = start_processes(config, "pretrain_gpt.py")
+    started = start_processes(config, prog)
     if started is None:
         return 2
     device, parallel = started
@@ -114,11 +121,11 @@ def _train(config: Config, starting_note: str | None = None) -> int:
             if pending:  # --rerun-mode validate_results: an iteration to rerun from here
                 trainer.print(pending)
     except ConfigError as error:  # from here on, possibly met by some ranks only
-        print_refusal_once("pretrain_gpt.py", error, parallel.world.rank)
+        print_refusal_once(prog, error, parallel.world.rank)
         return 2
     trainer.print(_summary(config, trainer, device.type))
     trainer.observability.print_timers(SETUP)
-    return halting.train(trainer, "pretrain_gpt.py")
+    return halting.train(trainer, prog)
 
 
 if __name__ == "__main__":

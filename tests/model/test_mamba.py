@@ -5,10 +5,16 @@ bad settings stop in one line."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import ROOT
 from tests.distributed import run_distributed
 from tests.parallel.test_expert_parallel import MOE
 from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
@@ -198,3 +204,66 @@ def test_refusals_are_one_line(capsys, argv, named):
         parse_args(LLAMA_STYLE + TRAINING + argv, world_size=4)
     error = capsys.readouterr().err
     assert named in error and error.count("\n") == 1, error
+
+
+def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):
+    """Saved at TP2 x PP2 (two virtual stages a rank, in_proj's sections split by heads and
+    groups), resumed by one process and at CP2: the next step is the saving run's."""
+    from tests.training.test_resharding import _check, _load_then_step, _save_then_continue
+
+    directory = str(tmp_path)
+    saving = LAYOUTS["tp2-sp-pp2"][1]
+    saved = run_distributed(4, _save_then_continue, HYBRID + saving, directory)
+    _check(saved, [_load_then_step(HYBRID, directory)])
+    cp2 = ["--context-parallel-size", "2"]
+    _check(saved, run_distributed(2, _load_then_step, HYBRID + cp2, directory))
+
+
+def test_parameters_and_flops_are_counted_per_layer_kind():
+    """The counts the memory estimate and MFU read: a Mamba layer's parameters as the module
+    holds them, and an attention layer and an MLP layer as one GPT layer (two norms, each
+    part's FLOPs)."""
+    from threefold.training.flops import training_flops_per_iteration
+    from threefold.training.memory_estimate import parameter_count
+
+    trainer = _setup(HYBRID)
+    model = trainer.config.model
+    counted = sum(p.numel() for p in trainer.model.parameters())
+    assert parameter_count(model, model.padded_vocab_size(1)) == counted
+    gpt = parse_args(LLAMA_STYLE + TRAINING + ["--num-layers", "1"]).model
+    split = parse_args(LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "*-"]).model
+    assert parameter_count(split, 1008) == parameter_count(gpt, 1008)
+    assert training_flops_per_iteration(split, 8, 1008) == training_flops_per_iteration(
+        gpt, 8, 1008
+    )
+    mamba = parse_args(LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "M", *MAMBA]).model
+    h, inner, n = 32, 64, 8  # in_proj to z, x (2 x 32 each), B, C (4 groups of 8), dt (8)
+    layer = 2 * h * (2 * inner + 2 * 4 * n + 8) + 7 * inner * n + 2 * inner * h
+    logits = 2 * h * 1008
+    assert training_flops_per_iteration(mamba, 8, 1008) == 3 * (layer + logits) * 8 * 16
+
+
+def test_megatrons_hybrid_entry_points_train_and_need_a_pattern(tmp_path):
+    """pretrain_hybrid.py (and its older name pretrain_mamba.py) run pretrain_gpt.py's trainer,
+    for a hybrid model only."""
+    flags = LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "M*-", *MAMBA]
+    flags += ["--train-iters", "2", "--log-interval", "1"]
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_hybrid.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"> done: 2 iterations", result.stdout), result.stdout[-2000:]
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_mamba.py"), *LLAMA_STYLE, *TRAINING],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("pretrain_mamba.py: error: pretrain_mamba.py builds a hybrid")
+    assert result.stderr.count("\n") == 1
