@@ -1,23 +1,25 @@
 """Megatron-LM's own functional-test configs against threefold's command line.
 
-Reads every `tests/functional_tests/test_cases/{gpt,moe}/*/model_config.yaml` of a Megatron-LM
-checkout, turns its MODEL_ARGS into a pretrain_gpt.py command line the way the test harness
-does, makes it runnable on a CPU, and parses it with threefold: each config either parses (the
-run would start) or stops in one line naming what is missing. A generic argparse message
-(`unrecognized arguments`, `invalid choice`) is a gap in threefold's Megatron compatibility.
+Reads every `tests/functional_tests/test_cases/{gpt,moe,hybrid}/*/model_config.yaml` of a
+Megatron-LM checkout, turns its MODEL_ARGS into a pretrain_gpt.py command line the way the test
+harness does, makes it runnable on a CPU, and parses it with threefold: each config either
+parses (the run would start) or stops in one line naming what is missing. A generic argparse
+message (`unrecognized arguments`, `invalid choice`) is a gap in threefold's Megatron
+compatibility.
 
     git clone https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM
     python bench/megatron_configs.py /tmp/Megatron-LM > bench/results/megatron_configs.md
 
 What is changed to run on a CPU, and nothing else: the data and tokenizer files become
-`--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters; with
-`--fim-data`, which rearranges text, a small corpus and GPT-2 files holding its sentinels), paths of
+`--mock-data --vocab-size 1024` (the configs name files on NVIDIA's clusters; with `--fim-data`,
+which rearranges text, a small corpus and GPT-2 files holding its sentinels), paths of
 checkpoints and TensorBoard become a scratch directory, `--distributed-backend nccl` becomes
 gloo, `--transformer-impl transformer_engine` becomes local, `--attention-backend fused`
 (cuDNN's) auto, and the model shrinks (hidden 64, 4 heads or the config's if it divides 64, as
 many query groups of them as divide both, FFN 128, sequence 64, a DSA indexer of 4 heads of 16
-picking 16 keys, 2 iterations); the harness's `${REPEAT}` (a repetition's number) is 1; layers,
-parallel layout, precision, and every other flag stay.
+picking 16 keys, Mamba layers of 16 heads of 8 in 8 groups with a state of 16, 2 iterations);
+the harness's `${REPEAT}` (a repetition's number) is 1; layers, parallel layout, precision, and
+every other flag stay.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DROPPED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path"}
 PATHS = {"--save", "--load", "--tensorboard-dir", "--wandb-save-dir", "--profile-dir"}
+KINDS = ("gpt", "moe", "hybrid")  # the test_cases folders surveyed
 HARNESS = {"${REPEAT}": "1"}  # variables the test harness substitutes
 SHRUNK = {
     "--hidden-size": "64",
@@ -51,7 +54,14 @@ SHRUNK = {
     "--dsa-indexer-n-heads": "4",
     "--dsa-indexer-head-dim": "16",
     "--dsa-indexer-topk": "16",
+    # a hybrid model's Mamba layers: 16 heads of 8 in 8 groups (TP x CP up to 8 splits them)
+    "--mamba-head-dim": "8",
+    "--mamba-num-groups": "8",
+    "--mamba-state-dim": "16",
+    "--mamba-num-heads": "16",
 }
+# Mamba sizes a hybrid config leaves at megatron-core's defaults, shrunk as SHRUNK's
+HYBRID_SIZES = ("--mamba-head-dim", "--mamba-num-groups", "--mamba-state-dim")
 
 
 def command_line(model_args: dict, scratch: str) -> list[str]:
@@ -91,6 +101,10 @@ def command_line(model_args: dict, scratch: str) -> list[str]:
         groups = int(model_args["--num-query-groups"])
         heads = int(argv[argv.index("--num-attention-heads") + 1])
         argv[argv.index("--num-query-groups") + 1] = str(math.gcd(groups, heads))
+    if "--hybrid-layer-pattern" in model_args or "--hybrid-override-pattern" in model_args:
+        for flag in HYBRID_SIZES:
+            if flag not in model_args:
+                argv += [flag, SHRUNK[flag]]
     if model_args.get("--fim-data"):
         return argv + fim_files(scratch) + ["--vocab-size", "1024"]
     return argv + ["--mock-data", "--vocab-size", "1024"]
@@ -170,7 +184,7 @@ def outcome(argv: list[str]) -> tuple[str, str]:
 
 def main(root: str) -> None:
     pattern = os.path.join(root, "tests/functional_tests/test_cases/{}/*/model_config.yaml")
-    files = sorted(glob.glob(pattern.format("gpt")) + glob.glob(pattern.format("moe")))
+    files = sorted(sum((glob.glob(pattern.format(kind)) for kind in KINDS), []))
     counts: dict[str, int] = {}
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -114,6 +114,8 @@ VALUE_NOTES = {
 
 # flag -> why it changes nothing here
 NO_COUNTERPART = {
+    "--is-hybrid-model": "--hybrid-layer-pattern alone makes a model hybrid (as in Megatron-LM "
+    "today)",
     "--use-mcore-models": "threefold's model has megatron-core's parameter names, QKV layout "
     "and rank order already",
     "--no-masked-softmax-fusion": "attention runs in SDPA or Transformer Engine kernels; there "
@@ -204,6 +206,14 @@ NO_COUNTERPART = {
 }
 
 
+# --spec's module path and function (Megatron-LM's layer specs): those of the hybrid stack,
+# which --hybrid-layer-pattern builds here; threefold imports no code a command line names.
+HYBRID_SPECS = (
+    "megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec",
+    "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec",
+)
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Megatron-LM compatibility (threefold/megatron_compat.py)")
     for flag, (dest, value) in ALIASES.items():
@@ -228,6 +238,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag, dest=_dest(flag), type=kind, default=argparse.SUPPRESS, help=f"no effect: {why}"
         )
+    group.add_argument(
+        "--spec",
+        dest=_dest("--spec"),
+        nargs="*",
+        default=argparse.SUPPRESS,
+        help="only Megatron-LM's hybrid stack spec, which --hybrid-layer-pattern builds",
+    )
     for flag, why in NO_COUNTERPART.items():
         group.add_argument(
             flag,
@@ -247,10 +264,20 @@ def check(given: dict[str, object]) -> list[str]:
     already); returns a start-up note per switch with no counterpart. Raises ConfigError for an
     unsupported value."""
     by_dest = {_dest(flag): flag for flag in (*ONLY_DEFAULT, *ANY_VALUE, *NO_COUNTERPART)}
+    by_dest[_dest("--spec")] = "--spec"
     notes = []
     for dest, value in given.items():
         flag = by_dest[dest]
-        if flag in ONLY_DEFAULT:
+        if flag == "--spec":
+            spec = " ".join(value)
+            if spec not in HYBRID_SPECS:
+                raise ConfigError(
+                    f"--spec {spec}: layer specs named by module path (threefold imports no code "
+                    "its command line names); only the hybrid stack's is taken, which "
+                    "--hybrid-layer-pattern builds: drop the flag"
+                )
+            notes.append(f"--spec {spec} has no effect: --hybrid-layer-pattern builds that stack")
+        elif flag in ONLY_DEFAULT:
             _, supported, why = ONLY_DEFAULT[flag]
             accepted = supported if isinstance(supported, tuple) else (supported,)
             if value not in accepted:
@@ -314,10 +341,10 @@ MISSING = {
     "--ft-num-warmup-iters": "the fault-tolerance package (NVIDIA Resiliency Extension)",
     "--check-for-large-grads": "the rerun machine's check for large gradients (threefold "
     "checks for NaN and Inf: --check-for-nan-in-loss-and-grad)",
-    "--spec": "layer specs named by module path (threefold imports no code its command line names)",
     "--yaml-cfg": "YAML configuration files (give the flags)",
-    "--hybrid-": "hybrid Mamba models",
-    "--mamba-": "hybrid Mamba models",
+    "--hybrid-": "other layouts of a hybrid model (threefold takes --hybrid-layer-pattern)",
+    "--mamba-": "other Mamba options (threefold has --mamba-state-dim, -head-dim, -num-groups "
+    "and -num-heads)",
     "--heterogeneous-layers-config-": "heterogeneous layers",
     "--kitchen-": "custom quantization recipes",
     "--te-precision-config-file": "custom quantization recipes",

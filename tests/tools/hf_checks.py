@@ -61,7 +61,10 @@ def per_token_losses(argv: list[str], directory: str, tokens=TOKENS) -> list | N
         )
         return output, lambda per_token: (per_token.mean(), per_token.detach())
 
-    trainer.pipeline_options["tensor_shape"] = ((tokens.shape[1] - 1) // cp.size, 2, 64)
+    sequence = (tokens.shape[1] - 1) // cp.size  # (this rank's share of it under SP)
+    sequence //= trainer.parallel.tp.size if trainer.parallel.sequence_parallel else 1
+    hidden = trainer.config.model.hidden_size
+    trainer.pipeline_options["tensor_shape"] = (sequence, tokens.shape[0], hidden)
     losses = get_forward_backward_func(trainer.parallel.pp)(
         step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
     )

@@ -2,7 +2,7 @@
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
 deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, glm4, gemma, olmoe,
-granite, granite-moe)."""
+granite, granite-moe, nemotron-h)."""
 
 from __future__ import annotations
 
@@ -238,6 +238,35 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.Cohere2ForCausalLM(config))
+    elif kind == "nemotron-h":  # Mamba-2, attention without positions, ReLU² MLP and expert
+        # layers (sigmoid routing with expert biases, scaled, beside a shared expert); the
+        # Mamba decays, steps and skips away from transformers' initialization too
+        sizes = {name: common[name] for name in ("vocab_size", "hidden_size", "intermediate_size")}
+        config = transformers.NemotronHConfig(
+            layers_block_type=["linear_attention", "full_attention", "mlp", "moe"]
+            + ["linear_attention", "full_attention"],
+            num_attention_heads=common["num_attention_heads"],
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=common["max_position_embeddings"],
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            routed_scaling_factor=2.5,
+            **sizes,
+        )
+        model = shaken(transformers.NemotronHForCausalLM(config))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("mixer.D", "mixer.dt_bias")):
+                    param.uniform_(-1.0, 1.0)
+                elif name.endswith("mixer.A_log"):
+                    param.uniform_(-1.0, 1.0)
     else:
         return None
     return model

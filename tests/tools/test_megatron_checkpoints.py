@@ -381,7 +381,8 @@ def _model_with(config, model):
     [
         ({"moe_latent_size": 16}, "--moe-latent-size"),
         ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
-        ({"hybrid_override_pattern": "M-M-"}, "--hybrid-override-pattern"),
+        ({"hybrid_override_pattern": "M-M-"}, "hybrid model .M-M-.; threefold trains them"),
+        ({"hybrid_layer_pattern": "M*-"}, "reads Megatron-LM's hybrid checkpoints not yet"),
         ({"heterogeneous_layers_config_path": "layers.json"}, "heterogeneous layers"),
         # (before: loaded as plain activations, the logits silently wrong)
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),

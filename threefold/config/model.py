@@ -90,10 +90,11 @@ class ModelConfig(
     position_embedding_type: str = arg(
         "learned_absolute",
         checkpoint=ARCHITECTURE,
-        choices=("learned_absolute", "rope", "yarn", "longrope"),
+        choices=("learned_absolute", "rope", "yarn", "longrope", "none"),
         help="learned_absolute (GPT-2), rope (LLaMA), yarn (RoPE stretched by YaRN: "
-        "--rotary-scaling-factor and the --yarn-* flags) or longrope (Phi's: the --longrope-* "
-        "flags)",
+        "--rotary-scaling-factor and the --yarn-* flags), longrope (Phi's: the --longrope-* "
+        "flags) or none (no positions: attention beside the Mamba layers of a hybrid model, "
+        "whose recurrence knows the order)",
     )
     # False: Megatron's --no-position-embedding
     add_position_embedding: bool = arg(
@@ -427,11 +428,14 @@ class ModelConfig(
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         _require(
-            self.position_embedding_type in ("learned_absolute", "rope", "yarn", "longrope"),
-            "--position-embedding-type must be learned_absolute, rope, yarn or longrope",
+            self.position_embedding_type
+            in ("learned_absolute", "rope", "yarn", "longrope", "none"),
+            "--position-embedding-type must be learned_absolute, rope, yarn, longrope or none",
         )
         _require(
-            self.add_position_embedding or self.rotary_position_embeddings,
+            self.add_position_embedding
+            or self.rotary_position_embeddings
+            or self.position_embedding_type == "none",
             "--no-position-embedding: a model without position information is not "
             "implemented; use --position-embedding-type rope (with which the flag changes "
             "nothing)",

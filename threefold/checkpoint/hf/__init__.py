@@ -44,6 +44,8 @@
                GraniteMoeForCausalLM (the same with Mixtral's routing, experts stacked)
     nemotron.py  NemotronForCausalLM (Nemotron-4, Minitron: LayerNorm1P, a squared-ReLU MLP,
                RoPE on half of each head)
+    nemotron_h.py  NemotronHForCausalLM (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano: a hybrid
+               stack of Mamba-2, attention, ReLU² MLP and expert layers)
     gptj.py    GPTJForCausalLM (GPT-J: one LayerNorm read by the attention and the MLP side by
                side, biases on the MLP and the output layer, RoPE on adjacent pairs of a part)
     gpt2.py    GPT2LMHeadModel
@@ -79,6 +81,7 @@ from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.llama_kin import ARCEE, ERNIE4_5, HELIUM, SEED_OSS
 from threefold.checkpoint.hf.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from threefold.checkpoint.hf.nemotron import NEMOTRON
+from threefold.checkpoint.hf.nemotron_h import NEMOTRON_H
 from threefold.checkpoint.hf.olmo2 import OLMO2, OLMO3, OLMOE
 from threefold.checkpoint.hf.phi import PHI
 from threefold.checkpoint.hf.phi3 import PHI3
@@ -103,6 +106,7 @@ ADAPTERS: dict[str, Adapter] = {
         PHI,
         PHI3,
         NEMOTRON,
+        NEMOTRON_H,
         OLMO2,
         OLMO3,
         EXAONE4,

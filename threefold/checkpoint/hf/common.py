@@ -317,6 +317,7 @@ class Adapter:
     gated_shared_expert = False
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
+    exports_hybrid = False  # a hybrid stack of Mamba and other layers (hf/nemotron_h.py)
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)
@@ -395,6 +396,14 @@ class Adapter:
         return [name for name in hf_state if prefixes and name.startswith(prefixes)]
 
     def to_hf(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        if config.hybrid != self.exports_hybrid:
+            raise ConfigError(
+                f"this model is a hybrid stack (--hybrid-layer-pattern), which {self.architecture} "
+                "is not; export it as NemotronHForCausalLM"
+                if config.hybrid
+                else f"{self.architecture} is a hybrid stack and this model is a GPT one; export "
+                "it as LlamaForCausalLM"
+            )
         if config.is_moe and not self.exports_moe:
             raise ConfigError(
                 f"this model is a mixture of experts, which {self.architecture} is not; export "

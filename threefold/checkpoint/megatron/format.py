@@ -46,8 +46,6 @@ _TOKENIZERS = {
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
     ("moe_latent_size", None, "latent experts (--moe-latent-size)"),
-    ("hybrid_override_pattern", None, "hybrid Mamba layers (--hybrid-override-pattern)"),
-    ("hybrid_layer_pattern", None, "hybrid Mamba layers (--hybrid-layer-pattern)"),
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
     # (read as the plain model they are not, these would load without an error)
     (
@@ -88,6 +86,13 @@ def _model_config(args: dict, source: str) -> dict:
         raise ConfigError(
             f"{source}: a Megatron-LM checkpoint of a model with --experimental-attention-variant "
             f"{variant}; threefold builds gated_delta_net and dsa only"
+        )
+    hybrid = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
+    if hybrid:
+        raise ConfigError(
+            f"{source}: a Megatron-LM checkpoint of a hybrid model ({hybrid}); threefold trains "
+            "them (--hybrid-layer-pattern) but reads Megatron-LM's hybrid checkpoints not yet: "
+            "load its Hugging Face conversion (NemotronHForCausalLM) instead"
         )
     for name, allowed, what in _UNSUPPORTED:
         value = args.get(name)
@@ -310,6 +315,11 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     at a constant batch size."""
     train_state = train_state or {}
     model = config.model
+    if model.hybrid:
+        raise ConfigError(
+            "Megatron-LM checkpoints of hybrid models (--hybrid-layer-pattern) are not written "
+            "yet: export it with --saver hf (NemotronHForCausalLM)"
+        )
     beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
     if beyond:
         raise ConfigError(

@@ -1,0 +1,116 @@
+"""Hugging Face's NemotronHForCausalLM (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano) in and
+out: a hybrid stack of Mamba-2, attention, ReLU² MLP and expert layers (--hybrid-layer-pattern).
+A tiny one gives transformers' logits over 24 tokens, and other logits with its Mamba layers'
+skips, its experts' biases or its attention's groups changed; a bitwise round trip in the
+Hub's layout that transformers loads; greedy generation; its per-token losses at TP2 + SP,
+TP2 + SP x PP2 and CP2 x EP2. A GPT model does not export as it, nor a hybrid one as another
+family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tools.hf_models import VOCAB, converted_hf_model, has_transformers
+from threefold.checkpoint.hf import model_config_from_hf
+from threefold.config import ConfigError
+
+if not has_transformers():
+    pytest.skip("transformers is not installed", allow_module_level=True)
+
+
+from tests.tools.hf_checks import (  # noqa: E402
+    TOKENS,
+    TOKENS_25,
+    assert_exports_as,
+    assert_greedy_generation,
+    assert_layout_losses,
+    assert_round_trip,
+    logits_with,
+    relative_error,
+)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(transformers' model, its directory, threefold's checkpoint of it)."""
+    return converted_hf_model("nemotron-h", tmp_path_factory.mktemp("nemotron_h"))
+
+
+def test_logits_are_transformers_and_each_part_counts(converted):
+    hf_model, _, ours = converted
+    with torch.no_grad():
+        expected = hf_model(TOKENS).logits
+        assert relative_error(logits_with(ours, TOKENS), expected) < 1e-5
+        # the pattern read as it is: the same layers in another order compute other logits
+        swapped = logits_with(ours, TOKENS, hybrid_layer_pattern="M*E-M*")
+    assert relative_error(swapped, expected) > 1e-3
+
+
+def test_round_trip_is_bitwise_and_generation_is_transformers(converted, tmp_path):
+    hf_model, hf_dir, ours = converted
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    assert_greedy_generation(hf_model, ours)
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (
+            4,
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--pipeline-model-parallel-size", "2"],
+        ),
+        # the Mamba layers' heads over CP (all-to-all), the attention's ring; the experts
+        (2, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    ],
+    ids=["tp2-sp", "tp2-sp-pp2", "cp2-ep2"],
+)
+def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
+    hf_model, _, ours = converted
+    assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
+
+
+HYBRID = ["--hybrid-layer-pattern", "M*-M", "--hidden-size", "64", "--num-attention-heads", "4"]
+HYBRID += ["--group-query-attention", "--num-query-groups", "2", "--squared-relu"]
+HYBRID += ["--untie-embeddings-and-output-weights"]
+HYBRID += ["--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--disable-bias-linear"]
+HYBRID += ["--position-embedding-type", "none", "--mock-data", "--vocab-size", str(VOCAB)]
+HYBRID += ["--seq-length", "24", "--micro-batch-size", "2", "--train-iters", "1"]
+HYBRID += ["--mamba-state-dim", "8", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
+
+
+def test_a_hybrid_model_exports_as_nemotron_h_and_others_are_refused(tmp_path, capsys):
+    """A hybrid stack trained in threefold (no positions, ReLU²) exports as NemotronH with
+    transformers' logits; a GPT model as NemotronH, or the hybrid as LLaMA, is one line."""
+    from tests.tools.hf_models import convert_in_process
+
+    exported = assert_exports_as(HYBRID, tmp_path / "hybrid", "NemotronHForCausalLM")
+    assert exported["layers_block_type"][:2] == ["linear_attention", "full_attention"]
+    ours = str(tmp_path / "hybrid" / "threefold")
+    capsys.readouterr()  # (transformers' loading bars)
+    with pytest.raises(SystemExit):
+        convert_in_process(
+            "--loader", "threefold", "--saver", "hf", "--load-dir", ours,
+            "--save-dir", str(tmp_path / "as-llama"), "--hf-architecture", "LlamaForCausalLM",
+        )  # fmt: skip
+    error = capsys.readouterr().err
+    assert "hybrid stack (--hybrid-layer-pattern), which LlamaForCausalLM is not" in error
+    assert error.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "changed,named",
+    [
+        ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon=1e-06"),
+        ({"time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"layers_block_type": ["linear_attention", "gdn"]}, "layers_block_type"),
+    ],
+)
+def test_what_threefold_cannot_build_is_refused_by_name(converted, changed, named):
+    hf = {**converted[0].config.to_dict(), **changed}
+    with pytest.raises(ConfigError, match=named):
+        model_config_from_hf(hf)

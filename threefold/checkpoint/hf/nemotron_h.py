@@ -1,0 +1,315 @@
+"""NemotronHForCausalLM (Nemotron-H, NVIDIA Nemotron Nano 2 and Nemotron 3 Nano): NVIDIA's
+hybrid models trained with Megatron-LM, each layer one of Mamba-2, attention, MLP or mixture
+of experts, as threefold's --hybrid-layer-pattern builds them (config/hybrid.py):
+
+    layers_block_type   linear_attention  full_attention  mlp  moe
+    pattern symbol      M                 *               -    E
+
+(older configs: hybrid_override_pattern, the symbols themselves). Every layer is a norm and
+its mixer, named `{backbone,model}.layers.N.norm` and `.mixer` in the files (transformers
+saves the Hub's `backbone.`, and reads both). The Mamba mixer maps as it is (in_proj's rows
+[z; x; B; C; dt] and the convolution's [x; B; C] are megatron-core's order too); attention has
+no position embeddings (--position-embedding-type none) and q, k, v apart, fused into
+threefold's grouped linear_qkv; MLPs and experts are one projection and a squared ReLU
+(--squared-relu); the experts are routed by DeepSeek-V3's sigmoid scores with expert biases
+(hf/deepseek.py), beside a shared expert of its own size. The Hub's multi-token prediction
+module (`mtp.*`) is left out, as transformers leaves it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from threefold.checkpoint.hf.common import Adapter, Take, refuse, split_qkv, stack_qkv
+from threefold.checkpoint.hf.deepseek import deepseek_moe
+from threefold.config import ModelConfig
+from threefold.config.hybrid import ATTENTION, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
+from threefold.model.mamba import GATED_NORM_EPS
+
+KINDS = {
+    "linear_attention": MAMBA,
+    "full_attention": ATTENTION,
+    "mlp": MLP,
+    "moe": MOE,
+    "mamba": MAMBA,  # (the older names transformers still reads)
+    "attention": ATTENTION,
+}
+NAMES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}
+# the older config names of fields (transformers reads both)
+_ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_dt_limit": "time_step_limit",
+}
+MAMBA_PARTS = ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "in_proj.weight")
+MAMBA_PARTS += ("norm.weight", "out_proj.weight")
+
+
+def _pattern(hf: dict) -> str:
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None:
+        return hf["hybrid_override_pattern"]
+    unknown = sorted(set(kinds) - set(KINDS))
+    refuse(unknown, "layers_block_type", unknown, f"one of {', '.join(NAMES.values())}")
+    return "".join(KINDS[kind] for kind in kinds)
+
+
+def _limit_is_open(limit) -> bool:
+    """Whether time_step_limit leaves the step sizes unclamped: (0, inf), the upper end as
+    JSON cannot hold it (transformers writes {"__float__": "Infinity"})."""
+    if limit is None:
+        return True
+    low, high = (x.get("__float__", x) if isinstance(x, dict) else x for x in limit)
+    return float(low) == 0.0 and math.isinf(float(high))
+
+
+@dataclass(frozen=True)
+class NemotronHAdapter(Adapter):
+    architecture: str = "NemotronHForCausalLM"
+    model_type: str = "nemotron_h"
+    exports_hybrid: ClassVar[bool] = True
+    exports_moe: ClassVar[bool] = True
+    exports_dense: ClassVar[bool] = True  # (most Nemotron-H models have no experts)
+    deepseek_routing: ClassVar[bool] = True
+    squared_relu_mlp: ClassVar[bool] = True
+    left_behind_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
+
+    def model_config(self, hf: dict) -> ModelConfig:
+        hf = {_ALIASES.get(name, name): value for name, value in hf.items()}
+        eps = hf.get("layer_norm_epsilon", 1e-5)
+        for field, value, wanted, why in (
+            ("mamba_hidden_act", hf.get("mamba_hidden_act", "silu"), "silu", "SiLU only"),
+            ("mlp_hidden_act", hf.get("mlp_hidden_act", "relu2"), "relu2", "ReLU² only"),
+            ("conv_kernel", hf.get("conv_kernel", 4), MAMBA_CONV_KERNEL, "megatron-core's 4"),
+            ("use_conv_bias", hf.get("use_conv_bias", True), True, "a bias, as megatron-core"),
+            ("use_bias", bool(hf.get("use_bias")), False, "no biases on the Mamba projections"),
+            ("mamba_proj_bias", bool(hf.get("mamba_proj_bias")), False, "no biases there"),
+            ("attention_bias", bool(hf.get("attention_bias")), False, "no attention biases"),
+            ("mlp_bias", bool(hf.get("mlp_bias")), False, "no MLP biases"),
+            ("residual_in_fp32", bool(hf.get("residual_in_fp32")), False, "residuals as is"),
+            ("sliding_window", hf.get("sliding_window"), None, "attention over all keys"),
+            (
+                "tie_word_embeddings",
+                bool(hf.get("tie_word_embeddings")),
+                False,
+                "transformers never ties NemotronH's output layer",
+            ),
+            ("moe_latent_size", hf.get("moe_latent_size"), None, "experts at the hidden size"),
+            (
+                "layer_norm_epsilon",
+                eps,
+                GATED_NORM_EPS,
+                f"the Mamba mixer's gated norm takes it in transformers, megatron-core's "
+                f"{GATED_NORM_EPS} in threefold",
+            ),
+        ):
+            refuse(value != wanted, field, value, why)
+        limit = hf.get("time_step_limit")
+        refuse(not _limit_is_open(limit), "time_step_limit", limit, "step sizes unclamped")
+        pattern = _pattern(hf)
+        heads = hf["num_attention_heads"]
+        groups = hf.get("num_key_value_heads") or heads
+        positions = hf.get("max_position_embeddings", 4096)
+        config = ModelConfig(
+            hybrid_layer_pattern=pattern,
+            num_layers=len(pattern),
+            hidden_size=hf["hidden_size"],
+            ffn_hidden_size=hf["intermediate_size"],
+            num_attention_heads=heads,
+            group_query_attention=groups != heads,
+            num_query_groups=groups,
+            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+            seq_length=min(positions, 4096),
+            max_position_embeddings=positions,
+            position_embedding_type="none",
+            normalization="RMSNorm",
+            norm_epsilon=eps,
+            swiglu=False,
+            squared_relu=True,
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            vocab_size=hf["vocab_size"],
+            init_method_std=hf.get("initializer_range", 0.02),
+            attention_dropout=hf.get("attention_dropout", 0.0),
+            hidden_dropout=0.0,
+            mamba_state_dim=hf.get("ssm_state_size", 128),
+            mamba_head_dim=hf.get("mamba_head_dim", 64),
+            mamba_num_groups=hf.get("n_groups", 8),
+            mamba_num_heads=hf.get("mamba_num_heads", 128),
+        )
+        if MOE in pattern:
+            routing = {**hf, "num_hidden_layers": len(pattern), "n_shared_experts": 1}
+            fields = deepseek_moe(routing)
+            fields.update(
+                moe_layer_freq="1",  # (the pattern's E layers)
+                moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"],
+            )
+            for name, value in fields.items():
+                setattr(config, name, value)
+        return config
+
+    def check_exportable(self, config: ModelConfig) -> None:
+        super().check_exportable(config)
+        shared = config.moe_shared_expert_intermediate_size
+        problems = [
+            (not config.hybrid, "a model without --hybrid-layer-pattern"),
+            (
+                not config.untie_embeddings_and_output_weights,
+                "tied embeddings (transformers' NemotronH never ties its output layer)",
+            ),
+            (config.normalization != "RMSNorm", f"--normalization {config.normalization}"),
+            (not config.squared_relu or config.gated_linear_unit, "an MLP other than ReLU²"),
+            (config.add_bias_linear or config.add_qkv_bias, "biases"),
+            (config.position_embedding_type != "none", "position embeddings"),
+            (config.norm_epsilon != GATED_NORM_EPS, f"--norm-epsilon {config.norm_epsilon}"),
+            (config.is_moe and not shared, "experts without a shared expert"),
+            (
+                config.is_moe and config.moe_router_score_function != "sigmoid",
+                "softmax routing scores",
+            ),
+        ]
+        self.refuse_problems(problems)
+
+    def hf_config(self, config: ModelConfig) -> dict:
+        pattern = config.hybrid_layers()
+        hf = {
+            **self.common_hf_config(config),
+            "layers_block_type": [NAMES[symbol] for symbol in pattern],
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.ffn_hidden_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_query_groups,
+            "head_dim": config.kv_channels,
+            "max_position_embeddings": config.max_position_embeddings,
+            "layer_norm_epsilon": config.norm_epsilon,
+            "tie_word_embeddings": False,
+            "attention_dropout": config.attention_dropout,
+            "mlp_hidden_act": "relu2",
+            "ssm_state_size": config.mamba_state_dim,
+            "mamba_head_dim": config.mamba_head_dim,
+            "mamba_num_heads": config.mamba_heads(),
+            "n_groups": config.mamba_num_groups,
+            "conv_kernel": MAMBA_CONV_KERNEL,
+            "use_conv_bias": True,
+            "use_bias": False,
+            "residual_in_fp32": False,
+        }
+        if config.is_moe:
+            groups = config.moe_router_num_groups
+            hf.update(
+                n_routed_experts=config.num_experts,
+                num_experts_per_tok=config.moe_router_topk,
+                moe_intermediate_size=config.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                n_shared_experts=1,
+                n_group=groups or 1,
+                topk_group=config.moe_router_group_topk if groups else 1,
+                norm_topk_prob=config.moe_router_topk > 1,
+                routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
+            )
+        return hf
+
+    @staticmethod
+    def _prefix(take: Take) -> str:
+        return "model." if "model.embeddings.weight" in take else "backbone."
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        b = self._prefix(take)
+        out = {
+            "embedding.word_embeddings.weight": take(b + "embeddings.weight"),
+            "decoder.final_layernorm.weight": take(b + "norm_f.weight"),
+        }
+        out["output_layer.weight"] = take("lm_head.weight")
+        for i, symbol in enumerate(config.hybrid_layers()):
+            ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
+            norm = take(p + "norm.weight")
+            p += "mixer."
+            if symbol == MAMBA:
+                out[ours + "norm.weight"] = norm
+                out.update({ours + "mixer." + name: take(p + name) for name in MAMBA_PARTS})
+            elif symbol == ATTENTION:
+                out[ours + "input_layernorm.weight"] = norm
+                q, k, v = (take(p + f"{x}_proj.weight") for x in "qkv")
+                out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(q, k, v, config)
+                out[ours + "self_attention.linear_proj.weight"] = take(p + "o_proj.weight")
+            else:
+                out[ours + "pre_mlp_layernorm.weight"] = norm
+                mlp = p + "shared_experts." if symbol == MOE else p
+                ours += "mlp."
+                if symbol == MOE:
+                    out.update(self._take_experts(take, config, ours, p))
+                    ours += "shared_experts."
+                out[ours + "linear_fc1.weight"] = take(mlp + "up_proj.weight")
+                out[ours + "linear_fc2.weight"] = take(mlp + "down_proj.weight")
+        return out
+
+    @staticmethod
+    def _take_experts(take: Take, config: ModelConfig, ours: str, p: str) -> dict:
+        out = {
+            ours + "router.weight": take(p + "gate.weight"),
+            ours + "router.expert_bias": take(p + "gate.e_score_correction_bias").float(),
+        }
+        stacked = p + "experts.up_proj" in take  # (transformers' in-memory layout)
+        if stacked:
+            up, down = take(p + "experts.up_proj"), take(p + "experts.down_proj")
+        for e in range(config.num_experts):
+            expert = f"{ours}experts.local_experts.{e}."
+            if stacked:
+                fc1, fc2 = up[e], down[e]
+            else:
+                fc1, fc2 = (take(f"{p}experts.{e}.{x}_proj.weight") for x in ("up", "down"))
+            out[expert + "linear_fc1.weight"], out[expert + "linear_fc2.weight"] = fc1, fc2
+        return out
+
+    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+        b = "backbone."  # (the Hub's files, as transformers saves them)
+        out = {
+            b + "embeddings.weight": state["embedding.word_embeddings.weight"],
+            b + "norm_f.weight": state["decoder.final_layernorm.weight"],
+        }
+        out["lm_head.weight"] = state["output_layer.weight"]
+        for i, symbol in enumerate(config.hybrid_layers()):
+            ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
+            if symbol == MAMBA:
+                out[p + "norm.weight"] = state[ours + "norm.weight"]
+                p += "mixer."
+                out.update({p + name: state[ours + "mixer." + name] for name in MAMBA_PARTS})
+            elif symbol == ATTENTION:
+                out[p + "norm.weight"] = state[ours + "input_layernorm.weight"]
+                qkv = state[ours + "self_attention.linear_qkv.weight"]
+                for x, tensor in zip("qkv", split_qkv(qkv, config)):
+                    out[p + f"mixer.{x}_proj.weight"] = tensor
+                out[p + "mixer.o_proj.weight"] = state[ours + "self_attention.linear_proj.weight"]
+            else:
+                out[p + "norm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
+                p, ours = p + "mixer.", ours + "mlp."
+                mlp = ours
+                if symbol == MOE:
+                    out.update(self._give_experts(state, config, ours, p))
+                    mlp, p = ours + "shared_experts.", p + "shared_experts."
+                out[p + "up_proj.weight"] = state[mlp + "linear_fc1.weight"]
+                out[p + "down_proj.weight"] = state[mlp + "linear_fc2.weight"]
+        return out
+
+    @staticmethod
+    def _give_experts(state: dict, config: ModelConfig, ours: str, p: str) -> dict:
+        bias = state.get(ours + "router.expert_bias")
+        out = {
+            p + "gate.weight": state[ours + "router.weight"],
+            p + "gate.e_score_correction_bias": (
+                torch.zeros(config.num_experts) if bias is None else bias.float()
+            ),
+        }
+        for e in range(config.num_experts):
+            expert = f"{ours}experts.local_experts.{e}."
+            out[f"{p}experts.{e}.up_proj.weight"] = state[expert + "linear_fc1.weight"]
+            out[f"{p}experts.{e}.down_proj.weight"] = state[expert + "linear_fc2.weight"]
+        return out
+
+
+NEMOTRON_H = NemotronHAdapter()
