@@ -35,6 +35,10 @@ GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attentio
 GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
 GDN += ["--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
+# A hybrid stack: Mamba, attention, MLP and MoE layers (the Mamba scan's fp32 chunks dominate)
+MAMBA = ["--hybrid-layer-pattern", "M*-EM", "--mamba-num-heads", "8", "--mamba-head-dim", "16"]
+MAMBA += ["--mamba-num-groups", "4", "--mamba-state-dim", "16", "--num-experts", "4"]
+MAMBA += ["--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]
 # DeepSeek sparse attention on that MLA: 8 of 32 keys, an indexer of 4 heads of 16 that learns
 DSA = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4"]
 DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "8"]
@@ -162,6 +166,10 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + ["layernorm", "core_attn"],
         LLAMA_STYLE + WIDE + GDN,
         LLAMA_STYLE + WIDE + GDN + ["--bf16"],
+        LLAMA_STYLE + WIDE + MAMBA,
+        LLAMA_STYLE + LONG + MAMBA + ["--bf16"],
+        # in_proj and out_proj in FP8, their weights cast once a step
+        LLAMA_STYLE + LONG + MAMBA + ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
         LLAMA_STYLE + LONG + SINKS,
         LLAMA_STYLE + LONG + SINKS + ["--bf16", "--window-size", "31,0", "--kv-channels", "16"],
         MLA + WIDE + DSA + LEARNS,
@@ -191,6 +199,9 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-moe-recompute-moe-layernorm",
         "gated-delta-net",
         "gated-delta-net-bf16",
+        "hybrid",
+        "hybrid-bf16-long",
+        "hybrid-fp8-rowwise-long",
         "sinks",
         "sinks-bf16-window-wide-heads",
         "dsa",
@@ -492,6 +503,13 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
                 "2",
             ],
         ),
+        # the Mamba layers' exchange over CP beside the attention's ring, and their TP split
+        (
+            4,
+            MAMBA
+            + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--context-parallel-size", "2"],
+        ),
     ],
     ids=[
         "tp2-sp",
@@ -512,6 +530,7 @@ def test_fp32_fp8_param_gather_keeps_masters_for_every_parameter():
         "sinks-cp2-a2a-bf16",
         "sinks-cp2-p2p",
         "gated-delta-net-tp2-sp-cp2",
+        "hybrid-tp2-sp-cp2",
     ],
 )
 def test_parallel_layouts(world_size, flags):

@@ -102,11 +102,6 @@ class Config:
         if self.data.dataloader_inter_document_masking:
             per_document = "--dataloader-inter-document-masking"
         mamba = self.model.hybrid and "M" in self.model.hybrid_layers()
-        _require(
-            not (self.model.hybrid and parallel.distributed_strategy == "auto"),
-            "--distributed-strategy auto chooses by the memory estimate, which does not "
-            "cover a hybrid stack's layers yet; choose megatron, ddp or fsdp",
-        )
         recurrent = "gated delta net" if self.model.gated_delta_net else "Mamba" if mamba else ""
         _require(
             not (recurrent and per_document),

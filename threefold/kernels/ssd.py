@@ -104,4 +104,5 @@ def chunk_ssd(
     y = y + torch.einsum("bzihn,bzhnp,bzih->bzihp", C, entering, a.exp())
     if D is not None:
         y = y + D.to(work)[:, None] * x
-    return y.flatten(1, 2)[:, :s].to(dtype)
+    # (contiguous: the padded rows go, and a consumer keeps [b, s, heads, p], not the padding)
+    return y.flatten(1, 2)[:, :s].to(dtype).contiguous()

@@ -72,8 +72,8 @@ from collections.abc import Iterable
 
 from threefold.config import Config, ModelConfig
 from threefold.config.activation_offload import offload_plan
-from threefold.config.errors import require as _require
 from threefold.config.fp8 import experts_in_fp8
+from threefold.config.hybrid import ATTENTION, MAMBA, MLP, MOE
 from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
@@ -82,6 +82,7 @@ from threefold.training.attention_activations import (
     shared_mask_bytes,
     sparse_attention_bytes,
 )
+from threefold.training.mamba_activations import mamba_layer_bytes
 
 
 def fp8_layer(config: Config, layer: int) -> bool:
@@ -101,10 +102,12 @@ def layer_activation_bytes(
     fp8: bool = False,
     moe: bool | None = None,
     linear: bool = False,
+    symbol: str | None = None,
 ) -> int:
     """What one transformer layer keeps for backward per micro-batch (see the module doc).
     `fp8`: the layer's linears run in FP8; `moe`: whether its MLP is an MoE layer (default:
-    the average over the model's layers); `linear`: its attention is a gated delta net."""
+    the average over the model's layers); `linear`: its attention is a gated delta net;
+    `symbol`: a hybrid stack's layer (config/hybrid.py), which holds one part."""
     if recompute_kept:  # full recomputation: the layer group's input only
         model, parallel = config.model, config.parallel
         sigma = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
@@ -116,11 +119,15 @@ def layer_activation_bytes(
             * (model.hidden_size)
             // sigma
         )
-    return round(sum(layer_activation_parts(config, fp8, moe, linear).values()))
+    return round(sum(layer_activation_parts(config, fp8, moe, linear, symbol).values()))
 
 
 def layer_activation_parts(
-    config: Config, fp8: bool = False, moe: bool | None = None, linear: bool = False
+    config: Config,
+    fp8: bool = False,
+    moe: bool | None = None,
+    linear: bool = False,
+    symbol: str | None = None,
 ) -> dict[str, float]:
     """`layer_activation_bytes` by the module whose forward saves each tensor: the modules
     --offload-modules names (config/activation_offload.py), and "rest"."""
@@ -131,10 +138,14 @@ def layer_activation_parts(
     sigma = t if parallel.sequence_parallel else 1
     e = 2 if (config.training.bf16 or config.training.fp16) else 4
     fp8 = fp8 and config.fp8.fp8_wgrad  # (module doc: --no-fp8-wgrad)
+    if symbol == MAMBA:  # (its norm is never recomputed nor offloaded: all of it "rest")
+        return {"rest": mamba_layer_bytes(config, s, b, e, sigma, fp8)}
     if moe is None and model.is_moe:  # averaged over the layers: exact if all are MoE
         pattern = model.moe_layer_pattern(model.num_layers)
         share = sum(pattern) / len(pattern)
-        dense, sparse = (layer_activation_parts(config, fp8, kind, linear) for kind in (0, 1))
+        dense, sparse = (
+            layer_activation_parts(config, fp8, kind, linear, symbol) for kind in (0, 1)
+        )
         return {
             name: (1 - share) * dense.get(name, 0) + share * sparse.get(name, 0)
             for name in dense.keys() | sparse.keys()
@@ -170,9 +181,10 @@ def layer_activation_parts(
         mlp_norm -= e * s * b * h // sigma
     if not model.sublayer_input_norms:  # (OLMo 2's: the sublayers read the residual stream)
         norm_block = mlp_norm = 0
-    parts = {"attn_norm": norm_block, "mlp_norm": mlp_norm}
+    parts = {"attn_norm": norm_block}
     parts["qkv_linear"] = round(qkv_input * s * b * h)
-    rest = round(fc1_input * s * b * h)
+    rest = 0  # the attention's; the MLP's in `mlp`
+    mlp = {"mlp_norm": mlp_norm, "rest": round(fc1_input * s * b * h)}
     if model.post_sublayer_norm:  # (never recomputed, never offloaded: kept whole)
         rest += 2 * (4 * s * b * h // sigma * (2 if rms else 1) + 4 * stats * s * b // sigma)
     if linear:  # (its input projection keeps the norm's output as a linear's input)
@@ -191,15 +203,19 @@ def layer_activation_parts(
     rest += scales * (h + h // t)
     if not mlp_recomputed:
         if moe:
-            parts.update(_moe_activation_parts(config, s, b, e, fp8))
-            rest += parts.pop("rest")
+            experts = _moe_activation_parts(config, s, b, e, fp8)
+            mlp = {**mlp, **experts, "rest": mlp["rest"] + experts["rest"]}
         else:  # fc1's output, SiLU's, and their product (fc2's input: 1 byte in FP8); GELU: 2
-            rest += _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
-            rest += scales * (h + f // t) if mlp_in_fp8 else 0
-    # The masks of the two residual dropouts, in the activations' dtype as PyTorch's CPU
-    # dropout keeps them (CUDA keeps 1-byte masks: the estimate is then a little high).
-    rest += 2 * e * s * b * h // sigma if model.hidden_dropout > 0 else 0
-    return {**parts, "rest": rest}
+            mlp["rest"] += _intermediate_bytes(model, e, mlp_in_fp8) * s * b * f // t
+            mlp["rest"] += scales * (h + f // t) if mlp_in_fp8 else 0
+    # The mask of each residual dropout, in the activations' dtype as PyTorch's CPU dropout
+    # keeps it (CUDA keeps 1-byte masks: the estimate is then a little high).
+    dropout = e * s * b * h // sigma if model.hidden_dropout > 0 else 0
+    if symbol in (MLP, MOE):  # (a hybrid stack's layers hold one part each)
+        return {**mlp, "rest": mlp["rest"] + dropout}
+    if symbol == ATTENTION:
+        return {**parts, "rest": rest + dropout}
+    return {**parts, **mlp, "rest": rest + mlp["rest"] + 2 * dropout}
 
 
 def _attention_parts(config: Config, s: int, b: int, e: int, fp8: bool) -> dict[str, int]:
@@ -397,11 +413,6 @@ def micro_batches_in_flight(config: Config, stage: int) -> int:
 def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     """One micro-batch's activations on pipeline stage `stage` (all its model chunks)."""
     model, parallel = config.model, config.parallel
-    _require(
-        not model.hybrid,
-        "the activation estimate does not cover a hybrid stack's layers (--hybrid-layer-"
-        "pattern) yet: measure one step instead (training/memory.py)",
-    )
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     s, b, h = _local_sequence(config), config.training.micro_batch_size, model.hidden_size
     sigma = tp if parallel.sequence_parallel else 1
@@ -423,7 +434,7 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         kept = range(offset + recomputed, offset + layers)
         for layer in kept:
             total += layer_activation_bytes(
-                config, fp8=fp8_layer(config, layer), linear=bool(linear[layer])
+                config, fp8=fp8_layer(config, layer), **_layer_kind(model, layer, linear)
             )
         total -= offloaded_activation_bytes(config, kept, stage)
     if model.multi_latent_attention:
@@ -438,6 +449,15 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         total += _output_activation_bytes(config, s, b, sigma, e)
         total += _mtp_activation_bytes(config, s, b, sigma, e)
     return total
+
+
+def _layer_kind(model: ModelConfig, layer: int, linear: list[int]) -> dict:
+    """`layer_activation_bytes`'s keywords for the (0-based) layer: its attention's kind, and
+    in a hybrid stack its symbol and whether it holds experts."""
+    if not model.hybrid:
+        return {"linear": bool(linear[layer])}
+    symbol = model.hybrid_layers()[layer]
+    return {"symbol": symbol, "moe": symbol == MOE}
 
 
 # The offloadable modules in the order a layer's forward runs them (config/activation_offload.py).
@@ -458,7 +478,9 @@ def offloaded_activation_bytes(config: Config, layers: Iterable[int], stage: int
     if model.offloads_layers():  # the first N layers whole (no pipeline stages: refused)
         first = [layer for layer in layers if layer < model.cpu_offloading_num_layers]
         return sum(
-            layer_activation_bytes(config, False, fp8_layer(config, i), None, bool(linear[i]))
+            layer_activation_bytes(
+                config, fp8=fp8_layer(config, i), **_layer_kind(model, i, linear)
+            )
             for i in first
         )
     if not model.fine_grained_activation_offloading:
@@ -469,7 +491,10 @@ def offloaded_activation_bytes(config: Config, layers: Iterable[int], stage: int
     groups = []  # (the bytes a group saves, those offloading it frees)
     for layer in layers:
         fp8, moe = fp8_layer(config, layer), bool(pattern[layer])
-        parts = layer_activation_parts(config, fp8, moe, bool(linear[layer]))
+        kind = _layer_kind(model, layer, linear)
+        parts = layer_activation_parts(
+            config, fp8, moe, kind.get("linear", False), kind.get("symbol")
+        )
         output = parts.get("attn_output", 0)  # freed with the projection's (module doc)
         for name in FORWARD_ORDER:
             if model.offloads(name):
@@ -534,4 +559,9 @@ def recompute_workspace_bytes(config: Config) -> int:
     if model.recompute_granularity != "full":
         return 0
     group = model.recompute_num_layers if model.recompute_method == "uniform" else 1
+    if model.hybrid:  # (its layers' kinds differ: the largest)
+        linear = model.linear_attention_pattern(model.num_layers)
+        kinds = [_layer_kind(model, layer, linear) for layer in range(model.num_layers)]
+        largest = max(layer_activation_bytes(config, fp8=config.fp8.enabled, **k) for k in kinds)
+        return group * largest
     return group * layer_activation_bytes(config, fp8=config.fp8.enabled)
