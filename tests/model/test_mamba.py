@@ -20,6 +20,7 @@ from tests.parallel.test_expert_parallel import MOE
 from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
 from threefold.arguments import parse_args
 from threefold.kernels.ssd import chunk_ssd, recurrent_ssd
+from threefold.model.sequence_mixing import causal_conv1d
 
 MAMBA = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "4"]
 # Mamba, attention, MLP and mixture-of-experts layers in four pipeline segments (one chunk
@@ -61,6 +62,42 @@ def test_the_recurrence_is_mamba2s_state_space_model():
     state = dt[0, 0, h] * torch.outer(B[0, 0, g], x[0, 0, h])
     state = (dt[0, 1, h] * A[h]).exp() * state + dt[0, 1, h] * torch.outer(B[0, 1, g], x[0, 1, h])
     torch.testing.assert_close(y[0, 1, h], state.T @ C[0, 1, g] + D[h] * x[0, 1, h])
+
+
+# packed documents: boundaries inside chunks and on their edges, one a token long
+DOCUMENT_IDS = torch.tensor([[0] * 5 + [1] * 11 + [2] * 21, [0] * 20 + [1] * 1 + [2] * 16])
+
+
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_packed_documents_are_scanned_and_convolved_each_alone(chunk):
+    """With document ids, the chunked scan (and its gradients) and the convolution equal each
+    document's own, run apart."""
+    inputs = _scan_inputs(37)
+    packed = chunk_ssd(*inputs, DOCUMENT_IDS, chunk_size=chunk)
+    grad = torch.randn_like(packed)
+    got = torch.autograd.grad(packed, inputs, grad)
+    apart, want = torch.zeros_like(packed), [torch.zeros_like(t) for t in inputs]
+    x = torch.randn(37, 2, 6, dtype=torch.float64, requires_grad=True)
+    weight, bias = torch.randn(6, 1, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    convolved = causal_conv1d(x, weight, bias, DOCUMENT_IDS)
+    for row, ids in enumerate(DOCUMENT_IDS):
+        for document in ids.unique():
+            span = slice(*(ids == document).nonzero()[[0, -1], 0].add(torch.tensor([0, 1])))
+            pieces = [t[row : row + 1, span] if t.dim() > 1 else t for t in inputs]
+            alone = recurrent_ssd(*pieces)
+            apart[row : row + 1, span] = alone.detach()
+            for total, piece in zip(
+                want, torch.autograd.grad(alone, pieces, grad[row : row + 1, span])
+            ):
+                if total.dim() > 1:
+                    total[row : row + 1, span] += piece
+                else:
+                    total += piece
+            own = causal_conv1d(x[span, row : row + 1], weight, bias)
+            torch.testing.assert_close(convolved[row, span], own[0])
+    torch.testing.assert_close(packed, apart, rtol=1e-10, atol=1e-10)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
 
 
 def _megatron_mamba_mixer(mixer, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +228,6 @@ SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
             SMALL + ["--mamba-num-groups", "2", "--context-parallel-size", "4"],
             "the 2 Mamba groups are not divisible by TP x --context-parallel-size 4",
         ),
-        (SMALL + ["--reset-attention-mask"], "--reset-attention-mask with Mamba layers"),
         (
             ["--hybrid-layer-pattern", "M*|M-", *MAMBA, "--pipeline-model-parallel-size", "2"]
             + ["--virtual-pipeline-model-parallel-size", "2"],
@@ -204,6 +240,37 @@ def test_refusals_are_one_line(capsys, argv, named):
         parse_args(LLAMA_STYLE + TRAINING + argv, world_size=4)
     error = capsys.readouterr().err
     assert named in error and error.count("\n") == 1, error
+
+
+# documents inside samples (end-of-document id 15 of a 16-token vocabulary)
+DOCUMENTS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--eod-mask-loss"]
+DOCUMENTS += ["--reset-attention-mask", "--position-embedding-type", "none"]
+
+
+@pytest.mark.parametrize(
+    "world,layout", [(1, []), (4, LAYOUTS["cp2-tp2-sp"][1])], ids=["one-process", "cp2-tp2-sp"]
+)
+def test_packed_documents_are_read_each_alone(world, layout):
+    """--reset-attention-mask: a hybrid model's logits of a sequence of packed documents are
+    each document's alone (its Mamba layers convolve and scan each alone, its attention layers
+    attend within it); at CP2 x TP2+SP it trains as one process does, and not as without the
+    mask."""
+    argv = HYBRID + DOCUMENTS
+    if world == 1:
+        from threefold.parallel.context_parallel.sequence import document_mask
+
+        model = _setup(argv).model.eval()
+        tokens = torch.randint(0, 15, (1, 16), generator=torch.Generator().manual_seed(0))
+        ids = torch.tensor([[0] * 6 + [1] * 10])
+        with torch.no_grad():
+            packed = model(tokens, attention_mask=document_mask(ids))
+            first, second = model(tokens[:, :6]), model(tokens[:, 6:])
+        torch.testing.assert_close(packed, torch.cat([first, second]), rtol=1e-5, atol=1e-5)
+        return
+    reference = train_job(argv, 4)
+    assert_matches_reference(run_distributed(world, train_job, argv + layout, 4), reference, 1e-5)
+    unmasked = train_job([a for a in argv if a != "--reset-attention-mask"], 4)
+    assert unmasked["losses"] != reference["losses"]
 
 
 def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):

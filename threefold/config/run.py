@@ -101,12 +101,10 @@ class Config:
         per_document = "--sft" if self.data.sft else per_document
         if self.data.dataloader_inter_document_masking:
             per_document = "--dataloader-inter-document-masking"
-        mamba = self.model.hybrid and "M" in self.model.hybrid_layers()
-        recurrent = "gated delta net" if self.model.gated_delta_net else "Mamba" if mamba else ""
         _require(
-            not (recurrent and per_document),
-            f"{per_document} with {recurrent} layers, whose recurrence would carry its "
-            "state across documents (threefold masks attention only); drop it",
+            not (self.model.gated_delta_net and per_document),
+            f"{per_document} with gated delta net layers, whose rule would carry its "
+            "state across documents (megatron-core ignores the mask there too); drop it",
         )
         warnings += self._check_sparse_attention()
         warnings += self.checkpoint.finalize()

@@ -43,9 +43,11 @@ def recurrent_ssd(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scan a token at a time. x [b, s, heads, p]; dt [b, s, heads] (after softplus);
-    A [heads] (negative); B, C [b, s, groups, n]; D [heads], the skip y_t += D x_t -> y [b,
+    A [heads] (negative); B, C [b, s, groups, n]; D [heads], the skip y_t += D x_t;
+    `documents` [b, s], packed documents' ids: the state starts afresh at each one -> y [b,
     s, heads, p]."""
     dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)
     heads = x.shape[2]
@@ -55,6 +57,8 @@ def recurrent_ssd(
     state = x.new_zeros(b, heads, B.shape[-1], p)
     outputs = []
     for t in range(s):
+        if documents is not None and t > 0:  # (a new document: nothing before it carries on)
+            state = state * (documents[:, t] == documents[:, t - 1])[:, None, None, None]
         decay = (dt[:, t] * A).exp()[:, :, None, None]
         update = (dt[:, t, :, None] * B[:, t])[..., None] * x[:, t, :, None, :]
         state = decay * state + update
@@ -70,9 +74,13 @@ def chunk_ssd(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
     chunk_size: int = SSD_CHUNK_SIZE,
 ) -> torch.Tensor:
-    """`recurrent_ssd`, computed chunk by chunk (same arguments and result)."""
+    """`recurrent_ssd`, computed chunk by chunk (same arguments and result). With packed
+    `documents`, a token reads only its own document's tokens within a chunk, a chunk's state
+    holds only its last document's, and it carries on into the next chunk's tokens of that
+    document only."""
     dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)
     b, s, heads, p = x.shape
     pad = -s % chunk_size  # (padded tokens: dt 0, so no decay and no input; outputs dropped)
@@ -88,20 +96,35 @@ def chunk_ssd(
     a = (dt * A.to(work)).cumsum(dim=2)  # [b, z, c, h]: log decay from the chunk's start
     # exp(a_i - a_j) for j <= i, 0 above the diagonal (masked before exp: a_i - a_j > 0 there)
     difference = a[:, :, :, None, :] - a[:, :, None, :, :]  # [b, z, i, j, h]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    decay = difference.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    allowed = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    carries = None
+    if documents is not None:  # (the padding's rows: the last document's)
+        documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
+        ids = split(documents)  # [b, z, c]
+        allowed = allowed & (ids[:, :, :, None] == ids[:, :, None, :])  # [b, z, i, j]
+        # the document open when a chunk starts (the previous chunk's last), and whether each
+        # token, and the chunk's end, is still in it
+        open_ = torch.cat([ids[:, :1, 0], ids[:, :-1, -1]], dim=1)  # [b, z]
+        carries = ids == open_[:, :, None]  # [b, z, c]
+    decay = difference.masked_fill(~allowed[..., None], float("-inf")).exp()
     scores = torch.einsum("bzihn,bzjhn->bzijh", C, B) * decay
     y = torch.einsum("bzijh,bzjhp->bzihp", scores, dt[..., None] * x)
-    # Each chunk's own contribution to the state leaving it, then the states passed along.
+    # Each chunk's own contribution to the state leaving it (its last document's tokens),
+    # then the states passed along.
     to_end = (a[:, :, -1:] - a).exp() * dt  # [b, z, c, h]
+    entry = a.exp()  # [b, z, c, h]: the entering state's decay to each token
+    kept = a[:, :, -1].exp()  # [b, z, h]: the entering state's decay through the chunk
+    if carries is not None:
+        to_end = to_end * (ids == ids[:, :, -1:])[..., None]
+        entry, kept = entry * carries[..., None], kept * carries[:, :, -1:]
     contributions = torch.einsum("bzjhn,bzjh,bzjhp->bzhnp", B, to_end, x)
     state = x.new_zeros(b, heads, B.shape[-1], p)
     entering = []
     for z in range(chunks):
         entering.append(state)
-        state = a[:, z, -1].exp()[:, :, None, None] * state + contributions[:, z]
+        state = kept[:, z, :, None, None] * state + contributions[:, z]
     entering = torch.stack(entering, dim=1)  # [b, z, h, n, p]
-    y = y + torch.einsum("bzihn,bzhnp,bzih->bzihp", C, entering, a.exp())
+    y = y + torch.einsum("bzihn,bzhnp,bzih->bzihp", C, entering, entry)
     if D is not None:
         y = y + D.to(work)[:, None] * x
     # (contiguous: the padded rows go, and a consumer keeps [b, s, heads, p], not the padding)

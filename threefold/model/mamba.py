@@ -10,10 +10,10 @@ Nemotron-H's), built from --hybrid-layer-pattern (config/hybrid.py):
 over the TP ranks by heads or groups (`partition_sizes`), so every rank projects, convolves and
 scans for its own heads, and `out_proj` is row-parallel, as attention's are. The gated norm
 is an RMSNorm over each group's share of the heads (megatron-core's `RMSNormGated`, its
-eps 1e-5, the gate applied before the norm). Like megatron-core the mixer ignores the
-attention mask (the scan is causal by construction) and has no linear biases; the convolution
-has one. Under context parallelism each rank scans a share of the heads over the whole
-sequence (model/sequence_mixing.py).
+eps 1e-5, the gate applied before the norm). It has no linear biases; the convolution has
+one. Packed documents (the attention's mask) are convolved and scanned each alone, as
+megatron-core's packed sequences are. Under context parallelism each rank scans a share of
+the heads over the whole sequence (model/sequence_mixing.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from threefold.config.hybrid import MAMBA_CONV_KERNEL
 from threefold.kernels.ssd import chunk_ssd
 from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import checkpoint
-from threefold.model.sequence_mixing import causal_conv1d, cp_share, gather_heads
+from threefold.model.sequence_mixing import causal_conv1d, cp_share, document_ids, gather_heads
 from threefold.model.transformer import dropout_add
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
@@ -138,13 +138,14 @@ class MambaMixer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        del rotary, attention_mask  # no positions: the convolution and the scan are causal
+        del rotary  # no positions: the convolution and the scan are causal
+        documents = document_ids(attention_mask)  # (packed: each convolved and scanned alone)
         projected = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
         projected = gather_heads(projected, self.tp_sections, self.cp)  # (CP: all tokens)
         z, x, B, C, dt = projected.split(self.local_sections, dim=-1)
         conv = self.tp_sections[1:4]
         weight, bias = (cp_share(t, conv, self.cp) for t in (self.conv1d.weight, self.conv1d.bias))
-        x, B, C = causal_conv1d(torch.cat((x, B, C), dim=-1), weight, bias).split(
+        x, B, C = causal_conv1d(torch.cat((x, B, C), dim=-1), weight, bias, documents).split(
             self.local_sections[1:4], dim=-1
         )
         per_head = (self.dt_bias, self.A_log, self.D)
@@ -157,6 +158,7 @@ class MambaMixer(nn.Module):
             B.unflatten(-1, (self.groups, self.state_dim)),
             C.unflatten(-1, (self.groups, self.state_dim)),
             skip.float(),
+            documents,
         )
         # The scan's per-chunk blocks (three fp32 C x C a head) and padded copies are
         # recomputed in backward from its inputs, as mamba_ssm's kernels recompute theirs:
@@ -195,7 +197,7 @@ class MambaLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         with offload_group("layer", self.offload_layer):
-            mixed = self.mixer(self.norm(hidden_states))
+            mixed = self.mixer(self.norm(hidden_states), rotary, attention_mask)
             return dropout_add(
                 mixed, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
             )

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from threefold.parallel.context_parallel.attention import gather_sequence
+from threefold.parallel.context_parallel.masks import derived
+from threefold.parallel.context_parallel.sequence import Documents
 from threefold.parallel.parallel_context import Group
 
 
@@ -39,13 +41,45 @@ def gather_heads(projected: torch.Tensor, sections: list[int], cp: Group) -> tor
     return gather_sequence(parts, cp)
 
 
+def document_ids(attention_mask) -> torch.Tensor | None:
+    """The [b, s] ids of the packed documents the attention's mask stands for, in position
+    order over the whole sequence (None: each sequence one document): from a [b, 1, s, s]
+    mask, a new document wherever a token may not attend to the one before it; from CP's
+    `Documents`, their ids (made once a mask, masks.py)."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, Documents):
+        return derived(attention_mask.ranks, "document ids", attention_mask.whole)
+
+    def build() -> torch.Tensor:
+        follows = attention_mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b, s - 1]
+        starts = torch.cat([torch.zeros_like(follows[:, :1]), ~follows], dim=1)
+        return starts.long().cumsum(dim=1)
+
+    return derived(attention_mask, "document ids", build)
+
+
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU of the causal depthwise convolution of x [s, b, channels] (weight [channels, 1,
-    kernel]: each token sees itself and the kernel - 1 before it) as [b, s, channels]."""
-    s = x.shape[0]
-    x = F.conv1d(
-        x.permute(1, 2, 0), weight, bias, padding=weight.shape[-1] - 1, groups=weight.shape[0]
-    )
-    return F.silu(x[..., :s]).transpose(1, 2)
+    kernel]: each token sees itself and the kernel - 1 before it) as [b, s, channels]; with
+    `documents` ([b, s] ids of packed documents), each document's alone."""
+    s, kernel = x.shape[0], weight.shape[-1]
+    if documents is None:
+        x = F.conv1d(x.permute(1, 2, 0), weight, bias, padding=kernel - 1, groups=weight.shape[0])
+        return F.silu(x[..., :s]).transpose(1, 2)
+    # kernel - 1 zero columns between the documents (the padding one of its own would get),
+    # one convolution, and each token's output read back from where it was put
+    b = x.shape[1]
+    starts = documents[:, 1:] != documents[:, :-1]
+    index = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).long().cumsum(dim=1)
+    where = torch.arange(s, device=x.device) + (kernel - 1) * index  # [b, s]
+    rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
+    length = s + (kernel - 1) * int(index[:, -1].max())
+    spread = x.new_zeros(b, length, x.shape[-1]).index_put((rows, where), x.transpose(0, 1))
+    out = F.conv1d(spread.transpose(1, 2), weight, bias, padding=kernel - 1, groups=weight.shape[0])
+    return F.silu(out.transpose(1, 2)[rows, where])
