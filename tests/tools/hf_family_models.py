@@ -2,7 +2,7 @@
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
 deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, glm4, gemma, olmoe,
-granite, granite-moe, nemotron-h)."""
+granite, granite-moe, nemotron-h, bamba, granite-hybrid, granite-hybrid-moe)."""
 
 from __future__ import annotations
 
@@ -266,6 +266,41 @@ def family_model(kind: str, common: dict):
                 if name.endswith(("mixer.D", "mixer.dt_bias")):
                     param.uniform_(-1.0, 1.0)
                 elif name.endswith("mixer.A_log"):
+                    param.uniform_(-1.0, 1.0)
+    elif kind in ("bamba", "granite-hybrid", "granite-hybrid-moe"):  # IBM's hybrids: Mamba-2
+        # or attention, then an MLP; Bamba's RoPE on half of each head; Granite 4.0's
+        # multipliers, no positions, and (granite-hybrid-moe) experts beside the shared MLP
+        mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16)
+        sizes = {name: common[name] for name in ("vocab_size", "hidden_size", "num_hidden_layers")}
+        sizes.update(num_attention_heads=common["num_attention_heads"], num_key_value_heads=2)
+        sizes.update(max_position_embeddings=common["max_position_embeddings"], rms_norm_eps=1e-5)
+        if kind == "bamba":
+            config = transformers.BambaConfig(
+                attn_layer_indices=[1, 3], intermediate_size=common["intermediate_size"], **mamba,
+                **sizes,
+            )  # fmt: skip
+            model = transformers.BambaForCausalLM(config)
+        else:
+            experts = (
+                {"num_local_experts": 4, "num_experts_per_tok": 2} if kind.endswith("moe") else {}
+            )
+            config = transformers.GraniteMoeHybridConfig(
+                layer_types=["mamba", "attention", "mamba", "mamba"][: sizes["num_hidden_layers"]],
+                intermediate_size=32,
+                shared_intermediate_size=common["intermediate_size"],
+                embedding_multiplier=2.0,
+                attention_multiplier=0.2,
+                residual_multiplier=0.5,
+                logits_scaling=4.0,
+                **{"num_local_experts": 0, **experts},
+                **mamba,
+                **sizes,
+            )
+            model = transformers.GraniteMoeHybridForCausalLM(config)
+        model = shaken(model)
+        with torch.no_grad():  # (the decays, steps and skips away from their initialization)
+            for name, param in model.named_parameters():
+                if name.endswith(("mamba.D", "mamba.dt_bias", "mamba.A_log")):
                     param.uniform_(-1.0, 1.0)
     else:
         return None

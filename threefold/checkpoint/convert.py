@@ -145,8 +145,11 @@ def hf_to_threefold_checkpoint(load_dir: str, save_dir: str) -> str:
 
 
 def _guess_architecture(model: ModelConfig) -> str:
-    if model.hybrid:  # (Mamba layers among the others: Nemotron-H's stack)
-        return "NemotronHForCausalLM"
+    if model.hybrid:  # (Mamba layers among the others: Nemotron-H's, or IBM's SwiGLU ones)
+        if not model.swiglu:
+            return "NemotronHForCausalLM"
+        granite = model.is_moe or model.residual_multiplier != 1.0
+        return "GraniteMoeHybridForCausalLM" if granite else "BambaForCausalLM"
     if model.output_layer_bias:  # (Phi's and GPT-J's: RoPE on halves or on adjacent pairs)
         return "GPTJForCausalLM" if model.rotary_interleaved else "PhiForCausalLM"
     if model.normalization == "LayerNorm" and model.rotary_position_embeddings:

@@ -189,6 +189,7 @@ class MambaLayer(nn.Module):
         self.norm = spec.norm(config, config.hidden_size, self.sequence_parallel)
         self.mixer = MambaMixer(config, parallel, init_method, output_layer_init_method)
         self.offload_layer = config.offloads_layers()
+        self.residual_multiplier = config.residual_multiplier  # (Granite 4.0's)
 
     def forward(
         self,
@@ -198,6 +199,8 @@ class MambaLayer(nn.Module):
     ) -> torch.Tensor:
         with offload_group("layer", self.offload_layer):
             mixed = self.mixer(self.norm(hidden_states), rotary, attention_mask)
+            if self.residual_multiplier != 1.0:
+                mixed = mixed * self.residual_multiplier
             return dropout_add(
                 mixed, hidden_states, self.hidden_dropout, self.training, self.sequence_parallel
             )

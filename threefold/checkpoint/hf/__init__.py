@@ -46,6 +46,8 @@
                RoPE on half of each head)
     nemotron_h.py  NemotronHForCausalLM (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano: a hybrid
                stack of Mamba-2, attention, ReLU² MLP and expert layers)
+    granite_hybrid.py  BambaForCausalLM (Bamba-9B), GraniteMoeHybridForCausalLM (Granite 4.0's
+               hybrids): Mamba-2 or attention, then an MLP (or experts), in each layer
     gptj.py    GPTJForCausalLM (GPT-J: one LayerNorm read by the attention and the MLP side by
                side, biases on the MLP and the output layer, RoPE on adjacent pairs of a part)
     gpt2.py    GPT2LMHeadModel
@@ -76,6 +78,7 @@ from threefold.checkpoint.hf.gpt_neox import GPT_NEOX
 from threefold.checkpoint.hf.gpt_oss import GPT_OSS
 from threefold.checkpoint.hf.gptj import GPTJ
 from threefold.checkpoint.hf.granite import GRANITE, GRANITE_MOE
+from threefold.checkpoint.hf.granite_hybrid import BAMBA, GRANITE_HYBRID
 from threefold.checkpoint.hf.llama import LLAMA, MISTRAL, MISTRAL3, QWEN2, QWEN3
 from threefold.checkpoint.hf.llama4 import LLAMA4, LLAMA4_CONDITIONAL
 from threefold.checkpoint.hf.llama_kin import ARCEE, ERNIE4_5, HELIUM, SEED_OSS
@@ -107,6 +110,8 @@ ADAPTERS: dict[str, Adapter] = {
         PHI3,
         NEMOTRON,
         NEMOTRON_H,
+        BAMBA,
+        GRANITE_HYBRID,
         OLMO2,
         OLMO3,
         EXAONE4,

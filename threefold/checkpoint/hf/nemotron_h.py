@@ -59,7 +59,7 @@ def _pattern(hf: dict) -> str:
     return "".join(KINDS[kind] for kind in kinds)
 
 
-def _limit_is_open(limit) -> bool:
+def open_step_sizes(limit) -> bool:
     """Whether time_step_limit leaves the step sizes unclamped: (0, inf), the upper end as
     JSON cannot hold it (transformers writes {"__float__": "Infinity"})."""
     if limit is None:
@@ -110,7 +110,7 @@ class NemotronHAdapter(Adapter):
         ):
             refuse(value != wanted, field, value, why)
         limit = hf.get("time_step_limit")
-        refuse(not _limit_is_open(limit), "time_step_limit", limit, "step sizes unclamped")
+        refuse(not open_step_sizes(limit), "time_step_limit", limit, "step sizes unclamped")
         pattern = _pattern(hf)
         heads = hf["num_attention_heads"]
         groups = hf.get("num_key_value_heads") or heads
