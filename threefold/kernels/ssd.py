@@ -83,49 +83,52 @@ def chunk_ssd(
     document only."""
     dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)
     b, s, heads, p = x.shape
+    groups = B.shape[2]
+    per = heads // groups  # (a group's heads read its B and C: no copy of them a head)
     pad = -s % chunk_size  # (padded tokens: dt 0, so no decay and no input; outputs dropped)
-    x, dt = F.pad(x.to(work), (0, 0, 0, 0, 0, pad)), F.pad(dt.to(work), (0, 0, 0, pad))
-    B = F.pad(_heads(B, heads).to(work), (0, 0, 0, 0, 0, pad))
-    C = F.pad(_heads(C, heads).to(work), (0, 0, 0, 0, 0, pad))
     chunks = (s + pad) // chunk_size
 
-    def split(t: torch.Tensor) -> torch.Tensor:  # [b, s, ...] -> [b, chunks, chunk, ...]
-        return t.unflatten(1, (chunks, chunk_size))
+    def split(t: torch.Tensor, rest: int) -> torch.Tensor:
+        """[b, s, ...] padded and cut into [b, chunks, chunk, ...] (`rest` dims after s)."""
+        return F.pad(t.to(work), (0, 0) * rest + (0, pad)).unflatten(1, (chunks, chunk_size))
 
-    x, dt, B, C = split(x), split(dt), split(B), split(C)
-    a = (dt * A.to(work)).cumsum(dim=2)  # [b, z, c, h]: log decay from the chunk's start
+    x = split(x, 2).unflatten(3, (groups, per))  # [b, z, c, g, hg, p]
+    dt = split(dt, 1).unflatten(3, (groups, per))  # [b, z, c, g, hg]
+    B, C = split(B, 2), split(C, 2)  # [b, z, c, g, n]
+    a = (dt * A.to(work).view(groups, per)).cumsum(dim=2)  # log decay from the chunk's start
     # exp(a_i - a_j) for j <= i, 0 above the diagonal (masked before exp: a_i - a_j > 0 there)
-    difference = a[:, :, :, None, :] - a[:, :, None, :, :]  # [b, z, i, j, h]
+    difference = a[:, :, :, None] - a[:, :, None]  # [b, z, i, j, g, hg]
     allowed = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
     carries = None
     if documents is not None:  # (the padding's rows: the last document's)
         documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
-        ids = split(documents)  # [b, z, c]
+        ids = documents.unflatten(1, (chunks, chunk_size))  # [b, z, c]
         allowed = allowed & (ids[:, :, :, None] == ids[:, :, None, :])  # [b, z, i, j]
         # the document open when a chunk starts (the previous chunk's last), and whether each
         # token, and the chunk's end, is still in it
         open_ = torch.cat([ids[:, :1, 0], ids[:, :-1, -1]], dim=1)  # [b, z]
-        carries = ids == open_[:, :, None]  # [b, z, c]
-    decay = difference.masked_fill(~allowed[..., None], float("-inf")).exp()
-    scores = torch.einsum("bzihn,bzjhn->bzijh", C, B) * decay
-    y = torch.einsum("bzijh,bzjhp->bzihp", scores, dt[..., None] * x)
+        carries = (ids == open_[:, :, None])[..., None, None]  # [b, z, c, 1, 1]
+    decay = difference.masked_fill(~allowed[..., None, None], float("-inf")).exp()
+    scores = torch.einsum("bzign,bzjgn->bzijg", C, B)[..., None] * decay
+    y = torch.einsum("bzijgh,bzjghp->bzighp", scores, dt[..., None] * x)
     # Each chunk's own contribution to the state leaving it (its last document's tokens),
     # then the states passed along.
-    to_end = (a[:, :, -1:] - a).exp() * dt  # [b, z, c, h]
-    entry = a.exp()  # [b, z, c, h]: the entering state's decay to each token
-    kept = a[:, :, -1].exp()  # [b, z, h]: the entering state's decay through the chunk
+    to_end = (a[:, :, -1:] - a).exp() * dt  # [b, z, c, g, hg]
+    entry = a.exp()  # the entering state's decay to each token
+    kept = a[:, :, -1].exp()  # [b, z, g, hg]: the entering state's decay through the chunk
     if carries is not None:
-        to_end = to_end * (ids == ids[:, :, -1:])[..., None]
-        entry, kept = entry * carries[..., None], kept * carries[:, :, -1:]
-    contributions = torch.einsum("bzjhn,bzjh,bzjhp->bzhnp", B, to_end, x)
-    state = x.new_zeros(b, heads, B.shape[-1], p)
+        to_end = to_end * (ids == ids[:, :, -1:])[..., None, None]
+        entry, kept = entry * carries, kept * carries[:, :, -1]
+    contributions = torch.einsum("bzjgn,bzjgh,bzjghp->bzghnp", B, to_end, x)
+    state = x.new_zeros(b, groups, per, B.shape[-1], p)
     entering = []
     for z in range(chunks):
         entering.append(state)
-        state = kept[:, z, :, None, None] * state + contributions[:, z]
-    entering = torch.stack(entering, dim=1)  # [b, z, h, n, p]
-    y = y + torch.einsum("bzihn,bzhnp,bzih->bzihp", C, entering, entry)
+        state = kept[:, z, :, :, None, None] * state + contributions[:, z]
+    entering = torch.stack(entering, dim=1)  # [b, z, g, hg, n, p]
+    y = y + torch.einsum("bzign,bzghnp,bzigh->bzighp", C, entering, entry)
     if D is not None:
-        y = y + D.to(work)[:, None] * x
+        y = y + D.to(work).view(groups, per)[:, :, None] * x
+    y = y.flatten(3, 4)  # [b, z, c, heads, p]
     # (contiguous: the padded rows go, and a consumer keeps [b, s, heads, p], not the padding)
     return y.flatten(1, 2)[:, :s].to(dtype).contiguous()
