@@ -66,6 +66,28 @@ def test_the_chunked_rule_is_the_recurrence_with_its_gradients(seq, chunk):
         torch.testing.assert_close(a, e, rtol=0, atol=1e-11)
 
 
+def test_packed_documents_are_solved_each_alone():
+    """With document ids, the chunked rule (and its gradients) equals each document's own
+    recurrence, run apart: boundaries inside chunks and on their edges, one a token long."""
+    from tests.model.test_mamba import DOCUMENT_IDS
+
+    inputs = _rule_inputs(37)
+    expected = torch.zeros(2, 37, 3, 5, dtype=torch.float64)
+    for row, ids in enumerate(DOCUMENT_IDS):
+        for document in ids.unique():
+            span = slice(*(ids == document).nonzero()[[0, -1], 0].add(torch.tensor([0, 1])))
+            pieces = [t[row : row + 1, span] for t in inputs]
+            expected[row : row + 1, span] = recurrent_gated_delta_rule(*pieces)
+    for chunk in (4, 16):
+        actual = chunk_gated_delta_rule(*inputs, DOCUMENT_IDS, chunk_size=chunk)
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(expected)
+    want = torch.autograd.grad(recurrent_gated_delta_rule(*inputs, DOCUMENT_IDS), inputs, grad)
+    got = torch.autograd.grad(chunk_gated_delta_rule(*inputs, DOCUMENT_IDS, 4), inputs, grad)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
 def test_the_recurrence_is_the_delta_rule():
     """Two tokens by hand: the first writes beta v k^T, the second corrects what k_2 reads."""
     q, k, v, g, beta = (t.detach() for t in _rule_inputs(2))
@@ -230,6 +252,32 @@ LAYOUTS = {
 }
 
 
+def test_packed_documents_over_cp2_and_tp2_train_as_one_process():
+    """--reset-attention-mask: the gated delta nets convolve and solve each document alone
+    (their heads' whole sequence gathered over CP), the attention layers attend within it:
+    two packed documents' logits are each one's alone; at CP2 x TP2+SP it trains as one
+    process does, and not as without the mask."""
+    from tests.model.test_mamba import DOCUMENTS
+    from threefold.parallel.context_parallel.sequence import document_mask
+
+    argv = QWEN3_NEXT + DOCUMENTS + ["--linear-num-key-heads", "4"]  # (whole heads a rank)
+    model = _setup(argv).model.eval()
+    tokens = torch.randint(0, 15, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # two packed documents' logits: each document's alone
+        for module in model.modules():  # (slow decays: a state carried over would show)
+            if hasattr(module, "A_log"):
+                module.A_log.fill_(-3.0)
+        packed = model(tokens, attention_mask=document_mask(torch.tensor([[0] * 6 + [1] * 10])))
+        apart = torch.cat([model(tokens[:, :6]), model(tokens[:, 6:])])
+    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)
+    reference = train_job(argv, 4)
+    layout = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+    layout += ["--sequence-parallel"]
+    assert_matches_reference(run_distributed(4, train_job, argv + layout, 4), reference, 1e-5)
+    unmasked = train_job([a for a in argv if a != "--reset-attention-mask"], 4)
+    assert unmasked["losses"] != reference["losses"]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layouts_train_as_one_process(layout):
     world, flags = LAYOUTS[layout]
@@ -256,10 +304,6 @@ def test_layouts_train_as_one_process(layout):
         (
             [*GDN, "--linear-attention-freq", "2", "--context-parallel-size", "4"],
             "--linear-num-key-heads 2 is not divisible by TP x --context-parallel-size 4",
-        ),
-        (
-            [*GDN, "--linear-attention-freq", "2", "--reset-attention-mask"],
-            "--reset-attention-mask with gated delta net layers",
         ),
         (
             [*GDN, "--linear-attention-freq", "2", "--mtp-num-layers", "1"],

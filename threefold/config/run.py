@@ -96,16 +96,6 @@ class Config:
             "--multiple-validation-sets evaluates each --valid-data-path dataset on its own: "
             "give them with --train-data-path and --valid-data-path",
         )
-        # (--sft packs conversations that attend within themselves, as documents)
-        per_document = "--reset-attention-mask" if self.data.reset_attention_mask else None
-        per_document = "--sft" if self.data.sft else per_document
-        if self.data.dataloader_inter_document_masking:
-            per_document = "--dataloader-inter-document-masking"
-        _require(
-            not (self.model.gated_delta_net and per_document),
-            f"{per_document} with gated delta net layers, whose rule would carry its "
-            "state across documents (megatron-core ignores the mask there too); drop it",
-        )
         warnings += self._check_sparse_attention()
         warnings += self.checkpoint.finalize()
         warnings += check_upcycling(self)

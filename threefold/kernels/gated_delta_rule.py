@@ -35,10 +35,16 @@ from threefold.config.linear_attention import RULE_CHUNK_SIZE
 
 
 def recurrent_gated_delta_rule(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rule a token at a time. query, key [b, s, heads, d_k]; value [b, s, heads, d_v];
-    g (log decay, <= 0) and beta (write strength) [b, s, heads] -> output [b, s, heads, d_v]."""
+    g (log decay, <= 0) and beta (write strength) [b, s, heads]; `documents` [b, s], packed
+    documents' ids: the state starts afresh at each one -> output [b, s, heads, d_v]."""
     dtype, work = query.dtype, torch.promote_types(query.dtype, torch.float32)
     query, key, value, g, beta = (t.to(work) for t in (query, key, value, g, beta))
     query = query * query.shape[-1] ** -0.5
@@ -46,6 +52,8 @@ def recurrent_gated_delta_rule(
     state = key.new_zeros(b, heads, d_k, value.shape[-1])
     outputs = []
     for t in range(s):
+        if documents is not None and t > 0:  # (a new document: nothing before it carries on)
+            state = state * (documents[:, t] == documents[:, t - 1])[:, None, None, None]
         state = state * g[:, t, :, None, None].exp()
         read = torch.einsum("bhkv,bhk->bhv", state, key[:, t])
         update = beta[:, t, :, None] * (value[:, t] - read)
@@ -60,9 +68,12 @@ def chunk_gated_delta_rule(
     value: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    documents: torch.Tensor | None = None,
     chunk_size: int = RULE_CHUNK_SIZE,
 ) -> torch.Tensor:
-    """`recurrent_gated_delta_rule`'s output, computed in chunks of `chunk_size` tokens."""
+    """`recurrent_gated_delta_rule`'s output, computed in chunks of `chunk_size` tokens. With
+    packed `documents`, a token's row of the chunk's system and its output read only its own
+    document's tokens, and the state entering a chunk only the document open at its start."""
     dtype, work = query.dtype, torch.promote_types(query.dtype, torch.float32)
     s = query.shape[1]
     pad = -s % chunk_size
@@ -79,17 +90,31 @@ def chunk_gated_delta_rule(
     gamma = g.cumsum(dim=-1)  # [b, heads, chunks, C]
     # exp(gamma_i - gamma_j) for j <= i (at most 1: the decay from token j to token i)
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).tril()
+    carries = None
+    if documents is not None:  # [b, 1, chunks, C] ids (the padding's: the last document's)
+        b = documents.shape[0]
+        documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
+        ids = documents.unflatten(1, (-1, chunk_size))[:, None]
+        lower = lower & (ids[..., :, None] == ids[..., None, :])
+        # the document open when a chunk starts (the previous chunk's last), and whether each
+        # token is still in it
+        open_ = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)
+        carries = (ids == open_[..., None]).to(work)  # [b, 1, chunks, C]
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, 0.0).exp()
     decay = decay.masked_fill(~lower, 0.0)
     strict = (beta[..., :, None] * (key @ key.transpose(-1, -2)) * decay).tril(-1)
     eye = torch.eye(chunk_size, dtype=strict.dtype, device=strict.device)
     # U = W_v - W_k S_0, both sides of the solve at once
-    sides = torch.cat((beta[..., None] * value, (beta * gamma.exp())[..., None] * key), dim=-1)
+    entry = gamma.exp() if carries is None else gamma.exp() * carries  # (S_0's reach)
+    sides = torch.cat((beta[..., None] * value, (beta * entry)[..., None] * key), dim=-1)
     solved = torch.linalg.solve_triangular(eye + strict, sides, upper=False, unitriangular=True)
     w_value, w_key = solved.split([value.shape[-1], key.shape[-1]], dim=-1)
     scores = (query @ key.transpose(-1, -2)) * decay
-    query_decayed = query * gamma.exp()[..., None]
-    key_to_end = key * (gamma[..., -1:] - gamma).exp()[..., None]
+    query_decayed = query * entry[..., None]
+    to_end, kept = (gamma[..., -1:] - gamma).exp(), gamma[..., -1].exp()
+    if carries is not None:  # (the state leaving a chunk: its last document's tokens only)
+        to_end, kept = to_end * (ids == ids[..., -1:]), kept * carries[..., -1]
+    key_to_end = key * to_end[..., None]
 
     b, heads, chunks = query.shape[:3]
     state = query.new_zeros(b, heads, key.shape[-1], value.shape[-1])
@@ -97,7 +122,7 @@ def chunk_gated_delta_rule(
     for c in range(chunks):
         update = w_value[:, :, c] - w_key[:, :, c] @ state
         outputs.append(query_decayed[:, :, c] @ state + scores[:, :, c] @ update)
-        state = state * gamma[:, :, c, -1, None, None].exp()
+        state = state * kept[:, :, c, None, None]
         state = state + key_to_end[:, :, c].transpose(-1, -2) @ update
     output = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :s]
     return output.transpose(1, 2).to(dtype)

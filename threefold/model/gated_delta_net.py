@@ -9,9 +9,9 @@
 `in_proj` holds megatron-core's sections [q; k; v; z; beta; alpha] in its full weight; each
 is split over the TP ranks by heads (`partition_sizes`), so every rank projects, convolves and
 runs the rule for its own heads, as attention does, and `out_proj` is row-parallel. A
-query/key head serves --linear-num-value-heads / --linear-num-key-heads value heads. Like
-megatron-core it ignores the attention mask (the rule is causal by construction) and has no
-biases, whatever --disable-bias-linear says.
+query/key head serves --linear-num-value-heads / --linear-num-key-heads value heads. Packed
+documents (the attention's mask) are convolved and solved each alone, as megatron-core's packed
+sequences are. Like megatron-core it has no biases, whatever --disable-bias-linear says.
 
 Under context parallelism each rank runs the rule for a share of the heads over the whole
 sequence (model/sequence_mixing.py: megatron-core's all-to-all), and the gated norm's output
@@ -30,7 +30,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.gated_delta_rule import chunk_gated_delta_rule
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
-from threefold.model.sequence_mixing import causal_conv1d, cp_share, gather_heads
+from threefold.model.sequence_mixing import causal_conv1d, cp_share, document_ids, gather_heads
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -133,13 +133,14 @@ class GatedDeltaNet(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        del rotary, attention_mask  # no positions: the convolution and the rule are causal
+        del rotary  # no positions: the convolution and the rule are causal
+        documents = document_ids(attention_mask)  # (packed: each convolved and solved alone)
         projected = self.in_proj(hidden_states)  # [s, b, this TP rank's sections]
         projected = gather_heads(projected, self.tp_sections, self.cp)  # (CP: all tokens)
         s, b, _ = projected.shape
         q, k, v, z, beta, alpha = projected.split(self.local_sections, dim=-1)
         weight = cp_share(self.conv1d.weight, self.tp_sections[:3], self.cp)
-        q, k, v = causal_conv1d(torch.cat((q, k, v), dim=-1), weight).split(
+        q, k, v = causal_conv1d(torch.cat((q, k, v), dim=-1), weight, None, documents).split(
             self.local_sections[:3], dim=-1
         )
         q = l2_normalized(q.unflatten(-1, (self.key_heads, self.key_head_dim)))
@@ -151,7 +152,7 @@ class GatedDeltaNet(nn.Module):
         a_log, dt_bias = (cp_share(t, [t.shape[0]], self.cp) for t in (self.A_log, self.dt_bias))
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias.float())
         g, beta = g.transpose(0, 1), beta.float().sigmoid().transpose(0, 1)
-        core = chunk_gated_delta_rule(q, k, v, g, beta).to(hidden_states.dtype)
+        core = chunk_gated_delta_rule(q, k, v, g, beta, documents).to(hidden_states.dtype)
         z = z.transpose(0, 1).unflatten(-1, (self.value_heads, self.value_head_dim))
         norm = OutputDiscardingCheckpoint(self.recompute_norm_out and self.training)
         if norm.enabled:  # kept for the recomputation: a copy, as a view would keep the whole
