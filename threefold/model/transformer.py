@@ -68,9 +68,9 @@ class TransformerLayer(nn.Module):
         self.shares_norm = config.parallel_attention_mlp_shared_norm
         self.pre_mlp_layernorm = None
         if (mlp := spec.mlp_of(layer_number)) is not None:
-            self.mlp = mlp(config, parallel, init_method, output_layer_init_method)
-            if not self.shares_norm:
+            if not self.shares_norm:  # (before the MLP: the parameters' order is unchanged)
                 self.pre_mlp_layernorm = norm(config, config.hidden_size, sequence_parallel)
+            self.mlp = mlp(config, parallel, init_method, output_layer_init_method)
         # --post-sublayer-norm (Gemma 2/3): the attention's and the MLP's outputs normed too
         self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if config.post_sublayer_norm:
