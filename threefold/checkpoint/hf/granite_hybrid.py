@@ -21,12 +21,31 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Adapter, Take, refuse, split_qkv, stack_qkv
-from threefold.checkpoint.hf.nemotron_h import MAMBA_PARTS, open_step_sizes
+from threefold.checkpoint.hf.common import Adapter, Take, refuse
+from threefold.checkpoint.hf.hybrid_parts import (
+    MambaNames,
+    check_mamba,
+    give_attention,
+    give_mamba,
+    hybrid_fields,
+    take_attention,
+    take_mamba,
+)
 from threefold.config import ModelConfig
 from threefold.config.hybrid import ATTENTION, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
 from threefold.model.mamba import GATED_NORM_EPS
 
+# the Mamba settings' names in Bamba's and Granite 4.0's configs
+NAMES_OF_SETTINGS = MambaNames(
+    eps="rms_norm_eps",
+    conv="mamba_d_conv",
+    conv_bias="mamba_conv_bias",
+    bias="mamba_proj_bias",
+    state="mamba_d_state",
+    head_dim="mamba_d_head",
+    groups="mamba_n_groups",
+    heads="mamba_n_heads",
+)
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION}
 _KINDS["full_attention"] = ATTENTION
 
@@ -52,55 +71,17 @@ class BambaAdapter(Adapter):
     mlp_norm: ClassVar[str] = "pre_ff_layernorm"
 
     def model_config(self, hf: dict) -> ModelConfig:
-        eps = hf.get("rms_norm_eps", 1e-5)
-        for field, value, wanted, why in (
-            ("hidden_act", hf.get("hidden_act", "silu"), "silu", "SwiGLU with SiLU only"),
-            ("mamba_d_conv", hf.get("mamba_d_conv", 4), MAMBA_CONV_KERNEL, "megatron-core's 4"),
-            ("mamba_conv_bias", hf.get("mamba_conv_bias", True), True, "a convolution bias"),
-            ("mamba_proj_bias", bool(hf.get("mamba_proj_bias")), False, "no Mamba biases"),
-            ("attention_bias", bool(hf.get("attention_bias")), False, "no attention biases"),
-            ("mlp_bias", bool(hf.get("mlp_bias")), False, "no MLP biases"),
-            (
-                "rms_norm_eps",
-                eps,
-                GATED_NORM_EPS,
-                f"the Mamba mixer's gated norm takes it in transformers, megatron-core's "
-                f"{GATED_NORM_EPS} in threefold",
-            ),
-        ):
-            refuse(value != wanted, field, value, why)
-        limit = hf.get("time_step_limit")
-        refuse(not open_step_sizes(limit), "time_step_limit", limit, "step sizes unclamped")
-        mixers = _mixers(hf)
-        heads = hf["num_attention_heads"]
-        groups = hf.get("num_key_value_heads") or heads
-        positions = hf.get("max_position_embeddings", 4096)
+        check_mamba(hf, NAMES_OF_SETTINGS)
+        act = hf.get("hidden_act", "silu")
+        refuse(act != "silu", "hidden_act", act, "SwiGLU with SiLU only")
+        pattern = "".join(mixer + self._mlp_symbol(hf) for mixer in _mixers(hf))
         rope = hf.get("rope_parameters") or {}
         return ModelConfig(
-            hybrid_layer_pattern="".join(mixer + self._mlp_symbol(hf) for mixer in mixers),
-            num_layers=2 * len(mixers),
-            hidden_size=hf["hidden_size"],
+            **hybrid_fields(hf, NAMES_OF_SETTINGS, pattern),
             ffn_hidden_size=hf["intermediate_size"],
-            num_attention_heads=heads,
-            group_query_attention=groups != heads,
-            num_query_groups=groups,
-            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-            seq_length=min(positions, 4096),
-            max_position_embeddings=positions,
             **self._positions(hf, rope),
-            normalization="RMSNorm",
-            norm_epsilon=eps,
             swiglu=True,
-            add_bias_linear=False,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-            vocab_size=hf["vocab_size"],
-            init_method_std=hf.get("initializer_range", 0.02),
-            attention_dropout=hf.get("attention_dropout", 0.0),
-            hidden_dropout=0.0,
-            mamba_state_dim=hf.get("mamba_d_state", 128),
-            mamba_head_dim=hf.get("mamba_d_head", 64),
-            mamba_num_groups=hf.get("mamba_n_groups", 1),
-            mamba_num_heads=hf.get("mamba_n_heads", 128),
         )
 
     def _mlp_symbol(self, hf: dict) -> str:
@@ -187,17 +168,11 @@ class BambaAdapter(Adapter):
         pattern = config.hybrid_layers()
         for i in range(len(pattern) // 2):
             mixer, p = f"decoder.layers.{2 * i}.", f"model.layers.{i}."
-            norm = take(p + "input_layernorm.weight")
+            norm = p + "input_layernorm.weight"
             if pattern[2 * i] == MAMBA:
-                out[mixer + "norm.weight"] = norm
-                out.update({mixer + "mixer." + n: take(p + "mamba." + n) for n in MAMBA_PARTS})
+                out.update(take_mamba(take, mixer, norm, p + "mamba."))
             else:
-                out[mixer + "input_layernorm.weight"] = norm
-                q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")
-                out[mixer + "self_attention.linear_qkv.weight"] = stack_qkv(q, k, v, config)
-                out[mixer + "self_attention.linear_proj.weight"] = take(
-                    p + "self_attn.o_proj.weight"
-                )
+                out.update(take_attention(take, config, mixer, norm, p + "self_attn."))
             ours = f"decoder.layers.{2 * i + 1}."
             out[ours + "pre_mlp_layernorm.weight"] = take(p + self.mlp_norm + ".weight")
             out.update(self._take_mlp(take, config, ours + "mlp.", p, pattern[2 * i + 1]))
@@ -220,17 +195,11 @@ class BambaAdapter(Adapter):
         pattern = config.hybrid_layers()
         for i in range(len(pattern) // 2):
             mixer, p = f"decoder.layers.{2 * i}.", f"model.layers.{i}."
+            norm = p + "input_layernorm.weight"
             if pattern[2 * i] == MAMBA:
-                out[p + "input_layernorm.weight"] = state[mixer + "norm.weight"]
-                out.update({p + "mamba." + n: state[mixer + "mixer." + n] for n in MAMBA_PARTS})
+                out.update(give_mamba(state, mixer, norm, p + "mamba."))
             else:
-                out[p + "input_layernorm.weight"] = state[mixer + "input_layernorm.weight"]
-                qkv = state[mixer + "self_attention.linear_qkv.weight"]
-                for x, tensor in zip("qkv", split_qkv(qkv, config)):
-                    out[p + f"self_attn.{x}_proj.weight"] = tensor
-                out[p + "self_attn.o_proj.weight"] = state[
-                    mixer + "self_attention.linear_proj.weight"
-                ]
+                out.update(give_attention(state, config, mixer, norm, p + "self_attn."))
             ours = f"decoder.layers.{2 * i + 1}."
             out[p + self.mlp_norm + ".weight"] = state[ours + "pre_mlp_layernorm.weight"]
             out.update(self._give_mlp(state, config, ours + "mlp.", p, pattern[2 * i + 1]))

@@ -18,14 +18,22 @@ module (`mtp.*`) is left out, as transformers leaves it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Adapter, Take, refuse, split_qkv, stack_qkv
+from threefold.checkpoint.hf.common import Adapter, Take, refuse
 from threefold.checkpoint.hf.deepseek import deepseek_moe
+from threefold.checkpoint.hf.hybrid_parts import (
+    MambaNames,
+    check_mamba,
+    give_attention,
+    give_mamba,
+    hybrid_fields,
+    take_attention,
+    take_mamba,
+)
 from threefold.config import ModelConfig
 from threefold.config.hybrid import ATTENTION, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
 from threefold.model.mamba import GATED_NORM_EPS
@@ -40,14 +48,23 @@ KINDS = {
 }
 NAMES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}
 # the older config names of fields (transformers reads both)
+# the Mamba settings' names in NemotronH's config
+NAMES_OF_SETTINGS = MambaNames(
+    eps="layer_norm_epsilon",
+    conv="conv_kernel",
+    conv_bias="use_conv_bias",
+    bias="use_bias",
+    state="ssm_state_size",
+    head_dim="mamba_head_dim",
+    groups="n_groups",
+    heads="mamba_num_heads",
+)
 _ALIASES = {
     "mamba_n_groups": "n_groups",
     "mamba_d_conv": "conv_kernel",
     "mamba_conv_bias": "use_conv_bias",
     "mamba_dt_limit": "time_step_limit",
 }
-MAMBA_PARTS = ("dt_bias", "A_log", "D", "conv1d.weight", "conv1d.bias", "in_proj.weight")
-MAMBA_PARTS += ("norm.weight", "out_proj.weight")
 
 
 def _pattern(hf: dict) -> str:
@@ -57,15 +74,6 @@ def _pattern(hf: dict) -> str:
     unknown = sorted(set(kinds) - set(KINDS))
     refuse(unknown, "layers_block_type", unknown, f"one of {', '.join(NAMES.values())}")
     return "".join(KINDS[kind] for kind in kinds)
-
-
-def open_step_sizes(limit) -> bool:
-    """Whether time_step_limit leaves the step sizes unclamped: (0, inf), the upper end as
-    JSON cannot hold it (transformers writes {"__float__": "Infinity"})."""
-    if limit is None:
-        return True
-    low, high = (x.get("__float__", x) if isinstance(x, dict) else x for x in limit)
-    return float(low) == 0.0 and math.isinf(float(high))
 
 
 @dataclass(frozen=True)
@@ -81,16 +89,11 @@ class NemotronHAdapter(Adapter):
 
     def model_config(self, hf: dict) -> ModelConfig:
         hf = {_ALIASES.get(name, name): value for name, value in hf.items()}
-        eps = hf.get("layer_norm_epsilon", 1e-5)
+        check_mamba(hf, NAMES_OF_SETTINGS)
         for field, value, wanted, why in (
             ("mamba_hidden_act", hf.get("mamba_hidden_act", "silu"), "silu", "SiLU only"),
             ("mlp_hidden_act", hf.get("mlp_hidden_act", "relu2"), "relu2", "ReLU² only"),
-            ("conv_kernel", hf.get("conv_kernel", 4), MAMBA_CONV_KERNEL, "megatron-core's 4"),
-            ("use_conv_bias", hf.get("use_conv_bias", True), True, "a bias, as megatron-core"),
-            ("use_bias", bool(hf.get("use_bias")), False, "no biases on the Mamba projections"),
             ("mamba_proj_bias", bool(hf.get("mamba_proj_bias")), False, "no biases there"),
-            ("attention_bias", bool(hf.get("attention_bias")), False, "no attention biases"),
-            ("mlp_bias", bool(hf.get("mlp_bias")), False, "no MLP biases"),
             ("residual_in_fp32", bool(hf.get("residual_in_fp32")), False, "residuals as is"),
             ("sliding_window", hf.get("sliding_window"), None, "attention over all keys"),
             (
@@ -100,47 +103,16 @@ class NemotronHAdapter(Adapter):
                 "transformers never ties NemotronH's output layer",
             ),
             ("moe_latent_size", hf.get("moe_latent_size"), None, "experts at the hidden size"),
-            (
-                "layer_norm_epsilon",
-                eps,
-                GATED_NORM_EPS,
-                f"the Mamba mixer's gated norm takes it in transformers, megatron-core's "
-                f"{GATED_NORM_EPS} in threefold",
-            ),
         ):
             refuse(value != wanted, field, value, why)
-        limit = hf.get("time_step_limit")
-        refuse(not open_step_sizes(limit), "time_step_limit", limit, "step sizes unclamped")
         pattern = _pattern(hf)
-        heads = hf["num_attention_heads"]
-        groups = hf.get("num_key_value_heads") or heads
-        positions = hf.get("max_position_embeddings", 4096)
         config = ModelConfig(
-            hybrid_layer_pattern=pattern,
-            num_layers=len(pattern),
-            hidden_size=hf["hidden_size"],
+            **hybrid_fields(hf, NAMES_OF_SETTINGS, pattern),
             ffn_hidden_size=hf["intermediate_size"],
-            num_attention_heads=heads,
-            group_query_attention=groups != heads,
-            num_query_groups=groups,
-            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-            seq_length=min(positions, 4096),
-            max_position_embeddings=positions,
             position_embedding_type="none",
-            normalization="RMSNorm",
-            norm_epsilon=eps,
             swiglu=False,
             squared_relu=True,
-            add_bias_linear=False,
             untie_embeddings_and_output_weights=True,
-            vocab_size=hf["vocab_size"],
-            init_method_std=hf.get("initializer_range", 0.02),
-            attention_dropout=hf.get("attention_dropout", 0.0),
-            hidden_dropout=0.0,
-            mamba_state_dim=hf.get("ssm_state_size", 128),
-            mamba_head_dim=hf.get("mamba_head_dim", 64),
-            mamba_num_groups=hf.get("n_groups", 8),
-            mamba_num_heads=hf.get("mamba_num_heads", 128),
         )
         if MOE in pattern:
             routing = {**hf, "num_hidden_layers": len(pattern), "n_shared_experts": 1}
@@ -227,23 +199,17 @@ class NemotronHAdapter(Adapter):
         out["output_layer.weight"] = take("lm_head.weight")
         for i, symbol in enumerate(config.hybrid_layers()):
             ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
-            norm = take(p + "norm.weight")
-            p += "mixer."
             if symbol == MAMBA:
-                out[ours + "norm.weight"] = norm
-                out.update({ours + "mixer." + name: take(p + name) for name in MAMBA_PARTS})
+                out.update(take_mamba(take, ours, p + "norm.weight", p + "mixer."))
             elif symbol == ATTENTION:
-                out[ours + "input_layernorm.weight"] = norm
-                q, k, v = (take(p + f"{x}_proj.weight") for x in "qkv")
-                out[ours + "self_attention.linear_qkv.weight"] = stack_qkv(q, k, v, config)
-                out[ours + "self_attention.linear_proj.weight"] = take(p + "o_proj.weight")
+                out.update(take_attention(take, config, ours, p + "norm.weight", p + "mixer."))
             else:
-                out[ours + "pre_mlp_layernorm.weight"] = norm
-                mlp = p + "shared_experts." if symbol == MOE else p
-                ours += "mlp."
+                out[ours + "pre_mlp_layernorm.weight"] = take(p + "norm.weight")
+                p, ours = p + "mixer.", ours + "mlp."
+                mlp = p
                 if symbol == MOE:
                     out.update(self._take_experts(take, config, ours, p))
-                    ours += "shared_experts."
+                    ours, mlp = ours + "shared_experts.", p + "shared_experts."
                 out[ours + "linear_fc1.weight"] = take(mlp + "up_proj.weight")
                 out[ours + "linear_fc2.weight"] = take(mlp + "down_proj.weight")
         return out
@@ -276,15 +242,9 @@ class NemotronHAdapter(Adapter):
         for i, symbol in enumerate(config.hybrid_layers()):
             ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
             if symbol == MAMBA:
-                out[p + "norm.weight"] = state[ours + "norm.weight"]
-                p += "mixer."
-                out.update({p + name: state[ours + "mixer." + name] for name in MAMBA_PARTS})
+                out.update(give_mamba(state, ours, p + "norm.weight", p + "mixer."))
             elif symbol == ATTENTION:
-                out[p + "norm.weight"] = state[ours + "input_layernorm.weight"]
-                qkv = state[ours + "self_attention.linear_qkv.weight"]
-                for x, tensor in zip("qkv", split_qkv(qkv, config)):
-                    out[p + f"mixer.{x}_proj.weight"] = tensor
-                out[p + "mixer.o_proj.weight"] = state[ours + "self_attention.linear_proj.weight"]
+                out.update(give_attention(state, config, ours, p + "norm.weight", p + "mixer."))
             else:
                 out[p + "norm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
                 p, ours = p + "mixer.", ours + "mlp."
