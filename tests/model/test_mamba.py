@@ -220,6 +220,8 @@ SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
         (["--hybrid-layer-pattern", "M*E-"], "has mixture-of-experts layers (E): add --num"),
         (SMALL + MOE, "without mixture-of-experts layers"),
         (SMALL + ["--mamba-num-groups", "3"], "--mamba-num-groups 3 must divide the 8"),
+        (SMALL + ["--mtp-num-layers", "1"], "prediction depths are not built here; drop it"),
+        (SMALL + ["--parallel-attention-mlp"], "side by side (a hybrid stack keeps them"),
         (
             SMALL + ["--mamba-num-groups", "2", "--tensor-model-parallel-size", "4"],
             "the 2 Mamba groups are not divisible by --tensor-model-parallel-size 4",

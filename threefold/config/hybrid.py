@@ -153,12 +153,12 @@ class HybridConfig:
             (self.post_sublayer_norm, "--post-sublayer-norm: norms after a hybrid layer's part"),
             (
                 self.parallel_attention_mlp,
-                "--parallel-attention-mlp: attention and MLP side by "
-                "side, which a hybrid stack keeps in layers of their own",
+                "--parallel-attention-mlp: attention and MLP side by side (a hybrid stack "
+                "keeps them in layers of their own)",
             ),
             (
                 not self.sublayer_input_norms,
-                "--no-sublayer-input-norms: a hybrid layer without its norm",
+                "--no-sublayer-input-norms: hybrid layers without their norms",
             ),
         ):
             _require(not given, f"{what} are not built here; drop it")
