@@ -225,6 +225,12 @@ def print_plans(plans: list[Plan], planner: Planner, top: int) -> None:
         f"{planner.gpus} x {hardware.name} ({planner.gpus_per_node} per node); "
         f"the fastest {min(top, len(plans))}, by predicted step time:"
     )
+    if plans and plans[0].config.model.hybrid:
+        print(
+            "> a hybrid model: its memory is estimated layer by layer, but the step times count "
+            "its Mamba layers' FLOPs at GEMM speed, not the PyTorch scan's own speed or their "
+            "context-parallel all-to-alls (not calibrated on a GPU)"
+        )
     header = (
         f"{'rank':>4}  {'layout':<44} {'micro':>5} {'recompute':<9} {'sharding':<21} "
         f"{'GiB':>6} {'step s':>7} {'tokens/s':>10} {'MFU':>5}  bubble/TP/PP/DP/CP/EP s"

@@ -242,3 +242,38 @@ def test_the_collective_fit_recovers_latency_and_bandwidth():
     for ranks in (2, 4, 8):
         expected = collectives.ring_factor("all_gather", ranks) * 1e9 / 100e9
         assert _ring(1e9, ranks, 100.0, machine) == pytest.approx(expected)
+
+
+def test_the_tool_plans_a_hybrid_from_its_hugging_face_config(tmp_path):
+    """A Nemotron-H config.json (Mamba, attention and MLP layers): the plans fit their memory
+    estimate, the command carries the pattern, and the tool says what its step times leave out."""
+    hf = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M-M-M*-M-M-M*-",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "n_groups": 8,
+        "ssm_state_size": 128,
+        "vocab_size": 131072,
+        "max_position_embeddings": 8192,
+        "layer_norm_epsilon": 1e-5,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plan_layout.py"), "--gpus", "8"]
+        + ["--hf-config", str(tmp_path / "config.json"), "--seq-length", "8192"]
+        + ["--global-batch-size", "64", "--top", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "> a hybrid model: its memory is estimated layer by layer" in result.stdout
+    (command,) = re.findall(r"^torchrun .*$", result.stdout, re.MULTILINE)
+    assert "--hybrid-layer-pattern M-M-M*-M-M-M*-" in command, command
