@@ -214,7 +214,11 @@ SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
     "argv,named",
     [
         (MAMBA, "--mamba-state-dim --mamba-head-dim --mamba-num-groups: Mamba settings"),
-        (["--hybrid-layer-pattern", "M*G-"], "G marks gated delta net layers"),
+        (["--hybrid-layer-pattern", "M*D-"], "D marks DeepSeek sparse attention layers"),
+        (
+            SMALL + ["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2"],
+            "--hybrid-layer-pattern's G marks the gated delta net layers",
+        ),
         (["--hybrid-layer-pattern", "M*x-"], "x is none of them"),
         (["--hybrid-layer-pattern", "M*||-"], "segments that each hold a layer"),
         (["--hybrid-layer-pattern", "M*E-"], "has mixture-of-experts layers (E): add --num"),
@@ -275,6 +279,29 @@ def test_packed_documents_are_read_each_alone(world, layout):
     assert unmasked["losses"] != reference["losses"]
 
 
+# gated delta net layers (G): 4 query/key heads of 8, 8 value heads of 6
+WITH_GDN = LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "MG*-G-", *MAMBA]
+WITH_GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
+WITH_GDN += ["--linear-key-head-dim", "8", "--linear-value-head-dim", "6"]
+
+
+def test_gated_delta_net_layers_of_a_pattern_train_as_one_process():
+    """G: megatron-core's hybrid gated delta net layer (a norm and GatedDeltaNet as its
+    self-attention, no MLP); counted as the built model holds it, and CP2 x TP2+SP (its heads'
+    all-to-all beside the Mamba layers' and the attention's ring) trains as one process."""
+    from threefold.training.memory_estimate import parameter_count
+
+    trainer = _setup(WITH_GDN)
+    layer = trainer.model.decoder.layers[1]
+    assert type(layer.self_attention).__name__ == "GatedDeltaNet" and layer.mlp is None
+    model = trainer.config.model
+    counted = sum(p.numel() for p in trainer.model.parameters())
+    assert parameter_count(model, model.padded_vocab_size(1)) == counted
+    reference = train_job(WITH_GDN, 4)
+    layout = LAYOUTS["cp2-tp2-sp"][1]
+    assert_matches_reference(run_distributed(4, train_job, WITH_GDN + layout, 4), reference, 1e-5)
+
+
 def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):
     """Saved at TP2 x PP2 (two virtual stages a rank, in_proj's sections split by heads and
     groups), resumed by one process and at CP2: the next step is the saving run's."""
@@ -290,8 +317,8 @@ def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):
 
 def test_parameters_and_flops_are_counted_per_layer_kind():
     """The counts the memory estimate and MFU read: a Mamba layer's parameters as the module
-    holds them, and an attention layer and an MLP layer as one GPT layer (two norms, each
-    part's FLOPs)."""
+    holds them, and an attention (or gated delta net) layer and an MLP layer as one GPT layer
+    (two norms, each part's FLOPs)."""
     from threefold.training.flops import training_flops_per_iteration
     from threefold.training.memory_estimate import parameter_count
 
@@ -301,6 +328,18 @@ def test_parameters_and_flops_are_counted_per_layer_kind():
     assert parameter_count(model, model.padded_vocab_size(1)) == counted
     gpt = parse_args(LLAMA_STYLE + TRAINING + ["--num-layers", "1"]).model
     split = parse_args(LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "*-"]).model
+    assert parameter_count(split, 1008) == parameter_count(gpt, 1008)
+    assert training_flops_per_iteration(split, 8, 1008) == training_flops_per_iteration(
+        gpt, 8, 1008
+    )
+    gdn = WITH_GDN[WITH_GDN.index("--linear-num-key-heads") :]
+    split = parse_args(LLAMA_STYLE + TRAINING + ["--hybrid-layer-pattern", "G-", *gdn]).model
+    gpt = parse_args(
+        LLAMA_STYLE
+        + TRAINING
+        + ["--num-layers", "1", *gdn]
+        + ["--linear-attention-freq", "[1]", "--experimental-attention-variant", "gdn"]
+    ).model
     assert parameter_count(split, 1008) == parameter_count(gpt, 1008)
     assert training_flops_per_iteration(split, 8, 1008) == training_flops_per_iteration(
         gpt, 8, 1008

@@ -35,10 +35,14 @@ GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attentio
 GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
 GDN += ["--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 MLA += ["--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm"]
-# A hybrid stack: Mamba, attention, MLP and MoE layers (the Mamba scan's fp32 chunks dominate)
+# A hybrid stack: Mamba, attention, MLP and MoE layers
 MAMBA = ["--hybrid-layer-pattern", "M*-EM", "--mamba-num-heads", "8", "--mamba-head-dim", "16"]
 MAMBA += ["--mamba-num-groups", "4", "--mamba-state-dim", "16", "--num-experts", "4"]
 MAMBA += ["--moe-ffn-hidden-size", "96", "--moe-router-topk", "2"]
+# and gated delta net layers (G) among them
+WITH_GDN = ["--hybrid-layer-pattern", "MG*-G-", *MAMBA[2:10]]
+WITH_GDN += ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8"]
+WITH_GDN += ["--linear-key-head-dim", "16", "--linear-value-head-dim", "16"]
 # DeepSeek sparse attention on that MLA: 8 of 32 keys, an indexer of 4 heads of 16 that learns
 DSA = ["--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4"]
 DSA += ["--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "8"]
@@ -168,6 +172,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         LLAMA_STYLE + WIDE + GDN + ["--bf16"],
         LLAMA_STYLE + WIDE + MAMBA,
         LLAMA_STYLE + LONG + MAMBA + ["--bf16"],
+        LLAMA_STYLE + WIDE + WITH_GDN,
         # in_proj and out_proj in FP8, their weights cast once a step
         LLAMA_STYLE + LONG + MAMBA + ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
         LLAMA_STYLE + LONG + SINKS,
@@ -201,6 +206,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "gated-delta-net-bf16",
         "hybrid",
         "hybrid-bf16-long",
+        "hybrid-gated-delta-nets",
         "hybrid-fp8-rowwise-long",
         "sinks",
         "sinks-bf16-window-wide-heads",

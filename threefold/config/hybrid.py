@@ -2,13 +2,14 @@
 (Megatron-LM's `pretrain_hybrid.py` / `pretrain_mamba.py` and its --hybrid-layer-pattern;
 Nemotron-H's stack).
 
-The pattern names each layer by one symbol, as megatron-core's `hybrid_layer_allocation`
-does: M a Mamba layer (norm and Mamba-2 mixer, model/mamba.py), * an attention layer (norm
-and self-attention), - an MLP layer (norm and MLP), E a mixture-of-experts layer (norm and
-the experts of --num-experts). Unlike a GPT layer, each holds one sublayer: "M-M*-" is five
-layers. `|` cuts the pattern into pipeline segments, one model chunk each (more segments than
---pipeline-model-parallel-size: virtual stages), which threefold runs as the
---pipeline-model-parallel-layout of the same chunks.
+The pattern names each layer by one symbol, as megatron-core's `hybrid_layer_allocation` does:
+M a Mamba layer (norm and Mamba-2 mixer, model/mamba.py), * an attention layer (norm and
+self-attention), - an MLP layer (norm and MLP), E a mixture-of-experts layer (norm and the
+experts of --num-experts), G a gated delta net layer (a norm and megatron-core's
+GatedDeltaNet, its sizes the --linear-* flags: config/linear_attention.py). Unlike a GPT
+layer, each holds one sublayer: "M-M*-" is five layers. `|` cuts the pattern into pipeline
+segments, one model chunk each (more segments than --pipeline-model-parallel-size: virtual
+stages), which threefold runs as the --pipeline-model-parallel-layout of the same chunks.
 
 A Mamba mixer projects each token to z, x, B, C and dt (`mamba_sections`): x and the gate z
 are --mamba-num-heads heads of --mamba-head-dim (default: twice the hidden size's worth of
@@ -27,12 +28,10 @@ from threefold.config.errors import require as _require
 from threefold.config.fields import ARCHITECTURE, arg, given_flags
 
 GROUP = "hybrid models"
-MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+MAMBA, ATTENTION, MLP, MOE, GDN = "M", "*", "-", "E", "G"
 PIPE = "|"
 # megatron-core's other symbols, each a layer threefold does not build in a hybrid stack
 _MISSING = {
-    "G": "gated delta net layers (threefold has them in GPT layers: "
-    "--experimental-attention-variant gated_delta_net)",
     "D": "DeepSeek sparse attention layers",
     "+": "multi-latent attention layers",
     "/": "multi-token prediction patterns",
@@ -50,8 +49,8 @@ class HybridConfig:
         checkpoint=ARCHITECTURE,
         group=GROUP,
         aliases=["--hybrid-override-pattern"],
-        help="one symbol a layer: M Mamba, * attention, - MLP, E mixture of experts; | between "
-        'pipeline segments (e.g. "M-M*-|M-M*-"); sets --num-layers',
+        help="one symbol a layer: M Mamba, * attention, G gated delta net, - MLP, E mixture of "
+        'experts; | between pipeline segments (e.g. "M-M*-|M-M*-"); sets --num-layers',
     )
     mamba_state_dim: int = arg(
         128, checkpoint=ARCHITECTURE, group=GROUP, help="size of a Mamba head's state (N)"
@@ -90,6 +89,17 @@ class HybridConfig:
         chunks[0], chunks[-1] = "E" + chunks[0], chunks[-1] + "L"
         return "|".join(chunks)
 
+    @property
+    def gated_delta_net(self) -> bool:
+        """(a hybrid stack's G layers are gated delta nets too)"""
+        return super().gated_delta_net or (self.hybrid and GDN in self.hybrid_layers())
+
+    def linear_attention_pattern(self, num_layers: int) -> list[int]:
+        """In a hybrid model the G layers are the gated delta nets."""
+        if not self.hybrid:
+            return super().linear_attention_pattern(num_layers)
+        return [int(symbol == GDN) for symbol in self.hybrid_layers()]
+
     def moe_layer_pattern(self, num_layers: int) -> list[int]:
         """In a hybrid model the E layers are the mixture-of-experts ones."""
         if not self.hybrid:
@@ -123,15 +133,16 @@ class HybridConfig:
             _require(
                 symbol not in pattern,
                 f"--hybrid-layer-pattern {pattern}: {symbol} marks {what}, which threefold's "
-                "hybrid models do not have; use M, *, - and E",
+                "hybrid models do not have; use M, *, G, - and E",
             )
         layers = self.hybrid_layers()
-        unknown = sorted(set(layers) - {MAMBA, ATTENTION, MLP, MOE})
+        unknown = sorted(set(layers) - {MAMBA, ATTENTION, MLP, MOE, GDN})
         _require(
             layers and not unknown and all(self.hybrid_segments()),
             f"--hybrid-layer-pattern {pattern}: one symbol a layer, M (Mamba), * (attention), "
-            "- (MLP) or E (mixture of experts), and | between pipeline segments that each hold "
-            "a layer" + (f"; {' '.join(unknown)} is none of them" if unknown else ""),
+            "G (gated delta net), - (MLP) or E (mixture of experts), and | between pipeline "
+            "segments that each hold a layer"
+            + (f"; {' '.join(unknown)} is none of them" if unknown else ""),
         )
         _require(
             MOE not in layers or self.is_moe,
@@ -147,6 +158,11 @@ class HybridConfig:
             not self.is_moe or self.moe_layer_freq in (1, "1"),
             "--moe-layer-freq in a hybrid model: --hybrid-layer-pattern's E marks the "
             "mixture-of-experts layers; drop it",
+        )
+        _require(
+            self.experimental_attention_variant is None and self.linear_attention_freq is None,
+            "--experimental-attention-variant and --linear-attention-freq in a hybrid model: "
+            "--hybrid-layer-pattern's G marks the gated delta net layers; drop them",
         )
         for given, what in (
             (self.mtp_num_layers, "--mtp-num-layers: a hybrid model's prediction depths"),

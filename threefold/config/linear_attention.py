@@ -115,7 +115,7 @@ class LinearAttentionConfig:
             )
         else:
             _require(
-                self.linear_attention_freq is not None,
+                self.linear_attention_freq is not None or self.hybrid,  # (or a pattern's G)
                 "--experimental-attention-variant gated_delta_net needs --linear-attention-freq "
                 "(N, or a pattern of 1 for linear and 0 for standard attention per layer)",
             )

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from threefold.config import ModelConfig
-from threefold.config.hybrid import ATTENTION, MAMBA, MOE
+from threefold.config.hybrid import ATTENTION, GDN, MAMBA, MOE
 from threefold.config.hybrid import MLP as MLP_SYMBOL
 from threefold.model.attention import SelfAttention, context_parallel
 from threefold.model.gated_delta_net import GatedDeltaNet
@@ -59,7 +59,7 @@ class LayerSpec:
         return self.hybrid[layer_number - 1] if self.hybrid else None
 
     def mlp_of(self, layer_number: int) -> Callable | None:
-        if self._symbol(layer_number) == ATTENTION:  # (a hybrid stack's attention-only layer)
+        if self._symbol(layer_number) in (ATTENTION, GDN):  # (a hybrid stack's mixer alone)
             return None
         return self.moe_mlp if layer_number in self.moe_layers else self.mlp
 

@@ -73,7 +73,7 @@ from collections.abc import Iterable
 from threefold.config import Config, ModelConfig
 from threefold.config.activation_offload import offload_plan
 from threefold.config.fp8 import experts_in_fp8
-from threefold.config.hybrid import ATTENTION, MAMBA, MLP, MOE
+from threefold.config.hybrid import ATTENTION, GDN, MAMBA, MLP, MOE
 from threefold.config.linear_attention import RULE_CHUNK_SIZE as CHUNK_SIZE
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.parallel.pipeline_parallel.order import interleaved_order, one_f_one_b_order
@@ -457,6 +457,8 @@ def _layer_kind(model: ModelConfig, layer: int, linear: list[int]) -> dict:
     if not model.hybrid:
         return {"linear": bool(linear[layer])}
     symbol = model.hybrid_layers()[layer]
+    if symbol == GDN:  # (an attention-only layer, its attention a gated delta net)
+        return {"symbol": ATTENTION, "moe": False, "linear": True}
     return {"symbol": symbol, "moe": symbol == MOE}
 
 

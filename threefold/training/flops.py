@@ -57,7 +57,7 @@ def training_flops_per_iteration(
             per_token_forward += gated_delta_net_flops_per_token(config)
         else:
             per_token_forward += qkv + projection + attention
-        if symbol != "*":
+        if symbol not in ("*", "G"):  # (attention or a gated delta net alone)
             per_token_forward += moe if is_moe else dense
     # Each MTP depth's norms (Megatron-LM counts 3h multiply-adds) and projection [2h -> h],
     # and every depth's logits beside the main ones.

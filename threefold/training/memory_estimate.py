@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from threefold.config import Config, ModelConfig, ParallelConfig
 from threefold.config.fp8 import caches_fp8_weights, experts_in_fp8
-from threefold.config.hybrid import ATTENTION, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
+from threefold.config.hybrid import ATTENTION, GDN, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE
 from threefold.config.precision_aware import DTYPE_BYTES
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 from threefold.training.activation_estimate import (
@@ -71,7 +71,8 @@ def _layer_parameters(
     qkv = d * (model.num_attention_heads + 2 * model.num_query_groups) + gate
     # the norms before the attention and the MLP (one for both: Cohere's), and after them
     # (Gemma's, OLMo 2's)
-    inputs = 1 if model.parallel_attention_mlp_shared_norm or symbol == ATTENTION else 2
+    alone = symbol in (ATTENTION, GDN)  # (a hybrid stack's attention or gated delta net alone)
+    inputs = 1 if model.parallel_attention_mlp_shared_norm or alone else 2
     norms = inputs * int(model.sublayer_input_norms) + 2 * int(model.post_sublayer_norm)
     norm = norms * h * _per_feature(model)
     if linear:
@@ -82,7 +83,7 @@ def _layer_parameters(
         count = (h * qkv + d * model.num_attention_heads * h) // tp + norm
         if model.softmax_type == "learnable":  # a sink logit per head
             count += model.num_attention_heads // tp
-    if symbol != ATTENTION:
+    if not alone:
         count += _mlp_part_parameters(model, tp, moe, ep, etp)
     if linear:
         return count
@@ -225,6 +226,7 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
     parts = {  # a hybrid stack's layers: one part each
         MAMBA: lambda layer: _mamba_weights(model, tp),
         ATTENTION: lambda layer: attention,
+        GDN: lambda layer: _gdn_weights(model, tp),
         MLP: lambda layer: mlp,
         MOE: lambda layer: moe,
         None: lambda layer: (
