@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from threefold.config.linear_attention import RULE_CHUNK_SIZE
+from threefold.kernels.chunk_documents import chunk_documents, continues
 
 
 def recurrent_gated_delta_rule(
@@ -52,8 +53,8 @@ def recurrent_gated_delta_rule(
     state = key.new_zeros(b, heads, d_k, value.shape[-1])
     outputs = []
     for t in range(s):
-        if documents is not None and t > 0:  # (a new document: nothing before it carries on)
-            state = state * (documents[:, t] == documents[:, t - 1])[:, None, None, None]
+        if (carried := continues(documents, t)) is not None:  # (a new document: afresh)
+            state = state * carried
         state = state * g[:, t, :, None, None].exp()
         read = torch.einsum("bhkv,bhk->bhv", state, key[:, t])
         update = beta[:, t, :, None] * (value[:, t] - read)
@@ -91,15 +92,10 @@ def chunk_gated_delta_rule(
     # exp(gamma_i - gamma_j) for j <= i (at most 1: the decay from token j to token i)
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).tril()
     carries = None
-    if documents is not None:  # [b, 1, chunks, C] ids (the padding's: the last document's)
-        b = documents.shape[0]
-        documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
-        ids = documents.unflatten(1, (-1, chunk_size))[:, None]
-        lower = lower & (ids[..., :, None] == ids[..., None, :])
-        # the document open when a chunk starts (the previous chunk's last), and whether each
-        # token is still in it
-        open_ = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)
-        carries = (ids == open_[..., None]).to(work)  # [b, 1, chunks, C]
+    if documents is not None:  # ([b, 1, chunks, ...]: every head alike)
+        packed = chunk_documents(documents, pad, chunk_size)
+        lower = lower & packed.same[:, None]
+        carries = packed.carries[:, None].to(work)  # [b, 1, chunks, C]
     decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, 0.0).exp()
     decay = decay.masked_fill(~lower, 0.0)
     strict = (beta[..., :, None] * (key @ key.transpose(-1, -2)) * decay).tril(-1)
@@ -113,7 +109,7 @@ def chunk_gated_delta_rule(
     query_decayed = query * entry[..., None]
     to_end, kept = (gamma[..., -1:] - gamma).exp(), gamma[..., -1].exp()
     if carries is not None:  # (the state leaving a chunk: its last document's tokens only)
-        to_end, kept = to_end * (ids == ids[..., -1:]), kept * carries[..., -1]
+        to_end, kept = to_end * packed.last[:, None], kept * carries[..., -1]
     key_to_end = key * to_end[..., None]
 
     b, heads, chunks = query.shape[:3]

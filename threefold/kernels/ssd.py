@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from threefold.kernels.chunk_documents import chunk_documents, continues
+
 # Tokens a chunk spans (megatron-core's and mamba_ssm's default chunk_size).
 SSD_CHUNK_SIZE = 128
 
@@ -57,8 +59,8 @@ def recurrent_ssd(
     state = x.new_zeros(b, heads, B.shape[-1], p)
     outputs = []
     for t in range(s):
-        if documents is not None and t > 0:  # (a new document: nothing before it carries on)
-            state = state * (documents[:, t] == documents[:, t - 1])[:, None, None, None]
+        if (carried := continues(documents, t)) is not None:  # (a new document: afresh)
+            state = state * carried
         decay = (dt[:, t] * A).exp()[:, :, None, None]
         update = (dt[:, t, :, None] * B[:, t])[..., None] * x[:, t, :, None, :]
         state = decay * state + update
@@ -99,15 +101,9 @@ def chunk_ssd(
     # exp(a_i - a_j) for j <= i, 0 above the diagonal (masked before exp: a_i - a_j > 0 there)
     difference = a[:, :, :, None] - a[:, :, None]  # [b, z, i, j, g, hg]
     allowed = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    carries = None
-    if documents is not None:  # (the padding's rows: the last document's)
-        documents = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)
-        ids = documents.unflatten(1, (chunks, chunk_size))  # [b, z, c]
-        allowed = allowed & (ids[:, :, :, None] == ids[:, :, None, :])  # [b, z, i, j]
-        # the document open when a chunk starts (the previous chunk's last), and whether each
-        # token, and the chunk's end, is still in it
-        open_ = torch.cat([ids[:, :1, 0], ids[:, :-1, -1]], dim=1)  # [b, z]
-        carries = (ids == open_[:, :, None])[..., None, None]  # [b, z, c, 1, 1]
+    packed = None if documents is None else chunk_documents(documents, pad, chunk_size)
+    if packed is not None:
+        allowed = allowed & packed.same  # [b, z, i, j]
     decay = difference.masked_fill(~allowed[..., None, None], float("-inf")).exp()
     scores = torch.einsum("bzign,bzjgn->bzijg", C, B)[..., None] * decay
     y = torch.einsum("bzijgh,bzjghp->bzighp", scores, dt[..., None] * x)
@@ -116,8 +112,9 @@ def chunk_ssd(
     to_end = (a[:, :, -1:] - a).exp() * dt  # [b, z, c, g, hg]
     entry = a.exp()  # the entering state's decay to each token
     kept = a[:, :, -1].exp()  # [b, z, g, hg]: the entering state's decay through the chunk
-    if carries is not None:
-        to_end = to_end * (ids == ids[:, :, -1:])[..., None, None]
+    if packed is not None:
+        carries = packed.carries[..., None, None]  # [b, z, c, 1, 1]
+        to_end = to_end * packed.last[..., None, None]
         entry, kept = entry * carries, kept * carries[:, :, -1]
     contributions = torch.einsum("bzjgn,bzjgh,bzjghp->bzghnp", B, to_end, x)
     state = x.new_zeros(b, groups, per, B.shape[-1], p)

@@ -30,7 +30,13 @@ from threefold.config import ModelConfig
 from threefold.kernels.gated_delta_rule import chunk_gated_delta_rule
 from threefold.model.norms import build_norm
 from threefold.model.recompute import OutputDiscardingCheckpoint
-from threefold.model.sequence_mixing import causal_conv1d, cp_share, document_ids, gather_heads
+from threefold.model.sequence_mixing import (
+    A_INIT_RANGE,
+    causal_conv1d,
+    cp_share,
+    document_ids,
+    gather_heads,
+)
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -41,9 +47,6 @@ from threefold.parallel.tensor_parallel.sharding import (
     mark_tensor_parallel,
     uniform_init,
 )
-
-# megatron-core's A_init_range: the decay rates exp(A_log) start uniform in [1, 16]
-A_INIT_RANGE = (1.0, 16.0)
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -29,7 +29,13 @@ from threefold.config.hybrid import MAMBA_CONV_KERNEL
 from threefold.kernels.ssd import chunk_ssd
 from threefold.model.activation_offload import offload_group
 from threefold.model.recompute import checkpoint
-from threefold.model.sequence_mixing import causal_conv1d, cp_share, document_ids, gather_heads
+from threefold.model.sequence_mixing import (
+    A_INIT_RANGE,
+    causal_conv1d,
+    cp_share,
+    document_ids,
+    gather_heads,
+)
 from threefold.model.transformer import dropout_add
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
@@ -42,9 +48,8 @@ from threefold.parallel.tensor_parallel.sharding import (
     uniform_init,
 )
 
-# megatron-core's MambaMixer: decay rates exp(A_log) uniform in [1, 16]; step sizes
-# softplus(dt_bias) log-uniform in [0.001, 0.1], at least 1e-4; the gated norm's eps
-A_INIT_RANGE = (1.0, 16.0)
+# megatron-core's MambaMixer: step sizes softplus(dt_bias) log-uniform in [0.001, 0.1], at
+# least 1e-4 (its decay rates as the gated delta net's: A_INIT_RANGE); the gated norm's eps
 DT_RANGE, DT_FLOOR = (1e-3, 1e-1), 1e-4
 GATED_NORM_EPS = 1e-5
 

@@ -21,6 +21,9 @@ from threefold.parallel.context_parallel.masks import derived
 from threefold.parallel.context_parallel.sequence import Documents
 from threefold.parallel.parallel_context import Group
 
+# megatron-core's A_init_range, both layers': the decay rates exp(A_log) start uniform in [1, 16]
+A_INIT_RANGE = (1.0, 16.0)
+
 
 def cp_share(tensor: torch.Tensor, sections: list[int], cp: Group) -> torch.Tensor:
     """This CP rank's heads' rows of a parameter split by heads (each of its `sections`)."""
