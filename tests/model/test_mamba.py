@@ -21,6 +21,7 @@ from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference
 from threefold.arguments import parse_args
 from threefold.kernels.ssd import chunk_ssd, recurrent_ssd
 from threefold.model.sequence_mixing import causal_conv1d
+from threefold.parallel.context_parallel.masks import shared
 
 MAMBA = ["--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "4"]
 # Mamba, attention, MLP and mixture-of-experts layers in four pipeline segments (one chunk
@@ -80,6 +81,10 @@ def test_packed_documents_are_scanned_and_convolved_each_alone(chunk):
     x = torch.randn(37, 2, 6, dtype=torch.float64, requires_grad=True)
     weight, bias = torch.randn(6, 1, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
     convolved = causal_conv1d(x, weight, bias, DOCUMENT_IDS)
+    # (its indices kept once a micro-batch beside the masks, which offloading asks after)
+    assert not shared(torch.zeros(1)) and causal_conv1d(x, weight, bias, DOCUMENT_IDS).equal(
+        convolved
+    )
     for row, ids in enumerate(DOCUMENT_IDS):
         for document in ids.unique():
             span = slice(*(ids == document).nonzero()[[0, -1], 0].add(torch.tensor([0, 1])))

@@ -78,11 +78,15 @@ def causal_conv1d(
     # kernel - 1 zero columns between the documents (the padding one of its own would get),
     # one convolution, and each token's output read back from where it was put
     b = x.shape[1]
-    starts = documents[:, 1:] != documents[:, :-1]
-    index = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).long().cumsum(dim=1)
-    where = torch.arange(s, device=x.device) + (kernel - 1) * index  # [b, s]
-    rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
-    length = s + (kernel - 1) * int(index[:, -1].max())
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, int]:  # (once a micro-batch: one sync)
+        starts = documents[:, 1:] != documents[:, :-1]
+        index = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=1).long().cumsum(dim=1)
+        where = torch.arange(s, device=x.device) + (kernel - 1) * index  # [b, s]
+        rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
+        return where, rows, s + (kernel - 1) * int(index[:, -1].max())
+
+    where, rows, length = derived(documents, ("spread", kernel), build)
     spread = x.new_zeros(b, length, x.shape[-1]).index_put((rows, where), x.transpose(0, 1))
     out = F.conv1d(spread.transpose(1, 2), weight, bias, padding=kernel - 1, groups=weight.shape[0])
     return F.silu(out.transpose(1, 2)[rows, where])

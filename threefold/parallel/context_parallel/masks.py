@@ -19,9 +19,11 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
 _DERIVED: dict[tuple[int, Hashable], tuple[weakref.ref, torch.Tensor]] = {}
 # Masks that depend on the shapes only (a window's band), and what is derived from them: the
 # latest two (a run's training and validation shapes), as generation asks for a longer one each
@@ -42,10 +44,9 @@ def constant(what: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
     return _CONSTANT[what]
 
 
-def derived(
-    source: torch.Tensor, what: Hashable, build: Callable[[], torch.Tensor]
-) -> torch.Tensor:
-    """`build()`, made once for each live `source` tensor object and `what`."""
+def derived(source: torch.Tensor, what: Hashable, build: Callable[[], T]) -> T:
+    """`build()`, made once for each live `source` tensor object and `what` (a tensor, or
+    a tuple of them and numbers: a packed convolution's indices, model/sequence_mixing.py)."""
     if torch.compiler.is_compiling():
         return build()
     key = (id(source), what)
@@ -74,4 +75,6 @@ def shared(tensor: torch.Tensor) -> bool:
     offloading leaves them on the device, as it leaves the rotary tables)."""
     storage = tensor.untyped_storage().data_ptr()
     held = [value for _, value in _DERIVED.values()] + list(_CONSTANT.values())
-    return any(value.untyped_storage().data_ptr() == storage for value in held)
+    held = [t for value in held for t in (value if isinstance(value, tuple) else (value,))]
+    tensors = [t for t in held if isinstance(t, torch.Tensor)]
+    return any(t.untyped_storage().data_ptr() == storage for t in tensors)
