@@ -533,6 +533,8 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
         (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], 1, "--moe-layer-freq"),
         (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], 1, "gives 3 layers"),
         (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, "capacity-factor"),
+        (["--moe-latent-size", "16"], 1, "--moe-latent-size: mixture-of-experts settings"),
+        (["--num-experts", "4", "--moe-latent-size", "0"], 1, "--moe-latent-size must be >= 1"),
         (
             ["--moe-router-topk", "1", "--moe-router-dtype", "fp32"],
             1,

@@ -2,7 +2,8 @@
 kinds `build_hf_model` (tests/tools/hf_models.py) takes from here (cohere, cohere-qk, cohere2,
 falcon, falcon-new, falcon-seq, starcoder2, phi, phi-qk, nemotron, smollm3, olmo3,
 deepseek-v2, gptj, llama-mlp-bias, exaone4, ernie4_5, helium, seed-oss, arcee, glm4, gemma, olmoe,
-granite, granite-moe, nemotron-h, bamba, granite-hybrid, granite-hybrid-moe)."""
+granite, granite-moe, nemotron-h, nemotron-h-latent, bamba, granite-hybrid,
+granite-hybrid-moe)."""
 
 from __future__ import annotations
 
@@ -238,9 +239,10 @@ def family_model(kind: str, common: dict):
             **common,
         )
         model = shaken(transformers.Cohere2ForCausalLM(config))
-    elif kind == "nemotron-h":  # Mamba-2, attention without positions, ReLU² MLP and expert
-        # layers (sigmoid routing with expert biases, scaled, beside a shared expert); the
-        # Mamba decays, steps and skips away from transformers' initialization too
+    elif kind.startswith("nemotron-h"):  # Mamba-2, attention without positions, ReLU² MLP
+        # and expert layers (sigmoid routing with expert biases, scaled, beside a shared
+        # expert; nemotron-h-latent: Nemotron 3 Super's latent experts, 24 wide); the Mamba
+        # decays, steps and skips away from transformers' initialization too
         sizes = {name: common[name] for name in ("vocab_size", "hidden_size", "intermediate_size")}
         config = transformers.NemotronHConfig(
             layers_block_type=["linear_attention", "full_attention", "mlp", "moe"]
@@ -258,6 +260,7 @@ def family_model(kind: str, common: dict):
             moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=48,
             routed_scaling_factor=2.5,
+            moe_latent_size=24 if kind.endswith("latent") else None,
             **sizes,
         )
         model = shaken(transformers.NemotronHForCausalLM(config))

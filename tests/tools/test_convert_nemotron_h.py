@@ -72,6 +72,24 @@ def test_parallel_layouts_compute_transformers_losses(converted, world, layout):
     assert_layout_losses(hf_model, ours, world, layout, TOKENS_25)
 
 
+@pytest.fixture(scope="module")
+def latent(tmp_path_factory):
+    return converted_hf_model("nemotron-h-latent", tmp_path_factory.mktemp("latent"))
+
+
+def test_latent_experts_are_transformers_both_ways(latent, tmp_path):
+    """Nemotron 3 Super's experts (moe_latent_size): logits, a bitwise round trip, and the
+    per-token losses at TP2 + SP x EP2 (the projections whole on each TP rank)."""
+    hf_model, hf_dir, ours = latent
+    assert model_config_from_hf(hf_model.config.to_dict())[1].moe_latent_size == 24
+    with torch.no_grad():
+        assert relative_error(logits_with(ours, TOKENS), hf_model(TOKENS).logits) < 1e-5
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    layout += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    assert_layout_losses(hf_model, ours, 2, layout, TOKENS_25)
+
+
 HYBRID = ["--hybrid-layer-pattern", "M*-M", "--hidden-size", "64", "--num-attention-heads", "4"]
 HYBRID += ["--group-query-attention", "--num-query-groups", "2", "--squared-relu"]
 HYBRID += ["--untie-embeddings-and-output-weights"]

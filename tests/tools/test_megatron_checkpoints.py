@@ -379,7 +379,7 @@ def _model_with(config, model):
 @pytest.mark.parametrize(
     "change,named",
     [
-        ({"moe_latent_size": 16}, "--moe-latent-size"),
+        ({"moe_latent_size": 16}, "latent experts .--moe-latent-size. are not read"),
         ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
         ({"hybrid_override_pattern": "M-M-"}, "hybrid model .M-M-.; threefold trains them"),
         ({"hybrid_layer_pattern": "M*-"}, "reads Megatron-LM's hybrid checkpoints not yet"),

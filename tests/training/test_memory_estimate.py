@@ -158,6 +158,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         + MOE
         + ["--moe-layer-freq", "[0,1]"]
         + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"],
+        # latent experts, their projections in FP8 (the experts' GEMMs stay bf16)
+        LLAMA_STYLE + WIDE + FP8 + MOE + ["--moe-latent-size", "48"],
         # two multi-token prediction depths, each an MoE layer as the last one is
         LLAMA_STYLE + WIDE + MOE + ["--mtp-num-layers", "2"],
         # Muon: one momentum for the matrices, Adam's two moments for the rest
@@ -199,6 +201,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "llama-fp8-selective",
         "llama-fp8-full-block",
         "llama-fp8-first-layer-bf16-moe",
+        "llama-moe-latent-fp8",
         "llama-moe-mtp",
         "llama-moe-muon-bf16",
         "llama-moe-recompute-moe-layernorm",

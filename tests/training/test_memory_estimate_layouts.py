@@ -50,6 +50,13 @@ from threefold.training.memory_estimate import estimate_stage
         ),
         (2, MOE + ["--expert-model-parallel-size", "2", "--moe-layer-freq", "2"]),
         (4, MOE + ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+        # latent experts: the projections whole on each TP rank, the tokens moved at their width
+        (
+            4,
+            MOE
+            + ["--moe-latent-size", "48", "--tensor-model-parallel-size", "2"]
+            + ["--sequence-parallel", "--expert-model-parallel-size", "2"],
+        ),
         (
             4,
             FP8
@@ -95,6 +102,7 @@ from threefold.training.memory_estimate import estimate_stage
         "tp2-sp-bf16-recompute-layernorm-mlp",
         "moe-ep2-every-other-layer",
         "moe-ep2-dp2-distributed-optimizer",
+        "moe-latent-tp2-sp-ep2",
         "fp8-tp2-sp-dp2-param-gather",
         "fp8-pp2",
         "mtp-pp2",

@@ -107,9 +107,10 @@ def test_a_dense_model_upcycled_computes_its_logits_then_trains(dense, tmp_path)
         (["--moe-shared-expert-intermediate-size", "64"], "leaves it at its initialization"),
         (["--moe-upcycling-granularity", "3"], "a multiple of --moe-upcycling-granularity 3"),
         (["--openai-gelu"], "this model's activation is none of them"),
+        (["--moe-latent-size", "16"], "latent experts at another"),
         ([], "give both, apart"),
     ],
-    ids=["shared-expert", "granularity", "activation", "save-is-load"],
+    ids=["shared-expert", "granularity", "activation", "latent", "save-is-load"],
 )
 def test_what_megatron_cores_upcycling_cannot_fill_is_one_line(tmp_path, capsys, argv, named):
     save = str(tmp_path / "s") if argv else str(tmp_path)

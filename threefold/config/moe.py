@@ -122,6 +122,15 @@ class MoEConfig:
         group=GROUP,
         help="hidden size of the shared expert every token also passes through (none: none)",
     )
+    moe_latent_size: int | None = arg(
+        None,
+        minimum=1,
+        checkpoint=ARCHITECTURE,
+        group=GROUP,
+        help="latent mixture of experts (Nemotron 3 Super's): the routed experts work at this "
+        "width, a projection down before the dispatch and up after the combine (the router "
+        "and shared expert at the hidden size)",
+    )
     moe_shared_expert_gate: bool = arg(
         False,
         checkpoint=ARCHITECTURE,
@@ -413,6 +422,11 @@ def check_upcycling(config: Config) -> list[str]:
         "--moe-use-upcycling with a shared expert: megatron-core's upcycling leaves it at its "
         "initialization, the model no longer the dense one; drop "
         "--moe-shared-expert-intermediate-size",
+    )
+    _require(
+        model.moe_latent_size is None,
+        "--moe-use-upcycling with --moe-latent-size: the dense MLPs work at the hidden size, "
+        "latent experts at another; drop one",
     )
     _require(
         not (model.quick_geglu or model.openai_gelu),

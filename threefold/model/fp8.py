@@ -60,7 +60,7 @@ def fp8_recipe(config: Fp8Config) -> Fp8Recipe:
 
 def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """A transformer layer's FP8 candidates: (attention's and the dense MLP's or the shared
-    expert's linear layers, the experts' linear layers)."""
+    expert's and latent projections' linear layers, the experts' linear layers)."""
     # (a hybrid stack's layers: a Mamba mixer, or attention or an MLP alone)
     mixer = getattr(layer, "mixer", None) or getattr(layer, "self_attention", None)
     dense = mixer.linear_layers() if mixer is not None else []
@@ -69,6 +69,8 @@ def _layer_linears(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     if isinstance(mlp, MoELayer):
         for expert in mlp.experts.local_experts.values():
             experts += [getattr(expert, name) for name in _MLP_LINEARS]
+        if mlp.fc1_latent_proj is not None:  # (Transformer Engine's linears: FP8 there too)
+            dense += [mlp.fc1_latent_proj, mlp.fc2_latent_proj]
         mlp = mlp.shared_experts
     if isinstance(mlp, MLP):
         dense += [getattr(mlp, name) for name in _MLP_LINEARS]

@@ -357,8 +357,10 @@ def _moe_activation_parts(
     the experts run in FP8) and outputs; an expert keeps the dense MLP's intermediates for
     each (at its expert-TP share, for the pairs of all its ETP peers): fc1's output and the
     activation's (`moe_act`), fc2's input (`expert_fc2`: offloaded with the others under
-    `fused_group_mlp`); the shared expert as the dense MLP of its size. Rowwise and blockwise
-    scaling add the fp32 scales of each FP8 GEMM's input."""
+    `fused_group_mlp`); the shared expert as the dense MLP of its size. Latent experts
+    (--moe-latent-size) move and keep their tokens at the latent width; fc1_latent_proj reads
+    the router's input (its FP8 copy in an FP8 layer), fc2_latent_proj keeps the combined
+    tokens. Rowwise and blockwise scaling add the fp32 scales of each FP8 GEMM's input."""
     model, parallel = config.model, config.parallel
     t, etp = parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size
     h, f, shared = (
@@ -368,19 +370,23 @@ def _moe_activation_parts(
     )
     sigma = t if parallel.sequence_parallel else 1
     pairs = s * b // sigma * model.moe_router_topk * etp
+    width, latent = model.moe_latent_size or h, model.moe_latent_size or 0
     experts = fp8 and experts_in_fp8(config.fp8)
     fc2_input = 1 if experts else e
     activation = _intermediate_bytes(model, e, experts) - fc2_input
     if model.recomputes("moe_act"):  # the activation's output freed (an FP8 fc2 keeps a copy)
         activation, fc2_input = e * (2 if model.gated_linear_unit else 1), 1 if experts else 0
     parts = {
-        "expert_fc1": pairs * (1 if experts else e) * h,
+        "expert_fc1": pairs * (1 if experts else e) * width,
         "moe_act": pairs * activation * f // etp,
         "expert_fc2": pairs * fc2_input * f // etp,
     }
-    rest = pairs * e * h
+    rest = pairs * e * width
     if experts:
-        rest += 4 * model.num_experts // parallel.expert_model_parallel_size * (h + f // etp)
+        rest += 4 * model.num_experts // parallel.expert_model_parallel_size * (width + f // etp)
+    if latent:
+        rest += s * b // sigma * (latent * (1 if fp8 else e) + (h if fp8 else 0))
+        rest += _scale_bytes_per_feature(config, s, b) * (h + latent) if fp8 else 0
     if shared and not model.recomputes("shared_experts"):
         rest += s * b * shared // t * _intermediate_bytes(model, e, fp8)
         rest += _scale_bytes_per_feature(config, s, b) * (h + shared // t) if fp8 else 0

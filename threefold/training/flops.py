@@ -8,7 +8,8 @@ forward, so a training step is 3x the forward. Per token and layer the forward d
   even though causal masking could skip half);
 - MLP: 2 * 2 h f, or 2 * 3 h f with SwiGLU (gate, up and down projections); in an MoE layer
   the k experts a token is routed to (expert size f_e), the shared expert (size f_s) and the
-  router 2 h E: active parameters only, as Megatron counts them;
+  router 2 h E: active parameters only, as Megatron counts them (under --moe-latent-size the
+  experts at the latent width l, plus 2 * 2 h l for the projections down and up);
 and the output layer 2 h V. Multi-latent attention's projections are counted as Megatron-LM
 counts them (`_mla_flops_per_token`), and so are gated delta net layers
 (`gated_delta_net_flops_per_token`), a hybrid stack's Mamba layers (`mamba_flops_per_token`;
@@ -42,6 +43,9 @@ def training_flops_per_iteration(
         shared = config.moe_shared_expert_intermediate_size or 0
         routed = config.moe_router_topk * config.moe_ffn_hidden_size
         moe = per_size * (routed + shared) + 2 * h * config.num_experts
+        if config.moe_latent_size:  # experts at the latent width, and its two projections
+            moe += per_size * routed * (config.moe_latent_size - h) // h
+            moe += 2 * 2 * h * config.moe_latent_size
     depths = config.mtp_num_layers or 0
     per_token_forward = 0
     linear = config.linear_attention_pattern(config.num_layers)

@@ -38,9 +38,10 @@ from threefold.training.activation_estimate import (
 )
 
 
-def _mlp_parameters(model: ModelConfig, f: int, tp: int) -> int:
-    """An MLP of hidden size `f` split over `tp` ranks (column-parallel biases split too)."""
-    h, fc1 = model.hidden_size, f * (2 if model.gated_linear_unit else 1)
+def _mlp_parameters(model: ModelConfig, f: int, tp: int, h: int | None = None) -> int:
+    """An MLP of hidden size `f` split over `tp` ranks (column-parallel biases split too),
+    between widths `h` (the model's hidden size; an expert's under --moe-latent-size)."""
+    h, fc1 = h or model.hidden_size, f * (2 if model.gated_linear_unit else 1)
     return (h * fc1 + f * h) // tp + ((fc1 // tp + h) if model.mlp_bias else 0)
 
 
@@ -109,7 +110,10 @@ def _mlp_part_parameters(model: ModelConfig, tp: int, moe: bool, ep: int, etp: i
         return _mlp_parameters(model, model.ffn_hidden_size, tp)
     h = model.hidden_size
     count = (h + int(model.add_bias_linear)) * model.num_experts  # the router
-    count += model.num_experts // ep * _mlp_parameters(model, model.moe_ffn_hidden_size, etp)
+    count += model.num_experts // ep * _expert_parameters(model, etp)
+    if model.moe_latent_size:  # the latent projections, whole on every rank
+        count += 2 * h * model.moe_latent_size
+        count += (h + model.moe_latent_size) if model.add_bias_linear else 0
     if model.moe_shared_expert_intermediate_size:
         count += _mlp_parameters(model, model.moe_shared_expert_intermediate_size, tp)
         count += h if model.moe_shared_expert_gate else 0
@@ -189,8 +193,8 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
     if not model.is_moe:
         return 0
     pattern = model.moe_layer_pattern(model.num_layers)
-    per_layer = (model.num_experts // parallel.expert_model_parallel_size) * _mlp_parameters(
-        model, model.moe_ffn_hidden_size, parallel.expert_tensor_parallel_size
+    per_layer = (model.num_experts // parallel.expert_model_parallel_size) * _expert_parameters(
+        model, parallel.expert_tensor_parallel_size
     )
     layers = sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
     if stage == parallel.pipeline_model_parallel_size - 1 and pattern[-1]:
@@ -198,15 +202,21 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
     return per_layer * layers
 
 
-def _mlp_weights(model: ModelConfig, f: int, tp: int) -> int:
-    """fc1's and fc2's weight elements of an MLP of hidden size `f` split over `tp` ranks."""
-    return model.hidden_size * f * (3 if model.gated_linear_unit else 2) // tp
+def _expert_parameters(model: ModelConfig, etp: int) -> int:
+    """One expert on one expert-TP rank."""
+    return _mlp_parameters(model, model.moe_ffn_hidden_size, etp, model.moe_latent_size)
+
+
+def _mlp_weights(model: ModelConfig, f: int, tp: int, h: int | None = None) -> int:
+    """fc1's and fc2's weight elements of an MLP of hidden size `f` split over `tp` ranks
+    (between widths `h`: as `_mlp_parameters`)."""
+    return (h or model.hidden_size) * f * (3 if model.gated_linear_unit else 2) // tp
 
 
 def stage_fp8_weights(config: Config, stage: int) -> int:
     """The weight elements of the FP8 linear layers one rank of stage `stage` holds: attention's
     QKV and projection (a gated delta net's in_proj and out_proj), dense MLPs' and shared
-    experts' fc1 and fc2, and under rowwise scaling
+    experts' fc1 and fc2, latent experts' projections, and under rowwise scaling
     the experts' (model/fp8.py)."""
     model, parallel = config.model, config.parallel
     tp, h, d = parallel.tensor_model_parallel_size, model.hidden_size, model.kv_channels
@@ -216,10 +226,11 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
         attention = _mla_weights(model, tp)
     mlp = _mlp_weights(model, model.ffn_hidden_size, tp)
     moe = _mlp_weights(model, model.moe_shared_expert_intermediate_size or 0, tp)
+    moe += 2 * h * (model.moe_latent_size or 0)  # the latent projections
     if model.is_moe and experts_in_fp8(config.fp8):
         local = model.num_experts // parallel.expert_model_parallel_size
         etp = parallel.expert_tensor_parallel_size
-        moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp)
+        moe += local * _mlp_weights(model, model.moe_ffn_hidden_size, etp, model.moe_latent_size)
     pattern = model.moe_layer_pattern(model.num_layers)
     linear = model.linear_attention_pattern(model.num_layers)
     symbols = model.hybrid_layers() if model.hybrid else [None] * model.num_layers

@@ -1,4 +1,4 @@
-"""NemotronHForCausalLM (Nemotron-H, NVIDIA Nemotron Nano 2 and Nemotron 3 Nano): NVIDIA's
+"""NemotronHForCausalLM (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano and Super): NVIDIA's
 hybrid models trained with Megatron-LM, each layer one of Mamba-2, attention, MLP or mixture
 of experts, as threefold's --hybrid-layer-pattern builds them (config/hybrid.py):
 
@@ -12,7 +12,8 @@ saves the Hub's `backbone.`, and reads both). The Mamba mixer maps as it is (in_
 no position embeddings (--position-embedding-type none) and q, k, v apart, fused into
 threefold's grouped linear_qkv; MLPs and experts are one projection and a squared ReLU
 (--squared-relu); the experts are routed by DeepSeek-V3's sigmoid scores with expert biases
-(hf/deepseek.py), beside a shared expert of its own size. The Hub's multi-token prediction
+(hf/deepseek.py), beside a shared expert of its own size; Nemotron 3 Super's experts work at
+`moe_latent_size` between two projections (--moe-latent-size). The Hub's multi-token prediction
 module (`mtp.*`) is left out, as transformers leaves it.
 """
 
@@ -46,6 +47,8 @@ KINDS = {
     "mamba": MAMBA,  # (the older names transformers still reads)
     "attention": ATTENTION,
 }
+# Nemotron 3 Super's latent experts' projections (moe_latent_size): megatron-core's names too
+LATENT_PROJECTIONS = ("fc1_latent_proj", "fc2_latent_proj")
 NAMES = {MAMBA: "linear_attention", ATTENTION: "full_attention", MLP: "mlp", MOE: "moe"}
 # the older config names of fields (transformers reads both)
 # the Mamba settings' names in NemotronH's config
@@ -102,7 +105,6 @@ class NemotronHAdapter(Adapter):
                 False,
                 "transformers never ties NemotronH's output layer",
             ),
-            ("moe_latent_size", hf.get("moe_latent_size"), None, "experts at the hidden size"),
         ):
             refuse(value != wanted, field, value, why)
         pattern = _pattern(hf)
@@ -120,6 +122,7 @@ class NemotronHAdapter(Adapter):
             fields.update(
                 moe_layer_freq="1",  # (the pattern's E layers)
                 moe_shared_expert_intermediate_size=hf["moe_shared_expert_intermediate_size"],
+                moe_latent_size=hf.get("moe_latent_size"),
             )
             for name, value in fields.items():
                 setattr(config, name, value)
@@ -183,6 +186,7 @@ class NemotronHAdapter(Adapter):
                 topk_group=config.moe_router_group_topk if groups else 1,
                 norm_topk_prob=config.moe_router_topk > 1,
                 routed_scaling_factor=config.moe_router_topk_scaling_factor or 1.0,
+                moe_latent_size=config.moe_latent_size,
             )
         return hf
 
@@ -220,6 +224,9 @@ class NemotronHAdapter(Adapter):
             ours + "router.weight": take(p + "gate.weight"),
             ours + "router.expert_bias": take(p + "gate.e_score_correction_bias").float(),
         }
+        if config.moe_latent_size:
+            for name in LATENT_PROJECTIONS:
+                out[f"{ours}{name}.weight"] = take(f"{p}{name}.weight")
         stacked = p + "experts.up_proj" in take  # (transformers' in-memory layout)
         if stacked:
             up, down = take(p + "experts.up_proj"), take(p + "experts.down_proj")
@@ -265,6 +272,9 @@ class NemotronHAdapter(Adapter):
                 torch.zeros(config.num_experts) if bias is None else bias.float()
             ),
         }
+        if config.moe_latent_size:
+            for name in LATENT_PROJECTIONS:
+                out[f"{p}{name}.weight"] = state[f"{ours}{name}.weight"]
         for e in range(config.num_experts):
             expert = f"{ours}experts.local_experts.{e}."
             out[f"{p}experts.{e}.up_proj.weight"] = state[expert + "linear_fc1.weight"]

@@ -49,7 +49,8 @@ class ExpertMLP(nn.Module):
         output_init: InitMethod,
     ) -> None:
         super().__init__()
-        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        # (--moe-latent-size: experts between the latent projections, at their width)
+        hidden, ffn = config.moe_latent_size or config.hidden_size, config.moe_ffn_hidden_size
         fc1_out = ffn * (2 if config.gated_linear_unit else 1)
         stride = 2 if config.gated_linear_unit else 1
         self.linear_fc1 = ExpertLinear(

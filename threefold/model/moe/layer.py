@@ -29,6 +29,7 @@ from threefold.model.moe.router import TopKRouter
 from threefold.model.recompute import checkpoint, is_recomputing
 from threefold.parallel.expert_parallel import build_dispatcher
 from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.layers import DuplicatedLinear
 from threefold.parallel.tensor_parallel.sharding import InitMethod, mark_replicated
 
 
@@ -83,6 +84,26 @@ class MoELayer(nn.Module):
     ) -> None:
         super().__init__()
         self.router = TopKRouter(config, parallel, init_method)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if config.moe_latent_size is not None:
+            # --moe-latent-size: the routed experts' tokens go down to the latent width before
+            # the dispatch and come back up after the combine (megatron-core's projections,
+            # Transformer Engine's duplicated linears: whole on every TP rank, each projecting
+            # its own tokens); the all-to-alls and the experts then move and multiply
+            # latent/hidden of what they would. The router and shared expert read the hidden
+            # states as they are.
+            def projection(inputs: int, outputs: int, init: InitMethod) -> DuplicatedLinear:
+                return DuplicatedLinear(
+                    inputs,
+                    outputs,
+                    parallel=parallel,
+                    init_method=init,
+                    bias=config.add_bias_linear,
+                )
+
+            latent, hidden = config.moe_latent_size, config.hidden_size
+            self.fc1_latent_proj = projection(hidden, latent, init_method)
+            self.fc2_latent_proj = projection(latent, hidden, output_layer_init_method)
         self.experts = Experts(config, parallel, init_method, output_layer_init_method)
         self.dispatcher = build_dispatcher(
             config.moe_token_dispatcher_type,
@@ -115,6 +136,8 @@ class MoELayer(nn.Module):
             probs = attach_losses(probs, self.aux_loss_scale, *losses.values())
         if self.training and not is_recomputing():
             self._record(losses, routing_map)
+        if self.fc1_latent_proj is not None:
+            tokens = self.fc1_latent_proj(tokens)
         if self.apply_probs_on_input:
             tokens, probs = probs_on_input(tokens, probs, routing_map)
         shared = self.shared_experts
@@ -128,16 +151,23 @@ class MoELayer(nn.Module):
             output, shared_output = self.dispatcher.combine(
                 expert_output, plan, beside=lambda: shared.finish(intermediate, hidden_states)
             )
-            return output.view(sequence, batch, hidden) + shared_output
+            return self._hidden(output).view(sequence, batch, hidden) + shared_output
         expert_input, plan, _ = self.dispatcher.dispatch(tokens, probs, routing_map)
         expert_output = self.experts(expert_input, plan.counts)
-        output = self.dispatcher.combine(expert_output, plan)[0].view(sequence, batch, hidden)
+        output = self._hidden(self.dispatcher.combine(expert_output, plan)[0])
+        output = output.view(sequence, batch, hidden)
         if self.shared_experts is not None:
             if self.recompute_shared_experts and self.training:
                 output = output + checkpoint(self.shared_experts, hidden_states)
             else:
                 output = output + self.shared_experts(hidden_states)
         return output
+
+    def _hidden(self, combined: torch.Tensor) -> torch.Tensor:
+        """The experts' combined output [T, latent or hidden] at the hidden size."""
+        if self.fc2_latent_proj is None:
+            return combined
+        return self.fc2_latent_proj(combined)
 
     @torch.no_grad()
     def _record(self, losses: dict[str, torch.Tensor], routing_map: torch.Tensor) -> None:

@@ -228,9 +228,35 @@ def _weighted_sum(expert_output: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """Each token's experts' outputs weighted by their probabilities and summed, in the wider
     of the two dtypes (the probabilities' under --moe-router-dtype), returned in the outputs'."""
     dtype = torch.promote_types(expert_output.dtype, plan.probs.dtype)
-    weighted = expert_output.to(dtype) * plan.probs.unsqueeze(-1).to(dtype)
-    out = weighted.new_zeros(plan.num_tokens, expert_output.shape[-1])
-    return out.index_add(0, plan.token_ids, weighted).to(expert_output.dtype)
+    return _WeightedSum.apply(expert_output, plan.probs, plan.token_ids, plan.num_tokens, dtype)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """`_weighted_sum`, keeping for backward the experts' outputs and the probabilities only.
+    Written with autograd's own operations (a product, then index_add) it also kept the
+    weighted products, one more [pairs, hidden] tensor a layer (in the wider dtype: twice the
+    outputs' bytes in a bf16 run under --moe-router-dtype fp32, beside their fp32 copy):
+    index_add's backward saves its source though it reads only its shape. The gradients are
+    the same operations in the same order, so bit for bit the same."""
+
+    @staticmethod
+    def forward(ctx, expert_output, probs, token_ids, num_tokens, dtype):
+        ctx.save_for_backward(expert_output, probs, token_ids)
+        ctx.dtype = dtype
+        weighted = expert_output.to(dtype) * probs.unsqueeze(-1).to(dtype)
+        out = weighted.new_zeros(num_tokens, expert_output.shape[-1])
+        return out.index_add_(0, token_ids, weighted).to(expert_output.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_output, probs, token_ids = ctx.saved_tensors
+        grad = grad.to(ctx.dtype).index_select(0, token_ids)
+        grad_output = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            grad_output = (grad * probs.unsqueeze(-1).to(ctx.dtype)).to(expert_output.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_probs = (grad * expert_output.to(ctx.dtype)).sum(-1).to(probs.dtype)
+        return grad_output, grad_probs, None, None, None
 
 
 def _repeat_blocks(values: torch.Tensor, sizes: list[int], times: int) -> torch.Tensor:

@@ -208,7 +208,7 @@ class DuplicatedLinear(nn.Module):
     each rank projects its own activations, under sequence parallelism its slice of the
     sequence, whose share of A's gradient is then summed over TP (`partial_grads`).
     `whole_sequence`: every rank projects the whole sequence (gathered first) and computes
-    the whole gradient, which is not summed."""
+    the whole gradient, which is not summed. `bias`: b whole too, its gradient as A's."""
 
     def __init__(
         self,
@@ -218,6 +218,7 @@ class DuplicatedLinear(nn.Module):
         parallel: ParallelContext,
         init_method: InitMethod,
         whole_sequence: bool = False,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.fp8 = None  # FP8 GEMMs (threefold/model/fp8.py), with --fp8-format
@@ -228,9 +229,16 @@ class DuplicatedLinear(nn.Module):
             init_method,
             partial_grads=parallel.sequence_parallel and not whole_sequence,
         )
+        self.bias = None
+        if bias:
+            self.bias = mark_replicated(
+                nn.Parameter(torch.empty(output_size)),
+                constant_init(0.0),
+                partial_grads=self.weight.sequence_parallel,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_gemm(self, x, self.weight, None)
+        return linear_gemm(self, x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
