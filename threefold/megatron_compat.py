@@ -96,6 +96,24 @@ ANY_VALUE = {
         str,
         "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",
     ),
+    # Nemotron 3's launch settings (Megatron-LM's test_cases/nemotron)
+    "--high-priority-stream-groups": (
+        str,
+        "it raises the CUDA priority of those groups' NCCL streams; the collectives are the same",
+    ),
+    "--moe-hybridep-num-sms": (
+        int,
+        "it sizes HybridEP's kernels, and --moe-token-dispatcher-type flex runs as alltoall here",
+    ),
+    "--moe-flex-dispatcher-num-sms": (
+        int,
+        "it sizes DeepEP's and HybridEP's kernels, and --moe-token-dispatcher-type flex runs as "
+        "alltoall here",
+    ),
+    "--log-memory-interval": (
+        int,
+        "threefold writes max memory with every log line on CUDA (and to --tensorboard-dir)",
+    ),
 }
 
 # accepted values that do not do what Megatron-LM does with them: named at start-up
@@ -200,6 +218,16 @@ NO_COUNTERPART = {
     "--export-force-local-attention": "it picks megatron-core's local attention in ModelOpt's "
     "model builder, used only for a ModelOpt checkpoint or distillation; threefold's attention "
     "kernel is the > kernels: line's",
+    # Nemotron 3's launch settings (Megatron-LM's test_cases/nemotron)
+    "--use-fused-weighted-squared-relu": "megatron-core's kernel weighs an expert's squared "
+    "ReLU by the token's routing probability before fc2 (its experts have no bias); threefold "
+    "weighs the expert's output after fc2, the same product up to rounding",
+    "--moe-router-padding-for-quantization": "it pads each expert's tokens to a multiple of 16 "
+    "or 32 with tokens of probability 0 for Transformer Engine's FP8 grouped GEMMs; threefold's "
+    "experts take any count, and no output changes",
+    "--log-progress": "Megatron-LM's progress.txt of job throughput is not written; the log "
+    "line carries the same figures",
+    "--log-energy": "GPU energy is not measured",
     "--use-transformer-engine-op-fuser": "it builds the MLP from Transformer Engine's "
     "operation-based API, for that library's fusions of the same function; threefold's MLP "
     "is its own layers, with their own fused kernels (the > kernels: line)",
@@ -302,8 +330,7 @@ MISSING = {
     "--fp8-quantizer-factory": "custom FP8 recipes",
     "--fp8-output-proj": "an FP8 output layer (MXFP8)",
     "--fp4-": "FP4 training",
-    "--mtp-": "multi-token prediction variants (one layer repeated over the depths, hidden-state "
-    "mixing, detached heads, hybrid MTP patterns)",
+    "--mtp-": "multi-token prediction variants (hidden-state mixing, detached heads)",
     "--dsa-": "DeepSeek sparse attention's other options (threefold has --dsa-indexer-n-heads, "
     "-head-dim, -topk, -loss-coeff, -use-sparse-loss, -rope-interleaved and -k-norm-epsilon)",
     # (--fine-grained-activation-offloading and its flags: config/activation_offload.py)

@@ -105,6 +105,12 @@ def test_the_flag_its_alias_its_log_line_and_its_refusal(capsys):
         parse_args(LLAMA_STYLE + TRAINING + ["--fp8-recipe", "tensorwise", "--fp8-margin", "1"])
     refusal = "error: --fp8-recipe and --fp8-margin belong to FP8 training; add --fp8-format"
     assert refusal in capsys.readouterr().err
+    # but the layers kept in bf16, which a bf16 run keeps anyway, are said (Nemotron 3.5's
+    # Megatron-LM config gives them without FP8)
+    kept = ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"]
+    assert not parse_args(LLAMA_STYLE + TRAINING + kept).fp8.enabled
+    note = "WARNING: --first-last-layers-bf16 --num-layers-at-end-in-bf16: no effect without"
+    assert note in capsys.readouterr().out
 
 
 def test_fp8_interval_is_taken_and_named_as_ignored(capsys):

@@ -218,7 +218,7 @@ SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
 @pytest.mark.parametrize(
     "argv,named",
     [
-        (MAMBA, "--mamba-state-dim --mamba-head-dim --mamba-num-groups: Mamba settings"),
+        (MAMBA, "--mamba-state-dim --mamba-head-dim --mamba-num-groups: hybrid settings"),
         (["--hybrid-layer-pattern", "M*D-"], "D marks DeepSeek sparse attention layers"),
         (
             SMALL + ["--experimental-attention-variant", "gdn", "--linear-attention-freq", "2"],
@@ -229,7 +229,7 @@ SMALL = ["--hybrid-layer-pattern", "M*-", *MAMBA]
         (["--hybrid-layer-pattern", "M*E-"], "has mixture-of-experts layers (E): add --num"),
         (SMALL + MOE, "without mixture-of-experts layers"),
         (SMALL + ["--mamba-num-groups", "3"], "--mamba-num-groups 3 must divide the 8"),
-        (SMALL + ["--mtp-num-layers", "1"], "prediction depths are not built here; drop it"),
+        (SMALL + ["--mtp-num-layers", "1"], "write each depth's layers after / in"),
         (SMALL + ["--parallel-attention-mlp"], "side by side (a hybrid stack keeps them"),
         (
             SMALL + ["--mamba-num-groups", "2", "--tensor-model-parallel-size", "4"],

@@ -197,7 +197,8 @@ def test_the_log_carries_each_depths_loss_averaged_over_replicas():
 
 
 @pytest.mark.parametrize(
-    "extra,named", [(["--mtp-use-repeated-layer"], "multi-token prediction variants")]
+    "extra,named",
+    [(["--mtp-hsm"], "multi-token prediction variants"), (["--mtp-detach-heads"], "variants")],
 )
 def test_what_is_not_built_is_refused_in_one_line(capsys, extra, named):
     from threefold.arguments import parse_args

@@ -175,6 +175,10 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         LLAMA_STYLE + WIDE + MAMBA,
         LLAMA_STYLE + LONG + MAMBA + ["--bf16"],
         LLAMA_STYLE + WIDE + WITH_GDN,
+        # two multi-token prediction depths of the pattern's (an attention and an MoE layer),
+        # and in FP8 (their linears and projections)
+        LLAMA_STYLE + WIDE + ["--hybrid-layer-pattern", "M*-EM/*E/*E", *MAMBA[2:]],
+        LLAMA_STYLE + WIDE + FP8 + ["--hybrid-layer-pattern", "M*-EM/*E/*E", *MAMBA[2:]],
         # in_proj and out_proj in FP8, their weights cast once a step
         LLAMA_STYLE + LONG + MAMBA + ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
         LLAMA_STYLE + LONG + SINKS,
@@ -210,6 +214,8 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "hybrid",
         "hybrid-bf16-long",
         "hybrid-gated-delta-nets",
+        "hybrid-mtp",
+        "hybrid-mtp-fp8",
         "hybrid-fp8-rowwise-long",
         "sinks",
         "sinks-bf16-window-wide-heads",

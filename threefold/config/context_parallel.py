@@ -88,7 +88,8 @@ class ContextParallelConfig:
                     f"--context-parallel-size {tp * cp}; each rank runs whole gated delta net "
                     "heads of the whole sequence",
                 )
-        if model.hybrid and "M" in model.hybrid_layers():  # and the scan for a share of its heads
+        # and the scan for a share of its heads
+        if model.hybrid and "M" in model.hybrid_layers_with_mtp():
             for name, count in (("heads", model.mamba_heads()), ("groups", model.mamba_num_groups)):
                 _require(
                     count % (tp * cp) == 0,

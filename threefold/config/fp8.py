@@ -44,6 +44,14 @@ FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 
+# the layers kept in bf16: what a run without FP8 does anyway
+_BF16_LAYERS = (
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
+)
+
+
 @dataclass
 class Fp8Config:
     fp8: str | None = arg(
@@ -107,19 +115,23 @@ class Fp8Config:
 
     def finalize(
         self, num_layers: int, fp16: bool, distributed_optimizer: bool, fsdp: bool = False
-    ) -> None:
+    ) -> list[str]:
         """`distributed_optimizer`: threefold's own (--distributed-strategy megatron); `fsdp`:
-        --distributed-strategy fsdp."""
+        --distributed-strategy fsdp. Returns notes to print."""
         if not self.enabled:
-            # Every FP8 setting: Megatron-LM drops them without --fp8-format; none of its
-            # launch scripts and functional-test configs gives one without it.
-            given = given_flags(self, Fp8Config)
+            # Every FP8 setting: Megatron-LM drops them without --fp8-format. Only the layers
+            # kept in bf16 come in its configs without it (Nemotron 3.5's, "all bf16" anyway):
+            # said; the others, which would change nothing either, refused.
+            kept = given_flags(self, Fp8Config, _BF16_LAYERS)
+            given = [flag for flag in given_flags(self, Fp8Config) if flag not in kept]
             require(
                 not given,
                 f"{' and '.join(given)} belong{'s' if len(given) == 1 else ''} to FP8 training; "
                 f"add --fp8-format e4m3 or hybrid, or drop {'it' if len(given) == 1 else 'them'}",
             )
-            return
+            if kept:
+                return [f"{' '.join(kept)}: no effect without --fp8-format (as in Megatron-LM)"]
+            return []
         require(
             self.fp8_recipe != "mxfp8",
             "--fp8-recipe mxfp8: its microscaling GEMMs need Blackwell GPUs and Transformer "
@@ -150,6 +162,7 @@ class Fp8Config:
                 0 <= count <= num_layers,
                 f"{flag} {count} must be between 0 and --num-layers {num_layers}",
             )
+        return []
 
 
 def experts_in_fp8(config: Fp8Config) -> bool:

@@ -9,7 +9,11 @@ experts of --num-experts), G a gated delta net layer (a norm and megatron-core's
 GatedDeltaNet, its sizes the --linear-* flags: config/linear_attention.py). Unlike a GPT
 layer, each holds one sublayer: "M-M*-" is five layers. `|` cuts the pattern into pipeline
 segments, one model chunk each (more segments than --pipeline-model-parallel-size: virtual
-stages), which threefold runs as the --pipeline-model-parallel-layout of the same chunks.
+stages), which threefold runs as the --pipeline-model-parallel-layout of the same chunks. `/`
+begins the multi-token prediction depths, one pattern each, all alike ("M*M*/*E/*E": two
+depths of an attention and an MoE layer; megatron-core's unified pattern, Nemotron 3 Super's):
+it sets --mtp-num-layers, and each depth's layers run between its projection and final norm
+(model/mtp.py), numbered after the decoder's.
 
 A Mamba mixer projects each token to z, x, B, C and dt (`mamba_sections`): x and the gate z
 are --mamba-num-heads heads of --mamba-head-dim (default: twice the hidden size's worth of
@@ -29,13 +33,9 @@ from threefold.config.fields import ARCHITECTURE, arg, given_flags
 
 GROUP = "hybrid models"
 MAMBA, ATTENTION, MLP, MOE, GDN = "M", "*", "-", "E", "G"
-PIPE = "|"
+PIPE, MTP_SEPARATOR = "|", "/"
 # megatron-core's other symbols, each a layer threefold does not build in a hybrid stack
-_MISSING = {
-    "D": "DeepSeek sparse attention layers",
-    "+": "multi-latent attention layers",
-    "/": "multi-token prediction patterns",
-}
+_MISSING = {"D": "DeepSeek sparse attention layers", "+": "multi-latent attention layers"}
 # megatron-core's MambaMixer: expand (d_inner = 2 x hidden), d_conv
 MAMBA_EXPAND = 2
 MAMBA_CONV_KERNEL = 4
@@ -50,7 +50,14 @@ class HybridConfig:
         group=GROUP,
         aliases=["--hybrid-override-pattern"],
         help="one symbol a layer: M Mamba, * attention, G gated delta net, - MLP, E mixture of "
-        'experts; | between pipeline segments (e.g. "M-M*-|M-M*-"); sets --num-layers',
+        'experts; | between pipeline segments (e.g. "M-M*-|M-M*-"); sets --num-layers; / '
+        'before each multi-token prediction depth\'s layers ("M*M*/*E/*E")',
+    )
+    mtp_hybrid_override_pattern: str | None = arg(
+        None,
+        group=GROUP,
+        help="Megatron-LM's older spelling of a depth's pattern, repeated --mtp-num-layers "
+        "times after / in --hybrid-layer-pattern",
     )
     mamba_state_dim: int = arg(
         128, checkpoint=ARCHITECTURE, group=GROUP, help="size of a Mamba head's state (N)"
@@ -70,13 +77,35 @@ class HybridConfig:
     def hybrid(self) -> bool:
         return self.hybrid_layer_pattern is not None
 
+    def _hybrid_parts(self) -> list[str]:
+        """The decoder's pattern, then each multi-token prediction depth's."""
+        return [part.strip() for part in self.hybrid_layer_pattern.split(MTP_SEPARATOR)]
+
     def hybrid_layers(self) -> str:
-        """One symbol a layer (the pattern without its pipeline cuts)."""
-        return self.hybrid_layer_pattern.replace(PIPE, "").strip()
+        """One symbol a decoder layer (the pattern without its pipeline cuts and depths)."""
+        return self._hybrid_parts()[0].replace(PIPE, "")
+
+    def hybrid_mtp_layers(self) -> str:
+        """One symbol a layer of each multi-token prediction depth ("": none)."""
+        depths = [part for part in self._hybrid_parts()[1:] if part]
+        return depths[0] if depths else ""
+
+    def hybrid_layers_with_mtp(self, depths: int | None = None) -> str:
+        """The decoder's symbols, then each built depth's (`depths`: that many): one a layer
+        number (1-based; model/mtp.py numbers a depth's layers after the decoder's and the
+        earlier depths')."""
+        depths = self.mtp_depths_built() if depths is None else depths
+        return self.hybrid_layers() + self.hybrid_mtp_layers() * depths
+
+    def layer_pattern_with_mtp(self, depths: int | None = None) -> list[int]:
+        """In a hybrid model the E layers of the decoder and of each depth."""
+        if not self.hybrid:
+            return super().layer_pattern_with_mtp(depths)
+        return [int(symbol == MOE) for symbol in self.hybrid_layers_with_mtp(depths)]
 
     def hybrid_segments(self) -> list[int]:
         """The layers of each pipeline segment the pattern's `|` cut (one: no cut)."""
-        return [len(segment.strip()) for segment in self.hybrid_layer_pattern.split(PIPE)]
+        return [len(segment.strip()) for segment in self._hybrid_parts()[0].split(PIPE)]
 
     def hybrid_pipeline_layout(self, pipeline_size: int) -> str | None:
         """The pattern's pipeline segments as a --pipeline-model-parallel-layout, a chunk
@@ -86,13 +115,14 @@ class HybridConfig:
         if len(segments) == 1 or pipeline_size == 1:
             return None
         chunks = ["t" * count for count in segments]
-        chunks[0], chunks[-1] = "E" + chunks[0], chunks[-1] + "L"
+        depths = "m" * (self.mtp_num_layers or 0)  # (beside the loss, as megatron-core's)
+        chunks[0], chunks[-1] = "E" + chunks[0], chunks[-1] + depths + "L"
         return "|".join(chunks)
 
     @property
     def gated_delta_net(self) -> bool:
         """(a hybrid stack's G layers are gated delta nets too)"""
-        return super().gated_delta_net or (self.hybrid and GDN in self.hybrid_layers())
+        return super().gated_delta_net or (self.hybrid and GDN in self.hybrid_layers_with_mtp())
 
     def linear_attention_pattern(self, num_layers: int) -> list[int]:
         """In a hybrid model the G layers are the gated delta nets."""
@@ -119,15 +149,17 @@ class HybridConfig:
         return (inner, inner, states, states, self.mamba_heads())
 
     def finalize_hybrid(self) -> list[str]:
-        """Validate; sets --num-layers from the pattern; returns warnings to print."""
+        """Validate; sets --num-layers (and --mtp-num-layers) from the pattern; returns
+        warnings to print."""
         if not self.hybrid:
-            given = given_flags(self, HybridConfig, _SIZES)
+            given = given_flags(self, HybridConfig, (*_SIZES, "mtp_hybrid_override_pattern"))
             _require(
                 not given,
-                f"{' '.join(given)}: Mamba settings without --hybrid-layer-pattern; add it "
+                f"{' '.join(given)}: hybrid settings without --hybrid-layer-pattern; add it "
                 "(M marks a Mamba layer) or drop them",
             )
             return []
+        warnings = self._unify_mtp_pattern()
         pattern = self.hybrid_layer_pattern
         for symbol, what in _MISSING.items():
             _require(
@@ -135,8 +167,9 @@ class HybridConfig:
                 f"--hybrid-layer-pattern {pattern}: {symbol} marks {what}, which threefold's "
                 "hybrid models do not have; use M, *, G, - and E",
             )
+        warnings += self._check_mtp_depths(pattern)
         layers = self.hybrid_layers()
-        unknown = sorted(set(layers) - {MAMBA, ATTENTION, MLP, MOE, GDN})
+        unknown = sorted(set(layers + self.hybrid_mtp_layers()) - {MAMBA, ATTENTION, MLP, MOE, GDN})
         _require(
             layers and not unknown and all(self.hybrid_segments()),
             f"--hybrid-layer-pattern {pattern}: one symbol a layer, M (Mamba), * (attention), "
@@ -144,6 +177,7 @@ class HybridConfig:
             "segments that each hold a layer"
             + (f"; {' '.join(unknown)} is none of them" if unknown else ""),
         )
+        layers = self.hybrid_layers_with_mtp()
         _require(
             MOE not in layers or self.is_moe,
             f"--hybrid-layer-pattern {pattern} has mixture-of-experts layers (E): add "
@@ -165,7 +199,6 @@ class HybridConfig:
             "--hybrid-layer-pattern's G marks the gated delta net layers; drop them",
         )
         for given, what in (
-            (self.mtp_num_layers, "--mtp-num-layers: a hybrid model's prediction depths"),
             (self.post_sublayer_norm, "--post-sublayer-norm: norms after a hybrid layer's part"),
             (
                 self.parallel_attention_mlp,
@@ -178,17 +211,60 @@ class HybridConfig:
             ),
         ):
             _require(not given, f"{what} are not built here; drop it")
-        warnings = []
-        if self.num_layers != len(layers):
+        decoder = len(self.hybrid_layers())
+        if self.num_layers != decoder:
             if given_flags(self, type(self), ("num_layers",)):
                 warnings.append(
-                    f"--hybrid-layer-pattern {pattern} has {len(layers)} layers: --num-layers "
+                    f"--hybrid-layer-pattern {pattern} has {decoder} layers: --num-layers "
                     f"{self.num_layers} is replaced by that, as Megatron-LM does"
                 )
-            self.num_layers = len(layers)
+            self.num_layers = decoder
         if MAMBA in layers:
             self._check_mamba_sizes()
         return warnings
+
+    def _unify_mtp_pattern(self) -> list[str]:
+        """--mtp-hybrid-override-pattern (Megatron-LM's older spelling) into the pattern's
+        depths, as Megatron-LM converts it."""
+        depth = self.mtp_hybrid_override_pattern
+        if depth is None:
+            return []
+        _require(
+            MTP_SEPARATOR not in self.hybrid_layer_pattern and bool(self.mtp_num_layers),
+            "--mtp-hybrid-override-pattern is a depth's pattern for --mtp-num-layers depths: "
+            "give --mtp-num-layers, and no / in --hybrid-layer-pattern (or write the depths "
+            f"there: {self.hybrid_layer_pattern}/{depth}, ... and drop this flag)",
+        )
+        self.hybrid_layer_pattern += (MTP_SEPARATOR + depth) * self.mtp_num_layers
+        self.mtp_hybrid_override_pattern = None
+        return [
+            f"--mtp-hybrid-override-pattern {depth}: {self.hybrid_layer_pattern} (as Megatron-LM)"
+        ]
+
+    def _check_mtp_depths(self, pattern: str) -> list[str]:
+        """The depths after `/`: alike, without pipeline cuts; they set --mtp-num-layers (a
+        different one is replaced, with Megatron-LM's warning: `finalize_hybrid`)."""
+        parts = self._hybrid_parts()[1:]
+        depth = self.hybrid_mtp_layers()
+        _require(
+            all(part == depth for part in parts) and PIPE not in depth,
+            f"--hybrid-layer-pattern {pattern}: the multi-token prediction depths after / must "
+            "be alike and hold no | (they run on the last pipeline stage)",
+        )
+        depths = len(parts) if depth else 0
+        given = self.mtp_num_layers
+        _require(
+            depths or not given,
+            f"--mtp-num-layers {given} in a hybrid model: write each depth's layers after / in "
+            f"--hybrid-layer-pattern ({pattern}/*E/..., one pattern a depth) or drop it",
+        )
+        self.mtp_num_layers = depths or None
+        if given in (None, depths):
+            return []
+        return [
+            f"--mtp-num-layers {given} and the {depths} depths of --hybrid-layer-pattern "
+            f"{pattern}: the pattern's {depths} are taken, as Megatron-LM does"
+        ]
 
     def _check_mamba_sizes(self) -> None:
         for name in _SIZES:

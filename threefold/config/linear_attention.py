@@ -134,7 +134,7 @@ class LinearAttentionConfig:
             )
             self.linear_attention_pattern(self.num_layers)  # a pattern of the wrong length
             _require(
-                not self.mtp_num_layers,
+                not self.mtp_num_layers or self.hybrid,  # (a hybrid pattern's depths say it)
                 "--mtp-num-layers with gated delta net layers: which attention a prediction "
                 "depth takes is not settled here; drop one",
             )

@@ -364,6 +364,7 @@ class ModelConfig(
     def finalize(self) -> list[str]:
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
         hybrid = self.finalize_hybrid()  # (the pattern sets --num-layers)
+        self.finalize_mtp()
         _require(
             self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "

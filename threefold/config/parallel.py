@@ -563,7 +563,7 @@ def check_tensor_parallel_split(model: ModelConfig, tp: int) -> None:
                 f"--{name.replace('_', '-')} {heads} is not divisible by "
                 f"--tensor-model-parallel-size {tp}; each TP rank runs whole gated delta net heads",
             )
-    if model.hybrid and "M" in model.hybrid_layers():
+    if model.hybrid and "M" in model.hybrid_layers_with_mtp():
         for name, count in (("heads", model.mamba_heads()), ("groups", model.mamba_num_groups)):
             _require(
                 count % tp == 0,

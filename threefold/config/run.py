@@ -112,7 +112,9 @@ class Config:
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )
         fsdp = parallel.distributed_strategy == "fsdp"
-        self.fp8.finalize(self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp)
+        warnings += self.fp8.finalize(
+            self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp
+        )
         if self.model.moe_shared_expert_overlap and self.kernels.compile_layers:
             warnings.append(
                 "--moe-shared-expert-overlap with --compile-layers: each compiled layer runs "

@@ -97,12 +97,13 @@ def convert_to_fp8(
     # Multi-token prediction's layers and projections run in FP8 too (as megatron-core's,
     # in its FP8 context), whatever --first-last-layers-bf16 keeps.
     depths = list(chunk.mtp.layers) if getattr(chunk, "mtp", None) is not None else []
-    for layer in list(chunk.decoder.layers) + [depth.transformer_layer for depth in depths]:
-        if layer.layer_number in keep:
-            continue
-        dense, experts = _layer_linears(layer)
-        if layer.layer_number > num_layers:
-            dense.append(depths[layer.layer_number - num_layers - 1].eh_proj)
+    parts = [
+        _layer_linears(layer) for layer in chunk.decoder.layers if layer.layer_number not in keep
+    ]
+    for depth in depths:
+        parts += [_layer_linears(layer) for layer in depth.inner_layers()]
+        parts.append(([depth.eh_proj], []))
+    for dense, experts in parts:
         for module in dense:
             # Amaxes of sharded tensors are reduced over the ranks holding the shards.
             module.fp8 = Fp8Linear(recipe, parallel.tp_cp, gradient_factor).to(device)

@@ -11,6 +11,9 @@ megatron-core: the positions shift with the tokens (learned position embeddings 
 RoPE's do not; `eh_proj` is column-parallel, its output gathered over TP (and split again
 along the sequence under sequence parallelism); the transformer layer is the last decoder
 layer's kind (MoE when that one is). Names are megatron-core's: `mtp.layers.{k-1}.enorm`, ...
+In a hybrid model (config/hybrid.py) a depth's layers are the pattern's after `/`, a stack in
+place of the transformer layer (megatron-core's HybridStack, `mtp_model_layer.layers.{j}`),
+numbered after the decoder's and the earlier depths'.
 
 The loss of depth k is its mean over the shifted loss mask (its sum under
 --calculate-per-token-loss). It is not returned: it is attached to the main hidden states,
@@ -30,7 +33,7 @@ from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.aux_loss import attach_losses
 from threefold.model.spec import LayerSpec
-from threefold.model.transformer import TransformerLayer
+from threefold.model.transformer import TransformerBlock, TransformerLayer
 from threefold.parallel.context_parallel.sequence import shift_left
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear
@@ -60,12 +63,26 @@ class MultiTokenPredictionLayer(nn.Module):
             2 * hidden, hidden, parallel=parallel, bias=False, init_method=init_method
         )
         last = config.num_layers
-        number = last + depth  # megatron-core numbers the MTP layers after the decoder's
-        if last in spec.moe_layers:  # the last decoder layer's kind
-            spec = dataclasses.replace(spec, moe_layers=spec.moe_layers | {number})
-        self.transformer_layer = TransformerLayer(
-            config, parallel, spec, number, init_method, output_layer_init_method
-        )
+        self.transformer_layer = self.mtp_model_layer = None
+        if config.hybrid:  # (the layers' kinds are in the spec: model/spec.py)
+            count = len(config.hybrid_mtp_layers())
+            self.mtp_model_layer = TransformerBlock(
+                config,
+                parallel,
+                spec,
+                count,
+                last + (depth - 1) * count,
+                init_method,
+                output_layer_init_method,
+                final_layernorm=False,
+            )
+        else:
+            number = last + depth  # megatron-core numbers the MTP layers after the decoder's
+            if last in spec.moe_layers:  # the last decoder layer's kind
+                spec = dataclasses.replace(spec, moe_layers=spec.moe_layers | {number})
+            self.transformer_layer = TransformerLayer(
+                config, parallel, spec, number, init_method, output_layer_init_method
+            )
         self.final_layernorm = spec.norm(config, hidden, sequence_parallel)
 
     def forward(
@@ -79,8 +96,14 @@ class MultiTokenPredictionLayer(nn.Module):
         hidden_states = gather_from_tensor_parallel_region(self.eh_proj(both), self.tp)
         if self.sequence_parallel:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.tp)
-        hidden_states = self.transformer_layer(hidden_states, rotary, attention_mask)
-        return self.final_layernorm(hidden_states)
+        layers = self.transformer_layer or self.mtp_model_layer
+        return self.final_layernorm(layers(hidden_states, rotary, attention_mask))
+
+    def inner_layers(self) -> list[nn.Module]:
+        """The depth's transformer layer, or its hybrid stack's layers."""
+        if self.transformer_layer is not None:
+            return [self.transformer_layer]
+        return list(self.mtp_model_layer.layers)
 
 
 class MultiTokenPredictionBlock(nn.Module):
@@ -95,12 +118,14 @@ class MultiTokenPredictionBlock(nn.Module):
         output_layer_init_method: InitMethod,
     ) -> None:
         super().__init__()
+        # (--mtp-use-repeated-layer: the first depth's layer runs for every depth)
         self.layers = nn.ModuleList(
             MultiTokenPredictionLayer(
                 config, parallel, spec, depth, init_method, output_layer_init_method
             )
-            for depth in range(1, config.mtp_num_layers + 1)
+            for depth in range(1, config.mtp_depths_built() + 1)
         )
+        self.depths = config.mtp_num_layers
         self.weight = config.mtp_loss_scaling_factor / config.mtp_num_layers
         self.vocab_size, self.tp, self.cp = config.vocab_size, parallel.tp, parallel.cp
         # Set by the trainer each step (training/mtp_losses.py).
@@ -128,7 +153,8 @@ class MultiTokenPredictionBlock(nn.Module):
         loss_mask = torch.ones_like(labels) if loss_mask is None else loss_mask
         main, depth_hidden, losses = hidden_states, hidden_states, []
         cp = self.cp
-        for layer in self.layers:
+        for depth in range(self.depths):
+            layer = self.layers[min(depth, len(self.layers) - 1)]
             input_ids, positions, labels, loss_mask = shift_left(
                 [input_ids, positions, labels, loss_mask], cp
             )

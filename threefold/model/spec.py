@@ -87,13 +87,18 @@ def layer_spec(config: ModelConfig, parallel: ParallelContext) -> LayerSpec:
         return frozenset(i + 1 for i, chosen in enumerate(pattern) if chosen)
 
     parts = {
-        "hybrid": config.hybrid_layers() if config.hybrid else None,
+        "hybrid": None,
         "moe_layers": layers(config.moe_layer_pattern(config.num_layers)),
         "linear_layers": layers(config.linear_attention_pattern(config.num_layers)),
         "window": config.attention_window(),
         "window_layers": layers(config.window_pattern(config.num_layers)),
         "no_rope_layers": layers(config.no_rope_pattern(config.num_layers)),
     }
+    if config.hybrid:  # (the symbols of the multi-token prediction depths' layers too)
+        symbols = config.hybrid_layers_with_mtp()
+        parts["hybrid"] = symbols
+        parts["moe_layers"] = layers([symbol == MOE for symbol in symbols])
+        parts["linear_layers"] = layers([symbol == GDN for symbol in symbols])
     attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
     if parallel.cp.size > 1:
         attention = functools.partial(attention, core_attention=context_parallel)

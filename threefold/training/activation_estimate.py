@@ -462,7 +462,11 @@ def _layer_kind(model: ModelConfig, layer: int, linear: list[int]) -> dict:
     in a hybrid stack its symbol and whether it holds experts."""
     if not model.hybrid:
         return {"linear": bool(linear[layer])}
-    symbol = model.hybrid_layers()[layer]
+    return _symbol_kind(model.hybrid_layers_with_mtp()[layer])
+
+
+def _symbol_kind(symbol: str) -> dict:
+    """`layer_activation_bytes`'s keywords for a hybrid stack's layer of `symbol`."""
     if symbol == GDN:  # (an attention-only layer, its attention a gated delta net)
         return {"symbol": ATTENTION, "moe": False, "linear": True}
     return {"symbol": symbol, "moe": symbol == MOE}
@@ -541,19 +545,26 @@ def _output_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int)
 
 def _mtp_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) -> int:
     """Each multi-token prediction depth: its embeddings (enorm's input), both norms'
-    statistics, eh_proj's input [2h], its layer, and a final norm, output layer and loss as
-    the model's own; the shifted tokens, positions, labels and mask."""
+    statistics, eh_proj's input [2h], its layer (a hybrid model's: its pattern's layers), and
+    a final norm, output layer and loss as the model's own; the shifted tokens, positions,
+    labels and mask."""
     model = config.model
     depths = model.mtp_num_layers or 0
     if not depths:
         return 0
     h, stats = model.hidden_size, 1 if model.normalization == "RMSNorm" else 2
     last_moe = bool(model.moe_layer_pattern(model.num_layers)[-1])
+    layers = layer_activation_bytes(config, fp8=config.fp8.enabled, moe=last_moe)
+    if model.hybrid:  # (a depth's pattern of layers)
+        layers = sum(
+            layer_activation_bytes(config, fp8=config.fp8.enabled, **_symbol_kind(symbol))
+            for symbol in model.hybrid_mtp_layers()
+        )
     per_depth = (
         e * s * b * h // sigma
         + 2 * 4 * stats * s * b // sigma
         + e * s * b * 2 * h // sigma
-        + layer_activation_bytes(config, fp8=config.fp8.enabled, moe=last_moe)
+        + layers
         + _output_activation_bytes(config, s, b, sigma, e)
         + 3 * 8 * s * b
         + 4 * s * b

@@ -49,15 +49,17 @@ def training_flops_per_iteration(
     depths = config.mtp_num_layers or 0
     per_token_forward = 0
     linear = config.linear_attention_pattern(config.num_layers)
-    symbols = config.hybrid_layers() if config.hybrid else ""
-    for layer, is_moe in enumerate(config.layer_pattern_with_mtp()):
+    # (a hybrid model's multi-token prediction depths: their patterns' layers; every depth
+    # computes, its weights shared or not)
+    symbols = config.hybrid_layers_with_mtp(depths) if config.hybrid else ""
+    for layer, is_moe in enumerate(config.layer_pattern_with_mtp(depths)):
         symbol = symbols[layer] if layer < len(symbols) else None
         if symbol == "M":  # a hybrid stack's layers hold one part each
             per_token_forward += mamba_flops_per_token(config)
             continue
         if symbol in ("-", "E"):
             pass
-        elif layer < len(linear) and linear[layer]:
+        elif symbol == "G" or (symbol is None and layer < len(linear) and linear[layer]):
             per_token_forward += gated_delta_net_flops_per_token(config)
         else:
             per_token_forward += qkv + projection + attention

@@ -197,8 +197,8 @@ def stage_expert_parameters(model: ModelConfig, parallel: ParallelConfig, stage:
         model, parallel.expert_tensor_parallel_size
     )
     layers = sum(pattern[layer] for layer in _stage_layers(model, parallel, stage))
-    if stage == parallel.pipeline_model_parallel_size - 1 and pattern[-1]:
-        layers += model.mtp_num_layers or 0  # MTP layers: the last layer's kind
+    if stage == parallel.pipeline_model_parallel_size - 1:  # MTP layers (model/mtp.py)
+        layers += sum(model.layer_pattern_with_mtp()[model.num_layers :])
     return per_layer * layers
 
 
@@ -253,7 +253,9 @@ def stage_fp8_weights(config: Config, stage: int) -> int:
     if stage == parallel.pipeline_model_parallel_size - 1 and config.fp8.enabled:
         # multi-token prediction's layers and projections (model/fp8.py)
         depth = attention + (moe if pattern[-1] else mlp) + 2 * h * h // tp
-        count += (model.mtp_num_layers or 0) * depth
+        if model.hybrid:  # (a depth's pattern)
+            depth = sum(parts[s](None) for s in model.hybrid_mtp_layers()) + 2 * h * h // tp
+        count += model.mtp_depths_built() * depth
     return count
 
 
@@ -291,9 +293,10 @@ def stage_parameters(
 
 def _mtp_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: int) -> int:
     """The last stage's multi-token prediction depths (model/mtp.py): each a layer of the last
-    layer's kind, eh_proj [h, 2h] split over TP and three norms; under PP its copy of the
-    embedding (beside an untied output layer; a tied one's copy is that copy)."""
-    depths = model.mtp_num_layers or 0
+    layer's kind (a hybrid model's: the layers of a depth's pattern), eh_proj [h, 2h] split over
+    TP and three norms; under PP its copy of the embedding (beside an untied output layer; a
+    tied one's copy is that copy)."""
+    depths = model.mtp_depths_built()
     if not depths:
         return 0
     tp, h = parallel.tensor_model_parallel_size, model.hidden_size
@@ -301,6 +304,11 @@ def _mtp_parameters(model: ModelConfig, parallel: ParallelConfig, padded_vocab: 
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     norm = h * _per_feature(model)
     layer = _layer_parameters(model, tp, last_moe, ep, etp)
+    if model.hybrid:
+        layer = sum(
+            _layer_parameters(model, tp, s == MOE, ep, etp, s == GDN, s)
+            for s in model.hybrid_mtp_layers()
+        )
     count = depths * (layer + 2 * h * h // tp + 3 * norm)
     if parallel.pipeline_model_parallel_size > 1:
         if model.untie_embeddings_and_output_weights:

@@ -64,6 +64,13 @@ _LATENT = (
 )
 
 
+_REPEATED = (
+    "Megatron-LM checkpoints of a repeated multi-token prediction layer "
+    "(--mtp-use-repeated-layer) are not read or written yet: megatron-core 0.16.1, which the "
+    "tests check the layout against, builds every depth"
+)
+
+
 def legacy_format(path: str) -> str | None:
     """Why an iter_N directory in Megatron-LM's legacy `--ckpt-format torch` (a pickled
     model_optim_rng.pt per model-parallel rank) is not loaded, else None."""
@@ -104,6 +111,8 @@ def _model_config(args: dict, source: str) -> dict:
         )
     if args.get("moe_latent_size"):
         raise ConfigError(f"{source}: {_LATENT} (moe_latent_size = {args['moe_latent_size']})")
+    if args.get("mtp_use_repeated_layer"):
+        raise ConfigError(f"{source}: {_REPEATED}")
     for name, allowed, what in _UNSUPPORTED:
         value = args.get(name)
         if value is None or value == allowed or (allowed is None and not value):
@@ -332,6 +341,8 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         )
     if model.moe_latent_size:
         raise ConfigError(_LATENT)
+    if model.mtp_use_repeated_layer:
+        raise ConfigError(_REPEATED)
     beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
     if beyond:
         raise ConfigError(
