@@ -1,6 +1,6 @@
 """Megatron-LM's own functional-test configs against threefold's command line.
 
-Reads every `tests/functional_tests/test_cases/{gpt,moe,hybrid}/*/model_config.yaml` of a
+Reads every `tests/functional_tests/test_cases/{gpt,moe,hybrid,nemotron}/*/model_config.yaml` of a
 Megatron-LM checkout, turns its MODEL_ARGS into a pretrain_gpt.py command line the way the test
 harness does, makes it runnable on a CPU, and parses it with threefold: each config either
 parses (the run would start) or stops in one line naming what is missing. A generic argparse
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DROPPED = {"--data-path", "--vocab-file", "--merge-file", "--tokenizer-model", "--data-cache-path"}
 PATHS = {"--save", "--load", "--tensorboard-dir", "--wandb-save-dir", "--profile-dir"}
-KINDS = ("gpt", "moe", "hybrid")  # the test_cases folders surveyed
+KINDS = ("gpt", "moe", "hybrid", "nemotron")  # the test_cases folders surveyed
 HARNESS = {"${REPEAT}": "1"}  # variables the test harness substitutes
 SHRUNK = {
     "--hidden-size": "64",
