@@ -51,12 +51,21 @@ def _smaller_batches(argv: list[str], micro_batch_size: int = 4) -> list[str]:
     return argv
 
 
+def _in_process_loading(argv: list[str]) -> list[str]:
+    """--num-workers 0: the test's ranks are daemon processes, which may not start the data
+    loader's worker processes (a launched run's ranks start them as the config asks)."""
+    if "--num-workers" in argv:
+        argv = list(argv)
+        argv[argv.index("--num-workers") + 1] = "0"
+    return argv
+
+
 @pytest.mark.parametrize("name", TRAINS)
 def test_config_trains_at_its_layout(name, tmp_path):
     argv = megatron_configs.command_line(CONFIGS[name]["MODEL_ARGS"], str(tmp_path))
     kind, message = megatron_configs.outcome(argv)
     assert kind == "parses", message
-    argv = _smaller_batches(argv)
+    argv = _in_process_loading(_smaller_batches(argv))
     losses = run_distributed(megatron_configs.world_size(argv), _train, argv)[-1]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert losses[0] == pytest.approx(math.log(1024), rel=0.05)  # a fresh model's loss

@@ -228,6 +228,15 @@ NO_COUNTERPART = {
     "--log-progress": "Megatron-LM's progress.txt of job throughput is not written; the log "
     "line carries the same figures",
     "--log-energy": "GPU energy is not measured",
+    "--te-rng-tracker": "it draws the model-parallel RNG streams with Transformer Engine's "
+    "tracker (which CUDA graphs need); threefold's streams are its own either way",
+    "--ckpt-fully-parallel-load-per-rank-objects": "each rank reads what it holds, RNG states "
+    "included, from the checkpoint directly; there is no object exchange to skip",
+    "--no-ckpt-load-validate-sharding-integrity": "it skips megatron-core's check that a saved "
+    "tensor's shards cover it; threefold checks that as it reads each tensor (a missing shard "
+    "stops the load in one line)",
+    "--ckpt-drop-redundant-extra-state": "threefold writes no Transformer Engine _extra_state; "
+    "its delayed-scaling amax histories and scales are tensors of their own in the checkpoint",
     "--use-transformer-engine-op-fuser": "it builds the MLP from Transformer Engine's "
     "operation-based API, for that library's fusions of the same function; threefold's MLP "
     "is its own layers, with their own fused kernels (the > kernels: line)",
@@ -335,7 +344,6 @@ MISSING = {
     "-head-dim, -topk, -loss-coeff, -use-sparse-loss, -rope-interleaved and -k-norm-epsilon)",
     # (--fine-grained-activation-offloading and its flags: config/activation_offload.py)
     "--delay-offload-until-cuda-graph": "CUDA graphs",
-    "--te-rng-tracker": "Transformer Engine's RNG tracker (for CUDA graphs)",
     # (--use-megatron-fsdp and its sharding and dtype flags run as FSDP2: config/megatron_fsdp.py)
     "--megatron-fsdp-": "Megatron-FSDP's other options",
     "--lion-": "the Lion optimizer (threefold has adam and muon)",
@@ -366,8 +374,6 @@ MISSING = {
     "--enable-ft-package": "the fault-tolerance package (NVIDIA Resiliency Extension)",
     "--calc-ft-timeouts": "the fault-tolerance package (NVIDIA Resiliency Extension)",
     "--ft-num-warmup-iters": "the fault-tolerance package (NVIDIA Resiliency Extension)",
-    "--check-for-large-grads": "the rerun machine's check for large gradients (threefold "
-    "checks for NaN and Inf: --check-for-nan-in-loss-and-grad)",
     "--yaml-cfg": "YAML configuration files (give the flags)",
     "--hybrid-": "other layouts of a hybrid model (threefold takes --hybrid-layer-pattern)",
     "--mamba-": "other Mamba options (threefold has --mamba-state-dim, -head-dim, -num-groups "

@@ -108,6 +108,12 @@ class Config:
         check_recompute_kernels(self)
         check_offload_run(self)
         check_ep_overlap(self)
+        _require(
+            not training.check_for_large_grads or parallel.distributed_strategy == "megatron",
+            "--check-for-large-grads looks at the gradient buckets of threefold's data "
+            "parallelism before their reduction (Megatron-LM's DDP's); PyTorch DDP and FSDP2 "
+            "reduce on their own: use --distributed-strategy megatron or drop it",
+        )
         distributed_optimizer = (
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )

@@ -226,6 +226,11 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
         help="compare the replicas' weights every iteration, and the weights each "
         "tensor-parallel rank holds whole (norms) across TP too",
     )
+    check_for_large_grads: bool = arg(
+        False,
+        help="report a gradient bucket whose norm on this rank, before its reduction, is 10x "
+        "the largest of the first 100 (Megatron-LM's check, which warns unless reruns validate)",
+    )
     check_for_spiky_loss: bool = arg(
         False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
     )  # log batches whose loss jumps (see training/numerics)
@@ -583,6 +588,12 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
         )
         _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
         self._check_rerun_mode()
+        _require(
+            not (self.check_for_large_grads and self.rerun_mode == "validate_results"),
+            "--check-for-large-grads with --rerun-mode validate_results: Megatron-LM would "
+            "rerun such an iteration; threefold's reruns validate losses only, and report large "
+            "gradients without them: drop one",
+        )
         if self.test_mode and self.check_weight_hash_across_dp_replicas_interval is None:
             self.check_weight_hash_across_dp_replicas_interval = 1  # every iteration
         interval = self.check_weight_hash_across_dp_replicas_interval

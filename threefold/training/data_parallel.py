@@ -161,6 +161,7 @@ class MegatronDataParallel:
         ]
         for buffer in self.buffers:
             buffer.check_finite = training.check_for_nan_in_loss_and_grad
+            buffer.check_norms = training.check_for_large_grads
         matrices = None
         if training.optimizer == "muon":
             matrices = muon_matrices(named, config.model, parallel, training)
@@ -207,6 +208,11 @@ class MegatronDataParallel:
         (a device bool; under --overlap-grad-reduce each bucket was looked at as its
         reduction started)."""
         return torch.stack([buffer.local_grads_finite() for buffer in self.buffers]).all()
+
+    def local_bucket_norms(self) -> list[torch.Tensor]:
+        """This rank's norm of each bucket before the reduction, buffer by buffer (the
+        model's, the FP8 weights', the experts')."""
+        return [norm for buffer in self.buffers for norm in buffer.local_bucket_norms()]
 
     def gradient_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buffers)

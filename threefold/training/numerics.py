@@ -8,6 +8,12 @@ in one all-reduce, so all of them stop at the same iteration, and the message na
 where the first non-finite value appeared. Nothing is saved after that: the last checkpoint is
 the last good state. (fp16 runs do not need it: the loss scaler skips such steps and backs off.)
 
+`--check-for-large-grads` (Megatron-LM's, as its rerun state machine runs it when reruns are
+disabled: a warning, the run goes on): each step, each gradient bucket's L2 norm on this rank
+before its reduction; the first 100 norms (bucket by bucket, step by step) set the largest
+expected, and from then on a norm of 10 times that or more is reported by the rank that saw
+it, in Megatron-LM's words.
+
 `--check-for-spiky-loss` (also Megatron's flag, here reporting only): a loss above
 `--spiky-loss-factor` times the mean of the recent finite losses is logged with the global batch
 and the sample indices it was computed on, so the batch can be inspected.
@@ -15,6 +21,8 @@ and the sample indices it was computed on, so the batch can be inspected.
 
 from __future__ import annotations
 
+import math
+import os
 from collections import deque
 
 import torch
@@ -82,3 +90,33 @@ class SpikyLossDetector:
             )
         self.recent.append(loss)
         return None
+
+
+class LargeGradsDetector:
+    """Megatron-LM's `is_unexpectedly_large(threshold=10, context="grads")` over the bucket
+    norms: its first `samples` values set the largest, after which a value of `threshold`
+    times that is flagged. NaN and Inf are --check-for-nan-in-loss-and-grad's."""
+
+    def __init__(self, rank: int, threshold: float = 10.0, samples: int = 100) -> None:
+        self.rank, self.threshold, self.samples = rank, threshold, samples
+        self.seen, self.largest = 0, 0.0
+
+    def observe(self, norms: list[torch.Tensor], iteration: int) -> list[str]:
+        """Reports of this iteration's unexpectedly large bucket norms (one host sync)."""
+        values = torch.stack(norms).tolist() if norms else []
+        reports = []
+        for bucket, value in enumerate(values):
+            value = math.fabs(value)
+            if not math.isfinite(value):
+                continue
+            if self.seen < self.samples:
+                self.seen += 1
+                self.largest = max(self.largest, value)
+                continue
+            if value >= self.largest * self.threshold:
+                reports.append(
+                    f"Rank {self.rank}, node {os.uname()[1]}, iteration {iteration}: Unexpected "
+                    f"result {value:.6E} (message='found unexpected large grads in bucket "
+                    f"#{bucket} in backward pass before data-parallel communication collective')"
+                )
+        return reports

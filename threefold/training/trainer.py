@@ -40,7 +40,7 @@ from threefold.training.indexer_losses import IndexerLosses
 from threefold.training.logging import progress
 from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.mtp_losses import MTPLosses
-from threefold.training.numerics import NonFiniteError, check_loss_and_grads
+from threefold.training.numerics import LargeGradsDetector, NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
 from threefold.training.replica_check import ReplicaCheck, ReplicaMismatchError
 from threefold.training.rerun import IterationState, RerunExit, ResultValidation
@@ -108,6 +108,9 @@ class Trainer:
         # (what the first step's forward passes planned to offload: printed once it is known)
         self._offloading_unreported = model.fine_grained_activation_offloading
         self.validation = ResultValidation(training, parallel.world, device)
+        self.large_grads = None  # --check-for-large-grads
+        if training.check_for_large_grads:
+            self.large_grads = LargeGradsDetector(parallel.world.rank)
         self.replica_check = ReplicaCheck(
             training.check_weight_hash_across_dp_replicas_interval,
             parallel,
@@ -228,6 +231,9 @@ class Trainer:
             raise
         if training.check_for_nan_in_loss_and_grad:
             check_loss_and_grads(losses, data_parallel.local_grads_finite(), iteration)
+        if self.large_grads is not None:
+            for report in self.large_grads.observe(data_parallel.local_bucket_norms(), iteration):
+                print(report, flush=True)
         if self.moe_statistics is not None:  # (after any rerun: the step's own counts)
             self.moe_statistics.after_iteration(num_microbatches)
         if self.mtp_losses is not None:

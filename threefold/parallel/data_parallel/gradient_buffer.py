@@ -139,8 +139,9 @@ class GradientBuffer:
             param.register_post_accumulate_grad_hook(accumulate)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.reduce_scatter = False  # set by the distributed optimizer
-        # --check-for-nan-in-loss-and-grad: look at each bucket before its reduction starts
-        self.check_finite = False
+        # --check-for-nan-in-loss-and-grad, --check-for-large-grads: look at each bucket before
+        # its reduction starts
+        self.check_finite = self.check_norms = False
         self._gather_handles: dict[int, object] = {}
         self.start_step(num_microbatches=1)
 
@@ -191,6 +192,7 @@ class GradientBuffer:
             self._pending[self._bucket_of[param]] += 1
         self._handles: dict[int, tuple[object, torch.Tensor | None]] = {}
         self._nonfinite: list[torch.Tensor] = []
+        self._norms: dict[int, torch.Tensor] = {}
 
     def _accumulate(self, param: torch.Tensor) -> None:
         added = getattr(param, "grad_added_to_main_grad", False)  # --gradient-accumulation-fusion
@@ -210,10 +212,15 @@ class GradientBuffer:
             bucket = self._bucket_of[param]
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
-                if self.check_finite:  # this rank's own values, before the reduction
-                    start, end = self.buckets[bucket]
-                    self._nonfinite.append(~torch.isfinite(self.buffer[start:end]).all())
+                self._look_at(bucket)  # this rank's own values, before the reduction
                 self._launch(bucket)
+
+    def _look_at(self, bucket: int) -> None:
+        start, end = self.buckets[bucket]
+        if self.check_finite:
+            self._nonfinite.append(~torch.isfinite(self.buffer[start:end]).all())
+        if self.check_norms:
+            self._norms[bucket] = self.buffer[start:end].norm(p=2)
 
     def bucket_of(self, param: nn.Parameter) -> int:
         return self._bucket_of[param]
@@ -278,6 +285,14 @@ class GradientBuffer:
             if (start, end) not in launched
         ]
         return ~torch.stack(flags).any() if flags else torch.ones((), dtype=torch.bool)
+
+    def local_bucket_norms(self) -> list[torch.Tensor]:
+        """Each bucket's L2 norm of this rank's own gradients before the reduction (Megatron-LM's
+        `check_grads`): those --overlap-grad-reduce launched were taken as they launched."""
+        return [
+            self._norms[bucket] if bucket in self._norms else self.buffer[start:end].norm(p=2)
+            for bucket, (start, end) in enumerate(self.buckets)
+        ]
 
     def finish_grad_sync(self) -> None:
         """Wait for the buckets launched during backward (overlap), and reduce the others."""
