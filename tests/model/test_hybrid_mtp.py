@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_distributed
+from tests.model.test_mamba import LAYOUTS as MAMBA_LAYOUTS
 from tests.model.test_mamba import MAMBA
 from tests.parallel.test_expert_parallel import MOE
 from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
@@ -53,11 +54,7 @@ def test_megatron_lms_older_spelling_becomes_the_unified_pattern(capsys):
 
 LAYOUTS = {
     # the pattern's two segments, the depths on the last stage beside the loss
-    "tp2-sp-pp2": (
-        4,
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-        + ["--pipeline-model-parallel-size", "2"],
-    ),
+    "tp2-sp-pp2": MAMBA_LAYOUTS["tp2-sp-pp2"],
     # the depths' Mamba layers' all-to-all over CP, their experts over EP
     "cp2-ep2": (2, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     "ep2-dp2-distributed-optimizer": (

@@ -11,6 +11,7 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.model.test_hybrid_mtp import BASE, PATTERN
+from tests.model.test_hybrid_mtp import LAYOUTS as HYBRID_LAYOUTS
 from tests.parallel.test_expert_parallel import MOE
 from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
 from threefold.arguments import parse_args
@@ -53,17 +54,7 @@ def test_the_repeated_layer_is_separate_depths_holding_its_weights():
             torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-7)
 
 
-LAYOUTS = {
-    "tp2-sp-pp2": (
-        4,
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-        + ["--pipeline-model-parallel-size", "2"],
-    ),
-    "ep2-dp2-distributed-optimizer": (
-        4,
-        ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-    ),
-}
+LAYOUTS = {name: HYBRID_LAYOUTS[name] for name in ("tp2-sp-pp2", "ep2-dp2-distributed-optimizer")}
 
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid"])
