@@ -1,10 +1,10 @@
 """The training-loop config: batch sizes, schedule, optimizer, precision, exit conditions and
-memory hygiene (torch-free: flags are parsed before torch loads)."""
+memory hygiene (torch-free: flags are parsed before torch loads); the checks on what a step
+computes are config/result_checks.py's."""
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
@@ -12,13 +12,13 @@ from threefold.config.evaluation import EvaluationConfig
 from threefold.config.fields import arg
 from threefold.config.muon import MuonConfig
 from threefold.config.precision_aware import PrecisionAwareConfig
+from threefold.config.result_checks import ResultChecksConfig
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
-RERUN_MODES = ("disabled", "validate_results", "report_stats")
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
@@ -33,7 +33,7 @@ def _count(text: str) -> int | None:
 
 
 @dataclass
-class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
+class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig, ResultChecksConfig):
     micro_batch_size: int = arg(
         1, minimum=1, help="samples per forward/backward on each data-parallel rank"
     )
@@ -188,54 +188,6 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
     )
     exit_signal_handler: bool = arg(
         False, help="on SIGTERM or SIGUSR1: finish the iteration, save (with --save) and exit 0"
-    )
-    # On by default, as in Megatron-LM: stop at the first inf/nan loss or gradient, naming the
-    # rank (off under fp16's dynamic loss scaling, whose overflows are skipped steps).
-    check_for_nan_in_loss_and_grad: bool = arg(
-        True,
-        flag="--no-check-for-nan-in-loss-and-grad",
-        help="do not stop at the first non-finite loss or NaN gradient",
-    )
-    check_weight_hash_across_dp_replicas_interval: int | None = arg(
-        None,
-        help="every N iterations (and before the first) compare the data-parallel replicas' "
-        "weights by digest and stop, naming what differs, if they are not the same",
-        metavar="N",
-    )
-    # Megatron-LM's rerun state machine (training/rerun.py); Megatron-LM's default is
-    # validate_results, threefold's stops at the first bad loss as it always has.
-    rerun_mode: str = arg(
-        "disabled",
-        choices=RERUN_MODES,
-        help="validate_results: rerun an iteration whose loss is NaN or Inf to tell a device "
-        "fault (exit 17, or 16 to resume elsewhere) from the model's; disabled: stop at once",
-    )
-    error_injection_rate: int = arg(
-        0, help="with validate_results: pretend one in this many results is bad (tests)"
-    )
-    error_injection_type: str = arg(
-        "transient_error",
-        choices=("correct_result", "transient_error", "persistent_error"),
-        help="what an injected bad result turns out to be",
-    )
-    result_rejected_tracker_filename: str | None = arg(
-        None, help="with validate_results: append a line per rejected result to this file"
-    )
-    test_mode: bool = arg(
-        False,
-        help="compare the replicas' weights every iteration, and the weights each "
-        "tensor-parallel rank holds whole (norms) across TP too",
-    )
-    check_for_large_grads: bool = arg(
-        False,
-        help="report a gradient bucket whose norm on this rank, before its reduction, is 10x "
-        "the largest of the first 100 (Megatron-LM's check, which warns unless reruns validate)",
-    )
-    check_for_spiky_loss: bool = arg(
-        False, help="log the batch of any loss above --spiky-loss-factor x the recent mean"
-    )  # log batches whose loss jumps (see training/numerics)
-    spiky_loss_factor: float = arg(
-        10.0, help="with --check-for-spiky-loss: how many times the recent mean is a spike"
     )
     # Megatron's memory hygiene (training/memory_hygiene.py): Python's collector driven by hand,
     # and the CUDA caching allocator emptied at level 1 after each step and evaluation, at 2
@@ -544,33 +496,6 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
                 iterations += 1
         return iterations + max(train_samples - consumed, 0) // self.global_batch_size
 
-    def _check_rerun_mode(self) -> None:
-        _require(
-            self.rerun_mode != "report_stats",
-            "--rerun-mode report_stats (rerunning every iteration to measure nondeterminism) "
-            "is not implemented; use validate_results or disabled",
-        )
-        validating = self.rerun_mode == "validate_results"
-        _require(self.error_injection_rate >= 0, "--error-injection-rate must be >= 0")
-        _require(
-            validating
-            or (self.error_injection_rate == 0 and not self.result_rejected_tracker_filename),
-            "--error-injection-rate and --result-rejected-tracker-filename belong to "
-            "--rerun-mode validate_results; add it or drop them",
-        )
-        _require(
-            not validating or self.check_for_nan_in_loss_and_grad,
-            "--rerun-mode validate_results validates the losses --check-for-nan-in-loss-and-grad "
-            "checks; drop --no-check-for-nan-in-loss-and-grad (under fp16 dynamic loss scaling "
-            "a bad loss is a skipped step instead)",
-        )
-        tracker = self.result_rejected_tracker_filename
-        where = os.path.dirname(os.path.abspath(tracker)) if tracker else None
-        _require(
-            where is None or os.access(where, os.W_OK),
-            f"--result-rejected-tracker-filename {tracker}: {where} is not a writable directory",
-        )
-
     def _check_limits(self) -> None:
         _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
         _require(self.initial_loss_scale > 0, "--initial-loss-scale must be positive")
@@ -586,19 +511,5 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig):
             self.exit_duration_in_mins is None or self.exit_duration_in_mins > 0,
             "--exit-duration-in-mins must be positive",
         )
-        _require(self.spiky_loss_factor > 1, "--spiky-loss-factor must be above 1")
-        self._check_rerun_mode()
-        _require(
-            not (self.check_for_large_grads and self.rerun_mode == "validate_results"),
-            "--check-for-large-grads with --rerun-mode validate_results: Megatron-LM would "
-            "rerun such an iteration; threefold's reruns validate losses only, and report large "
-            "gradients without them: drop one",
-        )
-        if self.test_mode and self.check_weight_hash_across_dp_replicas_interval is None:
-            self.check_weight_hash_across_dp_replicas_interval = 1  # every iteration
-        interval = self.check_weight_hash_across_dp_replicas_interval
-        _require(
-            interval is None or interval >= 1,
-            "--check-weight-hash-across-dp-replicas-interval must be >= 1",
-        )
+        self.finalize_result_checks()
         _require(self.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
