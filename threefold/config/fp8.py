@@ -94,10 +94,10 @@ class Fp8Config:
         False, help="keep the first and last transformer layers in the run's precision"
     )
     num_layers_at_start_in_bf16: int = arg(
-        1, help="layers at the start kept out of FP8 with --first-last-layers-bf16"
+        1, minimum=0, help="layers at the start kept out of FP8 with --first-last-layers-bf16"
     )
     num_layers_at_end_in_bf16: int = arg(
-        1, help="layers at the end kept out of FP8 with --first-last-layers-bf16"
+        1, minimum=0, help="layers at the end kept out of FP8 with --first-last-layers-bf16"
     )
 
     @property
