@@ -96,7 +96,9 @@ class MultiTokenPredictionLayer(nn.Module):
         hidden_states = gather_from_tensor_parallel_region(self.eh_proj(both), self.tp)
         if self.sequence_parallel:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.tp)
-        layers = self.transformer_layer or self.mtp_model_layer
+        layers = self.transformer_layer
+        if layers is None:  # (a hybrid depth's stack)
+            layers = self.mtp_model_layer
         return self.final_layernorm(layers(hidden_states, rotary, attention_mask))
 
     def inner_layers(self) -> list[nn.Module]:
