@@ -156,6 +156,20 @@ MOE = dict(
     moe_router_topk_scaling_factor=2.5,
 )
 SHAPES["moe"] = {**SHAPES["llama"], **MOE}
+# A hybrid (megatron-core's MambaModel, tests/megatron_core_hybrid.py): Mamba, attention, MLP
+# and expert layers, no position embedding (Nemotron-H's); 8 Mamba heads of 16 in 2 groups
+SHAPES["hybrid"] = {
+    **SHAPES["llama"],
+    "hybrid_layer_pattern": "M*M-E",
+    "num_layers": 5,
+    "position_embedding_type": "none",
+    "mamba_state_dim": 8,
+    "mamba_head_dim": 16,
+    "mamba_num_groups": 2,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 32,
+}
 SHAPES["moe_stacked"] = {
     **SHAPES["llama"],
     **MOE,

@@ -5,6 +5,7 @@ mixture-of-experts interchange tests."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -78,14 +79,17 @@ def train_from(argv: list[str], root: str, finetune: bool, steps: int = 2) -> tu
     return losses, trainer
 
 
-def copy_with_args(root: str, destination: str, **changes) -> str:
-    """A copy of a Megatron checkpoint whose common.pt args have `changes`."""
+def copy_with_args(root: str, destination: str, iteration: int = 10, **changes) -> str:
+    """A copy of a Megatron checkpoint whose common.pt args (of `iteration`) have `changes`."""
     shutil.copytree(root, destination)
-    path = os.path.join(destination, "iter_0000010", "common.pt")
+    path = os.path.join(destination, f"iter_{iteration:07d}", "common.pt")
     common = torch.load(path, weights_only=False)  # the test's own file
     for name, value in changes.items():
         setattr(common["args"], name, value)
     torch.save(common, path)
+    # (an export's file list would no longer match: dropped, as megatron-core writes none)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(os.path.dirname(path), "integrity.json"))
     return destination
 
 
@@ -147,16 +151,19 @@ def continue_argv(root: str, tp: int, pp: int, dp: int) -> list[str]:
     ]
 
 
-def saved_by_megatron_core(tmp_path_factory, layouts: dict) -> dict:
+def saved_by_megatron_core(tmp_path_factory, layouts: dict, models=mc) -> dict:
     """kind -> (Megatron-LM checkpoint root, megatron-core's logits of TOKENS) for each
-    kind's layout (TP, PP, EP, ranks) megatron-core saves it at (iteration 10)."""
+    kind's layout (TP, PP, EP, ranks) megatron-core saves it at (iteration 10); `models`:
+    the module that builds megatron-core's model (its GPTModel; tests/megatron_core_hybrid.py
+    its MambaModel)."""
     from tests.distributed import run_distributed
 
     checkpoints = {}
     for kind, (tp, pp, ep, ranks) in layouts.items():
         root = str(tmp_path_factory.mktemp(f"megatron_{kind}"))
-        run_distributed(ranks, mc.save, kind, root, 10, tp, pp, ep)
-        reference = run_distributed(1, mc.logits, kind, os.path.join(root, "iter_0000010"))[0]
+        run_distributed(ranks, models.save, kind, root, 10, tp, pp, ep)
+        path = os.path.join(root, "iter_0000010")
+        reference = run_distributed(1, models.logits, kind, path)[0]
         checkpoints[kind] = (root, reference)
     return checkpoints
 

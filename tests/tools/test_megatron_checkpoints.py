@@ -381,8 +381,8 @@ def _model_with(config, model):
     [
         ({"moe_latent_size": 16}, "latent experts .--moe-latent-size. are not read"),
         ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
-        ({"hybrid_override_pattern": "M-M-"}, "hybrid model .M-M-.; threefold trains them"),
-        ({"hybrid_layer_pattern": "M*-"}, "reads Megatron-LM's hybrid checkpoints not yet"),
+        ({"hybrid_attention_ratio": 0.25}, "whose layers its hybrid_attention_ratio placed"),
+        ({"hybrid_layer_pattern": "M*D-"}, "DeepSeek sparse attention layers"),
         ({"heterogeneous_layers_config_path": "layers.json"}, "heterogeneous layers"),
         # (before: loaded as plain activations, the logits silently wrong)
         ({"apply_residual_connection_post_layernorm": True}, "after the norms"),

@@ -44,6 +44,7 @@ from threefold.config import (
     TrainingConfig,
 )
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
+from threefold.config.hybrid import without_pipeline_cuts
 from threefold.config.lr_schedule import resumed_lr_schedule
 
 
@@ -355,7 +356,10 @@ def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
         ]
     for field in fields:
         name = field.name
-        if saved.get(name, getattr(defaults, name)) != getattr(current, name):
+        before, now = saved.get(name, getattr(defaults, name)), getattr(current, name)
+        if name == "hybrid_layer_pattern":  # (its `|` cut pipeline stages: the same layers)
+            before, now = without_pipeline_cuts(before), without_pipeline_cuts(now)
+        if before != now:
             raise ConfigError(
                 f"--load {root}: the checkpoint's model has {flag_of(field)} "
                 f"{saved.get(name)} but this run has {getattr(current, name)}; "

@@ -42,6 +42,11 @@ MAMBA_CONV_KERNEL = 4
 _SIZES = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
+def without_pipeline_cuts(pattern: str | None) -> str | None:
+    """A pattern's layers and depths without its `|`: the model, whatever its pipeline."""
+    return pattern if pattern is None else "".join(pattern.split()).replace(PIPE, "")
+
+
 @dataclass
 class HybridConfig:
     hybrid_layer_pattern: str | None = arg(

@@ -71,6 +71,11 @@ _REPEATED = (
 )
 
 
+def _hybrid_pattern(args: dict) -> str | None:
+    """A hybrid model's --hybrid-layer-pattern from Megatron-LM's args, by either name."""
+    return args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
+
+
 def legacy_format(path: str) -> str | None:
     """Why an iter_N directory in Megatron-LM's legacy `--ckpt-format torch` (a pickled
     model_optim_rng.pt per model-parallel rank) is not loaded, else None."""
@@ -102,12 +107,12 @@ def _model_config(args: dict, source: str) -> dict:
             f"{source}: a Megatron-LM checkpoint of a model with --experimental-attention-variant "
             f"{variant}; threefold builds gated_delta_net and dsa only"
         )
-    hybrid = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
-    if hybrid:
+    ratios = [name for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio") if args.get(name)]
+    if ratios and not _hybrid_pattern(args):
         raise ConfigError(
-            f"{source}: a Megatron-LM checkpoint of a hybrid model ({hybrid}); threefold trains "
-            "them (--hybrid-layer-pattern) but reads Megatron-LM's hybrid checkpoints not yet: "
-            "load its Hugging Face conversion (NemotronHForCausalLM) instead"
+            f"{source}: a Megatron-LM checkpoint of a hybrid model whose layers its "
+            f"{' and '.join(ratios)} placed; threefold places a hybrid's layers by "
+            "--hybrid-layer-pattern only"
         )
     if args.get("moe_latent_size"):
         raise ConfigError(f"{source}: {_LATENT} (moe_latent_size = {args['moe_latent_size']})")
@@ -135,6 +140,10 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
+    if _hybrid_pattern(args):  # (older Megatron-LM's args name it --hybrid-override-pattern)
+        model["hybrid_layer_pattern"] = _hybrid_pattern(args)
+        if args.get("mtp_hybrid_override_pattern"):  # a depth's, repeated --mtp-num-layers
+            model["mtp_hybrid_override_pattern"] = args["mtp_hybrid_override_pattern"]
     for name in ("export_qk_l2_norm", "export_moe_apply_probs_on_input"):
         if args.get(name):  # Megatron-LM's flags of megatron-core's Llama 4 fields
             model[name.removeprefix("export_")] = True
@@ -219,8 +228,13 @@ def megatron_metadata(path: str) -> dict:
     own = common.get("threefold")
     if isinstance(own, dict) and isinstance(own.get("vocab_size"), int):
         model["vocab_size"] = own["vocab_size"]  # exported by threefold: its unpadded size
+    model_config = ModelConfig(**model)
+    try:  # a hybrid's layers and depths as Megatron-LM's validate_args takes them from its pattern
+        model_config.finalize_hybrid()
+    except ConfigError as error:
+        raise ConfigError(f"--load {path}: the checkpoint's {error}") from None
     config = Config(
-        model=ModelConfig(**model),
+        model=model_config,
         data=DataConfig(**_data_config(args)),
         parallel=ParallelConfig(**parallel),
     )
@@ -298,8 +312,9 @@ def moe_layer_freq(model: ModelConfig) -> int | list[int]:
 
 def linear_attention_freq(model: ModelConfig) -> int | list[int] | None:
     """--linear-attention-freq as Megatron-LM's args hold it (None without gated delta nets).
-    megatron-core keeps the layers of a checkpoint per layer for a list, or N other than 1."""
-    if not model.gated_delta_net:
+    megatron-core keeps the layers of a checkpoint per layer for a list, or N other than 1.
+    (A hybrid's pattern marks its gated delta nets: None.)"""
+    if not model.gated_delta_net or model.hybrid:
         return None
     if model.linear_attention_freq.strip().isdigit():
         return int(model.linear_attention_freq)
@@ -334,11 +349,6 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     at a constant batch size."""
     train_state = train_state or {}
     model = config.model
-    if model.hybrid:
-        raise ConfigError(
-            "Megatron-LM checkpoints of hybrid models (--hybrid-layer-pattern) are not written "
-            "yet: export it with --saver hf (NemotronHForCausalLM)"
-        )
     if model.moe_latent_size:
         raise ConfigError(_LATENT)
     if model.mtp_use_repeated_layer:

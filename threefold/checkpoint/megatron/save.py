@@ -33,7 +33,12 @@ from threefold.checkpoint.megatron.format import (
     moe_layer_freq,
 )
 from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, ExportedOptimizer
-from threefold.checkpoint.megatron.tensors import SECTIONS, stacked_state_dict
+from threefold.checkpoint.megatron.tensors import (
+    FINAL_NORMS,
+    SECTIONS,
+    extra_state,
+    stacked_state_dict,
+)
 from threefold.config import Config, ConfigError
 from threefold.written_aside import fsync_directory, write_atomically
 
@@ -53,20 +58,32 @@ def _megatron_state(config: Config, tensors: dict[str, torch.Tensor], dtype: tor
     state = {}
     for name, tensor in tensors.items():
         tensor = tensor.detach().to(dtype)
+        for ours, theirs in FINAL_NORMS.items() if model.hybrid else ():
+            if name.startswith(ours):
+                name = theirs + name[len(ours) :]
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             # Megatron-LM's embedding holds the padded vocabulary (zero rows past the end).
             tensor = torch.cat(
                 [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
             )
         state[name] = tensor.contiguous()
-    # as megatron-core stores such a model's layers
-    stacked = moe_layer_freq(model) == 1 and linear_attention_freq(model) in (None, 1)
-    # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows
+    # as megatron-core stores such a model's layers (a hybrid's differ: kept per layer)
+    stacked = (
+        not model.hybrid
+        and moe_layer_freq(model) == 1
+        and linear_attention_freq(model) in (None, 1)
+    )
+    # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows; a
+    # Mamba mixer's in_proj [z; x; B; C; dt] and conv1d [x; B; C]
     rows = list(model.gated_delta_net_sections())
-    sections = dict(zip(SECTIONS, (rows, rows[:3])))
-    return stacked_state_dict(
+    mamba = list(model.mamba_sections()) if model.hybrid else []
+    sections = dict(zip(SECTIONS, (rows, rows[:3], mamba, mamba[1:4], mamba[1:4])))
+    state = stacked_state_dict(
         state, model.num_layers, model.multi_latent_attention, stacked, sections
     )
+    if model.hybrid:  # (megatron-core's GPTModel drops its output layer's; its hybrid keeps it)
+        state["output_layer._extra_state/shard_0_1"] = extra_state()
+    return state
 
 
 def save_megatron_checkpoint(

@@ -17,7 +17,12 @@ whole model, and the embedding keeps the saving run's vocabulary padding. A gate
 projection and convolution are stored a section at a time, `in_proj.weight.query` ...
 `.alpha` and `conv1d.weight.query` ... `.value` (megatron-core's `_split_tensor_factory`;
 `SECTIONS`), whose concatenation is threefold's whole tensor, and its input norm under
-Transformer Engine's name for the norm fused into in_proj.
+Transformer Engine's name for the norm fused into in_proj. A hybrid model's layers differ,
+so they are kept per layer; a Mamba mixer's in_proj is stored as z, x, B, C and dt, its
+convolution's weight and bias as x, B and C, and the layer's norm is the one fused into
+in_proj (`mixer.in_proj.layer_norm_weight`); the stack's final norm is `decoder.final_norm`.
+A hybrid depth of multi-token prediction keeps its layers as the decoder's, under
+`mtp.layers.{k}.mtp_model_layer.layers.{j}`.
 
 Reading takes one layer's (and expert's) slice at a time out of the stacked tensors (a load
 plan for just that chunk), so a rank never holds more than one parameter of the whole model
@@ -52,13 +57,19 @@ from threefold.safe_loading import SafeFileSystemReader
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # megatron-core's linear layers in the transformer layers, and MTP's projection
 _LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj|in_proj|out_proj)$")
-_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
+# a GPT depth's one layer; a hybrid depth's stack of layers (megatron-core's HybridStack)
+_MTP_LAYER = re.compile(
+    r"^(mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+))\.(.+)$"
+)
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 # megatron-core's local spec stores its norms under Transformer Engine's names.
 _TE_NAMES = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    "norm.": "mixer.in_proj.layer_norm_",  # a hybrid model's Mamba layer's
 }
+# A hybrid model's stack (megatron-core's MambaStack / HybridStack) names its final norm so.
+FINAL_NORMS = {"decoder.final_layernorm.": "decoder.final_norm."}
 # Transformer Engine's multi-latent attention spec (Megatron-LM's default for MLA models; its
 # local spec keeps threefold's names): the input norm is a module of its own, the latent norms
 # are fused into the up projections.
@@ -71,10 +82,14 @@ _TE_MLA_NAMES = {
 
 # A gated delta net layer's (Megatron-LM's spec fuses its input norm into in_proj)
 _TE_GDN_NAMES = {**_TE_NAMES, "input_layernorm.": "self_attention.in_proj.layer_norm_"}
-# megatron-core's sections of a gated delta net's tensors, in threefold's order along rows
+# megatron-core's sections of a gated delta net's and a Mamba mixer's tensors, in threefold's
+# order along rows
 SECTIONS = {
     "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
     "self_attention.conv1d.weight": ("query", "key", "value"),
+    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
+    "mixer.conv1d.weight": ("x", "B", "C"),
+    "mixer.conv1d.bias": ("x", "B", "C"),
 }
 
 
@@ -144,10 +159,15 @@ def megatron_key(
 
 def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """Every key megatron-core may have stored a parameter under: its local and Transformer
-    Engine specs' names (plain and MLA), stacked or per layer."""
+    Engine specs' names (plain and MLA), stacked or per layer; a hybrid stack's final norm
+    under its name."""
     split = _split(name)
     if split is None:
-        return [(name, ())]
+        found = [(name, ())]
+        for ours, theirs in FINAL_NORMS.items():
+            if name.startswith(ours):
+                found.append((theirs + name[len(ours) :], ()))
+        return found
     found = []
     renamed = [_renamed(split.rest, mla, gdn) for mla, gdn in ((0, 0), (1, 0), (0, 1))]
     for rest in (*renamed, split.rest):
@@ -295,7 +315,7 @@ class MegatronTensors:
         return None if self._step is None else torch.tensor(float(self._step))
 
 
-def _extra_state() -> io.BytesIO:
+def extra_state() -> io.BytesIO:
     """An empty `_extra_state` (no FP8 metadata) as megatron-core stores one: a torch.save of
     the list of the objects' data, here [None], which its local and TE linear layers both load
     as "nothing to restore"."""
@@ -362,7 +382,7 @@ def stacked_state_dict(
         shape = _grid(module, dict.fromkeys(indices), layers) or (1,)
         for index in itertools.product(*map(range, shape)):
             offsets, sizes = ".".join(map(str, index)), ".".join(map(str, shape))
-            state[f"{module}._extra_state/shard_{offsets}_{sizes}"] = _extra_state()
+            state[f"{module}._extra_state/shard_{offsets}_{sizes}"] = extra_state()
     return state
 
 

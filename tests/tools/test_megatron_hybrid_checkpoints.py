@@ -1,0 +1,172 @@
+"""Megatron-LM torch_dist checkpoints of hybrid models in and out, against megatron-core itself.
+
+megatron-core's MambaModel (tests/megatron_core_hybrid.py: a Mamba, an attention, a Mamba, an
+MLP and an expert layer, "M*M-E") saves at TP2 on two gloo ranks as Megatron-LM does: each
+layer's tensors apart, a Mamba mixer's in_proj a section at a time (z, x, B, C, dt, each split
+over TP by heads and groups), its convolution's weight and bias likewise (x, B, C), the norms
+under Transformer Engine's names. threefold reads it at TP1, TP2 with sequence parallelism and
+EP2 and computes megatron-core's logits; its export loads back into megatron-core with the
+same logits; multi-token prediction depths of a hybrid go out under Megatron-LM's names and
+come back bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import megatron_core_hybrid as mh
+from tests import megatron_core_models as mc
+from tests.distributed import run_distributed
+from tests.model.test_hybrid_mtp import HYBRID as HYBRID_MTP
+from tests.model.test_mamba import WITH_GDN
+from tests.parity import _setup
+from tests.tools.hf_models import convert_checkpoint
+from tests.tools.megatron_runs import (
+    copy_with_args,
+    exports,
+    megatron_argv,
+    per_token_losses,
+    reference_losses,
+    saved_by_megatron_core,
+)
+from threefold.checkpoint.load import load_model
+from threefold.checkpoint.megatron.common_file import read_common
+from threefold.checkpoint.save import save_checkpoint
+from threefold.config import ConfigError
+from threefold.safe_loading import SafeFileSystemReader
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """(Megatron-LM checkpoint root, megatron-core's logits of TOKENS), saved at TP2."""
+    return saved_by_megatron_core(tmp_path_factory, {"hybrid": (2, 1, 1, 2)}, mh)["hybrid"]
+
+
+def _keys(path: str) -> set[str]:
+    return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def test_one_process_computes_megatron_cores_logits(megatron):
+    root, reference = megatron
+    keys = _keys(os.path.join(root, "iter_0000010"))
+    mamba = "decoder.layers.2.mixer."
+    assert {mamba + f"in_proj.weight.{s}" for s in ("z", "x", "B", "C", "dt")} <= keys
+    assert {mamba + f"conv1d.{p}.{s}" for p in ("weight", "bias") for s in "xBC"} <= keys
+    assert mamba + "in_proj.layer_norm_weight" in keys and "decoder.final_norm.weight" in keys
+    config, model, _ = load_model(root, with_tokenizer=False)
+    assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("M*M-E", 5)
+    assert (config.model.mamba_head_dim, config.model.mamba_num_groups) == (16, 2)
+    with torch.no_grad():
+        logits = model(mc.TOKENS).transpose(0, 1)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags,ranks",
+    [
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "14"], 2),
+        (["--expert-model-parallel-size", "2", "--global-batch-size", "4"], 2),
+        # the pattern cut into two pipeline stages (Megatron-LM takes it from the command line)
+        (["--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "M*|M-E"], 2),
+    ],
+    ids=["tp2-sp", "ep2", "pp2"],
+)
+def test_any_layout_computes_megatron_cores_losses(megatron, flags, ranks):
+    root, reference = megatron
+    # Sequence parallelism splits the sequence over TP: 14 of the causal model's 15 tokens.
+    length = 14 if "--sequence-parallel" in flags else mc.SEQ - 1
+    argv = megatron_argv(root, 1, 1) + flags
+    results = run_distributed(ranks, per_token_losses, argv, root, length)
+    expected = reference_losses(reference)[:length]
+    for losses in (r for r in results if r is not None):
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
+
+
+def test_export_loads_into_megatron_core(megatron, tmp_path):
+    """threefold -> Megatron: megatron-core's MambaModel reads the export of a model trained
+    on and computes threefold's logits; Megatron -> threefold -> Megatron gives
+    megatron-core's own logits bitwise, under the keys megatron-core wrote."""
+    root, reference = megatron
+    ours, written = exports(root, reference, tmp_path)
+    assert (ours - reference).abs().max() > 1e-3  # training moved it
+    saved = {key for key in _keys(os.path.join(root, "iter_0000010")) if "_extra_state" not in key}
+    for path, expected, tolerance in written:
+        assert saved <= _keys(path)
+        args = read_common(os.path.join(path, "common.pt"))["args"]
+        assert (args["hybrid_layer_pattern"], args["num_layers"]) == ("M*M-E", 5)
+        assert (args["mamba_state_dim"], args["mamba_head_dim"]) == (8, 16)
+        theirs = run_distributed(1, mh.logits, "hybrid", path)
+        torch.testing.assert_close(theirs[0], expected, rtol=0, atol=tolerance)
+
+
+def test_older_args_name_the_pattern_hybrid_override_pattern(megatron, tmp_path):
+    root, reference = megatron
+    older = copy_with_args(
+        root, str(tmp_path / "older"), hybrid_layer_pattern=None, hybrid_override_pattern="M*M-E"
+    )
+    config, model, _ = load_model(older, with_tokenizer=False)
+    assert config.model.hybrid_layer_pattern == "M*M-E"
+    with torch.no_grad():
+        torch.testing.assert_close(model(mc.TOKENS).transpose(0, 1), reference, rtol=0, atol=1e-5)
+    by_ratio = copy_with_args(
+        root, str(tmp_path / "ratio"), hybrid_layer_pattern=None, hybrid_attention_ratio=0.2
+    )
+    with pytest.raises(ConfigError, match="its hybrid_attention_ratio placed; threefold"):
+        load_model(by_ratio, with_tokenizer=False)
+
+
+def _round_trip(argv: list[str], directory) -> tuple[str, set[str], dict]:
+    """threefold -> Megatron -> threefold of a model trained a step, each model (the older
+    pattern spelling's too, where the model has depths) bitwise the first; returns the
+    export's iter_N directory, its keys and its args."""
+    trainer = _setup(argv)
+    trainer.train_step()
+    ours = str(directory / "ours")
+    save_checkpoint(ours, trainer.checkpoint_components())
+    megatron, back = str(directory / "megatron"), str(directory / "back")
+    for loader, saver, source, target in (
+        ("threefold", "megatron", ours, megatron),
+        ("megatron", "threefold", megatron, back),
+    ):
+        flags = ["--loader", loader, "--saver", saver, "--load-dir", source]
+        assert convert_checkpoint.main(flags + ["--save-dir", target]) == 0
+    path = os.path.join(megatron, "iter_0000001")
+    args = read_common(os.path.join(path, "common.pt"))["args"]
+    sources = [back, megatron]
+    decoder, *depths = args["hybrid_layer_pattern"].split("/")
+    if depths:  # Megatron-LM's older spelling: the decoder's pattern, and a depth's repeated
+        changes = dict(hybrid_layer_pattern=decoder, mtp_hybrid_override_pattern=depths[0])
+        sources.append(copy_with_args(megatron, str(directory / "legacy"), 1, **changes))
+    original = dict(load_model(ours, with_tokenizer=False)[1].state_dict())
+    for source in sources:
+        model = load_model(source, with_tokenizer=False)[1]
+        assert model.state_dict().keys() == original.keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, original[name]), (source, name)
+    return path, _keys(path), args
+
+
+def test_hybrid_depths_go_out_under_megatrons_names_and_come_back(tmp_path):
+    """Multi-token prediction depths of a hybrid (megatron-core's HybridStack inside each
+    depth, `mtp.layers.{k}.mtp_model_layer.layers.{j}`, as Megatron-LM names them; megatron-core
+    0.16.1 predates them, so the names are Megatron-LM's source's, not a run's)."""
+    _, keys, args = _round_trip(HYBRID_MTP, tmp_path)
+    depth = "mtp.layers.1.mtp_model_layer.layers."
+    assert depth + "0.mixer.in_proj.layer_norm_weight" in keys
+    assert depth + "0.mixer.in_proj.weight.dt" in keys
+    assert depth + "1.mlp.experts.experts.linear_fc1.weight" in keys
+    assert "mtp.layers.1.eh_proj.weight" in keys and "decoder.final_norm.weight" in keys
+    assert (args["hybrid_layer_pattern"], args["mtp_num_layers"]) == ("M*|-E/ME/ME", 2)
+
+
+def test_gated_delta_nets_in_a_hybrid_go_out_as_megatron_core_keeps_them(tmp_path):
+    """A pattern's G layers: megatron-core's gated delta net keys (as a GPT model's with
+    --experimental-attention-variant gated_delta_net), the pattern alone marking them."""
+    _, keys, args = _round_trip(WITH_GDN, tmp_path)
+    gdn = "decoder.layers.1.self_attention."
+    assert {gdn + f"in_proj.weight.{s}" for s in ("query", "key", "value", "z", "beta")} <= keys
+    assert gdn + "in_proj.layer_norm_weight" in keys and gdn + "out_norm.weight" in keys
+    assert args["hybrid_layer_pattern"] == "MG*-G-" and args["linear_attention_freq"] is None
