@@ -137,13 +137,47 @@ def optimizer_patches():
         torch.Tensor.type = saved_type
 
 
+def config_fields(shape: dict, tensor_parallel: int, pipeline_parallel: int) -> dict:
+    """megatron-core's TransformerConfig fields of a shape that every model here shares: the
+    sizes, norm and MLP, the layout, fp32 on the CPU, no dropout."""
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu, squared_relu
+
+    return dict(
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_query_groups=shape["num_query_groups"],
+        ffn_hidden_size=shape["ffn_hidden_size"],
+        normalization=shape["normalization"],
+        layernorm_epsilon=shape["norm_epsilon"],
+        gated_linear_unit=shape["swiglu"] or shape.get("quick_geglu", False),
+        activation_func=squared_relu
+        if shape["squared_relu"]
+        else quick_gelu
+        if shape.get("quick_geglu")
+        else (F.silu if shape["swiglu"] else F.gelu),
+        glu_linear_offset=shape.get("glu_linear_offset", 0.0),
+        softmax_type=shape.get("softmax_type", "vanilla"),
+        activation_func_clamp_value=shape.get("activation_func_clamp_value"),
+        add_bias_linear=shape["add_bias_linear"],
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=0.05,
+        gradient_accumulation_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+
+
 def build(
     kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0, expert_parallel: int = 1
 ):
     """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP (x EP) layout."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -179,32 +213,7 @@ def build(
             mtp_loss_scaling_factor=shape["mtp_loss_scaling_factor"],
         )
     config = TransformerConfig(
-        num_layers=shape["num_layers"],
-        hidden_size=shape["hidden_size"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_query_groups=shape["num_query_groups"],
-        ffn_hidden_size=shape["ffn_hidden_size"],
-        normalization=shape["normalization"],
-        layernorm_epsilon=shape["norm_epsilon"],
-        gated_linear_unit=shape["swiglu"] or shape.get("quick_geglu", False),
-        activation_func=squared_relu
-        if shape["squared_relu"]
-        else quick_gelu
-        if shape.get("quick_geglu")
-        else (F.silu if shape["swiglu"] else F.gelu),
-        glu_linear_offset=shape.get("glu_linear_offset", 0.0),
-        softmax_type=shape.get("softmax_type", "vanilla"),
-        activation_func_clamp_value=shape.get("activation_func_clamp_value"),
-        add_bias_linear=shape["add_bias_linear"],
-        tensor_model_parallel_size=tensor_parallel,
-        pipeline_model_parallel_size=pipeline_parallel,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        perform_initialization=True,
-        init_method_std=0.05,
-        gradient_accumulation_fusion=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        **config_fields(shape, tensor_parallel, pipeline_parallel),
         rotary_interleaved=shape["rotary_interleaved"],
         window_size=shape.get("window_size"),
         window_attn_skip_freq=shape.get("window_attn_skip_freq"),
