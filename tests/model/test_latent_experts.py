@@ -15,8 +15,6 @@ from tests.distributed import run_distributed
 from tests.parallel.test_expert_parallel import MOE
 from tests.parity import LLAMA_STYLE, TRAINING, _setup, assert_matches_reference, train_job
 from threefold.arguments import parse_args
-from threefold.checkpoint.megatron.format import megatron_args
-from threefold.config import ConfigError
 from threefold.model.moe.layer import MoELayer
 from threefold.training.flops import training_flops_per_iteration
 from threefold.training.memory_estimate import estimate_stage
@@ -116,10 +114,3 @@ def test_flops_are_megatrons():
     per_token = 2 * (qkv + attention + moe) + 2 * h * vocab
     expected = 3 * per_token * 8 * s
     assert training_flops_per_iteration(config, 8, vocab) == pytest.approx(expected)
-
-
-def test_megatron_checkpoints_of_latent_experts_are_refused_in_one_line():
-    """(Reading one: tests/tools/test_megatron_checkpoints.py.)"""
-    config = parse_args(LLAMA_STYLE + TRAINING + MOE + LATENT)
-    with pytest.raises(ConfigError, match="latent experts .--moe-latent-size. are not read"):
-        megatron_args(config, 10)

@@ -379,7 +379,6 @@ def _model_with(config, model):
 @pytest.mark.parametrize(
     "change,named",
     [
-        ({"moe_latent_size": 16}, "latent experts .--moe-latent-size. are not read"),
         ({"experimental_attention_variant": "gdn2"}, "--experimental-attention-variant gdn2"),
         ({"hybrid_attention_ratio": 0.25}, "whose layers its hybrid_attention_ratio placed"),
         ({"hybrid_layer_pattern": "M*D-"}, "DeepSeek sparse attention layers"),

@@ -20,8 +20,10 @@ import torch
 from tests import megatron_core_hybrid as mh
 from tests import megatron_core_models as mc
 from tests.distributed import run_distributed
+from tests.model.test_hybrid_mtp import BASE as HYBRID_BASE
 from tests.model.test_hybrid_mtp import HYBRID as HYBRID_MTP
 from tests.model.test_mamba import WITH_GDN
+from tests.model.test_mtp_repeated import GPT as GPT_MTP
 from tests.parity import _setup
 from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
@@ -136,7 +138,7 @@ def _round_trip(argv: list[str], directory) -> tuple[str, set[str], dict]:
     path = os.path.join(megatron, "iter_0000001")
     args = read_common(os.path.join(path, "common.pt"))["args"]
     sources = [back, megatron]
-    decoder, *depths = args["hybrid_layer_pattern"].split("/")
+    decoder, *depths = (args["hybrid_layer_pattern"] or "").split("/")
     if depths:  # Megatron-LM's older spelling: the decoder's pattern, and a depth's repeated
         changes = dict(hybrid_layer_pattern=decoder, mtp_hybrid_override_pattern=depths[0])
         sources.append(copy_with_args(megatron, str(directory / "legacy"), 1, **changes))
@@ -170,3 +172,36 @@ def test_gated_delta_nets_in_a_hybrid_go_out_as_megatron_core_keeps_them(tmp_pat
     assert {gdn + f"in_proj.weight.{s}" for s in ("query", "key", "value", "z", "beta")} <= keys
     assert gdn + "in_proj.layer_norm_weight" in keys and gdn + "out_norm.weight" in keys
     assert args["hybrid_layer_pattern"] == "MG*-G-" and args["linear_attention_freq"] is None
+
+
+# Latent experts (fc1_latent_proj down to 16 before the dispatch, fc2_latent_proj up after the
+# combine) and one multi-token prediction depth's layers repeated for every depth
+LATENT_REPEATED = ["--moe-latent-size", "16", "--mtp-use-repeated-layer"]
+
+
+def test_nemotron_3_supers_kind_goes_out_and_comes_back(tmp_path):
+    """Nemotron 3 Super's parts: a hybrid's latent experts, and depths of a hybrid pattern
+    sharing one depth's layers. megatron-core builds the projections as Transformer Engine's
+    duplicated linears only (whole on every rank, with their extra state) and 0.16.1 predates
+    the shared hybrid depth, so these names are Megatron-LM's source's: `mlp.fc{1,2}_latent_proj`
+    beside the router, and the one depth built as `mtp.layers.0`."""
+    argv = HYBRID_BASE + ["--hybrid-layer-pattern", "M*E/*E/*E", *LATENT_REPEATED]
+    _, keys, args = _round_trip(argv, tmp_path)
+    for name in ("fc1_latent_proj", "fc2_latent_proj"):
+        assert {
+            f"decoder.layers.2.mlp.{name}.weight",
+            f"decoder.layers.2.mlp.{name}._extra_state/shard_0_1",
+        } <= keys
+        assert f"mtp.layers.0.mtp_model_layer.layers.1.mlp.{name}.weight" in keys
+    assert not any(key.startswith("mtp.layers.1.") for key in keys)  # (one depth, shared)
+    assert (args["moe_latent_size"], args["mtp_num_layers"]) == (16, 2)
+    assert args["mtp_use_repeated_layer"]
+
+
+def test_a_gpt_models_latent_experts_are_stacked_as_its_layers(tmp_path):
+    """Every layer MoE: the projections stacked with the layers, [layers, out, in]."""
+    _, keys, args = _round_trip(GPT_MTP + LATENT_REPEATED, tmp_path)
+    assert "decoder.layers.mlp.fc1_latent_proj.weight" in keys
+    assert "decoder.layers.mlp.fc2_latent_proj._extra_state/shard_1_2" in keys
+    assert "mtp.layers.0.transformer_layer.mlp.fc1_latent_proj.weight" in keys
+    assert (args["mtp_num_layers"], args["mtp_use_repeated_layer"]) == (3, True)

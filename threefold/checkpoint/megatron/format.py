@@ -55,22 +55,6 @@ _UNSUPPORTED = (
 )
 
 
-# Latent experts are threefold's too, but their torch_dist layout is not proven: megatron-core
-# builds the latent projections with Transformer Engine only, which no test here can run.
-_LATENT = (
-    "Megatron-LM checkpoints of latent experts (--moe-latent-size) are not read or written "
-    "yet (megatron-core builds their projections with Transformer Engine only, so their layout "
-    "is unchecked); go through Hugging Face (NemotronHForCausalLM, a hybrid's) instead"
-)
-
-
-_REPEATED = (
-    "Megatron-LM checkpoints of a repeated multi-token prediction layer "
-    "(--mtp-use-repeated-layer) are not read or written yet: megatron-core 0.16.1, which the "
-    "tests check the layout against, builds every depth"
-)
-
-
 def _hybrid_pattern(args: dict) -> str | None:
     """A hybrid model's --hybrid-layer-pattern from Megatron-LM's args, by either name."""
     return args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
@@ -114,10 +98,6 @@ def _model_config(args: dict, source: str) -> dict:
             f"{' and '.join(ratios)} placed; threefold places a hybrid's layers by "
             "--hybrid-layer-pattern only"
         )
-    if args.get("moe_latent_size"):
-        raise ConfigError(f"{source}: {_LATENT} (moe_latent_size = {args['moe_latent_size']})")
-    if args.get("mtp_use_repeated_layer"):
-        raise ConfigError(f"{source}: {_REPEATED}")
     for name, allowed, what in _UNSUPPORTED:
         value = args.get(name)
         if value is None or value == allowed or (allowed is None and not value):
@@ -349,10 +329,6 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
     at a constant batch size."""
     train_state = train_state or {}
     model = config.model
-    if model.moe_latent_size:
-        raise ConfigError(_LATENT)
-    if model.mtp_use_repeated_layer:
-        raise ConfigError(_REPEATED)
     beyond = given_flags(model, ModelConfig, BEYOND_MEGATRON)
     if beyond:
         raise ConfigError(

@@ -55,8 +55,9 @@ from threefold.parallel.parallel_context import Group
 from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# megatron-core's linear layers in the transformer layers, and MTP's projection
-_LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj|in_proj|out_proj)$")
+# megatron-core's linear layers in the transformer layers, MTP's projection and latent experts'
+# projections (Transformer Engine's, each with its extra state)
+_LINEAR = re.compile(r"^.*\.(linear_[^.]*|eh_proj|in_proj|out_proj|fc[12]_latent_proj)$")
 # a GPT depth's one layer; a hybrid depth's stack of layers (megatron-core's HybridStack)
 _MTP_LAYER = re.compile(
     r"^(mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+))\.(.+)$"
