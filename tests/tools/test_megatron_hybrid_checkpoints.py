@@ -34,7 +34,7 @@ from tests.tools.megatron_runs import (
     reference_losses,
     saved_by_megatron_core,
 )
-from threefold.checkpoint.load import load_model
+from threefold.checkpoint.load import load_checkpoint, load_model
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.save import save_checkpoint
 from threefold.config import ConfigError
@@ -205,3 +205,27 @@ def test_a_gpt_models_latent_experts_are_stacked_as_its_layers(tmp_path):
     assert "decoder.layers.mlp.fc2_latent_proj._extra_state/shard_1_2" in keys
     assert "mtp.layers.0.transformer_layer.mlp.fc1_latent_proj.weight" in keys
     assert (args["mtp_num_layers"], args["mtp_use_repeated_layer"]) == (3, True)
+
+
+def test_a_hybrid_goes_on_from_its_export_with_adams_state_as_uninterrupted(tmp_path):
+    """Adam's moments and fp32 masters of the Mamba mixers' sections (and of the depths'
+    layers) go out in Megatron-LM's model-space layout and come back: the next step from the
+    export is the uninterrupted run's."""
+    trainer = _setup(HYBRID_MTP)
+    trainer.train_step()
+    ours, megatron = str(tmp_path / "ours"), str(tmp_path / "megatron")
+    save_checkpoint(ours, trainer.checkpoint_components())
+    flags = ["--loader", "threefold", "--saver", "megatron", "--load-dir", ours]
+    assert convert_checkpoint.main(flags + ["--save-dir", megatron]) == 0
+    assert _keys(os.path.join(megatron, "iter_0000001")) >= {
+        "optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.z",
+        "optimizer.state.param.mtp.layers.1.mtp_model_layer.layers.0.mixer.A_log",
+    }
+    expected = trainer.train_step()[0]
+    resumed = _setup(HYBRID_MTP + ["--load", megatron])
+    assert load_checkpoint(megatron, resumed.checkpoint_components()) == 1
+    assert resumed.train_step()[0] == pytest.approx(expected, rel=1e-6)
+    for (name, ran), (_, again) in zip(
+        trainer.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(again, ran, rtol=0, atol=1e-6, msg=name)
