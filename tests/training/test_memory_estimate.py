@@ -179,6 +179,12 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         # and in FP8 (their linears and projections)
         LLAMA_STYLE + WIDE + ["--hybrid-layer-pattern", "M*-EM/*E/*E", *MAMBA[2:]],
         LLAMA_STYLE + WIDE + FP8 + ["--hybrid-layer-pattern", "M*-EM/*E/*E", *MAMBA[2:]],
+        # ... their stacks recomputed as the decoder's (a uniform group of two layers each)
+        LLAMA_STYLE
+        + WIDE
+        + ["--hybrid-layer-pattern", "M*-EM/*E/*E", *MAMBA[2:]]
+        + ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "2"],
         # in_proj and out_proj in FP8, their weights cast once a step
         LLAMA_STYLE + LONG + MAMBA + ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
         LLAMA_STYLE + LONG + SINKS,
@@ -216,6 +222,7 @@ def _assert_within_10_percent(results: list[dict]) -> None:
         "hybrid-gated-delta-nets",
         "hybrid-mtp",
         "hybrid-mtp-fp8",
+        "hybrid-mtp-full-uniform",
         "hybrid-fp8-rowwise-long",
         "sinks",
         "sinks-bf16-window-wide-heads",

@@ -427,15 +427,8 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
     stage_layers = [layer for offset, layers in chunks for layer in range(offset, offset + layers)]
     total = shared_mask_bytes(config, stage_layers, s, b, e)
     for offset, layers in chunks:
-        recomputed = 0
-        if model.recompute_granularity == "full":
-            every = model.recompute_num_layers
-            groups = (
-                -(-layers // every) if model.recompute_method == "uniform" else min(every, layers)
-            )
-            recomputed = layers if model.recompute_method == "uniform" else groups
-            total += groups * layer_activation_bytes(config, recompute_kept=True)
-        # --recompute-method block recomputes a chunk's first layers; the rest keep theirs.
+        groups, recomputed = _recomputed_layers(model, layers)
+        total += groups * layer_activation_bytes(config, recompute_kept=True)
         linear = model.linear_attention_pattern(model.num_layers)
         kept = range(offset + recomputed, offset + layers)
         for layer in kept:
@@ -455,6 +448,18 @@ def micro_batch_activation_bytes(config: Config, stage: int) -> int:
         total += _output_activation_bytes(config, s, b, sigma, e)
         total += _mtp_activation_bytes(config, s, b, sigma, e)
     return total
+
+
+def _recomputed_layers(model: ModelConfig, layers: int) -> tuple[int, int]:
+    """Of a stack of `layers` under full recomputation: (the groups whose input is kept, the
+    layers recomputed). --recompute-method block recomputes the stack's first layers; the
+    rest keep theirs. (0, 0) without full recomputation."""
+    if model.recompute_granularity != "full":
+        return 0, 0
+    every = model.recompute_num_layers
+    if model.recompute_method == "uniform":
+        return -(-layers // every), layers
+    return min(every, layers), min(every, layers)
 
 
 def _layer_kind(model: ModelConfig, layer: int, linear: list[int]) -> dict:
@@ -545,9 +550,9 @@ def _output_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int)
 
 def _mtp_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) -> int:
     """Each multi-token prediction depth: its embeddings (enorm's input), both norms'
-    statistics, eh_proj's input [2h], its layer (a hybrid model's: its pattern's layers), and
-    a final norm, output layer and loss as the model's own; the shifted tokens, positions,
-    labels and mask."""
+    statistics, eh_proj's input [2h], its layer (a hybrid model's: its pattern's layers, a
+    stack recomputed as the decoder's is), and a final norm, output layer and loss as the
+    model's own; the shifted tokens, positions, labels and mask."""
     model = config.model
     depths = model.mtp_num_layers or 0
     if not depths:
@@ -556,9 +561,11 @@ def _mtp_activation_bytes(config: Config, s: int, b: int, sigma: int, e: int) ->
     last_moe = bool(model.moe_layer_pattern(model.num_layers)[-1])
     layers = layer_activation_bytes(config, fp8=config.fp8.enabled, moe=last_moe)
     if model.hybrid:  # (a depth's pattern of layers)
-        layers = sum(
+        symbols = model.hybrid_mtp_layers()
+        groups, recomputed = _recomputed_layers(model, len(symbols))
+        layers = groups * layer_activation_bytes(config, recompute_kept=True) + sum(
             layer_activation_bytes(config, fp8=config.fp8.enabled, **_symbol_kind(symbol))
-            for symbol in model.hybrid_mtp_layers()
+            for symbol in symbols[recomputed:]
         )
     per_depth = (
         e * s * b * h // sigma
