@@ -309,7 +309,8 @@ def test_gated_delta_net_layers_of_a_pattern_train_as_one_process():
 
 def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):
     """Saved at TP2 x PP2 (two virtual stages a rank, in_proj's sections split by heads and
-    groups), resumed by one process and at CP2: the next step is the saving run's."""
+    groups), resumed by one process, at CP2 and at PP2 with the pattern cut elsewhere (the
+    same layers: `|` places stages): the next step is the saving run's."""
     from tests.training.test_resharding import _check, _load_then_step, _save_then_continue
 
     directory = str(tmp_path)
@@ -318,6 +319,9 @@ def test_a_checkpoint_reshards_from_tp2_pp2_to_one_process_and_cp2(tmp_path):
     _check(saved, [_load_then_step(HYBRID, directory)])
     cp2 = ["--context-parallel-size", "2"]
     _check(saved, run_distributed(2, _load_then_step, HYBRID + cp2, directory))
+    recut = [a if a != PATTERN else "M*-M|E*M-" for a in HYBRID]
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    _check(saved, run_distributed(2, _load_then_step, recut + pp2, directory))
 
 
 def test_parameters_and_flops_are_counted_per_layer_kind():
