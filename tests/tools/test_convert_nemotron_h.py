@@ -3,7 +3,8 @@ out: a hybrid stack of Mamba-2, attention, ReLU² MLP and expert layers (--hybri
 A tiny one gives transformers' logits over 24 tokens, and other logits with its Mamba layers'
 skips, its experts' biases or its attention's groups changed; a bitwise round trip in the
 Hub's layout that transformers loads; greedy generation; its per-token losses at TP2 + SP,
-TP2 + SP x PP2 and CP2 x EP2. A GPT model does not export as it, nor a hybrid one as another
+TP2 + SP x PP2 and CP2 x EP2. Nemotron 3 Super's multi-token prediction module is a depth of
+the pattern both ways. A GPT model does not export as it, nor a hybrid one as another
 family."""
 
 from __future__ import annotations
@@ -88,6 +89,101 @@ def test_latent_experts_are_transformers_both_ways(latent, tmp_path):
     layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     layout += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     assert_layout_losses(hf_model, ours, 2, layout, TOKENS_25)
+
+
+# Nemotron 3 Super's multi-token prediction module: one depth of an attention and an expert layer
+MTP_KINDS = ["full_attention", "moe"]
+
+
+def _add_mtp_module(hf_model, hf_dir: str):
+    """The tiny model given Nemotron 3 Super's module, which transformers does not build: its
+    config names the depth's layers, and its files hold the depth made of transformers' own
+    parts (a NemotronHModel of those layers, whose norm_f is the depth's final norm; enorm,
+    hnorm and eh_proj beside), numbered as the Hub's files number them."""
+    import json
+    import os
+
+    import transformers
+    from safetensors import torch as safetensors_torch
+
+    from tests.tools.hf_family_models import shaken
+
+    torch.manual_seed(1)
+    config = transformers.NemotronHConfig(
+        **{**hf_model.config.to_dict(), "layers_block_type": MTP_KINDS}
+    )
+    depth = torch.nn.Module()
+    depth.stack = shaken(transformers.NemotronHModel(config)).eval()
+    hidden = config.hidden_size
+    norm = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHRMSNorm
+    eps = config.layer_norm_epsilon
+    depth.enorm, depth.hnorm = norm(hidden, eps), norm(hidden, eps)
+    depth.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    with torch.no_grad():
+        depth.enorm.weight.uniform_(0.5, 1.5)
+        depth.hnorm.weight.uniform_(0.5, 1.5)
+        for name, param in depth.stack.layers.named_parameters():
+            if "norm" not in name and name.endswith("weight"):  # (layers that count: larger)
+                param.normal_(0, 0.15)
+    files = os.path.join(hf_dir, "model.safetensors")
+    tensors = safetensors_torch.load_file(files)
+    for name, tensor in depth.stack.layers.state_dict().items():
+        if name.endswith(("experts.up_proj", "experts.down_proj")):  # (the Hub's: one a file)
+            for e, expert in enumerate(tensor):
+                tensors[f"mtp.layers.{name.replace('experts.', f'experts.{e}.')}.weight"] = expert
+        else:
+            tensors[f"mtp.layers.{name}"] = tensor
+    tensors["mtp.layers.1.final_layernorm.weight"] = depth.stack.norm_f.weight.detach()
+    for name in ("enorm", "hnorm", "eh_proj"):
+        tensors[f"mtp.layers.0.{name}.weight"] = getattr(depth, name).weight.detach()
+    safetensors_torch.save_file({k: v.contiguous() for k, v in tensors.items()}, files)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    hf.update(num_nextn_predict_layers=1, mtp_layers_block_type=MTP_KINDS)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf, f)
+    return depth
+
+
+def _mtp_loss(hf_model, depth, tokens) -> torch.Tensor:
+    """The depth's loss as vLLM's NemotronH-MTP and megatron-core compute it: the next token's
+    embedding and the model's output, each normalized, concatenated and projected, through the
+    depth's layers and final norm to the shared output layer, predicting two tokens ahead."""
+    inputs = tokens[:, :-1]
+    with torch.no_grad():
+        main = hf_model.model(inputs).last_hidden_state
+        embeddings = hf_model.model.embeddings(inputs[:, 1:])
+        both = torch.cat([depth.enorm(embeddings), depth.hnorm(main[:, :-1])], dim=-1)
+        hidden = depth.stack(inputs_embeds=depth.eh_proj(both)).last_hidden_state
+        logits = hf_model.lm_head(hidden)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), tokens[:, 2:].flatten())
+
+
+def test_nemotron_3_supers_prediction_module_is_a_depth_both_ways(tmp_path):
+    """Nemotron 3 Super's `mtp.*`: read as a depth of the pattern (`/*E`), its loss the one
+    vLLM's module computes from transformers' parts (1e-5; with the depth's layers in the
+    other order, another), and written back bitwise beside a model transformers loads."""
+    from tests.tools.hf_models import build_hf_model, convert_in_process
+    from threefold.checkpoint.load import load_model
+
+    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "threefold")
+    hf_model = build_hf_model("nemotron-h", hf_dir).eval()
+    depth = _add_mtp_module(hf_model, hf_dir)
+    convert_in_process(
+        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
+    )  # fmt: skip
+    config, model, _ = load_model(ours, with_tokenizer=False)
+    assert config.model.hybrid_layer_pattern == "M*-EM*/*E" and config.model.mtp_num_layers == 1
+    expected = _mtp_loss(hf_model, depth, TOKENS)
+    with torch.no_grad():
+        model.train()(TOKENS[:, :-1], labels=TOKENS[:, 1:])  # (the depths run in training)
+    assert abs(model.mtp.take_losses()[0].item() - expected.item()) < 1e-5 * expected.item()
+    swapped = torch.nn.ModuleList(reversed(list(depth.stack.layers)))
+    depth.stack.layers, swapped = swapped, depth.stack.layers
+    assert abs(_mtp_loss(hf_model, depth, TOKENS) - expected) > 1e-3
+    depth.stack.layers = swapped
+    hf_model.config.num_nextn_predict_layers = 1  # (the exported config's)
+    assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
 
 
 HYBRID = ["--hybrid-layer-pattern", "M*-M", "--hidden-size", "64", "--num-attention-heads", "4"]

@@ -329,8 +329,9 @@ def to_hf_checkpoint(
     config, state, metadata, iteration = whole_model(load_dir, loader, strictness)
     hf = metadata.get("hf", {})
     architecture = _hf_architecture(config, metadata, architecture)
-    if config.model.mtp_num_layers:
-        # Hugging Face's architectures predict the next token only; said, not silently dropped.
+    if config.model.mtp_num_layers and not ADAPTERS[architecture].exports_mtp:
+        # Hugging Face's architectures predict the next token only (NemotronH's files hold
+        # Nemotron 3 Super's depths, which transformers ignores); said, not silently dropped.
         print(
             f"> {load_dir}: its {config.model.mtp_num_layers} multi-token prediction depths "
             "(mtp.layers.*) stay behind: the export is the next-token model"

@@ -318,6 +318,7 @@ class Adapter:
     exports_llama4 = False  # transformers' Llama 4 layers (hf/llama4.py)
     exports_dense = False  # a mixture-of-experts architecture whose layers may all be dense
     exports_hybrid = False  # a hybrid stack of Mamba and other layers (hf/nemotron_h.py)
+    exports_mtp = False  # its files hold multi-token prediction depths (Nemotron 3 Super's mtp.*)
     exports_gemma = False  # Gemma's layers (config/gemma.py, hf/gemma.py)
     parallel_layers = False  # --parallel-attention-mlp (hf/gpt_neox.py)
     exports_olmo = False  # OLMo 2's layers (config/olmo.py, hf/olmo2.py)

@@ -13,8 +13,15 @@ no position embeddings (--position-embedding-type none) and q, k, v apart, fused
 threefold's grouped linear_qkv; MLPs and experts are one projection and a squared ReLU
 (--squared-relu); the experts are routed by DeepSeek-V3's sigmoid scores with expert biases
 (hf/deepseek.py), beside a shared expert of its own size; Nemotron 3 Super's experts work at
-`moe_latent_size` between two projections (--moe-latent-size). The Hub's multi-token prediction
-module (`mtp.*`) is left out, as transformers leaves it.
+`moe_latent_size` between two projections (--moe-latent-size).
+
+Nemotron 3 Super's multi-token prediction module (`num_nextn_predict_layers` depths of the
+layers `mtp_layers_block_type`, or the older `mtp_hybrid_override_pattern`, names) is each depth
+of threefold's hybrid pattern after `/` (model/mtp.py), the Hub numbering the depths' layers on
+from one `mtp.layers.{i}` list: a depth's first layer holds its `enorm`, `hnorm` and `eh_proj`,
+its last the `final_layernorm`, each its `norm` and `mixer` as a decoder layer does.
+transformers builds no such module and ignores these tensors; vLLM's NemotronH-MTP computes
+them as megatron-core's depth does.
 """
 
 from __future__ import annotations
@@ -70,6 +77,19 @@ _ALIASES = {
 }
 
 
+def _mtp_pattern(hf: dict) -> str:
+    """The multi-token prediction depths as the pattern's `/` parts ("": none)."""
+    depths = hf.get("num_nextn_predict_layers") or 0
+    if not depths:
+        return ""
+    kinds = hf.get("mtp_layers_block_type")
+    depth = _pattern({"hybrid_override_pattern": hf.get("mtp_hybrid_override_pattern")})
+    if kinds is not None:
+        depth = _pattern({"layers_block_type": kinds})
+    refuse(not depth, "mtp_layers_block_type", depth, "a depth's layers")
+    return "/" + "/".join([depth] * depths)
+
+
 def _pattern(hf: dict) -> str:
     kinds = hf.get("layers_block_type") or hf.get("layer_types")
     if kinds is None:
@@ -84,11 +104,11 @@ class NemotronHAdapter(Adapter):
     architecture: str = "NemotronHForCausalLM"
     model_type: str = "nemotron_h"
     exports_hybrid: ClassVar[bool] = True
+    exports_mtp: ClassVar[bool] = True
     exports_moe: ClassVar[bool] = True
     exports_dense: ClassVar[bool] = True  # (most Nemotron-H models have no experts)
     deepseek_routing: ClassVar[bool] = True
     squared_relu_mlp: ClassVar[bool] = True
-    left_behind_prefixes: ClassVar[tuple[str, ...]] = ("mtp.",)
 
     def model_config(self, hf: dict) -> ModelConfig:
         hf = {_ALIASES.get(name, name): value for name, value in hf.items()}
@@ -107,7 +127,7 @@ class NemotronHAdapter(Adapter):
             ),
         ):
             refuse(value != wanted, field, value, why)
-        pattern = _pattern(hf)
+        pattern = _pattern(hf) + _mtp_pattern(hf)
         config = ModelConfig(
             **hybrid_fields(hf, NAMES_OF_SETTINGS, pattern),
             ffn_hidden_size=hf["intermediate_size"],
@@ -173,6 +193,10 @@ class NemotronHAdapter(Adapter):
             "use_conv_bias": True,
             "use_bias": False,
             "residual_in_fp32": False,
+            # (the depths built: under --mtp-use-repeated-layer one, as Nemotron 3 Super's)
+            "num_nextn_predict_layers": config.mtp_depths_built(),
+            "mtp_layers_block_type": [NAMES[symbol] for symbol in config.hybrid_mtp_layers()]
+            or None,
         }
         if config.is_moe:
             groups = config.moe_router_num_groups
@@ -202,20 +226,30 @@ class NemotronHAdapter(Adapter):
         }
         out["output_layer.weight"] = take("lm_head.weight")
         for i, symbol in enumerate(config.hybrid_layers()):
-            ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
-            if symbol == MAMBA:
-                out.update(take_mamba(take, ours, p + "norm.weight", p + "mixer."))
-            elif symbol == ATTENTION:
-                out.update(take_attention(take, config, ours, p + "norm.weight", p + "mixer."))
-            else:
-                out[ours + "pre_mlp_layernorm.weight"] = take(p + "norm.weight")
-                p, ours = p + "mixer.", ours + "mlp."
-                mlp = p
-                if symbol == MOE:
-                    out.update(self._take_experts(take, config, ours, p))
-                    ours, mlp = ours + "shared_experts.", p + "shared_experts."
-                out[ours + "linear_fc1.weight"] = take(mlp + "up_proj.weight")
-                out[ours + "linear_fc2.weight"] = take(mlp + "down_proj.weight")
+            out.update(
+                self._take_layer(take, config, symbol, f"decoder.layers.{i}.", f"{b}layers.{i}.")
+            )
+        for (ours, p), parts in _mtp_names(config).items():
+            for name, part in parts:  # (the depth's projection and norms)
+                out[ours + name] = take(p + part)
+        for ours, p, symbol in _mtp_layers(config):
+            out.update(self._take_layer(take, config, symbol, ours, p))
+        return out
+
+    def _take_layer(self, take: Take, config: ModelConfig, symbol: str, ours: str, p: str) -> dict:
+        """A layer of the stack (`ours`: threefold's prefix, `p` the file's)."""
+        if symbol == MAMBA:
+            return take_mamba(take, ours, p + "norm.weight", p + "mixer.")
+        if symbol == ATTENTION:
+            return take_attention(take, config, ours, p + "norm.weight", p + "mixer.")
+        out = {ours + "pre_mlp_layernorm.weight": take(p + "norm.weight")}
+        p, ours = p + "mixer.", ours + "mlp."
+        mlp = p
+        if symbol == MOE:
+            out.update(self._take_experts(take, config, ours, p))
+            ours, mlp = ours + "shared_experts.", p + "shared_experts."
+        out[ours + "linear_fc1.weight"] = take(mlp + "up_proj.weight")
+        out[ours + "linear_fc2.weight"] = take(mlp + "down_proj.weight")
         return out
 
     @staticmethod
@@ -247,20 +281,30 @@ class NemotronHAdapter(Adapter):
         }
         out["lm_head.weight"] = state["output_layer.weight"]
         for i, symbol in enumerate(config.hybrid_layers()):
-            ours, p = f"decoder.layers.{i}.", f"{b}layers.{i}."
-            if symbol == MAMBA:
-                out.update(give_mamba(state, ours, p + "norm.weight", p + "mixer."))
-            elif symbol == ATTENTION:
-                out.update(give_attention(state, config, ours, p + "norm.weight", p + "mixer."))
-            else:
-                out[p + "norm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
-                p, ours = p + "mixer.", ours + "mlp."
-                mlp = ours
-                if symbol == MOE:
-                    out.update(self._give_experts(state, config, ours, p))
-                    mlp, p = ours + "shared_experts.", p + "shared_experts."
-                out[p + "up_proj.weight"] = state[mlp + "linear_fc1.weight"]
-                out[p + "down_proj.weight"] = state[mlp + "linear_fc2.weight"]
+            out.update(
+                self._give_layer(state, config, symbol, f"decoder.layers.{i}.", f"{b}layers.{i}.")
+            )
+        for (ours, p), parts in _mtp_names(config).items():
+            for name, part in parts:
+                out[p + part] = state[ours + name]
+        for ours, p, symbol in _mtp_layers(config):
+            out.update(self._give_layer(state, config, symbol, ours, p))
+        return out
+
+    def _give_layer(self, state: dict, config: ModelConfig, symbol: str, ours: str, p: str) -> dict:
+        """`_take_layer`'s inverse."""
+        if symbol == MAMBA:
+            return give_mamba(state, ours, p + "norm.weight", p + "mixer.")
+        if symbol == ATTENTION:
+            return give_attention(state, config, ours, p + "norm.weight", p + "mixer.")
+        out = {p + "norm.weight": state[ours + "pre_mlp_layernorm.weight"]}
+        p, ours = p + "mixer.", ours + "mlp."
+        mlp = ours
+        if symbol == MOE:
+            out.update(self._give_experts(state, config, ours, p))
+            mlp, p = ours + "shared_experts.", p + "shared_experts."
+        out[p + "up_proj.weight"] = state[mlp + "linear_fc1.weight"]
+        out[p + "down_proj.weight"] = state[mlp + "linear_fc2.weight"]
         return out
 
     @staticmethod
@@ -280,6 +324,31 @@ class NemotronHAdapter(Adapter):
             out[f"{p}experts.{e}.up_proj.weight"] = state[expert + "linear_fc1.weight"]
             out[f"{p}experts.{e}.down_proj.weight"] = state[expert + "linear_fc2.weight"]
         return out
+
+
+def _mtp_layers(config: ModelConfig) -> list[tuple[str, str, str]]:
+    """(threefold's prefix, the file's, the symbol) of each built depth's layers: the Hub
+    numbers them on across the depths."""
+    depth = config.hybrid_mtp_layers()
+    return [
+        (f"mtp.layers.{k}.mtp_model_layer.layers.{j}.", f"mtp.layers.{k * len(depth) + j}.", symbol)
+        for k in range(config.mtp_depths_built())
+        for j, symbol in enumerate(depth)
+    ]
+
+
+def _mtp_names(config: ModelConfig) -> dict:
+    """(threefold's depth prefix, the file's layer prefix) -> (threefold's name, the file's) of
+    each depth's projection and norms: on its first layer, and its last layer's final norm."""
+    count, names = len(config.hybrid_mtp_layers()), {}
+    for k in range(config.mtp_depths_built()):
+        ours, first, last = f"mtp.layers.{k}.", k * count, (k + 1) * count - 1
+        parts = [(f"{n}.weight", f"{n}.weight") for n in ("enorm", "hnorm", "eh_proj")]
+        names[ours, f"mtp.layers.{first}."] = parts
+        names.setdefault((ours, f"mtp.layers.{last}."), []).append(
+            ("final_layernorm.weight", "final_layernorm.weight")
+        )
+    return names
 
 
 NEMOTRON_H = NemotronHAdapter()
