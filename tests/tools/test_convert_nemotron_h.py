@@ -186,6 +186,18 @@ def test_nemotron_3_supers_prediction_module_is_a_depth_both_ways(tmp_path):
     assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
 
 
+def test_the_depths_layers_are_read_as_transformers_reads_them(converted):
+    """`mtp_layers_block_type`, or the older files' `mtp_hybrid_override_pattern` (which
+    transformers takes over the list's default), for `num_nextn_predict_layers` depths."""
+    hf = {**converted[0].config.to_dict(), "num_nextn_predict_layers": 2}
+    assert model_config_from_hf(hf)[1].hybrid_layer_pattern == "M*-EM*/*E/*E"
+    older = {**hf, "mtp_hybrid_override_pattern": "M-"}
+    assert model_config_from_hf(older)[1].hybrid_layer_pattern == "M*-EM*/M-/M-"
+    listed = {**older, "mtp_layers_block_type": ["linear_attention", "moe"]}
+    assert model_config_from_hf(listed)[1].mtp_num_layers == 2
+    assert model_config_from_hf(listed)[1].hybrid_layer_pattern.endswith("/ME/ME")
+
+
 HYBRID = ["--hybrid-layer-pattern", "M*-M", "--hidden-size", "64", "--num-attention-heads", "4"]
 HYBRID += ["--group-query-attention", "--num-query-groups", "2", "--squared-relu"]
 HYBRID += ["--untie-embeddings-and-output-weights"]

@@ -77,16 +77,22 @@ _ALIASES = {
 }
 
 
+# transformers' default depth (NemotronHConfig's mtp_layers_block_type)
+_MTP_DEFAULT = ("full_attention", "moe")
+
+
 def _mtp_pattern(hf: dict) -> str:
-    """The multi-token prediction depths as the pattern's `/` parts ("": none)."""
+    """The multi-token prediction depths as the pattern's `/` parts ("": none). As
+    transformers reads them: the older `mtp_hybrid_override_pattern` unless
+    `mtp_layers_block_type` says otherwise than its default (an attention and an expert
+    layer)."""
     depths = hf.get("num_nextn_predict_layers") or 0
     if not depths:
         return ""
-    kinds = hf.get("mtp_layers_block_type")
-    depth = _pattern({"hybrid_override_pattern": hf.get("mtp_hybrid_override_pattern")})
-    if kinds is not None:
-        depth = _pattern({"layers_block_type": kinds})
-    refuse(not depth, "mtp_layers_block_type", depth, "a depth's layers")
+    kinds = hf.get("mtp_layers_block_type") or list(_MTP_DEFAULT)
+    depth = _pattern({"layers_block_type": kinds})
+    if hf.get("mtp_hybrid_override_pattern") and kinds == list(_MTP_DEFAULT):
+        depth = hf["mtp_hybrid_override_pattern"]
     return "/" + "/".join([depth] * depths)
 
 
