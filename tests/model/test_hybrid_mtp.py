@@ -8,6 +8,7 @@ line."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import run_distributed
 from tests.model.test_mamba import LAYOUTS as MAMBA_LAYOUTS
@@ -105,3 +106,23 @@ def test_bad_depths_are_refused_in_one_line(capsys, pattern, flags, named):
         parse_args(BASE + ["--hybrid-layer-pattern", pattern, *flags])
     error = capsys.readouterr().err
     assert named in error and error.count("\n") == 1, error
+
+
+def test_a_pattern_without_depths_fine_tunes_from_a_checkpoint_with_them(tmp_path, capsys):
+    """The decoder's part of the pattern takes the rest of a hybrid with depths (its `/` parts
+    left out, said), as a GPT run without --mtp-num-layers does."""
+    from threefold.checkpoint.load import load_checkpoint, load_model
+    from threefold.checkpoint.save import save_checkpoint
+
+    saved = str(tmp_path / "saved")
+    with_depths = _setup(HYBRID)
+    with_depths.train_step()
+    save_checkpoint(saved, with_depths.checkpoint_components())
+    decoder = [a if a != PATTERN else PATTERN.split("/")[0] for a in HYBRID]
+    trainer = _setup(decoder)
+    capsys.readouterr()
+    load_checkpoint(saved, trainer.checkpoint_components(), finetune=True)
+    assert "2 multi-token prediction depths are left out" in capsys.readouterr().out
+    expected = dict(load_model(saved, with_tokenizer=False)[1].named_parameters())
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, expected[name]), name

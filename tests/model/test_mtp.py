@@ -272,3 +272,32 @@ def test_hugging_face_export_is_the_next_token_model_and_says_so(tmp_path, capsy
     with torch.no_grad():
         ours = model(mc.TOKENS).transpose(0, 1)[..., : theirs.config.vocab_size]
         torch.testing.assert_close(theirs(mc.TOKENS).logits, ours, rtol=0, atol=1e-4)
+
+
+def test_a_run_without_depths_fine_tunes_from_a_checkpoint_with_them(tmp_path, capsys):
+    """As Megatron-LM's --load does, a run without --mtp-num-layers takes the rest of a model
+    with depths (threefold's checkpoint and its Megatron-LM export), said in one line, when it
+    does not load the optimizer state (whose layout holds the depths'); resuming with it is
+    refused, naming both ways on."""
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.save import save_checkpoint
+    from threefold.config import ConfigError
+
+    saved, exported = str(tmp_path / "saved"), str(tmp_path / "megatron")
+    with_depths = _setup(LLAMA_STYLE + TRAINING + MOE + MTP)
+    with_depths.train_step()
+    save_checkpoint(saved, with_depths.checkpoint_components())
+    argv = ["--loader", "threefold", "--saver", "megatron", "--load-dir", saved]
+    assert convert_checkpoint.main(argv + ["--save-dir", exported]) == 0
+    for source in (saved, exported):
+        trainer = _setup(LLAMA_STYLE + TRAINING + MOE)
+        capsys.readouterr()
+        load_checkpoint(source, trainer.checkpoint_components(), finetune=True)
+        assert "2 multi-token prediction depths are left out" in capsys.readouterr().out
+        _, model, _ = load_model(source, with_tokenizer=False)
+        expected = dict(model.named_parameters())
+        for name, param in trainer.model.named_parameters():
+            torch.testing.assert_close(param, expected[name], rtol=0, atol=0, msg=name)
+    trainer = _setup(LLAMA_STYLE + TRAINING + MOE)
+    with pytest.raises(ConfigError, match="pass --mtp-num-layers 2 .or --finetune"):
+        load_checkpoint(saved, trainer.checkpoint_components())

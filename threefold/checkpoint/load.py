@@ -90,6 +90,12 @@ def load_checkpoint(
         finetune,
     )
     path, metadata, megatron = loadable.path, loadable.metadata, loadable.megatron
+    if loadable.depths_left_out:
+        _warn(
+            f"> --load {root}: the checkpoint's {loadable.depths_left_out} multi-token "
+            "prediction depths are left out: this run has none (--mtp-num-layers "
+            f"{loadable.depths_left_out} keeps them)"
+        )
     same_layout, load_optimizer = loadable.same_layout, loadable.load_optimizer
     load_rng, without_adapters = loadable.load_rng, loadable.without_adapters
     saved = metadata["config"]["parallel"]
@@ -116,6 +122,7 @@ def load_checkpoint(
                 load_optimizer,
                 without_adapters,
                 metadata["megatron"]["optimizer_step"] if megatron else None,
+                ("mtp.",) if loadable.depths_left_out else (),
             )
         if components.fp8 is not None and not finetune:
             load_fp8_state(path, components.fp8.state_tensors())

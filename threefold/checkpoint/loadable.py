@@ -44,7 +44,7 @@ from threefold.config import (
     TrainingConfig,
 )
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
-from threefold.config.hybrid import without_pipeline_cuts
+from threefold.config.hybrid import MTP_SEPARATOR, without_pipeline_cuts
 from threefold.config.lr_schedule import resumed_lr_schedule
 
 
@@ -191,6 +191,7 @@ class Loadable:
     load_rng: bool
     without_adapters: bool  # LoRA fine-tuning from a checkpoint without adapters
     scheduler: dict | None  # the LR scheduler's state to resume (None: weights only)
+    depths_left_out: int = 0  # the checkpoint's multi-token prediction depths this run lacks
 
 
 def check_loadable(
@@ -237,7 +238,18 @@ def check_loadable(
             f"run has --optimizer {optimizer}; pass --no-load-optim "
             "(or --finetune) to start its state afresh"
         )
-    _check_architecture(root, metadata["config"]["model"], config.model)
+    saved_model = metadata["config"]["model"]
+    depths = saved_model.get("mtp_num_layers") or 0
+    left_out = depths if depths and not config.model.mtp_num_layers else 0
+    if left_out and load_optimizer:  # (its state holds theirs: the layouts would differ)
+        raise ConfigError(
+            f"--load {root}: the checkpoint's model has {depths} multi-token prediction depths "
+            f"and this run none; pass --mtp-num-layers {depths} (or --finetune or "
+            "--no-load-optim, which leave them out)"
+        )
+    if left_out:  # a run without them takes the rest, as Megatron-LM's --load does
+        saved_model = _without_depths(saved_model)
+    _check_architecture(root, saved_model, config.model)
     _check_tokenizer(root, path, metadata, config.data)
     # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
     # initialization (B = 0, so the model is the checkpoint's).
@@ -267,7 +279,15 @@ def check_loadable(
         _check_rng_files(root, path, ranks)
     scheduler = None if finetune else _scheduler_state(root, metadata, config.training)
     return Loadable(
-        path, metadata, megatron, same_layout, load_optimizer, load_rng, without_adapters, scheduler
+        path,
+        metadata,
+        megatron,
+        same_layout,
+        load_optimizer,
+        load_rng,
+        without_adapters,
+        scheduler,
+        left_out,
     )
 
 
@@ -343,6 +363,17 @@ def _same_layout(saved: dict, current: ParallelConfig, load_optimizer: bool) -> 
             == current.num_distributed_optimizer_instances
         )
     return same
+
+
+def _without_depths(saved: dict) -> dict:
+    """The checkpoint's model without its multi-token prediction depths (a hybrid pattern's
+    `/` parts too)."""
+    pattern = saved.get("hybrid_layer_pattern")
+    return saved | {
+        "mtp_num_layers": None,
+        "mtp_use_repeated_layer": False,
+        "hybrid_layer_pattern": pattern.split(MTP_SEPARATOR)[0] if pattern else pattern,
+    }
 
 
 def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:

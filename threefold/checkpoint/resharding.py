@@ -139,11 +139,12 @@ def load_weights(
     parallel: ParallelContext,
     saved=None,
     strictness: str = "raise_unexpected",
+    left_out: tuple[str, ...] = (),
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Fill parameters (layout-independent names) from a checkpoint of any layout; returns
     the fp32 shard each was filled from (the masters' values when the checkpoint has them).
     `strictness`: what a Megatron-LM checkpoint's tensors no parameter takes do
-    (--dist-ckpt-strictness)."""
+    (--dist-ckpt-strictness); `left_out`: the prefixes of those the run leaves out, said."""
     saved = saved or saved_tensors(path)
     loaded = {}
     for name, param in named_parameters:
@@ -156,7 +157,7 @@ def load_weights(
         )
         param.copy_(loaded[param])
     if hasattr(saved, "check_all_read"):  # a Megatron-LM checkpoint: every tensor read?
-        saved.check_all_read(parallel.pp, strictness)
+        saved.check_all_read(parallel.pp, strictness, left_out)
     return loaded
 
 
@@ -168,8 +169,10 @@ def load_resharded(
     load_optimizer: bool,
     without_adapters: bool = False,
     megatron_step: float | None = None,
+    left_out: tuple[str, ...] = (),
 ) -> None:
-    """Fill the parameters (and optimizer state) from a checkpoint of any layout."""
+    """Fill the parameters (and optimizer state) from a checkpoint of any layout (`left_out`:
+    the prefixes of the checkpoint's tensors the run leaves out)."""
     if not components.resharding_supported:
         raise ConfigError(
             "--load: a checkpoint of another layout loads into "
@@ -180,7 +183,9 @@ def load_resharded(
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]
     strictness = components.config.checkpoint.dist_ckpt_strictness
-    loaded = load_weights(path, named, saved_tensor_parallel_size, parallel, saved, strictness)
+    loaded = load_weights(
+        path, named, saved_tensor_parallel_size, parallel, saved, strictness, left_out
+    )
     if not load_optimizer:
         return
 

@@ -277,14 +277,17 @@ class MegatronTensors:
                 if stored in self.sizes:
                     self.read.add(stored)
 
-    def check_all_read(self, pipeline: Group, strictness: str) -> None:
+    def check_all_read(
+        self, pipeline: Group, strictness: str, left_out: tuple[str, ...] = ()
+    ) -> None:
         """After the model was read, on every rank of the `pipeline` group (whose stages
         together hold every layer): a model tensor of the checkpoint that no parameter took
         (a part threefold's model lacks, megatron-core's router bias before threefold had
         one, say) leaves the model computing something else. `strictness`
         (--dist-ckpt-strictness, megatron-core's names): refused (raise_*, threefold's
         default), named (log_*, return_*), or not looked for (assume_ok_unexpected,
-        Megatron-LM's default, and ignore_all)."""
+        Megatron-LM's default, and ignore_all). `left_out`: the prefixes of the tensors the
+        run leaves out (said when it loads: multi-token prediction depths it has none of)."""
         if strictness in ("assume_ok_unexpected", "ignore_all"):
             return
         read = self.read
@@ -296,7 +299,7 @@ class MegatronTensors:
         unread = sorted(
             key
             for key in self.sizes
-            if key not in read and not key.startswith(("optimizer.", *optimizer))
+            if key not in read and not key.startswith(("optimizer.", *optimizer, *left_out))
         )
         if not unread:
             return
