@@ -92,10 +92,9 @@ def test_a_model_trained_with_deepseek_routing_exports_as_glm(tmp_path):
         (["--use-rope-scaling"], "position embeddings besides plain RoPE"),
         (["--rotary-interleaved"], "regrouping part of each head is not implemented"),
         (["--moe-router-score-function", "softmax"], "softmax routing scores"),
-        (["--mtp-num-layers", "1"], "multi-token prediction"),
         (["--moe-router-num-groups", "2", "--moe-router-group-topk", "2"], "top 2 experts"),
     ],
-    ids=["rope-scaling", "interleaved-part", "softmax", "mtp", "groups"],
+    ids=["rope-scaling", "interleaved-part", "softmax", "groups"],
 )
 def test_a_model_glm_cannot_express_is_refused(flags, named):
     config = parse_args(GLM + flags).model

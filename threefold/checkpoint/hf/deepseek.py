@@ -25,23 +25,26 @@ renormalized (norm_topk_prob, megatron-core's for k > 1) and times routed_scalin
 (--moe-router-topk-scaling-factor). The n_shared_experts shared experts are one MLP of
 n_shared_experts x moe_intermediate_size (--moe-shared-expert-intermediate-size).
 
-The multi-token prediction layers DeepSeek-V3's Hub checkpoints carry after the decoder's are
-left out (transformers does not compute them either), and a model with --mtp-num-layers is not
-written.
+The multi-token prediction layers DeepSeek-V3's Hub checkpoints carry after the decoder's
+(num_nextn_predict_layers of them: model.layers.61 of DeepSeek-V3's 61, as GLM-4.5's 92 of 92)
+are threefold's depths (--mtp-num-layers, model/mtp.py): each a decoder layer of the last
+layer's kind, with its enorm, hnorm, eh_proj and shared_head.norm (the depth's final norm), and
+copies of the model's embedding and output layer (embed_tokens, shared_head.head), which
+megatron-core's depths share: a copy that differs is refused. transformers computes none of
+them; vLLM's DeepSeek MTP computes what megatron-core's depth does.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, TensorSource, refuse, refuse_other_values, renamed
+from threefold.checkpoint.hf.common import Take, refuse, refuse_other_values, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.config import ModelConfig
+from threefold.config import ConfigError, ModelConfig
 from threefold.config.mla import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -78,12 +81,6 @@ def _attention_names(i: int, q_lora: bool) -> dict[str, str]:
     else:
         names["self_attention.linear_q_proj.weight"] = p + "self_attn.q_proj.weight"
     return names
-
-
-def _layer_of(name: str) -> int:
-    """The decoder layer an HF tensor belongs to (-1: none)."""
-    match = re.match(r"model\.layers\.(\d+)\.", name)
-    return int(match.group(1)) if match else -1
 
 
 def _shared_names(i: int) -> dict[str, str]:
@@ -129,12 +126,86 @@ def _rope_fields(hf: dict) -> dict:
     }
 
 
-def leave_out_mtp_layers(take: Take, config: ModelConfig, used: set[str]) -> None:
-    """The Hub checkpoints' multi-token prediction layers follow the decoder's (model.layers.61
-    of DeepSeek-V3's 61, model.layers.92 of GLM-4.5's 92); transformers computes none, nor
-    does the conversion."""
-    if isinstance(take, TensorSource):
-        used.update(n for n in take.state if _layer_of(n) >= config.num_layers)
+# A depth's own tensors in its Hub layer: threefold's name under mtp.layers.{k}. -> the file's
+_MTP_PARTS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+# ... and its copies of what megatron-core's depths share: the file's -> threefold's tensor
+_MTP_COPIES = {
+    "embed_tokens.weight": "embedding.word_embeddings.weight",
+    "shared_head.head.weight": "output_layer.weight",
+}
+
+
+def mtp_depths(hf: dict) -> int | None:
+    """--mtp-num-layers of the Hub's num_nextn_predict_layers (None: none)."""
+    return hf.get("num_nextn_predict_layers") or None
+
+
+def _as_depth(layer: dict, i: int, k: int) -> dict:
+    """The file's layer i, taken as a decoder layer, as depth k's transformer layer."""
+    prefix, depth = f"decoder.layers.{i}.", f"mtp.layers.{k}.transformer_layer."
+    return {depth + name.removeprefix(prefix): tensor for name, tensor in layer.items()}
+
+
+def take_mtp_depths(adapter, take: Take, config: ModelConfig, out: dict) -> dict:
+    """Each built depth k from the file's layer num_layers + k (`out`: the decoder's tensors,
+    which its copies must equal)."""
+    depths = {}
+    for k in range(config.mtp_depths_built()):
+        i, ours = config.num_layers + k, f"mtp.layers.{k}."
+        p = f"model.layers.{i}."
+        depths.update(_as_depth(adapter.take_layer(take, config, i), i, k))
+        depths.update({ours + name: take(p + part) for name, part in _MTP_PARTS.items()})
+        for copy, shared in _MTP_COPIES.items():
+            shared = shared if shared in out else "embedding.word_embeddings.weight"  # (tied)
+            if p + copy in take and not torch.equal(take(p + copy), out[shared]):
+                raise ConfigError(
+                    f"{p + copy} differs from the model's own ({shared}): threefold's "
+                    "multi-token prediction depths share the model's, as megatron-core's do"
+                )
+    return depths
+
+
+def give_mtp_depths(adapter, state: dict, config: ModelConfig) -> dict:
+    """`take_mtp_depths`' inverse, with the copies the Hub's files hold."""
+    out = {}
+    for k in range(config.mtp_depths_built()):
+        i, ours = config.num_layers + k, f"mtp.layers.{k}."
+        p, depth = f"model.layers.{i}.", f"{ours}transformer_layer."
+        as_decoder = _DecoderView(state, depth, f"decoder.layers.{i}.")
+        out.update(adapter.give_layer(as_decoder, config, i))
+        out.update({p + part: state[ours + name] for name, part in _MTP_PARTS.items()})
+        for copy, shared in _MTP_COPIES.items():  # (copies: a file holds no shared tensors)
+            shared = shared if shared in state else "embedding.word_embeddings.weight"
+            out[p + copy] = state[shared].clone()
+    return out
+
+
+class _DecoderView(dict):
+    """A depth's transformer layer read under a decoder layer's names (the adapters' `give_*`
+    read `decoder.layers.{i}.`)."""
+
+    def __init__(self, state, depth: str, decoder: str) -> None:
+        super().__init__()
+        self.state, self.depth, self.decoder = state, depth, decoder
+
+    def _ours(self, name: str) -> str:
+        return (
+            self.depth + name.removeprefix(self.decoder) if name.startswith(self.decoder) else name
+        )
+
+    def __getitem__(self, name: str):
+        return self.state[self._ours(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._ours(name) in self.state
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
 
 
 def deepseek_experts(hf: dict, family: str) -> dict:
@@ -194,6 +265,7 @@ def deepseek_moe(hf: dict) -> dict:
 @dataclass(frozen=True)
 class DeepSeekV3Adapter(MoEAdapter):
     exports_mla = True
+    exports_mtp = True  # (the Hub's layers after the decoder's)
     deepseek_routing = True
     expert_score_bias: ClassVar[bool] = True  # e_score_correction_bias (not DeepSeek-V2's)
     # transformers scores a group by its top experts (DeepSeek-V2's: by its best one)
@@ -250,6 +322,7 @@ class DeepSeekV3Adapter(MoEAdapter):
         )
         for name, value in self.moe_fields(hf).items():
             setattr(config, name, value)
+        config.mtp_num_layers = mtp_depths(hf)
         return config
 
     def moe_fields(self, hf: dict) -> dict:
@@ -286,7 +359,6 @@ class DeepSeekV3Adapter(MoEAdapter):
             (config.normalization != "RMSNorm" or not config.swiglu, "other than RMSNorm + SwiGLU"),
             (config.add_bias_linear, "biases on the linear layers"),
             (config.position_embedding_type != "rope", "position embeddings besides MLA's RoPE"),
-            (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
         ]
 
     def routing_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
@@ -348,7 +420,7 @@ class DeepSeekV3Adapter(MoEAdapter):
             "attention_bias": False,
             "attention_dropout": config.attention_dropout,
             "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": config.mtp_depths_built(),
         }
 
     def routing_hf_config(self, config: ModelConfig) -> dict:
@@ -371,16 +443,18 @@ class DeepSeekV3Adapter(MoEAdapter):
         }
 
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = self.take_ends(take, config, used)
-        q_lora = config.q_lora_rank is not None
-        for i in range(config.num_layers):
-            out.update(renamed(_attention_names(i, q_lora), i, take, to_hf=False))
-            out.update(self.take_mlp(take, config, i))
-        leave_out_mtp_layers(take, config, used)
-        return out
+        out = LlamaAdapter.take_weights(self, take, config, used)
+        return out | take_mtp_depths(self, take, config, out)
+
+    def depth_marker(self, config: ModelConfig, k: int) -> str:
+        return f"model.layers.{config.num_layers + k}.eh_proj.weight"
+
+    def take_layer(self, take: Take, config: ModelConfig, i: int) -> dict:
+        out = renamed(_attention_names(i, config.q_lora_rank is not None), i, take, to_hf=False)
+        return out | self.take_mlp(take, config, i)
 
     def _moe_layer(self, config: ModelConfig, i: int) -> bool:
-        return config.is_moe and bool(self._pattern(config)[i])
+        return config.is_moe and self._moe_at(config, i)
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
         if not self._moe_layer(config, i):
@@ -397,12 +471,13 @@ class DeepSeekV3Adapter(MoEAdapter):
         return out
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = self.give_ends(state, config)
+        out = LlamaAdapter.give_weights(self, state, config)
+        return out | give_mtp_depths(self, state, config)
+
+    def give_layer(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
         q_lora = config.q_lora_rank is not None
-        for i in range(config.num_layers):
-            out.update(renamed(_attention_names(i, q_lora), i, state.__getitem__, to_hf=True))
-            out.update(self.give_mlp(state, config, i))
-        return out
+        out = renamed(_attention_names(i, q_lora), i, state.__getitem__, to_hf=True)
+        return out | self.give_mlp(state, config, i)
 
     def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
         if not self._moe_layer(config, i):
@@ -502,17 +577,15 @@ class DeepSeekV32Adapter(DeepSeekV3Adapter):
             "index_topk": config.dsa_indexer_topk,
         }
 
-    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = super().take_weights(take, config, used)
-        for i in range(config.num_layers):
-            out.update(renamed(_indexer_names(i), i, take, to_hf=False))
-        return out
+    def take_layer(self, take: Take, config: ModelConfig, i: int) -> dict:
+        return super().take_layer(take, config, i) | renamed(
+            _indexer_names(i), i, take, to_hf=False
+        )
 
-    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        out = super().give_weights(state, config)
-        for i in range(config.num_layers):
-            out.update(renamed(_indexer_names(i), i, state.__getitem__, to_hf=True))
-        return out
+    def give_layer(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        return super().give_layer(state, config, i) | renamed(
+            _indexer_names(i), i, state.__getitem__, to_hf=True
+        )
 
 
 DEEPSEEK_V32 = DeepSeekV32Adapter("DeepseekV32ForCausalLM", "deepseek_v32", writes_biases=False)

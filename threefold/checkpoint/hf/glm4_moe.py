@@ -8,7 +8,8 @@ its halves rotated (--rotary-percent; GLM-4.5: 0.5). The experts are DeepSeek-V3
 (hf/deepseek.py): first_k_dense_replace dense layers, then sigmoid scores with
 e_score_correction_bias, in n_group groups, the top-k renormalized and scaled by
 routed_scaling_factor, beside n_shared_experts shared experts. The Hub checkpoints'
-multi-token prediction layer after the decoder's is left out, as transformers leaves it.
+multi-token prediction layer after the decoder's is a depth (--mtp-num-layers), as
+DeepSeek-V3's (hf/deepseek.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from threefold.checkpoint.hf.common import Take, partial_rotary_factor, refuse, scaled_or_no_rope
-from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter, deepseek_moe, leave_out_mtp_layers
+from threefold.checkpoint.hf.deepseek import DeepSeekV3Adapter, deepseek_moe, mtp_depths
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.config import ModelConfig
 
@@ -39,6 +40,7 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
         config.rotary_percent = partial_rotary_factor(hf)
         for name, value in deepseek_moe(hf).items():
             setattr(config, name, value)
+        config.mtp_num_layers = mtp_depths(hf)
         return config
 
     def attention_problems(self, config: ModelConfig) -> list[tuple[bool, str]]:
@@ -46,7 +48,6 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
             (config.normalization != "RMSNorm" or not config.swiglu, "other than RMSNorm + SwiGLU"),
             (config.add_bias_linear, "biases besides the query, key and value projections'"),
             (scaled_or_no_rope(config), "position embeddings besides plain RoPE"),
-            (config.mtp_num_layers, "multi-token prediction depths (--mtp-num-layers)"),
         ]
 
     def hf_config(self, config: ModelConfig) -> dict:
@@ -71,16 +72,15 @@ class Glm4MoeAdapter(DeepSeekV3Adapter):
             },
             "attention_dropout": config.attention_dropout,
             "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": config.mtp_depths_built(),
         }
 
-    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
-        out = LlamaAdapter.take_weights(self, take, config, used)
-        leave_out_mtp_layers(take, config, used)
-        return out
+    # (the LLaMA adapter's layers, GLM's attention; DeepSeek-V3's depths after them)
+    def take_layer(self, take: Take, config: ModelConfig, i: int) -> dict:
+        return LlamaAdapter.take_layer(self, take, config, i)
 
-    def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-        return LlamaAdapter.give_weights(self, state, config)
+    def give_layer(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        return LlamaAdapter.give_layer(self, state, config, i)
 
 
 GLM4_MOE = Glm4MoeAdapter("Glm4MoeForCausalLM", "glm4_moe", writes_biases=False)

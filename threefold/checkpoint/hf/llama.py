@@ -251,9 +251,15 @@ class LlamaAdapter(Adapter):
     def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
         out = self.take_ends(take, config, used)
         for i in range(config.num_layers):
-            out.update(renamed(self.layer_names(i, config), i, take, to_hf=False))
-            out.update(self.take_qkv(take, config, i))
-            out.update(self.take_mlp(take, config, i))
+            out.update(self.take_layer(take, config, i))
+        return out
+
+    def take_layer(self, take: Take, config: ModelConfig, i: int) -> dict:
+        """The file's layer i as threefold's `decoder.layers.{i}.` (a multi-token prediction
+        depth's layer where the Hub numbers it after the decoder's: hf/deepseek.py)."""
+        out = renamed(self.layer_names(i, config), i, take, to_hf=False)
+        out.update(self.take_qkv(take, config, i))
+        out.update(self.take_mlp(take, config, i))
         return out
 
     def layer_names(self, i: int, config: ModelConfig) -> dict[str, str]:
@@ -286,9 +292,14 @@ class LlamaAdapter(Adapter):
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
         out = self.give_ends(state, config)
         for i in range(config.num_layers):
-            out.update(renamed(self.layer_names(i, config), i, state.__getitem__, to_hf=True))
-            out.update(self.give_qkv(state, config, i))
-            out.update(self.give_mlp(state, config, i))
+            out.update(self.give_layer(state, config, i))
+        return out
+
+    def give_layer(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
+        """`take_layer`'s inverse."""
+        out = renamed(self.layer_names(i, config), i, state.__getitem__, to_hf=True)
+        out.update(self.give_qkv(state, config, i))
+        out.update(self.give_mlp(state, config, i))
         return out
 
     def give_qkv(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:

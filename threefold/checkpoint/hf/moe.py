@@ -97,6 +97,11 @@ class MoEAdapter(LlamaAdapter):
     def _pattern(config: ModelConfig) -> list[int]:
         return config.moe_layer_pattern(config.num_layers)
 
+    def _moe_at(self, config: ModelConfig, i: int) -> bool:
+        """Whether the file's layer i holds experts: past the decoder's, a multi-token
+        prediction depth's layer, of the last layer's kind as megatron-core builds it."""
+        return bool(self._pattern(config)[min(i, config.num_layers - 1)])
+
     def hf_config(self, config: ModelConfig) -> dict:
         hf = super().hf_config(config)
         pattern = self._pattern(config)
@@ -125,7 +130,7 @@ class MoEAdapter(LlamaAdapter):
         return hf
 
     def take_mlp(self, take: Take, config: ModelConfig, i: int) -> dict:
-        if not self._pattern(config)[i]:
+        if not self._moe_at(config, i):
             return super().take_mlp(take, config, i)
         out = self._take_experts(take, config, i)
         if self.gated_shared_expert:
@@ -156,7 +161,7 @@ class MoEAdapter(LlamaAdapter):
         return out
 
     def give_mlp(self, state: dict[str, torch.Tensor], config: ModelConfig, i: int) -> dict:
-        if not self._pattern(config)[i]:
+        if not self._moe_at(config, i):
             return super().give_mlp(state, config, i)
         ours, p = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.{self.moe_prefix}."
         gate, up, down = self.expert_names

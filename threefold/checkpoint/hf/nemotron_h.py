@@ -154,6 +154,9 @@ class NemotronHAdapter(Adapter):
                 setattr(config, name, value)
         return config
 
+    def depth_marker(self, config: ModelConfig, k: int) -> str:
+        return f"mtp.layers.{k * len(config.hybrid_mtp_layers())}.eh_proj.weight"
+
     def check_exportable(self, config: ModelConfig) -> None:
         super().check_exportable(config)
         shared = config.moe_shared_expert_intermediate_size
