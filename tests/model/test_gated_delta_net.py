@@ -287,6 +287,19 @@ def test_layouts_train_as_one_process(layout):
     )
 
 
+def test_a_depth_after_gated_attention_trains_as_one_process():
+    """Qwen3-Next's multi-token prediction: a depth of the last layer's kind (gated attention
+    with experts and the gated shared expert), as megatron-core builds one; TP2+SP x PP2
+    (the depth beside the loss, its attention's heads split) trains as one process."""
+    argv = QWEN3_NEXT + ["--mtp-num-layers", "1"]
+    depth = _setup(argv).model.mtp.layers[0].transformer_layer
+    assert type(depth.self_attention).__name__ == "SelfAttention"
+    assert depth.self_attention.output_gate
+    world, flags = LAYOUTS["tp2-sp-pp2"]
+    reference = train_job(argv, 4)
+    assert_matches_reference(run_distributed(world, train_job, argv + flags, 4), reference, 1e-5)
+
+
 @pytest.mark.parametrize(
     "argv,named",
     [
@@ -306,8 +319,8 @@ def test_layouts_train_as_one_process(layout):
             "--linear-num-key-heads 2 is not divisible by TP x --context-parallel-size 4",
         ),
         (
-            [*GDN, "--linear-attention-freq", "2", "--mtp-num-layers", "1"],
-            "--mtp-num-layers with gated delta net layers",
+            [*GDN, "--linear-attention-freq", "[0,1]", "--mtp-num-layers", "1"],
+            "--mtp-num-layers with a gated delta net as the last layer",
         ),
         (MOE + ["--moe-shared-expert-gate"], "--moe-shared-expert-gate gates the shared expert"),
     ],

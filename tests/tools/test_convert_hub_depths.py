@@ -1,6 +1,7 @@
 """DeepSeek-V3's and GLM-4.5's multi-token prediction layers (the Hub's model.layers.{N} after
 the decoder's N: a decoder layer with enorm, hnorm, eh_proj, shared_head.norm and copies of the
-embedding and output layer) in and out as threefold's depths (--mtp-num-layers).
+embedding and output layer) and Qwen3-Next's module (`mtp.*`: its fc, norms and one layer) in
+and out as threefold's depths (--mtp-num-layers).
 
 transformers builds no such layer and ignores its tensors; the reference composes vLLM's
 DeepSeek MTP (megatron-core's depth) from transformers' own parts: a one-layer model of the
@@ -26,18 +27,41 @@ from tests.tools.hf_checks import TOKENS, assert_round_trip  # noqa: E402
 from tests.tools.hf_family_models import shaken  # noqa: E402
 from threefold.checkpoint.load import load_model  # noqa: E402
 
+# Where each family's files keep the depth: its layer's prefix, and its final norm, enorm,
+# hnorm and projection (N: the decoder's layers); the one-layer model's config changes
+FILES = {
+    "deepseek-v3": (
+        "model.layers.{N}.",
+        [
+            f"model.layers.{{N}}.{n}.weight"
+            for n in ("shared_head.norm", "enorm", "hnorm", "eh_proj")
+        ],
+        {"num_hidden_layers": 1, "first_k_dense_replace": 0},
+    ),
+    "qwen3-next": (
+        "mtp.layers.0.",
+        [f"mtp.{n}.weight" for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")],
+        {"num_hidden_layers": 1, "layer_types": ["full_attention"]},
+    ),
+}
+FILES["glm4-moe"] = FILES["deepseek-v3"]
 
-def _add_depth(hf_model, hf_dir: str, scratch: str) -> torch.nn.Module:
+
+def _add_depth(kind: str, hf_model, hf_dir: str, scratch: str) -> torch.nn.Module:
     """The Hub's depth added to the tiny model's files and config: its layer made by
-    transformers (a one-layer model of the family, saved, so in the Hub's layout), numbered
-    after the decoder's."""
+    transformers (a one-layer model of the family, saved, so in the Hub's layout), where the
+    family's files keep it (`FILES`)."""
     from safetensors import torch as safetensors_torch
 
     torch.manual_seed(1)
     layers = hf_model.config.num_hidden_layers
-    config = type(hf_model.config)(
-        **{**hf_model.config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    prefix, (final, *parts), changes = FILES[kind]
+    prefix, final, parts = (
+        prefix.format(N=layers),
+        final.format(N=layers),
+        [p.format(N=layers) for p in parts],
     )
+    config = type(hf_model.config)(**{**hf_model.config.to_dict(), **changes})
     depth = torch.nn.Module()
     depth.stack = shaken(type(hf_model.model)(config)).eval()
     norm, hidden = type(hf_model.model.norm), config.hidden_size
@@ -51,18 +75,18 @@ def _add_depth(hf_model, hf_dir: str, scratch: str) -> torch.nn.Module:
                 param.normal_(0, 0.1)
     depth.stack.save_pretrained(scratch)
     saved = safetensors_torch.load_file(os.path.join(scratch, "model.safetensors"))
-    p = f"model.layers.{layers}."
     files = os.path.join(hf_dir, "model.safetensors")
     tensors = safetensors_torch.load_file(files)
     for name, tensor in saved.items():
         name = name.removeprefix("model.")
         if name.startswith("layers.0."):
-            tensors[p + name.removeprefix("layers.0.")] = tensor
-    tensors[p + "shared_head.norm.weight"] = saved["norm.weight"]
-    for name in ("enorm", "hnorm", "eh_proj"):
-        tensors[f"{p}{name}.weight"] = getattr(depth, name).weight.detach().clone()
-    tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+            tensors[prefix + name.removeprefix("layers.0.")] = tensor
+    tensors[final] = saved["norm.weight"]
+    for name, part in zip(("enorm", "hnorm", "eh_proj"), parts):
+        tensors[part] = getattr(depth, name).weight.detach().clone()
+    if prefix.startswith("model."):  # (DeepSeek-V3's layer holds copies of both ends)
+        tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     safetensors_torch.save_file({k: v.contiguous() for k, v in tensors.items()}, files)
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
@@ -87,20 +111,21 @@ def _depth_loss(hf_model, depth, tokens, swapped: bool = False) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten()).item()
 
 
-@pytest.mark.parametrize("kind", ["deepseek-v3", "glm4-moe"])
+@pytest.mark.parametrize("kind", FILES)
 def test_the_hubs_depth_is_a_depth_both_ways(kind, tmp_path, capsys):
     hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "threefold")
     hf_model = build_hf_model(kind, hf_dir).eval()
-    # (transformers' files: the config names a depth, the files hold none)
-    convert_in_process(
-        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir,
-        "--save-dir", str(tmp_path / "without"),
-    )  # fmt: skip
-    assert "names 1 multi-token prediction depths and the files hold 0" in capsys.readouterr().out
-    assert (
-        load_model(str(tmp_path / "without"), with_tokenizer=False)[0].model.mtp_num_layers is None
-    )
-    depth = _add_depth(hf_model, hf_dir, str(tmp_path / "depth"))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        named = json.load(f).get("num_nextn_predict_layers")
+    if named:  # (transformers' DeepSeek-V3 and GLM-4.5 configs name a depth, the files hold none)
+        without = str(tmp_path / "without")
+        convert_in_process(
+            "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", without
+        )  # fmt: skip
+        out = capsys.readouterr().out
+        assert "names 1 multi-token prediction depths and the files hold 0" in out
+        assert load_model(without, with_tokenizer=False)[0].model.mtp_num_layers is None
+    depth = _add_depth(kind, hf_model, hf_dir, str(tmp_path / "depth"))
     convert_in_process(
         "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
     )  # fmt: skip

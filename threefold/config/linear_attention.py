@@ -133,10 +133,16 @@ class LinearAttentionConfig:
                 "and output gate, which megatron-core derives from --swiglu; add --swiglu",
             )
             self.linear_attention_pattern(self.num_layers)  # a pattern of the wrong length
+            # A depth is the last layer's kind (megatron-core's spec: its last layer spec); a
+            # hybrid pattern's depths say theirs.
             _require(
-                not self.mtp_num_layers or self.hybrid,  # (a hybrid pattern's depths say it)
-                "--mtp-num-layers with gated delta net layers: which attention a prediction "
-                "depth takes is not settled here; drop one",
+                not self.mtp_num_layers
+                or self.hybrid
+                or not self.linear_attention_pattern(self.num_layers)[-1],
+                "--mtp-num-layers with a gated delta net as the last layer: megatron-core's "
+                "depths would be gated delta nets, which threefold does not build; end the "
+                "--linear-attention-freq pattern on standard attention (as Qwen3-Next's) or "
+                "drop --mtp-num-layers",
             )
         _require(
             not (self.attention_output_gate and self.multi_latent_attention),

@@ -381,29 +381,13 @@ class Adapter:
             "torch_dtype": "float32",
         }
 
-    def keep_held_depths(self, config: ModelConfig, hf_state: dict) -> None:
-        """The multi-token prediction depths config.json names that the files hold:
-        transformers computes none and saves none, so a model it saved (fine-tuned, say) keeps
-        the count in its config without the layers. Fewer held: `config` has those, said."""
-        named = config.mtp_depths_built()
-        held = 0
-        while held < named and self.depth_marker(config, held) in hf_state:
-            held += 1
-        if held == named:
-            return
-        print(
-            f"> config.json names {named} multi-token prediction depths and the files hold "
-            f"{held} (transformers saves none): the conversion has {held}"
-        )
-        if config.hybrid:  # (the pattern's `/` parts)
-            decoder, depth = config.hybrid_layer_pattern.split("/")[0], config.hybrid_mtp_layers()
-            config.hybrid_layer_pattern = decoder + f"/{depth}" * held
-        config.mtp_num_layers = held or None
-
     def to_threefold(
         self, hf_state: dict[str, torch.Tensor], config: ModelConfig
     ) -> dict[str, torch.Tensor]:
-        self.keep_held_depths(config, hf_state)
+        # (hf/mtp_layers.py reads this module's Take)
+        from threefold.checkpoint.hf.mtp_layers import keep_held_depths
+
+        keep_held_depths(self, config, hf_state)
         take = TensorSource(hf_state)
         used = take.used
         out = self.take_weights(take, config, used)

@@ -44,7 +44,8 @@ import torch
 from threefold.checkpoint.hf.common import Take, refuse, refuse_other_values, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.config import ConfigError, ModelConfig
+from threefold.checkpoint.hf.mtp_layers import give_mtp_depths, mtp_depths, take_mtp_depths
+from threefold.config import ModelConfig
 from threefold.config.mla import (
     YARN_BETA_FAST,
     YARN_BETA_SLOW,
@@ -124,88 +125,6 @@ def _rope_fields(hf: dict) -> dict:
         "mscale": float(parameters.get("mscale") or 1.0),
         "mscale_all_dim": float(parameters.get("mscale_all_dim") or 0.0),
     }
-
-
-# A depth's own tensors in its Hub layer: threefold's name under mtp.layers.{k}. -> the file's
-_MTP_PARTS = {
-    "enorm.weight": "enorm.weight",
-    "hnorm.weight": "hnorm.weight",
-    "eh_proj.weight": "eh_proj.weight",
-    "final_layernorm.weight": "shared_head.norm.weight",
-}
-# ... and its copies of what megatron-core's depths share: the file's -> threefold's tensor
-_MTP_COPIES = {
-    "embed_tokens.weight": "embedding.word_embeddings.weight",
-    "shared_head.head.weight": "output_layer.weight",
-}
-
-
-def mtp_depths(hf: dict) -> int | None:
-    """--mtp-num-layers of the Hub's num_nextn_predict_layers (None: none)."""
-    return hf.get("num_nextn_predict_layers") or None
-
-
-def _as_depth(layer: dict, i: int, k: int) -> dict:
-    """The file's layer i, taken as a decoder layer, as depth k's transformer layer."""
-    prefix, depth = f"decoder.layers.{i}.", f"mtp.layers.{k}.transformer_layer."
-    return {depth + name.removeprefix(prefix): tensor for name, tensor in layer.items()}
-
-
-def take_mtp_depths(adapter, take: Take, config: ModelConfig, out: dict) -> dict:
-    """Each built depth k from the file's layer num_layers + k (`out`: the decoder's tensors,
-    which its copies must equal)."""
-    depths = {}
-    for k in range(config.mtp_depths_built()):
-        i, ours = config.num_layers + k, f"mtp.layers.{k}."
-        p = f"model.layers.{i}."
-        depths.update(_as_depth(adapter.take_layer(take, config, i), i, k))
-        depths.update({ours + name: take(p + part) for name, part in _MTP_PARTS.items()})
-        for copy, shared in _MTP_COPIES.items():
-            shared = shared if shared in out else "embedding.word_embeddings.weight"  # (tied)
-            if p + copy in take and not torch.equal(take(p + copy), out[shared]):
-                raise ConfigError(
-                    f"{p + copy} differs from the model's own ({shared}): threefold's "
-                    "multi-token prediction depths share the model's, as megatron-core's do"
-                )
-    return depths
-
-
-def give_mtp_depths(adapter, state: dict, config: ModelConfig) -> dict:
-    """`take_mtp_depths`' inverse, with the copies the Hub's files hold."""
-    out = {}
-    for k in range(config.mtp_depths_built()):
-        i, ours = config.num_layers + k, f"mtp.layers.{k}."
-        p, depth = f"model.layers.{i}.", f"{ours}transformer_layer."
-        as_decoder = _DecoderView(state, depth, f"decoder.layers.{i}.")
-        out.update(adapter.give_layer(as_decoder, config, i))
-        out.update({p + part: state[ours + name] for name, part in _MTP_PARTS.items()})
-        for copy, shared in _MTP_COPIES.items():  # (copies: a file holds no shared tensors)
-            shared = shared if shared in state else "embedding.word_embeddings.weight"
-            out[p + copy] = state[shared].clone()
-    return out
-
-
-class _DecoderView(dict):
-    """A depth's transformer layer read under a decoder layer's names (the adapters' `give_*`
-    read `decoder.layers.{i}.`)."""
-
-    def __init__(self, state, depth: str, decoder: str) -> None:
-        super().__init__()
-        self.state, self.depth, self.decoder = state, depth, decoder
-
-    def _ours(self, name: str) -> str:
-        return (
-            self.depth + name.removeprefix(self.decoder) if name.startswith(self.decoder) else name
-        )
-
-    def __getitem__(self, name: str):
-        return self.state[self._ours(name)]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._ours(name) in self.state
-
-    def get(self, name: str, default=None):
-        return self[name] if name in self else default
 
 
 def deepseek_experts(hf: dict, family: str) -> dict:

@@ -15,8 +15,14 @@ holds, per query group, the group's queries, their gates, then key and value. Th
 (1 + weight), --apply-layernorm-1p's: imported models take it and the weights as they are; the
 gated delta net's output norm is the exception, a plain weight in Hugging Face (threefold's
 follows --apply-layernorm-1p, as megatron-core's does). RoPE turns partial_rotary_factor of
-each head (--rotary-percent). Routing and the experts are Qwen3-MoE's (hf/moe.py). The Hub
-checkpoints' multi-token prediction module (`mtp.*`) is left out, as transformers leaves it.
+each head (--rotary-percent). Routing and the experts are Qwen3-MoE's (hf/moe.py).
+
+The Hub checkpoints' multi-token prediction module (`mtp.*`; num_nextn_predict_layers 1) is a
+depth (--mtp-num-layers 1, model/mtp.py): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`
+and `norm` are its enorm, hnorm, eh_proj and final norm, `mtp.layers.0` its gated attention
+layer with experts, the last decoder layer's kind. (With more than one, vLLM's steps share one
+fc and its norms around a layer each, which threefold's depths, each with its own, are not.)
+transformers computes none of it.
 """
 
 from __future__ import annotations
@@ -26,11 +32,19 @@ from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, TensorSource, refuse
+from threefold.checkpoint.hf.common import Take, refuse
 from threefold.checkpoint.hf.moe import MoEAdapter
+from threefold.checkpoint.hf.mtp_layers import DepthAsDecoder, RenamedSource
 from threefold.config import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# the depth's own tensors: threefold's under mtp.layers.0. -> the file's
+_MTP_PARTS = {
+    "enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+    "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "eh_proj.weight": "mtp.fc.weight",
+    "final_layernorm.weight": "mtp.norm.weight",
+}
 
 
 def _sizes(config: ModelConfig) -> tuple[int, int, int, int]:
@@ -42,6 +56,7 @@ def _sizes(config: ModelConfig) -> tuple[int, int, int, int]:
 @dataclass(frozen=True)
 class Qwen3NextAdapter(MoEAdapter):
     exports_qwen3_next: ClassVar[bool] = True
+    exports_mtp: ClassVar[bool] = True  # (one depth: the module)
     partial_rope: ClassVar[bool] = True
     zero_centered_norms: ClassVar[bool] = True
     gated_shared_expert: ClassVar[bool] = True
@@ -68,13 +83,27 @@ class Qwen3NextAdapter(MoEAdapter):
         config.attention_output_gate = True
         config.apply_layernorm_1p = True
         config.rotary_percent = float(partial)
+        depths = hf.get("num_nextn_predict_layers") or 0
+        refuse(depths > 1, "num_nextn_predict_layers", depths, "one depth (its fc and norms)")
+        refuse(
+            depths and types[-1] != FULL,
+            "layer_types",
+            types[-1],
+            "the last layer of gated attention, the kind of the depth's (as megatron-core builds "
+            "a depth)",
+        )
+        config.mtp_num_layers = depths or None
         return config
+
+    def depth_marker(self, config: ModelConfig, k: int) -> str | None:
+        return "mtp.fc.weight" if k == 0 else None
 
     def check_exportable(self, config: ModelConfig) -> None:
         super().check_exportable(config)
         problems = [
             (not config.attention_output_gate, "attention without --attention-output-gate"),
             (config.normalization != "RMSNorm", f"--normalization {config.normalization}"),
+            (config.mtp_depths_built() > 1, "more than one multi-token prediction depth"),
         ]
         self.refuse_problems(problems)
 
@@ -89,6 +118,7 @@ class Qwen3NextAdapter(MoEAdapter):
             linear_value_head_dim=config.linear_value_head_dim,
             linear_num_key_heads=config.linear_num_key_heads,
             linear_num_value_heads=config.linear_num_value_heads,
+            num_nextn_predict_layers=config.mtp_depths_built(),
         )
         return hf
 
@@ -96,27 +126,56 @@ class Qwen3NextAdapter(MoEAdapter):
         out = self.take_ends(take, config, used)
         linear = config.linear_attention_pattern(config.num_layers)
         for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out[ours + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-            out[ours + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-            attention = self._take_linear if linear[i] else self._take_gated_attention
-            out.update(attention(take, config, ours + "self_attention.", p))
-            out.update(self.take_mlp(take, config, i))
-        if isinstance(take, TensorSource):  # the Hub's MTP module: computed by neither
-            used.update(name for name in take.state if name.startswith("mtp."))
+            out.update(self._take_layer(take, config, i, bool(linear[i])))
+        if config.mtp_num_layers:  # the module's layer, read as a decoder layer after the last
+            i, depth = config.num_layers, "mtp.layers.0.transformer_layer."
+            layer = self._take_layer(
+                RenamedSource(take, f"model.layers.{i}.", "mtp.layers.0."), config, i, False
+            )
+            out.update(
+                {depth + n.removeprefix(f"decoder.layers.{i}."): t for n, t in layer.items()}
+            )
+            out.update({f"mtp.layers.0.{n}": take(part) for n, part in _MTP_PARTS.items()})
         return out
+
+    def _take_layer(self, take: Take, config: ModelConfig, i: int, linear: bool) -> dict:
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out = {
+            ours + "input_layernorm.weight": take(p + "input_layernorm.weight"),
+            ours + "pre_mlp_layernorm.weight": take(p + "post_attention_layernorm.weight"),
+        }
+        attention = self._take_linear if linear else self._take_gated_attention
+        out.update(attention(take, config, ours + "self_attention.", p))
+        return out | self.take_mlp(take, config, i)
 
     def give_weights(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
         out = self.give_ends(state, config)
         linear = config.linear_attention_pattern(config.num_layers)
         for i in range(config.num_layers):
-            ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = state[ours + "input_layernorm.weight"]
-            out[p + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
-            attention = self._give_linear if linear[i] else self._give_gated_attention
-            out.update(attention(state, config, ours + "self_attention.", p))
-            out.update(self.give_mlp(state, config, i))
+            out.update(self._give_layer(state, config, i, bool(linear[i])))
+        if config.mtp_num_layers:
+            i, depth = config.num_layers, "mtp.layers.0.transformer_layer."
+            layer = self._give_layer(
+                DepthAsDecoder(state, depth, f"decoder.layers.{i}."), config, i, False
+            )
+            out.update(
+                {
+                    "mtp.layers.0." + n.removeprefix(f"model.layers.{i}."): t
+                    for n, t in layer.items()
+                }
+            )
+            out.update({part: state[f"mtp.layers.0.{n}"] for n, part in _MTP_PARTS.items()})
         return out
+
+    def _give_layer(self, state: dict, config: ModelConfig, i: int, linear: bool) -> dict:
+        ours, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out = {
+            p + "input_layernorm.weight": state[ours + "input_layernorm.weight"],
+            p + "post_attention_layernorm.weight": state[ours + "pre_mlp_layernorm.weight"],
+        }
+        attention = self._give_linear if linear else self._give_gated_attention
+        out.update(attention(state, config, ours + "self_attention.", p))
+        return out | self.give_mlp(state, config, i)
 
     @staticmethod
     def _take_gated_attention(take: Take, config: ModelConfig, ours: str, p: str) -> dict:
