@@ -496,10 +496,9 @@ def has_transformers() -> bool:
     return os.environ.get("THREEFOLD_SKIP_HF") is None
 
 
-def assert_live_experts_convert_as_saved(hf_model, hf_dir: str, left_out=None) -> dict:
+def assert_live_experts_convert_as_saved(hf_model, hf_dir: str) -> dict:
     """transformers 5 stacks a mixture's experts in memory and saves them one by one: both
-    convert to the same tensors (`left_out`: tensors of the Hub's checkpoints added to the
-    saved ones, which the conversion leaves out). Returns them."""
+    convert to the same tensors. Returns them."""
     import json
 
     from safetensors import torch as safetensors_torch
@@ -511,7 +510,7 @@ def assert_live_experts_convert_as_saved(hf_model, hf_dir: str, left_out=None) -
     saved = safetensors_torch.load_file(os.path.join(hf_dir, "model.safetensors"))
     live = {name: tensor.detach() for name, tensor in hf_model.state_dict().items()}
     assert any(name.endswith("experts.gate_up_proj") for name in live)
-    from_saved = hf_to_threefold({**saved, **(left_out or {})}, config, architecture)
+    from_saved = hf_to_threefold(saved, config, architecture)
     from_live = hf_to_threefold(live, config, architecture)
     assert from_saved.keys() == from_live.keys()
     assert all(torch.equal(from_saved[name], from_live[name]) for name in from_saved)
