@@ -96,7 +96,7 @@ def mtp_depths(hf: dict) -> int | None:
     return hf.get("num_nextn_predict_layers") or None
 
 
-def _as_depth(layer: dict, i: int, k: int) -> dict:
+def as_depth(layer: dict, i: int, k: int) -> dict:
     """The file's layer i, taken as a decoder layer, as depth k's transformer layer."""
     prefix, depth = f"decoder.layers.{i}.", f"mtp.layers.{k}.transformer_layer."
     return {depth + name.removeprefix(prefix): tensor for name, tensor in layer.items()}
@@ -109,7 +109,7 @@ def take_mtp_depths(adapter: Adapter, take: Take, config: ModelConfig, out: dict
     for k in range(config.mtp_depths_built()):
         i, ours = config.num_layers + k, f"mtp.layers.{k}."
         p = f"model.layers.{i}."
-        depths.update(_as_depth(adapter.take_layer(take, config, i), i, k))
+        depths.update(as_depth(adapter.take_layer(take, config, i), i, k))
         depths.update({ours + name: take(p + part) for name, part in _MTP_PARTS.items()})
         for copy, shared in _MTP_COPIES.items():
             shared = shared if shared in out else "embedding.word_embeddings.weight"  # (tied)

@@ -34,7 +34,7 @@ import torch
 
 from threefold.checkpoint.hf.common import Take, refuse
 from threefold.checkpoint.hf.moe import MoEAdapter
-from threefold.checkpoint.hf.mtp_layers import DepthAsDecoder, RenamedSource
+from threefold.checkpoint.hf.mtp_layers import DepthAsDecoder, RenamedSource, as_depth
 from threefold.config import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -128,13 +128,11 @@ class Qwen3NextAdapter(MoEAdapter):
         for i in range(config.num_layers):
             out.update(self._take_layer(take, config, i, bool(linear[i])))
         if config.mtp_num_layers:  # the module's layer, read as a decoder layer after the last
-            i, depth = config.num_layers, "mtp.layers.0.transformer_layer."
+            i = config.num_layers
             layer = self._take_layer(
                 RenamedSource(take, f"model.layers.{i}.", "mtp.layers.0."), config, i, False
             )
-            out.update(
-                {depth + n.removeprefix(f"decoder.layers.{i}."): t for n, t in layer.items()}
-            )
+            out.update(as_depth(layer, i, 0))
             out.update({f"mtp.layers.0.{n}": take(part) for n, part in _MTP_PARTS.items()})
         return out
 
@@ -153,17 +151,13 @@ class Qwen3NextAdapter(MoEAdapter):
         linear = config.linear_attention_pattern(config.num_layers)
         for i in range(config.num_layers):
             out.update(self._give_layer(state, config, i, bool(linear[i])))
-        if config.mtp_num_layers:
+        if config.mtp_num_layers:  # (written where the module's layer is, `mtp.layers.0.`)
             i, depth = config.num_layers, "mtp.layers.0.transformer_layer."
             layer = self._give_layer(
                 DepthAsDecoder(state, depth, f"decoder.layers.{i}."), config, i, False
             )
-            out.update(
-                {
-                    "mtp.layers.0." + n.removeprefix(f"model.layers.{i}."): t
-                    for n, t in layer.items()
-                }
-            )
+            decoder = f"model.layers.{i}."
+            out.update({"mtp.layers.0." + n.removeprefix(decoder): t for n, t in layer.items()})
             out.update({part: state[f"mtp.layers.0.{n}"] for n, part in _MTP_PARTS.items()})
         return out
 
