@@ -45,6 +45,13 @@ FILES = {
     ),
 }
 FILES["glm4-moe"] = FILES["deepseek-v3"]
+# DeepSeek-V3.2's layer: its indexer in the depth's attention too (left out: below)
+prefix, names, changes = FILES["deepseek-v3"]
+FILES["deepseek-v32"] = (
+    prefix,
+    names,
+    {**changes, "layer_types": ["indexed_attention"], "mlp_layer_types": ["sparse"]},
+)
 
 
 def _add_depth(kind: str, hf_model, hf_dir: str, scratch: str) -> torch.nn.Module:
@@ -111,7 +118,7 @@ def _depth_loss(hf_model, depth, tokens, swapped: bool = False) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten()).item()
 
 
-@pytest.mark.parametrize("kind", FILES)
+@pytest.mark.parametrize("kind", ["deepseek-v3", "glm4-moe", "qwen3-next"])
 def test_the_hubs_depth_is_a_depth_both_ways(kind, tmp_path, capsys):
     hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "threefold")
     hf_model = build_hf_model(kind, hf_dir).eval()
@@ -139,3 +146,18 @@ def test_the_hubs_depth_is_a_depth_both_ways(kind, tmp_path, capsys):
     assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
     with open(os.path.join(tmp_path / "exported", "config.json")) as f:
         assert json.load(f)["num_nextn_predict_layers"] == 1
+
+
+def test_deepseek_v32s_depth_is_left_out_and_said(tmp_path, capsys):
+    """Sparse attention beside multi-token prediction is not built: DeepSeek-V3.2's layer after
+    the decoder's stays behind, in one line, and the model converts without depths."""
+    hf_dir, ours = str(tmp_path / "hf"), str(tmp_path / "threefold")
+    hf_model = build_hf_model("deepseek-v32", hf_dir).eval()
+    _add_depth("deepseek-v32", hf_model, hf_dir, str(tmp_path / "depth"))
+    convert_in_process(
+        "--loader", "hf", "--saver", "threefold", "--load-dir", hf_dir, "--save-dir", ours
+    )  # fmt: skip
+    assert (
+        "multi-token prediction layers (model.layers.4 on) are left out" in capsys.readouterr().out
+    )
+    assert load_model(ours, with_tokenizer=False)[0].model.mtp_num_layers is None

@@ -36,12 +36,13 @@ them; vLLM's DeepSeek MTP computes what megatron-core's depth does.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from threefold.checkpoint.hf.common import Take, refuse, refuse_other_values, renamed
+from threefold.checkpoint.hf.common import Take, TensorSource, refuse, refuse_other_values, renamed
 from threefold.checkpoint.hf.llama import LlamaAdapter
 from threefold.checkpoint.hf.moe import MoEAdapter
 from threefold.checkpoint.hf.mtp_layers import give_mtp_depths, mtp_depths, take_mtp_depths
@@ -471,7 +472,25 @@ class DeepSeekV32Adapter(DeepSeekV3Adapter):
         config.dsa_indexer_head_dim = hf["index_head_dim"]
         config.dsa_indexer_topk = hf["index_topk"]
         config.dsa_indexer_k_norm_epsilon = INDEXER_K_NORM_EPSILON
+        # (sparse attention beside multi-token prediction is not built: the Hub's layer after
+        # the decoder's is left out, said, as all such layers were before 2026-12-05)
+        config.mtp_num_layers = None
         return config
+
+    def take_weights(self, take: Take, config: ModelConfig, used: set[str]) -> dict:
+        out = super().take_weights(take, config, used)
+        if isinstance(take, TensorSource):
+            after = re.compile(r"model\.layers\.(\d+)\.")
+            left = [
+                n for n in take.state if (m := after.match(n)) and int(m[1]) >= config.num_layers
+            ]
+            if left:
+                print(
+                    f"> the Hub's multi-token prediction layers (model.layers.{config.num_layers} "
+                    "on) are left out: DeepSeek sparse attention beside them is not built here"
+                )
+            used.update(left)
+        return out
 
     def check_exportable(self, config: ModelConfig) -> None:
         problems = [
