@@ -9,6 +9,8 @@ family."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -184,6 +186,39 @@ def test_nemotron_3_supers_prediction_module_is_a_depth_both_ways(tmp_path):
     depth.stack.layers = swapped
     hf_model.config.num_nextn_predict_layers = 1  # (the exported config's)
     assert_round_trip(hf_model, hf_dir, ours, str(tmp_path / "exported"), TOKENS)
+
+
+def test_nemotron_3_super_goes_to_megatron_lm_and_back(tmp_path):
+    """The Hub's Nemotron 3 Super shape (a hybrid with latent experts and its prediction
+    module) through threefold to Megatron-LM's torch_dist and back, bitwise, under
+    Megatron-LM's names (docs/checkpoints.md)."""
+    from tests.tools.hf_models import build_hf_model, convert_in_process
+    from threefold.checkpoint.load import load_model
+    from threefold.safe_loading import SafeFileSystemReader
+
+    hf_dir = str(tmp_path / "hf")
+    _add_mtp_module(build_hf_model("nemotron-h-latent", hf_dir).eval(), hf_dir)
+    ours, megatron, back = (str(tmp_path / name) for name in ("ours", "megatron", "back"))
+    for loader, saver, source, target in (
+        ("hf", "threefold", hf_dir, ours),
+        ("threefold", "megatron", ours, megatron),
+        ("megatron", "threefold", megatron, back),
+    ):
+        convert_in_process(
+            "--loader", loader, "--saver", saver, "--load-dir", source, "--save-dir", target
+        )  # fmt: skip
+    path = os.path.join(megatron, "iter_0000000")
+    keys = set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+    depth = "mtp.layers.0.mtp_model_layer.layers."
+    assert {"decoder.layers.3.mlp.fc1_latent_proj.weight", "decoder.final_norm.weight"} <= keys
+    assert {depth + "0.self_attention.linear_qkv.layer_norm_weight"} <= keys
+    assert {depth + "1.mlp.fc2_latent_proj.weight", depth + "1.mlp.router.expert_bias"} <= keys
+    original = load_model(ours, with_tokenizer=False)[1].state_dict()
+    for source in (megatron, back):
+        model = load_model(source, with_tokenizer=False)[1]
+        assert model.state_dict().keys() == original.keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, original[name]), (source, name)
 
 
 def test_the_depths_layers_are_read_as_transformers_reads_them(converted):
