@@ -238,9 +238,7 @@ class NemotronHAdapter(Adapter):
             out.update(
                 self._take_layer(take, config, symbol, f"decoder.layers.{i}.", f"{b}layers.{i}.")
             )
-        for (ours, p), parts in _mtp_names(config).items():
-            for name, part in parts:  # (the depth's projection and norms)
-                out[ours + name] = take(p + part)
+        out.update({ours: take(theirs) for ours, theirs in _mtp_names(config).items()})
         for ours, p, symbol in _mtp_layers(config):
             out.update(self._take_layer(take, config, symbol, ours, p))
         return out
@@ -293,9 +291,7 @@ class NemotronHAdapter(Adapter):
             out.update(
                 self._give_layer(state, config, symbol, f"decoder.layers.{i}.", f"{b}layers.{i}.")
             )
-        for (ours, p), parts in _mtp_names(config).items():
-            for name, part in parts:
-                out[p + part] = state[ours + name]
+        out.update({theirs: state[ours] for ours, theirs in _mtp_names(config).items()})
         for ours, p, symbol in _mtp_layers(config):
             out.update(self._give_layer(state, config, symbol, ours, p))
         return out
@@ -346,17 +342,15 @@ def _mtp_layers(config: ModelConfig) -> list[tuple[str, str, str]]:
     ]
 
 
-def _mtp_names(config: ModelConfig) -> dict:
-    """(threefold's depth prefix, the file's layer prefix) -> (threefold's name, the file's) of
-    each depth's projection and norms: on its first layer, and its last layer's final norm."""
+def _mtp_names(config: ModelConfig) -> dict[str, str]:
+    """threefold's name -> the file's of each depth's projection and norms: enorm, hnorm and
+    eh_proj on its first layer, the final norm on its last."""
     count, names = len(config.hybrid_mtp_layers()), {}
     for k in range(config.mtp_depths_built()):
-        ours, first, last = f"mtp.layers.{k}.", k * count, (k + 1) * count - 1
-        parts = [(f"{n}.weight", f"{n}.weight") for n in ("enorm", "hnorm", "eh_proj")]
-        names[ours, f"mtp.layers.{first}."] = parts
-        names.setdefault((ours, f"mtp.layers.{last}."), []).append(
-            ("final_layernorm.weight", "final_layernorm.weight")
-        )
+        first, last = f"mtp.layers.{k * count}.", f"mtp.layers.{(k + 1) * count - 1}."
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            names[f"mtp.layers.{k}.{name}"] = first + name
+        names[f"mtp.layers.{k}.final_layernorm.weight"] = last + "final_layernorm.weight"
     return names
 
 
