@@ -42,6 +42,9 @@ from threefold.checkpoint.megatron.tensors import (
 from threefold.config import Config, ConfigError
 from threefold.written_aside import fsync_directory, write_atomically
 
+# megatron-core's GPTModel drops its output layer's extra state; its hybrid model keeps it.
+HYBRID_OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
+
 
 class _PreSerializedPlanner(DefaultSavePlanner):
     """Writes the `_extra_state` objects' bytes as they are: megatron-core serializes them
@@ -51,39 +54,76 @@ class _PreSerializedPlanner(DefaultSavePlanner):
         return object
 
 
-def _megatron_state(config: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    """Whole tensors by threefold name as megatron-core's state dict keys them."""
+def megatron_tensor(
+    config: Config, name: str, tensor: torch.Tensor, dtype: torch.dtype
+) -> tuple[str, torch.Tensor]:
+    """A whole tensor (threefold name, vocabulary unpadded or padded) as megatron-core holds
+    it before stacking: in `dtype`, a hybrid stack's final norm under its name, and the
+    embedding and output layer padded to Megatron-LM's vocabulary (zero rows past the end)."""
     model = config.model
-    padded = model.padded_vocab_size(1)
-    state = {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().to(dtype)
-        for ours, theirs in FINAL_NORMS.items() if model.hybrid else ():
-            if name.startswith(ours):
-                name = theirs + name[len(ours) :]
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            # Megatron-LM's embedding holds the padded vocabulary (zero rows past the end).
-            tensor = torch.cat(
-                [tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])]
-            )
-        state[name] = tensor.contiguous()
-    # as megatron-core stores such a model's layers (a hybrid's differ: kept per layer)
+    tensor = tensor.detach().to(dtype)
+    for ours, theirs in FINAL_NORMS.items() if model.hybrid else ():
+        if name.startswith(ours):
+            name = theirs + name[len(ours) :]
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        padded = model.padded_vocab_size(1)
+        tensor = torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])])
+    return name, tensor.contiguous()
+
+
+def layer_stacking(config: Config) -> tuple[bool, dict[str, list[int]]]:
+    """Whether megatron-core stacks the model's layers (a hybrid's, and layers that differ,
+    are kept apart), and the row sizes of the tensors it stores a section at a time: a gated
+    delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v]; a Mamba mixer's
+    in_proj [z; x; B; C; dt] and conv1d [x; B; C]."""
+    model = config.model
     stacked = (
         not model.hybrid
         and moe_layer_freq(model) == 1
         and linear_attention_freq(model) in (None, 1)
     )
-    # a gated delta net's in_proj [q; k; v; z; beta; alpha] and conv1d [q; k; v] rows; a
-    # Mamba mixer's in_proj [z; x; B; C; dt] and conv1d [x; B; C]
     rows = list(model.gated_delta_net_sections())
     mamba = list(model.mamba_sections()) if model.hybrid else []
-    sections = dict(zip(SECTIONS, (rows, rows[:3], mamba, mamba[1:4], mamba[1:4])))
+    return stacked, dict(zip(SECTIONS, (rows, rows[:3], mamba, mamba[1:4], mamba[1:4])))
+
+
+def _megatron_state(config: Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    """Whole tensors by threefold name as megatron-core's state dict keys them."""
+    model = config.model
+    state = dict(megatron_tensor(config, name, t, dtype) for name, t in tensors.items())
+    stacked, sections = layer_stacking(config)
     state = stacked_state_dict(
         state, model.num_layers, model.multi_latent_attention, stacked, sections
     )
-    if model.hybrid:  # (megatron-core's GPTModel drops its output layer's; its hybrid keeps it)
-        state["output_layer._extra_state/shard_0_1"] = extra_state()
+    if model.hybrid:
+        state[HYBRID_OUTPUT_EXTRA_STATE] = extra_state()
     return state
+
+
+def megatron_common(
+    config: Config,
+    iteration: int,
+    train_state: dict | None,
+    dtype: torch.dtype,
+    optimizer: dict | None,
+) -> dict:
+    """common.pt of Megatron-LM's checkpoint of iteration `iteration`: its args (saying that
+    it holds no RNG state, and whether it holds the optimizer's) and `optimizer`'s entries
+    (`exported_common`'s; None without)."""
+    args = megatron_args(config, iteration, train_state)
+    args["params_dtype"] = dtype
+    args["padded_vocab_size"] = config.model.padded_vocab_size(1)
+    args.update(no_save_rng=True, no_save_optim=optimizer is None)
+    args["use_distributed_optimizer"] = optimizer is not None
+    return {
+        "args": argparse.Namespace(**args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        # Megatron-LM keeps only the padded vocabulary size; threefold reads its own back.
+        "threefold": {"vocab_size": config.model.vocab_size},
+        **(optimizer or {}),
+    }
 
 
 def save_megatron_checkpoint(
@@ -107,20 +147,9 @@ def save_megatron_checkpoint(
         for key, value in _megatron_state(config, values, torch.float32).items():
             if "._extra_state" not in key:  # (the modules' objects: the model's only)
                 state[f"optimizer.state.{EXPORTED_FIELDS[field]}.{key}"] = value
-    args = megatron_args(config, iteration, train_state)
-    args["params_dtype"] = dtype
-    args["padded_vocab_size"] = config.model.padded_vocab_size(1)
-    args.update(no_save_rng=True, no_save_optim=optimizer is None)
-    args["use_distributed_optimizer"] = optimizer is not None
-    common = {
-        "args": argparse.Namespace(**args),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
-        "num_floating_point_operations_so_far": 0,
-        # Megatron-LM keeps only the padded vocabulary size; threefold reads its own back.
-        "threefold": {"vocab_size": config.model.vocab_size},
-        **(optimizer.common if optimizer else {}),
-    }
+    common = megatron_common(
+        config, iteration, train_state, dtype, optimizer.common if optimizer else None
+    )
     partial = f"{path}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)

@@ -38,6 +38,7 @@ import itertools
 import math
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -329,6 +330,57 @@ def extra_state() -> io.BytesIO:
     return buffer
 
 
+@dataclass(frozen=True)
+class Part:
+    """A tensor's place in megatron-core's state dict: the slice `index` (layer and expert, or
+    expert, or () for a whole tensor) of `key`; `stacked`: the key stacks the decoder's layers."""
+
+    key: str
+    index: tuple[int, ...]
+    tensor: torch.Tensor
+    stacked: bool
+
+
+def layer_kinds(names: Iterable[str]) -> tuple[set[str], set[str]]:
+    """The key prefixes of the layers with experts (a router) and of the gated delta net
+    layers, among parameter `names` (those of whole layers)."""
+    names = list(names)
+    moe = {_split(name).prefix for name in names if ".mlp.router." in name}
+    gdn = {_split(name).prefix for name in names if ".self_attention.in_proj." in name}
+    return moe, gdn
+
+
+def megatron_parts(
+    name: str,
+    tensor: torch.Tensor,
+    kinds: tuple[set[str], set[str]],
+    multi_latent_attention: bool = False,
+    stacked: bool = True,
+    sections: dict[str, list[int]] | None = None,
+) -> tuple[list[Part], Part | None]:
+    """Where one whole tensor (threefold name) goes in megatron-core's state dict (see
+    `stacked_state_dict`; `kinds`: `layer_kinds` of the model), and the linear module whose
+    `_extra_state` goes beside it (its key, index and stacking as a Part of no tensor), if any."""
+    moe_layers, gdn_layers = kinds
+    split = _split(name)
+    gdn = split is not None and split.prefix in gdn_layers
+    keys = [megatron_key(name, multi_latent_attention, stacked, gated_delta_net=gdn)]
+    if split and split.rest.startswith("pre_mlp_layernorm.") and split.prefix in moe_layers:
+        keys.append(megatron_key(name, multi_latent_attention, stacked, renamed=False))
+    layered = bool(stacked and split and split.layer is not None)
+    parts = [Part(key, index, tensor, layered) for key, index in keys]
+    if split is not None and split.rest in SECTIONS:
+        pieces = tensor.split(sections[split.rest])
+        parts = [
+            Part(f"{key}.{section}", index, piece, layered)
+            for key, index in keys
+            for section, piece in zip(SECTIONS[split.rest], pieces)
+        ]
+    module = keys[0][0].rsplit(".", 1)[0]
+    linear = _LINEAR.match(module) and (split or module.startswith("mtp."))
+    return parts, Part(module, keys[0][1], None, layered) if linear else None
+
+
 def stacked_state_dict(
     tensors: dict[str, torch.Tensor],
     num_layers: int,
@@ -340,43 +392,31 @@ def stacked_state_dict(
     layers stacked into one tensor per name, or (`stacked` False) kept per layer as
     megatron-core keeps them when the layers differ (--moe-layer-freq other than 1); each
     layer's experts stacked into one [experts, ...] tensor either way. `sections`: the row
-    sizes of the tensors megatron-core stores a section at a time (`SECTIONS`)."""
+    sizes of the tensors megatron-core stores a section at a time (`SECTIONS`). An MoE layer's
+    pre-MLP norm is fused into fc1's name by the local spec, as a dense layer's, but a module
+    of its own in Transformer Engine's (Megatron-LM's default): it is written under both
+    names, so that either spec loads the export."""
     state: dict = {}
     slices: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
     # Modules whose (empty) `_extra_state` megatron-core's local and TE layers load as objects.
     linear_modules: dict[str, set[tuple[int, ...]]] = {}
-    # An MoE layer's pre-MLP norm is fused into fc1's name by the local spec, as a dense
-    # layer's, but a module of its own in Transformer Engine's (Megatron-LM's default): it is
-    # written under both names, so that either spec loads the export.
-    moe_layers = {_split(name).prefix for name in tensors if ".mlp.router." in name}
-    gdn_layers = {_split(name).prefix for name in tensors if ".self_attention.in_proj." in name}
     stacked_keys = set()  # the keys of the decoder layers' stacks
+    kinds = layer_kinds(tensors)
     for name, tensor in tensors.items():
-        split = _split(name)
-        gdn = split is not None and split.prefix in gdn_layers
-        keys = [megatron_key(name, multi_latent_attention, stacked, gated_delta_net=gdn)]
-        if split and split.rest.startswith("pre_mlp_layernorm.") and split.prefix in moe_layers:
-            keys.append(megatron_key(name, multi_latent_attention, stacked, renamed=False))
-        parts = [(key, index, tensor) for key, index in keys]
-        if split is not None and split.rest in SECTIONS:
-            pieces = tensor.split(sections[split.rest])
-            parts = [
-                (f"{key}.{section}", index, piece)
-                for key, index in keys
-                for section, piece in zip(SECTIONS[split.rest], pieces)
-            ]
-        for key, index, part in parts:
-            if index:
-                slices.setdefault(key, {})[index] = part
+        parts, module = megatron_parts(
+            name, tensor, kinds, multi_latent_attention, stacked, sections
+        )
+        for part in parts:
+            if part.index:
+                slices.setdefault(part.key, {})[part.index] = part.tensor
             else:
-                state[key] = part
-            if stacked and split and split.layer is not None:
-                stacked_keys.add(key)
-        module = keys[0][0].rsplit(".", 1)[0]
-        if _LINEAR.match(module) and (split or module.startswith("mtp.")):
-            linear_modules.setdefault(module, set()).add(keys[0][1])
-            if keys[0][0] in stacked_keys:
-                stacked_keys.add(module)
+                state[part.key] = part.tensor
+            if part.stacked:
+                stacked_keys.add(part.key)
+        if module is not None:
+            linear_modules.setdefault(module.key, set()).add(module.index)
+            if module.stacked:
+                stacked_keys.add(module.key)
     for key, pieces in slices.items():
         shape = _grid(key, pieces, num_layers if key in stacked_keys else None)
         whole = torch.stack([pieces[index] for index in itertools.product(*map(range, shape))])
@@ -385,9 +425,15 @@ def stacked_state_dict(
         layers = num_layers if module in stacked_keys else None
         shape = _grid(module, dict.fromkeys(indices), layers) or (1,)
         for index in itertools.product(*map(range, shape)):
-            offsets, sizes = ".".join(map(str, index)), ".".join(map(str, shape))
-            state[f"{module}._extra_state/shard_{offsets}_{sizes}"] = extra_state()
+            state[extra_state_key(module, index, shape)] = extra_state()
     return state
+
+
+def extra_state_key(module: str, index: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """The key of one of a module's `_extra_state` objects: its slice `index` of `shape`
+    (megatron-core's ShardedObject naming)."""
+    offsets, sizes = ".".join(map(str, index)), ".".join(map(str, shape))
+    return f"{module}._extra_state/shard_{offsets}_{sizes}"
 
 
 def _grid(key: str, pieces: dict, num_layers: int | None) -> tuple[int, ...]:
