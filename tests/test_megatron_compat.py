@@ -121,22 +121,6 @@ def test_options_refuse_all_but_their_supported_values(flag, capsys):
     )
 
 
-def test_ckpt_format_torch_dist_says_what_is_written(capsys):
-    """Megatron-LM's scripts pass --ckpt-format torch_dist: the run goes ahead and says that
-    its checkpoints are threefold's format, and what writes Megatron-LM's."""
-    parse_args(BASE + ["--ckpt-format", "threefold"])
-    assert "--ckpt-format" not in capsys.readouterr().out
-    parse_args(BASE + ["--ckpt-format", "torch_dist"])
-    out = capsys.readouterr().out
-    assert "> --ckpt-format torch_dist: checkpoints are saved in threefold's format" in out
-    assert "tools/convert_checkpoint.py --saver megatron" in out
-    # Megatron-LM's legacy per-rank pickles: never written, never read
-    parse_args(BASE + ["--ckpt-format", "torch"])
-    out = capsys.readouterr().out
-    assert "> --ckpt-format torch: checkpoints are saved in threefold's format" in out
-    assert "neither written nor read" in out
-
-
 @pytest.mark.parametrize("flag", sorted(megatron_compat.NO_COUNTERPART))
 def test_switches_without_a_counterpart_are_named_at_start_up(flag, capsys):
     plain = parse_args(BASE)
@@ -510,19 +494,21 @@ def test_megatron_fsdp_runs_as_fsdp2(capsys):
     fsdp += "--overlap-param-gather --ckpt-format fsdp_dtensor --bf16"
     config = parse_args(BASE + fsdp.split(), world_size=2)
     out = capsys.readouterr().out
-    torch_fsdp2 = parse_args(BASE + "--use-torch-fsdp2 --grad-reduce-in-bf16 --bf16".split(), 2)
+    torch_fsdp2 = "--use-torch-fsdp2 --grad-reduce-in-bf16 --bf16 --ckpt-format fsdp_dtensor"
+    torch_fsdp2 = parse_args(BASE + torch_fsdp2.split(), 2)
     assert _parallel_fields(config) == _parallel_fields(torch_fsdp2)
     assert config.parallel.distributed_strategy == "fsdp"
     assert "WARNING: --use-megatron-fsdp runs as FSDP2 (--distributed-strategy fsdp)" in out
     assert "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather with " in out
     assert "--megatron-fsdp-main-grads-dtype bf16: FSDP2 accumulates gradients in fp32" in out
-    assert "> --ckpt-format fsdp_dtensor: checkpoints are saved in threefold's format" in out
+    assert "WARNING: --ckpt-format fsdp_dtensor: checkpoints are saved in threefold's format" in out
     # Megatron-LM's functional test gives every dtype as fp32: FSDP2's defaults
     fp32 = " --megatron-fsdp-main-params-dtype fp32 --megatron-fsdp-main-grads-dtype fp32"
     fp32 += " --megatron-fsdp-grad-comm-dtype fp32"
     config = parse_args(BASE + (fsdp + fp32).split(), world_size=2)
     assert "main-grads-dtype" not in capsys.readouterr().out
-    torch_fsdp2 = parse_args(BASE + "--use-torch-fsdp2 --bf16".split(), world_size=2)
+    torch_fsdp2 = "--use-torch-fsdp2 --bf16 --ckpt-format fsdp_dtensor"
+    torch_fsdp2 = parse_args(BASE + torch_fsdp2.split(), world_size=2)
     assert _parallel_fields(config) == _parallel_fields(torch_fsdp2)
 
 

@@ -225,6 +225,28 @@ def _launched_world_size(given: int | None) -> int:
     return int(text)
 
 
+def _megatron_layout_or_not(config: Config) -> None:
+    """--ckpt-format torch_dist saves Megatron-LM's layout where it holds the run's state;
+    otherwise threefold's, said here (Megatron-LM's launch scripts pass it whatever they run)."""
+    from threefold.checkpoint.megatron.training_save import blocker
+
+    reason = blocker(config)
+    if reason is not None:
+        print(
+            f"WARNING: --ckpt-format torch_dist: checkpoints are saved in threefold's format "
+            f"(docs/checkpoints.md), not Megatron-LM's: {reason}",
+            flush=True,
+        )
+        config.checkpoint.ckpt_format = "threefold"
+    elif config.model.hidden_dropout or config.model.attention_dropout:
+        print(
+            "> --ckpt-format torch_dist: the ranks' RNG streams are not in Megatron-LM's layout, "
+            "so a resume draws other dropout masks than the run would have (its args say no RNG "
+            "was saved, as Megatron-LM's --no-save-rng)",
+            flush=True,
+        )
+
+
 def parse_args(
     argv: Sequence[str] | None = None, world_size: int | None = None, prog: str = "pretrain_gpt.py"
 ) -> Config:
@@ -254,6 +276,8 @@ def parse_args(
             print(f"> {note}", flush=True)
         for warning in config.finalize():
             print(f"WARNING: {warning}", flush=True)
+        if config.checkpoint.ckpt_format == "torch_dist" and config.checkpoint.save:
+            _megatron_layout_or_not(config)
     except ConfigError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     return config

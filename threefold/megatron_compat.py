@@ -40,13 +40,6 @@ ONLY_DEFAULT = {
         "--optimizer-cpu-offload keeps the whole optimizer state on the CPU (Megatron-LM's "
         "default fraction)",
     ),
-    # threefold's own format, named for what it is; Megatron-LM's scripts pass torch_dist.
-    "--ckpt-format": (
-        str,
-        ("threefold", "torch_dist", "torch", "fsdp_dtensor"),
-        "runs save threefold's own format (docs/checkpoints.md); Megatron-LM's torch_dist "
-        "is written by tools/convert_checkpoint.py --saver megatron",
-    ),
 }
 
 # flag -> (type, why any value changes nothing here): accepted and named at start-up
@@ -114,20 +107,6 @@ ANY_VALUE = {
         int,
         "threefold writes max memory with every log line on CUDA (and to --tensorboard-dir)",
     ),
-}
-
-# accepted values that do not do what Megatron-LM does with them: named at start-up
-VALUE_NOTES = {
-    ("--ckpt-format", "torch_dist"): "--ckpt-format torch_dist: checkpoints are saved in "
-    "threefold's format (torch.distributed.checkpoint shards keyed model.tp{r}.*, "
-    "docs/checkpoints.md), not Megatron-LM's torch_dist layout; --load reads both, and "
-    "tools/convert_checkpoint.py --saver megatron writes Megatron-LM's",
-    ("--ckpt-format", "fsdp_dtensor"): "--ckpt-format fsdp_dtensor: checkpoints are saved "
-    "in threefold's format (docs/checkpoints.md), which FSDP2 runs save and load at any "
-    "layout, not Megatron-FSDP's DTensor layout",
-    ("--ckpt-format", "torch"): "--ckpt-format torch: checkpoints are saved in threefold's "
-    "format (docs/checkpoints.md); Megatron-LM's legacy torch format, a pickle per rank, is "
-    "neither written nor read (loading one would run whatever code it holds)",
 }
 
 # flag -> why it changes nothing here
@@ -322,8 +301,6 @@ def check(given: dict[str, object]) -> list[str]:
                     f"{flag} {value}: {why} in threefold; use {' or '.join(map(str, accepted))} "
                     "or drop the flag"
                 )
-            if (flag, value) in VALUE_NOTES:
-                notes.append(VALUE_NOTES[(flag, value)])
         elif flag in ANY_VALUE:
             notes.append(f"{flag} {value} has no effect: {ANY_VALUE[flag][1]}")
         else:

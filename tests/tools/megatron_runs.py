@@ -203,23 +203,32 @@ def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor
     return ours, written
 
 
-def export_and_go_on(argv: list[str], root: str, directory, kind: str, tp: int, ranks: int):
+def export_and_go_on(
+    argv: list[str], root: str, directory, kind: str, tp: int, ranks: int, native: bool = False
+):
     """threefold reads megatron-core's checkpoint `root` with Adam's state (`argv`: one
-    process) and saves its own; that is exported to Megatron-LM's format, and megatron-core's
+    process) and saves its own; that is exported to Megatron-LM's format (`native`: the run
+    saves Megatron-LM's format itself, --ckpt-format torch_dist), and megatron-core's
     distributed optimizer reads the export on `ranks` ranks at TP `tp`, as Megatron-LM's --load
     does, and takes the next iteration. Returns (the export's iter_N directory, megatron-core's
     loss, its weights after the iteration, by threefold name)."""
     from tests.distributed import run_distributed
     from tests.parity import _setup
     from tests.tools.hf_models import convert_checkpoint
+    from threefold.checkpoint.megatron.training_save import save_megatron_training_checkpoint
     from threefold.checkpoint.save import save_checkpoint
+    from threefold.checkpoint.writer import CheckpointWriter
 
     trainer = _setup(argv)
     iteration = load_checkpoint(root, trainer.checkpoint_components())
     threefold, export = str(directory / "threefold"), str(directory / "export")
-    save_checkpoint(threefold, trainer.checkpoint_components())
-    convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
-    assert convert_checkpoint.main(convert + ["--save-dir", export]) == 0
+    if native:
+        writer = CheckpointWriter(export)
+        save_megatron_training_checkpoint(export, trainer.checkpoint_components(), writer)
+    else:
+        save_checkpoint(threefold, trainer.checkpoint_components())
+        convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
+        assert convert_checkpoint.main(convert + ["--save-dir", export]) == 0
     path, again = os.path.join(export, f"iter_{iteration:07d}"), str(directory / "again")
     losses = run_distributed(ranks, mt.load_and_continue, kind, path, again, tp)
     _, model, _ = load_model(again, with_tokenizer=False)

@@ -160,16 +160,18 @@ def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
         assert difference > 1e-4
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["converted", "saved-by-the-run"])
 def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
-    megatron_trained, tmp_path
+    megatron_trained, tmp_path, native
 ):
     """Megatron -> threefold -> Megatron with the optimizer: threefold reads megatron-core's
-    checkpoint (Adam's state, TP2 x DP2) at TP1 and saves its own; the export of that, read by
-    megatron-core's distributed optimizer at TP2 x DP2 as Megatron-LM's --load reads it, takes
-    the iteration megatron-core took from its own checkpoint: the same loss and weights."""
+    checkpoint (Adam's state, TP2 x DP2) at TP1 and saves its own; the export of that (or the
+    run's own --ckpt-format torch_dist save), read by megatron-core's distributed optimizer at
+    TP2 x DP2 as Megatron-LM's --load reads it, takes the iteration megatron-core took from its
+    own checkpoint: the same loss and weights."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
     argv = continue_argv(root, 1, 1, 1)
-    path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4)
+    path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4, native)
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
     # Megatron-LM's --load takes the optimizer and leaves its RNG as seeded (none saved).

@@ -72,17 +72,18 @@ def read_manifest(path: str) -> dict[str, list] | None:
     return files if isinstance(files, dict) else None
 
 
-def write_integrity(path: str) -> None:
+def write_integrity(path: str, digests: dict[str, list] | None = None) -> None:
     """Megatron-LM's integrity.json for the files directly in `path` (a Megatron checkpoint
-    being written)."""
+    being written), from their `digests` ({file: [size, sha256]}) where known."""
     from threefold.written_aside import write_atomically
 
     names = sorted(
         name
         for name in os.listdir(path)
-        if name != INTEGRITY and os.path.isfile(os.path.join(path, name))
+        if name not in (INTEGRITY, MANIFEST) and os.path.isfile(os.path.join(path, name))
     )
-    files = {name: digest(os.path.join(path, name))[1] for name in names}
+    digests = digests or {}
+    files = {name: (digests.get(name) or digest(os.path.join(path, name)))[1] for name in names}
     write_atomically(
         os.path.join(path, INTEGRITY), json.dumps({"algorithm": "sha256", "files": files}, indent=2)
     )

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.tensor import DTensor
 
 from threefold.checkpoint.files import TRACKER, checkpoint_dir
@@ -37,6 +38,7 @@ from threefold.checkpoint.manifest import (
     complete_iterations,
     digest,
     my_slice,
+    write_integrity,
     write_manifest,
 )
 from threefold.parallel.data_parallel.torch_native import local
@@ -113,10 +115,14 @@ class CheckpointWriter:
         iteration: int,
         write_rank_files: Callable[[str], None],
         tensors: dict[str, torch.Tensor],
+        planner: SavePlanner | None = None,
+        integrity: bool = False,
     ) -> str:
         """Write iteration `iteration`: `write_rank_files(directory)` writes this rank's small
-        files (RNG, and on rank 0 metadata and tokenizer); `tensors` go through DCP. Returns
-        the final directory; with --async-save it is complete once `wait` returns."""
+        files (RNG, and on rank 0 metadata and tokenizer); `tensors` go through DCP (by
+        `planner`, DCP's default without). `integrity`: Megatron-LM's integrity.json is written
+        too. Returns the final directory; with --async-save it is complete once `wait`
+        returns."""
         self.wait()
         final = checkpoint_dir(self.root, iteration)
         partial = final + PARTIAL
@@ -132,13 +138,14 @@ class CheckpointWriter:
                 f"--save {self.root}: could not write iteration {iteration}: {error}"
             ) from None
         crash_point("before-shards", iteration)
+        written = (planner, integrity)
         if not self.asynchronous:
-            self._write_and_commit(iteration, tensors, partial, final)
+            self._write_and_commit(iteration, tensors, partial, final, *written)
             return final
         staged = self._stage(tensors)  # the training thread may change `tensors` from now on
         self.pending_iteration = iteration
         self.pending = self._executor.submit(
-            self._write_and_commit, iteration, staged, partial, final
+            self._write_and_commit, iteration, staged, partial, final, *written
         )
         return final
 
@@ -168,6 +175,9 @@ class CheckpointWriter:
         async staging does, so DCP writes each rank's piece of the whole tensor."""
         staged = {}
         for key, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):  # (serialized objects, made for this save)
+                staged[key] = tensor
+                continue
             shard = local(tensor).detach()
             buffer = self._staging.get(key)
             if buffer is None or buffer.shape != shard.shape or buffer.dtype != shard.dtype:
@@ -179,7 +189,7 @@ class CheckpointWriter:
             if isinstance(tensor, DTensor):
                 buffer = DTensor(buffer, tensor._spec, requires_grad=False)
             staged[key] = buffer
-        if any(t.is_cuda for t in tensors.values()):
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors.values()):
             torch.cuda.synchronize()
         return staged
 
@@ -189,12 +199,19 @@ class CheckpointWriter:
             dist.barrier(group=group)
 
     def _write_and_commit(
-        self, iteration: int, tensors: dict[str, torch.Tensor], partial: str, final: str
+        self,
+        iteration: int,
+        tensors: dict[str, torch.Tensor],
+        partial: str,
+        final: str,
+        planner: SavePlanner | None = None,
+        integrity: bool = False,
     ) -> None:
         try:
             dcp.save(
                 tensors,
                 storage_writer=dcp.FileSystemWriter(partial),
+                planner=planner,
                 process_group=self.group,
                 no_dist=not self.distributed,
             )
@@ -209,7 +226,10 @@ class CheckpointWriter:
                 everyone = [None] * self.world_size
                 dist.all_gather_object(everyone, mine, group=self.group)
             if self.rank == 0:
-                write_manifest(partial, {k: v for part in everyone for k, v in part.items()})
+                digests = {k: v for part in everyone for k, v in part.items()}
+                if integrity:
+                    write_integrity(partial, digests)
+                write_manifest(partial, digests)
         except (Exception, CheckpointException) as error:  # (DCP's is a BaseException)
             free = shutil.disk_usage(self.root).free / 2**30  # the usual cause, said plainly
             raise CheckpointSaveError(

@@ -22,6 +22,10 @@ DIST_CKPT_STRICTNESS = (
     "ignore_all",
 )
 
+# threefold's own; Megatron-LM's torch_dist; the names of Megatron-LM's other formats, which
+# save threefold's (its legacy torch format is a pickle per rank, which threefold never writes).
+CKPT_FORMATS = ("threefold", "torch_dist", "torch", "fsdp_dtensor")
+
 
 @dataclass
 class CheckpointConfig:
@@ -34,6 +38,14 @@ class CheckpointConfig:
     )
     save_interval: int | None = arg(
         None, minimum=1, help="save every this many iterations (and at the end)"
+    )
+    # Megatron-LM's default is torch_dist; threefold's own format stays the default here, as
+    # it holds what Megatron-LM's cannot (the ranks' RNG streams, FP8 scaling state, adapters).
+    ckpt_format: str = arg(
+        "threefold",
+        choices=CKPT_FORMATS,
+        help="the format --save writes: threefold's own (docs/checkpoints.md), or torch_dist, "
+        "Megatron-LM's, which its --load takes as it is (torch and fsdp_dtensor: threefold's)",
     )
     async_save: bool = arg(
         False, help="write checkpoints in the background while training continues"
@@ -154,6 +166,17 @@ class CheckpointConfig:
         ):
             if value and self.load is None:
                 warnings.append(f"{name} has no effect without --load: nothing is loaded")
+        if self.ckpt_format in ("torch", "fsdp_dtensor"):
+            warnings.append(
+                f"--ckpt-format {self.ckpt_format}: checkpoints are saved in threefold's format "
+                "(docs/checkpoints.md), not Megatron-LM's "
+                + (
+                    "legacy torch format, a pickle per rank, which threefold neither writes nor "
+                    "reads (loading one would run whatever code it holds)"
+                    if self.ckpt_format == "torch"
+                    else "Megatron-FSDP DTensor layout; FSDP2 runs save and load it at any layout"
+                )
+            )
         for name, value in (
             ("--no-save-optim", self.no_save_optim),
             ("--no-save-rng", self.no_save_rng),

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.megatron.training_save import save_megatron_training_checkpoint
 from threefold.checkpoint.save import save_checkpoint
 from threefold.checkpoint.writer import CheckpointWriter
 from threefold.config import CheckpointConfig
@@ -48,7 +49,10 @@ class Checkpointer:
         self.wait()
         start = time.perf_counter()
         with watch.timers("save-checkpoint", 0):
-            path = save_checkpoint(self.config.save, self.components(), self.writer)
+            save = save_checkpoint
+            if self.config.ckpt_format == "torch_dist":  # (Megatron-LM's layout)
+                save = save_megatron_training_checkpoint
+            path = save(self.config.save, self.components(), self.writer)
         self.last_saved, self.last_path = iteration, path
         blocked = time.perf_counter() - start
         if self.writer.asynchronous:

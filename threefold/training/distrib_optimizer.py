@@ -13,6 +13,7 @@ flat parameters they update, and it stores them and the moments in the dtypes as
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
@@ -136,6 +137,15 @@ class DistributedOptimizer(AdamWithMasters):
                 self.optimizer.store(piece.master, "master", piece.master.detach().float())
         if self.fp8_parameters is not None:  # and the FP8 copies from those masters
             self.copy_masters_to_model()
+
+    def _assembled(self, param: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """The other ranks of the buffer's group hold the rest of the parameter's state; each
+        element is one rank's, zero bits elsewhere, so a sum of the bit patterns as integers
+        is exact (negative zeros and NaNs as stored)."""
+        group = self._buffer_of[param].dp
+        if group.size > 1:
+            dist.all_reduce(flat.view(torch.int32), group=group.group)
+        return flat
 
     @staticmethod
     def _piece_key(name: str, piece: Piece) -> str:

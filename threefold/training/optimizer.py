@@ -335,6 +335,36 @@ class AdamWithMasters:
                 self._state_keys[f"optimizer.{field}.{key}"] = (piece, field)
         return tensors
 
+    @torch.no_grad()
+    def whole_states(
+        self, field: str, params: list[nn.Parameter]
+    ) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's `field` ("exp_avg", "exp_avg_sq" or "master") in fp32, shaped as
+        the parameter (this rank's TP shard of it): from the pieces here and, where the
+        distributed optimizer spreads them, from the other ranks of the parameter's buffer
+        (`_assembled`). Every rank of those groups calls it with the same parameters."""
+        self.initialize_state()
+        pieces: dict[nn.Parameter, list[Piece]] = {}
+        for piece in self.pieces:
+            pieces.setdefault(piece.param, []).append(piece)
+        states = {}
+        for param in params:
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            for piece in pieces.get(param, []):
+                flat[piece.start : piece.end] = self._state_value(piece, field).reshape(-1)
+            states[param] = self._assembled(param, flat).view(param.shape)
+        return states
+
+    def _assembled(self, param: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """A parameter's flattened state from this rank's pieces: all of it, here."""
+        return flat
+
+    def adam_step(self) -> float:
+        """Adam's step count (the same on every piece; 0 on a rank with none)."""
+        steps = [self._state(p).get("step") for p in self.pieces]
+        steps = [float(step) for step in steps if step is not None]
+        return max(steps, default=0.0)
+
     def store_loaded(self, tensors: dict[str, torch.Tensor]) -> None:
         """After a checkpoint was read into `state_tensors()`'s tensors: store those that were
         fp32 copies of the state (the precision-aware optimizer's); the others are the state."""

@@ -1,0 +1,218 @@
+"""A run's own checkpoints in Megatron-LM's torch_dist layout (--ckpt-format torch_dist), so
+that Megatron-LM's --load takes them as they are, written by the ranks at any TP/PP/EP/DP
+layout: what tools/convert_checkpoint.py --saver megatron writes from threefold's format
+(checkpoint/megatron/save.py), tensor for tensor.
+
+Each parameter, and each of Adam's fields (assembled from the distributed optimizer's pieces),
+is gathered whole over its TP (expert-TP) group and kept by one rank of it, the ranks taking
+turns, so a rank holds about its own shard's size in whole tensors. That rank cuts it as
+megatron-core's state dict keys it (checkpoint/megatron/tensors.py: a layer's slice of a stacked
+tensor, an expert's, a section) and hands each piece to torch.distributed.checkpoint as a chunk
+of the global tensor at its offsets; data-parallel replicas offer the same chunks, which DCP
+writes once. Rank 0 writes common.pt (Megatron-LM's args; Adam's step, parameter groups and LR
+schedule) and metadata.json. The directory is written as threefold's own are (checkpoint/
+writer.py: `iter_N.partial/`, renamed when complete, the tracker last, --async-save in the
+background), with threefold's manifest and Megatron-LM's integrity.json.
+
+What Megatron-LM's layout cannot hold keeps a run in threefold's format, said at start-up
+(`blocker`): the state of other optimizers, LoRA adapters, FP8 delayed scaling, PyTorch
+DDP/FSDP2's. Neither does it hold the ranks' RNG streams: its args say so, and a resume reseeds
+them (as Megatron-LM's --load of such a checkpoint does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.megatron.format import BACKEND, megatron_args
+from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, exported_common, unexportable
+from threefold.checkpoint.megatron.save import (
+    HYBRID_OUTPUT_EXTRA_STATE,
+    layer_stacking,
+    megatron_common,
+    megatron_tensor,
+)
+from threefold.checkpoint.megatron.tensors import (
+    Part,
+    extra_state,
+    extra_state_key,
+    layer_kinds,
+    megatron_parts,
+)
+from threefold.checkpoint.writer import CheckpointWriter
+from threefold.config import Config, ConfigError
+from threefold.parallel.parallel_context import ParallelContext
+from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
+
+
+def blocker(config: Config) -> str | None:
+    """Why this run's checkpoints cannot be Megatron-LM's torch_dist (they are then saved in
+    threefold's format, said at start-up), or None."""
+    if config.parallel.distributed_strategy != "megatron":
+        return (
+            f"--distributed-strategy {config.parallel.distributed_strategy} keeps its state in "
+            "PyTorch's layout"
+        )
+    if config.model.lora_rank:
+        return "a LoRA run's adapters have no place in it"
+    if config.fp8.fp8 is not None and config.fp8.fp8_recipe == "delayed":
+        return "--fp8-recipe delayed's scaling state (amax histories) has no place in it"
+    try:
+        megatron_args(config, 0)
+    except ConfigError as error:
+        return str(error).split(" (")[0]
+    reason = None if config.checkpoint.no_save_optim else unexportable(config, {})
+    return None if reason is None else f"it cannot hold {reason}; --no-save-optim saves the model"
+
+
+class _ChunkPlanner(DefaultSavePlanner):
+    """Writes each tensor of the state dict as the chunk `chunks[name]` places it, (the global
+    tensor's key, size, offsets), and the other values (megatron-core's serialized
+    `_extra_state` objects) as their bytes, under their own names."""
+
+    def __init__(self, chunks: dict[str, tuple[str, torch.Size, torch.Size]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+        self._names = {(key, tuple(offsets)): name for name, (key, _, offsets) in chunks.items()}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for name, value in self.state_dict.items():
+            if name not in self.chunks:
+                items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
+                continue
+            key, size, offsets = self.chunks[name]
+            data = TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=value.shape),
+                properties=TensorProperties.create_from_tensor(value),
+                size=size,
+            )
+            index = MetadataIndex(key, offsets)
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        if index.offset is None:
+            return self.state_dict[index.fqn]
+        return self.state_dict[self._names[(index.fqn, tuple(index.offset))]]
+
+    def transform_object(self, write_item, object):
+        return object  # (megatron-core's extra state: bytes it reads with one torch.load)
+
+
+def _kept_whole(
+    named: list[tuple[str, nn.Parameter]],
+    fields: dict[str, dict[nn.Parameter, torch.Tensor]],
+    parallel: ParallelContext,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """{field: {name: whole tensor}} of the parameters this rank keeps: the ranks of a TP
+    (expert-TP) group take every group-size-th parameter in turn, each gathered whole (and
+    unpadded) over the group, one parameter at a time."""
+    kept: dict[str, dict[str, torch.Tensor]] = {field: {} for field in fields}
+    for index, (name, param) in enumerate(named):
+        group = sharding_group(param, parallel)
+        mine = index % group.size == group.rank
+        for field, values in fields.items():
+            if param in values:
+                whole = gather_tensor_parallel(values[param], param, group)
+                if mine:
+                    kept[field][name] = whole.cpu()
+    return kept
+
+
+def _grid(part: Part, config: Config) -> tuple[int, ...]:
+    """The leading shape a part's key stacks: every layer if stacked, then every expert."""
+    layers = (config.model.num_layers,) if part.stacked else ()
+    return layers + (config.model.num_experts,) * (len(part.index) - len(layers))
+
+
+def _state(
+    config: Config, kept: dict[str, dict[str, torch.Tensor]], kinds, dtype: torch.dtype
+) -> tuple[dict, dict]:
+    """This rank's chunks (and extra-state objects) of megatron-core's state dict, and where
+    each chunk lies in its global tensor."""
+    stacked, sections = layer_stacking(config)
+    mla = config.model.multi_latent_attention
+    state, chunks = {}, {}
+    for field, tensors in kept.items():
+        prefix = "" if field == "model" else f"optimizer.state.{EXPORTED_FIELDS[field]}."
+        for name, whole in tensors.items():
+            key, tensor = megatron_tensor(
+                config, name, whole, dtype if field == "model" else torch.float32
+            )
+            parts, module = megatron_parts(key, tensor, kinds, mla, stacked, sections)
+            for part in parts:
+                # (the slice as a chunk of the stack: of size 1 along the stacked axes)
+                chunk = part.tensor.reshape((1,) * len(part.index) + tuple(part.tensor.shape))
+                name_here = f"{prefix}{part.key}@{part.index}"
+                state[name_here] = chunk
+                chunks[name_here] = (
+                    prefix + part.key,
+                    torch.Size(_grid(part, config) + tuple(part.tensor.shape)),
+                    torch.Size(part.index + (0,) * part.tensor.dim()),
+                )
+            if module is not None and field == "model":
+                shape = _grid(module, config) or (1,)
+                state[extra_state_key(module.key, module.index or (0,), shape)] = extra_state()
+    return state, chunks
+
+
+def save_megatron_training_checkpoint(
+    root: str, components: CheckpointComponents, writer: CheckpointWriter
+) -> str:
+    """Write the components' state for the current iteration as Megatron-LM's torch_dist
+    checkpoint; returns the directory (with an asynchronous `writer`, complete once
+    `writer.wait()` returns). Every rank calls it."""
+    config, parallel = components.config, components.parallel
+    training = config.training
+    dtype = torch.bfloat16 if training.bf16 else torch.float16 if training.fp16 else torch.float32
+    train_state = components.train_state.state_dict()
+    iteration = train_state["iteration"]
+    save_optimizer = not config.checkpoint.no_save_optim
+    named = list(components.parameters())
+    with components.parameters_in_model_dtype():
+        fields = {"model": {param: param.detach() for _, param in named}}
+        if save_optimizer:
+            trainable = [param for _, param in named if param.requires_grad]
+            for field in EXPORTED_FIELDS:
+                fields[field] = components.optimizer.whole_states(field, trainable)
+        kept = _kept_whole(named, fields, parallel)
+    state, chunks = _state(config, kept, layer_kinds([name for name, _ in named]), dtype)
+    if config.model.hybrid and parallel.is_last_pipeline_stage:
+        state[HYBRID_OUTPUT_EXTRA_STATE] = extra_state()
+    optimizer = None
+    if save_optimizer:
+        step = torch.tensor(components.optimizer.adam_step(), dtype=torch.float64)
+        if dist.is_initialized():  # (a rank of the distributed optimizer may hold no piece)
+            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        optimizer = exported_common(
+            config,
+            components.scheduler.state_dict(),
+            float(step),
+            int(train_state.get("consumed_train_samples", 0)),
+            config.model.is_moe,
+            components.loss_scaler.state_dict(),
+        )
+    common = megatron_common(config, iteration, train_state, dtype, optimizer)
+
+    def write_rank_files(path: str) -> None:
+        if writer.rank == 0:
+            torch.save(common, os.path.join(path, "common.pt"))
+            with open(os.path.join(path, "metadata.json"), "w") as f:
+                json.dump(BACKEND, f)
+
+    return writer.save(iteration, write_rank_files, state, _ChunkPlanner(chunks), integrity=True)
