@@ -238,13 +238,6 @@ def _megatron_layout_or_not(config: Config) -> None:
             flush=True,
         )
         config.checkpoint.ckpt_format = "threefold"
-    elif config.model.hidden_dropout or config.model.attention_dropout:
-        print(
-            "> --ckpt-format torch_dist: the ranks' RNG streams are not in Megatron-LM's layout, "
-            "so a resume draws other dropout masks than the run would have (its args say no RNG "
-            "was saved, as Megatron-LM's --no-save-rng)",
-            flush=True,
-        )
 
 
 def parse_args(

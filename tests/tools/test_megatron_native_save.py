@@ -5,7 +5,8 @@ What it writes is, tensor for tensor and bitwise, what tools/convert_checkpoint.
 megatron writes from threefold's own checkpoint of the same state (which
 tests/tools/test_megatron_*checkpoints.py prove against megatron-core itself): the model, Adam's
 state gathered from the distributed optimizer's pieces, the extra-state objects and common.pt.
-A run resumes from it exactly; a run whose state it cannot hold saves threefold's format, said.
+A run resumes from it exactly, its ranks' RNG streams included; a run whose state it cannot
+hold saves threefold's format, said.
 megatron-core's own optimizer going on from it is in tests/tools/test_megatron_checkpoints.py.
 """
 
@@ -81,8 +82,10 @@ def _read(path: str) -> tuple[dict, list]:
 
 
 def _common(path: str) -> dict:
+    """common.pt, less what a run adds for itself (its ranks' RNG streams' layout)."""
     common = torch.load(os.path.join(path, "common.pt"), weights_only=False)  # (the test's own)
-    return {**common, "args": vars(common["args"])}
+    own = {k: v for k, v in common["threefold"].items() if k not in ("rng_saved", "rng_layout")}
+    return {**common, "args": vars(common["args"]), "threefold": own}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -113,9 +116,9 @@ def test_a_run_saves_what_the_converter_writes(case, tmp_path):
     assert os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def _resume(root: str, argv: list[str], save: bool) -> list[float]:
+def _resume(root: str, argv: list[str], save: bool, load_rng: bool = True) -> list[float]:
     """Two steps and an --async-save through the run's own checkpointer, then two more; or,
-    resumed from that checkpoint, the two more."""
+    resumed from that checkpoint (with its RNG streams, or not), the two more."""
     trainer = _setup(argv)
     if save:
         for _ in range(2):
@@ -123,19 +126,24 @@ def _resume(root: str, argv: list[str], save: bool) -> list[float]:
         trainer.checkpointer.save(2)
         trainer.checkpointer.wait()
     else:
-        assert load_checkpoint(root, trainer.checkpoint_components()) == 2
+        assert load_checkpoint(root, trainer.checkpoint_components(), load_rng=load_rng) == 2
         assert trainer.state.consumed_train_samples == 2 * 8
     return [trainer.train_step()[0] for _ in range(2)]
 
 
 def test_a_run_resumes_from_it_as_it_went_on(tmp_path):
+    """Dropout draws from the ranks' streams: the resume takes them (the saved layout's);
+    without them (--no-load-rng) it draws other masks."""
     root = str(tmp_path / "run")
     argv = BF16 + TP2_SP + ["--save", root, "--ckpt-format", "torch_dist", "--async-save"]
+    argv += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     went_on = run_distributed(4, _resume, root, argv, True)
     with open(os.path.join(checkpoint_dir(root, 2), "metadata.json")) as f:
         assert "sharded_backend" in f.read()  # (Megatron-LM's, not threefold's metadata)
     resumed = run_distributed(4, _resume, root, argv + ["--load", root], False)
     assert resumed == went_on
+    reseeded = run_distributed(4, _resume, root, argv + ["--load", root], False, False)
+    assert reseeded != went_on
 
 
 @pytest.mark.parametrize(
@@ -163,12 +171,6 @@ def test_state_megatron_cannot_hold_keeps_threefolds_format_said(
     else:
         (line,) = said
         assert "threefold's format" in line and reason in line
-
-
-def test_dropout_without_its_rng_streams_is_said(tmp_path, capsys):
-    argv = LLAMA_STYLE + TRAINING + ["--save", str(tmp_path), "--ckpt-format", "torch_dist"]
-    parse_args(argv + ["--hidden-dropout", "0.1"])
-    assert "a resume draws other dropout masks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("value", ["torch", "fsdp_dtensor"])

@@ -101,7 +101,7 @@ def load_checkpoint(
     saved = metadata["config"]["parallel"]
     rng = (
         load_tensors_file(rng_file(path, components.parallel.world.rank))
-        if same_layout and load_rng
+        if loadable.rng_applies and load_rng
         else None
     )
     # (--fp8-param-gather's FP8-stored weights: loaded in the run's dtype, cast again by the

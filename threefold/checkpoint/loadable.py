@@ -192,6 +192,7 @@ class Loadable:
     without_adapters: bool  # LoRA fine-tuning from a checkpoint without adapters
     scheduler: dict | None  # the LR scheduler's state to resume (None: weights only)
     depths_left_out: int = 0  # the checkpoint's multi-token prediction depths this run lacks
+    rng_applies: bool = False  # the saved ranks' RNG streams are this run's ranks'
 
 
 def check_loadable(
@@ -270,7 +271,10 @@ def check_loadable(
         and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
         == config.model.make_vocab_size_divisible_by
     )
-    if same_layout and load_rng:  # (per-rank streams belong to the saved layout's ranks)
+    # (per-rank streams belong to the saved layout's ranks; a torch_dist checkpoint a run
+    # saved here names its ranks' layout)
+    rng_applies = same_layout or (megatron and metadata.get("rng_layout") == rng_layout(config))
+    if rng_applies and load_rng:
         if not metadata.get("rng_saved", True):
             raise ConfigError(
                 f"--load {root}: iteration {iteration} was saved with --no-save-rng "
@@ -288,6 +292,7 @@ def check_loadable(
         without_adapters,
         scheduler,
         left_out,
+        rng_applies,
     )
 
 
@@ -304,6 +309,25 @@ def _scheduler_state(root: str, metadata: dict, training: TrainingConfig) -> dic
     except ConfigError as error:
         raise ConfigError(f"--load {root}: {error}") from None
     return scheduler
+
+
+# What makes rank r of one run rank r of another, for its RNG streams: the ranks' grid.
+_RNG_LAYOUT = (
+    "world_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "use_tp_pp_dp_mapping",
+)
+
+
+def rng_layout(config: Config) -> dict:
+    """The ranks' layout a checkpoint's RNG streams belong to (a torch_dist checkpoint saved
+    by a run here records it, as threefold's own record the whole config)."""
+    return {name: getattr(config.parallel, name) for name in _RNG_LAYOUT}
 
 
 def rng_file(path: str, rank: int) -> str:

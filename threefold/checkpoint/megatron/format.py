@@ -174,7 +174,9 @@ def megatron_metadata(path: str) -> dict:
     describes its own: the config (model from args; tokenizer where threefold has Megatron's;
     the saved layout), the iteration, consumed samples and LR schedule position, and whether
     its optimizer state is one threefold reads (checkpoint/megatron/optimizer.py; the layout
-    under `megatron.optimizer`). Megatron's RNG states are not read (`rng_saved` false)."""
+    under `megatron.optimizer`). Megatron's RNG states are not read; the streams a run here
+    saved beside them (checkpoint/megatron/training_save.py) are, in the ranks' layout it
+    names (`rng_layout`)."""
     common_file = os.path.join(path, "common.pt")
     if not os.path.isfile(common_file):
         raise ConfigError(f"--load {path}: common.pt is missing; the checkpoint is incomplete")
@@ -243,7 +245,9 @@ def megatron_metadata(path: str) -> dict:
             "optimizer_step": optimizer.step,
         },
         "optimizer_saved": optimizer.readable,
-        "rng_saved": False,
+        # (a run here saves its ranks' streams beside Megatron-LM's layout, and says so)
+        "rng_saved": bool(own.get("rng_saved")) if isinstance(own, dict) else False,
+        "rng_layout": own.get("rng_layout") if isinstance(own, dict) else None,
         "train_state": train_state,
         "scheduler": {"num_steps": int(scheduler["num_steps"])}
         if isinstance(scheduler, dict) and "num_steps" in scheduler

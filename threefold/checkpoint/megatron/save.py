@@ -106,10 +106,12 @@ def megatron_common(
     train_state: dict | None,
     dtype: torch.dtype,
     optimizer: dict | None,
+    threefold: dict | None = None,
 ) -> dict:
     """common.pt of Megatron-LM's checkpoint of iteration `iteration`: its args (saying that
-    it holds no RNG state, and whether it holds the optimizer's) and `optimizer`'s entries
-    (`exported_common`'s; None without)."""
+    it holds no RNG state of Megatron-LM's, and whether it holds the optimizer's),
+    `optimizer`'s entries (`exported_common`'s; None without) and what threefold reads back
+    beside its vocabulary size (`threefold`)."""
     args = megatron_args(config, iteration, train_state)
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = config.model.padded_vocab_size(1)
@@ -121,7 +123,7 @@ def megatron_common(
         "iteration": iteration,
         "num_floating_point_operations_so_far": 0,
         # Megatron-LM keeps only the padded vocabulary size; threefold reads its own back.
-        "threefold": {"vocab_size": config.model.vocab_size},
+        "threefold": {"vocab_size": config.model.vocab_size, **(threefold or {})},
         **(optimizer or {}),
     }
 

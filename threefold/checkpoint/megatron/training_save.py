@@ -14,10 +14,12 @@ schedule) and metadata.json. The directory is written as threefold's own are (ch
 writer.py: `iter_N.partial/`, renamed when complete, the tracker last, --async-save in the
 background), with threefold's manifest and Megatron-LM's integrity.json.
 
-What Megatron-LM's layout cannot hold keeps a run in threefold's format, said at start-up
-(`blocker`): the state of other optimizers, LoRA adapters, FP8 delayed scaling, PyTorch
-DDP/FSDP2's. Neither does it hold the ranks' RNG streams: its args say so, and a resume reseeds
-them (as Megatron-LM's --load of such a checkpoint does).
+Each rank's RNG streams go beside them, `rng/rank_N.pt` as in threefold's own checkpoints
+(Megatron-LM's args say it holds none of Megatron-LM's, which reads none of these), and
+common.pt's `threefold` entry names the ranks' layout they belong to: a resume here at that
+layout takes them, so it draws the dropout masks the run would have. What Megatron-LM's layout
+cannot hold keeps a run in threefold's format, said at start-up (`blocker`): the state of other
+optimizers, LoRA adapters, FP8 delayed scaling, PyTorch DDP/FSDP2's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.loadable import rng_file, rng_layout
 from threefold.checkpoint.megatron.format import BACKEND, megatron_args
 from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, exported_common, unexportable
 from threefold.checkpoint.megatron.save import (
@@ -52,6 +55,7 @@ from threefold.checkpoint.megatron.tensors import (
     layer_kinds,
     megatron_parts,
 )
+from threefold.checkpoint.save import rng_state
 from threefold.checkpoint.writer import CheckpointWriter
 from threefold.config import Config, ConfigError
 from threefold.parallel.parallel_context import ParallelContext
@@ -207,9 +211,14 @@ def save_megatron_training_checkpoint(
             config.model.is_moe,
             components.loss_scaler.state_dict(),
         )
-    common = megatron_common(config, iteration, train_state, dtype, optimizer)
+    save_rng = not config.checkpoint.no_save_rng
+    streams = {"rng_saved": save_rng, "rng_layout": rng_layout(config)}
+    common = megatron_common(config, iteration, train_state, dtype, optimizer, streams)
 
     def write_rank_files(path: str) -> None:
+        if save_rng:  # (beside Megatron-LM's files, which it does not read)
+            os.makedirs(os.path.dirname(rng_file(path, writer.rank)), exist_ok=True)
+            torch.save(rng_state(), rng_file(path, writer.rank))
         if writer.rank == 0:
             torch.save(common, os.path.join(path, "common.pt"))
             with open(os.path.join(path, "metadata.json"), "w") as f:
