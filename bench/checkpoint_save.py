@@ -1,7 +1,9 @@
 """How long a checkpoint save stops training, and how fast it writes.
 
 One process trains a GPT of --num-layers x --hidden-size (fp32, Adam) and saves it --saves
-times, synchronously and with --async-save, into --directory. Per save:
+times, synchronously and with --async-save, into --directory, in threefold's format and in
+Megatron-LM's (--ckpt-format torch_dist: the same state re-keyed as megatron-core stores it).
+Per save:
 
     blocked   seconds the training loop waited (synchronous: the whole save; async: setting up
               the directory and staging the tensors into CPU memory)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shutil
 import statistics
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.arguments import parse_args  # noqa: E402
+from threefold.checkpoint.megatron import training_save  # noqa: E402
 from threefold.checkpoint.save import save_checkpoint  # noqa: E402
 from threefold.checkpoint.writer import CheckpointWriter  # noqa: E402
 from threefold.parallel.parallel_context import ParallelContext  # noqa: E402
@@ -94,21 +98,26 @@ def main() -> int:
         "--swiglu",
         "--disable-bias-linear",
     ]
-    rows, sizes = [], []
+    rows, totals = [], []
     steps = []
-    for mode in ("synchronous", "async"):
-        root = os.path.join(args.directory, mode)
-        config = parse_args(argv + ["--save", root] + (["--async-save"] if mode == "async" else []))
+    formats, modes = ("threefold", "torch_dist"), ("synchronous", "async")
+    for ckpt_format, mode in itertools.product(formats, modes):
+        root = os.path.join(args.directory, f"{ckpt_format}-{mode}")
+        flags = ["--save", root, "--ckpt-format", ckpt_format]
+        config = parse_args(argv + flags + (["--async-save"] if mode == "async" else []))
+        save = save_checkpoint
+        if ckpt_format == "torch_dist":
+            save = training_save.save_megatron_training_checkpoint
         with contextlib.redirect_stdout(sys.stderr):  # start-up lines: not part of the table
             trainer = Trainer(config, torch.device("cpu"), ParallelContext())
         writer = CheckpointWriter(root, asynchronous=mode == "async")
-        blocked, complete = [], []
+        blocked, complete, sizes = [], [], []
         for _ in range(args.saves):
             start = time.perf_counter()
             trainer.train_step()
             steps.append(time.perf_counter() - start)
             start = time.perf_counter()
-            path = save_checkpoint(root, trainer.checkpoint_components(), writer)
+            path = save(root, trainer.checkpoint_components(), writer)
             blocked.append(time.perf_counter() - start)
             writer.wait()
             complete.append(time.perf_counter() - start)
@@ -116,12 +125,13 @@ def main() -> int:
         writer.close()
         size = statistics.median(sizes)
         rows.append(
-            f"| {mode} | {size / 1e9:.2f} | {statistics.median(blocked):.2f} | "
+            f"| {ckpt_format} | {mode} | {size / 1e9:.2f} | {statistics.median(blocked):.2f} | "
             f"{statistics.median(complete):.2f} | "
             f"{size / statistics.median(complete) / 1e9:.2f} |"
         )
+        totals.append(size)
         shutil.rmtree(root)
-    disk = _disk_speed(args.directory, int(statistics.median(sizes)))
+    disk = _disk_speed(args.directory, int(statistics.median(totals)))
     shutil.rmtree(args.directory, ignore_errors=True)
     print(
         "\n".join(
@@ -134,8 +144,8 @@ def main() -> int:
                 f"{statistics.median(steps):.2f} s; the disk writes {disk:.2f} GB/s (plain "
                 "write + fsync).",
                 "",
-                "| save | GB | blocked s | complete s | GB/s |",
-                "|---|---|---|---|---|",
+                "| format | save | GB | blocked s | complete s | GB/s |",
+                "|---|---|---|---|---|---|",
                 *rows,
             ]
         )

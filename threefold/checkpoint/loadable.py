@@ -250,7 +250,7 @@ def check_loadable(
         )
     if left_out:  # a run without them takes the rest, as Megatron-LM's --load does
         saved_model = _without_depths(saved_model)
-    _check_architecture(root, saved_model, config.model)
+    check_architecture(root, saved_model, config.model)
     _check_tokenizer(root, path, metadata, config.data)
     # A model fine-tuned with LoRA starts from a checkpoint without adapters: they keep their
     # initialization (B = 0, so the model is the checkpoint's).
@@ -400,7 +400,7 @@ def _without_depths(saved: dict) -> dict:
     }
 
 
-def _check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
+def check_architecture(root: str, saved: dict, current: ModelConfig) -> None:
     """The run's model must be the checkpoint's in every field declared ARCHITECTURE
     (config/fields.py), and in the position table's rows with learned positions."""
     defaults = ModelConfig()

@@ -169,6 +169,20 @@ def _data_config(args: dict) -> dict:
     return data
 
 
+def described_model(args: dict, own: object, source: str) -> ModelConfig:
+    """The model Megatron-LM's `args` describe (`own`: common.pt's `threefold` entry, of a
+    checkpoint threefold wrote), as a --load of it builds and compares it with the run's."""
+    model = _model_config(args, source)
+    if isinstance(own, dict) and isinstance(own.get("vocab_size"), int):
+        model["vocab_size"] = own["vocab_size"]  # exported by threefold: its unpadded size
+    model_config = ModelConfig(**model)
+    try:  # a hybrid's layers and depths as Megatron-LM's validate_args takes them from its pattern
+        model_config.finalize_hybrid()
+    except ConfigError as error:
+        raise ConfigError(f"{source}: the checkpoint's {error}") from None
+    return model_config
+
+
 def megatron_metadata(path: str) -> dict:
     """A Megatron-LM checkpoint's `iter_N` directory described as threefold's metadata.json
     describes its own: the config (model from args; tokenizer where threefold has Megatron's;
@@ -206,17 +220,9 @@ def megatron_metadata(path: str) -> dict:
         )
         if isinstance(args.get(name), (int, bool))
     }
-    model = _model_config(args, f"--load {path}")
     own = common.get("threefold")
-    if isinstance(own, dict) and isinstance(own.get("vocab_size"), int):
-        model["vocab_size"] = own["vocab_size"]  # exported by threefold: its unpadded size
-    model_config = ModelConfig(**model)
-    try:  # a hybrid's layers and depths as Megatron-LM's validate_args takes them from its pattern
-        model_config.finalize_hybrid()
-    except ConfigError as error:
-        raise ConfigError(f"--load {path}: the checkpoint's {error}") from None
     config = Config(
-        model=model_config,
+        model=described_model(args, own, f"--load {path}"),
         data=DataConfig(**_data_config(args)),
         parallel=ParallelConfig(**parallel),
     )

@@ -24,6 +24,7 @@ optimizers, LoRA adapters, FP8 delayed scaling, PyTorch DDP/FSDP2's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -39,8 +40,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from threefold.checkpoint.components import CheckpointComponents
-from threefold.checkpoint.loadable import rng_file, rng_layout
-from threefold.checkpoint.megatron.format import BACKEND, megatron_args
+from threefold.checkpoint.loadable import check_architecture, rng_file, rng_layout
+from threefold.checkpoint.megatron.format import BACKEND, described_model, megatron_args
 from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, exported_common, unexportable
 from threefold.checkpoint.megatron.save import (
     HYBRID_OUTPUT_EXTRA_STATE,
@@ -74,10 +75,13 @@ def blocker(config: Config) -> str | None:
         return "a LoRA run's adapters have no place in it"
     if config.fp8.fp8 is not None and config.fp8.fp8_recipe == "delayed":
         return "--fp8-recipe delayed's scaling state (amax histories) has no place in it"
-    try:
-        megatron_args(config, 0)
+    try:  # what a --load of the checkpoint would build: this run's model, or a refusal
+        args = megatron_args(config, 0)
+        own = {"vocab_size": config.model.vocab_size}
+        described = described_model(args, own, "--ckpt-format torch_dist")
+        check_architecture("--ckpt-format torch_dist", dataclasses.asdict(described), config.model)
     except ConfigError as error:
-        return str(error).split(" (")[0]
+        return str(error).split(" (")[0].split("; ")[0]
     reason = None if config.checkpoint.no_save_optim else unexportable(config, {})
     return None if reason is None else f"it cannot hold {reason}; --no-save-optim saves the model"
 
