@@ -4,13 +4,14 @@ layout: what tools/convert_checkpoint.py --saver megatron writes from threefold'
 (checkpoint/megatron/save.py), tensor for tensor.
 
 Each parameter, and each of Adam's fields (assembled from the distributed optimizer's pieces),
-is gathered whole over its TP (expert-TP) group and kept by one rank of it, the ranks taking
-turns, so a rank holds about its own shard's size in whole tensors. That rank cuts it as
-megatron-core's state dict keys it (checkpoint/megatron/tensors.py: a layer's slice of a stacked
-tensor, an expert's, a section) and hands each piece to torch.distributed.checkpoint as a chunk
-of the global tensor at its offsets; data-parallel replicas offer the same chunks, which DCP
-writes once. Rank 0 writes common.pt (Megatron-LM's args; Adam's step, parameter groups and LR
-schedule) and metadata.json. The directory is written as threefold's own are (checkpoint/
+is gathered whole over its TP (expert-TP) group and kept by one rank of that group and of the
+data-parallel replicas, the ranks taking turns, so a rank holds about its distributed-optimizer
+shard's size in whole tensors. That rank cuts it as megatron-core's state dict keys it
+(checkpoint/megatron/tensors.py: a layer's slice of a stacked tensor, an expert's, a section)
+and hands each piece to torch.distributed.checkpoint as a chunk of the global tensor at its
+offsets (tied embeddings' two stages offer the same chunks, which DCP writes once). Rank 0
+writes common.pt (Megatron-LM's args; Adam's step, parameter groups and LR schedule) and
+metadata.json. The directory is written as threefold's own are (checkpoint/
 writer.py: `iter_N.partial/`, renamed when complete, the tracker last, --async-save in the
 background), with threefold's manifest and Megatron-LM's integrity.json.
 
@@ -60,7 +61,11 @@ from threefold.checkpoint.save import rng_state
 from threefold.checkpoint.writer import CheckpointWriter
 from threefold.config import Config, ConfigError
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
+from threefold.parallel.tensor_parallel.sharding import (
+    gather_tensor_parallel,
+    is_expert,
+    sharding_group,
+)
 
 
 def blocker(config: Config) -> str | None:
@@ -127,13 +132,16 @@ def _kept_whole(
     fields: dict[str, dict[nn.Parameter, torch.Tensor]],
     parallel: ParallelContext,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """{field: {name: whole tensor}} of the parameters this rank keeps: the ranks of a TP
-    (expert-TP) group take every group-size-th parameter in turn, each gathered whole (and
-    unpadded) over the group, one parameter at a time."""
+    """{field: {name: whole tensor}} of the parameters this rank keeps: each is gathered whole
+    (and unpadded) over its TP (expert-TP) group, one parameter at a time, and kept by one rank
+    of that group and one of the data-parallel replicas holding the same shard (DP x CP; an
+    expert's: expert-DP), in turn, so that the keeping and writing spread over all of them."""
     kept: dict[str, dict[str, torch.Tensor]] = {field: {} for field in fields}
     for index, (name, param) in enumerate(named):
         group = sharding_group(param, parallel)
+        replicas = parallel.expert_dp if is_expert(param) else parallel.dp_cp
         mine = index % group.size == group.rank
+        mine = mine and (index // group.size) % replicas.size == replicas.rank
         for field, values in fields.items():
             if param in values:
                 whole = gather_tensor_parallel(values[param], param, group)
