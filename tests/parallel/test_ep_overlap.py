@@ -128,6 +128,11 @@ LAYOUTS = {
         PP2_VPP2 + EP2 + DELAYED,
         ["--num-layers", "4", "--global-batch-size", "16"],
     ),
+    # FSDP2 around each of the four chunks, every one kept gathered through the schedule
+    "pp2-vpp2-ep2-fsdp": (
+        PP2_VPP2 + EP2 + ["--distributed-strategy", "fsdp"],
+        ["--num-layers", "4", "--global-batch-size", "16"],
+    ),
 }
 
 
@@ -264,25 +269,8 @@ def test_one_process_of_expert_parallel_size_one_is_refused(capsys):
             "--moe-shared-expert-overlap",
         ),
         (TRAINING + MOE + ALLTOALL + ["--compile-layers"], "--compile-layers"),
-        # FSDP2 wraps one chunk per stage, and pipeline stages need the interleaved schedule
-        (
-            TRAINING
-            + MOE
-            + ALLTOALL
-            + ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
-            + ["--num-virtual-stages-per-pipeline-rank", "2", "--distributed-strategy", "fsdp"],
-            "drop the virtual pipeline stages",
-        ),
     ],
-    ids=[
-        "allgather",
-        "pipeline",
-        "full-recompute",
-        "moe-recompute",
-        "shared-overlap",
-        "compile",
-        "fsdp-pipeline",
-    ],
+    ids=["allgather", "pipeline", "full-recompute", "moe-recompute", "shared-overlap", "compile"],
 )
 def test_refusals_are_one_line(capsys, monkeypatch, flags, named):
     monkeypatch.setenv("WORLD_SIZE", "4")

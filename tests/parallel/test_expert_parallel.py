@@ -361,6 +361,11 @@ LAYOUTS = {
         4,
         EP2 + ["--distributed-strategy", "fsdp", "--moe-token-dispatcher-type", "alltoall"],
     ),
+    # every expert on one rank (EP = DP: expert DP 1), its gradient / DP all the same
+    "ep2xfsdp2-alltoall": (
+        2,
+        EP2 + ["--distributed-strategy", "fsdp", "--moe-token-dispatcher-type", "alltoall"],
+    ),
     "ep2xfsdp2-tp2-allgather": (
         4,
         EP2

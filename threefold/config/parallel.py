@@ -449,14 +449,9 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
             strategy in STRATEGIES, f"--distributed-strategy must be one of {', '.join(STRATEGIES)}"
         )
         if strategy in ("ddp", "fsdp"):
-            # TP and PP compose (FSDP2/DDP over DP around each stage, threefold's TP layers
-            # inside, as torchtitan and Megatron-LM's --use-torch-fsdp2 do).
-            _require(
-                self.virtual_pipeline_model_parallel_size is None,
-                f"--distributed-strategy {strategy} wraps one model chunk per pipeline stage: "
-                "drop the virtual pipeline stages (--num-layers-per-virtual-pipeline-stage, "
-                "--virtual-pipeline-model-parallel-size) or use --distributed-strategy megatron",
-            )
+            # TP and PP compose (FSDP2/DDP over DP around each stage's model chunks, virtual
+            # stages too, threefold's TP layers inside, as torchtitan and Megatron-LM's
+            # --use-torch-fsdp2 do).
             megatron_only = [
                 flag
                 for flag, value in (

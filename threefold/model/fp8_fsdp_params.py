@@ -48,11 +48,12 @@ class Fp8FsdpParameters(Fp8ShardCasts):
     `shard_in_fp8`, then sharded by FSDP2 over `shard_group`), cast by `cast` after each
     optimizer step and after a checkpoint load (`NativeOptimizer.copy_masters_to_model`)."""
 
-    def __init__(self, layers: list[nn.Module], shard_group: Group, root: nn.Module) -> None:
-        """`root`: the module FSDP2 wrapped last (the model chunk)."""
+    def __init__(self, layers: list[nn.Module], shard_group: Group, roots: list[nn.Module]) -> None:
+        """`roots`: the modules FSDP2 wrapped last (the model chunks)."""
         # FSDP2 re-pads an unevenly cut shard into a new tensor when it initializes lazily,
         # at the first forward: done now, so the shards held here are the ones it trains.
-        root._get_fsdp_state()._lazy_init()
+        for root in roots:
+            root._get_fsdp_state()._lazy_init()
         weights = [layer.weight for layer in layers]
         states = [layer.fp8 for layer in layers]
         super().__init__(states, [weight.shape for weight in weights], shard_group)

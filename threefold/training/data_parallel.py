@@ -37,6 +37,7 @@ from threefold.parallel.data_parallel.gradient_buffer import (
 )
 from threefold.parallel.data_parallel.torch_native import (
     average_grads,
+    divide_expert_grads,
     gathered_through_the_schedule,
     local,
     no_sync_context,
@@ -239,12 +240,13 @@ class MegatronDataParallel:
 
 
 class TorchDataParallel:
-    """PyTorch DDP or FSDP2 (`fsdp`) around the stage's one model chunk; gradients in
-    `param.grad`. Under pipeline parallelism FSDP2 reduce-scatters in the stage's last
-    backward, after every micro-batch accumulated; DDP cannot have several forwards in
-    flight, so the schedule holds its reduction back throughout and `finish_grad_sync`
-    averages the gradients over DP itself. What the stages exchange is the residual stream:
-    in the compute dtype under FSDP2 (its parameters are cast), fp32 under DDP's autocast."""
+    """PyTorch DDP or FSDP2 (`fsdp`) around each of the stage's model chunks (one, or one per
+    virtual pipeline stage); gradients in `param.grad`. Under pipeline parallelism FSDP2
+    reduce-scatters a chunk's gradients in its last backward of the step, after every
+    micro-batch accumulated; DDP cannot have several forwards in flight, so the schedule
+    holds its reduction back throughout and `finish_grad_sync` averages the gradients over DP
+    itself. What the stages exchange is the residual stream: in the compute dtype under FSDP2
+    (its parameters are cast), fp32 under DDP's autocast."""
 
     grad_buffer = None
 
@@ -256,11 +258,12 @@ class TorchDataParallel:
         device: torch.device,
         fsdp: bool,
     ) -> None:
-        (model,) = self.model_chunks = model_chunks
+        self.model_chunks = model_chunks
         dp = config.parallel
         if not fsdp:  # DDP turns existing gradients into views of its buckets
-            for param in model.parameters():
-                param.grad = torch.zeros_like(param)
+            for chunk in model_chunks:
+                for param in chunk.parameters():
+                    param.grad = torch.zeros_like(param)
         reduce_dtype = torch.bfloat16 if dp.grad_reduce_in_bf16 else torch.float32
         self.compute_dtype = params_dtype(config)
         self.activation_dtype = self.compute_dtype if fsdp else torch.float32
@@ -269,32 +272,39 @@ class TorchDataParallel:
         # config refuses DDP), prepared before FSDP2 shards them
         fp8_layers_gathered = fp8_layers(model_chunks) if config.fp8.fp8_param_gather else []
         shard_in_fp8(fp8_layers_gathered)
-        wrapped = (
-            wrap_fsdp(
-                model,
-                device,
-                parallel.dp_cp,
-                self.compute_dtype,
-                reduce_dtype,
-                parallel.expert_dp if config.model.is_moe else None,
-                dp.torch_fsdp2_reshard_after_forward,
+        self.wrapped_chunks = []
+        for chunk in model_chunks:
+            wrapped = (
+                wrap_fsdp(
+                    chunk,
+                    device,
+                    parallel.dp_cp,
+                    self.compute_dtype,
+                    reduce_dtype,
+                    parallel.expert_dp if config.model.is_moe else None,
+                    dp.torch_fsdp2_reshard_after_forward,
+                )
+                if fsdp
+                else wrap_ddp(chunk, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)
             )
-            if fsdp
-            else wrap_ddp(model, device, parallel.dp_cp, dp.bucket_size, reduce_dtype)
-        )
-        if holds_meta_parameters(model):  # --init-model-with-meta-device: only the shards
-            materialize(model, device, config.training.seed)
-        if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
-            for param in model.parameters():
-                param.grad = torch.zeros_like(param)
-        self.wrapped_chunks = [wrapped]
+            if holds_meta_parameters(chunk):  # --init-model-with-meta-device: only the shards
+                materialize(chunk, device, config.training.seed)
+            if fsdp:  # sharded gradients, allocated up front so memory is measured at start-up
+                for param in chunk.parameters():
+                    param.grad = torch.zeros_like(param)
+            self.wrapped_chunks.append(wrapped)
         self.parallel = parallel
+        self.fsdp = fsdp
         self.reduce_after_schedule = not fsdp and parallel.pp.size > 1
         self.reduce_dtype = reduce_dtype
         self.fp8_parameters = None
         if fp8_layers_gathered:
-            self.fp8_parameters = Fp8FsdpParameters(fp8_layers_gathered, parallel.dp_cp, wrapped)
-        named = list(model.named_parameters())
+            self.fp8_parameters = Fp8FsdpParameters(
+                fp8_layers_gathered, parallel.dp_cp, self.wrapped_chunks
+            )
+        named = [
+            (name, param) for chunk in model_chunks for name, param in chunk.named_parameters()
+        ]
         self.optimizer = NativeOptimizer(
             named,
             config.training,
@@ -309,11 +319,13 @@ class TorchDataParallel:
         self.optimizer.zero_grad()
 
     def schedule_options(self) -> dict:
-        model = self.wrapped_chunks[0]
+        chunks = self.wrapped_chunks
+        syncs = [no_sync_context(chunk) for chunk in chunks]
         return {
-            "no_sync_func": no_sync_context(model),
+            # (one per chunk under virtual pipeline stages: each reduces in its last backward)
+            "no_sync_func": syncs[0] if len(chunks) == 1 else syncs,
             # (FSDP2, read by the combined schedule of --overlap-moe-expert-parallel-comm)
-            "gathered_func": functools.partial(gathered_through_the_schedule, model),
+            "gathered_func": functools.partial(_all_gathered_through_the_schedule, chunks),
         }
 
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -324,9 +336,11 @@ class TorchDataParallel:
     def finish_grad_sync(self) -> None:
         # DDP and FSDP reduce over DP during backward (DDP under PP: here); what remains is
         # TP's part and, under PP, the tied embeddings' two copies.
-        params = list(self.model_chunks[0].parameters())
+        params = [param for chunk in self.model_chunks for param in chunk.parameters()]
         if self.reduce_after_schedule:
             average_grads(params, self.parallel.dp_cp, self.reduce_dtype)
+        if self.fsdp:
+            divide_expert_grads(params, self.parallel.dp_cp, self.parallel.expert_dp)
         all_reduce_sequence_parallel_grads(params, self.parallel.tp, lambda p: local(p.grad))
         all_reduce_embedding_grads(params, self.parallel, lambda p: local(p.grad))
 
@@ -366,6 +380,14 @@ class TorchDataParallel:
     def after_evaluation(self) -> None:
         for chunk in self.wrapped_chunks:
             reshard(chunk)
+
+
+@contextlib.contextmanager
+def _all_gathered_through_the_schedule(chunks: list[nn.Module]):
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            stack.enter_context(gathered_through_the_schedule(chunk))
+        yield
 
 
 DataParallel = MegatronDataParallel | TorchDataParallel

@@ -128,10 +128,13 @@ def wrap_fsdp(
                 mp_policy=policy,
                 reshard_after_forward=reshard_after_forward,
             )
-            # summed over expert DP, then / (DP x CP); a plain sum and a division, which any
-            # backend runs (a factor other than the group's size is NCCL's PreMulSum otherwise)
-            block.set_gradient_divide_factor(float(dp.size))
-            block.set_force_sum_reduction_for_comms(True)
+            if expert_dp.size > 1:
+                # summed over expert DP, then / (DP x CP); a plain sum and a division, which
+                # any backend runs (a factor other than the group's size is NCCL's PreMulSum
+                # otherwise). Over one rank FSDP2 (torch 2.13) divides by a factor twice:
+                # `divide_expert_grads` divides there instead.
+                block.set_gradient_divide_factor(float(dp.size))
+                block.set_force_sum_reduction_for_comms(True)
     mesh = _mesh(dp, device)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -141,6 +144,16 @@ def wrap_fsdp(
         for attribute, value in saved[name].items():
             setattr(param, attribute, value)
     return model
+
+
+@torch.no_grad()
+def divide_expert_grads(params: list[nn.Parameter], dp: Group, expert_dp: Group) -> None:
+    """Where each expert is on one rank of its stage (expert DP of 1: EP spans DP x CP), FSDP2
+    leaves its gradient summed over nothing: / (DP x CP) here, as over a larger expert DP."""
+    if expert_dp.size == 1 and dp.size > 1:
+        for param in params:
+            if is_expert(param) and param.grad is not None:
+                local(param.grad).div_(dp.size)
 
 
 def _mesh(group: Group, device: torch.device) -> DeviceMesh:

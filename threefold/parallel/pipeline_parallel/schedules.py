@@ -202,16 +202,28 @@ def run_actions(
     passes run taking turns (`delay_wgrad_compute`: see forward_backward_combined), both
     outputs sent.
 
-    `no_sync_func` (PyTorch DDP/FSDP2 around the stage): gradient reduction held back for
-    every step but this stage's last backward, which reduces what all micro-batches
-    accumulated (FSDP2; DDP, which cannot have several forwards in flight, reduces nothing
-    here and the data-parallel wrapper reduces after the schedule)."""
+    `no_sync_func` (PyTorch DDP/FSDP2 around the stage; a list of one per model chunk under
+    virtual stages, as Megatron's): gradient reduction held back for every step but the one
+    of a chunk's last backward, which reduces what all micro-batches accumulated (FSDP2;
+    DDP, which cannot have several forwards in flight, reduces nothing here and the
+    data-parallel wrapper reduces after the schedule)."""
     device = next(model_chunks[0].parameters()).device
     p2p = P2P(pp, tensor_shape, dtype, device)
     divisor = 1 if per_token_loss else len(batches)
     held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     reported = []
-    last = len(steps) - 1 if not forward_only else -1
+    syncs = no_sync_func if isinstance(no_sync_func, list) else [no_sync_func] * len(model_chunks)
+    last_backward = {}  # chunk -> the step of its last backward
+    for index, step in enumerate(steps if not forward_only else ()):
+        last_backward.update({chunk: index for kind, _, chunk in step if kind == "B"})
+
+    def held_back(index: int) -> contextlib.ExitStack:
+        """Reduction held back for every chunk whose last backward is not in this step."""
+        stack = contextlib.ExitStack()
+        for chunk, sync in enumerate(syncs):
+            if sync is not None and last_backward.get(chunk) != index:
+                stack.enter_context(sync())
+        return stack
 
     def stage_of(chunk: int) -> nn.Module:
         # (PyTorch DDP keeps the stage as `.module`; FSDP2 wraps it in place)
@@ -258,7 +270,7 @@ def run_actions(
                 p2p.send_backward(input_tensor.grad)
 
     for index, step in enumerate(steps):
-        with no_sync_func() if no_sync_func and index != last else contextlib.nullcontext():
+        with held_back(index):
             received = [receive(*action) for action in step]
             if len(step) == 1:
                 with _recorded(trace, timers, *step[0]):
