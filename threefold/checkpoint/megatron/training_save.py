@@ -212,7 +212,8 @@ def save_megatron_training_checkpoint(
         state[HYBRID_OUTPUT_EXTRA_STATE] = extra_state()
     optimizer = None
     if save_optimizer:
-        step = torch.tensor(components.optimizer.adam_step(), dtype=torch.float64)
+        # (where the process group's backend works: NCCL's on the GPU)
+        step = torch.tensor(components.optimizer.adam_step(), device=named[0][1].device)
         if dist.is_initialized():  # (a rank of the distributed optimizer may hold no piece)
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
         optimizer = exported_common(
