@@ -155,12 +155,6 @@ def test_command_line_mistakes_exit_2_fast_naming_the_flag(argv, expected):
             "--ddp-average-in-collective belongs to --distributed-strategy megatron",
         ),
         (
-            ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"]
-            + ["--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"],
-            4,
-            "--distributed-strategy ddp wraps one model chunk per pipeline stage",
-        ),
-        (
             ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
             1,
             "--recompute-method and --recompute-num-layers",

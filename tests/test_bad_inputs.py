@@ -98,13 +98,6 @@ CONFIGS = [
     (MOCK + ["--overlap-param-gather"], 2, "--overlap-param-gather"),
     (MOCK + ["--tokenizer-type", "TikTokenizer"], 1, "--tokenizer-type TikTokenizer"),
     (
-        MOCK
-        + ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"]
-        + ["--num-layers-per-virtual-pipeline-stage", "1"],
-        2,
-        "--distributed-strategy fsdp wraps one model chunk per pipeline stage",
-    ),
-    (
         MOCK + ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
         1,
         "--recompute-method and --recompute-num-layers",
