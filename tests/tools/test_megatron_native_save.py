@@ -146,6 +146,43 @@ def test_a_run_resumes_from_it_as_it_went_on(tmp_path):
     assert reseeded != went_on
 
 
+def _model_only(root: str, argv: list[str], save: bool) -> dict:
+    """Two steps saved with --no-save-optim; or that checkpoint loaded, with and without
+    the optimizer state it lacks."""
+    from threefold.config import ConfigError
+
+    trainer = _setup(argv)
+    if save:
+        for _ in range(2):
+            trainer.train_step()
+        trainer.checkpointer.save(2)
+        return {}
+    components = trainer.checkpoint_components()
+    try:
+        load_checkpoint(root, components)
+        refusal = None
+    except ConfigError as error:
+        refusal = str(error)
+    return {"refusal": refusal, "iteration": load_checkpoint(root, components, False)}
+
+
+def test_without_the_optimizer_it_saves_the_model_and_says_so(tmp_path):
+    """--no-save-optim: Megatron-LM's args say no_save_optim (its --load then needs
+    --no-load-optim or --finetune), no optimizer tensor is written, and threefold's --load
+    asks for --no-load-optim as well."""
+    root = str(tmp_path / "run")
+    argv = BF16 + TP2_SP + ["--save", root, "--ckpt-format", "torch_dist", "--no-save-optim"]
+    run_distributed(2, _model_only, root, argv, True)
+    path = checkpoint_dir(root, 2)
+    written, _ = _read(path)
+    assert written and not any(key.startswith("optimizer.") for key in written)
+    args = _common(path)["args"]
+    assert args["no_save_optim"] and not args["use_distributed_optimizer"]
+    for result in run_distributed(2, _model_only, root, argv, False):
+        assert "--no-load-optim" in result["refusal"] and "\n" not in result["refusal"]
+        assert result["iteration"] == 2
+
+
 @pytest.mark.parametrize(
     "flags,kept,reason",
     [
