@@ -335,35 +335,33 @@ class AdamWithMasters:
                 self._state_keys[f"optimizer.{field}.{key}"] = (piece, field)
         return tensors
 
-    @torch.no_grad()
-    def whole_states(
-        self, field: str, params: list[nn.Parameter]
-    ) -> dict[nn.Parameter, torch.Tensor]:
-        """Each parameter's `field` ("exp_avg", "exp_avg_sq" or "master") in fp32, shaped as
-        the parameter (this rank's TP shard of it): from the pieces here and, where the
-        distributed optimizer spreads them, from the other ranks of the parameter's buffer
-        (`_assembled`). Every rank of those groups calls it with the same parameters."""
-        self.initialize_state()
+    def pieces_of(self) -> dict[nn.Parameter, list[Piece]]:
+        """Each parameter's pieces on this rank (none where another rank steps all of it)."""
         pieces: dict[nn.Parameter, list[Piece]] = {}
         for piece in self.pieces:
             pieces.setdefault(piece.param, []).append(piece)
-        states = {}
-        for param in params:
-            flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-            for piece in pieces.get(param, []):
-                flat[piece.start : piece.end] = self._state_value(piece, field).reshape(-1)
-            states[param] = self._assembled(param, flat).view(param.shape)
-        return states
+        return pieces
+
+    @torch.no_grad()
+    def whole_state(self, field: str, param: nn.Parameter, pieces: list[Piece]) -> torch.Tensor:
+        """A parameter's `field` ("exp_avg", "exp_avg_sq" or "master") in fp32, shaped as the
+        parameter (this rank's TP shard of it), from its `pieces` here (`pieces_of`) and, where
+        the distributed optimizer spreads them, from the other ranks of the parameter's buffer
+        (`_assembled`), which call it for the same parameters in the same order."""
+        flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for piece in pieces:
+            flat[piece.start : piece.end] = self._state_value(piece, field).reshape(-1)
+        return self._assembled(param, flat).view(param.shape)
 
     def _assembled(self, param: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
         """A parameter's flattened state from this rank's pieces: all of it, here."""
         return flat
 
     def adam_step(self) -> float:
-        """Adam's step count (the same on every piece; 0 on a rank with none)."""
-        steps = [self._state(p).get("step") for p in self.pieces]
-        steps = [float(step) for step in steps if step is not None]
-        return max(steps, default=0.0)
+        """Adam's step count (the same on every piece: the first one's; 0 on a rank with
+        none)."""
+        steps = (self._state(piece).get("step") for piece in self.pieces)
+        return next((float(step) for step in steps if step is not None), 0.0)
 
     def store_loaded(self, tensors: dict[str, torch.Tensor]) -> None:
         """After a checkpoint was read into `state_tensors()`'s tensors: store those that were
@@ -413,9 +411,7 @@ class AdamWithMasters:
         is this layout's TP shard of a parameter's saved `exp_avg`/`exp_avg_sq` (Muon's
         `momentum_buffer`), `loaded` the fp32 weights the parameters were filled from; each
         piece of this rank takes its slice."""
-        pieces: dict[nn.Parameter, list[Piece]] = {}
-        for piece in self.pieces:
-            pieces.setdefault(piece.param, []).append(piece)
+        pieces = self.pieces_of()
         for name, param in named_parameters:
             for piece in pieces.get(param, []):
                 for field in self._fields(piece):

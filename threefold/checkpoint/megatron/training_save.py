@@ -128,25 +128,33 @@ class _ChunkPlanner(DefaultSavePlanner):
 
 
 def _kept_whole(
-    named: list[tuple[str, nn.Parameter]],
-    fields: dict[str, dict[nn.Parameter, torch.Tensor]],
-    parallel: ParallelContext,
+    named: list[tuple[str, nn.Parameter]], optimizer, parallel: ParallelContext
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """{field: {name: whole tensor}} of the parameters this rank keeps: each is gathered whole
-    (and unpadded) over its TP (expert-TP) group, one parameter at a time, and kept by one rank
-    of that group and one of the data-parallel replicas holding the same shard (DP x CP; an
-    expert's: expert-DP), in turn, so that the keeping and writing spread over all of them."""
+    """{field: {name: whole tensor}} of the parameters this rank keeps, the weights' ("model")
+    and, given the `optimizer`, Adam's fields: each is put together from the optimizer's
+    pieces and gathered whole (and unpadded) over its TP (expert-TP) group, one parameter and
+    field at a time, and kept by one rank of that group and one of the data-parallel replicas
+    holding the same shard (DP x CP; an expert's: expert-DP), in turn, so that the keeping
+    and writing spread over all of them and no rank holds more than one extra whole tensor
+    on the device."""
+    fields = ("model", *(EXPORTED_FIELDS if optimizer is not None else ()))
+    pieces = optimizer.pieces_of() if optimizer is not None else {}
     kept: dict[str, dict[str, torch.Tensor]] = {field: {} for field in fields}
     for index, (name, param) in enumerate(named):
         group = sharding_group(param, parallel)
         replicas = parallel.expert_dp if is_expert(param) else parallel.dp_cp
         mine = index % group.size == group.rank
         mine = mine and (index // group.size) % replicas.size == replicas.rank
-        for field, values in fields.items():
-            if param in values:
-                whole = gather_tensor_parallel(values[param], param, group)
-                if mine:
-                    kept[field][name] = whole.cpu()
+        for field in fields:
+            if field == "model":
+                value = param.detach()
+            elif param.requires_grad:  # (no state: DeepSeek-V3's expert bias, say)
+                value = optimizer.whole_state(field, param, pieces.get(param, []))
+            else:
+                continue
+            whole = gather_tensor_parallel(value, param, group)
+            if mine:
+                kept[field][name] = whole.cpu()
     return kept
 
 
@@ -200,23 +208,21 @@ def save_megatron_training_checkpoint(
     iteration = train_state["iteration"]
     save_optimizer = not config.checkpoint.no_save_optim
     named = list(components.parameters())
+    optimizer = components.optimizer if save_optimizer else None
+    if optimizer is not None:
+        optimizer.initialize_state()  # (Adam's moments exist before the first step)
     with components.parameters_in_model_dtype():
-        fields = {"model": {param: param.detach() for _, param in named}}
-        if save_optimizer:
-            trainable = [param for _, param in named if param.requires_grad]
-            for field in EXPORTED_FIELDS:
-                fields[field] = components.optimizer.whole_states(field, trainable)
-        kept = _kept_whole(named, fields, parallel)
+        kept = _kept_whole(named, optimizer, parallel)
     state, chunks = _state(config, kept, layer_kinds([name for name, _ in named]), dtype)
     if config.model.hybrid and parallel.is_last_pipeline_stage:
         state[HYBRID_OUTPUT_EXTRA_STATE] = extra_state()
-    optimizer = None
+    exported = None
     if save_optimizer:
         # (where the process group's backend works: NCCL's on the GPU)
         step = torch.tensor(components.optimizer.adam_step(), device=named[0][1].device)
         if dist.is_initialized():  # (a rank of the distributed optimizer may hold no piece)
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
-        optimizer = exported_common(
+        exported = exported_common(
             config,
             components.scheduler.state_dict(),
             float(step),
@@ -226,7 +232,7 @@ def save_megatron_training_checkpoint(
         )
     save_rng = not config.checkpoint.no_save_rng
     streams = {"rng_saved": save_rng, "rng_layout": rng_layout(config)}
-    common = megatron_common(config, iteration, train_state, dtype, optimizer, streams)
+    common = megatron_common(config, iteration, train_state, dtype, exported, streams)
 
     def write_rank_files(path: str) -> None:
         if save_rng:  # (beside Megatron-LM's files, which it does not read)
