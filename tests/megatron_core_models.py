@@ -331,6 +331,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         consumed_train_samples=640,
         consumed_valid_samples=24,
         attention_backend=AttnBackend.auto,
+        transformer_impl="local",  # (`build`'s layer spec)
     )
 
 

@@ -223,31 +223,58 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
 
 @pytest.fixture(scope="module")
 def megatron_trained(tmp_path_factory):
-    """(checkpoint root, megatron-core's weights one iteration later, its loss): megatron-core
-    trained "moe" 2 iterations at DP2 with its distributed optimizer, saved fully reshardable."""
-    directory = tmp_path_factory.mktemp("megatron_moe_trained")
-    root, after = str(directory / "run"), str(directory / "after")
-    losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, "fully_reshardable", 2)
-    return root, after, losses[0]
+    """layout -> (checkpoint root, megatron-core's weights one iteration later, its loss):
+    megatron-core trained "moe" 2 iterations at DP2 with its distributed optimizer (one for the
+    experts, one for the rest), saved fully reshardable and in its default dp_reshardable
+    layout."""
+    runs = {}
+    for layout in ("fully_reshardable", "dp_reshardable"):
+        directory = tmp_path_factory.mktemp(f"megatron_moe_{layout}")
+        root, after = str(directory / "run"), str(directory / "after")
+        losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, layout, 2)
+        runs[layout] = (root, after, losses[0])
+    return runs
 
 
 @pytest.mark.parametrize(
-    "tp,pp,dp,flags",
+    "layout,tp,pp,dp,flags",
     [
-        (1, 1, 1, []),
-        (1, 1, 2, ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]),
-        (1, 2, 1, []),
+        ("fully_reshardable", 1, 1, 1, []),
+        (
+            "fully_reshardable",
+            1,
+            1,
+            2,
+            ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"],
+        ),
+        ("fully_reshardable", 1, 2, 1, []),
+        ("dp_reshardable", 1, 1, 1, []),
+        (
+            "dp_reshardable",
+            1,
+            1,
+            2,
+            ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"],
+        ),
+        ("dp_reshardable", 1, 2, 1, []),
     ],
-    ids=["one-process", "dp2-ep2-distributed-optimizer", "pp2"],
+    ids=[
+        "one-process",
+        "dp2-ep2-distributed-optimizer",
+        "pp2",
+        "dp-reshardable-one-process",
+        "dp-reshardable-dp2-ep2",
+        "dp-reshardable-pp2",
+    ],
 )
 def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
-    megatron_trained, tp, pp, dp, flags
+    megatron_trained, layout, tp, pp, dp, flags
 ):
     """megatron-core's Adam state of the experts, the router and the rest, read into threefold
     at another layout: the next iteration's loss and weights are megatron-core's. (The harness
     steps megatron-core's optimizer without Megatron-LM's finalize_model_grads, which moves the
     expert bias; threefold's bias update is off to match.)"""
-    root, after, megatron_loss = megatron_trained
+    root, after, megatron_loss = megatron_trained[layout]
     argv = continue_argv(root, tp, pp, dp) + flags + ["--moe-router-bias-update-rate", "0"]
     results = run_distributed(tp * pp * dp, continue_training, argv, root, after, True)
     for loss, difference in results:
@@ -265,7 +292,7 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     and the rest: megatron-core's distributed optimizers (one for the experts, one for the
     rest) read threefold's export at DP2 and take the iteration they took from their own
     checkpoint."""
-    root, after, megatron_loss = megatron_trained
+    root, after, megatron_loss = megatron_trained["fully_reshardable"]
     argv = continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"]
     _, loss, weights = export_and_go_on(argv, root, tmp_path, "moe", 1, 2)
     assert loss == pytest.approx(megatron_loss, rel=1e-6)

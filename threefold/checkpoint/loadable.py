@@ -214,7 +214,14 @@ def check_loadable(
         load_optimizer = load_rng = False
     megatron = "megatron" in metadata
     if megatron and load_optimizer and not metadata["optimizer_saved"]:
-        raise ConfigError(megatron_refusal(metadata["megatron"]["optimizer"], f"--load {root}"))
+        megatron_optimizer = metadata["megatron"]
+        raise ConfigError(
+            megatron_refusal(
+                megatron_optimizer["optimizer"],
+                f"--load {root}",
+                megatron_optimizer.get("optimizer_reason"),
+            )
+        )
     if metadata.get("weights_only") and load_optimizer:
         raise ConfigError(
             f"--load {root}: the checkpoint holds weights only (a converted "

@@ -110,15 +110,16 @@ class SavedTensors:
         return None
 
 
-def saved_tensors(path: str, megatron_step: float | None = None):
+def saved_tensors(path: str, megatron_step: float | None = None, optimizer: bool = False):
     """What a checkpoint directory holds: threefold's own shards, or a Megatron-LM torch_dist
     checkpoint's stacked tensors (checkpoint/megatron/tensors.py; `megatron_step`: its Adam
-    step from common.pt), behind one interface."""
+    step from common.pt; `optimizer`: its optimizer state is to be read), behind one
+    interface."""
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint
     from threefold.checkpoint.megatron.tensors import MegatronTensors
 
     if is_megatron_checkpoint(path):
-        return MegatronTensors(path, megatron_step)
+        return MegatronTensors(path, megatron_step, optimizer)
     return SavedTensors(path)
 
 
@@ -178,7 +179,7 @@ def load_resharded(
             "--load: a checkpoint of another layout loads into "
             "--distributed-strategy megatron only; load it there and save"
         )
-    saved = saved_tensors(path, megatron_step)
+    saved = saved_tensors(path, megatron_step, load_optimizer)
     parallel = components.parallel
     step = saved.step() if load_optimizer else None
     named = [(n, p) for n, p in components.parameters() if not (without_adapters and is_adapter(n))]

@@ -229,12 +229,15 @@ def megatron_metadata(path: str) -> dict:
     iteration = int(common.get("iteration", 0) or 0)
     scheduler = common.get("opt_param_scheduler")
     # (torch, only here: describing threefold's own checkpoints stays torch-free)
+    from threefold.checkpoint.megatron.buckets import dp_reshardable_optimizer, has_buckets
     from threefold.safe_loading import SafeFileSystemReader
 
-    sizes = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    optimizer = megatron_optimizer(
-        common, {k: tuple(v.size) for k, v in sizes.items() if hasattr(v, "size")}
-    )
+    reader = SafeFileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    sizes = {k: tuple(v.size) for k, v in stored.items() if hasattr(v, "size")}
+    optimizer = megatron_optimizer(common, sizes)
+    if optimizer.layout == "dp_reshardable" and has_buckets(sizes):
+        optimizer = dp_reshardable_optimizer(reader, stored.keys(), sizes, args)
     train_state = {
         "iteration": iteration,
         "consumed_train_samples": int(args.get("consumed_train_samples") or 0),
@@ -249,6 +252,7 @@ def megatron_metadata(path: str) -> dict:
             "checkpoint_version": common.get("checkpoint_version"),
             "optimizer": optimizer.layout,
             "optimizer_step": optimizer.step,
+            "optimizer_reason": optimizer.reason,
         },
         "optimizer_saved": optimizer.readable,
         # (a run here saves its ranks' streams beside Megatron-LM's layout, and says so)

@@ -10,14 +10,16 @@ records the choice in common.pt's `content_metadata`):
     distributed, fully_reshardable `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`,
       (--dist-ckpt-optim-         the same model-space layout (`param`: the fp32 masters)
       fully-reshardable)
-    distributed, dp_reshardable    the distributed optimizer's flat gradient-buffer shards,
-      (Megatron-LM's default)      valid only at the saving run's TP/PP layout and buffer sizes
+    distributed, dp_reshardable    the distributed optimizer's flat gradient-buffer buckets,
+      (Megatron-LM's default)      laid out as the saving run's TP/PP/EP layout fills them
     distributed, fully_sharded_    model-space tensors flattened per rank (megatron-core's
       model_space (deprecated)     older default)
 
 The model-space layouts are read like the weights (any saved TP/PP, one layer's slice at a
-time), with the step count and (fp16) the loss scaler's state from common.pt. The other two
-are refused in one line that says how to get a readable one from Megatron-LM.
+time), with the step count and (fp16) the loss scaler's state from common.pt. dp_reshardable
+is read where checkpoint/megatron/buckets.py rebuilds the buckets' layout (GPT and mixture-of-
+experts models), its step and loss scaler from the optimizer's own saved state. The rest is
+refused in one line that says how to get a readable one from Megatron-LM.
 
 An export writes the fully_reshardable layout, which Megatron-LM's distributed optimizer reads
 at any TP/PP/DP: the model-space tensors, and in common.pt the parameter groups (the step
@@ -54,10 +56,17 @@ class MegatronOptimizer:
     readable: bool
     step: float | None = None
     loss_scaler: dict | None = None
+    reason: str | None = None  # why a layout threefold reads is not read here
 
 
-def refusal(layout: str, source: str) -> str:
+def refusal(layout: str, source: str, reason: str | None = None) -> str:
     """The one line for a --load that needs an optimizer state threefold cannot read."""
+    if reason is not None:
+        return (
+            f"{source}: a Megatron-LM checkpoint whose distributed-optimizer state is in the "
+            f"{layout} layout, and {reason}; pass --no-load-optim / --finetune, or load it in "
+            "Megatron-LM once and save with --dist-ckpt-optim-fully-reshardable"
+        )
     if layout == "none":
         return (
             f"{source}: a Megatron-LM checkpoint saved without its optimizer state; pass "
@@ -71,7 +80,7 @@ def refusal(layout: str, source: str) -> str:
     )
 
 
-def _find_step(state: Any) -> float | None:
+def find_step(state: Any) -> float | None:
     """Adam's step wherever megatron-core keeps it: a shared `common_step` in the state of a
     (non-distributed) optimizer, or `step` in the param groups of the distributed one (a
     chained optimizer holds several such dicts; their steps are kept equal)."""
@@ -83,18 +92,18 @@ def _find_step(state: Any) -> float | None:
             if isinstance(group, dict) and isinstance(group.get("step"), (int, float)):
                 return float(group["step"])
         for value in state.values():
-            found = _find_step(value)
+            found = find_step(value)
             if found is not None:
                 return found
     elif isinstance(state, (list, tuple)):
         for value in state:
-            found = _find_step(value)
+            found = find_step(value)
             if found is not None:
                 return found
     return None
 
 
-def _find_loss_scaler(state: Any) -> dict | None:
+def find_loss_scaler(state: Any) -> dict | None:
     """A DynamicGradScaler's state (fp16 runs), whose fields are threefold's own."""
     if not isinstance(state, dict):
         return None
@@ -104,7 +113,7 @@ def _find_loss_scaler(state: Any) -> dict | None:
     ):
         return {k: scaler[k] for k in _LOSS_SCALER}
     for value in state.values():
-        found = _find_loss_scaler(value)
+        found = find_loss_scaler(value)
         if found is not None:
             return found
     return None
@@ -132,8 +141,8 @@ def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimiz
     return MegatronOptimizer(
         layout,
         model_space,
-        _find_step(state) if model_space else None,
-        _find_loss_scaler(state) if model_space else None,
+        find_step(state) if model_space else None,
+        find_loss_scaler(state) if model_space else None,
     )
 
 

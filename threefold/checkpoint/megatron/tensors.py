@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterable
@@ -50,9 +51,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets, read_piece
+from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.sharding import unshard
 from threefold.safe_loading import SafeFileSystemReader
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -213,12 +217,55 @@ class MegatronTensors:
     Adam state ("exp_avg", "exp_avg_sq", "master"), by threefold parameter name: what
     checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
 
-    def __init__(self, path: str, step: float | None = None) -> None:
-        self.path, self._step = path, step
+    def __init__(self, path: str, step: float | None = None, optimizer: bool = False) -> None:
+        # (`optimizer` False: the dp_reshardable buckets are not looked into, even for the
+        # fp32 masters, so a weights-only load never depends on their layout)
+        self.path, self._step, self.optimizer = path, step, optimizer
         self.reader = SafeFileSystemReader(path)  # one index read for every parameter
         metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+        self.dtypes = {k: v.properties.dtype for k, v in metadata.items() if hasattr(v, "size")}
         self.read: set[str] = set()  # the model tensors' keys read so far
+        self._buckets: BucketLayout | None = None
+
+    @property
+    def buckets(self) -> BucketLayout | None:
+        """The rebuilt layout of a dp_reshardable optimizer state (None without one)."""
+        if self._buckets is None and has_buckets(self.sizes):
+            args = read_common(os.path.join(self.path, "common.pt")).get("args") or {}
+            self._buckets = BucketLayout(self.sizes, args)
+        return self._buckets
+
+    def _pieces(self, kind: str, name: str) -> dict[int, Piece] | None:
+        """A parameter's pieces of the dp_reshardable buckets, for Adam's fields."""
+        if kind not in FIELDS or not self.optimizer or self.buckets is None:
+            return None
+        found = self._key("model", name)
+        return self.buckets.pieces.get(found) if found else None
+
+    def _from_buckets(self, kind: str, name: str, param: nn.Parameter) -> torch.Tensor:
+        """The whole tensor of one of Adam's fields out of the saved TP ranks' bucket pieces;
+        the fp32 masters must be the stored weights (`kind` "master"), else the rebuilt
+        layout is not the one megatron-core saved and nothing is read."""
+        key, index = self._key("model", name)
+        pieces = self._pieces(kind, name)
+        shape = list(self.sizes[key][len(index) :])
+        split = len(pieces) > 1
+        if split:
+            shape[param.partition_dim] //= len(pieces)
+        field = "param" if kind == "master" else kind
+        shards = [read_piece(self.reader, pieces[r], field).view(shape) for r in sorted(pieces)]
+        full = unshard(shards, param) if split else shards[0]
+        if kind == "master":
+            weights = self._read(key, index)
+            if not torch.equal(full.to(self.dtypes[key]).float(), weights):
+                raise ConfigError(
+                    f"--load {self.path}: the dp_reshardable optimizer state's fp32 masters of "
+                    f"{key}{list(index)} are not its weights, so its buckets are laid out "
+                    "otherwise than threefold rebuilt them; pass --no-load-optim, or load it "
+                    "in Megatron-LM once and save with --dist-ckpt-optim-fully-reshardable"
+                )
+        return full
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
@@ -234,7 +281,11 @@ class MegatronTensors:
         return self._key(kind, name, "." + sections[0]) if sections else None
 
     def has(self, kind: str, name: str) -> bool:
-        return self._key(kind, name) is not None or self._sectioned(kind, name) is not None
+        return (
+            self._key(kind, name) is not None
+            or self._sectioned(kind, name) is not None
+            or self._pieces(kind, name) is not None
+        )
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of a parameter, unpadded (valid rows only), in fp32."""
@@ -244,9 +295,12 @@ class MegatronTensors:
             key, index = self._sectioned(kind, name)
             sections = SECTIONS[_split(name).rest]
             return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
-        if found is None:
+        if found is None and self._pieces(kind, name) is not None:
+            target = self._from_buckets(kind, name, param)
+        elif found is None:
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
-        target = self._read(*found)
+        else:
+            target = self._read(*found)
         if param.dim() and param.valid_rows is not None:
             target = target[: param.valid_rows]
         return target
@@ -296,11 +350,13 @@ class MegatronTensors:
             everyone: list = [None] * pipeline.size
             dist.all_gather_object(everyone, sorted(read), group=pipeline.group)
             read = set().union(*everyone)
-        optimizer = tuple(prefix for prefixes in FIELDS.values() for prefix in prefixes)
+        optimizer = ("optimizer.", "chained_") + tuple(
+            prefix for prefixes in FIELDS.values() for prefix in prefixes
+        )
         unread = sorted(
             key
             for key in self.sizes
-            if key not in read and not key.startswith(("optimizer.", *optimizer, *left_out))
+            if key not in read and not key.startswith((*optimizer, *left_out))
         )
         if not unread:
             return

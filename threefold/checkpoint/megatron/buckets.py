@@ -1,0 +1,439 @@
+"""Megatron-LM's default distributed-optimizer layout, dp_reshardable, read in model space.
+
+Megatron-LM's distributed optimizer saves Adam's state as it holds it (megatron-core's
+`sharded_param_state_dp_reshardable`): per model-parallel rank (`dp_group_idx_{r}`), per
+gradient buffer (`gbuf_idx_{g}`, a model chunk's) and per bucket, one flat tensor of each
+field (`param`, the fp32 masters; `exp_avg`; `exp_avg_sq`), the bucket's parameters one after
+another as megatron-core's `_ParamAndGradBuffer` lays them out. Nothing in the checkpoint says
+which parameter sits where; megatron-core knows it from the model it builds. Here the layout
+is rebuilt from the checkpoint itself:
+
+- the parameters: the model tensors' keys (every layer's and expert's slice), each rank's share
+  by its saved TP/PP/EP layout from the args (`chunk_layers_of` for the stages);
+- their order: megatron-core's registration order (`_LAYER_ORDER`; Transformer Engine's spec
+  fuses the input norm into linear_qkv, after linear_proj), walked backwards as the buffer is
+  filled, each parameter starting at a multiple of 64 elements;
+- the bucket boundaries: where each stored bucket tensor's length says the bucket ends (a
+  bucket closes after the parameter that fills it, or before a tied embedding's copy, which
+  megatron-core buckets alone).
+
+A layout that does not account for every stored bucket exactly is refused in one line, and
+so is one whose fp32 masters are not the model's weights (`checked_master`): the state is
+read only where the rebuilt layout is megatron-core's. Chained optimizers (the experts' beside
+the rest) add their `chained_{i}.` prefix, and the experts' buffers are numbered by the
+expert-TP x EP x PP rank. Not rebuilt (refused as such): multi-token prediction layers, hybrid
+and other layer types, `--pipeline-model-parallel-layout`,
+`--overlap-param-gather-with-optimizer-step`'s optimizer per chunk.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, find_loss_scaler, find_step
+from threefold.config import ConfigError, ModelConfig, ParallelConfig
+from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
+
+BUCKET = re.compile(
+    r"^((?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.+"
+    r"\.bucket_idx_\d+)\.(param|exp_avg|exp_avg_sq)$"
+)
+_STEM = re.compile(
+    r"^((?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+)\.dtype_(.+)"
+    r"\.bucket_idx_(\d+)$"
+)
+# The optimizer's own state (parameter groups with the step; the fp16 loss scaler)
+_OPTIMIZER_OBJECT = re.compile(
+    r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/"
+)
+_ALIGNMENT = 64  # megatron-core's `_pad_start_of_param_if_needed`
+# Transformer Engine's fused norms under the local spec's module names
+_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
+# megatron-core's TransformerLayer registers its modules in this order (and each module its
+# weight before its bias), so a layer's parameters come in it.
+_LAYER_ORDER = (
+    "input_layernorm.",
+    "self_attention.linear_proj.",
+    "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.",
+    "self_attention.k_layernorm.",
+    "pre_mlp_layernorm.",
+    "mlp.router.",
+    "mlp.experts.experts.linear_fc1.",
+    "mlp.experts.experts.linear_fc2.",
+    "mlp.shared_experts.linear_fc1.",
+    "mlp.shared_experts.linear_fc2.",
+    "mlp.shared_experts.gate_weight",
+    "mlp.linear_fc1.",
+    "mlp.linear_fc2.",
+)
+# model tensors that are buffers, not parameters (no optimizer state)
+_BUFFERS = (".expert_bias",)
+# the parameters outside the layers, by module, in megatron-core's GPTModel's order
+_OUTSIDE_LAYERS = (
+    "embedding.word_embeddings",
+    "embedding.position_embeddings",
+    "decoder.final_layernorm",
+    "output_layer",
+)
+# split over TP (an expert's: expert-TP); every other parameter is whole on each TP rank
+_SPLIT = re.compile(
+    r"^(embedding\.word_embeddings\.weight|output_layer\.weight|.*linear_(qkv|proj|fc1|fc2)"
+    r"\.weight|.*linear_(qkv|fc1)\.bias)$"
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A parameter's place on one saved TP rank: the bucket tensor's key without its field,
+    the first element and the number of elements."""
+
+    stem: str
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class _Param:
+    key: str | None  # the model tensor (None: a tied output layer's copy, not stored)
+    index: tuple[int, ...]
+    numel: int  # on one TP rank
+    tp_rank: int
+    order: tuple
+
+
+def has_buckets(sizes: dict[str, tuple]) -> bool:
+    return any(BUCKET.match(key) for key in sizes)
+
+
+def _canonical(rest: str) -> str:
+    for fused, own in _NORMS.items():
+        if rest.startswith(fused):
+            return own + rest[len(fused) :]
+    return rest
+
+
+def _layer_order(rest: str, expert: int | None, te_spec: bool, grouped: bool) -> tuple:
+    """Where a layer's parameter comes among the layer's, as megatron-core registers them."""
+    rest = _canonical(rest)
+    position = next((i for i, p in enumerate(_LAYER_ORDER) if rest.startswith(p)), None)
+    if position is None:
+        raise _Unknown(rest)
+    if te_spec and position == 0:  # Transformer Engine's LayerNormLinear: norm, then weight
+        position = 1.5
+    bias = rest.endswith("bias")
+    if expert is None:
+        return (position, bias)
+    if grouped:  # Transformer Engine's GroupedLinear: fc1's weight0..N, then fc2's
+        return (position, bias, expert)
+    return (7, expert, position, bias)  # SequentialMLP: expert by expert
+
+
+class _Unknown(Exception):
+    pass
+
+
+@dataclass
+class _Saved:
+    """The saving run's layout, from its args."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    parallel: ParallelConfig
+    model: ModelConfig
+    te_spec: bool
+    grouped: bool
+    tied: bool
+
+    @classmethod
+    def of(cls, args: dict) -> _Saved:
+        def size(name: str, default: int = 1) -> int:
+            value = args.get(name)
+            return value if isinstance(value, int) and value > 0 else default
+
+        for name in ("pipeline_model_parallel_layout", "mtp_num_layers", "hybrid_override_pattern"):
+            if args.get(name):
+                raise _Unknown(f"--{name.replace('_', '-')}")
+        if args.get("overlap_param_gather_with_optimizer_step"):
+            raise _Unknown("--overlap-param-gather-with-optimizer-step")
+        tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
+        vpp = args.get("virtual_pipeline_model_parallel_size")
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if isinstance(vpp, int) else None,
+            decoder_first_pipeline_num_layers=args.get("decoder_first_pipeline_num_layers"),
+            decoder_last_pipeline_num_layers=args.get("decoder_last_pipeline_num_layers"),
+            account_for_embedding_in_pipeline_split=bool(
+                args.get("account_for_embedding_in_pipeline_split")
+            ),
+            account_for_loss_in_pipeline_split=bool(args.get("account_for_loss_in_pipeline_split")),
+        )
+        return cls(
+            tp=tp,
+            pp=pp,
+            ep=size("expert_model_parallel_size"),
+            etp=size("expert_tensor_parallel_size", tp),
+            parallel=parallel,
+            model=ModelConfig(num_layers=size("num_layers")),
+            te_spec=args.get("transformer_impl", "transformer_engine") != "local",
+            grouped=bool(args.get("moe_grouped_gemm")),
+            tied=not args.get("untie_embeddings_and_output_weights"),
+        )
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A parameter as the checkpoint's model tensors hold it: the key, its slice (layer and
+    expert, as megatron_key indexes), the layer, the expert, the name within the layer (or
+    the key) and the whole tensor's number of elements."""
+
+    key: str | None
+    index: tuple[int, ...]
+    layer: int | None
+    expert: int | None
+    rest: str
+    numel: int
+
+
+def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
+    """Each parameter the model tensors hold, a layer's and an expert's slice at a time."""
+    found = []
+    for key, size in sizes.items():
+        if key.startswith(("optimizer.", "chained_")) or key.endswith(_BUFFERS):
+            continue
+        numel = math.prod(size)
+        if key.startswith("decoder.layers."):
+            rest = key[len("decoder.layers.") :]
+            head, _, tail = rest.partition(".")
+            per_layer = head.isdigit()
+            layers = [int(head)] if per_layer else range(size[0])
+            rest = tail if per_layer else rest
+            inner = size[0 if per_layer else 1 :]
+            experts = rest.startswith("mlp.experts.experts.")
+            for layer in layers:
+                index = () if per_layer else (layer,)
+                for expert in range(inner[0]) if experts else (None,):
+                    shape = inner[1:] if experts else inner
+                    own = index + (() if expert is None else (expert,))
+                    found.append(_Stored(key, own, layer, expert, rest, math.prod(shape)))
+        elif key.startswith(("embedding.", "decoder.final_layernorm.", "output_layer.")):
+            found.append(_Stored(key, (), None, None, key, numel))
+        else:
+            raise _Unknown(key)
+    return found
+
+
+def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Param]]]:
+    """Each optimizer's buffers, in order, by the stored prefix of their keys: the parameters
+    of each (in registration order)."""
+    stored = _stored_parameters(sizes)
+    experts_total = max((p.expert for p in stored if p.expert is not None), default=-1) + 1
+    local_experts = experts_total // saved.ep if experts_total else 0
+    embedding = next((p for p in stored if p.key == "embedding.word_embeddings.weight"), None)
+    buffers: dict[str, list[list[_Param]]] = {}
+    for pp_rank in range(saved.pp):
+        dense_buffers, expert_buffers = {}, {}
+        chunks = chunk_layers_of(saved.parallel, saved.model, pp_rank)
+        for chunk, (offset, count) in enumerate(chunks):
+            first = pp_rank == 0 and chunk == 0
+            last = pp_rank == saved.pp - 1 and chunk == len(chunks) - 1
+            mine = [
+                s
+                for s in stored
+                if (s.layer is not None and offset <= s.layer < offset + count)
+                or (first and s.key.startswith("embedding."))
+                or (last and s.key.startswith(("decoder.final_layernorm.", "output_layer.")))
+            ]
+            if last and saved.tied and saved.pp > 1 and embedding is not None:
+                mine.append(_Stored(None, (), None, None, "output_layer.weight", embedding.numel))
+            # Without expert parallelism the experts' gradients are reduced over DP like the
+            # rest (megatron-core's `allreduce` attribute), so they share the rest's buffer.
+            separate = saved.ep > 1
+            if experts_total and not separate and saved.etp != saved.tp:
+                raise _Unknown("experts split over another TP size without EP")
+            for tp_rank in range(saved.tp):
+                dense = [
+                    _param(s, tp_rank, saved.tp, saved)
+                    for s in mine
+                    if s.expert is None or not separate
+                ]
+                prefix = f"optimizer.distributed.dp_group_idx_{tp_rank + saved.tp * pp_rank}"
+                dense_buffers.setdefault(prefix, []).append(dense)
+            for ep_rank in range(saved.ep if experts_total and separate else 0):
+                held = range(ep_rank * local_experts, (ep_rank + 1) * local_experts)
+                for etp_rank in range(saved.etp):
+                    experts = [
+                        _param(s, etp_rank, saved.etp, saved)
+                        for s in mine
+                        if s.expert is not None and s.expert in held
+                    ]
+                    if experts:
+                        rank = etp_rank + saved.etp * (ep_rank + saved.ep * pp_rank)
+                        prefix = f"optimizer.distributed.dp_group_idx_{rank}"
+                        expert_buffers.setdefault(f"chained_1.{prefix}", []).append(experts)
+        # A stage with experts chains two optimizers, each key under its index.
+        chained = "chained_0." if expert_buffers else ""
+        buffers.update({chained + k: v for k, v in dense_buffers.items()})
+        buffers.update(expert_buffers)
+    return buffers
+
+
+def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
+    """A stored parameter's share on one TP rank of a saved buffer."""
+    split = _SPLIT.match(stored.rest)
+    if split and stored.numel % tp:
+        raise _Unknown(stored.rest)
+    if stored.layer is None:  # before the layers (embeddings) or after (final norm, output)
+        module = _OUTSIDE_LAYERS.index(stored.rest.rsplit(".", 1)[0])
+        order = (0 if module < 2 else 2, module, stored.rest.endswith("bias"))
+    else:
+        where = _layer_order(stored.rest, stored.expert, saved.te_spec, saved.grouped)
+        order = (1, stored.layer, where)
+    numel = stored.numel // tp if split else stored.numel
+    return _Param(stored.key, stored.index, numel, tp_rank if split else 0, order)
+
+
+def _placed(params: list[_Param], stem: str, bucket_sizes: list[int]) -> dict:
+    """Each parameter's piece in the buckets megatron-core fills from the last parameter
+    backwards; the stored bucket lengths say where each bucket ends."""
+    pieces, bucket, position, filled = {}, 0, 0, False
+    for param in sorted(params, key=lambda p: p.order, reverse=True):
+        start = -(-position // _ALIGNMENT) * _ALIGNMENT
+        if filled and bucket < len(bucket_sizes) and start == bucket_sizes[bucket]:
+            bucket, start, filled = bucket + 1, 0, False  # (a tied embedding's own bucket)
+        if bucket >= len(bucket_sizes) or start + param.numel > bucket_sizes[bucket]:
+            raise _Unknown(f"{stem}: bucket {bucket}")
+        piece = Piece(stem.format(bucket=bucket), start, param.numel)
+        if param.key is not None:
+            pieces.setdefault((param.key, param.index), {})[param.tp_rank] = piece
+        position, filled = start + param.numel, True
+        if position == bucket_sizes[bucket]:
+            bucket, position, filled = bucket + 1, 0, False
+    if bucket != len(bucket_sizes):
+        raise _Unknown(f"{stem}: {len(bucket_sizes) - bucket} buckets left over")
+    return pieces
+
+
+class BucketLayout:
+    """(model key, index) -> {saved TP rank: Piece} for every stored parameter; `reason`: why
+    no layout was rebuilt (None when one was)."""
+
+    def __init__(self, sizes: dict[str, tuple], args: dict) -> None:
+        self.pieces: dict[tuple[str, tuple[int, ...]], dict[int, Piece]] = {}
+        self.reason: str | None = None
+        try:
+            self._rebuild(sizes, _Saved.of(args))
+        except _Unknown as unknown:
+            self.reason = f"its buckets could not be laid out as megatron-core's ({unknown})"
+            self.pieces = {}
+
+    def _rebuild(self, sizes: dict[str, tuple], saved: _Saved) -> None:
+        stored: dict[tuple[str, int], dict[int, int]] = {}  # (buffer, gbuf) -> bucket sizes
+        dtypes = {}
+        for key, size in sizes.items():
+            match = BUCKET.match(key)
+            if match:
+                stem = _STEM.match(match.group(1))
+                gbuf = stem.group(1)
+                stored.setdefault(gbuf, {})[int(stem.group(3))] = size[0]
+                dtypes[gbuf] = stem.group(2)
+        expected = set()
+        for prefix, chunks in _buffers(sizes, saved).items():
+            for g, params in enumerate(p for p in chunks if p):
+                gbuf = f"{prefix}.gbuf_idx_{g}"
+                expected.add(gbuf)
+                lengths = stored.get(gbuf)
+                if lengths is None or sorted(lengths) != list(range(len(lengths))):
+                    raise _Unknown(f"no buckets stored for {gbuf}")
+                stem = f"{gbuf}.dtype_{dtypes[gbuf]}.bucket_idx_{{bucket}}"
+                placed = _placed(params, stem, [lengths[b] for b in range(len(lengths))])
+                for where, by_rank in placed.items():  # (a whole tensor: TP rank 0's copy)
+                    for rank, piece in by_rank.items():
+                        self.pieces.setdefault(where, {}).setdefault(rank, piece)
+        if set(stored) - expected:
+            raise _Unknown(f"{sorted(set(stored) - expected)[0]} belongs to no parameter")
+
+
+class _RangePlanner(DefaultLoadPlanner):
+    """Reads elements [start, start + len(target)) of a stored 1-D tensor into target."""
+
+    def __init__(self, key: str, start: int, target: torch.Tensor) -> None:
+        super().__init__()
+        self.key, self.start, self.target = key, start, target
+
+    def create_local_plan(self) -> LoadPlan:
+        chunk = ChunkStorageMetadata(offsets=torch.Size((self.start,)), sizes=self.target.shape)
+        stored = self.metadata.state_dict_metadata[self.key]
+        return LoadPlan(create_read_items_for_chunk_list(self.key, stored, [chunk]))
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        return self.target.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+
+def read_piece(reader, piece: Piece, field: str) -> torch.Tensor:
+    """A parameter's elements of one field out of its bucket tensor, in fp32."""
+    target = torch.empty(piece.numel, dtype=torch.float32)
+    key = f"{piece.stem}.{field}"
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(
+            {key: target},
+            storage_reader=reader,
+            planner=_RangePlanner(key, piece.start, target),
+            no_dist=True,
+        )
+    return target
+
+
+def dp_reshardable_optimizer(reader, keys, sizes: dict[str, tuple], args: dict):
+    """The MegatronOptimizer of a dp_reshardable checkpoint: readable where its layout is
+    rebuilt, with Adam's step and the fp16 loss scaler from the optimizer's own state."""
+    layout = BucketLayout(sizes, args)
+    if layout.reason is not None:
+        return MegatronOptimizer("dp_reshardable", False, reason=layout.reason)
+    state = optimizer_object(reader, keys)
+    return MegatronOptimizer("dp_reshardable", True, find_step(state), find_loss_scaler(state))
+
+
+class _ObjectPlanner(DefaultLoadPlanner):
+    """Reads megatron-core's ShardedObjects (torch.save'd) with `weights_only=True`."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+        self.loaded: dict = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def optimizer_object(reader, keys) -> object | None:
+    """The distributed optimizer's own state_dict (parameter groups, Adam's step, the fp16
+    loss scaler) of the first model-parallel rank, or None."""
+    key = next((k for k in keys if _OPTIMIZER_OBJECT.match(k)), None)
+    if key is None:
+        return None
+    planner = _ObjectPlanner()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load({key: io.BytesIO()}, storage_reader=reader, planner=planner, no_dist=True)
+        except Exception as error:  # a pickle naming more than plain data
+            raise ConfigError(f"{key}: refused to read ({type(error).__name__})") from None
+    return planner.loaded.get(key)
