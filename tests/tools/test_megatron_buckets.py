@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.distributed import run_distributed
 
 BUCKET_SIZE = 6000  # elements: the first stage's layers span several buckets
@@ -39,13 +41,22 @@ def megatron_buffers(
                 index = tuple(sharded.global_offset[: sharded.prepend_axis_num])
                 stored[sharded.data.data_ptr()] = (sharded.key, index)
             elif isinstance(sharded, ShardedTensorFactory):  # SwiGLU's fc1: its place by name
-                assert tensor_parallel == 1  # (its global shape is then the parameter's)
+                assert pipeline_parallel == 1  # (its layer numbers are the model's)
                 expert = re.search(r"local_experts\.(\d+)\.", name)
-                experts = (model.config.num_moe_experts,) if expert else ()
-                sizes[sharded.key] = experts + tuple(sharded.data.shape)
-                local = model.config.num_moe_experts // expert_parallel if expert else 0
-                ep_rank = parallel_state.get_expert_model_parallel_rank()
-                index = (ep_rank * local + int(expert.group(1)),) if expert else ()
+                layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+                stacked = re.match(r"decoder\.layers\.\D", sharded.key) is not None
+                rows, *others = sharded.data.shape  # (split over TP by rows)
+                index, shape = (), (rows * tensor_parallel, *others)
+                if expert:
+                    local = model.config.num_moe_experts // expert_parallel
+                    ep_rank = parallel_state.get_expert_model_parallel_rank()
+                    index, shape = (
+                        (ep_rank * local + int(expert.group(1)),),
+                        (local * expert_parallel, *shape),
+                    )
+                if stacked:
+                    index, shape = (int(layer.group(1)), *index), (model.config.num_layers, *shape)
+                sizes[sharded.key] = shape
                 stored[sharded.data.data_ptr()] = (sharded.key, index)
         # (before the DDP wrapper moves every parameter into its buffer)
         where = {param: stored.get(param.data_ptr()) for param in model.parameters()}
@@ -107,31 +118,67 @@ def _layouts(results: list, args: dict) -> tuple[dict, dict, dict]:
     return sizes, expected, rebuilt
 
 
-def test_the_rebuilt_layout_is_megatron_cores_own():
+@pytest.mark.parametrize(
+    "kind,tp,pp,ep",
+    [
+        ("gpt2", 2, 2, 1),  # tied embeddings, biases, LayerNorm, learned positions
+        ("mla", 2, 1, 1),  # multi-latent attention (the local spec splits its down projections)
+        ("moe_mtp", 1, 1, 2),  # experts in buffers of their own, multi-token prediction
+        ("gpt_oss", 1, 1, 2),  # softmax sinks, biased experts and router
+    ],
+    ids=["gpt2-tp2-pp2", "mla-tp2", "moe-mtp-ep2", "gpt-oss-ep2"],
+)
+def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep):
+    """Every parameter's bucket, offset and length on every saved rank, as megatron-core's
+    `_ParamAndGradBuffer` placed it (with EP > 1 the experts' buffers under `chained_1.`)."""
     from tests.megatron_core_models import megatron_args
     from threefold.checkpoint.megatron.buckets import BucketLayout
 
-    args = vars(megatron_args("gpt2", 2, 2))
-    sizes, expected, rebuilt = _layouts(run_distributed(4, megatron_buffers, "gpt2", 2, 2), args)
-    assert sum(key.endswith(".param") for key in sizes) > 4  # several buckets, as meant
-    assert rebuilt == expected
-    # A different spec puts the input norm elsewhere: the lengths still add up here, the
-    # places do not (what the load's check of the fp32 masters against the weights catches).
-    args["transformer_impl"] = "transformer_engine"
-    other = BucketLayout(sizes, args)
-    assert (
-        other.reason is not None
-        or other.pieces != BucketLayout(sizes, vars(megatron_args("gpt2", 2, 2))).pieces
-    )
-
-
-def test_the_experts_buffers_are_megatron_cores_own():
-    """A mixture of experts at EP2 (a dense first layer, a shared expert): the experts' own
-    buffers under a second chained optimizer, numbered by expert-TP x EP x PP rank."""
-    from tests.megatron_core_models import megatron_args
-
-    args = vars(megatron_args("moe", 1, 1)) | {"expert_model_parallel_size": 2}
-    results = run_distributed(2, megatron_buffers, "moe", 1, 1, 2)
+    args = vars(megatron_args(kind, tp, pp)) | {"expert_model_parallel_size": ep}
+    results = run_distributed(tp * pp * ep, megatron_buffers, kind, tp, pp, ep)
     sizes, expected, rebuilt = _layouts(results, args)
-    assert any(key.startswith("chained_1.") for key in sizes)
+    assert sum(key.endswith(".param") for key in sizes) > 4  # several buckets, as meant
+    assert any(key.startswith("chained_1.") for key in sizes) == (ep > 1)
     assert rebuilt == expected
+    if kind == "gpt2":
+        # Transformer Engine's spec puts the input norm after linear_proj: the lengths still
+        # add up here, the places do not (the load's check of the masters catches that).
+        other = BucketLayout(sizes, args | {"transformer_impl": "transformer_engine"})
+        assert other.reason is None and other.pieces != BucketLayout(sizes, args).pieces
+
+
+class _Marker:
+    """Unpickling this would create a file: what a crafted checkpoint could do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_optimizers_saved_state_is_read_without_running_code(tmp_path):
+    """The distributed optimizer's own state (Adam's step) is a pickle inside the shards:
+    one that names a callable is refused in one line, and the callable never runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from threefold.checkpoint.megatron.buckets import optimizer_object
+    from threefold.config import ConfigError
+    from threefold.safe_loading import SafeFileSystemReader
+
+    key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    marker = tmp_path / "ran"
+    for value, fine in (([{"param_groups": [{"step": 3.0}]}], True), (_Marker(str(marker)), False)):
+        path = tmp_path / ("fine" if fine else "crafted")
+        planner = DefaultSavePlanner(flatten_state_dict=False)  # (one torch.save'd object)
+        dcp.save({key: value}, checkpoint_id=str(path), planner=planner, no_dist=True)
+        reader = SafeFileSystemReader(str(path))
+        keys = reader.read_metadata().state_dict_metadata.keys()
+        if fine:
+            assert optimizer_object(reader, keys) == value
+        else:
+            with pytest.raises(ConfigError, match="holds more than plain data") as error:
+                optimizer_object(reader, keys)
+            assert "\n" not in str(error.value)
+    assert not marker.exists()

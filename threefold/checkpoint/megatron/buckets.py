@@ -10,20 +10,24 @@ is rebuilt from the checkpoint itself:
 
 - the parameters: the model tensors' keys (every layer's and expert's slice), each rank's share
   by its saved TP/PP/EP layout from the args (`chunk_layers_of` for the stages);
-- their order: megatron-core's registration order (`_LAYER_ORDER`; Transformer Engine's spec
-  fuses the input norm into linear_qkv, after linear_proj), walked backwards as the buffer is
-  filled, each parameter starting at a multiple of 64 elements;
+- their order: megatron-core's registration order (`_LAYER_ORDER`, the multi-token prediction
+  layers' `_MTP_ORDER`; Transformer Engine's spec fuses a norm into the linear layer after it,
+  `_TE_FUSED`), walked backwards as the buffer is filled, each parameter starting at a multiple
+  of 64 elements;
 - the bucket boundaries: where each stored bucket tensor's length says the bucket ends (a
   bucket closes after the parameter that fills it, or before a tied embedding's copy, which
   megatron-core buckets alone).
 
 A layout that does not account for every stored bucket exactly is refused in one line, and
-so is one whose fp32 masters are not the model's weights (`checked_master`): the state is
-read only where the rebuilt layout is megatron-core's. Chained optimizers (the experts' beside
-the rest) add their `chained_{i}.` prefix, and the experts' buffers are numbered by the
-expert-TP x EP x PP rank. Not rebuilt (refused as such): multi-token prediction layers, hybrid
-and other layer types, `--pipeline-model-parallel-layout`,
-`--overlap-param-gather-with-optimizer-step`'s optimizer per chunk.
+so is one whose fp32 masters are not the model's weights (checked as each parameter is read,
+checkpoint/megatron/tensors.py): the state is read only where the rebuilt layout is
+megatron-core's. Chained optimizers (the experts' beside the rest, under EP > 1) add their
+`chained_{i}.` prefix, and the experts' buffers are numbered by the expert-TP x EP x PP rank.
+GPT models with standard or multi-latent attention, dense or mixture-of-experts, with
+multi-token prediction, are laid out (tests/tools/test_megatron_buckets.py compares with
+megatron-core's own buffers); not (refused as such): hybrid and gated-delta-net layers,
+`--pipeline-model-parallel-layout`, `--overlap-param-gather-with-optimizer-step`'s optimizer
+per chunk.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -61,16 +66,30 @@ _ALIGNMENT = 64  # megatron-core's `_pad_start_of_param_if_needed`
 # Transformer Engine's fused norms under the local spec's module names
 _NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "self_attention.linear_q_up_proj.layer_norm_": "self_attention.q_layernorm.",
+    "self_attention.linear_kv_up_proj.layer_norm_": "self_attention.kv_layernorm.",
     "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
 }
-# megatron-core's TransformerLayer registers its modules in this order (and each module its
-# weight before its bias), so a layer's parameters come in it.
+# megatron-core's local-spec TransformerLayer registers its modules in this order (and each
+# module its weight before its bias), so a layer's parameters come in it.
 _LAYER_ORDER = (
     "input_layernorm.",
+    # learnable softmax offsets (gpt-oss's sinks); a sparse attention's indexer
+    "self_attention.core_attention.softmax_offset",
+    "self_attention.core_attention.indexer.linear_wq_b.",
+    "self_attention.core_attention.indexer.linear_wk.",
+    "self_attention.core_attention.indexer.k_norm.",
+    "self_attention.core_attention.indexer.linear_weights_proj.",
     "self_attention.linear_proj.",
     "self_attention.linear_qkv.",
+    "self_attention.linear_q_proj.",  # multi-latent attention's
+    "self_attention.linear_q_down_proj.",
+    "self_attention.linear_q_up_proj.",
+    "self_attention.linear_kv_down_proj.",
+    "self_attention.linear_kv_up_proj.",
     "self_attention.q_layernorm.",
     "self_attention.k_layernorm.",
+    "self_attention.kv_layernorm.",
     "pre_mlp_layernorm.",
     "mlp.router.",
     "mlp.experts.experts.linear_fc1.",
@@ -81,20 +100,41 @@ _LAYER_ORDER = (
     "mlp.linear_fc1.",
     "mlp.linear_fc2.",
 )
+_EXPERTS = _LAYER_ORDER.index("mlp.experts.experts.linear_fc1.")
+# Transformer Engine's spec fuses a norm into the linear layer after it (a LayerNormLinear
+# registers the norm first): the norm comes just before that layer. (A multi-latent attention
+# layer's input norm stays a module of its own, first.)
+_TE_FUSED = {
+    "input_layernorm.": "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.",
+}
+# a multi-token prediction layer's modules, its transformer layer's parameters in between
+_MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
+_MTP = re.compile(
+    r"^mtp\.layers\.(\d+)\.((?:enorm|hnorm|eh_proj|transformer_layer|final_layernorm)\..+)$"
+)
 # model tensors that are buffers, not parameters (no optimizer state)
 _BUFFERS = (".expert_bias",)
-# the parameters outside the layers, by module, in megatron-core's GPTModel's order
+# the parameters outside the layers, by module, in megatron-core's GPTModel's order (the
+# decoder's layers come after the embeddings, its multi-token prediction block after its final
+# norm, before the output layer)
 _OUTSIDE_LAYERS = (
     "embedding.word_embeddings",
     "embedding.position_embeddings",
     "decoder.final_layernorm",
     "output_layer",
 )
-# split over TP (an expert's: expert-TP); every other parameter is whole on each TP rank
+# split over TP (an expert's: expert-TP) along rows, or along columns (row-parallel layers);
+# every other parameter is whole on each TP rank. Multi-latent attention's down projections
+# are column-parallel in the local spec, duplicated in Transformer Engine's.
 _SPLIT = re.compile(
-    r"^(embedding\.word_embeddings\.weight|output_layer\.weight|.*linear_(qkv|proj|fc1|fc2)"
-    r"\.weight|.*linear_(qkv|fc1)\.bias)$"
+    r"^(embedding\.word_embeddings\.weight|output_layer\.weight|.*eh_proj\.weight"
+    r"|.*linear_(qkv|proj|fc1|fc2|q_proj|q_up_proj|kv_up_proj)\.weight|.*linear_(qkv|fc1)\.bias"
+    r"|.*core_attention\.softmax_offset)$"
 )
+_DOWN_PROJECTIONS = re.compile(r"^.*linear_(q|kv)_down_proj\.weight$")
+_COLUMNS = re.compile(r"^.*linear_(proj|fc2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -105,6 +145,7 @@ class Piece:
     stem: str
     start: int
     numel: int
+    dim: int | None = None  # the dimension the saved TP ranks split it along (None: whole)
 
 
 @dataclass(frozen=True)
@@ -114,6 +155,7 @@ class _Param:
     numel: int  # on one TP rank
     tp_rank: int
     order: tuple
+    dim: int | None
 
 
 def has_buckets(sizes: dict[str, tuple]) -> bool:
@@ -127,20 +169,21 @@ def _canonical(rest: str) -> str:
     return rest
 
 
-def _layer_order(rest: str, expert: int | None, te_spec: bool, grouped: bool) -> tuple:
+def _layer_order(rest: str, expert: int | None, saved: _Saved) -> tuple:
     """Where a layer's parameter comes among the layer's, as megatron-core registers them."""
     rest = _canonical(rest)
     position = next((i for i, p in enumerate(_LAYER_ORDER) if rest.startswith(p)), None)
     if position is None:
         raise _Unknown(rest)
-    if te_spec and position == 0:  # Transformer Engine's LayerNormLinear: norm, then weight
-        position = 1.5
+    fused_into = _TE_FUSED.get(_LAYER_ORDER[position])
+    if saved.te_spec and fused_into and not (saved.mla and position == 0):
+        position = _LAYER_ORDER.index(fused_into) - 0.5
     bias = rest.endswith("bias")
     if expert is None:
         return (position, bias)
-    if grouped:  # Transformer Engine's GroupedLinear: fc1's weight0..N, then fc2's
+    if saved.grouped:  # Transformer Engine's GroupedLinear: fc1's weight0..N, then fc2's
         return (position, bias, expert)
-    return (7, expert, position, bias)  # SequentialMLP: expert by expert
+    return (_EXPERTS, expert, position, bias)  # SequentialMLP: expert by expert
 
 
 class _Unknown(Exception):
@@ -160,6 +203,7 @@ class _Saved:
     te_spec: bool
     grouped: bool
     tied: bool
+    mla: bool
 
     @classmethod
     def of(cls, args: dict) -> _Saved:
@@ -167,7 +211,7 @@ class _Saved:
             value = args.get(name)
             return value if isinstance(value, int) and value > 0 else default
 
-        for name in ("pipeline_model_parallel_layout", "mtp_num_layers", "hybrid_override_pattern"):
+        for name in ("pipeline_model_parallel_layout", "hybrid_override_pattern"):
             if args.get(name):
                 raise _Unknown(f"--{name.replace('_', '-')}")
         if args.get("overlap_param_gather_with_optimizer_step"):
@@ -195,6 +239,7 @@ class _Saved:
             te_spec=args.get("transformer_impl", "transformer_engine") != "local",
             grouped=bool(args.get("moe_grouped_gemm")),
             tied=not args.get("untie_embeddings_and_output_weights"),
+            mla=bool(args.get("multi_latent_attention")),
         )
 
 
@@ -210,6 +255,7 @@ class _Stored:
     expert: int | None
     rest: str
     numel: int
+    depth: int | None = None  # a multi-token prediction layer's
 
 
 def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
@@ -235,6 +281,12 @@ def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
                     found.append(_Stored(key, own, layer, expert, rest, math.prod(shape)))
         elif key.startswith(("embedding.", "decoder.final_layernorm.", "output_layer.")):
             found.append(_Stored(key, (), None, None, key, numel))
+        elif _MTP.match(key):
+            depth, rest = _MTP.match(key).groups()
+            experts = rest.startswith("transformer_layer.mlp.experts.experts.")
+            for expert in range(size[0]) if experts else (None,):
+                index, each = ((expert,), numel // size[0]) if experts else ((), numel)
+                found.append(_Stored(key, index, None, expert, rest, each, int(depth)))
         else:
             raise _Unknown(key)
     return found
@@ -259,7 +311,9 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
                 for s in stored
                 if (s.layer is not None and offset <= s.layer < offset + count)
                 or (first and s.key.startswith("embedding."))
-                or (last and s.key.startswith(("decoder.final_layernorm.", "output_layer.")))
+                or (
+                    last and s.key.startswith(("decoder.final_layernorm.", "output_layer.", "mtp."))
+                )
             ]
             if last and saved.tied and saved.pp > 1 and embedding is not None:
                 mine.append(_Stored(None, (), None, None, "output_layer.weight", embedding.numel))
@@ -297,30 +351,43 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
 
 def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
     """A stored parameter's share on one TP rank of a saved buffer."""
-    split = _SPLIT.match(stored.rest)
+    split = _SPLIT.match(stored.rest) or (
+        not saved.te_spec and _DOWN_PROJECTIONS.match(stored.rest)
+    )
     if split and stored.numel % tp:
         raise _Unknown(stored.rest)
-    if stored.layer is None:  # before the layers (embeddings) or after (final norm, output)
+    # The model's parts in order: embeddings (0), layers (1), final norm (2), multi-token
+    # prediction (3), output layer (4).
+    if stored.depth is not None:
+        module, _, rest = stored.rest.partition(".")
+        where = _MTP_ORDER.index(module + ".")
+        inner = _layer_order(rest, stored.expert, saved) if module == "transformer_layer" else ()
+        order = (3, stored.depth, (where, inner, rest.endswith("bias")))
+    elif stored.layer is None:
         module = _OUTSIDE_LAYERS.index(stored.rest.rsplit(".", 1)[0])
-        order = (0 if module < 2 else 2, module, stored.rest.endswith("bias"))
+        order = ((0, 0, 2, 4)[module], module, stored.rest.endswith("bias"))
     else:
-        where = _layer_order(stored.rest, stored.expert, saved.te_spec, saved.grouped)
-        order = (1, stored.layer, where)
-    numel = stored.numel // tp if split else stored.numel
-    return _Param(stored.key, stored.index, numel, tp_rank if split else 0, order)
+        order = (1, stored.layer, _layer_order(stored.rest, stored.expert, saved))
+    numel = stored.numel // tp if split and tp > 1 else stored.numel
+    dim = (1 if _COLUMNS.match(stored.rest) else 0) if split and tp > 1 else None
+    return _Param(stored.key, stored.index, numel, tp_rank if split else 0, order, dim)
 
 
 def _placed(params: list[_Param], stem: str, bucket_sizes: list[int]) -> dict:
     """Each parameter's piece in the buckets megatron-core fills from the last parameter
     backwards; the stored bucket lengths say where each bucket ends."""
     pieces, bucket, position, filled = {}, 0, 0, False
-    for param in sorted(params, key=lambda p: p.order, reverse=True):
+    ordered = sorted(params, key=lambda p: p.order, reverse=True)
+    for param, following in zip(ordered, ordered[1:]):
+        if param.order == following.order:  # two parameters of no known order
+            raise _Unknown(f"{param.key} and {following.key}: their order")
+    for param in ordered:
         start = -(-position // _ALIGNMENT) * _ALIGNMENT
         if filled and bucket < len(bucket_sizes) and start == bucket_sizes[bucket]:
             bucket, start, filled = bucket + 1, 0, False  # (a tied embedding's own bucket)
         if bucket >= len(bucket_sizes) or start + param.numel > bucket_sizes[bucket]:
             raise _Unknown(f"{stem}: bucket {bucket}")
-        piece = Piece(stem.format(bucket=bucket), start, param.numel)
+        piece = Piece(stem.format(bucket=bucket), start, param.numel, param.dim)
         if param.key is not None:
             pieces.setdefault((param.key, param.index), {})[param.tp_rank] = piece
         position, filled = start + param.numel, True
@@ -408,8 +475,14 @@ def dp_reshardable_optimizer(reader, keys, sizes: dict[str, tuple], args: dict):
     layout = BucketLayout(sizes, args)
     if layout.reason is not None:
         return MegatronOptimizer("dp_reshardable", False, reason=layout.reason)
-    state = optimizer_object(reader, keys)
-    return MegatronOptimizer("dp_reshardable", True, find_step(state), find_loss_scaler(state))
+    try:  # (a weights-only load does without it: refused only when Adam's state is loaded)
+        state = optimizer_object(reader, keys)
+    except ConfigError as error:
+        return MegatronOptimizer("dp_reshardable", False, reason=f"{error}")
+    step = find_step(state)
+    if step is None:
+        return MegatronOptimizer("dp_reshardable", False, reason="it holds no Adam step")
+    return MegatronOptimizer("dp_reshardable", True, step, find_loss_scaler(state))
 
 
 class _ObjectPlanner(DefaultLoadPlanner):
@@ -434,6 +507,9 @@ def optimizer_object(reader, keys) -> object | None:
         warnings.simplefilter("ignore", UserWarning)
         try:
             dcp.load({key: io.BytesIO()}, storage_reader=reader, planner=planner, no_dist=True)
-        except Exception as error:  # a pickle naming more than plain data
-            raise ConfigError(f"{key}: refused to read ({type(error).__name__})") from None
+        except (Exception, CheckpointException) as error:  # a pickle naming more than data
+            raise ConfigError(
+                f"its optimizer state {key} is refused ({type(error).__name__}: it holds more "
+                "than plain data)"
+            ) from None
     return planner.loaded.get(key)

@@ -250,12 +250,17 @@ class MegatronTensors:
         key, index = self._key("model", name)
         pieces = self._pieces(kind, name)
         shape = list(self.sizes[key][len(index) :])
-        split = len(pieces) > 1
-        if split:
-            shape[param.partition_dim] //= len(pieces)
+        dim = pieces[0].dim
+        if dim is not None:
+            shape[dim] //= len(pieces)
         field = "param" if kind == "master" else kind
         shards = [read_piece(self.reader, pieces[r], field).view(shape) for r in sorted(pieces)]
-        full = unshard(shards, param) if split else shards[0]
+        if dim is None:
+            full = shards[0]
+        elif getattr(param, "tensor_model_parallel", False) and param.partition_dim == dim:
+            full = unshard(shards, param)  # (SwiGLU's [gate; up] shards too)
+        else:  # split there, whole here (multi-latent attention's down projections)
+            full = torch.cat(shards, dim)
         if kind == "master":
             weights = self._read(key, index)
             if not torch.equal(full.to(self.dtypes[key]).float(), weights):
