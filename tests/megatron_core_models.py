@@ -174,9 +174,16 @@ def config_fields(shape: dict, tensor_parallel: int, pipeline_parallel: int) -> 
 
 
 def build(
-    kind: str, tensor_parallel: int, pipeline_parallel: int, seed: int = 0, expert_parallel: int = 1
+    kind: str,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    seed: int = 0,
+    expert_parallel: int = 1,
+    virtual_stages: int | None = None,
+    vp_stage: int | None = None,
 ):
-    """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP (x EP) layout."""
+    """megatron-core's GPTModel (local layer spec) for this rank of a TP x PP (x EP) layout;
+    with `virtual_stages`, its model chunk `vp_stage` (the groups are set up by chunk 0's)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -186,9 +193,13 @@ def build(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = SHAPES[kind]
-    parallel_state.initialize_model_parallel(
-        tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
-    )
+    if not vp_stage:
+        parallel_state.initialize_model_parallel(
+            tensor_parallel,
+            pipeline_parallel,
+            virtual_pipeline_model_parallel_size=virtual_stages,
+            expert_model_parallel_size=expert_parallel,
+        )
     torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     mla = {name: shape[name] for name in MLA_FIELDS if shape.get("multi_latent_attention")}
     mla.update({name: shape[name] for name in DSA if name in shape})
@@ -214,6 +225,7 @@ def build(
         )
     config = TransformerConfig(
         **config_fields(shape, tensor_parallel, pipeline_parallel),
+        virtual_pipeline_model_parallel_size=virtual_stages,
         rotary_interleaved=shape["rotary_interleaved"],
         window_size=shape.get("window_size"),
         window_attn_skip_freq=shape.get("window_attn_skip_freq"),
@@ -260,8 +272,9 @@ def build(
         transformer_layer_spec=spec,
         vocab_size=PADDED_VOCAB,  # Megatron-LM passes args.padded_vocab_size
         max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
         position_embedding_type=shape["position_embedding_type"],
         rotary_base=int(shape["rotary_base"]),
         rotary_percent=shape["rotary_percent"],

@@ -18,83 +18,91 @@ BUCKET_SIZE = 6000  # elements: the first stage's layers span several buckets
 DTYPE = "(torch.float32, torch.float32)"
 
 
-def megatron_buffers(
-    kind: str, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1
-) -> tuple[dict, dict]:
-    """On this rank of megatron-core's model `kind` with its distributed optimizer's DDP: the
-    global shape of each model tensor of its sharded state dict and each bucket's unpadded
-    length under its stored key; {(key, index, TP rank): (bucket key, start within the
-    bucket, numel)} of each parameter in its gradient buffers (the experts' own under EP)."""
+def _stored(model, name: str, sharded, sizes: dict, stored: dict, ep: int, tp: int) -> None:
+    """Where one entry of megatron-core's sharded state dict puts its tensor: its global shape
+    under `sizes`, (key, index) under the tensor's address in `stored`."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(sharded, ShardedTensor):
+        sizes[sharded.key] = tuple(sharded.global_shape)
+        index = tuple(sharded.global_offset[: sharded.prepend_axis_num])
+        stored[sharded.data.data_ptr()] = (sharded.key, index)
+    elif isinstance(sharded, ShardedTensorFactory):  # SwiGLU's fc1: its place by name
+        assert parallel_state.get_pipeline_model_parallel_world_size() == 1  # (layer numbers)
+        expert = re.search(r"local_experts\.(\d+)\.", name)
+        layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+        rows, *others = sharded.data.shape  # (split over TP by rows)
+        index, shape = (), (rows * tp, *others)
+        if expert:
+            local = model.config.num_moe_experts // ep
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+            index, shape = (ep_rank * local + int(expert.group(1)),), (local * ep, *shape)
+        if re.match(r"decoder\.layers\.\D", sharded.key):  # stacked
+            index, shape = (int(layer.group(1)), *index), (model.config.num_layers, *shape)
+        sizes[sharded.key] = shape
+        stored[sharded.data.data_ptr()] = (sharded.key, index)
+
+
+def megatron_buffers(
+    kind: str, tp: int, pp: int, ep: int = 1, virtual_stages: int | None = None
+) -> tuple[dict, dict]:
+    """On this rank of megatron-core's model `kind` (each of its model chunks) with its
+    distributed optimizer's DDP: the global shape of each model tensor of its sharded state
+    dict and each bucket's unpadded length under its stored key; {(key, index, TP rank):
+    (bucket key, start within the bucket, numel)} of each parameter in its gradient buffers
+    (the experts' own under EP)."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from tests.megatron_core_models import build, cpu_patches, optimizer_patches
 
+    sizes, placed = {}, {}
     with cpu_patches(), optimizer_patches():
-        model = build(kind, tensor_parallel, pipeline_parallel, expert_parallel=expert_parallel)
-        stored = {}  # a tensor's address -> (key, index): its place in the checkpoint
-        sizes = {}
-        for name, sharded in model.sharded_state_dict().items():
-            if isinstance(sharded, ShardedTensor):
-                sizes[sharded.key] = tuple(sharded.global_shape)
-                index = tuple(sharded.global_offset[: sharded.prepend_axis_num])
-                stored[sharded.data.data_ptr()] = (sharded.key, index)
-            elif isinstance(sharded, ShardedTensorFactory):  # SwiGLU's fc1: its place by name
-                assert pipeline_parallel == 1  # (its layer numbers are the model's)
-                expert = re.search(r"local_experts\.(\d+)\.", name)
-                layer = re.match(r"decoder\.layers\.(\d+)\.", name)
-                stacked = re.match(r"decoder\.layers\.\D", sharded.key) is not None
-                rows, *others = sharded.data.shape  # (split over TP by rows)
-                index, shape = (), (rows * tensor_parallel, *others)
-                if expert:
-                    local = model.config.num_moe_experts // expert_parallel
-                    ep_rank = parallel_state.get_expert_model_parallel_rank()
-                    index, shape = (
-                        (ep_rank * local + int(expert.group(1)),),
-                        (local * expert_parallel, *shape),
-                    )
-                if stacked:
-                    index, shape = (int(layer.group(1)), *index), (model.config.num_layers, *shape)
-                sizes[sharded.key] = shape
-                stored[sharded.data.data_ptr()] = (sharded.key, index)
-        # (before the DDP wrapper moves every parameter into its buffer)
-        where = {param: stored.get(param.data_ptr()) for param in model.parameters()}
-        names = {param: name for name, param in model.named_parameters()}
-        config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE
-        )
-        ddp = DistributedDataParallel(model.config, config, model)
-        chained = bool(ddp.expert_parallel_buffers)  # two optimizers: each key under its index
+        chunks = []
+        for chunk in range(virtual_stages or 1):
+            vp_stage = chunk if virtual_stages else None
+            model = build(kind, tp, pp, 0, ep, virtual_stages, vp_stage)
+            stored = {}  # a tensor's address -> (key, index): its place in the checkpoint
+            for name, sharded in model.sharded_state_dict().items():
+                _stored(model, name, sharded, sizes, stored, ep, tp)
+            # (before the DDP wrapper moves every parameter into its buffer)
+            where = {param: stored.get(param.data_ptr()) for param in model.parameters()}
+            names = {param: name for name, param in model.named_parameters()}
+            config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=BUCKET_SIZE
+            )
+            # (Megatron-LM's training buckets a model chunk after the first as one)
+            ddp = DistributedDataParallel(model.config, config, model, disable_bucketing=chunk > 0)
+            chunks.append((ddp, where, names))
+        chained = any(ddp.expert_parallel_buffers for ddp, _, _ in chunks)
         dense = parallel_state.get_model_parallel_group().rank()
         experts = parallel_state.get_expert_tensor_model_pipeline_parallel_group().rank()
-        placed = {}
-        for optimizer, buffers, rank, tp_rank in (
-            (0, ddp.buffers, dense, parallel_state.get_tensor_model_parallel_rank()),
-            (
-                1,
-                ddp.expert_parallel_buffers,
-                experts,
-                parallel_state.get_expert_tensor_parallel_rank(),
-            ),
+        for optimizer, rank, tp_rank in (
+            (0, dense, parallel_state.get_tensor_model_parallel_rank()),
+            (1, experts, parallel_state.get_expert_tensor_parallel_rank()),
         ):
             prefix = f"chained_{optimizer}." if chained else ""
-            for (buffer,) in [buffers] if buffers else []:
-                stem = f"{prefix}optimizer.distributed.dp_group_idx_{rank}.gbuf_idx_0.dtype_{DTYPE}"
-                for param, (start, end, bucket) in buffer.param_index_map.items():
-                    # (the last stage's copy of the tied embedding is stored as the first's)
-                    if names[param].startswith("output_layer.") and where[param][0].startswith(
-                        "embedding."
-                    ):
-                        continue
-                    split = getattr(param, "tensor_model_parallel", False)
-                    placed[where[param] + (tp_rank if split else 0,)] = (
-                        f"{stem}.bucket_idx_{bucket}",
-                        start - buffer.bucket_indices[bucket][0],
-                        end - start,
-                    )
-                for b, bucket in enumerate(buffer.buckets):
-                    sizes[f"{stem}.bucket_idx_{b}.param"] = (bucket.numel_unpadded,)
+            gbuf = 0  # (the optimizer numbers every chunk's buffers in turn)
+            for ddp, where, names in chunks:
+                for buffer in ddp.expert_parallel_buffers if optimizer else ddp.buffers:
+                    stem = f"{prefix}optimizer.distributed.dp_group_idx_{rank}.gbuf_idx_{gbuf}"
+                    stem += f".dtype_{DTYPE}"
+                    gbuf += 1
+                    for param, (start, end, bucket) in buffer.param_index_map.items():
+                        # (the last stage's copy of the tied embedding: stored as the first's)
+                        if names[param].startswith("output_layer.") and where[param][0].startswith(
+                            "embedding."
+                        ):
+                            continue
+                        split = getattr(param, "tensor_model_parallel", False)
+                        placed[where[param] + (tp_rank if split else 0,)] = (
+                            f"{stem}.bucket_idx_{bucket}",
+                            start - buffer.bucket_indices[bucket][0],
+                            end - start,
+                        )
+                    for b, bucket in enumerate(buffer.buckets):
+                        sizes[f"{stem}.bucket_idx_{b}.param"] = (bucket.numel_unpadded,)
     return sizes, placed
 
 
@@ -119,28 +127,34 @@ def _layouts(results: list, args: dict) -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.parametrize(
-    "kind,tp,pp,ep",
+    "kind,tp,pp,ep,vpp",
     [
-        ("gpt2", 2, 2, 1),  # tied embeddings, biases, LayerNorm, learned positions
-        ("mla", 2, 1, 1),  # multi-latent attention (the local spec splits its down projections)
-        ("moe_mtp", 1, 1, 2),  # experts in buffers of their own, multi-token prediction
-        ("gpt_oss", 1, 1, 2),  # softmax sinks, biased experts and router
+        ("gpt2", 2, 2, 1, None),  # tied embeddings, biases, LayerNorm, learned positions
+        # multi-latent attention (the local spec splits its down projections over TP)
+        ("mla", 2, 1, 1, None),
+        ("moe_mtp", 1, 1, 2, None),  # experts in buffers of their own, multi-token prediction
+        ("gpt_oss", 1, 1, 2, None),  # softmax sinks, biased experts and router
+        ("gpt2", 1, 2, 1, 2),  # two virtual stages: a buffer per model chunk
     ],
-    ids=["gpt2-tp2-pp2", "mla-tp2", "moe-mtp-ep2", "gpt-oss-ep2"],
+    ids=["gpt2-tp2-pp2", "mla-tp2", "moe-mtp-ep2", "gpt-oss-ep2", "gpt2-pp2-vpp2"],
 )
-def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep):
+def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep, vpp):
     """Every parameter's bucket, offset and length on every saved rank, as megatron-core's
     `_ParamAndGradBuffer` placed it (with EP > 1 the experts' buffers under `chained_1.`)."""
     from tests.megatron_core_models import megatron_args
     from threefold.checkpoint.megatron.buckets import BucketLayout
 
-    args = vars(megatron_args(kind, tp, pp)) | {"expert_model_parallel_size": ep}
-    results = run_distributed(tp * pp * ep, megatron_buffers, kind, tp, pp, ep)
+    args = vars(megatron_args(kind, tp, pp)) | {
+        "expert_model_parallel_size": ep,
+        "virtual_pipeline_model_parallel_size": vpp,
+    }
+    results = run_distributed(tp * pp * ep, megatron_buffers, kind, tp, pp, ep, vpp)
     sizes, expected, rebuilt = _layouts(results, args)
     assert sum(key.endswith(".param") for key in sizes) > 4  # several buckets, as meant
     assert any(key.startswith("chained_1.") for key in sizes) == (ep > 1)
+    assert any(".gbuf_idx_1." in key for key in sizes) == (vpp is not None)
     assert rebuilt == expected
-    if kind == "gpt2":
+    if kind == "gpt2" and vpp is None:
         # Transformer Engine's spec puts the input norm after linear_proj: the lengths still
         # add up here, the places do not (the load's check of the masters catches that).
         other = BucketLayout(sizes, args | {"transformer_impl": "transformer_engine"})
