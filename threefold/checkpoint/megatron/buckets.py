@@ -279,7 +279,7 @@ def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
                     shape = inner[1:] if experts else inner
                     own = index + (() if expert is None else (expert,))
                     found.append(_Stored(key, own, layer, expert, rest, math.prod(shape)))
-        elif key.startswith(("embedding.", "decoder.final_layernorm.", "output_layer.")):
+        elif key.rsplit(".", 1)[0] in _OUTSIDE_LAYERS:
             found.append(_Stored(key, (), None, None, key, numel))
         elif _MTP.match(key):
             depth, rest = _MTP.match(key).groups()

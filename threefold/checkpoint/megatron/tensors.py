@@ -28,7 +28,8 @@ Reading takes one layer's (and expert's) slice at a time out of the stacked tens
 plan for just that chunk), so a rank never holds more than one parameter of the whole model
 beyond its own. Adam's state, where megatron-core stored it in model space
 (checkpoint/megatron/optimizer.py), is the same tensors under a prefix and is read the same
-way.
+way; in the distributed optimizer's default buckets, a parameter's pieces are read from each
+saved TP rank's bucket and joined (checkpoint/megatron/buckets.py).
 """
 
 from __future__ import annotations
@@ -213,9 +214,10 @@ class _SlicePlanner(DefaultLoadPlanner):
 
 
 class MegatronTensors:
-    """A Megatron-LM torch_dist checkpoint's model tensors (`kind` "model") and model-space
-    Adam state ("exp_avg", "exp_avg_sq", "master"), by threefold parameter name: what
-    checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
+    """A Megatron-LM torch_dist checkpoint's model tensors (`kind` "model") and Adam state
+    ("exp_avg", "exp_avg_sq", "master": model-space tensors, or the distributed optimizer's
+    dp_reshardable buckets laid out by checkpoint/megatron/buckets.py), by threefold parameter
+    name: what checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
 
     def __init__(self, path: str, step: float | None = None, optimizer: bool = False) -> None:
         # (`optimizer` False: the dp_reshardable buckets are not looked into, even for the
