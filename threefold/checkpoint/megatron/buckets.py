@@ -42,9 +42,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, find_loss_scaler, find_step
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
@@ -436,37 +433,6 @@ class BucketLayout:
                         self.pieces.setdefault(where, {}).setdefault(rank, piece)
         if set(stored) - expected:
             raise _Unknown(f"{sorted(set(stored) - expected)[0]} belongs to no parameter")
-
-
-class _RangePlanner(DefaultLoadPlanner):
-    """Reads elements [start, start + len(target)) of a stored 1-D tensor into target."""
-
-    def __init__(self, key: str, start: int, target: torch.Tensor) -> None:
-        super().__init__()
-        self.key, self.start, self.target = key, start, target
-
-    def create_local_plan(self) -> LoadPlan:
-        chunk = ChunkStorageMetadata(offsets=torch.Size((self.start,)), sizes=self.target.shape)
-        stored = self.metadata.state_dict_metadata[self.key]
-        return LoadPlan(create_read_items_for_chunk_list(self.key, stored, [chunk]))
-
-    def resolve_tensor(self, read_item) -> torch.Tensor:
-        return self.target.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
-
-
-def read_piece(reader, piece: Piece, field: str) -> torch.Tensor:
-    """A parameter's elements of one field out of its bucket tensor, in fp32."""
-    target = torch.empty(piece.numel, dtype=torch.float32)
-    key = f"{piece.stem}.{field}"
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(
-            {key: target},
-            storage_reader=reader,
-            planner=_RangePlanner(key, piece.start, target),
-            no_dist=True,
-        )
-    return target
 
 
 def dp_reshardable_optimizer(reader, keys, sizes: dict[str, tuple], args: dict):

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets, read_piece
+from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.config import ConfigError
@@ -184,30 +184,22 @@ def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
     return found
 
 
-class _SlicePlanner(DefaultLoadPlanner):
-    """Reads the slice [index] of stacked tensors (whole tensors for index ()) into targets."""
+class _ChunkPlanner(DefaultLoadPlanner):
+    """Reads one chunk of a stored tensor into `view` (shaped as the chunk) from `offsets`: a
+    layer's (and expert's) slice of a stacked tensor, a whole tensor, or a parameter's range
+    of a dp_reshardable bucket."""
 
-    def __init__(self, targets: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    def __init__(self, key: str, offsets: tuple[int, ...], view: torch.Tensor) -> None:
         super().__init__()
-        self.targets = targets
-
-    def _view(self, key: str) -> torch.Tensor:
-        index, target = self.targets[key]
-        return target.view((1,) * len(index) + tuple(target.shape))
+        self.key, self.offsets, self.view = key, offsets, view
 
     def create_local_plan(self) -> LoadPlan:
-        items = []
-        for key, (index, _) in self.targets.items():
-            view = self._view(key)
-            offsets = index + (0,) * (view.dim() - len(index))
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape)
-            items += create_read_items_for_chunk_list(
-                key, self.metadata.state_dict_metadata[key], [chunk]
-            )
-        return LoadPlan(items)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.view.shape)
+        stored = self.metadata.state_dict_metadata[self.key]
+        return LoadPlan(create_read_items_for_chunk_list(self.key, stored, [chunk]))
 
     def resolve_tensor(self, read_item) -> torch.Tensor:
-        view = self._view(read_item.dest_index.fqn)
+        view = self.view
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, offset, length)
         return view
@@ -256,7 +248,7 @@ class MegatronTensors:
         if dim is not None:
             shape[dim] //= len(pieces)
         field = "param" if kind == "master" else kind
-        shards = [read_piece(self.reader, pieces[r], field).view(shape) for r in sorted(pieces)]
+        shards = [self._read_piece(pieces[r], field).view(shape) for r in sorted(pieces)]
         if dim is None:
             full = shards[0]
         elif getattr(param, "tensor_model_parallel", False) and param.partition_dim == dim:
@@ -318,15 +310,25 @@ class MegatronTensors:
         if any(i >= n for i, n in zip(index, size)):
             raise ConfigError(f"--load {self.path}: {key} holds no slice {list(index)}")
         target = torch.empty(size[len(index) :], dtype=torch.float32)
+        view = target.view((1,) * len(index) + tuple(target.shape))
+        self._load(key, index + (0,) * (view.dim() - len(index)), view)
+        return target
+
+    def _read_piece(self, piece: Piece, field: str) -> torch.Tensor:
+        """A parameter's elements of one of Adam's fields in its dp_reshardable bucket."""
+        target = torch.empty(piece.numel, dtype=torch.float32)
+        self._load(f"{piece.stem}.{field}", (piece.start,), target)
+        return target
+
+    def _load(self, key: str, offsets: tuple[int, ...], view: torch.Tensor) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
-                {key: target},
+                {key: view},
                 storage_reader=self.reader,
-                planner=_SlicePlanner({key: (index, target)}),
+                planner=_ChunkPlanner(key, offsets, view),
                 no_dist=True,
             )
-        return target
 
     def _mark_read(self, name: str) -> None:
         """The parameter's model tensors have a reader (whether its values come from there or
