@@ -396,6 +396,83 @@ def save(
         write(state, root, iteration)
 
 
+def save_both(
+    kind: str,
+    root: str,
+    legacy_root: str,
+    iteration: int,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    expert_parallel: int = 1,
+    virtual_stages: int | None = None,
+):
+    """One rank's part of Megatron-LM saving the same model twice: as torch_dist under `root`
+    and in its legacy `--ckpt-format torch` under `legacy_root`, as its `save_checkpoint` does
+    for a `CheckpointType.LEGACY` save (`generate_state_dict` with each model chunk's
+    `state_dict_for_save_checkpoint()`, `model0`, `model1`, ... under virtual stages; one
+    `torch.save` per model-parallel rank, by its expert-data-parallel rank 0, into
+    `get_checkpoint_name`'s mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt)."""
+    import random
+
+    import numpy
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    with cpu_patches():
+        stages = range(virtual_stages or 1)
+        chunks = [
+            build(
+                kind,
+                tensor_parallel,
+                pipeline_parallel,
+                expert_parallel=expert_parallel,
+                virtual_stages=virtual_stages,
+                vp_stage=stage if virtual_stages else None,
+            )
+            for stage in stages
+        ]
+        args = megatron_args(kind, tensor_parallel, pipeline_parallel)
+        args.world_size, args.expert_model_parallel_size = dist.get_world_size(), expert_parallel
+        args.virtual_pipeline_model_parallel_size = virtual_stages
+        names = [f"model{stage}" for stage in stages] if virtual_stages else ["model"]
+        common = {
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "opt_param_scheduler": {"num_steps": 640, "max_lr": 3e-4},
+            "num_floating_point_operations_so_far": 1.0e12,
+        }
+        models = {name: chunk.sharded_state_dict() for name, chunk in zip(names, chunks)}
+        write({"args": args, **common, **models}, root, iteration)
+        legacy = argparse.Namespace(**(vars(args) | {"ckpt_format": "torch"}))
+        state = {
+            "args": legacy,
+            **common,
+            **{name: chunk.state_dict_for_save_checkpoint() for name, chunk in zip(names, chunks)},
+            # (a distributed optimizer's state_dict: its groups; its buffers in distrib_optim.pt)
+            "optimizer": {"optimizer": {"param_groups": [{"lr": 3e-4, "step": iteration}]}},
+            "rng_state": [
+                {
+                    "random_rng_state": random.getstate(),
+                    "np_rng_state": numpy.random.get_state(),
+                    "torch_rng_state": torch.get_rng_state(),
+                }
+            ],
+        }
+        directory = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        if pipeline_parallel > 1:
+            directory += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+        if expert_parallel > 1:
+            directory += f"_{ps.get_expert_model_parallel_rank():03d}"
+        path = os.path.join(legacy_root, f"iter_{iteration:07d}", directory)
+        if ps.get_expert_data_parallel_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+            torch.save(state, os.path.join(path, "model_optim_rng.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(legacy_root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+
+
 def logits(kind: str, path: str) -> torch.Tensor:
     """megatron-core's logits of TOKENS from the checkpoint directory `path` (an iter_N), read
     by dist_checkpointing.load into a one-rank GPTModel."""

@@ -22,6 +22,7 @@ from tests.megatron_core_models import (
 )
 
 LR, WEIGHT_DECAY = 3e-3, 0.01
+LEGACY_BUCKET_SIZE = 6000  # elements: the legacy save's buffers hold several buckets
 
 
 def batch(step: int, data_parallel: int) -> torch.Tensor:
@@ -31,7 +32,9 @@ def batch(step: int, data_parallel: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _megatron_training(kind: str, tensor_parallel: int, distributed: bool):
+def _megatron_training(
+    kind: str, tensor_parallel: int, distributed: bool, bucket_size: int | None = None
+):
     """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer,
     as a namespace: `model`, `optimizer`, `scheduler` and `iteration(step)`, which trains on
     global batch `step` and returns the loss averaged over DP.
@@ -39,7 +42,8 @@ def _megatron_training(kind: str, tensor_parallel: int, distributed: bool):
     As Megatron-LM's loop: constant LR through its OptimizerParamScheduler (which also keeps
     biases and norms free of weight decay; `use_checkpoint` takes a loaded checkpoint's
     schedule), clipping at 1.0, AdamW; each DP rank's loss the mean over its tokens, gradients
-    averaged over DP by the DDP wrapper."""
+    averaged over DP by the DDP wrapper; `bucket_size`: its buckets' size, with
+    --overlap-grad-reduce (else one bucket per buffer)."""
     import types
 
     import torch.distributed as dist
@@ -51,7 +55,11 @@ def _megatron_training(kind: str, tensor_parallel: int, distributed: bool):
     with cpu_patches(), optimizer_patches():
         model = build(kind, tensor_parallel, 1)
         dp = parallel_state.get_data_parallel_world_size()
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed,
+            overlap_grad_reduce=bucket_size is not None,
+            bucket_size=bucket_size,
+        )
         ddp = DistributedDataParallel(model.config, ddp_config, model)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -112,12 +120,19 @@ def train_and_save(
     import torch.distributed as dist
 
     distributed = layout is not None
-    with _megatron_training(kind, tensor_parallel, distributed) as run:
+    bucket_size = LEGACY_BUCKET_SIZE if layout == "legacy" else None
+    with _megatron_training(kind, tensor_parallel, distributed, bucket_size) as run:
         for step in range(steps):
             run.iteration(step)
         args = megatron_args(kind, tensor_parallel, 1)
         args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
         args.consumed_train_samples = steps * run.dp
+        if layout == "legacy":
+            _save_legacy(run, args, root, steps)
+            loss = run.iteration(steps)
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
+            write(state | {"model": run.model.sharded_state_dict()}, after, steps + 1)
+            return loss
         metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
         if distributed:
             metadata["distrib_optim_sharding_type"] = layout
@@ -135,6 +150,39 @@ def train_and_save(
         state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
         write(state | {"model": run.model.sharded_state_dict()}, after, steps + 1)
     return loss
+
+
+def _save_legacy(run, args, root: str, iteration: int) -> None:
+    """Megatron-LM's save in its legacy format with the distributed optimizer (`save_checkpoint`
+    for a CheckpointType.LEGACY save, TP x DP here): every rank gathers the optimizer's buffers
+    (`save_parameter_state`, written by DP rank 0 to distrib_optim.pt), DP rank 0 of each TP
+    rank writes model_optim_rng.pt."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    args.ckpt_format, args.overlap_grad_reduce = "torch", True
+    args.ddp_bucket_size = LEGACY_BUCKET_SIZE
+    directory = os.path.join(
+        root,
+        f"iter_{iteration:07d}",
+        f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}",
+    )
+    os.makedirs(directory, exist_ok=True)
+    run.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))
+    if parallel_state.get_data_parallel_rank() == 0:
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "model": run.model.state_dict_for_save_checkpoint(),
+            "optimizer": run.optimizer.state_dict(),
+            "opt_param_scheduler": run.scheduler.state_dict(),
+        }
+        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
 
 
 @contextlib.contextmanager

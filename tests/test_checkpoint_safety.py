@@ -192,22 +192,24 @@ def test_a_hostile_metadata_json_is_refused_in_one_line(
         _refused_in_one_line(result, "metadata.json")
 
 
-def test_a_megatron_checkpoint_in_its_legacy_pickle_format_is_refused_unread(
+def test_a_crafted_megatron_checkpoint_in_its_legacy_pickle_format_runs_nothing(
     tmp_path, shakespeare_data
 ):
     """Megatron-LM's --ckpt-format torch is one pickled model_optim_rng.pt per model-parallel
-    rank: refused by name, with how to have Megatron-LM re-save it (before: "iteration 1 is
-    damaged (... has no metadata.json)")."""
+    rank, which Megatron-LM unpickles with torch.load(weights_only=False): threefold reads it
+    with a restricted unpickler (checkpoint/megatron/legacy.py), so one whose args and weights
+    are objects that would run code runs nothing and is refused by name in one line."""
     marker = str(tmp_path / "marker")
     root = tmp_path / "megatron"
     (root / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     (root / "latest_checkpointed_iteration.txt").write_text("1")
-    torch.save({"args": Payload(marker)}, root / "iter_0000001/mp_rank_00/model_optim_rng.pt")
+    crafted = {"args": Payload(marker), "iteration": 1, "model": {"w": Payload(marker)}}
+    torch.save(crafted, root / "iter_0000001/mp_rank_00/model_optim_rng.pt")
     commands = _entry_points(str(root), tmp_path, shakespeare_data)
     convert = commands["convert_checkpoint.py"]
     convert[convert.index("--loader") + 1] = "megatron"
     for name, result in run_together(_run, commands).items():
-        _refused_in_one_line(result, "iteration 1 is a Megatron-LM checkpoint in its legacy torch")
+        _refused_in_one_line(result, "model_optim_rng.pt has no Megatron-LM args")
         flag = "--load-dir" if name == "convert_checkpoint.py" else "--load"
         assert f"error: {flag} {root}: " in result.stderr, result.stderr[-2000:]
     assert not os.path.exists(marker)

@@ -6,6 +6,7 @@ mixture-of-experts interchange tests."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -80,13 +81,17 @@ def train_from(argv: list[str], root: str, finetune: bool, steps: int = 2) -> tu
 
 
 def copy_with_args(root: str, destination: str, iteration: int = 10, **changes) -> str:
-    """A copy of a Megatron checkpoint whose common.pt args (of `iteration`) have `changes`."""
+    """A copy of a Megatron checkpoint whose args (of `iteration`: in common.pt, or in every
+    model_optim_rng.pt of the legacy format) have `changes`."""
     shutil.copytree(root, destination)
-    path = os.path.join(destination, f"iter_{iteration:07d}", "common.pt")
-    common = torch.load(path, weights_only=False)  # the test's own file
-    for name, value in changes.items():
-        setattr(common["args"], name, value)
-    torch.save(common, path)
+    directory = os.path.join(destination, f"iter_{iteration:07d}")
+    path = os.path.join(directory, "common.pt")
+    legacy = sorted(glob.glob(os.path.join(directory, "mp_rank_*", "model_optim_rng.pt")))
+    for file in [path] if os.path.isfile(path) else legacy:
+        common = torch.load(file, weights_only=False)  # the test's own file
+        for name, value in changes.items():
+            setattr(common["args"], name, value)
+        torch.save(common, file)
     # (an export's file list would no longer match: dropped, as megatron-core writes none)
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(os.path.dirname(path), "integrity.json"))

@@ -142,7 +142,7 @@ def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep, vpp):
     """Every parameter's bucket, offset and length on every saved rank, as megatron-core's
     `_ParamAndGradBuffer` placed it (with EP > 1 the experts' buffers under `chained_1.`)."""
     from tests.megatron_core_models import megatron_args
-    from threefold.checkpoint.megatron.buckets import BucketLayout
+    from threefold.checkpoint.megatron.buckets import BucketLayout, formed_buckets
 
     args = vars(megatron_args(kind, tp, pp)) | {
         "expert_model_parallel_size": ep,
@@ -154,6 +154,18 @@ def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep, vpp):
     assert any(key.startswith("chained_1.") for key in sizes) == (ep > 1)
     assert any(".gbuf_idx_1." in key for key in sizes) == (vpp is not None)
     assert rebuilt == expected
+    # Megatron-LM's legacy format records no bucket lengths: formed from the args, as its DDP
+    # forms them, they are the stored ones.
+    stored = {}
+    for key, size in sizes.items():
+        found = re.match(r"^(.+)\.dtype_.+\.bucket_idx_(\d+)\.param$", key)
+        if found:
+            stored.setdefault(found[1], {})[int(found[2])] = size[0]
+    stored = {gbuf: [lengths[b] for b in sorted(lengths)] for gbuf, lengths in stored.items()}
+    bucketed = args | {"overlap_grad_reduce": True, "ddp_bucket_size": BUCKET_SIZE}
+    model = {k: v for k, v in sizes.items() if not k.startswith(("optimizer.", "chained_"))}
+    assert formed_buckets(model, bucketed) == stored
+    assert formed_buckets(model, args) != stored  # (without --overlap-grad-reduce: one each)
     if kind == "gpt2" and vpp is None:
         # Transformer Engine's spec puts the input norm after linear_proj: the lengths still
         # add up here, the places do not (the load's check of the masters catches that).

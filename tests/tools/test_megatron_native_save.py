@@ -216,5 +216,5 @@ def test_megatrons_other_formats_save_threefolds_said(value, tmp_path, capsys):
     assert config.checkpoint.ckpt_format == value
     out = capsys.readouterr().out
     assert f"--ckpt-format {value}: checkpoints are saved in threefold's" in out
-    # Megatron-LM's legacy per-rank pickles: never written, never read
-    assert value != "torch" or "neither writes nor reads" in out
+    # Megatron-LM's legacy per-rank pickles: read (checkpoint/megatron/legacy.py), never written
+    assert value != "torch" or "reads (without running what it names) but never writes" in out

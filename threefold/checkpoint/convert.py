@@ -21,6 +21,7 @@ from threefold.checkpoint.hf import (
 )
 from threefold.checkpoint.load import find_checkpoint, load_model
 from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 from threefold.checkpoint.megatron.optimizer import (
     EXPORTED_FIELDS,
     ExportedOptimizer,
@@ -224,7 +225,9 @@ def whole_checkpoint(
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
-    if is_megatron_checkpoint(checkpoint_dir(load_dir, iteration)) != (loader == "megatron"):
+    path = checkpoint_dir(load_dir, iteration)
+    megatron = is_megatron_checkpoint(path) or is_legacy_checkpoint(path)
+    if megatron != (loader == "megatron"):
         other = "threefold" if loader == "megatron" else "megatron"
         raise ConfigError(
             f"--load-dir {load_dir}: not a {loader} checkpoint; it is a {other} one: "

@@ -44,18 +44,15 @@ def holds_checkpoint(root: str | None) -> bool:
 
 def read_metadata(root: str, iteration: int) -> dict:
     """A checkpoint's metadata.json; for a Megatron-LM torch_dist checkpoint, its common.pt
-    described the same way (checkpoint/megatron/format.py)."""
-    from threefold.checkpoint.megatron.format import (
-        is_megatron_checkpoint,
-        legacy_format,
-        megatron_metadata,
-    )
+    described the same way (checkpoint/megatron/format.py), for a legacy one its first
+    model_optim_rng.pt (checkpoint/megatron/legacy.py)."""
+    from threefold.checkpoint.megatron.format import is_megatron_checkpoint, megatron_metadata
+    from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint, legacy_metadata
 
     if is_megatron_checkpoint(checkpoint_dir(root, iteration)):
         return megatron_metadata(checkpoint_dir(root, iteration))
-    legacy = legacy_format(checkpoint_dir(root, iteration))
-    if legacy:
-        raise ConfigError(f"--load {root}: iteration {iteration} is {legacy}")
+    if is_legacy_checkpoint(checkpoint_dir(root, iteration)):
+        return legacy_metadata(checkpoint_dir(root, iteration))
     path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
@@ -79,9 +76,10 @@ def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataCon
     """The run's tokenizer settings pointing at the checkpoint's own copy of the tokenizer
     (Megatron-LM's checkpoints have none: their args name the files)."""
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+    from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 
     path = checkpoint_dir(root, iteration)
-    if is_megatron_checkpoint(path):
+    if is_megatron_checkpoint(path) or is_legacy_checkpoint(path):
         return data
     if data.tokenizer_type in SENTENCEPIECE:
         data.tokenizer_model = os.path.join(path, "tokenizer.model")

@@ -32,7 +32,7 @@ from threefold.checkpoint.manifest import (
     read_manifest,
     verify_slice,
 )
-from threefold.checkpoint.megatron.format import legacy_format
+from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint, legacy_damage
 from threefold.checkpoint.megatron.optimizer import refusal as megatron_refusal
 from threefold.config import (
     CheckpointConfig,
@@ -71,6 +71,8 @@ def damage(
                 f"{path} holds no checksums ({MANIFEST} or Megatron-LM's {INTEGRITY}) to "
                 "verify, which --verify-integrity requires; drop the flag to load it unverified"
             )
+        if is_legacy_checkpoint(path):  # (Megatron-LM's legacy format: its files' layout)
+            return legacy_damage(path)
         return (
             None
             if os.path.isfile(os.path.join(path, "metadata.json"))
@@ -115,9 +117,6 @@ def choose_iteration(
                 "use another directory"
             )
         return None
-    legacy = tracked is not None and legacy_format(checkpoint_dir(root, tracked))
-    if legacy:  # (not damage: a format threefold does not read)
-        raise ConfigError(f"--load {root}: iteration {tracked} is {legacy}")
     if tracked is None:
         warn(
             f"> --load {root}: no {TRACKER}; using the newest complete checkpoint, "

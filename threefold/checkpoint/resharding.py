@@ -111,15 +111,19 @@ class SavedTensors:
 
 
 def saved_tensors(path: str, megatron_step: float | None = None, optimizer: bool = False):
-    """What a checkpoint directory holds: threefold's own shards, or a Megatron-LM torch_dist
+    """What a checkpoint directory holds: threefold's own shards, a Megatron-LM torch_dist
     checkpoint's stacked tensors (checkpoint/megatron/tensors.py; `megatron_step`: its Adam
-    step from common.pt; `optimizer`: its optimizer state is to be read), behind one
-    interface."""
+    step from common.pt; `optimizer`: its optimizer state is to be read) or a legacy one's
+    per-rank shards (checkpoint/megatron/legacy_tensors.py), behind one interface."""
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint
+    from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
+    from threefold.checkpoint.megatron.legacy_tensors import LegacyTensors
     from threefold.checkpoint.megatron.tensors import MegatronTensors
 
     if is_megatron_checkpoint(path):
         return MegatronTensors(path, megatron_step, optimizer)
+    if is_legacy_checkpoint(path):
+        return LegacyTensors(path, optimizer)
     return SavedTensors(path)
 
 

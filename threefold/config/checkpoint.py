@@ -23,7 +23,7 @@ DIST_CKPT_STRICTNESS = (
 )
 
 # threefold's own; Megatron-LM's torch_dist; the names of Megatron-LM's other formats, which
-# save threefold's (its legacy torch format is a pickle per rank, which threefold never writes).
+# save threefold's (its legacy torch format, a pickle per rank, is read but never written).
 CKPT_FORMATS = ("threefold", "torch_dist", "torch", "fsdp_dtensor")
 
 
@@ -171,8 +171,8 @@ class CheckpointConfig:
                 f"--ckpt-format {self.ckpt_format}: checkpoints are saved in threefold's format "
                 "(docs/checkpoints.md), not Megatron-LM's "
                 + (
-                    "legacy torch format, a pickle per rank, which threefold neither writes nor "
-                    "reads (loading one would run whatever code it holds)"
+                    "legacy torch format, a pickle per rank, which threefold reads (without "
+                    "running what it names) but never writes"
                     if self.ckpt_format == "torch"
                     else "Megatron-FSDP DTensor layout; FSDP2 runs save and load it at any layout"
                 )

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from threefold.checkpoint.megatron.format import arg_size, saved_parallel
 from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, find_loss_scaler, find_step
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
@@ -60,6 +61,7 @@ _OPTIMIZER_OBJECT = re.compile(
     r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/"
 )
 _ALIGNMENT = 64  # megatron-core's `_pad_start_of_param_if_needed`
+_EMBEDDING = "embedding.word_embeddings.weight"
 # Transformer Engine's fused norms under the local spec's module names
 _NORMS = {
     "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
@@ -155,6 +157,14 @@ class _Param:
     dim: int | None
 
 
+def tp_split_dim(rest: str, te_spec: bool) -> int | None:
+    """The dimension megatron-core splits a parameter (a key, or a layer's name within the
+    layer) along over TP (an expert's: expert-TP); None where each TP rank holds it whole."""
+    if not (_SPLIT.match(rest) or (not te_spec and _DOWN_PROJECTIONS.match(rest))):
+        return None
+    return 1 if _COLUMNS.match(rest) else 0
+
+
 def has_buckets(sizes: dict[str, tuple]) -> bool:
     return any(BUCKET.match(key) for key in sizes)
 
@@ -205,30 +215,18 @@ class _Saved:
     @classmethod
     def of(cls, args: dict) -> _Saved:
         def size(name: str, default: int = 1) -> int:
-            value = args.get(name)
-            return value if isinstance(value, int) and value > 0 else default
+            return arg_size(args, name, default)
 
         for name in ("pipeline_model_parallel_layout", "hybrid_override_pattern"):
             if args.get(name):
                 raise _Unknown(f"--{name.replace('_', '-')}")
         if args.get("overlap_param_gather_with_optimizer_step"):
             raise _Unknown("--overlap-param-gather-with-optimizer-step")
-        tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
-        vpp = args.get("virtual_pipeline_model_parallel_size")
-        parallel = ParallelConfig(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp if isinstance(vpp, int) else None,
-            decoder_first_pipeline_num_layers=args.get("decoder_first_pipeline_num_layers"),
-            decoder_last_pipeline_num_layers=args.get("decoder_last_pipeline_num_layers"),
-            account_for_embedding_in_pipeline_split=bool(
-                args.get("account_for_embedding_in_pipeline_split")
-            ),
-            account_for_loss_in_pipeline_split=bool(args.get("account_for_loss_in_pipeline_split")),
-        )
+        parallel = saved_parallel(args)
+        tp = parallel.tensor_model_parallel_size
         return cls(
             tp=tp,
-            pp=pp,
+            pp=parallel.pipeline_model_parallel_size,
             ep=size("expert_model_parallel_size"),
             etp=size("expert_tensor_parallel_size", tp),
             parallel=parallel,
@@ -295,7 +293,7 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
     stored = _stored_parameters(sizes)
     experts_total = max((p.expert for p in stored if p.expert is not None), default=-1) + 1
     local_experts = experts_total // saved.ep if experts_total else 0
-    embedding = next((p for p in stored if p.key == "embedding.word_embeddings.weight"), None)
+    embedding = next((p for p in stored if p.key == _EMBEDDING), None)
     buffers: dict[str, list[list[_Param]]] = {}
     for pp_rank in range(saved.pp):
         dense_buffers, expert_buffers = {}, {}
@@ -348,9 +346,7 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
 
 def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
     """A stored parameter's share on one TP rank of a saved buffer."""
-    split = _SPLIT.match(stored.rest) or (
-        not saved.te_spec and _DOWN_PROJECTIONS.match(stored.rest)
-    )
+    split = tp_split_dim(stored.rest, saved.te_spec) is not None
     if split and stored.numel % tp:
         raise _Unknown(stored.rest)
     # The model's parts in order: embeddings (0), layers (1), final norm (2), multi-token
@@ -366,7 +362,7 @@ def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
     else:
         order = (1, stored.layer, _layer_order(stored.rest, stored.expert, saved))
     numel = stored.numel // tp if split and tp > 1 else stored.numel
-    dim = (1 if _COLUMNS.match(stored.rest) else 0) if split and tp > 1 else None
+    dim = tp_split_dim(stored.rest, saved.te_spec) if tp > 1 else None
     return _Param(stored.key, stored.index, numel, tp_rank if split else 0, order, dim)
 
 
@@ -393,6 +389,60 @@ def _placed(params: list[_Param], stem: str, bucket_sizes: list[int]) -> dict:
     if bucket != len(bucket_sizes):
         raise _Unknown(f"{stem}: {len(bucket_sizes) - bucket} buckets left over")
     return pieces
+
+
+def _bucket_size(args: dict, prefix: str, gbuf: int, saved: _Saved) -> int | None:
+    """The elements after which megatron-core's DDP closes a bucket of one gradient buffer:
+    none without --overlap-grad-reduce, on a pipeline stage after the first or in a model
+    chunk after the first (Megatron-LM's `disable_bucketing`); else --ddp-bucket-size or
+    megatron-core's default, max(40M, 1M x the data-parallel size)."""
+    if args.get("ddp_num_buckets") or args.get("overlap_param_gather_with_optimizer_step"):
+        raise _Unknown("--ddp-num-buckets" if args.get("ddp_num_buckets") else "its chunks")
+    rank = int(prefix.rsplit("_", 1)[1])
+    stage = rank // (saved.etp * saved.ep if prefix.startswith("chained_1.") else saved.tp)
+    if not args.get("overlap_grad_reduce") or stage > 0 or gbuf > 0:
+        return None
+    if isinstance(args.get("ddp_bucket_size"), int):
+        return args["ddp_bucket_size"]
+    model_parallel = saved.tp * saved.pp * arg_size(args, "context_parallel_size")
+    return max(40_000_000, 1_000_000 * (arg_size(args, "world_size") // model_parallel))
+
+
+def _formed(params: list[_Param], bucket_size: int | None, saved: _Saved) -> list[int]:
+    """The unpadded lengths of the buckets megatron-core's `_ParamAndGradBuffer` forms from a
+    buffer's parameters: filled from the last backwards, each at a multiple of 64 elements,
+    a bucket closing once it holds `bucket_size` elements, and a tied embedding's copy (under
+    PP) in a bucket of its own."""
+    lengths, position, filling = [], 0, False
+    for param in sorted(params, key=lambda p: p.order, reverse=True):
+        start = -(-position // _ALIGNMENT) * _ALIGNMENT
+        shared = saved.tied and saved.pp > 1 and param.key in (None, _EMBEDDING)
+        if shared and filling:
+            lengths.append(start)
+            start = 0
+        end, filling = start + param.numel, True
+        if (bucket_size is not None and end >= bucket_size) or shared:
+            lengths.append(end)
+            position, filling = 0, False
+        else:
+            position = end
+    return lengths + [position] if filling else lengths
+
+
+def formed_buckets(sizes: dict[str, tuple], args: dict) -> dict[str, list[int]]:
+    """{a gradient buffer's key prefix: its buckets' unpadded lengths}, formed as
+    megatron-core forms them from the model tensors `sizes` and the saving run's args (for
+    Megatron-LM's legacy format, whose buffers do not record them); {} where no layout is
+    rebuilt."""
+    try:
+        saved = _Saved.of(args)
+        return {
+            f"{prefix}.gbuf_idx_{g}": _formed(params, _bucket_size(args, prefix, g, saved), saved)
+            for prefix, chunks in _buffers(sizes, saved).items()
+            for g, params in enumerate(p for p in chunks if p)
+        }
+    except _Unknown:
+        return {}
 
 
 class BucketLayout:

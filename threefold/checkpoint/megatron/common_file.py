@@ -9,6 +9,11 @@ a torch dtype becomes its name; a one-element tensor (an optimizer's step, a los
 becomes its number, decoded from its bytes; every other global the file names (enums of
 Megatron's, larger tensors, devices, functions) becomes an inert `Opaque` record of its name and
 arguments, never the real object, so nothing named in the file is ever called.
+
+Megatron-LM's legacy checkpoints (`model_optim_rng.pt`, checkpoint/megatron/legacy.py) are the
+same kind of file with the model's tensors in it: read with `tensors`, every tensor becomes a
+`StoredTensor` record of where its bytes lie, which `load` turns into a tensor built from those
+bytes by torch itself (never by a function the file names).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import pickle
 import struct
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from threefold.config import ConfigError
@@ -49,8 +55,33 @@ _STORAGE_FORMATS = {
     "ByteStorage": "<B",
     "BoolStorage": "<?",
 }
+# A storage's element type -> the torch dtype its bytes are read as (legacy checkpoints).
+_STORAGE_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+_REBUILD_TENSOR = "torch._utils._rebuild_tensor_v2"
+_REBUILD_PARAMETER = "torch._utils._rebuild_parameter"
+
+
+class _OrderedDict(dict):
+    """collections.OrderedDict's stand-in: the attributes pickled with one (a module state
+    dict's `_metadata`) are dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
 _CONTAINERS = {
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): _OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
@@ -117,9 +148,90 @@ class _Unpickler(pickle.Unpickler):
         return None
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a torch.save file, not yet read: the archive entry of its storage's bytes,
+    their element type, and the tensor's view into them."""
+
+    entry: str
+    kind: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def load(self, archive: zipfile.ZipFile, source: str):
+        """The tensor, built from its bytes in `archive` (the file `source` names)."""
+        import torch
+
+        dtype = _STORAGE_DTYPES.get(self.kind)
+        if dtype is None:
+            raise ConfigError(f"{source}: a tensor of {self.kind}, which threefold does not read")
+        try:
+            raw = bytearray(archive.read(self.entry))
+        except (KeyError, zipfile.BadZipFile, OSError) as error:
+            raise ConfigError(f"{source}: unreadable ({error}); it is damaged") from None
+        flat = torch.frombuffer(raw, dtype=getattr(torch, dtype)) if raw else torch.empty(0)
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        if any(n == 0 for n in self.shape):
+            return torch.empty(self.shape, dtype=getattr(torch, dtype))
+        if self.offset < 0 or last >= flat.numel() or any(s < 0 for s in self.stride):
+            raise ConfigError(f"{source}: a tensor reaches past its storage; it is damaged")
+        return flat.as_strided(self.shape, self.stride, self.offset).clone()
+
+    def load_range(self, archive: zipfile.ZipFile, source: str, start: int, count: int):
+        """Elements [start, start + count) of a flat tensor, read at their place in the file
+        (torch.save stores its entries uncompressed), not with the rest of the tensor."""
+        import torch
+
+        dtype = getattr(torch, _STORAGE_DTYPES.get(self.kind, "float32"))
+        width = torch.empty((), dtype=dtype).element_size()
+        info = archive.getinfo(self.entry)
+        first = self.offset + start
+        if (
+            self.kind not in _STORAGE_DTYPES
+            or len(self.shape) != 1
+            or self.stride != (1,)
+            or info.compress_type != zipfile.ZIP_STORED
+            or start < 0
+            or start + count > self.shape[0]
+            or (first + count) * width > info.file_size
+        ):
+            raise ConfigError(f"{source}: {self.entry} is not the flat buffer it should be")
+        with open(archive.filename, "rb") as f:
+            f.seek(info.header_offset)
+            header = f.read(30)  # the entry's local header: its name and extra field follow
+            if header[:4] != b"PK\x03\x04":
+                raise ConfigError(f"{source}: unreadable entry {self.entry}; it is damaged")
+            name_length, extra_length = struct.unpack("<HH", header[26:30])
+            f.seek(info.header_offset + 30 + name_length + extra_length + first * width)
+            raw = f.read(count * width)
+        if len(raw) != count * width:
+            raise ConfigError(f"{source}: {self.entry} is cut short; it is damaged")
+        return torch.frombuffer(bytearray(raw), dtype=dtype) if count else torch.empty(0)
+
+
+def _stored(tensor: Opaque, prefix: str) -> Any:
+    """A tensor's record (a parameter's: its data's); else the object's record as it is."""
+    if tensor.name == _REBUILD_PARAMETER and tensor.args and isinstance(tensor.args[0], Opaque):
+        return _stored(tensor.args[0], prefix)
+    args = tensor.args
+    if tensor.name != _REBUILD_TENSOR or len(args) < 4 or not isinstance(args[0], _Storage):
+        return tensor
+    storage, offset, shape, stride = args[:4]
+    if not (
+        isinstance(offset, int)
+        and isinstance(shape, tuple)
+        and isinstance(stride, tuple)
+        and len(shape) == len(stride)
+        and all(isinstance(n, int) for n in shape + stride)
+    ):
+        return tensor
+    return StoredTensor(f"{prefix}data/{storage.key}", storage.kind, offset, shape, stride)
+
+
 def _number(tensor: Opaque, archive: zipfile.ZipFile, prefix: str) -> Any:
     """A one-element tensor's value from its storage's bytes; else the tensor's record."""
-    if tensor.name != "torch._utils._rebuild_tensor_v2" or len(tensor.args) < 3:
+    if tensor.name != _REBUILD_TENSOR or len(tensor.args) < 3:
         return tensor
     storage, offset, size = tensor.args[:3]
     fmt = _STORAGE_FORMATS.get(getattr(storage, "kind", None))
@@ -133,31 +245,47 @@ def _number(tensor: Opaque, archive: zipfile.ZipFile, prefix: str) -> Any:
     return struct.unpack(fmt, raw)[0]
 
 
-def _plain(value: Any, archive: zipfile.ZipFile, prefix: str) -> Any:
+def _plain(value: Any, archive: zipfile.ZipFile, prefix: str, tensors: bool) -> Any:
     if isinstance(value, _Namespace):
-        return {k: _plain(v, archive, prefix) for k, v in vars(value).items()}
+        return {k: _plain(v, archive, prefix, tensors) for k, v in vars(value).items()}
     if isinstance(value, dict):
-        return {k: _plain(v, archive, prefix) for k, v in value.items()}
+        return {k: _plain(v, archive, prefix, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v, archive, prefix) for v in value)
+        return type(value)(_plain(v, archive, prefix, tensors) for v in value)
     if isinstance(value, Opaque):
-        return _number(value, archive, prefix)
+        return _stored(value, prefix) if tensors else _number(value, archive, prefix)
     return value
+
+
+def read_torch_file(path: str, tensors: bool = False) -> dict | list:
+    """The dict (or list) a torch.save file holds, as plain data (a Namespace as a dict); its
+    tensors as `StoredTensor` records (`tensors`), else as numbers where they hold one
+    element."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            pickles = [n for n in names if n.endswith("data.pkl")]
+            if len(pickles) != 1:
+                raise ConfigError(f"{path}: not a torch.save file (no data.pkl)")
+            prefix = pickles[0][: -len("data.pkl")]
+            if f"{prefix}byteorder" in names and (
+                archive.read(f"{prefix}byteorder").strip() != b"little"
+            ):
+                raise ConfigError(f"{path}: saved on a big-endian machine; threefold reads none")
+            with archive.open(pickles[0]) as f:
+                value = _Unpickler(f).load()
+            if not isinstance(value, (dict, list)):
+                raise ConfigError(f"{path}: holds a {type(value).__name__}, not a dict")
+            return _plain(value, archive, prefix, tensors)
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, OSError, KeyError) as error:
+        raise ConfigError(f"{path}: unreadable ({error}); the checkpoint is damaged") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as error:  # a crafted pickle
+        raise ConfigError(f"{path}: not a checkpoint pickle ({error}); it is damaged") from None
 
 
 def read_common(path: str) -> dict:
     """The dict `common.pt` holds, as plain data (`args` a dict of Megatron's argument names)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-            if len(pickles) != 1:
-                raise ConfigError(f"{path}: not a torch.save file (no data.pkl)")
-            with archive.open(pickles[0]) as f:
-                value = _Unpickler(f).load()
-            if not isinstance(value, dict):
-                raise ConfigError(
-                    f"{path}: holds a {type(value).__name__}, not Megatron's common dict"
-                )
-            return _plain(value, archive, pickles[0][: -len("data.pkl")])
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, OSError, KeyError) as error:
-        raise ConfigError(f"{path}: unreadable ({error}); the checkpoint is damaged") from None
+    common = read_torch_file(path)
+    if not isinstance(common, dict):
+        raise ConfigError(f"{path}: holds a list, not Megatron's common dict")
+    return common

@@ -19,7 +19,7 @@ import json
 import os
 
 from threefold.checkpoint.megatron.common_file import read_common
-from threefold.checkpoint.megatron.optimizer import megatron_optimizer
+from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, megatron_optimizer
 from threefold.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from threefold.config.dsa import DSA
 from threefold.config.fields import ARCHITECTURE, MODEL, checkpoint_fields, given_flags
@@ -60,18 +60,25 @@ def _hybrid_pattern(args: dict) -> str | None:
     return args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
 
 
-def legacy_format(path: str) -> str | None:
-    """Why an iter_N directory in Megatron-LM's legacy `--ckpt-format torch` (a pickled
-    model_optim_rng.pt per model-parallel rank) is not loaded, else None."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "metadata.json")):
-        return None
-    if not any(name.startswith("mp_rank_") for name in os.listdir(path)):
-        return None
-    return (
-        "a Megatron-LM checkpoint in its legacy torch format (mp_rank_*/model_optim_rng.pt: "
-        "pickles, which threefold never loads); have Megatron-LM save it as torch_dist "
-        "(--ckpt-format torch --load ... --ckpt-convert-format torch_dist --ckpt-convert-save "
-        "NEW) and load NEW/torch_dist"
+def arg_size(args: dict, name: str, default: int = 1) -> int:
+    """A parallel size of Megatron-LM's args (`default` where it is unset or None)."""
+    value = args.get(name)
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def saved_parallel(args: dict) -> ParallelConfig:
+    """The TP size and pipeline layout of the run that saved, from its args."""
+    vpp = args.get("virtual_pipeline_model_parallel_size")
+    return ParallelConfig(
+        tensor_model_parallel_size=arg_size(args, "tensor_model_parallel_size"),
+        pipeline_model_parallel_size=arg_size(args, "pipeline_model_parallel_size"),
+        virtual_pipeline_model_parallel_size=vpp if isinstance(vpp, int) else None,
+        decoder_first_pipeline_num_layers=args.get("decoder_first_pipeline_num_layers"),
+        decoder_last_pipeline_num_layers=args.get("decoder_last_pipeline_num_layers"),
+        account_for_embedding_in_pipeline_split=bool(
+            args.get("account_for_embedding_in_pipeline_split")
+        ),
+        account_for_loss_in_pipeline_split=bool(args.get("account_for_loss_in_pipeline_split")),
     )
 
 
@@ -203,13 +210,37 @@ def megatron_metadata(path: str) -> dict:
             "from, or export it from ModelOpt to Hugging Face and convert that"
         )
     common = read_common(common_file)
+    args = saved_args(common, f"--load {path}: common.pt")
+    # (torch, only here: describing threefold's own checkpoints stays torch-free)
+    from threefold.checkpoint.megatron.buckets import dp_reshardable_optimizer, has_buckets
+    from threefold.safe_loading import SafeFileSystemReader
+
+    reader = SafeFileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    sizes = {k: tuple(v.size) for k, v in stored.items() if hasattr(v, "size")}
+    optimizer = megatron_optimizer(common, sizes)
+    if optimizer.layout == "dp_reshardable" and has_buckets(sizes):
+        optimizer = dp_reshardable_optimizer(reader, stored.keys(), sizes, args)
+    return described(path, common, optimizer)
+
+
+def saved_args(common: dict, source: str) -> dict:
+    """The Megatron-LM args a checkpoint's common state holds (a one-line refusal without)."""
     args = common.get("args")
     if not isinstance(args, dict):
         raise ConfigError(
-            f"--load {path}: common.pt has no Megatron-LM args; only checkpoints written by "
-            "Megatron-LM's training loop (or tools/convert_checkpoint.py --saver megatron) "
-            "describe their model"
+            f"{source} has no Megatron-LM args; only checkpoints written by Megatron-LM's "
+            "training loop (or tools/convert_checkpoint.py --saver megatron) describe their "
+            "model"
         )
+    return args
+
+
+def described(path: str, common: dict, optimizer: MegatronOptimizer) -> dict:
+    """The metadata of a Megatron-LM checkpoint (`megatron_metadata`) from its common state
+    (common.pt's dict; a legacy checkpoint's model_optim_rng.pt without the model) and what it
+    holds of the optimizer."""
+    args = saved_args(common, f"--load {path}")
     parallel = {
         name: args[name]
         for name in (
@@ -228,16 +259,6 @@ def megatron_metadata(path: str) -> dict:
     )
     iteration = int(common.get("iteration", 0) or 0)
     scheduler = common.get("opt_param_scheduler")
-    # (torch, only here: describing threefold's own checkpoints stays torch-free)
-    from threefold.checkpoint.megatron.buckets import dp_reshardable_optimizer, has_buckets
-    from threefold.safe_loading import SafeFileSystemReader
-
-    reader = SafeFileSystemReader(path)
-    stored = reader.read_metadata().state_dict_metadata
-    sizes = {k: tuple(v.size) for k, v in stored.items() if hasattr(v, "size")}
-    optimizer = megatron_optimizer(common, sizes)
-    if optimizer.layout == "dp_reshardable" and has_buckets(sizes):
-        optimizer = dp_reshardable_optimizer(reader, stored.keys(), sizes, args)
     train_state = {
         "iteration": iteration,
         "consumed_train_samples": int(args.get("consumed_train_samples") or 0),

@@ -45,6 +45,10 @@ FIELDS = {
     "master": ("optimizer.state.param.", "optimizer.state.fp32_param."),
 }
 _LOSS_SCALER = ("scale", "growth_tracker", "hysteresis_tracker")
+# Megatron-LM's legacy torch format's optimizer state (checkpoint/megatron/legacy.py): the
+# non-distributed optimizer's (not read), the distributed optimizer's distrib_optim.pt
+LEGACY = "legacy torch format"
+LEGACY_DISTRIBUTED = "legacy distrib_optim.pt"
 
 
 @dataclass
@@ -66,6 +70,13 @@ def refusal(layout: str, source: str, reason: str | None = None) -> str:
             f"{source}: a Megatron-LM checkpoint whose distributed-optimizer state is in the "
             f"{layout} layout, and {reason}; pass --no-load-optim / --finetune, or load it in "
             "Megatron-LM once and save with --dist-ckpt-optim-fully-reshardable"
+        )
+    if layout == LEGACY:
+        return (
+            f"{source}: a Megatron-LM checkpoint in its legacy torch format whose optimizer "
+            "state is the non-distributed optimizer's, which threefold does not read; pass "
+            "--no-load-optim / --finetune (the weights, iteration and LR schedule still load), "
+            "or have Megatron-LM save it as torch_dist and load that"
         )
     if layout == "none":
         return (

@@ -40,7 +40,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +121,7 @@ class _Split:
     expert: tuple[int, ...]
 
 
-def _split(name: str) -> _Split | None:
+def split_name(name: str) -> _Split | None:
     """A decoder or multi-token prediction layer's parameter taken apart; None otherwise."""
     match, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
     if match is not None:
@@ -153,7 +153,7 @@ def megatron_key(
     (models whose layers differ, and multi-token prediction layers): `decoder.layers.{layer}.X`
     (`mtp.layers.{k}.transformer_layer.X`) with () or (expert,). `renamed`: norms under the
     fused layers' names (else threefold's own); `gated_delta_net`: the layer is one."""
-    split = _split(name)
+    split = split_name(name)
     if split is None:
         return name, ()
     rest = split.rest
@@ -164,11 +164,11 @@ def megatron_key(
     return f"{split.prefix}.{rest}", split.expert
 
 
-def _candidates(name: str) -> list[tuple[str, tuple[int, ...]]]:
+def candidate_keys(name: str) -> list[tuple[str, tuple[int, ...]]]:
     """Every key megatron-core may have stored a parameter under: its local and Transformer
     Engine specs' names (plain and MLA), stacked or per layer; a hybrid stack's final norm
     under its name."""
-    split = _split(name)
+    split = split_name(name)
     if split is None:
         found = [(name, ())]
         for ours, theirs in FINAL_NORMS.items():
@@ -242,40 +242,27 @@ class MegatronTensors:
         the fp32 masters must be the stored weights (`kind` "master"), else the rebuilt
         layout is not the one megatron-core saved and nothing is read."""
         key, index = self._key("model", name)
-        pieces = self._pieces(kind, name)
-        shape = list(self.sizes[key][len(index) :])
-        dim = pieces[0].dim
-        if dim is not None:
-            shape[dim] //= len(pieces)
         field = "param" if kind == "master" else kind
-        shards = [self._read_piece(pieces[r], field).view(shape) for r in sorted(pieces)]
-        if dim is None:
-            full = shards[0]
-        elif getattr(param, "tensor_model_parallel", False) and param.partition_dim == dim:
-            full = unshard(shards, param)  # (SwiGLU's [gate; up] shards too)
-        else:  # split there, whole here (multi-latent attention's down projections)
-            full = torch.cat(shards, dim)
-        if kind == "master":
-            weights = self._read(key, index)
-            if not torch.equal(full.to(self.dtypes[key]).float(), weights):
-                raise ConfigError(
-                    f"--load {self.path}: the dp_reshardable optimizer state's fp32 masters of "
-                    f"{key}{list(index)} are not its weights, so its buckets are laid out "
-                    "otherwise than threefold rebuilt them; pass --no-load-optim, or load it "
-                    "in Megatron-LM once and save with --dist-ckpt-optim-fully-reshardable"
-                )
+        shape = self.sizes[key][len(index) :]
+        full = from_pieces(
+            self._pieces(kind, name), lambda piece: self._read_piece(piece, field), shape, param
+        )
+        if kind == "master" and not torch.equal(
+            full.to(self.dtypes[key]).float(), self._read(key, index)
+        ):
+            raise masters_refused(self.path, "dp_reshardable optimizer state", key, index)
         return full
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
-            for key, index in _candidates(name):
+            for key, index in candidate_keys(name):
                 if prefix + key + suffix in self.sizes:
                     return prefix + key, index
         return None
 
     def _sectioned(self, kind: str, name: str) -> tuple[str, tuple[int, ...]] | None:
         """The key a gated delta net's tensor is stored under a section at a time."""
-        split = _split(name)
+        split = split_name(name)
         sections = SECTIONS.get(split.rest) if split else None
         return self._key(kind, name, "." + sections[0]) if sections else None
 
@@ -292,7 +279,7 @@ class MegatronTensors:
         self._mark_read(name)
         if found is None and self._sectioned(kind, name) is not None:
             key, index = self._sectioned(kind, name)
-            sections = SECTIONS[_split(name).rest]
+            sections = SECTIONS[split_name(name).rest]
             return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
         if found is None and self._pieces(kind, name) is not None:
             target = self._from_buckets(kind, name, param)
@@ -334,9 +321,9 @@ class MegatronTensors:
         """The parameter's model tensors have a reader (whether its values come from there or
         from the fp32 masters beside them): each name it may be stored under (threefold's
         exports write an MoE layer's pre-MLP norm under two), a section at a time too."""
-        split = _split(name)
+        split = split_name(name)
         sections = SECTIONS.get(split.rest, ()) if split else ()
-        for key, _ in _candidates(name):
+        for key, _ in candidate_keys(name):
             for stored in (key, *(f"{key}.{section}" for section in sections)):
                 if stored in self.sizes:
                     self.read.add(stored)
@@ -344,45 +331,88 @@ class MegatronTensors:
     def check_all_read(
         self, pipeline: Group, strictness: str, left_out: tuple[str, ...] = ()
     ) -> None:
-        """After the model was read, on every rank of the `pipeline` group (whose stages
-        together hold every layer): a model tensor of the checkpoint that no parameter took
-        (a part threefold's model lacks, megatron-core's router bias before threefold had
-        one, say) leaves the model computing something else. `strictness`
-        (--dist-ckpt-strictness, megatron-core's names): refused (raise_*, threefold's
-        default), named (log_*, return_*), or not looked for (assume_ok_unexpected,
-        Megatron-LM's default, and ignore_all). `left_out`: the prefixes of the tensors the
-        run leaves out (said when it loads: multi-token prediction depths it has none of)."""
-        if strictness in ("assume_ok_unexpected", "ignore_all"):
-            return
-        read = self.read
-        if pipeline.size > 1:
-            everyone: list = [None] * pipeline.size
-            dist.all_gather_object(everyone, sorted(read), group=pipeline.group)
-            read = set().union(*everyone)
+        """After the model was read: `unread_refused` for the model tensors no parameter took
+        (Adam's state under its prefixes is not looked at)."""
         optimizer = ("optimizer.", "chained_") + tuple(
             prefix for prefixes in FIELDS.values() for prefix in prefixes
         )
-        unread = sorted(
-            key
-            for key in self.sizes
-            if key not in read and not key.startswith((*optimizer, *left_out))
-        )
-        if not unread:
-            return
-        more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
-        what = f"--load {self.path}: the checkpoint holds {', '.join(unread[:3])}{more}"
-        if strictness.startswith("raise"):
-            raise ConfigError(
-                f"{what}, which this model has no parameter for: its model flags differ from "
-                "the checkpoint's (try --use-checkpoint-args), or it has a part threefold does "
-                "not build (--dist-ckpt-strictness log_unexpected loads it without them)"
-            )
-        if pipeline.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"> {what}, left behind: no parameter takes them (--dist-ckpt-strictness)")
+        stored = [key for key in self.sizes if not key.startswith(optimizer)]
+        unread_refused(self.path, stored, self.read, pipeline, strictness, left_out)
 
     def step(self) -> torch.Tensor | None:
         """Adam's step (from common.pt), when the checkpoint holds Megatron's optimizer."""
         return None if self._step is None else torch.tensor(float(self._step))
+
+
+def joined(shards: list[torch.Tensor], dim: int | None, param: nn.Parameter) -> torch.Tensor:
+    """A tensor whole from the shards the saved TP ranks hold, split along `dim` (None: each
+    holds it whole), as threefold joins its own for this parameter."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if getattr(param, "tensor_model_parallel", False) and param.partition_dim == dim:
+        return unshard(shards, param)  # (SwiGLU's [gate; up] shards too)
+    return torch.cat(shards, dim)  # split there, whole here (MLA's down projections)
+
+
+def from_pieces(
+    pieces: dict[int, Piece],
+    read: Callable[[Piece], torch.Tensor],
+    shape: tuple[int, ...],
+    param: nn.Parameter,
+) -> torch.Tensor:
+    """The whole tensor (global `shape`) of one of Adam's fields from its pieces of the
+    distributed optimizer's buckets on each saved TP rank, each `read` flat."""
+    dim, shape = pieces[min(pieces)].dim, list(shape)
+    if dim is not None:
+        shape[dim] //= len(pieces)
+    return joined([read(pieces[r]).view(shape) for r in sorted(pieces)], dim, param)
+
+
+def masters_refused(path: str, what: str, key: str, index: tuple[int, ...]) -> ConfigError:
+    """The refusal of a bucket layout whose fp32 masters of `key`[index] are not its weights."""
+    return ConfigError(
+        f"--load {path}: the {what}'s fp32 masters of {key}{list(index)} are not its weights, "
+        "so its buckets are laid out otherwise than threefold rebuilt them; pass "
+        "--no-load-optim, or load it in Megatron-LM once and save with "
+        "--dist-ckpt-optim-fully-reshardable"
+    )
+
+
+def unread_refused(
+    path: str,
+    stored: Iterable[str],
+    read: set[str],
+    pipeline: Group,
+    strictness: str,
+    left_out: tuple[str, ...] = (),
+) -> None:
+    """After the model was read, on every rank of the `pipeline` group (whose stages together
+    hold every layer): a model tensor of the checkpoint (`stored`) that no parameter took
+    (`read`: those taken on this rank) — a part threefold's model lacks, megatron-core's
+    router bias before threefold had one, say — leaves the model computing something else.
+    `strictness` (--dist-ckpt-strictness, megatron-core's names): refused (raise_*,
+    threefold's default), named (log_*, return_*), or not looked for (assume_ok_unexpected,
+    Megatron-LM's default, and ignore_all). `left_out`: the prefixes of the tensors the run
+    leaves out (said when it loads: multi-token prediction depths it has none of)."""
+    if strictness in ("assume_ok_unexpected", "ignore_all"):
+        return
+    if pipeline.size > 1:
+        everyone: list = [None] * pipeline.size
+        dist.all_gather_object(everyone, sorted(read), group=pipeline.group)
+        read = set().union(*everyone)
+    unread = sorted(key for key in stored if key not in read and not key.startswith(left_out))
+    if not unread:
+        return
+    more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+    what = f"--load {path}: the checkpoint holds {', '.join(unread[:3])}{more}"
+    if strictness.startswith("raise"):
+        raise ConfigError(
+            f"{what}, which this model has no parameter for: its model flags differ from "
+            "the checkpoint's (try --use-checkpoint-args), or it has a part threefold does "
+            "not build (--dist-ckpt-strictness log_unexpected loads it without them)"
+        )
+    if pipeline.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"> {what}, left behind: no parameter takes them (--dist-ckpt-strictness)")
 
 
 def extra_state() -> io.BytesIO:
@@ -410,8 +440,8 @@ def layer_kinds(names: Iterable[str]) -> tuple[set[str], set[str]]:
     """The key prefixes of the layers with experts (a router) and of the gated delta net
     layers, among parameter `names` (those of whole layers)."""
     names = list(names)
-    moe = {_split(name).prefix for name in names if ".mlp.router." in name}
-    gdn = {_split(name).prefix for name in names if ".self_attention.in_proj." in name}
+    moe = {split_name(name).prefix for name in names if ".mlp.router." in name}
+    gdn = {split_name(name).prefix for name in names if ".self_attention.in_proj." in name}
     return moe, gdn
 
 
@@ -427,7 +457,7 @@ def megatron_parts(
     `stacked_state_dict`; `kinds`: `layer_kinds` of the model), and the linear module whose
     `_extra_state` goes beside it (its key, index and stacking as a Part of no tensor), if any."""
     moe_layers, gdn_layers = kinds
-    split = _split(name)
+    split = split_name(name)
     gdn = split is not None and split.prefix in gdn_layers
     keys = [megatron_key(name, multi_latent_attention, stacked, gated_delta_net=gdn)]
     if split and split.rest.startswith("pre_mlp_layernorm.") and split.prefix in moe_layers:

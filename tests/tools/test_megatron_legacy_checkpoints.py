@@ -1,0 +1,222 @@
+"""Megatron-LM's legacy `--ckpt-format torch` checkpoints in, against megatron-core itself.
+
+megatron-core's GPTModel (local layer spec) saves the same weights twice, as Megatron-LM's
+`save_checkpoint` writes each format (tests/megatron_core_models.py `save_both`): torch_dist,
+and the legacy format, one pickled `mp_rank_*/model_optim_rng.pt` per model-parallel rank.
+threefold reads the legacy one into exactly the weights of the torch_dist one (which
+tests/tools/test_megatron_checkpoints.py proves compute megatron-core's logits) from TP x PP,
+virtual stages, EP and multi-token prediction layouts; computes megatron-core's losses from it
+at another layout; trains on from it; converts it; and refuses what it does not read in one
+line, without running anything the files name.
+
+megatron-core also trains with its DDP (several buckets per buffer) and distributed optimizer
+and saves them in the legacy format, its buffers in distrib_optim.pt
+(tests/megatron_core_training.py): threefold goes on from that Adam state at other layouts
+exactly as megatron-core does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests import megatron_core_models as mc
+from tests import megatron_core_training as mt
+from tests.distributed import run_distributed
+from tests.tools.hf_models import convert_checkpoint
+from tests.tools.megatron_runs import (
+    continue_argv,
+    continue_training,
+    copy_with_args,
+    megatron_argv,
+    per_token_losses,
+    reference_losses,
+    train_from,
+)
+from threefold.checkpoint.load import load_checkpoint, load_model
+from threefold.config import ConfigError
+
+# kind -> the layout megatron-core saves it at: TP, PP, EP, virtual stages, ranks
+LAYOUTS = {
+    "llama": (2, 2, 1, None, 4),
+    "gpt2": (1, 2, 1, 2, 2),  # tied embeddings, learned positions, LayerNorm with biases
+    "moe": (1, 2, 2, None, 4),  # experts on 2 EP ranks of each stage
+    "moe_mtp": (2, 1, 2, None, 4),  # multi-token prediction layers with experts
+    "mla": (2, 1, 1, None, 2),  # down projections split over TP in the local spec
+}
+FILE = "iter_0000010/mp_rank_00_000/model_optim_rng.pt"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """kind -> (torch_dist root, legacy root) of the same weights."""
+    roots = {}
+    for kind, (tp, pp, ep, virtual, ranks) in LAYOUTS.items():
+        base = tmp_path_factory.mktemp(f"legacy_{kind}")
+        roots[kind] = (str(base / "torch_dist"), str(base / "torch"))
+        run_distributed(ranks, mc.save_both, kind, *roots[kind], 10, tp, pp, ep, virtual)
+    return roots
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_the_legacy_format_loads_the_weights_of_its_torch_dist_twin(saved, kind):
+    torch_dist, legacy = saved[kind]
+    config, model, _ = load_model(torch_dist, with_tokenizer=False)
+    legacy_config, legacy_model, _ = load_model(legacy, with_tokenizer=False)
+    assert legacy_config.model == config.model
+    theirs, ours = model.state_dict(), legacy_model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_megatron_cores_losses_from_the_legacy_format_at_another_layout(saved):
+    torch_dist, legacy = saved["llama"]  # saved at TP2 x PP2, read at TP1 x PP2
+    reference = run_distributed(1, mc.logits, "llama", os.path.join(torch_dist, "iter_0000010"))
+    expected = reference_losses(reference[0])
+    results = run_distributed(2, per_token_losses, megatron_argv(legacy, 1, 2), legacy)
+    for losses in (r for r in results if r is not None):
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
+
+
+def test_training_goes_on_from_the_legacy_format_without_its_optimizer_state(saved, tmp_path):
+    """--no-load-optim: Megatron-LM's iteration, samples and schedule, and the same steps as
+    from the torch_dist twin; without it, one line says what to pass (the non-distributed
+    optimizer's state is not read)."""
+    from tests.parity import _setup
+
+    torch_dist, legacy = saved["gpt2"]
+    plain = copy_with_args(legacy, str(tmp_path / "plain"), use_distributed_optimizer=False)
+    trainer = _setup(megatron_argv(plain, 1, 1))
+    with pytest.raises(ConfigError, match="the non-distributed optimizer's, which threefold"):
+        load_checkpoint(plain, trainer.checkpoint_components())
+    runs = [
+        train_from(megatron_argv(root, 1, 1) + ["--no-load-optim"], root, finetune=False)
+        for root in (torch_dist, legacy)
+    ]
+    assert runs[0][0] == runs[1][0]
+    state = runs[1][1].checkpoint_components().train_state
+    assert (state.iteration, state.consumed_train_samples, state.consumed_valid_samples) == (
+        12,
+        644,
+        24,
+    )
+
+
+def test_a_legacy_checkpoint_converts_like_its_torch_dist_twin(saved, tmp_path):
+    converted = {}
+    for root in saved["moe"]:
+        out = str(tmp_path / os.path.basename(root))
+        argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root]
+        assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
+        converted[root] = load_model(out, with_tokenizer=False)[1].state_dict()
+    theirs, ours = converted.values()
+    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+
+
+def _rewritten(root: str, destination: str, change) -> str:
+    """A copy of a legacy checkpoint whose rank-0 file went through `change` (its dict)."""
+    shutil.copytree(root, destination)
+    path = os.path.join(destination, FILE)
+    state = torch.load(path, weights_only=False)  # the test's own file
+    change(state)
+    torch.save(state, path)
+    return destination
+
+
+def _hybrid(state: dict) -> None:
+    state["args"].hybrid_layer_pattern = "M*M*"
+
+
+def _older_models(state: dict) -> None:
+    state["model"] = {"language_model." + key: value for key, value in state["model"].items()}
+
+
+@pytest.mark.parametrize(
+    "change,refusal",
+    [
+        (_hybrid, "legacy torch format of a hybrid model"),
+        (_older_models, "Megatron-LM's older models"),
+        (None, "mp_rank_01_001/model_optim_rng.pt missing"),
+    ],
+    ids=["hybrid", "megatron-legacy-models", "a-rank-missing"],
+)
+def test_what_is_not_read_is_refused_in_one_line(saved, tmp_path, change, refusal):
+    root = str(tmp_path / "changed")
+    if change is None:
+        shutil.copytree(saved["llama"][1], root)
+        shutil.rmtree(os.path.join(root, "iter_0000010", "mp_rank_01_001"))
+    else:
+        _rewritten(saved["llama"][1], root, change)
+    with pytest.raises(ConfigError, match=refusal) as error:
+        load_model(root, with_tokenizer=False)
+    assert "\n" not in str(error.value)
+
+
+# -- the distributed optimizer's distrib_optim.pt: training goes on as megatron-core's own ------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(legacy checkpoint root, megatron-core's weights one iteration later, its loss):
+    megatron-core trained 2 iterations at TP2 x DP2, buckets of 6000 elements."""
+    directory = tmp_path_factory.mktemp("megatron_legacy_trained")
+    root, after = str(directory / "run"), str(directory / "after")
+    losses = run_distributed(4, mt.train_and_save, "llama", root, after, 2, "legacy", 2)
+    return root, after, losses[0]
+
+
+@pytest.mark.parametrize(
+    "dp,flags", [(1, []), (2, ["--use-distributed-optimizer"])], ids=["tp1", "dp2"]
+)
+def test_training_goes_on_from_the_legacy_distributed_optimizer_as_in_megatron(trained, dp, flags):
+    """Adam's moments, fp32 masters and step from distrib_optim.pt (its buckets as megatron-
+    core's DDP formed them from --overlap-grad-reduce and --ddp-bucket-size), read at TP1:
+    the next iteration's loss and weights are megatron-core's."""
+    root, after, megatron_loss = trained
+    argv = continue_argv(root, 1, 1, dp) + flags
+    for loss, difference in run_distributed(dp, continue_training, argv, root, after, True):
+        assert loss == pytest.approx(megatron_loss, rel=1e-6)
+        assert difference < 1e-6
+
+
+def _shorter_buffer(root: str) -> None:
+    """TP rank 1's first buffer 64 elements short (of another model than its args say)."""
+    path = os.path.join(root, "iter_0000002", "mp_rank_01", "distrib_optim.pt")
+    state = torch.load(path, weights_only=False)  # the test's own file
+    (buffer,) = state[0].values()
+    buffer.update({k: buffer[k][:-64].clone() for k in ("param", "exp_avg", "exp_avg_sq")})
+    buffer["numel_unpadded"] -= 64
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        (_shorter_buffer, "is not the one megatron-core forms from its args"),
+        ({"transformer_impl": "transformer_engine"}, "are not its weights"),
+    ],
+    ids=["other-buffer", "other-order"],
+)
+def test_a_legacy_optimizer_state_laid_out_otherwise_is_refused(
+    trained, tmp_path, changes, expected
+):
+    """A buffer that is not what the model's parameters fill does not add up, and --load
+    refuses before reading; told Transformer Engine's order, the masters are not the weights
+    and it refuses on the first parameter. The weights load without it either way. (The
+    bucket size itself barely matters: a bucket's end cuts only the padding before a
+    parameter, none where every parameter's size is a multiple of 64.)"""
+    from tests.parity import _setup
+
+    changed = str(tmp_path / "changed")
+    if callable(changes):
+        shutil.copytree(trained[0], changed)
+        changes(changed)
+    else:
+        copy_with_args(trained[0], changed, iteration=2, **changes)
+    trainer = _setup(continue_argv(changed, 1, 1, 1))
+    with pytest.raises(ConfigError, match=expected) as error:
+        load_checkpoint(changed, trainer.checkpoint_components())
+    assert "--no-load-optim" in str(error.value) and "\n" not in str(error.value)
+    assert load_checkpoint(changed, trainer.checkpoint_components(), load_optimizer=False) == 2

@@ -1,0 +1,200 @@
+"""A Megatron-LM legacy checkpoint's model tensors (checkpoint/megatron/legacy.py), by
+threefold parameter name.
+
+Each file's tensors are indexed under the whole model's names — a chunk's layers renumbered by
+the saved pipeline layout (`chunk_layers_of`), an EP rank's experts by its first expert,
+Transformer Engine's grouped experts (`linear_fc1.weight{e}`) as `local_experts.{e}` — and read
+from their bytes when a parameter asks; a tensor's TP shards are joined as megatron-core split
+them (`tp_split_dim`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+
+import torch
+from torch import nn
+
+from threefold.checkpoint.megatron.buckets import Piece, tp_split_dim
+from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
+from threefold.checkpoint.megatron.format import saved_parallel
+from threefold.checkpoint.megatron.legacy import (
+    MODEL,
+    legacy_args,
+    legacy_common,
+    legacy_files,
+    refuse_unread_kinds,
+    saved_sizes,
+)
+from threefold.checkpoint.megatron.legacy_optimizer import LegacyBuffers, model_sizes
+from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
+from threefold.checkpoint.megatron.tensors import (
+    candidate_keys,
+    from_pieces,
+    joined,
+    masters_refused,
+    split_name,
+    unread_refused,
+)
+from threefold.config import ConfigError, ModelConfig
+from threefold.parallel.parallel_context import Group
+from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Transformer Engine's GroupedMLP: one weight per local expert, numbered after the name
+_GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+class LegacyTensors:
+    """A legacy checkpoint's model tensors by threefold parameter name: what
+    checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
+
+    def __init__(self, path: str, optimizer: bool = False) -> None:
+        # (`optimizer` False: the distributed optimizer's buffers are not looked into)
+        self.path, self.optimizer = path, optimizer
+        self.common = common = legacy_common(path)
+        self.args = args = legacy_args(common, path)
+        refuse_unread_kinds(args, path)
+        self._buckets: LegacyBuffers | None = None
+        self.te_spec = args.get("transformer_impl", "transformer_engine") != "local"
+        self.tied = not args.get("untie_embeddings_and_output_weights")
+        self._archives: dict[str, zipfile.ZipFile] = {}
+        # (key, expert index or ()) -> {saved TP rank: (file, tensor record)}
+        self.index: dict[tuple[str, tuple[int, ...]], dict[int, tuple[str, StoredTensor]]] = {}
+        self.read: set[str] = set()
+        parallel = saved_parallel(args)
+        model = ModelConfig(num_layers=args.get("num_layers") or 1)
+        local_experts = (args.get("num_experts") or 0) // saved_sizes(args)[2]
+        for (tp_rank, pp_rank, ep_rank), file in legacy_files(path, args).items():
+            if not os.path.isfile(file):
+                raise ConfigError(f"--load {path}: {os.path.relpath(file, path)} is missing")
+            chunks = chunk_layers_of(parallel, model, pp_rank)
+            self._index_file(file, tp_rank, chunks, ep_rank * local_experts)
+
+    def _index_file(
+        self, file: str, tp_rank: int, chunks: list[tuple[int, int]], first_expert: int
+    ) -> None:
+        """A rank's tensors under the whole model's names (`chunks`: its model chunks' first
+        layer and number of layers; `first_expert`: its EP rank's)."""
+        state = read_torch_file(file, tensors=True)
+        relative = os.path.relpath(file, self.path)
+        if not isinstance(state, dict):
+            raise ConfigError(f"--load {self.path}: {relative} holds no state dict; it is damaged")
+        for name, value in state.items():
+            found = MODEL.match(name)
+            if found is None or not isinstance(value, dict):
+                continue
+            if "language_model" in value or any(k.startswith("language_model.") for k in value):
+                raise ConfigError(
+                    f"--load {self.path}: a checkpoint of Megatron-LM's older models "
+                    "(megatron/legacy, `language_model.*`), which threefold does not read; "
+                    "load it in Megatron-LM with --use-legacy-models and convert it to "
+                    "megatron-core (tools/checkpoint/convert.py --saver core)"
+                )
+            chunk = int(found.group(1) or 0)
+            if chunk >= len(chunks):
+                raise ConfigError(
+                    f"--load {self.path}: {relative} holds model chunk {chunk}, which its args' "
+                    "pipeline layout does not have; the checkpoint is damaged"
+                )
+            for key, tensor in value.items():
+                if not isinstance(tensor, StoredTensor) or "_extra_state" in key:
+                    continue  # (Transformer Engine's FP8 metadata: not weights)
+                where = self._global(key, chunks[chunk], first_expert, file)
+                self.index.setdefault(where, {}).setdefault(tp_rank, (file, tensor))
+
+    def _global(
+        self, key: str, chunk: tuple[int, int], first_expert: int, file: str
+    ) -> tuple[str, tuple[int, ...]]:
+        """A file's key under the whole model's layer and expert numbers."""
+        grouped = _GROUPED.match(key)
+        if grouped:
+            module, layer, kind, expert = grouped.groups()
+            key = f"{module}.local_experts.{expert}.{layer}.{kind}"
+        local = _LOCAL_LAYER.match(key)
+        if local:
+            offset, count = chunk
+            if int(local.group(1)) >= count:
+                raise ConfigError(
+                    f"--load {self.path}: {os.path.relpath(file, self.path)} holds {key}, past "
+                    "its model chunk's layers by its args' pipeline layout; it is damaged"
+                )
+            key = f"decoder.layers.{offset + int(local.group(1))}.{local.group(2)}"
+        split = split_name(key)
+        if split is None or not split.expert:
+            return key, ()
+        return f"{split.prefix}.{split.rest}", (first_expert + split.expert[0],)
+
+    def _find(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        return next((found for found in candidate_keys(name) if found in self.index), None)
+
+    @property
+    def buckets(self) -> LegacyBuffers:
+        """The distributed optimizer's buffers (distrib_optim.pt) laid out."""
+        if self._buckets is None:
+            sizes = model_sizes(self.index, self.args.get("num_experts") or 0, self.te_spec)
+            self._buckets = LegacyBuffers(self.path, self.args, sizes)
+        return self._buckets
+
+    def _pieces(self, kind: str, name: str) -> dict[int, Piece] | None:
+        if kind not in FIELDS or not self.optimizer or self._find(name) is None:
+            return None
+        return self.buckets.pieces.get(self._find(name))
+
+    def has(self, kind: str, name: str) -> bool:
+        if kind == "model":
+            return self._find(name) is not None
+        return self._pieces(kind, name) is not None
+
+    def _load(self, file: str, tensor: StoredTensor) -> torch.Tensor:
+        if file not in self._archives:
+            self._archives[file] = zipfile.ZipFile(file)
+        return tensor.load(self._archives[file], file)
+
+    def _weights(self, found: tuple[str, tuple[int, ...]], param: nn.Parameter) -> torch.Tensor:
+        """A stored tensor whole, in its stored dtype, from its TP shards."""
+        shards = self.index[found]
+        dim = tp_split_dim(found[0], self.te_spec)
+        if dim is not None and sorted(shards) != list(range(len(shards))):
+            raise ConfigError(f"--load {self.path}: {found[0]} lacks some of its TP shards")
+        ranks = sorted(shards) if dim is not None else [min(shards)]
+        return joined([self._load(*shards[r]) for r in ranks], dim, param)
+
+    def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
+        """The whole tensor of a parameter, unpadded (valid rows only), in fp32; for Adam's
+        fields, from the distributed optimizer's buffers, whose fp32 masters must be the
+        stored weights (else the rebuilt layout is not the one saved, and nothing is read)."""
+        found = self._find(name)
+        pieces = self._pieces(kind, name)
+        if found is None or (kind != "model" and pieces is None):
+            raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
+        self.read.add(found[0])
+        weights = self._weights(found, param)
+        if kind == "model":
+            full = weights.float()
+        else:
+            field = "param" if kind == "master" else kind
+            shape = tuple(weights.shape)
+            full = from_pieces(pieces, lambda piece: self.buckets.read(piece, field), shape, param)
+            if kind == "master" and not torch.equal(full.to(weights.dtype), weights):
+                raise masters_refused(self.path, "distributed optimizer (distrib_optim.pt)", *found)
+        if param.dim() and param.valid_rows is not None:
+            full = full[: param.valid_rows]
+        return full
+
+    def check_all_read(
+        self, pipeline: Group, strictness: str, left_out: tuple[str, ...] = ()
+    ) -> None:
+        """`unread_refused` for the tensors no parameter took (a tied output layer's copy on
+        the last stage is the embedding's, taken with it)."""
+        stored = {key for key, _ in self.index}
+        if self.tied:
+            stored.discard("output_layer.weight")
+        unread_refused(self.path, stored, self.read, pipeline, strictness, left_out)
+
+    def step(self) -> torch.Tensor | None:
+        """Adam's step, when the checkpoint's optimizer state is read."""
+        step = find_step(self.common.get("optimizer")) if self.optimizer else None
+        return None if step is None else torch.tensor(float(step))
