@@ -135,14 +135,19 @@ def _older_models(state: dict) -> None:
     state["model"] = {"language_model." + key: value for key, value in state["model"].items()}
 
 
+def _older_version(state: dict) -> None:
+    state["checkpoint_version"] = 2.0
+
+
 @pytest.mark.parametrize(
     "change,refusal",
     [
         (_hybrid, "legacy torch format of a hybrid model"),
         (_older_models, "Megatron-LM's older models"),
+        (_older_version, "checkpoint_version 2.0, whose attention's query, key and value"),
         (None, "mp_rank_01_001/model_optim_rng.pt missing"),
     ],
-    ids=["hybrid", "megatron-legacy-models", "a-rank-missing"],
+    ids=["hybrid", "megatron-legacy-models", "version-2", "a-rank-missing"],
 )
 def test_what_is_not_read_is_refused_in_one_line(saved, tmp_path, change, refusal):
     root = str(tmp_path / "changed")
@@ -181,6 +186,14 @@ def test_training_goes_on_from_the_legacy_distributed_optimizer_as_in_megatron(t
         assert difference < 1e-6
 
 
+def _older_buffers(root: str) -> None:
+    """TP rank 0's buffers as megatron-core before 0.7 saved them (not coalesced)."""
+    path = os.path.join(root, "iter_0000002", "mp_rank_00", "distrib_optim.pt")
+    state = torch.load(path, weights_only=False)  # the test's own file
+    del state["buckets_coalesced"]
+    torch.save(state, path)
+
+
 def _shorter_buffer(root: str) -> None:
     """TP rank 1's first buffer 64 elements short (of another model than its args say)."""
     path = os.path.join(root, "iter_0000002", "mp_rank_01", "distrib_optim.pt")
@@ -195,9 +208,10 @@ def _shorter_buffer(root: str) -> None:
     "changes,expected",
     [
         (_shorter_buffer, "is not the one megatron-core forms from its args"),
+        (_older_buffers, "mp_rank_00/distrib_optim.pt is an older megatron-core's"),
         ({"transformer_impl": "transformer_engine"}, "are not its weights"),
     ],
-    ids=["other-buffer", "other-order"],
+    ids=["other-buffer", "older-buffers", "other-order"],
 )
 def test_a_legacy_optimizer_state_laid_out_otherwise_is_refused(
     trained, tmp_path, changes, expected

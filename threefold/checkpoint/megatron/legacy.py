@@ -152,6 +152,14 @@ def legacy_metadata(path: str) -> dict:
     common = legacy_common(path)
     args = legacy_args(common, path)
     refuse_unread_kinds(args, path)
+    version = common.get("checkpoint_version")
+    if not isinstance(version, (int, float)) or version < 3.0:
+        # (Megatron-LM reorders an older checkpoint's query/key/value rows as it loads it)
+        raise ConfigError(
+            f"--load {path}: a Megatron-LM checkpoint of checkpoint_version {version}, whose "
+            "attention's query, key and value rows are ordered otherwise than version 3.0's; "
+            "load it in Megatron-LM once and save it again"
+        )
     state = common.get("optimizer")
     if state is None:
         return described(path, common, MegatronOptimizer("none", False))

@@ -52,6 +52,8 @@ class LegacyBuffers:
             file = os.path.join(os.path.dirname(file), FILE)
             if os.path.isfile(file):
                 self._index(file, tp_rank + tp * pp_rank, tp_rank + tp * (ep_rank + ep * pp_rank))
+        if self.reason is not None:
+            return
         for gbuf, lengths in self.lengths.items():
             if gbuf not in self.flat:
                 self.reason = f"no {FILE} holds its buffer {gbuf}"
@@ -78,6 +80,11 @@ class LegacyBuffers:
         for i, optimizer in enumerate(state if isinstance(state, list) else [state]):
             if not isinstance(optimizer, dict):
                 continue  # (None: that optimizer's data-parallel rank 0 wrote it elsewhere)
+            if optimizer.get("buckets_coalesced") is not True:
+                # (megatron-core before 0.7 saved a list per bucket, laid out otherwise)
+                relative = os.path.relpath(file, self.path)
+                self.reason = f"{relative} is an older megatron-core's (buckets not coalesced)"
+                return
             prefix = f"chained_{i}." if chained else ""
             rank = experts if i == 1 else dense
             for gbuf, by_dtype in optimizer.items():
