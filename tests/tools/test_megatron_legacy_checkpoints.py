@@ -17,7 +17,9 @@ exactly as megatron-core does.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 
 import pytest
@@ -114,6 +116,34 @@ def test_a_legacy_checkpoint_converts_like_its_torch_dist_twin(saved, tmp_path):
         assert convert_checkpoint.main(argv + ["--save-dir", out]) == 0
         converted[root] = load_model(out, with_tokenizer=False)[1].state_dict()
     theirs, ours = converted.values()
+    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+
+
+def _te_names(state: dict) -> None:
+    """A rank's state as Transformer Engine's spec names it: the input norm fused into
+    linear_qkv, the experts a GroupedMLP's `linear_fc1.weight{e}`."""
+    state["args"].transformer_impl = "transformer_engine"
+    renamed = {}
+    for key, value in state["model"].items():
+        key = key.replace(".input_layernorm.", ".self_attention.linear_qkv.layer_norm_")
+        found = re.match(r"^(.+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.(.+)$", key)
+        renamed[f"{found[1]}.{found[3]}.{found[4]}{found[2]}" if found else key] = value
+    state["model"] = renamed
+
+
+def test_transformer_engines_names_load_the_same_weights(saved, tmp_path):
+    """Megatron-LM's default spec names a layer's norms after the linear layers they are fused
+    into and keeps a GroupedMLP's experts as one weight each, numbered after the name."""
+    legacy = saved["moe"][1]
+    root = str(tmp_path / "te")
+    shutil.copytree(legacy, root)
+    for path in glob.glob(os.path.join(root, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)  # the test's own file
+        _te_names(state)
+        assert any(re.search(r"linear_fc1\.weight\d+$", key) for key in state["model"])
+        torch.save(state, path)
+    theirs = load_model(legacy, with_tokenizer=False)[1].state_dict()
+    ours = load_model(root, with_tokenizer=False)[1].state_dict()
     assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
 
 
