@@ -33,7 +33,11 @@ def batch(step: int, data_parallel: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _megatron_training(
-    kind: str, tensor_parallel: int, distributed: bool, bucket_size: int | None = None
+    kind: str,
+    tensor_parallel: int,
+    distributed: bool,
+    bucket_size: int | None = None,
+    expert_parallel: int = 1,
 ):
     """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer,
     as a namespace: `model`, `optimizer`, `scheduler` and `iteration(step)`, which trains on
@@ -53,7 +57,7 @@ def _megatron_training(
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     with cpu_patches(), optimizer_patches():
-        model = build(kind, tensor_parallel, 1)
+        model = build(kind, tensor_parallel, 1, expert_parallel=expert_parallel)
         dp = parallel_state.get_data_parallel_world_size()
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=distributed,
@@ -110,7 +114,13 @@ def _megatron_training(
 
 
 def train_and_save(
-    kind: str, root: str, after: str, tensor_parallel: int, layout: str | None, steps: int
+    kind: str,
+    root: str,
+    after: str,
+    tensor_parallel: int,
+    layout: str | None,
+    steps: int,
+    expert_parallel: int = 1,
 ) -> float:
     """`steps` iterations of `_megatron_training`, a checkpoint with the optimizer state under
     `root` (`layout`: the distributed optimizer's --dist-ckpt-optim-fully-reshardable
@@ -121,11 +131,14 @@ def train_and_save(
 
     distributed = layout is not None
     bucket_size = LEGACY_BUCKET_SIZE if layout == "legacy" else None
-    with _megatron_training(kind, tensor_parallel, distributed, bucket_size) as run:
+    with _megatron_training(
+        kind, tensor_parallel, distributed, bucket_size, expert_parallel
+    ) as run:
         for step in range(steps):
             run.iteration(step)
         args = megatron_args(kind, tensor_parallel, 1)
         args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
+        args.expert_model_parallel_size = expert_parallel
         args.consumed_train_samples = steps * run.dp
         if layout == "legacy":
             _save_legacy(run, args, root, steps)
@@ -154,22 +167,22 @@ def train_and_save(
 
 def _save_legacy(run, args, root: str, iteration: int) -> None:
     """Megatron-LM's save in its legacy format with the distributed optimizer (`save_checkpoint`
-    for a CheckpointType.LEGACY save, TP x DP here): every rank gathers the optimizer's buffers
-    (`save_parameter_state`, written by DP rank 0 to distrib_optim.pt), DP rank 0 of each TP
-    rank writes model_optim_rng.pt."""
+    for a CheckpointType.LEGACY save, TP (x EP) x DP here): every rank gathers the optimizer's
+    buffers (`save_parameter_state`, written to distrib_optim.pt where an optimizer's DP rank
+    is 0; the experts' optimizer's DP ranks are its own), expert-DP rank 0 of each
+    model-parallel rank writes model_optim_rng.pt."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
     args.ckpt_format, args.overlap_grad_reduce = "torch", True
     args.ddp_bucket_size = LEGACY_BUCKET_SIZE
-    directory = os.path.join(
-        root,
-        f"iter_{iteration:07d}",
-        f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}",
-    )
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    directory = os.path.join(root, f"iter_{iteration:07d}", name)
     os.makedirs(directory, exist_ok=True)
     run.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))
-    if parallel_state.get_data_parallel_rank() == 0:
+    if ps.get_expert_data_parallel_rank() == 0:
         state = {
             "args": args,
             "checkpoint_version": 3.0,

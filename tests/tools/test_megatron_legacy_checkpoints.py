@@ -202,15 +202,38 @@ def trained(tmp_path_factory):
     return root, after, losses[0]
 
 
+@pytest.fixture(scope="module")
+def trained_experts(tmp_path_factory):
+    """The same for the mixture of experts "moe" at DP2 x EP2: each EP rank's file, its
+    distrib_optim.pt a list of the two chained optimizers' buffers (the rest's written by DP
+    rank 0 alone)."""
+    directory = tmp_path_factory.mktemp("megatron_legacy_moe")
+    root, after = str(directory / "run"), str(directory / "after")
+    losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, "legacy", 2, 2)
+    return root, after, losses[0]
+
+
 @pytest.mark.parametrize(
-    "dp,flags", [(1, []), (2, ["--use-distributed-optimizer"])], ids=["tp1", "dp2"]
+    "kind,dp,flags",
+    [
+        ("dense", 1, []),
+        ("dense", 2, ["--use-distributed-optimizer"]),
+        ("experts", 1, []),
+        ("experts", 2, ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]),
+    ],
+    ids=["tp1", "dp2", "experts-one-process", "experts-dp2-ep2"],
 )
-def test_training_goes_on_from_the_legacy_distributed_optimizer_as_in_megatron(trained, dp, flags):
+def test_training_goes_on_from_the_legacy_distributed_optimizer_as_in_megatron(
+    trained, trained_experts, kind, dp, flags
+):
     """Adam's moments, fp32 masters and step from distrib_optim.pt (its buckets as megatron-
     core's DDP formed them from --overlap-grad-reduce and --ddp-bucket-size), read at TP1:
-    the next iteration's loss and weights are megatron-core's."""
-    root, after, megatron_loss = trained
+    the next iteration's loss and weights are megatron-core's. (The experts' harness steps
+    without the expert bias's update, as tests/tools/test_megatron_moe_checkpoints.py says.)"""
+    root, after, megatron_loss = trained if kind == "dense" else trained_experts
     argv = continue_argv(root, 1, 1, dp) + flags
+    if kind == "experts":
+        argv += ["--moe-router-bias-update-rate", "0"]
     for loss, difference in run_distributed(dp, continue_training, argv, root, after, True):
         assert loss == pytest.approx(megatron_loss, rel=1e-6)
         assert difference < 1e-6

@@ -226,13 +226,17 @@ def megatron_trained(tmp_path_factory):
     """layout -> (checkpoint root, megatron-core's weights one iteration later, its loss):
     megatron-core trained "moe" 2 iterations at DP2 with its distributed optimizer (one for the
     experts, one for the rest), saved fully reshardable and in its default dp_reshardable
-    layout."""
+    layout; and at DP2 x EP2 in dp_reshardable (the experts' buffers their own)."""
     runs = {}
-    for layout in ("fully_reshardable", "dp_reshardable"):
-        directory = tmp_path_factory.mktemp(f"megatron_moe_{layout}")
+    for name, layout, ep in (
+        ("fully_reshardable", "fully_reshardable", 1),
+        ("dp_reshardable", "dp_reshardable", 1),
+        ("dp_reshardable_ep2", "dp_reshardable", 2),
+    ):
+        directory = tmp_path_factory.mktemp(f"megatron_moe_{name}")
         root, after = str(directory / "run"), str(directory / "after")
-        losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, layout, 2)
-        runs[layout] = (root, after, losses[0])
+        losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, layout, 2, ep)
+        runs[name] = (root, after, losses[0])
     return runs
 
 
@@ -257,6 +261,7 @@ def megatron_trained(tmp_path_factory):
             ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"],
         ),
         ("dp_reshardable", 1, 2, 1, []),
+        ("dp_reshardable_ep2", 1, 1, 1, []),  # saved at EP2: its experts' buffers joined
     ],
     ids=[
         "one-process",
@@ -265,6 +270,7 @@ def megatron_trained(tmp_path_factory):
         "dp-reshardable-one-process",
         "dp-reshardable-dp2-ep2",
         "dp-reshardable-pp2",
+        "dp-reshardable-saved-at-ep2",
     ],
 )
 def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
