@@ -280,3 +280,31 @@ def test_pretrained_checkpoint_starts_a_run_that_later_resumes_itself(tmp_path):
         f"pretrain_gpt.py: error: --pretrained-checkpoint {empty}: holds no checkpoint "
         f"(--load {run}2 holds none either); fix the path\n"
     )
+
+
+def test_ckpt_step_loads_that_iteration_and_keeps_newer_ones_safe(tmp_path):
+    """Megatron-LM's --ckpt-step N loads iteration N, not the tracker's; one --load does not
+    hold is refused naming those it does, and a --save into the same directory, whose saves
+    would replace the newer iterations, is refused before start."""
+    from threefold.checkpoint.loadable import check_before_start
+
+    directory = str(tmp_path / "run")
+    trainer = _setup(LLAMA_STYLE + TRAINING)
+    saved = {}
+    for iteration in (1, 2):
+        trainer.train_step()
+        save_checkpoint(directory, trainer.checkpoint_components())
+        saved[iteration] = _full(trainer)
+    earlier = _setup(LLAMA_STYLE + TRAINING + ["--load", directory, "--ckpt-step", "1"])
+    assert load_checkpoint(directory, earlier.checkpoint_components()) == 1
+    assert earlier.state.iteration == 1
+    assert_close_dicts(_full(earlier), saved[1], 0.0, "parameter")
+    missing = _setup(LLAMA_STYLE + TRAINING + ["--load", directory, "--ckpt-step", "5"])
+    with pytest.raises(ConfigError, match=r"holds no iteration 5 \(it holds: 2, 1\)"):
+        load_checkpoint(directory, missing.checkpoint_components())
+    same = missing.config.checkpoint
+    same.ckpt_step, same.save = 1, directory
+    with pytest.raises(ConfigError, match="newer iterations \\(2 the newest\\), which this run"):
+        check_before_start(directory, same, 1, None)
+    same.save = str(tmp_path / "elsewhere")
+    assert check_before_start(directory, same, 1, None) == 1

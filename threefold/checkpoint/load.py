@@ -43,10 +43,12 @@ def all_ranks_agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def find_checkpoint(root: str, verify_integrity: bool = False) -> int | None:
+def find_checkpoint(
+    root: str, verify_integrity: bool = False, step: int | None = None
+) -> int | None:
     """The iteration to load from `root` (checkpoint/loadable.py's `choose_iteration`): this
     rank verifies its slice of each candidate's checksums (`verify_integrity`: one without
-    checksums counts as damaged), and all ranks choose the same one."""
+    checksums counts as damaged), and all ranks choose the same one (`step`: that one)."""
     distributed = dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     return choose_iteration(
@@ -54,6 +56,7 @@ def find_checkpoint(root: str, verify_integrity: bool = False) -> int | None:
         lambda iteration: damage(root, iteration, verify_integrity, rank, world_size),
         all_ranks_agree,
         _warn,
+        step,
     )
 
 
@@ -77,7 +80,8 @@ def load_checkpoint(
         if root == components.config.checkpoint.save:
             return None
         raise ConfigError(f"--load {root}: no such directory")
-    iteration = find_checkpoint(root, components.config.checkpoint.verify_integrity)
+    checkpoint = components.config.checkpoint
+    iteration = find_checkpoint(root, checkpoint.verify_integrity, checkpoint.ckpt_step)
     if iteration is None:
         return None
     loadable = check_loadable(

@@ -28,6 +28,7 @@ from threefold.checkpoint.manifest import (
     MANIFEST,
     complete_iterations,
     has_iteration_directories,
+    iterations,
     read_integrity,
     read_manifest,
     verify_slice,
@@ -95,14 +96,29 @@ def choose_iteration(
     damage_of: Callable[[int], str | None],
     all_ranks_agree: Callable[[bool], bool] = bool,
     warn: Callable[[str], None] | None = None,
+    step: int | None = None,
 ) -> int | None:
     """The iteration to load from `root`: the tracker's, if `damage_of(iteration)` (this
     rank's verdict on its files, `damage`) finds nothing wrong; if it is damaged, the newest
     complete one before it, with a one-line `warn`ing. None when `root` holds no checkpoint at
     all; a one-line ConfigError when it holds some but none is usable (never 'start from
     scratch' over existing iterations). `all_ranks_agree(ok)`: whether `ok` holds on every
-    rank, so that all ranks choose the same iteration."""
+    rank, so that all ranks choose the same iteration. `step`
+    (--ckpt-step, Megatron-LM's): that iteration, whole, or a one-line refusal (no fallback)."""
     warn = warn or (lambda message: None)
+    if step is not None:
+        if not os.path.isdir(checkpoint_dir(root, step)):
+            held = ", ".join(map(str, iterations(root)[:5])) or "none"
+            raise ConfigError(
+                f"--ckpt-step {step}: --load {root} holds no iteration {step} (it holds: {held})"
+            )
+        found = damage_of(step)
+        if not all_ranks_agree(found is None):
+            raise ConfigError(
+                f"--ckpt-step {step}: iteration {step} of --load {root} is damaged "
+                f"({found or 'on another rank'}); drop the flag to take the newest good one"
+            )
+        return step
     tracked = read_tracker(root)
     complete = complete_iterations(root)
     candidates = ([tracked] if tracked is not None else []) + [
@@ -145,6 +161,14 @@ def check_before_start(
     files' contents might still decide between iterations, only what fails on all of them is
     refused; a fallback is announced later, once, when the contents are verified. Returns
     the iteration chosen (None: `root` holds no checkpoint)."""
+    step = checkpoint.ckpt_step
+    newer = [i for i in iterations(root) if step is not None and i > step]
+    if newer and checkpoint.save and os.path.realpath(checkpoint.save) == os.path.realpath(root):
+        raise ConfigError(
+            f"--ckpt-step {step}: --load {root} holds newer iterations ({newer[0]} the newest), "
+            "which this run's saves into the same --save would replace; give --save another "
+            "directory"
+        )
     refusals: dict[int, ConfigError] = {}
 
     def verdict(iteration: int) -> str | None:
@@ -168,7 +192,7 @@ def check_before_start(
         return None
 
     try:
-        iteration = choose_iteration(root, verdict)
+        iteration = choose_iteration(root, verdict, step=checkpoint.ckpt_step)
     except ConfigError:
         if refusals:  # every iteration the run could load refuses it
             raise next(iter(refusals.values())) from None

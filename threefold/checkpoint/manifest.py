@@ -125,15 +125,20 @@ def verify_slice(
     return None
 
 
-def complete_iterations(root: str) -> list[int]:
-    """Iterations under `root` whose directory is complete (has a manifest), newest first."""
+def iterations(root: str) -> list[int]:
+    """Iterations under `root` that have a directory (complete or not), newest first."""
     if not os.path.isdir(root):
         return []
-    found = [int(m.group(1)) for m in map(_ITERATION.match, os.listdir(root)) if m]
     return sorted(
-        (i for i in found if os.path.isfile(os.path.join(root, f"iter_{i:07d}", MANIFEST))),
-        reverse=True,
+        (int(m.group(1)) for m in map(_ITERATION.match, os.listdir(root)) if m), reverse=True
     )
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Iterations under `root` whose directory is complete (has a manifest), newest first."""
+    return [
+        i for i in iterations(root) if os.path.isfile(os.path.join(root, f"iter_{i:07d}", MANIFEST))
+    ]
 
 
 def has_iteration_directories(root: str) -> bool:

@@ -39,6 +39,11 @@ class CheckpointConfig:
     save_interval: int | None = arg(
         None, minimum=1, help="save every this many iterations (and at the end)"
     )
+    ckpt_step: int | None = arg(
+        None,
+        minimum=0,
+        help="load this iteration of --load instead of the latest (Megatron-LM's --ckpt-step)",
+    )
     # Megatron-LM's default is torch_dist; threefold's own format stays the default here, as
     # it holds what Megatron-LM's cannot (the ranks' RNG streams, FP8 scaling state, adapters).
     ckpt_format: str = arg(
@@ -156,6 +161,7 @@ class CheckpointConfig:
         for name, value in (
             ("--exit-on-missing-checkpoint", self.exit_on_missing_checkpoint),
             ("--finetune", self.finetune),
+            ("--ckpt-step", self.ckpt_step is not None),
         ):
             _require(not value or self.load is not None, f"{name} needs --load DIR")
         # What not to load, with nothing to load: Megatron-LM's launch scripts pass these
