@@ -125,11 +125,12 @@ def train_and_save(
     """`steps` iterations of `_megatron_training`, a checkpoint with the optimizer state under
     `root` (`layout`: the distributed optimizer's --dist-ckpt-optim-fully-reshardable
     ("fully_reshardable") or default ("dp_reshardable") layout, None: the non-distributed
-    optimizer), then one more iteration whose weights go (model only) under `after`. Returns
-    that iteration's loss."""
+    optimizer; Megatron-LM's legacy format with the distributed optimizer ("legacy") or the
+    non-distributed one ("legacy_plain")), then one more iteration whose weights go (model
+    only) under `after`. Returns that iteration's loss."""
     import torch.distributed as dist
 
-    distributed = layout is not None
+    distributed = layout not in (None, "legacy_plain")
     bucket_size = LEGACY_BUCKET_SIZE if layout == "legacy" else None
     with _megatron_training(
         kind, tensor_parallel, distributed, bucket_size, expert_parallel
@@ -140,7 +141,7 @@ def train_and_save(
         args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
         args.expert_model_parallel_size = expert_parallel
         args.consumed_train_samples = steps * run.dp
-        if layout == "legacy":
+        if layout in ("legacy", "legacy_plain"):
             _save_legacy(run, args, root, steps)
             loss = run.iteration(steps)
             state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
@@ -181,7 +182,8 @@ def _save_legacy(run, args, root: str, iteration: int) -> None:
         name += f"_{ps.get_expert_model_parallel_rank():03d}"
     directory = os.path.join(root, f"iter_{iteration:07d}", name)
     os.makedirs(directory, exist_ok=True)
-    run.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))
+    if args.use_distributed_optimizer:
+        run.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))
     if ps.get_expert_data_parallel_rank() == 0:
         state = {
             "args": args,

@@ -84,17 +84,16 @@ def test_megatron_cores_losses_from_the_legacy_format_at_another_layout(saved):
         torch.testing.assert_close(torch.tensor(losses), expected, rtol=0, atol=1e-5)
 
 
-def test_training_goes_on_from_the_legacy_format_without_its_optimizer_state(saved, tmp_path):
+def test_training_goes_on_from_the_legacy_format_without_its_optimizer_state(saved):
     """--no-load-optim: Megatron-LM's iteration, samples and schedule, and the same steps as
-    from the torch_dist twin; without it, one line says what to pass (the non-distributed
-    optimizer's state is not read)."""
+    from the torch_dist twin; without it, a checkpoint whose distributed optimizer's buffers
+    are missing (`save_both` writes no distrib_optim.pt) says in one line what to pass."""
     from tests.parity import _setup
 
     torch_dist, legacy = saved["gpt2"]
-    plain = copy_with_args(legacy, str(tmp_path / "plain"), use_distributed_optimizer=False)
-    trainer = _setup(megatron_argv(plain, 1, 1))
-    with pytest.raises(ConfigError, match="the non-distributed optimizer's, which threefold"):
-        load_checkpoint(plain, trainer.checkpoint_components())
+    trainer = _setup(megatron_argv(legacy, 1, 1))
+    with pytest.raises(ConfigError, match="no distrib_optim.pt holds its buffer .*--no-load-optim"):
+        load_checkpoint(legacy, trainer.checkpoint_components())
     runs = [
         train_from(megatron_argv(root, 1, 1) + ["--no-load-optim"], root, finetune=False)
         for root in (torch_dist, legacy)
@@ -203,36 +202,60 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_experts(tmp_path_factory):
-    """The same for the mixture of experts "moe" at DP2 x EP2: each EP rank's file, its
-    distrib_optim.pt a list of the two chained optimizers' buffers (the rest's written by DP
-    rank 0 alone)."""
-    directory = tmp_path_factory.mktemp("megatron_legacy_moe")
-    root, after = str(directory / "run"), str(directory / "after")
-    losses = run_distributed(2, mt.train_and_save, "moe", root, after, 1, "legacy", 2, 2)
-    return root, after, losses[0]
+def trained_more(tmp_path_factory):
+    """The same for the mixture of experts "moe" at DP2 x EP2 (each EP rank's file; its
+    distrib_optim.pt a list of the two chained optimizers' buffers, the rest's written by DP
+    rank 0 alone), and with the non-distributed optimizer (its state in model_optim_rng.pt)
+    for "llama" at TP2 x DP2 and "moe" at DP2 x EP2: (kind, optimizer) -> as `trained`."""
+    runs = {}
+    for kind, layout, tp, ep, ranks in (
+        ("moe", "legacy", 1, 2, 2),
+        ("llama", "legacy_plain", 2, 1, 4),
+        ("moe", "legacy_plain", 1, 2, 2),
+    ):
+        directory = tmp_path_factory.mktemp(f"megatron_{layout}_{kind}")
+        root, after = str(directory / "run"), str(directory / "after")
+        losses = run_distributed(ranks, mt.train_and_save, kind, root, after, tp, layout, 2, ep)
+        runs[(kind, layout)] = (root, after, losses[0])
+    return runs
+
+
+EXPERTS_DP2 = ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]
 
 
 @pytest.mark.parametrize(
-    "kind,dp,flags",
+    "kind,layout,dp,flags",
     [
-        ("dense", 1, []),
-        ("dense", 2, ["--use-distributed-optimizer"]),
-        ("experts", 1, []),
-        ("experts", 2, ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]),
+        ("llama", "legacy", 1, []),
+        ("llama", "legacy", 2, ["--use-distributed-optimizer"]),
+        ("moe", "legacy", 1, []),
+        ("moe", "legacy", 2, EXPERTS_DP2),
+        ("llama", "legacy_plain", 1, []),
+        ("llama", "legacy_plain", 2, ["--use-distributed-optimizer"]),
+        ("moe", "legacy_plain", 1, []),
     ],
-    ids=["tp1", "dp2", "experts-one-process", "experts-dp2-ep2"],
+    ids=[
+        "tp1",
+        "dp2",
+        "experts-one-process",
+        "experts-dp2-ep2",
+        "plain-tp1",
+        "plain-dp2",
+        "plain-experts-one-process",
+    ],
 )
-def test_training_goes_on_from_the_legacy_distributed_optimizer_as_in_megatron(
-    trained, trained_experts, kind, dp, flags
+def test_training_goes_on_from_the_legacy_optimizer_state_as_in_megatron(
+    trained, trained_more, kind, layout, dp, flags
 ):
     """Adam's moments, fp32 masters and step from distrib_optim.pt (its buckets as megatron-
-    core's DDP formed them from --overlap-grad-reduce and --ddp-bucket-size), read at TP1:
+    core's DDP formed them from --overlap-grad-reduce and --ddp-bucket-size), or from the
+    non-distributed optimizer's state (its parameters numbered group by group), read at TP1:
     the next iteration's loss and weights are megatron-core's. (The experts' harness steps
     without the expert bias's update, as tests/tools/test_megatron_moe_checkpoints.py says.)"""
-    root, after, megatron_loss = trained if kind == "dense" else trained_experts
+    run = trained if (kind, layout) == ("llama", "legacy") else trained_more[(kind, layout)]
+    root, after, megatron_loss = run
     argv = continue_argv(root, 1, 1, dp) + flags
-    if kind == "experts":
+    if kind == "moe":
         argv += ["--moe-router-bias-update-rate", "0"]
     for loss, difference in run_distributed(dp, continue_training, argv, root, after, True):
         assert loss == pytest.approx(megatron_loss, rel=1e-6)
@@ -287,3 +310,22 @@ def test_a_legacy_optimizer_state_laid_out_otherwise_is_refused(
         load_checkpoint(changed, trainer.checkpoint_components())
     assert "--no-load-optim" in str(error.value) and "\n" not in str(error.value)
     assert load_checkpoint(changed, trainer.checkpoint_components(), load_optimizer=False) == 2
+
+
+def test_a_plain_optimizer_state_numbered_otherwise_is_refused(trained_more, tmp_path):
+    """The non-distributed optimizer's groups must hold the model's parameters of their kind,
+    each of its shape: one moved to another group is refused in one line, before reading."""
+    from tests.parity import _setup
+
+    root = str(tmp_path / "moved")
+    shutil.copytree(trained_more[("llama", "legacy_plain")][0], root)
+    path = os.path.join(root, "iter_0000002", "mp_rank_01", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=False)  # the test's own file
+    groups = state["optimizer"]["param_groups"]
+    groups[1]["params"].append(groups[0]["params"].pop())
+    torch.save(state, path)
+    trainer = _setup(continue_argv(root, 1, 1, 1))
+    expected = "mp_rank_01/model_optim_rng.pt: its group 0 holds 17 parameters, its model 18"
+    with pytest.raises(ConfigError, match=expected) as error:
+        load_checkpoint(root, trainer.checkpoint_components())
+    assert "--no-load-optim" in str(error.value) and "\n" not in str(error.value)

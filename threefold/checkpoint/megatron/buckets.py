@@ -114,7 +114,7 @@ _MTP = re.compile(
     r"^mtp\.layers\.(\d+)\.((?:enorm|hnorm|eh_proj|transformer_layer|final_layernorm)\..+)$"
 )
 # model tensors that are buffers, not parameters (no optimizer state)
-_BUFFERS = (".expert_bias",)
+BUFFERS = (".expert_bias",)
 # the parameters outside the layers, by module, in megatron-core's GPTModel's order (the
 # decoder's layers come after the embeddings, its multi-token prediction block after its final
 # norm, before the output layer)
@@ -257,7 +257,7 @@ def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
     """Each parameter the model tensors hold, a layer's and an expert's slice at a time."""
     found = []
     for key, size in sizes.items():
-        if key.startswith(("optimizer.", "chained_")) or key.endswith(_BUFFERS):
+        if key.startswith(("optimizer.", "chained_")) or key.endswith(BUFFERS):
             continue
         numel = math.prod(size)
         if key.startswith("decoder.layers."):

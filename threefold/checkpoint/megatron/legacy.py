@@ -22,10 +22,12 @@ args' TP/PP/virtual stages/EP) and joins a tensor's TP shards as megatron-core s
 (`tp_split_dim`), so a checkpoint loads at any layout as a torch_dist one does.
 
 Read: GPT models (dense, mixture-of-experts with EP, multi-token prediction; local or
-Transformer Engine spec), their iteration, samples and LR schedule. Not read, each refused in
-one line: the optimizer state (--no-load-optim or --finetune loads the rest), hybrid and gated
-delta net models (their projections are split over TP a section at a time), experts split over
-another TP size than the rest, and the older models of `megatron/legacy` (`language_model.*`).
+Transformer Engine spec), their iteration, samples and LR schedule, and Adam's state, the
+distributed optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each
+refused in one line: hybrid and gated delta net models (their projections are split over TP a
+section at a time), `--pipeline-model-parallel-layout`, experts split over another TP size than
+the rest, a checkpoint_version before 3.0, and the older models of `megatron/legacy`
+(`language_model.*`).
 """
 
 from __future__ import annotations
@@ -163,18 +165,12 @@ def legacy_metadata(path: str) -> dict:
     state = common.get("optimizer")
     if state is None:
         return described(path, common, MegatronOptimizer("none", False))
-    if not args.get("use_distributed_optimizer"):
-        return described(path, common, MegatronOptimizer(LEGACY, False))
-    # (torch, only here: the buffers' layout is rebuilt from the model's tensors)
+    # (torch, only here: the state's layout is rebuilt from the model's tensors)
     from threefold.checkpoint.megatron.legacy_tensors import LegacyTensors
 
-    buckets = LegacyTensors(path, optimizer=True).buckets
+    layout = LEGACY_DISTRIBUTED if args.get("use_distributed_optimizer") else LEGACY
     step = find_step(state)
-    reason = buckets.reason or (None if step is not None else "it holds no Adam step")
-    return described(
-        path,
-        common,
-        MegatronOptimizer(
-            LEGACY_DISTRIBUTED, reason is None, step, find_loss_scaler(state), reason
-        ),
-    )
+    reason = LegacyTensors(path, optimizer=True).state.reason
+    reason = reason or (None if step is not None else "it holds no Adam step")
+    scaler = find_loss_scaler(state)
+    return described(path, common, MegatronOptimizer(layout, reason is None, step, scaler, reason))

@@ -1,4 +1,5 @@
-"""The distributed optimizer's state in Megatron-LM's legacy format: `distrib_optim.pt`.
+"""Adam's state in Megatron-LM's legacy format: the distributed optimizer's `distrib_optim.pt`
+(`LegacyBuffers`), the non-distributed optimizer's in model_optim_rng.pt (`LegacyPlainState`).
 
 Beside each model-parallel rank's model_optim_rng.pt, Megatron-LM's distributed optimizer
 writes its gradient buffers gathered over data parallelism (megatron-core's
@@ -123,3 +124,66 @@ def model_sizes(index: dict, num_experts: int, te_spec: bool) -> dict[str, tuple
             shape[dim] *= len(shards)
         sizes[key] = (num_experts, *shape) if expert else tuple(shape)
     return sizes
+
+
+class LegacyPlainState:
+    """The non-distributed optimizer's state in a legacy checkpoint: each rank's
+    model_optim_rng.pt holds its TP shard's Adam state as torch's Adam keeps it, by parameter
+    number across its groups (a list of two such states where the experts chain an optimizer
+    of their own), and under bf16/fp16 the fp32 masters group by group
+    (`fp32_from_fp16_params`). megatron-core numbers the parameters as its `_get_param_groups`
+    puts them: by group, each in the model chunks' parameter order, the groups told apart by
+    what they record (`wd_mult`: 0 for biases and one-dimensional parameters; whether they are
+    the experts', under EP > 1 only). `fields`: (key, index) -> {saved TP rank: {field: (file,
+    tensor)}}; `reason`: why not read (None when read)."""
+
+    def __init__(
+        self, path: str, params: dict[str, tuple[int, list]], expert_parallel: bool
+    ) -> None:
+        self.path, self.expert_parallel = path, expert_parallel
+        self.fields: dict = {}
+        self.reason: str | None = None
+        for file, (tp_rank, order) in params.items():
+            state = read_torch_file(file, tensors=True).get("optimizer")
+            optimizers = state if isinstance(state, list) else [state]
+            for optimizer in optimizers:
+                reason = self._index(file, tp_rank, order, optimizer)
+                if reason is not None:
+                    self.reason = f"{os.path.relpath(file, path)}: {reason}"
+                    return
+
+    def _index(self, file: str, tp_rank: int, order: list, optimizer) -> str | None:
+        """One optimizer's state of a file (`order`: its parameters' (key, index, shape) in the
+        model chunks' order), or why it is not megatron-core's."""
+        inner = optimizer.get("optimizer", optimizer) if isinstance(optimizer, dict) else None
+        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+            return "its optimizer state is not torch's Adam's"
+        state, masters = inner.get("state") or {}, optimizer.get("fp32_from_fp16_params")
+        seen = set()
+        for g, group in enumerate(inner["param_groups"]):
+            kind = (group.get("wd_mult") == 0.0, bool(group.get("is_expert_parallel")))
+            if kind in seen:
+                return "two of its parameter groups hold the same kind of parameter"
+            seen.add(kind)
+            params = [p for p in order if _kind(p[0], p[2], self.expert_parallel) == kind]
+            numbers = group.get("params") or []
+            if len(numbers) != len(params):
+                return f"its group {g} holds {len(numbers)} parameters, its model {len(params)}"
+            for i, ((key, index, shape), number) in enumerate(zip(params, numbers)):
+                each = state.get(number) or {}
+                found = {f: each.get(f) for f in ("exp_avg", "exp_avg_sq")}
+                if masters is not None:
+                    found["master"] = masters[g][i]
+                if any(getattr(t, "shape", None) != shape for t in found.values()):
+                    return f"parameter {number} of its group {g} is not {key}'s shape"
+                by_rank = self.fields.setdefault((key, index), {})
+                by_rank.setdefault(tp_rank, {f: (file, t) for f, t in found.items()})
+        return None
+
+
+def _kind(key: str, shape: tuple[int, ...], expert_parallel: bool) -> tuple[bool, bool]:
+    """(free of weight decay, an expert's under EP) of a parameter: megatron-core's default
+    keeps biases and one-dimensional parameters free of it, and its experts' layers set their
+    `allreduce` off (their own groups) only under expert parallelism."""
+    expert = expert_parallel and ".mlp.experts." in key
+    return key.endswith(".bias") or len(shape) == 1, expert

@@ -17,7 +17,7 @@ import zipfile
 import torch
 from torch import nn
 
-from threefold.checkpoint.megatron.buckets import Piece, tp_split_dim
+from threefold.checkpoint.megatron.buckets import BUFFERS, tp_split_dim
 from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
 from threefold.checkpoint.megatron.format import saved_parallel
 from threefold.checkpoint.megatron.legacy import (
@@ -28,7 +28,11 @@ from threefold.checkpoint.megatron.legacy import (
     refuse_unread_kinds,
     saved_sizes,
 )
-from threefold.checkpoint.megatron.legacy_optimizer import LegacyBuffers, model_sizes
+from threefold.checkpoint.megatron.legacy_optimizer import (
+    LegacyBuffers,
+    LegacyPlainState,
+    model_sizes,
+)
 from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
 from threefold.checkpoint.megatron.tensors import (
     candidate_keys,
@@ -52,12 +56,15 @@ class LegacyTensors:
     checkpoint/resharding.py's SavedTensors offers for threefold's own checkpoints."""
 
     def __init__(self, path: str, optimizer: bool = False) -> None:
-        # (`optimizer` False: the distributed optimizer's buffers are not looked into)
+        # (`optimizer` False: the optimizer's state is not looked into)
         self.path, self.optimizer = path, optimizer
         self.common = common = legacy_common(path)
         self.args = args = legacy_args(common, path)
         refuse_unread_kinds(args, path)
-        self._buckets: LegacyBuffers | None = None
+        self.distributed = bool(args.get("use_distributed_optimizer"))
+        self._state: LegacyBuffers | LegacyPlainState | None = None
+        # file -> (its TP rank, its parameters' (key, index, shape) in the model's order)
+        self.params: dict[str, tuple[int, list]] = {}
         self.te_spec = args.get("transformer_impl", "transformer_engine") != "local"
         self.tied = not args.get("untie_embeddings_and_output_weights")
         self._archives: dict[str, zipfile.ZipFile] = {}
@@ -104,6 +111,9 @@ class LegacyTensors:
                     continue  # (Transformer Engine's FP8 metadata: not weights)
                 where = self._global(key, chunks[chunk], first_expert, file)
                 self.index.setdefault(where, {}).setdefault(tp_rank, (file, tensor))
+                if not key.endswith(BUFFERS):
+                    order = self.params.setdefault(file, (tp_rank, []))[1]
+                    order.append((*where, tensor.shape))
 
     def _global(
         self, key: str, chunk: tuple[int, int], first_expert: int, file: str
@@ -131,55 +141,69 @@ class LegacyTensors:
         return next((found for found in candidate_keys(name) if found in self.index), None)
 
     @property
-    def buckets(self) -> LegacyBuffers:
-        """The distributed optimizer's buffers (distrib_optim.pt) laid out."""
-        if self._buckets is None:
+    def state(self) -> LegacyBuffers | LegacyPlainState:
+        """The optimizer's state: the distributed optimizer's buffers (distrib_optim.pt) laid
+        out, or the non-distributed optimizer's per parameter."""
+        if self._state is None and self.distributed:
             sizes = model_sizes(self.index, self.args.get("num_experts") or 0, self.te_spec)
-            self._buckets = LegacyBuffers(self.path, self.args, sizes)
-        return self._buckets
+            self._state = LegacyBuffers(self.path, self.args, sizes)
+        elif self._state is None:
+            expert_parallel = saved_sizes(self.args)[2] > 1
+            self._state = LegacyPlainState(self.path, self.params, expert_parallel)
+        return self._state
 
-    def _pieces(self, kind: str, name: str) -> dict[int, Piece] | None:
-        if kind not in FIELDS or not self.optimizer or self._find(name) is None:
+    def _optimizer_state(self, kind: str, name: str) -> dict | None:
+        """A parameter's state of one of Adam's fields: its bucket pieces or its tensors, by
+        saved TP rank."""
+        found = self._find(name)
+        if kind not in FIELDS or not self.optimizer or found is None:
             return None
-        return self.buckets.pieces.get(self._find(name))
+        if self.distributed:
+            return self.state.pieces.get(found)
+        by_rank = self.state.fields.get(found)
+        if not by_rank or any(kind not in fields for fields in by_rank.values()):
+            return None  # (the masters: only a bf16/fp16 run's)
+        return {rank: fields[kind] for rank, fields in by_rank.items()}
 
     def has(self, kind: str, name: str) -> bool:
         if kind == "model":
             return self._find(name) is not None
-        return self._pieces(kind, name) is not None
+        return self._optimizer_state(kind, name) is not None
 
     def _load(self, file: str, tensor: StoredTensor) -> torch.Tensor:
         if file not in self._archives:
             self._archives[file] = zipfile.ZipFile(file)
         return tensor.load(self._archives[file], file)
 
-    def _weights(self, found: tuple[str, tuple[int, ...]], param: nn.Parameter) -> torch.Tensor:
-        """A stored tensor whole, in its stored dtype, from its TP shards."""
-        shards = self.index[found]
-        dim = tp_split_dim(found[0], self.te_spec)
+    def _joined(self, key: str, shards: dict, param: nn.Parameter) -> torch.Tensor:
+        """A tensor of `key` whole, in its stored dtype, from its TP shards (file, record)."""
+        dim = tp_split_dim(key, self.te_spec)
         if dim is not None and sorted(shards) != list(range(len(shards))):
-            raise ConfigError(f"--load {self.path}: {found[0]} lacks some of its TP shards")
+            raise ConfigError(f"--load {self.path}: {key} lacks some of its TP shards")
         ranks = sorted(shards) if dim is not None else [min(shards)]
         return joined([self._load(*shards[r]) for r in ranks], dim, param)
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
-        """The whole tensor of a parameter, unpadded (valid rows only), in fp32; for Adam's
-        fields, from the distributed optimizer's buffers, whose fp32 masters must be the
-        stored weights (else the rebuilt layout is not the one saved, and nothing is read)."""
-        found = self._find(name)
-        pieces = self._pieces(kind, name)
-        if found is None or (kind != "model" and pieces is None):
+        """The whole tensor of a parameter, unpadded (valid rows only), in fp32. Adam's
+        fields come from the distributed optimizer's buffers or the non-distributed
+        optimizer's state; their fp32 masters must be the stored weights (else the state is
+        laid out otherwise than it was read, and nothing is)."""
+        found, state = self._find(name), self._optimizer_state(kind, name)
+        if found is None or (kind != "model" and state is None):
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
         self.read.add(found[0])
-        weights = self._weights(found, param)
+        weights = self._joined(found[0], self.index[found], param)
         if kind == "model":
-            full = weights.float()
-        else:
+            full = weights
+        elif self.distributed:
             field = "param" if kind == "master" else kind
-            shape = tuple(weights.shape)
-            full = from_pieces(pieces, lambda piece: self.buckets.read(piece, field), shape, param)
-            if kind == "master" and not torch.equal(full.to(weights.dtype), weights):
-                raise masters_refused(self.path, "distributed optimizer (distrib_optim.pt)", *found)
+            read = lambda piece: self.state.read(piece, field)  # noqa: E731
+            full = from_pieces(state, read, tuple(weights.shape), param)
+        else:
+            full = self._joined(found[0], state, param)
+        if kind == "master" and not torch.equal(full.to(weights.dtype), weights):
+            raise masters_refused(self.path, "optimizer state", *found)
+        full = full.float()
         if param.dim() and param.valid_rows is not None:
             full = full[: param.valid_rows]
         return full

@@ -46,7 +46,7 @@ FIELDS = {
 }
 _LOSS_SCALER = ("scale", "growth_tracker", "hysteresis_tracker")
 # Megatron-LM's legacy torch format's optimizer state (checkpoint/megatron/legacy.py): the
-# non-distributed optimizer's (not read), the distributed optimizer's distrib_optim.pt
+# non-distributed optimizer's in model_optim_rng.pt, the distributed optimizer's distrib_optim.pt
 LEGACY = "legacy torch format"
 LEGACY_DISTRIBUTED = "legacy distrib_optim.pt"
 
@@ -67,16 +67,9 @@ def refusal(layout: str, source: str, reason: str | None = None) -> str:
     """The one line for a --load that needs an optimizer state threefold cannot read."""
     if reason is not None:
         return (
-            f"{source}: a Megatron-LM checkpoint whose distributed-optimizer state is in the "
-            f"{layout} layout, and {reason}; pass --no-load-optim / --finetune, or load it in "
+            f"{source}: a Megatron-LM checkpoint whose optimizer state is in the {layout} "
+            f"layout, and {reason}; pass --no-load-optim / --finetune, or load it in "
             "Megatron-LM once and save with --dist-ckpt-optim-fully-reshardable"
-        )
-    if layout == LEGACY:
-        return (
-            f"{source}: a Megatron-LM checkpoint in its legacy torch format whose optimizer "
-            "state is the non-distributed optimizer's, which threefold does not read; pass "
-            "--no-load-optim / --finetune (the weights, iteration and LR schedule still load), "
-            "or have Megatron-LM save it as torch_dist and load that"
         )
     if layout == "none":
         return (
@@ -99,6 +92,9 @@ def find_step(state: Any) -> float | None:
         common = state.get("state", {})
         if isinstance(common, dict) and isinstance(common.get("common_step"), (int, float)):
             return float(common["common_step"])
+        for each in common.values() if isinstance(common, dict) else ():
+            if isinstance(each, dict) and isinstance(each.get("step"), (int, float)):
+                return float(each["step"])  # (torch's Adam: each parameter's own, all equal)
         for group in state.get("param_groups", []) or []:
             if isinstance(group, dict) and isinstance(group.get("step"), (int, float)):
                 return float(group["step"])
