@@ -8,8 +8,9 @@ masters; `exp_avg`; `exp_avg_sq`) and `numel_unpadded`, its buckets one after an
 their end padding cut, a list of two such states where the experts chain an optimizer of their
 own. It is the dp_reshardable layout (checkpoint/megatron/buckets.py) with the buckets joined,
 and what it does not record — where each bucket ends — megatron-core's DDP decides from the
-args (`formed_buckets`: --overlap-grad-reduce, --ddp-bucket-size). So the layout is rebuilt as
-for dp_reshardable, checked to add up to every stored buffer's length, and each parameter's
+args (`formed_buckets`: --overlap-grad-reduce, --ddp-bucket-size; a bucket's end cuts only the
+padding before the next parameter, so it matters only where a size is no multiple of 64). So
+the layout is rebuilt as for dp_reshardable, checked to add up to every stored buffer's length, and each parameter's
 range of a field is read at its place in the file; the load then checks its fp32 masters
 against the weights, as for dp_reshardable.
 """
