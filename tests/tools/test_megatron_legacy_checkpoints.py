@@ -227,22 +227,12 @@ EXPERTS_DP2 = ["--use-distributed-optimizer", "--expert-model-parallel-size", "2
     "kind,layout,dp,flags",
     [
         ("llama", "legacy", 1, []),
-        ("llama", "legacy", 2, ["--use-distributed-optimizer"]),
         ("moe", "legacy", 1, []),
-        ("moe", "legacy", 2, EXPERTS_DP2),
+        ("moe", "legacy", 2, EXPERTS_DP2),  # (into the distributed optimizer's shards too)
         ("llama", "legacy_plain", 1, []),
-        ("llama", "legacy_plain", 2, ["--use-distributed-optimizer"]),
-        ("moe", "legacy_plain", 1, []),
+        ("moe", "legacy_plain", 2, EXPERTS_DP2),
     ],
-    ids=[
-        "tp1",
-        "dp2",
-        "experts-one-process",
-        "experts-dp2-ep2",
-        "plain-tp1",
-        "plain-dp2",
-        "plain-experts-one-process",
-    ],
+    ids=["tp1", "experts-one-process", "experts-dp2-ep2", "plain-tp1", "plain-experts-dp2-ep2"],
 )
 def test_training_goes_on_from_the_legacy_optimizer_state_as_in_megatron(
     trained, trained_more, kind, layout, dp, flags

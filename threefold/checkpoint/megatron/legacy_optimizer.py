@@ -10,9 +10,9 @@ own. It is the dp_reshardable layout (checkpoint/megatron/buckets.py) with the b
 and what it does not record — where each bucket ends — megatron-core's DDP decides from the
 args (`formed_buckets`: --overlap-grad-reduce, --ddp-bucket-size; a bucket's end cuts only the
 padding before the next parameter, so it matters only where a size is no multiple of 64). So
-the layout is rebuilt as for dp_reshardable, checked to add up to every stored buffer's length, and each parameter's
-range of a field is read at its place in the file; the load then checks its fp32 masters
-against the weights, as for dp_reshardable.
+the layout is rebuilt as for dp_reshardable, checked to add up to every stored buffer's
+length, and each parameter's range of a field is read at its place in the file; the load then
+checks its fp32 masters against the weights, as for dp_reshardable.
 """
 
 from __future__ import annotations
