@@ -119,12 +119,18 @@ def model_sizes(index: dict, num_experts: int, te_spec: bool) -> dict[str, tuple
     (`index`: LegacyTensors')."""
     sizes = {}
     for (key, expert), shards in index.items():
-        shape = list(shards[min(shards)][1].shape)
-        dim = tp_split_dim(key, te_spec)
-        if dim is not None:
-            shape[dim] *= len(shards)
-        sizes[key] = (num_experts, *shape) if expert else tuple(shape)
+        shape = whole_shape(key, shards, te_spec)
+        sizes[key] = (num_experts, *shape) if expert else shape
     return sizes
+
+
+def whole_shape(key: str, shards: dict, te_spec: bool) -> tuple[int, ...]:
+    """A tensor's whole shape from its TP shards' records ({TP rank: (file, record)})."""
+    shape = list(shards[min(shards)][1].shape)
+    dim = tp_split_dim(key, te_spec)
+    if dim is not None:
+        shape[dim] *= len(shards)
+    return tuple(shape)
 
 
 class LegacyPlainState:
@@ -135,17 +141,23 @@ class LegacyPlainState:
     (`fp32_from_fp16_params`). megatron-core numbers the parameters as its `_get_param_groups`
     puts them: by group, each in the model chunks' parameter order, the groups told apart by
     what they record (`wd_mult`: 0 for biases and one-dimensional parameters; whether they are
-    the experts', under EP > 1 only). `fields`: (key, index) -> {saved TP rank: {field: (file,
-    tensor)}}; `reason`: why not read (None when read)."""
+    the experts', under EP > 1 only). `params`: each file's TP rank and parameters' (key,
+    index, shape) in the model's order; `states`: each file's `optimizer` entry. `fields`:
+    (key, index) -> {saved TP rank: {field: (file, tensor)}}; `reason`: why not read (None
+    when read)."""
 
     def __init__(
-        self, path: str, params: dict[str, tuple[int, list]], expert_parallel: bool
+        self,
+        path: str,
+        params: dict[str, tuple[int, list]],
+        states: dict[str, object],
+        expert_parallel: bool,
     ) -> None:
         self.path, self.expert_parallel = path, expert_parallel
         self.fields: dict = {}
         self.reason: str | None = None
         for file, (tp_rank, order) in params.items():
-            state = read_torch_file(file, tensors=True).get("optimizer")
+            state = states.get(file)
             optimizers = state if isinstance(state, list) else [state]
             for optimizer in optimizers:
                 reason = self._index(file, tp_rank, order, optimizer)

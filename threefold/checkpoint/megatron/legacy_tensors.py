@@ -17,7 +17,7 @@ import zipfile
 import torch
 from torch import nn
 
-from threefold.checkpoint.megatron.buckets import BUFFERS, tp_split_dim
+from threefold.checkpoint.megatron.buckets import BUFFERS, Piece, tp_split_dim
 from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
 from threefold.checkpoint.megatron.format import saved_parallel
 from threefold.checkpoint.megatron.legacy import (
@@ -32,6 +32,7 @@ from threefold.checkpoint.megatron.legacy_optimizer import (
     LegacyBuffers,
     LegacyPlainState,
     model_sizes,
+    whole_shape,
 )
 from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
 from threefold.checkpoint.megatron.tensors import (
@@ -65,6 +66,7 @@ class LegacyTensors:
         self._state: LegacyBuffers | LegacyPlainState | None = None
         # file -> (its TP rank, its parameters' (key, index, shape) in the model's order)
         self.params: dict[str, tuple[int, list]] = {}
+        self._optimizer_states: dict[str, object] = {}  # file -> its optimizer's own state
         self.te_spec = args.get("transformer_impl", "transformer_engine") != "local"
         self.tied = not args.get("untie_embeddings_and_output_weights")
         self._archives: dict[str, zipfile.ZipFile] = {}
@@ -89,6 +91,7 @@ class LegacyTensors:
         relative = os.path.relpath(file, self.path)
         if not isinstance(state, dict):
             raise ConfigError(f"--load {self.path}: {relative} holds no state dict; it is damaged")
+        self._optimizer_states[file] = state.get("optimizer")
         for name, value in state.items():
             found = MODEL.match(name)
             if found is None or not isinstance(value, dict):
@@ -149,7 +152,9 @@ class LegacyTensors:
             self._state = LegacyBuffers(self.path, self.args, sizes)
         elif self._state is None:
             expert_parallel = saved_sizes(self.args)[2] > 1
-            self._state = LegacyPlainState(self.path, self.params, expert_parallel)
+            self._state = LegacyPlainState(
+                self.path, self.params, self._optimizer_states, expert_parallel
+            )
         return self._state
 
     def _optimizer_state(self, kind: str, name: str) -> dict | None:
@@ -192,13 +197,18 @@ class LegacyTensors:
         if found is None or (kind != "model" and state is None):
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
         self.read.add(found[0])
-        weights = self._joined(found[0], self.index[found], param)
+        if kind in ("model", "master"):  # (the moments need not the weights, the masters do)
+            weights = self._joined(found[0], self.index[found], param)
         if kind == "model":
             full = weights
         elif self.distributed:
             field = "param" if kind == "master" else kind
-            read = lambda piece: self.state.read(piece, field)  # noqa: E731
-            full = from_pieces(state, read, tuple(weights.shape), param)
+
+            def read(piece: Piece) -> torch.Tensor:
+                return self.state.read(piece, field)
+
+            shape = whole_shape(found[0], self.index[found], self.te_spec)
+            full = from_pieces(state, read, shape, param)
         else:
             full = self._joined(found[0], state, param)
         if kind == "master" and not torch.equal(full.to(weights.dtype), weights):
