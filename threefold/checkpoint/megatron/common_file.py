@@ -170,12 +170,19 @@ class StoredTensor:
             raw = bytearray(archive.read(self.entry))
         except (KeyError, zipfile.BadZipFile, OSError) as error:
             raise ConfigError(f"{source}: unreadable ({error}); it is damaged") from None
-        flat = torch.frombuffer(raw, dtype=getattr(torch, dtype)) if raw else torch.empty(0)
-        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        dtype = getattr(torch, dtype)
         if any(n == 0 for n in self.shape):
-            return torch.empty(self.shape, dtype=getattr(torch, dtype))
-        if self.offset < 0 or last >= flat.numel() or any(s < 0 for s in self.stride):
+            return torch.empty(self.shape, dtype=dtype)
+        width = torch.empty((), dtype=dtype).element_size()
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        if (
+            len(raw) % width
+            or self.offset < 0
+            or any(s < 0 for s in self.stride)
+            or last >= len(raw) // width
+        ):  # (torch.frombuffer would raise on a length that is no multiple of the element)
             raise ConfigError(f"{source}: a tensor reaches past its storage; it is damaged")
+        flat = torch.frombuffer(raw, dtype=dtype)
         return flat.as_strided(self.shape, self.stride, self.offset).clone()
 
     def load_range(self, archive: zipfile.ZipFile, source: str, start: int, count: int):
