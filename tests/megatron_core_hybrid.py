@@ -168,11 +168,16 @@ def _stack_spec(shape: dict):
         mlp_bda=get_bias_dropout_add,
         sharded_state_dict_keys_map={"pre_mlp_layernorm.": names["pre_mlp_layernorm."]},
     )
-    experts = TransformerLayerSubmodules(
-        pre_mlp_layernorm=gpt.pre_mlp_layernorm,
-        mlp=get_moe_module_spec(use_te=False, num_experts=shape["num_experts"]),
-        mlp_bda=get_bias_dropout_add,
-    )
+    experts = IdentityOp  # (MambaStack's, without expert layers)
+    if shape["num_experts"]:
+        experts = ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=gpt.pre_mlp_layernorm,
+                mlp=get_moe_module_spec(use_te=False, num_experts=shape["num_experts"]),
+                mlp_bda=get_bias_dropout_add,
+            ),
+        )
     mamba = MambaLayerSubmodules(
         norm=WrappedTorchNorm,
         mixer=ModuleSpec(
@@ -191,22 +196,32 @@ def _stack_spec(shape: dict):
             mamba_layer=ModuleSpec(module=MambaLayer, submodules=mamba),
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
             mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
-            moe_layer=ModuleSpec(module=TransformerLayer, submodules=experts),
+            moe_layer=experts,
         ),
     )
 
 
-def build(kind: str, tensor_parallel: int, seed: int = 0):
-    """megatron-core's MambaModel for this rank of TP `tensor_parallel`."""
+def build(
+    kind: str,
+    tensor_parallel: int,
+    seed: int = 0,
+    pipeline_parallel: int = 1,
+    expert_parallel: int = 1,
+):
+    """megatron-core's MambaModel for this rank of a TP x PP (x EP) layout (its stages split
+    the layers evenly, as megatron-core 0.16's MambaStack does)."""
     from megatron.core import parallel_state
     from megatron.core.models.mamba import MambaModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = SHAPES[kind]
-    parallel_state.initialize_model_parallel(tensor_parallel, 1)
-    torch.manual_seed(seed)
+    parallel_state.initialize_model_parallel(
+        tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
+    )
+    torch.manual_seed(seed + parallel_state.get_pipeline_model_parallel_rank())
     config = TransformerConfig(
-        **mc.config_fields(shape, tensor_parallel, 1),
+        **mc.config_fields(shape, tensor_parallel, pipeline_parallel),
+        expert_model_parallel_size=expert_parallel,
         mamba_state_dim=shape["mamba_state_dim"],
         mamba_head_dim=shape["mamba_head_dim"],
         mamba_num_groups=shape["mamba_num_groups"],
@@ -225,6 +240,8 @@ def build(kind: str, tensor_parallel: int, seed: int = 0):
         position_embedding_type=shape["position_embedding_type"],
         rotary_base=int(shape["rotary_base"]),
         share_embeddings_and_output_weights=not shape["untie_embeddings_and_output_weights"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     with torch.no_grad():  # norms start at 1, A and D at set values: random, so mix-ups show
         for name, param in model.named_parameters():

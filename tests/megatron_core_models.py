@@ -411,26 +411,32 @@ def save_both(
     for a `CheckpointType.LEGACY` save (`generate_state_dict` with each model chunk's
     `state_dict_for_save_checkpoint()`, `model0`, `model1`, ... under virtual stages; one
     `torch.save` per model-parallel rank, by its expert-data-parallel rank 0, into
-    `get_checkpoint_name`'s mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt)."""
+    `get_checkpoint_name`'s mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt). A hybrid `kind`:
+    megatron-core's MambaModel (tests/megatron_core_hybrid.py)."""
     import random
 
     import numpy
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    with cpu_patches():
+    from tests import megatron_core_hybrid as mh
+
+    with mh.hybrid_patches():  # (the CPU's, and a hybrid's Mamba mixers)
         stages = range(virtual_stages or 1)
-        chunks = [
-            build(
-                kind,
-                tensor_parallel,
-                pipeline_parallel,
-                expert_parallel=expert_parallel,
-                virtual_stages=virtual_stages,
-                vp_stage=stage if virtual_stages else None,
-            )
-            for stage in stages
-        ]
+        if "hybrid_layer_pattern" in SHAPES[kind]:
+            chunks = [mh.build(kind, tensor_parallel, 0, pipeline_parallel, expert_parallel)]
+        else:
+            chunks = [
+                build(
+                    kind,
+                    tensor_parallel,
+                    pipeline_parallel,
+                    expert_parallel=expert_parallel,
+                    virtual_stages=virtual_stages,
+                    vp_stage=stage if virtual_stages else None,
+                )
+                for stage in stages
+            ]
         args = megatron_args(kind, tensor_parallel, pipeline_parallel)
         args.world_size, args.expert_model_parallel_size = dist.get_world_size(), expert_parallel
         args.virtual_pipeline_model_parallel_size = virtual_stages

@@ -170,6 +170,18 @@ SHAPES["hybrid"] = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": 32,
 }
+# its four layers split over two pipeline stages as megatron-core 0.16 splits a hybrid's: "M*"
+# and "ME"
+SHAPES["hybrid4"] = {**SHAPES["hybrid"], "hybrid_layer_pattern": "M*ME", "num_layers": 4}
+# without expert layers (megatron-core trains those under TP only with sequence parallelism,
+# which its CPU norms lack)
+SHAPES["hybrid_dense"] = {
+    **SHAPES["hybrid"],
+    "hybrid_layer_pattern": "M*M-",
+    "num_layers": 4,
+    "num_experts": None,
+    "moe_ffn_hidden_size": None,
+}
 SHAPES["moe_stacked"] = {
     **SHAPES["llama"],
     **MOE,

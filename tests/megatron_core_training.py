@@ -11,15 +11,9 @@ import os
 
 import torch
 
-from tests.megatron_core_models import (
-    SEQ,
-    VOCAB,
-    build,
-    cpu_patches,
-    megatron_args,
-    optimizer_patches,
-    write,
-)
+from tests import megatron_core_hybrid as mh
+from tests.megatron_core_models import SEQ, VOCAB, build, megatron_args, optimizer_patches, write
+from tests.megatron_core_shapes import SHAPES
 
 LR, WEIGHT_DECAY = 3e-3, 0.01
 LEGACY_BUCKET_SIZE = 6000  # elements: the legacy save's buffers hold several buckets
@@ -39,9 +33,10 @@ def _megatron_training(
     bucket_size: int | None = None,
     expert_parallel: int = 1,
 ):
-    """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer,
-    as a namespace: `model`, `optimizer`, `scheduler` and `iteration(step)`, which trains on
-    global batch `step` and returns the loss averaged over DP.
+    """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer (of
+    its GPTModel, or a hybrid's MambaModel), as a namespace: `model`, `optimizer`, `scheduler`
+    and `iteration(step)`, which trains on global batch `step` and returns the loss averaged
+    over DP.
 
     As Megatron-LM's loop: constant LR through its OptimizerParamScheduler (which also keeps
     biases and norms free of weight decay; `use_checkpoint` takes a loaded checkpoint's
@@ -56,8 +51,11 @@ def _megatron_training(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    with cpu_patches(), optimizer_patches():
-        model = build(kind, tensor_parallel, 1, expert_parallel=expert_parallel)
+    with mh.hybrid_patches(), optimizer_patches():  # (a hybrid's Mamba mixers; the CPU's)
+        if "hybrid_layer_pattern" in SHAPES[kind]:
+            model = mh.build(kind, tensor_parallel, expert_parallel=expert_parallel)
+        else:
+            model = build(kind, tensor_parallel, 1, expert_parallel=expert_parallel)
         dp = parallel_state.get_data_parallel_world_size()
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=distributed,

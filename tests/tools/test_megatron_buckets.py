@@ -13,34 +13,26 @@ import re
 import pytest
 
 from tests.distributed import run_distributed
+from tests.megatron_core_shapes import SHAPES
 
 BUCKET_SIZE = 6000  # elements: the first stage's layers span several buckets
 DTYPE = "(torch.float32, torch.float32)"
 
 
-def _stored(model, name: str, sharded, sizes: dict, stored: dict, ep: int, tp: int) -> None:
+def _stored(sharded, sizes: dict, stored: dict) -> None:
     """Where one entry of megatron-core's sharded state dict puts its tensor: its global shape
     under `sizes`, (key, index) under the tensor's address in `stored`."""
-    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    if isinstance(sharded, ShardedTensor):
+    if isinstance(sharded, ShardedTensorFactory):  # SwiGLU's fc1 halves, a Mamba's sections
+        built = sharded.build()
+        for piece in built:
+            sizes[piece.key] = tuple(piece.global_shape)
+        index = tuple(built[0].global_offset[: built[0].prepend_axis_num])
+        stored[sharded.data.data_ptr()] = (sharded.key, index)
+    elif isinstance(sharded, ShardedTensor):
         sizes[sharded.key] = tuple(sharded.global_shape)
         index = tuple(sharded.global_offset[: sharded.prepend_axis_num])
-        stored[sharded.data.data_ptr()] = (sharded.key, index)
-    elif isinstance(sharded, ShardedTensorFactory):  # SwiGLU's fc1: its place by name
-        assert parallel_state.get_pipeline_model_parallel_world_size() == 1  # (layer numbers)
-        expert = re.search(r"local_experts\.(\d+)\.", name)
-        layer = re.match(r"decoder\.layers\.(\d+)\.", name)
-        rows, *others = sharded.data.shape  # (split over TP by rows)
-        index, shape = (), (rows * tp, *others)
-        if expert:
-            local = model.config.num_moe_experts // ep
-            ep_rank = parallel_state.get_expert_model_parallel_rank()
-            index, shape = (ep_rank * local + int(expert.group(1)),), (local * ep, *shape)
-        if re.match(r"decoder\.layers\.\D", sharded.key):  # stacked
-            index, shape = (int(layer.group(1)), *index), (model.config.num_layers, *shape)
-        sizes[sharded.key] = shape
         stored[sharded.data.data_ptr()] = (sharded.key, index)
 
 
@@ -55,17 +47,21 @@ def megatron_buffers(
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from tests.megatron_core_models import build, cpu_patches, optimizer_patches
+    from tests import megatron_core_hybrid as mh
+    from tests.megatron_core_models import build, optimizer_patches
 
     sizes, placed = {}, {}
-    with cpu_patches(), optimizer_patches():
+    with mh.hybrid_patches(), optimizer_patches():
         chunks = []
         for chunk in range(virtual_stages or 1):
             vp_stage = chunk if virtual_stages else None
-            model = build(kind, tp, pp, 0, ep, virtual_stages, vp_stage)
+            if "hybrid_layer_pattern" in SHAPES[kind]:
+                model = mh.build(kind, tp, 0, pp, ep)
+            else:
+                model = build(kind, tp, pp, 0, ep, virtual_stages, vp_stage)
             stored = {}  # a tensor's address -> (key, index): its place in the checkpoint
-            for name, sharded in model.sharded_state_dict().items():
-                _stored(model, name, sharded, sizes, stored, ep, tp)
+            for sharded in model.sharded_state_dict().values():
+                _stored(sharded, sizes, stored)
             # (before the DDP wrapper moves every parameter into its buffer)
             where = {param: stored.get(param.data_ptr()) for param in model.parameters()}
             names = {param: name for name, param in model.named_parameters()}
@@ -135,8 +131,20 @@ def _layouts(results: list, args: dict) -> tuple[dict, dict, dict]:
         ("moe_mtp", 1, 1, 2, None),  # experts in buffers of their own, multi-token prediction
         ("gpt_oss", 1, 1, 2, None),  # softmax sinks, biased experts and router
         ("gpt2", 1, 2, 1, 2),  # two virtual stages: a buffer per model chunk
+        # Mamba mixers (dt_bias, A_log and D before in_proj; in_proj and conv1d a section at a
+        # time), attention, MLP and expert layers
+        ("hybrid", 2, 1, 2, None),
+        ("hybrid4", 1, 2, 1, None),  # a hybrid's stages
     ],
-    ids=["gpt2-tp2-pp2", "mla-tp2", "moe-mtp-ep2", "gpt-oss-ep2", "gpt2-pp2-vpp2"],
+    ids=[
+        "gpt2-tp2-pp2",
+        "mla-tp2",
+        "moe-mtp-ep2",
+        "gpt-oss-ep2",
+        "gpt2-pp2-vpp2",
+        "hybrid-tp2-ep2",
+        "hybrid-pp2",
+    ],
 )
 def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep, vpp):
     """Every parameter's bucket, offset and length on every saved rank, as megatron-core's

@@ -48,6 +48,8 @@ LAYOUTS = {
     "moe": (1, 2, 2, None, 4),  # experts on 2 EP ranks of each stage
     "moe_mtp": (2, 1, 2, None, 4),  # multi-token prediction layers with experts
     "mla": (2, 1, 1, None, 2),  # down projections split over TP in the local spec
+    # a hybrid's stages ("M*", "ME"), its Mamba mixers' sections split over TP
+    "hybrid4": (2, 2, 1, None, 4),
 }
 FILE = "iter_0000010/mp_rank_00_000/model_optim_rng.pt"
 
@@ -156,8 +158,8 @@ def _rewritten(root: str, destination: str, change) -> str:
     return destination
 
 
-def _hybrid(state: dict) -> None:
-    state["args"].hybrid_layer_pattern = "M*M*"
+def _gated_delta_nets(state: dict) -> None:
+    state["args"].hybrid_layer_pattern = "G*G*"
 
 
 def _older_models(state: dict) -> None:
@@ -171,12 +173,12 @@ def _older_version(state: dict) -> None:
 @pytest.mark.parametrize(
     "change,refusal",
     [
-        (_hybrid, "legacy torch format of a hybrid model"),
+        (_gated_delta_nets, "legacy torch format of gated delta nets"),
         (_older_models, "Megatron-LM's older models"),
         (_older_version, "checkpoint_version 2.0, whose attention's query, key and value"),
         (None, "mp_rank_01_001/model_optim_rng.pt missing"),
     ],
-    ids=["hybrid", "megatron-legacy-models", "version-2", "a-rank-missing"],
+    ids=["gated-delta-nets", "megatron-legacy-models", "version-2", "a-rank-missing"],
 )
 def test_what_is_not_read_is_refused_in_one_line(saved, tmp_path, change, refusal):
     root = str(tmp_path / "changed")

@@ -24,8 +24,10 @@ checkpoint/megatron/tensors.py): the state is read only where the rebuilt layout
 megatron-core's. Chained optimizers (the experts' beside the rest, under EP > 1) add their
 `chained_{i}.` prefix, and the experts' buffers are numbered by the expert-TP x EP x PP rank.
 GPT models with standard or multi-latent attention, dense or mixture-of-experts, with
-multi-token prediction, are laid out (tests/tools/test_megatron_buckets.py compares with
-megatron-core's own buffers); not (refused as such): hybrid and gated-delta-net layers,
+multi-token prediction, and hybrids of Mamba, attention, MLP and expert layers (a Mamba
+mixer's in_proj and conv1d stored a section at a time: one parameter here, `whole_sizes`) are
+laid out (tests/tools/test_megatron_buckets.py compares with megatron-core's own buffers);
+not (refused as such): gated delta nets, a hybrid's multi-token prediction,
 `--pipeline-model-parallel-layout`, `--overlap-param-gather-with-optimizer-step`'s optimizer
 per chunk.
 """
@@ -43,8 +45,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from threefold.checkpoint.megatron.format import arg_size, saved_parallel
+from threefold.checkpoint.megatron.format import arg_size, saved_layers
 from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, find_loss_scaler, find_step
+from threefold.checkpoint.megatron.param_order import (
+    BUFFERS,
+    MTP,
+    MTP_ORDER,
+    OUTSIDE_LAYERS,
+    SECTIONS,
+    layer_order,
+    tp_split_dim,
+)
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
@@ -62,78 +73,6 @@ _OPTIMIZER_OBJECT = re.compile(
 )
 _ALIGNMENT = 64  # megatron-core's `_pad_start_of_param_if_needed`
 _EMBEDDING = "embedding.word_embeddings.weight"
-# Transformer Engine's fused norms under the local spec's module names
-_NORMS = {
-    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-    "self_attention.linear_q_up_proj.layer_norm_": "self_attention.q_layernorm.",
-    "self_attention.linear_kv_up_proj.layer_norm_": "self_attention.kv_layernorm.",
-    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
-}
-# megatron-core's local-spec TransformerLayer registers its modules in this order (and each
-# module its weight before its bias), so a layer's parameters come in it.
-_LAYER_ORDER = (
-    "input_layernorm.",
-    # learnable softmax offsets (gpt-oss's sinks); a sparse attention's indexer
-    "self_attention.core_attention.softmax_offset",
-    "self_attention.core_attention.indexer.linear_wq_b.",
-    "self_attention.core_attention.indexer.linear_wk.",
-    "self_attention.core_attention.indexer.k_norm.",
-    "self_attention.core_attention.indexer.linear_weights_proj.",
-    "self_attention.linear_proj.",
-    "self_attention.linear_qkv.",
-    "self_attention.linear_q_proj.",  # multi-latent attention's
-    "self_attention.linear_q_down_proj.",
-    "self_attention.linear_q_up_proj.",
-    "self_attention.linear_kv_down_proj.",
-    "self_attention.linear_kv_up_proj.",
-    "self_attention.q_layernorm.",
-    "self_attention.k_layernorm.",
-    "self_attention.kv_layernorm.",
-    "pre_mlp_layernorm.",
-    "mlp.router.",
-    "mlp.experts.experts.linear_fc1.",
-    "mlp.experts.experts.linear_fc2.",
-    "mlp.shared_experts.linear_fc1.",
-    "mlp.shared_experts.linear_fc2.",
-    "mlp.shared_experts.gate_weight",
-    "mlp.linear_fc1.",
-    "mlp.linear_fc2.",
-)
-_EXPERTS = _LAYER_ORDER.index("mlp.experts.experts.linear_fc1.")
-# Transformer Engine's spec fuses a norm into the linear layer after it (a LayerNormLinear
-# registers the norm first): the norm comes just before that layer. (A multi-latent attention
-# layer's input norm stays a module of its own, first.)
-_TE_FUSED = {
-    "input_layernorm.": "self_attention.linear_qkv.",
-    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.",
-    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.",
-}
-# a multi-token prediction layer's modules, its transformer layer's parameters in between
-_MTP_ORDER = ("enorm.", "hnorm.", "eh_proj.", "transformer_layer.", "final_layernorm.")
-_MTP = re.compile(
-    r"^mtp\.layers\.(\d+)\.((?:enorm|hnorm|eh_proj|transformer_layer|final_layernorm)\..+)$"
-)
-# model tensors that are buffers, not parameters (no optimizer state)
-BUFFERS = (".expert_bias",)
-# the parameters outside the layers, by module, in megatron-core's GPTModel's order (the
-# decoder's layers come after the embeddings, its multi-token prediction block after its final
-# norm, before the output layer)
-_OUTSIDE_LAYERS = (
-    "embedding.word_embeddings",
-    "embedding.position_embeddings",
-    "decoder.final_layernorm",
-    "output_layer",
-)
-# split over TP (an expert's: expert-TP) along rows, or along columns (row-parallel layers);
-# every other parameter is whole on each TP rank. Multi-latent attention's down projections
-# are column-parallel in the local spec, duplicated in Transformer Engine's.
-_SPLIT = re.compile(
-    r"^(embedding\.word_embeddings\.weight|output_layer\.weight|.*eh_proj\.weight"
-    r"|.*linear_(qkv|proj|fc1|fc2|q_proj|q_up_proj|kv_up_proj)\.weight|.*linear_(qkv|fc1)\.bias"
-    r"|.*core_attention\.softmax_offset)$"
-)
-_DOWN_PROJECTIONS = re.compile(r"^.*linear_(q|kv)_down_proj\.weight$")
-_COLUMNS = re.compile(r"^.*linear_(proj|fc2)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -157,44 +96,23 @@ class _Param:
     dim: int | None
 
 
-def tp_split_dim(rest: str, te_spec: bool) -> int | None:
-    """The dimension megatron-core splits a parameter (a key, or a layer's name within the
-    layer) along over TP (an expert's: expert-TP); None where each TP rank holds it whole."""
-    if not (_SPLIT.match(rest) or (not te_spec and _DOWN_PROJECTIONS.match(rest))):
-        return None
-    return 1 if _COLUMNS.match(rest) else 0
-
-
 def has_buckets(sizes: dict[str, tuple]) -> bool:
     return any(BUCKET.match(key) for key in sizes)
 
 
-def _canonical(rest: str) -> str:
-    for fused, own in _NORMS.items():
-        if rest.startswith(fused):
-            return own + rest[len(fused) :]
-    return rest
-
-
 def _layer_order(rest: str, expert: int | None, saved: _Saved) -> tuple:
-    """Where a layer's parameter comes among the layer's, as megatron-core registers them."""
-    rest = _canonical(rest)
-    position = next((i for i, p in enumerate(_LAYER_ORDER) if rest.startswith(p)), None)
-    if position is None:
+    order = layer_order(rest, expert, saved.te_spec, saved.mla, saved.grouped)
+    if order is None:
         raise _Unknown(rest)
-    fused_into = _TE_FUSED.get(_LAYER_ORDER[position])
-    if saved.te_spec and fused_into and not (saved.mla and position == 0):
-        position = _LAYER_ORDER.index(fused_into) - 0.5
-    bias = rest.endswith("bias")
-    if expert is None:
-        return (position, bias)
-    if saved.grouped:  # Transformer Engine's GroupedLinear: fc1's weight0..N, then fc2's
-        return (position, bias, expert)
-    return (_EXPERTS, expert, position, bias)  # SequentialMLP: expert by expert
+    return order
 
 
 class _Unknown(Exception):
     pass
+
+
+# a layer's key prefix, kept apart (models whose layers differ), or stacked
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+\.)?")
 
 
 @dataclass
@@ -217,12 +135,11 @@ class _Saved:
         def size(name: str, default: int = 1) -> int:
             return arg_size(args, name, default)
 
-        for name in ("pipeline_model_parallel_layout", "hybrid_override_pattern"):
-            if args.get(name):
-                raise _Unknown(f"--{name.replace('_', '-')}")
+        if args.get("pipeline_model_parallel_layout"):
+            raise _Unknown("--pipeline-model-parallel-layout")
         if args.get("overlap_param_gather_with_optimizer_step"):
             raise _Unknown("--overlap-param-gather-with-optimizer-step")
-        parallel = saved_parallel(args)
+        parallel, model = saved_layers(args)
         tp = parallel.tensor_model_parallel_size
         return cls(
             tp=tp,
@@ -230,7 +147,7 @@ class _Saved:
             ep=size("expert_model_parallel_size"),
             etp=size("expert_tensor_parallel_size", tp),
             parallel=parallel,
-            model=ModelConfig(num_layers=size("num_layers")),
+            model=model,
             te_spec=args.get("transformer_impl", "transformer_engine") != "local",
             grouped=bool(args.get("moe_grouped_gemm")),
             tied=not args.get("untie_embeddings_and_output_weights"),
@@ -253,10 +170,35 @@ class _Stored:
     depth: int | None = None  # a multi-token prediction layer's
 
 
+def sectioned(key: str) -> tuple[str, str] | None:
+    """(the parameter's key, the section) of a key megatron-core stores a section of a
+    parameter under (`SECTIONS`), else None."""
+    base, _, section = key.rpartition(".")
+    rest = _PER_LAYER.sub("", base)
+    return (base, section) if section in SECTIONS.get(rest, ()) else None
+
+
+def whole_sizes(sizes: dict[str, tuple]) -> dict[str, tuple]:
+    """The model tensors' shapes with a parameter stored a section at a time under its own key,
+    whole (its sections' rows together)."""
+    whole = {}
+    for key, size in sizes.items():
+        found = sectioned(key)
+        if found is None:
+            whole[key] = size
+            continue
+        rows = 0 if _PER_LAYER.match(found[0]).group(1) else 1  # (stacked: after the layer)
+        before = whole.get(found[0])
+        if before is not None:
+            size = size[:rows] + (before[rows] + size[rows],) + size[rows + 1 :]
+        whole[found[0]] = size
+    return whole
+
+
 def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
     """Each parameter the model tensors hold, a layer's and an expert's slice at a time."""
     found = []
-    for key, size in sizes.items():
+    for key, size in whole_sizes(sizes).items():
         if key.startswith(("optimizer.", "chained_")) or key.endswith(BUFFERS):
             continue
         numel = math.prod(size)
@@ -274,10 +216,10 @@ def _stored_parameters(sizes: dict[str, tuple]) -> list[_Stored]:
                     shape = inner[1:] if experts else inner
                     own = index + (() if expert is None else (expert,))
                     found.append(_Stored(key, own, layer, expert, rest, math.prod(shape)))
-        elif key.rsplit(".", 1)[0] in _OUTSIDE_LAYERS:
+        elif key.rsplit(".", 1)[0] in OUTSIDE_LAYERS:
             found.append(_Stored(key, (), None, None, key, numel))
-        elif _MTP.match(key):
-            depth, rest = _MTP.match(key).groups()
+        elif MTP.match(key):
+            depth, rest = MTP.match(key).groups()
             experts = rest.startswith("transformer_layer.mlp.experts.experts.")
             for expert in range(size[0]) if experts else (None,):
                 index, each = ((expert,), numel // size[0]) if experts else ((), numel)
@@ -307,7 +249,10 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
                 if (s.layer is not None and offset <= s.layer < offset + count)
                 or (first and s.key.startswith("embedding."))
                 or (
-                    last and s.key.startswith(("decoder.final_layernorm.", "output_layer.", "mtp."))
+                    last
+                    and s.key.startswith(
+                        ("decoder.final_layernorm.", "decoder.final_norm.", "output_layer.", "mtp.")
+                    )
                 )
             ]
             if last and saved.tied and saved.pp > 1 and embedding is not None:
@@ -353,12 +298,12 @@ def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
     # prediction (3), output layer (4).
     if stored.depth is not None:
         module, _, rest = stored.rest.partition(".")
-        where = _MTP_ORDER.index(module + ".")
+        where = MTP_ORDER.index(module + ".")
         inner = _layer_order(rest, stored.expert, saved) if module == "transformer_layer" else ()
         order = (3, stored.depth, (where, inner, rest.endswith("bias")))
     elif stored.layer is None:
-        module = _OUTSIDE_LAYERS.index(stored.rest.rsplit(".", 1)[0])
-        order = ((0, 0, 2, 4)[module], module, stored.rest.endswith("bias"))
+        module = OUTSIDE_LAYERS.index(stored.rest.rsplit(".", 1)[0])
+        order = ((0, 0, 2, 4, 2)[module], module, stored.rest.endswith("bias"))
     else:
         order = (1, stored.layer, _layer_order(stored.rest, stored.expert, saved))
     numel = stored.numel // tp if split and tp > 1 else stored.numel

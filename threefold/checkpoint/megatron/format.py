@@ -82,6 +82,20 @@ def saved_parallel(args: dict) -> ParallelConfig:
     )
 
 
+def saved_layers(args: dict) -> tuple[ParallelConfig, ModelConfig]:
+    """The saving run's layout and its model's layers, what `chunk_layers_of` places each
+    stage's layers by: a hybrid's stages are its pattern's segments where `|` cuts it (as
+    Megatron-LM cuts them), else split as a GPT model's (megatron-core 0.16's MambaStack)."""
+    parallel = saved_parallel(args)
+    pattern = _hybrid_pattern(args)
+    if not pattern:
+        return parallel, ModelConfig(num_layers=arg_size(args, "num_layers"))
+    model = ModelConfig(hybrid_layer_pattern=pattern, mtp_num_layers=args.get("mtp_num_layers"))
+    model.num_layers = len(model.hybrid_layers())
+    layout = model.hybrid_pipeline_layout(parallel.pipeline_model_parallel_size)
+    return dataclasses.replace(parallel, pipeline_model_parallel_layout=layout), model
+
+
 def is_megatron_checkpoint(path: str) -> bool:
     """Whether `path` (an iter_N directory) was written by megatron-core's dist_checkpointing."""
     try:

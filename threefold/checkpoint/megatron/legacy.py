@@ -22,11 +22,12 @@ args' TP/PP/virtual stages/EP) and joins a tensor's TP shards as megatron-core s
 (`tp_split_dim`), so a checkpoint loads at any layout as a torch_dist one does.
 
 Read: GPT models (dense, mixture-of-experts with EP, multi-token prediction; local or
-Transformer Engine spec), their iteration, samples and LR schedule, and Adam's state, the
-distributed optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each
-refused in one line: hybrid and gated delta net models (their projections are split over TP a
-section at a time), `--pipeline-model-parallel-layout`, experts split over another TP size than
-the rest, a checkpoint_version before 3.0, and the older models of `megatron/legacy`
+Transformer Engine spec) and hybrids of Mamba, attention, MLP and expert layers (a Mamba
+mixer's TP shard holds its share of each section of in_proj and conv1d, joined section by
+section), their iteration, samples and LR schedule, and Adam's state, the distributed
+optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each refused in one
+line: gated delta nets, `--pipeline-model-parallel-layout`, experts split over another TP size
+than the rest, a checkpoint_version before 3.0, and the older models of `megatron/legacy`
 (`language_model.*`).
 """
 
@@ -130,10 +131,10 @@ def refuse_unread_kinds(args: dict, path: str) -> None:
     what = None
     if args.get("pipeline_model_parallel_layout"):
         what = "stages laid out by --pipeline-model-parallel-layout"
-    elif args.get("hybrid_override_pattern") or args.get("hybrid_layer_pattern"):
-        what = "a hybrid model (its Mamba projections are split over TP a section at a time)"
-    elif args.get("experimental_attention_variant") in GATED_DELTA_NET:
-        what = "a gated delta net model (its projections are split over TP a section at a time)"
+    elif args.get("experimental_attention_variant") in GATED_DELTA_NET or "G" in (
+        args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern") or ""
+    ):
+        what = "gated delta nets (their parameters' order and TP split are not laid out here)"
     elif args.get("num_experts") and args.get("expert_tensor_parallel_size") not in (
         None,
         args.get("tensor_model_parallel_size") or 1,

@@ -23,9 +23,10 @@ import zipfile
 
 import torch
 
-from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, formed_buckets, tp_split_dim
+from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, formed_buckets
 from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
 from threefold.checkpoint.megatron.legacy import legacy_files, saved_sizes
+from threefold.checkpoint.megatron.param_order import tp_split_dim
 from threefold.config import ConfigError
 
 FILE = "distrib_optim.pt"

@@ -17,9 +17,9 @@ import zipfile
 import torch
 from torch import nn
 
-from threefold.checkpoint.megatron.buckets import BUFFERS, Piece, tp_split_dim
+from threefold.checkpoint.megatron.buckets import Piece
 from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
-from threefold.checkpoint.megatron.format import saved_parallel
+from threefold.checkpoint.megatron.format import saved_layers
 from threefold.checkpoint.megatron.legacy import (
     MODEL,
     legacy_args,
@@ -35,6 +35,7 @@ from threefold.checkpoint.megatron.legacy_optimizer import (
     whole_shape,
 )
 from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
+from threefold.checkpoint.megatron.param_order import BUFFERS, tp_split_dim
 from threefold.checkpoint.megatron.tensors import (
     candidate_keys,
     from_pieces,
@@ -43,7 +44,7 @@ from threefold.checkpoint.megatron.tensors import (
     split_name,
     unread_refused,
 )
-from threefold.config import ConfigError, ModelConfig
+from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
@@ -73,8 +74,7 @@ class LegacyTensors:
         # (key, expert index or ()) -> {saved TP rank: (file, tensor record)}
         self.index: dict[tuple[str, tuple[int, ...]], dict[int, tuple[str, StoredTensor]]] = {}
         self.read: set[str] = set()
-        parallel = saved_parallel(args)
-        model = ModelConfig(num_layers=args.get("num_layers") or 1)
+        parallel, model = saved_layers(args)
         local_experts = (args.get("num_experts") or 0) // saved_sizes(args)[2]
         for (tp_rank, pp_rank, ep_rank), file in legacy_files(path, args).items():
             if not os.path.isfile(file):

@@ -33,12 +33,8 @@ from threefold.checkpoint.megatron.format import (
     moe_layer_freq,
 )
 from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, ExportedOptimizer
-from threefold.checkpoint.megatron.tensors import (
-    FINAL_NORMS,
-    SECTIONS,
-    extra_state,
-    stacked_state_dict,
-)
+from threefold.checkpoint.megatron.param_order import SECTIONS
+from threefold.checkpoint.megatron.tensors import FINAL_NORMS, extra_state, stacked_state_dict
 from threefold.config import Config, ConfigError
 from threefold.written_aside import fsync_directory, write_atomically
 

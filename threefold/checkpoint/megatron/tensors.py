@@ -52,9 +52,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets
+from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets, whole_sizes
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import FIELDS
+from threefold.checkpoint.megatron.param_order import SECTIONS
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.sharding import unshard
@@ -89,15 +90,6 @@ _TE_MLA_NAMES = {
 
 # A gated delta net layer's (Megatron-LM's spec fuses its input norm into in_proj)
 _TE_GDN_NAMES = {**_TE_NAMES, "input_layernorm.": "self_attention.in_proj.layer_norm_"}
-# megatron-core's sections of a gated delta net's and a Mamba mixer's tensors, in threefold's
-# order along rows
-SECTIONS = {
-    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-    "self_attention.conv1d.weight": ("query", "key", "value"),
-    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
-    "mixer.conv1d.weight": ("x", "B", "C"),
-    "mixer.conv1d.bias": ("x", "B", "C"),
-}
 
 
 def _renamed(rest: str, multi_latent_attention: bool, gated_delta_net: bool = False) -> str:
@@ -234,23 +226,23 @@ class MegatronTensors:
         """A parameter's pieces of the dp_reshardable buckets, for Adam's fields."""
         if kind not in FIELDS or not self.optimizer or self.buckets is None:
             return None
-        found = self._key("model", name)
+        found = self._key("model", name) or self._sectioned("model", name)
         return self.buckets.pieces.get(found) if found else None
 
     def _from_buckets(self, kind: str, name: str, param: nn.Parameter) -> torch.Tensor:
         """The whole tensor of one of Adam's fields out of the saved TP ranks' bucket pieces;
         the fp32 masters must be the stored weights (`kind` "master"), else the rebuilt
         layout is not the one megatron-core saved and nothing is read."""
-        key, index = self._key("model", name)
+        key, index = self._key("model", name) or self._sectioned("model", name)
         field = "param" if kind == "master" else kind
-        shape = self.sizes[key][len(index) :]
+        shape = whole_sizes(self.sizes)[key][len(index) :]
         full = from_pieces(
             self._pieces(kind, name), lambda piece: self._read_piece(piece, field), shape, param
         )
-        if kind == "master" and not torch.equal(
-            full.to(self.dtypes[key]).float(), self._read(key, index)
-        ):
-            raise masters_refused(self.path, "dp_reshardable optimizer state", key, index)
+        if kind == "master":
+            weights = self._weights("model", name)
+            if not torch.equal(full.to(self._dtype(key)).float(), weights):
+                raise masters_refused(self.path, "dp_reshardable optimizer state", key, index)
         return full
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
@@ -275,21 +267,31 @@ class MegatronTensors:
 
     def full(self, kind: str, name: str, param: nn.Parameter, saved_tp: int) -> torch.Tensor:
         """The whole tensor of a parameter, unpadded (valid rows only), in fp32."""
-        found = self._key(kind, name)
         self._mark_read(name)
-        if found is None and self._sectioned(kind, name) is not None:
-            key, index = self._sectioned(kind, name)
-            sections = SECTIONS[split_name(name).rest]
-            return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
-        if found is None and self._pieces(kind, name) is not None:
+        if self._key(kind, name) is None and self._pieces(kind, name) is not None:
             target = self._from_buckets(kind, name, param)
-        elif found is None:
-            raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
         else:
-            target = self._read(*found)
+            target = self._weights(kind, name)
         if param.dim() and param.valid_rows is not None:
             target = target[: param.valid_rows]
         return target
+
+    def _weights(self, kind: str, name: str) -> torch.Tensor:
+        """A parameter's tensor in model space: stored whole, or a section at a time."""
+        found = self._key(kind, name)
+        if found is not None:
+            return self._read(*found)
+        if self._sectioned(kind, name) is None:
+            raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
+        key, index = self._sectioned(kind, name)
+        sections = SECTIONS[split_name(name).rest]
+        return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
+
+    def _dtype(self, key: str) -> torch.dtype:
+        """A stored tensor's dtype (a sectioned one's first section's)."""
+        return self.dtypes.get(key) or next(
+            dtype for k, dtype in self.dtypes.items() if k.startswith(key + ".")
+        )
 
     def _read(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
         """The slice [index] of the stored tensor `key`, in fp32."""
