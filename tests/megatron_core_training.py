@@ -6,6 +6,7 @@ the optimizer, each followed by one more iteration whose weights are saved for c
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 
@@ -32,6 +33,7 @@ def _megatron_training(
     distributed: bool,
     bucket_size: int | None = None,
     expert_parallel: int = 1,
+    bf16: bool = False,
 ):
     """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer (of
     its GPTModel, or a hybrid's MambaModel), as a namespace: `model`, `optimizer`, `scheduler`
@@ -57,12 +59,19 @@ def _megatron_training(
         else:
             model = build(kind, tensor_parallel, 1, expert_parallel=expert_parallel)
         dp = parallel_state.get_data_parallel_world_size()
+        module = model
+        if bf16:  # as Megatron-LM's get_model wraps it; gradients reduced in fp32
+            from megatron.core.transformer.module import Float16Module
+
+            model.config.bf16 = True
+            module = Float16Module(model.config, model)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=distributed,
             overlap_grad_reduce=bucket_size is not None,
             bucket_size=bucket_size,
+            grad_reduce_in_fp32=bf16,
         )
-        ddp = DistributedDataParallel(model.config, ddp_config, model)
+        ddp = DistributedDataParallel(model.config, ddp_config, module)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -71,7 +80,8 @@ def _megatron_training(
                 weight_decay=WEIGHT_DECAY,
                 clip_grad=1.0,
                 use_distributed_optimizer=distributed,
-                params_dtype=torch.float32,
+                bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
             ),
             [ddp],
         )
@@ -126,8 +136,6 @@ def train_and_save(
     optimizer; Megatron-LM's legacy format with the distributed optimizer ("legacy") or the
     non-distributed one ("legacy_plain")), then one more iteration whose weights go (model
     only) under `after`. Returns that iteration's loss."""
-    import torch.distributed as dist
-
     distributed = layout not in (None, "legacy_plain")
     bucket_size = LEGACY_BUCKET_SIZE if layout == "legacy" else None
     with _megatron_training(
@@ -135,33 +143,70 @@ def train_and_save(
     ) as run:
         for step in range(steps):
             run.iteration(step)
-        args = megatron_args(kind, tensor_parallel, 1)
-        args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
-        args.expert_model_parallel_size = expert_parallel
-        args.consumed_train_samples = steps * run.dp
-        if layout in ("legacy", "legacy_plain"):
-            _save_legacy(run, args, root, steps)
-            loss = run.iteration(steps)
-            state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
-            write(state | {"model": run.model.sharded_state_dict()}, after, steps + 1)
-            return loss
-        metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-        if distributed:
-            metadata["distrib_optim_sharding_type"] = layout
-        model_state = run.model.sharded_state_dict(metadata=metadata)
-        state = {
-            "args": args,
-            "checkpoint_version": 3.0,
-            "iteration": steps,
-            "model": model_state,
-            "optimizer": run.optimizer.sharded_state_dict(model_state, metadata=metadata),
-            "opt_param_scheduler": run.scheduler.state_dict(),
-        }
-        write(state, root, steps, metadata)
+        args = _args(run, kind, tensor_parallel, steps, distributed, expert_parallel)
+        _save(run, args, layout, root, steps)
         loss = run.iteration(steps)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
         write(state | {"model": run.model.sharded_state_dict()}, after, steps + 1)
     return loss
+
+
+def save_layouts(
+    kind: str,
+    roots: dict,
+    tensor_parallel: int,
+    steps: int,
+    bf16: bool = False,
+    bucket_size: int | None = None,
+) -> None:
+    """`steps` iterations of `_megatron_training` (in bf16: Megatron-LM's --bf16, its fp32
+    masters in the optimizer), then the same optimizer state saved in each layout of `roots`
+    ({layout: root}, as `train_and_save` names them; the distributed optimizer's, or the
+    non-distributed one's: "torch_dist" and "legacy_plain"). One bucket per buffer, unless
+    `bucket_size`: with several, megatron-core 0.16's fully_reshardable save misplaces the
+    state of the buckets after the first (it slices the buckets' joined state, their padding
+    cut, at the padded buffer's offsets)."""
+    distributed = "legacy_plain" not in roots
+    with _megatron_training(kind, tensor_parallel, distributed, bucket_size, bf16=bf16) as run:
+        for step in range(steps):
+            run.iteration(step)
+        args = _args(run, kind, tensor_parallel, steps, distributed, 1)
+        if bf16:
+            args.bf16, args.params_dtype = True, torch.bfloat16
+            args.accumulate_allreduce_grads_in_fp32 = True
+        for layout, root in roots.items():
+            _save(run, args, None if layout == "torch_dist" else layout, root, steps)
+
+
+def _args(run, kind: str, tensor_parallel: int, steps: int, distributed: bool, ep: int):
+    import torch.distributed as dist
+
+    args = megatron_args(kind, tensor_parallel, 1)
+    args.world_size, args.use_distributed_optimizer = dist.get_world_size(), distributed
+    args.expert_model_parallel_size = ep
+    args.consumed_train_samples = steps * run.dp
+    return args
+
+
+def _save(run, args, layout: str | None, root: str, iteration: int) -> None:
+    """The checkpoint of iteration `iteration` with the optimizer state in `layout` (as
+    `train_and_save` names them) under `root`."""
+    if layout in ("legacy", "legacy_plain"):
+        _save_legacy(run, argparse.Namespace(**vars(args)), root, iteration)
+        return
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if layout is not None:
+        metadata["distrib_optim_sharding_type"] = layout
+    model_state = run.model.sharded_state_dict(metadata=metadata)
+    state = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "model": model_state,
+        "optimizer": run.optimizer.sharded_state_dict(model_state, metadata=metadata),
+        "opt_param_scheduler": run.scheduler.state_dict(),
+    }
+    write(state, root, iteration, metadata)
 
 
 def _save_legacy(run, args, root: str, iteration: int) -> None:

@@ -69,7 +69,14 @@ _STORAGE_DTYPES = {
     "BoolStorage": "bool",
 }
 _REBUILD_TENSOR = "torch._utils._rebuild_tensor_v2"
-_REBUILD_PARAMETER = "torch._utils._rebuild_parameter"
+# a parameter (with Python attributes: `_with_state`), its data rebuilt inside
+_REBUILD_PARAMETERS = (
+    "torch._utils._rebuild_parameter",
+    "torch._utils._rebuild_parameter_with_state",
+)
+# a tensor with Python attributes (megatron-core's fp32 masters keep their TP marks): the
+# function that rebuilds the tensor, its type, that function's arguments, the attributes
+_REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
 
 
 class _OrderedDict(dict):
@@ -217,12 +224,21 @@ class StoredTensor:
         return torch.frombuffer(bytearray(raw), dtype=dtype) if count else torch.empty(0)
 
 
-def _stored(tensor: Opaque, prefix: str) -> Any:
-    """A tensor's record (a parameter's: its data's); else the object's record as it is."""
-    if tensor.name == _REBUILD_PARAMETER and tensor.args and isinstance(tensor.args[0], Opaque):
-        return _stored(tensor.args[0], prefix)
+def _rebuilt(tensor: Opaque) -> tuple | None:
+    """The arguments `_rebuild_tensor_v2` would rebuild a tensor's record from (a parameter's
+    data, a tensor's with Python attributes, which are dropped); None for another object."""
     args = tensor.args
-    if tensor.name != _REBUILD_TENSOR or len(args) < 4 or not isinstance(args[0], _Storage):
+    if tensor.name in _REBUILD_PARAMETERS and args and isinstance(args[0], Opaque):
+        return _rebuilt(args[0])
+    if tensor.name == _REBUILD_FROM_TYPE and len(args) >= 3 and isinstance(args[2], tuple):
+        return args[2] if getattr(args[0], "name", None) == _REBUILD_TENSOR else None
+    return args if tensor.name == _REBUILD_TENSOR else None
+
+
+def _stored(tensor: Opaque, prefix: str) -> Any:
+    """A tensor's record; else the object's record as it is."""
+    args = _rebuilt(tensor)
+    if args is None or len(args) < 4 or not isinstance(args[0], _Storage):
         return tensor
     storage, offset, shape, stride = args[:4]
     if not (
@@ -238,9 +254,10 @@ def _stored(tensor: Opaque, prefix: str) -> Any:
 
 def _number(tensor: Opaque, archive: zipfile.ZipFile, prefix: str) -> Any:
     """A one-element tensor's value from its storage's bytes; else the tensor's record."""
-    if tensor.name != _REBUILD_TENSOR or len(tensor.args) < 3:
+    args = _rebuilt(tensor)
+    if args is None or len(args) < 3:
         return tensor
-    storage, offset, size = tensor.args[:3]
+    storage, offset, size = args[:3]
     fmt = _STORAGE_FORMATS.get(getattr(storage, "kind", None))
     if fmt is None or not isinstance(size, tuple) or any(d != 1 for d in size):
         return tensor

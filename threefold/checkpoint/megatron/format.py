@@ -428,5 +428,7 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         consumed_valid_samples=int(train_state.get("consumed_valid_samples", 0)),
         bf16=config.training.bf16,
         fp16=config.training.fp16,
+        # (its weights saved dequantized from FP8: not its fp32 masters rounded)
+        fp8_param_gather=config.fp8.fp8_param_gather,
     )
     return args

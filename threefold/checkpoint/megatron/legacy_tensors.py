@@ -40,6 +40,7 @@ from threefold.checkpoint.megatron.tensors import (
     candidate_keys,
     from_pieces,
     joined,
+    masters_agree,
     masters_refused,
     split_name,
     unread_refused,
@@ -211,7 +212,7 @@ class LegacyTensors:
             full = from_pieces(state, read, shape, param)
         else:
             full = self._joined(found[0], state, param)
-        if kind == "master" and not torch.equal(full.to(weights.dtype), weights):
+        if kind == "master" and not masters_agree(full, weights, weights.dtype, self.args):
             raise masters_refused(self.path, "optimizer state", *found)
         full = full.float()
         if param.dim() and param.valid_rows is not None:

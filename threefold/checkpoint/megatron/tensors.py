@@ -213,13 +213,20 @@ class MegatronTensors:
         self.dtypes = {k: v.properties.dtype for k, v in metadata.items() if hasattr(v, "size")}
         self.read: set[str] = set()  # the model tensors' keys read so far
         self._buckets: BucketLayout | None = None
+        self._args: dict | None = None
+
+    @property
+    def args(self) -> dict:
+        """The saving run's args (common.pt's)."""
+        if self._args is None:
+            self._args = read_common(os.path.join(self.path, "common.pt")).get("args") or {}
+        return self._args
 
     @property
     def buckets(self) -> BucketLayout | None:
         """The rebuilt layout of a dp_reshardable optimizer state (None without one)."""
         if self._buckets is None and has_buckets(self.sizes):
-            args = read_common(os.path.join(self.path, "common.pt")).get("args") or {}
-            self._buckets = BucketLayout(self.sizes, args)
+            self._buckets = BucketLayout(self.sizes, self.args)
         return self._buckets
 
     def _pieces(self, kind: str, name: str) -> dict[int, Piece] | None:
@@ -239,11 +246,13 @@ class MegatronTensors:
         full = from_pieces(
             self._pieces(kind, name), lambda piece: self._read_piece(piece, field), shape, param
         )
-        if kind == "master":
-            weights = self._weights("model", name)
-            if not torch.equal(full.to(self._dtype(key)).float(), weights):
-                raise masters_refused(self.path, "dp_reshardable optimizer state", key, index)
+        if kind == "master" and not self._masters_agree(full, name, key):
+            raise masters_refused(self.path, "dp_reshardable optimizer state", key, index)
         return full
+
+    def _masters_agree(self, masters: torch.Tensor, name: str, key: str) -> bool:
+        weights = self._weights("model", name)
+        return masters_agree(masters, weights, self._dtype(key), self.args)
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
@@ -272,6 +281,10 @@ class MegatronTensors:
             target = self._from_buckets(kind, name, param)
         else:
             target = self._weights(kind, name)
+            if kind == "master":
+                key, index = self._key("model", name) or self._sectioned("model", name)
+                if not self._masters_agree(target, name, key):
+                    raise masters_refused(self.path, "optimizer state", key, index, True)
         if param.dim() and param.valid_rows is not None:
             target = target[: param.valid_rows]
         return target
@@ -370,13 +383,38 @@ def from_pieces(
     return joined([read(pieces[r]).view(shape) for r in sorted(pieces)], dim, param)
 
 
-def masters_refused(path: str, what: str, key: str, index: tuple[int, ...]) -> ConfigError:
-    """The refusal of a bucket layout whose fp32 masters of `key`[index] are not its weights."""
+def masters_agree(
+    masters: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, args: dict
+) -> bool:
+    """Whether fp32 masters round to the weights stored in `dtype`, as the optimizer copies
+    them after each step; a run whose weights were FP8 (--fp8-param-gather, saved
+    dequantized) is not checked."""
+    if args.get("fp8_param_gather"):
+        return True
+    return torch.equal(masters.to(dtype).float(), weights.float())
+
+
+def masters_refused(
+    path: str, what: str, key: str, index: tuple[int, ...], misplaced: bool = False
+) -> ConfigError:
+    """The refusal of an optimizer state whose fp32 masters of `key`[index] are not its
+    weights: a bucket layout read otherwise than it was saved, or (`misplaced`) model-space
+    state saved in the wrong places."""
+    if misplaced:  # (Megatron-LM fixed it after megatron-core 0.16)
+        why = (
+            "so it is not the state saved with them (megatron-core 0.16's "
+            "--dist-ckpt-optim-fully-reshardable save misplaces the state after a gradient "
+            "buffer's first bucket, under --overlap-grad-reduce); pass --no-load-optim"
+        )
+    else:
+        why = (
+            "so its buckets are laid out otherwise than threefold rebuilt them; pass "
+            "--no-load-optim, or load it in Megatron-LM once and save with "
+            "--dist-ckpt-optim-fully-reshardable"
+        )
     return ConfigError(
         f"--load {path}: the {what}'s fp32 masters of {key}{list(index)} are not its weights, "
-        "so its buckets are laid out otherwise than threefold rebuilt them; pass "
-        "--no-load-optim, or load it in Megatron-LM once and save with "
-        "--dist-ckpt-optim-fully-reshardable"
+        + why
     )
 
 
