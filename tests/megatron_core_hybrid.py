@@ -201,6 +201,38 @@ def _stack_spec(shape: dict):
     )
 
 
+_OWN_CONV = ("mixer.conv1d_weight", "mixer.conv1d_bias")
+_CONV_MODULE = ("mixer.conv1d.weight", "mixer.conv1d.bias")
+
+
+def hold_conv_params(model) -> None:
+    """Megatron-LM's Mamba mixers since its change #4899 (June 2026, after megatron-core 0.16)
+    hold the convolution's weight and bias as their own parameters, `conv1d_weight` and
+    `conv1d_bias`, which come before dt_bias, A_log and D in the parameters' order (so in the
+    gradient buffers and the optimizer's groups); its torch_dist keys stayed `conv1d.weight`
+    and `conv1d.bias`, its legacy state dict has the new names. Emulated on megatron-core
+    0.16's mixer, whose conv1d module computes as before: its two tensors registered again,
+    first, under the new names (`parameters()` yields a tensor once, at its first name), and
+    the state dicts keep one name each, as the newer Megatron-LM's do."""
+    for mixer in (m for m in model.modules() if type(m).__name__ == "MambaMixer"):
+        own = dict(mixer._parameters)
+        mixer._parameters.clear()
+        mixer._parameters.update(
+            conv1d_weight=mixer.conv1d.weight, conv1d_bias=mixer.conv1d.bias, **own
+        )
+    sharded, legacy = model.sharded_state_dict, model.state_dict_for_save_checkpoint
+
+    def sharded_state_dict(*args, **kwargs):
+        return {k: v for k, v in sharded(*args, **kwargs).items() if not k.endswith(_OWN_CONV)}
+
+    def state_dict_for_save_checkpoint(*args, **kwargs):
+        state = legacy(*args, **kwargs)
+        return type(state)((k, v) for k, v in state.items() if not k.endswith(_CONV_MODULE))
+
+    model.sharded_state_dict = sharded_state_dict
+    model.state_dict_for_save_checkpoint = state_dict_for_save_checkpoint
+
+
 def build(
     kind: str,
     tensor_parallel: int,
@@ -249,6 +281,8 @@ def build(
                 param.add_(torch.randn_like(param) * 0.1)
             if name.endswith("A_log"):
                 param.add_(torch.randn_like(param) * 0.3)
+    if shape.get("mixer_conv_own"):
+        hold_conv_params(model)
     return model
 
 

@@ -310,7 +310,7 @@ def megatron_args(kind: str, tensor_parallel: int, pipeline_parallel: int) -> ar
         softmax_type="vanilla",
         no_rope_freq=None,
     )
-    given = defaults | shape
+    given = defaults | {k: v for k, v in shape.items() if k != "mixer_conv_own"}
     # (Megatron-LM's args name megatron-core's Llama 4 fields after ModelOpt's flags)
     for name in ("qk_l2_norm", "moe_apply_probs_on_input"):
         given[f"export_{name}"] = given.pop(name, False)

@@ -182,6 +182,10 @@ SHAPES["hybrid_dense"] = {
     "num_experts": None,
     "moe_ffn_hidden_size": None,
 }
+# as the newer Megatron-LM's Mamba mixers hold their parameters (tests/megatron_core_hybrid.py
+# `hold_conv_params`; not one of Megatron-LM's args)
+SHAPES["hybrid_newer"] = {**SHAPES["hybrid"], "mixer_conv_own": True}
+SHAPES["hybrid_dense_newer"] = {**SHAPES["hybrid_dense"], "mixer_conv_own": True}
 SHAPES["moe_stacked"] = {
     **SHAPES["llama"],
     **MOE,

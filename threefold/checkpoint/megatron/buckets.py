@@ -25,9 +25,10 @@ megatron-core's. Chained optimizers (the experts' beside the rest, under EP > 1)
 `chained_{i}.` prefix, and the experts' buffers are numbered by the expert-TP x EP x PP rank.
 GPT models with standard or multi-latent attention, dense or mixture-of-experts, with
 multi-token prediction, and hybrids of Mamba, attention, MLP and expert layers (a Mamba
-mixer's in_proj and conv1d stored a section at a time: one parameter here, `whole_sizes`) are
-laid out (tests/tools/test_megatron_buckets.py compares with megatron-core's own buffers);
-not (refused as such): gated delta nets, a hybrid's multi-token prediction,
+mixer's in_proj and conv1d stored a section at a time: one parameter here, `whole_sizes`; its
+parameters in megatron-core 0.16's order or newer Megatron-LM's, `conv_own`, which the reader
+tells apart, checkpoint/megatron/tensors.py) are laid out (tests/tools/
+test_megatron_buckets.py compares with megatron-core's own buffers); not (refused as such): gated delta nets, a hybrid's multi-token prediction,
 `--pipeline-model-parallel-layout`, `--overlap-param-gather-with-optimizer-step`'s optimizer
 per chunk.
 """
@@ -101,7 +102,7 @@ def has_buckets(sizes: dict[str, tuple]) -> bool:
 
 
 def _layer_order(rest: str, expert: int | None, saved: _Saved) -> tuple:
-    order = layer_order(rest, expert, saved.te_spec, saved.mla, saved.grouped)
+    order = layer_order(rest, expert, saved.te_spec, saved.mla, saved.grouped, saved.conv_own)
     if order is None:
         raise _Unknown(rest)
     return order
@@ -129,9 +130,10 @@ class _Saved:
     grouped: bool
     tied: bool
     mla: bool
+    conv_own: bool = False  # (param_order.py)
 
     @classmethod
-    def of(cls, args: dict) -> _Saved:
+    def of(cls, args: dict, conv_own: bool = False) -> _Saved:
         def size(name: str, default: int = 1) -> int:
             return arg_size(args, name, default)
 
@@ -152,6 +154,7 @@ class _Saved:
             grouped=bool(args.get("moe_grouped_gemm")),
             tied=not args.get("untie_embeddings_and_output_weights"),
             mla=bool(args.get("multi_latent_attention")),
+            conv_own=conv_own,
         )
 
 
@@ -374,13 +377,15 @@ def _formed(params: list[_Param], bucket_size: int | None, saved: _Saved) -> lis
     return lengths + [position] if filling else lengths
 
 
-def formed_buckets(sizes: dict[str, tuple], args: dict) -> dict[str, list[int]]:
+def formed_buckets(
+    sizes: dict[str, tuple], args: dict, conv_own: bool = False
+) -> dict[str, list[int]]:
     """{a gradient buffer's key prefix: its buckets' unpadded lengths}, formed as
     megatron-core forms them from the model tensors `sizes` and the saving run's args (for
     Megatron-LM's legacy format, whose buffers do not record them); {} where no layout is
-    rebuilt."""
+    rebuilt. (`conv_own`: param_order.py's)"""
     try:
-        saved = _Saved.of(args)
+        saved = _Saved.of(args, conv_own)
         return {
             f"{prefix}.gbuf_idx_{g}": _formed(params, _bucket_size(args, prefix, g, saved), saved)
             for prefix, chunks in _buffers(sizes, saved).items()
@@ -392,13 +397,13 @@ def formed_buckets(sizes: dict[str, tuple], args: dict) -> dict[str, list[int]]:
 
 class BucketLayout:
     """(model key, index) -> {saved TP rank: Piece} for every stored parameter; `reason`: why
-    no layout was rebuilt (None when one was)."""
+    no layout was rebuilt (None when one was). `conv_own`: param_order.py's."""
 
-    def __init__(self, sizes: dict[str, tuple], args: dict) -> None:
+    def __init__(self, sizes: dict[str, tuple], args: dict, conv_own: bool = False) -> None:
         self.pieces: dict[tuple[str, tuple[int, ...]], dict[int, Piece]] = {}
         self.reason: str | None = None
         try:
-            self._rebuild(sizes, _Saved.of(args))
+            self._rebuild(sizes, _Saved.of(args, conv_own))
         except _Unknown as unknown:
             self.reason = f"its buckets could not be laid out as megatron-core's ({unknown})"
             self.pieces = {}

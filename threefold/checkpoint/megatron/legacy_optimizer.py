@@ -37,16 +37,18 @@ _STEM = re.compile(r"^(.+)\.dtype_.+\.bucket_idx_(\d+)$")
 class LegacyBuffers:
     """The distributed optimizer's buffers of a legacy checkpoint laid out: `pieces` as
     BucketLayout's ((model key, index) -> {saved TP rank: Piece}); `reason`: why not (None
-    when they are)."""
+    when they are). `conv_own`: param_order.py's, told by the files' keys."""
 
-    def __init__(self, path: str, args: dict, model_sizes: dict[str, tuple]) -> None:
+    def __init__(
+        self, path: str, args: dict, model_sizes: dict[str, tuple], conv_own: bool = False
+    ) -> None:
         self.path = path
         self.pieces: dict = {}
         self.reason: str | None = None
         # a buffer's key prefix -> (file, {field: flat tensor}, its length)
         self.flat: dict[str, tuple[str, dict[str, StoredTensor], int]] = {}
         self._archives: dict[str, zipfile.ZipFile] = {}
-        self.lengths = formed_buckets(model_sizes, args)
+        self.lengths = formed_buckets(model_sizes, args, conv_own)
         if not self.lengths:
             self.reason = "its buckets could not be laid out as megatron-core's"
             return
@@ -72,7 +74,7 @@ class LegacyBuffers:
         for gbuf, lengths in self.lengths.items():
             for bucket, length in enumerate(lengths):
                 sizes[f"{gbuf}.dtype_legacy.bucket_idx_{bucket}.param"] = (length,)
-        layout = BucketLayout(sizes, args)
+        layout = BucketLayout(sizes, args, conv_own)
         self.pieces, self.reason = layout.pieces, layout.reason
 
     def _index(self, file: str, dense: int, experts: int) -> None:

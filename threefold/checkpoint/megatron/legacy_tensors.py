@@ -50,6 +50,8 @@ from threefold.parallel.parallel_context import Group
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# newer Megatron-LM's Mamba mixers' convolution parameters (param_order.py's `conv_own`)
+_OWN_CONV = re.compile(r"^(.*\.mixer\.)conv1d_(weight|bias)$")
 # Transformer Engine's GroupedMLP: one weight per local expert, numbered after the name
 _GROUPED = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
@@ -71,6 +73,7 @@ class LegacyTensors:
         self._optimizer_states: dict[str, object] = {}  # file -> its optimizer's own state
         self.te_spec = args.get("transformer_impl", "transformer_engine") != "local"
         self.tied = not args.get("untie_embeddings_and_output_weights")
+        self.conv_own = False  # (param_order.py's; set as the files are indexed)
         self._archives: dict[str, zipfile.ZipFile] = {}
         # (key, expert index or ()) -> {saved TP rank: (file, tensor record)}
         self.index: dict[tuple[str, tuple[int, ...]], dict[int, tuple[str, StoredTensor]]] = {}
@@ -122,7 +125,11 @@ class LegacyTensors:
     def _global(
         self, key: str, chunk: tuple[int, int], first_expert: int, file: str
     ) -> tuple[str, tuple[int, ...]]:
-        """A file's key under the whole model's layer and expert numbers."""
+        """A file's key under the whole model's layer and expert numbers (a Mamba mixer's own
+        convolution parameters, newer Megatron-LM's, under their checkpoint keys)."""
+        own = _OWN_CONV.match(key)
+        if own:
+            self.conv_own, key = True, f"{own.group(1)}conv1d.{own.group(2)}"
         grouped = _GROUPED.match(key)
         if grouped:
             module, layer, kind, expert = grouped.groups()
@@ -150,7 +157,7 @@ class LegacyTensors:
         out, or the non-distributed optimizer's per parameter."""
         if self._state is None and self.distributed:
             sizes = model_sizes(self.index, self.args.get("num_experts") or 0, self.te_spec)
-            self._state = LegacyBuffers(self.path, self.args, sizes)
+            self._state = LegacyBuffers(self.path, self.args, sizes, self.conv_own)
         elif self._state is None:
             expert_parallel = saved_sizes(self.args)[2] > 1
             self._state = LegacyPlainState(

@@ -6,6 +6,9 @@ The distributed optimizer lays Adam's state out in its gradient buffers in regis
 (checkpoint/megatron/legacy_tensors.py), so reading either takes these facts of the modules
 megatron-core builds. A module registers its own parameters before its submodules' (so a Mamba
 mixer's dt_bias, A_log and D come before its in_proj), each module its weight before its bias.
+Megatron-LM's mixers since its change #4899 (June 2026, after megatron-core 0.16) hold the
+convolution's weight and bias as their own parameters, first (`conv1d_weight`, `conv1d_bias`:
+`conv_own`); their checkpoint keys stayed `conv1d.weight` and `conv1d.bias`.
 """
 
 from __future__ import annotations
@@ -126,16 +129,22 @@ def _canonical(rest: str) -> str:
     return rest
 
 
-def layer_order(rest: str, expert: int | None, te_spec: bool, mla: bool, grouped: bool) -> tuple:
+def layer_order(
+    rest: str, expert: int | None, te_spec: bool, mla: bool, grouped: bool, conv_own: bool = False
+) -> tuple:
     """Where a layer's parameter comes among the layer's, as megatron-core registers them
-    (`grouped`: Transformer Engine's GroupedLinear experts); None for a name it has not."""
+    (`grouped`: Transformer Engine's GroupedLinear experts; `conv_own`: a Mamba mixer's
+    convolution its own parameters, newer Megatron-LM's); None for a name it has not."""
     rest = _canonical(rest)
     position = next((i for i, p in enumerate(LAYER_ORDER) if rest.startswith(p)), None)
     if position is None:
         return None
-    fused_into = _TE_FUSED.get(LAYER_ORDER[position])
+    module = LAYER_ORDER[position]
+    fused_into = _TE_FUSED.get(module)
     if te_spec and fused_into and not (mla and position == 0):
         position = LAYER_ORDER.index(fused_into) - 0.5
+    if conv_own and module == "mixer.conv1d.":
+        position = LAYER_ORDER.index("mixer.dt_bias") - 0.5
     bias = rest.endswith("bias")
     if expert is None:
         return (position, bias)

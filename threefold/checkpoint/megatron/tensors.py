@@ -70,6 +70,7 @@ _MTP_LAYER = re.compile(
     r"^(mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+))\.(.+)$"
 )
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_DT_BIAS = re.compile(r"^decoder\.layers\.\d+\.mixer\.dt_bias$")  # (a Mamba mixer's)
 # megatron-core's local spec stores its norms under Transformer Engine's names.
 _TE_NAMES = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -224,10 +225,28 @@ class MegatronTensors:
 
     @property
     def buckets(self) -> BucketLayout | None:
-        """The rebuilt layout of a dp_reshardable optimizer state (None without one)."""
+        """The rebuilt layout of a dp_reshardable optimizer state (None without one). A model
+        with Mamba mixers in the parameters' order of the Megatron-LM that saved it (which
+        its keys do not tell; param_order.py's `conv_own`): the one where the first mixer's
+        dt_bias masters are its weights."""
         if self._buckets is None and has_buckets(self.sizes):
             self._buckets = BucketLayout(self.sizes, self.args)
+            probe = next((key for key in self.sizes if _DT_BIAS.match(key)), None)
+            if probe is not None and not self._masters_are_weights(self._buckets, probe):
+                newer = BucketLayout(self.sizes, self.args, conv_own=True)
+                if self._masters_are_weights(newer, probe):
+                    self._buckets = newer
         return self._buckets
+
+    def _masters_are_weights(self, layout: BucketLayout, key: str) -> bool:
+        """Whether a layout's fp32 masters of the one-dimensional tensor `key` (split over TP
+        along it, if at all) round to its stored weights."""
+        pieces = layout.pieces.get((key, ()))
+        if not pieces:
+            return False
+        masters = torch.cat([self._read_piece(pieces[r], "param") for r in sorted(pieces)])
+        weights = self._read(key, ())
+        return torch.equal(masters.to(self.dtypes[key]).float(), weights)
 
     def _pieces(self, kind: str, name: str) -> dict[int, Piece] | None:
         """A parameter's pieces of the dp_reshardable buckets, for Adam's fields."""
@@ -387,9 +406,9 @@ def masters_agree(
     masters: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, args: dict
 ) -> bool:
     """Whether fp32 masters round to the weights stored in `dtype`, as the optimizer copies
-    them after each step; a run whose weights were FP8 (--fp8-param-gather, saved
-    dequantized) is not checked."""
-    if args.get("fp8_param_gather"):
+    them after each step; a run's FP8 weights (--fp8-param-gather's linear layers, saved
+    dequantized) are not checked, its norms and biases are."""
+    if args.get("fp8_param_gather") and weights.dim() > 1:
         return True
     return torch.equal(masters.to(dtype).float(), weights.float())
 
