@@ -27,10 +27,10 @@ GPT models with standard or multi-latent attention, dense or mixture-of-experts,
 multi-token prediction, and hybrids of Mamba, attention, MLP and expert layers (a Mamba
 mixer's in_proj and conv1d stored a section at a time: one parameter here, `whole_sizes`; its
 parameters in megatron-core 0.16's order or newer Megatron-LM's, `conv_own`, which the reader
-tells apart, checkpoint/megatron/tensors.py) are laid out (tests/tools/
-test_megatron_buckets.py compares with megatron-core's own buffers); not (refused as such): gated delta nets, a hybrid's multi-token prediction,
-`--pipeline-model-parallel-layout`, `--overlap-param-gather-with-optimizer-step`'s optimizer
-per chunk.
+tells apart, checkpoint/megatron/tensors.py) are laid out (tests/tools/test_megatron_buckets.py
+compares with megatron-core's own buffers); not (refused as such): gated delta nets, a
+hybrid's multi-token prediction, `--pipeline-model-parallel-layout`,
+`--overlap-param-gather-with-optimizer-step`'s optimizer per chunk.
 """
 
 from __future__ import annotations
