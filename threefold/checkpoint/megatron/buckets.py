@@ -112,8 +112,8 @@ class _Unknown(Exception):
     pass
 
 
-# a layer's key prefix, kept apart (models whose layers differ), or stacked
-_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+\.)?")
+# a stacked layers' key (`decoder.layers.X`, not `decoder.layers.{i}.X`)
+_STACKED = re.compile(r"^decoder\.layers\.\D")
 
 
 @dataclass
@@ -175,10 +175,13 @@ class _Stored:
 
 def sectioned(key: str) -> tuple[str, str] | None:
     """(the parameter's key, the section) of a key megatron-core stores a section of a
-    parameter under (`SECTIONS`), else None."""
+    parameter under (`SECTIONS`: a layer's, stacked or not, a multi-token prediction
+    depth's), else None."""
     base, _, section = key.rpartition(".")
-    rest = _PER_LAYER.sub("", base)
-    return (base, section) if section in SECTIONS.get(rest, ()) else None
+    for rest, sections in SECTIONS.items():
+        if section in sections and base.endswith("." + rest):
+            return base, section
+    return None
 
 
 def whole_sizes(sizes: dict[str, tuple]) -> dict[str, tuple]:
@@ -190,7 +193,7 @@ def whole_sizes(sizes: dict[str, tuple]) -> dict[str, tuple]:
         if found is None:
             whole[key] = size
             continue
-        rows = 0 if _PER_LAYER.match(found[0]).group(1) else 1  # (stacked: after the layer)
+        rows = 1 if _STACKED.match(found[0]) else 0  # (after the layer index)
         before = whole.get(found[0])
         if before is not None:
             size = size[:rows] + (before[rows] + size[rows],) + size[rows + 1 :]

@@ -52,7 +52,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from threefold.checkpoint.megatron.buckets import BucketLayout, Piece, has_buckets, whole_sizes
+from threefold.checkpoint.megatron.buckets import (
+    BucketLayout,
+    Piece,
+    has_buckets,
+    sectioned,
+    whole_sizes,
+)
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.checkpoint.megatron.param_order import SECTIONS
@@ -212,6 +218,13 @@ class MegatronTensors:
         metadata = self.reader.read_metadata().state_dict_metadata
         self.sizes = {k: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
         self.dtypes = {k: v.properties.dtype for k, v in metadata.items() if hasattr(v, "size")}
+        # a parameter stored a section at a time: under its own key, whole (its first
+        # section's dtype)
+        self.whole = whole_sizes(self.sizes)
+        for key, dtype in list(self.dtypes.items()):
+            found = sectioned(key)
+            if found is not None:
+                self.dtypes.setdefault(found[0], dtype)
         self.read: set[str] = set()  # the model tensors' keys read so far
         self._buckets: BucketLayout | None = None
         self._args: dict | None = None
@@ -261,7 +274,7 @@ class MegatronTensors:
         layout is not the one megatron-core saved and nothing is read."""
         key, index = self._key("model", name) or self._sectioned("model", name)
         field = "param" if kind == "master" else kind
-        shape = whole_sizes(self.sizes)[key][len(index) :]
+        shape = self.whole[key][len(index) :]
         full = from_pieces(
             self._pieces(kind, name), lambda piece: self._read_piece(piece, field), shape, param
         )
@@ -271,7 +284,7 @@ class MegatronTensors:
 
     def _masters_agree(self, masters: torch.Tensor, name: str, key: str) -> bool:
         weights = self._weights("model", name)
-        return masters_agree(masters, weights, self._dtype(key), self.args)
+        return masters_agree(masters, weights, self.dtypes[key], self.args)
 
     def _key(self, kind: str, name: str, suffix: str = "") -> tuple[str, tuple[int, ...]] | None:
         for prefix in FIELDS.get(kind, ("",) if kind == "model" else ()):
@@ -318,12 +331,6 @@ class MegatronTensors:
         key, index = self._sectioned(kind, name)
         sections = SECTIONS[split_name(name).rest]
         return torch.cat([self._read(f"{key}.{section}", index) for section in sections])
-
-    def _dtype(self, key: str) -> torch.dtype:
-        """A stored tensor's dtype (a sectioned one's first section's)."""
-        return self.dtypes.get(key) or next(
-            dtype for k, dtype in self.dtypes.items() if k.startswith(key + ".")
-        )
 
     def _read(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
         """The slice [index] of the stored tensor `key`, in fp32."""
