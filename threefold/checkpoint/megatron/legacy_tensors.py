@@ -34,17 +34,10 @@ from threefold.checkpoint.megatron.legacy_optimizer import (
     model_sizes,
     whole_shape,
 )
+from threefold.checkpoint.megatron.load_checks import masters_agree, masters_refused, unread_refused
 from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
 from threefold.checkpoint.megatron.param_order import BUFFERS, tp_split_dim
-from threefold.checkpoint.megatron.tensors import (
-    candidate_keys,
-    from_pieces,
-    joined,
-    masters_agree,
-    masters_refused,
-    split_name,
-    unread_refused,
-)
+from threefold.checkpoint.megatron.tensors import candidate_keys, from_pieces, joined, split_name
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
