@@ -208,30 +208,50 @@ def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor
     return ours, written
 
 
-def export_and_go_on(
-    argv: list[str], root: str, directory, kind: str, tp: int, ranks: int, native: bool = False
-):
-    """threefold reads megatron-core's checkpoint `root` with Adam's state (`argv`: one
-    process) and saves its own; that is exported to Megatron-LM's format (`native`: the run
-    saves Megatron-LM's format itself, --ckpt-format torch_dist), and megatron-core's
-    distributed optimizer reads the export on `ranks` ranks at TP `tp`, as Megatron-LM's --load
-    does, and takes the next iteration. Returns (the export's iter_N directory, megatron-core's
-    loss, its weights after the iteration, by threefold name)."""
-    from tests.distributed import run_distributed
+def _load_and_save(argv: list[str], root: str, threefold: str, export: str, native: bool) -> int:
+    """threefold's run `argv` loads `root` with Adam's state and saves it: in Megatron-LM's
+    format at `export` (`native`), else its own at `threefold`. Returns the iteration."""
     from tests.parity import _setup
-    from tests.tools.hf_models import convert_checkpoint
     from threefold.checkpoint.megatron.training_save import save_megatron_training_checkpoint
     from threefold.checkpoint.save import save_checkpoint
     from threefold.checkpoint.writer import CheckpointWriter
 
     trainer = _setup(argv)
     iteration = load_checkpoint(root, trainer.checkpoint_components())
-    threefold, export = str(directory / "threefold"), str(directory / "export")
     if native:
         writer = CheckpointWriter(export)
         save_megatron_training_checkpoint(export, trainer.checkpoint_components(), writer)
     else:
         save_checkpoint(threefold, trainer.checkpoint_components())
+    return iteration
+
+
+def export_and_go_on(
+    argv: list[str],
+    root: str,
+    directory,
+    kind: str,
+    tp: int,
+    ranks: int,
+    native: bool = False,
+    ranks_here: int = 1,
+):
+    """threefold reads megatron-core's checkpoint `root` with Adam's state (`argv`, on
+    `ranks_here` ranks) and saves its own; that is exported to Megatron-LM's format (`native`:
+    the run saves Megatron-LM's format itself, --ckpt-format torch_dist), and megatron-core's
+    distributed optimizer reads the export on `ranks` ranks at TP `tp`, as Megatron-LM's --load
+    does, and takes the next iteration. Returns (the export's iter_N directory, megatron-core's
+    loss, its weights after the iteration, by threefold name)."""
+    from tests.distributed import run_distributed
+    from tests.tools.hf_models import convert_checkpoint
+
+    threefold, export = str(directory / "threefold"), str(directory / "export")
+    where = (argv, root, threefold, export, native)
+    if ranks_here == 1:
+        iteration = _load_and_save(*where)
+    else:
+        iteration = run_distributed(ranks_here, _load_and_save, *where)[0]
+    if not native:
         convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
         assert convert_checkpoint.main(convert + ["--save-dir", export]) == 0
     path, again = os.path.join(export, f"iter_{iteration:07d}"), str(directory / "again")

@@ -142,6 +142,9 @@ def megatron_trained(tmp_path_factory):
         ("dp_reshardable", 1, 1, 1, []),
         ("dp_reshardable", 2, 2, 1, []),
         ("dp_reshardable", 1, 1, 2, ["--use-distributed-optimizer"]),
+        # into PyTorch's data parallelism (Megatron-LM's --use-torch-fsdp2): FSDP2's shards
+        ("fully_reshardable", 2, 1, 2, ["--distributed-strategy", "fsdp"]),
+        ("dp_reshardable", 1, 1, 2, ["--distributed-strategy", "ddp"]),
     ],
     ids=[
         "fully-reshardable-tp1",
@@ -151,6 +154,8 @@ def megatron_trained(tmp_path_factory):
         "dp-reshardable-tp1",
         "dp-reshardable-tp2pp2",
         "dp-reshardable-dp2",
+        "fully-reshardable-fsdp-tp2-dp2",
+        "dp-reshardable-ddp-dp2",
     ],
 )
 def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
@@ -171,18 +176,28 @@ def test_training_goes_on_from_megatrons_optimizer_as_in_megatron(
         assert difference > 1e-4
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["converted", "saved-by-the-run"])
+@pytest.mark.parametrize(
+    "native,dp,flags",
+    [
+        (False, 1, []),
+        (True, 1, []),
+        # Megatron-LM's --use-torch-fsdp2 run: FSDP2's shards gathered, in both ways out
+        (False, 2, ["--distributed-strategy", "fsdp"]),
+        (True, 2, ["--distributed-strategy", "fsdp"]),
+    ],
+    ids=["converted", "saved-by-the-run", "fsdp-dp2-converted", "fsdp-dp2-saved-by-the-run"],
+)
 def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
-    megatron_trained, tmp_path, native
+    megatron_trained, tmp_path, native, dp, flags
 ):
     """Megatron -> threefold -> Megatron with the optimizer: threefold reads megatron-core's
-    checkpoint (Adam's state, TP2 x DP2) at TP1 and saves its own; the export of that (or the
-    run's own --ckpt-format torch_dist save), read by megatron-core's distributed optimizer at
-    TP2 x DP2 as Megatron-LM's --load reads it, takes the iteration megatron-core took from its
-    own checkpoint: the same loss and weights."""
+    checkpoint (Adam's state, TP2 x DP2) at TP1 (DP `dp`) and saves its own; the export of
+    that (or the run's own --ckpt-format torch_dist save), read by megatron-core's distributed
+    optimizer at TP2 x DP2 as Megatron-LM's --load reads it, takes the iteration megatron-core
+    took from its own checkpoint: the same loss and weights."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
-    argv = continue_argv(root, 1, 1, 1)
-    path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4, native)
+    argv = continue_argv(root, 1, 1, dp) + flags
+    path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4, native, dp)
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
     # Megatron-LM's --load takes the optimizer and leaves its RNG as seeded (none saved).
@@ -201,7 +216,6 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
         ([], {"weights_only": True}, "holds none"),
         (["--optimizer", "muon", "--use-distributed-optimizer"], {}, "not Adam's"),
         (["--lora-rank", "4"], {}, "the adapters only"),
-        (["--distributed-strategy", "fsdp"], {}, "PyTorch's layout"),
         (["--decoupled-lr", "1e-3"], {}, "--decoupled-lr"),
         (["--use-mup"], {}, "muP"),
         ([], {}, None),

@@ -66,6 +66,10 @@ def tp2_pp2_checkpoint(tmp_path_factory):
         ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "E|t|t|ttL"],
         ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+        # PyTorch's data parallelism around threefold's TP/PP: FSDP2 shards each TP shard over
+        # DP 2, DDP replicates each stage
+        ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"],
+        ["--distributed-strategy", "ddp", "--pipeline-model-parallel-size", "2"],
     ],
     ids=[
         "dp4",
@@ -73,6 +77,8 @@ def tp2_pp2_checkpoint(tmp_path_factory):
         "pp4-layout",
         "pp2-dp2-distributed-optimizer",
         "dp4-two-optimizer-instances",
+        "fsdp-tp2-dp2",
+        "ddp-pp2-dp2",
     ],
 )
 def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout):
@@ -89,6 +95,42 @@ def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_pat
     # DP=4, and PP=2 x DP=2 with other buckets (so other shard boundaries).
     for layout in ([], ["--pipeline-model-parallel-size", "2", "--ddp-bucket-size", "5000"]):
         _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
+
+
+def test_fsdp_checkpoint_resumes_under_threefolds_own_data_parallelism(tmp_path):
+    """FSDP2's checkpoint (TP2 x DP2, its weights and moments saved from FSDP2's shards)
+    resumes under threefold's distributed optimizer at DP4 and without it at PP2 x DP2."""
+    argv = LLAMA_STYLE + TRAINING + FOUR_LAYERS
+    fsdp = ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]
+    saved = run_distributed(4, _save_then_continue, argv + fsdp, str(tmp_path))
+    for layout in (["--use-distributed-optimizer"], ["--pipeline-model-parallel-size", "2"]):
+        _check(saved, run_distributed(4, _load_then_step, argv + layout, str(tmp_path)))
+
+
+def _fsdp_loads_masters(argv: list[str], directory: str) -> dict:
+    """The fp32 parameters an FSDP2 run loads from `directory`, whole, and the checkpoint's
+    fp32 masters of them."""
+    from threefold.checkpoint.files import checkpoint_dir
+    from threefold.checkpoint.resharding import saved_tensors
+
+    trainer = _setup(argv)
+    assert load_checkpoint(directory, trainer.checkpoint_components()) == 3
+    saved = saved_tensors(checkpoint_dir(directory, 3))
+    loaded = _full(trainer)
+    named = trainer.layout_independent_parameters()
+    masters = {name: saved.full("master", name, param, 1).numpy() for name, param in named}
+    return {"loaded": loaded, "masters": masters}
+
+
+def test_a_bf16_runs_masters_not_its_weights_fill_fsdps_parameters_at_the_same_layout(tmp_path):
+    """threefold's bf16 run keeps fp32 masters beside its bf16 weights, PyTorch FSDP2's fp32
+    parameters are their own masters: at the same layout (DP2), FSDP2's parameters take the
+    masters, bitwise, not the weights rounded to bf16."""
+    argv, directory = GPT2_STYLE + TRAINING + ["--bf16"], str(tmp_path)
+    run_distributed(2, _save_then_continue, argv, directory)
+    fsdp = argv + ["--distributed-strategy", "fsdp"]
+    for result in run_distributed(2, _fsdp_loads_masters, fsdp, directory):
+        assert_close_dicts(result["loaded"], result["masters"], 0.0, "parameter")
 
 
 def test_optimizer_instances_checkpoint_resumes_with_one_instance(tmp_path):
@@ -130,6 +172,8 @@ ETP2_DP4 = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size"
             [
                 ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"],
                 ETP2_DP4 + ["--use-distributed-optimizer"],
+                # FSDP2: the experts sharded over expert DP 2, the rest over DP 4
+                ["--expert-model-parallel-size", "2", "--distributed-strategy", "fsdp"],
             ],
         ),
     ],
@@ -137,8 +181,8 @@ ETP2_DP4 = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size"
 )
 def test_moe_checkpoint_resumes_at_other_expert_parallel_sizes(tmp_path, saved_layout, layouts):
     """Experts are saved under their global index (split by expert-TP rank): a checkpoint
-    resumes at other EP and expert-TP sizes (DP=4 at EP=1, EP=4, EP2 x ETP2) and in one
-    process, the Adam state of sharded experts included."""
+    resumes at other EP and expert-TP sizes (DP=4 at EP=1, EP=4, EP2 x ETP2, FSDP2 at EP2)
+    and in one process, the Adam state of sharded experts included."""
     argv, directory = LLAMA_STYLE + TRAINING + MOE, str(tmp_path / "moe")
     saved = run_distributed(4, _save_then_continue, argv + saved_layout, directory)
     for layout in layouts:

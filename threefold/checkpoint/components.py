@@ -38,8 +38,6 @@ class CheckpointComponents:
     loss_scaler: Stateful
     train_state: Stateful
     tokenizer: Any = None
-    # PyTorch DDP/FSDP state loads only into the layout that saved it.
-    resharding_supported: bool = True
     # FP8 scaling state (model/fp8.py's Fp8Scaling): state_tensors() under layout-independent
     # keys, the same on every rank that holds them; None without --fp8-format.
     fp8: Any = None

@@ -398,6 +398,12 @@ def _same_layout(saved: dict, current: ParallelConfig, load_optimizer: bool) -> 
     same = same and saved.get("pipeline_model_parallel_layout") == (
         current.pipeline_model_parallel_layout
     )
+    # PyTorch DDP/FSDP2's fp32 parameters are their masters, while threefold's own strategy
+    # keeps masters beside half-precision weights: across the two the tensors are read by
+    # name (resharding.py), the masters first
+    same = same and (saved.get("distributed_strategy", "megatron") == "megatron") == (
+        current.distributed_strategy == "megatron"
+    )
     # an expert's shapes (and keys) follow expert TP
     same = same and (saved.get("expert_tensor_parallel_size") or 1) == (
         current.expert_tensor_parallel_size or 1

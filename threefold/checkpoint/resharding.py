@@ -28,6 +28,7 @@ from torch import nn
 from threefold.checkpoint.components import CheckpointComponents
 from threefold.config import ConfigError
 from threefold.model.lora import is_adapter
+from threefold.parallel.data_parallel.torch_native import copy_whole
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert, shard_of, sharding_group, unshard
 from threefold.safe_loading import SafeFileSystemReader
@@ -160,7 +161,7 @@ def load_weights(
         loaded[param] = _new_shard(
             saved.full(source, name, param, saved_tensor_parallel_size), param, parallel
         )
-        param.copy_(loaded[param])
+        copy_whole(param, loaded[param])
     if hasattr(saved, "check_all_read"):  # a Megatron-LM checkpoint: every tensor read?
         saved.check_all_read(parallel.pp, strictness, left_out)
     return loaded
@@ -178,11 +179,6 @@ def load_resharded(
 ) -> None:
     """Fill the parameters (and optimizer state) from a checkpoint of any layout (`left_out`:
     the prefixes of the checkpoint's tensors the run leaves out)."""
-    if not components.resharding_supported:
-        raise ConfigError(
-            "--load: a checkpoint of another layout loads into "
-            "--distributed-strategy megatron only; load it there and save"
-        )
     saved = saved_tensors(path, megatron_step, load_optimizer)
     parallel = components.parallel
     step = saved.step() if load_optimizer else None

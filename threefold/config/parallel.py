@@ -145,9 +145,9 @@ class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapCon
     distributed_strategy: str = arg(
         "megatron",
         help=(
-            "megatron: threefold's DP/TP/PP; ddp, fsdp: PyTorch DDP / FSDP2 "
-            "(TP=PP=1); auto: chosen from the parameter count and device "
-            "memory"
+            "megatron: threefold's data parallelism and optimizers; ddp, fsdp: PyTorch DDP / "
+            "FSDP2 over the data-parallel ranks (threefold's TP/PP inside); auto: chosen from "
+            "the parameter count and device memory"
         ),
         choices=STRATEGIES,
     )

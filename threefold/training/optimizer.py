@@ -35,7 +35,7 @@ from torch import nn
 from threefold.config import TrainingConfig
 from threefold.model.fp8_fsdp_params import Fp8FsdpParameters
 from threefold.model.gpt import is_embedding_or_output
-from threefold.parallel.data_parallel.torch_native import local
+from threefold.parallel.data_parallel.torch_native import copy_whole, full, local
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import is_expert
 from threefold.training.muon import Muon
@@ -346,11 +346,12 @@ class AdamWithMasters:
     def whole_state(self, field: str, param: nn.Parameter, pieces: list[Piece]) -> torch.Tensor:
         """A parameter's `field` ("exp_avg", "exp_avg_sq" or "master") in fp32, shaped as the
         parameter (this rank's TP shard of it), from its `pieces` here (`pieces_of`) and, where
-        the distributed optimizer spreads them, from the other ranks of the parameter's buffer
-        (`_assembled`), which call it for the same parameters in the same order."""
-        flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        the distributed optimizer spreads them (or FSDP2 shards them), from the other ranks of
+        the parameter's buffer (`_assembled`; FSDP2: its mesh), which call it for the same
+        parameters in the same order."""
+        flat = torch.zeros(param.numel(), dtype=torch.float32, device=local(param).device)
         for piece in pieces:
-            flat[piece.start : piece.end] = self._state_value(piece, field).reshape(-1)
+            flat[piece.start : piece.end] = full(self._state_value(piece, field)).reshape(-1)
         return self._assembled(param, flat).view(param.shape)
 
     def _assembled(self, param: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
@@ -384,7 +385,7 @@ class AdamWithMasters:
             self.optimizer.store(piece.master, field, value)
             return
         stored = piece.master if field == "master" else self._state(piece)[field]
-        stored.copy_(value.view_as(stored))
+        copy_whole(stored.data, value)  # (FSDP2's shard keeps its part)
 
     @staticmethod
     def _piece_key(name: str, piece: Piece) -> str:

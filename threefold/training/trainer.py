@@ -140,14 +140,12 @@ class Trainer:
     def checkpoint_components(self) -> CheckpointComponents:
         """What a checkpoint saves and restores, each part with its own state."""
         parts = (self.optimizer, self.scheduler, self.loss_scaler, self.state, self.tokenizer)
-        reshardable = self.data_parallel.grad_buffer is not None  # threefold's own DP
         parameters = self.layout_independent_parameters
         return CheckpointComponents(
             self.config,
             self.parallel,
             parameters,
             *parts,
-            reshardable,
             fp8=self.fp8,
             parameters_in_model_dtype=self.data_parallel.parameters_in_model_dtype,
         )

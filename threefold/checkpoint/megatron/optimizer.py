@@ -182,11 +182,6 @@ def unexportable(config: Config, metadata: dict) -> str | None:
         ),
         (training.optimizer != "adam", f"--optimizer {training.optimizer}'s state is not Adam's"),
         (bool(config.model.lora_rank), "a LoRA run's optimizer holds the adapters only"),
-        (
-            config.parallel.distributed_strategy != "megatron",
-            f"--distributed-strategy {config.parallel.distributed_strategy} keeps it in "
-            "PyTorch's layout",
-        ),
         # megatron-core looks its groups up without their learning rates, so a group of its
         # own LR would take another's
         (training.decoupled_lr is not None, "--decoupled-lr's groups"),

@@ -20,7 +20,9 @@ Each rank's RNG streams go beside them, `rng/rank_N.pt` as in threefold's own ch
 common.pt's `threefold` entry names the ranks' layout they belong to: a resume here at that
 layout takes them, so it draws the dropout masks the run would have. What Megatron-LM's layout
 cannot hold keeps a run in threefold's format, said at start-up (`blocker`): the state of other
-optimizers, LoRA adapters, FP8 delayed scaling, PyTorch DDP/FSDP2's.
+optimizers, LoRA adapters, FP8 delayed scaling. PyTorch DDP/FSDP2 runs (--distributed-strategy
+ddp|fsdp, Megatron-LM's --use-torch-fsdp2) save it as well: their fp32 parameters are the
+masters, FSDP2's shards (of weights and Adam's fields) gathered whole over DP.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from threefold.checkpoint.megatron.tensors import (
 from threefold.checkpoint.save import rng_state
 from threefold.checkpoint.writer import CheckpointWriter
 from threefold.config import Config, ConfigError
+from threefold.parallel.data_parallel.torch_native import full
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.sharding import (
     gather_tensor_parallel,
@@ -71,11 +74,6 @@ from threefold.parallel.tensor_parallel.sharding import (
 def blocker(config: Config) -> str | None:
     """Why this run's checkpoints cannot be Megatron-LM's torch_dist (they are then saved in
     threefold's format, said at start-up), or None."""
-    if config.parallel.distributed_strategy != "megatron":
-        return (
-            f"--distributed-strategy {config.parallel.distributed_strategy} keeps its state in "
-            "PyTorch's layout"
-        )
     if config.model.lora_rank:
         return "a LoRA run's adapters have no place in it"
     if config.fp8.fp8 is not None and config.fp8.fp8_recipe == "delayed":
@@ -146,8 +144,8 @@ def _kept_whole(
         mine = index % group.size == group.rank
         mine = mine and (index // group.size) % replicas.size == replicas.rank
         for field in fields:
-            if field == "model":
-                value = param.detach()
+            if field == "model":  # (FSDP2's shards gathered over DP)
+                value = full(param.detach())
             elif param.requires_grad:  # (no state: DeepSeek-V3's expert bias, say)
                 value = optimizer.whole_state(field, param, pieces.get(param, []))
             else:

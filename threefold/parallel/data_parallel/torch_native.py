@@ -200,14 +200,29 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def placed_as(like: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`whole`, the same whole tensor on every rank, placed as `like` is: where `like` is
+    FSDP2's shard (a DTensor), a DTensor holding this rank's part of it (a local slice, no
+    message); else `whole` itself."""
+    if not isinstance(like, DTensor):
+        return whole
+    whole = whole.to(like.to_local().device)
+    replicated = DTensor.from_local(whole, like.device_mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(placements=like.placements)
+
+
 @torch.no_grad()
 def add_replicated(param: torch.Tensor, update: torch.Tensor) -> None:
     """`param += update`, where `update` is the same whole tensor on every rank and `param`
     may be FSDP2's shard of it (a DTensor between steps): the shard adds its own part."""
-    if isinstance(param, DTensor):
-        whole = DTensor.from_local(update, param.device_mesh, [Replicate()], run_check=False)
-        update = whole.redistribute(placements=param.placements)  # a local slice, no message
-    param.add_(update)
+    param.add_(placed_as(param, update))
+
+
+@torch.no_grad()
+def copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """`param` set to `whole` (the same whole tensor on every rank; shaped as `param`), of
+    which FSDP2's shard keeps its own part: how a checkpoint read whole fills either."""
+    param.copy_(placed_as(param, whole.view(param.shape)))
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
