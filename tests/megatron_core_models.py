@@ -170,6 +170,7 @@ def config_fields(shape: dict, tensor_parallel: int, pipeline_parallel: int) -> 
         gradient_accumulation_fusion=False,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        pipeline_model_parallel_layout=shape.get("pipeline_model_parallel_layout"),
     )
 
 

@@ -215,6 +215,9 @@ SHAPES["gpt_oss"] = {
 # Multi-token prediction (--mtp-num-layers 2) on the MoE model: each depth's layer is MoE, as
 # the last decoder layer is.
 SHAPES["moe_mtp"] = {**SHAPES["moe"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
+# ... over three stages laid out as DeepSeek-V3's (--pipeline-model-parallel-layout): the
+# depths on a stage of their own, beside the last layers, the loss on the last stage alone
+SHAPES["moe_mtp_layout"] = {**SHAPES["moe_mtp"], "pipeline_model_parallel_layout": "Et|tttmm|L"}
 # ... and one depth on GPT-2 (learned positions, which the depth's embedding shifts; tied)
 SHAPES["gpt2_mtp"] = {**SHAPES["gpt2"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
 # Llama 4 Maverick's mixture on that attention: experts in every other layer, top-1 sigmoid

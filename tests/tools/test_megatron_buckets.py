@@ -60,7 +60,9 @@ def megatron_buffers(
             else:
                 model = build(kind, tp, pp, 0, ep, virtual_stages, vp_stage)
             stored = {}  # a tensor's address -> (key, index): its place in the checkpoint
-            for sharded in model.sharded_state_dict().values():
+            # (a stage of multi-token prediction ties its embedding copy over DP x CP)
+            dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            for sharded in model.sharded_state_dict(metadata={"dp_cp_group": dp_cp}).values():
                 _stored(sharded, sizes, stored)
             # (before the DDP wrapper moves every parameter into its buffer)
             where = {param: stored.get(param.data_ptr()) for param in model.parameters()}
@@ -129,6 +131,12 @@ def _layouts(results: list, args: dict, conv_own: bool) -> tuple[dict, dict, dic
         # multi-latent attention (the local spec splits its down projections over TP)
         ("mla", 2, 1, 1, None),
         ("moe_mtp", 1, 1, 2, None),  # experts in buffers of their own, multi-token prediction
+        # the depths' stage keeps a copy of the embedding, as the first stage its own, each
+        # in a bucket alone
+        ("moe_mtp", 1, 2, 2, None),
+        # --pipeline-model-parallel-layout Et|tttmm|L: the depths, the final norm and an
+        # embedding copy on the middle stage, the output layer alone on the last
+        ("moe_mtp_layout", 1, 3, 1, None),
         ("gpt_oss", 1, 1, 2, None),  # softmax sinks, biased experts and router
         ("gpt2", 1, 2, 1, 2),  # two virtual stages: a buffer per model chunk
         # Mamba mixers (dt_bias, A_log and D before in_proj; in_proj and conv1d a section at a
@@ -141,6 +149,8 @@ def _layouts(results: list, args: dict, conv_own: bool) -> tuple[dict, dict, dic
         "gpt2-tp2-pp2",
         "mla-tp2",
         "moe-mtp-ep2",
+        "moe-mtp-pp2-ep2",
+        "moe-mtp-pp3-layout",
         "gpt-oss-ep2",
         "gpt2-pp2-vpp2",
         "hybrid-tp2-ep2",
@@ -177,6 +187,9 @@ def test_the_rebuilt_layout_is_megatron_cores_own(kind, tp, pp, ep, vpp):
     model = {k: v for k, v in sizes.items() if not k.startswith(("optimizer.", "chained_"))}
     assert formed_buckets(model, bucketed, conv_own) == stored
     assert formed_buckets(model, args, conv_own) != stored  # (no --overlap-grad-reduce: one)
+    if SHAPES[kind].get("mtp_num_layers") and pp > 1:  # (megatron-core 0.16 saves no such)
+        tied = BucketLayout(sizes, args | {"untie_embeddings_and_output_weights": False})
+        assert "prediction depths over stages, with tied" in tied.reason
     if kind == "gpt2" and vpp is None:
         # Transformer Engine's spec puts the input norm after linear_proj: the lengths still
         # add up here, the places do not (the load's check of the masters catches that).

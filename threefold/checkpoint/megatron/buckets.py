@@ -9,14 +9,17 @@ which parameter sits where; megatron-core knows it from the model it builds. Her
 is rebuilt from the checkpoint itself:
 
 - the parameters: the model tensors' keys (every layer's and expert's slice), each rank's share
-  by its saved TP/PP/EP layout from the args (`chunk_layers_of` for the stages);
+  by its saved TP/PP/EP layout from the args (the stages by `chunk_layers_of`, or by
+  --pipeline-model-parallel-layout; `_chunks`: with prediction depths the final norm sits
+  beside the last layer, and the depths' stage keeps a copy of the embedding);
 - their order: megatron-core's registration order (`_LAYER_ORDER`, the multi-token prediction
   layers' `_MTP_ORDER`; Transformer Engine's spec fuses a norm into the linear layer after it,
   `_TE_FUSED`), walked backwards as the buffer is filled, each parameter starting at a multiple
   of 64 elements;
 - the bucket boundaries: where each stored bucket tensor's length says the bucket ends (a
-  bucket closes after the parameter that fills it, or before a tied embedding's copy, which
-  megatron-core buckets alone).
+  bucket closes after the parameter that fills it, or before an embedding shared between
+  stages, which megatron-core buckets alone: tied to the output layer, or copied to the
+  prediction depths).
 
 A layout that does not account for every stored bucket exactly is refused in one line, and
 so is one whose fp32 masters are not the model's weights (checked as each parameter is read,
@@ -29,8 +32,9 @@ mixer's in_proj and conv1d stored a section at a time: one parameter here, `whol
 parameters in megatron-core 0.16's order or newer Megatron-LM's, `conv_own`, which the reader
 tells apart, checkpoint/megatron/tensors.py) are laid out (tests/tools/test_megatron_buckets.py
 compares with megatron-core's own buffers); not (refused as such): gated delta nets, a
-hybrid's multi-token prediction, `--pipeline-model-parallel-layout`,
-`--overlap-param-gather-with-optimizer-step`'s optimizer per chunk.
+hybrid's multi-token prediction, prediction depths over stages with tied or learned
+embeddings (megatron-core 0.16 saves no such), `--overlap-param-gather-with-optimizer-step`'s
+optimizer per chunk.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from threefold.checkpoint.megatron.param_order import (
     tp_split_dim,
 )
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
+from threefold.config.pipeline_layout import parse_layout
 from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
 BUCKET = re.compile(
@@ -130,6 +135,8 @@ class _Saved:
     grouped: bool
     tied: bool
     mla: bool
+    mtp: bool  # multi-token prediction depths
+    layout: str | None  # --pipeline-model-parallel-layout's (a hybrid's: its `|` segments)
     conv_own: bool = False  # (param_order.py)
 
     @classmethod
@@ -137,8 +144,6 @@ class _Saved:
         def size(name: str, default: int = 1) -> int:
             return arg_size(args, name, default)
 
-        if args.get("pipeline_model_parallel_layout"):
-            raise _Unknown("--pipeline-model-parallel-layout")
         if args.get("overlap_param_gather_with_optimizer_step"):
             raise _Unknown("--overlap-param-gather-with-optimizer-step")
         parallel, model = saved_layers(args)
@@ -154,6 +159,9 @@ class _Saved:
             grouped=bool(args.get("moe_grouped_gemm")),
             tied=not args.get("untie_embeddings_and_output_weights"),
             mla=bool(args.get("multi_latent_attention")),
+            mtp=bool(args.get("mtp_num_layers")),
+            layout=args.get("pipeline_model_parallel_layout")
+            or parallel.pipeline_model_parallel_layout,
             conv_own=conv_own,
         )
 
@@ -242,27 +250,23 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
     experts_total = max((p.expert for p in stored if p.expert is not None), default=-1) + 1
     local_experts = experts_total // saved.ep if experts_total else 0
     embedding = next((p for p in stored if p.key == _EMBEDDING), None)
+    if saved.mtp and saved.pp > 1:
+        # (megatron-core 0.16 cannot save tied embeddings so; its depths' stage would keep
+        # learned positions of its own)
+        if saved.tied or any(p.key.startswith("embedding.position_") for p in stored):
+            raise _Unknown("prediction depths over stages, with tied or learned embeddings")
     buffers: dict[str, list[list[_Param]]] = {}
+    chunks_of = _chunks(saved)
     for pp_rank in range(saved.pp):
         dense_buffers, expert_buffers = {}, {}
-        chunks = chunk_layers_of(saved.parallel, saved.model, pp_rank)
-        for chunk, (offset, count) in enumerate(chunks):
-            first = pp_rank == 0 and chunk == 0
-            last = pp_rank == saved.pp - 1 and chunk == len(chunks) - 1
-            mine = [
-                s
-                for s in stored
-                if (s.layer is not None and offset <= s.layer < offset + count)
-                or (first and s.key.startswith("embedding."))
-                or (
-                    last
-                    and s.key.startswith(
-                        ("decoder.final_layernorm.", "decoder.final_norm.", "output_layer.", "mtp.")
-                    )
-                )
-            ]
-            if last and saved.tied and saved.pp > 1 and embedding is not None:
+        for chunk in chunks_of[pp_rank]:
+            mine = [s for s in stored if chunk.holds(s)]
+            if chunk.post and saved.tied and not chunk.pre and embedding is not None:
+                # the tied output layer's copy of the embedding, in a bucket alone
                 mine.append(_Stored(None, (), None, None, "output_layer.weight", embedding.numel))
+            if chunk.mtp and not chunk.pre and embedding is not None:
+                # the prediction depths' copy of it (megatron-core's `mtp_process`), likewise
+                mine.append(_Stored(None, (), None, None, _EMBEDDING, embedding.numel))
             # Without expert parallelism the experts' gradients are reduced over DP like the
             # rest (megatron-core's `allreduce` attribute), so they share the rest's buffer.
             separate = saved.ep > 1
@@ -293,6 +297,62 @@ def _buffers(sizes: dict[str, tuple], saved: _Saved) -> dict[str, list[list[_Par
         buffers.update({chained + k: v for k, v in dense_buffers.items()})
         buffers.update(expert_buffers)
     return buffers
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """What a model chunk of the saving run holds: layers [offset, offset + count), the
+    embedding (`pre`), the output layer (`post`), the prediction depths (`mtp`) and the final
+    norm (`final_norm`)."""
+
+    offset: int
+    count: int
+    pre: bool
+    post: bool
+    mtp: bool
+    final_norm: bool
+
+    def holds(self, stored: _Stored) -> bool:
+        if stored.layer is not None:
+            return self.offset <= stored.layer < self.offset + self.count
+        key = stored.key
+        return (
+            (self.pre and key.startswith("embedding."))
+            or (
+                self.final_norm
+                and key.startswith(("decoder.final_layernorm.", "decoder.final_norm."))
+            )
+            or (self.post and key.startswith("output_layer."))
+            or (self.mtp and key.startswith("mtp."))
+        )
+
+
+def _chunks(saved: _Saved) -> list[list[_Chunk]]:
+    """Each pipeline rank's model chunks, in order. Chunk g of the run (in the order the
+    layers run) is virtual stage g // PP of rank g % PP. With prediction depths, megatron-core
+    puts the final norm beside the last layer; they may sit on a stage of their own (a layout's
+    `m` before its last chunk, as DeepSeek-V3's "Et*3|(tt|)*29,m|L"), which keeps a copy of
+    the embedding."""
+    if saved.layout:
+        try:
+            letters = parse_layout(saved.layout)
+        except ConfigError as error:
+            raise _Unknown(str(error)) from None
+        counts = [chunk.count("t") for chunk in letters]
+        depths = ["m" in chunk for chunk in letters]
+    else:
+        per_rank = [chunk_layers_of(saved.parallel, saved.model, r) for r in range(saved.pp)]
+        ordered = [per_rank[g % saved.pp][g // saved.pp] for g in range(sum(map(len, per_rank)))]
+        counts = [count for _, count in ordered]
+        depths = [False] * (len(counts) - 1) + [saved.mtp]
+    last_layer = max((g for g, count in enumerate(counts) if count), default=0)
+    chunks: list[list[_Chunk]] = [[] for _ in range(saved.pp)]
+    for g, count in enumerate(counts):
+        post = g == len(counts) - 1
+        final_norm = g == last_layer if saved.mtp else post
+        chunk = _Chunk(sum(counts[:g]), count, g == 0, post, depths[g], final_norm)
+        chunks[g % saved.pp].append(chunk)
+    return chunks
 
 
 def _param(stored: _Stored, tp_rank: int, tp: int, saved: _Saved) -> _Param:
@@ -367,7 +427,7 @@ def _formed(params: list[_Param], bucket_size: int | None, saved: _Saved) -> lis
     lengths, position, filling = [], 0, False
     for param in sorted(params, key=lambda p: p.order, reverse=True):
         start = -(-position // _ALIGNMENT) * _ALIGNMENT
-        shared = saved.tied and saved.pp > 1 and param.key in (None, _EMBEDDING)
+        shared = (saved.tied or saved.mtp) and saved.pp > 1 and param.key in (None, _EMBEDDING)
         if shared and filling:
             lengths.append(start)
             start = 0
