@@ -12,7 +12,9 @@ Each rank rebuilds the *full* tensor of every parameter it now holds — from al
 (and DP pieces), with the vocabulary padding of the saved layout removed — and keeps its new
 shard (and new pieces). Reads go through torch.distributed.checkpoint without collectives
 (`no_dist=True`), one parameter at a time, so ranks holding different stages never wait on
-each other and at most one full parameter is in memory at once.
+each other and at most one full parameter is in memory at once. Under PyTorch DDP/FSDP2 the
+fp32 parameters are the masters, and an FSDP2 shard (of a weight or of Adam's state) keeps its
+own part of the rebuilt tensor (`copy_whole`).
 """
 
 from __future__ import annotations
