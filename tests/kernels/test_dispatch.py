@@ -129,6 +129,21 @@ def test_compiling_on_a_cpu_without_a_compiler_is_refused_up_front(config, flag)
         configure(KernelConfig(), CPU, torch.float32, "RMSNorm", SHAPE)  # eager needs none
 
 
+def test_compile_backend_aot_eager_traces_without_a_compiler_and_is_said():
+    """--compile-backend aot_eager: the layers' graphs run op by op, so no C++ compiler is
+    needed; it is said in the kernels line, and refused where nothing is compiled."""
+    from torch._inductor import config as inductor
+
+    traced = KernelConfig(compile_layers=True, compile_backend="aot_eager")
+    with inductor.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        line = configure(traced, CPU, torch.float32, "RMSNorm", SHAPE)
+    assert "each torch.compile'd as one graph (aot_eager: traced, run op by op)" in line
+    with pytest.raises(ConfigError, match="^--compile-backend aot_eager: nothing is compiled"):
+        configure(KernelConfig(compile_backend="aot_eager"), CPU, torch.float32, "RMSNorm", SHAPE)
+    with pytest.raises(ConfigError, match="^--compile-backend aot_eager chooses torch.compile"):
+        KernelConfig(compile_backend="aot_eager", fusion_impl="eager").finalize()
+
+
 def test_rowwise_fp8_on_a_cpu_torch_without_rowwise_gemms_is_refused_up_front(monkeypatch):
     """torch before 2.13 runs the CPU's _scaled_mm with one scale per tensor only: rowwise
     scaling is refused at start-up in one line (it failed on an internal assert in the first

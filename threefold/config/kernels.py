@@ -14,6 +14,7 @@ from threefold.config.fields import arg
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 FUSION_IMPLS = ("auto", "compile", "eager")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 @dataclass
@@ -104,8 +105,27 @@ class KernelConfig:
             "SwiGLU); compile time is paid once per process"
         ),
     )
+    # torchtitan's --compile.backend. aot_eager traces and differentiates the same graphs as
+    # inductor (dynamo, AOTAutograd, the recomputation inside) and runs them op by op: what
+    # tells a compiler's fault from the model's, and half the CPU time of the tests'
+    # compiled-layer parity checks (tests/kernels/test_compile_layers.py keeps inductor's too).
+    compile_backend: str = arg(
+        "inductor",
+        choices=COMPILE_BACKENDS,
+        help="torch.compile's backend for --compile-layers and --fusion-impl compile: inductor "
+        "generates fused kernels; aot_eager traces and differentiates the same graphs and runs "
+        "them op by op (tells a compiler fault from a model fault)",
+    )
 
     def finalize(self) -> None:
+        # (--fusion-impl auto compiles on CUDA only: kernels/dispatch.py refuses it elsewhere)
+        require(
+            self.compile_backend == "inductor"
+            or self.compile_layers
+            or self.fusion_impl in ("auto", "compile"),
+            f"--compile-backend {self.compile_backend} chooses torch.compile's backend: add "
+            "--compile-layers or --fusion-impl compile, or drop it",
+        )
         require(
             self.transformer_impl in (None, "local", "transformer_engine"),
             "--transformer-impl must be local or transformer_engine",

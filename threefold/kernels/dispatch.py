@@ -273,9 +273,9 @@ def _choose_attention(
     )
 
 
-def _compiled(function):
+def _compiled(function, backend: str = "inductor"):
     # dynamic=None: static shapes first, a dynamic kernel if the shapes change (evaluation).
-    return torch.compile(function)
+    return torch.compile(function, backend=backend)
 
 
 def _require_cpu_compiler(flag: str) -> None:
@@ -392,7 +392,8 @@ def configure(
     KERNELS.use_reference()
     cuda = _on_gpu(device)
     compile_fusions = config.fusion_impl == "compile" or (config.fusion_impl == "auto" and cuda)
-    fuse = _compiled if compile_fusions else (lambda function: function)
+    backend = config.compile_backend
+    fuse = functools.partial(_compiled, backend=backend) if compile_fusions else lambda f: f
     how = "torch.compile" if compile_fusions else "eager"
 
     te = None
@@ -405,7 +406,12 @@ def configure(
                 + "; install it on a GPU machine or pass --transformer-impl local"
             )
     impl = "transformer_engine" if te is not None else "local"
-    if not cuda and (compile_fusions or config.compile_layers):
+    if backend != "inductor" and not (compile_fusions or config.compile_layers):
+        raise ConfigError(
+            f"--compile-backend {backend}: nothing is compiled here (--fusion-impl auto runs "
+            "eager off CUDA); add --compile-layers or --fusion-impl compile, or drop it"
+        )
+    if not cuda and (compile_fusions or config.compile_layers) and backend == "inductor":
         _require_cpu_compiler(
             "--compile-layers" if config.compile_layers else "--fusion-impl compile"
         )
@@ -462,7 +468,9 @@ def configure(
     parts["optimizer"] = "torch AdamW (fused kernel for unsharded fp32 masters)"
     if config.compile_layers:
         # (the FP8 linears inside or between them: the "> fp8:" line, model/fp8.py)
-        parts["transformer layers"] = "each torch.compile'd as one graph"
+        parts["transformer layers"] = "each torch.compile'd as one graph" + (
+            f" ({backend}: traced, run op by op)" if backend != "inductor" else ""
+        )
     if in_fp8:
         for name in _FP8_CASTS:
             setattr(KERNELS, name, fuse(getattr(reference, name)))
@@ -504,14 +512,14 @@ def configure(
     return f"> kernels: {KERNELS.description}"
 
 
-def compile_layers(model: torch.nn.Module) -> None:
+def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> None:
     """torch.compile each transformer layer of a model chunk in place, as torchtitan compiles
     its blocks: one graph per layer, so the compiler fuses across kernels (a residual add into
     the next norm, RoPE into the QKV split). Per layer rather than the whole model: every layer
     reuses one compiled graph, and pipeline stages, recomputation and FSDP keep their layer
     boundaries. Parameter names and state dicts are unchanged."""
     for layer in model.decoder.layers:
-        layer.compile()
+        layer.compile(backend=backend)
 
 
 def configure_for_model(

@@ -71,7 +71,7 @@ def build_model_chunks(
                 ),
             )
         if config.kernels.compile_layers:
-            compile_layers(chunk)
+            compile_layers(chunk, config.kernels.compile_backend)
     return chunks
 
 
