@@ -491,8 +491,10 @@ def test_compiled_fp8_save_and_resume_is_bitwise_identical(tmp_path):
     """FP8 linears traced into compiled layers (delayed scaling, one process): resumed after three
     steps, the next three losses and the final weights are the uninterrupted run's, bitwise
     (the resumed run starts from the loaded history, in the graph the straight run reaches
-    at its second step)."""
+    at its second step). Traced with aot_eager (the graphs inductor would compile, run op by
+    op: the state they carry is the point here; tests/kernels/test_compile_layers.py's)."""
     argv = LLAMA_STYLE + TRAINING + RECIPES["delayed"] + ["--compile-layers"]
+    argv += ["--compile-backend", "aot_eager"]
     result = _compiled_resume_job(argv, str(tmp_path / "ckpt"))
     torch._dynamo.reset()
     assert result["compiled_frames"] > 0 and not result["fell_back"]
