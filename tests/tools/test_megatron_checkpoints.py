@@ -73,21 +73,8 @@ def test_training_goes_on_from_a_megatron_checkpoint_as_from_its_conversion(mega
     """--load of the Megatron directory trains exactly as the converted threefold checkpoint."""
     root, _ = megatron["llama"]
     converted = str(tmp_path / "converted")
-    assert (
-        convert_checkpoint.main(
-            [
-                "--loader",
-                "megatron",
-                "--saver",
-                "threefold",
-                "--load-dir",
-                root,
-                "--save-dir",
-                converted,
-            ]
-        )
-        == 0
-    )
+    argv = ["--loader", "megatron", "--saver", "threefold", "--load-dir", root]
+    assert convert_checkpoint.main(argv + ["--save-dir", converted]) == 0
     direct, _ = train_from(megatron_argv(root, 1, 1) + ["--finetune"], root, finetune=True)
     from_conversion, _ = train_from(
         megatron_argv(root, 1, 1) + ["--finetune"], converted, finetune=True
