@@ -448,7 +448,11 @@ def save_both(
             "opt_param_scheduler": {"num_steps": 640, "max_lr": 3e-4},
             "num_floating_point_operations_so_far": 1.0e12,
         }
-        models = {name: chunk.sharded_state_dict() for name, chunk in zip(names, chunks)}
+        # (a stage of multi-token prediction ties its embedding copy over DP x CP)
+        metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+        models = {
+            name: chunk.sharded_state_dict(metadata=metadata) for name, chunk in zip(names, chunks)
+        }
         write({"args": args, **common, **models}, root, iteration)
         legacy = argparse.Namespace(**(vars(args) | {"ckpt_format": "torch"}))
         state = {

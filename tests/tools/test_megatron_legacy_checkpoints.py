@@ -50,6 +50,9 @@ LAYOUTS = {
     "mla": (2, 1, 1, None, 2),  # down projections split over TP in the local spec
     # a hybrid's stages ("M*", "ME"), its Mamba mixers' sections split over TP
     "hybrid4": (2, 2, 1, None, 4),
+    # --pipeline-model-parallel-layout Et|tttmm|L: the depths on a stage of their own, with
+    # the last layers, the final norm and a copy of the embedding
+    "moe_mtp_layout": (1, 3, 1, None, 3),
 }
 FILE = "iter_0000010/mp_rank_00_000/model_optim_rng.pt"
 

@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from threefold.checkpoint.megatron.format import arg_size, saved_layers
+from threefold.checkpoint.megatron.format import arg_size, saved_chunks, saved_layers
 from threefold.checkpoint.megatron.optimizer import MegatronOptimizer, find_loss_scaler, find_step
 from threefold.checkpoint.megatron.param_order import (
     BUFFERS,
@@ -62,8 +62,6 @@ from threefold.checkpoint.megatron.param_order import (
     tp_split_dim,
 )
 from threefold.config import ConfigError, ModelConfig, ParallelConfig
-from threefold.config.pipeline_layout import parse_layout
-from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
 BUCKET = re.compile(
     r"^((?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.+"
@@ -136,7 +134,7 @@ class _Saved:
     tied: bool
     mla: bool
     mtp: bool  # multi-token prediction depths
-    layout: str | None  # --pipeline-model-parallel-layout's (a hybrid's: its `|` segments)
+    chunks: list[tuple[int, int, bool]]  # format.saved_chunks'
     conv_own: bool = False  # (param_order.py)
 
     @classmethod
@@ -148,6 +146,10 @@ class _Saved:
             raise _Unknown("--overlap-param-gather-with-optimizer-step")
         parallel, model = saved_layers(args)
         tp = parallel.tensor_model_parallel_size
+        try:
+            chunks = saved_chunks(args)
+        except ConfigError as error:  # (a layout string megatron-core would not parse)
+            raise _Unknown(str(error)) from None
         return cls(
             tp=tp,
             pp=parallel.pipeline_model_parallel_size,
@@ -160,8 +162,7 @@ class _Saved:
             tied=not args.get("untie_embeddings_and_output_weights"),
             mla=bool(args.get("multi_latent_attention")),
             mtp=bool(args.get("mtp_num_layers")),
-            layout=args.get("pipeline_model_parallel_layout")
-            or parallel.pipeline_model_parallel_layout,
+            chunks=chunks,
             conv_own=conv_own,
         )
 
@@ -328,30 +329,16 @@ class _Chunk:
 
 
 def _chunks(saved: _Saved) -> list[list[_Chunk]]:
-    """Each pipeline rank's model chunks, in order. Chunk g of the run (in the order the
-    layers run) is virtual stage g // PP of rank g % PP. With prediction depths, megatron-core
-    puts the final norm beside the last layer; they may sit on a stage of their own (a layout's
-    `m` before its last chunk, as DeepSeek-V3's "Et*3|(tt|)*29,m|L"), which keeps a copy of
-    the embedding."""
-    if saved.layout:
-        try:
-            letters = parse_layout(saved.layout)
-        except ConfigError as error:
-            raise _Unknown(str(error)) from None
-        counts = [chunk.count("t") for chunk in letters]
-        depths = ["m" in chunk for chunk in letters]
-    else:
-        per_rank = [chunk_layers_of(saved.parallel, saved.model, r) for r in range(saved.pp)]
-        ordered = [per_rank[g % saved.pp][g // saved.pp] for g in range(sum(map(len, per_rank)))]
-        counts = [count for _, count in ordered]
-        depths = [False] * (len(counts) - 1) + [saved.mtp]
-    last_layer = max((g for g, count in enumerate(counts) if count), default=0)
+    """Each pipeline rank's model chunks, in order (format.saved_chunks': chunk g is virtual
+    stage g // PP of rank g % PP). With prediction depths, megatron-core puts the final norm
+    beside the last layer, and the depths' stage (the last, or one of their own) keeps a copy
+    of the embedding."""
+    last_layer = max((g for g, (_, count, _) in enumerate(saved.chunks) if count), default=0)
     chunks: list[list[_Chunk]] = [[] for _ in range(saved.pp)]
-    for g, count in enumerate(counts):
-        post = g == len(counts) - 1
+    for g, (offset, count, depths) in enumerate(saved.chunks):
+        post = g == len(saved.chunks) - 1
         final_norm = g == last_layer if saved.mtp else post
-        chunk = _Chunk(sum(counts[:g]), count, g == 0, post, depths[g], final_norm)
-        chunks[g % saved.pp].append(chunk)
+        chunks[g % saved.pp].append(_Chunk(offset, count, g == 0, post, depths, final_norm))
     return chunks
 
 

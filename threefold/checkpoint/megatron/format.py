@@ -96,6 +96,29 @@ def saved_layers(args: dict) -> tuple[ParallelConfig, ModelConfig]:
     return dataclasses.replace(parallel, pipeline_model_parallel_layout=layout), model
 
 
+def saved_chunks(args: dict) -> list[tuple[int, int, bool]]:
+    """The saving run's model chunks in the order its layers run (chunk g is virtual stage
+    g // PP of pipeline rank g % PP): each one's first layer, its number of layers and whether
+    it holds the multi-token prediction depths. From --pipeline-model-parallel-layout (a
+    hybrid's: its pattern's `|` segments), whose depths may sit on a stage of their own before
+    the loss, as DeepSeek-V3's "Et*3|(tt|)*29,m|L" puts them; else as megatron-core splits
+    the layers, the depths on the last stage."""
+    from threefold.config.pipeline_layout import parse_layout
+    from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
+
+    parallel, model = saved_layers(args)
+    layout = args.get("pipeline_model_parallel_layout") or parallel.pipeline_model_parallel_layout
+    if layout:
+        letters = parse_layout(layout)
+        counts, depths = [chunk.count("t") for chunk in letters], ["m" in c for c in letters]
+    else:
+        pp = parallel.pipeline_model_parallel_size
+        per_rank = [chunk_layers_of(parallel, model, rank) for rank in range(pp)]
+        counts = [per_rank[g % pp][g // pp][1] for g in range(sum(map(len, per_rank)))]
+        depths = [False] * (len(counts) - 1) + [bool(args.get("mtp_num_layers"))]
+    return [(sum(counts[:g]), count, depths[g]) for g, count in enumerate(counts)]
+
+
 def is_megatron_checkpoint(path: str) -> bool:
     """Whether `path` (an iter_N directory) was written by megatron-core's dist_checkpointing."""
     try:

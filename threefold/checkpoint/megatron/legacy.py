@@ -22,13 +22,13 @@ args' TP/PP/virtual stages/EP) and joins a tensor's TP shards as megatron-core s
 (`tp_split_dim`), so a checkpoint loads at any layout as a torch_dist one does.
 
 Read: GPT models (dense, mixture-of-experts with EP, multi-token prediction; local or
-Transformer Engine spec) and hybrids of Mamba, attention, MLP and expert layers (a Mamba
-mixer's TP shard holds its share of each section of in_proj and conv1d, joined section by
-section), their iteration, samples and LR schedule, and Adam's state, the distributed
-optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each refused in one
-line: gated delta nets, `--pipeline-model-parallel-layout`, experts split over another TP size
-than the rest, a checkpoint_version before 3.0, and the older models of `megatron/legacy`
-(`language_model.*`).
+Transformer Engine spec; stages split evenly, unevenly or by --pipeline-model-parallel-layout,
+a stage of prediction depths included) and hybrids of Mamba, attention, MLP and expert layers
+(a Mamba mixer's TP shard holds its share of each section of in_proj and conv1d, joined
+section by section), their iteration, samples and LR schedule, and Adam's state, the
+distributed optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each
+refused in one line: gated delta nets, experts split over another TP size than the rest, a
+checkpoint_version before 3.0, and the older models of `megatron/legacy` (`language_model.*`).
 """
 
 from __future__ import annotations
@@ -129,9 +129,7 @@ def legacy_damage(path: str) -> str | None:
 def refuse_unread_kinds(args: dict, path: str) -> None:
     """A one-line refusal of a legacy checkpoint threefold does not read."""
     what = None
-    if args.get("pipeline_model_parallel_layout"):
-        what = "stages laid out by --pipeline-model-parallel-layout"
-    elif args.get("experimental_attention_variant") in GATED_DELTA_NET or "G" in (
+    if args.get("experimental_attention_variant") in GATED_DELTA_NET or "G" in (
         args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern") or ""
     ):
         what = "gated delta nets (their parameters' order and TP split are not laid out here)"

@@ -2,7 +2,8 @@
 threefold parameter name.
 
 Each file's tensors are indexed under the whole model's names — a chunk's layers renumbered by
-the saved pipeline layout (`chunk_layers_of`), an EP rank's experts by its first expert,
+the saved pipeline layout (`format.saved_chunks`: megatron-core's split, or the run's
+--pipeline-model-parallel-layout), an EP rank's experts by its first expert,
 Transformer Engine's grouped experts (`linear_fc1.weight{e}`) as `local_experts.{e}` — and read
 from their bytes when a parameter asks; a tensor's TP shards are joined as megatron-core split
 them (`tp_split_dim`).
@@ -19,7 +20,7 @@ from torch import nn
 
 from threefold.checkpoint.megatron.buckets import Piece
 from threefold.checkpoint.megatron.common_file import StoredTensor, read_torch_file
-from threefold.checkpoint.megatron.format import saved_layers
+from threefold.checkpoint.megatron.format import saved_chunks
 from threefold.checkpoint.megatron.legacy import (
     MODEL,
     legacy_args,
@@ -40,7 +41,6 @@ from threefold.checkpoint.megatron.param_order import BUFFERS, tp_split_dim
 from threefold.checkpoint.megatron.tensors import candidate_keys, from_pieces, joined, split_name
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
-from threefold.parallel.pipeline_parallel.layout import chunk_layers_of
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # newer Megatron-LM's Mamba mixers' convolution parameters (param_order.py's `conv_own`)
@@ -71,12 +71,13 @@ class LegacyTensors:
         # (key, expert index or ()) -> {saved TP rank: (file, tensor record)}
         self.index: dict[tuple[str, tuple[int, ...]], dict[int, tuple[str, StoredTensor]]] = {}
         self.read: set[str] = set()
-        parallel, model = saved_layers(args)
+        run_order = saved_chunks(args)
         local_experts = (args.get("num_experts") or 0) // saved_sizes(args)[2]
         for (tp_rank, pp_rank, ep_rank), file in legacy_files(path, args).items():
             if not os.path.isfile(file):
                 raise ConfigError(f"--load {path}: {os.path.relpath(file, path)} is missing")
-            chunks = chunk_layers_of(parallel, model, pp_rank)
+            pp = saved_sizes(args)[1]
+            chunks = [(first, count) for first, count, _ in run_order[pp_rank::pp]]
             self._index_file(file, tp_rank, chunks, ep_rank * local_experts)
 
     def _index_file(
