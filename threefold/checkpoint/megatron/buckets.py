@@ -61,7 +61,7 @@ from threefold.checkpoint.megatron.param_order import (
     layer_order,
     tp_split_dim,
 )
-from threefold.config import ConfigError, ModelConfig, ParallelConfig
+from threefold.config import ConfigError
 
 BUCKET = re.compile(
     r"^((?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.+"
@@ -127,8 +127,6 @@ class _Saved:
     pp: int
     ep: int
     etp: int
-    parallel: ParallelConfig
-    model: ModelConfig
     te_spec: bool
     grouped: bool
     tied: bool
@@ -144,7 +142,7 @@ class _Saved:
 
         if args.get("overlap_param_gather_with_optimizer_step"):
             raise _Unknown("--overlap-param-gather-with-optimizer-step")
-        parallel, model = saved_layers(args)
+        parallel, _ = saved_layers(args)
         tp = parallel.tensor_model_parallel_size
         try:
             chunks = saved_chunks(args)
@@ -155,8 +153,6 @@ class _Saved:
             pp=parallel.pipeline_model_parallel_size,
             ep=size("expert_model_parallel_size"),
             etp=size("expert_tensor_parallel_size", tp),
-            parallel=parallel,
-            model=model,
             te_spec=args.get("transformer_impl", "transformer_engine") != "local",
             grouped=bool(args.get("moe_grouped_gemm")),
             tied=not args.get("untie_embeddings_and_output_weights"),
