@@ -30,6 +30,7 @@ from threefold.arguments import (
     speaks_for_its_machine,
 )
 from threefold.checkpoint.args import checkpoint_flags, latest_config
+from threefold.checkpoint.files import is_release
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
 from threefold.startup import frozen_imports, run_then_shut_down, start_processes
@@ -178,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     resuming = known.save is not None and (
         os.path.abspath(known.save) == os.path.abspath(known.load)
     )
-    # Weights only, at iteration 0 with a fresh optimizer, unless the run resumes itself.
+    # Weights only, at iteration 0 with a fresh optimizer, unless the run resumes itself (a
+    # release checkpoint holds no run to resume).
     config.checkpoint = dataclasses.replace(
-        config.checkpoint, finetune=config.checkpoint.finetune or not resuming
+        config.checkpoint,
+        finetune=config.checkpoint.finetune or not resuming or is_release(known.load),
     )
     # The flags, the files and the checkpoint's metadata first, before torch is imported: a
     # mistake costs a second.

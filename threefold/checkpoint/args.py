@@ -13,6 +13,7 @@ import os
 from threefold.checkpoint.files import (
     checkpoint_tokenizer,
     holds_checkpoint,
+    is_release,
     latest_config,
     read_tracker,
 )
@@ -48,10 +49,8 @@ def flags_for_use_checkpoint_args(
             "command line's model flags",
         )
     flags = checkpoint_flags(load, with_tokenizer)
-    return flags, (
-        f"--use-checkpoint-args: model flags from {load} (iteration "
-        f"{read_tracker(load)}): {' '.join(flags)}"
-    )
+    which = "its release checkpoint" if is_release(load) else f"iteration {read_tracker(load)}"
+    return flags, f"--use-checkpoint-args: model flags from {load} ({which}): {' '.join(flags)}"
 
 
 def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) -> list[str]:

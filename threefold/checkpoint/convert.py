@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from threefold.checkpoint.files import checkpoint_dir, read_metadata
+from threefold.checkpoint.files import checkpoint_dir, read_metadata, saved_dir
 from threefold.checkpoint.hf import (
     ADAPTERS,
     hf_config_from_model_config,
@@ -225,7 +225,7 @@ def whole_checkpoint(
     iteration = find_checkpoint(load_dir) if os.path.isdir(load_dir) else None
     if iteration is None:
         raise ConfigError(f"--load-dir {load_dir}: holds no complete {loader} checkpoint")
-    path = checkpoint_dir(load_dir, iteration)
+    path = saved_dir(load_dir, iteration)
     megatron = is_megatron_checkpoint(path) or is_legacy_checkpoint(path)
     if megatron != (loader == "megatron"):
         other = "threefold" if loader == "megatron" else "megatron"
@@ -257,7 +257,7 @@ def _exported_optimizer(
     if reason is not None:
         print(f"> the optimizer state is not exported ({reason}): the export holds the model")
         return None
-    saved = SavedTensors(checkpoint_dir(load_dir, iteration))
+    saved = SavedTensors(saved_dir(load_dir, iteration))
     saved_tp = metadata["config"]["parallel"]["tensor_model_parallel_size"]
     tensors: dict[str, dict] = {field: {} for field in EXPORTED_FIELDS}
     for name, param in model.named_parameters():
@@ -355,7 +355,7 @@ def to_hf_checkpoint(
     hf_config.setdefault("pad_token_id", None)
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    copy_tokenizer_files(os.path.join(checkpoint_dir(load_dir, iteration), "tokenizer"), partial)
+    copy_tokenizer_files(os.path.join(saved_dir(load_dir, iteration), "tokenizer"), partial)
     return _publish(partial, save_dir)
 
 

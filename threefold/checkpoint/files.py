@@ -2,6 +2,8 @@
 
     DIR/latest_checkpointed_iteration.txt    the tracker: the last complete iteration
     DIR/iter_0000100/metadata.json           the run's config, train state, scheduler, ...
+    DIR/release/                             Megatron-LM's release checkpoint: a tracker
+                                             that says "release" names it (read only)
 
 Everything here is torch-free, so the command line can be completed from a checkpoint before
 torch is imported (checkpoint/args.py).
@@ -18,20 +20,49 @@ from threefold.config import ConfigError, DataConfig
 from threefold.config.data import HF_DIRECTORY, SENTENCEPIECE
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Megatron-LM's tracker word, and directory, for a checkpoint of no iteration: a model
+# published or converted (its ModelOpt examples' `save_checkpoint(..., release=True)`). Its
+# --load reads it as iteration 0 and as --finetune does: the weights, no optimizer, no RNG.
+RELEASE = "release"
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
+    """Where iteration `iteration` is written; `saved_dir` says where it is read from."""
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root: str) -> int | None:
+def saved_dir(root: str, iteration: int) -> str:
+    """Where iteration `iteration` of `root` is read from: its iter_ directory, or for the
+    iteration 0 of a tracker that says "release", Megatron-LM's release directory."""
+    if iteration == 0 and is_release(root):
+        return os.path.join(root, RELEASE)
+    return checkpoint_dir(root, iteration)
+
+
+def _tracked(root: str) -> str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
-        text = f.read(64).decode("utf-8", "replace").strip()
+        return f.read(64).decode("utf-8", "replace").strip()
+
+
+def is_release(root: str | None) -> bool:
+    """Whether `root`'s tracker names Megatron-LM's release checkpoint."""
+    return bool(root) and os.path.isdir(root) and _tracked(root) == RELEASE
+
+
+def read_tracker(root: str) -> int | None:
+    """The tracker's iteration (0 for a release checkpoint); None without a tracker."""
+    text = _tracked(root)
+    if text is None:
+        return None
+    if text == RELEASE:
+        return 0
     if not (text.isascii() and text.isdigit()):
-        raise ConfigError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+        raise ConfigError(
+            f"--load {root}: {TRACKER} holds {text!r}, not an iteration number (nor {RELEASE!r})"
+        )
     return int(text)
 
 
@@ -49,11 +80,12 @@ def read_metadata(root: str, iteration: int) -> dict:
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint, megatron_metadata
     from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint, legacy_metadata
 
-    if is_megatron_checkpoint(checkpoint_dir(root, iteration)):
-        return megatron_metadata(checkpoint_dir(root, iteration))
-    if is_legacy_checkpoint(checkpoint_dir(root, iteration)):
-        return legacy_metadata(checkpoint_dir(root, iteration))
-    path = os.path.join(checkpoint_dir(root, iteration), "metadata.json")
+    directory = saved_dir(root, iteration)
+    if is_megatron_checkpoint(directory):
+        return megatron_metadata(directory)
+    if is_legacy_checkpoint(directory):
+        return legacy_metadata(directory)
+    path = os.path.join(directory, "metadata.json")
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: {path} is missing; the checkpoint is incomplete")
     try:
@@ -78,7 +110,7 @@ def checkpoint_tokenizer(root: str, iteration: int, data: DataConfig) -> DataCon
     from threefold.checkpoint.megatron.format import is_megatron_checkpoint
     from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 
-    path = checkpoint_dir(root, iteration)
+    path = saved_dir(root, iteration)
     if is_megatron_checkpoint(path) or is_legacy_checkpoint(path):
         return data
     if data.tokenizer_type in SENTENCEPIECE:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from threefold.checkpoint.components import CheckpointComponents
-from threefold.checkpoint.files import checkpoint_dir, checkpoint_tokenizer, read_metadata
+from threefold.checkpoint.files import checkpoint_tokenizer, read_metadata, saved_dir
 from threefold.checkpoint.loadable import check_loadable, choose_iteration, damage, rng_file
 from threefold.checkpoint.resharding import load_resharded, load_weights
 from threefold.checkpoint.save import set_rng_state, tensor_state
@@ -233,7 +233,7 @@ def load_model(
     )
     named = [(model.layout_independent_name(n), p) for n, p in model.named_parameters()]
     load_weights(
-        checkpoint_dir(root, iteration),
+        saved_dir(root, iteration),
         named,
         metadata["config"]["parallel"]["tensor_model_parallel_size"],
         parallel,

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable
 
 from threefold.checkpoint.files import (
     TRACKER,
-    checkpoint_dir,
+    is_release,
     read_metadata,
     read_tracker,
+    saved_dir,
     tokenizer_digest,
 )
 from threefold.checkpoint.manifest import (
@@ -62,7 +63,7 @@ def damage(
     `contents`, this rank's slice of them have the sizes and SHA-256s written. Checkpoints
     with neither list are only checked for their metadata, or refused under
     `verify_integrity`."""
-    path = checkpoint_dir(root, iteration)
+    path = saved_dir(root, iteration)
     if not os.path.isdir(path):
         return f"{path} does not exist"
     listed = checksums_file(path)
@@ -107,7 +108,7 @@ def choose_iteration(
     (--ckpt-step, Megatron-LM's): that iteration, whole, or a one-line refusal (no fallback)."""
     warn = warn or (lambda message: None)
     if step is not None:
-        if not os.path.isdir(checkpoint_dir(root, step)):
+        if not os.path.isdir(saved_dir(root, step)):
             held = ", ".join(map(str, iterations(root)[:5])) or "none"
             raise ConfigError(
                 f"--ckpt-step {step}: --load {root} holds no iteration {step} (it holds: {held})"
@@ -148,7 +149,9 @@ def choose_iteration(
                     "the newest complete checkpoint before it"
                 )
             return iteration
-        problems.append(f"iteration {iteration} is damaged ({found or 'on another rank'})")
+        release = iteration == 0 and is_release(root)
+        which = "the release checkpoint" if release else f"iteration {iteration}"
+        problems.append(f"{which} is damaged ({found or 'on another rank'})")
     raise ConfigError(f"--load {root}: {problems[0]}, and no earlier complete checkpoint verifies")
 
 
@@ -188,7 +191,7 @@ def check_before_start(
         except ConfigError as error:
             refusals[iteration] = error
             # With a manifest the run may find its contents damaged and load an earlier one.
-            return str(error) if checksums_file(checkpoint_dir(root, iteration)) else None
+            return str(error) if checksums_file(saved_dir(root, iteration)) else None
         return None
 
     try:
@@ -232,7 +235,7 @@ def check_loadable(
     the tokenizer), before any tensor is read. `ranks`: the world ranks whose RNG streams must
     be there. `finetune`: weights only."""
     metadata = read_metadata(root, iteration)
-    path = checkpoint_dir(root, iteration)
+    path = saved_dir(root, iteration)
     if finetune:
         load_optimizer = load_rng = False
     megatron = "megatron" in metadata

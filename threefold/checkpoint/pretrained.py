@@ -2,22 +2,26 @@
 start, when `--load` (its own checkpoints, usually its `--save`) holds none yet. Then the run
 loads DIR as `--finetune` does (the weights, at iteration 0, a fresh optimizer); every later
 start (a requeue, a restart) finds its own checkpoint in `--load` and resumes it, with no
-change to the command line. Decided before torch is imported, from the directories alone."""
+change to the command line. A `--load` whose tracker says "release" (Megatron-LM's release
+checkpoint, checkpoint/files.py) is loaded that way too, as Megatron-LM's --load does; once the
+run has saved into it, its tracker names an iteration, resumed as any. Decided before torch is
+imported, from the directories alone."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from threefold.checkpoint.files import holds_checkpoint
+from threefold.checkpoint.files import RELEASE, TRACKER, holds_checkpoint, is_release
 from threefold.config import CheckpointConfig, ConfigError
 
 
 def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:
     """The checkpoint settings the run loads with (--load swapped for --pretrained-checkpoint
-    with --finetune, when --load holds nothing), and a start-up note saying so."""
+    with --finetune, when --load holds nothing; --finetune for a release checkpoint), and a
+    start-up note saying so."""
     pretrained = checkpoint.pretrained_checkpoint
     if pretrained is None or holds_checkpoint(checkpoint.load):
-        return checkpoint, None
+        return from_release(checkpoint)
     where = f"--load {checkpoint.load} holds none" if checkpoint.load else "no --load"
     if not holds_checkpoint(pretrained):
         raise ConfigError(
@@ -29,3 +33,15 @@ def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig,
         "iteration 0)"
     )
     return dataclasses.replace(checkpoint, load=pretrained, finetune=True), note
+
+
+def from_release(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:
+    """--finetune where --load holds Megatron-LM's release checkpoint (the weights, from
+    iteration 0: a release holds no iteration to resume), and a start-up note saying so."""
+    if checkpoint.finetune or not is_release(checkpoint.load):
+        return checkpoint, None
+    note = (
+        f"> --load {checkpoint.load}: a release checkpoint (its {TRACKER} says {RELEASE!r}, as "
+        f"Megatron-LM's): its weights, from iteration 0, as --finetune loads them"
+    )
+    return dataclasses.replace(checkpoint, finetune=True), note
