@@ -253,7 +253,8 @@ def parse_args(
             prefix, note = flags_for_use_checkpoint_args(
                 getattr(namespace, "checkpoint.load", None),
                 getattr(namespace, "checkpoint.save", None),
-                with_tokenizer=not hasattr(namespace, "data.tokenizer_type"),
+                with_tokenizer=not hasattr(namespace, "data.tokenizer_type")
+                and getattr(namespace, "checkpoint.use_tokenizer_model_from_checkpoint_args", True),
                 pretrained=getattr(namespace, "checkpoint.pretrained_checkpoint", None),
             )
         except ConfigError as error:

@@ -29,6 +29,13 @@ ALIASES = {
     "--cross-entropy-loss-fusion": ("kernels.cross_entropy_loss_fusion", True),
     # threefold's default already, as Megatron-LM's (--no-check-for-nan-in-loss-and-grad: off)
     "--check-for-nan-in-loss-and-grad": ("training.check_for_nan_in_loss_and_grad", True),
+    # newer Megatron-LM's spellings of flags threefold has
+    "--disable-manual-gc-eval": ("training.manual_gc_eval", False),
+    "--disable-use-tokenizer-model-from-checkpoint-args": (
+        "checkpoint.use_tokenizer_model_from_checkpoint_args",
+        False,
+    ),
+    "--exit-signal-handler-for-training": ("training.exit_signal_handler", True),
 }
 
 # flag -> (type, the one supported value, why no other)
@@ -39,6 +46,11 @@ ONLY_DEFAULT = {
         1.0,
         "--optimizer-cpu-offload keeps the whole optimizer state on the CPU (Megatron-LM's "
         "default fraction)",
+    ),
+    "--exit-signal": (
+        str,
+        ("SIGTERM", "SIGUSR1"),
+        "--exit-signal-handler stops on either of those (SIGUSR1: Slurm's --signal)",
     ),
 }
 
@@ -107,6 +119,62 @@ ANY_VALUE = {
         int,
         "threefold writes max memory with every log line on CUDA (and to --tensorboard-dir)",
     ),
+    "--local-rank": (
+        int,
+        "each process takes its rank from the launcher's environment (LOCAL_RANK), which "
+        "torchrun and torch.distributed.launch both set",
+    ),
+    "--tensorboard-log-interval": (
+        int,
+        "threefold writes TensorBoard scalars with each log line (every --log-interval iterations)",
+    ),
+    "--straggler-minmax-count": (
+        int,
+        "--log-straggler reports every rank slower than --straggler-factor x the median, not a "
+        "number of the slowest and fastest",
+    ),
+    "--straggler-ctrlr-port": (
+        int,
+        "--log-straggler reports for the whole run; nothing listens for a switch",
+    ),
+    **dict.fromkeys(
+        ("--async-ckpt-cpu-priority", "--async-ckpt-io-priority", "--dist-ckpt-workers"),
+        (
+            int,
+            "--async-save finishes each save on a thread of the training process, not in "
+            "Megatron-LM's writer processes",
+        ),
+    ),
+    **dict.fromkeys(
+        ("--ckpt-fully-parallel-load-exchange-algo", "--ckpt-fully-parallel-load-process-group"),
+        (str, "each rank reads its own tensors from the files; none are exchanged"),
+    ),
+    "--ckpt-fully-parallel-save-process-group": (
+        str,
+        "torch.distributed.checkpoint spreads the writing of shared tensors over their replicas",
+    ),
+    "--ckpt-pg-tensors-cache-path": (
+        str,
+        "it caches megatron-core's plan of which rank writes what; torch.distributed.checkpoint "
+        "plans each save itself",
+    ),
+    "--tiktoken-num-special-tokens": (
+        int,
+        "it belongs to --tokenizer-type TikTokenizer, which threefold does not have",
+    ),
+    **dict.fromkeys(
+        (
+            "--moe-deepep-num-sms",
+            "--moe-hybridep-num-sms-preprocessing",
+            "--moe-hybridep-num-blocks-permute",
+            "--moe-hybridep-num-blocks-unpermute",
+        ),
+        (
+            int,
+            "it sizes DeepEP's or HybridEP's kernels, and --moe-token-dispatcher-type flex runs "
+            "as alltoall here",
+        ),
+    ),
 }
 
 # flag -> why it changes nothing here
@@ -138,6 +206,30 @@ NO_COUNTERPART = {
     "--log-loss-scale-to-tensorboard": "the loss scale is always written with --tensorboard-dir",
     "--use-persistent-ckpt-worker": "--async-save finishes each save on a thread of its own, "
     "with its own process group; there is no worker process to keep",
+    "--ckpt-pg-tensors-cache-create": "it caches megatron-core's plan of which rank writes "
+    "what; torch.distributed.checkpoint plans each save itself",
+    "--disable-jit-fuser": "threefold compiles nothing with TorchScript's fuser "
+    "(--compile-layers uses torch.compile)",
+    "--disable-msc": "a no-op in Megatron-LM too: its Multi-Storage Client is off by default",
+    **dict.fromkeys(
+        ("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"),
+        "the loss scale is always written with --tensorboard-dir",
+    ),
+    **dict.fromkeys(
+        ("--no-clone-scatter-output-in-embedding", "--disable-clone-scatter-output-in-embedding"),
+        "it decides whether megatron-core copies the embedding's sequence-parallel output to "
+        "free its input sooner; the function computed is the same",
+    ),
+    "--disable-mamba-mem-eff-path": "it selects mamba_ssm's unfused kernels; threefold's Mamba "
+    "mixer computes the same function with its own",
+    "--fused-residual-rmsnorm": "Transformer Engine's fusion of the residual add into "
+    "RMSNorm; threefold computes the same function unfused",
+    "--mla-down-proj-fusion": "a fusion of multi-latent attention's down projections; "
+    "threefold computes the same function unfused",
+    "--use-te-activation-func": "Transformer Engine's activation kernels compute the same "
+    "function as threefold's",
+    "--moe-enable-deepep": "DeepEP's kernels send the tokens the all-to-all dispatcher sends; "
+    "threefold runs the all-to-all",
     "--dist-ckpt-optim-fully-reshardable": "threefold's checkpoints always load into any "
     "TP/PP/DP layout, optimizer state included",
     "--ckpt-fully-parallel-load": "each rank reads only the tensors it holds, from the "
@@ -360,6 +452,292 @@ MISSING = {
     "--te-precision-config-file": "custom quantization recipes",
     "--logits-": "distillation from saved logits",
     "--otel-": "OpenTelemetry tracing",
+    # Megatron-LM's flags of 2026 (tests/data/megatron_flags.txt)
+    "--distribute-saved-activations": "recomputation's saved inputs spread over the "
+    "tensor-parallel ranks",
+    "--embedding-init-method-std": "another initialization for the embedding",
+    "--mlp-chunks-for-training": "an MLP computed in chunks of the sequence",
+    **dict.fromkeys(
+        (
+            "--cache-mla-latents",
+            "--flash-decode",
+            "--mlp-chunks-for-prefill",
+            "--nccl-all-reduce-for-prefill",
+            "--num-speculative-tokens",
+            "--use-legacy-static-engine",
+            "--no-inference-",
+            "--use-same-sampling-seed-across-dp-ranks",
+        ),
+        "Megatron-LM's inference engine (threefold samples with tools/generate.py)",
+    ),
+    **dict.fromkeys(
+        ("--no-rl-", "--refit-method", "--moe-enable-routing-replay"),
+        "reinforcement learning (GRPO)",
+    ),
+    **dict.fromkeys(
+        (
+            "--decode-only-cuda-graphs",
+            "--external-cuda-graph",
+            "--optimizer-cuda-graph",
+            "--moe-pad-experts-for-cuda-graph-inference",
+        ),
+        "CUDA graphs",
+    ),
+    **dict.fromkeys(
+        (
+            "--chat-template",
+            "--tokenizer-hf-",
+            "--tokenizer-metadata",
+            "--tokenizer-sentencepiece-",
+            "--no-tokenizer-sentencepiece-",
+            "--disable-tokenizer-sentencepiece-",
+            "--tokenizer-special-tokens",
+            "--use-gigatoken",
+            "--null-tokenizer-",
+        ),
+        "options of Megatron-LM's tokenizer library (threefold's tokenizers take --tokenizer-type "
+        "and its files)",
+    ),
+    "--trust-remote-code": "tokenizers that run code from their files (threefold runs no code a "
+    "file names)",
+    "--ckpt-convert-": "converting checkpoints in a training run (threefold: "
+    "tools/convert_checkpoint.py)",
+    **dict.fromkeys(
+        ("--non-persistent-", "--persistent-save-interval", "--replication", "--replication-"),
+        "non-persistent and local checkpoints",
+    ),
+    "--override-ckpt-iteration": "overriding a checkpoint's iteration",
+    "--load-main-params-from-ckpt": "loading fp32 masters without the optimizer state",
+    "--use-mp-args-from-checkpoint-args": "taking the parallel layout from a checkpoint "
+    "(threefold loads any checkpoint into the command line's layout)",
+    **dict.fromkeys(
+        ("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),
+        "partial loads of fsdp_dtensor checkpoints",
+    ),
+    **dict.fromkeys(
+        ("--no-save-tokenizer-assets", "--disable-save-tokenizer-assets"),
+        "checkpoints without their tokenizer's files",
+    ),
+    "--dist-ckpt-save-pre-mcore-014": "megatron-core's torch_dist layout before 0.14",
+    "--distrib-optim-fully-reshardable-mem-efficient": "megatron-core's low-memory fully "
+    "reshardable save",
+    "--disable-ckpt-load-validate-sharding-integrity": "loading without checking a checkpoint's "
+    "sharding",
+    "--config-logger-dir": "dumping each entry point's config (threefold's is in every "
+    "checkpoint's metadata)",
+    **dict.fromkeys(
+        (
+            "--create-all-gather-group",
+            "--ddp-param-name-patterns-for-fp32-local-accumulation",
+            "--ddp-reduce-scatter-with-fp32-accumulation",
+            "--no-align-grad-reduce",
+            "--disable-align-grad-reduce",
+        ),
+        "Megatron-LM's variants of gradient reduction",
+    ),
+    **dict.fromkeys(
+        (
+            "--gtp-",
+            "--tensor-parallel-num-weight-shards",
+            "--expert-tensor-parallel-num-weight-shards",
+        ),
+        "GTP weight rematerialization",
+    ),
+    **dict.fromkeys(
+        ("--data-parallel-random-init", "--no-initialization"), "other weight initializations"
+    ),
+    **dict.fromkeys(
+        (
+            "--dataloader-defer-npy-index-mmap",
+            "--dataloader-fast-cache-load",
+            "--per-dataset-sequences-path",
+            "--no-data-sharding",
+            "--sample-rate",
+        ),
+        "megatron-core's other data-loading options",
+    ),
+    **dict.fromkeys(
+        ("--enable-msc", "--object-storage-cache-path"),
+        "object storage (NVIDIA's Multi-Storage Client)",
+    ),
+    **dict.fromkeys(
+        (
+            "--decrease-batch-size-if-needed",
+            "--phase-transition-iterations",
+            "--iterations-to-skip",
+        ),
+        "changing the batch or the iterations during a run",
+    ),
+    **dict.fromkeys(
+        ("--no-dsa-indexer-", "--disable-dsa-indexer-"),
+        "DSA indexers without the Hadamard rotation or the score ReLU",
+    ),
+    **dict.fromkeys(
+        ("--flight-recorder-", "--no-flight-recorder-", "--disable-flight-recorder-"),
+        "PyTorch's NCCL flight recorder settings (set TORCH_NCCL_TRACE_BUFFER_SIZE and its "
+        "variables in the environment)",
+    ),
+    **dict.fromkeys(
+        (
+            "--enable-full-sharding-in-hsdp",
+            "--fsdp-db-use-persist-buf-on-alloc-fail",
+            "--suggested-communication-unit-size",
+            "--keep-fp8-transpose-cache",
+        ),
+        "Megatron-FSDP's other options",
+    ),
+    **dict.fromkeys(
+        ("--enable-mhc-connections", "--mhc-"), "manifold-constrained hyper-connections (mHC)"
+    ),
+    "--gdp-": "Gated Delta Product layers",
+    **dict.fromkeys(
+        (
+            "--ep-overlap-early-attn-memory-release",
+            "--high-priority-a2a-comm-stream",
+            "--overlap-dispatch-backward-with-experts-wgrad",
+        ),
+        "other options of the expert-parallel overlap",
+    ),
+    "--exit-signal-handler-for-dataloader": "signal handlers in data-loader workers",
+    **dict.fromkeys(
+        ("--adlr-autoresume", "--adlr-autoresume-interval"),
+        "ADLR's autoresume (threefold stops cleanly with --exit-duration-in-mins and "
+        "--exit-signal-handler)",
+    ),
+    "--allow-ambiguous-pad-tokens": "pad tokens that share an id with other special tokens",
+    **dict.fromkeys(
+        ("--apply-residual-connection-post-layernorm", "--fp32-residual-connection"),
+        "other residual connections",
+    ),
+    **dict.fromkeys(
+        ("--batch-invariant-mode", "--batch-invariant-backend"), "batch-invariant kernels"
+    ),
+    **dict.fromkeys(("--fake-process-group", "--lazy-mpu-init"), "fake or deferred process groups"),
+    "--fault-injector-": "the fault injector (NVIDIA Resiliency Extension)",
+    "--freeze-all-layers": "freezing layers",
+    **dict.fromkeys(
+        (
+            "--use-grouped-gemm-for-dense-mlp",
+            "--use-grouped-gemm-for-shared-expert",
+            "--moe-use-grouped-tensor",
+            "--moe-single-grouped-weight",
+            "--moe-single-grouped-bias",
+            "--moe-mlp-glu-interleave-size",
+            "--moe-shared-expert-glu-interleave-size",
+        ),
+        "Transformer Engine's grouped and interleaved weight layouts",
+    ),
+    **dict.fromkeys(
+        (
+            "--moe-combine-bwd-dtype",
+            "--moe-dispatch-fwd-dtype",
+            "--moe-ncclep-zero-copy",
+            "--moe-permute-fusion-into-hybridep",
+            "--moe-hybridep-pad-uneven-dispatch-inputs",
+        ),
+        "options of the flex dispatcher's kernels",
+    ),
+    **dict.fromkeys(
+        (
+            "--moe-expert-rank-capacity-factor",
+            "--moe-input-jitter-eps",
+            "--moe-router-force-biased",
+            "--moe-router-padding-for-fp8",
+            "--moe-router-quantile-balancing-ema",
+        ),
+        "other router options",
+    ),
+    **dict.fromkeys(
+        ("--moe-paged-stash", "--moe-paged-stash-"), "paged stashing of expert activations"
+    ),
+    "--moe-routing-trace-": "router decision traces",
+    "--mrope-section": "multimodal rotary embeddings",
+    "--mup-width-mult": "giving muP's width multiplier (threefold computes it as --hidden-size / "
+    "--mup-base-hidden-size)",
+    **dict.fromkeys(
+        ("--head-lr-mult", "--iter-per-epoch", "--vocab-extra-ids"),
+        "Megatron-LM's BERT, T5, vision and retrieval models (threefold trains GPT models)",
+    ),
+    **dict.fromkeys(
+        (
+            "--log-device-memory-used",
+            "--log-max-attention-logit",
+            "--log-world-size-to-tensorboard",
+        ),
+        "other logged numbers",
+    ),
+    "--max-seqlen-per-dp-cp-rank": "dynamic context-parallel sequence balancing",
+    **dict.fromkeys(
+        (
+            "--memory-snapshot-path",
+            "--record-memory-history",
+            "--nvtx-ranges",
+            "--record-shapes",
+            "--pytorch-profiler-collect-",
+            "--run-workload-inspector-server",
+            "--gpu-sniff-test-interval",
+        ),
+        "other profiling tools (threefold has --profile)",
+    ),
+    **dict.fromkeys(
+        (
+            "--save-activations-interval",
+            "--save-dgrads-interval",
+            "--save-params-interval",
+            "--save-tokens-per-expert-interval",
+            "--save-wgrads-interval",
+            "--dump-param-to-param-group-map",
+        ),
+        "dumping tensors during training",
+    ),
+    **dict.fromkeys(
+        (
+            "--nccl-communicator-config-path",
+            "--sharp-enabled-group",
+            "--use-sharp",
+            "--symmetric-ar-type",
+            "--disable-symmetric-registration",
+            "--use-ring-exchange-p2p",
+            "--pipeline-model-parallel-comm-backend",
+            "--distributed-timeout-seconds-after-init",
+            "--train-sync-interval",
+        ),
+        "other communication settings",
+    ),
+    **dict.fromkeys(
+        (
+            "--no-pin-cpu-grads",
+            "--no-pin-cpu-params",
+            "--overlap-cpu-optimizer-d2h-h2d",
+            "--use-torch-optimizer-for-cpu-offload",
+        ),
+        "other options of the optimizer's CPU offload",
+    ),
+    "--no-weight-decay-cond-type": "other weight-decay conditions (biases and norms are free of "
+    "decay)",
+    "--onnx-safe": "ONNX export",
+    "--output-logit-dtype": "another dtype for the output layer's GEMM",
+    **dict.fromkeys(
+        ("--padded-vocab-size", "--no-pad-vocab-size", "--disable-pad-vocab-size"),
+        "a vocabulary size given padded (threefold pads --vocab-size to "
+        "--make-vocab-size-divisible-by)",
+    ),
+    **dict.fromkeys(("--qk-clip", "--qk-clip-"), "QK-clip (MuonClip)"),
+    "--reuse-grad-buf-for-mxfp8-param-ag": "MXFP8",
+    **dict.fromkeys(
+        (
+            "--tp-comm-bootstrap-backend",
+            "--tp-comm-overlap-rs-dgrad",
+            "--no-tp-comm-",
+            "--disable-tp-comm-",
+        ),
+        "Transformer Engine's userbuffers options (--tp-comm-overlap runs threefold's own ring of "
+        "slices)",
+    ),
+    "--use-kitchen-attention": "custom quantization recipes",
+    "--disable-straggler-on-startup": "switching the straggler report on and off during a run",
+    "--flash-attention-version": "pinning a FlashAttention generation (--attention-backend "
+    "chooses the kernels)",
     # Megatron-LM's BERT, T5, vision and retrieval models share its parser
     **dict.fromkeys(
         (

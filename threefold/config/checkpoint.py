@@ -125,6 +125,11 @@ class CheckpointConfig:
             "command line may add to it"
         ),
     )  # model flags from --load (threefold/checkpoint/args.py)
+    use_tokenizer_model_from_checkpoint_args: bool = arg(
+        True,
+        help="with --use-checkpoint-args: keep the command line's tokenizer, not the checkpoint's",
+        flag="--no-use-tokenizer-model-from-checkpoint-args",
+    )
 
     def finalize(self) -> list[str]:
         warnings = []

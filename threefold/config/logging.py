@@ -69,6 +69,9 @@ class LoggingConfig:
     tensorboard_dir: str | None = arg(
         None, help="write the log line's numbers as TensorBoard scalars here"
     )
+    tensorboard_queue_size: int = arg(
+        1000, minimum=1, help="TensorBoard events held before the writer flushes them to disk"
+    )
     log_straggler: bool = arg(
         False,
         help=(

@@ -217,12 +217,12 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir: str | None) -> None:
+    def __init__(self, log_dir: str | None, queue_size: int = 1000) -> None:
         self.writer = None
         if log_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def log_iteration(self, stats: IterationStats) -> None:
         if self.writer is None:
@@ -301,7 +301,10 @@ class MetricWriters:
 
     def __init__(self, logging_config, config) -> None:
         self.writers = [
-            TensorBoardLogger(logging_config.tensorboard_dir if logging_config else None),
+            TensorBoardLogger(
+                logging_config.tensorboard_dir if logging_config else None,
+                logging_config.tensorboard_queue_size if logging_config else 1000,
+            ),
             WandbLogger(logging_config, config),
         ]
 

@@ -1,0 +1,78 @@
+"""Every flag of Megatron-LM's command line (tests/data/megatron_flags.txt, from
+bench/megatron_flags.py) is taken by threefold's parser or named in one line as a feature
+threefold lacks: a Megatron-LM launch script never meets argparse's "unrecognized arguments"."""
+
+import os
+
+import pytest
+
+from tests.conftest import CLI_MODEL, ROOT
+from threefold import arguments, megatron_compat
+from threefold.arguments import build_parser, parse_args
+from threefold.training.logging import TensorBoardLogger
+
+BASE = CLI_MODEL + "--train-iters 100".split()
+
+
+def _megatron_flags() -> list[str]:
+    with open(os.path.join(ROOT, "tests", "data", "megatron_flags.txt")) as f:
+        return [line.strip() for line in f if line.startswith("--")]
+
+
+def test_every_megatron_lm_flag_is_taken_or_named():
+    flags = _megatron_flags()
+    assert len(flags) > 800
+    taken = {
+        option
+        for action in build_parser("pretrain_gpt.py")._actions
+        for option in action.option_strings
+    }
+    unnamed = [f for f in flags if f not in taken and megatron_compat.missing_feature(f) is None]
+    assert not unnamed, f"{len(unnamed)} Megatron-LM flags meet argparse's error: {unnamed}"
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--trust-remote-code"], "tokenizers that run code from their files"),
+        (["--non-persistent-save-interval", "10"], "non-persistent and local checkpoints"),
+        (["--no-dsa-indexer-scoring-relu"], "DSA indexers without the Hadamard rotation"),
+        (["--flight-recorder-trace-buffer-size", "2000"], "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+    ],
+    ids=["trust-remote-code", "prefix", "negated-prefix", "flight-recorder"],
+)
+def test_what_threefold_lacks_is_one_line(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(BASE + argv)
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "given,taken",
+    [
+        ([], True),
+        (["--no-use-tokenizer-model-from-checkpoint-args"], False),
+        (["--tokenizer-type", "GPT2BPETokenizer"], False),
+    ],
+)
+def test_use_checkpoint_args_takes_the_tokenizer_unless_told_not_to(
+    monkeypatch, tmp_path, given, taken
+):
+    asked = []
+
+    def flags_for(load, save, with_tokenizer, pretrained=None):
+        asked.append(with_tokenizer)
+        return [], "model flags from the checkpoint"
+
+    monkeypatch.setattr(arguments, "flags_for_use_checkpoint_args", flags_for)
+    parse_args(BASE + ["--load", str(tmp_path), "--use-checkpoint-args", *given])
+    assert asked == [taken]
+
+
+def test_tensorboards_queue_size_is_the_writers(tmp_path):
+    assert parse_args(BASE).logging.tensorboard_queue_size == 1000  # (Megatron-LM's default)
+    config = parse_args(BASE + ["--tensorboard-queue-size", "7"])
+    logger = TensorBoardLogger(str(tmp_path), config.logging.tensorboard_queue_size)
+    assert logger.writer.max_queue == 7
+    logger.close()
