@@ -561,12 +561,8 @@ MISSING = {
         "object storage (NVIDIA's Multi-Storage Client)",
     ),
     **dict.fromkeys(
-        (
-            "--decrease-batch-size-if-needed",
-            "--phase-transition-iterations",
-            "--iterations-to-skip",
-        ),
-        "changing the batch or the iterations during a run",
+        ("--decrease-batch-size-if-needed", "--phase-transition-iterations"),
+        "changing the batch during a run",
     ),
     **dict.fromkeys(
         ("--no-dsa-indexer-", "--disable-dsa-indexer-"),

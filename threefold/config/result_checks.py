@@ -9,6 +9,7 @@ the data-parallel replicas' weights compared.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from threefold.config.errors import require as _require
@@ -49,7 +50,18 @@ class ResultChecksConfig:
         help="what an injected bad result turns out to be",
     )
     result_rejected_tracker_filename: str | None = arg(
-        None, help="with validate_results: append a line per rejected result to this file"
+        None,
+        help="with validate_results: append a line per rejected result to this file, and skip "
+        "each iteration it shows rejected twice on one rank (and on no other rank of a job)",
+    )
+    # Megatron-LM's: an iteration whose global batch is read past, untrained (a batch that
+    # makes the loss spike, or that the rerun machine found the model computes badly)
+    iterations_to_skip: list[int] | None = arg(
+        None,
+        nargs="+",
+        metavar="N",
+        help="iterations (counted from 1) whose global batch is passed over: no forward, "
+        "backward or update; iteration and consumed samples move on",
     )
     test_mode: bool = arg(
         False,
@@ -90,6 +102,11 @@ class ResultChecksConfig:
             "a bad loss is a skipped step instead)",
         )
         tracker = self.result_rejected_tracker_filename
+        skipped = set(self.iterations_to_skip or ())
+        _require(all(n >= 1 for n in skipped), "--iterations-to-skip takes iterations from 1 on")
+        if tracker and os.path.isfile(tracker):  # (as Megatron-LM's validate_args does)
+            skipped |= set(rejected_iterations(tracker))
+        self.iterations_to_skip = sorted(skipped) or None
         where = os.path.dirname(os.path.abspath(tracker)) if tracker else None
         _require(
             where is None or os.access(where, os.W_OK),
@@ -108,3 +125,32 @@ class ResultChecksConfig:
             interval is None or interval >= 1,
             "--check-weight-hash-across-dp-replicas-interval must be >= 1",
         )
+
+
+# A result-rejected tracker line (training/rerun.py writes them, as Megatron-LM does)
+TRACKED = re.compile(
+    r"ts=.+ node=.+ device=.+ jobID=(.+) rank=(.+) iteration=(.+) status=(.+) result="
+)
+# statuses of a bad result that came out again (or was never rerun)
+REPRODUCED = ("RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE")
+
+
+def rejected_iterations(tracker: str) -> list[int]:
+    """Megatron-LM's iterations to skip from a result-rejected tracker: those rejected twice
+    on the same rank, unless one job rejected them on several ranks (then it was not the
+    data, and skipping would hide a fault)."""
+    seen: set[tuple[int, int]] = set()
+    twice: set[int] = set()
+    ranks_by_job: dict[tuple[str, int], set[int]] = {}
+    with open(tracker, errors="replace") as f:
+        for line in f:
+            found = TRACKED.search(line)
+            if not found or found[4].split(".")[-1].upper() not in REPRODUCED:
+                continue
+            job, rank, iteration = found[1], int(found[2]), int(found[3])
+            if (rank, iteration) in seen:
+                twice.add(iteration)
+            seen.add((rank, iteration))
+            ranks_by_job.setdefault((job, iteration), set()).add(rank)
+    several = {i for (_, i), ranks in ranks_by_job.items() if len(ranks) > 1}
+    return sorted(twice - several)

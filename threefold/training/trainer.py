@@ -385,7 +385,11 @@ class Trainer:
             try:
                 completed = True
                 self._check_replicas(force=True)
+                skipped = set(self.config.training.iterations_to_skip or ())
                 while self.state.iteration < self.config.training.train_iters:
+                    if self.state.iteration + 1 in skipped:
+                        self._skip_iteration()
+                        continue
                     losses.append(self._iteration())
                     reason = self.observability.exit_reason(self.state.iteration)
                     if reason is not None:
@@ -409,6 +413,20 @@ class Trainer:
                 # after DataLoader's 5 s timeout. A later step reads from consumed samples.
                 self._train_iterator = None
         return losses
+
+    def _skip_iteration(self) -> None:
+        """--iterations-to-skip (Megatron-LM's): the next iteration's global batch is passed
+        over. The weights, the optimizer and the LR schedule stay as they are; the iteration
+        and the samples consumed move on, and the next one reads from there."""
+        training = self.config.training
+        global_batch_size = training.global_batch_size_at(self.state.consumed_train_samples)
+        self.state.iteration += 1
+        self.state.consumed_train_samples += global_batch_size
+        self._train_iterator = None  # (the next reader starts at the samples consumed)
+        self.print(
+            f"> iteration {self.state.iteration} skipped (--iterations-to-skip): its "
+            f"{global_batch_size} samples passed over, nothing trained"
+        )
 
     def _evaluate_only(self) -> list[float]:
         """--skip-train (Megatron-LM's): the model as loaded, on the validation split from its
