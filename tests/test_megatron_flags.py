@@ -76,3 +76,21 @@ def test_tensorboards_queue_size_is_the_writers(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), config.logging.tensorboard_queue_size)
     assert logger.writer.max_queue == 7
     logger.close()
+
+
+@pytest.mark.parametrize(
+    "flags,expected_std",
+    [([], 0.02), (["--embedding-init-method-std", "0.5"], 0.5)],
+    ids=["as-the-layers", "its-own"],
+)
+def test_the_embeddings_initialization(flags, expected_std):
+    from tests.parity import _setup
+
+    trainer = _setup(BASE + ["--global-batch-size", "2", *flags])
+    # (the rows that pad the vocabulary to a multiple of 128 are zeros)
+    embedding = trainer.model_chunks[0].embedding.word_embeddings.weight[
+        : trainer.config.model.vocab_size
+    ]
+    layer = trainer.model_chunks[0].decoder.layers[0].mlp.linear_fc1.weight
+    assert embedding.std().item() == pytest.approx(expected_std, rel=0.05)
+    assert layer.std().item() == pytest.approx(0.02, rel=0.05)  # (the layers' stays)

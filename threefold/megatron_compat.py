@@ -455,7 +455,6 @@ MISSING = {
     # Megatron-LM's flags of 2026 (tests/data/megatron_flags.txt)
     "--distribute-saved-activations": "recomputation's saved inputs spread over the "
     "tensor-parallel ranks",
-    "--embedding-init-method-std": "another initialization for the embedding",
     "--mlp-chunks-for-training": "an MLP computed in chunks of the sequence",
     **dict.fromkeys(
         (

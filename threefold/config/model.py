@@ -270,6 +270,12 @@ class ModelConfig(
     init_method_std: float = arg(
         0.02, minimum=0, help="standard deviation of the normal initialization"
     )
+    embedding_init_method_std: float | None = arg(
+        None,
+        minimum=0,
+        help="the embedding's normal initialization's standard deviation, where it is to "
+        "differ from --init-method-std (default: the same initialization as the layers')",
+    )
     init_method_xavier_uniform: bool = arg(
         False,
         help="Xavier-uniform initialization of the embeddings and every linear weight of the "

@@ -69,11 +69,15 @@ def _scaled(layer, factor: float, hidden_states: torch.Tensor) -> torch.Tensor:
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelContext, padded_vocab_size: int):
         super().__init__()
-        init = (
-            xavier_uniform_init()
-            if config.init_method_xavier_uniform
-            else normal_init(config.init_method_std)
-        )
+        # Megatron-LM's rule: an --embedding-init-method-std of its own is a normal
+        # initialization of that width, whatever the layers' initialization
+        own_std = config.embedding_init_method_std
+        if own_std is not None and own_std != config.init_method_std:
+            init = normal_init(own_std)
+        elif config.init_method_xavier_uniform:
+            init = xavier_uniform_init()
+        else:
+            init = normal_init(config.init_method_std)
         self.tp = parallel.tp
         sequence_parallel = self.sequence_parallel = parallel.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
