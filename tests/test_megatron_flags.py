@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import CLI_MODEL, ROOT
 from threefold import arguments, megatron_compat
 from threefold.arguments import build_parser, parse_args
+from threefold.parallel.flight_recorder import flight_recorder_environment
 from threefold.training.logging import TensorBoardLogger
 
 BASE = CLI_MODEL + "--train-iters 100".split()
@@ -37,9 +38,8 @@ def test_every_megatron_lm_flag_is_taken_or_named():
         (["--trust-remote-code"], "tokenizers that run code from their files"),
         (["--non-persistent-save-interval", "10"], "non-persistent and local checkpoints"),
         (["--no-dsa-indexer-scoring-relu"], "DSA indexers without the Hadamard rotation"),
-        (["--flight-recorder-trace-buffer-size", "2000"], "TORCH_NCCL_TRACE_BUFFER_SIZE"),
     ],
-    ids=["trust-remote-code", "prefix", "negated-prefix", "flight-recorder"],
+    ids=["trust-remote-code", "prefix", "negated-prefix"],
 )
 def test_what_threefold_lacks_is_one_line(argv, named, capsys):
     with pytest.raises(SystemExit):
@@ -94,3 +94,30 @@ def test_the_embeddings_initialization(flags, expected_std):
     layer = trainer.model_chunks[0].decoder.layers[0].mlp.linear_fc1.weight
     assert embedding.std().item() == pytest.approx(expected_std, rel=0.05)
     assert layer.std().item() == pytest.approx(0.02, rel=0.05)  # (the layers' stays)
+
+
+def test_the_flight_recorders_environment_is_megatron_lms(tmp_path):
+    """Set only with a dump path (a directory: a file per rank in it); a variable the
+    environment sets already is kept."""
+    assert flight_recorder_environment(parse_args(BASE).parallel, {}) == []
+    flags = ["--flight-recorder-dump-path", str(tmp_path), "--flight-recorder-trace-buffer-size"]
+    flags += ["500", "--disable-flight-recorder-dump-on-timeout"]
+    environ = {"TORCH_INCLUDE_STACK_TRACE": "1"}
+    lines = flight_recorder_environment(parse_args(BASE + flags).parallel, environ)
+    assert environ == {
+        "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "_dump_"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "_dump_"),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_INCLUDE_STACK_TRACE": "1",
+        "TORCH_INCLUDE_ONLY_ACTIVE": "1",
+        "TORCH_NCCL_EXTRA_DUMP_ON_EXEC": "1",
+    }
+    assert lines[1:] == [
+        "> flight recorder: TORCH_INCLUDE_STACK_TRACE kept as the environment sets it"
+    ]
+    # a path the environment gives brings the flags' defaults with it
+    environ = {"TORCH_FR_DUMP_TEMP_FILE": "/tmp/fr"}
+    flight_recorder_environment(parse_args(BASE).parallel, environ)
+    assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/tmp/fr"

@@ -36,6 +36,18 @@ ALIASES = {
         False,
     ),
     "--exit-signal-handler-for-training": ("training.exit_signal_handler", True),
+    "--disable-flight-recorder-dump-on-timeout": (
+        "parallel.flight_recorder_dump_on_timeout",
+        False,
+    ),
+    "--disable-flight-recorder-include-only-active": (
+        "parallel.flight_recorder_include_only_active",
+        False,
+    ),
+    "--disable-flight-recorder-extra-dump-on-exec": (
+        "parallel.flight_recorder_extra_dump_on_exec",
+        False,
+    ),
 }
 
 # flag -> (type, the one supported value, why no other)
@@ -566,11 +578,6 @@ MISSING = {
     **dict.fromkeys(
         ("--no-dsa-indexer-", "--disable-dsa-indexer-"),
         "DSA indexers without the Hadamard rotation or the score ReLU",
-    ),
-    **dict.fromkeys(
-        ("--flight-recorder-", "--no-flight-recorder-", "--disable-flight-recorder-"),
-        "PyTorch's NCCL flight recorder settings (set TORCH_NCCL_TRACE_BUFFER_SIZE and its "
-        "variables in the environment)",
     ),
     **dict.fromkeys(
         (

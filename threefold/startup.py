@@ -1,6 +1,7 @@
 """The start-up the entry scripts share, after their flags and input files are checked: torch
 and the trainer imported with the cyclic collector paused, the process environment
-`--deterministic-mode` needs (before any NCCL communicator or cuBLAS handle exists), then
+`--deterministic-mode` and the NCCL flight recorder need (before any NCCL communicator or cuBLAS
+handle exists), then
 torch.distributed and the groups for the layout. A mistake found here (nccl without a GPU, a
 determinism variable set to a racy value) is one line and exit code 2, as a flag mistake is."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Callable, Iterator
 
 from threefold.arguments import print_refusal
@@ -60,10 +62,15 @@ def start_processes(config: Config, prog: str):
     """(device, ParallelContext) of this process, or None once the refusal is printed."""
     from threefold.kernels.determinism import deterministic_environment
     from threefold.parallel import state
+    from threefold.parallel.flight_recorder import flight_recorder_environment
 
     try:
         if config.kernels.deterministic_mode:
             deterministic_environment()
+        # (before the first group: PyTorch reads the recorder's variables when one is made)
+        for line in flight_recorder_environment(config.parallel):
+            if os.environ.get("RANK", "0") == "0":
+                print(line, flush=True)
         return state.initialize_from_config(config.parallel)
     except ConfigError as error:
         print_refusal(prog, error)

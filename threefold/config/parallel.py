@@ -10,6 +10,7 @@ from threefold.config.ep_overlap import ExpertOverlapConfig
 from threefold.config.errors import ConfigError
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
+from threefold.config.flight_recorder import FlightRecorderConfig
 from threefold.config.megatron_fsdp import MegatronFsdpConfig
 from threefold.config.model import ModelConfig
 from threefold.config.pipeline_layout import layout_layer_counts
@@ -42,7 +43,9 @@ def stage_layer_counts(
 
 
 @dataclass
-class ParallelConfig(MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapConfig):
+class ParallelConfig(
+    MegatronFsdpConfig, ContextParallelConfig, ExpertOverlapConfig, FlightRecorderConfig
+):
     tensor_model_parallel_size: int = arg(
         1, minimum=1, help="TP: ranks that split every layer's matrices"
     )
