@@ -36,7 +36,7 @@ def test_every_megatron_lm_flag_is_taken_or_named():
     "argv,named",
     [
         (["--trust-remote-code"], "tokenizers that run code from their files"),
-        (["--non-persistent-save-interval", "10"], "non-persistent and local checkpoints"),
+        (["--non-persistent-local-ckpt-dir", "/x"], "local checkpoints (NVIDIA Resiliency"),
         (["--no-dsa-indexer-scoring-relu"], "DSA indexers without the Hadamard rotation"),
     ],
     ids=["trust-remote-code", "prefix", "negated-prefix"],

@@ -514,8 +514,13 @@ MISSING = {
     "--ckpt-convert-": "converting checkpoints in a training run (threefold: "
     "tools/convert_checkpoint.py)",
     **dict.fromkeys(
-        ("--non-persistent-", "--persistent-save-interval", "--replication", "--replication-"),
-        "non-persistent and local checkpoints",
+        (
+            "--non-persistent-local-",
+            "--persistent-save-interval",
+            "--replication",
+            "--replication-",
+        ),
+        "local checkpoints (NVIDIA Resiliency Extension)",
     ),
     "--override-ckpt-iteration": "overriding a checkpoint's iteration",
     "--load-main-params-from-ckpt": "loading fp32 masters without the optimizer state",

@@ -4,14 +4,18 @@ loads DIR as `--finetune` does (the weights, at iteration 0, a fresh optimizer);
 start (a requeue, a restart) finds its own checkpoint in `--load` and resumes it, with no
 change to the command line. A `--load` whose tracker says "release" (Megatron-LM's release
 checkpoint, checkpoint/files.py) is loaded that way too, as Megatron-LM's --load does; once the
-run has saved into it, its tracker names an iteration, resumed as any. Decided before torch is
-imported, from the directories alone."""
+run has saved into it, its tracker names an iteration, resumed as any. With
+`--non-persistent-ckpt-type global`, the non-persistent checkpoints' directory is loaded in
+--load's place where it holds --load's newest iteration or a newer one, as in Megatron-LM.
+Decided before torch is imported, from the directories alone."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from threefold.checkpoint.files import RELEASE, TRACKER, holds_checkpoint, is_release
+from threefold.checkpoint.files import RELEASE, TRACKER, holds_checkpoint, is_release, read_tracker
+from threefold.checkpoint.manifest import complete_iterations
 from threefold.config import CheckpointConfig, ConfigError
 
 
@@ -19,6 +23,9 @@ def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig,
     """The checkpoint settings the run loads with (--load swapped for --pretrained-checkpoint
     with --finetune, when --load holds nothing; --finetune for a release checkpoint), and a
     start-up note saying so."""
+    newer = _non_persistent(checkpoint)
+    if newer is not None:
+        return newer
     pretrained = checkpoint.pretrained_checkpoint
     if pretrained is None or holds_checkpoint(checkpoint.load):
         return from_release(checkpoint)
@@ -33,6 +40,26 @@ def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig,
         "iteration 0)"
     )
     return dataclasses.replace(checkpoint, load=pretrained, finetune=True), note
+
+
+def _non_persistent(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str] | None:
+    """--load swapped for its non-persistent checkpoints' directory where that holds one of
+    --load's newest iteration or a newer one (Megatron-LM's choice), and the note."""
+    where = checkpoint.non_persistent_dir(checkpoint.load)
+    if where is None or not os.path.isdir(where):
+        return None
+    newest = read_tracker(where)
+    persistent = None
+    if holds_checkpoint(checkpoint.load):  # (the tracker's, else the newest complete one)
+        tracked = read_tracker(checkpoint.load)
+        persistent = tracked if tracked is not None else max(complete_iterations(checkpoint.load))
+    if newest is None or (persistent is not None and newest < persistent):
+        return None
+    note = (
+        f"> loading the non-persistent checkpoint of iteration {newest} in {where} (--load "
+        f"{checkpoint.load} holds {'none' if persistent is None else persistent})"
+    )
+    return dataclasses.replace(checkpoint, load=where), note
 
 
 def from_release(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str | None]:

@@ -27,6 +27,10 @@ DIST_CKPT_STRICTNESS = (
 CKPT_FORMATS = ("threefold", "torch_dist", "torch", "fsdp_dtensor")
 
 
+# Megatron-LM's directory of the non-persistent checkpoints in --save (and --load)
+NON_PERSISTENT = "non_persistent"
+
+
 @dataclass
 class CheckpointConfig:
     save: str | None = arg(
@@ -131,8 +135,45 @@ class CheckpointConfig:
         flag="--no-use-tokenizer-model-from-checkpoint-args",
     )
 
+    # Megatron-LM's non-persistent checkpoints: frequent saves of which only the newest is
+    # kept, beside the persistent ones; a start takes the newer of the two
+    # (checkpoint/pretrained.py)
+    non_persistent_save_interval: int | None = arg(
+        None,
+        minimum=1,
+        help="also save every this many iterations into the non-persistent directory, "
+        "keeping only the newest there",
+    )
+    non_persistent_ckpt_type: str | None = arg(
+        None,
+        choices=("global", "local", "in_memory"),
+        help="global: non-persistent checkpoints are checkpoints like the others, in "
+        "--non-persistent-global-ckpt-dir",
+    )
+    non_persistent_global_ckpt_dir: str | None = arg(
+        None, help="default: SAVE/non_persistent (and LOAD/non_persistent to start from)"
+    )
+
+    def non_persistent_dir(self, root: str | None) -> str | None:
+        """The non-persistent checkpoints' directory beside `root` (--save or --load)."""
+        if self.non_persistent_ckpt_type != "global":
+            return None
+        if self.non_persistent_global_ckpt_dir or root is None:
+            return self.non_persistent_global_ckpt_dir
+        return os.path.join(root, NON_PERSISTENT)
+
     def finalize(self) -> list[str]:
         warnings = []
+        _require(
+            self.non_persistent_ckpt_type in (None, "global"),
+            f"--non-persistent-ckpt-type {self.non_persistent_ckpt_type}: Megatron-LM's local "
+            "and in-memory checkpoints (NVIDIA Resiliency Extension) are not built; use global",
+        )
+        _require(
+            self.non_persistent_save_interval is None
+            or (self.non_persistent_ckpt_type == "global" and self.save is not None),
+            "--non-persistent-save-interval needs --non-persistent-ckpt-type global and --save",
+        )
         if self.save_interval is not None and self.save is None:
             # Megatron-LM saves only with --save, and its own configs rely on that (the
             # DeepSeek proxy's comment their --save out and keep --save-interval 25).

@@ -35,6 +35,13 @@ class Checkpointer:
             if config.save
             else None
         )
+        # --non-persistent-save-interval: its own directory, only the newest kept
+        where = config.non_persistent_dir(config.save)
+        self.non_persistent = (
+            CheckpointWriter(where, config.async_save, keep_latest=1)
+            if config.non_persistent_save_interval and where
+            else None
+        )
         self.last_saved = None  # the iteration whose checkpoint is (being) written, or loaded
         self.last_path: str | None = None  # its directory, once written by this run
 
@@ -43,25 +50,37 @@ class Checkpointer:
         interval = self.config.save_interval
         return bool(self.config.save and interval and iteration % interval == 0)
 
-    def save(self, iteration: int) -> None:
+    def non_persistent_due(self, iteration: int) -> bool:
+        """--non-persistent-save-interval says so, and no persistent save is due."""
+        interval = self.config.non_persistent_save_interval
+        return (
+            self.non_persistent is not None
+            and iteration % interval == 0
+            and not self.due(iteration)
+        )
+
+    def save(self, iteration: int, non_persistent: bool = False) -> None:
         watch = self.observability
         watch.watchdog.enter("checkpoint save", iteration)
         self.wait()
+        writer = self.non_persistent if non_persistent else self.writer
+        kind = "non-persistent checkpoint" if non_persistent else "checkpoint"
         start = time.perf_counter()
         with watch.timers("save-checkpoint", 0):
             save = save_checkpoint
             if self.config.ckpt_format == "torch_dist":  # (Megatron-LM's layout)
                 save = save_megatron_training_checkpoint
-            path = save(self.config.save, self.components(), self.writer)
-        self.last_saved, self.last_path = iteration, path
+            path = save(writer.root, self.components(), writer)
+        if not non_persistent:  # (what the end of the run need not save again)
+            self.last_saved, self.last_path = iteration, path
         blocked = time.perf_counter() - start
-        if self.writer.asynchronous:
+        if writer.asynchronous:
             watch.print(
-                f"  started saving checkpoint at iteration {iteration} in the "
+                f"  started saving {kind} at iteration {iteration} in the "
                 f"background ({blocked:.2f} s blocked)"
             )
         else:
-            watch.print(f"  saved checkpoint at iteration {iteration} to {path} in {blocked:.2f} s")
+            watch.print(f"  saved {kind} at iteration {iteration} to {path} in {blocked:.2f} s")
         watch.print_timers(["save-checkpoint"])
         watch.restart_window()
 
@@ -75,13 +94,15 @@ class Checkpointer:
     def poll(self) -> None:
         """After each iteration: note a background save that completed; raise
         CheckpointSaveError for one that failed (not one interval later, at the next save)."""
-        if self.writer is not None:
-            self._saved(self.writer.poll())
+        for writer in (self.writer, self.non_persistent):
+            if writer is not None:
+                self._saved(writer.poll())
 
     def wait(self) -> None:
         """Wait for an --async-save to complete everywhere (the tracker then names it)."""
-        if self.writer is not None:
-            self._saved(self.writer.wait())
+        for writer in (self.writer, self.non_persistent):
+            if writer is not None:
+                self._saved(writer.wait())
 
     def _saved(self, iteration: int | None) -> None:
         if iteration is not None:

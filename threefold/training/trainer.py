@@ -490,6 +490,8 @@ class Trainer:
         self._check_replicas()  # before a save: a state whose replicas differ is never saved
         if self.checkpointer.due(iteration):
             self.checkpointer.save(iteration)
+        elif self.checkpointer.non_persistent_due(iteration):
+            self.checkpointer.save(iteration, non_persistent=True)
         return loss
 
     def _check_replicas(self, force: bool = False) -> None:
