@@ -121,3 +121,11 @@ def test_the_flight_recorders_environment_is_megatron_lms(tmp_path):
     flight_recorder_environment(parse_args(BASE).parallel, environ)
     assert environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/tmp/fr"
+
+
+def test_a_tensorboard_directory_that_cannot_be_made_is_one_line():
+    """(procfs passes the check before start-up, even for root, and refuses the directory)"""
+    from threefold.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--tensorboard-dir /proc/threefold/tb: cannot write"):
+        TensorBoardLogger("/proc/threefold/tb")

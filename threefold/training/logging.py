@@ -18,7 +18,7 @@ from datetime import datetime
 
 import torch
 
-from threefold.config import Config
+from threefold.config import Config, ConfigError
 from threefold.training.flops import peak_tflops
 
 
@@ -222,7 +222,13 @@ class TensorBoardLogger:
         if log_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+            try:
+                self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+            except OSError as error:  # (what the check before start-up cannot see: /proc)
+                raise ConfigError(
+                    f"--tensorboard-dir {log_dir}: cannot write there ({error.strerror}); give "
+                    "a path in a writable directory"
+                ) from None
 
     def log_iteration(self, stats: IterationStats) -> None:
         if self.writer is None:
