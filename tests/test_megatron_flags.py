@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.conftest import CLI_MODEL, ROOT
-from threefold import arguments, megatron_compat
+from threefold import arguments, megatron_missing
 from threefold.arguments import build_parser, parse_args
 from threefold.parallel.flight_recorder import flight_recorder_environment
 from threefold.training.logging import TensorBoardLogger
@@ -28,7 +28,7 @@ def test_every_megatron_lm_flag_is_taken_or_named():
         for action in build_parser("pretrain_gpt.py")._actions
         for option in action.option_strings
     }
-    unnamed = [f for f in flags if f not in taken and megatron_compat.missing_feature(f) is None]
+    unnamed = [f for f in flags if f not in taken and megatron_missing.missing_feature(f) is None]
     assert not unnamed, f"{len(unnamed)} Megatron-LM flags meet argparse's error: {unnamed}"
 
 

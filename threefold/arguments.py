@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from threefold import megatron_compat
+from threefold import megatron_compat, megatron_missing
 from threefold.checkpoint.args import flags_for_use_checkpoint_args
 from threefold.config import Config, ConfigError
 from threefold.config.fields import flag_of
@@ -80,7 +80,7 @@ def _megatron_feature(message: str) -> str | None:
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
         flags = [word.split("=")[0] for word in unknown.group(1).split() if word.startswith("--")]
-        named = {flag: megatron_compat.missing_feature(flag) for flag in flags}
+        named = {flag: megatron_missing.missing_feature(flag) for flag in flags}
         if not any(named.values()):
             return None
         features = dict.fromkeys(feature for feature in named.values() if feature)
@@ -93,8 +93,8 @@ def _megatron_feature(message: str) -> str | None:
             f"{tail} (docs/megatron_compat.md)"
         )
     choice = re.match(r"argument (--[\w-]+)(?:/\S+)?: invalid choice: '([^']*)'", message)
-    if choice and (choice.group(1), choice.group(2)) in megatron_compat.MISSING_CHOICES:
-        feature = megatron_compat.MISSING_CHOICES[(choice.group(1), choice.group(2))]
+    if choice and (choice.group(1), choice.group(2)) in megatron_missing.MISSING_CHOICES:
+        feature = megatron_missing.MISSING_CHOICES[(choice.group(1), choice.group(2))]
         return (
             f"{choice.group(1)} {choice.group(2)}: {feature}, a Megatron-LM feature threefold "
             "does not have (docs/megatron_compat.md)"
