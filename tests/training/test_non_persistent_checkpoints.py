@@ -49,6 +49,9 @@ def test_a_run_killed_after_a_non_persistent_save_resumes_from_it(tmp_path):
     non_persistent = os.path.join(save, "non_persistent")
     assert _tracker(save) == "4" and _tracker(non_persistent) == "6"
     assert sorted(os.listdir(non_persistent)) == ["iter_0000006", TRACKER]
+    # (--ckpt-step names an iteration of --load itself)
+    named, _ = starting_checkpoint(parse_args(argv + ["--ckpt-step", "4"]).checkpoint)
+    assert named.load == save
     resumed = run()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (

@@ -44,9 +44,10 @@ def starting_checkpoint(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig,
 
 def _non_persistent(checkpoint: CheckpointConfig) -> tuple[CheckpointConfig, str] | None:
     """--load swapped for its non-persistent checkpoints' directory where that holds one of
-    --load's newest iteration or a newer one (Megatron-LM's choice), and the note."""
+    --load's newest iteration or a newer one (Megatron-LM's choice), and the note. Not where
+    --ckpt-step names the iteration of --load to take."""
     where = checkpoint.non_persistent_dir(checkpoint.load)
-    if where is None or not os.path.isdir(where):
+    if where is None or not os.path.isdir(where) or checkpoint.ckpt_step is not None:
         return None
     newest = read_tracker(where)
     persistent = None
