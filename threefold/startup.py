@@ -1,9 +1,9 @@
 """The start-up the entry scripts share, after their flags and input files are checked: torch
 and the trainer imported with the cyclic collector paused, the process environment
-`--deterministic-mode` and the NCCL flight recorder need (before any NCCL communicator or cuBLAS
-handle exists), then
-torch.distributed and the groups for the layout. A mistake found here (nccl without a GPU, a
-determinism variable set to a racy value) is one line and exit code 2, as a flag mistake is."""
+`--deterministic-mode` and the NCCL flight recorder need (before any NCCL communicator or
+cuBLAS handle exists), then torch.distributed and the groups for the layout. A mistake found
+here (nccl without a GPU, a determinism variable set to a racy value) is one line and exit
+code 2, as a flag mistake is."""
 
 from __future__ import annotations
 
