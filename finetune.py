@@ -30,7 +30,8 @@ from threefold.arguments import (
     speaks_for_its_machine,
 )
 from threefold.checkpoint.args import checkpoint_flags, latest_config
-from threefold.checkpoint.files import is_release
+from threefold.checkpoint.files import is_release, read_tracker
+from threefold.checkpoint.pretrained import starting_checkpoint
 from threefold.checkpoint.save_directory import claim_on_rank_zero
 from threefold.config import Config, ConfigError
 from threefold.startup import frozen_imports, run_then_shut_down, start_processes
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     # mistake costs a second.
     try:
         check_finetuning(config)
+        # (a resumed run's newer non-persistent checkpoint in --load's place, as pretrain_gpt.py)
+        config.checkpoint, starting_note = starting_checkpoint(config.checkpoint)
         check_inputs(config, indexed_data=False)
         if os.environ.get("THREEFOLD_VALIDATE_ONLY"):  # (a launcher's check, as pretrain_gpt.py's)
             return 0
@@ -200,13 +203,20 @@ def main(argv: list[str] | None = None) -> int:
         import threefold.checkpoint.load  # noqa: F401
         import threefold.training.trainer  # noqa: F401
 
+    load = config.checkpoint.load
+    iteration = iteration if load == known.load else read_tracker(load)
     return run_then_shut_down(
-        lambda: _fine_tune(config, args.sft_packing, known.load, resuming, iteration)
+        lambda: _fine_tune(config, args.sft_packing, load, resuming, iteration, starting_note)
     )
 
 
 def _fine_tune(
-    config: Config, sft_packing: bool, load: str, resuming: bool, iteration: int | None
+    config: Config,
+    sft_packing: bool,
+    load: str,
+    resuming: bool,
+    iteration: int | None,
+    starting_note: str | None = None,
 ) -> int:
     """Start this process's groups, load the model, tune it: the exit code. Whatever holds a
     group lives in this frame, gone before `state.shut_down` (which says why)."""
@@ -229,8 +239,9 @@ def _fine_tune(
     except ConfigError as error:  # from here on, possibly met by some ranks only
         print_refusal_once("finetune.py", error, parallel.world.rank)
         return 2
-    if pending:
-        trainer.print(pending)
+    for note in (starting_note, pending):
+        if note:
+            trainer.print(note)
     trainable = sum(
         p.numel() for _, p in trainer.layout_independent_parameters() if p.requires_grad
     )

@@ -384,6 +384,45 @@ def test_fine_tuning_mistakes_are_refused_before_torch_is_imported(pretrained, t
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_a_resumed_fine_tuning_run_takes_its_newer_non_persistent_checkpoint(pretrained, tmp_path):
+    """A fine-tuning job that resumes itself (--save is its --load) loads its non-persistent
+    checkpoint where that is newer than its persistent one, as pretrain_gpt.py does."""
+    records = tmp_path / "sft.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 4))
+    run = str(tmp_path / "run")
+    shutil.copytree(pretrained, run)  # (its iteration 2: the run resumes from it)
+    argv = [os.path.join(ROOT, "finetune.py"), "--load", run, "--save", run]
+    argv += ["--train-data-path", str(records), "--lr", "1e-3", "--log-interval", "1"]
+    argv += ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "4"]
+    argv += ["--save-interval", "10", "--eval-iters", "0", "--lr-decay-iters", "2"]
+    argv += ["--non-persistent-save-interval", "3", "--non-persistent-ckpt-type", "global"]
+
+    def losses(output: str) -> dict[int, str]:
+        found = re.findall(r" iteration +(\d+)/ +\d+ \|.*?\| lm loss: ([\d.E+-]+) \|", output)
+        return {int(i): loss for i, loss in found}
+
+    # killed in the save at the end: iteration 3's non-persistent checkpoint is the newest
+    killed = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, THREEFOLD_CRASH_AT="before-shards@4"),
+    )
+    assert killed.returncode != 0 and sorted(losses(killed.stdout)) == [3, 4], killed.stderr[-3000:]
+    resumed = _run(*argv)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    non_persistent = os.path.join(run, "non_persistent")
+    assert (
+        f"> loading the non-persistent checkpoint of iteration 3 in {non_persistent} (--load "
+        f"{run} holds 2)" in resumed.stdout
+    )
+    assert f"> fine-tuning from {non_persistent} (iteration 3)" in resumed.stdout
+    after = losses(resumed.stdout)
+    assert after == {4: losses(killed.stdout)[4]}
+
+
 def _before_torch(*argv: str, **environment) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     result = subprocess.run(
