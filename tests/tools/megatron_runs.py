@@ -27,8 +27,10 @@ def reference_losses(logits: torch.Tensor) -> torch.Tensor:
     ).float()
 
 
-def per_token_losses(argv: list[str], root: str, length: int = mc.SEQ - 1) -> list | None:
-    """Per-token losses of TOKENS (its first `length` + 1; the run's --seq-length) through a
+def per_token_losses(
+    argv: list[str], root: str, length: int = mc.SEQ - 1, tokens: torch.Tensor = mc.TOKENS
+) -> list | None:
+    """Per-token losses of `tokens` (its first `length` + 1; the run's --seq-length) through a
     TP/PP run that --loads the Megatron checkpoint."""
     from tests.parity import _setup
     from threefold.parallel.pipeline_parallel.schedules import get_forward_backward_func
@@ -37,21 +39,21 @@ def per_token_losses(argv: list[str], root: str, length: int = mc.SEQ - 1) -> li
     load_checkpoint(root, trainer.checkpoint_components(), finetune=True)
     for chunk in trainer.model_chunks:
         chunk.eval()
-    tokens = mc.TOKENS[:, : length + 1].repeat(2, 1)
+    tokens = tokens[:, : length + 1].repeat(2, 1)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
     def step(batch, model, input_tensor=None):
         output = model(batch["tokens"], labels=batch["labels"], hidden_states=input_tensor)
         return output, lambda per_token: (per_token.mean(), per_token.detach())
 
-    trainer.pipeline_options["tensor_shape"] = (length, 2, 64)
+    trainer.pipeline_options["tensor_shape"] = (length, 2, trainer.config.model.hidden_size)
     losses = get_forward_backward_func(trainer.parallel.pp)(
         step, iter([batch]), trainer.model_chunks, 1, forward_only=True, **trainer.pipeline_options
     )
     return losses[0][0].tolist() if trainer.parallel.is_last_pipeline_stage else None
 
 
-def megatron_argv(root: str, tp: int, pp: int) -> list[str]:
+def megatron_argv(root: str, tp: int, pp: int, length: int = mc.SEQ - 1) -> list[str]:
     """A run whose model comes from the Megatron checkpoint's args (--use-checkpoint-args)."""
     return [
         "--load",
@@ -59,7 +61,7 @@ def megatron_argv(root: str, tp: int, pp: int) -> list[str]:
         "--use-checkpoint-args",  # (its tokenizer's files are not on this machine)
         "--mock-data",
         "--seq-length",
-        str(mc.SEQ - 1),
+        str(length),
         "--micro-batch-size",
         "2",
         "--global-batch-size",

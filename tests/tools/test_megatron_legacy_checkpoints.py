@@ -151,6 +151,87 @@ def test_transformer_engines_names_load_the_same_weights(saved, tmp_path):
     assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
 
 
+# megatron-core's local spec -> the older GPT model's (megatron/legacy) module of a layer
+OLDER_LAYER = {
+    "input_layernorm": "input_norm",
+    "self_attention.linear_qkv": "self_attention.query_key_value",
+    "self_attention.linear_proj": "self_attention.dense",
+    "pre_mlp_layernorm": "post_attention_norm",
+    "mlp.linear_fc1": "mlp.dense_h_to_4h",
+    "mlp.linear_fc2": "mlp.dense_4h_to_h",
+}
+# the names of runs before late 2023
+OLDER_NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+
+
+def _older_model(state: dict, norms: dict | None = None, encoder_name: str = "encoder") -> None:
+    """A rank's state as Megatron-LM's older GPT model (megatron/legacy, --use-legacy-models)
+    saved it: GPTModel.state_dict_for_save_checkpoint's nesting, `language_model` holding the
+    embedding's modules, the encoder's flat state dict and an untied output layer, and the
+    last stage's copy of a tied embedding as `word_embeddings_for_head`."""
+    state["args"].use_legacy_models = True
+    for name in [key for key in state if re.fullmatch(r"model\d*", key)]:
+        language_model, encoder = {}, {}
+        older = {"language_model": language_model}
+        for key, tensor in state[name].items():
+            layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.(weight|bias)", key)
+            if "_extra_state" in key:
+                continue
+            if key.startswith("embedding."):
+                module, param = key.split(".")[1:]
+                language_model.setdefault("embedding", {}).setdefault(module, {})[param] = tensor
+            elif layer:
+                module = OLDER_LAYER[layer[2]]
+                module = (norms or {}).get(module, module)
+                encoder[f"layers.{layer[1]}.{module}.{layer[3]}"] = tensor
+            elif key.startswith("decoder.final_layernorm."):
+                final = "final_layernorm" if norms else "final_norm"
+                encoder[f"{final}.{key.split('.')[-1]}"] = tensor
+            elif key == "output_layer.weight" and state["args"].untie_embeddings_and_output_weights:
+                language_model["output_layer"] = {"weight": tensor}
+            elif key == "output_layer.weight":
+                older["word_embeddings_for_head"] = {"weight": tensor}
+            else:
+                raise AssertionError(f"no older model's name for {key}")
+        if encoder:
+            language_model[encoder_name] = encoder
+        state[name] = older
+
+
+@pytest.mark.parametrize(
+    "kind,norms,encoder_name",
+    [("gpt2", None, "encoder"), ("llama", None, "encoder"), ("llama", OLDER_NORMS, "transformer")],
+    ids=["gpt2", "llama", "llama-2023-names"],
+)
+def test_megatron_lms_older_models_load_the_weights_of_their_megatron_core_twin(
+    saved, tmp_path, kind, norms, encoder_name
+):
+    """Megatron-LM's older GPT models (megatron/legacy; no longer in Megatron-LM, nor its
+    loader_legacy.py) read as the megatron-core model of the same weights, tied embeddings over
+    stages and virtual stages, learned positions and biases (gpt2) and TP-split gated MLPs and
+    grouped query attention (llama) alike; their optimizer state is refused in one line."""
+    legacy = saved[kind][1]
+    root = str(tmp_path / "older")
+    shutil.copytree(legacy, root)
+    for path in glob.glob(os.path.join(root, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)  # the test's own file
+        _older_model(state, norms, encoder_name)
+        torch.save(state, path)
+    theirs = load_model(legacy, with_tokenizer=False)[1].state_dict()
+    ours = load_model(root, with_tokenizer=False)[1].state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+    with pytest.raises(ConfigError, match="older ones .*--no-load-optim") as error:
+        load_checkpoint(root, _trainer(megatron_argv(root, 1, 1)).checkpoint_components())
+    assert "\n" not in str(error.value)
+
+
+def _trainer(argv: list[str]):
+    from tests.parity import _setup
+
+    return _setup(argv)
+
+
 def _rewritten(root: str, destination: str, change) -> str:
     """A copy of a legacy checkpoint whose rank-0 file went through `change` (its dict)."""
     shutil.copytree(root, destination)
@@ -165,23 +246,41 @@ def _gated_delta_nets(state: dict) -> None:
     state["args"].hybrid_layer_pattern = "G*G*"
 
 
-def _older_models(state: dict) -> None:
-    state["model"] = {"language_model." + key: value for key, value in state["model"].items()}
+def _older_te_layers(state: dict) -> None:
+    """The older models' Transformer Engine layers: a norm fused into `layernorm_qkv`."""
+    _older_model(state)
+    encoder = state["model"]["language_model"]["encoder"]
+    for key in [k for k in encoder if ".input_norm." in k]:
+        encoder[key.replace(".input_norm.", ".self_attention.layernorm_qkv.layer_norm_")] = (
+            encoder.pop(key)
+        )
 
 
 def _older_version(state: dict) -> None:
     state["checkpoint_version"] = 2.0
 
 
+def _args_of_another_model(state: dict) -> None:
+    """args that describe a narrower MLP than the tensors hold (no longer cut to fit)."""
+    state["args"].ffn_hidden_size //= 2
+
+
 @pytest.mark.parametrize(
     "change,refusal",
     [
         (_gated_delta_nets, "legacy torch format of gated delta nets"),
-        (_older_models, "Megatron-LM's older models"),
+        (_older_te_layers, "older models built with Transformer Engine's layers"),
         (_older_version, "checkpoint_version 2.0, whose attention's query, key and value"),
+        (_args_of_another_model, r"linear_fc1.weight is stored as \(\d+, 64\), but the model"),
         (None, "mp_rank_01_001/model_optim_rng.pt missing"),
     ],
-    ids=["gated-delta-nets", "megatron-legacy-models", "version-2", "a-rank-missing"],
+    ids=[
+        "gated-delta-nets",
+        "older-models-te-layers",
+        "version-2",
+        "args-of-another-model",
+        "a-rank-missing",
+    ],
 )
 def test_what_is_not_read_is_refused_in_one_line(saved, tmp_path, change, refusal):
     root = str(tmp_path / "changed")

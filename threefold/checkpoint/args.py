@@ -68,6 +68,10 @@ def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) 
         # where they are not here, the tokenizer stays the command line's (the note shows it).
         if data.tokenizer_type and all(os.path.exists(f) for f in files):
             flags += ["--tokenizer-type", data.tokenizer_type]
+            if data.tokenizer_type == "NullTokenizer" and "--vocab-size" in flags:
+                # (its --vocab-size counts the ids before its end-of-document one)
+                at = flags.index("--vocab-size") + 1
+                flags[at] = str(int(flags[at]) - 1)
             for flag, value in (
                 ("--tokenizer-model", data.tokenizer_model),
                 ("--vocab-file", data.vocab_file),  # GPT2BPETokenizer (Megatron-LM's runs)

@@ -101,9 +101,7 @@ class SavedTensors:
                 flat = torch.cat([values[spec[2]].reshape(-1) for spec in specs])
                 shards.append(flat.view(shard_shapes[rank]))
         full = unshard(shards, param) if saved_tp > 1 else shards[0]
-        if param.dim() and param.valid_rows is not None:
-            full = full[: param.valid_rows]
-        return full
+        return unpadded(full, param, f"checkpoint {self.path}", f"{kind} of {name}")
 
     def step(self) -> torch.Tensor | None:
         for (kind, _), per_rank in self.entries.items():
@@ -128,6 +126,28 @@ def saved_tensors(path: str, megatron_step: float | None = None, optimizer: bool
     if is_legacy_checkpoint(path):
         return LegacyTensors(path, optimizer)
     return SavedTensors(path)
+
+
+def unpadded(full: torch.Tensor, param: nn.Parameter, source: str, what: str) -> torch.Tensor:
+    """A whole tensor as stored, cut to the parameter's valid rows (a vocabulary's padding rows
+    dropped: a checkpoint may pad it otherwise). Any other difference from the parameter's shape
+    means the checkpoint holds another model than the one built from what it says of itself:
+    refused in one line, not cut or padded to fit."""
+    if not param.dim() or param.valid_rows is None:
+        return full
+    whole = tuple(getattr(param, "master_shape", None) or param.shape)
+    rows, padded = param.valid_rows, param.valid_rows < whole[0]
+    if (
+        tuple(full.shape[1:]) != whole[1:]
+        or full.shape[0] < rows
+        or (not padded and full.shape[0] != rows)
+    ):
+        raise ConfigError(
+            f"{source}: {what} is stored as {tuple(full.shape)}, but the model it describes "
+            f"has {(rows, *whole[1:])}; the checkpoint's description of its model is not "
+            "what threefold read (report it), or the checkpoint is damaged"
+        )
+    return full[:rows]
 
 
 def _new_shard(full: torch.Tensor, param: nn.Parameter, parallel: ParallelContext) -> torch.Tensor:

@@ -164,6 +164,11 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
+    if not args.get("group_query_attention"):
+        # Megatron-LM's model has a key/value head per query head then, whatever its
+        # --num-query-groups (default 1) says; its FLOPs count sets it to the head count, so
+        # only a run saved before its first iteration (a conversion) still holds the 1.
+        model["num_query_groups"] = model.get("num_attention_heads")
     if _hybrid_pattern(args):  # (older Megatron-LM's args name it --hybrid-override-pattern)
         model["hybrid_layer_pattern"] = _hybrid_pattern(args)
         if args.get("mtp_hybrid_override_pattern"):  # a depth's, repeated --mtp-num-layers

@@ -27,8 +27,10 @@ a stage of prediction depths included) and hybrids of Mamba, attention, MLP and 
 (a Mamba mixer's TP shard holds its share of each section of in_proj and conv1d, joined
 section by section), their iteration, samples and LR schedule, and Adam's state, the
 distributed optimizer's or not (checkpoint/megatron/legacy_optimizer.py). Not read, each
-refused in one line: gated delta nets, experts split over another TP size than the rest, a
-checkpoint_version before 3.0, and the older models of `megatron/legacy` (`language_model.*`).
+refused in one line: gated delta nets, experts split over another TP size than the rest,
+and a checkpoint_version before 3.0. The older models of `megatron/legacy` (`language_model.*`)
+are read as their megatron-core twins (checkpoint/megatron/legacy_models.py), their weights
+only.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from threefold.config.linear_attention import GATED_DELTA_NET
 FILE = "model_optim_rng.pt"
 _RANK_DIRECTORY = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
 MODEL = re.compile(r"^model(\d*)$")  # a model chunk's state dict
+OLDER_MODELS = (
+    "its model is one of Megatron-LM's older ones (megatron/legacy), whose parameters that "
+    "state is not mapped to here"
+)
 
 
 def is_legacy_checkpoint(path: str) -> bool:
@@ -169,7 +175,9 @@ def legacy_metadata(path: str) -> dict:
 
     layout = LEGACY_DISTRIBUTED if args.get("use_distributed_optimizer") else LEGACY
     step = find_step(state)
-    reason = LegacyTensors(path, optimizer=True).state.reason
+    tensors = LegacyTensors(path, optimizer=True)
+    # (the older models' parameters are not laid out in that state: their weights are read)
+    reason = OLDER_MODELS if tensors.older_model else tensors.state.reason
     reason = reason or (None if step is not None else "it holds no Adam step")
     scaler = find_loss_scaler(state)
     return described(path, common, MegatronOptimizer(layout, reason is None, step, scaler, reason))

@@ -29,6 +29,7 @@ from threefold.checkpoint.megatron.legacy import (
     refuse_unread_kinds,
     saved_sizes,
 )
+from threefold.checkpoint.megatron.legacy_models import is_older_model, megatron_core_names
 from threefold.checkpoint.megatron.legacy_optimizer import (
     LegacyBuffers,
     LegacyPlainState,
@@ -39,6 +40,7 @@ from threefold.checkpoint.megatron.load_checks import masters_agree, masters_ref
 from threefold.checkpoint.megatron.optimizer import FIELDS, find_step
 from threefold.checkpoint.megatron.param_order import BUFFERS, tp_split_dim
 from threefold.checkpoint.megatron.tensors import candidate_keys, from_pieces, joined, split_name
+from threefold.checkpoint.resharding import unpadded
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
 
@@ -67,6 +69,7 @@ class LegacyTensors:
         self.te_spec = args.get("transformer_impl", "transformer_engine") != "local"
         self.tied = not args.get("untie_embeddings_and_output_weights")
         self.conv_own = False  # (param_order.py's; set as the files are indexed)
+        self.older_model = False  # megatron/legacy's GPT model (legacy_models.py)
         self._archives: dict[str, zipfile.ZipFile] = {}
         # (key, expert index or ()) -> {saved TP rank: (file, tensor record)}
         self.index: dict[tuple[str, tuple[int, ...]], dict[int, tuple[str, StoredTensor]]] = {}
@@ -94,13 +97,9 @@ class LegacyTensors:
             found = MODEL.match(name)
             if found is None or not isinstance(value, dict):
                 continue
-            if "language_model" in value or any(k.startswith("language_model.") for k in value):
-                raise ConfigError(
-                    f"--load {self.path}: a checkpoint of Megatron-LM's older models "
-                    "(megatron/legacy, `language_model.*`), which threefold does not read; "
-                    "load it in Megatron-LM with --use-legacy-models and convert it to "
-                    "megatron-core (tools/checkpoint/convert.py --saver core)"
-                )
+            if is_older_model(value):  # (megatron/legacy's: its local spec's twin)
+                value = megatron_core_names(value, f"--load {self.path}: {relative}")
+                self.older_model, self.te_spec = True, False
             chunk = int(found.group(1) or 0)
             if chunk >= len(chunks):
                 raise ConfigError(
@@ -215,10 +214,7 @@ class LegacyTensors:
             full = self._joined(found[0], state, param)
         if kind == "master" and not masters_agree(full, weights, weights.dtype, self.args):
             raise masters_refused(self.path, "optimizer state", *found)
-        full = full.float()
-        if param.dim() and param.valid_rows is not None:
-            full = full[: param.valid_rows]
-        return full
+        return unpadded(full.float(), param, f"--load {self.path}", f"{kind} of {name}")
 
     def check_all_read(
         self, pipeline: Group, strictness: str, left_out: tuple[str, ...] = ()

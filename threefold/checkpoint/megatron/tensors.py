@@ -62,6 +62,7 @@ from threefold.checkpoint.megatron.common_file import read_common
 from threefold.checkpoint.megatron.load_checks import masters_agree, masters_refused, unread_refused
 from threefold.checkpoint.megatron.optimizer import FIELDS
 from threefold.checkpoint.megatron.param_order import SECTIONS
+from threefold.checkpoint.resharding import unpadded
 from threefold.config import ConfigError
 from threefold.parallel.parallel_context import Group
 from threefold.parallel.tensor_parallel.sharding import unshard
@@ -317,9 +318,7 @@ class MegatronTensors:
                 key, index = self._key("model", name) or self._sectioned("model", name)
                 if not self._masters_agree(target, name, key):
                     raise masters_refused(self.path, "optimizer state", key, index, True)
-        if param.dim() and param.valid_rows is not None:
-            target = target[: param.valid_rows]
-        return target
+        return unpadded(target, param, f"--load {self.path}", f"{kind} of {name}")
 
     def _weights(self, kind: str, name: str) -> torch.Tensor:
         """A parameter's tensor in model space: stored whole, or a section at a time."""
