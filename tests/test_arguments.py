@@ -241,6 +241,18 @@ def test_sequence_parallel_without_tensor_parallel_warns_and_disables(capsys):
     assert "--sequence-parallel has no effect" in capsys.readouterr().out
 
 
+def test_query_groups_without_group_query_attention_are_said_to_differ_from_megatron(capsys):
+    """Megatron-LM reads --num-query-groups only with --group-query-attention; threefold builds
+    the groups either way, and says so where the two differ."""
+    config = parse_args(BASE + ["--num-query-groups", "2"], world_size=1)
+    assert config.model.num_query_groups == 2
+    assert (
+        "WARNING: --num-query-groups 2 without --group-query-attention" in capsys.readouterr().out
+    )
+    parse_args(BASE + ["--group-query-attention", "--num-query-groups", "2"], world_size=1)
+    assert "--num-query-groups" not in capsys.readouterr().out
+
+
 def test_what_not_to_load_without_load_warns(capsys):
     """Megatron-LM's GPT-OSS example passes --no-load-optim --no-load-rng without --load, and
     Megatron-LM runs it: a warning, not a refusal (--finetune without --load is refused)."""

@@ -422,6 +422,14 @@ class ModelConfig(
             )
         elif self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        ungrouped = []
+        if not self.group_query_attention and self.num_query_groups != self.num_attention_heads:
+            ungrouped.append(
+                f"--num-query-groups {self.num_query_groups} without --group-query-attention: "
+                f"threefold builds {self.num_query_groups} key/value heads, Megatron-LM one per "
+                "query head (it reads the flag only with --group-query-attention); add "
+                "--group-query-attention to mean the same in both"
+            )
         _require(
             self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
             f"--num-attention-heads {self.num_attention_heads} is not divisible by "
@@ -513,7 +521,7 @@ class ModelConfig(
         self.finalize_window_attention()
         self.finalize_mup()
         self._finalize_lora()
-        warnings = hybrid + self.finalize_moe(self.num_layers, self.ffn_hidden_size)
+        warnings = hybrid + ungrouped + self.finalize_moe(self.num_layers, self.ffn_hidden_size)
         warnings += self.finalize_llama4()
         self.finalize_gemma()
         self.finalize_olmo()
