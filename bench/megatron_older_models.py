@@ -32,15 +32,19 @@ SHAPE += ["--seq-length", "8", "--max-position-embeddings", "8", "--vocab-size",
 SHAPE += ["--make-vocab-size-divisible-by", "32"]  # (padded to 64 at TP2)
 # name -> its architecture's flags
 MODELS = {
-    # grouped query attention, SwiGLU, RMSNorm, RoPE, untied output layer, no biases
+    # grouped query attention, SwiGLU, RMSNorm, RoPE, untied output layer, no biases (and norms'
+    # epsilons other than the default: newer Megatron-LM's args name it `layernorm_epsilon`)
     "llama": [
         *("--group-query-attention", "--num-query-groups", "2", "--swiglu"),
         *("--normalization", "RMSNorm", "--position-embedding-type", "rope"),
         *("--ffn-hidden-size", "24", "--untie-embeddings-and-output-weights"),
-        "--disable-bias-linear",
+        *("--disable-bias-linear", "--norm-epsilon", "1e-3"),
     ],
     # learned positions, LayerNorm and biases, GELU, the output layer tied to the embedding
-    "gpt2": ["--position-embedding-type", "learned_absolute", "--ffn-hidden-size", "32"],
+    "gpt2": [
+        *("--position-embedding-type", "learned_absolute", "--ffn-hidden-size", "32"),
+        *("--norm-epsilon", "1e-4"),
+    ],
 }
 COMMON = [
     *("--micro-batch-size", "1", "--use-legacy-models", "--transformer-impl", "local"),

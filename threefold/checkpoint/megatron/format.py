@@ -43,6 +43,12 @@ _TOKENIZERS = {
     "Llama2Tokenizer": ("tokenizer_model",),
     "NullTokenizer": (),
 }
+# Megatron-LM's args since its flags are megatron-core's config fields (2025): --norm-epsilon and
+# --apply-layernorm-1p keep those fields' names (older args: norm_epsilon, apply_layernorm_1p)
+MEGATRON_CORE_NAMES = {
+    "layernorm_epsilon": "norm_epsilon",
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+}
 # args that select an architecture threefold does not build: (arg, the value it must have, what)
 _UNSUPPORTED = (
     ("heterogeneous_layers_config_path", None, "heterogeneous layers"),
@@ -164,6 +170,9 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
+    for theirs, ours in MEGATRON_CORE_NAMES.items():
+        if args.get(theirs) is not None:  # newer Megatron-LM's args name them so
+            model[ours] = args[theirs]
     if not args.get("group_query_attention"):
         # Megatron-LM's model has a key/value head per query head then, whatever its
         # --num-query-groups (default 1) says; its FLOPs count sets it to the head count, so
@@ -424,6 +433,7 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         add_position_embedding=model.position_embedding_type == "learned_absolute",
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
         apply_query_key_layer_scaling=False,
+        **{theirs: getattr(model, ours) for theirs, ours in MEGATRON_CORE_NAMES.items()},
         moe_layer_freq=moe_layer_freq(model),
         linear_attention_freq=linear_attention_freq(model),
         **window_args(model),
