@@ -39,6 +39,28 @@ def test_megatron_lms_older_models_compute_their_logits_in_threefold(name):
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
 
 
+def test_args_from_before_position_embedding_type_and_norm_epsilon_read_alike(tmp_path):
+    """Args of mid-2023 Megatron-LM: RoPE said by `use_rotary_position_embeddings` (no
+    `position_embedding_type` yet), the epsilon as its flag `--norm-epsilon` named it."""
+    import glob
+    import shutil
+
+    reference, root = _reference("llama"), str(tmp_path / "llama")
+    shutil.copytree(os.path.join(DATA, "llama"), root)
+    for path in glob.glob(os.path.join(root, "iter_*", "mp_rank_*", "model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)  # the test's own copy
+        args = state["args"]
+        del args.position_embedding_type
+        args.use_rotary_position_embeddings = True
+        args.norm_epsilon = args.layernorm_epsilon
+        del args.layernorm_epsilon
+        torch.save(state, path)
+    _, model, _ = load_model(root, with_tokenizer=False)
+    with torch.no_grad():
+        logits = model(reference["tokens"]).transpose(0, 1)
+    torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("name,tp,pp", [("llama", 2, 1), ("gpt2", 1, 2)])
 def test_their_losses_at_another_layout(name, tp, pp):
     """Read at TP2 (llama's query groups and gated MLP split anew) and at PP2 without TP

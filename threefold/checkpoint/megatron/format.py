@@ -170,6 +170,8 @@ def _model_config(args: dict, source: str) -> dict:
         )
     fields = {f.name for f in checkpoint_fields(ModelConfig, ARCHITECTURE, MODEL)}
     model = {name: args[name] for name in fields if args.get(name) is not None}
+    if "position_embedding_type" not in args and args.get("use_rotary_position_embeddings"):
+        model["position_embedding_type"] = "rope"  # (args before that flag, mid-2023)
     for theirs, ours in MEGATRON_CORE_NAMES.items():
         if args.get(theirs) is not None:  # newer Megatron-LM's args name them so
             model[ours] = args[theirs]
