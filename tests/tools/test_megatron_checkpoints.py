@@ -536,7 +536,7 @@ def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_p
     """common.pt as each megatron-core optimizer leaves it (its one-element tensors decoded
     from their bytes, nothing unpickled): the step of the non-distributed fp32 and fp16
     optimizers and of the distributed one, and the fp16 DynamicGradScaler's state."""
-    from threefold.checkpoint.megatron.common_file import read_common
+    from threefold.checkpoint.megatron.common_file import read_torch_file
     from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 
     groups = [{"lr": 3e-3, "params": [0, 1]}]
@@ -557,7 +557,7 @@ def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_p
     for name, state in layouts.items():
         path = str(tmp_path / f"{name}.pt")
         torch.save({"optimizer": state, "iteration": 12}, path)
-        optimizer = megatron_optimizer(read_common(path), sizes)
+        optimizer = megatron_optimizer(read_torch_file(path), sizes)
         assert optimizer.readable and optimizer.step == 12.0, name
         expected = {"scale": 4096.0, "growth_tracker": 7, "hysteresis_tracker": 2}
         assert optimizer.loss_scaler == (expected if name == "fp16" else None), name

@@ -54,7 +54,7 @@ def test_a_hybrid_model_goes_to_megatron_and_back(tmp_path):
     assert attention + "linear_qkv.layer_norm_weight" in keys
     assert "decoder.layers.0.mlp.shared_experts.gate_weight" in keys
     assert not any(key.startswith("decoder.layers.self_attention") for key in keys)  # per layer
-    args = read_common(os.path.join(path, "common.pt"))["args"]
+    args = read_common(path)["args"]
     assert args["experimental_attention_variant"] == "gated_delta_net"
     assert args["linear_attention_freq"] == 2 and args["linear_num_value_heads"] == 4
     assert args["attention_output_gate"] and args["moe_shared_expert_gate"]

@@ -97,7 +97,7 @@ def test_export_loads_into_megatron_core(megatron, tmp_path):
     saved = {key for key in _keys(os.path.join(root, "iter_0000010")) if "_extra_state" not in key}
     for path, expected, tolerance in written:
         assert saved <= _keys(path)
-        args = read_common(os.path.join(path, "common.pt"))["args"]
+        args = read_common(path)["args"]
         assert (args["hybrid_layer_pattern"], args["num_layers"]) == ("M*M-E", 5)
         assert (args["mamba_state_dim"], args["mamba_head_dim"]) == (8, 16)
         theirs = run_distributed(1, mh.logits, "hybrid", path)
@@ -136,7 +136,7 @@ def _round_trip(argv: list[str], directory) -> tuple[str, set[str], dict]:
         flags = ["--loader", loader, "--saver", saver, "--load-dir", source]
         assert convert_checkpoint.main(flags + ["--save-dir", target]) == 0
     path = os.path.join(megatron, "iter_0000001")
-    args = read_common(os.path.join(path, "common.pt"))["args"]
+    args = read_common(path)["args"]
     sources = [back, megatron]
     decoder, *depths = (args["hybrid_layer_pattern"] or "").split("/")
     if depths:  # Megatron-LM's older spelling: the decoder's pattern, and a depth's repeated

@@ -18,6 +18,8 @@ bytes by torch itself (never by a function the file names).
 
 from __future__ import annotations
 
+import io
+import os
 import pickle
 import struct
 import zipfile
@@ -42,6 +44,8 @@ _DTYPES = {
     "float8_e4m3fn",
     "float8_e5m2",
 }
+COMMON = "common.pt"
+EMBEDDED_COMMON = "common_state/"  # megatron-core 0.19's sharded object of the common state
 # A storage's element type -> struct format (bfloat16: the high half of a float32).
 _STORAGE_FORMATS = {
     "FloatStorage": "<f",
@@ -281,12 +285,13 @@ def _plain(value: Any, archive: zipfile.ZipFile, prefix: str, tensors: bool) -> 
     return value
 
 
-def read_torch_file(path: str, tensors: bool = False) -> dict | list:
+def read_torch_file(path: str, tensors: bool = False, data: bytes | None = None) -> dict | list:
     """The dict (or list) a torch.save file holds, as plain data (a Namespace as a dict); its
     tensors as `StoredTensor` records (`tensors`), else as numbers where they hold one
-    element."""
+    element. `data`: the file's bytes, where they lie inside another file (`path` then names
+    where, for the messages)."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(path if data is None else io.BytesIO(data)) as archive:
             names = archive.namelist()
             pickles = [n for n in names if n.endswith("data.pkl")]
             if len(pickles) != 1:
@@ -307,9 +312,61 @@ def read_torch_file(path: str, tensors: bool = False) -> dict | list:
         raise ConfigError(f"{path}: not a checkpoint pickle ({error}); it is damaged") from None
 
 
-def read_common(path: str) -> dict:
-    """The dict `common.pt` holds, as plain data (`args` a dict of Megatron's argument names)."""
+def read_common(directory: str) -> dict:
+    """A torch_dist checkpoint's common state (`directory`: its iter_N), as plain data (`args`
+    a dict of Megatron's argument names): `common.pt`'s dict, or where megatron-core 0.19 and
+    later keep it, the `common_state` object among the sharded tensors (`embedded_common`)."""
+    path = os.path.join(directory, COMMON)
+    if not os.path.isfile(path):
+        return embedded_common(directory)
     common = read_torch_file(path)
     if not isinstance(common, dict):
         raise ConfigError(f"{path}: holds a list, not Megatron's common dict")
     return common
+
+
+def embedded_common(directory: str) -> dict:
+    """megatron-core 0.19's common state (July 2026; it reads common.pt still): one sharded
+    object, `common_state/shard_0_1`, a torch.save of [the dict] stored as bytes in one of the
+    .distcp files, where the DCP `.metadata` says (its file, offset and length). `.metadata` is
+    a pickle too: read by the same restricted unpickler, its records only looked into."""
+    incomplete = ConfigError(
+        f"--load {directory}: holds neither {COMMON} nor megatron-core's embedded common state; "
+        "the checkpoint is incomplete"
+    )
+    try:
+        with open(os.path.join(directory, ".metadata"), "rb") as f:
+            metadata = _Unpickler(f).load()
+    except FileNotFoundError:
+        raise incomplete from None
+    except (OSError, pickle.UnpicklingError, EOFError, TypeError, ValueError) as error:
+        raise ConfigError(f"--load {directory}: .metadata is unreadable ({error})") from None
+    storage = (getattr(metadata, "state", None) or {}).get("storage_data")
+    for index, info in storage.items() if isinstance(storage, dict) else ():
+        fqn = (getattr(index, "state", None) or {}).get("fqn")
+        if isinstance(fqn, str) and fqn.startswith(EMBEDDED_COMMON):
+            return _embedded(directory, getattr(info, "state", None) or {})
+    raise incomplete
+
+
+def _embedded(directory: str, where: dict) -> dict:
+    """The common dict from the bytes `where` (a DCP _StorageInfo's state) points at."""
+    name, offset, length = (where.get(k) for k in ("relative_path", "offset", "length"))
+    if not (
+        isinstance(name, str)
+        and name == os.path.basename(name)  # (a file of this directory, nowhere else)
+        and isinstance(offset, int)
+        and isinstance(length, int)
+        and not where.get("transform_descriptors")  # (stored as written: not compressed)
+    ):
+        raise ConfigError(f"--load {directory}: .metadata places its common state at {where!r}")
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except OSError as error:
+        raise ConfigError(f"--load {directory}: {name} is unreadable ({error})") from None
+    common = read_torch_file(os.path.join(directory, name), data=data)
+    if not (isinstance(common, list) and len(common) == 1 and isinstance(common[0], dict)):
+        raise ConfigError(f"--load {directory}: its common state is not Megatron's; it is damaged")
+    return common[0]

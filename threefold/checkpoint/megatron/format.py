@@ -1,9 +1,10 @@
-"""Megatron-LM's torch_dist checkpoint directory, described (common.pt read without torch).
+"""Megatron-LM's torch_dist checkpoint directory, described (its common state read without torch).
 
     DIR/latest_checkpointed_iteration.txt   the tracker (the same file threefold writes)
     DIR/iter_0000100/metadata.json          {"sharded_backend": "torch_dist", ...}: megatron-core's
     DIR/iter_0000100/common.pt              args, iteration, checkpoint_version, LR scheduler,
-                                            the optimizer's step and layout
+                                            the optimizer's step and layout (megatron-core
+                                            0.19 and later: in the shards, `common_state`)
     DIR/iter_0000100/.metadata, *.distcp    torch.distributed.checkpoint: the sharded tensors
 
 This module tells such a directory from threefold's own, and translates between Megatron-LM's
@@ -251,9 +252,6 @@ def megatron_metadata(path: str) -> dict:
     under `megatron.optimizer`). Megatron's RNG states are not read; the streams a run here
     saved beside them (checkpoint/megatron/training_save.py) are, in the ranks' layout it
     names (`rng_layout`)."""
-    common_file = os.path.join(path, "common.pt")
-    if not os.path.isfile(common_file):
-        raise ConfigError(f"--load {path}: common.pt is missing; the checkpoint is incomplete")
     if os.path.isdir(os.path.join(path, "modelopt_state")):
         # Megatron-LM builds such a model with ModelOpt's builder (its quantizers, and
         # --enable-gpt-oss's YaRN, which its args do not record): not the model its args say.
@@ -262,8 +260,8 @@ def megatron_metadata(path: str) -> dict:
             "with ModelOpt's model builder; threefold has none: load the checkpoint it was made "
             "from, or export it from ModelOpt to Hugging Face and convert that"
         )
-    common = read_common(common_file)
-    args = saved_args(common, f"--load {path}: common.pt")
+    common = read_common(path)
+    args = saved_args(common, f"--load {path}: its common state")
     # (torch, only here: describing threefold's own checkpoints stays torch-free)
     from threefold.checkpoint.megatron.buckets import dp_reshardable_optimizer, has_buckets
     from threefold.safe_loading import SafeFileSystemReader

@@ -37,7 +37,6 @@ from __future__ import annotations
 import io
 import itertools
 import math
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterable
@@ -234,7 +233,7 @@ class MegatronTensors:
     def args(self) -> dict:
         """The saving run's args (common.pt's)."""
         if self._args is None:
-            self._args = read_common(os.path.join(self.path, "common.pt")).get("args") or {}
+            self._args = read_common(self.path).get("args") or {}
         return self._args
 
     @property
