@@ -50,7 +50,17 @@ MODELS = {
         *("--position-embedding-type", "learned_absolute", "--ffn-hidden-size", "32"),
         *("--norm-epsilon", "1e-4"),
     ],
+    # (current only) a mixture of experts: 4 experts of which 2 route, a shared expert
+    "moe": [
+        *("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8"),
+        *("--ffn-hidden-size", "32"),  # (its default at this width: 0)
+        *("--moe-shared-expert-intermediate-size", "8", "--swiglu", "--normalization", "RMSNorm"),
+        *("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights"),
+        *("--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"),
+        *("--moe-router-load-balancing-type", "aux_loss"),
+    ],
 }
+ERA_MODELS = {"older": ("llama", "gpt2"), "current": ("llama", "gpt2", "moe")}
 COMMON = [
     *("--micro-batch-size", "1", "--transformer-impl", "local"),
     *("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
@@ -148,6 +158,7 @@ def _rank(rank: int, checkout: str, era: str, name: str, save: str) -> None:
     tokens = torch.arange(8).mul(7).remainder(60).unsqueeze(0)
     positions = torch.arange(8).unsqueeze(0)
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).triu(1)  # True: not attended to
+    model.eval()
     with torch.no_grad():
         if first:
             hidden = model(tokens, positions, mask)
@@ -177,7 +188,7 @@ def main() -> None:
     ).stdout.strip()
     out = os.path.join(OUT, era)
     shutil.rmtree(out, ignore_errors=True)
-    for name in MODELS:
+    for name in ERA_MODELS[era]:
         mp.spawn(_rank, args=(checkout, era, name, os.path.join(out, name)), nprocs=4)
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(
@@ -185,7 +196,7 @@ def main() -> None:
             f"{commit}: {WHAT[era]}, saved at TP2 x PP2 by its own save_checkpoint, and their "
             "logits on one batch (logits.pt).\n"
         )
-    for name in MODELS:
+    for name in ERA_MODELS[era]:
         print(era, name, sorted(os.listdir(os.path.join(out, name))))
 
 

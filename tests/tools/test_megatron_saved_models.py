@@ -10,7 +10,8 @@ computed on one batch (`python bench/megatron_saved_models.py ERA CHECKOUT`):
 
 Each is a LLaMA-like model (grouped query attention, SwiGLU, RMSNorm, RoPE, an untied output
 layer) and a GPT-2-like one (learned positions, LayerNorm and biases, GELU, the output layer tied
-to the embedding over the stages). threefold reads each into its own model, which computes
+to the embedding over the stages); the current ones a mixture of experts too (4 experts, 2
+routed, a shared expert, split over TP). threefold reads each into its own model, which computes
 those logits, and at other layouts their losses.
 """
 
@@ -30,6 +31,7 @@ from threefold.config import ConfigError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "megatron_saved_models")
 SAVED = [(era, name) for era in ("current", "older") for name in ("llama", "gpt2")]
+SAVED.append(("current", "moe"))
 
 
 def _reference(era: str, name: str) -> dict:
@@ -72,10 +74,13 @@ def test_args_from_before_position_embedding_type_and_norm_epsilon_read_alike(tm
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("era,name,tp,pp", [("current", "llama", 2, 1), ("older", "gpt2", 1, 2)])
+@pytest.mark.parametrize(
+    "era,name,tp,pp",
+    [("current", "llama", 2, 1), ("current", "moe", 1, 2), ("older", "gpt2", 1, 2)],
+)
 def test_their_losses_at_another_layout(era, name, tp, pp):
     """Read at TP2 (llama's query groups and gated MLP split anew) and at PP2 without TP
-    (gpt2's tied embedding on both stages), a run computes the losses of Megatron-LM's logits;
+    (gpt2's tied embedding on both stages; the experts' stages), a run computes the losses of Megatron-LM's logits;
     its --use-checkpoint-args takes the checkpoint's NullTokenizer at its vocabulary."""
     reference, root = _reference(era, name), os.path.join(DATA, era, name)
     tokens = reference["tokens"]
