@@ -80,8 +80,9 @@ def test_args_from_before_position_embedding_type_and_norm_epsilon_read_alike(tm
 )
 def test_their_losses_at_another_layout(era, name, tp, pp):
     """Read at TP2 (llama's query groups and gated MLP split anew) and at PP2 without TP
-    (gpt2's tied embedding on both stages; the experts' stages), a run computes the losses of Megatron-LM's logits;
-    its --use-checkpoint-args takes the checkpoint's NullTokenizer at its vocabulary."""
+    (gpt2's tied embedding on both stages; the experts' stages), a run computes the losses of
+    Megatron-LM's logits; its --use-checkpoint-args takes the checkpoint's NullTokenizer at its
+    vocabulary."""
     reference, root = _reference(era, name), os.path.join(DATA, era, name)
     tokens = reference["tokens"]
     expected = torch.nn.functional.cross_entropy(
