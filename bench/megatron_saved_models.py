@@ -63,8 +63,20 @@ MODELS = {
         *("--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"),
         *("--moe-router-load-balancing-type", "aux_loss"),
     ],
+    # (current only) DeepSeek-V3's experts: a sigmoid router with its expert bias, a dense first
+    # layer. Not its multi-latent attention nor its prediction depths, whose local specs
+    # Megatron-LM at d98e8a64 does not build on a CPU (DotProductAttention takes no k_channels;
+    # the depth's layer asks for an inference layer type a stand-in module cannot give)
+    "deepseek": [
+        *("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8"),
+        *("--ffn-hidden-size", "32", "--swiglu", "--normalization", "RMSNorm"),
+        *("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"),
+        *("--moe-shared-expert-intermediate-size", "8", "--untie-embeddings-and-output-weights"),
+        *("--disable-bias-linear", "--moe-token-dispatcher-type", "allgather"),
+        *("--position-embedding-type", "rope", "--moe-layer-freq", "[0,1,1,1]"),
+    ],
 }
-ERA_MODELS = {"older": ("llama", "gpt2"), "current": ("llama", "gpt2", "moe")}
+ERA_MODELS = {"older": ("llama", "gpt2"), "current": ("llama", "gpt2", "moe", "deepseek")}
 COMMON = [
     *("--micro-batch-size", "1", "--transformer-impl", "local"),
     *("--tokenizer-type", "NullTokenizer", "--use-cpu-initialization"),

@@ -10,8 +10,9 @@ computed on one batch (`python bench/megatron_saved_models.py ERA CHECKOUT`):
 
 Each is a LLaMA-like model (grouped query attention, SwiGLU, RMSNorm, RoPE, an untied output
 layer) and a GPT-2-like one (learned positions, LayerNorm and biases, GELU, the output layer tied
-to the embedding over the stages); the current ones a mixture of experts too (4 experts, 2
-routed, a shared expert, split over TP). threefold reads each into its own model, which computes
+to the embedding over the stages); the current ones mixtures of experts too (4 experts, 2
+routed, a shared expert, split over TP; and DeepSeek-V3's sigmoid router with its expert bias
+after a dense first layer). threefold reads each into its own model, which computes
 those logits, and at other layouts their losses.
 """
 
@@ -31,7 +32,7 @@ from threefold.config import ConfigError
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "megatron_saved_models")
 SAVED = [(era, name) for era in ("current", "older") for name in ("llama", "gpt2")]
-SAVED.append(("current", "moe"))
+SAVED += [("current", "moe"), ("current", "deepseek")]
 
 
 def _reference(era: str, name: str) -> dict:
