@@ -53,6 +53,18 @@ def per_token_losses(
     return losses[0][0].tolist() if trainer.parallel.is_last_pipeline_stage else None
 
 
+def assert_same_weights(expected: str, root: str) -> tuple:
+    """`root` loads into bitwise the weights `expected` loads into, name for name: (their
+    configs, its state dict)."""
+    config, model, _ = load_model(expected, with_tokenizer=False)
+    other_config, other, _ = load_model(root, with_tokenizer=False)
+    theirs, ours = model.state_dict(), other.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    return (config, other_config), ours
+
+
 def megatron_argv(root: str, tp: int, pp: int, length: int = mc.SEQ - 1) -> list[str]:
     """A run whose model comes from the Megatron checkpoint's args (--use-checkpoint-args)."""
     return [

@@ -30,6 +30,7 @@ from tests import megatron_core_training as mt
 from tests.distributed import run_distributed
 from tests.tools.hf_models import convert_checkpoint
 from tests.tools.megatron_runs import (
+    assert_same_weights,
     continue_argv,
     continue_training,
     copy_with_args,
@@ -71,13 +72,8 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_the_legacy_format_loads_the_weights_of_its_torch_dist_twin(saved, kind):
     torch_dist, legacy = saved[kind]
-    config, model, _ = load_model(torch_dist, with_tokenizer=False)
-    legacy_config, legacy_model, _ = load_model(legacy, with_tokenizer=False)
+    (config, legacy_config), _ = assert_same_weights(torch_dist, legacy)
     assert legacy_config.model == config.model
-    theirs, ours = model.state_dict(), legacy_model.state_dict()
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor), name
 
 
 def test_megatron_cores_losses_from_the_legacy_format_at_another_layout(saved):
@@ -217,10 +213,7 @@ def test_megatron_lms_older_models_load_the_weights_of_their_megatron_core_twin(
         state = torch.load(path, weights_only=False)  # the test's own file
         _older_model(state, norms, encoder_name)
         torch.save(state, path)
-    theirs = load_model(legacy, with_tokenizer=False)[1].state_dict()
-    ours = load_model(root, with_tokenizer=False)[1].state_dict()
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], tensor) for name, tensor in theirs.items())
+    assert_same_weights(legacy, root)
     with pytest.raises(ConfigError, match="older ones .*--no-load-optim") as error:
         load_checkpoint(root, _trainer(megatron_argv(root, 1, 1)).checkpoint_components())
     assert "\n" not in str(error.value)
