@@ -165,6 +165,9 @@ def model_config_from_hf(hf: dict) -> tuple[str, ModelConfig]:
         raise ConfigError(
             f"a field {architecture} reads has a value of the wrong type ({error})"
         ) from None
+    # Megatron-LM's own converters set --no-position-embedding for a model whose positions
+    # are not learned (its HF model scripts pass it), and its --load compares the flag
+    config.add_position_embedding = config.position_embedding_type == "learned_absolute"
     config.finalize()
     return architecture, config
 

@@ -325,6 +325,9 @@ def described(path: str, common: dict, optimizer: MegatronOptimizer) -> dict:
             "optimizer": optimizer.layout,
             "optimizer_step": optimizer.step,
             "optimizer_reason": optimizer.reason,
+            # (its --vocab-size as given, where Megatron-LM wrote it: a NullTokenizer's ids
+            # before its end-of-document one; the model's rows are the padded count)
+            "vocab_size": args.get("vocab_size") if own is None else None,
         },
         "optimizer_saved": optimizer.readable,
         # (a run here saves its ranks' streams beside Megatron-LM's layout, and says so)
@@ -430,7 +433,8 @@ def megatron_args(config: Config, iteration: int, train_state: dict | None = Non
         num_query_groups=model.num_query_groups or heads,
         kv_channels=model.kv_channels or model.hidden_size // heads,
         ffn_hidden_size=model.ffn_hidden_size,
-        add_position_embedding=model.position_embedding_type == "learned_absolute",
+        # (the --no-position-embedding flag as the run had it: Megatron-LM's --load compares it)
+        add_position_embedding=model.add_position_embedding,
         use_rotary_position_embeddings=model.position_embedding_type == "rope",
         apply_query_key_layer_scaling=False,
         **{theirs: getattr(model, ours) for theirs, ours in MEGATRON_CORE_NAMES.items()},
