@@ -209,6 +209,10 @@ def _check_load(config: Config, vocab_size: int | None) -> None:
             return  # (the run's first start: nothing to resume yet)
         raise ConfigError(f"--load {load}: no such directory")
     settled = None  # the run's config, once the tokenizer's size and the strategy are known
+    if vocab_size:  # (the rows of a Megatron-LM checkpoint, as the run's model takes them)
+        from threefold.checkpoint.megatron.vocabulary import checkpoint_vocabulary
+
+        vocab_size = checkpoint_vocabulary(load, vocab_size)[0]
     if (vocab_size or config.model.vocab_size) and config.parallel.distributed_strategy != "auto":
         settled = copy.copy(config)
         settled.model = dataclasses.replace(

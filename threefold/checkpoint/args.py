@@ -15,6 +15,7 @@ from threefold.checkpoint.files import (
     holds_checkpoint,
     is_release,
     latest_config,
+    read_metadata,
     read_tracker,
 )
 from threefold.config import ConfigError, DataConfig, ModelConfig
@@ -69,9 +70,11 @@ def checkpoint_flags(root: str, with_tokenizer: bool, finetuning: bool = False) 
         if data.tokenizer_type and all(os.path.exists(f) for f in files):
             flags += ["--tokenizer-type", data.tokenizer_type]
             if data.tokenizer_type == "NullTokenizer" and "--vocab-size" in flags:
-                # (its --vocab-size counts the ids before its end-of-document one)
+                # (its --vocab-size counts the ids before its end-of-document one: Megatron-LM's
+                # own, where it wrote the checkpoint, whose model rows are that padded)
                 at = flags.index("--vocab-size") + 1
-                flags[at] = str(int(flags[at]) - 1)
+                given = read_metadata(root, iteration).get("megatron", {}).get("vocab_size")
+                flags[at] = str(given if isinstance(given, int) else int(flags[at]) - 1)
             for flag, value in (
                 ("--tokenizer-model", data.tokenizer_model),
                 ("--vocab-file", data.vocab_file),  # GPT2BPETokenizer (Megatron-LM's runs)

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from threefold.checkpoint.components import CheckpointComponents
+from threefold.checkpoint.megatron.vocabulary import checkpoint_vocabulary
 from threefold.config import Config
 from threefold.data.loader import WholeSplit, build_datasets, micro_batches, validation_sets
 from threefold.data.tokenizer import build_tokenizer, model_vocab_size
@@ -59,7 +60,11 @@ class Trainer:
         self.timers = self.observability.timers
         set_random_seed(training.seed, parallel, device.type)
         self.tokenizer = build_tokenizer(config.data, config.model.vocab_size)
-        config.model.vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
+        vocab_size = model_vocab_size(self.tokenizer, config.model.vocab_size)
+        # (a Megatron-LM checkpoint's padded rows, where they are this vocabulary's padding)
+        config.model.vocab_size, note = checkpoint_vocabulary(config.checkpoint.load, vocab_size)
+        if note:
+            self.print(note)
         # Data before the model: a bad file is reported before the heavy work starts.
         with self.timers("train/valid/test-data-iterators-setup", 0):
             self.datasets = (build_data or build_datasets)(config, self.tokenizer)
