@@ -94,7 +94,7 @@ ERAS = {
 }
 
 
-def _setup(checkout: str, era: str) -> None:
+def cpu_stand_ins(checkout: str, era: str) -> None:
     """The checkout importable on a CPU machine (bench/megatron_flags.py's stand-ins)."""
     import typing
 
@@ -148,7 +148,7 @@ MASK = torch.ones(1, 1, 8, 8, dtype=torch.bool).triu(1)  # True: not attended to
 def _start(rank: int, world: int, checkout: str, era: str, argv: list[str]):
     """Megatron-LM's args (its parser, its validate_args) and process groups on a gloo rank of
     `world` (TP2 x PP2 for 4, else one rank): (args, parallel_state, this stage's model)."""
-    _setup(checkout, era)
+    cpu_stand_ins(checkout, era)
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.enums import ModelType
