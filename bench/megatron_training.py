@@ -224,9 +224,10 @@ def handback(checkout: str) -> None:
         f.write(
             f"\nThe learning rates {'agree too' if rates == {True} else 'DIFFER'}. A resumed "
             "Megatron-LM run's second log line "
-            "reports the mean of its first two iterations' losses (its sums are not reset "
-            f"after the first line): {means[0]}, {means[1]}. The gradient norms, which it does "
-            "not sum, are each iteration's own.\n"
+            "reports the mean of its first two iterations' losses (its first line is an extra "
+            "one, which resets no sums; so is the uninterrupted run's iteration 2): "
+            f"{means[0]}, {means[1]}. The gradient norms, which it does not sum, are each "
+            "iteration's own.\n"
         )
     print(open(RESULTS).read())
 

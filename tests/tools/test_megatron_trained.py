@@ -37,6 +37,22 @@ def _megatron_run() -> dict:
         return json.load(f)
 
 
+def _pretrain(argv: list[str], nproc: int = 1, **environment) -> subprocess.CompletedProcess:
+    """threefold's pretrain_gpt.py on `nproc` processes (torchrun's beyond one)."""
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+        launch += ["--master_port", str(free_port())]
+    return subprocess.run(
+        [*launch, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **environment),
+    )
+
+
 def _take_over(tmp_path, nproc: int, flags: list[str]) -> dict[int, tuple[str, str, str]]:
     """threefold's pretrain_gpt.py on Megatron-LM's command line (and `flags`), resuming its
     checkpoint (a copy, in tmp_path/checkpoints, where the run saves) on `nproc` processes:
@@ -46,17 +62,7 @@ def _take_over(tmp_path, nproc: int, flags: list[str]) -> dict[int, tuple[str, s
     shutil.copy(os.path.join(TRAINED, "latest_checkpointed_iteration.txt"), root)
     argv = _megatron_run()["argv"] + ["--data-path", os.path.join(TRAINED, "corpus")]
     argv += ["--data-cache-path", str(tmp_path), "--load", str(root), "--save", str(root)]
-    launch = [sys.executable]
-    if nproc > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-        launch += ["--master_port", str(free_port())]
-    result = subprocess.run(
-        [*launch, os.path.join(ROOT, "pretrain_gpt.py"), *argv, *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _pretrain([*argv, *flags], nproc)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "the model's vocabulary is the checkpoint's 64 rows" in result.stdout
     return {int(i): tuple(values) for i, *values in LOGGED.findall(result.stdout)}
@@ -125,14 +131,7 @@ def test_a_vocabulary_the_checkpoint_does_not_pad_to_is_refused_in_one_line(tmp_
     argv = _megatron_run()["argv"] + ["--data-path", os.path.join(TRAINED, "corpus")]
     argv += ["--load", TRAINED, "--save", str(tmp_path), "--vocab-size", "100"]
     argv += ["--tensor-model-parallel-size", "1"]
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, THREEFOLD_VALIDATE_ONLY="1"),
-    )
+    result = _pretrain(argv, THREEFOLD_VALIDATE_ONLY="1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"pretrain_gpt.py: error: --load {TRAINED}: the checkpoint's model has --vocab-size "
