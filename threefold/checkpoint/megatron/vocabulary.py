@@ -18,6 +18,7 @@ import math
 import os
 
 from threefold.checkpoint.files import read_metadata, read_tracker
+from threefold.config import ConfigError
 
 
 def checkpoint_vocabulary(load: str | None, vocab_size: int) -> tuple[int, str | None]:
@@ -30,7 +31,10 @@ def checkpoint_vocabulary(load: str | None, vocab_size: int) -> tuple[int, str |
         return vocab_size, None
     # (threefold's own checkpoints too: a run that took a Megatron-LM checkpoint's rows saves
     # them, and resumes on the same command line)
-    metadata = read_metadata(load, iteration)
+    try:
+        metadata = read_metadata(load, iteration)
+    except (ConfigError, OSError, ValueError):  # damaged: the load's checks decide (and fall back)
+        return vocab_size, None
     model, parallel = metadata["config"]["model"], metadata["config"]["parallel"]
     rows = model.get("vocab_size")
     multiple = model.get("make_vocab_size_divisible_by", 128) * parallel.get(
