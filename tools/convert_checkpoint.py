@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         "--base-model",
         help="with --saver peft: the base model's Hub name or path, which the adapter records",
     )
+    parser.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        help="with --saver megatron: the expert parallelism of the Megatron-LM run that goes on "
+        "from a mixture of experts' optimizer state (at EP > 1 it steps the experts with an "
+        "optimizer of their own, and its --load takes only the state shaped so; default: the "
+        "saving run's)",
+    )
     add_strictness_flag(parser)
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
@@ -91,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--hf-architecture names what --saver hf or peft writes, not {args.saver}")
     if args.base_model and args.saver != "peft":
         parser.error("--base-model is the base of a PEFT adapter: it goes with --saver peft")
+    target_ep = args.target_expert_parallel_size
+    if target_ep is not None and (args.saver, args.loader) != ("megatron", "threefold"):
+        parser.error(
+            "--target-expert-parallel-size shapes the optimizer state a threefold checkpoint "
+            "exports to Megatron-LM: it goes with --loader threefold --saver megatron"
+        )
+    if target_ep is not None and target_ep < 1:
+        parser.error(f"--target-expert-parallel-size must be at least 1, not {target_ep}")
     try:
         make_parent_directory(args.save_dir, "--save-dir")
     except ConfigError as error:
@@ -122,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif args.saver == "megatron":
             path = convert.to_megatron_checkpoint(
-                args.load_dir, args.save_dir, args.dtype, args.loader, strictness
+                args.load_dir, args.save_dir, args.dtype, args.loader, strictness, target_ep
             )
         else:
             path = convert.megatron_to_threefold_checkpoint(

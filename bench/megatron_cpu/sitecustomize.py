@@ -40,6 +40,9 @@ class _Stream:
     def query(self) -> bool:
         return True
 
+    def record_event(self, *args, **kwargs) -> "_Stream":
+        return _Stream()  # (the alltoall dispatcher synchronizes on it)
+
     def elapsed_time(self, other) -> float:
         return 0.0
 
@@ -122,6 +125,17 @@ def _load_with_torch_adam() -> None:
     distrib_optimizer.DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
 
 
+def _alltoall_splits_on_the_host() -> None:
+    """Its alltoall dispatcher's split sizes, which it copies from the GPU as NumPy arrays (a
+    list is what the collective takes): here already on the host, they stayed tensors."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def _apply(checkout: str) -> None:
     import contextlib
 
@@ -139,6 +153,7 @@ def _apply(checkout: str) -> None:
     arguments.get_device_arch_version = common_utils.get_device_arch_version = lambda: 9
     utils.compile_helpers = _compile_helpers
     _load_with_torch_adam()
+    _alltoall_splits_on_the_host()
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.is_available = _told_yes(torch.cuda.is_available, "initialize_megatron")
     torch.cuda.device_count = _told_yes(torch.cuda.device_count, "_initialize_distributed")

@@ -34,6 +34,7 @@ from tests.tools.megatron_runs import (
     saved_by_megatron_core,
 )
 from threefold.checkpoint.load import load_model
+from threefold.checkpoint.megatron.common_file import read_common
 from threefold.safe_loading import SafeFileSystemReader
 
 # kind -> (TP, PP, EP, ranks) megatron-core saves it at
@@ -224,9 +225,9 @@ def test_export_loads_into_megatron_core(megatron, kind, tmp_path):
 @pytest.fixture(scope="module")
 def megatron_trained(tmp_path_factory):
     """layout -> (checkpoint root, megatron-core's weights one iteration later, its loss):
-    megatron-core trained "moe" 2 iterations at DP2 with its distributed optimizer (one for the
-    experts, one for the rest), saved fully reshardable and in its default dp_reshardable
-    layout; and at DP2 x EP2 in dp_reshardable (the experts' buffers their own)."""
+    megatron-core trained "moe" 2 iterations at DP2 with its distributed optimizer (at EP 1 one
+    for all parameters), saved fully reshardable and in its default dp_reshardable layout; and
+    at DP2 x EP2 in dp_reshardable (the experts' buffers, and optimizer, their own)."""
     runs = {}
     for name, layout, ep in (
         ("fully_reshardable", "fully_reshardable", 1),
@@ -295,12 +296,32 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     megatron_trained, tmp_path
 ):
     """Megatron -> threefold -> Megatron with the optimizer's state of the experts, the router
-    and the rest: megatron-core's distributed optimizers (one for the experts, one for the
-    rest) read threefold's export at DP2 and take the iteration they took from their own
-    checkpoint."""
+    and the rest: megatron-core's distributed optimizer reads threefold's export at DP2 and
+    takes the iteration it took from its own checkpoint."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
     argv = continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"]
     _, loss, weights = export_and_go_on(argv, root, tmp_path, "moe", 1, 2)
+    assert loss == pytest.approx(megatron_loss, rel=1e-6)
+    assert largest_difference(weights, after) < 1e-6
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["converted", "saved-by-an-ep2-run"])
+def test_an_export_goes_on_where_megatron_core_steps_the_experts_apart(
+    megatron_trained, native, tmp_path
+):
+    """At EP 2 megatron-core chains an optimizer of the experts' own to the rest's, and its
+    --load takes only the state shaped so (Megatron-LM refuses its own EP-2 checkpoint's at
+    EP 1): an export for EP 2 (the converter's --target-expert-parallel-size, or a threefold
+    run at EP 2 saving Megatron-LM's format) goes on there as megatron-core did at EP 1."""
+    root, after, megatron_loss = megatron_trained["fully_reshardable"]
+    argv = continue_argv(root, 1, 1, 2 if native else 1) + ["--moe-router-bias-update-rate", "0"]
+    if native:
+        argv += ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]
+    ranks_here = 2 if native else 1
+    path, loss, weights = export_and_go_on(
+        argv, root, tmp_path, "moe", 1, 2, native, ranks_here, expert_parallel=2
+    )
+    assert sorted(read_common(path)["optimizer"]) == [0, 1]
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
 

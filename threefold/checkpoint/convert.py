@@ -25,6 +25,7 @@ from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 from threefold.checkpoint.megatron.optimizer import (
     EXPORTED_FIELDS,
     ExportedOptimizer,
+    experts_own_optimizer,
     exported_common,
     unexportable,
 )
@@ -249,16 +250,39 @@ def whole_checkpoint(
 
 
 def _exported_optimizer(
-    load_dir: str, iteration: int, config: Config, metadata: dict, model: GPTModel
+    load_dir: str,
+    iteration: int,
+    config: Config,
+    metadata: dict,
+    model: GPTModel,
+    target_expert_parallel: int | None = None,
 ) -> ExportedOptimizer | None:
     """A threefold checkpoint's Adam state as Megatron-LM's distributed optimizer keeps it, or
-    None (and a line saying why) where it has none Megatron-LM can take."""
+    None (and a line saying why) where it has none Megatron-LM can take. A mixture of experts'
+    is shaped for a Megatron-LM run at the saving run's expert parallelism, or at
+    `target_expert_parallel` (with ETP = TP)."""
     reason = unexportable(config, metadata)
     if reason is not None:
         print(f"> the optimizer state is not exported ({reason}): the export holds the model")
         return None
     saved = SavedTensors(saved_dir(load_dir, iteration))
-    saved_tp = metadata["config"]["parallel"]["tensor_model_parallel_size"]
+    layout = metadata["config"]["parallel"]
+    saved_tp = layout["tensor_model_parallel_size"]
+    if target_expert_parallel is None:
+        ep = layout.get("expert_model_parallel_size", 1)
+        apart = experts_own_optimizer(
+            ep, layout.get("expert_tensor_parallel_size") or saved_tp, saved_tp
+        )
+    else:
+        ep, apart = target_expert_parallel, target_expert_parallel > 1
+    if config.model.is_moe:
+        print(
+            f"> the experts' optimizer state is laid out for Megatron-LM at EP {ep} ("
+            + ("an optimizer of their own" if apart else "one optimizer with the rest")
+            + "; its --load takes no other: --target-expert-parallel-size N changes it)"
+        )
+    elif target_expert_parallel is not None:
+        print("> --target-expert-parallel-size has no effect: the model has no experts")
     tensors: dict[str, dict] = {field: {} for field in EXPORTED_FIELDS}
     for name, param in model.named_parameters():
         if not param.requires_grad:  # (no state: DeepSeek-V3's expert bias, a buffer there)
@@ -276,6 +300,7 @@ def _exported_optimizer(
         int(train_state.get("consumed_train_samples", 0)),
         config.model.is_moe,
         metadata.get("loss_scaler"),
+        apart,
     )
     return ExportedOptimizer(tensors, common)
 
@@ -395,9 +420,11 @@ def to_megatron_checkpoint(
     dtype: str | None,
     loader: str,
     strictness: str = "raise_unexpected",
+    target_expert_parallel: int | None = None,
 ) -> str:
     """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
-    iteration) of a Hugging Face or threefold model; dtype as imported / as trained."""
+    iteration) of a Hugging Face or threefold model; dtype as imported / as trained; a
+    mixture of experts' optimizer state for Megatron-LM at `target_expert_parallel`."""
     if loader == "hf":
         _, _, model_config, state, dtypes = read_hf_model(load_dir)
         config, iteration, train_state = Config(model=model_config), 0, {}
@@ -407,7 +434,9 @@ def to_megatron_checkpoint(
         config, state, metadata, iteration, model = whole_checkpoint(load_dir, loader, strictness)
         train_state = metadata.get("train_state", {})
         default = torch.bfloat16 if config.training.bf16 else torch.float32
-        optimizer = _exported_optimizer(load_dir, iteration, config, metadata, model)
+        optimizer = _exported_optimizer(
+            load_dir, iteration, config, metadata, model, target_expert_parallel
+        )
         config.model.lora_rank = None  # (the adapters folded into the weights)
     target = getattr(torch, dtype) if dtype else default
     return save_megatron_checkpoint(

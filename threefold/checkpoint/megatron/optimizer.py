@@ -190,6 +190,17 @@ def unexportable(config: Config, metadata: dict) -> str | None:
     return next((reason for applies, reason in reasons if applies), None)
 
 
+def experts_own_optimizer(expert_parallel: int, expert_tensor_parallel: int, tp: int) -> bool:
+    """Whether Megatron-LM at this layout steps the experts with an optimizer of their own:
+    their parameters are reduced over the expert groups (`allreduce` False) where EP > 1 or
+    ETP differs from TP, and get_megatron_optimizer then chains a second one for them. Its
+    --load takes only the optimizer state shaped as its own (one state, or one per optimizer),
+    so an export is shaped for a layout: a Megatron-LM run at EP 2 refuses its own
+    checkpoint's state at EP 1 (KeyError 'optimizer'), and one at EP 1 this at EP 2
+    ("Expected 2 entries in state dict, but got 4")."""
+    return expert_parallel > 1 or expert_tensor_parallel != tp
+
+
 def exported_common(
     config: Config,
     schedule: dict,
@@ -197,10 +208,14 @@ def exported_common(
     consumed_samples: int,
     experts: bool,
     loss_scaler: dict | None = None,
+    experts_apart: bool = False,
 ) -> dict:
     """common.pt's optimizer entries: `schedule` is threefold's scheduler state, `step` Adam's
     step count, `consumed_samples` the samples trained on (Megatron-LM's scheduler counts
-    samples, one global batch per iteration), `loss_scaler` fp16's dynamic scale."""
+    samples, one global batch per iteration), `loss_scaler` fp16's dynamic scale;
+    `experts_apart`: for a Megatron-LM run that keeps the experts' state in an optimizer of
+    their own (`experts_own_optimizer`), its chained optimizer's two states, the rest's and
+    the experts'."""
     training = config.training
     schedule = {**lr_schedule(training), **schedule}  # (older checkpoints: the step only)
     scale = 1 if training.train_samples is not None else training.global_batch_size
@@ -245,12 +260,23 @@ def exported_common(
         "wd_incr_style": schedule["wd_incr_style"],
         "wd_incr_steps": schedule["wd_incr_steps"] * scale,
     }
-    optimizer = {
-        "optimizer": {"param_groups": groups},
-        "param_state_sharding_type": CONTENT_METADATA["distrib_optim_sharding_type"],
-    }
-    if training.fp16 and loss_scaler:  # (megatron-core's DynamicGradScaler: the same fields)
-        optimizer["grad_scaler"] = {k: loss_scaler[k] for k in _LOSS_SCALER}
+
+    def state(groups: list[dict]) -> dict:
+        entries = {
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": CONTENT_METADATA["distrib_optim_sharding_type"],
+        }
+        if training.fp16 and loss_scaler:  # (megatron-core's DynamicGradScaler's fields)
+            entries["grad_scaler"] = {k: loss_scaler[k] for k in _LOSS_SCALER}
+        return entries
+
+    if experts and experts_apart:  # (keyed by the chained optimizer's index, as it saves)
+        optimizer = {
+            index: state([g for g in groups if g["is_expert_parallel"] == apart])
+            for index, apart in enumerate((False, True))
+        }
+    else:
+        optimizer = state(groups)
     return {
         "optimizer": optimizer,
         "opt_param_scheduler": scheduler,

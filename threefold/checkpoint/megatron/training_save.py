@@ -45,7 +45,12 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from threefold.checkpoint.components import CheckpointComponents
 from threefold.checkpoint.loadable import check_architecture, rng_file, rng_layout
 from threefold.checkpoint.megatron.format import BACKEND, described_model, megatron_args
-from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, exported_common, unexportable
+from threefold.checkpoint.megatron.optimizer import (
+    EXPORTED_FIELDS,
+    experts_own_optimizer,
+    exported_common,
+    unexportable,
+)
 from threefold.checkpoint.megatron.save import (
     HYBRID_OUTPUT_EXTRA_STATE,
     layer_stacking,
@@ -227,6 +232,11 @@ def save_megatron_training_checkpoint(
             int(train_state.get("consumed_train_samples", 0)),
             config.model.is_moe,
             components.loss_scaler.state_dict(),
+            experts_own_optimizer(
+                config.parallel.expert_model_parallel_size,
+                config.parallel.expert_tensor_parallel_size,
+                config.parallel.tensor_model_parallel_size,
+            ),
         )
     save_rng = not config.checkpoint.no_save_rng
     streams = {"rng_saved": save_rng, "rng_layout": rng_layout(config)}
