@@ -20,11 +20,13 @@ Mixtral, Qwen3-MoE, DeepSeek-V3, Qwen3-Next, GPT-OSS (its MXFP4 experts read); s
 threefold/checkpoint/hf/.
 
 Megatron side: megatron-core's torch_dist directory (tracker, iter_N/ with common.pt,
-metadata.json and the .distcp shards) of a dense GPT/LLaMA model saved at any TP/PP layout, local
-or Transformer Engine layer names; written at TP = PP = 1 (Megatron-LM loads it into any layout),
+metadata.json and the .distcp shards) of a GPT/LLaMA model, dense or a mixture of experts, saved
+at any TP/PP/EP layout, local or Transformer Engine layer names; written at TP = PP = 1
+(Megatron-LM loads it into any layout),
 with Adam's state where the threefold checkpoint has it (Megatron-LM's distributed optimizer goes
-on from it), else the model only (threefold/checkpoint/megatron/, docs/checkpoints.md). A
-threefold run can also --load a Megatron checkpoint directly.
+on from it; a mixture of experts' shaped for Megatron-LM at the saving run's expert parallelism,
+or --target-expert-parallel-size's), else the model only (threefold/checkpoint/megatron/,
+docs/checkpoints.md). A threefold run can also --load a Megatron checkpoint directly.
 
 PEFT side (--saver peft): a LoRA fine-tune's adapters, unmerged, as a PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) over its Hugging Face base model, for the dense

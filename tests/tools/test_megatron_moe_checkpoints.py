@@ -326,6 +326,24 @@ def test_an_export_goes_on_where_megatron_core_steps_the_experts_apart(
     assert largest_difference(weights, after) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "loader,saver,size,line",
+    [
+        ("hf", "megatron", "2", "it goes with --loader threefold --saver megatron"),
+        ("threefold", "hf", "2", "it goes with --loader threefold --saver megatron"),
+        ("threefold", "megatron", "0", "must be at least 1, not 0"),
+    ],
+)
+def test_target_expert_parallel_size_is_refused_where_it_shapes_nothing(
+    loader, saver, size, line, tmp_path, capsys
+):
+    argv = ["--loader", loader, "--saver", saver, "--load-dir", str(tmp_path / "run")]
+    argv += ["--save-dir", str(tmp_path / "out"), "--target-expert-parallel-size", size]
+    with pytest.raises(SystemExit) as refused:
+        convert_checkpoint.main(argv)
+    assert refused.value.code == 2 and line in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
 def test_a_hugging_face_moe_goes_to_megatron_with_its_logits(kind, tmp_path):
     """Mixtral (every layer MoE: stacked) and Qwen3-MoE (a dense layer among MoE ones: per
