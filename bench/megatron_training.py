@@ -85,9 +85,17 @@ RUNS = {
 }
 
 
-def argv_of(name: str) -> list[str]:
-    model, layout = RUNS[name]
-    return [*SHAPE, *model, *_without(COMMON, LEFT_OUT), *layout, *SCHEDULE]
+def argv_of(name: str, layout: list[str] | None = None) -> list[str]:
+    """Run `name`'s command line (less its data and checkpoint flags), at its layout or at
+    `layout`'s flags."""
+    model, own = RUNS[name]
+    return [
+        *SHAPE,
+        *model,
+        *_without(COMMON, LEFT_OUT),
+        *(own if layout is None else layout),
+        *SCHEDULE,
+    ]
 
 
 ITERATION = re.compile(r" iteration +(\d+)/ +\d+ \|(.*)")
@@ -148,12 +156,15 @@ def megatron_lm(checkout: str, argv: list[str], log: str) -> dict[int, dict[str,
     return logged(output)
 
 
-def threefold(argv: list[str], log: str) -> dict[int, dict[str, str]]:
-    """threefold's pretrain_gpt.py on the same command line; its logged iterations."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NPROC)]
+def threefold(argv: list[str], log: str, nproc: int = NPROC) -> dict[int, dict[str, str]]:
+    """threefold's pretrain_gpt.py on the same command line (on `nproc` processes); its logged
+    iterations."""
+    launch = [sys.executable]
+    if nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     with open(log, "w") as f:
         result = subprocess.run(
-            [*torchrun, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
+            [*launch, os.path.join(ROOT, "pretrain_gpt.py"), *argv],
             stdout=f,
             stderr=subprocess.STDOUT,
         )

@@ -1,0 +1,121 @@
+"""Megatron-LM's own pretrain_gpt.py in layouts, checkpoint formats and precisions beyond the
+two runs tests/data/megatron_saved_models/trained/ keeps, each taken over by threefold.
+
+    python bench/megatron_takeovers.py MEGATRON_LM_CHECKOUT [VARIANT...]
+
+For each variant Megatron-LM trains 6 iterations on 4 gloo CPU ranks (bench/megatron_training.py's
+model, schedule and CPU stand-ins), saving iteration 2; threefold's pretrain_gpt.py resumes that
+on the same command line (at one process, or at the run's layout) and logs iterations 3 to 6.
+Writes bench/results/megatron_takeovers.md: each iteration's loss and gradient norm from both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_training import OUT, argv_of, commit_of, megatron_lm, threefold  # noqa: E402
+
+RESULTS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "megatron_takeovers.md"
+)
+ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+ONE_PROCESS += ["--expert-model-parallel-size", "1"]
+DISTRIBUTED = "--use-distributed-optimizer"
+# name -> (model, Megatron-LM's layout and format flags, threefold's processes, their flags)
+VARIANTS = {
+    # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt, distrib_optim.pt)
+    "llama-legacy-format": (
+        "llama",
+        ["--tensor-model-parallel-size", "2", DISTRIBUTED, "--ckpt-format", "torch"],
+        1,
+        ONE_PROCESS,
+    ),
+    # 2 virtual stages a pipeline rank: the dp_reshardable buckets of each model chunk
+    "llama-virtual-pipeline": (
+        "llama",
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+        + [DISTRIBUTED],
+        4,
+        [],
+    ),
+    # the experts' dp_reshardable buckets, their own optimizer's (chained), at EP 2
+    "moe-dp-reshardable": (
+        "moe",
+        ["--expert-model-parallel-size", "2", DISTRIBUTED],
+        1,
+        ONE_PROCESS,
+    ),
+    # bf16 weights with the non-distributed optimizer's fp32 masters (`fp32_param`)
+    "llama-bf16": ("llama", ["--tensor-model-parallel-size", "2", "--bf16"], 1, ONE_PROCESS),
+    "moe-bf16": (
+        "moe",
+        ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", DISTRIBUTED]
+        + ["--dist-ckpt-optim-fully-reshardable", "--bf16"],
+        1,
+        ONE_PROCESS,
+    ),
+}
+
+
+def take_over(checkout: str, name: str) -> list[str]:
+    """Variant `name`'s section of the results."""
+    model, layout, nproc, flags = VARIANTS[name]
+    argv = argv_of(model, layout)
+    with tempfile.TemporaryDirectory() as scratch:
+        data = ["--data-path", os.path.join(OUT, "corpus"), "--data-cache-path", scratch]
+        save, load = os.path.join(scratch, "save"), os.path.join(scratch, "load")
+        theirs = megatron_lm(checkout, [*argv, *data, "--save", save], f"{scratch}/megatron.log")
+        os.makedirs(load)
+        shutil.copytree(f"{save}/iter_0000002", f"{load}/iter_0000002")
+        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+        resume = [*argv, *data, "--load", load, "--save", load, *flags]
+        ours = threefold(resume, f"{scratch}/threefold.log", nproc)
+    where = "one process" if nproc == 1 else f"{nproc} processes, its layout"
+    rows = [
+        f"| {i} | {theirs[i]['lm loss']} | {ours[i]['lm loss']} | "
+        f"{float(ours[i]['lm loss']) - float(theirs[i]['lm loss']):+.1e} | "
+        f"{theirs[i]['grad norm']} | {ours[i]['grad norm']} |"
+        for i in range(3, 7)
+    ]
+    rates = all(ours[i]["learning rate"] == theirs[i]["learning rate"] for i in range(3, 7))
+    return [
+        f"## {name}: {model}, {' '.join(layout)}; threefold at {where}\n",
+        "| iteration | Megatron-LM: lm loss | threefold: lm loss | difference | "
+        "Megatron-LM: grad norm | threefold: grad norm |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"Learning rates {'the same' if rates else 'DIFFERENT'}.\n",
+    ]
+
+
+def main() -> None:
+    checkout, names = os.path.abspath(sys.argv[1]), sys.argv[2:] or list(VARIANTS)
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        sys.exit(f"{unknown[0]}: not a variant of {sorted(VARIANTS)}")
+    sections = [line for name in names for line in take_over(checkout, name)]
+    with open(RESULTS, "w") as f:
+        f.write(
+            f"Megatron-LM {commit_of(checkout)}, `python bench/megatron_takeovers.py CHECKOUT`: "
+            "its own pretrain_gpt.py trained 6 iterations on 4 gloo CPU ranks, saving iteration "
+            "2, which threefold's pretrain_gpt.py resumed on the same command line.\n\n"
+        )
+        f.write("\n".join(sections))
+        f.write(
+            "\nIn bf16 the two differ from the first iteration resumed, whose weights are the "
+            "same bf16 tensors: Megatron-LM's local attention (`--transformer-impl local`, its "
+            "CPU path) rounds the scores and the probabilities to bf16 between its unfused "
+            "steps, where threefold's (SDPA) keeps them in fp32, as Transformer Engine's fused "
+            "attention does on a GPU.\n"
+        )
+    print(open(RESULTS).read())
+
+
+if __name__ == "__main__":
+    main()
