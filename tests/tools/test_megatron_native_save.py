@@ -217,7 +217,9 @@ def test_state_megatron_cannot_hold_keeps_threefolds_format_said(
     assert config.checkpoint.ckpt_format == kept
     said = [line for line in capsys.readouterr().out.splitlines() if "--ckpt-format" in line]
     if reason is None:
-        assert not said
+        # (but Megatron-LM's non-distributed optimizer does not read the state: told, where saved)
+        told = ["without --use-distributed-optimizer"] if "--no-save-optim" not in flags else []
+        assert [next(t for t in told if t in line) for line in said] == told
     else:
         (line,) = said
         assert "threefold's format" in line and reason in line

@@ -265,6 +265,10 @@ def _exported_optimizer(
     if reason is not None:
         print(f"> the optimizer state is not exported ({reason}): the export holds the model")
         return None
+    print(
+        "> Adam's state is exported as Megatron-LM's distributed optimizer keeps it: resume "
+        "with --use-distributed-optimizer (its non-distributed optimizer does not read it)"
+    )
     saved = SavedTensors(saved_dir(load_dir, iteration))
     layout = metadata["config"]["parallel"]
     saved_tp = layout["tensor_model_parallel_size"]
