@@ -6,7 +6,10 @@ two runs tests/data/megatron_saved_models/trained/ keeps, each taken over by thr
 For each variant Megatron-LM trains 6 iterations on 4 gloo CPU ranks (bench/megatron_training.py's
 model, schedule and CPU stand-ins), saving iteration 2; threefold's pretrain_gpt.py resumes that
 on the same command line (at one process, or at the run's layout) and logs iterations 3 to 6.
-Writes bench/results/megatron_takeovers.md: each iteration's loss and gradient norm from both.
+Where its layout's optimizer state is one Megatron-LM's run takes (`hand_back`), threefold's
+own save of iteration 4 (`--ckpt-format torch_dist`) goes back: Megatron-LM's pretrain_gpt.py
+resumes it and logs iterations 5 and 6. Writes bench/results/megatron_takeovers.md: each
+iteration's loss and gradient norm from each.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ RESULTS = os.path.join(
 ONE_PROCESS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 ONE_PROCESS += ["--expert-model-parallel-size", "1"]
 DISTRIBUTED = "--use-distributed-optimizer"
-# name -> (model, Megatron-LM's layout and format flags, threefold's processes, their flags)
+# name -> (model, Megatron-LM's layout and format flags, threefold's processes, their flags,
+# whether Megatron-LM resumes threefold's save: not from a one-process run of a mixture of
+# experts at EP 2, whose state is shaped for EP 1, nor in the legacy format)
 VARIANTS = {
     # Megatron-LM's legacy torch format (per-rank model_optim_rng.pt, distrib_optim.pt)
     "llama-legacy-format": (
@@ -33,6 +38,7 @@ VARIANTS = {
         ["--tensor-model-parallel-size", "2", DISTRIBUTED, "--ckpt-format", "torch"],
         1,
         ONE_PROCESS,
+        False,
     ),
     # 2 virtual stages a pipeline rank: the dp_reshardable buckets of each model chunk
     "llama-virtual-pipeline": (
@@ -41,6 +47,7 @@ VARIANTS = {
         + [DISTRIBUTED],
         4,
         [],
+        True,
     ),
     # the experts' dp_reshardable buckets, their own optimizer's (chained), at EP 2
     "moe-dp-reshardable": (
@@ -48,50 +55,73 @@ VARIANTS = {
         ["--expert-model-parallel-size", "2", DISTRIBUTED],
         1,
         ONE_PROCESS,
+        False,
     ),
     # bf16 weights with the non-distributed optimizer's fp32 masters (`fp32_param`)
-    "llama-bf16": ("llama", ["--tensor-model-parallel-size", "2", "--bf16"], 1, ONE_PROCESS),
+    "llama-bf16": ("llama", ["--tensor-model-parallel-size", "2", "--bf16"], 1, ONE_PROCESS, True),
     "moe-bf16": (
         "moe",
         ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", DISTRIBUTED]
         + ["--dist-ckpt-optim-fully-reshardable", "--bf16"],
         1,
         ONE_PROCESS,
+        False,
+    ),
+    # the non-distributed optimizer's state, the experts' in an optimizer of their own (EP 2)
+    "moe-non-distributed": (
+        "moe",
+        ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+        4,
+        [],
+        True,
     ),
 }
 
 
 def take_over(checkout: str, name: str) -> list[str]:
     """Variant `name`'s section of the results."""
-    model, layout, nproc, flags = VARIANTS[name]
+    model, layout, nproc, flags, hand_back = VARIANTS[name]
     argv = argv_of(model, layout)
     with tempfile.TemporaryDirectory() as scratch:
         data = ["--data-path", os.path.join(OUT, "corpus"), "--data-cache-path", scratch]
         save, load = os.path.join(scratch, "save"), os.path.join(scratch, "load")
         theirs = megatron_lm(checkout, [*argv, *data, "--save", save], f"{scratch}/megatron.log")
-        os.makedirs(load)
-        shutil.copytree(f"{save}/iter_0000002", f"{load}/iter_0000002")
-        with open(os.path.join(load, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("2")
+        _from_iteration(f"{save}/iter_0000002", load)
         resume = [*argv, *data, "--load", load, "--save", load, *flags]
         ours = threefold(resume, f"{scratch}/threefold.log", nproc)
+        back = {}
+        if hand_back:  # (its CUDA RNG tracker is not set up on a CPU; nothing draws from it)
+            again = os.path.join(scratch, "again")
+            _from_iteration(f"{load}/iter_0000004", again)
+            resumed = [*argv, *data, "--load", again, "--no-load-rng"]
+            back = megatron_lm(checkout, resumed, f"{scratch}/back.log")
     where = "one process" if nproc == 1 else f"{nproc} processes, its layout"
     rows = [
         f"| {i} | {theirs[i]['lm loss']} | {ours[i]['lm loss']} | "
         f"{float(ours[i]['lm loss']) - float(theirs[i]['lm loss']):+.1e} | "
-        f"{theirs[i]['grad norm']} | {ours[i]['grad norm']} |"
+        f"{theirs[i]['grad norm']} | {ours[i]['grad norm']} | "
+        + (f"{back[i]['lm loss']} | {back[i]['grad norm']} |" if i in back else " | |")
         for i in range(3, 7)
     ]
     rates = all(ours[i]["learning rate"] == theirs[i]["learning rate"] for i in range(3, 7))
     return [
         f"## {name}: {model}, {' '.join(layout)}; threefold at {where}\n",
         "| iteration | Megatron-LM: lm loss | threefold: lm loss | difference | "
-        "Megatron-LM: grad norm | threefold: grad norm |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "Megatron-LM: grad norm | threefold: grad norm | Megatron-LM from threefold's "
+        "iteration 4: lm loss | grad norm |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
         f"Learning rates {'the same' if rates else 'DIFFERENT'}.\n",
     ]
+
+
+def _from_iteration(source: str, root: str) -> None:
+    """A checkpoint root whose tracker names the copied iteration directory `source`."""
+    os.makedirs(root)
+    shutil.copytree(source, os.path.join(root, os.path.basename(source)))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(int(os.path.basename(source).split("_")[1])))
 
 
 def main() -> None:
@@ -112,7 +142,10 @@ def main() -> None:
             "same bf16 tensors: Megatron-LM's local attention (`--transformer-impl local`, its "
             "CPU path) rounds the scores and the probabilities to bf16 between its unfused "
             "steps, where threefold's (SDPA) keeps them in fp32, as Transformer Engine's fused "
-            "attention does on a GPU.\n"
+            "attention does on a GPU.\n\nHanded back, Megatron-LM's second line after its "
+            "resume (iteration 6) reports the mean of iterations 5 and 6 (its first line is an "
+            "extra one, which resets no sums; bench/results/megatron_training.md); the gradient "
+            "norms are each iteration's own.\n"
         )
     print(open(RESULTS).read())
 

@@ -272,18 +272,24 @@ def _torch_adams_steps_on_load(optimizer):
 
 
 def load_and_continue(
-    kind: str, path: str, after: str, tensor_parallel: int, expert_parallel: int = 1
+    kind: str,
+    path: str,
+    after: str,
+    tensor_parallel: int,
+    expert_parallel: int = 1,
+    distributed: bool = True,
 ) -> float:
-    """Megatron-LM's --load of the iter_N directory `path` with its distributed optimizer
-    (model, optimizer state and LR schedule, read as its `load_checkpoint` reads them), then
-    iteration N, whose weights go (model only) under `after`. Returns that iteration's loss.
-    At `expert_parallel` > 1 the experts have a distributed optimizer of their own, chained
-    with the rest's."""
+    """Megatron-LM's --load of the iter_N directory `path` with its distributed optimizer (or
+    without `distributed`, its non-distributed one: FP32Optimizer) (model, optimizer state
+    and LR schedule, read as its `load_checkpoint` reads them), then iteration N, whose
+    weights go (model only) under `after`. Returns that iteration's loss. At
+    `expert_parallel` > 1 the experts have an optimizer of their own, chained with the
+    rest's."""
     from megatron.core import dist_checkpointing
 
     iteration = int(os.path.basename(path).split("_")[1])
     training = _megatron_training(
-        kind, tensor_parallel, distributed=True, expert_parallel=expert_parallel
+        kind, tensor_parallel, distributed=distributed, expert_parallel=expert_parallel
     )
     with training as run:
         # megatron-core builds the sharded state dict of torch's Adam (its fallback without

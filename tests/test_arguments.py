@@ -263,18 +263,6 @@ def test_what_not_to_load_without_load_warns(capsys):
     assert config.checkpoint.no_load_optim and config.checkpoint.load is None
 
 
-def test_a_megatron_format_save_says_which_optimizer_of_megatron_lms_reads_it(capsys, tmp_path):
-    """Megatron-LM's non-distributed optimizer refuses the exported state ("Could not find
-    parameter group with key"): a run saving its format without the distributed optimizer is
-    told so; with it, nothing is said."""
-    save = ["--save", str(tmp_path), "--ckpt-format", "torch_dist"]
-    parse_args(BASE + save, world_size=1)
-    line = "WARNING: --ckpt-format torch_dist without --use-distributed-optimizer: Adam's state"
-    assert line in capsys.readouterr().out
-    parse_args(BASE + save + ["--use-distributed-optimizer"], world_size=1)
-    assert "--ckpt-format torch_dist without" not in capsys.readouterr().out
-
-
 def test_a_save_interval_without_save_warns_and_saves_nothing(capsys, tmp_path):
     """As Megatron-LM, whose DeepSeek-proxy configs comment out --save and keep the interval."""
     from threefold.training.checkpointer import Checkpointer

@@ -227,8 +227,7 @@ def _launched_world_size(given: int | None) -> int:
 
 def _megatron_layout_or_not(config: Config) -> None:
     """--ckpt-format torch_dist saves Megatron-LM's layout where it holds the run's state;
-    otherwise threefold's, said here (Megatron-LM's launch scripts pass it whatever they run).
-    Adam's state in it is for Megatron-LM's distributed optimizer: said where the run has none."""
+    otherwise threefold's, said here (Megatron-LM's launch scripts pass it whatever they run)."""
     from threefold.checkpoint.megatron.training_save import blocker
 
     reason = blocker(config)
@@ -239,19 +238,6 @@ def _megatron_layout_or_not(config: Config) -> None:
             flush=True,
         )
         config.checkpoint.ckpt_format = "threefold"
-        return
-    parallel, checkpoint = config.parallel, config.checkpoint
-    distributed = parallel.use_distributed_optimizer and parallel.distributed_strategy == "megatron"
-    if not checkpoint.no_save_optim and not distributed:
-        # (its non-distributed optimizer looks for other keys and groups: its --load stops
-        # with "Could not find parameter group with key")
-        print(
-            "WARNING: --ckpt-format torch_dist without --use-distributed-optimizer: Adam's "
-            "state is saved as Megatron-LM's distributed optimizer keeps it, which its "
-            "non-distributed optimizer does not read; resume there with "
-            "--use-distributed-optimizer (or --no-load-optim)",
-            flush=True,
-        )
 
 
 def parse_args(

@@ -23,10 +23,11 @@ Megatron side: megatron-core's torch_dist directory (tracker, iter_N/ with commo
 metadata.json and the .distcp shards) of a GPT/LLaMA model, dense or a mixture of experts, saved
 at any TP/PP/EP layout, local or Transformer Engine layer names; written at TP = PP = 1
 (Megatron-LM loads it into any layout),
-with Adam's state where the threefold checkpoint has it (Megatron-LM's distributed optimizer goes
-on from it; a mixture of experts' shaped for Megatron-LM at the saving run's expert parallelism,
-or --target-expert-parallel-size's), else the model only (threefold/checkpoint/megatron/,
-docs/checkpoints.md). A threefold run can also --load a Megatron checkpoint directly.
+with Adam's state where the threefold checkpoint has it, shaped for the Megatron-LM run that goes
+on from it: its distributed optimizer or its non-distributed one as the saving run stepped (or
+--[no-]target-use-distributed-optimizer says), a mixture of experts' at the saving run's expert
+parallelism (or --target-expert-parallel-size's); else the model only (threefold/checkpoint/
+megatron/, docs/checkpoints.md). A threefold run can also --load a Megatron checkpoint directly.
 
 PEFT side (--saver peft): a LoRA fine-tune's adapters, unmerged, as a PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) over its Hugging Face base model, for the dense
@@ -90,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer of their own, and its --load takes only the state shaped so; default: the "
         "saving run's)",
     )
+    parser.add_argument(
+        "--target-use-distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        help="with --saver megatron: whether the Megatron-LM run that goes on from the optimizer "
+        "state steps with its distributed optimizer (--use-distributed-optimizer); its --load "
+        "takes only the state its own optimizer saves (default: as the saving run stepped, "
+        "FSDP2's shards as the distributed optimizer's)",
+    )
     add_strictness_flag(parser)
     args = parser.parse_args(argv)
     # The flags first, before torch is imported: --help or a mistyped flag costs a second.
@@ -102,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_model and args.saver != "peft":
         parser.error("--base-model is the base of a PEFT adapter: it goes with --saver peft")
     target_ep = args.target_expert_parallel_size
-    if target_ep is not None and (args.saver, args.loader) != ("megatron", "threefold"):
-        parser.error(
-            "--target-expert-parallel-size shapes the optimizer state a threefold checkpoint "
-            "exports to Megatron-LM: it goes with --loader threefold --saver megatron"
-        )
+    shaping = {
+        "--target-expert-parallel-size": target_ep,
+        "--[no-]target-use-distributed-optimizer": args.target_use_distributed_optimizer,
+    }
+    for flag, value in shaping.items():
+        if value is not None and (args.saver, args.loader) != ("megatron", "threefold"):
+            parser.error(
+                f"{flag} shapes the optimizer state a threefold checkpoint exports to "
+                "Megatron-LM: it goes with --loader threefold --saver megatron"
+            )
     if target_ep is not None and target_ep < 1:
         parser.error(f"--target-expert-parallel-size must be at least 1, not {target_ep}")
     try:
@@ -139,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.base_model,
             )
         elif args.saver == "megatron":
+            target = convert.TargetRun(args.target_use_distributed_optimizer, target_ep)
             path = convert.to_megatron_checkpoint(
-                args.load_dir, args.save_dir, args.dtype, args.loader, strictness, target_ep
+                args.load_dir, args.save_dir, args.dtype, args.loader, strictness, target
             )
         else:
             path = convert.megatron_to_threefold_checkpoint(

@@ -183,7 +183,8 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     optimizer at TP2 x DP2 as Megatron-LM's --load reads it, takes the iteration megatron-core
     took from its own checkpoint: the same loss and weights."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
-    argv = continue_argv(root, 1, 1, dp) + flags
+    # (a run that steps the distributed optimizer, or FSDP2's shards, exports for it)
+    argv = continue_argv(root, 1, 1, dp) + (flags or ["--use-distributed-optimizer"])
     path, loss, weights = export_and_go_on(argv, root, tmp_path, "llama", 2, 4, native, dp)
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
@@ -194,6 +195,39 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
         True,
         True,
     )
+
+
+@pytest.mark.parametrize(
+    "native,flags,convert_flags",
+    [
+        (False, [], ()),
+        (True, [], ()),
+        (False, ["--use-distributed-optimizer"], ("--no-target-use-distributed-optimizer",)),
+    ],
+    ids=["converted", "saved-by-the-run", "converted-for-it"],
+)
+def test_an_export_goes_on_in_megatron_cores_non_distributed_optimizer(
+    megatron_trained, tmp_path, native, flags, convert_flags
+):
+    """Without --use-distributed-optimizer megatron-core steps with torch's optimizer, whose
+    --load takes its own parameter groups, exactly, and the step beside them in common.pt. A
+    run without the flag exports so (the converter, and the run's own --ckpt-format
+    torch_dist save; --no-target-use-distributed-optimizer asks it of another run's): read
+    by megatron-core's non-distributed optimizer at TP2 x DP2, the export takes the iteration
+    megatron-core took from its own checkpoint of that optimizer."""
+    from threefold.checkpoint.megatron.common_file import read_common
+
+    root, after, megatron_loss = megatron_trained["non-distributed"]
+    argv = continue_argv(root, 1, 1, 1) + flags
+    path, loss, weights = export_and_go_on(
+        argv, root, tmp_path, "llama", 2, 4, native, distributed=False, convert_flags=convert_flags
+    )
+    assert loss == pytest.approx(megatron_loss, rel=1e-6)
+    assert largest_difference(weights, after) < 1e-6
+    common = read_common(path)
+    assert "distrib_optim_sharding_type" not in common["content_metadata"]
+    assert not common["args"]["use_distributed_optimizer"]
+    assert common["optimizer"]["state"]["common_step"] == 2
 
 
 @pytest.mark.parametrize(

@@ -216,6 +216,7 @@ def test_a_hybrid_goes_on_from_its_export_with_adams_state_as_uninterrupted(tmp_
     ours, megatron = str(tmp_path / "ours"), str(tmp_path / "megatron")
     save_checkpoint(ours, trainer.checkpoint_components())
     flags = ["--loader", "threefold", "--saver", "megatron", "--load-dir", ours]
+    flags += ["--target-use-distributed-optimizer"]  # (whose state holds the fp32 masters)
     assert convert_checkpoint.main(flags + ["--save-dir", megatron]) == 0
     assert _keys(os.path.join(megatron, "iter_0000001")) >= {
         "optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.z",

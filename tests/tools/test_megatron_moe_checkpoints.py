@@ -300,45 +300,61 @@ def test_an_export_with_adams_state_goes_on_in_megatron_core_as_megatron_core(
     takes the iteration it took from its own checkpoint."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
     argv = continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"]
+    argv += ["--use-distributed-optimizer"]  # (for which the export is shaped)
     _, loss, weights = export_and_go_on(argv, root, tmp_path, "moe", 1, 2)
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["converted", "saved-by-an-ep2-run"])
+@pytest.mark.parametrize(
+    "native,distributed",
+    [(False, True), (True, True), (False, False)],
+    ids=["converted", "saved-by-an-ep2-run", "converted-for-the-non-distributed-optimizer"],
+)
 def test_an_export_goes_on_where_megatron_core_steps_the_experts_apart(
-    megatron_trained, native, tmp_path
+    megatron_trained, native, distributed, tmp_path
 ):
     """At EP 2 megatron-core chains an optimizer of the experts' own to the rest's, and its
     --load takes only the state shaped so (Megatron-LM refuses its own EP-2 checkpoint's at
     EP 1): an export for EP 2 (the converter's --target-expert-parallel-size, or a threefold
-    run at EP 2 saving Megatron-LM's format) goes on there as megatron-core did at EP 1."""
+    run at EP 2 saving Megatron-LM's format) goes on there as megatron-core did at EP 1, with
+    its distributed optimizer or its non-distributed one (whose experts' groups are exactly
+    theirs: weight decay for all)."""
     root, after, megatron_loss = megatron_trained["fully_reshardable"]
     argv = continue_argv(root, 1, 1, 2 if native else 1) + ["--moe-router-bias-update-rate", "0"]
+    argv += ["--use-distributed-optimizer"] if distributed else []
     if native:
-        argv += ["--use-distributed-optimizer", "--expert-model-parallel-size", "2"]
+        argv += ["--expert-model-parallel-size", "2"]
     ranks_here = 2 if native else 1
     path, loss, weights = export_and_go_on(
-        argv, root, tmp_path, "moe", 1, 2, native, ranks_here, expert_parallel=2
+        argv, root, tmp_path, "moe", 1, 2, native, ranks_here, 2, distributed
     )
     assert sorted(read_common(path)["optimizer"]) == [0, 1]
     assert loss == pytest.approx(megatron_loss, rel=1e-6)
     assert largest_difference(weights, after) < 1e-6
 
 
+EP2 = ["--target-expert-parallel-size", "2"]
+SAID = "it goes with --loader threefold --saver megatron"
+
+
 @pytest.mark.parametrize(
-    "loader,saver,size,line",
+    "loader,saver,flags,line",
     [
-        ("hf", "megatron", "2", "it goes with --loader threefold --saver megatron"),
-        ("threefold", "hf", "2", "it goes with --loader threefold --saver megatron"),
-        ("threefold", "megatron", "0", "must be at least 1, not 0"),
+        ("hf", "megatron", EP2, SAID),
+        ("threefold", "hf", EP2, SAID),
+        ("threefold", "megatron", ["--target-expert-parallel-size", "0"], "at least 1, not 0"),
+        ("hf", "megatron", ["--no-target-use-distributed-optimizer"], SAID),
+        ("megatron", "threefold", ["--target-use-distributed-optimizer"], SAID),
     ],
 )
-def test_target_expert_parallel_size_is_refused_where_it_shapes_nothing(
-    loader, saver, size, line, tmp_path, capsys
+def test_the_target_runs_flags_are_refused_where_they_shape_nothing(
+    loader, saver, flags, line, tmp_path, capsys
 ):
+    """--target-expert-parallel-size and --[no-]target-use-distributed-optimizer shape the
+    optimizer state of a threefold checkpoint's export to Megatron-LM, and nothing else."""
     argv = ["--loader", loader, "--saver", saver, "--load-dir", str(tmp_path / "run")]
-    argv += ["--save-dir", str(tmp_path / "out"), "--target-expert-parallel-size", size]
+    argv += ["--save-dir", str(tmp_path / "out"), *flags]
     with pytest.raises(SystemExit) as refused:
         convert_checkpoint.main(argv)
     assert refused.value.code == 2 and line in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -23,10 +24,12 @@ from threefold.checkpoint.load import find_checkpoint, load_model
 from threefold.checkpoint.megatron.format import is_megatron_checkpoint
 from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 from threefold.checkpoint.megatron.optimizer import (
-    EXPORTED_FIELDS,
     ExportedOptimizer,
+    ExportShape,
     experts_own_optimizer,
     exported_common,
+    group_kinds,
+    steps_distributed,
     unexportable,
 )
 from threefold.checkpoint.megatron.save import save_megatron_checkpoint
@@ -249,50 +252,72 @@ def whole_checkpoint(
     return config, state, metadata, iteration, model
 
 
+@dataclass(frozen=True)
+class TargetRun:
+    """What --saver megatron is asked of the Megatron-LM run that goes on from an export's
+    optimizer state (its --use-distributed-optimizer, its expert parallelism); None: as the
+    saving run's."""
+
+    distributed: bool | None = None
+    expert_parallel: int | None = None
+
+
 def _exported_optimizer(
     load_dir: str,
     iteration: int,
     config: Config,
     metadata: dict,
     model: GPTModel,
-    target_expert_parallel: int | None = None,
+    dtype: torch.dtype,
+    target: TargetRun,
 ) -> ExportedOptimizer | None:
-    """A threefold checkpoint's Adam state as Megatron-LM's distributed optimizer keeps it, or
-    None (and a line saying why) where it has none Megatron-LM can take. A mixture of experts'
-    is shaped for a Megatron-LM run at the saving run's expert parallelism, or at
-    `target_expert_parallel` (with ETP = TP)."""
+    """A threefold checkpoint's Adam state as Megatron-LM's optimizer keeps it, for a run in
+    `dtype` of the saving run's layout or `target`'s, or None (and a line saying why) where it
+    has none Megatron-LM can take."""
     reason = unexportable(config, metadata)
     if reason is not None:
         print(f"> the optimizer state is not exported ({reason}): the export holds the model")
         return None
-    print(
-        "> Adam's state is exported as Megatron-LM's distributed optimizer keeps it: resume "
-        "with --use-distributed-optimizer (its non-distributed optimizer does not read it)"
-    )
     saved = SavedTensors(saved_dir(load_dir, iteration))
     layout = metadata["config"]["parallel"]
     saved_tp = layout["tensor_model_parallel_size"]
-    if target_expert_parallel is None:
+    distributed = target.distributed
+    if distributed is None:
+        distributed = steps_distributed(
+            layout.get("use_distributed_optimizer", False),
+            layout.get("distributed_strategy", "megatron"),
+        )
+    if target.expert_parallel is None:
         ep = layout.get("expert_model_parallel_size", 1)
         apart = experts_own_optimizer(
             ep, layout.get("expert_tensor_parallel_size") or saved_tp, saved_tp
         )
     else:
-        ep, apart = target_expert_parallel, target_expert_parallel > 1
+        ep, apart = target.expert_parallel, target.expert_parallel > 1
+    shape = ExportShape(
+        distributed,
+        apart,
+        dtype != torch.float32,
+        group_kinds(model.named_parameters(), config, apart),
+    )
+    print(
+        f"> Adam's state is exported for {shape.describe()}: its --load takes no other "
+        "(--[no-]target-use-distributed-optimizer changes it)"
+    )
     if config.model.is_moe:
         print(
             f"> the experts' optimizer state is laid out for Megatron-LM at EP {ep} ("
             + ("an optimizer of their own" if apart else "one optimizer with the rest")
             + "; its --load takes no other: --target-expert-parallel-size N changes it)"
         )
-    elif target_expert_parallel is not None:
+    elif target.expert_parallel is not None:
         print("> --target-expert-parallel-size has no effect: the model has no experts")
-    tensors: dict[str, dict] = {field: {} for field in EXPORTED_FIELDS}
+    tensors: dict[str, dict] = {field: {} for field in shape.fields}
     for name, param in model.named_parameters():
         if not param.requires_grad:  # (no state: DeepSeek-V3's expert bias, a buffer there)
             continue
         name = model.layout_independent_name(name)
-        for field in EXPORTED_FIELDS:
+        for field in shape.fields:
             # an fp32 run's weights are their own masters
             source = "model" if field == "master" and not saved.has(field, name) else field
             tensors[field][name] = saved.full(source, name, param, saved_tp).float()
@@ -302,11 +327,10 @@ def _exported_optimizer(
         metadata["scheduler"],
         float(saved.step()),
         int(train_state.get("consumed_train_samples", 0)),
-        config.model.is_moe,
+        shape,
         metadata.get("loss_scaler"),
-        apart,
     )
-    return ExportedOptimizer(tensors, common)
+    return ExportedOptimizer(tensors, common, shape.fields)
 
 
 def _refuse_a_used_directory(save_dir: str) -> None:
@@ -424,27 +448,28 @@ def to_megatron_checkpoint(
     dtype: str | None,
     loader: str,
     strictness: str = "raise_unexpected",
-    target_expert_parallel: int | None = None,
+    target: TargetRun = TargetRun(),
 ) -> str:
     """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
-    iteration) of a Hugging Face or threefold model; dtype as imported / as trained; a
-    mixture of experts' optimizer state for Megatron-LM at `target_expert_parallel`."""
+    iteration) of a Hugging Face or threefold model; dtype as imported / as trained; a threefold
+    checkpoint's optimizer state for the Megatron-LM run `target` describes."""
     if loader == "hf":
         _, _, model_config, state, dtypes = read_hf_model(load_dir)
         config, iteration, train_state = Config(model=model_config), 0, {}
         default = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        written = getattr(torch, dtype) if dtype else default
         optimizer = None
     else:
         config, state, metadata, iteration, model = whole_checkpoint(load_dir, loader, strictness)
         train_state = metadata.get("train_state", {})
         default = torch.bfloat16 if config.training.bf16 else torch.float32
+        written = getattr(torch, dtype) if dtype else default
         optimizer = _exported_optimizer(
-            load_dir, iteration, config, metadata, model, target_expert_parallel
+            load_dir, iteration, config, metadata, model, written, target
         )
         config.model.lora_rank = None  # (the adapters folded into the weights)
-    target = getattr(torch, dtype) if dtype else default
     return save_megatron_checkpoint(
-        save_dir, config, state, target, iteration, train_state, optimizer
+        save_dir, config, state, written, iteration, train_state, optimizer
     )
 
 

@@ -70,7 +70,7 @@ def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
     return tensor
 
 
-def _decays(name: str, param: nn.Parameter, config: TrainingConfig) -> bool:
+def decays(name: str, param: nn.Parameter, config: TrainingConfig) -> bool:
     """Whether weight decay applies: to matrices, and with --apply-wd-to-qk-layernorm to the
     query and key norms (megatron-core's name test: `q_layernorm.` or `k_layernorm.`)."""
     qk_norm = "q_layernorm." in name or "k_layernorm." in name
@@ -130,7 +130,7 @@ class AdamWithMasters:
             if config.decoupled_lr is not None
             else set()
         )
-        decays = {param for name, param in named_parameters if _decays(name, param, config)}
+        decaying = {param for name, param in named_parameters if decays(name, param, config)}
         groups = []
         scales = sorted(set(lr_scales.values()) | {1.0})
         for is_decoupled, decay, scale in itertools.product((False, True), (True, False), scales):
@@ -138,7 +138,7 @@ class AdamWithMasters:
                 p.master
                 for p in pieces
                 if (p.param in decoupled) == is_decoupled
-                and (p.param in decays) == decay
+                and (p.param in decaying) == decay
                 and p.param not in matrices
                 and lr_scales.get(p.param, 1.0) == scale
             ]

@@ -21,21 +21,28 @@ is read where checkpoint/megatron/buckets.py rebuilds the buckets' layout (GPT a
 experts models), its step and loss scaler from the optimizer's own saved state. The rest is
 refused in one line that says how to get a readable one from Megatron-LM.
 
-An export writes the fully_reshardable layout, which Megatron-LM's distributed optimizer reads
-at any TP/PP/DP: the model-space tensors, and in common.pt the parameter groups (the step
-count and hyperparameters megatron-core's `load_state_dict` looks each of its groups up in,
-by weight-decay and LR multipliers, expert parallelism and decoupled LR), the LR scheduler's
-state in Megatron-LM's units (samples) and the content metadata naming the layout.
+An export is shaped for the Megatron-LM run that goes on from it (`ExportShape`), whose
+--load takes the state only as its own optimizer saves it. For the distributed optimizer: the
+fully_reshardable layout, which it reads at any TP/PP/DP, and in common.pt the parameter groups
+(the step count and hyperparameters megatron-core's `load_state_dict` looks each of its groups
+up in, by weight-decay and LR multipliers, expert parallelism and decoupled LR). For the
+non-distributed one: the same model-space moments, the fp32 masters of a bf16/fp16 run under
+`fp32_param`, and in common.pt its torch optimizer's state (`common_step`, the step it hands
+every parameter back) with exactly its own groups. Either way the LR scheduler's state in
+Megatron-LM's units (samples) and the content metadata naming the layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from threefold.config.lr_schedule import lr_schedule
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from threefold.config import Config
 
 # threefold's optimizer fields -> the key prefixes megatron-core stores them under
@@ -153,23 +160,80 @@ def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimiz
     )
 
 
-# What Megatron-LM's save records beside an export's optimizer state (its `content_metadata`).
-CONTENT_METADATA = {
-    "singleton_local_shards": False,
-    "chained_optim_avoid_prefix": True,
-    "distrib_optim_sharding_type": "fully_reshardable",
-}
-# Megatron-LM's names for the state an export writes: `param` holds the fp32 masters.
+# What Megatron-LM's save records beside an export's optimizer state (its `content_metadata`);
+# the distributed optimizer's also names its layout.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+SHARDING_TYPE = "fully_reshardable"
+# Megatron-LM's names for the state an export writes for its distributed optimizer: `param`
+# holds the fp32 masters.
 EXPORTED_FIELDS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+@dataclass(frozen=True)
+class ExportShape:
+    """How an export's optimizer state is shaped: for the Megatron-LM run that goes on from it.
+
+    `distributed`: its --use-distributed-optimizer; without it megatron-core steps with its
+    FP32Optimizer, or in bf16/fp16 (`half`) with Float16OptimizerWithFloat16Params, which
+    keeps fp32 masters. `experts_apart`: it steps the experts with an optimizer of their own
+    (`experts_own_optimizer`). `kinds`: the (weight decay applies, the experts' own optimizer)
+    of the parameters that have state, from `group_kinds`: the non-distributed optimizer takes
+    exactly its own parameter groups, one per kind, where the distributed one looks its up."""
+
+    distributed: bool = True
+    experts_apart: bool = False
+    half: bool = False
+    kinds: frozenset[tuple[bool, bool]] = frozenset()
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """threefold's optimizer fields -> the names this run's optimizer reads them under (an
+        fp32 run's non-distributed optimizer steps the weights themselves: no masters)."""
+        if self.distributed:
+            return dict(EXPORTED_FIELDS)
+        moments = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+        return {"master": "fp32_param", **moments} if self.half else moments
+
+    def describe(self) -> str:
+        if self.distributed:
+            return "Megatron-LM's distributed optimizer (--use-distributed-optimizer)"
+        return "Megatron-LM's non-distributed optimizer (no --use-distributed-optimizer)"
 
 
 @dataclass
 class ExportedOptimizer:
-    """What an export writes of the optimizer: the whole fp32 tensors by Megatron-LM field
-    and threefold name, and common.pt's entries."""
+    """What an export writes of the optimizer: the whole fp32 tensors by threefold field (the
+    keys of `fields`, which maps them to Megatron-LM's names) and name, and common.pt's
+    entries."""
 
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, str] = field(default_factory=lambda: dict(EXPORTED_FIELDS))
+
+
+def steps_distributed(use_distributed_optimizer: bool, distributed_strategy: str) -> bool:
+    """Whether Megatron-LM resumes a run of this layout with its distributed optimizer: where
+    the run's flag says so, and for FSDP2's shards (Megatron-LM's --use-torch-fsdp2 saves in
+    another format); a run that keeps the whole state on each rank (DDP) steps the
+    non-distributed one, as Megatron-LM does without the flag."""
+    return use_distributed_optimizer or distributed_strategy == "fsdp"
+
+
+def group_kinds(
+    named: Iterable[tuple[str, nn.Parameter]], config: Config, experts_apart: bool
+) -> frozenset[tuple[bool, bool]]:
+    """megatron-core's parameter groups of these parameters (`ExportShape.kinds`): its
+    weight-decay rule is threefold's, and the experts' group apart where `experts_apart`.
+    Parameters without state (DeepSeek-V3's expert bias) are in none."""
+    # (here, not above: reading a checkpoint's optimizer layout imports no torch)
+    from threefold.parallel.tensor_parallel.sharding import is_expert
+    from threefold.training.optimizer import decays
+
+    return frozenset(
+        (decays(name, param, config.training), experts_apart and is_expert(param))
+        for name, param in named
+        if param.requires_grad
+    )
 
 
 def unexportable(config: Config, metadata: dict) -> str | None:
@@ -206,48 +270,51 @@ def exported_common(
     schedule: dict,
     step: float,
     consumed_samples: int,
-    experts: bool,
+    shape: ExportShape,
     loss_scaler: dict | None = None,
-    experts_apart: bool = False,
 ) -> dict:
-    """common.pt's optimizer entries: `schedule` is threefold's scheduler state, `step` Adam's
-    step count, `consumed_samples` the samples trained on (Megatron-LM's scheduler counts
-    samples, one global batch per iteration), `loss_scaler` fp16's dynamic scale;
-    `experts_apart`: for a Megatron-LM run that keeps the experts' state in an optimizer of
-    their own (`experts_own_optimizer`), its chained optimizer's two states, the rest's and
-    the experts'."""
+    """common.pt's optimizer entries, shaped by `shape`: `schedule` is threefold's scheduler
+    state, `step` Adam's step count, `consumed_samples` the samples trained on (Megatron-LM's
+    scheduler counts samples, one global batch per iteration), `loss_scaler` fp16's dynamic
+    scale. Where the experts have an optimizer of their own, its chained optimizer's states,
+    the rest's and the experts'."""
+    import torch
+
     training = config.training
     schedule = {**lr_schedule(training), **schedule}  # (older checkpoints: the step only)
     scale = 1 if training.train_samples is not None else training.global_batch_size
-    groups = []
-    for is_expert_parallel in (False, True) if experts else (False,):
-        for wd_mult in (1.0, 0.0):
-            groups.append(
-                {
-                    # torch's AdamW's keys and Transformer Engine's/Apex's FusedAdam's: whichever
-                    # Megatron-LM steps with finds its own
-                    "lr": schedule["max_lr"],
-                    "betas": (training.adam_beta1, training.adam_beta2),
-                    "eps": training.adam_eps,
-                    "weight_decay": schedule["end_wd"] * wd_mult,
-                    "amsgrad": False,
-                    "maximize": False,
-                    "foreach": None,
-                    "capturable": False,
-                    "differentiable": False,
-                    "fused": None,
-                    "decoupled_weight_decay": True,
-                    "bias_correction": True,
-                    "wd_mult": wd_mult,
-                    "lr_mult": 1.0,
-                    "is_expert_parallel": is_expert_parallel,
-                    "is_decoupled_lr": False,
-                    "default_config": True,
-                    "max_lr": schedule["max_lr"],
-                    "min_lr": schedule["min_lr"],
-                    "step": float(step),
-                }
-            )
+    if shape.distributed:  # (it looks its groups up: every one it may have)
+        experts = (False, True) if config.model.is_moe else (False,)
+        kinds = [(decay, expert) for expert in experts for decay in (True, False)]
+    else:
+        kinds = sorted(shape.kinds, key=lambda kind: (kind[1], not kind[0]))
+    groups = [
+        {
+            # torch's AdamW's keys and Transformer Engine's/Apex's FusedAdam's: whichever
+            # Megatron-LM steps with finds its own
+            "lr": schedule["max_lr"],
+            "betas": (training.adam_beta1, training.adam_beta2),
+            "eps": training.adam_eps,
+            "weight_decay": schedule["end_wd"] * float(decay),
+            "amsgrad": False,
+            "maximize": False,
+            "foreach": None,
+            "capturable": False,
+            "differentiable": False,
+            "fused": None,
+            "decoupled_weight_decay": True,
+            "bias_correction": True,
+            "wd_mult": float(decay),
+            "lr_mult": 1.0,
+            "is_expert_parallel": is_expert_parallel,
+            "is_decoupled_lr": False,
+            "default_config": True,
+            "max_lr": schedule["max_lr"],
+            "min_lr": schedule["min_lr"],
+            "step": float(step),
+        }
+        for decay, is_expert_parallel in kinds
+    ]
     scheduler = {
         "max_lr": schedule["max_lr"],
         "lr_warmup_steps": schedule["warmup_steps"] * scale,
@@ -262,23 +329,26 @@ def exported_common(
     }
 
     def state(groups: list[dict]) -> dict:
-        entries = {
-            "optimizer": {"param_groups": groups},
-            "param_state_sharding_type": CONTENT_METADATA["distrib_optim_sharding_type"],
-        }
+        if shape.distributed:
+            entries = {"optimizer": {"param_groups": groups}}
+            entries["param_state_sharding_type"] = SHARDING_TYPE
+        else:
+            # torch's optimizer state, less the tensors: one step for all parameters, which
+            # megatron-core hands each back (FP32Optimizer's is torch's own state dict)
+            inner = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
+            entries = {"optimizer": inner} if shape.half else inner
         if training.fp16 and loss_scaler:  # (megatron-core's DynamicGradScaler's fields)
             entries["grad_scaler"] = {k: loss_scaler[k] for k in _LOSS_SCALER}
         return entries
 
-    if experts and experts_apart:  # (keyed by the chained optimizer's index, as it saves)
+    if config.model.is_moe and shape.experts_apart:  # (keyed by the chained optimizer's index)
         optimizer = {
             index: state([g for g in groups if g["is_expert_parallel"] == apart])
             for index, apart in enumerate((False, True))
         }
     else:
         optimizer = state(groups)
-    return {
-        "optimizer": optimizer,
-        "opt_param_scheduler": scheduler,
-        "content_metadata": dict(CONTENT_METADATA),
-    }
+    metadata = dict(CONTENT_METADATA)
+    if shape.distributed:
+        metadata["distrib_optim_sharding_type"] = SHARDING_TYPE
+    return {"optimizer": optimizer, "opt_param_scheduler": scheduler, "content_metadata": metadata}

@@ -32,7 +32,7 @@ from threefold.checkpoint.megatron.format import (
     megatron_args,
     moe_layer_freq,
 )
-from threefold.checkpoint.megatron.optimizer import EXPORTED_FIELDS, ExportedOptimizer
+from threefold.checkpoint.megatron.optimizer import ExportedOptimizer
 from threefold.checkpoint.megatron.param_order import SECTIONS
 from threefold.checkpoint.megatron.tensors import FINAL_NORMS, extra_state, stacked_state_dict
 from threefold.config import Config, ConfigError
@@ -112,7 +112,9 @@ def megatron_common(
     args["params_dtype"] = dtype
     args["padded_vocab_size"] = config.model.padded_vocab_size(1)
     args.update(no_save_rng=True, no_save_optim=optimizer is None)
-    args["use_distributed_optimizer"] = optimizer is not None
+    # (the optimizer the state is for: the distributed one's layout is named in the metadata)
+    metadata = (optimizer or {}).get("content_metadata", {})
+    args["use_distributed_optimizer"] = "distrib_optim_sharding_type" in metadata
     return {
         "args": argparse.Namespace(**args),
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -144,7 +146,7 @@ def save_megatron_checkpoint(
     for field, values in (optimizer.tensors if optimizer else {}).items():
         for key, value in _megatron_state(config, values, torch.float32).items():
             if "._extra_state" not in key:  # (the modules' objects: the model's only)
-                state[f"optimizer.state.{EXPORTED_FIELDS[field]}.{key}"] = value
+                state[f"optimizer.state.{optimizer.fields[field]}.{key}"] = value
     common = megatron_common(
         config, iteration, train_state, dtype, optimizer.common if optimizer else None
     )

@@ -46,9 +46,11 @@ from threefold.checkpoint.components import CheckpointComponents
 from threefold.checkpoint.loadable import check_architecture, rng_file, rng_layout
 from threefold.checkpoint.megatron.format import BACKEND, described_model, megatron_args
 from threefold.checkpoint.megatron.optimizer import (
-    EXPORTED_FIELDS,
+    ExportShape,
     experts_own_optimizer,
     exported_common,
+    group_kinds,
+    steps_distributed,
     unexportable,
 )
 from threefold.checkpoint.megatron.save import (
@@ -131,16 +133,16 @@ class _ChunkPlanner(DefaultSavePlanner):
 
 
 def _kept_whole(
-    named: list[tuple[str, nn.Parameter]], optimizer, parallel: ParallelContext
+    named: list[tuple[str, nn.Parameter]], optimizer, parallel: ParallelContext, fields: dict
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{field: {name: whole tensor}} of the parameters this rank keeps, the weights' ("model")
-    and, given the `optimizer`, Adam's fields: each is put together from the optimizer's
+    and, given the `optimizer`, Adam's `fields`: each is put together from the optimizer's
     pieces and gathered whole (and unpadded) over its TP (expert-TP) group, one parameter and
     field at a time, and kept by one rank of that group and one of the data-parallel replicas
     holding the same shard (DP x CP; an expert's: expert-DP), in turn, so that the keeping
     and writing spread over all of them and no rank holds more than one extra whole tensor
     on the device."""
-    fields = ("model", *(EXPORTED_FIELDS if optimizer is not None else ()))
+    fields = ("model", *(fields if optimizer is not None else ()))
     pieces = optimizer.pieces_of() if optimizer is not None else {}
     kept: dict[str, dict[str, torch.Tensor]] = {field: {} for field in fields}
     for index, (name, param) in enumerate(named):
@@ -168,15 +170,19 @@ def _grid(part: Part, config: Config) -> tuple[int, ...]:
 
 
 def _state(
-    config: Config, kept: dict[str, dict[str, torch.Tensor]], kinds, dtype: torch.dtype
+    config: Config,
+    kept: dict[str, dict[str, torch.Tensor]],
+    kinds,
+    dtype: torch.dtype,
+    fields: dict[str, str],
 ) -> tuple[dict, dict]:
     """This rank's chunks (and extra-state objects) of megatron-core's state dict, and where
-    each chunk lies in its global tensor."""
+    each chunk lies in its global tensor; `fields`: Megatron-LM's names of the optimizer's."""
     stacked, sections = layer_stacking(config)
     mla = config.model.multi_latent_attention
     state, chunks = {}, {}
     for field, tensors in kept.items():
-        prefix = "" if field == "model" else f"optimizer.state.{EXPORTED_FIELDS[field]}."
+        prefix = "" if field == "model" else f"optimizer.state.{fields[field]}."
         for name, whole in tensors.items():
             key, tensor = megatron_tensor(
                 config, name, whole, dtype if field == "model" else torch.float32
@@ -198,6 +204,29 @@ def _state(
     return state, chunks
 
 
+def _shape(config: Config, named: list[tuple[str, nn.Parameter]]) -> ExportShape:
+    """The optimizer state's shape: for a Megatron-LM run of the same flags (its optimizer,
+    expert layout and precision), as Megatron-LM's own save shapes it. The groups
+    are the whole model's, each rank's stage's gathered (collective)."""
+    layout = config.parallel
+    apart = experts_own_optimizer(
+        layout.expert_model_parallel_size,
+        layout.expert_tensor_parallel_size,
+        layout.tensor_model_parallel_size,
+    )
+    kinds = [group_kinds(named, config, apart)]
+    if dist.is_initialized():
+        gathered = [frozenset()] * dist.get_world_size()
+        dist.all_gather_object(gathered, kinds[0])
+        kinds = gathered
+    return ExportShape(
+        steps_distributed(layout.use_distributed_optimizer, layout.distributed_strategy),
+        apart,
+        config.training.bf16 or config.training.fp16,
+        frozenset().union(*kinds),
+    )
+
+
 def save_megatron_training_checkpoint(
     root: str, components: CheckpointComponents, writer: CheckpointWriter
 ) -> str:
@@ -212,11 +241,13 @@ def save_megatron_training_checkpoint(
     save_optimizer = not config.checkpoint.no_save_optim
     named = list(components.parameters())
     optimizer = components.optimizer if save_optimizer else None
+    shape = _shape(config, named) if save_optimizer else ExportShape()
     if optimizer is not None:
         optimizer.initialize_state()  # (Adam's moments exist before the first step)
     with components.parameters_in_model_dtype():
-        kept = _kept_whole(named, optimizer, parallel)
-    state, chunks = _state(config, kept, layer_kinds([name for name, _ in named]), dtype)
+        kept = _kept_whole(named, optimizer, parallel, shape.fields)
+    kinds = layer_kinds([name for name, _ in named])
+    state, chunks = _state(config, kept, kinds, dtype, shape.fields)
     if config.model.hybrid and parallel.is_last_pipeline_stage:
         state[HYBRID_OUTPUT_EXTRA_STATE] = extra_state()
     exported = None
@@ -230,13 +261,8 @@ def save_megatron_training_checkpoint(
             components.scheduler.state_dict(),
             float(step),
             int(train_state.get("consumed_train_samples", 0)),
-            config.model.is_moe,
+            shape,
             components.loss_scaler.state_dict(),
-            experts_own_optimizer(
-                config.parallel.expert_model_parallel_size,
-                config.parallel.expert_tensor_parallel_size,
-                config.parallel.tensor_model_parallel_size,
-            ),
         )
     save_rng = not config.checkpoint.no_save_rng
     streams = {"rng_saved": save_rng, "rng_layout": rng_layout(config)}
