@@ -25,9 +25,10 @@ at any TP/PP/EP layout, local or Transformer Engine layer names; written at TP =
 (Megatron-LM loads it into any layout),
 with Adam's state where the threefold checkpoint has it, shaped for the Megatron-LM run that goes
 on from it: its distributed optimizer or its non-distributed one as the saving run stepped (or
---[no-]target-use-distributed-optimizer says), a mixture of experts' at the saving run's expert
-parallelism (or --target-expert-parallel-size's); else the model only (threefold/checkpoint/
-megatron/, docs/checkpoints.md). A threefold run can also --load a Megatron checkpoint directly.
+--[no-]target-use-distributed-optimizer says), a mixture of experts' for the saving run's expert
+layout (or the one --target-expert-parallel-size, --target-tensor-parallel-size and
+--target-expert-tensor-parallel-size give); else the model only (threefold/checkpoint/megatron/,
+docs/checkpoints.md). A threefold run can also --load a Megatron checkpoint directly.
 
 PEFT side (--saver peft): a LoRA fine-tune's adapters, unmerged, as a PEFT adapter directory
 (adapter_config.json, adapter_model.safetensors) over its Hugging Face base model, for the dense
@@ -83,13 +84,24 @@ def main(argv: list[str] | None = None) -> int:
         "--base-model",
         help="with --saver peft: the base model's Hub name or path, which the adapter records",
     )
+    layout = (
+        "of the Megatron-LM run that goes on from a mixture of experts' optimizer state (at EP "
+        "> 1, or an expert TP other than TP, it steps the experts with an optimizer of their "
+        "own, and its --load takes only the state shaped so; default: the saving run's layout "
+        "where none of these is given, else Megatron-LM's defaults for the others)"
+    )
     parser.add_argument(
         "--target-expert-parallel-size",
         type=int,
-        help="with --saver megatron: the expert parallelism of the Megatron-LM run that goes on "
-        "from a mixture of experts' optimizer state (at EP > 1 it steps the experts with an "
-        "optimizer of their own, and its --load takes only the state shaped so; default: the "
-        "saving run's)",
+        help=f"with --saver megatron: the expert parallelism {layout}",
+    )
+    parser.add_argument(
+        "--target-tensor-parallel-size", type=int, help=f"with --saver megatron: the TP {layout}"
+    )
+    parser.add_argument(
+        "--target-expert-tensor-parallel-size",
+        type=int,
+        help=f"with --saver megatron: the experts' TP {layout}",
     )
     parser.add_argument(
         "--target-use-distributed-optimizer",
@@ -110,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--hf-architecture names what --saver hf or peft writes, not {args.saver}")
     if args.base_model and args.saver != "peft":
         parser.error("--base-model is the base of a PEFT adapter: it goes with --saver peft")
-    target_ep = args.target_expert_parallel_size
+    sizes = {
+        "--target-expert-parallel-size": args.target_expert_parallel_size,
+        "--target-tensor-parallel-size": args.target_tensor_parallel_size,
+        "--target-expert-tensor-parallel-size": args.target_expert_tensor_parallel_size,
+    }
     shaping = {
-        "--target-expert-parallel-size": target_ep,
+        **sizes,
         "--[no-]target-use-distributed-optimizer": args.target_use_distributed_optimizer,
     }
     for flag, value in shaping.items():
@@ -121,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flag} shapes the optimizer state a threefold checkpoint exports to "
                 "Megatron-LM: it goes with --loader threefold --saver megatron"
             )
-    if target_ep is not None and target_ep < 1:
-        parser.error(f"--target-expert-parallel-size must be at least 1, not {target_ep}")
+    for flag, size in sizes.items():
+        if size is not None and size < 1:
+            parser.error(f"{flag} must be at least 1, not {size}")
     try:
         make_parent_directory(args.save_dir, "--save-dir")
     except ConfigError as error:
@@ -153,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.base_model,
             )
         elif args.saver == "megatron":
-            target = convert.TargetRun(args.target_use_distributed_optimizer, target_ep)
+            target = convert.TargetRun(
+                args.target_use_distributed_optimizer,
+                args.target_expert_parallel_size,
+                args.target_tensor_parallel_size,
+                args.target_expert_tensor_parallel_size,
+            )
             path = convert.to_megatron_checkpoint(
                 args.load_dir, args.save_dir, args.dtype, args.loader, strictness, target
             )

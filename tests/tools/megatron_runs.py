@@ -222,7 +222,7 @@ def exports(root: str, reference: torch.Tensor, directory) -> tuple[torch.Tensor
     return ours, written
 
 
-def _load_and_save(argv: list[str], root: str, threefold: str, export: str, native: bool) -> int:
+def load_and_save(argv: list[str], root: str, threefold: str, export: str, native: bool) -> int:
     """threefold's run `argv` loads `root` with Adam's state and saves it: in Megatron-LM's
     format at `export` (`native`), else its own at `threefold`. Returns the iteration."""
     from tests.parity import _setup
@@ -267,9 +267,9 @@ def export_and_go_on(
     threefold, export = str(directory / "threefold"), str(directory / "export")
     where = (argv, root, threefold, export, native)
     if ranks_here == 1:
-        iteration = _load_and_save(*where)
+        iteration = load_and_save(*where)
     else:
-        iteration = run_distributed(ranks_here, _load_and_save, *where)[0]
+        iteration = run_distributed(ranks_here, load_and_save, *where)[0]
     if not native:
         convert = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
         if expert_parallel > 1:

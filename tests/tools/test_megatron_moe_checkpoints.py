@@ -28,11 +28,13 @@ from tests.tools.megatron_runs import (
     export_and_go_on,
     exports,
     largest_difference,
+    load_and_save,
     megatron_argv,
     per_token_losses,
     reference_losses,
     saved_by_megatron_core,
 )
+from threefold.checkpoint.files import checkpoint_dir
 from threefold.checkpoint.load import load_model
 from threefold.checkpoint.megatron.common_file import read_common
 from threefold.safe_loading import SafeFileSystemReader
@@ -334,6 +336,39 @@ def test_an_export_goes_on_where_megatron_core_steps_the_experts_apart(
     assert largest_difference(weights, after) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "layout,apart",
+    [
+        (["--target-tensor-parallel-size", "2", "--target-expert-tensor-parallel-size", "1"], 1),
+        (["--target-tensor-parallel-size", "2"], 0),  # (the experts split as the rest)
+    ],
+    ids=["tp2-expert-tp1", "tp2"],
+)
+def test_an_export_steps_the_experts_apart_where_their_tp_is_not_tp(
+    megatron_trained, tmp_path, capsys, layout, apart
+):
+    """Megatron-LM (d98e8a64; megatron-core 0.16 at EP > 1 only) reduces the experts'
+    gradients over their own groups, and steps them with an optimizer of their own, wherever
+    their TP is not TP, as its MoE recipes run them (--expert-tensor-parallel-size 1 beside TP
+    > 1): the converter told that layout shapes the state for the chained optimizer, the
+    experts' groups in its second entry."""
+    root, _, _ = megatron_trained["fully_reshardable"]
+    argv = continue_argv(root, 1, 1, 1) + ["--moe-router-bias-update-rate", "0"]
+    threefold, export = str(tmp_path / "threefold"), str(tmp_path / "export")
+    load_and_save(argv + ["--use-distributed-optimizer"], root, threefold, export, False)
+    flags = ["--loader", "threefold", "--saver", "megatron", "--load-dir", threefold]
+    assert convert_checkpoint.main([*flags, *layout, "--save-dir", export]) == 0
+    said = "at TP 2, EP 1, expert TP " + ("1 (an optimizer of their own" if apart else "2 (one")
+    assert said in capsys.readouterr().out
+    optimizer = read_common(checkpoint_dir(export, 2))["optimizer"]
+    if apart:
+        experts = [g["is_expert_parallel"] for g in optimizer[1]["optimizer"]["param_groups"]]
+        dense = [g["is_expert_parallel"] for g in optimizer[0]["optimizer"]["param_groups"]]
+        assert all(experts) and not any(dense)
+    else:
+        assert "param_groups" in optimizer["optimizer"]
+
+
 EP2 = ["--target-expert-parallel-size", "2"]
 SAID = "it goes with --loader threefold --saver megatron"
 
@@ -344,6 +379,8 @@ SAID = "it goes with --loader threefold --saver megatron"
         ("hf", "megatron", EP2, SAID),
         ("threefold", "hf", EP2, SAID),
         ("threefold", "megatron", ["--target-expert-parallel-size", "0"], "at least 1, not 0"),
+        ("hf", "megatron", ["--target-tensor-parallel-size", "2"], SAID),
+        ("threefold", "megatron", ["--target-expert-tensor-parallel-size", "0"], "not 0"),
         ("hf", "megatron", ["--no-target-use-distributed-optimizer"], SAID),
         ("megatron", "threefold", ["--target-use-distributed-optimizer"], SAID),
     ],
@@ -351,8 +388,8 @@ SAID = "it goes with --loader threefold --saver megatron"
 def test_the_target_runs_flags_are_refused_where_they_shape_nothing(
     loader, saver, flags, line, tmp_path, capsys
 ):
-    """--target-expert-parallel-size and --[no-]target-use-distributed-optimizer shape the
-    optimizer state of a threefold checkpoint's export to Megatron-LM, and nothing else."""
+    """The --target-*-parallel-size flags and --[no-]target-use-distributed-optimizer shape
+    the optimizer state of a threefold checkpoint's export to Megatron-LM, and nothing else."""
     argv = ["--loader", loader, "--saver", saver, "--load-dir", str(tmp_path / "run")]
     argv += ["--save-dir", str(tmp_path / "out"), *flags]
     with pytest.raises(SystemExit) as refused:

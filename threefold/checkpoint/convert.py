@@ -254,12 +254,32 @@ def whole_checkpoint(
 
 @dataclass(frozen=True)
 class TargetRun:
-    """What --saver megatron is asked of the Megatron-LM run that goes on from an export's
-    optimizer state (its --use-distributed-optimizer, its expert parallelism); None: as the
-    saving run's."""
+    """What --saver megatron is told of the Megatron-LM run that goes on from an export's
+    optimizer state: its --use-distributed-optimizer (None: as the saving run stepped), and
+    the layout that decides whether it steps a mixture's experts apart (`expert_layout`)."""
 
     distributed: bool | None = None
     expert_parallel: int | None = None
+    tensor_parallel: int | None = None
+    expert_tensor_parallel: int | None = None
+
+    @property
+    def names_a_layout(self) -> bool:
+        return any(
+            size is not None
+            for size in (self.expert_parallel, self.tensor_parallel, self.expert_tensor_parallel)
+        )
+
+    def expert_layout(self, saved: dict) -> tuple[int, int, int]:
+        """(TP, EP, expert TP) of the run: the saving run's `saved` layout where no size is
+        named, else the sizes named with Megatron-LM's defaults for the rest (1, and an
+        expert TP of TP), as its command line would take them."""
+        if not self.names_a_layout:
+            tp = saved["tensor_model_parallel_size"]
+            etp = saved.get("expert_tensor_parallel_size") or tp
+            return tp, saved.get("expert_model_parallel_size", 1), etp
+        tp = self.tensor_parallel or 1
+        return tp, self.expert_parallel or 1, self.expert_tensor_parallel or tp
 
 
 def _exported_optimizer(
@@ -287,13 +307,8 @@ def _exported_optimizer(
             layout.get("use_distributed_optimizer", False),
             layout.get("distributed_strategy", "megatron"),
         )
-    if target.expert_parallel is None:
-        ep = layout.get("expert_model_parallel_size", 1)
-        apart = experts_own_optimizer(
-            ep, layout.get("expert_tensor_parallel_size") or saved_tp, saved_tp
-        )
-    else:
-        ep, apart = target.expert_parallel, target.expert_parallel > 1
+    tp, ep, etp = target.expert_layout(layout)
+    apart = experts_own_optimizer(ep, etp, tp)
     shape = ExportShape(
         distributed,
         apart,
@@ -306,12 +321,14 @@ def _exported_optimizer(
     )
     if config.model.is_moe:
         print(
-            f"> the experts' optimizer state is laid out for Megatron-LM at EP {ep} ("
+            f"> the experts' optimizer state is laid out for Megatron-LM at TP {tp}, EP {ep}, "
+            f"expert TP {etp} ("
             + ("an optimizer of their own" if apart else "one optimizer with the rest")
-            + "; its --load takes no other: --target-expert-parallel-size N changes it)"
+            + "; its --load takes no other: --target-tensor-parallel-size, "
+            "--target-expert-parallel-size and --target-expert-tensor-parallel-size change it)"
         )
-    elif target.expert_parallel is not None:
-        print("> --target-expert-parallel-size has no effect: the model has no experts")
+    elif target.names_a_layout:
+        print("> the --target-*-parallel-size flags have no effect: the model has no experts")
     tensors: dict[str, dict] = {field: {} for field in shape.fields}
     for name, param in model.named_parameters():
         if not param.requires_grad:  # (no state: DeepSeek-V3's expert bias, a buffer there)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from threefold.config import TrainingConfig
+from threefold.config.weight_decay import decays
 from threefold.model.fp8_fsdp_params import Fp8FsdpParameters
 from threefold.model.gpt import is_embedding_or_output
 from threefold.parallel.data_parallel.torch_native import copy_whole, full, local
@@ -68,13 +69,6 @@ def _all_reduce(tensor: torch.Tensor, groups: list) -> torch.Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def decays(name: str, param: nn.Parameter, config: TrainingConfig) -> bool:
-    """Whether weight decay applies: to matrices, and with --apply-wd-to-qk-layernorm to the
-    query and key norms (megatron-core's name test: `q_layernorm.` or `k_layernorm.`)."""
-    qk_norm = "q_layernorm." in name or "k_layernorm." in name
-    return param.dim() > 1 or (config.apply_wd_to_qk_layernorm and qk_norm)
 
 
 @dataclass

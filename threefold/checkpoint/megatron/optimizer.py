@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from threefold.config.lr_schedule import lr_schedule
+from threefold.config.weight_decay import decays
 
 if TYPE_CHECKING:
     from torch import nn
@@ -227,7 +228,6 @@ def group_kinds(
     Parameters without state (DeepSeek-V3's expert bias) are in none."""
     # (here, not above: reading a checkpoint's optimizer layout imports no torch)
     from threefold.parallel.tensor_parallel.sharding import is_expert
-    from threefold.training.optimizer import decays
 
     return frozenset(
         (decays(name, param, config.training), experts_apart and is_expert(param))
