@@ -136,6 +136,28 @@ def _alltoall_splits_on_the_host() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def _norms_under_sequence_parallelism() -> None:
+    """Its torch norms (the local spec's without apex or Transformer Engine), which refuse
+    --sequence-parallel, the flag it requires of a mixture of experts beside TP: each rank
+    normalizes its slice of the sequence, and the weights are marked as its fused norms mark
+    theirs (`sequence_parallel`), so that their gradients are summed over TP."""
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        sequence_parallel, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = build(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
 def _apply(checkout: str) -> None:
     import contextlib
 
@@ -154,6 +176,7 @@ def _apply(checkout: str) -> None:
     utils.compile_helpers = _compile_helpers
     _load_with_torch_adam()
     _alltoall_splits_on_the_host()
+    _norms_under_sequence_parallelism()
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.is_available = _told_yes(torch.cuda.is_available, "initialize_megatron")
     torch.cuda.device_count = _told_yes(torch.cuda.device_count, "_initialize_distributed")
