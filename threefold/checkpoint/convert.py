@@ -25,10 +25,8 @@ from threefold.checkpoint.megatron.format import is_megatron_checkpoint
 from threefold.checkpoint.megatron.legacy import is_legacy_checkpoint
 from threefold.checkpoint.megatron.optimizer import (
     ExportedOptimizer,
-    ExportShape,
-    experts_own_optimizer,
+    export_shape,
     exported_common,
-    group_kinds,
     steps_distributed,
     unexportable,
 )
@@ -308,22 +306,18 @@ def _exported_optimizer(
             layout.get("distributed_strategy", "megatron"),
         )
     tp, ep, etp = target.expert_layout(layout)
-    apart = experts_own_optimizer(ep, etp, tp)
-    shape = ExportShape(
-        distributed,
-        apart,
-        dtype != torch.float32,
-        group_kinds(model.named_parameters(), config, apart),
+    shape = export_shape(
+        model.named_parameters(), config, distributed, (tp, ep, etp), dtype != torch.float32
     )
     print(
         f"> Adam's state is exported for {shape.describe()}: its --load takes no other "
         "(--[no-]target-use-distributed-optimizer changes it)"
     )
     if config.model.is_moe:
+        own = "an optimizer of their own" if shape.experts_apart else "one optimizer with the rest"
         print(
             f"> the experts' optimizer state is laid out for Megatron-LM at TP {tp}, EP {ep}, "
-            f"expert TP {etp} ("
-            + ("an optimizer of their own" if apart else "one optimizer with the rest")
+            f"expert TP {etp} ({own}"
             + "; its --load takes no other: --target-tensor-parallel-size, "
             "--target-expert-parallel-size and --target-expert-tensor-parallel-size change it)"
         )

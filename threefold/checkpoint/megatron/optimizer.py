@@ -34,7 +34,7 @@ Megatron-LM's units (samples) and the content metadata naming the layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +234,22 @@ def group_kinds(
         for name, param in named
         if param.requires_grad
     )
+
+
+def export_shape(
+    named: Iterable[tuple[str, nn.Parameter]],
+    config: Config,
+    distributed: bool,
+    layout: tuple[int, int, int],
+    half: bool,
+    union: Callable[[frozenset], frozenset] = lambda kinds: kinds,
+) -> ExportShape:
+    """The shape for a Megatron-LM run of `layout` (TP, EP, expert TP), with its distributed
+    optimizer or not, in bf16/fp16 (`half`) or fp32, of the model whose parameters `named` are
+    (`union`: the kinds of every rank's, where each holds a stage's)."""
+    tp, ep, etp = layout
+    apart = experts_own_optimizer(ep, etp, tp)
+    return ExportShape(distributed, apart, half, union(group_kinds(named, config, apart)))
 
 
 def unexportable(config: Config, metadata: dict) -> str | None:

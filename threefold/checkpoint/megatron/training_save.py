@@ -47,9 +47,8 @@ from threefold.checkpoint.loadable import check_architecture, rng_file, rng_layo
 from threefold.checkpoint.megatron.format import BACKEND, described_model, megatron_args
 from threefold.checkpoint.megatron.optimizer import (
     ExportShape,
-    experts_own_optimizer,
+    export_shape,
     exported_common,
-    group_kinds,
     steps_distributed,
     unexportable,
 )
@@ -206,24 +205,28 @@ def _state(
 
 def _shape(config: Config, named: list[tuple[str, nn.Parameter]]) -> ExportShape:
     """The optimizer state's shape: for a Megatron-LM run of the same flags (its optimizer,
-    expert layout and precision), as Megatron-LM's own save shapes it. The groups
-    are the whole model's, each rank's stage's gathered (collective)."""
-    layout = config.parallel
-    apart = experts_own_optimizer(
-        layout.expert_model_parallel_size,
-        layout.expert_tensor_parallel_size,
-        layout.tensor_model_parallel_size,
-    )
-    kinds = [group_kinds(named, config, apart)]
-    if dist.is_initialized():
+    expert layout and precision), as Megatron-LM's own save shapes it. The groups are the
+    whole model's, each rank's stage's gathered (collective)."""
+    layout, training = config.parallel, config.training
+
+    def union(kinds: frozenset) -> frozenset:
+        if not dist.is_initialized():
+            return kinds
         gathered = [frozenset()] * dist.get_world_size()
-        dist.all_gather_object(gathered, kinds[0])
-        kinds = gathered
-    return ExportShape(
+        dist.all_gather_object(gathered, kinds)
+        return frozenset().union(*gathered)
+
+    return export_shape(
+        named,
+        config,
         steps_distributed(layout.use_distributed_optimizer, layout.distributed_strategy),
-        apart,
-        config.training.bf16 or config.training.fp16,
-        frozenset().union(*kinds),
+        (
+            layout.tensor_model_parallel_size,
+            layout.expert_model_parallel_size,
+            layout.expert_tensor_parallel_size,
+        ),
+        training.bf16 or training.fp16,
+        union,
     )
 
 
