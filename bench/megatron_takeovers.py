@@ -88,6 +88,24 @@ VARIANTS = {
         [],
         True,
     ),
+    # fp16 as Megatron-LM's flags default it: a loss scale of 2^32, which this model's
+    # gradients overflow through iteration 6, so every iteration is skipped and the scale
+    # halves from the second on (its hysteresis, 2, spent); saved at 2 before Adam's first
+    # step (no moments, only the fp32 masters), the LR schedule not started. (Far above the
+    # gradients' range in both: a scale near its edge may overflow in one and not the other,
+    # whose fp16 kernels differ.)
+    "llama-fp16": ("llama", ["--tensor-model-parallel-size", "2", "--fp16"], 1, ONE_PROCESS, True),
+    # the distributed optimizer's (its default dp_reshardable buckets) in fp16, no iteration
+    # skipped (its save before Adam's first step fails with torch's AdamW, the CPU's: "assert
+    # len(steps) == 1"), the growth counter carried over both ways
+    "llama-fp16-distributed": (
+        "llama",
+        ["--tensor-model-parallel-size", "2", DISTRIBUTED, "--fp16"]
+        + ["--initial-loss-scale", "16384", "--loss-scale-window", "3"],
+        4,
+        [],
+        True,
+    ),
 }
 
 
@@ -109,24 +127,46 @@ def take_over(checkout: str, name: str) -> list[str]:
             resumed = [*argv, *data, "--load", again, "--no-load-rng"]
             back = megatron_lm(checkout, resumed, f"{scratch}/back.log")
     where = "one process" if nproc == 1 else f"{nproc} processes, its layout"
-    rows = [
-        f"| {i} | {theirs[i]['lm loss']} | {ours[i]['lm loss']} | "
-        f"{float(ours[i]['lm loss']) - float(theirs[i]['lm loss']):+.1e} | "
-        f"{theirs[i]['grad norm']} | {ours[i]['grad norm']} | "
-        + (f"{back[i]['lm loss']} | {back[i]['grad norm']} |" if i in back else " | |")
-        for i in range(3, 7)
-    ]
+    scaled = "--fp16" in layout  # (its loss scale beside the losses)
+    rows = [_row(i, theirs[i], ours[i], back.get(i), scaled) for i in range(3, 7)]
     rates = all(ours[i]["learning rate"] == theirs[i]["learning rate"] for i in range(3, 7))
+    header = "| iteration | Megatron-LM: lm loss | threefold: lm loss | difference | "
+    header += "Megatron-LM: grad norm | threefold: grad norm | Megatron-LM from threefold's "
+    header += "iteration 4: lm loss | grad norm |"
+    if scaled:
+        header += " loss scale: Megatron-LM | threefold | Megatron-LM from threefold's |"
     return [
         f"## {name}: {model}, {' '.join(layout)}; threefold at {where}\n",
-        "| iteration | Megatron-LM: lm loss | threefold: lm loss | difference | "
-        "Megatron-LM: grad norm | threefold: grad norm | Megatron-LM from threefold's "
-        "iteration 4: lm loss | grad norm |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        header,
+        "|" + " ---: |" * header.count("|", 1),
         *rows,
         "",
         f"Learning rates {'the same' if rates else 'DIFFERENT'}.\n",
     ]
+
+
+def _row(iteration: int, theirs: dict, ours: dict, back: dict | None, scaled: bool) -> str:
+    """Iteration `iteration`'s row: each run's loss and gradient norm (and loss scale); an
+    iteration an fp16 run skipped (its gradients overflowed) logs neither: "skipped"."""
+    back = back or {}
+
+    def value(run: dict, name: str) -> str:
+        return run.get(name, "skipped" if run else "")
+
+    both = "lm loss" in theirs and "lm loss" in ours
+    difference = float(ours["lm loss"]) - float(theirs["lm loss"]) if both else None
+    cells = [
+        value(theirs, "lm loss"),
+        value(ours, "lm loss"),
+        "" if difference is None else f"{difference:+.1e}",
+        value(theirs, "grad norm"),
+        value(ours, "grad norm"),
+        value(back, "lm loss"),
+        value(back, "grad norm"),
+    ]
+    if scaled:
+        cells += [value(run, "loss scale") for run in (theirs, ours, back)]
+    return f"| {iteration} | " + " | ".join(cells) + " |"
 
 
 def _from_iteration(source: str, root: str) -> None:
@@ -138,10 +178,11 @@ def _from_iteration(source: str, root: str) -> None:
 
 
 FOOTER = (
-    "\nIn bf16 the two differ from the first iteration resumed, whose weights are the same bf16 "
-    "tensors: Megatron-LM's local attention (`--transformer-impl local`, its CPU path) rounds "
-    "the scores and the probabilities to bf16 between its unfused steps, where threefold's "
-    "(SDPA) keeps them in fp32, as Transformer Engine's fused attention does on a GPU.\n\n"
+    "\nIn bf16 and fp16 the two differ from the first iteration resumed, whose weights are the "
+    "same half-precision tensors: Megatron-LM's local attention (`--transformer-impl local`, "
+    "its CPU path) rounds the scores and the probabilities to bf16 (fp16) between its unfused "
+    "steps, where threefold's (SDPA) keeps them in fp32, as Transformer Engine's fused "
+    "attention does on a GPU.\n\n"
     "Handed back, Megatron-LM's second line after its resume (iteration 6) reports the mean of "
     "iterations 5 and 6 (its first line is an extra one, which resets no sums; "
     "bench/results/megatron_training.md); the gradient norms are each iteration's own.\n"

@@ -99,9 +99,10 @@ def argv_of(name: str, layout: list[str] | None = None) -> list[str]:
 
 
 ITERATION = re.compile(r" iteration +(\d+)/ +\d+ \|(.*)")
-# what the tables show; a mixture of experts' runs also log their load-balancing loss
+# what the tables show; a mixture of experts' runs also log their load-balancing loss, and
+# fp16 runs a loss scale that changes
 NAMES = ("learning rate", "lm loss", "grad norm")
-LOGGED = (*NAMES, "load_balancing_loss")
+LOGGED = (*NAMES, "load_balancing_loss", "loss scale")
 
 
 def write_corpus(prefix: str) -> None:

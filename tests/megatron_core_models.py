@@ -126,15 +126,20 @@ def optimizer_patches():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
+    # (fp16's loss scaler moves its loaded scale with `.cuda(torch.cuda.current_device())`)
+    saved_cuda, saved_device = torch.Tensor.cuda, torch.cuda.current_device
     for name in factories:
         setattr(torch, name, on_cpu(saved[name]))
     torch.Tensor.type = cuda_type_name
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: "cpu"
     try:
         yield
     finally:
         for name, factory in saved.items():
             setattr(torch, name, factory)
         torch.Tensor.type = saved_type
+        torch.Tensor.cuda, torch.cuda.current_device = saved_cuda, saved_device
 
 
 def config_fields(shape: dict, tensor_parallel: int, pipeline_parallel: int) -> dict:

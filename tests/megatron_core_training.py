@@ -18,6 +18,8 @@ from tests.megatron_core_shapes import SHAPES
 
 LR, WEIGHT_DECAY = 3e-3, 0.01
 LEGACY_BUCKET_SIZE = 6000  # elements: the legacy save's buffers hold several buckets
+# fp16's dynamic loss scale: no overflow here, its growth counter at 2 after 2 iterations
+FP16_LOSS_SCALING = dict(initial_loss_scale=16384.0, loss_scale_window=3, hysteresis=2)
 
 
 def batch(step: int, data_parallel: int) -> torch.Tensor:
@@ -34,6 +36,7 @@ def _megatron_training(
     bucket_size: int | None = None,
     expert_parallel: int = 1,
     bf16: bool = False,
+    fp16: bool = False,
 ):
     """Megatron-LM's training on TP x DP gloo ranks with megatron-core's DDP and optimizer (of
     its GPTModel, or a hybrid's MambaModel), as a namespace: `model`, `optimizer`, `scheduler`
@@ -44,7 +47,8 @@ def _megatron_training(
     biases and norms free of weight decay; `use_checkpoint` takes a loaded checkpoint's
     schedule), clipping at 1.0, AdamW; each DP rank's loss the mean over its tokens, gradients
     averaged over DP by the DDP wrapper; `bucket_size`: its buckets' size, with
-    --overlap-grad-reduce (else one bucket per buffer)."""
+    --overlap-grad-reduce (else one bucket per buffer). `bf16`/`fp16`: Megatron-LM's --bf16 /
+    --fp16 (fp16: FP16_LOSS_SCALING's dynamic loss scale, fp16 gradients)."""
     import types
 
     import torch.distributed as dist
@@ -60,10 +64,10 @@ def _megatron_training(
             model = build(kind, tensor_parallel, 1, expert_parallel=expert_parallel)
         dp = parallel_state.get_data_parallel_world_size()
         module = model
-        if bf16:  # as Megatron-LM's get_model wraps it; gradients reduced in fp32
+        if bf16 or fp16:  # as Megatron-LM's get_model wraps it (bf16: gradients in fp32)
             from megatron.core.transformer.module import Float16Module
 
-            model.config.bf16 = True
+            model.config.bf16, model.config.fp16 = bf16, fp16
             module = Float16Module(model.config, model)
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=distributed,
@@ -81,7 +85,9 @@ def _megatron_training(
                 clip_grad=1.0,
                 use_distributed_optimizer=distributed,
                 bf16=bf16,
-                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                fp16=fp16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
+                **(FP16_LOSS_SCALING if fp16 else {}),
             ),
             [ddp],
         )
@@ -129,21 +135,24 @@ def train_and_save(
     layout: str | None,
     steps: int,
     expert_parallel: int = 1,
+    fp16: bool = False,
 ) -> float:
-    """`steps` iterations of `_megatron_training`, a checkpoint with the optimizer state under
-    `root` (`layout`: the distributed optimizer's --dist-ckpt-optim-fully-reshardable
-    ("fully_reshardable") or default ("dp_reshardable") layout, None: the non-distributed
-    optimizer; Megatron-LM's legacy format with the distributed optimizer ("legacy") or the
-    non-distributed one ("legacy_plain")), then one more iteration whose weights go (model
-    only) under `after`. Returns that iteration's loss."""
+    """`steps` iterations of `_megatron_training` (`fp16`: Megatron-LM's --fp16), a checkpoint
+    with the optimizer state under `root` (`layout`: the distributed optimizer's
+    --dist-ckpt-optim-fully-reshardable ("fully_reshardable") or default ("dp_reshardable")
+    layout, None: the non-distributed optimizer; Megatron-LM's legacy format with the
+    distributed optimizer ("legacy") or the non-distributed one ("legacy_plain")), then one
+    more iteration whose weights go (model only) under `after`. Returns that iteration's
+    loss."""
     distributed = layout not in (None, "legacy_plain")
     bucket_size = LEGACY_BUCKET_SIZE if layout == "legacy" else None
     with _megatron_training(
-        kind, tensor_parallel, distributed, bucket_size, expert_parallel
+        kind, tensor_parallel, distributed, bucket_size, expert_parallel, fp16=fp16
     ) as run:
         for step in range(steps):
             run.iteration(step)
         args = _args(run, kind, tensor_parallel, steps, distributed, expert_parallel)
+        _precision(args, False, fp16)
         _save(run, args, layout, root, steps)
         loss = run.iteration(steps)
         state = {"args": args, "checkpoint_version": 3.0, "iteration": steps + 1}
@@ -158,24 +167,41 @@ def save_layouts(
     steps: int,
     bf16: bool = False,
     bucket_size: int | None = None,
-) -> None:
-    """`steps` iterations of `_megatron_training` (in bf16: Megatron-LM's --bf16, its fp32
-    masters in the optimizer), then the same optimizer state saved in each layout of `roots`
-    ({layout: root}, as `train_and_save` names them; the distributed optimizer's, or the
-    non-distributed one's: "torch_dist" and "legacy_plain"). One bucket per buffer, unless
+    fp16: bool = False,
+) -> dict | None:
+    """`steps` iterations of `_megatron_training` (in bf16/fp16: Megatron-LM's --bf16/--fp16,
+    its fp32 masters in the optimizer), then the same optimizer state saved in each layout of
+    `roots` ({layout: root}, as `train_and_save` names them; the distributed optimizer's, or
+    the non-distributed one's: "torch_dist" and "legacy_plain"). One bucket per buffer, unless
     `bucket_size`: with several, megatron-core 0.16's fully_reshardable save misplaces the
     state of the buckets after the first (it slices the buckets' joined state, their padding
-    cut, at the padded buffer's offsets)."""
+    cut, at the padded buffer's offsets). Returns fp16's loss scaler state, as numbers."""
     distributed = "legacy_plain" not in roots
-    with _megatron_training(kind, tensor_parallel, distributed, bucket_size, bf16=bf16) as run:
+    training = _megatron_training(
+        kind, tensor_parallel, distributed, bucket_size, bf16=bf16, fp16=fp16
+    )
+    with training as run:
         for step in range(steps):
             run.iteration(step)
         args = _args(run, kind, tensor_parallel, steps, distributed, 1)
-        if bf16:
-            args.bf16, args.params_dtype = True, torch.bfloat16
-            args.accumulate_allreduce_grads_in_fp32 = True
+        _precision(args, bf16, fp16)
         for layout, root in roots.items():
             _save(run, args, None if layout == "torch_dist" else layout, root, steps)
+        return loss_scaler_state(run.optimizer) if fp16 else None
+
+
+def loss_scaler_state(optimizer) -> dict:
+    """megatron-core's DynamicGradScaler's state (of its first chained optimizer), as numbers."""
+    state = optimizer.chained_optimizers[0].grad_scaler.state_dict()
+    return {name: float(value) for name, value in state.items()}
+
+
+def _precision(args, bf16: bool, fp16: bool) -> None:
+    """Megatron-LM's args of a --bf16 or --fp16 run (bf16 reduces its gradients in fp32)."""
+    if bf16 or fp16:
+        args.bf16, args.fp16 = bf16, fp16
+        args.params_dtype = torch.bfloat16 if bf16 else torch.float16
+        args.accumulate_allreduce_grads_in_fp32 = bf16
 
 
 def _args(run, kind: str, tensor_parallel: int, steps: int, distributed: bool, ep: int):
@@ -278,18 +304,19 @@ def load_and_continue(
     tensor_parallel: int,
     expert_parallel: int = 1,
     distributed: bool = True,
+    fp16: bool = False,
 ) -> float:
     """Megatron-LM's --load of the iter_N directory `path` with its distributed optimizer (or
-    without `distributed`, its non-distributed one: FP32Optimizer) (model, optimizer state
-    and LR schedule, read as its `load_checkpoint` reads them), then iteration N, whose
-    weights go (model only) under `after`. Returns that iteration's loss. At
-    `expert_parallel` > 1 the experts have an optimizer of their own, chained with the
-    rest's."""
+    without `distributed`, its non-distributed one: FP32Optimizer, or in `fp16`
+    Float16OptimizerWithFloat16Params and its loss scaler) (model, optimizer state and LR
+    schedule, read as its `load_checkpoint` reads them), then iteration N, whose weights go
+    (model only) under `after`. Returns that iteration's loss. At `expert_parallel` > 1 the
+    experts have an optimizer of their own, chained with the rest's."""
     from megatron.core import dist_checkpointing
 
     iteration = int(os.path.basename(path).split("_")[1])
     training = _megatron_training(
-        kind, tensor_parallel, distributed=distributed, expert_parallel=expert_parallel
+        kind, tensor_parallel, distributed, expert_parallel=expert_parallel, fp16=fp16
     )
     with training as run:
         # megatron-core builds the sharded state dict of torch's Adam (its fallback without

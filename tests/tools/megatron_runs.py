@@ -252,15 +252,17 @@ def export_and_go_on(
     expert_parallel: int = 1,
     distributed: bool = True,
     convert_flags: tuple[str, ...] = (),
+    fp16: bool = False,
 ):
     """threefold reads megatron-core's checkpoint `root` with Adam's state (`argv`, on
     `ranks_here` ranks) and saves its own; that is exported to Megatron-LM's format (by the
     converter with `convert_flags`; `native`: the run saves Megatron-LM's format itself,
     --ckpt-format torch_dist), and megatron-core's distributed optimizer (without
-    `distributed`, its non-distributed one) reads the export on `ranks` ranks at TP `tp`, as
-    Megatron-LM's --load does, and takes the next iteration (at EP `expert_parallel`, for
-    which the converter shapes the experts' optimizer state). Returns (the export's iter_N
-    directory, megatron-core's loss, its weights after the iteration, by threefold name)."""
+    `distributed`, its non-distributed one; `fp16`: in fp16) reads the export on `ranks` ranks
+    at TP `tp`, as Megatron-LM's --load does, and takes the next iteration (at EP
+    `expert_parallel`, for which the converter shapes the experts' optimizer state). Returns
+    (the export's iter_N directory, megatron-core's loss, its weights after the iteration, by
+    threefold name)."""
     from tests.distributed import run_distributed
     from tests.tools.hf_models import convert_checkpoint
 
@@ -277,7 +279,7 @@ def export_and_go_on(
         assert convert_checkpoint.main([*convert, *convert_flags, "--save-dir", export]) == 0
     path, again = os.path.join(export, f"iter_{iteration:07d}"), str(directory / "again")
     losses = run_distributed(
-        ranks, mt.load_and_continue, kind, path, again, tp, expert_parallel, distributed
+        ranks, mt.load_and_continue, kind, path, again, tp, expert_parallel, distributed, fp16
     )
     _, model, _ = load_model(again, with_tokenizer=False)
     return path, losses[0], dict(model.named_parameters())

@@ -81,3 +81,34 @@ def test_a_misplaced_model_space_state_is_refused_in_one_line(tmp_path):
         load_checkpoint(root, trainer.checkpoint_components())
     assert "\n" not in str(error.value)
     assert "--no-load-optim" in str(error.value)
+
+
+def test_a_checkpoint_saved_before_adams_first_step_resumes_a_fresh_adam(tmp_path):
+    """Megatron-LM's non-distributed optimizer saved before its first step (an fp16 run's
+    first iterations are skipped until its loss scale fits): torch's Adam has no state yet,
+    so only the fp32 masters are saved. threefold resumes it with them, Adam at step 0 with
+    zero moments, instead of refusing it as the distributed optimizer's buckets; the legacy
+    format's such state it refuses, said."""
+    roots = {layout: str(tmp_path / layout) for layout in ("torch_dist", "legacy_plain")}
+    run_distributed(4, mt.save_layouts, "llama", roots, 2, 0, True)
+    root = roots["torch_dist"]
+    path = os.path.join(root, "iter_0000000")
+    reader = saved_tensors(path, megatron_step=0.0, optimizer=True)
+    assert not any(key.startswith("optimizer.state.exp_avg") for key in reader.sizes)
+    trainer = _setup(continue_argv(root, 1, 1, 1) + ["--bf16"])
+    assert load_checkpoint(root, trainer.checkpoint_components()) == 0
+    optimizer = trainer.optimizer
+    assert optimizer.adam_step() == 0
+    named = dict(trainer.model_chunks[0].named_parameters())
+    for piece in optimizer.pieces:
+        name = next(n for n, p in named.items() if p is piece.param)
+        saved = reader.full("master", name, piece.param, 2).reshape(-1)[piece.start : piece.end]
+        assert torch.equal(piece.master.detach().reshape(-1), saved), name
+        state = optimizer.optimizer.state.get(piece.master, {})
+        assert all(not state.get(f, torch.zeros(1)).any() for f in ("exp_avg", "exp_avg_sq"))
+    assert trainer.train_step()[2] is False  # (and trains on)
+    # The legacy format's, saved beside it, is refused in one line that says why.
+    trainer = _setup(continue_argv(roots["legacy_plain"], 1, 1, 1) + ["--bf16"])
+    with pytest.raises(ConfigError, match="before Adam's first step") as error:
+        load_checkpoint(roots["legacy_plain"], trainer.checkpoint_components())
+    assert "\n" not in str(error.value) and "--no-load-optim" in str(error.value)

@@ -91,8 +91,10 @@ def test_no_load_optim_resumes_megatrons_iteration_and_schedule(megatron):
     state = trainer.checkpoint_components().train_state
     assert (state.iteration, state.consumed_train_samples) == (11, 642)
     assert state.consumed_valid_samples == 24  # where Megatron-LM's evaluations had read to
-    # Megatron-LM's schedule counts samples (640 saved); an iteration-based run, iterations.
-    assert trainer.checkpoint_components().scheduler.num_steps == 11
+    # Megatron-LM's schedule counts samples (640 saved) and scales its iteration counts by the
+    # global batch; an iteration-based run counts iterations: 640 over this run's batch of 2,
+    # where Megatron-LM's schedule would stand (its run's batch was 64), then one more.
+    assert trainer.checkpoint_components().scheduler.num_steps == 640 // 2 + 1
 
 
 def test_a_megatron_checkpoint_without_optimizer_state_needs_no_load_optim(megatron):
@@ -460,7 +462,7 @@ def test_megatrons_step_and_loss_scale_are_read_from_each_optimizer_layout(tmp_p
     from threefold.checkpoint.megatron.optimizer import megatron_optimizer
 
     groups = [{"lr": 3e-3, "params": [0, 1]}]
-    scaler = {"scale": torch.tensor(4096.0), "growth_tracker": 7, "hysteresis_tracker": 2}
+    scaler = {"scale": torch.tensor([4096.0]), "growth_tracker": 7, "hysteresis_tracker": 2}
     layouts = {
         "fp32": {"state": {"common_step": torch.tensor(12.0)}, "param_groups": groups},
         "fp16": {

@@ -185,3 +185,20 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
     drawn = plot({"run": series}, str(tmp_path / "plot.png"))
     assert drawn["validation loss"] == drawn["validation-web loss"] == {"run": 1}
     assert series["tokens per second"] == {}
+
+
+def test_skipped_iterations_are_counted_per_line_as_megatrons():
+    """Megatron-LM's line counts the skipped (and nan) iterations of its own window, not of
+    the run: an fp16 run whose loss scale overflows (1.2e18: every iteration here) says 1 on
+    every line at --log-interval 1, and 2 at --log-interval 2."""
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
+        "--global-batch-size 4 --train-iters 4 --lr 1e-3 --eval-iters 0 "
+        "--fp16 --initial-loss-scale 1.2e18"
+    ).split()
+    for interval in (1, 2):
+        lines = _log_lines(argv + ["--log-interval", str(interval)])
+        counts = [re.search(MEGATRON_REGEXES["skipped"], line) for line in lines]
+        assert [int(c.group(1)) for c in counts if c] == [interval] * (4 // interval), lines
+        assert not any(" lm loss: " in line for line in lines)  # (every iteration skipped)

@@ -332,14 +332,8 @@ def _exported_optimizer(
             # an fp32 run's weights are their own masters
             source = "model" if field == "master" and not saved.has(field, name) else field
             tensors[field][name] = saved.full(source, name, param, saved_tp).float()
-    train_state = metadata.get("train_state", {})
     common = exported_common(
-        config,
-        metadata["scheduler"],
-        float(saved.step()),
-        int(train_state.get("consumed_train_samples", 0)),
-        shape,
-        metadata.get("loss_scaler"),
+        config, metadata["scheduler"], float(saved.step()), shape, metadata.get("loss_scaler")
     )
     return ExportedOptimizer(tensors, common, shape.fields)
 

@@ -333,15 +333,29 @@ def _scheduler_state(root: str, metadata: dict, training: TrainingConfig) -> dic
     """The LR scheduler's state a resumed run loads, once its schedule is settled against the
     run's flags (config/lr_schedule.py)."""
     scheduler = metadata["scheduler"]
-    if "megatron" in metadata and training.train_samples is None:
-        # Megatron-LM counts its LR schedule in samples; an iteration-based run here counts
-        # iterations (and checks the schedule itself against its own flags).
-        scheduler = {"num_steps": metadata["train_state"]["iteration"]}
+    if "megatron" in metadata:
+        scheduler = {"num_steps": _megatron_steps(metadata, training)}
     try:
         resumed_lr_schedule(scheduler, training)
     except ConfigError as error:
         raise ConfigError(f"--load {root}: {error}") from None
     return scheduler
+
+
+def _megatron_steps(metadata: dict, training: TrainingConfig) -> int | float:
+    """Megatron-LM's LR schedule counts the samples of the iterations that updated (an fp16
+    run's skipped ones do not count) in --train-samples' units and --train-iters' alike,
+    scaling its iteration counts by the global batch size; an iteration-based run here counts
+    those iterations. Without the checkpoint's schedule (saved with --no-save-optim), the
+    iterations."""
+    samples = metadata["scheduler"].get("num_steps")
+    if samples is None:
+        train_state = metadata["train_state"]
+        return train_state["consumed_train_samples" if training.train_samples else "iteration"]
+    if training.train_samples is not None:
+        return samples
+    steps = samples / training.global_batch_size
+    return int(steps) if steps.is_integer() else steps
 
 
 # What makes rank r of one run rank r of another, for its RNG streams: the ranks' grid.

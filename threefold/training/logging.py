@@ -51,18 +51,26 @@ class IterationStats:
 
 @dataclass
 class LogWindow:
-    """The iterations since the last log line: their count, samples and unskipped losses."""
+    """The iterations since the last log line: their count, samples and unskipped losses, and
+    how many were skipped (their loss nan or inf, or not). Megatron-LM's line counts the
+    skipped iterations of its window, not of the run: an fp16 run's first ones, skipped while
+    its loss scale comes down, each say 1 at --log-interval 1."""
 
     start: float = field(default_factory=time.perf_counter)
     iterations: int = 0
     samples: int = 0
     losses: list[float] = field(default_factory=list)
+    skipped: int = 0
+    nan: int = 0
 
     def add(self, loss: float, skipped: bool, global_batch_size: int) -> None:
         self.iterations += 1
         self.samples += global_batch_size
         if not skipped:
             self.losses.append(loss)
+        else:
+            self.skipped += 1
+            self.nan += not math.isfinite(loss)
 
 
 def iteration_stats(
@@ -91,6 +99,8 @@ def iteration_stats(
         train_iters=training.train_iters,
         elapsed_ms=seconds / window.iterations * 1e3,
         lm_loss=mean_loss,
+        skipped_iterations=window.skipped,
+        nan_iterations=window.nan,
         tokens_per_second=samples_per_second * config.model.seq_length,
         tflops_per_device=tflops,
         mfu=mfu,
@@ -128,8 +138,6 @@ def progress(
         global_batch_size=global_batch_size,
         loss_scale=loss_scaler.scale,
         grad_norm=None if skipped else grad_norm,
-        skipped_iterations=train_state.skipped_iterations,
-        nan_iterations=train_state.nan_iterations,
     )
 
 

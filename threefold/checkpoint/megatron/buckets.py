@@ -71,10 +71,9 @@ _STEM = re.compile(
     r"^((?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+)\.dtype_(.+)"
     r"\.bucket_idx_(\d+)$"
 )
-# The optimizer's own state (parameter groups with the step; the fp16 loss scaler)
-_OPTIMIZER_OBJECT = re.compile(
-    r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/"
-)
+# The distributed optimizer's objects of the first model-parallel rank: its own state_dict
+# (parameter groups with the step), and fp16's loss scaler beside it
+_OPTIMIZER_OBJECT = r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.{}/"
 _ALIGNMENT = 64  # megatron-core's `_pad_start_of_param_if_needed`
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -494,7 +493,11 @@ def dp_reshardable_optimizer(reader, keys, sizes: dict[str, tuple], args: dict):
     step = find_step(state)
     if step is None:
         return MegatronOptimizer("dp_reshardable", False, reason="it holds no Adam step")
-    return MegatronOptimizer("dp_reshardable", True, step, find_loss_scaler(state))
+    scaler = optimizer_object(reader, keys, "grad_scaler")
+    if isinstance(scaler, list) and scaler:  # (megatron-core's: a list of its one state)
+        scaler = scaler[0]
+    scaler = find_loss_scaler({"grad_scaler": scaler})
+    return MegatronOptimizer("dp_reshardable", True, step, scaler)
 
 
 class _ObjectPlanner(DefaultLoadPlanner):
@@ -508,10 +511,12 @@ class _ObjectPlanner(DefaultLoadPlanner):
         self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-def optimizer_object(reader, keys) -> object | None:
-    """The distributed optimizer's own state_dict (parameter groups, Adam's step, the fp16
-    loss scaler) of the first model-parallel rank, or None."""
-    key = next((k for k in keys if _OPTIMIZER_OBJECT.match(k)), None)
+def optimizer_object(reader, keys, part: str = "optimizer") -> object | None:
+    """One of the distributed optimizer's objects of the first model-parallel rank: its own
+    state_dict (`optimizer`: parameter groups, Adam's step) or fp16's loss scaler's
+    (`grad_scaler`), or None."""
+    pattern = re.compile(_OPTIMIZER_OBJECT.format(part))
+    key = next((k for k in keys if pattern.match(k)), None)
     if key is None:
         return None
     planner = _ObjectPlanner()

@@ -334,9 +334,10 @@ def described(path: str, common: dict, optimizer: MegatronOptimizer) -> dict:
         "rng_saved": bool(own.get("rng_saved")) if isinstance(own, dict) else False,
         "rng_layout": own.get("rng_layout") if isinstance(own, dict) else None,
         "train_state": train_state,
+        # (in samples, those of the iterations that updated; none without the optimizer)
         "scheduler": {"num_steps": int(scheduler["num_steps"])}
         if isinstance(scheduler, dict) and "num_steps" in scheduler
-        else {"num_steps": 0},
+        else {},
         "loss_scaler": optimizer.loss_scaler or {},
         "config": dataclasses.asdict(config),
     }

@@ -175,6 +175,11 @@ class LegacyPlainState:
         if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
             return "its optimizer state is not torch's Adam's"
         state, masters = inner.get("state") or {}, optimizer.get("fp32_from_fp16_params")
+        if not state:  # (an fp16 run's first iterations, skipped while its loss scale falls)
+            return (
+                "it was saved before Adam's first step, so it holds no moments; threefold "
+                "reads such a state in the torch_dist format only"
+            )
         seen = set()
         for g, group in enumerate(inner["param_groups"]):
             kind = (group.get("wd_mult") == 0.0, bool(group.get("is_expert_parallel")))

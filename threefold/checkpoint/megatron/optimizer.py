@@ -119,19 +119,39 @@ def find_step(state: Any) -> float | None:
 
 
 def find_loss_scaler(state: Any) -> dict | None:
-    """A DynamicGradScaler's state (fp16 runs), whose fields are threefold's own."""
+    """A DynamicGradScaler's state (fp16 runs), whose fields are threefold's own: its scale a
+    one-element tensor where it was read as one (a ShardedObject's), else its number."""
     if not isinstance(state, dict):
         return None
     scaler = state.get("grad_scaler")
-    if isinstance(scaler, dict) and all(
-        isinstance(scaler.get(k), (int, float)) for k in _LOSS_SCALER
-    ):
-        return {k: scaler[k] for k in _LOSS_SCALER}
+    if isinstance(scaler, dict):
+        numbers = {k: _number(scaler.get(k)) for k in _LOSS_SCALER}
+        if all(value is not None for value in numbers.values()):
+            return numbers
     for value in state.values():
         found = find_loss_scaler(value)
         if found is not None:
             return found
     return None
+
+
+def _number(value: Any) -> int | float | None:
+    if isinstance(value, (int, float)):
+        return value
+    if getattr(value, "shape", None) is not None and value.numel() == 1:
+        return float(value.item())
+    return None
+
+
+def grad_scaler_state(loss_scaler: dict) -> dict:
+    """threefold's dynamic loss scale as megatron-core's DynamicGradScaler saves it: its scale
+    a one-element fp32 tensor, which its load moves to the GPU (`.cuda()`: a number there
+    stopped Megatron-LM's --load with "'float' object has no attribute 'cuda'")."""
+    import torch
+
+    scale = torch.tensor([float(loss_scaler["scale"])], dtype=torch.float32)
+    trackers = {k: int(loss_scaler[k]) for k in _LOSS_SCALER if k != "scale"}
+    return {"scale": scale, **trackers}
 
 
 def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimizer:
@@ -151,6 +171,8 @@ def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimiz
         layout = sharding or "fully_sharded_model_space"
     elif state is None:
         layout = "none"
+    elif not sharding and _unstepped(common, state, sizes):
+        return MegatronOptimizer("non-distributed", True, 0.0, find_loss_scaler(state))
     else:
         layout = sharding or "dp_reshardable"
     return MegatronOptimizer(
@@ -158,6 +180,21 @@ def megatron_optimizer(common: dict, sizes: dict[str, tuple]) -> MegatronOptimiz
         model_space,
         find_step(state) if model_space else None,
         find_loss_scaler(state) if model_space else None,
+    )
+
+
+def _unstepped(common: dict, state: Any, sizes: dict[str, tuple]) -> bool:
+    """Megatron-LM's non-distributed optimizer before its first step: torch's Adam has no
+    state yet (no step, no moments), only the fp32 masters (bf16/fp16) are saved. An fp16
+    run is there for its first iterations, each skipped while its loss scale (2^32 by
+    default) overflows; Adam then starts from zero moments at step 0."""
+    args = common.get("args")
+    if not isinstance(args, dict) or args.get("use_distributed_optimizer"):
+        return False
+    master = FIELDS["master"][1]
+    tensors = [k for k in sizes if k.startswith("optimizer.")]
+    return find_step(state) is None and all(
+        k.startswith(master) and sizes.get(k[len(master) :]) == sizes[k] for k in tensors
     )
 
 
@@ -282,18 +319,14 @@ def experts_own_optimizer(expert_parallel: int, expert_tensor_parallel: int, tp:
 
 
 def exported_common(
-    config: Config,
-    schedule: dict,
-    step: float,
-    consumed_samples: int,
-    shape: ExportShape,
-    loss_scaler: dict | None = None,
+    config: Config, schedule: dict, step: float, shape: ExportShape, loss_scaler: dict | None = None
 ) -> dict:
     """common.pt's optimizer entries, shaped by `shape`: `schedule` is threefold's scheduler
-    state, `step` Adam's step count, `consumed_samples` the samples trained on (Megatron-LM's
-    scheduler counts samples, one global batch per iteration), `loss_scaler` fp16's dynamic
-    scale. Where the experts have an optimizer of their own, its chained optimizer's states,
-    the rest's and the experts'."""
+    state, `step` Adam's step count, `loss_scaler` fp16's dynamic scale. Where the experts
+    have an optimizer of their own, its chained optimizer's states, the rest's and the
+    experts'. Megatron-LM's scheduler counts samples (one global batch an updated iteration,
+    under --train-iters too): an fp16 run's skipped iterations consumed samples it does not
+    count."""
     import torch
 
     training = config.training
@@ -334,7 +367,7 @@ def exported_common(
     scheduler = {
         "max_lr": schedule["max_lr"],
         "lr_warmup_steps": schedule["warmup_steps"] * scale,
-        "num_steps": consumed_samples,
+        "num_steps": schedule["num_steps"] * scale,
         "lr_decay_style": schedule["decay_style"],
         "lr_decay_steps": schedule["decay_steps"] * scale,
         "min_lr": schedule["min_lr"],
@@ -353,8 +386,8 @@ def exported_common(
             # megatron-core hands each back (FP32Optimizer's is torch's own state dict)
             inner = {"state": {"common_step": torch.tensor(float(step))}, "param_groups": groups}
             entries = {"optimizer": inner} if shape.half else inner
-        if training.fp16 and loss_scaler:  # (megatron-core's DynamicGradScaler's fields)
-            entries["grad_scaler"] = {k: loss_scaler[k] for k in _LOSS_SCALER}
+        if training.fp16 and loss_scaler:
+            entries["grad_scaler"] = grad_scaler_state(loss_scaler)
         return entries
 
     if config.model.is_moe and shape.experts_apart:  # (keyed by the chained optimizer's index)

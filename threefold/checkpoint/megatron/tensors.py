@@ -320,10 +320,14 @@ class MegatronTensors:
         return unpadded(target, param, f"--load {self.path}", f"{kind} of {name}")
 
     def _weights(self, kind: str, name: str) -> torch.Tensor:
-        """A parameter's tensor in model space: stored whole, or a section at a time."""
+        """A parameter's tensor in model space: stored whole, or a section at a time. Adam's
+        moments before its first step (which Megatron-LM's torch Adam has not made yet) are
+        zeros."""
         found = self._key(kind, name)
         if found is not None:
             return self._read(*found)
+        if kind in ("exp_avg", "exp_avg_sq") and self._step == 0:
+            return torch.zeros_like(self._weights("model", name))
         if self._sectioned(kind, name) is None:
             raise ConfigError(f"--load {self.path}: the checkpoint has no {kind} of {name}")
         key, index = self._sectioned(kind, name)

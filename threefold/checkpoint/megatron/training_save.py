@@ -263,7 +263,6 @@ def save_megatron_training_checkpoint(
             config,
             components.scheduler.state_dict(),
             float(step),
-            int(train_state.get("consumed_train_samples", 0)),
             shape,
             components.loss_scaler.state_dict(),
         )
