@@ -89,13 +89,14 @@ def test_torchrun_mock_data_run(tmp_path, nproc, layout, expected):
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
-    assert len(lines) == 2
+    # Megatron-LM's line after the first iteration, then every --log-interval 3
+    assert [re.search(r" iteration +(\d+)/", line).group(1) for line in lines] == ["1", "3", "6"]
     assert re.match(
         MEGATRON_LINE.pattern + r" +6/ +6 \| consumed samples: +48 \| elapsed time per iteration "
         r"\(ms\): [\d.]+ \| learning rate: [\d.E+-]+ \| global batch size: +8 \| "
         r"lm loss: [\d.E+-]+ \| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of "
         r"skipped iterations: +0 \| number of nan iterations: +0 \|",
-        lines[1],
+        lines[2],
     )
     assert expected in result.stdout
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))

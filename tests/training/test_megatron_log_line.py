@@ -124,11 +124,15 @@ def test_validation_is_megatrons_report_between_rules():
     assert text.split("\n") == [rule, string, rule]
 
 
-def _log_lines(argv: list[str]) -> list[str]:
-    """The lines this rank prints while training (log line and validation)."""
+def _log_lines(argv: list[str], load: str | None = None) -> list[str]:
+    """The lines this rank prints while training (log line and validation), from the
+    checkpoint `load` if given."""
     from tests.parity import _setup
+    from threefold.checkpoint.load import load_checkpoint
 
     trainer = _setup(argv)
+    if load is not None:
+        load_checkpoint(load, trainer.checkpoint_components())
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer.train()
@@ -190,15 +194,86 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
 def test_skipped_iterations_are_counted_per_line_as_megatrons():
     """Megatron-LM's line counts the skipped (and nan) iterations of its own window, not of
     the run: an fp16 run whose loss scale overflows (1.2e18: every iteration here) says 1 on
-    every line at --log-interval 1, and 2 at --log-interval 2."""
+    every line at --log-interval 1, and 2 at --log-interval 2, where the run's first line,
+    after iteration 1, leaves its window open (1, then 2 at iteration 2)."""
     argv = (
         "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
         "--global-batch-size 4 --train-iters 4 --lr 1e-3 --eval-iters 0 "
         "--fp16 --initial-loss-scale 1.2e18"
     ).split()
-    for interval in (1, 2):
+    for interval, expected in ((1, [1, 1, 1, 1]), (2, [1, 2, 2])):
         lines = _log_lines(argv + ["--log-interval", str(interval)])
         counts = [re.search(MEGATRON_REGEXES["skipped"], line) for line in lines]
-        assert [int(c.group(1)) for c in counts if c] == [interval] * (4 // interval), lines
+        assert [int(c.group(1)) for c in counts if c] == expected, lines
         assert not any(" lm loss: " in line for line in lines)  # (every iteration skipped)
+
+
+def _iteration_lines(argv: list[str], load: str | None = None) -> dict[int, str]:
+    lines = _log_lines(argv, load)
+    numbers = [re.search(r" iteration +(\d+)/", line) for line in lines]
+    return {int(n.group(1)): line for n, line in zip(numbers, lines) if n}
+
+
+def _lm_loss(line: str) -> float:
+    return float(re.search(r" lm loss: (\S+) \|", line).group(1))
+
+
+def test_the_first_iteration_is_logged_and_leaves_its_window_open_as_megatrons(tmp_path):
+    """Megatron-LM (its training_log's is_first_iteration) prints a line after the first
+    iteration a process trains, fresh or resumed, to show what the start cost, and resets no
+    sums there: the next line at --log-interval covers its interval whole. The metric writers
+    keep to --log-interval. At --log-interval 1 every line is the iteration's own (Megatron-
+    LM's second is the mean of two: observability.py says why threefold's is not)."""
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 1e-3 --eval-iters 0 --log-interval 1"
+    ).split()
+    each = _iteration_lines(argv + ["--train-iters", "6"])
+    assert sorted(each) == [1, 2, 3, 4, 5, 6]
+    losses = {i: _lm_loss(line) for i, line in each.items()}
+    # At --log-interval 3: iteration 1, then 3 (the mean of 1, 2 and 3), then 6 (4 to 6).
+    board = str(tmp_path / "tensorboard")
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
+    every_third = argv[:-1] + ["3", "--train-iters", "6", "--tensorboard-dir", board] + save
+    lines = _iteration_lines(every_third)
+    assert sorted(lines) == [1, 3, 6]
+    assert _lm_loss(lines[1]) == pytest.approx(losses[1], rel=1e-5)
+    assert _lm_loss(lines[3]) == pytest.approx(sum(losses[i] for i in (1, 2, 3)) / 3, rel=1e-5)
+    assert _lm_loss(lines[6]) == pytest.approx(sum(losses[i] for i in (4, 5, 6)) / 3, rel=1e-5)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(board)
+    events.Reload()
+    assert [event.step for event in events.Scalars("lm loss")] == [3, 6]
+    # Resumed from iteration 4: its first line is iteration 5's; iteration 6's, 4 to 6's,
+    # is 5 and 6's.
+    load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "4"]
+    resumed = _iteration_lines(every_third[:-4] + load, str(tmp_path / "ckpt"))
+    assert sorted(resumed) == [5, 6]
+    assert _lm_loss(resumed[5]) == pytest.approx(losses[5], rel=1e-5)
+    assert _lm_loss(resumed[6]) == pytest.approx((losses[5] + losses[6]) / 2, rel=1e-5)
+
+
+def test_the_first_line_leaves_the_moe_and_mtp_losses_window_open_too():
+    """The layers' own losses follow the line's window: at --log-interval 3, iteration 3's
+    load-balancing and MTP losses are the means over iterations 1 to 3 (the first line, after
+    iteration 1, reset neither)."""
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 1e-3 --eval-iters 0 --train-iters 3 --num-experts 4 "
+        "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --mtp-num-layers 1"
+    ).split()
+    fields = ("load_balancing_loss", "mtp_1 loss")
+
+    def values(line: str) -> list[float]:
+        return [float(re.search(rf" {field}: (\S+) \|", line).group(1)) for field in fields]
+
+    each = {i: values(line) for i, line in _iteration_lines(argv + ["--log-interval", "1"]).items()}
+    lines = _iteration_lines(argv + ["--log-interval", "3"])
+    assert sorted(lines) == [1, 3]
+    assert values(lines[1]) == pytest.approx(each[1], rel=1e-5)
+    means = [sum(each[i][k] for i in (1, 2, 3)) / 3 for k in range(len(fields))]
+    assert values(lines[3]) == pytest.approx(means, rel=1e-5)

@@ -21,6 +21,6 @@ class IndexerLosses(LayerLosses):
         super().__init__(model_chunks, SparseAttention, 1, parallel)
         self.num_layers = num_layers
 
-    def report(self, device) -> dict[str, float]:
+    def report(self, device, reset: bool = True) -> dict[str, float]:
         """{"indexer loss": its mean over the window and the layers}; every rank calls."""
-        return {"indexer loss": self._window_means(device).item() / self.num_layers}
+        return {"indexer loss": self._window_means(device, reset).item() / self.num_layers}

@@ -49,11 +49,13 @@ class LayerLosses:
                 self.sums += losses.double().cpu() / num_microbatches
         self.iterations += 1
 
-    def _window_means(self, device: torch.device) -> torch.Tensor:
-        """The sums' means over the window, reduced over all ranks (every rank calls)."""
+    def _window_means(self, device: torch.device, reset: bool = True) -> torch.Tensor:
+        """The sums' means over the window, reduced over all ranks (every rank calls); the
+        window goes on unless `reset`."""
         sums = self.sums.to(device)
         self.parallel.pp.all_reduce(sums)
         self.parallel.dp.all_reduce(sums)
         values = sums.cpu() / self.parallel.dp.size / max(self.iterations, 1)
-        self._reset()
+        if reset:
+            self._reset()
         return values

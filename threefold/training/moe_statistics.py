@@ -78,9 +78,12 @@ class MoEStatistics:
                     layer.router.update_expert_bias(statistics["tokens_per_expert"])
         self.iterations += 1
 
-    def report(self, device: torch.device) -> tuple[dict[str, float], torch.Tensor]:
+    def report(
+        self, device: torch.device, reset: bool = True
+    ) -> tuple[dict[str, float], torch.Tensor]:
         """({loss name: mean over MoE layers and iterations}, tokens per expert per iteration
-        [layers, experts]) of the window, reduced over all ranks; every rank must call it."""
+        [layers, experts]) of the window, reduced over all ranks; every rank must call it. The
+        window goes on unless `reset`."""
         parallel = self.parallel
         losses = self.losses.to(device)
         tokens = self.tokens.to(device)
@@ -101,5 +104,6 @@ class MoEStatistics:
         tokens = tokens.cpu() / iterations
         layers = [n - 1 for n in self.moe_layer_numbers]
         means = {name: losses[row, layers].mean().item() for row, name in enumerate(self.names)}
-        self._reset()
+        if reset:
+            self._reset()
         return means, tokens[layers]

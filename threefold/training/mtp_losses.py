@@ -19,7 +19,7 @@ class MTPLosses(LayerLosses):
     ) -> None:
         super().__init__(model_chunks, MultiTokenPredictionBlock, depths, parallel)
 
-    def report(self, device) -> dict[str, float]:
+    def report(self, device, reset: bool = True) -> dict[str, float]:
         """{`mtp_k loss`: its mean over the window}; every rank calls."""
-        values = self._window_means(device)
+        values = self._window_means(device, reset)
         return {f"mtp_{depth + 1} loss": value.item() for depth, value in enumerate(values)}

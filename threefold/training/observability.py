@@ -1,7 +1,8 @@
 """Everything that watches the training loop without changing what it computes, entered once.
 
     metric writers      the Megatron log line, TensorBoard, Weights & Biases (training/logging)
-    log window          iterations, samples and losses since the last log line
+    log window          iterations, samples and losses since the last log line (the run's
+                        first line, Megatron-LM's after its first iteration, closes none)
     timers              Megatron's timers, reported with the log line (training/timers)
     profiler            --profile's window of iterations (training/profiling)
     watchdog            stall and straggler reports (training/watchdog)
@@ -61,6 +62,7 @@ class Observability:
         self.hygiene = MemoryHygiene(config.training, device)
         self.profiler = IterationProfiler(config.logging, device, self.rank)
         self.window = LogWindow()
+        self.first_line_due = False  # until the loop starts
         self.run_progress = RunProgress(config.training.train_iters)
         self._stack = contextlib.ExitStack()
 
@@ -75,11 +77,11 @@ class Observability:
             _write_line(message)
 
     def print_timers(
-        self, names: list[str] | tuple[str, ...], normalizer: int = 1
+        self, names: list[str] | tuple[str, ...], normalizer: int = 1, reset: bool = True
     ) -> dict[str, float]:
         """Report timers (collective: every rank calls it) and print them on rank 0; returns
         the max over ranks in ms per timer."""
-        text, maxima = self.timers.report(names, normalizer)
+        text, maxima = self.timers.report(names, normalizer, reset)
         if text:
             self.print(text)
         return maxima
@@ -103,6 +105,7 @@ class Observability:
             SpikyLossDetector(training.spiky_loss_factor) if training.check_for_spiky_loss else None
         )
         self.window = LogWindow()
+        self.first_line_due = True
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -134,28 +137,42 @@ class Observability:
             self.run_progress.trained(loss)
 
     def log_due(self, iteration: int) -> bool:
+        """Every --log-interval iterations, and after the first iteration this process trains:
+        Megatron-LM's line that shows what the start cost (a resumed run's too)."""
+        return self.first_line_due or self.closes_window(iteration)
+
+    def closes_window(self, iteration: int) -> bool:
+        """Whether the line at `iteration` closes its window: a line at --log-interval does.
+        The first line between them leaves it open, as Megatron-LM's does, so the next line
+        covers its interval whole. (Megatron-LM leaves the first line's window open at any
+        interval: at --log-interval 1 its second line is the mean of two iterations, which no
+        longer compares with an uninterrupted run's; threefold's is the iteration's own.)"""
         return iteration % self.config.logging.log_interval == 0
 
     def log(self, progress: dict) -> None:
         """The log line of the window (`progress`: the run's own numbers, training/logging's
-        `progress`), its timers and the straggler report; a new window starts."""
+        `progress`) and its timers; at --log-interval, the metric writers' point and the
+        straggler report too, and a new window (the first line is only printed)."""
         logging, window = self.config.logging, self.window
+        closes = self.closes_window(progress["iteration"])
+        self.first_line_due = False
         stats = iteration_stats(
             self.config, self.device, self.world_size, self.flops_per_iteration, window, **progress
         )
         self.print_last(format_iteration(stats))
         self.print(self.run_progress.line(stats.iteration))
-        maxima = self.print_timers(list(ITERATION), window.iterations)
-        if logging.log_timers_to_tensorboard:
-            stats.timers = maxima
-        self.writers.log_iteration(stats)
+        maxima = self.print_timers(list(ITERATION), window.iterations, reset=closes)
         iteration = stats.iteration
-        report = self.watchdog.straggler_report(
-            iteration // logging.log_interval, iteration - window.iterations + 1, iteration
-        )
-        if report:
-            self.print(report)
-        self.window = LogWindow()
+        if closes:
+            if logging.log_timers_to_tensorboard:
+                stats.timers = maxima
+            self.writers.log_iteration(stats)
+            report = self.watchdog.straggler_report(
+                iteration // logging.log_interval, iteration - window.iterations + 1, iteration
+            )
+            if report:
+                self.print(report)
+            self.window = LogWindow()
 
     @contextlib.contextmanager
     def evaluation(self, iteration: int) -> Iterator[None]:

@@ -78,16 +78,17 @@ class Timers:
             torch.cuda.synchronize(self.device)
 
     def report(
-        self, names: tuple[str, ...] | list[str], normalizer: int = 1
+        self, names: tuple[str, ...] | list[str], normalizer: int = 1, reset: bool = True
     ) -> tuple[str | None, dict[str, float]]:
         """Collective over all ranks (every rank calls it with the same names): the block to
         print (None when no rank ran any of them) and the max over ranks in ms per name ran.
-        The reported timers restart from zero."""
+        The reported timers restart from zero if `reset`."""
         names = [name for name in names if ITERATION.get(name, 0) <= self.level]
         if not names:
             return None, {}
+        read = self.elapsed.pop if reset else self.elapsed.get
         local = torch.tensor(
-            [self.elapsed.pop(name, 0.0) * 1e3 / normalizer for name in names], dtype=torch.float64
+            [read(name, 0.0) * 1e3 / normalizer for name in names], dtype=torch.float64
         )
         per_rank = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:

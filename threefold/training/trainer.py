@@ -481,12 +481,13 @@ class Trainer:
         if watch.log_due(iteration):
             components = (self.state, self.scheduler, self.optimizer, self.loss_scaler)
             numbers, tokens = progress(self.config, *components, batch, grad_norm, skipped), None
+            reset = watch.closes_window(iteration)
             if self.mtp_losses is not None:
-                numbers["mtp_losses"] = self.mtp_losses.report(self.device)
+                numbers["mtp_losses"] = self.mtp_losses.report(self.device, reset)
             if self.moe_statistics is not None:
-                numbers["moe_losses"], tokens = self.moe_statistics.report(self.device)
+                numbers["moe_losses"], tokens = self.moe_statistics.report(self.device, reset)
             if self.indexer_losses is not None:
-                numbers["indexer_losses"] = self.indexer_losses.report(self.device)
+                numbers["indexer_losses"] = self.indexer_losses.report(self.device, reset)
             watch.log(numbers)
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)
