@@ -55,6 +55,19 @@ SEQ = 16
 
 
 @contextlib.contextmanager
+def cuda_calls_on_the_cpu():
+    """megatron-core's `.cuda()` moves and its `torch.cuda.current_device()` (RoPE's
+    frequencies, fp16's loss scaler loading its scale) stay on the CPU."""
+    saved = torch.Tensor.cuda, torch.cuda.current_device
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.cuda.current_device = saved
+
+
+@contextlib.contextmanager
 def cpu_patches():
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
     from megatron.core.transformer import multi_latent_attention
@@ -81,28 +94,17 @@ def cpu_patches():
     rotate, rope = dsa.rotate_activation, dsa.DSAIndexer._apply_rope
     dsa.rotate_activation = hadamard_by_matrix
     dsa.DSAIndexer._apply_rope = indexer_rope_as_megatron_lm
-    saved = (
-        torch.cuda.current_device,
-        torch.cuda.synchronize,
-        CudaRNGStatesTracker.fork,
-        torch.Tensor.cuda,
-    )
-    torch.cuda.current_device = lambda: "cpu"
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    saved = torch.cuda.synchronize, CudaRNGStatesTracker.fork
     torch.cuda.synchronize = lambda *args, **kwargs: None
     CudaRNGStatesTracker.fork = lambda self, *args, **kwargs: contextlib.nullcontext()
     try:
-        yield
+        with cuda_calls_on_the_cpu():
+            yield
     finally:
         multi_latent_attention.HAVE_TE = have_te
         fused_softmax.get_sliding_window_causal_mask = window_mask
         dsa.rotate_activation, dsa.DSAIndexer._apply_rope = rotate, rope
-        (
-            torch.cuda.current_device,
-            torch.cuda.synchronize,
-            CudaRNGStatesTracker.fork,
-            torch.Tensor.cuda,
-        ) = saved
+        torch.cuda.synchronize, CudaRNGStatesTracker.fork = saved
 
 
 @contextlib.contextmanager
@@ -126,20 +128,16 @@ def optimizer_patches():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    # (fp16's loss scaler moves its loaded scale with `.cuda(torch.cuda.current_device())`)
-    saved_cuda, saved_device = torch.Tensor.cuda, torch.cuda.current_device
     for name in factories:
         setattr(torch, name, on_cpu(saved[name]))
     torch.Tensor.type = cuda_type_name
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    torch.cuda.current_device = lambda: "cpu"
     try:
-        yield
+        with cuda_calls_on_the_cpu():
+            yield
     finally:
         for name, factory in saved.items():
             setattr(torch, name, factory)
         torch.Tensor.type = saved_type
-        torch.Tensor.cuda, torch.cuda.current_device = saved_cuda, saved_device
 
 
 def config_fields(shape: dict, tensor_parallel: int, pipeline_parallel: int) -> dict:
