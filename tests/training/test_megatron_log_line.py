@@ -191,17 +191,20 @@ def test_plot_logs_reads_megatrons_log(tmp_path):
     assert series["tokens per second"] == {}
 
 
+# One process, a tiny model on mock data: what the tests of the line's windows train.
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
+    "--global-batch-size 4 --lr 1e-3 --eval-iters 0"
+).split()
+
+
 def test_skipped_iterations_are_counted_per_line_as_megatrons():
     """Megatron-LM's line counts the skipped (and nan) iterations of its own window, not of
     the run: an fp16 run whose loss scale overflows (1.2e18: every iteration here) says 1 on
     every line at --log-interval 1, and 2 at --log-interval 2, where the run's first line,
     after iteration 1, leaves its window open (1, then 2 at iteration 2)."""
-    argv = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
-        "--global-batch-size 4 --train-iters 4 --lr 1e-3 --eval-iters 0 "
-        "--fp16 --initial-loss-scale 1.2e18"
-    ).split()
+    argv = TINY + "--train-iters 4 --fp16 --initial-loss-scale 1.2e18".split()
     for interval, expected in ((1, [1, 1, 1, 1]), (2, [1, 2, 2])):
         lines = _log_lines(argv + ["--log-interval", str(interval)])
         counts = [re.search(MEGATRON_REGEXES["skipped"], line) for line in lines]
@@ -225,11 +228,7 @@ def test_the_first_iteration_is_logged_and_leaves_its_window_open_as_megatrons(t
     sums there: the next line at --log-interval covers its interval whole. The metric writers
     keep to --log-interval. At --log-interval 1 every line is the iteration's own (Megatron-
     LM's second is the mean of two: observability.py says why threefold's is not)."""
-    argv = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
-        "--global-batch-size 4 --lr 1e-3 --eval-iters 0 --log-interval 1"
-    ).split()
+    argv = TINY + ["--log-interval", "1"]
     each = _iteration_lines(argv + ["--train-iters", "6"])
     assert sorted(each) == [1, 2, 3, 4, 5, 6]
     losses = {i: _lm_loss(line) for i, line in each.items()}
@@ -247,8 +246,8 @@ def test_the_first_iteration_is_logged_and_leaves_its_window_open_as_megatrons(t
     events = EventAccumulator(board)
     events.Reload()
     assert [event.step for event in events.Scalars("lm loss")] == [3, 6]
-    # Resumed from iteration 4: its first line is iteration 5's; iteration 6's, 4 to 6's,
-    # is 5 and 6's.
+    # Resumed from iteration 4 (--ckpt-step picks it): lines after 5 and 6, the second the
+    # mean of both. (Losses agree to the 7 digits the line prints: rel=1e-5.)
     load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "4"]
     resumed = _iteration_lines(every_third[:-4] + load, str(tmp_path / "ckpt"))
     assert sorted(resumed) == [5, 6]
@@ -260,12 +259,8 @@ def test_the_first_line_leaves_the_moe_and_mtp_losses_window_open_too():
     """The layers' own losses follow the line's window: at --log-interval 3, iteration 3's
     load-balancing and MTP losses are the means over iterations 1 to 3 (the first line, after
     iteration 1, reset neither)."""
-    argv = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-        "--max-position-embeddings 16 --vocab-size 64 --mock-data --micro-batch-size 2 "
-        "--global-batch-size 4 --lr 1e-3 --eval-iters 0 --train-iters 3 --num-experts 4 "
-        "--moe-router-topk 2 --moe-aux-loss-coeff 0.01 --mtp-num-layers 1"
-    ).split()
+    argv = TINY + "--train-iters 3 --num-experts 4 --moe-router-topk 2 ".split()
+    argv += "--moe-aux-loss-coeff 0.01 --mtp-num-layers 1".split()
     fields = ("load_balancing_loss", "mtp_1 loss")
 
     def values(line: str) -> list[float]:

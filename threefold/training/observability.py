@@ -153,16 +153,15 @@ class Observability:
         """The log line of the window (`progress`: the run's own numbers, training/logging's
         `progress`) and its timers; at --log-interval, the metric writers' point and the
         straggler report too, and a new window (the first line is only printed)."""
-        logging, window = self.config.logging, self.window
-        closes = self.closes_window(progress["iteration"])
+        logging, window, iteration = self.config.logging, self.window, progress["iteration"]
+        closes = self.closes_window(iteration)
         self.first_line_due = False
         stats = iteration_stats(
             self.config, self.device, self.world_size, self.flops_per_iteration, window, **progress
         )
         self.print_last(format_iteration(stats))
-        self.print(self.run_progress.line(stats.iteration))
+        self.print(self.run_progress.line(iteration))
         maxima = self.print_timers(list(ITERATION), window.iterations, reset=closes)
-        iteration = stats.iteration
         if closes:
             if logging.log_timers_to_tensorboard:
                 stats.timers = maxima
