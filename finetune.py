@@ -223,6 +223,7 @@ def _fine_tune(
     from threefold.checkpoint.load import load_checkpoint
     from threefold.parallel.refusal import print_refusal_once
     from threefold.training import halting
+    from threefold.training.out_of_memory import out_of_memory_refused
     from threefold.training.trainer import Trainer
 
     started = start_processes(config, "finetune.py")
@@ -230,12 +231,15 @@ def _fine_tune(
         return 2
     device, parallel = started
     try:
-        trainer = Trainer(config, device, parallel, build_data=sft_datasets(sft_packing))
-        loaded = load_checkpoint(
-            load, trainer.checkpoint_components(), finetune=config.checkpoint.finetune
-        )
-        # --rerun-mode validate_results: an iteration a resumed run must rerun first
-        pending = resuming and loaded is not None and trainer.validation.after_load(load, loaded)
+        with out_of_memory_refused(config, "while building the model or loading its checkpoint"):
+            trainer = Trainer(config, device, parallel, build_data=sft_datasets(sft_packing))
+            loaded = load_checkpoint(
+                load, trainer.checkpoint_components(), finetune=config.checkpoint.finetune
+            )
+            # --rerun-mode validate_results: an iteration a resumed run must rerun first
+            pending = (
+                resuming and loaded is not None and trainer.validation.after_load(load, loaded)
+            )
     except ConfigError as error:  # from here on, possibly met by some ranks only
         print_refusal_once("finetune.py", error, parallel.world.rank)
         return 2

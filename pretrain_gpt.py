@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from threefold.arguments import parse_args, print_refusal
 from threefold.checkpoint.pretrained import starting_checkpoint
@@ -15,6 +16,12 @@ from threefold.config import Config, ConfigError
 from threefold.startup import frozen_imports, run_then_shut_down, start_processes
 from threefold.training.exit_signals import exit_signal_handler
 from threefold.validation import check_inputs
+
+if TYPE_CHECKING:  # (torch is imported after the flags are read)
+    import torch
+
+    from threefold.parallel.parallel_context import ParallelContext
+    from threefold.training.trainer import Trainer
 
 
 def _summary(config, trainer, device_type: str) -> str:
@@ -71,61 +78,67 @@ def main(argv: list[str] | None = None, prog: str = "pretrain_gpt.py", hybrid: b
 def _train(config: Config, starting_note: str | None = None, prog: str = "pretrain_gpt.py") -> int:
     """Start this process's groups, build the trainer, resume, train: the exit code. Whatever
     holds a group lives in this frame, gone before `state.shut_down` (which says why)."""
-    from threefold.checkpoint.load import load_checkpoint
-    from threefold.checkpoint.upcycling import upcycle_on_rank_zero
     from threefold.parallel.refusal import print_refusal_once
     from threefold.training import halting
+    from threefold.training.out_of_memory import out_of_memory_refused
     from threefold.training.timers import SETUP
-    from threefold.training.trainer import Trainer
 
     started = start_processes(config, prog)
     if started is None:
         return 2
     device, parallel = started
     try:
-        trainer = Trainer(config, device, parallel)
-        if starting_note:
-            trainer.print(starting_note)
-        if config.model.moe_use_upcycling:
-            with trainer.timers("load-checkpoint", 0):
-                trainer.print(upcycle_on_rank_zero(config, parallel))
-                load_checkpoint(
-                    config.checkpoint.save, trainer.checkpoint_components(), finetune=True
-                )
-        elif config.checkpoint.load:
-            checkpoint = config.checkpoint
-            with trainer.timers("load-checkpoint", 0):
-                iteration = load_checkpoint(
-                    checkpoint.load,
-                    trainer.checkpoint_components(),
-                    load_optimizer=not checkpoint.no_load_optim,
-                    load_rng=not checkpoint.no_load_rng,
-                    finetune=checkpoint.finetune,
-                )
-            if (
-                iteration is not None
-                and checkpoint.load == checkpoint.save
-                and not checkpoint.finetune
-            ):
-                trainer.checkpointer.last_saved = iteration  # on disk: never written over
-            if iteration is None:
-                said = f"> no checkpoint in --load {checkpoint.load}; starting from scratch"
-            elif checkpoint.finetune:  # (weights only: the run counts from 0)
-                said = f"> loaded the weights of {checkpoint.load} (iteration {iteration})"
-            else:
-                said = f"> resumed from {checkpoint.load} at iteration {iteration}"
-            trainer.print(said)
-            pending = iteration is not None and trainer.validation.after_load(
-                checkpoint.load, iteration
-            )
-            if pending:  # --rerun-mode validate_results: an iteration to rerun from here
-                trainer.print(pending)
+        with out_of_memory_refused(config, "while building the model or loading its checkpoint"):
+            trainer = _build_and_resume(config, device, parallel, starting_note)
     except ConfigError as error:  # from here on, possibly met by some ranks only
         print_refusal_once(prog, error, parallel.world.rank)
         return 2
     trainer.print(_summary(config, trainer, device.type))
     trainer.observability.print_timers(SETUP)
     return halting.train(trainer, prog)
+
+
+def _build_and_resume(
+    config: Config, device: torch.device, parallel: ParallelContext, starting_note: str | None
+) -> Trainer:
+    """The trainer, its checkpoint loaded (--load, or the dense model --moe-use-upcycling
+    upcycles)."""
+    from threefold.checkpoint.load import load_checkpoint
+    from threefold.checkpoint.upcycling import upcycle_on_rank_zero
+    from threefold.training.trainer import Trainer
+
+    trainer = Trainer(config, device, parallel)
+    if starting_note:
+        trainer.print(starting_note)
+    if config.model.moe_use_upcycling:
+        with trainer.timers("load-checkpoint", 0):
+            trainer.print(upcycle_on_rank_zero(config, parallel))
+            load_checkpoint(config.checkpoint.save, trainer.checkpoint_components(), finetune=True)
+    elif config.checkpoint.load:
+        checkpoint = config.checkpoint
+        with trainer.timers("load-checkpoint", 0):
+            iteration = load_checkpoint(
+                checkpoint.load,
+                trainer.checkpoint_components(),
+                load_optimizer=not checkpoint.no_load_optim,
+                load_rng=not checkpoint.no_load_rng,
+                finetune=checkpoint.finetune,
+            )
+        if iteration is not None and checkpoint.load == checkpoint.save and not checkpoint.finetune:
+            trainer.checkpointer.last_saved = iteration  # on disk: never written over
+        if iteration is None:
+            said = f"> no checkpoint in --load {checkpoint.load}; starting from scratch"
+        elif checkpoint.finetune:  # (weights only: the run counts from 0)
+            said = f"> loaded the weights of {checkpoint.load} (iteration {iteration})"
+        else:
+            said = f"> resumed from {checkpoint.load} at iteration {iteration}"
+        trainer.print(said)
+        pending = iteration is not None and trainer.validation.after_load(
+            checkpoint.load, iteration
+        )
+        if pending:  # --rerun-mode validate_results: an iteration to rerun from here
+            trainer.print(pending)
+    return trainer
 
 
 if __name__ == "__main__":

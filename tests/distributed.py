@@ -39,6 +39,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun gives each worker of a one-node job on this machine."""
+    return dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
@@ -46,13 +58,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     from threefold.kernels.dispatch import KERNELS
     from threefold.parallel import state
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(worker_environment(rank, world_size, port))
     torch.set_num_threads(1)
     # A rank that fails leaves its peers blocked in a collective: let them time out instead of
     # hanging the test session.

@@ -308,3 +308,28 @@ def test_a_rope_sequence_longer_than_the_recorded_context_is_said(capsys):
     )
     parse_args(["--mock-data", "--vocab-size", "100", "--position-embedding-type", "rope"])
     assert "WARNING" not in capsys.readouterr().out
+
+
+def test_every_float_flag_refuses_nan_and_infinity():
+    """Taken, they came back after start-up as a loss gone NaN or a traceback
+    (--moe-expert-capacity-factor inf, --distributed-timeout-minutes inf, --fp8-margin)."""
+    import argparse
+    import dataclasses
+
+    from threefold.arguments import _SECTIONS, build_parser
+    from threefold.config import Config
+
+    floats = {
+        f"{concern}.{field.name}"
+        for concern in _SECTIONS
+        for field in dataclasses.fields(getattr(Config(), concern))
+        if "float" in field.type and field.metadata.get("cli", True)
+    }
+    # (--lr-warmup-iters, a float field, parses an int)
+    actions = [a for a in build_parser()._actions if a.dest in floats and a.type is not int]
+    assert len(actions) > 60 and "--longrope-short-factor" in {a.option_strings[0] for a in actions}
+    for action in actions:
+        assert action.type("0.5") == 0.5
+        for text in ("nan", "inf", "-inf", "1e400"):
+            with pytest.raises(argparse.ArgumentTypeError, match=f"finite number, not {text}"):
+                action.type(text)

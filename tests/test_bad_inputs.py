@@ -110,7 +110,8 @@ CONFIGS = [
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),
     (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
     (MOCK + ["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), not 2.0"),
-    (MOCK + ["--lr", "inf"], 1, "--lr and --min-lr must be finite and >= 0"),
+    (MOCK + ["--lr", "inf"], 1, "argument --lr: give a finite number, not inf"),
+    (MOCK + ["--moe-expert-capacity-factor", "nan"], 1, "give a finite number, not nan"),
     (MOCK + ["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be"),
     (MOCK + ["--no-such-flag"], 1, "--no-such-flag"),
     (MOCK + ["--position-embedding-type", "alibi"], 1, "--position-embedding-type"),
@@ -134,6 +135,20 @@ CONFIGS = [
     ),
     (MOCK + ["--tokenizer-type", "GPT2BPETokenizer"], 1, "--vocab-file"),
     (MOCK + ["--load", "/no/such/checkpoints"], 1, "--load /no/such/checkpoints"),
+    # a dense model builds the experts' grid too: it must split the ranks of a stage
+    (
+        MOCK + ["--expert-tensor-parallel-size", "3"],
+        1,
+        "--expert-tensor-parallel-size 3 must divide TP x CP x DP = 1",
+    ),
+    (
+        MOCK + ["--distributed-timeout-minutes", "1e9"],
+        1,
+        "--distributed-timeout-minutes must be positive and at most 1e+08 minutes, not 1e+09",
+    ),
+    (MOCK + ["--wandb-project", "team/run"], 1, "--wandb-project 'team/run': a Weights & Biases"),
+    (MOCK + ["--fp8-format", "hybrid", "--fp8-margin", "1000"], 1, "--fp8-margin 1000: give 0"),
+    (MOCK + ["--step-batch-size-schedule", "0:4 inf:8"], 1, "'inf:8' is not THRESHOLD:SIZE"),
     (["--data-path", "0.5", "/some/corpus", "0.5"], 1, "--data-path"),
     (["--data-path", "nan", "/some/corpus"], 1, "--data-path: blending weights must be finite"),
     # prefixes without weights are Megatron-LM's blend by size (before: refused as malformed)

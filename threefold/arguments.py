@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -132,7 +133,20 @@ _SECTIONS = {
     "checkpoint": "checkpointing",
     "logging": "logging",
 }
-_TYPES = {"int": int, "float": float, "str": str}
+
+
+def finite(text: str) -> float:
+    """A float flag's `type=`: a finite number. NaN and infinity are no setting of any flag;
+    taken, they came back later as a loss gone NaN or an integer conversion's traceback
+    (--moe-expert-capacity-factor inf, --distributed-timeout-minutes inf)."""
+    value = float(text)  # a ValueError: argparse's "invalid float value: 'x'"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"give a finite number, not {text}")
+    return value
+
+
+finite.__name__ = "float"  # (argparse names the type in "invalid float value")
+_TYPES = {"int": int, "float": finite, "str": str}
 
 
 def _help(field: dataclasses.Field) -> str | None:

@@ -145,7 +145,12 @@ class Fp8Config:
             "delayed or blockwise",
         )
         require(not fp16, "--fp8-format with --fp16: FP8 training here runs beside --bf16")
-        require(self.fp8_margin >= 0, "--fp8-margin must be >= 0")
+        # (a scale divided by 2^128 or more is below fp32's range: every cast would be 0)
+        require(
+            0 <= self.fp8_margin <= 127,
+            f"--fp8-margin {self.fp8_margin}: give 0 to 127 (the scale is FP8 max / amax / "
+            "2^margin, and fp32 scales end at 2^-127)",
+        )
         # (Megatron-LM takes it with FSDP2 too, and with TE >= 2.0 turns it off there;
         # torchtitan all-gathers FSDP2's shards in float8.)
         require(

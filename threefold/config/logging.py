@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from threefold.config.errors import require as _require
 from threefold.config.fields import arg
 
+# the characters Weights & Biases refuses in a project name (wandb's own check raises deep in
+# its setup, after start-up)
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
 
 @dataclass
 class LoggingConfig:
@@ -91,6 +95,14 @@ class LoggingConfig:
 
     def finalize(self) -> list[str]:
         _require(self.straggler_factor > 1, "--straggler-factor must be above 1")
+        project = self.wandb_project or ""
+        found = "".join(c for c in WANDB_PROJECT_FORBIDDEN if c in project)
+        _require(
+            len(project) <= 128 and not found,
+            f"--wandb-project {project!r}: a Weights & Biases project name has at most 128 "
+            f"characters and none of {' '.join(WANDB_PROJECT_FORBIDDEN)}"
+            + (f" (it has {' '.join(found)})" if found else ""),
+        )
         _require(
             not self.log_timers_to_tensorboard or self.tensorboard_dir is not None,
             "--log-timers-to-tensorboard writes to --tensorboard-dir; give one",

@@ -42,7 +42,6 @@ def _factors(where: str):
         checkpoint=ARCHITECTURE,
         group=GROUP,
         nargs="+",
-        type=float,
         metavar="F",
         help=f"one divisor per rotated pair of dimensions, at {where}",
     )

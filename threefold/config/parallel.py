@@ -16,6 +16,7 @@ from threefold.config.model import ModelConfig
 from threefold.config.pipeline_layout import layout_layer_counts
 
 STRATEGIES = ("megatron", "ddp", "fsdp", "auto")
+MAX_TIMEOUT_MINUTES = 1e8
 
 
 def stage_layer_counts(
@@ -382,18 +383,21 @@ class ParallelConfig(
                 ep == 1,
                 "--expert-model-parallel-size needs a mixture-of-experts model (--num-experts)",
             )
-            return
-        _require(
-            model.num_experts % ep == 0,
-            f"--num-experts {model.num_experts} is not divisible by "
-            f"--expert-model-parallel-size {ep}",
-        )
+        # A dense model builds the experts' grid too (its groups go unused), as megatron-core
+        # does: it must split a stage's ranks all the same.
         replica_ranks = tp * self.context_parallel_size * self.data_parallel_size
         _require(
             replica_ranks % (ep * etp) == 0,
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must "
             f"divide TP x CP x DP = {replica_ranks} (the experts are split over the ranks of "
             "one pipeline stage)",
+        )
+        if not model.is_moe:
+            return
+        _require(
+            model.num_experts % ep == 0,
+            f"--num-experts {model.num_experts} is not divisible by "
+            f"--expert-model-parallel-size {ep}",
         )
         _require(
             model.moe_ffn_hidden_size % etp == 0,
@@ -488,7 +492,12 @@ class ParallelConfig(
             "--distributed-strategy fsdp) or drop it",
         )
         timeout = self.distributed_timeout_minutes
-        _require(timeout > 0, f"--distributed-timeout-minutes must be positive, not {timeout}")
+        # (torch counts a group's and its store's timeouts in 64-bit nanoseconds: 292 years)
+        _require(
+            0 < timeout <= MAX_TIMEOUT_MINUTES,
+            f"--distributed-timeout-minutes must be positive and at most "
+            f"{MAX_TIMEOUT_MINUTES:g} minutes, not {timeout:g}",
+        )
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         _require(
             self.world_size % (tp * pp) == 0,

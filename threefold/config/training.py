@@ -28,7 +28,7 @@ def _count(text: str) -> int | None:
     scale = _SUFFIXES.get(text[-1:], 1)
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # (not a number, NaN; infinity)
         return None
 
 

@@ -5,7 +5,9 @@
     ReplicaMismatchError    --check-weight-hash-across-dp-replicas-interval found replicas apart
     RerunExit               --rerun-mode validate_results: Megatron-LM's exit codes 16 and 17
     ConfigError             an input found bad only when read (an --sft conversation whose
-                            turns the tokenizer cannot tell apart): exit code 2
+                            turns the tokenizer cannot tell apart), or a layout whose
+                            micro-batch does not fit the device (training/out_of_memory.py):
+                            exit code 2
 
 One line on stderr (the first two name the checkpoint that stays the last good state) and
 the exit code, instead of a traceback per rank. A failed save is said by the first rank that
@@ -27,6 +29,7 @@ from threefold.checkpoint.writer import CheckpointSaveError
 from threefold.config import ConfigError
 from threefold.parallel.refusal import print_refusal_once
 from threefold.training.numerics import NonFiniteError
+from threefold.training.out_of_memory import out_of_memory_refused
 from threefold.training.replica_check import ReplicaMismatchError
 from threefold.training.rerun import RerunExit
 
@@ -43,7 +46,8 @@ def train(trainer, program: str) -> int:
     """`trainer.train()`, and the exit code: 0, or that of the reason it stopped."""
     rank_zero = trainer.parallel.world.rank == 0
     try:
-        trainer.train()
+        with out_of_memory_refused(trainer.config, "while training"):
+            trainer.train()
     except CheckpointSaveError as error:
         print_refusal_once(program, error, trainer.parallel.world.rank)
         return 1
