@@ -3,7 +3,10 @@
 of a choice's choices; a switch on), on a tiny run: what must never come back is a traceback.
 
     python bench/flag_probe.py [--extra "--bf16 --use-distributed-optimizer"] [--only FILE]
-        [--jobs 2] [--timeout 40] > bench/results/flag_probe.md
+        [--ranks 2] [--jobs 2] [--timeout 40]
+
+bench/results/flag_probe.md holds its passes (plain, a mixture, a hybrid, FP8, two ranks) and
+what the first ones found.
 
 Each case is `pretrain_gpt.main` in a child forked from this process, which imported the
 trainer once (half a second a case, where a fresh process spends three on its imports); a
