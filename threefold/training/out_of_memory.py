@@ -46,11 +46,12 @@ def out_of_memory_line(error: BaseException, config: Config, during: str) -> str
     line += f"GiB a rank has on this {device.type}"
     try:
         need = estimate_memory(config)
+        fp8 = f", {need.fp8_weights / GIB:.1f} GiB of FP8 weight copies" if need.fp8_weights else ""
         line += (
             f"; by threefold's estimate this layout needs about {need.total / GIB:.1f} GiB a "
             f"device ({need.static / GIB:.1f} GiB of weights, gradients and optimizer state, "
-            f"{need.activations / GIB:.1f} GiB of activations; tools/estimate_memory.py shows "
-            "each stage)"
+            f"{need.activations / GIB:.1f} GiB of activations{fp8}; tools/estimate_memory.py "
+            "shows each stage)"
         )
     except Exception:  # noqa: BLE001 (the line must come out; the estimate only adds to it)
         pass
