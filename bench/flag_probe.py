@@ -1,21 +1,25 @@
-"""Every flag of pretrain_gpt.py, one at a time, at values a slip of the keyboard gives (0, -1,
-3, 100000; 0, -1, nan, inf, 1e30; an empty string, a missing path, a directory, a word; each
-of a choice's choices; a switch on), on a tiny run: what must never come back is a traceback.
+"""Every flag of an entry point (pretrain_gpt.py, finetune.py, a tool), one at a time, at values
+a slip of the keyboard gives (0, -1, 3, 100000; 0, -1, nan, inf, 1e30; an empty string, a
+missing path, a directory, a word; each of a choice's choices; a switch on), on a tiny run:
+what must never come back is a traceback.
 
-    python bench/flag_probe.py [--extra "--bf16 --use-distributed-optimizer"] [--only FILE]
-        [--ranks 2] [--jobs 2] [--timeout 40]
+    python bench/flag_probe.py [--entry finetune.py] [--extra "--bf16 --use-distributed-optimizer"]
+        [--only FILE] [--kinds choice,switch] [--ranks 2] [--jobs 2] [--timeout 40] [--all]
 
-bench/results/flag_probe.md holds its passes (plain, a mixture, a hybrid, FP8, two ranks) and
-what the first ones found.
+bench/results/flag_probe.md holds its passes (pretrain_gpt.py plain, with a mixture, a hybrid,
+FP8 and each layout on two ranks; finetune.py; each tool) and what they found.
 
-Each case is `pretrain_gpt.main` in a child forked from this process, which imported the
+Each case is the entry's `main` in a child forked from this process, which imported the
 trainer once (half a second a case, where a fresh process spends three on its imports); a
-child has its own directory, port and output. Outcomes: `trains` (exit 0), `refused` (exit 2,
-its last line `pretrain_gpt.py: error: ...`), `stopped` (another exit, no traceback: a loss
-gone NaN under --check-for-nan-in-loss-and-grad), `traceback`, and `still running` at
---timeout (a model of 100000 layers is a large model, not a mistake). Only the last two are
-listed case by case. `--only` takes a file of flags, one a line: those refused on the plain
-run, tried again where their feature is on (`--extra "--num-experts 4 ..."`).
+child has its own directory, port and output. The tiny runs read files made once
+(bench/flag_probe_entries.py: a checkpoint, conversations, a corpus), and the tiny run alone
+must succeed before any case is tried. Outcomes: `runs` (exit 0), `refused` (exit 2, its
+last line `PROG: error: ...`), `stopped` (another exit, no traceback: a loss gone NaN under
+--check-for-nan-in-loss-and-grad), `traceback`, and `still running` at --timeout (a model of
+100000 layers is a large model, not a mistake). Only the last two are listed case by case
+(every case with --all). `--only` takes a file of flags, one a line: those refused on the
+plain run, tried again where their feature is on (`--extra "--num-experts 4 ..."`); a
+layout's pass needs only the flags that pick code (`--kinds choice,switch`).
 """
 
 from __future__ import annotations
@@ -33,25 +37,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from threefold.startup import frozen_imports  # noqa: E402
 
-with frozen_imports():
+with frozen_imports():  # what the entry points import after their flags
     import threefold.checkpoint.load  # noqa: F401
+    import threefold.data.tokenizer  # noqa: F401
+    import threefold.inference  # noqa: F401
     import threefold.training.trainer  # noqa: F401
 
 import torch  # noqa: E402
 
-import pretrain_gpt  # noqa: E402
+from bench.flag_probe_entries import Entry, entries, write_fixtures  # noqa: E402
 from tests.distributed import free_port, worker_environment  # noqa: E402
-from threefold.arguments import build_parser  # noqa: E402
 
-TINY = (
-    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-    "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --train-iters 2 "
-    "--lr 1e-3 --mock-data --vocab-size 100 --log-interval 1 --eval-interval 2 --eval-iters 1 "
-    "--save-interval 2"
-).split()
-SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)
-# (a data loader of 100000 worker processes is what it says, and takes the machine down)
-SKIPPED = {("--num-workers", "100000")}
+SWITCHES = (
+    argparse._StoreTrueAction,
+    argparse._StoreFalseAction,
+    argparse._StoreConstAction,
+    argparse.BooleanOptionalAction,
+)
+# (100000 data-loader or tokenizing processes are what they say, and take the machine down)
+SKIPPED = {("--num-workers", "100000"), ("--workers", "100000")}
+KINDS = {"choice", "switch", "int", "float", "text"}
 
 
 def _accepts(action: argparse.Action, text: str) -> bool:
@@ -62,38 +67,51 @@ def _accepts(action: argparse.Action, text: str) -> bool:
     return True
 
 
-def _values(action: argparse.Action) -> list[str | None]:
+def _kind(action: argparse.Action) -> str:
     if action.choices:
-        return [str(choice) for choice in action.choices]
+        return "choice"
     if isinstance(action, SWITCHES):
-        return [None]
+        return "switch"
     if action.type is not None and _accepts(action, "7") and not _accepts(action, "0.5"):
-        return ["0", "-1", "3", "100000"]  # an int
+        return "int"
     if action.type is not None and _accepts(action, "0.5"):
-        return ["0", "-1", "nan", "inf", "1e30"]
-    return ["", "/nonexistent/x", "/tmp", "x"]
+        return "float"
+    return "text"
 
 
-def cases(only: set[str] | None) -> list[tuple[str, str | None]]:
+def _values(action: argparse.Action) -> list[str | None]:
+    return {
+        "choice": lambda: [str(choice) for choice in action.choices],
+        "switch": lambda: [None],
+        "int": lambda: ["0", "-1", "3", "100000"],
+        "float": lambda: ["0", "-1", "nan", "inf", "1e30"],
+        # (relative: a case runs in its own directory, and writes nothing outside the probe's)
+        "text": lambda: ["", "missing/x", "..", "x"],
+    }[_kind(action)]()
+
+
+def cases(
+    parser: argparse.ArgumentParser, only: set[str] | None, kinds: set[str] = KINDS
+) -> list[tuple[str, str | None]]:
     found = []
-    for action in build_parser()._actions:
+    for action in parser._actions:
         if not action.option_strings or isinstance(action, argparse._HelpAction):
             continue
         flag = max(action.option_strings, key=len)
-        if only is None or flag in only:
+        if (only is None or flag in only) and _kind(action) in kinds:
             found += [(flag, v) for v in _values(action) if (flag, v) not in SKIPPED]
     return found
 
 
-def _argv(flag: str, value: str | None, base: list[str], directory: str) -> list[str]:
-    argv = base + ["--save", f"{directory}/checkpoints", "--tensorboard-dir", f"{directory}/tb"]
+def _argv(flag: str, value: str | None, base: list[str]) -> list[str]:
+    argv = list(base)
     if flag in argv:  # the case's value replaces the run's own
         at = argv.index(flag)
         del argv[at : at + 2]
     return argv + [flag] + ([] if value is None else value.split(" "))
 
 
-def _child(argv: list[str], directory: str, rank: int, ranks: int, port: int) -> None:
+def _child(entry: Entry, argv: list[str], directory: str, rank: int, ranks: int, port: int):
     output = os.open(f"{directory}/output{rank}.txt", os.O_WRONLY | os.O_CREAT)
     os.dup2(output, 1)
     os.dup2(output, 2)
@@ -101,9 +119,10 @@ def _child(argv: list[str], directory: str, rank: int, ranks: int, port: int) ->
     if ranks > 1:
         torch.set_num_threads(1)  # (torchrun's OMP_NUM_THREADS for more than one worker)
     os.chdir(directory)
+    sys.argv = [entry.prog] + argv
     code = 1
     try:
-        code = pretrain_gpt.main(argv) or 0
+        code = entry.main() or 0
     except SystemExit as stop:  # argparse's
         code = stop.code if isinstance(stop.code, int) else 1
     except BaseException:  # noqa: BLE001 (what the probe looks for: printed, then counted)
@@ -116,26 +135,26 @@ def _child(argv: list[str], directory: str, rank: int, ranks: int, port: int) ->
     os._exit(code)
 
 
-def _outcome(codes: list[int | None], outputs: list[str]) -> str:
+def _outcome(prog: str, codes: list[int | None], outputs: list[str]) -> str:
     if any("Traceback (most recent call last)" in output for output in outputs):
         return "traceback"
     if None in codes:
         return "still running"
     if not any(codes):
-        return "trains"
+        return "runs"
     lasts = [output.strip().splitlines()[-1] for output in outputs if output.strip()]
-    if 2 in codes and any(last.startswith("pretrain_gpt.py: error") for last in lasts):
+    if 2 in codes and any(last.startswith(f"{prog}: error") for last in lasts):
         return "refused"
     return "stopped"
 
 
-def _start(argv: list[str], directory: str, ranks: int) -> list[int]:
+def _start(entry: Entry, argv: list[str], directory: str, ranks: int) -> list[int]:
     port = free_port()
     pids = []
     for rank in range(ranks):
         pid = os.fork()
         if pid == 0:
-            _child(argv, directory, rank, ranks, port)
+            _child(entry, argv, directory, rank, ranks, port)
         pids.append(pid)
     return pids
 
@@ -160,15 +179,38 @@ def _finished(pids: list[int], codes: dict[int, int | None], deadline: float) ->
     return True
 
 
-def probe(cases: list, base: list[str], jobs: int, ranks: int, timeout: float, root: str):
-    """(flag, value, outcome, seconds, last line) for each case, `jobs` cases at a time."""
+def _alone(entry: Entry, argv: list[str], directory: str, ranks: int = 1) -> tuple[int, str]:
+    """`entry` run on `argv` to its end: its exit code (the first rank's that failed) and
+    rank 0's output."""
+    codes = {}
+    pids = _start(entry, argv, directory, ranks)
+    while not _finished(pids, codes, time.monotonic() + 600):
+        time.sleep(0.1)
+    with open(f"{directory}/output0.txt", errors="replace") as f:
+        return max(codes.values(), key=abs), f.read()
+
+
+def probe(
+    entry: Entry, cases: list, extra: list[str], jobs: int, ranks: int, timeout: float, root: str
+):
+    """(flag, value, outcome, seconds, last line) for each case, `jobs` cases at a time; a
+    case's run is `entry`'s tiny one on the fixtures in `root`, plus `extra`."""
+    fixtures = os.path.join(root, "fixtures")
+    os.makedirs(fixtures)
+    write_fixtures(fixtures, lambda script, argv: _alone(entries()[script], argv, fixtures))
+    alone = os.path.join(root, "alone")
+    os.makedirs(alone)
+    code, output = _alone(entry, entry.base(fixtures, alone) + extra, alone, ranks)
+    if code:  # (else every case would be refused for the tiny run's own fault)
+        sys.exit(f"the tiny run itself exits {code}, no case is probed:\n{output[-3000:]}")
     pending, running, results, again = list(enumerate(cases)), [], [], set()
     while pending or running:
         while pending and len(running) < jobs:
             number, (flag, value) = pending.pop(0)
             directory = os.path.join(root, str(number))
             os.makedirs(directory)
-            pids = _start(_argv(flag, value, base, directory), directory, ranks)
+            argv = _argv(flag, value, entry.base(fixtures, directory) + extra)
+            pids = _start(entry, argv, directory, ranks)
             running.append((flag, value, directory, time.monotonic(), pids, {}))
         for case in list(running):
             flag, value, directory, start, pids, codes = case
@@ -179,7 +221,7 @@ def probe(cases: list, base: list[str], jobs: int, ranks: int, timeout: float, r
                 with open(f"{directory}/output{rank}.txt", errors="replace") as f:
                     outputs.append(f.read())
             lasts = [output.strip().splitlines()[-1] for output in outputs if output.strip()]
-            outcome = _outcome([codes[pid] for pid in pids], outputs)
+            outcome = _outcome(entry.prog, [codes[pid] for pid in pids], outputs)
             seconds = time.monotonic() - start
             shutil.rmtree(directory, ignore_errors=True)
             running.remove(case)
@@ -194,27 +236,43 @@ def probe(cases: list, base: list[str], jobs: int, ranks: int, timeout: float, r
 
 
 def main() -> None:
+    known = entries()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--entry", choices=sorted(known), default="pretrain_gpt.py", help="the script probed"
+    )
     parser.add_argument("--extra", default="", help="flags added to the tiny run")
     parser.add_argument("--only", help="a file of flags, one a line: probe these only")
     parser.add_argument("--jobs", type=int, default=2, help="cases at a time")
     parser.add_argument("--ranks", type=int, default=1, help="processes a case, as torchrun's")
     parser.add_argument("--timeout", type=float, default=40)
+    parser.add_argument("--all", action="store_true", help="list every case, not only the bad")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(sorted(KINDS)),
+        help="which flags, by the values they take: choice,switch,int,float,text (a layout's "
+        "pass needs only the flags that pick code: choice,switch)",
+    )
     args = parser.parse_args()
     only = set(open(args.only).read().split()) if args.only else None
-    base = TINY + args.extra.split()
-    todo = cases(only)
+    kinds = set(args.kinds.split(","))
+    if not kinds <= KINDS:
+        parser.error(f"--kinds: {','.join(sorted(kinds - KINDS))} is not one of {sorted(KINDS)}")
+    entry, extra = known[args.entry], args.extra.split()
+    todo = cases(entry.parser(), only, kinds)
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
-        results = probe(todo, base, args.jobs, args.ranks, args.timeout, root)
+        results = probe(entry, todo, extra, args.jobs, args.ranks, args.timeout, root)
+        base = " ".join(entry.base("FIXTURES", "CASE") + extra)
     counts = collections.Counter(outcome for _, _, outcome, _, _ in results)
+    which = "" if kinds == KINDS else f" ({','.join(sorted(kinds))} flags)"
     print(
-        f"`pretrain_gpt.py {' '.join(base)}` on {args.ranks} rank(s), plus one flag at a "
-        f"time: {len(results)} cases"
+        f"`{entry.prog} {base}` on {args.ranks} rank(s), plus one flag at a time{which}: "
+        f"{len(results)} cases"
     )
     tally = ", ".join(f"{n} {kind}" for kind, n in counts.most_common())
     print(f"in {time.monotonic() - start:.0f} s: {tally}")
-    listed = [r for r in results if r[2] in ("traceback", "still running")]
+    listed = [r for r in results if args.all or r[2] in ("traceback", "still running")]
     if listed:
         print("\n| flag | value | outcome | s | last line |\n| --- | --- | --- | ---: | --- |")
     for flag, value, outcome, seconds, last in sorted(listed):

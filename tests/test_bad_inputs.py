@@ -149,6 +149,11 @@ CONFIGS = [
     (MOCK + ["--wandb-project", "team/run"], 1, "--wandb-project 'team/run': a Weights & Biases"),
     (MOCK + ["--fp8-format", "hybrid", "--fp8-margin", "1000"], 1, "--fp8-margin 1000: give 0"),
     (MOCK + ["--step-batch-size-schedule", "0:4 inf:8"], 1, "'inf:8' is not THRESHOLD:SIZE"),
+    (
+        MOCK + ["--num-experts", "4", "--init-method-xavier-uniform"],
+        1,
+        "--init-method-xavier-uniform draws matrices, and a mixture's router bias",
+    ),
     (["--data-path", "0.5", "/some/corpus", "0.5"], 1, "--data-path"),
     (["--data-path", "nan", "/some/corpus"], 1, "--data-path: blending weights must be finite"),
     # prefixes without weights are Megatron-LM's blend by size (before: refused as malformed)

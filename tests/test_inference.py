@@ -108,3 +108,27 @@ def test_a_text_of_no_tokens_is_refused_naming_its_flag(mock_data_run, shakespea
         f"score.py: error: --input {empty}: the text has fewer than 2 tokens; nothing to score\n"
     )
     assert result.returncode == 2
+
+
+def test_tokenizer_files_the_checkpoints_tokenizer_does_not_read_are_refused_naming_them(
+    shakespeare_data, tmp_path
+):
+    """--vocab-file alone replaces a SentencePiece checkpoint's files with GPT-2's: said as
+    such, not as a --tokenizer-model the user never dropped."""
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer"]
+    tokenizer += ["--tokenizer-model", shakespeare_data["TOKENIZER_MODEL"], "--vocab-size", "1024"]
+    save_checkpoint(
+        str(tmp_path), _setup(LLAMA_STYLE + TRAINING + tokenizer).checkpoint_components()
+    )
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--load")
+    add_tokenizer_flags(parser)
+    add_strictness_flag(parser)
+    args = parser.parse_args(["--load", str(tmp_path), "--vocab-file", "vocab.json"])
+    with pytest.raises(ConfigError) as refused:
+        load_for_text(args, torch.device("cpu"), None)
+    assert str(refused.value) == (
+        "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE: the type is the "
+        "checkpoint's, its files replaced by --vocab-file; give the --tokenizer-type that reads "
+        "them"
+    )

@@ -403,6 +403,19 @@ def test_megatron_tokenizer_mistakes_are_one_line(extra, message, capsys):
     assert capsys.readouterr().err.strip() == f"pretrain_gpt.py: error: {message}"
 
 
+def test_a_tokenizer_file_its_type_does_not_read_is_said(capsys):
+    """Megatron-LM ignores them (and launch scripts pass GPT-2's files to any type): a
+    warning, not a refusal, and not silence."""
+    parse_args(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-file", "vocab.json"])
+    assert "WARNING: --vocab-file vocab.json is not read by --tokenizer-type NullTokenizer" in (
+        capsys.readouterr().out
+    )
+    parse_args(BASE + ["--tokenizer-model", "tokenizer.model"])  # (mock data, no tokenizer)
+    assert "WARNING: --tokenizer-model tokenizer.model is not read without --tokenizer-type" in (
+        capsys.readouterr().out
+    )
+
+
 def test_gpt2_files_without_a_type_are_gpt2s_tokenizer():
     """Megatron-LM's GPT-3 example passes --vocab-file/--merge-file and no --tokenizer-type."""
     config = parse_args(BASE + ["--vocab-file", "vocab.json", "--merge-file", "merges.txt"])

@@ -30,7 +30,10 @@ def check_creatable(directory: str, flag: str, given: str | None = None) -> None
 
 def make_parent_directory(path: str, flag: str) -> None:
     """Make the directory that `path` (a file or a directory a tool writes) goes in; a
-    ConfigError naming `flag` when it cannot be made or written."""
+    ConfigError naming `flag` when it cannot be made or written, or no path is given (an
+    empty one would write into whatever directory the tool was started in)."""
+    if not path.strip():
+        raise ConfigError(f"{flag} is empty: give the path to write")
     directory = os.path.dirname(os.path.abspath(path))
     check_creatable(directory, flag, path)
     try:

@@ -153,14 +153,15 @@ class Planner:
             )
         self.budget = args.gpu_memory_gib * args.memory_fraction
 
-    def config(self, flags: list[str]) -> Config | None:
-        """The validated config of base + flags, None where threefold would refuse it."""
+    def config(self, flags: list[str], world_size: int | None = None) -> Config | None:
+        """The validated config of base + flags on `world_size` GPUs (default: the cluster's),
+        None where threefold would refuse it."""
         try:
             namespace = self.parser.parse_args(self.base + flags)
         except SystemExit:
             return None
         config = config_from_namespace(namespace)
-        config.parallel.world_size = self.gpus
+        config.parallel.world_size = world_size or self.gpus
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 config.finalize()
@@ -170,7 +171,9 @@ class Planner:
 
     def plans(self) -> list[Plan]:
         found = []
-        base = self.config([])
+        # (on one GPU, as main checked it: the whole cluster at DP alone may not divide the
+        # batch, where the layouts below do)
+        base = self.config([], world_size=1)
         batch = base.training.global_batch_size
         for tp, cp, pp, vpp, ep in layouts(base, self.gpus, self.gpus_per_node):
             dp = self.gpus // (tp * cp * pp)

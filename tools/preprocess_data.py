@@ -118,6 +118,9 @@ def main() -> None:
     args = parser.parse_args()
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input}: no such file")
+    for key in args.json_keys:
+        if "/" in key or os.sep in key:  # (a key names its output: PREFIX_{key}_document.bin)
+            parser.error(f"--json-keys {key}: a key names its output file, so holds no '/'")
 
     data_config = DataConfig(
         tokenizer_type=args.tokenizer_type,
@@ -126,7 +129,10 @@ def main() -> None:
         merge_file=args.merge_file,
     )
     try:
+        data_config.finalize_tokenizer()  # (the files each type needs: as the trainer checks)
         tokenizer = build_tokenizer(data_config, args.vocab_size)
+        for warning in data_config.unread_tokenizer_files():
+            print(f"WARNING: {warning}", flush=True)
         make_parent_directory(args.output_prefix, "--output-prefix")
     except ConfigError as error:
         parser.error(str(error))

@@ -124,6 +124,12 @@ def main() -> None:
             bad_records.append(str(error))
             raise
 
+    prefix = args.model_prefix
+    if prefix and os.path.basename(prefix) in ("", ".", ".."):  # (names it cannot extend)
+        parser.error(
+            f"--model-prefix {prefix}: a directory; give a name in it, such as "
+            f"{os.path.join(prefix, 'tokenizer')} (which writes tokenizer.model and .vocab)"
+        )
     try:
         make_parent_directory(args.model_prefix, "--model-prefix")
     except ConfigError as error:

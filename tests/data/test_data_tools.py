@@ -255,3 +255,61 @@ def test_null_tokenizer_reads_token_ids_of_its_vocabulary_only():
     for word in ("101", "-1"):
         with pytest.raises(ValueError, match=f"token id {word} is outside the vocabulary"):
             tokenizer.tokenize(f"1 {word}")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--tokenizer-type", "SentencePieceTokenizer"],
+            "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE",
+        ),
+        (
+            ["--tokenizer-type", "HuggingFaceTokenizer"],
+            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR",
+        ),
+        (
+            ["--tokenizer-type", "GPT2BPETokenizer"],
+            "--tokenizer-type GPT2BPETokenizer needs --vocab-file FILE",
+        ),
+        (
+            ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--json-keys", "a/b"],
+            "--json-keys a/b: a key names its output file, so holds no '/'",
+        ),
+    ],
+    ids=["sentencepiece", "hugging face", "gpt-2", "a key with a slash"],
+)
+def test_preprocessing_flags_no_corpus_can_be_written_with_are_one_line(argv, line, tmp_path):
+    """(before: os.stat's TypeError of a missing --tokenizer-model, or FileNotFoundError for
+    an output under a directory named by the key, as tracebacks)"""
+    from tests.tools.imports import run_watching_imports
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "1 2 3", "a/b": "4 5"}\n')
+    script = os.path.join(ROOT, "tools", "preprocess_data.py")
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out"), *argv]
+    run = run_watching_imports(script, *argv)
+    assert (run.returncode, run.said) == (2, [f"preprocess_data.py: error: {line}"])
+    assert not run.imported_torch and os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+@pytest.mark.parametrize("prefix", ["{tmp}/.", "{tmp}/new/"], ids=["a dot", "a slash"])
+def test_a_tokenizer_prefix_that_names_a_directory_is_one_line(prefix, tmp_path):
+    """(before: sentencepiece wrote `..vocab.tmp.PID.model` (or `new/.vocab.tmp.PID.model`),
+    and the rename failed with FileNotFoundError's traceback)"""
+    from tests.tools.imports import run_watching_imports
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "to be or not to be"}\n')
+    prefix = prefix.format(tmp=tmp_path)
+    script = os.path.join(ROOT, "tools", "train_tokenizer.py")
+    run = run_watching_imports(script, "--input", str(corpus), "--model-prefix", prefix)
+    example = os.path.join(prefix, "tokenizer")
+    assert (run.returncode, run.said) == (
+        2,
+        [
+            f"train_tokenizer.py: error: --model-prefix {prefix}: a directory; give a name in "
+            f"it, such as {example} (which writes tokenizer.model and .vocab)"
+        ],
+    )
+    assert not run.imported_torch and os.listdir(tmp_path) == ["corpus.jsonl"]

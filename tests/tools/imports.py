@@ -17,10 +17,10 @@ class Run:
     imported_torch: bool
 
 
-def run_watching_imports(script: str, *argv: str) -> Run:
+def run_watching_imports(script: str, *argv: str, cwd: str = ROOT) -> Run:
     result = subprocess.run(
         [sys.executable, "-X", "importtime", script, *argv],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,

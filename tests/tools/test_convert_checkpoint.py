@@ -132,6 +132,25 @@ def test_an_export_writes_over_nothing_and_appears_only_once_complete(converted,
     assert {"config.json", "model.safetensors"} <= set(os.listdir(exported))
 
 
+def test_a_megatron_export_leaves_a_runs_tracker_as_it_was(converted, tmp_path):
+    """(before: exported into a Megatron-LM run's --save, the export's iteration took the
+    run's tracker, and the run went on from the export)"""
+    _, _, ours = converted["llama"]
+    run = tmp_path / "run"
+    run.mkdir()
+    tracker = run / "latest_checkpointed_iteration.txt"
+    tracker.write_text("500")
+    result = convert(
+        "--loader", "threefold", "--saver", "megatron", "--load-dir", ours, "--save-dir", str(run)
+    )
+    assert (result.returncode, result.stderr) == (
+        2,
+        f"convert_checkpoint.py: error: --save-dir {run}: {tracker} exists already; an export "
+        "writes over nothing: choose another directory\n",
+    )
+    assert os.listdir(run) == [tracker.name] and tracker.read_text() == "500"
+
+
 # (gpt-oss's window of 8 and sinks, llama4's chunks and temperature: reached as the text grows)
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "mixtral", "gpt-oss", "llama4"])
 def test_greedy_generation_matches_transformers(converted, kind):

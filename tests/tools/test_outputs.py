@@ -66,3 +66,22 @@ def test_plot_logs_writes_a_whole_png_or_refuses_another_format(tmp_path):
     assert drawn.returncode == 0, drawn.said
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(os.listdir(tmp_path)) == ["plot.png", "training.log"]
+
+
+# (plot_logs.py's --output '' is refused first as not a .png file)
+@pytest.mark.parametrize("tool", sorted(set(TOOLS) - {"plot_logs.py"}))
+def test_an_empty_output_path_is_one_line_before_any_work(tool, tmp_path):
+    """(before: convert_checkpoint.py --save-dir '' ended in FileNotFoundError; the others
+    wrote their files into the directory they were started in)"""
+    (tmp_path / "corpus.jsonl").write_text('{"text": "1 2 3"}\n')
+    (tmp_path / "training.log").write_text(" iteration        1/       1 | lm loss: 2.0 |\n")
+    argv, flag = TOOLS[tool]
+    argv = [arg.format(tmp=tmp_path, blocked=tmp_path) for arg in argv]
+    argv[argv.index(flag) + 1] = ""
+    run = run_watching_imports(os.path.join(ROOT, "tools", tool), *argv, cwd=str(tmp_path))
+    assert (run.returncode, run.said) == (
+        2,
+        [f"{tool}: error: {flag} is empty: give the path to write"],
+    )
+    assert not run.imported_torch
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", "training.log"]

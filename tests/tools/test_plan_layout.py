@@ -203,6 +203,18 @@ def test_a_cluster_or_model_no_layout_can_be_planned_on_is_one_line(argv, line, 
     assert capsys.readouterr().err == f"plan_layout.py: error: {line.format(config=config)}\n"
 
 
+def test_a_cluster_whose_data_parallelism_alone_cannot_split_the_batch_is_planned(capsys):
+    """8 GPUs, a batch of 4 in micro-batches of 2: DP=8 alone cannot take it, layouts of TP
+    or PP with DP up to 4 (micro-batches of 1) can. (before: an AttributeError's traceback:
+    the cluster's base config, at DP=8, was refused and read as None)"""
+    from plan_layout import main
+
+    flags = SMALL[:-1] + ["4", "--micro-batch-size", "2", "--vocab-size", "100"]
+    assert main(["--gpus", "8", *flags]) == 0
+    rows = [row for row in capsys.readouterr().out.splitlines() if ", DP=" in row]
+    assert rows and all(int(row.split("DP=")[1].split()[0]) <= 4 for row in rows)
+
+
 @pytest.mark.parametrize(
     "text, line",
     [

@@ -30,7 +30,7 @@ from threefold.checkpoint.megatron.optimizer import (
     steps_distributed,
     unexportable,
 )
-from threefold.checkpoint.megatron.save import save_megatron_checkpoint
+from threefold.checkpoint.megatron.save import check_export_directory, save_megatron_checkpoint
 from threefold.checkpoint.resharding import SavedTensors
 from threefold.checkpoint.save import save_weights_checkpoint
 from threefold.config import Config, ConfigError, ModelConfig
@@ -458,6 +458,7 @@ def to_megatron_checkpoint(
     """A Megatron-LM torch_dist checkpoint (iteration 0 from Hugging Face, else the source's
     iteration) of a Hugging Face or threefold model; dtype as imported / as trained; a threefold
     checkpoint's optimizer state for the Megatron-LM run `target` describes."""
+    check_export_directory(save_dir)  # (before the model is read)
     if loader == "hf":
         _, _, model_config, state, dtypes = read_hf_model(load_dir)
         config, iteration, train_state = Config(model=model_config), 0, {}

@@ -205,7 +205,16 @@ def load_model(
     if tokenizer_files:
         files = {"tokenizer_model": None, "vocab_file": None, "merge_file": None}
         config.data = dataclasses.replace(config.data, **(files | tokenizer_files))
-        config.data.finalize_tokenizer()
+        try:
+            config.data.finalize_tokenizer()
+        except ConfigError as error:
+            if "tokenizer_type" in tokenizer_files:
+                raise
+            given = ", ".join("--" + name.replace("_", "-") for name in tokenizer_files)
+            raise ConfigError(
+                f"{error}: the type is the checkpoint's, its files replaced by {given}; give "
+                "the --tokenizer-type that reads them"
+            ) from None
     tokenizer = (
         build_tokenizer(config.data, config.model.vocab_size)
         if with_tokenizer and config.data.tokenizer_type not in (None, "NullTokenizer")

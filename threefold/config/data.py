@@ -178,7 +178,8 @@ class DataConfig:
         )
         return [w / sum(weights) for w in weights]
 
-    def finalize(self) -> None:
+    def finalize(self) -> list[str]:
+        """Checks the data flags (ConfigError); returns the warnings to print."""
         read_data_args(self)  # (--data-args-path, --per-split-data-args-path)
         _require(
             bool(self.data_path) + self.mock_data + bool(self.train_data_path) == 1,
@@ -204,6 +205,23 @@ class DataConfig:
                 f"--dataloader-inter-document-masking with {' '.join(given)}: its documents are "
                 "those of indexed data as megatron-core samples them; drop one",
             )
+        return self.unread_tokenizer_files()
+
+    def unread_tokenizer_files(self) -> list[str]:
+        """A warning for each tokenizer file given that --tokenizer-type does not read
+        (Megatron-LM ignores them too, and launch scripts pass GPT-2's files to any type)."""
+        reads = {"GPT2BPETokenizer": ("vocab_file", "merge_file")}
+        reads |= {name: ("tokenizer_model",) for name in (*SENTENCEPIECE, *HF_DIRECTORY)}
+        by = (
+            f"by --tokenizer-type {self.tokenizer_type}"
+            if self.tokenizer_type
+            else "without --tokenizer-type"
+        )
+        return [
+            f"--{field.replace('_', '-')} {getattr(self, field)} is not read {by}"
+            for field in ("tokenizer_model", "vocab_file", "merge_file")
+            if getattr(self, field) and field not in reads.get(self.tokenizer_type, ())
+        ]
 
     def finalize_sft(self) -> None:
         """--sft: Megatron-LM's conversations, which only its SFTTokenizer renders, packed with

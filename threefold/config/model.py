@@ -440,6 +440,12 @@ class ModelConfig(
             "--init-method-xavier-uniform with --use-mup: muP sets the initialization itself; "
             "drop one",
         )
+        _require(  # (Megatron-LM draws the router's bias with the init method too, and fails)
+            not (self.init_method_xavier_uniform and self.is_moe and self.add_bias_linear),
+            "--init-method-xavier-uniform draws matrices, and a mixture's router bias (the "
+            "default --add-bias-linear) is a vector drawn with the same method: add "
+            "--disable-bias-linear",
+        )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         _require(

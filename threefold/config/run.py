@@ -85,7 +85,7 @@ class Config:
             have = f"evaluation's {micro_batches} = --eval-global-batch-size / (--eval-micro-"
             have += "batch-size x DP)"
             _check_interleaved(micro_batches, have, parallel.pipeline_model_parallel_size, group)
-        self.data.finalize()
+        warnings += self.data.finalize()
         _require(
             not (training.full_validation and self.data.mock_data),
             "--full-validation reads the validation split once through, and --mock-data's "

@@ -154,9 +154,8 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not path or not os.path.isfile(path):
-                raise ConfigError(
-                    f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE ({path!r} is not a file)"
-                )
+                given = f" ({path!r} is not a file)" if path else ""
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE{given}")
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         self.model_file = None

@@ -126,6 +126,20 @@ def megatron_common(
     }
 
 
+def check_export_directory(root: str, iteration: int | None = None) -> None:
+    """A ConfigError where an export into `root` would write over something: a run's tracker
+    (pointed at the export, it would lose the run its latest), or the iteration's directory."""
+    paths = [os.path.join(root, TRACKER)]
+    if iteration is not None:
+        paths.append(checkpoint_dir(root, iteration))
+    for existing in paths:
+        if os.path.exists(existing):
+            raise ConfigError(
+                f"--save-dir {root}: {existing} exists already; an export writes over nothing: "
+                "choose another directory"
+            )
+
+
 def save_megatron_checkpoint(
     root: str,
     config: Config,
@@ -140,8 +154,7 @@ def save_megatron_checkpoint(
     were read (none without it) and the `optimizer` state (none without it); returns the
     iter_N directory."""
     path = checkpoint_dir(root, iteration)
-    if os.path.exists(path):
-        raise ConfigError(f"--save-dir {root}: {path} exists already; choose another directory")
+    check_export_directory(root, iteration)
     state = _megatron_state(config, tensors, dtype)
     for field, values in (optimizer.tensors if optimizer else {}).items():
         for key, value in _megatron_state(config, values, torch.float32).items():
