@@ -79,15 +79,18 @@ def _kind(action: argparse.Action) -> str:
     return "text"
 
 
+VALUES = {
+    "switch": [None],
+    "int": ["0", "-1", "3", "100000"],
+    "float": ["0", "-1", "nan", "inf", "1e30"],
+    # (relative: a case runs in its own directory, and writes nothing outside the probe's)
+    "text": ["", "missing/x", "..", "x"],
+}
+
+
 def _values(action: argparse.Action) -> list[str | None]:
-    return {
-        "choice": lambda: [str(choice) for choice in action.choices],
-        "switch": lambda: [None],
-        "int": lambda: ["0", "-1", "3", "100000"],
-        "float": lambda: ["0", "-1", "nan", "inf", "1e30"],
-        # (relative: a case runs in its own directory, and writes nothing outside the probe's)
-        "text": lambda: ["", "missing/x", "..", "x"],
-    }[_kind(action)]()
+    kind = _kind(action)
+    return [str(choice) for choice in action.choices] if kind == "choice" else VALUES[kind]
 
 
 def cases(
@@ -105,9 +108,9 @@ def cases(
 
 def _argv(flag: str, value: str | None, base: list[str]) -> list[str]:
     argv = list(base)
-    if flag in argv:  # the case's value replaces the run's own
+    if flag in argv:  # the case's value replaces the run's own (a switch has none)
         at = argv.index(flag)
-        del argv[at : at + 2]
+        del argv[at : at + (1 if value is None else 2)]
     return argv + [flag] + ([] if value is None else value.split(" "))
 
 

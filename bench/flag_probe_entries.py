@@ -154,6 +154,8 @@ def entries() -> dict[str, Entry]:
             _on("--load", "{f}/pretrained", "--prompt", "to be", "--max-new-tokens", "4"),
         ),
         _tool("tools/score.py", _on("--load", "{f}/pretrained", "--input", "{f}/text.txt")),
+        _tool("tools/prepare_default_corpus.py", _on("--output", "{c}/corpus.jsonl")),
+        _tool("tools/plot_logs.py", _on("{f}/training.log", "--output", "{c}/training.png")),
         _tool(
             "tools/preprocess_data.py",
             _on("--input", "{f}/corpus.jsonl", *TOKENIZER, "--output-prefix", "{c}/corpus"),
@@ -199,3 +201,5 @@ def write_fixtures(directory: str, run: Callable[[str, list[str]], tuple[int, st
         code, output = run(script, argv)
         if code:
             raise RuntimeError(f"the probe's fixtures: {script} {' '.join(argv)}:\n{output}")
+    with open(f"{directory}/training.log", "w") as f:  # (pretrain_gpt.py's, for plot_logs.py)
+        f.write(output)

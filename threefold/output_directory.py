@@ -28,12 +28,14 @@ def check_creatable(directory: str, flag: str, given: str | None = None) -> None
         )
 
 
-def make_parent_directory(path: str, flag: str) -> None:
-    """Make the directory that `path` (a file or a directory a tool writes) goes in; a
-    ConfigError naming `flag` when it cannot be made or written, or no path is given (an
-    empty one would write into whatever directory the tool was started in)."""
+def make_parent_directory(path: str, flag: str, a_file: bool = False) -> None:
+    """Make the directory that `path` (a file or a directory a tool writes; `a_file`: a file)
+    goes in; a ConfigError naming `flag` when it cannot be made or written, or no path is given
+    (an empty one would write into whatever directory the tool was started in)."""
     if not path.strip():
         raise ConfigError(f"{flag} is empty: give the path to write")
+    if a_file and os.path.isdir(path):  # (the file would be renamed over it, and fail)
+        raise ConfigError(f"{flag} {path}: a directory; give the file to write")
     directory = os.path.dirname(os.path.abspath(path))
     check_creatable(directory, flag, path)
     try:

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.output.endswith(".png"):  # (what was plotted goes into a PNG text chunk)
         parser.error(f"--output {args.output}: give a .png file")
     try:
-        make_parent_directory(args.output, "--output")
+        make_parent_directory(args.output, "--output", a_file=True)
     except ConfigError as error:
         parser.error(str(error))
     labels = args.labels or [os.path.basename(path) for path in args.logs]

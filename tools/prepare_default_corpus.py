@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--output", required=True, help="the JSONL file to write")
     args = parser.parse_args()
     try:
-        make_parent_directory(args.output, "--output")
+        make_parent_directory(args.output, "--output", a_file=True)
     except ConfigError as error:
         parser.error(str(error))
     count = write_jsonl(default_corpus_documents(), args.output)

@@ -85,3 +85,22 @@ def test_an_empty_output_path_is_one_line_before_any_work(tool, tmp_path):
     )
     assert not run.imported_torch
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl", "training.log"]
+
+
+@pytest.mark.parametrize("tool", ["prepare_default_corpus.py", "plot_logs.py"])
+def test_a_directory_where_an_output_file_goes_is_one_line_before_any_work(tool, tmp_path):
+    """(before: prepare_default_corpus.py --output .. wrote the corpus aside, then failed to
+    rename it over the directory with OSError's traceback)"""
+    (tmp_path / "training.log").write_text(" iteration        1/       1 | lm loss: 2.0 |\n")
+    directory = tmp_path / "out.png"
+    directory.mkdir()
+    argv, flag = TOOLS[tool]
+    argv = [arg.format(tmp=tmp_path, blocked=tmp_path) for arg in argv]
+    argv[argv.index(flag) + 1] = str(directory)
+    run = run_watching_imports(os.path.join(ROOT, "tools", tool), *argv)
+    assert (run.returncode, run.said) == (
+        2,
+        [f"{tool}: error: {flag} {directory}: a directory; give the file to write"],
+    )
+    assert not run.imported_torch and sorted(os.listdir(tmp_path)) == ["out.png", "training.log"]
+    assert not os.listdir(directory)
