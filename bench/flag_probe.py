@@ -200,10 +200,11 @@ def probe(
     case's run is `entry`'s tiny one on the fixtures in `root`, plus `extra`."""
     fixtures = os.path.join(root, "fixtures")
     os.makedirs(fixtures)
-    write_fixtures(fixtures, lambda script, argv: _alone(entries()[script], argv, fixtures))
+    if entry.reads_fixtures:
+        write_fixtures(fixtures, lambda script, argv: _alone(entries()[script], argv, fixtures))
     alone = os.path.join(root, "alone")
     os.makedirs(alone)
-    code, output = _alone(entry, entry.base(fixtures, alone) + extra, alone, ranks)
+    code, output = _alone(entry, entry.argv(fixtures, alone) + extra, alone, ranks)
     if code:  # (else every case would be refused for the tiny run's own fault)
         sys.exit(f"the tiny run itself exits {code}, no case is probed:\n{output[-3000:]}")
     pending, running, results, again = list(enumerate(cases)), [], [], set()
@@ -212,7 +213,7 @@ def probe(
             number, (flag, value) = pending.pop(0)
             directory = os.path.join(root, str(number))
             os.makedirs(directory)
-            argv = _argv(flag, value, entry.base(fixtures, directory) + extra)
+            argv = _argv(flag, value, entry.argv(fixtures, directory) + extra)
             pids = _start(entry, argv, directory, ranks)
             running.append((flag, value, directory, time.monotonic(), pids, {}))
         for case in list(running):
@@ -266,7 +267,7 @@ def main() -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
         results = probe(entry, todo, extra, args.jobs, args.ranks, args.timeout, root)
-        base = " ".join(entry.base("FIXTURES", "CASE") + extra)
+        base = " ".join(entry.argv("FIXTURES", "CASE") + extra)
     counts = collections.Counter(outcome for _, _, outcome, _, _ in results)
     which = "" if kinds == KINDS else f" ({','.join(sorted(kinds))} flags)"
     print(

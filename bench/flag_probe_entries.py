@@ -48,12 +48,20 @@ WORDS = (
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """`prog`'s flags (`parser`), its `main` reading sys.argv, and the tiny run a case adds a
-    flag to: `base(fixtures, case_directory)`."""
+    flag to (`base`: "{f}" in a flag is the fixtures' directory, "{c}" the case's)."""
 
     prog: str
     main: Callable[[], int | None]
     parser: Callable[[], argparse.ArgumentParser]
-    base: Callable[[str, str], list[str]]
+    base: tuple[str, ...]
+
+    def argv(self, fixtures: str, case: str) -> list[str]:
+        return _formatted(self.base, fixtures, case)
+
+    @property
+    def reads_fixtures(self) -> bool:
+        """Whether the tiny run reads what `write_fixtures` makes (else it is not made)."""
+        return any("{f}" in flag for flag in self.base)
 
 
 def _script(path: str):
@@ -90,7 +98,7 @@ def parser_of(main: Callable[[], object]) -> argparse.ArgumentParser:
     raise RuntimeError(f"{main.__module__}.main parsed no flags")
 
 
-def _tool(path: str, base: Callable[[str, str], list[str]], trainer_flags: bool = False) -> Entry:
+def _tool(path: str, base: tuple[str, ...], trainer_flags: bool = False) -> Entry:
     """A tool's entry; `trainer_flags`: it takes pretrain_gpt.py's flags after its own."""
     module = _script(path)
     prog = os.path.basename(path)
@@ -102,9 +110,8 @@ def _tool(path: str, base: Callable[[str, str], list[str]], trainer_flags: bool 
     return Entry(prog, module.main, parser, base)
 
 
-def _on(*flags: str) -> Callable[[str, str], list[str]]:
-    """A tiny run's flags, where "{f}" is the fixtures' directory and "{c}" the case's."""
-    return lambda f, c: [flag.format(f=f, c=c) for flag in flags]
+def _formatted(flags: tuple[str, ...], fixtures: str, case: str) -> list[str]:
+    return [flag.format(f=fixtures, c=case) for flag in flags]
 
 
 @functools.cache
@@ -120,19 +127,19 @@ def entries() -> dict[str, Entry]:
             "pretrain_gpt.py",
             lambda: pretrain_gpt.main(sys.argv[1:]),
             build_parser,
-            _on(*TINY, "--save", "{c}/checkpoints", "--tensorboard-dir", "{c}/tb"),
+            (*TINY, "--save", "{c}/checkpoints", "--tensorboard-dir", "{c}/tb"),
         ),
         Entry(
             "pretrain_hybrid.py",
             lambda: pretrain_gpt.main(sys.argv[1:], prog="pretrain_hybrid.py", hybrid=True),
             lambda: build_parser("pretrain_hybrid.py"),
-            _on(*TINY, *HYBRID, "--save", "{c}/checkpoints", "--tensorboard-dir", "{c}/tb"),
+            (*TINY, *HYBRID, "--save", "{c}/checkpoints", "--tensorboard-dir", "{c}/tb"),
         ),
         Entry(
             "finetune.py",
             finetune.main,
             lambda: build_parser("finetune.py", own_flags=finetune._own_flags()),
-            _on(
+            (
                 *BATCH,
                 *SCHEDULE,
                 *("--load", "{f}/pretrained", "--save", "{c}/checkpoints"),
@@ -140,29 +147,29 @@ def entries() -> dict[str, Entry]:
                 *("--tensorboard-dir", "{c}/tb"),
             ),
         ),
-        _tool("tools/estimate_memory.py", _on(*MODEL, *BATCH, *MOCK), trainer_flags=True),
-        _tool("tools/plan_layout.py", _on("--gpus", "8", *MODEL, *BATCH, *MOCK), True),
+        _tool("tools/estimate_memory.py", (*MODEL, *BATCH, *MOCK), trainer_flags=True),
+        _tool("tools/plan_layout.py", ("--gpus", "8", *MODEL, *BATCH, *MOCK), True),
         _tool(
             "tools/convert_checkpoint.py",
-            _on(
+            (
                 *("--loader", "threefold", "--saver", "megatron"),
                 *("--load-dir", "{f}/pretrained", "--save-dir", "{c}/converted"),
             ),
         ),
         _tool(
             "tools/generate.py",
-            _on("--load", "{f}/pretrained", "--prompt", "to be", "--max-new-tokens", "4"),
+            ("--load", "{f}/pretrained", "--prompt", "to be", "--max-new-tokens", "4"),
         ),
-        _tool("tools/score.py", _on("--load", "{f}/pretrained", "--input", "{f}/text.txt")),
-        _tool("tools/prepare_default_corpus.py", _on("--output", "{c}/corpus.jsonl")),
-        _tool("tools/plot_logs.py", _on("{f}/training.log", "--output", "{c}/training.png")),
+        _tool("tools/score.py", ("--load", "{f}/pretrained", "--input", "{f}/text.txt")),
+        _tool("tools/prepare_default_corpus.py", ("--output", "{c}/corpus.jsonl")),
+        _tool("tools/plot_logs.py", ("{f}/training.log", "--output", "{c}/training.png")),
         _tool(
             "tools/preprocess_data.py",
-            _on("--input", "{f}/corpus.jsonl", *TOKENIZER, "--output-prefix", "{c}/corpus"),
+            ("--input", "{f}/corpus.jsonl", *TOKENIZER, "--output-prefix", "{c}/corpus"),
         ),
         _tool(
             "tools/train_tokenizer.py",
-            _on("--input", "{f}/corpus.jsonl", "--vocab-size", "300", "--model-prefix", "{c}/tok"),
+            ("--input", "{f}/corpus.jsonl", "--vocab-size", "300", "--model-prefix", "{c}/tok"),
         ),
     ]
     return {entry.prog: entry for entry in found}
@@ -172,7 +179,7 @@ def write_fixtures(directory: str, run: Callable[[str, list[str]], tuple[int, st
     """What the tiny runs read, made as a user makes them (`run(script, argv)` runs one to
     its end: its exit code and output): a corpus, a tokenizer trained on it, the corpus
     tokenized, two iterations on it saved with the tokenizer (to fine-tune, convert, generate
-    from and score), three conversations."""
+    from and score; its log, to plot), three conversations."""
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(24)) for _ in range(200)]
     with open(f"{directory}/corpus.jsonl", "w") as f:
@@ -185,11 +192,11 @@ def write_fixtures(directory: str, run: Callable[[str, list[str]], tuple[int, st
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
     corpus = ("--input", "{f}/corpus.jsonl")
     steps = [
-        ("train_tokenizer.py", _on(*corpus, "--vocab-size", "300", "--model-prefix", "{f}/tok")),
-        ("preprocess_data.py", _on(*corpus, *TOKENIZER, "--output-prefix", "{f}/corpus")),
+        ("train_tokenizer.py", (*corpus, "--vocab-size", "300", "--model-prefix", "{f}/tok")),
+        ("preprocess_data.py", (*corpus, *TOKENIZER, "--output-prefix", "{f}/corpus")),
         (
             "pretrain_gpt.py",
-            _on(
+            (
                 *(*MODEL, *BATCH, *SCHEDULE, *TOKENIZER),
                 *("--data-path", "{f}/corpus_text_document", "--split", "90,5,5"),
                 *("--save", "{f}/pretrained"),
@@ -197,7 +204,7 @@ def write_fixtures(directory: str, run: Callable[[str, list[str]], tuple[int, st
         ),
     ]
     for script, flags in steps:
-        argv = flags(directory, "")
+        argv = _formatted(flags, directory, "")
         code, output = run(script, argv)
         if code:
             raise RuntimeError(f"the probe's fixtures: {script} {' '.join(argv)}:\n{output}")
