@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -267,7 +268,7 @@ def main() -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as root:
         results = probe(entry, todo, extra, args.jobs, args.ranks, args.timeout, root)
-        base = " ".join(entry.argv("FIXTURES", "CASE") + extra)
+        base = shlex.join(entry.argv("FIXTURES", "CASE") + extra)
     counts = collections.Counter(outcome for _, _, outcome, _, _ in results)
     which = "" if kinds == KINDS else f" ({','.join(sorted(kinds))} flags)"
     print(

@@ -383,3 +383,40 @@ def test_under_torchrun_a_refusal_met_after_start_up_is_printed_once_by_whicheve
         "job.py: error: --data-path corpus: every rank meets this",
         "job.py: error on rank 2: --load ckpt: a shard only rank 2 reads is damaged",
     ]
+
+
+_EVERY_RANK = """
+import sys
+
+from threefold.parallel import state
+from threefold.parallel.refusal import print_refusal_once
+
+state.initialize_distributed("gloo")
+print_refusal_once("job.py", "--profile: every rank meets this", int(sys.argv[1]))
+sys.exit(2)
+"""
+
+
+def test_launched_without_torchrun_a_refusal_every_rank_meets_is_one_line(tmp_path):
+    """srun-style: each rank its own process, rank 0's hosting the store. (before: rank 0
+    exited with the store, and rank 1's claim failed, torch printing the socket's C++ stack,
+    and said the line again as its own)"""
+    from tests.distributed import free_port, worker_environment
+
+    script = tmp_path / "job.py"
+    script.write_text(_EVERY_RANK)
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT, **worker_environment(rank, 2, port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2]
+    assert outputs == ["job.py: error: --profile: every rank meets this\n", ""], outputs

@@ -26,6 +26,11 @@ RANK_ZERO_FIRST_S = 1.0
 # A store that went with its host (rank 0, launched without torchrun's agent) is not waited
 # for: the line is printed anyway.
 _STORE_TIMEOUT = datetime.timedelta(seconds=5)
+# Rank 0 waits at most this long for the other ranks' claims before it exits: launched
+# without torchrun's agent (srun, a job's own ranks) its process hosts the store, and a claim
+# on a store gone with it fails, torch printing the socket's C++ stack, and says the line
+# again as the rank's own.
+PEERS_CLAIM_S = 2 * RANK_ZERO_FIRST_S
 
 
 def refusal_line(prog: str, error: Exception | str, rank: int) -> str:
@@ -38,17 +43,36 @@ def print_refusal_once(prog: str, error: Exception | str, rank: int) -> None:
     than 0 names itself (`error on rank 3: ...`)."""
     if rank != 0:
         time.sleep(RANK_ZERO_FIRST_S)
-    if _first_to_claim(f"{prog}\n{error}"):
+    key = "refusal/" + hashlib.sha256(f"{prog}\n{error}".encode()).hexdigest()[:32]
+    if _first_to_claim(key):
         print(refusal_line(prog, error, rank), file=sys.stderr, flush=True)
+    if rank == 0:
+        _await_peers(key)
 
 
-def _first_to_claim(text: str) -> bool:
+def _store():
+    store = dist.distributed_c10d._get_default_store()  # no public accessor
+    store.set_timeout(_STORE_TIMEOUT)
+    return store
+
+
+def _first_to_claim(key: str) -> bool:
     if not dist.is_initialized():
         return True
-    key = "refusal/" + hashlib.sha256(text.encode()).hexdigest()[:32]
     try:
-        store = dist.distributed_c10d._get_default_store()  # no public accessor
-        store.set_timeout(_STORE_TIMEOUT)
-        return store.add(key, 1) == 1
+        return _store().add(key, 1) == 1
     except Exception:  # noqa: BLE001 (any store failure: better twice than never)
         return True
+
+
+def _await_peers(key: str) -> None:
+    """Until every rank has claimed `key` (met the same refusal), at most PEERS_CLAIM_S."""
+    if not dist.is_initialized():
+        return
+    deadline = time.monotonic() + PEERS_CLAIM_S
+    try:
+        store, ranks = _store(), dist.get_world_size()
+        while store.add(key, 0) < ranks and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 (the peers' claims only: the refusal is said already)
+        return
