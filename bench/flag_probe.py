@@ -15,11 +15,12 @@ child has its own directory, port and output. The tiny runs read files made once
 (bench/flag_probe_entries.py: a checkpoint, conversations, a corpus), and the tiny run alone
 must succeed before any case is tried. Outcomes: `runs` (exit 0), `refused` (exit 2, its
 last line `PROG: error: ...`), `stopped` (another exit, no traceback: a loss gone NaN under
---check-for-nan-in-loss-and-grad), `traceback`, and `still running` at --timeout (a model of
-100000 layers is a large model, not a mistake). Only the last two are listed case by case
-(every case with --all). `--only` takes a file of flags, one a line: those refused on the
-plain run, tried again where their feature is on (`--extra "--num-experts 4 ..."`); a
-layout's pass needs only the flags that pick code (`--kinds choice,switch`).
+--check-for-nan-in-loss-and-grad), `traceback` (Python's, or a C++ stack torch printed), and
+`still running` at --timeout (a model of 100000 layers is a large model, not a mistake). Only
+the last two are listed case by case (every case with --all). `--only` takes a file of flags,
+one a line: those refused on the plain run, tried again where their feature is on (`--extra
+"--num-experts 4 ..."`); a layout's pass needs only the flags that pick code (`--kinds
+choice,switch`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ SWITCHES = (
 # (100000 data-loader or tokenizing processes are what they say, and take the machine down)
 SKIPPED = {("--num-workers", "100000"), ("--workers", "100000")}
 KINDS = {"choice", "switch", "int", "float", "text"}
+# What counts as a traceback: Python's, and the C++ stack torch prints with a warning (a
+# rank's store gone with the rank that hosted it)
+STACKS = ("Traceback (most recent call last)", "Exception raised from ")
 
 
 def _accepts(action: argparse.Action, text: str) -> bool:
@@ -140,7 +144,7 @@ def _child(entry: Entry, argv: list[str], directory: str, rank: int, ranks: int,
 
 
 def _outcome(prog: str, codes: list[int | None], outputs: list[str]) -> str:
-    if any("Traceback (most recent call last)" in output for output in outputs):
+    if any(stack in output for output in outputs for stack in STACKS):
         return "traceback"
     if None in codes:
         return "still running"
