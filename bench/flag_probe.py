@@ -188,14 +188,15 @@ def _finished(pids: list[int], codes: dict[int, int | None], deadline: float) ->
 
 
 def _alone(entry: Entry, argv: list[str], directory: str, ranks: int = 1) -> tuple[int, str]:
-    """`entry` run on `argv` to its end: its exit code (the first rank's that failed) and
-    rank 0's output."""
-    codes = {}
+    """`entry` run on `argv` to its end, or killed after 10 minutes: the exit code of the
+    first rank reaped that failed (-9 for a killed one), and rank 0's output."""
+    codes, deadline = {}, time.monotonic() + 600
     pids = _start(entry, argv, directory, ranks)
-    while not _finished(pids, codes, time.monotonic() + 600):
+    while not _finished(pids, codes, deadline):
         time.sleep(0.1)
+    failed = [-signal.SIGKILL if code is None else code for code in codes.values() if code != 0]
     with open(f"{directory}/output0.txt", errors="replace") as f:
-        return max(codes.values(), key=abs), f.read()
+        return (failed[0] if failed else 0), f.read()
 
 
 def probe(

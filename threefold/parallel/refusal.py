@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import sys
 import time
 
@@ -66,8 +67,9 @@ def _first_to_claim(key: str) -> bool:
 
 
 def _await_peers(key: str) -> None:
-    """Until every rank has claimed `key` (met the same refusal), at most PEERS_CLAIM_S."""
-    if not dist.is_initialized():
+    """Until every rank has claimed `key` (met the same refusal), at most PEERS_CLAIM_S;
+    not at all where the store is torchrun's agent's, which outlives this process."""
+    if not dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     deadline = time.monotonic() + PEERS_CLAIM_S
     try:
