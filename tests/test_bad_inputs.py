@@ -110,6 +110,8 @@ CONFIGS = [
     (MOCK + ["--exit-interval", "0"], 1, "--exit-interval"),
     (MOCK + ["--seq-length", "0"], 1, "--seq-length must be >= 1, not 0"),
     (MOCK + ["--adam-beta1", "2"], 1, "--adam-beta1 must be in [0, 1), not 2.0"),
+    # (before: trained, and the padded vocabulary rows stepped to NaN at the first step)
+    (MOCK + ["--adam-eps", "0"], 1, "--adam-eps 0: Adam divides each step by sqrt(v) + eps"),
     (MOCK + ["--lr", "inf"], 1, "argument --lr: give a finite number, not inf"),
     (MOCK + ["--moe-expert-capacity-factor", "nan"], 1, "give a finite number, not nan"),
     (MOCK + ["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be"),

@@ -122,6 +122,24 @@ def layout_flags(
     return [*flags, "--micro-batch-size", str(micro_batch)]
 
 
+# What a plan chooses (layout_flags, SHARDING, RECOMPUTE), and what only fits another layout
+PLANNED = {
+    word
+    for flags in (layout_flags(2, 2, 2, 2, 2, 8, 2), *SHARDING.values(), *RECOMPUTE.values())
+    for word in flags
+    if word.startswith("--")
+} | {
+    "--bf16",
+    "--distributed-strategy",
+    "--expert-tensor-parallel-size",
+    "--num-virtual-stages-per-pipeline-rank",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--pipeline-model-parallel-layout",
+    "--hierarchical-context-parallel-sizes",
+}
+
+
 def cluster_args(
     gpu: str = "H100", gpu_memory_gib: float = 80.0, memory_fraction: float = 0.9, **links
 ) -> SimpleNamespace:
@@ -283,16 +301,25 @@ def hf_model_flags(path: str) -> list[str]:
 
     _, _, model = read_hf_config(path, "--hf-config")
     flags = model_flags(dataclasses.asdict(model))
-    skip = {"--seq-length", "--max-position-embeddings"}  # the plan's own
-    kept, drop_next = [], False
-    for flag in flags:
-        if drop_next:
-            drop_next = False
-        elif flag in skip:
-            drop_next = True
-        else:
-            kept.append(flag)
-    return kept
+    return without(flags, {"--seq-length", "--max-position-embeddings"})  # the plan's own
+
+
+def without(argv: list[str], names: set[str]) -> list[str]:
+    """`argv` less the flags in `names`, each with its values (the words up to the next
+    flag; a negative number is a value) or in its `--flag=value` form."""
+    return split_flags(argv, names)[0]
+
+
+def split_flags(argv: list[str], names: set[str]) -> tuple[list[str], list[str]]:
+    """`argv` as the words of flags not in `names` and those of flags in it."""
+    kept, dropped, dropping = [], [], False
+    for word in argv:
+        if word.startswith("--"):
+            dropping = word.split("=", 1)[0] in names
+        (dropped if dropping else kept).append(word)
+        if "=" in word and word.startswith("--"):
+            dropping = False  # (its value is in the word)
+    return kept, dropped
 
 
 def _cluster_mistake(args: argparse.Namespace) -> str | None:
@@ -355,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
             rest = hf_model_flags(args.hf_config) + rest
         except ConfigError as error:
             return _refuse(str(error))
+    # A pretraining command's own layout is what the plan replaces: left out, and said so
+    # (beside the plan's, the printed command would hold two; checked, it would be refused
+    # on one GPU). --bf16 is added below.
+    rest, yours = split_flags(rest, PLANNED)
+    yours = without(yours, {"--bf16"})
+    if yours:
+        print(f"> the plans choose the layout; left out of yours: {' '.join(yours)}")
     if "--max-position-embeddings" not in rest and "--seq-length" in rest:
         rest += ["--max-position-embeddings", rest[rest.index("--seq-length") + 1]]
     base = [*rest, "--bf16", "--mock-data"]

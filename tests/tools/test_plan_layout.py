@@ -215,6 +215,30 @@ def test_a_cluster_whose_data_parallelism_alone_cannot_split_the_batch_is_planne
     assert rows and all(int(row.split("DP=")[1].split()[0]) <= 4 for row in rows)
 
 
+def test_a_pretraining_commands_own_layout_is_left_out_and_said_so(capsys):
+    """A launch script's flags pasted whole: its layout (TP2 with sequence parallelism, the
+    distributed optimizer, micro-batches of 2 as `--flag=value`) is what the plans choose.
+    (before: refused, "world size 1 is not divisible by --tensor-model-parallel-size 2 ...
+    launch a multiple of 2 processes"; without TP, the printed command held
+    --micro-batch-size twice, the user's and the plan's)"""
+    from plan_layout import main
+
+    yours = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    yours += ["--micro-batch-size=2", "--use-distributed-optimizer"]
+    assert main(["--gpus", "8", *SMALL, "--vocab-size", "100", *yours, "--bf16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"> the plans choose the layout; left out of yours: {' '.join(yours)}"
+    command = out[-1].split()
+    assert command[0] == "torchrun" and command.count("--bf16") == 1
+    assert "--micro-batch-size=2" not in command
+    for flag in (
+        "--micro-batch-size",
+        "--tensor-model-parallel-size",
+        "--use-distributed-optimizer",
+    ):
+        assert command.count(flag) == 1, flag
+
+
 @pytest.mark.parametrize(
     "text, line",
     [

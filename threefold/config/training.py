@@ -279,6 +279,12 @@ class TrainingConfig(EvaluationConfig, MuonConfig, PrecisionAwareConfig, ResultC
             0 <= self.lr < math.inf and 0 <= self.min_lr < math.inf,
             "--lr and --min-lr must be finite and >= 0",
         )
+        _require(  # (Megatron-LM takes 0, and trains to NaN at the second step)
+            self.adam_eps > 0,
+            "--adam-eps 0: Adam divides each step by sqrt(v) + eps, so a parameter whose "
+            "gradient is 0 (a padded vocabulary row, an embedding no token used) steps by "
+            "0/0 = NaN at once; give a positive epsilon (the default 1e-8)",
+        )
         for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
             _require(0 <= beta < 1, f"{flag} must be in [0, 1), not {beta}")
         _require(self.min_lr <= self.lr, f"--min-lr {self.min_lr} is above --lr {self.lr}")

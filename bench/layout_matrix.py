@@ -1,0 +1,225 @@
+"""Every model feature under every layout, against the same model in one process: the parity
+tests check the pairs someone thought of; this checks them all.
+
+    python bench/layout_matrix.py [--features mla,moe] [--layouts cp2-a2a,tp2-pp2] [--steps 3]
+
+Each cell is a tiny model (4 layers, tests/parity.py's fp32 training flags) trained `--steps`
+steps on the layout's gloo ranks (tests/distributed.py's spawned workers, reused from cell to
+cell) and in this process alone; the losses and the final parameters, gathered over TP and
+merged over stages, are compared. A cell is `equal` (both within 1e-5, relative: only the
+order of fp32 sums differs), `close` (within 1e-3: read why), `DIFFERS`, `refused` (the one
+line parse_args or a rank gave) or `ERROR` (a traceback: a bug even where the layout is not
+supported). bench/results/layout_matrix.md holds its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.distributed import close_pools, run_distributed  # noqa: E402
+from tests.model.test_dsa import DSA  # noqa: E402
+from tests.model.test_gated_delta_net import GDN  # noqa: E402
+from tests.model.test_gpt_oss import GPT_OSS  # noqa: E402
+from tests.model.test_mamba import MAMBA  # noqa: E402
+from tests.model.test_mla import MLA  # noqa: E402
+from tests.model.test_window_attention import WINDOW  # noqa: E402
+from tests.parallel.test_expert_parallel import MOE  # noqa: E402
+from tests.parity import (  # noqa: E402
+    GPT2_STYLE,
+    LLAMA_STYLE,
+    TRAINING,
+    merge_pipeline_stages,
+    one_thread,
+    relative_error,
+    train_job,
+)
+from threefold.arguments import parse_args  # noqa: E402
+
+FOUR = ["--num-layers", "4"]
+LLAMA = LLAMA_STYLE + FOUR
+MIXTURE = LLAMA + MOE + ["--moe-router-topk", "2"]
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+FEATURES = {
+    "gpt2": GPT2_STYLE + FOUR,
+    "llama": LLAMA,
+    "qk-layernorm": LLAMA + ["--qk-layernorm"],
+    "window": LLAMA + WINDOW,
+    "llama4": LLAMA + ["--no-rope-freq", "2", "--attention-chunk-size", "4"],
+    "mla": MLA + FOUR,
+    "dsa": DSA + FOUR,
+    "mtp": LLAMA + ["--mtp-num-layers", "1"],
+    "moe": MIXTURE,
+    "moe-alltoall": MIXTURE
+    + ["--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    + ["--moe-shared-expert-intermediate-size", "24"],
+    "moe-deepseek": MIXTURE
+    + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    + ["--moe-router-bias-update-rate", "0.01", "--moe-router-num-groups", "2"]
+    + ["--moe-router-group-topk", "1", "--moe-router-load-balancing-type", "seq_aux_loss"],
+    "moe-capacity": MIXTURE
+    + ["--moe-expert-capacity-factor", "1.0"]
+    + ["--moe-pad-expert-input-to-capacity"],
+    "moe-latent": MIXTURE + ["--moe-latent-size", "16"],
+    "moe-every-other": MIXTURE + ["--moe-layer-freq", "[0,1,0,1]"],
+    "gpt-oss": GPT_OSS + FOUR + MOE + ["--moe-router-topk", "2"],
+    "gdn": LLAMA + GDN + ["--linear-attention-freq", "2"],
+    "mamba": LLAMA_STYLE + ["--hybrid-layer-pattern", "M*-M", *MAMBA],
+    "gate-softcap": LLAMA + ["--attention-output-gate", "--attn-logit-softcapping", "30"],
+    "layernorm-1p": GPT2_STYLE + FOUR + ["--apply-layernorm-1p", "--rotary-interleaved"],
+    "documents": LLAMA
+    + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--reset-attention-mask"]
+    + ["--reset-position-ids", "--eod-mask-loss"],
+    "recompute-selective": LLAMA + ["--recompute-granularity", "selective"],
+    "cpu-offloading": LLAMA + ["--cpu-offloading-num-layers", "1"],
+    "recompute-full": LLAMA + FULL_RECOMPUTE + ["--recompute-num-layers", "1"],
+    "per-token-loss": LLAMA + ["--calculate-per-token-loss"],
+}
+TP2 = ["--tensor-model-parallel-size", "2"]
+SP = ["--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
+EP2 = ["--expert-model-parallel-size", "2"]
+DISTOPT = ["--use-distributed-optimizer"]
+LAYOUTS = {
+    "tp2": (2, TP2),
+    "tp2-sp": (2, TP2 + SP),
+    "pp2": (2, PP2),
+    "vpp2": (2, PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    "cp2-p2p": (2, CP2),
+    "cp2-a2a": (2, CP2 + ["--cp-comm-type", "a2a"]),
+    "cp2-allgather": (2, CP2 + ["--cp-comm-type", "allgather"]),
+    "pp2-uneven": (2, PP2 + ["--decoder-first-pipeline-num-layers", "1"]),
+    "pp2-embedding": (
+        2,
+        PP2
+        + ["--account-for-embedding-in-pipeline-split"]
+        + ["--account-for-loss-in-pipeline-split"],
+    ),
+    "dp2": (2, []),
+    "dp2-distopt": (2, DISTOPT + ["--overlap-grad-reduce", "--overlap-param-gather"]),
+    "fsdp2": (2, ["--distributed-strategy", "fsdp"]),
+    "ep2": (2, EP2),
+    "tp2-pp2": (4, TP2 + SP + PP2),
+    "tp2-cp2": (4, TP2 + SP + CP2),
+    "pp2-cp2": (4, PP2 + CP2),
+    "tp2-ep2": (4, TP2 + SP + EP2),
+    "cp2-ep2": (4, CP2 + EP2),
+    "pp2-ep2": (4, PP2 + EP2),
+    "tp2-ep2-etp1": (4, TP2 + SP + EP2 + ["--expert-tensor-parallel-size", "1"]),
+    "vpp2-tp2": (4, TP2 + SP + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]),
+    "cp4-hierarchical": (
+        4,
+        ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"]
+        + ["--hierarchical-context-parallel-sizes", "2", "2"],
+    ),
+    "dp4-instances": (4, DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
+    "tp2-pp2-cp2": (8, TP2 + SP + PP2 + CP2),
+    "tp2-pp2-ep2": (8, TP2 + SP + PP2 + EP2),
+}
+EQUAL, CLOSE = 1e-5, 1e-3
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _refusal(argv: list[str], world: int) -> str | None:
+    """parse_args' one line for this layout, or None where it accepts it."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parse_args(argv, world_size=world)
+    except SystemExit:
+        return _last_line(stderr.getvalue())
+    return None
+
+
+def _errors(results: list[dict], reference: dict) -> tuple[float, float, str]:
+    """The largest relative error of a step's loss on any rank, of a parameter, and the
+    parameter's name."""
+    loss = max(
+        abs(a - e) / abs(e)
+        for result in results
+        for a, e in zip(result["losses"], reference["losses"], strict=True)
+    )
+    params = merge_pipeline_stages([r["params"] for r in results])
+    if params.keys() != reference["params"].keys():
+        return loss, float("inf"), "names differ"
+    errors = {n: relative_error(params[n], reference["params"][n]) for n in params}
+    worst = max(errors, key=errors.get)
+    return loss, errors[worst], worst
+
+
+def cell(argv: list[str], world: int, reference: dict, steps: int) -> tuple[str, str]:
+    refused = _refusal(argv, world)
+    if refused is not None:
+        return "refused", refused
+    try:
+        results = run_distributed(world, train_job, argv, steps)
+    except AssertionError as failure:  # a rank's traceback: the refusal's line, or an error
+        text = str(failure)
+        line = _last_line(text)
+        return ("refused" if "SystemExit" in text or "error: " in line else "ERROR"), line
+    loss, params, worst = _errors(results, reference)
+    verdict = "equal" if max(loss, params) <= EQUAL else "close"
+    if max(loss, params) > CLOSE:
+        verdict = "DIFFERS"
+    return verdict, f"loss {loss:.1e}, parameters {params:.1e} ({worst})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--features", default=",".join(FEATURES))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    features, layouts = args.features.split(","), args.layouts.split(",")
+    unknown = [f for f in features if f not in FEATURES] + [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        parser.error(
+            f"unknown: {', '.join(unknown)}; features {list(FEATURES)}, layouts {list(LAYOUTS)}"
+        )
+    # The table alone on standard output: the trainers' lines (this process's and the ranks',
+    # whose fork server starts later and inherits the descriptor) go to /dev/null
+    table = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    print(
+        f"{len(features)} features x {len(layouts)} layouts, {args.steps} steps a cell\n",
+        file=table,
+    )
+    print(
+        "| feature | layout | ranks | outcome | | s |\n| --- | --- | ---: | --- | --- | ---: |",
+        file=table,
+    )
+    counts: dict[str, int] = {}
+    try:
+        for feature in features:
+            base = TRAINING + FEATURES[feature]  # (a feature's --vocab-size is TRAINING's)
+            with one_thread():
+                reference = train_job(base, args.steps)
+            for layout in layouts:
+                world, flags = LAYOUTS[layout]
+                start = time.monotonic()
+                verdict, what = cell(base + flags, world, reference, args.steps)
+                counts[verdict] = counts.get(verdict, 0) + 1
+                seconds = time.monotonic() - start
+                print(
+                    f"| {feature} | {layout} | {world} | {verdict} | {what} | {seconds:.0f} |",
+                    file=table,
+                )
+    finally:
+        close_pools()
+    print("\n" + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items())), file=table)
+    return 1 if counts.get("DIFFERS") or counts.get("ERROR") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
