@@ -66,13 +66,17 @@ FEATURES = {
     "moe-capacity": MIXTURE
     + ["--moe-expert-capacity-factor", "1.0"]
     + ["--moe-pad-expert-input-to-capacity"],
+    "moe-capacity-position": MIXTURE
+    + ["--moe-expert-capacity-factor", "0.75"]
+    + ["--moe-token-drop-policy", "position"],
     "moe-latent": MIXTURE + ["--moe-latent-size", "16"],
     "moe-every-other": MIXTURE + ["--moe-layer-freq", "[0,1,0,1]"],
     "gpt-oss": GPT_OSS + FOUR + MOE + ["--moe-router-topk", "2"],
     "gdn": LLAMA + GDN + ["--linear-attention-freq", "2"],
     "mamba": LLAMA_STYLE + ["--hybrid-layer-pattern", "M*-M", *MAMBA],
     "gate-softcap": LLAMA + ["--attention-output-gate", "--attn-logit-softcapping", "30"],
-    "layernorm-1p": GPT2_STYLE + FOUR + ["--apply-layernorm-1p", "--rotary-interleaved"],
+    "layernorm-1p": LLAMA
+    + ["--normalization", "LayerNorm", "--apply-layernorm-1p", "--rotary-interleaved"],
     "documents": LLAMA
     + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15", "--reset-attention-mask"]
     + ["--reset-position-ids", "--eod-mask-loss"],
@@ -203,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for feature in features:
             base = TRAINING + FEATURES[feature]  # (a feature's --vocab-size is TRAINING's)
+            refused = _refusal(base, 1)
+            if refused is not None:  # (a feature this run's flags got wrong)
+                print(f"| {feature} | one process | 1 | refused | {refused} | 0 |", file=table)
+                counts["refused"] = counts.get("refused", 0) + 1
+                continue
             with one_thread():
                 reference = train_job(base, args.steps)
             for layout in layouts:

@@ -8,7 +8,9 @@
     softmax  : softmax over the top-k logits (or, --moe-router-pre-softmax, top-k of the
                softmax over all experts); sigmoid: top-k sigmoid scores, renormalized if k > 1
     capacity : --moe-expert-capacity-factor keeps at most ceil(tokens x k / experts x factor)
-               tokens per expert, by probability or by position (--moe-token-drop-policy)
+               tokens per expert of the micro-batch, by probability or by position
+               (--moe-token-drop-policy; capacity.py: over the whole micro-batch, where
+               megatron-core decides within each rank's slice of it)
 
 `--moe-router-load-balancing-type sinkhorn` (Megatron's, as in BASE layers) balances by the
 choice itself: in training the top-k experts of each token are those of the Sinkhorn-normalized
@@ -36,13 +38,12 @@ its share of the mean).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from threefold.config import ModelConfig
+from threefold.model.moe.capacity import Capacity
 from threefold.parallel.data_parallel.torch_native import add_replicated
 from threefold.parallel.parallel_context import ParallelContext
 from threefold.parallel.tensor_parallel.mappings import _all_gather, record_collective
@@ -155,34 +156,6 @@ def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tens
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
-    return math.ceil(num_tokens * topk / num_experts * factor)
-
-
-def drop_over_capacity(
-    probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, policy: str, pad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep at most `capacity` tokens per expert: the most probable ones ("probs") or the
-    first routed ones in token order ("position"). `pad`: every expert takes exactly
-    `capacity` tokens, the ones not routed to it with probability 0."""
-    if capacity >= probs.shape[0]:
-        keep = torch.ones_like(routing_map)
-    else:
-        # "position": routed tokens before the others, earlier before later (a top-k of the
-        # 0/1 map alone, as megatron-core takes it, leaves the choice among ties to the kernel).
-        order = probs if policy == "probs" else routing_map.float() * (2.0 - _ramp(probs))
-        indices = order.topk(capacity, dim=0).indices
-        keep = torch.zeros_like(routing_map).scatter(0, indices, True)
-    final = keep if pad else routing_map & keep
-    return probs * final, final
-
-
-def _ramp(probs: torch.Tensor) -> torch.Tensor:
-    """0 for the first token rising to below 1 for the last: an order by position."""
-    tokens = probs.shape[0]
-    return (torch.arange(tokens, device=probs.device, dtype=torch.float32) / tokens)[:, None]
-
-
 class _RandomLogits(torch.autograd.Function):
     """--moe-router-force-load-balancing (megatron-core's RandomSTE): standard normal logits in
     place of the router's, drawn from the model-parallel stream (each TP rank routes its own
@@ -223,9 +196,9 @@ class TopKRouter(nn.Module):
         self.load_balancing = config.moe_router_load_balancing_type
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.z_loss_coeff = config.moe_z_loss_coeff
-        self.capacity_factor = config.moe_expert_capacity_factor
-        self.drop_policy = config.moe_token_drop_policy
-        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.capacity = None
+        if config.moe_expert_capacity_factor is not None:
+            self.capacity = Capacity(config, parallel)
         self.router_dtype = ROUTER_DTYPES.get(config.moe_router_dtype)
         self.force_load_balancing = config.moe_router_force_load_balancing
         # The ranks that route slices of one sequence: TP under sequence parallelism (required
@@ -269,13 +242,8 @@ class TopKRouter(nn.Module):
         probs = probs.to(logits.dtype)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
         routing_probs = torch.zeros_like(logits).scatter(1, indices, probs)
-        if self.capacity_factor is not None:
-            capacity = expert_capacity(
-                tokens.shape[0], self.num_experts, self.topk, self.capacity_factor
-            )
-            routing_probs, routing_map = drop_over_capacity(
-                routing_probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity
-            )
+        if self.capacity is not None:
+            routing_probs, routing_map = self.capacity(routing_probs, routing_map, batch_size)
         losses = {}
         if self.training and torch.is_grad_enabled():
             losses = self._auxiliary_losses(logits, batch_size)
