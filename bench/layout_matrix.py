@@ -40,7 +40,9 @@ from tests.parity import (  # noqa: E402
     relative_error,
     train_job,
 )
+from tests.training.test_muon import MUON  # noqa: E402
 from threefold.arguments import parse_args  # noqa: E402
+from threefold.config import Config  # noqa: E402
 
 FOUR = ["--num-layers", "4"]
 LLAMA = LLAMA_STYLE + FOUR
@@ -71,6 +73,28 @@ FEATURES = {
     + ["--moe-token-drop-policy", "position"],
     "moe-latent": MIXTURE + ["--moe-latent-size", "16"],
     "moe-every-other": MIXTURE + ["--moe-layer-freq", "[0,1,0,1]"],
+    "moe-sinkhorn": LLAMA
+    + ["--num-experts", "4", "--moe-ffn-hidden-size", "32"]
+    + ["--moe-router-topk", "2", "--moe-router-load-balancing-type", "sinkhorn"],
+    "moe-global-aux": MIXTURE + ["--moe-router-load-balancing-type", "global_aux_loss"],
+    "moe-shared-overlap": MIXTURE
+    + ["--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-overlap"]
+    + ["--moe-shared-expert-intermediate-size", "24"],
+    "moe-probs-on-input": LLAMA + MOE + ["--moe-router-topk", "1", "--moe-apply-probs-on-input"],
+    "moe-mtp": MIXTURE + ["--mtp-num-layers", "1"],
+    "deepseek": MLA
+    + FOUR
+    + MOE
+    + ["--moe-router-topk", "2", "--mtp-num-layers", "1"]
+    + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    + ["--moe-shared-expert-intermediate-size", "24", "--moe-layer-freq", "[0,1,1,1]"],
+    "qwen3-next": LLAMA
+    + GDN
+    + ["--linear-attention-freq", "2", "--attention-output-gate"]
+    + MOE
+    + ["--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "24"]
+    + ["--moe-shared-expert-gate"],
+    "mamba-moe": LLAMA_STYLE + ["--hybrid-layer-pattern", "M*EM", *MAMBA, *MOE],
     "gpt-oss": GPT_OSS + FOUR + MOE + ["--moe-router-topk", "2"],
     "gdn": LLAMA + GDN + ["--linear-attention-freq", "2"],
     "mamba": LLAMA_STYLE + ["--hybrid-layer-pattern", "M*-M", *MAMBA],
@@ -82,6 +106,10 @@ FEATURES = {
     + ["--reset-position-ids", "--eod-mask-loss"],
     "recompute-selective": LLAMA + ["--recompute-granularity", "selective"],
     "cpu-offloading": LLAMA + ["--cpu-offloading-num-layers", "1"],
+    "muon": LLAMA + MUON,
+    "mup": LLAMA + ["--use-mup", "--mup-base-hidden-size", "8"],
+    "clip-small": LLAMA + ["--clip-grad", "0.05"],
+    "decoupled-lr": LLAMA + ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"],
     "recompute-full": LLAMA + FULL_RECOMPUTE + ["--recompute-num-layers", "1"],
     "per-token-loss": LLAMA + ["--calculate-per-token-loss"],
 }
@@ -128,6 +156,12 @@ LAYOUTS = {
     "tp2-pp2-ep2": (8, TP2 + SP + PP2 + EP2),
 }
 EQUAL, CLOSE = 1e-5, 1e-3
+# Features whose result depends on data parallelism by definition: at DP > 1 a cell that
+# differs is `as defined`, with the reason, not DIFFERS.
+BY_DATA_PARALLELISM = {
+    "moe-global-aux": "global_aux_loss counts every data-parallel replica's micro-batches of "
+    "the step so far (megatron-core's definition): at DP=N each count holds N of them"
+}
 
 
 def _last_line(text: str) -> str:
@@ -135,15 +169,14 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _refusal(argv: list[str], world: int) -> str | None:
-    """parse_args' one line for this layout, or None where it accepts it."""
+def _parse(argv: list[str], world: int) -> tuple[Config | None, str | None]:
+    """The layout's config, or parse_args' one line refusing it."""
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parse_args(argv, world_size=world)
+            return parse_args(argv, world_size=world), None
     except SystemExit:
-        return _last_line(stderr.getvalue())
-    return None
+        return None, _last_line(stderr.getvalue())
 
 
 def _errors(results: list[dict], reference: dict) -> tuple[float, float, str]:
@@ -162,9 +195,9 @@ def _errors(results: list[dict], reference: dict) -> tuple[float, float, str]:
     return loss, errors[worst], worst
 
 
-def cell(argv: list[str], world: int, reference: dict, steps: int) -> tuple[str, str]:
-    refused = _refusal(argv, world)
-    if refused is not None:
+def cell(feature: str, argv: list[str], world: int, reference: dict, steps: int) -> tuple[str, str]:
+    config, refused = _parse(argv, world)
+    if config is None:
         return "refused", refused
     try:
         results = run_distributed(world, train_job, argv, steps)
@@ -174,9 +207,12 @@ def cell(argv: list[str], world: int, reference: dict, steps: int) -> tuple[str,
         return ("refused" if "SystemExit" in text or "error: " in line else "ERROR"), line
     loss, params, worst = _errors(results, reference)
     verdict = "equal" if max(loss, params) <= EQUAL else "close"
+    what = f"loss {loss:.1e}, parameters {params:.1e} ({worst})"
     if max(loss, params) > CLOSE:
         verdict = "DIFFERS"
-    return verdict, f"loss {loss:.1e}, parameters {params:.1e} ({worst})"
+        if feature in BY_DATA_PARALLELISM and config.parallel.data_parallel_size > 1:
+            verdict, what = "as defined", f"{what}: {BY_DATA_PARALLELISM[feature]}"
+    return verdict, what
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for feature in features:
             base = TRAINING + FEATURES[feature]  # (a feature's --vocab-size is TRAINING's)
-            refused = _refusal(base, 1)
+            _, refused = _parse(base, 1)
             if refused is not None:  # (a feature this run's flags got wrong)
                 print(f"| {feature} | one process | 1 | refused | {refused} | 0 |", file=table)
                 counts["refused"] = counts.get("refused", 0) + 1
@@ -217,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout in layouts:
                 world, flags = LAYOUTS[layout]
                 start = time.monotonic()
-                verdict, what = cell(base + flags, world, reference, args.steps)
+                verdict, what = cell(feature, base + flags, world, reference, args.steps)
                 counts[verdict] = counts.get(verdict, 0) + 1
                 seconds = time.monotonic() - start
                 print(
