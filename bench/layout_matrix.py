@@ -5,11 +5,12 @@ tests check the pairs someone thought of; this checks them all.
 
 Each cell is a tiny model (4 layers, tests/parity.py's fp32 training flags) trained `--steps`
 steps on the layout's gloo ranks (tests/distributed.py's spawned workers, reused from cell to
-cell) and in this process alone; the losses and the final parameters, gathered over TP and
-merged over stages, are compared. A cell is `equal` (both within 1e-5, relative: only the
-order of fp32 sums differs), `close` (within 1e-3: read why), `DIFFERS`, `refused` (the one
-line parse_args or a rank gave) or `ERROR` (a traceback: a bug even where the layout is not
-supported). bench/results/layout_matrix.md holds its runs.
+cell) and in this process alone; the losses, a validation batch's loss after them and the
+final parameters, gathered over TP and merged over stages, are compared. A cell is `equal`
+(all within 1e-5, relative: only the order of fp32 sums differs), `close` (within 1e-3: read
+why), `DIFFERS`, `as defined` (a feature whose result data parallelism defines), `refused`
+(the one line parse_args or a rank gave) or `ERROR` (a traceback: a bug even where the layout
+is not supported). bench/results/layout_matrix.md holds its runs.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ LAYOUTS = {
     "tp2-pp2-ep2": (8, TP2 + SP + PP2 + EP2),
 }
 EQUAL, CLOSE = 1e-5, 1e-3
+EVALUATION = ["--eval-iters", "1", "--eval-interval", "1000"]  # one batch, after the steps
 # Features whose result depends on data parallelism by definition: at DP > 1 a cell that
 # differs is `as defined`, with the reason, not DIFFERS.
 BY_DATA_PARALLELISM = {
@@ -180,12 +182,16 @@ def _parse(argv: list[str], world: int) -> tuple[Config | None, str | None]:
 
 
 def _errors(results: list[dict], reference: dict) -> tuple[float, float, str]:
-    """The largest relative error of a step's loss on any rank, of a parameter, and the
-    parameter's name."""
+    """The largest relative error of a loss (a step's or the validation's) on any rank, of a
+    parameter, and the parameter's name."""
     loss = max(
         abs(a - e) / abs(e)
         for result in results
-        for a, e in zip(result["losses"], reference["losses"], strict=True)
+        for a, e in zip(
+            [*result["losses"], result["valid"]],
+            [*reference["losses"], reference["valid"]],
+            strict=True,
+        )
     )
     params = merge_pipeline_stages([r["params"] for r in results])
     if params.keys() != reference["params"].keys():
@@ -242,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     try:
         for feature in features:
-            base = TRAINING + FEATURES[feature]  # (a feature's --vocab-size is TRAINING's)
+            # (after TRAINING: a feature's --vocab-size is not TRAINING's)
+            base = TRAINING + EVALUATION + FEATURES[feature]
             _, refused = _parse(base, 1)
             if refused is not None:  # (a feature this run's flags got wrong)
                 print(f"| {feature} | one process | 1 | refused | {refused} | 0 |", file=table)

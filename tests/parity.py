@@ -163,8 +163,9 @@ def _without_key_bias(params: dict[str, np.ndarray], trainer: Trainer) -> dict:
 
 
 def train_job(argv: list[str], steps: int) -> dict:
-    """Losses of `steps` training iterations, the final full parameters and, with FP8, the
-    scaling state a checkpoint would hold."""
+    """Losses of `steps` training iterations, the final full parameters, with FP8 the
+    scaling state a checkpoint would hold, and with --eval-iters the validation loss after
+    them (None without)."""
     trainer = _setup(argv)
     losses = [trainer.train_step()[0] for _ in range(steps)]
     fp8 = trainer.fp8.state_tensors() if trainer.fp8 is not None else {}
@@ -172,6 +173,7 @@ def train_job(argv: list[str], steps: int) -> dict:
         "losses": losses,
         "params": _without_key_bias(_full(trainer), trainer),
         "fp8": {name: tensor.numpy().copy() for name, tensor in fp8.items()},
+        "valid": trainer.evaluate(),
     }
 
 

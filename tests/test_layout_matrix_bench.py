@@ -1,0 +1,25 @@
+"""bench/layout_matrix.py compares a feature under a layout with the same model in one process
+(bench/results/layout_matrix.md): a cell is equal, refused in one line, or differs."""
+
+from bench.layout_matrix import EVALUATION, FEATURES, LAYOUTS, cell
+from tests.parity import TRAINING, one_thread, train_job
+
+
+def test_a_cell_is_equal_refused_or_differs():
+    base = TRAINING + EVALUATION + FEATURES["moe-capacity"]
+    with one_thread():
+        reference = train_job(base, 2)
+    world, flags = LAYOUTS["tp2-sp"]
+    verdict, what = cell("moe-capacity", base + flags, world, reference, 2)
+    assert verdict == "equal", what
+    # another initialization at the same layout: what a wrong layout looks like
+    verdict, what = cell("moe-capacity", base + flags + ["--seed", "7"], world, reference, 2)
+    assert verdict == "DIFFERS", what
+    world, flags = LAYOUTS["ep2"]
+    dense = TRAINING + FEATURES["llama"]
+    verdict, what = cell("llama", dense + flags, world, reference, 2)
+    assert (verdict, what) == (
+        "refused",
+        "pretrain_gpt.py: error: --expert-model-parallel-size needs a mixture-of-experts model "
+        "(--num-experts)",
+    )
