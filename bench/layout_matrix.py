@@ -20,6 +20,7 @@ import contextlib
 import io
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +37,8 @@ from tests.parity import (  # noqa: E402
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
+    _setup,
+    inference_job,
     merge_pipeline_stages,
     one_thread,
     relative_error,
@@ -43,6 +46,7 @@ from tests.parity import (  # noqa: E402
 )
 from tests.training.test_muon import MUON  # noqa: E402
 from threefold.arguments import parse_args  # noqa: E402
+from threefold.checkpoint.save import save_checkpoint  # noqa: E402
 from threefold.config import Config  # noqa: E402
 
 FOUR = ["--num-layers", "4"]
@@ -221,48 +225,102 @@ def cell(feature: str, argv: list[str], world: int, reference: dict, steps: int)
     return verdict, what
 
 
+def training_cells(feature: str, layouts: list[str], steps: int):
+    """(layout, ranks, verdict, what) of each training cell of a feature."""
+    base = TRAINING + EVALUATION + FEATURES[feature]  # (a feature's --vocab-size wins)
+    _, refused = _parse(base, 1)
+    if refused is not None:  # (a feature this run's flags got wrong)
+        yield "one process", 1, "refused", refused
+        return
+    with one_thread():
+        reference = train_job(base, steps)
+    for layout in layouts:
+        world, flags = LAYOUTS[layout]
+        yield layout, world, *cell(feature, base + flags, world, reference, steps)
+
+
+# The tools' layouts (tools/generate.py, tools/score.py): (pipeline stages, TP)
+INFERENCE_LAYOUTS = {"tp2": (1, 2), "pp2": (2, 1), "tp2-pp2": (2, 2)}
+PROMPT = [1, 2, 3, 4]
+TEXT = [(7 * i + 3) % 15 for i in range(40)]  # (15: the smallest vocabulary of FEATURES)
+
+
+def inference_cells(feature: str, layouts: list[str], steps: int):
+    """(layout, ranks, verdict, what) of each inference cell of a feature: the model trained
+    `steps` steps in this process and saved, then its greedy continuation of PROMPT and its
+    loss on TEXT by the tools' path at each layout, against one device's."""
+    base = TRAINING + FEATURES[feature]
+    _, refused = _parse(base, 1)
+    if refused is not None:
+        yield "one process", 1, "refused", refused
+        return
+    with tempfile.TemporaryDirectory() as directory, one_thread():
+        trainer = _setup(base)
+        for _ in range(steps):
+            trainer.train_step()
+        save_checkpoint(directory, trainer.checkpoint_components())
+        expected_ids, expected_loss = inference_job(directory, 1, 1, PROMPT, TEXT)
+        for layout in layouts:
+            pipeline, tensor = INFERENCE_LAYOUTS[layout]
+            try:
+                results = run_distributed(
+                    pipeline * tensor, inference_job, directory, pipeline, tensor, PROMPT, TEXT
+                )
+            except AssertionError as failure:
+                line = _last_line(str(failure))
+                verdict = "refused" if line.startswith(REFUSALS) else "ERROR"
+                yield layout, pipeline * tensor, verdict, line
+                continue
+            error = max(abs(loss - expected_loss) / expected_loss for _, loss in results)
+            same = all(ids == expected_ids for ids, _ in results)
+            verdict = "equal" if same and error <= EQUAL else "close" if same else "DIFFERS"
+            if error > CLOSE:
+                verdict = "DIFFERS"
+            what = f"loss {error:.1e}, {'the same' if same else 'other'} greedy tokens"
+            yield layout, pipeline * tensor, verdict, what
+
+
+REFUSALS = ("threefold.config.errors.ConfigError: ", "SystemExit")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--features", default=",".join(FEATURES))
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", help="default: every layout of the mode")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--inference", action="store_true", help="generation and scoring at the tools' layouts"
+    )
     args = parser.parse_args(argv)
-    features, layouts = args.features.split(","), args.layouts.split(",")
-    unknown = [f for f in features if f not in FEATURES] + [x for x in layouts if x not in LAYOUTS]
+    known = INFERENCE_LAYOUTS if args.inference else LAYOUTS
+    features = args.features.split(",")
+    layouts = args.layouts.split(",") if args.layouts else list(known)
+    unknown = [f for f in features if f not in FEATURES] + [x for x in layouts if x not in known]
     if unknown:
         parser.error(
-            f"unknown: {', '.join(unknown)}; features {list(FEATURES)}, layouts {list(LAYOUTS)}"
+            f"unknown: {', '.join(unknown)}; features {list(FEATURES)}, layouts {list(known)}"
         )
     # The table alone on standard output: the trainers' lines (this process's and the ranks',
     # whose fork server starts later and inherits the descriptor) go to /dev/null
     table = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    mode = "inference after" if args.inference else ""
     print(
-        f"{len(features)} features x {len(layouts)} layouts, {args.steps} steps a cell\n",
+        f"{len(features)} features x {len(layouts)} layouts, {mode} {args.steps} steps a cell\n",
         file=table,
     )
     print(
         "| feature | layout | ranks | outcome | | s |\n| --- | --- | ---: | --- | --- | ---: |",
         file=table,
     )
+    cells = inference_cells if args.inference else training_cells
     counts: dict[str, int] = {}
     try:
         for feature in features:
-            # (after TRAINING: a feature's --vocab-size is not TRAINING's)
-            base = TRAINING + EVALUATION + FEATURES[feature]
-            _, refused = _parse(base, 1)
-            if refused is not None:  # (a feature this run's flags got wrong)
-                print(f"| {feature} | one process | 1 | refused | {refused} | 0 |", file=table)
-                counts["refused"] = counts.get("refused", 0) + 1
-                continue
-            with one_thread():
-                reference = train_job(base, args.steps)
-            for layout in layouts:
-                world, flags = LAYOUTS[layout]
-                start = time.monotonic()
-                verdict, what = cell(feature, base + flags, world, reference, args.steps)
+            start = time.monotonic()
+            for layout, world, verdict, what in cells(feature, layouts, args.steps):
                 counts[verdict] = counts.get(verdict, 0) + 1
-                seconds = time.monotonic() - start
+                seconds, start = time.monotonic() - start, time.monotonic()
                 print(
                     f"| {feature} | {layout} | {world} | {verdict} | {what} | {seconds:.0f} |",
                     file=table,

@@ -177,6 +177,29 @@ def train_job(argv: list[str], steps: int) -> dict:
     }
 
 
+def inference_job(
+    directory: str, pipeline: int, tensor: int, prompt: str | list[int], tokens: list[int]
+) -> tuple[list[int], float]:
+    """Greedy continuation (12 tokens) of `prompt` (a text for the checkpoint's tokenizer, or
+    token ids) and the mean loss of `tokens` (windows of 16), by the checkpoint under
+    `directory` on TP x PP ranks: the tools' path (their layout, `load_model` of this rank's
+    stage, the inference loops); on one device without torch.distributed when both are 1."""
+    from threefold.checkpoint.load import load_model
+    from threefold.inference import generate, score
+
+    distributed = pipeline * tensor > 1
+    parallel = state.initialize_for_inference(pipeline, tensor)[1] if distributed else None
+    try:
+        _, model, tokenizer = load_model(
+            directory, parallel=parallel, with_tokenizer=isinstance(prompt, str)
+        )
+        ids = tokenizer.tokenize(prompt) if isinstance(prompt, str) else prompt
+        return generate(model, ids, 12, 64), score(model, tokens, 16)[0]
+    finally:
+        if distributed:
+            state.destroy_model_parallel()
+
+
 def gradient_job(argv: list[str]) -> dict:
     """Logits, mean loss and full gradients of the first micro-batch (needs DP=1)."""
     trainer = _setup(argv)

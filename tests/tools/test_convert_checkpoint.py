@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.parity import inference_job
 from tests.tools.hf_models import TOKENS, VOCAB, build_hf_model, convert_in_process
 
 transformers = pytest.importorskip("transformers")
@@ -165,20 +166,7 @@ def test_greedy_generation_matches_transformers(converted, kind):
 
 
 def _generate_and_score(directory: str, pipeline: int = 1, tensor: int = 1) -> tuple[list, float]:
-    """Greedy continuation and mean loss of the checkpoint on TP x PP gloo ranks (the tools'
-    path: their layout, `load_model` of this rank's stage, the inference loops); on one device
-    without torch.distributed when both are 1 (the test process itself)."""
-    from threefold.inference import score
-    from threefold.parallel import state
-
-    distributed = pipeline * tensor > 1
-    parallel = state.initialize_for_inference(pipeline, tensor)[1] if distributed else None
-    _, model, tokenizer = load_model(directory, parallel=parallel)
-    prompt = tokenizer.tokenize("To be, or not")
-    result = generate(model, prompt, 12, 64), score(model, TOKENS[0].tolist(), 16)[0]
-    if distributed:
-        state.destroy_model_parallel()
-    return result
+    return inference_job(directory, pipeline, tensor, "To be, or not", TOKENS[0].tolist())
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3"])  # untied, tied embeddings
