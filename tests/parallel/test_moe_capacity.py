@@ -7,7 +7,17 @@ import pytest
 
 from tests.distributed import run_distributed
 from tests.parallel.test_expert_parallel import MOE, TOLERANCE, _train_with_statistics
-from tests.parity import LLAMA_STYLE, TRAINING, assert_matches_reference
+from tests.parity import (
+    LLAMA_STYLE,
+    TRAINING,
+    _setup,
+    assert_matches_reference,
+    inference_job,
+    one_thread,
+)
+from threefold.checkpoint.save import save_checkpoint
+
+PROMPT, TEXT = [1, 2, 3, 4], [(7 * i + 3) % 100 for i in range(40)]
 
 
 @pytest.mark.parametrize("policy, pad", [("probs", True), ("position", False)])
@@ -26,3 +36,18 @@ def test_capacity_is_the_micro_batchs_where_ranks_route_slices_of_it(policy, pad
     assert_matches_reference(results, reference, TOLERANCE)
     for result in results:
         np.testing.assert_allclose(result["tokens"], reference["tokens"])
+
+
+def test_the_tools_tensor_parallel_ranks_drop_what_one_device_drops(tmp_path):
+    """tools/generate.py and tools/score.py run TP without sequence parallelism: every TP rank
+    routes the whole sequence and decides alone, as one device. (before: the decision was
+    gathered over TP there too, each token counted once per rank, and the loss moved 1.3e-5)"""
+    argv = LLAMA_STYLE + TRAINING + MOE + ["--moe-expert-capacity-factor", "0.75"]
+    with one_thread():
+        trainer = _setup(argv)
+        trainer.train_step()
+        save_checkpoint(str(tmp_path), trainer.checkpoint_components())
+        ids, loss = inference_job(str(tmp_path), 1, 1, PROMPT, TEXT)
+    for result in run_distributed(2, inference_job, str(tmp_path), 1, 2, PROMPT, TEXT):
+        assert result[0] == ids
+        assert result[1] == pytest.approx(loss, rel=1e-6)

@@ -66,7 +66,10 @@ class Capacity:
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
         self.policy = config.moe_token_drop_policy
         self.pad = config.moe_pad_expert_input_to_capacity
-        self.parallel, self.group = parallel, parallel.tp_cp
+        # The ranks holding slices of the micro-batch's sequences: CP's, and TP's under
+        # sequence parallelism (without it, as the tools run, TP ranks hold the same tokens)
+        self.parallel = parallel
+        self.group = parallel.tp_cp if parallel.sequence_parallel else parallel.cp
 
     def __call__(
         self, probs: torch.Tensor, routing_map: torch.Tensor, batch_size: int

@@ -150,6 +150,10 @@ class Experts(nn.Module):
         self.squared_relu = config.squared_relu
         self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.grouped_gemm = config.moe_grouped_gemm
+        # The grouped GEMM reads the experts' weights without calling them: --overlap-param-
+        # gather waits for all of them before this module's forward, not at each expert's
+        # (which never comes; their weights were read mid-gather, a race seen under load)
+        self.reads_descendant_weights = self.grouped_gemm
         self.delay_wgrad_compute = False  # set with --delay-wgrad-compute (the grouped GEMM)
         # --recompute-modules moe_act: the activation's output freed once fc2 has kept its copy
         self.recompute_activation = config.recomputes("moe_act")

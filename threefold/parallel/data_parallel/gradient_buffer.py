@@ -350,10 +350,15 @@ class GradientBuffer:
         parameters and its children's, so the all-gather of later layers overlaps the forward
         of earlier ones. Its children's too: a module may read a child's weight without
         calling the child (SwiGLU's fc1 through `forward_blocks`, the learned position table
-        sliced by the embedding), and the child's own hook then never fires."""
+        sliced by the embedding), and the child's own hook then never fires; and all of its
+        descendants' where it says it reads them (`reads_descendant_weights`: the experts'
+        grouped GEMM)."""
         for chunk in modules:
             for module in chunk.modules():
-                owners = [module, *module.children()]
+                if getattr(module, "reads_descendant_weights", False):
+                    owners = list(module.modules())
+                else:
+                    owners = [module, *module.children()]
                 read = [
                     p
                     for owner in owners
