@@ -280,6 +280,21 @@ def inference_cells(feature: str, layouts: list[str], steps: int):
             yield layout, pipeline * tensor, verdict, what
 
 
+MARKS = {"equal": "=", "close": "~", "refused": "-", "as defined": "dp", "DIFFERS": "**X**"}
+
+
+def grid(verdicts: dict[tuple[str, str], str], features: list[str], layouts: list[str]) -> str:
+    """The cells as a table of marks, a feature a row: = equal, ~ close, - refused, dp as
+    data parallelism defines it, X differs, E error (a feature refused alone: its row blank)."""
+    rows = ["| | " + " | ".join(layouts) + " |", "| --- |" + " :-: |" * len(layouts)]
+    for feature in features:
+        marks = [MARKS.get(verdicts.get((feature, x), ""), "**E**") for x in layouts]
+        if "one process" in {x for f, x in verdicts if f == feature}:
+            marks = ["" for _ in layouts]
+        rows.append(f"| {feature} | " + " | ".join(marks) + " |")
+    return "\n".join(rows)
+
+
 REFUSALS = ("threefold.config.errors.ConfigError: ", "SystemExit")
 
 
@@ -315,11 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     cells = inference_cells if args.inference else training_cells
     counts: dict[str, int] = {}
+    verdicts: dict[tuple[str, str], str] = {}
     try:
         for feature in features:
             start = time.monotonic()
             for layout, world, verdict, what in cells(feature, layouts, args.steps):
                 counts[verdict] = counts.get(verdict, 0) + 1
+                verdicts[feature, layout] = verdict
                 seconds, start = time.monotonic() - start, time.monotonic()
                 print(
                     f"| {feature} | {layout} | {world} | {verdict} | {what} | {seconds:.0f} |",
@@ -328,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         close_pools()
     print("\n" + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items())), file=table)
+    print("\n" + grid(verdicts, features, layouts), file=table)
     return 1 if counts.get("DIFFERS") or counts.get("ERROR") else 0
 
 

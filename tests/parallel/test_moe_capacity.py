@@ -42,10 +42,12 @@ def test_the_tools_tensor_parallel_ranks_drop_what_one_device_drops(tmp_path):
     """tools/generate.py and tools/score.py run TP without sequence parallelism: every TP rank
     routes the whole sequence and decides alone, as one device. (before: the decision was
     gathered over TP there too, each token counted once per rank, and the loss moved 1.3e-5)"""
-    argv = LLAMA_STYLE + TRAINING + MOE + ["--moe-expert-capacity-factor", "0.75"]
+    argv = LLAMA_STYLE + TRAINING + MOE + ["--moe-expert-capacity-factor", "1.0"]
+    argv += ["--moe-pad-expert-input-to-capacity"]
     with one_thread():
         trainer = _setup(argv)
-        trainer.train_step()
+        for _ in range(3):
+            trainer.train_step()
         save_checkpoint(str(tmp_path), trainer.checkpoint_components())
         ids, loss = inference_job(str(tmp_path), 1, 1, PROMPT, TEXT)
     for result in run_distributed(2, inference_job, str(tmp_path), 1, 2, PROMPT, TEXT):
