@@ -118,6 +118,10 @@ class MoELayer(nn.Module):
             )
         self.recompute_shared_experts = config.recomputes("shared_experts")
         self.shared_expert_overlap = config.moe_shared_expert_overlap
+        # The overlap calls the shared expert's halves, not its forward, so its forward
+        # pre-hook (--overlap-param-gather's wait for its buckets) never fires: this layer's
+        # waits for all of its weights instead
+        self.reads_descendant_weights = self.shared_expert_overlap
         self.coefficients = {
             "load_balancing_loss": config.moe_aux_loss_coeff,
             "seq_load_balancing_loss": config.moe_aux_loss_coeff,

@@ -352,7 +352,7 @@ class GradientBuffer:
         calling the child (SwiGLU's fc1 through `forward_blocks`, the learned position table
         sliced by the embedding), and the child's own hook then never fires; and all of its
         descendants' where it says it reads them (`reads_descendant_weights`: the experts'
-        grouped GEMM)."""
+        grouped GEMM, a mixture layer that calls its shared expert's halves)."""
         for chunk in modules:
             for module in chunk.modules():
                 if getattr(module, "reads_descendant_weights", False):
