@@ -37,7 +37,9 @@ from tests.parity import (  # noqa: E402
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
+    _full,
     _setup,
+    _without_key_bias,
     inference_job,
     merge_pipeline_stages,
     one_thread,
@@ -46,6 +48,7 @@ from tests.parity import (  # noqa: E402
 )
 from tests.training.test_muon import MUON  # noqa: E402
 from threefold.arguments import parse_args  # noqa: E402
+from threefold.checkpoint.load import load_checkpoint  # noqa: E402
 from threefold.checkpoint.save import save_checkpoint  # noqa: E402
 from threefold.config import Config  # noqa: E402
 
@@ -280,6 +283,77 @@ def inference_cells(feature: str, layouts: list[str], steps: int):
             yield layout, pipeline * tensor, verdict, what
 
 
+# Resharding: a checkpoint saved at the layout resumed in one process, and one saved in one
+# process resumed at the layout (tests/training/test_resharding.py's jobs: 3 steps, a save,
+# one step more)
+RESHARDING_LAYOUTS = [
+    *("tp2-sp", "pp2", "vpp2", "cp2-p2p", "dp2-distopt", "fsdp2", "ep2", "tp2-pp2"),
+    *("tp2-ep2-etp1", "dp4-instances", "tp2-pp2-ep2"),
+]
+
+
+def _resumed_error(continued: list[dict], resumed: list[dict]) -> tuple[float, float]:
+    """The largest relative error of the resumed step's loss and of a parameter after it."""
+    expected = continued[0]["loss"]
+    loss = max(abs(r["loss"] - expected) / abs(expected) for r in resumed)
+    params = merge_pipeline_stages([r["params"] for r in resumed])
+    reference = merge_pipeline_stages([c["params"] for c in continued])
+    if params.keys() != reference.keys():
+        return loss, float("inf")
+    return loss, max(relative_error(params[n], reference[n]) for n in params)
+
+
+def _resume_without_rng(argv: list[str], directory: str) -> dict:
+    """tests/training/test_resharding.py's `_load_then_step`, the RNG streams left (as
+    --no-load-rng leaves them): a layout of more ranks than one process has streams the
+    checkpoint does not hold, which these runs, drawing nothing after initialization, need
+    not."""
+    trainer = _setup(argv)
+    assert load_checkpoint(directory, trainer.checkpoint_components(), load_rng=False) == 3
+    loss = trainer.train_step()[0]
+    return {"loss": loss, "params": _without_key_bias(_full(trainer), trainer)}
+
+
+def resharding_cells(feature: str, layouts: list[str], steps: int):
+    """(layout, ranks, verdict, what) of each resharding cell of a feature (`steps`: the
+    jobs' own 3)."""
+    from tests.training.test_resharding import _load_then_step, _save_then_continue
+
+    base = TRAINING + FEATURES[feature]
+    _, refused = _parse(base, 1)
+    if refused is not None:
+        yield "one process", 1, "refused", refused
+        return
+    with tempfile.TemporaryDirectory() as root, one_thread():
+        alone = os.path.join(root, "one")
+        continued_alone = [_save_then_continue(base, alone)]
+        for layout in layouts:
+            world, flags = LAYOUTS[layout]
+            config, refused = _parse(base + flags, world)
+            if config is None:
+                yield layout, world, "refused", refused
+                continue
+            there = os.path.join(root, layout)
+            try:
+                continued = run_distributed(world, _save_then_continue, base + flags, there)
+                to_one = _resumed_error(continued, [_load_then_step(base, there)])
+                resumed = run_distributed(world, _resume_without_rng, base + flags, alone)
+                from_one = _resumed_error(continued_alone, resumed)
+            except AssertionError as failure:
+                yield layout, world, "ERROR", _last_line(str(failure))
+                continue
+            worst = max(*to_one, *from_one)
+            verdict = "equal" if worst <= EQUAL else "close" if worst <= CLOSE else "DIFFERS"
+            what = (
+                f"to one process: loss {to_one[0]:.1e}, parameters {to_one[1]:.1e}; "
+                f"from it: loss {from_one[0]:.1e}, parameters {from_one[1]:.1e}"
+            )
+            if verdict == "DIFFERS" and feature in BY_DATA_PARALLELISM:
+                if config.parallel.data_parallel_size > 1:
+                    verdict, what = "as defined", f"{what}: {BY_DATA_PARALLELISM[feature]}"
+            yield layout, world, verdict, what
+
+
 MARKS = {"equal": "=", "close": "~", "refused": "-", "as defined": "dp", "DIFFERS": "**X**"}
 
 
@@ -303,13 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", default=",".join(FEATURES))
     parser.add_argument("--layouts", help="default: every layout of the mode")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--inference", action="store_true", help="generation and scoring at the tools' layouts"
+    )
+    mode.add_argument(
+        "--resharding", action="store_true", help="checkpoints saved at a layout resumed alone"
     )
     args = parser.parse_args(argv)
     known = INFERENCE_LAYOUTS if args.inference else LAYOUTS
     features = args.features.split(",")
-    layouts = args.layouts.split(",") if args.layouts else list(known)
+    default = RESHARDING_LAYOUTS if args.resharding else list(known)
+    layouts = args.layouts.split(",") if args.layouts else default
     unknown = [f for f in features if f not in FEATURES] + [x for x in layouts if x not in known]
     if unknown:
         parser.error(
@@ -319,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     # whose fork server starts later and inherits the descriptor) go to /dev/null
     table = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    mode = "inference after" if args.inference else ""
+    mode = "inference after" if args.inference else "resharding after" if args.resharding else ""
     print(
         f"{len(features)} features x {len(layouts)} layouts, {mode} {args.steps} steps a cell\n",
         file=table,
@@ -328,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         "| feature | layout | ranks | outcome | | s |\n| --- | --- | ---: | --- | --- | ---: |",
         file=table,
     )
-    cells = inference_cells if args.inference else training_cells
+    cells = training_cells
+    if args.inference or args.resharding:
+        cells = inference_cells if args.inference else resharding_cells
     counts: dict[str, int] = {}
     verdicts: dict[tuple[str, str], str] = {}
     try:
