@@ -308,3 +308,25 @@ def test_ckpt_step_loads_that_iteration_and_keeps_newer_ones_safe(tmp_path):
         check_before_start(directory, same, 1, None)
     same.save = str(tmp_path / "elsewhere")
     assert check_before_start(directory, same, 1, None) == 1
+
+
+def test_a_resharded_load_says_its_random_streams_are_not_restored(tmp_path, capsys):
+    """A checkpoint read resharded (here: saved with the distributed optimizer's layout of
+    state, read without) leaves the RNG streams where --seed put them, and says so once, as
+    Megatron-LM does; a load at the same layout restores them, silently, and --no-load-rng
+    silences the line. (before: the streams were left in silence)"""
+    directory = str(tmp_path)
+    argv = LLAMA_STYLE + TRAINING + ["--save", directory]
+    saved = _setup(argv + ["--use-distributed-optimizer"])
+    saved.train_step()
+    save_checkpoint(directory, saved.checkpoint_components())
+    capsys.readouterr()
+    line = f"> --load {directory}: read resharded (saved at another layout, or by Megatron-LM)"
+    for flags, load_rng, said in (
+        (["--use-distributed-optimizer"], True, False),
+        ([], True, True),
+        ([], False, False),
+    ):
+        components = _setup(argv + flags).checkpoint_components()
+        assert load_checkpoint(directory, components, load_rng=load_rng) == 1
+        assert (line in capsys.readouterr().out) == said, (flags, load_rng)

@@ -108,6 +108,13 @@ def load_checkpoint(
         if loadable.rng_applies and load_rng
         else None
     )
+    held = metadata.get("rng_saved", True) and not metadata.get("weights_only")
+    if load_rng and held and not loadable.rng_applies:  # (Megatron-LM says so, and goes on)
+        _warn(
+            f"> --load {root}: read resharded (saved at another layout, or by Megatron-LM), "
+            "so its random streams are not restored: each rank's start from --seed, and "
+            "dropout draws other masks than an uninterrupted run (--no-load-rng: meant)"
+        )
     # (--fp8-param-gather's FP8-stored weights: loaded in the run's dtype, cast again by the
     # optimizer's copy to the model)
     with components.parameters_in_model_dtype():
