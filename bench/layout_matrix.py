@@ -228,13 +228,9 @@ def cell(feature: str, argv: list[str], world: int, reference: dict, steps: int)
     return verdict, what
 
 
-def training_cells(feature: str, layouts: list[str], steps: int):
-    """(layout, ranks, verdict, what) of each training cell of a feature."""
-    base = TRAINING + EVALUATION + FEATURES[feature]  # (a feature's --vocab-size wins)
-    _, refused = _parse(base, 1)
-    if refused is not None:  # (a feature this run's flags got wrong)
-        yield "one process", 1, "refused", refused
-        return
+def training_cells(feature: str, base: list[str], layouts: list[str], steps: int):
+    """(layout, ranks, verdict, what) of each training cell of a feature (`base`: its
+    flags)."""
     with one_thread():
         reference = train_job(base, steps)
     for layout in layouts:
@@ -248,15 +244,10 @@ PROMPT = [1, 2, 3, 4]
 TEXT = [(7 * i + 3) % 15 for i in range(40)]  # (15: the smallest vocabulary of FEATURES)
 
 
-def inference_cells(feature: str, layouts: list[str], steps: int):
+def inference_cells(feature: str, base: list[str], layouts: list[str], steps: int):
     """(layout, ranks, verdict, what) of each inference cell of a feature: the model trained
     `steps` steps in this process and saved, then its greedy continuation of PROMPT and its
     loss on TEXT by the tools' path at each layout, against one device's."""
-    base = TRAINING + FEATURES[feature]
-    _, refused = _parse(base, 1)
-    if refused is not None:
-        yield "one process", 1, "refused", refused
-        return
     with tempfile.TemporaryDirectory() as directory, one_thread():
         trainer = _setup(base)
         for _ in range(steps):
@@ -314,16 +305,11 @@ def _resume_without_rng(argv: list[str], directory: str) -> dict:
     return {"loss": loss, "params": _without_key_bias(_full(trainer), trainer)}
 
 
-def resharding_cells(feature: str, layouts: list[str], steps: int):
+def resharding_cells(feature: str, base: list[str], layouts: list[str], steps: int):
     """(layout, ranks, verdict, what) of each resharding cell of a feature (`steps`: the
     jobs' own 3)."""
     from tests.training.test_resharding import _load_then_step, _save_then_continue
 
-    base = TRAINING + FEATURES[feature]
-    _, refused = _parse(base, 1)
-    if refused is not None:
-        yield "one process", 1, "refused", refused
-        return
     with tempfile.TemporaryDirectory() as root, one_thread():
         alone = os.path.join(root, "one")
         continued_alone = [_save_then_continue(base, alone)]
@@ -415,7 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for feature in features:
             start = time.monotonic()
-            for layout, world, verdict, what in cells(feature, layouts, args.steps):
+            base = TRAINING + EVALUATION + FEATURES[feature]  # (a feature's --vocab-size wins)
+            _, refused = _parse(base, 1)
+            found = cells(feature, base, layouts, args.steps) if refused is None else []
+            if refused is not None:  # (a feature this bench's flags got wrong)
+                found = [("one process", 1, "refused", refused)]
+            for layout, world, verdict, what in found:
                 counts[verdict] = counts.get(verdict, 0) + 1
                 verdicts[feature, layout] = verdict
                 seconds, start = time.monotonic() - start, time.monotonic()
