@@ -118,6 +118,11 @@ FEATURES = {
     "mup": LLAMA + ["--use-mup", "--mup-base-hidden-size", "8"],
     "clip-small": LLAMA + ["--clip-grad", "0.05"],
     "decoupled-lr": LLAMA + ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"],
+    "lora": LLAMA + ["--lora-rank", "4"],
+    "lora-mla": MLA + FOUR + ["--lora-rank", "4"],
+    "lora-moe": MIXTURE + ["--lora-rank", "4"],
+    "lora-moe-frozen-experts": MIXTURE
+    + ["--lora-rank", "4", "--lora-freeze-experts", "--lora-target-modules", "linear_qkv"],
     "recompute-full": LLAMA + FULL_RECOMPUTE + ["--recompute-num-layers", "1"],
     "per-token-loss": LLAMA + ["--calculate-per-token-loss"],
 }
