@@ -37,9 +37,7 @@ from tests.parity import (  # noqa: E402
     GPT2_STYLE,
     LLAMA_STYLE,
     TRAINING,
-    _full,
     _setup,
-    _without_key_bias,
     inference_job,
     merge_pipeline_stages,
     one_thread,
@@ -48,7 +46,6 @@ from tests.parity import (  # noqa: E402
 )
 from tests.training.test_muon import MUON  # noqa: E402
 from threefold.arguments import parse_args  # noqa: E402
-from threefold.checkpoint.load import load_checkpoint  # noqa: E402
 from threefold.checkpoint.save import save_checkpoint  # noqa: E402
 from threefold.config import Config  # noqa: E402
 
@@ -299,17 +296,6 @@ def _resumed_error(continued: list[dict], resumed: list[dict]) -> tuple[float, f
     return loss, max(relative_error(params[n], reference[n]) for n in params)
 
 
-def _resume_without_rng(argv: list[str], directory: str) -> dict:
-    """tests/training/test_resharding.py's `_load_then_step`, the RNG streams left (as
-    --no-load-rng leaves them): a layout of more ranks than one process has streams the
-    checkpoint does not hold, which these runs, drawing nothing after initialization, need
-    not."""
-    trainer = _setup(argv)
-    assert load_checkpoint(directory, trainer.checkpoint_components(), load_rng=False) == 3
-    loss = trainer.train_step()[0]
-    return {"loss": loss, "params": _without_key_bias(_full(trainer), trainer)}
-
-
 def resharding_cells(feature: str, base: list[str], layouts: list[str], steps: int):
     """(layout, ranks, verdict, what) of each resharding cell of a feature (`steps`: the
     jobs' own 3)."""
@@ -328,7 +314,7 @@ def resharding_cells(feature: str, base: list[str], layouts: list[str], steps: i
             try:
                 continued = run_distributed(world, _save_then_continue, base + flags, there)
                 to_one = _resumed_error(continued, [_load_then_step(base, there)])
-                resumed = run_distributed(world, _resume_without_rng, base + flags, alone)
+                resumed = run_distributed(world, _load_then_step, base + flags, alone)
                 from_one = _resumed_error(continued_alone, resumed)
             except AssertionError as failure:
                 yield layout, world, "ERROR", _last_line(str(failure))

@@ -294,15 +294,18 @@ def test_checkpoint_faults_resume_from_the_newest_good_one(kind, reference, dama
     assert not [n for n in os.listdir(root) if n.endswith((".partial", ".replaced"))]
 
 
-def test_a_checkpoint_without_every_ranks_rng_is_refused_before_the_workers_start(reference):
+def test_a_one_rank_checkpoint_resumes_at_data_parallel_2_from_rank_0s_streams(reference, tmp_path):
     """The launchers' check (one process, WORLD_SIZE of the job): a 1-rank checkpoint resumed
-    on 2 ranks lacks rank 1's RNG streams."""
-    good, _ = reference
-    flags = [*TINY, *MOCK, "--train-iters", "6", "--load", good]
-    early = _pretrain(*flags, THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
-    _refused(*early, "rank_00001.pt is missing, so rank 1's random streams cannot resume")
-    result, _ = _pretrain(*flags, "--no-load-rng", THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
+    on 2 ranks gives both data-parallel replicas rank 0's RNG streams (before: refused for
+    want of rank 1's), so without rank 0's it is refused before any worker starts."""
+    flags = [*TINY, *MOCK, "--train-iters", "6", "--load"]
+    result, _ = _pretrain(*flags, reference[0], THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
     assert result.returncode == 0, result.stderr[-3000:]
+    root = str(tmp_path / "run")
+    shutil.copytree(reference[0], root)
+    _damage(root, "missing-rng-without-manifest")
+    early = _pretrain(*flags, root, THREEFOLD_VALIDATE_ONLY="1", WORLD_SIZE="2")
+    _refused(*early, "rank_00000.pt is missing, so rank 0's random streams cannot resume")
 
 
 def test_a_damaged_load_is_refused_before_torch_is_imported(reference, tmp_path):

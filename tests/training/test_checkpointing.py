@@ -1,11 +1,14 @@
 """Checkpoints resume exactly and the tracker only ever names complete checkpoints."""
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.concurrent_runs import Runs, selected
 from tests.conftest import TINY_MODEL
@@ -21,8 +24,10 @@ from tests.parity import (
 )
 from threefold.checkpoint.files import TRACKER
 from threefold.checkpoint.load import load_checkpoint
+from threefold.checkpoint.loadable import rng_source_ranks
 from threefold.checkpoint.save import save_checkpoint
-from threefold.config import ConfigError
+from threefold.config import ConfigError, ParallelConfig
+from threefold.parallel.tensor_parallel.random import get_rng_tracker
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # RNG state must resume too
 
@@ -310,23 +315,84 @@ def test_ckpt_step_loads_that_iteration_and_keeps_newer_ones_safe(tmp_path):
     assert check_before_start(directory, same, 1, None) == 1
 
 
-def test_a_resharded_load_says_its_random_streams_are_not_restored(tmp_path, capsys):
-    """A checkpoint read resharded (here: saved with the distributed optimizer's layout of
-    state, read without) leaves the RNG streams where --seed put them, and says so once, as
-    Megatron-LM does; a load at the same layout restores them, silently, and --no-load-rng
-    silences the line. (before: the streams were left in silence)"""
+def _streams_job(argv: list[str], directory: str, layouts: list[list[str]]) -> list[dict]:
+    """Per layout, a load of `directory`: the streams the run had before it and after it,
+    whether it said they were not restored, and the streams two steps later."""
+    out = []
+    for layout in layouts:
+        trainer = _setup(argv + layout)
+        fresh, said = torch.get_rng_state(), io.StringIO()
+        with contextlib.redirect_stdout(said):
+            assert load_checkpoint(directory, trainer.checkpoint_components()) == 1
+        loaded, tracker = torch.get_rng_state(), dict(get_rng_tracker().states)
+        for _ in range(2):
+            trainer.train_step()
+        out.append(
+            {
+                "fresh": fresh,
+                "loaded": loaded,
+                "tracker": tracker,
+                "said": "random streams are not restored" in said.getvalue(),
+                "after": torch.get_rng_state(),
+            }
+        )
+    return out
+
+
+def test_random_streams_resume_wherever_the_ranks_are_seeded_alike(tmp_path):
+    """A rank's streams are seeded by its TP, PP and CP place, data-parallel replicas alike:
+    a checkpoint resumes them at another DP (each replica takes replica 0's, and the
+    replicas go on drawing alike), also where its tensors are read resharded (saved with the
+    distributed optimizer's state, read at DP 2); at another TP they are left where --seed put
+    them, and the run says so, as Megatron-LM does. (before: a 1-rank checkpoint at DP 2
+    was refused for want of rank 1's streams, and with the distributed optimizer its streams
+    were dropped)"""
     directory = str(tmp_path)
-    argv = LLAMA_STYLE + TRAINING + ["--save", directory]
-    saved = _setup(argv + ["--use-distributed-optimizer"])
+    argv = LLAMA_STYLE + TRAINING + DROPOUT
+    saved = _setup(argv + ["--use-distributed-optimizer", "--save", directory])
     saved.train_step()
     save_checkpoint(directory, saved.checkpoint_components())
-    capsys.readouterr()
-    line = f"> --load {directory}: read resharded (saved at another layout, or by Megatron-LM)"
-    for flags, load_rng, said in (
-        (["--use-distributed-optimizer"], True, False),
-        ([], True, True),
-        ([], False, False),
-    ):
-        components = _setup(argv + flags).checkpoint_components()
-        assert load_checkpoint(directory, components, load_rng=load_rng) == 1
-        assert (line in capsys.readouterr().out) == said, (flags, load_rng)
+    streams = torch.load(os.path.join(directory, "iter_0000001", "rng", "rank_00000.pt"))
+    layouts = [["--use-distributed-optimizer"], ["--tensor-model-parallel-size", "2"]]
+    per_rank = run_distributed(2, _streams_job, argv, directory, layouts)
+    for data_parallel, tensor_parallel in per_rank:
+        assert torch.equal(data_parallel["loaded"], streams["torch"])
+        assert data_parallel["tracker"].keys() == streams["tracker"].keys()
+        assert all(
+            torch.equal(data_parallel["tracker"][k], v) for k, v in streams["tracker"].items()
+        )
+        assert torch.equal(data_parallel["after"], per_rank[0][0]["after"])
+        assert torch.equal(tensor_parallel["loaded"], tensor_parallel["fresh"])
+    assert [rank[0]["said"] for rank in per_rank] == [False, False]
+    assert [rank[1]["said"] for rank in per_rank] == [True, False]  # (rank 0 says it)
+
+
+def test_each_rank_resumes_the_streams_of_its_place():
+    """Which saved rank's streams each rank resumes: its own place (TP, CP, PP rank) in its
+    own replica, or in replica 0 where the saved run had fewer; none where the saved ranks
+    were placed otherwise."""
+    one = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "world_size": 4}
+    one |= {"virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1}
+    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    default = ParallelConfig(world_size=8, **layout)
+    pp_before_dp = ParallelConfig(world_size=8, use_tp_pp_dp_mapping=True, **layout)
+    assert rng_source_ranks(one, default, range(8)) == {
+        **{0: 0, 1: 1, 2: 0, 3: 1},  # stage 0: replicas 0 and 1 (ranks 2, 3) take replica 0's
+        **{4: 2, 5: 3, 6: 2, 7: 3},
+    }
+    two = one | {"world_size": 8, "use_tp_pp_dp_mapping": True}
+    assert rng_source_ranks(two, pp_before_dp, range(8)) == {r: r for r in range(8)}
+    assert rng_source_ranks(two | {"world_size": 4}, pp_before_dp, range(8)) == {
+        r: r % 4 for r in range(8)
+    }
+    assert (
+        rng_source_ranks(
+            one, ParallelConfig(world_size=2, **layout | {"pipeline_model_parallel_size": 1}), [0]
+        )
+        == {}
+    )
+    assert rng_source_ranks(one, pp_before_dp, range(8)) == {}  # another rank order
+    assert rng_source_ranks(
+        two, ParallelConfig(world_size=4, **layout, use_tp_pp_dp_mapping=True), [3]
+    ) == {3: 3}
+    assert rng_source_ranks(None, default, [0]) == {}  # Megatron-LM's own: not read

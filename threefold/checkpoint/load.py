@@ -103,16 +103,17 @@ def load_checkpoint(
     same_layout, load_optimizer = loadable.same_layout, loadable.load_optimizer
     load_rng, without_adapters = loadable.load_rng, loadable.without_adapters
     saved = metadata["config"]["parallel"]
+    sources = loadable.rng_sources
     rng = (
-        load_tensors_file(rng_file(path, components.parallel.world.rank))
-        if loadable.rng_applies and load_rng
+        load_tensors_file(rng_file(path, sources[components.parallel.world.rank]))
+        if sources and load_rng
         else None
     )
     held = metadata.get("rng_saved", True) and not metadata.get("weights_only")
-    if load_rng and held and not loadable.rng_applies:  # (Megatron-LM says so, and goes on)
+    if load_rng and held and not sources:  # (Megatron-LM says so, and goes on)
         _warn(
-            f"> --load {root}: read resharded (saved at another layout, or by Megatron-LM), "
-            "so its random streams are not restored: each rank's start from --seed, and "
+            f"> --load {root}: saved at another TP, PP or CP layout (or by Megatron-LM), so "
+            "its random streams are not restored: each rank's start from --seed, and "
             "dropout draws other masks than an uninterrupted run (--no-load-rng: meant)"
         )
     # (--fp8-param-gather's FP8-stored weights: loaded in the run's dtype, cast again by the

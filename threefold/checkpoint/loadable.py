@@ -48,6 +48,7 @@ from threefold.config import (
 from threefold.config.fields import ARCHITECTURE, checkpoint_fields, flag_of
 from threefold.config.hybrid import MTP_SEPARATOR, without_pipeline_cuts
 from threefold.config.lr_schedule import resumed_lr_schedule
+from threefold.parallel.rank_order import DEFAULT_ORDER, TP_PP_DP_ORDER, rank_groups
 
 
 def damage(
@@ -218,7 +219,8 @@ class Loadable:
     without_adapters: bool  # LoRA fine-tuning from a checkpoint without adapters
     scheduler: dict | None  # the LR scheduler's state to resume (None: weights only)
     depths_left_out: int = 0  # the checkpoint's multi-token prediction depths this run lacks
-    rng_applies: bool = False  # the saved ranks' RNG streams are this run's ranks'
+    # this run's rank -> the saved rank whose RNG streams it resumes (empty: none apply)
+    rng_sources: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def check_loadable(
@@ -304,16 +306,18 @@ def check_loadable(
         and metadata["config"]["model"].get("make_vocab_size_divisible_by", 128)
         == config.model.make_vocab_size_divisible_by
     )
-    # (per-rank streams belong to the saved layout's ranks; a torch_dist checkpoint a run
-    # saved here names its ranks' layout)
-    rng_applies = same_layout or (megatron and metadata.get("rng_layout") == rng_layout(config))
-    if rng_applies and load_rng:
+    # (a torch_dist checkpoint a run saved here names its ranks' layout; Megatron-LM's own
+    # streams are not read)
+    saved_ranks = metadata.get("rng_layout") if megatron else metadata["config"]["parallel"]
+    held = not metadata.get("weights_only")
+    rng_sources = rng_source_ranks(saved_ranks, config.parallel, ranks) if held else {}
+    if rng_sources and load_rng:
         if not metadata.get("rng_saved", True):
             raise ConfigError(
                 f"--load {root}: iteration {iteration} was saved with --no-save-rng "
                 "and holds no RNG state; pass --no-load-rng (or --finetune)"
             )
-        _check_rng_files(root, path, ranks)
+        _check_rng_files(root, path, rng_sources)
     scheduler = None if finetune else _scheduler_state(root, metadata, config.training)
     return Loadable(
         path,
@@ -325,7 +329,7 @@ def check_loadable(
         without_adapters,
         scheduler,
         left_out,
-        rng_applies,
+        rng_sources,
     )
 
 
@@ -358,7 +362,7 @@ def _megatron_steps(metadata: dict, training: TrainingConfig) -> int | float:
     return int(steps) if steps.is_integer() else steps
 
 
-# What makes rank r of one run rank r of another, for its RNG streams: the ranks' grid.
+# The ranks' layout a torch_dist checkpoint saved here records beside their RNG streams.
 _RNG_LAYOUT = (
     "world_size",
     "tensor_model_parallel_size",
@@ -371,6 +375,53 @@ _RNG_LAYOUT = (
 )
 
 
+# What decides a rank's RNG streams (parallel/tensor_parallel/random.py seeds them by TP, PP
+# and CP rank; the virtual stages and rank order decide which draws they made): runs alike
+# in these are the same streams, whatever their DP and EP.
+_RNG_GRID = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "use_tp_pp_dp_mapping",
+)
+
+
+def rng_source_ranks(
+    saved: dict | None, current: ParallelConfig, ranks: Iterable[int]
+) -> dict[int, int]:
+    """For each of this run's `ranks`, the rank of the saved run (`saved`: its parallel
+    config) whose RNG streams it resumes: the one at the same TP, CP and PP place, in the same
+    data-parallel replica, or in replica 0 where the saved run had fewer (replicas are seeded
+    alike and draw alike, as Megatron-LM's replicas share one saved stream). Empty where the
+    saved run's ranks were seeded otherwise: their streams are not this run's."""
+    if saved is None or any(
+        saved.get(name, False if name == "use_tp_pp_dp_mapping" else None) != getattr(current, name)
+        for name in _RNG_GRID
+    ):
+        return {}
+    tp, pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
+    cp = current.context_parallel_size
+    order = TP_PP_DP_ORDER if current.use_tp_pp_dp_mapping else DEFAULT_ORDER
+
+    def replicas(world_size: int) -> list[list[int]]:  # (alike TP/CP/PP: alike group order)
+        sizes = {"tp": tp, "cp": cp, "dp": world_size // (tp * cp * pp), "pp": pp}
+        return rank_groups(sizes, "dp", order)
+
+    saved_replicas = replicas(saved["world_size"])
+    place = {
+        rank: (group, replica)
+        for group, members in enumerate(replicas(current.world_size))
+        for replica, rank in enumerate(members)
+    }
+    sources = {}
+    for rank in ranks:
+        group, replica = place[rank]
+        members = saved_replicas[group]
+        sources[rank] = members[replica if replica < len(members) else 0]
+    return sources
+
+
 def rng_layout(config: Config) -> dict:
     """The ranks' layout a checkpoint's RNG streams belong to (a torch_dist checkpoint saved
     by a run here records it, as threefold's own record the whole config)."""
@@ -381,13 +432,13 @@ def rng_file(path: str, rank: int) -> str:
     return os.path.join(path, "rng", f"rank_{rank:05d}.pt")
 
 
-def _check_rng_files(root: str, path: str, ranks: Iterable[int]) -> None:
+def _check_rng_files(root: str, path: str, sources: dict[int, int]) -> None:
     directory = os.path.dirname(rng_file(path, 0))
     present = set(os.listdir(directory)) if os.path.isdir(directory) else set()
-    for rank in ranks:
-        if os.path.basename(rng_file(path, rank)) not in present:
+    for rank, source in sources.items():
+        if os.path.basename(rng_file(path, source)) not in present:
             raise ConfigError(
-                f"--load {root}: {rng_file(path, rank)} is missing, so rank {rank}'s random "
+                f"--load {root}: {rng_file(path, source)} is missing, so rank {rank}'s random "
                 "streams cannot resume; pass --no-load-rng to continue with fresh "
                 "ones (the losses will differ from an uninterrupted run)"
             )
