@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import close_pools, run_distributed  # noqa: E402
@@ -33,6 +35,14 @@ from tests.model.test_mamba import MAMBA  # noqa: E402
 from tests.model.test_mla import MLA  # noqa: E402
 from tests.model.test_window_attention import WINDOW  # noqa: E402
 from tests.parallel.test_expert_parallel import MOE  # noqa: E402
+from tests.parallel.test_fp8 import (  # noqa: E402
+    LOSS_TOLERANCE,
+    MEDIAN_PARAMETER_TOLERANCE,
+    PARAMETER_TOLERANCE,
+    RECIPES,
+    _weights_and_scaling,
+    fp8_train_job,
+)
 from tests.parity import (  # noqa: E402
     GPT2_STYLE,
     LLAMA_STYLE,
@@ -40,6 +50,7 @@ from tests.parity import (  # noqa: E402
     _setup,
     inference_job,
     merge_pipeline_stages,
+    one_device_steps,
     one_thread,
     relative_error,
     train_job,
@@ -210,23 +221,36 @@ def _errors(results: list[dict], reference: dict) -> tuple[float, float, str]:
     return loss, errors[worst], worst
 
 
+def _ranks_refusal(failure: AssertionError) -> tuple[str, str]:
+    """A rank's traceback: the refusal's line, or an error."""
+    text = str(failure)
+    line = _last_line(text)
+    return ("refused" if "SystemExit" in text or "error: " in line else "ERROR"), line
+
+
 def cell(feature: str, argv: list[str], world: int, reference: dict, steps: int) -> tuple[str, str]:
     config, refused = _parse(argv, world)
     if config is None:
         return "refused", refused
     try:
         results = run_distributed(world, train_job, argv, steps)
-    except AssertionError as failure:  # a rank's traceback: the refusal's line, or an error
-        text = str(failure)
-        line = _last_line(text)
-        return ("refused" if "SystemExit" in text or "error: " in line else "ERROR"), line
+    except AssertionError as failure:
+        return _ranks_refusal(failure)
     loss, params, worst = _errors(results, reference)
     verdict = "equal" if max(loss, params) <= EQUAL else "close"
-    what = f"loss {loss:.1e}, parameters {params:.1e} ({worst})"
     if max(loss, params) > CLOSE:
         verdict = "DIFFERS"
-        if feature in BY_DATA_PARALLELISM and config.parallel.data_parallel_size > 1:
-            verdict, what = "as defined", f"{what}: {BY_DATA_PARALLELISM[feature]}"
+    return _as_defined(
+        feature, config, verdict, f"loss {loss:.1e}, parameters {params:.1e} ({worst})"
+    )
+
+
+def _as_defined(feature: str, config: Config, verdict: str, what: str) -> tuple[str, str]:
+    """A cell that differs where data parallelism defines the feature's result: `as
+    defined`, with the reason."""
+    if verdict == "DIFFERS" and feature in BY_DATA_PARALLELISM:
+        if config.parallel.data_parallel_size > 1:
+            return "as defined", f"{what}: {BY_DATA_PARALLELISM[feature]}"
     return verdict, what
 
 
@@ -238,6 +262,82 @@ def training_cells(feature: str, base: list[str], layouts: list[str], steps: int
     for layout in layouts:
         world, flags = LAYOUTS[layout]
         yield layout, world, *cell(feature, base + flags, world, reference, steps)
+
+
+def fp8_cells(recipe: str):
+    """The training cells of an FP8 recipe (tests/parallel/test_fp8.py's): each step of the
+    layout against one process's step from the layout's checkpoint of its start, the first
+    from one process's initialization (FP8 rounding makes longer runs chaotic), within that
+    test's bounds (`equal`): every step's loss, the median and the worst parameter tensor
+    after it, and the scaling state (scales, amax histories). `close`: all but the scaling
+    state, which is within 1e-3 (an amax moved by one element a reordered fp32 sum put across
+    an FP8 rounding boundary upstream; a missing amax reduction is off by far more)."""
+    state_tolerance = 1e-5 if recipe == "delayed" else 0.0
+
+    def errors(results: list[dict], reference: dict) -> tuple[float, float, float, str, float]:
+        loss = max(
+            abs(a - e) / abs(e)
+            for result in results
+            for a, e in zip(result["losses"], reference["losses"], strict=True)
+        )
+        median = worst = state = 0.0
+        name = ""
+        for step, expected in enumerate(reference["after"]):
+            params = merge_pipeline_stages([r["after"][step]["params"] for r in results])
+            if params.keys() != expected["params"].keys():
+                return loss, float("inf"), float("inf"), "names differ", 0.0
+            tensors = {n: relative_error(params[n], expected["params"][n]) for n in params}
+            median = max(median, float(np.median(list(tensors.values()))))
+            if max(tensors.values()) > worst:
+                name = max(tensors, key=tensors.get)
+                worst = tensors[name]
+            scaling = {}
+            for result in results:
+                scaling |= result["after"][step]["fp8"]
+            if scaling.keys() != expected["fp8"].keys():
+                return loss, median, worst, name, float("inf")
+            for key, value in scaling.items():
+                state = max(state, relative_error(value, expected["fp8"][key]))
+        return loss, median, worst, name, state
+
+    def cells(feature: str, base: list[str], layouts: list[str], steps: int):
+        base = base + RECIPES[recipe]
+        for layout in layouts:
+            world, flags = LAYOUTS[layout]
+            argv = base + flags
+            config, refused = _parse(argv, world)
+            if config is None:
+                yield layout, world, "refused", refused
+                continue
+            with tempfile.TemporaryDirectory() as directory:
+                try:
+                    results = run_distributed(world, fp8_train_job, argv, steps, None, directory)
+                except AssertionError as failure:
+                    yield layout, world, *_ranks_refusal(failure)
+                    continue
+                try:
+                    reference = one_device_steps(base, steps, directory, _weights_and_scaling)
+                except Exception as error:  # (one process could not take the layout's state)
+                    yield layout, world, "ERROR", f"one process: {_last_line(repr(error))}"
+                    continue
+            loss, median, worst, name, state = errors(results, reference)
+            within = (
+                loss <= LOSS_TOLERANCE
+                and median <= MEDIAN_PARAMETER_TOLERANCE
+                and worst <= PARAMETER_TOLERANCE
+            )
+            verdict = "DIFFERS"
+            if within:
+                verdict = "equal" if state <= state_tolerance else "close"
+            if state > CLOSE:
+                verdict = "DIFFERS"
+            what = (
+                f"loss {loss:.1e}, parameters: median {median:.1e}, worst {worst:.1e} ({name}); "
+                f"scaling state {state:.1e}"
+            )
+            yield layout, world, *_as_defined(feature, config, verdict, what)
+
+    return cells
 
 
 # The tools' layouts (tools/generate.py, tools/score.py): (pipeline stages, TP)
@@ -325,10 +425,7 @@ def resharding_cells(feature: str, base: list[str], layouts: list[str], steps: i
                 f"to one process: loss {to_one[0]:.1e}, parameters {to_one[1]:.1e}; "
                 f"from it: loss {from_one[0]:.1e}, parameters {from_one[1]:.1e}"
             )
-            if verdict == "DIFFERS" and feature in BY_DATA_PARALLELISM:
-                if config.parallel.data_parallel_size > 1:
-                    verdict, what = "as defined", f"{what}: {BY_DATA_PARALLELISM[feature]}"
-            yield layout, world, verdict, what
+            yield layout, world, *_as_defined(feature, config, verdict, what)
 
 
 MARKS = {"equal": "=", "close": "~", "refused": "-", "as defined": "dp", "DIFFERS": "**X**"}
@@ -361,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument(
         "--resharding", action="store_true", help="checkpoints saved at a layout resumed alone"
     )
+    mode.add_argument(
+        "--fp8",
+        choices=RECIPES,
+        help="training in FP8 with this recipe, a step at a time from the layout's checkpoints",
+    )
     args = parser.parse_args(argv)
     known = INFERENCE_LAYOUTS if args.inference else LAYOUTS
     features = args.features.split(",")
@@ -376,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     table = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     mode = "inference after" if args.inference else "resharding after" if args.resharding else ""
+    mode = f"FP8 ({args.fp8})," if args.fp8 else mode
     print(
         f"{len(features)} features x {len(layouts)} layouts, {mode} {args.steps} steps a cell\n",
         file=table,
@@ -387,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = training_cells
     if args.inference or args.resharding:
         cells = inference_cells if args.inference else resharding_cells
+    if args.fp8:
+        cells = fp8_cells(args.fp8)
     counts: dict[str, int] = {}
     verdicts: dict[tuple[str, str], str] = {}
     try:

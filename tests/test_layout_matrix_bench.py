@@ -1,7 +1,7 @@
 """bench/layout_matrix.py compares a feature under a layout with the same model in one process
 (bench/results/layout_matrix.md): a cell is equal, refused in one line, or differs."""
 
-from bench.layout_matrix import EVALUATION, FEATURES, LAYOUTS, cell
+from bench.layout_matrix import EVALUATION, FEATURES, LAYOUTS, cell, fp8_cells
 from tests.parity import TRAINING, one_thread, train_job
 
 
@@ -23,3 +23,14 @@ def test_a_cell_is_equal_refused_or_differs():
         "pretrain_gpt.py: error: --expert-model-parallel-size needs a mixture-of-experts model "
         "(--num-experts)",
     )
+
+
+def test_an_fp8_cell_is_within_the_fp8_tests_bounds_or_differs(monkeypatch):
+    """--fp8: each step from the layout's checkpoint of its start, in one process too."""
+    world, flags = LAYOUTS["tp2-sp"]
+    monkeypatch.setitem(LAYOUTS, "tp2-sp-seed-7", (world, flags + ["--seed", "7"]))
+    cells = fp8_cells("delayed")("moe", TRAINING + FEATURES["moe"], ["tp2-sp", "tp2-sp-seed-7"], 2)
+    verdicts = {layout: (verdict, what) for layout, _, verdict, what in cells}
+    assert verdicts["tp2-sp"][0] == "equal", verdicts
+    # another initialization: the first step, from one process's own, differs
+    assert verdicts["tp2-sp-seed-7"][0] == "DIFFERS", verdicts
