@@ -1,6 +1,9 @@
 """bench/layout_matrix.py compares a feature under a layout with the same model in one process
 (bench/results/layout_matrix.md): a cell is equal, refused in one line, or differs."""
 
+import re
+
+from bench.fp8_step_against_fp32 import main
 from bench.layout_matrix import EVALUATION, FEATURES, LAYOUTS, cell, fp8_cells
 from tests.parity import TRAINING, one_thread, train_job
 
@@ -34,3 +37,21 @@ def test_an_fp8_cell_is_within_the_fp8_tests_bounds_or_differs(monkeypatch):
     assert verdicts["tp2-sp"][0] == "equal", verdicts
     # another initialization: the first step, from one process's own, differs
     assert verdicts["tp2-sp-seed-7"][0] == "DIFFERS", verdicts
+
+
+def _median_line(output: str) -> tuple[float, float]:
+    """(the layout from one process, one process from fp32) of the median tensor's line."""
+    line = next(line for line in output.splitlines() if "median tensor" in line)
+    numbers = re.findall(r"\d\.\de[+-]\d\d", line)
+    return float(numbers[0]), float(numbers[1])
+
+
+def test_fp8_step_against_fp32_tells_rounding_from_another_quantization(capsys):
+    """bench/fp8_step_against_fp32.py: a right layout sits far closer to one process than FP8
+    sits to fp32; one that skips its amax reduction sits as far."""
+    main(["llama", "tp2-sp", "delayed", "--steps", "2"])
+    apart, fp8_error = _median_line(capsys.readouterr().out)
+    assert apart < 1e-3 * fp8_error, (apart, fp8_error)
+    main(["llama", "tp2", "delayed", "--steps", "2", "--sabotage", "delayed"])
+    apart, fp8_error = _median_line(capsys.readouterr().out)
+    assert apart > 0.5 * fp8_error, (apart, fp8_error)

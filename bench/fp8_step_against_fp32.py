@@ -1,0 +1,108 @@
+"""How far a layout's FP8 step is from one process's, next to how far both are from the same
+step in fp32: for the cells bench/layout_matrix.py --fp8 finds outside the FP8 parity bounds.
+
+    python bench/fp8_step_against_fp32.py FEATURE LAYOUT RECIPE [--steps 3]
+
+The layout trains `--steps` FP8 steps a step at a time (tests/parallel/test_fp8.py's
+`fp8_train_job`, checkpointed before each); from each checkpoint, one process takes the same
+step in FP8 and in fp32 (no FP8 flags, the FP8 scaling state left). Printed per step: each
+run's loss against fp32's, and for the median tensor and for the tensor where the layout is
+farthest from one process, the distance between the two FP8 runs and each one's from fp32.
+Where an element crossed an FP8 rounding boundary on one side only, the two FP8 runs sit
+apart by several times less than either sits from fp32 (each at the same distance from it);
+where the layout quantizes otherwise (`--sabotage`: an amax reduction left out), they sit as
+far apart as FP8 sits from fp32, and the layout's loss farther from fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.layout_matrix import FEATURES, LAYOUTS  # noqa: E402
+from tests.distributed import close_pools, run_distributed  # noqa: E402
+from tests.parallel.test_fp8 import RECIPES, _weights_and_scaling, fp8_train_job  # noqa: E402
+from tests.parity import TRAINING, _setup, merge_pipeline_stages, one_thread, relative_error  # noqa: E402
+from threefold.checkpoint.load import load_checkpoint  # noqa: E402
+
+
+def _one_step(argv: list[str], path: str, step: int) -> tuple[float, dict]:
+    trainer = _setup(argv)
+    assert load_checkpoint(path, trainer.checkpoint_components(), load_rng=False) == step
+    loss = trainer.train_step()[0]
+    return loss, _weights_and_scaling(trainer)["params"]
+
+
+def _distances(layout: dict, one: dict, exact: dict, name: str | None) -> tuple[float, ...]:
+    """(the layout from one process, one process from fp32, the layout from fp32): for tensor
+    `name`, or (None) each the median tensor's."""
+    if name is not None:
+        return tuple(
+            relative_error(a[name], b[name])
+            for a, b in ((layout, one), (one, exact), (layout, exact))
+        )
+    return tuple(
+        float(np.median([relative_error(a[n], b[n]) for n in one]))
+        for a, b in ((layout, one), (one, exact), (layout, exact))
+    )
+
+
+def report(
+    step: int, losses: tuple[float, float, float], layout: dict, one: dict, exact: dict
+) -> str:
+    """The lines of one step: `losses` the layout's, one process's FP8 and fp32 ones."""
+    loss, loss_fp8, loss_fp32 = losses
+    lines = [
+        f"step {step}: loss from fp32's: one process {abs(loss_fp8 / loss_fp32 - 1):.1e}, "
+        f"the layout {abs(loss / loss_fp32 - 1):.1e}"
+    ]
+    apart = {n: relative_error(layout[n], one[n]) for n in one}
+    for what, name in (("median tensor", None), ("farthest tensor", max(apart, key=apart.get))):
+        gap, to_one, to_layout = _distances(layout, one, exact, name)
+        lines.append(
+            f"  {what}{f' ({name})' if name else ''}: the layout from one process {gap:.1e}; "
+            f"from fp32: one process {to_one:.1e}, the layout {to_layout:.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("feature", choices=FEATURES)
+    parser.add_argument("layout", choices=LAYOUTS)
+    parser.add_argument("recipe", choices=RECIPES)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--sabotage",
+        choices=("current", "delayed"),
+        help="the layout skips its amax reduction (fp8_train_job's): what a wrong one looks like",
+    )
+    args = parser.parse_args(argv)
+    base = TRAINING + FEATURES[args.feature]
+    world, flags = LAYOUTS[args.layout]
+    fp8 = base + RECIPES[args.recipe]
+    job = (fp8 + flags, args.steps, args.sabotage)
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            results = run_distributed(world, fp8_train_job, *job, directory)
+            with one_thread():
+                for step in range(1, args.steps):
+                    path = os.path.join(directory, str(step))
+                    loss_fp8, one = _one_step(fp8, path, step)
+                    loss_fp32, exact = _one_step(base, path, step)
+                    layout = merge_pipeline_stages([r["after"][step]["params"] for r in results])
+                    losses = (results[0]["losses"][step], loss_fp8, loss_fp32)
+                    print(report(step, losses, layout, one, exact), flush=True)
+    finally:
+        close_pools()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
