@@ -28,29 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.layout_matrix import FEATURES, LAYOUTS  # noqa: E402
 from tests.distributed import close_pools, run_distributed  # noqa: E402
 from tests.parallel.test_fp8 import RECIPES, _weights_and_scaling, fp8_train_job  # noqa: E402
-from tests.parity import TRAINING, _setup, merge_pipeline_stages, one_thread, relative_error  # noqa: E402
-from threefold.checkpoint.load import load_checkpoint  # noqa: E402
-
-
-def _one_step(argv: list[str], path: str, step: int) -> tuple[float, dict]:
-    trainer = _setup(argv)
-    assert load_checkpoint(path, trainer.checkpoint_components(), load_rng=False) == step
-    loss = trainer.train_step()[0]
-    return loss, _weights_and_scaling(trainer)["params"]
+from tests.parity import TRAINING, merge_pipeline_stages, one_device_steps, relative_error  # noqa: E402
 
 
 def _distances(layout: dict, one: dict, exact: dict, name: str | None) -> tuple[float, ...]:
     """(the layout from one process, one process from fp32, the layout from fp32): for tensor
     `name`, or (None) each the median tensor's."""
+    pairs = ((layout, one), (one, exact), (layout, exact))
     if name is not None:
-        return tuple(
-            relative_error(a[name], b[name])
-            for a, b in ((layout, one), (one, exact), (layout, exact))
-        )
-    return tuple(
-        float(np.median([relative_error(a[n], b[n]) for n in one]))
-        for a, b in ((layout, one), (one, exact), (layout, exact))
-    )
+        return tuple(relative_error(a[name], b[name]) for a, b in pairs)
+    return tuple(float(np.median([relative_error(a[n], b[n]) for n in one])) for a, b in pairs)
 
 
 def report(
@@ -91,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory() as directory:
             results = run_distributed(world, fp8_train_job, *job, directory)
-            with one_thread():
-                for step in range(1, args.steps):
-                    path = os.path.join(directory, str(step))
-                    loss_fp8, one = _one_step(fp8, path, step)
-                    loss_fp32, exact = _one_step(base, path, step)
-                    layout = merge_pipeline_stages([r["after"][step]["params"] for r in results])
-                    losses = (results[0]["losses"][step], loss_fp8, loss_fp32)
-                    print(report(step, losses, layout, one, exact), flush=True)
+            # (each step from the layout's checkpoint of its start, in FP8 and in fp32)
+            one = one_device_steps(fp8, args.steps, directory, _weights_and_scaling)
+            exact = one_device_steps(base, args.steps, directory, _weights_and_scaling)
+        for step in range(1, args.steps):
+            layout = merge_pipeline_stages([r["after"][step]["params"] for r in results])
+            losses = (results[0]["losses"][step], one["losses"][step], exact["losses"][step])
+            params = (one["after"][step]["params"], exact["after"][step]["params"])
+            print(report(step, losses, layout, *params), flush=True)
     finally:
         close_pools()
     return 0

@@ -377,14 +377,15 @@ _RNG_LAYOUT = (
 
 # What decides a rank's RNG streams (parallel/tensor_parallel/random.py seeds them by TP, PP
 # and CP rank; the virtual stages and rank order decide which draws they made): runs alike
-# in these are the same streams, whatever their DP and EP.
-_RNG_GRID = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "use_tp_pp_dp_mapping",
-)
+# in these are the same streams, whatever their DP and EP. (name: its value where a checkpoint
+# predates the field)
+_RNG_GRID = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1,
+    "use_tp_pp_dp_mapping": False,
+}
 
 
 def rng_source_ranks(
@@ -396,8 +397,7 @@ def rng_source_ranks(
     alike and draw alike, as Megatron-LM's replicas share one saved stream). Empty where the
     saved run's ranks were seeded otherwise: their streams are not this run's."""
     if saved is None or any(
-        saved.get(name, False if name == "use_tp_pp_dp_mapping" else None) != getattr(current, name)
-        for name in _RNG_GRID
+        saved.get(name, default) != getattr(current, name) for name, default in _RNG_GRID.items()
     ):
         return {}
     tp, pp = current.tensor_model_parallel_size, current.pipeline_model_parallel_size
