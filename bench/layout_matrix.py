@@ -23,8 +23,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import close_pools, run_distributed  # noqa: E402
@@ -42,6 +40,7 @@ from tests.parallel.test_fp8 import (  # noqa: E402
     RECIPES,
     _weights_and_scaling,
     fp8_train_job,
+    step_errors,
 )
 from tests.parity import (  # noqa: E402
     GPT2_STYLE,
@@ -264,25 +263,6 @@ def training_cells(feature: str, base: list[str], layouts: list[str], steps: int
         yield layout, world, *cell(feature, base + flags, world, reference, steps)
 
 
-def _fp8_step(result_steps: list[dict], expected: dict) -> dict:
-    """One step's errors: the largest relative error of a tensor (and its name), the median
-    tensor's, and the scaling state's."""
-    params = merge_pipeline_stages([r["params"] for r in result_steps])
-    if params.keys() != expected["params"].keys():
-        inf = float("inf")
-        return {"median": inf, "worst": inf, "name": "names differ", "state": inf}
-    tensors = {n: relative_error(params[n], expected["params"][n]) for n in params}
-    name = max(tensors, key=tensors.get)
-    scaling = {}
-    for result in result_steps:
-        scaling |= result["fp8"]
-    state = float("inf")
-    if scaling.keys() == expected["fp8"].keys():
-        state = max((relative_error(v, expected["fp8"][k]) for k, v in scaling.items()), default=0)
-    median = float(np.median(list(tensors.values())))
-    return {"median": median, "worst": tensors[name], "name": name, "state": state}
-
-
 def fp8_cells(recipe: str):
     """The training cells of an FP8 recipe (tests/parallel/test_fp8.py's): each step of the
     layout against one process's step from the layout's checkpoint of its start, the first
@@ -325,7 +305,7 @@ def fp8_cells(recipe: str):
             steps_seen = []
             for step, expected in enumerate(reference["after"]):
                 loss = max(abs(r["losses"][step] / reference["losses"][step] - 1) for r in results)
-                found = _fp8_step([r["after"][step] for r in results], expected)
+                found = step_errors([r["after"][step] for r in results], expected)
                 steps_seen.append((mark(loss, found), loss, found))
             marks = [m for m, _, _ in steps_seen]
             verdict = "DIFFERS" if "X" in marks else "close" if "~" in marks else "equal"
