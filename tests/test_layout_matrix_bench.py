@@ -3,7 +3,9 @@
 
 import re
 
-from bench.fp8_step_against_fp32 import main
+import torch
+
+from bench.fp8_step_against_fp32 import main, nudge
 from bench.layout_matrix import EVALUATION, FEATURES, LAYOUTS, cell, fp8_cells
 from tests.parity import TRAINING, one_thread, train_job
 
@@ -51,9 +53,30 @@ def test_fp8_step_against_fp32_tells_rounding_from_another_quantization(capsys):
     """bench/fp8_step_against_fp32.py: a right layout sits far closer to one process than FP8
     sits to fp32 (here 1e-6 times; where a CPU's rounding puts an element across an FP8
     boundary, 0.02 to 0.15 times); one that skips its amax reduction sits as far."""
-    main(["llama", "tp2-sp", "delayed", "--steps", "2"])
-    apart, fp8_error = _median_line(capsys.readouterr().out)
+    main(["llama", "tp2-sp", "delayed", "--steps", "2", "--nudge", "1"])
+    output = capsys.readouterr().out
+    apart, fp8_error = _median_line(output)
     assert apart < 0.2 * fp8_error, (apart, fp8_error)
+    assert "one process nudged 1 ulp, from one process: " in output
     main(["llama", "tp2", "delayed", "--steps", "2", "--sabotage", "delayed"])
     apart, fp8_error = _median_line(capsys.readouterr().out)
     assert apart > 0.5 * fp8_error, (apart, fp8_error)
+
+
+def test_a_nudge_moves_every_weight_its_ulps_up_or_down():
+    """--nudge's noise: each element exactly `ulps` fp32 steps away, about half of them up."""
+    model = torch.nn.Linear(64, 64)
+    before = model.weight.detach().clone()
+    nudge(model, seed=3, ulps=2)
+    after = model.weight.detach()
+    up = before
+    down = before
+    for _ in range(2):
+        up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+    moved_up = after == up
+    assert torch.all(moved_up | (after == down))
+    assert 0.4 < moved_up.float().mean() < 0.6
+    twice = torch.nn.Linear(64, 64)
+    twice.load_state_dict({"weight": before, "bias": twice.bias})
+    nudge(twice, seed=3, ulps=2)
+    assert torch.equal(twice.weight, after)  # (the seed decides)
