@@ -20,8 +20,6 @@ is sent back before out_proj.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,19 +32,16 @@ from threefold.model.sequence_mixing import (
     A_INIT_RANGE,
     causal_conv1d,
     cp_share,
+    depthwise_conv,
     document_ids,
     gather_heads,
+    in_projection,
+    out_projection,
+    split_vector,
 )
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from threefold.parallel.tensor_parallel.sharding import (
-    InitMethod,
-    constant_init,
-    log_uniform_init,
-    mark_tensor_parallel,
-    uniform_init,
-)
+from threefold.parallel.tensor_parallel.sharding import InitMethod, constant_init, log_uniform_init
 
 
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -74,47 +69,14 @@ class GatedDeltaNet(nn.Module):
         qk, _, v, _, heads, _ = sections
         self.tp_sections = [size // tp for size in sections]  # in_proj's output on this rank
         self.local_sections = [size // self.cp.size for size in self.tp_sections]
-        self.in_proj = ColumnParallelLinear(
-            config.hidden_size,
-            sum(sections),
-            parallel=parallel,
-            bias=False,
-            init_method=init_method,
-            partition_sizes=sections,
-        )
-        # A depthwise causal convolution over q, k and v; PyTorch's default Conv1d init (a
-        # bound of 1/sqrt(fan_in)), which megatron-core keeps.
-        kernel = config.linear_conv_kernel_dim
-        conv = (qk, qk, v)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(sum(conv) // tp, 1, kernel)),
-            partition_dim=0,
-            init_method=uniform_init(1 / math.sqrt(kernel)),
-            master_shape=(sum(conv), 1, kernel),
-            partition_sizes=conv,
-        )
-        self.A_log = mark_tensor_parallel(
-            nn.Parameter(torch.empty(heads // tp)),
-            partition_dim=0,
-            init_method=log_uniform_init(*A_INIT_RANGE),
-            master_shape=(heads,),
-        )
-        self.dt_bias = mark_tensor_parallel(
-            nn.Parameter(torch.empty(heads // tp)),
-            partition_dim=0,
-            init_method=constant_init(1.0),
-            master_shape=(heads,),
-        )
+        self.in_proj = in_projection(config, parallel, sections, init_method)
+        # A depthwise causal convolution over q, k and v
+        self.conv1d = depthwise_conv((qk, qk, v), config.linear_conv_kernel_dim, tp, bias=False)
+        self.A_log = split_vector(heads, tp, log_uniform_init(*A_INIT_RANGE))
+        self.dt_bias = split_vector(heads, tp, constant_init(1.0))
         # Over each value head: a rank sees its heads' share of the gradient.
         self.out_norm = build_norm(config, self.value_head_dim, partial_grads=True)
-        self.out_proj = RowParallelLinear(
-            v,
-            config.hidden_size,
-            parallel=parallel,
-            bias=False,
-            init_method=output_layer_init_method,
-        )
+        self.out_proj = out_projection(v, config, parallel, output_layer_init_method)
         self.recompute_norm_out = config.recomputes("gdn_norm_out")
 
     def linear_layers(self) -> list[nn.Module]:

@@ -33,20 +33,17 @@ from threefold.model.sequence_mixing import (
     A_INIT_RANGE,
     causal_conv1d,
     cp_share,
+    depthwise_conv,
     document_ids,
     gather_heads,
+    in_projection,
+    out_projection,
+    split_vector,
 )
 from threefold.model.transformer import dropout_add
 from threefold.parallel.context_parallel.attention import scatter_sequence
 from threefold.parallel.parallel_context import ParallelContext
-from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from threefold.parallel.tensor_parallel.sharding import (
-    InitMethod,
-    constant_init,
-    log_uniform_init,
-    mark_tensor_parallel,
-    uniform_init,
-)
+from threefold.parallel.tensor_parallel.sharding import InitMethod, constant_init, log_uniform_init
 
 # megatron-core's MambaMixer: step sizes softplus(dt_bias) log-uniform in [0.001, 0.1], at
 # least 1e-4 (its decay rates as the gated delta net's: A_INIT_RANGE); the gated norm's eps
@@ -80,50 +77,18 @@ class MambaMixer(nn.Module):
         self.groups = config.mamba_num_groups // tp // self.cp.size
         self.tp_sections = [size // tp for size in sections]  # in_proj's output on this rank
         self.local_sections = [size // self.cp.size for size in self.tp_sections]
-        self.in_proj = ColumnParallelLinear(
-            config.hidden_size,
-            sum(sections),
-            parallel=parallel,
-            bias=False,
-            init_method=init_method,
-            partition_sizes=sections,
-        )
-        # Depthwise over x, B and C; PyTorch's default Conv1d init, as megatron-core's.
-        conv = (inner, states, states)
-        bound = 1 / math.sqrt(MAMBA_CONV_KERNEL)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(sum(conv) // tp, 1, MAMBA_CONV_KERNEL)),
-            partition_dim=0,
-            init_method=uniform_init(bound),
-            master_shape=(sum(conv), 1, MAMBA_CONV_KERNEL),
-            partition_sizes=conv,
-        )
-        self.conv1d.bias = mark_tensor_parallel(
-            nn.Parameter(torch.empty(sum(conv) // tp)),
-            partition_dim=0,
-            init_method=uniform_init(bound),
-            master_shape=(sum(conv),),
-            partition_sizes=conv,
-        )
+        self.in_proj = in_projection(config, parallel, sections, init_method)
+        # Depthwise over x, B and C, with a bias
+        self.conv1d = depthwise_conv((inner, states, states), MAMBA_CONV_KERNEL, tp, bias=True)
         for name, init in (
             ("dt_bias", _dt_bias_init),
             ("A_log", log_uniform_init(*A_INIT_RANGE)),
             ("D", constant_init(1.0)),
         ):
-            parameter = nn.Parameter(torch.empty(heads // tp))
-            setattr(self, name, mark_tensor_parallel(parameter, 0, init, (heads,)))
+            setattr(self, name, split_vector(heads, tp, init))
         self.norm = nn.Module()  # (megatron-core's `mixer.norm.weight`)
-        self.norm.weight = mark_tensor_parallel(
-            nn.Parameter(torch.empty(inner // tp)), 0, constant_init(1.0), (inner,)
-        )
-        self.out_proj = RowParallelLinear(
-            inner,
-            config.hidden_size,
-            parallel=parallel,
-            bias=False,
-            init_method=output_layer_init_method,
-        )
+        self.norm.weight = split_vector(inner, tp, constant_init(1.0))
+        self.out_proj = out_projection(inner, config, parallel, output_layer_init_method)
 
     def linear_layers(self) -> list[nn.Module]:
         """The layer's linear layers (those FP8 runs: model/fp8.py)."""

@@ -1,7 +1,7 @@
 """What the layers that mix a sequence by a recurrence share (Gated DeltaNet's,
-model/gated_delta_net.py, and Mamba's, model/mamba.py): the causal depthwise convolution
-before the recurrence, and the exchange that gives each context-parallel rank the whole
-sequence for a share of the heads.
+model/gated_delta_net.py, and Mamba's, model/mamba.py): their projections and parameters split
+over TP by heads, the causal depthwise convolution before the recurrence, and the exchange
+that gives each context-parallel rank the whole sequence for a share of the heads.
 
 Under context parallelism a rank holds two chunks of the sequence, but the convolution and the
 recurrence run along all of it: as megatron-core does, the input projection's output is sent
@@ -13,16 +13,67 @@ summed over CP with the rest (the DP x CP gradient reduction).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from threefold.config import ModelConfig
 from threefold.parallel.context_parallel.attention import gather_sequence
 from threefold.parallel.context_parallel.masks import derived
 from threefold.parallel.context_parallel.sequence import Documents
-from threefold.parallel.parallel_context import Group
+from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from threefold.parallel.tensor_parallel.sharding import (
+    InitMethod,
+    mark_tensor_parallel,
+    uniform_init,
+)
 
 # megatron-core's A_init_range, both layers': the decay rates exp(A_log) start uniform in [1, 16]
 A_INIT_RANGE = (1.0, 16.0)
+
+
+def in_projection(
+    config: ModelConfig, parallel: ParallelContext, sections: list[int], init: InitMethod
+) -> ColumnParallelLinear:
+    """`in_proj`: megatron-core's sections in one weight, each split over TP by heads
+    (`partition_sizes`), so every rank projects for its own heads; no bias."""
+    return ColumnParallelLinear(
+        config.hidden_size,
+        sum(sections),
+        parallel=parallel,
+        bias=False,
+        init_method=init,
+        partition_sizes=sections,
+    )
+
+
+def out_projection(
+    width: int, config: ModelConfig, parallel: ParallelContext, init: InitMethod
+) -> RowParallelLinear:
+    """`out_proj`: row-parallel from the heads' `width`, as attention's; no bias."""
+    hidden = config.hidden_size
+    return RowParallelLinear(width, hidden, parallel=parallel, bias=False, init_method=init)
+
+
+def depthwise_conv(conv: tuple[int, ...], kernel: int, tp: int, bias: bool) -> nn.Module:
+    """`conv1d`: the depthwise causal convolution's weight (and bias) over the sections `conv`,
+    each split over TP by heads; PyTorch's default Conv1d init (a bound of 1/sqrt(fan_in)),
+    which megatron-core keeps."""
+    conv1d, init = nn.Module(), uniform_init(1 / math.sqrt(kernel))
+    shapes = [("weight", (sum(conv), 1, kernel))] + ([("bias", (sum(conv),))] if bias else [])
+    for name, shape in shapes:
+        parameter = nn.Parameter(torch.empty(shape[0] // tp, *shape[1:]))
+        parameter = mark_tensor_parallel(parameter, 0, init, shape, partition_sizes=conv)
+        setattr(conv1d, name, parameter)
+    return conv1d
+
+
+def split_vector(size: int, tp: int, init: InitMethod) -> nn.Parameter:
+    """A parameter of one value a head (or channel), split over TP."""
+    return mark_tensor_parallel(nn.Parameter(torch.empty(size // tp)), 0, init, (size,))
 
 
 def cp_share(tensor: torch.Tensor, sections: list[int], cp: Group) -> torch.Tensor:
