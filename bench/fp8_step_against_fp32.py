@@ -51,7 +51,7 @@ def nudge(model: torch.nn.Module, seed: int, ulps: int) -> None:
 
 
 def nudged_setup(seed: int, ulps: int = 1):
-    """`_setup` whose trainer nudges its weights before each step, so after
+    """`_setup` whose trainer nudges its (fp32) weights before each step, so after
     one_device_steps has loaded the step's checkpoint."""
 
     def setup(argv: list[str]):
@@ -83,7 +83,7 @@ def report(
     layout: dict,
     one: dict,
     exact: dict,
-    nudged: list[dict] = (),
+    nudged: list[dict] | None = None,
     ulps: int = 1,
 ) -> str:
     """The lines of one step: `losses` the layout's, one process's FP8 and fp32 ones;
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         metavar="N",
-        help="also N one-process FP8 steps from weights moved one ulp at random: the noise floor",
+        help="also N one-process FP8 steps from weights moved --ulps at random: the noise floor",
     )
     parser.add_argument("--ulps", type=int, default=1, help="--nudge's weights move this many")
     args = parser.parse_args(argv)
