@@ -36,10 +36,13 @@ from tests.parallel.test_expert_parallel import MOE  # noqa: E402
 from tests.parallel.test_fp8 import (  # noqa: E402
     LOSS_TOLERANCE,
     MEDIAN_PARAMETER_TOLERANCE,
+    PARAM_GATHER,
     PARAMETER_TOLERANCE,
     RECIPES,
+    _masters_and_scaling,
     _weights_and_scaling,
     fp8_train_job,
+    param_gather_job,
     step_errors,
 )
 from tests.parity import (  # noqa: E402
@@ -263,7 +266,17 @@ def training_cells(feature: str, base: list[str], layouts: list[str], steps: int
         yield layout, world, *cell(feature, base + flags, world, reference, steps)
 
 
-def fp8_cells(recipe: str):
+def _param_gather(flags: list[str], base: list[str]):
+    """--fp8-param-gather at a layout: (the layout's flags, its job, one process's flags and
+    what both record). Under FSDP2 the flag alone, the weights read as the run without it;
+    otherwise with the distributed optimizer, its fp32 masters read, one process's on one rank
+    of it (which trains bitwise as without the flag: tests/parallel/test_fp8.py)."""
+    if "fsdp" in flags:
+        return flags + ["--fp8-param-gather"], fp8_train_job, base, _weights_and_scaling
+    return flags + PARAM_GATHER, param_gather_job, base + PARAM_GATHER, _masters_and_scaling
+
+
+def fp8_cells(recipe: str, param_gather: bool = False):
     """The training cells of an FP8 recipe (tests/parallel/test_fp8.py's): each step of the
     layout against one process's step from the layout's checkpoint of its start, the first
     from one process's initialization (FP8 rounding makes longer runs chaotic). `equal`: every
@@ -272,7 +285,9 @@ def fp8_cells(recipe: str):
     within them, the median tensor and the scaling state within 1e-3, where a reordered fp32
     sum put one element across an FP8 rounding boundary and the step carried it on (a missing
     amax reduction is off by 1e-2 in the median tensor, 0.3 in the scaling state, 2e-5 in
-    the loss). The steps' marks follow the numbers, which are the worst step's."""
+    the loss). The steps' marks follow the numbers, which are the worst step's.
+    `param_gather`: every layout with --fp8-param-gather (`_param_gather`); a cell whose
+    weights are not stored in FP8 after the steps is an ERROR."""
     state_tolerance = 1e-5 if recipe == "delayed" else 0.0
 
     def mark(loss: float, step: dict) -> str:
@@ -286,6 +301,9 @@ def fp8_cells(recipe: str):
         base = base + RECIPES[recipe]
         for layout in layouts:
             world, flags = LAYOUTS[layout]
+            job, one, record = fp8_train_job, base, _weights_and_scaling
+            if param_gather:
+                flags, job, one, record = _param_gather(flags, base)
             argv = base + flags
             config, refused = _parse(argv, world)
             if config is None:
@@ -293,12 +311,15 @@ def fp8_cells(recipe: str):
                 continue
             with tempfile.TemporaryDirectory() as directory:
                 try:
-                    results = run_distributed(world, fp8_train_job, argv, steps, None, directory)
+                    results = run_distributed(world, job, argv, steps, None, directory)
                 except AssertionError as failure:
                     yield layout, world, *_ranks_refusal(failure)
                     continue
+                if not all(r.get("stored_in_fp8", True) for r in results):
+                    yield layout, world, "ERROR", "--fp8-param-gather: weights not kept in FP8"
+                    continue
                 try:
-                    reference = one_device_steps(base, steps, directory, _weights_and_scaling)
+                    reference = one_device_steps(one, steps, directory, record)
                 except Exception as error:  # (one process could not take the layout's state)
                     yield layout, world, "ERROR", f"one process: {_last_line(repr(error))}"
                     continue
@@ -444,7 +465,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=RECIPES,
         help="training in FP8 with this recipe, a step at a time from the layout's checkpoints",
     )
+    parser.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="with --fp8: every layout with --fp8-param-gather (the distributed optimizer's)",
+    )
     args = parser.parse_args(argv)
+    if args.fp8_param_gather and not args.fp8:
+        parser.error("--fp8-param-gather needs --fp8 RECIPE")
     known = INFERENCE_LAYOUTS if args.inference else LAYOUTS
     features = args.features.split(",")
     default = RESHARDING_LAYOUTS if args.resharding else list(known)
@@ -459,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     table = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     mode = "inference after" if args.inference else "resharding after" if args.resharding else ""
-    mode = f"FP8 ({args.fp8})," if args.fp8 else mode
+    mode = (
+        f"FP8 ({args.fp8}{', --fp8-param-gather' if args.fp8_param_gather else ''}),"
+        if args.fp8
+        else mode
+    )
     print(
         f"{len(features)} features x {len(layouts)} layouts, {mode} {args.steps} steps a cell\n",
         file=table,
@@ -472,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inference or args.resharding:
         cells = inference_cells if args.inference else resharding_cells
     if args.fp8:
-        cells = fp8_cells(args.fp8)
+        cells = fp8_cells(args.fp8, args.fp8_param_gather)
     counts: dict[str, int] = {}
     verdicts: dict[tuple[str, str], str] = {}
     try:

@@ -46,7 +46,11 @@ from threefold.model.fp8 import fp8_states
 from threefold.model.fp8_params import dequantized as fp8_dequantized
 from threefold.parallel.parallel_context import ONE_DEVICE
 from threefold.parallel.tensor_parallel.mappings import COLLECTIVE_COUNTS
-from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
+from threefold.parallel.tensor_parallel.sharding import (
+    gather_tensor_parallel,
+    is_expert,
+    sharding_group,
+)
 
 LOSS_TOLERANCE = 1e-6
 PARAMETER_TOLERANCE = 3e-3  # the worst tensor
@@ -359,14 +363,16 @@ PARAM_GATHER_LAYOUTS = {
 
 def _full_masters(trainer) -> dict[str, np.ndarray]:
     """The distributed optimizer's fp32 masters, whole: each rank's pieces summed over the
-    ranks sharing the buffer (each element is on one of them), then gathered over TP."""
+    ranks sharing the buffer (each element is on one of them; an expert's: over expert DP; of
+    one optimizer instance, which holds them all), then gathered over TP."""
     optimizer, parallel = trainer.data_parallel.optimizer, trainer.parallel
     flat = {param: torch.zeros(param.numel()) for param in optimizer.model_params}
     for piece in optimizer.pieces:
         flat[piece.param][piece.start : piece.end] = piece.master.detach().float()
     masters = {}
     for name, param in trainer.layout_independent_parameters():
-        whole = parallel.dp_cp.all_reduce(flat[param]).view(param.shape)
+        sharers = parallel.expert_dp_intra if is_expert(param) else parallel.dp_cp_intra
+        whole = sharers.all_reduce(flat[param]).view(param.shape)
         masters[name] = (
             gather_tensor_parallel(whole, param, sharding_group(param, parallel)).numpy().copy()
         )

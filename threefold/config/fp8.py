@@ -114,10 +114,16 @@ class Fp8Config:
         )
 
     def finalize(
-        self, num_layers: int, fp16: bool, distributed_optimizer: bool, fsdp: bool = False
+        self,
+        num_layers: int,
+        fp16: bool,
+        distributed_optimizer: bool,
+        fsdp: bool = False,
+        lora: bool = False,
     ) -> list[str]:
         """`distributed_optimizer`: threefold's own (--distributed-strategy megatron); `fsdp`:
-        --distributed-strategy fsdp. Returns notes to print."""
+        --distributed-strategy fsdp; `lora`: --lora-rank, every base weight frozen. Returns
+        notes to print."""
         if not self.enabled:
             # Every FP8 setting: Megatron-LM drops them without --fp8-format. Only the layers
             # kept in bf16 come in its configs without it (Nemotron 3.5's, "all bf16" anyway):
@@ -158,6 +164,14 @@ class Fp8Config:
             "--fp8-param-gather casts the distributed optimizer's or FSDP2's shards to FP8: "
             "add --use-distributed-optimizer with --distributed-strategy megatron, or use "
             "--distributed-strategy fsdp, or drop it",
+        )
+        # (the optimizer's and FSDP2's FP8 copies are of trained weights; a frozen one is cast
+        # by its layer, and was said to be gathered in FP8 where nothing was)
+        require(
+            not (self.fp8_param_gather and lora),
+            "--fp8-param-gather casts and all-gathers the FP8 layers' trained weights, and with "
+            "--lora-rank every one of them is frozen: nothing would be gathered in FP8; drop "
+            "--fp8-param-gather",
         )
         for flag, count in (
             ("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),

@@ -118,8 +118,9 @@ class Config:
             parallel.distributed_strategy == "megatron" and parallel.use_distributed_optimizer
         )
         fsdp = parallel.distributed_strategy == "fsdp"
+        lora = self.model.lora_rank is not None
         warnings += self.fp8.finalize(
-            self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp
+            self.model.num_layers, self.training.fp16, distributed_optimizer, fsdp, lora
         )
         if self.model.moe_shared_expert_overlap and self.kernels.compile_layers:
             warnings.append(
