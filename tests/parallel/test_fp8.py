@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.model.test_mla import MLA
 from tests.parity import (
     LLAMA_STYLE,
     TRAINING,
@@ -465,6 +466,17 @@ def test_fp8_param_gather_matches_one_device(tmp_path, recipe, layout):
         assert result["flat_dtype"] == "torch.float8_e4m3fn"
         assert result["stored_in_fp8"] and result["dequantized"]
     assert_match_one_device(results, reference, recipe)
+
+
+def test_fp8_param_gather_sums_whole_weights_gradients_over_tp(tmp_path):
+    """MLA's down projections are FP8 weights whole on every TP rank; under SP each rank's
+    gradient is its part of the sequence's, summed over TP as the norms' are (without, the
+    copies drifted 10% apart in three steps; merging the ranks' masters asserts them equal)."""
+    argv = MLA + TRAINING + RECIPES["delayed"]
+    layout, one = argv + PARAM_GATHER + LAYOUTS["tp2_sp"][1], argv + PARAM_GATHER
+    record = _masters_and_scaling
+    results, reference = stepwise_parity(2, param_gather_job, layout, one, tmp_path, record=record)
+    assert_match_one_device(results, reference, "delayed")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
