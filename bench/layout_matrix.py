@@ -36,14 +36,16 @@ from tests.parallel.test_expert_parallel import MOE  # noqa: E402
 from tests.parallel.test_fp8 import (  # noqa: E402
     LOSS_TOLERANCE,
     MEDIAN_PARAMETER_TOLERANCE,
-    PARAM_GATHER,
     PARAMETER_TOLERANCE,
     RECIPES,
-    _masters_and_scaling,
     _weights_and_scaling,
     fp8_train_job,
-    param_gather_job,
     step_errors,
+)
+from tests.parallel.test_fp8_param_gather import (  # noqa: E402
+    PARAM_GATHER,
+    _masters_and_scaling,
+    param_gather_job,
 )
 from tests.parity import (  # noqa: E402
     GPT2_STYLE,
