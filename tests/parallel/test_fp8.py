@@ -158,10 +158,12 @@ def assert_match_one_device(results: list[dict], reference: dict, recipe: str) -
 def step_errors(per_rank: list[dict], expected: dict) -> dict:
     """One step's relative errors against one device's: the farthest parameter tensor's
     (`worst`, named by `name`), the median tensor's, and the scaling state's (`state`: every
-    rank's amax histories and scales); infinite where the names differ."""
-    params = merge_pipeline_stages([r["params"] for r in per_rank])
-    if params.keys() != expected["params"].keys():
-        return {"median": np.inf, "worst": np.inf, "name": "names differ", "state": np.inf}
+    rank's amax histories and scales); infinite where the names differ or ranks disagree."""
+    try:
+        params = merge_pipeline_stages([r["params"] for r in per_rank])
+        assert params.keys() == expected["params"].keys(), "names differ"
+    except AssertionError as differs:  # (or ranks hold unequal copies of a whole weight)
+        return {"median": np.inf, "worst": np.inf, "name": str(differs), "state": np.inf}
     tensors = {n: relative_error(params[n], expected["params"][n]) for n in params}
     name = max(tensors, key=tensors.get)
     scaling = {}

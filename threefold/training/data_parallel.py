@@ -199,13 +199,7 @@ class MegatronDataParallel:
         return contextlib.nullcontext()
 
     def finish_grad_sync(self) -> None:
-        for buffer in self.buffers[1:]:
-            buffer.finish_grad_sync()
-        if self.fp8_parameters is not None:
-            # FP8 weights are never tied, but some are whole on every TP rank, each rank's
-            # gradient its part of the sequence's (MLA's down projections under SP)
-            all_reduce_sequence_parallel_grads(self.fp8_parameters.buffer.params, self.parallel.tp)
-        finalize_model_grads(self.grad_buffer, self.parallel)
+        finalize_model_grads(self.grad_buffer, self.parallel, tuple(self.buffers[1:]))
 
     def local_grads_finite(self) -> torch.Tensor:
         """Whether this rank's gradients, before the data-parallel reduction, are all finite

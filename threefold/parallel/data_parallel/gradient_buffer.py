@@ -413,9 +413,16 @@ def all_reduce_embedding_grads(
             dist.all_reduce(grad_of(param), group=parallel.embedding_group)
 
 
-def finalize_model_grads(grad_buffer: GradientBuffer, parallel: ParallelContext) -> None:
+def finalize_model_grads(
+    grad_buffer: GradientBuffer, parallel: ParallelContext, others: tuple = ()
+) -> None:
+    """`others`: the further buffers (the FP8 weights', the experts'), each reduced over its
+    own group; their weights every TP rank holds whole (MLA's FP8 down projections under SP)
+    are summed over TP in the same message as the model buffer's. None is a tied embedding."""
     # The DP reduction comes first: with --overlap-grad-reduce it is already in flight on the
     # buffer, and the TP and embedding sums below commute with the DP mean.
-    grad_buffer.finish_grad_sync()
-    all_reduce_sequence_parallel_grads(grad_buffer.params, parallel.tp)
+    for buffer in (*others, grad_buffer):
+        buffer.finish_grad_sync()
+    params = [param for buffer in (grad_buffer, *others) for param in buffer.params]
+    all_reduce_sequence_parallel_grads(params, parallel.tp)
     all_reduce_embedding_grads(grad_buffer.params, parallel)
