@@ -57,6 +57,9 @@ class LoRAAdapter(nn.Module):
         self.dropout = dropout
         self.row_parallel = row_parallel
         init_a = normal_init(1.0 / math.sqrt(input_size))
+        # The replicated factor's gradient is each TP rank's share, summed over TP; a whole
+        # adapter (tp 1: an expert's, reduced over expert DP alone) must not be summed again.
+        partial = tp > 1
         if row_parallel:
             self.linear_in = nn.Linear(input_size // tp, rank, bias=False)
             mark_tensor_parallel(
@@ -66,10 +69,10 @@ class LoRAAdapter(nn.Module):
                 master_shape=(rank, input_size),
             )
             self.linear_out = nn.Linear(rank, output_size, bias=False)
-            mark_replicated(self.linear_out.weight, constant_init(0.0), partial_grads=True)
+            mark_replicated(self.linear_out.weight, constant_init(0.0), partial_grads=partial)
         else:
             self.linear_in = nn.Linear(input_size, rank, bias=False)
-            mark_replicated(self.linear_in.weight, init_a, partial_grads=True)
+            mark_replicated(self.linear_in.weight, init_a, partial_grads=partial)
             self.linear_out = nn.Linear(rank, output_size // tp, bias=False)
             mark_tensor_parallel(
                 self.linear_out.weight,
@@ -79,7 +82,6 @@ class LoRAAdapter(nn.Module):
                 partition_stride=partition_stride,
                 partition_sizes=partition_sizes,
             )
-        # The TP gradient sum these marks request is only needed when TP > 1.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.dropout > 0:
