@@ -144,6 +144,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]
+FSDP = ["--distributed-strategy", "fsdp"]
 LAYOUTS = {
     "tp2": (2, TP2),
     "tp2-sp": (2, TP2 + SP),
@@ -161,7 +162,7 @@ LAYOUTS = {
     ),
     "dp2": (2, []),
     "dp2-distopt": (2, DISTOPT + ["--overlap-grad-reduce", "--overlap-param-gather"]),
-    "fsdp2": (2, ["--distributed-strategy", "fsdp"]),
+    "fsdp2": (2, FSDP),
     "ep2": (2, EP2),
     "tp2-pp2": (4, TP2 + SP + PP2),
     "tp2-cp2": (4, TP2 + SP + CP2),
@@ -179,6 +180,13 @@ LAYOUTS = {
     "dp4-instances": (4, DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
     "tp2-pp2-cp2": (8, TP2 + SP + PP2 + CP2),
     "tp2-pp2-ep2": (8, TP2 + SP + PP2 + EP2),
+    # PyTorch's DDP and FSDP2 around threefold's TP, PP, CP and EP
+    "ddp2": (2, ["--distributed-strategy", "ddp"]),
+    "fsdp2-ep2": (2, FSDP + EP2),
+    "fsdp2-tp2": (4, FSDP + TP2 + SP),
+    "fsdp2-pp2": (4, FSDP + PP2),
+    "fsdp2-cp2": (4, FSDP + CP2),
+    "fsdp2-tp2-ep2-etp1": (4, FSDP + TP2 + SP + EP2 + ["--expert-tensor-parallel-size", "1"]),
 }
 EQUAL, CLOSE = 1e-5, 1e-3
 EVALUATION = ["--eval-iters", "1", "--eval-interval", "1000"]  # one batch, after the steps
