@@ -19,7 +19,6 @@ from threefold.arguments import parse_args
 from threefold.checkpoint.load import load_checkpoint
 from threefold.checkpoint.save import save_checkpoint
 from threefold.parallel import state
-from threefold.parallel.data_parallel.gradient_buffer import finalize_model_grads
 from threefold.parallel.data_parallel.torch_native import full
 from threefold.parallel.tensor_parallel.mappings import gather_from_tensor_parallel_region
 from threefold.parallel.tensor_parallel.sharding import gather_tensor_parallel, sharding_group
@@ -207,10 +206,11 @@ def gradient_job(argv: list[str]) -> dict:
     batch = next(trainer.train_iterator())
     logits = gather_from_tensor_parallel_region(model(batch["tokens"]), trainer.parallel.tp)
     logits = logits[..., : model.vocab_size].detach().numpy().copy()
-    trainer.data_parallel.grad_buffer.start_step(num_microbatches=1)
+    # every buffer's reduction (the experts' and FP8 weights' too), as a training step's
+    trainer.data_parallel.start_step(1)
     loss = model(batch["tokens"], labels=batch["labels"]).mean()
     loss.backward()
-    finalize_model_grads(trainer.data_parallel.grad_buffer, trainer.parallel)
+    trainer.data_parallel.finish_grad_sync()
     grads = _full(trainer, "main_grad")
     return {"logits": logits, "loss": loss.item(), "grads": grads}
 
