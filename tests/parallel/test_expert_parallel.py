@@ -507,11 +507,6 @@ def test_moe_layer_freq_pattern_makes_only_those_layers_moe():
             "must divide TP x CP x DP = 2",
         ),
         (
-            ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--lora-rank", "4"],
-            2,
-            "--lora-freeze-experts",
-        ),
-        (
             ["--num-experts", "4", "--tensor-model-parallel-size", "2"]
             + ["--expert-tensor-parallel-size", "1"],
             2,

@@ -405,11 +405,6 @@ class ParallelConfig(
             f"--expert-tensor-parallel-size {etp}",
         )
         _require(
-            etp == 1 or model.lora_rank is None or model.lora_freeze_experts,
-            f"LoRA adapters on experts split over --expert-tensor-parallel-size {etp} are not "
-            "implemented: pass --lora-freeze-experts or --expert-tensor-parallel-size 1",
-        )
-        _require(
             tp == 1 or self.sequence_parallel,
             "mixture-of-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
             "(as in Megatron: each TP rank routes its own slice of the sequence)",

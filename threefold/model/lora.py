@@ -9,14 +9,14 @@ adapter is split the way the layer is, so its output adds to the layer's before 
 - row-parallel (proj, fc2): A is split by columns like the weight and B replicated; the adapter's
   output is a partial sum that the layer's all-reduce (or reduce-scatter) completes, and B's
   gradient is likewise summed over TP.
-An MoE expert's fc1/fc2 (whole on its EP rank) get whole adapters, handled as expert weights
-(--lora-freeze-experts: none). In multi-latent attention the target linear_qkv means the
-column-parallel projections to queries, keys and values (`MLA_QKV`); in a gated delta net
-linear_qkv means its in_proj (B split by heads in each of its sections, as the weight) and
-linear_proj its out_proj (`GATED_DELTA_NET`). Names follow
-Megatron-Bridge: `<layer>.adapter.linear_in.weight`
-(A) and `<layer>.adapter.linear_out.weight` (B). `merged_weights` folds them into the weights
-for export.
+An MoE expert's fc1/fc2 (on the one EP rank that holds the expert) get adapters split over
+the expert-TP group the same way, handled as expert weights: reduced over expert DP, the
+replicated factor summed over expert TP, not TP (--lora-freeze-experts: none). In multi-latent
+attention the target linear_qkv means the column-parallel projections to queries, keys and
+values (`MLA_QKV`); in a gated delta net linear_qkv means its in_proj (B split by heads in each
+of its sections, as the weight) and linear_proj its out_proj (`GATED_DELTA_NET`). Names follow
+Megatron-Bridge: `<layer>.adapter.linear_in.weight` (A) and `<layer>.adapter.linear_out.weight`
+(B). `merged_weights` folds them into the weights for export.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class LoRAAdapter(nn.Module):
         self.dropout = dropout
         self.row_parallel = row_parallel
         init_a = normal_init(1.0 / math.sqrt(input_size))
-        # The replicated factor's gradient is each TP rank's share, summed over TP; a whole
-        # adapter (tp 1: an expert's, reduced over expert DP alone) must not be summed again.
+        # The replicated factor's gradient is each TP rank's share, summed over TP (over
+        # expert TP for an expert's); a whole adapter (tp 1) must not be summed again.
         partial = tp > 1
         if row_parallel:
             self.linear_in = nn.Linear(input_size // tp, rank, bias=False)
@@ -116,9 +116,17 @@ def apply_lora(
         if isinstance(module, ExpertLinear):
             if freeze_experts:
                 continue
-            # Whole, like the expert: on the one EP rank that holds it, reduced as expert weights.
+            # Split over the expert-TP group as the expert is, on the one EP rank that holds
+            # it, reduced as expert weights (the replicated factor summed over expert TP).
             module.adapter = LoRAAdapter(
-                module.input_size, module.output_size, rank, alpha, dropout, False, tp=1
+                module.input_size,
+                module.output_size,
+                rank,
+                alpha,
+                dropout,
+                row_parallel=module.row_parallel,
+                tp=module.expert_tp_size,
+                partition_stride=module.weight.partition_stride,
             )
             for param in module.adapter.parameters():
                 param.expert_parallel = True

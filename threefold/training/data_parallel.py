@@ -338,7 +338,7 @@ class TorchDataParallel:
             average_grads(params, self.parallel.dp_cp, self.reduce_dtype)
         if self.fsdp:
             divide_expert_grads(params, self.parallel.dp_cp, self.parallel.expert_dp)
-        all_reduce_sequence_parallel_grads(params, self.parallel.tp, lambda p: local(p.grad))
+        all_reduce_sequence_parallel_grads(params, self.parallel, lambda p: local(p.grad))
         all_reduce_embedding_grads(params, self.parallel, lambda p: local(p.grad))
 
     def _local_grads(self) -> list[torch.Tensor]:

@@ -97,6 +97,7 @@ class ExpertLinear(nn.Module):
         self.input_size, self.output_size = fan_in, fan_out
         self.row_parallel = row_parallel
         self.first_rank = expert_tp.rank == 0
+        self.expert_tp_size = expert_tp.size
         local_in = fan_in // expert_tp.size if row_parallel else fan_in
         local_out = fan_out if row_parallel else fan_out // expert_tp.size
         self.weight = mark_expert(

@@ -23,6 +23,7 @@ from torch import nn
 
 from threefold.parallel.collectives import all_gather_single, reduce_scatter_single
 from threefold.parallel.parallel_context import Group, ParallelContext
+from threefold.parallel.tensor_parallel.sharding import is_expert
 from threefold.parallel.tensor_parallel.weight_grad import mark_main_grad_added
 
 
@@ -383,12 +384,18 @@ def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor
 
 
 def all_reduce_sequence_parallel_grads(
-    params: list[nn.Parameter], tp: Group, grad_of: Callable = lambda p: p.main_grad
+    params: list[nn.Parameter], parallel: ParallelContext, grad_of: Callable = lambda p: p.main_grad
 ) -> None:
     """Sum over TP the gradients of weights every TP rank applies to its own part of the
-    sequence (norms under sequence parallelism). `grad_of`: where a parameter's gradient is
+    sequence (norms under sequence parallelism), and over expert TP those of an expert's
+    (the replicated factor of its LoRA adapter). `grad_of`: where a parameter's gradient is
     (its main_grad; this rank's shard of `.grad` under PyTorch DDP/FSDP2)."""
-    grads = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
+    marked = [p for p in params if getattr(p, "sequence_parallel", False)]
+    _sum_over(parallel.tp, [grad_of(p) for p in marked if not is_expert(p)])
+    _sum_over(parallel.expert_tp, [grad_of(p) for p in marked if is_expert(p)])
+
+
+def _sum_over(tp: Group, grads: list[torch.Tensor]) -> None:
     if not grads or tp.size == 1:
         return
     flat = tp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
@@ -424,5 +431,5 @@ def finalize_model_grads(
     for buffer in (*others, grad_buffer):
         buffer.finish_grad_sync()
     params = [param for buffer in (grad_buffer, *others) for param in buffer.params]
-    all_reduce_sequence_parallel_grads(params, parallel.tp)
+    all_reduce_sequence_parallel_grads(params, parallel)
     all_reduce_embedding_grads(grad_buffer.params, parallel)
