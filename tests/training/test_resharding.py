@@ -86,6 +86,19 @@ def test_tp2_pp2_checkpoint_resumes_in_another_layout(tp2_pp2_checkpoint, layout
     _check(saved, run_distributed(4, _load_then_step, argv + layout, directory))
 
 
+def test_a_vocabulary_padded_at_the_saved_tp_loads_where_no_padding_is_added(tmp_path):
+    """A vocabulary of 16 with --make-vocab-size-divisible-by 8 is padded to 32 rows at TP4
+    and not at all at TP1 or TP2 (as LLaMA-3's 128,256 with the default 128: padded at TP4,
+    whole below). The checkpoint's padding rows are dropped there too; they were refused as
+    another model's rows."""
+    argv = LLAMA_STYLE + TRAINING + ["--vocab-size", "16"]
+    directory = str(tmp_path)
+    tp4 = ["--tensor-model-parallel-size", "4"]
+    saved = run_distributed(4, _save_then_continue, argv + tp4, directory)
+    _check(saved, [_load_then_step(argv, directory)])
+    _check(saved, run_distributed(2, _load_then_step, argv + tp4[:1] + ["2"], directory))
+
+
 def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_path):
     argv = GPT2_STYLE + TRAINING + FOUR_LAYERS + ["--use-distributed-optimizer"]
     directory = str(tmp_path)

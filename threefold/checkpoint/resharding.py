@@ -130,13 +130,15 @@ def saved_tensors(path: str, megatron_step: float | None = None, optimizer: bool
 
 def unpadded(full: torch.Tensor, param: nn.Parameter, source: str, what: str) -> torch.Tensor:
     """A whole tensor as stored, cut to the parameter's valid rows (a vocabulary's padding rows
-    dropped: a checkpoint may pad it otherwise). Any other difference from the parameter's shape
-    means the checkpoint holds another model than the one built from what it says of itself:
-    refused in one line, not cut or padded to fit."""
+    dropped: a checkpoint of another TP may pad it otherwise, even where this layout adds
+    none). Any other difference from the parameter's shape means the checkpoint holds another
+    model than the one built from what it says of itself: refused in one line, not cut or
+    padded to fit."""
     if not param.dim() or param.valid_rows is None:
         return full
     whole = tuple(getattr(param, "master_shape", None) or param.shape)
-    rows, padded = param.valid_rows, param.valid_rows < whole[0]
+    rows = param.valid_rows
+    padded = getattr(param, "vocabulary_rows", False) or rows < whole[0]
     if (
         tuple(full.shape[1:]) != whole[1:]
         or full.shape[0] < rows

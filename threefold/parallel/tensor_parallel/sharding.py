@@ -14,6 +14,9 @@ one place they are written down; the only code that sets them is below, the TP l
                                       block's size in the full tensor
     master_shape           tuple      the full tensor's shape on one device (vocabulary padded)
     valid_rows             int|None   rows of the full tensor that are real (the rest: padding)
+    vocabulary_rows        bool       its rows are the vocabulary's, padded to a multiple of
+                                      --make-vocab-size-divisible-by x TP (so a checkpoint of
+                                      another TP may hold more padding rows, or none)
     init_method            callable   init_method(full tensor, generator)
     sequence_parallel      bool       each TP rank computes part of its gradient, summed over TP
                                       (sequence-parallel norms and biases, query/key norms)
@@ -50,6 +53,7 @@ PARAMETER_ATTRIBUTES = (
     "partition_sizes",
     "master_shape",
     "valid_rows",
+    "vocabulary_rows",
     "init_method",
     "sequence_parallel",
     "shared_embedding",
@@ -157,6 +161,7 @@ def mark_tensor_parallel(
     param.partition_sizes = partition_sizes
     param.master_shape = tuple(master_shape)
     param.valid_rows = master_shape[0] if valid_rows is None else valid_rows
+    param.vocabulary_rows = valid_rows is not None
     param.init_method = init_method
     param.sequence_parallel = False
     return param
