@@ -145,6 +145,7 @@ CP2 = ["--context-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]
 FSDP = ["--distributed-strategy", "fsdp"]
+OVERLAP = ["--tp-comm-overlap"]
 LAYOUTS = {
     "tp2": (2, TP2),
     "tp2-sp": (2, TP2 + SP),
@@ -187,6 +188,11 @@ LAYOUTS = {
     "fsdp2-pp2": (4, FSDP + PP2),
     "fsdp2-cp2": (4, FSDP + CP2),
     "fsdp2-tp2-ep2-etp1": (4, FSDP + TP2 + SP + EP2 + ["--expert-tensor-parallel-size", "1"]),
+    # --tp-comm-overlap: each sequence-parallel collective a ring of slices around its GEMM
+    "tp2-overlap": (2, TP2 + SP + OVERLAP),
+    "tp4-overlap": (4, ["--tensor-model-parallel-size", "4"] + SP + OVERLAP),
+    "tp2-pp2-overlap": (4, TP2 + SP + PP2 + OVERLAP),
+    "tp2-ep2-overlap": (4, TP2 + SP + EP2 + OVERLAP),
 }
 EQUAL, CLOSE = 1e-5, 1e-3
 EVALUATION = ["--eval-iters", "1", "--eval-interval", "1000"]  # one batch, after the steps
@@ -393,7 +399,7 @@ def inference_cells(feature: str, base: list[str], layouts: list[str], steps: in
 # one step more)
 RESHARDING_LAYOUTS = [
     *("tp2-sp", "pp2", "vpp2", "cp2-p2p", "dp2-distopt", "fsdp2", "ep2", "tp2-pp2"),
-    *("tp2-ep2-etp1", "dp4-instances", "tp2-pp2-ep2"),
+    *("tp2-ep2-etp1", "dp4-instances", "tp2-pp2-ep2", "tp4-overlap"),
 ]
 
 
