@@ -359,7 +359,7 @@ def fp8_cells(recipe: str, param_gather: bool = False):
 
 
 # The tools' layouts (tools/generate.py, tools/score.py): (pipeline stages, TP)
-INFERENCE_LAYOUTS = {"tp2": (1, 2), "pp2": (2, 1), "tp2-pp2": (2, 2)}
+INFERENCE_LAYOUTS = {"tp2": (1, 2), "pp2": (2, 1), "tp2-pp2": (2, 2), "tp4": (1, 4)}
 PROMPT = [1, 2, 3, 4]
 TEXT = [(7 * i + 3) % 15 for i in range(40)]  # (15: the smallest vocabulary of FEATURES)
 
