@@ -93,10 +93,10 @@ def test_a_vocabulary_padded_at_the_saved_tp_loads_where_no_padding_is_added(tmp
     another model's rows."""
     argv = LLAMA_STYLE + TRAINING + ["--vocab-size", "16"]
     directory = str(tmp_path)
-    tp4 = ["--tensor-model-parallel-size", "4"]
+    tp4, tp2 = (["--tensor-model-parallel-size", str(tp)] for tp in (4, 2))
     saved = run_distributed(4, _save_then_continue, argv + tp4, directory)
     _check(saved, [_load_then_step(argv, directory)])
-    _check(saved, run_distributed(2, _load_then_step, argv + tp4[:1] + ["2"], directory))
+    _check(saved, run_distributed(2, _load_then_step, argv + tp2, directory))
 
 
 def test_distributed_optimizer_state_reshards_across_data_parallel_sizes(tmp_path):

@@ -137,12 +137,11 @@ def unpadded(full: torch.Tensor, param: nn.Parameter, source: str, what: str) ->
     if not param.dim() or param.valid_rows is None:
         return full
     whole = tuple(getattr(param, "master_shape", None) or param.shape)
-    rows = param.valid_rows
-    padded = getattr(param, "vocabulary_rows", False) or rows < whole[0]
+    rows, vocabulary = param.valid_rows, getattr(param, "vocabulary_rows", False)
     if (
         tuple(full.shape[1:]) != whole[1:]
         or full.shape[0] < rows
-        or (not padded and full.shape[0] != rows)
+        or (not vocabulary and full.shape[0] != rows)
     ):
         raise ConfigError(
             f"{source}: {what} is stored as {tuple(full.shape)}, but the model it describes "

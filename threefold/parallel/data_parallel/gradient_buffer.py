@@ -395,10 +395,10 @@ def all_reduce_sequence_parallel_grads(
     _sum_over(parallel.expert_tp, [grad_of(p) for p in marked if is_expert(p)])
 
 
-def _sum_over(tp: Group, grads: list[torch.Tensor]) -> None:
-    if not grads or tp.size == 1:
+def _sum_over(group: Group, grads: list[torch.Tensor]) -> None:
+    if not grads or group.size == 1:
         return
-    flat = tp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+    flat = group.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
