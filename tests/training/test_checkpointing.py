@@ -66,6 +66,13 @@ def _resume_job(argv: list[str], directory: str) -> dict:
         (4, ["--distributed-strategy", "fsdp", "--tensor-model-parallel-size", "2"]),
         (4, ["--distributed-strategy", "fsdp", "--pipeline-model-parallel-size", "2"]),
         (2, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
+        # LoRA dropout in the experts: their own random streams resume too
+        (
+            2,
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--lora-rank", "4"]
+            + ["--lora-dropout", "0.1", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--expert-tensor-parallel-size", "1"],
+        ),
         # FSDP2 with experts: each layer's experts sharded over expert DP 2, the rest over DP 4
         (
             4,

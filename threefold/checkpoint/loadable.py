@@ -377,8 +377,9 @@ _RNG_LAYOUT = (
 
 # What decides a rank's RNG streams (parallel/tensor_parallel/random.py seeds them by TP, PP
 # and CP rank; the virtual stages and rank order decide which draws they made): runs alike
-# in these are the same streams, whatever their DP and EP. (name: its value where a checkpoint
-# predates the field)
+# in these are the same streams, whatever their DP and EP; the experts' own streams, seeded by
+# EP and expert-TP rank too, resume only where those agree (RNGStatesTracker.resume). (name:
+# its value where a checkpoint predates the field)
 _RNG_GRID = {
     "tensor_model_parallel_size": 1,
     "pipeline_model_parallel_size": 1,

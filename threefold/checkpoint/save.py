@@ -73,6 +73,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": dict(get_rng_tracker().states),
+        "tracker_seeds": dict(get_rng_tracker().seeds),
     }
 
 
@@ -84,7 +85,7 @@ def set_rng_state(saved: dict) -> None:
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(saved["cuda"])
-    get_rng_tracker().states = dict(saved["tracker"])
+    get_rng_tracker().resume(saved["tracker"], saved.get("tracker_seeds", {}))
 
 
 def save_checkpoint(

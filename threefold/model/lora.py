@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from threefold.parallel.tensor_parallel.random import get_rng_tracker
+from threefold.parallel.tensor_parallel.random import (
+    EXPERT_MODEL_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+    get_rng_tracker,
+)
 from threefold.parallel.tensor_parallel.sharding import (
     constant_init,
     mark_replicated,
@@ -51,11 +56,19 @@ class LoRAAdapter(nn.Module):
         tp: int,
         partition_stride: int = 1,
         partition_sizes: tuple[int, ...] | None = None,
+        expert: bool = False,
     ) -> None:
         super().__init__()
         self.scale = alpha / rank
         self.dropout = dropout
         self.row_parallel = row_parallel
+        # The stream its dropout draws from (parallel/tensor_parallel/random.py): a row-parallel
+        # layer's input differs per (expert) TP rank, so do its masks; a column-parallel one's
+        # is shared, so are they. None: the default stream.
+        if expert:
+            self.stream = EXPERT_PARALLEL_RNG if row_parallel else EXPERT_MODEL_PARALLEL_RNG
+        else:
+            self.stream = MODEL_PARALLEL_RNG if row_parallel else None
         init_a = normal_init(1.0 / math.sqrt(input_size))
         # The replicated factor's gradient is each TP rank's share, summed over TP (over
         # expert TP for an expert's); a whole adapter (tp 1) must not be summed again.
@@ -85,8 +98,11 @@ class LoRAAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.dropout > 0:
-            # A row-parallel layer's input differs per TP rank: so do its masks.
-            fork = get_rng_tracker().fork() if self.row_parallel else contextlib.nullcontext()
+            fork = (
+                contextlib.nullcontext()
+                if self.stream is None
+                else get_rng_tracker().fork(self.stream)
+            )
             with fork:
                 x = F.dropout(x, p=self.dropout, training=True)
         return self.linear_out(self.linear_in(x)) * self.scale
@@ -127,6 +143,7 @@ def apply_lora(
                 row_parallel=module.row_parallel,
                 tp=module.expert_tp_size,
                 partition_stride=module.weight.partition_stride,
+                expert=True,
             )
             for param in module.adapter.parameters():
                 param.expert_parallel = True
