@@ -260,12 +260,7 @@ MISSING = {
         "Megatron-LM's BERT, T5, vision and retrieval models (threefold trains GPT models)",
     ),
     **dict.fromkeys(
-        (
-            "--log-device-memory-used",
-            "--log-max-attention-logit",
-            "--log-world-size-to-tensorboard",
-        ),
-        "other logged numbers",
+        ("--log-device-memory-used", "--log-world-size-to-tensorboard"), "other logged numbers"
     ),
     "--max-seqlen-per-dp-cp-rank": "dynamic context-parallel sequence balancing",
     **dict.fromkeys(
@@ -323,7 +318,6 @@ MISSING = {
         "a vocabulary size given padded (threefold pads --vocab-size to "
         "--make-vocab-size-divisible-by)",
     ),
-    **dict.fromkeys(("--qk-clip", "--qk-clip-"), "QK-clip (MuonClip)"),
     "--reuse-grad-buf-for-mxfp8-param-ag": "MXFP8",
     **dict.fromkeys(
         (

@@ -24,6 +24,7 @@ from threefold.config.mtp import MTPConfig
 from threefold.config.mup import MuPConfig
 from threefold.config.olmo import OlmoConfig
 from threefold.config.phi import PhiConfig
+from threefold.config.qk_clip import QKClipConfig
 from threefold.config.recompute import RecomputeConfig
 from threefold.config.window_attention import WindowAttentionConfig
 
@@ -47,16 +48,17 @@ class ModelConfig(
     RecomputeConfig,
     ActivationOffloadConfig,
     MuPConfig,
+    QKClipConfig,
 ):
     """What each field is to a checkpoint (`checkpoint=`) is declared on it (config/fields.py). The
     hybrid stack's, mixture-of-experts, multi-latent attention, DeepSeek sparse attention,
     linear attention, sliding-window attention, Llama 4 attention, Gemma's, OLMo 2's, Cohere's
     and Granite's layers, Phi's output layer, LongRoPE, multi-token prediction, recomputation,
-    activation offloading and muP fields are inherited (config/hybrid.py, config/moe.py,
+    activation offloading, muP and QK-clip fields are inherited (config/hybrid.py, config/moe.py,
     config/mla.py, config/dsa.py, config/linear_attention.py, config/window_attention.py,
     config/llama4.py, config/gemma.py, config/olmo.py, config/cohere.py, config/granite.py,
     config/phi.py, config/longrope.py, config/mtp.py, config/recompute.py,
-    config/activation_offload.py, config/mup.py)."""
+    config/activation_offload.py, config/mup.py, config/qk_clip.py)."""
 
     num_layers: int = arg(2, checkpoint=ARCHITECTURE, minimum=1, help="transformer layers")
     hidden_size: int = arg(
@@ -371,6 +373,7 @@ class ModelConfig(
         """Fill the fields Megatron derives from others, then validate; returns warnings."""
         hybrid = self.finalize_hybrid()  # (the pattern sets --num-layers)
         self.finalize_mtp()
+        self.finalize_qk_clip()
         _require(
             self.hidden_size % self.num_attention_heads == 0 or self.kv_channels is not None,
             f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "

@@ -18,6 +18,7 @@ from threefold.config.moe import check_upcycling
 from threefold.config.muon import check_muon_layout
 from threefold.config.parallel import ParallelConfig
 from threefold.config.precision_aware import check_precision_aware
+from threefold.config.qk_clip import check_qk_clip_layout
 from threefold.config.recompute import check_recompute_kernels
 from threefold.config.training import TrainingConfig
 
@@ -62,6 +63,7 @@ class Config:
         precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
         warnings = self.parallel.finalize_megatron_fsdp(precision)  # the strategy, first
         warnings += self.model.finalize() + check_muon_layout(self)
+        check_qk_clip_layout(self)
         warnings += self.parallel.finalize(self.model)
         self.training.finalize(self.parallel.data_parallel_size, self.model.seq_length)
         parallel = self.parallel

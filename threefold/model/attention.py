@@ -21,6 +21,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
+from threefold.model.attention_scores import max_scores
 from threefold.model.norms import AcrossHeadsRMSNorm, L2Norm, PerHeadNorm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import (
@@ -130,6 +131,10 @@ class Attention(nn.Module):
         self.offload_qkv_linear = config.offloads("qkv_linear")
         self.offload_core_attn = config.offloads("core_attn")
         self.offload_attn_proj = config.offloads("attn_proj")
+        # --qk-clip, --log-max-attention-logit: each local head's largest score over this
+        # step's training micro-batches, until training/qk_clip.py reads and clears it
+        self.observe_scores = config.observes_attention_logits()
+        self.max_logits: torch.Tensor | None = None
 
     def _attend(
         self,
@@ -164,12 +169,25 @@ class Attention(nn.Module):
             length = query.shape[0]
             if attention_mask is not None or (length > self.chunk and length % self.chunk):
                 attention_mask = chunk_mask(length, self.chunk, attention_mask, query.device)
+        if self.observe_scores and self.training:
+            self._observe(query, key, attention_mask)
         # Each TP rank owns different heads: their dropout masks must differ.
         fork = get_rng_tracker().fork() if dropout > 0 else contextlib.nullcontext()
         with fork:
             if self.chunk is not None and attention_mask is None:
                 return self._in_chunks(query, key, value, dropout)
             return self.core_attention(query, key, value, attention_mask, dropout)
+
+    def _observe(
+        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> None:
+        """Keep each head's largest score (whole sequences here: config/qk_clip.py refuses
+        CP); a recomputation sees the same scores again."""
+        if self.chunk is not None and attention_mask is None:  # (`_in_chunks`' own mask)
+            attention_mask = chunk_mask(query.shape[0], self.chunk, None, query.device)
+        scores = max_scores(query, key, attention_mask)
+        kept = self.max_logits
+        self.max_logits = scores if kept is None else torch.maximum(kept, scores)
 
     def _in_chunks(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float

@@ -46,6 +46,7 @@ class IterationStats:
     mtp_losses: dict[str, float] | None = None  # multi-token prediction (mtp_1 loss ...)
     moe_losses: dict[str, float] | None = None  # MoE auxiliary losses (load_balancing_loss ...)
     indexer_losses: dict[str, float] | None = None  # DeepSeek sparse attention (indexer loss)
+    max_attention_logit: float | None = None  # --qk-clip, --log-max-attention-logit: last step's
     log_throughput: bool = False  # Megatron's --log-throughput field
 
 
@@ -218,6 +219,7 @@ def _scalars(stats: IterationStats) -> dict[str, float]:
         "skipped-iterations": stats.skipped_iterations,
         "nan-iterations": stats.nan_iterations,
         "iteration-time-ms": stats.elapsed_ms,
+        "max_attention_logit": stats.max_attention_logit,
     }
     values.update(_auxiliary_losses(stats))
     values.update({f"{name}-time": ms for name, ms in (stats.timers or {}).items()})

@@ -256,10 +256,15 @@ class AdamWithMasters:
         return int(self._model_sum(grads, _zeros))
 
     @torch.no_grad()
-    def step(self, divisor: float) -> tuple[bool, float | None]:
+    def step(
+        self, divisor: float, row_factors: dict[nn.Parameter, torch.Tensor] | None = None
+    ) -> tuple[bool, float | None]:
         """Unscale (divide the gradients by `divisor`: the loss scale, times the token count
         under --calculate-per-token-loss), check, clip and update. Returns (updated, grad norm);
-        a step whose gradients hold inf or nan is skipped (updated False, norm None)."""
+        a step whose gradients hold inf or nan is skipped (updated False, norm None).
+        `row_factors`: QK-clip's (training/qk_clip.py), multiplied into the rows of those
+        parameters after the update, or in place of a skipped one (as Megatron-LM clips
+        after every step)."""
         grads = self._attach_grads()
         local_grads = [local(g) for g in grads]
         if divisor != 1.0 and grads:
@@ -268,6 +273,9 @@ class AdamWithMasters:
         if self.count_zeros:  # before clipping, as Megatron (clipping keeps zeros anyway)
             self.num_zeros_in_grad = self._count_zeros(grads)
         if not math.isfinite(norm):
+            if row_factors:
+                self._scale_rows(row_factors)
+                self.copy_masters_to_model()
             return False, None
         if self.clip_grad > 0 and norm > self.clip_grad and grads:
             torch._foreach_mul_(local_grads, self.clip_grad / (norm + 1e-6))
@@ -275,9 +283,24 @@ class AdamWithMasters:
             self.optimizer.step()
         if self.muon is not None:
             self.muon.step()
+        if row_factors:
+            self._scale_rows(row_factors)
         self.copy_masters_to_model()
         self._release_grads()
         return True, norm
+
+    @torch.no_grad()
+    def _scale_rows(self, row_factors: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Multiply each parameter's rows (of this rank's TP shard) by its factors, in the
+        masters of its pieces here (where they are the parameter, in the parameter); the
+        model's weights are written from them after (`copy_masters_to_model`)."""
+        pieces = self.pieces_of()
+        for param, factors in row_factors.items():
+            per_element = factors.float().repeat_interleave(param.numel() // factors.numel())
+            for piece in pieces.get(param, []):
+                master = full(self._state_value(piece, "master")).reshape(-1)
+                factor = per_element[piece.start : piece.end].to(master.device)
+                self._store(piece, "master", master * factor)
 
     def _release_grads(self) -> None:
         for piece in self.pieces:

@@ -43,6 +43,7 @@ from threefold.training.moe_statistics import MoEStatistics
 from threefold.training.mtp_losses import MTPLosses
 from threefold.training.numerics import LargeGradsDetector, NonFiniteError, check_loss_and_grads
 from threefold.training.observability import Observability
+from threefold.training.qk_clip import QKClip
 from threefold.training.replica_check import ReplicaCheck, ReplicaMismatchError
 from threefold.training.rerun import IterationState, RerunExit, ResultValidation
 from threefold.training.train_state import TrainState
@@ -88,6 +89,8 @@ class Trainer:
         )
         depths = config.model.mtp_num_layers
         self.mtp_losses = MTPLosses(self.model_chunks, depths, parallel) if depths else None
+        observes = config.model.observes_attention_logits()
+        self.qk_clip = QKClip(self.model_chunks, config.model, parallel) if observes else None
         self.indexer_losses = None
         if config.model.sparse_attention and (config.model.dsa_indexer_loss_coeff or 0) > 0:
             layers = config.model.num_layers
@@ -257,7 +260,8 @@ class Trainer:
         self.observability.hygiene.before_optimizer_step()
         watchdog.enter("optimizer step", iteration)
         with self.timers("optimizer", 1):
-            updated, grad_norm = self.optimizer.step(divisor)
+            factors = self.qk_clip.factors() if self.qk_clip is not None else None
+            updated, grad_norm = self.optimizer.step(divisor, factors)
         self.loss_scaler.update(found_inf=not updated)
         if updated:
             self.scheduler.iteration_done(global_batch_size)
@@ -488,6 +492,8 @@ class Trainer:
                 numbers["moe_losses"], tokens = self.moe_statistics.report(self.device, reset)
             if self.indexer_losses is not None:
                 numbers["indexer_losses"] = self.indexer_losses.report(self.device, reset)
+            if self.qk_clip is not None:  # (TensorBoard's alone, as Megatron-LM's)
+                numbers["max_attention_logit"] = self.qk_clip.max_attention_logit
             watch.log(numbers)
             if tokens is not None and self.config.logging.moe_per_layer_logging:
                 self._print_moe_layers(tokens)
