@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.model.test_dsa import DSA
 from tests.parity import (
     LLAMA_MHA_STYLE,
     LLAMA_STYLE,
@@ -98,6 +99,26 @@ def test_layouts_clip_as_one_process(layout):
     assert_matches_reference(results, reference, 1e-5)
 
 
+CP_FEATURES = {
+    "causal": ["--cp-comm-type", "p2p"],
+    "window": ["--window-size", "3,0", "--cp-comm-type", "allgather"],
+    "chunks": ["--no-rope-freq", "2", "--attention-chunk-size", "4"],
+    "documents": ["--tokenizer-type", "NullTokenizer", "--vocab-size", "15"]
+    + ["--reset-attention-mask", "--reset-position-ids", "--cp-comm-type", "a2a"],
+}
+
+
+@pytest.mark.parametrize("feature", CP_FEATURES)
+def test_context_parallel_ranks_score_their_queries_against_every_key(feature):
+    """CP2: each rank's queries (two chunks of the sequence) against every rank's keys,
+    masked causally, by the window, the chunks or the documents, as one process masks the
+    whole sequence."""
+    argv = LLAMA_STYLE + TRAINING + CLIP + CP_FEATURES[feature]
+    reference = train_job(argv, 3)
+    results = run_distributed(2, train_job, argv + ["--context-parallel-size", "2"], 3)
+    assert_matches_reference(results, reference, 1e-5)
+
+
 def test_muon_clips_as_one_process():
     """MuonClip: Muon's steps, then the rescaling, at TP2 + SP x DP2 with the distributed
     optimizer (each matrix whole in one rank's shard)."""
@@ -145,19 +166,25 @@ def test_the_largest_score_goes_to_tensorboard(tmp_path):
         (CLIP + ["--qk-layernorm"], "the norm of the queries and keys undoes the rescaling"),
         (CLIP + ["--lora-rank", "4"], "the query and key weights it rescales are frozen"),
         (
-            ["--log-max-attention-logit", "--context-parallel-size", "2"],
-            "--log-max-attention-logit with --context-parallel-size > 1 is not built",
-        ),
-        (
             CLIP + ["--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer"],
             "--qk-clip with --fp8-param-gather is not built",
         ),
     ],
-    ids=["alpha", "threshold", "qk-layernorm", "lora", "cp", "fp8-param-gather"],
+    ids=["alpha", "threshold", "qk-layernorm", "lora", "fp8-param-gather"],
 )
 def test_what_it_cannot_clip_is_refused_in_one_line(flags, message, capsys):
+    _assert_refused(LLAMA_STYLE + TRAINING + flags, message, capsys)
+
+
+def test_sparse_attention_is_refused_in_one_line(capsys):
+    argv = DSA + TRAINING + ["--log-max-attention-logit"]
+    message = "--log-max-attention-logit with --experimental-attention-variant dsa is not built"
+    _assert_refused(argv, message, capsys)
+
+
+def _assert_refused(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(LLAMA_STYLE + TRAINING + flags, world_size=2)
+        parse_args(argv, world_size=2)
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert message in line

@@ -75,18 +75,12 @@ class QKClipConfig:
 
 
 def check_qk_clip_layout(config: Config) -> None:
-    """Where the largest score is not computed: over a sequence split across CP ranks (each
-    rank holds part of the keys), and in DeepSeek's sparse attention (a query reads only the
-    keys its indexer picks)."""
+    """Where the largest score is not computed (DeepSeek's sparse attention: a query reads
+    only the keys its indexer picks) or the weights not rescaled (kept in FP8)."""
     model = config.model
     if not model.observes_attention_logits():
         return
     flag = "--qk-clip" if model.qk_clip else "--log-max-attention-logit"
-    _require(
-        config.parallel.context_parallel_size == 1,
-        f"{flag} with --context-parallel-size > 1 is not built (a rank holds part of each "
-        "sequence's keys); use TP, PP or DP",
-    )
     _require(
         not model.sparse_attention,
         f"{flag} with --experimental-attention-variant dsa is not built (a query reads only "

@@ -21,7 +21,7 @@ from torch import nn
 from threefold.config import ModelConfig
 from threefold.kernels.dispatch import KERNELS
 from threefold.model.activation_offload import offload_group
-from threefold.model.attention_scores import max_scores
+from threefold.model.attention_scores import max_scores, over_context_parallel
 from threefold.model.norms import AcrossHeadsRMSNorm, L2Norm, PerHeadNorm, build_norm
 from threefold.model.recompute import checkpoint
 from threefold.parallel.context_parallel.attention import (
@@ -123,6 +123,7 @@ class Attention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.window = window  # --window-size: the keys back a query sees (None: all)
         self.chunk: int | None = None  # --attention-chunk-size: the chunks a query sees within
+        self.cp = parallel.cp  # (a CP rank tempers, and scores, by its tokens' places)
         self.cp_size = parallel.cp.size  # (over CP ranks the window masks each block)
         # Megatron's selective recomputation: the attention scores are the activations that
         # grow with the square of the sequence, and the cheapest to recompute.
@@ -181,9 +182,11 @@ class Attention(nn.Module):
     def _observe(
         self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> None:
-        """Keep each head's largest score (whole sequences here: config/qk_clip.py refuses
-        CP); a recomputation sees the same scores again."""
-        if self.chunk is not None and attention_mask is None:  # (`_in_chunks`' own mask)
+        """Keep each head's largest score (`attention_mask` as the core attention takes it);
+        a recomputation sees the same scores again."""
+        if self.cp.size > 1:
+            key, attention_mask = over_context_parallel(query, key, attention_mask, self.cp)
+        elif self.chunk is not None and attention_mask is None:  # (`_in_chunks`' own mask)
             attention_mask = chunk_mask(query.shape[0], self.chunk, None, query.device)
         scores = max_scores(query, key, attention_mask)
         kept = self.max_logits
@@ -277,7 +280,6 @@ class SelfAttention(Attention):
         # those without scale their queries up with the position
         if self.rope:
             self.chunk = config.attention_chunk_size
-        self.cp = parallel.cp  # (a CP rank tempers by its tokens' places in the sequence)
         self.temperature = None
         if not self.rope and config.attn_temperature_tuning:
             self.temperature = (config.attn_temperature_floor_scale, config.attn_temperature_scale)

@@ -2,7 +2,7 @@
 
 The kernels never show their scores, so they are computed again from the detached queries and
 keys, a block of queries at a time: one more q . k product per layer, in fp32, only where the
-flags ask for it.
+flags ask for it. Over CP ranks each rank scores its queries against every rank's keys.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+
+from threefold.parallel.context_parallel.sequence import Documents, local_positions, to_global_order
+from threefold.parallel.parallel_context import Group
 
 _QUERY_ROWS = 256  # queries a block: [b, heads, 256, s] fp32 scores at a time
 
@@ -40,3 +44,20 @@ def max_scores(
             scores = scores + attention_mask[..., start : start + rows, :]
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
+
+
+@torch.no_grad()
+def over_context_parallel(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: Documents | None, cp: Group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `max_scores` takes for this CP rank's queries [2c, b, heads, d]: every rank's
+    keys (one all-gather of the detached keys), in sequence order, and the mask of these
+    queries over them: causal by position, or the documents' (window included)."""
+    gathered = key.new_empty((cp.size * key.shape[0], *key.shape[1:]))
+    dist.all_gather_into_tensor(gathered, key.detach().contiguous(), group=cp.group)
+    keys = to_global_order(gathered.unflatten(0, (cp.size, -1)), cp.size)
+    positions = local_positions(keys.shape[0], cp, query.device)
+    if attention_mask is None:
+        whole = torch.arange(keys.shape[0], device=query.device)
+        return keys, (whole[None, :] <= positions[:, None])[None, None]
+    return keys, attention_mask.whole_mask()[:, :, positions, :]
