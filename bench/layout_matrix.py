@@ -68,6 +68,16 @@ FOUR = ["--num-layers", "4"]
 LLAMA = LLAMA_STYLE + FOUR
 MIXTURE = LLAMA + MOE + ["--moe-router-topk", "2"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+DEEPSEEK = (
+    MLA
+    + FOUR
+    + MOE
+    + ["--moe-router-topk", "2", "--mtp-num-layers", "1"]
+    + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    + ["--moe-shared-expert-intermediate-size", "24", "--moe-layer-freq", "[0,1,1,1]"]
+)
+# --qk-clip at a threshold the tiny models' scores (about 0.07) pass every step
+QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "0.03"]
 FEATURES = {
     "gpt2": GPT2_STYLE + FOUR,
     "llama": LLAMA,
@@ -102,12 +112,7 @@ FEATURES = {
     + ["--moe-shared-expert-intermediate-size", "24"],
     "moe-probs-on-input": LLAMA + MOE + ["--moe-router-topk", "1", "--moe-apply-probs-on-input"],
     "moe-mtp": MIXTURE + ["--mtp-num-layers", "1"],
-    "deepseek": MLA
-    + FOUR
-    + MOE
-    + ["--moe-router-topk", "2", "--mtp-num-layers", "1"]
-    + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
-    + ["--moe-shared-expert-intermediate-size", "24", "--moe-layer-freq", "[0,1,1,1]"],
+    "deepseek": DEEPSEEK,
     "qwen3-next": LLAMA
     + GDN
     + ["--linear-attention-freq", "2", "--attention-output-gate"]
@@ -137,6 +142,8 @@ FEATURES = {
     + ["--lora-rank", "4", "--lora-freeze-experts", "--lora-target-modules", "linear_qkv"],
     "recompute-full": LLAMA + FULL_RECOMPUTE + ["--recompute-num-layers", "1"],
     "per-token-loss": LLAMA + ["--calculate-per-token-loss"],
+    "qk-clip": LLAMA + QK_CLIP,
+    "qk-clip-deepseek": DEEPSEEK + QK_CLIP,
 }
 TP2 = ["--tensor-model-parallel-size", "2"]
 SP = ["--sequence-parallel"]
