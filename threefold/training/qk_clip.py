@@ -64,13 +64,15 @@ class QKClip:
             dist.all_reduce(largest, dist.ReduceOp.MAX, group=self.parallel.model_parallel_group)
         self.max_attention_logit = float(largest)
         factors: dict[nn.Parameter, torch.Tensor] = {}
-        offset = 0
+        per_layer = maxima.split([layer.max_logits.numel() for layer in seen])
         for layer in seen:
-            heads = layer.max_logits.numel()
-            layer_max = maxima[offset : offset + heads]
-            offset += heads
             layer.max_logits = None
-            if self.clip and bool((layer_max > self.threshold).any()):
+        if not self.clip or not seen:
+            return factors
+        # (one look at the device for all layers: which went above the threshold)
+        above = torch.stack([(m > self.threshold).any() for m in per_layer]).tolist()
+        for layer, layer_max, clipped in zip(seen, per_layer, above, strict=True):
+            if clipped:
                 factors.update(self._rows(layer, layer_max))
         return factors
 
