@@ -146,6 +146,18 @@ def test_bf16_weights_are_written_from_the_rescaled_masters():
     assert torch.equal(qkv.detach(), scaled.to(torch.bfloat16))
 
 
+def test_a_skipped_step_still_clips():
+    """fp16's first steps overflow at the initial loss scale and are skipped; the weights
+    that gave the scores are rescaled all the same, as Megatron-LM clips after every step."""
+    trainer = _setup(LLAMA_STYLE + TRAINING + CLIP + ["--fp16"])
+    qkv = trainer.qk_clip.layers[0].linear_qkv.weight
+    (piece,) = trainer.optimizer.pieces_of()[qkv]
+    master_before = piece.master.detach().clone()
+    assert trainer.train_step()[2]  # (skipped)
+    assert (piece.master.detach().abs() < master_before.abs()).any()
+    assert torch.equal(qkv.detach(), piece.master.detach().to(torch.float16))
+
+
 def test_the_largest_score_goes_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
