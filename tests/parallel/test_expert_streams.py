@@ -93,18 +93,17 @@ def test_a_checkpoint_resumes_the_expert_streams_of_ranks_seeded_alike():
         set_rng_state(saved)
         assert all(torch.equal(get_rng_tracker().states[k], v) for k, v in drawn.items())
 
-        fresh = _seeded(0)
-        set_rng_state(saved)
-        resumed = get_rng_tracker().states
-        assert torch.equal(resumed[MODEL_PARALLEL_RNG], drawn[MODEL_PARALLEL_RNG])
-        for name in (EXPERT_PARALLEL_RNG, EXPERT_MODEL_PARALLEL_RNG):
-            assert torch.equal(resumed[name], fresh[name]), name
-
+        _assert_expert_streams_left_as_seeded(saved, 0, drawn)  # (another EP rank)
         older = {k: v for k, v in saved.items() if k != "tracker_seeds"}
         older["tracker"] = {MODEL_PARALLEL_RNG: drawn[MODEL_PARALLEL_RNG]}
-        fresh = _seeded(1)
-        set_rng_state(older)
-        resumed = get_rng_tracker().states
-        assert torch.equal(resumed[MODEL_PARALLEL_RNG], drawn[MODEL_PARALLEL_RNG])
-        for name in (EXPERT_PARALLEL_RNG, EXPERT_MODEL_PARALLEL_RNG):
-            assert torch.equal(resumed[name], fresh[name]), name
+        _assert_expert_streams_left_as_seeded(older, 1, drawn)
+
+
+def _assert_expert_streams_left_as_seeded(saved: dict, ep_rank: int, drawn: dict) -> None:
+    """`saved` resumed at EP rank `ep_rank`: the TP stream as drawn, the experts' as seeded."""
+    fresh = _seeded(ep_rank)
+    set_rng_state(saved)
+    resumed = get_rng_tracker().states
+    assert torch.equal(resumed[MODEL_PARALLEL_RNG], drawn[MODEL_PARALLEL_RNG])
+    for name in (EXPERT_PARALLEL_RNG, EXPERT_MODEL_PARALLEL_RNG):
+        assert torch.equal(resumed[name], fresh[name]), name
