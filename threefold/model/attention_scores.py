@@ -1,4 +1,4 @@
-"""Each attention head's largest score (--qk-clip and --log-max-attention-logit: config/qk_clip.py).
+"""Each attention head's largest score (--qk-clip, --log-max-attention-logit: config/qk_clip.py).
 
 The kernels never show their scores, so they are computed again from the detached queries and
 keys, a block of queries at a time: one more q . k product per layer, in fp32, only where the
