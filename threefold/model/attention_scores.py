@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from threefold.parallel.context_parallel.sequence import Documents, local_positions, to_global_order
 from threefold.parallel.parallel_context import Group
+from threefold.parallel.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 _QUERY_ROWS = 256  # queries a block: [b, heads, 256, s] fp32 scores at a time
 
@@ -53,8 +53,7 @@ def over_context_parallel(
     """What `max_scores` takes for this CP rank's queries [2c, b, heads, d]: every rank's
     keys (one all-gather of the detached keys), in sequence order, and the mask of these
     queries over them: causal by position, or the documents' (window included)."""
-    gathered = key.new_empty((cp.size * key.shape[0], *key.shape[1:]))
-    dist.all_gather_into_tensor(gathered, key.detach().contiguous(), group=cp.group)
+    gathered = gather_from_sequence_parallel_region(key.detach(), cp)  # [CP x 2c, ...]
     keys = to_global_order(gathered.unflatten(0, (cp.size, -1)), cp.size)
     positions = local_positions(keys.shape[0], cp, query.device)
     if attention_mask is None:
