@@ -91,12 +91,15 @@ class QKClip:
         each: the group's eta from the largest score of its heads."""
         groups, per_group = layer.num_query_groups_per_partition, layer.heads_per_group
         eta = self._eta(maxima.view(groups, per_group).amax(dim=1))[:, None]
-        gates = per_group if layer.output_gate else 0
-        ones = torch.ones(groups, 1, device=eta.device)
-        parts = [eta**self.alpha, ones, eta ** (1 - self.alpha), ones]
-        sizes = [per_group, gates, 1, 1]
-        rows = torch.cat([p.expand(groups, n) for p, n in zip(parts, sizes)], dim=1)
-        rows = rows.repeat_interleave(layer.head_dim, dim=1).reshape(-1)
+        d, gates, one = layer.head_dim, per_group if layer.output_gate else 0, torch.ones_like(eta)
+        rows = _rows(
+            [
+                (eta**self.alpha, per_group * d),
+                (one, gates * d),
+                (eta ** (1 - self.alpha), d),
+                (one, d),
+            ]
+        )
         linear = layer.linear_qkv
         return {p: rows for p in (linear.weight, linear.bias) if p is not None}
 
@@ -105,13 +108,17 @@ class QKClip:
     ) -> dict[nn.Parameter, torch.Tensor]:
         """Per head: the query projection's [own part, rotary part] rows and linear_kv_up_proj's
         [key part, value] rows."""
-        eta = eta[:, None]
-        heads, ones = eta.shape[0], torch.ones_like(eta)
-
-        def per_head(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-            return torch.cat([p.expand(heads, n) for p, n in parts], dim=1).reshape(-1)
-
-        query = per_head([(eta**self.alpha, layer.qk_head_dim), (eta, layer.rope_dim)])
-        key = per_head([(eta ** (1 - self.alpha), layer.qk_head_dim), (ones, layer.v_head_dim)])
+        eta, alpha = eta[:, None], self.alpha
+        query = _rows([(eta**alpha, layer.qk_head_dim), (eta, layer.rope_dim)])
+        key = _rows(
+            [(eta ** (1 - alpha), layer.qk_head_dim), (torch.ones_like(eta), layer.v_head_dim)]
+        )
         up = layer.linear_q_up_proj if layer.q_lora else layer.linear_q_proj
         return {up.weight: query, layer.linear_kv_up_proj.weight: key}
+
+
+def _rows(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The factor of every row of a weight whose heads (or query groups) each hold the parts'
+    rows in order: (factor per head [heads, 1], rows of the part in each head)."""
+    heads = parts[0][0].shape[0]
+    return torch.cat([factor.expand(heads, n) for factor, n in parts], dim=1).reshape(-1)
